@@ -1,0 +1,129 @@
+// Transfer plan: trainer shards -> engine shards, point to point, computed once per job from pure
+// inputs and replayed every step. Deterministic: the same inputs give the same plan everywhere.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardsync/dtype.h"
+#include "shardsync/model.h"
+#include "shardsync/region.h"
+#include "shardsync/shard_map.h"
+#include "shardsync/status.h"
+
+namespace shardsync {
+
+// Where trainer ranks hold each HF tensor. FSDP2 Shard(0) uses torch.chunk sizes: ceil(n/S) rows
+// per rank, trailing ranks short or empty. Megatron TP/PP layouts would add kinds here.
+struct TrainerSpec {
+  enum class Kind { kFsdp, kHsdp, kReplicate, kSingle };
+  Kind kind = Kind::kFsdp;
+  int replicas = 1;  // hsdp R (replicate: S)
+  int shards = 1;    // fsdp/hsdp S
+  int world() const;
+  std::string ToString() const;  // "fsdp=8", "hsdp=2x4", "replicate=4", "single"
+};
+Result<TrainerSpec> ParseTrainerSpec(std::string_view s);
+// Region of a tensor of `shape` held by trainer `rank` (ndim kept; empty when it holds none).
+Region TrainerHeldRegion(const TrainerSpec& t, int rank, const Shape& shape);
+
+struct RolloutSpec {
+  int dp = 1;
+  ShardSpec shard;  // engine, tp, pp, ep, partition
+  int world() const { return dp * shard.tp * shard.pp; }
+};
+// "dp=2,tp=2,pp=2[,ep=2]"; errors name the field.
+Result<RolloutSpec> ParseRolloutSpec(std::string_view s, EngineKind engine);
+
+struct PlanOptions {
+  DType wire_dtype = DType::kBF16;
+  int64_t bucket_bytes = int64_t{512} << 20;
+};
+
+struct PlanInputs {
+  ModelSpec model;
+  TrainerSpec trainer;
+  RolloutSpec rollout;
+  PlanOptions options;
+  DType trainer_dtype = DType::kF32;  // dtype senders hold (cast to wire_dtype while packing)
+};
+
+// Sync world: trainer ranks [0, S), then engine rank (replica d, tp, pp) at S + d*T*P + pp*T + tp.
+struct SyncRank {
+  bool is_trainer = false;
+  int trainer_rank = -1;
+  int replica = -1;
+  int tp_rank = -1;
+  int pp_rank = -1;
+};
+int SyncWorldSize(const PlanInputs& in);
+Result<SyncRank> DescribeSyncRank(const PlanInputs& in, int sync_rank);
+
+// One contiguous destination run filled from one source region.
+struct TransferOp {
+  int32_t tensor = 0;       // index into HfTensorInventory(model)
+  int32_t param = 0;        // index into the destination rank's EngineRankShards::params
+  Region src;               // region of the HF tensor (source coordinates)
+  Region dst;               // region of the engine parameter (same element count)
+  int64_t wire_offset = 0;  // byte offset inside the message's wire image
+  int64_t bytes = 0;        // wire bytes: src.numel() * DTypeSize(wire_dtype)
+};
+
+// A slice of a message's ops sent and verified as a unit (one checksum), under the bucket cap.
+struct Bucket {
+  int32_t op_begin = 0;
+  int32_t op_end = 0;
+  int64_t wire_offset = 0;
+  int64_t bytes = 0;
+};
+
+// Everything one sender sends one receiver, in a deterministic order.
+struct Message {
+  int32_t src = 0;  // sync rank (trainer)
+  int32_t dst = 0;  // sync rank (engine)
+  int64_t bytes = 0;
+  std::vector<TransferOp> ops;
+  std::vector<Bucket> buckets;
+};
+
+// One rank's part of the plan: what it sends and what it receives. Computed directly from the
+// layouts, without enumerating the job's other ops.
+struct RankPlan {
+  int rank = 0;
+  std::string plan_hash;
+  std::vector<Message> sends;  // ordered by dst
+  std::vector<Message> recvs;  // ordered by src
+};
+
+// Hash of everything that defines the plan (model, layouts, engine, options, planner version):
+// 32 hex chars. Ranks compare it before any byte moves.
+std::string PlanHash(const PlanInputs& in);
+
+// The plan of one sync rank.
+Result<RankPlan> PlanForRank(const PlanInputs& in, int sync_rank);
+
+struct EngineRankSummary {
+  int replica = 0, tp_rank = 0, pp_rank = 0;
+  int64_t recv_bytes = 0;   // wire bytes received
+  int64_t owned_bytes = 0;  // bytes of its parameters minus zero-fills, in wire dtype
+};
+struct TrainerRankSummary {
+  int rank = 0;
+  int64_t send_bytes = 0;
+};
+struct PlanSummary {
+  std::string plan_hash;
+  int64_t ops = 0;
+  int64_t messages = 0;
+  int64_t total_bytes = 0;
+  std::vector<EngineRankSummary> engine_ranks;
+  std::vector<TrainerRankSummary> trainer_ranks;
+  int64_t broadcast_recv_bytes_per_rank = 0;  // every full HF tensor, as broadcast-all sends
+  double plan_seconds = 0;
+};
+// Job-wide statistics, computed analytically per tensor (never enumerating the job's ops).
+Result<PlanSummary> SummarizePlan(const PlanInputs& in);
+
+}  // namespace shardsync

@@ -1,0 +1,93 @@
+// Shard map: exactly which bytes of which HF tensor every engine rank owns, under the SGLang or
+// vLLM rules for TP x PP (x EP) (../shared/reference/engine-layouts.md sections 2-3).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardsync/dtype.h"
+#include "shardsync/model.h"
+#include "shardsync/region.h"
+#include "shardsync/status.h"
+
+namespace shardsync {
+
+enum class EngineKind { kSglang, kVllm };
+std::string_view EngineKindName(EngineKind e);  // "sglang" | "vllm"
+Result<EngineKind> ParseEngineKind(std::string_view s, std::string_view field = "--engine");
+
+struct ShardSpec {
+  EngineKind engine = EngineKind::kSglang;
+  int tp = 1;
+  int pp = 1;
+  int ep = 1;  // SGLang ep_size (moe_tp = tp / ep); vLLM: 1 (off) or tp (--enable-expert-parallel)
+  // Explicit per-stage layer counts (*_PP_LAYER_PARTITION); empty: the engine's default rule.
+  std::vector<int64_t> pp_partition;
+};
+
+// Bytes of HF tensor `source` that land in an engine parameter. `src` has the source tensor's
+// rank; `dst` has the parameter's rank and the same number of elements (a 2-d expert matrix
+// landing in a 3-d stack has a leading extent of 1 in `dst`).
+struct Piece {
+  std::string source;  // HF tensor name
+  Region src;
+  Region dst;
+};
+
+// Parameter elements the engine zero-fills (padded vocab rows).
+struct ZeroFill {
+  Region dst;
+};
+
+struct EngineParam {
+  std::string name;  // engine name, global layer index kept: "model.layers.27.mlp.gate_up_proj.weight"
+  Shape shape;       // local shape on this rank
+  DType dtype = DType::kBF16;
+  std::vector<Piece> pieces;
+  std::vector<ZeroFill> zero_fills;
+  int64_t numel() const { return NumElements(shape); }
+  int64_t bytes() const { return numel() * DTypeSize(dtype); }
+};
+
+struct EngineRankShards {
+  int tp_rank = 0;
+  int pp_rank = 0;
+  int moe_ep_rank = 0;  // for MoE: tp_rank / moe_tp
+  int moe_tp_rank = 0;  // for MoE: tp_rank % moe_tp
+  int64_t layer_start = 0;  // half-open range of global layer indices this stage owns
+  int64_t layer_end = 0;
+  std::vector<EngineParam> params;  // deterministic order (HF inventory order of first source)
+  int64_t bytes() const;
+};
+
+// One replica's shard map. ranks[pp * tp + tp_rank] (the engines' global rank order).
+struct ShardMap {
+  ShardSpec spec;
+  ModelSpec model;
+  std::vector<EngineRankShards> ranks;
+  const EngineRankShards& rank(int tp_rank, int pp_rank) const {
+    return ranks[static_cast<size_t>(pp_rank) * spec.tp + tp_rank];
+  }
+};
+
+// Half-open global layer range [start, end) of stage `pp_rank` under the engine's rule, or the
+// explicit partition when given (must have pp entries summing to num_layers).
+Result<std::pair<int64_t, int64_t>> PpLayerRange(EngineKind engine, int64_t num_layers,
+                                                 int pp_rank, int pp,
+                                                 const std::vector<int64_t>& partition = {});
+
+// Padded vocabulary (multiple of 64) as the engines compute it.
+int64_t PaddedVocabSize(int64_t vocab_size);
+
+// Builds the shard map; checks up front every divisibility the engine asserts (InvalidArgument
+// naming the field, e.g. "--tp 3: num_attention_heads 28 is not divisible by tp").
+Result<ShardMap> BuildShardMap(const ModelSpec& model, const ShardSpec& spec);
+
+// Exact cover: every parameter covered once by pieces and zero-fills; every source region inside
+// its HF tensor. Error names the rank, parameter and region.
+Status ValidateShardMap(const ShardMap& map);
+
+}  // namespace shardsync

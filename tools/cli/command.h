@@ -1,0 +1,35 @@
+// CLI command registry: each cmd_*.cc registers one subcommand with a static Registration.
+// Convention: a command's run function returns the process exit code. Bad input: print the
+// Status message to stderr, write nothing to stdout, return 2 (UsageError / ExitWithStatus).
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "shardsync/status.h"
+
+namespace shardsync::cli {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailure = 1;  // the job ran and failed (sync error, mismatch)
+inline constexpr int kExitUsage = 2;    // bad input: nothing was written
+
+struct Command {
+  std::string name;
+  // Adds the subcommand to `app` and returns a function that runs it after parsing.
+  std::function<std::function<int()>(CLI::App& app)> setup;
+};
+
+std::vector<Command>& Registry();
+
+struct Registration {
+  explicit Registration(Command c) { Registry().push_back(std::move(c)); }
+};
+
+// Prints "shardsync: <status message>" to stderr and returns the exit code for its code
+// (InvalidArgument / NotFound / OutOfRange / PermissionDenied -> 2, otherwise 1).
+int ReportError(const Status& status);
+
+}  // namespace shardsync::cli

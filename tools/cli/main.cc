@@ -1,0 +1,60 @@
+// shardsync CLI: a thin main over the command registry; logic lives in the library.
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+
+#include "command.h"
+
+namespace shardsync::cli {
+
+std::vector<Command>& Registry() {
+  static std::vector<Command> commands;
+  return commands;
+}
+
+int ReportError(const Status& status) {
+  std::fprintf(stderr, "shardsync: %s\n", status.ToString().c_str());
+  switch (status.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kNotFound:
+    case StatusCode::kOutOfRange:
+    case StatusCode::kPermissionDenied:
+      return kExitUsage;
+    default:
+      return kExitFailure;
+  }
+}
+
+}  // namespace shardsync::cli
+
+int main(int argc, char** argv) {
+  using namespace shardsync::cli;
+  CLI::App app{"shardsync: shard-aware weight sync from RL trainers into SGLang / vLLM engines"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("shardsync ") + SHARDSYNC_VERSION);
+  auto& reg = Registry();
+  std::sort(reg.begin(), reg.end(), [](const Command& a, const Command& b) { return a.name < b.name; });
+  std::vector<std::pair<CLI::App*, std::function<int()>>> runs;
+  for (auto& c : reg) {
+    auto before = app.get_subcommands({}).size();
+    auto run = c.setup(app);
+    auto subs = app.get_subcommands({});
+    if (subs.size() > before) runs.emplace_back(subs.back(), std::move(run));
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "shardsync: %s\n", e.what());
+    return kExitUsage;
+  }
+  for (auto& [sub, run] : runs) {
+    if (sub->parsed()) return run();
+  }
+  return kExitUsage;
+}

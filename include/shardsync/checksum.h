@@ -25,7 +25,7 @@ namespace shardsync {
 
 inline constexpr uint64_t kChecksumStep = 0x9E3779B97F4A7C15ull;  // golden ratio, odd
 inline constexpr uint64_t kChecksumSeed = 0xD6E8FEB86659FD93ull;
-inline constexpr uint64_t kChecksumMul = 0xFF51AFD7ED558CCDull;   // murmur3 fmix constant, odd
+inline constexpr uint64_t kChecksumMul = 0xFF51AFD7ED558CCDull;  // murmur3 fmix constant, odd
 
 SHARDSYNC_HD uint64_t ChecksumMixWord(uint64_t word, uint64_t index) {
   uint64_t t = (word ^ (index * kChecksumStep + kChecksumSeed)) * kChecksumMul;

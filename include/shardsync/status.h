@@ -72,7 +72,7 @@ Status OutOfRangeError(std::string message);
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : v_(std::move(value)) {}        // NOLINT: implicit by design
   Result(Status status) : v_(std::move(status)) {  // NOLINT
     assert(!std::get<Status>(v_).ok() && "Result constructed from an OK status");
     if (std::get<Status>(v_).ok()) v_ = Status(StatusCode::kInternal, "Result from OK status");

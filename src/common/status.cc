@@ -4,18 +4,30 @@ namespace shardsync {
 
 std::string_view StatusCodeName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "ok";
-    case StatusCode::kInvalidArgument: return "invalid_argument";
-    case StatusCode::kFailedPrecondition: return "failed_precondition";
-    case StatusCode::kNotFound: return "not_found";
-    case StatusCode::kDataLoss: return "data_loss";
-    case StatusCode::kDeadlineExceeded: return "deadline_exceeded";
-    case StatusCode::kUnavailable: return "unavailable";
-    case StatusCode::kInternal: return "internal";
-    case StatusCode::kUnimplemented: return "unimplemented";
-    case StatusCode::kPermissionDenied: return "permission_denied";
-    case StatusCode::kAborted: return "aborted";
-    case StatusCode::kOutOfRange: return "out_of_range";
+    case StatusCode::kOk:
+      return "ok";
+    case StatusCode::kInvalidArgument:
+      return "invalid_argument";
+    case StatusCode::kFailedPrecondition:
+      return "failed_precondition";
+    case StatusCode::kNotFound:
+      return "not_found";
+    case StatusCode::kDataLoss:
+      return "data_loss";
+    case StatusCode::kDeadlineExceeded:
+      return "deadline_exceeded";
+    case StatusCode::kUnavailable:
+      return "unavailable";
+    case StatusCode::kInternal:
+      return "internal";
+    case StatusCode::kUnimplemented:
+      return "unimplemented";
+    case StatusCode::kPermissionDenied:
+      return "permission_denied";
+    case StatusCode::kAborted:
+      return "aborted";
+    case StatusCode::kOutOfRange:
+      return "out_of_range";
   }
   return "unknown";
 }

@@ -21,7 +21,8 @@ TEST(Checksum, StreamingMatchesOneShotForAnySplit) {
     const uint64_t want = Checksum(data.data(), n);
     for (size_t chunk : {1ul, 3ul, 8ul, 13ul, 4096ul}) {
       ChecksumStream s;
-      for (size_t off = 0; off < n; off += chunk) s.Update(data.data() + off, std::min(chunk, n - off));
+      for (size_t off = 0; off < n; off += chunk)
+        s.Update(data.data() + off, std::min(chunk, n - off));
       EXPECT_EQ(s.Finish(), want) << "n=" << n << " chunk=" << chunk;
     }
   }
@@ -29,7 +30,8 @@ TEST(Checksum, StreamingMatchesOneShotForAnySplit) {
 
 TEST(Checksum, PartialSumsOfAlignedChunksAdd) {
   auto data = RandomBytes(1003, 1);
-  uint64_t sum = ChecksumPartial(data.data(), 512, 0) + ChecksumPartial(data.data() + 512, 491, 512);
+  uint64_t sum =
+      ChecksumPartial(data.data(), 512, 0) + ChecksumPartial(data.data() + 512, 491, 512);
   EXPECT_EQ(ChecksumFinish(sum, 1003), Checksum(data.data(), 1003));
 }
 

@@ -59,3 +59,27 @@ TEST(Region, RunsIntersectContiguity) {
 
 }  // namespace
 }  // namespace shardsync
+
+#include "shardsync/synthetic.h"
+
+namespace shardsync {
+namespace {
+TEST(Synthetic, RegionFillMatchesElementwiseAndIsStable) {
+  Shape shape{5, 7};
+  std::vector<float> full(35), part(6);
+  FillSyntheticRegion(7, "model.layers.0.mlp.down_proj.weight", shape, Region::Full(shape),
+                      full.data());
+  Region r = Region::Make({2, 3}, {2, 3});
+  FillSyntheticRegion(7, "model.layers.0.mlp.down_proj.weight", shape, r, part.data());
+  EXPECT_EQ(part[0], full[2 * 7 + 3]);
+  EXPECT_EQ(part[5], full[3 * 7 + 5]);
+  std::vector<float> other(35);
+  FillSyntheticRegion(8, "model.layers.0.mlp.down_proj.weight", shape, Region::Full(shape),
+                      other.data());
+  EXPECT_NE(other[0], full[0]);
+  std::vector<float> norm(7);
+  FillSyntheticRegion(7, "model.norm.weight", {7}, Region::Full({7}), norm.data());
+  for (float v : norm) EXPECT_NEAR(v, 1.0f, 0.1001f);
+}
+}  // namespace
+}  // namespace shardsync

@@ -1,0 +1,48 @@
+#include "shardsync/synthetic.h"
+
+#include <cmath>
+#include <string>
+
+namespace shardsync {
+
+namespace {
+uint64_t NameKey(std::string_view s) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a: tiny, stable across machines
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+}  // namespace
+
+SyntheticTensor SyntheticFor(std::string_view name, const Shape& shape) {
+  SyntheticTensor t;
+  t.key = NameKey(name);
+  if (EndsWith(name, "norm.weight")) {
+    t.center = 1.0f;
+    t.scale = 0.1f;
+  } else if (EndsWith(name, ".bias")) {
+    t.scale = 0.02f;
+  } else if (name.find("embed_tokens") != std::string_view::npos) {
+    t.scale = 1.0f;
+  } else {
+    const double fan_in = shape.empty() ? 1.0 : static_cast<double>(shape.back());
+    t.scale = static_cast<float>(std::sqrt(3.0 / fan_in));
+  }
+  return t;
+}
+
+void FillSyntheticRegion(uint64_t seed, std::string_view name, const Shape& shape, const Region& r,
+                         float* out) {
+  const SyntheticTensor t = SyntheticFor(name, shape);
+  int64_t k = 0;
+  ForEachRun(r, shape, [&](int64_t off, int64_t len) {
+    for (int64_t i = 0; i < len; ++i) out[k++] = SyntheticValue(seed, t, off + i);
+  });
+}
+
+}  // namespace shardsync

@@ -84,6 +84,21 @@ struct HfTensor {
 // (input_layernorm, q/k/v(/bias)/o, q_norm/k_norm, post_attention_layernorm, mlp: dense
 // gate/up/down or MoE gate (router) then experts.{e}.gate_proj/up_proj/down_proj), then
 // model.norm, then lm_head (absent when tied). All with the model's dtype.
+// Exactly: q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, v_proj.weight, v_proj.bias,
+// o_proj.weight, o_proj.bias (biases only where the architecture has them).
 std::vector<HfTensor> HfTensorInventory(const ModelSpec& spec);
+
+// Consistency of a spec built by hand (ParseModelConfig already runs it): positive sizes,
+// heads / kv heads / hidden divisibility, MoE fields, mlp_only_layers in range, and every tensor's
+// element count and the model's byte total fit in int64. InvalidArgument naming the field.
+Status ValidateModelSpec(const ModelSpec& spec);
+
+// Global layer index of an HF or engine name ("model.layers.17.mlp..." -> 17), nullopt for
+// names outside the layers (embed_tokens, norm, lm_head).
+std::optional<int64_t> LayerIndexOf(std::string_view name);
+
+// Total elements / bytes of the HF checkpoint (sum over HfTensorInventory).
+int64_t ModelNumElements(const ModelSpec& spec);
+int64_t ModelBytes(const ModelSpec& spec);
 
 }  // namespace shardsync

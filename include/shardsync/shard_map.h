@@ -43,8 +43,9 @@ struct ZeroFill {
 };
 
 struct EngineParam {
-  std::string name;  // engine name, global layer index kept: "model.layers.27.mlp.gate_up_proj.weight"
-  Shape shape;       // local shape on this rank
+  std::string
+      name;     // engine name, global layer index kept: "model.layers.27.mlp.gate_up_proj.weight"
+  Shape shape;  // local shape on this rank
   DType dtype = DType::kBF16;
   std::vector<Piece> pieces;
   std::vector<ZeroFill> zero_fills;
@@ -55,8 +56,8 @@ struct EngineParam {
 struct EngineRankShards {
   int tp_rank = 0;
   int pp_rank = 0;
-  int moe_ep_rank = 0;  // for MoE: tp_rank / moe_tp
-  int moe_tp_rank = 0;  // for MoE: tp_rank % moe_tp
+  int moe_ep_rank = 0;      // for MoE: tp_rank / moe_tp
+  int moe_tp_rank = 0;      // for MoE: tp_rank % moe_tp
   int64_t layer_start = 0;  // half-open range of global layer indices this stage owns
   int64_t layer_end = 0;
   std::vector<EngineParam> params;  // deterministic order (HF inventory order of first source)
@@ -75,8 +76,8 @@ struct ShardMap {
 
 // Half-open global layer range [start, end) of stage `pp_rank` under the engine's rule, or the
 // explicit partition when given (must have pp entries summing to num_layers).
-Result<std::pair<int64_t, int64_t>> PpLayerRange(EngineKind engine, int64_t num_layers,
-                                                 int pp_rank, int pp,
+Result<std::pair<int64_t, int64_t>> PpLayerRange(EngineKind engine, int64_t num_layers, int pp_rank,
+                                                 int pp,
                                                  const std::vector<int64_t>& partition = {});
 
 // Padded vocabulary (multiple of 64) as the engines compute it.
@@ -89,5 +90,33 @@ Result<ShardMap> BuildShardMap(const ModelSpec& model, const ShardSpec& spec);
 // Exact cover: every parameter covered once by pieces and zero-fills; every source region inside
 // its HF tensor. Error names the rank, parameter and region.
 Status ValidateShardMap(const ShardMap& map);
+
+// ---- helpers ----
+
+// The parameter named `name` on a rank, or nullptr.
+const EngineParam* FindParam(const EngineRankShards& rank, std::string_view name);
+
+// "9,10,9" -> {9, 10, 9}; errors name `field`.
+Result<std::vector<int64_t>> ParsePpPartition(std::string_view csv,
+                                              std::string_view field = "--pp-partition");
+
+// Derived per-engine sizes (what BuildShardMap uses), for callers that report them.
+struct ShardDims {
+  int64_t padded_vocab = 0;       // PaddedVocabSize(vocab_size)
+  int64_t vocab_per_rank = 0;     // padded_vocab / tp
+  int64_t q_heads_per_rank = 0;   // num_attention_heads / tp
+  int64_t kv_heads_per_rank = 0;  // max(1, num_key_value_heads / tp)
+  int64_t kv_head_replicas = 1;   // tp / num_key_value_heads when tp >= kv heads, else 1
+  int64_t moe_tp = 1;             // SGLang: tp / ep; vLLM: tp (ep 1) or 1 (ep == tp)
+  int64_t moe_ep = 1;             // ep
+  int64_t experts_per_rank = 0;   // num_experts / ep
+};
+// Checks every divisibility the engine asserts (the same errors BuildShardMap returns).
+Result<ShardDims> ComputeShardDims(const ModelSpec& model, const ShardSpec& spec);
+
+// Human-readable account of where every byte of engine parameter `name` on `rank` comes from
+// (one line per piece and zero-fill). NotFound if the rank has no such parameter.
+Result<std::string> ExplainParam(const ShardMap& map, const EngineRankShards& rank,
+                                 std::string_view name);
 
 }  // namespace shardsync

@@ -6,9 +6,12 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "shardsync/status.h"
@@ -44,5 +47,23 @@ class StoreClient {
   // Every one of `world` participants calls Barrier(name, world); returns when all arrived.
   virtual Status Barrier(const std::string& name, int world, Millis timeout) = 0;
 };
+
+// Splits "host:port" ("[v6addr]:port" also accepted); InvalidArgument naming `what` otherwise.
+Result<std::pair<std::string, int>> ParseHostPort(std::string_view address,
+                                                  std::string_view what = "address");
+
+// What a launched process reads from its environment (torchrun / SLURM / Ray compatible).
+struct LaunchEnv {
+  std::string store_address;  // SHARDSYNC_STORE, "host:port"
+  int rank = 0;               // RANK, else SLURM_PROCID
+  int world_size = 1;         // WORLD_SIZE, else SLURM_NTASKS
+  std::string token;          // SHARDSYNC_TOKEN
+};
+
+// Reads the launch contract; errors name the missing or malformed variable.
+Result<LaunchEnv> LaunchEnvFromEnvironment();
+// Same, with an injectable lookup (tests).
+Result<LaunchEnv> LaunchEnvFromLookup(
+    const std::function<std::optional<std::string>(const std::string&)>& lookup);
 
 }  // namespace shardsync

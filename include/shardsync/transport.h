@@ -13,6 +13,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -81,5 +83,99 @@ class Transport {
 
 // Waits for `id` with a deadline (DeadlineExceeded naming `what`).
 Status WaitXfer(Transport& t, XferId id, Millis timeout, std::string_view what);
+// Waits for every id (one shared deadline); the first failure is returned, naming `what`.
+Status WaitAllXfers(Transport& t, const std::vector<XferId>& ids, Millis timeout,
+                    std::string_view what);
+
+// This host's identity for transport selection.
+PeerInfo LocalPeerInfo(int rank, MemKind mem = MemKind::kHost, int device = -1);
+
+// ---------------------------------------------------------------------------------------------
+// Loopback: in-process transport for tests. Every rank is a Transport object sharing one hub;
+// each object may be driven from its own thread. Put and Send copy at post time (memcpy into the
+// peer's registered memory / into the matching posted receive or a buffered message), so they
+// complete immediately; Recv completes when a message with the same (src, tag) arrives, FIFO.
+// A rank that is destroyed or aborted leaves the hub: its peers' pending receives from it and
+// later posts to it fail with Unavailable.
+class LoopbackHub;
+std::shared_ptr<LoopbackHub> NewLoopbackHub();
+std::unique_ptr<Transport> NewLoopbackTransport(std::shared_ptr<LoopbackHub> hub);
+// Connects without a store: waits (up to timeout) until every peer joined the same hub.
+// `t` must come from NewLoopbackTransport.
+Status ConnectLoopbackDirect(Transport& t, int rank, const std::vector<int>& peers, Millis timeout);
+
+// ---------------------------------------------------------------------------------------------
+// UCX (UCP API): one ucp_context + ucp_worker per transport object (one per process in real
+// jobs). Memory registered with ucp_mem_map, rkeys and the worker address published through the
+// store under `prefix`. Mode put: PostPut = ucp_put_nbx into the peer's memory. Mode tag
+// (SHARDSYNC_UCX_MODE=tag, for fabrics where UCX emulates puts slowly): caps().one_sided_put is
+// false and PostPut fails with FailedPrecondition; move data with PostSend / PostRecv instead.
+// UCX_TLS / UCX_NET_DEVICES etc. are left to the user (UCX picks shm / cma / tcp / verbs).
+enum class UcxMode { kPut, kTag };
+struct UcxOptions {
+  UcxMode mode = UcxMode::kPut;
+  bool mode_from_env = true;  // SHARDSYNC_UCX_MODE=put|tag overrides `mode` when set
+};
+// Unimplemented when shardsync was built without UCX.
+Result<std::unique_ptr<Transport>> NewUcxTransport(const UcxOptions& options = {});
+
+// ---------------------------------------------------------------------------------------------
+// Fault injection (tests): wraps any transport. Counters are 1-based over this wrapper's posts;
+// 0 disables a fault. A default FaultConfig is a pure pass-through.
+struct FaultConfig {
+  int fail_post = 0;  // the Nth Post* call fails with `fail_code`
+  StatusCode fail_code = StatusCode::kUnavailable;
+  int drop_completion = 0;     // the Nth Post* never completes (Poll stays kInProgress)
+  Millis completion_delay{0};  // every completion reported this long after the inner one
+  int corrupt_data_post = 0;   // the Nth PostPut/PostSend with bytes > 0 sends a copy with one
+  size_t corrupt_byte = 0;     // byte (index clamped to the message) XOR-ed with 0xFF
+  int die_after_posts = 0;  // after N posts every later Post*/Poll fails Unavailable (peer death)
+};
+struct FaultCounters {
+  int posts = 0;
+  int data_posts = 0;
+  int failed = 0;
+  int dropped = 0;
+  int corrupted = 0;
+};
+class FaultTransport : public Transport {
+ public:
+  virtual FaultCounters counters() const = 0;
+  virtual void set_config(const FaultConfig& config) = 0;  // applies to later posts
+};
+std::unique_ptr<FaultTransport> NewFaultTransport(std::unique_ptr<Transport> inner,
+                                                  FaultConfig config = {});
+
+// ---------------------------------------------------------------------------------------------
+// Registry and selection: transports by name with a priority (lower first) and a static
+// CanConnect predicate, so a rank picks per peer pair the first transport both sides can use
+// (cuda_ipc -> nccl -> ucx). Built in: "ucx" (priority 300, when built with UCX) and
+// "loopback" (priority 1000, never auto-selected: it only works in one process). Other layers
+// register their transports by calling RegisterTransport (e.g. from an init function).
+struct TransportOptions {
+  std::shared_ptr<LoopbackHub> loopback_hub;  // loopback only
+  UcxOptions ucx;
+  std::map<std::string, std::string> params;  // free-form options for other transports
+};
+using TransportFactory =
+    std::function<Result<std::unique_ptr<Transport>>(const TransportOptions& options)>;
+using CanConnectFn = std::function<bool(const PeerInfo& self, const PeerInfo& peer)>;
+struct TransportEntry {
+  std::string name;
+  int priority = 500;
+  bool auto_select = true;  // considered by SelectTransport without an explicit hint
+  CanConnectFn can_connect;
+  TransportFactory factory;
+};
+// InvalidArgument if the name is empty or already registered.
+Status RegisterTransport(TransportEntry entry);
+// Registered names in priority order.
+std::vector<std::string> RegisteredTransports();
+Result<std::unique_ptr<Transport>> CreateTransport(const std::string& name,
+                                                   const TransportOptions& options = {});
+// First transport by priority that can connect self -> peer. `hint` (a name, or "" for
+// automatic) restricts the choice; NotFound names the ranks when nothing fits.
+Result<std::string> SelectTransport(const PeerInfo& self, const PeerInfo& peer,
+                                    std::string_view hint = "");
 
 }  // namespace shardsync

@@ -1,0 +1,59 @@
+#include <unistd.h>
+
+#include <thread>
+
+#include "shardsync/transport.h"
+
+namespace shardsync {
+
+Status WaitXfer(Transport& t, XferId id, Millis timeout, std::string_view what) {
+  return WaitAllXfers(t, {id}, timeout, what);
+}
+
+Status WaitAllXfers(Transport& t, const std::vector<XferId>& ids, Millis timeout,
+                    std::string_view what) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const auto deadline = start + timeout;
+  size_t next = 0;  // ids before `next` are done
+  uint64_t spins = 0;
+  while (next < ids.size()) {
+    auto st = t.Poll(ids[next]);
+    if (!st.ok()) {
+      Status s = st.status();
+      s.Annotate(what);
+      return s;
+    }
+    if (*st == XferState::kDone) {
+      ++next;
+      continue;
+    }
+    auto now = Clock::now();
+    if (now >= deadline) {
+      return DeadlineExceededError(std::string(what) + ": transfer not complete within " +
+                                   std::to_string(timeout.count()) + " ms (" +
+                                   std::to_string(ids.size() - next) + " of " +
+                                   std::to_string(ids.size()) + " outstanding)");
+    }
+    // Poll drives progress, so spin while it is fresh; back off on long waits to leave the
+    // (shared) cores to the peers that have to make the progress.
+    if (++spins > 2000) {
+      std::this_thread::sleep_for(std::chrono::microseconds(now - start > Millis(50) ? 200 : 20));
+    } else {
+      std::this_thread::yield();
+    }
+  }
+  return OkStatus();
+}
+
+PeerInfo LocalPeerInfo(int rank, MemKind mem, int device) {
+  PeerInfo p;
+  p.rank = rank;
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) == 0) p.hostname = host;
+  p.mem = mem;
+  p.device = device;
+  return p;
+}
+
+}  // namespace shardsync

@@ -1,0 +1,342 @@
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <map>
+#include <random>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "shardsync/store.h"
+#include "store/frame.h"
+
+namespace shardsync {
+namespace {
+
+using namespace std::chrono_literals;
+using store_wire::Frame;
+using store_wire::Op;
+
+constexpr char kToken[] = "test-token-123";
+
+class StoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto s = StoreServer::Start("127.0.0.1", 0, kToken);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    server_ = std::move(*s);
+  }
+  std::unique_ptr<StoreClient> Client() {
+    auto c = StoreClient::Connect(server_->address(), kToken, 5000ms);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+  // A raw TCP socket to the server (for malformed input).
+  int RawSocket() {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(server_->port()));
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    timeval tv{5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    return fd;
+  }
+  // True if the server closed `fd` (read returns EOF / reset), waiting at most 5 s.
+  static bool ClosedByServer(int fd) {
+    char buf[256];
+    while (true) {
+      ssize_t n = recv(fd, buf, sizeof(buf), 0);
+      if (n == 0) return true;
+      if (n < 0) return errno == ECONNRESET;
+    }
+  }
+  std::unique_ptr<StoreServer> server_;
+};
+
+TEST_F(StoreTest, SetGetAdd) {
+  auto c = Client();
+  ASSERT_TRUE(c);
+  ASSERT_TRUE(c->Set("a", "hello").ok());
+  auto v = c->Get("a", 100ms);
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  EXPECT_EQ(*v, "hello");
+  ASSERT_TRUE(c->Set("a", std::string("\0bin\xff", 5)).ok());
+  EXPECT_EQ(*c->Get("a", 0ms), std::string("\0bin\xff", 5));
+  EXPECT_EQ(*c->Add("n", 5), 5);
+  EXPECT_EQ(*c->Add("n", -7), -2);
+  auto bad = c->Add("a", 1);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("'a'"), std::string::npos);
+  EXPECT_EQ(c->Set("", "x").code(), StatusCode::kInvalidArgument);
+  // The connection stays usable after refused requests.
+  EXPECT_EQ(*c->Get("n", 0ms), "-2");
+}
+
+TEST_F(StoreTest, LargeValueRoundTrips) {
+  auto c = Client();
+  std::string big(8 << 20, 'x');
+  for (size_t i = 0; i < big.size(); i += 4093) big[i] = static_cast<char>(i);
+  ASSERT_TRUE(c->Set("big", big).ok());
+  EXPECT_EQ(*c->Get("big", 0ms), big);
+  EXPECT_EQ(c->Set("huge", std::string((64 << 20) + 1, 'y')).code(), StatusCode::kOutOfRange);
+}
+
+TEST_F(StoreTest, GetTimesOutNamingKey) {
+  auto c = Client();
+  auto v = c->Get("missing/key", 50ms);
+  EXPECT_EQ(v.status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_NE(v.status().message().find("missing/key"), std::string::npos);
+  auto w = c->Wait({"x", "y"}, 30ms);
+  EXPECT_EQ(w.code(), StatusCode::kDeadlineExceeded);
+  // Still usable after a timeout reported by the server.
+  EXPECT_TRUE(c->Set("x", "1").ok());
+}
+
+TEST_F(StoreTest, BlockingGetDoesNotBlockOtherClients) {
+  auto waiter = Client();
+  auto other = Client();
+  std::string got;
+  std::thread t([&] {
+    auto v = waiter->Get("late", 5000ms);
+    got = v.ok() ? *v : v.status().ToString();
+  });
+  std::this_thread::sleep_for(20ms);
+  // While `waiter` is parked, another client is served.
+  EXPECT_TRUE(other->Set("unrelated", "1").ok());
+  EXPECT_EQ(*other->Get("unrelated", 0ms), "1");
+  EXPECT_TRUE(other->Set("late", "now").ok());
+  t.join();
+  EXPECT_EQ(got, "now");
+}
+
+TEST_F(StoreTest, WaitForSeveralKeys) {
+  auto a = Client();
+  auto b = Client();
+  std::thread t([&] {
+    std::this_thread::sleep_for(10ms);
+    ASSERT_TRUE(b->Set("k1", "1").ok());
+    ASSERT_TRUE(b->Set("k2", "2").ok());
+  });
+  EXPECT_TRUE(a->Wait({"k1", "k2"}, 5000ms).ok());
+  t.join();
+}
+
+TEST_F(StoreTest, AddIsAtomicAcrossClients) {
+  constexpr int kThreads = 8, kAdds = 200;
+  std::vector<std::thread> ts;
+  for (int i = 0; i < kThreads; ++i) {
+    ts.emplace_back([&] {
+      auto c = Client();
+      for (int j = 0; j < kAdds; ++j) ASSERT_TRUE(c->Add("ctr", 1).ok());
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(*Client()->Add("ctr", 0), kThreads * kAdds);
+}
+
+TEST_F(StoreTest, BarrierReusableAcrossRounds) {
+  constexpr int kWorld = 4, kRounds = 5;
+  std::atomic<int> phase_count[kRounds] = {};
+  std::atomic<bool> bad{false};
+  std::vector<std::thread> ts;
+  for (int r = 0; r < kWorld; ++r) {
+    ts.emplace_back([&] {
+      auto c = Client();
+      for (int round = 0; round < kRounds; ++round) {
+        phase_count[round]++;
+        Status s = c->Barrier("step", kWorld, 5000ms);
+        if (!s.ok()) bad = true;
+        // Nobody leaves a round before everyone entered it.
+        if (phase_count[round].load() != kWorld) bad = true;
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_FALSE(bad.load());
+}
+
+TEST_F(StoreTest, BarrierTimeoutSaysHowManyArrived) {
+  auto c = Client();
+  Status s = c->Barrier("lonely", 3, 50ms);
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_NE(s.message().find("1 of 3"), std::string::npos) << s.message();
+  EXPECT_EQ(c->Barrier("x", 0, 50ms).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(StoreTest, WrongTokenRefused) {
+  auto c = StoreClient::Connect(server_->address(), "wrong", 2000ms);
+  EXPECT_EQ(c.status().code(), StatusCode::kPermissionDenied);
+  auto empty = StoreClient::Connect(server_->address(), "", 2000ms);
+  EXPECT_EQ(empty.status().code(), StatusCode::kPermissionDenied);
+  // The prefix of the right token is still wrong.
+  auto prefix = StoreClient::Connect(server_->address(), "test-token", 2000ms);
+  EXPECT_EQ(prefix.status().code(), StatusCode::kPermissionDenied);
+  EXPECT_TRUE(Client()->Set("still", "serving").ok());
+}
+
+TEST_F(StoreTest, UnauthenticatedRequestClosesConnection) {
+  int fd = RawSocket();
+  std::string set = store_wire::EncodeFrame(Frame{Op::kSet, 0, {"k", "v"}});
+  ASSERT_EQ(send(fd, set.data(), set.size(), 0), static_cast<ssize_t>(set.size()));
+  EXPECT_TRUE(ClosedByServer(fd));
+  close(fd);
+  EXPECT_EQ(Client()->Get("k", 0ms).status().code(), StatusCode::kDeadlineExceeded);
+}
+
+TEST_F(StoreTest, MalformedFramesDoNotHarmServer) {
+  auto good = Client();
+  ASSERT_TRUE(good->Set("before", "1").ok());
+  std::mt19937 rng(42);
+  for (int i = 0; i < 50; ++i) {
+    int fd = RawSocket();
+    std::string junk(1 + rng() % 300, '\0');
+    for (char& ch : junk) ch = static_cast<char>(rng());
+    if (i % 2 == 1) {
+      // Authenticate first so the garbage reaches the authenticated parser too.
+      std::string hello = store_wire::EncodeFrame(Frame{Op::kHello, 0, {kToken}});
+      send(fd, hello.data(), hello.size(), MSG_NOSIGNAL);
+    }
+    send(fd, junk.data(), junk.size(), MSG_NOSIGNAL);
+    if (i % 5 == 0) shutdown(fd, SHUT_WR);  // truncated frames end early
+    close(fd);
+  }
+  // Valid header with a bad op, and one with an inconsistent arg length.
+  {
+    int fd = RawSocket();
+    std::string hello = store_wire::EncodeFrame(Frame{Op::kHello, 0, {kToken}});
+    std::string f = store_wire::EncodeFrame(Frame{Op::kSet, 0, {"k", "v"}});
+    f[6] = 99;
+    std::string both = hello + f;
+    send(fd, both.data(), both.size(), MSG_NOSIGNAL);
+    EXPECT_TRUE(ClosedByServer(fd));
+    close(fd);
+  }
+  EXPECT_EQ(*good->Get("before", 0ms), "1");
+  EXPECT_TRUE(good->Set("after", "2").ok());
+  EXPECT_EQ(*Client()->Get("after", 0ms), "2");
+}
+
+TEST_F(StoreTest, OversizeFrameRefused) {
+  int fd = RawSocket();
+  std::string hello = store_wire::EncodeFrame(Frame{Op::kHello, 0, {kToken}});
+  std::string f = store_wire::EncodeFrame(Frame{Op::kSet, 0, {"k", "v"}});
+  uint32_t huge = (64u << 20) + 1;
+  std::memcpy(&f[8], &huge, 4);
+  std::string both = hello + f;
+  send(fd, both.data(), both.size(), MSG_NOSIGNAL);
+  EXPECT_TRUE(ClosedByServer(fd));
+  close(fd);
+  // Before authentication the limit is much smaller (4 KiB).
+  int fd2 = RawSocket();
+  std::string big_hello = store_wire::EncodeFrame(Frame{Op::kHello, 0, {std::string(8192, 't')}});
+  send(fd2, big_hello.data(), big_hello.size(), MSG_NOSIGNAL);
+  EXPECT_TRUE(ClosedByServer(fd2));
+  close(fd2);
+  EXPECT_TRUE(Client()->Set("ok", "1").ok());
+}
+
+TEST_F(StoreTest, ClientTimesOutOnSilentServer) {
+  // A listener that never answers: connect succeeds, the hello reply never comes.
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(listen(lfd, 4), 0);
+  socklen_t len = sizeof(a);
+  getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
+  auto c = StoreClient::Connect("127.0.0.1:" + std::to_string(ntohs(a.sin_port)), kToken, 100ms);
+  EXPECT_EQ(c.status().code(), StatusCode::kDeadlineExceeded);
+  close(lfd);
+}
+
+TEST_F(StoreTest, StopThenConnectFails) {
+  std::string addr = server_->address();
+  server_->Stop();
+  auto c = StoreClient::Connect(addr, kToken, 100ms);
+  EXPECT_FALSE(c.ok());
+}
+
+TEST(StoreFrame, RoundTripAndTruncation) {
+  Frame f{Op::kWait, 1234, {"a", std::string(300, 'b'), "c"}};
+  std::string bytes = store_wire::EncodeFrame(f);
+  auto back = store_wire::ParseFrame(bytes);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->op, Op::kWait);
+  EXPECT_EQ(back->num, 1234);
+  EXPECT_EQ(back->args, f.args);
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    EXPECT_FALSE(store_wire::ParseFrame(std::string_view(bytes).substr(0, n)).ok()) << n;
+  }
+  EXPECT_FALSE(store_wire::ParseFrame(bytes + "x").ok());
+  EXPECT_FALSE(store_wire::ParseFrame(store_wire::EncodeFrame(Frame{Op::kSet, 0, {"k"}})).ok());
+  EXPECT_FALSE(store_wire::ParseFrame(store_wire::EncodeFrame(Frame{Op::kGet, -1, {"k"}})).ok());
+  EXPECT_FALSE(store_wire::ParseFrame(store_wire::EncodeFrame(Frame{Op::kReply, 99, {""}})).ok());
+  std::string v2 = bytes;
+  v2[4] = 2;
+  EXPECT_NE(store_wire::ParseFrame(v2).status().message().find("version 2"), std::string::npos);
+}
+
+TEST(StoreAddress, ParseHostPort) {
+  auto a = ParseHostPort("10.0.0.1:29500");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->first, "10.0.0.1");
+  EXPECT_EQ(a->second, 29500);
+  auto b = ParseHostPort("[::1]:80");
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->first, "::1");
+  EXPECT_FALSE(ParseHostPort("host").ok());
+  EXPECT_FALSE(ParseHostPort("host:").ok());
+  EXPECT_FALSE(ParseHostPort(":80").ok());
+  EXPECT_FALSE(ParseHostPort("host:99999").ok());
+  EXPECT_FALSE(ParseHostPort("::1:80").ok());
+}
+
+TEST(LaunchEnvTest, ReadsTorchrunAndSlurmVariables) {
+  std::map<std::string, std::string> vars = {{"SHARDSYNC_STORE", "node0:29600"},
+                                             {"RANK", "3"},
+                                             {"WORLD_SIZE", "8"},
+                                             {"SHARDSYNC_TOKEN", "t"}};
+  auto lookup = [&](const std::string& n) -> std::optional<std::string> {
+    auto it = vars.find(n);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+  auto env = LaunchEnvFromLookup(lookup);
+  ASSERT_TRUE(env.ok()) << env.status().ToString();
+  EXPECT_EQ(env->rank, 3);
+  EXPECT_EQ(env->world_size, 8);
+  EXPECT_EQ(env->store_address, "node0:29600");
+
+  vars.erase("RANK");
+  vars.erase("WORLD_SIZE");
+  vars["SLURM_PROCID"] = "1";
+  vars["SLURM_NTASKS"] = "2";
+  env = LaunchEnvFromLookup(lookup);
+  ASSERT_TRUE(env.ok());
+  EXPECT_EQ(env->rank, 1);
+
+  vars["SLURM_PROCID"] = "2";
+  EXPECT_NE(LaunchEnvFromLookup(lookup).status().message().find("SLURM_PROCID"), std::string::npos);
+  vars["SLURM_PROCID"] = "x";
+  EXPECT_NE(LaunchEnvFromLookup(lookup).status().message().find("SLURM_PROCID='x'"),
+            std::string::npos);
+  vars["SLURM_PROCID"] = "0";
+  vars.erase("SHARDSYNC_TOKEN");
+  EXPECT_NE(LaunchEnvFromLookup(lookup).status().message().find("SHARDSYNC_TOKEN"),
+            std::string::npos);
+  vars["SHARDSYNC_TOKEN"] = "t";
+  vars["SHARDSYNC_STORE"] = "nohost";
+  EXPECT_NE(LaunchEnvFromLookup(lookup).status().message().find("SHARDSYNC_STORE"),
+            std::string::npos);
+  vars.erase("SHARDSYNC_STORE");
+  EXPECT_EQ(LaunchEnvFromLookup(lookup).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace shardsync

@@ -389,6 +389,17 @@ TEST(LayoutRender, JsonCarriesTheDocumentedSchema) {
   EXPECT_EQ(j["broadcast_rank_collision"], true);
   EXPECT_EQ(j["sync"]["trainer_world"], 2);
   EXPECT_EQ(j["sync"]["world_size"], 18);
+
+  auto m = ComputeLayout(Cluster::Uniform(4, 8), MultiNode(Spec(1, 16, 2)));
+  ASSERT_TRUE(m.ok());
+  auto mj = nlohmann::json::parse(*LayoutToJson(*m, 1));
+  const auto& nodes = mj["replicas"][0]["nodes"];
+  ASSERT_EQ(nodes.size(), 4u);
+  EXPECT_EQ(nodes[3]["node"], 3);
+  EXPECT_EQ(nodes[3]["node_rank"], 3);
+  EXPECT_EQ(mj["replicas"][0]["engine_ranks"][31]["node"], 3);  // (pp1, tp15)
+  EXPECT_EQ(mj["replicas"][0]["engine_ranks"][31]["gpu"], 7);
+  EXPECT_EQ(mj["replicas"][0]["nnodes_per_pp_rank"], 2);
 }
 
 TEST(LayoutRender, TableNamesEveryReplicaAndWorker) {
@@ -412,6 +423,15 @@ TEST(LayoutRender, LaunchLines) {
               HasSubstr("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 python -m sglang.launch_server"));
   EXPECT_THAT(*sg, HasSubstr("--tp-size 4 --pp-size 4 --base-gpu-id 0 --nnodes 2 --node-rank 1 "
                              "--dist-init-addr \"$DIST_INIT_ADDR_0\""));
+  auto vm =
+      ComputeLayout(Cluster::Uniform(2, 8), MultiNode(Spec(1, 4, 4, EngineConvention::kVllm)));
+  ASSERT_TRUE(vm.ok());
+  auto vml = LayoutToVllmLaunch(*vm);
+  ASSERT_TRUE(vml.ok());
+  EXPECT_THAT(*vml, HasSubstr("--nnodes 2 --node-rank 0 --master-addr \"$MASTER_ADDR_0\" "
+                              "--master-port \"$MASTER_PORT_0\" --port 8000\n"));
+  EXPECT_THAT(*vml, HasSubstr("--nnodes 2 --node-rank 1 --master-addr \"$MASTER_ADDR_0\" "
+                              "--master-port \"$MASTER_PORT_0\" --headless\n"));
   auto bad = LayoutToVllmLaunch(*l);
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(bad.status().message(), HasSubstr("--format"));

@@ -236,6 +236,11 @@ Result<ModelSpec> ParseJson(const json& j, std::string_view source) {
     s.qkv_bias = true;  // Qwen2Attention: q/k/v with bias, o_proj without, unconditionally.
   } else {
     SS_ASSIGN_OR_RETURN(s.attention_bias, r.Bool("attention_bias", false));
+    // HF Qwen3 gives o_proj a bias with attention_bias, the engines' Qwen3 models do not: no
+    // consistent layout exists, and no released Qwen3 sets it.
+    if (s.attention_bias && (s.arch == Architecture::kQwen3 || s.arch == Architecture::kQwen3Moe)) {
+      return r.Error("attention_bias", "true is not supported for Qwen3 models");
+    }
   }
   s.qk_norm = s.arch == Architecture::kQwen3 || s.arch == Architecture::kQwen3Moe;
   SS_ASSIGN_OR_RETURN(bool mlp_bias, r.Bool("mlp_bias", false));

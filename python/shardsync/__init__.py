@@ -1,0 +1,75 @@
+"""shardsync: verified, shard-aware weight sync from RL trainers into inference engines.
+
+Pure-Python parts (errors, EngineGroup, engine hooks, adapters) import without the native module;
+Layout / Plan / Session / Store need `shardsync._C` (built by CMake into build/python). torch is
+never imported at import time.
+"""
+
+from __future__ import annotations
+
+from ._native import has_part, native
+from .engine_group import LIFECYCLE_METHODS, EngineGroup, EngineWorker, ReplicaError, worker_coords
+from .errors import (
+    AbortedError,
+    DataLossError,
+    DeadlineExceededError,
+    Error,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    OutOfRangeError,
+    PermissionDeniedError,
+    UnavailableError,
+    UnimplementedError,
+)
+from .layout import compute_layout
+from .plan import Plan, load_model, shard_map
+from .session import LoopbackHub, Session
+from .store import StoreClient, StoreServer
+from .adapters import (
+    TrainerSources,
+    bind_engine,
+    bind_trainer,
+    check_engine_params,
+    trainer_sources,
+    trainer_spec_of,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Error",
+    "InvalidArgumentError",
+    "FailedPreconditionError",
+    "NotFoundError",
+    "DataLossError",
+    "DeadlineExceededError",
+    "UnavailableError",
+    "InternalError",
+    "UnimplementedError",
+    "PermissionDeniedError",
+    "AbortedError",
+    "OutOfRangeError",
+    "ReplicaError",
+    "EngineGroup",
+    "EngineWorker",
+    "LIFECYCLE_METHODS",
+    "worker_coords",
+    "compute_layout",
+    "Plan",
+    "load_model",
+    "shard_map",
+    "Session",
+    "LoopbackHub",
+    "StoreServer",
+    "StoreClient",
+    "TrainerSources",
+    "trainer_spec_of",
+    "trainer_sources",
+    "bind_trainer",
+    "bind_engine",
+    "check_engine_params",
+    "has_part",
+    "native",
+]

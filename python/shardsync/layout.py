@@ -1,0 +1,54 @@
+"""Rollout layout: the C++ planner (layout.h) through the native module."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+from ._native import native
+from .errors import InvalidArgumentError
+
+__all__ = ["compute_layout"]
+
+
+def compute_layout(
+    dp: int,
+    tp: int,
+    pp: int = 1,
+    *,
+    engine: str = "sglang",
+    gpus_per_node: Optional[int] = None,
+    node_gpus: Optional[Sequence[int]] = None,
+    base_gpu_id: int = 0,
+    gpu_id_step: int = 1,
+    allow_multinode: bool = False,
+    rollout_gpus: Optional[int] = None,
+) -> Any:
+    """The rollout layout of dp x tp x pp workers on nodes of `gpus_per_node` GPUs (default: all on
+    one node), or on an explicit per-node GPU list. Raises InvalidArgumentError naming the field
+    (the same message as `shardsync layout`)."""
+    C = native("layout")
+    if node_gpus is None:
+        total = dp * tp * pp
+        per = total if gpus_per_node is None else gpus_per_node
+        if per <= 0:
+            raise InvalidArgumentError(f"--gpus-per-node: must be positive, got {per}")
+        if total % per != 0:
+            raise InvalidArgumentError(
+                f"--gpus-per-node: dp*tp*pp = {total} GPUs do not fill whole nodes of {per}"
+            )
+        node_gpus = [per] * max(1, total // per)
+    return C.compute_layout(
+        dp,
+        tp,
+        pp,
+        engine,
+        list(node_gpus),
+        base_gpu_id=base_gpu_id,
+        gpu_id_step=gpu_id_step,
+        allow_multinode=allow_multinode,
+        rollout_gpus=rollout_gpus,
+    )
+
+
+def head_workers(layout: Any) -> List[int]:
+    return list(layout.head_workers())

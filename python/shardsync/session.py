@@ -1,0 +1,221 @@
+"""Session: one sync rank of a job (a trainer rank or an engine rank), over the C++ SyncSession.
+
+Tensors cross through DLPack with no copy: the session keeps each bound producer alive and the
+C++ side reads (sources) or writes (destinations) the bound memory directly. Every blocking call
+(connect, sync) releases the GIL.
+
+Device tensors: when this build's sessions cannot bind device memory (no device packer wired),
+`staging="host"` (or "auto", the default) stages each CUDA tensor through a host copy: sources
+are copied device -> host before each sync, destinations host -> device after each successful
+sync. `staging="never"` refuses CUDA tensors instead (UnimplementedError).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+
+from ._native import native
+from .errors import FailedPreconditionError, InvalidArgumentError
+from .plan import Plan
+
+__all__ = ["Session", "LoopbackHub", "is_cuda_tensor"]
+
+_DL_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+
+def is_cuda_tensor(t: Any) -> bool:
+    dev = getattr(t, "__dlpack_device__", None)
+    if dev is None:
+        return False
+    try:
+        return int(dev()[0]) in _DL_CUDA
+    except Exception:  # noqa: BLE001 - a producer without a usable device is treated as host
+        return False
+
+
+def LoopbackHub() -> Any:  # noqa: N802 - a factory that reads like the C++ class
+    """A hub shared by every session of one process on the loopback transport (tests)."""
+    return native("session").LoopbackHub()
+
+
+class Session:
+    """One rank of a sync job.
+
+    store: "host:port" of the rendezvous store (StoreServer or `shardsync store`).
+    transport: "ucx" (host memory, any process / node), "loopback" (ranks in one process, with a
+    shared `hub`), or another registered name (shardsync._C.transports()).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int,
+        store: str,
+        *,
+        token: str = "",
+        transport: str = "ucx",
+        hub: Any = None,
+        prefix: str = "ss/",
+        connect_timeout: float = 60.0,
+        sync_timeout: float = 60.0,
+        staging: str = "auto",
+        transport_params: Optional[Mapping[str, str]] = None,
+    ) -> None:
+        if staging not in ("auto", "host", "never"):
+            raise InvalidArgumentError(f"staging: must be auto, host or never, got {staging!r}")
+        if not isinstance(plan, Plan):
+            raise InvalidArgumentError(f"plan: expected a shardsync.Plan, got {type(plan).__name__}")
+        C = native("session")
+        self.plan = plan
+        self.staging = staging
+        self._native = C.SyncSession(
+            plan.inputs,
+            rank,
+            store,
+            token=token,
+            transport=transport,
+            hub=hub,
+            prefix=prefix,
+            connect_timeout=connect_timeout,
+            sync_timeout=sync_timeout,
+            transport_params=dict(transport_params or {}),
+        )
+        # (device tensor, host copy) pairs staged around each sync.
+        self._staged_sources: List[Tuple[Any, Any]] = []
+        self._staged_dests: List[Tuple[Any, Any]] = []
+        self._connected = False
+
+    @classmethod
+    def from_env(cls, plan: Plan, **kwargs: Any) -> "Session":
+        """Rank, store and token from the launch contract (SHARDSYNC_STORE, RANK / SLURM_PROCID,
+        SHARDSYNC_TOKEN), as torchrun, SLURM and Ray set them."""
+        env = native("store").launch_env()
+        if env["world_size"] != plan.world_size:
+            raise InvalidArgumentError(
+                f"WORLD_SIZE: {env['world_size']} but the plan's sync world is {plan.world_size}"
+            )
+        kwargs.setdefault("token", env["token"])
+        return cls(plan, env["rank"], env["store"], **kwargs)
+
+    # ---- identity ----
+    @property
+    def rank(self) -> int:
+        return self._native.rank
+
+    @property
+    def is_trainer(self) -> bool:
+        return self._native.is_trainer
+
+    @property
+    def is_poisoned(self) -> bool:
+        return self._native.is_poisoned
+
+    @property
+    def last_good_version(self) -> int:
+        return self._native.last_good_version
+
+    @property
+    def rank_plan(self) -> Any:
+        return self._native.plan
+
+    def expected_params(self) -> List[Any]:
+        """EngineParam (name, shape, dtype, pieces) this engine rank must bind."""
+        return list(self._native.expected_params())
+
+    # ---- binding ----
+    def _stage(self, tensor: Any, what: str) -> Any:
+        if not is_cuda_tensor(tensor) or native("session").DEVICE_BINDING:
+            return None
+        if self.staging == "never":
+            raise _unimplemented(what)
+        if not hasattr(tensor, "detach") or not hasattr(tensor, "copy_"):
+            raise InvalidArgumentError(f"{what}: host staging of device tensors needs torch tensors")
+        t = tensor.detach()
+        return t.to("cpu").contiguous()
+
+    def bind_source(self, hf_name: str, tensor: Any, region: Any = None) -> None:
+        """Trainer ranks: the shard of HF tensor `hf_name` this rank holds (default region: the
+        plan's held region for this rank; the tensor's shape must equal its extents)."""
+        host = self._stage(tensor, f"source '{hf_name}'")
+        if host is not None:
+            self._native.bind_source(hf_name, host, region)
+            self._staged_sources.append((tensor, host))
+        else:
+            self._native.bind_source(hf_name, tensor, region)
+
+    def bind_destination(self, name: str, tensor: Any) -> None:
+        """Engine ranks: parameter `name` (engine naming) with its local shape; bytes land in it."""
+        host = self._stage(tensor, f"destination '{name}'")
+        if host is not None:
+            self._native.bind_destination(name, host)
+            self._staged_dests.append((tensor, host))
+        else:
+            self._native.bind_destination(name, tensor)
+
+    def bind_sources(self, tensors: Mapping[str, Any]) -> None:
+        for name, t in tensors.items():
+            self.bind_source(name, t)
+
+    def bind_destinations(self, tensors: Iterable[Tuple[str, Any]]) -> None:
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        for name, t in items:
+            self.bind_destination(name, t)
+
+    # ---- run ----
+    def connect(self) -> None:
+        """Collective: checks plan hashes and bindings on every rank, connects the transport."""
+        self._native.connect()
+        self._connected = True
+
+    def sync(self, version: int) -> Dict[str, Any]:
+        """Replays the plan for `version` (greater than the last good one, equal on every rank).
+        Returns the job-wide report: version, bytes, seconds, gbps, slowest_rank, checksums_ok,
+        checksums_total, verified, local, ranks. Raises the shardsync.Error subclass of the
+        failure (DataLossError on a checksum mismatch, DeadlineExceededError, UnavailableError,
+        AbortedError, ...) on every rank."""
+        if not self._connected:
+            raise FailedPreconditionError(f"rank {self.rank}: sync before connect")
+        for dev, host in self._staged_sources:
+            host.copy_(dev.detach())
+        report = self._native.sync(int(version))
+        for dev, host in self._staged_dests:
+            with _no_grad():
+                dev.copy_(host)
+        return report
+
+    def close(self) -> None:
+        self._native.close()
+        self._staged_sources.clear()
+        self._staged_dests.clear()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        role = "trainer" if self.is_trainer else "engine"
+        return f"Session(rank={self.rank}, {role}, plan={self.plan.hash})"
+
+
+def _unimplemented(what: str) -> Exception:
+    from .errors import UnimplementedError
+
+    return UnimplementedError(
+        f"{what}: CUDA tensors cannot be bound directly by this build and staging='never'"
+    )
+
+
+class _no_grad:
+    """torch.no_grad() without importing torch unless a device tensor was staged."""
+
+    def __enter__(self) -> None:
+        import torch
+
+        self._ctx = torch.no_grad()
+        self._ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._ctx.__exit__(*exc)

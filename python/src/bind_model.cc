@@ -1,0 +1,153 @@
+// Model spec (model.h) and shard map (shard_map.h).
+#include <pybind11/stl.h>
+
+#include "common.h"
+#include "shardsync/model.h"
+#include "shardsync/shard_map.h"
+
+namespace shardsync::py_bind {
+
+namespace {
+ModelSpec ModelFromPy(py::handle obj) {
+  if (py::isinstance<ModelSpec>(obj)) return obj.cast<ModelSpec>();
+  if (py::isinstance<py::str>(obj)) return Unwrap(LoadModelSpec(obj.cast<std::string>()));
+  ThrowIfError(InvalidArgumentError("model: expected a ModelSpec or an embedded name / path"));
+  return {};
+}
+}  // namespace
+
+ModelSpec ModelArg(py::handle obj) { return ModelFromPy(obj); }
+
+void RegisterModel(py::module_& m) {
+  py::class_<ModelSpec>(m, "ModelSpec")
+      .def_readonly("name", &ModelSpec::name)
+      .def_property_readonly(
+          "architecture", [](const ModelSpec& s) { return std::string(ArchitectureName(s.arch)); })
+      .def_readonly("hidden_size", &ModelSpec::hidden_size)
+      .def_readonly("num_attention_heads", &ModelSpec::num_attention_heads)
+      .def_readonly("num_key_value_heads", &ModelSpec::num_key_value_heads)
+      .def_readonly("head_dim", &ModelSpec::head_dim)
+      .def_readonly("num_hidden_layers", &ModelSpec::num_hidden_layers)
+      .def_readonly("intermediate_size", &ModelSpec::intermediate_size)
+      .def_readonly("vocab_size", &ModelSpec::vocab_size)
+      .def_readonly("tie_word_embeddings", &ModelSpec::tie_word_embeddings)
+      .def_readonly("num_experts", &ModelSpec::num_experts)
+      .def_property_readonly("dtype",
+                             [](const ModelSpec& s) { return std::string(DTypeName(s.dtype)); })
+      .def_property_readonly("num_elements", [](const ModelSpec& s) { return ModelNumElements(s); })
+      .def_property_readonly("nbytes", [](const ModelSpec& s) { return ModelBytes(s); })
+      .def(
+          "hf_tensors",
+          [](const ModelSpec& s) {
+            py::list out;
+            for (const HfTensor& t : HfTensorInventory(s)) {
+              out.append(py::make_tuple(t.name, t.shape, std::string(DTypeName(t.dtype))));
+            }
+            return out;
+          },
+          "[(name, shape, dtype)] of the HF checkpoint, in the planner's order.")
+      .def("__repr__", [](const ModelSpec& s) {
+        return "ModelSpec(" + s.name + ", " + std::string(ArchitectureName(s.arch)) + ")";
+      });
+  m.def(
+      "load_model", [](const std::string& n) { return Unwrap(LoadModelSpec(n)); },
+      py::arg("name_or_path"), "An embedded model name, a config.json, or a directory with one.");
+  m.def(
+      "parse_model_config",
+      [](const std::string& text, const std::string& source) {
+        return Unwrap(ParseModelConfig(text, source));
+      },
+      py::arg("json_text"), py::arg("source") = "config.json");
+  m.def("embedded_models", &EmbeddedModelNames);
+
+  py::class_<Piece>(m, "Piece")
+      .def_readonly("source", &Piece::source)
+      .def_readonly("src", &Piece::src)
+      .def_readonly("dst", &Piece::dst)
+      .def("__repr__", [](const Piece& p) {
+        return "Piece(" + p.source + p.src.ToString() + " -> " + p.dst.ToString() + ")";
+      });
+  py::class_<EngineParam>(m, "EngineParam")
+      .def_readonly("name", &EngineParam::name)
+      .def_readonly("shape", &EngineParam::shape)
+      .def_property_readonly("dtype",
+                             [](const EngineParam& p) { return std::string(DTypeName(p.dtype)); })
+      .def_readonly("pieces", &EngineParam::pieces)
+      .def_property_readonly("zero_fills",
+                             [](const EngineParam& p) {
+                               std::vector<Region> out;
+                               for (const auto& z : p.zero_fills) out.push_back(z.dst);
+                               return out;
+                             })
+      .def_property_readonly("nbytes", &EngineParam::bytes)
+      .def("__repr__", [](const EngineParam& p) {
+        return "EngineParam(" + p.name + ", " + ShapeToString(p.shape) + ", " +
+               std::string(DTypeName(p.dtype)) + ")";
+      });
+  py::class_<EngineRankShards>(m, "EngineRankShards")
+      .def_readonly("tp_rank", &EngineRankShards::tp_rank)
+      .def_readonly("pp_rank", &EngineRankShards::pp_rank)
+      .def_readonly("moe_ep_rank", &EngineRankShards::moe_ep_rank)
+      .def_readonly("moe_tp_rank", &EngineRankShards::moe_tp_rank)
+      .def_readonly("layer_start", &EngineRankShards::layer_start)
+      .def_readonly("layer_end", &EngineRankShards::layer_end)
+      .def_readonly("params", &EngineRankShards::params)
+      .def_property_readonly("nbytes", &EngineRankShards::bytes)
+      .def(
+          "param",
+          [](const EngineRankShards& r, const std::string& name) {
+            const EngineParam* p = FindParam(r, name);
+            if (p == nullptr) {
+              ThrowIfError(NotFoundError("engine rank (tp " + std::to_string(r.tp_rank) + ", pp " +
+                                         std::to_string(r.pp_rank) + ") has no parameter '" + name +
+                                         "'"));
+            }
+            return *p;
+          },
+          py::arg("name"));
+  py::class_<ShardMap>(m, "ShardMap")
+      .def_property_readonly(
+          "engine", [](const ShardMap& s) { return std::string(EngineKindName(s.spec.engine)); })
+      .def_property_readonly("tp", [](const ShardMap& s) { return s.spec.tp; })
+      .def_property_readonly("pp", [](const ShardMap& s) { return s.spec.pp; })
+      .def_property_readonly("ep", [](const ShardMap& s) { return s.spec.ep; })
+      .def_readonly("model", &ShardMap::model)
+      .def_readonly("ranks", &ShardMap::ranks)
+      .def(
+          "rank",
+          [](const ShardMap& s, int tp_rank, int pp_rank) {
+            if (tp_rank < 0 || tp_rank >= s.spec.tp || pp_rank < 0 || pp_rank >= s.spec.pp) {
+              ThrowIfError(OutOfRangeError("engine rank (tp " + std::to_string(tp_rank) + ", pp " +
+                                           std::to_string(pp_rank) +
+                                           ") outside tp=" + std::to_string(s.spec.tp) +
+                                           ", pp=" + std::to_string(s.spec.pp)));
+            }
+            return s.rank(tp_rank, pp_rank);
+          },
+          py::arg("tp_rank"), py::arg("pp_rank") = 0)
+      .def(
+          "explain",
+          [](const ShardMap& s, int tp_rank, int pp_rank, const std::string& name) {
+            return Unwrap(ExplainParam(s, s.rank(tp_rank, pp_rank), name));
+          },
+          py::arg("tp_rank"), py::arg("pp_rank"), py::arg("name"))
+      .def("validate", [](const ShardMap& s) { ThrowIfError(ValidateShardMap(s)); });
+  m.def(
+      "build_shard_map",
+      [](py::handle model, const std::string& engine, int tp, int pp, int ep,
+         std::vector<int64_t> pp_partition) {
+        ShardSpec spec;
+        spec.engine = Unwrap(ParseEngineKind(engine));
+        spec.tp = tp;
+        spec.pp = pp;
+        spec.ep = ep;
+        spec.pp_partition = std::move(pp_partition);
+        ModelSpec ms = ModelFromPy(model);
+        py::gil_scoped_release nogil;
+        return Unwrap(BuildShardMap(ms, spec));
+      },
+      py::arg("model"), py::arg("engine") = "sglang", py::arg("tp") = 1, py::arg("pp") = 1,
+      py::arg("ep") = 1, py::arg("pp_partition") = std::vector<int64_t>{});
+}
+
+}  // namespace shardsync::py_bind

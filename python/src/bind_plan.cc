@@ -1,0 +1,181 @@
+// Transfer planner (plan.h).
+#include <pybind11/stl.h>
+
+#include "common.h"
+#include "plan_inputs.h"
+#include "shardsync/plan.h"
+
+namespace shardsync::py_bind {
+
+ModelSpec ModelArg(py::handle obj);  // bind_model.cc
+
+PlanInputs MakePlanInputs(py::handle model, const std::string& trainer, const std::string& rollout,
+                          const std::string& engine, const std::string& wire_dtype,
+                          const std::string& trainer_dtype, int64_t bucket_bytes) {
+  PlanInputs in;
+  in.model = ModelArg(model);
+  in.trainer = Unwrap(ParseTrainerSpec(trainer));
+  in.rollout = Unwrap(ParseRolloutSpec(rollout, Unwrap(ParseEngineKind(engine))));
+  in.options.wire_dtype = Unwrap(ParseDType(wire_dtype, "wire_dtype"));
+  in.trainer_dtype = Unwrap(ParseDType(trainer_dtype, "trainer_dtype"));
+  if (bucket_bytes <= 0) {
+    ThrowIfError(InvalidArgumentError("bucket_bytes: must be positive, got " +
+                                      std::to_string(bucket_bytes)));
+  }
+  in.options.bucket_bytes = bucket_bytes;
+  return in;
+}
+
+namespace {
+
+py::dict SyncRankToPy(const SyncRank& r) {
+  py::dict d;
+  d["is_trainer"] = r.is_trainer;
+  d["trainer_rank"] = r.trainer_rank;
+  d["replica"] = r.replica;
+  d["tp_rank"] = r.tp_rank;
+  d["pp_rank"] = r.pp_rank;
+  return d;
+}
+
+py::dict SummaryToPy(const PlanSummary& s) {
+  py::dict d;
+  d["plan_hash"] = s.plan_hash;
+  d["ops"] = s.ops;
+  d["messages"] = s.messages;
+  d["total_bytes"] = s.total_bytes;
+  py::list engines;
+  for (const auto& e : s.engine_ranks) {
+    py::dict x;
+    x["replica"] = e.replica;
+    x["tp_rank"] = e.tp_rank;
+    x["pp_rank"] = e.pp_rank;
+    x["recv_bytes"] = e.recv_bytes;
+    x["owned_bytes"] = e.owned_bytes;
+    engines.append(x);
+  }
+  d["engine_ranks"] = engines;
+  py::list trainers;
+  for (const auto& t : s.trainer_ranks) {
+    py::dict x;
+    x["rank"] = t.rank;
+    x["send_bytes"] = t.send_bytes;
+    trainers.append(x);
+  }
+  d["trainer_ranks"] = trainers;
+  d["broadcast_recv_bytes_per_rank"] = s.broadcast_recv_bytes_per_rank;
+  d["plan_seconds"] = s.plan_seconds;
+  return d;
+}
+
+}  // namespace
+
+void RegisterPlan(py::module_& m) {
+  py::class_<TransferOp>(m, "TransferOp")
+      .def_readonly("tensor", &TransferOp::tensor)
+      .def_readonly("param", &TransferOp::param)
+      .def_readonly("src", &TransferOp::src)
+      .def_readonly("dst", &TransferOp::dst)
+      .def_readonly("wire_offset", &TransferOp::wire_offset)
+      .def_readonly("bytes", &TransferOp::bytes);
+  py::class_<Bucket>(m, "Bucket")
+      .def_readonly("op_begin", &Bucket::op_begin)
+      .def_readonly("op_end", &Bucket::op_end)
+      .def_readonly("wire_offset", &Bucket::wire_offset)
+      .def_readonly("bytes", &Bucket::bytes);
+  py::class_<Message>(m, "Message")
+      .def_readonly("src", &Message::src)
+      .def_readonly("dst", &Message::dst)
+      .def_readonly("bytes", &Message::bytes)
+      .def_readonly("ops", &Message::ops)
+      .def_readonly("buckets", &Message::buckets);
+  py::class_<RankPlan>(m, "RankPlan")
+      .def_readonly("rank", &RankPlan::rank)
+      .def_readonly("plan_hash", &RankPlan::plan_hash)
+      .def_readonly("sends", &RankPlan::sends)
+      .def_readonly("recvs", &RankPlan::recvs)
+      .def_property_readonly("send_bytes",
+                             [](const RankPlan& p) {
+                               int64_t b = 0;
+                               for (const auto& msg : p.sends) b += msg.bytes;
+                               return b;
+                             })
+      .def_property_readonly("recv_bytes", [](const RankPlan& p) {
+        int64_t b = 0;
+        for (const auto& msg : p.recvs) b += msg.bytes;
+        return b;
+      });
+
+  py::class_<PlanInputs>(m, "PlanInputs")
+      .def(py::init(&MakePlanInputs), py::arg("model"), py::arg("trainer"), py::arg("rollout"),
+           py::arg("engine") = "sglang", py::arg("wire_dtype") = "bf16",
+           py::arg("trainer_dtype") = "f32", py::arg("bucket_bytes") = int64_t{512} << 20)
+      .def_readonly("model", &PlanInputs::model)
+      .def_property_readonly("trainer", [](const PlanInputs& in) { return in.trainer.ToString(); })
+      .def_property_readonly("trainer_world",
+                             [](const PlanInputs& in) { return in.trainer.world(); })
+      .def_property_readonly("dp", [](const PlanInputs& in) { return in.rollout.dp; })
+      .def_property_readonly("tp", [](const PlanInputs& in) { return in.rollout.shard.tp; })
+      .def_property_readonly("pp", [](const PlanInputs& in) { return in.rollout.shard.pp; })
+      .def_property_readonly("ep", [](const PlanInputs& in) { return in.rollout.shard.ep; })
+      .def_property_readonly(
+          "engine",
+          [](const PlanInputs& in) { return std::string(EngineKindName(in.rollout.shard.engine)); })
+      .def_property_readonly(
+          "wire_dtype",
+          [](const PlanInputs& in) { return std::string(DTypeName(in.options.wire_dtype)); })
+      .def_property_readonly(
+          "trainer_dtype",
+          [](const PlanInputs& in) { return std::string(DTypeName(in.trainer_dtype)); })
+      .def_property_readonly("bucket_bytes",
+                             [](const PlanInputs& in) { return in.options.bucket_bytes; })
+      .def_property_readonly("world_size", [](const PlanInputs& in) { return SyncWorldSize(in); })
+      .def_property_readonly("hash", [](const PlanInputs& in) { return PlanHash(in); })
+      .def(
+          "describe_rank",
+          [](const PlanInputs& in, int r) { return SyncRankToPy(Unwrap(DescribeSyncRank(in, r))); },
+          py::arg("sync_rank"))
+      .def(
+          "rank_plan",
+          [](const PlanInputs& in, int r) {
+            py::gil_scoped_release nogil;
+            return Unwrap(PlanForRank(in, r));
+          },
+          py::arg("sync_rank"))
+      .def("summary",
+           [](const PlanInputs& in) {
+             Result<PlanSummary> s = [&] {
+               py::gil_scoped_release nogil;
+               return SummarizePlan(in);
+             }();
+             return SummaryToPy(Unwrap(std::move(s)));
+           })
+      .def("validate",
+           [](const PlanInputs& in) {
+             Status s;
+             {
+               py::gil_scoped_release nogil;
+               s = ValidatePlan(in);
+             }
+             ThrowIfError(s);
+           })
+      .def(
+          "held_region",
+          [](const PlanInputs& in, int trainer_rank, const Shape& shape) {
+            if (trainer_rank < 0 || trainer_rank >= in.trainer.world()) {
+              ThrowIfError(OutOfRangeError("trainer rank " + std::to_string(trainer_rank) +
+                                           " outside [0, " + std::to_string(in.trainer.world()) +
+                                           ")"));
+            }
+            return TrainerHeldRegion(in.trainer, trainer_rank, shape);
+          },
+          py::arg("trainer_rank"), py::arg("shape"),
+          "Region of a tensor of `shape` that trainer `trainer_rank` holds.");
+  m.def(
+      "parse_trainer_spec",
+      [](const std::string& s) { return Unwrap(ParseTrainerSpec(s)).ToString(); }, py::arg("spec"),
+      "Canonical spelling of a trainer spec (\"fsdp=8\", \"hsdp=2x4\", \"replicate=4\", "
+      "\"single\").");
+}
+
+}  // namespace shardsync::py_bind

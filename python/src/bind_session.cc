@@ -1,0 +1,247 @@
+// Verified sync sessions (session.h) with tensors borrowed through DLPack.
+#include <pybind11/stl.h>
+
+#include <map>
+#include <mutex>
+
+#include "common.h"
+#include "plan_inputs.h"
+#include "shardsync/session.h"
+#include "shardsync/store.h"
+#include "shardsync/transport.h"
+
+namespace shardsync::py_bind {
+
+Millis SecondsToMillis(double seconds, const std::string& what);  // bind_store.cc
+
+namespace {
+
+// LoopbackHub is opaque in transport.h; Python holds it through this box.
+struct PyLoopbackHub {
+  std::shared_ptr<LoopbackHub> hub = NewLoopbackHub();
+};
+
+py::dict StatsToPy(const RankSyncStats& s) {
+  py::dict d;
+  d["rank"] = s.rank;
+  d["ok"] = s.ok;
+  d["error"] = s.error;
+  d["send_bytes"] = s.send_bytes;
+  d["recv_bytes"] = s.recv_bytes;
+  d["seconds"] = s.seconds;
+  d["checksums_ok"] = s.checksums_ok;
+  d["checksums_total"] = s.checksums_total;
+  return d;
+}
+
+py::dict ReportToPy(const SyncReport& r) {
+  py::dict d;
+  d["version"] = r.version;
+  d["bytes"] = r.bytes;
+  d["seconds"] = r.seconds;
+  d["gbps"] = r.gbps;
+  d["slowest_rank"] = r.slowest_rank;
+  d["checksums_ok"] = r.checksums_ok;
+  d["checksums_total"] = r.checksums_total;
+  d["verified"] = r.checksums_total > 0 && r.checksums_ok == r.checksums_total;
+  d["local"] = StatsToPy(r.local);
+  py::list ranks;
+  for (const auto& s : r.ranks) ranks.append(StatsToPy(s));
+  d["ranks"] = ranks;
+  return d;
+}
+
+class PySession {
+ public:
+  PySession(PlanInputs inputs, int rank, const std::string& store_address, const std::string& token,
+            const std::string& transport, std::optional<PyLoopbackHub> hub,
+            const std::string& prefix, double connect_timeout, double sync_timeout,
+            std::map<std::string, std::string> transport_params)
+      : inputs_(std::move(inputs)), rank_(rank) {
+    SessionOptions opts;
+    opts.prefix = prefix;
+    opts.connect_timeout = SecondsToMillis(connect_timeout, "connect_timeout");
+    opts.sync_timeout = SecondsToMillis(sync_timeout, "sync_timeout");
+    TransportOptions topts;
+    topts.params = std::move(transport_params);
+    if (transport == "loopback") {
+      if (!hub) {
+        ThrowIfError(InvalidArgumentError(
+            "hub: the loopback transport needs a LoopbackHub shared by every rank of the process"));
+      }
+      topts.loopback_hub = hub->hub;
+    }
+    py::gil_scoped_release nogil;
+    store_ = Unwrap(StoreClient::Connect(store_address, token, opts.connect_timeout));
+    transport_ = Unwrap(CreateTransport(transport, topts));
+    session_ = Unwrap(SyncSession::Create(inputs_, rank_, *store_, *transport_, opts));
+  }
+
+  ~PySession() { Close(); }
+
+  void Close() {
+    std::vector<TensorRef> bound;
+    {
+      // A sync may be running on another thread with the GIL released; wait for it without
+      // holding the GIL, or it could never return.
+      std::optional<py::gil_scoped_release> nogil;
+      if (Py_IsInitialized() && PyGILState_Check()) nogil.emplace();
+      std::lock_guard<std::mutex> lock(mu_);
+      session_.reset();
+      transport_.reset();
+      store_.reset();
+      bound.swap(bound_);
+    }
+    bound.clear();  // releases the producers (their deleters take the GIL)
+  }
+
+  SyncSession& session() {
+    if (!session_) ThrowIfError(FailedPreconditionError("session: closed"));
+    return *session_;
+  }
+
+  void BindSource(const std::string& hf_name, py::handle tensor, py::handle region_obj) {
+    SyncSession& s = session();
+    if (!s.is_trainer()) {
+      ThrowIfError(
+          FailedPreconditionError("rank " + std::to_string(rank_) +
+                                  " is an engine rank: bind_destination, not bind_source"));
+    }
+    TensorRef t = BorrowTensor(tensor, "source '" + hf_name + "'");
+    Region region;
+    if (region_obj.is_none()) {
+      const HfTensor* hf = FindHf(hf_name);
+      int trainer_rank = Unwrap(DescribeSyncRank(inputs_, rank_)).trainer_rank;
+      region = TrainerHeldRegion(inputs_.trainer, trainer_rank, hf->shape);
+    } else {
+      region = RegionFromPy(region_obj, "region of source '" + hf_name + "'");
+    }
+    if (region.extents() != t.shape) {
+      ThrowIfError(InvalidArgumentError("source '" + hf_name + "': tensor shape " +
+                                        ShapeToString(t.shape) +
+                                        " does not match the held region " + region.ToString() +
+                                        " (extents " + ShapeToString(region.extents()) + ")"));
+    }
+    CheckDevice(t, "source '" + hf_name + "'");
+    SourceBinding b;
+    b.hf_name = hf_name;
+    b.data = t.data;
+    b.dtype = t.dtype;
+    b.region = region;
+    b.mem = t.cuda ? MemKind::kCuda : MemKind::kHost;
+    b.device = t.device;
+    ThrowIfError(s.BindSource(b));
+    bound_.push_back(std::move(t));
+  }
+
+  void BindDest(const std::string& name, py::handle tensor) {
+    SyncSession& s = session();
+    if (s.is_trainer()) {
+      ThrowIfError(
+          FailedPreconditionError("rank " + std::to_string(rank_) +
+                                  " is a trainer rank: bind_source, not bind_destination"));
+    }
+    TensorRef t = BorrowTensor(tensor, "destination '" + name + "'");
+    CheckDevice(t, "destination '" + name + "'");
+    DestBinding b;
+    b.name = name;
+    b.data = t.data;
+    b.dtype = t.dtype;
+    b.shape = t.shape;
+    b.mem = t.cuda ? MemKind::kCuda : MemKind::kHost;
+    b.device = t.device;
+    ThrowIfError(s.BindDest(b));
+    bound_.push_back(std::move(t));
+  }
+
+  void Connect() {
+    SyncSession& s = session();
+    std::lock_guard<std::mutex> lock(mu_);
+    Status st;
+    {
+      py::gil_scoped_release nogil;
+      st = s.Connect();
+    }
+    ThrowIfError(st);
+  }
+
+  py::dict Sync(uint64_t version) {
+    SyncSession& s = session();
+    std::lock_guard<std::mutex> lock(mu_);
+    Result<SyncReport> r = [&] {
+      py::gil_scoped_release nogil;
+      return s.Sync(version);
+    }();
+    return ReportToPy(Unwrap(std::move(r)));
+  }
+
+  int rank() const { return rank_; }
+  const PlanInputs& inputs() const { return inputs_; }
+
+ private:
+  const HfTensor* FindHf(const std::string& name) {
+    if (inventory_.empty()) inventory_ = HfTensorInventory(inputs_.model);
+    for (const HfTensor& t : inventory_) {
+      if (t.name == name) return &t;
+    }
+    ThrowIfError(
+        NotFoundError("source '" + name + "': no such tensor in model " + inputs_.model.name));
+    return nullptr;
+  }
+
+  // The host packer reads and writes with the CPU; device memory needs a device packer, which
+  // this build does not wire into sessions yet (the Python layer stages through host memory).
+  static void CheckDevice(const TensorRef& t, const std::string& what) {
+    if (t.cuda) {
+      ThrowIfError(UnimplementedError(
+          what +
+          ": CUDA tensors cannot be bound directly: this build's sessions pack with the "
+          "host packer (use staging='host' in shardsync.Session)"));
+    }
+  }
+
+  PlanInputs inputs_;
+  int rank_;
+  std::vector<HfTensor> inventory_;
+  std::vector<TensorRef> bound_;  // declared before session_: outlives it
+  std::unique_ptr<StoreClient> store_;
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<SyncSession> session_;
+  std::mutex mu_;
+};
+
+}  // namespace
+
+void RegisterSession(py::module_& m) {
+  py::class_<PyLoopbackHub>(m, "LoopbackHub",
+                            "Shared by every rank's session in one process (loopback transport).")
+      .def(py::init<>());
+  // Whether sessions bind CUDA memory directly (a device packer wired in); Python stages through
+  // host memory while this is false.
+  m.attr("DEVICE_BINDING") = false;
+  m.def("transports", &RegisteredTransports, "Registered transport names in priority order.");
+
+  py::class_<PySession>(m, "SyncSession")
+      .def(py::init<PlanInputs, int, const std::string&, const std::string&, const std::string&,
+                    std::optional<PyLoopbackHub>, const std::string&, double, double,
+                    std::map<std::string, std::string>>(),
+           py::arg("plan"), py::arg("rank"), py::arg("store"), py::arg("token") = "",
+           py::arg("transport") = "ucx", py::arg("hub") = py::none(), py::arg("prefix") = "ss/",
+           py::arg("connect_timeout") = 60.0, py::arg("sync_timeout") = 60.0,
+           py::arg("transport_params") = std::map<std::string, std::string>{})
+      .def_property_readonly("rank", &PySession::rank)
+      .def_property_readonly("is_trainer", [](PySession& s) { return s.session().is_trainer(); })
+      .def_property_readonly("plan", [](PySession& s) { return s.session().plan(); })
+      .def_property_readonly("is_poisoned", [](PySession& s) { return s.session().IsPoisoned(); })
+      .def_property_readonly("last_good_version",
+                             [](PySession& s) { return s.session().last_good_version(); })
+      .def("expected_params", [](PySession& s) { return s.session().ExpectedParams(); })
+      .def("bind_source", &PySession::BindSource, py::arg("hf_name"), py::arg("tensor"),
+           py::arg("region") = py::none())
+      .def("bind_destination", &PySession::BindDest, py::arg("name"), py::arg("tensor"))
+      .def("connect", &PySession::Connect)
+      .def("sync", &PySession::Sync, py::arg("version"))
+      .def("close", &PySession::Close);
+}
+
+}  // namespace shardsync::py_bind

@@ -1,0 +1,104 @@
+// Rendezvous store (store.h). Timeouts are seconds (float) on the Python side.
+#include <pybind11/stl.h>
+
+#include <cmath>
+
+#include "common.h"
+#include "shardsync/store.h"
+
+namespace shardsync::py_bind {
+
+Millis SecondsToMillis(double seconds, const std::string& what) {
+  if (!std::isfinite(seconds) || seconds < 0 || seconds > 1e7) {
+    ThrowIfError(InvalidArgumentError(
+        what + ": must be a finite number of seconds in [0, 1e7], got " + std::to_string(seconds)));
+  }
+  return Millis(static_cast<int64_t>(std::llround(seconds * 1000.0)));
+}
+
+void RegisterStore(py::module_& m) {
+  py::class_<StoreServer>(m, "StoreServer")
+      .def_static(
+          "start",
+          [](const std::string& host, int port, const std::string& token) {
+            py::gil_scoped_release nogil;
+            return Unwrap(StoreServer::Start(host, port, token));
+          },
+          py::arg("host") = "127.0.0.1", py::arg("port") = 0, py::arg("token") = "")
+      .def_property_readonly("port", &StoreServer::port)
+      .def_property_readonly("address", &StoreServer::address)
+      .def("stop",
+           [](StoreServer& s) {
+             py::gil_scoped_release nogil;
+             s.Stop();
+           })
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](StoreServer& s, py::args) {
+        py::gil_scoped_release nogil;
+        s.Stop();
+      });
+
+  py::class_<StoreClient>(m, "StoreClient")
+      .def_static(
+          "connect",
+          [](const std::string& address, const std::string& token, double timeout) {
+            Millis t = SecondsToMillis(timeout, "timeout");
+            py::gil_scoped_release nogil;
+            return Unwrap(StoreClient::Connect(address, token, t));
+          },
+          py::arg("address"), py::arg("token") = "", py::arg("timeout") = 30.0)
+      .def(
+          "set",
+          [](StoreClient& c, const std::string& key, py::bytes value) {
+            std::string v = value;
+            py::gil_scoped_release nogil;
+            ThrowIfError(c.Set(key, v));
+          },
+          py::arg("key"), py::arg("value"))
+      .def(
+          "get",
+          [](StoreClient& c, const std::string& key, double timeout) {
+            Millis t = SecondsToMillis(timeout, "timeout");
+            Result<std::string> r = [&] {
+              py::gil_scoped_release nogil;
+              return c.Get(key, t);
+            }();
+            return py::bytes(Unwrap(std::move(r)));
+          },
+          py::arg("key"), py::arg("timeout") = 30.0)
+      .def(
+          "add",
+          [](StoreClient& c, const std::string& key, int64_t delta) {
+            py::gil_scoped_release nogil;
+            return Unwrap(c.Add(key, delta));
+          },
+          py::arg("key"), py::arg("delta") = 1)
+      .def(
+          "wait",
+          [](StoreClient& c, const std::vector<std::string>& keys, double timeout) {
+            Millis t = SecondsToMillis(timeout, "timeout");
+            py::gil_scoped_release nogil;
+            ThrowIfError(c.Wait(keys, t));
+          },
+          py::arg("keys"), py::arg("timeout") = 30.0)
+      .def(
+          "barrier",
+          [](StoreClient& c, const std::string& name, int world, double timeout) {
+            Millis t = SecondsToMillis(timeout, "timeout");
+            py::gil_scoped_release nogil;
+            ThrowIfError(c.Barrier(name, world, t));
+          },
+          py::arg("name"), py::arg("world"), py::arg("timeout") = 30.0);
+
+  m.def("launch_env", [] {
+    LaunchEnv e = Unwrap(LaunchEnvFromEnvironment());
+    py::dict d;
+    d["store"] = e.store_address;
+    d["rank"] = e.rank;
+    d["world_size"] = e.world_size;
+    d["token"] = e.token;
+    return d;
+  });
+}
+
+}  // namespace shardsync::py_bind

@@ -1,0 +1,68 @@
+// Shared helpers of the native module `shardsync._C`: Status -> Python exception, and DLPack
+// tensor views.
+#pragma once
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shardsync/dtype.h"
+#include "shardsync/region.h"
+#include "shardsync/status.h"
+
+namespace shardsync::py_bind {
+
+namespace py = pybind11;
+
+// Thrown by bindings for a non-OK Status; translated to the shardsync.errors subclass of its code
+// with the C++ message unchanged.
+struct StatusException {
+  Status status;
+};
+
+inline void ThrowIfError(Status s) {
+  if (!s.ok()) throw StatusException{std::move(s)};
+}
+template <typename T>
+T Unwrap(Result<T> r) {
+  if (!r.ok()) throw StatusException{r.status()};
+  return std::move(r).value();
+}
+
+void RegisterErrors(py::module_& m);
+
+// A tensor borrowed through DLPack (or, for host objects that cannot export DLPack, the buffer
+// protocol). Holds the producer's DLManagedTensor (or the object) until destroyed, so the memory
+// stays valid while a session binds it. No byte is copied.
+struct TensorRef {
+  void* data = nullptr;
+  DType dtype = DType::kF32;
+  Shape shape;
+  bool cuda = false;  // device memory (kDLCUDA / kDLCUDAManaged)
+  int device = -1;    // CUDA device index, -1 on host
+  int64_t nbytes = 0;
+  std::shared_ptr<void> keepalive;  // releases the producer (under the GIL) when last owner goes
+};
+
+// Borrows `obj` (torch / numpy / cupy / anything with __dlpack__). `what` names the tensor in
+// errors ("source 'model.embed_tokens.weight'"). Requires a C-contiguous tensor; a torch tensor
+// that requires grad is detached first (same storage).
+TensorRef BorrowTensor(py::handle obj, const std::string& what);
+
+void RegisterCore(py::module_& m);
+void RegisterLayout(py::module_& m);
+void RegisterModel(py::module_& m);
+void RegisterPlan(py::module_& m);
+void RegisterStore(py::module_& m);
+void RegisterSession(py::module_& m);
+
+// Region <-> Python: (offsets, extents) lists.
+py::tuple RegionToPy(const Region& r);
+Region RegionFromPy(py::handle obj, const std::string& what);
+
+}  // namespace shardsync::py_bind

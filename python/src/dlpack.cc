@@ -1,0 +1,206 @@
+// Borrowing tensors through DLPack (Debian's libdlpack-dev header) without copying. Only the
+// legacy "dltensor" capsule is requested (no max_version), which every producer still returns.
+#include <dlpack/dlpack.h>
+
+#include <string>
+
+#include "common.h"
+
+namespace shardsync::py_bind {
+namespace {
+
+// Type codes newer than this header's DLPack 0.6 (DLPack 1.1 numbering).
+constexpr uint8_t kDLBoolCode = 6;
+constexpr uint8_t kDLFloat8E4M3FnCode = 10;
+constexpr uint8_t kDLFloat8E5M2Code = 12;
+
+Result<DType> DTypeFromDL(DLDataType t, const std::string& what) {
+  if (t.lanes != 1) {
+    return InvalidArgumentError(what + ": vector dtypes (lanes " + std::to_string(t.lanes) +
+                                ") are not supported");
+  }
+  switch (t.code) {
+    case kDLFloat:
+      if (t.bits == 32) return DType::kF32;
+      if (t.bits == 16) return DType::kF16;
+      if (t.bits == 64) return DType::kF64;
+      break;
+    case kDLBfloat:
+      if (t.bits == 16) return DType::kBF16;
+      break;
+    case kDLInt:
+      if (t.bits == 64) return DType::kI64;
+      if (t.bits == 32) return DType::kI32;
+      if (t.bits == 16) return DType::kI16;
+      if (t.bits == 8) return DType::kI8;
+      break;
+    case kDLUInt:
+      if (t.bits == 8) return DType::kU8;
+      break;
+    case kDLBoolCode:
+      if (t.bits == 8) return DType::kBool;
+      break;
+    case kDLFloat8E4M3FnCode:
+      if (t.bits == 8) return DType::kF8E4M3;
+      break;
+    case kDLFloat8E5M2Code:
+      if (t.bits == 8) return DType::kF8E5M2;
+      break;
+    default:
+      break;
+  }
+  return InvalidArgumentError(what + ": unsupported DLPack dtype (code " + std::to_string(t.code) +
+                              ", bits " + std::to_string(t.bits) + ")");
+}
+
+Status CheckContiguous(const DLTensor& t, const std::string& what) {
+  if (t.strides == nullptr) return OkStatus();  // DLPack: null strides mean compact row-major
+  int64_t expected = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    // A dimension of extent 1 may carry any stride (torch reports such strides freely).
+    if (t.shape[i] != 1 && t.strides[i] != expected) {
+      std::string s = "(";
+      for (int j = 0; j < t.ndim; ++j) s += (j ? ", " : "") + std::to_string(t.strides[j]);
+      return InvalidArgumentError(what + ": tensor is not C-contiguous (strides " + s +
+                                  ")); pass .contiguous() / np.ascontiguousarray");
+    }
+    expected *= t.shape[i];
+  }
+  return OkStatus();
+}
+
+void ReleaseManaged(DLManagedTensor* mt) {
+  if (mt == nullptr || mt->deleter == nullptr) return;
+  // Producers' deleters may drop Python references (numpy); run them under the GIL, unless the
+  // interpreter is already gone (then leaking is the only safe choice).
+  if (!Py_IsInitialized()) return;
+  py::gil_scoped_acquire gil;
+  mt->deleter(mt);
+}
+
+Result<DType> DTypeFromBufferFormat(const std::string& fmt, ssize_t itemsize,
+                                    const std::string& what) {
+  char c = fmt.empty() ? '?' : fmt.back();
+  switch (c) {
+    case 'f':
+      return DType::kF32;
+    case 'd':
+      return DType::kF64;
+    case 'e':
+      return DType::kF16;
+    case 'b':
+      return DType::kI8;
+    case 'B':
+      return DType::kU8;
+    case '?':
+      if (fmt == "?") return DType::kBool;
+      break;
+    case 'h':
+      return DType::kI16;
+    case 'i':
+    case 'l':
+    case 'q':
+      if (itemsize == 4) return DType::kI32;
+      if (itemsize == 8) return DType::kI64;
+      break;
+    default:
+      break;
+  }
+  return InvalidArgumentError(what + ": unsupported buffer format '" + fmt + "'");
+}
+
+TensorRef BorrowBuffer(py::handle obj, const std::string& what) {
+  py::buffer buf = py::reinterpret_borrow<py::buffer>(obj);
+  py::buffer_info info = buf.request();  // read-only is fine: sources are only read
+  TensorRef ref;
+  ref.dtype = Unwrap(DTypeFromBufferFormat(info.format, info.itemsize, what));
+  if (info.itemsize != DTypeSize(ref.dtype)) {
+    ThrowIfError(InvalidArgumentError(what + ": buffer item size " + std::to_string(info.itemsize) +
+                                      " does not match its format"));
+  }
+  int64_t expected = info.itemsize;
+  for (ssize_t i = info.ndim - 1; i >= 0; --i) {
+    if (info.shape[i] != 1 && info.strides[i] != expected) {
+      ThrowIfError(InvalidArgumentError(what + ": buffer is not C-contiguous"));
+    }
+    expected *= info.shape[i];
+  }
+  ref.data = info.ptr;
+  ref.shape.assign(info.shape.begin(), info.shape.end());
+  ref.nbytes = NumElements(ref.shape) * info.itemsize;
+  // The buffer_info's view keeps the exporter's memory pinned until released.
+  auto* held = new py::buffer_info(std::move(info));
+  auto* owner = new py::object(py::reinterpret_borrow<py::object>(obj));
+  ref.keepalive = std::shared_ptr<void>(held, [owner](void* p) {
+    if (!Py_IsInitialized()) return;
+    py::gil_scoped_acquire gil;
+    delete static_cast<py::buffer_info*>(p);
+    delete owner;
+  });
+  return ref;
+}
+
+}  // namespace
+
+TensorRef BorrowTensor(py::handle obj_in, const std::string& what) {
+  py::object obj = py::reinterpret_borrow<py::object>(obj_in);
+  // torch refuses to export tensors that require grad; detach() shares the storage.
+  if (py::hasattr(obj, "requires_grad") && py::hasattr(obj, "detach") &&
+      obj.attr("requires_grad").cast<bool>()) {
+    obj = obj.attr("detach")();
+  }
+  if (!py::hasattr(obj, "__dlpack__")) {
+    if (PyObject_CheckBuffer(obj.ptr())) return BorrowBuffer(obj, what);
+    ThrowIfError(InvalidArgumentError(what + ": " + std::string(py::str(py::type::of(obj))) +
+                                      " has neither __dlpack__ nor the buffer protocol"));
+  }
+  py::object capsule;
+  try {
+    capsule = obj.attr("__dlpack__")();
+  } catch (py::error_already_set& e) {
+    // numpy refuses read-only arrays through DLPack but exports them as buffers.
+    if (e.matches(PyExc_BufferError) && PyObject_CheckBuffer(obj.ptr())) {
+      return BorrowBuffer(obj, what);
+    }
+    ThrowIfError(InvalidArgumentError(what + ": __dlpack__ failed: " + std::string(e.what())));
+  }
+  if (!PyCapsule_IsValid(capsule.ptr(), "dltensor")) {
+    ThrowIfError(InvalidArgumentError(what + ": __dlpack__ did not return a 'dltensor' capsule"));
+  }
+  auto* mt = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+  // Consume the capsule (protocol: rename it so its destructor does not free the tensor); from
+  // here on we own `mt` and must call its deleter.
+  PyCapsule_SetName(capsule.ptr(), "used_dltensor");
+  std::shared_ptr<void> keep(mt, [](void* p) { ReleaseManaged(static_cast<DLManagedTensor*>(p)); });
+  const DLTensor& t = mt->dl_tensor;
+  TensorRef ref;
+  ref.keepalive = keep;
+  switch (t.device.device_type) {
+    case kDLCPU:
+    case kDLCUDAHost:  // pinned host memory
+      ref.cuda = false;
+      ref.device = -1;
+      break;
+    case kDLCUDA:
+    case kDLCUDAManaged:
+      ref.cuda = true;
+      ref.device = t.device.device_id;
+      break;
+    default:
+      ThrowIfError(InvalidArgumentError(what + ": unsupported DLPack device type " +
+                                        std::to_string(static_cast<int>(t.device.device_type))));
+  }
+  if (t.ndim < 0 || t.ndim > kMaxDims) {
+    ThrowIfError(InvalidArgumentError(what + ": " + std::to_string(t.ndim) +
+                                      " dimensions; at most " + std::to_string(kMaxDims) +
+                                      " are supported"));
+  }
+  ref.dtype = Unwrap(DTypeFromDL(t.dtype, what));
+  ThrowIfError(CheckContiguous(t, what));
+  ref.shape.assign(t.shape, t.shape + t.ndim);
+  ref.data = static_cast<char*>(t.data) + t.byte_offset;
+  ref.nbytes = NumElements(ref.shape) * DTypeSize(ref.dtype);
+  return ref;
+}
+
+}  // namespace shardsync::py_bind

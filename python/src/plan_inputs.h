@@ -1,0 +1,13 @@
+// PlanInputs from the Python-side spellings (shared by the plan and session bindings).
+#pragma once
+
+#include "common.h"
+#include "shardsync/plan.h"
+
+namespace shardsync::py_bind {
+
+PlanInputs MakePlanInputs(py::handle model, const std::string& trainer, const std::string& rollout,
+                          const std::string& engine, const std::string& wire_dtype,
+                          const std::string& trainer_dtype, int64_t bucket_bytes);
+
+}  // namespace shardsync::py_bind

@@ -413,8 +413,10 @@ Status ValidateModelSpec(const ModelSpec& s) {
     return err("head_dim", "num_attention_heads * head_dim overflows int64");
   }
   const int64_t kv_rows = s.num_key_value_heads * s.head_dim;  // <= q_rows
+  // Engines pad the vocabulary to a multiple of 64; the padded table must fit too.
+  const int64_t padded_vocab = (s.vocab_size + 63) / 64 * 64;
   SS_RETURN_IF_ERROR(
-      add("vocab_size", {s.vocab_size, s.hidden_size}, s.tie_word_embeddings ? 1 : 2));
+      add("vocab_size", {padded_vocab, s.hidden_size}, s.tie_word_embeddings ? 1 : 2));
   SS_RETURN_IF_ERROR(add("head_dim", {q_rows, s.hidden_size}, 2 * L));
   SS_RETURN_IF_ERROR(add("num_key_value_heads", {kv_rows, s.hidden_size}, 2 * L));
   SS_RETURN_IF_ERROR(add("hidden_size", {s.hidden_size}, 4 * L + 1));  // norms and biases

@@ -1,0 +1,185 @@
+// GPU data path: device query, device memory, streams, and the batched pack / unpack / verify
+// kernels that copy (and cast) many strided regions in ONE launch while computing the shardsync
+// checksum (checksum.h) of the wire image, bit for bit equal to the CPU ChecksumPartial.
+//
+// Built with CUDA when SHARDSYNC_HAVE_CUDA; otherwise every call returns Unimplemented
+// ("built without CUDA") and Available() is false, so the rest of shardsync links and runs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardsync/checksum.h"
+#include "shardsync/dtype.h"
+#include "shardsync/region.h"
+#include "shardsync/status.h"
+#include "shardsync/synthetic.h"
+#include "shardsync/transport.h"
+
+namespace shardsync::gpu {
+
+// True if this build has CUDA and at least one device answers; otherwise false with the reason
+// ("built without CUDA", "no CUDA device: <driver error>").
+bool Available(std::string* reason = nullptr);
+Result<int> DeviceCount();
+
+struct DeviceInfo {
+  int index = 0;
+  std::string name;
+  std::string pci_bus_id;
+  int cc_major = 0, cc_minor = 0;
+  int sm_count = 0;
+  int64_t total_bytes = 0;
+  int64_t l2_bytes = 0;
+  double hbm_peak_gbps = 0;  // memory clock * bus width * 2 (DDR); H200: ~4800
+};
+Result<DeviceInfo> QueryDevice(int device);
+// Makes `device` current for the calling thread.
+Status SetDevice(int device);
+
+// An owned cudaStream_t (non-blocking w.r.t. the legacy stream).
+class Stream {
+ public:
+  static Result<std::unique_ptr<Stream>> Create(int device);
+  ~Stream();
+  void* handle() const { return handle_; }  // cudaStream_t
+  int device() const { return device_; }
+  Status Synchronize(Millis timeout, std::string_view what) const;
+
+ private:
+  Stream(void* h, int d) : handle_(h), device_(d) {}
+  void* handle_;
+  int device_;
+};
+
+// An owned device allocation (cudaMalloc, so it can be exported through CUDA IPC).
+class DeviceBuffer {
+ public:
+  static Result<std::unique_ptr<DeviceBuffer>> Allocate(size_t bytes, int device);
+  ~DeviceBuffer();
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  int device() const { return device_; }
+  MemRegion region() const { return {data_, bytes_, MemKind::kCuda, device_}; }
+
+ private:
+  DeviceBuffer(void* p, size_t n, int d) : data_(p), bytes_(n), device_(d) {}
+  void* data_;
+  size_t bytes_;
+  int device_;
+};
+
+// Synchronous copies and fills (tests, setup; not on the sync path).
+Status CopyToDevice(void* dst, const void* src, size_t bytes);
+Status CopyToHost(void* dst, const void* src, size_t bytes);
+Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes, void* stream = nullptr);
+Status Memset(void* dst, int value, size_t bytes);
+
+// One strided piece of a batch: `rows` runs of `row_elems` elements. The input run r starts at
+// in + r*in_stride elements, the output run at out + r*out_stride (strides in elements of each
+// side's dtype). Its elements occupy wire bytes [wire_offset, wire_offset + numel*wire_size) of
+// bucket `bucket`, in row-major order. All pointers are device pointers (or IPC-mapped ones).
+struct CopyRun {
+  const void* in = nullptr;
+  void* out = nullptr;  // ignored by kVerify
+  int64_t in_stride = 0;
+  int64_t out_stride = 0;
+  int64_t row_elems = 0;
+  int64_t rows = 1;
+  int32_t bucket = 0;
+  int64_t wire_offset = 0;
+  int64_t numel() const { return row_elems * rows; }
+};
+
+// kPack: the wire image is the output (in_dtype -> wire_dtype, cast f32 -> bf16 allowed).
+// kUnpack: the wire image is the input (wire_dtype -> out_dtype, cast bf16 -> f32 allowed).
+// kVerify: no output; checksums the input as wire bytes (zero-copy receivers).
+enum class BatchMode { kPack, kUnpack, kVerify };
+
+struct BatchSpec {
+  BatchMode mode = BatchMode::kPack;
+  DType in_dtype = DType::kBF16;
+  DType out_dtype = DType::kBF16;  // ignored by kVerify
+  std::vector<CopyRun> runs;
+  // Wire bytes of each bucket; the runs of a bucket must tile [0, bytes) exactly.
+  std::vector<int64_t> bucket_bytes;
+};
+
+// A prepared batch: descriptors validated and uploaded once, replayed every sync. One launch in
+// flight at a time per batch.
+class CopyBatch {
+ public:
+  static Result<std::unique_ptr<CopyBatch>> Prepare(const BatchSpec& spec, int device);
+  virtual ~CopyBatch() = default;
+  // Enqueues the copy and the per-bucket checksum on `stream` (a cudaStream_t, or the Stream's
+  // handle()). Never blocks.
+  virtual Status Launch(void* stream) = 0;
+  // After the stream passed the launch: the finished checksum (ChecksumFinish(sum, bucket bytes))
+  // of each bucket, and the raw sums (ChecksumPartial of the bucket's wire image).
+  virtual Result<std::vector<uint64_t>> Checksums() const = 0;
+  virtual Result<std::vector<uint64_t>> Sums() const = 0;
+  virtual int64_t wire_bytes() const = 0;
+  virtual int64_t in_bytes() const = 0;
+  virtual int64_t out_bytes() const = 0;
+  virtual size_t num_chunks() const = 0;
+};
+
+// Appends the runs of region `r` of a row-major tensor of `shape` held at device pointer `in`
+// (elements of `in_size` bytes), packed contiguously at `out` (elements of `out_size` bytes)
+// whose first element sits at wire_offset (wire elements of `wire_size` bytes). Runs of equal
+// length at a constant stride merge into one 2-d CopyRun.
+void AppendRegionRuns(const Region& r, const Shape& shape, const void* in, int in_size, void* out,
+                      int out_size, int wire_size, int32_t bucket, int64_t wire_offset,
+                      std::vector<CopyRun>* runs);
+
+// GPU checksum of device bytes (any size, any alignment): ChecksumPartial(d, nbytes, byte_offset)
+// computed on the GPU. Synchronous.
+Result<uint64_t> DeviceChecksumPartial(const void* d, size_t nbytes, uint64_t byte_offset);
+inline Result<uint64_t> DeviceChecksum(const void* d, size_t nbytes);
+
+// Fills `out` (device, row-major, r.numel() elements of `dtype` kF32 or kBF16) with the synthetic
+// values (synthetic.h) of region `r` of a tensor of `shape`, bit-equal to FillSyntheticRegion
+// (rounded to bf16 for kBF16). Asynchronous on `stream`.
+Status FillSyntheticDevice(uint64_t seed, const SyntheticTensor& t, const Shape& shape,
+                           const Region& r, DType dtype, void* out, void* stream);
+// Counts elements of the device bf16 region `dst` of a tensor of `dst_shape` that differ from
+// bf16(synthetic value of region `src` of the HF tensor of `src_shape`) (same element count,
+// row-major correspondence). Adds to *d_mismatches (device int64). Asynchronous on `stream`.
+Status CountSyntheticMismatches(uint64_t seed, const SyntheticTensor& t, const Shape& src_shape,
+                                const Region& src, const Shape& dst_shape, const Region& dst,
+                                const void* param, unsigned long long* d_mismatches, void* stream);
+
+// Transports implemented by this layer. cuda_ipc: same node, one-sided Put into peers' exported
+// device memory (cached mappings), control messages through a shared-memory mailbox. nccl:
+// two-sided, one non-blocking 2-rank communicator per peer pair (NCCL refuses two ranks of one
+// communicator on one GPU, which colocated layouts need), grouped send/recv, abort on failure.
+struct NcclOptions {
+  int device = 0;  // CUDA device of this rank
+};
+std::unique_ptr<Transport> MakeCudaIpcTransport(int device);
+std::unique_ptr<Transport> MakeNcclTransport(const NcclOptions& options);
+// Device pointer a CUDA IPC transport mapped for peer's region at offset (for kernels that write
+// straight into the peer's memory); OutOfRange if [offset, offset+bytes) leaves the region.
+Result<void*> CudaIpcRemotePointer(Transport& ipc, int peer, uint32_t region, uint64_t offset,
+                                   uint64_t bytes);
+// Runs a GPU transport's copies / NCCL calls on `stream` (cudaStream_t; nullptr: its own), so they
+// are ordered after kernels the caller enqueued there (pack, or writes straight into a peer's
+// memory through CudaIpcRemotePointer) and a Flush covers them. InvalidArgument for other
+// transports.
+Status SetTransportStream(Transport& t, void* stream);
+// Registers "cuda_ipc" (priority 100) and "nccl" (priority 200) in the transport registry
+// (idempotent). Factory params (TransportOptions.params): "device" (CUDA index, default 0).
+Status RegisterGpuTransports();
+// Whether libnccl can be loaded (SHARDSYNC_NCCL_LIB or libnccl.so.2), with its version.
+Result<int> NcclVersion();
+
+// ---- inline ----
+inline Result<uint64_t> DeviceChecksum(const void* d, size_t nbytes) {
+  SS_ASSIGN_OR_RETURN(uint64_t s, DeviceChecksumPartial(d, nbytes, 0));
+  return ChecksumFinish(s, nbytes);
+}
+
+}  // namespace shardsync::gpu

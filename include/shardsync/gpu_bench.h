@@ -1,0 +1,97 @@
+// GPU sync benchmark: a whole sync job (trainer ranks -> engine ranks, one process per sync rank,
+// placed on the node's GPUs) run over cuda_ipc and/or nccl with the GPU pack / verify kernels,
+// checked element for element against the synthetic HF tensors, and measured in the same run
+// against cudaMemcpy device-to-device of the same bytes, a broadcast-all baseline and the link
+// bound. `shardsync bench --device cuda` and tools `shardsync_gpu` call RunGpuBench.
+//
+// Process model: the calling process forks one child per sync rank BEFORE it touches CUDA (a
+// CUDA context does not survive fork) and serves the store; it never initializes CUDA itself.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardsync/dtype.h"
+#include "shardsync/status.h"
+#include "shardsync/store.h"
+
+namespace shardsync::gpu {
+
+struct GpuBenchOptions {
+  std::string model = "qwen3-8b";          // embedded name or config path (LoadModelSpec)
+  std::string trainer = "fsdp=2";          // ParseTrainerSpec
+  std::string rollout = "dp=1,tp=2,pp=2";  // ParseRolloutSpec
+  std::string engine = "sglang";           // sglang | vllm
+  // cuda_ipc: every pair over CUDA IPC (kernels write straight into engine parameters).
+  // nccl: pairs on different GPUs over NCCL (pack -> send -> recv -> unpack, double-buffered
+  // staging bounded by the bucket cap), same-GPU pairs over cuda_ipc (NCCL cannot).
+  std::string transport = "cuda_ipc";
+  DType trainer_dtype = DType::kBF16;  // what trainers hold: kF32 (cast while packing) or kBF16
+  int64_t bucket_bytes = int64_t{512} << 20;
+  int gpus = 0;    // GPUs to place ranks on (0: all visible). Trainer t on GPU t % gpus; engine
+                   // rank (replica d, pp, tp) on GPU (d*tp*pp + pp*tp + tp) % gpus (colocated).
+  int iters = 5;   // timed syncs (the median is reported)
+  int warmup = 1;  // untimed syncs first (IPC mappings, NCCL channels)
+  uint64_t seed = 1;
+  bool verify_elements = true;      // compare every engine element with the synthetic HF value
+  bool memcpy_baseline = true;      // cudaMemcpy D2D of the same wire bytes on GPU 0, same run
+  bool broadcast_baseline = false;  // trainer 0 sends every full HF tensor to every engine rank
+  bool kernel_bench = true;         // pack / unpack / verify GB/s on GPU 0 vs HBM peak
+  // Fault: this sync rank SIGKILLs itself mid-sync in the first timed iteration (after its
+  // kernels were launched, before its control messages): every other rank must error within
+  // `timeout`. -1: no fault.
+  int kill_rank = -1;
+  Millis timeout{60000};
+  std::string log_prefix;  // where child processes write rank logs (empty: stderr)
+};
+
+struct GpuBenchRank {
+  int rank = 0;
+  bool is_trainer = false;
+  int device = 0;
+  std::string error;            // empty when every iteration succeeded
+  double seconds_to_error = 0;  // fault runs: from the sync start to this rank's error
+  int64_t bytes = 0;            // wire bytes sent (trainer) or received (engine) per sync
+  int64_t checksums_ok = 0, checksums_total = 0;
+  int64_t element_mismatches = -1;  // engines with verify_elements; -1: not checked
+  int64_t elements_checked = 0;
+  std::vector<double> seconds;  // per timed iteration
+};
+
+struct GpuBenchReport {
+  std::string device_name;
+  int gpus = 0;
+  std::string model, trainer, rollout, engine, transport;
+  std::string trainer_dtype;
+  int nccl_version = 0;
+  int64_t wire_bytes = 0;       // bytes the plan moves per sync (job-wide)
+  int64_t cross_gpu_bytes = 0;  // of which between different GPUs
+  int64_t broadcast_bytes = 0;  // bytes broadcast-all moves per sync
+  // Job time per sync = last rank's end - first rank's start (same host clock), median.
+  double sync_seconds = 0;
+  double sync_gbps = 0;  // wire_bytes / sync_seconds
+  std::vector<double> sync_seconds_all;
+  double memcpy_seconds = 0;  // cudaMemcpy D2D of wire_bytes on GPU 0 (median)
+  double memcpy_gbps = 0;
+  double sync_vs_memcpy = 0;  // memcpy_seconds / sync_seconds (goal >= 0.8 colocated)
+  double broadcast_seconds = 0;
+  double speedup_vs_broadcast = 0;
+  double link_gbps = 0;      // measured GPU0 -> GPU1 copy bandwidth (2+ GPUs)
+  double bound_seconds = 0;  // per-GPU bytes / measured bandwidths, max over GPUs
+  double sync_vs_bound = 0;  // sync_seconds / bound_seconds
+  // Kernel microbenchmarks on GPU 0 (GB/s of bytes read + written).
+  double hbm_peak_gbps = 0;
+  double pack_f32_bf16_gbps = 0, pack_bf16_gbps = 0, pack_strided_gbps = 0, unpack_gbps = 0,
+         verify_gbps = 0, memcpy_kernel_ref_gbps = 0;
+  int64_t element_mismatches = 0;  // summed over engine ranks
+  int64_t elements_checked = 0;
+  int64_t checksums_ok = 0, checksums_total = 0;
+  bool ok = false;      // every rank succeeded (no fault) / every survivor errored (fault)
+  std::string summary;  // one line
+  std::vector<GpuBenchRank> ranks;
+};
+
+Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& options);
+
+}  // namespace shardsync::gpu

@@ -1,0 +1,36 @@
+// Internal helpers of the cuda layer: CUDA error -> Status, driver entry points.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <string_view>
+
+#include "shardsync/status.h"
+
+namespace shardsync::gpu::internal {
+
+inline Status CudaStatus(cudaError_t e, std::string_view what) {
+  if (e == cudaSuccess) return OkStatus();
+  std::string msg =
+      std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+  if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver ||
+      e == cudaErrorDevicesUnavailable) {
+    return UnavailableError(std::move(msg));
+  }
+  if (e == cudaErrorMemoryAllocation) return OutOfRangeError(std::move(msg));
+  if (e == cudaErrorInvalidValue || e == cudaErrorInvalidDevicePointer ||
+      e == cudaErrorInvalidDevice) {
+    return InvalidArgumentError(std::move(msg));
+  }
+  return InternalError(std::move(msg));
+}
+
+#define SS_CUDA(expr, what) \
+  SS_RETURN_IF_ERROR(::shardsync::gpu::internal::CudaStatus((expr), (what)))
+
+// cuMemGetAddressRange through the runtime's driver entry point, so the layer does not link
+// libcuda (CI machines have no driver; the test binaries must still load there and skip).
+Status AllocationRange(const void* ptr, void** base, size_t* size);
+
+}  // namespace shardsync::gpu::internal

@@ -1,0 +1,538 @@
+// cuda_ipc transport: same-node GPU memory, one-sided.
+//
+// Export: at Connect every rank publishes, for each registered region, the IPC handle of the
+// allocation holding it (cudaIpcGetMemHandle of the base cuMemGetAddressRange returns) plus the
+// region's offset in it. Import: a sender opens a peer's allocation on first use
+// (cudaIpcOpenMemHandle, peer access enabled lazily for other GPUs) and caches the mapping for the
+// transport's life, so later syncs pay nothing. Puts are cudaMemcpyAsync on the transport's stream
+// (or the caller's, see CudaIpcSetStream) and complete through CUDA events; a Flush is an event
+// after every earlier put. Control messages (Send/Recv) go through a shared-memory mailbox per
+// direction (shm_mailbox.h); a peer that exits or aborts is seen there (closed flag, pid gone).
+#include <cuda_runtime.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "cuda/cuda_util.h"
+#include "cuda/impl/shm_mailbox.h"
+#include "shardsync/gpu.h"
+
+namespace shardsync::gpu {
+
+using internal::CudaStatus;
+using internal::Mailbox;
+
+namespace internal {
+
+Status AllocationRange(const void* ptr, void** base, size_t* size) {
+  using Fn = int (*)(unsigned long long*, size_t*, unsigned long long);
+  static Fn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      return static_cast<Fn>(nullptr);
+    }
+    return reinterpret_cast<Fn>(f);
+  }();
+  if (!fn) return InternalError("cuMemGetAddressRange entry point not found in the driver");
+  unsigned long long b = 0;
+  const int rc = fn(&b, size, reinterpret_cast<unsigned long long>(ptr));
+  if (rc != 0) {
+    return InvalidArgumentError("cuMemGetAddressRange failed (CUresult " + std::to_string(rc) +
+                                "): pointer is not device memory from cudaMalloc");
+  }
+  *base = reinterpret_cast<void*>(b);
+  return OkStatus();
+}
+
+}  // namespace internal
+
+namespace {
+
+constexpr uint32_t kExportMagic = 0x53534950;  // "SSIP"
+
+struct ExportRecord {
+  uint32_t magic = kExportMagic;
+  int32_t pid = 0;
+  int32_t device = -1;
+  int32_t ok = 0;  // 0: not exportable (error text below)
+  cudaIpcMemHandle_t handle{};
+  uint64_t alloc_base = 0;  // exporter's address of the allocation (same-process shortcut)
+  uint64_t offset = 0;      // region start inside the allocation
+  uint64_t bytes = 0;
+  char error[160] = {};
+};
+
+uint64_t Fnv(std::string_view s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+std::string Hex(uint64_t v) {
+  char b[17];
+  snprintf(b, sizeof(b), "%016llx", static_cast<unsigned long long>(v));
+  return b;
+}
+
+bool PidAlive(int pid) { return pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH; }
+
+class CudaIpcTransport final : public Transport {
+ public:
+  explicit CudaIpcTransport(int device) : device_(device) {}
+  ~CudaIpcTransport() override {
+    cudaSetDevice(device_);
+    for (auto& [id, x] : xfers_) {
+      if (x.event) cudaEventDestroy(x.event);
+    }
+    for (cudaEvent_t e : event_pool_) cudaEventDestroy(e);
+    for (auto& [key, ptr] : opened_) cudaIpcCloseMemHandle(ptr);
+    if (own_stream_) cudaStreamDestroy(own_stream_);
+  }
+
+  std::string_view name() const override { return "cuda_ipc"; }
+  TransportCaps caps() const override {
+    TransportCaps c;
+    c.device_memory = true;
+    c.one_sided_put = true;
+    c.two_sided = true;  // control messages up to kMailboxSlotBytes through the mailbox
+    c.same_node_only = true;
+    return c;
+  }
+  bool CanConnect(const PeerInfo& self, const PeerInfo& peer) const override {
+    return self.hostname == peer.hostname && self.mem == MemKind::kCuda &&
+           peer.mem == MemKind::kCuda;
+  }
+
+  Result<uint32_t> RegisterMemory(const MemRegion& region) override {
+    if (connected_) return FailedPreconditionError("cuda_ipc: RegisterMemory after Connect");
+    if (region.kind != MemKind::kCuda) {
+      return InvalidArgumentError("cuda_ipc: region " + std::to_string(regions_.size()) +
+                                  " is host memory; cuda_ipc moves device memory only");
+    }
+    regions_.push_back(region);
+    return static_cast<uint32_t>(regions_.size() - 1);
+  }
+
+  Status Connect(StoreClient& store, const std::string& prefix, int rank,
+                 const std::vector<int>& peers, Millis timeout) override {
+    if (connected_) return FailedPreconditionError("cuda_ipc: Connect called twice");
+    rank_ = rank;
+    SS_CUDA(cudaSetDevice(device_), "cuda_ipc: cudaSetDevice " + std::to_string(device_));
+    if (!stream_) {
+      SS_CUDA(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking), "cuda_ipc: stream");
+      stream_ = own_stream_;
+    }
+    const std::string base = prefix + "cuda_ipc/";
+    // 1. Export every region.
+    std::string blob;
+    for (size_t i = 0; i < regions_.size(); ++i) {
+      ExportRecord rec;
+      rec.pid = getpid();
+      rec.device = device_;
+      rec.bytes = regions_[i].bytes;
+      void* alloc = nullptr;
+      size_t alloc_size = 0;
+      Status s = internal::AllocationRange(regions_[i].base, &alloc, &alloc_size);
+      if (s.ok()) {
+        s = CudaStatus(cudaIpcGetMemHandle(&rec.handle, alloc),
+                       "cudaIpcGetMemHandle of region " + std::to_string(i));
+      }
+      if (s.ok()) {
+        rec.ok = 1;
+        rec.alloc_base = reinterpret_cast<uint64_t>(alloc);
+        rec.offset = static_cast<uint64_t>(static_cast<unsigned char*>(regions_[i].base) -
+                                           static_cast<unsigned char*>(alloc));
+      } else {
+        cudaGetLastError();
+        snprintf(rec.error, sizeof(rec.error), "%s", s.message().c_str());
+      }
+      blob.append(reinterpret_cast<const char*>(&rec), sizeof(rec));
+    }
+    SS_RETURN_IF_ERROR(store.Set(base + std::to_string(rank) + "/mem", blob));
+    // 2. Inboxes (peer -> me), created by me.
+    const std::string shm = "/ssipc_" + Hex(Fnv(prefix)) + "_";
+    for (int p : peers) {
+      SS_ASSIGN_OR_RETURN(Mailbox * m,
+                          Mailbox::Create(shm + std::to_string(p) + "_" + std::to_string(rank)));
+      inbox_[p].reset(m);
+    }
+    SS_RETURN_IF_ERROR(store.Set(base + std::to_string(rank) + "/ready", "1"));
+    // 3. Peers' exports and outboxes (me -> peer).
+    for (int p : peers) {
+      auto got = store.Get(base + std::to_string(p) + "/mem", timeout);
+      if (!got.ok()) {
+        return Status(got.status().code(), "cuda_ipc: rank " + std::to_string(rank) +
+                                               " waiting for peer rank " + std::to_string(p) +
+                                               " exports: " + got.status().message());
+      }
+      const std::string& v = *got;
+      if (v.size() % sizeof(ExportRecord) != 0) {
+        return DataLossError("cuda_ipc: peer rank " + std::to_string(p) + " export is malformed");
+      }
+      auto& recs = exports_[p];
+      recs.resize(v.size() / sizeof(ExportRecord));
+      if (!recs.empty()) std::memcpy(recs.data(), v.data(), v.size());
+      for (const auto& r : recs) {
+        if (r.magic != kExportMagic) {
+          return DataLossError("cuda_ipc: peer rank " + std::to_string(p) + " export bad magic");
+        }
+      }
+      SS_RETURN_IF_ERROR(store.Get(base + std::to_string(p) + "/ready", timeout)
+                             .status()
+                             .Annotate("cuda_ipc: peer rank " + std::to_string(p) + " mailbox"));
+      SS_ASSIGN_OR_RETURN(Mailbox * m,
+                          Mailbox::Open(shm + std::to_string(rank) + "_" + std::to_string(p)));
+      outbox_[p].reset(m);
+      peer_pid_[p] = recs.empty() ? m->header()->receiver_pid.load() : recs[0].pid;
+      if (peer_pid_[p] == 0) peer_pid_[p] = m->header()->receiver_pid.load();
+    }
+    // 4. Once every peer mapped my inboxes, their names can go (no leak if we crash later).
+    SS_RETURN_IF_ERROR(store.Set(base + std::to_string(rank) + "/opened", "1"));
+    for (int p : peers) {
+      SS_RETURN_IF_ERROR(store.Get(base + std::to_string(p) + "/opened", timeout)
+                             .status()
+                             .Annotate("cuda_ipc: peer rank " + std::to_string(p) + " opening"));
+    }
+    for (auto& [p, m] : inbox_) m->Unlink();
+    connected_ = true;
+    return OkStatus();
+  }
+
+  Result<void*> RemotePointer(int peer, uint32_t region, uint64_t offset, uint64_t bytes) {
+    SS_RETURN_IF_ERROR(Usable());
+    auto it = exports_.find(peer);
+    if (it == exports_.end()) {
+      return InvalidArgumentError("cuda_ipc: rank " + std::to_string(peer) +
+                                  " is not a connected peer of rank " + std::to_string(rank_));
+    }
+    if (region >= it->second.size()) {
+      return OutOfRangeError("cuda_ipc: peer rank " + std::to_string(peer) + " has no region " +
+                             std::to_string(region) + " (it registered " +
+                             std::to_string(it->second.size()) + ")");
+    }
+    const ExportRecord& r = it->second[region];
+    if (offset + bytes > r.bytes || offset + bytes < offset) {
+      return OutOfRangeError("cuda_ipc: put [" + std::to_string(offset) + ", " +
+                             std::to_string(offset + bytes) + ") outside peer rank " +
+                             std::to_string(peer) + " region " + std::to_string(region) + " of " +
+                             std::to_string(r.bytes) + " bytes");
+    }
+    if (!r.ok) {
+      return FailedPreconditionError("cuda_ipc: peer rank " + std::to_string(peer) + " region " +
+                                     std::to_string(region) + " is not exportable: " + r.error);
+    }
+    unsigned char* alloc = nullptr;
+    if (r.pid == getpid()) {
+      alloc = reinterpret_cast<unsigned char*>(r.alloc_base);  // same process: no IPC needed
+    } else {
+      const std::string key(reinterpret_cast<const char*>(&r.handle), sizeof(r.handle));
+      auto o = opened_.find(key);
+      if (o == opened_.end()) {
+        SS_CUDA(cudaSetDevice(device_), "cuda_ipc: cudaSetDevice");
+        void* p = nullptr;
+        SS_CUDA(cudaIpcOpenMemHandle(&p, r.handle, cudaIpcMemLazyEnablePeerAccess),
+                "cuda_ipc: cudaIpcOpenMemHandle of peer rank " + std::to_string(peer) + " region " +
+                    std::to_string(region) + " (device " + std::to_string(r.device) + ")");
+        o = opened_.emplace(key, p).first;
+      }
+      alloc = static_cast<unsigned char*>(o->second);
+    }
+    return static_cast<void*>(alloc + r.offset + offset);
+  }
+
+  Result<XferId> PostPut(int peer, const void* src, size_t bytes, uint32_t remote_region,
+                         uint64_t remote_offset) override {
+    SS_ASSIGN_OR_RETURN(void* dst, RemotePointer(peer, remote_region, remote_offset, bytes));
+    if (bytes > 0) {
+      SS_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_),
+              "cuda_ipc: put to peer rank " + std::to_string(peer));
+    }
+    return NewEventXfer(peer);
+  }
+
+  Result<XferId> PostFlush(int peer) override {
+    SS_RETURN_IF_ERROR(Usable());
+    return NewEventXfer(peer);
+  }
+
+  Result<XferId> PostSend(int peer, uint64_t tag, const void* buf, size_t bytes) override {
+    SS_RETURN_IF_ERROR(Usable());
+    if (!outbox_.count(peer)) {
+      return InvalidArgumentError("cuda_ipc: send to rank " + std::to_string(peer) +
+                                  ", not a connected peer");
+    }
+    if (bytes > internal::kMailboxSlotBytes) {
+      return InvalidArgumentError("cuda_ipc: send of " + std::to_string(bytes) + " bytes to rank " +
+                                  std::to_string(peer) + " exceeds the control-message limit " +
+                                  std::to_string(internal::kMailboxSlotBytes) +
+                                  " (move data with PostPut)");
+    }
+    Xfer x;
+    x.kind = Xfer::kSend;
+    x.peer = peer;
+    x.tag = tag;
+    x.data.resize(bytes);
+    if (bytes) SS_RETURN_IF_ERROR(CopyIn(buf, bytes, x.data.data()));
+    const XferId id = next_id_++;
+    xfers_.emplace(id, std::move(x));
+    return id;
+  }
+
+  Result<XferId> PostRecv(int peer, uint64_t tag, void* buf, size_t bytes) override {
+    SS_RETURN_IF_ERROR(Usable());
+    if (!inbox_.count(peer)) {
+      return InvalidArgumentError("cuda_ipc: recv from rank " + std::to_string(peer) +
+                                  ", not a connected peer");
+    }
+    Xfer x;
+    x.kind = Xfer::kRecv;
+    x.peer = peer;
+    x.tag = tag;
+    x.buf = buf;
+    x.bytes = bytes;
+    const XferId id = next_id_++;
+    xfers_.emplace(id, std::move(x));
+    return id;
+  }
+
+  Result<XferState> Poll(XferId id) override {
+    if (aborted_) return AbortedError("cuda_ipc: transport aborted");
+    auto it = xfers_.find(id);
+    if (it == xfers_.end())
+      return InvalidArgumentError("cuda_ipc: unknown xfer " + std::to_string(id));
+    Xfer& x = it->second;
+    switch (x.kind) {
+      case Xfer::kEvent: {
+        const cudaError_t e = cudaEventQuery(x.event);
+        if (e == cudaErrorNotReady) {
+          SS_RETURN_IF_ERROR(PeerAlive(x.peer));
+          return XferState::kInProgress;
+        }
+        event_pool_.push_back(x.event);
+        xfers_.erase(it);
+        SS_CUDA(e, "cuda_ipc: put/flush to peer rank");
+        return XferState::kDone;
+      }
+      case Xfer::kSend: {
+        Mailbox& m = *outbox_[x.peer];
+        if (m.header()->receiver_closed.load()) return PeerGone(x.peer, "closed its mailbox");
+        if (!m.TrySend(x.tag, x.data.data(), x.data.size())) {
+          SS_RETURN_IF_ERROR(PeerAlive(x.peer));
+          return XferState::kInProgress;
+        }
+        xfers_.erase(it);
+        return XferState::kDone;
+      }
+      case Xfer::kRecv: {
+        Drain(x.peer);
+        auto& q = unexpected_[x.peer];
+        for (auto m = q.begin(); m != q.end(); ++m) {
+          if (m->first != x.tag) continue;
+          if (m->second.size() != x.bytes) {
+            const std::string msg = "cuda_ipc: message tag " + std::to_string(x.tag) +
+                                    " from rank " + std::to_string(x.peer) + " has " +
+                                    std::to_string(m->second.size()) + " bytes, receive posted " +
+                                    std::to_string(x.bytes);
+            xfers_.erase(it);
+            return InvalidArgumentError(msg);
+          }
+          SS_RETURN_IF_ERROR(CopyOut(m->second.data(), x.bytes, x.buf));
+          q.erase(m);
+          xfers_.erase(it);
+          return XferState::kDone;
+        }
+        if (inbox_[x.peer]->header()->sender_closed.load()) {
+          return PeerGone(x.peer, "closed its mailbox");
+        }
+        SS_RETURN_IF_ERROR(PeerAlive(x.peer));
+        return XferState::kInProgress;
+      }
+    }
+    return InternalError("cuda_ipc: bad xfer kind");
+  }
+
+  void Abort() override {
+    aborted_ = true;
+    for (auto& [p, m] : inbox_) m->header()->receiver_closed.store(1);
+    for (auto& [p, m] : outbox_) m->header()->sender_closed.store(1);
+  }
+
+  void SetStream(cudaStream_t s) { stream_ = s ? s : own_stream_; }
+
+ private:
+  struct Xfer {
+    enum Kind { kEvent, kSend, kRecv } kind = kEvent;
+    int peer = -1;
+    cudaEvent_t event = nullptr;
+    uint64_t tag = 0;
+    std::vector<unsigned char> data;
+    void* buf = nullptr;
+    size_t bytes = 0;
+  };
+
+  Status Usable() const {
+    if (aborted_) return AbortedError("cuda_ipc: transport aborted");
+    if (!connected_) return FailedPreconditionError("cuda_ipc: not connected");
+    return OkStatus();
+  }
+
+  Result<XferId> NewEventXfer(int peer) {
+    cudaEvent_t e = nullptr;
+    if (!event_pool_.empty()) {
+      e = event_pool_.back();
+      event_pool_.pop_back();
+    } else {
+      SS_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cuda_ipc: event");
+    }
+    SS_CUDA(cudaEventRecord(e, stream_), "cuda_ipc: event record");
+    Xfer x;
+    x.kind = Xfer::kEvent;
+    x.peer = peer;
+    x.event = e;
+    const XferId id = next_id_++;
+    xfers_.emplace(id, std::move(x));
+    return id;
+  }
+
+  // Control buffers may live in host or device memory.
+  static bool IsDevice(const void* p) {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return a.type == cudaMemoryTypeDevice;
+  }
+  static Status CopyIn(const void* buf, size_t n, void* host) {
+    if (IsDevice(buf)) {
+      SS_CUDA(cudaMemcpy(host, buf, n, cudaMemcpyDeviceToHost), "cuda_ipc: control copy");
+    } else {
+      std::memcpy(host, buf, n);
+    }
+    return OkStatus();
+  }
+  static Status CopyOut(const void* host, size_t n, void* buf) {
+    if (n == 0) return OkStatus();
+    if (IsDevice(buf)) {
+      SS_CUDA(cudaMemcpy(buf, host, n, cudaMemcpyHostToDevice), "cuda_ipc: control copy");
+    } else {
+      std::memcpy(buf, host, n);
+    }
+    return OkStatus();
+  }
+
+  void Drain(int peer) {
+    Mailbox& m = *inbox_[peer];
+    uint64_t tag = 0, bytes = 0;
+    while (m.Peek(&tag, &bytes)) {
+      const unsigned char* d = m.PeekData();
+      unexpected_[peer].emplace_back(tag, std::vector<unsigned char>(d, d + bytes));
+      m.Pop();
+    }
+  }
+
+  Status PeerGone(int peer, const std::string& why) {
+    return UnavailableError("cuda_ipc: peer rank " + std::to_string(peer) + " (pid " +
+                            std::to_string(peer_pid_[peer]) + ") " + why);
+  }
+  Status PeerAlive(int peer) {
+    auto it = peer_pid_.find(peer);
+    if (it == peer_pid_.end()) return OkStatus();
+    if (!PidAlive(it->second)) return PeerGone(peer, "exited");
+    return OkStatus();
+  }
+
+  int device_;
+  int rank_ = -1;
+  bool connected_ = false;
+  bool aborted_ = false;
+  cudaStream_t own_stream_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  std::vector<MemRegion> regions_;
+  std::map<int, std::vector<ExportRecord>> exports_;
+  std::unordered_map<std::string, void*> opened_;  // IPC handle bytes -> mapping (cached)
+  std::map<int, std::unique_ptr<Mailbox>> inbox_, outbox_;
+  std::map<int, int> peer_pid_;
+  std::map<int, std::deque<std::pair<uint64_t, std::vector<unsigned char>>>> unexpected_;
+  std::map<XferId, Xfer> xfers_;
+  std::vector<cudaEvent_t> event_pool_;
+  XferId next_id_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> MakeCudaIpcTransport(int device) {
+  return std::make_unique<CudaIpcTransport>(device);
+}
+
+Result<void*> CudaIpcRemotePointer(Transport& ipc, int peer, uint32_t region, uint64_t offset,
+                                   uint64_t bytes) {
+  auto* t = dynamic_cast<CudaIpcTransport*>(&ipc);
+  if (!t) return InvalidArgumentError("CudaIpcRemotePointer: transport is not cuda_ipc");
+  return t->RemotePointer(peer, region, offset, bytes);
+}
+
+Status NcclSetStream(Transport& t, void* stream, bool* matched);  // nccl_transport.cc
+
+Status SetTransportStream(Transport& t, void* stream) {
+  if (auto* ipc = dynamic_cast<CudaIpcTransport*>(&t)) {
+    ipc->SetStream(static_cast<cudaStream_t>(stream));
+    return OkStatus();
+  }
+  bool matched = false;
+  SS_RETURN_IF_ERROR(NcclSetStream(t, stream, &matched));
+  if (matched) return OkStatus();
+  return InvalidArgumentError("SetTransportStream: transport '" + std::string(t.name()) +
+                              "' is not a GPU transport");
+}
+
+Status RegisterGpuTransports() {
+  static const Status once = [] {
+    auto device_of = [](const TransportOptions& o) {
+      auto it = o.params.find("device");
+      return it == o.params.end() ? 0 : std::atoi(it->second.c_str());
+    };
+    TransportEntry ipc;
+    ipc.name = "cuda_ipc";
+    ipc.priority = 100;
+    ipc.can_connect = [](const PeerInfo& a, const PeerInfo& b) {
+      return a.hostname == b.hostname && a.mem == MemKind::kCuda && b.mem == MemKind::kCuda;
+    };
+    ipc.factory = [device_of](const TransportOptions& o) -> Result<std::unique_ptr<Transport>> {
+      return MakeCudaIpcTransport(device_of(o));
+    };
+    SS_RETURN_IF_ERROR(RegisterTransport(std::move(ipc)));
+    TransportEntry nccl;
+    nccl.name = "nccl";
+    nccl.priority = 200;
+    nccl.can_connect = [](const PeerInfo& a, const PeerInfo& b) {
+      return a.mem == MemKind::kCuda && b.mem == MemKind::kCuda &&
+             !(a.hostname == b.hostname && a.device == b.device);
+    };
+    nccl.factory = [device_of](const TransportOptions& o) -> Result<std::unique_ptr<Transport>> {
+      NcclOptions n;
+      n.device = device_of(o);
+      return MakeNcclTransport(n);
+    };
+    return RegisterTransport(std::move(nccl));
+  }();
+  return once;
+}
+
+}  // namespace shardsync::gpu

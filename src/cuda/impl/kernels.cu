@@ -1,0 +1,839 @@
+// Batched pack / unpack / verify kernels with the fused shardsync checksum, the synthetic-weight
+// fill and check kernels, and the device plumbing of gpu.h.
+//
+// Checksum decomposition (bit-exact with ChecksumPartial): the wire image of a bucket is cut into
+// 8-byte words. A word lying entirely inside one run is produced by exactly one thread, which
+// mixes it with its word index as it copies. A word that straddles two runs (their boundary is
+// not 8-aligned) or the ragged end of a bucket is a "boundary word": after every block finished
+// (the last block to finish is elected with a fenced atomic ticket) that block re-reads the few
+// boundary words from the wire side of the runs that overlap them. Sums of all words add up mod
+// 2^64, so the result does not depend on the split.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_util.h"
+#include "shardsync/checksum.h"
+#include "shardsync/gpu.h"
+
+namespace shardsync::gpu {
+
+using internal::CudaStatus;
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kChunkWireBytes = int64_t{256} << 10;  // work unit of one block iteration
+
+// Device-side run descriptor (CopyRun normalized).
+struct Desc {
+  const unsigned char* in;
+  unsigned char* out;
+  int64_t in_stride;  // elements; == row_elems when the side is contiguous
+  int64_t out_stride;
+  int64_t row_elems;
+  int64_t numel;
+  int64_t wire_offset;  // bytes in the bucket
+  int32_t bucket;
+  int32_t flags;  // bit0: input contiguous, bit1: output contiguous
+};
+
+struct Chunk {
+  int32_t desc;
+  int32_t pad;
+  int64_t e0, e1;  // element range of the desc
+};
+
+struct Boundary {
+  int64_t word;  // word index in the bucket
+  int64_t bucket_bytes;
+  int32_t bucket;
+  int32_t first_desc;  // first desc (in wire order of its bucket) overlapping the word
+};
+
+// ---- element access ----
+
+template <int kSize>
+struct Elem;
+template <>
+struct Elem<1> {
+  using T = unsigned char;
+};
+template <>
+struct Elem<2> {
+  using T = unsigned short;
+};
+template <>
+struct Elem<4> {
+  using T = unsigned int;
+};
+template <>
+struct Elem<8> {
+  using T = unsigned long long;
+};
+
+__device__ __forceinline__ uint16_t F32BitsToBF16(uint32_t u) {
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Address of element e of a side (base, stride) of desc d.
+__device__ __forceinline__ int64_t ElemIndex(int64_t e, int64_t row_elems, int64_t stride,
+                                             bool contig) {
+  if (contig) return e;
+  const int64_t row = e / row_elems;
+  return row * stride + (e - row * row_elems);
+}
+
+// Loads n consecutive (in row-major order of the run) elements starting at e into a
+// little-endian register image. Vector load when they are in one row and aligned.
+template <int kSize, int kN>
+__device__ __forceinline__ void LoadElems(const unsigned char* base, int64_t e, int64_t row_elems,
+                                          int64_t stride, bool contig, uint64_t (&img)[2],
+                                          bool is_volatile) {
+  using T = typename Elem<kSize>::T;
+  constexpr int kBytes = kSize * kN;  // 8 or 16
+  img[0] = 0;
+  img[1] = 0;
+  int64_t row = 0, col = e;
+  if (!contig) {
+    row = e / row_elems;
+    col = e - row * row_elems;
+  }
+  if (col + kN <= row_elems) {
+    const unsigned char* p = base + (row * stride + col) * kSize;
+    if (!is_volatile && (reinterpret_cast<uintptr_t>(p) % kBytes) == 0) {
+      if constexpr (kBytes == 16) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+        img[0] = (static_cast<uint64_t>(v.y) << 32) | v.x;
+        img[1] = (static_cast<uint64_t>(v.w) << 32) | v.z;
+      } else if constexpr (kBytes == 8) {
+        img[0] = __ldg(reinterpret_cast<const unsigned long long*>(p));
+      } else {
+        static_assert(kBytes == 8 || kBytes == 16);
+      }
+      return;
+    }
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      const uint64_t v = is_volatile
+                             ? static_cast<uint64_t>(reinterpret_cast<const volatile T*>(p)[k])
+                             : static_cast<uint64_t>(reinterpret_cast<const T*>(p)[k]);
+      const int bit = k * kSize * 8;
+      img[bit / 64] |= v << (bit % 64);
+    }
+    return;
+  }
+  // Crosses a row end: element by element.
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const unsigned char* p = base + (row * stride + col) * kSize;
+    const uint64_t v = is_volatile ? static_cast<uint64_t>(*reinterpret_cast<const volatile T*>(p))
+                                   : static_cast<uint64_t>(*reinterpret_cast<const T*>(p));
+    const int bit = k * kSize * 8;
+    img[bit / 64] |= v << (bit % 64);
+    if (++col == row_elems) {
+      col = 0;
+      ++row;
+    }
+  }
+}
+
+template <int kSize, int kN>
+__device__ __forceinline__ void StoreElems(unsigned char* base, int64_t e, int64_t row_elems,
+                                           int64_t stride, bool contig, const uint64_t (&img)[2]) {
+  using T = typename Elem<kSize>::T;
+  constexpr int kBytes = kSize * kN;
+  int64_t row = 0, col = e;
+  if (!contig) {
+    row = e / row_elems;
+    col = e - row * row_elems;
+  }
+  if (col + kN <= row_elems) {
+    unsigned char* p = base + (row * stride + col) * kSize;
+    if ((reinterpret_cast<uintptr_t>(p) % kBytes) == 0) {
+      if constexpr (kBytes == 16) {
+        uint4 v;
+        v.x = static_cast<uint32_t>(img[0]);
+        v.y = static_cast<uint32_t>(img[0] >> 32);
+        v.z = static_cast<uint32_t>(img[1]);
+        v.w = static_cast<uint32_t>(img[1] >> 32);
+        *reinterpret_cast<uint4*>(p) = v;
+      } else {
+        *reinterpret_cast<unsigned long long*>(p) = img[0];
+      }
+      return;
+    }
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      const int bit = k * kSize * 8;
+      reinterpret_cast<T*>(p)[k] = static_cast<T>(img[bit / 64] >> (bit % 64));
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    unsigned char* p = base + (row * stride + col) * kSize;
+    const int bit = k * kSize * 8;
+    *reinterpret_cast<T*>(p) = static_cast<T>(img[bit / 64] >> (bit % 64));
+    if (++col == row_elems) {
+      col = 0;
+      ++row;
+    }
+  }
+}
+
+// kCast: 0 copy, 1 f32 -> bf16, 2 bf16 -> f32.
+template <int kInSize, int kOutSize, int kCast>
+__device__ __forceinline__ void Convert(const uint64_t (&in)[2], uint64_t (&out)[2]) {
+  if constexpr (kCast == 0) {
+    out[0] = in[0];
+    out[1] = in[1];
+  } else if constexpr (kCast == 1) {  // 4 floats (16 bytes) -> 4 bf16 (8 bytes)
+    const uint64_t a = F32BitsToBF16(static_cast<uint32_t>(in[0]));
+    const uint64_t b = F32BitsToBF16(static_cast<uint32_t>(in[0] >> 32));
+    const uint64_t c = F32BitsToBF16(static_cast<uint32_t>(in[1]));
+    const uint64_t d = F32BitsToBF16(static_cast<uint32_t>(in[1] >> 32));
+    out[0] = a | (b << 16) | (c << 32) | (d << 48);
+    out[1] = 0;
+  } else {  // 4 bf16 -> 4 floats
+    out[0] = ((in[0] & 0xffffull) << 16) | ((in[0] >> 16 & 0xffffull) << 48);
+    out[1] = ((in[0] >> 32 & 0xffffull) << 16) | ((in[0] >> 48 & 0xffffull) << 48);
+  }
+}
+
+// Wire element bytes of the desc for element e (boundary-word path; reads what landed).
+template <int kInSize, int kOutSize, bool kWireIsOut>
+__device__ __forceinline__ uint64_t WireElem(const Desc& d, int64_t e) {
+  if constexpr (kWireIsOut) {
+    using T = typename Elem<kOutSize>::T;
+    const int64_t i = ElemIndex(e, d.row_elems, d.out_stride, d.flags & 2);
+    return static_cast<uint64_t>(reinterpret_cast<const volatile T*>(d.out)[i]);
+  } else {
+    using T = typename Elem<kInSize>::T;
+    const int64_t i = ElemIndex(e, d.row_elems, d.in_stride, d.flags & 1);
+    return static_cast<uint64_t>(reinterpret_cast<const volatile T*>(d.in)[i]);
+  }
+}
+
+__device__ __forceinline__ uint64_t BlockSum(uint64_t v, uint64_t* smem) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // smem reuse across calls
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  uint64_t s = 0;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kThreads / 32; ++w) s += smem[w];
+  }
+  return s;
+}
+
+// One kernel for every mode: kStore false is kVerify.
+template <int kInSize, int kOutSize, int kCast, bool kWireIsOut, bool kStore>
+__global__ void __launch_bounds__(kThreads)
+    BatchKernel(const Desc* __restrict__ descs, const Chunk* __restrict__ chunks, int num_chunks,
+                const Boundary* __restrict__ bounds, int num_bounds, int num_descs,
+                unsigned long long* sums, unsigned int* ticket) {
+  constexpr int kWireSize = kWireIsOut ? kOutSize : kInSize;
+  constexpr int kN = 8 / kWireSize;  // elements per wire word
+  __shared__ uint64_t smem[kThreads / 32];
+  __shared__ bool is_last;
+
+  for (int c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+    const Chunk ch = chunks[c];
+    const Desc d = descs[ch.desc];
+    const bool in_contig = d.flags & 1, out_contig = d.flags & 2;
+    const int64_t a = d.wire_offset + ch.e0 * kWireSize;  // wire byte range of the chunk
+    const int64_t b = d.wire_offset + ch.e1 * kWireSize;
+    const int64_t wa = (a + 7) / 8, wb = b / 8;  // full words [wa, wb)
+    const int64_t ef0 = wa * 8 >= b ? ch.e1 : (wa * 8 - d.wire_offset) / kWireSize;
+    const int64_t ef1 = wb <= wa ? ef0 : (wb * 8 - d.wire_offset) / kWireSize;
+    uint64_t acc = 0;
+    // Full words: copy, cast, checksum.
+    for (int64_t w = wa + threadIdx.x; w < wb; w += kThreads) {
+      const int64_t e = ef0 + (w - wa) * kN;
+      uint64_t in[2], out[2];
+      LoadElems<kInSize, kN>(d.in, e, d.row_elems, d.in_stride, in_contig, in, false);
+      Convert<kInSize, kOutSize, kCast>(in, out);
+      if constexpr (kStore) {
+        StoreElems<kOutSize, kN>(d.out, e, d.row_elems, d.out_stride, out_contig, out);
+      }
+      acc += ChecksumMixWord(kWireIsOut ? out[0] : in[0], static_cast<uint64_t>(w));
+    }
+    // Edge elements that share a boundary word with a neighbouring run: copy only.
+    if constexpr (kStore) {
+      const int64_t head = ef0 - ch.e0, tail = ch.e1 - ef1;
+      for (int64_t k = threadIdx.x; k < head + tail; k += kThreads) {
+        const int64_t e = k < head ? ch.e0 + k : ef1 + (k - head);
+        using TI = typename Elem<kInSize>::T;
+        using TO = typename Elem<kOutSize>::T;
+        const TI v =
+            reinterpret_cast<const TI*>(d.in)[ElemIndex(e, d.row_elems, d.in_stride, in_contig)];
+        TO o;
+        if constexpr (kCast == 1) {
+          o = F32BitsToBF16(static_cast<uint32_t>(v));
+        } else if constexpr (kCast == 2) {
+          o = static_cast<uint32_t>(v) << 16;
+        } else {
+          o = static_cast<TO>(v);
+        }
+        reinterpret_cast<TO*>(d.out)[ElemIndex(e, d.row_elems, d.out_stride, out_contig)] = o;
+      }
+    }
+    const uint64_t s = BlockSum(acc, smem);
+    if (threadIdx.x == 0 && s != 0) atomicAdd(&sums[d.bucket], static_cast<unsigned long long>(s));
+  }
+
+  // Elect the last block; it adds the boundary words once every other block's stores are visible.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    is_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < num_bounds; i += kThreads) {
+    const Boundary bw = bounds[i];
+    const int64_t lo = bw.word * 8;
+    const int64_t hi = min(lo + 8, bw.bucket_bytes);
+    uint64_t word = 0;
+    for (int k = bw.first_desc; k < num_descs; ++k) {
+      const Desc d = descs[k];
+      if (d.bucket != bw.bucket || d.wire_offset >= hi) break;
+      const int64_t dend = d.wire_offset + d.numel * kWireSize;
+      if (dend <= lo) continue;
+      const int64_t from = max(lo, d.wire_offset), to = min(hi, dend);
+      for (int64_t pos = from; pos < to; pos += kWireSize) {
+        const uint64_t v =
+            WireElem<kInSize, kOutSize, kWireIsOut>(d, (pos - d.wire_offset) / kWireSize);
+        word |= v << (8 * (pos - lo));
+      }
+    }
+    atomicAdd(&sums[bw.bucket], static_cast<unsigned long long>(
+                                    ChecksumMixWord(word, static_cast<uint64_t>(bw.word))));
+  }
+  if (threadIdx.x == 0) *ticket = 0;  // reusable by the next launch (stream-ordered)
+}
+
+using KernelFn = void (*)(const Desc*, const Chunk*, int, const Boundary*, int, int,
+                          unsigned long long*, unsigned int*);
+
+Result<KernelFn> PickKernel(BatchMode mode, int in_size, int out_size, int cast) {
+  if (mode == BatchMode::kVerify) {
+    switch (in_size) {
+      case 1:
+        return &BatchKernel<1, 1, 0, false, false>;
+      case 2:
+        return &BatchKernel<2, 2, 0, false, false>;
+      case 4:
+        return &BatchKernel<4, 4, 0, false, false>;
+      case 8:
+        return &BatchKernel<8, 8, 0, false, false>;
+    }
+  } else if (cast == 1) {
+    return &BatchKernel<4, 2, 1, true, true>;
+  } else if (cast == 2) {
+    return &BatchKernel<2, 4, 2, false, true>;
+  } else {
+    switch (in_size) {
+      case 1:
+        return &BatchKernel<1, 1, 0, false, true>;
+      case 2:
+        return &BatchKernel<2, 2, 0, false, true>;
+      case 4:
+        return &BatchKernel<4, 4, 0, false, true>;
+      case 8:
+        return &BatchKernel<8, 8, 0, false, true>;
+    }
+  }
+  (void)out_size;
+  return InvalidArgumentError("batch: unsupported element size " + std::to_string(in_size));
+}
+
+template <typename T>
+struct DevArray {
+  T* p = nullptr;
+  size_t n = 0;
+  ~DevArray() {
+    if (p) cudaFree(p);
+  }
+  Status Upload(const std::vector<T>& v, std::string_view what) {
+    n = v.size();
+    if (n == 0) return OkStatus();
+    SS_CUDA(cudaMalloc(&p, n * sizeof(T)), what);
+    SS_CUDA(cudaMemcpy(p, v.data(), n * sizeof(T), cudaMemcpyHostToDevice), what);
+    return OkStatus();
+  }
+};
+
+class CopyBatchImpl final : public CopyBatch {
+ public:
+  ~CopyBatchImpl() override {
+    if (sums_) cudaFree(sums_);
+    if (ticket_) cudaFree(ticket_);
+    if (host_sums_) cudaFreeHost(host_sums_);
+  }
+
+  Status Init(const BatchSpec& spec, int device) {
+    device_ = device;
+    SS_CUDA(cudaSetDevice(device), "batch: cudaSetDevice " + std::to_string(device));
+    const int in_size = DTypeSize(spec.in_dtype);
+    const int out_size = spec.mode == BatchMode::kVerify ? in_size : DTypeSize(spec.out_dtype);
+    int cast = 0;
+    if (spec.mode != BatchMode::kVerify && spec.in_dtype != spec.out_dtype) {
+      if (spec.mode == BatchMode::kPack && spec.in_dtype == DType::kF32 &&
+          spec.out_dtype == DType::kBF16) {
+        cast = 1;
+      } else if (spec.mode == BatchMode::kUnpack && spec.in_dtype == DType::kBF16 &&
+                 spec.out_dtype == DType::kF32) {
+        cast = 2;
+      } else {
+        return InvalidArgumentError(std::string("batch: unsupported cast ") +
+                                    std::string(DTypeName(spec.in_dtype)) + " -> " +
+                                    std::string(DTypeName(spec.out_dtype)) +
+                                    " (pack f32->bf16, unpack bf16->f32, or equal dtypes)");
+      }
+    } else if (spec.mode != BatchMode::kVerify && in_size != out_size) {
+      return InvalidArgumentError("batch: element sizes differ");
+    }
+    const int wire_size = spec.mode == BatchMode::kPack ? out_size : in_size;
+    SS_ASSIGN_OR_RETURN(kernel_, PickKernel(spec.mode, in_size, out_size, cast));
+    bucket_bytes_ = spec.bucket_bytes;
+    const int nb = static_cast<int>(spec.bucket_bytes.size());
+
+    // Normalize, sort by (bucket, wire offset), validate that each bucket is tiled exactly.
+    std::vector<int> order(spec.runs.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+    for (size_t i = 0; i < spec.runs.size(); ++i) {
+      const CopyRun& r = spec.runs[i];
+      const std::string who = "batch run " + std::to_string(i);
+      if (r.bucket < 0 || r.bucket >= nb) {
+        return OutOfRangeError(who + ": bucket " + std::to_string(r.bucket) + " not in [0, " +
+                               std::to_string(nb) + ")");
+      }
+      if (r.row_elems < 0 || r.rows < 0 ||
+          (r.rows > 1 && (r.in_stride < r.row_elems ||
+                          (spec.mode != BatchMode::kVerify && r.out_stride < r.row_elems)))) {
+        return InvalidArgumentError(who + ": row_elems/rows/strides inconsistent");
+      }
+      if (r.wire_offset < 0 || r.wire_offset % wire_size != 0) {
+        return InvalidArgumentError(who + ": wire_offset " + std::to_string(r.wire_offset) +
+                                    " not a multiple of the wire element size");
+      }
+      if (r.numel() > 0 && (r.in == nullptr || (spec.mode != BatchMode::kVerify && !r.out))) {
+        return InvalidArgumentError(who + ": null device pointer");
+      }
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int x, int y) {
+      const CopyRun& a = spec.runs[x];
+      const CopyRun& b = spec.runs[y];
+      return a.bucket != b.bucket ? a.bucket < b.bucket : a.wire_offset < b.wire_offset;
+    });
+    std::vector<Desc> descs;
+    std::vector<int64_t> cursor(nb, 0);
+    for (int idx : order) {
+      const CopyRun& r = spec.runs[idx];
+      if (r.numel() == 0) continue;
+      if (r.wire_offset != cursor[r.bucket]) {
+        return InvalidArgumentError(
+            "batch run " + std::to_string(idx) + ": bucket " + std::to_string(r.bucket) +
+            " wire image not tiled: run starts at byte " + std::to_string(r.wire_offset) +
+            ", expected " + std::to_string(cursor[r.bucket]));
+      }
+      cursor[r.bucket] += r.numel() * wire_size;
+      Desc d{};
+      d.in = static_cast<const unsigned char*>(r.in);
+      d.out = static_cast<unsigned char*>(r.out);
+      d.row_elems = r.row_elems;
+      d.numel = r.numel();
+      d.in_stride = r.rows > 1 ? r.in_stride : r.row_elems;
+      d.out_stride = r.rows > 1 ? r.out_stride : r.row_elems;
+      const bool in_c = d.in_stride == d.row_elems;
+      const bool out_c = spec.mode == BatchMode::kVerify || d.out_stride == d.row_elems;
+      if (in_c && out_c) {  // one long row
+        d.row_elems = d.numel;
+        d.in_stride = d.out_stride = d.numel;
+      }
+      d.flags = (d.in_stride == d.row_elems ? 1 : 0) | (d.out_stride == d.row_elems ? 2 : 0);
+      d.wire_offset = r.wire_offset;
+      d.bucket = r.bucket;
+      descs.push_back(d);
+    }
+    for (int b = 0; b < nb; ++b) {
+      if (cursor[b] != spec.bucket_bytes[b]) {
+        return InvalidArgumentError("batch: bucket " + std::to_string(b) + " runs cover " +
+                                    std::to_string(cursor[b]) + " wire bytes, bucket has " +
+                                    std::to_string(spec.bucket_bytes[b]));
+      }
+    }
+    // Chunks split runs at 8-aligned wire positions, so only run edges make boundary words.
+    std::vector<Chunk> chunks;
+    std::vector<Boundary> bounds;
+    const int64_t step = kChunkWireBytes / wire_size;
+    for (size_t k = 0; k < descs.size(); ++k) {
+      const Desc& d = descs[k];
+      int64_t e = 0;
+      const int64_t first_aligned = ((d.wire_offset + 7) / 8 * 8 - d.wire_offset) / wire_size;
+      int64_t next = std::min(d.numel, first_aligned + step);
+      while (e < d.numel) {
+        chunks.push_back({static_cast<int32_t>(k), 0, e, next});
+        e = next;
+        next = std::min(d.numel, next + step);
+      }
+      const int64_t end = d.wire_offset + d.numel * wire_size;
+      for (int64_t edge : {d.wire_offset, end}) {
+        if (edge % 8 == 0) continue;
+        const int64_t w = edge / 8;
+        if (!bounds.empty() && bounds.back().bucket == d.bucket && bounds.back().word == w)
+          continue;
+        // first desc overlapping word w: walk back from k while the previous desc reaches it
+        int32_t first = static_cast<int32_t>(k);
+        while (first > 0 && descs[first - 1].bucket == d.bucket &&
+               descs[first - 1].wire_offset + descs[first - 1].numel * wire_size > w * 8) {
+          --first;
+        }
+        bounds.push_back({w, spec.bucket_bytes[d.bucket], d.bucket, first});
+      }
+    }
+    num_descs_ = static_cast<int>(descs.size());
+    num_chunks_ = chunks.size();
+    for (const Desc& d : descs) {
+      in_bytes_ += d.numel * in_size;
+      out_bytes_ += spec.mode == BatchMode::kVerify ? 0 : d.numel * out_size;
+      wire_bytes_ += d.numel * wire_size;
+    }
+    SS_RETURN_IF_ERROR(descs_.Upload(descs, "batch: upload descriptors"));
+    SS_RETURN_IF_ERROR(chunks_.Upload(chunks, "batch: upload chunks"));
+    SS_RETURN_IF_ERROR(bounds_.Upload(bounds, "batch: upload boundary words"));
+    SS_CUDA(cudaMalloc(&sums_, std::max(1, nb) * sizeof(unsigned long long)), "batch: sums");
+    SS_CUDA(cudaMalloc(&ticket_, sizeof(unsigned int)), "batch: ticket");
+    SS_CUDA(cudaMemset(ticket_, 0, sizeof(unsigned int)), "batch: ticket");
+    SS_CUDA(cudaMallocHost(&host_sums_, std::max(1, nb) * sizeof(unsigned long long)),
+            "batch: pinned sums");
+    int sms = 0;
+    SS_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "batch: sms");
+    grid_ = static_cast<int>(
+        std::min<size_t>(std::max<size_t>(1, chunks.size()), static_cast<size_t>(sms) * 8));
+    return OkStatus();
+  }
+
+  Status Launch(void* stream) override {
+    auto s = static_cast<cudaStream_t>(stream);
+    const size_t nb = bucket_bytes_.size();
+    if (nb == 0) return OkStatus();
+    SS_CUDA(cudaSetDevice(device_), "batch launch: cudaSetDevice");
+    SS_CUDA(cudaMemsetAsync(sums_, 0, nb * sizeof(unsigned long long), s), "batch launch: memset");
+    kernel_<<<grid_, kThreads, 0, s>>>(descs_.p, chunks_.p, static_cast<int>(num_chunks_),
+                                       bounds_.p, static_cast<int>(bounds_.n), num_descs_, sums_,
+                                       ticket_);
+    SS_CUDA(cudaGetLastError(), "batch launch: kernel");
+    SS_CUDA(cudaMemcpyAsync(host_sums_, sums_, nb * sizeof(unsigned long long),
+                            cudaMemcpyDeviceToHost, s),
+            "batch launch: copy sums");
+    return OkStatus();
+  }
+
+  Result<std::vector<uint64_t>> Sums() const override {
+    return std::vector<uint64_t>(host_sums_, host_sums_ + bucket_bytes_.size());
+  }
+  Result<std::vector<uint64_t>> Checksums() const override {
+    std::vector<uint64_t> v(bucket_bytes_.size());
+    for (size_t b = 0; b < v.size(); ++b) {
+      v[b] = ChecksumFinish(host_sums_[b], static_cast<uint64_t>(bucket_bytes_[b]));
+    }
+    return v;
+  }
+  int64_t wire_bytes() const override { return wire_bytes_; }
+  int64_t in_bytes() const override { return in_bytes_; }
+  int64_t out_bytes() const override { return out_bytes_; }
+  size_t num_chunks() const override { return num_chunks_; }
+
+ private:
+  int device_ = 0;
+  KernelFn kernel_ = nullptr;
+  std::vector<int64_t> bucket_bytes_;
+  DevArray<Desc> descs_;
+  DevArray<Chunk> chunks_;
+  DevArray<Boundary> bounds_;
+  int num_descs_ = 0;
+  size_t num_chunks_ = 0;
+  unsigned long long* sums_ = nullptr;
+  unsigned long long* host_sums_ = nullptr;
+  unsigned int* ticket_ = nullptr;
+  int grid_ = 1;
+  int64_t in_bytes_ = 0, out_bytes_ = 0, wire_bytes_ = 0;
+};
+
+// ---- synthetic weights on the device (same arithmetic as synthetic.h, no FMA contraction) ----
+
+__device__ __forceinline__ float SyntheticValueDev(uint64_t seed, uint64_t key, float scale,
+                                                   float center, int64_t element) {
+  uint64_t z =
+      seed * 0x9E3779B97F4A7C15ull ^ key ^ (static_cast<uint64_t>(element) * 0xBF58476D1CE4E5B9ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  const float u =
+      __fmul_rn(static_cast<float>(static_cast<int64_t>(z >> 40) - (1 << 23)), 1.0f / (1 << 23));
+  return __fadd_rn(center, __fmul_rn(scale, u));
+}
+
+struct RegionDev {
+  int ndim;
+  int64_t offset[kMaxDims];
+  int64_t extent[kMaxDims];
+  int64_t stride[kMaxDims];  // of the tensor
+};
+
+RegionDev MakeRegionDev(const Region& r, const Shape& shape) {
+  RegionDev d{};
+  d.ndim = r.ndim;
+  int64_t s = 1;
+  for (int i = r.ndim - 1; i >= 0; --i) {
+    d.offset[i] = r.offset[i];
+    d.extent[i] = r.extent[i];
+    d.stride[i] = s;
+    s *= shape[i];
+  }
+  return d;
+}
+
+// Tensor element index of the k-th element (row-major) of the region.
+__device__ __forceinline__ int64_t RegionElement(const RegionDev& r, int64_t k) {
+  int64_t off = 0;
+  for (int i = r.ndim - 1; i >= 0; --i) {
+    const int64_t q = k / r.extent[i];
+    off += (r.offset[i] + (k - q * r.extent[i])) * r.stride[i];
+    k = q;
+  }
+  return off;
+}
+
+__global__ void FillSyntheticKernel(uint64_t seed, uint64_t key, float scale, float center,
+                                    RegionDev r, int64_t n, bool bf16, void* out) {
+  for (int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; k < n;
+       k += int64_t{gridDim.x} * blockDim.x) {
+    const float v = SyntheticValueDev(seed, key, scale, center, RegionElement(r, k));
+    if (bf16) {
+      static_cast<uint16_t*>(out)[k] = F32BitsToBF16(__float_as_uint(v));
+    } else {
+      static_cast<float*>(out)[k] = v;
+    }
+  }
+}
+
+__global__ void CountMismatchKernel(uint64_t seed, uint64_t key, float scale, float center,
+                                    RegionDev src, RegionDev dst, int64_t n, const uint16_t* param,
+                                    unsigned long long* mismatches) {
+  unsigned long long bad = 0;
+  for (int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; k < n;
+       k += int64_t{gridDim.x} * blockDim.x) {
+    const float v = SyntheticValueDev(seed, key, scale, center, RegionElement(src, k));
+    bad += param[RegionElement(dst, k)] != F32BitsToBF16(__float_as_uint(v));
+  }
+  for (int o = 16; o > 0; o >>= 1) bad += __shfl_down_sync(0xffffffffu, bad, o);
+  if ((threadIdx.x & 31) == 0 && bad) atomicAdd(mismatches, bad);
+}
+
+int GridFor(int64_t n) {
+  return static_cast<int>(std::clamp<int64_t>((n + 255) / 256, 1, 132 * 16));
+}
+
+}  // namespace
+
+// ---- device plumbing ----
+
+bool Available(std::string* reason) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0) {
+    if (reason) {
+      *reason = e != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(e)
+                                 : "no CUDA device";
+    }
+    cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+
+Result<int> DeviceCount() {
+  int n = 0;
+  SS_CUDA(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+  return n;
+}
+
+Result<DeviceInfo> QueryDevice(int device) {
+  cudaDeviceProp p{};
+  SS_CUDA(cudaGetDeviceProperties(&p, device), "cudaGetDeviceProperties " + std::to_string(device));
+  DeviceInfo info;
+  info.index = device;
+  info.name = p.name;
+  char bus[32] = {};
+  if (cudaDeviceGetPCIBusId(bus, sizeof(bus), device) == cudaSuccess) info.pci_bus_id = bus;
+  info.cc_major = p.major;
+  info.cc_minor = p.minor;
+  info.sm_count = p.multiProcessorCount;
+  info.total_bytes = static_cast<int64_t>(p.totalGlobalMem);
+  info.l2_bytes = p.l2CacheSize;
+  int clock_khz = 0, bus_bits = 0;
+  cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device);
+  cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device);
+  info.hbm_peak_gbps = 2.0 * clock_khz * 1e3 * (bus_bits / 8.0) / 1e9;
+  return info;
+}
+
+Status SetDevice(int device) {
+  SS_CUDA(cudaSetDevice(device), "cudaSetDevice " + std::to_string(device));
+  return OkStatus();
+}
+
+Result<std::unique_ptr<Stream>> Stream::Create(int device) {
+  SS_CUDA(cudaSetDevice(device), "stream: cudaSetDevice " + std::to_string(device));
+  cudaStream_t s = nullptr;
+  SS_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  return std::unique_ptr<Stream>(new Stream(s, device));
+}
+
+Stream::~Stream() {
+  if (handle_) cudaStreamDestroy(static_cast<cudaStream_t>(handle_));
+}
+
+Status Stream::Synchronize(Millis timeout, std::string_view what) const {
+  // Poll instead of cudaStreamSynchronize so a stuck stream becomes DeadlineExceeded.
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    const cudaError_t e = cudaStreamQuery(static_cast<cudaStream_t>(handle_));
+    if (e == cudaSuccess) return OkStatus();
+    if (e != cudaErrorNotReady) return CudaStatus(e, what);
+    if (std::chrono::steady_clock::now() > deadline) {
+      return DeadlineExceededError(std::string(what) + ": stream not done after " +
+                                   std::to_string(timeout.count()) + " ms");
+    }
+  }
+}
+
+Result<std::unique_ptr<DeviceBuffer>> DeviceBuffer::Allocate(size_t bytes, int device) {
+  SS_CUDA(cudaSetDevice(device), "alloc: cudaSetDevice " + std::to_string(device));
+  void* p = nullptr;
+  SS_CUDA(cudaMalloc(&p, std::max<size_t>(bytes, 1)),
+          "cudaMalloc " + std::to_string(bytes) + " bytes on device " + std::to_string(device));
+  return std::unique_ptr<DeviceBuffer>(new DeviceBuffer(p, bytes, device));
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (data_) cudaFree(data_);
+}
+
+Status CopyToDevice(void* dst, const void* src, size_t bytes) {
+  SS_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "copy to device");
+  return OkStatus();
+}
+Status CopyToHost(void* dst, const void* src, size_t bytes) {
+  SS_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "copy to host");
+  return OkStatus();
+}
+Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes, void* stream) {
+  if (stream) {
+    SS_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)),
+            "copy device to device");
+  } else {
+    SS_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "copy device to device");
+  }
+  return OkStatus();
+}
+Status Memset(void* dst, int value, size_t bytes) {
+  SS_CUDA(cudaMemset(dst, value, bytes), "memset");
+  return OkStatus();
+}
+
+Result<std::unique_ptr<CopyBatch>> CopyBatch::Prepare(const BatchSpec& spec, int device) {
+  auto b = std::make_unique<CopyBatchImpl>();
+  SS_RETURN_IF_ERROR(b->Init(spec, device));
+  return std::unique_ptr<CopyBatch>(std::move(b));
+}
+
+Result<uint64_t> DeviceChecksumPartial(const void* d, size_t nbytes, uint64_t byte_offset) {
+  if (byte_offset % 8 != 0) {
+    return InvalidArgumentError("DeviceChecksumPartial: byte_offset " +
+                                std::to_string(byte_offset) + " not a multiple of 8");
+  }
+  cudaPointerAttributes attr{};
+  SS_CUDA(cudaPointerGetAttributes(&attr, d), "DeviceChecksumPartial: pointer attributes");
+  const int device = attr.type == cudaMemoryTypeDevice ? attr.device : 0;
+  // The bytes are one run of 1-byte elements in one bucket.
+  BatchSpec spec;
+  spec.mode = BatchMode::kVerify;
+  spec.in_dtype = DType::kU8;
+  CopyRun r;
+  r.in = d;
+  r.row_elems = static_cast<int64_t>(nbytes);
+  r.rows = 1;
+  r.wire_offset = 0;
+  spec.runs.push_back(r);
+  spec.bucket_bytes.push_back(static_cast<int64_t>(nbytes));
+  if (nbytes == 0) return uint64_t{0};
+  if (byte_offset != 0) {
+    // Word keys start at byte_offset / 8: the kernel keys by position in the bucket, so use a
+    // bucket that begins byte_offset bytes earlier, the leading bytes read from a zero buffer and
+    // their (known) contribution subtracted.
+    SS_ASSIGN_OR_RETURN(auto zeros, DeviceBuffer::Allocate(byte_offset, device));
+    SS_RETURN_IF_ERROR(Memset(zeros->data(), 0, byte_offset));
+    CopyRun z;
+    z.in = zeros->data();
+    z.row_elems = static_cast<int64_t>(byte_offset);
+    spec.runs[0].wire_offset = static_cast<int64_t>(byte_offset);
+    spec.runs.insert(spec.runs.begin(), z);
+    spec.bucket_bytes[0] += static_cast<int64_t>(byte_offset);
+    SS_ASSIGN_OR_RETURN(auto batch, CopyBatch::Prepare(spec, device));
+    SS_RETURN_IF_ERROR(batch->Launch(nullptr));
+    SS_CUDA(cudaDeviceSynchronize(), "DeviceChecksumPartial");
+    SS_ASSIGN_OR_RETURN(auto sums, batch->Sums());
+    uint64_t zero_part = 0;
+    for (uint64_t j = 0; j < byte_offset / 8; ++j) zero_part += ChecksumMixWord(0, j);
+    return sums[0] - zero_part;
+  }
+  SS_ASSIGN_OR_RETURN(auto batch, CopyBatch::Prepare(spec, device));
+  SS_RETURN_IF_ERROR(batch->Launch(nullptr));
+  SS_CUDA(cudaDeviceSynchronize(), "DeviceChecksumPartial");
+  SS_ASSIGN_OR_RETURN(auto sums, batch->Sums());
+  return sums[0];
+}
+
+Status FillSyntheticDevice(uint64_t seed, const SyntheticTensor& t, const Shape& shape,
+                           const Region& r, DType dtype, void* out, void* stream) {
+  if (dtype != DType::kF32 && dtype != DType::kBF16) {
+    return InvalidArgumentError("FillSyntheticDevice: dtype must be F32 or BF16");
+  }
+  const int64_t n = r.numel();
+  if (n == 0) return OkStatus();
+  FillSyntheticKernel<<<GridFor(n), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      seed, t.key, t.scale, t.center, MakeRegionDev(r, shape), n, dtype == DType::kBF16, out);
+  SS_CUDA(cudaGetLastError(), "FillSyntheticDevice");
+  return OkStatus();
+}
+
+Status CountSyntheticMismatches(uint64_t seed, const SyntheticTensor& t, const Shape& src_shape,
+                                const Region& src, const Shape& dst_shape, const Region& dst,
+                                const void* param, unsigned long long* d_mismatches, void* stream) {
+  const int64_t n = src.numel();
+  if (n != dst.numel()) {
+    return InvalidArgumentError("CountSyntheticMismatches: src " + src.ToString() + " and dst " +
+                                dst.ToString() + " differ in element count");
+  }
+  if (n == 0) return OkStatus();
+  CountMismatchKernel<<<GridFor(n), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      seed, t.key, t.scale, t.center, MakeRegionDev(src, src_shape), MakeRegionDev(dst, dst_shape),
+      n, static_cast<const uint16_t*>(param), d_mismatches);
+  SS_CUDA(cudaGetLastError(), "CountSyntheticMismatches");
+  return OkStatus();
+}
+
+}  // namespace shardsync::gpu

@@ -1,0 +1,444 @@
+// nccl transport: two-sided GPU transfers through NCCL, loaded at run time.
+//
+// libnccl is dlopen-ed (SHARDSYNC_NCCL_LIB, else libnccl.so.2) so one build runs with whatever
+// NCCL the user's PyTorch ships and builds without NCCL; nccl.h supplies the types only.
+//
+// Communicators: one 2-rank communicator per connected peer pair (unique id published by the
+// lower rank through the store), not one over the sync world: NCCL refuses two ranks of one
+// communicator on the same GPU ("Duplicate GPU"), and colocated layouts put trainer and engine
+// ranks on the same GPUs, so CanConnect is false for a same-GPU pair (cuda_ipc serves those).
+// Communicators are non-blocking (config.blocking = 0): init and every group are polled with
+// ncclCommGetAsyncError, and Abort() calls ncclCommAbort, so a dead peer gives an error after the
+// caller's timeout instead of a hang.
+//
+// Posting: PostSend / PostRecv queue operations; the next Poll or Flush issues everything queued
+// as ONE ncclGroupStart/End (a bucket's sends and receives progress together). NCCL matches by
+// order per pair, not by tag: both sides post a pair's messages in the same order (the plan's).
+// Host buffers (control messages) bounce through device memory.
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda/cuda_util.h"
+#include "shardsync/gpu.h"
+
+namespace shardsync::gpu {
+
+using internal::CudaStatus;
+
+namespace {
+
+struct NcclApi {
+  void* lib = nullptr;
+  std::string error;
+  ncclResult_t (*GetVersion)(int*) = nullptr;
+  ncclResult_t (*GetUniqueId)(ncclUniqueId*) = nullptr;
+  ncclResult_t (*CommInitRankConfig)(ncclComm_t*, int, ncclUniqueId, int, ncclConfig_t*) = nullptr;
+  ncclResult_t (*CommGetAsyncError)(ncclComm_t, ncclResult_t*) = nullptr;
+  ncclResult_t (*CommAbort)(ncclComm_t) = nullptr;
+  ncclResult_t (*Send)(const void*, size_t, ncclDataType_t, int, ncclComm_t,
+                       cudaStream_t) = nullptr;
+  ncclResult_t (*Recv)(void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t) = nullptr;
+  ncclResult_t (*GroupStart)() = nullptr;
+  ncclResult_t (*GroupEnd)() = nullptr;
+  const char* (*GetErrorString)(ncclResult_t) = nullptr;
+  const char* (*GetLastError)(ncclComm_t) = nullptr;
+};
+
+const NcclApi& Nccl() {
+  static NcclApi api = [] {
+    NcclApi a;
+    const char* env = std::getenv("SHARDSYNC_NCCL_LIB");
+    const std::string path = env && *env ? env : "libnccl.so.2";
+    a.lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!a.lib) {
+      const char* e = dlerror();
+      a.error = "cannot load NCCL '" + path + "' (set SHARDSYNC_NCCL_LIB): " + (e ? e : "?");
+      return a;
+    }
+    bool ok = true;
+    auto load = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(a.lib, name));
+      if (!fn) {
+        ok = false;
+        a.error += std::string(a.error.empty() ? "" : ", ") + "missing symbol " + name;
+      }
+    };
+    load(a.GetVersion, "ncclGetVersion");
+    load(a.GetUniqueId, "ncclGetUniqueId");
+    load(a.CommInitRankConfig, "ncclCommInitRankConfig");
+    load(a.CommGetAsyncError, "ncclCommGetAsyncError");
+    load(a.CommAbort, "ncclCommAbort");
+    load(a.Send, "ncclSend");
+    load(a.Recv, "ncclRecv");
+    load(a.GroupStart, "ncclGroupStart");
+    load(a.GroupEnd, "ncclGroupEnd");
+    load(a.GetErrorString, "ncclGetErrorString");
+    load(a.GetLastError, "ncclGetLastError");
+    if (!ok) {
+      a.error = "NCCL '" + path + "': " + a.error;
+      dlclose(a.lib);
+      a.lib = nullptr;
+    }
+    return a;
+  }();
+  return api;
+}
+
+Status LoadNccl() {
+  if (!Nccl().lib) return UnavailableError(Nccl().error);
+  return OkStatus();
+}
+
+Status NcclStatus(ncclResult_t r, ncclComm_t comm, const std::string& what) {
+  if (r == ncclSuccess || r == ncclInProgress) return OkStatus();
+  std::string msg = what + ": " + Nccl().GetErrorString(r);
+  if (comm) {
+    const char* last = Nccl().GetLastError(comm);
+    if (last && *last) msg += std::string(" (") + last + ")";
+  }
+  if (r == ncclRemoteError || r == ncclSystemError) return UnavailableError(msg);
+  if (r == ncclInvalidArgument || r == ncclInvalidUsage) return InvalidArgumentError(msg);
+  return InternalError(msg);
+}
+
+std::string Hex(const void* p, size_t n) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char c = static_cast<const unsigned char*>(p)[i];
+    s += d[c >> 4];
+    s += d[c & 15];
+  }
+  return s;
+}
+bool Unhex(const std::string& s, void* out, size_t n) {
+  if (s.size() != 2 * n) return false;
+  auto v = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
+  for (size_t i = 0; i < n; ++i) {
+    static_cast<unsigned char*>(out)[i] =
+        static_cast<unsigned char>(v(s[2 * i]) << 4 | v(s[2 * i + 1]));
+  }
+  return true;
+}
+
+class NcclTransport final : public Transport {
+ public:
+  explicit NcclTransport(const NcclOptions& o) : opt_(o) {}
+  ~NcclTransport() override {
+    cudaSetDevice(opt_.device);
+    if (Nccl().lib) {
+      for (auto& [p, c] : comms_) Nccl().CommAbort(c);  // quick teardown; work is complete
+    }
+    for (auto& g : groups_) {
+      if (g.event) cudaEventDestroy(g.event);
+      for (void* b : g.bounce) cudaFree(b);
+    }
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  std::string_view name() const override { return "nccl"; }
+  TransportCaps caps() const override {
+    TransportCaps c;
+    c.device_memory = true;
+    c.host_memory = false;
+    c.one_sided_put = false;
+    c.two_sided = true;
+    return c;
+  }
+  bool CanConnect(const PeerInfo& self, const PeerInfo& peer) const override {
+    return self.mem == MemKind::kCuda && peer.mem == MemKind::kCuda &&
+           !(self.hostname == peer.hostname && self.device == peer.device);
+  }
+
+  Result<uint32_t> RegisterMemory(const MemRegion& region) override {
+    if (!comms_.empty()) return FailedPreconditionError("nccl: RegisterMemory after Connect");
+    regions_.push_back(region);  // two-sided: nothing to exchange
+    return static_cast<uint32_t>(regions_.size() - 1);
+  }
+
+  Status Connect(StoreClient& store, const std::string& prefix, int rank,
+                 const std::vector<int>& peers, Millis timeout) override {
+    SS_RETURN_IF_ERROR(LoadNccl());
+    rank_ = rank;
+    SS_CUDA(cudaSetDevice(opt_.device), "nccl: cudaSetDevice " + std::to_string(opt_.device));
+    SS_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "nccl: stream");
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    // Start every pair's init (non-blocking), then wait for all: a pair's init needs both sides.
+    for (int p : peers) {
+      if (p == rank)
+        return InvalidArgumentError("nccl: rank " + std::to_string(rank) +
+                                    " lists itself as a peer");
+      const int lo = std::min(rank, p), hi = std::max(rank, p);
+      const std::string key = prefix + "nccl/id/" + std::to_string(lo) + "_" + std::to_string(hi);
+      ncclUniqueId id{};
+      if (rank == lo) {
+        SS_RETURN_IF_ERROR(NcclStatus(Nccl().GetUniqueId(&id), nullptr, "nccl: ncclGetUniqueId"));
+        SS_RETURN_IF_ERROR(store.Set(key, Hex(&id, sizeof(id))));
+      } else {
+        const auto left =
+            std::chrono::duration_cast<Millis>(deadline - std::chrono::steady_clock::now());
+        auto got = store.Get(key, std::max(Millis(1), left));
+        if (!got.ok()) {
+          return Status(got.status().code(), "nccl: rank " + std::to_string(rank) +
+                                                 " waiting for the unique id of peer rank " +
+                                                 std::to_string(p) + ": " + got.status().message());
+        }
+        if (!Unhex(*got, &id, sizeof(id))) {
+          return DataLossError("nccl: malformed unique id from peer rank " + std::to_string(p));
+        }
+      }
+      ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+      cfg.blocking = 0;
+      ncclComm_t c = nullptr;
+      SS_RETURN_IF_ERROR(NcclStatus(Nccl().CommInitRankConfig(&c, 2, id, rank == lo ? 0 : 1, &cfg),
+                                    c, "nccl: init with peer rank " + std::to_string(p)));
+      comms_[p] = c;
+      peer_nccl_rank_[p] = rank == lo ? 1 : 0;
+    }
+    for (auto& [p, c] : comms_) {
+      while (true) {
+        ncclResult_t st = ncclSuccess;
+        SS_RETURN_IF_ERROR(NcclStatus(Nccl().CommGetAsyncError(c, &st), c, "nccl: init state"));
+        if (st == ncclSuccess) break;
+        if (st != ncclInProgress) {
+          return NcclStatus(st, c, "nccl: init with peer rank " + std::to_string(p));
+        }
+        if (std::chrono::steady_clock::now() > deadline) {
+          Abort();
+          return DeadlineExceededError("nccl: rank " + std::to_string(rank) +
+                                       " communicator with peer rank " + std::to_string(p) +
+                                       " not ready after " + std::to_string(timeout.count()) +
+                                       " ms (peer dead or not connecting?)");
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    }
+    return OkStatus();
+  }
+
+  Result<XferId> PostPut(int, const void*, size_t, uint32_t, uint64_t) override {
+    return UnimplementedError(
+        "nccl: no one-sided put (caps().one_sided_put is false); use Send/Recv");
+  }
+
+  Result<XferId> PostFlush(int peer) override {
+    SS_RETURN_IF_ERROR(Usable(peer));
+    return Queue({Op::kFlush, peer, nullptr, 0, nullptr});
+  }
+  Result<XferId> PostSend(int peer, uint64_t, const void* buf, size_t bytes) override {
+    SS_RETURN_IF_ERROR(Usable(peer));
+    return Queue({Op::kSend, peer, const_cast<void*>(buf), bytes, nullptr});
+  }
+  Result<XferId> PostRecv(int peer, uint64_t, void* buf, size_t bytes) override {
+    SS_RETURN_IF_ERROR(Usable(peer));
+    return Queue({Op::kRecv, peer, buf, bytes, nullptr});
+  }
+
+  Result<XferState> Poll(XferId id) override {
+    if (aborted_) return AbortedError("nccl: transport aborted");
+    if (!pending_.empty()) SS_RETURN_IF_ERROR(Issue());
+    auto it = xfer_group_.find(id);
+    if (it == xfer_group_.end())
+      return InvalidArgumentError("nccl: unknown xfer " + std::to_string(id));
+    Group& g = groups_[it->second - group_base_];
+    if (!g.done) {
+      SS_RETURN_IF_ERROR(Progress(g));
+      if (!g.done) return XferState::kInProgress;
+    }
+    xfer_group_.erase(it);
+    Reap();
+    return XferState::kDone;
+  }
+
+  void SetStream(cudaStream_t s) { stream_override_ = s; }
+
+  void Abort() override {
+    if (aborted_) return;
+    aborted_ = true;
+    if (Nccl().lib) {
+      for (auto& [p, c] : comms_) Nccl().CommAbort(c);
+    }
+    comms_.clear();
+  }
+
+ private:
+  struct Op {
+    enum Kind { kSend, kRecv, kFlush } kind;
+    int peer;
+    void* buf;
+    size_t bytes;
+    void* host;  // host buffer of a bounced op
+  };
+  struct Group {
+    std::vector<Op> ops;
+    std::vector<ncclComm_t> comms;
+    std::vector<void*> bounce;
+    cudaEvent_t event = nullptr;
+    bool enqueued = false;  // every comm left ncclInProgress and the event is recorded
+    bool done = false;
+    int live_ids = 0;
+  };
+
+  Status Usable(int peer) const {
+    if (aborted_) return AbortedError("nccl: transport aborted");
+    if (!comms_.count(peer)) {
+      return InvalidArgumentError("nccl: rank " + std::to_string(peer) +
+                                  " is not a connected peer of rank " + std::to_string(rank_));
+    }
+    return OkStatus();
+  }
+
+  Result<XferId> Queue(Op op) {
+    const XferId id = next_id_++;
+    pending_.push_back(op);
+    pending_ids_.push_back(id);
+    return id;
+  }
+
+  static bool IsHost(const void* p) {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      cudaGetLastError();
+      return true;
+    }
+    return a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged;
+  }
+
+  cudaStream_t S() const { return stream_override_ ? stream_override_ : stream_; }
+
+  Status Issue() {
+    SS_CUDA(cudaSetDevice(opt_.device), "nccl: cudaSetDevice");
+    Group g;
+    g.ops = std::move(pending_);
+    pending_.clear();
+    // Bounce host buffers through device memory.
+    for (Op& op : g.ops) {
+      if (op.kind == Op::kFlush || op.bytes == 0 || !IsHost(op.buf)) continue;
+      void* d = nullptr;
+      SS_CUDA(cudaMalloc(&d, op.bytes), "nccl: bounce buffer");
+      g.bounce.push_back(d);
+      if (op.kind == Op::kSend) {
+        SS_CUDA(cudaMemcpyAsync(d, op.buf, op.bytes, cudaMemcpyHostToDevice, S()),
+                "nccl: bounce copy");
+      }
+      op.host = op.buf;
+      op.buf = d;
+    }
+    SS_RETURN_IF_ERROR(NcclStatus(Nccl().GroupStart(), nullptr, "nccl: group start"));
+    for (const Op& op : g.ops) {
+      if (op.kind == Op::kFlush || op.bytes == 0) continue;
+      ncclComm_t c = comms_[op.peer];
+      const std::string what = std::string(op.kind == Op::kSend ? "send to" : "recv from") +
+                               " rank " + std::to_string(op.peer);
+      const ncclResult_t r =
+          op.kind == Op::kSend
+              ? Nccl().Send(op.buf, op.bytes, ncclUint8, peer_nccl_rank_[op.peer], c, S())
+              : Nccl().Recv(op.buf, op.bytes, ncclUint8, peer_nccl_rank_[op.peer], c, S());
+      if (r != ncclSuccess && r != ncclInProgress) {
+        Nccl().GroupEnd();
+        return NcclStatus(r, c, "nccl: " + what);
+      }
+      if (std::find(g.comms.begin(), g.comms.end(), c) == g.comms.end()) g.comms.push_back(c);
+    }
+    SS_RETURN_IF_ERROR(NcclStatus(Nccl().GroupEnd(), nullptr, "nccl: group end"));
+    const size_t index = group_base_ + groups_.size();
+    for (XferId id : pending_ids_) xfer_group_[id] = index;
+    g.live_ids = static_cast<int>(pending_ids_.size());
+    pending_ids_.clear();
+    groups_.push_back(std::move(g));
+    return Progress(groups_.back());
+  }
+
+  Status Progress(Group& g) {
+    if (!g.enqueued) {
+      for (ncclComm_t c : g.comms) {
+        ncclResult_t st = ncclSuccess;
+        SS_RETURN_IF_ERROR(NcclStatus(Nccl().CommGetAsyncError(c, &st), c, "nccl: state"));
+        if (st == ncclInProgress) return OkStatus();
+        SS_RETURN_IF_ERROR(NcclStatus(st, c, "nccl: group"));
+      }
+      for (const Op& op : g.ops) {
+        if (op.host && op.kind == Op::kRecv) {
+          SS_CUDA(cudaMemcpyAsync(op.host, op.buf, op.bytes, cudaMemcpyDeviceToHost, S()),
+                  "nccl: bounce copy back");
+        }
+      }
+      SS_CUDA(cudaEventCreateWithFlags(&g.event, cudaEventDisableTiming), "nccl: event");
+      SS_CUDA(cudaEventRecord(g.event, S()), "nccl: event record");
+      g.enqueued = true;
+    }
+    const cudaError_t e = cudaEventQuery(g.event);
+    if (e == cudaErrorNotReady) {
+      // A failed peer surfaces as an async error on the communicator.
+      for (ncclComm_t c : g.comms) {
+        ncclResult_t st = ncclSuccess;
+        SS_RETURN_IF_ERROR(NcclStatus(Nccl().CommGetAsyncError(c, &st), c, "nccl: state"));
+        SS_RETURN_IF_ERROR(NcclStatus(st, c, "nccl: transfer"));
+      }
+      return OkStatus();
+    }
+    SS_CUDA(e, "nccl: transfer");
+    g.done = true;
+    return OkStatus();
+  }
+
+  void Reap() {
+    // Groups complete in stream order; free leading groups no id refers to.
+    std::map<size_t, int> refs;
+    for (auto& [id, gi] : xfer_group_) refs[gi]++;
+    while (!groups_.empty() && groups_.front().done && !refs.count(group_base_)) {
+      Group& g = groups_.front();
+      if (g.event) cudaEventDestroy(g.event);
+      for (void* b : g.bounce) cudaFree(b);
+      groups_.erase(groups_.begin());
+      ++group_base_;
+    }
+  }
+
+  NcclOptions opt_;
+  int rank_ = -1;
+  bool aborted_ = false;
+  cudaStream_t stream_ = nullptr;
+  cudaStream_t stream_override_ = nullptr;
+  std::vector<MemRegion> regions_;
+  std::map<int, ncclComm_t> comms_;
+  std::map<int, int> peer_nccl_rank_;
+  std::vector<Op> pending_;
+  std::vector<XferId> pending_ids_;
+  std::vector<Group> groups_;
+  size_t group_base_ = 0;
+  std::map<XferId, size_t> xfer_group_;
+  XferId next_id_ = 1;
+};
+
+}  // namespace
+
+Status NcclSetStream(Transport& t, void* stream, bool* matched) {
+  auto* n = dynamic_cast<NcclTransport*>(&t);
+  *matched = n != nullptr;
+  if (n) n->SetStream(static_cast<cudaStream_t>(stream));
+  return OkStatus();
+}
+
+std::unique_ptr<Transport> MakeNcclTransport(const NcclOptions& options) {
+  return std::make_unique<NcclTransport>(options);
+}
+
+Result<int> NcclVersion() {
+  SS_RETURN_IF_ERROR(LoadNccl());
+  int v = 0;
+  SS_RETURN_IF_ERROR(NcclStatus(Nccl().GetVersion(&v), nullptr, "ncclGetVersion"));
+  return v;
+}
+
+}  // namespace shardsync::gpu

@@ -1,0 +1,389 @@
+// GPU checksum and pack / unpack / verify kernels against the CPU definitions, bit for bit.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "shardsync/checksum.h"
+#include "shardsync/dtype.h"
+#include "shardsync/gpu.h"
+#include "shardsync/region.h"
+#include "shardsync/synthetic.h"
+
+namespace shardsync::gpu {
+namespace {
+
+std::vector<unsigned char> RandomBytes(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<unsigned char> v(n);
+  for (auto& b : v) b = static_cast<unsigned char>(rng());
+  return v;
+}
+
+TEST(GpuChecksum, MatchesCpuOnOddSizesAndAlignments) {
+  SS_REQUIRE_GPU();
+  const size_t kMax = (1 << 20) + 64;
+  const auto host = RandomBytes(kMax, 7);
+  SS_ASSERT_OK_AND_ASSIGN(auto buf, DeviceBuffer::Allocate(kMax, 0));
+  SS_ASSERT_OK(CopyToDevice(buf->data(), host.data(), kMax));
+  for (size_t size : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{63},
+                      size_t{1000}, size_t{4097}, size_t{65543}, size_t{1} << 20}) {
+    for (size_t align : {0, 1, 3, 8, 13}) {
+      for (uint64_t off : {uint64_t{0}, uint64_t{8}, uint64_t{4096}}) {
+        const auto* d = static_cast<const unsigned char*>(buf->data()) + align;
+        SS_ASSERT_OK_AND_ASSIGN(uint64_t gpu, DeviceChecksumPartial(d, size, off));
+        EXPECT_EQ(gpu, ChecksumPartial(host.data() + align, size, off))
+            << "size " << size << " align " << align << " offset " << off;
+      }
+    }
+  }
+  SS_ASSERT_OK_AND_ASSIGN(uint64_t whole, DeviceChecksum(buf->data(), 12345));
+  EXPECT_EQ(whole, Checksum(host.data(), 12345));
+  EXPECT_EQ(DeviceChecksumPartial(buf->data(), 10, 3).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+// A tensor, a list of (region, bucket) packed in order, and the CPU image of the result.
+struct Case {
+  Shape shape;
+  std::vector<std::pair<Region, int>> regions;  // in wire order per bucket
+  int buckets = 0;
+};
+
+Case MakeCase(uint64_t seed) {
+  Case c;
+  c.shape = {37, 53};
+  std::mt19937_64 rng(seed);
+  // Column slices (strided), row slices (contiguous), and many tiny regions, over 3 buckets.
+  c.regions.push_back({Region::Make({0, 0}, {37, 21}), 0});
+  c.regions.push_back({Region::Make({3, 21}, {5, 32}), 0});
+  for (int i = 0; i < 40; ++i) {  // tiny 1..3 element regions: several share one wire word
+    const int64_t r = static_cast<int64_t>(rng() % 37), col = static_cast<int64_t>(rng() % 50);
+    c.regions.push_back({Region::Make({r, col}, {1, 1 + static_cast<int64_t>(rng() % 3)}), 1});
+  }
+  c.regions.push_back({Region::Make({8, 0}, {29, 53}), 2});
+  c.regions.push_back({Region::Make({1, 7}, {11, 13}), 2});
+  c.buckets = 3;
+  return c;
+}
+
+// CPU pack of `c` from a tensor of `in_size`-byte elements into a wire of `wire_size` bytes per
+// element with `cast` (0 copy, 1 f32->bf16); returns per-bucket wire images.
+std::vector<std::vector<unsigned char>> CpuPack(const Case& c, const unsigned char* t, int in_size,
+                                                int wire_size, int cast) {
+  std::vector<std::vector<unsigned char>> wire(c.buckets);
+  for (const auto& [r, b] : c.regions) {
+    ForEachRun(r, c.shape, [&](int64_t off, int64_t len) {
+      for (int64_t i = 0; i < len; ++i) {
+        const unsigned char* e = t + (off + i) * in_size;
+        if (cast == 1) {
+          float f;
+          std::memcpy(&f, e, 4);
+          const uint16_t h = F32ToBF16(f);
+          wire[b].insert(wire[b].end(), reinterpret_cast<const unsigned char*>(&h),
+                         reinterpret_cast<const unsigned char*>(&h) + 2);
+        } else {
+          wire[b].insert(wire[b].end(), e, e + wire_size);
+        }
+      }
+    });
+  }
+  return wire;
+}
+
+struct Built {
+  BatchSpec spec;
+  std::vector<int64_t> bucket_start;  // in the device wire buffer
+  int64_t total = 0;
+};
+
+// Pack-oriented runs: in = tensor, out = wire buffer.
+Built BuildPack(const Case& c, const void* tensor, int in_size, void* wire, int wire_size,
+                BatchMode mode, DType in_dtype, DType out_dtype) {
+  Built b;
+  b.spec.mode = mode;
+  b.spec.in_dtype = in_dtype;
+  b.spec.out_dtype = out_dtype;
+  std::vector<int64_t> cursor(c.buckets, 0);
+  for (const auto& [r, k] : c.regions) cursor[k] += r.numel() * wire_size;
+  b.spec.bucket_bytes = cursor;
+  int64_t start = 0;
+  for (int k = 0; k < c.buckets; ++k) {
+    b.bucket_start.push_back(start);
+    start += (cursor[k] + 255) / 256 * 256;
+  }
+  b.total = start;
+  std::fill(cursor.begin(), cursor.end(), 0);
+  for (const auto& [r, k] : c.regions) {
+    auto* out = wire ? static_cast<unsigned char*>(wire) + b.bucket_start[k] + cursor[k] : nullptr;
+    AppendRegionRuns(r, c.shape, tensor, in_size, out, wire_size, wire_size, k, cursor[k],
+                     &b.spec.runs);
+    cursor[k] += r.numel() * wire_size;
+  }
+  return b;
+}
+
+CopyRun Swapped(const CopyRun& r) {
+  CopyRun s = r;
+  s.in = r.out;
+  s.out = const_cast<void*>(r.in);
+  s.in_stride = r.out_stride;
+  s.out_stride = r.in_stride;
+  return s;
+}
+
+TEST(GpuPack, F32ToBf16MatchesCpuBytesAndChecksums) {
+  SS_REQUIRE_GPU();
+  const Case c = MakeCase(1);
+  const int64_t n = NumElements(c.shape);
+  auto host = RandomBytes(n * 4, 11);
+  // Sprinkle special values: NaN (quieted), inf, denormal, ties to even.
+  const uint32_t specials[] = {0x7fc00001u, 0x7f800001u, 0xff800000u,
+                               0x00000001u, 0x3f808000u, 0x3f818000u};
+  for (size_t i = 0; i < std::size(specials); ++i) std::memcpy(&host[i * 4 * 7], &specials[i], 4);
+  SS_ASSERT_OK_AND_ASSIGN(auto t, DeviceBuffer::Allocate(n * 4, 0));
+  SS_ASSERT_OK(CopyToDevice(t->data(), host.data(), n * 4));
+  SS_ASSERT_OK_AND_ASSIGN(auto wire, DeviceBuffer::Allocate(64 << 10, 0));
+  Built b =
+      BuildPack(c, t->data(), 4, wire->data(), 2, BatchMode::kPack, DType::kF32, DType::kBF16);
+  SS_ASSERT_OK_AND_ASSIGN(auto batch, CopyBatch::Prepare(b.spec, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
+  for (int rep = 0; rep < 2; ++rep) {  // replay: the second launch must give the same result
+    SS_ASSERT_OK(Memset(wire->data(), 0xAB, 64 << 10));
+    SS_ASSERT_OK(batch->Launch(stream->handle()));
+    SS_ASSERT_OK(stream->Synchronize(Millis(30000), "pack"));
+    const auto expect = CpuPack(c, host.data(), 4, 2, 1);
+    SS_ASSERT_OK_AND_ASSIGN(auto sums, batch->Sums());
+    SS_ASSERT_OK_AND_ASSIGN(auto finished, batch->Checksums());
+    for (int k = 0; k < c.buckets; ++k) {
+      std::vector<unsigned char> got(expect[k].size());
+      SS_ASSERT_OK(CopyToHost(
+          got.data(), static_cast<unsigned char*>(wire->data()) + b.bucket_start[k], got.size()));
+      EXPECT_EQ(got, expect[k]) << "bucket " << k;
+      EXPECT_EQ(sums[k], ChecksumPartial(expect[k].data(), expect[k].size(), 0)) << "bucket " << k;
+      EXPECT_EQ(finished[k], Checksum(expect[k].data(), expect[k].size())) << "bucket " << k;
+    }
+  }
+}
+
+TEST(GpuPack, CopyUnpackVerifyRoundTripBf16) {
+  SS_REQUIRE_GPU();
+  const Case c = MakeCase(2);
+  const int64_t n = NumElements(c.shape);
+  const auto host = RandomBytes(n * 2, 12);
+  SS_ASSERT_OK_AND_ASSIGN(auto t, DeviceBuffer::Allocate(n * 2, 0));
+  SS_ASSERT_OK(CopyToDevice(t->data(), host.data(), n * 2));
+  SS_ASSERT_OK_AND_ASSIGN(auto wire, DeviceBuffer::Allocate(64 << 10, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
+  const auto expect = CpuPack(c, host.data(), 2, 2, 0);
+
+  // Pack (copy).
+  Built p =
+      BuildPack(c, t->data(), 2, wire->data(), 2, BatchMode::kPack, DType::kBF16, DType::kBF16);
+  SS_ASSERT_OK_AND_ASSIGN(auto pack, CopyBatch::Prepare(p.spec, 0));
+  SS_ASSERT_OK(pack->Launch(stream->handle()));
+  SS_ASSERT_OK(stream->Synchronize(Millis(30000), "pack"));
+  SS_ASSERT_OK_AND_ASSIGN(auto pack_sums, pack->Checksums());
+
+  // Unpack into a fresh tensor filled with a sentinel: covered elements must equal the source,
+  // the rest keep the sentinel.
+  SS_ASSERT_OK_AND_ASSIGN(auto dst, DeviceBuffer::Allocate(n * 2, 0));
+  SS_ASSERT_OK(Memset(dst->data(), 0x5A, n * 2));
+  Built u =
+      BuildPack(c, dst->data(), 2, wire->data(), 2, BatchMode::kUnpack, DType::kBF16, DType::kBF16);
+  for (auto& r : u.spec.runs) r = Swapped(r);
+  SS_ASSERT_OK_AND_ASSIGN(auto unpack, CopyBatch::Prepare(u.spec, 0));
+  SS_ASSERT_OK(unpack->Launch(stream->handle()));
+  SS_ASSERT_OK(stream->Synchronize(Millis(30000), "unpack"));
+  SS_ASSERT_OK_AND_ASSIGN(auto unpack_sums, unpack->Checksums());
+  std::vector<unsigned char> got(n * 2);
+  SS_ASSERT_OK(CopyToHost(got.data(), dst->data(), n * 2));
+  std::vector<unsigned char> want(n * 2, 0x5A);
+  for (const auto& [r, k] : c.regions) {
+    ForEachRun(r, c.shape, [&](int64_t off, int64_t len) {
+      std::memcpy(&want[off * 2], &host[off * 2], len * 2);
+    });
+  }
+  EXPECT_EQ(got, want);
+
+  // Verify (zero-copy receivers): checksum of the landed regions read in wire order.
+  Built v =
+      BuildPack(c, dst->data(), 2, nullptr, 2, BatchMode::kVerify, DType::kBF16, DType::kBF16);
+  SS_ASSERT_OK_AND_ASSIGN(auto verify, CopyBatch::Prepare(v.spec, 0));
+  SS_ASSERT_OK(verify->Launch(stream->handle()));
+  SS_ASSERT_OK(stream->Synchronize(Millis(30000), "verify"));
+  SS_ASSERT_OK_AND_ASSIGN(auto verify_sums, verify->Checksums());
+  for (int k = 0; k < c.buckets; ++k) {
+    const uint64_t cpu = Checksum(expect[k].data(), expect[k].size());
+    EXPECT_EQ(pack_sums[k], cpu) << "bucket " << k;
+    EXPECT_EQ(unpack_sums[k], cpu) << "bucket " << k;
+    EXPECT_EQ(verify_sums[k], cpu) << "bucket " << k;
+  }
+
+  // One flipped bit in a landed element changes exactly that bucket's verify checksum.
+  unsigned char byte = 0;
+  const int64_t off = (36 * 53 + 52) * 2;  // only bucket 2's [8:37, 0:53] covers element (36, 52)
+  SS_ASSERT_OK(CopyToHost(&byte, static_cast<unsigned char*>(dst->data()) + off, 1));
+  byte ^= 0x10;
+  SS_ASSERT_OK(CopyToDevice(static_cast<unsigned char*>(dst->data()) + off, &byte, 1));
+  SS_ASSERT_OK(verify->Launch(stream->handle()));
+  SS_ASSERT_OK(stream->Synchronize(Millis(30000), "verify"));
+  SS_ASSERT_OK_AND_ASSIGN(auto bad, verify->Checksums());
+  EXPECT_EQ(bad[0], verify_sums[0]);
+  EXPECT_NE(bad[2], verify_sums[2]);
+}
+
+TEST(GpuPack, UnpackBf16ToF32MatchesCpu) {
+  SS_REQUIRE_GPU();
+  Case c;  // two disjoint regions, one strided, in two buckets
+  c.shape = {37, 53};
+  c.regions = {{Region::Make({0, 0}, {37, 21}), 0}, {Region::Make({3, 21}, {5, 31}), 1}};
+  c.buckets = 2;
+  const int64_t n = NumElements(c.shape);
+  const auto wire_host = RandomBytes(64 << 10, 13);
+  SS_ASSERT_OK_AND_ASSIGN(auto wire, DeviceBuffer::Allocate(64 << 10, 0));
+  SS_ASSERT_OK(CopyToDevice(wire->data(), wire_host.data(), wire_host.size()));
+  SS_ASSERT_OK_AND_ASSIGN(auto dst, DeviceBuffer::Allocate(n * 4, 0));
+  SS_ASSERT_OK(Memset(dst->data(), 0, n * 4));
+  Built u =
+      BuildPack(c, dst->data(), 4, wire->data(), 2, BatchMode::kUnpack, DType::kBF16, DType::kF32);
+  for (auto& r : u.spec.runs) r = Swapped(r);
+  SS_ASSERT_OK_AND_ASSIGN(auto unpack, CopyBatch::Prepare(u.spec, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
+  SS_ASSERT_OK(unpack->Launch(stream->handle()));
+  SS_ASSERT_OK(stream->Synchronize(Millis(30000), "unpack"));
+  SS_ASSERT_OK_AND_ASSIGN(auto sums, unpack->Sums());
+  std::vector<float> got(n);
+  SS_ASSERT_OK(CopyToHost(got.data(), dst->data(), n * 4));
+  for (int k = 0; k < c.buckets; ++k) {
+    const unsigned char* w = wire_host.data() + u.bucket_start[k];
+    EXPECT_EQ(sums[k], ChecksumPartial(w, u.spec.bucket_bytes[k], 0)) << "bucket " << k;
+    int64_t e = 0;
+    ForEachRun(c.regions[k].first, c.shape, [&](int64_t off, int64_t len) {
+      for (int64_t i = 0; i < len; ++i, ++e) {
+        uint16_t h;
+        std::memcpy(&h, w + e * 2, 2);
+        const float f = BF16ToF32(h);
+        EXPECT_EQ(std::memcmp(&got[off + i], &f, 4), 0) << "element " << off + i;
+      }
+    });
+  }
+}
+
+TEST(GpuPack, ManySmallRegionsInOneLaunch) {
+  SS_REQUIRE_GPU();
+  // 3000 runs of 1..17 bf16 elements from scattered offsets: one launch, exact bytes and sum.
+  const int64_t n = 1 << 16;
+  const auto host = RandomBytes(n * 2, 14);
+  SS_ASSERT_OK_AND_ASSIGN(auto t, DeviceBuffer::Allocate(n * 2, 0));
+  SS_ASSERT_OK(CopyToDevice(t->data(), host.data(), n * 2));
+  SS_ASSERT_OK_AND_ASSIGN(auto wire, DeviceBuffer::Allocate(n * 2, 0));
+  std::mt19937_64 rng(5);
+  BatchSpec spec;
+  spec.mode = BatchMode::kPack;
+  spec.in_dtype = spec.out_dtype = DType::kBF16;
+  std::vector<unsigned char> expect;
+  int64_t w = 0;
+  for (int i = 0; i < 3000; ++i) {
+    const int64_t len = 1 + static_cast<int64_t>(rng() % 17);
+    const int64_t at = static_cast<int64_t>(rng() % (n - len));
+    CopyRun r;
+    r.in = static_cast<unsigned char*>(t->data()) + at * 2;
+    r.out = static_cast<unsigned char*>(wire->data()) + w;
+    r.row_elems = len;
+    r.wire_offset = w;
+    spec.runs.push_back(r);
+    expect.insert(expect.end(), host.begin() + at * 2, host.begin() + (at + len) * 2);
+    w += len * 2;
+  }
+  spec.bucket_bytes = {w};
+  SS_ASSERT_OK_AND_ASSIGN(auto batch, CopyBatch::Prepare(spec, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
+  SS_ASSERT_OK(batch->Launch(stream->handle()));
+  SS_ASSERT_OK(stream->Synchronize(Millis(30000), "pack"));
+  std::vector<unsigned char> got(w);
+  SS_ASSERT_OK(CopyToHost(got.data(), wire->data(), w));
+  EXPECT_EQ(got, expect);
+  SS_ASSERT_OK_AND_ASSIGN(auto sums, batch->Checksums());
+  EXPECT_EQ(sums[0], Checksum(expect.data(), expect.size()));
+}
+
+TEST(GpuPack, RejectsBadBatches) {
+  SS_REQUIRE_GPU();
+  SS_ASSERT_OK_AND_ASSIGN(auto t, DeviceBuffer::Allocate(1024, 0));
+  BatchSpec spec;
+  spec.mode = BatchMode::kPack;
+  spec.in_dtype = spec.out_dtype = DType::kBF16;
+  CopyRun r;
+  r.in = t->data();
+  r.out = static_cast<unsigned char*>(t->data()) + 512;
+  r.row_elems = 10;
+  r.wire_offset = 2;  // gap at [0, 2)
+  spec.runs = {r};
+  spec.bucket_bytes = {22};
+  auto gap = CopyBatch::Prepare(spec, 0);
+  ASSERT_FALSE(gap.ok());
+  EXPECT_EQ(gap.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(gap.status().message().find("not tiled"), std::string::npos) << gap.status().ToString();
+  spec.runs[0].wire_offset = 0;
+  spec.runs[0].bucket = 3;
+  EXPECT_EQ(CopyBatch::Prepare(spec, 0).status().code(), StatusCode::kOutOfRange);
+  spec.runs[0].bucket = 0;
+  spec.bucket_bytes = {40};  // runs cover 20 bytes only
+  EXPECT_EQ(CopyBatch::Prepare(spec, 0).status().code(), StatusCode::kInvalidArgument);
+  spec.bucket_bytes = {20};
+  spec.in_dtype = DType::kF16;
+  spec.out_dtype = DType::kF32;
+  EXPECT_EQ(CopyBatch::Prepare(spec, 0).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(GpuSynthetic, FillAndCheckMatchHost) {
+  SS_REQUIRE_GPU();
+  const Shape shape = {19, 33};
+  const Region r = Region::Make({2, 5}, {11, 17});
+  const std::string name = "model.layers.0.mlp.down_proj.weight";
+  const SyntheticTensor st = SyntheticFor(name, shape);
+  std::vector<float> want(r.numel());
+  FillSyntheticRegion(99, name, shape, r, want.data());
+  SS_ASSERT_OK_AND_ASSIGN(auto f32, DeviceBuffer::Allocate(r.numel() * 4, 0));
+  SS_ASSERT_OK(FillSyntheticDevice(99, st, shape, r, DType::kF32, f32->data(), nullptr));
+  std::vector<float> got(r.numel());
+  SS_ASSERT_OK(CopyToHost(got.data(), f32->data(), got.size() * 4));
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0);
+
+  // A bf16 parameter holding region r at rows [1, 12) of a [12, 17] tensor.
+  const Shape pshape = {12, 17};
+  const Region pr = Region::Make({1, 0}, {11, 17});
+  std::vector<uint16_t> param(NumElements(pshape), 0);
+  for (int64_t i = 0; i < r.numel(); ++i) param[17 + i] = F32ToBF16(want[i]);
+  SS_ASSERT_OK_AND_ASSIGN(auto p, DeviceBuffer::Allocate(param.size() * 2, 0));
+  SS_ASSERT_OK(CopyToDevice(p->data(), param.data(), param.size() * 2));
+  SS_ASSERT_OK_AND_ASSIGN(auto bad, DeviceBuffer::Allocate(8, 0));
+  SS_ASSERT_OK(Memset(bad->data(), 0, 8));
+  auto* counter = static_cast<unsigned long long*>(bad->data());
+  SS_ASSERT_OK(CountSyntheticMismatches(99, st, shape, r, pshape, pr, p->data(), counter, nullptr));
+  unsigned long long n = 1;
+  SS_ASSERT_OK(CopyToHost(&n, counter, 8));
+  EXPECT_EQ(n, 0u);
+  param[17 + 5] ^= 1;
+  param[17 + 100] ^= 0x8000;
+  SS_ASSERT_OK(CopyToDevice(p->data(), param.data(), param.size() * 2));
+  SS_ASSERT_OK(CountSyntheticMismatches(99, st, shape, r, pshape, pr, p->data(), counter, nullptr));
+  SS_ASSERT_OK(CopyToHost(&n, counter, 8));
+  EXPECT_EQ(n, 2u);
+}
+
+TEST(GpuDevice, QueryReportsTheDevice) {
+  SS_REQUIRE_GPU();
+  SS_ASSERT_OK_AND_ASSIGN(DeviceInfo info, QueryDevice(0));
+  EXPECT_FALSE(info.name.empty());
+  EXPECT_GT(info.sm_count, 0);
+  EXPECT_GT(info.total_bytes, 0);
+  EXPECT_GT(info.hbm_peak_gbps, 0);
+  EXPECT_FALSE(QueryDevice(1000).ok());
+}
+
+}  // namespace
+}  // namespace shardsync::gpu

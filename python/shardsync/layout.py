@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence
 
 from ._native import native
-from .errors import InvalidArgumentError
 
 __all__ = ["compute_layout"]
 
@@ -28,15 +27,14 @@ def compute_layout(
     (the same message as `shardsync layout`)."""
     C = native("layout")
     if node_gpus is None:
+        # Build the cluster only; the C++ planner validates every field and names it.
         total = dp * tp * pp
-        per = total if gpus_per_node is None else gpus_per_node
-        if per <= 0:
-            raise InvalidArgumentError(f"--gpus-per-node: must be positive, got {per}")
-        if total % per != 0:
-            raise InvalidArgumentError(
-                f"--gpus-per-node: dp*tp*pp = {total} GPUs do not fill whole nodes of {per}"
-            )
-        node_gpus = [per] * max(1, total // per)
+        if gpus_per_node is None:
+            node_gpus = [max(total, 1)]
+        elif gpus_per_node > 0:
+            node_gpus = [gpus_per_node] * max(1, -(-total // gpus_per_node))
+        else:
+            node_gpus = [gpus_per_node]
     return C.compute_layout(
         dp,
         tp,

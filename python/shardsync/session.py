@@ -39,12 +39,23 @@ def LoopbackHub() -> Any:  # noqa: N802 - a factory that reads like the C++ clas
     return native("session").LoopbackHub()
 
 
+_default_hub: Any = None
+
+
+def default_loopback_hub() -> Any:
+    """The process-wide hub loopback sessions use when none is given (in-process ranks only)."""
+    global _default_hub
+    if _default_hub is None:
+        _default_hub = LoopbackHub()
+    return _default_hub
+
+
 class Session:
     """One rank of a sync job.
 
     store: "host:port" of the rendezvous store (StoreServer or `shardsync store`).
-    transport: "ucx" (host memory, any process / node), "loopback" (ranks in one process, with a
-    shared `hub`), or another registered name (shardsync._C.transports()).
+    transport: "ucx" (host memory, any process / node), "loopback" (ranks in one process, sharing
+    `hub`, by default one per process), or another registered name (shardsync._C.transports()).
     """
 
     def __init__(
@@ -67,6 +78,8 @@ class Session:
         if not isinstance(plan, Plan):
             raise InvalidArgumentError(f"plan: expected a shardsync.Plan, got {type(plan).__name__}")
         C = native("session")
+        if transport == "loopback" and hub is None:
+            hub = default_loopback_hub()
         self.plan = plan
         self.staging = staging
         self._native = C.SyncSession(

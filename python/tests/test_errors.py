@@ -1,0 +1,81 @@
+"""Every C++ StatusCode surfaces as its own shardsync.Error subclass, message unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+import shardsync
+from shardsync import errors
+
+CODES = {
+    1: shardsync.InvalidArgumentError,
+    2: shardsync.FailedPreconditionError,
+    3: shardsync.NotFoundError,
+    4: shardsync.DataLossError,
+    5: shardsync.DeadlineExceededError,
+    6: shardsync.UnavailableError,
+    7: shardsync.InternalError,
+    8: shardsync.UnimplementedError,
+    9: shardsync.PermissionDeniedError,
+    10: shardsync.AbortedError,
+    11: shardsync.OutOfRangeError,
+}
+
+
+def test_hierarchy_is_one_base_with_distinct_subclasses():
+    classes = set(CODES.values())
+    assert len(classes) == 11
+    for cls in classes:
+        assert issubclass(cls, shardsync.Error)
+    assert errors.error_for_code(99) is shardsync.Error
+
+
+@pytest.mark.parametrize("code,cls", sorted(CODES.items()))
+def test_native_status_maps_to_subclass(code, cls):
+    C = shardsync.native()
+    msg = f"rank 3: field x{code}: went wrong"
+    with pytest.raises(cls) as info:
+        C._raise_status(code, msg)
+    assert type(info.value) is cls
+    assert str(info.value) == msg
+    assert info.value.code == C.status_code_name(code)
+    # Only the exact class matches among siblings.
+    for other in set(CODES.values()) - {cls}:
+        assert not isinstance(info.value, other)
+
+
+def test_python_builtin_bases_kept():
+    assert issubclass(shardsync.InvalidArgumentError, ValueError)
+    assert issubclass(shardsync.DeadlineExceededError, TimeoutError)
+    assert issubclass(shardsync.NotFoundError, LookupError)
+    assert issubclass(shardsync.PermissionDeniedError, PermissionError)
+
+
+def test_real_errors_carry_cpp_messages(need_plan):
+    with pytest.raises(shardsync.InvalidArgumentError, match="tp"):
+        shardsync.Plan("qwen2.5-0.5b", "fsdp=4", "dp=1,tp=0,pp=1")
+    with pytest.raises(shardsync.Error):
+        shardsync.load_model("no-such-model-anywhere")
+    with pytest.raises(shardsync.InvalidArgumentError, match="--tp"):
+        shardsync.compute_layout(1, 0, 1)
+    plan = shardsync.Plan("qwen2.5-0.5b", "fsdp=2", "dp=1,tp=2,pp=1")
+    with pytest.raises(shardsync.OutOfRangeError):
+        plan.engine_rank(1, 0, 0)
+    with pytest.raises(shardsync.InvalidArgumentError, match="num_attention_heads"):
+        shardsync.shard_map("qwen2.5-0.5b", "sglang", tp=3)
+
+
+def test_store_errors(need_plan):
+    if not shardsync.has_part("store"):
+        pytest.skip("store part not built")
+    with shardsync.StoreServer(token="right") as srv:
+        with pytest.raises(shardsync.PermissionDeniedError):
+            shardsync.StoreClient(srv.address, token="wrong", timeout=5.0)
+        c = shardsync.StoreClient(srv.address, token="right")
+        c.set("k", b"v")
+        assert c.get("k") == b"v"
+        assert c.add("n", 2) == 2
+        with pytest.raises(shardsync.DeadlineExceededError):
+            c.get("never-set", timeout=0.2)
+    with pytest.raises(shardsync.InvalidArgumentError):
+        shardsync.StoreClient("no-port-here", token="x", timeout=1.0)

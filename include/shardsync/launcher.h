@@ -1,0 +1,128 @@
+// The rank program behind `shardsync run` (a trainer rank fills its shards with synthetic weights
+// and sends; an engine rank allocates its parameters, receives, and checks every element against
+// the synthetic HF values), and a local launcher that runs one job on this host: one process (or
+// thread, for the in-process loopback transport) per sync rank around an in-process store.
+// `demo` and `bench` are thin renderings of RunLocalJob.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "shardsync/plan.h"
+#include "shardsync/session.h"
+#include "shardsync/status.h"
+#include "shardsync/store.h"
+
+namespace shardsync {
+
+enum class JobMode { kSync, kBench };
+
+// Everything that defines a job; every rank of a job gets the same JobSpec.
+struct JobSpec {
+  PlanInputs inputs;
+  uint64_t seed = 1;                   // synthetic weights
+  int syncs = 1;                       // sync mode: versions 1..syncs
+  std::string transport = "loopback";  // "ucx" | "loopback" (in-process only)
+  Millis timeout{60000};               // per connect / per sync
+  JobMode mode = JobMode::kSync;
+  int bench_warmup = 1;
+  int bench_reps = 5;
+  bool verify = true;          // engine ranks check every element after the last sync
+  std::string prefix = "ss/";  // store key namespace
+};
+
+// The job flags shared by `run`, `demo` and `bench`, as typed.
+struct JobFlags {
+  std::string model = "qwen2.5-0.5b";  // embedded name or config.json path
+  std::string trainer = "fsdp=4";
+  std::string rollout = "dp=1,tp=2,pp=2";
+  std::string engine = "sglang";
+  std::string pp_partition;  // "7,8,9" (empty: the engine's rule)
+  std::string wire_dtype = "bf16";
+  std::string trainer_dtype = "fp32";
+  double bucket_mb = 512;
+  int64_t bucket_bytes = 0;  // exact, overrides bucket_mb when > 0
+  uint64_t seed = 1;
+  int syncs = 1;
+  std::string transport = "auto";  // auto: ucx when built with UCX, else loopback
+  int64_t timeout_ms = 60000;
+  std::string mode = "sync";
+  int warmup = 1;
+  int reps = 5;
+  bool no_verify = false;
+  std::string prefix = "ss/";
+};
+// Validates and resolves the flags; errors name the flag.
+Result<JobSpec> JobSpecFromFlags(const JobFlags& flags);
+// "ucx" when this build has it, else "loopback".
+std::string DefaultTransport();
+
+// Same flag set for `run`, `demo`, `bench`: the arguments that reproduce `job` on a child
+// process (`shardsync run ...`).
+std::vector<std::string> JobSpecToArgs(const JobSpec& job);
+
+struct BenchNumbers {
+  double sharded_seconds = 0, broadcast_seconds = 0, raw_seconds = 0;  // medians, slowest rank
+  int64_t bytes = 0;  // bytes landed in engine parameters per repetition
+  bool verified = false;
+};
+
+// One rank's outcome.
+struct RankResult {
+  int rank = 0;
+  bool is_trainer = false;
+  int replica = -1, tp_rank = -1, pp_rank = -1, trainer_rank = -1;
+  bool ok = false;
+  std::string error;
+  SyncReport report;  // of the last sync
+  int64_t elements_checked = 0;
+  int64_t element_mismatches = 0;
+  std::string first_mismatch;  // parameter and element of the first mismatch
+  int64_t peak_rss_bytes = 0;
+  double setup_seconds = 0;  // allocate + synthetic fill
+  BenchNumbers bench;        // bench mode: per rank timings (the job result takes the max)
+};
+std::string RankResultToJson(const RankResult& r);
+Result<RankResult> RankResultFromJson(const std::string& text);
+
+// Called at milestones (allocated, connected, each sync, verified) so launchers can show
+// progress; RankSteps(job) milestones per rank.
+using ProgressFn = std::function<void()>;
+int RankSteps(const JobSpec& job);
+
+// Runs one rank of `job` on an already connected store and an unconnected transport. The error
+// of a failed sync is returned in RankResult (ok=false), not as a Status: the rank still reports.
+Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Transport& transport,
+                           const ProgressFn& progress = nullptr);
+
+// Entry point of `shardsync run`: reads the launch contract, connects to the store, creates the
+// transport, runs the rank, posts its RankResult JSON under "result/<rank>" and returns it.
+Result<RankResult> RunRankProcess(const JobSpec& job, const LaunchEnv& env);
+
+struct LocalJobOptions {
+  JobSpec job;
+  // Processes (fork + exec of `exe run ...`, required for UCX) or threads in this process
+  // (loopback). Default: threads for loopback, processes otherwise.
+  enum class Mode { kAuto, kProcesses, kThreads } mode = Mode::kAuto;
+  std::string exe = "/proc/self/exe";
+  Millis job_timeout{300000};  // the whole job; every child is killed past it
+  // Called from the launcher thread with (milestones done, milestones total).
+  std::function<void(int, int)> on_progress;
+};
+
+struct LocalJobResult {
+  std::vector<RankResult> ranks;  // by sync rank
+  std::string store_address;
+  bool ok() const;
+  std::string FirstError() const;
+};
+
+// Runs the whole job on this host. Never leaves a child behind: on failure or timeout every
+// child still running is killed and reaped. A rank's own failure is in its RankResult; a Status
+// error means the job could not run (launch failure, timeout, a rank died without a result).
+Result<LocalJobResult> RunLocalJob(const LocalJobOptions& options);
+
+}  // namespace shardsync

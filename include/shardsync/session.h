@@ -1,0 +1,163 @@
+// Verified sync sessions: one per sync rank. A trainer rank binds its source shards and sends; an
+// engine rank binds its destination parameters and receives straight into them (zero copy). Every
+// sync replays the rank's plan, checksums every bucket on both sides, and returns one report that
+// every rank of the job agrees on (DESIGN.md "Sync protocol").
+//
+// Life cycle: Create -> Bind* -> Connect (plan hash check across all ranks, binding check, memory
+// registration, transport connect) -> Sync(version) repeatedly. Threading: a session, its store
+// client and its transport are driven by one thread at a time.
+//
+// Failure: any error on any rank (peer death, timeout, checksum mismatch, stale or differing
+// version) makes every rank return an error within `sync_timeout`: the failing rank posts an abort
+// key the others poll. A receiver is poisoned from the start of a sync until that sync succeeds,
+// so a failed sync leaves it poisoned until a later full sync succeeds.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardsync/dtype.h"
+#include "shardsync/plan.h"
+#include "shardsync/region.h"
+#include "shardsync/status.h"
+#include "shardsync/store.h"
+#include "shardsync/transport.h"
+
+namespace shardsync {
+
+// A strided region of a row-major tensor at `base`, whose elements occupy wire bytes
+// [wire_offset, wire_offset + region.numel() * wire size) of one bucket, in row-major order.
+struct PackRegion {
+  const void* base = nullptr;
+  DType dtype = DType::kF32;
+  Shape shape;
+  Region region;
+  int64_t wire_offset = 0;
+};
+
+// Copies strided regions to and from contiguous wire images with the dtype cast and the checksum
+// (checksum.h) fused into the pass. The CPU implementation handles host memory; a device
+// implementation (src/cuda) can be passed in SessionOptions for device buffers.
+class Packer {
+ public:
+  virtual ~Packer() = default;
+  virtual std::string_view name() const = 0;
+  // Packs `regions` (which tile [0, bytes) of the wire image) into `out`, cast to `wire`, and
+  // returns the finished checksum of the wire image.
+  virtual Result<uint64_t> Pack(const std::vector<PackRegion>& regions, DType wire, void* out,
+                                int64_t bytes) = 0;
+  // Finished checksum of landed regions (already in the wire dtype) read in wire order: equal to
+  // the sender's Pack checksum iff every byte arrived.
+  virtual Result<uint64_t> ChecksumLanded(const std::vector<PackRegion>& regions,
+                                          int64_t bytes) = 0;
+  // Unpacks a wire image into regions (cast from `wire` to each region's dtype); `regions[i].base`
+  // is written. Used by receivers that land into staging (broadcast baseline, cast on receive).
+  virtual Status Unpack(const void* in, DType wire, int64_t bytes,
+                        const std::vector<PackRegion>& regions) = 0;
+  // Zero-fills `region` of a tensor at `base`.
+  virtual Status ZeroFill(void* base, DType dtype, const Shape& shape, const Region& region) = 0;
+};
+
+// The host-memory packer (bf16/f16/f32 casts). Single-threaded.
+std::unique_ptr<Packer> MakeCpuPacker();
+
+struct SessionOptions {
+  std::string prefix = "ss/";  // store key namespace of this job (every rank uses the same)
+  Millis connect_timeout{60000};
+  Millis sync_timeout{60000};  // bounds every wait of one Sync on this rank
+  // Pluggable packer (device memory); nullptr: the CPU packer.
+  Packer* packer = nullptr;
+  // Extra transport peers beyond the plan's (benchmarks that also run other traffic patterns),
+  // and a hook run after the session registered its memory and before the transport connects.
+  std::vector<int> extra_peers;
+  std::function<Status(Transport&)> before_transport_connect;
+  // Whether Connect connects the transport (false: the caller connects it, e.g. shared).
+  bool connect_transport = true;
+};
+
+// A trainer rank's shard of one HF tensor: `region` of the HF tensor, stored row-major with the
+// region's extents as its shape.
+struct SourceBinding {
+  std::string hf_name;
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  Region region;
+  MemKind mem = MemKind::kHost;
+  int device = -1;
+};
+
+// An engine rank's parameter, row-major.
+struct DestBinding {
+  std::string name;  // engine name ("model.layers.3.self_attn.qkv_proj.weight")
+  void* data = nullptr;
+  DType dtype = DType::kBF16;
+  Shape shape;
+  MemKind mem = MemKind::kHost;
+  int device = -1;
+};
+
+// What one rank posts after a sync; gathered into every rank's SyncReport.
+struct RankSyncStats {
+  int rank = 0;
+  bool ok = false;
+  std::string error;
+  int64_t send_bytes = 0;
+  int64_t recv_bytes = 0;
+  double seconds = 0;
+  int64_t checksums_ok = 0;
+  int64_t checksums_total = 0;
+};
+
+// One report per sync, identical on every rank (except `local`).
+struct SyncReport {
+  uint64_t version = 0;
+  int64_t bytes = 0;   // bytes landed in engine parameters, job-wide
+  double seconds = 0;  // the slowest rank's sync time
+  double gbps = 0;     // bytes / seconds / 1e9
+  int slowest_rank = -1;
+  int64_t checksums_ok = 0;
+  int64_t checksums_total = 0;
+  RankSyncStats local;
+  std::vector<RankSyncStats> ranks;  // by sync rank
+};
+
+class SyncSession {
+ public:
+  // `store` and `transport` must outlive the session. Fails on an invalid rank or plan.
+  static Result<std::unique_ptr<SyncSession>> Create(const PlanInputs& inputs, int rank,
+                                                     StoreClient& store, Transport& transport,
+                                                     SessionOptions options = {});
+  virtual ~SyncSession() = default;
+
+  virtual int rank() const = 0;
+  virtual bool is_trainer() const = 0;
+  virtual const RankPlan& plan() const = 0;
+
+  // Trainer ranks: one binding per HF tensor the rank holds (region must equal
+  // TrainerHeldRegion, dtype the plan's trainer dtype). Checked fully at Connect.
+  virtual Status BindSource(const SourceBinding& b) = 0;
+  // Engine ranks: one binding per parameter of this engine rank (shape as the shard map says,
+  // dtype equal to the wire dtype so bytes land without a copy). Checked fully at Connect.
+  virtual Status BindDest(const DestBinding& b) = 0;
+  // The engine parameters this rank must bind (empty for trainer ranks).
+  virtual const std::vector<EngineParam>& ExpectedParams() const = 0;
+
+  // Collective over the sync world: publishes this rank's plan hash and checks every other
+  // rank's (FailedPrecondition naming both hashes and the rank), checks the bindings against the
+  // plan, registers receive memory once and connects the transport.
+  virtual Status Connect() = 0;
+
+  // Replays the plan for `version` (must exceed the last successful version on this rank and
+  // equal every peer's). Returns the job-wide report, or the first error seen anywhere.
+  virtual Result<SyncReport> Sync(uint64_t version) = 0;
+
+  // True while a receiver's parameters may hold a partial or unverified sync.
+  virtual bool IsPoisoned() const = 0;
+  virtual uint64_t last_good_version() const = 0;
+};
+
+}  // namespace shardsync

@@ -1,0 +1,284 @@
+// Local launcher: one job on this host, as threads around a loopback hub or as child processes
+// (`shardsync run`) around an in-process store. Children get PR_SET_PDEATHSIG so they cannot
+// outlive the launcher, and every exit path kills and reaps what is still running.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "shardsync/launcher.h"
+#include "shardsync/transport.h"
+#include "sync/internal.h"
+
+extern char** environ;
+
+namespace shardsync {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Result<std::string> RandomToken() {
+  unsigned char b[16];
+  std::ifstream f("/dev/urandom", std::ios::binary);
+  if (!f.read(reinterpret_cast<char*>(b), sizeof(b))) {
+    return InternalError("launcher: cannot read /dev/urandom for the store token");
+  }
+  std::string s;
+  char hex[3];
+  for (unsigned char c : b) {
+    std::snprintf(hex, sizeof(hex), "%02x", c);
+    s += hex;
+  }
+  return s;
+}
+
+std::string Tail(const std::string& path, size_t max_bytes = 2000) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  std::string s = ss.str();
+  if (s.size() > max_bytes) s = "..." + s.substr(s.size() - max_bytes);
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  return s;
+}
+
+Result<LocalJobResult> RunThreads(const LocalJobOptions& o, StoreServer& server,
+                                  const std::string& token) {
+  const JobSpec& job = o.job;
+  const int world = SyncWorldSize(job.inputs);
+  const int total = world * RankSteps(job);
+  auto hub = NewLoopbackHub();
+  std::atomic<int> done_steps{0};
+  std::atomic<int> finished{0};
+  std::vector<Result<RankResult>> results(world, Result<RankResult>(InternalError("not run")));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto run = [&]() -> Result<RankResult> {
+        SS_ASSIGN_OR_RETURN(auto store, StoreClient::Connect(server.address(), token, job.timeout));
+        auto tx = NewLoopbackTransport(hub);
+        return RunRank(job, r, *store, *tx, [&] { ++done_steps; });
+      };
+      results[r] = run();
+      ++finished;
+    });
+  }
+  // Every wait inside a rank is bounded by job.timeout, so threads end on their own.
+  while (finished.load() < world) {
+    if (o.on_progress) o.on_progress(done_steps.load(), total);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  for (auto& t : threads) t.join();
+  if (o.on_progress) o.on_progress(done_steps.load(), total);
+  LocalJobResult out;
+  out.store_address = server.address();
+  for (int r = 0; r < world; ++r) {
+    if (!results[r].ok()) {
+      Status s = results[r].status();
+      return s.Annotate("sync rank " + std::to_string(r));
+    }
+    out.ranks.push_back(std::move(results[r]).value());
+  }
+  return out;
+}
+
+struct Child {
+  int rank = 0;
+  pid_t pid = -1;
+  std::string log;
+  bool exited = false;
+  int status = 0;
+};
+
+void KillAll(std::vector<Child>& children) {
+  for (Child& c : children) {
+    if (!c.exited && c.pid > 0) kill(c.pid, SIGKILL);
+  }
+  for (Child& c : children) {
+    if (!c.exited && c.pid > 0) {
+      waitpid(c.pid, &c.status, 0);
+      c.exited = true;
+    }
+  }
+}
+
+std::string DescribeExit(int status) {
+  if (WIFEXITED(status)) return "exit code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status));
+  return "status " + std::to_string(status);
+}
+
+Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& server,
+                                    const std::string& token) {
+  const JobSpec& job = o.job;
+  const int world = SyncWorldSize(job.inputs);
+  const int total = world * RankSteps(job);
+  SS_ASSIGN_OR_RETURN(auto store, StoreClient::Connect(server.address(), token, job.timeout));
+  // argv / envp are built before fork: between fork and exec only async-signal-safe calls.
+  std::vector<std::string> base_args = {"shardsync", "run"};
+  for (auto& a : JobSpecToArgs(job)) base_args.push_back(a);
+  std::vector<std::string> base_env;
+  for (char** e = environ; *e; ++e) {
+    std::string_view v(*e);
+    if (v.starts_with("SHARDSYNC_STORE=") || v.starts_with("RANK=") ||
+        v.starts_with("WORLD_SIZE=") || v.starts_with("SHARDSYNC_TOKEN=")) {
+      continue;
+    }
+    base_env.emplace_back(v);
+  }
+  base_env.push_back("SHARDSYNC_STORE=" + server.address());
+  base_env.push_back("WORLD_SIZE=" + std::to_string(world));
+  base_env.push_back("SHARDSYNC_TOKEN=" + token);
+  std::vector<Child> children;
+  auto cleanup_logs = [&] {
+    for (Child& c : children) unlink(c.log.c_str());
+  };
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::string> args = base_args;
+    args.push_back("--role");
+    args.push_back(r < job.inputs.trainer.world() ? "trainer" : "engine");
+    std::vector<std::string> env = base_env;
+    env.push_back("RANK=" + std::to_string(r));
+    std::vector<char*> argv, envp;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    for (auto& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    char tmpl[] = "/tmp/shardsync-rank-XXXXXX";
+    int log_fd = mkstemp(tmpl);
+    if (log_fd < 0) {
+      KillAll(children);
+      cleanup_logs();
+      return InternalError(std::string("launcher: mkstemp: ") + std::strerror(errno));
+    }
+    const pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(127);  // the launcher died before prctl took effect
+      int devnull = open("/dev/null", O_RDWR);
+      dup2(devnull, 0);
+      dup2(log_fd, 1);
+      dup2(log_fd, 2);
+      execve(o.exe.c_str(), argv.data(), envp.data());
+      _exit(127);
+    }
+    close(log_fd);
+    if (pid < 0) {
+      KillAll(children);
+      cleanup_logs();
+      return InternalError(std::string("launcher: fork: ") + std::strerror(errno));
+    }
+    children.push_back({r, pid, tmpl, false, 0});
+  }
+  const auto deadline = Clock::now() + o.job_timeout;
+  // After a rank fails, the others get their own timeout to report before they are killed.
+  Clock::time_point failure_deadline = Clock::time_point::max();
+  int running = world;
+  while (running > 0) {
+    for (Child& c : children) {
+      if (c.exited) continue;
+      pid_t w = waitpid(c.pid, &c.status, WNOHANG);
+      if (w == c.pid) {
+        c.exited = true;
+        --running;
+        if (!(WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0) &&
+            failure_deadline == Clock::time_point::max()) {
+          failure_deadline = Clock::now() + job.timeout + std::chrono::seconds(5);
+        }
+      }
+    }
+    if (o.on_progress) {
+      auto p = store->Add(job.prefix + "progress", 0);
+      if (p.ok()) o.on_progress(static_cast<int>(*p), total);
+    }
+    const auto now = Clock::now();
+    if (now > deadline || now > failure_deadline) {
+      KillAll(children);
+      std::string still;
+      for (Child& c : children) {
+        if (WIFSIGNALED(c.status) && WTERMSIG(c.status) == SIGKILL) {
+          still += (still.empty() ? "" : ", ") + std::to_string(c.rank);
+        }
+      }
+      cleanup_logs();
+      return DeadlineExceededError(
+          now > deadline
+              ? "launcher: the job exceeded its " + std::to_string(o.job_timeout.count()) +
+                    " ms limit; killed ranks " + still
+              : "launcher: after a rank failed, ranks " + still +
+                    " did not finish within their timeout and were killed");
+    }
+    if (running > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  LocalJobResult out;
+  out.store_address = server.address();
+  for (Child& c : children) {
+    auto text = store->Get(job.prefix + "result/" + std::to_string(c.rank), Millis(1000));
+    if (!text.ok()) {
+      std::string tail = Tail(c.log);
+      cleanup_logs();
+      return UnavailableError("sync rank " + std::to_string(c.rank) + " (pid " +
+                              std::to_string(c.pid) + ") ended with " + DescribeExit(c.status) +
+                              " without a result" + (tail.empty() ? "" : ": " + tail));
+    }
+    SS_ASSIGN_OR_RETURN(RankResult r, RankResultFromJson(*text));
+    out.ranks.push_back(std::move(r));
+  }
+  cleanup_logs();
+  return out;
+}
+
+}  // namespace
+
+bool LocalJobResult::ok() const {
+  if (ranks.empty()) return false;
+  for (const RankResult& r : ranks) {
+    if (!r.ok) return false;
+  }
+  return true;
+}
+
+std::string LocalJobResult::FirstError() const {
+  // The root cause, not the echo: Aborted errors only repeat another rank's failure.
+  for (const RankResult& r : ranks) {
+    if (!r.ok && r.error.rfind("aborted", 0) != 0) return r.error;
+  }
+  for (const RankResult& r : ranks) {
+    if (!r.ok) return r.error;
+  }
+  return "";
+}
+
+Result<LocalJobResult> RunLocalJob(const LocalJobOptions& o) {
+  SS_ASSIGN_OR_RETURN(std::string token, RandomToken());
+  SS_ASSIGN_OR_RETURN(auto server, StoreServer::Start("127.0.0.1", 0, token));
+  LocalJobOptions::Mode mode = o.mode;
+  if (mode == LocalJobOptions::Mode::kAuto) {
+    mode = o.job.transport == "loopback" ? LocalJobOptions::Mode::kThreads
+                                         : LocalJobOptions::Mode::kProcesses;
+  }
+  if (mode == LocalJobOptions::Mode::kThreads && o.job.transport != "loopback") {
+    return InvalidArgumentError("--transport " + o.job.transport +
+                                ": the in-process launcher runs the loopback transport only");
+  }
+  if (mode == LocalJobOptions::Mode::kProcesses && o.job.transport == "loopback") {
+    return InvalidArgumentError(
+        "--transport loopback: works within one process only; run ranks as threads");
+  }
+  auto r = mode == LocalJobOptions::Mode::kThreads ? RunThreads(o, *server, token)
+                                                   : RunProcesses(o, *server, token);
+  server->Stop();
+  return r;
+}
+
+}  // namespace shardsync

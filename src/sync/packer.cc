@@ -1,0 +1,188 @@
+// CPU packer: strided regions <-> contiguous wire images, dtype cast and checksum fused in one
+// pass over each cache-sized chunk.
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "shardsync/checksum.h"
+#include "shardsync/session.h"
+
+namespace shardsync {
+namespace {
+
+// Elements per chunk: the packed chunk is checksummed while still in L1/L2.
+constexpr int64_t kChunkElems = 8192;
+
+bool Castable(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+
+inline float Load(const unsigned char* p, DType t) {
+  switch (t) {
+    case DType::kF32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case DType::kBF16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return BF16ToF32(h);
+    }
+    default: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return F16ToF32(h);
+    }
+  }
+}
+
+inline void Store(unsigned char* p, DType t, float f) {
+  switch (t) {
+    case DType::kF32:
+      std::memcpy(p, &f, 4);
+      return;
+    case DType::kBF16: {
+      uint16_t h = F32ToBF16(f);
+      std::memcpy(p, &h, 2);
+      return;
+    }
+    default: {
+      uint16_t h = F32ToF16(f);
+      std::memcpy(p, &h, 2);
+      return;
+    }
+  }
+}
+
+// Copies n elements from `in` (dtype a) to `out` (dtype b).
+void Convert(const unsigned char* in, DType a, unsigned char* out, DType b, int64_t n) {
+  if (a == b) {
+    std::memcpy(out, in, static_cast<size_t>(n) * DTypeSize(a));
+    return;
+  }
+  if (a == DType::kF32 && b == DType::kBF16) {  // the hot cast: keep it a tight loop
+    const float* f = reinterpret_cast<const float*>(in);
+    uint16_t* h = reinterpret_cast<uint16_t*>(out);
+    for (int64_t i = 0; i < n; ++i) {
+      float v;
+      std::memcpy(&v, f + i, 4);
+      uint16_t r = F32ToBF16(v);
+      std::memcpy(h + i, &r, 2);
+    }
+    return;
+  }
+  const int sa = DTypeSize(a), sb = DTypeSize(b);
+  for (int64_t i = 0; i < n; ++i) Store(out + i * sb, b, Load(in + i * sa, a));
+}
+
+// Checks that `regions` tile [0, bytes) of the wire image in order and are well formed.
+Status CheckTiling(const std::vector<PackRegion>& regions, DType wire, int64_t bytes,
+                   std::string_view what) {
+  int64_t at = 0;
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const PackRegion& r = regions[i];
+    if (r.base == nullptr && r.region.numel() > 0) {
+      return InvalidArgumentError(std::string(what) + ": region " + std::to_string(i) +
+                                  " has a null base");
+    }
+    if (!RegionInside(r.region, r.shape)) {
+      return OutOfRangeError(std::string(what) + ": region " + r.region.ToString() +
+                             " is outside shape " + ShapeToString(r.shape));
+    }
+    if (r.dtype != wire && !(Castable(r.dtype) && Castable(wire))) {
+      return UnimplementedError(std::string(what) + ": no cast from " +
+                                std::string(DTypeName(r.dtype)) + " to " +
+                                std::string(DTypeName(wire)));
+    }
+    if (r.wire_offset != at) {
+      return InvalidArgumentError(std::string(what) + ": region " + std::to_string(i) +
+                                  " starts at wire byte " + std::to_string(r.wire_offset) +
+                                  ", expected " + std::to_string(at));
+    }
+    at += r.region.numel() * DTypeSize(wire);
+  }
+  if (at != bytes) {
+    return InvalidArgumentError(std::string(what) + ": regions cover " + std::to_string(at) +
+                                " wire bytes, expected " + std::to_string(bytes));
+  }
+  return OkStatus();
+}
+
+class CpuPacker final : public Packer {
+ public:
+  std::string_view name() const override { return "cpu"; }
+
+  Result<uint64_t> Pack(const std::vector<PackRegion>& regions, DType wire, void* out,
+                        int64_t bytes) override {
+    SS_RETURN_IF_ERROR(CheckTiling(regions, wire, bytes, "pack"));
+    ChecksumStream cs;
+    auto* o = static_cast<unsigned char*>(out);
+    const int ws = DTypeSize(wire);
+    for (const PackRegion& r : regions) {
+      const auto* base = static_cast<const unsigned char*>(r.base);
+      const int es = DTypeSize(r.dtype);
+      int64_t w = r.wire_offset;
+      ForEachRun(r.region, r.shape, [&](int64_t off, int64_t len) {
+        for (int64_t done = 0; done < len; done += kChunkElems) {
+          const int64_t n = std::min(kChunkElems, len - done);
+          Convert(base + (off + done) * es, r.dtype, o + w, wire, n);
+          cs.Update(o + w, static_cast<size_t>(n * ws));
+          w += n * ws;
+        }
+      });
+    }
+    return cs.Finish();
+  }
+
+  Result<uint64_t> ChecksumLanded(const std::vector<PackRegion>& regions, int64_t bytes) override {
+    if (!regions.empty())
+      SS_RETURN_IF_ERROR(CheckTiling(regions, regions[0].dtype, bytes, "verify"));
+    ChecksumStream cs;
+    for (const PackRegion& r : regions) {
+      const auto* base = static_cast<const unsigned char*>(r.base);
+      const int es = DTypeSize(r.dtype);
+      ForEachRun(r.region, r.shape, [&](int64_t off, int64_t len) {
+        cs.Update(base + off * es, static_cast<size_t>(len * es));
+      });
+    }
+    if (static_cast<int64_t>(cs.bytes()) != bytes) {
+      return InternalError("verify: read " + std::to_string(cs.bytes()) + " bytes, expected " +
+                           std::to_string(bytes));
+    }
+    return cs.Finish();
+  }
+
+  Status Unpack(const void* in, DType wire, int64_t bytes,
+                const std::vector<PackRegion>& regions) override {
+    SS_RETURN_IF_ERROR(CheckTiling(regions, wire, bytes, "unpack"));
+    const auto* i = static_cast<const unsigned char*>(in);
+    const int ws = DTypeSize(wire);
+    for (const PackRegion& r : regions) {
+      auto* base = static_cast<unsigned char*>(const_cast<void*>(r.base));
+      const int es = DTypeSize(r.dtype);
+      int64_t w = r.wire_offset;
+      ForEachRun(r.region, r.shape, [&](int64_t off, int64_t len) {
+        Convert(i + w, wire, base + off * es, r.dtype, len);
+        w += len * ws;
+      });
+    }
+    return OkStatus();
+  }
+
+  Status ZeroFill(void* base, DType dtype, const Shape& shape, const Region& region) override {
+    if (!RegionInside(region, shape)) {
+      return OutOfRangeError("zero fill: region " + region.ToString() + " is outside shape " +
+                             ShapeToString(shape));
+    }
+    auto* b = static_cast<unsigned char*>(base);
+    const int es = DTypeSize(dtype);
+    ForEachRun(region, shape,
+               [&](int64_t off, int64_t len) { std::memset(b + off * es, 0, len * es); });
+    return OkStatus();
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Packer> MakeCpuPacker() { return std::make_unique<CpuPacker>(); }
+
+}  // namespace shardsync

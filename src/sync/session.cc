@@ -1,0 +1,778 @@
+// Sync session: replays one rank's plan per version with checksums on both sides, collects one
+// job-wide report through the store, and fails every rank fast when one fails.
+#include "shardsync/session.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "shardsync/shard_map.h"
+
+namespace shardsync {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint32_t kControlMagic = 0x53534331;  // "SSC1"
+
+// Sent after a bucket's puts were flushed: the receiver checksums what landed and compares.
+struct Control {
+  uint32_t magic = kControlMagic;
+  uint32_t bucket = 0;
+  uint64_t version = 0;
+  uint64_t bytes = 0;
+  uint64_t checksum = 0;
+};
+static_assert(sizeof(Control) == 32);
+
+// Control tags carry the version, so a control message of an aborted sync can never be taken
+// for one of a later sync.
+uint64_t ControlTag(uint64_t version, uint32_t bucket) {
+  return ((version & 0xFFFFFFFFFFull) << 23) | (bucket & 0x7FFFFFu);
+}
+
+std::string Hex(uint64_t v) {
+  char buf[20];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string StatsToJson(const RankSyncStats& s) {
+  nlohmann::json j = {{"rank", s.rank},
+                      {"ok", s.ok},
+                      {"error", s.error},
+                      {"send_bytes", s.send_bytes},
+                      {"recv_bytes", s.recv_bytes},
+                      {"seconds", s.seconds},
+                      {"checksums_ok", s.checksums_ok},
+                      {"checksums_total", s.checksums_total}};
+  return j.dump();
+}
+
+Result<RankSyncStats> StatsFromJson(const std::string& text, int rank) {
+  try {
+    auto j = nlohmann::json::parse(text);
+    RankSyncStats s;
+    s.rank = j.at("rank").get<int>();
+    s.ok = j.at("ok").get<bool>();
+    s.error = j.at("error").get<std::string>();
+    s.send_bytes = j.at("send_bytes").get<int64_t>();
+    s.recv_bytes = j.at("recv_bytes").get<int64_t>();
+    s.seconds = j.at("seconds").get<double>();
+    s.checksums_ok = j.at("checksums_ok").get<int64_t>();
+    s.checksums_total = j.at("checksums_total").get<int64_t>();
+    if (s.rank != rank)
+      return DataLossError("sync report of rank " + std::to_string(rank) + " names rank " +
+                           std::to_string(s.rank));
+    return s;
+  } catch (const std::exception& e) {
+    return DataLossError("sync report of rank " + std::to_string(rank) +
+                         " is malformed: " + e.what());
+  }
+}
+
+// Sender-side state of one bucket in flight.
+struct InFlight {
+  int msg = 0;
+  int bucket = 0;
+  int slot = 0;
+  std::vector<XferId> xfers;  // puts, then the flush
+  uint64_t checksum = 0;
+};
+
+class SessionImpl final : public SyncSession {
+ public:
+  SessionImpl(PlanInputs in, int rank, SyncRank who, RankPlan plan, StoreClient& store,
+              Transport& tx, SessionOptions opt)
+      : in_(std::move(in)),
+        rank_(rank),
+        who_(who),
+        plan_(std::move(plan)),
+        store_(store),
+        tx_(tx),
+        opt_(std::move(opt)),
+        inventory_(HfTensorInventory(in_.model)),
+        world_(SyncWorldSize(in_)) {
+    if (opt_.packer == nullptr) {
+      own_packer_ = MakeCpuPacker();
+      packer_ = own_packer_.get();
+    } else {
+      packer_ = opt_.packer;
+    }
+    for (size_t i = 0; i < inventory_.size(); ++i) tensor_index_[inventory_[i].name] = i;
+  }
+
+  Status Init() {
+    if (!who_.is_trainer) {
+      SS_ASSIGN_OR_RETURN(ShardMap map, BuildShardMap(in_.model, in_.rollout.shard));
+      shards_ = map.rank(who_.tp_rank, who_.pp_rank);
+      for (size_t i = 0; i < shards_.params.size(); ++i) param_index_[shards_.params[i].name] = i;
+      dests_.resize(shards_.params.size());
+    }
+    return OkStatus();
+  }
+
+  int rank() const override { return rank_; }
+  bool is_trainer() const override { return who_.is_trainer; }
+  const RankPlan& plan() const override { return plan_; }
+  const std::vector<EngineParam>& ExpectedParams() const override { return shards_.params; }
+  bool IsPoisoned() const override { return poisoned_; }
+  uint64_t last_good_version() const override { return last_good_; }
+
+  Status BindSource(const SourceBinding& b) override {
+    if (connected_)
+      return FailedPreconditionError("BindSource(" + b.hf_name + "): already connected");
+    if (!who_.is_trainer) {
+      return FailedPreconditionError("BindSource(" + b.hf_name + "): sync rank " +
+                                     std::to_string(rank_) + " is an engine rank");
+    }
+    auto it = tensor_index_.find(b.hf_name);
+    if (it == tensor_index_.end()) {
+      return InvalidArgumentError("source binding '" + b.hf_name + "': not a tensor of model " +
+                                  in_.model.name);
+    }
+    const HfTensor& t = inventory_[it->second];
+    const Region held = TrainerHeldRegion(in_.trainer, who_.trainer_rank, t.shape);
+    if (!(b.region == held)) {
+      return InvalidArgumentError("source binding '" + b.hf_name + "': trainer rank " +
+                                  std::to_string(who_.trainer_rank) + " of " +
+                                  in_.trainer.ToString() + " holds " + held.ToString() +
+                                  ", binding covers " + b.region.ToString());
+    }
+    if (b.dtype != in_.trainer_dtype) {
+      return InvalidArgumentError("source binding '" + b.hf_name + "': dtype " +
+                                  std::string(DTypeName(b.dtype)) + ", plan's trainer dtype is " +
+                                  std::string(DTypeName(in_.trainer_dtype)));
+    }
+    if (b.data == nullptr && !held.empty()) {
+      return InvalidArgumentError("source binding '" + b.hf_name + "': null data");
+    }
+    if (!sources_.emplace(it->second, b).second) {
+      return InvalidArgumentError("source binding '" + b.hf_name + "': bound twice");
+    }
+    return OkStatus();
+  }
+
+  Status BindDest(const DestBinding& b) override {
+    if (connected_) return FailedPreconditionError("BindDest(" + b.name + "): already connected");
+    if (who_.is_trainer) {
+      return FailedPreconditionError("BindDest(" + b.name + "): sync rank " +
+                                     std::to_string(rank_) + " is a trainer rank");
+    }
+    auto it = param_index_.find(b.name);
+    if (it == param_index_.end()) {
+      return InvalidArgumentError(
+          "destination binding '" + b.name + "': not a parameter of engine rank tp=" +
+          std::to_string(who_.tp_rank) + " pp=" + std::to_string(who_.pp_rank));
+    }
+    const EngineParam& p = shards_.params[it->second];
+    if (b.shape != p.shape) {
+      return InvalidArgumentError("destination binding '" + b.name + "': shape " +
+                                  ShapeToString(b.shape) + ", the shard map says " +
+                                  ShapeToString(p.shape));
+    }
+    if (b.dtype != in_.options.wire_dtype) {
+      return InvalidArgumentError(
+          "destination binding '" + b.name + "': dtype " + std::string(DTypeName(b.dtype)) +
+          " differs from the wire dtype " + std::string(DTypeName(in_.options.wire_dtype)) +
+          " (bytes land in place, so parameters must use the wire dtype)");
+    }
+    if (b.data == nullptr) {
+      return InvalidArgumentError("destination binding '" + b.name + "': null data");
+    }
+    if (dests_[it->second].data != nullptr) {
+      return InvalidArgumentError("destination binding '" + b.name + "': bound twice");
+    }
+    dests_[it->second] = b;
+    return OkStatus();
+  }
+
+  Status Connect() override {
+    if (connected_)
+      return FailedPreconditionError("sync rank " + std::to_string(rank_) + ": already connected");
+    const auto deadline = Clock::now() + opt_.connect_timeout;
+    // 1. Plan hashes: every rank must hold the same plan before any byte moves.
+    SS_RETURN_IF_ERROR(store_.Set(Key("hash/" + std::to_string(rank_)), plan_.plan_hash));
+    for (int r = 0; r < world_; ++r) {
+      if (r == rank_) continue;
+      SS_ASSIGN_OR_RETURN(std::string h, GetUntil(Key("hash/" + std::to_string(r)), deadline,
+                                                  "plan hash of sync rank " + std::to_string(r)));
+      if (h != plan_.plan_hash) {
+        return FailedPreconditionError(
+            "plan hash mismatch: sync rank " + std::to_string(r) + " has " + h + ", sync rank " +
+            std::to_string(rank_) + " (this rank) has " + plan_.plan_hash +
+            ": ranks were started with different model, layouts or plan options");
+      }
+    }
+    // 2. Bindings against the plan.
+    SS_RETURN_IF_ERROR(CheckBindings());
+    // 3. Receive memory, registered once: senders put straight into the parameters.
+    if (!who_.is_trainer) {
+      uint32_t base = 0;
+      for (size_t i = 0; i < dests_.size(); ++i) {
+        const DestBinding& d = dests_[i];
+        const size_t bytes = static_cast<size_t>(NumElements(d.shape)) * DTypeSize(d.dtype);
+        SS_ASSIGN_OR_RETURN(uint32_t id, tx_.RegisterMemory({d.data, bytes, d.mem, d.device}));
+        if (i == 0) base = id;
+        if (id != base + i) {
+          return InternalError("transport " + std::string(tx_.name()) +
+                               ": region ids are not dense (parameter " + d.name + " got " +
+                               std::to_string(id) + ")");
+        }
+      }
+      SS_RETURN_IF_ERROR(store_.Set(Key("regbase/" + std::to_string(rank_)), std::to_string(base)));
+    }
+    if (opt_.before_transport_connect) SS_RETURN_IF_ERROR(opt_.before_transport_connect(tx_));
+    // 4. Transport.
+    std::vector<int> peers;
+    for (const Message& m : plan_.sends) peers.push_back(m.dst);
+    for (const Message& m : plan_.recvs) peers.push_back(m.src);
+    peers.insert(peers.end(), opt_.extra_peers.begin(), opt_.extra_peers.end());
+    std::sort(peers.begin(), peers.end());
+    peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+    peers_ = peers;
+    if (opt_.connect_transport) {
+      auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+      SS_RETURN_IF_ERROR(tx_.Connect(store_, Key("tx/"), rank_, peers, std::max(left, Millis(1))));
+    }
+    for (const Message& m : plan_.sends) {
+      SS_ASSIGN_OR_RETURN(std::string b, GetUntil(Key("regbase/" + std::to_string(m.dst)), deadline,
+                                                  "memory registration of engine sync rank " +
+                                                      std::to_string(m.dst)));
+      regbase_[m.dst] = static_cast<uint32_t>(std::stoul(b));
+    }
+    // Staging: two buckets (double buffering), bounded by the plan's bucket cap.
+    int64_t max_bucket = 0;
+    for (const Message& m : plan_.sends) {
+      for (const Bucket& b : m.buckets) max_bucket = std::max(max_bucket, b.bytes);
+    }
+    for (auto& s : staging_) s.assign(static_cast<size_t>(max_bucket), 0);
+    connected_ = true;
+    return OkStatus();
+  }
+
+  Result<SyncReport> Sync(uint64_t version) override {
+    if (!connected_) {
+      return FailedPreconditionError("sync rank " + std::to_string(rank_) +
+                                     ": Sync before Connect");
+    }
+    const auto t0 = Clock::now();
+    deadline_ = t0 + opt_.sync_timeout;
+    version_ = version;
+    next_abort_check_ = t0;
+    RankSyncStats st;
+    st.rank = rank_;
+    Status s;
+    if (version <= last_good_) {
+      s = FailedPreconditionError("sync rank " + std::to_string(rank_) + ": version " +
+                                  std::to_string(version) +
+                                  " is stale (not newer than the last successful version " +
+                                  std::to_string(last_good_) + ")");
+    } else {
+      if (!who_.is_trainer) poisoned_ = true;  // bytes are about to be overwritten
+      s = store_.Set(Key("cur/" + std::to_string(rank_)), std::to_string(version));
+      if (s.ok()) s = who_.is_trainer ? RunSender(st) : RunReceiver(st);
+    }
+    st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    st.ok = s.ok();
+    if (!s.ok()) {
+      st.error = s.message();
+      PostAbort(s);
+    }
+    // Everyone posts a verdict, failed or not, so peers learn the cause rather than time out.
+    Status posted = store_.Set(Key(VKey("done/") + std::to_string(rank_)), StatsToJson(st));
+    if (!s.ok()) {
+      if (!who_.is_trainer) poisoned_ = true;
+      return s;
+    }
+    if (!posted.ok()) return Fail(posted);
+    auto report = Gather(st);
+    if (!report.ok()) return Fail(report.status());
+    last_good_ = version;
+    poisoned_ = false;
+    return report;
+  }
+
+ private:
+  std::string Key(const std::string& k) const { return opt_.prefix + k; }
+  std::string VKey(const std::string& k) const { return "v" + std::to_string(version_) + "/" + k; }
+
+  Status Fail(const Status& s) {
+    PostAbort(s);
+    if (!who_.is_trainer) poisoned_ = true;
+    return s;
+  }
+
+  void PostAbort(const Status& s) {
+    if (s.code() == StatusCode::kAborted) return;  // someone else's failure, already posted
+    store_
+        .Set(Key(VKey("abort")), "sync rank " + std::to_string(rank_) + " failed: " + s.ToString())
+        .IgnoreError();
+  }
+
+  // Blocks for a key until `deadline`, in short slices so the abort key is seen meanwhile.
+  Result<std::string> GetUntil(const std::string& key, Clock::time_point deadline,
+                               const std::string& what, bool watch_abort = false) {
+    while (true) {
+      auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+      if (left <= Millis(0)) {
+        return DeadlineExceededError("sync rank " + std::to_string(rank_) +
+                                     ": timed out waiting for " + what);
+      }
+      auto r = store_.Get(key, std::min(left, Millis(watch_abort ? 100 : 1000)));
+      if (r.ok()) return r;
+      if (r.status().code() != StatusCode::kDeadlineExceeded) return r.status();
+      if (watch_abort) SS_RETURN_IF_ERROR(CheckAbort(/*force=*/true));
+    }
+  }
+
+  // Polls the job's abort key and the peers' current versions (at most every 50 ms).
+  Status CheckAbort(bool force = false) {
+    const auto now = Clock::now();
+    if (!force && now < next_abort_check_) return OkStatus();
+    next_abort_check_ = now + Millis(50);
+    auto a = store_.Get(Key(VKey("abort")), Millis(0));
+    if (a.ok())
+      return AbortedError("sync rank " + std::to_string(rank_) + ": version " +
+                          std::to_string(version_) + " aborted: " + *a);
+    for (int p : peers_) {
+      auto v = store_.Get(Key("cur/" + std::to_string(p)), Millis(0));
+      if (!v.ok()) continue;
+      const uint64_t pv = std::strtoull(v->c_str(), nullptr, 10);
+      if (pv > version_) {
+        Status s = FailedPreconditionError(
+            "sync rank " + std::to_string(rank_) + ": version " + std::to_string(version_) +
+            " differs from peer sync rank " + std::to_string(p) + "'s version " + v.value());
+        // The peer is waiting on its own version: tell it too.
+        store_
+            .Set(Key("v" + v.value() + "/abort"),
+                 "sync rank " + std::to_string(rank_) + " failed: " + s.ToString())
+            .IgnoreError();
+        return s;
+      }
+    }
+    return OkStatus();
+  }
+
+  Status CheckDeadline(const std::string& what) {
+    if (Clock::now() > deadline_) {
+      return DeadlineExceededError("sync rank " + std::to_string(rank_) + ": version " +
+                                   std::to_string(version_) + " timed out after " +
+                                   std::to_string(opt_.sync_timeout.count()) + " ms " + what);
+    }
+    return CheckAbort();
+  }
+
+  // Drives the transport until every id completed, the deadline passed or the job aborted.
+  Status WaitAll(std::vector<XferId>& ids, const std::string& what) {
+    int idle = 0;
+    while (!ids.empty()) {
+      size_t keep = 0;
+      for (XferId id : ids) {
+        auto st = tx_.Poll(id);
+        if (!st.ok()) {
+          Status e = st.status();
+          return e.Annotate("sync rank " + std::to_string(rank_) + ": " + what);
+        }
+        if (*st == XferState::kInProgress) ids[keep++] = id;
+      }
+      const bool progressed = keep < ids.size();
+      ids.resize(keep);
+      if (ids.empty()) break;
+      SS_RETURN_IF_ERROR(CheckDeadline(what));
+      Backoff(progressed, idle);
+    }
+    return OkStatus();
+  }
+
+  // Busy-polls briefly, then sleeps: ranks share few cores with the peers they wait for.
+  static void Backoff(bool progressed, int& idle) {
+    if (progressed) {
+      idle = 0;
+      return;
+    }
+    if (++idle < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(idle < 1024 ? 20 : 200));
+    }
+  }
+
+  Status CheckBindings() {
+    if (who_.is_trainer) {
+      for (const Message& m : plan_.sends) {
+        for (const TransferOp& op : m.ops) {
+          auto it = sources_.find(op.tensor);
+          const std::string& name = inventory_.at(op.tensor).name;
+          if (it == sources_.end()) {
+            return NotFoundError("sync rank " + std::to_string(rank_) + ": source tensor '" + name +
+                                 "' is sent by the plan but was not bound");
+          }
+          if (!RegionContains(it->second.region, op.src)) {
+            return InvalidArgumentError("source binding '" + name + "': plan reads " +
+                                        op.src.ToString() + " outside the bound region " +
+                                        it->second.region.ToString());
+          }
+        }
+      }
+      return OkStatus();
+    }
+    for (size_t i = 0; i < dests_.size(); ++i) {
+      if (dests_[i].data == nullptr) {
+        return NotFoundError("sync rank " + std::to_string(rank_) + ": engine parameter '" +
+                             shards_.params[i].name + "' (tp=" + std::to_string(who_.tp_rank) +
+                             " pp=" + std::to_string(who_.pp_rank) + ") was not bound");
+      }
+    }
+    for (const Message& m : plan_.recvs) {
+      for (const TransferOp& op : m.ops) {
+        if (op.param < 0 || static_cast<size_t>(op.param) >= dests_.size() ||
+            !RegionInside(op.dst, dests_[op.param].shape)) {
+          return InternalError("plan op from sync rank " + std::to_string(m.src) +
+                               " lands outside parameter index " + std::to_string(op.param));
+        }
+      }
+    }
+    return OkStatus();
+  }
+
+  // PackRegions of one bucket on the sending side.
+  std::vector<PackRegion> SourceRegions(const Message& m, const Bucket& b) const {
+    std::vector<PackRegion> out;
+    for (int i = b.op_begin; i < b.op_end; ++i) {
+      const TransferOp& op = m.ops[i];
+      const SourceBinding& sb = sources_.at(op.tensor);
+      PackRegion r;
+      r.base = sb.data;
+      r.dtype = sb.dtype;
+      r.shape = sb.region.extents();
+      r.region = op.src;
+      for (int d = 0; d < op.src.ndim; ++d) r.region.offset[d] -= sb.region.offset[d];
+      r.wire_offset = op.wire_offset - b.wire_offset;
+      out.push_back(std::move(r));
+    }
+    return out;
+  }
+
+  std::vector<PackRegion> LandedRegions(const Message& m, const Bucket& b) const {
+    std::vector<PackRegion> out;
+    for (int i = b.op_begin; i < b.op_end; ++i) {
+      const TransferOp& op = m.ops[i];
+      const DestBinding& d = dests_[op.param];
+      out.push_back({d.data, d.dtype, d.shape, op.dst, op.wire_offset - b.wire_offset});
+    }
+    return out;
+  }
+
+  Status RunSender(RankSyncStats& st) {
+    // Buckets round-robin over receivers, so every receiver verifies while others still land.
+    std::vector<std::pair<int, int>> order;
+    size_t max_buckets = 0;
+    for (const Message& m : plan_.sends) max_buckets = std::max(max_buckets, m.buckets.size());
+    for (size_t b = 0; b < max_buckets; ++b) {
+      for (size_t m = 0; m < plan_.sends.size(); ++m) {
+        if (b < plan_.sends[m].buckets.size()) order.emplace_back(m, b);
+      }
+    }
+    const int ws = DTypeSize(in_.options.wire_dtype);
+    std::deque<InFlight> flying;
+    std::vector<Control> ctrl(2);
+    std::vector<XferId> ctrl_ids;
+    int next_slot = 0;
+    auto finish_oldest = [&]() -> Status {
+      InFlight& f = flying.front();
+      const Message& m = plan_.sends[f.msg];
+      SS_RETURN_IF_ERROR(WaitAll(f.xfers, "sending to sync rank " + std::to_string(m.dst)));
+      // The control buffer of this slot is free once its previous send completed.
+      SS_RETURN_IF_ERROR(WaitAll(ctrl_ids, "sending control messages"));
+      Control& c = ctrl[f.slot];
+      c = Control{};
+      c.bucket = static_cast<uint32_t>(f.bucket);
+      c.version = version_;
+      c.bytes = static_cast<uint64_t>(m.buckets[f.bucket].bytes);
+      c.checksum = f.checksum;
+      SS_ASSIGN_OR_RETURN(XferId id,
+                          tx_.PostSend(m.dst, ControlTag(version_, f.bucket), &c, sizeof(c)));
+      ctrl_ids.push_back(id);
+      st.send_bytes += m.buckets[f.bucket].bytes;
+      flying.pop_front();
+      return OkStatus();
+    };
+    for (auto [mi, bi] : order) {
+      if (flying.size() == 2) SS_RETURN_IF_ERROR(finish_oldest());
+      SS_RETURN_IF_ERROR(CheckDeadline("while sending"));
+      const Message& m = plan_.sends[mi];
+      const Bucket& b = m.buckets[bi];
+      InFlight f;
+      f.msg = mi;
+      f.bucket = bi;
+      f.slot = next_slot;
+      next_slot ^= 1;
+      unsigned char* stage = staging_[f.slot].data();
+      SS_ASSIGN_OR_RETURN(
+          f.checksum, packer_->Pack(SourceRegions(m, b), in_.options.wire_dtype, stage, b.bytes));
+      // One put per contiguous destination run; adjacent runs of one parameter merge.
+      const uint32_t base = regbase_.at(m.dst);
+      struct Pending {
+        uint32_t region = 0;
+        uint64_t remote = 0;
+        const unsigned char* src = nullptr;
+        size_t len = 0;
+      } p;
+      auto flush_pending = [&]() -> Status {
+        if (p.len == 0) return OkStatus();
+        SS_ASSIGN_OR_RETURN(XferId id, tx_.PostPut(m.dst, p.src, p.len, p.region, p.remote));
+        f.xfers.push_back(id);
+        p.len = 0;
+        return OkStatus();
+      };
+      Status put_status;
+      for (int i = b.op_begin; i < b.op_end && put_status.ok(); ++i) {
+        const TransferOp& op = m.ops[i];
+        const unsigned char* src = stage + (op.wire_offset - b.wire_offset);
+        const uint32_t region = base + static_cast<uint32_t>(op.param);
+        // The destination param's shape is not known to the sender; the plan's dst region is in
+        // the param's coordinates, whose shape the receiver bound. Senders derive it from the
+        // shard map of the destination rank.
+        const Shape& shape = DestShape(m.dst, op.param);
+        ForEachRun(op.dst, shape, [&](int64_t off, int64_t len) {
+          if (!put_status.ok()) return;
+          const uint64_t remote = static_cast<uint64_t>(off) * ws;
+          const size_t n = static_cast<size_t>(len) * ws;
+          if (p.len > 0 && p.region == region && p.remote + p.len == remote &&
+              p.src + p.len == src) {
+            p.len += n;
+          } else {
+            put_status = flush_pending();
+            p = {region, remote, src, n};
+          }
+          src += n;
+        });
+      }
+      if (put_status.ok()) put_status = flush_pending();
+      SS_RETURN_IF_ERROR(put_status);
+      SS_ASSIGN_OR_RETURN(XferId fl, tx_.PostFlush(m.dst));
+      f.xfers.push_back(fl);
+      flying.push_back(std::move(f));
+    }
+    while (!flying.empty()) SS_RETURN_IF_ERROR(finish_oldest());
+    SS_RETURN_IF_ERROR(WaitAll(ctrl_ids, "sending control messages"));
+    return OkStatus();
+  }
+
+  // Shape of parameter `param` of engine sync rank `dst` (cached per destination).
+  const Shape& DestShape(int dst, int param) {
+    auto it = dst_shapes_.find(dst);
+    if (it == dst_shapes_.end()) {
+      std::vector<Shape> shapes;
+      auto who = DescribeSyncRank(in_, dst);
+      if (who.ok()) {
+        if (!replica_map_) {
+          auto map = BuildShardMap(in_.model, in_.rollout.shard);
+          if (map.ok()) replica_map_ = std::make_unique<ShardMap>(std::move(map).value());
+        }
+        if (replica_map_) {
+          for (const EngineParam& p : replica_map_->rank(who->tp_rank, who->pp_rank).params) {
+            shapes.push_back(p.shape);
+          }
+        }
+      }
+      it = dst_shapes_.emplace(dst, std::move(shapes)).first;
+    }
+    static const Shape kEmpty;
+    if (param < 0 || static_cast<size_t>(param) >= it->second.size()) return kEmpty;
+    return it->second[param];
+  }
+
+  Status RunReceiver(RankSyncStats& st) {
+    // Padding rows are the engine's zeros, not the trainer's bytes.
+    for (size_t i = 0; i < dests_.size(); ++i) {
+      for (const ZeroFill& z : shards_.params[i].zero_fills) {
+        SS_RETURN_IF_ERROR(
+            packer_->ZeroFill(dests_[i].data, dests_[i].dtype, dests_[i].shape, z.dst));
+      }
+    }
+    struct Expect {
+      int msg = 0;
+      int bucket = 0;
+      size_t slot = 0;  // index into ctrl
+      XferId id = 0;
+    };
+    size_t total = 0;
+    for (const Message& m : plan_.recvs) total += m.buckets.size();
+    // Posted receive buffers must outlive a failed sync: a late control message may still land.
+    auto ctrl = std::make_shared<std::vector<Control>>(total);
+    std::vector<Expect> pending;
+    size_t k = 0;
+    Status s;
+    for (size_t mi = 0; mi < plan_.recvs.size() && s.ok(); ++mi) {
+      const Message& m = plan_.recvs[mi];
+      for (size_t bi = 0; bi < m.buckets.size(); ++bi, ++k) {
+        auto id = tx_.PostRecv(m.src, ControlTag(version_, bi), &(*ctrl)[k], sizeof(Control));
+        if (!id.ok()) {
+          s = id.status();
+          break;
+        }
+        pending.push_back({static_cast<int>(mi), static_cast<int>(bi), k, *id});
+      }
+    }
+    st.checksums_total = static_cast<int64_t>(total);
+    int idle = 0;
+    while (s.ok() && !pending.empty()) {
+      size_t keep = 0;
+      for (size_t i = 0; i < pending.size() && s.ok(); ++i) {
+        Expect& e = pending[i];
+        const Message& m = plan_.recvs[e.msg];
+        auto state = tx_.Poll(e.id);
+        if (!state.ok()) {
+          s = state.status();
+          s.Annotate("sync rank " + std::to_string(rank_) + ": receiving from sync rank " +
+                     std::to_string(m.src));
+          break;
+        }
+        if (*state == XferState::kInProgress) {
+          pending[keep++] = e;
+          continue;
+        }
+        s = VerifyBucket(m, e.bucket, (*ctrl)[e.slot]);
+        if (s.ok()) {
+          ++st.checksums_ok;
+          st.recv_bytes += m.buckets[e.bucket].bytes;
+        }
+      }
+      const bool progressed = keep < pending.size();
+      if (s.ok()) {
+        pending.resize(keep);
+        if (pending.empty()) break;
+        s = CheckDeadline("waiting for " + std::to_string(pending.size()) +
+                          " control messages (first from sync rank " +
+                          std::to_string(plan_.recvs[pending[0].msg].src) + ")");
+      }
+      Backoff(progressed, idle);
+    }
+    if (!s.ok()) graveyard_.push_back(ctrl);
+    return s;
+  }
+
+  Status VerifyBucket(const Message& m, int bucket, const Control& c) {
+    const Bucket& b = m.buckets[bucket];
+    const std::string where = "message from sync rank " + std::to_string(m.src) + " to sync rank " +
+                              std::to_string(rank_) + ", bucket " + std::to_string(bucket);
+    if (c.magic != kControlMagic || c.bucket != static_cast<uint32_t>(bucket)) {
+      return DataLossError(where + ": malformed control message");
+    }
+    if (c.version != version_) {
+      return FailedPreconditionError(where + ": sender syncs version " + std::to_string(c.version) +
+                                     ", this rank " + std::to_string(version_));
+    }
+    if (c.bytes != static_cast<uint64_t>(b.bytes)) {
+      return DataLossError(where + ": sender reports " + std::to_string(c.bytes) +
+                           " bytes, the plan " + std::to_string(b.bytes));
+    }
+    SS_ASSIGN_OR_RETURN(uint64_t got, packer_->ChecksumLanded(LandedRegions(m, b), b.bytes));
+    if (got != c.checksum) {
+      std::vector<std::string> names;
+      for (int i = b.op_begin; i < b.op_end; ++i) {
+        const std::string& n = dests_[m.ops[i].param].name;
+        if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
+      }
+      std::string list;
+      for (size_t i = 0; i < names.size() && i < 8; ++i) list += (i ? ", " : "") + names[i];
+      if (names.size() > 8) list += ", ... (" + std::to_string(names.size()) + " parameters)";
+      return DataLossError("checksum mismatch, version " + std::to_string(version_) + ", " + where +
+                           ": sent " + Hex(c.checksum) + ", landed " + Hex(got) +
+                           "; parameters: " + list);
+    }
+    return OkStatus();
+  }
+
+  Result<SyncReport> Gather(const RankSyncStats& local) {
+    SyncReport rep;
+    rep.version = version_;
+    rep.local = local;
+    for (int r = 0; r < world_; ++r) {
+      RankSyncStats s;
+      if (r == rank_) {
+        s = local;
+      } else {
+        SS_ASSIGN_OR_RETURN(std::string text,
+                            GetUntil(Key(VKey("done/") + std::to_string(r)), deadline_,
+                                     "the sync report of sync rank " + std::to_string(r) +
+                                         " (version " + std::to_string(version_) + ")",
+                                     /*watch_abort=*/true));
+        SS_ASSIGN_OR_RETURN(s, StatsFromJson(text, r));
+      }
+      if (!s.ok) {
+        return AbortedError("sync rank " + std::to_string(rank_) + ": version " +
+                            std::to_string(version_) + " failed on sync rank " + std::to_string(r) +
+                            ": " + s.error);
+      }
+      rep.bytes += s.recv_bytes;
+      rep.checksums_ok += s.checksums_ok;
+      rep.checksums_total += s.checksums_total;
+      if (s.seconds > rep.seconds) {
+        rep.seconds = s.seconds;
+        rep.slowest_rank = r;
+      }
+      rep.ranks.push_back(std::move(s));
+    }
+    if (rep.checksums_ok != rep.checksums_total) {
+      return DataLossError("version " + std::to_string(version_) + ": only " +
+                           std::to_string(rep.checksums_ok) + " of " +
+                           std::to_string(rep.checksums_total) + " checksums verified");
+    }
+    rep.gbps = rep.seconds > 0 ? rep.bytes / rep.seconds / 1e9 : 0;
+    return rep;
+  }
+
+  PlanInputs in_;
+  int rank_;
+  SyncRank who_;
+  RankPlan plan_;
+  StoreClient& store_;
+  Transport& tx_;
+  SessionOptions opt_;
+  std::vector<HfTensor> inventory_;
+  std::map<std::string, size_t> tensor_index_;
+  int world_;
+  std::unique_ptr<Packer> own_packer_;
+  Packer* packer_ = nullptr;
+  // Trainer side.
+  std::map<int, SourceBinding> sources_;  // by HF tensor index
+  std::map<int, uint32_t> regbase_;       // engine sync rank -> its first parameter region id
+  std::map<int, std::vector<Shape>> dst_shapes_;
+  std::unique_ptr<ShardMap> replica_map_;
+  std::vector<unsigned char> staging_[2];
+  // Engine side.
+  EngineRankShards shards_;
+  std::map<std::string, size_t> param_index_;
+  std::vector<DestBinding> dests_;
+  std::vector<std::shared_ptr<std::vector<Control>>> graveyard_;
+  // State.
+  std::vector<int> peers_;
+  bool connected_ = false;
+  bool poisoned_ = false;
+  uint64_t last_good_ = 0;
+  uint64_t version_ = 0;
+  Clock::time_point deadline_;
+  Clock::time_point next_abort_check_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<SyncSession>> SyncSession::Create(const PlanInputs& inputs, int rank,
+                                                         StoreClient& store, Transport& transport,
+                                                         SessionOptions options) {
+  SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(inputs, rank));
+  SS_ASSIGN_OR_RETURN(RankPlan plan, PlanForRank(inputs, rank));
+  auto s = std::make_unique<SessionImpl>(inputs, rank, who, std::move(plan), store, transport,
+                                         std::move(options));
+  SS_RETURN_IF_ERROR(s->Init());
+  return std::unique_ptr<SyncSession>(std::move(s));
+}
+
+}  // namespace shardsync

@@ -1,0 +1,111 @@
+// `shardsync run`: one sync rank of a job, for launchers (torchrun, SLURM, Ray, the local
+// launcher behind `demo` / `bench`). Prints the rank's result as one JSON line on stdout.
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "command.h"
+#include "shardsync/launcher.h"
+#include "shardsync/plan.h"
+
+namespace shardsync::cli {
+
+// The job flags shared by run / demo / bench (declared in the other command files).
+void AddJobFlags(CLI::App* sub, JobFlags* f) {
+  sub->add_option("--model", f->model, "Embedded model name or config.json path")
+      ->capture_default_str();
+  sub->add_option("--trainer", f->trainer,
+                  "Trainer layout: fsdp=S | hsdp=RxS | replicate=N | single")
+      ->capture_default_str();
+  sub->add_option("--rollout", f->rollout, "Rollout layout: dp=D,tp=T,pp=P[,ep=E]")
+      ->capture_default_str();
+  sub->add_option("--engine", f->engine, "Engine convention: sglang | vllm")->capture_default_str();
+  sub->add_option("--pp-partition", f->pp_partition, "Layers per PP stage, e.g. 7,8,9");
+  sub->add_option("--wire-dtype", f->wire_dtype, "Dtype on the wire and in engine parameters")
+      ->capture_default_str();
+  sub->add_option("--trainer-dtype", f->trainer_dtype, "Dtype of the trainer's shards")
+      ->capture_default_str();
+  sub->add_option("--bucket-mb", f->bucket_mb, "Bucket cap in MiB (staging per sender: 2 buckets)")
+      ->capture_default_str();
+  sub->add_option("--bucket-bytes", f->bucket_bytes, "Bucket cap in bytes (overrides --bucket-mb)");
+  sub->add_option("--seed", f->seed, "Seed of the synthetic weights")->capture_default_str();
+  sub->add_option("--syncs", f->syncs, "Number of syncs (versions 1..N)")->capture_default_str();
+  sub->add_option("--transport", f->transport, "ucx | loopback | auto")->capture_default_str();
+  sub->add_option("--timeout-ms", f->timeout_ms, "Timeout of connect and of every sync")
+      ->capture_default_str();
+  sub->add_option("--mode", f->mode, "sync | bench")->capture_default_str();
+  sub->add_option("--warmup", f->warmup, "Bench warm-up repetitions")->capture_default_str();
+  sub->add_option("--reps", f->reps, "Bench measured repetitions (median)")->capture_default_str();
+  sub->add_flag("--no-verify", f->no_verify, "Skip the element-by-element check");
+  sub->add_option("--prefix", f->prefix, "Store key namespace of the job")->capture_default_str();
+}
+
+namespace {
+
+struct RunFlags {
+  JobFlags job;
+  std::string role;
+  std::optional<int> rank;
+  std::optional<int> world_size;
+  std::string store;
+  std::string token;
+};
+
+int Run(const RunFlags& f) {
+  auto job = JobSpecFromFlags(f.job);
+  if (!job.ok()) return ReportError(job.status());
+  // Flags override the launch contract's environment variables.
+  auto lookup = [&](const std::string& name) -> std::optional<std::string> {
+    if (name == "RANK" && f.rank) return std::to_string(*f.rank);
+    if (name == "WORLD_SIZE" && f.world_size) return std::to_string(*f.world_size);
+    if (name == "WORLD_SIZE" && !std::getenv("WORLD_SIZE") && !std::getenv("SLURM_NTASKS")) {
+      return std::to_string(SyncWorldSize(job->inputs));  // implied by the plan flags
+    }
+    if (name == "SHARDSYNC_STORE" && !f.store.empty()) return f.store;
+    if (name == "SHARDSYNC_TOKEN" && !f.token.empty()) return f.token;
+    const char* v = std::getenv(name.c_str());
+    if (v == nullptr) return std::nullopt;
+    return std::string(v);
+  };
+  auto env = LaunchEnvFromLookup(lookup);
+  if (!env.ok()) return ReportError(env.status());
+  auto who = DescribeSyncRank(job->inputs, env->rank);
+  if (!who.ok()) return ReportError(who.status());
+  const std::string role = who->is_trainer ? "trainer" : "engine";
+  if (f.role != role) {
+    return ReportError(InvalidArgumentError("--role " + f.role + ": sync rank " +
+                                            std::to_string(env->rank) + " is a " + role +
+                                            " rank in this job"));
+  }
+  auto r = RunRankProcess(*job, *env);
+  if (!r.ok()) return ReportError(r.status());
+  std::printf("%s\n", RankResultToJson(*r).c_str());
+  if (!r->ok) {
+    std::fprintf(stderr, "shardsync: sync rank %d: %s\n", r->rank, r->error.c_str());
+    return kExitFailure;
+  }
+  return kExitOk;
+}
+
+Registration reg({"run", [](CLI::App& app) {
+                    auto f = std::make_shared<RunFlags>();
+                    auto* sub = app.add_subcommand(
+                        "run",
+                        "Run one sync rank (trainer or engine) of a job; reads SHARDSYNC_STORE, "
+                        "RANK, WORLD_SIZE, SHARDSYNC_TOKEN (flags override)");
+                    sub->add_option("--role", f->role, "trainer | engine")
+                        ->required()
+                        ->check(CLI::IsMember({"trainer", "engine"}));
+                    sub->add_option("--rank", f->rank, "Sync rank (else RANK)");
+                    sub->add_option("--world-size", f->world_size,
+                                    "Sync world size (else WORLD_SIZE, else implied by the plan)");
+                    sub->add_option("--store", f->store, "Store host:port (else SHARDSYNC_STORE)");
+                    sub->add_option("--token", f->token, "Store token (else SHARDSYNC_TOKEN)");
+                    AddJobFlags(sub, &f->job);
+                    return [f] { return Run(*f); };
+                  }});
+
+}  // namespace
+}  // namespace shardsync::cli

@@ -1,0 +1,146 @@
+"""Syncs driven from Python: every engine parameter compared element for element against the
+HF tensors it was cut from. Multi-process over UCX (one process per rank), and in-process over
+the loopback transport (one thread per rank, which also shows the GIL is released)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import shardsync
+from conftest import expected_param, reference_weights
+from sync_worker import run_rank
+
+LAYOUTS = [
+    # (trainer, rollout, engine)
+    ("fsdp=2", "dp=1,tp=2,pp=2", "sglang"),
+    ("hsdp=2x2", "dp=2,tp=2,pp=1", "vllm"),
+    ("single", "dp=1,tp=1,pp=2", "sglang"),
+    ("replicate=2", "dp=1,tp=2,pp=1", "vllm"),
+]
+
+
+def _spec(model, trainer, rollout, engine, wire="f32"):
+    return dict(model=model, trainer=trainer, rollout=rollout, engine=engine, wire_dtype=wire,
+                trainer_dtype="f32", bucket_bytes=64 << 10)
+
+
+def _have_transport(name):
+    return shardsync.has_part("session") and name in shardsync.native().transports()
+
+
+def run_multiprocess(spec, kind, versions=(1,), seed=3, timeout=120):
+    plan = shardsync.Plan.from_spec(spec)
+    with shardsync.StoreServer(token="tok") as srv:
+        ctx = mp.get_context("spawn")
+        args = [(r, spec, srv.address, "tok", "ucx", kind, list(versions), seed)
+                for r in range(plan.world_size)]
+        with ctx.Pool(plan.world_size) as pool:
+            res = pool.map_async(run_rank, args).get(timeout)
+    return plan, res
+
+
+@pytest.mark.parametrize("trainer,rollout,engine", LAYOUTS[:3])
+def test_multiprocess_numpy(need_session, tiny_model, trainer, rollout, engine):
+    if not _have_transport("ucx"):
+        pytest.skip("ucx transport not built")
+    plan, res = run_multiprocess(_spec(tiny_model, trainer, rollout, engine), "numpy",
+                                 versions=(1, 2))
+    for status, rank, detail in res:
+        assert status == "ok", f"rank {rank}: {detail}"
+    engine_checked = sum(d["checked"] for _, _, d in res)
+    reports = [d["reports"][-1] for _, _, d in res]
+    assert all(r["verified"] and r["version"] == 2 for r in reports)
+    assert len({r["bytes"] for r in reports}) == 1  # one report, every rank agrees
+    assert engine_checked > 0
+
+
+def test_multiprocess_torch_bf16(need_session, tiny_model):
+    pytest.importorskip("torch")
+    if not _have_transport("ucx"):
+        pytest.skip("ucx transport not built")
+    spec = _spec(tiny_model, "fsdp=2", "dp=1,tp=2,pp=2", "sglang", wire="bf16")
+    plan, res = run_multiprocess(spec, "torch")
+    for status, rank, detail in res:
+        assert status == "ok", f"rank {rank}: {detail}"
+
+
+def _in_process(spec, kind="numpy", versions=(1,)):
+    plan = shardsync.Plan.from_spec(spec)
+    with shardsync.StoreServer(token="t") as srv:
+        out = {}
+
+        def body(r):
+            # Each thread runs one rank; loopback sessions share the process's default hub.
+            args = (r, spec, srv.address, "t", "loopback", kind, list(versions), 5)
+            out[r] = run_rank(args)
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(plan.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+    return plan, out
+
+
+@pytest.mark.parametrize("trainer,rollout,engine", LAYOUTS)
+def test_in_process_loopback_threads(need_session, tiny_model, trainer, rollout, engine):
+    if not _have_transport("loopback"):
+        pytest.skip("loopback transport not built")
+    plan, out = _in_process(_spec(tiny_model, trainer, rollout, engine), versions=(1, 3))
+    for r in range(plan.world_size):
+        status, rank, detail = out[r]
+        assert status == "ok", f"rank {rank}: {detail}"
+        rep = detail["reports"][-1]
+        assert rep["verified"] and rep["version"] == 3
+        assert rep["checksums_ok"] == rep["checksums_total"] > 0
+
+
+def test_in_process_torch_bf16(need_session, tiny_model):
+    pytest.importorskip("torch")
+    spec = _spec(tiny_model, "hsdp=2x2", "dp=2,tp=2,pp=1", "sglang", wire="bf16")
+    plan, out = _in_process(spec, kind="torch")
+    for r in range(plan.world_size):
+        assert out[r][0] == "ok", out[r]
+
+
+def test_session_errors(need_session, tiny_model):
+    spec = _spec(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1", "sglang")
+    plan = shardsync.Plan.from_spec(spec)
+    with shardsync.StoreServer(token="t") as srv:
+        with pytest.raises(shardsync.PermissionDeniedError):
+            shardsync.Session(plan, 0, srv.address, token="bad", transport="loopback",
+                              connect_timeout=5)
+        with pytest.raises(shardsync.OutOfRangeError, match="sync world"):
+            shardsync.Session(plan, plan.world_size, srv.address, token="t", transport="loopback")
+        s = shardsync.Session(plan, 0, srv.address, token="t", transport="loopback",
+                              connect_timeout=1, sync_timeout=1)
+        name, shape, _ = plan.hf_tensors()[1]
+        reg = plan.held_region(0, shape)
+        with pytest.raises(shardsync.InvalidArgumentError, match="does not match the held region"):
+            s.bind_source(name, np.zeros([e + 1 for e in reg.extent], np.float32))
+        with pytest.raises(shardsync.InvalidArgumentError, match="trainer dtype"):
+            s.bind_source(name, np.zeros(reg.extent, np.float64))
+        with pytest.raises(shardsync.NotFoundError, match="no such tensor"):
+            s.bind_source("model.nope.weight", np.zeros(3, np.float32))
+        with pytest.raises(shardsync.FailedPreconditionError, match="trainer rank"):
+            s.bind_destination("x", np.zeros(3, np.float32))
+        with pytest.raises(shardsync.FailedPreconditionError, match="before connect"):
+            s.sync(1)
+        # Nobody else joins: connect runs out its deadline (DeadlineExceeded) rather than hang.
+        with pytest.raises((shardsync.DeadlineExceededError, shardsync.NotFoundError)):
+            s.connect()
+        e = shardsync.Session(plan, plan.trainer_world, srv.address, token="t",
+                              transport="loopback")
+        p = e.expected_params()[0]
+        with pytest.raises(shardsync.InvalidArgumentError, match="the shard map says"):
+            e.bind_destination(p.name, np.zeros([d + 1 for d in p.shape], np.float32))
+        s.close()
+        e.close()
+        with pytest.raises(shardsync.FailedPreconditionError, match="closed"):
+            s.bind_source(name, np.zeros(reg.extent, np.float32))

@@ -48,26 +48,36 @@ __all__ = [
     "sync_request",
     "set_rank_provider",
     "last_result",
+    "close",
 ]
 
 LOADER = "shardsync.hooks.sglang.load_weights"
 _PREFIX = "shardsync."
 
-# Per scheduler process state.
-_state: Dict[str, Any] = {"session": None, "thread": None, "result": None, "error": None}
-_lock = threading.Lock()
-_rank_provider: Optional[Callable[[], Tuple[int, int, int, int]]] = None
+# Per scheduler state. SGLang calls the loader from each scheduler process's event-loop thread,
+# so state keyed by the calling thread is per scheduler there, and lets tests run several
+# "schedulers" as threads of one process.
+_tls = threading.local()
+
+
+def _st() -> Dict[str, Any]:
+    st = getattr(_tls, "state", None)
+    if st is None:
+        st = {"session": None, "thread": None, "result": None, "error": None, "ranks": None}
+        _tls.state = st
+    return st
 
 
 def set_rank_provider(fn: Optional[Callable[[], Tuple[int, int, int, int]]]) -> None:
-    """Overrides how (tp_rank, pp_rank, tp_size, pp_size) are found (tests, other launchers)."""
-    global _rank_provider
-    _rank_provider = fn
+    """Overrides how (tp_rank, pp_rank, tp_size, pp_size) are found for the calling scheduler
+    thread (tests, other launchers)."""
+    _st()["ranks"] = fn
 
 
 def _ranks() -> Tuple[int, int, int, int]:
-    if _rank_provider is not None:
-        return _rank_provider()
+    fn = _st()["ranks"]
+    if fn is not None:
+        return fn()
     from sglang.srt.distributed import (  # type: ignore[import-not-found]
         get_pp_group,
         get_tensor_model_parallel_rank,
@@ -109,54 +119,64 @@ def sync_request(version: int) -> List[Tuple[str, Any]]:
 
 
 def _run_async(fn: Callable[[], Any]) -> None:
-    with _lock:
-        t = _state["thread"]
-        if t is not None and t.is_alive():
-            raise FailedPreconditionError("shardsync: a previous init/start is still running; wait first")
-        _state["result"], _state["error"] = None, None
+    st = _st()
+    t = st["thread"]
+    if t is not None:
+        raise FailedPreconditionError("shardsync: a previous init/start was not waited for")
+    st["result"], st["error"] = None, None
 
-        def body() -> None:
-            try:
-                _state["result"] = fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the next wait
-                _state["error"] = e
+    def body() -> None:
+        try:
+            st["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the next wait
+            st["error"] = e
 
-        t = threading.Thread(target=body, name="shardsync", daemon=True)
-        _state["thread"] = t
-        t.start()
+    t = threading.Thread(target=body, name="shardsync", daemon=True)
+    st["thread"] = t
+    t.start()
 
 
 def _wait() -> Any:
-    t = _state["thread"]
+    st = _st()
+    t = st["thread"]
     if t is None:
         raise FailedPreconditionError("shardsync: wait without a pending init or start")
-    t.join()
-    _state["thread"] = None
-    err, _state["error"] = _state["error"], None
+    t.join()  # bounded: connect and sync each run under their own timeouts
+    st["thread"] = None
+    err, st["error"] = st["error"], None
     if err is not None:
         raise err
-    return _state["result"]
+    return st["result"]
 
 
-def _open(model: Any, config: EngineRankConfig) -> Any:
-    tp_rank, pp_rank, tp_size, pp_size = _ranks()
+def _open(st: Dict[str, Any], model: Any, config: EngineRankConfig,
+          ranks: Tuple[int, int, int, int]) -> Any:
+    tp_rank, pp_rank, tp_size, pp_size = ranks
     replica = config.get("replica")
     if replica is None and os.environ.get("SHARDSYNC_REPLICA"):
         replica = int(os.environ["SHARDSYNC_REPLICA"])
-    if _state["session"] is not None:
-        _state["session"].close()
-        _state["session"] = None
+    if st["session"] is not None:
+        st["session"].close()
+        st["session"] = None
     s = open_engine_session(config, tp_rank, pp_rank, tp_size, pp_size,
                             model.named_parameters(), replica=replica)
-    _state["session"] = s
+    st["session"] = s
     return {"sync_rank": s.rank, "tp_rank": tp_rank, "pp_rank": pp_rank}
 
 
-def _sync(version: int) -> Any:
-    s = _state["session"]
+def _sync(st: Dict[str, Any], version: int) -> Any:
+    s = st["session"]
     if s is None:
         raise FailedPreconditionError("shardsync: start before a successful init on this scheduler")
     return s.sync(version)
+
+
+def _values(t: Any) -> List[int]:
+    if hasattr(t, "detach"):
+        return t.detach().to("cpu").tolist()
+    import numpy as np
+
+    return np.asarray(t).tolist()
 
 
 def load_weights(model: Any, named_tensors: List[Tuple[str, Any]]) -> None:
@@ -166,21 +186,31 @@ def load_weights(model: Any, named_tensors: List[Tuple[str, Any]]) -> None:
         raise InvalidArgumentError(f"shardsync loader: expected one shardsync.* command, got {names}")
     name, t = named_tensors[0]
     op = name[len(_PREFIX):]
-    values = t.detach().to("cpu").tolist()
+    values = _values(t)
+    st = _st()
     if op == "init":
         config = json.loads(bytes(values).decode())
-        _run_async(lambda: _open(model, config))
+        ranks = _ranks()  # on the scheduler thread: SGLang's parallel state lives there
+        _run_async(lambda: _open(st, model, config, ranks))
     elif op == "start":
         version = int(values[0])
-        _run_async(lambda: _sync(version))
+        _run_async(lambda: _sync(st, version))
     elif op == "wait":
         _wait()
     elif op == "sync":
-        _state["result"] = _sync(int(values[0]))
+        st["result"] = _sync(st, int(values[0]))
     else:
         raise InvalidArgumentError(f"shardsync loader: unknown command {op!r}")
 
 
 def last_result() -> Any:
-    """The last finished init / sync result of this scheduler (report dict)."""
-    return _state["result"]
+    """The last finished init / sync result of the calling scheduler (report dict)."""
+    return _st()["result"]
+
+
+def close() -> None:
+    """Closes the calling scheduler's session."""
+    st = _st()
+    if st["session"] is not None:
+        st["session"].close()
+        st["session"] = None

@@ -17,13 +17,20 @@ namespace shardsync {
 
 // Where trainer ranks hold each HF tensor. FSDP2 Shard(0) uses torch.chunk sizes: ceil(n/S) rows
 // per rank, trailing ranks short or empty. Megatron TP/PP layouts would add kinds here.
+//
+// Every kind is R replica groups x S shards along dim 0 (rank = g*S + s): fsdp=S is 1xS, hsdp=RxS,
+// replicate=S is Sx1, single is 1x1. A Megatron layout (column/row splits, interleaved qkv) would
+// be a new Kind whose held region is not a dim-0 slab; the planner's per-piece intersection is
+// written against TrainerHeldRegion-style row ranges and would gain a second path for it.
 struct TrainerSpec {
-  enum class Kind { kFsdp, kHsdp, kReplicate, kSingle };
+  enum class Kind { kFsdp, kHsdp, kReplicate, kSingle /*, kMegatron (future) */ };
   Kind kind = Kind::kFsdp;
   int replicas = 1;  // hsdp R (replicate: S)
   int shards = 1;    // fsdp/hsdp S
   int world() const;
   std::string ToString() const;  // "fsdp=8", "hsdp=2x4", "replicate=4", "single"
+  int groups() const;            // R: number of full copies (holders of any given byte)
+  int shards_per_group() const;  // S: dim-0 chunks per copy
 };
 Result<TrainerSpec> ParseTrainerSpec(std::string_view s);
 // Region of a tensor of `shape` held by trainer `rank` (ndim kept; empty when it holds none).
@@ -41,6 +48,9 @@ struct PlanOptions {
   DType wire_dtype = DType::kBF16;
   int64_t bucket_bytes = int64_t{512} << 20;
 };
+
+// Bumped whenever the planner's output for the same inputs changes; part of PlanHash.
+inline constexpr std::string_view kPlannerVersion = "shardsync-plan/1";
 
 struct PlanInputs {
   ModelSpec model;
@@ -125,5 +135,73 @@ struct PlanSummary {
 };
 // Job-wide statistics, computed analytically per tensor (never enumerating the job's ops).
 Result<PlanSummary> SummarizePlan(const PlanInputs& in);
+
+// ---- Placement and cost model ----
+//
+// GPUs are numbered node by node (GPU i on node i / gpus_per_node). Trainer rank i runs on GPU i.
+// When the trainer and rollout worlds have the same size the job is colocated: engine sync rank
+// S + j (j = d*T*P + pp*T + tp, the rollout worker index) runs on GPU j, as colocated RL does.
+// Otherwise they are placed separately: engine rank j on GPU S + j.
+struct Placement {
+  int nodes = 0;  // 0: as many as needed
+  int gpus_per_node = 8;
+  double intra_node_gbps = 450;  // GB/s per direction per GPU (H200 NVLink)
+  double inter_node_gbps = 50;   // GB/s per direction per GPU (400 Gb/s NIC)
+};
+struct ResolvedPlacement {
+  int nodes = 0;
+  int gpus_per_node = 0;
+  bool colocated = false;
+  int TrainerNode(int rank) const;
+  int EngineNode(int engine_index, int trainer_world) const;  // engine_index = sync rank - S
+};
+// Errors name --nodes / --gpus-per-node when the job does not fit.
+Result<ResolvedPlacement> ResolvePlacement(const PlanInputs& in, const Placement& p);
+
+struct CostEstimate {
+  double seconds = 0;              // max over ranks and links of bytes / bandwidth
+  double broadcast_seconds = 0;    // broadcast-all baseline
+  double lower_bound_seconds = 0;  // max((B/(T*P))/bw, D*B/(S*bw)) at the fastest link
+  int64_t model_bytes = 0;         // B: every HF tensor once, in the wire dtype
+};
+
+// Per-rank detail beside the required fields.
+struct RankTraffic {
+  int64_t ops = 0;
+  int64_t messages = 0;
+  int64_t intra_node_bytes = 0;  // to / from ranks on the same node (same GPU included)
+};
+
+struct SummaryOptions {
+  Placement placement;
+  int heatmap_max_blocks = 64;  // trainer x engine byte matrix aggregated to at most this many
+};
+
+// Trainer-rank x engine-rank bytes, aggregated into blocks of consecutive ranks.
+struct Heatmap {
+  int trainer_ranks = 0, engine_ranks = 0;
+  int trainer_block = 1, engine_block = 1;  // ranks per block
+  int rows = 0, cols = 0;
+  std::vector<int64_t> bytes;  // rows x cols, row-major
+};
+
+struct DetailedSummary {
+  PlanSummary summary;
+  std::vector<RankTraffic> trainer_traffic;  // by trainer rank
+  std::vector<RankTraffic> engine_traffic;   // by engine index (sync rank - S)
+  ResolvedPlacement placement;
+  CostEstimate cost;
+  Heatmap heatmap;
+};
+Result<DetailedSummary> SummarizePlanDetailed(const PlanInputs& in, const SummaryOptions& opts);
+
+// Plain SVG heatmap of the byte matrix (axis labels, legend). No dependency.
+std::string HeatmapSvg(const DetailedSummary& s, std::string_view title);
+
+// Validates a whole (small) job: every engine byte covered exactly once by ops or zero-fills,
+// every source region inside its tensor and held by the sending trainer rank, both sides of
+// every message identical, wire offsets and buckets consistent, the summary in agreement.
+// Enumerates every rank's plan: for tests and small jobs only.
+Status ValidatePlan(const PlanInputs& in);
 
 }  // namespace shardsync

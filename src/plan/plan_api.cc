@@ -1,0 +1,42 @@
+// Public planner API: builds the shard map and inventory, then plans over the context.
+#include <chrono>
+
+#include "plan/planner.h"
+
+namespace shardsync {
+namespace plan_internal {
+
+Result<PlanContext> MakeContext(const PlanInputs& in) {
+  SS_ASSIGN_OR_RETURN(ShardMap map, BuildShardMap(in.model, in.rollout.shard));
+  return PlanContext::Build(in, std::move(map), HfTensorInventory(in.model));
+}
+
+}  // namespace plan_internal
+
+Result<RankPlan> PlanForRank(const PlanInputs& in, int sync_rank) {
+  SS_RETURN_IF_ERROR(DescribeSyncRank(in, sync_rank));
+  SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::MakeContext(in));
+  return ctx.PlanForRank(sync_rank);
+}
+
+Result<DetailedSummary> SummarizePlanDetailed(const PlanInputs& in, const SummaryOptions& opts) {
+  // Wall time is reported, never used: the plan itself does not depend on it.
+  const auto t0 = std::chrono::steady_clock::now();
+  SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::MakeContext(in));
+  SS_ASSIGN_OR_RETURN(DetailedSummary ds, ctx.Summarize(opts));
+  ds.summary.plan_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return ds;
+}
+
+Result<PlanSummary> SummarizePlan(const PlanInputs& in) {
+  SS_ASSIGN_OR_RETURN(DetailedSummary ds, SummarizePlanDetailed(in, SummaryOptions{}));
+  return std::move(ds.summary);
+}
+
+Status ValidatePlan(const PlanInputs& in) {
+  SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::MakeContext(in));
+  return plan_internal::ValidateContext(ctx);
+}
+
+}  // namespace shardsync

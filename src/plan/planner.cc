@@ -1,0 +1,629 @@
+// The planner: per-rank op lists and job-wide statistics from region arithmetic.
+//
+// Geometry. Every trainer layout is R groups x S dim-0 shards (torch.chunk sizes). A piece (HF
+// source box -> engine dst box) overlaps a contiguous range [c0, c1] of dim-0 chunks, found by
+// division. Piece x chunk is an "item"; its dst box is split into contiguous runs (receivers land
+// bytes in place) and runs over the bucket cap are split along their first dim with extent > 1.
+//
+// Sources. With R == 1 every byte has one holder. With R > 1 the demand on chunk s (every replica's
+// items for s, replica-major) is one byte sequence cut into R equal segments at unit boundaries;
+// trainer rank g*S + s serves segment g. Any rank recomputes the cuts locally from prefix sums.
+// Replica-major order keeps a trainer group's segment on few replicas, which colocated jobs place
+// on nearby GPUs.
+#include "plan/planner.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <xxhash.h>
+#include <algorithm>
+#include <unordered_map>
+
+namespace shardsync::plan_internal {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Maps a sub-box `x` of item dst `dst` to the matching sub-box of item src `src` (dims aligned
+// from the right; extra leading dims have extent 1).
+Region MapToSrc(const Region& src, const Region& dst, const Region& x) {
+  Region y = src;
+  const int off = dst.ndim - src.ndim;
+  for (int i = 0; i < src.ndim; ++i) {
+    const int j = i + off;
+    if (j < 0) continue;
+    y.offset[i] = src.offset[i] + (x.offset[j] - dst.offset[j]);
+    y.extent[i] = x.extent[j];
+  }
+  return y;
+}
+
+// True when src and dst are the same box up to leading unit dims (right-aligned).
+bool Aligned(const Region& src, const Region& dst) {
+  const int off = dst.ndim - src.ndim;
+  for (int i = 0; i < src.ndim; ++i) {
+    const int j = i + off;
+    if (j < 0) {
+      if (src.extent[i] != 1) return false;
+    } else if (src.extent[i] != dst.extent[j]) {
+      return false;
+    }
+  }
+  for (int j = 0; j < off; ++j) {
+    if (dst.extent[j] != 1) return false;
+  }
+  return true;
+}
+
+// Merges `q` into `p` when they are adjacent along one src dim and the matching dst dim (the
+// coalescing step: adjacent pieces become one before intersection, so every piece x chunk
+// intersection is already maximal).
+bool TryMerge(FlatPiece* p, const FlatPiece& q) {
+  if (p->erank != q.erank || p->param != q.param || p->tensor != q.tensor) return false;
+  const Region &a = p->src, &b = q.src;
+  if (a.ndim != b.ndim || p->dst.ndim != q.dst.ndim) return false;
+  const int off = p->dst.ndim - a.ndim;
+  int dim = -1;
+  for (int i = 0; i < a.ndim; ++i) {
+    if (a.offset[i] == b.offset[i] && a.extent[i] == b.extent[i]) continue;
+    if (dim >= 0 || a.offset[i] + a.extent[i] != b.offset[i] || i + off < 0) return false;
+    dim = i;
+  }
+  if (dim < 0) return false;
+  const int dd = dim + off;
+  for (int j = 0; j < p->dst.ndim; ++j) {
+    if (j == dd) {
+      if (p->dst.offset[j] + p->dst.extent[j] != q.dst.offset[j]) return false;
+    } else if (p->dst.offset[j] != q.dst.offset[j] || p->dst.extent[j] != q.dst.extent[j]) {
+      return false;
+    }
+  }
+  p->src.extent[dim] += b.extent[dim];
+  p->dst.extent[dd] += q.dst.extent[dd];
+  return true;
+}
+
+void AppendOp(std::vector<TransferOp>* out, int32_t tensor, int32_t param, const Region& src,
+              const Region& dst, int64_t bytes) {
+  TransferOp op;
+  op.tensor = tensor;
+  op.param = param;
+  op.src = src;
+  op.dst = dst;
+  op.bytes = bytes;
+  out->push_back(op);
+}
+
+}  // namespace
+
+int64_t SplitCount(const Region& box, int64_t elem_bytes, int64_t cap) {
+  if (box.numel() * elem_bytes <= cap) return 1;
+  int j = 0;
+  while (j < box.ndim && box.extent[j] <= 1) ++j;
+  if (j >= box.ndim) return 1;
+  int64_t q = elem_bytes;
+  for (int i = j + 1; i < box.ndim; ++i) q *= box.extent[i];
+  if (q <= cap) return CeilDiv(box.extent[j], cap / q);
+  Region sub = box;
+  sub.extent[j] = 1;
+  return box.extent[j] * SplitCount(sub, elem_bytes, cap);
+}
+
+void SplitBox(const Region& box, int64_t elem_bytes, int64_t cap,
+              const std::function<void(const Region&)>& fn) {
+  if (box.numel() * elem_bytes <= cap) return fn(box);
+  int j = 0;
+  while (j < box.ndim && box.extent[j] <= 1) ++j;
+  if (j >= box.ndim) return fn(box);
+  int64_t q = elem_bytes;
+  for (int i = j + 1; i < box.ndim; ++i) q *= box.extent[i];
+  const int64_t k = q <= cap ? cap / q : 1;
+  for (int64_t t = 0; t < box.extent[j]; t += k) {
+    Region sub = box;
+    sub.offset[j] = box.offset[j] + t;
+    sub.extent[j] = std::min(k, box.extent[j] - t);
+    if (q <= cap) {
+      fn(sub);
+    } else {
+      SplitBox(sub, elem_bytes, cap, fn);
+    }
+  }
+}
+
+Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
+                                       std::vector<HfTensor> inventory) {
+  PlanContext c;
+  c.in_ = in;
+  const auto& sh = in.rollout.shard;
+  if (in.rollout.dp < 1) return InvalidArgumentError("--rollout dp: must be positive");
+  if (sh.tp < 1 || sh.pp < 1) return InvalidArgumentError("--rollout tp/pp: must be positive");
+  if (in.trainer.world() < 1 || in.trainer.groups() < 1 || in.trainer.shards_per_group() < 1) {
+    return InvalidArgumentError(
+        fmt::format("--trainer {}: world must be positive", in.trainer.ToString()));
+  }
+  for (DType t : {in.options.wire_dtype, in.trainer_dtype}) {
+    if (t != DType::kBF16 && t != DType::kF16 && t != DType::kF32) {
+      return InvalidArgumentError(fmt::format(
+          "{}: {} is not a supported floating type (bf16, f16, f32)",
+          t == in.options.wire_dtype ? "--wire-dtype" : "--trainer-dtype", DTypeName(t)));
+    }
+  }
+  c.wire_ = DTypeSize(in.options.wire_dtype);
+  if (in.options.bucket_bytes < 4096) {
+    return InvalidArgumentError(
+        fmt::format("--bucket-mb: bucket cap {} bytes is below 4 KiB", in.options.bucket_bytes));
+  }
+  if (map.spec.tp != sh.tp || map.spec.pp != sh.pp ||
+      map.ranks.size() != static_cast<size_t>(sh.tp) * sh.pp) {
+    return InvalidArgumentError(
+        fmt::format("shard map: built for tp={} pp={} with {} ranks, rollout wants tp={} pp={}",
+                    map.spec.tp, map.spec.pp, map.ranks.size(), sh.tp, sh.pp));
+  }
+  c.S_world_ = in.trainer.world();
+  c.R_ = in.trainer.groups();
+  c.S_ = in.trainer.shards_per_group();
+  c.D_ = in.rollout.dp;
+  c.E_ = sh.tp * sh.pp;
+  c.hash_ = PlanHash(in);
+
+  std::unordered_map<std::string, int32_t> by_name;
+  by_name.reserve(inventory.size() * 2);
+  for (size_t i = 0; i < inventory.size(); ++i) {
+    if (!by_name.emplace(inventory[i].name, static_cast<int32_t>(i)).second) {
+      return InvalidArgumentError(
+          fmt::format("inventory: tensor '{}' listed twice", inventory[i].name));
+    }
+  }
+  c.tensor_chunk_.resize(inventory.size());
+  for (size_t i = 0; i < inventory.size(); ++i) {
+    const Shape& s = inventory[i].shape;
+    if (s.empty() || s.size() > kMaxDims) {
+      return UnimplementedError(fmt::format("tensor '{}': rank {} not supported (1..{} dims)",
+                                            inventory[i].name, s.size(), kMaxDims));
+    }
+    c.tensor_chunk_[i] = std::max<int64_t>(1, CeilDiv(s[0], c.S_));
+  }
+
+  c.erank_begin_.assign(c.E_ + 1, 0);
+  for (int e = 0; e < c.E_; ++e) {
+    c.erank_begin_[e] = static_cast<int32_t>(c.pieces_.size());
+    const EngineRankShards& rk = map.ranks[e];
+    for (size_t pi = 0; pi < rk.params.size(); ++pi) {
+      const EngineParam& prm = rk.params[pi];
+      const auto shape_idx = static_cast<int32_t>(c.param_shapes_.size());
+      c.param_shapes_.push_back(prm.shape);
+      if (prm.shape.size() > kMaxDims) {
+        return UnimplementedError(
+            fmt::format("rank {} param '{}': more than {} dims", e, prm.name, kMaxDims));
+      }
+      const size_t first = c.pieces_.size();
+      for (const Piece& pc : prm.pieces) {
+        auto it = by_name.find(pc.source);
+        const std::string where =
+            fmt::format("engine rank (pp {}, tp {}) param '{}'", e / sh.tp, e % sh.tp, prm.name);
+        if (it == by_name.end()) {
+          return NotFoundError(
+              fmt::format("{}: piece source '{}' is not in the HF inventory", where, pc.source));
+        }
+        const HfTensor& t = inventory[it->second];
+        if (!RegionInside(pc.src, t.shape)) {
+          return OutOfRangeError(fmt::format("{}: source region {} outside '{}' {}", where,
+                                             pc.src.ToString(), t.name, ShapeToString(t.shape)));
+        }
+        if (!RegionInside(pc.dst, prm.shape)) {
+          return OutOfRangeError(fmt::format("{}: dst region {} outside {}", where,
+                                             pc.dst.ToString(), ShapeToString(prm.shape)));
+        }
+        if (!Aligned(pc.src, pc.dst)) {
+          return InvalidArgumentError(
+              fmt::format("{}: piece {} of '{}' -> {} is not a box translation", where,
+                          pc.src.ToString(), t.name, pc.dst.ToString()));
+        }
+        if (pc.src.empty()) continue;
+        FlatPiece fp;
+        fp.erank = e;
+        fp.param = static_cast<int32_t>(pi);
+        fp.tensor = it->second;
+        fp.shape = shape_idx;
+        fp.src = pc.src;
+        fp.dst = pc.dst;
+        if (c.pieces_.size() > first && TryMerge(&c.pieces_.back(), fp)) continue;
+        c.pieces_.push_back(fp);
+      }
+    }
+  }
+  c.erank_begin_[c.E_] = static_cast<int32_t>(c.pieces_.size());
+  for (FlatPiece& p : c.pieces_) {
+    const int off = p.dst.ndim - p.src.ndim;
+    p.dst_dim0 = off >= 0 ? off : -1;
+    p.row_elems = p.src.numel() / p.src.extent[0];
+    const int64_t ch = c.tensor_chunk_[p.tensor];
+    p.c0 = p.src.offset[0] / ch;
+    p.c1 = (p.src.offset[0] + p.src.extent[0] - 1) / ch;
+  }
+  c.map_ = std::move(map);
+  c.inv_ = std::move(inventory);
+  if (c.R_ > 1) c.BuildSequences();
+  return c;
+}
+
+Item PlanContext::MakeItem(const FlatPiece& p, int64_t chunk) const {
+  Item it;
+  const int64_t ch = tensor_chunk_[p.tensor];
+  const int64_t a = p.src.offset[0], b = a + p.src.extent[0];
+  const int64_t lo = std::max(a, chunk * ch), hi = std::min(b, (chunk + 1) * ch);
+  it.src = p.src;
+  it.src.offset[0] = lo;
+  it.src.extent[0] = hi - lo;
+  it.dst = p.dst;
+  if (p.dst_dim0 >= 0) {
+    it.dst.offset[p.dst_dim0] += lo - a;
+    it.dst.extent[p.dst_dim0] = hi - lo;
+  }
+  const Shape& shape = param_shapes_[p.shape];
+  const int n = it.dst.ndim;
+  if (n == 0) {
+    it.run_dim = 0;
+    it.runs = 1;
+    it.run_bytes = wire_;
+    it.unit_dim = -1;
+    it.unit_bytes = wire_;
+    return it;
+  }
+  int inner = n - 1;
+  while (inner > 0 && it.dst.extent[inner] == shape[inner] && it.dst.offset[inner] == 0) --inner;
+  it.run_dim = inner;
+  it.runs = 1;
+  for (int i = 0; i < inner; ++i) it.runs *= it.dst.extent[i];
+  it.run_bytes = it.dst.numel() / it.runs * wire_;
+  it.unit_dim = -1;
+  for (int i = inner; i < n; ++i) {
+    if (it.dst.extent[i] > 1) {
+      it.unit_dim = i;
+      break;
+    }
+  }
+  it.unit_bytes = wire_;
+  if (it.unit_dim >= 0) {
+    for (int i = it.unit_dim + 1; i < n; ++i) it.unit_bytes *= it.dst.extent[i];
+  }
+  return it;
+}
+
+namespace {
+// The r-th contiguous run box of an item (row-major over dims [0, run_dim)).
+Region RunBox(const Item& it, int64_t r) {
+  Region x = it.dst;
+  for (int i = it.run_dim - 1; i >= 0; --i) {
+    x.offset[i] = it.dst.offset[i] + r % it.dst.extent[i];
+    x.extent[i] = 1;
+    r /= it.dst.extent[i];
+  }
+  return x;
+}
+// Run box restricted to the byte range [z0, z1) of the run (unit aligned).
+Region PartialRun(const Item& it, Region x, int64_t z0, int64_t z1) {
+  if (z0 == 0 && z1 == it.run_bytes) return x;
+  const int u = it.unit_dim;  // >= 0: a partial run exists only when units are finer than a run
+  x.offset[u] += z0 / it.unit_bytes;
+  x.extent[u] = (z1 - z0) / it.unit_bytes;
+  return x;
+}
+}  // namespace
+
+int64_t PlanContext::ItemOps(const Item& it) const {
+  return it.runs * SplitCount(RunBox(it, 0), wire_, in_.options.bucket_bytes);
+}
+
+int64_t PlanContext::ItemRangeOps(const Item& it, int64_t y0, int64_t y1) const {
+  if (y1 <= y0) return 0;
+  const int64_t rb = it.run_bytes, cap = in_.options.bucket_bytes;
+  const Region run0 = RunBox(it, 0);
+  const int64_t r0 = y0 / rb, r1 = CeilDiv(y1, rb);  // runs [r0, r1) touched
+  if (r1 - r0 == 1) {
+    return SplitCount(PartialRun(it, run0, y0 - r0 * rb, y1 - r0 * rb), wire_, cap);
+  }
+  const int64_t full = SplitCount(run0, wire_, cap);
+  const int64_t head = SplitCount(PartialRun(it, run0, y0 - r0 * rb, rb), wire_, cap);
+  const int64_t tail = SplitCount(PartialRun(it, run0, 0, y1 - (r1 - 1) * rb), wire_, cap);
+  return head + tail + (r1 - r0 - 2) * full;
+}
+
+void PlanContext::EmitItemRange(const FlatPiece& p, const Item& it, int64_t y0, int64_t y1,
+                                std::vector<TransferOp>* out) const {
+  if (y1 <= y0) return;
+  const int64_t rb = it.run_bytes;
+  const int64_t r0 = y0 / rb, r1 = CeilDiv(y1, rb);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t z0 = std::max<int64_t>(y0 - r * rb, 0), z1 = std::min(y1 - r * rb, rb);
+    const Region x = PartialRun(it, RunBox(it, r), z0, z1);
+    SplitBox(x, wire_, in_.options.bucket_bytes, [&](const Region& sub) {
+      AppendOp(out, p.tensor, p.param, MapToSrc(it.src, it.dst, sub), sub, sub.numel() * wire_);
+    });
+  }
+}
+
+void PlanContext::BuildSequences() {
+  seqs_.assign(S_, Sequence{});
+  std::vector<int64_t> running(S_, 0), ops(S_, 0);
+  for (auto& q : seqs_) {
+    q.erank_offset.assign(E_ + 1, 0);
+    q.ops_prefix.push_back(0);
+  }
+  int cur_e = -1;
+  for (size_t pi = 0; pi < pieces_.size(); ++pi) {
+    const FlatPiece& p = pieces_[pi];
+    while (cur_e < p.erank) {
+      ++cur_e;
+      for (int s = 0; s < S_; ++s) seqs_[s].erank_offset[cur_e] = running[s];
+    }
+    for (int64_t k = p.c0; k <= p.c1; ++k) {
+      const Item it = MakeItem(p, k);
+      Sequence& q = seqs_[k];
+      q.piece.push_back(static_cast<int32_t>(pi));
+      q.offset.push_back(running[k]);
+      running[k] += it.bytes();
+      ops[k] += ItemOps(it);
+      q.ops_prefix.push_back(ops[k]);
+    }
+  }
+  for (int s = 0; s < S_; ++s) {
+    Sequence& q = seqs_[s];
+    for (int e = cur_e + 1; e <= E_; ++e) q.erank_offset[e] = running[s];
+    q.offset.push_back(running[s]);
+    const int64_t T = q.total();
+    const __int128 all = static_cast<__int128>(T) * D_;
+    q.cuts.resize(R_ + 1);
+    for (int g = 0; g <= R_; ++g) {
+      const auto b = static_cast<int64_t>(all * g / R_);
+      if (b >= all || T == 0) {
+        q.cuts[g] = static_cast<int64_t>(all);
+        continue;
+      }
+      // Round the ideal boundary up to the next unit boundary inside its item.
+      const int64_t d = b / T, x = b - d * T;
+      const size_t n = q.piece.size();
+      const size_t i =
+          std::upper_bound(q.offset.begin(), q.offset.begin() + n, x) - q.offset.begin() - 1;
+      const Item it = MakeItem(pieces_[q.piece[i]], s);
+      const int64_t y = x - q.offset[i];
+      const int64_t r = y / it.run_bytes, z = y - r * it.run_bytes;
+      const int64_t zr = std::min(it.run_bytes, CeilDiv(z, it.unit_bytes) * it.unit_bytes);
+      q.cuts[g] = d * T + q.offset[i] + r * it.run_bytes + zr;
+    }
+    q.cuts[0] = 0;
+  }
+}
+
+int64_t PlanContext::CountSeqOps(const Sequence& q, int64_t x0, int64_t x1) const {
+  if (x1 <= x0) return 0;
+  const int s = static_cast<int>(&q - seqs_.data());
+  const auto end = q.offset.begin() + q.piece.size();
+  const size_t i0 = std::upper_bound(q.offset.begin(), end, x0) - q.offset.begin() - 1;
+  const size_t i1 = std::upper_bound(q.offset.begin(), end, x1 - 1) - q.offset.begin() - 1;
+  const Item a = MakeItem(pieces_[q.piece[i0]], s);
+  if (i0 == i1) return ItemRangeOps(a, x0 - q.offset[i0], x1 - q.offset[i0]);
+  const Item b = MakeItem(pieces_[q.piece[i1]], s);
+  return ItemRangeOps(a, x0 - q.offset[i0], a.bytes()) + (q.ops_prefix[i1] - q.ops_prefix[i0 + 1]) +
+         ItemRangeOps(b, 0, x1 - q.offset[i1]);
+}
+
+void PlanContext::FinishMessage(Message* m) const {
+  const int64_t cap = in_.options.bucket_bytes;
+  int64_t off = 0;
+  Bucket cur;
+  for (size_t i = 0; i < m->ops.size(); ++i) {
+    TransferOp& op = m->ops[i];
+    if (cur.op_end > cur.op_begin && cur.bytes + op.bytes > cap) {
+      m->buckets.push_back(cur);
+      cur = Bucket{};
+      cur.op_begin = static_cast<int32_t>(i);
+      cur.wire_offset = off;
+    }
+    op.wire_offset = off;
+    off += op.bytes;
+    cur.bytes += op.bytes;
+    cur.op_end = static_cast<int32_t>(i + 1);
+  }
+  if (cur.op_end > cur.op_begin) m->buckets.push_back(cur);
+  m->bytes = off;
+}
+
+Result<RankPlan> PlanContext::PlanForRank(int sync_rank) const {
+  SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(in_, sync_rank));
+  RankPlan rp;
+  rp.rank = sync_rank;
+  rp.plan_hash = hash_;
+  if (who.is_trainer) {
+    const int t = who.trainer_rank, g = t / S_, s = t % S_;
+    if (R_ == 1) {
+      // One holder per byte: the items of chunk s, identical for every replica.
+      std::vector<std::vector<TransferOp>> local(E_);
+      for (const FlatPiece& p : pieces_) {
+        if (p.c0 <= s && s <= p.c1) {
+          const Item it = MakeItem(p, s);
+          EmitItemRange(p, it, 0, it.bytes(), &local[p.erank]);
+        }
+      }
+      for (int d = 0; d < D_; ++d) {
+        for (int e = 0; e < E_; ++e) {
+          if (local[e].empty()) continue;
+          Message m;
+          m.src = sync_rank;
+          m.dst = S_world_ + d * E_ + e;
+          m.ops = local[e];
+          FinishMessage(&m);
+          rp.sends.push_back(std::move(m));
+        }
+      }
+      return rp;
+    }
+    const Sequence& q = seqs_[s];
+    const int64_t T = q.total();
+    if (T == 0) return rp;
+    const int64_t lo = q.cuts[g], hi = q.cuts[g + 1];
+    const size_t n = q.piece.size();
+    for (int64_t d = lo / T; d < D_ && d * T < hi; ++d) {
+      const int64_t x0 = std::max(lo, d * T) - d * T, x1 = std::min(hi, (d + 1) * T) - d * T;
+      if (x1 <= x0) continue;
+      size_t i =
+          std::upper_bound(q.offset.begin(), q.offset.begin() + n, x0) - q.offset.begin() - 1;
+      for (; i < n && q.offset[i] < x1; ++i) {
+        const FlatPiece& p = pieces_[q.piece[i]];
+        const Item it = MakeItem(p, s);
+        const int dst = S_world_ + static_cast<int>(d) * E_ + p.erank;
+        if (rp.sends.empty() || rp.sends.back().dst != dst) {
+          rp.sends.emplace_back();
+          rp.sends.back().src = sync_rank;
+          rp.sends.back().dst = dst;
+        }
+        EmitItemRange(p, it, std::max<int64_t>(x0 - q.offset[i], 0),
+                      std::min(x1 - q.offset[i], it.bytes()), &rp.sends.back().ops);
+      }
+    }
+    for (Message& m : rp.sends) FinishMessage(&m);
+    return rp;
+  }
+
+  const int d = who.replica, e = who.pp_rank * in_.rollout.shard.tp + who.tp_rank;
+  std::vector<std::vector<TransferOp>> by_src(S_world_);
+  for (int32_t pi = erank_begin_[e]; pi < erank_begin_[e + 1]; ++pi) {
+    const FlatPiece& p = pieces_[pi];
+    for (int64_t k = p.c0; k <= p.c1; ++k) {
+      const Item it = MakeItem(p, k);
+      if (R_ == 1) {
+        EmitItemRange(p, it, 0, it.bytes(), &by_src[k]);
+        continue;
+      }
+      const Sequence& q = seqs_[k];
+      const size_t idx = std::lower_bound(q.piece.begin(), q.piece.end(), pi) - q.piece.begin();
+      const int64_t o = d * q.total() + q.offset[idx], len = it.bytes();
+      size_t g = std::upper_bound(q.cuts.begin(), q.cuts.end(), o) - q.cuts.begin() - 1;
+      for (; g < static_cast<size_t>(R_) && q.cuts[g] < o + len; ++g) {
+        const int64_t a = std::max(o, q.cuts[g]), b = std::min(o + len, q.cuts[g + 1]);
+        if (b > a) EmitItemRange(p, it, a - o, b - o, &by_src[g * S_ + k]);
+      }
+    }
+  }
+  for (int src = 0; src < S_world_; ++src) {
+    if (by_src[src].empty()) continue;
+    Message m;
+    m.src = src;
+    m.dst = sync_rank;
+    m.ops = std::move(by_src[src]);
+    FinishMessage(&m);
+    rp.recvs.push_back(std::move(m));
+  }
+  return rp;
+}
+
+void PlanContext::ForEachPair(const PairFn& fn) const {
+  if (R_ == 1) {
+    // Per (engine rank of a replica, chunk): bytes and ops via difference arrays; each piece adds
+    // its first chunk, its last chunk and the run of equal interior chunks in O(1).
+    const size_t W = static_cast<size_t>(S_) + 1;
+    std::vector<int64_t> db(static_cast<size_t>(E_) * W, 0), dops(db.size(), 0);
+    auto add = [&](int e, int64_t k0, int64_t k1, int64_t bytes, int64_t ops) {
+      db[e * W + k0] += bytes;
+      db[e * W + k1] -= bytes;
+      dops[e * W + k0] += ops;
+      dops[e * W + k1] -= ops;
+    };
+    for (const FlatPiece& p : pieces_) {
+      const Item a = MakeItem(p, p.c0);
+      add(p.erank, p.c0, p.c0 + 1, a.bytes(), ItemOps(a));
+      if (p.c1 > p.c0) {
+        const Item b = MakeItem(p, p.c1);
+        add(p.erank, p.c1, p.c1 + 1, b.bytes(), ItemOps(b));
+      }
+      if (p.c1 > p.c0 + 1) {
+        const Item m = MakeItem(p, p.c0 + 1);
+        add(p.erank, p.c0 + 1, p.c1, m.bytes(), ItemOps(m));
+      }
+    }
+    for (int e = 0; e < E_; ++e) {
+      int64_t b = 0, o = 0;
+      for (int k = 0; k < S_; ++k) {
+        b += db[e * W + k];
+        o += dops[e * W + k];
+        db[e * W + k] = b;
+        dops[e * W + k] = o;
+      }
+    }
+    for (int d = 0; d < D_; ++d) {
+      for (int e = 0; e < E_; ++e) {
+        for (int k = 0; k < S_; ++k) {
+          if (db[e * W + k] > 0) fn(k, S_world_ + d * E_ + e, db[e * W + k], dops[e * W + k]);
+        }
+      }
+    }
+    return;
+  }
+  // R > 1: merge each chunk's R cuts with the (replica, engine rank) intervals of its sequence.
+  for (int s = 0; s < S_; ++s) {
+    const Sequence& q = seqs_[s];
+    const int64_t T = q.total();
+    if (T == 0) continue;
+    int g = 0;
+    for (int d = 0; d < D_; ++d) {
+      for (int e = 0; e < E_; ++e) {
+        const int64_t st = d * T + q.erank_offset[e], en = d * T + q.erank_offset[e + 1];
+        if (en <= st) continue;
+        while (q.cuts[g + 1] <= st) ++g;
+        for (int gg = g; gg < R_ && q.cuts[gg] < en; ++gg) {
+          const int64_t a = std::max(st, q.cuts[gg]), b = std::min(en, q.cuts[gg + 1]);
+          if (b > a) {
+            fn(gg * S_ + s, S_world_ + d * E_ + e, b - a, CountSeqOps(q, a - d * T, b - d * T));
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace shardsync::plan_internal
+
+namespace shardsync {
+
+std::string PlanHash(const PlanInputs& in) {
+  // Canonical text of everything that defines the plan. The model's name/path is left out (ranks
+  // may read the same config from different paths); mlp_only_layers is a set, so it is sorted.
+  const ModelSpec& m = in.model;
+  std::string s;
+  auto kv = [&s](std::string_view k, const auto& v) { s += fmt::format("{}={}\n", k, v); };
+  kv("planner", kPlannerVersion);
+  kv("arch", static_cast<int>(m.arch));
+  kv("hidden_size", m.hidden_size);
+  kv("num_attention_heads", m.num_attention_heads);
+  kv("num_key_value_heads", m.num_key_value_heads);
+  kv("head_dim", m.head_dim);
+  kv("num_hidden_layers", m.num_hidden_layers);
+  kv("intermediate_size", m.intermediate_size);
+  kv("vocab_size", m.vocab_size);
+  kv("tie_word_embeddings", m.tie_word_embeddings);
+  kv("attention_bias", m.attention_bias);
+  kv("qkv_bias", m.qkv_bias);
+  kv("qk_norm", m.qk_norm);
+  kv("num_experts", m.num_experts);
+  kv("moe_intermediate_size", m.moe_intermediate_size);
+  kv("num_experts_per_tok", m.num_experts_per_tok);
+  kv("decoder_sparse_step", m.decoder_sparse_step);
+  std::vector<int64_t> mlp_only = m.mlp_only_layers;
+  std::sort(mlp_only.begin(), mlp_only.end());
+  mlp_only.erase(std::unique(mlp_only.begin(), mlp_only.end()), mlp_only.end());
+  kv("mlp_only_layers", fmt::format("{}", fmt::join(mlp_only, ",")));
+  kv("model_dtype", DTypeName(m.dtype));
+  kv("trainer", in.trainer.ToString());
+  kv("trainer_dtype", DTypeName(in.trainer_dtype));
+  kv("engine", in.rollout.shard.engine == EngineKind::kSglang ? "sglang" : "vllm");
+  kv("dp", in.rollout.dp);
+  kv("tp", in.rollout.shard.tp);
+  kv("pp", in.rollout.shard.pp);
+  kv("ep", in.rollout.shard.ep);
+  kv("pp_partition", fmt::format("{}", fmt::join(in.rollout.shard.pp_partition, ",")));
+  kv("wire_dtype", DTypeName(in.options.wire_dtype));
+  kv("bucket_bytes", in.options.bucket_bytes);
+  const XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
+  return fmt::format("{:016x}{:016x}", h.high64, h.low64);
+}
+
+}  // namespace shardsync

@@ -1,0 +1,106 @@
+// Planner internals: a PlanContext built once from the inputs (shard map of one replica flattened
+// into pieces, trainer geometry), and the per-rank / job-wide computations over it. Split from the
+// public API so tests can plan over hand-built shard maps.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "shardsync/plan.h"
+
+namespace shardsync::plan_internal {
+
+// One engine piece of one replica, with what the planner needs precomputed.
+struct FlatPiece {
+  int32_t erank = 0;      // engine rank inside the replica: pp*T + tp
+  int32_t param = 0;      // index into that rank's params
+  int32_t tensor = 0;     // index into the HF inventory
+  int32_t shape = 0;      // index into PlanContext::param_shapes
+  int32_t dst_dim0 = -1;  // dst dim aligned with src dim 0 (-1: src dim 0 is a leading unit dim)
+  Region src, dst;
+  int64_t row_elems = 0;   // src elements per src dim-0 index
+  int64_t c0 = 0, c1 = 0;  // first and last trainer chunk (dim-0 shard) the piece overlaps
+};
+
+// A piece restricted to one trainer chunk, with its dst split geometry.
+struct Item {
+  Region src, dst;
+  int run_dim = 0;         // dims [0, run_dim) of dst are iterated to form contiguous runs
+  int64_t runs = 1;        // number of contiguous dst runs
+  int64_t run_bytes = 0;   // wire bytes per run
+  int unit_dim = 0;        // first dim of a run box with extent > 1 (cuts happen along it)
+  int64_t unit_bytes = 0;  // wire bytes of one index of unit_dim
+  int64_t bytes() const { return runs * run_bytes; }
+};
+
+// Holder sequence of one dim-0 position s when R > 1: every (replica, item) needing chunk s, in
+// replica-major then (erank, param, piece) order; cut into R byte-balanced segments, segment g
+// served by trainer rank g*S + s.
+struct Sequence {
+  std::vector<int32_t> piece;         // flat piece index per item
+  std::vector<int64_t> offset;        // replica-local byte offset per item (+ total at the end)
+  std::vector<int64_t> ops_prefix;    // uncut op count prefix (size items + 1)
+  std::vector<int64_t> erank_offset;  // size E + 1
+  std::vector<int64_t> cuts;          // size R + 1, global (replica-major) byte coordinates
+  int64_t total() const { return offset.back(); }
+};
+
+// Called for each (trainer rank, engine sync rank) pair with traffic.
+using PairFn = std::function<void(int trainer, int engine_sync_rank, int64_t bytes, int64_t ops)>;
+
+class PlanContext {
+ public:
+  // `map` is one replica's shard map for in.rollout.shard; `inventory` the model's HF tensors.
+  static Result<PlanContext> Build(const PlanInputs& in, ShardMap map,
+                                   std::vector<HfTensor> inventory);
+
+  Result<RankPlan> PlanForRank(int sync_rank) const;
+  Result<DetailedSummary> Summarize(const SummaryOptions& opts) const;
+  // Every (trainer, engine) pair with its bytes and ops, analytically.
+  void ForEachPair(const PairFn& fn) const;
+
+  const PlanInputs& inputs() const { return in_; }
+  const ShardMap& map() const { return map_; }
+  const std::vector<HfTensor>& inventory() const { return inv_; }
+  const std::string& hash() const { return hash_; }
+  int trainer_world() const { return S_world_; }
+  int engine_per_replica() const { return E_; }
+  int replicas() const { return D_; }
+  const std::vector<FlatPiece>& pieces() const { return pieces_; }
+
+ private:
+  Item MakeItem(const FlatPiece& p, int64_t chunk) const;
+  int64_t ItemOps(const Item& it) const;
+  int64_t ItemRangeOps(const Item& it, int64_t y0, int64_t y1) const;
+  void EmitItemRange(const FlatPiece& p, const Item& it, int64_t y0, int64_t y1,
+                     std::vector<TransferOp>* out) const;
+  void BuildSequences();
+  int64_t CountSeqOps(const Sequence& q, int64_t x0, int64_t x1) const;
+  void FinishMessage(Message* m) const;
+
+  PlanInputs in_;
+  ShardMap map_;
+  std::vector<HfTensor> inv_;
+  std::string hash_;
+  int S_world_ = 1, R_ = 1, S_ = 1, D_ = 1, E_ = 1;
+  int64_t wire_ = 2;
+  std::vector<FlatPiece> pieces_;
+  std::vector<int32_t> erank_begin_;  // size E + 1
+  std::vector<Shape> param_shapes_;
+  std::vector<int64_t> tensor_chunk_;  // per tensor: dim-0 rows per trainer shard
+  std::vector<Sequence> seqs_;         // per position s, only when R > 1
+};
+
+// Builds the context for `in` (shard map and inventory from the model).
+Result<PlanContext> MakeContext(const PlanInputs& in);
+// Enumerates every rank's plan and checks it element by element (small jobs only).
+Status ValidateContext(const PlanContext& ctx);
+
+// Split of a contiguous dst box into parts of at most `cap` bytes (along its first dim with
+// extent > 1, recursing into the next dim when one index is already over the cap).
+int64_t SplitCount(const Region& box, int64_t elem_bytes, int64_t cap);
+void SplitBox(const Region& box, int64_t elem_bytes, int64_t cap,
+              const std::function<void(const Region&)>& fn);
+
+}  // namespace shardsync::plan_internal

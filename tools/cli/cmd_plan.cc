@@ -1,0 +1,333 @@
+// `shardsync plan`: the transfer plan's summary, cost estimate, one rank's ops, a heatmap.
+#include <fmt/format.h>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "command.h"
+#include "plan/planner.h"
+
+namespace shardsync::cli {
+namespace {
+
+// Every-op dumps without --rank are refused above this many ops.
+constexpr int64_t kMaxDumpAllOps = 1'000'000;
+
+struct Args {
+  std::string model, trainer, rollout, engine = "sglang", pp_partition;
+  std::string wire_dtype = "bf16", trainer_dtype = "fp32";
+  int64_t bucket_mb = 512;
+  int nodes = 0, gpus_per_node = 8;
+  double intra_gbps = 450, inter_gbps = 50;
+  bool json = false;
+  std::string dump_ops, svg;
+  std::optional<int> rank;
+};
+
+std::string Human(double b) {
+  const char* u[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int i = 0;
+  while (b >= 1024 && i < 5) {
+    b /= 1024;
+    ++i;
+  }
+  return fmt::format("{:.2f} {}", b, u[i]);
+}
+
+Result<std::vector<int64_t>> ParsePartition(std::string_view s) {
+  std::vector<int64_t> out;
+  size_t pos = 0;
+  while (pos <= s.size()) {
+    size_t c = s.find(',', pos);
+    if (c == std::string_view::npos) c = s.size();
+    const std::string tok(s.substr(pos, c - pos));
+    char* end = nullptr;
+    const long long v = std::strtoll(tok.c_str(), &end, 10);
+    if (tok.empty() || *end != '\0' || v <= 0) {
+      return InvalidArgumentError(
+          fmt::format("--pp-partition: expected positive layer counts like 12,12,12, got '{}'", s));
+    }
+    out.push_back(v);
+    pos = c + 1;
+  }
+  return out;
+}
+
+Result<PlanInputs> MakeInputs(const Args& a) {
+  PlanInputs in;
+  SS_ASSIGN_OR_RETURN(in.model, LoadModelSpec(a.model));
+  SS_ASSIGN_OR_RETURN(in.trainer, ParseTrainerSpec(a.trainer));
+  SS_ASSIGN_OR_RETURN(EngineKind engine, ParseEngineKind(a.engine, "--engine"));
+  SS_ASSIGN_OR_RETURN(in.rollout, ParseRolloutSpec(a.rollout, engine));
+  if (!a.pp_partition.empty()) {
+    SS_ASSIGN_OR_RETURN(in.rollout.shard.pp_partition, ParsePartition(a.pp_partition));
+  }
+  SS_ASSIGN_OR_RETURN(in.options.wire_dtype, ParseDType(a.wire_dtype, "--wire-dtype"));
+  SS_ASSIGN_OR_RETURN(in.trainer_dtype, ParseDType(a.trainer_dtype, "--trainer-dtype"));
+  if (a.bucket_mb < 1 || a.bucket_mb > (int64_t{1} << 20)) {
+    return InvalidArgumentError(
+        fmt::format("--bucket-mb: must be in [1, 1048576] MiB, got {}", a.bucket_mb));
+  }
+  in.options.bucket_bytes = a.bucket_mb << 20;
+  return in;
+}
+
+nlohmann::json RegionJson(const Region& r) {
+  return {{"offset", r.offsets()}, {"extent", r.extents()}};
+}
+
+void AppendOps(const plan_internal::PlanContext& ctx, const Message& m, std::string* out) {
+  const int S = ctx.trainer_world();
+  const int e = (m.dst - S) % ctx.engine_per_replica();
+  const auto& params = ctx.map().ranks[e].params;
+  int bucket = 0;
+  for (size_t i = 0; i < m.ops.size(); ++i) {
+    while (bucket + 1 < static_cast<int>(m.buckets.size()) &&
+           m.buckets[bucket].op_end <= static_cast<int32_t>(i)) {
+      ++bucket;
+    }
+    const TransferOp& op = m.ops[i];
+    nlohmann::json j = {{"src", m.src},
+                        {"dst", m.dst},
+                        {"bucket", bucket},
+                        {"tensor", ctx.inventory()[op.tensor].name},
+                        {"param", params[op.param].name},
+                        {"src_region", RegionJson(op.src)},
+                        {"dst_region", RegionJson(op.dst)},
+                        {"wire_offset", op.wire_offset},
+                        {"bytes", op.bytes}};
+    *out += j.dump();
+    *out += '\n';
+  }
+}
+
+Result<std::string> DumpOps(const plan_internal::PlanContext& ctx, const DetailedSummary& ds,
+                            std::optional<int> rank) {
+  std::string out;
+  if (rank) {
+    SS_ASSIGN_OR_RETURN(RankPlan rp, ctx.PlanForRank(*rank));
+    for (const Message& m : rp.sends) AppendOps(ctx, m, &out);
+    for (const Message& m : rp.recvs) AppendOps(ctx, m, &out);
+    return out;
+  }
+  if (ds.summary.ops > kMaxDumpAllOps) {
+    return InvalidArgumentError(fmt::format(
+        "--dump-ops: the job has {} ops (limit {} without --rank); pass --rank R to dump one rank",
+        ds.summary.ops, kMaxDumpAllOps));
+  }
+  // Every op once: each trainer rank's sends.
+  for (int t = 0; t < ctx.trainer_world(); ++t) {
+    SS_ASSIGN_OR_RETURN(RankPlan rp, ctx.PlanForRank(t));
+    for (const Message& m : rp.sends) AppendOps(ctx, m, &out);
+  }
+  return out;
+}
+
+struct MinMeanMax {
+  int64_t min = 0, max = 0;
+  double mean = 0;
+};
+template <typename V, typename F>
+MinMeanMax Stats(const V& v, F f) {
+  MinMeanMax s;
+  if (v.empty()) return s;
+  s.min = s.max = f(v[0]);
+  double sum = 0;
+  for (const auto& x : v) {
+    const int64_t b = f(x);
+    s.min = std::min(s.min, b);
+    s.max = std::max(s.max, b);
+    sum += static_cast<double>(b);
+  }
+  s.mean = sum / static_cast<double>(v.size());
+  return s;
+}
+
+std::string JsonSummary(const PlanInputs& in, const DetailedSummary& ds, const Args& a) {
+  const PlanSummary& s = ds.summary;
+  nlohmann::json j;
+  j["model"] = in.model.name;
+  j["trainer"] = in.trainer.ToString();
+  j["rollout"] = {{"dp", in.rollout.dp},
+                  {"tp", in.rollout.shard.tp},
+                  {"pp", in.rollout.shard.pp},
+                  {"ep", in.rollout.shard.ep},
+                  {"engine", std::string(EngineKindName(in.rollout.shard.engine))}};
+  j["wire_dtype"] = std::string(DTypeName(in.options.wire_dtype));
+  j["trainer_dtype"] = std::string(DTypeName(in.trainer_dtype));
+  j["bucket_bytes"] = in.options.bucket_bytes;
+  j["plan_hash"] = s.plan_hash;
+  j["plan_seconds"] = s.plan_seconds;
+  j["ops"] = s.ops;
+  j["messages"] = s.messages;
+  j["total_bytes"] = s.total_bytes;
+  j["broadcast_recv_bytes_per_rank"] = s.broadcast_recv_bytes_per_rank;
+  j["model_bytes"] = ds.cost.model_bytes;
+  nlohmann::json tr = nlohmann::json::array();
+  for (size_t i = 0; i < s.trainer_ranks.size(); ++i) {
+    const auto& t = s.trainer_ranks[i];
+    const auto& x = ds.trainer_traffic[i];
+    tr.push_back({{"rank", t.rank},
+                  {"send_bytes", t.send_bytes},
+                  {"ops", x.ops},
+                  {"messages", x.messages},
+                  {"intra_node_bytes", x.intra_node_bytes},
+                  {"node", ds.placement.TrainerNode(t.rank)}});
+  }
+  j["trainer_ranks"] = std::move(tr);
+  nlohmann::json er = nlohmann::json::array();
+  const int S = in.trainer.world();
+  for (size_t i = 0; i < s.engine_ranks.size(); ++i) {
+    const auto& e = s.engine_ranks[i];
+    const auto& x = ds.engine_traffic[i];
+    er.push_back({{"sync_rank", S + static_cast<int>(i)},
+                  {"replica", e.replica},
+                  {"tp_rank", e.tp_rank},
+                  {"pp_rank", e.pp_rank},
+                  {"recv_bytes", e.recv_bytes},
+                  {"owned_bytes", e.owned_bytes},
+                  {"ops", x.ops},
+                  {"messages", x.messages},
+                  {"intra_node_bytes", x.intra_node_bytes},
+                  {"node", ds.placement.EngineNode(static_cast<int>(i), S)}});
+  }
+  j["engine_ranks"] = std::move(er);
+  j["placement"] = {{"nodes", ds.placement.nodes},
+                    {"gpus_per_node", ds.placement.gpus_per_node},
+                    {"colocated", ds.placement.colocated}};
+  j["estimates"] = {{"intra_node_gbps", a.intra_gbps},
+                    {"inter_node_gbps", a.inter_gbps},
+                    {"plan_seconds", ds.cost.seconds},
+                    {"broadcast_seconds", ds.cost.broadcast_seconds},
+                    {"lower_bound_seconds", ds.cost.lower_bound_seconds}};
+  return j.dump(2) + "\n";
+}
+
+std::string TextSummary(const PlanInputs& in, const DetailedSummary& ds) {
+  const PlanSummary& s = ds.summary;
+  const auto tsend = Stats(s.trainer_ranks, [](const auto& t) { return t.send_bytes; });
+  const auto erecv = Stats(s.engine_ranks, [](const auto& e) { return e.recv_bytes; });
+  const auto eown = Stats(s.engine_ranks, [](const auto& e) { return e.owned_bytes; });
+  std::string o;
+  o += fmt::format("shardsync plan: {}  {} -> dp={},tp={},pp={},ep={} ({})\n", in.model.name,
+                   in.trainer.ToString(), in.rollout.dp, in.rollout.shard.tp, in.rollout.shard.pp,
+                   in.rollout.shard.ep, EngineKindName(in.rollout.shard.engine));
+  o += fmt::format("  {:<28}{} wire, {} on the trainer, buckets <= {}\n", "dtypes",
+                   DTypeName(in.options.wire_dtype), DTypeName(in.trainer_dtype),
+                   Human(static_cast<double>(in.options.bucket_bytes)));
+  o += fmt::format("  {:<28}{}\n", "plan hash", s.plan_hash);
+  o += fmt::format("  {:<28}{:.3f} s\n", "planning time", s.plan_seconds);
+  o += fmt::format("  {:<28}{} ops in {} messages, {} total\n", "transfers", s.ops, s.messages,
+                   Human(static_cast<double>(s.total_bytes)));
+  o +=
+      fmt::format("  {:<28}{} ranks; min {} / mean {} / max {} (max/mean {:.3f})\n",
+                  "trainer send bytes", s.trainer_ranks.size(), Human(tsend.min), Human(tsend.mean),
+                  Human(tsend.max), tsend.mean > 0 ? tsend.max / tsend.mean : 0.0);
+  o += fmt::format("  {:<28}{} ranks; min {} / mean {} / max {}\n", "engine recv bytes",
+                   s.engine_ranks.size(), Human(erecv.min), Human(erecv.mean), Human(erecv.max));
+  o += fmt::format("  {:<28}min {} / mean {} / max {}\n", "engine owned bytes", Human(eown.min),
+                   Human(eown.mean), Human(eown.max));
+  const double ratio = s.broadcast_recv_bytes_per_rank > 0
+                           ? erecv.mean / static_cast<double>(s.broadcast_recv_bytes_per_rank)
+                           : 0;
+  o += fmt::format("  {:<28}{} per engine rank (plan receives {:.3f}x of it)\n",
+                   "broadcast-all recv bytes",
+                   Human(static_cast<double>(s.broadcast_recv_bytes_per_rank)), ratio);
+  o += fmt::format("  {:<28}{} nodes x {} GPUs, {}\n", "placement", ds.placement.nodes,
+                   ds.placement.gpus_per_node,
+                   ds.placement.colocated ? "trainer and rollout colocated (rank i on GPU i)"
+                                          : "trainer and rollout on separate GPUs");
+  o += fmt::format("  {:<28}plan {:.3f} s | broadcast-all {:.3f} s | lower bound {:.3f} s\n",
+                   "estimated sync time", ds.cost.seconds, ds.cost.broadcast_seconds,
+                   ds.cost.lower_bound_seconds);
+  return o;
+}
+
+int Run(const Args& a) {
+  auto in = MakeInputs(a);
+  if (!in.ok()) return ReportError(in.status());
+  Placement pl;
+  pl.nodes = a.nodes;
+  pl.gpus_per_node = a.gpus_per_node;
+  pl.intra_node_gbps = a.intra_gbps;
+  pl.inter_node_gbps = a.inter_gbps;
+  SummaryOptions so;
+  so.placement = pl;
+  // Check placement before the (possibly long) planning.
+  if (auto r = ResolvePlacement(*in, pl); !r.ok()) return ReportError(r.status());
+  if (a.rank) {
+    if (auto r = DescribeSyncRank(*in, *a.rank); !r.ok()) return ReportError(r.status());
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  auto ctx = plan_internal::MakeContext(*in);
+  if (!ctx.ok()) return ReportError(ctx.status());
+  auto ds = ctx->Summarize(so);
+  if (!ds.ok()) return ReportError(ds.status());
+  ds->summary.plan_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // Everything is computed before anything is written: bad input writes nothing.
+  std::string dump, svg;
+  if (!a.dump_ops.empty()) {
+    auto d = DumpOps(*ctx, *ds, a.rank);
+    if (!d.ok()) return ReportError(d.status());
+    dump = std::move(*d);
+  }
+  if (!a.svg.empty()) {
+    svg = HeatmapSvg(
+        *ds, fmt::format("{}: {} -> dp={},tp={},pp={} ({})", in->model.name, in->trainer.ToString(),
+                         in->rollout.dp, in->rollout.shard.tp, in->rollout.shard.pp,
+                         EngineKindName(in->rollout.shard.engine)));
+  }
+  for (const auto& [path, text] : {std::pair{a.dump_ops, &dump}, std::pair{a.svg, &svg}}) {
+    if (path.empty()) continue;
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    f << *text;
+    f.close();
+    if (!f) return ReportError(PermissionDeniedError(fmt::format("cannot write '{}'", path)));
+  }
+  const std::string out = a.json ? JsonSummary(*in, *ds, a) : TextSummary(*in, *ds);
+  std::fwrite(out.data(), 1, out.size(), stdout);
+  return kExitOk;
+}
+
+Registration reg(
+    {"plan", [](CLI::App& app) {
+       auto a = std::make_shared<Args>();
+       auto rank = std::make_shared<int>(-1);
+       auto* sub = app.add_subcommand(
+           "plan", "Transfer plan trainer shards -> engine shards: summary, cost, ops");
+       sub->add_option("--model", a->model, "Embedded model NAME or config PATH")->required();
+       sub->add_option("--trainer", a->trainer, "fsdp=S | hsdp=RxS | replicate=S | single")
+           ->required();
+       sub->add_option("--rollout", a->rollout, "dp=D,tp=T,pp=P[,ep=E]")->required();
+       sub->add_option("--engine", a->engine, "sglang | vllm")->capture_default_str();
+       sub->add_option("--pp-partition", a->pp_partition,
+                       "Explicit layers per PP stage, e.g. 12,12,12,12");
+       sub->add_option("--nodes", a->nodes, "Nodes (default: as many as needed)");
+       sub->add_option("--gpus-per-node", a->gpus_per_node, "GPUs per node")->capture_default_str();
+       sub->add_option("--wire-dtype", a->wire_dtype, "Dtype on the wire")->capture_default_str();
+       sub->add_option("--trainer-dtype", a->trainer_dtype,
+                       "Dtype the trainer holds (cast on the sender)")
+           ->capture_default_str();
+       sub->add_option("--bucket-mb", a->bucket_mb, "Bucket cap in MiB")->capture_default_str();
+       sub->add_option("--intra-node-gbps", a->intra_gbps,
+                       "Intra-node GB/s per GPU per direction (H200 NVLink)")
+           ->capture_default_str();
+       sub->add_option("--inter-node-gbps", a->inter_gbps,
+                       "Inter-node GB/s per GPU per direction (400 Gb/s NIC)")
+           ->capture_default_str();
+       sub->add_flag("--json", a->json, "Print the summary as JSON");
+       auto* dump = sub->add_option("--dump-ops", a->dump_ops, "Write ops as JSON lines to FILE");
+       sub->add_option("--rank", *rank, "Sync rank whose ops --dump-ops writes")->needs(dump);
+       sub->add_option("--svg", a->svg, "Write a trainer x engine byte heatmap SVG");
+       return [a, rank, sub] {
+         if (sub->count("--rank") > 0) a->rank = *rank;
+         return Run(*a);
+       };
+     }});
+
+}  // namespace
+}  // namespace shardsync::cli

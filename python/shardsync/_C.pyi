@@ -1,0 +1,243 @@
+# Type stubs of the native module shardsync._C (pybind11). Use the `shardsync` package API.
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__version__: str
+PARTS: Tuple[str, ...]
+DEVICE_BINDING: bool
+
+def _raise_status(code: int, message: str) -> None: ...
+def status_code_name(code: int) -> str: ...
+def parse_dtype(name: str) -> str: ...
+def dtype_size(name: str) -> int: ...
+def dtype_torch_name(name: str) -> str: ...
+def tensor_info(tensor: Any) -> Dict[str, Any]: ...
+def checksum(tensor: Any) -> int: ...
+
+class Region:
+    def __init__(self, offset: Sequence[int], extent: Sequence[int]) -> None: ...
+    @staticmethod
+    def full(shape: Sequence[int]) -> Region: ...
+    @property
+    def ndim(self) -> int: ...
+    @property
+    def offset(self) -> List[int]: ...
+    @property
+    def extent(self) -> List[int]: ...
+    @property
+    def numel(self) -> int: ...
+    def slices(self) -> Tuple[slice, ...]: ...
+
+# ---- layout ----
+class LayoutWorker:
+    rank: int
+    node: int
+    gpu: int
+    dp: int
+    pp: int
+    tp: int
+    head: int
+    role: str
+    is_head: bool
+
+class EngineRankPlacement:
+    tp: int
+    pp: int
+    global_rank: int
+    node: int
+    node_rank: int
+    gpu_index: int
+    gpu: int
+    worker: int
+    broadcast_rank: int
+
+class ReplicaNode:
+    node: int
+    node_rank: int
+    cuda_visible_devices: List[int]
+
+class ReplicaLayout:
+    dp: int
+    head: int
+    node: int
+    cuda_visible_devices: List[int]
+    nodes: List[ReplicaNode]
+    engine_ranks: List[EngineRankPlacement]
+    rank_offset: int
+
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    engine: str
+    node_gpus: List[int]
+    workers: List[LayoutWorker]
+    replicas: List[ReplicaLayout]
+    collecting_rank: int
+    broadcast_world_size: int
+    broadcast_rank_collision: bool
+    def head_workers(self) -> List[int]: ...
+    def to_json(self, trainer_world: int = 1) -> str: ...
+    def to_table(self, trainer_world: int = 1) -> str: ...
+
+def compute_layout(dp: int, tp: int, pp: int, engine: str, node_gpus: List[int],
+                   base_gpu_id: int = 0, gpu_id_step: int = 1, allow_multinode: bool = False,
+                   rollout_gpus: Optional[int] = None) -> Layout: ...
+def sync_engine_rank(dp: int, tp: int, pp: int, trainer_world: int, replica: int, pp_rank: int,
+                     tp_rank: int) -> int: ...
+
+# ---- model and shard map ----
+class ModelSpec:
+    name: str
+    architecture: str
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_hidden_layers: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    num_experts: int
+    dtype: str
+    num_elements: int
+    nbytes: int
+    def hf_tensors(self) -> List[Tuple[str, List[int], str]]: ...
+
+def load_model(name_or_path: str) -> ModelSpec: ...
+def parse_model_config(json_text: str, source: str = "config.json") -> ModelSpec: ...
+def embedded_models() -> List[str]: ...
+
+class Piece:
+    source: str
+    src: Region
+    dst: Region
+
+class EngineParam:
+    name: str
+    shape: List[int]
+    dtype: str
+    pieces: List[Piece]
+    zero_fills: List[Region]
+    nbytes: int
+
+class EngineRankShards:
+    tp_rank: int
+    pp_rank: int
+    moe_ep_rank: int
+    moe_tp_rank: int
+    layer_start: int
+    layer_end: int
+    params: List[EngineParam]
+    nbytes: int
+    def param(self, name: str) -> EngineParam: ...
+
+class ShardMap:
+    engine: str
+    tp: int
+    pp: int
+    ep: int
+    model: ModelSpec
+    ranks: List[EngineRankShards]
+    def rank(self, tp_rank: int, pp_rank: int = 0) -> EngineRankShards: ...
+    def explain(self, tp_rank: int, pp_rank: int, name: str) -> str: ...
+    def validate(self) -> None: ...
+
+def build_shard_map(model: Any, engine: str = "sglang", tp: int = 1, pp: int = 1, ep: int = 1,
+                    pp_partition: List[int] = ...) -> ShardMap: ...
+
+# ---- plan ----
+class TransferOp:
+    tensor: int
+    param: int
+    src: Region
+    dst: Region
+    wire_offset: int
+    bytes: int
+
+class Bucket:
+    op_begin: int
+    op_end: int
+    wire_offset: int
+    bytes: int
+
+class Message:
+    src: int
+    dst: int
+    bytes: int
+    ops: List[TransferOp]
+    buckets: List[Bucket]
+
+class RankPlan:
+    rank: int
+    plan_hash: str
+    sends: List[Message]
+    recvs: List[Message]
+    send_bytes: int
+    recv_bytes: int
+
+class PlanInputs:
+    def __init__(self, model: Any, trainer: str, rollout: str, engine: str = "sglang",
+                 wire_dtype: str = "bf16", trainer_dtype: str = "f32",
+                 bucket_bytes: int = ...) -> None: ...
+    model: ModelSpec
+    trainer: str
+    trainer_world: int
+    dp: int
+    tp: int
+    pp: int
+    ep: int
+    engine: str
+    wire_dtype: str
+    trainer_dtype: str
+    bucket_bytes: int
+    world_size: int
+    hash: str
+    def describe_rank(self, sync_rank: int) -> Dict[str, Any]: ...
+    def rank_plan(self, sync_rank: int) -> RankPlan: ...
+    def summary(self) -> Dict[str, Any]: ...
+    def validate(self) -> None: ...
+    def held_region(self, trainer_rank: int, shape: List[int]) -> Region: ...
+
+def parse_trainer_spec(spec: str) -> str: ...
+
+# ---- store ----
+class StoreServer:
+    @staticmethod
+    def start(host: str = "127.0.0.1", port: int = 0, token: str = "") -> StoreServer: ...
+    port: int
+    address: str
+    def stop(self) -> None: ...
+
+class StoreClient:
+    @staticmethod
+    def connect(address: str, token: str = "", timeout: float = 30.0) -> StoreClient: ...
+    def set(self, key: str, value: bytes) -> None: ...
+    def get(self, key: str, timeout: float = 30.0) -> bytes: ...
+    def add(self, key: str, delta: int = 1) -> int: ...
+    def wait(self, keys: List[str], timeout: float = 30.0) -> None: ...
+    def barrier(self, name: str, world: int, timeout: float = 30.0) -> None: ...
+
+def launch_env() -> Dict[str, Any]: ...
+
+# ---- session ----
+class LoopbackHub:
+    def __init__(self) -> None: ...
+
+def transports() -> List[str]: ...
+
+class SyncSession:
+    def __init__(self, plan: PlanInputs, rank: int, store: str, token: str = "",
+                 transport: str = "ucx", hub: Optional[LoopbackHub] = None, prefix: str = "ss/",
+                 connect_timeout: float = 60.0, sync_timeout: float = 60.0,
+                 transport_params: Dict[str, str] = ...) -> None: ...
+    rank: int
+    is_trainer: bool
+    plan: RankPlan
+    is_poisoned: bool
+    last_good_version: int
+    def expected_params(self) -> List[EngineParam]: ...
+    def bind_source(self, hf_name: str, tensor: Any, region: Any = None) -> None: ...
+    def bind_destination(self, name: str, tensor: Any) -> None: ...
+    def connect(self) -> None: ...
+    def sync(self, version: int) -> Dict[str, Any]: ...
+    def close(self) -> None: ...

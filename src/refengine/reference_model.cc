@@ -2,6 +2,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
 
 #include "refengine/kernels.h"
 #include "shardsync/refengine.h"
@@ -25,17 +27,34 @@ class ReferenceModel : public CausalLm {
   }
 
   Status Load(const WeightSource& src) {
-    for (const HfTensor& t : HfTensorInventory(s_)) {
+    const std::vector<HfTensor> inv = HfTensorInventory(s_);
+    std::vector<std::vector<float>*> dst;
+    for (const HfTensor& t : inv) {
       SS_ASSIGN_OR_RETURN(TensorInfo info, src.Describe(t.name));
       if (info.shape != t.shape) {
         return InvalidArgumentError(fmt::format("tensor '{}' has shape {}, the config implies {}",
                                                 t.name, ShapeToString(info.shape),
                                                 ShapeToString(t.shape)));
       }
-      std::vector<float> v(t.numel());
-      SS_RETURN_IF_ERROR(src.Read(t.name, Region::Full(t.shape), DType::kF32, v.data()));
-      w_.emplace(t.name, std::move(v));
+      auto [it, inserted] = w_.emplace(t.name, std::vector<float>(t.numel()));
+      dst.push_back(&it->second);
     }
+    // Reading and converting a checkpoint (or generating synthetic values) dominates start-up:
+    // spread the tensors over all cores.
+    std::vector<Status> status(inv.size());
+    std::atomic<size_t> next{0};
+    auto work = [&] {
+      for (size_t i = next++; i < inv.size(); i = next++) {
+        status[i] = src.Read(inv[i].name, Region::Full(inv[i].shape), DType::kF32, dst[i]->data());
+      }
+    };
+    const size_t n_threads =
+        std::min<size_t>(inv.size(), std::max(1u, std::thread::hardware_concurrency()));
+    std::vector<std::thread> threads;
+    for (size_t i = 1; i < n_threads; ++i) threads.emplace_back(work);
+    work();
+    for (auto& t : threads) t.join();
+    for (const Status& st : status) SS_RETURN_IF_ERROR(st);
     return OkStatus();
   }
 

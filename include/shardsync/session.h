@@ -151,8 +151,9 @@ class SyncSession {
   // plan, registers receive memory once and connects the transport.
   virtual Status Connect() = 0;
 
-  // Replays the plan for `version` (must exceed the last successful version on this rank and
-  // equal every peer's). Returns the job-wide report, or the first error seen anywhere.
+  // Replays the plan for `version`, which must exceed every version this rank attempted before
+  // (a failed version is not retried: use a newer one) and equal every peer's. Returns the
+  // job-wide report, or the first error seen anywhere. A refused stale version touches nothing.
   virtual Result<SyncReport> Sync(uint64_t version) = 0;
 
   // True while a receiver's parameters may hold a partial or unverified sync.

@@ -267,16 +267,21 @@ class SessionImpl final : public SyncSession {
     RankSyncStats st;
     st.rank = rank_;
     Status s;
-    if (version <= last_good_) {
+    if (version <= last_good_ || version <= last_attempted_) {
+      // Nothing is touched: a refused version leaves the parameters (and poison state) as is.
       s = FailedPreconditionError("sync rank " + std::to_string(rank_) + ": version " +
-                                  std::to_string(version) +
-                                  " is stale (not newer than the last successful version " +
-                                  std::to_string(last_good_) + ")");
-    } else {
-      if (!who_.is_trainer) poisoned_ = true;  // bytes are about to be overwritten
-      s = store_.Set(Key("cur/" + std::to_string(rank_)), std::to_string(version));
-      if (s.ok()) s = who_.is_trainer ? RunSender(st) : RunReceiver(st);
+                                  std::to_string(version) + " is stale (last successful version " +
+                                  std::to_string(last_good_) + ", last attempted " +
+                                  std::to_string(last_attempted_) + "; use a newer version)");
+      // Tell peers that may be waiting on this version; its store keys belong to an earlier
+      // attempt, so no verdict is posted.
+      if (version > last_good_) PostAbort(s);
+      return s;
     }
+    last_attempted_ = version;
+    if (!who_.is_trainer) poisoned_ = true;  // bytes are about to be overwritten
+    s = store_.Set(Key("cur/" + std::to_string(rank_)), std::to_string(version));
+    if (s.ok()) s = who_.is_trainer ? RunSender(st) : RunReceiver(st);
     st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     st.ok = s.ok();
     if (!s.ok()) {
@@ -285,10 +290,7 @@ class SessionImpl final : public SyncSession {
     }
     // Everyone posts a verdict, failed or not, so peers learn the cause rather than time out.
     Status posted = store_.Set(Key(VKey("done/") + std::to_string(rank_)), StatsToJson(st));
-    if (!s.ok()) {
-      if (!who_.is_trainer) poisoned_ = true;
-      return s;
-    }
+    if (!s.ok()) return s;
     if (!posted.ok()) return Fail(posted);
     auto report = Gather(st);
     if (!report.ok()) return Fail(report.status());
@@ -757,6 +759,7 @@ class SessionImpl final : public SyncSession {
   bool connected_ = false;
   bool poisoned_ = false;
   uint64_t last_good_ = 0;
+  uint64_t last_attempted_ = 0;
   uint64_t version_ = 0;
   Clock::time_point deadline_;
   Clock::time_point next_abort_check_;

@@ -1,0 +1,321 @@
+// Session failure semantics on loopback, one thread per sync rank: checksum mismatch, a sender
+// that stops mid-sync, a sender whose transport dies, a rank with a different plan, stale
+// versions, and binding errors. Every failure must reach every rank within its timeout.
+#include "shardsync/session.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <functional>
+#include <thread>
+
+#include "shardsync/launcher.h"
+#include "shardsync/transport.h"
+#include "sync/internal.h"
+#include "test_util.h"
+
+namespace shardsync {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using ::testing::HasSubstr;
+
+// One job's ranks in this process: store server, loopback hub, per rank a store client, a fault
+// transport around loopback, a session and its buffers.
+class Job {
+ public:
+  explicit Job(JobSpec spec, Millis timeout = Millis(3000)) : spec_(std::move(spec)) {
+    auto server = StoreServer::Start("127.0.0.1", 0, "tok");
+    EXPECT_TRUE(server.ok());
+    server_ = std::move(server).value();
+    hub_ = NewLoopbackHub();
+    world_ = SyncWorldSize(spec_.inputs);
+    ranks_.resize(world_);
+    for (int r = 0; r < world_; ++r) {
+      Rank& k = ranks_[r];
+      auto c = StoreClient::Connect(server_->address(), "tok", Millis(5000));
+      EXPECT_TRUE(c.ok());
+      k.store = std::move(c).value();
+      k.tx = NewFaultTransport(NewLoopbackTransport(hub_));
+      SessionOptions o;
+      o.sync_timeout = timeout;
+      o.connect_timeout = Millis(5000);
+      auto s = SyncSession::Create(spec_.inputs, r, *k.store, *k.tx, o);
+      EXPECT_TRUE(s.ok()) << s.status().ToString();
+      k.session = std::move(s).value();
+    }
+  }
+
+  void BindAll() {
+    for (int r = 0; r < world_; ++r) {
+      Rank& k = ranks_[r];
+      auto who = DescribeSyncRank(spec_.inputs, r);
+      ASSERT_TRUE(who.ok());
+      if (who->is_trainer) {
+        auto t = sync_internal::FillTrainerShards(spec_, who->trainer_rank);
+        ASSERT_TRUE(t.ok());
+        k.shards = std::move(t).value();
+        for (auto& b : k.shards.bindings) ASSERT_TRUE(k.session->BindSource(b).ok());
+      } else {
+        auto p = sync_internal::AllocateEngineParams(k.session->ExpectedParams(),
+                                                     spec_.inputs.options.wire_dtype);
+        ASSERT_TRUE(p.ok());
+        k.params = std::move(p).value();
+        for (auto& b : k.params.bindings) ASSERT_TRUE(k.session->BindDest(b).ok());
+      }
+    }
+  }
+
+  // Runs fn(rank) on every rank concurrently; returns the statuses.
+  std::vector<Status> All(const std::function<Status(int)>& fn) {
+    std::vector<Status> out(world_);
+    std::vector<std::thread> ts;
+    for (int r = 0; r < world_; ++r) ts.emplace_back([&, r] { out[r] = fn(r); });
+    for (auto& t : ts) t.join();
+    return out;
+  }
+  std::vector<Status> Connect() {
+    return All([&](int r) { return ranks_[r].session->Connect(); });
+  }
+  std::vector<Status> Sync(uint64_t v) {
+    return All([&](int r) { return ranks_[r].session->Sync(v).status(); });
+  }
+
+  // Element check of every engine rank: mismatches in total.
+  int64_t Mismatches() {
+    int64_t m = 0;
+    for (auto& k : ranks_) {
+      if (k.session->is_trainer()) continue;
+      RankResult rr;
+      sync_internal::VerifyEngineParams(spec_, k.session->ExpectedParams(), k.params.bindings, rr);
+      EXPECT_GT(rr.elements_checked, 0);
+      m += rr.element_mismatches;
+    }
+    return m;
+  }
+
+  int world() const { return world_; }
+  int trainers() const { return spec_.inputs.trainer.world(); }
+  SyncSession& session(int r) { return *ranks_[r].session; }
+  FaultTransport& fault(int r) { return *ranks_[r].tx; }
+  sync_internal::EngineParams& params(int r) { return ranks_[r].params; }
+
+ private:
+  struct Rank {
+    std::unique_ptr<StoreClient> store;
+    std::unique_ptr<FaultTransport> tx;
+    std::unique_ptr<SyncSession> session;
+    sync_internal::TrainerShards shards;
+    sync_internal::EngineParams params;
+  };
+  JobSpec spec_;
+  std::unique_ptr<StoreServer> server_;
+  std::shared_ptr<LoopbackHub> hub_;
+  int world_ = 0;
+  std::vector<Rank> ranks_;
+};
+
+JobSpec Small() {
+  // 2 trainer ranks, 4 engine ranks (tp 2 x pp 2), small buckets: many messages and buckets.
+  return testing::Job(testing::TinyQwen2(4, true), "fsdp=2", "dp=1,tp=2,pp=2", "sglang", 16 << 10);
+}
+
+void ExpectAllOk(const std::vector<Status>& st) {
+  for (size_t r = 0; r < st.size(); ++r)
+    EXPECT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].ToString();
+}
+
+TEST(SyncSession, SyncsAndReportsTheSameOnEveryRank) {
+  Job job(Small());
+  job.BindAll();
+  ExpectAllOk(job.Connect());
+  std::vector<SyncReport> reps(job.world());
+  auto st = job.All([&](int r) {
+    auto rep = job.session(r).Sync(1);
+    if (rep.ok()) reps[r] = *rep;
+    return rep.status();
+  });
+  ExpectAllOk(st);
+  EXPECT_EQ(job.Mismatches(), 0);
+  for (int r = 0; r < job.world(); ++r) {
+    EXPECT_EQ(reps[r].version, 1u);
+    EXPECT_EQ(reps[r].bytes, reps[0].bytes);
+    EXPECT_EQ(reps[r].checksums_total, reps[0].checksums_total);
+    EXPECT_EQ(reps[r].checksums_ok, reps[r].checksums_total);
+    EXPECT_EQ(reps[r].slowest_rank, reps[0].slowest_rank);
+    EXPECT_EQ(static_cast<int>(reps[r].ranks.size()), job.world());
+    EXPECT_FALSE(job.session(r).IsPoisoned());
+  }
+  EXPECT_GT(reps[0].bytes, 0);
+}
+
+TEST(SyncSession, FlippedByteIsDataLossNamingTheParameter) {
+  Job job(Small());
+  job.BindAll();
+  ExpectAllOk(job.Connect());
+  ExpectAllOk(job.Sync(1));
+  // Trainer rank 1: flip one byte of its 3rd data put of version 2.
+  // (Fault counters are cumulative over the transport's life.)
+  job.fault(1).set_config(
+      {.corrupt_data_post = job.fault(1).counters().data_posts + 3, .corrupt_byte = 5});
+  auto st = job.Sync(2);
+  EXPECT_EQ(job.fault(1).counters().corrupted, 1);
+  int data_loss = 0;
+  for (int r = 0; r < job.world(); ++r) {
+    ASSERT_FALSE(st[r].ok()) << "rank " << r << " reported success";
+    if (st[r].code() == StatusCode::kDataLoss) {
+      ++data_loss;
+      EXPECT_THAT(st[r].message(), HasSubstr("checksum mismatch"));
+      EXPECT_THAT(st[r].message(), HasSubstr("from sync rank 1"));
+      EXPECT_THAT(st[r].message(), HasSubstr("parameters: model."));
+    }
+    if (r >= job.trainers()) EXPECT_TRUE(job.session(r).IsPoisoned()) << "rank " << r;
+  }
+  EXPECT_EQ(data_loss, 1);
+  // A clean full sync clears the poison and the parameters are right again.
+  job.fault(1).set_config({});
+  ExpectAllOk(job.Sync(3));
+  for (int r = job.trainers(); r < job.world(); ++r) EXPECT_FALSE(job.session(r).IsPoisoned());
+  EXPECT_EQ(job.Mismatches(), 0);
+}
+
+TEST(SyncSession, SenderStoppingMidSyncFailsEveryRankWithinTheTimeout) {
+  Job job(Small(), Millis(1500));
+  job.BindAll();
+  ExpectAllOk(job.Connect());
+  ExpectAllOk(job.Sync(1));
+  // Trainer rank 0's 4th post never completes: it hangs mid-sync like a killed process, posting
+  // nothing. Its peers must fail on their own timeout.
+  job.fault(0).set_config({.drop_completion = job.fault(0).counters().posts + 4});
+  const auto t0 = Clock::now();
+  auto st = job.Sync(2);
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  for (int r = 0; r < job.world(); ++r) {
+    EXPECT_FALSE(st[r].ok()) << "rank " << r;
+    if (r >= job.trainers()) EXPECT_TRUE(job.session(r).IsPoisoned()) << "rank " << r;
+  }
+  EXPECT_LT(secs, 10.0);  // bounded: a hang would never return
+  job.fault(0).set_config({});
+  ExpectAllOk(job.Sync(3));
+  for (int r = job.trainers(); r < job.world(); ++r) EXPECT_FALSE(job.session(r).IsPoisoned());
+  EXPECT_EQ(job.Mismatches(), 0);
+}
+
+TEST(SyncSession, SenderTransportDeathFailsEveryRank) {
+  Job job(Small(), Millis(5000));
+  job.BindAll();
+  ExpectAllOk(job.Connect());
+  job.fault(1).set_config({.die_after_posts = 5});
+  auto st = job.Sync(1);
+  for (int r = 0; r < job.world(); ++r) {
+    EXPECT_FALSE(st[r].ok()) << "rank " << r;
+    if (r >= job.trainers()) EXPECT_TRUE(job.session(r).IsPoisoned());
+  }
+  EXPECT_EQ(st[1].code(), StatusCode::kUnavailable) << st[1].ToString();
+  for (int r = 2; r < job.world(); ++r) {
+    EXPECT_THAT(st[r].message(), HasSubstr("sync rank 1 failed")) << st[r].ToString();
+  }
+  job.fault(1).set_config({});
+  ExpectAllOk(job.Sync(2));
+  EXPECT_EQ(job.Mismatches(), 0);
+}
+
+TEST(SyncSession, DifferentPlanFailsAtConnectNamingBothHashes) {
+  JobSpec spec = Small();
+  // Rank 3 plans with a different bucket cap: a different plan hash.
+  PlanInputs other = spec.inputs;
+  other.options.bucket_bytes = 8 << 10;
+  const std::string h0 = PlanHash(spec.inputs), h1 = PlanHash(other);
+  ASSERT_NE(h0, h1);
+  auto server = StoreServer::Start("127.0.0.1", 0, "t");
+  ASSERT_TRUE(server.ok());
+  auto hub = NewLoopbackHub();
+  const int world = SyncWorldSize(spec.inputs);
+  std::vector<Status> st(world);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < world; ++r) {
+    ts.emplace_back([&, r] {
+      auto c = StoreClient::Connect((*server)->address(), "t", Millis(5000));
+      if (!c.ok()) {
+        st[r] = c.status();
+        return;
+      }
+      auto tx = NewLoopbackTransport(hub);
+      SessionOptions o;
+      o.connect_timeout = Millis(5000);
+      auto s = SyncSession::Create(r == 3 ? other : spec.inputs, r, **c, *tx, o);
+      if (!s.ok()) {
+        st[r] = s.status();
+        return;
+      }
+      // No bindings: the hash check must fail before bindings are even looked at.
+      st[r] = (*s)->Connect();
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < world; ++r) {
+    ASSERT_EQ(st[r].code(), StatusCode::kFailedPrecondition)
+        << "rank " << r << ": " << st[r].ToString();
+    EXPECT_THAT(st[r].message(), HasSubstr("plan hash mismatch"));
+    EXPECT_THAT(st[r].message(), HasSubstr(h0));
+    EXPECT_THAT(st[r].message(), HasSubstr(h1));
+    EXPECT_THAT(st[r].message(), HasSubstr("sync rank 3"));
+  }
+}
+
+TEST(SyncSession, StaleVersionIsRefusedWithoutTouchingAnything) {
+  Job job(Small());
+  job.BindAll();
+  ExpectAllOk(job.Connect());
+  ExpectAllOk(job.Sync(5));
+  for (uint64_t v : {5u, 3u}) {
+    auto st = job.Sync(v);
+    for (int r = 0; r < job.world(); ++r) {
+      EXPECT_EQ(st[r].code(), StatusCode::kFailedPrecondition) << st[r].ToString();
+      EXPECT_THAT(st[r].message(), HasSubstr("stale"));
+      EXPECT_FALSE(job.session(r).IsPoisoned());
+    }
+  }
+  EXPECT_EQ(job.session(job.world() - 1).last_good_version(), 5u);
+  ExpectAllOk(job.Sync(6));
+  EXPECT_EQ(job.Mismatches(), 0);
+}
+
+TEST(SyncSession, RanksAtDifferentVersionsFail) {
+  Job job(Small(), Millis(2000));
+  job.BindAll();
+  ExpectAllOk(job.Connect());
+  auto st = job.All([&](int r) { return job.session(r).Sync(r == 0 ? 8 : 7).status(); });
+  for (int r = 0; r < job.world(); ++r) EXPECT_FALSE(st[r].ok()) << "rank " << r;
+  ExpectAllOk(job.Sync(9));
+}
+
+TEST(SyncSession, BindingErrorsNameTheTensor) {
+  JobSpec spec = Small();
+  Job job(spec);
+  const int engine = job.trainers();
+  SyncSession& e = job.session(engine);
+  const EngineParam& p = e.ExpectedParams().at(0);
+  std::vector<unsigned char> buf(p.numel() * 2 + 64);
+  Shape wrong = p.shape;
+  wrong[0] += 1;
+  Status s = e.BindDest({p.name, buf.data(), DType::kBF16, wrong});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr(p.name));
+  s = e.BindDest({"model.nonexistent.weight", buf.data(), DType::kBF16, p.shape});
+  EXPECT_THAT(s.message(), HasSubstr("model.nonexistent.weight"));
+  s = e.BindDest({p.name, buf.data(), DType::kF32, p.shape});
+  EXPECT_THAT(s.message(), HasSubstr("wire dtype"));
+  s = job.session(0).BindSource(
+      {"model.embed_tokens.weight", buf.data(), DType::kF32, Region::Make({0, 0}, {1, 1})});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("model.embed_tokens.weight"));
+  // Missing parameters are reported at Connect, naming one.
+  auto st = job.Connect();
+  EXPECT_EQ(st[engine].code(), StatusCode::kNotFound) << st[engine].ToString();
+  EXPECT_THAT(st[engine].message(), HasSubstr("was not bound"));
+}
+
+}  // namespace
+}  // namespace shardsync

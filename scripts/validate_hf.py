@@ -141,6 +141,30 @@ def main():
             for extra in [[]] + layouts:
                 res, err, secs = run_shardsync(args.bin, d, extra)
                 layout = " ".join(extra) or "unsharded"
+                if err is not None and "'num_experts'" in err and "num_experts" not in cj:
+                    # transformers 5 writes the expert count under another key; shardsync's
+                    # config parser (src/model) expects num_experts. Record that failure, then
+                    # check the forward itself on a copy of the config with num_experts added.
+                    moe_keys = sorted(k for k in cj if "expert" in k)
+                    results.append({"case": name, "layout": layout, "ok": False, "error": err,
+                                    "config_expert_keys": moe_keys})
+                    ok_all = False
+                    print(f"{name:10s} {layout:40s} ERROR {err} (config keys {moe_keys})",
+                          flush=True)
+                    patched = d + "_patched"
+                    if not os.path.exists(patched):
+                        os.makedirs(patched)
+                        for f in os.listdir(d):
+                            if f != "config.json":
+                                os.symlink(os.path.join(d, f), os.path.join(patched, f))
+                        with open(os.path.join(patched, "config.json"), "w") as f:
+                            n_exp = getattr(cfg, "num_experts", None) or \
+                                getattr(cfg, "num_local_experts")
+                            json.dump({**cj, "num_experts": n_exp}, f)
+                        print(f"{name} config.json as saved: {json.dumps(cj, sort_keys=True)}",
+                              flush=True)
+                    res, err, secs = run_shardsync(args.bin, patched, extra)
+                    layout += " [config + num_experts]"
                 row = {"case": name, "layout": layout, "hf_tokens": hf_tokens, "seconds": secs}
                 if err is not None:
                     row.update(ok=False, error=err)

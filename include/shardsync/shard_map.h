@@ -60,7 +60,9 @@ struct EngineRankShards {
   int moe_tp_rank = 0;      // for MoE: tp_rank % moe_tp
   int64_t layer_start = 0;  // half-open range of global layer indices this stage owns
   int64_t layer_end = 0;
-  std::vector<EngineParam> params;  // deterministic order (HF inventory order of first source)
+  // Deterministic, the engine's named_parameters order: embed_tokens, the layers in order (within
+  // a layer, HF inventory order of each param's first source), model.norm, lm_head.
+  std::vector<EngineParam> params;
   int64_t bytes() const;
 };
 

@@ -127,9 +127,23 @@ TEST(ShardMapProperty, ExactCoverAndOwnershipOverRandomConfigs) {
       owners[t.name].assign(static_cast<size_t>(t.numel()), 0);
       shapes[t.name] = t.shape;
     }
+    std::map<std::string, size_t> inventory_index;
+    for (const auto& t : HfTensorInventory(m))
+      inventory_index.emplace(t.name, inventory_index.size());
     int64_t layers_seen = 0;
     for (const auto& rank : map.ranks) {
       if (rank.tp_rank == 0) layers_seen += rank.layer_end - rank.layer_start;
+      // Order: HF inventory order of the first source (lm_head last, whatever it is filled from).
+      size_t prev = 0;
+      for (const auto& p : rank.params) {
+        if (p.pieces.empty() || p.name == "lm_head.weight") continue;
+        const size_t idx = inventory_index.at(p.pieces.front().source);
+        EXPECT_GE(idx, prev) << ctx << " " << p.name;
+        prev = idx;
+      }
+      if (!rank.params.empty() && FindParam(rank, "lm_head.weight") != nullptr) {
+        EXPECT_EQ(rank.params.back().name, "lm_head.weight") << ctx;
+      }
       for (const auto& p : rank.params) {
         if (auto l = LayerIndexOf(p.name)) {
           EXPECT_GE(*l, rank.layer_start) << ctx << " " << p.name;

@@ -19,7 +19,7 @@
 #include <optional>
 #include <thread>
 
-#include <spdlog/spdlog.h>
+#include "store/log.h"
 
 #include "shardsync/store.h"
 #include "store/frame.h"
@@ -128,7 +128,7 @@ class StoreServerImpl final : public StoreServer {
       }
       int rc = poll(fds.data(), fds.size(), store_net::MillisLeft(next));
       if (rc < 0 && errno != EINTR) {
-        spdlog::error("store: poll failed: {}", std::strerror(errno));
+        StoreLog().error("store: poll failed: {}", std::strerror(errno));
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
         continue;
       }
@@ -159,7 +159,7 @@ class StoreServerImpl final : public StoreServer {
       int fd = accept(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len);
       if (fd < 0) {
         if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-          spdlog::warn("store: accept failed: {}", std::strerror(errno));
+          StoreLog().warn("store: accept failed: {}", std::strerror(errno));
         }
         return;
       }
@@ -216,7 +216,7 @@ class StoreServerImpl final : public StoreServer {
   }
 
   bool Drop(Conn& c, const Status& why) {
-    spdlog::warn("store: closing connection from {}: {}", c.peer, why.ToString());
+    StoreLog().warn("store: closing connection from {}: {}", c.peer, why.ToString());
     c.dead = true;
     return false;
   }
@@ -252,7 +252,7 @@ class StoreServerImpl final : public StoreServer {
         return;
       }
       if (!store_net::ConstantTimeEquals(f.args[0], token_)) {
-        spdlog::warn("store: refused connection from {}: wrong token", c.peer);
+        StoreLog().warn("store: refused connection from {}: wrong token", c.peer);
         c.close_after_flush = true;
         Reply(c, StatusCode::kPermissionDenied, "store refused the token (SHARDSYNC_TOKEN)");
         return;
@@ -429,7 +429,7 @@ Result<std::unique_ptr<StoreServer>> StoreServer::Start(const std::string& host,
     close(fd);
     return InternalError("store: cannot set up the server's descriptors");
   }
-  spdlog::info("store: serving on {}:{}", bind_host, bound);
+  StoreLog().debug("store: serving on {}:{}", bind_host, bound);
   return std::unique_ptr<StoreServer>(
       new StoreServerImpl(fd, pipefd[0], pipefd[1], bind_host, bound, token));
 }

@@ -35,12 +35,13 @@ Status WaitAllXfers(Transport& t, const std::vector<XferId>& ids, Millis timeout
                                    std::to_string(ids.size() - next) + " of " +
                                    std::to_string(ids.size()) + " outstanding)");
     }
-    // Poll drives progress, so spin while it is fresh; back off on long waits to leave the
-    // (shared) cores to the peers that have to make the progress.
-    if (++spins > 2000) {
-      std::this_thread::sleep_for(std::chrono::microseconds(now - start > Millis(50) ? 200 : 20));
-    } else {
+    // Poll drives progress (and for UCX's rendezvous and emulated puts, the peer's copy runs
+    // inside our progress), so spin with yields while the wait is young; back off to short
+    // sleeps on long waits so idle ranks leave the cores to the ranks doing work.
+    if (now - start < Millis(200) || ++spins % 64 == 0) {
       std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
   return OkStatus();

@@ -1,0 +1,285 @@
+// The conformance tests; instantiated per transport (see transport_conformance.h).
+#include "transport/transport_conformance.h"
+
+namespace shardsync::testing {
+
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(TransportConformance);
+
+TEST_P(TransportConformance, PutVariousSizesThenFlush) {
+  auto probe = Make();
+  if (!probe->caps().one_sided_put) GTEST_SKIP() << "no one-sided put";
+  probe.reset();
+  constexpr size_t kRegion = (4 << 20) + 64;
+  std::vector<char> dst0(kRegion, 0), dst1(1000, 0);
+  auto ts = World(2, {{}, {{dst0.data(), dst0.size()}, {dst1.data(), dst1.size()}}});
+  const std::vector<std::pair<size_t, size_t>> puts = {
+      // (offset, bytes) into region 0
+      {0, 0}, {3, 1}, {5, 7}, {17, 4096 + 3}, {8192 + 1, 65537}, {131072 + 3, (4 << 20) - 131072}};
+  std::vector<std::vector<char>> srcs;
+  ParallelRanks(2, [&](int r) {
+    if (r == 0) {
+      std::vector<XferId> ids;
+      for (size_t i = 0; i < puts.size(); ++i) {
+        srcs.push_back(Pattern(puts[i].second, static_cast<int>(i)));
+      }
+      for (size_t i = 0; i < puts.size(); ++i) {
+        auto id = ts[0]->PostPut(1, srcs[i].data(), puts[i].second, 0, puts[i].first);
+        ASSERT_TRUE(id.ok()) << id.status().ToString();
+        ids.push_back(*id);
+      }
+      std::vector<char> small = Pattern(999, 99);
+      auto id = ts[0]->PostPut(1, small.data() + 1, 998, 1, 2);  // unaligned src and dst
+      ASSERT_TRUE(id.ok()) << id.status().ToString();
+      ids.push_back(*id);
+      ASSERT_TRUE(WaitAllXfers(*ts[0], ids, kTimeout, "puts").ok());
+      auto fl = ts[0]->PostFlush(1);
+      ASSERT_TRUE(fl.ok()) << fl.status().ToString();
+      Status fs = WaitXfer(*ts[0], *fl, kTimeout, "flush");
+      ASSERT_TRUE(fs.ok()) << fs.ToString();
+      char done = 1;
+      auto s = ts[0]->PostSend(1, 7, &done, 1);
+      ASSERT_TRUE(s.ok());
+      ASSERT_TRUE(WaitXfer(*ts[0], *s, kTimeout, "done").ok());
+    } else {
+      char done = 0;
+      auto id = ts[1]->PostRecv(0, 7, &done, 1);
+      ASSERT_TRUE(id.ok());
+      Status s = WaitXfer(*ts[1], *id, kTimeout, "done");
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      EXPECT_EQ(done, 1);
+    }
+  });
+  for (size_t i = 0; i < puts.size(); ++i) {
+    EXPECT_EQ(std::memcmp(dst0.data() + puts[i].first, srcs[i].data(), puts[i].second), 0)
+        << "put " << i;
+  }
+  std::vector<char> small = Pattern(999, 99);
+  EXPECT_EQ(std::memcmp(dst1.data() + 2, small.data() + 1, 998), 0);
+  EXPECT_EQ(dst1[0], 0);
+  EXPECT_EQ(dst1[1], 0);
+}
+
+TEST_P(TransportConformance, PutOutsideRegionRefused) {
+  auto probe = Make();
+  if (!probe->caps().one_sided_put) GTEST_SKIP() << "no one-sided put";
+  probe.reset();
+  std::vector<char> dst(100);
+  auto ts = World(2, {{}, {{dst.data(), dst.size()}}});
+  char src[200] = {};
+  EXPECT_EQ(ts[0]->PostPut(1, src, 101, 0, 0).status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(ts[0]->PostPut(1, src, 1, 0, 100).status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(ts[0]->PostPut(1, src, 1, 1, 0).status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(ts[0]->PostPut(5, src, 1, 0, 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ts[0]->PostSend(0, 1, src, 1).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_P(TransportConformance, SendRecvMatchesBySourceAndTag) {
+  std::vector<size_t> sizes = {0, 1, 13, 8192 + 5, 1 << 20};
+  auto ts = World(3, {{}, {}, {}});
+  ParallelRanks(3, [&](int r) {
+    Transport& t = *ts[r];
+    if (r == 0 || r == 1) {
+      // Both senders use the same tags; the receiver tells them apart by source.
+      std::vector<std::vector<char>> bufs;
+      std::vector<XferId> ids;
+      for (size_t i = 0; i < sizes.size(); ++i) bufs.push_back(Pattern(sizes[i], r * 10 + i));
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        auto id = t.PostSend(2, 100 + i, bufs[i].data(), sizes[i]);
+        ASSERT_TRUE(id.ok()) << id.status().ToString();
+        ids.push_back(*id);
+      }
+      Status s = WaitAllXfers(t, ids, kTimeout, "sends");
+      EXPECT_TRUE(s.ok()) << s.ToString();
+    } else {
+      // Receives posted in reverse tag order and interleaved by source.
+      std::vector<std::vector<char>> got(2 * sizes.size());
+      std::vector<XferId> ids;
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        size_t i = sizes.size() - 1 - k;
+        for (int src = 0; src < 2; ++src) {
+          auto& g = got[src * sizes.size() + i];
+          g.assign(sizes[i] + 8, 0);  // a larger buffer than the message is fine
+          auto id = t.PostRecv(src, 100 + i, g.data(), g.size());
+          ASSERT_TRUE(id.ok()) << id.status().ToString();
+          ids.push_back(*id);
+        }
+      }
+      Status s = WaitAllXfers(t, ids, kTimeout, "recvs");
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      for (int src = 0; src < 2; ++src) {
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          auto want = Pattern(sizes[i], src * 10 + i);
+          EXPECT_EQ(std::memcmp(got[src * sizes.size() + i].data(), want.data(), sizes[i]), 0)
+              << "from rank " << src << " size " << sizes[i];
+        }
+      }
+    }
+  });
+}
+
+TEST_P(TransportConformance, SameTagIsFifo) {
+  auto ts = World(2, {{}, {}});
+  ParallelRanks(2, [&](int r) {
+    constexpr int kN = 20;
+    if (r == 0) {
+      std::vector<int> vals(kN);
+      std::iota(vals.begin(), vals.end(), 0);
+      std::vector<XferId> ids;
+      for (int i = 0; i < kN; ++i) ids.push_back(*ts[0]->PostSend(1, 9, &vals[i], sizeof(int)));
+      EXPECT_TRUE(WaitAllXfers(*ts[0], ids, kTimeout, "sends").ok());
+    } else {
+      for (int i = 0; i < kN; ++i) {
+        int v = -1;
+        auto id = ts[1]->PostRecv(0, 9, &v, sizeof(v));
+        ASSERT_TRUE(id.ok());
+        ASSERT_TRUE(WaitXfer(*ts[1], *id, kTimeout, "recv").ok());
+        EXPECT_EQ(v, i);
+      }
+    }
+  });
+}
+
+TEST_P(TransportConformance, ManyOutstandingOps) {
+  constexpr int kN = 256;
+  constexpr size_t kMsg = 4096 + 1;
+  bool puts = Make()->caps().one_sided_put;
+  std::vector<char> dst(kN * kMsg, 0);
+  auto ts = World(2, {{}, {{dst.data(), dst.size()}}});
+  auto src = Pattern(kN * kMsg, 5);
+  ParallelRanks(2, [&](int r) {
+    if (r == 0) {
+      std::vector<XferId> ids;
+      for (int i = 0; i < kN; ++i) {
+        auto id = puts ? ts[0]->PostPut(1, src.data() + i * kMsg, kMsg, 0, i * kMsg)
+                       : ts[0]->PostSend(1, 1000 + i, src.data() + i * kMsg, kMsg);
+        ASSERT_TRUE(id.ok()) << i << ": " << id.status().ToString();
+        ids.push_back(*id);
+      }
+      if (puts) ids.push_back(*ts[0]->PostFlush(1));
+      Status s = WaitAllXfers(*ts[0], ids, kTimeout, "many");
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      int done = 1;
+      ASSERT_TRUE(
+          WaitXfer(*ts[0], *ts[0]->PostSend(1, 1, &done, sizeof(done)), kTimeout, "d").ok());
+    } else {
+      std::vector<XferId> ids;
+      if (!puts) {
+        for (int i = 0; i < kN; ++i) {
+          ids.push_back(*ts[1]->PostRecv(0, 1000 + i, dst.data() + i * kMsg, kMsg));
+        }
+      }
+      int done = 0;
+      ids.push_back(*ts[1]->PostRecv(0, 1, &done, sizeof(done)));
+      Status s = WaitAllXfers(*ts[1], ids, kTimeout, "many");
+      ASSERT_TRUE(s.ok()) << s.ToString();
+    }
+  });
+  EXPECT_EQ(dst, src);
+}
+
+TEST_P(TransportConformance, RecvBufferTooSmallFails) {
+  auto ts = World(2, {{}, {}});
+  ParallelRanks(2, [&](int r) {
+    if (r == 0) {
+      std::vector<char> big(1000, 1);
+      auto id = ts[0]->PostSend(1, 3, big.data(), big.size());
+      ASSERT_TRUE(id.ok());
+      // The sender may or may not learn about the truncation; it must not hang.
+      WaitXfer(*ts[0], *id, 3000ms, "send").IgnoreError();
+    } else {
+      std::vector<char> small(10);
+      auto id = ts[1]->PostRecv(0, 3, small.data(), small.size());
+      ASSERT_TRUE(id.ok());
+      Status s = WaitXfer(*ts[1], *id, kTimeout, "recv");
+      EXPECT_FALSE(s.ok());
+      EXPECT_NE(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+    }
+  });
+}
+
+TEST_P(TransportConformance, UnmatchedRecvTimesOut) {
+  auto ts = World(2, {{}, {}});
+  char buf[8];
+  auto id = ts[1]->PostRecv(0, 42, buf, sizeof(buf));
+  ASSERT_TRUE(id.ok());
+  auto start = std::chrono::steady_clock::now();
+  Status s = WaitXfer(*ts[1], *id, 200ms, "recv tag 42");
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+  EXPECT_NE(s.message().find("recv tag 42"), std::string::npos);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 200ms);
+}
+
+TEST_P(TransportConformance, PollAfterAbortFails) {
+  auto ts = World(2, {{}, {}});
+  char buf[8];
+  auto id = ts[1]->PostRecv(0, 42, buf, sizeof(buf));
+  ASSERT_TRUE(id.ok());
+  ts[1]->Abort();
+  auto st = ts[1]->Poll(*id);
+  EXPECT_FALSE(st.ok());
+  EXPECT_EQ(st.status().code(), StatusCode::kAborted) << st.status().ToString();
+  EXPECT_FALSE(ts[1]->PostSend(0, 1, buf, 1).ok());
+  EXPECT_FALSE(ts[1]->PostRecv(0, 1, buf, 1).ok());
+  ts[1]->Abort();  // idempotent
+}
+
+TEST_P(TransportConformance, ConnectTimesOutWithoutPeer) {
+  auto t = Make();
+  auto store = Store();
+  Status s = t->Connect(*store, "lonely", 0, {1}, 300ms);
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+  EXPECT_NE(s.message().find("1"), std::string::npos);
+}
+
+TEST_P(TransportConformance, PeerLeavingIsAnErrorWithinTimeout) {
+  if (GetParam().multiprocess) {
+    // A forked peer connects, then is killed; the survivor's receive must fail in time.
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      auto t = Make();
+      auto c = StoreClient::Connect(server_->address(), kToken, 5000ms);
+      if (!c.ok()) _exit(2);
+      if (!t->Connect(**c, "death", 1, {0}, kTimeout).ok()) _exit(3);
+      (*c)->Set("death/child_ready", "1").IgnoreError();
+      // Keep progressing until killed, so the connection is fully established.
+      char b[8];
+      auto id = t->PostRecv(0, 1, b, sizeof(b));
+      while (true) {
+        if (id.ok()) t->Poll(*id).status().IgnoreError();
+        usleep(1000);
+      }
+    }
+    auto t = Make();
+    auto store = Store();
+    Status cs = t->Connect(*store, "death", 0, {1}, kTimeout);
+    ASSERT_TRUE(cs.ok()) << cs.ToString();
+    ASSERT_TRUE(store->Get("death/child_ready", kTimeout).ok());
+    char small = 1;
+    ASSERT_TRUE(WaitXfer(*t, *t->PostSend(1, 1, &small, 1), kTimeout, "hello").ok());
+    kill(pid, SIGKILL);
+    int wst = 0;
+    waitpid(pid, &wst, 0);
+    char buf[64];
+    auto id = t->PostRecv(1, 77, buf, sizeof(buf));
+    Status s = id.ok() ? WaitXfer(*t, *id, 5000ms, "recv from dead rank 1") : id.status();
+    EXPECT_FALSE(s.ok());
+    std::vector<char> big(1 << 20, 3);
+    auto sid = t->PostSend(1, 78, big.data(), big.size());
+    Status s2 = sid.ok() ? WaitXfer(*t, *sid, 5000ms, "send to dead rank 1") : sid.status();
+    EXPECT_FALSE(s2.ok());
+    return;
+  }
+  auto ts = World(2, {{}, {}});
+  char buf[8];
+  auto id = ts[0]->PostRecv(1, 5, buf, sizeof(buf));
+  ASSERT_TRUE(id.ok());
+  ts[1].reset();
+  Status s = WaitXfer(*ts[0], *id, 5000ms, "recv from rank 1");
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  auto sid = ts[0]->PostSend(1, 5, buf, 1);
+  Status s2 = sid.ok() ? WaitXfer(*ts[0], *sid, 5000ms, "send") : sid.status();
+  EXPECT_FALSE(s2.ok());
+}
+
+}  // namespace shardsync::testing

@@ -86,8 +86,13 @@ class EngineModel:
         for name, shape in extra:
             self.params[name] = np.zeros(shape, dtype)
 
+        self.post_loads = 0
+
     def named_parameters(self):
         return list(self.params.items())
+
+    def post_load_weights(self):  # SGLang models that rebuild derived caches expose this
+        self.post_loads += 1
 
 
 def vllm_worker(cls, rank, tp, pp, dp_rank, model):

@@ -125,6 +125,7 @@ def test_sglang_custom_loader_pp2(need_session, tiny_model):
                 hook.load_weights(model, hook.start_request(v))
                 hook.load_weights(model, hook.wait_request())
                 reps.append(hook.last_result())
+            assert model.post_loads == 2  # after each landed sync, not after init
             hook.close()
             return reps
 

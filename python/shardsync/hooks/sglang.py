@@ -171,6 +171,14 @@ def _sync(st: Dict[str, Any], version: int) -> Any:
     return s.sync(version)
 
 
+def _post_load(model: Any) -> None:
+    # SGLang's custom-loader path skips the hook that rebuilds derived weight caches (SGLang PR
+    # #31937); run it on the scheduler thread once new weights have landed.
+    hook = getattr(model, "post_load_weights", None)
+    if callable(hook):
+        hook()
+
+
 def _values(t: Any) -> List[int]:
     if hasattr(t, "detach"):
         return t.detach().to("cpu").tolist()
@@ -194,11 +202,16 @@ def load_weights(model: Any, named_tensors: List[Tuple[str, Any]]) -> None:
         _run_async(lambda: _open(st, model, config, ranks))
     elif op == "start":
         version = int(values[0])
+        st["post_load"] = True
         _run_async(lambda: _sync(st, version))
     elif op == "wait":
+        post = st.pop("post_load", False)
         _wait()
+        if post:
+            _post_load(model)
     elif op == "sync":
         st["result"] = _sync(st, int(values[0]))
+        _post_load(model)
     else:
         raise InvalidArgumentError(f"shardsync loader: unknown command {op!r}")
 

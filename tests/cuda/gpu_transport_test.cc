@@ -191,6 +191,39 @@ TEST(NcclTransport, TwoGpusSendRecvAndDeadPeer) {
   EXPECT_EQ(t[1]->PostRecv(0, 3, dst->data(), 8).status().code(), StatusCode::kAborted);
 }
 
+TEST(NcclTransport, SendToSelfOnOneGpu) {
+  SS_REQUIRE_GPU();
+  auto v = NcclVersion();
+  if (!v.ok()) GTEST_SKIP() << "GPU test skipped: " << v.status().ToString();
+  StoreFixture store = StartStore();
+  ASSERT_TRUE(store.server);
+  auto t = MakeNcclTransport({0});
+  auto c = store.Client();
+  SS_ASSERT_OK(t->Connect(*c, "self/", 3, {3}, Millis(60000)));
+  const size_t kBytes = (4 << 20) + 2;
+  std::vector<unsigned char> host(kBytes);
+  for (size_t i = 0; i < kBytes; ++i) host[i] = static_cast<unsigned char>(i * 31 + 3);
+  SS_ASSERT_OK_AND_ASSIGN(auto src, DeviceBuffer::Allocate(kBytes, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto dst, DeviceBuffer::Allocate(kBytes, 0));
+  SS_ASSERT_OK(CopyToDevice(src->data(), host.data(), kBytes));
+  SS_ASSERT_OK(Memset(dst->data(), 0, kBytes));
+  uint64_t ctl = 77, ctl_in = 0;
+  // Posted together, issued as one group: a send-to-self only completes that way.
+  SS_ASSERT_OK_AND_ASSIGN(XferId s1, t->PostSend(3, 0, src->data(), kBytes));
+  SS_ASSERT_OK_AND_ASSIGN(XferId r1, t->PostRecv(3, 0, dst->data(), kBytes));
+  SS_ASSERT_OK_AND_ASSIGN(XferId s2, t->PostSend(3, 1, &ctl, 8));
+  SS_ASSERT_OK_AND_ASSIGN(XferId r2, t->PostRecv(3, 1, &ctl_in, 8));
+  SS_ASSERT_OK_AND_ASSIGN(XferId fl, t->PostFlush(3));
+  SS_ASSERT_OK(WaitAllXfers(*t, {s1, r1, s2, r2, fl}, Millis(30000), "self"));
+  std::vector<unsigned char> got(kBytes);
+  SS_ASSERT_OK(CopyToHost(got.data(), dst->data(), kBytes));
+  EXPECT_EQ(got, host);
+  EXPECT_EQ(ctl_in, 77u);
+  EXPECT_EQ(t->PostSend(4, 0, src->data(), 8).status().code(), StatusCode::kInvalidArgument);
+  t->Abort();
+  EXPECT_EQ(t->PostSend(3, 0, src->data(), 8).status().code(), StatusCode::kAborted);
+}
+
 TEST(GpuTransports, RegisteredByName) {
   SS_ASSERT_OK(RegisterGpuTransports());
   SS_ASSERT_OK(RegisterGpuTransports());  // idempotent

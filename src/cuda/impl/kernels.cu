@@ -220,6 +220,60 @@ __device__ __forceinline__ uint64_t WireElem(const Desc& d, int64_t e) {
   }
 }
 
+// ChecksumMixWord with the key (index * kChecksumStep + kChecksumSeed) precomputed.
+__device__ __forceinline__ uint64_t MixKeyed(uint64_t word, uint64_t key) {
+  const uint64_t t = (word ^ key) * kChecksumMul;
+  return t ^ (t >> 32);
+}
+
+__device__ __forceinline__ uint64_t Lo(const uint4& v) {
+  return (static_cast<uint64_t>(v.y) << 32) | v.x;
+}
+__device__ __forceinline__ uint64_t Hi(const uint4& v) {
+  return (static_cast<uint64_t>(v.w) << 32) | v.z;
+}
+__device__ __forceinline__ uint4 Make4(uint64_t lo, uint64_t hi) {
+  return make_uint4(static_cast<uint32_t>(lo), static_cast<uint32_t>(lo >> 32),
+                    static_cast<uint32_t>(hi), static_cast<uint32_t>(hi >> 32));
+}
+__device__ __forceinline__ uint64_t Bf16x4(const uint4& f) {  // 4 floats -> 4 bf16
+  return static_cast<uint64_t>(F32BitsToBF16(f.x)) |
+         static_cast<uint64_t>(F32BitsToBF16(f.y)) << 16 |
+         static_cast<uint64_t>(F32BitsToBF16(f.z)) << 32 |
+         static_cast<uint64_t>(F32BitsToBF16(f.w)) << 48;
+}
+__device__ __forceinline__ uint4 F32x4(uint64_t h) {  // 4 bf16 -> 4 floats
+  return make_uint4(
+      static_cast<uint32_t>(h & 0xffff) << 16, static_cast<uint32_t>(h >> 16 & 0xffff) << 16,
+      static_cast<uint32_t>(h >> 32 & 0xffff) << 16, static_cast<uint32_t>(h >> 48 & 0xffff) << 16);
+}
+
+// Two wire words: input vectors -> output vectors and the two wire words.
+template <int kCast, int kInV, int kOutV>
+__device__ __forceinline__ void PairConvertImpl(const uint4 (&a)[kInV], uint4 (&o)[kOutV],
+                                                uint64_t* w0, uint64_t* w1, bool wire_is_out) {
+  if constexpr (kCast == 0) {
+    o[0] = a[0];
+    *w0 = Lo(a[0]);
+    *w1 = Hi(a[0]);
+  } else if constexpr (kCast == 1) {  // 8 floats in, 8 bf16 out (the wire)
+    *w0 = Bf16x4(a[0]);
+    *w1 = Bf16x4(a[1]);
+    o[0] = Make4(*w0, *w1);
+  } else {  // 8 bf16 in (the wire), 8 floats out
+    *w0 = Lo(a[0]);
+    *w1 = Hi(a[0]);
+    o[0] = F32x4(*w0);
+    o[1] = F32x4(*w1);
+  }
+  (void)wire_is_out;
+}
+template <int kCast, int kInV, int kOutV>
+__device__ __forceinline__ void PairConvert(const uint4 (&a)[kInV], uint4 (&o)[kOutV], uint64_t* w0,
+                                            uint64_t* w1, bool wire_is_out) {
+  PairConvertImpl<kCast, kInV, kOutV>(a, o, w0, w1, wire_is_out);
+}
+
 __device__ __forceinline__ uint64_t BlockSum(uint64_t v, uint64_t* smem) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
@@ -255,8 +309,71 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t ef0 = wa * 8 >= b ? ch.e1 : (wa * 8 - d.wire_offset) / kWireSize;
     const int64_t ef1 = wb <= wa ? ef0 : (wb * 8 - d.wire_offset) / kWireSize;
     uint64_t acc = 0;
-    // Full words: copy, cast, checksum.
-    for (int64_t w = wa + threadIdx.x; w < wb; w += kThreads) {
+    // Fast path: both sides contiguous and 16-byte aligned at an even word: two wire words per
+    // 16/32-byte vector access, two pairs in flight per thread, keys advanced by addition.
+    int64_t vp = wb, vend = wb;  // vector words [vp, vend)
+    if (d.flags == 3 && wb - wa >= 4) {
+      for (int64_t cand = wa; cand < wa + 2; ++cand) {
+        const int64_t e = ef0 + (cand - wa) * kN;
+        const uintptr_t ip = reinterpret_cast<uintptr_t>(d.in + e * kInSize);
+        const uintptr_t op = kStore ? reinterpret_cast<uintptr_t>(d.out + e * kOutSize) : 0;
+        if (ip % 16 == 0 && op % 16 == 0) {
+          vp = cand;
+          vend = cand + (wb - cand) / 2 * 2;
+          break;
+        }
+      }
+    }
+    if (vp < vend) {
+      constexpr int kInV = 2 * kN * kInSize / 16;    // uint4 per pair on the input side
+      constexpr int kOutV = 2 * kN * kOutSize / 16;  // and on the output side
+      const int64_t e_v = ef0 + (vp - wa) * kN;
+      const uint4* in_v = reinterpret_cast<const uint4*>(d.in + e_v * kInSize);
+      uint4* out_v = kStore ? reinterpret_cast<uint4*>(d.out + e_v * kOutSize) : nullptr;
+      const int64_t pairs = (vend - vp) / 2;
+      constexpr int kU = 2;
+      uint64_t key = (static_cast<uint64_t>(vp) + 2 * threadIdx.x) * kChecksumStep + kChecksumSeed;
+      constexpr uint64_t kKeyStep = 2ull * kThreads * kChecksumStep;
+      int64_t q = threadIdx.x;
+      for (; q + (kU - 1) * kThreads < pairs; q += kU * kThreads) {
+        uint4 a[kU][kInV];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+#pragma unroll
+          for (int k = 0; k < kInV; ++k) a[u][k] = __ldcs(in_v + (q + u * kThreads) * kInV + k);
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          uint4 o[kOutV];
+          uint64_t w0, w1;
+          PairConvert<kCast>(a[u], o, &w0, &w1, kWireIsOut);
+          if constexpr (kStore) {
+#pragma unroll
+            for (int k = 0; k < kOutV; ++k) out_v[(q + u * kThreads) * kOutV + k] = o[k];
+          }
+          acc += MixKeyed(w0, key) + MixKeyed(w1, key + kChecksumStep);
+          key += kKeyStep;
+        }
+      }
+      for (; q < pairs; q += kThreads) {
+        uint4 a[kInV];
+#pragma unroll
+        for (int k = 0; k < kInV; ++k) a[k] = __ldcs(in_v + q * kInV + k);
+        uint4 o[kOutV];
+        uint64_t w0, w1;
+        PairConvert<kCast>(a, o, &w0, &w1, kWireIsOut);
+        if constexpr (kStore) {
+#pragma unroll
+          for (int k = 0; k < kOutV; ++k) out_v[q * kOutV + k] = o[k];
+        }
+        acc += MixKeyed(w0, key) + MixKeyed(w1, key + kChecksumStep);
+        key += kKeyStep;
+      }
+    }
+    // Full words outside the vector range: copy, cast, checksum, word by word.
+    const int64_t general = (wb - wa) - (vend - vp);
+    for (int64_t k = threadIdx.x; k < general; k += kThreads) {
+      const int64_t w = wa + k < vp ? wa + k : vend + (k - (vp - wa));
       const int64_t e = ef0 + (w - wa) * kN;
       uint64_t in[2], out[2];
       LoadElems<kInSize, kN>(d.in, e, d.row_elems, d.in_stride, in_contig, in, false);

@@ -175,9 +175,18 @@ class NcclTransport final : public Transport {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     // Start every pair's init (non-blocking), then wait for all: a pair's init needs both sides.
     for (int p : peers) {
-      if (p == rank)
-        return InvalidArgumentError("nccl: rank " + std::to_string(rank) +
-                                    " lists itself as a peer");
+      if (p == rank) {  // a 1-rank communicator: send-to-self (exercises the path on one GPU)
+        ncclUniqueId id{};
+        SS_RETURN_IF_ERROR(NcclStatus(Nccl().GetUniqueId(&id), nullptr, "nccl: ncclGetUniqueId"));
+        ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+        cfg.blocking = 0;
+        ncclComm_t c = nullptr;
+        SS_RETURN_IF_ERROR(NcclStatus(Nccl().CommInitRankConfig(&c, 1, id, 0, &cfg), c,
+                                      "nccl: self communicator"));
+        comms_[p] = c;
+        peer_nccl_rank_[p] = 0;
+        continue;
+      }
       const int lo = std::min(rank, p), hi = std::max(rank, p);
       const std::string key = prefix + "nccl/id/" + std::to_string(lo) + "_" + std::to_string(hi);
       ncclUniqueId id{};

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Multi-GPU runs (issue 8) from a fresh clone on a machine with 2-8 GPUs:
+#   git clone ... shardsync && cd shardsync && scripts/multigpu_harness.sh [--build-only|--run-only]
+# Builds with CUDA (needs nvcc, cmake, the Debian deps of scripts/install-deps.sh), then runs the
+# GPU tests and shardsync_gpu over NCCL and CUDA IPC: element-equal correctness, speed against
+# the broadcast-all baseline and the link bound, and a dead engine peer. Trainer fsdp=G (one
+# process per GPU), rollout dp=1,tp=1|2,pp=2 colocated on the same G GPUs (G = 2 or 4; with 8:
+# fsdp=8 -> dp=2,tp=2,pp=2). Reports: ${OUT:-gpu-logs}/*.json, summary in summary.txt.
+# Where the GPU machine cannot build (no UCX/xxhash headers), build elsewhere and carry:
+#   cmake -S . -B build-gpu -DSHARDSYNC_CUDA=ON && cmake --build build-gpu --target shardsync_gpu test_cuda
+#   ../shared/tools/device-bundle.sh .bundle-gpu build-gpu/shardsync_gpu build-gpu/tests/cuda/test_cuda
+set -uo pipefail
+what=${1:-}
+if [ "$what" != --run-only ] && [ ! -x .bundle-gpu/bin/shardsync_gpu ]; then
+  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DSHARDSYNC_CUDA=ON >/dev/null || exit 1
+  cmake --build build-gpu -j"$(nproc)" --target shardsync_gpu test_cuda >/dev/null || exit 1
+fi
+[ "$what" = --build-only ] && exit 0
+out=${OUT:-gpu-logs}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -x .bundle-gpu/bin/shardsync_gpu ]; then
+  bin=.bundle-gpu/bin; tests=$bin/test_cuda
+  export LD_LIBRARY_PATH=$PWD/.bundle-gpu/lib:${LD_LIBRARY_PATH:-} UCX_MODULE_DIR=$PWD/.bundle-gpu/lib/ucx
+else
+  bin=build-gpu; tests=build-gpu/tests/cuda/test_cuda
+fi
+gpus=$(nvidia-smi -L | wc -l)
+model=${MODEL:-qwen3-8b}
+fails=0
+run() {
+  local name=$1; shift
+  echo "== $name: shardsync_gpu bench $*" | tee -a "$out/summary.txt"
+  timeout 580 "$bin/shardsync_gpu" bench "$@" >"$out/$name.json" 2>"$out/$name.log"
+  local rc=$?
+  tail -n 1 "$out/$name.log" | tee -a "$out/summary.txt"
+  [ $rc -eq 0 ] || { echo "   -> FAILED (exit $rc)" | tee -a "$out/summary.txt"; fails=$((fails + 1)); }
+}
+{ nvidia-smi -L; nvidia-smi topo -m; "$bin/shardsync_gpu" info; } >"$out/env_multi.txt" 2>&1
+[ "${SKIP_TESTS:-0}" = 1 ] || { timeout 300 "$tests" >"$out/test_cuda_multi.log" 2>&1 || fails=$((fails + 1)); }
+if [ "$gpus" -ge 8 ]; then layouts=("dp=2,tp=2,pp=2"); fsdp=8; else layouts=("dp=1,tp=1,pp=2" "dp=1,tp=2,pp=2"); fsdp=$gpus; fi
+for lay in "${layouts[@]}"; do
+  tag=${lay//[=,]/_}
+  for tr in nccl cuda_ipc; do
+    run "multi_${tr}_${tag}" --model "$model" --gpus "$gpus" --trainer "fsdp=$fsdp" --rollout "$lay" \
+      --transport "$tr" --trainer-dtype bf16 --iters 5 --broadcast --no-kernel-bench --no-memcpy
+  done
+done
+# Dead peer: an engine process dies mid-sync; every other rank must error within 10 s.
+run multi_fault_engine_nccl --model qwen3-0.6b --gpus "$gpus" --trainer "fsdp=$fsdp" \
+  --rollout "${layouts[0]}" --transport nccl --kill-rank "$fsdp" --timeout-ms 10000 --iters 2 \
+  --no-kernel-bench --no-memcpy
+echo "failures: $fails" | tee -a "$out/summary.txt"
+exit $((fails > 0))

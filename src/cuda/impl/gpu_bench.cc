@@ -1,0 +1,1202 @@
+// GPU sync benchmark driver (gpu_bench.h): one forked process per sync rank replays its RankPlan
+// with the GPU kernels over cuda_ipc / nccl, verifies checksums per bucket and every element, and
+// reports times; a probe process measures cudaMemcpy, the GPU-GPU link and the kernels alone.
+//
+// This is a focused driver over PlanForRank (not the SyncSession layer), so the GPU data path can
+// be measured on its own; the protocol is the same: per-bucket checksums computed while packing,
+// compared with the receiver's checksums of what landed, errors within the timeout.
+//
+// cuda_ipc path (zero copy): the trainer's ONE pack launch covers every bucket of every IPC
+// message and writes, cast and checksummed, straight into the engines' parameters through the
+// mapped IPC pointers; then a flush (event) and one control message per message with the bucket
+// checksums. The engine checksums the landed runs with ONE verify launch and compares.
+// nccl path: per bucket round, pack into double-buffered staging (bounded by the bucket cap),
+// grouped ncclSend/ncclRecv, unpack with checksum at the receiver, then the checksums message.
+#include <cuda_runtime.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda/cuda_util.h"
+#include "shardsync/checksum.h"
+#include "shardsync/gpu.h"
+#include "shardsync/gpu_bench.h"
+#include "shardsync/model.h"
+#include "shardsync/plan.h"
+#include "shardsync/shard_map.h"
+#include "shardsync/store.h"
+#include "shardsync/synthetic.h"
+#include "shardsync/transport.h"
+
+namespace shardsync::gpu {
+
+using internal::CudaStatus;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr char kToken[] = "gpu-bench";
+
+double NowSeconds() {
+  return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int64_t Align(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+struct Job {
+  PlanInputs in;
+  std::vector<HfTensor> inv;
+  ShardMap smap;
+  int S = 0, world = 0, gpus = 1;
+  int Device(int rank) const { return rank < S ? rank % gpus : (rank - S) % gpus; }
+};
+
+Result<Job> MakeJob(const GpuBenchOptions& o, int gpus) {
+  Job j;
+  SS_ASSIGN_OR_RETURN(j.in.model, LoadModelSpec(o.model));
+  SS_ASSIGN_OR_RETURN(j.in.trainer, ParseTrainerSpec(o.trainer));
+  SS_ASSIGN_OR_RETURN(EngineKind ek, ParseEngineKind(o.engine, "--engine"));
+  SS_ASSIGN_OR_RETURN(j.in.rollout, ParseRolloutSpec(o.rollout, ek));
+  j.in.options.bucket_bytes = o.bucket_bytes;
+  j.in.options.wire_dtype = DType::kBF16;
+  j.in.trainer_dtype = o.trainer_dtype;
+  if (o.trainer_dtype != DType::kF32 && o.trainer_dtype != DType::kBF16) {
+    return InvalidArgumentError("--trainer-dtype: must be f32 or bf16");
+  }
+  if (o.transport != "cuda_ipc" && o.transport != "nccl") {
+    return InvalidArgumentError("--transport: must be cuda_ipc or nccl, got '" + o.transport + "'");
+  }
+  j.inv = HfTensorInventory(j.in.model);
+  SS_ASSIGN_OR_RETURN(j.smap, BuildShardMap(j.in.model, j.in.rollout.shard));
+  j.S = j.in.trainer.world();
+  j.world = SyncWorldSize(j.in);
+  j.gpus = std::max(1, gpus);
+  return j;
+}
+
+// Byte offsets of every parameter of an engine rank inside its one buffer (256-aligned), the
+// same on the engine and on the trainers that write into it.
+std::vector<int64_t> ParamOffsets(const EngineRankShards& r, int64_t* total) {
+  std::vector<int64_t> off;
+  int64_t at = 0;
+  for (const EngineParam& p : r.params) {
+    off.push_back(at);
+    at = Align(at + p.bytes(), 256);
+  }
+  *total = at;
+  return off;
+}
+
+const EngineRankShards& EngineShards(const Job& j, int rank) {
+  const int e = rank - j.S;
+  const int tp = j.in.rollout.shard.tp, pp = j.in.rollout.shard.pp;
+  const int local = e % (tp * pp);
+  return j.smap.rank(local % tp, local / tp);
+}
+
+// ---- small wait helpers (every wait has a deadline) ----
+
+Status WaitEvent(cudaEvent_t e, Clock::time_point deadline, std::string_view what) {
+  while (true) {
+    const cudaError_t r = cudaEventQuery(e);
+    if (r == cudaSuccess) return OkStatus();
+    if (r != cudaErrorNotReady) return CudaStatus(r, what);
+    if (Clock::now() > deadline) return DeadlineExceededError(std::string(what) + ": timed out");
+    std::this_thread::yield();
+  }
+}
+
+Status WaitStream(cudaStream_t s, Clock::time_point deadline, std::string_view what) {
+  while (true) {
+    const cudaError_t r = cudaStreamQuery(s);
+    if (r == cudaSuccess) return OkStatus();
+    if (r != cudaErrorNotReady) return CudaStatus(r, what);
+    if (Clock::now() > deadline) return DeadlineExceededError(std::string(what) + ": timed out");
+    std::this_thread::yield();
+  }
+}
+
+Millis Left(Clock::time_point deadline) {
+  return std::max(Millis(1), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
+}
+
+// ---- one rank ----
+
+struct MsgState {
+  const Message* msg = nullptr;
+  int peer = 0;
+  bool nccl = false;
+  int first_bucket = 0;  // index of its first bucket in the rank's IPC batch (IPC messages)
+  // nccl: staging (2 x bucket cap) and one prepared batch per bucket
+  std::unique_ptr<DeviceBuffer> staging[2];
+  std::vector<std::unique_ptr<CopyBatch>> batches;
+};
+
+class RankRunner {
+ public:
+  RankRunner(const GpuBenchOptions& o, const Job& j, int rank, StoreClient& store)
+      : o_(o), j_(j), rank_(rank), store_(store) {}
+  ~RankRunner() {
+    if (stream_) cudaStreamDestroy(stream_);
+    if (comm_stream_) cudaStreamDestroy(comm_stream_);
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+
+  Status Setup(GpuBenchRank* out);
+  Status SyncOnce(uint64_t version, bool fault, GpuBenchRank* out);
+  Status Broadcast(uint64_t version);
+  Status VerifyElements(GpuBenchRank* out);
+
+ private:
+  bool trainer() const { return rank_ < j_.S; }
+  Status Fill();
+  Status PrepareIpc();
+  Status PrepareNccl();
+  Status TrainerSync(uint64_t v, bool fault, Clock::time_point deadline);
+  Status EngineSync(uint64_t v, bool fault, Clock::time_point deadline, GpuBenchRank* out);
+  cudaEvent_t NewEvent() {
+    cudaEvent_t e = nullptr;
+    cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    events_.push_back(e);
+    return e;
+  }
+
+  const GpuBenchOptions& o_;
+  const Job& j_;
+  int rank_;
+  StoreClient& store_;
+  int device_ = 0;
+  RankPlan plan_;
+  cudaStream_t stream_ = nullptr, comm_stream_ = nullptr;
+  std::vector<cudaEvent_t> events_;
+  std::unique_ptr<DeviceBuffer> buf_;     // trainer: held shards; engine: parameters
+  std::vector<int64_t> offsets_;          // trainer: per HF tensor; engine: per parameter
+  std::unique_ptr<DeviceBuffer> full_;    // broadcast baseline: trainer 0's full model (bf16)
+  std::unique_ptr<DeviceBuffer> bstage_;  // broadcast baseline: engine's full-model staging
+  std::vector<int64_t> full_offsets_;     // per HF tensor in full_ / bstage_
+  std::unique_ptr<CopyBatch> bslice_;     // engine: slice pieces out of bstage_
+  std::unique_ptr<Transport> ipc_, nccl_;
+  std::vector<MsgState> msgs_;
+  std::unique_ptr<CopyBatch> ipc_batch_;  // trainer pack or engine verify over IPC messages
+  std::vector<std::pair<int, int>> ipc_bucket_of_;  // batch bucket -> (msg index, bucket)
+  std::set<XferId> done_;  // nccl ids already seen complete (Poll releases an id once done)
+
+  Status WaitId(XferId id, Clock::time_point deadline, const std::string& what) {
+    if (done_.count(id)) return OkStatus();
+    SS_RETURN_IF_ERROR(WaitXfer(*nccl_, id, Left(deadline), what));
+    done_.insert(id);
+    return OkStatus();
+  }
+};
+
+Status RankRunner::Fill() {
+  const int64_t esize = DTypeSize(trainer() ? o_.trainer_dtype : DType::kBF16);
+  int64_t total = 0;
+  if (trainer()) {
+    for (const HfTensor& t : j_.inv) {
+      offsets_.push_back(total);
+      total = Align(total + TrainerHeldRegion(j_.in.trainer, rank_, t.shape).numel() * esize, 256);
+    }
+  } else {
+    offsets_ = ParamOffsets(EngineShards(j_, rank_), &total);
+  }
+  SS_ASSIGN_OR_RETURN(buf_, DeviceBuffer::Allocate(total, device_));
+  if (trainer()) {
+    for (size_t i = 0; i < j_.inv.size(); ++i) {
+      const HfTensor& t = j_.inv[i];
+      const Region held = TrainerHeldRegion(j_.in.trainer, rank_, t.shape);
+      SS_RETURN_IF_ERROR(FillSyntheticDevice(
+          o_.seed, SyntheticFor(t.name, t.shape), t.shape, held, o_.trainer_dtype,
+          static_cast<unsigned char*>(buf_->data()) + offsets_[i], stream_));
+    }
+  } else {
+    SS_CUDA(cudaMemsetAsync(buf_->data(), 0xFF, total, stream_), "engine: poison parameters");
+  }
+  SS_CUDA(cudaStreamSynchronize(stream_), "fill");
+  return OkStatus();
+}
+
+Status RankRunner::Setup(GpuBenchRank* out) {
+  device_ = j_.Device(rank_);
+  out->rank = rank_;
+  out->is_trainer = trainer();
+  out->device = device_;
+  SS_CUDA(cudaSetDevice(device_), "rank " + std::to_string(rank_) + ": cudaSetDevice");
+  SS_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream");
+  SS_CUDA(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking), "stream");
+  SS_ASSIGN_OR_RETURN(plan_, PlanForRank(j_.in, rank_));
+  SS_RETURN_IF_ERROR(Fill());
+
+  // Peers and their transport: nccl only between different GPUs (and only when asked).
+  const auto& list = trainer() ? plan_.sends : plan_.recvs;
+  std::vector<int> ipc_peers, nccl_peers;
+  for (const Message& m : list) {
+    MsgState s;
+    s.msg = &m;
+    s.peer = trainer() ? m.dst : m.src;
+    s.nccl = o_.transport == "nccl" && j_.Device(s.peer) != device_;
+    (s.nccl ? nccl_peers : ipc_peers).push_back(s.peer);
+    msgs_.push_back(std::move(s));
+  }
+  // Broadcast baseline: trainer 0 <-> every engine rank.
+  if (o_.broadcast_baseline) {
+    auto add = [&](int p) {
+      const bool n = o_.transport == "nccl" && j_.Device(p) != device_;
+      auto& v = n ? nccl_peers : ipc_peers;
+      if (std::find(v.begin(), v.end(), p) == v.end()) v.push_back(p);
+    };
+    if (rank_ == 0) {
+      for (int e = j_.S; e < j_.world; ++e) add(e);
+    } else if (!trainer()) {
+      add(0);
+    }
+  }
+  ipc_ = MakeCudaIpcTransport(device_);
+  if (!trainer()) {
+    SS_RETURN_IF_ERROR(ipc_->RegisterMemory(buf_->region()).status());
+    if (o_.broadcast_baseline) {
+      int64_t total = 0;
+      for (const HfTensor& t : j_.inv) {
+        full_offsets_.push_back(total);
+        total = Align(total + t.numel() * 2, 256);
+      }
+      SS_ASSIGN_OR_RETURN(bstage_, DeviceBuffer::Allocate(total, device_));
+      SS_RETURN_IF_ERROR(ipc_->RegisterMemory(bstage_->region()).status());
+    }
+  } else if (rank_ == 0 && o_.broadcast_baseline) {
+    int64_t total = 0;
+    for (const HfTensor& t : j_.inv) {
+      full_offsets_.push_back(total);
+      total = Align(total + t.numel() * 2, 256);
+    }
+    SS_ASSIGN_OR_RETURN(full_, DeviceBuffer::Allocate(total, device_));
+    for (size_t i = 0; i < j_.inv.size(); ++i) {
+      const HfTensor& t = j_.inv[i];
+      SS_RETURN_IF_ERROR(FillSyntheticDevice(
+          o_.seed, SyntheticFor(t.name, t.shape), t.shape, Region::Full(t.shape), DType::kBF16,
+          static_cast<unsigned char*>(full_->data()) + full_offsets_[i], stream_));
+    }
+    SS_CUDA(cudaStreamSynchronize(stream_), "broadcast fill");
+  }
+  SS_RETURN_IF_ERROR(SetTransportStream(*ipc_, stream_));
+  std::sort(ipc_peers.begin(), ipc_peers.end());
+  SS_RETURN_IF_ERROR(ipc_->Connect(store_, "gb/", rank_, ipc_peers, o_.timeout));
+  if (!nccl_peers.empty()) {
+    nccl_ = MakeNcclTransport({device_});
+    std::sort(nccl_peers.begin(), nccl_peers.end());
+    SS_RETURN_IF_ERROR(nccl_->Connect(store_, "gb/", rank_, nccl_peers, o_.timeout));
+    SS_RETURN_IF_ERROR(SetTransportStream(*nccl_, comm_stream_));
+  }
+  SS_RETURN_IF_ERROR(PrepareIpc());
+  SS_RETURN_IF_ERROR(PrepareNccl());
+  for (const auto& m : msgs_) out->bytes += m.msg->bytes;
+  return OkStatus();
+}
+
+// Shifts an HF-coordinate region into the trainer's held shard (stored with extents as shape).
+Region LocalRegion(const Region& r, const Region& held) {
+  Region l = r;
+  for (int d = 0; d < r.ndim; ++d) l.offset[d] -= held.offset[d];
+  return l;
+}
+
+Status RankRunner::PrepareIpc() {
+  BatchSpec spec;
+  spec.in_dtype = trainer() ? o_.trainer_dtype : DType::kBF16;
+  spec.out_dtype = DType::kBF16;
+  spec.mode = trainer() ? BatchMode::kPack : BatchMode::kVerify;
+  const int in_size = DTypeSize(spec.in_dtype);
+  for (size_t mi = 0; mi < msgs_.size(); ++mi) {
+    MsgState& s = msgs_[mi];
+    if (s.nccl) continue;
+    const Message& m = *s.msg;
+    s.first_bucket = static_cast<int>(spec.bucket_bytes.size());
+    const EngineRankShards& er = EngineShards(j_, m.dst);
+    int64_t unused = 0;
+    const std::vector<int64_t> poff = ParamOffsets(er, &unused);
+    for (size_t b = 0; b < m.buckets.size(); ++b) {
+      const Bucket& bk = m.buckets[b];
+      const int32_t gb = static_cast<int32_t>(spec.bucket_bytes.size());
+      spec.bucket_bytes.push_back(bk.bytes);
+      ipc_bucket_of_.push_back({static_cast<int>(mi), static_cast<int>(b)});
+      for (int32_t k = bk.op_begin; k < bk.op_end; ++k) {
+        const TransferOp& op = m.ops[k];
+        const EngineParam& p = er.params[op.param];
+        if (!RegionIsContiguous(op.dst, p.shape)) {
+          return UnimplementedError("gpu bench: op " + std::to_string(k) + " of message " +
+                                    std::to_string(m.src) + "->" + std::to_string(m.dst) +
+                                    " has a strided destination " + op.dst.ToString());
+        }
+        const int64_t dst_off = poff[op.param] + RegionStartElement(op.dst, p.shape) * 2;
+        const int64_t wire = op.wire_offset - bk.wire_offset;
+        if (trainer()) {
+          const HfTensor& t = j_.inv[op.tensor];
+          const Region held = TrainerHeldRegion(j_.in.trainer, rank_, t.shape);
+          SS_ASSIGN_OR_RETURN(void* dst, CudaIpcRemotePointer(*ipc_, m.dst, 0, dst_off, op.bytes));
+          AppendRegionRuns(LocalRegion(op.src, held), held.extents(),
+                           static_cast<unsigned char*>(buf_->data()) + offsets_[op.tensor], in_size,
+                           dst, 2, 2, gb, wire, &spec.runs);
+        } else {
+          CopyRun r;
+          r.in = static_cast<unsigned char*>(buf_->data()) + dst_off;
+          r.row_elems = op.bytes / 2;
+          r.bucket = gb;
+          r.wire_offset = wire;
+          spec.runs.push_back(r);
+        }
+      }
+    }
+  }
+  if (spec.bucket_bytes.empty()) return OkStatus();
+  SS_ASSIGN_OR_RETURN(ipc_batch_, CopyBatch::Prepare(spec, device_));
+  return OkStatus();
+}
+
+Status RankRunner::PrepareNccl() {
+  for (MsgState& s : msgs_) {
+    if (!s.nccl) continue;
+    const Message& m = *s.msg;
+    int64_t cap = 0;
+    for (const Bucket& b : m.buckets) cap = std::max(cap, b.bytes);
+    for (auto& st : s.staging) {
+      SS_ASSIGN_OR_RETURN(st, DeviceBuffer::Allocate(cap, device_));
+    }
+    const EngineRankShards& er = EngineShards(j_, m.dst);
+    int64_t unused = 0;
+    const std::vector<int64_t> poff = ParamOffsets(er, &unused);
+    for (size_t b = 0; b < m.buckets.size(); ++b) {
+      const Bucket& bk = m.buckets[b];
+      auto* stage = static_cast<unsigned char*>(s.staging[b % 2]->data());
+      BatchSpec spec;
+      spec.mode = trainer() ? BatchMode::kPack : BatchMode::kUnpack;
+      spec.in_dtype = trainer() ? o_.trainer_dtype : DType::kBF16;
+      spec.out_dtype = DType::kBF16;
+      spec.bucket_bytes = {bk.bytes};
+      for (int32_t k = bk.op_begin; k < bk.op_end; ++k) {
+        const TransferOp& op = m.ops[k];
+        const int64_t wire = op.wire_offset - bk.wire_offset;
+        if (trainer()) {
+          const HfTensor& t = j_.inv[op.tensor];
+          const Region held = TrainerHeldRegion(j_.in.trainer, rank_, t.shape);
+          AppendRegionRuns(LocalRegion(op.src, held), held.extents(),
+                           static_cast<unsigned char*>(buf_->data()) + offsets_[op.tensor],
+                           DTypeSize(spec.in_dtype), stage + wire, 2, 2, 0, wire, &spec.runs);
+        } else {
+          const EngineParam& p = er.params[op.param];
+          if (!RegionIsContiguous(op.dst, p.shape)) {
+            return UnimplementedError("gpu bench: strided destination " + op.dst.ToString());
+          }
+          CopyRun r;
+          r.in = stage + wire;
+          r.out = static_cast<unsigned char*>(buf_->data()) + poff[op.param] +
+                  RegionStartElement(op.dst, p.shape) * 2;
+          r.row_elems = op.bytes / 2;
+          r.wire_offset = wire;
+          spec.runs.push_back(r);
+        }
+      }
+      SS_ASSIGN_OR_RETURN(auto batch, CopyBatch::Prepare(spec, device_));
+      s.batches.push_back(std::move(batch));
+    }
+  }
+  return OkStatus();
+}
+
+// Control message: [version, n, checksum_0 .. checksum_{n-1}].
+std::vector<uint64_t> ControlMsg(uint64_t v, const std::vector<uint64_t>& sums) {
+  std::vector<uint64_t> c = {v, sums.size()};
+  c.insert(c.end(), sums.begin(), sums.end());
+  return c;
+}
+
+Status RankRunner::TrainerSync(uint64_t v, bool fault, Clock::time_point deadline) {
+  std::vector<std::vector<uint64_t>> ctl(msgs_.size());
+  std::vector<XferId> ids;
+  // IPC: one launch writes every IPC bucket straight into the engines.
+  if (ipc_batch_) {
+    SS_RETURN_IF_ERROR(ipc_batch_->Launch(stream_));
+    if (fault) raise(SIGKILL);  // mid-sync: kernels in flight, no checksums sent
+    for (const MsgState& s : msgs_) {
+      if (!s.nccl) {
+        SS_ASSIGN_OR_RETURN(XferId f, ipc_->PostFlush(s.peer));
+        ids.push_back(f);
+      }
+    }
+    SS_RETURN_IF_ERROR(WaitAllXfers(*ipc_, ids, Left(deadline), "trainer: ipc flush"));
+    ids.clear();
+    SS_ASSIGN_OR_RETURN(auto sums, ipc_batch_->Checksums());
+    for (size_t b = 0; b < sums.size(); ++b) ctl[ipc_bucket_of_[b].first].push_back(sums[b]);
+  }
+  // NCCL: bucket rounds, double-buffered: pack r overlaps the send of r-1.
+  size_t rounds = 0;
+  for (const MsgState& s : msgs_) {
+    if (s.nccl) rounds = std::max(rounds, s.msg->buckets.size());
+  }
+  std::map<std::pair<size_t, size_t>, XferId> sends;
+  for (size_t r = 0; r < rounds; ++r) {
+    for (size_t mi = 0; mi < msgs_.size(); ++mi) {
+      MsgState& s = msgs_[mi];
+      if (!s.nccl || r >= s.msg->buckets.size()) continue;
+      if (r >= 2) {  // staging[r % 2] is free once the send of round r-2 completed
+        SS_RETURN_IF_ERROR(WaitId(sends[{mi, r - 2}], deadline, "trainer: send"));
+      }
+      SS_RETURN_IF_ERROR(s.batches[r]->Launch(stream_));
+      cudaEvent_t packed = NewEvent();
+      SS_CUDA(cudaEventRecord(packed, stream_), "packed event");
+      SS_CUDA(cudaStreamWaitEvent(comm_stream_, packed, 0), "comm waits pack");
+      SS_ASSIGN_OR_RETURN(
+          XferId id, nccl_->PostSend(s.peer, v, s.staging[r % 2]->data(), s.msg->buckets[r].bytes));
+      sends[{mi, r}] = id;
+    }
+    if (fault && r == 0) raise(SIGKILL);
+    if (!sends.empty()) {  // issue this round's group now
+      const XferId last = sends.rbegin()->second;
+      if (!done_.count(last)) {
+        SS_ASSIGN_OR_RETURN(XferState st, nccl_->Poll(last));
+        if (st == XferState::kDone) done_.insert(last);
+      }
+    }
+  }
+  for (auto& [k, id] : sends) SS_RETURN_IF_ERROR(WaitId(id, deadline, "trainer: nccl send"));
+  SS_RETURN_IF_ERROR(WaitStream(stream_, deadline, "trainer: pack"));
+  for (size_t mi = 0; mi < msgs_.size(); ++mi) {
+    for (auto& b : msgs_[mi].batches) {
+      SS_ASSIGN_OR_RETURN(auto c, b->Checksums());
+      ctl[mi].push_back(c[0]);
+    }
+  }
+  // Control messages with the checksums.
+  std::vector<std::vector<uint64_t>> bufs(msgs_.size());
+  std::vector<XferId> ipc_ids, nccl_ids;
+  for (size_t mi = 0; mi < msgs_.size(); ++mi) {
+    bufs[mi] = ControlMsg(v, ctl[mi]);
+    Transport& t = msgs_[mi].nccl ? *nccl_ : *ipc_;
+    SS_ASSIGN_OR_RETURN(XferId id,
+                        t.PostSend(msgs_[mi].peer, v, bufs[mi].data(), bufs[mi].size() * 8));
+    (msgs_[mi].nccl ? nccl_ids : ipc_ids).push_back(id);
+  }
+  SS_RETURN_IF_ERROR(WaitAllXfers(*ipc_, ipc_ids, Left(deadline), "trainer: checksums (ipc)"));
+  if (nccl_) {
+    SS_RETURN_IF_ERROR(WaitAllXfers(*nccl_, nccl_ids, Left(deadline), "trainer: checksums (nccl)"));
+  }
+  return OkStatus();
+}
+
+Status RankRunner::EngineSync(uint64_t v, bool fault, Clock::time_point deadline,
+                              GpuBenchRank* out) {
+  std::vector<std::vector<uint64_t>> got(msgs_.size());
+  std::vector<std::vector<uint64_t>> mine(msgs_.size());
+  // NCCL rounds: receive into staging[r % 2], unpack with checksum.
+  size_t rounds = 0;
+  for (const MsgState& s : msgs_) {
+    if (s.nccl) rounds = std::max(rounds, s.msg->buckets.size());
+  }
+  std::map<std::pair<size_t, size_t>, XferId> recvs;
+  std::map<std::pair<size_t, size_t>, cudaEvent_t> unpacked;
+  auto post = [&](size_t r) -> Status {
+    for (size_t mi = 0; mi < msgs_.size(); ++mi) {
+      MsgState& s = msgs_[mi];
+      if (!s.nccl || r >= s.msg->buckets.size()) continue;
+      if (r >= 2) {
+        SS_RETURN_IF_ERROR(WaitEvent(unpacked[{mi, r - 2}], deadline, "engine: unpack"));
+      }
+      SS_ASSIGN_OR_RETURN(
+          XferId id, nccl_->PostRecv(s.peer, v, s.staging[r % 2]->data(), s.msg->buckets[r].bytes));
+      recvs[{mi, r}] = id;
+    }
+    return OkStatus();
+  };
+  if (rounds > 0) SS_RETURN_IF_ERROR(post(0));
+  if (rounds > 1) SS_RETURN_IF_ERROR(post(1));
+  if (fault) raise(SIGKILL);  // mid-sync: senders are writing / sending into this rank
+  for (size_t r = 0; r < rounds; ++r) {
+    for (size_t mi = 0; mi < msgs_.size(); ++mi) {
+      MsgState& s = msgs_[mi];
+      if (!s.nccl || r >= s.msg->buckets.size()) continue;
+      SS_RETURN_IF_ERROR(WaitId(recvs[{mi, r}], deadline,
+                                "engine: nccl recv from rank " + std::to_string(s.peer)));
+      SS_RETURN_IF_ERROR(s.batches[r]->Launch(stream_));
+      cudaEvent_t e = NewEvent();
+      SS_CUDA(cudaEventRecord(e, stream_), "unpack event");
+      unpacked[{mi, r}] = e;
+    }
+    if (r + 2 < rounds) SS_RETURN_IF_ERROR(post(r + 2));
+  }
+  // Checksums messages from every sender.
+  std::vector<std::vector<uint64_t>> bufs(msgs_.size());
+  std::vector<XferId> ipc_ids, nccl_ids;
+  for (size_t mi = 0; mi < msgs_.size(); ++mi) {
+    bufs[mi].resize(2 + msgs_[mi].msg->buckets.size());
+    Transport& t = msgs_[mi].nccl ? *nccl_ : *ipc_;
+    SS_ASSIGN_OR_RETURN(XferId id,
+                        t.PostRecv(msgs_[mi].peer, v, bufs[mi].data(), bufs[mi].size() * 8));
+    (msgs_[mi].nccl ? nccl_ids : ipc_ids).push_back(id);
+  }
+  SS_RETURN_IF_ERROR(WaitAllXfers(*ipc_, ipc_ids, Left(deadline), "engine: checksums (ipc)"));
+  if (nccl_) {
+    SS_RETURN_IF_ERROR(WaitAllXfers(*nccl_, nccl_ids, Left(deadline), "engine: checksums (nccl)"));
+  }
+  // IPC: the senders flushed before sending checksums, so the bytes have landed: verify them.
+  if (ipc_batch_) SS_RETURN_IF_ERROR(ipc_batch_->Launch(stream_));
+  SS_RETURN_IF_ERROR(WaitStream(stream_, deadline, "engine: verify"));
+  if (ipc_batch_) {
+    SS_ASSIGN_OR_RETURN(auto sums, ipc_batch_->Checksums());
+    for (size_t b = 0; b < sums.size(); ++b) mine[ipc_bucket_of_[b].first].push_back(sums[b]);
+  }
+  for (size_t mi = 0; mi < msgs_.size(); ++mi) {
+    for (auto& b : msgs_[mi].batches) {
+      SS_ASSIGN_OR_RETURN(auto c, b->Checksums());
+      mine[mi].push_back(c[0]);
+    }
+  }
+  Status first;
+  for (size_t mi = 0; mi < msgs_.size(); ++mi) {
+    const auto& g = bufs[mi];
+    if (g[0] != v || g[1] != mine[mi].size()) {
+      return DataLossError("engine rank " + std::to_string(rank_) +
+                           ": checksums message from rank " + std::to_string(msgs_[mi].peer) +
+                           " is for version " + std::to_string(g[0]) + " with " +
+                           std::to_string(g[1]) + " buckets");
+    }
+    for (size_t b = 0; b < mine[mi].size(); ++b) {
+      ++out->checksums_total;
+      if (g[2 + b] == mine[mi][b]) {
+        ++out->checksums_ok;
+      } else if (first.ok()) {
+        first = DataLossError("engine rank " + std::to_string(rank_) + ": bucket " +
+                              std::to_string(b) + " of the message from rank " +
+                              std::to_string(msgs_[mi].peer) + " failed its checksum");
+      }
+    }
+  }
+  return first;
+}
+
+Status RankRunner::SyncOnce(uint64_t v, bool fault, GpuBenchRank* out) {
+  const auto deadline = Clock::now() + o_.timeout;
+  return trainer() ? TrainerSync(v, fault, deadline) : EngineSync(v, fault, deadline, out);
+}
+
+// Broadcast-all baseline: trainer 0 sends every full HF tensor (bf16) to every engine rank (copy
+// engine puts over IPC, ncclSend across GPUs); each engine slices its pieces out locally.
+Status RankRunner::Broadcast(uint64_t v) {
+  const auto deadline = Clock::now() + o_.timeout;
+  if (rank_ == 0) {
+    std::vector<XferId> ipc_ids, nccl_ids;
+    for (int e = j_.S; e < j_.world; ++e) {
+      const bool n = o_.transport == "nccl" && j_.Device(e) != device_;
+      for (size_t i = 0; i < j_.inv.size(); ++i) {
+        const auto* src = static_cast<unsigned char*>(full_->data()) + full_offsets_[i];
+        const size_t bytes = j_.inv[i].numel() * 2;
+        if (n) {
+          SS_ASSIGN_OR_RETURN(XferId id, nccl_->PostSend(e, v, src, bytes));
+          nccl_ids.push_back(id);
+        } else {
+          SS_ASSIGN_OR_RETURN(XferId id, ipc_->PostPut(e, src, bytes, 1, full_offsets_[i]));
+          ipc_ids.push_back(id);
+        }
+      }
+      if (!n) {
+        SS_ASSIGN_OR_RETURN(XferId f, ipc_->PostFlush(e));
+        ipc_ids.push_back(f);
+      }
+    }
+    SS_RETURN_IF_ERROR(WaitAllXfers(*ipc_, ipc_ids, Left(deadline), "broadcast: puts"));
+    if (nccl_)
+      SS_RETURN_IF_ERROR(WaitAllXfers(*nccl_, nccl_ids, Left(deadline), "broadcast: sends"));
+    uint64_t done = v;
+    std::vector<XferId> ids;
+    for (int e = j_.S; e < j_.world; ++e) {
+      if (o_.transport == "nccl" && j_.Device(e) != device_) continue;  // nccl recv completes
+      SS_ASSIGN_OR_RETURN(XferId id, ipc_->PostSend(e, v, &done, 8));
+      ids.push_back(id);
+    }
+    return WaitAllXfers(*ipc_, ids, Left(deadline), "broadcast: done messages");
+  }
+  if (trainer()) return OkStatus();
+  const bool n = o_.transport == "nccl" && j_.Device(0) != device_;
+  if (n) {
+    std::vector<XferId> ids;
+    for (size_t i = 0; i < j_.inv.size(); ++i) {
+      SS_ASSIGN_OR_RETURN(
+          XferId id,
+          nccl_->PostRecv(0, v, static_cast<unsigned char*>(bstage_->data()) + full_offsets_[i],
+                          j_.inv[i].numel() * 2));
+      ids.push_back(id);
+    }
+    SS_RETURN_IF_ERROR(WaitAllXfers(*nccl_, ids, Left(deadline), "broadcast: recvs"));
+  } else {
+    uint64_t done = 0;
+    SS_ASSIGN_OR_RETURN(XferId id, ipc_->PostRecv(0, v, &done, 8));
+    SS_RETURN_IF_ERROR(WaitXfer(*ipc_, id, Left(deadline), "broadcast: done message"));
+  }
+  if (!bslice_) {
+    // Slice every piece of every parameter out of the full tensors (prepared once).
+    const EngineRankShards& er = EngineShards(j_, rank_);
+    std::map<std::string, int> by_name;
+    for (size_t i = 0; i < j_.inv.size(); ++i) by_name[j_.inv[i].name] = static_cast<int>(i);
+    BatchSpec spec;
+    spec.mode = BatchMode::kPack;
+    spec.in_dtype = spec.out_dtype = DType::kBF16;
+    int64_t wire = 0;
+    for (size_t pi = 0; pi < er.params.size(); ++pi) {
+      const EngineParam& p = er.params[pi];
+      for (const Piece& pc : p.pieces) {
+        const int ti = by_name.at(pc.source);
+        if (!RegionIsContiguous(pc.dst, p.shape)) {
+          return UnimplementedError("broadcast: strided piece destination " + pc.dst.ToString());
+        }
+        auto* dst = static_cast<unsigned char*>(buf_->data()) + offsets_[pi] +
+                    RegionStartElement(pc.dst, p.shape) * 2;
+        AppendRegionRuns(pc.src, j_.inv[ti].shape,
+                         static_cast<unsigned char*>(bstage_->data()) + full_offsets_[ti], 2, dst,
+                         2, 2, 0, wire, &spec.runs);
+        wire += pc.src.numel() * 2;
+      }
+    }
+    spec.bucket_bytes = {wire};
+    SS_ASSIGN_OR_RETURN(bslice_, CopyBatch::Prepare(spec, device_));
+  }
+  SS_RETURN_IF_ERROR(bslice_->Launch(stream_));
+  return WaitStream(stream_, deadline, "broadcast: slice");
+}
+
+Status RankRunner::VerifyElements(GpuBenchRank* out) {
+  if (trainer()) return OkStatus();
+  const EngineRankShards& er = EngineShards(j_, rank_);
+  std::map<std::string, int> by_name;
+  for (size_t i = 0; i < j_.inv.size(); ++i) by_name[j_.inv[i].name] = static_cast<int>(i);
+  SS_ASSIGN_OR_RETURN(auto counter, DeviceBuffer::Allocate(8, device_));
+  SS_CUDA(cudaMemsetAsync(counter->data(), 0, 8, stream_), "counter");
+  int64_t checked = 0;
+  for (size_t pi = 0; pi < er.params.size(); ++pi) {
+    const EngineParam& p = er.params[pi];
+    for (const Piece& pc : p.pieces) {
+      const HfTensor& t = j_.inv[by_name.at(pc.source)];
+      SS_RETURN_IF_ERROR(
+          CountSyntheticMismatches(o_.seed, SyntheticFor(t.name, t.shape), t.shape, pc.src, p.shape,
+                                   pc.dst, static_cast<unsigned char*>(buf_->data()) + offsets_[pi],
+                                   static_cast<unsigned long long*>(counter->data()), stream_));
+      checked += pc.src.numel();
+    }
+  }
+  unsigned long long bad = 0;
+  SS_CUDA(cudaMemcpyAsync(&bad, counter->data(), 8, cudaMemcpyDeviceToHost, stream_), "counter");
+  SS_CUDA(cudaStreamSynchronize(stream_), "verify elements");
+  out->element_mismatches = static_cast<int64_t>(bad);
+  out->elements_checked = checked;
+  return OkStatus();
+}
+
+json RankJson(const GpuBenchRank& r) {
+  return {{"rank", r.rank},
+          {"is_trainer", r.is_trainer},
+          {"device", r.device},
+          {"error", r.error},
+          {"seconds_to_error", r.seconds_to_error},
+          {"bytes", r.bytes},
+          {"checksums_ok", r.checksums_ok},
+          {"checksums_total", r.checksums_total},
+          {"element_mismatches", r.element_mismatches},
+          {"elements_checked", r.elements_checked},
+          {"seconds", r.seconds}};
+}
+
+GpuBenchRank RankFromJson(const json& j) {
+  GpuBenchRank r;
+  r.rank = j.at("rank");
+  r.is_trainer = j.at("is_trainer");
+  r.device = j.at("device");
+  r.error = j.at("error");
+  r.seconds_to_error = j.at("seconds_to_error");
+  r.bytes = j.at("bytes");
+  r.checksums_ok = j.at("checksums_ok");
+  r.checksums_total = j.at("checksums_total");
+  r.element_mismatches = j.at("element_mismatches");
+  r.elements_checked = j.at("elements_checked");
+  r.seconds = j.at("seconds").get<std::vector<double>>();
+  return r;
+}
+
+// Waits for every rank's key of `stage`; a rank whose process is gone fails fast.
+Status GatherStage(StoreClient& store, const std::string& stage, int world,
+                   const std::vector<int>& pids, Millis timeout, std::vector<json>* out) {
+  const auto deadline = Clock::now() + timeout;
+  out->assign(world, json());
+  for (int r = 0; r < world; ++r) {
+    while (true) {
+      auto v = store.Get(stage + std::to_string(r), Millis(100));
+      if (v.ok()) {
+        (*out)[r] = json::parse(*v);
+        break;
+      }
+      if (v.status().code() != StatusCode::kDeadlineExceeded) return v.status();
+      if (!pids.empty() && pids[r] > 0 && kill(pids[r], 0) != 0) {
+        return UnavailableError("rank " + std::to_string(r) + " (pid " + std::to_string(pids[r]) +
+                                ") exited before reporting " + stage);
+      }
+      if (Clock::now() > deadline) {
+        return DeadlineExceededError("rank " + std::to_string(r) + " did not report " + stage +
+                                     " within " + std::to_string(timeout.count()) + " ms");
+      }
+    }
+  }
+  return OkStatus();
+}
+
+int RankMain(const GpuBenchOptions& o, const Job& j, const std::string& addr, int rank) {
+  auto store_r = StoreClient::Connect(addr, kToken, Millis(30000));
+  if (!store_r.ok()) return 3;
+  StoreClient& store = **store_r;
+  GpuBenchRank res;
+  res.rank = rank;
+  store.Set("gb/pid/" + std::to_string(rank), std::to_string(getpid())).IgnoreError();
+  std::vector<int> pids(j.world, 0);
+  for (int r = 0; r < j.world; ++r) {
+    auto p = store.Get("gb/pid/" + std::to_string(r), o.timeout);
+    if (p.ok()) pids[r] = std::stoi(*p);
+  }
+  auto fail = [&](const Status& s, double t0) {
+    res.error = s.ToString();
+    if (t0 > 0) res.seconds_to_error = NowSeconds() - t0;
+    store.Set("gb/result/" + std::to_string(rank), RankJson(res).dump()).IgnoreError();
+    store.Set("gb/abort", "rank " + std::to_string(rank) + ": " + res.error).IgnoreError();
+    return 1;
+  };
+  auto runner = std::make_unique<RankRunner>(o, j, rank, store);
+  Status s = runner->Setup(&res);
+  if (!s.ok()) return fail(s.Annotate("rank " + std::to_string(rank) + " setup"), 0);
+  const int total = o.warmup + o.iters;
+  std::vector<json> all;
+  for (int it = 0; it < total; ++it) {
+    const uint64_t v = static_cast<uint64_t>(it + 1);
+    s = store.Barrier("gb/start/" + std::to_string(v), j.world, o.timeout);
+    if (!s.ok()) return fail(s.Annotate("rank " + std::to_string(rank) + " start barrier"), 0);
+    const double t0 = NowSeconds();
+    const bool fault = rank == o.kill_rank && it == o.warmup;
+    GpuBenchRank scratch = res;
+    s = runner->SyncOnce(v, fault, &scratch);
+    const double t1 = NowSeconds();
+    if (!s.ok())
+      return fail(s.Annotate("rank " + std::to_string(rank) + " sync v" + std::to_string(v)), t0);
+    if (it >= o.warmup) {
+      res.checksums_ok += scratch.checksums_ok;
+      res.checksums_total += scratch.checksums_total;
+    }
+    json times = {{"t0", t0}, {"t1", t1}};
+    store.Set("gb/t/" + std::to_string(v) + "/" + std::to_string(rank), times.dump()).IgnoreError();
+    // Every rank learns whether the sync succeeded everywhere (a dead peer fails us too).
+    s = GatherStage(store, "gb/t/" + std::to_string(v) + "/", j.world, pids, o.timeout, &all);
+    if (!s.ok())
+      return fail(s.Annotate("rank " + std::to_string(rank) + " after sync v" + std::to_string(v)),
+                  t0);
+    if (it >= o.warmup) {
+      double lo = 1e300, hi = 0;
+      for (const json& x : all) {
+        lo = std::min(lo, x.at("t0").get<double>());
+        hi = std::max(hi, x.at("t1").get<double>());
+      }
+      res.seconds.push_back(hi - lo);
+    }
+  }
+  if (o.verify_elements) {
+    s = runner->VerifyElements(&res);
+    if (!s.ok()) return fail(s.Annotate("rank " + std::to_string(rank) + " element check"), 0);
+  }
+  if (o.broadcast_baseline) {
+    std::vector<double> bt;
+    for (int it = 0; it < o.warmup + o.iters; ++it) {
+      const uint64_t v = 1000 + static_cast<uint64_t>(it);
+      s = store.Barrier("gb/bstart/" + std::to_string(v), j.world, o.timeout);
+      if (!s.ok()) return fail(s.Annotate("broadcast barrier"), 0);
+      const double t0 = NowSeconds();
+      s = runner->Broadcast(v);
+      const double t1 = NowSeconds();
+      if (!s.ok()) return fail(s.Annotate("rank " + std::to_string(rank) + " broadcast"), t0);
+      json times = {{"t0", t0}, {"t1", t1}};
+      store.Set("gb/bt/" + std::to_string(v) + "/" + std::to_string(rank), times.dump())
+          .IgnoreError();
+      s = GatherStage(store, "gb/bt/" + std::to_string(v) + "/", j.world, pids, o.timeout, &all);
+      if (!s.ok()) return fail(s, t0);
+      double lo = 1e300, hi = 0;
+      for (const json& x : all) {
+        lo = std::min(lo, x.at("t0").get<double>());
+        hi = std::max(hi, x.at("t1").get<double>());
+      }
+      if (it >= o.warmup) bt.push_back(hi - lo);
+    }
+    if (rank == 0) store.Set("gb/broadcast_seconds", json(bt).dump()).IgnoreError();
+    // The baseline overwrote the parameters with the same values: check them again.
+    if (o.verify_elements) {
+      GpuBenchRank again = res;
+      s = runner->VerifyElements(&again);
+      if (!s.ok()) return fail(s, 0);
+      if (again.element_mismatches != 0) {
+        return fail(DataLossError("broadcast baseline left " +
+                                  std::to_string(again.element_mismatches) + " wrong elements"),
+                    0);
+      }
+    }
+  }
+  store.Set("gb/result/" + std::to_string(rank), RankJson(res).dump()).IgnoreError();
+  // Stay alive (IPC mappings of our memory) until every rank reported.
+  std::vector<json> done;
+  GatherStage(store, "gb/result/", j.world, pids, o.timeout, &done).IgnoreError();
+  return 0;
+}
+
+// ---- probe: memcpy, link and kernel bandwidth on GPU 0 ----
+
+Result<double> TimeIt(cudaStream_t s, int reps, const std::function<Status()>& fn) {
+  cudaEvent_t a, b;
+  SS_CUDA(cudaEventCreate(&a), "event");
+  SS_CUDA(cudaEventCreate(&b), "event");
+  std::vector<double> t;
+  SS_RETURN_IF_ERROR(fn());  // warm-up
+  for (int i = 0; i < reps; ++i) {
+    SS_CUDA(cudaEventRecord(a, s), "event");
+    SS_RETURN_IF_ERROR(fn());
+    SS_CUDA(cudaEventRecord(b, s), "event");
+    SS_CUDA(cudaEventSynchronize(b), "event");
+    float ms = 0;
+    SS_CUDA(cudaEventElapsedTime(&ms, a, b), "event");
+    t.push_back(ms / 1e3);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return Median(t);
+}
+
+Status Probe(const GpuBenchOptions& o, const Job& j, int gpus, int64_t wire_bytes, json* out) {
+  SS_CUDA(cudaSetDevice(0), "probe");
+  cudaStream_t s;
+  SS_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "probe stream");
+  SS_ASSIGN_OR_RETURN(DeviceInfo info, QueryDevice(0));
+  (*out)["device_name"] = info.name;
+  (*out)["hbm_peak_gbps"] = info.hbm_peak_gbps;
+  if (o.memcpy_baseline) {
+    SS_ASSIGN_OR_RETURN(auto a, DeviceBuffer::Allocate(wire_bytes, 0));
+    SS_ASSIGN_OR_RETURN(auto b, DeviceBuffer::Allocate(wire_bytes, 0));
+    SS_CUDA(cudaMemset(a->data(), 1, wire_bytes), "memset");
+    SS_ASSIGN_OR_RETURN(
+        double t, TimeIt(s, 5, [&]() -> Status {
+          SS_CUDA(cudaMemcpyAsync(b->data(), a->data(), wire_bytes, cudaMemcpyDeviceToDevice, s),
+                  "memcpy");
+          return OkStatus();
+        }));
+    (*out)["memcpy_seconds"] = t;
+  }
+  if (gpus >= 2) {
+    const int64_t n = int64_t{2} << 30;
+    SS_ASSIGN_OR_RETURN(auto a, DeviceBuffer::Allocate(n, 0));
+    SS_ASSIGN_OR_RETURN(auto b, DeviceBuffer::Allocate(n, 1));
+    SS_CUDA(cudaSetDevice(0), "probe");
+    cudaDeviceEnablePeerAccess(1, 0);
+    cudaGetLastError();
+    SS_ASSIGN_OR_RETURN(double t, TimeIt(s, 5, [&]() -> Status {
+                          SS_CUDA(cudaMemcpyPeerAsync(b->data(), 1, a->data(), 0, n, s), "peer");
+                          return OkStatus();
+                        }));
+    (*out)["link_gbps"] = n / t / 1e9;
+  }
+  if (o.kernel_bench) {
+    const int64_t elems = int64_t{1} << 30;  // 4 GiB f32 in, 2 GiB bf16 out
+    SS_ASSIGN_OR_RETURN(auto f32, DeviceBuffer::Allocate(elems * 4, 0));
+    SS_ASSIGN_OR_RETURN(auto w, DeviceBuffer::Allocate(elems * 2, 0));
+    SS_ASSIGN_OR_RETURN(auto d, DeviceBuffer::Allocate(elems * 2, 0));
+    SS_CUDA(cudaMemset(f32->data(), 0x3c, elems * 4), "memset");
+    SS_CUDA(cudaMemset(d->data(), 0x3c, elems * 2), "memset");
+    auto bench = [&](BatchMode mode, DType in, DType outd, const void* src, void* dst, int64_t row,
+                     int64_t rows, int64_t in_stride) -> Result<double> {
+      BatchSpec spec;
+      spec.mode = mode;
+      spec.in_dtype = in;
+      spec.out_dtype = outd;
+      // Split into 64 MiB-wire runs so the chunking sees a realistic batch.
+      const int64_t per = std::max<int64_t>(1, rows / 16);
+      int64_t wire = 0;
+      for (int64_t r0 = 0; r0 < rows; r0 += per) {
+        const int64_t nr = std::min(per, rows - r0);
+        CopyRun r;
+        r.in = static_cast<const unsigned char*>(src) + r0 * in_stride * DTypeSize(in);
+        r.out = dst ? static_cast<unsigned char*>(dst) + r0 * row * DTypeSize(outd) : nullptr;
+        r.row_elems = row;
+        r.rows = nr;
+        r.in_stride = in_stride;
+        r.out_stride = row;
+        r.wire_offset = wire;
+        wire += nr * row * 2;
+        spec.runs.push_back(r);
+      }
+      spec.bucket_bytes = {wire};
+      SS_ASSIGN_OR_RETURN(auto batch, CopyBatch::Prepare(spec, 0));
+      SS_ASSIGN_OR_RETURN(double t, TimeIt(s, 5, [&] { return batch->Launch(s); }));
+      return static_cast<double>(batch->in_bytes() + batch->out_bytes()) / t / 1e9;
+    };
+    SS_ASSIGN_OR_RETURN((*out)["pack_f32_bf16_gbps"],
+                        bench(BatchMode::kPack, DType::kF32, DType::kBF16, f32->data(), w->data(),
+                              elems, 1, elems));
+    SS_ASSIGN_OR_RETURN(
+        (*out)["pack_bf16_gbps"],
+        bench(BatchMode::kPack, DType::kBF16, DType::kBF16, d->data(), w->data(), elems, 1, elems));
+    // Row-parallel TP slice: half of every row of a [32768, 32768] bf16 matrix.
+    SS_ASSIGN_OR_RETURN((*out)["pack_strided_gbps"],
+                        bench(BatchMode::kPack, DType::kBF16, DType::kBF16, d->data(), w->data(),
+                              16384, 32768, 32768));
+    SS_ASSIGN_OR_RETURN((*out)["unpack_gbps"], bench(BatchMode::kUnpack, DType::kBF16, DType::kBF16,
+                                                     w->data(), d->data(), elems, 1, elems));
+    SS_ASSIGN_OR_RETURN((*out)["verify_gbps"], bench(BatchMode::kVerify, DType::kBF16, DType::kBF16,
+                                                     d->data(), nullptr, elems, 1, elems));
+    SS_ASSIGN_OR_RETURN(
+        double t, TimeIt(s, 5, [&]() -> Status {
+          SS_CUDA(cudaMemcpyAsync(w->data(), d->data(), elems * 2, cudaMemcpyDeviceToDevice, s),
+                  "memcpy");
+          return OkStatus();
+        }));
+    (*out)["memcpy_kernel_ref_gbps"] = 2.0 * elems * 2 / t / 1e9;
+  }
+  (void)j;
+  cudaStreamDestroy(s);
+  return OkStatus();
+}
+
+int ProbeMain(const GpuBenchOptions& o, const Job& j, const std::string& addr, int gpus,
+              int64_t wire_bytes) {
+  auto store = StoreClient::Connect(addr, kToken, Millis(30000));
+  if (!store.ok()) return 3;
+  json out;
+  Status s = Probe(o, j, gpus, wire_bytes, &out);
+  if (!s.ok()) out["error"] = s.ToString();
+  (*store)->Set("gb/probe", out.dump()).IgnoreError();
+  return s.ok() ? 0 : 1;
+}
+
+// Forks `fn` as a child process (stderr to `log` when given); returns its pid.
+template <typename Fn>
+pid_t Spawn(const std::string& log, Fn fn) {
+  std::fflush(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    if (!log.empty()) {
+      if (FILE* f = std::freopen(log.c_str(), "w", stderr)) (void)f;
+    }
+    int rc = fn();
+    std::fflush(nullptr);
+    _exit(rc);
+  }
+  return pid;
+}
+
+Status WaitChildren(std::vector<pid_t> pids, Millis timeout, std::vector<int>* codes) {
+  const auto deadline = Clock::now() + timeout;
+  codes->assign(pids.size(), -1);
+  size_t left = pids.size();
+  while (left > 0) {
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (pids[i] <= 0) continue;
+      int st = 0;
+      const pid_t r = waitpid(pids[i], &st, WNOHANG);
+      if (r == pids[i]) {
+        (*codes)[i] = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        pids[i] = 0;
+        --left;
+      }
+    }
+    if (left == 0) break;
+    if (Clock::now() > deadline) {
+      for (pid_t p : pids) {
+        if (p > 0) kill(p, SIGKILL);
+      }
+      for (pid_t p : pids) {
+        if (p > 0) waitpid(p, nullptr, 0);
+      }
+      return DeadlineExceededError("gpu bench: rank processes still running after " +
+                                   std::to_string(timeout.count()) + " ms; killed");
+    }
+    std::this_thread::sleep_for(Millis(20));
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
+  // The parent never initializes CUDA (children are forked); the GPU count comes from the env
+  // or the option.
+  int gpus = o.gpus;
+  if (gpus <= 0) {
+    // Count in a throwaway child so this process stays CUDA-free.
+    int fds[2];
+    if (pipe(fds) != 0) return InternalError("pipe failed");
+    const pid_t p = fork();
+    if (p == 0) {
+      int n = 0;
+      if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+      const ssize_t w = write(fds[1], &n, sizeof(n));
+      (void)w;
+      _exit(0);
+    }
+    int n = 0;
+    const ssize_t r = read(fds[0], &n, sizeof(n));
+    close(fds[0]);
+    close(fds[1]);
+    waitpid(p, nullptr, 0);
+    gpus = r == sizeof(n) ? n : 0;
+  }
+  if (gpus <= 0) return UnavailableError("gpu bench: no CUDA device visible");
+  SS_ASSIGN_OR_RETURN(Job job, MakeJob(o, gpus));
+  SS_ASSIGN_OR_RETURN(PlanSummary summary, SummarizePlan(job.in));
+  GpuBenchReport rep;
+  rep.gpus = gpus;
+  rep.model = o.model;
+  rep.trainer = o.trainer;
+  rep.rollout = o.rollout;
+  rep.engine = o.engine;
+  rep.transport = o.transport;
+  rep.trainer_dtype = std::string(DTypeName(o.trainer_dtype));
+  rep.wire_bytes = summary.total_bytes;
+  rep.broadcast_bytes = summary.broadcast_recv_bytes_per_rank * job.in.rollout.world();
+  if (auto v = NcclVersion(); v.ok()) rep.nccl_version = *v;
+
+  // Per-GPU bytes for the bound: same-GPU copies and cross-GPU traffic.
+  std::vector<int64_t> local(gpus, 0), out_b(gpus, 0), in_b(gpus, 0);
+  for (int t = 0; t < job.S; ++t) {
+    SS_ASSIGN_OR_RETURN(RankPlan rp, PlanForRank(job.in, t));
+    for (const Message& m : rp.sends) {
+      const int a = job.Device(m.src), b = job.Device(m.dst);
+      if (a == b) {
+        local[a] += m.bytes;
+      } else {
+        out_b[a] += m.bytes;
+        in_b[b] += m.bytes;
+        rep.cross_gpu_bytes += m.bytes;
+      }
+    }
+  }
+
+  SS_ASSIGN_OR_RETURN(auto server, StoreServer::Start("127.0.0.1", 0, kToken));
+  const std::string addr = server->address();
+  SS_ASSIGN_OR_RETURN(auto store, StoreClient::Connect(addr, kToken, Millis(30000)));
+  const std::string lp = o.log_prefix;
+  // 1. Probe (alone on the GPUs).
+  {
+    const pid_t p = Spawn(lp.empty() ? "" : lp + "probe.log",
+                          [&] { return ProbeMain(o, job, addr, gpus, rep.wire_bytes); });
+    std::vector<int> codes;
+    SS_RETURN_IF_ERROR(WaitChildren({p}, Millis(600000), &codes));
+    SS_ASSIGN_OR_RETURN(std::string pj, store->Get("gb/probe", Millis(1000)));
+    const json probe = json::parse(pj);
+    if (probe.contains("error"))
+      return InternalError("gpu bench probe: " + probe["error"].get<std::string>());
+    rep.device_name = probe.value("device_name", "");
+    rep.hbm_peak_gbps = probe.value("hbm_peak_gbps", 0.0);
+    rep.memcpy_seconds = probe.value("memcpy_seconds", 0.0);
+    rep.link_gbps = probe.value("link_gbps", 0.0);
+    rep.pack_f32_bf16_gbps = probe.value("pack_f32_bf16_gbps", 0.0);
+    rep.pack_bf16_gbps = probe.value("pack_bf16_gbps", 0.0);
+    rep.pack_strided_gbps = probe.value("pack_strided_gbps", 0.0);
+    rep.unpack_gbps = probe.value("unpack_gbps", 0.0);
+    rep.verify_gbps = probe.value("verify_gbps", 0.0);
+    rep.memcpy_kernel_ref_gbps = probe.value("memcpy_kernel_ref_gbps", 0.0);
+  }
+  // 2. The ranks.
+  std::vector<pid_t> pids;
+  for (int r = 0; r < job.world; ++r) {
+    pids.push_back(Spawn(lp.empty() ? "" : lp + "rank" + std::to_string(r) + ".log",
+                         [&, r] { return RankMain(o, job, addr, r); }));
+  }
+  std::vector<int> codes;
+  const Millis budget = o.timeout * (o.warmup + o.iters + 3) * (o.broadcast_baseline ? 2 : 1);
+  Status waited = WaitChildren(pids, budget, &codes);
+  for (int r = 0; r < job.world; ++r) {
+    auto v = store->Get("gb/result/" + std::to_string(r), Millis(10));
+    GpuBenchRank rr;
+    rr.rank = r;
+    rr.device = job.Device(r);
+    rr.is_trainer = r < job.S;
+    if (v.ok()) {
+      rr = RankFromJson(json::parse(*v));
+    } else {
+      rr.error = "no report (process exit code " + std::to_string(codes[r]) + ")";
+    }
+    rep.ranks.push_back(rr);
+  }
+  // 3. Figures.
+  std::vector<double> per_iter;
+  bool all_ok = waited.ok();
+  for (const auto& r : rep.ranks) {
+    if (!r.error.empty()) all_ok = false;
+    if (!r.is_trainer) {
+      rep.checksums_ok += r.checksums_ok;
+      rep.checksums_total += r.checksums_total;
+      if (r.element_mismatches > 0) rep.element_mismatches += r.element_mismatches;
+      rep.elements_checked += r.elements_checked;
+    }
+  }
+  if (!rep.ranks.empty()) rep.sync_seconds_all = rep.ranks[0].seconds;
+  rep.sync_seconds = Median(rep.sync_seconds_all);
+  if (rep.sync_seconds > 0) rep.sync_gbps = rep.wire_bytes / rep.sync_seconds / 1e9;
+  if (rep.memcpy_seconds > 0) rep.memcpy_gbps = rep.wire_bytes / rep.memcpy_seconds / 1e9;
+  if (rep.sync_seconds > 0 && rep.memcpy_seconds > 0) {
+    rep.sync_vs_memcpy = rep.memcpy_seconds / rep.sync_seconds;
+  }
+  if (auto b = store->Get("gb/broadcast_seconds", Millis(10)); b.ok()) {
+    rep.broadcast_seconds = Median(json::parse(*b).get<std::vector<double>>());
+    if (rep.sync_seconds > 0) rep.speedup_vs_broadcast = rep.broadcast_seconds / rep.sync_seconds;
+  }
+  // Bound: per GPU, same-GPU bytes at the measured D2D copy rate and cross-GPU bytes at the
+  // measured link rate (each direction), whichever is larger; max over GPUs.
+  const double d2d = rep.memcpy_gbps > 0 ? rep.memcpy_gbps * 1e9 : 0;
+  for (int g = 0; g < gpus; ++g) {
+    double b = d2d > 0 ? local[g] / d2d : 0;
+    if (rep.link_gbps > 0) b = std::max(b, std::max(out_b[g], in_b[g]) / (rep.link_gbps * 1e9));
+    rep.bound_seconds = std::max(rep.bound_seconds, b);
+  }
+  if (rep.bound_seconds > 0 && rep.sync_seconds > 0) {
+    rep.sync_vs_bound = rep.sync_seconds / rep.bound_seconds;
+  }
+  if (o.kill_rank >= 0) {
+    // Fault run: ok iff every surviving rank reported an error.
+    rep.ok = true;
+    for (const auto& r : rep.ranks) {
+      if (r.rank != o.kill_rank && r.error.empty()) rep.ok = false;
+    }
+  } else {
+    rep.ok = all_ok && rep.element_mismatches == 0 && rep.checksums_ok == rep.checksums_total &&
+             (!o.verify_elements || rep.elements_checked > 0);
+  }
+  char line[512];
+  snprintf(line, sizeof(line),
+           "%s %s -> %s %s on %d GPU(s) [%s]: %.3f GB in %.2f ms (%.0f GB/s); memcpy %.2f ms "
+           "(x%.2f); checksums %lld/%lld; elements wrong %lld of %lld; %s",
+           o.model.c_str(), o.trainer.c_str(), o.rollout.c_str(), o.transport.c_str(), gpus,
+           rep.trainer_dtype.c_str(), rep.wire_bytes / 1e9, rep.sync_seconds * 1e3, rep.sync_gbps,
+           rep.memcpy_seconds * 1e3, rep.sync_vs_memcpy, static_cast<long long>(rep.checksums_ok),
+           static_cast<long long>(rep.checksums_total),
+           static_cast<long long>(rep.element_mismatches),
+           static_cast<long long>(rep.elements_checked), rep.ok ? "OK" : "FAILED");
+  rep.summary = line;
+  if (!waited.ok()) rep.summary += " (" + waited.ToString() + ")";
+  return rep;
+}
+
+}  // namespace shardsync::gpu

@@ -1,0 +1,144 @@
+// shardsync_gpu: the GPU data-path harness (scripts/device_gpu_tests.sh,
+// scripts/multigpu_harness.sh).
+//   shardsync_gpu bench [--model M --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 --transport
+//   cuda_ipc|nccl
+//                        --trainer-dtype f32|bf16 --gpus N --iters K --broadcast --kill-rank R ...]
+//   shardsync_gpu info
+// Prints one JSON object on stdout (the report) and a summary line on stderr; exit 0 iff the run
+// met its check (every element equal and every checksum good; or, with --kill-rank, every other
+// rank errored within the timeout).
+#include <spdlog/spdlog.h>
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "shardsync/gpu.h"
+#include "shardsync/gpu_bench.h"
+
+using namespace shardsync;
+using json = nlohmann::json;
+
+int main(int argc, char** argv) {
+  CLI::App app("shardsync GPU data-path harness");
+  app.require_subcommand(1);
+  gpu::GpuBenchOptions o;
+  std::string dtype = "bf16";
+  int64_t timeout_ms = 60000;
+  bool no_memcpy = false, no_kernels = false, no_verify = false;
+  auto* bench = app.add_subcommand("bench", "run a GPU sync job and its baselines");
+  bench->add_option("--model", o.model, "model name or config path");
+  bench->add_option("--trainer", o.trainer, "trainer layout (fsdp=N)");
+  bench->add_option("--rollout", o.rollout, "rollout layout (dp=,tp=,pp=)");
+  bench->add_option("--engine", o.engine, "sglang|vllm");
+  bench->add_option("--transport", o.transport, "cuda_ipc|nccl");
+  bench->add_option("--trainer-dtype", dtype, "f32|bf16 (what trainers hold)");
+  bench->add_option("--bucket-bytes", o.bucket_bytes, "bucket cap");
+  bench->add_option("--gpus", o.gpus, "GPUs to place ranks on (0: all)");
+  bench->add_option("--iters", o.iters, "timed syncs");
+  bench->add_option("--warmup", o.warmup, "untimed syncs");
+  bench->add_option("--seed", o.seed, "synthetic weights seed");
+  bench->add_option("--kill-rank", o.kill_rank, "sync rank that dies mid-sync (fault test)");
+  bench->add_option("--timeout-ms", timeout_ms, "per-wait timeout");
+  bench->add_option("--log-prefix", o.log_prefix, "per-process stderr logs (PREFIXrankN.log)");
+  bench->add_flag("--broadcast", o.broadcast_baseline, "also run the broadcast-all baseline");
+  bench->add_flag("--no-memcpy", no_memcpy, "skip the cudaMemcpy baseline");
+  bench->add_flag("--no-kernel-bench", no_kernels, "skip the kernel microbenchmarks");
+  bench->add_flag("--no-verify", no_verify, "skip the element-by-element check");
+  auto* info = app.add_subcommand("info", "device and NCCL information");
+  CLI11_PARSE(app, argc, argv);
+  spdlog::set_level(spdlog::level::warn);  // stdout carries the JSON report only
+
+  if (info->parsed()) {
+    std::string why;
+    json j;
+    j["available"] = gpu::Available(&why);
+    j["reason"] = why;
+    if (auto n = gpu::DeviceCount(); n.ok()) {
+      for (int d = 0; d < *n; ++d) {
+        if (auto i = gpu::QueryDevice(d); i.ok()) {
+          j["devices"].push_back({{"index", d},
+                                  {"name", i->name},
+                                  {"sms", i->sm_count},
+                                  {"bytes", i->total_bytes},
+                                  {"hbm_peak_gbps", i->hbm_peak_gbps},
+                                  {"pci", i->pci_bus_id}});
+        }
+      }
+    }
+    auto v = gpu::NcclVersion();
+    j["nccl"] = v.ok() ? json(*v) : json(v.status().ToString());
+    std::cout << j.dump(2) << std::endl;
+    return 0;
+  }
+  auto dt = ParseDType(dtype, "--trainer-dtype");
+  if (!dt.ok()) {
+    std::cerr << dt.status().ToString() << std::endl;
+    return 2;
+  }
+  o.trainer_dtype = *dt;
+  o.timeout = Millis(timeout_ms);
+  o.memcpy_baseline = !no_memcpy;
+  o.kernel_bench = !no_kernels;
+  o.verify_elements = !no_verify;
+  auto r = gpu::RunGpuBench(o);
+  if (!r.ok()) {
+    std::cerr << r.status().ToString() << std::endl;
+    return r.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  const gpu::GpuBenchReport& p = *r;
+  json ranks = json::array();
+  for (const auto& x : p.ranks) {
+    ranks.push_back({{"rank", x.rank},
+                     {"trainer", x.is_trainer},
+                     {"device", x.device},
+                     {"error", x.error},
+                     {"seconds_to_error", x.seconds_to_error},
+                     {"bytes", x.bytes},
+                     {"checksums_ok", x.checksums_ok},
+                     {"checksums_total", x.checksums_total},
+                     {"element_mismatches", x.element_mismatches},
+                     {"elements_checked", x.elements_checked},
+                     {"seconds", x.seconds}});
+  }
+  json j = {{"device", p.device_name},
+            {"gpus", p.gpus},
+            {"model", p.model},
+            {"trainer", p.trainer},
+            {"rollout", p.rollout},
+            {"engine", p.engine},
+            {"transport", p.transport},
+            {"trainer_dtype", p.trainer_dtype},
+            {"nccl_version", p.nccl_version},
+            {"wire_bytes", p.wire_bytes},
+            {"cross_gpu_bytes", p.cross_gpu_bytes},
+            {"broadcast_bytes", p.broadcast_bytes},
+            {"sync_seconds", p.sync_seconds},
+            {"sync_gbps", p.sync_gbps},
+            {"sync_seconds_all", p.sync_seconds_all},
+            {"memcpy_seconds", p.memcpy_seconds},
+            {"memcpy_gbps", p.memcpy_gbps},
+            {"sync_vs_memcpy", p.sync_vs_memcpy},
+            {"broadcast_seconds", p.broadcast_seconds},
+            {"speedup_vs_broadcast", p.speedup_vs_broadcast},
+            {"link_gbps", p.link_gbps},
+            {"bound_seconds", p.bound_seconds},
+            {"sync_vs_bound", p.sync_vs_bound},
+            {"hbm_peak_gbps", p.hbm_peak_gbps},
+            {"pack_f32_bf16_gbps", p.pack_f32_bf16_gbps},
+            {"pack_bf16_gbps", p.pack_bf16_gbps},
+            {"pack_strided_gbps", p.pack_strided_gbps},
+            {"unpack_gbps", p.unpack_gbps},
+            {"verify_gbps", p.verify_gbps},
+            {"memcpy_kernel_ref_gbps", p.memcpy_kernel_ref_gbps},
+            {"element_mismatches", p.element_mismatches},
+            {"elements_checked", p.elements_checked},
+            {"checksums_ok", p.checksums_ok},
+            {"checksums_total", p.checksums_total},
+            {"ok", p.ok},
+            {"summary", p.summary},
+            {"ranks", ranks}};
+  std::cout << j.dump(2) << std::endl;
+  std::cerr << p.summary << std::endl;
+  return p.ok ? 0 : 1;
+}

@@ -184,6 +184,13 @@ Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
   }
 
   c.erank_begin_.assign(c.E_ + 1, 0);
+  size_t npieces = 0, nparams = 0;
+  for (const auto& rk : map.ranks) {
+    nparams += rk.params.size();
+    for (const auto& prm : rk.params) npieces += prm.pieces.size();
+  }
+  c.pieces_.reserve(npieces);
+  c.param_shapes_.reserve(nparams);
   for (int e = 0; e < c.E_; ++e) {
     c.erank_begin_[e] = static_cast<int32_t>(c.pieces_.size());
     const EngineRankShards& rk = map.ranks[e];
@@ -198,24 +205,26 @@ Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
       const size_t first = c.pieces_.size();
       for (const Piece& pc : prm.pieces) {
         auto it = by_name.find(pc.source);
-        const std::string where =
-            fmt::format("engine rank (pp {}, tp {}) param '{}'", e / sh.tp, e % sh.tp, prm.name);
+        auto where = [&] {
+          return fmt::format("engine rank (pp {}, tp {}) param '{}'", e / sh.tp, e % sh.tp,
+                             prm.name);
+        };
         if (it == by_name.end()) {
           return NotFoundError(
-              fmt::format("{}: piece source '{}' is not in the HF inventory", where, pc.source));
+              fmt::format("{}: piece source '{}' is not in the HF inventory", where(), pc.source));
         }
         const HfTensor& t = inventory[it->second];
         if (!RegionInside(pc.src, t.shape)) {
-          return OutOfRangeError(fmt::format("{}: source region {} outside '{}' {}", where,
+          return OutOfRangeError(fmt::format("{}: source region {} outside '{}' {}", where(),
                                              pc.src.ToString(), t.name, ShapeToString(t.shape)));
         }
         if (!RegionInside(pc.dst, prm.shape)) {
-          return OutOfRangeError(fmt::format("{}: dst region {} outside {}", where,
+          return OutOfRangeError(fmt::format("{}: dst region {} outside {}", where(),
                                              pc.dst.ToString(), ShapeToString(prm.shape)));
         }
         if (!Aligned(pc.src, pc.dst)) {
           return InvalidArgumentError(
-              fmt::format("{}: piece {} of '{}' -> {} is not a box translation", where,
+              fmt::format("{}: piece {} of '{}' -> {} is not a box translation", where(),
                           pc.src.ToString(), t.name, pc.dst.ToString()));
         }
         if (pc.src.empty()) continue;
@@ -450,7 +459,11 @@ Result<RankPlan> PlanContext::PlanForRank(int sync_rank) const {
           Message m;
           m.src = sync_rank;
           m.dst = S_world_ + d * E_ + e;
-          m.ops = local[e];
+          if (d + 1 == D_) {
+            m.ops = std::move(local[e]);
+          } else {
+            m.ops = local[e];
+          }
           FinishMessage(&m);
           rp.sends.push_back(std::move(m));
         }

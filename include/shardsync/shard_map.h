@@ -116,6 +116,23 @@ struct ShardDims {
 // Checks every divisibility the engine asserts (the same errors BuildShardMap returns).
 Result<ShardDims> ComputeShardDims(const ModelSpec& model, const ShardSpec& spec);
 
+// ---- renderings (`shardsync shards`; schema in docs/cli.md) ----
+
+// Every rank of the map, in map order (the default selection for the renderers below).
+std::vector<const EngineRankShards*> AllRanks(const ShardMap& map);
+// Header (model, engine, factors) and one row per selected rank: layers, params, elements, bytes,
+// percentage of the checkpoint; footer with the replica total.
+std::string ShardMapToTable(const ShardMap& map, const std::vector<const EngineRankShards*>& ranks);
+// {model, engine, tp, pp, ep, ranks: [{tp_rank, pp_rank, moe_ep_rank, moe_tp_rank, layers,
+// params: [{name, shape, dtype, pieces: [{source, src_offset, dst_offset, extent}],
+// zero_fill: [{offset, extent}]}]}]}, one line.
+std::string ShardMapToJson(const ShardMap& map, const std::vector<const EngineRankShards*>& ranks);
+// ExplainParam for every selected rank holding engine parameter `name`; given an HF tensor name
+// instead, where its bytes land. NotFound if neither.
+Result<std::string> ExplainParamOnRanks(const ShardMap& map,
+                                        const std::vector<const EngineRankShards*>& ranks,
+                                        std::string_view name);
+
 // Human-readable account of where every byte of engine parameter `name` on `rank` comes from
 // (one line per piece and zero-fill). NotFound if the rank has no such parameter.
 Result<std::string> ExplainParam(const ShardMap& map, const EngineRankShards& rank,

@@ -3,6 +3,8 @@
 
 #include <map>
 #include <mutex>
+#include <optional>
+#include <stdexcept>
 
 #include "common.h"
 #include "plan_inputs.h"
@@ -51,6 +53,50 @@ py::dict ReportToPy(const SyncReport& r) {
   return d;
 }
 
+// Test-only fault injection from Python: transport_params keys "fault.<field>" wrap the
+// transport in the fault-injecting decorator (transport.h FaultConfig). Removed from the params
+// the transport itself sees.
+std::optional<FaultConfig> FaultFromParams(std::map<std::string, std::string>& params) {
+  std::optional<FaultConfig> f;
+  for (auto it = params.begin(); it != params.end();) {
+    if (it->first.rfind("fault.", 0) != 0) {
+      ++it;
+      continue;
+    }
+    if (!f) f.emplace();
+    const std::string field = it->first.substr(6);
+    int64_t v = 0;
+    try {
+      size_t used = 0;
+      v = std::stoll(it->second, &used);
+      if (used != it->second.size()) throw std::invalid_argument("trailing");
+    } catch (const std::exception&) {
+      ThrowIfError(InvalidArgumentError("transport_params['" + it->first +
+                                        "']: expected an integer, got '" + it->second + "'"));
+    }
+    if (field == "fail_post") {
+      f->fail_post = static_cast<int>(v);
+    } else if (field == "fail_code") {
+      f->fail_code = static_cast<StatusCode>(v);
+    } else if (field == "drop_completion") {
+      f->drop_completion = static_cast<int>(v);
+    } else if (field == "completion_delay_ms") {
+      f->completion_delay = Millis(v);
+    } else if (field == "corrupt_data_post") {
+      f->corrupt_data_post = static_cast<int>(v);
+    } else if (field == "corrupt_byte") {
+      f->corrupt_byte = static_cast<size_t>(v);
+    } else if (field == "die_after_posts") {
+      f->die_after_posts = static_cast<int>(v);
+    } else {
+      ThrowIfError(
+          InvalidArgumentError("transport_params['" + it->first + "']: unknown fault field"));
+    }
+    it = params.erase(it);
+  }
+  return f;
+}
+
 class PySession {
  public:
   PySession(PlanInputs inputs, int rank, const std::string& store_address, const std::string& token,
@@ -71,9 +117,11 @@ class PySession {
       }
       topts.loopback_hub = hub->hub;
     }
+    std::optional<FaultConfig> fault = FaultFromParams(topts.params);
     py::gil_scoped_release nogil;
     store_ = Unwrap(StoreClient::Connect(store_address, token, opts.connect_timeout));
     transport_ = Unwrap(CreateTransport(transport, topts));
+    if (fault) transport_ = NewFaultTransport(std::move(transport_), *fault);
     session_ = Unwrap(SyncSession::Create(inputs_, rank_, *store_, *transport_, opts));
   }
 

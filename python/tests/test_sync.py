@@ -144,3 +144,74 @@ def test_session_errors(need_session, tiny_model):
         e.close()
         with pytest.raises(shardsync.FailedPreconditionError, match="closed"):
             s.bind_source(name, np.zeros(reg.extent, np.float32))
+
+
+def _threads(plan, body):
+    out = {}
+
+    def run(r):
+        try:
+            out[r] = body(r)
+        except Exception as e:  # noqa: BLE001 - checked by the caller
+            out[r] = e
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(plan.world_size)]
+    [t.start() for t in ts]
+    [t.join(120) for t in ts]
+    assert not any(t.is_alive() for t in ts), "a rank hung"
+    return out
+
+
+def test_corrupted_transfer_is_data_loss_then_recovers(need_session, tiny_model):
+    """A byte flipped in transit (fault-injecting transport on trainer 0): receivers raise
+    DataLossError and stay poisoned; the next version syncs cleanly and clears it."""
+    spec = _spec(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1", "sglang")
+    plan = shardsync.Plan.from_spec(spec)
+    full = reference_weights(plan, 9)
+    with shardsync.StoreServer(token="t") as srv:
+        sessions, dests = {}, {}
+        for r in range(plan.world_size):
+            params = {"fault.corrupt_data_post": "1", "fault.corrupt_byte": "3"} if r == 0 else {}
+            s = shardsync.Session(plan, r, srv.address, token="t", transport="loopback",
+                                  prefix="fault/", sync_timeout=20, transport_params=params)
+            if s.is_trainer:
+                for n, a in full.items():
+                    reg = plan.held_region(r, a.shape)
+                    if reg.numel:
+                        s.bind_source(n, np.ascontiguousarray(a[reg.slices()]))
+            else:
+                dests[r] = {p.name: np.zeros(p.shape, np.float32) for p in s.expected_params()}
+                shardsync.bind_engine(s, dests[r].items())
+            sessions[r] = s
+        _threads(plan, lambda r: sessions[r].connect())
+        first = _threads(plan, lambda r: sessions[r].sync(1))
+        # The receiver of the corrupted bucket raises DataLossError; every other rank learns of
+        # it and raises AbortedError; all name the checksum mismatch. Nobody reports success.
+        for r, e in first.items():
+            assert isinstance(e, (shardsync.DataLossError, shardsync.AbortedError)), f"rank {r}: {e!r}"
+            assert "checksum mismatch" in str(e)
+        assert any(isinstance(e, shardsync.DataLossError) for e in first.values())
+        assert all(sessions[r].is_poisoned for r in dests)
+        second = _threads(plan, lambda r: sessions[r].sync(2))
+        for r, rep in second.items():
+            assert isinstance(rep, dict) and rep["verified"], f"rank {r}: {rep!r}"
+        assert not any(sessions[r].is_poisoned for r in dests)
+        assert all(sessions[r].last_good_version == 2 for r in dests)
+        sm = plan.shard_map()
+        for r, d in dests.items():
+            info = plan.describe_rank(r)
+            for p in sm.rank(info["tp_rank"], info["pp_rank"]).params:
+                assert np.array_equal(d[p.name], expected_param(p, full)), p.name
+        for s in sessions.values():
+            s.close()
+
+
+def test_unknown_fault_field_rejected(need_session, tiny_model):
+    plan = shardsync.Plan.from_spec(_spec(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1", "sglang"))
+    with shardsync.StoreServer(token="t") as srv:
+        with pytest.raises(shardsync.InvalidArgumentError, match="unknown fault field"):
+            shardsync.Session(plan, 0, srv.address, token="t", transport="loopback",
+                              transport_params={"fault.bogus": "1"})
+        with pytest.raises(shardsync.InvalidArgumentError, match="expected an integer"):
+            shardsync.Session(plan, 0, srv.address, token="t", transport="loopback",
+                              transport_params={"fault.fail_post": "x"})

@@ -42,7 +42,7 @@ struct SafetensorsHeader {
   std::map<std::string, std::string> metadata;
   uint64_t data_start = 0;  // 8 + header length
   uint64_t data_size = 0;   // bytes of the data section
-  // The entry named `name`, or nullptr.
+  // The entry named `name`, or nullptr (linear scan; SafetensorsFile::Get is indexed).
   const SafetensorsEntry* Find(std::string_view name) const;
 };
 
@@ -88,6 +88,7 @@ class SafetensorsFile {
   const uint8_t* base_ = nullptr;
   uint64_t size_ = 0;
   SafetensorsHeader header_;
+  std::map<std::string_view, size_t> index_;  // name -> header_.tensors index
 };
 
 // A checkpoint: a single .safetensors file, or a directory holding model.safetensors, or a

@@ -203,6 +203,9 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string
     return s;
   }
   f->header_ = std::move(h).value();
+  for (size_t i = 0; i < f->header_.tensors.size(); ++i) {
+    f->index_.emplace(f->header_.tensors[i].name, i);
+  }
   return f;
 }
 
@@ -211,10 +214,11 @@ SafetensorsFile::~SafetensorsFile() {
 }
 
 Result<TensorView> SafetensorsFile::Get(std::string_view name) const {
-  const SafetensorsEntry* e = header_.Find(name);
-  if (e == nullptr) {
+  auto it = index_.find(name);
+  if (it == index_.end()) {
     return NotFoundError(fmt::format("tensor '{}' not found in '{}'", name, path_));
   }
+  const SafetensorsEntry* e = &header_.tensors[it->second];
   TensorView v;
   v.name = e->name;
   v.dtype = e->dtype;
@@ -278,9 +282,9 @@ Result<std::unique_ptr<SafetensorsCheckpoint>> SafetensorsCheckpoint::Open(
   for (auto& [file, expected] : shards) {
     SS_ASSIGN_OR_RETURN(auto f, SafetensorsFile::Open(file));
     const size_t idx = c->files_.size();
+    const std::set<std::string_view> wanted(expected.begin(), expected.end());
     for (const auto& e : f->header().tensors) {
-      if (!expected.empty() &&
-          std::find(expected.begin(), expected.end(), e.name) == expected.end()) {
+      if (!wanted.empty() && wanted.count(e.name) == 0) {
         continue;  // present in the shard but mapped elsewhere by the index: the index decides
       }
       auto [it, inserted] = c->where_.emplace(e.name, idx);
@@ -290,7 +294,7 @@ Result<std::unique_ptr<SafetensorsCheckpoint>> SafetensorsCheckpoint::Open(
       }
     }
     for (const auto& name : expected) {
-      if (f->header().Find(name) == nullptr) {
+      if (!f->Get(name).ok()) {
         return DataLossError(fmt::format(
             "model.safetensors.index.json maps tensor '{}' to '{}', which does not hold it", name,
             file));

@@ -29,10 +29,49 @@ struct Control {
 };
 static_assert(sizeof(Control) == 32);
 
-// Control tags carry the version, so a control message of an aborted sync can never be taken
-// for one of a later sync.
-uint64_t ControlTag(uint64_t version, uint32_t bucket) {
-  return ((version & 0xFFFFFFFFFFull) << 23) | (bucket & 0x7FFFFFu);
+// Tags (48 bits: UCX keeps 16 for the source rank): [control 1][version mod 2^11][sequence 36].
+// The version keeps messages of an aborted sync from being taken for a later sync's.
+constexpr uint64_t kSeqBits = 36;
+uint64_t MakeTag(bool control, uint64_t version, uint64_t seq) {
+  return (uint64_t{control} << 47) | ((version & 0x7FF) << kSeqBits) |
+         (seq & ((uint64_t{1} << kSeqBits) - 1));
+}
+uint64_t ControlTag(uint64_t version, uint32_t bucket) { return MakeTag(true, version, bucket); }
+uint64_t DataTag(uint64_t version, uint64_t seq) { return MakeTag(false, version, seq); }
+
+// One contiguous run of a bucket's wire image landing in one parameter. Sender and receiver
+// derive the same list from the plan (same coalescing), so in two-sided mode every send has a
+// receive posted straight into the parameter.
+struct WireRun {
+  int32_t param = 0;
+  uint64_t param_offset = 0;  // bytes
+  int64_t wire_offset = 0;    // bytes, from the bucket start
+  size_t len = 0;
+};
+
+template <typename ShapeOf>
+std::vector<WireRun> BucketRuns(const Message& m, const Bucket& b, int ws, ShapeOf&& shape_of) {
+  std::vector<WireRun> runs;
+  for (int i = b.op_begin; i < b.op_end; ++i) {
+    const TransferOp& op = m.ops[i];
+    int64_t w = op.wire_offset - b.wire_offset;
+    ForEachRun(op.dst, shape_of(op.param), [&](int64_t off, int64_t len) {
+      const uint64_t at = static_cast<uint64_t>(off) * ws;
+      const size_t n = static_cast<size_t>(len) * ws;
+      if (!runs.empty()) {
+        WireRun& r = runs.back();
+        if (r.param == op.param && r.param_offset + r.len == at &&
+            r.wire_offset + static_cast<int64_t>(r.len) == w) {
+          r.len += n;
+          w += n;
+          return;
+        }
+      }
+      runs.push_back({op.param, at, w, n});
+      w += n;
+    });
+  }
+  return runs;
 }
 
 std::string Hex(uint64_t v) {
@@ -80,8 +119,9 @@ struct InFlight {
   int msg = 0;
   int bucket = 0;
   int slot = 0;
-  std::vector<XferId> xfers;  // puts, then the flush
+  std::vector<XferId> xfers;  // puts + flush (put mode) or data + control sends (tag mode)
   uint64_t checksum = 0;
+  std::unique_ptr<Control> control;
 };
 
 class SessionImpl final : public SyncSession {
@@ -481,25 +521,32 @@ class SessionImpl final : public SyncSession {
       }
     }
     const int ws = DTypeSize(in_.options.wire_dtype);
+    const bool put = tx_.caps().one_sided_put;
     std::deque<InFlight> flying;
-    std::vector<Control> ctrl(2);
+    std::vector<std::unique_ptr<Control>> sent_controls;  // alive until their sends complete
     std::vector<XferId> ctrl_ids;
+    std::vector<uint64_t> next_seq(plan_.sends.size(), 0);
     int next_slot = 0;
+    auto make_control = [&](const InFlight& f) {
+      auto c = std::make_unique<Control>();
+      c->bucket = static_cast<uint32_t>(f.bucket);
+      c->version = version_;
+      c->bytes = static_cast<uint64_t>(plan_.sends[f.msg].buckets[f.bucket].bytes);
+      c->checksum = f.checksum;
+      return c;
+    };
     auto finish_oldest = [&]() -> Status {
       InFlight& f = flying.front();
       const Message& m = plan_.sends[f.msg];
       SS_RETURN_IF_ERROR(WaitAll(f.xfers, "sending to sync rank " + std::to_string(m.dst)));
-      // The control buffer of this slot is free once its previous send completed.
-      SS_RETURN_IF_ERROR(WaitAll(ctrl_ids, "sending control messages"));
-      Control& c = ctrl[f.slot];
-      c = Control{};
-      c.bucket = static_cast<uint32_t>(f.bucket);
-      c.version = version_;
-      c.bytes = static_cast<uint64_t>(m.buckets[f.bucket].bytes);
-      c.checksum = f.checksum;
-      SS_ASSIGN_OR_RETURN(XferId id,
-                          tx_.PostSend(m.dst, ControlTag(version_, f.bucket), &c, sizeof(c)));
-      ctrl_ids.push_back(id);
+      if (put) {
+        // The flush completed: the bytes are visible at the receiver before it hears of them.
+        auto c = make_control(f);
+        SS_ASSIGN_OR_RETURN(XferId id, tx_.PostSend(m.dst, ControlTag(version_, f.bucket), c.get(),
+                                                    sizeof(Control)));
+        ctrl_ids.push_back(id);
+        sent_controls.push_back(std::move(c));
+      }
       st.send_bytes += m.buckets[f.bucket].bytes;
       flying.pop_front();
       return OkStatus();
@@ -517,48 +564,30 @@ class SessionImpl final : public SyncSession {
       unsigned char* stage = staging_[f.slot].data();
       SS_ASSIGN_OR_RETURN(
           f.checksum, packer_->Pack(SourceRegions(m, b), in_.options.wire_dtype, stage, b.bytes));
-      // One put per contiguous destination run; adjacent runs of one parameter merge.
-      const uint32_t base = regbase_.at(m.dst);
-      struct Pending {
-        uint32_t region = 0;
-        uint64_t remote = 0;
-        const unsigned char* src = nullptr;
-        size_t len = 0;
-      } p;
-      auto flush_pending = [&]() -> Status {
-        if (p.len == 0) return OkStatus();
-        SS_ASSIGN_OR_RETURN(XferId id, tx_.PostPut(m.dst, p.src, p.len, p.region, p.remote));
-        f.xfers.push_back(id);
-        p.len = 0;
-        return OkStatus();
-      };
-      Status put_status;
-      for (int i = b.op_begin; i < b.op_end && put_status.ok(); ++i) {
-        const TransferOp& op = m.ops[i];
-        const unsigned char* src = stage + (op.wire_offset - b.wire_offset);
-        const uint32_t region = base + static_cast<uint32_t>(op.param);
-        // The destination param's shape is not known to the sender; the plan's dst region is in
-        // the param's coordinates, whose shape the receiver bound. Senders derive it from the
-        // shard map of the destination rank.
-        const Shape& shape = DestShape(m.dst, op.param);
-        ForEachRun(op.dst, shape, [&](int64_t off, int64_t len) {
-          if (!put_status.ok()) return;
-          const uint64_t remote = static_cast<uint64_t>(off) * ws;
-          const size_t n = static_cast<size_t>(len) * ws;
-          if (p.len > 0 && p.region == region && p.remote + p.len == remote &&
-              p.src + p.len == src) {
-            p.len += n;
-          } else {
-            put_status = flush_pending();
-            p = {region, remote, src, n};
-          }
-          src += n;
-        });
+      // The plan's dst regions are in the destination parameter's coordinates; the sender knows
+      // its shape from the destination rank's shard map.
+      const auto runs =
+          BucketRuns(m, b, ws, [&](int param) -> const Shape& { return DestShape(m.dst, param); });
+      const uint32_t base = put ? regbase_.at(m.dst) : 0;
+      for (const WireRun& r : runs) {
+        const unsigned char* src = stage + r.wire_offset;
+        auto id = put ? tx_.PostPut(m.dst, src, r.len, base + static_cast<uint32_t>(r.param),
+                                    r.param_offset)
+                      : tx_.PostSend(m.dst, DataTag(version_, next_seq[mi]), src, r.len);
+        SS_RETURN_IF_ERROR(id.status());
+        ++next_seq[mi];
+        f.xfers.push_back(*id);
       }
-      if (put_status.ok()) put_status = flush_pending();
-      SS_RETURN_IF_ERROR(put_status);
-      SS_ASSIGN_OR_RETURN(XferId fl, tx_.PostFlush(m.dst));
-      f.xfers.push_back(fl);
+      if (put) {
+        SS_ASSIGN_OR_RETURN(XferId fl, tx_.PostFlush(m.dst));
+        f.xfers.push_back(fl);
+      } else {
+        // Two-sided: the receiver waits for the data receives and the control message alike.
+        f.control = make_control(f);
+        SS_ASSIGN_OR_RETURN(XferId id, tx_.PostSend(m.dst, ControlTag(version_, f.bucket),
+                                                    f.control.get(), sizeof(Control)));
+        f.xfers.push_back(id);
+      }
       flying.push_back(std::move(f));
     }
     while (!flying.empty()) SS_RETURN_IF_ERROR(finish_oldest());
@@ -598,11 +627,13 @@ class SessionImpl final : public SyncSession {
             packer_->ZeroFill(dests_[i].data, dests_[i].dtype, dests_[i].shape, z.dst));
       }
     }
+    const bool put = tx_.caps().one_sided_put;
+    const int ws = DTypeSize(in_.options.wire_dtype);
     struct Expect {
       int msg = 0;
       int bucket = 0;
-      size_t slot = 0;  // index into ctrl
-      XferId id = 0;
+      size_t slot = 0;          // index into ctrl
+      std::vector<XferId> ids;  // data receives (tag mode), then the control receive
     };
     size_t total = 0;
     for (const Message& m : plan_.recvs) total += m.buckets.size();
@@ -613,31 +644,58 @@ class SessionImpl final : public SyncSession {
     Status s;
     for (size_t mi = 0; mi < plan_.recvs.size() && s.ok(); ++mi) {
       const Message& m = plan_.recvs[mi];
-      for (size_t bi = 0; bi < m.buckets.size(); ++bi, ++k) {
+      uint64_t seq = 0;
+      for (size_t bi = 0; bi < m.buckets.size() && s.ok(); ++bi, ++k) {
+        Expect e{static_cast<int>(mi), static_cast<int>(bi), k, {}};
+        if (!put) {
+          // Two-sided: receive each run straight into its parameter (no staging copy).
+          for (const WireRun& r : BucketRuns(m, m.buckets[bi], ws, [&](int param) -> const Shape& {
+                 return dests_[param].shape;
+               })) {
+            auto* dst = static_cast<unsigned char*>(dests_[r.param].data) + r.param_offset;
+            auto id = tx_.PostRecv(m.src, DataTag(version_, seq++), dst, r.len);
+            if (!id.ok()) {
+              s = id.status();
+              break;
+            }
+            e.ids.push_back(*id);
+          }
+        }
+        if (!s.ok()) break;
         auto id = tx_.PostRecv(m.src, ControlTag(version_, bi), &(*ctrl)[k], sizeof(Control));
         if (!id.ok()) {
           s = id.status();
           break;
         }
-        pending.push_back({static_cast<int>(mi), static_cast<int>(bi), k, *id});
+        e.ids.push_back(*id);
+        pending.push_back(std::move(e));
       }
     }
     st.checksums_total = static_cast<int64_t>(total);
     int idle = 0;
     while (s.ok() && !pending.empty()) {
       size_t keep = 0;
+      bool progressed = false;
       for (size_t i = 0; i < pending.size() && s.ok(); ++i) {
         Expect& e = pending[i];
         const Message& m = plan_.recvs[e.msg];
-        auto state = tx_.Poll(e.id);
-        if (!state.ok()) {
-          s = state.status();
-          s.Annotate("sync rank " + std::to_string(rank_) + ": receiving from sync rank " +
-                     std::to_string(m.src));
-          break;
+        size_t left = 0;
+        for (XferId id : e.ids) {
+          auto state = tx_.Poll(id);
+          if (!state.ok()) {
+            s = state.status();
+            s.Annotate("sync rank " + std::to_string(rank_) + ": receiving from sync rank " +
+                       std::to_string(m.src));
+            break;
+          }
+          if (*state == XferState::kInProgress) e.ids[left++] = id;
         }
-        if (*state == XferState::kInProgress) {
-          pending[keep++] = e;
+        if (!s.ok()) break;
+        progressed |= left < e.ids.size();
+        e.ids.resize(left);
+        if (left > 0) {
+          if (keep != i) pending[keep] = std::move(e);
+          ++keep;
           continue;
         }
         s = VerifyBucket(m, e.bucket, (*ctrl)[e.slot]);
@@ -646,12 +704,11 @@ class SessionImpl final : public SyncSession {
           st.recv_bytes += m.buckets[e.bucket].bytes;
         }
       }
-      const bool progressed = keep < pending.size();
       if (s.ok()) {
         pending.resize(keep);
         if (pending.empty()) break;
         s = CheckDeadline("waiting for " + std::to_string(pending.size()) +
-                          " control messages (first from sync rank " +
+                          " buckets (first from sync rank " +
                           std::to_string(plan_.recvs[pending[0].msg].src) + ")");
       }
       Backoff(progressed, idle);

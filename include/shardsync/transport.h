@@ -125,6 +125,9 @@ enum class UcxMode { kPut, kTag, kAuto };
 struct UcxOptions {
   UcxMode mode = UcxMode::kAuto;
   bool mode_from_env = true;  // SHARDSYNC_UCX_MODE=put|tag|auto overrides `mode` when set
+  // false: treat every peer as remote (UCX peer-failure mode, so no shared memory; TCP on one
+  // host). Exercises the multi-node failure path on a single machine (tests).
+  bool same_host_shm = true;
 };
 // Unimplemented when shardsync was built without UCX.
 Result<std::unique_ptr<Transport>> NewUcxTransport(const UcxOptions& options = {});

@@ -165,7 +165,7 @@ void OnEpError(void* arg, ucp_ep_h, ucs_status_t status) {
 
 class UcxTransport final : public Transport {
  public:
-  UcxTransport(UcxMode mode) : mode_(mode) {}
+  UcxTransport(UcxMode mode, bool same_host_shm) : mode_(mode), same_host_shm_(same_host_shm) {}
   ~UcxTransport() override {
     Teardown(/*force=*/aborted_);
     ReleaseLocal();
@@ -485,7 +485,7 @@ class UcxTransport final : public Transport {
     Peer& p = peers_[rank];
     p.owner = this;
     p.rank = rank;
-    p.same_host = host == HostName();
+    p.same_host = same_host_shm_ && host == HostName();
     p.pid = static_cast<pid_t>(pid);
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -599,6 +599,7 @@ class UcxTransport final : public Transport {
 
  private:
   UcxMode mode_;
+  bool same_host_shm_;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int rank_ = -1;
@@ -630,7 +631,7 @@ Result<std::unique_ptr<Transport>> NewUcxTransport(const UcxOptions& options) {
     }
   }
   if (mode == UcxMode::kAuto) mode = HasRdmaDevice() ? UcxMode::kPut : UcxMode::kTag;
-  auto t = std::make_unique<UcxTransport>(mode);
+  auto t = std::make_unique<UcxTransport>(mode, options.same_host_shm);
   SS_RETURN_IF_ERROR(t->Init());
   return std::unique_ptr<Transport>(std::move(t));
 }

@@ -10,9 +10,10 @@
 namespace shardsync::testing {
 namespace {
 
-std::unique_ptr<Transport> MakeUcx(UcxMode mode) {
+std::unique_ptr<Transport> MakeUcx(UcxMode mode, bool same_host_shm = true) {
   UcxOptions o;
   o.mode = mode;
+  o.same_host_shm = same_host_shm;
   o.mode_from_env = false;
   auto t = NewUcxTransport(o);
   EXPECT_TRUE(t.ok()) << t.status().ToString();
@@ -24,6 +25,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         TransportParam{"ucx_put", [](const auto&) { return MakeUcx(UcxMode::kPut); }, true},
         TransportParam{"ucx_tag", [](const auto&) { return MakeUcx(UcxMode::kTag); }, true},
+        // The multi-node path: UCX peer-failure mode and keepalive instead of the process watch.
+        TransportParam{"ucx_remote_path", [](const auto&) { return MakeUcx(UcxMode::kPut, false); },
+                       true},
         TransportParam{"fault_passthrough_ucx",
                        [](const auto&) -> std::unique_ptr<Transport> {
                          return NewFaultTransport(MakeUcx(UcxMode::kPut));

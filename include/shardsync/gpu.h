@@ -19,6 +19,10 @@
 #include "shardsync/synthetic.h"
 #include "shardsync/transport.h"
 
+namespace shardsync {
+class Packer;  // session.h
+}  // namespace shardsync
+
 namespace shardsync::gpu {
 
 // True if this build has CUDA and at least one device answers; otherwise false with the reason
@@ -173,6 +177,11 @@ Status SetTransportStream(Transport& t, void* stream);
 // Registers "cuda_ipc" (priority 100) and "nccl" (priority 200) in the transport registry
 // (idempotent). Factory params (TransportOptions.params): "device" (CUDA index, default 0).
 Status RegisterGpuTransports();
+// The session's Packer (session.h) for device regions: Pack (cast + checksum, one launch),
+// ChecksumLanded (verify, one launch), Unpack, ZeroFill, on `device`, each waiting at most
+// `timeout`. Prepared batches are cached by their inputs (a replayed plan uploads descriptors
+// once). One dtype per call (Unimplemented otherwise). nullptr in builds without CUDA.
+std::unique_ptr<Packer> MakeCudaPacker(int device, Millis timeout = Millis(60000));
 // Whether libnccl can be loaded (SHARDSYNC_NCCL_LIB or libnccl.so.2), with its version.
 Result<int> NcclVersion();
 

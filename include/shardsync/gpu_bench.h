@@ -57,6 +57,9 @@ struct GpuBenchRank {
   int64_t element_mismatches = -1;  // engines with verify_elements; -1: not checked
   int64_t elements_checked = 0;
   std::vector<double> seconds;  // per timed iteration
+  // GPU time of this rank's one IPC launch (trainer: pack into the engines; engine: verify) per
+  // timed iteration, from CUDA events.
+  std::vector<double> kernel_seconds;
 };
 
 struct GpuBenchReport {

@@ -10,6 +10,7 @@
 #include "shardsync/dtype.h"
 #include "shardsync/gpu.h"
 #include "shardsync/region.h"
+#include "shardsync/session.h"
 #include "shardsync/synthetic.h"
 
 namespace shardsync::gpu {
@@ -404,6 +405,54 @@ TEST(GpuPack, RejectsBadBatches) {
   spec.in_dtype = DType::kF16;
   spec.out_dtype = DType::kF32;
   EXPECT_EQ(CopyBatch::Prepare(spec, 0).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(CudaPacker, PackVerifyUnpackMatchCpu) {
+  SS_REQUIRE_GPU();
+  const Case c = MakeCase(4);
+  const int64_t n = NumElements(c.shape);
+  const auto host = RandomBytes(n * 4, 15);
+  SS_ASSERT_OK_AND_ASSIGN(auto t, DeviceBuffer::Allocate(n * 4, 0));
+  SS_ASSERT_OK(CopyToDevice(t->data(), host.data(), n * 4));
+  auto packer = MakeCudaPacker(0);
+  ASSERT_NE(packer, nullptr);
+  EXPECT_EQ(packer->name(), "cuda");
+  const auto expect = CpuPack(c, host.data(), 4, 2, 1);
+  // Bucket 0 of the case: regions in wire order.
+  std::vector<PackRegion> regions;
+  int64_t w = 0;
+  for (const auto& [r, k] : c.regions) {
+    if (k != 0) continue;
+    regions.push_back({t->data(), DType::kF32, c.shape, r, w});
+    w += r.numel() * 2;
+  }
+  ASSERT_EQ(w, static_cast<int64_t>(expect[0].size()));
+  SS_ASSERT_OK_AND_ASSIGN(auto wire, DeviceBuffer::Allocate(w, 0));
+  for (int rep = 0; rep < 2; ++rep) {  // the second call replays the cached batch
+    SS_ASSERT_OK_AND_ASSIGN(uint64_t sum, packer->Pack(regions, DType::kBF16, wire->data(), w));
+    EXPECT_EQ(sum, Checksum(expect[0].data(), w));
+  }
+  std::vector<unsigned char> got(w);
+  SS_ASSERT_OK(CopyToHost(got.data(), wire->data(), w));
+  EXPECT_EQ(got, expect[0]);
+  // Unpack into a bf16 tensor, then checksum the landed regions: equal to the sender's.
+  SS_ASSERT_OK_AND_ASSIGN(auto dst, DeviceBuffer::Allocate(n * 2, 0));
+  SS_ASSERT_OK(Memset(dst->data(), 0, n * 2));
+  std::vector<PackRegion> landed = regions;
+  for (auto& r : landed) {
+    r.base = dst->data();
+    r.dtype = DType::kBF16;
+  }
+  SS_ASSERT_OK(packer->Unpack(wire->data(), DType::kBF16, w, landed));
+  SS_ASSERT_OK_AND_ASSIGN(uint64_t lsum, packer->ChecksumLanded(landed, w));
+  EXPECT_EQ(lsum, Checksum(expect[0].data(), w));
+  SS_ASSERT_OK(packer->ZeroFill(dst->data(), DType::kBF16, c.shape, Region::Make({0, 0}, {2, 53})));
+  SS_ASSERT_OK_AND_ASSIGN(uint64_t zsum, packer->ChecksumLanded(landed, w));
+  EXPECT_NE(zsum, lsum);
+  std::vector<PackRegion> mixed = regions;
+  mixed[1].dtype = DType::kBF16;
+  EXPECT_EQ(packer->Pack(mixed, DType::kBF16, wire->data(), w).status().code(),
+            StatusCode::kUnimplemented);
 }
 
 TEST(GpuSynthetic, FillAndCheckMatchHost) {

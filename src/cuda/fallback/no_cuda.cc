@@ -2,6 +2,7 @@
 // shardsync links and callers get a clear Unimplemented instead of a link error.
 #include "shardsync/gpu.h"
 #include "shardsync/gpu_bench.h"
+#include "shardsync/session.h"
 
 namespace shardsync::gpu {
 
@@ -57,6 +58,7 @@ Status SetTransportStream(Transport&, void*) { return NoCuda("SetTransportStream
 // Nothing to register: SelectTransport then never offers cuda_ipc / nccl.
 Status RegisterGpuTransports() { return OkStatus(); }
 Result<int> NcclVersion() { return NoCuda("NcclVersion"); }
+std::unique_ptr<Packer> MakeCudaPacker(int, Millis) { return nullptr; }
 
 Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions&) { return NoCuda("RunGpuBench"); }
 

@@ -163,6 +163,13 @@ class RankRunner {
 
   Status Setup(GpuBenchRank* out);
   Status SyncOnce(uint64_t version, bool fault, GpuBenchRank* out);
+  // GPU seconds of the last sync's IPC launch (0 without one).
+  double KernelSeconds() {
+    if (!ipc_batch_) return 0;
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, k0_, k1_) != cudaSuccess) return 0;
+    return ms / 1e3;
+  }
   Status Broadcast(uint64_t version);
   Status VerifyElements(GpuBenchRank* out);
 
@@ -188,12 +195,13 @@ class RankRunner {
   RankPlan plan_;
   cudaStream_t stream_ = nullptr, comm_stream_ = nullptr;
   std::vector<cudaEvent_t> events_;
-  std::unique_ptr<DeviceBuffer> buf_;     // trainer: held shards; engine: parameters
-  std::vector<int64_t> offsets_;          // trainer: per HF tensor; engine: per parameter
-  std::unique_ptr<DeviceBuffer> full_;    // broadcast baseline: trainer 0's full model (bf16)
-  std::unique_ptr<DeviceBuffer> bstage_;  // broadcast baseline: engine's full-model staging
-  std::vector<int64_t> full_offsets_;     // per HF tensor in full_ / bstage_
-  std::unique_ptr<CopyBatch> bslice_;     // engine: slice pieces out of bstage_
+  cudaEvent_t k0_ = nullptr, k1_ = nullptr;  // timing of the IPC launch
+  std::unique_ptr<DeviceBuffer> buf_;        // trainer: held shards; engine: parameters
+  std::vector<int64_t> offsets_;             // trainer: per HF tensor; engine: per parameter
+  std::unique_ptr<DeviceBuffer> full_;       // broadcast baseline: trainer 0's full model (bf16)
+  std::unique_ptr<DeviceBuffer> bstage_;     // broadcast baseline: engine's full-model staging
+  std::vector<int64_t> full_offsets_;        // per HF tensor in full_ / bstage_
+  std::unique_ptr<CopyBatch> bslice_;        // engine: slice pieces out of bstage_
   std::unique_ptr<Transport> ipc_, nccl_;
   std::vector<MsgState> msgs_;
   std::unique_ptr<CopyBatch> ipc_batch_;  // trainer pack or engine verify over IPC messages
@@ -243,6 +251,8 @@ Status RankRunner::Setup(GpuBenchRank* out) {
   SS_CUDA(cudaSetDevice(device_), "rank " + std::to_string(rank_) + ": cudaSetDevice");
   SS_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream");
   SS_CUDA(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking), "stream");
+  SS_CUDA(cudaEventCreate(&k0_), "event");
+  SS_CUDA(cudaEventCreate(&k1_), "event");
   SS_ASSIGN_OR_RETURN(plan_, PlanForRank(j_.in, rank_));
   SS_RETURN_IF_ERROR(Fill());
 
@@ -433,7 +443,9 @@ Status RankRunner::TrainerSync(uint64_t v, bool fault, Clock::time_point deadlin
   std::vector<XferId> ids;
   // IPC: one launch writes every IPC bucket straight into the engines.
   if (ipc_batch_) {
+    SS_CUDA(cudaEventRecord(k0_, stream_), "event");
     SS_RETURN_IF_ERROR(ipc_batch_->Launch(stream_));
+    SS_CUDA(cudaEventRecord(k1_, stream_), "event");
     if (fault) raise(SIGKILL);  // mid-sync: kernels in flight, no checksums sent
     for (const MsgState& s : msgs_) {
       if (!s.nccl) {
@@ -556,7 +568,11 @@ Status RankRunner::EngineSync(uint64_t v, bool fault, Clock::time_point deadline
     SS_RETURN_IF_ERROR(WaitAllXfers(*nccl_, nccl_ids, Left(deadline), "engine: checksums (nccl)"));
   }
   // IPC: the senders flushed before sending checksums, so the bytes have landed: verify them.
-  if (ipc_batch_) SS_RETURN_IF_ERROR(ipc_batch_->Launch(stream_));
+  if (ipc_batch_) {
+    SS_CUDA(cudaEventRecord(k0_, stream_), "event");
+    SS_RETURN_IF_ERROR(ipc_batch_->Launch(stream_));
+    SS_CUDA(cudaEventRecord(k1_, stream_), "event");
+  }
   SS_RETURN_IF_ERROR(WaitStream(stream_, deadline, "engine: verify"));
   if (ipc_batch_) {
     SS_ASSIGN_OR_RETURN(auto sums, ipc_batch_->Checksums());
@@ -718,7 +734,8 @@ json RankJson(const GpuBenchRank& r) {
           {"checksums_total", r.checksums_total},
           {"element_mismatches", r.element_mismatches},
           {"elements_checked", r.elements_checked},
-          {"seconds", r.seconds}};
+          {"seconds", r.seconds},
+          {"kernel_seconds", r.kernel_seconds}};
 }
 
 GpuBenchRank RankFromJson(const json& j) {
@@ -734,6 +751,7 @@ GpuBenchRank RankFromJson(const json& j) {
   r.element_mismatches = j.at("element_mismatches");
   r.elements_checked = j.at("elements_checked");
   r.seconds = j.at("seconds").get<std::vector<double>>();
+  r.kernel_seconds = j.at("kernel_seconds").get<std::vector<double>>();
   return r;
 }
 
@@ -799,6 +817,7 @@ int RankMain(const GpuBenchOptions& o, const Job& j, const std::string& addr, in
     if (!s.ok())
       return fail(s.Annotate("rank " + std::to_string(rank) + " sync v" + std::to_string(v)), t0);
     if (it >= o.warmup) {
+      res.kernel_seconds.push_back(runner->KernelSeconds());
       res.checksums_ok += scratch.checksums_ok;
       res.checksums_total += scratch.checksums_total;
     }

@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
                      {"checksums_total", x.checksums_total},
                      {"element_mismatches", x.element_mismatches},
                      {"elements_checked", x.elements_checked},
-                     {"seconds", x.seconds}});
+                     {"seconds", x.seconds}, {"kernel_seconds", x.kernel_seconds}});
   }
   json j = {{"device", p.device_name},
             {"gpus", p.gpus},

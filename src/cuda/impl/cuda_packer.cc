@@ -1,0 +1,184 @@
+// CUDA implementation of the session's Packer (session.h): pack / verify / unpack of device
+// regions with the fused checksum, one launch per call, prepared batches cached by their inputs
+// so a replayed plan uploads its descriptors once. Only session.h's abstract Packer class is
+// used (header only): the cuda layer does not link the sync layer.
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_util.h"
+#include "shardsync/gpu.h"
+#include "shardsync/session.h"
+
+namespace shardsync::gpu {
+
+using internal::CudaStatus;
+
+namespace {
+
+// Cache key: every input that shapes the descriptors.
+std::string Key(char mode, const std::vector<PackRegion>& regions, const void* buf, DType wire,
+                int64_t bytes) {
+  std::string k;
+  auto put = [&](const void* p, size_t n) { k.append(static_cast<const char*>(p), n); };
+  put(&mode, 1);
+  put(&buf, sizeof(buf));
+  put(&wire, sizeof(wire));
+  put(&bytes, sizeof(bytes));
+  for (const PackRegion& r : regions) {
+    put(&r.base, sizeof(r.base));
+    put(&r.dtype, sizeof(r.dtype));
+    const int64_t nd = static_cast<int64_t>(r.shape.size());
+    put(&nd, sizeof(nd));
+    put(r.shape.data(), r.shape.size() * sizeof(int64_t));
+    put(&r.region.ndim, sizeof(r.region.ndim));
+    put(r.region.offset.data(), sizeof(int64_t) * r.region.ndim);
+    put(r.region.extent.data(), sizeof(int64_t) * r.region.ndim);
+    put(&r.wire_offset, sizeof(r.wire_offset));
+  }
+  return k;
+}
+
+class CudaPacker final : public Packer {
+ public:
+  CudaPacker(int device, Millis timeout) : device_(device), timeout_(timeout) {}
+  ~CudaPacker() override {
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  std::string_view name() const override { return "cuda"; }
+
+  Result<uint64_t> Pack(const std::vector<PackRegion>& regions, DType wire, void* out,
+                        int64_t bytes) override {
+    SS_ASSIGN_OR_RETURN(CopyBatch * b, Get('p', regions, out, wire, bytes));
+    return Run(b);
+  }
+
+  Result<uint64_t> ChecksumLanded(const std::vector<PackRegion>& regions, int64_t bytes) override {
+    const DType wire = regions.empty() ? DType::kBF16 : regions[0].dtype;
+    SS_ASSIGN_OR_RETURN(CopyBatch * b, Get('v', regions, nullptr, wire, bytes));
+    return Run(b);
+  }
+
+  Status Unpack(const void* in, DType wire, int64_t bytes,
+                const std::vector<PackRegion>& regions) override {
+    SS_ASSIGN_OR_RETURN(CopyBatch * b, Get('u', regions, const_cast<void*>(in), wire, bytes));
+    return Run(b).status();
+  }
+
+  Status ZeroFill(void* base, DType dtype, const Shape& shape, const Region& region) override {
+    SS_RETURN_IF_ERROR(Init());
+    const int64_t es = DTypeSize(dtype);
+    Status s;
+    ForEachRun(region, shape, [&](int64_t off, int64_t len) {
+      if (!s.ok()) return;
+      s = CudaStatus(
+          cudaMemsetAsync(static_cast<unsigned char*>(base) + off * es, 0, len * es, stream_),
+          "cuda packer: zero fill");
+    });
+    SS_RETURN_IF_ERROR(s);
+    return Wait();
+  }
+
+ private:
+  Status Init() {
+    if (stream_) return OkStatus();
+    SS_CUDA(cudaSetDevice(device_), "cuda packer: cudaSetDevice " + std::to_string(device_));
+    SS_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cuda packer: stream");
+    return OkStatus();
+  }
+
+  Status Wait() {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    while (true) {
+      const cudaError_t e = cudaStreamQuery(stream_);
+      if (e == cudaSuccess) return OkStatus();
+      if (e != cudaErrorNotReady) return CudaStatus(e, "cuda packer");
+      if (std::chrono::steady_clock::now() > deadline) {
+        return DeadlineExceededError("cuda packer: kernel not done within " +
+                                     std::to_string(timeout_.count()) + " ms");
+      }
+    }
+  }
+
+  Result<uint64_t> Run(CopyBatch* b) {
+    SS_RETURN_IF_ERROR(b->Launch(stream_));
+    SS_RETURN_IF_ERROR(Wait());
+    SS_ASSIGN_OR_RETURN(auto c, b->Checksums());
+    return c[0];
+  }
+
+  Result<CopyBatch*> Get(char mode, const std::vector<PackRegion>& regions, void* buf, DType wire,
+                         int64_t bytes) {
+    SS_RETURN_IF_ERROR(Init());
+    const std::string key = Key(mode, regions, buf, wire, bytes);
+    auto it = cache_.find(key);
+    if (it != cache_.end()) return it->second.get();
+    BatchSpec spec;
+    spec.mode = mode == 'p'   ? BatchMode::kPack
+                : mode == 'u' ? BatchMode::kUnpack
+                              : BatchMode::kVerify;
+    spec.bucket_bytes = {bytes};
+    const int ws = DTypeSize(wire);
+    for (size_t i = 0; i < regions.size(); ++i) {
+      const PackRegion& r = regions[i];
+      if (i > 0 && r.dtype != regions[0].dtype) {
+        return UnimplementedError("cuda packer: region " + std::to_string(i) + " is " +
+                                  std::string(DTypeName(r.dtype)) + ", region 0 is " +
+                                  std::string(DTypeName(regions[0].dtype)) +
+                                  " (one dtype per bucket)");
+      }
+      if (!RegionInside(r.region, r.shape)) {
+        return OutOfRangeError("cuda packer: region " + std::to_string(i) + " " +
+                               r.region.ToString() + " outside its tensor " +
+                               ShapeToString(r.shape));
+      }
+      const int ts = DTypeSize(r.dtype);
+      auto* wire_at = buf ? static_cast<unsigned char*>(buf) + r.wire_offset : nullptr;
+      const size_t first = spec.runs.size();
+      // Pack orientation: tensor -> wire. Unpack swaps the sides afterwards.
+      AppendRegionRuns(r.region, r.shape, r.base, ts, wire_at, ws, ws, 0, r.wire_offset,
+                       &spec.runs);
+      if (mode == 'u') {
+        for (size_t k = first; k < spec.runs.size(); ++k) {
+          CopyRun& c = spec.runs[k];
+          const void* tensor = c.in;
+          c.in = c.out;
+          c.out = const_cast<void*>(tensor);
+          std::swap(c.in_stride, c.out_stride);
+        }
+      }
+    }
+    const DType tensor_dtype = regions.empty() ? wire : regions[0].dtype;
+    if (mode == 'p') {
+      spec.in_dtype = tensor_dtype;
+      spec.out_dtype = wire;
+    } else if (mode == 'u') {
+      spec.in_dtype = wire;
+      spec.out_dtype = tensor_dtype;
+    } else {
+      spec.in_dtype = wire;
+    }
+    SS_ASSIGN_OR_RETURN(auto batch, CopyBatch::Prepare(spec, device_));
+    if (cache_.size() > 4096) cache_.clear();  // bound memory if buffers keep changing
+    CopyBatch* raw = batch.get();
+    cache_.emplace(key, std::move(batch));
+    return raw;
+  }
+
+  int device_;
+  Millis timeout_;
+  cudaStream_t stream_ = nullptr;
+  std::map<std::string, std::unique_ptr<CopyBatch>> cache_;
+};
+
+}  // namespace
+
+std::unique_ptr<Packer> MakeCudaPacker(int device, Millis timeout) {
+  return std::make_unique<CudaPacker>(device, timeout);
+}
+
+}  // namespace shardsync::gpu

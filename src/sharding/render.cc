@@ -66,12 +66,17 @@ std::string ShardMapToTable(const ShardMap& map,
         fmt::format("[{}, {})", r->layer_start, r->layer_end), r->params.size(), HumanCount(elems),
         HumanBytes(r->bytes()), model_bytes > 0 ? 100.0 * r->bytes() / model_bytes : 0.0);
   }
-  out += fmt::format(
-      "\n{} ranks hold {} ({:.3f}x the checkpoint: replicated norms, router, kv "
-      "heads, vocab padding{})\n",
-      ranks.size(), HumanBytes(total),
-      model_bytes > 0 ? static_cast<double>(total) / model_bytes : 0.0,
-      m.tie_word_embeddings && map.spec.pp > 1 ? ", embedding on two stages" : "");
+  const double ratio = model_bytes > 0 ? static_cast<double>(total) / model_bytes : 0.0;
+  if (ranks.size() == map.ranks.size()) {
+    out += fmt::format(
+        "\n{} ranks hold {} ({:.3f}x the checkpoint; above 1x by replicated norms, router and kv "
+        "heads, vocab padding{})\n",
+        ranks.size(), HumanBytes(total), ratio,
+        m.tie_word_embeddings && map.spec.pp > 1 ? ", the embedding on two stages" : "");
+  } else {
+    out += fmt::format("\n{} of {} ranks shown, holding {} ({:.2f}% of the checkpoint)\n",
+                       ranks.size(), map.ranks.size(), HumanBytes(total), 100.0 * ratio);
+  }
   return out;
 }
 

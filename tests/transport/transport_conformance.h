@@ -54,6 +54,11 @@ inline std::vector<char> Pattern(size_t n, int seed) {
   return v;
 }
 
+// memcmp that accepts the null data() of empty vectors.
+inline bool SameBytes(const void* a, const void* b, size_t n) {
+  return n == 0 || std::memcmp(a, b, n) == 0;
+}
+
 class TransportConformance : public ::testing::TestWithParam<TransportParam> {
  protected:
   void SetUp() override {

@@ -50,7 +50,7 @@ TEST_P(TransportConformance, PutVariousSizesThenFlush) {
     }
   });
   for (size_t i = 0; i < puts.size(); ++i) {
-    EXPECT_EQ(std::memcmp(dst0.data() + puts[i].first, srcs[i].data(), puts[i].second), 0)
+    EXPECT_TRUE(SameBytes(dst0.data() + puts[i].first, srcs[i].data(), puts[i].second))
         << "put " << i;
   }
   std::vector<char> small = Pattern(999, 99);
@@ -109,7 +109,7 @@ TEST_P(TransportConformance, SendRecvMatchesBySourceAndTag) {
       for (int src = 0; src < 2; ++src) {
         for (size_t i = 0; i < sizes.size(); ++i) {
           auto want = Pattern(sizes[i], src * 10 + i);
-          EXPECT_EQ(std::memcmp(got[src * sizes.size() + i].data(), want.data(), sizes[i]), 0)
+          EXPECT_TRUE(SameBytes(got[src * sizes.size() + i].data(), want.data(), sizes[i]))
               << "from rank " << src << " size " << sizes[i];
         }
       }

@@ -229,8 +229,9 @@ class SyncSession:
     def __init__(self, plan: PlanInputs, rank: int, store: str, token: str = "",
                  transport: str = "ucx", hub: Optional[LoopbackHub] = None, prefix: str = "ss/",
                  connect_timeout: float = 60.0, sync_timeout: float = 60.0,
-                 transport_params: Dict[str, str] = ...) -> None: ...
+                 transport_params: Dict[str, str] = ..., device: int = -1) -> None: ...
     rank: int
+    device: int
     is_trainer: bool
     plan: RankPlan
     is_poisoned: bool

@@ -4,10 +4,12 @@ Tensors cross through DLPack with no copy: the session keeps each bound producer
 C++ side reads (sources) or writes (destinations) the bound memory directly. Every blocking call
 (connect, sync) releases the GIL.
 
-Device tensors: when this build's sessions cannot bind device memory (no device packer wired),
-`staging="host"` (or "auto", the default) stages each CUDA tensor through a host copy: sources
-are copied device -> host before each sync, destinations host -> device after each successful
-sync. `staging="never"` refuses CUDA tensors instead (UnimplementedError).
+Device tensors: a session created with `device=N` (builds with CUDA: `shardsync._C.DEVICE_BINDING`)
+binds CUDA tensors of device N directly (packed, verified and landed on the GPU, no copy) and
+moves bytes over a GPU transport ("cuda_ipc" on one node, "nccl"). A host session (device None)
+stages CUDA tensors through host copies when `staging` is "auto" (the default) or "host":
+sources device -> host before each sync, destinations host -> device after each successful one;
+`staging="never"` refuses them (UnimplementedError).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class Session:
         sync_timeout: float = 60.0,
         staging: str = "auto",
         transport_params: Optional[Mapping[str, str]] = None,
+        device: Optional[int] = None,
     ) -> None:
         if staging not in ("auto", "host", "never"):
             raise InvalidArgumentError(f"staging: must be auto, host or never, got {staging!r}")
@@ -93,7 +96,9 @@ class Session:
             connect_timeout=connect_timeout,
             sync_timeout=sync_timeout,
             transport_params=dict(transport_params or {}),
+            device=-1 if device is None else int(device),
         )
+        self.device = device
         # (device tensor, host copy) pairs staged around each sync.
         self._staged_sources: List[Tuple[Any, Any]] = []
         self._staged_dests: List[Tuple[Any, Any]] = []
@@ -138,8 +143,8 @@ class Session:
 
     # ---- binding ----
     def _stage(self, tensor: Any, what: str) -> Any:
-        if not is_cuda_tensor(tensor) or native("session").DEVICE_BINDING:
-            return None
+        if not is_cuda_tensor(tensor) or self.device is not None:
+            return None  # host tensor, or a device session that binds CUDA memory itself
         if self.staging == "never":
             raise _unimplemented(what)
         if not hasattr(tensor, "detach") or not hasattr(tensor, "copy_"):

@@ -11,6 +11,9 @@
 #include "shardsync/session.h"
 #include "shardsync/store.h"
 #include "shardsync/transport.h"
+#ifdef SS_PY_HAVE_CUDA
+#include "shardsync/gpu.h"
+#endif
 
 namespace shardsync::py_bind {
 
@@ -102,8 +105,8 @@ class PySession {
   PySession(PlanInputs inputs, int rank, const std::string& store_address, const std::string& token,
             const std::string& transport, std::optional<PyLoopbackHub> hub,
             const std::string& prefix, double connect_timeout, double sync_timeout,
-            std::map<std::string, std::string> transport_params)
-      : inputs_(std::move(inputs)), rank_(rank) {
+            std::map<std::string, std::string> transport_params, int device)
+      : inputs_(std::move(inputs)), rank_(rank), device_(device) {
     SessionOptions opts;
     opts.prefix = prefix;
     opts.connect_timeout = SecondsToMillis(connect_timeout, "connect_timeout");
@@ -116,6 +119,21 @@ class PySession {
             "hub: the loopback transport needs a LoopbackHub shared by every rank of the process"));
       }
       topts.loopback_hub = hub->hub;
+    }
+    if (device_ >= 0) {
+      // Device session: every bound tensor lives on `device`, packed and verified there.
+#ifdef SS_PY_HAVE_CUDA
+      packer_ = gpu::MakeCudaPacker(device_, opts.sync_timeout);
+#endif
+      if (!packer_) {
+        ThrowIfError(UnimplementedError("device " + std::to_string(device_) +
+                                        ": this build has no CUDA packer (built without CUDA)"));
+      }
+      opts.packer = packer_.get();
+      topts.params.emplace("device", std::to_string(device_));
+    } else if (device_ < -1) {
+      ThrowIfError(InvalidArgumentError("device: must be a CUDA index >= 0 or -1 (host), got " +
+                                        std::to_string(device_)));
     }
     std::optional<FaultConfig> fault = FaultFromParams(topts.params);
     py::gil_scoped_release nogil;
@@ -224,6 +242,7 @@ class PySession {
   }
 
   int rank() const { return rank_; }
+  int device() const { return device_; }
   const PlanInputs& inputs() const { return inputs_; }
 
  private:
@@ -251,7 +270,9 @@ class PySession {
   PlanInputs inputs_;
   int rank_;
   std::vector<HfTensor> inventory_;
-  std::vector<TensorRef> bound_;  // declared before session_: outlives it
+  int device_ = -1;
+  std::vector<TensorRef> bound_;    // declared before session_: outlives it
+  std::unique_ptr<Packer> packer_;  // likewise
   std::unique_ptr<StoreClient> store_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<SyncSession> session_;
@@ -264,20 +285,28 @@ void RegisterSession(py::module_& m) {
   py::class_<PyLoopbackHub>(m, "LoopbackHub",
                             "Shared by every rank's session in one process (loopback transport).")
       .def(py::init<>());
-  // Whether sessions bind CUDA memory directly (a device packer wired in); Python stages through
-  // host memory while this is false.
+  // Whether sessions can bind CUDA memory directly (a CUDA build with a device packer); Python
+  // stages device tensors through host memory otherwise. Deliberately no CUDA call here: probing
+  // devices at import would initialise the driver before a user's fork.
+#ifdef SS_PY_HAVE_CUDA
+  m.attr("DEVICE_BINDING") = true;
+  gpu::RegisterGpuTransports().IgnoreError();  // "cuda_ipc" and "nccl" (no CUDA call made)
+#else
   m.attr("DEVICE_BINDING") = false;
+#endif
   m.def("transports", &RegisteredTransports, "Registered transport names in priority order.");
 
   py::class_<PySession>(m, "SyncSession")
       .def(py::init<PlanInputs, int, const std::string&, const std::string&, const std::string&,
                     std::optional<PyLoopbackHub>, const std::string&, double, double,
-                    std::map<std::string, std::string>>(),
+                    std::map<std::string, std::string>, int>(),
            py::arg("plan"), py::arg("rank"), py::arg("store"), py::arg("token") = "",
            py::arg("transport") = "ucx", py::arg("hub") = py::none(), py::arg("prefix") = "ss/",
            py::arg("connect_timeout") = 60.0, py::arg("sync_timeout") = 60.0,
-           py::arg("transport_params") = std::map<std::string, std::string>{})
+           py::arg("transport_params") = std::map<std::string, std::string>{},
+           py::arg("device") = -1)
       .def_property_readonly("rank", &PySession::rank)
+      .def_property_readonly("device", &PySession::device)
       .def_property_readonly("is_trainer", [](PySession& s) { return s.session().is_trainer(); })
       .def_property_readonly("plan", [](PySession& s) { return s.session().plan(); })
       .def_property_readonly("is_poisoned", [](PySession& s) { return s.session().IsPoisoned(); })

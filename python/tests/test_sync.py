@@ -215,3 +215,13 @@ def test_unknown_fault_field_rejected(need_session, tiny_model):
         with pytest.raises(shardsync.InvalidArgumentError, match="expected an integer"):
             shardsync.Session(plan, 0, srv.address, token="t", transport="loopback",
                               transport_params={"fault.fail_post": "x"})
+
+
+def test_device_sessions_need_cuda(need_session, tiny_model):
+    plan = shardsync.Plan.from_spec(_spec(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1", "sglang"))
+    with shardsync.StoreServer(token="t") as srv:
+        if not shardsync.native().DEVICE_BINDING:
+            with pytest.raises(shardsync.UnimplementedError, match="without CUDA"):
+                shardsync.Session(plan, 0, srv.address, token="t", transport="loopback", device=0)
+        with pytest.raises(shardsync.InvalidArgumentError, match="device"):
+            shardsync.Session(plan, 0, srv.address, token="t", transport="loopback", device=-5)

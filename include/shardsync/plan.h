@@ -192,6 +192,10 @@ struct DetailedSummary {
   ResolvedPlacement placement;
   CostEstimate cost;
   Heatmap heatmap;
+  // Bytes per (trainer node, engine node), row-major nodes x nodes; empty above kMaxNodePairNodes
+  // nodes.
+  std::vector<int64_t> node_pair_bytes;
+  static constexpr int kMaxNodePairNodes = 512;
 };
 Result<DetailedSummary> SummarizePlanDetailed(const PlanInputs& in, const SummaryOptions& opts);
 

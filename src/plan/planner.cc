@@ -251,7 +251,8 @@ Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
   }
   c.map_ = std::move(map);
   c.inv_ = std::move(inventory);
-  if (c.R_ > 1) c.BuildSequences();
+  c.whole_replicas_ = c.D_ % c.R_ == 0;
+  if (!c.whole_replicas_) c.BuildSequences();
   return c;
 }
 
@@ -444,8 +445,10 @@ Result<RankPlan> PlanContext::PlanForRank(int sync_rank) const {
   rp.plan_hash = hash_;
   if (who.is_trainer) {
     const int t = who.trainer_rank, g = t / S_, s = t % S_;
-    if (R_ == 1) {
-      // One holder per byte: the items of chunk s, identical for every replica.
+    if (whole_replicas_) {
+      // Group g serves whole replicas [g*D/R, (g+1)*D/R) (with R == 1: every replica); the
+      // items of chunk s are identical for each of them.
+      const int per = D_ / R_;
       std::vector<std::vector<TransferOp>> local(E_);
       for (const FlatPiece& p : pieces_) {
         if (p.c0 <= s && s <= p.c1) {
@@ -453,13 +456,13 @@ Result<RankPlan> PlanContext::PlanForRank(int sync_rank) const {
           EmitItemRange(p, it, 0, it.bytes(), &local[p.erank]);
         }
       }
-      for (int d = 0; d < D_; ++d) {
+      for (int d = g * per; d < (g + 1) * per; ++d) {
         for (int e = 0; e < E_; ++e) {
           if (local[e].empty()) continue;
           Message m;
           m.src = sync_rank;
           m.dst = S_world_ + d * E_ + e;
-          if (d + 1 == D_) {
+          if (d + 1 == (g + 1) * per) {
             m.ops = std::move(local[e]);
           } else {
             m.ops = local[e];
@@ -503,8 +506,8 @@ Result<RankPlan> PlanContext::PlanForRank(int sync_rank) const {
     const FlatPiece& p = pieces_[pi];
     for (int64_t k = p.c0; k <= p.c1; ++k) {
       const Item it = MakeItem(p, k);
-      if (R_ == 1) {
-        EmitItemRange(p, it, 0, it.bytes(), &by_src[k]);
+      if (whole_replicas_) {
+        EmitItemRange(p, it, 0, it.bytes(), &by_src[(d / (D_ / R_)) * S_ + k]);
         continue;
       }
       const Sequence& q = seqs_[k];
@@ -530,7 +533,7 @@ Result<RankPlan> PlanContext::PlanForRank(int sync_rank) const {
 }
 
 void PlanContext::ForEachPair(const PairFn& fn) const {
-  if (R_ == 1) {
+  if (whole_replicas_) {
     // Per (engine rank of a replica, chunk): bytes and ops via difference arrays; each piece adds
     // its first chunk, its last chunk and the run of equal interior chunks in O(1).
     const size_t W = static_cast<size_t>(S_) + 1;
@@ -565,13 +568,16 @@ void PlanContext::ForEachPair(const PairFn& fn) const {
     for (int d = 0; d < D_; ++d) {
       for (int e = 0; e < E_; ++e) {
         for (int k = 0; k < S_; ++k) {
-          if (db[e * W + k] > 0) fn(k, S_world_ + d * E_ + e, db[e * W + k], dops[e * W + k]);
+          if (db[e * W + k] > 0) {
+            fn((d / (D_ / R_)) * S_ + k, S_world_ + d * E_ + e, db[e * W + k], dops[e * W + k]);
+          }
         }
       }
     }
     return;
   }
-  // R > 1: merge each chunk's R cuts with the (replica, engine rank) intervals of its sequence.
+  // R does not divide D: merge each chunk's R cuts with the (replica, engine rank) intervals of its
+  // sequence.
   for (int s = 0; s < S_; ++s) {
     const Sequence& q = seqs_[s];
     const int64_t T = q.total();

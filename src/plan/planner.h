@@ -34,9 +34,9 @@ struct Item {
   int64_t bytes() const { return runs * run_bytes; }
 };
 
-// Holder sequence of one dim-0 position s when R > 1: every (replica, item) needing chunk s, in
-// replica-major then (erank, param, piece) order; cut into R byte-balanced segments, segment g
-// served by trainer rank g*S + s.
+// Holder sequence of one dim-0 position s when R > 1 does not divide D: every (replica, item)
+// needing chunk s, in replica-major then (erank, param, piece) order; cut into R byte-balanced
+// segments, segment g served by trainer rank g*S + s.
 struct Sequence {
   std::vector<int32_t> piece;         // flat piece index per item
   std::vector<int64_t> offset;        // replica-local byte offset per item (+ total at the end)
@@ -89,7 +89,10 @@ class PlanContext {
   std::vector<int32_t> erank_begin_;  // size E + 1
   std::vector<Shape> param_shapes_;
   std::vector<int64_t> tensor_chunk_;  // per tensor: dim-0 rows per trainer shard
-  std::vector<Sequence> seqs_;         // per position s, only when R > 1
+  // D % R == 0: group g serves whole replicas [g*D/R, (g+1)*D/R) (what the byte-balanced cut
+  // gives in that case), computed without sequences.
+  bool whole_replicas_ = true;
+  std::vector<Sequence> seqs_;  // per position s, only when R does not divide D
 };
 
 // Builds the context for `in` (shard map and inventory from the model).

@@ -85,6 +85,9 @@ Result<DetailedSummary> PlanContext::Summarize(const SummaryOptions& opts) const
   hm.cols = (ER + hm.engine_block - 1) / hm.engine_block;
   hm.bytes.assign(static_cast<size_t>(hm.rows) * hm.cols, 0);
   const ResolvedPlacement& pl = ds.placement;
+  const int N = pl.nodes;
+  if (N <= DetailedSummary::kMaxNodePairNodes)
+    ds.node_pair_bytes.assign(static_cast<size_t>(N) * N, 0);
   ForEachPair([&](int t, int sync_rank, int64_t bytes, int64_t ops) {
     const int j = sync_rank - S_world_;
     sum.ops += ops;
@@ -98,7 +101,9 @@ Result<DetailedSummary> PlanContext::Summarize(const SummaryOptions& opts) const
     tt.messages += 1;
     et.ops += ops;
     et.messages += 1;
-    if (pl.TrainerNode(t) == pl.EngineNode(j, S_world_)) {
+    const int tn = pl.TrainerNode(t), en = pl.EngineNode(j, S_world_);
+    if (!ds.node_pair_bytes.empty()) ds.node_pair_bytes[static_cast<size_t>(tn) * N + en] += bytes;
+    if (tn == en) {
       tt.intra_node_bytes += bytes;
       et.intra_node_bytes += bytes;
     }

@@ -214,15 +214,16 @@ TEST(Planner, BucketSplitsLargeOps) {
 // Exact cover, per element, for random configurations of every layout.
 TEST(Planner, RandomConfigsExactCover) {
   std::mt19937 rng(12345);
-  const char* trainers[] = {"fsdp=1",   "fsdp=3",   "fsdp=8",      "fsdp=13",     "hsdp=2x3",
-                            "hsdp=3x2", "hsdp=4x5", "replicate=3", "replicate=5", "single"};
+  const std::vector<std::string> trainers = {
+      "fsdp=1",      "fsdp=3",      "fsdp=8", "fsdp=13",  "hsdp=2x3",    "hsdp=3x2",
+      "hsdp=4x5",    "replicate=3", "single", "hsdp=1x4", "replicate=2", "replicate=1"};
   int validated = 0;
-  for (int iter = 0; iter < 60; ++iter) {
+  for (int iter = 0; iter < 80; ++iter) {
     const bool moe = rng() % 2;
     ModelSpec m = moe ? TinyMoe(rng() % 2) : TinyDense();
     PlanInputs in;
     in.model = m;
-    in.trainer = *ParseTrainerSpec(trainers[rng() % 10]);
+    in.trainer = *ParseTrainerSpec(trainers[rng() % trainers.size()]);
     const EngineKind eng = rng() % 2 ? EngineKind::kSglang : EngineKind::kVllm;
     const int tp = 1 << (rng() % 3), pp = 1 + rng() % 3, dp = 1 + rng() % 3;
     int ep = 1;
@@ -296,6 +297,9 @@ TEST(Planner, BalancedReplicateAndHsdp) {
       ExpectBalanced(Inputs(*m, t, r));
     }
   }
+  // R divides D: whole replicas per holder group.
+  ExpectBalanced(Inputs(*m, "replicate=2", "dp=4,tp=2,pp=1"));
+  ExpectBalanced(Inputs(*m, "hsdp=2x4", "dp=4,tp=2,pp=2"));
   // A MoE model as well.
   auto moe = LoadModelSpec("qwen3-30b-a3b");
   ASSERT_TRUE(moe.ok());
@@ -456,6 +460,10 @@ TEST(Planner, CostModelAndPlacement) {
   ASSERT_TRUE(ds2.ok());
   EXPECT_FALSE(ds2->placement.colocated);
   EXPECT_EQ(ds2->placement.nodes, 2);
+  int64_t pairs = 0;
+  for (int64_t b : ds2->node_pair_bytes) pairs += b;
+  EXPECT_EQ(pairs, ds2->summary.total_bytes);
+  EXPECT_GT(ds2->node_pair_bytes[0 * 2 + 1], 0);  // trainer node 0 -> engine node 1
   const std::string svg = HeatmapSvg(*ds2, "t<x>");
   EXPECT_NE(svg.find("<svg"), std::string::npos);
   EXPECT_NE(svg.find("t&lt;x&gt;"), std::string::npos);

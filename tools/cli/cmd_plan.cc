@@ -195,6 +195,17 @@ std::string JsonSummary(const PlanInputs& in, const DetailedSummary& ds, const A
                   {"node", ds.placement.EngineNode(static_cast<int>(i), S)}});
   }
   j["engine_ranks"] = std::move(er);
+  // Non-zero (trainer node, engine node) byte totals.
+  nlohmann::json np = nlohmann::json::array();
+  const int N = ds.placement.nodes;
+  for (size_t i = 0; i < ds.node_pair_bytes.size(); ++i) {
+    if (ds.node_pair_bytes[i] > 0) {
+      np.push_back({{"src_node", static_cast<int>(i) / N},
+                    {"dst_node", static_cast<int>(i) % N},
+                    {"bytes", ds.node_pair_bytes[i]}});
+    }
+  }
+  j["node_pairs"] = std::move(np);
   j["placement"] = {{"nodes", ds.placement.nodes},
                     {"gpus_per_node", ds.placement.gpus_per_node},
                     {"colocated", ds.placement.colocated}};

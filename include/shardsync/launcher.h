@@ -64,10 +64,12 @@ std::string DefaultTransport();
 // process (`shardsync run ...`).
 std::vector<std::string> JobSpecToArgs(const JobSpec& job);
 
+// Bench mode, one rank: this rank's seconds per measured repetition of each variant, from the
+// store barrier that starts the repetition to this rank's end.
 struct BenchNumbers {
-  double sharded_seconds = 0, broadcast_seconds = 0, raw_seconds = 0;  // medians, slowest rank
-  int64_t bytes = 0;  // bytes landed in engine parameters per repetition
-  bool verified = false;
+  std::vector<double> sharded, broadcast, raw;
+  int64_t bytes = 0;      // bytes landed in engine parameters per repetition (engine ranks)
+  bool verified = false;  // engine ranks: every element right after the sharded and broadcast runs
 };
 
 // One rank's outcome.
@@ -119,6 +121,18 @@ struct LocalJobResult {
   bool ok() const;
   std::string FirstError() const;
 };
+
+// The job-wide bench figures: per repetition the slowest rank's time, then the median.
+struct BenchSummary {
+  int64_t bytes = 0;  // landed in engine parameters per repetition, job-wide
+  double sharded_seconds = 0, broadcast_seconds = 0, raw_seconds = 0;
+  double sharded_gbps = 0, broadcast_gbps = 0, raw_transport_gbps = 0;
+  double ratio_to_raw = 0;          // sharded_gbps / raw_transport_gbps
+  double speedup_vs_broadcast = 0;  // broadcast_seconds / sharded_seconds
+  bool verified = false;
+};
+struct LocalJobResult;
+Result<BenchSummary> SummarizeBench(const LocalJobResult& job);
 
 // Runs the whole job on this host. Never leaves a child behind: on failure or timeout every
 // child still running is killed and reaped. A rank's own failure is in its RankResult; a Status

@@ -13,6 +13,17 @@ int64_t PeakRssBytes();
 
 namespace sync_internal {
 
+// Transfer tags, 48 bits (UCX keeps 16 for the source rank):
+// [control 1][version mod 2^11][sequence 36]. Sessions use versions from 1; the benchmark's
+// baseline variants use the reserved versions kBenchVersion*.
+inline constexpr uint64_t kSeqBits = 36;
+inline uint64_t MakeTag(bool control, uint64_t version, uint64_t seq) {
+  return (uint64_t{control} << 47) | ((version & 0x7FF) << kSeqBits) |
+         (seq & ((uint64_t{1} << kSeqBits) - 1));
+}
+inline constexpr uint64_t kBenchVersionBroadcast = 0x7FF;
+inline constexpr uint64_t kBenchVersionRaw = 0x7FE;
+
 struct TrainerShards {
   std::vector<SourceBinding> bindings;
   std::vector<std::unique_ptr<unsigned char[]>> buffers;

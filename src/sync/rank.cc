@@ -3,6 +3,7 @@
 // from. Bench mode adds the broadcast-all baseline and raw transport puts (bench.cc).
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -86,9 +87,9 @@ std::string RankResultToJson(const RankResult& r) {
       {"peak_rss_bytes", r.peak_rss_bytes},
       {"setup_seconds", r.setup_seconds},
       {"bench",
-       {{"sharded_seconds", r.bench.sharded_seconds},
-        {"broadcast_seconds", r.bench.broadcast_seconds},
-        {"raw_seconds", r.bench.raw_seconds},
+       {{"sharded", r.bench.sharded},
+        {"broadcast", r.bench.broadcast},
+        {"raw", r.bench.raw},
         {"bytes", r.bench.bytes},
         {"verified", r.bench.verified}}},
   };
@@ -123,9 +124,9 @@ Result<RankResult> RankResultFromJson(const std::string& text) {
     r.peak_rss_bytes = j.at("peak_rss_bytes");
     r.setup_seconds = j.at("setup_seconds");
     const auto& b = j.at("bench");
-    r.bench.sharded_seconds = b.at("sharded_seconds");
-    r.bench.broadcast_seconds = b.at("broadcast_seconds");
-    r.bench.raw_seconds = b.at("raw_seconds");
+    r.bench.sharded = b.at("sharded").get<std::vector<double>>();
+    r.bench.broadcast = b.at("broadcast").get<std::vector<double>>();
+    r.bench.raw = b.at("raw").get<std::vector<double>>();
     r.bench.bytes = b.at("bytes");
     r.bench.verified = b.at("verified");
     return r;
@@ -325,7 +326,7 @@ Result<EngineParams> AllocateEngineParams(const std::vector<EngineParam>& expect
 }
 
 // Expected element = the synthetic fp32 value, stored in the trainer dtype, cast to the wire
-// dtype: the exact path the bytes took.
+// dtype: the exact path the bytes took. Streams over the runs (no buffer the size of a tensor).
 void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& params,
                         const std::vector<DestBinding>& bound, RankResult& out) {
   std::map<std::string, Shape> shapes;
@@ -333,48 +334,64 @@ void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& para
   const DType td = job.inputs.trainer_dtype;
   const DType wd = job.inputs.options.wire_dtype;
   const int ws = DTypeSize(wd);
-  std::vector<float> vals;
-  std::vector<unsigned char> tbuf, wbuf;
   auto mismatch = [&](const std::string& name, int64_t element) {
     if (out.element_mismatches++ == 0) {
       out.first_mismatch = name + " element " + std::to_string(element);
     }
   };
+  // The bytes a synthetic value has on the wire.
+  auto wire_bytes = [&](float v, unsigned char* o) {
+    unsigned char t[4];
+    StoreFloats(&v, 1, td, t);
+    const float back = LoadFloat(t, 0, td);
+    StoreFloats(&back, 1, wd, o);
+  };
+  constexpr int64_t kChunk = 4096;
+  std::vector<unsigned char> expect(kChunk * ws);
   for (size_t i = 0; i < params.size(); ++i) {
     const EngineParam& p = params[i];
     const auto* base = static_cast<const unsigned char*>(bound[i].data);
     for (const Piece& pc : p.pieces) {
-      const int64_t n = pc.src.numel();
-      vals.resize(n);
-      FillSyntheticRegion(job.seed, pc.source, shapes.at(pc.source), pc.src, vals.data());
-      tbuf.resize(n * DTypeSize(td));
-      StoreFloats(vals.data(), n, td, tbuf.data());
-      wbuf.resize(n * ws);
-      if (td == wd) {
-        std::memcpy(wbuf.data(), tbuf.data(), tbuf.size());
-      } else {
-        for (int64_t k = 0; k < n; ++k) vals[k] = LoadFloat(tbuf.data(), k, td);
-        StoreFloats(vals.data(), n, wd, wbuf.data());
-      }
-      int64_t k = 0;
+      const Shape& src_shape = shapes.at(pc.source);
+      const SyntheticTensor t = SyntheticFor(pc.source, src_shape);
+      std::vector<std::pair<int64_t, int64_t>> src_runs;
+      ForEachRun(pc.src, src_shape,
+                 [&](int64_t off, int64_t len) { src_runs.emplace_back(off, len); });
+      size_t sr = 0;
+      int64_t sr_pos = 0;  // position inside src_runs[sr]
       ForEachRun(pc.dst, p.shape, [&](int64_t off, int64_t len) {
-        if (std::memcmp(base + off * ws, wbuf.data() + k * ws, len * ws) != 0) {
-          for (int64_t e = 0; e < len; ++e) {
-            if (std::memcmp(base + (off + e) * ws, wbuf.data() + (k + e) * ws, ws) != 0) {
-              mismatch(p.name, off + e);
+        for (int64_t done = 0; done < len;) {
+          const int64_t n = std::min({kChunk, len - done, src_runs[sr].second - sr_pos});
+          for (int64_t e = 0; e < n; ++e) {
+            wire_bytes(SyntheticValue(job.seed, t, src_runs[sr].first + sr_pos + e),
+                       expect.data() + e * ws);
+          }
+          const unsigned char* got = base + (off + done) * ws;
+          if (std::memcmp(got, expect.data(), n * ws) != 0) {
+            for (int64_t e = 0; e < n; ++e) {
+              if (std::memcmp(got + e * ws, expect.data() + e * ws, ws) != 0) {
+                mismatch(p.name, off + done + e);
+              }
             }
           }
+          done += n;
+          sr_pos += n;
+          if (sr_pos == src_runs[sr].second) {
+            ++sr;
+            sr_pos = 0;
+          }
         }
-        k += len;
       });
-      out.elements_checked += n;
+      out.elements_checked += pc.src.numel();
     }
     for (const ZeroFill& z : p.zero_fills) {
       ForEachRun(z.dst, p.shape, [&](int64_t off, int64_t len) {
-        for (int64_t e = 0; e < len * ws; ++e) {
-          if (base[off * ws + e] != 0) {
-            mismatch(p.name, off + e / ws);
-            e = (e / ws + 1) * ws - 1;
+        for (int64_t e = 0; e < len; ++e) {
+          for (int b = 0; b < ws; ++b) {
+            if (base[(off + e) * ws + b] != 0) {
+              mismatch(p.name, off + e);
+              break;
+            }
           }
         }
       });

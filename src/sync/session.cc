@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "shardsync/shard_map.h"
+#include "sync/internal.h"
 
 namespace shardsync {
 namespace {
@@ -31,11 +32,7 @@ static_assert(sizeof(Control) == 32);
 
 // Tags (48 bits: UCX keeps 16 for the source rank): [control 1][version mod 2^11][sequence 36].
 // The version keeps messages of an aborted sync from being taken for a later sync's.
-constexpr uint64_t kSeqBits = 36;
-uint64_t MakeTag(bool control, uint64_t version, uint64_t seq) {
-  return (uint64_t{control} << 47) | ((version & 0x7FF) << kSeqBits) |
-         (seq & ((uint64_t{1} << kSeqBits) - 1));
-}
+using sync_internal::MakeTag;
 uint64_t ControlTag(uint64_t version, uint32_t bucket) { return MakeTag(true, version, bucket); }
 uint64_t DataTag(uint64_t version, uint64_t seq) { return MakeTag(false, version, seq); }
 

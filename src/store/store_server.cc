@@ -33,6 +33,8 @@ using store_wire::Frame;
 using store_wire::Op;
 
 constexpr auto kHelloTimeout = std::chrono::seconds(10);
+// Bounds descriptors and memory an unauthenticated flood can take; far above any job's ranks.
+constexpr size_t kMaxConnections = 16384;
 
 std::string SockAddrToString(const sockaddr_storage& ss) {
   char host[INET6_ADDRSTRLEN] = "?";
@@ -162,6 +164,12 @@ class StoreServerImpl final : public StoreServer {
           StoreLog().warn("store: accept failed: {}", std::strerror(errno));
         }
         return;
+      }
+      if (conns_.size() >= kMaxConnections) {
+        StoreLog().warn("store: refusing connection from {}: {} connections open",
+                        SockAddrToString(ss), conns_.size());
+        close(fd);
+        continue;
       }
       if (!store_net::SetNonBlocking(fd).ok()) {
         close(fd);

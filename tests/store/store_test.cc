@@ -240,6 +240,44 @@ TEST_F(StoreTest, OversizeFrameRefused) {
   EXPECT_TRUE(Client()->Set("ok", "1").ok());
 }
 
+// Reads one reply frame from a raw socket.
+Result<Frame> ReadReply(int fd) {
+  std::string buf(store_wire::kHeaderBytes, '\0');
+  if (recv(fd, buf.data(), buf.size(), MSG_WAITALL) != static_cast<ssize_t>(buf.size())) {
+    return UnavailableError("short header");
+  }
+  auto h = store_wire::ParseFrameHeader(buf);
+  if (!h.ok()) return h.status();
+  buf.resize(buf.size() + h->payload_bytes);
+  if (recv(fd, buf.data() + store_wire::kHeaderBytes, h->payload_bytes, MSG_WAITALL) !=
+      static_cast<ssize_t>(h->payload_bytes)) {
+    return UnavailableError("short payload");
+  }
+  return store_wire::ParseFrame(buf);
+}
+
+TEST_F(StoreTest, PipelinedRequestsBehindABlockedGetAreServedInOrder) {
+  int fd = RawSocket();
+  std::string batch = store_wire::EncodeFrame(Frame{Op::kHello, 0, {kToken}}) +
+                      store_wire::EncodeFrame(Frame{Op::kGet, 5000, {"later"}}) +
+                      store_wire::EncodeFrame(Frame{Op::kAdd, 2, {"n"}});
+  ASSERT_EQ(send(fd, batch.data(), batch.size(), 0), static_cast<ssize_t>(batch.size()));
+  auto hello = ReadReply(fd);
+  ASSERT_TRUE(hello.ok()) << hello.status().ToString();
+  EXPECT_EQ(hello->num, 0);
+  // The add queued behind the parked get has not run yet.
+  auto other = Client();
+  EXPECT_EQ(*other->Add("n", 0), 0);
+  ASSERT_TRUE(other->Set("later", "v").ok());
+  auto get = ReadReply(fd);
+  ASSERT_TRUE(get.ok());
+  EXPECT_EQ(get->args[0], "v");
+  auto add = ReadReply(fd);
+  ASSERT_TRUE(add.ok());
+  EXPECT_EQ(add->args[0], "2");
+  close(fd);
+}
+
 TEST_F(StoreTest, ClientTimesOutOnSilentServer) {
   // A listener that never answers: connect succeeds, the hello reply never comes.
   int lfd = socket(AF_INET, SOCK_STREAM, 0);

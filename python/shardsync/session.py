@@ -14,7 +14,6 @@ sources device -> host before each sync, destinations host -> device after each 
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ._native import native

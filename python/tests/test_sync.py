@@ -5,7 +5,6 @@ the loopback transport (one thread per rank, which also shows the GIL is release
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import threading
 
 import numpy as np

@@ -83,6 +83,33 @@ Status ValidateShardMap(const ShardMap& map) {
       return InvalidArgumentError(
           fmt::format("{} is stored at index {}, expected pp * tp + tp_rank", RankName(rank), i));
     }
+    // Stages tile [0, num_hidden_layers) in order; every TP rank of a stage agrees.
+    const int64_t want_start = rank.tp_rank > 0   ? map.ranks[i - 1].layer_start
+                               : rank.pp_rank > 0 ? map.ranks[i - 1].layer_end
+                                                  : 0;
+    const int64_t want_end = rank.tp_rank > 0 ? map.ranks[i - 1].layer_end : rank.layer_end;
+    if (rank.layer_start != want_start || rank.layer_end != want_end ||
+        rank.layer_end < rank.layer_start || rank.layer_end > map.model.num_hidden_layers ||
+        (rank.pp_rank == map.spec.pp - 1 && rank.layer_end != map.model.num_hidden_layers)) {
+      return InvalidArgumentError(fmt::format(
+          "{}: layers [{}, {}) do not continue the stages before it (expected start {}) or leave "
+          "layers of [0, {}) unowned",
+          RankName(rank), rank.layer_start, rank.layer_end, want_start,
+          map.model.num_hidden_layers));
+    }
+    std::unordered_map<std::string_view, int> seen;
+    for (const EngineParam& p : rank.params) {
+      if (!seen.emplace(p.name, 0).second) {
+        return InvalidArgumentError(
+            fmt::format("{}: param {} appears twice", RankName(rank), p.name));
+      }
+      if (auto l = LayerIndexOf(p.name); l && (*l < rank.layer_start || *l >= rank.layer_end)) {
+        return InvalidArgumentError(
+            fmt::format("{}: param {} belongs to layer {}, outside the "
+                        "stage's layers [{}, {})",
+                        RankName(rank), p.name, *l, rank.layer_start, rank.layer_end));
+      }
+    }
     for (const EngineParam& p : rank.params) {
       auto fail = [&](const Status& st) {
         return Status(st.code(),

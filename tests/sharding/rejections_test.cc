@@ -153,6 +153,36 @@ TEST(Validate, CatchesCorruption) {
     std::swap(map.ranks[0], map.ranks[1]);
     EXPECT_FALSE(ValidateShardMap(map).ok());
   }
+  {
+    ShardMap map = *good;
+    map.ranks[1].params.push_back(map.ranks[1].params.front());
+    EXPECT_NE(ValidateShardMap(map).message().find("appears twice"), std::string::npos);
+  }
+}
+
+TEST(Validate, CatchesWrongStageLayers) {
+  ModelSpec m = MustLoad("qwen2.5-0.5b");  // 24 layers
+  auto good = BuildShardMap(m, Spec(EngineKind::kVllm, 2, 3));
+  ASSERT_TRUE(good.ok());
+  ASSERT_TRUE(ValidateShardMap(*good).ok());
+  {
+    ShardMap map = *good;
+    map.ranks[3].layer_end -= 1;  // (tp 1, pp 1) disagrees with tp 0 of the stage
+    EXPECT_FALSE(ValidateShardMap(map).ok());
+  }
+  {
+    ShardMap map = *good;
+    for (int t = 0; t < 2; ++t) map.ranks[2 + t].layer_start += 1;  // layer 8 unowned
+    Status st = ValidateShardMap(map);
+    EXPECT_NE(st.message().find("do not continue"), std::string::npos) << st.message();
+  }
+  {
+    ShardMap map = *good;
+    // A layer-0 param on stage 1.
+    map.ranks[2].params.push_back(map.ranks[0].params[1]);
+    Status st = ValidateShardMap(map);
+    EXPECT_NE(st.message().find("belongs to layer 0"), std::string::npos) << st.message();
+  }
 }
 
 }  // namespace

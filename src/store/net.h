@@ -10,6 +10,12 @@ namespace shardsync::store_net {
 
 using Clock = std::chrono::steady_clock;
 
+// Longest wait honoured (30 days): larger timeouts would overflow clock arithmetic.
+inline constexpr std::chrono::milliseconds kMaxWait{int64_t{30} * 24 * 3600 * 1000};
+inline std::chrono::milliseconds ClampWait(std::chrono::milliseconds t) {
+  return t < kMaxWait ? t : kMaxWait;
+}
+
 // Status from errno, naming the operation.
 Status ErrnoStatus(StatusCode code, const std::string& what, int err);
 Status SetNonBlocking(int fd);

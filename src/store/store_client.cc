@@ -103,7 +103,7 @@ class StoreClientImpl final : public StoreClient {
     SS_RETURN_IF_ERROR(CheckKey(key));
     SS_RETURN_IF_ERROR(CheckTimeout(timeout, key));
     Frame f{Op::kGet, timeout.count(), {key}};
-    return Call(f, Clock::now() + timeout + io_timeout_);
+    return Call(f, Clock::now() + store_net::ClampWait(timeout) + io_timeout_);
   }
 
   Result<int64_t> Add(const std::string& key, int64_t delta) override {
@@ -123,7 +123,7 @@ class StoreClientImpl final : public StoreClient {
     for (const std::string& k : keys) SS_RETURN_IF_ERROR(CheckKey(k));
     SS_RETURN_IF_ERROR(CheckTimeout(timeout, keys[0]));
     Frame f{Op::kWait, timeout.count(), keys};
-    return Call(f, Clock::now() + timeout + io_timeout_).status();
+    return Call(f, Clock::now() + store_net::ClampWait(timeout) + io_timeout_).status();
   }
 
   // Generation-counted so the same name can be reused: the k-th arrival (from 1) belongs to
@@ -309,6 +309,7 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Connect(const std::string& add
     return InvalidArgumentError("store connect timeout must be positive, got " +
                                 std::to_string(timeout.count()) + " ms");
   }
+  timeout = store_net::ClampWait(timeout);
   auto deadline = Clock::now() + timeout;
   SS_ASSIGN_OR_RETURN(int fd, Dial(hp.first, hp.second, deadline, address));
   auto client = std::make_unique<StoreClientImpl>(fd, address, timeout);

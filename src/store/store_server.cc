@@ -306,7 +306,7 @@ class StoreServerImpl final : public StoreServer {
         p.op = f.op;
         p.keys = std::move(f.args);
         p.timeout_ms = f.num;
-        p.deadline = Clock::now() + std::chrono::milliseconds(f.num);
+        p.deadline = Clock::now() + store_net::ClampWait(std::chrono::milliseconds(f.num));
         c.pending = std::move(p);
         TryComplete(c, /*expired=*/false);
         return;

@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include "shardsync/transport.h"
+#include "store/net.h"
 
 namespace shardsync {
 
@@ -277,7 +278,7 @@ class LoopbackTransport final : public Transport {
 
   Status WaitPeers(Millis timeout) {
     std::unique_lock<std::mutex> lk(hub_->mu);
-    auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto deadline = std::chrono::steady_clock::now() + store_net::ClampWait(timeout);
     for (int p : peers_) {
       if (!hub_->cv.wait_until(lk, deadline, [&] { return hub_->ranks.count(p) > 0; })) {
         return DeadlineExceededError("loopback connect rank " + std::to_string(rank_) +

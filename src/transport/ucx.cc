@@ -3,6 +3,7 @@
 // tagged messages. Nothing blocks: Post* start requests, Poll progresses the worker and checks
 // them; peer failures reach us through the endpoint error handler (keepalive / broken links).
 #include "shardsync/transport.h"
+#include "store/net.h"
 
 #ifdef SHARDSYNC_HAVE_UCX
 
@@ -255,7 +256,7 @@ class UcxTransport final : public Transport {
     if (rank < 0 || rank >= (1 << kTagRankBits)) {
       return InvalidArgumentError("ucx: rank " + std::to_string(rank) + " outside [0, 65536)");
     }
-    auto deadline = Clock::now() + timeout;
+    auto deadline = Clock::now() + store_net::ClampWait(timeout);
     rank_ = rank;
     ucp_address_t* addr = nullptr;
     size_t addr_len = 0;

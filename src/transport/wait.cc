@@ -1,5 +1,6 @@
 #include <unistd.h>
 
+#include <algorithm>
 #include <thread>
 
 #include "shardsync/transport.h"
@@ -14,7 +15,8 @@ Status WaitAllXfers(Transport& t, const std::vector<XferId>& ids, Millis timeout
                     std::string_view what) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  const auto deadline = start + timeout;
+  // Clamped (30 days) so Millis::max() means "very long" rather than overflowing.
+  const auto deadline = start + std::min(timeout, Millis(int64_t{30} * 24 * 3600 * 1000));
   size_t next = 0;  // ids before `next` are done
   uint64_t spins = 0;
   while (next < ids.size()) {

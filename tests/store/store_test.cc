@@ -114,6 +114,13 @@ TEST_F(StoreTest, BlockingGetDoesNotBlockOtherClients) {
   EXPECT_EQ(got, "now");
 }
 
+TEST_F(StoreTest, HugeTimeoutsDoNotOverflow) {
+  auto c = Client();
+  ASSERT_TRUE(c->Set("present", "1").ok());
+  EXPECT_EQ(*c->Get("present", Millis::max()), "1");
+  EXPECT_TRUE(c->Wait({"present"}, Millis::max()).ok());
+}
+
 TEST_F(StoreTest, WaitForSeveralKeys) {
   auto a = Client();
   auto b = Client();

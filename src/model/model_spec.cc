@@ -130,7 +130,7 @@ class Reader {
   std::string_view source_;
 };
 
-Result<Architecture> ParseArchitecture(const json& j, const Reader& r) {
+Result<Architecture> ParseArchitecture(const Reader& r) {
   static const std::pair<std::string_view, Architecture> kArchs[] = {
       {"LlamaForCausalLM", Architecture::kLlama},
       {"MistralForCausalLM", Architecture::kMistral},
@@ -151,7 +151,6 @@ Result<Architecture> ParseArchitecture(const json& j, const Reader& r) {
   for (const auto& [n, arch] : kArchs) {
     if (n == name) return arch;
   }
-  (void)j;
   return r.Error("architectures",
                  fmt::format("unsupported architecture '{}' (supported: LlamaForCausalLM, "
                              "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
@@ -214,7 +213,7 @@ Result<ModelSpec> ParseJson(const json& j, std::string_view source) {
   }
   ModelSpec s;
   s.name = std::string(source);
-  SS_ASSIGN_OR_RETURN(s.arch, ParseArchitecture(j, r));
+  SS_ASSIGN_OR_RETURN(s.arch, ParseArchitecture(r));
   SS_ASSIGN_OR_RETURN(s.hidden_size, r.PositiveInt("hidden_size"));
   SS_ASSIGN_OR_RETURN(s.num_attention_heads, r.PositiveInt("num_attention_heads"));
   SS_ASSIGN_OR_RETURN(s.num_key_value_heads,

@@ -73,6 +73,9 @@ class Transport {
   // Completes when every Put issued so far to peer is visible in the peer's memory.
   virtual Result<XferId> PostFlush(int peer) = 0;
   // Two-sided messages (control messages, and data where puts are unavailable or slow).
+  // Matched by (source rank, tag), FIFO per pair; tags must fit in 48 bits and ranks in 16
+  // (UCX packs both into its 64-bit tag). A receive buffer may be larger than the message; a
+  // smaller one fails the receive with OutOfRange. Send buffers must stay valid until done.
   virtual Result<XferId> PostSend(int peer, uint64_t tag, const void* buf, size_t bytes) = 0;
   virtual Result<XferId> PostRecv(int peer, uint64_t tag, void* buf, size_t bytes) = 0;
   // kDone once complete (the id is then released); Unavailable / Internal on failure.

@@ -580,7 +580,7 @@ class UcxTransport final : public Transport {
             }
             return true;
           },
-          Millis(1000));
+          Millis(500));
       for (void* r : closing) ucp_request_free(r);
       for (auto& [id, rq] : reqs_) {
         if (rq.req) ucp_request_free(rq.req);

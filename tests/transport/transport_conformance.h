@@ -14,6 +14,7 @@
 #include <cstring>
 #include <functional>
 #include <numeric>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,6 +34,8 @@ struct TransportParam {
   std::function<std::unique_ptr<Transport>(const std::shared_ptr<LoopbackHub>& hub)> make;
   bool multiprocess = false;
 };
+
+inline void PrintTo(const TransportParam& p, std::ostream* os) { *os << p.name; }
 
 inline std::string ParamName(const ::testing::TestParamInfo<TransportParam>& info) {
   return info.param.name;

@@ -5,6 +5,19 @@ namespace shardsync::testing {
 
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(TransportConformance);
 
+// Transports without one-sided puts must refuse them cleanly (and still flush).
+TEST_P(TransportConformance, PutRefusedCleanlyWithoutOneSidedCaps) {
+  if (Make()->caps().one_sided_put) return;  // covered by PutVariousSizesThenFlush
+  std::vector<char> dst(100);
+  auto ts = World(2, {{}, {{dst.data(), dst.size()}}});
+  char src[4] = {};
+  auto put = ts[0]->PostPut(1, src, 4, 0, 0);
+  EXPECT_FALSE(put.ok());
+  EXPECT_TRUE(put.status().code() == StatusCode::kFailedPrecondition ||
+              put.status().code() == StatusCode::kUnimplemented)
+      << put.status().ToString();
+}
+
 TEST_P(TransportConformance, PutVariousSizesThenFlush) {
   auto probe = Make();
   if (!probe->caps().one_sided_put) GTEST_SKIP() << "no one-sided put";
@@ -61,7 +74,7 @@ TEST_P(TransportConformance, PutVariousSizesThenFlush) {
 
 TEST_P(TransportConformance, PutOutsideRegionRefused) {
   auto probe = Make();
-  if (!probe->caps().one_sided_put) GTEST_SKIP() << "no one-sided put";
+  if (!probe->caps().one_sided_put) GTEST_SKIP() << "no one-sided put (see PutRefusedCleanly)";
   probe.reset();
   std::vector<char> dst(100);
   auto ts = World(2, {{}, {{dst.data(), dst.size()}}});

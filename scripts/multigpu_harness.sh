@@ -25,7 +25,7 @@ if [ -x .bundle-gpu/bin/shardsync_gpu ]; then
 else
   bin=build-gpu; tests=build-gpu/tests/cuda/test_cuda
 fi
-gpus=$(nvidia-smi -L | wc -l)
+gpus=${GPUS:-$(nvidia-smi -L | wc -l)}
 model=${MODEL:-qwen3-8b}
 fails=0
 run() {
@@ -39,16 +39,20 @@ run() {
 { nvidia-smi -L; nvidia-smi topo -m; "$bin/shardsync_gpu" info; } >"$out/env_multi.txt" 2>&1
 [ "${SKIP_TESTS:-0}" = 1 ] || { timeout 300 "$tests" >"$out/test_cuda_multi.log" 2>&1 || fails=$((fails + 1)); }
 if [ "$gpus" -ge 8 ]; then layouts=("dp=2,tp=2,pp=2"); fsdp=8; else layouts=("dp=1,tp=1,pp=2" "dp=1,tp=2,pp=2"); fsdp=$gpus; fi
+# One GPU: a dry run of the same jobs (fsdp=2, every rank on GPU 0, so every pair is cuda_ipc).
+transports=(nccl cuda_ipc)
+if [ "$gpus" -eq 1 ]; then fsdp=${FSDP:-2}; transports=(cuda_ipc); fi
+fsdp=${FSDP:-$fsdp}
 for lay in "${layouts[@]}"; do
   tag=${lay//[=,]/_}
-  for tr in nccl cuda_ipc; do
+  for tr in "${transports[@]}"; do
     run "multi_${tr}_${tag}" --model "$model" --gpus "$gpus" --trainer "fsdp=$fsdp" --rollout "$lay" \
-      --transport "$tr" --trainer-dtype bf16 --iters 5 --broadcast --no-kernel-bench --no-memcpy
+      --transport "$tr" --trainer-dtype bf16 --iters 5 --broadcast --no-kernel-bench
   done
 done
 # Dead peer: an engine process dies mid-sync; every other rank must error within 10 s.
-run multi_fault_engine_nccl --model qwen3-0.6b --gpus "$gpus" --trainer "fsdp=$fsdp" \
-  --rollout "${layouts[0]}" --transport nccl --kill-rank "$fsdp" --timeout-ms 10000 --iters 2 \
-  --no-kernel-bench --no-memcpy
+run multi_fault_engine_${transports[0]} --model qwen3-0.6b --gpus "$gpus" --trainer "fsdp=$fsdp" \
+  --rollout "${layouts[0]}" --transport "${transports[0]}" --kill-rank "$fsdp" --timeout-ms 10000 \
+  --iters 2 --no-kernel-bench --no-memcpy
 echo "failures: $fails" | tee -a "$out/summary.txt"
 exit $((fails > 0))

@@ -340,6 +340,50 @@ TEST(GpuPack, LargeRunsUseVectorPathBitExact) {
   EXPECT_EQ(us[0], sums[0]);
 }
 
+TEST(GpuPack, StridedRowsVectorPathBitExact) {
+  SS_REQUIRE_GPU();
+  // Column slices whose rows are 16-byte multiples (the row-wise vector path), one misaligned
+  // (falls back to the word path), and a contiguous run, f32 -> bf16 and bf16 verify.
+  const Shape shape = {300, 1024};
+  const int64_t n = NumElements(shape);
+  const auto host = RandomBytes(n * 4, 23);
+  SS_ASSERT_OK_AND_ASSIGN(auto t, DeviceBuffer::Allocate(n * 4, 0));
+  SS_ASSERT_OK(CopyToDevice(t->data(), host.data(), n * 4));
+  Case c;
+  c.shape = shape;
+  c.regions = {{Region::Make({0, 256}, {300, 512}), 0},
+               {Region::Make({0, 3}, {100, 512}), 0},
+               {Region::Make({5, 0}, {2, 1024}), 0},
+               {Region::Make({7, 8}, {200, 16}), 0}};
+  c.buckets = 1;
+  SS_ASSERT_OK_AND_ASSIGN(auto wire, DeviceBuffer::Allocate(n * 2, 0));
+  Built b = BuildPack(c, t->data(), 4, wire->data(), 2, BatchMode::kPack, DType::kF32,
+                      DType::kBF16);
+  SS_ASSERT_OK_AND_ASSIGN(auto batch, CopyBatch::Prepare(b.spec, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
+  SS_ASSERT_OK(batch->Launch(stream->handle()));
+  SS_ASSERT_OK(stream->Synchronize(Millis(30000), "pack"));
+  const auto expect = CpuPack(c, host.data(), 4, 2, 1);
+  std::vector<unsigned char> got(expect[0].size());
+  SS_ASSERT_OK(CopyToHost(got.data(), wire->data(), got.size()));
+  EXPECT_EQ(got, expect[0]);
+  SS_ASSERT_OK_AND_ASSIGN(auto sums, batch->Checksums());
+  EXPECT_EQ(sums[0], Checksum(expect[0].data(), expect[0].size()));
+  // bf16 copy of the same tensor layout, verified in place (strided verify).
+  std::vector<unsigned char> h16(n * 2);
+  for (int64_t i = 0; i < n; ++i) std::memcpy(&h16[i * 2], &host[i * 4 + 2], 2);
+  SS_ASSERT_OK_AND_ASSIGN(auto t16, DeviceBuffer::Allocate(n * 2, 0));
+  SS_ASSERT_OK(CopyToDevice(t16->data(), h16.data(), n * 2));
+  Built v = BuildPack(c, t16->data(), 2, nullptr, 2, BatchMode::kVerify, DType::kBF16,
+                      DType::kBF16);
+  SS_ASSERT_OK_AND_ASSIGN(auto vb, CopyBatch::Prepare(v.spec, 0));
+  SS_ASSERT_OK(vb->Launch(stream->handle()));
+  SS_ASSERT_OK(stream->Synchronize(Millis(30000), "verify"));
+  const auto expect16 = CpuPack(c, h16.data(), 2, 2, 0);
+  SS_ASSERT_OK_AND_ASSIGN(auto vs, vb->Checksums());
+  EXPECT_EQ(vs[0], Checksum(expect16[0].data(), expect16[0].size()));
+}
+
 TEST(GpuPack, ManySmallRegionsInOneLaunch) {
   SS_REQUIRE_GPU();
   // 3000 runs of 1..17 bf16 elements from scattered offsets: one launch, exact bytes and sum.

@@ -865,7 +865,7 @@ int RankMain(const GpuBenchOptions& o, const Job& j, const std::string& addr, in
     }
     if (rank == 0) store.Set("gb/broadcast_seconds", json(bt).dump()).IgnoreError();
     // The baseline overwrote the parameters with the same values: check them again.
-    if (o.verify_elements) {
+    if (o.verify_elements && rank >= j.S) {
       GpuBenchRank again = res;
       s = runner->VerifyElements(&again);
       if (!s.ok()) return fail(s, 0);

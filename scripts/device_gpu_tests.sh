@@ -15,12 +15,12 @@ if [ -x .bundle-gpu/bin/shardsync_gpu ]; then
 else
   if [ ! -x build-gpu/shardsync_gpu ]; then
     cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DSHARDSYNC_CUDA=ON >/dev/null &&
-      cmake --build build-gpu -j"$(nproc)" --target shardsync_gpu test_cuda >/dev/null || exit 1
+      cmake --build build-gpu -j"$(nproc)" --target shardsync_gpu test_gpu >/dev/null || exit 1
   fi
   bin=build-gpu
-  [ -x "$bin/test_cuda" ] || bin_tests=build-gpu/tests/cuda
+  [ -x "$bin/test_gpu" ] || bin_tests=build-gpu/tests/cuda
 fi
-tests=${bin_tests:-$bin}/test_cuda
+tests=${bin_tests:-$bin}/test_gpu
 fails=0
 run() {  # run NAME ARGS...: one shardsync_gpu bench, report in $out/NAME.json, log in $out/NAME.log
   local name=$1; shift
@@ -31,9 +31,9 @@ run() {  # run NAME ARGS...: one shardsync_gpu bench, report in $out/NAME.json, 
   [ $rc -eq 0 ] || { echo "   -> FAILED (exit $rc)" | tee -a "$out/summary.txt"; fails=$((fails + 1)); }
 }
 { nvidia-smi -L; nvidia-smi topo -m; "$bin/shardsync_gpu" info; } >"$out/env.txt" 2>&1
-echo "== test_cuda (ctest label gpu)" | tee -a "$out/summary.txt"
-timeout 300 "$tests" >"$out/test_cuda.log" 2>&1 || fails=$((fails + 1))
-grep -E "PASSED|FAILED|SKIPPED \]" "$out/test_cuda.log" | tee -a "$out/summary.txt"
+echo "== test_gpu (ctest label gpu)" | tee -a "$out/summary.txt"
+timeout 300 "$tests" >"$out/test_gpu.log" 2>&1 || fails=$((fails + 1))
+grep -E "PASSED|FAILED|SKIPPED \]" "$out/test_gpu.log" | tee -a "$out/summary.txt"
 
 small=(--model qwen3-0.6b --iters 2 --no-kernel-bench)
 # Colocated correctness: trainer fsdp=2, engine tp=2,pp=2, all six processes on GPU 0.

@@ -7,23 +7,23 @@
 # process per GPU), rollout dp=1,tp=1|2,pp=2 colocated on the same G GPUs (G = 2 or 4; with 8:
 # fsdp=8 -> dp=2,tp=2,pp=2). Reports: ${OUT:-gpu-logs}/*.json, summary in summary.txt.
 # Where the GPU machine cannot build (no UCX/xxhash headers), build elsewhere and carry:
-#   cmake -S . -B build-gpu -DSHARDSYNC_CUDA=ON && cmake --build build-gpu --target shardsync_gpu test_cuda
-#   ../shared/tools/device-bundle.sh .bundle-gpu build-gpu/shardsync_gpu build-gpu/tests/cuda/test_cuda
+#   cmake -S . -B build-gpu -DSHARDSYNC_CUDA=ON && cmake --build build-gpu --target shardsync_gpu test_gpu
+#   ../shared/tools/device-bundle.sh .bundle-gpu build-gpu/shardsync_gpu build-gpu/tests/cuda/test_gpu
 set -uo pipefail
 what=${1:-}
 if [ "$what" != --run-only ] && [ ! -x .bundle-gpu/bin/shardsync_gpu ]; then
   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DSHARDSYNC_CUDA=ON >/dev/null || exit 1
-  cmake --build build-gpu -j"$(nproc)" --target shardsync_gpu test_cuda >/dev/null || exit 1
+  cmake --build build-gpu -j"$(nproc)" --target shardsync_gpu test_gpu >/dev/null || exit 1
 fi
 [ "$what" = --build-only ] && exit 0
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -x .bundle-gpu/bin/shardsync_gpu ]; then
-  bin=.bundle-gpu/bin; tests=$bin/test_cuda
+  bin=.bundle-gpu/bin; tests=$bin/test_gpu
   export LD_LIBRARY_PATH=$PWD/.bundle-gpu/lib:${LD_LIBRARY_PATH:-} UCX_MODULE_DIR=$PWD/.bundle-gpu/lib/ucx
 else
-  bin=build-gpu; tests=build-gpu/tests/cuda/test_cuda
+  bin=build-gpu; tests=build-gpu/tests/cuda/test_gpu
 fi
 gpus=${GPUS:-$(nvidia-smi -L | wc -l)}
 model=${MODEL:-qwen3-8b}
@@ -37,7 +37,7 @@ run() {
   [ $rc -eq 0 ] || { echo "   -> FAILED (exit $rc)" | tee -a "$out/summary.txt"; fails=$((fails + 1)); }
 }
 { nvidia-smi -L; nvidia-smi topo -m; "$bin/shardsync_gpu" info; } >"$out/env_multi.txt" 2>&1
-[ "${SKIP_TESTS:-0}" = 1 ] || { timeout 300 "$tests" >"$out/test_cuda_multi.log" 2>&1 || fails=$((fails + 1)); }
+[ "${SKIP_TESTS:-0}" = 1 ] || { timeout 300 "$tests" >"$out/test_gpu_multi.log" 2>&1 || fails=$((fails + 1)); }
 if [ "$gpus" -ge 8 ]; then layouts=("dp=2,tp=2,pp=2"); fsdp=8; else layouts=("dp=1,tp=1,pp=2" "dp=1,tp=2,pp=2"); fsdp=$gpus; fi
 # One GPU: a dry run of the same jobs (fsdp=2, every rank on GPU 0, so every pair is cuda_ipc).
 transports=(nccl cuda_ipc)

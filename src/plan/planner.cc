@@ -251,6 +251,17 @@ Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
   }
   c.map_ = std::move(map);
   c.inv_ = std::move(inventory);
+  c.stats_.resize(c.pieces_.size());
+  for (size_t pi = 0; pi < c.pieces_.size(); ++pi) {
+    const FlatPiece& p = c.pieces_[pi];
+    PieceStats& st = c.stats_[pi];
+    const int64_t at[3] = {p.c0, std::min(p.c0 + 1, p.c1), p.c1};
+    for (int w = 0; w < 3; ++w) {
+      const Item it = c.MakeItem(p, at[w]);
+      st.bytes[w] = it.bytes();
+      st.ops[w] = c.ItemOps(it);
+    }
+  }
   c.whole_replicas_ = c.D_ % c.R_ == 0;
   if (!c.whole_replicas_) c.BuildSequences();
   return c;
@@ -353,33 +364,37 @@ void PlanContext::EmitItemRange(const FlatPiece& p, const Item& it, int64_t y0, 
 }
 
 void PlanContext::BuildSequences() {
-  seqs_.assign(S_, Sequence{});
-  std::vector<int64_t> running(S_, 0), ops(S_, 0);
-  for (auto& q : seqs_) {
-    q.erank_offset.assign(E_ + 1, 0);
-    q.ops_prefix.push_back(0);
-  }
-  int cur_e = -1;
+  // Bytes and ops per (erank, chunk) by difference arrays: O(pieces + E*S).
+  const size_t W = static_cast<size_t>(S_) + 1;
+  std::vector<int64_t> db(static_cast<size_t>(E_) * W, 0), dops(db.size(), 0);
+  auto add = [&](int e, int64_t k0, int64_t k1, int64_t bytes, int64_t ops) {
+    db[e * W + k0] += bytes;
+    db[e * W + k1] -= bytes;
+    dops[e * W + k0] += ops;
+    dops[e * W + k1] -= ops;
+  };
   for (size_t pi = 0; pi < pieces_.size(); ++pi) {
     const FlatPiece& p = pieces_[pi];
-    while (cur_e < p.erank) {
-      ++cur_e;
-      for (int s = 0; s < S_; ++s) seqs_[s].erank_offset[cur_e] = running[s];
-    }
-    for (int64_t k = p.c0; k <= p.c1; ++k) {
-      const Item it = MakeItem(p, k);
-      Sequence& q = seqs_[k];
-      q.piece.push_back(static_cast<int32_t>(pi));
-      q.offset.push_back(running[k]);
-      running[k] += it.bytes();
-      ops[k] += ItemOps(it);
-      q.ops_prefix.push_back(ops[k]);
+    const PieceStats& st = stats_[pi];
+    add(p.erank, p.c0, p.c0 + 1, st.bytes[0], st.ops[0]);
+    if (p.c1 > p.c0) add(p.erank, p.c1, p.c1 + 1, st.bytes[2], st.ops[2]);
+    if (p.c1 > p.c0 + 1) add(p.erank, p.c0 + 1, p.c1, st.bytes[1], st.ops[1]);
+  }
+  for (int e = 0; e < E_; ++e) {
+    for (int k = 1; k < S_; ++k) {
+      db[e * W + k] += db[e * W + k - 1];
+      dops[e * W + k] += dops[e * W + k - 1];
     }
   }
+  seqs_.assign(S_, Sequence{});
   for (int s = 0; s < S_; ++s) {
     Sequence& q = seqs_[s];
-    for (int e = cur_e + 1; e <= E_; ++e) q.erank_offset[e] = running[s];
-    q.offset.push_back(running[s]);
+    q.erank_offset.assign(E_ + 1, 0);
+    q.erank_ops.assign(E_ + 1, 0);
+    for (int e = 0; e < E_; ++e) {
+      q.erank_offset[e + 1] = q.erank_offset[e] + db[e * W + s];
+      q.erank_ops[e + 1] = q.erank_ops[e] + dops[e * W + s];
+    }
     const int64_t T = q.total();
     const __int128 all = static_cast<__int128>(T) * D_;
     q.cuts.resize(R_ + 1);
@@ -391,30 +406,49 @@ void PlanContext::BuildSequences() {
       }
       // Round the ideal boundary up to the next unit boundary inside its item.
       const int64_t d = b / T, x = b - d * T;
-      const size_t n = q.piece.size();
-      const size_t i =
-          std::upper_bound(q.offset.begin(), q.offset.begin() + n, x) - q.offset.begin() - 1;
-      const Item it = MakeItem(pieces_[q.piece[i]], s);
-      const int64_t y = x - q.offset[i];
-      const int64_t r = y / it.run_bytes, z = y - r * it.run_bytes;
+      const int e =
+          static_cast<int>(std::upper_bound(q.erank_offset.begin(), q.erank_offset.end(), x) -
+                           q.erank_offset.begin() - 1);
+      const int64_t y = x - q.erank_offset[e];
+      int32_t piece = -1;
+      int64_t item_off = 0;
+      ForItemsInRange(e, s, y, y + 1, [&](int32_t pi, int64_t off) {
+        piece = pi;
+        item_off = off;
+      });
+      const Item it = MakeItem(pieces_[piece], s);
+      const int64_t yin = y - item_off;
+      const int64_t r = yin / it.run_bytes, z = yin - r * it.run_bytes;
       const int64_t zr = std::min(it.run_bytes, CeilDiv(z, it.unit_bytes) * it.unit_bytes);
-      q.cuts[g] = d * T + q.offset[i] + r * it.run_bytes + zr;
+      q.cuts[g] = d * T + q.erank_offset[e] + item_off + r * it.run_bytes + zr;
     }
     q.cuts[0] = 0;
   }
 }
 
-int64_t PlanContext::CountSeqOps(const Sequence& q, int64_t x0, int64_t x1) const {
-  if (x1 <= x0) return 0;
-  const int s = static_cast<int>(&q - seqs_.data());
-  const auto end = q.offset.begin() + q.piece.size();
-  const size_t i0 = std::upper_bound(q.offset.begin(), end, x0) - q.offset.begin() - 1;
-  const size_t i1 = std::upper_bound(q.offset.begin(), end, x1 - 1) - q.offset.begin() - 1;
-  const Item a = MakeItem(pieces_[q.piece[i0]], s);
-  if (i0 == i1) return ItemRangeOps(a, x0 - q.offset[i0], x1 - q.offset[i0]);
-  const Item b = MakeItem(pieces_[q.piece[i1]], s);
-  return ItemRangeOps(a, x0 - q.offset[i0], a.bytes()) + (q.ops_prefix[i1] - q.ops_prefix[i0 + 1]) +
-         ItemRangeOps(b, 0, x1 - q.offset[i1]);
+void PlanContext::ForItemsInRange(int e, int s, int64_t y0, int64_t y1,
+                                  const std::function<void(int32_t, int64_t)>& fn) const {
+  int64_t acc = 0;
+  for (int32_t pi = erank_begin_[e]; pi < erank_begin_[e + 1] && acc < y1; ++pi) {
+    const int64_t b = BytesAt(pi, s);
+    if (b == 0) continue;
+    if (acc + b > y0) fn(pi, acc);
+    acc += b;
+  }
+}
+
+int64_t PlanContext::CountRangeOps(int e, int s, int64_t y0, int64_t y1) const {
+  int64_t ops = 0;
+  ForItemsInRange(e, s, y0, y1, [&](int32_t pi, int64_t off) {
+    const FlatPiece& p = pieces_[pi];
+    const int64_t b = BytesAt(pi, s);
+    if (off >= y0 && off + b <= y1) {
+      ops += stats_[pi].ops[Which(p, s)];
+    } else {
+      ops += ItemRangeOps(MakeItem(p, s), std::max<int64_t>(y0 - off, 0), std::min(y1 - off, b));
+    }
+  });
+  return ops;
 }
 
 void PlanContext::FinishMessage(Message* m) const {
@@ -477,23 +511,25 @@ Result<RankPlan> PlanContext::PlanForRank(int sync_rank) const {
     const int64_t T = q.total();
     if (T == 0) return rp;
     const int64_t lo = q.cuts[g], hi = q.cuts[g + 1];
-    const size_t n = q.piece.size();
     for (int64_t d = lo / T; d < D_ && d * T < hi; ++d) {
       const int64_t x0 = std::max(lo, d * T) - d * T, x1 = std::min(hi, (d + 1) * T) - d * T;
       if (x1 <= x0) continue;
-      size_t i =
-          std::upper_bound(q.offset.begin(), q.offset.begin() + n, x0) - q.offset.begin() - 1;
-      for (; i < n && q.offset[i] < x1; ++i) {
-        const FlatPiece& p = pieces_[q.piece[i]];
-        const Item it = MakeItem(p, s);
-        const int dst = S_world_ + static_cast<int>(d) * E_ + p.erank;
-        if (rp.sends.empty() || rp.sends.back().dst != dst) {
-          rp.sends.emplace_back();
-          rp.sends.back().src = sync_rank;
-          rp.sends.back().dst = dst;
-        }
-        EmitItemRange(p, it, std::max<int64_t>(x0 - q.offset[i], 0),
-                      std::min(x1 - q.offset[i], it.bytes()), &rp.sends.back().ops);
+      int e = static_cast<int>(std::upper_bound(q.erank_offset.begin(), q.erank_offset.end(), x0) -
+                               q.erank_offset.begin() - 1);
+      for (; e < E_ && q.erank_offset[e] < x1; ++e) {
+        const int64_t eo = q.erank_offset[e], eb = q.erank_offset[e + 1] - eo;
+        if (eb == 0) continue;
+        rp.sends.emplace_back();
+        Message& m = rp.sends.back();
+        m.src = sync_rank;
+        m.dst = S_world_ + static_cast<int>(d) * E_ + e;
+        ForItemsInRange(e, s, std::max<int64_t>(x0 - eo, 0), std::min(x1 - eo, eb),
+                        [&](int32_t pi, int64_t off) {
+                          const FlatPiece& p = pieces_[pi];
+                          const Item it = MakeItem(p, s);
+                          EmitItemRange(p, it, std::max<int64_t>(x0 - eo - off, 0),
+                                        std::min(x1 - eo - off, it.bytes()), &m.ops);
+                        });
       }
     }
     for (Message& m : rp.sends) FinishMessage(&m);
@@ -502,6 +538,7 @@ Result<RankPlan> PlanContext::PlanForRank(int sync_rank) const {
 
   const int d = who.replica, e = who.pp_rank * in_.rollout.shard.tp + who.tp_rank;
   std::vector<std::vector<TransferOp>> by_src(S_world_);
+  std::vector<int64_t> acc(whole_replicas_ ? 0 : S_, 0);  // erank-local offset per chunk
   for (int32_t pi = erank_begin_[e]; pi < erank_begin_[e + 1]; ++pi) {
     const FlatPiece& p = pieces_[pi];
     for (int64_t k = p.c0; k <= p.c1; ++k) {
@@ -511,8 +548,8 @@ Result<RankPlan> PlanContext::PlanForRank(int sync_rank) const {
         continue;
       }
       const Sequence& q = seqs_[k];
-      const size_t idx = std::lower_bound(q.piece.begin(), q.piece.end(), pi) - q.piece.begin();
-      const int64_t o = d * q.total() + q.offset[idx], len = it.bytes();
+      const int64_t o = d * q.total() + q.erank_offset[e] + acc[k], len = it.bytes();
+      acc[k] += len;
       size_t g = std::upper_bound(q.cuts.begin(), q.cuts.end(), o) - q.cuts.begin() - 1;
       for (; g < static_cast<size_t>(R_) && q.cuts[g] < o + len; ++g) {
         const int64_t a = std::max(o, q.cuts[g]), b = std::min(o + len, q.cuts[g + 1]);
@@ -544,17 +581,12 @@ void PlanContext::ForEachPair(const PairFn& fn) const {
       dops[e * W + k0] += ops;
       dops[e * W + k1] -= ops;
     };
-    for (const FlatPiece& p : pieces_) {
-      const Item a = MakeItem(p, p.c0);
-      add(p.erank, p.c0, p.c0 + 1, a.bytes(), ItemOps(a));
-      if (p.c1 > p.c0) {
-        const Item b = MakeItem(p, p.c1);
-        add(p.erank, p.c1, p.c1 + 1, b.bytes(), ItemOps(b));
-      }
-      if (p.c1 > p.c0 + 1) {
-        const Item m = MakeItem(p, p.c0 + 1);
-        add(p.erank, p.c0 + 1, p.c1, m.bytes(), ItemOps(m));
-      }
+    for (size_t pi = 0; pi < pieces_.size(); ++pi) {
+      const FlatPiece& p = pieces_[pi];
+      const PieceStats& st = stats_[pi];
+      add(p.erank, p.c0, p.c0 + 1, st.bytes[0], st.ops[0]);
+      if (p.c1 > p.c0) add(p.erank, p.c1, p.c1 + 1, st.bytes[2], st.ops[2]);
+      if (p.c1 > p.c0 + 1) add(p.erank, p.c0 + 1, p.c1, st.bytes[1], st.ops[1]);
     }
     for (int e = 0; e < E_; ++e) {
       int64_t b = 0, o = 0;
@@ -591,7 +623,9 @@ void PlanContext::ForEachPair(const PairFn& fn) const {
         for (int gg = g; gg < R_ && q.cuts[gg] < en; ++gg) {
           const int64_t a = std::max(st, q.cuts[gg]), b = std::min(en, q.cuts[gg + 1]);
           if (b > a) {
-            fn(gg * S_ + s, S_world_ + d * E_ + e, b - a, CountSeqOps(q, a - d * T, b - d * T));
+            const int64_t ops = a == st && b == en ? q.erank_ops[e + 1] - q.erank_ops[e]
+                                                   : CountRangeOps(e, s, a - st, b - st);
+            fn(gg * S_ + s, S_world_ + d * E_ + e, b - a, ops);
           }
         }
       }

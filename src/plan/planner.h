@@ -35,15 +35,22 @@ struct Item {
 };
 
 // Holder sequence of one dim-0 position s when R > 1 does not divide D: every (replica, item)
-// needing chunk s, in replica-major then (erank, param, piece) order; cut into R byte-balanced
-// segments, segment g served by trainer rank g*S + s.
+// needing chunk s, replica-major then (erank, param, piece) order, is one byte sequence cut into
+// R byte-balanced segments at unit boundaries; segment g is served by trainer rank g*S + s. Only
+// per-erank prefix sums and the cuts are stored (computed by difference arrays over chunks), never
+// the items: an item's offset inside its erank is found by scanning that erank's pieces.
 struct Sequence {
-  std::vector<int32_t> piece;         // flat piece index per item
-  std::vector<int64_t> offset;        // replica-local byte offset per item (+ total at the end)
-  std::vector<int64_t> ops_prefix;    // uncut op count prefix (size items + 1)
-  std::vector<int64_t> erank_offset;  // size E + 1
+  std::vector<int64_t> erank_offset;  // size E + 1: replica-local byte offset of each erank
+  std::vector<int64_t> erank_ops;     // size E + 1: prefix of uncut op counts
   std::vector<int64_t> cuts;          // size R + 1, global (replica-major) byte coordinates
-  int64_t total() const { return offset.back(); }
+  int64_t total() const { return erank_offset.back(); }
+};
+
+// Bytes and uncut ops of a piece's items: [0] its first chunk, [1] any interior chunk, [2] its
+// last chunk (interior chunks are all full, so all alike).
+struct PieceStats {
+  int64_t bytes[3] = {0, 0, 0};
+  int64_t ops[3] = {0, 0, 0};
 };
 
 // Called for each (trainer rank, engine sync rank) pair with traffic.
@@ -76,7 +83,19 @@ class PlanContext {
   void EmitItemRange(const FlatPiece& p, const Item& it, int64_t y0, int64_t y1,
                      std::vector<TransferOp>* out) const;
   void BuildSequences();
-  int64_t CountSeqOps(const Sequence& q, int64_t x0, int64_t x1) const;
+  int Which(const FlatPiece& p, int64_t chunk) const {
+    return chunk == p.c0 ? 0 : chunk == p.c1 ? 2 : 1;
+  }
+  int64_t BytesAt(int32_t pi, int64_t chunk) const {
+    const FlatPiece& p = pieces_[pi];
+    return chunk < p.c0 || chunk > p.c1 ? 0 : stats_[pi].bytes[Which(p, chunk)];
+  }
+  // Calls fn(piece, erank-local offset) for the items of erank e at chunk s overlapping the
+  // erank-local byte range [y0, y1), in order.
+  void ForItemsInRange(int e, int s, int64_t y0, int64_t y1,
+                       const std::function<void(int32_t, int64_t)>& fn) const;
+  // Ops of the erank-local byte range [y0, y1) of erank e at chunk s.
+  int64_t CountRangeOps(int e, int s, int64_t y0, int64_t y1) const;
   void FinishMessage(Message* m) const;
 
   PlanInputs in_;
@@ -92,7 +111,8 @@ class PlanContext {
   // D % R == 0: group g serves whole replicas [g*D/R, (g+1)*D/R) (what the byte-balanced cut
   // gives in that case), computed without sequences.
   bool whole_replicas_ = true;
-  std::vector<Sequence> seqs_;  // per position s, only when R does not divide D
+  std::vector<Sequence> seqs_;     // per position s, only when R does not divide D
+  std::vector<PieceStats> stats_;  // per flat piece
 };
 
 // Builds the context for `in` (shard map and inventory from the model).

@@ -35,6 +35,8 @@ const Case kCases[] = {
     {"qwen3-235b-a22b", "hsdp=128x8", "dp=32,tp=8,pp=4"},
     {"qwen3-8b", "fsdp=8", "dp=2,tp=4,pp=1"},
     {"qwen3-8b", "hsdp=2x4", "dp=2,tp=2,pp=2"},
+    // R does not divide D, many chunks: byte-balanced cuts located per chunk.
+    {"qwen3-235b-a22b", "hsdp=3x256", "dp=32,tp=8,pp=4"},
     {"qwen3-8b", "replicate=8", "dp=2,tp=4,pp=1"},
     // Growth with ranks (same model) and with tensors (same layout).
     {"qwen3-235b-a22b", "fsdp=256", "dp=8,tp=8,pp=4"},

@@ -227,7 +227,7 @@ class LoopbackTransport final : public Transport {
   }
   Status CheckConnected(int peer) const {
     SS_RETURN_IF_ERROR(CheckUsable());
-    if (rank_ < 0) return FailedPreconditionError("loopback: not connected");
+    if (!connected_) return FailedPreconditionError("loopback: not connected");
     if (!peers_.count(peer)) {
       return InvalidArgumentError("loopback rank " + std::to_string(rank_) + ": rank " +
                                   std::to_string(peer) + " is not a connected peer");
@@ -287,6 +287,7 @@ class LoopbackTransport final : public Transport {
       }
       if (hub_->ranks[p].gone) return PeerGone(p);
     }
+    connected_ = true;
     return OkStatus();
   }
 
@@ -310,6 +311,7 @@ class LoopbackTransport final : public Transport {
   std::vector<LoopbackHub::Region> regions_;
   int rank_ = -1;
   std::set<int> peers_;
+  bool connected_ = false;  // after every peer joined
   bool aborted_ = false;
   bool left_ = false;
   XferId next_id_ = 1;

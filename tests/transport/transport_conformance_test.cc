@@ -241,6 +241,9 @@ TEST_P(TransportConformance, ConnectTimesOutWithoutPeer) {
   auto store = Store();
   Status s = t->Connect(*store, "lonely", 0, {1}, 300ms);
   EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+  // Nothing can be posted to a peer that never connected.
+  char b = 0;
+  EXPECT_FALSE(t->PostSend(1, 1, &b, 1).ok());
   EXPECT_NE(s.message().find("1"), std::string::npos);
 }
 

@@ -97,9 +97,7 @@ class CudaIpcTransport final : public Transport {
   explicit CudaIpcTransport(int device) : device_(device) {}
   ~CudaIpcTransport() override {
     cudaSetDevice(device_);
-    for (auto& [id, x] : xfers_) {
-      if (x.event) cudaEventDestroy(x.event);
-    }
+    xfers_.clear();  // returns shared events to the pool
     for (cudaEvent_t e : event_pool_) cudaEventDestroy(e);
     for (auto& [key, ptr] : opened_) cudaIpcCloseMemHandle(ptr);
     if (own_stream_) cudaStreamDestroy(own_stream_);
@@ -263,7 +261,15 @@ class CudaIpcTransport final : public Transport {
       SS_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_),
               "cuda_ipc: put to peer rank " + std::to_string(peer));
     }
-    return NewEventXfer(peer);
+    // No event per put (a session posts one put per parameter run): the first Poll or Flush
+    // records one event that covers every put posted before it.
+    Xfer x;
+    x.kind = Xfer::kEvent;
+    x.peer = peer;
+    const XferId id = next_id_++;
+    xfers_.emplace(id, std::move(x));
+    unevented_.push_back(id);
+    return id;
   }
 
   Result<XferId> PostFlush(int peer) override {
@@ -319,12 +325,12 @@ class CudaIpcTransport final : public Transport {
     Xfer& x = it->second;
     switch (x.kind) {
       case Xfer::kEvent: {
-        const cudaError_t e = cudaEventQuery(x.event);
+        if (!x.event) SS_RETURN_IF_ERROR(RecordShared().status());
+        const cudaError_t e = cudaEventQuery(x.event->e);
         if (e == cudaErrorNotReady) {
           SS_RETURN_IF_ERROR(PeerAlive(x.peer));
           return XferState::kInProgress;
         }
-        event_pool_.push_back(x.event);
         xfers_.erase(it);
         SS_CUDA(e, "cuda_ipc: put/flush to peer rank");
         return XferState::kDone;
@@ -376,10 +382,18 @@ class CudaIpcTransport final : public Transport {
   void SetStream(cudaStream_t s) { stream_ = s ? s : own_stream_; }
 
  private:
+  // An event shared by the puts it covers; back to the pool when the last one completes.
+  struct SharedEvent {
+    cudaEvent_t e = nullptr;
+    std::vector<cudaEvent_t>* pool = nullptr;
+    ~SharedEvent() {
+      if (e) pool->push_back(e);
+    }
+  };
   struct Xfer {
     enum Kind { kEvent, kSend, kRecv } kind = kEvent;
     int peer = -1;
-    cudaEvent_t event = nullptr;
+    std::shared_ptr<SharedEvent> event;
     uint64_t tag = 0;
     std::vector<unsigned char> data;
     void* buf = nullptr;
@@ -392,7 +406,8 @@ class CudaIpcTransport final : public Transport {
     return OkStatus();
   }
 
-  Result<XferId> NewEventXfer(int peer) {
+  // Records one event on the stream and gives it to every put still without one.
+  Result<std::shared_ptr<SharedEvent>> RecordShared() {
     cudaEvent_t e = nullptr;
     if (!event_pool_.empty()) {
       e = event_pool_.back();
@@ -400,11 +415,24 @@ class CudaIpcTransport final : public Transport {
     } else {
       SS_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cuda_ipc: event");
     }
+    auto ev = std::make_shared<SharedEvent>();
+    ev->e = e;
+    ev->pool = &event_pool_;
     SS_CUDA(cudaEventRecord(e, stream_), "cuda_ipc: event record");
+    for (XferId id : unevented_) {
+      auto it = xfers_.find(id);
+      if (it != xfers_.end()) it->second.event = ev;
+    }
+    unevented_.clear();
+    return ev;
+  }
+
+  Result<XferId> NewEventXfer(int peer) {
+    SS_ASSIGN_OR_RETURN(auto ev, RecordShared());
     Xfer x;
     x.kind = Xfer::kEvent;
     x.peer = peer;
-    x.event = e;
+    x.event = std::move(ev);
     const XferId id = next_id_++;
     xfers_.emplace(id, std::move(x));
     return id;
@@ -472,6 +500,7 @@ class CudaIpcTransport final : public Transport {
   std::map<int, std::deque<std::pair<uint64_t, std::vector<unsigned char>>>> unexpected_;
   std::map<XferId, Xfer> xfers_;
   std::vector<cudaEvent_t> event_pool_;
+  std::vector<XferId> unevented_;  // puts posted since the last recorded event
   XferId next_id_ = 1;
 };
 

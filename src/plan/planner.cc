@@ -665,6 +665,17 @@ std::string PlanHash(const PlanInputs& in) {
   mlp_only.erase(std::unique(mlp_only.begin(), mlp_only.end()), mlp_only.end());
   kv("mlp_only_layers", fmt::format("{}", fmt::join(mlp_only, ",")));
   kv("model_dtype", DTypeName(m.dtype));
+  // Fields that do not move bytes still identify the model the ranks must agree on.
+  kv("rms_norm_eps", fmt::format("{:.17g}", m.rms_norm_eps));
+  kv("rope_theta", fmt::format("{:.17g}", m.rope_theta));
+  kv("max_position_embeddings", m.max_position_embeddings);
+  kv("norm_topk_prob", m.norm_topk_prob);
+  if (m.rope_scaling) {
+    const RopeScaling& r = *m.rope_scaling;
+    kv("rope_scaling",
+       fmt::format("{};{:.17g};{:.17g};{:.17g};{}", r.type, r.factor, r.low_freq_factor,
+                   r.high_freq_factor, r.original_max_position_embeddings));
+  }
   kv("trainer", in.trainer.ToString());
   kv("trainer_dtype", DTypeName(in.trainer_dtype));
   kv("engine", in.rollout.shard.engine == EngineKind::kSglang ? "sglang" : "vllm");

@@ -241,6 +241,12 @@ std::string TextSummary(const PlanInputs& in, const DetailedSummary& ds) {
                    s.engine_ranks.size(), Human(erecv.min), Human(erecv.mean), Human(erecv.max));
   o += fmt::format("  {:<28}min {} / mean {} / max {}\n", "engine owned bytes", Human(eown.min),
                    Human(eown.mean), Human(eown.max));
+  const auto tops = Stats(ds.trainer_traffic, [](const RankTraffic& t) { return t.ops; });
+  const auto eops = Stats(ds.engine_traffic, [](const RankTraffic& t) { return t.ops; });
+  const auto tmsg = Stats(ds.trainer_traffic, [](const RankTraffic& t) { return t.messages; });
+  const auto emsg = Stats(ds.engine_traffic, [](const RankTraffic& t) { return t.messages; });
+  o += fmt::format("  {:<28}trainer max {} ops / {} messages; engine max {} ops / {} messages\n",
+                   "per-rank plan size", tops.max, tmsg.max, eops.max, emsg.max);
   const double ratio = s.broadcast_recv_bytes_per_rank > 0
                            ? erecv.mean / static_cast<double>(s.broadcast_recv_bytes_per_rank)
                            : 0;

@@ -130,6 +130,39 @@ TEST_P(TransportConformance, SendRecvMatchesBySourceAndTag) {
   });
 }
 
+// Messages that arrive before their receive is posted (UCX: unexpected eager and rendezvous).
+TEST_P(TransportConformance, SendBeforeRecvIsPosted) {
+  auto ts = World(2, {{}, {}});
+  const std::vector<size_t> sizes = {0, 100, 4 << 20};
+  ParallelRanks(2, [&](int r) {
+    auto store = Store();
+    if (r == 0) {
+      std::vector<std::vector<char>> bufs;
+      std::vector<XferId> ids;
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        bufs.push_back(Pattern(sizes[i], 40 + i));
+        auto id = ts[0]->PostSend(1, 500 + i, bufs[i].data(), sizes[i]);
+        ASSERT_TRUE(id.ok()) << id.status().ToString();
+        ids.push_back(*id);
+      }
+      ASSERT_TRUE(store->Set("sent", "1").ok());
+      Status s = WaitAllXfers(*ts[0], ids, kTimeout, "early sends");
+      EXPECT_TRUE(s.ok()) << s.ToString();
+    } else {
+      ASSERT_TRUE(store->Get("sent", kTimeout).ok());
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        std::vector<char> got(sizes[i]);
+        auto id = ts[1]->PostRecv(0, 500 + i, got.data(), got.size());
+        ASSERT_TRUE(id.ok());
+        Status s = WaitXfer(*ts[1], *id, kTimeout, "late recv");
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        auto want = Pattern(sizes[i], 40 + i);
+        EXPECT_TRUE(SameBytes(got.data(), want.data(), sizes[i])) << sizes[i];
+      }
+    }
+  });
+}
+
 TEST_P(TransportConformance, SameTagIsFifo) {
   auto ts = World(2, {{}, {}});
   ParallelRanks(2, [&](int r) {

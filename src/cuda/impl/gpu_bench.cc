@@ -17,6 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <spdlog/spdlog.h>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -1112,7 +1113,12 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
     }
   }
 
-  SS_ASSIGN_OR_RETURN(auto server, StoreServer::Start("127.0.0.1", 0, kToken));
+  // The store announces itself at info level on stdout, where callers print their report.
+  const auto level = spdlog::get_level();
+  spdlog::set_level(std::max(level, spdlog::level::warn));
+  auto server_r = StoreServer::Start("127.0.0.1", 0, kToken);
+  spdlog::set_level(level);
+  SS_ASSIGN_OR_RETURN(auto server, std::move(server_r));
   const std::string addr = server->address();
   SS_ASSIGN_OR_RETURN(auto store, StoreClient::Connect(addr, kToken, Millis(30000)));
   const std::string lp = o.log_prefix;

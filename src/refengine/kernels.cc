@@ -7,6 +7,8 @@
 #include <numbers>
 #include <thread>
 
+#include <unistd.h>
+
 namespace shardsync::refengine {
 namespace {
 
@@ -63,6 +65,19 @@ void SwiGluMlp(const float* x, int64_t T, int64_t H, int64_t I, const float* gat
   MatMulT(x, T, H, up, I, nullptr, u.data());
   for (int64_t i = 0; i < T * I; ++i) g[i] = Silu(g[i]) * u[i];
   MatMulT(g.data(), T, I, down, H, nullptr, out);
+}
+
+Status CheckFitsInMemory(int64_t bytes, std::string_view what) {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return OkStatus();  // unknown: let the allocation decide
+  const double limit = 0.8 * static_cast<double>(pages) * static_cast<double>(page);
+  if (static_cast<double>(bytes) > limit) {
+    return FailedPreconditionError(fmt::format(
+        "{}: the reference engine needs {:.1f} GiB for fp32 weights, more than 80% of this "
+        "machine's {:.1f} GiB",
+        what, bytes / 1073741824.0, static_cast<double>(pages) * page / 1073741824.0));
+  }
+  return OkStatus();
 }
 
 void RmsNorm(float* x, int64_t rows, int64_t dim, const float* weight, double eps) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "shardsync/model.h"
@@ -59,6 +60,11 @@ void Attend(const float* q, int64_t T, int64_t n_q, const KvCache& cache, float*
 // Per-head RMSNorm (Qwen3 q_norm / k_norm) then RoPE for T rows of n_heads heads.
 void NormAndRotate(float* rows, int64_t T, int64_t n_heads, int64_t head_dim,
                    const float* norm_weight, double eps, const Rope& rope, int64_t start_pos);
+
+// FailedPrecondition naming `what` if `bytes` of fp32 weights would not fit in 80% of physical
+// memory (the reference engine converts every weight to fp32 up front; failing early beats the
+// OOM killer).
+Status CheckFitsInMemory(int64_t bytes, std::string_view what);
 
 // Qwen3-MoE routing for one token: softmax over the router logits, top-k (ties: lower expert
 // id first, as torch.topk on CPU), optionally renormalised. Returns (expert, weight) pairs.

@@ -155,6 +155,7 @@ class ReferenceModel : public CausalLm {
 Result<std::unique_ptr<CausalLm>> MakeReferenceModel(const ModelSpec& spec,
                                                      const WeightSource& weights) {
   SS_ASSIGN_OR_RETURN(Rope rope, Rope::Make(spec));
+  SS_RETURN_IF_ERROR(refengine::CheckFitsInMemory(ModelNumElements(spec) * 4, spec.name));
   auto m = std::make_unique<ReferenceModel>(spec, std::move(rope));
   SS_RETURN_IF_ERROR(m->Load(weights));
   return std::unique_ptr<CausalLm>(std::move(m));

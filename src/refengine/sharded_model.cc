@@ -50,6 +50,11 @@ class ShardedModel : public CausalLm {
       return InvalidArgumentError(fmt::format("{} engine buffer sets for {} engine ranks",
                                               per_rank.size(), map_.ranks.size()));
     }
+    int64_t elements = 0;
+    for (const auto& r : map_.ranks) {
+      for (const auto& p : r.params) elements += p.numel();
+    }
+    SS_RETURN_IF_ERROR(refengine::CheckFitsInMemory(elements * 4, m_.name + " (sharded)"));
     SS_RETURN_IF_ERROR(ConvertBuffers(per_rank));
     SS_RETURN_IF_ERROR(ComputeDims());
     SS_RETURN_IF_ERROR(BindWeights());

@@ -113,7 +113,6 @@ Region TrainerHeldRegion(const TrainerSpec& t, int rank, const Shape& shape) {
   const int S = t.shards_per_group();
   if (rank < 0 || rank >= t.world()) {
     for (int i = 0; i < r.ndim; ++i) r.extent[i] = 0;
-    if (r.ndim == 0) r.ndim = 0;
     return r;
   }
   if (r.ndim == 0) return r;  // scalars: every holder keeps the whole value

@@ -214,9 +214,9 @@ TEST(Planner, BucketSplitsLargeOps) {
 // Exact cover, per element, for random configurations of every layout.
 TEST(Planner, RandomConfigsExactCover) {
   std::mt19937 rng(12345);
-  const std::vector<std::string> trainers = {
-      "fsdp=1",      "fsdp=3",      "fsdp=8", "fsdp=13",  "hsdp=2x3",    "hsdp=3x2",
-      "hsdp=4x5",    "replicate=3", "single", "hsdp=1x4", "replicate=2", "replicate=1"};
+  const std::vector<std::string> trainers = {"fsdp=1",   "fsdp=3",   "fsdp=8",      "fsdp=13",
+                                             "hsdp=2x3", "hsdp=3x2", "hsdp=4x5",    "replicate=3",
+                                             "single",   "hsdp=1x4", "replicate=2", "replicate=1"};
   int validated = 0;
   for (int iter = 0; iter < 80; ++iter) {
     const bool moe = rng() % 2;
@@ -361,8 +361,14 @@ bool SamePlan(const RankPlan& a, const RankPlan& b) {
   return a.plan_hash == b.plan_hash && same(a.sends, b.sends) && same(a.recvs, b.recvs);
 }
 
-TEST(Planner, DeterministicAndHashed) {
-  PlanInputs in = Inputs(TinyMoe(true), "hsdp=2x3", "dp=2,tp=2,pp=2");
+class PlannerDeterminism : public ::testing::TestWithParam<const char*> {};
+
+// dp=2: whole replicas per holder group; dp=3: byte-balanced cuts (R does not divide D).
+INSTANTIATE_TEST_SUITE_P(Layouts, PlannerDeterminism,
+                         ::testing::Values("dp=2,tp=2,pp=2", "dp=3,tp=2,pp=2"));
+
+TEST_P(PlannerDeterminism, SamePlansAndHash) {
+  PlanInputs in = Inputs(TinyMoe(true), "hsdp=2x3", GetParam());
   in.model.mlp_only_layers = {0, 2};
   PlanInputs shuffled = in;
   shuffled.model.mlp_only_layers = {2, 0};  // same set, other order
@@ -381,7 +387,7 @@ TEST(Planner, DeterministicAndHashed) {
   variants[1].options.bucket_bytes = 1 << 20;
   variants[2].trainer = *ParseTrainerSpec("fsdp=6");
   variants[3].rollout.shard.engine = EngineKind::kVllm;
-  variants[4].rollout.dp = 3;
+  variants[4].rollout.dp = in.rollout.dp + 1;
   variants[5].trainer_dtype = DType::kBF16;
   for (const auto& v : variants) EXPECT_NE(PlanHash(v), PlanHash(in));
 }

@@ -245,25 +245,25 @@ class BenchRank {
     return OkStatus();
   }
 
-  // Trainer rank 0 holds the whole model in the wire dtype, as a gathered full_tensor() would be.
+  // Trainer rank 0 holds the whole model in the trainer dtype, as a gathered full_tensor()
+  // would be (the gather itself is not timed, which favours the baseline).
   Status FillFullModel() {
+    const DType td = in_.trainer_dtype;
+    const int ts = DTypeSize(td);
     int64_t total = 0;
-    for (const HfTensor& t : inv_) total += t.numel() * ws_;
+    for (const HfTensor& t : inv_) total += t.numel() * ts;
     full_.resize(total);
     std::vector<float> tmp;
-    std::vector<unsigned char> tbuf;
-    const DType td = in_.trainer_dtype;
+    int64_t at = 0;
     for (size_t t = 0; t < inv_.size(); ++t) {
       const int64_t n = inv_[t].numel();
       tmp.resize(n);
       FillSyntheticRegion(job_.seed, inv_[t].name, inv_[t].shape, Region::Full(inv_[t].shape),
                           tmp.data());
-      tbuf.resize(n * DTypeSize(td));
-      sync_internal::StoreFloats(tmp.data(), n, td, tbuf.data());
-      for (int64_t i = 0; i < n; ++i) tmp[i] = sync_internal::LoadFloat(tbuf.data(), i, td);
-      sync_internal::StoreFloats(tmp.data(), n, in_.options.wire_dtype,
-                                 full_.data() + tensor_offsets_[t]);
+      sync_internal::StoreFloats(tmp.data(), n, td, full_.data() + at);
+      at += n * ts;
     }
+    stage_.assign(std::max<int64_t>(2 * max_bucket_, 1), 0);
     return OkStatus();
   }
 
@@ -277,43 +277,54 @@ class BenchRank {
 
   Status BroadcastSend() {
     const int E = world_ - S_;
-    std::vector<XferId> data;
-    std::map<size_t, std::vector<XferId>> acks;  // bucket -> ack receives
+    const DType td = in_.trainer_dtype;
+    const int ts = DTypeSize(td);
+    std::vector<std::vector<XferId>> sends(buckets_.size());
+    std::vector<std::vector<XferId>> acks(buckets_.size());
     std::vector<char> ack_bufs(buckets_.size() * E);
     std::vector<Control> controls(buckets_.size());
     for (size_t k = 0; k < buckets_.size(); ++k) {
-      if (k >= 2)
-        SS_RETURN_IF_ERROR(Wait(acks[k - 2], "broadcast: acks of bucket " + std::to_string(k - 2)));
+      if (k >= 2) {
+        // Slot k % 2 is free once bucket k-2 left it and every receiver sliced it.
+        SS_RETURN_IF_ERROR(Wait(sends[k - 2], "broadcast bucket " + std::to_string(k - 2)));
+        SS_RETURN_IF_ERROR(Wait(acks[k - 2], "broadcast acks of bucket " + std::to_string(k - 2)));
+      }
       const BcastBucket& b = buckets_[k];
+      // Cast the bucket's full tensors to the wire dtype, as the trainer does before broadcasting.
+      unsigned char* slot = stage_.data() + (k % 2) * max_bucket_;
+      const int64_t elems = b.bytes / ws_;
+      sync_internal::CastInto(full_.data() + (b.offset / ws_) * ts, td, slot,
+                              in_.options.wire_dtype, elems);
       const uint64_t remote = (k % 2) * max_bucket_;
       for (int e = 0; e < E; ++e) {
         const int dst = S_ + e;
         SS_ASSIGN_OR_RETURN(XferId a, tx_.PostRecv(dst, MakeTag(true, kBenchVersionBroadcast, k),
                                                    &ack_bufs[k * E + e], 1));
         acks[k].push_back(a);
-        const unsigned char* src = full_.data() + b.offset;
         if (put()) {
           // Put, flush, then announce (the receiver slices only bytes that landed).
           std::vector<XferId> landed;
           SS_ASSIGN_OR_RETURN(XferId id,
-                              tx_.PostPut(dst, src, b.bytes, stage_region_.at(dst), remote));
+                              tx_.PostPut(dst, slot, b.bytes, stage_region_.at(dst), remote));
           landed.push_back(id);
           SS_ASSIGN_OR_RETURN(XferId fl, tx_.PostFlush(dst));
           landed.push_back(fl);
           SS_RETURN_IF_ERROR(Wait(landed, "broadcast to sync rank " + std::to_string(dst)));
           SS_ASSIGN_OR_RETURN(XferId c, tx_.PostSend(dst, MakeTag(true, kBenchVersionBroadcast, k),
                                                      &controls[k], sizeof(Control)));
-          data.push_back(c);
+          sends[k].push_back(c);
         } else {
           SS_ASSIGN_OR_RETURN(
               XferId id,
-              tx_.PostSend(dst, MakeTag(false, kBenchVersionBroadcast, k), src, b.bytes));
-          data.push_back(id);
+              tx_.PostSend(dst, MakeTag(false, kBenchVersionBroadcast, k), slot, b.bytes));
+          sends[k].push_back(id);
         }
       }
     }
-    SS_RETURN_IF_ERROR(Wait(data, "broadcast sends"));
-    for (auto& [k, ids] : acks) SS_RETURN_IF_ERROR(Wait(ids, "broadcast acks"));
+    for (size_t k = 0; k < buckets_.size(); ++k) {
+      SS_RETURN_IF_ERROR(Wait(sends[k], "broadcast sends"));
+      SS_RETURN_IF_ERROR(Wait(acks[k], "broadcast acks"));
+    }
     return OkStatus();
   }
 
@@ -449,8 +460,8 @@ class BenchRank {
   uint64_t version_ = 0;
   sync_internal::TrainerShards shards_;
   sync_internal::EngineParams params_;
-  std::vector<unsigned char> full_;   // trainer 0: the whole model, wire dtype
-  std::vector<unsigned char> stage_;  // engines: two broadcast buckets
+  std::vector<unsigned char> full_;   // trainer 0: the whole model, trainer dtype
+  std::vector<unsigned char> stage_;  // two broadcast buckets (trainer 0: cast; engines: landed)
   std::vector<unsigned char> raw_;    // engines: raw receive area; trainers: raw source
   std::vector<std::vector<std::pair<size_t, size_t>>> slices_;  // tensor -> (param, piece)
   std::map<int, uint32_t> stage_region_, raw_region_;

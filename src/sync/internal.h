@@ -33,6 +33,8 @@ struct EngineParams {
   std::vector<std::unique_ptr<unsigned char[]>> buffers;
 };
 
+// Element cast between F32 / BF16 / F16 (plain copy for equal dtypes), as the packer does it.
+void CastInto(const void* in, DType a, void* out, DType b, int64_t n);
 void StoreFloats(const float* in, int64_t n, DType dtype, void* out);
 float LoadFloat(const void* p, int64_t i, DType dtype);
 Status CheckFloatDType(DType t, std::string_view field);

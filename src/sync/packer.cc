@@ -53,21 +53,32 @@ inline void Store(unsigned char* p, DType t, float f) {
   }
 }
 
+// F32ToBF16 (dtype.h) over an array, bit for bit, written as selects the compiler vectorizes.
+void CastF32ToBF16(const unsigned char* in, unsigned char* out, int64_t n) {
+  constexpr int64_t kBlock = 1024;
+  uint32_t u[kBlock];
+  uint16_t h[kBlock];
+  for (int64_t at = 0; at < n; at += kBlock) {
+    const int64_t m = std::min(kBlock, n - at);
+    std::memcpy(u, in + at * 4, m * 4);
+    for (int64_t i = 0; i < m; ++i) {
+      const uint32_t x = u[i];
+      const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+      const uint32_t quiet = (x >> 16) | 0x40u;
+      h[i] = static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+    }
+    std::memcpy(out + at * 2, h, m * 2);
+  }
+}
+
 // Copies n elements from `in` (dtype a) to `out` (dtype b).
 void Convert(const unsigned char* in, DType a, unsigned char* out, DType b, int64_t n) {
   if (a == b) {
     std::memcpy(out, in, static_cast<size_t>(n) * DTypeSize(a));
     return;
   }
-  if (a == DType::kF32 && b == DType::kBF16) {  // the hot cast: keep it a tight loop
-    const float* f = reinterpret_cast<const float*>(in);
-    uint16_t* h = reinterpret_cast<uint16_t*>(out);
-    for (int64_t i = 0; i < n; ++i) {
-      float v;
-      std::memcpy(&v, f + i, 4);
-      uint16_t r = F32ToBF16(v);
-      std::memcpy(h + i, &r, 2);
-    }
+  if (a == DType::kF32 && b == DType::kBF16) {  // the hot cast: branch-free so it vectorizes
+    CastF32ToBF16(in, out, n);
     return;
   }
   const int sa = DTypeSize(a), sb = DTypeSize(b);
@@ -182,6 +193,12 @@ class CpuPacker final : public Packer {
 };
 
 }  // namespace
+
+namespace sync_internal {
+void CastInto(const void* in, DType a, void* out, DType b, int64_t n) {
+  Convert(static_cast<const unsigned char*>(in), a, static_cast<unsigned char*>(out), b, n);
+}
+}  // namespace sync_internal
 
 std::unique_ptr<Packer> MakeCpuPacker() { return std::make_unique<CpuPacker>(); }
 

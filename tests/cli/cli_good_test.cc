@@ -1,0 +1,303 @@
+// Good invocations, every command: exit 0, well-formed output (JSON parses and agrees with itself),
+// nothing alarming on stderr. Tiny models only, so the whole suite stays fast.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cli/cli_harness.h"
+
+namespace shardsync::clitest {
+namespace {
+
+using nlohmann::json;
+
+std::string Tiny() { return Fixtures::Get().Expand("{DIR}/tiny/config.json"); }
+
+// Runs a command expected to succeed; fails the test (with the output) otherwise.
+CliResult Ok(const std::vector<std::string>& args, RunOptions opt = {}) {
+  CliResult r = RunCli(args, opt);
+  std::string cmdline = "shardsync";
+  for (const auto& a : args) cmdline += " '" + a + "'";
+  EXPECT_FALSE(r.timed_out) << cmdline << "\n" << r.Describe();
+  EXPECT_EQ(r.exit_code, 0) << cmdline << "\n" << r.Describe();
+  EXPECT_EQ(r.term_signal, 0) << cmdline << "\n" << r.Describe();
+  return r;
+}
+
+RunOptions WithTimeout(double seconds) {
+  RunOptions o;
+  o.timeout_s = seconds;
+  return o;
+}
+
+json ParseJson(const CliResult& r) {
+  json j = json::parse(r.out, nullptr, /*allow_exceptions=*/false);
+  EXPECT_FALSE(j.is_discarded()) << "stdout is not one JSON value:\n" << r.out.substr(0, 2000);
+  return j;
+}
+
+std::string ReadAll(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+TEST(CliGood, Version) {
+  const std::regex want("shardsync [0-9]+\\.[0-9]+\\.[0-9]+\n");
+  const CliResult a = Ok({"version"});
+  EXPECT_TRUE(std::regex_match(a.out, want)) << a.out;
+  EXPECT_EQ(a.err, "");
+  const CliResult b = Ok({"--version"});
+  EXPECT_TRUE(std::regex_match(b.out, want)) << b.out;
+  EXPECT_EQ(a.out, b.out);
+}
+
+TEST(CliGood, HelpListsEveryCommand) {
+  const CliResult r = Ok({"--help"});
+  for (const char* cmd : {"layout", "shards", "plan", "store", "run", "demo", "bench", "generate",
+                          "inspect", "version"}) {
+    EXPECT_NE(r.out.find(cmd), std::string::npos) << cmd << " missing from --help";
+  }
+}
+
+TEST(CliGood, LayoutTableJsonAndLaunchLines) {
+  const std::vector<std::string> base = {
+      "layout", "--nodes", "2", "--gpus-per-node", "4",     "--dp", "2", "--tp",
+      "2",      "--pp",    "2", "--engine",        "sglang"};
+  const CliResult table = Ok(base);
+  EXPECT_NE(table.out.find("CUDA_VISIBLE_DEVICES"), std::string::npos) << table.out;
+  EXPECT_EQ(table.err, "");
+
+  auto args = base;
+  args.push_back("--json");
+  const CliResult r = Ok(args);
+  const json j = ParseJson(r);
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["engine"], "sglang");
+  EXPECT_EQ(j["num_gpus"], 8);
+  EXPECT_EQ(j["node_gpus"], json::array({4, 4}));
+  ASSERT_EQ(j["workers"].size(), 8u);
+  ASSERT_EQ(j["replicas"].size(), 2u);
+  // Every engine rank of every replica lands on a distinct (node, gpu).
+  std::set<std::pair<int, int>> used;
+  for (const auto& rep : j["replicas"]) {
+    ASSERT_EQ(rep["engine_ranks"].size(), 4u);
+    for (const auto& e : rep["engine_ranks"]) {
+      EXPECT_TRUE(used.insert({e["node"].get<int>(), e["gpu"].get<int>()}).second) << e.dump();
+    }
+  }
+  EXPECT_EQ(j["broadcast_world_size"], 2 * 2 * 2 + 1);
+
+  args = base;
+  args.insert(args.end(), {"--format", "sglang-launch"});
+  const CliResult launch = Ok(args);
+  EXPECT_NE(launch.out.find("sglang.launch_server"), std::string::npos) << launch.out;
+  EXPECT_NE(launch.out.find("--tp-size 2"), std::string::npos) << launch.out;
+
+  const CliResult vllm = Ok({"layout", "--gpus-per-node", "8", "--dp", "2", "--tp", "4", "--engine",
+                             "vllm", "--format", "vllm-launch"});
+  EXPECT_NE(vllm.out.find("vllm serve"), std::string::npos) << vllm.out;
+}
+
+// Element count of a box.
+int64_t Numel(const json& extent) {
+  int64_t n = 1;
+  for (const auto& e : extent) n *= e.get<int64_t>();
+  return n;
+}
+
+TEST(CliGood, ShardsJsonCoversEveryParamExactlyOnce) {
+  for (const char* engine : {"sglang", "vllm"}) {
+    const CliResult r =
+        Ok({"shards", "--model", Tiny(), "--engine", engine, "--tp", "2", "--pp", "2", "--json"});
+    const json j = ParseJson(r);
+    ASSERT_TRUE(j.is_object());
+    EXPECT_EQ(j["tp"], 2);
+    EXPECT_EQ(j["pp"], 2);
+    ASSERT_EQ(j["ranks"].size(), 4u);
+    for (const auto& rank : j["ranks"]) {
+      ASSERT_FALSE(rank["params"].empty());
+      for (const auto& p : rank["params"]) {
+        // Pieces and zero-fills tile the local parameter: their element counts add up to it.
+        int64_t covered = 0;
+        for (const auto& piece : p["pieces"]) covered += Numel(piece["extent"]);
+        for (const auto& z : p["zero_fill"]) covered += Numel(z["extent"]);
+        EXPECT_EQ(covered, Numel(p["shape"])) << engine << " " << p["name"];
+      }
+    }
+  }
+  const CliResult table = Ok({"shards", "--model", Tiny(), "--engine", "sglang", "--tp", "2"});
+  EXPECT_NE(table.out.find("2 ranks"), std::string::npos) << table.out;
+  const CliResult explain =
+      Ok({"shards", "--model", Tiny(), "--engine", "vllm", "--tp", "2", "--rank", "1,0",
+          "--explain", "model.layers.1.self_attn.qkv_proj.weight"});
+  EXPECT_NE(explain.out.find("model.layers.1.self_attn.k_proj.weight"), std::string::npos)
+      << explain.out;
+  // An embedded model by name works too.
+  const CliResult named =
+      Ok({"shards", "--model", "qwen2.5-0.5b", "--engine", "sglang", "--tp", "2", "--json"});
+  EXPECT_EQ(ParseJson(named)["ranks"].size(), 2u);
+}
+
+TEST(CliGood, PlanJsonDumpOpsAndSvgAgree) {
+  const Fixtures& fx = Fixtures::Get();
+  const fs::path ops = fx.dir / "out/good.ops.jsonl", all = fx.dir / "out/good.all.jsonl",
+                 svg = fx.dir / "out/good.svg";
+  fs::remove(ops);
+  fs::remove(all);
+  fs::remove(svg);
+  const std::vector<std::string> base = {"plan",           "--model",  Tiny(),
+                                         "--trainer",      "fsdp=2",   "--rollout",
+                                         "dp=2,tp=2,pp=1", "--engine", "vllm"};
+  auto args = base;
+  args.insert(args.end(),
+              {"--json", "--dump-ops", ops.string(), "--rank", "0", "--svg", svg.string()});
+  const CliResult r = Ok(args);
+  const json j = ParseJson(r);
+  ASSERT_TRUE(j.is_object());
+  EXPECT_TRUE(std::regex_match(j["plan_hash"].get<std::string>(), std::regex("[0-9a-f]{32}")))
+      << j["plan_hash"];
+  ASSERT_EQ(j["trainer_ranks"].size(), 2u);
+  ASSERT_EQ(j["engine_ranks"].size(), 4u);
+  int64_t sent = 0, recv = 0;
+  for (const auto& t : j["trainer_ranks"]) sent += t["send_bytes"].get<int64_t>();
+  for (const auto& e : j["engine_ranks"]) {
+    recv += e["recv_bytes"].get<int64_t>();
+    EXPECT_EQ(e["recv_bytes"], e["owned_bytes"]) << e.dump();
+  }
+  EXPECT_EQ(sent, j["total_bytes"].get<int64_t>());
+  EXPECT_EQ(recv, j["total_bytes"].get<int64_t>());
+
+  // Rank 0's ops: every line one JSON object; its send bytes add up to the summary's.
+  ASSERT_TRUE(fs::exists(ops));
+  std::istringstream lines(ReadAll(ops));
+  int64_t rank0_send = 0, n = 0;
+  for (std::string line; std::getline(lines, line);) {
+    const json op = json::parse(line, nullptr, false);
+    ASSERT_FALSE(op.is_discarded()) << line;
+    if (op["src"] == 0) rank0_send += op["bytes"].get<int64_t>();
+    ++n;
+  }
+  EXPECT_GT(n, 0);
+  EXPECT_EQ(rank0_send, j["trainer_ranks"][0]["send_bytes"].get<int64_t>());
+
+  ASSERT_TRUE(fs::exists(svg));
+  const std::string s = ReadAll(svg);
+  EXPECT_NE(s.find("<svg"), std::string::npos);
+  EXPECT_NE(s.find("</svg>"), std::string::npos);
+
+  // Every op of the job once: the bytes add up to the job total.
+  args = base;
+  args.insert(args.end(), {"--dump-ops", all.string()});
+  const CliResult text = Ok(args);
+  EXPECT_NE(text.out.find("plan hash"), std::string::npos) << text.out;
+  std::istringstream all_lines(ReadAll(all));
+  int64_t all_bytes = 0;
+  for (std::string line; std::getline(all_lines, line);) {
+    const json op = json::parse(line, nullptr, false);
+    ASSERT_FALSE(op.is_discarded()) << line;
+    all_bytes += op["bytes"].get<int64_t>();
+  }
+  EXPECT_EQ(all_bytes, j["total_bytes"].get<int64_t>());
+}
+
+TEST(CliGood, StorePrintsAddressAndStopsOnSigterm) {
+  RunOptions opt;
+  opt.env = {{"SHARDSYNC_TOKEN", "cli-test-token"}};
+  opt.sigterm_after_first_line = true;
+  opt.timeout_s = 10;
+  const CliResult r = Ok({"store", "--bind", "127.0.0.1:0"}, opt);
+  EXPECT_TRUE(std::regex_match(r.out, std::regex("127\\.0\\.0\\.1:[1-9][0-9]*\n"))) << r.out;
+}
+
+TEST(CliGood, InspectFileAndDirectory) {
+  const Fixtures& fx = Fixtures::Get();
+  const CliResult r = Ok({"inspect", (fx.dir / "good.safetensors").string(), "--json"});
+  const json j = ParseJson(r);
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["num_tensors"], 2);
+  EXPECT_EQ(j["total_bytes"], 24);
+  ASSERT_EQ(j["tensors"].size(), 2u);
+  EXPECT_EQ(j["tensors"][0]["name"], "a.weight");
+  EXPECT_EQ(j["tensors"][0]["shape"], json::array({2, 2}));
+  const CliResult table = Ok({"inspect", (fx.dir / "gooddir").string()});
+  EXPECT_NE(table.out.find("b.bias"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("2 tensors"), std::string::npos) << table.out;
+}
+
+TEST(CliGood, GenerateUnshardedAndShardedAgree) {
+  const std::vector<std::string> base = {"generate", "--model",      Tiny(),  "--seed",
+                                         "7",        "--prompt-ids", "1,2,3", "--max-new-tokens",
+                                         "3",        "--json"};
+  const json plain = ParseJson(Ok(base));
+  ASSERT_TRUE(plain.is_object());
+  ASSERT_EQ(plain["logits"].size(), 200u);
+  ASSERT_FALSE(plain["tokens"].empty());
+  for (const auto& t : plain["tokens"]) {
+    EXPECT_GE(t.get<int64_t>(), 0);
+    EXPECT_LT(t.get<int64_t>(), 200);
+  }
+  for (const char* engine : {"sglang", "vllm"}) {
+    auto args = base;
+    args.insert(args.end(), {"--engine", engine, "--tp", "2", "--pp", "2"});
+    const json sharded = ParseJson(Ok(args));
+    ASSERT_TRUE(sharded.is_object());
+    EXPECT_EQ(sharded["tokens"], plain["tokens"]) << engine;
+  }
+}
+
+TEST(CliGood, DemoVerifiesTinyJob) {
+  const CliResult r =
+      Ok({"demo", "--model", Tiny(), "--trainer", "fsdp=2", "--rollout", "dp=1,tp=2,pp=2",
+          "--transport", "loopback", "--launch", "threads", "--json"},
+         WithTimeout(30));
+  const json j = ParseJson(r);
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["verified"], true) << r.out;
+  EXPECT_EQ(j["element_mismatches"], 0);
+  EXPECT_GT(j["checksums_total"].get<int64_t>(), 0);
+  EXPECT_EQ(j["checksums_ok"], j["checksums_total"]);
+  EXPECT_EQ(j["recv_bytes_per_engine_rank"], j["owned_bytes_per_engine_rank"]);
+}
+
+// One `shardsync run` process per sync rank over UCX: the launcher path torchrun / SLURM use.
+TEST(CliGood, DemoThroughRunProcesses) {
+  const std::vector<std::string> args = {
+      "demo",      "--model",        Tiny(),         "--trainer", "fsdp=2",
+      "--rollout", "dp=1,tp=2,pp=1", "--transport",  "ucx",       "--launch",
+      "processes", "--json",         "--timeout-ms", "15000",     "--job-timeout-s",
+      "20"};
+  const CliResult probe = RunCli(args, WithTimeout(30));
+  if (probe.err.find("built without UCX") != std::string::npos) {
+    GTEST_SKIP() << "this build has no UCX";
+  }
+  ASSERT_EQ(probe.exit_code, 0) << probe.Describe();
+  const json j = ParseJson(probe);
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["verified"], true) << probe.out;
+  EXPECT_EQ(j["transport"], "ucx");
+  EXPECT_EQ(j["peak_rss_bytes"].size(), 4u);
+}
+
+TEST(CliGood, BenchVerifiesTinyJob) {
+  const CliResult r = Ok(
+      {"bench", "--model", Tiny(), "--trainer", "fsdp=2", "--rollout", "dp=1,tp=2,pp=1",
+       "--transport", "loopback", "--launch", "threads", "--reps", "1", "--warmup", "0", "--json"},
+      WithTimeout(30));
+  const json j = ParseJson(r);
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["verified"], true) << r.out;
+  EXPECT_EQ(j["wire_bytes_equal_owned"], true);
+  EXPECT_GT(j["bytes"].get<int64_t>(), 0);
+}
+
+}  // namespace
+}  // namespace shardsync::clitest

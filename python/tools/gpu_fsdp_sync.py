@@ -53,6 +53,14 @@ def expected(param, full, scale):
     return (out * scale).to(torch.bfloat16)
 
 
+def session_kwargs(args, device_index):
+    """Host sessions over UCX (CUDA tensors staged through host memory), or with
+    --device-binding device sessions over a GPU transport (CUDA builds)."""
+    if args["device_binding"] and device_index is not None:
+        return {"transport": args["transport"] or "cuda_ipc", "device": device_index}
+    return {"transport": args["transport"] or "ucx"}
+
+
 def trainer(rank, args, store, q):
     try:
         plan = shardsync.Plan.from_spec(args["spec"])
@@ -75,8 +83,8 @@ def trainer(rank, args, store, q):
             dist.init_process_group("nccl", rank=rank, world_size=S, device_id=dev)
             module = hf_module(full).to(dev)
             fully_shard(module, mesh=init_device_mesh("cuda", (S,)))
-        s = shardsync.Session(plan, rank, store, token="gpu", transport="ucx",
-                              connect_timeout=120, sync_timeout=120)
+        s = shardsync.Session(plan, rank, store, token="gpu", connect_timeout=120,
+                              sync_timeout=120, **session_kwargs(args, None if args["dry"] else dev.index))
         src = shardsync.bind_trainer(s, module)
         if args["dry"]:
             pass  # bound numpy views of the stand-in shards
@@ -111,8 +119,8 @@ def engine(rank, args, store, q):
         dev = torch.device("cuda", (rank - plan.trainer_world) % ngpu) if ngpu else torch.device("cpu")
         sm = plan.shard_map().rank(d["tp_rank"], d["pp_rank"])
         params = {p.name: torch.zeros(p.shape, dtype=torch.bfloat16, device=dev) for p in sm.params}
-        s = shardsync.Session(plan, rank, store, token="gpu", transport="ucx",
-                              connect_timeout=120, sync_timeout=120)
+        s = shardsync.Session(plan, rank, store, token="gpu", connect_timeout=120,
+                              sync_timeout=120, **session_kwargs(args, dev.index))
         shardsync.bind_engine(s, params.items())
         s.connect()
         full = full_weights(plan)
@@ -142,6 +150,9 @@ def main():
     ap.add_argument("--engine", default="sglang")
     ap.add_argument("--dry", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device-binding", action="store_true",
+                    help="bind CUDA tensors directly (needs shardsync._C.DEVICE_BINDING)")
+    ap.add_argument("--transport", default=None, help="default: ucx, or cuda_ipc with --device-binding")
     a = ap.parse_args()
     ngpu = 0 if a.dry else torch.cuda.device_count()
     trainer_spec = a.trainer or f"fsdp={max(ngpu, 2)}"
@@ -152,7 +163,10 @@ def main():
     os.environ.setdefault("MASTER_PORT", "29533")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    args = {"spec": spec, "dry": a.dry}
+    if a.device_binding and not shardsync.native().DEVICE_BINDING:
+        sys.exit("--device-binding: this build of shardsync has no device sessions")
+    args = {"spec": spec, "dry": a.dry, "device_binding": a.device_binding,
+            "transport": a.transport}
     with shardsync.StoreServer(token="gpu") as srv:
         procs = []
         for r in range(plan.world_size):
@@ -167,7 +181,7 @@ def main():
     ok = all(kind != "error" for kind, _, _ in results)
     mism = sum(v[ver]["mismatches"] for k, _, v in results if k == "engine" for ver in (1, 2))
     elems = sum(v[ver]["elements"] for k, _, v in results if k == "engine" for ver in (1, 2))
-    summary = {"ok": ok and mism == 0, "plan": plan.spec, "plan_hash": plan.hash,
+    summary = {"ok": ok and mism == 0, "plan": plan.spec, "device_binding": a.device_binding, "plan_hash": plan.hash,
                "gpus": ngpu, "torch": torch.__version__, "mismatches": mism,
                "elements_compared": elems, "ranks": results}
     text = json.dumps(summary, indent=1, default=str)

@@ -3,7 +3,7 @@
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
       libcli11-dev libfmt-dev libspdlog-dev libxxhash-dev libucx-dev ucx-utils pybind11-dev
-      libdlpack-dev python3-dev python3-numpy python3-pytest)
+      libdlpack-dev python3-dev python3-numpy python3-pytest python3-torch)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -84,6 +84,7 @@ struct RankResult {
   int64_t element_mismatches = 0;
   std::string first_mismatch;  // parameter and element of the first mismatch
   int64_t peak_rss_bytes = 0;
+  bool poisoned = false;     // engine ranks: parameters not verified by a successful sync
   double setup_seconds = 0;  // allocate + synthetic fill
   BenchNumbers bench;        // bench mode: per rank timings (the job result takes the max)
 };
@@ -113,6 +114,11 @@ struct LocalJobOptions {
   Millis job_timeout{300000};  // the whole job; every child is killed past it
   // Called from the launcher thread with (milestones done, milestones total).
   std::function<void(int, int)> on_progress;
+  // Fault injection (processes mode): SIGKILL sync rank `kill_rank` once the job reached
+  // `kill_at_progress` milestones (RankSteps per rank: allocated, connected, each sync,
+  // verified). The other ranks must then fail on their own within their timeout.
+  int kill_rank = -1;
+  int kill_at_progress = 0;
 };
 
 struct LocalJobResult {
@@ -135,8 +141,9 @@ struct LocalJobResult;
 Result<BenchSummary> SummarizeBench(const LocalJobResult& job);
 
 // Runs the whole job on this host. Never leaves a child behind: on failure or timeout every
-// child still running is killed and reaped. A rank's own failure is in its RankResult; a Status
-// error means the job could not run (launch failure, timeout, a rank died without a result).
+// child still running is killed and reaped. A rank's own failure is in its RankResult (a child
+// that died without posting one gets ok=false and how it ended); a Status error means the job
+// could not run (launch failure, or the job timeout).
 Result<LocalJobResult> RunLocalJob(const LocalJobOptions& options);
 
 }  // namespace shardsync

@@ -184,6 +184,7 @@ Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& serve
   // After a rank fails, the others get their own timeout to report before they are killed.
   Clock::time_point failure_deadline = Clock::time_point::max();
   int running = world;
+  bool killed = false;
   while (running > 0) {
     for (Child& c : children) {
       if (c.exited) continue;
@@ -197,9 +198,14 @@ Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& serve
         }
       }
     }
-    if (o.on_progress) {
+    if (o.on_progress || o.kill_rank >= 0) {
       auto p = store->Add(job.prefix + "progress", 0);
-      if (p.ok()) o.on_progress(static_cast<int>(*p), total);
+      if (p.ok() && o.on_progress) o.on_progress(static_cast<int>(*p), total);
+      if (p.ok() && o.kill_rank >= 0 && o.kill_rank < world && *p >= o.kill_at_progress &&
+          !children[o.kill_rank].exited && !killed) {
+        kill(children[o.kill_rank].pid, SIGKILL);
+        killed = true;
+      }
     }
     const auto now = Clock::now();
     if (now > deadline || now > failure_deadline) {
@@ -225,11 +231,24 @@ Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& serve
   for (Child& c : children) {
     auto text = store->Get(job.prefix + "result/" + std::to_string(c.rank), Millis(1000));
     if (!text.ok()) {
-      std::string tail = Tail(c.log);
-      cleanup_logs();
-      return UnavailableError("sync rank " + std::to_string(c.rank) + " (pid " +
-                              std::to_string(c.pid) + ") ended with " + DescribeExit(c.status) +
-                              " without a result" + (tail.empty() ? "" : ": " + tail));
+      // Died before reporting (killed, crashed, or bad arguments): say how, with its log.
+      RankResult r;
+      r.rank = c.rank;
+      auto who = DescribeSyncRank(job.inputs, c.rank);
+      if (who.ok()) {
+        r.is_trainer = who->is_trainer;
+        r.replica = who->replica;
+        r.tp_rank = who->tp_rank;
+        r.pp_rank = who->pp_rank;
+        r.trainer_rank = who->trainer_rank;
+      }
+      r.poisoned = !r.is_trainer;
+      const std::string tail = Tail(c.log);
+      r.error = "unavailable: sync rank " + std::to_string(c.rank) + " (pid " +
+                std::to_string(c.pid) + ") ended with " + DescribeExit(c.status) +
+                " without a result" + (tail.empty() ? "" : ": " + tail);
+      out.ranks.push_back(std::move(r));
+      continue;
     }
     SS_ASSIGN_OR_RETURN(RankResult r, RankResultFromJson(*text));
     out.ranks.push_back(std::move(r));

@@ -85,6 +85,7 @@ std::string RankResultToJson(const RankResult& r) {
       {"element_mismatches", r.element_mismatches},
       {"first_mismatch", r.first_mismatch},
       {"peak_rss_bytes", r.peak_rss_bytes},
+      {"poisoned", r.poisoned},
       {"setup_seconds", r.setup_seconds},
       {"bench",
        {{"sharded", r.bench.sharded},
@@ -122,6 +123,7 @@ Result<RankResult> RankResultFromJson(const std::string& text) {
     r.element_mismatches = j.at("element_mismatches");
     r.first_mismatch = j.at("first_mismatch");
     r.peak_rss_bytes = j.at("peak_rss_bytes");
+    r.poisoned = j.at("poisoned");
     r.setup_seconds = j.at("setup_seconds");
     const auto& b = j.at("bench");
     r.bench.sharded = b.at("sharded").get<std::vector<double>>();
@@ -444,6 +446,7 @@ Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Tra
   step();
   auto finish = [&](const Status& s) {
     res.ok = s.ok();
+    res.poisoned = session->IsPoisoned();
     if (!s.ok()) res.error = s.ToString();
     res.peak_rss_bytes = PeakRssBytes();
     return res;

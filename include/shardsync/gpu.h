@@ -159,7 +159,9 @@ Status CountSyntheticMismatches(uint64_t seed, const SyntheticTensor& t, const S
 // Transports implemented by this layer. cuda_ipc: same node, one-sided Put into peers' exported
 // device memory (cached mappings), control messages through a shared-memory mailbox. nccl:
 // two-sided, one non-blocking 2-rank communicator per peer pair (NCCL refuses two ranks of one
-// communicator on one GPU, which colocated layouts need), grouped send/recv, abort on failure.
+// communicator on one GPU, which colocated layouts need; a rank listing itself gets a 1-rank
+// communicator for send-to-self), grouped send/recv, abort on failure. Both factories return
+// nullptr in builds without CUDA.
 struct NcclOptions {
   int device = 0;  // CUDA device of this rank
 };
@@ -171,8 +173,8 @@ Result<void*> CudaIpcRemotePointer(Transport& ipc, int peer, uint32_t region, ui
                                    uint64_t bytes);
 // Runs a GPU transport's copies / NCCL calls on `stream` (cudaStream_t; nullptr: its own), so they
 // are ordered after kernels the caller enqueued there (pack, or writes straight into a peer's
-// memory through CudaIpcRemotePointer) and a Flush covers them. InvalidArgument for other
-// transports.
+// memory through CudaIpcRemotePointer) and a Flush covers them. Call it before posting.
+// InvalidArgument for other transports.
 Status SetTransportStream(Transport& t, void* stream);
 // Registers "cuda_ipc" (priority 100) and "nccl" (priority 200) in the transport registry
 // (idempotent). Factory params (TransportOptions.params): "device" (CUDA index, default 0).

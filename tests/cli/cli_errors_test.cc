@@ -124,6 +124,16 @@ const std::vector<BadCase> kLayout = {
     {"list_not_numbers",
      Layout({"--gpus-per-node-list", "4,x", "--dp", "1", "--tp", "4", "--engine", "sglang"}),
      {"--gpus-per-node-list"}},
+    // CLI11's delimiter would drop the empty entry and plan 2 nodes instead of rejecting it.
+    {"list_empty_entry",
+     Layout({"--gpus-per-node-list", "8,,8", "--dp", "2", "--tp", "8", "--engine", "sglang"}),
+     {"--gpus-per-node-list"}},
+    {"list_trailing_comma",
+     Layout({"--gpus-per-node-list", "8,8,", "--dp", "2", "--tp", "8", "--engine", "sglang"}),
+     {"--gpus-per-node-list"}},
+    {"list_empty",
+     Layout({"--gpus-per-node-list", "", "--dp", "2", "--tp", "8", "--engine", "sglang"}),
+     {"--gpus-per-node-list"}},
     {"list_and_gpus_per_node",
      Layout({"--gpus-per-node-list", "4,4", "--gpus-per-node", "4", "--dp", "2", "--engine",
              "sglang"}),
@@ -182,6 +192,15 @@ const std::vector<BadCase> kShards = {
     {"config_string_hidden", Shards({}, "{DIR}/strhidden/config.json"), {"hidden_size"}},
     {"config_negative_layers", Shards({}, "{DIR}/neglayers/config.json"), {"num_hidden_layers"}},
     {"config_unknown_arch", Shards({}, "{DIR}/badarch/config.json"), {"FrobnicatorForCausalLM"}},
+    {"config_top_level_array", Shards({}, "{DIR}/toparray/config.json"), {"object"}},
+    {"config_kv_heads_not_dividing",
+     Shards({}, "{DIR}/kvnotdiv/config.json"),
+     {"num_key_value_heads"}},
+    {"config_vocab_overflow", Shards({}, "{DIR}/hugevocab/config.json"), {"vocab_size"}},
+    {"config_tied_not_bool", Shards({}, "{DIR}/tiedstr/config.json"), {"tie_word_embeddings"}},
+    {"config_moe_topk_above_experts",
+     Shards({}, "{DIR}/moetopk/config.json"),
+     {"num_experts_per_tok"}},
     {"tp_not_dividing_heads", Shards({"--tp", "3"}), {"--tp", "num_attention_heads"}},
     {"tp_above_heads", Shards({"--tp", "8"}), {"--tp", "num_attention_heads"}},
     {"tp_zero", Shards({"--tp", "0"}), {"--tp"}},
@@ -204,6 +223,10 @@ const std::vector<BadCase> kShards = {
     {"explain_unknown_param",
      Shards({"--explain", "model.layers.0.nonexistent.weight"}),
      {"model.layers.0.nonexistent.weight"}},
+    // Explicitly empty values are errors, not "flag absent".
+    {"explain_empty", Shards({"--explain", ""}), {"--explain"}},
+    {"rank_empty", Shards({"--rank", ""}), {"--rank"}},
+    {"pp_partition_empty", Shards({"--pp-partition", ""}), {"--pp-partition"}},
     {"explain_and_json", Shards({"--json", "--explain", "lm_head.weight"}), {"--explain"}},
 };
 SS_BAD_SUITE(Shards, kShards);
@@ -488,6 +511,8 @@ const std::vector<BadCase> kGenerate = {
 SS_BAD_SUITE(Generate, kGenerate);
 
 // ---------------------------------------------------------------- inspect
+// A truncated or corrupt file is data_loss, exit 1, as docs/cli.md documents for inspect (a
+// malformed header is invalid_argument, exit 2); nothing on stdout either way.
 const std::vector<BadCase> kInspect = {
     {"missing_path", {"inspect"}, {"path"}},
     {"path_missing", {"inspect", "{DIR}/nope.safetensors"}, {"{DIR}/nope.safetensors"}},

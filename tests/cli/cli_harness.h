@@ -217,6 +217,15 @@ class Fixtures {
     WriteFile(dir / "neglayers/config.json", TinyConfig("", "num_hidden_layers", "-2"));
     WriteFile(dir / "badarch/config.json",
               TinyConfig("", "architectures", R"(["FrobnicatorForCausalLM"])"));
+    WriteFile(dir / "toparray/config.json", "[1, 2]");
+    WriteFile(dir / "kvnotdiv/config.json", TinyConfig("", "num_key_value_heads", "3"));
+    WriteFile(dir / "hugevocab/config.json", TinyConfig("", "vocab_size", "9223372036854775807"));
+    WriteFile(dir / "tiedstr/config.json", TinyConfig("", "tie_word_embeddings", "\"yes\""));
+    WriteFile(dir / "moetopk/config.json",
+              TinyConfig("", "architectures",
+                         R"(["Qwen3MoeForCausalLM"], "head_dim": 16,)"
+                         R"( "num_experts": 4, "moe_intermediate_size": 32,)"
+                         R"( "num_experts_per_tok": 8)"));
     WriteFile(dir / "emptydir/.keep", "");
     // Safetensors: one good file, and the broken kinds inspect/generate must reject.
     const std::string good_header =

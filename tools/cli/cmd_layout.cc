@@ -1,4 +1,5 @@
 // `shardsync layout`: which worker owns each rollout engine and where every engine rank lands.
+#include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -15,7 +16,7 @@ namespace {
 struct LayoutOptions {
   int nodes = 1;
   int gpus_per_node = 0;
-  std::vector<int> gpus_per_node_list;
+  std::string gpus_per_node_list;
   int dp = 0;
   int tp = 1;
   int pp = 1;
@@ -34,15 +35,37 @@ struct LayoutOptions {
   CLI::Option* rollout_opt = nullptr;
 };
 
+// "8,8,4" -> {8, 8, 4}. Parsed here rather than by CLI11, which silently drops empty entries
+// ("8,,8" would become two nodes); every entry must be an integer (range checked by the planner).
+Result<std::vector<int>> ParseGpuList(const std::string& csv) {
+  std::vector<int> out;
+  size_t pos = 0;
+  while (pos <= csv.size()) {
+    size_t comma = csv.find(',', pos);
+    if (comma == std::string::npos) comma = csv.size();
+    const std::string tok = csv.substr(pos, comma - pos);
+    int v = 0;
+    auto [ptr, ec] = std::from_chars(tok.data(), tok.data() + tok.size(), v);
+    if (tok.empty() || ec != std::errc() || ptr != tok.data() + tok.size()) {
+      return InvalidArgumentError("--gpus-per-node-list[" + std::to_string(out.size()) + "]: '" +
+                                  tok + "' is not a GPU count (expected e.g. 8,8,4), in '" + csv +
+                                  "'");
+    }
+    out.push_back(v);
+    pos = comma + 1;
+  }
+  return out;
+}
+
 Result<std::string> Run(const LayoutOptions& o) {
   Cluster cluster;
   if (o.list_opt->count() > 0) {
-    if (o.nodes_opt->count() > 0 && o.nodes != static_cast<int>(o.gpus_per_node_list.size())) {
+    SS_ASSIGN_OR_RETURN(std::vector<int> list, ParseGpuList(o.gpus_per_node_list));
+    if (o.nodes_opt->count() > 0 && o.nodes != static_cast<int>(list.size())) {
       return InvalidArgumentError("--nodes: " + std::to_string(o.nodes) + " disagrees with the " +
-                                  std::to_string(o.gpus_per_node_list.size()) +
-                                  " entries of --gpus-per-node-list");
+                                  std::to_string(list.size()) + " entries of --gpus-per-node-list");
     }
-    cluster = Cluster::PerNode(o.gpus_per_node_list);
+    cluster = Cluster::PerNode(list);
   } else if (o.gpn_opt->count() > 0) {
     cluster = Cluster::Uniform(o.nodes, o.gpus_per_node);
   } else {
@@ -79,7 +102,6 @@ Registration reg(
        o->gpn_opt = sub->add_option("--gpus-per-node", o->gpus_per_node, "GPUs on every node");
        o->list_opt = sub->add_option("--gpus-per-node-list", o->gpus_per_node_list,
                                      "GPUs per node, comma-separated (e.g. 8,8,4)")
-                         ->delimiter(',')
                          ->excludes(o->gpn_opt);
        sub->add_option("--dp", o->dp, "Data-parallel replicas (engines)")->required();
        sub->add_option("--tp", o->tp, "Tensor-parallel size per engine (default 1)");

@@ -25,6 +25,10 @@ struct ShardsOptions {
   bool json = false;
   std::string rank;
   std::string explain;
+  // Given flags, by count: an explicitly empty value is an error, not "flag absent".
+  CLI::Option* pp_partition_opt = nullptr;
+  CLI::Option* rank_opt = nullptr;
+  CLI::Option* explain_opt = nullptr;
 };
 
 // "--rank 1,0" -> (tp 1, pp 0).
@@ -49,18 +53,18 @@ Result<std::string> Run(const ShardsOptions& o) {
   spec.tp = o.tp;
   spec.pp = o.pp;
   spec.ep = o.ep;
-  if (!o.pp_partition.empty()) {
+  if (o.pp_partition_opt->count() > 0) {
     SS_ASSIGN_OR_RETURN(spec.pp_partition, ParsePpPartition(o.pp_partition, "--pp-partition"));
   }
   SS_ASSIGN_OR_RETURN(ShardMap map, BuildShardMap(model, spec));
   std::vector<const EngineRankShards*> ranks;
-  if (!o.rank.empty()) {
+  if (o.rank_opt->count() > 0) {
     SS_ASSIGN_OR_RETURN(auto tp_pp, ParseRank(o.rank, spec));
     ranks.push_back(&map.rank(tp_pp.first, tp_pp.second));
   } else {
     ranks = AllRanks(map);
   }
-  if (!o.explain.empty()) return ExplainParamOnRanks(map, ranks, o.explain);
+  if (o.explain_opt->count() > 0) return ExplainParamOnRanks(map, ranks, o.explain);
   if (o.json) return ShardMapToJson(map, ranks);
   return ShardMapToTable(map, ranks);
 }
@@ -81,15 +85,17 @@ Registration reg({"shards", [](CLI::App& app) {
                     sub->add_option("--ep", o->ep,
                                     "Expert-parallel size (SGLang --ep-size; vLLM: 1, or tp with "
                                     "--enable-expert-parallel); default 1");
-                    sub->add_option("--pp-partition", o->pp_partition,
-                                    "Explicit layers per stage, e.g. 9,10,9 "
-                                    "(SGLANG_PP_LAYER_PARTITION / VLLM_PP_LAYER_PARTITION)");
+                    o->pp_partition_opt =
+                        sub->add_option("--pp-partition", o->pp_partition,
+                                        "Explicit layers per stage, e.g. 9,10,9 "
+                                        "(SGLANG_PP_LAYER_PARTITION / VLLM_PP_LAYER_PARTITION)");
                     auto* json = sub->add_flag("--json", o->json,
                                                "Print one JSON object (schema: docs/cli.md)");
-                    sub->add_option("--rank", o->rank, "Only rank TP_RANK,PP_RANK");
-                    sub->add_option("--explain", o->explain,
-                                    "Say where every byte of this engine parameter comes from")
-                        ->excludes(json);
+                    o->rank_opt = sub->add_option("--rank", o->rank, "Only rank TP_RANK,PP_RANK");
+                    o->explain_opt =
+                        sub->add_option("--explain", o->explain,
+                                        "Say where every byte of this engine parameter comes from")
+                            ->excludes(json);
                     return [o] {
                       Result<std::string> out = Run(*o);
                       if (!out.ok()) return ReportError(out.status());

@@ -148,6 +148,10 @@ TEST(SyncSession, SyncsAndReportsTheSameOnEveryRank) {
     EXPECT_FALSE(job.session(r).IsPoisoned());
   }
   EXPECT_GT(reps[0].bytes, 0);
+  // The element check itself catches one wrong byte.
+  auto& b = job.params(job.world() - 1).bindings.back();
+  static_cast<unsigned char*>(b.data)[1] ^= 0x10;
+  EXPECT_EQ(job.Mismatches(), 1);
 }
 
 TEST(SyncSession, FlippedByteIsDataLossNamingTheParameter) {

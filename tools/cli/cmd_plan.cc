@@ -1,9 +1,11 @@
 // `shardsync plan`: the transfer plan's summary, cost estimate, one rank's ops, a heatmap.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -75,14 +77,21 @@ Result<PlanInputs> MakeInputs(const Args& a) {
   return in;
 }
 
-nlohmann::json RegionJson(const Region& r) {
-  return {{"offset", r.offsets()}, {"extent", r.extents()}};
+// JSON lines are formatted directly (a rank can have millions of ops); names are JSON-escaped once.
+std::string Quoted(const std::string& name) { return nlohmann::json(name).dump(); }
+
+void AppendRegion(const Region& r, std::string* out) {
+  fmt::format_to(std::back_inserter(*out), "{{\"offset\":[{}],\"extent\":[{}]}}",
+                 fmt::join(r.offset.begin(), r.offset.begin() + r.ndim, ","),
+                 fmt::join(r.extent.begin(), r.extent.begin() + r.ndim, ","));
 }
 
-void AppendOps(const plan_internal::PlanContext& ctx, const Message& m, std::string* out) {
+void AppendOps(const plan_internal::PlanContext& ctx, const std::vector<std::string>& tensor_names,
+               const Message& m, std::string* out) {
   const int S = ctx.trainer_world();
   const int e = (m.dst - S) % ctx.engine_per_replica();
   const auto& params = ctx.map().ranks[e].params;
+  std::vector<std::string> param_names(params.size());
   int bucket = 0;
   for (size_t i = 0; i < m.ops.size(); ++i) {
     while (bucket + 1 < static_cast<int>(m.buckets.size()) &&
@@ -90,27 +99,30 @@ void AppendOps(const plan_internal::PlanContext& ctx, const Message& m, std::str
       ++bucket;
     }
     const TransferOp& op = m.ops[i];
-    nlohmann::json j = {{"src", m.src},
-                        {"dst", m.dst},
-                        {"bucket", bucket},
-                        {"tensor", ctx.inventory()[op.tensor].name},
-                        {"param", params[op.param].name},
-                        {"src_region", RegionJson(op.src)},
-                        {"dst_region", RegionJson(op.dst)},
-                        {"wire_offset", op.wire_offset},
-                        {"bytes", op.bytes}};
-    *out += j.dump();
-    *out += '\n';
+    std::string& pname = param_names[op.param];
+    if (pname.empty()) pname = Quoted(params[op.param].name);
+    fmt::format_to(
+        std::back_inserter(*out),
+        "{{\"src\":{},\"dst\":{},\"bucket\":{},\"tensor\":{},\"param\":{},\"src_region\":", m.src,
+        m.dst, bucket, tensor_names[op.tensor], pname);
+    AppendRegion(op.src, out);
+    *out += ",\"dst_region\":";
+    AppendRegion(op.dst, out);
+    fmt::format_to(std::back_inserter(*out), ",\"wire_offset\":{},\"bytes\":{}}}\n", op.wire_offset,
+                   op.bytes);
   }
 }
 
 Result<std::string> DumpOps(const plan_internal::PlanContext& ctx, const DetailedSummary& ds,
                             std::optional<int> rank) {
   std::string out;
+  std::vector<std::string> tensor_names;
+  tensor_names.reserve(ctx.inventory().size());
+  for (const HfTensor& t : ctx.inventory()) tensor_names.push_back(Quoted(t.name));
   if (rank) {
     SS_ASSIGN_OR_RETURN(RankPlan rp, ctx.PlanForRank(*rank));
-    for (const Message& m : rp.sends) AppendOps(ctx, m, &out);
-    for (const Message& m : rp.recvs) AppendOps(ctx, m, &out);
+    for (const Message& m : rp.sends) AppendOps(ctx, tensor_names, m, &out);
+    for (const Message& m : rp.recvs) AppendOps(ctx, tensor_names, m, &out);
     return out;
   }
   if (ds.summary.ops > kMaxDumpAllOps) {
@@ -121,7 +133,7 @@ Result<std::string> DumpOps(const plan_internal::PlanContext& ctx, const Detaile
   // Every op once: each trainer rank's sends.
   for (int t = 0; t < ctx.trainer_world(); ++t) {
     SS_ASSIGN_OR_RETURN(RankPlan rp, ctx.PlanForRank(t));
-    for (const Message& m : rp.sends) AppendOps(ctx, m, &out);
+    for (const Message& m : rp.sends) AppendOps(ctx, tensor_names, m, &out);
   }
   return out;
 }

@@ -178,6 +178,11 @@ std::string JsonSummary(const PlanInputs& in, const DetailedSummary& ds, const A
   j["total_bytes"] = s.total_bytes;
   j["broadcast_recv_bytes_per_rank"] = s.broadcast_recv_bytes_per_rank;
   j["model_bytes"] = ds.cost.model_bytes;
+  const auto tsend = Stats(s.trainer_ranks, [](const auto& t) { return t.send_bytes; });
+  j["trainer_send_bytes"] = {{"min", tsend.min},
+                             {"mean", tsend.mean},
+                             {"max", tsend.max},
+                             {"max_over_mean", tsend.mean > 0 ? tsend.max / tsend.mean : 0.0}};
   nlohmann::json tr = nlohmann::json::array();
   for (size_t i = 0; i < s.trainer_ranks.size(); ++i) {
     const auto& t = s.trainer_ranks[i];

@@ -281,7 +281,12 @@ Result<ModelSpec> ParseJson(const json& j, std::string_view source) {
   }
 
   if (s.arch == Architecture::kQwen3Moe) {
-    SS_ASSIGN_OR_RETURN(s.num_experts, r.PositiveInt("num_experts"));
+    // transformers 5 writes Qwen3-MoE's expert count as num_local_experts only.
+    const char* experts_field =
+        r.Find("num_experts") == nullptr && r.Find("num_local_experts") != nullptr
+            ? "num_local_experts"
+            : "num_experts";
+    SS_ASSIGN_OR_RETURN(s.num_experts, r.PositiveInt(experts_field));
     SS_ASSIGN_OR_RETURN(s.moe_intermediate_size, r.PositiveInt("moe_intermediate_size"));
     SS_ASSIGN_OR_RETURN(s.num_experts_per_tok, r.PositiveInt("num_experts_per_tok"));
     SS_ASSIGN_OR_RETURN(s.norm_topk_prob, r.Bool("norm_topk_prob", false));

@@ -149,6 +149,15 @@ TEST(ConfigParse, DefaultsAndAlternateSpellings) {
   EXPECT_TRUE(sm->IsMoeLayer(1));
   EXPECT_FALSE(sm->IsMoeLayer(2));
   EXPECT_FALSE(sm->IsMoeLayer(47));
+  // transformers 5 writes the expert count as num_local_experts.
+  json t5moe = Base("qwen3-30b-a3b");
+  t5moe.erase("num_experts");
+  t5moe["num_local_experts"] = 128;
+  auto s5m = Parse(t5moe);
+  ASSERT_TRUE(s5m.ok()) << s5m.status().ToString();
+  EXPECT_EQ(s5m->num_experts, 128);
+  t5moe["num_local_experts"] = 0;
+  ExpectError(Parse(t5moe), {"num_local_experts"});
 }
 
 TEST(ConfigParse, MalformedJson) {

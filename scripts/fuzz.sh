@@ -6,7 +6,9 @@ cd "$(dirname "$0")/.."
 secs=${1:-20}
 command -v clang++ >/dev/null || { echo "fuzz: clang++ not installed; skipping"; exit 0; }
 cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
-  -DCMAKE_C_COMPILER=clang -DSHARDSYNC_FUZZ=ON -DSHARDSYNC_CUDA=OFF -DSHARDSYNC_BUILD_TESTS=OFF \
+  -DCMAKE_C_COMPILER=clang -DSHARDSYNC_FUZZ=ON \
+  -DCMAKE_CXX_FLAGS="-fsanitize=fuzzer-no-link,address,undefined" \
+  -DCMAKE_C_FLAGS="-fsanitize=fuzzer-no-link,address,undefined" -DSHARDSYNC_CUDA=OFF -DSHARDSYNC_BUILD_TESTS=OFF \
   -DSHARDSYNC_BUILD_BENCH=OFF -DSHARDSYNC_BUILD_PYTHON=OFF >/dev/null
 targets=$(cd fuzz && ls *_fuzz.cc 2>/dev/null | sed 's/_fuzz\.cc$//' | sed 's/^/fuzz_/')
 [ -n "$targets" ] || { echo "fuzz: no targets"; exit 0; }

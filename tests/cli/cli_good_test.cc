@@ -2,8 +2,11 @@
 // nothing alarming on stderr. Tiny models only, so the whole suite stays fast.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -297,6 +300,112 @@ TEST(CliGood, BenchVerifiesTinyJob) {
   EXPECT_EQ(j["verified"], true) << r.out;
   EXPECT_EQ(j["wire_bytes_equal_owned"], true);
   EXPECT_GT(j["bytes"].get<int64_t>(), 0);
+}
+
+// HF tensor names and shapes of the tiny model, from `shards --json` at tp 1 (every source tensor
+// is covered by its pieces).
+std::map<std::string, std::vector<int64_t>> TinyHfShapes() {
+  const json map = ParseJson(Ok({"shards", "--model", Tiny(), "--engine", "vllm", "--json"}));
+  std::map<std::string, std::vector<int64_t>> shapes;
+  if (!map.is_object()) return shapes;
+  for (const auto& p : map["ranks"][0]["params"]) {
+    for (const auto& piece : p["pieces"]) {
+      auto& shape = shapes[piece["source"].get<std::string>()];
+      const size_t nd = piece["extent"].size();
+      shape.resize(nd, 0);
+      for (size_t d = 0; d < nd; ++d) {
+        shape[d] = std::max(
+            shape[d], piece["src_offset"][d].get<int64_t>() + piece["extent"][d].get<int64_t>());
+      }
+    }
+  }
+  return shapes;
+}
+
+// Writes DIR/config.json and DIR/model.safetensors (small pseudo-random bf16 values); returns
+// the data section's size.
+size_t WriteCheckpoint(const fs::path& dir,
+                       const std::map<std::string, std::vector<int64_t>>& shapes) {
+  json header = json::object();
+  std::string data;
+  uint32_t state = 12345;
+  for (const auto& [name, shape] : shapes) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    const size_t begin = data.size();
+    for (int64_t i = 0; i < n; ++i) {
+      state = state * 1664525u + 1013904223u;  // LCG: deterministic values in [-0.1, 0.1)
+      const float v = (static_cast<float>(state >> 8) / 16777216.0f - 0.5f) * 0.2f;
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);
+      const uint16_t bf16 = static_cast<uint16_t>(bits >> 16);
+      data.push_back(static_cast<char>(bf16 & 0xff));
+      data.push_back(static_cast<char>(bf16 >> 8));
+    }
+    header[name] = {{"dtype", "BF16"}, {"shape", shape}, {"data_offsets", {begin, data.size()}}};
+  }
+  WriteFile(dir / "config.json", TinyConfig());
+  WriteFile(dir / "model.safetensors", Safetensors(header.dump(), data));
+  return data.size();
+}
+
+// A real checkpoint of the tiny model: inspect lists exactly its tensors, and generate runs on
+// them, unsharded and through both engines' layouts, to the same tokens.
+TEST(CliCheckpoint, InspectAndGenerate) {
+  const auto shapes = TinyHfShapes();
+  ASSERT_EQ(shapes.count("model.embed_tokens.weight"), 1u);
+  const fs::path ckpt = Fixtures::Get().dir / "ckpt";
+  const size_t data_bytes = WriteCheckpoint(ckpt, shapes);
+
+  const json listing = ParseJson(Ok({"inspect", ckpt.string(), "--json"}));
+  ASSERT_TRUE(listing.is_object());
+  EXPECT_EQ(listing["num_tensors"].get<size_t>(), shapes.size());
+  EXPECT_EQ(listing["total_bytes"].get<size_t>(), data_bytes);
+  for (const auto& t : listing["tensors"]) {
+    ASSERT_EQ(shapes.count(t["name"].get<std::string>()), 1u) << t["name"];
+    EXPECT_EQ(t["shape"].get<std::vector<int64_t>>(), shapes.at(t["name"].get<std::string>()));
+    EXPECT_EQ(t["dtype"], "BF16");
+  }
+
+  const std::vector<std::string> base = {
+      "generate", "--weights",        ckpt.string(), "--prompt-ids",
+      "5,6,7",    "--max-new-tokens", "3",           "--json"};
+  const json plain = ParseJson(Ok(base));
+  ASSERT_TRUE(plain.is_object());
+  ASSERT_EQ(plain["logits"].size(), 200u);
+  EXPECT_EQ(plain["prompt_ids"], json::array({5, 6, 7}));
+  auto file_args = base;
+  file_args[2] = (ckpt / "model.safetensors").string();
+  EXPECT_EQ(ParseJson(Ok(file_args))["tokens"], plain["tokens"]);
+  for (const char* engine : {"sglang", "vllm"}) {
+    auto args = base;
+    args.insert(args.end(), {"--engine", engine, "--tp", "2", "--pp", "2"});
+    EXPECT_EQ(ParseJson(Ok(args))["tokens"], plain["tokens"]) << engine;
+  }
+}
+
+// A checkpoint that does not fit its config.json: generate names the tensor, exits 2, and
+// prints nothing on stdout.
+TEST(CliCheckpoint, GenerateRejectsTensorsNotMatchingConfig) {
+  const auto shapes = TinyHfShapes();
+  ASSERT_EQ(shapes.count("model.norm.weight"), 1u);
+  struct Bad {
+    std::string dir, tensor;
+    std::map<std::string, std::vector<int64_t>> shapes;
+  };
+  std::vector<Bad> cases;
+  cases.push_back({"ckpt_missing", "model.norm.weight", shapes});
+  cases.back().shapes.erase("model.norm.weight");
+  cases.push_back({"ckpt_reshaped", "model.layers.1.mlp.down_proj.weight", shapes});
+  cases.back().shapes["model.layers.1.mlp.down_proj.weight"] = {64, 64};
+  for (const Bad& c : cases) {
+    const fs::path dir = Fixtures::Get().dir / c.dir;
+    WriteCheckpoint(dir, c.shapes);
+    const CliResult r = RunCli({"generate", "--weights", dir.string(), "--max-new-tokens", "1"});
+    EXPECT_EQ(r.exit_code, 2) << c.dir << "\n" << r.Describe();
+    EXPECT_EQ(r.out, "") << c.dir;
+    EXPECT_NE(r.err.find(c.tensor), std::string::npos) << c.dir << "\n" << r.Describe();
+  }
 }
 
 }  // namespace

@@ -46,6 +46,8 @@ struct WireRun {
   size_t len = 0;
 };
 
+constexpr size_t kMaxTransferBytes = size_t{4} << 20;
+
 template <typename ShapeOf>
 std::vector<WireRun> BucketRuns(const Message& m, const Bucket& b, int ws, ShapeOf&& shape_of) {
   std::vector<WireRun> runs;
@@ -68,7 +70,17 @@ std::vector<WireRun> BucketRuns(const Message& m, const Bucket& b, int ws, Shape
       w += n;
     });
   }
-  return runs;
+  // Bounded transfers: progress is visible at a finer grain, and no single rendezvous pins
+  // tens of megabytes.
+  std::vector<WireRun> out;
+  out.reserve(runs.size());
+  for (const WireRun& r : runs) {
+    for (size_t off = 0; off < r.len; off += kMaxTransferBytes) {
+      const size_t n = std::min(kMaxTransferBytes, r.len - off);
+      out.push_back({r.param, r.param_offset + off, r.wire_offset + static_cast<int64_t>(off), n});
+    }
+  }
+  return out;
 }
 
 std::string Hex(uint64_t v) {
@@ -410,17 +422,18 @@ class SessionImpl final : public SyncSession {
   Status WaitAll(std::vector<XferId>& ids, const std::string& what) {
     int idle = 0;
     while (!ids.empty()) {
-      size_t keep = 0;
-      for (XferId id : ids) {
-        auto st = tx_.Poll(id);
+      // In posting order, stopping at the first transfer still in flight.
+      size_t done = 0;
+      for (; done < ids.size(); ++done) {
+        auto st = tx_.Poll(ids[done]);
         if (!st.ok()) {
           Status e = st.status();
           return e.Annotate("sync rank " + std::to_string(rank_) + ": " + what);
         }
-        if (*st == XferState::kInProgress) ids[keep++] = id;
+        if (*st == XferState::kInProgress) break;
       }
-      const bool progressed = keep < ids.size();
-      ids.resize(keep);
+      const bool progressed = done > 0;
+      ids.erase(ids.begin(), ids.begin() + done);
       if (ids.empty()) break;
       SS_RETURN_IF_ERROR(CheckDeadline(what));
       Backoff(progressed, idle);
@@ -676,21 +689,23 @@ class SessionImpl final : public SyncSession {
       for (size_t i = 0; i < pending.size() && s.ok(); ++i) {
         Expect& e = pending[i];
         const Message& m = plan_.recvs[e.msg];
-        size_t left = 0;
-        for (XferId id : e.ids) {
-          auto state = tx_.Poll(id);
+        // In posting order, stopping at the first one still in flight: completions arrive
+        // roughly in order, and every Poll drives the transport's progress engine.
+        size_t done = 0;
+        for (; done < e.ids.size(); ++done) {
+          auto state = tx_.Poll(e.ids[done]);
           if (!state.ok()) {
             s = state.status();
             s.Annotate("sync rank " + std::to_string(rank_) + ": receiving from sync rank " +
                        std::to_string(m.src));
             break;
           }
-          if (*state == XferState::kInProgress) e.ids[left++] = id;
+          if (*state == XferState::kInProgress) break;
         }
         if (!s.ok()) break;
-        progressed |= left < e.ids.size();
-        e.ids.resize(left);
-        if (left > 0) {
+        progressed |= done > 0;
+        e.ids.erase(e.ids.begin(), e.ids.begin() + done);
+        if (!e.ids.empty()) {
           if (keep != i) pending[keep] = std::move(e);
           ++keep;
           continue;

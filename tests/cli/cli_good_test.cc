@@ -6,12 +6,14 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cli/cli_harness.h"
@@ -219,6 +221,63 @@ TEST(CliGood, StorePrintsAddressAndStopsOnSigterm) {
   opt.timeout_s = 10;
   const CliResult r = Ok({"store", "--bind", "127.0.0.1:0"}, opt);
   EXPECT_TRUE(std::regex_match(r.out, std::regex("127\\.0\\.0\\.1:[1-9][0-9]*\n"))) << r.out;
+}
+
+// `run` against a live standalone store: a wrong token is refused (exit 2, the variable named),
+// a job whose peers never join ends at --timeout-ms (exit 1, the missing rank named), and a
+// store nobody serves fails at the connect timeout. None of them hangs.
+TEST(CliGood, RunAgainstStoreFailsBoundedAndNamed) {
+  std::promise<std::pair<pid_t, std::string>> started;
+  auto address = started.get_future();
+  std::thread server([&] {
+    RunOptions opt;
+    opt.env = {{"SHARDSYNC_TOKEN", "right-token"}};
+    opt.timeout_s = 30;
+    bool told = false;
+    opt.on_stdout = [&](pid_t pid, const std::string& out) {
+      const size_t nl = out.find('\n');
+      if (!told && nl != std::string::npos) {
+        started.set_value({pid, out.substr(0, nl)});
+        told = true;
+      }
+    };
+    const CliResult r = RunCli({"store", "--bind", "127.0.0.1:0"}, opt);
+    if (!told) started.set_value({-1, ""});
+    EXPECT_EQ(r.exit_code, 0) << r.Describe();
+  });
+  ASSERT_EQ(address.wait_for(std::chrono::seconds(20)), std::future_status::ready);
+  const auto [store_pid, store] = address.get();
+  ASSERT_GT(store_pid, 0);
+  const std::vector<std::string> job = {"run",    "--role",       "trainer",        "--rank",
+                                        "0",      "--model",      Tiny(),           "--trainer",
+                                        "fsdp=2", "--rollout",    "dp=1,tp=2,pp=1", "--transport",
+                                        "ucx",    "--timeout-ms", "1000",           "--store",
+                                        store};
+  auto with = [&](std::vector<std::string> a, std::vector<std::string> extra) {
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const CliResult wrong = RunCli(with(job, {"--token", "wrong-token"}));
+  EXPECT_EQ(wrong.exit_code, 2) << wrong.Describe();
+  EXPECT_EQ(wrong.out, "");
+  EXPECT_NE(wrong.err.find("SHARDSYNC_TOKEN"), std::string::npos) << wrong.Describe();
+
+  const CliResult alone = RunCli(with(job, {"--token", "right-token"}));
+  if (alone.err.find("built without UCX") == std::string::npos) {
+    EXPECT_EQ(alone.exit_code, 1) << alone.Describe();
+    const json j = ParseJson(alone);  // run prints its rank's result even when it fails
+    ASSERT_TRUE(j.is_object());
+    EXPECT_EQ(j["ok"], false);
+    EXPECT_NE(j["error"].get<std::string>().find("sync rank 1"), std::string::npos) << j.dump();
+  }
+  kill(store_pid, SIGTERM);
+  server.join();
+
+  // The store is gone now: connecting fails at the timeout instead of waiting forever.
+  const CliResult gone = RunCli(with(job, {"--token", "right-token"}));
+  EXPECT_EQ(gone.exit_code, 1) << gone.Describe();
+  EXPECT_EQ(gone.out, "");
+  EXPECT_NE(gone.err.find(store), std::string::npos) << gone.Describe();
 }
 
 TEST(CliGood, InspectFileAndDirectory) {

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -44,6 +45,8 @@ struct RunOptions {
   std::map<std::string, std::string> env;
   // Send SIGTERM once stdout holds a full line (for `store`, which serves until signalled).
   bool sigterm_after_first_line = false;
+  // Called with the child's pid and its stdout so far, whenever stdout grows.
+  std::function<void(pid_t, const std::string&)> on_stdout;
 };
 
 inline CliResult RunCli(const std::vector<std::string>& args, const RunOptions& opt = {}) {
@@ -112,6 +115,7 @@ inline CliResult RunCli(const std::vector<std::string>& args, const RunOptions& 
       const ssize_t n = read(fds[i].fd, buf, sizeof(buf));
       if (n > 0) {
         sinks[i]->append(buf, static_cast<size_t>(n));
+        if (i == 0 && opt.on_stdout) opt.on_stdout(pid, r.out);
       } else if (n == 0 || errno != EINTR) {
         close(fds[i].fd);
         fds[i].fd = -1;

@@ -127,7 +127,9 @@ std::string ShardMapToJson(const ShardMap& map, const std::vector<const EngineRa
     rs.push_back(std::move(rj));
   }
   j["ranks"] = std::move(rs);
-  return j.dump() + "\n";
+  // The model name is the config path for file models, which need not be UTF-8; a strict dump
+  // would throw (and abort the CLI). Invalid bytes become U+FFFD instead.
+  return j.dump(-1, ' ', false, ordered_json::error_handler_t::replace) + "\n";
 }
 
 // Where every byte of engine parameter `name` comes from, on each selected rank holding it. For an

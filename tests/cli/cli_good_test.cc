@@ -152,6 +152,20 @@ TEST(CliGood, ShardsJsonCoversEveryParamExactlyOnce) {
   EXPECT_EQ(ParseJson(named)["ranks"].size(), 2u);
 }
 
+// A config path that is not UTF-8 (the model's name is its path): JSON output must still be
+// produced and parse, not abort in the JSON library.
+TEST(CliGood, ShardsJsonWithNonUtf8ModelPath) {
+  const fs::path dir = Fixtures::Get().dir /
+                       "bad\xff"
+                       "dir";
+  WriteFile(dir / "config.json", TinyConfig());
+  const CliResult r =
+      Ok({"shards", "--model", (dir / "config.json").string(), "--engine", "sglang", "--json"});
+  const json j = ParseJson(r);
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["ranks"].size(), 1u);
+}
+
 TEST(CliGood, PlanJsonDumpOpsAndSvgAgree) {
   const Fixtures& fx = Fixtures::Get();
   const fs::path ops = fx.dir / "out/good.ops.jsonl", all = fx.dir / "out/good.all.jsonl",

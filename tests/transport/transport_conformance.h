@@ -11,8 +11,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <numeric>
 #include <ostream>
 #include <string>
@@ -55,6 +57,61 @@ inline std::vector<char> Pattern(size_t n, int seed) {
   std::vector<char> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = static_cast<char>((i * 131 + seed * 7 + (i >> 8)) & 0xff);
   return v;
+}
+
+// ---- Child processes ------------------------------------------------------------------------
+// Multi-process tests re-execute this test binary (fork + exec) with SHARDSYNC_TEST_CHILD=<role>;
+// a global test environment runs the role before any test and exits with its code. The exec
+// matters: a child that only forks inherits locks held by the parent's other threads (the store
+// server thread) and was seen deadlocking inside UCX's memory hooks during ucp_init.
+using ChildRole = std::function<int()>;  // returns the exit code
+inline std::map<std::string, ChildRole>& ChildRoles() {
+  static std::map<std::string, ChildRole> roles;
+  return roles;
+}
+struct RegisterChildRole {
+  RegisterChildRole(const std::string& name, ChildRole fn) { ChildRoles()[name] = std::move(fn); }
+};
+// Transports a conformance child can build, by TransportParam name (multiprocess params).
+inline std::map<std::string, std::function<std::unique_ptr<Transport>()>>& ChildTransports() {
+  static std::map<std::string, std::function<std::unique_ptr<Transport>()>> m;
+  return m;
+}
+struct RegisterChildTransport {
+  RegisterChildTransport(const std::string& name, std::function<std::unique_ptr<Transport>()> f) {
+    ChildTransports()[name] = std::move(f);
+  }
+};
+
+inline std::string ChildEnv(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+
+// Starts `role` in a fresh image of this binary with the extra environment; -1 on failure.
+inline pid_t SpawnChild(const std::string& role,
+                        const std::vector<std::pair<std::string, std::string>>& env) {
+  char exe[4096] = {};
+  if (readlink("/proc/self/exe", exe, sizeof(exe) - 1) <= 0) return -1;
+  pid_t pid = fork();
+  if (pid != 0) return pid;
+  setenv("SHARDSYNC_TEST_CHILD", role.c_str(), 1);
+  for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
+  execl(exe, exe, "--gtest_brief=1", static_cast<char*>(nullptr));
+  _exit(127);
+}
+
+// Waits for a child at most `timeout`, then kills it; returns the wait status (-1 if killed).
+inline int WaitChild(pid_t pid, Millis timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  int wst = 0;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (waitpid(pid, &wst, WNOHANG) == pid) return wst;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, &wst, 0);
+  return -1;
 }
 
 // memcmp that accepts the null data() of empty vectors.

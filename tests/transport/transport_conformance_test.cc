@@ -5,6 +5,44 @@ namespace shardsync::testing {
 
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(TransportConformance);
 
+namespace {
+
+// Runs the role named by SHARDSYNC_TEST_CHILD (see SpawnChild) before any test, then exits.
+// An environment, not a static initializer: roles registered by other files must exist first.
+class ChildDispatch : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    const char* role = std::getenv("SHARDSYNC_TEST_CHILD");
+    if (role == nullptr) return;
+    alarm(120);  // a child never outlives a stuck parent by long
+    auto it = ChildRoles().find(role);
+    _exit(it == ChildRoles().end() ? 99 : it->second());
+  }
+};
+[[maybe_unused]] ::testing::Environment* const child_dispatch =
+    ::testing::AddGlobalTestEnvironment(new ChildDispatch);
+
+// Peer of PeerLeavingIsAnErrorWithinTimeout: connects as rank 1, then progresses until killed.
+RegisterChildRole conformance_peer("conformance_peer", [] {
+  auto it = ChildTransports().find(ChildEnv("SS_CHILD_TRANSPORT"));
+  if (it == ChildTransports().end()) return 2;
+  auto t = it->second();
+  auto c = StoreClient::Connect(ChildEnv("SS_CHILD_STORE"), kToken, 5000ms);
+  if (!t || !c.ok()) return 3;
+  if (!t->Connect(**c, "death", 1, {0}, kTimeout).ok()) return 4;
+  if (!(*c)->Set("death/child_ready", "1").ok()) return 5;
+  char b[8];
+  auto id = t->PostRecv(0, 1, b, sizeof(b));
+  auto end = std::chrono::steady_clock::now() + 60s;
+  while (std::chrono::steady_clock::now() < end) {
+    if (id.ok()) t->Poll(*id).status().IgnoreError();
+    usleep(1000);
+  }
+  return 6;
+});
+
+}  // namespace
+
 // Transports without one-sided puts must refuse them cleanly (and still flush).
 TEST_P(TransportConformance, PutRefusedCleanlyWithoutOneSidedCaps) {
   if (Make()->caps().one_sided_put) return;  // covered by PutVariousSizesThenFlush
@@ -282,23 +320,18 @@ TEST_P(TransportConformance, ConnectTimesOutWithoutPeer) {
 
 TEST_P(TransportConformance, PeerLeavingIsAnErrorWithinTimeout) {
   if (GetParam().multiprocess) {
-    // A forked peer connects, then is killed; the survivor's receive must fail in time.
-    pid_t pid = fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      auto t = Make();
-      auto c = StoreClient::Connect(server_->address(), kToken, 5000ms);
-      if (!c.ok()) _exit(2);
-      if (!t->Connect(**c, "death", 1, {0}, kTimeout).ok()) _exit(3);
-      (*c)->Set("death/child_ready", "1").IgnoreError();
-      // Keep progressing until killed, so the connection is fully established.
-      char b[8];
-      auto id = t->PostRecv(0, 1, b, sizeof(b));
-      while (true) {
-        if (id.ok()) t->Poll(*id).status().IgnoreError();
-        usleep(1000);
+    // A peer process connects, then is killed; the survivor's operations must fail in time.
+    ASSERT_TRUE(ChildTransports().count(GetParam().name)) << "no RegisterChildTransport";
+    pid_t pid = SpawnChild("conformance_peer", {{"SS_CHILD_STORE", server_->address()},
+                                                {"SS_CHILD_TRANSPORT", GetParam().name}});
+    ASSERT_GT(pid, 0);
+    struct Reaper {  // never leave the child behind, whatever assertion fails
+      pid_t pid;
+      bool reaped = false;
+      ~Reaper() {
+        if (!reaped) WaitChild(pid, 0ms);
       }
-    }
+    } reaper{pid};
     auto t = Make();
     auto store = Store();
     Status cs = t->Connect(*store, "death", 0, {1}, kTimeout);
@@ -307,8 +340,8 @@ TEST_P(TransportConformance, PeerLeavingIsAnErrorWithinTimeout) {
     char small = 1;
     ASSERT_TRUE(WaitXfer(*t, *t->PostSend(1, 1, &small, 1), kTimeout, "hello").ok());
     kill(pid, SIGKILL);
-    int wst = 0;
-    waitpid(pid, &wst, 0);
+    WaitChild(pid, kTimeout);
+    reaper.reaped = true;
     char buf[64];
     auto id = t->PostRecv(1, 77, buf, sizeof(buf));
     Status s = id.ok() ? WaitXfer(*t, *id, 5000ms, "recv from dead rank 1") : id.status();

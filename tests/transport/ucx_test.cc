@@ -35,6 +35,14 @@ INSTANTIATE_TEST_SUITE_P(
                        true}),
     ParamName);
 
+RegisterChildTransport child_put("ucx_put", [] { return MakeUcx(UcxMode::kPut); });
+RegisterChildTransport child_tag("ucx_tag", [] { return MakeUcx(UcxMode::kTag); });
+RegisterChildTransport child_remote("ucx_remote_path",
+                                    [] { return MakeUcx(UcxMode::kPut, false); });
+RegisterChildTransport child_fault("fault_passthrough_ucx", []() -> std::unique_ptr<Transport> {
+  return NewFaultTransport(MakeUcx(UcxMode::kPut));
+});
+
 TEST(Ucx, TagModeRefusesPutAndModeMismatchFailsConnect) {
   auto tag = MakeUcx(UcxMode::kTag);
   EXPECT_FALSE(tag->caps().one_sided_put);
@@ -76,31 +84,27 @@ TEST(Ucx, RegistryCreatesUcx) {
 namespace shardsync::testing {
 namespace {
 
+constexpr size_t kBwBytes = size_t{64} << 20;
+constexpr int kBwIters = 8;
+
 // Raw UCX bandwidth between two processes (forked receiver), 64 MiB messages. Prints GB/s;
 // speed is not asserted (bench/ owns speed), only that every transfer completed and landed.
 void MeasureTwoProcess(UcxMode mode, const char* label) {
-  constexpr size_t kBytes = size_t{64} << 20;
-  constexpr int kIters = 8;
+  constexpr size_t kBytes = kBwBytes;
+  constexpr int kIters = kBwIters;
   auto server = *StoreServer::Start("127.0.0.1", 0, kToken);
   const std::string addr = server->address();
-  pid_t pid = fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    std::vector<char> dst(kBytes, 0);
-    auto t = MakeUcx(mode);
-    if (!t || !t->RegisterMemory({dst.data(), dst.size()}).ok()) _exit(2);
-    auto c = StoreClient::Connect(addr, kToken, 5000ms);
-    if (!c.ok() || !t->Connect(**c, "bw", 1, {0}, kTimeout).ok()) _exit(3);
-    for (int i = 0; i < (mode == UcxMode::kTag ? kIters + 1 : 0); ++i) {
-      auto id = t->PostRecv(0, 10 + i, dst.data(), dst.size());
-      if (!id.ok() || !WaitXfer(*t, *id, kTimeout, "data").ok()) _exit(4);
+  pid_t pid = SpawnChild(
+      "ucx_bw_receiver",
+      {{"SS_CHILD_STORE", addr}, {"SS_CHILD_MODE", mode == UcxMode::kTag ? "tag" : "put"}});
+  ASSERT_GT(pid, 0);
+  struct Reaper {
+    pid_t pid;
+    bool reaped = false;
+    ~Reaper() {
+      if (!reaped) WaitChild(pid, 0ms);
     }
-    char done = 0;
-    auto id = t->PostRecv(0, 1, &done, 1);
-    if (!id.ok() || !WaitXfer(*t, *id, kTimeout, "done").ok()) _exit(5);
-    // The last byte of the last transfer must have landed.
-    _exit(dst[kBytes - 1] == static_cast<char>(kIters) ? 0 : 6);
-  }
+  } reaper{pid};
   auto t = MakeUcx(mode);
   auto store = *StoreClient::Connect(addr, kToken, 5000ms);
   ASSERT_TRUE(t->Connect(*store, "bw", 0, {1}, kTimeout).ok());
@@ -121,12 +125,31 @@ void MeasureTwoProcess(UcxMode mode, const char* label) {
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   char done = 1;
   ASSERT_TRUE(WaitXfer(*t, *t->PostSend(1, 1, &done, 1), kTimeout, "done").ok());
-  int wst = 0;
-  waitpid(pid, &wst, 0);
-  EXPECT_TRUE(WIFEXITED(wst) && WEXITSTATUS(wst) == 0) << "receiver exit " << wst;
+  int wst = WaitChild(pid, kTimeout);
+  reaper.reaped = true;
+  EXPECT_TRUE(wst != -1 && WIFEXITED(wst) && WEXITSTATUS(wst) == 0) << "receiver exit " << wst;
   std::printf("[ucx bandwidth] %s: %d x 64 MiB in %.3f s = %.2f GB/s\n", label, kIters, secs,
               kIters * double(kBytes) / secs / 1e9);
 }
+
+// The receiving process of MeasureTwoProcess.
+RegisterChildRole bw_receiver("ucx_bw_receiver", [] {
+  const UcxMode mode = ChildEnv("SS_CHILD_MODE") == "tag" ? UcxMode::kTag : UcxMode::kPut;
+  std::vector<char> dst(kBwBytes, 0);
+  auto t = MakeUcx(mode);
+  if (!t || !t->RegisterMemory({dst.data(), dst.size()}).ok()) return 2;
+  auto c = StoreClient::Connect(ChildEnv("SS_CHILD_STORE"), kToken, 5000ms);
+  if (!c.ok() || !t->Connect(**c, "bw", 1, {0}, kTimeout).ok()) return 3;
+  for (int i = 0; i < (mode == UcxMode::kTag ? kBwIters + 1 : 0); ++i) {
+    auto id = t->PostRecv(0, 10 + i, dst.data(), dst.size());
+    if (!id.ok() || !WaitXfer(*t, *id, kTimeout, "data").ok()) return 4;
+  }
+  char done = 0;
+  auto id = t->PostRecv(0, 1, &done, 1);
+  if (!id.ok() || !WaitXfer(*t, *id, kTimeout, "done").ok()) return 5;
+  // The last byte of the last transfer must have landed.
+  return dst[kBwBytes - 1] == static_cast<char>(kBwIters) ? 0 : 6;
+});
 
 TEST(UcxBandwidth, TwoProcessPut64MiB) { MeasureTwoProcess(UcxMode::kPut, "put+flush"); }
 TEST(UcxBandwidth, TwoProcessTagSend64MiB) { MeasureTwoProcess(UcxMode::kTag, "tag send"); }

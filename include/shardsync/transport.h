@@ -124,6 +124,8 @@ Status ConnectLoopbackDirect(Transport& t, int rank, const std::vector<int>& pee
 // transports have no peer-failure support, so their death is detected by watching the peer's
 // process; remote peers use UCX keepalive (1 s unless UCX_KEEPALIVE_INTERVAL is set).
 // Destruction closes endpoints without waiting for the peer: PostFlush before destroying.
+// Launchers must fork + exec: a bare-forked child of a multi-threaded parent was seen to
+// deadlock inside UCX's memory hooks (ucm) during ucp_init.
 enum class UcxMode { kPut, kTag, kAuto };
 struct UcxOptions {
   UcxMode mode = UcxMode::kAuto;

@@ -374,10 +374,13 @@ class SessionImpl final : public SyncSession {
         return DeadlineExceededError("sync rank " + std::to_string(rank_) +
                                      ": timed out waiting for " + what);
       }
-      auto r = store_.Get(key, std::min(left, Millis(watch_abort ? 100 : 1000)));
+      auto r = store_.Get(key, std::min(left, Millis(watch_abort ? 5 : 1000)));
       if (r.ok()) return r;
       if (r.status().code() != StatusCode::kDeadlineExceeded) return r.status();
-      if (watch_abort) SS_RETURN_IF_ERROR(CheckAbort(/*force=*/true));
+      if (watch_abort) {
+        Progress();
+        SS_RETURN_IF_ERROR(CheckAbort());
+      }
     }
   }
 
@@ -602,7 +605,14 @@ class SessionImpl final : public SyncSession {
     }
     while (!flying.empty()) SS_RETURN_IF_ERROR(finish_oldest());
     SS_RETURN_IF_ERROR(WaitAll(ctrl_ids, "sending control messages"));
-    return OkStatus();
+    // A send can complete here while its protocol tail (e.g. a rendezvous put's completion
+    // message) is still queued on this side: flush before this rank stops driving progress.
+    std::vector<XferId> flushes;
+    for (const Message& m : plan_.sends) {
+      SS_ASSIGN_OR_RETURN(XferId id, tx_.PostFlush(m.dst));
+      flushes.push_back(id);
+    }
+    return WaitAll(flushes, "flushing to the receivers");
   }
 
   // Shape of parameter `param` of engine sync rank `dst` (cached per destination).
@@ -725,8 +735,31 @@ class SessionImpl final : public SyncSession {
       }
       Backoff(progressed, idle);
     }
-    if (!s.ok()) graveyard_.push_back(ctrl);
-    return s;
+    if (!s.ok()) {
+      graveyard_.push_back(ctrl);
+      return s;
+    }
+    // Completing a receive can leave protocol messages to the sender (e.g. a rendezvous ack)
+    // queued on this side; flush them out before this rank stops driving the transport.
+    std::vector<XferId> flushes;
+    for (const Message& m : plan_.recvs) {
+      SS_ASSIGN_OR_RETURN(XferId id, tx_.PostFlush(m.src));
+      flushes.push_back(id);
+    }
+    return WaitAll(flushes, "flushing to the senders");
+  }
+
+  // Drives the transport's progress engine while waiting on the store (peers may still need
+  // this rank's side of a protocol exchange). Errors are left to the transfers that own them.
+  void Progress() {
+    if (peers_.empty()) return;
+    if (progress_id_ == 0) {
+      auto id = tx_.PostFlush(peers_[progress_peer_++ % peers_.size()]);
+      if (id.ok()) progress_id_ = *id;
+      return;
+    }
+    auto st = tx_.Poll(progress_id_);
+    if (!st.ok() || *st == XferState::kDone) progress_id_ = 0;
   }
 
   Status VerifyBucket(const Message& m, int bucket, const Control& c) {
@@ -825,6 +858,8 @@ class SessionImpl final : public SyncSession {
   std::vector<std::shared_ptr<std::vector<Control>>> graveyard_;
   // State.
   std::vector<int> peers_;
+  XferId progress_id_ = 0;  // a flush polled to drive progress while waiting on the store
+  size_t progress_peer_ = 0;
   bool connected_ = false;
   bool poisoned_ = false;
   uint64_t last_good_ = 0;

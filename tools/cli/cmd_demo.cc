@@ -135,7 +135,14 @@ int Run(const DemoFlags& f) {
                         {"element_mismatches", mismatches},
                         {"transport", job->transport},
                         {"plan_hash", summary->plan_hash}};
-    if (!verified) j["error"] = res->FirstError();
+    if (!verified) {
+      j["error"] = res->FirstError();
+      nlohmann::json errs = nlohmann::json::object();
+      for (const RankResult& r : res->ranks) {
+        if (!r.ok) errs[std::to_string(r.rank)] = r.error;
+      }
+      j["rank_errors"] = errs;
+    }
     std::printf("%s\n", j.dump().c_str());
   } else {
     const auto& m = in.model;

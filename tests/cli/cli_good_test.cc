@@ -79,6 +79,15 @@ TEST(CliGood, HelpListsEveryCommand) {
   }
 }
 
+TEST(CliGood, EveryCommandHasHelp) {
+  for (const char* cmd : {"layout", "shards", "plan", "store", "run", "demo", "bench", "generate",
+                          "inspect", "version"}) {
+    const CliResult r = Ok({cmd, "--help"});
+    EXPECT_NE(r.out.find(cmd), std::string::npos) << cmd << ":\n" << r.out;
+    EXPECT_EQ(r.err, "") << cmd;
+  }
+}
+
 TEST(CliGood, LayoutTableJsonAndLaunchLines) {
   const std::vector<std::string> base = {
       "layout", "--nodes", "2", "--gpus-per-node", "4",     "--dp", "2", "--tp",
@@ -218,6 +227,20 @@ TEST(CliGood, PlanJsonDumpOpsAndSvgAgree) {
   const std::string s = ReadAll(svg);
   EXPECT_NE(s.find("<svg"), std::string::npos);
   EXPECT_NE(s.find("</svg>"), std::string::npos);
+
+  // An engine rank's dump: what it receives adds up to its recv_bytes.
+  const fs::path eng = fx.dir / "out/good.engine.jsonl";
+  Ok({"plan", "--model", Tiny(), "--trainer", "fsdp=2", "--rollout", "dp=2,tp=2,pp=1", "--engine",
+      "vllm", "--dump-ops", eng.string(), "--rank", "3"});
+  std::istringstream eng_lines(ReadAll(eng));
+  int64_t rank3_recv = 0;
+  for (std::string line; std::getline(eng_lines, line);) {
+    const json op = json::parse(line, nullptr, false);
+    ASSERT_FALSE(op.is_discarded()) << line;
+    EXPECT_EQ(op["dst"], 3) << line;
+    rank3_recv += op["bytes"].get<int64_t>();
+  }
+  EXPECT_EQ(rank3_recv, j["engine_ranks"][1]["recv_bytes"].get<int64_t>());
 
   // Every op of the job once: the bytes add up to the job total.
   args = base;

@@ -275,6 +275,28 @@ class BenchRank {
     return s;
   }
 
+  // Send completion can precede the protocol tail on this side (UCX rendezvous): flush every
+  // peer before leaving the transport alone at the next store barrier.
+  Status FlushPeers(const std::vector<int>& peers) {
+    std::vector<XferId> ids;
+    for (int p : peers) {
+      SS_ASSIGN_OR_RETURN(XferId id, tx_.PostFlush(p));
+      ids.push_back(id);
+    }
+    return Wait(ids, "flushing peers");
+  }
+  std::vector<int> EnginePeers() const {
+    std::vector<int> v;
+    for (int r = S_; r < world_; ++r) v.push_back(r);
+    return v;
+  }
+  std::vector<int> PlanPeers() const {
+    std::vector<int> v;
+    for (const Message& m : session_->plan().sends) v.push_back(m.dst);
+    for (const Message& m : session_->plan().recvs) v.push_back(m.src);
+    return v;
+  }
+
   Status BroadcastSend() {
     const int E = world_ - S_;
     const DType td = in_.trainer_dtype;
@@ -325,7 +347,7 @@ class BenchRank {
       SS_RETURN_IF_ERROR(Wait(sends[k], "broadcast sends"));
       SS_RETURN_IF_ERROR(Wait(acks[k], "broadcast acks"));
     }
-    return OkStatus();
+    return FlushPeers(EnginePeers());
   }
 
   Status BroadcastReceive() {
@@ -379,7 +401,8 @@ class BenchRank {
         });
       }
     }
-    return Wait(acks, "broadcast acks");
+    SS_RETURN_IF_ERROR(Wait(acks, "broadcast acks"));
+    return FlushPeers({0});
   }
 
   Status RawSend() {
@@ -410,7 +433,7 @@ class BenchRank {
       }
       SS_RETURN_IF_ERROR(Wait(ids, "raw completion messages"));
     }
-    return OkStatus();
+    return FlushPeers(PlanPeers());
   }
 
   Status RawReceive() {
@@ -436,7 +459,8 @@ class BenchRank {
       }
       base += m.bytes;
     }
-    return Wait(ids, "raw transfers");
+    SS_RETURN_IF_ERROR(Wait(ids, "raw transfers"));
+    return FlushPeers(PlanPeers());
   }
 
   struct Control {

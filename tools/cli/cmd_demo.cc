@@ -115,9 +115,10 @@ int Run(const DemoFlags& f) {
 
   if (f.json) {
     nlohmann::json recv = nlohmann::json::array(), owned = nlohmann::json::array(),
-                   rss = nlohmann::json::array();
+                   rss = nlohmann::json::array(), rank_seconds = nlohmann::json::array();
     for (const RankResult& r : res->ranks) {
       rss.push_back(r.peak_rss_bytes);
+      rank_seconds.push_back(r.report.local.seconds);
       if (!r.is_trainer) recv.push_back(r.report.local.recv_bytes);
     }
     for (const EngineRankSummary& e : summary->engine_ranks) owned.push_back(e.owned_bytes);
@@ -131,6 +132,7 @@ int Run(const DemoFlags& f) {
                         {"recv_bytes_per_engine_rank", recv},
                         {"owned_bytes_per_engine_rank", owned},
                         {"peak_rss_bytes", rss},
+                        {"rank_seconds", rank_seconds},
                         {"elements_checked", checked},
                         {"element_mismatches", mismatches},
                         {"transport", job->transport},

@@ -6,6 +6,7 @@
 // barrier; a rank's time runs from the barrier to its own end.
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 
@@ -239,7 +240,11 @@ class BenchRank {
       for (const Message& m : plan.sends) {
         SS_ASSIGN_OR_RETURN(std::string off,
                             get("rawoff/" + std::to_string(m.dst) + "/" + std::to_string(rank_)));
-        raw_offset_[m.dst] = std::stoull(off);
+        char* end = nullptr;
+        raw_offset_[m.dst] = std::strtoull(off.c_str(), &end, 10);
+        if (off.empty() || *end != '\0') {
+          return DataLossError("bench: malformed raw offset of sync rank " + std::to_string(m.dst));
+        }
       }
     }
     return OkStatus();

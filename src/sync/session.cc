@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -292,7 +293,13 @@ class SessionImpl final : public SyncSession {
       SS_ASSIGN_OR_RETURN(std::string b, GetUntil(Key("regbase/" + std::to_string(m.dst)), deadline,
                                                   "memory registration of engine sync rank " +
                                                       std::to_string(m.dst)));
-      regbase_[m.dst] = static_cast<uint32_t>(std::stoul(b));
+      char* end = nullptr;
+      const unsigned long v = std::strtoul(b.c_str(), &end, 10);
+      if (b.empty() || *end != '\0' || v > UINT32_MAX) {
+        return DataLossError("memory registration of engine sync rank " + std::to_string(m.dst) +
+                             " is malformed: '" + b + "'");
+      }
+      regbase_[m.dst] = static_cast<uint32_t>(v);
     }
     // Staging: two buckets (double buffering), bounded by the plan's bucket cap.
     int64_t max_bucket = 0;

@@ -64,7 +64,9 @@ TEST(SyncProcesses, KilledTrainerFailsEveryRankWithinTheTimeout) {
   for (const RankResult& rr : r->ranks) {
     EXPECT_FALSE(rr.ok) << "sync rank " << rr.rank << " reported success";
     EXPECT_FALSE(rr.error.empty());
-    if (!rr.is_trainer) EXPECT_TRUE(rr.poisoned) << "sync rank " << rr.rank;
+    if (!rr.is_trainer) {
+      EXPECT_TRUE(rr.poisoned) << "sync rank " << rr.rank;
+    }
   }
 }
 

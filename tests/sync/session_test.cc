@@ -174,7 +174,9 @@ TEST(SyncSession, FlippedByteIsDataLossNamingTheParameter) {
       EXPECT_THAT(st[r].message(), HasSubstr("from sync rank 1"));
       EXPECT_THAT(st[r].message(), HasSubstr("parameters: model."));
     }
-    if (r >= job.trainers()) EXPECT_TRUE(job.session(r).IsPoisoned()) << "rank " << r;
+    if (r >= job.trainers()) {
+      EXPECT_TRUE(job.session(r).IsPoisoned()) << "rank " << r;
+    }
   }
   EXPECT_EQ(data_loss, 1);
   // A clean full sync clears the poison and the parameters are right again.
@@ -197,7 +199,9 @@ TEST(SyncSession, SenderStoppingMidSyncFailsEveryRankWithinTheTimeout) {
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   for (int r = 0; r < job.world(); ++r) {
     EXPECT_FALSE(st[r].ok()) << "rank " << r;
-    if (r >= job.trainers()) EXPECT_TRUE(job.session(r).IsPoisoned()) << "rank " << r;
+    if (r >= job.trainers()) {
+      EXPECT_TRUE(job.session(r).IsPoisoned()) << "rank " << r;
+    }
   }
   EXPECT_LT(secs, 10.0);  // bounded: a hang would never return
   job.fault(0).set_config({});
@@ -214,7 +218,9 @@ TEST(SyncSession, SenderTransportDeathFailsEveryRank) {
   auto st = job.Sync(1);
   for (int r = 0; r < job.world(); ++r) {
     EXPECT_FALSE(st[r].ok()) << "rank " << r;
-    if (r >= job.trainers()) EXPECT_TRUE(job.session(r).IsPoisoned());
+    if (r >= job.trainers()) {
+      EXPECT_TRUE(job.session(r).IsPoisoned());
+    }
   }
   EXPECT_EQ(st[1].code(), StatusCode::kUnavailable) << st[1].ToString();
   for (int r = 2; r < job.world(); ++r) {

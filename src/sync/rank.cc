@@ -147,31 +147,11 @@ std::string DefaultTransport() {
 Result<JobSpec> JobSpecFromFlags(const JobFlags& f) {
   JobSpec job;
   PlanInputs& in = job.inputs;
-  {
-    auto m = LoadModelSpec(f.model);
-    if (!m.ok()) {
-      Status s = m.status();
-      return s.Annotate("--model " + f.model);
-    }
-    in.model = std::move(m).value();
-  }
+  SS_ASSIGN_OR_RETURN(in.model, LoadModelSpec(f.model));  // errors name --model
   SS_ASSIGN_OR_RETURN(EngineKind engine, ParseEngineKind(f.engine, "--engine"));
-  {
-    auto t = ParseTrainerSpec(f.trainer);
-    if (!t.ok()) {
-      Status s = t.status();
-      return s.Annotate("--trainer");
-    }
-    in.trainer = *t;
-  }
-  {
-    auto r = ParseRolloutSpec(f.rollout, engine);
-    if (!r.ok()) {
-      Status s = r.status();
-      return s.Annotate("--rollout");
-    }
-    in.rollout = *r;
-  }
+  // The parsers name the flag (--trainer ..., --rollout ...).
+  SS_ASSIGN_OR_RETURN(in.trainer, ParseTrainerSpec(f.trainer));
+  SS_ASSIGN_OR_RETURN(in.rollout, ParseRolloutSpec(f.rollout, engine));
   if (!f.pp_partition.empty()) {
     std::vector<int64_t> parts;
     std::string_view rest = f.pp_partition;

@@ -46,6 +46,12 @@ class Packer {
  public:
   virtual ~Packer() = default;
   virtual std::string_view name() const = 0;
+  // Whether this packer can read and write memory of `kind`. The CPU packer: host only; the
+  // default trusts a packer passed in to handle the memory it was made for.
+  virtual bool Supports(MemKind kind) const {
+    (void)kind;
+    return true;
+  }
   // Packs `regions` (which tile [0, bytes) of the wire image) into `out`, cast to `wire`, and
   // returns the finished checksum of the wire image.
   virtual Result<uint64_t> Pack(const std::vector<PackRegion>& regions, DType wire, void* out,

@@ -121,6 +121,7 @@ Status CheckTiling(const std::vector<PackRegion>& regions, DType wire, int64_t b
 class CpuPacker final : public Packer {
  public:
   std::string_view name() const override { return "cpu"; }
+  bool Supports(MemKind kind) const override { return kind == MemKind::kHost; }
 
   Result<uint64_t> Pack(const std::vector<PackRegion>& regions, DType wire, void* out,
                         int64_t bytes) override {

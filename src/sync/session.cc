@@ -201,6 +201,13 @@ class SessionImpl final : public SyncSession {
     if (b.data == nullptr && !held.empty()) {
       return InvalidArgumentError("source binding '" + b.hf_name + "': null data");
     }
+    if (!packer_->Supports(b.mem)) {
+      return InvalidArgumentError("source binding '" + b.hf_name +
+                                  "': " + (b.mem == MemKind::kCuda ? "device" : "host") +
+                                  " memory needs a packer that handles it (SessionOptions::packer;"
+                                  " the " +
+                                  std::string(packer_->name()) + " packer does not)");
+    }
     if (!sources_.emplace(it->second, b).second) {
       return InvalidArgumentError("source binding '" + b.hf_name + "': bound twice");
     }
@@ -233,6 +240,13 @@ class SessionImpl final : public SyncSession {
     }
     if (b.data == nullptr) {
       return InvalidArgumentError("destination binding '" + b.name + "': null data");
+    }
+    if (!packer_->Supports(b.mem)) {
+      return InvalidArgumentError("destination binding '" + b.name +
+                                  "': " + (b.mem == MemKind::kCuda ? "device" : "host") +
+                                  " memory needs a packer that handles it (SessionOptions::packer;"
+                                  " the " +
+                                  std::string(packer_->name()) + " packer does not)");
     }
     if (dests_[it->second].data != nullptr) {
       return InvalidArgumentError("destination binding '" + b.name + "': bound twice");

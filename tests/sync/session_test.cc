@@ -317,6 +317,9 @@ TEST(SyncSession, BindingErrorsNameTheTensor) {
   EXPECT_THAT(s.message(), HasSubstr("model.nonexistent.weight"));
   s = e.BindDest({p.name, buf.data(), DType::kF32, p.shape});
   EXPECT_THAT(s.message(), HasSubstr("wire dtype"));
+  s = e.BindDest({p.name, buf.data(), DType::kBF16, p.shape, MemKind::kCuda, 0});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("device memory needs a packer"));
   s = job.session(0).BindSource(
       {"model.embed_tokens.weight", buf.data(), DType::kF32, Region::Make({0, 0}, {1, 1})});
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);

@@ -1,6 +1,9 @@
 // Good invocations, every command: exit 0, well-formed output (JSON parses and agrees with itself),
 // nothing alarming on stderr. Tiny models only, so the whole suite stays fast.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -334,6 +337,29 @@ TEST(CliGood, RunAgainstStoreFailsBoundedAndNamed) {
   EXPECT_EQ(gone.exit_code, 1) << gone.Describe();
   EXPECT_EQ(gone.out, "");
   EXPECT_NE(gone.err.find(store), std::string::npos) << gone.Describe();
+}
+
+// A "store" that accepts connections and never answers: run ends at --timeout-ms, exit 1.
+TEST(CliGood, RunAgainstSilentStoreTimesOut) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), len), 0);
+  ASSERT_EQ(listen(fd, 8), 0);  // the kernel completes the handshake; nobody reads
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string store = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+  const CliResult r = RunCli({"run", "--role", "trainer", "--rank", "0", "--model", Tiny(),
+                              "--trainer", "fsdp=2", "--rollout", "dp=1,tp=2,pp=1", "--transport",
+                              "ucx", "--timeout-ms", "1000", "--store", store, "--token", "t"});
+  close(fd);
+  if (NoUcx(r)) GTEST_SKIP() << "this build has no UCX";
+  EXPECT_FALSE(r.timed_out) << r.Describe();
+  EXPECT_EQ(r.exit_code, 1) << r.Describe();
+  EXPECT_EQ(r.out, "");
+  EXPECT_NE(r.err.find(store), std::string::npos) << r.Describe();
 }
 
 TEST(CliGood, InspectFileAndDirectory) {

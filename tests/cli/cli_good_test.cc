@@ -1,5 +1,6 @@
-// Good invocations, every command: exit 0, well-formed output (JSON parses and agrees with itself),
-// nothing alarming on stderr. Tiny models only, so the whole suite stays fast.
+// Good invocations, every command: exit 0, well-formed output (JSON parses, has the keys
+// docs/cli.md declares stable, and agrees with itself); plus end-to-end failure paths that need a
+// live process (store, checkpoints). Tiny models only, so the whole suite stays fast.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -57,6 +58,12 @@ bool NoUcx(const CliResult& r) {
          r.err.find("built without UCX") != std::string::npos;
 }
 
+// The keys docs/cli.md promises for a command's --json (other tools parse them).
+void ExpectKeys(const json& j, std::initializer_list<const char*> keys, const std::string& what) {
+  ASSERT_TRUE(j.is_object()) << what;
+  for (const char* k : keys) EXPECT_TRUE(j.contains(k)) << what << " lacks '" << k << "'";
+}
+
 std::string ReadAll(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);
   std::stringstream ss;
@@ -103,7 +110,21 @@ TEST(CliGood, LayoutTableJsonAndLaunchLines) {
   args.push_back("--json");
   const CliResult r = Ok(args);
   const json j = ParseJson(r);
-  ASSERT_TRUE(j.is_object());
+  ExpectKeys(j,
+             {"engine", "dp", "tp", "pp", "base_gpu_id", "gpu_id_step", "allow_multinode",
+              "node_gpus", "num_gpus", "collecting_rank", "workers", "replicas",
+              "broadcast_world_size", "broadcast_rank_formula", "broadcast_rank_collision", "sync"},
+             "layout");
+  ExpectKeys(j["workers"][0], {"rank", "node", "gpu", "dp", "pp", "tp", "role", "head"},
+             "layout worker");
+  ExpectKeys(j["replicas"][0],
+             {"dp", "head", "node", "cuda_visible_devices", "nodes", "rank_offset", "engine_ranks"},
+             "layout replica");
+  ExpectKeys(j["replicas"][0]["engine_ranks"][0],
+             {"tp", "pp", "gpu", "worker", "global_rank", "node", "node_rank", "gpu_index",
+              "broadcast_rank", "sync_rank"},
+             "layout engine rank");
+  ExpectKeys(j["sync"], {"trainer_world", "world_size", "engine_rank_formula"}, "layout sync");
   EXPECT_EQ(j["engine"], "sglang");
   EXPECT_EQ(j["num_gpus"], 8);
   EXPECT_EQ(j["node_gpus"], json::array({4, 4}));
@@ -199,7 +220,24 @@ TEST(CliGood, PlanJsonDumpOpsAndSvgAgree) {
               {"--json", "--dump-ops", ops.string(), "--rank", "0", "--svg", svg.string()});
   const CliResult r = Ok(args);
   const json j = ParseJson(r);
-  ASSERT_TRUE(j.is_object());
+  ExpectKeys(
+      j,
+      {"plan_hash", "plan_seconds", "ops", "messages", "total_bytes",
+       "broadcast_recv_bytes_per_rank", "model_bytes", "trainer_ranks", "engine_ranks", "placement",
+       "estimates", "model", "trainer", "rollout", "wire_dtype", "trainer_dtype", "bucket_bytes"},
+      "plan");
+  ExpectKeys(j["trainer_ranks"][0],
+             {"rank", "send_bytes", "ops", "messages", "intra_node_bytes", "node"},
+             "plan trainer rank");
+  ExpectKeys(j["engine_ranks"][0],
+             {"sync_rank", "replica", "tp_rank", "pp_rank", "recv_bytes", "owned_bytes", "ops",
+              "messages", "intra_node_bytes", "node"},
+             "plan engine rank");
+  ExpectKeys(j["placement"], {"nodes", "gpus_per_node", "colocated"}, "plan placement");
+  ExpectKeys(j["estimates"],
+             {"intra_node_gbps", "inter_node_gbps", "plan_seconds", "broadcast_seconds",
+              "lower_bound_seconds"},
+             "plan estimates");
   EXPECT_TRUE(std::regex_match(j["plan_hash"].get<std::string>(), std::regex("[0-9a-f]{32}")))
       << j["plan_hash"];
   ASSERT_EQ(j["trainer_ranks"].size(), 2u);
@@ -382,7 +420,10 @@ TEST(CliGood, GenerateUnshardedAndShardedAgree) {
                                          "7",        "--prompt-ids", "1,2,3", "--max-new-tokens",
                                          "3",        "--json"};
   const json plain = ParseJson(Ok(base));
-  ASSERT_TRUE(plain.is_object());
+  ExpectKeys(
+      plain,
+      {"tokens", "logits", "prompt_ids", "model", "architecture", "weights", "layout", "seconds"},
+      "generate");
   ASSERT_EQ(plain["logits"].size(), 200u);
   ASSERT_FALSE(plain["tokens"].empty());
   for (const auto& t : plain["tokens"]) {
@@ -404,7 +445,11 @@ TEST(CliGood, DemoVerifiesTinyJob) {
           "--transport", "loopback", "--launch", "threads", "--json"},
          WithTimeout(30));
   const json j = ParseJson(r);
-  ASSERT_TRUE(j.is_object());
+  ExpectKeys(j,
+             {"verified", "version", "bytes", "seconds", "gbps", "checksums_ok", "checksums_total",
+              "recv_bytes_per_engine_rank", "owned_bytes_per_engine_rank", "peak_rss_bytes",
+              "rank_seconds", "elements_checked", "element_mismatches", "transport", "plan_hash"},
+             "demo");
   EXPECT_EQ(j["verified"], true) << r.out;
   EXPECT_EQ(j["element_mismatches"], 0);
   EXPECT_GT(j["checksums_total"].get<int64_t>(), 0);
@@ -435,7 +480,11 @@ TEST(CliGood, BenchVerifiesTinyJob) {
        "--transport", "loopback", "--launch", "threads", "--reps", "1", "--warmup", "0", "--json"},
       WithTimeout(30));
   const json j = ParseJson(r);
-  ASSERT_TRUE(j.is_object());
+  ExpectKeys(j,
+             {"sharded_gbps", "broadcast_gbps", "raw_transport_gbps", "ratio_to_raw",
+              "speedup_vs_broadcast", "verified", "bytes", "sharded_seconds", "broadcast_seconds",
+              "raw_seconds", "wire_bytes_equal_owned", "transport", "reps", "warmup"},
+             "bench");
   EXPECT_EQ(j["verified"], true) << r.out;
   EXPECT_EQ(j["wire_bytes_equal_owned"], true);
   EXPECT_GT(j["bytes"].get<int64_t>(), 0);

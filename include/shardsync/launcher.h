@@ -32,6 +32,9 @@ struct JobSpec {
   int bench_reps = 5;
   bool verify = true;          // engine ranks check every element after the last sync
   std::string prefix = "ss/";  // store key namespace
+  // Engine ranks write the parameters they received (after the last sync) as
+  // <dump_dir>/rank-<sync rank>.safetensors (refengine's WriteEngineDump); empty: no dump.
+  std::string dump_dir;
 };
 
 // The job flags shared by `run`, `demo` and `bench`, as typed.
@@ -54,6 +57,7 @@ struct JobFlags {
   int reps = 5;
   bool no_verify = false;
   std::string prefix = "ss/";
+  std::string dump_dir;
 };
 // Validates and resolves the flags; errors name the flag.
 Result<JobSpec> JobSpecFromFlags(const JobFlags& flags);

@@ -16,9 +16,9 @@ struct SyntheticTensor {
   float center = 0.f;
 };
 
-// Norm weights ("...norm.weight") center on 1 with scale 0.1; biases scale 0.02; matrices use
-// scale sqrt(3 / fan_in) (unit-variance-preserving, so the reference engine's logits stay finite
-// and greedy decoding is not degenerate); embeddings scale 1.
+// Norm weights ("...norm.weight") center on 1 with scale 0.1; biases scale 0.02; embeddings and
+// matrices scale min(1, 3 / sqrt(fan_in)), so greedy decoding with the reference engine gives
+// varied tokens rather than one token repeated, and logits stay finite at every model size.
 SyntheticTensor SyntheticFor(std::string_view hf_name, const Shape& shape);
 
 // counter-based hash (splitmix64 of seed ^ key ^ element) -> float.

@@ -10,6 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include "shardsync/launcher.h"
+#include "shardsync/refengine.h"
+#include "shardsync/safetensors.h"
 #include "shardsync/shard_map.h"
 #include "shardsync/synthetic.h"
 #include "shardsync/transport.h"
@@ -57,6 +59,10 @@ std::vector<std::string> JobSpecToArgs(const JobSpec& job) {
     a.push_back(p);
   }
   if (!job.verify) a.push_back("--no-verify");
+  if (!job.dump_dir.empty()) {
+    a.push_back("--dump-dir");
+    a.push_back(job.dump_dir);
+  }
   return a;
 }
 
@@ -223,6 +229,7 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f) {
   job.verify = !f.no_verify;
   if (f.prefix.empty()) return InvalidArgumentError("--prefix: must not be empty");
   job.prefix = f.prefix;
+  job.dump_dir = f.dump_dir;
   // The plan must exist: fail here, naming the field, rather than in every rank.
   SS_RETURN_IF_ERROR(SummarizePlan(in).status());
   return job;
@@ -452,6 +459,27 @@ Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Tra
           " of " + std::to_string(res.elements_checked) +
           " elements differ from the HF values, first: " + res.first_mismatch));
     }
+  }
+  if (!who.is_trainer && !job.dump_dir.empty()) {
+    // The dump is a demo/test artifact: report the sync's memory peak, not the serializer's.
+    const int64_t sync_peak = PeakRssBytes();
+    std::vector<TensorToWrite> tensors;
+    const std::vector<EngineParam>& expected = session->ExpectedParams();
+    for (size_t i = 0; i < expected.size(); ++i) {
+      const DestBinding& b = params.bindings[i];
+      tensors.push_back({expected[i].name,
+                         b.dtype,
+                         expected[i].shape,
+                         {static_cast<const uint8_t*>(b.data),
+                          static_cast<size_t>(expected[i].numel() * DTypeSize(b.dtype))}});
+    }
+    Status ds = WriteEngineDump(job.dump_dir + "/rank-" + std::to_string(rank) + ".safetensors",
+                                tensors, {who.replica, who.tp_rank, who.pp_rank});
+    if (!ds.ok()) return finish(ds.Annotate("--dump-dir"));
+    step();
+    finish(OkStatus());
+    res.peak_rss_bytes = sync_peak;
+    return res;
   }
   step();
   return finish(OkStatus());

@@ -1,18 +1,22 @@
 // `shardsync demo`: the main job. One trainer (synthetic weights) and one rollout engine layout
 // on this host; every engine parameter synced point to point, checksum-verified, and compared
 // element by element with the HF values it was cut from.
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "command.h"
 #include "shardsync/launcher.h"
 #include "shardsync/layout.h"
 #include "shardsync/plan.h"
+#include "shardsync/refengine.h"
 #include "shardsync/shard_map.h"
 
 namespace shardsync::cli {
@@ -57,7 +61,37 @@ struct DemoFlags {
   bool json = false;
   std::string launch = "auto";
   int job_timeout_s = 600;
+  int gen_tokens = 8;  // 0: no generation step
 };
+
+// Removes the engine dumps however the demo ends.
+struct TempDir {
+  std::string path;
+  ~TempDir() {
+    if (path.empty()) return;
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+// The proof that the bytes landed where the engine's math expects them: greedy-decode from a fixed
+// prompt with the sharded TP x PP engine on the parameters the engine ranks received (their dumps)
+// and with the unsharded model on the trainer's weights, and compare tokens and logits.
+Result<GenerationCheck> RunGenerationStep(const PlanInputs& in, const ShardMap& map, uint64_t seed,
+                                          const std::string& dump_dir, int n_tokens) {
+  SS_ASSIGN_OR_RETURN(std::vector<EngineBuffers> received, LoadEngineDump(dump_dir, map, 0));
+  // Reference: the trainer's synthetic weights as the engine holds them (wire dtype).
+  ModelSpec ref_spec = in.model;
+  ref_spec.dtype = in.options.wire_dtype;
+  SyntheticWeightSource trainer(ref_spec, seed);
+  return CheckGeneration(map, received, trainer, DefaultPrompt(), n_tokens);
+}
+
+std::string TokenList(const std::vector<int64_t>& t) {
+  std::string s = "[";
+  for (size_t i = 0; i < t.size(); ++i) s += (i ? ", " : "") + std::to_string(t[i]);
+  return s + "]";
+}
 
 // Where the engine ranks land: GPU by the engine's own placement rule on one node.
 std::string GpuOf(const Layout* layout, int replica, int tp, int pp) {
@@ -74,6 +108,10 @@ int Run(const DemoFlags& f) {
   if (f.job_timeout_s < 1) {
     return ReportError(InvalidArgumentError("--job-timeout-s: must be positive"));
   }
+  if (f.gen_tokens < 0 || f.gen_tokens > 256) {
+    return ReportError(InvalidArgumentError("--gen-tokens: must be in [0, 256], got " +
+                                            std::to_string(f.gen_tokens)));
+  }
   const PlanInputs& in = job->inputs;
   auto summary = SummarizePlan(in);
   if (!summary.ok()) return ReportError(summary.status());
@@ -89,6 +127,15 @@ int Run(const DemoFlags& f) {
 
   LocalJobOptions lo;
   lo.job = *job;
+  TempDir dumps;
+  if (f.gen_tokens > 0) {
+    char tmpl[] = "/tmp/shardsync-demo-XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) {
+      return ReportError(UnavailableError("cannot create a temporary directory for engine dumps"));
+    }
+    dumps.path = tmpl;
+    lo.job.dump_dir = dumps.path;
+  }
   lo.job.mode = JobMode::kSync;
   lo.mode = ParseLaunch(f.launch);
   lo.job_timeout = Millis(int64_t{f.job_timeout_s} * 1000);
@@ -110,8 +157,19 @@ int Run(const DemoFlags& f) {
                         any->report.checksums_total > 0;
   const SyncReport rep = any ? any->report : SyncReport{};
 
-  // --- The generation step slots in here: once the reference engine can run the synced
-  // parameters (refengine layer), call it and print its tokens next to the sync summary. ---
+  std::optional<GenerationCheck> gen;
+  std::string gen_error;
+  if (verified && f.gen_tokens > 0) {
+    if (lo.on_progress)
+      std::fprintf(stderr, "shardsync demo: generating %d tokens on both sides\n", f.gen_tokens);
+    auto g = RunGenerationStep(in, *map, job->seed, dumps.path, f.gen_tokens);
+    if (g.ok()) {
+      gen = *g;
+    } else {
+      gen_error = g.status().ToString();
+    }
+  }
+  const bool generation_ok = f.gen_tokens == 0 || (gen.has_value() && gen->match);
 
   if (f.json) {
     nlohmann::json recv = nlohmann::json::array(), owned = nlohmann::json::array(),
@@ -137,6 +195,17 @@ int Run(const DemoFlags& f) {
                         {"element_mismatches", mismatches},
                         {"transport", job->transport},
                         {"plan_hash", summary->plan_hash}};
+    if (gen) {
+      j["generation_match"] = gen->match;
+      j["tokens"] = gen->engine_tokens;
+      j["reference_tokens"] = gen->reference_tokens;
+      j["prompt"] = gen->prompt;
+      j["max_logit_diff"] = gen->max_logit_diff;
+      j["logit_tolerance"] = gen->tolerance;
+    } else if (f.gen_tokens > 0) {
+      j["generation_match"] = false;
+      if (!gen_error.empty()) j["generation_error"] = gen_error;
+    }
     if (!verified) {
       j["error"] = res->FirstError();
       nlohmann::json errs = nlohmann::json::object();
@@ -202,12 +271,31 @@ int Run(const DemoFlags& f) {
     }
     std::printf("elements   %lld checked against the HF values, %lld mismatches\n",
                 static_cast<long long>(checked), static_cast<long long>(mismatches));
-    std::printf("%s\n", verified ? "VERIFIED: every engine parameter matches the trainer's weights"
-                                 : "NOT VERIFIED");
+    if (gen) {
+      std::printf("generate   prompt %s, %d greedy tokens:\n", TokenList(gen->prompt).c_str(),
+                  static_cast<int>(gen->engine_tokens.size()));
+      std::printf("  engine  (sharded tp=%d pp=%d, received params): %s\n", in.rollout.shard.tp,
+                  in.rollout.shard.pp, TokenList(gen->engine_tokens).c_str());
+      std::printf("  trainer (unsharded, trainer weights):           %s\n",
+                  TokenList(gen->reference_tokens).c_str());
+      std::printf("  %s: max |logit diff| %.2e (tolerance %.2e)\n",
+                  gen->match ? "MATCH" : "MISMATCH", gen->max_logit_diff, gen->tolerance);
+    } else if (!gen_error.empty()) {
+      std::printf("generate   failed: %s\n", gen_error.c_str());
+    }
+    std::printf("%s\n", verified && generation_ok
+                            ? "VERIFIED: every engine parameter matches the trainer's weights"
+                            : "NOT VERIFIED");
   }
   if (!verified) {
     std::fprintf(stderr, "shardsync demo: %s\n",
                  res->FirstError().empty() ? "verification failed" : res->FirstError().c_str());
+    return kExitFailure;
+  }
+  if (!generation_ok) {
+    std::fprintf(stderr, "shardsync demo: generation check failed: %s\n",
+                 gen_error.empty() ? "the engine's tokens or logits differ from the trainer's"
+                                   : gen_error.c_str());
     return kExitFailure;
   }
   return kExitOk;
@@ -223,6 +311,10 @@ Registration reg({"demo", [](CLI::App& app) {
                     sub->add_flag("--json", f->json, "Print one JSON object");
                     sub->add_option("--launch", f->launch, "auto | threads | processes")
                         ->check(CLI::IsMember({"auto", "threads", "processes"}))
+                        ->capture_default_str();
+                    sub->add_option("--gen-tokens", f->gen_tokens,
+                                    "Greedy tokens generated on both sides after the sync "
+                                    "(0: skip the generation step)")
                         ->capture_default_str();
                     sub->add_option("--job-timeout-s", f->job_timeout_s,
                                     "Kill every rank past this many seconds")

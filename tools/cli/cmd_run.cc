@@ -40,6 +40,8 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
   sub->add_option("--reps", f->reps, "Bench measured repetitions (median)")->capture_default_str();
   sub->add_flag("--no-verify", f->no_verify, "Skip the element-by-element check");
   sub->add_option("--prefix", f->prefix, "Store key namespace of the job")->capture_default_str();
+  sub->add_option("--dump-dir", f->dump_dir,
+                  "Engine ranks write their received parameters to DIR/rank-<R>.safetensors");
 }
 
 namespace {

@@ -458,6 +458,8 @@ const std::vector<BadCase> kDemo =
     Concat(JobCases("demo"),
            {
                {"job_timeout_zero", Job("demo", {"--job-timeout-s", "0"}), {"--job-timeout-s"}},
+               {"gen_tokens_negative", Job("demo", {"--gen-tokens", "-1"}), {"--gen-tokens"}},
+               {"gen_tokens_too_many", Job("demo", {"--gen-tokens", "100000"}), {"--gen-tokens"}},
                {"launch_unknown", Job("demo", {"--launch", "rockets"}), {"--launch"}},
            });
 SS_BAD_SUITE(Demo, kDemo);

@@ -446,10 +446,32 @@ TEST(CliGood, DemoVerifiesTinyJob) {
          WithTimeout(30));
   const json j = ParseJson(r);
   ExpectKeys(j,
-             {"verified", "version", "bytes", "seconds", "gbps", "checksums_ok", "checksums_total",
-              "recv_bytes_per_engine_rank", "owned_bytes_per_engine_rank", "peak_rss_bytes",
-              "rank_seconds", "elements_checked", "element_mismatches", "transport", "plan_hash"},
+             {"verified",
+              "version",
+              "bytes",
+              "seconds",
+              "gbps",
+              "checksums_ok",
+              "checksums_total",
+              "recv_bytes_per_engine_rank",
+              "owned_bytes_per_engine_rank",
+              "peak_rss_bytes",
+              "rank_seconds",
+              "elements_checked",
+              "element_mismatches",
+              "transport",
+              "plan_hash",
+              "generation_match",
+              "tokens",
+              "reference_tokens",
+              "prompt",
+              "max_logit_diff",
+              "logit_tolerance"},
              "demo");
+  // The generation step: the engine-sharded forward on the synced bytes matches the trainer's.
+  EXPECT_EQ(j["generation_match"], true) << r.out;
+  EXPECT_EQ(j["tokens"], j["reference_tokens"]);
+  EXPECT_FALSE(j["tokens"].empty());
   EXPECT_EQ(j["verified"], true) << r.out;
   EXPECT_EQ(j["element_mismatches"], 0);
   EXPECT_GT(j["checksums_total"].get<int64_t>(), 0);

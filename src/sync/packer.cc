@@ -4,6 +4,10 @@
 #include <cstring>
 #include <string>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "shardsync/checksum.h"
 #include "shardsync/session.h"
 
@@ -54,7 +58,7 @@ inline void Store(unsigned char* p, DType t, float f) {
 }
 
 // F32ToBF16 (dtype.h) over an array, bit for bit, written as selects the compiler vectorizes.
-void CastF32ToBF16(const unsigned char* in, unsigned char* out, int64_t n) {
+void CastF32ToBF16Portable(const unsigned char* in, unsigned char* out, int64_t n) {
   constexpr int64_t kBlock = 1024;
   uint32_t u[kBlock];
   uint16_t h[kBlock];
@@ -69,6 +73,48 @@ void CastF32ToBF16(const unsigned char* in, unsigned char* out, int64_t n) {
     }
     std::memcpy(out + at * 2, h, m * 2);
   }
+}
+
+#if defined(__x86_64__)
+// The same selects, 16 elements per step with AVX2 (the baseline build targets SSE2 only, where
+// the unsigned compare and the 32->16 narrowing cost several instructions each). Both candidates
+// are <= 0xffff, so the saturating pack keeps them unchanged; a wrapped `rounded` only occurs
+// for NaN inputs, whose lanes take `quiet`.
+__attribute__((target("avx2"))) inline __m256i CastF32ToBF16x8(__m256i x) {
+  const __m256i hi = _mm256_srli_epi32(x, 16);
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)),
+                                         _mm256_and_si256(hi, _mm256_set1_epi32(1))),
+                        16);
+  const __m256i quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+  // Masked values are <= 0x7fffffff, so the signed compare is the unsigned one.
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+
+__attribute__((target("avx2"))) void CastF32ToBF16Avx2(const unsigned char* in, unsigned char* out,
+                                                       int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i a =
+        CastF32ToBF16x8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * 4)));
+    const __m256i b =
+        CastF32ToBF16x8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * 4 + 32)));
+    // packus works per 128-bit lane: reorder the 64-bit quarters back into element order.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * 2), packed);
+  }
+  if (i < n) CastF32ToBF16Portable(in + i * 4, out + i * 2, n - i);
+}
+#endif
+
+void CastF32ToBF16(const unsigned char* in, unsigned char* out, int64_t n) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return CastF32ToBF16Avx2(in, out, n);
+#endif
+  CastF32ToBF16Portable(in, out, n);
 }
 
 // Copies n elements from `in` (dtype a) to `out` (dtype b).

@@ -546,11 +546,17 @@ class SessionImpl final : public SyncSession {
 
   Status RunSender(RankSyncStats& st) {
     // Buckets round-robin over receivers, so every receiver verifies while others still land.
+    // Each sender starts the round at a different receiver (rotated by its trainer rank): if
+    // every sender began with the same receiver, that one would be flooded while the last one
+    // idles until every sender had packed all earlier buckets.
     std::vector<std::pair<int, int>> order;
     size_t max_buckets = 0;
     for (const Message& m : plan_.sends) max_buckets = std::max(max_buckets, m.buckets.size());
+    const size_t nmsg = plan_.sends.size();
+    const size_t first = nmsg ? static_cast<size_t>(who_.trainer_rank) % nmsg : 0;
     for (size_t b = 0; b < max_buckets; ++b) {
-      for (size_t m = 0; m < plan_.sends.size(); ++m) {
+      for (size_t k = 0; k < nmsg; ++k) {
+        const size_t m = (first + k) % nmsg;
         if (b < plan_.sends[m].buckets.size()) order.emplace_back(m, b);
       }
     }

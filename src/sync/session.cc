@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "shardsync/checksum.h"
 #include "shardsync/shard_map.h"
 #include "sync/internal.h"
 
@@ -83,6 +84,56 @@ std::vector<WireRun> BucketRuns(const Message& m, const Bucket& b, int ws, Shape
   }
   return out;
 }
+
+// The checksum of one bucket's wire image (checksum.h) accumulated from runs that complete
+// in any order at any byte offset: whole words are summed at once; words split between runs
+// (or the zero-padded last word) are collected as byte pieces and mixed once complete.
+class LandedSum {
+ public:
+  void Add(const unsigned char* p, size_t len, uint64_t off) {
+    bytes_ += len;
+    const size_t lead = off % 8;
+    if (lead != 0 && len > 0) {
+      const size_t n = std::min(len, 8 - lead);
+      uint64_t w = 0;
+      std::memcpy(&w, p, n);
+      pieces_.emplace_back(off / 8, w << (8 * lead));
+      p += n;
+      off += n;
+      len -= n;
+    }
+    const size_t whole = len & ~size_t{7};
+    if (whole) sum_ += ChecksumPartial(p, whole, off);
+    p += whole;
+    off += whole;
+    len -= whole;
+    if (len > 0) {
+      uint64_t w = 0;
+      std::memcpy(&w, p, len);  // little-endian host, as in checksum.cc
+      pieces_.emplace_back(off / 8, w);
+    }
+  }
+  uint64_t bytes() const { return bytes_; }
+  // Pieces of one word cover disjoint bytes, so OR assembles the word (missing bytes: zero).
+  uint64_t Finish() {
+    std::sort(pieces_.begin(), pieces_.end());
+    uint64_t sum = sum_;
+    for (size_t i = 0; i < pieces_.size();) {
+      uint64_t w = 0;
+      size_t j = i;
+      for (; j < pieces_.size() && pieces_[j].first == pieces_[i].first; ++j)
+        w |= pieces_[j].second;
+      sum += ChecksumMixWord(w, pieces_[i].first);
+      i = j;
+    }
+    return ChecksumFinish(sum, bytes_);
+  }
+
+ private:
+  uint64_t sum_ = 0;
+  uint64_t bytes_ = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> pieces_;  // (word index, bytes in place)
+};
 
 std::string Hex(uint64_t v) {
   char buf[20];
@@ -679,9 +730,16 @@ class SessionImpl final : public SyncSession {
     struct Expect {
       int msg = 0;
       int bucket = 0;
-      size_t slot = 0;          // index into ctrl
-      std::vector<XferId> ids;  // data receives (tag mode), then the control receive
+      size_t slot = 0;            // index into ctrl
+      std::vector<XferId> ids;    // data receives (tag mode), then the control receive
+      std::vector<WireRun> runs;  // tag mode: the data receives' runs, in posting order
+      size_t runs_done = 0;
+      LandedSum landed;  // incremental checksum of the runs that completed
     };
+    // Host parameters with the built-in packer in tag mode: checksum each run right after it
+    // lands, while its bytes are still in cache, instead of re-reading the whole bucket from
+    // memory once its control message arrives.
+    const bool incremental = !put && packer_ == own_packer_.get();
     size_t total = 0;
     for (const Message& m : plan_.recvs) total += m.buckets.size();
     // Posted receive buffers must outlive a failed sync: a late control message may still land.
@@ -693,12 +751,15 @@ class SessionImpl final : public SyncSession {
       const Message& m = plan_.recvs[mi];
       uint64_t seq = 0;
       for (size_t bi = 0; bi < m.buckets.size() && s.ok(); ++bi, ++k) {
-        Expect e{static_cast<int>(mi), static_cast<int>(bi), k, {}};
+        Expect e;
+        e.msg = static_cast<int>(mi);
+        e.bucket = static_cast<int>(bi);
+        e.slot = k;
         if (!put) {
           // Two-sided: receive each run straight into its parameter (no staging copy).
-          for (const WireRun& r : BucketRuns(m, m.buckets[bi], ws, [&](int param) -> const Shape& {
-                 return dests_[param].shape;
-               })) {
+          e.runs = BucketRuns(m, m.buckets[bi], ws,
+                              [&](int param) -> const Shape& { return dests_[param].shape; });
+          for (const WireRun& r : e.runs) {
             auto* dst = static_cast<unsigned char*>(dests_[r.param].data) + r.param_offset;
             auto id = tx_.PostRecv(m.src, DataTag(version_, seq++), dst, r.len);
             if (!id.ok()) {
@@ -741,13 +802,20 @@ class SessionImpl final : public SyncSession {
         }
         if (!s.ok()) break;
         progressed |= done > 0;
+        if (incremental) {
+          for (size_t d = 0; d < done && e.runs_done < e.runs.size(); ++d, ++e.runs_done) {
+            const WireRun& r = e.runs[e.runs_done];
+            e.landed.Add(static_cast<const unsigned char*>(dests_[r.param].data) + r.param_offset,
+                         r.len, static_cast<uint64_t>(r.wire_offset));
+          }
+        }
         e.ids.erase(e.ids.begin(), e.ids.begin() + done);
         if (!e.ids.empty()) {
           if (keep != i) pending[keep] = std::move(e);
           ++keep;
           continue;
         }
-        s = VerifyBucket(m, e.bucket, (*ctrl)[e.slot]);
+        s = VerifyBucket(m, e.bucket, (*ctrl)[e.slot], incremental ? &e.landed : nullptr);
         if (s.ok()) {
           ++st.checksums_ok;
           st.recv_bytes += m.buckets[e.bucket].bytes;
@@ -789,7 +857,9 @@ class SessionImpl final : public SyncSession {
     if (!st.ok() || *st == XferState::kDone) progress_id_ = 0;
   }
 
-  Status VerifyBucket(const Message& m, int bucket, const Control& c) {
+  // `landed`: the bucket's checksum accumulated run by run as the runs completed (null: read
+  // the landed bytes now through the packer).
+  Status VerifyBucket(const Message& m, int bucket, const Control& c, LandedSum* landed) {
     const Bucket& b = m.buckets[bucket];
     const std::string where = "message from sync rank " + std::to_string(m.src) + " to sync rank " +
                               std::to_string(rank_) + ", bucket " + std::to_string(bucket);
@@ -804,7 +874,16 @@ class SessionImpl final : public SyncSession {
       return DataLossError(where + ": sender reports " + std::to_string(c.bytes) +
                            " bytes, the plan " + std::to_string(b.bytes));
     }
-    SS_ASSIGN_OR_RETURN(uint64_t got, packer_->ChecksumLanded(LandedRegions(m, b), b.bytes));
+    uint64_t got = 0;
+    if (landed != nullptr) {
+      if (landed->bytes() != static_cast<uint64_t>(b.bytes)) {
+        return InternalError(where + ": checksummed " + std::to_string(landed->bytes()) +
+                             " landed bytes, expected " + std::to_string(b.bytes));
+      }
+      got = landed->Finish();
+    } else {
+      SS_ASSIGN_OR_RETURN(got, packer_->ChecksumLanded(LandedRegions(m, b), b.bytes));
+    }
     if (got != c.checksum) {
       std::vector<std::string> names;
       for (int i = b.op_begin; i < b.op_end; ++i) {

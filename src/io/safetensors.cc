@@ -171,7 +171,9 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> file) 
 }
 
 Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO for reading would otherwise block until a writer appears; the
+  // regular-file check below then refuses it.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int err = errno;
     std::string msg = fmt::format("safetensors file '{}': {}", path, std::strerror(err));

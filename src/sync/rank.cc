@@ -100,7 +100,7 @@ std::string RankResultToJson(const RankResult& r) {
         {"bytes", r.bench.bytes},
         {"verified", r.bench.verified}}},
   };
-  return j.dump();
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 Result<RankResult> RankResultFromJson(const std::string& text) {
@@ -178,6 +178,10 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f) {
   SS_ASSIGN_OR_RETURN(in.trainer_dtype, ParseDType(f.trainer_dtype, "--trainer-dtype"));
   SS_RETURN_IF_ERROR(sync_internal::CheckFloatDType(in.options.wire_dtype, "--wire-dtype"));
   SS_RETURN_IF_ERROR(sync_internal::CheckFloatDType(in.trainer_dtype, "--trainer-dtype"));
+  if (f.bucket_bytes < 0) {
+    return InvalidArgumentError("--bucket-bytes: must be at least 8, got " +
+                                std::to_string(f.bucket_bytes));
+  }
   if (f.bucket_bytes > 0) {
     in.options.bucket_bytes = f.bucket_bytes;
   } else {

@@ -150,7 +150,7 @@ std::string StatsToJson(const RankSyncStats& s) {
                       {"seconds", s.seconds},
                       {"checksums_ok", s.checksums_ok},
                       {"checksums_total", s.checksums_total}};
-  return j.dump();
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 Result<RankSyncStats> StatsFromJson(const std::string& text, int rank) {

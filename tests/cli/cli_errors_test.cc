@@ -68,8 +68,7 @@ std::string CaseName(const ::testing::TestParamInfo<BadCase>& info) { return inf
 // ---------------------------------------------------------------- top level
 const std::vector<BadCase> kTopLevel = {
     {"no_subcommand", {}, {"subcommand"}},
-    // TODO(main.cc owner): the message says "A subcommand is required" without naming the word.
-    {"unknown_subcommand", {"frobnicate"}, {"subcommand"}},
+    {"unknown_subcommand", {"frobnicate"}, {"frobnicate"}},
     {"unknown_global_flag", {"--frobnicate"}, {"subcommand"}},
     {"version_extra_arg", {"version", "extra"}, {"extra"}},
 };
@@ -299,6 +298,11 @@ const std::vector<BadCase> kPlan = {
      {"ep 2", "experts"},
      kPlanOut},
     {"unknown_engine", WithOutputs(Plan({"--engine", "tgi"})), {"--engine", "tgi"}, kPlanOut},
+    {"dump_ops_empty_name", Plan({"--dump-ops", ""}), {"--dump-ops"}},
+    {"svg_unwritable_writes_no_ops",
+     Plan({"--dump-ops", kPlanOut[0], "--svg", "/nonexistent-dir/x.svg"}),
+     {"--svg"},
+     kPlanOut},
     {"pp_partition_not_numbers",
      WithOutputs(Plan({"--pp-partition", "1,x"}, "fsdp=2", "dp=1,tp=1,pp=2")),
      {"--pp-partition"},
@@ -499,6 +503,8 @@ const std::vector<BadCase> kGenerate = {
     {"prompt_ids_not_numbers", Gen({"--prompt-ids", "1,x,3"}), {"--prompt-ids"}},
     {"prompt_ids_negative", Gen({"--prompt-ids", "1,-3"}), {"--prompt-ids"}},
     {"prompt_ids_empty_entry", Gen({"--prompt-ids", "1,,3"}), {"--prompt-ids"}},
+    {"prompt_ids_empty", Gen({"--prompt-ids", ""}), {"--prompt-ids"}},
+    {"seed_negative", Gen({"--seed", "-1"}), {"--seed"}},
     {"prompt_id_outside_vocab", Gen({"--prompt-ids", "1,200"}), {"--prompt-ids", "200"}},
     {"prompt_id_overflow", Gen({"--prompt-ids", "99999999999999999999"}), {"--prompt-ids"}},
     {"tp_without_engine", Gen({"--tp", "2"}), {"--engine"}},

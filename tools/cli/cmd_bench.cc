@@ -68,7 +68,7 @@ int RunCuda(const BenchFlags& f) {
                         {"speedup_vs_broadcast", r->speedup_vs_broadcast},
                         {"verified", verified},
                         {"summary", r->summary}};
-    std::printf("%s\n", j.dump().c_str());
+    std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   } else {
     std::printf("%s\n", r->summary.c_str());
     std::printf(
@@ -122,7 +122,7 @@ int Run(const BenchFlags& f) {
                         {"transport", job->transport},
                         {"reps", job->bench_reps},
                         {"warmup", job->bench_warmup}};
-    std::printf("%s\n", j.dump().c_str());
+    std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   } else {
     const auto& in = job->inputs;
     std::printf(

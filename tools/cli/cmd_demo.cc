@@ -108,6 +108,10 @@ int Run(const DemoFlags& f) {
   if (f.job_timeout_s < 1) {
     return ReportError(InvalidArgumentError("--job-timeout-s: must be positive"));
   }
+  if (f.job.mode != "sync") {
+    return ReportError(InvalidArgumentError("--mode: demo always syncs (got '" + f.job.mode +
+                                            "'); `shardsync bench` runs the bench mode"));
+  }
   if (f.gen_tokens < 0 || f.gen_tokens > 256) {
     return ReportError(InvalidArgumentError("--gen-tokens: must be in [0, 256], got " +
                                             std::to_string(f.gen_tokens)));
@@ -214,7 +218,7 @@ int Run(const DemoFlags& f) {
       }
       j["rank_errors"] = errs;
     }
-    std::printf("%s\n", j.dump().c_str());
+    std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   } else {
     const auto& m = in.model;
     int64_t params = 0;

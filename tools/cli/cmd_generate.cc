@@ -140,7 +140,7 @@ int Run(const Args& a) {
     j["tokens"] = g->tokens;
     j["logits"] = logits;
     j["seconds"] = {{"load", load_s}, {"generate", gen_s}};
-    std::printf("%s\n", j.dump().c_str());
+    std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   } else {
     std::printf("model:   %s (%s), weights %s\n", spec.name.c_str(),
                 std::string(ArchitectureName(spec.arch)).c_str(), weights_desc.c_str());
@@ -164,6 +164,13 @@ Registration reg(
        sub->add_option("--model", a->model,
                        "embedded model NAME or config PATH, with synthetic weights");
        sub->add_option("--seed", a->seed, "synthetic weight seed (with --model)")
+           ->check(CLI::Validator(
+               [](std::string& v) {
+                 return !v.empty() && v[0] == '-'
+                            ? std::string("must be a non-negative integer, got ") + v
+                            : std::string();
+               },
+               "UINT64"))
            ->each([a](const std::string&) { a->seed_given = true; });
        sub->add_option("--prompt-ids", a->prompt_ids,
                        "comma-separated prompt token ids (default 1,17,42,5,33,8)");
@@ -174,7 +181,12 @@ Registration reg(
        sub->add_option("--ep", a->ep, "expert-parallel size (default 1)");
        sub->add_option("--pp-partition", a->pp_partition, "explicit layers per stage, e.g. 10,9,9");
        sub->add_flag("--json", a->json, "print {tokens, logits (last prompt position, fp32), ...}");
-       return [a] { return Run(*a); };
+       return [a, sub] {
+         if (sub->count("--prompt-ids") > 0 && a->prompt_ids.empty()) {
+           return ReportError(InvalidArgumentError("--prompt-ids: empty list of token ids"));
+         }
+         return Run(*a);
+       };
      }});
 
 }  // namespace

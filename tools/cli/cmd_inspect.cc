@@ -51,7 +51,7 @@ int Run(const Args& a) {
     }
     j["num_tensors"] = rows.size();
     j["total_bytes"] = total;
-    std::printf("%s\n", j.dump(2).c_str());
+    std::printf("%s\n", j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     return kExitOk;
   }
   size_t w = 4;

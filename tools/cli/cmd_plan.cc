@@ -1,13 +1,17 @@
 // `shardsync plan`: the transfer plan's summary, cost estimate, one rank's ops, a heatmap.
+#include <unistd.h>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <algorithm>
+
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <tuple>
 
 #include "command.h"
 #include "plan/planner.h"
@@ -78,7 +82,9 @@ Result<PlanInputs> MakeInputs(const Args& a) {
 }
 
 // JSON lines are formatted directly (a rank can have millions of ops); names are JSON-escaped once.
-std::string Quoted(const std::string& name) { return nlohmann::json(name).dump(); }
+std::string Quoted(const std::string& name) {
+  return nlohmann::json(name).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
 
 void AppendRegion(const Region& r, std::string* out) {
   fmt::format_to(std::back_inserter(*out), "{{\"offset\":[{}],\"extent\":[{}]}}",
@@ -231,7 +237,7 @@ std::string JsonSummary(const PlanInputs& in, const DetailedSummary& ds, const A
                     {"plan_seconds", ds.cost.seconds},
                     {"broadcast_seconds", ds.cost.broadcast_seconds},
                     {"lower_bound_seconds", ds.cost.lower_bound_seconds}};
-  return j.dump(2) + "\n";
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 std::string TextSummary(const PlanInputs& in, const DetailedSummary& ds) {
@@ -315,12 +321,31 @@ int Run(const Args& a) {
                          in->rollout.dp, in->rollout.shard.tp, in->rollout.shard.pp,
                          EngineKindName(in->rollout.shard.engine)));
   }
-  for (const auto& [path, text] : {std::pair{a.dump_ops, &dump}, std::pair{a.svg, &svg}}) {
+  // Each file goes to a temporary beside it and is renamed only once every file was written, so
+  // an unwritable --svg never leaves a --dump-ops file behind (and vice versa).
+  std::vector<std::pair<std::string, std::string>> written;  // (temporary, final)
+  auto discard = [&written] {
+    for (const auto& w : written) std::remove(w.first.c_str());
+  };
+  for (const auto& [flag, path, text] :
+       {std::tuple{"--dump-ops", a.dump_ops, &dump}, std::tuple{"--svg", a.svg, &svg}}) {
     if (path.empty()) continue;
-    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
     f << *text;
     f.close();
-    if (!f) return ReportError(PermissionDeniedError(fmt::format("cannot write '{}'", path)));
+    if (!f) {
+      std::remove(tmp.c_str());
+      discard();
+      return ReportError(PermissionDeniedError(fmt::format("{}: cannot write '{}'", flag, path)));
+    }
+    written.emplace_back(tmp, path);
+  }
+  for (const auto& [tmp, path] : written) {
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+      discard();
+      return ReportError(PermissionDeniedError(fmt::format("cannot write '{}'", path)));
+    }
   }
   const std::string out = a.json ? JsonSummary(*in, *ds, a) : TextSummary(*in, *ds);
   std::fwrite(out.data(), 1, out.size(), stdout);
@@ -359,6 +384,12 @@ Registration reg(
        sub->add_option("--svg", a->svg, "Write a trainer x engine byte heatmap SVG");
        return [a, rank, sub] {
          if (sub->count("--rank") > 0) a->rank = *rank;
+         if (sub->count("--dump-ops") > 0 && a->dump_ops.empty()) {
+           return ReportError(InvalidArgumentError("--dump-ops: empty file name"));
+         }
+         if (sub->count("--svg") > 0 && a->svg.empty()) {
+           return ReportError(InvalidArgumentError("--svg: empty file name"));
+         }
          return Run(*a);
        };
      }});

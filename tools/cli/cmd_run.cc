@@ -30,7 +30,15 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
   sub->add_option("--bucket-mb", f->bucket_mb, "Bucket cap in MiB (staging per sender: 2 buckets)")
       ->capture_default_str();
   sub->add_option("--bucket-bytes", f->bucket_bytes, "Bucket cap in bytes (overrides --bucket-mb)");
-  sub->add_option("--seed", f->seed, "Seed of the synthetic weights")->capture_default_str();
+  sub->add_option("--seed", f->seed, "Seed of the synthetic weights")
+      ->check(CLI::Validator(
+          [](std::string& v) {
+            return !v.empty() && v[0] == '-'
+                       ? std::string("must be a non-negative integer, got ") + v
+                       : std::string();
+          },
+          "UINT64"))
+      ->capture_default_str();
   sub->add_option("--syncs", f->syncs, "Number of syncs (versions 1..N)")->capture_default_str();
   sub->add_option("--transport", f->transport, "ucx | loopback | auto")->capture_default_str();
   sub->add_option("--timeout-ms", f->timeout_ms, "Timeout of connect and of every sync")

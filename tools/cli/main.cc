@@ -33,13 +33,25 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("shardsync ") + SHARDSYNC_VERSION);
   auto& reg = Registry();
-  std::sort(reg.begin(), reg.end(), [](const Command& a, const Command& b) { return a.name < b.name; });
+  std::sort(reg.begin(), reg.end(),
+            [](const Command& a, const Command& b) { return a.name < b.name; });
   std::vector<std::pair<CLI::App*, std::function<int()>>> runs;
   for (auto& c : reg) {
     auto before = app.get_subcommands({}).size();
     auto run = c.setup(app);
     auto subs = app.get_subcommands({});
     if (subs.size() > before) runs.emplace_back(subs.back(), std::move(run));
+  }
+  // CLI11 reports an unknown command as "A subcommand is required"; name the word instead.
+  if (argc > 1 && argv[1][0] != '-') {
+    const std::string word = argv[1];
+    if (std::none_of(reg.begin(), reg.end(), [&](const Command& c) { return c.name == word; })) {
+      std::string names;
+      for (const auto& c : reg) names += (names.empty() ? "" : ", ") + c.name;
+      std::fprintf(stderr, "shardsync: unknown command '%s' (commands: %s)\n", word.c_str(),
+                   names.c_str());
+      return kExitUsage;
+    }
   }
   try {
     app.parse(argc, argv);

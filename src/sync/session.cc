@@ -469,7 +469,9 @@ class SessionImpl final : public SyncSession {
       auto v = store_.Get(Key("cur/" + std::to_string(p)), Millis(0));
       if (!v.ok()) continue;
       const uint64_t pv = std::strtoull(v->c_str(), nullptr, 10);
-      if (pv > version_) {
+      // A peer that already posted its verdict for this version may legitimately have moved on
+      // (it gathered every verdict, ours included, while we still wait for a slower rank's).
+      if (pv > version_ && !store_.Get(Key(VKey("done/") + std::to_string(p)), Millis(0)).ok()) {
         Status s = FailedPreconditionError(
             "sync rank " + std::to_string(rank_) + ": version " + std::to_string(version_) +
             " differs from peer sync rank " + std::to_string(p) + "'s version " + v.value());

@@ -66,6 +66,16 @@ class Packer {
                         const std::vector<PackRegion>& regions) = 0;
   // Zero-fills `region` of a tensor at `base`.
   virtual Status ZeroFill(void* base, DType dtype, const Shape& shape, const Region& region) = 0;
+  // Waits (bounded) until work the caller queued on the bound memory has finished, so the session
+  // never races the framework's own writes (an optimizer step, an engine's parameter init on
+  // torch's default CUDA stream). Called at connect and at the start of every sync. No-op on host.
+  virtual Status Quiesce() { return OkStatus(); }
+  // A sender's staging buffer (one bucket's wire image), in memory this packer writes: host
+  // memory for the CPU packer, device memory for a device packer. Freed by the deleter.
+  virtual Result<std::shared_ptr<unsigned char>> AllocStaging(size_t bytes) {
+    return std::shared_ptr<unsigned char>(new unsigned char[bytes > 0 ? bytes : 1](),
+                                          std::default_delete<unsigned char[]>());
+  }
 };
 
 // The host-memory packer (bf16/f16/f32 casts). Single-threaded.

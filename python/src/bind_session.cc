@@ -256,14 +256,19 @@ class PySession {
     return nullptr;
   }
 
-  // The host packer reads and writes with the CPU; device memory needs a device packer, which
-  // this build does not wire into sessions yet (the Python layer stages through host memory).
-  static void CheckDevice(const TensorRef& t, const std::string& what) {
-    if (t.cuda) {
+  // The host packer reads and writes with the CPU: CUDA tensors bind directly only in a device
+  // session (device=N, the CUDA packer); otherwise the Python layer stages them through host
+  // memory.
+  void CheckDevice(const TensorRef& t, const std::string& what) const {
+    if (t.cuda && device_ < 0) {
       ThrowIfError(UnimplementedError(
           what +
-          ": CUDA tensors cannot be bound directly: this build's sessions pack with the "
-          "host packer (use staging='host' in shardsync.Session)"));
+          ": CUDA tensors bind directly only in a device session (shardsync.Session(..., "
+          "device=N) in a CUDA build); otherwise use staging='host'"));
+    }
+    if (t.cuda && t.device != device_) {
+      ThrowIfError(InvalidArgumentError(what + ": tensor on cuda:" + std::to_string(t.device) +
+                                        ", session on cuda:" + std::to_string(device_)));
     }
   }
 

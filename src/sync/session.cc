@@ -307,6 +307,7 @@ class SessionImpl final : public SyncSession {
   }
 
   Status Connect() override {
+    SS_RETURN_IF_ERROR(packer_->Quiesce());  // registered memory is final before peers see it
     if (connected_)
       return FailedPreconditionError("sync rank " + std::to_string(rank_) + ": already connected");
     const auto deadline = Clock::now() + opt_.connect_timeout;
@@ -371,7 +372,9 @@ class SessionImpl final : public SyncSession {
     for (const Message& m : plan_.sends) {
       for (const Bucket& b : m.buckets) max_bucket = std::max(max_bucket, b.bytes);
     }
-    for (auto& s : staging_) s.assign(static_cast<size_t>(max_bucket), 0);
+    for (auto& s : staging_) {
+      SS_ASSIGN_OR_RETURN(s, packer_->AllocStaging(static_cast<size_t>(max_bucket)));
+    }
     connected_ = true;
     return OkStatus();
   }
@@ -401,7 +404,12 @@ class SessionImpl final : public SyncSession {
     }
     last_attempted_ = version;
     if (!who_.is_trainer) poisoned_ = true;  // bytes are about to be overwritten
-    s = store_.Set(Key("cur/" + std::to_string(rank_)), std::to_string(version));
+    s = packer_->Quiesce();  // the caller's pending writes to bound memory land first
+    if (s.ok()) s = store_.Set(Key("cur/" + std::to_string(rank_)), std::to_string(version));
+    // A receiver inside Sync(v) is paused for v: only then may senders write into its memory
+    // (one-sided puts would otherwise land while it still reads the previous version).
+    if (s.ok() && !who_.is_trainer)
+      s = store_.Set(Key(VKey("ready/") + std::to_string(rank_)), "1");
     if (s.ok()) s = who_.is_trainer ? RunSender(st) : RunReceiver(st);
     st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     st.ok = s.ok();
@@ -598,6 +606,13 @@ class SessionImpl final : public SyncSession {
   }
 
   Status RunSender(RankSyncStats& st) {
+    for (const Message& m : plan_.sends) {
+      SS_RETURN_IF_ERROR(GetUntil(Key(VKey("ready/") + std::to_string(m.dst)), deadline_,
+                                  "sync rank " + std::to_string(m.dst) + " to enter version " +
+                                      std::to_string(version_),
+                                  /*watch_abort=*/true)
+                             .status());
+    }
     // Buckets round-robin over receivers, so every receiver verifies while others still land.
     // Each sender starts the round at a different receiver (rotated by its trainer rank): if
     // every sender began with the same receiver, that one would be flooded while the last one
@@ -654,7 +669,7 @@ class SessionImpl final : public SyncSession {
       f.bucket = bi;
       f.slot = next_slot;
       next_slot ^= 1;
-      unsigned char* stage = staging_[f.slot].data();
+      unsigned char* stage = staging_[f.slot].get();
       SS_ASSIGN_OR_RETURN(
           f.checksum, packer_->Pack(SourceRegions(m, b), in_.options.wire_dtype, stage, b.bytes));
       // The plan's dst regions are in the destination parameter's coordinates; the sender knows
@@ -958,7 +973,7 @@ class SessionImpl final : public SyncSession {
   std::map<int, uint32_t> regbase_;       // engine sync rank -> its first parameter region id
   std::map<int, std::vector<Shape>> dst_shapes_;
   std::unique_ptr<ShardMap> replica_map_;
-  std::vector<unsigned char> staging_[2];
+  std::shared_ptr<unsigned char> staging_[2];  // from the packer: host or device memory
   // Engine side.
   EngineRankShards shards_;
   std::map<std::string, size_t> param_index_;

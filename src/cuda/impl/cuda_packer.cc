@@ -83,6 +83,43 @@ class CudaPacker final : public Packer {
     return Wait();
   }
 
+  // Work the framework queued on torch's default stream (the legacy default stream): an event
+  // recorded there and polled until the timeout, since our stream is non-blocking.
+  Status Quiesce() override {
+    SS_RETURN_IF_ERROR(Init());
+    cudaEvent_t ev = nullptr;
+    SS_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cuda packer: event");
+    Status s = CudaStatus(cudaEventRecord(ev, cudaStreamLegacy), "cuda packer: quiesce");
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    while (s.ok()) {
+      const cudaError_t e = cudaEventQuery(ev);
+      if (e == cudaSuccess) break;
+      if (e != cudaErrorNotReady) {
+        s = CudaStatus(e, "cuda packer: quiesce");
+      } else if (std::chrono::steady_clock::now() > deadline) {
+        s = DeadlineExceededError("cuda packer: work queued on device " + std::to_string(device_) +
+                                  " did not finish within " + std::to_string(timeout_.count()) +
+                                  " ms");
+      }
+    }
+    cudaEventDestroy(ev);
+    return s;
+  }
+
+  // Staging on the device: the pack kernel writes it, and device transports read it.
+  Result<std::shared_ptr<unsigned char>> AllocStaging(size_t bytes) override {
+    SS_RETURN_IF_ERROR(Init());
+    void* p = nullptr;
+    SS_CUDA(cudaMalloc(&p, bytes > 0 ? bytes : 1),
+            "cuda packer: staging of " + std::to_string(bytes) + " bytes");
+    const int device = device_;
+    return std::shared_ptr<unsigned char>(static_cast<unsigned char*>(p),
+                                          [device](unsigned char* q) {
+                                            cudaSetDevice(device);
+                                            cudaFree(q);
+                                          });
+  }
+
  private:
   Status Init() {
     if (stream_) return OkStatus();

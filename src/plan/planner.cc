@@ -363,15 +363,17 @@ void PlanContext::EmitItemRange(const FlatPiece& p, const Item& it, int64_t y0, 
   }
 }
 
-void PlanContext::BuildSequences() {
-  // Bytes and ops per (erank, chunk) by difference arrays: O(pieces + E*S).
+void PlanContext::ChunkDifferences(std::vector<int64_t>* db, std::vector<int64_t>* dops) const {
+  // Each piece adds its first chunk, its last chunk and the run of equal interior chunks in O(1);
+  // a prefix sum over chunks k of row e * (S + 1) gives the per (erank, chunk) totals.
   const size_t W = static_cast<size_t>(S_) + 1;
-  std::vector<int64_t> db(static_cast<size_t>(E_) * W, 0), dops(db.size(), 0);
+  db->assign(static_cast<size_t>(E_) * W, 0);
+  dops->assign(db->size(), 0);
   auto add = [&](int e, int64_t k0, int64_t k1, int64_t bytes, int64_t ops) {
-    db[e * W + k0] += bytes;
-    db[e * W + k1] -= bytes;
-    dops[e * W + k0] += ops;
-    dops[e * W + k1] -= ops;
+    (*db)[e * W + k0] += bytes;
+    (*db)[e * W + k1] -= bytes;
+    (*dops)[e * W + k0] += ops;
+    (*dops)[e * W + k1] -= ops;
   };
   for (size_t pi = 0; pi < pieces_.size(); ++pi) {
     const FlatPiece& p = pieces_[pi];
@@ -380,6 +382,13 @@ void PlanContext::BuildSequences() {
     if (p.c1 > p.c0) add(p.erank, p.c1, p.c1 + 1, st.bytes[2], st.ops[2]);
     if (p.c1 > p.c0 + 1) add(p.erank, p.c0 + 1, p.c1, st.bytes[1], st.ops[1]);
   }
+}
+
+void PlanContext::BuildSequences() {
+  // Bytes and ops per (erank, chunk) by difference arrays: O(pieces + E*S).
+  const size_t W = static_cast<size_t>(S_) + 1;
+  std::vector<int64_t> db, dops;
+  ChunkDifferences(&db, &dops);
   for (int e = 0; e < E_; ++e) {
     for (int k = 1; k < S_; ++k) {
       db[e * W + k] += db[e * W + k - 1];
@@ -574,20 +583,8 @@ void PlanContext::ForEachPair(const PairFn& fn) const {
     // Per (engine rank of a replica, chunk): bytes and ops via difference arrays; each piece adds
     // its first chunk, its last chunk and the run of equal interior chunks in O(1).
     const size_t W = static_cast<size_t>(S_) + 1;
-    std::vector<int64_t> db(static_cast<size_t>(E_) * W, 0), dops(db.size(), 0);
-    auto add = [&](int e, int64_t k0, int64_t k1, int64_t bytes, int64_t ops) {
-      db[e * W + k0] += bytes;
-      db[e * W + k1] -= bytes;
-      dops[e * W + k0] += ops;
-      dops[e * W + k1] -= ops;
-    };
-    for (size_t pi = 0; pi < pieces_.size(); ++pi) {
-      const FlatPiece& p = pieces_[pi];
-      const PieceStats& st = stats_[pi];
-      add(p.erank, p.c0, p.c0 + 1, st.bytes[0], st.ops[0]);
-      if (p.c1 > p.c0) add(p.erank, p.c1, p.c1 + 1, st.bytes[2], st.ops[2]);
-      if (p.c1 > p.c0 + 1) add(p.erank, p.c0 + 1, p.c1, st.bytes[1], st.ops[1]);
-    }
+    std::vector<int64_t> db, dops;
+    ChunkDifferences(&db, &dops);
     for (int e = 0; e < E_; ++e) {
       int64_t b = 0, o = 0;
       for (int k = 0; k < S_; ++k) {

@@ -83,6 +83,9 @@ class PlanContext {
   void EmitItemRange(const FlatPiece& p, const Item& it, int64_t y0, int64_t y1,
                      std::vector<TransferOp>* out) const;
   void BuildSequences();
+  // Difference arrays of bytes and ops per (engine rank of a replica, trainer chunk), row stride
+  // S + 1, not yet prefix-summed.
+  void ChunkDifferences(std::vector<int64_t>* db, std::vector<int64_t>* dops) const;
   int Which(const FlatPiece& p, int64_t chunk) const {
     return chunk == p.c0 ? 0 : chunk == p.c1 ? 2 : 1;
   }

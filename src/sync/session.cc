@@ -307,9 +307,9 @@ class SessionImpl final : public SyncSession {
   }
 
   Status Connect() override {
-    SS_RETURN_IF_ERROR(packer_->Quiesce());  // registered memory is final before peers see it
     if (connected_)
       return FailedPreconditionError("sync rank " + std::to_string(rank_) + ": already connected");
+    SS_RETURN_IF_ERROR(packer_->Quiesce());  // registered memory is final before peers see it
     const auto deadline = Clock::now() + opt_.connect_timeout;
     // 1. Plan hashes: every rank must hold the same plan before any byte moves.
     SS_RETURN_IF_ERROR(store_.Set(Key("hash/" + std::to_string(rank_)), plan_.plan_hash));

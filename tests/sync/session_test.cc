@@ -6,6 +6,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include <chrono>
 #include <functional>
 #include <thread>
@@ -328,6 +330,45 @@ TEST(SyncSession, BindingErrorsNameTheTensor) {
   auto st = job.Connect();
   EXPECT_EQ(st[engine].code(), StatusCode::kNotFound) << st[engine].ToString();
   EXPECT_THAT(st[engine].message(), HasSubstr("was not bound"));
+}
+
+}  // namespace
+}  // namespace shardsync
+
+namespace shardsync {
+namespace {
+
+// One-sided puts must not land in an engine that has not entered the version yet (it may still
+// read the previous one): senders wait for each receiver's Sync(v). Here the engines never enter
+// version 2, so the trainers time out and no engine byte may change.
+TEST(SyncSession, SendersNeverWriteIntoAnEngineOutsideItsSync) {
+  Job job(Small(), Millis(600));
+  job.BindAll();
+  ExpectAllOk(job.Connect());
+  ExpectAllOk(job.Sync(1));
+  // The engines "use" their parameters: garbage that any write of version 2 would overwrite.
+  for (int r = job.trainers(); r < job.world(); ++r) {
+    for (auto& b : job.params(r).bindings) {
+      const int64_t bytes = NumElements(b.shape) * DTypeSize(b.dtype);
+      std::memset(b.data, 0x5A, static_cast<size_t>(bytes));
+    }
+  }
+  auto st = job.All([&](int r) -> Status {
+    if (r >= job.trainers()) return OkStatus();  // engines stay outside Sync(2)
+    return job.session(r).Sync(2).status();
+  });
+  for (int r = 0; r < job.trainers(); ++r) {
+    ASSERT_FALSE(st[r].ok()) << "trainer " << r << " finished without its receivers";
+    EXPECT_EQ(st[r].code(), StatusCode::kDeadlineExceeded) << st[r].ToString();
+    EXPECT_THAT(st[r].message(), HasSubstr("to enter version 2"));
+  }
+  for (int r = job.trainers(); r < job.world(); ++r) {
+    for (auto& b : job.params(r).bindings) {
+      const auto* p = static_cast<const unsigned char*>(b.data);
+      const int64_t bytes = NumElements(b.shape) * DTypeSize(b.dtype);
+      for (int64_t i = 0; i < bytes; ++i) ASSERT_EQ(p[i], 0x5A) << b.name << " byte " << i;
+    }
+  }
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 // update_weights_from_distributed does), (c) raw transport transfers of the same bytes per
 // receiver with no plan logic (the transport's ceiling). Each repetition starts at a store
 // barrier; a rank's time runs from the barrier to its own end.
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -130,6 +132,7 @@ class BenchRank {
       Record(res_.bench.raw, i, t0);
     }
     SS_RETURN_IF_ERROR(EndBarrier());
+    ReportCpu();
     res_.bench.verified = verified;
     if (!verified) {
       return DataLossError("sync rank " + std::to_string(rank_) + ": " + res_.first_mismatch +
@@ -145,9 +148,32 @@ class BenchRank {
   void Record(std::vector<double>& v, int i, Clock::time_point t0) {
     if (i >= job_.bench_warmup)
       v.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    // Diagnostic (SHARDSYNC_BENCH_CPU=FILE): this rank's CPU seconds per variant, appended to
+    // FILE: on a machine with few cores the sync is CPU-bound, so CPU is the figure to cut.
+    const double cpu = CpuSeconds();
+    if (i >= job_.bench_warmup) cpu_[&v] += cpu - cpu_mark_;
+    cpu_mark_ = cpu;
+  }
+  static double CpuSeconds() {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+  }
+  void ReportCpu() {
+    const char* file = std::getenv("SHARDSYNC_BENCH_CPU");
+    if (file == nullptr || *file == '\0' || job_.bench_reps <= 0) return;
+    if (FILE* f = std::fopen(file, "a")) {
+      std::fprintf(
+          f, "rank %d %s cpu_s_per_rep sharded %.4f broadcast %.4f raw %.4f\n", rank_,
+          who_.is_trainer ? "trainer" : "engine", cpu_[&res_.bench.sharded] / job_.bench_reps,
+          cpu_[&res_.bench.broadcast] / job_.bench_reps, cpu_[&res_.bench.raw] / job_.bench_reps);
+      std::fclose(f);
+    }
   }
   Status Barrier(const std::string& name) {
-    return store_.Barrier(job_.prefix + "bench/" + name, world_, job_.timeout);
+    Status s = store_.Barrier(job_.prefix + "bench/" + name, world_, job_.timeout);
+    cpu_mark_ = CpuSeconds();  // the barrier's own waiting is not the variant's work
+    return s;
   }
   std::string Key(const std::string& k) const { return job_.prefix + "bench/" + k; }
 
@@ -546,6 +572,8 @@ class BenchRank {
   std::map<int, uint32_t> stage_region_, raw_region_;
   std::map<int, uint64_t> raw_offset_;
   Control control_;
+  std::map<const std::vector<double>*, double> cpu_;  // CPU seconds per variant (measured reps)
+  double cpu_mark_ = 0;
 };
 
 double Median(std::vector<double> v) {

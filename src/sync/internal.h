@@ -1,6 +1,7 @@
 // Internals shared by the rank program, the benchmark variants and the launcher.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -32,6 +33,39 @@ struct EngineParams {
   std::vector<DestBinding> bindings;
   std::vector<std::unique_ptr<unsigned char[]>> buffers;
 };
+
+// One transfer of a bucket: wire bytes [wire_offset, wire_offset + len) of the bucket (offsets
+// from the bucket start), landing contiguously at byte param_offset of destination parameter
+// `param`. `direct`: the same bytes are one contiguous run of the sender's source shard of HF
+// tensor `tensor` at byte src_offset, already in the wire dtype, so the sender posts them from
+// its own memory instead of packing them into staging.
+struct WireRun {
+  int32_t param = 0;
+  uint64_t param_offset = 0;
+  int64_t wire_offset = 0;
+  size_t len = 0;
+  bool direct = false;
+  int32_t tensor = -1;
+  uint64_t src_offset = 0;
+};
+
+// Transfers are at most this long: a packed or checksummed transfer is still in the sender's
+// L2 when the receiver's CMA copy reads it, and a landed one is still in the receiver's cache
+// when it is checksummed.
+inline constexpr size_t kMaxTransferBytes = size_t{1} << 20;
+// A run shared by source and destination shorter than this is packed with its neighbours: a
+// transfer costs a rendezvous round trip, more than copying a few KiB.
+inline constexpr size_t kMinDirectBytes = size_t{64} << 10;
+
+// The transfers of bucket `b` of message `m`. Sender and receiver call it with the same plan
+// and get the same list, so in two-sided mode each send has one receive posted straight into
+// its parameter. Runs contiguous in the destination are coalesced; when the trainer dtype is the
+// wire dtype they are cut where the source shard (TrainerHeldRegion of the message's trainer
+// rank) stops being contiguous, so long runs of both go direct; then split at
+// kMaxTransferBytes. `dest_shape(param)`: shape of the destination rank's parameter.
+std::vector<WireRun> BucketTransfers(const PlanInputs& in, const std::vector<HfTensor>& inventory,
+                                     int src_trainer_rank, const Message& m, const Bucket& b,
+                                     const std::function<const Shape&(int)>& dest_shape);
 
 // Element cast between F32 / BF16 / F16 (plain copy for equal dtypes), as the packer does it.
 void CastInto(const void* in, DType a, void* out, DType b, int64_t n);

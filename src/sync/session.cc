@@ -38,52 +38,28 @@ using sync_internal::MakeTag;
 uint64_t ControlTag(uint64_t version, uint32_t bucket) { return MakeTag(true, version, bucket); }
 uint64_t DataTag(uint64_t version, uint64_t seq) { return MakeTag(false, version, seq); }
 
-// One contiguous run of a bucket's wire image landing in one parameter. Sender and receiver
-// derive the same list from the plan (same coalescing), so in two-sided mode every send has a
-// receive posted straight into the parameter.
-struct WireRun {
-  int32_t param = 0;
-  uint64_t param_offset = 0;  // bytes
-  int64_t wire_offset = 0;    // bytes, from the bucket start
-  size_t len = 0;
+using sync_internal::WireRun;
+
+// How many wire bytes a sender keeps posted but not yet completed (the CPU packer's path): the
+// receivers' CMA copies then read bytes the sender packed or checksummed moments before, from
+// cache, and a fast sender does not pack far ahead of what its receivers take.
+constexpr size_t kSendWindowBytes = size_t{4} << 20;
+// Wire bytes cast and packed before their checksum is taken, so the checksum reads from L1/L2.
+constexpr int64_t kPackChunkBytes = int64_t{32} << 10;
+
+// A contiguous run of the sender's source memory (trainer dtype) feeding wire bytes
+// [wire, wire + elems * wire size) of one bucket.
+struct SrcPiece {
+  int64_t wire = 0;
+  const unsigned char* src = nullptr;
+  int64_t elems = 0;
 };
 
-constexpr size_t kMaxTransferBytes = size_t{4} << 20;
-
-template <typename ShapeOf>
-std::vector<WireRun> BucketRuns(const Message& m, const Bucket& b, int ws, ShapeOf&& shape_of) {
-  std::vector<WireRun> runs;
-  for (int i = b.op_begin; i < b.op_end; ++i) {
-    const TransferOp& op = m.ops[i];
-    int64_t w = op.wire_offset - b.wire_offset;
-    ForEachRun(op.dst, shape_of(op.param), [&](int64_t off, int64_t len) {
-      const uint64_t at = static_cast<uint64_t>(off) * ws;
-      const size_t n = static_cast<size_t>(len) * ws;
-      if (!runs.empty()) {
-        WireRun& r = runs.back();
-        if (r.param == op.param && r.param_offset + r.len == at &&
-            r.wire_offset + static_cast<int64_t>(r.len) == w) {
-          r.len += n;
-          w += n;
-          return;
-        }
-      }
-      runs.push_back({op.param, at, w, n});
-      w += n;
-    });
-  }
-  // Bounded transfers: progress is visible at a finer grain, and no single rendezvous pins
-  // tens of megabytes.
-  std::vector<WireRun> out;
-  out.reserve(runs.size());
-  for (const WireRun& r : runs) {
-    for (size_t off = 0; off < r.len; off += kMaxTransferBytes) {
-      const size_t n = std::min(kMaxTransferBytes, r.len - off);
-      out.push_back({r.param, r.param_offset + off, r.wire_offset + static_cast<int64_t>(off), n});
-    }
-  }
-  return out;
-}
+// A sender's precomputed view of one bucket: its transfers and, for packed ones, its sources.
+struct SendBucket {
+  std::vector<WireRun> xfers;
+  std::vector<SrcPiece> pieces;  // in wire order, tiling the bucket
+};
 
 // The checksum of one bucket's wire image (checksum.h) accumulated from runs that complete
 // in any order at any byte offset: whole words are summed at once; words split between runs
@@ -181,6 +157,7 @@ struct InFlight {
   int bucket = 0;
   int slot = 0;
   std::vector<XferId> xfers;  // puts + flush (put mode) or data + control sends (tag mode)
+  std::vector<size_t> lens;   // wire bytes of each of xfers (0: flush / control)
   uint64_t checksum = 0;
   std::unique_ptr<Control> control;
 };
@@ -375,6 +352,7 @@ class SessionImpl final : public SyncSession {
     for (auto& s : staging_) {
       SS_ASSIGN_OR_RETURN(s, packer_->AllocStaging(static_cast<size_t>(max_bucket)));
     }
+    SS_RETURN_IF_ERROR(PrecomputeTransfers());
     connected_ = true;
     return OkStatus();
   }
@@ -628,9 +606,13 @@ class SessionImpl final : public SyncSession {
         if (b < plan_.sends[m].buckets.size()) order.emplace_back(m, b);
       }
     }
-    const int ws = DTypeSize(in_.options.wire_dtype);
     const bool put = tx_.caps().one_sided_put;
+    // The built-in CPU packer (host memory): pack or checksum each transfer just before posting
+    // it, and post direct transfers from the source memory itself. A packer passed in (device
+    // memory) packs whole buckets into its staging; the same transfers then leave from there.
+    const bool fused = packer_ == own_packer_.get();
     std::deque<InFlight> flying;
+    size_t outstanding = 0;  // wire bytes posted and not yet seen complete (fused path)
     std::vector<std::unique_ptr<Control>> sent_controls;  // alive until their sends complete
     std::vector<XferId> ctrl_ids;
     std::vector<uint64_t> next_seq(plan_.sends.size(), 0);
@@ -643,10 +625,40 @@ class SessionImpl final : public SyncSession {
       c->checksum = f.checksum;
       return c;
     };
+    // Completes the oldest transfers (in posting order) until at most `limit` wire bytes are
+    // outstanding, driving progress meanwhile.
+    auto drain = [&](size_t limit) -> Status {
+      int idle = 0;
+      while (outstanding > limit) {
+        bool progressed = false;
+        for (InFlight& f : flying) {
+          size_t done = 0;
+          for (; done < f.xfers.size() && outstanding > limit; ++done) {
+            auto state = tx_.Poll(f.xfers[done]);
+            if (!state.ok()) {
+              Status e = state.status();
+              return e.Annotate("sync rank " + std::to_string(rank_) + ": sending to sync rank " +
+                                std::to_string(plan_.sends[f.msg].dst));
+            }
+            if (*state == XferState::kInProgress) break;
+            outstanding -= f.lens[done];
+          }
+          progressed |= done > 0;
+          f.xfers.erase(f.xfers.begin(), f.xfers.begin() + done);
+          f.lens.erase(f.lens.begin(), f.lens.begin() + done);
+          if (!f.xfers.empty()) break;  // completions arrive roughly in posting order
+        }
+        if (outstanding <= limit) break;
+        SS_RETURN_IF_ERROR(CheckDeadline("while sending"));
+        Backoff(progressed, idle);
+      }
+      return OkStatus();
+    };
     auto finish_oldest = [&]() -> Status {
       InFlight& f = flying.front();
       const Message& m = plan_.sends[f.msg];
       SS_RETURN_IF_ERROR(WaitAll(f.xfers, "sending to sync rank " + std::to_string(m.dst)));
+      for (size_t n : f.lens) outstanding -= n;
       if (put) {
         // The flush completed: the bytes are visible at the receiver before it hears of them.
         auto c = make_control(f);
@@ -664,39 +676,64 @@ class SessionImpl final : public SyncSession {
       SS_RETURN_IF_ERROR(CheckDeadline("while sending"));
       const Message& m = plan_.sends[mi];
       const Bucket& b = m.buckets[bi];
-      InFlight f;
+      const SendBucket& sb = send_buckets_[mi][bi];
+      flying.emplace_back();
+      InFlight& f = flying.back();
       f.msg = mi;
       f.bucket = bi;
       f.slot = next_slot;
       next_slot ^= 1;
       unsigned char* stage = staging_[f.slot].get();
-      SS_ASSIGN_OR_RETURN(
-          f.checksum, packer_->Pack(SourceRegions(m, b), in_.options.wire_dtype, stage, b.bytes));
-      // The plan's dst regions are in the destination parameter's coordinates; the sender knows
-      // its shape from the destination rank's shard map.
-      const auto runs =
-          BucketRuns(m, b, ws, [&](int param) -> const Shape& { return DestShape(m.dst, param); });
+      if (!fused) {
+        SS_ASSIGN_OR_RETURN(
+            f.checksum, packer_->Pack(SourceRegions(m, b), in_.options.wire_dtype, stage, b.bytes));
+      }
       const uint32_t base = put ? regbase_.at(m.dst) : 0;
-      for (const WireRun& r : runs) {
+      LandedSum sum;
+      for (const WireRun& r : sb.xfers) {
         const unsigned char* src = stage + r.wire_offset;
+        if (fused) {
+          SS_RETURN_IF_ERROR(drain(kSendWindowBytes > r.len ? kSendWindowBytes - r.len : 0));
+          if (r.direct) {
+            // Straight from the trainer's memory: checksummed right before it is posted, so
+            // the receiver's copy finds it in cache.
+            const auto* data = static_cast<const unsigned char*>(sources_.at(r.tensor).data);
+            src = data + r.src_offset;
+            sum.Add(src, r.len, static_cast<uint64_t>(r.wire_offset));
+          } else {
+            PackRange(sb, r.wire_offset, static_cast<int64_t>(r.len), stage + r.wire_offset, sum);
+          }
+        }
         auto id = put ? tx_.PostPut(m.dst, src, r.len, base + static_cast<uint32_t>(r.param),
                                     r.param_offset)
                       : tx_.PostSend(m.dst, DataTag(version_, next_seq[mi]), src, r.len);
         SS_RETURN_IF_ERROR(id.status());
         ++next_seq[mi];
         f.xfers.push_back(*id);
+        f.lens.push_back(r.len);
+        outstanding += r.len;
+      }
+      if (fused) {
+        if (sum.bytes() != static_cast<uint64_t>(b.bytes)) {
+          return InternalError("sync rank " + std::to_string(rank_) + ": packed " +
+                               std::to_string(sum.bytes()) + " bytes of a " +
+                               std::to_string(b.bytes) + "-byte bucket to sync rank " +
+                               std::to_string(m.dst));
+        }
+        f.checksum = sum.Finish();
       }
       if (put) {
         SS_ASSIGN_OR_RETURN(XferId fl, tx_.PostFlush(m.dst));
         f.xfers.push_back(fl);
+        f.lens.push_back(0);
       } else {
         // Two-sided: the receiver waits for the data receives and the control message alike.
         f.control = make_control(f);
         SS_ASSIGN_OR_RETURN(XferId id, tx_.PostSend(m.dst, ControlTag(version_, f.bucket),
                                                     f.control.get(), sizeof(Control)));
         f.xfers.push_back(id);
+        f.lens.push_back(0);
       }
-      flying.push_back(std::move(f));
     }
     while (!flying.empty()) SS_RETURN_IF_ERROR(finish_oldest());
     SS_RETURN_IF_ERROR(WaitAll(ctrl_ids, "sending control messages"));
@@ -708,6 +745,89 @@ class SessionImpl final : public SyncSession {
       flushes.push_back(id);
     }
     return WaitAll(flushes, "flushing to the receivers");
+  }
+
+  // Every bucket's transfers (BucketTransfers), computed once: both ends replay them each sync.
+  Status PrecomputeTransfers() {
+    const int ws = DTypeSize(in_.options.wire_dtype);
+    const int ts = DTypeSize(in_.trainer_dtype);
+    send_buckets_.assign(plan_.sends.size(), {});
+    for (size_t mi = 0; mi < plan_.sends.size(); ++mi) {
+      const Message& m = plan_.sends[mi];
+      for (const Bucket& b : m.buckets) {
+        SendBucket sb;
+        sb.xfers = sync_internal::BucketTransfers(
+            in_, inventory_, who_.trainer_rank, m, b,
+            [&](int param) -> const Shape& { return DestShape(m.dst, param); });
+        for (int i = b.op_begin; i < b.op_end; ++i) {
+          const TransferOp& op = m.ops[i];
+          const SourceBinding& src = sources_.at(op.tensor);
+          Region rel = op.src;
+          for (int d = 0; d < rel.ndim; ++d) rel.offset[d] -= src.region.offset[d];
+          const auto* base = static_cast<const unsigned char*>(src.data);
+          int64_t w = op.wire_offset - b.wire_offset;
+          ForEachRun(rel, src.region.extents(), [&](int64_t off, int64_t len) {
+            if (!sb.pieces.empty()) {
+              SrcPiece& p = sb.pieces.back();
+              if (p.src + p.elems * ts == base + off * ts && p.wire + p.elems * ws == w) {
+                p.elems += len;
+                w += len * ws;
+                return;
+              }
+            }
+            sb.pieces.push_back({w, base + off * ts, len});
+            w += len * ws;
+          });
+        }
+        send_buckets_[mi].push_back(std::move(sb));
+      }
+    }
+    recv_runs_.assign(plan_.recvs.size(), {});
+    for (size_t mi = 0; mi < plan_.recvs.size(); ++mi) {
+      const Message& m = plan_.recvs[mi];
+      SS_ASSIGN_OR_RETURN(SyncRank src, DescribeSyncRank(in_, m.src));
+      for (const Bucket& b : m.buckets) {
+        recv_runs_[mi].push_back(sync_internal::BucketTransfers(
+            in_, inventory_, src.trainer_rank, m, b,
+            [&](int param) -> const Shape& { return dests_[param].shape; }));
+      }
+    }
+    return OkStatus();
+  }
+
+  // Packs wire bytes [from, from + len) of bucket `sb` into `out` (the bucket's staging at
+  // `from`), cast to the wire dtype, adding the checksum of each chunk right after it is written.
+  void PackRange(const SendBucket& sb, int64_t from, int64_t len, unsigned char* out,
+                 LandedSum& sum) const {
+    const DType td = in_.trainer_dtype, wd = in_.options.wire_dtype;
+    const int ts = DTypeSize(td), ws = DTypeSize(wd);
+    const int64_t end = from + len;
+    // The piece holding `from`: the last one starting at or before it.
+    auto it = std::upper_bound(sb.pieces.begin(), sb.pieces.end(), from,
+                               [](int64_t w, const SrcPiece& p) { return w < p.wire; });
+    size_t k = static_cast<size_t>(it - sb.pieces.begin()) - 1;
+    int64_t at = from;      // next wire byte to write
+    int64_t summed = from;  // wire bytes before this are in `sum`
+    while (at < end) {
+      const SrcPiece& p = sb.pieces[k];
+      const int64_t e0 = (at - p.wire) / ws;
+      const int64_t n = std::min(p.elems - e0, (end - at) / ws);
+      // Cast in chunk-sized steps so each chunk is checksummed while still in L1/L2.
+      for (int64_t done = 0; done < n;) {
+        const int64_t step = std::min(n - done, std::max<int64_t>(1, kPackChunkBytes / ws));
+        sync_internal::CastInto(p.src + (e0 + done) * ts, td, out + (at - from), wd, step);
+        at += step * ws;
+        done += step;
+        // Checksum up to a word boundary of the bucket's wire image, so chunks rarely split words.
+        const int64_t cut = at == end ? end : (at & ~int64_t{7});
+        if (cut - summed >= kPackChunkBytes || at == end) {
+          sum.Add(out + (summed - from), static_cast<size_t>(cut - summed),
+                  static_cast<uint64_t>(summed));
+          summed = cut;
+        }
+      }
+      ++k;
+    }
   }
 
   // Shape of parameter `param` of engine sync rank `dst` (cached per destination).
@@ -743,13 +863,12 @@ class SessionImpl final : public SyncSession {
       }
     }
     const bool put = tx_.caps().one_sided_put;
-    const int ws = DTypeSize(in_.options.wire_dtype);
     struct Expect {
       int msg = 0;
       int bucket = 0;
-      size_t slot = 0;            // index into ctrl
-      std::vector<XferId> ids;    // data receives (tag mode), then the control receive
-      std::vector<WireRun> runs;  // tag mode: the data receives' runs, in posting order
+      size_t slot = 0;          // index into ctrl
+      std::vector<XferId> ids;  // data receives (tag mode), then the control receive
+      const std::vector<WireRun>* runs = nullptr;  // tag mode: the data receives, in order
       size_t runs_done = 0;
       LandedSum landed;  // incremental checksum of the runs that completed
     };
@@ -774,9 +893,8 @@ class SessionImpl final : public SyncSession {
         e.slot = k;
         if (!put) {
           // Two-sided: receive each run straight into its parameter (no staging copy).
-          e.runs = BucketRuns(m, m.buckets[bi], ws,
-                              [&](int param) -> const Shape& { return dests_[param].shape; });
-          for (const WireRun& r : e.runs) {
+          e.runs = &recv_runs_[mi][bi];
+          for (const WireRun& r : *e.runs) {
             auto* dst = static_cast<unsigned char*>(dests_[r.param].data) + r.param_offset;
             auto id = tx_.PostRecv(m.src, DataTag(version_, seq++), dst, r.len);
             if (!id.ok()) {
@@ -820,8 +938,9 @@ class SessionImpl final : public SyncSession {
         if (!s.ok()) break;
         progressed |= done > 0;
         if (incremental) {
-          for (size_t d = 0; d < done && e.runs_done < e.runs.size(); ++d, ++e.runs_done) {
-            const WireRun& r = e.runs[e.runs_done];
+          for (size_t d = 0; d < done && e.runs && e.runs_done < e.runs->size();
+               ++d, ++e.runs_done) {
+            const WireRun& r = (*e.runs)[e.runs_done];
             e.landed.Add(static_cast<const unsigned char*>(dests_[r.param].data) + r.param_offset,
                          r.len, static_cast<uint64_t>(r.wire_offset));
           }
@@ -973,7 +1092,10 @@ class SessionImpl final : public SyncSession {
   std::map<int, uint32_t> regbase_;       // engine sync rank -> its first parameter region id
   std::map<int, std::vector<Shape>> dst_shapes_;
   std::unique_ptr<ShardMap> replica_map_;
-  std::shared_ptr<unsigned char> staging_[2];  // from the packer: host or device memory
+  std::shared_ptr<unsigned char> staging_[2];          // from the packer: host or device memory
+  std::vector<std::vector<SendBucket>> send_buckets_;  // [send message][bucket]
+  // Engine side: [recv message][bucket] -> the transfers, as the sender cuts them.
+  std::vector<std::vector<std::vector<WireRun>>> recv_runs_;
   // Engine side.
   EngineRankShards shards_;
   std::map<std::string, size_t> param_index_;

@@ -39,6 +39,8 @@ small=(--model qwen3-0.6b --iters 2 --no-kernel-bench)
 # Colocated correctness: trainer fsdp=2, engine tp=2,pp=2, all six processes on GPU 0.
 run coloc_small_f32 "${small[@]}" --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
   --transport cuda_ipc --trainer-dtype f32
+run coloc_small_pass "${small[@]}" --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
+  --transport cuda_ipc --trainer-dtype bf16 --landed-check pass
 # A sender killed mid-sync: every other rank errors within the timeout (10 s).
 run fault_sender_ipc "${small[@]}" --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
   --transport cuda_ipc --kill-rank 1 --timeout-ms 10000 --no-memcpy
@@ -48,6 +50,12 @@ if [ "$mode" = full ]; then
     --transport cuda_ipc --trainer-dtype bf16 --iters 5
   run coloc_8b_f32 --model qwen3-8b --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
     --transport cuda_ipc --trainer-dtype f32 --iters 5 --no-kernel-bench
+  # The same bf16 sync with the receivers' separate verify pass instead of the fused readback.
+  run coloc_8b_bf16_pass --model qwen3-8b --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
+    --transport cuda_ipc --trainer-dtype bf16 --iters 5 --no-kernel-bench --landed-check pass
+  # Two pairs in flight per thread instead of four (kernel GB/s included).
+  SHARDSYNC_GPU_UNROLL=2 run coloc_8b_bf16_u2 --model qwen3-8b --gpus 1 --trainer fsdp=2 \
+    --rollout dp=1,tp=2,pp=2 --transport cuda_ipc --trainer-dtype bf16 --iters 5
 fi
 echo "failures: $fails" | tee -a "$out/summary.txt"
 exit $((fails > 0))

@@ -110,6 +110,16 @@ struct BatchSpec {
   std::vector<CopyRun> runs;
   // Wire bytes of each bucket; the runs of a bucket must tile [0, bytes) exactly.
   std::vector<int64_t> bucket_bytes;
+  // kPack, optional ("landed readback"): the RECEIVER's own map of each bucket, runs whose `in`
+  // is where wire bytes [wire_offset, +numel*wire size) must land (this process's mapping of the
+  // receiver's memory; `out` ignored), tiling every bucket like `runs`; and per bucket a device
+  // address (e.g. in the receiver's memory, through CUDA IPC) to which the kernel atomically adds
+  // ChecksumPartial of the bucket's wire image as read back through those runs (the caller zeroes
+  // it; finish it with ChecksumFinish(sum, bucket bytes)). Each thread reads back the words it has
+  // just written, from L2, so checking where every byte landed costs no second pass over HBM; a
+  // byte written where the receiver does not expect it changes the landed sum.
+  std::vector<CopyRun> landed_runs;
+  std::vector<void*> landed_sums;
 };
 
 // A prepared batch: descriptors validated and uploaded once, replayed every sync. One launch in

@@ -28,6 +28,12 @@ struct GpuBenchOptions {
   // staging bounded by the bucket cap), same-GPU pairs over cuda_ipc (NCCL cannot).
   std::string transport = "cuda_ipc";
   DType trainer_dtype = DType::kBF16;  // what trainers hold: kF32 (cast while packing) or kBF16
+  // How engines check what landed over cuda_ipc. "fused": the engine publishes its own map of
+  // every bucket (param offsets in ITS plan) and a checksum accumulator in its memory; the
+  // trainer's pack kernel reads every word back through that map right after writing it (L2)
+  // and adds it there; the engine compares the accumulator with the sender's checksum.
+  // "pass": the engine re-reads every landed byte with its own verify launch after the sync.
+  std::string landed_check = "fused";
   int64_t bucket_bytes = int64_t{512} << 20;
   int gpus = 0;    // GPUs to place ranks on (0: all visible). Trainer t on GPU t % gpus; engine
                    // rank (replica d, pp, tp) on GPU (d*tp*pp + pp*tp + tp) % gpus (colocated).
@@ -67,6 +73,7 @@ struct GpuBenchReport {
   int gpus = 0;
   std::string model, trainer, rollout, engine, transport;
   std::string trainer_dtype;
+  std::string landed_check;
   int nccl_version = 0;
   int64_t wire_bytes = 0;       // bytes the plan moves per sync (job-wide)
   int64_t cross_gpu_bytes = 0;  // of which between different GPUs
@@ -87,6 +94,8 @@ struct GpuBenchReport {
   double hbm_peak_gbps = 0;
   double pack_f32_bf16_gbps = 0, pack_bf16_gbps = 0, pack_strided_gbps = 0, unpack_gbps = 0,
          verify_gbps = 0, memcpy_kernel_ref_gbps = 0;
+  // Pack with the landed readback (BatchSpec::landed_runs), same sizes as the packs above.
+  double pack_landed_bf16_gbps = 0, pack_landed_f32_bf16_gbps = 0;
   int64_t element_mismatches = 0;  // summed over engine ranks
   int64_t elements_checked = 0;
   int64_t checksums_ok = 0, checksums_total = 0;

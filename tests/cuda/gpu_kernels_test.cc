@@ -236,6 +236,180 @@ TEST(GpuPack, CopyUnpackVerifyRoundTripBf16) {
   EXPECT_NE(bad[2], verify_sums[2]);
 }
 
+// Landed readback: the receiver's map of each bucket cut into pieces of random lengths (so words
+// straddle pieces and sit at odd alignments), pointing at where the pack wrote.
+std::vector<CopyRun> LandedMap(const Built& b, void* wire, uint64_t seed, int64_t shift_bucket,
+                               int64_t shift_bytes) {
+  std::mt19937_64 rng(seed);
+  std::vector<CopyRun> runs;
+  for (size_t k = 0; k < b.spec.bucket_bytes.size(); ++k) {
+    for (int64_t at = 0; at < b.spec.bucket_bytes[k];) {
+      const int64_t len = std::min<int64_t>(b.spec.bucket_bytes[k] - at, 2 * (1 + rng() % 40));
+      CopyRun r;
+      const int64_t shift = static_cast<int64_t>(k) == shift_bucket ? shift_bytes : 0;
+      r.in = static_cast<unsigned char*>(wire) + b.bucket_start[k] + at + shift;
+      r.row_elems = len / 2;
+      r.bucket = static_cast<int32_t>(k);
+      r.wire_offset = at;
+      runs.push_back(r);
+      at += len;
+    }
+  }
+  return runs;
+}
+
+TEST(GpuPack, LandedReadbackEqualsPackSumAndCatchesMisplacedBytes) {
+  SS_REQUIRE_GPU();
+  for (int cast : {0, 1}) {
+    const Case c = MakeCase(3 + cast);
+    const int in_size = cast ? 4 : 2;
+    const int64_t n = NumElements(c.shape);
+    const auto host = RandomBytes(n * in_size, 21 + cast);
+    SS_ASSERT_OK_AND_ASSIGN(auto t, DeviceBuffer::Allocate(n * in_size, 0));
+    SS_ASSERT_OK(CopyToDevice(t->data(), host.data(), n * in_size));
+    SS_ASSERT_OK_AND_ASSIGN(auto wire, DeviceBuffer::Allocate(64 << 10, 0));
+    SS_ASSERT_OK_AND_ASSIGN(auto acc, DeviceBuffer::Allocate(3 * 8, 0));
+    SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
+    const auto expect = CpuPack(c, host.data(), in_size, 2, cast);
+    // shift -1: the receiver's map agrees; shift 2: bucket 1's map is one element off.
+    for (int64_t shift : {int64_t{0}, int64_t{2}}) {
+      Built b = BuildPack(c, t->data(), in_size, wire->data(), 2, BatchMode::kPack,
+                          cast ? DType::kF32 : DType::kBF16, DType::kBF16);
+      b.spec.landed_runs = LandedMap(b, wire->data(), 99, shift ? 1 : -1, shift);
+      for (int k = 0; k < 3; ++k) {
+        b.spec.landed_sums.push_back(static_cast<unsigned char*>(acc->data()) + 8 * k);
+      }
+      SS_ASSERT_OK_AND_ASSIGN(auto batch, CopyBatch::Prepare(b.spec, 0));
+      for (int rep = 0; rep < 2; ++rep) {
+        SS_ASSERT_OK(Memset(wire->data(), 0xAB, 64 << 10));
+        SS_ASSERT_OK(Memset(acc->data(), 0, 3 * 8));
+        SS_ASSERT_OK(batch->Launch(stream->handle()));
+        SS_ASSERT_OK(stream->Synchronize(Millis(30000), "pack"));
+        SS_ASSERT_OK_AND_ASSIGN(auto sums, batch->Sums());
+        uint64_t landed[3];
+        SS_ASSERT_OK(CopyToHost(landed, acc->data(), sizeof(landed)));
+        for (int k = 0; k < 3; ++k) {
+          const uint64_t cpu = ChecksumPartial(expect[k].data(), expect[k].size(), 0);
+          EXPECT_EQ(sums[k], cpu) << "cast " << cast << " bucket " << k;
+          if (shift != 0 && k == 1) {
+            EXPECT_NE(landed[k], cpu) << "cast " << cast << ": misplaced map not detected";
+          } else {
+            EXPECT_EQ(landed[k], cpu) << "cast " << cast << " bucket " << k << " shift " << shift;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(GpuPack, LandedReadbackOnLargeStridedDestinations) {
+  SS_REQUIRE_GPU();
+  // 3000 rows of 4099 bf16 elements packed into rows of stride 4103 (odd: words straddle rows),
+  // plus a large contiguous run: the vector, row-wise and word paths all read back.
+  const int64_t rows = 3000, row = 4099, stride = 4103, big = int64_t{3} << 20;
+  const auto host = RandomBytes((rows * row + big) * 2, 5);
+  SS_ASSERT_OK_AND_ASSIGN(auto src, DeviceBuffer::Allocate(host.size(), 0));
+  SS_ASSERT_OK(CopyToDevice(src->data(), host.data(), host.size()));
+  SS_ASSERT_OK_AND_ASSIGN(auto dst, DeviceBuffer::Allocate((rows * stride + big) * 2 + 64, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto acc, DeviceBuffer::Allocate(8, 0));
+  auto* s = static_cast<unsigned char*>(src->data());
+  auto* d = static_cast<unsigned char*>(dst->data());
+  const auto host2 = RandomBytes(512 * 2048 * 2, 6);
+  SS_ASSERT_OK_AND_ASSIGN(auto src2, DeviceBuffer::Allocate(host2.size(), 0));
+  SS_ASSERT_OK(CopyToDevice(src2->data(), host2.data(), host2.size()));
+  SS_ASSERT_OK_AND_ASSIGN(auto dst2, DeviceBuffer::Allocate(512 * 1024 * 2, 0));
+  auto* s2 = static_cast<unsigned char*>(src2->data());
+  auto* d2 = static_cast<unsigned char*>(dst2->data());
+  // The wire image: the two first runs' source bytes, then the left half of every row of src2.
+  std::vector<unsigned char> image = host;
+  for (int64_t r = 0; r < 512; ++r) {
+    image.insert(image.end(), host2.begin() + r * 4096, host2.begin() + r * 4096 + 2048);
+  }
+  for (int64_t misplace : {int64_t{0}, int64_t{1}}) {
+    BatchSpec spec;
+    spec.mode = BatchMode::kPack;
+    CopyRun a;
+    a.in = s;
+    a.out = d;
+    a.row_elems = row;
+    a.rows = rows;
+    a.in_stride = row;
+    a.out_stride = stride;
+    CopyRun bigrun;
+    bigrun.in = s + rows * row * 2;
+    bigrun.out = d + rows * stride * 2;
+    bigrun.row_elems = big;
+    bigrun.wire_offset = rows * row * 2;
+    // Row-parallel style source (half of every row), contiguous destination: row-wise path.
+    CopyRun half;
+    half.in = s2;
+    half.out = d2;
+    half.row_elems = 1024;
+    half.rows = 512;
+    half.in_stride = 2048;
+    half.out_stride = 1024;
+    half.wire_offset = (rows * row + big) * 2;
+    spec.runs = {a, bigrun, half};
+    spec.bucket_bytes = {(rows * row + big + 512 * 1024) * 2};
+    CopyRun la = a;
+    la.in = d + 2 * misplace * 777;  // the receiver's own view (shifted when misplaced)
+    la.in_stride = stride;
+    CopyRun lb = bigrun;
+    lb.in = bigrun.out;
+    CopyRun lc;
+    lc.in = d2;
+    lc.row_elems = 512 * 1024;
+    lc.wire_offset = half.wire_offset;
+    spec.landed_runs = {la, lb, lc};
+    spec.landed_sums = {acc->data()};
+    SS_ASSERT_OK_AND_ASSIGN(auto batch, CopyBatch::Prepare(spec, 0));
+    SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
+    SS_ASSERT_OK(Memset(acc->data(), 0, 8));
+    SS_ASSERT_OK(batch->Launch(stream->handle()));
+    SS_ASSERT_OK(stream->Synchronize(Millis(30000), "pack"));
+    SS_ASSERT_OK_AND_ASSIGN(auto sums, batch->Sums());
+    uint64_t landed = 0;
+    SS_ASSERT_OK(CopyToHost(&landed, acc->data(), 8));
+    EXPECT_EQ(sums[0], ChecksumPartial(image.data(), image.size(), 0));
+    if (misplace) {
+      EXPECT_NE(landed, sums[0]);
+    } else {
+      EXPECT_EQ(landed, sums[0]);
+    }
+  }
+}
+
+TEST(GpuPack, LandedReadbackRejectsBadMaps) {
+  SS_REQUIRE_GPU();
+  SS_ASSERT_OK_AND_ASSIGN(auto buf, DeviceBuffer::Allocate(4096, 0));
+  auto* p = static_cast<unsigned char*>(buf->data());
+  BatchSpec spec;
+  spec.mode = BatchMode::kPack;
+  CopyRun r;
+  r.in = p;
+  r.out = p + 1024;
+  r.row_elems = 100;
+  spec.runs = {r};
+  spec.bucket_bytes = {200};
+  CopyRun l;
+  l.in = p + 1024;
+  l.row_elems = 90;  // covers 180 of 200 bytes
+  spec.landed_runs = {l};
+  spec.landed_sums = {p + 2048};
+  auto bad = CopyBatch::Prepare(spec, 0);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("landed runs cover 180"), std::string::npos)
+      << bad.status().ToString();
+  spec.landed_runs[0].row_elems = 100;
+  spec.landed_sums = {};
+  bad = CopyBatch::Prepare(spec, 0);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("landed_sums"), std::string::npos);
+  spec.landed_sums = {p + 2048};
+  spec.mode = BatchMode::kUnpack;
+  EXPECT_FALSE(CopyBatch::Prepare(spec, 0).ok());
+}
+
 TEST(GpuPack, UnpackBf16ToF32MatchesCpu) {
   SS_REQUIRE_GPU();
   Case c;  // two disjoint regions, one strided, in two buckets
@@ -357,8 +531,8 @@ TEST(GpuPack, StridedRowsVectorPathBitExact) {
                {Region::Make({7, 8}, {200, 16}), 0}};
   c.buckets = 1;
   SS_ASSERT_OK_AND_ASSIGN(auto wire, DeviceBuffer::Allocate(n * 2, 0));
-  Built b = BuildPack(c, t->data(), 4, wire->data(), 2, BatchMode::kPack, DType::kF32,
-                      DType::kBF16);
+  Built b =
+      BuildPack(c, t->data(), 4, wire->data(), 2, BatchMode::kPack, DType::kF32, DType::kBF16);
   SS_ASSERT_OK_AND_ASSIGN(auto batch, CopyBatch::Prepare(b.spec, 0));
   SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
   SS_ASSERT_OK(batch->Launch(stream->handle()));
@@ -374,8 +548,8 @@ TEST(GpuPack, StridedRowsVectorPathBitExact) {
   for (int64_t i = 0; i < n; ++i) std::memcpy(&h16[i * 2], &host[i * 4 + 2], 2);
   SS_ASSERT_OK_AND_ASSIGN(auto t16, DeviceBuffer::Allocate(n * 2, 0));
   SS_ASSERT_OK(CopyToDevice(t16->data(), h16.data(), n * 2));
-  Built v = BuildPack(c, t16->data(), 2, nullptr, 2, BatchMode::kVerify, DType::kBF16,
-                      DType::kBF16);
+  Built v =
+      BuildPack(c, t16->data(), 2, nullptr, 2, BatchMode::kVerify, DType::kBF16, DType::kBF16);
   SS_ASSERT_OK_AND_ASSIGN(auto vb, CopyBatch::Prepare(v.spec, 0));
   SS_ASSERT_OK(vb->Launch(stream->handle()));
   SS_ASSERT_OK(stream->Synchronize(Millis(30000), "verify"));

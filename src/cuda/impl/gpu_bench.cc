@@ -83,6 +83,10 @@ Result<Job> MakeJob(const GpuBenchOptions& o, int gpus) {
   if (o.trainer_dtype != DType::kF32 && o.trainer_dtype != DType::kBF16) {
     return InvalidArgumentError("--trainer-dtype: must be f32 or bf16");
   }
+  if (o.landed_check != "fused" && o.landed_check != "pass") {
+    return InvalidArgumentError("--landed-check: must be fused or pass, got '" + o.landed_check +
+                                "'");
+  }
   if (o.transport != "cuda_ipc" && o.transport != "nccl") {
     return InvalidArgumentError("--transport: must be cuda_ipc or nccl, got '" + o.transport + "'");
   }
@@ -206,6 +210,10 @@ class RankRunner {
   std::unique_ptr<Transport> ipc_, nccl_;
   std::vector<MsgState> msgs_;
   std::unique_ptr<CopyBatch> ipc_batch_;  // trainer pack or engine verify over IPC messages
+  bool fused() const { return o_.landed_check == "fused"; }
+  std::unique_ptr<DeviceBuffer> acc_;  // engine, fused: landed sum per IPC bucket (zeroed)
+  uint32_t acc_region_ = 0;            // its IPC region index
+  std::vector<int64_t> ipc_bucket_bytes_;
   std::vector<std::pair<int, int>> ipc_bucket_of_;  // batch bucket -> (msg index, bucket)
   std::set<XferId> done_;  // nccl ids already seen complete (Poll releases an id once done)
 
@@ -284,6 +292,13 @@ Status RankRunner::Setup(GpuBenchRank* out) {
   ipc_ = MakeCudaIpcTransport(device_);
   if (!trainer()) {
     SS_RETURN_IF_ERROR(ipc_->RegisterMemory(buf_->region()).status());
+    if (fused()) {
+      int64_t nb = 0;
+      for (const MsgState& s : msgs_)
+        nb += s.nccl ? 0 : static_cast<int64_t>(s.msg->buckets.size());
+      SS_ASSIGN_OR_RETURN(acc_, DeviceBuffer::Allocate(std::max<int64_t>(1, nb) * 8, device_));
+      SS_CUDA(cudaMemset(acc_->data(), 0, acc_->bytes()), "engine: zero landed sums");
+    }
     if (o_.broadcast_baseline) {
       int64_t total = 0;
       for (const HfTensor& t : j_.inv) {
@@ -292,6 +307,9 @@ Status RankRunner::Setup(GpuBenchRank* out) {
       }
       SS_ASSIGN_OR_RETURN(bstage_, DeviceBuffer::Allocate(total, device_));
       SS_RETURN_IF_ERROR(ipc_->RegisterMemory(bstage_->region()).status());
+    }
+    if (acc_) {
+      SS_ASSIGN_OR_RETURN(acc_region_, ipc_->RegisterMemory(acc_->region()));
     }
   } else if (rank_ == 0 && o_.broadcast_baseline) {
     int64_t total = 0;
@@ -330,6 +348,24 @@ Region LocalRegion(const Region& r, const Region& held) {
   return l;
 }
 
+// Fused landed check, engine side: its own map of every bucket of message m (from ITS plan):
+// [bucket, wire offset in the bucket, byte offset in its parameter buffer, bytes] per op, plus
+// where the bucket's landed sum lives in its accumulator region.
+json LandedMap(const Message& m, const std::vector<int64_t>& poff, const EngineRankShards& er,
+               uint32_t acc_region, int64_t acc_offset) {
+  json runs = json::array();
+  for (size_t b = 0; b < m.buckets.size(); ++b) {
+    const Bucket& bk = m.buckets[b];
+    for (int32_t k = bk.op_begin; k < bk.op_end; ++k) {
+      const TransferOp& op = m.ops[k];
+      const EngineParam& p = er.params[op.param];
+      runs.push_back({b, op.wire_offset - bk.wire_offset,
+                      poff[op.param] + RegionStartElement(op.dst, p.shape) * 2, op.bytes});
+    }
+  }
+  return {{"acc_region", acc_region}, {"acc_offset", acc_offset}, {"runs", runs}};
+}
+
 Status RankRunner::PrepareIpc() {
   BatchSpec spec;
   spec.in_dtype = trainer() ? o_.trainer_dtype : DType::kBF16;
@@ -344,6 +380,39 @@ Status RankRunner::PrepareIpc() {
     const EngineRankShards& er = EngineShards(j_, m.dst);
     int64_t unused = 0;
     const std::vector<int64_t> poff = ParamOffsets(er, &unused);
+    const std::string key = "gb/landed/" + std::to_string(m.src) + "/" + std::to_string(m.dst);
+    if (fused() && !trainer()) {
+      const json map = LandedMap(m, poff, er, acc_region_, int64_t{s.first_bucket} * 8);
+      SS_RETURN_IF_ERROR(store_.Set(key, map.dump()));
+    } else if (fused()) {
+      // The receiver's map, not ours: the landed readback must not share our addressing.
+      SS_ASSIGN_OR_RETURN(std::string text, store_.Get(key, o_.timeout));
+      const json map = json::parse(text, nullptr, false);
+      if (map.is_discarded() || !map.contains("runs")) {
+        return DataLossError("engine rank " + std::to_string(m.dst) + ": malformed landed map");
+      }
+      const uint32_t region = map.at("acc_region").get<uint32_t>();
+      const int64_t acc = map.at("acc_offset").get<int64_t>();
+      for (size_t b = 0; b < m.buckets.size(); ++b) {
+        SS_ASSIGN_OR_RETURN(void* p, CudaIpcRemotePointer(*ipc_, m.dst, region, acc + 8 * b, 8));
+        spec.landed_sums.push_back(p);
+      }
+      for (const json& r : map.at("runs")) {
+        const auto b = r.at(0).get<int64_t>();
+        if (b < 0 || b >= static_cast<int64_t>(m.buckets.size())) {
+          return DataLossError("engine rank " + std::to_string(m.dst) + ": landed map bucket " +
+                               std::to_string(b) + " out of range");
+        }
+        const int64_t off = r.at(2).get<int64_t>(), bytes = r.at(3).get<int64_t>();
+        SS_ASSIGN_OR_RETURN(void* p, CudaIpcRemotePointer(*ipc_, m.dst, 0, off, bytes));
+        CopyRun lr;
+        lr.in = p;
+        lr.row_elems = bytes / 2;
+        lr.bucket = s.first_bucket + static_cast<int32_t>(b);
+        lr.wire_offset = r.at(1).get<int64_t>();
+        spec.landed_runs.push_back(lr);
+      }
+    }
     for (size_t b = 0; b < m.buckets.size(); ++b) {
       const Bucket& bk = m.buckets[b];
       const int32_t gb = static_cast<int32_t>(spec.bucket_bytes.size());
@@ -377,7 +446,8 @@ Status RankRunner::PrepareIpc() {
       }
     }
   }
-  if (spec.bucket_bytes.empty()) return OkStatus();
+  ipc_bucket_bytes_ = spec.bucket_bytes;
+  if (spec.bucket_bytes.empty() || (fused() && !trainer())) return OkStatus();
   SS_ASSIGN_OR_RETURN(ipc_batch_, CopyBatch::Prepare(spec, device_));
   return OkStatus();
 }
@@ -568,16 +638,30 @@ Status RankRunner::EngineSync(uint64_t v, bool fault, Clock::time_point deadline
   if (nccl_) {
     SS_RETURN_IF_ERROR(WaitAllXfers(*nccl_, nccl_ids, Left(deadline), "engine: checksums (nccl)"));
   }
-  // IPC: the senders flushed before sending checksums, so the bytes have landed: verify them.
+  // IPC: the senders flushed before sending checksums, so the bytes have landed: verify them
+  // (pass), or read the landed sums the senders' kernels added through our map (fused), then
+  // zero them for the next version (every rank passes a barrier before it starts).
+  std::vector<uint64_t> landed(fused() ? ipc_bucket_bytes_.size() : 0);
   if (ipc_batch_) {
     SS_CUDA(cudaEventRecord(k0_, stream_), "event");
     SS_RETURN_IF_ERROR(ipc_batch_->Launch(stream_));
+    SS_CUDA(cudaEventRecord(k1_, stream_), "event");
+  } else if (!landed.empty()) {
+    SS_CUDA(cudaEventRecord(k0_, stream_), "event");
+    SS_CUDA(cudaMemcpyAsync(landed.data(), acc_->data(), landed.size() * 8, cudaMemcpyDeviceToHost,
+                            stream_),
+            "engine: read landed sums");
+    SS_CUDA(cudaMemsetAsync(acc_->data(), 0, landed.size() * 8, stream_), "engine: zero sums");
     SS_CUDA(cudaEventRecord(k1_, stream_), "event");
   }
   SS_RETURN_IF_ERROR(WaitStream(stream_, deadline, "engine: verify"));
   if (ipc_batch_) {
     SS_ASSIGN_OR_RETURN(auto sums, ipc_batch_->Checksums());
     for (size_t b = 0; b < sums.size(); ++b) mine[ipc_bucket_of_[b].first].push_back(sums[b]);
+  }
+  for (size_t b = 0; b < landed.size(); ++b) {
+    mine[ipc_bucket_of_[b].first].push_back(
+        ChecksumFinish(landed[b], static_cast<uint64_t>(ipc_bucket_bytes_[b])));
   }
   for (size_t mi = 0; mi < msgs_.size(); ++mi) {
     for (auto& b : msgs_[mi].batches) {
@@ -945,8 +1029,9 @@ Status Probe(const GpuBenchOptions& o, const Job& j, int gpus, int64_t wire_byte
     SS_ASSIGN_OR_RETURN(auto d, DeviceBuffer::Allocate(elems * 2, 0));
     SS_CUDA(cudaMemset(f32->data(), 0x3c, elems * 4), "memset");
     SS_CUDA(cudaMemset(d->data(), 0x3c, elems * 2), "memset");
+    SS_ASSIGN_OR_RETURN(auto acc, DeviceBuffer::Allocate(8, 0));
     auto bench = [&](BatchMode mode, DType in, DType outd, const void* src, void* dst, int64_t row,
-                     int64_t rows, int64_t in_stride) -> Result<double> {
+                     int64_t rows, int64_t in_stride, bool landed = false) -> Result<double> {
       BatchSpec spec;
       spec.mode = mode;
       spec.in_dtype = in;
@@ -968,6 +1053,18 @@ Status Probe(const GpuBenchOptions& o, const Job& j, int gpus, int64_t wire_byte
         spec.runs.push_back(r);
       }
       spec.bucket_bytes = {wire};
+      if (landed) {  // the receiver's map = where the runs wrote (as in a correct sync)
+        for (const CopyRun& r : spec.runs) {
+          CopyRun l;
+          l.in = r.out;
+          l.row_elems = r.row_elems;
+          l.rows = r.rows;
+          l.in_stride = r.out_stride;
+          l.wire_offset = r.wire_offset;
+          spec.landed_runs.push_back(l);
+        }
+        spec.landed_sums = {acc->data()};
+      }
       SS_ASSIGN_OR_RETURN(auto batch, CopyBatch::Prepare(spec, 0));
       SS_ASSIGN_OR_RETURN(double t, TimeIt(s, 5, [&] { return batch->Launch(s); }));
       return static_cast<double>(batch->in_bytes() + batch->out_bytes()) / t / 1e9;
@@ -978,6 +1075,12 @@ Status Probe(const GpuBenchOptions& o, const Job& j, int gpus, int64_t wire_byte
     SS_ASSIGN_OR_RETURN(
         (*out)["pack_bf16_gbps"],
         bench(BatchMode::kPack, DType::kBF16, DType::kBF16, d->data(), w->data(), elems, 1, elems));
+    SS_ASSIGN_OR_RETURN((*out)["pack_landed_bf16_gbps"],
+                        bench(BatchMode::kPack, DType::kBF16, DType::kBF16, d->data(), w->data(),
+                              elems, 1, elems, true));
+    SS_ASSIGN_OR_RETURN((*out)["pack_landed_f32_bf16_gbps"],
+                        bench(BatchMode::kPack, DType::kF32, DType::kBF16, f32->data(), w->data(),
+                              elems, 1, elems, true));
     // Row-parallel TP slice: half of every row of a [32768, 32768] bf16 matrix.
     SS_ASSIGN_OR_RETURN((*out)["pack_strided_gbps"],
                         bench(BatchMode::kPack, DType::kBF16, DType::kBF16, d->data(), w->data(),
@@ -1093,6 +1196,7 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
   rep.engine = o.engine;
   rep.transport = o.transport;
   rep.trainer_dtype = std::string(DTypeName(o.trainer_dtype));
+  rep.landed_check = o.landed_check;
   rep.wire_bytes = summary.total_bytes;
   rep.broadcast_bytes = summary.broadcast_recv_bytes_per_rank * job.in.rollout.world();
   if (auto v = NcclVersion(); v.ok()) rep.nccl_version = *v;
@@ -1141,6 +1245,8 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
     rep.pack_strided_gbps = probe.value("pack_strided_gbps", 0.0);
     rep.unpack_gbps = probe.value("unpack_gbps", 0.0);
     rep.verify_gbps = probe.value("verify_gbps", 0.0);
+    rep.pack_landed_bf16_gbps = probe.value("pack_landed_bf16_gbps", 0.0);
+    rep.pack_landed_f32_bf16_gbps = probe.value("pack_landed_f32_bf16_gbps", 0.0);
     rep.memcpy_kernel_ref_gbps = probe.value("memcpy_kernel_ref_gbps", 0.0);
   }
   // 2. The ranks.
@@ -1211,12 +1317,13 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
   }
   char line[512];
   snprintf(line, sizeof(line),
-           "%s %s -> %s %s on %d GPU(s) [%s]: %.3f GB in %.2f ms (%.0f GB/s); memcpy %.2f ms "
+           "%s %s -> %s %s on %d GPU(s) [%s, landed check %s]: %.3f GB in %.2f ms (%.0f GB/s); "
+           "memcpy %.2f ms "
            "(x%.2f); checksums %lld/%lld; elements wrong %lld of %lld; %s",
            o.model.c_str(), o.trainer.c_str(), o.rollout.c_str(), o.transport.c_str(), gpus,
-           rep.trainer_dtype.c_str(), rep.wire_bytes / 1e9, rep.sync_seconds * 1e3, rep.sync_gbps,
-           rep.memcpy_seconds * 1e3, rep.sync_vs_memcpy, static_cast<long long>(rep.checksums_ok),
-           static_cast<long long>(rep.checksums_total),
+           rep.trainer_dtype.c_str(), o.landed_check.c_str(), rep.wire_bytes / 1e9,
+           rep.sync_seconds * 1e3, rep.sync_gbps, rep.memcpy_seconds * 1e3, rep.sync_vs_memcpy,
+           static_cast<long long>(rep.checksums_ok), static_cast<long long>(rep.checksums_total),
            static_cast<long long>(rep.element_mismatches),
            static_cast<long long>(rep.elements_checked), rep.ok ? "OK" : "FAILED");
   rep.summary = line;

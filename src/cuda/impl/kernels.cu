@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -43,8 +44,9 @@ struct Desc {
 
 struct Chunk {
   int32_t desc;
-  int32_t pad;  // 1: whole rows of a strided run with 16-byte rows (row-wise vector path)
-  int64_t e0, e1;  // element range of the desc
+  int32_t pad;         // 1: whole rows of a strided run with 16-byte rows (row-wise vector path)
+  int64_t e0, e1;      // element range of the desc
+  int32_t seg0, seg1;  // landed segments overlapping the chunk's wire bytes (landed batches)
 };
 
 struct Boundary {
@@ -52,6 +54,15 @@ struct Boundary {
   int64_t bucket_bytes;
   int32_t bucket;
   int32_t first_desc;  // first desc (in wire order of its bucket) overlapping the word
+  int32_t first_seg;   // landed segment holding the word's first byte (landed batches)
+  int32_t pad;
+};
+
+// A contiguous piece of the receiver's own map of a bucket (landed batches): wire bytes
+// [lo, hi) of its bucket live at p (as this process maps the receiver's memory).
+struct Seg {
+  const unsigned char* p;
+  int64_t lo, hi;
 };
 
 // ---- element access ----
@@ -274,29 +285,99 @@ __device__ __forceinline__ void PairConvert(const uint4 (&a)[kInV], uint4 (&o)[k
   PairConvertImpl<kCast, kInV, kOutV>(a, o, w0, w1, wire_is_out);
 }
 
-__device__ __forceinline__ uint64_t BlockSum(uint64_t v, uint64_t* smem) {
+// ---- landed readback (pack with BatchSpec::landed_runs) ----
+// A thread reads back the wire words it has just written, through the RECEIVER's segments (not
+// its own destinations), so a word placed anywhere but where the receiver expects it changes the
+// landed sum. The bytes were written by this thread microseconds earlier, so the loads hit L2.
+
+// First index in [lo, hi) whose segment ends after wire byte pos (segments tile the bucket).
+__device__ __forceinline__ int FindSeg(const Seg* segs, int lo, int hi, int64_t pos) {
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (segs[mid].hi > pos) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
+// Landed bytes [pos, end) (end - pos <= 8) assembled byte by byte from segment t on.
+__device__ uint64_t LandedBytes(const Seg* segs, int t, int64_t pos, int64_t end) {
+  uint64_t word = 0;
+  for (int64_t x = pos; x < end; ++x) {
+    while (segs[t].hi <= x) ++t;
+    const uint64_t b = __ldcg(segs[t].p + (x - segs[t].lo));
+    word |= b << (8 * (x - pos));
+  }
+  return word;
+}
+
+// Per-thread position in the segment list; only moves forward.
+struct SegCursor {
+  const Seg* segs;
+  int end;  // one past the chunk's last segment
+  int i;
+  uintptr_t base;  // address of wire byte 0 of the bucket under segment i
+  int64_t hi;
+  __device__ __forceinline__ void Init(const Seg* s, int first, int last) {
+    segs = s;
+    end = last;
+    Load(first);
+  }
+  __device__ __forceinline__ void Load(int k) {
+    i = k;
+    const Seg g = segs[k];
+    base = reinterpret_cast<uintptr_t>(g.p) - static_cast<uintptr_t>(g.lo);
+    hi = g.hi;
+  }
+  __device__ __forceinline__ void Seek(int64_t pos) {
+    if (pos >= hi) Load(FindSeg(segs, i + 1, end, pos));
+  }
+  // The landed word at wire byte pos (a multiple of 8, a full word of the bucket).
+  __device__ __forceinline__ uint64_t Word(int64_t pos) {
+    Seek(pos);
+    const uintptr_t p = base + static_cast<uintptr_t>(pos);
+    if (pos + 8 <= hi && (p & 7) == 0)
+      return __ldcg(reinterpret_cast<const unsigned long long*>(p));
+    return LandedBytes(segs, i, pos, pos + 8);
+  }
+  // Two landed words at wire byte pos.
+  __device__ __forceinline__ void Pair(int64_t pos, uint64_t* a, uint64_t* b) {
+    Seek(pos);
+    const uintptr_t p = base + static_cast<uintptr_t>(pos);
+    if (pos + 16 <= hi && (p & 15) == 0) {
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
+      *a = (static_cast<uint64_t>(v.y) << 32) | v.x;
+      *b = (static_cast<uint64_t>(v.w) << 32) | v.z;
+      return;
+    }
+    *a = Word(pos);
+    *b = Word(pos + 8);
+  }
+};
+
+// Adds v of every lane of the warp to *dst (one atomic per warp; no block barrier, so blocks
+// never drain their loads in flight between chunks).
+__device__ __forceinline__ void WarpAdd(uint64_t v, unsigned long long* dst) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __syncthreads();  // smem reuse across calls
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  uint64_t s = 0;
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < kThreads / 32; ++w) s += smem[w];
-  }
-  return s;
+  if ((threadIdx.x & 31) == 0 && v != 0) atomicAdd(dst, static_cast<unsigned long long>(v));
 }
 
 // One kernel for every mode: kStore false is kVerify.
-template <int kInSize, int kOutSize, int kCast, bool kWireIsOut, bool kStore>
+// kLanded (pack only): also sum every landed wire word read back through `segs` into
+// *landed[bucket] (see SegCursor).
+template <int kInSize, int kOutSize, int kCast, bool kWireIsOut, bool kStore, bool kLanded,
+          int kU = 4>
 __global__ void __launch_bounds__(kThreads)
     BatchKernel(const Desc* __restrict__ descs, const Chunk* __restrict__ chunks, int num_chunks,
                 const Boundary* __restrict__ bounds, int num_bounds, int num_descs,
-                unsigned long long* sums, unsigned int* ticket) {
+                unsigned long long* sums, unsigned int* ticket, const Seg* __restrict__ segs,
+                unsigned long long* const* __restrict__ landed) {
   constexpr int kWireSize = kWireIsOut ? kOutSize : kInSize;
   constexpr int kN = 8 / kWireSize;  // elements per wire word
-  __shared__ uint64_t smem[kThreads / 32];
   __shared__ bool is_last;
 
   for (int c = blockIdx.x; c < num_chunks; c += gridDim.x) {
@@ -309,6 +390,9 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t ef0 = wa * 8 >= b ? ch.e1 : (wa * 8 - d.wire_offset) / kWireSize;
     const int64_t ef1 = wb <= wa ? ef0 : (wb * 8 - d.wire_offset) / kWireSize;
     uint64_t acc = 0;
+    uint64_t lacc = 0;  // landed readback (kLanded)
+    SegCursor cur;
+    if constexpr (kLanded) cur.Init(segs, ch.seg0, ch.seg1);
     // Fast path: both sides contiguous and 16-byte aligned at an even word: two wire words per
     // 16/32-byte vector access, two pairs in flight per thread, keys advanced by addition.
     int64_t vp = wb, vend = wb;  // vector words [vp, vend)
@@ -338,13 +422,21 @@ __global__ void __launch_bounds__(kThreads)
       bool aligned = true;
       {
         const uintptr_t ip = reinterpret_cast<uintptr_t>(d.in + r0 * d.in_stride * kInSize);
-        const uintptr_t op = kStore ? reinterpret_cast<uintptr_t>(d.out + r0 * d.out_stride * kOutSize) : 0;
+        const uintptr_t op =
+            kStore ? reinterpret_cast<uintptr_t>(d.out + r0 * d.out_stride * kOutSize) : 0;
         aligned = ip % 16 == 0 && op % 16 == 0 && (d.in_stride * kInSize) % 16 == 0 &&
                   (!kStore || (d.out_stride * kOutSize) % 16 == 0);
       }
       if (aligned) {
-        for (int64_t q = threadIdx.x; q < total; q += kThreads) {
-          const int64_t rr = q / ppr, c = q - rr * ppr;
+        // (rr, c) of pair q advanced by additions: a 64-bit division per pair costs more than
+        // the copy.
+        int64_t rr = threadIdx.x / ppr, c = threadIdx.x - rr * ppr;
+        const int64_t drr = kThreads / ppr, dc = kThreads - drr * ppr;
+        for (int64_t q = threadIdx.x; q < total; q += kThreads, rr += drr, c += dc) {
+          if (c >= ppr) {
+            c -= ppr;
+            ++rr;
+          }
           const uint4* in_v = reinterpret_cast<const uint4*>(
               d.in + ((r0 + rr) * d.in_stride + c * 2 * kN) * kInSize);
           uint4 av[kInV];
@@ -359,9 +451,14 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
             for (int k = 0; k < kOutV; ++k) out_v[k] = o[k];
           }
-          const uint64_t key = (w_first + 2 * static_cast<uint64_t>(q)) * kChecksumStep +
-                               kChecksumSeed;
+          const uint64_t key =
+              (w_first + 2 * static_cast<uint64_t>(q)) * kChecksumStep + kChecksumSeed;
           acc += MixKeyed(w0, key) + MixKeyed(w1, key + kChecksumStep);
+          if constexpr (kLanded) {
+            uint64_t l0, l1;
+            cur.Pair(static_cast<int64_t>(w_first + 2 * q) * 8, &l0, &l1);
+            lacc += MixKeyed(l0, key) + MixKeyed(l1, key + kChecksumStep);
+          }
         }
         vp = wa;
         vend = wb;  // every full word done
@@ -375,7 +472,6 @@ __global__ void __launch_bounds__(kThreads)
       const uint4* in_v = reinterpret_cast<const uint4*>(d.in + e_v * kInSize);
       uint4* out_v = kStore ? reinterpret_cast<uint4*>(d.out + e_v * kOutSize) : nullptr;
       const int64_t pairs = (vend - vp) / 2;
-      constexpr int kU = 2;
       uint64_t key = (static_cast<uint64_t>(vp) + 2 * threadIdx.x) * kChecksumStep + kChecksumSeed;
       constexpr uint64_t kKeyStep = 2ull * kThreads * kChecksumStep;
       int64_t q = threadIdx.x;
@@ -396,6 +492,11 @@ __global__ void __launch_bounds__(kThreads)
             for (int k = 0; k < kOutV; ++k) out_v[(q + u * kThreads) * kOutV + k] = o[k];
           }
           acc += MixKeyed(w0, key) + MixKeyed(w1, key + kChecksumStep);
+          if constexpr (kLanded) {
+            uint64_t l0, l1;
+            cur.Pair((vp + 2 * (q + u * kThreads)) * 8, &l0, &l1);
+            lacc += MixKeyed(l0, key) + MixKeyed(l1, key + kChecksumStep);
+          }
           key += kKeyStep;
         }
       }
@@ -411,11 +512,19 @@ __global__ void __launch_bounds__(kThreads)
           for (int k = 0; k < kOutV; ++k) out_v[q * kOutV + k] = o[k];
         }
         acc += MixKeyed(w0, key) + MixKeyed(w1, key + kChecksumStep);
+        if constexpr (kLanded) {
+          uint64_t l0, l1;
+          cur.Pair((vp + 2 * q) * 8, &l0, &l1);
+          lacc += MixKeyed(l0, key) + MixKeyed(l1, key + kChecksumStep);
+        }
         key += kKeyStep;
       }
     }
     // Full words outside the vector range: copy, cast, checksum, word by word.
     const int64_t general = (wb - wa) - (vend - vp);
+    if constexpr (kLanded) {
+      if (general > 0) cur.Init(segs, ch.seg0, ch.seg1);  // head words precede the vector range
+    }
     for (int64_t k = threadIdx.x; k < general; k += kThreads) {
       const int64_t w = wa + k < vp ? wa + k : vend + (k - (vp - wa));
       const int64_t e = ef0 + (w - wa) * kN;
@@ -426,6 +535,7 @@ __global__ void __launch_bounds__(kThreads)
         StoreElems<kOutSize, kN>(d.out, e, d.row_elems, d.out_stride, out_contig, out);
       }
       acc += ChecksumMixWord(kWireIsOut ? out[0] : in[0], static_cast<uint64_t>(w));
+      if constexpr (kLanded) lacc += ChecksumMixWord(cur.Word(w * 8), static_cast<uint64_t>(w));
     }
     // Edge elements that share a boundary word with a neighbouring run: copy only.
     if constexpr (kStore) {
@@ -447,11 +557,12 @@ __global__ void __launch_bounds__(kThreads)
         reinterpret_cast<TO*>(d.out)[ElemIndex(e, d.row_elems, d.out_stride, out_contig)] = o;
       }
     }
-    const uint64_t s = BlockSum(acc, smem);
-    if (threadIdx.x == 0 && s != 0) atomicAdd(&sums[d.bucket], static_cast<unsigned long long>(s));
+    WarpAdd(acc, &sums[d.bucket]);
+    if constexpr (kLanded) WarpAdd(lacc, landed[d.bucket]);
   }
 
   // Elect the last block; it adds the boundary words once every other block's stores are visible.
+  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -479,42 +590,70 @@ __global__ void __launch_bounds__(kThreads)
     }
     atomicAdd(&sums[bw.bucket], static_cast<unsigned long long>(
                                     ChecksumMixWord(word, static_cast<uint64_t>(bw.word))));
+    if constexpr (kLanded) {  // the edge elements of neighbouring runs, all stored by now
+      const uint64_t lw = LandedBytes(segs, bw.first_seg, lo, hi);
+      atomicAdd(landed[bw.bucket], static_cast<unsigned long long>(
+                                       ChecksumMixWord(lw, static_cast<uint64_t>(bw.word))));
+    }
   }
   if (threadIdx.x == 0) *ticket = 0;  // reusable by the next launch (stream-ordered)
 }
 
 using KernelFn = void (*)(const Desc*, const Chunk*, int, const Boundary*, int, int,
-                          unsigned long long*, unsigned int*);
+                          unsigned long long*, unsigned int*, const Seg*,
+                          unsigned long long* const*);
 
-Result<KernelFn> PickKernel(BatchMode mode, int in_size, int out_size, int cast) {
+// Pairs of wire words in flight per thread on the contiguous path: 4 by default;
+// SHARDSYNC_GPU_UNROLL=2 selects the older variant (kept to measure the difference).
+int PackUnroll() {
+  static const int u = [] {
+    const char* e = std::getenv("SHARDSYNC_GPU_UNROLL");
+    return e && std::string(e) == "2" ? 2 : 4;
+  }();
+  return u;
+}
+
+template <bool kL, int kU>
+Result<KernelFn> PickPackU(int in_size, int cast) {
+  if (cast == 1) return &BatchKernel<4, 2, 1, true, true, kL, kU>;
+  switch (in_size) {
+    case 1:
+      return &BatchKernel<1, 1, 0, false, true, kL, kU>;
+    case 2:
+      return &BatchKernel<2, 2, 0, false, true, kL, kU>;
+    case 4:
+      return &BatchKernel<4, 4, 0, false, true, kL, kU>;
+    case 8:
+      return &BatchKernel<8, 8, 0, false, true, kL, kU>;
+  }
+  return InvalidArgumentError("batch: unsupported element size " + std::to_string(in_size));
+}
+
+template <bool kL>
+Result<KernelFn> PickPack(int in_size, int cast) {
+  if (PackUnroll() == 2) return PickPackU<kL, 2>(in_size, cast);
+  return PickPackU<kL, 4>(in_size, cast);
+}
+
+Result<KernelFn> PickKernel(BatchMode mode, int in_size, int cast, bool landed) {
   if (mode == BatchMode::kVerify) {
     switch (in_size) {
       case 1:
-        return &BatchKernel<1, 1, 0, false, false>;
+        return &BatchKernel<1, 1, 0, false, false, false>;
       case 2:
-        return &BatchKernel<2, 2, 0, false, false>;
+        return &BatchKernel<2, 2, 0, false, false, false>;
       case 4:
-        return &BatchKernel<4, 4, 0, false, false>;
+        return &BatchKernel<4, 4, 0, false, false, false>;
       case 8:
-        return &BatchKernel<8, 8, 0, false, false>;
+        return &BatchKernel<8, 8, 0, false, false, false>;
     }
-  } else if (cast == 1) {
-    return &BatchKernel<4, 2, 1, true, true>;
   } else if (cast == 2) {
-    return &BatchKernel<2, 4, 2, false, true>;
+    return &BatchKernel<2, 4, 2, false, true, false>;
+  } else if (mode == BatchMode::kPack) {
+    return landed ? PickPack<true>(in_size, cast) : PickPack<false>(in_size, cast);
   } else {
-    switch (in_size) {
-      case 1:
-        return &BatchKernel<1, 1, 0, false, true>;
-      case 2:
-        return &BatchKernel<2, 2, 0, false, true>;
-      case 4:
-        return &BatchKernel<4, 4, 0, false, true>;
-      case 8:
-        return &BatchKernel<8, 8, 0, false, true>;
-    }
+    return PickPack<false>(in_size, cast);  // same-dtype unpack: a plain copy
   }
-  (void)out_size;
   return InvalidArgumentError("batch: unsupported element size " + std::to_string(in_size));
 }
 
@@ -533,6 +672,106 @@ struct DevArray {
     return OkStatus();
   }
 };
+
+// Landed batches: the receiver's runs become contiguous segments (validated to tile every bucket
+// exactly, like the pack runs), and every chunk / boundary word learns where its bytes start.
+Status BuildLanded(const BatchSpec& spec, int wire_size, std::vector<Chunk>* chunks,
+                   std::vector<Boundary>* bounds, const std::vector<Desc>& descs,
+                   std::vector<Seg>* segs) {
+  const size_t nb = spec.bucket_bytes.size();
+  if (spec.mode != BatchMode::kPack) {
+    return InvalidArgumentError("batch: landed_runs are only for kPack batches");
+  }
+  if (spec.landed_sums.size() != nb) {
+    return InvalidArgumentError("batch: landed_sums has " +
+                                std::to_string(spec.landed_sums.size()) + " entries for " +
+                                std::to_string(nb) + " buckets");
+  }
+  for (size_t b = 0; b < nb; ++b) {
+    if (spec.landed_sums[b] == nullptr) {
+      return InvalidArgumentError("batch: landed_sums[" + std::to_string(b) + "] is null");
+    }
+  }
+  const auto& runs = spec.landed_runs;
+  std::vector<int> order(runs.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    const CopyRun& r = runs[i];
+    const std::string who = "batch landed run " + std::to_string(i);
+    order[i] = static_cast<int>(i);
+    if (r.bucket < 0 || static_cast<size_t>(r.bucket) >= nb) {
+      return OutOfRangeError(who + ": bucket " + std::to_string(r.bucket) + " not in [0, " +
+                             std::to_string(nb) + ")");
+    }
+    if (r.row_elems < 0 || r.rows < 0 || (r.rows > 1 && r.in_stride < r.row_elems)) {
+      return InvalidArgumentError(who + ": row_elems/rows/in_stride inconsistent");
+    }
+    if (r.wire_offset < 0 || r.wire_offset % wire_size != 0) {
+      return InvalidArgumentError(who + ": wire_offset " + std::to_string(r.wire_offset) +
+                                  " not a multiple of the wire element size");
+    }
+    if (r.numel() > 0 && r.in == nullptr) return InvalidArgumentError(who + ": null pointer");
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) {
+    return runs[x].bucket != runs[y].bucket ? runs[x].bucket < runs[y].bucket
+                                            : runs[x].wire_offset < runs[y].wire_offset;
+  });
+  std::vector<int64_t> cursor(nb, 0);
+  std::vector<int32_t> first(nb + 1, 0);
+  std::vector<int32_t> bucket_of;
+  for (int idx : order) {
+    const CopyRun& r = runs[idx];
+    if (r.numel() == 0) continue;
+    if (r.wire_offset != cursor[r.bucket]) {
+      return InvalidArgumentError("batch landed run " + std::to_string(idx) + ": bucket " +
+                                  std::to_string(r.bucket) + " not tiled: run starts at byte " +
+                                  std::to_string(r.wire_offset) + ", expected " +
+                                  std::to_string(cursor[r.bucket]));
+    }
+    const auto* base = static_cast<const unsigned char*>(r.in);
+    const bool contig = r.rows <= 1 || r.in_stride == r.row_elems;
+    const int64_t rows = contig ? 1 : r.rows;
+    const int64_t row_bytes = (contig ? r.numel() : r.row_elems) * wire_size;
+    for (int64_t k = 0; k < rows; ++k) {
+      const int64_t lo = r.wire_offset + k * row_bytes;
+      segs->push_back({base + k * r.in_stride * wire_size, lo, lo + row_bytes});
+      bucket_of.push_back(r.bucket);
+    }
+    cursor[r.bucket] += r.numel() * wire_size;
+  }
+  for (size_t b = 0; b < nb; ++b) {
+    if (cursor[b] != spec.bucket_bytes[b]) {
+      return InvalidArgumentError("batch: bucket " + std::to_string(b) + " landed runs cover " +
+                                  std::to_string(cursor[b]) + " wire bytes, bucket has " +
+                                  std::to_string(spec.bucket_bytes[b]));
+    }
+  }
+  // first[b] .. first[b+1]: segments of bucket b.
+  for (size_t i = 0, b = 0; b <= nb; ++b) {
+    while (i < bucket_of.size() && static_cast<size_t>(bucket_of[i]) < b) ++i;
+    first[b] = static_cast<int32_t>(i);
+  }
+  const auto& sg = *segs;
+  auto holding = [&](int bucket, int64_t pos) {  // segment of `bucket` holding wire byte pos
+    int lo = first[bucket], hi = first[bucket + 1];
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (sg[mid].hi > pos) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    return lo;
+  };
+  for (Chunk& c : *chunks) {
+    const Desc& d = descs[c.desc];
+    const int64_t a = d.wire_offset + c.e0 * wire_size, e = d.wire_offset + c.e1 * wire_size;
+    c.seg0 = holding(d.bucket, a);
+    c.seg1 = holding(d.bucket, e - 1) + 1;
+  }
+  for (Boundary& bw : *bounds) bw.first_seg = holding(bw.bucket, bw.word * 8);
+  return OkStatus();
+}
 
 class CopyBatchImpl final : public CopyBatch {
  public:
@@ -565,7 +804,8 @@ class CopyBatchImpl final : public CopyBatch {
       return InvalidArgumentError("batch: element sizes differ");
     }
     const int wire_size = spec.mode == BatchMode::kPack ? out_size : in_size;
-    SS_ASSIGN_OR_RETURN(kernel_, PickKernel(spec.mode, in_size, out_size, cast));
+    const bool landed = !spec.landed_runs.empty();
+    SS_ASSIGN_OR_RETURN(kernel_, PickKernel(spec.mode, in_size, cast, landed));
     bucket_bytes_ = spec.bucket_bytes;
     const int nb = static_cast<int>(spec.bucket_bytes.size());
 
@@ -678,6 +918,14 @@ class CopyBatchImpl final : public CopyBatch {
         bounds.push_back({w, spec.bucket_bytes[d.bucket], d.bucket, first});
       }
     }
+    if (landed) {
+      std::vector<Seg> segs;
+      SS_RETURN_IF_ERROR(BuildLanded(spec, wire_size, &chunks, &bounds, descs, &segs));
+      SS_RETURN_IF_ERROR(segs_.Upload(segs, "batch: upload landed segments"));
+      std::vector<unsigned long long*> ptrs;
+      for (void* q : spec.landed_sums) ptrs.push_back(static_cast<unsigned long long*>(q));
+      SS_RETURN_IF_ERROR(landed_.Upload(ptrs, "batch: upload landed sums"));
+    }
     num_descs_ = static_cast<int>(descs.size());
     num_chunks_ = chunks.size();
     for (const Desc& d : descs) {
@@ -708,7 +956,7 @@ class CopyBatchImpl final : public CopyBatch {
     SS_CUDA(cudaMemsetAsync(sums_, 0, nb * sizeof(unsigned long long), s), "batch launch: memset");
     kernel_<<<grid_, kThreads, 0, s>>>(descs_.p, chunks_.p, static_cast<int>(num_chunks_),
                                        bounds_.p, static_cast<int>(bounds_.n), num_descs_, sums_,
-                                       ticket_);
+                                       ticket_, segs_.p, landed_.p);
     SS_CUDA(cudaGetLastError(), "batch launch: kernel");
     SS_CUDA(cudaMemcpyAsync(host_sums_, sums_, nb * sizeof(unsigned long long),
                             cudaMemcpyDeviceToHost, s),
@@ -738,6 +986,8 @@ class CopyBatchImpl final : public CopyBatch {
   DevArray<Desc> descs_;
   DevArray<Chunk> chunks_;
   DevArray<Boundary> bounds_;
+  DevArray<Seg> segs_;
+  DevArray<unsigned long long*> landed_;
   int num_descs_ = 0;
   size_t num_chunks_ = 0;
   unsigned long long* sums_ = nullptr;

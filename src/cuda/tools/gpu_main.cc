@@ -33,6 +33,9 @@ int main(int argc, char** argv) {
   bench->add_option("--engine", o.engine, "sglang|vllm");
   bench->add_option("--transport", o.transport, "cuda_ipc|nccl");
   bench->add_option("--trainer-dtype", dtype, "f32|bf16 (what trainers hold)");
+  bench->add_option("--landed-check", o.landed_check,
+                    "fused (pack kernel reads back through the receiver's map) | pass (receiver "
+                    "re-reads every landed byte)");
   bench->add_option("--bucket-bytes", o.bucket_bytes, "bucket cap");
   bench->add_option("--gpus", o.gpus, "GPUs to place ranks on (0: all)");
   bench->add_option("--iters", o.iters, "timed syncs");
@@ -99,7 +102,8 @@ int main(int argc, char** argv) {
                      {"checksums_total", x.checksums_total},
                      {"element_mismatches", x.element_mismatches},
                      {"elements_checked", x.elements_checked},
-                     {"seconds", x.seconds}, {"kernel_seconds", x.kernel_seconds}});
+                     {"seconds", x.seconds},
+                     {"kernel_seconds", x.kernel_seconds}});
   }
   json j = {{"device", p.device_name},
             {"gpus", p.gpus},
@@ -109,6 +113,7 @@ int main(int argc, char** argv) {
             {"engine", p.engine},
             {"transport", p.transport},
             {"trainer_dtype", p.trainer_dtype},
+            {"landed_check", p.landed_check},
             {"nccl_version", p.nccl_version},
             {"wire_bytes", p.wire_bytes},
             {"cross_gpu_bytes", p.cross_gpu_bytes},
@@ -130,6 +135,8 @@ int main(int argc, char** argv) {
             {"pack_strided_gbps", p.pack_strided_gbps},
             {"unpack_gbps", p.unpack_gbps},
             {"verify_gbps", p.verify_gbps},
+            {"pack_landed_bf16_gbps", p.pack_landed_bf16_gbps},
+            {"pack_landed_f32_bf16_gbps", p.pack_landed_f32_bf16_gbps},
             {"memcpy_kernel_ref_gbps", p.memcpy_kernel_ref_gbps},
             {"element_mismatches", p.element_mismatches},
             {"elements_checked", p.elements_checked},

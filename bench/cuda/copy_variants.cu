@@ -1,0 +1,151 @@
+// Exploration benchmark (not built by CMake): which copy-kernel shape reaches cudaMemcpy's HBM
+// rate on this GPU, with and without the shardsync checksum mix. Build: nvcc -O3 -arch=sm_90.
+#include <cuda_runtime.h>
+#include <cstdio>
+#include <cstdint>
+
+constexpr uint64_t kStep = 0x9E3779B97F4A7C15ull, kSeed = 0xD6E8FEB86659FD93ull,
+                   kMul = 0xFF51AFD7ED558CCDull;
+__device__ __forceinline__ uint64_t Mix(uint64_t w, uint64_t key) {
+  const uint64_t t = (w ^ key) * kMul;
+  return t ^ (t >> 32);
+}
+
+template <int kU, int kMode, int kLoad>  // mode 0 copy, 1 copy+mix, 2 copy+mix+readback
+__global__ void Copy(const uint4* __restrict__ in, uint4* __restrict__ out, int64_t n,
+                     unsigned long long* sum) {
+  uint64_t acc = 0;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  for (; i + (kU - 1) * stride < n; i += kU * stride) {
+    uint4 a[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) a[u] = kLoad == 0 ? __ldcs(in + i + u * stride) : (kLoad == 1 ? __ldg(in + i + u * stride) : __ldlu(in + i + u * stride));
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      out[i + u * stride] = a[u];
+      if (kMode >= 1) {
+        const uint64_t w = static_cast<uint64_t>(i + u * stride) * 2;
+        const uint64_t k = w * kStep + kSeed;
+        acc += Mix((uint64_t(a[u].y) << 32) | a[u].x, k) + Mix((uint64_t(a[u].w) << 32) | a[u].z, k + kStep);
+      }
+    }
+    if (kMode == 2) {
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const uint4 b = __ldcg(out + i + u * stride);
+        const uint64_t w = static_cast<uint64_t>(i + u * stride) * 2;
+        const uint64_t k = w * kStep + kSeed;
+        acc += Mix((uint64_t(b.y) << 32) | b.x, k) + Mix((uint64_t(b.w) << 32) | b.z, k + kStep);
+      }
+    }
+  }
+  for (; i < n; i += stride) out[i] = in[i];
+  if (kMode >= 1) {
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0) atomicAdd(sum, acc);
+  }
+}
+
+// Blocked: block owns whole chunks of `chunk` uint4 (grid-stride over chunks), like BatchKernel.
+template <int kU>
+__global__ void Blocked(const uint4* __restrict__ in, uint4* __restrict__ out, int64_t n,
+                        int64_t chunk, unsigned long long* sum) {
+  uint64_t acc = 0;
+  const int64_t nchunks = n / chunk;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int64_t base = c * chunk;
+    for (int64_t j = threadIdx.x; j + (kU - 1) * blockDim.x < chunk; j += kU * blockDim.x) {
+      uint4 a[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) a[u] = __ldcs(in + base + j + u * blockDim.x);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        out[base + j + u * blockDim.x] = a[u];
+        const uint64_t k = static_cast<uint64_t>(base + j + u * blockDim.x) * 2 * kStep + kSeed;
+        acc += Mix((uint64_t(a[u].y) << 32) | a[u].x, k) + Mix((uint64_t(a[u].w) << 32) | a[u].z, k + kStep);
+      }
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+  if ((threadIdx.x & 31) == 0) atomicAdd(sum, acc);
+}
+
+void RunBlocked(int64_t chunk_bytes, const uint4* in, uint4* out, int64_t n, unsigned long long* sum,
+                int grid_per_sm) {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const int grid = sms * grid_per_sm;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  Blocked<4><<<grid, 256>>>(in, out, n, chunk_bytes / 16, sum);
+  cudaEventRecord(a);
+  for (int r = 0; r < 5; ++r) Blocked<4><<<grid, 256>>>(in, out, n, chunk_bytes / 16, sum);
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  printf("blocked chunk %8lld B, grid %d/SM: %7.0f GB/s\n", (long long)chunk_bytes, grid_per_sm,
+         2.0 * n * 16 * 5 / (ms / 1e3) / 1e9);
+}
+
+template <int kU, int kMode, int kLoad>
+void Run(const char* name, const uint4* in, uint4* out, int64_t n, unsigned long long* sum,
+         int threads, int blocks_per_sm) {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  int occ = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, Copy<kU, kMode, kLoad>, threads, 0);
+  const int grid = sms * (blocks_per_sm > 0 ? blocks_per_sm : occ);
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  Copy<kU, kMode, kLoad><<<grid, threads>>>(in, out, n, sum);
+  cudaEventRecord(a);
+  for (int r = 0; r < 5; ++r) Copy<kU, kMode, kLoad><<<grid, threads>>>(in, out, n, sum);
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  printf("%-34s threads %4d grid %5d (occ %d/SM): %7.0f GB/s\n", name, threads, grid, occ,
+         2.0 * n * 16 * 5 / (ms / 1e3) / 1e9);
+}
+
+int main() {
+  const int64_t bytes = int64_t{8} << 30;  // 8 GiB each side, like one trainer's sync
+  const int64_t n = bytes / 16;
+  uint4 *in, *out;
+  unsigned long long* sum;
+  cudaMalloc(&in, bytes);
+  cudaMalloc(&out, bytes);
+  cudaMalloc(&sum, 8);
+  cudaMemset(in, 0x3c, bytes);
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice);
+  cudaEventRecord(a);
+  for (int r = 0; r < 5; ++r) cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice);
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  printf("%-34s %7.0f GB/s\n", "cudaMemcpy D2D", 2.0 * bytes * 5 / (ms / 1e3) / 1e9);
+  for (int64_t c : {16 << 10, 64 << 10, 256 << 10, 1 << 20}) {
+    for (int g : {4, 8}) RunBlocked(c, in, out, n, sum, g);
+  }
+  for (int t : {256}) {
+    Run<1, 0, 0>("copy U1 ldcs", in, out, n, sum, t, 0);
+    Run<4, 0, 0>("copy U4 ldcs", in, out, n, sum, t, 0);
+    Run<4, 0, 1>("copy U4 ldg", in, out, n, sum, t, 0);
+    Run<4, 1, 0>("copy+mix U4 ldcs", in, out, n, sum, t, 0);
+    Run<8, 1, 0>("copy+mix U8 ldcs", in, out, n, sum, t, 0);
+    Run<4, 2, 0>("copy+mix+readback U4", in, out, n, sum, t, 0);
+    Run<8, 2, 0>("copy+mix+readback U8", in, out, n, sum, t, 0);
+  }
+  Run<4, 1, 0>("copy+mix U4 ldcs 1 block/SM x1024", in, out, n, sum, 1024, 1);
+  Run<4, 1, 0>("copy+mix U4 ldcs 2 blocks/SM x512", in, out, n, sum, 512, 2);
+  printf("%s\n", cudaGetErrorString(cudaGetLastError()));
+  return 0;
+}

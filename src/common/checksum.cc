@@ -34,6 +34,8 @@ uint64_t SumWordsScalar(const unsigned char* p, size_t full, uint64_t j) {
 }
 
 #if defined(__x86_64__)
+constexpr size_t kPrefetchAhead = 1024;  // bytes
+
 // Low 64 bits of a * kChecksumMul per lane. AVX2 has no 64-bit multiply: three 32x32->64
 // multiplies give the same bits (a*b mod 2^64 = lo*lo + ((lo*hi + hi*lo) << 32)).
 __attribute__((target("avx2"))) inline __m256i MulConst(__m256i a) {
@@ -59,6 +61,10 @@ __attribute__((target("avx2"))) uint64_t SumWordsAvx2(const unsigned char* p, si
   __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
   size_t i = 0;
   for (; i + 8 <= full; i += 8) {
+    // The hardware prefetcher alone leaves this loop latency-bound on data from DRAM (measured
+    // on the 2-core EPYC VM: 10.9 -> 14.7 GB/s with a software prefetch 1 KiB ahead). A
+    // prefetch past the end of the buffer is harmless (it never faults).
+    _mm_prefetch(reinterpret_cast<const char*>(p + 8 * i + kPrefetchAhead), _MM_HINT_T0);
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * i));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * i + 32));
     const __m256i t0 = MulConst(_mm256_xor_si256(w0, k0));

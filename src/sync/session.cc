@@ -43,7 +43,12 @@ using sync_internal::WireRun;
 // How many wire bytes a sender keeps posted but not yet completed (the CPU packer's path): the
 // receivers' CMA copies then read bytes the sender packed or checksummed moments before, from
 // cache, and a fast sender does not pack far ahead of what its receivers take.
-constexpr size_t kSendWindowBytes = size_t{4} << 20;
+constexpr size_t kSendWindowBytes = size_t{2} << 20;
+// The CPU packer's staging ring. Transfers complete (as the sender sees them) in posting order
+// and at most kSendWindowBytes - len are outstanding when a transfer of len bytes is packed, so
+// the outstanding ones occupy at most that much of the ring plus one skipped tail (< one
+// transfer) at the wrap: the next len bytes are always free.
+constexpr size_t kRingBytes = kSendWindowBytes + sync_internal::kMaxTransferBytes;
 // Wire bytes cast and packed before their checksum is taken, so the checksum reads from L1/L2.
 constexpr int64_t kPackChunkBytes = int64_t{32} << 10;
 
@@ -344,13 +349,22 @@ class SessionImpl final : public SyncSession {
       }
       regbase_[m.dst] = static_cast<uint32_t>(v);
     }
-    // Staging: two buckets (double buffering), bounded by the plan's bucket cap.
-    int64_t max_bucket = 0;
-    for (const Message& m : plan_.sends) {
-      for (const Bucket& b : m.buckets) max_bucket = std::max(max_bucket, b.bytes);
-    }
-    for (auto& s : staging_) {
-      SS_ASSIGN_OR_RETURN(s, packer_->AllocStaging(static_cast<size_t>(max_bucket)));
+    if (packer_ == own_packer_.get()) {
+      // The CPU packer packs transfer by transfer into a small ring (RunSender says why it is
+      // never overwritten while in flight): it stays in cache, so packing writes cost no DRAM
+      // traffic, and staging memory no longer grows with the bucket cap.
+      if (!plan_.sends.empty()) {
+        SS_ASSIGN_OR_RETURN(staging_[0], packer_->AllocStaging(kRingBytes));
+      }
+    } else {
+      // Staging: two buckets (double buffering), bounded by the plan's bucket cap.
+      int64_t max_bucket = 0;
+      for (const Message& m : plan_.sends) {
+        for (const Bucket& b : m.buckets) max_bucket = std::max(max_bucket, b.bytes);
+      }
+      for (auto& s : staging_) {
+        SS_ASSIGN_OR_RETURN(s, packer_->AllocStaging(static_cast<size_t>(max_bucket)));
+      }
     }
     SS_RETURN_IF_ERROR(PrecomputeTransfers());
     connected_ = true;
@@ -613,6 +627,7 @@ class SessionImpl final : public SyncSession {
     const bool fused = packer_ == own_packer_.get();
     std::deque<InFlight> flying;
     size_t outstanding = 0;  // wire bytes posted and not yet seen complete (fused path)
+    size_t ring_at = 0;      // next free byte of the staging ring (fused path)
     std::vector<std::unique_ptr<Control>> sent_controls;  // alive until their sends complete
     std::vector<XferId> ctrl_ids;
     std::vector<uint64_t> next_seq(plan_.sends.size(), 0);
@@ -683,7 +698,7 @@ class SessionImpl final : public SyncSession {
       f.bucket = bi;
       f.slot = next_slot;
       next_slot ^= 1;
-      unsigned char* stage = staging_[f.slot].get();
+      unsigned char* stage = fused ? nullptr : staging_[f.slot].get();
       if (!fused) {
         SS_ASSIGN_OR_RETURN(
             f.checksum, packer_->Pack(SourceRegions(m, b), in_.options.wire_dtype, stage, b.bytes));
@@ -691,7 +706,7 @@ class SessionImpl final : public SyncSession {
       const uint32_t base = put ? regbase_.at(m.dst) : 0;
       LandedSum sum;
       for (const WireRun& r : sb.xfers) {
-        const unsigned char* src = stage + r.wire_offset;
+        const unsigned char* src = fused ? nullptr : stage + r.wire_offset;
         if (fused) {
           SS_RETURN_IF_ERROR(drain(kSendWindowBytes > r.len ? kSendWindowBytes - r.len : 0));
           if (r.direct) {
@@ -701,7 +716,11 @@ class SessionImpl final : public SyncSession {
             src = data + r.src_offset;
             sum.Add(src, r.len, static_cast<uint64_t>(r.wire_offset));
           } else {
-            PackRange(sb, r.wire_offset, static_cast<int64_t>(r.len), stage + r.wire_offset, sum);
+            if (ring_at + r.len > kRingBytes) ring_at = 0;
+            unsigned char* out = staging_[0].get() + ring_at;
+            ring_at += r.len;
+            PackRange(sb, r.wire_offset, static_cast<int64_t>(r.len), out, sum);
+            src = out;
           }
         }
         auto id = put ? tx_.PostPut(m.dst, src, r.len, base + static_cast<uint32_t>(r.param),

@@ -69,6 +69,10 @@ std::vector<WireRun> BucketTransfers(const PlanInputs& in, const std::vector<HfT
 
 // Element cast between F32 / BF16 / F16 (plain copy for equal dtypes), as the packer does it.
 void CastInto(const void* in, DType a, void* out, DType b, int64_t n);
+// fp32 -> bf16 cast (as CastInto) of the first k elements of in[0, n), with k a multiple of 16
+// chosen by the kernel (0 where no vector unit does it), adding the checksum.h partial sum of
+// the k * 2 bytes written to *sum, out[0] being the start of message word `word`. Returns k.
+int64_t CastF32ToBF16WithSum(const void* in, void* out, int64_t n, uint64_t word, uint64_t* sum);
 void StoreFloats(const float* in, int64_t n, DType dtype, void* out);
 float LoadFloat(const void* p, int64_t i, DType dtype);
 Status CheckFloatDType(DType t, std::string_view field);

@@ -112,6 +112,49 @@ __attribute__((target("avx2"))) void CastF32ToBF16Avx2(const unsigned char* in, 
 }
 #endif
 
+#if defined(__x86_64__)
+// Low 64 bits of a * kChecksumMul per lane (as in checksum.cc: three 32x32->64 multiplies).
+__attribute__((target("avx2"))) inline __m256i MulChecksumConst(__m256i a) {
+  const __m256i lo_m = _mm256_set1_epi64x(kChecksumMul & 0xffffffffull);
+  const __m256i hi_m = _mm256_set1_epi64x(kChecksumMul >> 32);
+  const __m256i ll = _mm256_mul_epu32(a, lo_m);
+  const __m256i cross =
+      _mm256_add_epi64(_mm256_mul_epu32(a, hi_m), _mm256_mul_epu32(_mm256_srli_epi64(a, 32), lo_m));
+  return _mm256_add_epi64(ll, _mm256_slli_epi64(cross, 32));
+}
+
+// The cast above with the checksum terms of the bf16 words it produces taken from the register
+// before the store: the multiplies overlap the loads from DRAM the cast waits on, and the packed
+// bytes are not read back. n is a multiple of 16 (four whole words per step); `word` is the
+// message word index of out[0..8). Returns the partial sum of those words (checksum.h).
+__attribute__((target("avx2"))) uint64_t CastF32ToBF16SumAvx2(const unsigned char* in,
+                                                              unsigned char* out, int64_t n,
+                                                              uint64_t word) {
+  const __m256i step4 = _mm256_set1_epi64x(static_cast<long long>(4 * kChecksumStep));
+  __m256i key =
+      _mm256_set_epi64x(static_cast<long long>((word + 3) * kChecksumStep + kChecksumSeed),
+                        static_cast<long long>((word + 2) * kChecksumStep + kChecksumSeed),
+                        static_cast<long long>((word + 1) * kChecksumStep + kChecksumSeed),
+                        static_cast<long long>(word * kChecksumStep + kChecksumSeed));
+  __m256i sum = _mm256_setzero_si256();
+  for (int64_t i = 0; i < n; i += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(in + i * 4 + 1024), _MM_HINT_T0);
+    const __m256i a =
+        CastF32ToBF16x8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * 4)));
+    const __m256i b =
+        CastF32ToBF16x8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * 4 + 32)));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * 2), packed);
+    const __m256i t = MulChecksumConst(_mm256_xor_si256(packed, key));
+    sum = _mm256_add_epi64(sum, _mm256_xor_si256(t, _mm256_srli_epi64(t, 32)));
+    key = _mm256_add_epi64(key, step4);
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sum);
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+#endif
+
 void CastF32ToBF16(const unsigned char* in, unsigned char* out, int64_t n) {
 #if defined(__x86_64__)
   static const bool avx2 = __builtin_cpu_supports("avx2");
@@ -245,6 +288,20 @@ class CpuPacker final : public Packer {
 }  // namespace
 
 namespace sync_internal {
+int64_t CastF32ToBF16WithSum(const void* in, void* out, int64_t n, uint64_t word, uint64_t* sum) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  const int64_t whole = n & ~int64_t{15};
+  if (avx2 && whole > 0) {
+    *sum += CastF32ToBF16SumAvx2(static_cast<const unsigned char*>(in),
+                                 static_cast<unsigned char*>(out), whole, word);
+    return whole;
+  }
+#endif
+  (void)in, (void)out, (void)n, (void)word, (void)sum;
+  return 0;
+}
+
 void CastInto(const void* in, DType a, void* out, DType b, int64_t n) {
   Convert(static_cast<const unsigned char*>(in), a, static_cast<unsigned char*>(out), b, n);
 }

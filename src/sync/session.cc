@@ -94,6 +94,11 @@ class LandedSum {
       pieces_.emplace_back(off / 8, w);
     }
   }
+  // A partial sum (checksum.h) of `len` bytes of whole words, computed elsewhere.
+  void AddWords(uint64_t partial, size_t len) {
+    sum_ += partial;
+    bytes_ += len;
+  }
   uint64_t bytes() const { return bytes_; }
   // Pieces of one word cover disjoint bytes, so OR assembles the word (missing bytes: zero).
   uint64_t Finish() {
@@ -825,6 +830,7 @@ class SessionImpl final : public SyncSession {
     auto it = std::upper_bound(sb.pieces.begin(), sb.pieces.end(), from,
                                [](int64_t w, const SrcPiece& p) { return w < p.wire; });
     size_t k = static_cast<size_t>(it - sb.pieces.begin()) - 1;
+    const bool cast_sum = td == DType::kF32 && wd == DType::kBF16;
     int64_t at = from;      // next wire byte to write
     int64_t summed = from;  // wire bytes before this are in `sum`
     while (at < end) {
@@ -834,7 +840,27 @@ class SessionImpl final : public SyncSession {
       // Cast in chunk-sized steps so each chunk is checksummed while still in L1/L2.
       for (int64_t done = 0; done < n;) {
         const int64_t step = std::min(n - done, std::max<int64_t>(1, kPackChunkBytes / ws));
-        sync_internal::CastInto(p.src + (e0 + done) * ts, td, out + (at - from), wd, step);
+        const unsigned char* in = p.src + (e0 + done) * ts;
+        if (cast_sum && at % 8 == 0) {
+          // fp32 -> bf16 with the checksum taken from the registers (whole words only): first
+          // settle the bytes written before this word boundary the ordinary way.
+          if (summed < at) {
+            sum.Add(out + (summed - from), static_cast<size_t>(at - summed),
+                    static_cast<uint64_t>(summed));
+            summed = at;
+          }
+          uint64_t part = 0;
+          const int64_t k = sync_internal::CastF32ToBF16WithSum(
+              in, out + (at - from), step, static_cast<uint64_t>(at) / 8, &part);
+          if (k > 0) {
+            sum.AddWords(part, static_cast<size_t>(k * ws));
+            at += k * ws;
+            done += k;
+            summed = at;
+            continue;
+          }
+        }
+        sync_internal::CastInto(in, td, out + (at - from), wd, step);
         at += step * ws;
         done += step;
         // Checksum up to a word boundary of the bucket's wire image, so chunks rarely split words.

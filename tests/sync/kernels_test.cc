@@ -91,5 +91,36 @@ TEST(HostKernels, Fp32ToBf16CastMatchesF32ToBF16BitForBit) {
   }
 }
 
+TEST(HostKernels, FusedCastAndChecksumMatchTheDefinitions) {
+  std::mt19937 rng(13);
+  std::vector<uint32_t> in(100003);
+  for (auto& x : in) x = rng();
+  in[5] = 0x7fc00001;   // NaN
+  in[77] = 0xff800000;  // -Inf
+  for (size_t n : {size_t{0}, size_t{15}, size_t{16}, size_t{33}, size_t{4096}, in.size()}) {
+    for (uint64_t word : {uint64_t{0}, uint64_t{12345}, uint64_t{1} << 40}) {
+      std::vector<uint16_t> out(n, 0xDEAD);
+      uint64_t sum = 7;  // added to, not overwritten
+      const int64_t k = sync_internal::CastF32ToBF16WithSum(in.data(), out.data(),
+                                                            static_cast<int64_t>(n), word, &sum);
+      ASSERT_GE(k, 0);
+      ASSERT_LE(k, static_cast<int64_t>(n));
+      EXPECT_EQ(k % 16, 0);
+      for (int64_t i = 0; i < k; ++i) {
+        float f;
+        std::memcpy(&f, &in[i], 4);
+        ASSERT_EQ(out[i], F32ToBF16(f)) << "element " << i;
+      }
+      for (size_t i = k; i < n; ++i) EXPECT_EQ(out[i], 0xDEAD) << "wrote past k at " << i;
+      EXPECT_EQ(sum - 7, ReferencePartial(reinterpret_cast<const unsigned char*>(out.data()),
+                                          static_cast<size_t>(k) * 2, word * 8))
+          << "n=" << n << " word=" << word;
+#if defined(__x86_64__)
+      if (__builtin_cpu_supports("avx2")) EXPECT_EQ(k, static_cast<int64_t>(n & ~size_t{15}));
+#endif
+    }
+  }
+}
+
 }  // namespace
 }  // namespace shardsync

@@ -53,9 +53,12 @@ if [ "$mode" = full ]; then
   # The same bf16 sync with the receivers' separate verify pass instead of the fused readback.
   run coloc_8b_bf16_pass --model qwen3-8b --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
     --transport cuda_ipc --trainer-dtype bf16 --iters 5 --no-kernel-bench --landed-check pass
-  # Two pairs in flight per thread instead of four (kernel GB/s included).
-  SHARDSYNC_GPU_UNROLL=2 run coloc_8b_bf16_u2 --model qwen3-8b --gpus 1 --trainer fsdp=2 \
-    --rollout dp=1,tp=2,pp=2 --transport cuda_ipc --trainer-dtype bf16 --iters 5
+  # Trainers sharing the GPU time-sliced by the GPU instead of packing in turn.
+  run coloc_8b_bf16_noturns --model qwen3-8b --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
+    --transport cuda_ipc --trainer-dtype bf16 --iters 5 --no-kernel-bench --no-turns
+  # Four pairs in flight per thread in the landed kernels instead of two.
+  SHARDSYNC_GPU_UNROLL=4 run coloc_8b_bf16_u4 --model qwen3-8b --gpus 1 --trainer fsdp=2 \
+    --rollout dp=1,tp=2,pp=2 --transport cuda_ipc --trainer-dtype bf16 --iters 5 --no-kernel-bench
 fi
 echo "failures: $fails" | tee -a "$out/summary.txt"
 exit $((fails > 0))

@@ -48,21 +48,26 @@ __global__ void Copy(const uint4* __restrict__ in, uint4* __restrict__ out, int6
 }
 
 // Blocked: block owns whole chunks of `chunk` uint4 (grid-stride over chunks), like BatchKernel.
-template <int kU>
+// kPat 0: u-stride blockDim; 1: u-stride chunk/kU (each u sweeps a quarter); 2: chunks
+// interleaved at warp granularity across the grid (chunk c, warp w -> one 512 B piece per u).
+template <int kU, int kPat>
 __global__ void Blocked(const uint4* __restrict__ in, uint4* __restrict__ out, int64_t n,
                         int64_t chunk, unsigned long long* sum) {
   uint64_t acc = 0;
   const int64_t nchunks = n / chunk;
+  const int64_t ustride = kPat == 0 ? blockDim.x : chunk / kU;
+  const int64_t jend = kPat == 0 ? chunk : chunk / kU;
+  const int64_t jstep = kPat == 0 ? kU * blockDim.x : blockDim.x;
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const int64_t base = c * chunk;
-    for (int64_t j = threadIdx.x; j + (kU - 1) * blockDim.x < chunk; j += kU * blockDim.x) {
+    for (int64_t j = threadIdx.x; j + (kPat == 0 ? (kU - 1) * blockDim.x : 0) < jend; j += jstep) {
       uint4 a[kU];
 #pragma unroll
-      for (int u = 0; u < kU; ++u) a[u] = __ldcs(in + base + j + u * blockDim.x);
+      for (int u = 0; u < kU; ++u) a[u] = __ldcs(in + base + j + u * ustride);
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
-        out[base + j + u * blockDim.x] = a[u];
-        const uint64_t k = static_cast<uint64_t>(base + j + u * blockDim.x) * 2 * kStep + kSeed;
+        out[base + j + u * ustride] = a[u];
+        const uint64_t k = static_cast<uint64_t>(base + j + u * ustride) * 2 * kStep + kSeed;
         acc += Mix((uint64_t(a[u].y) << 32) | a[u].x, k) + Mix((uint64_t(a[u].w) << 32) | a[u].z, k + kStep);
       }
     }
@@ -71,6 +76,7 @@ __global__ void Blocked(const uint4* __restrict__ in, uint4* __restrict__ out, i
   if ((threadIdx.x & 31) == 0) atomicAdd(sum, acc);
 }
 
+template <int kPat>
 void RunBlocked(int64_t chunk_bytes, const uint4* in, uint4* out, int64_t n, unsigned long long* sum,
                 int grid_per_sm) {
   int sms = 0;
@@ -79,14 +85,14 @@ void RunBlocked(int64_t chunk_bytes, const uint4* in, uint4* out, int64_t n, uns
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
-  Blocked<4><<<grid, 256>>>(in, out, n, chunk_bytes / 16, sum);
+  Blocked<4, kPat><<<grid, 256>>>(in, out, n, chunk_bytes / 16, sum);
   cudaEventRecord(a);
-  for (int r = 0; r < 5; ++r) Blocked<4><<<grid, 256>>>(in, out, n, chunk_bytes / 16, sum);
+  for (int r = 0; r < 5; ++r) Blocked<4, kPat><<<grid, 256>>>(in, out, n, chunk_bytes / 16, sum);
   cudaEventRecord(b);
   cudaEventSynchronize(b);
   float ms = 0;
   cudaEventElapsedTime(&ms, a, b);
-  printf("blocked chunk %8lld B, grid %d/SM: %7.0f GB/s\n", (long long)chunk_bytes, grid_per_sm,
+  printf("blocked pat %d chunk %8lld B, grid %d/SM: %7.0f GB/s\n", kPat, (long long)chunk_bytes, grid_per_sm,
          2.0 * n * 16 * 5 / (ms / 1e3) / 1e9);
 }
 
@@ -133,7 +139,8 @@ int main() {
   cudaEventElapsedTime(&ms, a, b);
   printf("%-34s %7.0f GB/s\n", "cudaMemcpy D2D", 2.0 * bytes * 5 / (ms / 1e3) / 1e9);
   for (int64_t c : {16 << 10, 64 << 10, 256 << 10, 1 << 20}) {
-    for (int g : {4, 8}) RunBlocked(c, in, out, n, sum, g);
+    RunBlocked<0>(c, in, out, n, sum, 4);
+    RunBlocked<1>(c, in, out, n, sum, 4);
   }
   for (int t : {256}) {
     Run<1, 0, 0>("copy U1 ldcs", in, out, n, sum, t, 0);

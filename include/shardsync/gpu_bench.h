@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shardsync/dtype.h"
@@ -34,6 +35,9 @@ struct GpuBenchOptions {
   // and adds it there; the engine compares the accumulator with the sender's checksum.
   // "pass": the engine re-reads every landed byte with its own verify launch after the sync.
   std::string landed_check = "fused";
+  // Trainers sharing a GPU pack one after another (a GPU-side wait on the previous trainer's
+  // interprocess event) instead of being time-sliced by the GPU.
+  bool colocated_turns = true;
   int64_t bucket_bytes = int64_t{512} << 20;
   int gpus = 0;    // GPUs to place ranks on (0: all visible). Trainer t on GPU t % gpus; engine
                    // rank (replica d, pp, tp) on GPU (d*tp*pp + pp*tp + tp) % gpus (colocated).
@@ -66,6 +70,9 @@ struct GpuBenchRank {
   // GPU time of this rank's one IPC launch (trainer: pack into the engines; engine: verify) per
   // timed iteration, from CUDA events.
   std::vector<double> kernel_seconds;
+  // Host clock (seconds) at the steps of the last timed sync: t0, start, turn, launched,
+  // flushed (trainer), checksums (engine), t1.
+  std::vector<std::pair<std::string, double>> phases;
 };
 
 struct GpuBenchReport {

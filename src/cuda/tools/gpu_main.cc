@@ -45,6 +45,9 @@ int main(int argc, char** argv) {
   bench->add_option("--timeout-ms", timeout_ms, "per-wait timeout");
   bench->add_option("--log-prefix", o.log_prefix, "per-process stderr logs (PREFIXrankN.log)");
   bench->add_flag("--broadcast", o.broadcast_baseline, "also run the broadcast-all baseline");
+  bool no_turns = false;
+  bench->add_flag("--no-turns", no_turns,
+                  "let trainers sharing a GPU pack concurrently (time-sliced) instead of in turn");
   bench->add_flag("--no-memcpy", no_memcpy, "skip the cudaMemcpy baseline");
   bench->add_flag("--no-kernel-bench", no_kernels, "skip the kernel microbenchmarks");
   bench->add_flag("--no-verify", no_verify, "skip the element-by-element check");
@@ -83,6 +86,7 @@ int main(int argc, char** argv) {
   o.timeout = Millis(timeout_ms);
   o.memcpy_baseline = !no_memcpy;
   o.kernel_bench = !no_kernels;
+  o.colocated_turns = !no_turns;
   o.verify_elements = !no_verify;
   auto r = gpu::RunGpuBench(o);
   if (!r.ok()) {
@@ -103,7 +107,8 @@ int main(int argc, char** argv) {
                      {"element_mismatches", x.element_mismatches},
                      {"elements_checked", x.elements_checked},
                      {"seconds", x.seconds},
-                     {"kernel_seconds", x.kernel_seconds}});
+                     {"kernel_seconds", x.kernel_seconds},
+                     {"phases", x.phases}});
   }
   json j = {{"device", p.device_name},
             {"gpus", p.gpus},

@@ -232,7 +232,10 @@ class Recorder final : public Transport {
 // Every rank of a job in this process on loopback, each behind a Recorder.
 class RecordedJob {
  public:
-  RecordedJob(JobSpec spec, bool two_sided_only) : spec_(std::move(spec)) {
+  // external_packer: every rank gets a packer through SessionOptions (the path device packers
+  // take: whole buckets packed into staging, receivers verify through the packer).
+  RecordedJob(JobSpec spec, bool two_sided_only, bool external_packer = false)
+      : spec_(std::move(spec)) {
     auto server = StoreServer::Start("127.0.0.1", 0, "tok");
     EXPECT_TRUE(server.ok());
     server_ = std::move(server).value();
@@ -247,6 +250,10 @@ class RecordedJob {
       k.tx = std::make_unique<Recorder>(NewLoopbackTransport(hub), two_sided_only);
       SessionOptions o;
       o.sync_timeout = Millis(10000);
+      if (external_packer) {
+        k.packer = MakeCpuPacker();
+        o.packer = k.packer.get();
+      }
       auto s = SyncSession::Create(spec_.inputs, r, *k.store, *k.tx, o);
       EXPECT_TRUE(s.ok()) << s.status().ToString();
       k.session = std::move(s).value();
@@ -312,6 +319,7 @@ class RecordedJob {
  private:
   struct Rank {
     std::unique_ptr<StoreClient> store;
+    std::unique_ptr<Packer> packer;  // outlives the session (declared before it)
     std::unique_ptr<Recorder> tx;
     std::unique_ptr<SyncSession> session;
     sync_internal::TrainerShards shards;
@@ -387,6 +395,19 @@ TEST_P(ZeroCopy, DirectTransfersCarryTheSourceAsItIsAtSyncTime) {
   emb[1] ^= 0x40;
   ExpectAllOk(job.Sync(3));
   EXPECT_EQ(job.Mismatches(), 0);
+}
+
+// A packer passed in packs whole buckets into staging and sends the same split from there; the
+// receivers (same split, verification through the packer) accept it.
+TEST_P(ZeroCopy, PackerPassedInSendsTheSameSplitFromStaging) {
+  RecordedJob job(MidJob("bf16"), GetParam(), /*external_packer=*/true);
+  ExpectAllOk(job.Sync(1));
+  EXPECT_EQ(job.Mismatches(), 0);
+  EXPECT_EQ(job.direct_posts(), 0);
+  EXPECT_GT(job.staged_posts(), 0);
+  job.tx(0).corrupt_next_direct = true;  // nothing leaves from the sources: nothing corrupted
+  ExpectAllOk(job.Sync(2));
+  EXPECT_EQ(job.tx(0).corrupted, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, ZeroCopy, ::testing::Values(true, false),

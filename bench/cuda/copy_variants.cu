@@ -118,7 +118,7 @@ void Run(const char* name, const uint4* in, uint4* out, int64_t n, unsigned long
          2.0 * n * 16 * 5 / (ms / 1e3) / 1e9);
 }
 
-int main() {
+int OldMain() {
   const int64_t bytes = int64_t{8} << 30;  // 8 GiB each side, like one trainer's sync
   const int64_t n = bytes / 16;
   uint4 *in, *out;
@@ -153,6 +153,86 @@ int main() {
   }
   Run<4, 1, 0>("copy+mix U4 ldcs 1 block/SM x1024", in, out, n, sum, 1024, 1);
   Run<4, 1, 0>("copy+mix U4 ldcs 2 blocks/SM x512", in, out, n, sum, 512, 2);
+  printf("%s\n", cudaGetErrorString(cudaGetLastError()));
+  return 0;
+}
+
+// Chunked quarter streams (BatchKernel's order) with copy + mix + readback; kLd 0 ldcs, 1 ldg,
+// 2 plain; kSt 0 plain, 1 stcs, 2 stcg.
+template <int kU, int kLd, int kSt, bool kRb>
+__global__ void Quarter(const uint4* __restrict__ in, uint4* out, int64_t n, int64_t chunk,
+                        unsigned long long* sum) {
+  uint64_t acc = 0, lacc = 0;
+  const int64_t nchunks = n / chunk;
+  const int64_t qn = chunk / kU;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int64_t base = c * chunk;
+    for (int64_t j = threadIdx.x; j < qn; j += blockDim.x) {
+      uint4 a[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const uint4* p = in + base + j + u * qn;
+        a[u] = kLd == 0 ? __ldcs(p) : (kLd == 1 ? __ldg(p) : *p);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        uint4* o = out + base + j + u * qn;
+        if (kSt == 0) *o = a[u]; else if (kSt == 1) __stcs(o, a[u]); else __stcg(o, a[u]);
+        const uint64_t k = static_cast<uint64_t>(base + j + u * qn) * 2 * kStep + kSeed;
+        const uint64_t w0 = (uint64_t(a[u].y) << 32) | a[u].x, w1 = (uint64_t(a[u].w) << 32) | a[u].z;
+        acc += Mix(w0, k) + Mix(w1, k + kStep);
+        if (kRb) {
+          const uint4 b = __ldcg(o);
+          const uint64_t l0 = (uint64_t(b.y) << 32) | b.x, l1 = (uint64_t(b.w) << 32) | b.z;
+          if (l0 != w0 || l1 != w1) lacc += Mix(l0, k) - Mix(w0, k) + Mix(l1, k + kStep) - Mix(w1, k + kStep);
+        }
+      }
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc + lacc, o);
+  if ((threadIdx.x & 31) == 0) atomicAdd(sum, acc);
+}
+
+template <int kU, int kLd, int kSt, bool kRb>
+void RunQ(const char* name, const uint4* in, uint4* out, int64_t n, unsigned long long* sum) {
+  int sms = 0, occ = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, Quarter<kU, kLd, kSt, kRb>, 256, 0);
+  const int grid = sms * occ;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  Quarter<kU, kLd, kSt, kRb><<<grid, 256>>>(in, out, n, 16384, sum);
+  cudaEventRecord(a);
+  for (int r = 0; r < 5; ++r) Quarter<kU, kLd, kSt, kRb><<<grid, 256>>>(in, out, n, 16384, sum);
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  printf("%-28s occ %d: %7.0f GB/s\n", name, occ, 2.0 * n * 16 * 5 / (ms / 1e3) / 1e9);
+}
+
+int main() {
+  const int64_t bytes = int64_t{8} << 30;
+  const int64_t n = bytes / 16;
+  uint4 *in, *out;
+  unsigned long long* sum;
+  cudaMalloc(&in, bytes);
+  cudaMalloc(&out, bytes);
+  cudaMalloc(&sum, 8);
+  cudaMemset(in, 0x3c, bytes);
+  RunQ<2, 0, 0, false>("U2 ldcs st", in, out, n, sum);
+  RunQ<4, 0, 0, false>("U4 ldcs st", in, out, n, sum);
+  RunQ<2, 0, 0, true>("U2 ldcs st rb", in, out, n, sum);
+  RunQ<4, 0, 0, true>("U4 ldcs st rb", in, out, n, sum);
+  RunQ<2, 1, 0, true>("U2 ldg st rb", in, out, n, sum);
+  RunQ<4, 1, 0, true>("U4 ldg st rb", in, out, n, sum);
+  RunQ<2, 2, 0, true>("U2 ld st rb", in, out, n, sum);
+  RunQ<2, 0, 1, true>("U2 ldcs stcs rb", in, out, n, sum);
+  RunQ<4, 0, 1, true>("U4 ldcs stcs rb", in, out, n, sum);
+  RunQ<2, 0, 2, true>("U2 ldcs stcg rb", in, out, n, sum);
+  RunQ<4, 1, 1, true>("U4 ldg stcs rb", in, out, n, sum);
+  RunQ<8, 0, 0, true>("U8 ldcs st rb", in, out, n, sum);
   printf("%s\n", cudaGetErrorString(cudaGetLastError()));
   return 0;
 }

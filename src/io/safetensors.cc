@@ -234,7 +234,8 @@ Result<std::unique_ptr<SafetensorsCheckpoint>> SafetensorsCheckpoint::Open(
   std::unique_ptr<SafetensorsCheckpoint> c(new SafetensorsCheckpoint());
   const fs::path p(path);
   std::error_code ec;
-  if (!fs::exists(p, ec)) return NotFoundError(fmt::format("--weights '{}': no such file", path));
+  if (!fs::exists(p, ec))
+    return NotFoundError(fmt::format("'{}': no such file or directory", path));
   std::vector<std::pair<std::string, std::vector<std::string>>> shards;  // file -> expected names
   if (fs::is_directory(p, ec)) {
     c->dir_ = p.string();
@@ -274,8 +275,7 @@ Result<std::unique_ptr<SafetensorsCheckpoint>> SafetensorsCheckpoint::Open(
       shards.emplace_back((p / "model.safetensors").string(), std::vector<std::string>{});
     } else {
       return NotFoundError(fmt::format(
-          "--weights '{}': no model.safetensors or model.safetensors.index.json in the directory",
-          path));
+          "'{}': no model.safetensors or model.safetensors.index.json in the directory", path));
     }
   } else {
     c->dir_ = p.has_parent_path() ? p.parent_path().string() : std::string(".");

@@ -183,9 +183,12 @@ Result<std::pair<int64_t, int64_t>> PpLayerRange(EngineKind engine, int64_t num_
     }
     int64_t sum = 0;
     for (size_t i = 0; i < partition.size(); ++i) {
-      if (partition[i] < 0 || partition[i] > num_layers) {
-        return InvalidArgumentError(fmt::format("--pp-partition: entry {} is {}, outside [0, {}]",
-                                                i, partition[i], num_layers));
+      // Every stage holds at least one decoder layer (the planner, `plan` and `run` always
+      // required it; `shards` and `generate` used to accept an empty stage).
+      if (partition[i] < 1 || partition[i] > num_layers) {
+        return InvalidArgumentError(fmt::format(
+            "--pp-partition: entry {} is {}, outside [1, {}] (every stage needs a layer)", i,
+            partition[i], num_layers));
       }
       sum += partition[i];
     }
@@ -367,9 +370,9 @@ Result<std::vector<int64_t>> ParsePpPartition(std::string_view csv, std::string_
     while (!tok.empty() && tok.back() == ' ') tok.remove_suffix(1);
     int64_t v = 0;
     auto [ptr, ec] = std::from_chars(tok.data(), tok.data() + tok.size(), v);
-    if (tok.empty() || ec != std::errc() || ptr != tok.data() + tok.size() || v < 0) {
-      return InvalidArgumentError(fmt::format(
-          "{}: '{}' is not a non-negative layer count (expected e.g. 9,10,9)", field, tok));
+    if (tok.empty() || ec != std::errc() || ptr != tok.data() + tok.size() || v < 1) {
+      return InvalidArgumentError(
+          fmt::format("{}: '{}' is not a positive layer count (expected e.g. 9,10,9)", field, tok));
     }
     out.push_back(v);
     pos = comma + 1;

@@ -211,6 +211,9 @@ const std::vector<BadCase> kShards = {
      Shards({"--pp", "2", "--pp-partition", "1,1,0"}),
      {"--pp-partition"}},
     {"pp_partition_wrong_sum", Shards({"--pp", "2", "--pp-partition", "1,2"}), {"--pp-partition"}},
+    {"pp_partition_empty_stage",
+     Shards({"--pp", "2", "--pp-partition", "2,0"}),
+     {"--pp-partition", "positive"}},
     {"pp_partition_not_numbers",
      Shards({"--pp", "2", "--pp-partition", "a,b"}),
      {"--pp-partition"}},
@@ -529,7 +532,9 @@ const std::vector<BadCase> kGenerate = {
      {"generate", "--weights", "{DIR}/w_incomplete"},
      {"model.embed_tokens.weight"}},
     {"weights_garbage", {"generate", "--weights", "{DIR}/w_garbage"}, {"model.safetensors"}},
-    {"weights_truncated", {"generate", "--weights", "{DIR}/w_truncated"}, {"a.weight"}, {}, 1},
+    {"weights_truncated",
+     {"generate", "--weights", "{DIR}/w_truncated"},
+     {"--weights", "a.weight"}},
     {"weights_garbage_file",
      {"generate", "--weights", "{DIR}/garbage.safetensors"},
      {"garbage.safetensors"}},
@@ -537,8 +542,8 @@ const std::vector<BadCase> kGenerate = {
 SS_BAD_SUITE(Generate, kGenerate);
 
 // ---------------------------------------------------------------- inspect
-// A truncated or corrupt file is data_loss, exit 1, as docs/cli.md documents for inspect (a
-// malformed header is invalid_argument, exit 2); nothing on stdout either way.
+// A truncated or corrupt file is bad input like a malformed header: exit 2, the file named,
+// nothing on stdout.
 const std::vector<BadCase> kInspect = {
     {"missing_path", {"inspect"}, {"path"}},
     {"path_missing", {"inspect", "{DIR}/nope.safetensors"}, {"{DIR}/nope.safetensors"}},
@@ -548,19 +553,13 @@ const std::vector<BadCase> kInspect = {
     {"offsets_disagree_with_shape", {"inspect", "{DIR}/badoffsets.safetensors"}, {"a.weight"}},
     {"unknown_flag", {"inspect", "{DIR}/good.safetensors", "--yaml"}, {"--yaml"}},
     {"garbage_file", {"inspect", "{DIR}/garbage.safetensors"}, {"garbage.safetensors"}},
-    {"shorter_than_length_prefix",
-     {"inspect", "{DIR}/short.safetensors"},
-     {"short.safetensors"},
-     {},
-     1},
+    {"shorter_than_length_prefix", {"inspect", "{DIR}/short.safetensors"}, {"short.safetensors"}},
     {"header_length_beyond_file",
      {"inspect", "{DIR}/hugelen.safetensors"},
      {"hugelen.safetensors"}},
     {"truncated_data",
      {"inspect", "{DIR}/truncated.safetensors"},
-     {"a.weight", "truncated.safetensors"},
-     {},
-     1},
+     {"a.weight", "truncated.safetensors"}},
 };
 SS_BAD_SUITE(Inspect, kInspect);
 

@@ -83,10 +83,12 @@ TEST(Rejections, PipelineAndSizes) {
   ExpectRejected(m, s, {"--pp-partition", "1 entries"});
   s.pp_partition = {5, -1};
   ExpectRejected(m, s, {"--pp-partition", "entry 0"});
+  s.pp_partition = {4, 0};  // an empty stage
+  ExpectRejected(m, s, {"--pp-partition", "entry 1 is 0"});
 }
 
 TEST(Rejections, ParsePpPartition) {
-  for (const char* bad : {"", "9,,9", "a,b", "9;10", "-1,5", "1.5,2"}) {
+  for (const char* bad : {"", "9,,9", "a,b", "9;10", "-1,5", "1.5,2", "9,0"}) {
     auto r = ParsePpPartition(bad);
     EXPECT_FALSE(r.ok()) << bad;
     if (!r.ok()) {

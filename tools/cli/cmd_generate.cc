@@ -78,7 +78,7 @@ int Run(const Args& a) {
   std::string weights_desc;
   if (!a.weights.empty()) {
     auto ck = CheckpointWeightSource::Open(a.weights);
-    if (!ck.ok()) return ReportError(ck.status());
+    if (!ck.ok()) return ReportInputError(ck.status(), "--weights");
     auto s = LoadModelSpec((*ck)->checkpoint().directory());
     if (!s.ok()) {
       Status st = s.status();

@@ -19,7 +19,7 @@ struct Args {
 
 int Run(const Args& a) {
   auto ck = SafetensorsCheckpoint::Open(a.path);
-  if (!ck.ok()) return ReportError(ck.status());
+  if (!ck.ok()) return ReportInputError(ck.status(), "path");
   struct Row {
     const SafetensorsEntry* e;
     std::string file;

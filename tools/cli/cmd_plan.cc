@@ -43,25 +43,6 @@ std::string Human(double b) {
   return fmt::format("{:.2f} {}", b, u[i]);
 }
 
-Result<std::vector<int64_t>> ParsePartition(std::string_view s) {
-  std::vector<int64_t> out;
-  size_t pos = 0;
-  while (pos <= s.size()) {
-    size_t c = s.find(',', pos);
-    if (c == std::string_view::npos) c = s.size();
-    const std::string tok(s.substr(pos, c - pos));
-    char* end = nullptr;
-    const long long v = std::strtoll(tok.c_str(), &end, 10);
-    if (tok.empty() || *end != '\0' || v <= 0) {
-      return InvalidArgumentError(
-          fmt::format("--pp-partition: expected positive layer counts like 12,12,12, got '{}'", s));
-    }
-    out.push_back(v);
-    pos = c + 1;
-  }
-  return out;
-}
-
 Result<PlanInputs> MakeInputs(const Args& a) {
   PlanInputs in;
   SS_ASSIGN_OR_RETURN(in.model, LoadModelSpec(a.model));
@@ -69,7 +50,8 @@ Result<PlanInputs> MakeInputs(const Args& a) {
   SS_ASSIGN_OR_RETURN(EngineKind engine, ParseEngineKind(a.engine, "--engine"));
   SS_ASSIGN_OR_RETURN(in.rollout, ParseRolloutSpec(a.rollout, engine));
   if (!a.pp_partition.empty()) {
-    SS_ASSIGN_OR_RETURN(in.rollout.shard.pp_partition, ParsePartition(a.pp_partition));
+    SS_ASSIGN_OR_RETURN(in.rollout.shard.pp_partition,
+                        ParsePpPartition(a.pp_partition, "--pp-partition"));
   }
   SS_ASSIGN_OR_RETURN(in.options.wire_dtype, ParseDType(a.wire_dtype, "--wire-dtype"));
   SS_ASSIGN_OR_RETURN(in.trainer_dtype, ParseDType(a.trainer_dtype, "--trainer-dtype"));

@@ -29,7 +29,7 @@ int RunStore(const std::string& bind, const std::string& token_flag) {
   sigaddset(&set, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   auto server = StoreServer::Start(hp->first, hp->second, token);
-  if (!server.ok()) return ReportError(server.status());
+  if (!server.ok()) return ReportError(Status(server.status()).Annotate("--bind"));
   // The one stdout line: launchers read the bound address (useful with port 0).
   std::printf("%s\n", (*server)->address().c_str());
   std::fflush(stdout);

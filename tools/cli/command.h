@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "shardsync/status.h"
@@ -31,5 +32,8 @@ struct Registration {
 // Prints "shardsync: <status message>" to stderr and returns the exit code for its code
 // (InvalidArgument / NotFound / OutOfRange / PermissionDenied -> 2, otherwise 1).
 int ReportError(const Status& status);
+// For errors reading a user-given input file: names `field` (the flag or argument) and treats a
+// malformed file (DataLoss from a parser) as bad input, exit 2 like any other.
+int ReportInputError(Status status, std::string_view field);
 
 }  // namespace shardsync::cli

@@ -25,6 +25,14 @@ int ReportError(const Status& status) {
   }
 }
 
+int ReportInputError(Status status, std::string_view field) {
+  status.Annotate(field);
+  if (status.code() == StatusCode::kDataLoss) {
+    return ReportError(InvalidArgumentError(status.message()));
+  }
+  return ReportError(status);
+}
+
 }  // namespace shardsync::cli
 
 int main(int argc, char** argv) {

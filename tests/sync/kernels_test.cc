@@ -116,7 +116,9 @@ TEST(HostKernels, FusedCastAndChecksumMatchTheDefinitions) {
                                           static_cast<size_t>(k) * 2, word * 8))
           << "n=" << n << " word=" << word;
 #if defined(__x86_64__)
-      if (__builtin_cpu_supports("avx2")) EXPECT_EQ(k, static_cast<int64_t>(n & ~size_t{15}));
+      if (__builtin_cpu_supports("avx2")) {
+        EXPECT_EQ(k, static_cast<int64_t>(n & ~size_t{15}));
+      }
 #endif
     }
   }

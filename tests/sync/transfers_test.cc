@@ -372,7 +372,9 @@ TEST_P(ZeroCopy, CorruptedDirectTransferIsDataLossNamingTheParameter) {
       EXPECT_THAT(st[r].message(), HasSubstr("from sync rank 1"));
       EXPECT_THAT(st[r].message(), HasSubstr("parameters: model."));
     }
-    if (r >= job.trainers()) EXPECT_TRUE(job.session(r).IsPoisoned()) << "rank " << r;
+    if (r >= job.trainers()) {
+      EXPECT_TRUE(job.session(r).IsPoisoned()) << "rank " << r;
+    }
   }
   EXPECT_EQ(data_loss, 1);
   ExpectAllOk(job.Sync(3));

@@ -27,7 +27,10 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
       ->capture_default_str();
   sub->add_option("--trainer-dtype", f->trainer_dtype, "Dtype of the trainer's shards")
       ->capture_default_str();
-  sub->add_option("--bucket-mb", f->bucket_mb, "Bucket cap in MiB (staging per sender: 2 buckets)")
+  sub->add_option(
+         "--bucket-mb", f->bucket_mb,
+         "Bucket cap in MiB (the unit of checksums and completion; host senders stage through a "
+         "3 MiB ring, device packers hold 2 buckets)")
       ->capture_default_str();
   sub->add_option("--bucket-bytes", f->bucket_bytes, "Bucket cap in bytes (overrides --bucket-mb)");
   sub->add_option("--seed", f->seed, "Seed of the synthetic weights")

@@ -425,7 +425,20 @@ Status RankRunner::PrepareIpc() {
       if (map.is_discarded() || !map.contains("runs")) {
         return DataLossError("engine rank " + std::to_string(m.dst) + ": malformed landed map");
       }
-      for (const json& r : map.at("runs")) {
+      const json& runs = map.at("runs");
+      if (!runs.is_array()) {
+        return DataLossError("engine rank " + std::to_string(m.dst) +
+                             ": landed map 'runs' is not a list");
+      }
+      for (const json& r : runs) {
+        // [bucket, wire offset, byte offset, bytes], all non-negative integers.
+        bool ok = r.is_array() && r.size() == 4;
+        for (size_t k = 0; ok && k < 4; ++k)
+          ok = r[k].is_number_integer() && r[k].get<int64_t>() >= 0;
+        if (!ok || r[3].get<int64_t>() % 2 != 0) {
+          return DataLossError("engine rank " + std::to_string(m.dst) +
+                               ": malformed landed map entry " + r.dump());
+        }
         const auto b = r.at(0).get<int64_t>();
         if (b < 0 || b >= static_cast<int64_t>(m.buckets.size())) {
           return DataLossError("engine rank " + std::to_string(m.dst) + ": landed map bucket " +
@@ -552,10 +565,11 @@ Status RankRunner::TrainerSync(uint64_t v, bool fault, Clock::time_point deadlin
   // IPC: one launch writes every IPC bucket straight into the engines.
   if (!ipc_batch_ && turn_) {  // nothing to pack over IPC: pass the turn on at once
     if (prev_trainer_ >= 0) {
-      SS_RETURN_IF_ERROR(store_.Get("gb/turn/" + std::to_string(v) + "/" +
-                                        std::to_string(prev_trainer_),
-                                    Left(deadline))
-                             .status());
+      SS_RETURN_IF_ERROR(
+          store_
+              .Get("gb/turn/" + std::to_string(v) + "/" + std::to_string(prev_trainer_),
+                   Left(deadline))
+              .status());
     }
     if (next_trainer_ >= 0) {
       SS_RETURN_IF_ERROR(
@@ -565,10 +579,11 @@ Status RankRunner::TrainerSync(uint64_t v, bool fault, Clock::time_point deadlin
   if (ipc_batch_) {
     Phase("start");
     if (prev_trainer_ >= 0) {  // our turn on the GPU comes after the previous trainer's pack
-      SS_RETURN_IF_ERROR(store_.Get("gb/turn/" + std::to_string(v) + "/" +
-                                        std::to_string(prev_trainer_),
-                                    Left(deadline))
-                             .status());
+      SS_RETURN_IF_ERROR(
+          store_
+              .Get("gb/turn/" + std::to_string(v) + "/" + std::to_string(prev_trainer_),
+                   Left(deadline))
+              .status());
       SS_CUDA(cudaStreamWaitEvent(stream_, prev_turn_, 0), "trainer: wait for turn");
       Phase("turn");
     }

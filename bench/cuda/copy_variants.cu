@@ -118,7 +118,8 @@ void Run(const char* name, const uint4* in, uint4* out, int64_t n, unsigned long
          2.0 * n * 16 * 5 / (ms / 1e3) / 1e9);
 }
 
-int OldMain() {
+// Part 1: cudaMemcpy, grid-interleaved and chunked copy kernels (own 8 GiB buffers).
+int InterleavedVsChunked() {
   const int64_t bytes = int64_t{8} << 30;  // 8 GiB each side, like one trainer's sync
   const int64_t n = bytes / 16;
   uint4 *in, *out;
@@ -154,6 +155,9 @@ int OldMain() {
   Run<4, 1, 0>("copy+mix U4 ldcs 1 block/SM x1024", in, out, n, sum, 1024, 1);
   Run<4, 1, 0>("copy+mix U4 ldcs 2 blocks/SM x512", in, out, n, sum, 512, 2);
   printf("%s\n", cudaGetErrorString(cudaGetLastError()));
+  cudaFree(in);
+  cudaFree(out);
+  cudaFree(sum);
   return 0;
 }
 
@@ -212,7 +216,9 @@ void RunQ(const char* name, const uint4* in, uint4* out, int64_t n, unsigned lon
   printf("%-28s occ %d: %7.0f GB/s\n", name, occ, 2.0 * n * 16 * 5 / (ms / 1e3) / 1e9);
 }
 
+// Part 2: BatchKernel's chunk order with the landed readback and cache-hint variants.
 int main() {
+  InterleavedVsChunked();
   const int64_t bytes = int64_t{8} << 30;
   const int64_t n = bytes / 16;
   uint4 *in, *out;

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Quick GPU iteration on the device machine: GPU tests, then the qwen3-8b colocated sync (bf16,
 # fused landed check) with kernel GB/s; prints one line per run. Binaries from .bundle-gpu.
+# Knobs: DTYPES (default "bf16 f32"), TRAINER (default fsdp=2), GPU_BIN (another binary in
+# .bundle-gpu/bin); extra arguments go to every bench run.
 set -uo pipefail
 out=${OUT:-gpu-logs}
 mkdir -p "$out"

@@ -1,8 +1,8 @@
 // Exploration benchmark (not built by CMake): which copy-kernel shape reaches cudaMemcpy's HBM
 // rate on this GPU, with and without the shardsync checksum mix. Build: nvcc -O3 -arch=sm_90.
 #include <cuda_runtime.h>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 
 constexpr uint64_t kStep = 0x9E3779B97F4A7C15ull, kSeed = 0xD6E8FEB86659FD93ull,
                    kMul = 0xFF51AFD7ED558CCDull;
@@ -20,14 +20,17 @@ __global__ void Copy(const uint4* __restrict__ in, uint4* __restrict__ out, int6
   for (; i + (kU - 1) * stride < n; i += kU * stride) {
     uint4 a[kU];
 #pragma unroll
-    for (int u = 0; u < kU; ++u) a[u] = kLoad == 0 ? __ldcs(in + i + u * stride) : (kLoad == 1 ? __ldg(in + i + u * stride) : __ldlu(in + i + u * stride));
+    for (int u = 0; u < kU; ++u)
+      a[u] = kLoad == 0 ? __ldcs(in + i + u * stride)
+                        : (kLoad == 1 ? __ldg(in + i + u * stride) : __ldlu(in + i + u * stride));
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       out[i + u * stride] = a[u];
       if (kMode >= 1) {
         const uint64_t w = static_cast<uint64_t>(i + u * stride) * 2;
         const uint64_t k = w * kStep + kSeed;
-        acc += Mix((uint64_t(a[u].y) << 32) | a[u].x, k) + Mix((uint64_t(a[u].w) << 32) | a[u].z, k + kStep);
+        acc += Mix((uint64_t(a[u].y) << 32) | a[u].x, k) +
+               Mix((uint64_t(a[u].w) << 32) | a[u].z, k + kStep);
       }
     }
     if (kMode == 2) {
@@ -68,7 +71,8 @@ __global__ void Blocked(const uint4* __restrict__ in, uint4* __restrict__ out, i
       for (int u = 0; u < kU; ++u) {
         out[base + j + u * ustride] = a[u];
         const uint64_t k = static_cast<uint64_t>(base + j + u * ustride) * 2 * kStep + kSeed;
-        acc += Mix((uint64_t(a[u].y) << 32) | a[u].x, k) + Mix((uint64_t(a[u].w) << 32) | a[u].z, k + kStep);
+        acc += Mix((uint64_t(a[u].y) << 32) | a[u].x, k) +
+               Mix((uint64_t(a[u].w) << 32) | a[u].z, k + kStep);
       }
     }
   }
@@ -77,8 +81,8 @@ __global__ void Blocked(const uint4* __restrict__ in, uint4* __restrict__ out, i
 }
 
 template <int kPat>
-void RunBlocked(int64_t chunk_bytes, const uint4* in, uint4* out, int64_t n, unsigned long long* sum,
-                int grid_per_sm) {
+void RunBlocked(int64_t chunk_bytes, const uint4* in, uint4* out, int64_t n,
+                unsigned long long* sum, int grid_per_sm) {
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   const int grid = sms * grid_per_sm;
@@ -92,8 +96,8 @@ void RunBlocked(int64_t chunk_bytes, const uint4* in, uint4* out, int64_t n, uns
   cudaEventSynchronize(b);
   float ms = 0;
   cudaEventElapsedTime(&ms, a, b);
-  printf("blocked pat %d chunk %8lld B, grid %d/SM: %7.0f GB/s\n", kPat, (long long)chunk_bytes, grid_per_sm,
-         2.0 * n * 16 * 5 / (ms / 1e3) / 1e9);
+  printf("blocked pat %d chunk %8lld B, grid %d/SM: %7.0f GB/s\n", kPat, (long long)chunk_bytes,
+         grid_per_sm, 2.0 * n * 16 * 5 / (ms / 1e3) / 1e9);
 }
 
 template <int kU, int kMode, int kLoad>
@@ -181,14 +185,21 @@ __global__ void Quarter(const uint4* __restrict__ in, uint4* out, int64_t n, int
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         uint4* o = out + base + j + u * qn;
-        if (kSt == 0) *o = a[u]; else if (kSt == 1) __stcs(o, a[u]); else __stcg(o, a[u]);
+        if (kSt == 0)
+          *o = a[u];
+        else if (kSt == 1)
+          __stcs(o, a[u]);
+        else
+          __stcg(o, a[u]);
         const uint64_t k = static_cast<uint64_t>(base + j + u * qn) * 2 * kStep + kSeed;
-        const uint64_t w0 = (uint64_t(a[u].y) << 32) | a[u].x, w1 = (uint64_t(a[u].w) << 32) | a[u].z;
+        const uint64_t w0 = (uint64_t(a[u].y) << 32) | a[u].x,
+                       w1 = (uint64_t(a[u].w) << 32) | a[u].z;
         acc += Mix(w0, k) + Mix(w1, k + kStep);
         if (kRb) {
           const uint4 b = __ldcg(o);
           const uint64_t l0 = (uint64_t(b.y) << 32) | b.x, l1 = (uint64_t(b.w) << 32) | b.z;
-          if (l0 != w0 || l1 != w1) lacc += Mix(l0, k) - Mix(w0, k) + Mix(l1, k + kStep) - Mix(w1, k + kStep);
+          if (l0 != w0 || l1 != w1)
+            lacc += Mix(l0, k) - Mix(w0, k) + Mix(l1, k + kStep) - Mix(w1, k + kStep);
         }
       }
     }

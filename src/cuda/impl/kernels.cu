@@ -27,12 +27,9 @@ using internal::CudaStatus;
 namespace {
 
 constexpr int kThreads = 256;
-#ifndef SS_LANDED_MIN_BLOCKS
-#define SS_LANDED_MIN_BLOCKS 3  // landed kernels: cap registers so 3 blocks fit on an SM
-#endif
-#ifndef SS_LANDED_SLOW
-#define SS_LANDED_SLOW __forceinline__  // measured faster than out of line
-#endif
+// Landed kernels: registers capped so 3 blocks fit on an SM (measured best on an H200, see
+// docs/benchmarks.md "GPU data path").
+constexpr int kLandedMinBlocks = 3;
 constexpr int64_t kChunkWireBytes = int64_t{256} << 10;  // work unit of one block iteration
 
 // Device-side run descriptor (CopyRun normalized).
@@ -310,7 +307,7 @@ __device__ __forceinline__ int FindSeg(const Seg* segs, int lo, int hi, int64_t 
 }
 
 // Landed bytes [pos, end) (end - pos <= 8) assembled byte by byte from segment t on.
-__device__ SS_LANDED_SLOW uint64_t LandedBytes(const Seg* segs, int t, int64_t pos, int64_t end) {
+__device__ __forceinline__ uint64_t LandedBytes(const Seg* segs, int t, int64_t pos, int64_t end) {
   uint64_t word = 0;
   for (int64_t x = pos; x < end; ++x) {
     while (segs[t].hi <= x) ++t;
@@ -322,7 +319,7 @@ __device__ SS_LANDED_SLOW uint64_t LandedBytes(const Seg* segs, int t, int64_t p
 
 // The landed word at wire byte pos (a multiple of 8; a full word of the bucket) from the chunk's
 // segments [first, end).
-__device__ SS_LANDED_SLOW uint64_t LandedWordAt(const Seg* segs, int first, int end, int64_t pos) {
+__device__ __forceinline__ uint64_t LandedWordAt(const Seg* segs, int first, int end, int64_t pos) {
   const int t = FindSeg(segs, first, end, pos);
   const Seg g = segs[t];
   const unsigned char* p = g.p + (pos - g.lo);
@@ -345,7 +342,7 @@ __device__ __forceinline__ void WarpAdd(uint64_t v, unsigned long long* dst) {
 // *landed[bucket] (see landed_pair).
 template <int kInSize, int kOutSize, int kCast, bool kWireIsOut, bool kStore, bool kLanded,
           int kU = 4>
-__global__ void __launch_bounds__(kThreads, kLanded ? SS_LANDED_MIN_BLOCKS : 1)
+__global__ void __launch_bounds__(kThreads, kLanded ? kLandedMinBlocks : 1)
     BatchKernel(const Desc* __restrict__ descs, const Chunk* __restrict__ chunks, int num_chunks,
                 const Boundary* __restrict__ bounds, int num_bounds, int num_descs,
                 unsigned long long* sums, unsigned int* ticket, const Seg* __restrict__ segs,

@@ -224,6 +224,17 @@ class RankRunner {
   cudaEvent_t turn_ = nullptr, prev_turn_ = nullptr;
   int prev_trainer_ = -1, next_trainer_ = -1;
   Status SetupTurns();
+  // Version v's turn key of the previous trainer on our GPU (its turn event is recorded by then).
+  Status AwaitTurn(uint64_t v, Clock::time_point deadline) {
+    if (prev_trainer_ < 0) return OkStatus();
+    return store_.Get(TurnKey(v, prev_trainer_), Left(deadline)).status();
+  }
+  Status PassTurn(uint64_t v) {
+    return next_trainer_ < 0 ? OkStatus() : store_.Set(TurnKey(v, rank_), "1");
+  }
+  static std::string TurnKey(uint64_t v, int rank) {
+    return "gb/turn/" + std::to_string(v) + "/" + std::to_string(rank);
+  }
   void Phase(const char* name) { phases_.push_back({name, NowSeconds()}); }
 
  public:
@@ -564,26 +575,13 @@ Status RankRunner::TrainerSync(uint64_t v, bool fault, Clock::time_point deadlin
   std::vector<XferId> ids;
   // IPC: one launch writes every IPC bucket straight into the engines.
   if (!ipc_batch_ && turn_) {  // nothing to pack over IPC: pass the turn on at once
-    if (prev_trainer_ >= 0) {
-      SS_RETURN_IF_ERROR(
-          store_
-              .Get("gb/turn/" + std::to_string(v) + "/" + std::to_string(prev_trainer_),
-                   Left(deadline))
-              .status());
-    }
-    if (next_trainer_ >= 0) {
-      SS_RETURN_IF_ERROR(
-          store_.Set("gb/turn/" + std::to_string(v) + "/" + std::to_string(rank_), "1"));
-    }
+    SS_RETURN_IF_ERROR(AwaitTurn(v, deadline));
+    SS_RETURN_IF_ERROR(PassTurn(v));
   }
   if (ipc_batch_) {
     Phase("start");
     if (prev_trainer_ >= 0) {  // our turn on the GPU comes after the previous trainer's pack
-      SS_RETURN_IF_ERROR(
-          store_
-              .Get("gb/turn/" + std::to_string(v) + "/" + std::to_string(prev_trainer_),
-                   Left(deadline))
-              .status());
+      SS_RETURN_IF_ERROR(AwaitTurn(v, deadline));
       SS_CUDA(cudaStreamWaitEvent(stream_, prev_turn_, 0), "trainer: wait for turn");
       Phase("turn");
     }
@@ -596,10 +594,7 @@ Status RankRunner::TrainerSync(uint64_t v, bool fault, Clock::time_point deadlin
     SS_CUDA(cudaEventRecord(k1_, stream_), "event");
     if (turn_) {
       SS_CUDA(cudaEventRecord(turn_, stream_), "trainer: turn event");
-      if (next_trainer_ >= 0) {
-        SS_RETURN_IF_ERROR(
-            store_.Set("gb/turn/" + std::to_string(v) + "/" + std::to_string(rank_), "1"));
-      }
+      SS_RETURN_IF_ERROR(PassTurn(v));
     }
     if (lsum_) {
       SS_CUDA(cudaMemcpyAsync(lsum_host_, lsum_->data(), nb * 8, cudaMemcpyDeviceToHost, stream_),

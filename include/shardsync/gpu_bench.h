@@ -9,11 +9,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "shardsync/dtype.h"
+#include "shardsync/safetensors.h"
 #include "shardsync/status.h"
 #include "shardsync/store.h"
 
@@ -44,16 +46,22 @@ struct GpuBenchOptions {
   int iters = 5;   // timed syncs (the median is reported)
   int warmup = 1;  // untimed syncs first (IPC mappings, NCCL channels)
   uint64_t seed = 1;
-  bool verify_elements = true;      // compare every engine element with the synthetic HF value
-  bool memcpy_baseline = true;      // cudaMemcpy D2D of the same wire bytes on GPU 0, same run
-  bool broadcast_baseline = false;  // trainer 0 sends every full HF tensor to every engine rank
-  bool kernel_bench = true;         // pack / unpack / verify GB/s on GPU 0 vs HBM peak
+  bool verify_elements = true;  // compare every engine element with the synthetic HF value
+  bool memcpy_baseline = true;  // cudaMemcpy D2D of the same wire bytes on GPU 0, same run
+  // Trainer 0 sends every full HF tensor to every engine rank (report: broadcast_mode).
+  bool broadcast_baseline = false;
+  bool kernel_bench = true;  // pack / unpack / verify GB/s on GPU 0 vs HBM peak
   // Fault: this sync rank SIGKILLs itself mid-sync in the first timed iteration (after its
   // kernels were launched, before its control messages): every other rank must error within
   // `timeout`. -1: no fault.
   int kill_rank = -1;
   Millis timeout{60000};
   std::string log_prefix;  // where child processes write rank logs (empty: stderr)
+  // Each engine rank copies its parameters to the host after the timed syncs (and the broadcast
+  // baseline) and hands them to this, in its own process: tools write refengine dumps with it
+  // for the generation check. Empty: no copy.
+  std::function<Status(int replica, int tp_rank, int pp_rank, const std::vector<TensorToWrite>&)>
+      engine_dump;
 };
 
 struct GpuBenchRank {
@@ -92,6 +100,10 @@ struct GpuBenchReport {
   double memcpy_seconds = 0;  // cudaMemcpy D2D of wire_bytes on GPU 0 (median)
   double memcpy_gbps = 0;
   double sync_vs_memcpy = 0;  // memcpy_seconds / sync_seconds (goal >= 0.8 colocated)
+  // "nccl ring": trainer 0 copies each round into the engine rank on its GPU, which
+  // ncclBroadcasts it to the other engine ranks (each on its own GPU); "point-to-point": trainer
+  // 0 sends every round to every engine rank (IPC puts on its GPU, ncclSend across GPUs).
+  std::string broadcast_mode;
   double broadcast_seconds = 0;
   double speedup_vs_broadcast = 0;
   double link_gbps = 0;      // measured GPU0 -> GPU1 copy bandwidth (2+ GPUs)

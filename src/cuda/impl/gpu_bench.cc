@@ -32,11 +32,13 @@
 #include <vector>
 
 #include "cuda/cuda_util.h"
+#include "cuda/impl/nccl_group.h"
 #include "shardsync/checksum.h"
 #include "shardsync/gpu.h"
 #include "shardsync/gpu_bench.h"
 #include "shardsync/model.h"
 #include "shardsync/plan.h"
+#include "shardsync/session.h"
 #include "shardsync/shard_map.h"
 #include "shardsync/store.h"
 #include "shardsync/synthetic.h"
@@ -119,6 +121,20 @@ const EngineRankShards& EngineShards(const Job& j, int rank) {
   return j.smap.rank(local % tp, local / tp);
 }
 
+// Broadcast-all baseline: the engine rank that roots an NCCL ring broadcast among the engines
+// (nccl transport, every engine rank on a GPU of its own, one on trainer 0's GPU), else -1:
+// trainer 0 sends to every engine rank itself.
+int BroadcastRingRoot(const GpuBenchOptions& o, const Job& j) {
+  if (o.transport != "nccl" || j.world - j.S < 2) return -1;
+  std::set<int> gpus;
+  int root = -1;
+  for (int e = j.S; e < j.world; ++e) {
+    gpus.insert(j.Device(e));
+    if (j.Device(e) == j.Device(0) && root < 0) root = e;
+  }
+  return static_cast<int>(gpus.size()) == j.world - j.S ? root : -1;
+}
+
 // ---- small wait helpers (every wait has a deadline) ----
 
 Status WaitEvent(cudaEvent_t e, Clock::time_point deadline, std::string_view what) {
@@ -168,10 +184,15 @@ class RankRunner {
     if (stream_) cudaStreamDestroy(stream_);
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    for (cudaEvent_t e : {bsliced_[0], bsliced_[1], brecv_}) {
+      if (e) cudaEventDestroy(e);
+    }
   }
 
   Status Setup(GpuBenchRank* out);
   Status SyncOnce(uint64_t version, bool fault, GpuBenchRank* out);
+  // Engine: copies the parameters to the host and calls GpuBenchOptions::engine_dump.
+  Status DumpParams();
   // GPU seconds of the last sync's IPC launch (0 without one).
   double KernelSeconds() {
     if (!ipc_batch_) return 0;
@@ -207,10 +228,30 @@ class RankRunner {
   cudaEvent_t k0_ = nullptr, k1_ = nullptr;  // timing of the IPC launch
   std::unique_ptr<DeviceBuffer> buf_;        // trainer: held shards; engine: parameters
   std::vector<int64_t> offsets_;             // trainer: per HF tensor; engine: per parameter
-  std::unique_ptr<DeviceBuffer> full_;       // broadcast baseline: trainer 0's full model (bf16)
-  std::unique_ptr<DeviceBuffer> bstage_;     // broadcast baseline: engine's full-model staging
-  std::vector<int64_t> full_offsets_;        // per HF tensor in full_ / bstage_
-  std::unique_ptr<CopyBatch> bslice_;        // engine: slice pieces out of bstage_
+  // Broadcast-all baseline: the full HF tensors in rounds of consecutive tensors (<= the bucket
+  // cap, or one tensor), landing in two staging slots per engine (round r in slot r % 2) that the
+  // engine slices its pieces out of, as the engines' own distributed update does.
+  struct BRound {
+    int64_t start = 0, bytes = 0;      // byte range in full_
+    std::unique_ptr<CopyBatch> slice;  // engine: its pieces out of slot r % 2 (null: none)
+  };
+  std::unique_ptr<DeviceBuffer> full_;    // trainer 0's full model (bf16)
+  std::unique_ptr<DeviceBuffer> bstage_;  // engine: two slots of bslot_ bytes
+  std::vector<int64_t> full_offsets_;     // per HF tensor in full_
+  std::vector<BRound> brounds_;
+  int64_t bslot_ = 0;
+  // Ring: every engine on its own GPU and one on trainer 0's GPU (broot_), over nccl: trainer 0
+  // copies each round into broot_'s slot and the engines ncclBroadcast it among themselves.
+  // Otherwise trainer 0 sends every round to every engine (IPC puts, ncclSend across GPUs).
+  bool bring_ = false;
+  int broot_ = -1;
+  std::unique_ptr<NcclGroup> bgroup_;
+  cudaEvent_t bsliced_[2] = {nullptr, nullptr};  // slice of the round in slot 0 / 1 done
+  cudaEvent_t brecv_ = nullptr;                  // ring: this round's broadcast done
+  bool bslices_ready_ = false;
+  Status SetupBroadcast();
+  Status PrepareSlices();
+  bool NcclTo(int peer) const { return o_.transport == "nccl" && j_.Device(peer) != device_; }
   std::unique_ptr<Transport> ipc_, nccl_;
   std::vector<MsgState> msgs_;
   std::unique_ptr<CopyBatch> ipc_batch_;  // trainer pack or engine verify over IPC messages
@@ -274,6 +315,17 @@ Status RankRunner::Fill() {
     }
   } else {
     SS_CUDA(cudaMemsetAsync(buf_->data(), 0xFF, total, stream_), "engine: poison parameters");
+    // Padded vocab rows: zero-filled once by the engine, never sent (as sync sessions do).
+    const EngineRankShards& er = EngineShards(j_, rank_);
+    std::unique_ptr<Packer> packer;
+    for (size_t i = 0; i < er.params.size(); ++i) {
+      for (const ZeroFill& z : er.params[i].zero_fills) {
+        SS_CUDA(cudaStreamSynchronize(stream_), "engine: poison parameters");
+        if (!packer) packer = MakeCudaPacker(device_, o_.timeout);
+        SS_RETURN_IF_ERROR(packer->ZeroFill(static_cast<unsigned char*>(buf_->data()) + offsets_[i],
+                                            er.params[i].dtype, er.params[i].shape, z.dst));
+      }
+    }
   }
   SS_CUDA(cudaStreamSynchronize(stream_), "fill");
   return OkStatus();
@@ -303,45 +355,24 @@ Status RankRunner::Setup(GpuBenchRank* out) {
     (s.nccl ? nccl_peers : ipc_peers).push_back(s.peer);
     msgs_.push_back(std::move(s));
   }
-  // Broadcast baseline: trainer 0 <-> every engine rank.
   if (o_.broadcast_baseline) {
+    SS_RETURN_IF_ERROR(SetupBroadcast());
     auto add = [&](int p) {
-      const bool n = o_.transport == "nccl" && j_.Device(p) != device_;
-      auto& v = n ? nccl_peers : ipc_peers;
+      auto& v = NcclTo(p) ? nccl_peers : ipc_peers;
       if (std::find(v.begin(), v.end(), p) == v.end()) v.push_back(p);
     };
     if (rank_ == 0) {
-      for (int e = j_.S; e < j_.world; ++e) add(e);
-    } else if (!trainer()) {
+      for (int e = j_.S; e < j_.world; ++e) {
+        if (!bring_ || e == broot_) add(e);
+      }
+    } else if (!trainer() && (!bring_ || rank_ == broot_)) {
       add(0);
     }
   }
   ipc_ = MakeCudaIpcTransport(device_);
   if (!trainer()) {
     SS_RETURN_IF_ERROR(ipc_->RegisterMemory(buf_->region()).status());
-    if (o_.broadcast_baseline) {
-      int64_t total = 0;
-      for (const HfTensor& t : j_.inv) {
-        full_offsets_.push_back(total);
-        total = Align(total + t.numel() * 2, 256);
-      }
-      SS_ASSIGN_OR_RETURN(bstage_, DeviceBuffer::Allocate(total, device_));
-      SS_RETURN_IF_ERROR(ipc_->RegisterMemory(bstage_->region()).status());
-    }
-  } else if (rank_ == 0 && o_.broadcast_baseline) {
-    int64_t total = 0;
-    for (const HfTensor& t : j_.inv) {
-      full_offsets_.push_back(total);
-      total = Align(total + t.numel() * 2, 256);
-    }
-    SS_ASSIGN_OR_RETURN(full_, DeviceBuffer::Allocate(total, device_));
-    for (size_t i = 0; i < j_.inv.size(); ++i) {
-      const HfTensor& t = j_.inv[i];
-      SS_RETURN_IF_ERROR(FillSyntheticDevice(
-          o_.seed, SyntheticFor(t.name, t.shape), t.shape, Region::Full(t.shape), DType::kBF16,
-          static_cast<unsigned char*>(full_->data()) + full_offsets_[i], stream_));
-    }
-    SS_CUDA(cudaStreamSynchronize(stream_), "broadcast fill");
+    if (bstage_) SS_RETURN_IF_ERROR(ipc_->RegisterMemory(bstage_->region()).status());
   }
   SS_RETURN_IF_ERROR(SetTransportStream(*ipc_, stream_));
   std::sort(ipc_peers.begin(), ipc_peers.end());
@@ -784,88 +815,192 @@ Status RankRunner::SyncOnce(uint64_t v, bool fault, GpuBenchRank* out) {
   return trainer() ? TrainerSync(v, fault, deadline) : EngineSync(v, fault, deadline, out);
 }
 
-// Broadcast-all baseline: trainer 0 sends every full HF tensor (bf16) to every engine rank (copy
-// engine puts over IPC, ncclSend across GPUs); each engine slices its pieces out locally.
+// Broadcast-all baseline: trainer 0 sends every full HF tensor (bf16) to every engine rank, in
+// rounds; each engine slices its pieces out locally (see BRound).
+Status RankRunner::SetupBroadcast() {
+  int64_t total = 0, largest = 0;
+  for (const HfTensor& t : j_.inv) {
+    full_offsets_.push_back(total);
+    const int64_t b = Align(t.numel() * 2, 256);
+    largest = std::max(largest, b);
+    total += b;
+  }
+  // Rounds: consecutive tensors up to the bucket cap (a larger tensor is a round of its own).
+  const int64_t cap = std::max(largest, o_.bucket_bytes);
+  for (size_t i = 0; i < j_.inv.size(); ++i) {
+    const int64_t b = Align(j_.inv[i].numel() * 2, 256);
+    if (brounds_.empty() || brounds_.back().bytes + b > cap) {
+      brounds_.emplace_back();
+      brounds_.back().start = full_offsets_[i];
+    }
+    brounds_.back().bytes += b;
+  }
+  for (const BRound& r : brounds_) bslot_ = std::max(bslot_, r.bytes);
+  broot_ = BroadcastRingRoot(o_, j_);
+  bring_ = broot_ >= 0;
+  if (rank_ == 0) {
+    SS_ASSIGN_OR_RETURN(full_, DeviceBuffer::Allocate(total, device_));
+    for (size_t i = 0; i < j_.inv.size(); ++i) {
+      const HfTensor& t = j_.inv[i];
+      SS_RETURN_IF_ERROR(FillSyntheticDevice(
+          o_.seed, SyntheticFor(t.name, t.shape), t.shape, Region::Full(t.shape), DType::kBF16,
+          static_cast<unsigned char*>(full_->data()) + full_offsets_[i], stream_));
+    }
+    SS_CUDA(cudaStreamSynchronize(stream_), "broadcast fill");
+  } else if (!trainer()) {
+    SS_ASSIGN_OR_RETURN(bstage_, DeviceBuffer::Allocate(2 * bslot_, device_));
+    for (cudaEvent_t* e : {&bsliced_[0], &bsliced_[1], &brecv_}) {
+      SS_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "broadcast event");
+    }
+    if (bring_) {
+      SS_ASSIGN_OR_RETURN(bgroup_, NcclGroup::Create(store_, "gb/bcast/id", rank_ - j_.S,
+                                                     j_.world - j_.S, device_, o_.timeout));
+    }
+  }
+  return OkStatus();
+}
+
+// Engine: one slice batch per round, reading the round's slot (prepared once).
+Status RankRunner::PrepareSlices() {
+  const EngineRankShards& er = EngineShards(j_, rank_);
+  std::map<std::string, int> by_name;
+  for (size_t i = 0; i < j_.inv.size(); ++i) by_name[j_.inv[i].name] = static_cast<int>(i);
+  std::vector<BatchSpec> specs(brounds_.size());
+  std::vector<int64_t> wire(brounds_.size(), 0);
+  for (size_t pi = 0; pi < er.params.size(); ++pi) {
+    const EngineParam& p = er.params[pi];
+    for (const Piece& pc : p.pieces) {
+      const int ti = by_name.at(pc.source);
+      const auto r = static_cast<size_t>(
+          std::upper_bound(brounds_.begin(), brounds_.end(), full_offsets_[ti],
+                           [](int64_t off, const BRound& b) { return off < b.start; }) -
+          brounds_.begin() - 1);
+      if (!RegionIsContiguous(pc.dst, p.shape)) {
+        return UnimplementedError("broadcast: strided piece destination " + pc.dst.ToString());
+      }
+      auto* dst = static_cast<unsigned char*>(buf_->data()) + offsets_[pi] +
+                  RegionStartElement(pc.dst, p.shape) * 2;
+      const auto* slot = static_cast<unsigned char*>(bstage_->data()) + (r % 2) * bslot_;
+      AppendRegionRuns(pc.src, j_.inv[ti].shape, slot + (full_offsets_[ti] - brounds_[r].start), 2,
+                       dst, 2, 2, 0, wire[r], &specs[r].runs);
+      wire[r] += pc.src.numel() * 2;
+    }
+  }
+  for (size_t r = 0; r < brounds_.size(); ++r) {
+    if (specs[r].runs.empty()) continue;
+    specs[r].mode = BatchMode::kPack;
+    specs[r].in_dtype = specs[r].out_dtype = DType::kBF16;
+    specs[r].bucket_bytes = {wire[r]};
+    SS_ASSIGN_OR_RETURN(brounds_[r].slice, CopyBatch::Prepare(specs[r], device_));
+  }
+  return OkStatus();
+}
+
 Status RankRunner::Broadcast(uint64_t v) {
   const auto deadline = Clock::now() + o_.timeout;
+  const size_t R = brounds_.size();
+  // IPC control words: trainer 0 -> engine "round r landed", engine -> trainer 0 "slot of round
+  // r free again" (before round r + 2 reuses it). Host buffers live until the end.
+  std::vector<uint64_t> words(2 * R, v);
   if (rank_ == 0) {
-    std::vector<XferId> ipc_ids, nccl_ids;
-    for (int e = j_.S; e < j_.world; ++e) {
-      const bool n = o_.transport == "nccl" && j_.Device(e) != device_;
-      for (size_t i = 0; i < j_.inv.size(); ++i) {
-        const auto* src = static_cast<unsigned char*>(full_->data()) + full_offsets_[i];
-        const size_t bytes = j_.inv[i].numel() * 2;
-        if (n) {
-          SS_ASSIGN_OR_RETURN(XferId id, nccl_->PostSend(e, v, src, bytes));
+    std::vector<XferId> nccl_ids;
+    for (size_t r = 0; r < R; ++r) {
+      const auto* src = static_cast<unsigned char*>(full_->data()) + brounds_[r].start;
+      for (int e = j_.S; e < j_.world; ++e) {
+        if (bring_ && e != broot_) continue;
+        if (NcclTo(e)) {
+          SS_ASSIGN_OR_RETURN(XferId id, nccl_->PostSend(e, v, src, brounds_[r].bytes));
           nccl_ids.push_back(id);
-        } else {
-          SS_ASSIGN_OR_RETURN(XferId id, ipc_->PostPut(e, src, bytes, 1, full_offsets_[i]));
-          ipc_ids.push_back(id);
+          continue;
         }
-      }
-      if (!n) {
+        if (r >= 2) {
+          SS_ASSIGN_OR_RETURN(XferId f, ipc_->PostRecv(e, v, &words[R + r - 2], 8));
+          SS_RETURN_IF_ERROR(WaitXfer(*ipc_, f, Left(deadline), "broadcast: slot free"));
+        }
+        // Put, wait for it to land, tell the engine (control messages move only when polled).
+        SS_ASSIGN_OR_RETURN(XferId id, ipc_->PostPut(e, src, brounds_[r].bytes, 1,
+                                                     static_cast<uint64_t>((r % 2) * bslot_)));
         SS_ASSIGN_OR_RETURN(XferId f, ipc_->PostFlush(e));
-        ipc_ids.push_back(f);
+        SS_RETURN_IF_ERROR(WaitAllXfers(*ipc_, {id, f}, Left(deadline), "broadcast: put"));
+        SS_ASSIGN_OR_RETURN(XferId d, ipc_->PostSend(e, v, &words[r], 8));
+        SS_RETURN_IF_ERROR(WaitXfer(*ipc_, d, Left(deadline), "broadcast: round landed"));
+      }
+      if (!nccl_ids.empty() && !done_.count(nccl_ids.back())) {  // issue this round's sends
+        SS_ASSIGN_OR_RETURN(XferState st, nccl_->Poll(nccl_ids.back()));
+        if (st == XferState::kDone) done_.insert(nccl_ids.back());
       }
     }
-    SS_RETURN_IF_ERROR(WaitAllXfers(*ipc_, ipc_ids, Left(deadline), "broadcast: puts"));
-    if (nccl_)
-      SS_RETURN_IF_ERROR(WaitAllXfers(*nccl_, nccl_ids, Left(deadline), "broadcast: sends"));
-    uint64_t done = v;
-    std::vector<XferId> ids;
-    for (int e = j_.S; e < j_.world; ++e) {
-      if (o_.transport == "nccl" && j_.Device(e) != device_) continue;  // nccl recv completes
-      SS_ASSIGN_OR_RETURN(XferId id, ipc_->PostSend(e, v, &done, 8));
-      ids.push_back(id);
-    }
-    return WaitAllXfers(*ipc_, ids, Left(deadline), "broadcast: done messages");
+    for (XferId id : nccl_ids) SS_RETURN_IF_ERROR(WaitId(id, deadline, "broadcast: sends"));
+    return OkStatus();
   }
   if (trainer()) return OkStatus();
-  const bool n = o_.transport == "nccl" && j_.Device(0) != device_;
-  if (n) {
-    std::vector<XferId> ids;
-    for (size_t i = 0; i < j_.inv.size(); ++i) {
-      SS_ASSIGN_OR_RETURN(
-          XferId id,
-          nccl_->PostRecv(0, v, static_cast<unsigned char*>(bstage_->data()) + full_offsets_[i],
-                          j_.inv[i].numel() * 2));
-      ids.push_back(id);
-    }
-    SS_RETURN_IF_ERROR(WaitAllXfers(*nccl_, ids, Left(deadline), "broadcast: recvs"));
-  } else {
-    uint64_t done = 0;
-    SS_ASSIGN_OR_RETURN(XferId id, ipc_->PostRecv(0, v, &done, 8));
-    SS_RETURN_IF_ERROR(WaitXfer(*ipc_, id, Left(deadline), "broadcast: done message"));
+  if (!bslices_ready_) {
+    SS_RETURN_IF_ERROR(PrepareSlices());
+    bslices_ready_ = true;
   }
-  if (!bslice_) {
-    // Slice every piece of every parameter out of the full tensors (prepared once).
-    const EngineRankShards& er = EngineShards(j_, rank_);
-    std::map<std::string, int> by_name;
-    for (size_t i = 0; i < j_.inv.size(); ++i) by_name[j_.inv[i].name] = static_cast<int>(i);
-    BatchSpec spec;
-    spec.mode = BatchMode::kPack;
-    spec.in_dtype = spec.out_dtype = DType::kBF16;
-    int64_t wire = 0;
-    for (size_t pi = 0; pi < er.params.size(); ++pi) {
-      const EngineParam& p = er.params[pi];
-      for (const Piece& pc : p.pieces) {
-        const int ti = by_name.at(pc.source);
-        if (!RegionIsContiguous(pc.dst, p.shape)) {
-          return UnimplementedError("broadcast: strided piece destination " + pc.dst.ToString());
-        }
-        auto* dst = static_cast<unsigned char*>(buf_->data()) + offsets_[pi] +
-                    RegionStartElement(pc.dst, p.shape) * 2;
-        AppendRegionRuns(pc.src, j_.inv[ti].shape,
-                         static_cast<unsigned char*>(bstage_->data()) + full_offsets_[ti], 2, dst,
-                         2, 2, 0, wire, &spec.runs);
-        wire += pc.src.numel() * 2;
+  const bool by_nccl = !bring_ && NcclTo(0);                     // p2p over nccl
+  const bool by_ipc = !by_nccl && (!bring_ || rank_ == broot_);  // trainer 0 puts into our slots
+  auto slot = [&](size_t r) {
+    return static_cast<unsigned char*>(bstage_->data()) + (r % 2) * bslot_;
+  };
+  std::vector<XferId> recvs(R, 0);
+  auto post_recv = [&](size_t r) -> Status {
+    SS_ASSIGN_OR_RETURN(recvs[r], nccl_->PostRecv(0, v, slot(r), brounds_[r].bytes));
+    SS_ASSIGN_OR_RETURN(XferState st, nccl_->Poll(recvs[r]));  // issue it now
+    if (st == XferState::kDone) done_.insert(recvs[r]);
+    return OkStatus();
+  };
+  if (by_nccl) {
+    for (size_t r = 0; r < std::min<size_t>(2, R); ++r) SS_RETURN_IF_ERROR(post_recv(r));
+  }
+  for (size_t r = 0; r < R; ++r) {
+    if (r >= 2 && !by_nccl) {  // slot r % 2 must be sliced (and broadcast) before it is reused
+      SS_RETURN_IF_ERROR(WaitEvent(bsliced_[r % 2], deadline, "broadcast: slice"));
+      if (by_ipc) {
+        SS_ASSIGN_OR_RETURN(XferId f, ipc_->PostSend(0, v, &words[R + r - 2], 8));
+        SS_RETURN_IF_ERROR(WaitXfer(*ipc_, f, Left(deadline), "broadcast: slot free"));
       }
     }
-    spec.bucket_bytes = {wire};
-    SS_ASSIGN_OR_RETURN(bslice_, CopyBatch::Prepare(spec, device_));
+    if (by_ipc) {
+      uint64_t got = 0;
+      SS_ASSIGN_OR_RETURN(XferId d, ipc_->PostRecv(0, v, &got, 8));
+      SS_RETURN_IF_ERROR(WaitXfer(*ipc_, d, Left(deadline), "broadcast: round landed"));
+    }
+    if (by_nccl) SS_RETURN_IF_ERROR(WaitId(recvs[r], deadline, "broadcast: recv"));
+    if (bring_) {
+      SS_RETURN_IF_ERROR(bgroup_->Broadcast(slot(r), brounds_[r].bytes, broot_ - j_.S, comm_stream_,
+                                            Left(deadline)));
+      SS_CUDA(cudaEventRecord(brecv_, comm_stream_), "broadcast event");
+      SS_CUDA(cudaStreamWaitEvent(stream_, brecv_, 0), "broadcast: slice waits");
+    }
+    if (brounds_[r].slice) SS_RETURN_IF_ERROR(brounds_[r].slice->Launch(stream_));
+    SS_CUDA(cudaEventRecord(bsliced_[r % 2], stream_), "broadcast event");
+    if (by_nccl && r + 2 < R) {
+      SS_RETURN_IF_ERROR(WaitEvent(bsliced_[r % 2], deadline, "broadcast: slice"));
+      SS_RETURN_IF_ERROR(post_recv(r + 2));
+    }
   }
-  SS_RETURN_IF_ERROR(bslice_->Launch(stream_));
-  return WaitStream(stream_, deadline, "broadcast: slice");
+  SS_RETURN_IF_ERROR(WaitStream(stream_, deadline, "broadcast: slice"));
+  if (bgroup_) SS_RETURN_IF_ERROR(bgroup_->Check());
+  return OkStatus();
+}
+
+Status RankRunner::DumpParams() {
+  if (trainer() || !o_.engine_dump) return OkStatus();
+  const EngineRankShards& er = EngineShards(j_, rank_);
+  std::vector<uint8_t> host(buf_->bytes());
+  SS_CUDA(cudaMemcpyAsync(host.data(), buf_->data(), host.size(), cudaMemcpyDeviceToHost, stream_),
+          "engine: copy parameters to host");
+  SS_CUDA(cudaStreamSynchronize(stream_), "engine: copy parameters to host");
+  std::vector<TensorToWrite> params;
+  for (size_t i = 0; i < er.params.size(); ++i) {
+    const EngineParam& p = er.params[i];
+    params.push_back(
+        {p.name, p.dtype, p.shape,
+         std::span<const uint8_t>(host.data() + offsets_[i], static_cast<size_t>(p.bytes()))});
+  }
+  const int per_replica = j_.in.rollout.shard.tp * j_.in.rollout.shard.pp;
+  return o_.engine_dump((rank_ - j_.S) / per_replica, er.tp_rank, er.pp_rank, params);
 }
 
 Status RankRunner::VerifyElements(GpuBenchRank* out) {
@@ -1055,6 +1190,8 @@ int RankMain(const GpuBenchOptions& o, const Job& j, const std::string& addr, in
       }
     }
   }
+  s = runner->DumpParams();
+  if (!s.ok()) return fail(s.Annotate("rank " + std::to_string(rank) + " parameter dump"), 0);
   store.Set("gb/result/" + std::to_string(rank), RankJson(res).dump()).IgnoreError();
   // Stay alive (IPC mappings of our memory) until every rank reported.
   std::vector<json> done;
@@ -1391,6 +1528,9 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
   if (rep.sync_seconds > 0 && rep.memcpy_seconds > 0) {
     rep.sync_vs_memcpy = rep.memcpy_seconds / rep.sync_seconds;
   }
+  if (o.broadcast_baseline) {
+    rep.broadcast_mode = BroadcastRingRoot(o, job) >= 0 ? "nccl ring" : "point-to-point";
+  }
   if (auto b = store->Get("gb/broadcast_seconds", Millis(10)); b.ok()) {
     rep.broadcast_seconds = Median(json::parse(*b).get<std::vector<double>>());
     if (rep.sync_seconds > 0) rep.speedup_vs_broadcast = rep.broadcast_seconds / rep.sync_seconds;
@@ -1428,6 +1568,25 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
            static_cast<long long>(rep.element_mismatches),
            static_cast<long long>(rep.elements_checked), rep.ok ? "OK" : "FAILED");
   rep.summary = line;
+  if (rep.broadcast_seconds > 0) {
+    snprintf(line, sizeof(line), "; broadcast-all (%s) %.2f ms, sharded x%.2f faster",
+             rep.broadcast_mode.c_str(), rep.broadcast_seconds * 1e3, rep.speedup_vs_broadcast);
+    rep.summary += line;
+  }
+  if (rep.bound_seconds > 0) {
+    snprintf(line, sizeof(line), "; link bound %.2f ms (link %.0f GB/s), sync/bound %.2f",
+             rep.bound_seconds * 1e3, rep.link_gbps, rep.sync_vs_bound);
+    rep.summary += line;
+  }
+  if (o.kill_rank >= 0) {
+    double worst = 0;
+    for (const auto& r : rep.ranks) {
+      if (r.rank != o.kill_rank) worst = std::max(worst, r.seconds_to_error);
+    }
+    snprintf(line, sizeof(line), "; rank %d killed, slowest survivor errored after %.2f s",
+             o.kill_rank, worst);
+    rep.summary += line;
+  }
   if (!waited.ok()) rep.summary += " (" + waited.ToString() + ")";
   return rep;
 }

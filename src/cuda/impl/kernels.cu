@@ -26,11 +26,34 @@ using internal::CudaStatus;
 
 namespace {
 
-constexpr int kThreads = 256;
+// Launch shape; build-time knobs only so variants can be measured against each other.
+#ifndef SHARDSYNC_GPU_THREADS
+#define SHARDSYNC_GPU_THREADS 256
+#endif
+#ifndef SHARDSYNC_GPU_LANDED_MIN_BLOCKS
+#define SHARDSYNC_GPU_LANDED_MIN_BLOCKS 3
+#endif
+#ifndef SHARDSYNC_GPU_CHUNK_KIB
+#define SHARDSYNC_GPU_CHUNK_KIB 256
+#endif
+constexpr int kThreads = SHARDSYNC_GPU_THREADS;
 // Landed kernels: registers capped so 3 blocks fit on an SM (measured best on an H200, see
 // docs/benchmarks.md "GPU data path").
-constexpr int kLandedMinBlocks = 3;
-constexpr int64_t kChunkWireBytes = int64_t{256} << 10;  // work unit of one block iteration
+constexpr int kLandedMinBlocks = SHARDSYNC_GPU_LANDED_MIN_BLOCKS;
+// Work unit of one block iteration.
+constexpr int64_t kChunkWireBytes = int64_t{SHARDSYNC_GPU_CHUNK_KIB} << 10;
+
+// Cache hints of the hot copy loops (source loads, destination stores). Build-time knobs so the
+// variants can be measured against each other (docs/benchmarks.md "GPU data path": plain loads
+// measured ~1% faster than __ldcs / __ldg, .cg stores no better).
+#ifndef SHARDSYNC_GPU_LOAD
+#define SHARDSYNC_GPU_LOAD LoadPlain
+#endif
+#ifndef SHARDSYNC_GPU_STORE
+#define SHARDSYNC_GPU_STORE StorePlain
+#endif
+[[maybe_unused]] __device__ __forceinline__ uint4 LoadPlain(const uint4* p) { return *p; }
+[[maybe_unused]] __device__ __forceinline__ void StorePlain(uint4* p, uint4 v) { *p = v; }
 
 // Device-side run descriptor (CopyRun normalized).
 struct Desc {
@@ -451,7 +474,7 @@ __global__ void __launch_bounds__(kThreads, kLanded ? kLandedMinBlocks : 1)
             uint4* out_v = reinterpret_cast<uint4*>(
                 const_cast<unsigned char*>(row_ptr(p, d.out, d.out_stride, kOutSize)));
 #pragma unroll
-            for (int k = 0; k < kOutV; ++k) out_v[k] = o[k];
+            for (int k = 0; k < kOutV; ++k) SHARDSYNC_GPU_STORE(out_v + k, o[k]);
           }
           acc += MixKeyed(w0, key) + MixKeyed(w1, key + kChecksumStep);
           if constexpr (kLanded) check(static_cast<int64_t>(w_first) + 2 * p, w0, w1);
@@ -463,7 +486,7 @@ __global__ void __launch_bounds__(kThreads, kLanded ? kLandedMinBlocks : 1)
             const uint4* in_v = reinterpret_cast<const uint4*>(
                 row_ptr(q + u * quarter, d.in, d.in_stride, kInSize));
 #pragma unroll
-            for (int k = 0; k < kInV; ++k) av[u][k] = __ldcs(in_v + k);
+            for (int k = 0; k < kInV; ++k) av[u][k] = SHARDSYNC_GPU_LOAD(in_v + k);
           }
 #pragma unroll
           for (int u = 0; u < kU; ++u) one(q + u * quarter, av[u], key0 + u * kKeyQ);
@@ -474,7 +497,7 @@ __global__ void __launch_bounds__(kThreads, kLanded ? kLandedMinBlocks : 1)
           const uint4* in_v =
               reinterpret_cast<const uint4*>(row_ptr(q, d.in, d.in_stride, kInSize));
 #pragma unroll
-          for (int k = 0; k < kInV; ++k) av[k] = __ldcs(in_v + k);
+          for (int k = 0; k < kInV; ++k) av[k] = SHARDSYNC_GPU_LOAD(in_v + k);
           one(q, av, (w_first + 2 * static_cast<uint64_t>(q)) * kChecksumStep + kChecksumSeed);
         }
         vp = wa;
@@ -500,7 +523,7 @@ __global__ void __launch_bounds__(kThreads, kLanded ? kLandedMinBlocks : 1)
         PairConvert<kCast>(av, o, &w0, &w1, kWireIsOut);
         if constexpr (kStore) {
 #pragma unroll
-          for (int k = 0; k < kOutV; ++k) out_v[p * kOutV + k] = o[k];
+          for (int k = 0; k < kOutV; ++k) SHARDSYNC_GPU_STORE(out_v + p * kOutV + k, o[k]);
         }
         acc += MixKeyed(w0, key) + MixKeyed(w1, key + kChecksumStep);
         if constexpr (kLanded) check(vp + 2 * p, w0, w1);
@@ -510,7 +533,8 @@ __global__ void __launch_bounds__(kThreads, kLanded ? kLandedMinBlocks : 1)
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
 #pragma unroll
-          for (int k = 0; k < kInV; ++k) a[u][k] = __ldcs(in_v + (q + u * quarter) * kInV + k);
+          for (int k = 0; k < kInV; ++k)
+            a[u][k] = SHARDSYNC_GPU_LOAD(in_v + (q + u * quarter) * kInV + k);
         }
 #pragma unroll
         for (int u = 0; u < kU; ++u) one(q + u * quarter, a[u], key0 + u * kKeyQ);
@@ -519,7 +543,7 @@ __global__ void __launch_bounds__(kThreads, kLanded ? kLandedMinBlocks : 1)
       for (int64_t q = kU * quarter + threadIdx.x; q < pairs; q += kThreads) {
         uint4 a[kInV];
 #pragma unroll
-        for (int k = 0; k < kInV; ++k) a[k] = __ldcs(in_v + q * kInV + k);
+        for (int k = 0; k < kInV; ++k) a[k] = SHARDSYNC_GPU_LOAD(in_v + q * kInV + k);
         one(q, a, (static_cast<uint64_t>(vp) + 2 * q) * kChecksumStep + kChecksumSeed);
       }
     }

@@ -8,16 +8,55 @@
 // met its check (every element equal and every checksum good; or, with --kill-rank, every other
 // rank errored within the timeout).
 #include <spdlog/spdlog.h>
+#include <stdlib.h>
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
 #include "shardsync/gpu.h"
 #include "shardsync/gpu_bench.h"
+#include "shardsync/model.h"
+#include "shardsync/plan.h"
+#include "shardsync/refengine.h"
+#include "shardsync/shard_map.h"
 
 using namespace shardsync;
 using json = nlohmann::json;
+
+namespace {
+
+// The proof that the bytes landed where the engine's math expects them: per replica, greedy
+// decoding with the TP x PP reference engine on the parameters the engine ranks held after the
+// run (their dumps) against the unsharded model on the synthetic HF weights (bf16, as the wire).
+Result<json> GenerationCheckAll(const gpu::GpuBenchOptions& o, const std::string& dir, int n,
+                                bool* all_match) {
+  SS_ASSIGN_OR_RETURN(ModelSpec model, LoadModelSpec(o.model));
+  SS_ASSIGN_OR_RETURN(EngineKind ek, ParseEngineKind(o.engine, "--engine"));
+  SS_ASSIGN_OR_RETURN(RolloutSpec rollout, ParseRolloutSpec(o.rollout, ek));
+  SS_ASSIGN_OR_RETURN(ShardMap map, BuildShardMap(model, rollout.shard));
+  ModelSpec ref_spec = model;
+  ref_spec.dtype = DType::kBF16;
+  SyntheticWeightSource reference(ref_spec, o.seed);
+  json out = json::array();
+  *all_match = true;
+  for (int d = 0; d < rollout.dp; ++d) {
+    SS_ASSIGN_OR_RETURN(std::vector<EngineBuffers> got, LoadEngineDump(dir, map, d));
+    SS_ASSIGN_OR_RETURN(GenerationCheck g,
+                        CheckGeneration(map, got, reference, DefaultPrompt(), n));
+    *all_match = *all_match && g.match;
+    out.push_back({{"replica", d},
+                   {"match", g.match},
+                   {"tokens", g.engine_tokens},
+                   {"reference_tokens", g.reference_tokens},
+                   {"max_logit_diff", g.max_logit_diff},
+                   {"logit_tolerance", g.tolerance}});
+  }
+  return out;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app("shardsync GPU data-path harness");
@@ -26,6 +65,8 @@ int main(int argc, char** argv) {
   std::string dtype = "bf16";
   int64_t timeout_ms = 60000;
   bool no_memcpy = false, no_kernels = false, no_verify = false;
+  int gen_tokens = 0;
+  std::string dump_dir;
   auto* bench = app.add_subcommand("bench", "run a GPU sync job and its baselines");
   bench->add_option("--model", o.model, "model name or config path");
   bench->add_option("--trainer", o.trainer, "trainer layout (fsdp=N)");
@@ -51,6 +92,14 @@ int main(int argc, char** argv) {
   bench->add_flag("--no-memcpy", no_memcpy, "skip the cudaMemcpy baseline");
   bench->add_flag("--no-kernel-bench", no_kernels, "skip the kernel microbenchmarks");
   bench->add_flag("--no-verify", no_verify, "skip the element-by-element check");
+  bench
+      ->add_option("--gen-tokens", gen_tokens,
+                   "after the run, greedy-decode N tokens per replica with the reference engine "
+                   "on the engine ranks' parameters and compare with the unsharded model")
+      ->check(CLI::Range(0, 256));
+  bench->add_option("--dump-dir", dump_dir,
+                    "keep the engine ranks' parameter dumps here (default with --gen-tokens: a "
+                    "temporary directory, removed)");
   auto* info = app.add_subcommand("info", "device and NCCL information");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::warn);  // stdout carries the JSON report only
@@ -88,6 +137,36 @@ int main(int argc, char** argv) {
   o.kernel_bench = !no_kernels;
   o.colocated_turns = !no_turns;
   o.verify_elements = !no_verify;
+  std::string dumps = dump_dir;
+  bool remove_dumps = false;
+  if (gen_tokens > 0 || !dump_dir.empty()) {
+    std::error_code ec;
+    if (dumps.empty()) {
+      std::string tmpl =
+          (std::filesystem::temp_directory_path(ec) / "shardsync-gpu-XXXXXX").string();
+      if (mkdtemp(tmpl.data()) == nullptr) {
+        std::cerr << "--gen-tokens: cannot create a temporary directory for the dumps" << std::endl;
+        return 1;
+      }
+      dumps = tmpl;
+      remove_dumps = true;
+    } else if (!std::filesystem::create_directories(dumps, ec) && ec) {
+      std::cerr << "--dump-dir: cannot create '" << dumps << "': " << ec.message() << std::endl;
+      return 2;
+    }
+    o.engine_dump = [dumps](int replica, int tp, int pp, const std::vector<TensorToWrite>& t) {
+      const std::string path = dumps + "/replica-" + std::to_string(replica) + "-pp" +
+                               std::to_string(pp) + "-tp" + std::to_string(tp) + ".safetensors";
+      return WriteEngineDump(path, t, EngineDumpInfo{replica, tp, pp});
+    };
+  }
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ec;
+      if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+    }
+  } cleanup{remove_dumps ? dumps : std::string()};
   auto r = gpu::RunGpuBench(o);
   if (!r.ok()) {
     std::cerr << r.status().ToString() << std::endl;
@@ -129,6 +208,7 @@ int main(int argc, char** argv) {
             {"memcpy_seconds", p.memcpy_seconds},
             {"memcpy_gbps", p.memcpy_gbps},
             {"sync_vs_memcpy", p.sync_vs_memcpy},
+            {"broadcast_mode", p.broadcast_mode},
             {"broadcast_seconds", p.broadcast_seconds},
             {"speedup_vs_broadcast", p.speedup_vs_broadcast},
             {"link_gbps", p.link_gbps},
@@ -150,7 +230,30 @@ int main(int argc, char** argv) {
             {"ok", p.ok},
             {"summary", p.summary},
             {"ranks", ranks}};
+  bool gen_ok = true;
+  if (gen_tokens > 0 && p.ok) {
+    auto g = GenerationCheckAll(o, dumps, gen_tokens, &gen_ok);
+    if (g.ok()) {
+      j["generation"] = *g;
+    } else {
+      gen_ok = false;
+      j["generation_error"] = g.status().ToString();
+    }
+  }
+  j["generation_match"] = gen_tokens > 0 ? json(gen_ok && p.ok) : json(nullptr);
   std::cout << j.dump(2) << std::endl;
   std::cerr << p.summary << std::endl;
-  return p.ok ? 0 : 1;
+  if (gen_tokens > 0) {
+    if (j.contains("generation")) {
+      for (const json& g : j["generation"]) {
+        std::cerr << "generation replica " << g["replica"] << ": tokens " << g["tokens"].dump()
+                  << " reference " << g["reference_tokens"].dump() << " max |dlogit| "
+                  << g["max_logit_diff"] << (g["match"].get<bool>() ? " MATCH" : " MISMATCH")
+                  << std::endl;
+      }
+    } else if (j.contains("generation_error")) {
+      std::cerr << "generation: " << j["generation_error"].get<std::string>() << std::endl;
+    }
+  }
+  return p.ok && gen_ok ? 0 : 1;
 }

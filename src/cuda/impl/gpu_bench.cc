@@ -1573,7 +1573,7 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
              rep.broadcast_mode.c_str(), rep.broadcast_seconds * 1e3, rep.speedup_vs_broadcast);
     rep.summary += line;
   }
-  if (rep.bound_seconds > 0) {
+  if (rep.bound_seconds > 0 && rep.link_gbps > 0) {
     snprintf(line, sizeof(line), "; link bound %.2f ms (link %.0f GB/s), sync/bound %.2f",
              rep.bound_seconds * 1e3, rep.link_gbps, rep.sync_vs_bound);
     rep.summary += line;

@@ -101,7 +101,14 @@ int main(int argc, char** argv) {
                     "keep the engine ranks' parameter dumps here (default with --gen-tokens: a "
                     "temporary directory, removed)");
   auto* info = app.add_subcommand("info", "device and NCCL information");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {  // bad flags: exit 2 with the message, like shardsync
+    std::cerr << "shardsync_gpu: " << e.what() << std::endl;
+    return 2;
+  }
   spdlog::set_level(spdlog::level::warn);  // stdout carries the JSON report only
 
   if (info->parsed()) {

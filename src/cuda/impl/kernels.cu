@@ -36,7 +36,12 @@ namespace {
 #ifndef SHARDSYNC_GPU_CHUNK_KIB
 #define SHARDSYNC_GPU_CHUNK_KIB 256
 #endif
+#ifndef SHARDSYNC_GPU_DYN_TAIL
+#define SHARDSYNC_GPU_DYN_TAIL 6
+#endif
 constexpr int kThreads = SHARDSYNC_GPU_THREADS;
+// Rounds of chunks (grid-sized) at the end of a launch handed out dynamically.
+constexpr int kDynTail = SHARDSYNC_GPU_DYN_TAIL;
 // Landed kernels: registers capped so 3 blocks fit on an SM (measured best on an H200, see
 // docs/benchmarks.md "GPU data path").
 constexpr int kLandedMinBlocks = SHARDSYNC_GPU_LANDED_MIN_BLOCKS;
@@ -374,7 +379,20 @@ __global__ void __launch_bounds__(kThreads, kLanded ? kLandedMinBlocks : 1)
   constexpr int kN = 8 / kWireSize;  // elements per wire word
   __shared__ bool is_last;
 
-  for (int c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+  // Chunks: all but the last kDynTail rounds statically (block b takes b, b + grid, ...; no
+  // barrier), the tail through an atomic counter, so blocks that ran fast take more of it and the
+  // kernel does not wait for the slowest block's last static chunk.
+  __shared__ int dyn_next;
+  const int static_end = max(0, num_chunks - kDynTail * static_cast<int>(gridDim.x));
+  for (int c = blockIdx.x;; c += gridDim.x) {
+    if (c >= static_end) {
+      if (kDynTail == 0) break;
+      __syncthreads();  // every thread has read dyn_next of the previous round
+      if (threadIdx.x == 0) dyn_next = static_end + static_cast<int>(atomicAdd(ticket + 1, 1u));
+      __syncthreads();
+      c = dyn_next;
+      if (c >= num_chunks) break;
+    }
     const Chunk ch = chunks[c];
     const Desc d = descs[ch.desc];
     const bool in_contig = d.flags & 1, out_contig = d.flags & 2;
@@ -627,7 +645,10 @@ __global__ void __launch_bounds__(kThreads, kLanded ? kLandedMinBlocks : 1)
                                        ChecksumMixWord(lw, static_cast<uint64_t>(bw.word))));
     }
   }
-  if (threadIdx.x == 0) *ticket = 0;  // reusable by the next launch (stream-ordered)
+  if (threadIdx.x == 0) {  // reusable by the next launch (stream-ordered)
+    ticket[0] = 0;
+    ticket[1] = 0;
+  }
 }
 
 using KernelFn = void (*)(const Desc*, const Chunk*, int, const Boundary*, int, int,
@@ -970,8 +991,8 @@ class CopyBatchImpl final : public CopyBatch {
     SS_RETURN_IF_ERROR(chunks_.Upload(chunks, "batch: upload chunks"));
     SS_RETURN_IF_ERROR(bounds_.Upload(bounds, "batch: upload boundary words"));
     SS_CUDA(cudaMalloc(&sums_, std::max(1, nb) * sizeof(unsigned long long)), "batch: sums");
-    SS_CUDA(cudaMalloc(&ticket_, sizeof(unsigned int)), "batch: ticket");
-    SS_CUDA(cudaMemset(ticket_, 0, sizeof(unsigned int)), "batch: ticket");
+    SS_CUDA(cudaMalloc(&ticket_, 2 * sizeof(unsigned int)), "batch: ticket");
+    SS_CUDA(cudaMemset(ticket_, 0, 2 * sizeof(unsigned int)), "batch: ticket");
     SS_CUDA(cudaMallocHost(&host_sums_, std::max(1, nb) * sizeof(unsigned long long)),
             "batch: pinned sums");
     int sms = 0;

@@ -46,8 +46,15 @@ run fault_sender_ipc "${small[@]}" --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2
   --transport cuda_ipc --kill-rank 1 --timeout-ms 10000 --no-memcpy
 if [ "$mode" = full ]; then
   # Speed: qwen3-8b colocated on GPU 0 vs cudaMemcpy D2D of the same bytes, plus kernel GB/s.
+  # One trainer process on the GPU (as in a colocated deployment: one trainer rank per GPU, the
+  # engine ranks of that GPU beside it) ...
+  run coloc_8b_bf16_1trainer --model qwen3-8b --gpus 1 --trainer fsdp=1 --rollout dp=1,tp=2,pp=2 \
+    --transport cuda_ipc --trainer-dtype bf16 --iters 20
+  run coloc_8b_f32_1trainer --model qwen3-8b --gpus 1 --trainer fsdp=1 --rollout dp=1,tp=2,pp=2 \
+    --transport cuda_ipc --trainer-dtype f32 --iters 20 --no-kernel-bench
+  # ... and two trainer processes sharing it (fsdp=2 emulated on one GPU; they pack in turn).
   run coloc_8b_bf16 --model qwen3-8b --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
-    --transport cuda_ipc --trainer-dtype bf16 --iters 5
+    --transport cuda_ipc --trainer-dtype bf16 --iters 20 --no-kernel-bench
   run coloc_8b_f32 --model qwen3-8b --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
     --transport cuda_ipc --trainer-dtype f32 --iters 5 --no-kernel-bench
   # The same bf16 sync with the receivers' separate verify pass instead of the fused readback.

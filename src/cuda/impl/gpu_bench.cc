@@ -1122,7 +1122,8 @@ int RankMain(const GpuBenchOptions& o, const Job& j, const std::string& addr, in
     if (!s.ok()) return fail(s.Annotate("rank " + std::to_string(rank) + " start barrier"), 0);
     const double t0 = NowSeconds();
     const bool fault = rank == o.kill_rank && it == o.warmup;
-    GpuBenchRank scratch = res;
+    GpuBenchRank scratch = res;  // this sync's checksum counts only (added below when timed)
+    scratch.checksums_ok = scratch.checksums_total = 0;
     s = runner->SyncOnce(v, fault, &scratch);
     const double t1 = NowSeconds();
     if (!s.ok())

@@ -1,5 +1,6 @@
 // Exploration benchmark (not built by CMake): which copy-kernel shape reaches cudaMemcpy's HBM
 // rate on this GPU, with and without the shardsync checksum mix. Build: nvcc -O3 -arch=sm_90.
+// `copy_variants` runs parts 1 and 2; `copy_variants 3` runs part 3 (cp.async staging, mixes).
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <cstdio>
@@ -249,8 +250,8 @@ __device__ __forceinline__ uint64_t MixK(uint64_t w, uint64_t key) {
   return w ^ key;
 }
 template <int kV, int kS, bool kRb, int kMix = 0>
-__global__ void __launch_bounds__(256) Staged(const uint4* __restrict__ in, uint4* out,
-                                              int64_t n, unsigned long long* sum) {
+__global__ void __launch_bounds__(256)
+    Staged(const uint4* __restrict__ in, uint4* out, int64_t n, unsigned long long* sum) {
   extern __shared__ uint4 sm[];
   const int64_t tile = int64_t{kV} * 256;
   const int64_t ntiles = n / tile;

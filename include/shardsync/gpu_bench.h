@@ -41,8 +41,11 @@ struct GpuBenchOptions {
   // interprocess event) instead of being time-sliced by the GPU.
   bool colocated_turns = true;
   int64_t bucket_bytes = int64_t{512} << 20;
-  int gpus = 0;    // GPUs to place ranks on (0: all visible). Trainer t on GPU t % gpus; engine
-                   // rank (replica d, pp, tp) on GPU (d*tp*pp + pp*tp + tp) % gpus (colocated).
+  // GPUs to place ranks on (0: all visible). Trainer t on GPU t % gpus; engine ranks where the
+  // engine's own layout rule puts them (SGLang / vLLM: replica d, pp, tp on GPU d*tp*pp + pp*tp +
+  // tp, PP-major), colocated with the trainers; with more engine ranks than GPUs, engine rank
+  // % gpus (one-GPU dry runs).
+  int gpus = 0;
   int iters = 5;   // timed syncs (the median is reported)
   int warmup = 1;  // untimed syncs first (IPC mappings, NCCL channels)
   uint64_t seed = 1;
@@ -89,6 +92,7 @@ struct GpuBenchReport {
   std::string model, trainer, rollout, engine, transport;
   std::string trainer_dtype;
   std::string landed_check;
+  std::string engine_placement;  // "sglang layout" | "vllm layout" | "engine rank % GPUs ..."
   int nccl_version = 0;
   int64_t wire_bytes = 0;       // bytes the plan moves per sync (job-wide)
   int64_t cross_gpu_bytes = 0;  // of which between different GPUs

@@ -36,6 +36,7 @@
 #include "shardsync/checksum.h"
 #include "shardsync/gpu.h"
 #include "shardsync/gpu_bench.h"
+#include "shardsync/layout.h"
 #include "shardsync/model.h"
 #include "shardsync/plan.h"
 #include "shardsync/session.h"
@@ -71,7 +72,14 @@ struct Job {
   std::vector<HfTensor> inv;
   ShardMap smap;
   int S = 0, world = 0, gpus = 1;
-  int Device(int rank) const { return rank < S ? rank % gpus : (rank - S) % gpus; }
+  // Engine rank (sync rank - S) -> GPU by the engine's own layout rule (topology layer) when
+  // every engine rank gets a GPU; empty: more engine ranks than GPUs, rank % gpus (dry runs).
+  std::vector<int> engine_gpu;
+  std::string placement;
+  int Device(int rank) const {
+    if (rank < S) return rank % gpus;
+    return engine_gpu.empty() ? (rank - S) % gpus : engine_gpu[rank - S];
+  }
 };
 
 Result<Job> MakeJob(const GpuBenchOptions& o, int gpus) {
@@ -98,6 +106,26 @@ Result<Job> MakeJob(const GpuBenchOptions& o, int gpus) {
   j.S = j.in.trainer.world();
   j.world = SyncWorldSize(j.in);
   j.gpus = std::max(1, gpus);
+  const RolloutSpec& r = j.in.rollout;
+  if (r.world() <= j.gpus) {
+    // The engine ranks where SGLang / vLLM put them on this node (PP-major device lists), on the
+    // first dp*tp*pp GPUs; trainer t stays on GPU t % gpus (colocated).
+    RolloutLayoutSpec ls;
+    ls.dp = r.dp;
+    ls.tp = r.shard.tp;
+    ls.pp = r.shard.pp;
+    SS_ASSIGN_OR_RETURN(ls.engine, ParseEngineConvention(o.engine, "--engine"));
+    SS_ASSIGN_OR_RETURN(Layout lay, ComputeLayout(Cluster::Uniform(1, r.world()), ls));
+    j.engine_gpu.assign(r.world(), 0);
+    for (size_t d = 0; d < lay.replicas.size(); ++d) {
+      for (const EngineRankPlacement& e : lay.replicas[d].engine_ranks) {
+        j.engine_gpu[d * ls.tp * ls.pp + e.pp * ls.tp + e.tp] = e.gpu;
+      }
+    }
+    j.placement = o.engine + " layout";
+  } else {
+    j.placement = "engine rank % GPUs (more engine ranks than GPUs)";
+  }
   return j;
 }
 
@@ -1529,6 +1557,7 @@ Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions& o) {
   if (rep.sync_seconds > 0 && rep.memcpy_seconds > 0) {
     rep.sync_vs_memcpy = rep.memcpy_seconds / rep.sync_seconds;
   }
+  rep.engine_placement = job.placement;
   if (o.broadcast_baseline) {
     rep.broadcast_mode = BroadcastRingRoot(o, job) >= 0 ? "nccl ring" : "point-to-point";
   }

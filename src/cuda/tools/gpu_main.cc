@@ -205,6 +205,7 @@ int main(int argc, char** argv) {
             {"transport", p.transport},
             {"trainer_dtype", p.trainer_dtype},
             {"landed_check", p.landed_check},
+            {"engine_placement", p.engine_placement},
             {"nccl_version", p.nccl_version},
             {"wire_bytes", p.wire_bytes},
             {"cross_gpu_bytes", p.cross_gpu_bytes},

@@ -1019,7 +1019,8 @@ Status RankRunner::DumpParams() {
   std::vector<uint8_t> host(buf_->bytes());
   SS_CUDA(cudaMemcpyAsync(host.data(), buf_->data(), host.size(), cudaMemcpyDeviceToHost, stream_),
           "engine: copy parameters to host");
-  SS_CUDA(cudaStreamSynchronize(stream_), "engine: copy parameters to host");
+  SS_RETURN_IF_ERROR(
+      WaitStream(stream_, Clock::now() + o_.timeout, "engine: copy parameters to host"));
   std::vector<TensorToWrite> params;
   for (size_t i = 0; i < er.params.size(); ++i) {
     const EngineParam& p = er.params[i];

@@ -66,6 +66,8 @@ int RunCuda(const BenchFlags& f) {
                         {"raw_transport_gbps", r->memcpy_gbps},
                         {"ratio_to_raw", r->sync_vs_memcpy},
                         {"speedup_vs_broadcast", r->speedup_vs_broadcast},
+                        {"broadcast_mode", r->broadcast_mode},
+                        {"engine_placement", r->engine_placement},
                         {"verified", verified},
                         {"summary", r->summary}};
     std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());

@@ -2,9 +2,7 @@
 
 #include <cstring>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "common/checksum_avx2.h"
 
 namespace shardsync {
 namespace {
@@ -36,27 +34,13 @@ uint64_t SumWordsScalar(const unsigned char* p, size_t full, uint64_t j) {
 #if defined(__x86_64__)
 constexpr size_t kPrefetchAhead = 1024;  // bytes
 
-// Low 64 bits of a * kChecksumMul per lane. AVX2 has no 64-bit multiply: three 32x32->64
-// multiplies give the same bits (a*b mod 2^64 = lo*lo + ((lo*hi + hi*lo) << 32)).
-__attribute__((target("avx2"))) inline __m256i MulConst(__m256i a) {
-  const __m256i lo_m = _mm256_set1_epi64x(kChecksumMul & 0xffffffffull);
-  const __m256i hi_m = _mm256_set1_epi64x(kChecksumMul >> 32);
-  const __m256i ll = _mm256_mul_epu32(a, lo_m);
-  const __m256i cross =
-      _mm256_add_epi64(_mm256_mul_epu32(a, hi_m), _mm256_mul_epu32(_mm256_srli_epi64(a, 32), lo_m));
-  return _mm256_add_epi64(ll, _mm256_slli_epi64(cross, 32));
-}
-
 // Same sums as SumWordsScalar, four words per vector, two vectors per step: bit-identical by
 // construction (the same per-word terms, added mod 2^64 in another order).
 __attribute__((target("avx2"))) uint64_t SumWordsAvx2(const unsigned char* p, size_t full,
                                                       uint64_t j) {
   // key_j = j * step + seed, advanced by 4 * step per vector.
   const __m256i step8 = _mm256_set1_epi64x(static_cast<long long>(8 * kChecksumStep));
-  __m256i k0 = _mm256_set_epi64x(static_cast<long long>((j + 3) * kChecksumStep + kChecksumSeed),
-                                 static_cast<long long>((j + 2) * kChecksumStep + kChecksumSeed),
-                                 static_cast<long long>((j + 1) * kChecksumStep + kChecksumSeed),
-                                 static_cast<long long>(j * kChecksumStep + kChecksumSeed));
+  __m256i k0 = internal::ChecksumKeysAvx2(j);
   __m256i k1 = _mm256_add_epi64(k0, _mm256_set1_epi64x(static_cast<long long>(4 * kChecksumStep)));
   __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
   size_t i = 0;
@@ -67,16 +51,13 @@ __attribute__((target("avx2"))) uint64_t SumWordsAvx2(const unsigned char* p, si
     _mm_prefetch(reinterpret_cast<const char*>(p + 8 * i + kPrefetchAhead), _MM_HINT_T0);
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * i));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * i + 32));
-    const __m256i t0 = MulConst(_mm256_xor_si256(w0, k0));
-    const __m256i t1 = MulConst(_mm256_xor_si256(w1, k1));
-    s0 = _mm256_add_epi64(s0, _mm256_xor_si256(t0, _mm256_srli_epi64(t0, 32)));
-    s1 = _mm256_add_epi64(s1, _mm256_xor_si256(t1, _mm256_srli_epi64(t1, 32)));
+    s0 = _mm256_add_epi64(s0, internal::ChecksumTermsAvx2(w0, k0));
+    s1 = _mm256_add_epi64(s1, internal::ChecksumTermsAvx2(w1, k1));
     k0 = _mm256_add_epi64(k0, step8);
     k1 = _mm256_add_epi64(k1, step8);
   }
-  alignas(32) uint64_t lanes[4];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi64(s0, s1));
-  return lanes[0] + lanes[1] + lanes[2] + lanes[3] + SumWordsScalar(p + 8 * i, full - i, j + i);
+  return internal::HorizontalSumAvx2(_mm256_add_epi64(s0, s1)) +
+         SumWordsScalar(p + 8 * i, full - i, j + i);
 }
 
 bool HaveAvx2() {

@@ -15,6 +15,7 @@
 #include "shardsync/launcher.h"
 #include "shardsync/transport.h"
 #include "sync/internal.h"
+#include "sync_expect.h"
 #include "test_util.h"
 
 namespace shardsync {
@@ -123,10 +124,7 @@ JobSpec Small() {
   return testing::Job(testing::TinyQwen2(4, true), "fsdp=2", "dp=1,tp=2,pp=2", "sglang", 16 << 10);
 }
 
-void ExpectAllOk(const std::vector<Status>& st) {
-  for (size_t r = 0; r < st.size(); ++r)
-    EXPECT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].ToString();
-}
+using testing::ExpectAllOk;
 
 TEST(SyncSession, SyncsAndReportsTheSameOnEveryRank) {
   Job job(Small());
@@ -167,20 +165,7 @@ TEST(SyncSession, FlippedByteIsDataLossNamingTheParameter) {
       {.corrupt_data_post = job.fault(1).counters().data_posts + 3, .corrupt_byte = 5});
   auto st = job.Sync(2);
   EXPECT_EQ(job.fault(1).counters().corrupted, 1);
-  int data_loss = 0;
-  for (int r = 0; r < job.world(); ++r) {
-    ASSERT_FALSE(st[r].ok()) << "rank " << r << " reported success";
-    if (st[r].code() == StatusCode::kDataLoss) {
-      ++data_loss;
-      EXPECT_THAT(st[r].message(), HasSubstr("checksum mismatch"));
-      EXPECT_THAT(st[r].message(), HasSubstr("from sync rank 1"));
-      EXPECT_THAT(st[r].message(), HasSubstr("parameters: model."));
-    }
-    if (r >= job.trainers()) {
-      EXPECT_TRUE(job.session(r).IsPoisoned()) << "rank " << r;
-    }
-  }
-  EXPECT_EQ(data_loss, 1);
+  testing::ExpectOneDataLossFrom(job, st, 1);
   // A clean full sync clears the poison and the parameters are right again.
   job.fault(1).set_config({});
   ExpectAllOk(job.Sync(3));

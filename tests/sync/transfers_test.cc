@@ -15,6 +15,7 @@
 #include "shardsync/shard_map.h"
 #include "shardsync/transport.h"
 #include "sync/internal.h"
+#include "sync_expect.h"
 #include "test_util.h"
 
 namespace shardsync {
@@ -331,10 +332,7 @@ class RecordedJob {
   std::vector<Rank> ranks_;
 };
 
-void ExpectAllOk(const std::vector<Status>& st) {
-  for (size_t r = 0; r < st.size(); ++r)
-    EXPECT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].ToString();
-}
+using testing::ExpectAllOk;
 
 class ZeroCopy : public ::testing::TestWithParam<bool> {};  // param: two-sided only
 
@@ -363,20 +361,7 @@ TEST_P(ZeroCopy, CorruptedDirectTransferIsDataLossNamingTheParameter) {
   job.tx(1).corrupt_next_direct = true;
   auto st = job.Sync(2);
   EXPECT_EQ(job.tx(1).corrupted, 1);
-  int data_loss = 0;
-  for (int r = 0; r < job.world(); ++r) {
-    ASSERT_FALSE(st[r].ok()) << "rank " << r << " reported success";
-    if (st[r].code() == StatusCode::kDataLoss) {
-      ++data_loss;
-      EXPECT_THAT(st[r].message(), HasSubstr("checksum mismatch"));
-      EXPECT_THAT(st[r].message(), HasSubstr("from sync rank 1"));
-      EXPECT_THAT(st[r].message(), HasSubstr("parameters: model."));
-    }
-    if (r >= job.trainers()) {
-      EXPECT_TRUE(job.session(r).IsPoisoned()) << "rank " << r;
-    }
-  }
-  EXPECT_EQ(data_loss, 1);
+  testing::ExpectOneDataLossFrom(job, st, 1);
   ExpectAllOk(job.Sync(3));
   EXPECT_EQ(job.Mismatches(), 0);
   for (int r = job.trainers(); r < job.world(); ++r) EXPECT_FALSE(job.session(r).IsPoisoned());

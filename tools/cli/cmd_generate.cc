@@ -164,13 +164,7 @@ Registration reg(
        sub->add_option("--model", a->model,
                        "embedded model NAME or config PATH, with synthetic weights");
        sub->add_option("--seed", a->seed, "synthetic weight seed (with --model)")
-           ->check(CLI::Validator(
-               [](std::string& v) {
-                 return !v.empty() && v[0] == '-'
-                            ? std::string("must be a non-negative integer, got ") + v
-                            : std::string();
-               },
-               "UINT64"))
+           ->check(NonNegativeInteger())
            ->each([a](const std::string&) { a->seed_given = true; });
        sub->add_option("--prompt-ids", a->prompt_ids,
                        "comma-separated prompt token ids (default 1,17,42,5,33,8)");

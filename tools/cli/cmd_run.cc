@@ -34,13 +34,7 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
       ->capture_default_str();
   sub->add_option("--bucket-bytes", f->bucket_bytes, "Bucket cap in bytes (overrides --bucket-mb)");
   sub->add_option("--seed", f->seed, "Seed of the synthetic weights")
-      ->check(CLI::Validator(
-          [](std::string& v) {
-            return !v.empty() && v[0] == '-'
-                       ? std::string("must be a non-negative integer, got ") + v
-                       : std::string();
-          },
-          "UINT64"))
+      ->check(NonNegativeInteger())
       ->capture_default_str();
   sub->add_option("--syncs", f->syncs, "Number of syncs (versions 1..N)")->capture_default_str();
   sub->add_option("--transport", f->transport, "ucx | loopback | auto")->capture_default_str();

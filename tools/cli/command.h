@@ -36,4 +36,14 @@ int ReportError(const Status& status);
 // malformed file (DataLoss from a parser) as bad input, exit 2 like any other.
 int ReportInputError(Status status, std::string_view field);
 
+// For uint64 options (seeds): CLI11 would wrap "-1" around to 2^64-1; refuse a sign instead.
+inline CLI::Validator NonNegativeInteger() {
+  return CLI::Validator(
+      [](std::string& v) {
+        return !v.empty() && v[0] == '-' ? std::string("must be a non-negative integer, got ") + v
+                                         : std::string();
+      },
+      "UINT64");
+}
+
 }  // namespace shardsync::cli

@@ -181,5 +181,11 @@ Status WriteEngineDump(const std::string& path, const EngineBuffers& params,
 // engine rank; InvalidArgument for two files claiming one rank or a rank outside the map.
 Result<std::vector<EngineBuffers>> LoadEngineDump(const std::string& dir, const ShardMap& map,
                                                   int replica = 0);
+// The proof that a sync's bytes landed where the engine's math expects them: CheckGeneration on
+// replica `replica`'s dumps in `dir` against the synthetic HF weights of `seed` as the engines
+// hold them (`wire_dtype`), from DefaultPrompt().
+Result<GenerationCheck> CheckGenerationOfDump(const ShardMap& map, const std::string& dir,
+                                              int replica, uint64_t seed, DType wire_dtype,
+                                              int n_tokens);
 
 }  // namespace shardsync

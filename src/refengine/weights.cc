@@ -233,4 +233,14 @@ Result<std::vector<EngineBuffers>> LoadEngineDump(const std::string& dir, const 
   return out;
 }
 
+Result<GenerationCheck> CheckGenerationOfDump(const ShardMap& map, const std::string& dir,
+                                              int replica, uint64_t seed, DType wire_dtype,
+                                              int n_tokens) {
+  SS_ASSIGN_OR_RETURN(std::vector<EngineBuffers> received, LoadEngineDump(dir, map, replica));
+  ModelSpec ref_spec = map.model;
+  ref_spec.dtype = wire_dtype;
+  SyntheticWeightSource reference(ref_spec, seed);
+  return CheckGeneration(map, received, reference, DefaultPrompt(), n_tokens);
+}
+
 }  // namespace shardsync

@@ -53,7 +53,8 @@ std::vector<std::string> JobSpecToArgs(const JobSpec& job) {
   if (!sh.pp_partition.empty()) {
     std::string p;
     for (size_t i = 0; i < sh.pp_partition.size(); ++i) {
-      p += (i ? "," : "") + std::to_string(sh.pp_partition[i]);
+      if (i) p += ',';  // not `"," + to_string(...)`: GCC 12 -Wrestrict false positive
+      p += std::to_string(sh.pp_partition[i]);
     }
     a.push_back("--pp-partition");
     a.push_back(p);

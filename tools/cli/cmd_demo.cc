@@ -74,19 +74,6 @@ struct TempDir {
   }
 };
 
-// The proof that the bytes landed where the engine's math expects them: greedy-decode from a fixed
-// prompt with the sharded TP x PP engine on the parameters the engine ranks received (their dumps)
-// and with the unsharded model on the trainer's weights, and compare tokens and logits.
-Result<GenerationCheck> RunGenerationStep(const PlanInputs& in, const ShardMap& map, uint64_t seed,
-                                          const std::string& dump_dir, int n_tokens) {
-  SS_ASSIGN_OR_RETURN(std::vector<EngineBuffers> received, LoadEngineDump(dump_dir, map, 0));
-  // Reference: the trainer's synthetic weights as the engine holds them (wire dtype).
-  ModelSpec ref_spec = in.model;
-  ref_spec.dtype = in.options.wire_dtype;
-  SyntheticWeightSource trainer(ref_spec, seed);
-  return CheckGeneration(map, received, trainer, DefaultPrompt(), n_tokens);
-}
-
 std::string TokenList(const std::vector<int64_t>& t) {
   std::string s = "[";
   for (size_t i = 0; i < t.size(); ++i) s += (i ? ", " : "") + std::to_string(t[i]);
@@ -166,7 +153,10 @@ int Run(const DemoFlags& f) {
   if (verified && f.gen_tokens > 0) {
     if (lo.on_progress)
       std::fprintf(stderr, "shardsync demo: generating %d tokens on both sides\n", f.gen_tokens);
-    auto g = RunGenerationStep(in, *map, job->seed, dumps.path, f.gen_tokens);
+    // Greedy-decode from a fixed prompt with the sharded TP x PP engine on the parameters the
+    // engine ranks received (their dumps) and with the unsharded model on the trainer's weights.
+    auto g =
+        CheckGenerationOfDump(*map, dumps.path, 0, job->seed, in.options.wire_dtype, f.gen_tokens);
     if (g.ok()) {
       gen = *g;
     } else {

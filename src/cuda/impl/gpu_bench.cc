@@ -343,19 +343,20 @@ Status RankRunner::Fill() {
     }
   } else {
     SS_CUDA(cudaMemsetAsync(buf_->data(), 0xFF, total, stream_), "engine: poison parameters");
-    // Padded vocab rows: zero-filled once by the engine, never sent (as sync sessions do).
-    const EngineRankShards& er = EngineShards(j_, rank_);
-    std::unique_ptr<Packer> packer;
-    for (size_t i = 0; i < er.params.size(); ++i) {
-      for (const ZeroFill& z : er.params[i].zero_fills) {
-        SS_CUDA(cudaStreamSynchronize(stream_), "engine: poison parameters");
-        if (!packer) packer = MakeCudaPacker(device_, o_.timeout);
-        SS_RETURN_IF_ERROR(packer->ZeroFill(static_cast<unsigned char*>(buf_->data()) + offsets_[i],
-                                            er.params[i].dtype, er.params[i].shape, z.dst));
-      }
-    }
   }
   SS_CUDA(cudaStreamSynchronize(stream_), "fill");
+  if (trainer()) return OkStatus();
+  // Padded vocab rows: zero-filled once by the engine (after the poison), never sent, as sync
+  // sessions do. The packer runs on its own stream and waits for itself.
+  const EngineRankShards& er = EngineShards(j_, rank_);
+  std::unique_ptr<Packer> packer;
+  for (size_t i = 0; i < er.params.size(); ++i) {
+    for (const ZeroFill& z : er.params[i].zero_fills) {
+      if (!packer) packer = MakeCudaPacker(device_, o_.timeout);
+      SS_RETURN_IF_ERROR(packer->ZeroFill(static_cast<unsigned char*>(buf_->data()) + offsets_[i],
+                                          er.params[i].dtype, er.params[i].shape, z.dst));
+    }
+  }
   return OkStatus();
 }
 

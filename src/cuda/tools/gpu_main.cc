@@ -36,15 +36,11 @@ Result<json> GenerationCheckAll(const gpu::GpuBenchOptions& o, const std::string
   SS_ASSIGN_OR_RETURN(EngineKind ek, ParseEngineKind(o.engine, "--engine"));
   SS_ASSIGN_OR_RETURN(RolloutSpec rollout, ParseRolloutSpec(o.rollout, ek));
   SS_ASSIGN_OR_RETURN(ShardMap map, BuildShardMap(model, rollout.shard));
-  ModelSpec ref_spec = model;
-  ref_spec.dtype = DType::kBF16;
-  SyntheticWeightSource reference(ref_spec, o.seed);
   json out = json::array();
   *all_match = true;
   for (int d = 0; d < rollout.dp; ++d) {
-    SS_ASSIGN_OR_RETURN(std::vector<EngineBuffers> got, LoadEngineDump(dir, map, d));
     SS_ASSIGN_OR_RETURN(GenerationCheck g,
-                        CheckGeneration(map, got, reference, DefaultPrompt(), n));
+                        CheckGenerationOfDump(map, dir, d, o.seed, DType::kBF16, n));
     *all_match = *all_match && g.match;
     out.push_back({{"replica", d},
                    {"match", g.match},

@@ -511,7 +511,7 @@ Status RankRunner::PrepareIpc() {
                                ": malformed landed map entry " + r.dump());
         }
         const auto b = r.at(0).get<int64_t>();
-        if (b < 0 || b >= static_cast<int64_t>(m.buckets.size())) {
+        if (b >= static_cast<int64_t>(m.buckets.size())) {  // b >= 0 checked above
           return DataLossError("engine rank " + std::to_string(m.dst) + ": landed map bucket " +
                                std::to_string(b) + " out of range");
         }

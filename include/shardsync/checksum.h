@@ -44,6 +44,11 @@ SHARDSYNC_HD uint64_t ChecksumFinish(uint64_t sum, uint64_t total_bytes) {
 // message may have a ragged end). Partial sums of disjoint chunks add up (mod 2^64).
 uint64_t ChecksumPartial(const void* data, size_t nbytes, uint64_t byte_offset);
 
+// Copies nbytes from src to dst (not overlapping) and returns ChecksumPartial of those bytes,
+// reading them once: the checksum terms come from the registers the copy loaded. Same
+// byte_offset rule as ChecksumPartial.
+uint64_t CopyWithChecksumPartial(void* dst, const void* src, size_t nbytes, uint64_t byte_offset);
+
 // Checksum of one whole buffer.
 inline uint64_t Checksum(const void* data, size_t nbytes) {
   return ChecksumFinish(ChecksumPartial(data, nbytes, 0), nbytes);

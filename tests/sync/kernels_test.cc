@@ -3,6 +3,7 @@
 // bit, on random sizes, offsets and bit patterns (NaN, Inf and denormals included).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -65,6 +66,27 @@ TEST(HostKernels, ChecksumMatchesTheDefinitionOnRandomSizesAndOffsets) {
     at += n;
   }
   EXPECT_EQ(cs.Finish(), whole);
+}
+
+TEST(HostKernels, CopyWithChecksumCopiesAndMatchesTheDefinition) {
+  std::mt19937_64 rng(11);
+  std::vector<unsigned char> src(1 << 20), dst(1 << 20);
+  for (auto& b : src) b = static_cast<unsigned char>(rng());
+  for (size_t n : {size_t{0}, size_t{5}, size_t{64}, size_t{127}, size_t{128}, size_t{129},
+                   size_t{1000}, size_t{4096 + 13}, size_t{(1 << 20) - 96}}) {
+    for (int k = 0; k < 4; ++k) {
+      const size_t from = rng() % (src.size() - n + 1), to = rng() % (dst.size() - n + 1);
+      const uint64_t off = 8 * (rng() % (1u << 30));
+      std::fill(dst.begin(), dst.end(), 0xEE);
+      const uint64_t got = CopyWithChecksumPartial(dst.data() + to, src.data() + from, n, off);
+      EXPECT_EQ(got, ReferencePartial(src.data() + from, n, off)) << "n=" << n;
+      EXPECT_EQ(std::memcmp(dst.data() + to, src.data() + from, n), 0) << "n=" << n;
+      // Nothing outside [to, to + n) is written.
+      const auto untouched = std::count(dst.begin(), dst.begin() + to, 0xEE) +
+                             std::count(dst.begin() + to + n, dst.end(), 0xEE);
+      EXPECT_EQ(untouched, static_cast<long>(dst.size() - n)) << "n=" << n;
+    }
+  }
 }
 
 TEST(HostKernels, Fp32ToBf16CastMatchesF32ToBF16BitForBit) {

@@ -1,0 +1,178 @@
+// The least CPU work a checksummed host sync can do per engine rank, against the raw copy of
+// the same bytes, on one core of this machine. `shardsync bench` on the 2-core dev VM is
+// CPU-bound (8 processes, both cores busy), so sharded/raw there is bounded by the ratio of
+// these per-byte costs; this bench measures that bound without any plan, transport or process
+// overhead. Bytes per case: the demo workload's mean wire bytes per engine rank.
+//
+// Each iteration times the raw copy and the verified variant back to back (same buffers, same
+// process); counters: raw_gbps, verified_gbps, ratio = verified / raw throughput.
+//   cma:      raw = process_vm_readv (what UCX's cma rendezvous does for tagged sends here);
+//             verified = sender checksums 1 MiB of its source (cold), the receiver reads it
+//             with process_vm_readv (source now in cache) and checksums what landed (hot).
+//   cma_fp32: as cma with an fp32 trainer: the sender casts 1 MiB of wire into staging with
+//             the checksum fused (CastF32ToBF16WithSum), the receiver reads the staging.
+//   shm:      raw = memcpy into the receiver's memory (a shared-memory transport); verified =
+//             the sender copies with the checksum fused (CopyWithChecksumPartial), then the
+//             receiver checksums what landed (hot).
+#include <benchmark/benchmark.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "shardsync/checksum.h"
+#include "shardsync/plan.h"
+#include "sync/internal.h"
+
+namespace shardsync {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr size_t kTransfer = size_t{4} << 20;  // raw transfer size (as `shardsync bench`)
+constexpr size_t kPiece = size_t{1} << 20;     // sync session transfer size (session.cc)
+
+size_t DemoBytesPerEngineRank() {
+  PlanInputs in;
+  in.model = LoadModelSpec("qwen2.5-0.5b").value();
+  in.trainer = ParseTrainerSpec("fsdp=4").value();
+  in.rollout = ParseRolloutSpec("dp=1,tp=2,pp=2", EngineKind::kSglang).value();
+  const PlanSummary s = SummarizePlan(in).value();
+  return static_cast<size_t>(s.total_bytes) / s.engine_ranks.size() & ~(kTransfer - 1);
+}
+
+struct Buffers {
+  explicit Buffers(size_t n, size_t src_scale = 1)
+      : bytes(n), src(Alloc(n * src_scale)), dst(Alloc(n)), stage(Alloc(kPiece)) {
+    for (size_t i = 0; i < n * src_scale; i += 4) {
+      const float f = static_cast<float>(i % 4099) * 0.001f;
+      std::memcpy(src.get() + i, &f, 4);
+    }
+    std::memset(dst.get(), 0, n);
+  }
+  static std::unique_ptr<unsigned char[]> Alloc(size_t n) {
+    return std::unique_ptr<unsigned char[]>(new unsigned char[n]);
+  }
+  size_t bytes;
+  std::unique_ptr<unsigned char[]> src, dst, stage;
+};
+
+// process_vm_readv of this process's own memory: the kernel's CMA copy, as between two ranks.
+bool CmaRead(unsigned char* to, const unsigned char* from, size_t n) {
+  iovec local{to, n};
+  iovec remote{const_cast<unsigned char*>(from), n};
+  return process_vm_readv(getpid(), &local, 1, &remote, 1, 0) == static_cast<ssize_t>(n);
+}
+
+template <typename Raw, typename Verified>
+void RunCase(benchmark::State& st, const Buffers& b, Raw raw, Verified verified) {
+  double raw_s = 0, ver_s = 0;
+  uint64_t sink = 0;
+  for (auto _ : st) {
+    auto t0 = Clock::now();
+    if (!raw()) {
+      st.SkipWithError("process_vm_readv failed (CMA not permitted here)");
+      return;
+    }
+    auto t1 = Clock::now();
+    sink += verified();
+    auto t2 = Clock::now();
+    raw_s += std::chrono::duration<double>(t1 - t0).count();
+    ver_s += std::chrono::duration<double>(t2 - t1).count();
+    st.SetIterationTime(std::chrono::duration<double>(t2 - t1).count());
+  }
+  benchmark::DoNotOptimize(sink);
+  const double n = static_cast<double>(st.iterations());
+  st.counters["raw_gbps"] = b.bytes * n / raw_s / 1e9;
+  st.counters["verified_gbps"] = b.bytes * n / ver_s / 1e9;
+  st.counters["ratio"] = raw_s / ver_s;
+  st.SetBytesProcessed(static_cast<int64_t>(b.bytes * n));
+}
+
+void BM_Cma(benchmark::State& st) {
+  Buffers b(DemoBytesPerEngineRank());
+  unsigned char *src = b.src.get(), *dst = b.dst.get();
+  RunCase(
+      st, b,
+      [&] {
+        for (size_t o = 0; o < b.bytes; o += kTransfer) {
+          if (!CmaRead(dst + o, src + o, kTransfer)) return false;
+        }
+        return true;
+      },
+      [&] {
+        uint64_t s = 0;
+        for (size_t o = 0; o < b.bytes; o += kPiece) {
+          s += ChecksumPartial(src + o, kPiece, o);  // sender
+          CmaRead(dst + o, src + o, kPiece);
+          s -= ChecksumPartial(dst + o, kPiece, o);  // receiver
+        }
+        return s;
+      });
+}
+
+void BM_CmaFp32(benchmark::State& st) {
+  Buffers b(DemoBytesPerEngineRank(), 2);
+  unsigned char *src = b.src.get(), *dst = b.dst.get(), *stage = b.stage.get();
+  RunCase(
+      st, b,
+      [&] {
+        for (size_t o = 0; o < b.bytes; o += kTransfer) {
+          if (!CmaRead(dst + o, src + o, kTransfer)) return false;
+        }
+        return true;
+      },
+      [&] {
+        uint64_t s = 0;
+        for (size_t o = 0; o < b.bytes; o += kPiece) {
+          uint64_t part = 0;
+          sync_internal::CastF32ToBF16WithSum(src + 2 * o, stage, kPiece / 2, o / 8, &part);
+          s += part;
+          CmaRead(dst + o, stage, kPiece);
+          s -= ChecksumPartial(dst + o, kPiece, o);
+        }
+        return s;
+      });
+}
+
+void BM_Shm(benchmark::State& st) {
+  Buffers b(DemoBytesPerEngineRank());
+  unsigned char *src = b.src.get(), *dst = b.dst.get();
+  RunCase(
+      st, b,
+      [&] {
+        for (size_t o = 0; o < b.bytes; o += kTransfer) std::memcpy(dst + o, src + o, kTransfer);
+        return true;
+      },
+      [&] {
+        uint64_t s = 0;
+        for (size_t o = 0; o < b.bytes; o += kPiece) {
+          s += CopyWithChecksumPartial(dst + o, src + o, kPiece, o);
+          s -= ChecksumPartial(dst + o, kPiece, o);
+        }
+        return s;
+      });
+}
+
+BENCHMARK(BM_Cma)
+    ->Name("host_bound/cma")
+    ->UseManualTime()
+    ->Iterations(8)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CmaFp32)
+    ->Name("host_bound/cma_fp32")
+    ->UseManualTime()
+    ->Iterations(8)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Shm)
+    ->Name("host_bound/shm")
+    ->UseManualTime()
+    ->Iterations(8)
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace shardsync
+
+BENCHMARK_MAIN();

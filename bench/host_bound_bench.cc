@@ -11,9 +11,12 @@
 //             with process_vm_readv (source now in cache) and checksums what landed (hot).
 //   cma_fp32: as cma with an fp32 trainer: the sender casts 1 MiB of wire into staging with
 //             the checksum fused (CastF32ToBF16WithSum), the receiver reads the staging.
-//   shm:      raw = memcpy into the receiver's memory (a shared-memory transport); verified =
-//             the sender copies with the checksum fused (CopyWithChecksumPartial), then the
-//             receiver checksums what landed (hot).
+//   shm:      raw = memcpy into the receiver's memory (a transport writing straight into
+//             mapped receiver memory); verified = the sender copies with the checksum fused
+//             (CopyWithChecksumPartial), then the receiver checksums what landed (hot).
+//   ring_vs_cma / ring_vs_ring_raw: what the shm transport does (transport.h): the sender
+//             copies 64 KiB into a ring slot, the receiver copies it out, each copy carrying
+//             the checksum; raw = the CMA copy / the same two copies without checksums.
 #include <benchmark/benchmark.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -156,6 +159,50 @@ void BM_Shm(benchmark::State& st) {
       });
 }
 
+// The shm transport's data path: 64 KiB slots of a ring that stays in cache; the sender's copy
+// into the slot and the receiver's copy out of it each carry the checksum.
+constexpr size_t kSlot = size_t{64} << 10;
+uint64_t RingVerified(const unsigned char* src, unsigned char* dst, unsigned char* ring,
+                      size_t bytes) {
+  uint64_t s = 0;
+  for (size_t o = 0; o < bytes; o += kSlot) {
+    unsigned char* slot = ring + (o / kSlot % 16) * kSlot;
+    s += CopyWithChecksumPartial(slot, src + o, kSlot, o);  // sender
+    s -= CopyWithChecksumPartial(dst + o, slot, kSlot, o);  // receiver
+  }
+  return s;
+}
+
+void BM_RingVsCma(benchmark::State& st) {
+  Buffers b(DemoBytesPerEngineRank());
+  unsigned char *src = b.src.get(), *dst = b.dst.get(), *ring = b.stage.get();
+  RunCase(
+      st, b,
+      [&] {
+        for (size_t o = 0; o < b.bytes; o += kTransfer) {
+          if (!CmaRead(dst + o, src + o, kTransfer)) return false;
+        }
+        return true;
+      },
+      [&] { return RingVerified(src, dst, ring, b.bytes); });
+}
+
+void BM_RingVsRingRaw(benchmark::State& st) {
+  Buffers b(DemoBytesPerEngineRank());
+  unsigned char *src = b.src.get(), *dst = b.dst.get(), *ring = b.stage.get();
+  RunCase(
+      st, b,
+      [&] {
+        for (size_t o = 0; o < b.bytes; o += kSlot) {
+          unsigned char* slot = ring + (o / kSlot % 16) * kSlot;
+          std::memcpy(slot, src + o, kSlot);
+          std::memcpy(dst + o, slot, kSlot);
+        }
+        return true;
+      },
+      [&] { return RingVerified(src, dst, ring, b.bytes); });
+}
+
 BENCHMARK(BM_Cma)
     ->Name("host_bound/cma")
     ->UseManualTime()
@@ -168,6 +215,16 @@ BENCHMARK(BM_CmaFp32)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Shm)
     ->Name("host_bound/shm")
+    ->UseManualTime()
+    ->Iterations(8)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_RingVsCma)
+    ->Name("host_bound/ring_vs_cma")
+    ->UseManualTime()
+    ->Iterations(8)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_RingVsRingRaw)
+    ->Name("host_bound/ring_vs_ring_raw")
     ->UseManualTime()
     ->Iterations(8)
     ->Unit(benchmark::kMillisecond);

@@ -50,7 +50,7 @@ struct JobFlags {
   int64_t bucket_bytes = 0;  // exact, overrides bucket_mb when > 0
   uint64_t seed = 1;
   int syncs = 1;
-  std::string transport = "auto";  // auto: ucx when built with UCX, else loopback
+  std::string transport = "auto";  // auto: see JobSpecFromFlags
   int64_t timeout_ms = 60000;
   std::string mode = "sync";
   int warmup = 1;
@@ -59,8 +59,9 @@ struct JobFlags {
   std::string prefix = "ss/";
   std::string dump_dir;
 };
-// Validates and resolves the flags; errors name the flag.
-Result<JobSpec> JobSpecFromFlags(const JobFlags& flags);
+// Validates and resolves the flags; errors name the flag. --transport auto resolves to "shm"
+// when every rank runs on this host (`all_local`: demo, bench), else to DefaultTransport().
+Result<JobSpec> JobSpecFromFlags(const JobFlags& flags, bool all_local = false);
 // "ucx" when this build has it, else "loopback".
 std::string DefaultTransport();
 

@@ -40,7 +40,26 @@ struct TransportCaps {
   bool one_sided_put = false;  // Put into remote registered memory
   bool two_sided = false;      // Send / Recv
   bool same_node_only = false;
+  bool summed_copy = false;  // PostSendSummed / PostRecvSummed (the transport copies the bytes)
 };
+
+// A checksum riding on the copy a transport makes anyway (caps().summed_copy; the shm transport
+// copies every byte into and out of a shared ring). Byte i of the message has checksum position
+// `key + i` (checksum.h). The transport adds ChecksumPartial of the message's whole words, i.e.
+// of bytes [SummedHead, SummedTail), into `sum` before it reports the transfer done; the bytes
+// outside that span (under 8 at each end) are the caller's to add.
+struct CopySum {
+  uint64_t key = 0;
+  uint64_t sum = 0;
+};
+inline uint64_t SummedHead(uint64_t key, uint64_t bytes) {
+  const uint64_t h = (8 - key % 8) % 8;
+  return h < bytes ? h : bytes;
+}
+inline uint64_t SummedTail(uint64_t key, uint64_t bytes) {
+  const uint64_t h = SummedHead(key, bytes);
+  return h + (bytes - h) / 8 * 8;
+}
 
 // Identity a rank advertises so peers can pick a transport (canConnect).
 struct PeerInfo {
@@ -78,6 +97,12 @@ class Transport {
   // smaller one fails the receive with OutOfRange. Send buffers must stay valid until done.
   virtual Result<XferId> PostSend(int peer, uint64_t tag, const void* buf, size_t bytes) = 0;
   virtual Result<XferId> PostRecv(int peer, uint64_t tag, void* buf, size_t bytes) = 0;
+  // As PostSend / PostRecv, with `sum` (alive until done) filled from the transport's own copy
+  // of the bytes. Unimplemented unless caps().summed_copy.
+  virtual Result<XferId> PostSendSummed(int peer, uint64_t tag, const void* buf, size_t bytes,
+                                        CopySum* sum);
+  virtual Result<XferId> PostRecvSummed(int peer, uint64_t tag, void* buf, size_t bytes,
+                                        CopySum* sum);
   // kDone once complete (the id is then released); Unavailable / Internal on failure.
   virtual Result<XferState> Poll(XferId id) = 0;
   // Cancels everything outstanding; later calls fail with Aborted.
@@ -138,6 +163,19 @@ struct UcxOptions {
 Result<std::unique_ptr<Transport>> NewUcxTransport(const UcxOptions& options = {});
 
 // ---------------------------------------------------------------------------------------------
+// Shared memory (same host, host memory, two-sided): every rank creates one POSIX shm segment
+// holding a ring per peer that sends to it (16 slots x 64 KiB); peers map it (names exchanged
+// through the store under `prefix`; the segment is unlinked once every peer mapped it). A send
+// is copied into the ring slot by slot, the receiver copies each slot out into the posted
+// buffer (or into a buffer for messages that arrive before their receive). Two copies through a
+// ring that stays in cache instead of one kernel copy (UCX's cma), which lets the checksum ride
+// on both copies (PostSendSummed / PostRecvSummed): a verified sync then costs about what the
+// raw copy does (docs/benchmarks.md, "Host data path"). No one-sided put (PostPut fails with
+// FailedPrecondition). A peer's death is seen through its process id (at most every 50 ms) or
+// its transport's close flag in the ring.
+Result<std::unique_ptr<Transport>> NewShmTransport();
+
+// ---------------------------------------------------------------------------------------------
 // Fault injection (tests): wraps any transport. Counters are 1-based over this wrapper's posts;
 // 0 disables a fault. A default FaultConfig is a pure pass-through.
 struct FaultConfig {
@@ -167,7 +205,8 @@ std::unique_ptr<FaultTransport> NewFaultTransport(std::unique_ptr<Transport> inn
 // ---------------------------------------------------------------------------------------------
 // Registry and selection: transports by name with a priority (lower first) and a static
 // CanConnect predicate, so a rank picks per peer pair the first transport both sides can use
-// (cuda_ipc -> nccl -> ucx). Built in: "ucx" (priority 300, when built with UCX) and
+// (cuda_ipc -> nccl -> shm -> ucx). Built in: "shm" (priority 250, same host), "ucx" (priority
+// 300, when built with UCX) and
 // "loopback" (priority 1000, never auto-selected: it only works in one process). Other layers
 // register their transports by calling RegisterTransport (e.g. from an init function).
 struct TransportOptions {

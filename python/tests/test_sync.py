@@ -32,23 +32,24 @@ def _have_transport(name):
     return shardsync.has_part("session") and name in shardsync.native().transports()
 
 
-def run_multiprocess(spec, kind, versions=(1,), seed=3, timeout=120):
+def run_multiprocess(spec, kind, versions=(1,), seed=3, timeout=120, transport="ucx"):
     plan = shardsync.Plan.from_spec(spec)
     with shardsync.StoreServer(token="tok") as srv:
         ctx = mp.get_context("spawn")
-        args = [(r, spec, srv.address, "tok", "ucx", kind, list(versions), seed)
+        args = [(r, spec, srv.address, "tok", transport, kind, list(versions), seed)
                 for r in range(plan.world_size)]
         with ctx.Pool(plan.world_size) as pool:
             res = pool.map_async(run_rank, args).get(timeout)
     return plan, res
 
 
+@pytest.mark.parametrize("transport", ["ucx", "shm"])
 @pytest.mark.parametrize("trainer,rollout,engine", LAYOUTS[:3])
-def test_multiprocess_numpy(need_session, tiny_model, trainer, rollout, engine):
-    if not _have_transport("ucx"):
-        pytest.skip("ucx transport not built")
+def test_multiprocess_numpy(need_session, tiny_model, trainer, rollout, engine, transport):
+    if not _have_transport(transport):
+        pytest.skip(f"{transport} transport not built")
     plan, res = run_multiprocess(_spec(tiny_model, trainer, rollout, engine), "numpy",
-                                 versions=(1, 2))
+                                 versions=(1, 2), transport=transport)
     for status, rank, detail in res:
         assert status == "ok", f"rank {rank}: {detail}"
     engine_checked = sum(d["checked"] for _, _, d in res)

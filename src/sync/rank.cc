@@ -151,7 +151,7 @@ std::string DefaultTransport() {
   return "loopback";
 }
 
-Result<JobSpec> JobSpecFromFlags(const JobFlags& f) {
+Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
   JobSpec job;
   PlanInputs& in = job.inputs;
   SS_ASSIGN_OR_RETURN(in.model, LoadModelSpec(f.model));  // errors name --model
@@ -201,7 +201,7 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f) {
     return InvalidArgumentError("--syncs: must be in [1, 1000000], got " + std::to_string(f.syncs));
   }
   job.syncs = f.syncs;
-  job.transport = f.transport == "auto" ? DefaultTransport() : f.transport;
+  job.transport = f.transport != "auto" ? f.transport : all_local ? "shm" : DefaultTransport();
   if (job.transport != "loopback") {
     bool known = false;
     for (const std::string& n : RegisteredTransports()) known |= n == job.transport;

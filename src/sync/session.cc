@@ -170,6 +170,10 @@ struct InFlight {
   std::vector<size_t> lens;   // wire bytes of each of xfers (0: flush / control)
   uint64_t checksum = 0;
   std::unique_ptr<Control> control;
+  // Summed sends (transport caps().summed_copy): the bucket's checksum is complete only once
+  // the transport reported the words it summed while copying; the control message waits.
+  std::unique_ptr<LandedSum> sum;
+  size_t sums_begin = 0, sums_end = 0;  // this bucket's entries of the sync's CopySum array
 };
 
 class SessionImpl final : public SyncSession {
@@ -630,6 +634,28 @@ class SessionImpl final : public SyncSession {
     // it, and post direct transfers from the source memory itself. A packer passed in (device
     // memory) packs whole buckets into its staging; the same transfers then leave from there.
     const bool fused = packer_ == own_packer_.get();
+    // Direct transfers checksummed by the transport's own copy (shm): no separate read.
+    const bool summed = fused && !put && tx_.caps().summed_copy;
+    // One CopySum per direct transfer of this sync, at fixed addresses the transport writes
+    // into; kept past a failure (graveyard_) since the transport may still complete them.
+    auto send_sums = std::make_shared<std::vector<CopySum>>();
+    std::vector<size_t> sum_words;  // bytes of whole words each CopySum covers
+    if (summed) {
+      size_t n = 0;
+      for (auto [mi, bi] : order) {
+        for (const WireRun& r : send_buckets_[mi][bi].xfers) n += r.direct;
+      }
+      send_sums->reserve(n);
+      sum_words.reserve(n);
+    }
+    struct KeepOnFailure {
+      std::vector<std::shared_ptr<void>>& yard;
+      std::shared_ptr<void> sums;
+      bool done = false;
+      ~KeepOnFailure() {
+        if (!done) yard.push_back(std::move(sums));
+      }
+    } keep{graveyard_, send_sums};
     std::deque<InFlight> flying;
     size_t outstanding = 0;  // wire bytes posted and not yet seen complete (fused path)
     size_t ring_at = 0;      // next free byte of the staging ring (fused path)
@@ -679,7 +705,13 @@ class SessionImpl final : public SyncSession {
       const Message& m = plan_.sends[f.msg];
       SS_RETURN_IF_ERROR(WaitAll(f.xfers, "sending to sync rank " + std::to_string(m.dst)));
       for (size_t n : f.lens) outstanding -= n;
-      if (put) {
+      if (f.sum) {
+        for (size_t i = f.sums_begin; i < f.sums_end; ++i) {
+          f.sum->AddWords((*send_sums)[i].sum, sum_words[i]);
+        }
+        f.checksum = f.sum->Finish();
+      }
+      if (put || summed) {
         // The flush completed: the bytes are visible at the receiver before it hears of them.
         auto c = make_control(f);
         SS_ASSIGN_OR_RETURN(XferId id, tx_.PostSend(m.dst, ControlTag(version_, f.bucket), c.get(),
@@ -709,17 +741,31 @@ class SessionImpl final : public SyncSession {
             f.checksum, packer_->Pack(SourceRegions(m, b), in_.options.wire_dtype, stage, b.bytes));
       }
       const uint32_t base = put ? regbase_.at(m.dst) : 0;
-      LandedSum sum;
+      f.sum = std::make_unique<LandedSum>();
+      f.sums_begin = send_sums->size();
+      LandedSum& sum = *f.sum;
       for (const WireRun& r : sb.xfers) {
         const unsigned char* src = fused ? nullptr : stage + r.wire_offset;
+        CopySum* copy_sum = nullptr;
         if (fused) {
           SS_RETURN_IF_ERROR(drain(kSendWindowBytes > r.len ? kSendWindowBytes - r.len : 0));
           if (r.direct) {
-            // Straight from the trainer's memory: checksummed right before it is posted, so
-            // the receiver's copy finds it in cache.
             const auto* data = static_cast<const unsigned char*>(sources_.at(r.tensor).data);
             src = data + r.src_offset;
-            sum.Add(src, r.len, static_cast<uint64_t>(r.wire_offset));
+            const auto key = static_cast<uint64_t>(r.wire_offset);
+            if (summed) {
+              // The transport sums the whole words as it copies them out; the edges are ours.
+              const uint64_t h = SummedHead(key, r.len), t = SummedTail(key, r.len);
+              sum.Add(src, h, key);
+              sum.Add(src + t, r.len - t, key + t);
+              send_sums->push_back(CopySum{key, 0});
+              sum_words.push_back(static_cast<size_t>(t - h));
+              copy_sum = &send_sums->back();
+            } else {
+              // Straight from the trainer's memory: checksummed right before it is posted, so
+              // the receiver's copy finds it in cache.
+              sum.Add(src, r.len, key);
+            }
           } else {
             if (ring_at + r.len > kRingBytes) ring_at = 0;
             unsigned char* out = staging_[0].get() + ring_at;
@@ -728,9 +774,11 @@ class SessionImpl final : public SyncSession {
             src = out;
           }
         }
-        auto id = put ? tx_.PostPut(m.dst, src, r.len, base + static_cast<uint32_t>(r.param),
-                                    r.param_offset)
-                      : tx_.PostSend(m.dst, DataTag(version_, next_seq[mi]), src, r.len);
+        auto id = put        ? tx_.PostPut(m.dst, src, r.len, base + static_cast<uint32_t>(r.param),
+                                           r.param_offset)
+                  : copy_sum ? tx_.PostSendSummed(m.dst, DataTag(version_, next_seq[mi]), src,
+                                                  r.len, copy_sum)
+                             : tx_.PostSend(m.dst, DataTag(version_, next_seq[mi]), src, r.len);
         SS_RETURN_IF_ERROR(id.status());
         ++next_seq[mi];
         f.xfers.push_back(*id);
@@ -738,19 +786,26 @@ class SessionImpl final : public SyncSession {
         outstanding += r.len;
       }
       if (fused) {
-        if (sum.bytes() != static_cast<uint64_t>(b.bytes)) {
+        f.sums_end = send_sums->size();
+        uint64_t counted = sum.bytes();
+        for (size_t i = f.sums_begin; i < f.sums_end; ++i) counted += sum_words[i];
+        if (counted != static_cast<uint64_t>(b.bytes)) {
           return InternalError("sync rank " + std::to_string(rank_) + ": packed " +
-                               std::to_string(sum.bytes()) + " bytes of a " +
-                               std::to_string(b.bytes) + "-byte bucket to sync rank " +
-                               std::to_string(m.dst));
+                               std::to_string(counted) + " bytes of a " + std::to_string(b.bytes) +
+                               "-byte bucket to sync rank " + std::to_string(m.dst));
         }
-        f.checksum = sum.Finish();
+        if (!summed) {
+          f.checksum = sum.Finish();
+          f.sum.reset();
+        }
+      } else {
+        f.sum.reset();
       }
       if (put) {
         SS_ASSIGN_OR_RETURN(XferId fl, tx_.PostFlush(m.dst));
         f.xfers.push_back(fl);
         f.lens.push_back(0);
-      } else {
+      } else if (!summed) {
         // Two-sided: the receiver waits for the data receives and the control message alike.
         f.control = make_control(f);
         SS_ASSIGN_OR_RETURN(XferId id, tx_.PostSend(m.dst, ControlTag(version_, f.bucket),
@@ -768,7 +823,9 @@ class SessionImpl final : public SyncSession {
       SS_ASSIGN_OR_RETURN(XferId id, tx_.PostFlush(m.dst));
       flushes.push_back(id);
     }
-    return WaitAll(flushes, "flushing to the receivers");
+    SS_RETURN_IF_ERROR(WaitAll(flushes, "flushing to the receivers"));
+    keep.done = true;
+    return OkStatus();
   }
 
   // Every bucket's transfers (BucketTransfers), computed once: both ends replay them each sync.
@@ -931,16 +988,28 @@ class SessionImpl final : public SyncSession {
       std::vector<XferId> ids;  // data receives (tag mode), then the control receive
       const std::vector<WireRun>* runs = nullptr;  // tag mode: the data receives, in order
       size_t runs_done = 0;
-      LandedSum landed;  // incremental checksum of the runs that completed
+      LandedSum landed;    // incremental checksum of the runs that completed
+      size_t sums_at = 0;  // summed receives: this bucket's first entry of `sums`
     };
     // Host parameters with the built-in packer in tag mode: checksum each run right after it
     // lands, while its bytes are still in cache, instead of re-reading the whole bucket from
     // memory once its control message arrives.
     const bool incremental = !put && packer_ == own_packer_.get();
+    // ... or let the transport sum the words as it copies them in (shm): no read at all.
+    const bool summed = incremental && tx_.caps().summed_copy;
     size_t total = 0;
     for (const Message& m : plan_.recvs) total += m.buckets.size();
     // Posted receive buffers must outlive a failed sync: a late control message may still land.
     auto ctrl = std::make_shared<std::vector<Control>>(total);
+    // So must the CopySums of summed receives (one per run, at fixed addresses).
+    auto sums = std::make_shared<std::vector<CopySum>>();
+    if (summed) {
+      size_t runs = 0;
+      for (const auto& m : recv_runs_) {
+        for (const auto& b : m) runs += b.size();
+      }
+      sums->reserve(runs);
+    }
     std::vector<Expect> pending;
     size_t k = 0;
     Status s;
@@ -955,9 +1024,16 @@ class SessionImpl final : public SyncSession {
         if (!put) {
           // Two-sided: receive each run straight into its parameter (no staging copy).
           e.runs = &recv_runs_[mi][bi];
+          e.sums_at = sums->size();
           for (const WireRun& r : *e.runs) {
             auto* dst = static_cast<unsigned char*>(dests_[r.param].data) + r.param_offset;
-            auto id = tx_.PostRecv(m.src, DataTag(version_, seq++), dst, r.len);
+            Result<XferId> id = XferId{0};
+            if (summed) {
+              sums->push_back(CopySum{static_cast<uint64_t>(r.wire_offset), 0});
+              id = tx_.PostRecvSummed(m.src, DataTag(version_, seq++), dst, r.len, &sums->back());
+            } else {
+              id = tx_.PostRecv(m.src, DataTag(version_, seq++), dst, r.len);
+            }
             if (!id.ok()) {
               s = id.status();
               break;
@@ -1002,8 +1078,17 @@ class SessionImpl final : public SyncSession {
           for (size_t d = 0; d < done && e.runs && e.runs_done < e.runs->size();
                ++d, ++e.runs_done) {
             const WireRun& r = (*e.runs)[e.runs_done];
-            e.landed.Add(static_cast<const unsigned char*>(dests_[r.param].data) + r.param_offset,
-                         r.len, static_cast<uint64_t>(r.wire_offset));
+            const auto* at =
+                static_cast<const unsigned char*>(dests_[r.param].data) + r.param_offset;
+            const auto key = static_cast<uint64_t>(r.wire_offset);
+            if (summed) {
+              const uint64_t h = SummedHead(key, r.len), t = SummedTail(key, r.len);
+              e.landed.Add(at, h, key);
+              e.landed.AddWords((*sums)[e.sums_at + e.runs_done].sum, t - h);
+              e.landed.Add(at + t, r.len - t, key + t);
+            } else {
+              e.landed.Add(at, r.len, key);
+            }
           }
         }
         e.ids.erase(e.ids.begin(), e.ids.begin() + done);
@@ -1029,6 +1114,7 @@ class SessionImpl final : public SyncSession {
     }
     if (!s.ok()) {
       graveyard_.push_back(ctrl);
+      graveyard_.push_back(sums);
       return s;
     }
     // Completing a receive can leave protocol messages to the sender (e.g. a rendezvous ack)
@@ -1161,7 +1247,9 @@ class SessionImpl final : public SyncSession {
   EngineRankShards shards_;
   std::map<std::string, size_t> param_index_;
   std::vector<DestBinding> dests_;
-  std::vector<std::shared_ptr<std::vector<Control>>> graveyard_;
+  // What a failed sync's transfers may still write into (late control messages, the sums of
+  // summed copies): kept for the session's life.
+  std::vector<std::shared_ptr<void>> graveyard_;
   // State.
   std::vector<int> peers_;
   XferId progress_id_ = 0;  // a flush polled to drive progress while waiting on the store

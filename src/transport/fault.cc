@@ -19,7 +19,13 @@ class FaultTransportImpl final : public FaultTransport {
   void set_config(const FaultConfig& config) override { config_ = config; }
 
   std::string_view name() const override { return inner_->name(); }
-  TransportCaps caps() const override { return inner_->caps(); }
+  TransportCaps caps() const override {
+    TransportCaps c = inner_->caps();
+    // Summed copies would checksum the corrupted copy this wrapper sends: callers take the
+    // plain path (and sum the bytes themselves), so injected corruption stays detectable.
+    c.summed_copy = false;
+    return c;
+  }
   bool CanConnect(const PeerInfo& self, const PeerInfo& peer) const override {
     return inner_->CanConnect(self, peer);
   }

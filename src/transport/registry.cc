@@ -37,6 +37,14 @@ Registry& GetRegistry() {
       return NewLoopbackTransport(o.loopback_hub);
     };
     Insert(*reg, std::move(lb));
+    TransportEntry shm;
+    shm.name = "shm";
+    shm.priority = 250;
+    shm.can_connect = [](const PeerInfo& a, const PeerInfo& b) {
+      return a.hostname == b.hostname && a.mem == MemKind::kHost && b.mem == MemKind::kHost;
+    };
+    shm.factory = [](const TransportOptions&) { return NewShmTransport(); };
+    Insert(*reg, std::move(shm));
 #ifdef SHARDSYNC_HAVE_UCX
     TransportEntry ucx;
     ucx.name = "ucx";

@@ -22,6 +22,7 @@
 #include <unordered_map>
 
 #include "store/log.h"
+#include "transport/process.h"
 
 namespace shardsync {
 namespace {
@@ -101,23 +102,6 @@ struct Peer {
   pid_t pid = 0;
   Clock::time_point next_check;
 };
-
-// False once `pid` has exited (or is a zombie awaiting its parent's wait).
-bool ProcessAlive(pid_t pid) {
-  if (kill(pid, 0) != 0) return errno == EPERM;
-  std::FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
-  if (f == nullptr) return true;
-  char buf[512] = {};
-  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
-  std::fclose(f);
-  const char* close = nullptr;
-  // Find the last ')' (the command name may contain one), then the state letter.
-  for (const char* p = buf; p < buf + n; ++p) {
-    if (*p == ')') close = p;
-  }
-  if (close == nullptr || close + 2 >= buf + n) return true;
-  return close[2] != 'Z' && close[2] != 'X';
-}
 
 // True one-sided puts into user memory need RDMA (UCX 1.13 emulates them over shm and tcp).
 bool HasRdmaDevice() {
@@ -418,7 +402,7 @@ class UcxTransport final : public Transport {
     auto now = Clock::now();
     if (now < p.next_check) return;
     p.next_check = now + Millis(50);
-    if (!ProcessAlive(p.pid)) {
+    if (!internal::ProcessAlive(p.pid)) {
       TransportLog().warn("ucx: peer rank {} (pid {}) exited", p.rank, p.pid);
       p.failed = true;
       p.failure = UCS_ERR_CONNECTION_RESET;

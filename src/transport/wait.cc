@@ -1,11 +1,43 @@
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <string>
 #include <thread>
 
 #include "shardsync/transport.h"
+#include "transport/process.h"
 
 namespace shardsync {
+
+namespace internal {
+
+bool ProcessAlive(pid_t pid) {
+  if (kill(pid, 0) != 0) return errno == EPERM;
+  std::FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (f == nullptr) return true;
+  char buf[512] = {};
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  const char* close = nullptr;
+  // Find the last ')' (the command name may contain one), then the state letter.
+  for (const char* p = buf; p < buf + n; ++p) {
+    if (*p == ')') close = p;
+  }
+  if (close == nullptr || close + 2 >= buf + n) return true;
+  return close[2] != 'Z' && close[2] != 'X';
+}
+
+}  // namespace internal
+
+Result<XferId> Transport::PostSendSummed(int, uint64_t, const void*, size_t, CopySum*) {
+  return UnimplementedError("transport '" + std::string(name()) + "' has no summed copies");
+}
+Result<XferId> Transport::PostRecvSummed(int, uint64_t, void*, size_t, CopySum*) {
+  return UnimplementedError("transport '" + std::string(name()) + "' has no summed copies");
+}
 
 Status WaitXfer(Transport& t, XferId id, Millis timeout, std::string_view what) {
   return WaitAllXfers(t, {id}, timeout, what);

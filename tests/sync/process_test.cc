@@ -1,7 +1,7 @@
 // Multi-process jobs through the local launcher: one `shardsync run` process per sync rank over
-// UCX, the launch contract (SHARDSYNC_STORE, RANK, WORLD_SIZE, SHARDSYNC_TOKEN), and a trainer
-// process SIGKILLed mid-job: every other rank must fail on its own within its timeout, engine
-// ranks poisoned, no child left behind.
+// each host transport (ucx, shm), the launch contract (SHARDSYNC_STORE, RANK, WORLD_SIZE,
+// SHARDSYNC_TOKEN), and a trainer process SIGKILLed mid-job: every other rank must fail on its own
+// within its timeout, engine ranks poisoned, no child left behind.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -13,21 +13,27 @@ namespace {
 
 using ::testing::HasSubstr;
 
-JobSpec UcxJob(int syncs, int64_t timeout_ms) {
-  JobSpec j =
-      testing::Job(testing::TinyQwen2(2, true), "fsdp=2", "dp=1,tp=2,pp=2", "sglang", 16 << 10);
-  j.transport = "ucx";
-  j.syncs = syncs;
-  j.timeout = Millis(timeout_ms);
-  return j;
-}
+class SyncProcesses : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == "ucx" && DefaultTransport() != "ucx") GTEST_SKIP() << "built without UCX";
+  }
+  JobSpec Job(int syncs, int64_t timeout_ms) const {
+    JobSpec j =
+        testing::Job(testing::TinyQwen2(2, true), "fsdp=2", "dp=1,tp=2,pp=2", "sglang", 16 << 10);
+    j.transport = GetParam();
+    j.syncs = syncs;
+    j.timeout = Millis(timeout_ms);
+    return j;
+  }
+};
 
-bool HaveUcx() { return DefaultTransport() == "ucx"; }
+INSTANTIATE_TEST_SUITE_P(HostTransports, SyncProcesses, ::testing::Values("ucx", "shm"),
+                         [](const auto& info) { return info.param; });
 
-TEST(SyncProcesses, UcxJobVerifiesEveryElement) {
-  if (!HaveUcx()) GTEST_SKIP() << "built without UCX";
+TEST_P(SyncProcesses, JobVerifiesEveryElement) {
   LocalJobOptions o;
-  o.job = UcxJob(3, 20000);
+  o.job = Job(3, 20000);
   o.mode = LocalJobOptions::Mode::kProcesses;
   o.exe = SHARDSYNC_CLI_PATH;
   o.job_timeout = Millis(50000);
@@ -46,10 +52,9 @@ TEST(SyncProcesses, UcxJobVerifiesEveryElement) {
   }
 }
 
-TEST(SyncProcesses, KilledTrainerFailsEveryRankWithinTheTimeout) {
-  if (!HaveUcx()) GTEST_SKIP() << "built without UCX";
+TEST_P(SyncProcesses, KilledTrainerFailsEveryRankWithinTheTimeout) {
   LocalJobOptions o;
-  o.job = UcxJob(100000, 2000);  // far more syncs than run before the kill
+  o.job = Job(100000, 2000);  // far more syncs than run before the kill
   o.mode = LocalJobOptions::Mode::kProcesses;
   o.exe = SHARDSYNC_CLI_PATH;
   o.job_timeout = Millis(45000);  // a hang would end here as DeadlineExceeded

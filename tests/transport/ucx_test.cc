@@ -72,7 +72,12 @@ TEST(Ucx, ModeFromEnvironmentValidated) {
 TEST(Ucx, RegistryCreatesUcx) {
   auto names = RegisteredTransports();
   EXPECT_NE(std::find(names.begin(), names.end(), "ucx"), names.end());
-  EXPECT_EQ(*SelectTransport(LocalPeerInfo(0), LocalPeerInfo(1)), "ucx");
+  // Same host: shm first; another host: ucx.
+  EXPECT_EQ(*SelectTransport(LocalPeerInfo(0), LocalPeerInfo(1)), "shm");
+  PeerInfo remote = LocalPeerInfo(1);
+  remote.hostname += "-elsewhere";
+  EXPECT_EQ(*SelectTransport(LocalPeerInfo(0), remote), "ucx");
+  EXPECT_EQ(*SelectTransport(LocalPeerInfo(0), LocalPeerInfo(1), "ucx"), "ucx");
   auto t = CreateTransport("ucx");
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   EXPECT_EQ((*t)->name(), "ucx");

@@ -84,7 +84,7 @@ int RunCuda(const BenchFlags& f) {
 
 int Run(const BenchFlags& f) {
   if (f.device == "cuda") return RunCuda(f);
-  auto job = JobSpecFromFlags(f.job);
+  auto job = JobSpecFromFlags(f.job, /*all_local=*/true);
   if (!job.ok()) return ReportError(job.status());
   if (f.job_timeout_s < 1) {
     return ReportError(InvalidArgumentError("--job-timeout-s: must be positive"));

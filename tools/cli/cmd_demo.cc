@@ -90,7 +90,7 @@ std::string GpuOf(const Layout* layout, int replica, int tp, int pp) {
 }
 
 int Run(const DemoFlags& f) {
-  auto job = JobSpecFromFlags(f.job);
+  auto job = JobSpecFromFlags(f.job, /*all_local=*/true);
   if (!job.ok()) return ReportError(job.status());
   if (f.job_timeout_s < 1) {
     return ReportError(InvalidArgumentError("--job-timeout-s: must be positive"));

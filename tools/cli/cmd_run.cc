@@ -37,7 +37,10 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
       ->check(NonNegativeInteger())
       ->capture_default_str();
   sub->add_option("--syncs", f->syncs, "Number of syncs (versions 1..N)")->capture_default_str();
-  sub->add_option("--transport", f->transport, "ucx | loopback | auto")->capture_default_str();
+  sub->add_option("--transport", f->transport,
+                  "ucx | shm | loopback | auto (demo, bench: shm, every rank is on this host; "
+                  "run: ucx)")
+      ->capture_default_str();
   sub->add_option("--timeout-ms", f->timeout_ms, "Timeout of connect and of every sync")
       ->capture_default_str();
   sub->add_option("--mode", f->mode, "sync | bench")->capture_default_str();

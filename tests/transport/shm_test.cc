@@ -1,0 +1,174 @@
+// The shm transport: the conformance suite (threads in one process, and a forked peer for the
+// peer-death test), summed copies against the checksum definition, and no file left in /dev/shm.
+#include <dirent.h>
+#include <unistd.h>
+
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "shardsync/checksum.h"
+#include "shardsync/transport.h"
+#include "transport/transport_conformance.h"
+
+namespace shardsync::testing {
+namespace {
+
+std::unique_ptr<Transport> MakeShm() {
+  auto t = NewShmTransport();
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return t.ok() ? std::move(*t) : nullptr;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shm, TransportConformance,
+                         ::testing::Values(TransportParam{
+                             "shm", [](const auto&) { return MakeShm(); }, true}),
+                         ParamName);
+
+RegisterChildTransport child_shm("shm", [] { return MakeShm(); });
+
+// Two connected shm transports driven from this thread (sends and receives are non-blocking).
+struct Pair {
+  Pair() {
+    server = *StoreServer::Start("127.0.0.1", 0, "t");
+    std::thread th([&] {
+      auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+      b = MakeShm();
+      sb = b->Connect(*c, "p", 1, {0}, 5000ms);
+    });
+    auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+    a = MakeShm();
+    sa = a->Connect(*c, "p", 0, {1}, 5000ms);
+    th.join();
+  }
+  // Drives both ends until both transfers are done.
+  void Run(XferId send, XferId recv) {
+    bool s = false, r = false;
+    for (int i = 0; i < 10'000'000 && !(s && r); ++i) {
+      if (!s) {
+        auto st = a->Poll(send);
+        ASSERT_TRUE(st.ok()) << st.status().ToString();
+        s = *st == XferState::kDone;
+      }
+      if (!r) {
+        auto st = b->Poll(recv);
+        ASSERT_TRUE(st.ok()) << st.status().ToString();
+        r = *st == XferState::kDone;
+      }
+    }
+    ASSERT_TRUE(s && r);
+  }
+  std::unique_ptr<StoreServer> server;
+  std::unique_ptr<Transport> a, b;
+  Status sa, sb;
+};
+
+// Whole words of a message at checksum position `key`, as CopySum defines them.
+uint64_t Expected(const std::vector<char>& m, uint64_t key) {
+  const uint64_t h = SummedHead(key, m.size()), t = SummedTail(key, m.size());
+  return ChecksumPartial(m.data() + h, t - h, key + h);
+}
+
+TEST(Shm, SummedCopiesMatchTheChecksumDefinitionOnBothEnds) {
+  Pair p;
+  ASSERT_TRUE(p.sa.ok()) << p.sa.ToString();
+  ASSERT_TRUE(p.sb.ok()) << p.sb.ToString();
+  ASSERT_TRUE(p.a->caps().summed_copy);
+  std::mt19937_64 rng(3);
+  // Sizes around the 64 KiB slot and the ring (1 MiB), keys at every alignment.
+  const size_t sizes[] = {0, 1, 7, 8, 9, 100, 65535, 65536, 65537, 200000, (1 << 20) + 13, 3 << 20};
+  uint64_t tag = 1;
+  for (size_t n : sizes) {
+    for (uint64_t key : {uint64_t{0}, uint64_t{3}, uint64_t{8}, uint64_t{1} << 33 | 5}) {
+      std::vector<char> msg(n), got(n + 16, 0x11);
+      for (auto& c : msg) c = static_cast<char>(rng());
+      CopySum ss{key, 0}, rs{key, 0};
+      auto send = p.a->PostSendSummed(1, tag, msg.data(), n, &ss);
+      auto recv = p.b->PostRecvSummed(0, tag, got.data(), got.size(), &rs);
+      ASSERT_TRUE(send.ok() && recv.ok());
+      p.Run(*send, *recv);
+      EXPECT_EQ(std::memcmp(got.data(), msg.data(), n), 0) << "n=" << n << " key=" << key;
+      EXPECT_EQ(ss.sum, Expected(msg, key)) << "sender n=" << n << " key=" << key;
+      EXPECT_EQ(rs.sum, Expected(msg, key)) << "receiver n=" << n << " key=" << key;
+      ++tag;
+    }
+  }
+}
+
+TEST(Shm, SummedReceiveOfAMessageThatArrivedFirst) {
+  Pair p;
+  ASSERT_TRUE(p.sa.ok() && p.sb.ok());
+  std::vector<char> msg(300000);
+  for (size_t i = 0; i < msg.size(); ++i) msg[i] = static_cast<char>(i * 7 + 1);
+  // The message (300 KB, within the 1 MiB ring) has fully arrived, and been moved into a buffer
+  // by the receiver's progress, before its receive is posted; the sum then rides on the copy out
+  // of that buffer.
+  CopySum ss{6, 0}, rs{6, 0};
+  auto send = p.a->PostSendSummed(1, 9, msg.data(), msg.size(), &ss);
+  ASSERT_TRUE(send.ok());
+  bool sent = false;
+  for (int i = 0; i < 1000; ++i) {
+    if (!sent) {
+      auto st = p.a->Poll(*send);
+      ASSERT_TRUE(st.ok()) << st.status().ToString();
+      sent = *st == XferState::kDone;
+    }
+    auto flush = p.b->PostFlush(0);  // polling it drives b's progress
+    ASSERT_TRUE(flush.ok());
+    ASSERT_TRUE(p.b->Poll(*flush).ok());
+  }
+  std::vector<char> got(msg.size());
+  auto recv = p.b->PostRecvSummed(0, 9, got.data(), got.size(), &rs);
+  ASSERT_TRUE(recv.ok());
+  ASSERT_TRUE(sent);  // the sender finished with no receive posted
+  ASSERT_TRUE(WaitXfer(*p.b, *recv, 5000ms, "summed receive").ok());
+  EXPECT_EQ(got, msg);
+  EXPECT_EQ(rs.sum, Expected(msg, 6));
+  EXPECT_EQ(ss.sum, rs.sum);
+}
+
+TEST(Shm, PutIsRefusedAndNoSegmentOutlivesConnect) {
+  auto count = [] {
+    int n = 0;
+    if (DIR* d = opendir("/dev/shm")) {
+      const std::string mine =
+          "shardsync-" + std::to_string(getuid()) + "-" + std::to_string(getpid()) + "-";
+      while (dirent* e = readdir(d)) n += std::string(e->d_name).rfind(mine, 0) == 0;
+      closedir(d);
+    }
+    return n;
+  };
+  const int before = count();
+  {
+    Pair p;
+    ASSERT_TRUE(p.sa.ok() && p.sb.ok());
+    EXPECT_EQ(count(), before);  // unlinked once both sides mapped
+    char c = 0;
+    auto put = p.a->PostPut(1, &c, 1, 0, 0);
+    EXPECT_EQ(put.status().code(), StatusCode::kFailedPrecondition);
+  }
+  EXPECT_EQ(count(), before);
+}
+
+TEST(Shm, APeerThatDidNotListThisRankFailsConnectNamingIt) {
+  auto server = *StoreServer::Start("127.0.0.1", 0, "t");
+  Status sa, sb;
+  std::thread th([&] {
+    auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+    auto b = MakeShm();
+    sb = b->Connect(*c, "p", 1, {2}, 2000ms);  // lists rank 2, not rank 0
+  });
+  auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+  auto a = MakeShm();
+  sa = a->Connect(*c, "p", 0, {1}, 2000ms);
+  th.join();
+  EXPECT_EQ(sa.code(), StatusCode::kFailedPrecondition) << sa.ToString();
+  EXPECT_NE(sa.message().find("rank 0"), std::string::npos) << sa.ToString();
+  EXPECT_FALSE(sb.ok());
+}
+
+}  // namespace
+}  // namespace shardsync::testing

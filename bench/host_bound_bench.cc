@@ -203,6 +203,34 @@ void BM_RingVsRingRaw(benchmark::State& st) {
       [&] { return RingVerified(src, dst, ring, b.bytes); });
 }
 
+// fp32 trainer through the ring: the sender casts straight into the slot (checksum fused), the
+// receiver copies out; raw = the two copies of the bf16 bytes.
+void BM_RingFp32VsRingRaw(benchmark::State& st) {
+  Buffers b(DemoBytesPerEngineRank(), 2);
+  unsigned char *src = b.src.get(), *dst = b.dst.get(), *ring = b.stage.get();
+  RunCase(
+      st, b,
+      [&] {
+        for (size_t o = 0; o < b.bytes; o += kSlot) {
+          unsigned char* slot = ring + (o / kSlot % 16) * kSlot;
+          std::memcpy(slot, src + o, kSlot);
+          std::memcpy(dst + o, slot, kSlot);
+        }
+        return true;
+      },
+      [&] {
+        uint64_t s = 0;
+        for (size_t o = 0; o < b.bytes; o += kSlot) {
+          unsigned char* slot = ring + (o / kSlot % 16) * kSlot;
+          uint64_t part = 0;
+          sync_internal::CastF32ToBF16WithSum(src + 2 * o, slot, kSlot / 2, o / 8, &part);
+          s += part;
+          s -= CopyWithChecksumPartial(dst + o, slot, kSlot, o);
+        }
+        return s;
+      });
+}
+
 BENCHMARK(BM_Cma)
     ->Name("host_bound/cma")
     ->UseManualTime()
@@ -225,6 +253,11 @@ BENCHMARK(BM_RingVsCma)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_RingVsRingRaw)
     ->Name("host_bound/ring_vs_ring_raw")
+    ->UseManualTime()
+    ->Iterations(8)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_RingFp32VsRingRaw)
+    ->Name("host_bound/ring_fp32_vs_ring_raw")
     ->UseManualTime()
     ->Iterations(8)
     ->Unit(benchmark::kMillisecond);

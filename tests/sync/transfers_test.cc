@@ -10,6 +10,7 @@
 #include <list>
 #include <thread>
 
+#include "shardsync/checksum.h"
 #include "shardsync/launcher.h"
 #include "shardsync/session.h"
 #include "shardsync/shard_map.h"
@@ -208,6 +209,20 @@ class Recorder final : public Transport {
   Result<XferId> PostRecv(int peer, uint64_t tag, void* buf, size_t bytes) override {
     return inner_->PostRecv(peer, tag, buf, bytes);
   }
+  // Summed sends (shm): a corrupted one emulates a flip in the ring, after the sender's copy
+  // summed the true bytes: the sum comes from the original, the corrupted copy travels plain.
+  Result<XferId> PostSendSummed(int peer, uint64_t tag, const void* buf, size_t bytes,
+                                CopySum* sum) override {
+    const void* data = Data(buf, bytes);
+    if (data == buf) return inner_->PostSendSummed(peer, tag, buf, bytes, sum);
+    const uint64_t h = SummedHead(sum->key, bytes), t = SummedTail(sum->key, bytes);
+    sum->sum += ChecksumPartial(static_cast<const unsigned char*>(buf) + h, t - h, sum->key + h);
+    return inner_->PostSend(peer, tag, data, bytes);
+  }
+  Result<XferId> PostRecvSummed(int peer, uint64_t tag, void* buf, size_t bytes,
+                                CopySum* sum) override {
+    return inner_->PostRecvSummed(peer, tag, buf, bytes, sum);
+  }
   Result<XferState> Poll(XferId id) override { return inner_->Poll(id); }
   void Abort() override { inner_->Abort(); }
 
@@ -235,7 +250,9 @@ class RecordedJob {
  public:
   // external_packer: every rank gets a packer through SessionOptions (the path device packers
   // take: whole buckets packed into staging, receivers verify through the packer).
-  RecordedJob(JobSpec spec, bool two_sided_only, bool external_packer = false)
+  // transport: "loopback" or "shm" (each rank's own segment, connected through the store).
+  RecordedJob(JobSpec spec, bool two_sided_only, bool external_packer = false,
+              const std::string& transport = "loopback")
       : spec_(std::move(spec)) {
     auto server = StoreServer::Start("127.0.0.1", 0, "tok");
     EXPECT_TRUE(server.ok());
@@ -248,7 +265,9 @@ class RecordedJob {
       auto c = StoreClient::Connect(server_->address(), "tok", Millis(5000));
       EXPECT_TRUE(c.ok());
       k.store = std::move(c).value();
-      k.tx = std::make_unique<Recorder>(NewLoopbackTransport(hub), two_sided_only);
+      k.tx = std::make_unique<Recorder>(
+          transport == "shm" ? std::move(NewShmTransport()).value() : NewLoopbackTransport(hub),
+          two_sided_only);
       SessionOptions o;
       o.sync_timeout = Millis(10000);
       if (external_packer) {
@@ -334,10 +353,19 @@ class RecordedJob {
 
 using testing::ExpectAllOk;
 
-class ZeroCopy : public ::testing::TestWithParam<bool> {};  // param: two-sided only
+// Param: "put" and "two_sided" on loopback (puts hidden for the second, as UCX tag mode), and
+// "shm" (two-sided with summed copies: the checksum rides on the transport's copies).
+class ZeroCopy : public ::testing::TestWithParam<std::string> {
+ protected:
+  RecordedJob Job(const char* trainer_dtype, bool external_packer = false) const {
+    const bool shm = GetParam() == "shm";
+    return RecordedJob(MidJob(trainer_dtype), GetParam() != "put", external_packer,
+                       shm ? "shm" : "loopback");
+  }
+};
 
 TEST_P(ZeroCopy, MixedDirectAndPackedTransfersVerifyEveryElement) {
-  RecordedJob job(MidJob("bf16"), GetParam());
+  RecordedJob job = Job("bf16");
   ExpectAllOk(job.Sync(1));
   EXPECT_EQ(job.Mismatches(), 0);
   EXPECT_GT(job.direct_posts(), 0) << "no transfer left from the trainer's memory";
@@ -348,7 +376,7 @@ TEST_P(ZeroCopy, MixedDirectAndPackedTransfersVerifyEveryElement) {
 }
 
 TEST_P(ZeroCopy, CastingTrainerSendsOnlyFromStaging) {
-  RecordedJob job(MidJob("fp32"), GetParam());
+  RecordedJob job = Job("fp32");
   ExpectAllOk(job.Sync(1));
   EXPECT_EQ(job.Mismatches(), 0);
   EXPECT_EQ(job.direct_posts(), 0);
@@ -356,7 +384,7 @@ TEST_P(ZeroCopy, CastingTrainerSendsOnlyFromStaging) {
 }
 
 TEST_P(ZeroCopy, CorruptedDirectTransferIsDataLossNamingTheParameter) {
-  RecordedJob job(MidJob("bf16"), GetParam());
+  RecordedJob job = Job("bf16");
   ExpectAllOk(job.Sync(1));
   job.tx(1).corrupt_next_direct = true;
   auto st = job.Sync(2);
@@ -371,7 +399,7 @@ TEST_P(ZeroCopy, CorruptedDirectTransferIsDataLossNamingTheParameter) {
 // staging): a changed source element arrives, with a matching checksum, and changing it back
 // restores the parameters.
 TEST_P(ZeroCopy, DirectTransfersCarryTheSourceAsItIsAtSyncTime) {
-  RecordedJob job(MidJob("bf16"), GetParam());
+  RecordedJob job = Job("bf16");
   ExpectAllOk(job.Sync(1));
   EXPECT_EQ(job.Mismatches(), 0);
   // Trainer rank 0's embedding shard: its rows are contiguous on both ends (direct).
@@ -387,7 +415,7 @@ TEST_P(ZeroCopy, DirectTransfersCarryTheSourceAsItIsAtSyncTime) {
 // A packer passed in packs whole buckets into staging and sends the same split from there; the
 // receivers (same split, verification through the packer) accept it.
 TEST_P(ZeroCopy, PackerPassedInSendsTheSameSplitFromStaging) {
-  RecordedJob job(MidJob("bf16"), GetParam(), /*external_packer=*/true);
+  RecordedJob job = Job("bf16", /*external_packer=*/true);
   ExpectAllOk(job.Sync(1));
   EXPECT_EQ(job.Mismatches(), 0);
   EXPECT_EQ(job.direct_posts(), 0);
@@ -397,8 +425,8 @@ TEST_P(ZeroCopy, PackerPassedInSendsTheSameSplitFromStaging) {
   EXPECT_EQ(job.tx(0).corrupted, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, ZeroCopy, ::testing::Values(true, false),
-                         [](const auto& info) { return info.param ? "TwoSided" : "Put"; });
+INSTANTIATE_TEST_SUITE_P(Modes, ZeroCopy, ::testing::Values("two_sided", "put", "shm"),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace shardsync

@@ -170,5 +170,34 @@ TEST(Shm, APeerThatDidNotListThisRankFailsConnectNamingIt) {
   EXPECT_FALSE(sb.ok());
 }
 
+// The connection record comes from another process: malformed ones are clear errors naming the
+// peer, never a crash or a mapping of the wrong size.
+TEST(Shm, MalformedPeerRecordsAreRefused) {
+  auto server = *StoreServer::Start("127.0.0.1", 0, "t");
+  auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+  const std::string records[] = {
+      "",
+      "garbage",
+      "/shardsync-x 123",                     // no ring count
+      "/shardsync-x 123 2 0",                 // fewer ranks than rings
+      "/shardsync-x -5 1 0",                  // bad pid
+      "/shardsync-x 123 99999999 0",          // absurd ring count
+      "/a/b 123 1 0",                         // not a plain shm name
+      "relative 123 1 0",                     // not a shm name at all
+      "/shardsync-does-not-exist-0 123 1 0",  // nothing to open
+      "/shardsync-x 123 1 7",                 // does not list rank 0
+  };
+  int i = 0;
+  for (const std::string& rec : records) {
+    const std::string prefix = "bad" + std::to_string(i++);
+    ASSERT_TRUE(c->Set(prefix + "/shm/1", rec).ok());
+    auto t = MakeShm();
+    Status s = t->Connect(*c, prefix, 0, {1}, 2000ms);
+    EXPECT_FALSE(s.ok()) << "record '" << rec << "' accepted";
+    EXPECT_NE(s.code(), StatusCode::kDeadlineExceeded) << rec << ": " << s.ToString();
+    EXPECT_NE(s.message().find("peer rank 1"), std::string::npos) << s.ToString();
+  }
+}
+
 }  // namespace
 }  // namespace shardsync::testing

@@ -41,6 +41,7 @@ struct TransportCaps {
   bool two_sided = false;      // Send / Recv
   bool same_node_only = false;
   bool summed_copy = false;  // PostSendSummed / PostRecvSummed (the transport copies the bytes)
+  bool filled_send = false;  // PostSendFilled (the caller writes into the transport's staging)
 };
 
 // A checksum riding on the copy a transport makes anyway (caps().summed_copy; the shm transport
@@ -103,6 +104,13 @@ class Transport {
                                         CopySum* sum);
   virtual Result<XferId> PostRecvSummed(int peer, uint64_t tag, void* buf, size_t bytes,
                                         CopySum* sum);
+  // A send whose bytes the caller writes straight into the transport's staging (shm: the ring
+  // slots), e.g. casting into it with the checksum fused: `fill(dst, offset, len)` must write
+  // message bytes [offset, offset + len) to dst. Called in order, on the driving thread from
+  // Post* / Poll as staging frees up; the send is done after the last call. What `fill` uses
+  // must stay valid until then. Unimplemented unless caps().filled_send.
+  using SendFill = std::function<void(void* dst, uint64_t offset, uint64_t len)>;
+  virtual Result<XferId> PostSendFilled(int peer, uint64_t tag, size_t bytes, SendFill fill);
   // kDone once complete (the id is then released); Unavailable / Internal on failure.
   virtual Result<XferState> Poll(XferId id) = 0;
   // Cancels everything outstanding; later calls fail with Aborted.

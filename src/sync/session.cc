@@ -172,7 +172,7 @@ struct InFlight {
   std::unique_ptr<Control> control;
   // Summed sends (transport caps().summed_copy): the bucket's checksum is complete only once
   // the transport reported the words it summed while copying; the control message waits.
-  std::unique_ptr<LandedSum> sum;
+  std::shared_ptr<LandedSum> sum;       // shared with the fill functions of filled sends
   size_t sums_begin = 0, sums_end = 0;  // this bucket's entries of the sync's CopySum array
 };
 
@@ -636,6 +636,9 @@ class SessionImpl final : public SyncSession {
     const bool fused = packer_ == own_packer_.get();
     // Direct transfers checksummed by the transport's own copy (shm): no separate read.
     const bool summed = fused && !put && tx_.caps().summed_copy;
+    // Packed transfers cast / gathered straight into the transport's staging (shm ring slots)
+    // instead of into ours and then copied.
+    const bool filled = summed && tx_.caps().filled_send;
     // One CopySum per direct transfer of this sync, at fixed addresses the transport writes
     // into; kept past a failure (graveyard_) since the transport may still complete them.
     auto send_sums = std::make_shared<std::vector<CopySum>>();
@@ -709,6 +712,13 @@ class SessionImpl final : public SyncSession {
         for (size_t i = f.sums_begin; i < f.sums_end; ++i) {
           f.sum->AddWords((*send_sums)[i].sum, sum_words[i]);
         }
+        const auto want = static_cast<uint64_t>(m.buckets[f.bucket].bytes);
+        if (f.sum->bytes() != want) {
+          return InternalError("sync rank " + std::to_string(rank_) + ": packed " +
+                               std::to_string(f.sum->bytes()) + " bytes of a " +
+                               std::to_string(want) + "-byte bucket to sync rank " +
+                               std::to_string(m.dst));
+        }
         f.checksum = f.sum->Finish();
       }
       if (put || summed) {
@@ -741,12 +751,13 @@ class SessionImpl final : public SyncSession {
             f.checksum, packer_->Pack(SourceRegions(m, b), in_.options.wire_dtype, stage, b.bytes));
       }
       const uint32_t base = put ? regbase_.at(m.dst) : 0;
-      f.sum = std::make_unique<LandedSum>();
+      f.sum = std::make_shared<LandedSum>();
       f.sums_begin = send_sums->size();
       LandedSum& sum = *f.sum;
       for (const WireRun& r : sb.xfers) {
         const unsigned char* src = fused ? nullptr : stage + r.wire_offset;
         CopySum* copy_sum = nullptr;
+        Transport::SendFill fill;
         if (fused) {
           SS_RETURN_IF_ERROR(drain(kSendWindowBytes > r.len ? kSendWindowBytes - r.len : 0));
           if (r.direct) {
@@ -766,6 +777,13 @@ class SessionImpl final : public SyncSession {
               // the receiver's copy finds it in cache.
               sum.Add(src, r.len, key);
             }
+          } else if (filled) {
+            // PackRange, from the transport's progress, into each slot as it frees up.
+            fill = [this, bucket = &sb, sum = f.sum, at = r.wire_offset](void* dst, uint64_t off,
+                                                                         uint64_t len) {
+              PackRange(*bucket, at + static_cast<int64_t>(off), static_cast<int64_t>(len),
+                        static_cast<unsigned char*>(dst), *sum);
+            };
           } else {
             if (ring_at + r.len > kRingBytes) ring_at = 0;
             unsigned char* out = staging_[0].get() + ring_at;
@@ -774,11 +792,18 @@ class SessionImpl final : public SyncSession {
             src = out;
           }
         }
-        auto id = put        ? tx_.PostPut(m.dst, src, r.len, base + static_cast<uint32_t>(r.param),
-                                           r.param_offset)
-                  : copy_sum ? tx_.PostSendSummed(m.dst, DataTag(version_, next_seq[mi]), src,
-                                                  r.len, copy_sum)
-                             : tx_.PostSend(m.dst, DataTag(version_, next_seq[mi]), src, r.len);
+        const uint64_t tag = DataTag(version_, next_seq[mi]);
+        Result<XferId> id = XferId{0};
+        if (put) {
+          id =
+              tx_.PostPut(m.dst, src, r.len, base + static_cast<uint32_t>(r.param), r.param_offset);
+        } else if (fill) {
+          id = tx_.PostSendFilled(m.dst, tag, r.len, std::move(fill));
+        } else if (copy_sum) {
+          id = tx_.PostSendSummed(m.dst, tag, src, r.len, copy_sum);
+        } else {
+          id = tx_.PostSend(m.dst, tag, src, r.len);
+        }
         SS_RETURN_IF_ERROR(id.status());
         ++next_seq[mi];
         f.xfers.push_back(*id);
@@ -787,14 +812,14 @@ class SessionImpl final : public SyncSession {
       }
       if (fused) {
         f.sums_end = send_sums->size();
-        uint64_t counted = sum.bytes();
-        for (size_t i = f.sums_begin; i < f.sums_end; ++i) counted += sum_words[i];
-        if (counted != static_cast<uint64_t>(b.bytes)) {
-          return InternalError("sync rank " + std::to_string(rank_) + ": packed " +
-                               std::to_string(counted) + " bytes of a " + std::to_string(b.bytes) +
-                               "-byte bucket to sync rank " + std::to_string(m.dst));
-        }
+        // Summed: the checksum (and this check) completes in finish_oldest.
         if (!summed) {
+          if (sum.bytes() != static_cast<uint64_t>(b.bytes)) {
+            return InternalError("sync rank " + std::to_string(rank_) + ": packed " +
+                                 std::to_string(sum.bytes()) + " bytes of a " +
+                                 std::to_string(b.bytes) + "-byte bucket to sync rank " +
+                                 std::to_string(m.dst));
+          }
           f.checksum = sum.Finish();
           f.sum.reset();
         }

@@ -24,6 +24,7 @@ class FaultTransportImpl final : public FaultTransport {
     // Summed copies would checksum the corrupted copy this wrapper sends: callers take the
     // plain path (and sum the bytes themselves), so injected corruption stays detectable.
     c.summed_copy = false;
+    c.filled_send = false;
     return c;
   }
   bool CanConnect(const PeerInfo& self, const PeerInfo& peer) const override {

@@ -126,6 +126,7 @@ struct Op {
   uint64_t done_bytes = 0;  // send: bytes copied into the ring
   bool started = false;     // send: its first fragment is in the ring
   CopySum* sum = nullptr;
+  Transport::SendFill fill;  // filled send: the caller writes each fragment
   std::vector<uint64_t> straddles;
   uint64_t flush_seq = 0;  // flush: sends posted to the peer before it
   bool complete = false;
@@ -182,6 +183,7 @@ class ShmTransport final : public Transport {
     c.two_sided = true;
     c.same_node_only = true;
     c.summed_copy = true;
+    c.filled_send = true;
     return c;
   }
   bool CanConnect(const PeerInfo& self, const PeerInfo& peer) const override {
@@ -282,6 +284,11 @@ class ShmTransport final : public Transport {
                                 CopySum* sum) override {
     if (sum == nullptr) return InvalidArgumentError("shm: PostRecvSummed without a CopySum");
     return Recv(peer, tag, buf, bytes, sum);
+  }
+
+  Result<XferId> PostSendFilled(int peer, uint64_t tag, size_t bytes, SendFill fill) override {
+    if (!fill) return InvalidArgumentError("shm: PostSendFilled without a fill function");
+    return Send(peer, tag, nullptr, bytes, nullptr, std::move(fill));
   }
 
   Result<XferState> Poll(XferId id) override {
@@ -434,7 +441,8 @@ class ShmTransport final : public Transport {
     return id;
   }
 
-  Result<XferId> Send(int peer, uint64_t tag, const void* buf, size_t bytes, CopySum* sum) {
+  Result<XferId> Send(int peer, uint64_t tag, const void* buf, size_t bytes, CopySum* sum,
+                      SendFill fill = nullptr) {
     SS_ASSIGN_OR_RETURN(Peer * p, Usable(peer, true));
     Op op;
     op.kind = OpKind::kSend;
@@ -443,6 +451,7 @@ class ShmTransport final : public Transport {
     op.src = static_cast<const char*>(buf);
     op.bytes = bytes;
     op.sum = sum;
+    op.fill = std::move(fill);
     const XferId id = Add(std::move(op));
     p->sendq.push_back(id);
     ++p->sends_posted;
@@ -558,13 +567,18 @@ class ShmTransport final : public Transport {
         const uint64_t n = std::min(kSlotBytes, op.bytes - op.done_bytes);
         SlotHeader h{op.tag, op.bytes, op.done_bytes, n};
         std::memcpy(slot, &h, sizeof(h));
-        CopyFragment(slot + 64, op.src + op.done_bytes, op.done_bytes, op.done_bytes + n, op.bytes,
-                     op.sum, op.straddles);
+        if (op.fill) {
+          op.fill(slot + 64, op.done_bytes, n);
+        } else {
+          CopyFragment(slot + 64, op.src + op.done_bytes, op.done_bytes, op.done_bytes + n,
+                       op.bytes, op.sum, op.straddles);
+        }
         op.done_bytes += n;
         op.started = true;
         p.out->head.store(++p.out_head, std::memory_order_release);
       }
       FinishSum(op.src, op.sum, op.straddles);
+      op.fill = nullptr;  // release what it holds now
       op.complete = true;
       ++p.sends_done;
       p.sendq.pop_front();

@@ -38,6 +38,9 @@ Result<XferId> Transport::PostSendSummed(int, uint64_t, const void*, size_t, Cop
 Result<XferId> Transport::PostRecvSummed(int, uint64_t, void*, size_t, CopySum*) {
   return UnimplementedError("transport '" + std::string(name()) + "' has no summed copies");
 }
+Result<XferId> Transport::PostSendFilled(int, uint64_t, size_t, SendFill) {
+  return UnimplementedError("transport '" + std::string(name()) + "' has no filled sends");
+}
 
 Status WaitXfer(Transport& t, XferId id, Millis timeout, std::string_view what) {
   return WaitAllXfers(t, {id}, timeout, what);

@@ -219,6 +219,11 @@ class Recorder final : public Transport {
     sum->sum += ChecksumPartial(static_cast<const unsigned char*>(buf) + h, t - h, sum->key + h);
     return inner_->PostSend(peer, tag, data, bytes);
   }
+  // Filled sends are packed straight into the transport's staging: never from the sources.
+  Result<XferId> PostSendFilled(int peer, uint64_t tag, size_t bytes, SendFill fill) override {
+    ++staged_posts;
+    return inner_->PostSendFilled(peer, tag, bytes, std::move(fill));
+  }
   Result<XferId> PostRecvSummed(int peer, uint64_t tag, void* buf, size_t bytes,
                                 CopySum* sum) override {
     return inner_->PostRecvSummed(peer, tag, buf, bytes, sum);

@@ -98,6 +98,28 @@ TEST(Shm, SummedCopiesMatchTheChecksumDefinitionOnBothEnds) {
   }
 }
 
+TEST(Shm, FilledSendsAreWrittenInOrderStraightIntoTheRing) {
+  Pair p;
+  ASSERT_TRUE(p.sa.ok() && p.sb.ok());
+  ASSERT_TRUE(p.a->caps().filled_send);
+  for (size_t n : {size_t{0}, size_t{10}, size_t{65536}, size_t{(2 << 20) + 5}}) {
+    std::vector<char> got(n);
+    uint64_t next = 0;  // the fill calls must tile [0, n) in order
+    bool ordered = true;
+    auto send = p.a->PostSendFilled(1, 5, n, [&](void* dst, uint64_t off, uint64_t len) {
+      ordered &= off == next;
+      next = off + len;
+      for (uint64_t i = 0; i < len; ++i) static_cast<char*>(dst)[i] = static_cast<char>(off + i);
+    });
+    auto recv = p.b->PostRecv(0, 5, got.data(), n);
+    ASSERT_TRUE(send.ok() && recv.ok());
+    p.Run(*send, *recv);
+    EXPECT_TRUE(ordered);
+    EXPECT_EQ(next, n);
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], static_cast<char>(i)) << "n=" << n;
+  }
+}
+
 TEST(Shm, SummedReceiveOfAMessageThatArrivedFirst) {
   Pair p;
   ASSERT_TRUE(p.sa.ok() && p.sb.ok());

@@ -177,8 +177,9 @@ Result<std::unique_ptr<Transport>> NewUcxTransport(const UcxOptions& options = {
 // is copied into the ring slot by slot, the receiver copies each slot out into the posted
 // buffer (or into a buffer for messages that arrive before their receive). Two copies through a
 // ring that stays in cache instead of one kernel copy (UCX's cma), which lets the checksum ride
-// on both copies (PostSendSummed / PostRecvSummed): a verified sync then costs about what the
-// raw copy does (docs/benchmarks.md, "Host data path"). No one-sided put (PostPut fails with
+// on both copies (PostSendSummed / PostRecvSummed), and packing / casting write straight into
+// the slots (PostSendFilled): a verified sync then costs about what the raw copies do
+// (docs/benchmarks.md, "Host data path"). No one-sided put (PostPut fails with
 // FailedPrecondition). A peer's death is seen through its process id (at most every 50 ms) or
 // its transport's close flag in the ring.
 Result<std::unique_ptr<Transport>> NewShmTransport();

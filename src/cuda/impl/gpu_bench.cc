@@ -1139,6 +1139,11 @@ int RankMain(const GpuBenchOptions& o, const Job& j, const std::string& addr, in
     if (t0 > 0) res.seconds_to_error = NowSeconds() - t0;
     store.Set("gb/result/" + std::to_string(rank), RankJson(res).dump()).IgnoreError();
     store.Set("gb/abort", "rank " + std::to_string(rank) + ": " + res.error).IgnoreError();
+    // Reported: leave without tearing down. With a dead NCCL peer the teardown (communicator
+    // abort, streams with stuck transfers) was seen to block past the launcher's 60 s on 2
+    // H200s; the driver reclaims everything at exit.
+    std::fflush(nullptr);
+    _exit(1);
     return 1;
   };
   auto runner = std::make_unique<RankRunner>(o, j, rank, store);

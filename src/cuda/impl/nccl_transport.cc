@@ -19,6 +19,7 @@
 #include <dlfcn.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -261,8 +262,12 @@ class NcclTransport final : public Transport {
     if (aborted_) return AbortedError("nccl: transport aborted");
     if (!pending_.empty()) SS_RETURN_IF_ERROR(Issue());
     auto it = xfer_group_.find(id);
-    if (it == xfer_group_.end())
+    if (it == xfer_group_.end()) {
+      if (std::find(pending_ids_.begin(), pending_ids_.end(), id) != pending_ids_.end()) {
+        return XferState::kInProgress;  // queued behind a group NCCL has not taken yet
+      }
       return InvalidArgumentError("nccl: unknown xfer " + std::to_string(id));
+    }
     Group& g = groups_[it->second - group_base_];
     if (!g.done) {
       SS_RETURN_IF_ERROR(Progress(g));
@@ -330,6 +335,15 @@ class NcclTransport final : public Transport {
   cudaStream_t S() const { return stream_override_ ? stream_override_ : stream_; }
 
   Status Issue() {
+    // NCCL refuses any call on a non-blocking communicator whose previous call is still
+    // ncclInProgress ("Attempt to use communicator before the previous operation returned
+    // ncclSuccess", seen on 2 H200s with 512 MiB buckets): the queued operations wait until every
+    // earlier group left that state (their ids report kInProgress meanwhile).
+    for (Group& prev : groups_) {
+      if (prev.enqueued) continue;
+      SS_RETURN_IF_ERROR(Progress(prev));
+      if (!prev.enqueued) return OkStatus();
+    }
     SS_CUDA(cudaSetDevice(opt_.device), "nccl: cudaSetDevice");
     Group g;
     g.ops = std::move(pending_);

@@ -94,17 +94,28 @@ void RunCase(benchmark::State& st, const Buffers& b, Raw raw, Verified verified)
   st.SetBytesProcessed(static_cast<int64_t>(b.bytes * n));
 }
 
+// The raw copies the cases compare against.
+bool CmaRaw(const Buffers& b) {
+  for (size_t o = 0; o < b.bytes; o += kTransfer) {
+    if (!CmaRead(b.dst.get() + o, b.src.get() + o, kTransfer)) return false;
+  }
+  return true;
+}
+constexpr size_t kSlot = size_t{64} << 10;  // shm transport ring slot
+bool RingRaw(const Buffers& b) {
+  for (size_t o = 0; o < b.bytes; o += kSlot) {
+    unsigned char* slot = b.stage.get() + (o / kSlot % 16) * kSlot;
+    std::memcpy(slot, b.src.get() + o, kSlot);
+    std::memcpy(b.dst.get() + o, slot, kSlot);
+  }
+  return true;
+}
+
 void BM_Cma(benchmark::State& st) {
   Buffers b(DemoBytesPerEngineRank());
   unsigned char *src = b.src.get(), *dst = b.dst.get();
   RunCase(
-      st, b,
-      [&] {
-        for (size_t o = 0; o < b.bytes; o += kTransfer) {
-          if (!CmaRead(dst + o, src + o, kTransfer)) return false;
-        }
-        return true;
-      },
+      st, b, [&] { return CmaRaw(b); },
       [&] {
         uint64_t s = 0;
         for (size_t o = 0; o < b.bytes; o += kPiece) {
@@ -120,13 +131,7 @@ void BM_CmaFp32(benchmark::State& st) {
   Buffers b(DemoBytesPerEngineRank(), 2);
   unsigned char *src = b.src.get(), *dst = b.dst.get(), *stage = b.stage.get();
   RunCase(
-      st, b,
-      [&] {
-        for (size_t o = 0; o < b.bytes; o += kTransfer) {
-          if (!CmaRead(dst + o, src + o, kTransfer)) return false;
-        }
-        return true;
-      },
+      st, b, [&] { return CmaRaw(b); },
       [&] {
         uint64_t s = 0;
         for (size_t o = 0; o < b.bytes; o += kPiece) {
@@ -161,7 +166,6 @@ void BM_Shm(benchmark::State& st) {
 
 // The shm transport's data path: 64 KiB slots of a ring that stays in cache; the sender's copy
 // into the slot and the receiver's copy out of it each carry the checksum.
-constexpr size_t kSlot = size_t{64} << 10;
 uint64_t RingVerified(const unsigned char* src, unsigned char* dst, unsigned char* ring,
                       size_t bytes) {
   uint64_t s = 0;
@@ -177,30 +181,14 @@ void BM_RingVsCma(benchmark::State& st) {
   Buffers b(DemoBytesPerEngineRank());
   unsigned char *src = b.src.get(), *dst = b.dst.get(), *ring = b.stage.get();
   RunCase(
-      st, b,
-      [&] {
-        for (size_t o = 0; o < b.bytes; o += kTransfer) {
-          if (!CmaRead(dst + o, src + o, kTransfer)) return false;
-        }
-        return true;
-      },
-      [&] { return RingVerified(src, dst, ring, b.bytes); });
+      st, b, [&] { return CmaRaw(b); }, [&] { return RingVerified(src, dst, ring, b.bytes); });
 }
 
 void BM_RingVsRingRaw(benchmark::State& st) {
   Buffers b(DemoBytesPerEngineRank());
   unsigned char *src = b.src.get(), *dst = b.dst.get(), *ring = b.stage.get();
   RunCase(
-      st, b,
-      [&] {
-        for (size_t o = 0; o < b.bytes; o += kSlot) {
-          unsigned char* slot = ring + (o / kSlot % 16) * kSlot;
-          std::memcpy(slot, src + o, kSlot);
-          std::memcpy(dst + o, slot, kSlot);
-        }
-        return true;
-      },
-      [&] { return RingVerified(src, dst, ring, b.bytes); });
+      st, b, [&] { return RingRaw(b); }, [&] { return RingVerified(src, dst, ring, b.bytes); });
 }
 
 // fp32 trainer through the ring: the sender casts straight into the slot (checksum fused), the
@@ -209,15 +197,7 @@ void BM_RingFp32VsRingRaw(benchmark::State& st) {
   Buffers b(DemoBytesPerEngineRank(), 2);
   unsigned char *src = b.src.get(), *dst = b.dst.get(), *ring = b.stage.get();
   RunCase(
-      st, b,
-      [&] {
-        for (size_t o = 0; o < b.bytes; o += kSlot) {
-          unsigned char* slot = ring + (o / kSlot % 16) * kSlot;
-          std::memcpy(slot, src + o, kSlot);
-          std::memcpy(dst + o, slot, kSlot);
-        }
-        return true;
-      },
+      st, b, [&] { return RingRaw(b); },
       [&] {
         uint64_t s = 0;
         for (size_t o = 0; o < b.bytes; o += kSlot) {
@@ -231,36 +211,24 @@ void BM_RingFp32VsRingRaw(benchmark::State& st) {
       });
 }
 
-BENCHMARK(BM_Cma)
-    ->Name("host_bound/cma")
-    ->UseManualTime()
-    ->Iterations(8)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_CmaFp32)
-    ->Name("host_bound/cma_fp32")
-    ->UseManualTime()
-    ->Iterations(8)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_Shm)
-    ->Name("host_bound/shm")
-    ->UseManualTime()
-    ->Iterations(8)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_RingVsCma)
-    ->Name("host_bound/ring_vs_cma")
-    ->UseManualTime()
-    ->Iterations(8)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_RingVsRingRaw)
-    ->Name("host_bound/ring_vs_ring_raw")
-    ->UseManualTime()
-    ->Iterations(8)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_RingFp32VsRingRaw)
-    ->Name("host_bound/ring_fp32_vs_ring_raw")
-    ->UseManualTime()
-    ->Iterations(8)
-    ->Unit(benchmark::kMillisecond);
+const struct {
+  const char* name;
+  void (*fn)(benchmark::State&);
+} kCases[] = {{"host_bound/cma", BM_Cma},
+              {"host_bound/cma_fp32", BM_CmaFp32},
+              {"host_bound/shm", BM_Shm},
+              {"host_bound/ring_vs_cma", BM_RingVsCma},
+              {"host_bound/ring_vs_ring_raw", BM_RingVsRingRaw},
+              {"host_bound/ring_fp32_vs_ring_raw", BM_RingFp32VsRingRaw}};
+[[maybe_unused]] const bool kRegistered = [] {
+  for (const auto& c : kCases) {
+    benchmark::RegisterBenchmark(c.name, c.fn)
+        ->UseManualTime()
+        ->Iterations(8)
+        ->Unit(benchmark::kMillisecond);
+  }
+  return true;
+}();
 
 }  // namespace
 }  // namespace shardsync

@@ -35,9 +35,11 @@ uint64_t SumWordsScalar(const unsigned char* p, size_t full, uint64_t j) {
 constexpr size_t kPrefetchAhead = 1024;  // bytes
 
 // Same sums as SumWordsScalar, four words per vector, two vectors per step: bit-identical by
-// construction (the same per-word terms, added mod 2^64 in another order).
-__attribute__((target("avx2"))) uint64_t SumWordsAvx2(const unsigned char* p, size_t full,
-                                                      uint64_t j) {
+// construction (the same per-word terms, added mod 2^64 in another order). With a destination
+// `d`, every loaded vector is also stored there (the fused copy).
+template <bool kCopy>
+__attribute__((target("avx2"))) uint64_t SumWordsAvx2(unsigned char* d, const unsigned char* p,
+                                                      size_t full, uint64_t j) {
   // key_j = j * step + seed, advanced by 4 * step per vector.
   const __m256i step8 = _mm256_set1_epi64x(static_cast<long long>(8 * kChecksumStep));
   __m256i k0 = internal::ChecksumKeysAvx2(j);
@@ -51,35 +53,16 @@ __attribute__((target("avx2"))) uint64_t SumWordsAvx2(const unsigned char* p, si
     _mm_prefetch(reinterpret_cast<const char*>(p + 8 * i + kPrefetchAhead), _MM_HINT_T0);
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * i));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * i + 32));
+    if constexpr (kCopy) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 8 * i), w0);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 8 * i + 32), w1);
+    }
     s0 = _mm256_add_epi64(s0, internal::ChecksumTermsAvx2(w0, k0));
     s1 = _mm256_add_epi64(s1, internal::ChecksumTermsAvx2(w1, k1));
     k0 = _mm256_add_epi64(k0, step8);
     k1 = _mm256_add_epi64(k1, step8);
   }
-  return internal::HorizontalSumAvx2(_mm256_add_epi64(s0, s1)) +
-         SumWordsScalar(p + 8 * i, full - i, j + i);
-}
-
-// SumWordsAvx2 with a store of every vector it loads.
-__attribute__((target("avx2"))) uint64_t CopySumWordsAvx2(unsigned char* d, const unsigned char* p,
-                                                          size_t full, uint64_t j) {
-  const __m256i step8 = _mm256_set1_epi64x(static_cast<long long>(8 * kChecksumStep));
-  __m256i k0 = internal::ChecksumKeysAvx2(j);
-  __m256i k1 = _mm256_add_epi64(k0, _mm256_set1_epi64x(static_cast<long long>(4 * kChecksumStep)));
-  __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-  size_t i = 0;
-  for (; i + 8 <= full; i += 8) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + 8 * i + kPrefetchAhead), _MM_HINT_T0);
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * i));
-    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * i + 32));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 8 * i), w0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 8 * i + 32), w1);
-    s0 = _mm256_add_epi64(s0, internal::ChecksumTermsAvx2(w0, k0));
-    s1 = _mm256_add_epi64(s1, internal::ChecksumTermsAvx2(w1, k1));
-    k0 = _mm256_add_epi64(k0, step8);
-    k1 = _mm256_add_epi64(k1, step8);
-  }
-  std::memcpy(d + 8 * i, p + 8 * i, 8 * (full - i));
+  if constexpr (kCopy) std::memcpy(d + 8 * i, p + 8 * i, 8 * (full - i));
   return internal::HorizontalSumAvx2(_mm256_add_epi64(s0, s1)) +
          SumWordsScalar(p + 8 * i, full - i, j + i);
 }
@@ -98,7 +81,8 @@ uint64_t ChecksumPartial(const void* data, size_t nbytes, uint64_t byte_offset) 
   const size_t full = nbytes / 8;
   uint64_t sum;
 #if defined(__x86_64__)
-  sum = full >= 16 && HaveAvx2() ? SumWordsAvx2(p, full, j) : SumWordsScalar(p, full, j);
+  sum = full >= 16 && HaveAvx2() ? SumWordsAvx2<false>(nullptr, p, full, j)
+                                 : SumWordsScalar(p, full, j);
 #else
   sum = SumWordsScalar(p, full, j);
 #endif
@@ -117,7 +101,7 @@ uint64_t CopyWithChecksumPartial(void* dst, const void* src, size_t nbytes, uint
   if (full >= 16 && HaveAvx2()) {
     auto* d = static_cast<unsigned char*>(dst);
     const auto* p = static_cast<const unsigned char*>(src);
-    uint64_t sum = CopySumWordsAvx2(d, p, full, byte_offset / 8);
+    uint64_t sum = SumWordsAvx2<true>(d, p, full, byte_offset / 8);
     if (nbytes % 8) {
       std::memcpy(d + 8 * full, p + 8 * full, nbytes % 8);
       sum += ChecksumPartial(p + 8 * full, nbytes % 8, byte_offset + 8 * full);

@@ -692,6 +692,7 @@ Status RankRunner::TrainerSync(uint64_t v, bool fault, Clock::time_point deadlin
       if (!s.nccl || r >= s.msg->buckets.size()) continue;
       if (r >= 2) {  // staging[r % 2] is free once the send of round r-2 completed
         SS_RETURN_IF_ERROR(WaitId(sends[{mi, r - 2}], deadline, "trainer: send"));
+        phases_.push_back({"sent" + std::to_string(r - 2), NowSeconds()});
       }
       SS_RETURN_IF_ERROR(s.batches[r]->Launch(stream_));
       cudaEvent_t packed = NewEvent();
@@ -768,6 +769,7 @@ Status RankRunner::EngineSync(uint64_t v, bool fault, Clock::time_point deadline
       if (!s.nccl || r >= s.msg->buckets.size()) continue;
       SS_RETURN_IF_ERROR(WaitId(recvs[{mi, r}], deadline,
                                 "engine: nccl recv from rank " + std::to_string(s.peer)));
+      phases_.push_back({"recv" + std::to_string(r), NowSeconds()});
       SS_RETURN_IF_ERROR(s.batches[r]->Launch(stream_));
       cudaEvent_t e = NewEvent();
       SS_CUDA(cudaEventRecord(e, stream_), "unpack event");

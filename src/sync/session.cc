@@ -656,9 +656,9 @@ class SessionImpl final : public SyncSession {
       std::shared_ptr<void> sums;
       bool done = false;
       ~KeepOnFailure() {
-        if (!done) yard.push_back(std::move(sums));
+        if (!done && sums) yard.push_back(std::move(sums));
       }
-    } keep{graveyard_, send_sums};
+    } keep{graveyard_, summed ? send_sums : nullptr};
     std::deque<InFlight> flying;
     size_t outstanding = 0;  // wire bytes posted and not yet seen complete (fused path)
     size_t ring_at = 0;      // next free byte of the staging ring (fused path)
@@ -1139,7 +1139,7 @@ class SessionImpl final : public SyncSession {
     }
     if (!s.ok()) {
       graveyard_.push_back(ctrl);
-      graveyard_.push_back(sums);
+      if (summed) graveyard_.push_back(sums);
       return s;
     }
     // Completing a receive can leave protocol messages to the sender (e.g. a rendezvous ack)

@@ -114,10 +114,7 @@ void FinishSum(const char* image, CopySum* sum, std::vector<uint64_t>& straddles
   straddles.clear();
 }
 
-enum class OpKind { kSend, kRecv, kFlush };
-
 struct Op {
-  OpKind kind = OpKind::kSend;
   int peer = 0;
   uint64_t tag = 0;
   const char* src = nullptr;  // send
@@ -261,7 +258,6 @@ class ShmTransport final : public Transport {
   Result<XferId> PostFlush(int peer) override {
     SS_ASSIGN_OR_RETURN(Peer * p, Usable(peer, true));
     Op op;
-    op.kind = OpKind::kFlush;
     op.peer = peer;
     op.flush_seq = p->sends_posted;
     const XferId id = Add(std::move(op));
@@ -445,7 +441,6 @@ class ShmTransport final : public Transport {
                       SendFill fill = nullptr) {
     SS_ASSIGN_OR_RETURN(Peer * p, Usable(peer, true));
     Op op;
-    op.kind = OpKind::kSend;
     op.peer = peer;
     op.tag = tag;
     op.src = static_cast<const char*>(buf);
@@ -462,7 +457,6 @@ class ShmTransport final : public Transport {
   Result<XferId> Recv(int peer, uint64_t tag, void* buf, size_t bytes, CopySum* sum) {
     SS_ASSIGN_OR_RETURN(Peer * p, Usable(peer, false));
     Op op;
-    op.kind = OpKind::kRecv;
     op.peer = peer;
     op.tag = tag;
     op.dst = static_cast<char*>(buf);

@@ -43,6 +43,10 @@ struct DeviceInfo {
 Result<DeviceInfo> QueryDevice(int device);
 // Makes `device` current for the calling thread.
 Status SetDevice(int device);
+// This rank's identity for transport routing (transport.h): host, kCuda, `device` and its
+// physical GPU (PCI bus id), so pairs on one GPU are recognised whatever each process's
+// CUDA_VISIBLE_DEVICES.
+Result<PeerInfo> DevicePeerInfo(int rank, int device);
 
 // An owned cudaStream_t (non-blocking w.r.t. the legacy stream).
 class Stream {

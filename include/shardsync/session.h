@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "shardsync/dtype.h"
+#include "shardsync/pack.h"
 #include "shardsync/plan.h"
 #include "shardsync/region.h"
 #include "shardsync/status.h"
@@ -28,16 +29,6 @@
 #include "shardsync/transport.h"
 
 namespace shardsync {
-
-// A strided region of a row-major tensor at `base`, whose elements occupy wire bytes
-// [wire_offset, wire_offset + region.numel() * wire size) of one bucket, in row-major order.
-struct PackRegion {
-  const void* base = nullptr;
-  DType dtype = DType::kF32;
-  Shape shape;
-  Region region;
-  int64_t wire_offset = 0;
-};
 
 // Copies strided regions to and from contiguous wire images with the dtype cast and the checksum
 // (checksum.h) fused into the pass. The CPU implementation handles host memory; a device

@@ -20,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsync/pack.h"
 #include "shardsync/status.h"
 #include "shardsync/store.h"
 
@@ -42,6 +43,8 @@ struct TransportCaps {
   bool same_node_only = false;
   bool summed_copy = false;  // PostSendSummed / PostRecvSummed (the transport copies the bytes)
   bool filled_send = false;  // PostSendFilled (the caller writes into the transport's staging)
+  bool tag_matching = false;  // two-sided messages matched by (source, tag); else by order per pair
+  bool prepared = false;      // Prepare: a pair's whole slice of the plan compiled once (below)
 };
 
 // A checksum riding on the copy a transport makes anyway (caps().summed_copy; the shm transport
@@ -67,11 +70,76 @@ struct PeerInfo {
   int rank = 0;
   std::string hostname;
   MemKind mem = MemKind::kHost;
-  int device = -1;
+  int device = -1;  // CUDA index in the rank's own process (CUDA_VISIBLE_DEVICES may differ)
+  // The physical GPU (PCI bus id) for kCuda; when both sides have one, "same GPU" compares it
+  // instead of `device`, whose numbering depends on each process's CUDA_VISIBLE_DEVICES.
+  std::string gpu_id;
 };
-
 enum class XferState { kInProgress, kDone };
 using XferId = uint64_t;
+
+// Whether two ranks' memory sits on the same physical GPU of the same host.
+bool SameGpu(const PeerInfo& a, const PeerInfo& b);
+
+// ---------------------------------------------------------------------------------------------
+// Prepared pairs (caps().prepared; NIXL's prepare / post / check): one (sender, receiver) pair's
+// whole slice of the plan, every bucket, compiled once at Connect into the transport's own form
+// (cuda_ipc: one launch that packs, casts and checksums straight into the peer's parameters and
+// reads every landed word back through the receiver's own map; nccl: pipelined pack / send / recv
+// / unpack rounds) and replayed every sync. Both sides prepare the pair with the same buckets.
+//
+// Where a sender's bucket lands at the peer: region `dst` of a tensor of `shape` held in the
+// peer's registered memory region `region`, at byte `offset` of it (one-sided transports).
+struct RemoteRegion {
+  uint32_t region = 0;
+  uint64_t offset = 0;
+  Shape shape;
+  Region dst;
+};
+struct PairBucket {
+  int64_t bytes = 0;  // wire bytes
+  // Sender: the source regions (tensor dtype), tiling [0, bytes) of the wire image. Receiver:
+  // where the wire image lands, in its own tensors (wire dtype).
+  std::vector<PackRegion> local;
+  // Sender: for each of `local`, where it lands at the peer (the receiver's landed region of the
+  // same wire bytes). Empty on receivers and for two-sided transports.
+  std::vector<RemoteRegion> remote;
+};
+struct PairSpec {
+  int peer = -1;
+  bool send = true;
+  DType wire = DType::kBF16;
+  std::vector<PairBucket> buckets;
+  // Store key prefix of this pair, the same on both sides (prepare-time exchanges: cuda_ipc's
+  // landed map). Unique per pair and job.
+  std::string key;
+};
+// Per bucket, the finished checksum (checksum.h) of the wire image as packed, and as landed
+// where this side knows it: the sender of cuda_ipc reads every landed word back through the
+// receiver's map; an nccl receiver sums while unpacking. Empty `landed` where the other side has it.
+struct PairSums {
+  std::vector<uint64_t> packed;
+  std::vector<uint64_t> landed;
+};
+class PreparedPair {
+ public:
+  virtual ~PreparedPair() = default;
+  // Starts one replay of every bucket (enqueues device work; never blocks). The caller made sure
+  // the receiver is ready for new bytes (sync protocol); at most one replay in flight.
+  virtual Status Post() = 0;
+  // Drives progress; kDone once this side's part of the replay finished (sender: every byte
+  // sent and visible at the receiver; receiver: every byte landed where it computes the sums).
+  // Unavailable when the peer died, Aborted after Abort.
+  virtual Result<XferState> Poll() = 0;
+  // After kDone.
+  virtual Result<PairSums> Sums() = 0;
+  // Short description for reports ("cuda_ipc: 1 launch, 3 buckets").
+  virtual std::string Describe() const = 0;
+};
+
+// Options of prepared pairs, as TransportOptions.params keys (measured defaults in
+// docs/benchmarks.md): "nccl_chunk_bytes" (bytes per NCCL round), "nccl_depth" (rounds in flight).
+
 
 class Transport {
  public:
@@ -115,6 +183,15 @@ class Transport {
   virtual Result<XferState> Poll(XferId id) = 0;
   // Cancels everything outstanding; later calls fail with Aborted.
   virtual void Abort() = 0;
+
+  // Compiles a pair's slice of the plan (after Connect; collective with the peer, which prepares
+  // the mirror spec). Unimplemented unless caps().prepared (for this peer: PeerCaps).
+  virtual Result<std::unique_ptr<PreparedPair>> Prepare(StoreClient& store, const PairSpec& spec,
+                                                        Millis timeout);
+  // Per-peer view for transports that route peers to other transports (NewRoutedTransport);
+  // valid after Connect. Defaults: this transport's own.
+  virtual TransportCaps PeerCaps(int peer) const;
+  virtual std::string PeerTransport(int peer) const;
 };
 
 // Waits for `id` with a deadline (DeadlineExceeded naming `what`).
@@ -123,8 +200,9 @@ Status WaitXfer(Transport& t, XferId id, Millis timeout, std::string_view what);
 Status WaitAllXfers(Transport& t, const std::vector<XferId>& ids, Millis timeout,
                     std::string_view what);
 
-// This host's identity for transport selection.
+// This host's identity for transport selection (gpu_id empty: see gpu::DevicePeerInfo).
 PeerInfo LocalPeerInfo(int rank, MemKind mem = MemKind::kHost, int device = -1);
+
 
 // ---------------------------------------------------------------------------------------------
 // Loopback: in-process transport for tests. Every rank is a Transport object sharing one hub;
@@ -243,5 +321,22 @@ Result<std::unique_ptr<Transport>> CreateTransport(const std::string& name,
 // automatic) restricts the choice; NotFound names the ranks when nothing fits.
 Result<std::string> SelectTransport(const PeerInfo& self, const PeerInfo& peer,
                                     std::string_view hint = "");
+
+// ---------------------------------------------------------------------------------------------
+// Routing: one Transport whose peers are served by whichever registered transport fits each pair
+// best, the way NCCL picks P2P / SHM / NET per peer. At Connect every rank publishes its PeerInfo
+// under `prefix`; each pair then takes the first transport by priority whose CanConnect holds
+// for both (same GPU or node: cuda_ipc; other GPUs or nodes: nccl; host memory: shm on one host,
+// ucx across hosts). `hint` ("" or "auto": none) is tried first for every pair and may be refused
+// by a pair it cannot connect (NCCL cannot put two ranks on one GPU), which then falls back to
+// the automatic choice; both sides compute the same choice. Registered memory goes to every
+// transport in the same order (the region ids agree). Post* / Poll / Prepare dispatch by peer;
+// caps() is what every chosen transport offers (AND), PeerCaps the chosen one's.
+struct RouteOptions {
+  PeerInfo self;
+  std::string hint;
+  TransportOptions options;  // handed to every factory
+};
+Result<std::unique_ptr<Transport>> NewRoutedTransport(RouteOptions options);
 
 }  // namespace shardsync

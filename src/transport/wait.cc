@@ -94,4 +94,19 @@ PeerInfo LocalPeerInfo(int rank, MemKind mem, int device) {
   return p;
 }
 
+bool SameGpu(const PeerInfo& a, const PeerInfo& b) {
+  if (a.hostname != b.hostname || a.mem != MemKind::kCuda || b.mem != MemKind::kCuda) return false;
+  if (!a.gpu_id.empty() && !b.gpu_id.empty()) return a.gpu_id == b.gpu_id;
+  return a.device == b.device;
+}
+
+Result<std::unique_ptr<PreparedPair>> Transport::Prepare(StoreClient&, const PairSpec& spec,
+                                                         Millis) {
+  return UnimplementedError("transport '" + std::string(name()) +
+                            "' has no prepared transfers (pair with rank " +
+                            std::to_string(spec.peer) + ")");
+}
+TransportCaps Transport::PeerCaps(int) const { return caps(); }
+std::string Transport::PeerTransport(int) const { return std::string(name()); }
+
 }  // namespace shardsync

@@ -21,6 +21,7 @@ bool Available(std::string* reason) {
 Result<int> DeviceCount() { return NoCuda("DeviceCount"); }
 Result<DeviceInfo> QueryDevice(int) { return NoCuda("QueryDevice"); }
 Status SetDevice(int) { return NoCuda("SetDevice"); }
+Result<PeerInfo> DevicePeerInfo(int, int) { return NoCuda("DevicePeerInfo"); }
 Result<std::unique_ptr<Stream>> Stream::Create(int) { return NoCuda("Stream::Create"); }
 Stream::~Stream() = default;
 Status Stream::Synchronize(Millis, std::string_view) const { return NoCuda("Stream"); }

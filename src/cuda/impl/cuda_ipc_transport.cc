@@ -551,8 +551,7 @@ Status RegisterGpuTransports() {
     nccl.name = "nccl";
     nccl.priority = 200;
     nccl.can_connect = [](const PeerInfo& a, const PeerInfo& b) {
-      return a.mem == MemKind::kCuda && b.mem == MemKind::kCuda &&
-             !(a.hostname == b.hostname && a.device == b.device);
+      return a.mem == MemKind::kCuda && b.mem == MemKind::kCuda && !SameGpu(a, b);
     };
     nccl.factory = [device_of](const TransportOptions& o) -> Result<std::unique_ptr<Transport>> {
       NcclOptions n;

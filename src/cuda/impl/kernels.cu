@@ -1179,6 +1179,15 @@ Status SetDevice(int device) {
   return OkStatus();
 }
 
+Result<PeerInfo> DevicePeerInfo(int rank, int device) {
+  PeerInfo p = LocalPeerInfo(rank, MemKind::kCuda, device);
+  char bus[32] = {};
+  SS_CUDA(cudaDeviceGetPCIBusId(bus, sizeof(bus), device),
+          "cudaDeviceGetPCIBusId of device " + std::to_string(device));
+  p.gpu_id = bus;
+  return p;
+}
+
 Result<std::unique_ptr<Stream>> Stream::Create(int device) {
   SS_CUDA(cudaSetDevice(device), "stream: cudaSetDevice " + std::to_string(device));
   cudaStream_t s = nullptr;

@@ -161,8 +161,7 @@ class NcclTransport final : public Transport {
     return c;
   }
   bool CanConnect(const PeerInfo& self, const PeerInfo& peer) const override {
-    return self.mem == MemKind::kCuda && peer.mem == MemKind::kCuda &&
-           !(self.hostname == peer.hostname && self.device == peer.device);
+    return self.mem == MemKind::kCuda && peer.mem == MemKind::kCuda && !SameGpu(self, peer);
   }
 
   Result<uint32_t> RegisterMemory(const MemRegion& region) override {

@@ -153,6 +153,14 @@ void AppendRegionRuns(const Region& r, const Shape& shape, const void* in, int i
                       int out_size, int wire_size, int32_t bucket, int64_t wire_offset,
                       std::vector<CopyRun>* runs);
 
+// Runs that copy region `src` of a row-major tensor (shape src_shape at `in`) element for element,
+// in row-major order, onto region `dst` (same element count) of another tensor (dst_shape at
+// `out`): pieces contiguous on both sides, equal ones at constant strides merged into 2-d runs.
+// Wire positions (as AppendRegionRuns) start at wire_offset.
+void AppendCoRuns(const Region& src, const Shape& src_shape, const void* in, int in_size,
+                  const Region& dst, const Shape& dst_shape, void* out, int out_size,
+                  int wire_size, int32_t bucket, int64_t wire_offset, std::vector<CopyRun>* runs);
+
 // GPU checksum of device bytes (any size, any alignment): ChecksumPartial(d, nbytes, byte_offset)
 // computed on the GPU. Synchronous.
 Result<uint64_t> DeviceChecksumPartial(const void* d, size_t nbytes, uint64_t byte_offset);
@@ -178,6 +186,9 @@ Status CountSyntheticMismatches(uint64_t seed, const SyntheticTensor& t, const S
 // nullptr in builds without CUDA.
 struct NcclOptions {
   int device = 0;  // CUDA device of this rank
+  // Prepared pairs: plan buckets (rounds) in flight per pair, each in its own staging slot on
+  // both sides (pack of round r+1 overlaps the send of round r). Registry param "nccl_depth".
+  int depth = 2;
 };
 std::unique_ptr<Transport> MakeCudaIpcTransport(int device);
 std::unique_ptr<Transport> MakeNcclTransport(const NcclOptions& options);

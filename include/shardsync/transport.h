@@ -124,15 +124,20 @@ struct PairSums {
 class PreparedPair {
  public:
   virtual ~PreparedPair() = default;
-  // Starts one replay of every bucket (enqueues device work; never blocks). The caller made sure
-  // the receiver is ready for new bytes (sync protocol); at most one replay in flight.
-  virtual Status Post() = 0;
+  // Starts one replay of every bucket for sync `version` (enqueues device work; never blocks).
+  // The caller made sure the receiver is ready for new bytes (sync protocol); at most one replay
+  // in flight. Both sides post the same versions.
+  virtual Status Post(uint64_t version) = 0;
   // Drives progress; kDone once this side's part of the replay finished (sender: every byte
   // sent and visible at the receiver; receiver: every byte landed where it computes the sums).
   // Unavailable when the peer died, Aborted after Abort.
   virtual Result<XferState> Poll() = 0;
   // After kDone.
   virtual Result<PairSums> Sums() = 0;
+  // Gives up a replay that was posted and not seen done (the sync failed: peer dead, timeout,
+  // abort): device work still waiting on the peer is torn down (nccl: the pair's communicator is
+  // aborted) and later Posts fail with Aborted, so the job re-connects. No-op when idle.
+  virtual void Cancel() = 0;
   // Short description for reports ("cuda_ipc: 1 launch, 3 buckets").
   virtual std::string Describe() const = 0;
 };

@@ -358,6 +358,7 @@ class SessionImpl final : public SyncSession {
       }
       regbase_[m.dst] = static_cast<uint32_t>(v);
     }
+    SS_RETURN_IF_ERROR(PreparePairs(deadline));
     if (packer_ == own_packer_.get()) {
       // The CPU packer packs transfer by transfer into a small ring (RunSender says why it is
       // never overwritten while in flight): it stays in cache, so packing writes cost no DRAM
@@ -368,10 +369,12 @@ class SessionImpl final : public SyncSession {
     } else {
       // Staging: two buckets (double buffering), bounded by the plan's bucket cap.
       int64_t max_bucket = 0;
-      for (const Message& m : plan_.sends) {
-        for (const Bucket& b : m.buckets) max_bucket = std::max(max_bucket, b.bytes);
+      for (size_t mi = 0; mi < plan_.sends.size(); ++mi) {
+        if (send_pairs_[mi]) continue;  // prepared pairs stage (or not) on their own
+        for (const Bucket& b : plan_.sends[mi].buckets) max_bucket = std::max(max_bucket, b.bytes);
       }
       for (auto& s : staging_) {
+        if (max_bucket == 0) break;
         SS_ASSIGN_OR_RETURN(s, packer_->AllocStaging(static_cast<size_t>(max_bucket)));
       }
     }
@@ -417,6 +420,11 @@ class SessionImpl final : public SyncSession {
     if (!s.ok()) {
       st.error = s.message();
       PostAbort(s);
+      for (auto* pairs : {&send_pairs_, &recv_pairs_}) {
+        for (auto& p : *pairs) {
+          if (p) p->Cancel();
+        }
+      }
     }
     // Everyone posts a verdict, failed or not, so peers learn the cause rather than time out.
     Status posted = store_.Set(Key(VKey("done/") + std::to_string(rank_)), StatsToJson(st));
@@ -614,6 +622,8 @@ class SessionImpl final : public SyncSession {
                                   /*watch_abort=*/true)
                              .status());
     }
+    // Prepared pairs (device memory) go first: their device work overlaps the host path below.
+    SS_RETURN_IF_ERROR(PostPairs(send_pairs_));
     // Buckets round-robin over receivers, so every receiver verifies while others still land.
     // Each sender starts the round at a different receiver (rotated by its trainer rank): if
     // every sender began with the same receiver, that one would be flooded while the last one
@@ -626,7 +636,7 @@ class SessionImpl final : public SyncSession {
     for (size_t b = 0; b < max_buckets; ++b) {
       for (size_t k = 0; k < nmsg; ++k) {
         const size_t m = (first + k) % nmsg;
-        if (b < plan_.sends[m].buckets.size()) order.emplace_back(m, b);
+        if (!send_pairs_[m] && b < plan_.sends[m].buckets.size()) order.emplace_back(m, b);
       }
     }
     const bool put = tx_.caps().one_sided_put;
@@ -841,15 +851,186 @@ class SessionImpl final : public SyncSession {
     }
     while (!flying.empty()) SS_RETURN_IF_ERROR(finish_oldest());
     SS_RETURN_IF_ERROR(WaitAll(ctrl_ids, "sending control messages"));
+    SS_RETURN_IF_ERROR(FinishPreparedSends(st));
     // A send can complete here while its protocol tail (e.g. a rendezvous put's completion
     // message) is still queued on this side: flush before this rank stops driving progress.
     std::vector<XferId> flushes;
-    for (const Message& m : plan_.sends) {
+    for (size_t mi = 0; mi < plan_.sends.size(); ++mi) {
+      if (send_pairs_[mi]) continue;
+      const Message& m = plan_.sends[mi];
       SS_ASSIGN_OR_RETURN(XferId id, tx_.PostFlush(m.dst));
       flushes.push_back(id);
     }
     SS_RETURN_IF_ERROR(WaitAll(flushes, "flushing to the receivers"));
     keep.done = true;
+    return OkStatus();
+  }
+
+  // ---- prepared pairs (device memory: the transport compiles each pair's slice once) ----
+
+  // The memory every binding of this rank lives in (-1: none bound, or a mix).
+  int BoundMem() const {
+    int kind = -1;
+    auto see = [&](MemKind k) {
+      const int v = static_cast<int>(k);
+      kind = kind == -1 || kind == v ? v : -2;
+    };
+    for (const auto& [t, b] : sources_) see(b.mem);
+    for (const DestBinding& d : dests_) see(d.mem);
+    return kind < 0 ? -1 : kind;
+  }
+
+  // Whether the pair with `peer` runs as a prepared pair: its transport prepares transfers over
+  // the memory every binding of this rank lives in (device memory: cuda_ipc, nccl).
+  bool Prepared(int peer) const {
+    const TransportCaps c = tx_.PeerCaps(peer);
+    const int mem = BoundMem();
+    return c.prepared && mem >= 0 &&
+           (static_cast<MemKind>(mem) == MemKind::kCuda ? c.device_memory : c.host_memory);
+  }
+
+  std::string PairKey(int src, int dst) const {
+    return Key("pair/" + std::to_string(src) + "_" + std::to_string(dst) + "/");
+  }
+
+  // Every pair whose transport prepares transfers gets its slice compiled now. Receivers first:
+  // they publish what their senders read (cuda_ipc: the landed map) and never wait.
+  Status PreparePairs(Clock::time_point deadline) {
+    send_pairs_.resize(plan_.sends.size());
+    recv_pairs_.resize(plan_.recvs.size());
+    auto left = [&] { return std::max(Millis(1), std::chrono::duration_cast<Millis>(deadline - Clock::now())); };
+    for (size_t mi = 0; mi < plan_.recvs.size(); ++mi) {
+      const Message& m = plan_.recvs[mi];
+      if (!Prepared(m.src)) continue;
+      PairSpec spec{m.src, /*send=*/false, in_.options.wire_dtype, {}, PairKey(m.src, rank_)};
+      for (const Bucket& b : m.buckets) spec.buckets.push_back({b.bytes, LandedRegions(m, b), {}});
+      SS_ASSIGN_OR_RETURN(recv_pairs_[mi], tx_.Prepare(store_, spec, left()));
+    }
+    for (size_t mi = 0; mi < plan_.sends.size(); ++mi) {
+      const Message& m = plan_.sends[mi];
+      if (!Prepared(m.dst)) continue;
+      PairSpec spec{m.dst, /*send=*/true, in_.options.wire_dtype, {}, PairKey(rank_, m.dst)};
+      for (const Bucket& b : m.buckets) {
+        PairBucket pb{b.bytes, SourceRegions(m, b), {}};
+        for (int i = b.op_begin; i < b.op_end; ++i) {
+          const TransferOp& op = m.ops[i];
+          pb.remote.push_back({regbase_.at(m.dst) + static_cast<uint32_t>(op.param), 0,
+                               DestShape(m.dst, op.param), op.dst});
+        }
+        spec.buckets.push_back(std::move(pb));
+      }
+      SS_ASSIGN_OR_RETURN(send_pairs_[mi], tx_.Prepare(store_, spec, left()));
+    }
+    return OkStatus();
+  }
+
+  // Polls `pairs` (null entries skipped) until every one is done, the deadline passes or the job
+  // aborts; `who` names the peer of entry i for errors.
+  Status WaitPairs(std::vector<std::unique_ptr<PreparedPair>>& pairs,
+                   const std::function<std::string(size_t)>& who) {
+    std::vector<size_t> left;
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      if (pairs[i]) left.push_back(i);
+    }
+    int idle = 0;
+    while (!left.empty()) {
+      bool progressed = false;
+      for (size_t k = 0; k < left.size();) {
+        auto st = pairs[left[k]]->Poll();
+        if (!st.ok()) {
+          Status e = st.status();
+          return e.Annotate("sync rank " + std::to_string(rank_) + ": " + who(left[k]));
+        }
+        if (*st == XferState::kDone) {
+          left.erase(left.begin() + k);
+          progressed = true;
+        } else {
+          ++k;
+        }
+      }
+      if (left.empty()) break;
+      SS_RETURN_IF_ERROR(CheckDeadline(who(left[0])));
+      Backoff(progressed, idle);
+    }
+    return OkStatus();
+  }
+
+  Status PostPairs(std::vector<std::unique_ptr<PreparedPair>>& pairs) {
+    for (auto& p : pairs) {
+      if (p) SS_RETURN_IF_ERROR(p->Post(version_));
+    }
+    return OkStatus();
+  }
+
+  // Sender: every prepared pair done, then its packed checksums go to the store for the receiver.
+  Status FinishPreparedSends(RankSyncStats& st) {
+    SS_RETURN_IF_ERROR(WaitPairs(send_pairs_, [&](size_t i) {
+      return "sending to sync rank " + std::to_string(plan_.sends[i].dst) + " (" +
+             send_pairs_[i]->Describe() + ")";
+    }));
+    for (size_t mi = 0; mi < send_pairs_.size(); ++mi) {
+      if (!send_pairs_[mi]) continue;
+      const Message& m = plan_.sends[mi];
+      SS_ASSIGN_OR_RETURN(PairSums sums, send_pairs_[mi]->Sums());
+      if (sums.packed.size() != m.buckets.size()) {
+        return InternalError("sync rank " + std::to_string(rank_) + ": pair to sync rank " +
+                             std::to_string(m.dst) + " reported " +
+                             std::to_string(sums.packed.size()) + " checksums for " +
+                             std::to_string(m.buckets.size()) + " buckets");
+      }
+      std::string text;
+      for (uint64_t v : sums.packed) text += (text.empty() ? "" : ",") + Hex(v);
+      SS_RETURN_IF_ERROR(store_.Set(Key(VKey("sums/") + std::to_string(rank_) + "_" +
+                                        std::to_string(m.dst)),
+                                    text));
+      for (const Bucket& b : m.buckets) st.send_bytes += b.bytes;
+    }
+    return OkStatus();
+  }
+
+  // Receiver: every prepared pair landed; each bucket's landed checksum against what its sender
+  // packed (published in the store once the sender's pair completed).
+  Status FinishPreparedRecvs(RankSyncStats& st) {
+    SS_RETURN_IF_ERROR(WaitPairs(recv_pairs_, [&](size_t i) {
+      return "receiving from sync rank " + std::to_string(plan_.recvs[i].src) + " (" +
+             recv_pairs_[i]->Describe() + ")";
+    }));
+    for (size_t mi = 0; mi < recv_pairs_.size(); ++mi) {
+      if (!recv_pairs_[mi]) continue;
+      const Message& m = plan_.recvs[mi];
+      const std::string from = "sync rank " + std::to_string(m.src);
+      SS_ASSIGN_OR_RETURN(PairSums mine, recv_pairs_[mi]->Sums());
+      SS_ASSIGN_OR_RETURN(
+          std::string text,
+          GetUntil(Key(VKey("sums/") + std::to_string(m.src) + "_" + std::to_string(rank_)),
+                   deadline_, "the checksums of " + from, /*watch_abort=*/true));
+      std::vector<uint64_t> sent;
+      for (size_t at = 0; at <= text.size() && !text.empty();) {
+        const size_t c = std::min(text.find(',', at), text.size());
+        const std::string item = text.substr(at, c - at);
+        char* end = nullptr;
+        sent.push_back(std::strtoull(item.c_str(), &end, 16));
+        if (item.size() != 16 || *end != '\0') {
+          return DataLossError("sync rank " + std::to_string(rank_) + ": checksums of " + from +
+                               " are malformed: '" + text.substr(0, 80) + "'");
+        }
+        at = c + 1;
+      }
+      if (sent.size() != m.buckets.size() || mine.landed.size() != m.buckets.size()) {
+        return DataLossError("sync rank " + std::to_string(rank_) + ": " + from + " sent " +
+                             std::to_string(sent.size()) + " checksums, " +
+                             std::to_string(mine.landed.size()) + " landed, for " +
+                             std::to_string(m.buckets.size()) + " buckets");
+      }
+      st.checksums_total += static_cast<int64_t>(m.buckets.size());
+      for (size_t b = 0; b < sent.size(); ++b) {
+        if (sent[b] != mine.landed[b]) {
+          return MismatchError(m, static_cast<int>(b), sent[b], mine.landed[b]);
+        }
+        ++st.checksums_ok;
+        st.recv_bytes += m.buckets[b].bytes;
+      }
+    }
     return OkStatus();
   }
 
@@ -1022,8 +1203,11 @@ class SessionImpl final : public SyncSession {
     const bool incremental = !put && packer_ == own_packer_.get();
     // ... or let the transport sum the words as it copies them in (shm): no read at all.
     const bool summed = incremental && tx_.caps().summed_copy;
-    size_t total = 0;
-    for (const Message& m : plan_.recvs) total += m.buckets.size();
+    SS_RETURN_IF_ERROR(PostPairs(recv_pairs_));
+    size_t total = 0;  // buckets of the host path (prepared pairs count their own)
+    for (size_t mi = 0; mi < plan_.recvs.size(); ++mi) {
+      if (!recv_pairs_[mi]) total += plan_.recvs[mi].buckets.size();
+    }
     // Posted receive buffers must outlive a failed sync: a late control message may still land.
     auto ctrl = std::make_shared<std::vector<Control>>(total);
     // So must the CopySums of summed receives (one per run, at fixed addresses).
@@ -1039,6 +1223,7 @@ class SessionImpl final : public SyncSession {
     size_t k = 0;
     Status s;
     for (size_t mi = 0; mi < plan_.recvs.size() && s.ok(); ++mi) {
+      if (recv_pairs_[mi]) continue;
       const Message& m = plan_.recvs[mi];
       uint64_t seq = 0;
       for (size_t bi = 0; bi < m.buckets.size() && s.ok(); ++bi, ++k) {
@@ -1142,10 +1327,13 @@ class SessionImpl final : public SyncSession {
       if (summed) graveyard_.push_back(sums);
       return s;
     }
+    SS_RETURN_IF_ERROR(FinishPreparedRecvs(st));
     // Completing a receive can leave protocol messages to the sender (e.g. a rendezvous ack)
     // queued on this side; flush them out before this rank stops driving the transport.
     std::vector<XferId> flushes;
-    for (const Message& m : plan_.recvs) {
+    for (size_t mi = 0; mi < plan_.recvs.size(); ++mi) {
+      if (recv_pairs_[mi]) continue;
+      const Message& m = plan_.recvs[mi];
       SS_ASSIGN_OR_RETURN(XferId id, tx_.PostFlush(m.src));
       flushes.push_back(id);
     }
@@ -1192,20 +1380,25 @@ class SessionImpl final : public SyncSession {
     } else {
       SS_ASSIGN_OR_RETURN(got, packer_->ChecksumLanded(LandedRegions(m, b), b.bytes));
     }
-    if (got != c.checksum) {
-      std::vector<std::string> names;
-      for (int i = b.op_begin; i < b.op_end; ++i) {
-        const std::string& n = dests_[m.ops[i].param].name;
-        if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
-      }
-      std::string list;
-      for (size_t i = 0; i < names.size() && i < 8; ++i) list += (i ? ", " : "") + names[i];
-      if (names.size() > 8) list += ", ... (" + std::to_string(names.size()) + " parameters)";
-      return DataLossError("checksum mismatch, version " + std::to_string(version_) + ", " + where +
-                           ": sent " + Hex(c.checksum) + ", landed " + Hex(got) +
-                           "; parameters: " + list);
-    }
+    if (got != c.checksum) return MismatchError(m, bucket, c.checksum, got);
     return OkStatus();
+  }
+
+  // DataLoss naming the message, the bucket and (up to 8 of) the parameters it lands in.
+  Status MismatchError(const Message& m, int bucket, uint64_t sent, uint64_t got) const {
+    const Bucket& b = m.buckets[bucket];
+    const std::string where = "message from sync rank " + std::to_string(m.src) + " to sync rank " +
+                              std::to_string(rank_) + ", bucket " + std::to_string(bucket);
+    std::vector<std::string> names;
+    for (int i = b.op_begin; i < b.op_end; ++i) {
+      const std::string& n = dests_[m.ops[i].param].name;
+      if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
+    }
+    std::string list;
+    for (size_t i = 0; i < names.size() && i < 8; ++i) list += (i ? ", " : "") + names[i];
+    if (names.size() > 8) list += ", ... (" + std::to_string(names.size()) + " parameters)";
+    return DataLossError("checksum mismatch, version " + std::to_string(version_) + ", " + where +
+                         ": sent " + Hex(sent) + ", landed " + Hex(got) + "; parameters: " + list);
   }
 
   Result<SyncReport> Gather(const RankSyncStats& local) {
@@ -1266,6 +1459,8 @@ class SessionImpl final : public SyncSession {
   std::unique_ptr<ShardMap> replica_map_;
   std::shared_ptr<unsigned char> staging_[2];          // from the packer: host or device memory
   std::vector<std::vector<SendBucket>> send_buckets_;  // [send message][bucket]
+  // Prepared pairs by send / recv message index (null: the message goes the host path).
+  std::vector<std::unique_ptr<PreparedPair>> send_pairs_, recv_pairs_;
   // Engine side: [recv message][bucket] -> the transfers, as the sender cuts them.
   std::vector<std::vector<std::vector<WireRun>>> recv_runs_;
   // Engine side.

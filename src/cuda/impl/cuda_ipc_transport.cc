@@ -110,6 +110,8 @@ class CudaIpcTransport final : public Transport {
     c.one_sided_put = true;
     c.two_sided = true;  // control messages up to kMailboxSlotBytes through the mailbox
     c.same_node_only = true;
+    c.tag_matching = true;
+    c.prepared = true;
     return c;
   }
   bool CanConnect(const PeerInfo& self, const PeerInfo& peer) const override {
@@ -381,6 +383,29 @@ class CudaIpcTransport final : public Transport {
 
   void SetStream(cudaStream_t s) { stream_ = s ? s : own_stream_; }
 
+  Result<std::unique_ptr<PreparedPair>> Prepare(StoreClient& store, const PairSpec& spec,
+                                                Millis timeout) override;
+
+  // For prepared pairs.
+  cudaStream_t stream() const { return stream_; }
+  int device() const { return device_; }
+  Status CheckPeer(int peer) {
+    SS_RETURN_IF_ERROR(Usable());
+    return PeerAlive(peer);
+  }
+  // The registered region holding [p, p + bytes) and p's offset in it.
+  Result<std::pair<uint32_t, uint64_t>> FindLocal(const void* p, uint64_t bytes) const {
+    const auto* q = static_cast<const unsigned char*>(p);
+    for (size_t i = 0; i < regions_.size(); ++i) {
+      const auto* b = static_cast<const unsigned char*>(regions_[i].base);
+      if (q >= b && q + bytes <= b + regions_[i].bytes) {
+        return std::make_pair(static_cast<uint32_t>(i), static_cast<uint64_t>(q - b));
+      }
+    }
+    return InvalidArgumentError("cuda_ipc: " + std::to_string(bytes) +
+                                " bytes of a prepared pair are in no registered region");
+  }
+
  private:
   // An event shared by the puts it covers; back to the pool when the last one completes.
   struct SharedEvent {
@@ -504,6 +529,280 @@ class CudaIpcTransport final : public Transport {
   XferId next_id_ = 1;
 };
 
+
+// ---- prepared pairs ----
+//
+// Sender: ONE pack launch per replay casts every bucket of the pair straight into the receiver's
+// parameters (through the IPC mappings) with the checksum fused, and reads every landed word back
+// through the receiver's OWN map (published by the receiver at Prepare; the readback must not
+// share the sender's addressing) from L2 right after writing it; the landed sums then reach the
+// receiver through the mailbox once the launch completed. Receiver: waits for that message.
+
+constexpr uint64_t kLandedMagic = 0x53534c4d;  // "SSLM"
+constexpr uint64_t kPairTagBase = uint64_t{0x5350} << 48;
+
+uint64_t PairTag(uint64_t version) { return kPairTagBase | (version & ((uint64_t{1} << 48) - 1)); }
+
+// One contiguous run of the receiver's map: wire bytes [wire, wire + bytes) of `bucket` land at
+// byte `offset` of its registered region `region`.
+struct LandedEntry {
+  int64_t bucket, wire, region, offset, bytes;
+};
+
+Status CheckBuckets(const PairSpec& spec) {
+  const size_t max = (internal::kMailboxSlotBytes - 16) / 8;
+  if (spec.buckets.empty() || spec.buckets.size() > max) {
+    return InvalidArgumentError("cuda_ipc: pair with rank " + std::to_string(spec.peer) + " has " +
+                                std::to_string(spec.buckets.size()) + " buckets (1.." +
+                                std::to_string(max) + " supported)");
+  }
+  return OkStatus();
+}
+
+class IpcRecvPair final : public PreparedPair {
+ public:
+  IpcRecvPair(CudaIpcTransport& t, int peer, size_t buckets)
+      : t_(t), peer_(peer), msg_(2 + buckets) {}
+
+  Status Post(uint64_t version) override {
+    if (cancelled_) return AbortedError("cuda_ipc: pair with rank " + std::to_string(peer_) + " was cancelled");
+    version_ = version;
+    SS_ASSIGN_OR_RETURN(id_, t_.PostRecv(peer_, PairTag(version), msg_.data(), msg_.size() * 8));
+    posted_ = true;
+    return OkStatus();
+  }
+  Result<XferState> Poll() override {
+    if (!posted_) return XferState::kDone;
+    SS_ASSIGN_OR_RETURN(XferState st, t_.Poll(id_));
+    if (st == XferState::kInProgress) return st;
+    posted_ = false;
+    if (msg_[0] != version_ || msg_[1] != msg_.size() - 2) {
+      return DataLossError("cuda_ipc: landed checksums from rank " + std::to_string(peer_) +
+                           " are for version " + std::to_string(msg_[0]) + " with " +
+                           std::to_string(msg_[1]) + " buckets");
+    }
+    return XferState::kDone;
+  }
+  Result<PairSums> Sums() override {
+    PairSums s;
+    s.landed.assign(msg_.begin() + 2, msg_.end());
+    return s;
+  }
+  void Cancel() override {
+    if (posted_) cancelled_ = true;
+  }
+  std::string Describe() const override {
+    return "cuda_ipc: landed sums read back by rank " + std::to_string(peer_) + ", " +
+           std::to_string(msg_.size() - 2) + " buckets";
+  }
+
+ private:
+  CudaIpcTransport& t_;
+  int peer_;
+  std::vector<uint64_t> msg_;  // [version, buckets, landed sum per bucket]
+  uint64_t version_ = 0;
+  XferId id_ = 0;
+  bool posted_ = false, cancelled_ = false;
+};
+
+class IpcSendPair final : public PreparedPair {
+ public:
+  IpcSendPair(CudaIpcTransport& t, int peer, std::vector<int64_t> bytes)
+      : t_(t), peer_(peer), bytes_(std::move(bytes)) {}
+  ~IpcSendPair() override {
+    cudaSetDevice(t_.device());
+    if (done_) cudaEventDestroy(done_);
+    if (host_) cudaFreeHost(host_);
+  }
+
+  Status Init(BatchSpec spec) {
+    const size_t nb = bytes_.size();
+    SS_ASSIGN_OR_RETURN(lsum_, DeviceBuffer::Allocate(nb * 8, t_.device()));
+    SS_CUDA(cudaMallocHost(&host_, nb * 8), "cuda_ipc: pinned landed sums");
+    SS_CUDA(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cuda_ipc: pair event");
+    for (size_t b = 0; b < nb; ++b) {
+      spec.landed_sums.push_back(static_cast<unsigned char*>(lsum_->data()) + 8 * b);
+    }
+    SS_ASSIGN_OR_RETURN(batch_, CopyBatch::Prepare(spec, t_.device()));
+    return OkStatus();
+  }
+
+  Status Post(uint64_t version) override {
+    if (cancelled_) return AbortedError("cuda_ipc: pair with rank " + std::to_string(peer_) + " was cancelled");
+    SS_RETURN_IF_ERROR(t_.CheckPeer(peer_));
+    cudaStream_t s = t_.stream();
+    SS_CUDA(cudaSetDevice(t_.device()), "cuda_ipc: cudaSetDevice");
+    SS_CUDA(cudaMemsetAsync(lsum_->data(), 0, bytes_.size() * 8, s), "cuda_ipc: zero landed sums");
+    SS_RETURN_IF_ERROR(batch_->Launch(s));
+    SS_CUDA(cudaMemcpyAsync(host_, lsum_->data(), bytes_.size() * 8, cudaMemcpyDeviceToHost, s),
+            "cuda_ipc: read landed sums");
+    SS_CUDA(cudaEventRecord(done_, s), "cuda_ipc: pair event");
+    version_ = version;
+    state_ = kLaunched;
+    return OkStatus();
+  }
+
+  Result<XferState> Poll() override {
+    if (state_ == kIdle) return XferState::kDone;
+    if (state_ == kLaunched) {
+      const cudaError_t e = cudaEventQuery(done_);
+      if (e == cudaErrorNotReady) {
+        SS_RETURN_IF_ERROR(t_.CheckPeer(peer_));
+        return XferState::kInProgress;
+      }
+      SS_CUDA(e, "cuda_ipc: pack into rank " + std::to_string(peer_));
+      SS_ASSIGN_OR_RETURN(sums_.packed, batch_->Checksums());
+      msg_ = {version_, bytes_.size()};
+      sums_.landed.clear();
+      for (size_t b = 0; b < bytes_.size(); ++b) {
+        sums_.landed.push_back(ChecksumFinish(host_[b], static_cast<uint64_t>(bytes_[b])));
+        msg_.push_back(sums_.landed.back());
+      }
+      // The launch completed: every byte is in the receiver's memory before it hears of it.
+      SS_ASSIGN_OR_RETURN(id_, t_.PostSend(peer_, PairTag(version_), msg_.data(), msg_.size() * 8));
+      state_ = kSending;
+    }
+    SS_ASSIGN_OR_RETURN(XferState st, t_.Poll(id_));
+    if (st == XferState::kDone) state_ = kIdle;
+    return st;
+  }
+
+  Result<PairSums> Sums() override { return sums_; }
+  void Cancel() override {
+    if (state_ != kIdle) cancelled_ = true;
+  }
+  std::string Describe() const override {
+    return "cuda_ipc: 1 launch, " + std::to_string(bytes_.size()) + " buckets into rank " +
+           std::to_string(peer_);
+  }
+
+ private:
+  CudaIpcTransport& t_;
+  int peer_;
+  std::vector<int64_t> bytes_;
+  std::unique_ptr<CopyBatch> batch_;
+  std::unique_ptr<DeviceBuffer> lsum_;
+  unsigned long long* host_ = nullptr;
+  cudaEvent_t done_ = nullptr;
+  enum { kIdle, kLaunched, kSending } state_ = kIdle;
+  uint64_t version_ = 0;
+  std::vector<uint64_t> msg_;
+  PairSums sums_;
+  XferId id_ = 0;
+  bool cancelled_ = false;
+};
+
+// The receiver's own map of every bucket, merged into runs contiguous in wire and memory.
+Result<std::string> LandedMap(const CudaIpcTransport& t, const PairSpec& spec) {
+  const int ws = DTypeSize(spec.wire);
+  std::vector<LandedEntry> map;
+  for (size_t b = 0; b < spec.buckets.size(); ++b) {
+    for (const PackRegion& r : spec.buckets[b].local) {
+      if (r.dtype != spec.wire) {
+        return InvalidArgumentError("cuda_ipc: landed region of pair with rank " +
+                                    std::to_string(spec.peer) + " is " +
+                                    std::string(DTypeName(r.dtype)) + ", the wire " +
+                                    std::string(DTypeName(spec.wire)));
+      }
+      SS_ASSIGN_OR_RETURN(auto where, t.FindLocal(r.base, NumElements(r.shape) * ws));
+      int64_t wire = r.wire_offset;
+      ForEachRun(r.region, r.shape, [&](int64_t off, int64_t len) {
+        const int64_t at = static_cast<int64_t>(where.second) + off * ws, n = len * ws;
+        LandedEntry* last = map.empty() ? nullptr : &map.back();
+        if (last && last->bucket == static_cast<int64_t>(b) && last->region == where.first &&
+            last->offset + last->bytes == at && last->wire + last->bytes == wire) {
+          last->bytes += n;
+        } else {
+          map.push_back({static_cast<int64_t>(b), wire, where.first, at, n});
+        }
+        wire += n;
+      });
+    }
+  }
+  std::string blob(16 + map.size() * sizeof(LandedEntry), '\0');
+  const uint64_t head[2] = {kLandedMagic, map.size()};
+  std::memcpy(blob.data(), head, 16);
+  if (!map.empty()) std::memcpy(blob.data() + 16, map.data(), map.size() * sizeof(LandedEntry));
+  return blob;
+}
+
+Result<std::unique_ptr<PreparedPair>> CudaIpcTransport::Prepare(StoreClient& store,
+                                                                const PairSpec& spec,
+                                                                Millis timeout) {
+  SS_RETURN_IF_ERROR(Usable());
+  SS_RETURN_IF_ERROR(CheckBuckets(spec));
+  const std::string who = "cuda_ipc: pair with rank " + std::to_string(spec.peer);
+  if (!spec.send) {
+    SS_ASSIGN_OR_RETURN(std::string blob, LandedMap(*this, spec));
+    SS_RETURN_IF_ERROR(store.Set(spec.key + "landed", blob));
+    return std::unique_ptr<PreparedPair>(new IpcRecvPair(*this, spec.peer, spec.buckets.size()));
+  }
+  BatchSpec bs;
+  bs.mode = BatchMode::kPack;
+  bs.out_dtype = spec.wire;
+  bool first = true;
+  const int ws = DTypeSize(spec.wire);
+  std::vector<int64_t> bytes;
+  for (size_t b = 0; b < spec.buckets.size(); ++b) {
+    const PairBucket& pb = spec.buckets[b];
+    bytes.push_back(pb.bytes);
+    bs.bucket_bytes.push_back(pb.bytes);
+    if (pb.remote.size() != pb.local.size()) {
+      return InvalidArgumentError(who + ": bucket " + std::to_string(b) + " has " +
+                                  std::to_string(pb.local.size()) + " regions, " +
+                                  std::to_string(pb.remote.size()) + " destinations");
+    }
+    for (size_t i = 0; i < pb.local.size(); ++i) {
+      const PackRegion& l = pb.local[i];
+      const RemoteRegion& r = pb.remote[i];
+      if (first) bs.in_dtype = l.dtype;
+      first = false;
+      if (l.dtype != bs.in_dtype || l.region.numel() != r.dst.numel() ||
+          !RegionInside(l.region, l.shape) || !RegionInside(r.dst, r.shape)) {
+        return InvalidArgumentError(who + ": bucket " + std::to_string(b) + " region " +
+                                    std::to_string(i) + " " + l.region.ToString() + " -> " +
+                                    r.dst.ToString() + " does not fit (dtype, size or bounds)");
+      }
+      SS_ASSIGN_OR_RETURN(void* base, RemotePointer(spec.peer, r.region, r.offset,
+                                                    NumElements(r.shape) * ws));
+      AppendCoRuns(l.region, l.shape, l.base, DTypeSize(l.dtype), r.dst, r.shape, base, ws, ws,
+                   static_cast<int32_t>(b), l.wire_offset, &bs.runs);
+    }
+  }
+  // The receiver's map, read back through its regions.
+  SS_ASSIGN_OR_RETURN(std::string blob, store.Get(spec.key + "landed", timeout));
+  uint64_t head[2] = {0, 0};
+  if (blob.size() >= 16) std::memcpy(head, blob.data(), 16);
+  if (blob.size() < 16 || head[0] != kLandedMagic ||
+      (blob.size() - 16) / sizeof(LandedEntry) != head[1] ||
+      (blob.size() - 16) % sizeof(LandedEntry) != 0) {
+    return DataLossError(who + ": the receiver's landed map is malformed (" +
+                         std::to_string(blob.size()) + " bytes)");
+  }
+  std::vector<LandedEntry> map(head[1]);
+  if (!map.empty()) std::memcpy(map.data(), blob.data() + 16, map.size() * sizeof(LandedEntry));
+  for (size_t k = 0; k < map.size(); ++k) {
+    const LandedEntry& e = map[k];
+    if (e.bucket < 0 || e.bucket >= static_cast<int64_t>(spec.buckets.size()) || e.wire < 0 ||
+        e.region < 0 || e.region > UINT32_MAX || e.offset < 0 || e.bytes <= 0 ||
+        e.wire % ws != 0 || e.bytes % ws != 0) {
+      return DataLossError(who + ": landed map entry " + std::to_string(k) + " is malformed");
+    }
+    SS_ASSIGN_OR_RETURN(void* p, RemotePointer(spec.peer, static_cast<uint32_t>(e.region),
+                                               static_cast<uint64_t>(e.offset),
+                                               static_cast<uint64_t>(e.bytes)));
+    CopyRun lr;
+    lr.in = p;
+    lr.row_elems = e.bytes / ws;
+    lr.bucket = static_cast<int32_t>(e.bucket);
+    lr.wire_offset = e.wire;
+    bs.landed_runs.push_back(lr);
+  }
+  auto pair = std::make_unique<IpcSendPair>(*this, spec.peer, std::move(bytes));
+  SS_RETURN_IF_ERROR(pair->Init(std::move(bs)).Annotate(who));
+  return std::unique_ptr<PreparedPair>(std::move(pair));
+}
+
 }  // namespace
 
 std::unique_ptr<Transport> MakeCudaIpcTransport(int device) {
@@ -556,6 +855,13 @@ Status RegisterGpuTransports() {
     nccl.factory = [device_of](const TransportOptions& o) -> Result<std::unique_ptr<Transport>> {
       NcclOptions n;
       n.device = device_of(o);
+      if (auto it = o.params.find("nccl_depth"); it != o.params.end()) {
+        n.depth = std::atoi(it->second.c_str());
+        if (n.depth < 1 || n.depth > 64) {
+          return InvalidArgumentError("transport param nccl_depth: '" + it->second +
+                                      "', expected 1..64");
+        }
+      }
       return MakeNcclTransport(n);
     };
     return RegisterTransport(std::move(nccl));

@@ -4,12 +4,18 @@ Tensors cross through DLPack with no copy: the session keeps each bound producer
 C++ side reads (sources) or writes (destinations) the bound memory directly. Every blocking call
 (connect, sync) releases the GIL.
 
-Device tensors: a session created with `device=N` (builds with CUDA: `shardsync._C.DEVICE_BINDING`)
-binds CUDA tensors of device N directly (packed, verified and landed on the GPU, no copy) and
-moves bytes over a GPU transport ("cuda_ipc" on one node, "nccl"). A host session (device None)
-stages CUDA tensors through host copies when `staging` is "auto" (the default) or "host":
-sources device -> host before each sync, destinations host -> device after each successful one;
-`staging="never"` refuses them (UnimplementedError).
+Device tensors: with `device="auto"` (the default) a session whose first bound tensor is a CUDA
+tensor becomes a device session on that tensor's GPU (builds with CUDA:
+`shardsync._C.DEVICE_BINDING`): CUDA tensors are bound directly (packed, verified and landed on the
+GPU, no copy) and every pair moves over the GPU transport that fits it (cuda_ipc on one GPU or
+node, nccl across). `device=N` asks for that explicitly. A host session (`device=None`, or "auto"
+with host tensors first) stages CUDA tensors through host copies when `staging` is "auto" (the
+default) or "host": sources device -> host before each sync, destinations host -> device after
+each successful one; `staging="never"` refuses them (UnimplementedError).
+
+Transports: "auto" (the default) picks one per pair (transport.h, NewRoutedTransport): cuda_ipc /
+nccl for device sessions, shm on one host / ucx across hosts for host sessions; a name ("ucx",
+"shm", "nccl", ...) is tried first for every pair.
 """
 
 from __future__ import annotations
@@ -66,42 +72,60 @@ class Session:
         store: str,
         *,
         token: str = "",
-        transport: str = "ucx",
+        transport: str = "auto",
         hub: Any = None,
         prefix: str = "ss/",
         connect_timeout: float = 60.0,
         sync_timeout: float = 60.0,
         staging: str = "auto",
         transport_params: Optional[Mapping[str, str]] = None,
-        device: Optional[int] = None,
+        device: Any = "auto",
     ) -> None:
         if staging not in ("auto", "host", "never"):
             raise InvalidArgumentError(f"staging: must be auto, host or never, got {staging!r}")
         if not isinstance(plan, Plan):
             raise InvalidArgumentError(f"plan: expected a shardsync.Plan, got {type(plan).__name__}")
-        C = native("session")
         if transport == "loopback" and hub is None:
             hub = default_loopback_hub()
+        if device != "auto" and device is not None and not isinstance(device, int):
+            raise InvalidArgumentError(f"device: expected 'auto', None or a CUDA index, got {device!r}")
         self.plan = plan
         self.staging = staging
-        self._native = C.SyncSession(
-            plan.inputs,
-            rank,
-            store,
-            token=token,
-            transport=transport,
-            hub=hub,
-            prefix=prefix,
-            connect_timeout=connect_timeout,
-            sync_timeout=sync_timeout,
+        self._args = dict(
+            rank=rank, store=store, token=token, transport=transport, hub=hub, prefix=prefix,
+            connect_timeout=connect_timeout, sync_timeout=sync_timeout,
             transport_params=dict(transport_params or {}),
-            device=-1 if device is None else int(device),
         )
-        self.device = device
+        self._auto_device = device == "auto"
+        self._bound = False
+        self._native = self._make_native(None if device == "auto" else device)
         # (device tensor, host copy) pairs staged around each sync.
         self._staged_sources: List[Tuple[Any, Any]] = []
         self._staged_dests: List[Tuple[Any, Any]] = []
         self._connected = False
+
+    def _make_native(self, device: Optional[int]) -> Any:
+        a = self._args
+        native_session = native("session").SyncSession(
+            self.plan.inputs, a["rank"], a["store"], token=a["token"], transport=a["transport"],
+            hub=a["hub"], prefix=a["prefix"], connect_timeout=a["connect_timeout"],
+            sync_timeout=a["sync_timeout"], transport_params=dict(a["transport_params"]),
+            device=-1 if device is None else int(device),
+        )
+        self.device = device
+        return native_session
+
+    def _resolve_device(self, tensor: Any) -> None:
+        """device="auto": the first bound tensor decides (a CUDA tensor: a device session on its
+        GPU, where the build can bind device memory)."""
+        if not self._auto_device or self._bound:
+            return
+        self._bound = True
+        if not is_cuda_tensor(tensor) or not native().DEVICE_BINDING:
+            return
+        index = int(tensor.__dlpack_device__()[1])
+        self._native.close()
+        self._native = self._make_native(index)
 
     @classmethod
     def from_env(cls, plan: Plan, **kwargs: Any) -> "Session":
@@ -154,6 +178,7 @@ class Session:
     def bind_source(self, hf_name: str, tensor: Any, region: Any = None) -> None:
         """Trainer ranks: the shard of HF tensor `hf_name` this rank holds (default region: the
         plan's held region for this rank; the tensor's shape must equal its extents)."""
+        self._resolve_device(tensor)
         host = self._stage(tensor, f"source '{hf_name}'")
         if host is not None:
             self._native.bind_source(hf_name, host, region)
@@ -163,6 +188,7 @@ class Session:
 
     def bind_destination(self, name: str, tensor: Any) -> None:
         """Engine ranks: parameter `name` (engine naming) with its local shape; bytes land in it."""
+        self._resolve_device(tensor)
         host = self._stage(tensor, f"destination '{name}'")
         if host is not None:
             self._native.bind_destination(name, host)

@@ -138,7 +138,23 @@ class PySession {
     std::optional<FaultConfig> fault = FaultFromParams(topts.params);
     py::gil_scoped_release nogil;
     store_ = Unwrap(StoreClient::Connect(store_address, token, opts.connect_timeout));
-    transport_ = Unwrap(CreateTransport(transport, topts));
+    if (transport == "auto" || device_ >= 0) {
+      // Per-pair routing (transport.h): device sessions get cuda_ipc on one GPU / node and nccl
+      // across, host sessions shm on one host and ucx across; a named transport is the hint.
+      RouteOptions ro;
+      ro.hint = transport == "auto" ? "" : transport;
+      ro.options = topts;
+#ifdef SS_PY_HAVE_CUDA
+      if (device_ >= 0) {
+        ThrowIfError(gpu::RegisterGpuTransports());
+        ro.self = Unwrap(gpu::DevicePeerInfo(rank_, device_));
+      }
+#endif
+      if (device_ < 0) ro.self = LocalPeerInfo(rank_);
+      transport_ = Unwrap(NewRoutedTransport(std::move(ro)));
+    } else {
+      transport_ = Unwrap(CreateTransport(transport, topts));
+    }
     if (fault) transport_ = NewFaultTransport(std::move(transport_), *fault);
     session_ = Unwrap(SyncSession::Create(inputs_, rank_, *store_, *transport_, opts));
   }
@@ -306,7 +322,7 @@ void RegisterSession(py::module_& m) {
                     std::optional<PyLoopbackHub>, const std::string&, double, double,
                     std::map<std::string, std::string>, int>(),
            py::arg("plan"), py::arg("rank"), py::arg("store"), py::arg("token") = "",
-           py::arg("transport") = "ucx", py::arg("hub") = py::none(), py::arg("prefix") = "ss/",
+           py::arg("transport") = "auto", py::arg("hub") = py::none(), py::arg("prefix") = "ss/",
            py::arg("connect_timeout") = 60.0, py::arg("sync_timeout") = 60.0,
            py::arg("transport_params") = std::map<std::string, std::string>{},
            py::arg("device") = -1)

@@ -25,6 +25,7 @@ class FaultTransportImpl final : public FaultTransport {
     // plain path (and sum the bytes themselves), so injected corruption stays detectable.
     c.summed_copy = false;
     c.filled_send = false;
+    c.prepared = false;  // prepared pairs would bypass the injected faults
     return c;
   }
   bool CanConnect(const PeerInfo& self, const PeerInfo& peer) const override {

@@ -209,7 +209,19 @@ class RoutedTransport final : public Transport {
       auto h = SelectTransport(opt_.self, peer, opt_.hint);
       if (h.ok()) return h;
     }
-    return SelectTransport(opt_.self, peer, "");
+    auto any = SelectTransport(opt_.self, peer, "");
+    if (any.ok() || opt_.self.mem == peer.mem) return any;
+    auto where = [](const PeerInfo& p) {
+      return (p.mem == MemKind::kCuda ? "device memory (cuda:" + std::to_string(p.device) + ")"
+                                      : std::string("host memory")) +
+             " on " + p.hostname;
+    };
+    return NotFoundError("routing: rank " + std::to_string(opt_.self.rank) + " binds " +
+                         where(opt_.self) + ", its peer rank " + std::to_string(peer.rank) + " " +
+                         where(peer) +
+                         ": no transport moves bytes between the two; bind both sides in the same "
+                         "kind of memory (a Python host session, device=None, stages CUDA "
+                         "tensors through host memory)");
   }
 
   Result<size_t> SubOf(int peer) const {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device-machine GPU check of device sessions (docs/python.md, "GPU check"): the bindings built
-# with SS_PY_HAVE_CUDA, so `Session(..., device=N)` packs with gpu::MakeCudaPacker and moves over
-# cuda_ipc. Layers built here with CUDA and bundled in .bundle-devsess:
+# with SS_PY_HAVE_CUDA, so a Session bound to CUDA tensors is a device session (prepared cuda_ipc /
+# nccl pairs). Layers built here with CUDA and bundled in .bundle-devsess:
 #   cmake -S . -B build-devsess -DCMAKE_BUILD_TYPE=Release -DSHARDSYNC_CUDA=ON \
 #     -DSHARDSYNC_BUILD_TESTS=OFF -DSHARDSYNC_BUILD_BENCH=OFF && cmake --build build-devsess --target shardsync_python
 #   bash /work/shared/tools/device-bundle.sh .bundle-devsess build-devsess/python/shardsync/_C*.so
@@ -9,7 +9,8 @@
 #   cp /usr/local/cuda/lib64/libcudart_static.a .bundle-devsess/cuda/   # the cudart ss_cuda was built against
 #   mkdir -p .bundle-devsess/include/dlpack; cp /usr/include/dlpack/dlpack.h .bundle-devsess/include/dlpack/
 # Run there (carry .bundle-devsess):
-#   bash python/tools/device_gpu_check_cuda.sh --device-binding --trainer fsdp=1 --rollout dp=1,tp=2,pp=2
+#   bash python/tools/device_gpu_check_cuda.sh --model qwen3-8b --trainer fsdp=1 --rollout dp=1,tp=2,pp=2 \
+#     --trainer-dtype bf16 --reps 7       (sessions default to device sessions for CUDA tensors)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 B=.bundle-devsess
@@ -23,17 +24,5 @@ else
   cudart="-L$cudadir -lcudart -Wl,-rpath,$cudadir"
 fi
 echo "cudart: $cudart"
-# Workaround (reported to the bindings' owner): bind_session.cc's CheckDevice rejects every CUDA
-# tensor, device sessions included, so sessions with device=N cannot bind at all. Until it is fixed
-# there, compile a copy whose check rejects CUDA tensors only in host sessions (device_ < 0); the
-# session itself still refuses memory its packer does not support.
-mkdir -p build-dev/pysrc
-cp python/src/*.cc python/src/*.h build-dev/pysrc/ 2>/dev/null || cp python/src/*.cc build-dev/pysrc/
-if grep -q 'static void CheckDevice' build-dev/pysrc/bind_session.cc; then
-  sed -i -e 's/static void CheckDevice(const TensorRef& t, const std::string& what) {/void CheckDevice(const TensorRef\& t, const std::string\& what) const {/' \
-    -e 's/^    if (t.cuda) {$/    if (t.cuda \&\& device_ < 0) {/' build-dev/pysrc/bind_session.cc
-  grep -n 'void CheckDevice\|t.cuda && device_' build-dev/pysrc/bind_session.cc
-  export PY_SRC=build-dev/pysrc
-fi
 export BUNDLE=$B EXTRA_DEFS="-DSS_PY_HAVE_CUDA=1" EXTRA_LIBS="$cudart -ldl -lrt -lpthread"
 exec bash python/tools/device_gpu_check.sh "$@"

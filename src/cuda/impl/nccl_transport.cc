@@ -29,8 +29,11 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "cuda/cuda_util.h"
 #include "cuda/impl/nccl_group.h"
+#include "transport/process.h"
 #include "shardsync/gpu.h"
 
 namespace shardsync::gpu {
@@ -219,6 +222,7 @@ class NcclTransport final : public Transport {
       comms_[p] = c;
       peer_nccl_rank_[p] = rank == lo ? 1 : 0;
     }
+    SS_RETURN_IF_ERROR(ExchangePids(store, prefix, peers, deadline));
     for (auto& [p, c] : comms_) {
       while (true) {
         ncclResult_t st = ncclSuccess;
@@ -290,6 +294,14 @@ class NcclTransport final : public Transport {
   }
   int device() const { return opt_.device; }
   int depth() const { return opt_.depth; }
+  // NCCL's P2P kernels wait for a dead peer forever and report nothing: peers on this host are
+  // watched through their process instead, so survivors fail fast rather than at the timeout.
+  Status CheckPeer(int peer) const {
+    auto it = peer_pid_.find(peer);
+    if (it == peer_pid_.end() || ::shardsync::internal::ProcessAlive(it->second)) return OkStatus();
+    return UnavailableError("nccl: peer rank " + std::to_string(peer) + " (pid " +
+                            std::to_string(it->second) + ") exited");
+  }
   // A pair gave up on its peer: abort that communicator only (kernels waiting on the peer exit).
   void AbortPeer(int peer) {
     auto it = comms_.find(peer);
@@ -324,6 +336,28 @@ class NcclTransport final : public Transport {
     bool done = false;
     int live_ids = 0;
   };
+
+  // Each rank publishes "hostname pid"; peers on this host are watched (CheckPeer).
+  Status ExchangePids(StoreClient& store, const std::string& prefix,
+                      const std::vector<int>& peers,
+                      std::chrono::steady_clock::time_point deadline) {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    const std::string me = std::string(host) + " " + std::to_string(getpid());
+    SS_RETURN_IF_ERROR(store.Set(prefix + "nccl/pid/" + std::to_string(rank_), me));
+    for (int p : peers) {
+      if (p == rank_) continue;
+      const auto left =
+          std::chrono::duration_cast<Millis>(deadline - std::chrono::steady_clock::now());
+      auto got = store.Get(prefix + "nccl/pid/" + std::to_string(p), std::max(Millis(1), left));
+      if (!got.ok()) continue;  // an old peer without the record: only the timeout watches it
+      const size_t sp = got->rfind(' ');
+      if (sp == std::string::npos || got->substr(0, sp) != host) continue;
+      const long pid = std::strtol(got->c_str() + sp + 1, nullptr, 10);
+      if (pid > 0) peer_pid_[p] = static_cast<pid_t>(pid);
+    }
+    return OkStatus();
+  }
 
   Status Usable(int peer) const {
     if (aborted_) return AbortedError("nccl: transport aborted");
@@ -424,6 +458,7 @@ class NcclTransport final : public Transport {
     }
     const cudaError_t e = cudaEventQuery(g.event);
     if (e == cudaErrorNotReady) {
+      for (const Op& op : g.ops) SS_RETURN_IF_ERROR(CheckPeer(op.peer));
       // A failed peer surfaces as an async error on the communicator.
       for (ncclComm_t c : g.comms) {
         ncclResult_t st = ncclSuccess;
@@ -458,6 +493,7 @@ class NcclTransport final : public Transport {
   std::vector<MemRegion> regions_;
   std::map<int, ncclComm_t> comms_;
   std::map<int, int> peer_nccl_rank_;
+  std::map<int, pid_t> peer_pid_;
   std::vector<Op> pending_;
   std::vector<XferId> pending_ids_;
   std::vector<Group> groups_;
@@ -563,10 +599,14 @@ class NcclPair final : public PreparedPair {
   Result<XferState> Poll() override {
     if (!posted_) return XferState::kDone;
     SS_RETURN_IF_ERROR(Pump());
-    if (next_ < bytes_.size()) return XferState::kInProgress;
+    if (next_ < bytes_.size()) {  // the peer cannot have finished: its exit is a death
+      SS_RETURN_IF_ERROR(t_.CheckPeer(peer_));
+      return XferState::kInProgress;
+    }
     const cudaError_t e = cudaEventQuery(done_);
     if (e == cudaErrorNotReady) {
-      SS_RETURN_IF_ERROR(CommState().status());  // a failed peer surfaces here
+      SS_RETURN_IF_ERROR(CommState().status());  // a failed remote peer surfaces here
+      SS_RETURN_IF_ERROR(t_.CheckPeer(peer_));
       return XferState::kInProgress;
     }
     SS_CUDA(e, "nccl: pair with rank " + std::to_string(peer_));

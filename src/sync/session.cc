@@ -614,6 +614,23 @@ class SessionImpl final : public SyncSession {
     return out;
   }
 
+  // A sender's host-path state for one sync (the transfers that are not prepared pairs).
+  struct HostSend {
+    std::vector<std::pair<int, int>> order;  // (message, bucket) in posting order
+    bool put = false, fused = false, summed = false, filled = false;
+    // One CopySum per direct transfer of this sync, at fixed addresses the transport writes
+    // into; kept past a failure (graveyard_) since the transport may still complete them.
+    std::shared_ptr<std::vector<CopySum>> send_sums = std::make_shared<std::vector<CopySum>>();
+    std::vector<size_t> sum_words;  // bytes of whole words each CopySum covers
+    std::deque<InFlight> flying;
+    size_t outstanding = 0;  // wire bytes posted and not yet seen complete (fused path)
+    size_t ring_at = 0;      // next free byte of the staging ring (fused path)
+    std::vector<std::unique_ptr<Control>> sent_controls;  // alive until their sends complete
+    std::vector<XferId> ctrl_ids;
+    std::vector<uint64_t> next_seq;
+    int next_slot = 0;
+  };
+
   Status RunSender(RankSyncStats& st) {
     for (const Message& m : plan_.sends) {
       SS_RETURN_IF_ERROR(GetUntil(Key(VKey("ready/") + std::to_string(m.dst)), deadline_,
@@ -624,43 +641,7 @@ class SessionImpl final : public SyncSession {
     }
     // Prepared pairs (device memory) go first: their device work overlaps the host path below.
     SS_RETURN_IF_ERROR(PostPairs(send_pairs_));
-    // Buckets round-robin over receivers, so every receiver verifies while others still land.
-    // Each sender starts the round at a different receiver (rotated by its trainer rank): if
-    // every sender began with the same receiver, that one would be flooded while the last one
-    // idles until every sender had packed all earlier buckets.
-    std::vector<std::pair<int, int>> order;
-    size_t max_buckets = 0;
-    for (const Message& m : plan_.sends) max_buckets = std::max(max_buckets, m.buckets.size());
-    const size_t nmsg = plan_.sends.size();
-    const size_t first = nmsg ? static_cast<size_t>(who_.trainer_rank) % nmsg : 0;
-    for (size_t b = 0; b < max_buckets; ++b) {
-      for (size_t k = 0; k < nmsg; ++k) {
-        const size_t m = (first + k) % nmsg;
-        if (!send_pairs_[m] && b < plan_.sends[m].buckets.size()) order.emplace_back(m, b);
-      }
-    }
-    const bool put = tx_.caps().one_sided_put;
-    // The built-in CPU packer (host memory): pack or checksum each transfer just before posting
-    // it, and post direct transfers from the source memory itself. A packer passed in (device
-    // memory) packs whole buckets into its staging; the same transfers then leave from there.
-    const bool fused = packer_ == own_packer_.get();
-    // Direct transfers checksummed by the transport's own copy (shm): no separate read.
-    const bool summed = fused && !put && tx_.caps().summed_copy;
-    // Packed transfers cast / gathered straight into the transport's staging (shm ring slots)
-    // instead of into ours and then copied.
-    const bool filled = summed && tx_.caps().filled_send;
-    // One CopySum per direct transfer of this sync, at fixed addresses the transport writes
-    // into; kept past a failure (graveyard_) since the transport may still complete them.
-    auto send_sums = std::make_shared<std::vector<CopySum>>();
-    std::vector<size_t> sum_words;  // bytes of whole words each CopySum covers
-    if (summed) {
-      size_t n = 0;
-      for (auto [mi, bi] : order) {
-        for (const WireRun& r : send_buckets_[mi][bi].xfers) n += r.direct;
-      }
-      send_sums->reserve(n);
-      sum_words.reserve(n);
-    }
+    HostSend hs = PlanHostSend();
     struct KeepOnFailure {
       std::vector<std::shared_ptr<void>>& yard;
       std::shared_ptr<void> sums;
@@ -668,202 +649,240 @@ class SessionImpl final : public SyncSession {
       ~KeepOnFailure() {
         if (!done && sums) yard.push_back(std::move(sums));
       }
-    } keep{graveyard_, summed ? send_sums : nullptr};
-    std::deque<InFlight> flying;
-    size_t outstanding = 0;  // wire bytes posted and not yet seen complete (fused path)
-    size_t ring_at = 0;      // next free byte of the staging ring (fused path)
-    std::vector<std::unique_ptr<Control>> sent_controls;  // alive until their sends complete
-    std::vector<XferId> ctrl_ids;
-    std::vector<uint64_t> next_seq(plan_.sends.size(), 0);
-    int next_slot = 0;
-    auto make_control = [&](const InFlight& f) {
-      auto c = std::make_unique<Control>();
-      c->bucket = static_cast<uint32_t>(f.bucket);
-      c->version = version_;
-      c->bytes = static_cast<uint64_t>(plan_.sends[f.msg].buckets[f.bucket].bytes);
-      c->checksum = f.checksum;
-      return c;
-    };
-    // Completes the oldest transfers (in posting order) until at most `limit` wire bytes are
-    // outstanding, driving progress meanwhile.
-    auto drain = [&](size_t limit) -> Status {
-      int idle = 0;
-      while (outstanding > limit) {
-        bool progressed = false;
-        for (InFlight& f : flying) {
-          size_t done = 0;
-          for (; done < f.xfers.size() && outstanding > limit; ++done) {
-            auto state = tx_.Poll(f.xfers[done]);
-            if (!state.ok()) {
-              Status e = state.status();
-              return e.Annotate("sync rank " + std::to_string(rank_) + ": sending to sync rank " +
-                                std::to_string(plan_.sends[f.msg].dst));
-            }
-            if (*state == XferState::kInProgress) break;
-            outstanding -= f.lens[done];
-          }
-          progressed |= done > 0;
-          f.xfers.erase(f.xfers.begin(), f.xfers.begin() + done);
-          f.lens.erase(f.lens.begin(), f.lens.begin() + done);
-          if (!f.xfers.empty()) break;  // completions arrive roughly in posting order
-        }
-        if (outstanding <= limit) break;
-        SS_RETURN_IF_ERROR(CheckDeadline("while sending"));
-        Backoff(progressed, idle);
-      }
-      return OkStatus();
-    };
-    auto finish_oldest = [&]() -> Status {
-      InFlight& f = flying.front();
-      const Message& m = plan_.sends[f.msg];
-      SS_RETURN_IF_ERROR(WaitAll(f.xfers, "sending to sync rank " + std::to_string(m.dst)));
-      for (size_t n : f.lens) outstanding -= n;
-      if (f.sum) {
-        for (size_t i = f.sums_begin; i < f.sums_end; ++i) {
-          f.sum->AddWords((*send_sums)[i].sum, sum_words[i]);
-        }
-        const auto want = static_cast<uint64_t>(m.buckets[f.bucket].bytes);
-        if (f.sum->bytes() != want) {
-          return InternalError("sync rank " + std::to_string(rank_) + ": packed " +
-                               std::to_string(f.sum->bytes()) + " bytes of a " +
-                               std::to_string(want) + "-byte bucket to sync rank " +
-                               std::to_string(m.dst));
-        }
-        f.checksum = f.sum->Finish();
-      }
-      if (put || summed) {
-        // The flush completed: the bytes are visible at the receiver before it hears of them.
-        auto c = make_control(f);
-        SS_ASSIGN_OR_RETURN(XferId id, tx_.PostSend(m.dst, ControlTag(version_, f.bucket), c.get(),
-                                                    sizeof(Control)));
-        ctrl_ids.push_back(id);
-        sent_controls.push_back(std::move(c));
-      }
-      st.send_bytes += m.buckets[f.bucket].bytes;
-      flying.pop_front();
-      return OkStatus();
-    };
-    for (auto [mi, bi] : order) {
-      if (flying.size() == 2) SS_RETURN_IF_ERROR(finish_oldest());
+    } keep{graveyard_, hs.summed ? hs.send_sums : nullptr};
+    for (auto [mi, bi] : hs.order) {
+      if (hs.flying.size() == 2) SS_RETURN_IF_ERROR(FinishOldest(hs, st));
       SS_RETURN_IF_ERROR(CheckDeadline("while sending"));
-      const Message& m = plan_.sends[mi];
-      const Bucket& b = m.buckets[bi];
-      const SendBucket& sb = send_buckets_[mi][bi];
-      flying.emplace_back();
-      InFlight& f = flying.back();
-      f.msg = mi;
-      f.bucket = bi;
-      f.slot = next_slot;
-      next_slot ^= 1;
-      unsigned char* stage = fused ? nullptr : staging_[f.slot].get();
-      if (!fused) {
-        SS_ASSIGN_OR_RETURN(
-            f.checksum, packer_->Pack(SourceRegions(m, b), in_.options.wire_dtype, stage, b.bytes));
-      }
-      const uint32_t base = put ? regbase_.at(m.dst) : 0;
-      f.sum = std::make_shared<LandedSum>();
-      f.sums_begin = send_sums->size();
-      LandedSum& sum = *f.sum;
-      for (const WireRun& r : sb.xfers) {
-        const unsigned char* src = fused ? nullptr : stage + r.wire_offset;
-        CopySum* copy_sum = nullptr;
-        Transport::SendFill fill;
-        if (fused) {
-          SS_RETURN_IF_ERROR(drain(kSendWindowBytes > r.len ? kSendWindowBytes - r.len : 0));
-          if (r.direct) {
-            const auto* data = static_cast<const unsigned char*>(sources_.at(r.tensor).data);
-            src = data + r.src_offset;
-            const auto key = static_cast<uint64_t>(r.wire_offset);
-            if (summed) {
-              // The transport sums the whole words as it copies them out; the edges are ours.
-              const uint64_t h = SummedHead(key, r.len), t = SummedTail(key, r.len);
-              sum.Add(src, h, key);
-              sum.Add(src + t, r.len - t, key + t);
-              send_sums->push_back(CopySum{key, 0});
-              sum_words.push_back(static_cast<size_t>(t - h));
-              copy_sum = &send_sums->back();
-            } else {
-              // Straight from the trainer's memory: checksummed right before it is posted, so
-              // the receiver's copy finds it in cache.
-              sum.Add(src, r.len, key);
-            }
-          } else if (filled) {
-            // PackRange, from the transport's progress, into each slot as it frees up.
-            fill = [this, bucket = &sb, sum = f.sum, at = r.wire_offset](void* dst, uint64_t off,
-                                                                         uint64_t len) {
-              PackRange(*bucket, at + static_cast<int64_t>(off), static_cast<int64_t>(len),
-                        static_cast<unsigned char*>(dst), *sum);
-            };
-          } else {
-            if (ring_at + r.len > kRingBytes) ring_at = 0;
-            unsigned char* out = staging_[0].get() + ring_at;
-            ring_at += r.len;
-            PackRange(sb, r.wire_offset, static_cast<int64_t>(r.len), out, sum);
-            src = out;
-          }
-        }
-        const uint64_t tag = DataTag(version_, next_seq[mi]);
-        Result<XferId> id = XferId{0};
-        if (put) {
-          id =
-              tx_.PostPut(m.dst, src, r.len, base + static_cast<uint32_t>(r.param), r.param_offset);
-        } else if (fill) {
-          id = tx_.PostSendFilled(m.dst, tag, r.len, std::move(fill));
-        } else if (copy_sum) {
-          id = tx_.PostSendSummed(m.dst, tag, src, r.len, copy_sum);
-        } else {
-          id = tx_.PostSend(m.dst, tag, src, r.len);
-        }
-        SS_RETURN_IF_ERROR(id.status());
-        ++next_seq[mi];
-        f.xfers.push_back(*id);
-        f.lens.push_back(r.len);
-        outstanding += r.len;
-      }
-      if (fused) {
-        f.sums_end = send_sums->size();
-        // Summed: the checksum (and this check) completes in finish_oldest.
-        if (!summed) {
-          if (sum.bytes() != static_cast<uint64_t>(b.bytes)) {
-            return InternalError("sync rank " + std::to_string(rank_) + ": packed " +
-                                 std::to_string(sum.bytes()) + " bytes of a " +
-                                 std::to_string(b.bytes) + "-byte bucket to sync rank " +
-                                 std::to_string(m.dst));
-          }
-          f.checksum = sum.Finish();
-          f.sum.reset();
-        }
-      } else {
-        f.sum.reset();
-      }
-      if (put) {
-        SS_ASSIGN_OR_RETURN(XferId fl, tx_.PostFlush(m.dst));
-        f.xfers.push_back(fl);
-        f.lens.push_back(0);
-      } else if (!summed) {
-        // Two-sided: the receiver waits for the data receives and the control message alike.
-        f.control = make_control(f);
-        SS_ASSIGN_OR_RETURN(XferId id, tx_.PostSend(m.dst, ControlTag(version_, f.bucket),
-                                                    f.control.get(), sizeof(Control)));
-        f.xfers.push_back(id);
-        f.lens.push_back(0);
-      }
+      SS_RETURN_IF_ERROR(PostHostBucket(hs, mi, bi));
     }
-    while (!flying.empty()) SS_RETURN_IF_ERROR(finish_oldest());
-    SS_RETURN_IF_ERROR(WaitAll(ctrl_ids, "sending control messages"));
+    while (!hs.flying.empty()) SS_RETURN_IF_ERROR(FinishOldest(hs, st));
+    SS_RETURN_IF_ERROR(WaitAll(hs.ctrl_ids, "sending control messages"));
     SS_RETURN_IF_ERROR(FinishPreparedSends(st));
     // A send can complete here while its protocol tail (e.g. a rendezvous put's completion
     // message) is still queued on this side: flush before this rank stops driving progress.
     std::vector<XferId> flushes;
     for (size_t mi = 0; mi < plan_.sends.size(); ++mi) {
       if (send_pairs_[mi]) continue;
-      const Message& m = plan_.sends[mi];
-      SS_ASSIGN_OR_RETURN(XferId id, tx_.PostFlush(m.dst));
+      SS_ASSIGN_OR_RETURN(XferId id, tx_.PostFlush(plan_.sends[mi].dst));
       flushes.push_back(id);
     }
     SS_RETURN_IF_ERROR(WaitAll(flushes, "flushing to the receivers"));
     keep.done = true;
     return OkStatus();
+  }
+
+  HostSend PlanHostSend() const {
+    HostSend hs;
+    // Buckets round-robin over receivers, so every receiver verifies while others still land.
+    // Each sender starts the round at a different receiver (rotated by its trainer rank): if
+    // every sender began with the same receiver, that one would be flooded while the last one
+    // idles until every sender had packed all earlier buckets.
+    size_t max_buckets = 0;
+    for (const Message& m : plan_.sends) max_buckets = std::max(max_buckets, m.buckets.size());
+    const size_t nmsg = plan_.sends.size();
+    const size_t first = nmsg ? static_cast<size_t>(who_.trainer_rank) % nmsg : 0;
+    for (size_t b = 0; b < max_buckets; ++b) {
+      for (size_t k = 0; k < nmsg; ++k) {
+        const size_t m = (first + k) % nmsg;
+        if (!send_pairs_[m] && b < plan_.sends[m].buckets.size()) hs.order.emplace_back(m, b);
+      }
+    }
+    hs.put = tx_.caps().one_sided_put;
+    // The built-in CPU packer (host memory): pack or checksum each transfer just before posting
+    // it, and post direct transfers from the source memory itself. A packer passed in (device
+    // memory) packs whole buckets into its staging; the same transfers then leave from there.
+    hs.fused = packer_ == own_packer_.get();
+    // Direct transfers checksummed by the transport's own copy (shm): no separate read.
+    hs.summed = hs.fused && !hs.put && tx_.caps().summed_copy;
+    // Packed transfers cast / gathered straight into the transport's staging (shm ring slots)
+    // instead of into ours and then copied.
+    hs.filled = hs.summed && tx_.caps().filled_send;
+    if (hs.summed) {
+      size_t n = 0;
+      for (auto [mi, bi] : hs.order) {
+        for (const WireRun& r : send_buckets_[mi][bi].xfers) n += r.direct;
+      }
+      hs.send_sums->reserve(n);
+      hs.sum_words.reserve(n);
+    }
+    hs.next_seq.assign(plan_.sends.size(), 0);
+    return hs;
+  }
+
+  std::unique_ptr<Control> MakeControl(const InFlight& f) const {
+    auto c = std::make_unique<Control>();
+    c->bucket = static_cast<uint32_t>(f.bucket);
+    c->version = version_;
+    c->bytes = static_cast<uint64_t>(plan_.sends[f.msg].buckets[f.bucket].bytes);
+    c->checksum = f.checksum;
+    return c;
+  }
+
+  // Completes the oldest transfers (in posting order) until at most `limit` wire bytes are
+  // outstanding, driving progress meanwhile.
+  Status Drain(HostSend& hs, size_t limit) {
+    int idle = 0;
+    while (hs.outstanding > limit) {
+      bool progressed = false;
+      for (InFlight& f : hs.flying) {
+        size_t done = 0;
+        for (; done < f.xfers.size() && hs.outstanding > limit; ++done) {
+          auto state = tx_.Poll(f.xfers[done]);
+          if (!state.ok()) {
+            Status e = state.status();
+            return e.Annotate("sync rank " + std::to_string(rank_) + ": sending to sync rank " +
+                              std::to_string(plan_.sends[f.msg].dst));
+          }
+          if (*state == XferState::kInProgress) break;
+          hs.outstanding -= f.lens[done];
+        }
+        progressed |= done > 0;
+        f.xfers.erase(f.xfers.begin(), f.xfers.begin() + done);
+        f.lens.erase(f.lens.begin(), f.lens.begin() + done);
+        if (!f.xfers.empty()) break;  // completions arrive roughly in posting order
+      }
+      if (hs.outstanding <= limit) break;
+      SS_RETURN_IF_ERROR(CheckDeadline("while sending"));
+      Backoff(progressed, idle);
+    }
+    return OkStatus();
+  }
+
+  Status FinishOldest(HostSend& hs, RankSyncStats& st) {
+    InFlight& f = hs.flying.front();
+    const Message& m = plan_.sends[f.msg];
+    SS_RETURN_IF_ERROR(WaitAll(f.xfers, "sending to sync rank " + std::to_string(m.dst)));
+    for (size_t n : f.lens) hs.outstanding -= n;
+    if (f.sum) {
+      for (size_t i = f.sums_begin; i < f.sums_end; ++i) {
+        f.sum->AddWords((*hs.send_sums)[i].sum, hs.sum_words[i]);
+      }
+      SS_RETURN_IF_ERROR(CheckPacked(m, f.bucket, f.sum->bytes()));
+      f.checksum = f.sum->Finish();
+    }
+    if (hs.put || hs.summed) {
+      // The flush completed: the bytes are visible at the receiver before it hears of them.
+      auto c = MakeControl(f);
+      SS_ASSIGN_OR_RETURN(XferId id, tx_.PostSend(m.dst, ControlTag(version_, f.bucket), c.get(),
+                                                  sizeof(Control)));
+      hs.ctrl_ids.push_back(id);
+      hs.sent_controls.push_back(std::move(c));
+    }
+    st.send_bytes += m.buckets[f.bucket].bytes;
+    hs.flying.pop_front();
+    return OkStatus();
+  }
+
+  Status CheckPacked(const Message& m, int bucket, uint64_t bytes) const {
+    const auto want = static_cast<uint64_t>(m.buckets[bucket].bytes);
+    if (bytes == want) return OkStatus();
+    return InternalError("sync rank " + std::to_string(rank_) + ": packed " +
+                         std::to_string(bytes) + " bytes of a " + std::to_string(want) +
+                         "-byte bucket to sync rank " + std::to_string(m.dst));
+  }
+
+  // Packs (or checksums) and posts every transfer of bucket `bi` of send message `mi`.
+  Status PostHostBucket(HostSend& hs, int mi, int bi) {
+    const Message& m = plan_.sends[mi];
+    const Bucket& b = m.buckets[bi];
+    hs.flying.emplace_back();
+    InFlight& f = hs.flying.back();
+    f.msg = mi;
+    f.bucket = bi;
+    f.slot = hs.next_slot;
+    hs.next_slot ^= 1;
+    unsigned char* stage = hs.fused ? nullptr : staging_[f.slot].get();
+    if (!hs.fused) {
+      SS_ASSIGN_OR_RETURN(
+          f.checksum, packer_->Pack(SourceRegions(m, b), in_.options.wire_dtype, stage, b.bytes));
+    }
+    f.sum = std::make_shared<LandedSum>();
+    f.sums_begin = hs.send_sums->size();
+    for (const WireRun& r : send_buckets_[mi][bi].xfers) {
+      SS_ASSIGN_OR_RETURN(XferId id, PostHostTransfer(hs, f, r, stage));
+      ++hs.next_seq[mi];
+      f.xfers.push_back(id);
+      f.lens.push_back(r.len);
+      hs.outstanding += r.len;
+    }
+    if (hs.fused) {
+      f.sums_end = hs.send_sums->size();
+      // Summed: the checksum (and this check) completes in FinishOldest.
+      if (!hs.summed) {
+        SS_RETURN_IF_ERROR(CheckPacked(m, bi, f.sum->bytes()));
+        f.checksum = f.sum->Finish();
+        f.sum.reset();
+      }
+    } else {
+      f.sum.reset();
+    }
+    if (hs.put) {
+      SS_ASSIGN_OR_RETURN(XferId fl, tx_.PostFlush(m.dst));
+      f.xfers.push_back(fl);
+      f.lens.push_back(0);
+    } else if (!hs.summed) {
+      // Two-sided: the receiver waits for the data receives and the control message alike.
+      f.control = MakeControl(f);
+      SS_ASSIGN_OR_RETURN(XferId id, tx_.PostSend(m.dst, ControlTag(version_, f.bucket),
+                                                  f.control.get(), sizeof(Control)));
+      f.xfers.push_back(id);
+      f.lens.push_back(0);
+    }
+    return OkStatus();
+  }
+
+  // One transfer `r` of the bucket in flight `f`: from staging (a packer passed in), or, with the
+  // built-in packer, straight from the source (direct) or packed just before it is posted.
+  Result<XferId> PostHostTransfer(HostSend& hs, InFlight& f, const WireRun& r,
+                                  unsigned char* stage) {
+    const Message& m = plan_.sends[f.msg];
+    const SendBucket& sb = send_buckets_[f.msg][f.bucket];
+    LandedSum& sum = *f.sum;
+    const unsigned char* src = hs.fused ? nullptr : stage + r.wire_offset;
+    CopySum* copy_sum = nullptr;
+    Transport::SendFill fill;
+    if (hs.fused) {
+      SS_RETURN_IF_ERROR(Drain(hs, kSendWindowBytes > r.len ? kSendWindowBytes - r.len : 0));
+      if (r.direct) {
+        const auto* data = static_cast<const unsigned char*>(sources_.at(r.tensor).data);
+        src = data + r.src_offset;
+        const auto key = static_cast<uint64_t>(r.wire_offset);
+        if (hs.summed) {
+          // The transport sums the whole words as it copies them out; the edges are ours.
+          const uint64_t h = SummedHead(key, r.len), t = SummedTail(key, r.len);
+          sum.Add(src, h, key);
+          sum.Add(src + t, r.len - t, key + t);
+          hs.send_sums->push_back(CopySum{key, 0});
+          hs.sum_words.push_back(static_cast<size_t>(t - h));
+          copy_sum = &hs.send_sums->back();
+        } else {
+          // Straight from the trainer's memory: checksummed right before it is posted, so
+          // the receiver's copy finds it in cache.
+          sum.Add(src, r.len, key);
+        }
+      } else if (hs.filled) {
+        // PackRange, from the transport's progress, into each slot as it frees up.
+        fill = [this, bucket = &sb, sum = f.sum, at = r.wire_offset](void* dst, uint64_t off,
+                                                                     uint64_t len) {
+          PackRange(*bucket, at + static_cast<int64_t>(off), static_cast<int64_t>(len),
+                    static_cast<unsigned char*>(dst), *sum);
+        };
+      } else {
+        if (hs.ring_at + r.len > kRingBytes) hs.ring_at = 0;
+        unsigned char* out = staging_[0].get() + hs.ring_at;
+        hs.ring_at += r.len;
+        PackRange(sb, r.wire_offset, static_cast<int64_t>(r.len), out, sum);
+        src = out;
+      }
+    }
+    const uint64_t tag = DataTag(version_, hs.next_seq[f.msg]);
+    if (hs.put) {
+      return tx_.PostPut(m.dst, src, r.len, regbase_.at(m.dst) + static_cast<uint32_t>(r.param),
+                         r.param_offset);
+    }
+    if (fill) return tx_.PostSendFilled(m.dst, tag, r.len, std::move(fill));
+    if (copy_sum) return tx_.PostSendSummed(m.dst, tag, src, r.len, copy_sum);
+    return tx_.PostSend(m.dst, tag, src, r.len);
   }
 
   // ---- prepared pairs (device memory: the transport compiles each pair's slice once) ----
@@ -1178,6 +1197,26 @@ class SessionImpl final : public SyncSession {
     return it->second[param];
   }
 
+  // One bucket a receiver expects on the host path.
+  struct Expect {
+    int msg = 0;
+    int bucket = 0;
+    size_t slot = 0;          // index into HostRecv::ctrl
+    std::vector<XferId> ids;  // data receives (tag mode), then the control receive
+    const std::vector<WireRun>* runs = nullptr;  // tag mode: the data receives, in order
+    size_t runs_done = 0;
+    LandedSum landed;    // incremental checksum of the runs that completed
+    size_t sums_at = 0;  // summed receives: this bucket's first entry of `sums`
+  };
+  struct HostRecv {
+    bool put = false, incremental = false, summed = false;
+    // Posted receive buffers must outlive a failed sync: a late control message may still land.
+    std::shared_ptr<std::vector<Control>> ctrl;
+    // So must the CopySums of summed receives (one per run, at fixed addresses).
+    std::shared_ptr<std::vector<CopySum>> sums = std::make_shared<std::vector<CopySum>>();
+    std::vector<Expect> pending;
+  };
+
   Status RunReceiver(RankSyncStats& st) {
     // Padding rows are the engine's zeros, not the trainer's bytes.
     for (size_t i = 0; i < dests_.size(); ++i) {
@@ -1186,145 +1225,20 @@ class SessionImpl final : public SyncSession {
             packer_->ZeroFill(dests_[i].data, dests_[i].dtype, dests_[i].shape, z.dst));
       }
     }
-    const bool put = tx_.caps().one_sided_put;
-    struct Expect {
-      int msg = 0;
-      int bucket = 0;
-      size_t slot = 0;          // index into ctrl
-      std::vector<XferId> ids;  // data receives (tag mode), then the control receive
-      const std::vector<WireRun>* runs = nullptr;  // tag mode: the data receives, in order
-      size_t runs_done = 0;
-      LandedSum landed;    // incremental checksum of the runs that completed
-      size_t sums_at = 0;  // summed receives: this bucket's first entry of `sums`
-    };
+    SS_RETURN_IF_ERROR(PostPairs(recv_pairs_));
+    HostRecv hr;
+    hr.put = tx_.caps().one_sided_put;
     // Host parameters with the built-in packer in tag mode: checksum each run right after it
     // lands, while its bytes are still in cache, instead of re-reading the whole bucket from
     // memory once its control message arrives.
-    const bool incremental = !put && packer_ == own_packer_.get();
+    hr.incremental = !hr.put && packer_ == own_packer_.get();
     // ... or let the transport sum the words as it copies them in (shm): no read at all.
-    const bool summed = incremental && tx_.caps().summed_copy;
-    SS_RETURN_IF_ERROR(PostPairs(recv_pairs_));
-    size_t total = 0;  // buckets of the host path (prepared pairs count their own)
-    for (size_t mi = 0; mi < plan_.recvs.size(); ++mi) {
-      if (!recv_pairs_[mi]) total += plan_.recvs[mi].buckets.size();
-    }
-    // Posted receive buffers must outlive a failed sync: a late control message may still land.
-    auto ctrl = std::make_shared<std::vector<Control>>(total);
-    // So must the CopySums of summed receives (one per run, at fixed addresses).
-    auto sums = std::make_shared<std::vector<CopySum>>();
-    if (summed) {
-      size_t runs = 0;
-      for (const auto& m : recv_runs_) {
-        for (const auto& b : m) runs += b.size();
-      }
-      sums->reserve(runs);
-    }
-    std::vector<Expect> pending;
-    size_t k = 0;
-    Status s;
-    for (size_t mi = 0; mi < plan_.recvs.size() && s.ok(); ++mi) {
-      if (recv_pairs_[mi]) continue;
-      const Message& m = plan_.recvs[mi];
-      uint64_t seq = 0;
-      for (size_t bi = 0; bi < m.buckets.size() && s.ok(); ++bi, ++k) {
-        Expect e;
-        e.msg = static_cast<int>(mi);
-        e.bucket = static_cast<int>(bi);
-        e.slot = k;
-        if (!put) {
-          // Two-sided: receive each run straight into its parameter (no staging copy).
-          e.runs = &recv_runs_[mi][bi];
-          e.sums_at = sums->size();
-          for (const WireRun& r : *e.runs) {
-            auto* dst = static_cast<unsigned char*>(dests_[r.param].data) + r.param_offset;
-            Result<XferId> id = XferId{0};
-            if (summed) {
-              sums->push_back(CopySum{static_cast<uint64_t>(r.wire_offset), 0});
-              id = tx_.PostRecvSummed(m.src, DataTag(version_, seq++), dst, r.len, &sums->back());
-            } else {
-              id = tx_.PostRecv(m.src, DataTag(version_, seq++), dst, r.len);
-            }
-            if (!id.ok()) {
-              s = id.status();
-              break;
-            }
-            e.ids.push_back(*id);
-          }
-        }
-        if (!s.ok()) break;
-        auto id = tx_.PostRecv(m.src, ControlTag(version_, bi), &(*ctrl)[k], sizeof(Control));
-        if (!id.ok()) {
-          s = id.status();
-          break;
-        }
-        e.ids.push_back(*id);
-        pending.push_back(std::move(e));
-      }
-    }
-    st.checksums_total = static_cast<int64_t>(total);
-    int idle = 0;
-    while (s.ok() && !pending.empty()) {
-      size_t keep = 0;
-      bool progressed = false;
-      for (size_t i = 0; i < pending.size() && s.ok(); ++i) {
-        Expect& e = pending[i];
-        const Message& m = plan_.recvs[e.msg];
-        // In posting order, stopping at the first one still in flight: completions arrive
-        // roughly in order, and every Poll drives the transport's progress engine.
-        size_t done = 0;
-        for (; done < e.ids.size(); ++done) {
-          auto state = tx_.Poll(e.ids[done]);
-          if (!state.ok()) {
-            s = state.status();
-            s.Annotate("sync rank " + std::to_string(rank_) + ": receiving from sync rank " +
-                       std::to_string(m.src));
-            break;
-          }
-          if (*state == XferState::kInProgress) break;
-        }
-        if (!s.ok()) break;
-        progressed |= done > 0;
-        if (incremental) {
-          for (size_t d = 0; d < done && e.runs && e.runs_done < e.runs->size();
-               ++d, ++e.runs_done) {
-            const WireRun& r = (*e.runs)[e.runs_done];
-            const auto* at =
-                static_cast<const unsigned char*>(dests_[r.param].data) + r.param_offset;
-            const auto key = static_cast<uint64_t>(r.wire_offset);
-            if (summed) {
-              const uint64_t h = SummedHead(key, r.len), t = SummedTail(key, r.len);
-              e.landed.Add(at, h, key);
-              e.landed.AddWords((*sums)[e.sums_at + e.runs_done].sum, t - h);
-              e.landed.Add(at + t, r.len - t, key + t);
-            } else {
-              e.landed.Add(at, r.len, key);
-            }
-          }
-        }
-        e.ids.erase(e.ids.begin(), e.ids.begin() + done);
-        if (!e.ids.empty()) {
-          if (keep != i) pending[keep] = std::move(e);
-          ++keep;
-          continue;
-        }
-        s = VerifyBucket(m, e.bucket, (*ctrl)[e.slot], incremental ? &e.landed : nullptr);
-        if (s.ok()) {
-          ++st.checksums_ok;
-          st.recv_bytes += m.buckets[e.bucket].bytes;
-        }
-      }
-      if (s.ok()) {
-        pending.resize(keep);
-        if (pending.empty()) break;
-        s = CheckDeadline("waiting for " + std::to_string(pending.size()) +
-                          " buckets (first from sync rank " +
-                          std::to_string(plan_.recvs[pending[0].msg].src) + ")");
-      }
-      Backoff(progressed, idle);
-    }
+    hr.summed = hr.incremental && tx_.caps().summed_copy;
+    Status s = PostHostReceives(hr, st);
+    if (s.ok()) s = PollHostReceives(hr, st);
     if (!s.ok()) {
-      graveyard_.push_back(ctrl);
-      if (summed) graveyard_.push_back(sums);
+      graveyard_.push_back(hr.ctrl);
+      if (hr.summed) graveyard_.push_back(hr.sums);
       return s;
     }
     SS_RETURN_IF_ERROR(FinishPreparedRecvs(st));
@@ -1333,11 +1247,123 @@ class SessionImpl final : public SyncSession {
     std::vector<XferId> flushes;
     for (size_t mi = 0; mi < plan_.recvs.size(); ++mi) {
       if (recv_pairs_[mi]) continue;
-      const Message& m = plan_.recvs[mi];
-      SS_ASSIGN_OR_RETURN(XferId id, tx_.PostFlush(m.src));
+      SS_ASSIGN_OR_RETURN(XferId id, tx_.PostFlush(plan_.recvs[mi].src));
       flushes.push_back(id);
     }
     return WaitAll(flushes, "flushing to the senders");
+  }
+
+  // Posts every host-path receive: per bucket its data runs (tag mode) and its control message.
+  Status PostHostReceives(HostRecv& hr, RankSyncStats& st) {
+    size_t total = 0;  // buckets of the host path (prepared pairs count their own)
+    for (size_t mi = 0; mi < plan_.recvs.size(); ++mi) {
+      if (!recv_pairs_[mi]) total += plan_.recvs[mi].buckets.size();
+    }
+    st.checksums_total = static_cast<int64_t>(total);
+    hr.ctrl = std::make_shared<std::vector<Control>>(total);
+    if (hr.summed) {
+      size_t runs = 0;
+      for (const auto& m : recv_runs_) {
+        for (const auto& b : m) runs += b.size();
+      }
+      hr.sums->reserve(runs);
+    }
+    size_t k = 0;
+    for (size_t mi = 0; mi < plan_.recvs.size(); ++mi) {
+      if (recv_pairs_[mi]) continue;
+      const Message& m = plan_.recvs[mi];
+      uint64_t seq = 0;
+      for (size_t bi = 0; bi < m.buckets.size(); ++bi, ++k) {
+        Expect e;
+        e.msg = static_cast<int>(mi);
+        e.bucket = static_cast<int>(bi);
+        e.slot = k;
+        if (!hr.put) {
+          // Two-sided: receive each run straight into its parameter (no staging copy).
+          e.runs = &recv_runs_[mi][bi];
+          e.sums_at = hr.sums->size();
+          for (const WireRun& r : *e.runs) {
+            auto* dst = static_cast<unsigned char*>(dests_[r.param].data) + r.param_offset;
+            Result<XferId> id = XferId{0};
+            if (hr.summed) {
+              hr.sums->push_back(CopySum{static_cast<uint64_t>(r.wire_offset), 0});
+              id = tx_.PostRecvSummed(m.src, DataTag(version_, seq++), dst, r.len,
+                                      &hr.sums->back());
+            } else {
+              id = tx_.PostRecv(m.src, DataTag(version_, seq++), dst, r.len);
+            }
+            SS_RETURN_IF_ERROR(id.status());
+            e.ids.push_back(*id);
+          }
+        }
+        SS_ASSIGN_OR_RETURN(XferId id, tx_.PostRecv(m.src, ControlTag(version_, bi),
+                                                    &(*hr.ctrl)[k], sizeof(Control)));
+        e.ids.push_back(id);
+        hr.pending.push_back(std::move(e));
+      }
+    }
+    return OkStatus();
+  }
+
+  // Completes the posted receives, verifying each bucket once its control message arrived.
+  Status PollHostReceives(HostRecv& hr, RankSyncStats& st) {
+    int idle = 0;
+    while (!hr.pending.empty()) {
+      size_t keep = 0;
+      bool progressed = false;
+      for (size_t i = 0; i < hr.pending.size(); ++i) {
+        Expect& e = hr.pending[i];
+        const Message& m = plan_.recvs[e.msg];
+        // In posting order, stopping at the first one still in flight: completions arrive
+        // roughly in order, and every Poll drives the transport's progress engine.
+        size_t done = 0;
+        for (; done < e.ids.size(); ++done) {
+          auto state = tx_.Poll(e.ids[done]);
+          if (!state.ok()) {
+            Status s = state.status();
+            return s.Annotate("sync rank " + std::to_string(rank_) +
+                              ": receiving from sync rank " + std::to_string(m.src));
+          }
+          if (*state == XferState::kInProgress) break;
+        }
+        progressed |= done > 0;
+        if (hr.incremental) AddLanded(hr, e, done);
+        e.ids.erase(e.ids.begin(), e.ids.begin() + done);
+        if (!e.ids.empty()) {
+          if (keep != i) hr.pending[keep] = std::move(e);
+          ++keep;
+          continue;
+        }
+        SS_RETURN_IF_ERROR(
+            VerifyBucket(m, e.bucket, (*hr.ctrl)[e.slot], hr.incremental ? &e.landed : nullptr));
+        ++st.checksums_ok;
+        st.recv_bytes += m.buckets[e.bucket].bytes;
+      }
+      hr.pending.resize(keep);
+      if (hr.pending.empty()) break;
+      SS_RETURN_IF_ERROR(CheckDeadline("waiting for " + std::to_string(hr.pending.size()) +
+                                       " buckets (first from sync rank " +
+                                       std::to_string(plan_.recvs[hr.pending[0].msg].src) + ")"));
+      Backoff(progressed, idle);
+    }
+    return OkStatus();
+  }
+
+  // Adds the `done` data runs of `e` that just completed to its landed checksum.
+  void AddLanded(HostRecv& hr, Expect& e, size_t done) {
+    for (size_t d = 0; d < done && e.runs && e.runs_done < e.runs->size(); ++d, ++e.runs_done) {
+      const WireRun& r = (*e.runs)[e.runs_done];
+      const auto* at = static_cast<const unsigned char*>(dests_[r.param].data) + r.param_offset;
+      const auto key = static_cast<uint64_t>(r.wire_offset);
+      if (hr.summed) {
+        const uint64_t h = SummedHead(key, r.len), t = SummedTail(key, r.len);
+        e.landed.Add(at, h, key);
+        e.landed.AddWords((*hr.sums)[e.sums_at + e.runs_done].sum, t - h);
+        e.landed.Add(at + t, r.len - t, key + t);
+      } else {
+        e.landed.Add(at, r.len, key);
+      }
+    }
   }
 
   // Drives the transport's progress engine while waiting on the store (peers may still need

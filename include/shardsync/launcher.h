@@ -35,6 +35,12 @@ struct JobSpec {
   // Engine ranks write the parameters they received (after the last sync) as
   // <dump_dir>/rank-<sync rank>.safetensors (refengine's WriteEngineDump); empty: no dump.
   std::string dump_dir;
+  // "cuda": shards and parameters in GPU memory, bound as they are (the CUDA packer, prepared
+  // cuda_ipc / nccl pairs over the routed transport; `transport` is then the routing hint, "auto"
+  // for none). Trainer t on GPU t % gpus, engine rank j of a replica's T*P on GPU (d*T*P + j) %
+  // gpus, as SGLang / vLLM place them; gpus 0: every visible GPU.
+  std::string device = "cpu";
+  int gpus = 0;
 };
 
 // The job flags shared by `run`, `demo` and `bench`, as typed.
@@ -58,6 +64,8 @@ struct JobFlags {
   bool no_verify = false;
   std::string prefix = "ss/";
   std::string dump_dir;
+  std::string device = "cpu";  // cpu | cuda
+  int gpus = 0;
 };
 // Validates and resolves the flags; errors name the flag. --transport auto resolves to "shm"
 // when every rank runs on this host (`all_local`: demo, bench), else to DefaultTransport().
@@ -72,7 +80,9 @@ std::vector<std::string> JobSpecToArgs(const JobSpec& job);
 // Bench mode, one rank: this rank's seconds per measured repetition of each variant, from the
 // store barrier that starts the repetition to this rank's end.
 struct BenchNumbers {
-  std::vector<double> sharded, broadcast, raw;
+  // raw: the transport's ceiling (host) or cudaMemcpy of the same bytes (device); raw_nccl
+  // (device): NCCL send / recv of every nccl pair's bytes with the session's communicators.
+  std::vector<double> sharded, broadcast, raw, raw_nccl;
   int64_t bytes = 0;      // bytes landed in engine parameters per repetition (engine ranks)
   bool verified = false;  // engine ranks: every element right after the sharded and broadcast runs
 };
@@ -92,6 +102,8 @@ struct RankResult {
   bool poisoned = false;     // engine ranks: parameters not verified by a successful sync
   double setup_seconds = 0;  // allocate + synthetic fill
   BenchNumbers bench;        // bench mode: per rank timings (the job result takes the max)
+  int device = -1;           // --device cuda: this rank's GPU
+  std::string routes;        // "dst:transport ..." of the pairs this rank sends on
 };
 std::string RankResultToJson(const RankResult& r);
 Result<RankResult> RankResultFromJson(const std::string& text);
@@ -139,6 +151,8 @@ struct BenchSummary {
   double sharded_seconds = 0, broadcast_seconds = 0, raw_seconds = 0;
   double sharded_gbps = 0, broadcast_gbps = 0, raw_transport_gbps = 0;
   double ratio_to_raw = 0;          // sharded_gbps / raw_transport_gbps
+  double raw_nccl_seconds = 0;      // device: NCCL send / recv of the nccl pairs (0: none)
+  double ratio_to_raw_nccl = 0;     // raw_nccl_seconds / sharded_seconds (0: no nccl pair)
   double speedup_vs_broadcast = 0;  // broadcast_seconds / sharded_seconds
   bool verified = false;
 };

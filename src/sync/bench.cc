@@ -24,31 +24,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using sync_internal::kBenchVersionBroadcast;
 using sync_internal::kBenchVersionRaw;
+using sync_internal::BcastBucket;
+using sync_internal::BroadcastBuckets;
 using sync_internal::MakeTag;
-
-// Whole HF tensors back to back (inventory order) in buckets under the cap; a tensor larger
-// than the cap travels alone. The same on every rank.
-struct BcastBucket {
-  size_t t_begin = 0, t_end = 0;
-  int64_t offset = 0;  // in the full model image
-  int64_t bytes = 0;
-};
-
-std::vector<BcastBucket> BroadcastBuckets(const std::vector<HfTensor>& inv, int ws, int64_t cap,
-                                          std::vector<int64_t>* tensor_offsets) {
-  std::vector<BcastBucket> out;
-  int64_t at = 0;
-  tensor_offsets->assign(inv.size(), 0);
-  for (size_t t = 0; t < inv.size(); ++t) {
-    const int64_t b = inv[t].numel() * ws;
-    (*tensor_offsets)[t] = at;
-    if (out.empty() || out.back().bytes + b > cap) out.push_back({t, t, at, 0});
-    out.back().t_end = t + 1;
-    out.back().bytes += b;
-    at += b;
-  }
-  return out;
-}
 
 // Copies region `sr` of a row-major tensor (shape ss) into region `dr` of another (shape ds),
 // element i of one to element i of the other, row-major.
@@ -621,6 +599,8 @@ Result<BenchSummary> SummarizeBench(const LocalJobResult& job) {
   s.raw_transport_gbps = s.bytes / s.raw_seconds / 1e9;
   s.ratio_to_raw = s.sharded_gbps / s.raw_transport_gbps;
   s.speedup_vs_broadcast = s.broadcast_seconds / s.sharded_seconds;
+  s.raw_nccl_seconds = job_median(&BenchNumbers::raw_nccl);
+  if (s.raw_nccl_seconds > 0) s.ratio_to_raw_nccl = s.raw_nccl_seconds / s.sharded_seconds;
   return s;
 }
 

@@ -67,6 +67,23 @@ std::vector<WireRun> BucketTransfers(const PlanInputs& in, const std::vector<HfT
                                      int src_trainer_rank, const Message& m, const Bucket& b,
                                      const std::function<const Shape&(int)>& dest_shape);
 
+// Broadcast-all baseline: whole HF tensors back to back (inventory order) in buckets under the
+// cap; a tensor larger than the cap travels alone. The same on every rank.
+struct BcastBucket {
+  size_t t_begin = 0, t_end = 0;
+  int64_t offset = 0;  // in the full model image
+  int64_t bytes = 0;
+};
+std::vector<BcastBucket> BroadcastBuckets(const std::vector<HfTensor>& inv, int ws, int64_t cap,
+                                          std::vector<int64_t>* tensor_offsets);
+
+// Device mode (device_rank.cc): the GPU a sync rank runs on (trainer t on GPU t % gpus; engine
+// rank (replica, pp, tp) where SGLang / vLLM place it, d*T*P + pp*T + tp, modulo the GPUs), and
+// the rank program with device bindings (sync mode, or bench mode's variants).
+Result<int> DeviceOfRank(const JobSpec& job, int rank);
+Status RunDeviceRank(const JobSpec& job, int rank, const SyncRank& who, StoreClient& store,
+                     Transport& transport, RankResult& res, const ProgressFn& progress);
+
 // Element cast between F32 / BF16 / F16 (plain copy for equal dtypes), as the packer does it.
 void CastInto(const void* in, DType a, void* out, DType b, int64_t n);
 // fp32 -> bf16 cast (as CastInto) of the first k elements of in[0, n), with k a multiple of 16

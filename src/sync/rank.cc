@@ -9,6 +9,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "shardsync/gpu.h"
 #include "shardsync/launcher.h"
 #include "shardsync/refengine.h"
 #include "shardsync/safetensors.h"
@@ -59,6 +60,12 @@ std::vector<std::string> JobSpecToArgs(const JobSpec& job) {
     a.push_back("--pp-partition");
     a.push_back(p);
   }
+  if (job.device != "cpu") {
+    a.push_back("--device");
+    a.push_back(job.device);
+    a.push_back("--gpus");
+    a.push_back(std::to_string(job.gpus));
+  }
   if (!job.verify) a.push_back("--no-verify");
   if (!job.dump_dir.empty()) {
     a.push_back("--dump-dir");
@@ -94,10 +101,13 @@ std::string RankResultToJson(const RankResult& r) {
       {"peak_rss_bytes", r.peak_rss_bytes},
       {"poisoned", r.poisoned},
       {"setup_seconds", r.setup_seconds},
+      {"device", r.device},
+      {"routes", r.routes},
       {"bench",
        {{"sharded", r.bench.sharded},
         {"broadcast", r.bench.broadcast},
         {"raw", r.bench.raw},
+        {"raw_nccl", r.bench.raw_nccl},
         {"bytes", r.bench.bytes},
         {"verified", r.bench.verified}}},
   };
@@ -136,6 +146,9 @@ Result<RankResult> RankResultFromJson(const std::string& text) {
     r.bench.sharded = b.at("sharded").get<std::vector<double>>();
     r.bench.broadcast = b.at("broadcast").get<std::vector<double>>();
     r.bench.raw = b.at("raw").get<std::vector<double>>();
+    r.bench.raw_nccl = b.at("raw_nccl").get<std::vector<double>>();
+    r.device = j.at("device");
+    r.routes = j.at("routes");
     r.bench.bytes = b.at("bytes");
     r.bench.verified = b.at("verified");
     return r;
@@ -201,8 +214,33 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
     return InvalidArgumentError("--syncs: must be in [1, 1000000], got " + std::to_string(f.syncs));
   }
   job.syncs = f.syncs;
-  job.transport = f.transport != "auto" ? f.transport : all_local ? "shm" : DefaultTransport();
-  if (job.transport != "loopback") {
+  if (f.device != "cpu" && f.device != "cuda") {
+    return InvalidArgumentError("--device: '" + f.device + "', expected cpu or cuda");
+  }
+  job.device = f.device;
+  if (f.gpus < 0 || f.gpus > 4096) {
+    return InvalidArgumentError("--gpus: must be in [0, 4096] (0: every visible GPU), got " +
+                                std::to_string(f.gpus));
+  }
+  job.gpus = f.gpus;
+  if (job.device == "cuda") {
+    std::string why;
+    if (!gpu::Available(&why)) return InvalidArgumentError("--device cuda: " + why);
+    SS_RETURN_IF_ERROR(gpu::RegisterGpuTransports());
+    if (in.options.wire_dtype != DType::kBF16) {
+      return InvalidArgumentError("--wire-dtype: --device cuda moves bf16 (got " +
+                                  std::string(DTypeName(in.options.wire_dtype)) + ")");
+    }
+    if (in.trainer_dtype != DType::kF32 && in.trainer_dtype != DType::kBF16) {
+      return InvalidArgumentError("--trainer-dtype: --device cuda holds f32 or bf16 shards");
+    }
+  }
+  // Device ranks route every pair (cuda_ipc / nccl); a named transport is the hint.
+  job.transport = f.transport != "auto"  ? f.transport
+                  : job.device == "cuda" ? "auto"
+                  : all_local            ? "shm"
+                                         : DefaultTransport();
+  if (job.transport != "loopback" && job.transport != "auto") {
     bool known = false;
     for (const std::string& n : RegisteredTransports()) known |= n == job.transport;
     if (!known) {
@@ -246,6 +284,22 @@ int RankSteps(const JobSpec& job) {
 }
 
 namespace sync_internal {
+
+std::vector<BcastBucket> BroadcastBuckets(const std::vector<HfTensor>& inv, int ws, int64_t cap,
+                                          std::vector<int64_t>* tensor_offsets) {
+  std::vector<BcastBucket> out;
+  int64_t at = 0;
+  tensor_offsets->assign(inv.size(), 0);
+  for (size_t t = 0; t < inv.size(); ++t) {
+    const int64_t b = inv[t].numel() * ws;
+    (*tensor_offsets)[t] = at;
+    if (out.empty() || out.back().bytes + b > cap) out.push_back({t, t, at, 0});
+    out.back().t_end = t + 1;
+    out.back().bytes += b;
+    at += b;
+  }
+  return out;
+}
 
 // Stores float values in `dtype` (f32 / bf16 / f16).
 void StoreFloats(const float* in, int64_t n, DType dtype, void* out) {
@@ -411,8 +465,10 @@ Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Tra
   res.tp_rank = who.tp_rank;
   res.pp_rank = who.pp_rank;
   res.trainer_rank = who.trainer_rank;
-  if (job.mode == JobMode::kBench) {
-    Status s = RunBenchRank(job, rank, who, store, transport, res, progress);
+  if (job.device == "cuda" || job.mode == JobMode::kBench) {
+    Status s = job.device == "cuda"
+                   ? RunDeviceRank(job, rank, who, store, transport, res, progress)
+                   : RunBenchRank(job, rank, who, store, transport, res, progress);
     res.ok = s.ok();
     if (!s.ok()) res.error = s.ToString();
     res.peak_rss_bytes = PeakRssBytes();
@@ -508,7 +564,18 @@ Result<RankResult> RunRankProcess(const JobSpec& job, const LaunchEnv& env) {
   }
   SS_ASSIGN_OR_RETURN(auto store, StoreClient::Connect(env.store_address, env.token, job.timeout));
   TransportOptions topt;
-  SS_ASSIGN_OR_RETURN(auto transport, CreateTransport(job.transport, topt));
+  std::unique_ptr<Transport> transport;
+  if (job.device == "cuda") {
+    SS_ASSIGN_OR_RETURN(int device, DeviceOfRank(job, env.rank));
+    SS_RETURN_IF_ERROR(gpu::RegisterGpuTransports());
+    RouteOptions ro;
+    SS_ASSIGN_OR_RETURN(ro.self, gpu::DevicePeerInfo(env.rank, device));
+    ro.hint = job.transport == "auto" ? "" : job.transport;
+    ro.options.params["device"] = std::to_string(device);
+    SS_ASSIGN_OR_RETURN(transport, NewRoutedTransport(std::move(ro)));
+  } else {
+    SS_ASSIGN_OR_RETURN(transport, CreateTransport(job.transport, topt));
+  }
   auto progress = [&store, &job] { store->Add(job.prefix + "progress", 1).status().IgnoreError(); };
   SS_ASSIGN_OR_RETURN(RankResult r, RunRank(job, env.rank, *store, *transport, progress));
   SS_RETURN_IF_ERROR(

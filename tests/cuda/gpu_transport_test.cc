@@ -1,6 +1,7 @@
 // cuda_ipc and nccl transports. In-process: two transports in two threads behind one store (the
 // IPC transport maps a same-process peer directly; the multi-process path with real IPC handles is
-// exercised by scripts/device_gpu_tests.sh through shardsync_gpu). NCCL needs two GPUs.
+// exercised by scripts/device_gpu_tests.sh through `shardsync bench --device cuda`). NCCL needs two
+// GPUs.
 #include <gtest/gtest.h>
 
 #include <chrono>

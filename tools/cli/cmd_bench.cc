@@ -1,18 +1,24 @@
-// `shardsync bench`: on the demo workload, in one run on one transport: the sharded plan, the
-// broadcast-all baseline and raw transport transfers of the same bytes (the ceiling). GB/s count
-// bytes landed in engine parameters per second; per repetition the slowest rank counts, then the
-// median over repetitions. --device cuda runs the GPU benchmark of the cuda layer.
+// `shardsync bench`: on the demo workload, in one run on one transport: the sharded plan through
+// the product's SyncSession, the broadcast-all baseline and the raw ceiling of the same bytes
+// (host: raw transport transfers; --device cuda: cudaMemcpy device-to-device, and NCCL send /
+// recv of every nccl pair's bytes with the session's communicators). GB/s count bytes landed in
+// engine parameters per second; per repetition the slowest rank counts, then the median.
+#include <stdlib.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 
 #include "command.h"
-#include "shardsync/gpu_bench.h"
+#include "shardsync/gpu.h"
 #include "shardsync/launcher.h"
 #include "shardsync/plan.h"
+#include "shardsync/refengine.h"
+#include "shardsync/shard_map.h"
 
 namespace shardsync::cli {
 
@@ -23,81 +29,173 @@ LocalJobOptions::Mode ParseLaunch(const std::string& s);
 
 namespace {
 
+using json = nlohmann::json;
+
 struct BenchFlags {
   JobFlags job;
   bool json = false;
-  std::string device = "cpu";
   std::string launch = "auto";
   int job_timeout_s = 900;
-  int gpus = 0;
+  int gen_tokens = 0;
+  int kill_rank = -1;
 };
 
-int RunCuda(const BenchFlags& f) {
-  gpu::GpuBenchOptions o;
-  o.model = f.job.model;
-  o.trainer = f.job.trainer;
-  o.rollout = f.job.rollout;
-  o.engine = f.job.engine;
-  o.transport = f.job.transport == "auto" ? "cuda_ipc" : f.job.transport;
-  auto td = ParseDType(f.job.trainer_dtype, "--trainer-dtype");
-  if (!td.ok()) return ReportError(td.status());
-  o.trainer_dtype = *td;
-  o.bucket_bytes = f.job.bucket_bytes > 0 ? f.job.bucket_bytes
-                                          : static_cast<int64_t>(f.job.bucket_mb * (1 << 20));
-  o.gpus = f.gpus;
-  o.iters = f.job.reps;
-  o.warmup = f.job.warmup;
-  o.seed = f.job.seed;
-  o.verify_elements = !f.job.no_verify;
-  o.broadcast_baseline = true;
-  o.timeout = Millis(f.job.timeout_ms);
-  auto r = gpu::RunGpuBench(o);
-  if (!r.ok()) return ReportError(r.status());
-  const bool verified =
-      r->ok && r->element_mismatches == 0 && r->checksums_ok == r->checksums_total;
-  const double bcast_gbps =
-      r->broadcast_seconds > 0 ? r->wire_bytes / r->broadcast_seconds / 1e9 : 0;
-  if (f.json) {
-    nlohmann::json j = {{"device", "cuda"},
-                        {"device_name", r->device_name},
-                        {"transport", r->transport},
-                        {"sharded_gbps", r->sync_gbps},
-                        {"broadcast_gbps", bcast_gbps},
-                        {"raw_transport_gbps", r->memcpy_gbps},
-                        {"ratio_to_raw", r->sync_vs_memcpy},
-                        {"speedup_vs_broadcast", r->speedup_vs_broadcast},
-                        {"broadcast_mode", r->broadcast_mode},
-                        {"engine_placement", r->engine_placement},
-                        {"verified", verified},
-                        {"summary", r->summary}};
-    std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
-  } else {
-    std::printf("%s\n", r->summary.c_str());
-    std::printf(
-        "sharded %.2f GB/s, broadcast-all %.2f GB/s, cudaMemcpy %.2f GB/s: %.2fx of raw, "
-        "%.1fx faster than broadcast; %s\n",
-        r->sync_gbps, bcast_gbps, r->memcpy_gbps, r->sync_vs_memcpy, r->speedup_vs_broadcast,
-        verified ? "verified" : "NOT VERIFIED");
+struct TempDir {
+  std::string path;
+  ~TempDir() {
+    if (path.empty()) return;
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
   }
-  return verified ? kExitOk : kExitFailure;
+};
+
+// Bytes the plan moves between ranks on different GPUs (device runs), from the ranks' GPUs.
+Result<int64_t> CrossGpuBytes(const JobSpec& job, const LocalJobResult& res) {
+  int64_t cross = 0;
+  for (int t = 0; t < job.inputs.trainer.world(); ++t) {
+    SS_ASSIGN_OR_RETURN(RankPlan plan, PlanForRank(job.inputs, t));
+    for (const Message& m : plan.sends) {
+      if (res.ranks.at(t).device != res.ranks.at(m.dst).device) cross += m.bytes;
+    }
+  }
+  return cross;
+}
+
+// Per replica: greedy tokens of the reference engine on the engine ranks' dumps (TP x PP math on
+// the received parameters) against the unsharded model on the synthetic HF weights.
+Result<json> Generation(const JobSpec& job, const std::string& dir, int n, bool* all) {
+  SS_ASSIGN_OR_RETURN(ShardMap map, BuildShardMap(job.inputs.model, job.inputs.rollout.shard));
+  json out = json::array();
+  *all = true;
+  for (int d = 0; d < job.inputs.rollout.dp; ++d) {
+    SS_ASSIGN_OR_RETURN(GenerationCheck g, CheckGenerationOfDump(map, dir, d, job.seed,
+                                                                 job.inputs.options.wire_dtype, n));
+    *all = *all && g.match;
+    out.push_back({{"replica", d},
+                   {"match", g.match},
+                   {"tokens", g.engine_tokens},
+                   {"reference_tokens", g.reference_tokens},
+                   {"max_logit_diff", g.max_logit_diff},
+                   {"tolerance", g.tolerance}});
+  }
+  return out;
+}
+
+// --kill-rank: sync rank R is SIGKILLed while the job syncs back to back; every other rank must
+// report an error within the timeout. Then the same job, re-connected (fresh processes and
+// store prefix), must sync verified.
+int RunFault(const BenchFlags& f, const JobSpec& job) {
+  const int world = SyncWorldSize(job.inputs);
+  if (f.kill_rank >= world) {
+    return ReportError(InvalidArgumentError("--kill-rank: " + std::to_string(f.kill_rank) +
+                                            " outside the sync world [0, " +
+                                            std::to_string(world) + ")"));
+  }
+  LocalJobOptions lo;
+  lo.job = job;
+  lo.job.mode = JobMode::kSync;
+  lo.job.syncs = 1000;  // back to back: the kill lands inside a sync
+  lo.job.verify = false;
+  lo.mode = LocalJobOptions::Mode::kProcesses;
+  lo.job_timeout = Millis(int64_t{f.job_timeout_s} * 1000);
+  lo.kill_rank = f.kill_rank;
+  lo.kill_at_progress = world * (2 + 3);  // every rank allocated, connected and 3 syncs done
+  const auto t0 = std::chrono::steady_clock::now();
+  auto res = RunLocalJob(lo);
+  if (!res.ok()) return ReportError(res.status());
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  bool all_failed = true;
+  json survivors = json::array();
+  for (const RankResult& r : res->ranks) {
+    if (r.rank == f.kill_rank) continue;
+    all_failed = all_failed && !r.ok;
+    survivors.push_back({{"rank", r.rank}, {"ok", r.ok}, {"error", r.error}});
+  }
+  // The next sync after re-connect.
+  LocalJobOptions again = lo;
+  again.kill_rank = -1;
+  again.job.syncs = 1;
+  again.job.verify = true;
+  again.job.prefix = job.prefix + "reconnect/";
+  auto res2 = RunLocalJob(again);
+  const bool reconnect_ok = res2.ok() && res2->ok();
+  const bool ok = all_failed && reconnect_ok;
+  json j = {{"kill_rank", f.kill_rank},
+            {"timeout_ms", job.timeout.count()},
+            {"fault_job_seconds", wall},
+            {"every_survivor_failed", all_failed},
+            {"survivors", survivors},
+            {"reconnect_ok", reconnect_ok},
+            {"reconnect_error", res2.ok() ? res2->FirstError() : res2.status().ToString()},
+            {"ok", ok}};
+  std::printf("%s\n", f.json ? j.dump().c_str() : j.dump(2).c_str());
+  return ok ? kExitOk : kExitFailure;
+}
+
+void PrintText(const JobSpec& job, const BenchSummary& b, const json& extra, bool verified,
+               bool wire_eq_owned) {
+  const auto& in = job.inputs;
+  std::printf(
+      "shardsync bench: %s, trainer %s -> %s dp=%d tp=%d pp=%d, %s, transport %s, "
+      "%d warm-up + %d reps (median; slowest rank per rep)\n",
+      in.model.name.c_str(), in.trainer.ToString().c_str(),
+      std::string(EngineKindName(in.rollout.shard.engine)).c_str(), in.rollout.dp,
+      in.rollout.shard.tp, in.rollout.shard.pp, job.device.c_str(), job.transport.c_str(),
+      job.bench_warmup, job.bench_reps);
+  std::printf("  bytes landed in engine parameters per sync: %s\n", HumanBytes(b.bytes).c_str());
+  std::printf("  sharded (plan + checksums)  %8.4f s  %7.2f GB/s\n", b.sharded_seconds,
+              b.sharded_gbps);
+  std::printf("  broadcast-all baseline      %8.4f s  %7.2f GB/s\n", b.broadcast_seconds,
+              b.broadcast_gbps);
+  std::printf("  %-27s %8.4f s  %7.2f GB/s\n",
+              job.device == "cuda" ? "cudaMemcpy D2D (ceiling)" : "raw transport (ceiling)",
+              b.raw_seconds, b.raw_transport_gbps);
+  if (b.raw_nccl_seconds > 0) {
+    std::printf("  raw NCCL send/recv (nccl pairs) %8.4f s: sharded runs them at %.2fx of raw\n",
+                b.raw_nccl_seconds, b.ratio_to_raw_nccl);
+  }
+  if (extra.contains("routes")) std::printf("  pairs: %s\n", extra["routes"].dump().c_str());
+  if (extra.contains("generation")) {
+    for (const auto& g : extra["generation"]) {
+      std::printf("  generation replica %d: %s %s vs %s\n", g["replica"].get<int>(),
+                  g["match"].get<bool>() ? "MATCH" : "MISMATCH", g["tokens"].dump().c_str(),
+                  g["reference_tokens"].dump().c_str());
+    }
+  }
+  std::printf(
+      "  sharded / raw = %.2f, speedup vs broadcast = %.2fx, wire bytes == owned: %s, %s\n",
+      b.ratio_to_raw, b.speedup_vs_broadcast, wire_eq_owned ? "yes" : "NO",
+      verified ? "verified" : "NOT VERIFIED");
 }
 
 int Run(const BenchFlags& f) {
-  if (f.device == "cuda") return RunCuda(f);
   auto job = JobSpecFromFlags(f.job, /*all_local=*/true);
   if (!job.ok()) return ReportError(job.status());
   if (f.job_timeout_s < 1) {
     return ReportError(InvalidArgumentError("--job-timeout-s: must be positive"));
   }
+  if (f.gen_tokens < 0 || f.gen_tokens > 256) {
+    return ReportError(InvalidArgumentError("--gen-tokens: must be in [0, 256]"));
+  }
+  if (f.kill_rank >= 0) return RunFault(f, *job);
   auto summary = SummarizePlan(job->inputs);
   if (!summary.ok()) return ReportError(summary.status());
   LocalJobOptions lo;
   lo.job = *job;
   lo.job.mode = JobMode::kBench;
-  lo.mode = ParseLaunch(f.launch);
+  lo.mode = job->device == "cuda" ? LocalJobOptions::Mode::kProcesses : ParseLaunch(f.launch);
   lo.job_timeout = Millis(int64_t{f.job_timeout_s} * 1000);
   lo.on_progress =
       ProgressBar("shardsync bench", !f.json && isatty(STDOUT_FILENO) && isatty(STDERR_FILENO));
+  TempDir dumps;
+  if (f.gen_tokens > 0) {
+    char tmpl[] = "/tmp/shardsync-bench-XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) {
+      return ReportError(UnavailableError("cannot create a temporary directory for engine dumps"));
+    }
+    dumps.path = tmpl;
+    lo.job.dump_dir = dumps.path;
+  }
   auto res = RunLocalJob(lo);
   if (!res.ok()) return ReportError(res.status());
   auto b = SummarizeBench(*res);
@@ -108,44 +206,63 @@ int Run(const BenchFlags& f) {
     const RankResult& r = res->ranks.at(job->inputs.trainer.world() + i);
     wire_eq_owned = wire_eq_owned && r.bench.bytes == summary->engine_ranks[i].owned_bytes;
   }
-  const bool verified = b->verified && wire_eq_owned;
+  json extra = json::object();
+  bool generation_ok = true;
+  if (f.gen_tokens > 0) {
+    auto g = Generation(*job, dumps.path, f.gen_tokens, &generation_ok);
+    if (!g.ok()) return ReportError(g.status());
+    extra["generation"] = *g;
+  }
+  const RankResult& r0 = res->ranks.at(0);
+  if (job->device == "cuda") {
+    json routes = json::object();
+    for (const RankResult& r : res->ranks) {
+      if (!r.routes.empty()) routes[std::to_string(r.rank)] = r.routes;
+    }
+    extra["routes"] = routes;
+    auto cross = CrossGpuBytes(*job, *res);
+    if (!cross.ok()) return ReportError(cross.status());
+    extra["cross_gpu_bytes"] = *cross;
+    if (auto info = gpu::QueryDevice(0); info.ok()) extra["device_name"] = info->name;
+    if (auto n = gpu::DeviceCount(); n.ok()) extra["gpus_visible"] = *n;
+  }
+  // Device runs also carry the last sharded sync's job report (every bucket's checksum).
+  const bool sums_ok = job->device != "cuda" || (r0.report.checksums_total > 0 &&
+                                                 r0.report.checksums_ok == r0.report.checksums_total);
+  const bool verified = b->verified && wire_eq_owned && generation_ok && sums_ok;
   if (f.json) {
-    nlohmann::json j = {{"sharded_gbps", b->sharded_gbps},
-                        {"broadcast_gbps", b->broadcast_gbps},
-                        {"raw_transport_gbps", b->raw_transport_gbps},
-                        {"ratio_to_raw", b->ratio_to_raw},
-                        {"speedup_vs_broadcast", b->speedup_vs_broadcast},
-                        {"verified", verified},
-                        {"bytes", b->bytes},
-                        {"sharded_seconds", b->sharded_seconds},
-                        {"broadcast_seconds", b->broadcast_seconds},
-                        {"raw_seconds", b->raw_seconds},
-                        {"wire_bytes_equal_owned", wire_eq_owned},
-                        {"transport", job->transport},
-                        {"reps", job->bench_reps},
-                        {"warmup", job->bench_warmup}};
-    std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+    json j = {{"device", job->device},
+              {"sharded_gbps", b->sharded_gbps},
+              {"broadcast_gbps", b->broadcast_gbps},
+              {"raw_transport_gbps", b->raw_transport_gbps},
+              {"ratio_to_raw", b->ratio_to_raw},
+              {"speedup_vs_broadcast", b->speedup_vs_broadcast},
+              {"raw_nccl_seconds", b->raw_nccl_seconds},
+              {"ratio_to_raw_nccl", b->ratio_to_raw_nccl},
+              {"verified", verified},
+              {"bytes", b->bytes},
+              {"sharded_seconds", b->sharded_seconds},
+              {"broadcast_seconds", b->broadcast_seconds},
+              {"raw_seconds", b->raw_seconds},
+              {"wire_bytes_equal_owned", wire_eq_owned},
+              {"transport", job->transport},
+              {"reps", job->bench_reps},
+              {"warmup", job->bench_warmup}};
+    j.update(extra);
+    if (job->device == "cuda") {
+      j["checksums_ok"] = r0.report.checksums_ok;
+      j["checksums_total"] = r0.report.checksums_total;
+    }
+    int64_t checked = 0, mismatches = 0;
+    for (const RankResult& r : res->ranks) {
+      checked += r.elements_checked;
+      mismatches += r.element_mismatches;
+    }
+    j["elements_checked"] = checked;
+    j["element_mismatches"] = mismatches;
+    std::printf("%s\n", j.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
   } else {
-    const auto& in = job->inputs;
-    std::printf(
-        "shardsync bench: %s, trainer %s -> %s dp=%d tp=%d pp=%d, transport %s, "
-        "%d warm-up + %d reps (median; slowest rank per rep)\n",
-        in.model.name.c_str(), in.trainer.ToString().c_str(),
-        std::string(EngineKindName(in.rollout.shard.engine)).c_str(), in.rollout.dp,
-        in.rollout.shard.tp, in.rollout.shard.pp, job->transport.c_str(), job->bench_warmup,
-        job->bench_reps);
-    std::printf("  bytes landed in engine parameters per sync: %s\n", HumanBytes(b->bytes).c_str());
-    std::printf("  sharded (plan + checksums)  %8.3f s  %6.2f GB/s\n", b->sharded_seconds,
-                b->sharded_gbps);
-    std::printf("  broadcast-all baseline      %8.3f s  %6.2f GB/s\n", b->broadcast_seconds,
-                b->broadcast_gbps);
-    std::printf("  raw transport (ceiling)     %8.3f s  %6.2f GB/s\n", b->raw_seconds,
-                b->raw_transport_gbps);
-    std::printf(
-        "  sharded / raw = %.2f, speedup vs broadcast = %.1fx, wire bytes == owned: %s, "
-        "%s\n",
-        b->ratio_to_raw, b->speedup_vs_broadcast, wire_eq_owned ? "yes" : "NO",
-        verified ? "verified" : "NOT VERIFIED");
+    PrintText(*job, *b, extra, verified, wire_eq_owned);
   }
   return verified ? kExitOk : kExitFailure;
 }
@@ -156,19 +273,23 @@ Registration reg({"bench", [](CLI::App& app) {
                     f->job.reps = 7;
                     auto* sub = app.add_subcommand(
                         "bench",
-                        "Sharded sync vs broadcast-all vs raw transport on the demo workload");
+                        "Sharded sync vs broadcast-all vs the raw ceiling on the demo workload");
                     AddJobFlags(sub, &f->job);
                     sub->add_flag("--json", f->json, "Print one JSON object");
-                    sub->add_option("--device", f->device, "cpu (host memory) | cuda")
-                        ->check(CLI::IsMember({"cpu", "cuda"}))
-                        ->capture_default_str();
-                    sub->add_option("--gpus", f->gpus, "--device cuda: GPUs to use (0: all)");
                     sub->add_option("--launch", f->launch, "auto | threads | processes")
                         ->check(CLI::IsMember({"auto", "threads", "processes"}))
                         ->capture_default_str();
                     sub->add_option("--job-timeout-s", f->job_timeout_s,
                                     "Kill every rank past this many seconds")
                         ->capture_default_str();
+                    sub->add_option("--gen-tokens", f->gen_tokens,
+                                    "After the sharded syncs, greedy-decode N tokens per replica "
+                                    "with the reference engine on the engine ranks' parameters "
+                                    "and compare with the unsharded model");
+                    sub->add_option("--kill-rank", f->kill_rank,
+                                    "Fault run: SIGKILL this sync rank mid-sync; every other rank "
+                                    "must fail within --timeout-ms, then a re-connected job must "
+                                    "sync");
                     return [f] { return Run(*f); };
                   }});
 

@@ -38,8 +38,9 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
       ->capture_default_str();
   sub->add_option("--syncs", f->syncs, "Number of syncs (versions 1..N)")->capture_default_str();
   sub->add_option("--transport", f->transport,
-                  "ucx | shm | loopback | auto (demo, bench: shm, every rank is on this host; "
-                  "run: ucx)")
+                  "ucx | shm | loopback | cuda_ipc | nccl | auto (demo, bench: shm, every rank is "
+                  "on this host; run: ucx; --device cuda: per pair, cuda_ipc on one node, nccl "
+                  "across)")
       ->capture_default_str();
   sub->add_option("--timeout-ms", f->timeout_ms, "Timeout of connect and of every sync")
       ->capture_default_str();
@@ -50,6 +51,12 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
   sub->add_option("--prefix", f->prefix, "Store key namespace of the job")->capture_default_str();
   sub->add_option("--dump-dir", f->dump_dir,
                   "Engine ranks write their received parameters to DIR/rank-<R>.safetensors");
+  sub->add_option("--device", f->device,
+                  "cpu (host memory) | cuda (GPU memory: the CUDA packer and prepared "
+                  "cuda_ipc / nccl pairs; --transport is then the routing hint)")
+      ->capture_default_str();
+  sub->add_option("--gpus", f->gpus, "--device cuda: GPUs to place ranks on (0: all visible)")
+      ->capture_default_str();
 }
 
 namespace {

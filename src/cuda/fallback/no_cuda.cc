@@ -1,7 +1,6 @@
 // Built when shardsync is configured without CUDA: every GPU entry point says so, so the rest of
 // shardsync links and callers get a clear Unimplemented instead of a link error.
 #include "shardsync/gpu.h"
-#include "shardsync/gpu_bench.h"
 #include "shardsync/session.h"
 
 namespace shardsync::gpu {
@@ -60,7 +59,5 @@ Status SetTransportStream(Transport&, void*) { return NoCuda("SetTransportStream
 Status RegisterGpuTransports() { return OkStatus(); }
 Result<int> NcclVersion() { return NoCuda("NcclVersion"); }
 std::unique_ptr<Packer> MakeCudaPacker(int, Millis) { return nullptr; }
-
-Result<GpuBenchReport> RunGpuBench(const GpuBenchOptions&) { return NoCuda("RunGpuBench"); }
 
 }  // namespace shardsync::gpu

@@ -1,0 +1,525 @@
+// Device mode of the rank program (`shardsync run|bench --device cuda`): the same SyncSession a
+// user runs, with device bindings (trainer shards and engine parameters in GPU memory, the CUDA
+// packer) over the routed transport (cuda_ipc on one GPU or node, nccl across). Bench mode adds,
+// in the same processes and through the same transport, the broadcast-all baseline and the raw
+// ceilings: cudaMemcpy device-to-device of the same bytes, and NCCL send / recv of each nccl
+// pair's bytes.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+
+#include "shardsync/gpu.h"
+#include "shardsync/launcher.h"
+#include "shardsync/refengine.h"
+#include "shardsync/safetensors.h"
+#include "shardsync/shard_map.h"
+#include "shardsync/synthetic.h"
+#include "shardsync/transport.h"
+#include "sync/internal.h"
+
+namespace shardsync {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using sync_internal::kBenchVersionBroadcast;
+using sync_internal::kBenchVersionRaw;
+using sync_internal::MakeTag;
+
+int64_t Align(int64_t v) { return (v + 255) / 256 * 256; }
+
+class DeviceRank {
+ public:
+  DeviceRank(const JobSpec& job, int rank, const SyncRank& who, StoreClient& store, Transport& tx,
+             RankResult& res, const ProgressFn& progress)
+      : job_(job),
+        in_(job.inputs),
+        rank_(rank),
+        who_(who),
+        store_(store),
+        tx_(tx),
+        res_(res),
+        progress_(progress),
+        S_(in_.trainer.world()),
+        world_(SyncWorldSize(in_)),
+        inv_(HfTensorInventory(in_.model)) {}
+  ~DeviceRank() {
+    session_.reset();  // before the memory it bound
+  }
+
+  Status Setup(bool bench);
+  Status RunSyncs();
+  Status RunBench();
+
+ private:
+  void Step() {
+    if (progress_) progress_();
+  }
+  std::string Key(const std::string& k) const { return job_.prefix + "bench/" + k; }
+  Status Barrier(const std::string& name) {
+    return store_.Barrier(job_.prefix + "bench/" + name, world_, job_.timeout);
+  }
+  void Record(std::vector<double>& v, int i, Clock::time_point t0) const {
+    if (i >= job_.bench_warmup) v.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  Status SyncStream(const char* what) { return stream_->Synchronize(job_.timeout, what); }
+  Status FillTrainer();
+  Status AllocEngine();
+  Status Scramble();
+  Status Verify(const char* after);
+  Status Dump();
+  Status SetupBroadcast();
+  Status BroadcastSend();
+  Status BroadcastReceive();
+  Status RawMemcpy();
+  Status RawNccl();
+  std::vector<int> NcclPeers() const;
+
+  const JobSpec& job_;
+  const PlanInputs& in_;
+  int rank_;
+  SyncRank who_;
+  StoreClient& store_;
+  Transport& tx_;
+  RankResult& res_;
+  ProgressFn progress_;
+  int S_, world_;
+  std::vector<HfTensor> inv_;
+  int device_ = 0;
+  std::unique_ptr<gpu::Stream> stream_;
+  std::unique_ptr<Packer> packer_;
+  std::unique_ptr<SyncSession> session_;
+  uint64_t version_ = 0;
+  std::unique_ptr<gpu::DeviceBuffer> buf_;  // trainer: held shards; engine: parameters
+  std::vector<int64_t> offsets_;            // trainer: per HF tensor; engine: per parameter
+  std::vector<DestBinding> dests_;
+  // Broadcast-all: whole tensors in rounds under the bucket cap; trainer 0 holds the full model
+  // in the wire dtype; each engine receives round r into slot r % 2 and slices its pieces out.
+  std::vector<sync_internal::BcastBucket> rounds_;
+  std::vector<int64_t> full_offsets_;
+  std::unique_ptr<gpu::DeviceBuffer> full_;
+  std::unique_ptr<gpu::DeviceBuffer> slots_;  // engines: 2 x the largest round
+  int64_t slot_bytes_ = 0;
+  std::vector<std::unique_ptr<gpu::CopyBatch>> slices_;  // engines: per round (null: nothing)
+  std::map<int, uint32_t> slot_region_;                  // trainer 0: engine -> its slots' region
+  // Raw ceilings: trainer 0's memcpy buffers, every rank's NCCL buffer.
+  std::unique_ptr<gpu::DeviceBuffer> raw_;
+  int64_t total_bytes_ = 0;  // trainer 0: bytes the plan lands job-wide
+};
+
+Status DeviceRank::Setup(bool bench) {
+  SS_ASSIGN_OR_RETURN(device_, sync_internal::DeviceOfRank(job_, rank_));
+  res_.device = device_;
+  SS_RETURN_IF_ERROR(gpu::SetDevice(device_));
+  SS_ASSIGN_OR_RETURN(stream_, gpu::Stream::Create(device_));
+  packer_ = gpu::MakeCudaPacker(device_, job_.timeout);
+  if (!packer_) return UnimplementedError("--device cuda: this build has no CUDA packer");
+  SessionOptions opt;
+  opt.prefix = job_.prefix;
+  opt.connect_timeout = job_.timeout;
+  opt.sync_timeout = job_.timeout;
+  opt.packer = packer_.get();
+  const auto t0 = Clock::now();
+  if (bench) {
+    SS_RETURN_IF_ERROR(SetupBroadcast());
+    if (rank_ == 0) {
+      for (int r = S_; r < world_; ++r) opt.extra_peers.push_back(r);
+    } else if (!who_.is_trainer) {
+      opt.extra_peers.push_back(0);
+    }
+    opt.before_transport_connect = [this](Transport& t) -> Status {
+      if (who_.is_trainer) return OkStatus();
+      SS_ASSIGN_OR_RETURN(uint32_t id, t.RegisterMemory(slots_->region()));
+      return store_.Set(Key("slots/" + std::to_string(rank_)), std::to_string(id));
+    };
+  }
+  SS_ASSIGN_OR_RETURN(session_, SyncSession::Create(in_, rank_, store_, tx_, opt));
+  SS_RETURN_IF_ERROR(who_.is_trainer ? FillTrainer() : AllocEngine());
+  res_.setup_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  Step();
+  SS_RETURN_IF_ERROR(session_->Connect());
+  std::string routes;
+  for (const Message& m : session_->plan().sends) {
+    routes += (routes.empty() ? "" : " ") + std::to_string(m.dst) + ":" + tx_.PeerTransport(m.dst);
+  }
+  res_.routes = routes;
+  if (bench && rank_ == 0) {
+    SS_ASSIGN_OR_RETURN(PlanSummary sum, SummarizePlan(in_));
+    for (const auto& e : sum.engine_ranks) total_bytes_ += e.owned_bytes;
+    for (int e = S_; e < world_; ++e) {
+      SS_ASSIGN_OR_RETURN(std::string id, store_.Get(Key("slots/" + std::to_string(e)),
+                                                     job_.timeout));
+      slot_region_[e] = static_cast<uint32_t>(std::strtoul(id.c_str(), nullptr, 10));
+    }
+  }
+  Step();
+  return OkStatus();
+}
+
+// Every held shard in one allocation, filled on the GPU with the synthetic values.
+Status DeviceRank::FillTrainer() {
+  const DType td = in_.trainer_dtype;
+  int64_t total = 0;
+  std::vector<Region> held;
+  for (const HfTensor& t : inv_) {
+    held.push_back(TrainerHeldRegion(in_.trainer, who_.trainer_rank, t.shape));
+    offsets_.push_back(total);
+    total = Align(total + held.back().numel() * DTypeSize(td));
+  }
+  SS_ASSIGN_OR_RETURN(buf_, gpu::DeviceBuffer::Allocate(std::max<int64_t>(total, 1), device_));
+  for (size_t i = 0; i < inv_.size(); ++i) {
+    if (held[i].empty()) continue;
+    void* at = static_cast<unsigned char*>(buf_->data()) + offsets_[i];
+    SS_RETURN_IF_ERROR(gpu::FillSyntheticDevice(job_.seed, SyntheticFor(inv_[i].name, inv_[i].shape),
+                                                inv_[i].shape, held[i], td, at, stream_->handle()));
+    SS_RETURN_IF_ERROR(session_->BindSource(
+        {inv_[i].name, at, td, held[i], MemKind::kCuda, device_}));
+  }
+  return SyncStream("trainer fill");
+}
+
+// Every parameter in one allocation (as an engine's caching allocator would), garbage first.
+Status DeviceRank::AllocEngine() {
+  const DType wd = in_.options.wire_dtype;
+  int64_t total = 0;
+  for (const EngineParam& p : session_->ExpectedParams()) {
+    offsets_.push_back(total);
+    total = Align(total + p.numel() * DTypeSize(wd));
+  }
+  SS_ASSIGN_OR_RETURN(buf_, gpu::DeviceBuffer::Allocate(std::max<int64_t>(total, 1), device_));
+  SS_RETURN_IF_ERROR(Scramble());
+  const auto& params = session_->ExpectedParams();
+  for (size_t i = 0; i < params.size(); ++i) {
+    DestBinding b{params[i].name, static_cast<unsigned char*>(buf_->data()) + offsets_[i], wd,
+                  params[i].shape, MemKind::kCuda, device_};
+    dests_.push_back(b);
+    SS_RETURN_IF_ERROR(session_->BindDest(b));
+  }
+  return OkStatus();
+}
+
+Status DeviceRank::Scramble() { return gpu::Memset(buf_->data(), 0xA5, buf_->bytes()); }
+
+// Every element against the synthetic HF value it was cut from, on the GPU; padding rows must
+// be zero (checked on the host: a few rows).
+Status DeviceRank::Verify(const char* after) {
+  std::map<std::string, Shape> shapes;
+  for (const HfTensor& h : inv_) shapes[h.name] = h.shape;
+  SS_ASSIGN_OR_RETURN(auto counter, gpu::DeviceBuffer::Allocate(8, device_));
+  SS_RETURN_IF_ERROR(gpu::Memset(counter->data(), 0, 8));
+  const auto& params = session_->ExpectedParams();
+  int64_t checked = 0, zero_bad = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const EngineParam& p = params[i];
+    for (const Piece& pc : p.pieces) {
+      const Shape& ss = shapes.at(pc.source);
+      SS_RETURN_IF_ERROR(gpu::CountSyntheticMismatches(
+          job_.seed, SyntheticFor(pc.source, ss), ss, pc.src, p.shape, pc.dst, dests_[i].data,
+          static_cast<unsigned long long*>(counter->data()), stream_->handle()));
+      checked += pc.src.numel();
+    }
+    for (const ZeroFill& z : p.zero_fills) {
+      std::vector<unsigned char> host;
+      Status s;
+      ForEachRun(z.dst, p.shape, [&](int64_t off, int64_t len) {
+        host.assign(len * 2, 1);
+        if (s.ok()) {
+          s = gpu::CopyToHost(host.data(),
+                              static_cast<const unsigned char*>(dests_[i].data) + off * 2, len * 2);
+        }
+        for (unsigned char c : host) zero_bad += c != 0;
+      });
+      SS_RETURN_IF_ERROR(s);
+      checked += z.dst.numel();
+    }
+  }
+  SS_RETURN_IF_ERROR(SyncStream("element check"));
+  uint64_t bad = 0;
+  SS_RETURN_IF_ERROR(gpu::CopyToHost(&bad, counter->data(), 8));
+  res_.elements_checked += checked;
+  res_.element_mismatches += static_cast<int64_t>(bad) + zero_bad;
+  if (bad + zero_bad > 0) {
+    if (res_.first_mismatch.empty()) res_.first_mismatch = std::string("after ") + after;
+    return DataLossError("sync rank " + std::to_string(rank_) + ": " +
+                         std::to_string(bad + zero_bad) + " of " + std::to_string(checked) +
+                         " elements differ from the HF values after " + after);
+  }
+  return OkStatus();
+}
+
+Status DeviceRank::Dump() {
+  const auto& params = session_->ExpectedParams();
+  std::vector<unsigned char> host(buf_->bytes());
+  SS_RETURN_IF_ERROR(gpu::CopyToHost(host.data(), buf_->data(), host.size()));
+  std::vector<TensorToWrite> tensors;
+  for (size_t i = 0; i < params.size(); ++i) {
+    tensors.push_back({params[i].name,
+                       dests_[i].dtype,
+                       params[i].shape,
+                       {host.data() + offsets_[i],
+                        static_cast<size_t>(params[i].numel() * DTypeSize(dests_[i].dtype))}});
+  }
+  return WriteEngineDump(job_.dump_dir + "/rank-" + std::to_string(rank_) + ".safetensors",
+                         tensors, {who_.replica, who_.tp_rank, who_.pp_rank})
+      .Annotate("--dump-dir");
+}
+
+Status DeviceRank::RunSyncs() {
+  for (int v = 1; v <= job_.syncs; ++v) {
+    SS_ASSIGN_OR_RETURN(res_.report, session_->Sync(static_cast<uint64_t>(v)));
+    Step();
+  }
+  if (who_.is_trainer) return OkStatus();
+  if (job_.verify) SS_RETURN_IF_ERROR(Verify("the last sync"));
+  if (!job_.dump_dir.empty()) SS_RETURN_IF_ERROR(Dump());
+  return OkStatus();
+}
+
+Status DeviceRank::RunBench() {
+  const int total = job_.bench_warmup + job_.bench_reps;
+  for (int i = 0; i < total; ++i) {  // (a) sharded: the product's session
+    SS_RETURN_IF_ERROR(Barrier("sharded/" + std::to_string(i)));
+    const auto t0 = Clock::now();
+    SS_ASSIGN_OR_RETURN(res_.report, session_->Sync(++version_));
+    Record(res_.bench.sharded, i, t0);
+  }
+  if (!who_.is_trainer) {
+    res_.bench.bytes = res_.report.local.recv_bytes;
+    if (job_.verify) SS_RETURN_IF_ERROR(Verify("the sharded syncs"));
+    if (!job_.dump_dir.empty()) SS_RETURN_IF_ERROR(Dump());
+    SS_RETURN_IF_ERROR(Scramble());  // the baseline must rewrite every byte
+  }
+  Step();
+  for (int i = 0; i < total; ++i) {  // (b) broadcast-all
+    SS_RETURN_IF_ERROR(Barrier("broadcast/" + std::to_string(i)));
+    const auto t0 = Clock::now();
+    if (rank_ == 0) SS_RETURN_IF_ERROR(BroadcastSend());
+    if (!who_.is_trainer) SS_RETURN_IF_ERROR(BroadcastReceive());
+    Record(res_.bench.broadcast, i, t0);
+  }
+  if (!who_.is_trainer && job_.verify) SS_RETURN_IF_ERROR(Verify("broadcast-all"));
+  Step();
+  for (int i = 0; i < total; ++i) {  // (c) cudaMemcpy of the job's bytes on trainer 0's GPU
+    SS_RETURN_IF_ERROR(Barrier("raw/" + std::to_string(i)));
+    const auto t0 = Clock::now();
+    if (rank_ == 0) SS_RETURN_IF_ERROR(RawMemcpy());
+    Record(res_.bench.raw, i, t0);
+  }
+  const bool nccl = !NcclPeers().empty();
+  SS_ASSIGN_OR_RETURN(int64_t any_nccl, store_.Add(Key("ncclranks"), nccl ? 1 : 0));
+  SS_RETURN_IF_ERROR(Barrier("nccl-count"));
+  SS_ASSIGN_OR_RETURN(any_nccl, store_.Add(Key("ncclranks"), 0));
+  for (int i = 0; any_nccl > 0 && i < total; ++i) {  // (d) NCCL send / recv of each nccl pair
+    SS_RETURN_IF_ERROR(Barrier("rawnccl/" + std::to_string(i)));
+    const auto t0 = Clock::now();
+    SS_RETURN_IF_ERROR(RawNccl());
+    Record(res_.bench.raw_nccl, i, t0);
+  }
+  res_.bench.verified = who_.is_trainer || job_.verify;
+  return Barrier("end");
+}
+
+Status DeviceRank::SetupBroadcast() {
+  rounds_ = sync_internal::BroadcastBuckets(inv_, DTypeSize(in_.options.wire_dtype),
+                                            in_.options.bucket_bytes, &full_offsets_);
+  for (const auto& r : rounds_) slot_bytes_ = std::max(slot_bytes_, Align(r.bytes));
+  if (rank_ == 0) {
+    int64_t total = 0;
+    for (const auto& r : rounds_) total += r.bytes;
+    SS_ASSIGN_OR_RETURN(full_, gpu::DeviceBuffer::Allocate(std::max<int64_t>(total, 1), device_));
+    for (size_t t = 0; t < inv_.size(); ++t) {  // the trainer's weights cast to the wire dtype
+      SS_RETURN_IF_ERROR(gpu::FillSyntheticDevice(
+          job_.seed, SyntheticFor(inv_[t].name, inv_[t].shape), inv_[t].shape,
+          Region::Full(inv_[t].shape), in_.options.wire_dtype,
+          static_cast<unsigned char*>(full_->data()) + full_offsets_[t], stream_->handle()));
+    }
+    SS_RETURN_IF_ERROR(SyncStream("broadcast fill"));
+  }
+  if (who_.is_trainer) return OkStatus();
+  SS_ASSIGN_OR_RETURN(slots_, gpu::DeviceBuffer::Allocate(2 * slot_bytes_, device_));
+  return OkStatus();
+}
+
+// Engine: round r's pieces out of slot r % 2 (prepared once, after the parameters are bound).
+Status PrepareSlices(const std::vector<HfTensor>& inv, const std::vector<EngineParam>& params,
+                     const std::vector<DestBinding>& dests,
+                     const std::vector<sync_internal::BcastBucket>& rounds,
+                     const std::vector<int64_t>& full_offsets, unsigned char* slots,
+                     int64_t slot_bytes, DType wire, int device,
+                     std::vector<std::unique_ptr<gpu::CopyBatch>>* out) {
+  std::map<std::string, size_t> index;
+  for (size_t t = 0; t < inv.size(); ++t) index[inv[t].name] = t;
+  const int ws = DTypeSize(wire);
+  for (size_t r = 0; r < rounds.size(); ++r) {
+    gpu::BatchSpec spec;
+    spec.in_dtype = spec.out_dtype = wire;
+    int64_t wire_at = 0;
+    unsigned char* slot = slots + (r % 2) * slot_bytes;
+    for (size_t p = 0; p < params.size(); ++p) {
+      for (const Piece& pc : params[p].pieces) {
+        const size_t t = index.at(pc.source);
+        if (t < rounds[r].t_begin || t >= rounds[r].t_end) continue;
+        gpu::AppendCoRuns(pc.src, inv[t].shape, slot + (full_offsets[t] - rounds[r].offset), ws,
+                          pc.dst, params[p].shape, dests[p].data, ws, ws, 0, wire_at, &spec.runs);
+        wire_at += pc.src.numel() * ws;
+      }
+    }
+    if (wire_at == 0) {
+      out->push_back(nullptr);
+      continue;
+    }
+    spec.bucket_bytes = {wire_at};
+    SS_ASSIGN_OR_RETURN(auto batch, gpu::CopyBatch::Prepare(spec, device));
+    out->push_back(std::move(batch));
+  }
+  return OkStatus();
+}
+
+// Trainer 0 sends every round to every engine rank: a put into its slot plus a control message
+// where the pair's transport is one-sided (cuda_ipc), a send matched by order otherwise (nccl);
+// the engine acks each round once sliced, and slot r % 2 is reused after the ack of round r - 2.
+Status DeviceRank::BroadcastSend() {
+  std::map<int, std::vector<XferId>> acks;
+  std::vector<uint64_t> ack_bufs((world_ - S_) * rounds_.size());
+  std::vector<uint64_t> ctrl(rounds_.size());
+  for (size_t r = 0; r < rounds_.size(); ++r) {
+    ctrl[r] = r;
+    const auto* src = static_cast<const unsigned char*>(full_->data()) + rounds_[r].offset;
+    std::vector<XferId> ids;
+    for (int e = S_; e < world_; ++e) {
+      if (r >= 2) {
+        SS_RETURN_IF_ERROR(WaitXfer(tx_, acks[e][r - 2], job_.timeout, "broadcast ack"));
+      }
+      const uint64_t tag = MakeTag(true, kBenchVersionBroadcast, r);
+      if (tx_.PeerCaps(e).one_sided_put) {
+        SS_ASSIGN_OR_RETURN(XferId put, tx_.PostPut(e, src, rounds_[r].bytes, slot_region_.at(e),
+                                                    (r % 2) * slot_bytes_));
+        SS_ASSIGN_OR_RETURN(XferId fl, tx_.PostFlush(e));
+        SS_RETURN_IF_ERROR(WaitAllXfers(tx_, {put, fl}, job_.timeout, "broadcast put"));
+        SS_ASSIGN_OR_RETURN(XferId c, tx_.PostSend(e, tag, &ctrl[r], 8));
+        ids.push_back(c);
+      } else {
+        SS_ASSIGN_OR_RETURN(XferId s, tx_.PostSend(e, MakeTag(false, kBenchVersionBroadcast, r),
+                                                   src, rounds_[r].bytes));
+        ids.push_back(s);
+      }
+      uint64_t* ack = &ack_bufs[(e - S_) * rounds_.size() + r];
+      SS_ASSIGN_OR_RETURN(XferId a, tx_.PostRecv(e, MakeTag(true, kBenchVersionRaw, r), ack, 8));
+      acks[e].push_back(a);
+    }
+    SS_RETURN_IF_ERROR(WaitAllXfers(tx_, ids, job_.timeout, "broadcast sends"));
+  }
+  for (auto& [e, v] : acks) {
+    for (size_t r = rounds_.size() >= 2 ? rounds_.size() - 2 : 0; r < v.size(); ++r) {
+      SS_RETURN_IF_ERROR(WaitXfer(tx_, v[r], job_.timeout, "broadcast ack"));
+    }
+  }
+  return OkStatus();
+}
+
+Status DeviceRank::BroadcastReceive() {
+  if (slices_.empty()) {
+    SS_RETURN_IF_ERROR(PrepareSlices(inv_, session_->ExpectedParams(), dests_, rounds_,
+                                     full_offsets_, static_cast<unsigned char*>(slots_->data()),
+                                     slot_bytes_, in_.options.wire_dtype, device_, &slices_));
+  }
+  const bool put = tx_.PeerCaps(0).one_sided_put;
+  std::vector<uint64_t> ctrl(rounds_.size()), acks(rounds_.size());
+  std::vector<XferId> sent;
+  for (size_t r = 0; r < rounds_.size(); ++r) {
+    void* slot = static_cast<unsigned char*>(slots_->data()) + (r % 2) * slot_bytes_;
+    SS_ASSIGN_OR_RETURN(XferId id,
+                        put ? tx_.PostRecv(0, MakeTag(true, kBenchVersionBroadcast, r), &ctrl[r], 8)
+                            : tx_.PostRecv(0, MakeTag(false, kBenchVersionBroadcast, r), slot,
+                                           rounds_[r].bytes));
+    SS_RETURN_IF_ERROR(WaitXfer(tx_, id, job_.timeout, "broadcast round " + std::to_string(r)));
+    if (slices_[r]) {
+      SS_RETURN_IF_ERROR(slices_[r]->Launch(stream_->handle()));
+      SS_RETURN_IF_ERROR(SyncStream("broadcast slice"));
+    }
+    acks[r] = r;
+    SS_ASSIGN_OR_RETURN(XferId a, tx_.PostSend(0, MakeTag(true, kBenchVersionRaw, r), &acks[r], 8));
+    sent.push_back(a);
+  }
+  return WaitAllXfers(tx_, sent, job_.timeout, "broadcast acks");
+}
+
+// cudaMemcpy device-to-device of the bytes the plan lands job-wide, through one pair of buffers
+// of at most 4 GiB (the rate does not depend on the size past a few MiB).
+Status DeviceRank::RawMemcpy() {
+  if (!raw_) {
+    const int64_t chunk = std::min<int64_t>(total_bytes_, int64_t{4} << 30);
+    SS_ASSIGN_OR_RETURN(raw_, gpu::DeviceBuffer::Allocate(2 * std::max<int64_t>(chunk, 1), device_));
+  }
+  const int64_t chunk = static_cast<int64_t>(raw_->bytes() / 2);
+  auto* a = static_cast<unsigned char*>(raw_->data());
+  for (int64_t done = 0; done < total_bytes_; done += chunk) {
+    const int64_t n = std::min(chunk, total_bytes_ - done);
+    SS_RETURN_IF_ERROR(gpu::CopyDeviceToDevice(a + chunk, a, n, stream_->handle()));
+  }
+  return SyncStream("cudaMemcpy");
+}
+
+std::vector<int> DeviceRank::NcclPeers() const {
+  std::vector<int> v;
+  for (const Message& m : session_->plan().sends) {
+    if (tx_.PeerTransport(m.dst) == "nccl") v.push_back(m.dst);
+  }
+  for (const Message& m : session_->plan().recvs) {
+    if (tx_.PeerTransport(m.src) == "nccl") v.push_back(m.src);
+  }
+  return v;
+}
+
+// Every nccl pair's message bytes, all pairs at once, with the session's communicators.
+Status DeviceRank::RawNccl() {
+  const RankPlan& plan = session_->plan();
+  int64_t max = 0;
+  for (const auto* list : {&plan.sends, &plan.recvs}) {
+    for (const Message& m : *list) max = std::max(max, m.bytes);
+  }
+  if (!raw_ || static_cast<int64_t>(raw_->bytes()) < max) {
+    raw_.reset();
+    SS_ASSIGN_OR_RETURN(raw_, gpu::DeviceBuffer::Allocate(std::max<int64_t>(max, 1), device_));
+  }
+  std::vector<XferId> ids;
+  const uint64_t tag = MakeTag(false, kBenchVersionRaw, 0);
+  for (const Message& m : plan.sends) {
+    if (tx_.PeerTransport(m.dst) != "nccl") continue;
+    SS_ASSIGN_OR_RETURN(XferId id, tx_.PostSend(m.dst, tag, raw_->data(), m.bytes));
+    ids.push_back(id);
+  }
+  for (const Message& m : plan.recvs) {
+    if (tx_.PeerTransport(m.src) != "nccl") continue;
+    SS_ASSIGN_OR_RETURN(XferId id, tx_.PostRecv(m.src, tag, raw_->data(), m.bytes));
+    ids.push_back(id);
+  }
+  return WaitAllXfers(tx_, ids, job_.timeout, "raw nccl");
+}
+
+}  // namespace
+
+namespace sync_internal {
+
+Result<int> DeviceOfRank(const JobSpec& job, int rank) {
+  int gpus = job.gpus;
+  if (gpus <= 0) {
+    SS_ASSIGN_OR_RETURN(gpus, gpu::DeviceCount());
+  }
+  if (gpus <= 0) return UnavailableError("--device cuda: no CUDA device");
+  SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(job.inputs, rank));
+  if (who.is_trainer) return who.trainer_rank % gpus;
+  const ShardSpec& sh = job.inputs.rollout.shard;
+  return (who.replica * sh.tp * sh.pp + who.pp_rank * sh.tp + who.tp_rank) % gpus;
+}
+
+Status RunDeviceRank(const JobSpec& job, int rank, const SyncRank& who, StoreClient& store,
+                     Transport& transport, RankResult& res, const ProgressFn& progress) {
+  DeviceRank d(job, rank, who, store, transport, res, progress);
+  const bool bench = job.mode == JobMode::kBench;
+  SS_RETURN_IF_ERROR(d.Setup(bench));
+  return bench ? d.RunBench() : d.RunSyncs();
+}
+
+}  // namespace sync_internal
+}  // namespace shardsync

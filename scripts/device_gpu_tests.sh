@@ -1,71 +1,67 @@
 #!/usr/bin/env bash
-# GPU data path on a GPU machine (issue 7): GPU tests, then shardsync_gpu runs for correctness,
-# fault handling and speed. Usage (repo root):
-#   scripts/device_gpu_tests.sh [quick|full]      logs and JSON reports go to ${OUT:-gpu-logs}/
-# Binaries: .bundle-gpu/bin (built elsewhere, see scripts/multigpu_harness.sh) or build-gpu/
-# (configured here with -DSHARDSYNC_CUDA=ON if missing). NVLink multicast stays off.
+# GPU runs of the product path on a GPU machine: test_gpu, then `shardsync bench --device cuda`
+# (SyncSession with device bindings, routed cuda_ipc / nccl pairs) for correctness, faults and
+# speed. Usage (repo root):   scripts/device_gpu_tests.sh [quick|full|multi]
+# Logs and JSON reports go to ${OUT:-gpu-logs}/. Binaries: .bundle/bin (scripts/device_bundle.sh,
+# built here) or build/. NVLink multicast stays off.
+#   quick: test_gpu, small-model correctness with the generation check, a killed trainer.
+#   full:  quick + qwen3-8b fsdp=1 -> dp=1,tp=2,pp=2 colocated on one GPU, bf16 and fp32.
+#   multi: 2+ GPUs: fsdp=G -> dp=1,tp=1,pp=2 over nccl (hint) and auto, correctness with
+#          generation, qwen3-8b / qwen3-32b speed, a killed engine rank.
 set -uo pipefail
 mode=${1:-full}
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ -x .bundle-gpu/bin/shardsync_gpu ]; then
-  bin=.bundle-gpu/bin
-  export LD_LIBRARY_PATH=$PWD/.bundle-gpu/lib:${LD_LIBRARY_PATH:-} UCX_MODULE_DIR=$PWD/.bundle-gpu/lib/ucx
+if [ -x .bundle/bin/shardsync ]; then
+  bin=.bundle/bin/shardsync tests=.bundle/bin/test_gpu
+  export LD_LIBRARY_PATH=$PWD/.bundle/lib:${LD_LIBRARY_PATH:-} UCX_MODULE_DIR=$PWD/.bundle/lib/ucx
 else
-  if [ ! -x build-gpu/shardsync_gpu ]; then
-    cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DSHARDSYNC_CUDA=ON >/dev/null &&
-      cmake --build build-gpu -j"$(nproc)" --target shardsync_gpu test_gpu >/dev/null || exit 1
-  fi
-  bin=build-gpu
-  [ -x "$bin/test_gpu" ] || bin_tests=build-gpu/tests/cuda
+  bin=build/shardsync tests=build/tests/cuda/test_gpu
 fi
-tests=${bin_tests:-$bin}/test_gpu
 fails=0
-run() {  # run NAME ARGS...: one shardsync_gpu bench, report in $out/NAME.json, log in $out/NAME.log
+run() {  # run NAME ARGS...: one `shardsync bench --device cuda`, JSON in $out/NAME.json
   local name=$1; shift
-  echo "== $name: shardsync_gpu bench $*" | tee -a "$out/summary.txt"
-  timeout 580 "$bin/shardsync_gpu" bench "$@" >"$out/$name.json" 2>"$out/$name.log"
+  echo "== $name: shardsync bench --device cuda $*" | tee -a "$out/summary.txt"
+  timeout 580 "$bin" bench --device cuda --json "$@" >"$out/$name.json" 2>"$out/$name.log"
   local rc=$?
-  tail -n 1 "$out/$name.log" | tee -a "$out/summary.txt"
+  python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print('  ', {k: j[k] for k in ['sharded_seconds','broadcast_seconds','raw_seconds','ratio_to_raw','speedup_vs_broadcast','raw_nccl_seconds','ratio_to_raw_nccl','verified','element_mismatches','checksums_ok','checksums_total','generation','cross_gpu_bytes','reconnect_ok','every_survivor_failed','survivors'] if k in j})" "$out/$name.json" 2>/dev/null | tee -a "$out/summary.txt"
+  tail -n 2 "$out/$name.log" | tee -a "$out/summary.txt"
   [ $rc -eq 0 ] || { echo "   -> FAILED (exit $rc)" | tee -a "$out/summary.txt"; fails=$((fails + 1)); }
 }
-{ nvidia-smi -L; nvidia-smi topo -m; "$bin/shardsync_gpu" info; } >"$out/env.txt" 2>&1
-echo "== test_gpu (ctest label gpu)" | tee -a "$out/summary.txt"
-timeout 300 "$tests" >"$out/test_gpu.log" 2>&1 || fails=$((fails + 1))
-grep -E "PASSED|FAILED|SKIPPED \]" "$out/test_gpu.log" | tee -a "$out/summary.txt"
-
-small=(--model qwen3-0.6b --iters 2 --no-kernel-bench)
-# Colocated correctness: trainer fsdp=2, engine tp=2,pp=2, all six processes on GPU 0.
-run coloc_small_f32 "${small[@]}" --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
-  --transport cuda_ipc --trainer-dtype f32
-run coloc_small_pass "${small[@]}" --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
-  --transport cuda_ipc --trainer-dtype bf16 --landed-check pass
-# A sender killed mid-sync: every other rank errors within the timeout (10 s).
-run fault_sender_ipc "${small[@]}" --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
-  --transport cuda_ipc --kill-rank 1 --timeout-ms 10000 --no-memcpy
+{ nvidia-smi -L; nvidia-smi topo -m; "$bin" gpu-info; } >"$out/env.txt" 2>&1
+gpus=$(nvidia-smi -L | wc -l)
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  echo "== test_gpu" | tee -a "$out/summary.txt"
+  timeout 300 "$tests" >"$out/test_gpu_$gpus.log" 2>&1 || fails=$((fails + 1))
+  grep -E "PASSED|FAILED|SKIPPED \]" "$out/test_gpu_$gpus.log" | tee -a "$out/summary.txt"
+fi
+small=(--model qwen3-0.6b --reps 2 --warmup 1)
+if [ "$mode" != multi ]; then
+  run coloc_small_f32 "${small[@]}" --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
+    --trainer-dtype fp32 --gen-tokens 8
+  run fault_trainer "${small[@]}" --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
+    --kill-rank 1 --timeout-ms 10000
+fi
 if [ "$mode" = full ]; then
-  # Speed: qwen3-8b colocated on GPU 0 vs cudaMemcpy D2D of the same bytes, plus kernel GB/s.
-  # One trainer process on the GPU (as in a colocated deployment: one trainer rank per GPU, the
-  # engine ranks of that GPU beside it) ...
-  run coloc_8b_bf16_1trainer --model qwen3-8b --gpus 1 --trainer fsdp=1 --rollout dp=1,tp=2,pp=2 \
-    --transport cuda_ipc --trainer-dtype bf16 --iters 20
-  run coloc_8b_f32_1trainer --model qwen3-8b --gpus 1 --trainer fsdp=1 --rollout dp=1,tp=2,pp=2 \
-    --transport cuda_ipc --trainer-dtype f32 --iters 20 --no-kernel-bench
-  # ... and two trainer processes sharing it (fsdp=2 emulated on one GPU; they pack in turn).
-  run coloc_8b_bf16 --model qwen3-8b --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
-    --transport cuda_ipc --trainer-dtype bf16 --iters 20 --no-kernel-bench
-  run coloc_8b_f32 --model qwen3-8b --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
-    --transport cuda_ipc --trainer-dtype f32 --iters 5 --no-kernel-bench
-  # The same bf16 sync with the receivers' separate verify pass instead of the fused readback.
-  run coloc_8b_bf16_pass --model qwen3-8b --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
-    --transport cuda_ipc --trainer-dtype bf16 --iters 5 --no-kernel-bench --landed-check pass
-  # Trainers sharing the GPU time-sliced by the GPU instead of packing in turn.
-  run coloc_8b_bf16_noturns --model qwen3-8b --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
-    --transport cuda_ipc --trainer-dtype bf16 --iters 5 --no-kernel-bench --no-turns
-  # Four pairs in flight per thread in the landed kernels instead of two.
-  SHARDSYNC_GPU_UNROLL=4 run coloc_8b_bf16_u4 --model qwen3-8b --gpus 1 --trainer fsdp=2 \
-    --rollout dp=1,tp=2,pp=2 --transport cuda_ipc --trainer-dtype bf16 --iters 5 --no-kernel-bench
+  run coloc_8b_bf16 --model qwen3-8b --gpus 1 --trainer fsdp=1 --rollout dp=1,tp=2,pp=2 \
+    --trainer-dtype bf16 --warmup 2 --reps 15
+  run coloc_8b_f32 --model qwen3-8b --gpus 1 --trainer fsdp=1 --rollout dp=1,tp=2,pp=2 \
+    --trainer-dtype fp32 --warmup 1 --reps 5
+fi
+if [ "$mode" = multi ]; then
+  g=${GPUS:-$gpus}
+  for tr in nccl auto; do
+    run "correct_${tr}" "${small[@]}" --gpus "$g" --trainer "fsdp=$g" --rollout dp=1,tp=1,pp=2 \
+      --transport "$tr" --trainer-dtype fp32 --gen-tokens 8
+  done
+  for model in ${MODELS:-qwen3-8b qwen3-32b}; do
+    run "speed_${model}_nccl" --model "$model" --gpus "$g" --trainer "fsdp=$g" \
+      --rollout dp=1,tp=1,pp=2 --transport nccl --trainer-dtype bf16 --warmup 1 --reps 5 \
+      ${BENCH_ARGS:-}
+  done
+  run fault_engine_nccl "${small[@]}" --gpus "$g" --trainer "fsdp=$g" --rollout dp=1,tp=1,pp=2 \
+    --transport nccl --kill-rank "$((g + 1))" --timeout-ms 10000
 fi
 echo "failures: $fails" | tee -a "$out/summary.txt"
 exit $((fails > 0))

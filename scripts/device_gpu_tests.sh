@@ -55,6 +55,11 @@ if [ "$mode" = multi ]; then
     run "correct_${tr}" "${small[@]}" --gpus "$g" --trainer "fsdp=$g" --rollout dp=1,tp=1,pp=2 \
       --transport "$tr" --trainer-dtype fp32 --gen-tokens 8
   done
+  for mb in ${BUCKETS_MB:-}; do  # round size (plan bucket) sweep on qwen3-8b
+    run "speed_qwen3-8b_nccl_b$mb" --model qwen3-8b --gpus "$g" --trainer "fsdp=$g" \
+      --rollout dp=1,tp=1,pp=2 --transport nccl --trainer-dtype bf16 --warmup 1 --reps 5 \
+      --bucket-mb "$mb"
+  done
   for model in ${MODELS:-qwen3-8b qwen3-32b}; do
     run "speed_${model}_nccl" --model "$model" --gpus "$g" --trainer "fsdp=$g" \
       --rollout dp=1,tp=1,pp=2 --transport nccl --trainer-dtype bf16 --warmup 1 --reps 5 \

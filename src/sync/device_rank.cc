@@ -298,6 +298,9 @@ Status DeviceRank::RunBench() {
     Record(res_.bench.broadcast, i, t0);
   }
   if (!who_.is_trainer && job_.verify) SS_RETURN_IF_ERROR(Verify("broadcast-all"));
+  full_.reset();  // the ceilings' buffers take their place (32B: 64 GiB on trainer 0's GPU)
+  slots_.reset();
+  slices_.clear();
   Step();
   for (int i = 0; i < total; ++i) {  // (c) cudaMemcpy of the job's bytes on trainer 0's GPU
     SS_RETURN_IF_ERROR(Barrier("raw/" + std::to_string(i)));
@@ -425,7 +428,6 @@ Status DeviceRank::BroadcastReceive() {
   }
   const bool put = tx_.PeerCaps(0).one_sided_put;
   std::vector<uint64_t> ctrl(rounds_.size()), acks(rounds_.size());
-  std::vector<XferId> sent;
   for (size_t r = 0; r < rounds_.size(); ++r) {
     void* slot = static_cast<unsigned char*>(slots_->data()) + (r % 2) * slot_bytes_;
     SS_ASSIGN_OR_RETURN(XferId id,
@@ -438,17 +440,19 @@ Status DeviceRank::BroadcastReceive() {
       SS_RETURN_IF_ERROR(SyncStream("broadcast slice"));
     }
     acks[r] = r;
+    // Sent now, not at the end: transports move a send when it is polled, and the trainer needs
+    // this ack before it refills the slot.
     SS_ASSIGN_OR_RETURN(XferId a, tx_.PostSend(0, MakeTag(true, kBenchVersionRaw, r), &acks[r], 8));
-    sent.push_back(a);
+    SS_RETURN_IF_ERROR(WaitXfer(tx_, a, job_.timeout, "broadcast ack"));
   }
-  return WaitAllXfers(tx_, sent, job_.timeout, "broadcast acks");
+  return OkStatus();
 }
 
 // cudaMemcpy device-to-device of the bytes the plan lands job-wide, through one pair of buffers
-// of at most 4 GiB (the rate does not depend on the size past a few MiB).
+// of at most 1 GiB (the rate does not depend on the size past a few MiB).
 Status DeviceRank::RawMemcpy() {
   if (!raw_) {
-    const int64_t chunk = std::min<int64_t>(total_bytes_, int64_t{4} << 30);
+    const int64_t chunk = std::min<int64_t>(total_bytes_, int64_t{1} << 30);
     SS_ASSIGN_OR_RETURN(raw_, gpu::DeviceBuffer::Allocate(2 * std::max<int64_t>(chunk, 1), device_));
   }
   const int64_t chunk = static_cast<int64_t>(raw_->bytes() / 2);

@@ -23,7 +23,9 @@ fails=0
 run() {  # run NAME ARGS...: one `shardsync bench --device cuda`, JSON in $out/NAME.json
   local name=$1; shift
   echo "== $name: shardsync bench --device cuda $*" | tee -a "$out/summary.txt"
-  timeout "${RUN_TIMEOUT_S:-580}" "$bin" bench --device cuda --json --timeout-ms "${TIMEOUT_MS:-60000}" "$@" \
+  local t=(--timeout-ms "${TIMEOUT_MS:-60000}")
+  [[ " $* " == *" --timeout-ms "* ]] && t=()
+  timeout "${RUN_TIMEOUT_S:-580}" "$bin" bench --device cuda --json "${t[@]}" "$@" \
     >"$out/$name.json" 2>"$out/$name.log"
   local rc=$?
   python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print('  ', {k: j[k] for k in ['sharded_seconds','broadcast_seconds','raw_seconds','ratio_to_raw','speedup_vs_broadcast','raw_nccl_seconds','ratio_to_raw_nccl','verified','element_mismatches','checksums_ok','checksums_total','generation','cross_gpu_bytes','reconnect_ok','every_survivor_failed','survivors'] if k in j})" "$out/$name.json" 2>/dev/null | tee -a "$out/summary.txt"

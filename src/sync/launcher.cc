@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -139,8 +140,18 @@ Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& serve
   base_env.push_back("WORLD_SIZE=" + std::to_string(world));
   base_env.push_back("SHARDSYNC_TOKEN=" + token);
   std::vector<Child> children;
+  // SHARDSYNC_RANK_LOG_DIR keeps every rank's stderr as DIR/rank-<R>.log (GPU debugging).
   auto cleanup_logs = [&] {
-    for (Child& c : children) unlink(c.log.c_str());
+    const char* keep = std::getenv("SHARDSYNC_RANK_LOG_DIR");
+    for (Child& c : children) {
+      if (keep && *keep) {
+        std::ifstream in(c.log, std::ios::binary);
+        std::ofstream(std::string(keep) + "/rank-" + std::to_string(c.rank) + ".log",
+                      std::ios::binary | std::ios::app)
+            << in.rdbuf();
+      }
+      unlink(c.log.c_str());
+    }
   };
   for (int r = 0; r < world; ++r) {
     std::vector<std::string> args = base_args;
@@ -208,7 +219,7 @@ Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& serve
       }
     }
     const auto now = Clock::now();
-    if (now > deadline || now > failure_deadline) {
+    if (now > deadline) {
       KillAll(children);
       std::string still;
       for (Child& c : children) {
@@ -217,12 +228,15 @@ Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& serve
         }
       }
       cleanup_logs();
-      return DeadlineExceededError(
-          now > deadline
-              ? "launcher: the job exceeded its " + std::to_string(o.job_timeout.count()) +
-                    " ms limit; killed ranks " + still
-              : "launcher: after a rank failed, ranks " + still +
-                    " did not finish within their timeout and were killed");
+      return DeadlineExceededError("launcher: the job exceeded its " +
+                                   std::to_string(o.job_timeout.count()) +
+                                   " ms limit; killed ranks " + still);
+    }
+    if (now > failure_deadline) {
+      // A rank failed and others did not finish in their own timeout: kill them and report
+      // every rank (results posted, or how each ended with its log), the root cause included.
+      KillAll(children);
+      break;
     }
     if (running > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }

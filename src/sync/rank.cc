@@ -2,6 +2,7 @@
 // allocate their parameters, receive, and check every element against the HF values it was cut
 // from. Bench mode adds the broadcast-all baseline and raw transport puts (bench.cc).
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -580,6 +581,13 @@ Result<RankResult> RunRankProcess(const JobSpec& job, const LaunchEnv& env) {
   SS_ASSIGN_OR_RETURN(RankResult r, RunRank(job, env.rank, *store, *transport, progress));
   SS_RETURN_IF_ERROR(
       store->Set(job.prefix + "result/" + std::to_string(env.rank), RankResultToJson(r)));
+  if (job.device == "cuda" && !r.ok) {
+    // Device work may still wait on a dead peer; freeing memory would wait with it (cudaFree
+    // synchronizes the device). The result is posted: leave without tearing down.
+    std::fprintf(stderr, "shardsync: sync rank %d: %s\n", r.rank, r.error.c_str());
+    std::fflush(nullptr);
+    _exit(1);
+  }
   return r;
 }
 

@@ -121,6 +121,19 @@ class LandedSum {
   std::vector<std::pair<uint64_t, uint64_t>> pieces_;  // (word index, bytes in place)
 };
 
+// SHARDSYNC_TRACE=1: the session's steps with a wall clock on stderr (device debugging).
+void Trace(int rank, uint64_t version, const std::string& what) {
+  static const bool on = [] {
+    const char* v = std::getenv("SHARDSYNC_TRACE");
+    return v && *v && *v != '0';
+  }();
+  if (!on) return;
+  const double t =
+      std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+  std::fprintf(stderr, "%.6f sync rank %d v%llu: %s\n", t, rank,
+               static_cast<unsigned long long>(version), what.c_str());
+}
+
 std::string Hex(uint64_t v) {
   char buf[20];
   std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
@@ -417,6 +430,7 @@ class SessionImpl final : public SyncSession {
     if (s.ok()) s = who_.is_trainer ? RunSender(st) : RunReceiver(st);
     st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     st.ok = s.ok();
+    Trace(rank_, version, s.ok() ? "synced" : "failed: " + s.ToString());
     if (!s.ok()) {
       st.error = s.message();
       PostAbort(s);
@@ -961,6 +975,7 @@ class SessionImpl final : public SyncSession {
           return e.Annotate("sync rank " + std::to_string(rank_) + ": " + who(left[k]));
         }
         if (*st == XferState::kDone) {
+          Trace(rank_, version_, "done: " + who(left[k]));
           left.erase(left.begin() + k);
           progressed = true;
         } else {
@@ -977,6 +992,7 @@ class SessionImpl final : public SyncSession {
   Status PostPairs(std::vector<std::unique_ptr<PreparedPair>>& pairs) {
     for (auto& p : pairs) {
       if (p) SS_RETURN_IF_ERROR(p->Post(version_));
+      if (p) Trace(rank_, version_, "posted: " + p->Describe());
     }
     return OkStatus();
   }
@@ -1019,6 +1035,7 @@ class SessionImpl final : public SyncSession {
       const Message& m = plan_.recvs[mi];
       const std::string from = "sync rank " + std::to_string(m.src);
       SS_ASSIGN_OR_RETURN(PairSums mine, recv_pairs_[mi]->Sums());
+      Trace(rank_, version_, "waiting for the checksums of " + from);
       SS_ASSIGN_OR_RETURN(
           std::string text,
           GetUntil(Key(VKey("sums/") + std::to_string(m.src) + "_" + std::to_string(rank_)),

@@ -20,6 +20,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -513,6 +514,18 @@ class NcclTransport final : public Transport {
 // polls one event at the end. Checksums: the sender's pack and the receiver's unpack kernels sum
 // the wire image of each round.
 
+// SHARDSYNC_TRACE=1: every round's enqueue and completion on stderr (device debugging).
+bool Trace() {
+  static const bool on = [] {
+    const char* v = std::getenv("SHARDSYNC_TRACE");
+    return v && *v && *v != '0';
+  }();
+  return on;
+}
+double TraceNow() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 class NcclPair final : public PreparedPair {
  public:
   NcclPair(NcclTransport& t, const PairSpec& spec, ncclComm_t comm, int peer_rank)
@@ -611,6 +624,10 @@ class NcclPair final : public PreparedPair {
     }
     SS_CUDA(e, "nccl: pair with rank " + std::to_string(peer_));
     posted_ = false;
+    if (Trace()) {
+      std::fprintf(stderr, "%.6f nccl pair %s rank %d: done\n", TraceNow(), send_ ? "->" : "<-",
+                   peer_);
+    }
     return XferState::kDone;
   }
 
@@ -660,6 +677,10 @@ class NcclPair final : public PreparedPair {
           SS_CUDA(cudaStreamWaitEvent(work_, ev_b_[b], 0), "nccl pair: unpack waits recv");
           SS_RETURN_IF_ERROR(batches_[b]->Launch(work_));
           SS_CUDA(cudaEventRecord(ev_a_[b], work_), "nccl pair: event");
+        }
+        if (Trace()) {
+          std::fprintf(stderr, "%.6f nccl pair %s rank %d: round %zu enqueued\n", TraceNow(),
+                       send_ ? "->" : "<-", peer_, b);
         }
         ++next_;
         continue;

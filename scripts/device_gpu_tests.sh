@@ -54,7 +54,7 @@ if [ "$mode" = full ]; then
 fi
 if [ "$mode" = multi ]; then
   g=${GPUS:-$gpus}
-  for tr in nccl auto; do
+  for tr in ${CORRECT_TRANSPORTS:-nccl auto}; do
     run "correct_${tr}" "${small[@]}" --gpus "$g" --trainer "fsdp=$g" --rollout dp=1,tp=1,pp=2 \
       --transport "$tr" --trainer-dtype fp32 --gen-tokens 8
   done

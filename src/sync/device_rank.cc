@@ -105,6 +105,7 @@ class DeviceRank {
   // Raw ceilings: trainer 0's memcpy buffers, every rank's NCCL buffer.
   std::unique_ptr<gpu::DeviceBuffer> raw_;
   int64_t total_bytes_ = 0;  // trainer 0: bytes the plan lands job-wide
+  int broadcast_rep_ = 0;    // names the acks of each repetition
 };
 
 Status DeviceRank::Setup(bool bench) {
@@ -379,42 +380,45 @@ Status PrepareSlices(const std::vector<HfTensor>& inv, const std::vector<EngineP
 }
 
 // Trainer 0 sends every round to every engine rank: a put into its slot plus a control message
-// where the pair's transport is one-sided (cuda_ipc), a send matched by order otherwise (nccl);
-// the engine acks each round once sliced, and slot r % 2 is reused after the ack of round r - 2.
+// where the pair's transport is one-sided (cuda_ipc), a send matched by order otherwise (nccl).
+// The engine acks each round through the store once sliced, and slot r % 2 is refilled after
+// the ack of round r - 2. (Acks over NCCL would open the engine -> trainer direction inside a
+// group that also carries the next round: NCCL connects every peer of a group before it starts
+// any of it, so neither side would move.)
 Status DeviceRank::BroadcastSend() {
-  std::map<int, std::vector<XferId>> acks;
-  std::vector<uint64_t> ack_bufs((world_ - S_) * rounds_.size());
+  const std::string rep = std::to_string(broadcast_rep_++);
   std::vector<uint64_t> ctrl(rounds_.size());
+  auto ack = [&](int e, size_t r) -> Status {
+    return store_.Get(Key("ack/" + rep + "/" + std::to_string(e) + "/" + std::to_string(r)),
+                      job_.timeout)
+        .status()
+        .Annotate("broadcast ack of sync rank " + std::to_string(e));
+  };
   for (size_t r = 0; r < rounds_.size(); ++r) {
     ctrl[r] = r;
     const auto* src = static_cast<const unsigned char*>(full_->data()) + rounds_[r].offset;
     std::vector<XferId> ids;
     for (int e = S_; e < world_; ++e) {
-      if (r >= 2) {
-        SS_RETURN_IF_ERROR(WaitXfer(tx_, acks[e][r - 2], job_.timeout, "broadcast ack"));
-      }
-      const uint64_t tag = MakeTag(true, kBenchVersionBroadcast, r);
+      if (r >= 2) SS_RETURN_IF_ERROR(ack(e, r - 2));
       if (tx_.PeerCaps(e).one_sided_put) {
         SS_ASSIGN_OR_RETURN(XferId put, tx_.PostPut(e, src, rounds_[r].bytes, slot_region_.at(e),
                                                     (r % 2) * slot_bytes_));
         SS_ASSIGN_OR_RETURN(XferId fl, tx_.PostFlush(e));
         SS_RETURN_IF_ERROR(WaitAllXfers(tx_, {put, fl}, job_.timeout, "broadcast put"));
-        SS_ASSIGN_OR_RETURN(XferId c, tx_.PostSend(e, tag, &ctrl[r], 8));
+        SS_ASSIGN_OR_RETURN(XferId c, tx_.PostSend(e, MakeTag(true, kBenchVersionBroadcast, r),
+                                                   &ctrl[r], 8));
         ids.push_back(c);
       } else {
         SS_ASSIGN_OR_RETURN(XferId s, tx_.PostSend(e, MakeTag(false, kBenchVersionBroadcast, r),
                                                    src, rounds_[r].bytes));
         ids.push_back(s);
       }
-      uint64_t* ack = &ack_bufs[(e - S_) * rounds_.size() + r];
-      SS_ASSIGN_OR_RETURN(XferId a, tx_.PostRecv(e, MakeTag(true, kBenchVersionRaw, r), ack, 8));
-      acks[e].push_back(a);
     }
     SS_RETURN_IF_ERROR(WaitAllXfers(tx_, ids, job_.timeout, "broadcast sends"));
   }
-  for (auto& [e, v] : acks) {
-    for (size_t r = rounds_.size() >= 2 ? rounds_.size() - 2 : 0; r < v.size(); ++r) {
-      SS_RETURN_IF_ERROR(WaitXfer(tx_, v[r], job_.timeout, "broadcast ack"));
+  for (int e = S_; e < world_; ++e) {
+    for (size_t r = rounds_.size() >= 2 ? rounds_.size() - 2 : 0; r < rounds_.size(); ++r) {
+      SS_RETURN_IF_ERROR(ack(e, r));
     }
   }
   return OkStatus();
@@ -426,8 +430,9 @@ Status DeviceRank::BroadcastReceive() {
                                      full_offsets_, static_cast<unsigned char*>(slots_->data()),
                                      slot_bytes_, in_.options.wire_dtype, device_, &slices_));
   }
+  const std::string rep = std::to_string(broadcast_rep_++);
   const bool put = tx_.PeerCaps(0).one_sided_put;
-  std::vector<uint64_t> ctrl(rounds_.size()), acks(rounds_.size());
+  std::vector<uint64_t> ctrl(rounds_.size());
   for (size_t r = 0; r < rounds_.size(); ++r) {
     void* slot = static_cast<unsigned char*>(slots_->data()) + (r % 2) * slot_bytes_;
     SS_ASSIGN_OR_RETURN(XferId id,
@@ -439,11 +444,8 @@ Status DeviceRank::BroadcastReceive() {
       SS_RETURN_IF_ERROR(slices_[r]->Launch(stream_->handle()));
       SS_RETURN_IF_ERROR(SyncStream("broadcast slice"));
     }
-    acks[r] = r;
-    // Sent now, not at the end: transports move a send when it is polled, and the trainer needs
-    // this ack before it refills the slot.
-    SS_ASSIGN_OR_RETURN(XferId a, tx_.PostSend(0, MakeTag(true, kBenchVersionRaw, r), &acks[r], 8));
-    SS_RETURN_IF_ERROR(WaitXfer(tx_, a, job_.timeout, "broadcast ack"));
+    SS_RETURN_IF_ERROR(
+        store_.Set(Key("ack/" + rep + "/" + std::to_string(rank_) + "/" + std::to_string(r)), "1"));
   }
   return OkStatus();
 }
@@ -519,10 +521,15 @@ Result<int> DeviceOfRank(const JobSpec& job, int rank) {
 
 Status RunDeviceRank(const JobSpec& job, int rank, const SyncRank& who, StoreClient& store,
                      Transport& transport, RankResult& res, const ProgressFn& progress) {
-  DeviceRank d(job, rank, who, store, transport, res, progress);
+  // On failure the rank's device state is left in place, not destroyed: device work may still
+  // wait on a dead peer, and freeing memory (cudaFree synchronizes the device) would wait with it
+  // before the rank could report. The rank process exits right after reporting.
+  auto d = std::make_unique<DeviceRank>(job, rank, who, store, transport, res, progress);
   const bool bench = job.mode == JobMode::kBench;
-  SS_RETURN_IF_ERROR(d.Setup(bench));
-  return bench ? d.RunBench() : d.RunSyncs();
+  Status s = d->Setup(bench);
+  if (s.ok()) s = bench ? d->RunBench() : d->RunSyncs();
+  if (!s.ok()) d.release();
+  return s;
 }
 
 }  // namespace sync_internal

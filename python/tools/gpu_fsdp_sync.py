@@ -72,7 +72,16 @@ def session(plan, rank, store, args):
     return shardsync.Session(plan, rank, store, **kw)
 
 
+def watchdog(args):
+    """--watchdog-s: every rank prints its Python stacks once that long has passed (hangs)."""
+    if args.get("watchdog"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args["watchdog"], exit=False)
+
+
 def trainer(rank, args, store, q):
+    watchdog(args)
     try:
         plan = shardsync.Plan.from_spec(args["spec"])
         S = plan.trainer_world
@@ -119,6 +128,7 @@ def trainer(rank, args, store, q):
 
 
 def engine(rank, args, store, q):
+    watchdog(args)
     try:
         plan = shardsync.Plan.from_spec(args["spec"])
         d = plan.describe_rank(rank)
@@ -167,6 +177,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--transport", default="auto")
     ap.add_argument("--dry", action="store_true")
+    ap.add_argument("--watchdog-s", type=float, default=0,
+                    help="print every rank's Python stacks after this many seconds")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     ngpu = 0 if a.dry else (a.gpus or torch.cuda.device_count())
@@ -179,7 +191,7 @@ def main():
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     args = {"spec": spec, "dry": a.dry, "transport": a.transport, "gpus": max(ngpu, 1),
-            "warmup": a.warmup, "reps": a.reps}
+            "warmup": a.warmup, "reps": a.reps, "watchdog": a.watchdog_s}
     with shardsync.StoreServer(token="gpu") as srv:
         procs = []
         for r in range(plan.world_size):

@@ -98,7 +98,7 @@ class Attention(nn.Module):
     def __init__(self, qkv: nn.Module):
         super().__init__()
         self._qkv = [qkv]  # not a submodule: no duplicate parameters
-        self.register_buffer("derived", torch.zeros(()))
+        self.register_buffer("derived", torch.zeros((), device=qkv.weight.device))
         self.rebuilds = 0
 
     def process_weights_after_loading(self, act_dtype=None):
@@ -173,9 +173,10 @@ class FakeModel(nn.Module):
     of the engines' classes, each with its bound weight_loader and sharded-dim attributes."""
 
     def __init__(self, params, *, moe_backend="TRITON", overrides=None, replace_linear=(),
-                 quant=None, extra=()):
+                 quant=None, extra=(), device="cpu", dtype=torch.float32):
         super().__init__()
         overrides = overrides or {}
+        self._device, self._dtype = torch.device(device), dtype
         self.attention = []
         for p in params:
             self._add(p.name, list(overrides.get(p.name, p.shape)), moe_backend,
@@ -209,7 +210,8 @@ class FakeModel(nn.Module):
                 cls, attrs = c, a
                 break
         mod = self._module(owner_path, cls)
-        param = nn.Parameter(torch.zeros(shape, dtype=torch.float32), requires_grad=False)
+        param = nn.Parameter(torch.zeros(shape, dtype=self._dtype, device=self._device),
+                             requires_grad=False)
         if isinstance(mod, _Layer):
             param.weight_loader = mod.weight_loader
             for k, v in attrs.items():

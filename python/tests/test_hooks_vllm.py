@@ -262,3 +262,17 @@ def test_vllm_sleep_mode_weights(vllm_env, tiny_model):
             trainers.stop()
             for w in llms[0].workers.values():
                 w.weight_transfer_engine.shutdown()
+
+
+def test_vllm_older_factory_without_model_points_to_the_extension(vllm_env, monkeypatch):
+    """Older factories created engines as (config, parallel_config): no model to bind. The
+    backend says so (a status, not an exception) and names the extension to use instead."""
+    import fakes_engines as fe
+
+    def old_init(self, config, parallel_config):
+        self.config, self.parallel_config = config, parallel_config
+
+    monkeypatch.setattr(fe.WeightTransferEngine, "__init__", old_init)
+    eng = vllm_env.make_backend_class()(object(), vllm_config(1, 1).parallel_config)
+    st = eng.init_transfer_engine(eng.parse_init_info({"plan": {}}))
+    assert not st["ok"] and "without the model" in st["error"] and vllm_env.EXTENSION in st["error"]

@@ -232,6 +232,13 @@ class _BackendCore:
     def init_transfer_engine(self, init_info: Any) -> Dict[str, Any]:
         hook = self._ss_hook
         config = init_info.config if isinstance(init_info, _InitInfo) else init_info
+        if self._ss_holder["model"] is None:
+            st = make_status("init", 0, {}, error=UnimplementedError(
+                "this vLLM creates weight-transfer engines without the model (older "
+                "WeightTransferEngineFactory.create_engine); use the worker extension "
+                f"({EXTENSION}) instead"))
+            self._ss_last = st
+            return st
         if not isinstance(config, dict):
             st = make_status("init", 0, {}, error=InvalidArgumentError(
                 f"init_info: expected the shardsync config (a JSON object), got "
@@ -361,10 +368,18 @@ def make_backend_class() -> type:
         WeightTransferEngine,
     )
 
-    def __init__(self: Any, config: Any, vllm_config: Any, device: Any = None,
-                 model: Any = None) -> None:
-        WeightTransferEngine.__init__(self, config, vllm_config, device, model)
-        self._ss_setup(vllm_config, device, model)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        # The factory's signature moved: (config, parallel_config), (config, parallel_config,
+        # model), (config, vllm_config, device, model). Let the installed base sort its own
+        # arguments, then read what it kept.
+        WeightTransferEngine.__init__(self, *args, **kwargs)
+        vc = getattr(self, "vllm_config", None)
+        if vc is None:
+            from types import SimpleNamespace
+
+            vc = SimpleNamespace(parallel_config=getattr(self, "parallel_config", None),
+                                 model_config=getattr(self, "model_config", None))
+        self._ss_setup(vc, getattr(self, "device", None), getattr(self, "model", None))
 
     return type("ShardsyncWeightTransferEngine", (_BackendCore, WeightTransferEngine), {
         "__init__": __init__,

@@ -503,9 +503,9 @@ class FakeSGLangEngine:
                         group_name="weight_update_group", backend="nccl"):
         return False, "torch process groups are not faked"
 
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
-                                        flush_cache=True, load_format=None,
-                                        receiver_payload=None):
+    def update_weights_from_distributed(self, names, dtypes, shapes,
+                                        group_name="weight_update_group", flush_cache=True,
+                                        load_format=None, receiver_payload=None):
         def h(s):
             if self.session_api:
                 assert s.in_session, ("update_weights_from_distributed requires an open "

@@ -132,7 +132,8 @@ def build(engine, path, plan, args):
                 per, plan.tp, plan.pp, server_args=fe.sglang_server_args(plan.tp, plan.pp,
                                                                          ep_size=ep)))
         else:
-            cfg = fe.vllm_config(plan.tp, plan.pp, backend="shardsync" if path == "native" else None,
+            cfg = fe.vllm_config(plan.tp, plan.pp,
+                                 backend="shardsync" if path == "native" else None,
                                  enable_expert_parallel=ep > 1)
             engines.append(fe.FakeLLM(per, cfg, extension=vh.ShardsyncWorkerExtension
                                       if path == "extension" else None))

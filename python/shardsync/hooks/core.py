@@ -193,7 +193,8 @@ def loader_kind(param: Any) -> Tuple[Optional[str], str]:
         for cls in type(owner).__mro__:
             kind = _LOADER_CLASSES.get(cls.__name__)
             if kind is not None:
-                return kind, f"{type(owner).__name__}.{getattr(loader, '__name__', 'weight_loader')}"
+                fn = getattr(loader, "__name__", "weight_loader")
+                return kind, f"{type(owner).__name__}.{fn}"
         return "other", f"{type(owner).__name__}.{getattr(loader, '__name__', '?')}"
     qual = getattr(loader, "__qualname__", getattr(loader, "__name__", repr(loader)))
     return "default", str(qual)

@@ -792,3 +792,60 @@ class FakeLLM:
 
     def resume_generation(self):
         return None
+
+
+# ---- HTTP servers in front of the fake engines (SGLang http_server.py, vLLM rlhf routes) ----
+
+
+def serve_http(engine, kind):
+    """Serves `engine` over HTTP on 127.0.0.1 in a thread; returns (base_url, server)."""
+    import http.server
+    import json as _json
+
+    vllm_routes = {"pause": "pause_generation", "resume": "resume_generation"}
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _reply(self, code, obj):
+            data = _json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/get_server_info" and kind == "sglang":
+                return self._reply(200, dict(vars(engine.server_args)))
+            if self.path == "/is_sleeping" and kind == "vllm":
+                return self._reply(200, {"is_sleeping": engine.is_sleeping()})
+            self._reply(404, {"detail": "Not Found"})
+
+        def do_POST(self):
+            n = int(self.headers.get("Content-Length") or 0)
+            body = _json.loads(self.rfile.read(n) or b"null")
+            path, _, query = self.path.lstrip("/").partition("?")
+            name = vllm_routes.get(path, path) if kind == "vllm" else path
+            fn = getattr(engine, name, None)
+            if not callable(fn):
+                return self._reply(404, {"detail": "Not Found"})
+            try:
+                if kind == "sglang":
+                    out = fn(**(body or {}))
+                elif name == "sleep":
+                    out = fn(int(query.split("=")[1]) if query else 1)
+                elif body is None:
+                    out = fn()
+                else:
+                    out = fn(body)
+            except Exception as e:  # noqa: BLE001 - the server answers 500, as FastAPI does
+                return self._reply(500, {"detail": f"{type(e).__name__}: {e}"})
+            if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], bool):
+                out = {"success": out[0], "message": out[1]}
+            self._reply(200, out)
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{srv.server_address[1]}", srv

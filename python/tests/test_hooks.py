@@ -240,7 +240,12 @@ def test_hook_entry_points_without_init_return_status():
     assert not r.last["ok"] and "receiver_init_payload" in r.last["error"]
     r.receive("nonsense")
     assert not r.last["ok"] and "expected a JSON object" in r.last["error"]
+    r.receive({"op": "start", "version": "seven"})
+    assert not r.last["ok"] and "version: expected an integer" in r.last["error"]
     r.destroy()
+    bad = ss.receiver(SimpleNamespace(model=None, tp_rank=0, tp_size=1,
+                                      init_payload={"init_id": "x", "plan": {}}))
+    assert not bad.last["ok"] and "init_id" in bad.last["error"]
     ss.close()
 
 

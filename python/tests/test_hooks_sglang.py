@@ -192,13 +192,19 @@ def test_sglang_session_asserts(sglang_env, tiny_model):
 
 
 def test_sglang_layout_refused_from_live_server_args(sglang_env, tiny_model):
-    """DP attention (read from the scheduler's server args) is not modelled: refused at init,
-    naming the field, before any byte moves."""
+    """DP attention is not modelled: the driver refuses from the head's server args before it
+    contacts the engine; each scheduler refuses again from its own (precheck off here), naming
+    the field, before any byte moves."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
     with shardsync.StoreServer(token="hooks") as srv:
         group, engines, models = _engines(
             plan, server_args=sglang_server_args(2, 1, enable_dp_attention=True))
         driver = SGLangDriver(group, plan, base_config(plan, srv), path="receiver", timeout=10.0)
+        with pytest.raises(shardsync.UnimplementedError, match="enable_dp_attention=True"):
+            driver.init()
+        assert engines[0].calls == []
+        driver = SGLangDriver(group, plan, base_config(plan, srv, precheck=False),
+                              path="receiver", timeout=10.0)
         with pytest.raises(HookError, match="enable_dp_attention=True"):
             driver.init()
         for m in models.values():
@@ -217,3 +223,26 @@ def test_sglang_asleep_replica_refused(sglang_env, tiny_model):
         group.resume_memory_occupation(tags=["weights"])
         assert group.asleep_replicas() == []
         engines[0].shutdown()
+
+
+def test_sglang_receiver_over_http(sglang_env, tiny_model):
+    """launch_server deployments (verl, slime): the receiver path is JSON end to end, so the
+    driver runs it over SGLang's HTTP routes, path read from /get_server_info."""
+    from fakes_engines import serve_http
+    from shardsync.hooks.driver import HTTPEngine
+
+    plan = make_plan(tiny_model, "dp=1,tp=1,pp=2", "sglang")
+    with shardsync.StoreServer(token="hooks") as srv:
+        _, engines, models = _engines(plan)
+        url, http = serve_http(engines[0], "sglang")
+        try:
+            group = EngineGroup([HTTPEngine(url, "sglang"), None], tp=1, pp=2)
+            driver = SGLangDriver(group, plan, base_config(plan, srv))
+            assert driver.path == "receiver" and driver.session is True
+            _run(plan, srv, driver, models, versions=(1,))
+            with pytest.raises(shardsync.UnimplementedError, match="receiver path"):
+                group.head_engines[0].update_weights_from_tensor([])
+            driver.close()
+        finally:
+            http.shutdown()
+            engines[0].shutdown()

@@ -193,7 +193,10 @@ def test_vllm_unmodelled_layouts_refused_from_live_config(vllm_env, tiny_moe, fi
     with shardsync.StoreServer(token="hooks") as srv:
         group, llms, models = _llms(plan, "extension", config_kw=kw)
         driver = VLLMDriver(group, plan, base_config(plan, srv), timeout=10.0)
-        with pytest.raises(HookError, match=match):
+        with pytest.raises(shardsync.Error, match=match):  # the driver, from llm.vllm_config
+            driver.init()
+        driver = VLLMDriver(group, plan, base_config(plan, srv, precheck=False), timeout=10.0)
+        with pytest.raises(HookError, match=match):  # every worker, from its own config
             driver.init()
 
 
@@ -276,3 +279,34 @@ def test_vllm_older_factory_without_model_points_to_the_extension(vllm_env, monk
     eng = vllm_env.make_backend_class()(object(), vllm_config(1, 1).parallel_config)
     st = eng.init_transfer_engine(eng.parse_init_info({"plan": {}}))
     assert not st["ok"] and "without the model" in st["error"] and vllm_env.EXTENSION in st["error"]
+
+
+def test_vllm_native_over_http(vllm_env, tiny_model):
+    """vllm serve deployments: init / start / update / finish over the RLHF routes, JSON only;
+    is_sleeping over GET."""
+    from fakes_engines import serve_http
+    from shardsync.hooks.driver import HTTPEngine
+
+    plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "vllm")
+    with shardsync.StoreServer(token="hooks") as srv:
+        _, llms, models = _llms(plan, "native")
+        url, http = serve_http(llms[0], "vllm")
+        trainers = Trainers(plan, srv).start()
+        try:
+            head = HTTPEngine(url, "vllm")
+            group = EngineGroup([head, None], tp=2, pp=1)
+            with pytest.raises(shardsync.InvalidArgumentError, match="cannot read the heads'"):
+                VLLMDriver(group, plan, base_config(plan, srv))
+            driver = VLLMDriver(group, plan, base_config(plan, srv), path="native")
+            driver.init()
+            trainers.sync(1)
+            assert driver.sync(1)["verified"]
+            check_models(plan, trainers.weights(1), models)
+            head.sleep(1)
+            with pytest.raises(shardsync.FailedPreconditionError, match="is sleeping"):
+                driver.sync(2)
+        finally:
+            trainers.stop()
+            http.shutdown()
+            for w in llms[0].workers.values():
+                w.weight_transfer_engine.shutdown()

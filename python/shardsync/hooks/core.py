@@ -409,6 +409,9 @@ class EngineRankHook:
             if not isinstance(config, dict):
                 raise InvalidArgumentError(
                     f"config: expected a JSON object (dict), got {type(config).__name__}")
+            iid = config.get("init_id", 0)
+            if not isinstance(iid, int) or isinstance(iid, bool):
+                raise InvalidArgumentError(f"config['init_id']: expected an integer, got {iid!r}")
             self.config = dict(config)
             tp_rank, pp_rank, tp_size, pp_size = self.probe.ranks()
             self._facts = self.probe.facts()
@@ -438,8 +441,8 @@ class EngineRankHook:
 
         st = self._guard("capture", 0, body, post=False)
         if not st["ok"]:
-            init_id = config.get("init_id", 0) if isinstance(config, dict) else 0
-            st = self.post(dict(st, op="init", version=int(init_id or 0)))
+            iid = config.get("init_id", 0) if isinstance(config, dict) else 0
+            st = self.post(dict(st, op="init", version=iid if isinstance(iid, int) else 0))
             self.last = st
         return st
 

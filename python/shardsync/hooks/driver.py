@@ -37,6 +37,7 @@ __all__ = [
     "SGLangDriver",
     "VLLMDriver",
     "SGLangEngineAdapter",
+    "HTTPEngine",
 ]
 
 
@@ -137,6 +138,7 @@ class _Driver:
                              + float(config.get("sync_timeout", 60.0)) + 30.0)
         self.init_id = 0
         self.last_reports: List[Dict[str, Any]] = []
+        self.precheck_layout = bool(config.get("precheck", True))
 
     def replica_config(self, d: int) -> Dict[str, Any]:
         return dict(self.config, replica=d, init_id=self.init_id)
@@ -157,6 +159,22 @@ class _Driver:
         # Unique per init so a stale report of an earlier init is never read as this one's.
         self.init_id = max(self.init_id + 1, int(time.time() * 1000) % (1 << 31))
         return self.init_id
+
+    def precheck(self) -> int:
+        """Plan-time refusal on the driver, from the heads' live config where readable (the
+        ranks check again in their own processes, env included). Returns heads checked."""
+        from .layout_check import check_layout
+
+        n = 0
+        for e in self.group.head_engines:
+            facts = self._facts(e)
+            if facts:
+                check_layout(self.engine, self.plan, facts, self.config)
+                n += 1
+        return n
+
+    def _facts(self, engine: Any) -> Dict[str, Any]:
+        return {}
 
     def _heads_have(self, method: str) -> bool:
         return all(callable(getattr(e, method, None)) for e in self.group.head_engines)
@@ -210,6 +228,16 @@ class SGLangDriver(_Driver):
             raise InvalidArgumentError(f"replicas disagree on the path: {sorted(found)}")
         return found.pop()
 
+    def _facts(self, engine: Any) -> Dict[str, Any]:
+        from .layout_check import sglang_facts
+
+        try:
+            sa = getattr(engine, "server_args", None)
+        except Error:
+            return {}
+        # The driver's environment is not the engine's: env-derived fields are checked by ranks.
+        return {} if sa is None else sglang_facts(sa, env={})
+
     def _bracket(self, body: Callable[[], None]) -> None:
         if not self.session:
             body()
@@ -234,6 +262,8 @@ class SGLangDriver(_Driver):
     def init(self) -> Dict[str, Any]:
         """Every scheduler binds and connects (collective with the trainers, which connect
         concurrently). Returns the init summary; raises HookError naming failed ranks."""
+        if self.precheck_layout:
+            self.precheck()
         init_id = self._new_init_id()
         host, _, port = self.config["store"].rpartition(":")
         if self.path == "receiver":
@@ -298,6 +328,13 @@ class VLLMDriver(_Driver):
             raise InvalidArgumentError(f"path: must be native, extension or auto, got {path!r}")
         self.path = path
 
+    def _facts(self, engine: Any) -> Dict[str, Any]:
+        from .layout_check import vllm_facts
+
+        vc = getattr(engine, "vllm_config", None) or getattr(
+            getattr(engine, "llm_engine", None), "vllm_config", None)
+        return {} if vc is None else vllm_facts(vc, env={})
+
     def _auto_path(self) -> str:
         backends = set()
         for e in self.group.head_engines:
@@ -322,6 +359,8 @@ class VLLMDriver(_Driver):
                         "wake_up(tags=['weights']) before a sync")
 
     def init(self) -> Dict[str, Any]:
+        if self.precheck_layout:
+            self.precheck()
         init_id = self._new_init_id()
         if self.path == "native":
             self.group.call_each("init_weight_transfer_engine",
@@ -412,3 +451,95 @@ class SGLangEngineAdapter:
             return engine.loop.run_until_complete(fn(cls(**kwargs), None))
 
         return call
+
+
+class HTTPEngine:
+    """An engine server reached over HTTP, with the method names the drivers call: JSON in, JSON
+    out, so the receiver (SGLang) and native (vLLM) paths work against `launch_server` / `vllm
+    serve` deployments, as verl and slime run them.
+
+    SGLang routes (entrypoints/http_server.py): POST /<method> with the keyword arguments as the
+    body (`/init_weights_update_group`, `/update_weights_from_distributed`, `/begin_weight_update`,
+    `/end_weight_update`, `/pause_generation`, `/continue_generation`,
+    `/release_memory_occupation`, `/resume_memory_occupation`, `/destroy_weights_update_group`,
+    `/flush_cache`); server args from GET /get_server_info. vLLM routes
+    (entrypoints/serve/dev/rlhf/api_router.py, as its HTTPVLLMWeightSyncClient posts them):
+    `/init_weight_transfer_engine` {"init_info"}, `/start_weight_update`, `/update_weights`
+    {"update_info"}, `/finish_weight_update`, plus `/pause`, `/resume`, `/sleep?level=`,
+    `/wake_up`, GET `/is_sleeping`. The loader path (tensor payloads) is not offered over HTTP."""
+
+    _SGLANG = ("init_weights_update_group", "update_weights_from_distributed",
+               "begin_weight_update", "end_weight_update", "pause_generation",
+               "continue_generation", "release_memory_occupation", "resume_memory_occupation",
+               "destroy_weights_update_group", "flush_cache")
+    _VLLM = {"init_weight_transfer_engine": "init_weight_transfer_engine",
+             "start_weight_update": "start_weight_update", "update_weights": "update_weights",
+             "finish_weight_update": "finish_weight_update", "pause_generation": "pause",
+             "resume_generation": "resume", "wake_up": "wake_up"}
+
+    def __init__(self, base_url: str, engine: str, timeout: float = 300.0) -> None:
+        if engine not in ("sglang", "vllm"):
+            raise InvalidArgumentError(f"engine: must be sglang or vllm, got {engine!r}")
+        self.base_url, self.engine, self.timeout = base_url.rstrip("/"), engine, float(timeout)
+
+    def _http(self, method: str, path: str, body: Any = None) -> Any:
+        import urllib.error
+        import urllib.request
+
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.base_url}/{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                text = r.read().decode() or "null"
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            raise FailedPreconditionError(f"{self.base_url}/{path}: HTTP {e.code}: {detail}")
+        except (urllib.error.URLError, OSError) as e:
+            from ..errors import UnavailableError
+
+            raise UnavailableError(f"{self.base_url}/{path}: {e}")
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+    @property
+    def server_args(self) -> Any:
+        if self.engine != "sglang":
+            raise AttributeError("server_args")
+        from types import SimpleNamespace
+
+        return SimpleNamespace(**self._http("GET", "get_server_info"))
+
+    def is_sleeping(self) -> bool:
+        if self.engine != "vllm":
+            raise UnimplementedError("is_sleeping is a vLLM route")
+        out = self._http("GET", "is_sleeping")
+        return bool(out.get("is_sleeping") if isinstance(out, dict) else out)
+
+    def sleep(self, level: int = 1) -> Any:
+        return self._http("POST", f"sleep?level={int(level)}")
+
+    def update_weights_from_tensor(self, *args: Any, **kwargs: Any) -> Any:
+        raise UnimplementedError(
+            "the custom-loader path sends pickled payloads; over HTTP use the external "
+            "receiver path (SGLangDriver(path='receiver'))")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self.engine == "sglang" and name in self._SGLANG:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if args:  # destroy_weights_update_group(group_name)
+                    kwargs = dict(kwargs, group_name=args[0])
+                return self._http("POST", name, kwargs)
+            return call
+        if self.engine == "vllm" and name in self._VLLM:
+            route = self._VLLM[name]
+
+            def vcall(*args: Any, **kwargs: Any) -> Any:
+                body = args[0] if args else (kwargs or None)
+                return self._http("POST", route, body)
+            return vcall
+        raise AttributeError(f"{self.engine} over HTTP has no route for {name!r}")

@@ -206,8 +206,19 @@ def _timeout(hook: EngineRankHook, msg: Dict[str, Any]) -> float:
 
 
 def _dispatch(hook: EngineRankHook, msg: Dict[str, Any]) -> Dict[str, Any]:
+    try:
+        return _dispatch_op(hook, msg)
+    except BaseException as e:  # noqa: BLE001 - never raise into the scheduler
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        return hook.refuse(str(msg.get("op")), 0, e)
+
+
+def _dispatch_op(hook: EngineRankHook, msg: Dict[str, Any]) -> Dict[str, Any]:
     op = msg.get("op")
-    version = int(msg.get("version", 0) or 0)
+    version = msg.get("version", 0)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise InvalidArgumentError(f"version: expected an integer, got {version!r}")
     if op == "init":
         config = msg.get("config")
         if hook.busy:
@@ -216,7 +227,7 @@ def _dispatch(hook: EngineRankHook, msg: Dict[str, Any]) -> Dict[str, Any]:
         st = hook.capture(config)
         if not st["ok"]:
             return st
-        init_id = int((config or {}).get("init_id", 0))
+        init_id = config.get("init_id", 0)  # capture checked it
         hook.submit("init", init_id, hook.open_body, post=True)
         return dict(st, op="init", version=init_id, queued=True)
     if op == "start":

@@ -227,6 +227,16 @@ def test_device_follows_the_parameters():
         pick([("a", _Dev(0)), ("b", _Dev(1))], {})
 
 
+def test_memory_saver_weights_count_as_vmm():
+    from shardsync.hooks.sglang import SGLangProbe
+
+    p = SGLangProbe()
+    p._facts = {"memory_saver": True}  # --enable-memory-saver: torch_memory_saver (VMM)
+    assert p.memory([("a", _Dev(0)), ("b", torch.zeros(1))]) == {"cumem": ["a"], "asleep": []}
+    p._facts = {"memory_saver": False}
+    assert p.memory([("a", _Dev(0))])["cumem"] == []
+
+
 def test_hook_entry_points_without_init_return_status():
     from shardsync.hooks import sglang as ss
 

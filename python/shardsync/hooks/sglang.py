@@ -143,6 +143,7 @@ class SGLangProbe(Probe):
 
     def __init__(self, context: Any = None) -> None:
         self._ctx = context
+        self._facts: Optional[Dict[str, Any]] = None
 
     def ranks(self) -> Tuple[int, int, int, int]:
         from sglang.srt.distributed import (  # type: ignore[import-not-found]
@@ -162,8 +163,12 @@ class SGLangProbe(Probe):
         return tp_rank, int(pp.rank_in_group), tp_size, int(pp.world_size)
 
     def facts(self) -> Dict[str, Any]:
-        sa = _server_args()
-        return sglang_facts(sa) if sa is not None else {}
+        # Read once, on the scheduler thread (capture); server args do not change at runtime,
+        # and the hook's background thread then reuses them.
+        if self._facts is None:
+            sa = _server_args()
+            self._facts = sglang_facts(sa) if sa is not None else {}
+        return self._facts
 
     def memory(self, tensors: Sequence[Tuple[str, Any]]) -> Dict[str, Any]:
         # --enable-memory-saver allocates weights through torch_memory_saver (CUDA VMM), which

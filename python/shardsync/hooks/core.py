@@ -484,13 +484,13 @@ class EngineRankHook:
                              if cfg.get("check_loaders", True) else "disabled")
         self._check_memory(pairs, cfg)
         device = self._device(pairs, cfg)
+        # transport / staging: the Session's defaults unless the config names them.
+        kw = {k: cfg[k] for k in ("transport", "staging", "transport_params") if k in cfg}
         s = Session(
             self.plan, self.coord["rank"], cfg["store"], token=cfg.get("token", ""),
-            transport=cfg.get("transport", "ucx"), prefix=cfg.get("prefix", "ss/"),
+            prefix=cfg.get("prefix", "ss/"),
             connect_timeout=float(cfg.get("connect_timeout", 60.0)),
-            sync_timeout=float(cfg.get("sync_timeout", 60.0)),
-            staging=cfg.get("staging", "auto"), device=device,
-            transport_params=cfg.get("transport_params"))
+            sync_timeout=float(cfg.get("sync_timeout", 60.0)), device=device, **kw)
         try:
             for n, t in pairs:
                 s.bind_destination(n, t)
@@ -512,7 +512,10 @@ class EngineRankHook:
                 f"engine is asleep: {len(names)} bound parameter(s) have no memory mapped "
                 f"({', '.join(names[:3])}); wake it (vLLM wake_up(tags=['weights']), SGLang "
                 "resume_memory_occupation(tags=['weights'])) before init or sync")
-        if mem.get("cumem") and cfg.get("transport", "ucx") == "cuda_ipc":
+        # cuda_ipc exports every registered region with cudaIpcGetMemHandle
+        # (cuda_ipc_transport.cc); "auto" routes device pairs on one node there too.
+        if (mem.get("cumem") and cfg.get("transport", "auto") in ("cuda_ipc", "auto")
+                and cfg.get("staging") != "host"):
             names = mem["cumem"]
             raise UnimplementedError(
                 f"parameter '{names[0]}' (and {len(names) - 1} more) live in cuMem / VMM "

@@ -237,8 +237,8 @@ def _dispatch_op(hook: EngineRankHook, msg: Dict[str, Any]) -> Dict[str, Any]:
         return dict(st, op="init", version=init_id, queued=True)
     if op == "start":
         if hook.config is None:
-            return make_status("sync", version, hook.coord,
-                               error=FailedPreconditionError("start before init on this rank"))
+            return hook.refuse("sync", version,
+                               FailedPreconditionError("start before init on this rank"))
         return hook.submit("sync", version, lambda: hook.do_sync(version, finalize=False),
                            post=False)
     if op == "wait":

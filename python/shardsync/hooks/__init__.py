@@ -24,8 +24,8 @@ __all__ = ["EngineRankConfig"]
 # The JSON object every hook takes (built on the driver; drivers add replica and init_id):
 #   plan: Plan.spec (model, trainer, rollout, engine, wire_dtype, trainer_dtype, bucket_bytes)
 #   store: "host:port"; token: str; prefix: store key prefix ("ss/")
-#   transport: "ucx" (default) | "shm" | "cuda_ipc" | "nccl" | "loopback" (tests)
-#   staging: "auto" | "host" (stage CUDA parameters through host memory) | "never"
+#   transport: the Session's default unless named ("auto", "shm", "ucx", "cuda_ipc", "nccl",
+#   "loopback" for tests); staging: "host" stages CUDA parameters through host memory
 #   replica: this engine's DP replica (or env SHARDSYNC_REPLICA, or vLLM's data_parallel_rank)
 #   init_id: the driver's id of this init (keys the init reports)
 #   connect_timeout, sync_timeout, store_timeout (seconds); ignore_extra (engine parameters

@@ -3,8 +3,16 @@
 One engine handle per rollout worker (one worker per GPU). Worker i sits at tp = i % T,
 pp = (i // T) % P, dp = i // (T*P). Per DP replica exactly one worker, the head at
 pp == 0 and tp == 0, owns a live engine spanning the replica's T x P GPUs (UniRL PR #502); every
-other worker is a shell. Lifecycle methods run on heads only; a shell returns None and never
-touches its handle (it may be None).
+other worker is a shell. Gated methods run on heads only; a shell returns None and never touches
+its handle (it may be None).
+
+Gated methods: the seed's 16 wrapper names (LIFECYCLE_METHODS) and the engines' own
+(ENGINE_METHODS): SGLang's Engine / HTTP API (`pause_generation`, `continue_generation`,
+`release_memory_occupation`, `resume_memory_occupation`, `begin_weight_update`,
+`end_weight_update`, ...) and vLLM's LLM / AsyncLLM (`collective_rpc`,
+`init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update`,
+`resume_generation`, `is_sleeping`, ...). The group also remembers which replicas released their
+weights (sleep / release_memory_occupation), so a sync can refuse an asleep replica by name.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from .errors import Error, InvalidArgumentError
 
 __all__ = [
     "LIFECYCLE_METHODS",
+    "ENGINE_METHODS",
+    "GATED_METHODS",
     "WorkerCoord",
     "worker_coords",
     "EngineGroup",
@@ -43,6 +53,36 @@ LIFECYCLE_METHODS: Tuple[str, ...] = (
     "lora_dirty",
     "update_weights_from_checkpoint_engine_ipc",
 )
+
+# The engines' own names (SGLang entrypoints/engine.py + http_server.py, vLLM entrypoints/llm.py
+# + engine/protocol.py EngineClient), gated exactly like the seed's.
+ENGINE_METHODS: Tuple[str, ...] = (
+    # SGLang
+    "pause_generation",
+    "continue_generation",
+    "release_memory_occupation",
+    "resume_memory_occupation",
+    "begin_weight_update",
+    "end_weight_update",
+    "update_weights_from_disk",
+    "update_weights_from_ipc",
+    "get_weights_by_name",
+    "flush_cache",
+    # vLLM
+    "collective_rpc",
+    "init_weight_transfer_engine",
+    "start_weight_update",
+    "update_weights",
+    "finish_weight_update",
+    "resume_generation",
+    "is_sleeping",
+    "reset_prefix_cache",
+)
+
+GATED_METHODS: Tuple[str, ...] = LIFECYCLE_METHODS + ENGINE_METHODS
+
+# GPU memory tags (SGLang constants.py GPU_MEMORY_ALL_TYPES; vLLM cumem tags weights/kv_cache).
+_ALL_TAGS = frozenset({"weights", "kv_cache", "cuda_graph"})
 
 
 @dataclass(frozen=True)
@@ -90,8 +130,8 @@ class ReplicaError(Error):
 class EngineWorker:
     """The per-worker view: calls forward to the engine on a head and return None on a shell.
 
-    The 16 lifecycle methods are attributes; any other attribute is not gated and is refused, so a
-    typo cannot silently become a no-op.
+    Every gated method (GATED_METHODS) is an attribute; any other attribute is not gated and is
+    refused, so a typo cannot silently become a no-op.
     """
 
     def __init__(self, coord: WorkerCoord, engine: Any) -> None:
@@ -107,10 +147,7 @@ class EngineWorker:
         return self._engine
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if method not in LIFECYCLE_METHODS:
-            raise InvalidArgumentError(
-                f"method {method!r} is not a lifecycle method (one of {', '.join(LIFECYCLE_METHODS)})"
-            )
+        _check_gated(method)
         if not self.coord.is_head:
             return None
         fn = getattr(self._engine, method, None)
@@ -127,13 +164,42 @@ class EngineWorker:
         return f"EngineWorker(rank={c.rank}, dp={c.dp}, pp={c.pp}, tp={c.tp}, {role})"
 
 
+def _check_gated(method: str) -> None:
+    if method not in GATED_METHODS:
+        raise InvalidArgumentError(
+            f"method {method!r} is not a lifecycle method (one of {', '.join(GATED_METHODS)})"
+        )
+
+
+def _released_after(method: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                    released: frozenset) -> Optional[frozenset]:
+    """The memory tags a replica holds released after a successful `method` (None: unchanged)."""
+    raw = kwargs.get("tags", args[0] if args else None)
+    if isinstance(raw, str):
+        tags: Optional[frozenset] = frozenset({raw})
+    elif isinstance(raw, (list, tuple, set, frozenset)):
+        tags = frozenset(str(t) for t in raw)
+    else:
+        tags = None  # None (every tag), or a wrapper's own argument (a sleep level)
+    if method == "sleep":  # vLLM: level 1 offloads weights, level 2 discards them; KV freed
+        return released | {"weights", "kv_cache"}
+    if method == "release_memory_occupation":
+        return released | (frozenset(tags) if tags else _ALL_TAGS)
+    if method in ("wake_up", "resume_memory_occupation", "onload_weights"):
+        if method == "onload_weights":
+            return released - {"weights"}
+        return released - (frozenset(tags) if tags else _ALL_TAGS)
+    return None
+
+
 class EngineGroup:
     """Driver-side handle over every rollout worker's engine.
 
-    `engines[i]` is worker i's handle; shells' entries are never called and may be None. Each of
-    the 16 lifecycle methods, called on the group, runs on every head (concurrently when
+    `engines[i]` is worker i's handle; shells' entries are never called and may be None. Each
+    gated method (GATED_METHODS), called on the group, runs on every head (concurrently when
     `concurrent=True`) and returns the heads' results as a list in replica order. If any head
     raises, every head still finishes, then ReplicaError names the first failing replica.
+    `call_each(method, fn)` gives each replica its own arguments.
 
     The layout comes from the C++ planner (shardsync._C.compute_layout) when `gpus_per_node` is
     given and the native module is built; otherwise from the same rule in Python.
@@ -188,6 +254,7 @@ class EngineGroup:
                 raise InvalidArgumentError(
                     f"engines[{h.coord.rank}]: the head of replica {h.coord.dp} has no engine handle"
                 )
+        self._released: Dict[int, frozenset] = {d: frozenset() for d in range(dp)}
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -206,19 +273,42 @@ class EngineGroup:
     def shells(self) -> List[int]:
         return [w.coord.rank for w in self.workers if not w.is_head]
 
+    @property
+    def head_engines(self) -> List[Any]:
+        """The heads' engine handles in replica order."""
+        return [h.engine for h in self._heads]
+
+    def released(self, replica: int) -> frozenset:
+        """GPU memory tags replica `replica` holds released (sleep / release_memory_occupation
+        called through this group and not yet undone)."""
+        return self._released[replica]
+
+    def asleep_replicas(self) -> List[int]:
+        """Replicas whose weights are released: a sync into them would write unmapped memory."""
+        return [d for d in range(self.dp) if "weights" in self._released[d]]
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> List[Any]:
-        """Runs a lifecycle method on every head; results in replica order."""
-        if method not in LIFECYCLE_METHODS:
-            raise InvalidArgumentError(
-                f"method {method!r} is not a lifecycle method (one of {', '.join(LIFECYCLE_METHODS)})"
-            )
+        """Runs a gated method on every head; results in replica order."""
+        return self.call_each(method, lambda d: (args, kwargs))
+
+    def call_each(self, method: str,
+                  fn: Callable[[int], Tuple[Sequence[Any], Dict[str, Any]]]) -> List[Any]:
+        """Runs a gated method on every head with per-replica (args, kwargs) = fn(replica);
+        results in replica order."""
+        _check_gated(method)
+        per = {h.coord.dp: fn(h.coord.dp) for h in self._heads}
         outcomes: Dict[int, Tuple[bool, Any]] = {}
 
         def run(h: EngineWorker) -> Tuple[bool, Any]:
+            a, kw = per[h.coord.dp]
             try:
-                return True, h.call(method, *args, **kwargs)
+                out = True, h.call(method, *a, **kw)
             except BaseException as e:  # noqa: BLE001 - re-raised below, naming the replica
                 return False, e
+            after = _released_after(method, tuple(a), dict(kw), self._released[h.coord.dp])
+            if after is not None:
+                self._released[h.coord.dp] = after
+            return out
 
         if self.concurrent and len(self._heads) > 1:
             with concurrent.futures.ThreadPoolExecutor(max_workers=len(self._heads)) as pool:
@@ -255,7 +345,7 @@ def _gated(name: str) -> Callable[..., Any]:
 
 
 # Explicit methods rather than __getattr__, so a typo is an AttributeError, never a silent no-op.
-for _name in LIFECYCLE_METHODS:
+for _name in GATED_METHODS:
     setattr(EngineWorker, _name, _gated(_name))
     setattr(EngineGroup, _name, _gated(_name))
 del _name

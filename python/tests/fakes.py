@@ -1,9 +1,7 @@
-"""Duck-typed stand-ins for torch DTensor / DeviceMesh and for engine workers (torch 1.13 here
-has no DTensor; SGLang and vLLM cannot be installed)."""
+"""Duck-typed stand-ins for torch DTensor / DeviceMesh and for an engine rank's parameters (torch
+1.13 here has no DTensor). Fake SGLang / vLLM engines are in fakes_engines.py."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -86,20 +84,5 @@ class EngineModel:
         for name, shape in extra:
             self.params[name] = np.zeros(shape, dtype)
 
-        self.post_loads = 0
-
     def named_parameters(self):
         return list(self.params.items())
-
-    def post_load_weights(self):  # SGLang models that rebuild derived caches expose this
-        self.post_loads += 1
-
-
-def vllm_worker(cls, rank, tp, pp, dp_rank, model):
-    w = cls()
-    w.rank = rank
-    w.vllm_config = SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                        data_parallel_rank=dp_rank))
-    w.model_runner = SimpleNamespace(model=model)
-    return w

@@ -1,5 +1,6 @@
-"""EngineGroup: lifecycle methods run on heads only, results in replica order, errors name the
-replica, and no shell's handle is ever touched."""
+"""EngineGroup: gated methods (the seed's wrapper names and the engines' own) run on heads only,
+results in replica order, errors name the replica, no shell's handle is ever touched, and the
+group remembers which replicas released their weights."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 import shardsync
 from shardsync import LIFECYCLE_METHODS, EngineGroup, ReplicaError, worker_coords
+from shardsync.engine_group import ENGINE_METHODS, GATED_METHODS
 
 
 class RecordingEngine:
@@ -21,7 +23,7 @@ class RecordingEngine:
         self.fail_on = set(fail_on)
         self.delay = delay
         self._lock = threading.Lock()
-        for m in LIFECYCLE_METHODS:
+        for m in GATED_METHODS:
             setattr(self, m, self._make(m))
 
     def _make(self, method):
@@ -172,3 +174,57 @@ def test_layout_from_cpp_planner_matches_python_rule():
     with pytest.raises(shardsync.InvalidArgumentError):
         # a replica of 4 GPUs straddling nodes of 2 GPUs is rejected by the planner
         EngineGroup([object()] * 4, tp=2, pp=2, gpus_per_node=2)
+
+
+# The engines' own names (SGLang Engine / HTTP, vLLM LLM / AsyncLLM), as the issue lists them.
+ENGINE_NAMES = ("pause_generation", "continue_generation", "release_memory_occupation",
+                "begin_weight_update", "end_weight_update", "collective_rpc",
+                "start_weight_update", "finish_weight_update", "init_weight_transfer_engine",
+                "update_weights", "resume_generation")
+
+
+def test_engine_method_names_gated_on_heads():
+    assert set(ENGINE_NAMES) <= set(ENGINE_METHODS)
+    assert not set(ENGINE_METHODS) & set(LIFECYCLE_METHODS)
+    ShellTrap.touched = []
+    group, engines = make_group(2, 2, 2)
+    for m in ENGINE_METHODS:
+        assert getattr(group, m)(1) == [f"r{d}:{m}:(1,)" for d in range(2)]
+    for w in group.workers:
+        assert (w.collective_rpc("x") is None) == (not w.is_head)
+    assert ShellTrap.touched == []
+    assert [c[0] for c in engines[0].calls][: len(ENGINE_METHODS)] == list(ENGINE_METHODS)
+
+
+def test_call_each_gives_each_replica_its_arguments():
+    group, engines = make_group(3, 1, 2)
+    out = group.call_each("init_weight_transfer_engine", lambda d: ((d * 10,), {"k": d}))
+    assert out == [f"r{d}:init_weight_transfer_engine:({d * 10},)" for d in range(3)]
+    assert [engines[d * 2].calls[0][2] for d in range(3)] == [{"k": 0}, {"k": 1}, {"k": 2}]
+    with pytest.raises(shardsync.InvalidArgumentError, match="not a lifecycle method"):
+        group.call_each("load_weights", lambda d: ((), {}))
+
+
+def test_group_tracks_released_weights():
+    group, _ = make_group(2, 1, 1)
+    assert group.asleep_replicas() == []
+    group.release_memory_occupation(tags=["kv_cache"])
+    assert group.asleep_replicas() == [] and group.released(0) == {"kv_cache"}
+    group.release_memory_occupation()  # None: every tag (SGLang GPU_MEMORY_ALL_TYPES)
+    assert group.asleep_replicas() == [0, 1]
+    group.resume_memory_occupation(tags=["weights"])
+    assert group.asleep_replicas() == [] and group.released(1) == {"kv_cache", "cuda_graph"}
+    group.sleep(1)  # vLLM: level 1 offloads weights
+    assert group.asleep_replicas() == [0, 1]
+    group.wake_up(tags=["kv_cache"])
+    assert group.asleep_replicas() == [0, 1]
+    group.wake_up()
+    assert group.asleep_replicas() == []
+    # A head that failed keeps its previous state; the others move on.
+    coords = worker_coords(2, 1, 1)
+    engines = [RecordingEngine(f"r{c.dp}", fail_on={"sleep"} if c.dp == 1 else ())
+               for c in coords]
+    g = EngineGroup(engines, tp=1, pp=1)
+    with pytest.raises(ReplicaError):
+        g.sleep(1)
+    assert g.asleep_replicas() == [0]

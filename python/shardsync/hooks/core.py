@@ -1,0 +1,672 @@
+"""The engine-rank half shared by the SGLang and vLLM hooks.
+
+An `EngineRankHook` lives inside one engine worker process (an SGLang scheduler, a vLLM worker)
+and owns that rank's shardsync session. Rules it keeps for both engines:
+
+- It never raises into the engine. Every entry point returns a status dict
+  (`ok, op, version, replica, tp_rank, pp_rank, rank, error, code, report`) and posts the same
+  dict to the shardsync store under `<prefix>hooks/<op>/<version>/<replica>/<pp>/<tp>`, where the
+  driver reads every rank's (`driver.collect_reports`). Reason: an exception in an SGLang custom
+  loader kills the scheduler (model_runner_components/weight_updater.py calls the loader with no
+  try), and only pp0/tp0 answers an SGLang request, so a later stage's failure is only visible
+  through the store.
+- It fails closed before a byte moves: the live engine config is checked against the shard map
+  (`layout_check`), every bound parameter's weight loader, sharded dims, shape, dtype and
+  `data_ptr` are checked at bind time and again before every sync, and after the engine's
+  finalize step (which may re-register a parameter: vLLM's `replace_parameter`).
+- Every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from ..errors import (
+    DeadlineExceededError,
+    Error,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnimplementedError,
+)
+
+__all__ = [
+    "EngineRankHook",
+    "Probe",
+    "make_status",
+    "report_key",
+    "tensor_ptr",
+    "expected_loader_kind",
+    "loader_kind",
+    "check_loaders",
+    "check_finalize_methods",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Status dicts and the store
+# ---------------------------------------------------------------------------------------------
+
+
+def report_key(prefix: str, op: str, version: int, replica: Any, pp: Any, tp: Any) -> str:
+    """Store key of one engine rank's report (the driver computes the same key per rank)."""
+    return f"{prefix}hooks/{op}/{int(version)}/{replica}/{pp}/{tp}"
+
+
+def make_status(op: str, version: int, coord: Dict[str, Any], ok: bool = True,
+                error: Optional[BaseException] = None, **extra: Any) -> Dict[str, Any]:
+    st: Dict[str, Any] = {"op": op, "version": int(version), "ok": bool(ok) and error is None}
+    st.update({k: coord.get(k) for k in ("replica", "tp_rank", "pp_rank", "rank")})
+    if error is not None:
+        st["error"] = f"{type(error).__name__}: {error}"
+        st["code"] = getattr(error, "code", type(error).__name__)
+    else:
+        st["error"], st["code"] = None, None
+    st.update(extra)
+    return st
+
+
+def _jsonable(v: Any) -> Any:
+    try:
+        json.dumps(v)
+        return v
+    except (TypeError, ValueError):
+        if isinstance(v, dict):
+            return {str(k): _jsonable(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [_jsonable(x) for x in v]
+        return repr(v)
+
+
+def post_status(config: Optional[Dict[str, Any]], status: Dict[str, Any]) -> Optional[str]:
+    """Posts `status` to the store named by `config`; returns an error string instead of raising
+    (the driver then times out on this rank's key and names it)."""
+    if not config or not config.get("store"):
+        return "no store in the config"
+    try:
+        from ..store import StoreClient
+
+        prefix = config.get("prefix", "ss/")
+        key = report_key(prefix, status["op"], status.get("version") or 0, status.get("replica"),
+                         status.get("pp_rank"), status.get("tp_rank"))
+        c = StoreClient(config["store"], config.get("token", ""),
+                        timeout=float(config.get("store_timeout", 30.0)))
+        c.set(key, json.dumps(_jsonable(status)))
+        return None
+    except BaseException as e:  # noqa: BLE001 - never raise into the engine
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        return f"{type(e).__name__}: {e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters: pointers, weight loaders, sharded dims
+# ---------------------------------------------------------------------------------------------
+
+
+def tensor_ptr(t: Any) -> int:
+    """Address of a tensor's first element (torch data_ptr, numpy ctypes.data)."""
+    p = getattr(t, "data_ptr", None)
+    if callable(p):
+        return int(p())
+    ct = getattr(t, "ctypes", None)
+    if ct is not None:
+        return int(ct.data)
+    raise InvalidArgumentError(f"cannot read the address of a {type(t).__name__}")
+
+
+def _dtype_str(t: Any) -> str:
+    return str(getattr(t, "dtype", "?")).replace("torch.", "")
+
+
+def _device_index(t: Any) -> Optional[int]:
+    """CUDA device index of a tensor, None for host memory."""
+    from ..session import is_cuda_tensor
+
+    if not is_cuda_tensor(t):
+        return None
+    dev = getattr(t, "device", None)
+    idx = getattr(dev, "index", None)
+    if idx is None:
+        idx = int(t.__dlpack_device__()[1])
+    return int(idx)
+
+
+# Which weight loader every engine parameter of the shard map must have, by engine name. Both
+# engines build these layers from the same lineage (SGLang layers/linear.py,
+# layers/vocab_parallel_embedding.py, layers/moe/fused_moe_triton/layer.py; vLLM
+# model_executor/layers/linear.py, vocab_parallel_embedding.py, fused_moe/layer.py): the loader
+# is a bound method of the layer (`param.weight_loader`, or BasevLLMParameter.weight_loader).
+_EXPECTED_KIND: Sequence[Tuple[str, str]] = (
+    (r"(^|\.)embed_tokens\.weight$", "vocab"),
+    (r"(^|\.)lm_head\.weight$", "vocab"),
+    (r"\.qkv_proj\.(weight|bias)$", "qkv"),
+    (r"\.gate_up_proj\.weight$", "merged"),
+    (r"\.(o_proj|down_proj)\.weight$", "row"),
+    (r"\.experts\.(w13|w2)_weight$", "moe"),
+    (r"\.mlp\.gate\.weight$", "replicated"),
+    (r"norm\.weight$", "replicated"),
+)
+
+# Layer class -> kind, searched along the MRO of the loader's owner (QKVParallelLinear is a
+# ColumnParallelLinear: the first hit wins, so the most derived class decides).
+_LOADER_CLASSES: Dict[str, str] = {
+    "VocabParallelEmbedding": "vocab",
+    "ParallelLMHead": "vocab",
+    "QKVParallelLinear": "qkv",
+    "MergedColumnParallelLinear": "merged",
+    "RowParallelLinear": "row",
+    "ColumnParallelLinear": "column",
+    "ReplicatedLinear": "replicated",
+    "FusedMoE": "moe",
+}
+
+# The dim each sharded kind splits: column-parallel layers shard the output rows (output_dim 0),
+# row-parallel ones the input columns (input_dim 1): UnquantizedLinearMethod.create_weights sets
+# these attributes in both engines; BasevLLMParameter exposes them as properties.
+_SHARD_DIM: Dict[str, Tuple[str, int]] = {
+    "vocab": ("output_dim", 0),
+    "qkv": ("output_dim", 0),
+    "merged": ("output_dim", 0),
+    "row": ("input_dim", 1),
+}
+
+
+def expected_loader_kind(name: str) -> Optional[str]:
+    for pat, kind in _EXPECTED_KIND:
+        if re.search(pat, name):
+            return kind
+    return None
+
+
+def loader_kind(param: Any) -> Tuple[Optional[str], str]:
+    """(kind, description) of a parameter's weight loader; kind None when it carries none."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        return None, "no weight_loader"
+    owner = getattr(loader, "__self__", None)
+    if owner is not None and not isinstance(owner, type):
+        for cls in type(owner).__mro__:
+            kind = _LOADER_CLASSES.get(cls.__name__)
+            if kind is not None:
+                fn = getattr(loader, "__name__", "weight_loader")
+                return kind, f"{type(owner).__name__}.{fn}"
+        return "other", f"{type(owner).__name__}.{getattr(loader, '__name__', '?')}"
+    qual = getattr(loader, "__qualname__", getattr(loader, "__name__", repr(loader)))
+    return "default", str(qual)
+
+
+def _attr(param: Any, name: str) -> Any:
+    try:
+        return getattr(param, name, None)
+    except Exception:  # noqa: BLE001 - a property that raises means "not set"
+        return None
+
+
+def check_loaders(pairs: Iterable[Tuple[str, Any]], *, tp: int) -> str:
+    """Checks each parameter's weight loader and sharded dims against its shard-map kind.
+
+    Name, shape and dtype cannot tell two layouts apart (a row- and a column-parallel square
+    matrix, a packed quantized weight of the same byte size); the loader can. Returns "checked",
+    or "skipped" when no parameter carries a weight_loader (host test models, not an engine).
+    Raises InvalidArgumentError / UnimplementedError naming the parameter."""
+    pairs = list(pairs)
+    if not any(_attr(t, "weight_loader") is not None for _, t in pairs):
+        return "skipped"
+    for name, t in pairs:
+        packed = _attr(t, "packed_dim")
+        factor = _attr(t, "packed_factor") or _attr(t, "pack_factor")
+        if packed is not None or (factor is not None and factor != 1):
+            raise UnimplementedError(
+                f"parameter '{name}': packed (quantized) storage (packed_dim={packed}, "
+                f"packed_factor={factor}); the shard map writes unpacked canonical bytes only"
+            )
+        if _attr(t, "is_shuffled"):
+            raise UnimplementedError(
+                f"parameter '{name}': shuffled by the MoE backend after load (is_shuffled, "
+                "ROCm AITER); its layout is not the canonical one shardsync writes"
+            )
+        want = expected_loader_kind(name)
+        got, desc = loader_kind(t)
+        if want is None:
+            continue
+        if want == "replicated":
+            if got not in (None, "default", "replicated"):
+                raise InvalidArgumentError(
+                    f"parameter '{name}': weight loader {desc} ({got}) but the shard map "
+                    "holds it replicated on every rank"
+                )
+            continue
+        if got != want:
+            raise InvalidArgumentError(
+                f"parameter '{name}': weight loader {desc} ({got or 'none'}), the shard map "
+                f"expects a {want} layer's loader"
+            )
+        if want in _SHARD_DIM and tp > 1:
+            attr, dim = _SHARD_DIM[want]
+            have = _attr(t, attr)
+            if have is not None and int(have) != dim:
+                raise InvalidArgumentError(
+                    f"parameter '{name}': {attr}={have}, the shard map splits dim {dim}"
+                )
+    return "checked"
+
+
+# Finalize methods known to leave the canonical layout in place, by quant-method class. Anything
+# else (FP8, GPTQ/AWQ/Marlin repacks, ...) rewrites parameters after load and is refused.
+_CANONICAL_QUANT_METHODS = {
+    "UnquantizedLinearMethod",
+    "UnquantizedEmbeddingMethod",
+    "UnquantizedFusedMoEMethod",
+}
+# vLLM fused_moe/oracle/unquantized.py convert_to_unquantized_kernel_format: TRITON and
+# BATCHED_TRITON keep [E, 2I, H] / [E, H, I] as loaded; FLASHINFER_CUTLASS swaps w13 to w31,
+# FLASHINFER_TRTLLM pads and permutes to a block layout, AITER shuffles, MOONEP regroups; CPU
+# kernels repack per architecture.
+CANONICAL_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
+
+
+def check_finalize_methods(model: Any, *, allow_moe_backends: Sequence[str] = ()) -> int:
+    """Refuses modules whose post-load step leaves a non-canonical layout. Returns how many
+    quant methods were checked."""
+    named = getattr(model, "named_modules", None)
+    if not callable(named):
+        return 0
+    allowed = set(CANONICAL_MOE_BACKENDS) | set(allow_moe_backends)
+    n = 0
+    for mname, module in named():
+        qm = getattr(module, "quant_method", None)
+        if qm is None:
+            continue
+        n += 1
+        cls = type(qm).__name__
+        if cls not in _CANONICAL_QUANT_METHODS:
+            raise UnimplementedError(
+                f"module '{mname}': quant method {cls} rewrites its weights after load "
+                "(quantized or repacked layout); shardsync writes canonical unquantized bytes only"
+            )
+        backend = getattr(qm, "unquantized_backend", None)
+        if backend is not None:
+            bname = getattr(backend, "name", str(backend)).split(".")[-1]
+            if bname not in allowed:
+                raise UnimplementedError(
+                    f"module '{mname}': MoE backend {bname} permutes w13/w2 after load (vLLM "
+                    "fused_moe/oracle/unquantized.py convert_to_unquantized_kernel_format); its "
+                    f"post-load layout is not canonical. Use one of {sorted(allowed)} "
+                    "(e.g. VLLM moe_backend='triton')"
+                )
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine facts the hook reads from its process
+# ---------------------------------------------------------------------------------------------
+
+
+class Probe:
+    """What a hook needs from its engine process, with engine-specific subclasses (sglang.py,
+    vllm.py). Tests replace pieces through fake engine modules, not by subclassing."""
+
+    engine = "?"
+
+    def ranks(self) -> Tuple[int, int, int, int]:
+        """(tp_rank, pp_rank, tp_size, pp_size) of the calling engine rank."""
+        raise NotImplementedError
+
+    def facts(self) -> Dict[str, Any]:
+        """The live engine config, normalised for layout_check (empty when unknown)."""
+        return {}
+
+    def memory(self, tensors: Sequence[Tuple[str, Any]]) -> Dict[str, Any]:
+        """{'cumem': [names in cuMem / VMM allocations], 'asleep': [names whose memory is
+        released]} of the given parameters."""
+        return {"cumem": [], "asleep": []}
+
+
+# ---------------------------------------------------------------------------------------------
+# The hook
+# ---------------------------------------------------------------------------------------------
+
+
+class _Job:
+    def __init__(self, op: str, version: int, fn: Callable[[], Dict[str, Any]], post: bool):
+        self.op, self.version, self.fn, self.post = op, version, fn, post
+        self.status: Optional[Dict[str, Any]] = None
+        self.done = threading.Event()
+
+
+class EngineRankHook:
+    """One engine rank's shardsync state (see the module docstring).
+
+    `get_model()` returns the live model (its named_parameters() are re-read before every sync);
+    `probe` answers ranks, engine config and memory state; `finalize(model)` is the engine's
+    post-load step, run after every landed sync.
+    """
+
+    def __init__(self, engine: str, get_model: Callable[[], Any], probe: Probe,
+                 finalize: Optional[Callable[[Any], None]] = None) -> None:
+        self.engine = engine
+        self._get_model = get_model
+        self.probe = probe
+        self.finalize = finalize
+        self.config: Optional[Dict[str, Any]] = None
+        self.session: Any = None
+        self.plan: Any = None
+        self.coord: Dict[str, Any] = {}
+        self.snapshot: Dict[str, Tuple[int, Tuple[int, ...], str]] = {}
+        self.poisoned: Optional[str] = None
+        self.loader_check = "not run"
+        self._facts: Dict[str, Any] = {}
+        self.last: Optional[Dict[str, Any]] = None
+        self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self._pending: List[_Job] = []
+        self._lock = threading.Lock()
+        self._worker: Optional[threading.Thread] = None
+
+    # ---- guarded entry points (never raise) ----
+    def _guard(self, op: str, version: int, fn: Callable[[], Dict[str, Any]],
+               post: bool = True) -> Dict[str, Any]:
+        t0 = time.monotonic()
+        try:
+            extra = fn() or {}
+            st = make_status(op, version, self.coord, **extra)
+        except BaseException as e:  # noqa: BLE001 - reported, never raised into the engine
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            extra = {}
+            if not isinstance(e, Error):
+                extra["traceback"] = traceback.format_exc(limit=6)
+            st = make_status(op, version, self.coord, error=e, **extra)
+        st["seconds"] = round(time.monotonic() - t0, 6)
+        if post:
+            st = self.post(st)
+        self.last = st
+        return st
+
+    def post(self, st: Dict[str, Any]) -> Dict[str, Any]:
+        err = post_status(self.config, st)
+        if err is not None:
+            st = dict(st, store_error=err)
+        return st
+
+    def refuse(self, op: str, version: int, error: BaseException) -> Dict[str, Any]:
+        """A status for a request refused before any work (bad command, wrong state)."""
+        st = self.post(make_status(op, version, self.coord, error=error))
+        self.last = st
+        return st
+
+    # ---- init ----
+    def capture(self, config: Dict[str, Any]) -> Dict[str, Any]:
+        """Reads everything that must be read on the engine's own thread (parallel state,
+        server args) and parses the config. Guarded: returns a status, posted on failure."""
+        def body() -> Dict[str, Any]:
+            from ..plan import Plan
+
+            if not isinstance(config, dict):
+                raise InvalidArgumentError(
+                    f"config: expected a JSON object (dict), got {type(config).__name__}")
+            iid = config.get("init_id", 0)
+            if not isinstance(iid, int) or isinstance(iid, bool):
+                raise InvalidArgumentError(f"config['init_id']: expected an integer, got {iid!r}")
+            self.config = dict(config)
+            tp_rank, pp_rank, tp_size, pp_size = self.probe.ranks()
+            self._facts = self.probe.facts()
+            self.coord = {"tp_rank": tp_rank, "pp_rank": pp_rank, "tp_size": tp_size,
+                          "pp_size": pp_size, "replica": self._replica(config)}
+            if "plan" not in config:
+                raise InvalidArgumentError("config: missing 'plan' (Plan.spec)")
+            self.plan = Plan.from_spec(config["plan"])
+            if self.plan.engine != self.engine:
+                raise InvalidArgumentError(
+                    f"config['plan']: engine '{self.plan.engine}' but this hook runs inside "
+                    f"{self.engine}")
+            if (self.plan.tp, self.plan.pp) != (tp_size, pp_size):
+                raise InvalidArgumentError(
+                    f"engine is tp={tp_size}, pp={pp_size} but the plan's rollout is "
+                    f"tp={self.plan.tp}, pp={self.plan.pp}")
+            if self.coord["replica"] is None:
+                raise InvalidArgumentError(
+                    "replica: not in the config and not given by the engine (set "
+                    "config['replica'] or SHARDSYNC_REPLICA)")
+            self.coord["rank"] = self.plan.engine_rank(int(self.coord["replica"]), tp_rank,
+                                                       pp_rank)
+            from .layout_check import check_layout
+
+            check_layout(self.engine, self.plan, self._facts, config)
+            return {}
+
+        st = self._guard("capture", 0, body, post=False)
+        if not st["ok"]:
+            iid = config.get("init_id", 0) if isinstance(config, dict) else 0
+            st = self.post(dict(st, op="init", version=iid if isinstance(iid, int) else 0))
+            self.last = st
+        return st
+
+    def _replica(self, config: Dict[str, Any]) -> Optional[int]:
+        import os
+
+        if config.get("replica") is not None:
+            return int(config["replica"])
+        if os.environ.get("SHARDSYNC_REPLICA"):
+            return int(os.environ["SHARDSYNC_REPLICA"])
+        r = self._facts.get("dp_rank")  # vLLM's own DP rank, when it runs replicas itself
+        return None if r is None else int(r)
+
+    def open(self, version: int = 0) -> Dict[str, Any]:
+        """Validates and binds this rank's parameters, then connects (collective with every
+        other sync rank). Call after a successful capture(). `version`: the driver's init id."""
+        return self._guard("init", version, self.open_body)
+
+    def open_body(self) -> Dict[str, Any]:
+        """open() without the guard (raises)."""
+        from ..adapters import check_engine_params
+        from ..session import Session
+
+        if self.plan is None or self.config is None:
+            raise FailedPreconditionError("init before a successful capture of the config")
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        cfg = self.config
+        model = self._get_model()
+        # A model with a finalize step that rewrites layouts is refused before binding.
+        check_finalize_methods(model)
+        expected = self.plan.shard_map().rank(self.coord["tp_rank"], self.coord["pp_rank"]).params
+        pairs = check_engine_params(
+            list(expected), model.named_parameters(),
+            ignore_extra=bool(cfg.get("ignore_extra", False)),
+            wire_dtype=self.plan.wire_dtype)
+        self.loader_check = (check_loaders(pairs, tp=self.plan.tp)
+                             if cfg.get("check_loaders", True) else "disabled")
+        self._check_memory(pairs, cfg)
+        device = self._device(pairs, cfg)
+        # transport / staging: the Session's defaults unless the config names them.
+        kw = {k: cfg[k] for k in ("transport", "staging", "transport_params") if k in cfg}
+        s = Session(
+            self.plan, self.coord["rank"], cfg["store"], token=cfg.get("token", ""),
+            prefix=cfg.get("prefix", "ss/"),
+            connect_timeout=float(cfg.get("connect_timeout", 60.0)),
+            sync_timeout=float(cfg.get("sync_timeout", 60.0)), device=device, **kw)
+        try:
+            for n, t in pairs:
+                s.bind_destination(n, t)
+            s.connect()
+        except BaseException:
+            s.close()
+            raise
+        self.session = s
+        self.snapshot = {n: (tensor_ptr(t), tuple(int(d) for d in t.shape), _dtype_str(t))
+                         for n, t in pairs}
+        self.poisoned = None
+        return {"params": len(pairs), "device": device, "loader_check": self.loader_check}
+
+    def _check_memory(self, pairs: Sequence[Tuple[str, Any]], cfg: Dict[str, Any]) -> None:
+        mem = self.probe.memory(pairs)
+        if mem.get("asleep"):
+            names = mem["asleep"]
+            raise FailedPreconditionError(
+                f"engine is asleep: {len(names)} bound parameter(s) have no memory mapped "
+                f"({', '.join(names[:3])}); wake it (vLLM wake_up(tags=['weights']), SGLang "
+                "resume_memory_occupation(tags=['weights'])) before init or sync")
+        # cuda_ipc exports every registered region with cudaIpcGetMemHandle
+        # (cuda_ipc_transport.cc); "auto" routes device pairs on one node there too.
+        if (mem.get("cumem") and cfg.get("transport", "auto") in ("cuda_ipc", "auto")
+                and cfg.get("staging") != "host"):
+            names = mem["cumem"]
+            raise UnimplementedError(
+                f"parameter '{names[0]}' (and {len(names) - 1} more) live in cuMem / VMM "
+                "allocations (sleep mode / memory saver): cudaIpcGetMemHandle cannot export "
+                "them for the cuda_ipc transport; use transport 'nccl', or a host transport "
+                "('shm', 'ucx') with config['staging']='host'")
+
+    @staticmethod
+    def _device(pairs: Sequence[Tuple[str, Any]], cfg: Dict[str, Any]) -> Optional[int]:
+        devs = {_device_index(t) for _, t in pairs}
+        cuda = {d for d in devs if d is not None}
+        if cuda and None in devs:
+            host = next(n for n, t in pairs if _device_index(t) is None)
+            raise InvalidArgumentError(
+                f"parameter '{host}' is in host memory while others are on CUDA device(s) "
+                f"{sorted(cuda)}: one rank binds one kind of memory")
+        if len(cuda) > 1:
+            raise InvalidArgumentError(f"parameters span CUDA devices {sorted(cuda)}")
+        if not cuda or cfg.get("staging") == "host":
+            return None  # host memory, or staging asked for
+        return next(iter(cuda))
+
+    # ---- sync ----
+    def check_bound(self, when: str) -> None:
+        """Re-reads the model's parameters: every bound one must still be the same memory with
+        the same shape and dtype, and still pass the loader check (a failure poisons the rank:
+        the session is bound to memory the engine may no longer read)."""
+        model = self._get_model()
+        live = dict(model.named_parameters())
+        for name, (ptr, shape, dtype) in self.snapshot.items():
+            t = live.get(name)
+            if t is None:
+                raise FailedPreconditionError(f"{when}: parameter '{name}' is gone from the model")
+            now = (tensor_ptr(t), tuple(int(d) for d in t.shape), _dtype_str(t))
+            if now != (ptr, shape, dtype):
+                raise FailedPreconditionError(
+                    f"{when}: parameter '{name}' was replaced (data_ptr {ptr:#x} -> {now[0]:#x}, "
+                    f"shape {list(shape)} -> {list(now[1])}, dtype {dtype} -> {now[2]}); the "
+                    "session is bound to the old memory, so a sync would land where the engine "
+                    "no longer reads (the engine's post-load step re-registered it, e.g. vLLM "
+                    "replace_parameter). This layout is refused; re-init after a reload")
+        if self.loader_check == "checked":
+            check_loaders([(n, live[n]) for n in self.snapshot], tp=self.plan.tp)
+
+    def check_awake(self, when: str) -> None:
+        """Refuses while bound parameters are unmapped (sleep); transient, does not poison."""
+        live = dict(self._get_model().named_parameters())
+        mem = self.probe.memory([(n, live[n]) for n in self.snapshot if n in live])
+        if mem.get("asleep"):
+            raise FailedPreconditionError(
+                f"{when}: engine is asleep ({', '.join(mem['asleep'][:3])} released); wake it "
+                "(vLLM wake_up(tags=['weights']), SGLang resume_memory_occupation) first")
+
+    def do_sync(self, version: int, finalize: bool = True) -> Dict[str, Any]:
+        """The sync body (raises; wrap with _guard): pre-check, sync, finalize, post-check."""
+        if self.session is None:
+            raise FailedPreconditionError("sync before a successful init on this rank")
+        if self.poisoned:
+            raise FailedPreconditionError(f"rank refuses to sync: {self.poisoned}")
+        self.check_awake("before sync")
+        try:
+            self.check_bound("before sync")
+        except Error as e:
+            self.poisoned = str(e)
+            raise
+        report = self.session.sync(int(version))
+        if finalize:
+            self.run_finalize("after sync")
+        return {"report": _summary(report)}
+
+    def run_finalize(self, when: str) -> None:
+        if self.finalize is not None:
+            self.finalize(self._get_model())
+        try:
+            self.check_bound(when + " + finalize")
+        except Error as e:
+            self.poisoned = str(e)
+            raise
+
+    def sync(self, version: int) -> Dict[str, Any]:
+        """Blocking sync + finalize (vLLM; SGLang with pp == 1)."""
+        return self._guard("sync", int(version), lambda: self.do_sync(version))
+
+    # ---- background jobs (SGLang: a request is handled on stage 0 before it is forwarded, so
+    # nothing collective may block the scheduler; engine-layouts.md 4.1) ----
+    def _ensure_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._run_jobs, name="shardsync-hook",
+                                            daemon=True)
+            self._worker.start()
+
+    def _run_jobs(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            job.status = self._guard(job.op, job.version, job.fn, post=job.post)
+            job.done.set()
+
+    def submit(self, op: str, version: int, fn: Callable[[], Dict[str, Any]],
+               post: bool) -> Dict[str, Any]:
+        job = _Job(op, version, fn, post)
+        with self._lock:
+            self._pending.append(job)
+        self._ensure_worker()
+        self._queue.put(job)
+        return make_status(op, version, self.coord, queued=True)
+
+    def wait(self, timeout: float) -> Tuple[List[Dict[str, Any]], Optional[BaseException]]:
+        """Joins every job submitted since the last wait (bounded). Returns their statuses and a
+        DeadlineExceededError when some are still running (they stay pending)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            jobs = list(self._pending)
+        done: List[Dict[str, Any]] = []
+        for j in jobs:
+            if not j.done.wait(max(0.0, deadline - time.monotonic())):
+                return done, DeadlineExceededError(
+                    f"{j.op} (version {j.version}) still running after {timeout:.0f}s")
+            assert j.status is not None
+            done.append(j.status)
+            with self._lock:
+                self._pending.remove(j)
+        return done, None
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._pending)
+
+    def close(self) -> Dict[str, Any]:
+        def body() -> Dict[str, Any]:
+            if self.session is not None:
+                self.session.close()
+                self.session = None
+            return {}
+
+        st = self._guard("close", 0, body, post=False)
+        if self._worker is not None and self._worker.is_alive():
+            self._queue.put(None)
+        return st
+
+
+def _summary(report: Any) -> Any:
+    if not isinstance(report, dict):
+        return report
+    keep = ("version", "bytes", "seconds", "gbps", "slowest_rank", "checksums_ok",
+            "checksums_total", "verified")
+    out = {k: report.get(k) for k in keep if k in report}
+    ranks = report.get("ranks")
+    if isinstance(ranks, (list, tuple)):
+        out["failed_ranks"] = [i for i, r in enumerate(ranks)
+                               if isinstance(r, dict) and not r.get("ok", True)]
+    return out

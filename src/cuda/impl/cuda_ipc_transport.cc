@@ -613,7 +613,6 @@ class IpcSendPair final : public PreparedPair {
     cudaSetDevice(t_.device());
     if (done_) cudaEventDestroy(done_);
     if (host_) cudaFreeHost(host_);
-    if (stream_) cudaStreamDestroy(stream_);
   }
 
   Status Init(BatchSpec spec) {
@@ -621,9 +620,6 @@ class IpcSendPair final : public PreparedPair {
     SS_ASSIGN_OR_RETURN(lsum_, DeviceBuffer::Allocate(nb * 8, t_.device()));
     SS_CUDA(cudaMallocHost(&host_, nb * 8), "cuda_ipc: pinned landed sums");
     SS_CUDA(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cuda_ipc: pair event");
-    // A stream per pair: a sender's launches into several peers run side by side, so one
-    // launch's tail overlaps the next one's work instead of idling SMs.
-    SS_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cuda_ipc: pair stream");
     for (size_t b = 0; b < nb; ++b) {
       spec.landed_sums.push_back(static_cast<unsigned char*>(lsum_->data()) + 8 * b);
     }
@@ -634,7 +630,7 @@ class IpcSendPair final : public PreparedPair {
   Status Post(uint64_t version) override {
     if (cancelled_) return AbortedError("cuda_ipc: pair with rank " + std::to_string(peer_) + " was cancelled");
     SS_RETURN_IF_ERROR(t_.CheckPeer(peer_));
-    cudaStream_t s = stream_;
+    cudaStream_t s = t_.stream();
     SS_CUDA(cudaSetDevice(t_.device()), "cuda_ipc: cudaSetDevice");
     SS_CUDA(cudaMemsetAsync(lsum_->data(), 0, bytes_.size() * 8, s), "cuda_ipc: zero landed sums");
     SS_RETURN_IF_ERROR(batch_->Launch(s));
@@ -688,7 +684,6 @@ class IpcSendPair final : public PreparedPair {
   std::unique_ptr<DeviceBuffer> lsum_;
   unsigned long long* host_ = nullptr;
   cudaEvent_t done_ = nullptr;
-  cudaStream_t stream_ = nullptr;
   enum { kIdle, kLaunched, kSending } state_ = kIdle;
   uint64_t version_ = 0;
   std::vector<uint64_t> msg_;

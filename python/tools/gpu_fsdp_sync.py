@@ -199,11 +199,21 @@ def main():
             p = ctx.Process(target=fn, args=(r, args, srv.address, q))
             p.start()
             procs.append(p)
-        results = [q.get(timeout=900) for _ in procs]
+        results = []
+        for _ in procs:  # a rank's failure is printed at once (its peers may then hang)
+            try:
+                item = q.get(timeout=900 if not any(k == "error" for k, _, _ in results) else 60)
+            except Exception:  # noqa: BLE001 - queue.Empty: the rest never reported
+                break
+            if item[0] == "error":
+                print(f"rank {item[1]} failed: {item[2]}", file=sys.stderr, flush=True)
+            results.append(item)
         for p in procs:
             p.join(60)
+            if p.is_alive():
+                p.kill()
     results.sort(key=lambda x: x[1])
-    ok = all(kind != "error" for kind, _, _ in results)
+    ok = len(results) == len(procs) and all(kind != "error" for kind, _, _ in results)
     mism = sum(v["mismatches"] for k, _, v in results if k == "engine")
     elems = sum(v["elements"] for k, _, v in results if k == "engine")
     tr = [v for k, _, v in results if k == "trainer"]

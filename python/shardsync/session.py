@@ -20,6 +20,7 @@ nccl for device sessions, shm on one host / ucx across hosts for host sessions; 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ._native import native
@@ -184,7 +185,8 @@ class Session:
             self._native.bind_source(hf_name, host, region)
             self._staged_sources.append((tensor, host))
         else:
-            self._native.bind_source(hf_name, tensor, region)
+            with _device_guard(tensor):
+                self._native.bind_source(hf_name, tensor, region)
 
     def bind_destination(self, name: str, tensor: Any) -> None:
         """Engine ranks: parameter `name` (engine naming) with its local shape; bytes land in it."""
@@ -194,7 +196,8 @@ class Session:
             self._native.bind_destination(name, host)
             self._staged_dests.append((tensor, host))
         else:
-            self._native.bind_destination(name, tensor)
+            with _device_guard(tensor):
+                self._native.bind_destination(name, tensor)
 
     def bind_sources(self, tensors: Mapping[str, Any]) -> None:
         for name, t in tensors.items():
@@ -249,6 +252,18 @@ def _unimplemented(what: str) -> Exception:
     return UnimplementedError(
         f"{what}: CUDA tensors cannot be bound directly by this build and staging='never'"
     )
+
+
+def _device_guard(tensor: Any) -> Any:
+    """torch exports a CUDA tensor through DLPack only while its GPU is the current device
+    ("Can't export tensors on a different CUDA device index", seen on 2 H200s with ranks on GPU 1
+    whose current device had become 0): bind under that device."""
+    dev = getattr(tensor, "device", None)
+    if getattr(dev, "type", None) == "cuda" and getattr(dev, "index", None) is not None:
+        import torch
+
+        return torch.cuda.device(dev.index)
+    return contextlib.nullcontext()
 
 
 class _no_grad:

@@ -158,8 +158,8 @@ void AppendRegionRuns(const Region& r, const Shape& shape, const void* in, int i
 // `out`): pieces contiguous on both sides, equal ones at constant strides merged into 2-d runs.
 // Wire positions (as AppendRegionRuns) start at wire_offset.
 void AppendCoRuns(const Region& src, const Shape& src_shape, const void* in, int in_size,
-                  const Region& dst, const Shape& dst_shape, void* out, int out_size,
-                  int wire_size, int32_t bucket, int64_t wire_offset, std::vector<CopyRun>* runs);
+                  const Region& dst, const Shape& dst_shape, void* out, int out_size, int wire_size,
+                  int32_t bucket, int64_t wire_offset, std::vector<CopyRun>* runs);
 
 // GPU checksum of device bytes (any size, any alignment): ChecksumPartial(d, nbytes, byte_offset)
 // computed on the GPU. Synchronous.

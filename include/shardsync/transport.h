@@ -41,8 +41,8 @@ struct TransportCaps {
   bool one_sided_put = false;  // Put into remote registered memory
   bool two_sided = false;      // Send / Recv
   bool same_node_only = false;
-  bool summed_copy = false;  // PostSendSummed / PostRecvSummed (the transport copies the bytes)
-  bool filled_send = false;  // PostSendFilled (the caller writes into the transport's staging)
+  bool summed_copy = false;   // PostSendSummed / PostRecvSummed (the transport copies the bytes)
+  bool filled_send = false;   // PostSendFilled (the caller writes into the transport's staging)
   bool tag_matching = false;  // two-sided messages matched by (source, tag); else by order per pair
   bool prepared = false;      // Prepare: a pair's whole slice of the plan compiled once (below)
 };
@@ -116,7 +116,8 @@ struct PairSpec {
 };
 // Per bucket, the finished checksum (checksum.h) of the wire image as packed, and as landed
 // where this side knows it: the sender of cuda_ipc reads every landed word back through the
-// receiver's map; an nccl receiver sums while unpacking. Empty `landed` where the other side has it.
+// receiver's map; an nccl receiver sums while unpacking. Empty `landed` where the other side has
+// it.
 struct PairSums {
   std::vector<uint64_t> packed;
   std::vector<uint64_t> landed;
@@ -144,7 +145,6 @@ class PreparedPair {
 
 // Options of prepared pairs, as TransportOptions.params keys (measured defaults in
 // docs/benchmarks.md): "nccl_chunk_bytes" (bytes per NCCL round), "nccl_depth" (rounds in flight).
-
 
 class Transport {
  public:
@@ -207,7 +207,6 @@ Status WaitAllXfers(Transport& t, const std::vector<XferId>& ids, Millis timeout
 
 // This host's identity for transport selection (gpu_id empty: see gpu::DevicePeerInfo).
 PeerInfo LocalPeerInfo(int rank, MemKind mem = MemKind::kHost, int device = -1);
-
 
 // ---------------------------------------------------------------------------------------------
 // Loopback: in-process transport for tests. Every rank is a Transport object sharing one hub;

@@ -42,28 +42,26 @@ void AppendRegionRuns(const Region& r, const Shape& shape, const void* in, int i
 }
 
 void AppendCoRuns(const Region& src, const Shape& src_shape, const void* in, int in_size,
-                  const Region& dst, const Shape& dst_shape, void* out, int out_size,
-                  int wire_size, int32_t bucket, int64_t wire_offset,
-                  std::vector<CopyRun>* runs) {
+                  const Region& dst, const Shape& dst_shape, void* out, int out_size, int wire_size,
+                  int32_t bucket, int64_t wire_offset, std::vector<CopyRun>* runs) {
   std::vector<std::pair<int64_t, int64_t>> sr, dr;  // (element offset, length) runs
   ForEachRun(src, src_shape, [&](int64_t off, int64_t len) { sr.emplace_back(off, len); });
   ForEachRun(dst, dst_shape, [&](int64_t off, int64_t len) { dr.emplace_back(off, len); });
   const auto* in_b = static_cast<const unsigned char*>(in);
   auto* out_b = static_cast<unsigned char*>(out);
   size_t i = 0, j = 0;
-  int64_t ip = 0, jp = 0;   // positions inside sr[i] / dr[j]
-  int64_t done = 0;         // elements emitted (wire order)
+  int64_t ip = 0, jp = 0;  // positions inside sr[i] / dr[j]
+  int64_t done = 0;        // elements emitted (wire order)
   CopyRun cur;
   bool open = false;
   int64_t first_in = 0, first_out = 0;  // element offsets of cur's first row
   while (i < sr.size() && j < dr.size()) {
     const int64_t n = std::min(sr[i].second - ip, dr[j].second - jp);
     const int64_t so = sr[i].first + ip, doff = dr[j].first + jp;
-    const bool extends =
-        open && n == cur.row_elems &&
-        (cur.rows == 1 ? so - first_in >= n && doff - first_out >= n
-                       : so - first_in == cur.rows * cur.in_stride &&
-                             doff - first_out == cur.rows * cur.out_stride);
+    const bool extends = open && n == cur.row_elems &&
+                         (cur.rows == 1 ? so - first_in >= n && doff - first_out >= n
+                                        : so - first_in == cur.rows * cur.in_stride &&
+                                              doff - first_out == cur.rows * cur.out_stride);
     if (extends) {
       if (cur.rows == 1) {
         cur.in_stride = so - first_in;

@@ -22,10 +22,10 @@ namespace shardsync {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using sync_internal::kBenchVersionBroadcast;
-using sync_internal::kBenchVersionRaw;
 using sync_internal::BcastBucket;
 using sync_internal::BroadcastBuckets;
+using sync_internal::kBenchVersionBroadcast;
+using sync_internal::kBenchVersionRaw;
 using sync_internal::MakeTag;
 
 // Copies region `sr` of a row-major tensor (shape ss) into region `dr` of another (shape ds),

@@ -60,7 +60,8 @@ class DeviceRank {
     return store_.Barrier(job_.prefix + "bench/" + name, world_, job_.timeout);
   }
   void Record(std::vector<double>& v, int i, Clock::time_point t0) const {
-    if (i >= job_.bench_warmup) v.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    if (i >= job_.bench_warmup)
+      v.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
   Status SyncStream(const char* what) { return stream_->Synchronize(job_.timeout, what); }
   Status FillTrainer();
@@ -148,8 +149,8 @@ Status DeviceRank::Setup(bool bench) {
     SS_ASSIGN_OR_RETURN(PlanSummary sum, SummarizePlan(in_));
     for (const auto& e : sum.engine_ranks) total_bytes_ += e.owned_bytes;
     for (int e = S_; e < world_; ++e) {
-      SS_ASSIGN_OR_RETURN(std::string id, store_.Get(Key("slots/" + std::to_string(e)),
-                                                     job_.timeout));
+      SS_ASSIGN_OR_RETURN(std::string id,
+                          store_.Get(Key("slots/" + std::to_string(e)), job_.timeout));
       slot_region_[e] = static_cast<uint32_t>(std::strtoul(id.c_str(), nullptr, 10));
     }
   }
@@ -171,10 +172,11 @@ Status DeviceRank::FillTrainer() {
   for (size_t i = 0; i < inv_.size(); ++i) {
     if (held[i].empty()) continue;
     void* at = static_cast<unsigned char*>(buf_->data()) + offsets_[i];
-    SS_RETURN_IF_ERROR(gpu::FillSyntheticDevice(job_.seed, SyntheticFor(inv_[i].name, inv_[i].shape),
+    SS_RETURN_IF_ERROR(gpu::FillSyntheticDevice(job_.seed,
+                                                SyntheticFor(inv_[i].name, inv_[i].shape),
                                                 inv_[i].shape, held[i], td, at, stream_->handle()));
-    SS_RETURN_IF_ERROR(session_->BindSource(
-        {inv_[i].name, at, td, held[i], MemKind::kCuda, device_}));
+    SS_RETURN_IF_ERROR(
+        session_->BindSource({inv_[i].name, at, td, held[i], MemKind::kCuda, device_}));
   }
   return SyncStream("trainer fill");
 }
@@ -191,8 +193,12 @@ Status DeviceRank::AllocEngine() {
   SS_RETURN_IF_ERROR(Scramble());
   const auto& params = session_->ExpectedParams();
   for (size_t i = 0; i < params.size(); ++i) {
-    DestBinding b{params[i].name, static_cast<unsigned char*>(buf_->data()) + offsets_[i], wd,
-                  params[i].shape, MemKind::kCuda, device_};
+    DestBinding b{params[i].name,
+                  static_cast<unsigned char*>(buf_->data()) + offsets_[i],
+                  wd,
+                  params[i].shape,
+                  MemKind::kCuda,
+                  device_};
     dests_.push_back(b);
     SS_RETURN_IF_ERROR(session_->BindDest(b));
   }
@@ -260,8 +266,8 @@ Status DeviceRank::Dump() {
                        {host.data() + offsets_[i],
                         static_cast<size_t>(params[i].numel() * DTypeSize(dests_[i].dtype))}});
   }
-  return WriteEngineDump(job_.dump_dir + "/rank-" + std::to_string(rank_) + ".safetensors",
-                         tensors, {who_.replica, who_.tp_rank, who_.pp_rank})
+  return WriteEngineDump(job_.dump_dir + "/rank-" + std::to_string(rank_) + ".safetensors", tensors,
+                         {who_.replica, who_.tp_rank, who_.pp_rank})
       .Annotate("--dump-dir");
 }
 
@@ -389,8 +395,8 @@ Status DeviceRank::BroadcastSend() {
   const std::string rep = std::to_string(broadcast_rep_++);
   std::vector<uint64_t> ctrl(rounds_.size());
   auto ack = [&](int e, size_t r) -> Status {
-    return store_.Get(Key("ack/" + rep + "/" + std::to_string(e) + "/" + std::to_string(r)),
-                      job_.timeout)
+    return store_
+        .Get(Key("ack/" + rep + "/" + std::to_string(e) + "/" + std::to_string(r)), job_.timeout)
         .status()
         .Annotate("broadcast ack of sync rank " + std::to_string(e));
   };
@@ -405,8 +411,8 @@ Status DeviceRank::BroadcastSend() {
                                                     (r % 2) * slot_bytes_));
         SS_ASSIGN_OR_RETURN(XferId fl, tx_.PostFlush(e));
         SS_RETURN_IF_ERROR(WaitAllXfers(tx_, {put, fl}, job_.timeout, "broadcast put"));
-        SS_ASSIGN_OR_RETURN(XferId c, tx_.PostSend(e, MakeTag(true, kBenchVersionBroadcast, r),
-                                                   &ctrl[r], 8));
+        SS_ASSIGN_OR_RETURN(XferId c,
+                            tx_.PostSend(e, MakeTag(true, kBenchVersionBroadcast, r), &ctrl[r], 8));
         ids.push_back(c);
       } else {
         SS_ASSIGN_OR_RETURN(XferId s, tx_.PostSend(e, MakeTag(false, kBenchVersionBroadcast, r),
@@ -435,10 +441,10 @@ Status DeviceRank::BroadcastReceive() {
   std::vector<uint64_t> ctrl(rounds_.size());
   for (size_t r = 0; r < rounds_.size(); ++r) {
     void* slot = static_cast<unsigned char*>(slots_->data()) + (r % 2) * slot_bytes_;
-    SS_ASSIGN_OR_RETURN(XferId id,
-                        put ? tx_.PostRecv(0, MakeTag(true, kBenchVersionBroadcast, r), &ctrl[r], 8)
-                            : tx_.PostRecv(0, MakeTag(false, kBenchVersionBroadcast, r), slot,
-                                           rounds_[r].bytes));
+    SS_ASSIGN_OR_RETURN(
+        XferId id,
+        put ? tx_.PostRecv(0, MakeTag(true, kBenchVersionBroadcast, r), &ctrl[r], 8)
+            : tx_.PostRecv(0, MakeTag(false, kBenchVersionBroadcast, r), slot, rounds_[r].bytes));
     SS_RETURN_IF_ERROR(WaitXfer(tx_, id, job_.timeout, "broadcast round " + std::to_string(r)));
     if (slices_[r]) {
       SS_RETURN_IF_ERROR(slices_[r]->Launch(stream_->handle()));
@@ -455,7 +461,8 @@ Status DeviceRank::BroadcastReceive() {
 Status DeviceRank::RawMemcpy() {
   if (!raw_) {
     const int64_t chunk = std::min<int64_t>(total_bytes_, int64_t{1} << 30);
-    SS_ASSIGN_OR_RETURN(raw_, gpu::DeviceBuffer::Allocate(2 * std::max<int64_t>(chunk, 1), device_));
+    SS_ASSIGN_OR_RETURN(raw_,
+                        gpu::DeviceBuffer::Allocate(2 * std::max<int64_t>(chunk, 1), device_));
   }
   const int64_t chunk = static_cast<int64_t>(raw_->bytes() / 2);
   auto* a = static_cast<unsigned char*>(raw_->data());

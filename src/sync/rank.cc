@@ -467,9 +467,8 @@ Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Tra
   res.pp_rank = who.pp_rank;
   res.trainer_rank = who.trainer_rank;
   if (job.device == "cuda" || job.mode == JobMode::kBench) {
-    Status s = job.device == "cuda"
-                   ? RunDeviceRank(job, rank, who, store, transport, res, progress)
-                   : RunBenchRank(job, rank, who, store, transport, res, progress);
+    Status s = job.device == "cuda" ? RunDeviceRank(job, rank, who, store, transport, res, progress)
+                                    : RunBenchRank(job, rank, who, store, transport, res, progress);
     res.ok = s.ok();
     if (!s.ok()) res.error = s.ToString();
     res.peak_rss_bytes = PeakRssBytes();

@@ -128,8 +128,7 @@ void Trace(int rank, uint64_t version, const std::string& what) {
     return v && *v && *v != '0';
   }();
   if (!on) return;
-  const double t =
-      std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+  const double t = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
   std::fprintf(stderr, "%.6f sync rank %d v%llu: %s\n", t, rank,
                static_cast<unsigned long long>(version), what.c_str());
 }
@@ -777,8 +776,8 @@ class SessionImpl final : public SyncSession {
     if (hs.put || hs.summed) {
       // The flush completed: the bytes are visible at the receiver before it hears of them.
       auto c = MakeControl(f);
-      SS_ASSIGN_OR_RETURN(XferId id, tx_.PostSend(m.dst, ControlTag(version_, f.bucket), c.get(),
-                                                  sizeof(Control)));
+      SS_ASSIGN_OR_RETURN(
+          XferId id, tx_.PostSend(m.dst, ControlTag(version_, f.bucket), c.get(), sizeof(Control)));
       hs.ctrl_ids.push_back(id);
       hs.sent_controls.push_back(std::move(c));
     }
@@ -931,7 +930,9 @@ class SessionImpl final : public SyncSession {
   Status PreparePairs(Clock::time_point deadline) {
     send_pairs_.resize(plan_.sends.size());
     recv_pairs_.resize(plan_.recvs.size());
-    auto left = [&] { return std::max(Millis(1), std::chrono::duration_cast<Millis>(deadline - Clock::now())); };
+    auto left = [&] {
+      return std::max(Millis(1), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
+    };
     for (size_t mi = 0; mi < plan_.recvs.size(); ++mi) {
       const Message& m = plan_.recvs[mi];
       if (!Prepared(m.src)) continue;
@@ -1015,9 +1016,8 @@ class SessionImpl final : public SyncSession {
       }
       std::string text;
       for (uint64_t v : sums.packed) text += (text.empty() ? "" : ",") + Hex(v);
-      SS_RETURN_IF_ERROR(store_.Set(Key(VKey("sums/") + std::to_string(rank_) + "_" +
-                                        std::to_string(m.dst)),
-                                    text));
+      SS_RETURN_IF_ERROR(store_.Set(
+          Key(VKey("sums/") + std::to_string(rank_) + "_" + std::to_string(m.dst)), text));
       for (const Bucket& b : m.buckets) st.send_bytes += b.bytes;
     }
     return OkStatus();
@@ -1304,8 +1304,8 @@ class SessionImpl final : public SyncSession {
             Result<XferId> id = XferId{0};
             if (hr.summed) {
               hr.sums->push_back(CopySum{static_cast<uint64_t>(r.wire_offset), 0});
-              id = tx_.PostRecvSummed(m.src, DataTag(version_, seq++), dst, r.len,
-                                      &hr.sums->back());
+              id =
+                  tx_.PostRecvSummed(m.src, DataTag(version_, seq++), dst, r.len, &hr.sums->back());
             } else {
               id = tx_.PostRecv(m.src, DataTag(version_, seq++), dst, r.len);
             }
@@ -1313,8 +1313,8 @@ class SessionImpl final : public SyncSession {
             e.ids.push_back(*id);
           }
         }
-        SS_ASSIGN_OR_RETURN(XferId id, tx_.PostRecv(m.src, ControlTag(version_, bi),
-                                                    &(*hr.ctrl)[k], sizeof(Control)));
+        SS_ASSIGN_OR_RETURN(XferId id, tx_.PostRecv(m.src, ControlTag(version_, bi), &(*hr.ctrl)[k],
+                                                    sizeof(Control)));
         e.ids.push_back(id);
         hr.pending.push_back(std::move(e));
       }
@@ -1338,8 +1338,8 @@ class SessionImpl final : public SyncSession {
           auto state = tx_.Poll(e.ids[done]);
           if (!state.ok()) {
             Status s = state.status();
-            return s.Annotate("sync rank " + std::to_string(rank_) +
-                              ": receiving from sync rank " + std::to_string(m.src));
+            return s.Annotate("sync rank " + std::to_string(rank_) + ": receiving from sync rank " +
+                              std::to_string(m.src));
           }
           if (*state == XferState::kInProgress) break;
         }

@@ -173,7 +173,8 @@ class RoutedTransport final : public Transport {
 
   Result<XferState> Poll(XferId id) override {
     auto it = ids_.find(id);
-    if (it == ids_.end()) return InvalidArgumentError("routing: unknown xfer " + std::to_string(id));
+    if (it == ids_.end())
+      return InvalidArgumentError("routing: unknown xfer " + std::to_string(id));
     auto st = subs_[it->second.first].t->Poll(it->second.second);
     if (!st.ok() || *st == XferState::kDone) ids_.erase(it);
     return st;

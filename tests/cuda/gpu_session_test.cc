@@ -63,8 +63,8 @@ Status SetUpRank(const JobSpec& job, int r, int gpus, const std::string& hint,
       k.bufs.push_back(std::move(buf));
     }
   } else {
-    SS_ASSIGN_OR_RETURN(k.host, sync_internal::AllocateEngineParams(
-                                    k.session->ExpectedParams(), job.inputs.options.wire_dtype));
+    SS_ASSIGN_OR_RETURN(k.host, sync_internal::AllocateEngineParams(k.session->ExpectedParams(),
+                                                                    job.inputs.options.wire_dtype));
     for (DestBinding b : k.host.bindings) {
       const size_t n = NumElements(b.shape) * DTypeSize(b.dtype);
       SS_ASSIGN_OR_RETURN(auto buf, DeviceBuffer::Allocate(n, k.device));
@@ -80,8 +80,7 @@ Status SetUpRank(const JobSpec& job, int r, int gpus, const std::string& hint,
 }
 
 void RunJob(int gpus, const std::string& hint, const std::string& want_cross) {
-  JobSpec job = testing::Job(testing::TinyQwen2(4), "fsdp=2", "dp=1,tp=2,pp=2", "sglang",
-                             16 << 10);
+  JobSpec job = testing::Job(testing::TinyQwen2(4), "fsdp=2", "dp=1,tp=2,pp=2", "sglang", 16 << 10);
   auto server = StoreServer::Start("127.0.0.1", 0, "tok");
   ASSERT_TRUE(server.ok());
   const int world = SyncWorldSize(job.inputs);
@@ -91,7 +90,8 @@ void RunJob(int gpus, const std::string& hint, const std::string& want_cross) {
     std::vector<std::thread> ts;
     for (int r = 0; r < world; ++r) ts.emplace_back([&, r] { st[r] = fn(r); });
     for (auto& t : ts) t.join();
-    for (int r = 0; r < world; ++r) ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].ToString();
+    for (int r = 0; r < world; ++r)
+      ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].ToString();
   };
   all([&](int r) { return SetUpRank(job, r, gpus, hint, (*server)->address(), ranks[r]); });
   // Routing: same-GPU pairs over cuda_ipc, the others as the hint says.

@@ -30,9 +30,9 @@ using ::testing::HasSubstr;
 struct Wire {
   std::mutex mu;
   std::map<std::tuple<int, int, uint64_t>, std::vector<std::vector<unsigned char>>> msgs;
-  std::atomic<int> flip_from{-1};     // this sender flips a byte of its first bucket to flip_to
+  std::atomic<int> flip_from{-1};  // this sender flips a byte of its first bucket to flip_to
   std::atomic<int> flip_to{-1};
-  std::atomic<int> silent_from{-1};   // this sender never delivers
+  std::atomic<int> silent_from{-1};  // this sender never delivers
   std::atomic<int> posts{0}, cancels{0};
 };
 Wire& TheWire() {
@@ -58,7 +58,8 @@ class FakePair final : public PreparedPair {
       sums_.packed.push_back(sum);
       msg.push_back(std::move(bytes));
     }
-    if (TheWire().flip_from == self_ && TheWire().flip_to == spec_.peer) msg[0][msg[0].size() / 2] ^= 0x40;
+    if (TheWire().flip_from == self_ && TheWire().flip_to == spec_.peer)
+      msg[0][msg[0].size() / 2] ^= 0x40;
     if (TheWire().silent_from == self_) return OkStatus();
     std::lock_guard<std::mutex> lk(TheWire().mu);
     TheWire().msgs[{self_, spec_.peer, version}] = std::move(msg);
@@ -206,9 +207,9 @@ class RoutedJob {
         SS_ASSIGN_OR_RETURN(k.shards, sync_internal::FillTrainerShards(spec_, r));
         for (auto& b : k.shards.bindings) SS_RETURN_IF_ERROR(k.session->BindSource(b));
       } else {
-        SS_ASSIGN_OR_RETURN(k.params, sync_internal::AllocateEngineParams(
-                                          k.session->ExpectedParams(),
-                                          spec_.inputs.options.wire_dtype));
+        SS_ASSIGN_OR_RETURN(k.params,
+                            sync_internal::AllocateEngineParams(k.session->ExpectedParams(),
+                                                                spec_.inputs.options.wire_dtype));
         for (auto& b : k.params.bindings) SS_RETURN_IF_ERROR(k.session->BindDest(b));
       }
       return k.session->Connect();
@@ -294,7 +295,7 @@ TEST(PreparedPairs, SilentSenderFailsEveryRankInTimeAndReconnectWorks) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     TheWire().silent_from = -1;
     for (int r = 0; r < job.world(); ++r) EXPECT_FALSE(st[r].ok()) << "rank " << r;
-    EXPECT_LT(s, 5.0);  // each rank's own bound is the 1.5 s sync timeout
+    EXPECT_LT(s, 5.0);                       // each rank's own bound is the 1.5 s sync timeout
     EXPECT_GT(TheWire().cancels, cancels0);  // receivers gave up their pairs
     // A cancelled pair stays cancelled: the job must re-connect.
     bool aborted = false;

@@ -54,7 +54,8 @@ struct Ranks {
     std::vector<Status> st(n);
     std::vector<std::thread> ts;
     for (int r = 0; r < n; ++r) {
-      stores.push_back(std::move(StoreClient::Connect(server->address(), "t", Millis(5000))).value());
+      stores.push_back(
+          std::move(StoreClient::Connect(server->address(), "t", Millis(5000))).value());
       tx.push_back(std::move(NewRoutedTransport({infos[r], hint, {}})).value());
     }
     for (int r = 0; r < n; ++r) {

@@ -88,8 +88,8 @@ int RunFault(const BenchFlags& f, const JobSpec& job) {
   const int world = SyncWorldSize(job.inputs);
   if (f.kill_rank >= world) {
     return ReportError(InvalidArgumentError("--kill-rank: " + std::to_string(f.kill_rank) +
-                                            " outside the sync world [0, " +
-                                            std::to_string(world) + ")"));
+                                            " outside the sync world [0, " + std::to_string(world) +
+                                            ")"));
   }
   LocalJobOptions lo;
   lo.job = job;
@@ -162,10 +162,9 @@ void PrintText(const JobSpec& job, const BenchSummary& b, const json& extra, boo
                   g["reference_tokens"].dump().c_str());
     }
   }
-  std::printf(
-      "  sharded / raw = %.2f, speedup vs broadcast = %.2fx, wire bytes == owned: %s, %s\n",
-      b.ratio_to_raw, b.speedup_vs_broadcast, wire_eq_owned ? "yes" : "NO",
-      verified ? "verified" : "NOT VERIFIED");
+  std::printf("  sharded / raw = %.2f, speedup vs broadcast = %.2fx, wire bytes == owned: %s, %s\n",
+              b.ratio_to_raw, b.speedup_vs_broadcast, wire_eq_owned ? "yes" : "NO",
+              verified ? "verified" : "NOT VERIFIED");
 }
 
 int Run(const BenchFlags& f) {
@@ -227,8 +226,9 @@ int Run(const BenchFlags& f) {
     if (auto n = gpu::DeviceCount(); n.ok()) extra["gpus_visible"] = *n;
   }
   // Device runs also carry the last sharded sync's job report (every bucket's checksum).
-  const bool sums_ok = job->device != "cuda" || (r0.report.checksums_total > 0 &&
-                                                 r0.report.checksums_ok == r0.report.checksums_total);
+  const bool sums_ok =
+      job->device != "cuda" ||
+      (r0.report.checksums_total > 0 && r0.report.checksums_ok == r0.report.checksums_total);
   const bool verified = b->verified && wire_eq_owned && generation_ok && sums_ok;
   if (f.json) {
     json j = {{"device", job->device},

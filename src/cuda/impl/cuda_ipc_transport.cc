@@ -529,7 +529,6 @@ class CudaIpcTransport final : public Transport {
   XferId next_id_ = 1;
 };
 
-
 // ---- prepared pairs ----
 //
 // Sender: ONE pack launch per replay casts every bucket of the pair straight into the receiver's
@@ -565,7 +564,8 @@ class IpcRecvPair final : public PreparedPair {
       : t_(t), peer_(peer), msg_(2 + buckets) {}
 
   Status Post(uint64_t version) override {
-    if (cancelled_) return AbortedError("cuda_ipc: pair with rank " + std::to_string(peer_) + " was cancelled");
+    if (cancelled_)
+      return AbortedError("cuda_ipc: pair with rank " + std::to_string(peer_) + " was cancelled");
     version_ = version;
     SS_ASSIGN_OR_RETURN(id_, t_.PostRecv(peer_, PairTag(version), msg_.data(), msg_.size() * 8));
     posted_ = true;
@@ -628,7 +628,8 @@ class IpcSendPair final : public PreparedPair {
   }
 
   Status Post(uint64_t version) override {
-    if (cancelled_) return AbortedError("cuda_ipc: pair with rank " + std::to_string(peer_) + " was cancelled");
+    if (cancelled_)
+      return AbortedError("cuda_ipc: pair with rank " + std::to_string(peer_) + " was cancelled");
     SS_RETURN_IF_ERROR(t_.CheckPeer(peer_));
     cudaStream_t s = t_.stream();
     SS_CUDA(cudaSetDevice(t_.device()), "cuda_ipc: cudaSetDevice");
@@ -699,10 +700,9 @@ Result<std::string> LandedMap(const CudaIpcTransport& t, const PairSpec& spec) {
   for (size_t b = 0; b < spec.buckets.size(); ++b) {
     for (const PackRegion& r : spec.buckets[b].local) {
       if (r.dtype != spec.wire) {
-        return InvalidArgumentError("cuda_ipc: landed region of pair with rank " +
-                                    std::to_string(spec.peer) + " is " +
-                                    std::string(DTypeName(r.dtype)) + ", the wire " +
-                                    std::string(DTypeName(spec.wire)));
+        return InvalidArgumentError(
+            "cuda_ipc: landed region of pair with rank " + std::to_string(spec.peer) + " is " +
+            std::string(DTypeName(r.dtype)) + ", the wire " + std::string(DTypeName(spec.wire)));
       }
       SS_ASSIGN_OR_RETURN(auto where, t.FindLocal(r.base, NumElements(r.shape) * ws));
       int64_t wire = r.wire_offset;
@@ -763,8 +763,8 @@ Result<std::unique_ptr<PreparedPair>> CudaIpcTransport::Prepare(StoreClient& sto
                                     std::to_string(i) + " " + l.region.ToString() + " -> " +
                                     r.dst.ToString() + " does not fit (dtype, size or bounds)");
       }
-      SS_ASSIGN_OR_RETURN(void* base, RemotePointer(spec.peer, r.region, r.offset,
-                                                    NumElements(r.shape) * ws));
+      SS_ASSIGN_OR_RETURN(void* base,
+                          RemotePointer(spec.peer, r.region, r.offset, NumElements(r.shape) * ws));
       AppendCoRuns(l.region, l.shape, l.base, DTypeSize(l.dtype), r.dst, r.shape, base, ws, ws,
                    static_cast<int32_t>(b), l.wire_offset, &bs.runs);
     }
@@ -784,13 +784,13 @@ Result<std::unique_ptr<PreparedPair>> CudaIpcTransport::Prepare(StoreClient& sto
   for (size_t k = 0; k < map.size(); ++k) {
     const LandedEntry& e = map[k];
     if (e.bucket < 0 || e.bucket >= static_cast<int64_t>(spec.buckets.size()) || e.wire < 0 ||
-        e.region < 0 || e.region > UINT32_MAX || e.offset < 0 || e.bytes <= 0 ||
-        e.wire % ws != 0 || e.bytes % ws != 0) {
+        e.region < 0 || e.region > UINT32_MAX || e.offset < 0 || e.bytes <= 0 || e.wire % ws != 0 ||
+        e.bytes % ws != 0) {
       return DataLossError(who + ": landed map entry " + std::to_string(k) + " is malformed");
     }
-    SS_ASSIGN_OR_RETURN(void* p, RemotePointer(spec.peer, static_cast<uint32_t>(e.region),
-                                               static_cast<uint64_t>(e.offset),
-                                               static_cast<uint64_t>(e.bytes)));
+    SS_ASSIGN_OR_RETURN(
+        void* p, RemotePointer(spec.peer, static_cast<uint32_t>(e.region),
+                               static_cast<uint64_t>(e.offset), static_cast<uint64_t>(e.bytes)));
     CopyRun lr;
     lr.in = p;
     lr.row_elems = e.bytes / ws;

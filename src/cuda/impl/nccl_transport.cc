@@ -20,8 +20,8 @@
 #include <nccl.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -34,8 +34,8 @@
 
 #include "cuda/cuda_util.h"
 #include "cuda/impl/nccl_group.h"
-#include "transport/process.h"
 #include "shardsync/gpu.h"
+#include "transport/process.h"
 
 namespace shardsync::gpu {
 
@@ -339,8 +339,7 @@ class NcclTransport final : public Transport {
   };
 
   // Each rank publishes "hostname pid"; peers on this host are watched (CheckPeer).
-  Status ExchangePids(StoreClient& store, const std::string& prefix,
-                      const std::vector<int>& peers,
+  Status ExchangePids(StoreClient& store, const std::string& prefix, const std::vector<int>& peers,
                       std::chrono::steady_clock::time_point deadline) {
     char host[256] = {};
     gethostname(host, sizeof(host) - 1);
@@ -574,9 +573,9 @@ class NcclPair final : public PreparedPair {
       for (size_t i = 0; i < local.size(); ++i) {
         const PackRegion& r = local[i];
         if (r.dtype != td || !RegionInside(r.region, r.shape)) {
-          return InvalidArgumentError("nccl pair with rank " + std::to_string(peer_) +
-                                      ": bucket " + std::to_string(b) + " region " +
-                                      std::to_string(i) + " mixes dtypes or leaves its tensor");
+          return InvalidArgumentError("nccl pair with rank " + std::to_string(peer_) + ": bucket " +
+                                      std::to_string(b) + " region " + std::to_string(i) +
+                                      " mixes dtypes or leaves its tensor");
         }
         const size_t first = bs.runs.size();
         AppendRegionRuns(r.region, r.shape, r.base, DTypeSize(td), slot + r.wire_offset, ws, ws, 0,

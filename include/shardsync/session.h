@@ -78,12 +78,6 @@ struct SessionOptions {
   Millis sync_timeout{60000};  // bounds every wait of one Sync on this rank
   // Pluggable packer (device memory); nullptr: the CPU packer.
   Packer* packer = nullptr;
-  // Extra transport peers beyond the plan's (benchmarks that also run other traffic patterns),
-  // and a hook run after the session registered its memory and before the transport connects.
-  std::vector<int> extra_peers;
-  std::function<Status(Transport&)> before_transport_connect;
-  // Whether Connect connects the transport (false: the caller connects it, e.g. shared).
-  bool connect_transport = true;
 };
 
 // A trainer rank's shard of one HF tensor: `region` of the HF tensor, stored row-major with the

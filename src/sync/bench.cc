@@ -168,16 +168,17 @@ class BenchRank {
 
   Status Setup() {
     SessionOptions opt;
+    sync_internal::HarnessHooks hooks;
     opt.prefix = job_.prefix;
     opt.connect_timeout = job_.timeout;
     opt.sync_timeout = job_.timeout;
     // The broadcast baseline needs trainer 0 <-> every engine rank.
     if (rank_ == 0) {
-      for (int r = S_; r < world_; ++r) opt.extra_peers.push_back(r);
+      for (int r = S_; r < world_; ++r) hooks.extra_peers.push_back(r);
     } else if (!who_.is_trainer) {
-      opt.extra_peers.push_back(0);
+      hooks.extra_peers.push_back(0);
     }
-    opt.before_transport_connect = [this](Transport& t) -> Status {
+    hooks.before_transport_connect = [this](Transport& t) -> Status {
       if (who_.is_trainer) return OkStatus();
       SS_ASSIGN_OR_RETURN(uint32_t a,
                           t.RegisterMemory({stage_.data(), stage_.size(), MemKind::kHost, -1}));
@@ -186,7 +187,8 @@ class BenchRank {
       return store_.Set(Key("regs/" + std::to_string(rank_)),
                         std::to_string(a) + " " + std::to_string(b));
     };
-    SS_ASSIGN_OR_RETURN(session_, SyncSession::Create(in_, rank_, store_, tx_, opt));
+    SS_ASSIGN_OR_RETURN(session_, sync_internal::CreateHarnessSession(in_, rank_, store_, tx_, opt,
+                                                                      std::move(hooks)));
     const RankPlan& plan = session_->plan();
     if (who_.is_trainer) {
       SS_ASSIGN_OR_RETURN(shards_, sync_internal::FillTrainerShards(job_, who_.trainer_rank));

@@ -117,6 +117,7 @@ Status DeviceRank::Setup(bool bench) {
   packer_ = gpu::MakeCudaPacker(device_, job_.timeout);
   if (!packer_) return UnimplementedError("--device cuda: this build has no CUDA packer");
   SessionOptions opt;
+  sync_internal::HarnessHooks hooks;
   opt.prefix = job_.prefix;
   opt.connect_timeout = job_.timeout;
   opt.sync_timeout = job_.timeout;
@@ -125,17 +126,18 @@ Status DeviceRank::Setup(bool bench) {
   if (bench) {
     SS_RETURN_IF_ERROR(SetupBroadcast());
     if (rank_ == 0) {
-      for (int r = S_; r < world_; ++r) opt.extra_peers.push_back(r);
+      for (int r = S_; r < world_; ++r) hooks.extra_peers.push_back(r);
     } else if (!who_.is_trainer) {
-      opt.extra_peers.push_back(0);
+      hooks.extra_peers.push_back(0);
     }
-    opt.before_transport_connect = [this](Transport& t) -> Status {
+    hooks.before_transport_connect = [this](Transport& t) -> Status {
       if (who_.is_trainer) return OkStatus();
       SS_ASSIGN_OR_RETURN(uint32_t id, t.RegisterMemory(slots_->region()));
       return store_.Set(Key("slots/" + std::to_string(rank_)), std::to_string(id));
     };
   }
-  SS_ASSIGN_OR_RETURN(session_, SyncSession::Create(in_, rank_, store_, tx_, opt));
+  SS_ASSIGN_OR_RETURN(session_, sync_internal::CreateHarnessSession(in_, rank_, store_, tx_, opt,
+                                                                    std::move(hooks)));
   SS_RETURN_IF_ERROR(who_.is_trainer ? FillTrainer() : AllocEngine());
   res_.setup_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   Step();

@@ -103,6 +103,20 @@ void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& para
 
 }  // namespace sync_internal
 
+// Harness hooks of a session (benchmarks; not in the public SessionOptions): transport peers
+// beyond the plan's (the broadcast-all baseline's), and a hook run after the session registered
+// its memory and before the transport connects (the baseline's staging).
+namespace sync_internal {
+struct HarnessHooks {
+  std::vector<int> extra_peers;
+  std::function<Status(Transport&)> before_transport_connect;
+};
+Result<std::unique_ptr<SyncSession>> CreateHarnessSession(const PlanInputs& inputs, int rank,
+                                                          StoreClient& store, Transport& transport,
+                                                          SessionOptions options,
+                                                          HarnessHooks hooks);
+}  // namespace sync_internal
+
 // Bench mode of RunRank (bench.cc): sharded, broadcast-all and raw variants.
 Status RunBenchRank(const JobSpec& job, int rank, const SyncRank& who, StoreClient& store,
                     Transport& transport, RankResult& res, const ProgressFn& progress);

@@ -191,7 +191,7 @@ struct InFlight {
 class SessionImpl final : public SyncSession {
  public:
   SessionImpl(PlanInputs in, int rank, SyncRank who, RankPlan plan, StoreClient& store,
-              Transport& tx, SessionOptions opt)
+              Transport& tx, SessionOptions opt, sync_internal::HarnessHooks hooks)
       : in_(std::move(in)),
         rank_(rank),
         who_(who),
@@ -199,6 +199,7 @@ class SessionImpl final : public SyncSession {
         store_(store),
         tx_(tx),
         opt_(std::move(opt)),
+        hooks_(std::move(hooks)),
         inventory_(HfTensorInventory(in_.model)),
         world_(SyncWorldSize(in_)) {
     if (opt_.packer == nullptr) {
@@ -345,19 +346,17 @@ class SessionImpl final : public SyncSession {
       }
       SS_RETURN_IF_ERROR(store_.Set(Key("regbase/" + std::to_string(rank_)), std::to_string(base)));
     }
-    if (opt_.before_transport_connect) SS_RETURN_IF_ERROR(opt_.before_transport_connect(tx_));
+    if (hooks_.before_transport_connect) SS_RETURN_IF_ERROR(hooks_.before_transport_connect(tx_));
     // 4. Transport.
     std::vector<int> peers;
     for (const Message& m : plan_.sends) peers.push_back(m.dst);
     for (const Message& m : plan_.recvs) peers.push_back(m.src);
-    peers.insert(peers.end(), opt_.extra_peers.begin(), opt_.extra_peers.end());
+    peers.insert(peers.end(), hooks_.extra_peers.begin(), hooks_.extra_peers.end());
     std::sort(peers.begin(), peers.end());
     peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
     peers_ = peers;
-    if (opt_.connect_transport) {
-      auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
-      SS_RETURN_IF_ERROR(tx_.Connect(store_, Key("tx/"), rank_, peers, std::max(left, Millis(1))));
-    }
+    auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+    SS_RETURN_IF_ERROR(tx_.Connect(store_, Key("tx/"), rank_, peers, std::max(left, Millis(1))));
     for (const Message& m : plan_.sends) {
       SS_ASSIGN_OR_RETURN(std::string b, GetUntil(Key("regbase/" + std::to_string(m.dst)), deadline,
                                                   "memory registration of engine sync rank " +
@@ -1490,6 +1489,7 @@ class SessionImpl final : public SyncSession {
   StoreClient& store_;
   Transport& tx_;
   SessionOptions opt_;
+  sync_internal::HarnessHooks hooks_;
   std::vector<HfTensor> inventory_;
   std::map<std::string, size_t> tensor_index_;
   int world_;
@@ -1528,15 +1528,22 @@ class SessionImpl final : public SyncSession {
 
 }  // namespace
 
-Result<std::unique_ptr<SyncSession>> SyncSession::Create(const PlanInputs& inputs, int rank,
-                                                         StoreClient& store, Transport& transport,
-                                                         SessionOptions options) {
+Result<std::unique_ptr<SyncSession>> sync_internal::CreateHarnessSession(
+    const PlanInputs& inputs, int rank, StoreClient& store, Transport& transport,
+    SessionOptions options, HarnessHooks hooks) {
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(inputs, rank));
   SS_ASSIGN_OR_RETURN(RankPlan plan, PlanForRank(inputs, rank));
   auto s = std::make_unique<SessionImpl>(inputs, rank, who, std::move(plan), store, transport,
-                                         std::move(options));
+                                         std::move(options), std::move(hooks));
   SS_RETURN_IF_ERROR(s->Init());
   return std::unique_ptr<SyncSession>(std::move(s));
+}
+
+Result<std::unique_ptr<SyncSession>> SyncSession::Create(const PlanInputs& inputs, int rank,
+                                                         StoreClient& store, Transport& transport,
+                                                         SessionOptions options) {
+  return sync_internal::CreateHarnessSession(inputs, rank, store, transport, std::move(options),
+                                             {});
 }
 
 }  // namespace shardsync

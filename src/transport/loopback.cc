@@ -75,6 +75,7 @@ class LoopbackTransport final : public Transport {
     c.one_sided_put = true;
     c.two_sided = true;
     c.same_node_only = true;
+    c.tag_matching = true;  // receives match (src, tag), FIFO per pair
     return c;
   }
   bool CanConnect(const PeerInfo& self, const PeerInfo& peer) const override {

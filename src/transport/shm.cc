@@ -181,6 +181,7 @@ class ShmTransport final : public Transport {
     c.same_node_only = true;
     c.summed_copy = true;
     c.filled_send = true;
+    c.tag_matching = true;  // receives match (peer, tag), FIFO per pair
     return c;
   }
   bool CanConnect(const PeerInfo& self, const PeerInfo& peer) const override {

@@ -195,6 +195,7 @@ class UcxTransport final : public Transport {
     c.host_memory = true;
     c.one_sided_put = mode_ == UcxMode::kPut;
     c.two_sided = true;
+    c.tag_matching = true;  // the UCP tag packs (source rank, tag)
     return c;
   }
   bool CanConnect(const PeerInfo& self, const PeerInfo& peer) const override {

@@ -186,8 +186,11 @@ TEST(Registry, RegisteredTransportWinsByPriority) {
   TransportEntry e;
   e.name = "test_gpu_first";
   e.priority = 1;
+  // Only peers on a made-up host: the registry is process-wide, and a stand-in that fit every
+  // GPU pair would take over the routed-transport tests run later in this binary.
   e.can_connect = [](const PeerInfo& s, const PeerInfo& p) {
-    return s.device >= 0 && p.device >= 0;
+    return s.device >= 0 && p.device >= 0 && s.hostname == "registry-test" &&
+           p.hostname == "registry-test";
   };
   e.factory = [](const TransportOptions&) -> Result<std::unique_ptr<Transport>> {
     return UnimplementedError("test transport");
@@ -196,6 +199,7 @@ TEST(Registry, RegisteredTransportWinsByPriority) {
   EXPECT_EQ(RegisterTransport(e).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(RegisteredTransports().front(), "test_gpu_first");
   PeerInfo g0 = LocalPeerInfo(0, MemKind::kCuda, 0), g1 = LocalPeerInfo(1, MemKind::kCuda, 1);
+  g0.hostname = g1.hostname = "registry-test";
   EXPECT_EQ(*SelectTransport(g0, g1), "test_gpu_first");
   PeerInfo h0 = LocalPeerInfo(0), h1 = LocalPeerInfo(1);
   auto host = SelectTransport(h0, h1);

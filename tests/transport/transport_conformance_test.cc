@@ -22,16 +22,20 @@ class ChildDispatch : public ::testing::Environment {
 [[maybe_unused]] ::testing::Environment* const child_dispatch =
     ::testing::AddGlobalTestEnvironment(new ChildDispatch);
 
-// Peer of PeerLeavingIsAnErrorWithinTimeout: connects as rank 1, then progresses until killed.
+// Peer of PeerLeavingIsAnErrorWithinTimeout: connects as rank 1 under SS_CHILD_PREFIX (GPU
+// transports: on SS_CHILD_DEVICE, read by their RegisterChildTransport), then progresses until
+// killed.
 RegisterChildRole conformance_peer("conformance_peer", [] {
   auto it = ChildTransports().find(ChildEnv("SS_CHILD_TRANSPORT"));
   if (it == ChildTransports().end()) return 2;
+  const std::string prefix =
+      ChildEnv("SS_CHILD_PREFIX").empty() ? std::string("death") : ChildEnv("SS_CHILD_PREFIX");
   auto t = it->second();
   auto c = StoreClient::Connect(ChildEnv("SS_CHILD_STORE"), kToken, 5000ms);
   if (!t || !c.ok()) return 3;
-  if (!t->Connect(**c, "death", 1, {0}, kTimeout).ok()) return 4;
-  if (!(*c)->Set("death/child_ready", "1").ok()) return 5;
-  char b[8];
+  if (!t->Connect(**c, prefix, 1, {0}, kTimeout).ok()) return 4;
+  if (!(*c)->Set(prefix + "/child_ready", "1").ok()) return 5;
+  char b[1];  // the exact size of the parent's hello (order-matched transports need it)
   auto id = t->PostRecv(0, 1, b, sizeof(b));
   auto end = std::chrono::steady_clock::now() + 60s;
   while (std::chrono::steady_clock::now() < end) {
@@ -45,9 +49,9 @@ RegisterChildRole conformance_peer("conformance_peer", [] {
 
 // Transports without one-sided puts must refuse them cleanly (and still flush).
 TEST_P(TransportConformance, PutRefusedCleanlyWithoutOneSidedCaps) {
-  if (Make()->caps().one_sided_put) return;  // covered by PutVariousSizesThenFlush
-  std::vector<char> dst(100);
-  auto ts = World(2, {{}, {{dst.data(), dst.size()}}});
+  if (Caps().one_sided_put) GTEST_SKIP() << "one-sided put: PutVariousSizesThenFlush covers it";
+  TestBuffer dst = Buffer(1, 100);
+  auto ts = World(2, {{}, {dst.region()}});
   char src[4] = {};
   auto put = ts[0]->PostPut(1, src, 4, 0, 0);
   EXPECT_FALSE(put.ok());
@@ -57,29 +61,33 @@ TEST_P(TransportConformance, PutRefusedCleanlyWithoutOneSidedCaps) {
 }
 
 TEST_P(TransportConformance, PutVariousSizesThenFlush) {
-  auto probe = Make();
-  if (!probe->caps().one_sided_put) GTEST_SKIP() << "no one-sided put";
-  probe.reset();
+  if (!Caps().one_sided_put) GTEST_SKIP() << "no one-sided put (see PutRefusedCleanly)";
   constexpr size_t kRegion = (4 << 20) + 64;
-  std::vector<char> dst0(kRegion, 0), dst1(1000, 0);
-  auto ts = World(2, {{}, {{dst0.data(), dst0.size()}, {dst1.data(), dst1.size()}}});
+  TestBuffer dst0 = Buffer(1, kRegion), dst1 = Buffer(1, 1000);
+  auto ts = World(2, {{}, {dst0.region(), dst1.region()}});
   const std::vector<std::pair<size_t, size_t>> puts = {
       // (offset, bytes) into region 0
       {0, 0}, {3, 1}, {5, 7}, {17, 4096 + 3}, {8192 + 1, 65537}, {131072 + 3, (4 << 20) - 131072}};
-  std::vector<std::vector<char>> srcs;
+  // Sources in rank 0's memory (device memory for GPU transports: their data path).
+  std::vector<std::vector<char>> want;
+  std::vector<TestBuffer> srcs;
+  for (size_t i = 0; i < puts.size(); ++i) {
+    want.push_back(Pattern(puts[i].second, static_cast<int>(i)));
+    srcs.push_back(Buffer(0, puts[i].second));
+    srcs.back().Write(0, want.back());
+  }
+  const std::vector<char> small = Pattern(999, 99);
+  TestBuffer small_src = Buffer(0, small.size());
+  small_src.Write(0, small);
   ParallelRanks(2, [&](int r) {
     if (r == 0) {
       std::vector<XferId> ids;
-      for (size_t i = 0; i < puts.size(); ++i) {
-        srcs.push_back(Pattern(puts[i].second, static_cast<int>(i)));
-      }
       for (size_t i = 0; i < puts.size(); ++i) {
         auto id = ts[0]->PostPut(1, srcs[i].data(), puts[i].second, 0, puts[i].first);
         ASSERT_TRUE(id.ok()) << id.status().ToString();
         ids.push_back(*id);
       }
-      std::vector<char> small = Pattern(999, 99);
-      auto id = ts[0]->PostPut(1, small.data() + 1, 998, 1, 2);  // unaligned src and dst
+      auto id = ts[0]->PostPut(1, small_src.data() + 1, 998, 1, 2);  // unaligned src and dst
       ASSERT_TRUE(id.ok()) << id.status().ToString();
       ids.push_back(*id);
       ASSERT_TRUE(WaitAllXfers(*ts[0], ids, kTimeout, "puts").ok());
@@ -100,23 +108,21 @@ TEST_P(TransportConformance, PutVariousSizesThenFlush) {
       EXPECT_EQ(done, 1);
     }
   });
+  const std::vector<char> got0 = dst0.Read(), got1 = dst1.Read();
   for (size_t i = 0; i < puts.size(); ++i) {
-    EXPECT_TRUE(SameBytes(dst0.data() + puts[i].first, srcs[i].data(), puts[i].second))
+    EXPECT_TRUE(SameBytes(got0.data() + puts[i].first, want[i].data(), puts[i].second))
         << "put " << i;
   }
-  std::vector<char> small = Pattern(999, 99);
-  EXPECT_EQ(std::memcmp(dst1.data() + 2, small.data() + 1, 998), 0);
-  EXPECT_EQ(dst1[0], 0);
-  EXPECT_EQ(dst1[1], 0);
+  EXPECT_EQ(std::memcmp(got1.data() + 2, small.data() + 1, 998), 0);
+  EXPECT_EQ(got1[0], 0);
+  EXPECT_EQ(got1[1], 0);
 }
 
 TEST_P(TransportConformance, PutOutsideRegionRefused) {
-  auto probe = Make();
-  if (!probe->caps().one_sided_put) GTEST_SKIP() << "no one-sided put (see PutRefusedCleanly)";
-  probe.reset();
-  std::vector<char> dst(100);
-  auto ts = World(2, {{}, {{dst.data(), dst.size()}}});
-  char src[200] = {};
+  if (!Caps().one_sided_put) GTEST_SKIP() << "no one-sided put (see PutRefusedCleanly)";
+  TestBuffer dst = Buffer(1, 100);
+  auto ts = World(2, {{}, {dst.region()}});
+  char src[200] = {};  // refused before any byte moves, so host memory serves every transport
   EXPECT_EQ(ts[0]->PostPut(1, src, 101, 0, 0).status().code(), StatusCode::kOutOfRange);
   EXPECT_EQ(ts[0]->PostPut(1, src, 1, 0, 100).status().code(), StatusCode::kOutOfRange);
   EXPECT_EQ(ts[0]->PostPut(1, src, 1, 1, 0).status().code(), StatusCode::kOutOfRange);
@@ -125,7 +131,11 @@ TEST_P(TransportConformance, PutOutsideRegionRefused) {
 }
 
 TEST_P(TransportConformance, SendRecvMatchesBySourceAndTag) {
-  std::vector<size_t> sizes = {0, 1, 13, 8192 + 5, 1 << 20};
+  if (!Caps().tag_matching) {
+    GTEST_SKIP() << "caps().tag_matching is false: messages match by order per pair "
+                    "(PairMessagesCompleteInPostingOrder covers it)";
+  }
+  const std::vector<size_t> sizes = {0, 1, 13, 8192 + 5, Msg(1 << 20)};
   auto ts = World(3, {{}, {}, {}});
   ParallelRanks(3, [&](int r) {
     Transport& t = *ts[r];
@@ -149,7 +159,7 @@ TEST_P(TransportConformance, SendRecvMatchesBySourceAndTag) {
         size_t i = sizes.size() - 1 - k;
         for (int src = 0; src < 2; ++src) {
           auto& g = got[src * sizes.size() + i];
-          g.assign(sizes[i] + 8, 0);  // a larger buffer than the message is fine
+          g.assign(sizes[i], 0);  // larger buffers: RecvBufferLargerThanMessageIsFine
           auto id = t.PostRecv(src, 100 + i, g.data(), g.size());
           ASSERT_TRUE(id.ok()) << id.status().ToString();
           ids.push_back(*id);
@@ -171,7 +181,7 @@ TEST_P(TransportConformance, SendRecvMatchesBySourceAndTag) {
 // Messages that arrive before their receive is posted (UCX: unexpected eager and rendezvous).
 TEST_P(TransportConformance, SendBeforeRecvIsPosted) {
   auto ts = World(2, {{}, {}});
-  const std::vector<size_t> sizes = {0, 100, 4 << 20};
+  const std::vector<size_t> sizes = {0, 100, Msg(4 << 20)};
   ParallelRanks(2, [&](int r) {
     auto store = Store();
     if (r == 0) {
@@ -201,6 +211,7 @@ TEST_P(TransportConformance, SendBeforeRecvIsPosted) {
   });
 }
 
+// One tag, one pair: FIFO (on order-matched transports this is their whole matching rule).
 TEST_P(TransportConformance, SameTagIsFifo) {
   auto ts = World(2, {{}, {}});
   ParallelRanks(2, [&](int r) {
@@ -223,13 +234,126 @@ TEST_P(TransportConformance, SameTagIsFifo) {
   });
 }
 
+// Messages of one pair posted in the same order on both sides land in that order. Where
+// messages match by order (caps().tag_matching false: nccl) that is the matching rule, and a
+// receive completes only after every receive from the same peer posted before it; the
+// receives go out in two batches (nccl: two groups) to check that across batches too. Tags are
+// distinct, so tag-matching transports pair the same messages (their completion order is free:
+// UCX finishes a small eager message before an earlier rendezvous one).
+TEST_P(TransportConformance, PairMessagesCompleteInPostingOrder) {
+  const bool by_order = !Caps().tag_matching;
+  const std::vector<size_t> sizes = {1, Msg(1 << 20), 7, Msg(65536 + 3), 0, 100, Msg(256 << 10), 4};
+  const size_t n = sizes.size();
+  auto ts = World(2, {{}, {}});
+  ParallelRanks(2, [&](int r) {
+    Transport& t = *ts[r];
+    if (r == 0) {
+      std::vector<std::vector<char>> bufs;
+      std::vector<XferId> ids;
+      for (size_t i = 0; i < n; ++i) bufs.push_back(Pattern(sizes[i], 60 + static_cast<int>(i)));
+      for (size_t i = 0; i < n; ++i) {
+        auto id = t.PostSend(1, 300 + i, bufs[i].data(), sizes[i]);
+        ASSERT_TRUE(id.ok()) << id.status().ToString();
+        ids.push_back(*id);
+      }
+      Status s = WaitAllXfers(t, ids, kTimeout, "sends");
+      EXPECT_TRUE(s.ok()) << s.ToString();
+      return;
+    }
+    std::vector<std::vector<char>> got(n);
+    std::vector<XferId> ids;
+    std::vector<bool> done(n, false);
+    auto post = [&](size_t i) {
+      got[i].assign(sizes[i], 0);
+      auto id = t.PostRecv(0, 300 + i, got[i].data(), got[i].size());
+      ASSERT_TRUE(id.ok()) << id.status().ToString();
+      ids.push_back(*id);
+    };
+    // One Poll of receive i (ids are released once done, so never polled again).
+    auto poll = [&](size_t i) -> Status {
+      if (done[i]) return OkStatus();
+      auto st = t.Poll(ids[i]);
+      if (!st.ok()) return st.status();
+      done[i] = *st == XferState::kDone;
+      return OkStatus();
+    };
+    auto wait = [&](size_t i) -> Status {
+      const auto deadline = std::chrono::steady_clock::now() + kTimeout;
+      while (!done[i]) {
+        SS_RETURN_IF_ERROR(poll(i));
+        if (!done[i] && std::chrono::steady_clock::now() > deadline) {
+          return DeadlineExceededError("receive " + std::to_string(i));
+        }
+      }
+      return OkStatus();
+    };
+    for (size_t i = 0; i < n / 2; ++i) post(i);
+    if (HasFatalFailure()) return;
+    Status s0 = poll(0);  // starts the first batch (nccl issues queued operations on Poll)
+    ASSERT_TRUE(s0.ok()) << s0.ToString();
+    for (size_t i = n / 2; i < n; ++i) post(i);
+    if (HasFatalFailure()) return;
+    Status last = wait(n - 1);
+    ASSERT_TRUE(last.ok()) << last.ToString();
+    for (size_t i = 0; i + 1 < n; ++i) {
+      if (by_order) {
+        Status s = poll(i);
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        EXPECT_TRUE(done[i]) << "receive " << i << " not done after receive " << n - 1
+                             << ", posted later, completed";
+      }
+      Status s = wait(i);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+    }
+    for (size_t i = 0; i < n; ++i) {
+      auto want = Pattern(sizes[i], 60 + static_cast<int>(i));
+      EXPECT_TRUE(SameBytes(got[i].data(), want.data(), sizes[i])) << "message " << i;
+    }
+  });
+}
+
+// A receive buffer larger than the message is fine (transport.h).
+TEST_P(TransportConformance, RecvBufferLargerThanMessageIsFine) {
+  if (GetParam().exact_recv_size) GTEST_SKIP() << "receives must have the message's exact size";
+  const std::vector<size_t> sizes = {0, 1, 13, 8192 + 5, Msg(1 << 20)};
+  auto ts = World(2, {{}, {}});
+  ParallelRanks(2, [&](int r) {
+    Transport& t = *ts[r];
+    std::vector<std::vector<char>> bufs(sizes.size());
+    std::vector<XferId> ids;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      if (r == 0) {
+        bufs[i] = Pattern(sizes[i], 80 + static_cast<int>(i));
+        auto id = t.PostSend(1, 400 + i, bufs[i].data(), sizes[i]);
+        ASSERT_TRUE(id.ok()) << id.status().ToString();
+        ids.push_back(*id);
+      } else {
+        bufs[i].assign(sizes[i] + 8, 0);
+        auto id = t.PostRecv(0, 400 + i, bufs[i].data(), bufs[i].size());
+        ASSERT_TRUE(id.ok()) << id.status().ToString();
+        ids.push_back(*id);
+      }
+    }
+    Status s = WaitAllXfers(t, ids, kTimeout, r == 0 ? "sends" : "larger receives");
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    if (r == 1) {
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        auto want = Pattern(sizes[i], 80 + static_cast<int>(i));
+        EXPECT_TRUE(SameBytes(bufs[i].data(), want.data(), sizes[i])) << "size " << sizes[i];
+      }
+    }
+  });
+}
+
 TEST_P(TransportConformance, ManyOutstandingOps) {
   constexpr int kN = 256;
   constexpr size_t kMsg = 4096 + 1;
-  bool puts = Make()->caps().one_sided_put;
-  std::vector<char> dst(kN * kMsg, 0);
-  auto ts = World(2, {{}, {{dst.data(), dst.size()}}});
-  auto src = Pattern(kN * kMsg, 5);
+  const bool puts = Caps().one_sided_put;
+  // Data in the transport's memory: puts into a registered region, or device-to-device messages.
+  TestBuffer dst = Buffer(1, kN * kMsg), src = Buffer(0, kN * kMsg);
+  const std::vector<char> want = Pattern(kN * kMsg, 5);
+  src.Write(0, want);
+  auto ts = World(2, {{}, {dst.region()}});
   ParallelRanks(2, [&](int r) {
     if (r == 0) {
       std::vector<XferId> ids;
@@ -258,10 +382,13 @@ TEST_P(TransportConformance, ManyOutstandingOps) {
       ASSERT_TRUE(s.ok()) << s.ToString();
     }
   });
-  EXPECT_EQ(dst, src);
+  EXPECT_TRUE(dst.Read() == want);
 }
 
 TEST_P(TransportConformance, RecvBufferTooSmallFails) {
+  if (GetParam().exact_recv_size) {
+    GTEST_SKIP() << "receives must have the message's exact size; a mismatch is undefined";
+  }
   auto ts = World(2, {{}, {}});
   ParallelRanks(2, [&](int r) {
     if (r == 0) {
@@ -310,7 +437,7 @@ TEST_P(TransportConformance, PollAfterAbortFails) {
 TEST_P(TransportConformance, ConnectTimesOutWithoutPeer) {
   auto t = Make();
   auto store = Store();
-  Status s = t->Connect(*store, "lonely", 0, {1}, 300ms);
+  Status s = t->Connect(*store, Prefix("lonely"), 0, {1}, 300ms);
   EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
   // Nothing can be posted to a peer that never connected.
   char b = 0;
@@ -322,8 +449,12 @@ TEST_P(TransportConformance, PeerLeavingIsAnErrorWithinTimeout) {
   if (GetParam().multiprocess) {
     // A peer process connects, then is killed; the survivor's operations must fail in time.
     ASSERT_TRUE(ChildTransports().count(GetParam().name)) << "no RegisterChildTransport";
+    const std::string prefix = Prefix("death");
+    // The child re-executes this binary before touching anything (CUDA included).
     pid_t pid = SpawnChild("conformance_peer", {{"SS_CHILD_STORE", server_->address()},
-                                                {"SS_CHILD_TRANSPORT", GetParam().name}});
+                                                {"SS_CHILD_TRANSPORT", GetParam().name},
+                                                {"SS_CHILD_PREFIX", prefix},
+                                                {"SS_CHILD_DEVICE", std::to_string(Device(1))}});
     ASSERT_GT(pid, 0);
     struct Reaper {  // never leave the child behind, whatever assertion fails
       pid_t pid;
@@ -334,9 +465,9 @@ TEST_P(TransportConformance, PeerLeavingIsAnErrorWithinTimeout) {
     } reaper{pid};
     auto t = Make();
     auto store = Store();
-    Status cs = t->Connect(*store, "death", 0, {1}, kTimeout);
+    Status cs = t->Connect(*store, prefix, 0, {1}, kTimeout);
     ASSERT_TRUE(cs.ok()) << cs.ToString();
-    ASSERT_TRUE(store->Get("death/child_ready", kTimeout).ok());
+    ASSERT_TRUE(store->Get(prefix + "/child_ready", kTimeout).ok());
     char small = 1;
     ASSERT_TRUE(WaitXfer(*t, *t->PostSend(1, 1, &small, 1), kTimeout, "hello").ok());
     kill(pid, SIGKILL);
@@ -347,7 +478,7 @@ TEST_P(TransportConformance, PeerLeavingIsAnErrorWithinTimeout) {
     Status s = id.ok() ? WaitXfer(*t, *id, 5000ms, "recv from dead rank 1") : id.status();
     // Unavailable (the death was detected), not merely the wait's own deadline.
     EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
-    std::vector<char> big(1 << 20, 3);
+    std::vector<char> big(Msg(1 << 20), 3);
     auto sid = t->PostSend(1, 78, big.data(), big.size());
     Status s2 = sid.ok() ? WaitXfer(*t, *sid, 5000ms, "send to dead rank 1") : sid.status();
     EXPECT_EQ(s2.code(), StatusCode::kUnavailable) << s2.ToString();

@@ -340,6 +340,8 @@ class CudaIpcTransport final : public Transport {
       case Xfer::kSend: {
         Mailbox& m = *outbox_[x.peer];
         if (m.header()->receiver_closed.load()) return PeerGone(x.peer, "closed its mailbox");
+        // The ring would take a message for a dead peer too: a send to it must fail.
+        SS_RETURN_IF_ERROR(PeerAlive(x.peer));
         if (!m.TrySend(x.tag, x.data.data(), x.data.size())) {
           SS_RETURN_IF_ERROR(PeerAlive(x.peer));
           return XferState::kInProgress;
@@ -352,15 +354,15 @@ class CudaIpcTransport final : public Transport {
         auto& q = unexpected_[x.peer];
         for (auto m = q.begin(); m != q.end(); ++m) {
           if (m->first != x.tag) continue;
-          if (m->second.size() != x.bytes) {
+          if (m->second.size() > x.bytes) {  // a larger buffer is fine (transport.h)
             const std::string msg = "cuda_ipc: message tag " + std::to_string(x.tag) +
                                     " from rank " + std::to_string(x.peer) + " has " +
                                     std::to_string(m->second.size()) + " bytes, receive posted " +
                                     std::to_string(x.bytes);
             xfers_.erase(it);
-            return InvalidArgumentError(msg);
+            return OutOfRangeError(msg);
           }
-          SS_RETURN_IF_ERROR(CopyOut(m->second.data(), x.bytes, x.buf));
+          SS_RETURN_IF_ERROR(CopyOut(m->second.data(), m->second.size(), x.buf));
           q.erase(m);
           xfers_.erase(it);
           return XferState::kDone;

@@ -344,7 +344,10 @@ TEST(SyncSession, SendersNeverWriteIntoAnEngineOutsideItsSync) {
   });
   for (int r = 0; r < job.trainers(); ++r) {
     ASSERT_FALSE(st[r].ok()) << "trainer " << r << " finished without its receivers";
-    EXPECT_EQ(st[r].code(), StatusCode::kDeadlineExceeded) << st[r].ToString();
+    // Its own timeout, or the other trainer's abort when that one timed out first.
+    EXPECT_TRUE(st[r].code() == StatusCode::kDeadlineExceeded ||
+                st[r].code() == StatusCode::kAborted)
+        << st[r].ToString();
     EXPECT_THAT(st[r].message(), HasSubstr("to enter version 2"));
   }
   for (int r = job.trainers(); r < job.world(); ++r) {

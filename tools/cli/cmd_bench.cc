@@ -40,15 +40,6 @@ struct BenchFlags {
   int kill_rank = -1;
 };
 
-struct TempDir {
-  std::string path;
-  ~TempDir() {
-    if (path.empty()) return;
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
-
 // Bytes the plan moves between ranks on different GPUs (device runs), from the ranks' GPUs.
 Result<int64_t> CrossGpuBytes(const JobSpec& job, const LocalJobResult& res) {
   int64_t cross = 0;
@@ -188,11 +179,7 @@ int Run(const BenchFlags& f) {
       ProgressBar("shardsync bench", !f.json && isatty(STDOUT_FILENO) && isatty(STDERR_FILENO));
   TempDir dumps;
   if (f.gen_tokens > 0) {
-    char tmpl[] = "/tmp/shardsync-bench-XXXXXX";
-    if (mkdtemp(tmpl) == nullptr) {
-      return ReportError(UnavailableError("cannot create a temporary directory for engine dumps"));
-    }
-    dumps.path = tmpl;
+    if (Status s = dumps.Create("bench"); !s.ok()) return ReportError(s);
     lo.job.dump_dir = dumps.path;
   }
   auto res = RunLocalJob(lo);

@@ -64,16 +64,6 @@ struct DemoFlags {
   int gen_tokens = 8;  // 0: no generation step
 };
 
-// Removes the engine dumps however the demo ends.
-struct TempDir {
-  std::string path;
-  ~TempDir() {
-    if (path.empty()) return;
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
-
 std::string TokenList(const std::vector<int64_t>& t) {
   std::string s = "[";
   for (size_t i = 0; i < t.size(); ++i) s += (i ? ", " : "") + std::to_string(t[i]);
@@ -120,11 +110,7 @@ int Run(const DemoFlags& f) {
   lo.job = *job;
   TempDir dumps;
   if (f.gen_tokens > 0) {
-    char tmpl[] = "/tmp/shardsync-demo-XXXXXX";
-    if (mkdtemp(tmpl) == nullptr) {
-      return ReportError(UnavailableError("cannot create a temporary directory for engine dumps"));
-    }
-    dumps.path = tmpl;
+    if (Status s = dumps.Create("demo"); !s.ok()) return ReportError(s);
     lo.job.dump_dir = dumps.path;
   }
   lo.job.mode = JobMode::kSync;

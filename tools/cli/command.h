@@ -3,7 +3,10 @@
 // Status message to stderr, write nothing to stdout, return 2 (UsageError / ExitWithStatus).
 #pragma once
 
+#include <stdlib.h>
+
 #include <CLI/CLI.hpp>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <string_view>
@@ -35,6 +38,25 @@ int ReportError(const Status& status);
 // For errors reading a user-given input file: names `field` (the flag or argument) and treats a
 // malformed file (DataLoss from a parser) as bad input, exit 2 like any other.
 int ReportInputError(Status status, std::string_view field);
+
+// A temporary directory (engine dumps) removed however the command ends.
+struct TempDir {
+  std::string path;
+  // Creates /tmp/shardsync-<what>-XXXXXX; Unavailable when it cannot.
+  Status Create(const std::string& what) {
+    std::string tmpl = "/tmp/shardsync-" + what + "-XXXXXX";
+    if (mkdtemp(tmpl.data()) == nullptr) {
+      return UnavailableError("cannot create a temporary directory for engine dumps");
+    }
+    path = tmpl;
+    return OkStatus();
+  }
+  ~TempDir() {
+    if (path.empty()) return;
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
 
 // For uint64 options (seeds): CLI11 would wrap "-1" around to 2^64-1; refuse a sign instead.
 inline CLI::Validator NonNegativeInteger() {

@@ -143,8 +143,9 @@ class PreparedPair {
   virtual std::string Describe() const = 0;
 };
 
-// Options of prepared pairs, as TransportOptions.params keys (measured defaults in
-// docs/benchmarks.md): "nccl_chunk_bytes" (bytes per NCCL round), "nccl_depth" (rounds in flight).
+// Options of prepared pairs, as TransportOptions.params keys: "nccl_depth" (plan buckets in flight
+// per nccl pair, default 2). An nccl round is one plan bucket, so the bucket cap sets its size
+// (docs/benchmarks.md has the measured sizes).
 
 class Transport {
  public:

@@ -121,16 +121,21 @@ class LandedSum {
   std::vector<std::pair<uint64_t, uint64_t>> pieces_;  // (word index, bytes in place)
 };
 
-// SHARDSYNC_TRACE=1: the session's steps with a wall clock on stderr (device debugging).
-void Trace(int rank, uint64_t version, const std::string& what) {
+// SHARDSYNC_TRACE=1: the session's steps with a wall clock on stderr (device debugging). The text
+// is built only when tracing is on: these calls sit on every sync's path.
+bool TraceOn() {
   static const bool on = [] {
     const char* v = std::getenv("SHARDSYNC_TRACE");
     return v && *v && *v != '0';
   }();
-  if (!on) return;
+  return on;
+}
+template <typename Text>
+void Trace(int rank, uint64_t version, const Text& text) {
+  if (!TraceOn()) return;
   const double t = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
   std::fprintf(stderr, "%.6f sync rank %d v%llu: %s\n", t, rank,
-               static_cast<unsigned long long>(version), what.c_str());
+               static_cast<unsigned long long>(version), std::string(text()).c_str());
 }
 
 std::string Hex(uint64_t v) {
@@ -428,7 +433,7 @@ class SessionImpl final : public SyncSession {
     if (s.ok()) s = who_.is_trainer ? RunSender(st) : RunReceiver(st);
     st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     st.ok = s.ok();
-    Trace(rank_, version, s.ok() ? "synced" : "failed: " + s.ToString());
+    Trace(rank_, version, [&] { return s.ok() ? "synced" : "failed: " + s.ToString(); });
     if (!s.ok()) {
       st.error = s.message();
       PostAbort(s);
@@ -975,7 +980,7 @@ class SessionImpl final : public SyncSession {
           return e.Annotate("sync rank " + std::to_string(rank_) + ": " + who(left[k]));
         }
         if (*st == XferState::kDone) {
-          Trace(rank_, version_, "done: " + who(left[k]));
+          Trace(rank_, version_, [&] { return "done: " + who(left[k]); });
           left.erase(left.begin() + k);
           progressed = true;
         } else {
@@ -992,7 +997,7 @@ class SessionImpl final : public SyncSession {
   Status PostPairs(std::vector<std::unique_ptr<PreparedPair>>& pairs) {
     for (auto& p : pairs) {
       if (p) SS_RETURN_IF_ERROR(p->Post(version_));
-      if (p) Trace(rank_, version_, "posted: " + p->Describe());
+      if (p) Trace(rank_, version_, [&] { return "posted: " + p->Describe(); });
     }
     return OkStatus();
   }
@@ -1034,7 +1039,7 @@ class SessionImpl final : public SyncSession {
       const Message& m = plan_.recvs[mi];
       const std::string from = "sync rank " + std::to_string(m.src);
       SS_ASSIGN_OR_RETURN(PairSums mine, recv_pairs_[mi]->Sums());
-      Trace(rank_, version_, "waiting for the checksums of " + from);
+      Trace(rank_, version_, [&] { return "waiting for the checksums of " + from; });
       SS_ASSIGN_OR_RETURN(
           std::string text,
           GetUntil(Key(VKey("sums/") + std::to_string(m.src) + "_" + std::to_string(rank_)),

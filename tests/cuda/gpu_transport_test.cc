@@ -42,8 +42,8 @@ TEST(CudaIpcTransport, PutFlushAndControlMessages) {
   auto receiver = MakeCudaIpcTransport(0);
   ASSERT_TRUE(sender && receiver);
   EXPECT_TRUE(sender->caps().one_sided_put);
-  PeerInfo a{0, "h", MemKind::kCuda, 0}, b{1, "h", MemKind::kCuda, 0},
-      c{1, "other", MemKind::kCuda, 0};
+  PeerInfo a{0, "h", MemKind::kCuda, 0, ""}, b{1, "h", MemKind::kCuda, 0, ""},
+      c{1, "other", MemKind::kCuda, 0, ""};
   EXPECT_TRUE(sender->CanConnect(a, b));
   EXPECT_FALSE(sender->CanConnect(a, c));
 
@@ -132,7 +132,7 @@ TEST(NcclTransport, TwoGpusSendRecvAndDeadPeer) {
   ASSERT_TRUE(store.server);
   std::unique_ptr<Transport> t[2] = {MakeNcclTransport({0}), MakeNcclTransport({1})};
   EXPECT_FALSE(t[0]->caps().one_sided_put);
-  PeerInfo g0{0, "h", MemKind::kCuda, 0}, g1{1, "h", MemKind::kCuda, 1};
+  PeerInfo g0{0, "h", MemKind::kCuda, 0, ""}, g1{1, "h", MemKind::kCuda, 1, ""};
   EXPECT_TRUE(t[0]->CanConnect(g0, g1));
   EXPECT_FALSE(t[0]->CanConnect(g0, g0));  // NCCL refuses two ranks on one GPU
   auto c0 = store.Client();
@@ -236,7 +236,7 @@ TEST(GpuTransports, RegisteredByName) {
   EXPECT_EQ(std::count(names.begin(), names.end(), "cuda_ipc"), 0);
 #endif
   SS_REQUIRE_GPU();
-  PeerInfo g0{0, "h", MemKind::kCuda, 0}, g0b{1, "h", MemKind::kCuda, 0};
+  PeerInfo g0{0, "h", MemKind::kCuda, 0, ""}, g0b{1, "h", MemKind::kCuda, 0, ""};
   auto pick = SelectTransport(g0, g0b);
   ASSERT_TRUE(pick.ok()) << pick.status().ToString();
   EXPECT_EQ(*pick, "cuda_ipc");

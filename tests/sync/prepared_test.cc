@@ -119,7 +119,7 @@ class FakePreparedTransport final : public Transport {
     return in_->CanConnect(a, b);
   }
   Result<uint32_t> RegisterMemory(const MemRegion& r) override { return in_->RegisterMemory(r); }
-  Status Connect(StoreClient& s, const std::string& p, int rank, const std::vector<int>& peers,
+  Status Connect(StoreClient&, const std::string&, int rank, const std::vector<int>& peers,
                  Millis t) override {
     rank_ = rank;
     return ConnectLoopbackDirect(*in_, rank, peers, t);

@@ -33,7 +33,6 @@
 #include <unistd.h>
 
 #include "cuda/cuda_util.h"
-#include "cuda/impl/nccl_group.h"
 #include "shardsync/gpu.h"
 #include "transport/process.h"
 
@@ -54,8 +53,6 @@ struct NcclApi {
   ncclResult_t (*Send)(const void*, size_t, ncclDataType_t, int, ncclComm_t,
                        cudaStream_t) = nullptr;
   ncclResult_t (*Recv)(void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t) = nullptr;
-  ncclResult_t (*Broadcast)(const void*, void*, size_t, ncclDataType_t, int, ncclComm_t,
-                            cudaStream_t) = nullptr;
   ncclResult_t (*GroupStart)() = nullptr;
   ncclResult_t (*GroupEnd)() = nullptr;
   const char* (*GetErrorString)(ncclResult_t) = nullptr;
@@ -88,7 +85,6 @@ const NcclApi& Nccl() {
     load(a.CommAbort, "ncclCommAbort");
     load(a.Send, "ncclSend");
     load(a.Recv, "ncclRecv");
-    load(a.Broadcast, "ncclBroadcast");
     load(a.GroupStart, "ncclGroupStart");
     load(a.GroupEnd, "ncclGroupEnd");
     load(a.GetErrorString, "ncclGetErrorString");
@@ -738,75 +734,7 @@ Result<std::unique_ptr<PreparedPair>> NcclTransport::Prepare(StoreClient&, const
   return std::unique_ptr<PreparedPair>(std::move(pair));
 }
 
-// Polls a non-blocking communicator until its last call completed (ncclInProgress cleared).
-Status WaitComm(ncclComm_t c, Millis timeout, const std::string& what) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (true) {
-    ncclResult_t st = ncclSuccess;
-    SS_RETURN_IF_ERROR(NcclStatus(Nccl().CommGetAsyncError(c, &st), c, what));
-    if (st == ncclSuccess) return OkStatus();
-    if (st != ncclInProgress) return NcclStatus(st, c, what);
-    if (std::chrono::steady_clock::now() > deadline) {
-      return DeadlineExceededError(what + ": not done after " + std::to_string(timeout.count()) +
-                                   " ms (peer dead or not connecting?)");
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
-}
-
-class NcclGroupImpl final : public NcclGroup {
- public:
-  NcclGroupImpl(ncclComm_t c, int device) : comm_(c), device_(device) {}
-  ~NcclGroupImpl() override { Abort(); }
-
-  Status Broadcast(void* buf, size_t bytes, int root, void* stream, Millis timeout) override {
-    if (!comm_) return AbortedError("nccl group: aborted");
-    SS_CUDA(cudaSetDevice(device_), "nccl group: cudaSetDevice");
-    SS_RETURN_IF_ERROR(NcclStatus(Nccl().Broadcast(buf, buf, bytes, ncclUint8, root, comm_,
-                                                   static_cast<cudaStream_t>(stream)),
-                                  comm_, "nccl group: broadcast"));
-    return WaitComm(comm_, timeout, "nccl group: broadcast");
-  }
-  Status Check() override {
-    if (!comm_) return AbortedError("nccl group: aborted");
-    ncclResult_t st = ncclSuccess;
-    SS_RETURN_IF_ERROR(NcclStatus(Nccl().CommGetAsyncError(comm_, &st), comm_, "nccl group"));
-    return NcclStatus(st, comm_, "nccl group");
-  }
-  void Abort() override {
-    if (comm_ && Nccl().lib) Nccl().CommAbort(comm_);
-    comm_ = nullptr;
-  }
-
- private:
-  ncclComm_t comm_;
-  int device_;
-};
-
 }  // namespace
-
-Result<std::unique_ptr<NcclGroup>> NcclGroup::Create(StoreClient& store, const std::string& key,
-                                                     int index, int size, int device,
-                                                     Millis timeout) {
-  SS_RETURN_IF_ERROR(LoadNccl());
-  SS_CUDA(cudaSetDevice(device), "nccl group: cudaSetDevice " + std::to_string(device));
-  ncclUniqueId id{};
-  if (index == 0) {
-    SS_RETURN_IF_ERROR(NcclStatus(Nccl().GetUniqueId(&id), nullptr, "nccl: ncclGetUniqueId"));
-    SS_RETURN_IF_ERROR(store.Set(key, Hex(&id, sizeof(id))));
-  } else {
-    SS_ASSIGN_OR_RETURN(std::string got, store.Get(key, timeout));
-    if (!Unhex(got, &id, sizeof(id))) return DataLossError("nccl group: malformed unique id");
-  }
-  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-  cfg.blocking = 0;
-  ncclComm_t c = nullptr;
-  SS_RETURN_IF_ERROR(NcclStatus(Nccl().CommInitRankConfig(&c, size, id, index, &cfg), c,
-                                "nccl group: init of index " + std::to_string(index)));
-  auto g = std::make_unique<NcclGroupImpl>(c, device);
-  SS_RETURN_IF_ERROR(WaitComm(c, timeout, "nccl group: init of index " + std::to_string(index)));
-  return std::unique_ptr<NcclGroup>(std::move(g));
-}
 
 Status NcclSetStream(Transport& t, void* stream, bool* matched) {
   auto* n = dynamic_cast<NcclTransport*>(&t);

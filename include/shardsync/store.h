@@ -44,6 +44,10 @@ class StoreClient {
   // Atomically adds delta to an integer key (created at 0); returns the new value.
   virtual Result<int64_t> Add(const std::string& key, int64_t delta) = 0;
   virtual Status Wait(const std::vector<std::string>& keys, Millis timeout) = 0;
+  // Blocks until every key exists and returns their values in order: one round trip where a
+  // Get per key would take one each (DeadlineExceeded naming a missing key after timeout).
+  virtual Result<std::vector<std::string>> GetMany(const std::vector<std::string>& keys,
+                                                   Millis timeout) = 0;
   // Every one of `world` participants calls Barrier(name, world); returns when all arrived.
   virtual Status Barrier(const std::string& name, int world, Millis timeout) = 0;
 };

@@ -117,7 +117,8 @@ struct PairSpec {
 // Per bucket, the finished checksum (checksum.h) of the wire image as packed, and as landed
 // where this side knows it: the sender of cuda_ipc reads every landed word back through the
 // receiver's map; an nccl receiver sums while unpacking. Empty `landed` where the other side has
-// it.
+// it. A receiver's `packed` is non-empty when the sender's packed sums arrived with the data
+// (DeliversSums); otherwise the session carries them.
 struct PairSums {
   std::vector<uint64_t> packed;
   std::vector<uint64_t> landed;
@@ -135,6 +136,9 @@ class PreparedPair {
   virtual Result<XferState> Poll() = 0;
   // After kDone.
   virtual Result<PairSums> Sums() = 0;
+  // Sender: true when the packed sums reach the receiving pair's Sums() with the data (cuda_ipc:
+  // in its completion message), so the session need not send them.
+  virtual bool DeliversSums() const { return false; }
   // Gives up a replay that was posted and not seen done (the sync failed: peer dead, timeout,
   // abort): device work still waiting on the peer is torn down (nccl: the pair's communicator is
   // aborted) and later Posts fail with Aborted, so the job re-connects. No-op when idle.

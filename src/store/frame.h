@@ -26,12 +26,13 @@ inline constexpr size_t kMaxHelloPayloadBytes = 4096;  // before authentication
 inline constexpr uint32_t kMaxArgs = 65536;
 
 enum class Op : uint16_t {
-  kHello = 1,  // args: token
-  kSet = 2,    // args: key, value
-  kGet = 3,    // args: key; num: timeout ms
-  kAdd = 4,    // args: key; num: delta
-  kWait = 5,   // args: keys...; num: timeout ms
-  kReply = 6,  // num: StatusCode; args: value or error message
+  kHello = 1,    // args: token
+  kSet = 2,      // args: key, value
+  kGet = 3,      // args: key; num: timeout ms
+  kAdd = 4,      // args: key; num: delta
+  kWait = 5,     // args: keys...; num: timeout ms
+  kReply = 6,    // num: StatusCode; args: value(s) or error message
+  kGetMany = 7,  // args: keys...; num: timeout ms; reply: one value per key, in order
 };
 
 struct FrameHeader {
@@ -71,7 +72,7 @@ inline Result<FrameHeader> ParseFrameHeader(std::string_view bytes,
                                 " unsupported (want " + std::to_string(kVersion) + ")");
   }
   uint64_t op = detail::LoadLE(p + 6, 2);
-  if (op < static_cast<uint64_t>(Op::kHello) || op > static_cast<uint64_t>(Op::kReply)) {
+  if (op < static_cast<uint64_t>(Op::kHello) || op > static_cast<uint64_t>(Op::kGetMany)) {
     return InvalidArgumentError("store frame: unknown op " + std::to_string(op));
   }
   uint64_t len = detail::LoadLE(p + 8, 4);
@@ -133,21 +134,26 @@ inline Result<Frame> ParseFrame(std::string_view bytes, size_t max_payload = kMa
       SS_RETURN_IF_ERROR(want_args(1, f.op == Op::kGet ? "get" : "add"));
       break;
     case Op::kWait:
-      if (f.args.empty()) return InvalidArgumentError("store frame: wait without keys");
+    case Op::kGetMany:
+      if (f.args.empty()) {
+        return InvalidArgumentError(std::string("store frame: ") +
+                                    (f.op == Op::kWait ? "wait" : "get-many") + " without keys");
+      }
       break;
     case Op::kReply:
-      SS_RETURN_IF_ERROR(want_args(1, "reply"));
+      if (f.args.empty()) return InvalidArgumentError("store frame: reply without args");
       if (f.num < 0 || f.num > static_cast<int64_t>(StatusCode::kOutOfRange)) {
         return InvalidArgumentError("store frame: reply status code " + std::to_string(f.num) +
                                     " unknown");
       }
       break;
   }
-  if ((f.op == Op::kGet || f.op == Op::kWait) && f.num < 0) {
+  const bool many = f.op == Op::kWait || f.op == Op::kGetMany;
+  if ((f.op == Op::kGet || many) && f.num < 0) {
     return InvalidArgumentError("store frame: negative timeout " + std::to_string(f.num));
   }
   if (f.op != Op::kHello && f.op != Op::kReply) {
-    size_t nkeys = f.op == Op::kWait ? f.args.size() : 1;
+    size_t nkeys = many ? f.args.size() : 1;
     for (size_t i = 0; i < nkeys; ++i) {
       if (f.args[i].empty()) return InvalidArgumentError("store frame: empty key");
     }

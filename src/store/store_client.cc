@@ -118,6 +118,22 @@ class StoreClientImpl final : public StoreClient {
     return out;
   }
 
+  Result<std::vector<std::string>> GetMany(const std::vector<std::string>& keys,
+                                           Millis timeout) override {
+    if (keys.empty()) return std::vector<std::string>{};
+    for (const std::string& k : keys) SS_RETURN_IF_ERROR(CheckKey(k));
+    SS_RETURN_IF_ERROR(CheckTimeout(timeout, keys[0]));
+    Frame f{Op::kGetMany, timeout.count(), keys};
+    SS_ASSIGN_OR_RETURN(std::vector<std::string> values,
+                        CallArgs(f, Clock::now() + store_net::ClampWait(timeout) + io_timeout_));
+    if (values.size() != keys.size()) {
+      broken_ = true;
+      return InternalError("store " + address_ + ": get-many of " + std::to_string(keys.size()) +
+                           " keys answered with " + std::to_string(values.size()) + " values");
+    }
+    return values;
+  }
+
   Status Wait(const std::vector<std::string>& keys, Millis timeout) override {
     if (keys.empty()) return OkStatus();
     for (const std::string& k : keys) SS_RETURN_IF_ERROR(CheckKey(k));
@@ -165,6 +181,12 @@ class StoreClientImpl final : public StoreClient {
   }
 
   Result<std::string> Call(const Frame& f, Clock::time_point deadline) {
+    SS_ASSIGN_OR_RETURN(std::vector<std::string> args, CallArgs(f, deadline));
+    return std::move(args[0]);
+  }
+
+  // One request and its reply's args (at least one; the parser refuses replies without).
+  Result<std::vector<std::string>> CallArgs(const Frame& f, Clock::time_point deadline) {
     if (broken_) {
       return UnavailableError("store " + address_ +
                               ": connection unusable after an earlier failure");
@@ -178,7 +200,7 @@ class StoreClientImpl final : public StoreClient {
     return r;
   }
 
-  Result<std::string> CallOnce(const Frame& f, Clock::time_point deadline) {
+  Result<std::vector<std::string>> CallOnce(const Frame& f, Clock::time_point deadline) {
     io_failed_ = false;
     std::string bytes = store_wire::EncodeFrame(f);
     SS_RETURN_IF_ERROR(SendAll(bytes, deadline));
@@ -200,7 +222,7 @@ class StoreClientImpl final : public StoreClient {
     }
     auto code = static_cast<StatusCode>(r->num);
     if (code != StatusCode::kOk) return Status(code, r->args[0]);
-    return std::move(r->args[0]);
+    return std::move(r->args);
   }
 
   Status SendAll(const std::string& bytes, Clock::time_point deadline) {
@@ -248,6 +270,16 @@ class StoreClientImpl final : public StoreClient {
   }
 
   Status WaitFd(short events, Clock::time_point deadline) {
+    // A reply usually comes within tens of us: check without blocking for a short while first,
+    // so it costs no thread wake-up (which is what a blocking poll costs on an idle host).
+    const auto spin_until = std::min(deadline, Clock::now() + std::chrono::microseconds(300));
+    while (Clock::now() < spin_until) {
+      pollfd p{fd_, events, 0};
+      const int rc = poll(&p, 1, 0);
+      if (rc > 0) return OkStatus();
+      if (rc < 0 && errno != EINTR) break;
+      std::this_thread::yield();
+    }
     while (true) {
       pollfd p{fd_, events, 0};
       int rc = poll(&p, 1, store_net::MillisLeft(deadline));

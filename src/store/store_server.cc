@@ -112,6 +112,12 @@ class StoreServerImpl final : public StoreServer {
   void Run() {
     std::vector<pollfd> fds;
     std::vector<Conn*> order;
+    // Requests come in bursts (a sync's ready phase, then its verdicts one device copy later):
+    // for a while after one, poll without blocking, so the next costs no thread wake-up. Woken
+    // from a blocking poll, this thread answered ~100 us late on the H200 machine (traced syncs
+    // in docs/benchmarks.md); the window spans a sync, and the thread yields while it spins.
+    constexpr auto kHotWindow = std::chrono::milliseconds(20);
+    auto last_active = Clock::now() - kHotWindow;
     while (!stopping_.load()) {
       fds.clear();
       order.clear();
@@ -128,7 +134,10 @@ class StoreServerImpl final : public StoreServer {
         if (!c.authed) next = std::min(next, c.hello_deadline);
         if (c.pending) next = std::min(next, c.pending->deadline);
       }
-      int rc = poll(fds.data(), fds.size(), store_net::MillisLeft(next));
+      const bool hot = Clock::now() - last_active < kHotWindow;
+      int rc = poll(fds.data(), fds.size(), hot ? 0 : store_net::MillisLeft(next));
+      if (rc > 0) last_active = Clock::now();
+      if (rc == 0 && hot) std::this_thread::yield();
       if (rc < 0 && errno != EINTR) {
         StoreLog().error("store: poll failed: {}", std::strerror(errno));
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -230,10 +239,15 @@ class StoreServerImpl final : public StoreServer {
   }
 
   void Reply(Conn& c, StatusCode code, std::string arg) {
+    std::vector<std::string> args;
+    args.push_back(std::move(arg));
+    Reply(c, code, std::move(args));
+  }
+  void Reply(Conn& c, StatusCode code, std::vector<std::string> args) {
     Frame r;
     r.op = Op::kReply;
     r.num = static_cast<int64_t>(code);
-    r.args.push_back(std::move(arg));
+    r.args = std::move(args);
     c.out += store_wire::EncodeFrame(r);
     Flush(c);
   }
@@ -301,7 +315,8 @@ class StoreServerImpl final : public StoreServer {
         return;
       }
       case Op::kGet:
-      case Op::kWait: {
+      case Op::kWait:
+      case Op::kGetMany: {
         Pending p;
         p.op = f.op;
         p.keys = std::move(f.args);
@@ -323,16 +338,21 @@ class StoreServerImpl final : public StoreServer {
     for (const std::string& k : p.keys) {
       if (kv_.find(k) == kv_.end()) {
         if (!expired && Clock::now() < p.deadline) return false;
-        std::string msg = std::string("store ") + (p.op == Op::kGet ? "get" : "wait") + ": key '" +
+        std::string msg = std::string("store ") + (p.op == Op::kWait ? "wait" : "get") + ": key '" +
                           k + "' not set within " + std::to_string(p.timeout_ms) + " ms";
         c.pending.reset();
         Reply(c, StatusCode::kDeadlineExceeded, std::move(msg));
         return true;
       }
     }
-    std::string value = p.op == Op::kGet ? kv_[p.keys[0]] : std::string();
+    std::vector<std::string> values;
+    if (p.op == Op::kWait) {
+      values.emplace_back();
+    } else {
+      for (const std::string& k : p.keys) values.push_back(kv_[k]);
+    }
     c.pending.reset();
-    Reply(c, StatusCode::kOk, std::move(value));
+    Reply(c, StatusCode::kOk, std::move(values));
     return true;
   }
 

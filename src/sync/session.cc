@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -430,6 +431,7 @@ class SessionImpl final : public SyncSession {
     // (one-sided puts would otherwise land while it still reads the previous version).
     if (s.ok() && !who_.is_trainer)
       s = store_.Set(Key(VKey("ready/") + std::to_string(rank_)), "1");
+    Trace(rank_, version, [] { return "entered"; });
     if (s.ok()) s = who_.is_trainer ? RunSender(st) : RunReceiver(st);
     st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     st.ok = s.ok();
@@ -445,10 +447,12 @@ class SessionImpl final : public SyncSession {
     }
     // Everyone posts a verdict, failed or not, so peers learn the cause rather than time out.
     Status posted = store_.Set(Key(VKey("done/") + std::to_string(rank_)), StatsToJson(st));
+    Trace(rank_, version, [] { return "verdict posted"; });
     if (!s.ok()) return s;
     if (!posted.ok()) return Fail(posted);
     auto report = Gather(st);
     if (!report.ok()) return Fail(report.status());
+    Trace(rank_, version, [] { return "gathered every verdict"; });
     last_good_ = version;
     poisoned_ = false;
     return report;
@@ -483,6 +487,34 @@ class SessionImpl final : public SyncSession {
       auto r = store_.Get(key, std::min(left, Millis(watch_abort ? 5 : 1000)));
       if (r.ok()) return r;
       if (r.status().code() != StatusCode::kDeadlineExceeded) return r.status();
+      if (watch_abort) {
+        Progress();
+        SS_RETURN_IF_ERROR(CheckAbort());
+      }
+    }
+  }
+
+  // GetUntil for several keys in one store round trip; on timeout the error names the first key
+  // still missing (`what(i)` describes key i).
+  Result<std::vector<std::string>> GetManyUntil(const std::vector<std::string>& keys,
+                                                Clock::time_point deadline,
+                                                const std::function<std::string(size_t)>& what,
+                                                bool watch_abort = false) {
+    while (true) {
+      auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+      if (left <= Millis(0)) {
+        for (size_t i = 0; i < keys.size(); ++i) {
+          if (!store_.Get(keys[i], Millis(0)).ok()) {
+            return DeadlineExceededError("sync rank " + std::to_string(rank_) +
+                                         ": timed out waiting for " + what(i));
+          }
+        }
+        left = Millis(0);  // every key arrived at the last moment: take them
+      }
+      auto r = store_.GetMany(keys, std::min(left, Millis(watch_abort ? 5 : 1000)));
+      if (r.ok()) return r;
+      if (r.status().code() != StatusCode::kDeadlineExceeded) return r.status();
+      if (left <= Millis(0)) continue;
       if (watch_abort) {
         Progress();
         SS_RETURN_IF_ERROR(CheckAbort());
@@ -649,13 +681,18 @@ class SessionImpl final : public SyncSession {
   };
 
   Status RunSender(RankSyncStats& st) {
-    for (const Message& m : plan_.sends) {
-      SS_RETURN_IF_ERROR(GetUntil(Key(VKey("ready/") + std::to_string(m.dst)), deadline_,
-                                  "sync rank " + std::to_string(m.dst) + " to enter version " +
-                                      std::to_string(version_),
-                                  /*watch_abort=*/true)
-                             .status());
-    }
+    std::vector<std::string> ready;
+    for (const Message& m : plan_.sends)
+      ready.push_back(Key(VKey("ready/") + std::to_string(m.dst)));
+    SS_RETURN_IF_ERROR(GetManyUntil(
+                           ready, deadline_,
+                           [&](size_t i) {
+                             return "sync rank " + std::to_string(plan_.sends[i].dst) +
+                                    " to enter version " + std::to_string(version_);
+                           },
+                           /*watch_abort=*/true)
+                           .status());
+    Trace(rank_, version_, [] { return "every receiver ready"; });
     // Prepared pairs (device memory) go first: their device work overlaps the host path below.
     SS_RETURN_IF_ERROR(PostPairs(send_pairs_));
     HostSend hs = PlanHostSend();
@@ -970,7 +1007,7 @@ class SessionImpl final : public SyncSession {
     for (size_t i = 0; i < pairs.size(); ++i) {
       if (pairs[i]) left.push_back(i);
     }
-    int idle = 0;
+    auto idle_since = Clock::now();
     while (!left.empty()) {
       bool progressed = false;
       for (size_t k = 0; k < left.size();) {
@@ -989,9 +1026,22 @@ class SessionImpl final : public SyncSession {
       }
       if (left.empty()) break;
       SS_RETURN_IF_ERROR(CheckDeadline(who(left[0])));
-      Backoff(progressed, idle);
+      PairBackoff(progressed, idle_since);
     }
     return OkStatus();
+  }
+
+  // Device pairs finish within milliseconds and every rank waits on the last one: yield-spin
+  // (a sleep costs 60-80 us of wake-up latency on Linux, measured in the traced syncs of
+  // docs/benchmarks.md) for 50 ms of idling, then sleep in short steps.
+  static void PairBackoff(bool progressed, Clock::time_point& idle_since) {
+    const auto now = Clock::now();
+    if (progressed) idle_since = now;
+    if (now - idle_since < Millis(50)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
   }
 
   Status PostPairs(std::vector<std::unique_ptr<PreparedPair>>& pairs) {
@@ -1011,6 +1061,8 @@ class SessionImpl final : public SyncSession {
     for (size_t mi = 0; mi < send_pairs_.size(); ++mi) {
       if (!send_pairs_[mi]) continue;
       const Message& m = plan_.sends[mi];
+      for (const Bucket& b : m.buckets) st.send_bytes += b.bytes;
+      if (send_pairs_[mi]->DeliversSums()) continue;
       SS_ASSIGN_OR_RETURN(PairSums sums, send_pairs_[mi]->Sums());
       if (sums.packed.size() != m.buckets.size()) {
         return InternalError("sync rank " + std::to_string(rank_) + ": pair to sync rank " +
@@ -1022,8 +1074,8 @@ class SessionImpl final : public SyncSession {
       for (uint64_t v : sums.packed) text += (text.empty() ? "" : ",") + Hex(v);
       SS_RETURN_IF_ERROR(store_.Set(
           Key(VKey("sums/") + std::to_string(rank_) + "_" + std::to_string(m.dst)), text));
-      for (const Bucket& b : m.buckets) st.send_bytes += b.bytes;
     }
+    Trace(rank_, version_, [] { return "checksums published"; });
     return OkStatus();
   }
 
@@ -1039,12 +1091,16 @@ class SessionImpl final : public SyncSession {
       const Message& m = plan_.recvs[mi];
       const std::string from = "sync rank " + std::to_string(m.src);
       SS_ASSIGN_OR_RETURN(PairSums mine, recv_pairs_[mi]->Sums());
-      Trace(rank_, version_, [&] { return "waiting for the checksums of " + from; });
-      SS_ASSIGN_OR_RETURN(
-          std::string text,
-          GetUntil(Key(VKey("sums/") + std::to_string(m.src) + "_" + std::to_string(rank_)),
-                   deadline_, "the checksums of " + from, /*watch_abort=*/true));
-      std::vector<uint64_t> sent;
+      // The sender's packed sums: with the data where the transport delivers them, else the
+      // store.
+      std::vector<uint64_t> sent = std::move(mine.packed);
+      std::string text;
+      if (sent.empty()) {
+        Trace(rank_, version_, [&] { return "waiting for the checksums of " + from; });
+        SS_ASSIGN_OR_RETURN(
+            text, GetUntil(Key(VKey("sums/") + std::to_string(m.src) + "_" + std::to_string(rank_)),
+                           deadline_, "the checksums of " + from, /*watch_abort=*/true));
+      }
       for (size_t at = 0; at <= text.size() && !text.empty();) {
         const size_t c = std::min(text.find(',', at), text.size());
         const std::string item = text.substr(at, c - at);
@@ -1452,17 +1508,28 @@ class SessionImpl final : public SyncSession {
     SyncReport rep;
     rep.version = version_;
     rep.local = local;
+    // Every other rank's verdict in one store round trip.
+    std::vector<std::string> keys;
+    std::vector<int> others;
     for (int r = 0; r < world_; ++r) {
+      if (r == rank_) continue;
+      keys.push_back(Key(VKey("done/") + std::to_string(r)));
+      others.push_back(r);
+    }
+    SS_ASSIGN_OR_RETURN(std::vector<std::string> texts,
+                        GetManyUntil(
+                            keys, deadline_,
+                            [&](size_t i) {
+                              return "the sync report of sync rank " + std::to_string(others[i]) +
+                                     " (version " + std::to_string(version_) + ")";
+                            },
+                            /*watch_abort=*/true));
+    for (int r = 0, next = 0; r < world_; ++r) {
       RankSyncStats s;
       if (r == rank_) {
         s = local;
       } else {
-        SS_ASSIGN_OR_RETURN(std::string text,
-                            GetUntil(Key(VKey("done/") + std::to_string(r)), deadline_,
-                                     "the sync report of sync rank " + std::to_string(r) +
-                                         " (version " + std::to_string(version_) + ")",
-                                     /*watch_abort=*/true));
-        SS_ASSIGN_OR_RETURN(s, StatsFromJson(text, r));
+        SS_ASSIGN_OR_RETURN(s, StatsFromJson(texts[next++], r));
       }
       if (!s.ok) {
         return AbortedError("sync rank " + std::to_string(rank_) + ": version " +

@@ -133,6 +133,28 @@ TEST_F(StoreTest, WaitForSeveralKeys) {
   t.join();
 }
 
+TEST_F(StoreTest, GetManyReturnsEveryValueInOrderOnceAllExist) {
+  auto a = Client();
+  auto b = Client();
+  ASSERT_TRUE(a->Set("m/2", "two").ok());
+  std::thread t([&] {
+    std::this_thread::sleep_for(10ms);
+    ASSERT_TRUE(b->Set("m/0", "").ok());
+    ASSERT_TRUE(b->Set("m/1", std::string(100000, 'x')).ok());
+  });
+  auto v = a->GetMany({"m/1", "m/2", "m/0"}, 5000ms);
+  t.join();
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  EXPECT_EQ(*v, (std::vector<std::string>{std::string(100000, 'x'), "two", ""}));
+  EXPECT_TRUE(a->GetMany({}, 0ms)->empty());
+  // A missing key is named after the timeout; the connection stays usable.
+  auto miss = a->GetMany({"m/0", "m/absent"}, 30ms);
+  EXPECT_EQ(miss.status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_NE(miss.status().message().find("m/absent"), std::string::npos);
+  EXPECT_EQ(a->GetMany({"", "m/0"}, 0ms).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(*a->Get("m/2", 0ms), "two");
+}
+
 TEST_F(StoreTest, AddIsAtomicAcrossClients) {
   constexpr int kThreads = 8, kAdds = 200;
   std::vector<std::thread> ts;
@@ -322,6 +344,13 @@ TEST(StoreFrame, RoundTripAndTruncation) {
   EXPECT_FALSE(store_wire::ParseFrame(store_wire::EncodeFrame(Frame{Op::kSet, 0, {"k"}})).ok());
   EXPECT_FALSE(store_wire::ParseFrame(store_wire::EncodeFrame(Frame{Op::kGet, -1, {"k"}})).ok());
   EXPECT_FALSE(store_wire::ParseFrame(store_wire::EncodeFrame(Frame{Op::kReply, 99, {""}})).ok());
+  EXPECT_FALSE(store_wire::ParseFrame(store_wire::EncodeFrame(Frame{Op::kReply, 0, {}})).ok());
+  EXPECT_FALSE(store_wire::ParseFrame(store_wire::EncodeFrame(Frame{Op::kGetMany, 5, {}})).ok());
+  EXPECT_FALSE(
+      store_wire::ParseFrame(store_wire::EncodeFrame(Frame{Op::kGetMany, 5, {"a", ""}})).ok());
+  auto many = store_wire::ParseFrame(store_wire::EncodeFrame(Frame{Op::kReply, 0, {"x", "", "z"}}));
+  ASSERT_TRUE(many.ok()) << many.status().ToString();
+  EXPECT_EQ(many->args, (std::vector<std::string>{"x", "", "z"}));
   std::string v2 = bytes;
   v2[4] = 2;
   EXPECT_NE(store_wire::ParseFrame(v2).status().message().find("version 2"), std::string::npos);

@@ -32,7 +32,9 @@ struct Wire {
   std::map<std::tuple<int, int, uint64_t>, std::vector<std::vector<unsigned char>>> msgs;
   std::atomic<int> flip_from{-1};  // this sender flips a byte of its first bucket to flip_to
   std::atomic<int> flip_to{-1};
-  std::atomic<int> silent_from{-1};  // this sender never delivers
+  std::atomic<int> silent_from{-1};       // this sender never delivers
+  std::atomic<bool> deliver_sums{false};  // pairs made now carry the packed sums with the data
+  std::map<std::tuple<int, int, uint64_t>, std::vector<uint64_t>> sums;
   std::atomic<int> posts{0}, cancels{0};
 };
 Wire& TheWire() {
@@ -42,7 +44,8 @@ Wire& TheWire() {
 
 class FakePair final : public PreparedPair {
  public:
-  FakePair(int self, PairSpec spec) : self_(self), spec_(std::move(spec)) {}
+  FakePair(int self, PairSpec spec)
+      : self_(self), spec_(std::move(spec)), deliver_(TheWire().deliver_sums) {}
 
   Status Post(uint64_t version) override {
     if (cancelled_) return AbortedError("fake pair cancelled");
@@ -63,6 +66,7 @@ class FakePair final : public PreparedPair {
     if (TheWire().silent_from == self_) return OkStatus();
     std::lock_guard<std::mutex> lk(TheWire().mu);
     TheWire().msgs[{self_, spec_.peer, version}] = std::move(msg);
+    if (deliver_) TheWire().sums[{self_, spec_.peer, version}] = sums_.packed;
     return OkStatus();
   }
   Result<XferState> Poll() override {
@@ -77,6 +81,11 @@ class FakePair final : public PreparedPair {
       if (it == TheWire().msgs.end()) return XferState::kInProgress;
       msg = std::move(it->second);
       TheWire().msgs.erase(it);
+      sums_.packed.clear();
+      if (deliver_) {
+        sums_.packed = TheWire().sums[{spec_.peer, self_, version_}];
+        TheWire().sums.erase({spec_.peer, self_, version_});
+      }
     }
     sums_.landed.clear();
     for (size_t b = 0; b < spec_.buckets.size(); ++b) {
@@ -89,6 +98,7 @@ class FakePair final : public PreparedPair {
     return XferState::kDone;
   }
   Result<PairSums> Sums() override { return sums_; }
+  bool DeliversSums() const override { return deliver_ && spec_.send; }
   void Cancel() override {
     if (!posted_) return;
     cancelled_ = true;
@@ -101,6 +111,7 @@ class FakePair final : public PreparedPair {
   PairSpec spec_;
   std::unique_ptr<Packer> packer_ = MakeCpuPacker();
   PairSums sums_;
+  bool deliver_;
   uint64_t version_ = 0;
   bool posted_ = false, cancelled_ = false;
 };
@@ -232,6 +243,7 @@ class RoutedJob {
   int world() const { return world_; }
   int trainers() const { return spec_.inputs.trainer.world(); }
   SyncSession& session(int r) { return *ranks_[r].session; }
+  StoreClient& store(int r) { return *ranks_[r].store; }
   Transport& transport(int r) { return *ranks_[r].tx; }
 
  private:
@@ -269,6 +281,40 @@ TEST(PreparedPairs, SyncThroughTheRouterIsElementExact) {
   EXPECT_GT(rep.checksums_total, 0);
   EXPECT_EQ(rep.checksums_ok, rep.checksums_total);
   EXPECT_EQ(job.Mismatches(), 0);
+}
+
+// Pairs whose transport delivers the packed sums with the data (cuda_ipc) skip the store; the
+// comparison, and a corrupted bucket's DataLoss, are the same.
+TEST(PreparedPairs, SumsDeliveredWithTheDataSkipTheStore) {
+  for (bool deliver : {false, true}) {
+    SCOPED_TRACE(deliver ? "delivered" : "through the store");
+    TheWire().deliver_sums = deliver;
+    const std::string prefix = deliver ? "p4d/" : "p4s/";
+    RoutedJob job(TinyJob(), prefix, Millis(5000));
+    testing::ExpectAllOk(job.BindAndConnect());  // pairs are made at connect
+    TheWire().deliver_sums = false;
+    testing::ExpectAllOk(job.Sync(1));
+    EXPECT_EQ(job.Mismatches(), 0);
+    int in_store = 0;
+    for (int t = 0; t < job.trainers(); ++t) {
+      for (int r = job.trainers(); r < job.world(); ++r) {
+        const std::string key = prefix + "v1/sums/" + std::to_string(t) + "_" + std::to_string(r);
+        in_store += job.store(0).Get(key, Millis(0)).ok();
+      }
+    }
+    if (deliver) {
+      EXPECT_EQ(in_store, 0);
+    } else {
+      EXPECT_GT(in_store, 0);
+    }
+    TheWire().flip_from = 0;
+    TheWire().flip_to = job.trainers();
+    const auto st = job.Sync(2);
+    TheWire().flip_from = -1;
+    testing::ExpectOneDataLossFrom(job, st, 0);
+    testing::ExpectAllOk(job.Sync(3));
+    EXPECT_EQ(job.Mismatches(), 0);
+  }
 }
 
 TEST(PreparedPairs, CorruptedBucketIsDataLossThenACleanSyncClearsThePoison) {

@@ -12,6 +12,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -19,6 +20,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -92,11 +94,31 @@ std::string Hex(uint64_t v) {
 
 bool PidAlive(int pid) { return pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH; }
 
+class IpcSendPair;
+
+// One launch over several send pairs' buckets: the batch, and the landed sums of all of them in
+// one device buffer read back by one copy, behind one event.
+struct MergedLaunch {
+  int device = 0;
+  std::unique_ptr<CopyBatch> batch;  // null: the pairs share no kernel (one launch each)
+  std::unique_ptr<DeviceBuffer> lsum;
+  unsigned long long* host = nullptr;
+  cudaEvent_t done = nullptr;
+  size_t buckets = 0;
+  ~MergedLaunch() {
+    cudaSetDevice(device);
+    if (done) cudaEventDestroy(done);
+    if (host) cudaFreeHost(host);
+  }
+};
+
 class CudaIpcTransport final : public Transport {
  public:
   explicit CudaIpcTransport(int device) : device_(device) {}
   ~CudaIpcTransport() override {
     cudaSetDevice(device_);
+    merged_.clear();
+    retired_.clear();
     xfers_.clear();  // returns shared events to the pool
     for (cudaEvent_t e : event_pool_) cudaEventDestroy(e);
     for (auto& [key, ptr] : opened_) cudaIpcCloseMemHandle(ptr);
@@ -395,6 +417,25 @@ class CudaIpcTransport final : public Transport {
     SS_RETURN_IF_ERROR(Usable());
     return PeerAlive(peer);
   }
+  // Send pairs launch together (see IpcSendPair): every live send pair registers here.
+  void AddSend(IpcSendPair* p) { sends_.push_back(p); }
+  void RemoveSend(IpcSendPair* p) {
+    sends_.erase(std::remove(sends_.begin(), sends_.end(), p), sends_.end());
+    // Launches naming it are never replayed again; kept (other members may still point at one)
+    // until the transport goes.
+    for (auto it = merged_.begin(); it != merged_.end();) {
+      if (std::find(it->first.begin(), it->first.end(), p) != it->first.end()) {
+        retired_.push_back(std::move(it->second));
+        it = merged_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  // A send pair was posted: once every live send pair is, they launch as one.
+  Status SendPosted();
+  // Launches every posted send pair that has not launched yet, as one kernel.
+  Status LaunchPostedSends();
   // The registered region holding [p, p + bytes) and p's offset in it.
   Result<std::pair<uint32_t, uint64_t>> FindLocal(const void* p, uint64_t bytes) const {
     const auto* q = static_cast<const unsigned char*>(p);
@@ -529,6 +570,10 @@ class CudaIpcTransport final : public Transport {
   std::vector<cudaEvent_t> event_pool_;
   std::vector<XferId> unevented_;  // puts posted since the last recorded event
   XferId next_id_ = 1;
+  std::vector<IpcSendPair*> sends_;  // live send pairs, in creation order
+  // One batch over several send pairs' buckets, by its members (in sends_ order).
+  std::map<std::vector<IpcSendPair*>, std::unique_ptr<MergedLaunch>> merged_;
+  std::vector<std::unique_ptr<MergedLaunch>> retired_;
 };
 
 // ---- prepared pairs ----
@@ -537,7 +582,8 @@ class CudaIpcTransport final : public Transport {
 // parameters (through the IPC mappings) with the checksum fused, and reads every landed word back
 // through the receiver's OWN map (published by the receiver at Prepare; the readback must not
 // share the sender's addressing) from L2 right after writing it; the landed sums then reach the
-// receiver through the mailbox once the launch completed. Receiver: waits for that message.
+// receiver through the mailbox once the launch completed, with the packed sums: the session then
+// needs no store round trip to compare them. Receiver: waits for that message.
 
 constexpr uint64_t kLandedMagic = 0x53534c4d;  // "SSLM"
 constexpr uint64_t kPairTagBase = uint64_t{0x5350} << 48;
@@ -551,7 +597,7 @@ struct LandedEntry {
 };
 
 Status CheckBuckets(const PairSpec& spec) {
-  const size_t max = (internal::kMailboxSlotBytes - 16) / 8;
+  const size_t max = (internal::kMailboxSlotBytes - 16) / 16;  // a landed and a packed sum each
   if (spec.buckets.empty() || spec.buckets.size() > max) {
     return InvalidArgumentError("cuda_ipc: pair with rank " + std::to_string(spec.peer) + " has " +
                                 std::to_string(spec.buckets.size()) + " buckets (1.." +
@@ -563,7 +609,7 @@ Status CheckBuckets(const PairSpec& spec) {
 class IpcRecvPair final : public PreparedPair {
  public:
   IpcRecvPair(CudaIpcTransport& t, int peer, size_t buckets)
-      : t_(t), peer_(peer), msg_(2 + buckets) {}
+      : t_(t), peer_(peer), buckets_(buckets), msg_(2 + 2 * buckets) {}
 
   Status Post(uint64_t version) override {
     if (cancelled_)
@@ -578,7 +624,7 @@ class IpcRecvPair final : public PreparedPair {
     SS_ASSIGN_OR_RETURN(XferState st, t_.Poll(id_));
     if (st == XferState::kInProgress) return st;
     posted_ = false;
-    if (msg_[0] != version_ || msg_[1] != msg_.size() - 2) {
+    if (msg_[0] != version_ || msg_[1] != buckets_) {
       return DataLossError("cuda_ipc: landed checksums from rank " + std::to_string(peer_) +
                            " are for version " + std::to_string(msg_[0]) + " with " +
                            std::to_string(msg_[1]) + " buckets");
@@ -587,7 +633,8 @@ class IpcRecvPair final : public PreparedPair {
   }
   Result<PairSums> Sums() override {
     PairSums s;
-    s.landed.assign(msg_.begin() + 2, msg_.end());
+    s.landed.assign(msg_.begin() + 2, msg_.begin() + 2 + buckets_);
+    s.packed.assign(msg_.begin() + 2 + buckets_, msg_.end());
     return s;
   }
   void Cancel() override {
@@ -595,23 +642,31 @@ class IpcRecvPair final : public PreparedPair {
   }
   std::string Describe() const override {
     return "cuda_ipc: landed sums read back by rank " + std::to_string(peer_) + ", " +
-           std::to_string(msg_.size() - 2) + " buckets";
+           std::to_string(buckets_) + " buckets";
   }
 
  private:
   CudaIpcTransport& t_;
   int peer_;
-  std::vector<uint64_t> msg_;  // [version, buckets, landed sum per bucket]
+  size_t buckets_;
+  std::vector<uint64_t> msg_;  // [version, buckets, landed sum per bucket, packed sum per bucket]
   uint64_t version_ = 0;
   XferId id_ = 0;
   bool posted_ = false, cancelled_ = false;
 };
 
+// Sender. Post only marks the pair; the launch comes once every send pair of the transport is
+// posted (the session posts them all at once), or at the first Poll of a posted pair: so a
+// trainer's pairs run as ONE kernel over all their buckets instead of one launch per pair, which
+// spares the GPU each launch's ramp-up and tail (measured on an H200, docs/benchmarks.md).
 class IpcSendPair final : public PreparedPair {
  public:
   IpcSendPair(CudaIpcTransport& t, int peer, std::vector<int64_t> bytes)
-      : t_(t), peer_(peer), bytes_(std::move(bytes)) {}
+      : t_(t), peer_(peer), bytes_(std::move(bytes)) {
+    t_.AddSend(this);
+  }
   ~IpcSendPair() override {
+    t_.RemoveSend(this);
     cudaSetDevice(t_.device());
     if (done_) cudaEventDestroy(done_);
     if (host_) cudaFreeHost(host_);
@@ -620,12 +675,14 @@ class IpcSendPair final : public PreparedPair {
   Status Init(BatchSpec spec) {
     const size_t nb = bytes_.size();
     SS_ASSIGN_OR_RETURN(lsum_, DeviceBuffer::Allocate(nb * 8, t_.device()));
+    SS_CUDA(cudaMemset(lsum_->data(), 0, nb * 8), "cuda_ipc: zero landed sums");
     SS_CUDA(cudaMallocHost(&host_, nb * 8), "cuda_ipc: pinned landed sums");
     SS_CUDA(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cuda_ipc: pair event");
     for (size_t b = 0; b < nb; ++b) {
       spec.landed_sums.push_back(static_cast<unsigned char*>(lsum_->data()) + 8 * b);
     }
     SS_ASSIGN_OR_RETURN(batch_, CopyBatch::Prepare(spec, t_.device()));
+    spec_ = std::move(spec);
     return OkStatus();
   }
 
@@ -633,34 +690,57 @@ class IpcSendPair final : public PreparedPair {
     if (cancelled_)
       return AbortedError("cuda_ipc: pair with rank " + std::to_string(peer_) + " was cancelled");
     SS_RETURN_IF_ERROR(t_.CheckPeer(peer_));
-    cudaStream_t s = t_.stream();
-    SS_CUDA(cudaSetDevice(t_.device()), "cuda_ipc: cudaSetDevice");
-    SS_CUDA(cudaMemsetAsync(lsum_->data(), 0, bytes_.size() * 8, s), "cuda_ipc: zero landed sums");
+    version_ = version;
+    state_ = kPosted;
+    return t_.SendPosted();
+  }
+
+  bool posted() const { return state_ == kPosted; }
+  const BatchSpec& spec() const { return spec_; }
+  // This pair's buckets went out in `group`'s launch, as its buckets [first, first + n).
+  void LaunchedIn(const MergedLaunch* group, size_t first) {
+    group_ = group;
+    first_ = first;
+    state_ = kLaunched;
+  }
+  // The landed sums are zeroed right after they are read, so only the kernel precedes it.
+  Status LaunchAlone(cudaStream_t s) {
     SS_RETURN_IF_ERROR(batch_->Launch(s));
     SS_CUDA(cudaMemcpyAsync(host_, lsum_->data(), bytes_.size() * 8, cudaMemcpyDeviceToHost, s),
             "cuda_ipc: read landed sums");
+    SS_CUDA(cudaMemsetAsync(lsum_->data(), 0, bytes_.size() * 8, s), "cuda_ipc: zero landed sums");
     SS_CUDA(cudaEventRecord(done_, s), "cuda_ipc: pair event");
-    version_ = version;
-    state_ = kLaunched;
+    LaunchedIn(nullptr, 0);
     return OkStatus();
   }
 
   Result<XferState> Poll() override {
     if (state_ == kIdle) return XferState::kDone;
+    if (state_ == kPosted) {
+      SS_RETURN_IF_ERROR(t_.LaunchPostedSends());
+      if (state_ == kPosted) return InternalError("cuda_ipc: posted pair was not launched");
+    }
     if (state_ == kLaunched) {
-      const cudaError_t e = cudaEventQuery(done_);
+      const cudaError_t e = cudaEventQuery(group_ ? group_->done : done_);
       if (e == cudaErrorNotReady) {
         SS_RETURN_IF_ERROR(t_.CheckPeer(peer_));
         return XferState::kInProgress;
       }
       SS_CUDA(e, "cuda_ipc: pack into rank " + std::to_string(peer_));
-      SS_ASSIGN_OR_RETURN(sums_.packed, batch_->Checksums());
+      const unsigned long long* landed = group_ ? group_->host + first_ : host_;
+      if (group_) {
+        SS_ASSIGN_OR_RETURN(std::vector<uint64_t> all, group_->batch->Checksums());
+        sums_.packed.assign(all.begin() + first_, all.begin() + first_ + bytes_.size());
+      } else {
+        SS_ASSIGN_OR_RETURN(sums_.packed, batch_->Checksums());
+      }
       msg_ = {version_, bytes_.size()};
       sums_.landed.clear();
       for (size_t b = 0; b < bytes_.size(); ++b) {
-        sums_.landed.push_back(ChecksumFinish(host_[b], static_cast<uint64_t>(bytes_[b])));
+        sums_.landed.push_back(ChecksumFinish(landed[b], static_cast<uint64_t>(bytes_[b])));
         msg_.push_back(sums_.landed.back());
       }
+      msg_.insert(msg_.end(), sums_.packed.begin(), sums_.packed.end());
       // The launch completed: every byte is in the receiver's memory before it hears of it.
       SS_ASSIGN_OR_RETURN(id_, t_.PostSend(peer_, PairTag(version_), msg_.data(), msg_.size() * 8));
       state_ = kSending;
@@ -671,29 +751,113 @@ class IpcSendPair final : public PreparedPair {
   }
 
   Result<PairSums> Sums() override { return sums_; }
+  bool DeliversSums() const override { return true; }
   void Cancel() override {
-    if (state_ != kIdle) cancelled_ = true;
+    if (state_ == kIdle) return;
+    cancelled_ = true;
+    if (state_ == kPosted) state_ = kIdle;  // never launched: nothing in flight
   }
   std::string Describe() const override {
-    return "cuda_ipc: 1 launch, " + std::to_string(bytes_.size()) + " buckets into rank " +
-           std::to_string(peer_);
+    return "cuda_ipc: " + std::to_string(bytes_.size()) + " buckets into rank " +
+           std::to_string(peer_) + (group_ ? " (one launch with the other pairs)" : " (1 launch)");
   }
 
  private:
   CudaIpcTransport& t_;
   int peer_;
   std::vector<int64_t> bytes_;
+  BatchSpec spec_;
   std::unique_ptr<CopyBatch> batch_;
   std::unique_ptr<DeviceBuffer> lsum_;
   unsigned long long* host_ = nullptr;
   cudaEvent_t done_ = nullptr;
-  enum { kIdle, kLaunched, kSending } state_ = kIdle;
+  enum { kIdle, kPosted, kLaunched, kSending } state_ = kIdle;
   uint64_t version_ = 0;
+  const MergedLaunch* group_ = nullptr;
+  size_t first_ = 0;
   std::vector<uint64_t> msg_;
   PairSums sums_;
   XferId id_ = 0;
   bool cancelled_ = false;
 };
+
+// The send pairs' batches as one: buckets renumbered after each other's, in member order, landed
+// sums to `lsum` (8 bytes per bucket). Nullopt when they do not share one kernel (dtypes).
+std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, void* lsum) {
+  const BatchSpec& first = members[0]->spec();
+  BatchSpec m;
+  m.mode = first.mode;
+  m.in_dtype = first.in_dtype;
+  m.out_dtype = first.out_dtype;
+  for (const IpcSendPair* p : members) {
+    const BatchSpec& s = p->spec();
+    if (s.mode != m.mode || s.in_dtype != m.in_dtype || s.out_dtype != m.out_dtype) {
+      return std::nullopt;
+    }
+    const auto base = static_cast<int32_t>(m.bucket_bytes.size());
+    for (CopyRun r : s.runs) {
+      r.bucket += base;
+      m.runs.push_back(r);
+    }
+    for (CopyRun r : s.landed_runs) {
+      r.bucket += base;
+      m.landed_runs.push_back(r);
+    }
+    m.bucket_bytes.insert(m.bucket_bytes.end(), s.bucket_bytes.begin(), s.bucket_bytes.end());
+  }
+  for (size_t b = 0; b < m.bucket_bytes.size(); ++b) {
+    m.landed_sums.push_back(static_cast<unsigned char*>(lsum) + 8 * b);
+  }
+  return m;
+}
+
+Status CudaIpcTransport::SendPosted() {
+  for (const IpcSendPair* p : sends_) {
+    if (!p->posted()) return OkStatus();  // the rest follow (or the first Poll launches)
+  }
+  return LaunchPostedSends();
+}
+
+Status CudaIpcTransport::LaunchPostedSends() {
+  std::vector<IpcSendPair*> members;
+  for (IpcSendPair* p : sends_) {
+    if (p->posted()) members.push_back(p);
+  }
+  if (members.empty()) return OkStatus();
+  SS_CUDA(cudaSetDevice(device_), "cuda_ipc: cudaSetDevice");
+  if (members.size() == 1) return members[0]->LaunchAlone(stream_);
+  auto it = merged_.find(members);
+  if (it == merged_.end()) {
+    auto g = std::make_unique<MergedLaunch>();
+    g->device = device_;
+    for (const IpcSendPair* p : members) g->buckets += p->spec().bucket_bytes.size();
+    SS_ASSIGN_OR_RETURN(g->lsum, DeviceBuffer::Allocate(g->buckets * 8, device_));
+    SS_CUDA(cudaMemset(g->lsum->data(), 0, g->buckets * 8), "cuda_ipc: zero landed sums");
+    SS_CUDA(cudaMallocHost(&g->host, g->buckets * 8), "cuda_ipc: pinned landed sums");
+    SS_CUDA(cudaEventCreateWithFlags(&g->done, cudaEventDisableTiming), "cuda_ipc: launch event");
+    if (std::optional<BatchSpec> spec = MergeSpecs(members, g->lsum->data())) {
+      SS_ASSIGN_OR_RETURN(g->batch, CopyBatch::Prepare(*spec, device_));
+    }
+    it = merged_.emplace(members, std::move(g)).first;
+  }
+  MergedLaunch& g = *it->second;
+  if (!g.batch) {  // no common kernel: one launch each
+    for (IpcSendPair* p : members) SS_RETURN_IF_ERROR(p->LaunchAlone(stream_));
+    return OkStatus();
+  }
+  SS_RETURN_IF_ERROR(g.batch->Launch(stream_));
+  const size_t n = g.buckets * 8;
+  SS_CUDA(cudaMemcpyAsync(g.host, g.lsum->data(), n, cudaMemcpyDeviceToHost, stream_),
+          "cuda_ipc: read landed sums");
+  SS_CUDA(cudaMemsetAsync(g.lsum->data(), 0, n, stream_), "cuda_ipc: zero landed sums");
+  SS_CUDA(cudaEventRecord(g.done, stream_), "cuda_ipc: launch event");
+  size_t first = 0;
+  for (IpcSendPair* p : members) {
+    p->LaunchedIn(&g, first);
+    first += p->spec().bucket_bytes.size();
+  }
+  return OkStatus();
+}
 
 // The receiver's own map of every bucket, merged into runs contiguous in wire and memory.
 Result<std::string> LandedMap(const CudaIpcTransport& t, const PairSpec& spec) {

@@ -48,6 +48,12 @@ class StoreClient {
   // Get per key would take one each (DeadlineExceeded naming a missing key after timeout).
   virtual Result<std::vector<std::string>> GetMany(const std::vector<std::string>& keys,
                                                    Millis timeout) = 0;
+  // Pipelined forms, one round trip each: several Sets; a Set, then GetMany of `keys`.
+  virtual Status SetMany(const std::vector<std::pair<std::string, std::string>>& kvs) = 0;
+  virtual Result<std::vector<std::string>> SetThenGetMany(const std::string& key,
+                                                          std::string_view value,
+                                                          const std::vector<std::string>& keys,
+                                                          Millis timeout) = 0;
   // Every one of `world` participants calls Barrier(name, world); returns when all arrived.
   virtual Status Barrier(const std::string& name, int world, Millis timeout) = 0;
 };

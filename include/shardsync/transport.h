@@ -139,6 +139,10 @@ class PreparedPair {
   // Sender: true when the packed sums reach the receiving pair's Sums() with the data (cuda_ipc:
   // in its completion message), so the session need not send them.
   virtual bool DeliversSums() const { return false; }
+  // Sender: true when the pair itself holds its writes until the receiving pair was posted for
+  // the same version (the receiver is inside Sync), so the session need not wait for the
+  // receiver's ready key (cuda_ipc: a mailbox message from the receiving pair's Post).
+  virtual bool SignalsReady() const { return false; }
   // Gives up a replay that was posted and not seen done (the sync failed: peer dead, timeout,
   // abort): device work still waiting on the peer is torn down (nccl: the pair's communicator is
   // aborted) and later Posts fail with Aborted, so the job re-connects. No-op when idle.

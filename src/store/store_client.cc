@@ -91,10 +91,7 @@ class StoreClientImpl final : public StoreClient {
 
   Status Set(const std::string& key, std::string_view value) override {
     SS_RETURN_IF_ERROR(CheckKey(key));
-    if (value.size() + key.size() + 64 > store_wire::kMaxPayloadBytes) {
-      return OutOfRangeError("store set '" + key + "': value of " + std::to_string(value.size()) +
-                             " bytes exceeds the 64 MiB frame limit");
-    }
+    SS_RETURN_IF_ERROR(CheckValue(key, value));
     Frame f{Op::kSet, 0, {key, std::string(value)}};
     return Call(f, Clock::now() + io_timeout_).status();
   }
@@ -126,6 +123,41 @@ class StoreClientImpl final : public StoreClient {
     Frame f{Op::kGetMany, timeout.count(), keys};
     SS_ASSIGN_OR_RETURN(std::vector<std::string> values,
                         CallArgs(f, Clock::now() + store_net::ClampWait(timeout) + io_timeout_));
+    if (values.size() != keys.size()) {
+      broken_ = true;
+      return InternalError("store " + address_ + ": get-many of " + std::to_string(keys.size()) +
+                           " keys answered with " + std::to_string(values.size()) + " values");
+    }
+    return values;
+  }
+
+  Status SetMany(const std::vector<std::pair<std::string, std::string>>& kvs) override {
+    std::vector<Frame> frames;
+    for (const auto& [k, v] : kvs) {
+      SS_RETURN_IF_ERROR(CheckKey(k));
+      SS_RETURN_IF_ERROR(CheckValue(k, v));
+      frames.push_back(Frame{Op::kSet, 0, {k, v}});
+    }
+    if (frames.empty()) return OkStatus();
+    return CallChain(frames, Clock::now() + io_timeout_).status();
+  }
+
+  Result<std::vector<std::string>> SetThenGetMany(const std::string& key, std::string_view value,
+                                                  const std::vector<std::string>& keys,
+                                                  Millis timeout) override {
+    SS_RETURN_IF_ERROR(CheckKey(key));
+    SS_RETURN_IF_ERROR(CheckValue(key, value));
+    if (keys.empty()) {
+      SS_RETURN_IF_ERROR(Set(key, value));
+      return std::vector<std::string>{};
+    }
+    for (const std::string& k : keys) SS_RETURN_IF_ERROR(CheckKey(k));
+    SS_RETURN_IF_ERROR(CheckTimeout(timeout, keys[0]));
+    std::vector<Frame> frames{Frame{Op::kSet, 0, {key, std::string(value)}},
+                              Frame{Op::kGetMany, timeout.count(), keys}};
+    SS_ASSIGN_OR_RETURN(
+        std::vector<std::string> values,
+        CallChain(frames, Clock::now() + store_net::ClampWait(timeout) + io_timeout_));
     if (values.size() != keys.size()) {
       broken_ = true;
       return InternalError("store " + address_ + ": get-many of " + std::to_string(keys.size()) +
@@ -172,6 +204,13 @@ class StoreClientImpl final : public StoreClient {
     if (key.empty()) return InvalidArgumentError("store: key is empty");
     return OkStatus();
   }
+  static Status CheckValue(const std::string& key, std::string_view value) {
+    if (value.size() + key.size() + 64 > store_wire::kMaxPayloadBytes) {
+      return OutOfRangeError("store set '" + key + "': value of " + std::to_string(value.size()) +
+                             " bytes exceeds the 64 MiB frame limit");
+    }
+    return OkStatus();
+  }
   static Status CheckTimeout(Millis t, const std::string& key) {
     if (t.count() < 0) {
       return InvalidArgumentError("store '" + key + "': negative timeout " +
@@ -187,11 +226,19 @@ class StoreClientImpl final : public StoreClient {
 
   // One request and its reply's args (at least one; the parser refuses replies without).
   Result<std::vector<std::string>> CallArgs(const Frame& f, Clock::time_point deadline) {
+    return CallChain({f}, deadline);
+  }
+
+  // Sends `frames` back to back, then reads their replies (the server answers a connection's
+  // requests in order): one round trip for all. The first request's error if one failed (every
+  // reply is read regardless, so the stream stays in step), else the last reply's args.
+  Result<std::vector<std::string>> CallChain(const std::vector<Frame>& frames,
+                                             Clock::time_point deadline) {
     if (broken_) {
       return UnavailableError("store " + address_ +
                               ": connection unusable after an earlier failure");
     }
-    auto r = CallOnce(f, deadline);
+    auto r = CallChainOnce(frames, deadline);
     if (!r.ok() && (r.status().code() == StatusCode::kUnavailable ||
                     r.status().code() == StatusCode::kInternal ||
                     (r.status().code() == StatusCode::kDeadlineExceeded && io_failed_))) {
@@ -200,10 +247,24 @@ class StoreClientImpl final : public StoreClient {
     return r;
   }
 
-  Result<std::vector<std::string>> CallOnce(const Frame& f, Clock::time_point deadline) {
+  Result<std::vector<std::string>> CallChainOnce(const std::vector<Frame>& frames,
+                                                 Clock::time_point deadline) {
     io_failed_ = false;
-    std::string bytes = store_wire::EncodeFrame(f);
+    std::string bytes;
+    for (const Frame& f : frames) bytes += store_wire::EncodeFrame(f);
     SS_RETURN_IF_ERROR(SendAll(bytes, deadline));
+    Status first_error;
+    Result<std::vector<std::string>> last = std::vector<std::string>{};
+    for (size_t i = 0; i < frames.size(); ++i) {
+      last = RecvReply(deadline);
+      if (!last.ok() && io_failed_) return last.status();
+      if (!last.ok() && first_error.ok()) first_error = last.status();
+    }
+    if (!first_error.ok()) return first_error;
+    return last;
+  }
+
+  Result<std::vector<std::string>> RecvReply(Clock::time_point deadline) {
     std::string header(store_wire::kHeaderBytes, '\0');
     SS_RETURN_IF_ERROR(RecvAll(header.data(), header.size(), deadline));
     auto h = store_wire::ParseFrameHeader(header);

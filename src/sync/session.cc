@@ -426,11 +426,10 @@ class SessionImpl final : public SyncSession {
     last_attempted_ = version;
     if (!who_.is_trainer) poisoned_ = true;  // bytes are about to be overwritten
     s = packer_->Quiesce();  // the caller's pending writes to bound memory land first
-    if (s.ok()) s = store_.Set(Key("cur/" + std::to_string(rank_)), std::to_string(version));
-    // A receiver inside Sync(v) is paused for v: only then may senders write into its memory
-    // (one-sided puts would otherwise land while it still reads the previous version).
-    if (s.ok() && !who_.is_trainer)
-      s = store_.Set(Key(VKey("ready/") + std::to_string(rank_)), "1");
+    // (A receiver says it entered in RunReceiver, once its prepared pairs are posted.)
+    if (s.ok() && who_.is_trainer) {
+      s = store_.Set(Key("cur/" + std::to_string(rank_)), std::to_string(version));
+    }
     Trace(rank_, version, [] { return "entered"; });
     if (s.ok()) s = who_.is_trainer ? RunSender(st) : RunReceiver(st);
     st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -445,12 +444,14 @@ class SessionImpl final : public SyncSession {
         }
       }
     }
-    // Everyone posts a verdict, failed or not, so peers learn the cause rather than time out.
-    Status posted = store_.Set(Key(VKey("done/") + std::to_string(rank_)), StatsToJson(st));
-    Trace(rank_, version, [] { return "verdict posted"; });
-    if (!s.ok()) return s;
-    if (!posted.ok()) return Fail(posted);
-    auto report = Gather(st);
+    // Everyone posts a verdict, failed or not, so peers learn the cause rather than time out (a
+    // good one in the same round trip as the wait for everyone else's).
+    const std::string verdict_key = Key(VKey("done/") + std::to_string(rank_));
+    if (!s.ok()) {
+      store_.Set(verdict_key, StatsToJson(st)).IgnoreError();
+      return s;
+    }
+    auto report = Gather(st, {verdict_key, StatsToJson(st)});
     if (!report.ok()) return Fail(report.status());
     Trace(rank_, version, [] { return "gathered every verdict"; });
     last_good_ = version;
@@ -469,7 +470,9 @@ class SessionImpl final : public SyncSession {
   }
 
   void PostAbort(const Status& s) {
-    if (s.code() == StatusCode::kAborted) return;  // someone else's failure, already posted
+    // Aborted is usually someone else's failure, already posted (keep its cause); but a pair
+    // cancelled by an earlier failure also fails with Aborted, and peers must hear of it.
+    if (s.code() == StatusCode::kAborted && store_.Get(Key(VKey("abort")), Millis(0)).ok()) return;
     store_
         .Set(Key(VKey("abort")), "sync rank " + std::to_string(rank_) + " failed: " + s.ToString())
         .IgnoreError();
@@ -495,14 +498,20 @@ class SessionImpl final : public SyncSession {
   }
 
   // GetUntil for several keys in one store round trip; on timeout the error names the first key
-  // still missing (`what(i)` describes key i).
-  Result<std::vector<std::string>> GetManyUntil(const std::vector<std::string>& keys,
-                                                Clock::time_point deadline,
-                                                const std::function<std::string(size_t)>& what,
-                                                bool watch_abort = false) {
+  // still missing (`what(i)` describes key i). `set_first` is set in the first round trip.
+  Result<std::vector<std::string>> GetManyUntil(
+      const std::vector<std::string>& keys, Clock::time_point deadline,
+      const std::function<std::string(size_t)>& what, bool watch_abort = false,
+      const std::pair<std::string, std::string>* set_first = nullptr) {
+    if (set_first && keys.empty()) {
+      SS_RETURN_IF_ERROR(store_.Set(set_first->first, set_first->second));
+      return std::vector<std::string>{};
+    }
     while (true) {
       auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
       if (left <= Millis(0)) {
+        if (set_first) SS_RETURN_IF_ERROR(store_.Set(set_first->first, set_first->second));
+        set_first = nullptr;
         for (size_t i = 0; i < keys.size(); ++i) {
           if (!store_.Get(keys[i], Millis(0)).ok()) {
             return DeadlineExceededError("sync rank " + std::to_string(rank_) +
@@ -511,7 +520,10 @@ class SessionImpl final : public SyncSession {
         }
         left = Millis(0);  // every key arrived at the last moment: take them
       }
-      auto r = store_.GetMany(keys, std::min(left, Millis(watch_abort ? 5 : 1000)));
+      const Millis slice = std::min(left, Millis(watch_abort ? 5 : 1000));
+      auto r = set_first ? store_.SetThenGetMany(set_first->first, set_first->second, keys, slice)
+                         : store_.GetMany(keys, slice);
+      set_first = nullptr;
       if (r.ok()) return r;
       if (r.status().code() != StatusCode::kDeadlineExceeded) return r.status();
       if (left <= Millis(0)) continue;
@@ -681,20 +693,29 @@ class SessionImpl final : public SyncSession {
   };
 
   Status RunSender(RankSyncStats& st) {
+    // Pairs that hold their writes until their receiver is in this sync go first (cuda_ipc:
+    // they launch the moment the last receiver's pair is posted); every other receiver is waited
+    // for through its ready key.
+    auto signals = [&](size_t mi) { return send_pairs_[mi] && send_pairs_[mi]->SignalsReady(); };
+    SS_RETURN_IF_ERROR(PostPairs(send_pairs_, signals));
     std::vector<std::string> ready;
-    for (const Message& m : plan_.sends)
-      ready.push_back(Key(VKey("ready/") + std::to_string(m.dst)));
+    std::vector<int> waited;
+    for (size_t mi = 0; mi < plan_.sends.size(); ++mi) {
+      if (signals(mi)) continue;
+      ready.push_back(Key(VKey("ready/") + std::to_string(plan_.sends[mi].dst)));
+      waited.push_back(plan_.sends[mi].dst);
+    }
     SS_RETURN_IF_ERROR(GetManyUntil(
                            ready, deadline_,
                            [&](size_t i) {
-                             return "sync rank " + std::to_string(plan_.sends[i].dst) +
+                             return "sync rank " + std::to_string(waited[i]) +
                                     " to enter version " + std::to_string(version_);
                            },
                            /*watch_abort=*/true)
                            .status());
     Trace(rank_, version_, [] { return "every receiver ready"; });
     // Prepared pairs (device memory) go first: their device work overlaps the host path below.
-    SS_RETURN_IF_ERROR(PostPairs(send_pairs_));
+    SS_RETURN_IF_ERROR(PostPairs(send_pairs_, [&](size_t mi) { return !signals(mi); }));
     HostSend hs = PlanHostSend();
     struct KeepOnFailure {
       std::vector<std::shared_ptr<void>>& yard;
@@ -1044,10 +1065,14 @@ class SessionImpl final : public SyncSession {
     }
   }
 
-  Status PostPairs(std::vector<std::unique_ptr<PreparedPair>>& pairs) {
-    for (auto& p : pairs) {
-      if (p) SS_RETURN_IF_ERROR(p->Post(version_));
-      if (p) Trace(rank_, version_, [&] { return "posted: " + p->Describe(); });
+  // Posts pairs[i] for every i with `which(i)` (null entries skipped).
+  Status PostPairs(std::vector<std::unique_ptr<PreparedPair>>& pairs,
+                   const std::function<bool(size_t)>& which = nullptr) {
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      auto& p = pairs[i];
+      if (!p || (which && !which(i))) continue;
+      SS_RETURN_IF_ERROR(p->Post(version_));
+      Trace(rank_, version_, [&] { return "posted: " + p->Describe(); });
     }
     return OkStatus();
   }
@@ -1303,6 +1328,12 @@ class SessionImpl final : public SyncSession {
       }
     }
     SS_RETURN_IF_ERROR(PostPairs(recv_pairs_));
+    // A receiver inside Sync(v) is paused for v: only then may senders write into its memory
+    // (one-sided puts would otherwise land while it still reads the previous version). Its
+    // prepared pairs were posted first: those that signal readiness themselves are faster.
+    SS_RETURN_IF_ERROR(
+        store_.SetMany({{Key("cur/" + std::to_string(rank_)), std::to_string(version_)},
+                        {Key(VKey("ready/") + std::to_string(rank_)), "1"}}));
     HostRecv hr;
     hr.put = tx_.caps().one_sided_put;
     // Host parameters with the built-in packer in tag mode: checksum each run right after it
@@ -1504,7 +1535,8 @@ class SessionImpl final : public SyncSession {
                          ": sent " + Hex(sent) + ", landed " + Hex(got) + "; parameters: " + list);
   }
 
-  Result<SyncReport> Gather(const RankSyncStats& local) {
+  Result<SyncReport> Gather(const RankSyncStats& local,
+                            const std::pair<std::string, std::string>& verdict) {
     SyncReport rep;
     rep.version = version_;
     rep.local = local;
@@ -1523,7 +1555,7 @@ class SessionImpl final : public SyncSession {
                               return "the sync report of sync rank " + std::to_string(others[i]) +
                                      " (version " + std::to_string(version_) + ")";
                             },
-                            /*watch_abort=*/true));
+                            /*watch_abort=*/true, &verdict));
     for (int r = 0, next = 0; r < world_; ++r) {
       RankSyncStats s;
       if (r == rank_) {

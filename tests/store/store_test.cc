@@ -155,6 +155,33 @@ TEST_F(StoreTest, GetManyReturnsEveryValueInOrderOnceAllExist) {
   EXPECT_EQ(*a->Get("m/2", 0ms), "two");
 }
 
+TEST_F(StoreTest, PipelinedSetsAndSetThenGetManyKeepTheStreamInStep) {
+  auto a = Client();
+  auto b = Client();
+  ASSERT_TRUE(a->SetMany({{"p/1", "one"}, {"p/2", "two"}}).ok());
+  EXPECT_EQ(*b->Get("p/1", 0ms), "one");
+  EXPECT_EQ(*b->Get("p/2", 0ms), "two");
+  EXPECT_TRUE(a->SetMany({}).ok());
+  EXPECT_EQ(a->SetMany({{"p/3", "x"}, {"", "y"}}).code(), StatusCode::kInvalidArgument);
+  // The Set lands before the wait: a peer waiting on it is released while this one still waits.
+  std::thread t([&] {
+    auto v = b->SetThenGetMany("p/b", "B", {"p/a"}, 5000ms);
+    ASSERT_TRUE(v.ok()) << v.status().ToString();
+    EXPECT_EQ(*v, std::vector<std::string>{"A"});
+  });
+  auto v = a->SetThenGetMany("p/a", "A", {"p/b", "p/1"}, 5000ms);
+  t.join();
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  EXPECT_EQ(*v, (std::vector<std::string>{"B", "one"}));
+  // A timed-out wait still set its key, and the connection answers the next call in step.
+  auto miss = a->SetThenGetMany("p/c", "C", {"p/never"}, 20ms);
+  EXPECT_EQ(miss.status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(*b->Get("p/c", 0ms), "C");
+  EXPECT_EQ(*a->Get("p/2", 0ms), "two");
+  EXPECT_TRUE(a->SetThenGetMany("p/d", "D", {}, 0ms)->empty());
+  EXPECT_EQ(*b->Get("p/d", 0ms), "D");
+}
+
 TEST_F(StoreTest, AddIsAtomicAcrossClients) {
   constexpr int kThreads = 8, kAdds = 200;
   std::vector<std::thread> ts;

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <tuple>
 
@@ -34,6 +35,8 @@ struct Wire {
   std::atomic<int> flip_to{-1};
   std::atomic<int> silent_from{-1};       // this sender never delivers
   std::atomic<bool> deliver_sums{false};  // pairs made now carry the packed sums with the data
+  std::atomic<bool> signal_ready{false};  // senders made now wait for their receiver's Post
+  std::set<std::tuple<int, int, uint64_t>> ready;  // (sender, receiver, version) posted
   std::map<std::tuple<int, int, uint64_t>, std::vector<uint64_t>> sums;
   std::atomic<int> posts{0}, cancels{0};
 };
@@ -45,14 +48,21 @@ Wire& TheWire() {
 class FakePair final : public PreparedPair {
  public:
   FakePair(int self, PairSpec spec)
-      : self_(self), spec_(std::move(spec)), deliver_(TheWire().deliver_sums) {}
+      : self_(self),
+        spec_(std::move(spec)),
+        deliver_(TheWire().deliver_sums),
+        signal_(TheWire().signal_ready) {}
 
   Status Post(uint64_t version) override {
     if (cancelled_) return AbortedError("fake pair cancelled");
     ++TheWire().posts;
     version_ = version;
     posted_ = true;
-    if (!spec_.send) return OkStatus();
+    if (!spec_.send) {
+      std::lock_guard<std::mutex> lk(TheWire().mu);
+      TheWire().ready.insert({spec_.peer, self_, version});
+      return OkStatus();
+    }
     sums_.packed.clear();
     std::vector<std::vector<unsigned char>> msg;
     for (const PairBucket& b : spec_.buckets) {
@@ -64,12 +74,24 @@ class FakePair final : public PreparedPair {
     if (TheWire().flip_from == self_ && TheWire().flip_to == spec_.peer)
       msg[0][msg[0].size() / 2] ^= 0x40;
     if (TheWire().silent_from == self_) return OkStatus();
+    held_ = std::move(msg);
+    return Deliver();
+  }
+  // Puts the held message on the wire, unless it waits for the receiver's Post (signal_).
+  Status Deliver() {
     std::lock_guard<std::mutex> lk(TheWire().mu);
-    TheWire().msgs[{self_, spec_.peer, version}] = std::move(msg);
-    if (deliver_) TheWire().sums[{self_, spec_.peer, version}] = sums_.packed;
+    if (held_.empty()) return OkStatus();
+    if (signal_ && !TheWire().ready.count({self_, spec_.peer, version_})) return OkStatus();
+    TheWire().msgs[{self_, spec_.peer, version_}] = std::move(held_);
+    held_.clear();
+    if (deliver_) TheWire().sums[{self_, spec_.peer, version_}] = sums_.packed;
     return OkStatus();
   }
   Result<XferState> Poll() override {
+    if (posted_ && spec_.send) {
+      SS_RETURN_IF_ERROR(Deliver());
+      if (!held_.empty()) return XferState::kInProgress;
+    }
     if (!posted_ || spec_.send) {
       posted_ = false;
       return XferState::kDone;
@@ -99,6 +121,7 @@ class FakePair final : public PreparedPair {
   }
   Result<PairSums> Sums() override { return sums_; }
   bool DeliversSums() const override { return deliver_ && spec_.send; }
+  bool SignalsReady() const override { return signal_ && spec_.send; }
   void Cancel() override {
     if (!posted_) return;
     cancelled_ = true;
@@ -111,7 +134,8 @@ class FakePair final : public PreparedPair {
   PairSpec spec_;
   std::unique_ptr<Packer> packer_ = MakeCpuPacker();
   PairSums sums_;
-  bool deliver_;
+  std::vector<std::vector<unsigned char>> held_;  // the sender's message, until it may go
+  bool deliver_, signal_;
   uint64_t version_ = 0;
   bool posted_ = false, cancelled_ = false;
 };
@@ -182,6 +206,12 @@ class RoutedJob {
   RoutedJob(JobSpec spec, const std::string& prefix, Millis timeout)
       : spec_(std::move(spec)), world_(SyncWorldSize(spec_.inputs)), ranks_(world_) {
     RegisterFake();
+    {  // an earlier job's failed sync may have left messages for the same (ranks, version)
+      std::lock_guard<std::mutex> lk(TheWire().mu);
+      TheWire().msgs.clear();
+      TheWire().sums.clear();
+      TheWire().ready.clear();
+    }
     auto server = StoreServer::Start("127.0.0.1", 0, "tok");
     EXPECT_TRUE(server.ok());
     server_ = std::move(server).value();
@@ -315,6 +345,30 @@ TEST(PreparedPairs, SumsDeliveredWithTheDataSkipTheStore) {
     testing::ExpectAllOk(job.Sync(3));
     EXPECT_EQ(job.Mismatches(), 0);
   }
+}
+
+// Senders whose pairs hold their writes until the receiver's pair is posted (cuda_ipc) skip the
+// ready keys: a receiver entering late is still waited for, and one that refuses the version
+// fails the job within the timeout.
+TEST(PreparedPairs, PairsThatSignalReadinessNeedNoReadyKeys) {
+  TheWire().signal_ready = true;
+  RoutedJob job(TinyJob(), "p5/", Millis(2000));
+  testing::ExpectAllOk(job.BindAndConnect());
+  TheWire().signal_ready = false;
+  const int late = job.world() - 1;
+  for (uint64_t v = 1; v <= 2; ++v) {
+    testing::ExpectAllOk(job.All([&](int r) -> Status {
+      if (r == late) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      return job.session(r).Sync(v).status();
+    }));
+    EXPECT_EQ(job.Mismatches(), 0);
+  }
+  // The late receiver refuses version 2 again (stale): nobody waits past the timeout.
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto st = job.All([&](int r) { return job.session(r).Sync(r == late ? 2 : 3).status(); });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int r = 0; r < job.world(); ++r) EXPECT_FALSE(st[r].ok()) << "rank " << r;
+  EXPECT_LT(s, 5.0);
 }
 
 TEST(PreparedPairs, CorruptedBucketIsDataLossThenACleanSyncClearsThePoison) {

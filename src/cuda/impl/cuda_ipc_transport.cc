@@ -434,7 +434,8 @@ class CudaIpcTransport final : public Transport {
   }
   // A send pair was posted: once every live send pair is, they launch as one.
   Status SendPosted();
-  // Launches every posted send pair that has not launched yet, as one kernel.
+  // Launches every posted send pair that has not launched yet, as one kernel, once each one's
+  // receiver is ready (else later: the pairs' Polls call it again).
   Status LaunchPostedSends();
   // The registered region holding [p, p + bytes) and p's offset in it.
   Result<std::pair<uint32_t, uint64_t>> FindLocal(const void* p, uint64_t bytes) const {
@@ -588,7 +589,13 @@ class CudaIpcTransport final : public Transport {
 constexpr uint64_t kLandedMagic = 0x53534c4d;  // "SSLM"
 constexpr uint64_t kPairTagBase = uint64_t{0x5350} << 48;
 
+constexpr uint64_t kReadyTagBase = uint64_t{0x5352} << 48;
+
 uint64_t PairTag(uint64_t version) { return kPairTagBase | (version & ((uint64_t{1} << 48) - 1)); }
+// The receiver's pair was posted for `version` (it is inside Sync): the sender may write.
+uint64_t ReadyTag(uint64_t version) {
+  return kReadyTagBase | (version & ((uint64_t{1} << 48) - 1));
+}
 
 // One contiguous run of the receiver's map: wire bytes [wire, wire + bytes) of `bucket` land at
 // byte `offset` of its registered region `region`.
@@ -616,11 +623,21 @@ class IpcRecvPair final : public PreparedPair {
       return AbortedError("cuda_ipc: pair with rank " + std::to_string(peer_) + " was cancelled");
     version_ = version;
     SS_ASSIGN_OR_RETURN(id_, t_.PostRecv(peer_, PairTag(version), msg_.data(), msg_.size() * 8));
+    // Tell the sender through the mailbox (microseconds; the store's ready key takes a round
+    // trip through the store server).
+    SS_ASSIGN_OR_RETURN(ready_id_, t_.PostSend(peer_, ReadyTag(version), &version_, 8));
+    SS_ASSIGN_OR_RETURN(XferState rs, t_.Poll(ready_id_));
+    ready_sent_ = rs == XferState::kDone;
     posted_ = true;
     return OkStatus();
   }
   Result<XferState> Poll() override {
     if (!posted_) return XferState::kDone;
+    if (!ready_sent_) {
+      SS_ASSIGN_OR_RETURN(XferState rs, t_.Poll(ready_id_));
+      ready_sent_ = rs == XferState::kDone;
+      if (!ready_sent_) return XferState::kInProgress;
+    }
     SS_ASSIGN_OR_RETURN(XferState st, t_.Poll(id_));
     if (st == XferState::kInProgress) return st;
     posted_ = false;
@@ -652,13 +669,16 @@ class IpcRecvPair final : public PreparedPair {
   std::vector<uint64_t> msg_;  // [version, buckets, landed sum per bucket, packed sum per bucket]
   uint64_t version_ = 0;
   XferId id_ = 0;
+  XferId ready_id_ = 0;
+  bool ready_sent_ = false;
   bool posted_ = false, cancelled_ = false;
 };
 
-// Sender. Post only marks the pair; the launch comes once every send pair of the transport is
-// posted (the session posts them all at once), or at the first Poll of a posted pair: so a
-// trainer's pairs run as ONE kernel over all their buckets instead of one launch per pair, which
-// spares the GPU each launch's ramp-up and tail (measured on an H200, docs/benchmarks.md).
+// Sender. Post only marks the pair and waits (mailbox) for the receiver's pair to be posted for
+// the same version; the launch comes once every posted send pair's receiver is ready, at the last
+// Post or a later Poll: so a trainer's pairs run as ONE kernel over all their buckets instead of
+// one launch per pair, which spares the GPU each launch's ramp-up and tail (measured on an H200,
+// docs/benchmarks.md), and the session needs no ready keys for them (SignalsReady).
 class IpcSendPair final : public PreparedPair {
  public:
   IpcSendPair(CudaIpcTransport& t, int peer, std::vector<int64_t> bytes)
@@ -691,11 +711,27 @@ class IpcSendPair final : public PreparedPair {
       return AbortedError("cuda_ipc: pair with rank " + std::to_string(peer_) + " was cancelled");
     SS_RETURN_IF_ERROR(t_.CheckPeer(peer_));
     version_ = version;
+    SS_ASSIGN_OR_RETURN(ready_id_, t_.PostRecv(peer_, ReadyTag(version), &ready_msg_, 8));
+    ready_ = false;
     state_ = kPosted;
     return t_.SendPosted();
   }
 
   bool posted() const { return state_ == kPosted; }
+  // Whether the receiver's pair was posted for this version (drives the mailbox).
+  Result<bool> Ready() {
+    if (!ready_) {
+      SS_ASSIGN_OR_RETURN(XferState st, t_.Poll(ready_id_));
+      if (st == XferState::kInProgress) return false;
+      if (ready_msg_ != version_) {
+        return DataLossError("cuda_ipc: rank " + std::to_string(peer_) + " is ready for version " +
+                             std::to_string(ready_msg_) + ", this pair posted " +
+                             std::to_string(version_));
+      }
+      ready_ = true;
+    }
+    return true;
+  }
   const BatchSpec& spec() const { return spec_; }
   // This pair's buckets went out in `group`'s launch, as its buckets [first, first + n).
   void LaunchedIn(const MergedLaunch* group, size_t first) {
@@ -718,7 +754,10 @@ class IpcSendPair final : public PreparedPair {
     if (state_ == kIdle) return XferState::kDone;
     if (state_ == kPosted) {
       SS_RETURN_IF_ERROR(t_.LaunchPostedSends());
-      if (state_ == kPosted) return InternalError("cuda_ipc: posted pair was not launched");
+      if (state_ == kPosted) {  // a receiver is not in this sync yet
+        SS_RETURN_IF_ERROR(t_.CheckPeer(peer_));
+        return XferState::kInProgress;
+      }
     }
     if (state_ == kLaunched) {
       const cudaError_t e = cudaEventQuery(group_ ? group_->done : done_);
@@ -752,6 +791,7 @@ class IpcSendPair final : public PreparedPair {
 
   Result<PairSums> Sums() override { return sums_; }
   bool DeliversSums() const override { return true; }
+  bool SignalsReady() const override { return true; }
   void Cancel() override {
     if (state_ == kIdle) return;
     cancelled_ = true;
@@ -775,6 +815,9 @@ class IpcSendPair final : public PreparedPair {
   uint64_t version_ = 0;
   const MergedLaunch* group_ = nullptr;
   size_t first_ = 0;
+  XferId ready_id_ = 0;
+  uint64_t ready_msg_ = 0;
+  bool ready_ = false;
   std::vector<uint64_t> msg_;
   PairSums sums_;
   XferId id_ = 0;
@@ -820,10 +863,14 @@ Status CudaIpcTransport::SendPosted() {
 
 Status CudaIpcTransport::LaunchPostedSends() {
   std::vector<IpcSendPair*> members;
+  bool all_ready = true;
   for (IpcSendPair* p : sends_) {
-    if (p->posted()) members.push_back(p);
+    if (!p->posted()) continue;
+    members.push_back(p);
+    SS_ASSIGN_OR_RETURN(bool ready, p->Ready());
+    all_ready = all_ready && ready;
   }
-  if (members.empty()) return OkStatus();
+  if (members.empty() || !all_ready) return OkStatus();
   SS_CUDA(cudaSetDevice(device_), "cuda_ipc: cudaSetDevice");
   if (members.size() == 1) return members[0]->LaunchAlone(stream_);
   auto it = merged_.find(members);

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -655,6 +656,163 @@ using KernelFn = void (*)(const Desc*, const Chunk*, int, const Boundary*, int, 
                           unsigned long long*, unsigned int*, const Seg*,
                           unsigned long long* const*);
 
+// ---- lean landed pack (the common chunks of a landed pack, in a kernel of their own) ----
+//
+// BatchKernel carries every path (strided words, edge elements, boundary words, segment search)
+// and so the registers of all of them. Nearly every chunk of a real plan is one of two simple
+// shapes: contiguous, or whole 16-byte-multiple rows at a stride (row-parallel shards), with
+// 16-byte aligned sides and the receiver's map one contiguous segment. Those can run here first;
+// BatchKernel, launched right after on the same stream, does the rest (and the boundary words).
+// Sums are added to the same places. Measured on an H200 (docs/benchmarks.md, sixth session):
+// f32 -> bf16 packs gain 7% (its BatchKernel variant spills), bf16 copies gain nothing (no
+// variant of streams x blocks beat BatchKernel), so only the cast uses it by default.
+struct LeanChunk {
+  const unsigned char* in;
+  unsigned char* out;
+  const unsigned char* landed;    // the receiver's map of the chunk's wire bytes (contiguous)
+  int64_t in_stride, out_stride;  // bytes between row starts
+  uint64_t word0;                 // wire word index (in its bucket) of the chunk's first word
+  uint32_t pairs, ppr;            // 16-byte wire pairs in the chunk, and per row
+  int32_t bucket, pad;
+};
+
+// kU streams per thread; kBlocks resident blocks per SM the registers are capped for.
+template <int kCast, int kU, int kBlocks>
+__global__ void __launch_bounds__(kThreads, kBlocks)
+    LeanPackKernel(const LeanChunk* __restrict__ chunks, int num_chunks, unsigned long long* sums,
+                   unsigned long long* const* __restrict__ landed, unsigned int* ticket) {
+  constexpr int kInV = kCast == 1 ? 2 : 1;  // input uint4 per wire pair
+  constexpr int kInPair = 16 * kInV;
+  __shared__ int dyn_next;
+  const int static_end = max(0, num_chunks - kDynTail * static_cast<int>(gridDim.x));
+  for (int c = blockIdx.x;; c += gridDim.x) {
+    if (c >= static_end) {
+      if (kDynTail == 0) break;
+      __syncthreads();
+      if (threadIdx.x == 0) dyn_next = static_end + static_cast<int>(atomicAdd(ticket, 1u));
+      __syncthreads();
+      c = dyn_next;
+      if (c >= num_chunks) break;
+    }
+    const LeanChunk ch = chunks[c];
+    const uint32_t ppr = ch.ppr;
+    // kU streams per thread over far-apart parts of the chunk (see BatchKernel); each keeps its
+    // (row, col) and steps it by kThreads pairs without dividing again.
+    const uint32_t part = ch.pairs / kU;
+    const uint32_t step_row = kThreads / ppr, step_col = kThreads % ppr;
+    uint32_t row[kU], col[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const uint32_t p = threadIdx.x + u * part;
+      row[u] = p / ppr;
+      col[u] = p - row[u] * ppr;
+    }
+    uint64_t acc = 0, ldelta = 0;
+    auto one = [&](uint32_t p, uint32_t r, uint32_t cl, const uint4(&a)[kInV]) {
+      uint4 o[1];
+      uint64_t w0, w1;
+      PairConvert<kCast>(a, o, &w0, &w1, true);
+      uint4* dst = reinterpret_cast<uint4*>(ch.out + r * ch.out_stride + cl * 16ull);
+      SHARDSYNC_GPU_STORE(dst, o[0]);
+      const uint64_t key = (ch.word0 + 2ull * p) * kChecksumStep + kChecksumSeed;
+      acc += MixKeyed(w0, key) + MixKeyed(w1, key + kChecksumStep);
+      const uint4 l = __ldcg(reinterpret_cast<const uint4*>(ch.landed + 16ull * p));
+      const uint64_t l0 = Lo(l), l1 = Hi(l);
+      if (l0 != w0 || l1 != w1) {
+        ldelta += MixKeyed(l0, key) - MixKeyed(w0, key) + MixKeyed(l1, key + kChecksumStep) -
+                  MixKeyed(w1, key + kChecksumStep);
+      }
+    };
+    for (uint32_t q = threadIdx.x; q < part; q += kThreads) {
+      uint4 a[kU][kInV];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const uint4* src =
+            reinterpret_cast<const uint4*>(ch.in + row[u] * ch.in_stride + col[u] * 1ull * kInPair);
+#pragma unroll
+        for (int k = 0; k < kInV; ++k) a[u][k] = SHARDSYNC_GPU_LOAD(src + k);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        one(q + u * part, row[u], col[u], a[u]);
+        col[u] += step_col;
+        row[u] += step_row;
+        if (col[u] >= ppr) {
+          col[u] -= ppr;
+          ++row[u];
+        }
+      }
+    }
+    for (uint32_t p = kU * part + threadIdx.x; p < ch.pairs; p += kThreads) {
+      const uint32_t r = p / ppr, cl = p - r * ppr;
+      uint4 a[kInV];
+      const uint4* src =
+          reinterpret_cast<const uint4*>(ch.in + r * ch.in_stride + cl * 1ull * kInPair);
+#pragma unroll
+      for (int k = 0; k < kInV; ++k) a[k] = SHARDSYNC_GPU_LOAD(src + k);
+      one(p, r, cl, a);
+    }
+    WarpAdd(acc, &sums[ch.bucket]);
+    WarpAdd(acc + ldelta, landed[ch.bucket]);
+  }
+}
+
+using LeanFn = void (*)(const LeanChunk*, int, unsigned long long*, unsigned long long* const*,
+                        unsigned int*);
+
+// The lean kernel for a landed pack of these element sizes, or null (BatchKernel alone): on for
+// the f32 -> bf16 cast. SHARDSYNC_GPU_LEAN=0 turns it off, =1 also on for plain copies (to
+// measure).
+LeanFn PickLean(int in_size, int out_size, int cast) {
+  static const std::string pick = [] {
+    const char* e = std::getenv("SHARDSYNC_GPU_LEAN");
+    return std::string(e ? e : "");
+  }();
+  if (pick == "0") return nullptr;
+  if (cast == 1) return &LeanPackKernel<1, 2, 4>;
+  if (cast == 0 && in_size == out_size && pick == "1") return &LeanPackKernel<0, 2, 4>;
+  return nullptr;
+}
+
+// Lean chunk for `c` (pad: whole-row chunk) or nullopt when it does not have the lean shape.
+std::optional<LeanChunk> ToLean(const Chunk& c, const Desc& d, const Seg& seg, int in_size,
+                                int wire_size) {
+  if (c.seg1 - c.seg0 != 1) return std::nullopt;
+  const int64_t a = d.wire_offset + c.e0 * wire_size, b = d.wire_offset + c.e1 * wire_size;
+  if (a % 16 != 0 || (b - a) % 16 != 0 || b <= a || (b - a) / 16 > INT32_MAX) return std::nullopt;
+  LeanChunk l{};
+  l.landed = seg.p + (a - seg.lo);
+  if (reinterpret_cast<uintptr_t>(l.landed) % 16 != 0 || b > seg.hi) return std::nullopt;
+  l.pairs = static_cast<uint32_t>((b - a) / 16);
+  l.word0 = static_cast<uint64_t>(a / 8);
+  l.bucket = d.bucket;
+  const int in_pair = 16 / wire_size * in_size;
+  if (d.flags == 3) {
+    l.in = d.in + c.e0 * in_size;
+    l.out = d.out + c.e0 * wire_size;
+    l.ppr = l.pairs;
+    l.in_stride = static_cast<int64_t>(l.pairs) * in_pair;
+    l.out_stride = static_cast<int64_t>(l.pairs) * 16;
+  } else if (c.pad == 1) {
+    const int64_t row_wire = d.row_elems * wire_size;
+    if (row_wire % 16 != 0 || c.e0 % d.row_elems != 0 || (c.e1 - c.e0) % d.row_elems != 0)
+      return std::nullopt;
+    const int64_t r0 = c.e0 / d.row_elems;
+    l.in = d.in + r0 * d.in_stride * in_size;
+    l.out = d.out + r0 * d.out_stride * wire_size;
+    l.ppr = static_cast<uint32_t>(row_wire / 16);
+    l.in_stride = d.in_stride * in_size;
+    l.out_stride = d.out_stride * wire_size;
+  } else {
+    return std::nullopt;
+  }
+  if (reinterpret_cast<uintptr_t>(l.in) % 16 != 0 || reinterpret_cast<uintptr_t>(l.out) % 16 != 0 ||
+      l.in_stride % 16 != 0 || l.out_stride % 16 != 0 || l.ppr == 0) {
+    return std::nullopt;
+  }
+  return l;
+}
+
 // Pairs of wire words in flight per thread (streams over quarters / halves of a chunk): 4 for
 // plain packs, 2 with the landed readback (its registers; measured on an H200, see
 // docs/benchmarks.md). SHARDSYNC_GPU_UNROLL=2|4 overrides both (to measure).
@@ -975,13 +1133,29 @@ class CopyBatchImpl final : public CopyBatch {
     if (landed) {
       std::vector<Seg> segs;
       SS_RETURN_IF_ERROR(BuildLanded(spec, wire_size, &chunks, &bounds, descs, &segs));
+      // The lean kernel takes the chunks of its shape; BatchKernel the rest.
+      lean_kernel_ = PickLean(in_size, out_size, cast);
+      if (lean_kernel_) {
+        std::vector<LeanChunk> lean;
+        std::vector<Chunk> rest;
+        for (const Chunk& c : chunks) {
+          auto l = ToLean(c, descs[c.desc], segs[c.seg0], in_size, wire_size);
+          if (l) {
+            lean.push_back(*l);
+          } else {
+            rest.push_back(c);
+          }
+        }
+        chunks = std::move(rest);
+        SS_RETURN_IF_ERROR(lean_chunks_.Upload(lean, "batch: upload lean chunks"));
+      }
       SS_RETURN_IF_ERROR(segs_.Upload(segs, "batch: upload landed segments"));
       std::vector<unsigned long long*> ptrs;
       for (void* q : spec.landed_sums) ptrs.push_back(static_cast<unsigned long long*>(q));
       SS_RETURN_IF_ERROR(landed_.Upload(ptrs, "batch: upload landed sums"));
     }
     num_descs_ = static_cast<int>(descs.size());
-    num_chunks_ = chunks.size();
+    num_chunks_ = chunks.size() + lean_chunks_.n;
     for (const Desc& d : descs) {
       in_bytes_ += d.numel * in_size;
       out_bytes_ += spec.mode == BatchMode::kVerify ? 0 : d.numel * out_size;
@@ -990,7 +1164,8 @@ class CopyBatchImpl final : public CopyBatch {
     SS_RETURN_IF_ERROR(descs_.Upload(descs, "batch: upload descriptors"));
     SS_RETURN_IF_ERROR(chunks_.Upload(chunks, "batch: upload chunks"));
     SS_RETURN_IF_ERROR(bounds_.Upload(bounds, "batch: upload boundary words"));
-    SS_CUDA(cudaMalloc(&sums_, std::max(1, nb) * sizeof(unsigned long long)), "batch: sums");
+    // sums, then the lean kernel's chunk ticket: zeroed by one memset per launch.
+    SS_CUDA(cudaMalloc(&sums_, (std::max(1, nb) + 1) * sizeof(unsigned long long)), "batch: sums");
     SS_CUDA(cudaMalloc(&ticket_, 2 * sizeof(unsigned int)), "batch: ticket");
     SS_CUDA(cudaMemset(ticket_, 0, 2 * sizeof(unsigned int)), "batch: ticket");
     SS_CUDA(cudaMallocHost(&host_sums_, std::max(1, nb) * sizeof(unsigned long long)),
@@ -1003,6 +1178,14 @@ class CopyBatchImpl final : public CopyBatch {
             "batch: occupancy");
     grid_ = static_cast<int>(std::min<size_t>(std::max<size_t>(1, chunks.size()),
                                               static_cast<size_t>(sms) * std::max(1, occ)));
+    if (lean_chunks_.n > 0) {
+      SS_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, lean_kernel_, kThreads, 0),
+              "batch: occupancy");
+      lean_grid_ = static_cast<int>(
+          std::min<size_t>(lean_chunks_.n, static_cast<size_t>(sms) * std::max(1, occ)));
+    }
+    // BatchKernel runs when it has chunks or boundary words, or alone (a batch of nothing).
+    run_main_ = !chunks.empty() || !bounds.empty() || lean_chunks_.n == 0;
     return OkStatus();
   }
 
@@ -1011,11 +1194,20 @@ class CopyBatchImpl final : public CopyBatch {
     const size_t nb = bucket_bytes_.size();
     if (nb == 0) return OkStatus();
     SS_CUDA(cudaSetDevice(device_), "batch launch: cudaSetDevice");
-    SS_CUDA(cudaMemsetAsync(sums_, 0, nb * sizeof(unsigned long long), s), "batch launch: memset");
-    kernel_<<<grid_, kThreads, 0, s>>>(descs_.p, chunks_.p, static_cast<int>(num_chunks_),
-                                       bounds_.p, static_cast<int>(bounds_.n), num_descs_, sums_,
-                                       ticket_, segs_.p, landed_.p);
-    SS_CUDA(cudaGetLastError(), "batch launch: kernel");
+    SS_CUDA(cudaMemsetAsync(sums_, 0, (nb + 1) * sizeof(unsigned long long), s),
+            "batch launch: memset");
+    if (lean_chunks_.n > 0) {
+      lean_kernel_<<<lean_grid_, kThreads, 0, s>>>(lean_chunks_.p, static_cast<int>(lean_chunks_.n),
+                                                   sums_, landed_.p,
+                                                   reinterpret_cast<unsigned int*>(sums_ + nb));
+      SS_CUDA(cudaGetLastError(), "batch launch: lean kernel");
+    }
+    if (run_main_) {
+      kernel_<<<grid_, kThreads, 0, s>>>(descs_.p, chunks_.p, static_cast<int>(chunks_.n),
+                                         bounds_.p, static_cast<int>(bounds_.n), num_descs_, sums_,
+                                         ticket_, segs_.p, landed_.p);
+      SS_CUDA(cudaGetLastError(), "batch launch: kernel");
+    }
     SS_CUDA(cudaMemcpyAsync(host_sums_, sums_, nb * sizeof(unsigned long long),
                             cudaMemcpyDeviceToHost, s),
             "batch launch: copy sums");
@@ -1046,6 +1238,10 @@ class CopyBatchImpl final : public CopyBatch {
   DevArray<Boundary> bounds_;
   DevArray<Seg> segs_;
   DevArray<unsigned long long*> landed_;
+  DevArray<LeanChunk> lean_chunks_;
+  LeanFn lean_kernel_ = nullptr;
+  int lean_grid_ = 1;
+  bool run_main_ = true;
   int num_descs_ = 0;
   size_t num_chunks_ = 0;
   unsigned long long* sums_ = nullptr;

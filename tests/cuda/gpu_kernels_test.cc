@@ -302,6 +302,61 @@ TEST(GpuPack, LandedReadbackEqualsPackSumAndCatchesMisplacedBytes) {
   }
 }
 
+// The lean kernel's shapes (kernels.cu): aligned whole rows of a row-parallel shard and a long
+// contiguous run, each bucket's map one contiguous segment. Sums equal the CPU's, and a map moved
+// by one 16-byte pair (still the lean shape) is caught.
+TEST(GpuPack, LandedReadbackOnLeanShapes) {
+  SS_REQUIRE_GPU();
+  Case c;
+  c.shape = {512, 1024};
+  c.regions.push_back({Region::Make({0, 0}, {512, 512}), 0});
+  c.regions.push_back({Region::Make({0, 0}, {256, 1024}), 1});
+  c.buckets = 2;
+  const int64_t n = NumElements(c.shape);
+  for (int cast : {0, 1}) {
+    const int in_size = cast ? 4 : 2;
+    const auto host = RandomBytes(n * in_size, 41 + cast);
+    SS_ASSERT_OK_AND_ASSIGN(auto t, DeviceBuffer::Allocate(n * in_size, 0));
+    SS_ASSERT_OK(CopyToDevice(t->data(), host.data(), n * in_size));
+    SS_ASSERT_OK_AND_ASSIGN(auto wire, DeviceBuffer::Allocate(4 << 20, 0));
+    SS_ASSERT_OK_AND_ASSIGN(auto acc, DeviceBuffer::Allocate(2 * 8, 0));
+    SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
+    const auto expect = CpuPack(c, host.data(), in_size, 2, cast);
+    for (int64_t shift : {int64_t{0}, int64_t{16}}) {
+      Built b = BuildPack(c, t->data(), in_size, wire->data(), 2, BatchMode::kPack,
+                          cast ? DType::kF32 : DType::kBF16, DType::kBF16);
+      for (int k = 0; k < 2; ++k) {
+        CopyRun r;
+        r.in = static_cast<unsigned char*>(wire->data()) + b.bucket_start[k] + (k ? shift : 0);
+        r.row_elems = b.spec.bucket_bytes[k] / 2;
+        r.bucket = k;
+        b.spec.landed_runs.push_back(r);
+        b.spec.landed_sums.push_back(static_cast<unsigned char*>(acc->data()) + 8 * k);
+      }
+      SS_ASSERT_OK_AND_ASSIGN(auto batch, CopyBatch::Prepare(b.spec, 0));
+      SS_ASSERT_OK(Memset(wire->data(), 0xCD, 4 << 20));
+      SS_ASSERT_OK(Memset(acc->data(), 0, 2 * 8));
+      SS_ASSERT_OK(batch->Launch(stream->handle()));
+      SS_ASSERT_OK(stream->Synchronize(Millis(30000), "pack"));
+      SS_ASSERT_OK_AND_ASSIGN(auto sums, batch->Sums());
+      uint64_t landed[2];
+      SS_ASSERT_OK(CopyToHost(landed, acc->data(), sizeof(landed)));
+      for (int k = 0; k < 2; ++k) {
+        const uint64_t cpu = ChecksumPartial(expect[k].data(), expect[k].size(), 0);
+        EXPECT_EQ(sums[k], cpu) << "cast " << cast << " bucket " << k;
+        if (shift != 0 && k == 1) {
+          EXPECT_NE(landed[k], cpu) << "cast " << cast << ": moved map not detected";
+        } else {
+          EXPECT_EQ(landed[k], cpu) << "cast " << cast << " bucket " << k;
+        }
+      }
+      std::vector<unsigned char> got(expect[0].size());
+      SS_ASSERT_OK(CopyToHost(got.data(), wire->data(), got.size()));
+      EXPECT_EQ(got, expect[0]) << "cast " << cast;
+    }
+  }
+}
+
 TEST(GpuPack, LandedReadbackOnLargeStridedDestinations) {
   SS_REQUIRE_GPU();
   // 3000 rows of 4099 bf16 elements packed into rows of stride 4103 (odd: words straddle rows),

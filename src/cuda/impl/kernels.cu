@@ -1133,22 +1133,8 @@ class CopyBatchImpl final : public CopyBatch {
     if (landed) {
       std::vector<Seg> segs;
       SS_RETURN_IF_ERROR(BuildLanded(spec, wire_size, &chunks, &bounds, descs, &segs));
-      // The lean kernel takes the chunks of its shape; BatchKernel the rest.
       lean_kernel_ = PickLean(in_size, out_size, cast);
-      if (lean_kernel_) {
-        std::vector<LeanChunk> lean;
-        std::vector<Chunk> rest;
-        for (const Chunk& c : chunks) {
-          auto l = ToLean(c, descs[c.desc], segs[c.seg0], in_size, wire_size);
-          if (l) {
-            lean.push_back(*l);
-          } else {
-            rest.push_back(c);
-          }
-        }
-        chunks = std::move(rest);
-        SS_RETURN_IF_ERROR(lean_chunks_.Upload(lean, "batch: upload lean chunks"));
-      }
+      if (lean_kernel_) SS_RETURN_IF_ERROR(SplitLean(descs, segs, in_size, wire_size, &chunks));
       SS_RETURN_IF_ERROR(segs_.Upload(segs, "batch: upload landed segments"));
       std::vector<unsigned long long*> ptrs;
       for (void* q : spec.landed_sums) ptrs.push_back(static_cast<unsigned long long*>(q));
@@ -1187,6 +1173,23 @@ class CopyBatchImpl final : public CopyBatch {
     // BatchKernel runs when it has chunks or boundary words, or alone (a batch of nothing).
     run_main_ = !chunks.empty() || !bounds.empty() || lean_chunks_.n == 0;
     return OkStatus();
+  }
+
+  // The lean kernel takes the chunks of its shape (uploaded here); BatchKernel keeps the rest.
+  Status SplitLean(const std::vector<Desc>& descs, const std::vector<Seg>& segs, int in_size,
+                   int wire_size, std::vector<Chunk>* chunks) {
+    std::vector<LeanChunk> lean;
+    std::vector<Chunk> rest;
+    for (const Chunk& c : *chunks) {
+      auto l = ToLean(c, descs[c.desc], segs[c.seg0], in_size, wire_size);
+      if (l) {
+        lean.push_back(*l);
+      } else {
+        rest.push_back(c);
+      }
+    }
+    *chunks = std::move(rest);
+    return lean_chunks_.Upload(lean, "batch: upload lean chunks");
   }
 
   Status Launch(void* stream) override {

@@ -117,18 +117,7 @@ class StoreClientImpl final : public StoreClient {
 
   Result<std::vector<std::string>> GetMany(const std::vector<std::string>& keys,
                                            Millis timeout) override {
-    if (keys.empty()) return std::vector<std::string>{};
-    for (const std::string& k : keys) SS_RETURN_IF_ERROR(CheckKey(k));
-    SS_RETURN_IF_ERROR(CheckTimeout(timeout, keys[0]));
-    Frame f{Op::kGetMany, timeout.count(), keys};
-    SS_ASSIGN_OR_RETURN(std::vector<std::string> values,
-                        CallArgs(f, Clock::now() + store_net::ClampWait(timeout) + io_timeout_));
-    if (values.size() != keys.size()) {
-      broken_ = true;
-      return InternalError("store " + address_ + ": get-many of " + std::to_string(keys.size()) +
-                           " keys answered with " + std::to_string(values.size()) + " values");
-    }
-    return values;
+    return SetThenGetManyImpl(nullptr, keys, timeout);
   }
 
   Status SetMany(const std::vector<std::pair<std::string, std::string>>& kvs) override {
@@ -147,23 +136,8 @@ class StoreClientImpl final : public StoreClient {
                                                   Millis timeout) override {
     SS_RETURN_IF_ERROR(CheckKey(key));
     SS_RETURN_IF_ERROR(CheckValue(key, value));
-    if (keys.empty()) {
-      SS_RETURN_IF_ERROR(Set(key, value));
-      return std::vector<std::string>{};
-    }
-    for (const std::string& k : keys) SS_RETURN_IF_ERROR(CheckKey(k));
-    SS_RETURN_IF_ERROR(CheckTimeout(timeout, keys[0]));
-    std::vector<Frame> frames{Frame{Op::kSet, 0, {key, std::string(value)}},
-                              Frame{Op::kGetMany, timeout.count(), keys}};
-    SS_ASSIGN_OR_RETURN(
-        std::vector<std::string> values,
-        CallChain(frames, Clock::now() + store_net::ClampWait(timeout) + io_timeout_));
-    if (values.size() != keys.size()) {
-      broken_ = true;
-      return InternalError("store " + address_ + ": get-many of " + std::to_string(keys.size()) +
-                           " keys answered with " + std::to_string(values.size()) + " values");
-    }
-    return values;
+    Frame set{Op::kSet, 0, {key, std::string(value)}};
+    return SetThenGetManyImpl(&set, keys, timeout);
   }
 
   Status Wait(const std::vector<std::string>& keys, Millis timeout) override {
@@ -204,6 +178,30 @@ class StoreClientImpl final : public StoreClient {
     if (key.empty()) return InvalidArgumentError("store: key is empty");
     return OkStatus();
   }
+  // GetMany of `keys`, preceded in the same round trip by `set` when given.
+  Result<std::vector<std::string>> SetThenGetManyImpl(const Frame* set,
+                                                      const std::vector<std::string>& keys,
+                                                      Millis timeout) {
+    if (keys.empty()) {
+      if (set) SS_RETURN_IF_ERROR(CallArgs(*set, Clock::now() + io_timeout_).status());
+      return std::vector<std::string>{};
+    }
+    for (const std::string& k : keys) SS_RETURN_IF_ERROR(CheckKey(k));
+    SS_RETURN_IF_ERROR(CheckTimeout(timeout, keys[0]));
+    std::vector<Frame> frames;
+    if (set) frames.push_back(*set);
+    frames.push_back(Frame{Op::kGetMany, timeout.count(), keys});
+    SS_ASSIGN_OR_RETURN(
+        std::vector<std::string> values,
+        CallChain(frames, Clock::now() + store_net::ClampWait(timeout) + io_timeout_));
+    if (values.size() != keys.size()) {
+      broken_ = true;
+      return InternalError("store " + address_ + ": get-many of " + std::to_string(keys.size()) +
+                           " keys answered with " + std::to_string(values.size()) + " values");
+    }
+    return values;
+  }
+
   static Status CheckValue(const std::string& key, std::string_view value) {
     if (value.size() + key.size() + 64 > store_wire::kMaxPayloadBytes) {
       return OutOfRangeError("store set '" + key + "': value of " + std::to_string(value.size()) +

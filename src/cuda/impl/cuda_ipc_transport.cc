@@ -437,6 +437,9 @@ class CudaIpcTransport final : public Transport {
   // Launches every posted send pair that has not launched yet, as one kernel, once each one's
   // receiver is ready (else later: the pairs' Polls call it again).
   Status LaunchPostedSends();
+  // `group`'s launch completed: every pair still waiting on it tells its receiver. Returns
+  // `self`'s error; another pair's resurfaces at its own Poll (so it names the right peer).
+  Status FinishLaunch(const MergedLaunch* group, IpcSendPair* self);
   // The registered region holding [p, p + bytes) and p's offset in it.
   Result<std::pair<uint32_t, uint64_t>> FindLocal(const void* p, uint64_t bytes) const {
     const auto* q = static_cast<const unsigned char*>(p);
@@ -766,27 +769,42 @@ class IpcSendPair final : public PreparedPair {
         return XferState::kInProgress;
       }
       SS_CUDA(e, "cuda_ipc: pack into rank " + std::to_string(peer_));
-      const unsigned long long* landed = group_ ? group_->host + first_ : host_;
+      // Every pair of the launch tells its receiver now, not one per Poll of the caller's loop.
       if (group_) {
-        SS_ASSIGN_OR_RETURN(std::vector<uint64_t> all, group_->batch->Checksums());
-        sums_.packed.assign(all.begin() + first_, all.begin() + first_ + bytes_.size());
+        SS_RETURN_IF_ERROR(t_.FinishLaunch(group_, this));
       } else {
-        SS_ASSIGN_OR_RETURN(sums_.packed, batch_->Checksums());
+        SS_RETURN_IF_ERROR(Finished());
       }
-      msg_ = {version_, bytes_.size()};
-      sums_.landed.clear();
-      for (size_t b = 0; b < bytes_.size(); ++b) {
-        sums_.landed.push_back(ChecksumFinish(landed[b], static_cast<uint64_t>(bytes_[b])));
-        msg_.push_back(sums_.landed.back());
-      }
-      msg_.insert(msg_.end(), sums_.packed.begin(), sums_.packed.end());
-      // The launch completed: every byte is in the receiver's memory before it hears of it.
-      SS_ASSIGN_OR_RETURN(id_, t_.PostSend(peer_, PairTag(version_), msg_.data(), msg_.size() * 8));
-      state_ = kSending;
+      if (state_ == kIdle) return XferState::kDone;
     }
     SS_ASSIGN_OR_RETURN(XferState st, t_.Poll(id_));
     if (st == XferState::kDone) state_ = kIdle;
     return st;
+  }
+
+  const MergedLaunch* group() const { return state_ == kLaunched ? group_ : nullptr; }
+  // The launch completed: the sums, and the message that tells the receiver.
+  Status Finished() {
+    const unsigned long long* landed = group_ ? group_->host + first_ : host_;
+    if (group_) {
+      SS_ASSIGN_OR_RETURN(std::vector<uint64_t> all, group_->batch->Checksums());
+      sums_.packed.assign(all.begin() + first_, all.begin() + first_ + bytes_.size());
+    } else {
+      SS_ASSIGN_OR_RETURN(sums_.packed, batch_->Checksums());
+    }
+    msg_ = {version_, bytes_.size()};
+    sums_.landed.clear();
+    for (size_t b = 0; b < bytes_.size(); ++b) {
+      sums_.landed.push_back(ChecksumFinish(landed[b], static_cast<uint64_t>(bytes_[b])));
+      msg_.push_back(sums_.landed.back());
+    }
+    msg_.insert(msg_.end(), sums_.packed.begin(), sums_.packed.end());
+    // Every byte is in the receiver's memory before it hears of it.
+    SS_ASSIGN_OR_RETURN(id_, t_.PostSend(peer_, PairTag(version_), msg_.data(), msg_.size() * 8));
+    state_ = kSending;
+    SS_ASSIGN_OR_RETURN(XferState st, t_.Poll(id_));  // into the mailbox now, usually
+    if (st == XferState::kDone) state_ = kIdle;
+    return OkStatus();
   }
 
   Result<PairSums> Sums() override { return sums_; }
@@ -859,6 +877,16 @@ Status CudaIpcTransport::SendPosted() {
     if (!p->posted()) return OkStatus();  // the rest follow (or the first Poll launches)
   }
   return LaunchPostedSends();
+}
+
+Status CudaIpcTransport::FinishLaunch(const MergedLaunch* group, IpcSendPair* self) {
+  Status mine;
+  for (IpcSendPair* p : sends_) {
+    if (p->group() != group) continue;
+    Status s = p->Finished();
+    if (p == self) mine = s;
+  }
+  return mine;
 }
 
 Status CudaIpcTransport::LaunchPostedSends() {

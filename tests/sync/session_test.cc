@@ -72,11 +72,7 @@ class Job {
 
   // Runs fn(rank) on every rank concurrently; returns the statuses.
   std::vector<Status> All(const std::function<Status(int)>& fn) {
-    std::vector<Status> out(world_);
-    std::vector<std::thread> ts;
-    for (int r = 0; r < world_; ++r) ts.emplace_back([&, r] { out[r] = fn(r); });
-    for (auto& t : ts) t.join();
-    return out;
+    return testing::RunOnAll(world_, fn);
   }
   std::vector<Status> Connect() {
     return All([&](int r) { return ranks_[r].session->Connect(); });
@@ -86,17 +82,7 @@ class Job {
   }
 
   // Element check of every engine rank: mismatches in total.
-  int64_t Mismatches() {
-    int64_t m = 0;
-    for (auto& k : ranks_) {
-      if (k.session->is_trainer()) continue;
-      RankResult rr;
-      sync_internal::VerifyEngineParams(spec_, k.session->ExpectedParams(), k.params.bindings, rr);
-      EXPECT_GT(rr.elements_checked, 0);
-      m += rr.element_mismatches;
-    }
-    return m;
-  }
+  int64_t Mismatches() { return testing::EngineMismatches(spec_, ranks_); }
 
   int world() const { return world_; }
   int trainers() const { return spec_.inputs.trainer.world(); }

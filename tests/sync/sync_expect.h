@@ -4,11 +4,39 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <thread>
 #include <vector>
 
+#include "shardsync/launcher.h"
 #include "shardsync/status.h"
+#include "sync/internal.h"
 
 namespace shardsync::testing {
+
+// Runs fn(rank) for ranks 0..world-1 concurrently (one thread each); their statuses.
+inline std::vector<Status> RunOnAll(int world, const std::function<Status(int)>& fn) {
+  std::vector<Status> out(world);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < world; ++r) ts.emplace_back([&, r] { out[r] = fn(r); });
+  for (auto& t : ts) t.join();
+  return out;
+}
+
+// Element check of every engine rank of an in-process job: mismatches in total. `ranks` hold
+// `session` (a SyncSession pointer) and `params` (sync_internal::EngineParams).
+template <typename Ranks>
+int64_t EngineMismatches(const JobSpec& spec, Ranks& ranks) {
+  int64_t m = 0;
+  for (auto& k : ranks) {
+    if (k.session->is_trainer()) continue;
+    RankResult rr;
+    sync_internal::VerifyEngineParams(spec, k.session->ExpectedParams(), k.params.bindings, rr);
+    EXPECT_GT(rr.elements_checked, 0);
+    m += rr.element_mismatches;
+  }
+  return m;
+}
 
 inline void ExpectAllOk(const std::vector<Status>& st) {
   for (size_t r = 0; r < st.size(); ++r)

@@ -569,18 +569,23 @@ class EngineRankHook:
                 f"{when}: engine is asleep ({', '.join(mem['asleep'][:3])} released); wake it "
                 "(vLLM wake_up(tags=['weights']), SGLang resume_memory_occupation) first")
 
+    def check_ready(self, when: str) -> None:
+        """Pre-sync check: the engine is awake and its bound tensors are still the live ones (a
+        moved tensor poisons the rank: re-init)."""
+        self.check_awake(when)
+        try:
+            self.check_bound(when)
+        except Error as e:
+            self.poisoned = str(e)
+            raise
+
     def do_sync(self, version: int, finalize: bool = True) -> Dict[str, Any]:
         """The sync body (raises; wrap with _guard): pre-check, sync, finalize, post-check."""
         if self.session is None:
             raise FailedPreconditionError("sync before a successful init on this rank")
         if self.poisoned:
             raise FailedPreconditionError(f"rank refuses to sync: {self.poisoned}")
-        self.check_awake("before sync")
-        try:
-            self.check_bound("before sync")
-        except Error as e:
-            self.poisoned = str(e)
-            raise
+        self.check_ready("before sync")
         report = self.session.sync(int(version))
         if finalize:
             self.run_finalize("after sync")

@@ -270,12 +270,7 @@ class _BackendCore:
                 f"(state {self._ss_state})")
         else:
             try:
-                hook.check_awake("start_weight_update")
-                try:
-                    hook.check_bound("start_weight_update")
-                except BaseException as e:
-                    hook.poisoned = str(e)
-                    raise
+                hook.check_ready("start_weight_update")
             except BaseException as e:  # noqa: BLE001
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise

@@ -481,24 +481,15 @@ class SessionImpl final : public SyncSession {
   // Blocks for a key until `deadline`, in short slices so the abort key is seen meanwhile.
   Result<std::string> GetUntil(const std::string& key, Clock::time_point deadline,
                                const std::string& what, bool watch_abort = false) {
-    while (true) {
-      auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
-      if (left <= Millis(0)) {
-        return DeadlineExceededError("sync rank " + std::to_string(rank_) +
-                                     ": timed out waiting for " + what);
-      }
-      auto r = store_.Get(key, std::min(left, Millis(watch_abort ? 5 : 1000)));
-      if (r.ok()) return r;
-      if (r.status().code() != StatusCode::kDeadlineExceeded) return r.status();
-      if (watch_abort) {
-        Progress();
-        SS_RETURN_IF_ERROR(CheckAbort());
-      }
-    }
+    SS_ASSIGN_OR_RETURN(std::vector<std::string> v,
+                        GetManyUntil(
+                            {key}, deadline, [&](size_t) { return what; }, watch_abort));
+    return std::move(v[0]);
   }
 
-  // GetUntil for several keys in one store round trip; on timeout the error names the first key
-  // still missing (`what(i)` describes key i). `set_first` is set in the first round trip.
+  // Several keys in one store round trip, in short slices when `watch_abort`; on timeout the
+  // error names the first key still missing (`what(i)` describes key i). `set_first` is set in
+  // the first round trip.
   Result<std::vector<std::string>> GetManyUntil(
       const std::vector<std::string>& keys, Clock::time_point deadline,
       const std::function<std::string(size_t)>& what, bool watch_abort = false,

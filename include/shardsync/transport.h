@@ -147,7 +147,7 @@ class PreparedPair {
   // abort): device work still waiting on the peer is torn down (nccl: the pair's communicator is
   // aborted) and later Posts fail with Aborted, so the job re-connects. No-op when idle.
   virtual void Cancel() = 0;
-  // Short description for reports ("cuda_ipc: 1 launch, 3 buckets").
+  // Short description for reports ("cuda_ipc: 3 buckets into rank 2 (1 launch)").
   virtual std::string Describe() const = 0;
 };
 

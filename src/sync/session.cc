@@ -9,7 +9,6 @@
 #include <deque>
 #include <functional>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "shardsync/checksum.h"
@@ -22,6 +21,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kControlMagic = 0x53534331;  // "SSC1"
+// How often a waiting rank polls the abort key and its peers' versions.
+constexpr std::chrono::milliseconds kAbortPollInterval{50};
 
 // Sent after a bucket's puts were flushed: the receiver checksums what landed and compares.
 struct Control {
@@ -143,40 +144,6 @@ std::string Hex(uint64_t v) {
   char buf[20];
   std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
   return buf;
-}
-
-std::string StatsToJson(const RankSyncStats& s) {
-  nlohmann::json j = {{"rank", s.rank},
-                      {"ok", s.ok},
-                      {"error", s.error},
-                      {"send_bytes", s.send_bytes},
-                      {"recv_bytes", s.recv_bytes},
-                      {"seconds", s.seconds},
-                      {"checksums_ok", s.checksums_ok},
-                      {"checksums_total", s.checksums_total}};
-  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-}
-
-Result<RankSyncStats> StatsFromJson(const std::string& text, int rank) {
-  try {
-    auto j = nlohmann::json::parse(text);
-    RankSyncStats s;
-    s.rank = j.at("rank").get<int>();
-    s.ok = j.at("ok").get<bool>();
-    s.error = j.at("error").get<std::string>();
-    s.send_bytes = j.at("send_bytes").get<int64_t>();
-    s.recv_bytes = j.at("recv_bytes").get<int64_t>();
-    s.seconds = j.at("seconds").get<double>();
-    s.checksums_ok = j.at("checksums_ok").get<int64_t>();
-    s.checksums_total = j.at("checksums_total").get<int64_t>();
-    if (s.rank != rank)
-      return DataLossError("sync report of rank " + std::to_string(rank) + " names rank " +
-                           std::to_string(s.rank));
-    return s;
-  } catch (const std::exception& e) {
-    return DataLossError("sync report of rank " + std::to_string(rank) +
-                         " is malformed: " + e.what());
-  }
 }
 
 // Sender-side state of one bucket in flight.
@@ -408,7 +375,10 @@ class SessionImpl final : public SyncSession {
     const auto t0 = Clock::now();
     deadline_ = t0 + opt_.sync_timeout;
     version_ = version;
-    next_abort_check_ = t0;
+    // The first abort poll (a store round trip per peer) waits: a sync that completes within
+    // the poll interval pays none on its critical path, and peers' failures reach it anyway
+    // through its pairs, the abort key and the gathered verdicts.
+    next_abort_check_ = t0 + kAbortPollInterval;
     RankSyncStats st;
     st.rank = rank_;
     Status s;
@@ -426,10 +396,8 @@ class SessionImpl final : public SyncSession {
     last_attempted_ = version;
     if (!who_.is_trainer) poisoned_ = true;  // bytes are about to be overwritten
     s = packer_->Quiesce();  // the caller's pending writes to bound memory land first
-    // (A receiver says it entered in RunReceiver, once its prepared pairs are posted.)
-    if (s.ok() && who_.is_trainer) {
-      s = store_.Set(Key("cur/" + std::to_string(rank_)), std::to_string(version));
-    }
+    // (Each rank says it entered, its `cur` key, off its critical path: a receiver once its
+    // prepared pairs are posted (RunReceiver), a sender while they run (RunSender).)
     Trace(rank_, version, [] { return "entered"; });
     if (s.ok()) s = who_.is_trainer ? RunSender(st) : RunReceiver(st);
     st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -448,10 +416,10 @@ class SessionImpl final : public SyncSession {
     // good one in the same round trip as the wait for everyone else's).
     const std::string verdict_key = Key(VKey("done/") + std::to_string(rank_));
     if (!s.ok()) {
-      store_.Set(verdict_key, StatsToJson(st)).IgnoreError();
+      store_.Set(verdict_key, sync_internal::EncodeVerdict(st)).IgnoreError();
       return s;
     }
-    auto report = Gather(st, {verdict_key, StatsToJson(st)});
+    auto report = Gather(st, {verdict_key, sync_internal::EncodeVerdict(st)});
     if (!report.ok()) return Fail(report.status());
     Trace(rank_, version, [] { return "gathered every verdict"; });
     last_good_ = version;
@@ -529,7 +497,7 @@ class SessionImpl final : public SyncSession {
   Status CheckAbort(bool force = false) {
     const auto now = Clock::now();
     if (!force && now < next_abort_check_) return OkStatus();
-    next_abort_check_ = now + Millis(50);
+    next_abort_check_ = now + kAbortPollInterval;
     auto a = store_.Get(Key(VKey("abort")), Millis(0));
     if (a.ok())
       return AbortedError("sync rank " + std::to_string(rank_) + ": version " +
@@ -561,6 +529,11 @@ class SessionImpl final : public SyncSession {
                                    std::to_string(version_) + " timed out after " +
                                    std::to_string(opt_.sync_timeout.count()) + " ms " + what);
     }
+    return CheckAbort();
+  }
+  // The same, naming who(i) only when it fails (not built on every poll).
+  Status CheckDeadline(size_t i, const std::function<std::string(size_t)>& who) {
+    if (Clock::now() > deadline_) return CheckDeadline(who(i));
     return CheckAbort();
   }
 
@@ -689,6 +662,14 @@ class SessionImpl final : public SyncSession {
     // for through its ready key.
     auto signals = [&](size_t mi) { return send_pairs_[mi] && send_pairs_[mi]->SignalsReady(); };
     SS_RETURN_IF_ERROR(PostPairs(send_pairs_, signals));
+    // This rank's `cur` key costs a store round trip: set while the prepared pairs run when
+    // they are all there is to wait for, else before the first wait on the store.
+    bool entered = false;
+    auto enter = [&]() -> Status {
+      if (entered) return OkStatus();
+      entered = true;
+      return store_.Set(Key("cur/" + std::to_string(rank_)), std::to_string(version_));
+    };
     std::vector<std::string> ready;
     std::vector<int> waited;
     for (size_t mi = 0; mi < plan_.sends.size(); ++mi) {
@@ -696,6 +677,7 @@ class SessionImpl final : public SyncSession {
       ready.push_back(Key(VKey("ready/") + std::to_string(plan_.sends[mi].dst)));
       waited.push_back(plan_.sends[mi].dst);
     }
+    if (!ready.empty()) SS_RETURN_IF_ERROR(enter());
     SS_RETURN_IF_ERROR(GetManyUntil(
                            ready, deadline_,
                            [&](size_t i) {
@@ -708,6 +690,7 @@ class SessionImpl final : public SyncSession {
     // Prepared pairs (device memory) go first: their device work overlaps the host path below.
     SS_RETURN_IF_ERROR(PostPairs(send_pairs_, [&](size_t mi) { return !signals(mi); }));
     HostSend hs = PlanHostSend();
+    if (!hs.order.empty()) SS_RETURN_IF_ERROR(enter());
     struct KeepOnFailure {
       std::vector<std::shared_ptr<void>>& yard;
       std::shared_ptr<void> sums;
@@ -723,7 +706,8 @@ class SessionImpl final : public SyncSession {
     }
     while (!hs.flying.empty()) SS_RETURN_IF_ERROR(FinishOldest(hs, st));
     SS_RETURN_IF_ERROR(WaitAll(hs.ctrl_ids, "sending control messages"));
-    SS_RETURN_IF_ERROR(FinishPreparedSends(st));
+    SS_RETURN_IF_ERROR(FinishPreparedSends(st, enter));
+    SS_RETURN_IF_ERROR(enter());
     // A send can complete here while its protocol tail (e.g. a rendezvous put's completion
     // message) is still queued on this side: flush before this rank stops driving progress.
     std::vector<XferId> flushes;
@@ -1014,12 +998,14 @@ class SessionImpl final : public SyncSession {
   // Polls `pairs` (null entries skipped) until every one is done, the deadline passes or the job
   // aborts; `who` names the peer of entry i for errors.
   Status WaitPairs(std::vector<std::unique_ptr<PreparedPair>>& pairs,
-                   const std::function<std::string(size_t)>& who) {
+                   const std::function<std::string(size_t)>& who,
+                   const std::function<Status()>& while_waiting = nullptr) {
     std::vector<size_t> left;
     for (size_t i = 0; i < pairs.size(); ++i) {
       if (pairs[i]) left.push_back(i);
     }
     auto idle_since = Clock::now();
+    bool waited = false;
     while (!left.empty()) {
       bool progressed = false;
       for (size_t k = 0; k < left.size();) {
@@ -1037,7 +1023,12 @@ class SessionImpl final : public SyncSession {
         }
       }
       if (left.empty()) break;
-      SS_RETURN_IF_ERROR(CheckDeadline(who(left[0])));
+      if (while_waiting && !waited) {
+        waited = true;
+        SS_RETURN_IF_ERROR(while_waiting());
+        progressed = true;  // time passed in it: poll again at once
+      }
+      SS_RETURN_IF_ERROR(CheckDeadline(left[0], who));
       PairBackoff(progressed, idle_since);
     }
     return OkStatus();
@@ -1069,11 +1060,15 @@ class SessionImpl final : public SyncSession {
   }
 
   // Sender: every prepared pair done, then its packed checksums go to the store for the receiver.
-  Status FinishPreparedSends(RankSyncStats& st) {
-    SS_RETURN_IF_ERROR(WaitPairs(send_pairs_, [&](size_t i) {
-      return "sending to sync rank " + std::to_string(plan_.sends[i].dst) + " (" +
-             send_pairs_[i]->Describe() + ")";
-    }));
+  // `while_waiting` runs once, after the first poll of the pairs (so after a launch it allows).
+  Status FinishPreparedSends(RankSyncStats& st, const std::function<Status()>& while_waiting) {
+    SS_RETURN_IF_ERROR(WaitPairs(
+        send_pairs_,
+        [&](size_t i) {
+          return "sending to sync rank " + std::to_string(plan_.sends[i].dst) + " (" +
+                 send_pairs_[i]->Describe() + ")";
+        },
+        while_waiting));
     for (size_t mi = 0; mi < send_pairs_.size(); ++mi) {
       if (!send_pairs_[mi]) continue;
       const Message& m = plan_.sends[mi];
@@ -1087,7 +1082,10 @@ class SessionImpl final : public SyncSession {
                              std::to_string(m.buckets.size()) + " buckets");
       }
       std::string text;
-      for (uint64_t v : sums.packed) text += (text.empty() ? "" : ",") + Hex(v);
+      for (uint64_t v : sums.packed) {
+        if (!text.empty()) text += ',';
+        text += Hex(v);
+      }
       SS_RETURN_IF_ERROR(store_.Set(
           Key(VKey("sums/") + std::to_string(rank_) + "_" + std::to_string(m.dst)), text));
     }
@@ -1552,7 +1550,7 @@ class SessionImpl final : public SyncSession {
       if (r == rank_) {
         s = local;
       } else {
-        SS_ASSIGN_OR_RETURN(s, StatsFromJson(texts[next++], r));
+        SS_ASSIGN_OR_RETURN(s, sync_internal::DecodeVerdict(texts[next++], r));
       }
       if (!s.ok) {
         return AbortedError("sync rank " + std::to_string(rank_) + ": version " +

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -90,6 +91,18 @@ std::string Hex(uint64_t v) {
   char b[17];
   snprintf(b, sizeof(b), "%016llx", static_cast<unsigned long long>(v));
   return b;
+}
+
+// SHARDSYNC_TRACE=1: launches and their completion on stderr, on the session's clock.
+void TraceLaunch(const char* what, size_t buckets) {
+  static const bool on = [] {
+    const char* v = std::getenv("SHARDSYNC_TRACE");
+    return v && *v && *v != '0';
+  }();
+  if (!on) return;
+  const double t =
+      std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  std::fprintf(stderr, "%.6f cuda_ipc: %s (%zu buckets)\n", t, what, buckets);
 }
 
 bool PidAlive(int pid) { return pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH; }
@@ -302,6 +315,22 @@ class CudaIpcTransport final : public Transport {
   }
 
   Result<XferId> PostSend(int peer, uint64_t tag, const void* buf, size_t bytes) override {
+    return PostSendImpl(peer, tag, buf, bytes, IsDevice(buf));
+  }
+  Result<XferId> PostRecv(int peer, uint64_t tag, void* buf, size_t bytes) override {
+    return PostRecvImpl(peer, tag, buf, bytes, IsDevice(buf));
+  }
+  // Prepared pairs' control messages live in host memory: no pointer query (a driver call of
+  // microseconds each, on every sync's critical path).
+  Result<XferId> PostSendHost(int peer, uint64_t tag, const void* buf, size_t bytes) {
+    return PostSendImpl(peer, tag, buf, bytes, false);
+  }
+  Result<XferId> PostRecvHost(int peer, uint64_t tag, void* buf, size_t bytes) {
+    return PostRecvImpl(peer, tag, buf, bytes, false);
+  }
+
+  Result<XferId> PostSendImpl(int peer, uint64_t tag, const void* buf, size_t bytes,
+                              bool device_buf) {
     SS_RETURN_IF_ERROR(Usable());
     if (!outbox_.count(peer)) {
       return InvalidArgumentError("cuda_ipc: send to rank " + std::to_string(peer) +
@@ -318,13 +347,13 @@ class CudaIpcTransport final : public Transport {
     x.peer = peer;
     x.tag = tag;
     x.data.resize(bytes);
-    if (bytes) SS_RETURN_IF_ERROR(CopyIn(buf, bytes, x.data.data()));
+    if (bytes) SS_RETURN_IF_ERROR(CopyIn(buf, bytes, x.data.data(), device_buf));
     const XferId id = next_id_++;
     xfers_.emplace(id, std::move(x));
     return id;
   }
 
-  Result<XferId> PostRecv(int peer, uint64_t tag, void* buf, size_t bytes) override {
+  Result<XferId> PostRecvImpl(int peer, uint64_t tag, void* buf, size_t bytes, bool device_buf) {
     SS_RETURN_IF_ERROR(Usable());
     if (!inbox_.count(peer)) {
       return InvalidArgumentError("cuda_ipc: recv from rank " + std::to_string(peer) +
@@ -336,6 +365,7 @@ class CudaIpcTransport final : public Transport {
     x.tag = tag;
     x.buf = buf;
     x.bytes = bytes;
+    x.device_buf = device_buf;
     const XferId id = next_id_++;
     xfers_.emplace(id, std::move(x));
     return id;
@@ -384,7 +414,7 @@ class CudaIpcTransport final : public Transport {
             xfers_.erase(it);
             return OutOfRangeError(msg);
           }
-          SS_RETURN_IF_ERROR(CopyOut(m->second.data(), m->second.size(), x.buf));
+          SS_RETURN_IF_ERROR(CopyOut(m->second.data(), m->second.size(), x.buf, x.device_buf));
           q.erase(m);
           xfers_.erase(it);
           return XferState::kDone;
@@ -470,6 +500,7 @@ class CudaIpcTransport final : public Transport {
     std::vector<unsigned char> data;
     void* buf = nullptr;
     size_t bytes = 0;
+    bool device_buf = false;  // kRecv: buf is device memory
   };
 
   Status Usable() const {
@@ -519,17 +550,17 @@ class CudaIpcTransport final : public Transport {
     }
     return a.type == cudaMemoryTypeDevice;
   }
-  static Status CopyIn(const void* buf, size_t n, void* host) {
-    if (IsDevice(buf)) {
+  static Status CopyIn(const void* buf, size_t n, void* host, bool device_buf) {
+    if (device_buf) {
       SS_CUDA(cudaMemcpy(host, buf, n, cudaMemcpyDeviceToHost), "cuda_ipc: control copy");
     } else {
       std::memcpy(host, buf, n);
     }
     return OkStatus();
   }
-  static Status CopyOut(const void* host, size_t n, void* buf) {
+  static Status CopyOut(const void* host, size_t n, void* buf, bool device_buf) {
     if (n == 0) return OkStatus();
-    if (IsDevice(buf)) {
+    if (device_buf) {
       SS_CUDA(cudaMemcpy(buf, host, n, cudaMemcpyHostToDevice), "cuda_ipc: control copy");
     } else {
       std::memcpy(buf, host, n);
@@ -625,10 +656,10 @@ class IpcRecvPair final : public PreparedPair {
     if (cancelled_)
       return AbortedError("cuda_ipc: pair with rank " + std::to_string(peer_) + " was cancelled");
     version_ = version;
-    SS_ASSIGN_OR_RETURN(id_, t_.PostRecv(peer_, PairTag(version), msg_.data(), msg_.size() * 8));
+    SS_ASSIGN_OR_RETURN(id_, t_.PostRecvHost(peer_, PairTag(version), msg_.data(), msg_.size() * 8));
     // Tell the sender through the mailbox (microseconds; the store's ready key takes a round
     // trip through the store server).
-    SS_ASSIGN_OR_RETURN(ready_id_, t_.PostSend(peer_, ReadyTag(version), &version_, 8));
+    SS_ASSIGN_OR_RETURN(ready_id_, t_.PostSendHost(peer_, ReadyTag(version), &version_, 8));
     SS_ASSIGN_OR_RETURN(XferState rs, t_.Poll(ready_id_));
     ready_sent_ = rs == XferState::kDone;
     posted_ = true;
@@ -714,7 +745,7 @@ class IpcSendPair final : public PreparedPair {
       return AbortedError("cuda_ipc: pair with rank " + std::to_string(peer_) + " was cancelled");
     SS_RETURN_IF_ERROR(t_.CheckPeer(peer_));
     version_ = version;
-    SS_ASSIGN_OR_RETURN(ready_id_, t_.PostRecv(peer_, ReadyTag(version), &ready_msg_, 8));
+    SS_ASSIGN_OR_RETURN(ready_id_, t_.PostRecvHost(peer_, ReadyTag(version), &ready_msg_, 8));
     ready_ = false;
     state_ = kPosted;
     return t_.SendPosted();
@@ -769,6 +800,7 @@ class IpcSendPair final : public PreparedPair {
         return XferState::kInProgress;
       }
       SS_CUDA(e, "cuda_ipc: pack into rank " + std::to_string(peer_));
+      TraceLaunch("launch complete", bytes_.size());
       // Every pair of the launch tells its receiver now, not one per Poll of the caller's loop.
       if (group_) {
         SS_RETURN_IF_ERROR(t_.FinishLaunch(group_, this));
@@ -800,7 +832,7 @@ class IpcSendPair final : public PreparedPair {
     }
     msg_.insert(msg_.end(), sums_.packed.begin(), sums_.packed.end());
     // Every byte is in the receiver's memory before it hears of it.
-    SS_ASSIGN_OR_RETURN(id_, t_.PostSend(peer_, PairTag(version_), msg_.data(), msg_.size() * 8));
+    SS_ASSIGN_OR_RETURN(id_, t_.PostSendHost(peer_, PairTag(version_), msg_.data(), msg_.size() * 8));
     state_ = kSending;
     SS_ASSIGN_OR_RETURN(XferState st, t_.Poll(id_));  // into the mailbox now, usually
     if (st == XferState::kDone) state_ = kIdle;
@@ -926,6 +958,7 @@ Status CudaIpcTransport::LaunchPostedSends() {
           "cuda_ipc: read landed sums");
   SS_CUDA(cudaMemsetAsync(g.lsum->data(), 0, n, stream_), "cuda_ipc: zero landed sums");
   SS_CUDA(cudaEventRecord(g.done, stream_), "cuda_ipc: launch event");
+  TraceLaunch("launched", g.buckets);
   size_t first = 0;
   for (IpcSendPair* p : members) {
     p->LaunchedIn(&g, first);

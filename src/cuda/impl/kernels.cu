@@ -58,6 +58,11 @@ constexpr int64_t kChunkWireBytes = int64_t{SHARDSYNC_GPU_CHUNK_KIB} << 10;
 #ifndef SHARDSYNC_GPU_STORE
 #define SHARDSYNC_GPU_STORE StorePlain
 #endif
+// Landed readback loads: through L2 (.cg). .ca (an L1 hit: 33% of L1 sectors hit, L2 reads -40%
+// in Nsight Compute) and .lu measured 2-3% slower syncs on an H200 (docs/benchmarks.md).
+#ifndef SHARDSYNC_GPU_READBACK
+#define SHARDSYNC_GPU_READBACK __ldcg
+#endif
 [[maybe_unused]] __device__ __forceinline__ uint4 LoadPlain(const uint4* p) { return *p; }
 [[maybe_unused]] __device__ __forceinline__ void StorePlain(uint4* p, uint4 v) { *p = v; }
 
@@ -340,7 +345,7 @@ __device__ __forceinline__ uint64_t LandedBytes(const Seg* segs, int t, int64_t 
   uint64_t word = 0;
   for (int64_t x = pos; x < end; ++x) {
     while (segs[t].hi <= x) ++t;
-    const uint64_t b = __ldcg(segs[t].p + (x - segs[t].lo));
+    const uint64_t b = SHARDSYNC_GPU_READBACK(segs[t].p + (x - segs[t].lo));
     word |= b << (8 * (x - pos));
   }
   return word;
@@ -353,7 +358,7 @@ __device__ __forceinline__ uint64_t LandedWordAt(const Seg* segs, int first, int
   const Seg g = segs[t];
   const unsigned char* p = g.p + (pos - g.lo);
   if (pos + 8 <= g.hi && (reinterpret_cast<uintptr_t>(p) & 7) == 0) {
-    return __ldcg(reinterpret_cast<const unsigned long long*>(p));
+    return SHARDSYNC_GPU_READBACK(reinterpret_cast<const unsigned long long*>(p));
   }
   return LandedBytes(segs, t, pos, pos + 8);
 }
@@ -418,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, kLanded ? kLandedMinBlocks : 1)
       if (one_seg) {
         const uintptr_t a = lbase + static_cast<uintptr_t>(pos);
         if ((a & 15) == 0) {
-          const uint4 v = __ldcg(reinterpret_cast<const uint4*>(a));
+          const uint4 v = SHARDSYNC_GPU_READBACK(reinterpret_cast<const uint4*>(a));
           *l0 = (static_cast<uint64_t>(v.y) << 32) | v.x;
           *l1 = (static_cast<uint64_t>(v.w) << 32) | v.z;
           return;
@@ -716,7 +721,7 @@ __global__ void __launch_bounds__(kThreads, kBlocks)
       SHARDSYNC_GPU_STORE(dst, o[0]);
       const uint64_t key = (ch.word0 + 2ull * p) * kChecksumStep + kChecksumSeed;
       acc += MixKeyed(w0, key) + MixKeyed(w1, key + kChecksumStep);
-      const uint4 l = __ldcg(reinterpret_cast<const uint4*>(ch.landed + 16ull * p));
+      const uint4 l = SHARDSYNC_GPU_READBACK(reinterpret_cast<const uint4*>(ch.landed + 16ull * p));
       const uint64_t l0 = Lo(l), l1 = Hi(l);
       if (l0 != w0 || l1 != w1) {
         ldelta += MixKeyed(l0, key) - MixKeyed(w0, key) + MixKeyed(l1, key + kChecksumStep) -

@@ -996,7 +996,8 @@ class SessionImpl final : public SyncSession {
   }
 
   // Polls `pairs` (null entries skipped) until every one is done, the deadline passes or the job
-  // aborts; `who` names the peer of entry i for errors.
+  // aborts; `who` names the peer of entry i for errors. `while_waiting` (optional) runs once,
+  // 1 ms into the wait.
   Status WaitPairs(std::vector<std::unique_ptr<PreparedPair>>& pairs,
                    const std::function<std::string(size_t)>& who,
                    const std::function<Status()>& while_waiting = nullptr) {
@@ -1004,7 +1005,8 @@ class SessionImpl final : public SyncSession {
     for (size_t i = 0; i < pairs.size(); ++i) {
       if (pairs[i]) left.push_back(i);
     }
-    auto idle_since = Clock::now();
+    const auto start = Clock::now();
+    auto idle_since = start;
     bool waited = false;
     while (!left.empty()) {
       bool progressed = false;
@@ -1023,7 +1025,9 @@ class SessionImpl final : public SyncSession {
         }
       }
       if (left.empty()) break;
-      if (while_waiting && !waited) {
+      // After 1 ms the pairs are running (a launch waits only for its receivers' mailbox
+      // messages, microseconds apart): a store round trip then delays no launch.
+      if (while_waiting && !waited && Clock::now() - start >= Millis(1)) {
         waited = true;
         SS_RETURN_IF_ERROR(while_waiting());
         progressed = true;  // time passed in it: poll again at once
@@ -1060,7 +1064,7 @@ class SessionImpl final : public SyncSession {
   }
 
   // Sender: every prepared pair done, then its packed checksums go to the store for the receiver.
-  // `while_waiting` runs once, after the first poll of the pairs (so after a launch it allows).
+  // `while_waiting` runs once while the pairs run (see WaitPairs).
   Status FinishPreparedSends(RankSyncStats& st, const std::function<Status()>& while_waiting) {
     SS_RETURN_IF_ERROR(WaitPairs(
         send_pairs_,

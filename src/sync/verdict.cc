@@ -48,8 +48,8 @@ std::string EncodeVerdict(const RankSyncStats& s) {
 
 Result<RankSyncStats> DecodeVerdict(std::string_view text, int rank) {
   auto bad = [&](std::string_view why) {
-    return DataLossError("sync report of rank " + std::to_string(rank) + " is malformed: " +
-                         std::string(why));
+    return DataLossError("sync report of rank " + std::to_string(rank) +
+                         " is malformed: " + std::string(why));
   };
   const size_t bar = text.find('|');
   if (bar == std::string_view::npos) return bad("no '|' before the error text");

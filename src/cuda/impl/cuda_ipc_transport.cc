@@ -329,48 +329,6 @@ class CudaIpcTransport final : public Transport {
     return PostRecvImpl(peer, tag, buf, bytes, false);
   }
 
-  Result<XferId> PostSendImpl(int peer, uint64_t tag, const void* buf, size_t bytes,
-                              bool device_buf) {
-    SS_RETURN_IF_ERROR(Usable());
-    if (!outbox_.count(peer)) {
-      return InvalidArgumentError("cuda_ipc: send to rank " + std::to_string(peer) +
-                                  ", not a connected peer");
-    }
-    if (bytes > internal::kMailboxSlotBytes) {
-      return InvalidArgumentError("cuda_ipc: send of " + std::to_string(bytes) + " bytes to rank " +
-                                  std::to_string(peer) + " exceeds the control-message limit " +
-                                  std::to_string(internal::kMailboxSlotBytes) +
-                                  " (move data with PostPut)");
-    }
-    Xfer x;
-    x.kind = Xfer::kSend;
-    x.peer = peer;
-    x.tag = tag;
-    x.data.resize(bytes);
-    if (bytes) SS_RETURN_IF_ERROR(CopyIn(buf, bytes, x.data.data(), device_buf));
-    const XferId id = next_id_++;
-    xfers_.emplace(id, std::move(x));
-    return id;
-  }
-
-  Result<XferId> PostRecvImpl(int peer, uint64_t tag, void* buf, size_t bytes, bool device_buf) {
-    SS_RETURN_IF_ERROR(Usable());
-    if (!inbox_.count(peer)) {
-      return InvalidArgumentError("cuda_ipc: recv from rank " + std::to_string(peer) +
-                                  ", not a connected peer");
-    }
-    Xfer x;
-    x.kind = Xfer::kRecv;
-    x.peer = peer;
-    x.tag = tag;
-    x.buf = buf;
-    x.bytes = bytes;
-    x.device_buf = device_buf;
-    const XferId id = next_id_++;
-    xfers_.emplace(id, std::move(x));
-    return id;
-  }
-
   Result<XferState> Poll(XferId id) override {
     if (aborted_) return AbortedError("cuda_ipc: transport aborted");
     auto it = xfers_.find(id);
@@ -492,6 +450,49 @@ class CudaIpcTransport final : public Transport {
       if (e) pool->push_back(e);
     }
   };
+  // PostSend / PostRecv with the buffer's memory kind known.
+  Result<XferId> PostSendImpl(int peer, uint64_t tag, const void* buf, size_t bytes,
+                              bool device_buf) {
+    SS_RETURN_IF_ERROR(Usable());
+    if (!outbox_.count(peer)) {
+      return InvalidArgumentError("cuda_ipc: send to rank " + std::to_string(peer) +
+                                  ", not a connected peer");
+    }
+    if (bytes > internal::kMailboxSlotBytes) {
+      return InvalidArgumentError("cuda_ipc: send of " + std::to_string(bytes) + " bytes to rank " +
+                                  std::to_string(peer) + " exceeds the control-message limit " +
+                                  std::to_string(internal::kMailboxSlotBytes) +
+                                  " (move data with PostPut)");
+    }
+    Xfer x;
+    x.kind = Xfer::kSend;
+    x.peer = peer;
+    x.tag = tag;
+    x.data.resize(bytes);
+    if (bytes) SS_RETURN_IF_ERROR(CopyIn(buf, bytes, x.data.data(), device_buf));
+    const XferId id = next_id_++;
+    xfers_.emplace(id, std::move(x));
+    return id;
+  }
+
+  Result<XferId> PostRecvImpl(int peer, uint64_t tag, void* buf, size_t bytes, bool device_buf) {
+    SS_RETURN_IF_ERROR(Usable());
+    if (!inbox_.count(peer)) {
+      return InvalidArgumentError("cuda_ipc: recv from rank " + std::to_string(peer) +
+                                  ", not a connected peer");
+    }
+    Xfer x;
+    x.kind = Xfer::kRecv;
+    x.peer = peer;
+    x.tag = tag;
+    x.buf = buf;
+    x.bytes = bytes;
+    x.device_buf = device_buf;
+    const XferId id = next_id_++;
+    xfers_.emplace(id, std::move(x));
+    return id;
+  }
+
   struct Xfer {
     enum Kind { kEvent, kSend, kRecv } kind = kEvent;
     int peer = -1;
@@ -656,7 +657,8 @@ class IpcRecvPair final : public PreparedPair {
     if (cancelled_)
       return AbortedError("cuda_ipc: pair with rank " + std::to_string(peer_) + " was cancelled");
     version_ = version;
-    SS_ASSIGN_OR_RETURN(id_, t_.PostRecvHost(peer_, PairTag(version), msg_.data(), msg_.size() * 8));
+    SS_ASSIGN_OR_RETURN(id_,
+                        t_.PostRecvHost(peer_, PairTag(version), msg_.data(), msg_.size() * 8));
     // Tell the sender through the mailbox (microseconds; the store's ready key takes a round
     // trip through the store server).
     SS_ASSIGN_OR_RETURN(ready_id_, t_.PostSendHost(peer_, ReadyTag(version), &version_, 8));
@@ -832,7 +834,8 @@ class IpcSendPair final : public PreparedPair {
     }
     msg_.insert(msg_.end(), sums_.packed.begin(), sums_.packed.end());
     // Every byte is in the receiver's memory before it hears of it.
-    SS_ASSIGN_OR_RETURN(id_, t_.PostSendHost(peer_, PairTag(version_), msg_.data(), msg_.size() * 8));
+    SS_ASSIGN_OR_RETURN(id_,
+                        t_.PostSendHost(peer_, PairTag(version_), msg_.data(), msg_.size() * 8));
     state_ = kSending;
     SS_ASSIGN_OR_RETURN(XferState st, t_.Poll(id_));  // into the mailbox now, usually
     if (st == XferState::kDone) state_ = kIdle;

@@ -11,6 +11,7 @@
 #include <map>
 #include <thread>
 
+#include "common/trace.h"
 #include "shardsync/checksum.h"
 #include "shardsync/shard_map.h"
 #include "sync/internal.h"
@@ -123,20 +124,12 @@ class LandedSum {
   std::vector<std::pair<uint64_t, uint64_t>> pieces_;  // (word index, bytes in place)
 };
 
-// SHARDSYNC_TRACE=1: the session's steps with a wall clock on stderr (device debugging). The text
-// is built only when tracing is on: these calls sit on every sync's path.
-bool TraceOn() {
-  static const bool on = [] {
-    const char* v = std::getenv("SHARDSYNC_TRACE");
-    return v && *v && *v != '0';
-  }();
-  return on;
-}
+// SHARDSYNC_TRACE=1 (common/trace.h): the session's steps on stderr. The text is built only when
+// tracing is on: these calls sit on every sync's path.
 template <typename Text>
 void Trace(int rank, uint64_t version, const Text& text) {
-  if (!TraceOn()) return;
-  const double t = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
-  std::fprintf(stderr, "%.6f sync rank %d v%llu: %s\n", t, rank,
+  if (!trace::On()) return;
+  std::fprintf(stderr, "%.6f sync rank %d v%llu: %s\n", trace::Now(), rank,
                static_cast<unsigned long long>(version), std::string(text()).c_str());
 }
 

@@ -2,7 +2,6 @@
 // checksums_total|error". Every rank writes one and reads every other rank's on each sync's
 // critical path, so it is a short line parsed with from_chars rather than JSON.
 #include <charconv>
-#include <cstdio>
 #include <string>
 #include <string_view>
 

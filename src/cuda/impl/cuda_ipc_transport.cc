@@ -26,6 +26,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/trace.h"
 #include "cuda/cuda_util.h"
 #include "cuda/impl/shm_mailbox.h"
 #include "shardsync/gpu.h"
@@ -93,16 +94,10 @@ std::string Hex(uint64_t v) {
   return b;
 }
 
-// SHARDSYNC_TRACE=1: launches and their completion on stderr, on the session's clock.
+// SHARDSYNC_TRACE=1 (common/trace.h): launches and their completion on stderr.
 void TraceLaunch(const char* what, size_t buckets) {
-  static const bool on = [] {
-    const char* v = std::getenv("SHARDSYNC_TRACE");
-    return v && *v && *v != '0';
-  }();
-  if (!on) return;
-  const double t =
-      std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  std::fprintf(stderr, "%.6f cuda_ipc: %s (%zu buckets)\n", t, what, buckets);
+  if (trace::On())
+    std::fprintf(stderr, "%.6f cuda_ipc: %s (%zu buckets)\n", trace::Now(), what, buckets);
 }
 
 bool PidAlive(int pid) { return pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH; }

@@ -32,6 +32,7 @@
 
 #include <unistd.h>
 
+#include "common/trace.h"
 #include "cuda/cuda_util.h"
 #include "shardsync/gpu.h"
 #include "transport/process.h"
@@ -509,18 +510,6 @@ class NcclTransport final : public Transport {
 // polls one event at the end. Checksums: the sender's pack and the receiver's unpack kernels sum
 // the wire image of each round.
 
-// SHARDSYNC_TRACE=1: every round's enqueue and completion on stderr (device debugging).
-bool Trace() {
-  static const bool on = [] {
-    const char* v = std::getenv("SHARDSYNC_TRACE");
-    return v && *v && *v != '0';
-  }();
-  return on;
-}
-double TraceNow() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 class NcclPair final : public PreparedPair {
  public:
   NcclPair(NcclTransport& t, const PairSpec& spec, ncclComm_t comm, int peer_rank)
@@ -619,8 +608,8 @@ class NcclPair final : public PreparedPair {
     }
     SS_CUDA(e, "nccl: pair with rank " + std::to_string(peer_));
     posted_ = false;
-    if (Trace()) {
-      std::fprintf(stderr, "%.6f nccl pair %s rank %d: done\n", TraceNow(), send_ ? "->" : "<-",
+    if (trace::On()) {
+      std::fprintf(stderr, "%.6f nccl pair %s rank %d: done\n", trace::Now(), send_ ? "->" : "<-",
                    peer_);
     }
     return XferState::kDone;
@@ -673,8 +662,8 @@ class NcclPair final : public PreparedPair {
           SS_RETURN_IF_ERROR(batches_[b]->Launch(work_));
           SS_CUDA(cudaEventRecord(ev_a_[b], work_), "nccl pair: event");
         }
-        if (Trace()) {
-          std::fprintf(stderr, "%.6f nccl pair %s rank %d: round %zu enqueued\n", TraceNow(),
+        if (trace::On()) {
+          std::fprintf(stderr, "%.6f nccl pair %s rank %d: round %zu enqueued\n", trace::Now(),
                        send_ ? "->" : "<-", peer_, b);
         }
         ++next_;

@@ -135,8 +135,20 @@ class CopyBatch {
   // Enqueues the copy and the per-bucket checksum on `stream` (a cudaStream_t, or the Stream's
   // handle()). Never blocks.
   virtual Status Launch(void* stream) = 0;
-  // After the stream passed the launch: the finished checksum (ChecksumFinish(sum, bucket bytes))
-  // of each bucket, and the raw sums (ChecksumPartial of the bucket's wire image).
+  // Like Launch, but the kernel finishes the batch itself: its last block moves the sums (and a
+  // landed pack's landed sums) to host memory, re-zeroes them on the device, and then stores `seq`
+  // (> 0) where Signaled() reads it. Nothing is enqueued around the kernel, so the host learns of
+  // completion as soon as the last block is done, not after trailing copies and an event. A
+  // landed pack's landed sums must be zero before its first signaled launch (the kernel leaves
+  // them so). A kernel that faults never signals: watch the stream too.
+  virtual Status LaunchSignaled(void* stream, uint64_t seq) = 0;
+  // The `seq` of the last signaled launch that finished (0 before any).
+  virtual uint64_t Signaled() const = 0;
+  // After Signaled() returned a launch's seq: that launch's raw landed sums per bucket.
+  virtual Result<std::vector<uint64_t>> LandedSums() const = 0;
+  // After the stream passed the launch (or Signaled() returned its seq): the finished checksum
+  // (ChecksumFinish(sum, bucket bytes)) of each bucket, and the raw sums (ChecksumPartial of the
+  // bucket's wire image).
   virtual Result<std::vector<uint64_t>> Checksums() const = 0;
   virtual Result<std::vector<uint64_t>> Sums() const = 0;
   virtual int64_t wire_bytes() const = 0;

@@ -78,6 +78,10 @@ struct SessionOptions {
   Millis sync_timeout{60000};  // bounds every wait of one Sync on this rank
   // Pluggable packer (device memory); nullptr: the CPU packer.
   Packer* packer = nullptr;
+  // Ranks that all map one shared-memory segment (one host) exchange their per-sync verdicts
+  // through it instead of the store (a store round trip and fan-out less at the end of every
+  // sync). Used only when every rank agrees at Connect; SHARDSYNC_VERDICT_BOARD=0 turns it off.
+  bool shared_memory_verdicts = true;
 };
 
 // A trainer rank's shard of one HF tensor: `region` of the HF tensor, stored row-major with the

@@ -2,19 +2,24 @@
 // job-wide report through the store, and fails every rank fast when one fails.
 #include "shardsync/session.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
+#include <random>
 #include <thread>
 
 #include "common/trace.h"
 #include "shardsync/checksum.h"
 #include "shardsync/shard_map.h"
 #include "sync/internal.h"
+#include "sync/verdict_board.h"
 
 namespace shardsync {
 namespace {
@@ -336,6 +341,7 @@ class SessionImpl final : public SyncSession {
       regbase_[m.dst] = static_cast<uint32_t>(v);
     }
     SS_RETURN_IF_ERROR(PreparePairs(deadline));
+    SS_RETURN_IF_ERROR(OpenVerdictBoard(deadline));
     if (packer_ == own_packer_.get()) {
       // The CPU packer packs transfer by transfer into a small ring (RunSender says why it is
       // never overwritten while in flight): it stays in cache, so packing writes cost no DRAM
@@ -366,6 +372,7 @@ class SessionImpl final : public SyncSession {
                                      ": Sync before Connect");
     }
     const auto t0 = Clock::now();
+    Trace(rank_, version, [] { return "called"; });
     deadline_ = t0 + opt_.sync_timeout;
     version_ = version;
     // The first abort poll (a store round trip per peer) waits: a sync that completes within
@@ -408,11 +415,13 @@ class SessionImpl final : public SyncSession {
     // Everyone posts a verdict, failed or not, so peers learn the cause rather than time out (a
     // good one in the same round trip as the wait for everyone else's).
     const std::string verdict_key = Key(VKey("done/") + std::to_string(rank_));
+    const std::string verdict = sync_internal::EncodeVerdict(st);
+    if (board_) board_->Post(rank_, version, verdict);
     if (!s.ok()) {
-      store_.Set(verdict_key, sync_internal::EncodeVerdict(st)).IgnoreError();
+      store_.Set(verdict_key, verdict).IgnoreError();  // the whole text, and for store readers
       return s;
     }
-    auto report = Gather(st, {verdict_key, sync_internal::EncodeVerdict(st)});
+    auto report = Gather(st, {verdict_key, verdict});
     if (!report.ok()) return Fail(report.status());
     Trace(rank_, version, [] { return "gathered every verdict"; });
     last_good_ = version;
@@ -501,7 +510,7 @@ class SessionImpl final : public SyncSession {
       const uint64_t pv = std::strtoull(v->c_str(), nullptr, 10);
       // A peer that already posted its verdict for this version may legitimately have moved on
       // (it gathered every verdict, ours included, while we still wait for a slower rank's).
-      if (pv > version_ && !store_.Get(Key(VKey("done/") + std::to_string(p)), Millis(0)).ok()) {
+      if (pv > version_ && !PostedVerdict(p)) {
         Status s = FailedPreconditionError(
             "sync rank " + std::to_string(rank_) + ": version " + std::to_string(version_) +
             " differs from peer sync rank " + std::to_string(p) + "'s version " + v.value());
@@ -1526,7 +1535,6 @@ class SessionImpl final : public SyncSession {
     SyncReport rep;
     rep.version = version_;
     rep.local = local;
-    // Every other rank's verdict in one store round trip.
     std::vector<std::string> keys;
     std::vector<int> others;
     for (int r = 0; r < world_; ++r) {
@@ -1534,14 +1542,15 @@ class SessionImpl final : public SyncSession {
       keys.push_back(Key(VKey("done/") + std::to_string(r)));
       others.push_back(r);
     }
+    auto what = [&](size_t i) {
+      return "the sync report of sync rank " + std::to_string(others[i]) + " (version " +
+             std::to_string(version_) + ")";
+    };
+    // Every other rank's verdict from the board (ours is posted), else in one store round trip.
     SS_ASSIGN_OR_RETURN(std::vector<std::string> texts,
-                        GetManyUntil(
-                            keys, deadline_,
-                            [&](size_t i) {
-                              return "the sync report of sync rank " + std::to_string(others[i]) +
-                                     " (version " + std::to_string(version_) + ")";
-                            },
-                            /*watch_abort=*/true, &verdict));
+                        board_
+                            ? BoardVerdicts(others, what)
+                            : GetManyUntil(keys, deadline_, what, /*watch_abort=*/true, &verdict));
     for (int r = 0, next = 0; r < world_; ++r) {
       RankSyncStats s;
       if (r == rank_) {
@@ -1570,6 +1579,126 @@ class SessionImpl final : public SyncSession {
     }
     rep.gbps = rep.seconds > 0 ? rep.bytes / rep.seconds / 1e9 : 0;
     return rep;
+  }
+
+  // Verdicts of `others` for this version from the board, polled like a pair wait (ranks finish
+  // microseconds apart); `what(i)` names entry i for errors.
+  Result<std::vector<std::string>> BoardVerdicts(const std::vector<int>& others,
+                                                 const std::function<std::string(size_t)>& what) {
+    std::vector<std::string> texts(others.size());
+    std::vector<size_t> left(others.size());
+    for (size_t i = 0; i < left.size(); ++i) left[i] = i;
+    auto idle_since = Clock::now();
+    auto next_progress = idle_since + Millis(5);
+    while (true) {
+      bool progressed = false;
+      for (size_t k = 0; k < left.size();) {
+        const size_t i = left[k];
+        const auto got = board_->Get(others[i], version_, &texts[i]);
+        if (got == sync_internal::VerdictBoard::Lookup::kOverwritten) {
+          return AbortedError("sync rank " + std::to_string(rank_) + ": sync rank " +
+                              std::to_string(others[i]) + " moved past version " +
+                              std::to_string(version_) + " before its report was read");
+        }
+        if (got == sync_internal::VerdictBoard::Lookup::kFound) {
+          left.erase(left.begin() + k);
+          progressed = true;
+        } else {
+          ++k;
+        }
+      }
+      if (left.empty()) return texts;
+      const auto now = Clock::now();
+      if (now > deadline_) {
+        return DeadlineExceededError("sync rank " + std::to_string(rank_) +
+                                     ": timed out waiting for " + what(left[0]));
+      }
+      if (now >= next_progress) {  // as often as the store path's slices
+        next_progress = now + Millis(5);
+        Progress();
+      }
+      SS_RETURN_IF_ERROR(CheckAbort());
+      PairBackoff(progressed, idle_since);
+    }
+  }
+
+  // Whether peer `p` posted its verdict for this version.
+  bool PostedVerdict(int p) {
+    if (board_) {
+      std::string text;
+      return board_->Get(p, version_, &text) != sync_internal::VerdictBoard::Lookup::kMissing;
+    }
+    return store_.Get(Key(VKey("done/") + std::to_string(p)), Millis(0)).ok();
+  }
+
+  // Verdicts through shared memory when every rank maps the same board (verdict_board.h), else
+  // through the store. Rank 0 creates the board and publishes its nonce; every rank says whether
+  // it mapped it, and only a unanimous job uses it (a rank on the store path would leave the
+  // others waiting on the board). Rank 0 then removes the name: no segment outlives the job.
+  Status OpenVerdictBoard(Clock::time_point deadline) {
+    using sync_internal::VerdictBoard;
+    if (world_ < 2) return OkStatus();
+    const char* env = std::getenv("SHARDSYNC_VERDICT_BOARD");
+    const bool want = opt_.shared_memory_verdicts && !(env && std::string(env) == "0");
+    std::unique_ptr<VerdictBoard> board;
+    std::string published = "none";
+    if (rank_ == 0) {
+      if (want) {
+        std::random_device rd;
+        const uint64_t nonce = (uint64_t{rd()} << 32 | rd()) ^ static_cast<uint64_t>(getpid()) ^
+                               static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+        auto b = VerdictBoard::Create(sync_internal::VerdictBoardName(nonce), world_, nonce);
+        if (b.ok()) {
+          board = std::move(*b);
+          published = std::to_string(nonce);
+        } else {
+          Trace(rank_, 0, [&] { return "verdict board: " + b.status().ToString(); });
+        }
+      }
+      SS_RETURN_IF_ERROR(store_.Set(Key("vboard"), published));
+    } else {
+      SS_ASSIGN_OR_RETURN(published,
+                          GetUntil(Key("vboard"), deadline, "the verdict board of sync rank 0"));
+      uint64_t nonce = 0;
+      const auto [end, ec] =
+          std::from_chars(published.data(), published.data() + published.size(), nonce);
+      if (published != "none" &&
+          (ec != std::errc() || end != published.data() + published.size())) {
+        return DataLossError("verdict board of sync rank 0 is malformed: '" + published + "'");
+      }
+      if (want && published != "none") {
+        auto b = VerdictBoard::Open(sync_internal::VerdictBoardName(nonce), world_, nonce);
+        if (b.ok()) {
+          board = std::move(*b);
+        } else {
+          Trace(rank_, 0, [&] { return "verdict board: " + b.status().ToString(); });
+        }
+      }
+    }
+    std::vector<std::string> keys;
+    std::vector<int> others;
+    for (int r = 0; r < world_; ++r) {
+      if (r == rank_) continue;
+      keys.push_back(Key("vboard/" + std::to_string(r)));
+      others.push_back(r);
+    }
+    const std::pair<std::string, std::string> mine{Key("vboard/" + std::to_string(rank_)),
+                                                   board ? "1" : "0"};
+    SS_ASSIGN_OR_RETURN(std::vector<std::string> mapped, GetManyUntil(
+                                                             keys, deadline,
+                                                             [&](size_t i) {
+                                                               return "whether sync rank " +
+                                                                      std::to_string(others[i]) +
+                                                                      " mapped the verdict board";
+                                                             },
+                                                             /*watch_abort=*/false, &mine));
+    const bool all = board && std::all_of(mapped.begin(), mapped.end(),
+                                          [](const std::string& m) { return m == "1"; });
+    if (all) {
+      board->Unlink();  // every rank has it mapped (a no-op but on rank 0)
+      board_ = std::move(board);
+    }
+    return OkStatus();
   }
 
   PlanInputs in_;
@@ -1603,6 +1732,7 @@ class SessionImpl final : public SyncSession {
   // What a failed sync's transfers may still write into (late control messages, the sums of
   // summed copies): kept for the session's life.
   std::vector<std::shared_ptr<void>> graveyard_;
+  std::unique_ptr<sync_internal::VerdictBoard> board_;  // null: verdicts through the store
   // State.
   std::vector<int> peers_;
   XferId progress_id_ = 0;  // a flush polled to drive progress while waiting on the store

@@ -1,8 +1,10 @@
 // GPU checksum and pack / unpack / verify kernels against the CPU definitions, bit for bit.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gpu_test_util.h"
@@ -355,6 +357,104 @@ TEST(GpuPack, LandedReadbackOnLeanShapes) {
       EXPECT_EQ(got, expect[0]) << "cast " << cast;
     }
   }
+}
+
+// LaunchSignaled: the kernel's last block hands the sums and landed sums to host memory, re-zeroes
+// them and signals; launches in a row (and plain launches in between) keep giving the CPU's sums.
+TEST(GpuPack, SignaledLaunchHandsOverSumsAndRezeroesThem) {
+  SS_REQUIRE_GPU();
+  for (int cast : {0, 1}) {  // cast 1: the lean kernel runs first, BatchKernel only signals
+    Case c = MakeCase(3 + cast);
+    if (cast) {
+      c = Case{};
+      c.shape = {512, 1024};
+      c.regions.push_back({Region::Make({0, 0}, {512, 512}), 0});
+      c.regions.push_back({Region::Make({0, 0}, {256, 1024}), 1});
+      c.buckets = 2;
+    }
+    const int in_size = cast ? 4 : 2;
+    const int64_t n = NumElements(c.shape);
+    const auto host = RandomBytes(n * in_size, 61 + cast);
+    SS_ASSERT_OK_AND_ASSIGN(auto t, DeviceBuffer::Allocate(n * in_size, 0));
+    SS_ASSERT_OK(CopyToDevice(t->data(), host.data(), n * in_size));
+    SS_ASSERT_OK_AND_ASSIGN(auto wire, DeviceBuffer::Allocate(4 << 20, 0));
+    SS_ASSERT_OK_AND_ASSIGN(auto acc, DeviceBuffer::Allocate(c.buckets * 8, 0));
+    SS_ASSERT_OK(Memset(acc->data(), 0, c.buckets * 8));
+    SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
+    const auto expect = CpuPack(c, host.data(), in_size, 2, cast);
+    Built b = BuildPack(c, t->data(), in_size, wire->data(), 2, BatchMode::kPack,
+                        cast ? DType::kF32 : DType::kBF16, DType::kBF16);
+    b.spec.landed_runs = LandedMap(b, wire->data(), 7, -1, 0);
+    if (cast) {  // one contiguous segment per bucket: the lean shape
+      b.spec.landed_runs.clear();
+      for (int k = 0; k < c.buckets; ++k) {
+        CopyRun r;
+        r.in = static_cast<unsigned char*>(wire->data()) + b.bucket_start[k];
+        r.row_elems = b.spec.bucket_bytes[k] / 2;
+        r.bucket = k;
+        b.spec.landed_runs.push_back(r);
+      }
+    }
+    for (int k = 0; k < c.buckets; ++k) {
+      b.spec.landed_sums.push_back(static_cast<unsigned char*>(acc->data()) + 8 * k);
+    }
+    SS_ASSERT_OK_AND_ASSIGN(auto batch, CopyBatch::Prepare(b.spec, 0));
+    EXPECT_EQ(batch->Signaled(), 0u);
+    EXPECT_FALSE(batch->LaunchSignaled(stream->handle(), 0).ok());
+    auto check = [&](const std::vector<uint64_t>& sums, const std::vector<uint64_t>& landed,
+                     const std::string& what) {
+      ASSERT_EQ(sums.size(), static_cast<size_t>(c.buckets));
+      ASSERT_EQ(landed.size(), static_cast<size_t>(c.buckets));
+      for (int k = 0; k < c.buckets; ++k) {
+        const uint64_t cpu = ChecksumPartial(expect[k].data(), expect[k].size(), 0);
+        EXPECT_EQ(sums[k], cpu) << what << ", cast " << cast << " bucket " << k;
+        EXPECT_EQ(landed[k], cpu) << what << ", cast " << cast << " bucket " << k;
+      }
+    };
+    // signaled, signaled, plain (the caller reads and zeroes the landed sums), signaled again.
+    uint64_t seq = 0;
+    for (const char* mode : {"signaled", "signaled", "plain", "signaled"}) {
+      SS_ASSERT_OK(Memset(wire->data(), 0xEE, 4 << 20));
+      if (std::string(mode) == "plain") {
+        SS_ASSERT_OK(batch->Launch(stream->handle()));
+        SS_ASSERT_OK(stream->Synchronize(Millis(30000), "pack"));
+        std::vector<uint64_t> landed(c.buckets);
+        SS_ASSERT_OK(CopyToHost(landed.data(), acc->data(), c.buckets * 8));
+        SS_ASSERT_OK(Memset(acc->data(), 0, c.buckets * 8));
+        SS_ASSERT_OK_AND_ASSIGN(auto sums, batch->Sums());
+        check(sums, landed, mode);
+        continue;
+      }
+      SS_ASSERT_OK(batch->LaunchSignaled(stream->handle(), ++seq));
+      // The signal alone says the sums are in (the stream may not have passed the kernel yet).
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (batch->Signaled() != seq && std::chrono::steady_clock::now() < until) {
+      }
+      ASSERT_EQ(batch->Signaled(), seq);
+      SS_ASSERT_OK_AND_ASSIGN(auto sums, batch->Sums());
+      SS_ASSERT_OK_AND_ASSIGN(auto landed, batch->LandedSums());
+      check(sums, landed, mode);
+      SS_ASSERT_OK(stream->Synchronize(Millis(30000), "pack"));
+      std::vector<uint64_t> left(c.buckets, 1);
+      SS_ASSERT_OK(CopyToHost(left.data(), acc->data(), c.buckets * 8));
+      EXPECT_EQ(left, std::vector<uint64_t>(c.buckets, 0)) << "landed sums not re-zeroed";
+      std::vector<unsigned char> got(expect[0].size());
+      SS_ASSERT_OK(CopyToHost(got.data(), wire->data(), got.size()));
+      EXPECT_EQ(got, expect[0]) << "cast " << cast;
+    }
+  }
+}
+
+TEST(GpuPack, SignaledLandedSumsNeedALandedBatch) {
+  SS_REQUIRE_GPU();
+  const Case c = MakeCase(3);
+  const int64_t n = NumElements(c.shape);
+  SS_ASSERT_OK_AND_ASSIGN(auto t, DeviceBuffer::Allocate(n * 2, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto wire, DeviceBuffer::Allocate(64 << 10, 0));
+  Built b =
+      BuildPack(c, t->data(), 2, wire->data(), 2, BatchMode::kPack, DType::kBF16, DType::kBF16);
+  SS_ASSERT_OK_AND_ASSIGN(auto batch, CopyBatch::Prepare(b.spec, 0));
+  EXPECT_EQ(batch->LandedSums().status().code(), StatusCode::kFailedPrecondition);
 }
 
 TEST(GpuPack, LandedReadbackOnLargeStridedDestinations) {

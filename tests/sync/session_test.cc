@@ -15,6 +15,7 @@
 #include "shardsync/launcher.h"
 #include "shardsync/transport.h"
 #include "sync/internal.h"
+#include "sync/verdict_board.h"
 #include "sync_expect.h"
 #include "test_util.h"
 
@@ -28,7 +29,10 @@ using ::testing::HasSubstr;
 // transport around loopback, a session and its buffers.
 class Job {
  public:
-  explicit Job(JobSpec spec, Millis timeout = Millis(3000)) : spec_(std::move(spec)) {
+  // `tune` adjusts a rank's options before its session is created.
+  explicit Job(JobSpec spec, Millis timeout = Millis(3000),
+               const std::function<void(int, SessionOptions&)>& tune = nullptr)
+      : spec_(std::move(spec)) {
     auto server = StoreServer::Start("127.0.0.1", 0, "tok");
     EXPECT_TRUE(server.ok());
     server_ = std::move(server).value();
@@ -44,6 +48,7 @@ class Job {
       SessionOptions o;
       o.sync_timeout = timeout;
       o.connect_timeout = Millis(5000);
+      if (tune) tune(r, o);
       auto s = SyncSession::Create(spec_.inputs, r, *k.store, *k.tx, o);
       EXPECT_TRUE(s.ok()) << s.status().ToString();
       k.session = std::move(s).value();
@@ -88,6 +93,7 @@ class Job {
   int trainers() const { return spec_.inputs.trainer.world(); }
   SyncSession& session(int r) { return *ranks_[r].session; }
   FaultTransport& fault(int r) { return *ranks_[r].tx; }
+  StoreClient& store(int r) { return *ranks_[r].store; }
   sync_internal::EngineParams& params(int r) { return ranks_[r].params; }
 
  private:
@@ -342,6 +348,68 @@ TEST(SyncSession, SendersNeverWriteIntoAnEngineOutsideItsSync) {
       const int64_t bytes = NumElements(b.shape) * DTypeSize(b.dtype);
       for (int64_t i = 0; i < bytes; ++i) ASSERT_EQ(p[i], 0x5A) << b.name << " byte " << i;
     }
+  }
+}
+
+}  // namespace
+}  // namespace shardsync
+
+namespace shardsync {
+namespace {
+
+// Whether every rank's verdict of `version` went through the store.
+bool VerdictsInStore(Job& job, uint64_t version) {
+  for (int r = 0; r < job.world(); ++r) {
+    const std::string key = "ss/v" + std::to_string(version) + "/done/" + std::to_string(r);
+    if (!job.store(0).Get(key, Millis(0)).ok()) return false;
+  }
+  return true;
+}
+
+TEST(SyncSession, OneHostsVerdictsGoThroughSharedMemoryAndTheSegmentIsGoneAfterConnect) {
+  Job job(Small());
+  job.BindAll();
+  ExpectAllOk(job.Connect());
+  // Rank 0 published the board; every rank mapped it, so its name is already removed.
+  auto nonce = job.store(0).Get("ss/vboard", Millis(0));
+  ASSERT_TRUE(nonce.ok());
+  ASSERT_NE(*nonce, "none");
+  for (int r = 0; r < job.world(); ++r) {
+    auto m = job.store(0).Get("ss/vboard/" + std::to_string(r), Millis(0));
+    ASSERT_TRUE(m.ok());
+    EXPECT_EQ(*m, "1") << "rank " << r;
+  }
+  const uint64_t n = std::stoull(*nonce);
+  EXPECT_FALSE(
+      sync_internal::VerdictBoard::Open(sync_internal::VerdictBoardName(n), job.world(), n).ok());
+  for (uint64_t v = 1; v <= 6; ++v) {  // past the board's ring
+    ExpectAllOk(job.Sync(v));
+    EXPECT_FALSE(VerdictsInStore(job, v)) << "version " << v;
+  }
+  EXPECT_EQ(job.Mismatches(), 0);
+  // A failure reaches every rank through the board too, naming its cause.
+  job.fault(1).set_config(
+      {.corrupt_data_post = job.fault(1).counters().data_posts + 2, .corrupt_byte = 3});
+  testing::ExpectOneDataLossFrom(job, job.Sync(7), 1);
+  job.fault(1).set_config({});
+  ExpectAllOk(job.Sync(8));
+  EXPECT_EQ(job.Mismatches(), 0);
+}
+
+TEST(SyncSession, ARankWithoutTheBoardPutsEveryRanksVerdictsOnTheStore) {
+  for (int off : {0, 3}) {
+    Job job(Small(), Millis(3000), [off](int r, SessionOptions& o) {
+      if (r == off) o.shared_memory_verdicts = false;
+    });
+    job.BindAll();
+    ExpectAllOk(job.Connect());
+    auto m = job.store(0).Get("ss/vboard/" + std::to_string(off), Millis(0));
+    ASSERT_TRUE(m.ok());
+    EXPECT_EQ(*m, "0");
+    ExpectAllOk(job.Sync(1));
+    ExpectAllOk(job.Sync(2));
+    EXPECT_TRUE(VerdictsInStore(job, 2)) << "board off on rank " << off;
+    EXPECT_EQ(job.Mismatches(), 0);
   }
 }
 

@@ -110,13 +110,13 @@ struct MergedLaunch {
   int device = 0;
   std::unique_ptr<CopyBatch> batch;  // null: the pairs share no kernel (one launch each)
   std::unique_ptr<DeviceBuffer> lsum;
-  unsigned long long* host = nullptr;
-  cudaEvent_t done = nullptr;
+  cudaEvent_t done =
+      nullptr;       // after the kernel: how a fault shows (a faulted kernel never signals)
+  uint64_t seq = 0;  // of the last signaled launch
   size_t buckets = 0;
   ~MergedLaunch() {
     cudaSetDevice(device);
     if (done) cudaEventDestroy(done);
-    if (host) cudaFreeHost(host);
   }
 };
 
@@ -335,7 +335,7 @@ class CudaIpcTransport final : public Transport {
         if (!x.event) SS_RETURN_IF_ERROR(RecordShared().status());
         const cudaError_t e = cudaEventQuery(x.event->e);
         if (e == cudaErrorNotReady) {
-          SS_RETURN_IF_ERROR(PeerAlive(x.peer));
+          SS_RETURN_IF_ERROR(PeerAliveSoon(x.peer));
           return XferState::kInProgress;
         }
         xfers_.erase(it);
@@ -348,7 +348,7 @@ class CudaIpcTransport final : public Transport {
         // The ring would take a message for a dead peer too: a send to it must fail.
         SS_RETURN_IF_ERROR(PeerAlive(x.peer));
         if (!m.TrySend(x.tag, x.data.data(), x.data.size())) {
-          SS_RETURN_IF_ERROR(PeerAlive(x.peer));
+          SS_RETURN_IF_ERROR(PeerAliveSoon(x.peer));
           return XferState::kInProgress;
         }
         xfers_.erase(it);
@@ -375,7 +375,7 @@ class CudaIpcTransport final : public Transport {
         if (inbox_[x.peer]->header()->sender_closed.load()) {
           return PeerGone(x.peer, "closed its mailbox");
         }
-        SS_RETURN_IF_ERROR(PeerAlive(x.peer));
+        SS_RETURN_IF_ERROR(PeerAliveSoon(x.peer));
         return XferState::kInProgress;
       }
     }
@@ -396,9 +396,18 @@ class CudaIpcTransport final : public Transport {
   // For prepared pairs.
   cudaStream_t stream() const { return stream_; }
   int device() const { return device_; }
+  // For the polls of a pair in flight (PeerAliveSoon).
   Status CheckPeer(int peer) {
     SS_RETURN_IF_ERROR(Usable());
-    return PeerAlive(peer);
+    return PeerAliveSoon(peer);
+  }
+  // Whether a pair in flight should ask the driver about its stream now: at most every
+  // kWaitCheckEvery (a fault shows there; completion shows in the kernel's own signal first).
+  bool StreamCheckDue() {
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_stream_check_) return false;
+    next_stream_check_ = now + kWaitCheckEvery;
+    return true;
   }
   // Send pairs launch together (see IpcSendPair): every live send pair registers here.
   void AddSend(IpcSendPair* p) { sends_.push_back(p); }
@@ -584,6 +593,17 @@ class CudaIpcTransport final : public Transport {
     if (!PidAlive(it->second)) return PeerGone(peer, "exited");
     return OkStatus();
   }
+  // PeerAlive for waits that poll in a tight loop: the syscall at most every kWaitCheckEvery per
+  // peer (it took a visible share of each poll, and so of the time to notice a completion), so a
+  // dead peer still fails the wait within a millisecond. A send checks exactly (PeerAlive).
+  Status PeerAliveSoon(int peer) {
+    const auto now = std::chrono::steady_clock::now();
+    auto& next = next_alive_check_[peer];
+    if (now < next) return OkStatus();
+    next = now + kWaitCheckEvery;
+    return PeerAlive(peer);
+  }
+  static constexpr std::chrono::milliseconds kWaitCheckEvery{1};
 
   int device_;
   int rank_ = -1;
@@ -596,6 +616,8 @@ class CudaIpcTransport final : public Transport {
   std::unordered_map<std::string, void*> opened_;  // IPC handle bytes -> mapping (cached)
   std::map<int, std::unique_ptr<Mailbox>> inbox_, outbox_;
   std::map<int, int> peer_pid_;
+  std::map<int, std::chrono::steady_clock::time_point> next_alive_check_;
+  std::chrono::steady_clock::time_point next_stream_check_;
   std::map<int, std::deque<std::pair<uint64_t, std::vector<unsigned char>>>> unexpected_;
   std::map<XferId, Xfer> xfers_;
   std::vector<cudaEvent_t> event_pool_;
@@ -720,14 +742,12 @@ class IpcSendPair final : public PreparedPair {
     t_.RemoveSend(this);
     cudaSetDevice(t_.device());
     if (done_) cudaEventDestroy(done_);
-    if (host_) cudaFreeHost(host_);
   }
 
   Status Init(BatchSpec spec) {
     const size_t nb = bytes_.size();
     SS_ASSIGN_OR_RETURN(lsum_, DeviceBuffer::Allocate(nb * 8, t_.device()));
     SS_CUDA(cudaMemset(lsum_->data(), 0, nb * 8), "cuda_ipc: zero landed sums");
-    SS_CUDA(cudaMallocHost(&host_, nb * 8), "cuda_ipc: pinned landed sums");
     SS_CUDA(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cuda_ipc: pair event");
     for (size_t b = 0; b < nb; ++b) {
       spec.landed_sums.push_back(static_cast<unsigned char*>(lsum_->data()) + 8 * b);
@@ -770,12 +790,9 @@ class IpcSendPair final : public PreparedPair {
     first_ = first;
     state_ = kLaunched;
   }
-  // The landed sums are zeroed right after they are read, so only the kernel precedes it.
+  // A signaled launch: the kernel hands over the sums and re-zeroes them itself.
   Status LaunchAlone(cudaStream_t s) {
-    SS_RETURN_IF_ERROR(batch_->Launch(s));
-    SS_CUDA(cudaMemcpyAsync(host_, lsum_->data(), bytes_.size() * 8, cudaMemcpyDeviceToHost, s),
-            "cuda_ipc: read landed sums");
-    SS_CUDA(cudaMemsetAsync(lsum_->data(), 0, bytes_.size() * 8, s), "cuda_ipc: zero landed sums");
+    SS_RETURN_IF_ERROR(batch_->LaunchSignaled(s, ++seq_));
     SS_CUDA(cudaEventRecord(done_, s), "cuda_ipc: pair event");
     LaunchedIn(nullptr, 0);
     return OkStatus();
@@ -791,12 +808,23 @@ class IpcSendPair final : public PreparedPair {
       }
     }
     if (state_ == kLaunched) {
-      const cudaError_t e = cudaEventQuery(group_ ? group_->done : done_);
-      if (e == cudaErrorNotReady) {
-        SS_RETURN_IF_ERROR(t_.CheckPeer(peer_));
-        return XferState::kInProgress;
+      // The kernel's own signal comes first; the event (after it on the stream) tells a fault.
+      const CopyBatch& b = group_ ? *group_->batch : *batch_;
+      const uint64_t seq = group_ ? group_->seq : seq_;
+      if (b.Signaled() != seq) {
+        if (!t_.StreamCheckDue()) return XferState::kInProgress;
+        const cudaError_t e = cudaEventQuery(group_ ? group_->done : done_);
+        if (e == cudaErrorNotReady) {
+          SS_RETURN_IF_ERROR(t_.CheckPeer(peer_));
+          return XferState::kInProgress;
+        }
+        SS_CUDA(e, "cuda_ipc: pack into rank " + std::to_string(peer_));
+        if (b.Signaled() != seq) {
+          return InternalError("cuda_ipc: pack into rank " + std::to_string(peer_) +
+                               " completed without its signal (launch " + std::to_string(seq) +
+                               ", signaled " + std::to_string(b.Signaled()) + ")");
+        }
       }
-      SS_CUDA(e, "cuda_ipc: pack into rank " + std::to_string(peer_));
       TraceLaunch("launch complete", bytes_.size());
       // Every pair of the launch tells its receiver now, not one per Poll of the caller's loop.
       if (group_) {
@@ -814,17 +842,15 @@ class IpcSendPair final : public PreparedPair {
   const MergedLaunch* group() const { return state_ == kLaunched ? group_ : nullptr; }
   // The launch completed: the sums, and the message that tells the receiver.
   Status Finished() {
-    const unsigned long long* landed = group_ ? group_->host + first_ : host_;
-    if (group_) {
-      SS_ASSIGN_OR_RETURN(std::vector<uint64_t> all, group_->batch->Checksums());
-      sums_.packed.assign(all.begin() + first_, all.begin() + first_ + bytes_.size());
-    } else {
-      SS_ASSIGN_OR_RETURN(sums_.packed, batch_->Checksums());
-    }
+    const CopyBatch& batch = group_ ? *group_->batch : *batch_;
+    const size_t first = group_ ? first_ : 0;
+    SS_ASSIGN_OR_RETURN(std::vector<uint64_t> packed, batch.Checksums());
+    SS_ASSIGN_OR_RETURN(std::vector<uint64_t> landed, batch.LandedSums());
+    sums_.packed.assign(packed.begin() + first, packed.begin() + first + bytes_.size());
     msg_ = {version_, bytes_.size()};
     sums_.landed.clear();
     for (size_t b = 0; b < bytes_.size(); ++b) {
-      sums_.landed.push_back(ChecksumFinish(landed[b], static_cast<uint64_t>(bytes_[b])));
+      sums_.landed.push_back(ChecksumFinish(landed[first + b], static_cast<uint64_t>(bytes_[b])));
       msg_.push_back(sums_.landed.back());
     }
     msg_.insert(msg_.end(), sums_.packed.begin(), sums_.packed.end());
@@ -857,8 +883,8 @@ class IpcSendPair final : public PreparedPair {
   BatchSpec spec_;
   std::unique_ptr<CopyBatch> batch_;
   std::unique_ptr<DeviceBuffer> lsum_;
-  unsigned long long* host_ = nullptr;
   cudaEvent_t done_ = nullptr;
+  uint64_t seq_ = 0;  // of the last signaled launch of batch_
   enum { kIdle, kPosted, kLaunched, kSending } state_ = kIdle;
   uint64_t version_ = 0;
   const MergedLaunch* group_ = nullptr;
@@ -938,7 +964,6 @@ Status CudaIpcTransport::LaunchPostedSends() {
     for (const IpcSendPair* p : members) g->buckets += p->spec().bucket_bytes.size();
     SS_ASSIGN_OR_RETURN(g->lsum, DeviceBuffer::Allocate(g->buckets * 8, device_));
     SS_CUDA(cudaMemset(g->lsum->data(), 0, g->buckets * 8), "cuda_ipc: zero landed sums");
-    SS_CUDA(cudaMallocHost(&g->host, g->buckets * 8), "cuda_ipc: pinned landed sums");
     SS_CUDA(cudaEventCreateWithFlags(&g->done, cudaEventDisableTiming), "cuda_ipc: launch event");
     if (std::optional<BatchSpec> spec = MergeSpecs(members, g->lsum->data())) {
       SS_ASSIGN_OR_RETURN(g->batch, CopyBatch::Prepare(*spec, device_));
@@ -950,11 +975,7 @@ Status CudaIpcTransport::LaunchPostedSends() {
     for (IpcSendPair* p : members) SS_RETURN_IF_ERROR(p->LaunchAlone(stream_));
     return OkStatus();
   }
-  SS_RETURN_IF_ERROR(g.batch->Launch(stream_));
-  const size_t n = g.buckets * 8;
-  SS_CUDA(cudaMemcpyAsync(g.host, g.lsum->data(), n, cudaMemcpyDeviceToHost, stream_),
-          "cuda_ipc: read landed sums");
-  SS_CUDA(cudaMemsetAsync(g.lsum->data(), 0, n, stream_), "cuda_ipc: zero landed sums");
+  SS_RETURN_IF_ERROR(g.batch->LaunchSignaled(stream_, ++g.seq));
   SS_CUDA(cudaEventRecord(g.done, stream_), "cuda_ipc: launch event");
   TraceLaunch("launched", g.buckets);
   size_t first = 0;

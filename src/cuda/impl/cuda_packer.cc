@@ -47,6 +47,7 @@ class CudaPacker final : public Packer {
  public:
   CudaPacker(int device, Millis timeout) : device_(device), timeout_(timeout) {}
   ~CudaPacker() override {
+    if (quiesce_) cudaEventDestroy(quiesce_);
     if (stream_) cudaStreamDestroy(stream_);
   }
   std::string_view name() const override { return "cuda"; }
@@ -85,10 +86,14 @@ class CudaPacker final : public Packer {
 
   // Work the framework queued on torch's default stream (the legacy default stream): an event
   // recorded there and polled until the timeout, since our stream is non-blocking.
+  // One event for the packer's life: it is on every sync's path (creating and destroying one each
+  // time cost driver calls there).
   Status Quiesce() override {
     SS_RETURN_IF_ERROR(Init());
-    cudaEvent_t ev = nullptr;
-    SS_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cuda packer: event");
+    if (!quiesce_) {
+      SS_CUDA(cudaEventCreateWithFlags(&quiesce_, cudaEventDisableTiming), "cuda packer: event");
+    }
+    cudaEvent_t ev = quiesce_;
     Status s = CudaStatus(cudaEventRecord(ev, cudaStreamLegacy), "cuda packer: quiesce");
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     while (s.ok()) {
@@ -102,7 +107,6 @@ class CudaPacker final : public Packer {
                                   " ms");
       }
     }
-    cudaEventDestroy(ev);
     return s;
   }
 
@@ -209,6 +213,7 @@ class CudaPacker final : public Packer {
   int device_;
   Millis timeout_;
   cudaStream_t stream_ = nullptr;
+  cudaEvent_t quiesce_ = nullptr;
   std::map<std::string, std::unique_ptr<CopyBatch>> cache_;
 };
 

@@ -371,6 +371,17 @@ __device__ __forceinline__ void WarpAdd(uint64_t v, unsigned long long* dst) {
   if ((threadIdx.x & 31) == 0 && v != 0) atomicAdd(dst, static_cast<unsigned long long>(v));
 }
 
+// How a signaled launch (CopyBatch::LaunchSignaled) ends: the last block moves the sums to host
+// memory, re-zeroes them for the next launch and then stores `seq` at `flag` (null: a plain
+// launch; the host copies the sums after the kernel).
+struct Finish {
+  unsigned long long* host_sums = nullptr;    // nb (mapped host memory)
+  unsigned long long* host_landed = nullptr;  // nb, landed kernels
+  unsigned long long* flag = nullptr;
+  unsigned long long seq = 0;
+  int nb = 0;
+};
+
 // One kernel for every mode: kStore false is kVerify.
 // kLanded (pack only): also sum every landed wire word read back through `segs` into
 // *landed[bucket] (see landed_pair).
@@ -380,7 +391,7 @@ __global__ void __launch_bounds__(kThreads, kLanded ? kLandedMinBlocks : 1)
     BatchKernel(const Desc* __restrict__ descs, const Chunk* __restrict__ chunks, int num_chunks,
                 const Boundary* __restrict__ bounds, int num_bounds, int num_descs,
                 unsigned long long* sums, unsigned int* ticket, const Seg* __restrict__ segs,
-                unsigned long long* const* __restrict__ landed) {
+                unsigned long long* const* __restrict__ landed, Finish fin) {
   constexpr int kWireSize = kWireIsOut ? kOutSize : kInSize;
   constexpr int kN = 8 / kWireSize;  // elements per wire word
   __shared__ bool is_last;
@@ -655,11 +666,24 @@ __global__ void __launch_bounds__(kThreads, kLanded ? kLandedMinBlocks : 1)
     ticket[0] = 0;
     ticket[1] = 0;
   }
+  if (fin.flag == nullptr) return;
+  // Signaled: every sum is final (the other blocks' were fenced before their tickets, this
+  // block's boundary words are in after the barrier). Each thread fences its own host stores
+  // system-wide before the barrier, so the flag is seen after every sum.
+  __syncthreads();
+  for (int b = threadIdx.x; b < fin.nb; b += kThreads) {
+    fin.host_sums[b] = atomicExch(&sums[b], 0ull);
+    if constexpr (kLanded) fin.host_landed[b] = atomicExch(landed[b], 0ull);
+  }
+  if (threadIdx.x == 0) sums[fin.nb] = 0;  // the lean kernel's ticket
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) *reinterpret_cast<volatile unsigned long long*>(fin.flag) = fin.seq;
 }
 
 using KernelFn = void (*)(const Desc*, const Chunk*, int, const Boundary*, int, int,
                           unsigned long long*, unsigned int*, const Seg*,
-                          unsigned long long* const*);
+                          unsigned long long* const*, Finish);
 
 // ---- lean landed pack (the common chunks of a landed pack, in a kernel of their own) ----
 //
@@ -1155,12 +1179,26 @@ class CopyBatchImpl final : public CopyBatch {
     SS_RETURN_IF_ERROR(descs_.Upload(descs, "batch: upload descriptors"));
     SS_RETURN_IF_ERROR(chunks_.Upload(chunks, "batch: upload chunks"));
     SS_RETURN_IF_ERROR(bounds_.Upload(bounds, "batch: upload boundary words"));
-    // sums, then the lean kernel's chunk ticket: zeroed by one memset per launch.
-    SS_CUDA(cudaMalloc(&sums_, (std::max(1, nb) + 1) * sizeof(unsigned long long)), "batch: sums");
+    // sums, then the lean kernel's chunk ticket: zeroed by a memset before a plain launch and by
+    // the kernel itself at the end of a signaled one.
+    const size_t words = static_cast<size_t>(std::max(1, nb));
+    SS_CUDA(cudaMalloc(&sums_, (words + 1) * sizeof(unsigned long long)), "batch: sums");
+    SS_CUDA(cudaMemset(sums_, 0, (words + 1) * sizeof(unsigned long long)), "batch: sums");
     SS_CUDA(cudaMalloc(&ticket_, 2 * sizeof(unsigned int)), "batch: ticket");
     SS_CUDA(cudaMemset(ticket_, 0, 2 * sizeof(unsigned int)), "batch: ticket");
-    SS_CUDA(cudaMallocHost(&host_sums_, std::max(1, nb) * sizeof(unsigned long long)),
+    // Host memory the kernel of a signaled launch writes: sums, landed sums, the flag.
+    SS_CUDA(cudaHostAlloc(&host_sums_, (2 * words + 1) * sizeof(unsigned long long),
+                          cudaHostAllocMapped),
             "batch: pinned sums");
+    std::memset(host_sums_, 0, (2 * words + 1) * sizeof(unsigned long long));
+    unsigned long long* dev_host = nullptr;
+    SS_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_host), host_sums_, 0),
+            "batch: pinned sums");
+    fin_.host_sums = dev_host;
+    fin_.host_landed = dev_host + words;
+    fin_.flag = dev_host + 2 * words;
+    fin_.nb = nb;
+    landed_batch_ = landed;
     int sms = 0;
     SS_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "batch: sms");
     // Exactly the resident blocks: a second wave would leave the tail of the first idle.
@@ -1204,24 +1242,65 @@ class CopyBatchImpl final : public CopyBatch {
     SS_CUDA(cudaSetDevice(device_), "batch launch: cudaSetDevice");
     SS_CUDA(cudaMemsetAsync(sums_, 0, (nb + 1) * sizeof(unsigned long long), s),
             "batch launch: memset");
-    if (lean_chunks_.n > 0) {
-      lean_kernel_<<<lean_grid_, kThreads, 0, s>>>(lean_chunks_.p, static_cast<int>(lean_chunks_.n),
-                                                   sums_, landed_.p,
-                                                   reinterpret_cast<unsigned int*>(sums_ + nb));
-      SS_CUDA(cudaGetLastError(), "batch launch: lean kernel");
-    }
-    if (run_main_) {
-      kernel_<<<grid_, kThreads, 0, s>>>(descs_.p, chunks_.p, static_cast<int>(chunks_.n),
-                                         bounds_.p, static_cast<int>(bounds_.n), num_descs_, sums_,
-                                         ticket_, segs_.p, landed_.p);
-      SS_CUDA(cudaGetLastError(), "batch launch: kernel");
-    }
+    sums_dirty_ = true;  // until a signaled launch re-zeroes them
+    SS_RETURN_IF_ERROR(LaunchKernels(s, Finish{}));
     SS_CUDA(cudaMemcpyAsync(host_sums_, sums_, nb * sizeof(unsigned long long),
                             cudaMemcpyDeviceToHost, s),
             "batch launch: copy sums");
     return OkStatus();
   }
 
+  Status LaunchSignaled(void* stream, uint64_t seq) override {
+    if (seq == 0) return InvalidArgumentError("batch: signaled launch with sequence number 0");
+    if (bucket_bytes_.empty()) {  // nothing to launch: signaled at once
+      __atomic_store_n(HostFlag(), seq, __ATOMIC_RELEASE);
+      return OkStatus();
+    }
+    SS_CUDA(cudaSetDevice(device_), "batch launch: cudaSetDevice");
+    auto s = static_cast<cudaStream_t>(stream);
+    if (sums_dirty_) {  // a plain launch ran last
+      SS_CUDA(cudaMemsetAsync(sums_, 0, (bucket_bytes_.size() + 1) * sizeof(unsigned long long), s),
+              "batch launch: memset");
+      sums_dirty_ = false;
+    }
+    Finish f = fin_;
+    f.seq = seq;
+    return LaunchKernels(s, f);
+  }
+
+  uint64_t Signaled() const override { return __atomic_load_n(HostFlag(), __ATOMIC_ACQUIRE); }
+
+  Result<std::vector<uint64_t>> LandedSums() const override {
+    if (!landed_batch_) return FailedPreconditionError("batch: not a landed pack");
+    const unsigned long long* l = host_sums_ + std::max<size_t>(1, bucket_bytes_.size());
+    return std::vector<uint64_t>(l, l + bucket_bytes_.size());
+  }
+
+ private:
+  unsigned long long* HostFlag() const {
+    return host_sums_ + 2 * std::max<size_t>(1, bucket_bytes_.size());
+  }
+
+  // The lean kernel (if any), then BatchKernel: it runs whenever it has work or `f` signals
+  // (its last block finishes a signaled launch).
+  Status LaunchKernels(cudaStream_t s, const Finish& f) {
+    const size_t nb = bucket_bytes_.size();
+    if (lean_chunks_.n > 0) {
+      lean_kernel_<<<lean_grid_, kThreads, 0, s>>>(lean_chunks_.p, static_cast<int>(lean_chunks_.n),
+                                                   sums_, landed_.p,
+                                                   reinterpret_cast<unsigned int*>(sums_ + nb));
+      SS_CUDA(cudaGetLastError(), "batch launch: lean kernel");
+    }
+    if (run_main_ || f.flag) {
+      kernel_<<<grid_, kThreads, 0, s>>>(descs_.p, chunks_.p, static_cast<int>(chunks_.n),
+                                         bounds_.p, static_cast<int>(bounds_.n), num_descs_, sums_,
+                                         ticket_, segs_.p, landed_.p, f);
+      SS_CUDA(cudaGetLastError(), "batch launch: kernel");
+    }
+    return OkStatus();
+  }
+
+ public:
   Result<std::vector<uint64_t>> Sums() const override {
     return std::vector<uint64_t>(host_sums_, host_sums_ + bucket_bytes_.size());
   }
@@ -1253,7 +1332,10 @@ class CopyBatchImpl final : public CopyBatch {
   int num_descs_ = 0;
   size_t num_chunks_ = 0;
   unsigned long long* sums_ = nullptr;
-  unsigned long long* host_sums_ = nullptr;
+  unsigned long long* host_sums_ = nullptr;  // [sums | landed sums | flag], mapped
+  Finish fin_;
+  bool landed_batch_ = false;
+  bool sums_dirty_ = false;
   unsigned int* ticket_ = nullptr;
   int grid_ = 1;
   int64_t in_bytes_ = 0, out_bytes_ = 0, wire_bytes_ = 0;

@@ -10,6 +10,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "common/trace.h"
 #include "shardsync/gpu.h"
 #include "shardsync/launcher.h"
 #include "shardsync/refengine.h"
@@ -584,6 +585,7 @@ Result<RankResult> RunRankProcess(const JobSpec& job, const LaunchEnv& env) {
     // Device work may still wait on a dead peer; freeing memory would wait with it (cudaFree
     // synchronizes the device). The result is posted: leave without tearing down.
     std::fprintf(stderr, "shardsync: sync rank %d: %s\n", r.rank, r.error.c_str());
+    trace::Flush();
     std::fflush(nullptr);
     _exit(1);
   }

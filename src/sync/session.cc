@@ -134,8 +134,8 @@ class LandedSum {
 template <typename Text>
 void Trace(int rank, uint64_t version, const Text& text) {
   if (!trace::On()) return;
-  std::fprintf(stderr, "%.6f sync rank %d v%llu: %s\n", trace::Now(), rank,
-               static_cast<unsigned long long>(version), std::string(text()).c_str());
+  trace::Line("sync rank %d v%llu: %s", rank, static_cast<unsigned long long>(version),
+              std::string(text()).c_str());
 }
 
 std::string Hex(uint64_t v) {

@@ -96,8 +96,7 @@ std::string Hex(uint64_t v) {
 
 // SHARDSYNC_TRACE=1 (common/trace.h): launches and their completion on stderr.
 void TraceLaunch(const char* what, size_t buckets) {
-  if (trace::On())
-    std::fprintf(stderr, "%.6f cuda_ipc: %s (%zu buckets)\n", trace::Now(), what, buckets);
+  trace::Line("cuda_ipc: %s (%zu buckets)", what, buckets);
 }
 
 bool PidAlive(int pid) { return pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH; }

@@ -608,10 +608,7 @@ class NcclPair final : public PreparedPair {
     }
     SS_CUDA(e, "nccl: pair with rank " + std::to_string(peer_));
     posted_ = false;
-    if (trace::On()) {
-      std::fprintf(stderr, "%.6f nccl pair %s rank %d: done\n", trace::Now(), send_ ? "->" : "<-",
-                   peer_);
-    }
+    trace::Line("nccl pair %s rank %d: done", send_ ? "->" : "<-", peer_);
     return XferState::kDone;
   }
 
@@ -662,10 +659,7 @@ class NcclPair final : public PreparedPair {
           SS_RETURN_IF_ERROR(batches_[b]->Launch(work_));
           SS_CUDA(cudaEventRecord(ev_a_[b], work_), "nccl pair: event");
         }
-        if (trace::On()) {
-          std::fprintf(stderr, "%.6f nccl pair %s rank %d: round %zu enqueued\n", trace::Now(),
-                       send_ ? "->" : "<-", peer_, b);
-        }
+        trace::Line("nccl pair %s rank %d: round %zu enqueued", send_ ? "->" : "<-", peer_, b);
         ++next_;
         continue;
       }

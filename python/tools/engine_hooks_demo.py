@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import queue
+import shutil
 import sys
 import tempfile
 import threading
@@ -250,13 +251,17 @@ def main(argv=None):
         model = tmp
     engines = ("sglang", "vllm") if args.engine == "both" else (args.engine,)
     ok = True
-    for engine in engines:
-        for path in PATHS[engine]:
-            if args.path not in ("all", path):
-                continue
-            res = run_one(engine, path, args, model)
-            ok &= bool(res["ok"])
-            print(json.dumps(res), flush=True)
+    try:
+        for engine in engines:
+            for path in PATHS[engine]:
+                if args.path not in ("all", path):
+                    continue
+                res = run_one(engine, path, args, model)
+                ok &= bool(res["ok"])
+                print(json.dumps(res), flush=True)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return 0 if ok else 1
 
 

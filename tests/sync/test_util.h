@@ -3,20 +3,48 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "shardsync/launcher.h"
 
 namespace shardsync::testing {
+
+// The temp dirs this test process made, removed when it exits (by the process that made them,
+// not by a forked child).
+class TempDirs {
+ public:
+  ~TempDirs() {
+    if (getpid() != owner_) return;
+    std::error_code ec;
+    for (const auto& d : dirs_) std::filesystem::remove_all(d, ec);
+  }
+  void Add(const std::filesystem::path& d) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (std::find(dirs_.begin(), dirs_.end(), d) == dirs_.end()) dirs_.push_back(d);
+  }
+
+ private:
+  pid_t owner_ = getpid();
+  std::mutex mu_;
+  std::vector<std::filesystem::path> dirs_;
+};
+inline TempDirs& TestTempDirs() {
+  static TempDirs dirs;
+  return dirs;
+}
 
 // A tiny Qwen2 / Qwen3-MoE config.json in a fresh temp dir; returns its path.
 inline std::string WriteConfig(const std::string& name, const std::string& json) {
   auto dir = std::filesystem::temp_directory_path() /
              ("shardsync-sync-test-" + std::to_string(getpid()) + "-" + name);
   std::filesystem::create_directories(dir);
+  TestTempDirs().Add(dir);
   auto path = dir / "config.json";
   std::ofstream(path) << json;
   return path.string();

@@ -49,7 +49,12 @@ std::string VerdictBoardName(uint64_t nonce) {
 }
 
 VerdictBoard::VerdictBoard(std::string name, void* map, size_t len, bool owner, int world)
-    : name_(std::move(name)), map_(map), len_(len), owner_(owner), world_(world) {}
+    : name_(std::move(name)),
+      map_(map),
+      len_(len),
+      owner_(owner),
+      world_(world),
+      posts_(static_cast<size_t>(world), 0) {}
 
 VerdictBoard::~VerdictBoard() {
   Unlink();
@@ -122,13 +127,14 @@ Result<std::unique_ptr<VerdictBoard>> VerdictBoard::Open(const std::string& name
   return std::unique_ptr<VerdictBoard>(new VerdictBoard(name, p, len, false, world));
 }
 
-VerdictBoard::Entry& VerdictBoard::At(int rank, uint64_t version) const {
+VerdictBoard::Entry& VerdictBoard::At(int rank, int slot) const {
   auto* entries = reinterpret_cast<Entry*>(static_cast<unsigned char*>(map_) + sizeof(Header));
-  return entries[static_cast<size_t>(rank) * kRing + version % kRing];
+  return entries[static_cast<size_t>(rank) * kRing + static_cast<size_t>(slot)];
 }
 
 void VerdictBoard::Post(int rank, uint64_t version, std::string_view text) {
-  Entry& e = At(rank, version);
+  // The oldest of the rank's entries (this process is the rank's only writer).
+  Entry& e = At(rank, static_cast<int>(posts_[static_cast<size_t>(rank)]++ % kRing));
   const size_t n = std::min(text.size(), kTextBytes);
   e.version.store(kBusy, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);  // busy is seen before any new byte
@@ -138,18 +144,23 @@ void VerdictBoard::Post(int rank, uint64_t version, std::string_view text) {
 }
 
 VerdictBoard::Lookup VerdictBoard::Get(int rank, uint64_t version, std::string* text) const {
-  const Entry& e = At(rank, version);
-  while (true) {
+  int later = 0;  // entries holding a later version
+  for (int slot = 0; slot < kRing; ++slot) {
+    const Entry& e = At(rank, slot);
     const uint64_t v1 = e.version.load(std::memory_order_acquire);
-    // A post in progress reads as missing: the caller polls again (and a writer that died
-    // mid-post leaves the caller to its deadline, not spinning here).
-    if (v1 == kBusy) return Lookup::kMissing;
-    if (v1 != version) return v1 > version ? Lookup::kOverwritten : Lookup::kMissing;
+    // A post in progress (kBusy) reads as missing: the caller polls again (and a writer that
+    // died mid-post leaves the caller to its deadline, not spinning here).
+    if (v1 != version) {
+      later += v1 != kBusy && v1 > version;
+      continue;
+    }
     const uint32_t n = std::min<uint32_t>(e.bytes.load(std::memory_order_relaxed), kTextBytes);
     text->assign(e.text, n);
     std::atomic_thread_fence(std::memory_order_acquire);  // the copy before the re-check
     if (e.version.load(std::memory_order_relaxed) == v1) return Lookup::kFound;
+    return Lookup::kMissing;  // rewritten while copied: it holds another version now
   }
+  return later == kRing ? Lookup::kOverwritten : Lookup::kMissing;
 }
 
 }  // namespace shardsync::sync_internal

@@ -5,16 +5,18 @@
 // the board only when every rank of the job opened the same segment (same host, same IPC
 // namespace: checked with a nonce at Connect); otherwise verdicts go through the store.
 //
-// Layout: a header, then for every rank a ring of kRing entries, one per version (entry
-// version % kRing). Each entry is a seqlock: the writer marks it busy, writes the text, then
-// publishes the version; a reader copies the text and keeps it only when the version read before
-// and after the copy is the one it waits for.
+// Layout: a header, then for every rank a ring of kRing entries holding its last kRing verdicts
+// (in posting order, whatever the versions: callers may skip versions). Each entry is a seqlock:
+// the writer marks it busy, writes the text, then publishes the version; a reader looks for the
+// entry of its version and keeps the text only when the version read before and after the copy
+// is the one it waits for.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "shardsync/status.h"
 
@@ -45,12 +47,12 @@ class VerdictBoard {
   struct Entry;  // one rank's verdict of one version (verdict_board.cc)
   enum class Lookup { kMissing, kFound, kOverwritten };
   // `rank`'s verdict for `version` into *text when posted; kOverwritten when that rank has since
-  // posted a verdict kRing or more versions later.
+  // posted kRing verdicts of later versions.
   Lookup Get(int rank, uint64_t version, std::string* text) const;
 
  private:
   VerdictBoard(std::string name, void* map, size_t len, bool owner, int world);
-  Entry& At(int rank, uint64_t version) const;
+  Entry& At(int rank, int slot) const;
 
   std::string name_;
   void* map_;
@@ -58,6 +60,7 @@ class VerdictBoard {
   bool owner_;
   bool unlinked_ = false;
   int world_;
+  std::vector<uint64_t> posts_;  // verdicts this process posted, per rank (the ring's cursor)
 };
 
 // The segment name of the board stamped `nonce` (POSIX names: one leading slash, no other).

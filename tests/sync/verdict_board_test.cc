@@ -57,6 +57,25 @@ TEST(VerdictBoard, RingKeepsTheLastVersionsAndReportsOverwrites) {
   EXPECT_EQ((*a)->Get(1, 11, &t), Lookup::kMissing);
 }
 
+TEST(VerdictBoard, SkippedVersionsKeepTheirEntries) {
+  // Callers may skip versions (1, 5, 9, ...): the ring follows the posts, not version % kRing.
+  const uint64_t nonce = TestNonce(6);
+  auto a = VerdictBoard::Create(VerdictBoardName(nonce), 2, nonce);
+  ASSERT_TRUE(a.ok());
+  std::string t;
+  for (uint64_t v = 1; v <= 1 + 4 * (VerdictBoard::kRing - 1); v += 4) {
+    (*a)->Post(0, v, Named(v));
+    for (uint64_t w = 1; w <= v; w += 4) {
+      ASSERT_EQ((*a)->Get(0, w, &t), Lookup::kFound) << "version " << w << " after " << v;
+      EXPECT_EQ(t, Named(w));
+    }
+  }
+  (*a)->Post(0, 100, Named(100));  // the oldest (version 1) goes
+  EXPECT_EQ((*a)->Get(0, 1, &t), Lookup::kOverwritten);
+  ASSERT_EQ((*a)->Get(0, 5, &t), Lookup::kFound);
+  EXPECT_EQ((*a)->Get(0, 7, &t), Lookup::kMissing);  // never posted, later ones are not all past it
+}
+
 TEST(VerdictBoard, LongTextsAreCut) {
   const uint64_t nonce = TestNonce(3);
   auto a = VerdictBoard::Create(VerdictBoardName(nonce), 1, nonce);

@@ -1179,6 +1179,15 @@ class CopyBatchImpl final : public CopyBatch {
     SS_RETURN_IF_ERROR(descs_.Upload(descs, "batch: upload descriptors"));
     SS_RETURN_IF_ERROR(chunks_.Upload(chunks, "batch: upload chunks"));
     SS_RETURN_IF_ERROR(bounds_.Upload(bounds, "batch: upload boundary words"));
+    SS_RETURN_IF_ERROR(AllocLaunchState(nb, landed));
+    SS_RETURN_IF_ERROR(SizeGrids(device, chunks.size()));
+    // BatchKernel runs when it has chunks or boundary words, or alone (a batch of nothing).
+    run_main_ = !chunks.empty() || !bounds.empty() || lean_chunks_.n == 0;
+    return OkStatus();
+  }
+
+  // Device sums and tickets, and the host memory a signaled launch's kernel writes.
+  Status AllocLaunchState(int nb, bool landed) {
     // sums, then the lean kernel's chunk ticket: zeroed by a memset before a plain launch and by
     // the kernel itself at the end of a signaled one.
     const size_t words = static_cast<size_t>(std::max(1, nb));
@@ -1186,7 +1195,7 @@ class CopyBatchImpl final : public CopyBatch {
     SS_CUDA(cudaMemset(sums_, 0, (words + 1) * sizeof(unsigned long long)), "batch: sums");
     SS_CUDA(cudaMalloc(&ticket_, 2 * sizeof(unsigned int)), "batch: ticket");
     SS_CUDA(cudaMemset(ticket_, 0, 2 * sizeof(unsigned int)), "batch: ticket");
-    // Host memory the kernel of a signaled launch writes: sums, landed sums, the flag.
+    // [sums | landed sums | flag], mapped.
     SS_CUDA(cudaHostAlloc(&host_sums_, (2 * words + 1) * sizeof(unsigned long long),
                           cudaHostAllocMapped),
             "batch: pinned sums");
@@ -1199,13 +1208,17 @@ class CopyBatchImpl final : public CopyBatch {
     fin_.flag = dev_host + 2 * words;
     fin_.nb = nb;
     landed_batch_ = landed;
+    return OkStatus();
+  }
+
+  // Exactly the resident blocks: a second wave would leave the tail of the first idle.
+  Status SizeGrids(int device, size_t main_chunks) {
     int sms = 0;
     SS_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "batch: sms");
-    // Exactly the resident blocks: a second wave would leave the tail of the first idle.
     int occ = 0;
     SS_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel_, kThreads, 0),
             "batch: occupancy");
-    grid_ = static_cast<int>(std::min<size_t>(std::max<size_t>(1, chunks.size()),
+    grid_ = static_cast<int>(std::min<size_t>(std::max<size_t>(1, main_chunks),
                                               static_cast<size_t>(sms) * std::max(1, occ)));
     if (lean_chunks_.n > 0) {
       SS_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, lean_kernel_, kThreads, 0),
@@ -1213,8 +1226,6 @@ class CopyBatchImpl final : public CopyBatch {
       lean_grid_ = static_cast<int>(
           std::min<size_t>(lean_chunks_.n, static_cast<size_t>(sms) * std::max(1, occ)));
     }
-    // BatchKernel runs when it has chunks or boundary words, or alone (a batch of nothing).
-    run_main_ = !chunks.empty() || !bounds.empty() || lean_chunks_.n == 0;
     return OkStatus();
   }
 

@@ -1,5 +1,6 @@
 // Sync session: replays one rank's plan per version with checksums on both sides, collects one
-// job-wide report through the store, and fails every rank fast when one fails.
+// job-wide report through the store (or a shared-memory board when every rank is on one host),
+// and fails every rank fast when one fails.
 #include "shardsync/session.h"
 
 #include <unistd.h>
@@ -412,8 +413,9 @@ class SessionImpl final : public SyncSession {
         }
       }
     }
-    // Everyone posts a verdict, failed or not, so peers learn the cause rather than time out (a
-    // good one in the same round trip as the wait for everyone else's).
+    // Everyone posts a verdict, failed or not, so peers learn the cause rather than time out: on
+    // the board when the job has one, and a failed one on the store too (its whole text); a good
+    // one otherwise in the same store round trip as the wait for everyone else's.
     const std::string verdict_key = Key(VKey("done/") + std::to_string(rank_));
     const std::string verdict = sync_internal::EncodeVerdict(st);
     if (board_) board_->Post(rank_, version, verdict);
@@ -1539,7 +1541,7 @@ class SessionImpl final : public SyncSession {
     std::vector<int> others;
     for (int r = 0; r < world_; ++r) {
       if (r == rank_) continue;
-      keys.push_back(Key(VKey("done/") + std::to_string(r)));
+      if (!board_) keys.push_back(Key(VKey("done/") + std::to_string(r)));
       others.push_back(r);
     }
     auto what = [&](size_t i) {

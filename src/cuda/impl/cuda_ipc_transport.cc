@@ -109,8 +109,8 @@ struct MergedLaunch {
   int device = 0;
   std::unique_ptr<CopyBatch> batch;  // null: the pairs share no kernel (one launch each)
   std::unique_ptr<DeviceBuffer> lsum;
-  cudaEvent_t done =
-      nullptr;       // after the kernel: how a fault shows (a faulted kernel never signals)
+  // After the kernel: how a fault shows (a faulted kernel never signals).
+  cudaEvent_t done = nullptr;
   uint64_t seq = 0;  // of the last signaled launch
   size_t buckets = 0;
   ~MergedLaunch() {

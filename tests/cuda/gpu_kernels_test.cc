@@ -304,16 +304,22 @@ TEST(GpuPack, LandedReadbackEqualsPackSumAndCatchesMisplacedBytes) {
   }
 }
 
-// The lean kernel's shapes (kernels.cu): aligned whole rows of a row-parallel shard and a long
-// contiguous run, each bucket's map one contiguous segment. Sums equal the CPU's, and a map moved
-// by one 16-byte pair (still the lean shape) is caught.
-TEST(GpuPack, LandedReadbackOnLeanShapes) {
-  SS_REQUIRE_GPU();
+// Aligned whole rows of a row-parallel shard (bucket 0) and a long contiguous run (bucket 1).
+Case LeanCase() {
   Case c;
   c.shape = {512, 1024};
   c.regions.push_back({Region::Make({0, 0}, {512, 512}), 0});
   c.regions.push_back({Region::Make({0, 0}, {256, 1024}), 1});
   c.buckets = 2;
+  return c;
+}
+
+// The lean kernel's shapes (kernels.cu): aligned whole rows of a row-parallel shard and a long
+// contiguous run, each bucket's map one contiguous segment. Sums equal the CPU's, and a map moved
+// by one 16-byte pair (still the lean shape) is caught.
+TEST(GpuPack, LandedReadbackOnLeanShapes) {
+  SS_REQUIRE_GPU();
+  const Case c = LeanCase();
   const int64_t n = NumElements(c.shape);
   for (int cast : {0, 1}) {
     const int in_size = cast ? 4 : 2;
@@ -364,14 +370,7 @@ TEST(GpuPack, LandedReadbackOnLeanShapes) {
 TEST(GpuPack, SignaledLaunchHandsOverSumsAndRezeroesThem) {
   SS_REQUIRE_GPU();
   for (int cast : {0, 1}) {  // cast 1: the lean kernel runs first, BatchKernel only signals
-    Case c = MakeCase(3 + cast);
-    if (cast) {
-      c = Case{};
-      c.shape = {512, 1024};
-      c.regions.push_back({Region::Make({0, 0}, {512, 512}), 0});
-      c.regions.push_back({Region::Make({0, 0}, {256, 1024}), 1});
-      c.buckets = 2;
-    }
+    const Case c = cast ? LeanCase() : MakeCase(3 + cast);
     const int in_size = cast ? 4 : 2;
     const int64_t n = NumElements(c.shape);
     const auto host = RandomBytes(n * in_size, 61 + cast);

@@ -1677,23 +1677,25 @@ class SessionImpl final : public SyncSession {
         }
       }
     }
+    if (published == "none") return OkStatus();  // no board for anyone
+    // Keyed by the nonce: a rank that read a previous connect's key (a reused prefix) answers
+    // under that one, and the others then fail this Connect by its deadline, naming it, instead
+    // of waiting on a board it never posts to.
+    const std::string base = "vboard/" + published + "/";
     std::vector<std::string> keys;
     std::vector<int> others;
     for (int r = 0; r < world_; ++r) {
       if (r == rank_) continue;
-      keys.push_back(Key("vboard/" + std::to_string(r)));
+      keys.push_back(Key(base + std::to_string(r)));
       others.push_back(r);
     }
-    const std::pair<std::string, std::string> mine{Key("vboard/" + std::to_string(rank_)),
+    const std::pair<std::string, std::string> mine{Key(base + std::to_string(rank_)),
                                                    board ? "1" : "0"};
-    SS_ASSIGN_OR_RETURN(std::vector<std::string> mapped, GetManyUntil(
-                                                             keys, deadline,
-                                                             [&](size_t i) {
-                                                               return "whether sync rank " +
-                                                                      std::to_string(others[i]) +
-                                                                      " mapped the verdict board";
-                                                             },
-                                                             /*watch_abort=*/false, &mine));
+    auto what = [&](size_t i) {
+      return "whether sync rank " + std::to_string(others[i]) + " mapped the verdict board";
+    };
+    SS_ASSIGN_OR_RETURN(std::vector<std::string> mapped,
+                        GetManyUntil(keys, deadline, what, /*watch_abort=*/false, &mine));
     const bool all = board && std::all_of(mapped.begin(), mapped.end(),
                                           [](const std::string& m) { return m == "1"; });
     if (all) {

@@ -375,7 +375,7 @@ TEST(SyncSession, OneHostsVerdictsGoThroughSharedMemoryAndTheSegmentIsGoneAfterC
   ASSERT_TRUE(nonce.ok());
   ASSERT_NE(*nonce, "none");
   for (int r = 0; r < job.world(); ++r) {
-    auto m = job.store(0).Get("ss/vboard/" + std::to_string(r), Millis(0));
+    auto m = job.store(0).Get("ss/vboard/" + *nonce + "/" + std::to_string(r), Millis(0));
     ASSERT_TRUE(m.ok());
     EXPECT_EQ(*m, "1") << "rank " << r;
   }
@@ -404,9 +404,15 @@ TEST(SyncSession, ARankWithoutTheBoardPutsEveryRanksVerdictsOnTheStore) {
     });
     job.BindAll();
     ExpectAllOk(job.Connect());
-    auto m = job.store(0).Get("ss/vboard/" + std::to_string(off), Millis(0));
-    ASSERT_TRUE(m.ok());
-    EXPECT_EQ(*m, "0");
+    auto nonce = job.store(0).Get("ss/vboard", Millis(0));
+    ASSERT_TRUE(nonce.ok());
+    if (off == 0) {
+      EXPECT_EQ(*nonce, "none");  // rank 0 made no board: nobody asks
+    } else {
+      auto m = job.store(0).Get("ss/vboard/" + *nonce + "/" + std::to_string(off), Millis(0));
+      ASSERT_TRUE(m.ok());
+      EXPECT_EQ(*m, "0");
+    }
     ExpectAllOk(job.Sync(1));
     ExpectAllOk(job.Sync(2));
     EXPECT_TRUE(VerdictsInStore(job, 2)) << "board off on rank " << off;

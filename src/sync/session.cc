@@ -690,7 +690,7 @@ class SessionImpl final : public SyncSession {
                            },
                            /*watch_abort=*/true)
                            .status());
-    Trace(rank_, version_, [] { return "every receiver ready"; });
+    Trace(rank_, version_, [&] { return std::to_string(ready.size()) + " ready keys in"; });
     // Prepared pairs (device memory) go first: their device work overlaps the host path below.
     SS_RETURN_IF_ERROR(PostPairs(send_pairs_, [&](size_t mi) { return !signals(mi); }));
     HostSend hs = PlanHostSend();

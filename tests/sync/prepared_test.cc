@@ -280,6 +280,16 @@ JobSpec TinyJob() {
   return testing::Job(testing::TinyQwen2(4), "fsdp=2", "dp=1,tp=2,pp=2", "sglang", 16 << 10);
 }
 
+// Sync `version` with a byte flipped on the wire from trainer `from` to every engine rank: every
+// rank fails, one with DataLoss naming that trainer.
+void ExpectFlipIsDataLoss(RoutedJob& job, int from, uint64_t version) {
+  TheWire().flip_from = from;
+  TheWire().flip_to = job.trainers();
+  const auto st = job.Sync(version);
+  TheWire().flip_from = -1;
+  testing::ExpectOneDataLossFrom(job, st, from);
+}
+
 TEST(PreparedPairs, SyncThroughTheRouterIsElementExact) {
   RoutedJob job(TinyJob(), "p1/", Millis(5000));
   testing::ExpectAllOk(job.BindAndConnect());
@@ -323,11 +333,7 @@ TEST(PreparedPairs, SumsDeliveredWithTheDataSkipTheStore) {
     } else {
       EXPECT_GT(in_store, 0);
     }
-    TheWire().flip_from = 0;
-    TheWire().flip_to = job.trainers();
-    const auto st = job.Sync(2);
-    TheWire().flip_from = -1;
-    testing::ExpectOneDataLossFrom(job, st, 0);
+    ExpectFlipIsDataLoss(job, 0, 2);
     testing::ExpectAllOk(job.Sync(3));
     EXPECT_EQ(job.Mismatches(), 0);
   }
@@ -360,11 +366,7 @@ TEST(PreparedPairs, PairsThatSignalReadinessNeedNoReadyKeys) {
 TEST(PreparedPairs, CorruptedBucketIsDataLossThenACleanSyncClearsThePoison) {
   RoutedJob job(TinyJob(), "p2/", Millis(5000));
   testing::ExpectAllOk(job.BindAndConnect());
-  TheWire().flip_from = 1;
-  TheWire().flip_to = job.trainers();
-  const auto st = job.Sync(1);
-  TheWire().flip_from = -1;
-  testing::ExpectOneDataLossFrom(job, st, 1);
+  ExpectFlipIsDataLoss(job, 1, 1);
   testing::ExpectAllOk(job.Sync(2));
   for (int r = job.trainers(); r < job.world(); ++r) EXPECT_FALSE(job.session(r).IsPoisoned());
   EXPECT_EQ(job.Mismatches(), 0);

@@ -103,8 +103,8 @@ bool PidAlive(int pid) { return pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH;
 
 class IpcSendPair;
 
-// One launch over several send pairs' buckets: the batch, and the landed sums of all of them in
-// one device buffer read back by one copy, behind one event.
+// One launch over several send pairs' buckets: the batch, the landed sums of all of them in one
+// device buffer (the kernel hands them over with its signal), and the event behind it.
 struct MergedLaunch {
   int device = 0;
   std::unique_ptr<CopyBatch> batch;  // null: the pairs share no kernel (one launch each)
@@ -829,7 +829,9 @@ class IpcSendPair final : public PreparedPair {
       if (group_) {
         SS_RETURN_IF_ERROR(t_.FinishLaunch(group_, this));
       } else {
-        SS_RETURN_IF_ERROR(Finished());
+        SS_ASSIGN_OR_RETURN(std::vector<uint64_t> packed, batch_->Checksums());
+        SS_ASSIGN_OR_RETURN(std::vector<uint64_t> landed, batch_->LandedSums());
+        SS_RETURN_IF_ERROR(Finished(packed, landed));
       }
       if (state_ == kIdle) return XferState::kDone;
     }
@@ -839,12 +841,17 @@ class IpcSendPair final : public PreparedPair {
   }
 
   const MergedLaunch* group() const { return state_ == kLaunched ? group_ : nullptr; }
-  // The launch completed: the sums, and the message that tells the receiver.
-  Status Finished() {
-    const CopyBatch& batch = group_ ? *group_->batch : *batch_;
+  // The launch completed: the sums, and the message that tells the receiver. `packed` (finished)
+  // and `landed` (raw) are the launch's, read once for all its pairs; this pair's buckets start
+  // at its offset in them.
+  Status Finished(const std::vector<uint64_t>& packed, const std::vector<uint64_t>& landed) {
     const size_t first = group_ ? first_ : 0;
-    SS_ASSIGN_OR_RETURN(std::vector<uint64_t> packed, batch.Checksums());
-    SS_ASSIGN_OR_RETURN(std::vector<uint64_t> landed, batch.LandedSums());
+    if (first + bytes_.size() > packed.size() || first + bytes_.size() > landed.size()) {
+      return InternalError("cuda_ipc: launch sums for " + std::to_string(packed.size()) +
+                           " buckets, pair to rank " + std::to_string(peer_) + " needs [" +
+                           std::to_string(first) + ", " + std::to_string(first + bytes_.size()) +
+                           ")");
+    }
     sums_.packed.assign(packed.begin() + first, packed.begin() + first + bytes_.size());
     msg_ = {version_, bytes_.size()};
     sums_.landed.clear();
@@ -935,10 +942,12 @@ Status CudaIpcTransport::SendPosted() {
 }
 
 Status CudaIpcTransport::FinishLaunch(const MergedLaunch* group, IpcSendPair* self) {
+  SS_ASSIGN_OR_RETURN(std::vector<uint64_t> packed, group->batch->Checksums());
+  SS_ASSIGN_OR_RETURN(std::vector<uint64_t> landed, group->batch->LandedSums());
   Status mine;
   for (IpcSendPair* p : sends_) {
     if (p->group() != group) continue;
-    Status s = p->Finished();
+    Status s = p->Finished(packed, landed);
     if (p == self) mine = s;
   }
   return mine;

@@ -20,6 +20,15 @@ enum class EngineKind { kSglang, kVllm };
 std::string_view EngineKindName(EngineKind e);  // "sglang" | "vllm"
 Result<EngineKind> ParseEngineKind(std::string_view s, std::string_view field = "--engine");
 
+// How the engine names its stacked expert parameters. vLLM >= 0.24 (PR #41184) moved them from
+// FusedMoE onto a RoutedExperts child: "...mlp.experts.routed_experts.w13_weight"
+// (vllm/model_executor/layers/fused_moe/routed_experts.py; model_loader/weight_utils.py
+// maybe_remap_moe_expert_param_name). SGLang and older vLLM: "...mlp.experts.w13_weight".
+enum class ExpertNaming { kFusedMoe, kRoutedExperts };
+std::string_view ExpertNamingName(ExpertNaming n);  // "fused_moe" | "routed_experts"
+Result<ExpertNaming> ParseExpertNaming(std::string_view s,
+                                       std::string_view field = "expert_naming");
+
 struct ShardSpec {
   EngineKind engine = EngineKind::kSglang;
   int tp = 1;
@@ -27,6 +36,8 @@ struct ShardSpec {
   int ep = 1;  // SGLang ep_size (moe_tp = tp / ep); vLLM: 1 (off) or tp (--enable-expert-parallel)
   // Explicit per-stage layer counts (*_PP_LAYER_PARTITION); empty: the engine's default rule.
   std::vector<int64_t> pp_partition;
+  // Expert parameter names (kRoutedExperts: vLLM only). Part of the plan hash when not default.
+  ExpertNaming expert_naming = ExpertNaming::kFusedMoe;
 };
 
 // Bytes of HF tensor `source` that land in an engine parameter. `src` has the source tensor's

@@ -143,7 +143,7 @@ class ShardMap:
     def validate(self) -> None: ...
 
 def build_shard_map(model: Any, engine: str = "sglang", tp: int = 1, pp: int = 1, ep: int = 1,
-                    pp_partition: List[int] = ...) -> ShardMap: ...
+                    pp_partition: List[int] = ..., expert_naming: str = "fused_moe") -> ShardMap: ...
 
 # ---- plan ----
 class TransferOp:
@@ -178,7 +178,7 @@ class RankPlan:
 class PlanInputs:
     def __init__(self, model: Any, trainer: str, rollout: str, engine: str = "sglang",
                  wire_dtype: str = "bf16", trainer_dtype: str = "f32",
-                 bucket_bytes: int = ...) -> None: ...
+                 bucket_bytes: int = ..., expert_naming: str = "fused_moe") -> None: ...
     model: ModelSpec
     trainer: str
     trainer_world: int
@@ -186,6 +186,7 @@ class PlanInputs:
     tp: int
     pp: int
     ep: int
+    expert_naming: str
     engine: str
     wire_dtype: str
     trainer_dtype: str

@@ -21,9 +21,13 @@ def shard_map(
     pp: int = 1,
     ep: int = 1,
     pp_partition: Sequence[int] = (),
+    expert_naming: str = "fused_moe",
 ) -> Any:
-    """Which bytes of which HF tensor every engine rank owns (shard_map.h)."""
-    return native("model").build_shard_map(model, engine, tp, pp, ep, list(pp_partition))
+    """Which bytes of which HF tensor every engine rank owns (shard_map.h). `expert_naming`:
+    "fused_moe" ("...mlp.experts.w13_weight": SGLang, vLLM < 0.24) or "routed_experts"
+    ("...mlp.experts.routed_experts.w13_weight": vLLM >= 0.24)."""
+    return native("model").build_shard_map(model, engine, tp, pp, ep, list(pp_partition),
+                                           expert_naming)
 
 
 class Plan:
@@ -32,7 +36,9 @@ class Plan:
     Every rank builds it locally from the same arguments; ranks compare `hash` at connect.
     `trainer` is "fsdp=S", "hsdp=RxS", "replicate=N" or "single"; `rollout` is
     "dp=D,tp=T,pp=P[,ep=E]". The sync world is trainer ranks [0, S) then engine rank
-    (replica d, tp, pp) at S + d*T*P + pp*T + tp (`engine_rank`).
+    (replica d, tp, pp) at S + d*T*P + pp*T + tp (`engine_rank`). `expert_naming` is the engine
+    version's name for stacked experts ("fused_moe", or "routed_experts" for vLLM >= 0.24:
+    `shardsync.hooks.engines` probes it); it is part of the hash.
     """
 
     def __init__(
@@ -45,6 +51,7 @@ class Plan:
         wire_dtype: str = "bf16",
         trainer_dtype: str = "f32",
         bucket_bytes: int = 512 << 20,
+        expert_naming: str = "fused_moe",
     ) -> None:
         C = native("plan")
         self.inputs = C.PlanInputs(
@@ -55,6 +62,7 @@ class Plan:
             wire_dtype=wire_dtype,
             trainer_dtype=trainer_dtype,
             bucket_bytes=bucket_bytes,
+            expert_naming=expert_naming,
         )
         self._spec: Dict[str, Any] = dict(
             model=model if isinstance(model, str) else self.inputs.model.name,
@@ -65,6 +73,8 @@ class Plan:
             trainer_dtype=trainer_dtype,
             bucket_bytes=bucket_bytes,
         )
+        if expert_naming != "fused_moe":  # absent means the default: older specs stay valid
+            self._spec["expert_naming"] = expert_naming
 
     @classmethod
     def from_spec(cls, spec: Dict[str, Any]) -> "Plan":
@@ -108,6 +118,10 @@ class Plan:
     @property
     def engine(self) -> str:
         return self.inputs.engine
+
+    @property
+    def expert_naming(self) -> str:
+        return self.inputs.expert_naming
 
     @property
     def wire_dtype(self) -> str:
@@ -155,7 +169,8 @@ class Plan:
 
     def shard_map(self) -> Any:
         ep = self.inputs.ep
-        return shard_map(self.inputs.model, self.engine, self.tp, self.pp, ep)
+        return shard_map(self.inputs.model, self.engine, self.tp, self.pp, ep,
+                         expert_naming=self.expert_naming)
 
     def __repr__(self) -> str:
         return (

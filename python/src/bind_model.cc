@@ -135,19 +135,21 @@ void RegisterModel(py::module_& m) {
   m.def(
       "build_shard_map",
       [](py::handle model, const std::string& engine, int tp, int pp, int ep,
-         std::vector<int64_t> pp_partition) {
+         std::vector<int64_t> pp_partition, const std::string& expert_naming) {
         ShardSpec spec;
         spec.engine = Unwrap(ParseEngineKind(engine));
         spec.tp = tp;
         spec.pp = pp;
         spec.ep = ep;
         spec.pp_partition = std::move(pp_partition);
+        spec.expert_naming = Unwrap(ParseExpertNaming(expert_naming));
         ModelSpec ms = ModelFromPy(model);
         py::gil_scoped_release nogil;
         return Unwrap(BuildShardMap(ms, spec));
       },
       py::arg("model"), py::arg("engine") = "sglang", py::arg("tp") = 1, py::arg("pp") = 1,
-      py::arg("ep") = 1, py::arg("pp_partition") = std::vector<int64_t>{});
+      py::arg("ep") = 1, py::arg("pp_partition") = std::vector<int64_t>{},
+      py::arg("expert_naming") = "fused_moe");
 }
 
 }  // namespace shardsync::py_bind

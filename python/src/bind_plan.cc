@@ -11,7 +11,8 @@ ModelSpec ModelArg(py::handle obj);  // bind_model.cc
 
 PlanInputs MakePlanInputs(py::handle model, const std::string& trainer, const std::string& rollout,
                           const std::string& engine, const std::string& wire_dtype,
-                          const std::string& trainer_dtype, int64_t bucket_bytes) {
+                          const std::string& trainer_dtype, int64_t bucket_bytes,
+                          const std::string& expert_naming) {
   PlanInputs in;
   in.model = ModelArg(model);
   in.trainer = Unwrap(ParseTrainerSpec(trainer));
@@ -23,6 +24,11 @@ PlanInputs MakePlanInputs(py::handle model, const std::string& trainer, const st
                                       std::to_string(bucket_bytes)));
   }
   in.options.bucket_bytes = bucket_bytes;
+  in.rollout.shard.expert_naming = Unwrap(ParseExpertNaming(expert_naming));
+  if (in.rollout.shard.expert_naming != ExpertNaming::kFusedMoe) {
+    // Refuse an engine without that naming now, not at the first shard map.
+    ThrowIfError(ComputeShardDims(in.model, in.rollout.shard).status());
+  }
   return in;
 }
 
@@ -109,7 +115,8 @@ void RegisterPlan(py::module_& m) {
   py::class_<PlanInputs>(m, "PlanInputs")
       .def(py::init(&MakePlanInputs), py::arg("model"), py::arg("trainer"), py::arg("rollout"),
            py::arg("engine") = "sglang", py::arg("wire_dtype") = "bf16",
-           py::arg("trainer_dtype") = "f32", py::arg("bucket_bytes") = int64_t{512} << 20)
+           py::arg("trainer_dtype") = "f32", py::arg("bucket_bytes") = int64_t{512} << 20,
+           py::arg("expert_naming") = "fused_moe")
       .def_readonly("model", &PlanInputs::model)
       .def_property_readonly("trainer", [](const PlanInputs& in) { return in.trainer.ToString(); })
       .def_property_readonly("trainer_world",
@@ -118,6 +125,10 @@ void RegisterPlan(py::module_& m) {
       .def_property_readonly("tp", [](const PlanInputs& in) { return in.rollout.shard.tp; })
       .def_property_readonly("pp", [](const PlanInputs& in) { return in.rollout.shard.pp; })
       .def_property_readonly("ep", [](const PlanInputs& in) { return in.rollout.shard.ep; })
+      .def_property_readonly("expert_naming",
+                             [](const PlanInputs& in) {
+                               return std::string(ExpertNamingName(in.rollout.shard.expert_naming));
+                             })
       .def_property_readonly(
           "engine",
           [](const PlanInputs& in) { return std::string(EngineKindName(in.rollout.shard.engine)); })

@@ -8,6 +8,7 @@ namespace shardsync::py_bind {
 
 PlanInputs MakePlanInputs(py::handle model, const std::string& trainer, const std::string& rollout,
                           const std::string& engine, const std::string& wire_dtype,
-                          const std::string& trainer_dtype, int64_t bucket_bytes);
+                          const std::string& trainer_dtype, int64_t bucket_bytes,
+                          const std::string& expert_naming = "fused_moe");
 
 }  // namespace shardsync::py_bind

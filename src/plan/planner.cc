@@ -681,6 +681,10 @@ std::string PlanHash(const PlanInputs& in) {
   kv("pp", in.rollout.shard.pp);
   kv("ep", in.rollout.shard.ep);
   kv("pp_partition", fmt::format("{}", fmt::join(in.rollout.shard.pp_partition, ",")));
+  // Only when not the default, so existing plans keep their hashes.
+  if (in.rollout.shard.expert_naming != ExpertNaming::kFusedMoe) {
+    kv("expert_naming", ExpertNamingName(in.rollout.shard.expert_naming));
+  }
   kv("wire_dtype", DTypeName(in.options.wire_dtype));
   kv("bucket_bytes", in.options.bucket_bytes);
   const XXH128_hash_t h = XXH3_128bits(s.data(), s.size());

@@ -121,8 +121,11 @@ class RankBuilder {
     Replicated(out, pre + "mlp.gate.weight", {E, H});
     const int64_t El = d_.experts_per_rank, Ip = m_.moe_intermediate_size / d_.moe_tp;
     const int64_t ep_rank = r_ / d_.moe_tp, mtp_rank = r_ % d_.moe_tp;
-    EngineParam w13 = Param(pre + "mlp.experts.w13_weight", {El, 2 * Ip, H});
-    EngineParam w2 = Param(pre + "mlp.experts.w2_weight", {El, H, Ip});
+    const std::string stack = s_.expert_naming == ExpertNaming::kRoutedExperts
+                                  ? pre + "mlp.experts.routed_experts."
+                                  : pre + "mlp.experts.";
+    EngineParam w13 = Param(stack + "w13_weight", {El, 2 * Ip, H});
+    EngineParam w2 = Param(stack + "w2_weight", {El, H, Ip});
     w13.pieces.reserve(2 * El);
     w2.pieces.reserve(El);
     for (int64_t le = 0; le < El; ++le) {
@@ -157,6 +160,17 @@ Result<EngineKind> ParseEngineKind(std::string_view s, std::string_view field) {
   if (s == "vllm") return EngineKind::kVllm;
   return InvalidArgumentError(
       fmt::format("{}: unknown engine '{}', expected 'sglang' or 'vllm'", field, s));
+}
+
+std::string_view ExpertNamingName(ExpertNaming n) {
+  return n == ExpertNaming::kRoutedExperts ? "routed_experts" : "fused_moe";
+}
+
+Result<ExpertNaming> ParseExpertNaming(std::string_view s, std::string_view field) {
+  if (s == "fused_moe") return ExpertNaming::kFusedMoe;
+  if (s == "routed_experts") return ExpertNaming::kRoutedExperts;
+  return InvalidArgumentError(fmt::format(
+      "{}: unknown expert naming '{}', expected 'fused_moe' or 'routed_experts'", field, s));
 }
 
 int64_t PaddedVocabSize(int64_t vocab_size) {
@@ -225,6 +239,13 @@ Result<ShardDims> ComputeShardDims(const ModelSpec& m, const ShardSpec& s) {
     return InvalidArgumentError(fmt::format("--pp: must be in [1, {}], got {}", kMaxPp, s.pp));
   }
   if (s.ep <= 0) return InvalidArgumentError(fmt::format("--ep: must be positive, got {}", s.ep));
+  if (s.expert_naming == ExpertNaming::kRoutedExperts && s.engine != EngineKind::kVllm) {
+    // Only vLLM >= 0.24 has the RoutedExperts child; SGLang keeps experts on FusedMoE.
+    return InvalidArgumentError(fmt::format(
+        "expert_naming 'routed_experts' is vLLM's (>= 0.24) naming; engine {} names its experts "
+        "'...mlp.experts.w13_weight' (fused_moe)",
+        EngineKindName(s.engine)));
+  }
   ShardDims d;
   const int64_t tp = s.tp;
   const std::string tpf = TpField(s);

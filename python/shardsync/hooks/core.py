@@ -19,13 +19,11 @@ and owns that rank's shardsync session. Rules it keeps for both engines:
 
 from __future__ import annotations
 
-import json
 import queue
-import re
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import (
     DeadlineExceededError,
@@ -34,6 +32,16 @@ from ..errors import (
     InvalidArgumentError,
     UnimplementedError,
 )
+from .checks import (
+    _device_index,
+    _dtype_str,
+    check_finalize_methods,
+    check_loaders,
+    expected_loader_kind,
+    loader_kind,
+    tensor_ptr,
+)
+from .status import make_status, post_status, report_key
 
 __all__ = [
     "EngineRankHook",
@@ -45,262 +53,8 @@ __all__ = [
     "loader_kind",
     "check_loaders",
     "check_finalize_methods",
+    "post_status",
 ]
-
-# ---------------------------------------------------------------------------------------------
-# Status dicts and the store
-# ---------------------------------------------------------------------------------------------
-
-
-def report_key(prefix: str, op: str, version: int, replica: Any, pp: Any, tp: Any) -> str:
-    """Store key of one engine rank's report (the driver computes the same key per rank)."""
-    return f"{prefix}hooks/{op}/{int(version)}/{replica}/{pp}/{tp}"
-
-
-def make_status(op: str, version: int, coord: Dict[str, Any], ok: bool = True,
-                error: Optional[BaseException] = None, **extra: Any) -> Dict[str, Any]:
-    st: Dict[str, Any] = {"op": op, "version": int(version), "ok": bool(ok) and error is None}
-    st.update({k: coord.get(k) for k in ("replica", "tp_rank", "pp_rank", "rank")})
-    if error is not None:
-        st["error"] = f"{type(error).__name__}: {error}"
-        st["code"] = getattr(error, "code", type(error).__name__)
-    else:
-        st["error"], st["code"] = None, None
-    st.update(extra)
-    return st
-
-
-def _jsonable(v: Any) -> Any:
-    try:
-        json.dumps(v)
-        return v
-    except (TypeError, ValueError):
-        if isinstance(v, dict):
-            return {str(k): _jsonable(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [_jsonable(x) for x in v]
-        return repr(v)
-
-
-def post_status(config: Optional[Dict[str, Any]], status: Dict[str, Any]) -> Optional[str]:
-    """Posts `status` to the store named by `config`; returns an error string instead of raising
-    (the driver then times out on this rank's key and names it)."""
-    if not config or not config.get("store"):
-        return "no store in the config"
-    try:
-        from ..store import StoreClient
-
-        prefix = config.get("prefix", "ss/")
-        key = report_key(prefix, status["op"], status.get("version") or 0, status.get("replica"),
-                         status.get("pp_rank"), status.get("tp_rank"))
-        c = StoreClient(config["store"], config.get("token", ""),
-                        timeout=float(config.get("store_timeout", 30.0)))
-        c.set(key, json.dumps(_jsonable(status)))
-        return None
-    except BaseException as e:  # noqa: BLE001 - never raise into the engine
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        return f"{type(e).__name__}: {e}"
-
-
-# ---------------------------------------------------------------------------------------------
-# Parameters: pointers, weight loaders, sharded dims
-# ---------------------------------------------------------------------------------------------
-
-
-def tensor_ptr(t: Any) -> int:
-    """Address of a tensor's first element (torch data_ptr, numpy ctypes.data)."""
-    p = getattr(t, "data_ptr", None)
-    if callable(p):
-        return int(p())
-    ct = getattr(t, "ctypes", None)
-    if ct is not None:
-        return int(ct.data)
-    raise InvalidArgumentError(f"cannot read the address of a {type(t).__name__}")
-
-
-def _dtype_str(t: Any) -> str:
-    return str(getattr(t, "dtype", "?")).replace("torch.", "")
-
-
-def _device_index(t: Any) -> Optional[int]:
-    """CUDA device index of a tensor, None for host memory."""
-    from ..session import is_cuda_tensor
-
-    if not is_cuda_tensor(t):
-        return None
-    dev = getattr(t, "device", None)
-    idx = getattr(dev, "index", None)
-    if idx is None:
-        idx = int(t.__dlpack_device__()[1])
-    return int(idx)
-
-
-# Which weight loader every engine parameter of the shard map must have, by engine name. Both
-# engines build these layers from the same lineage (SGLang layers/linear.py,
-# layers/vocab_parallel_embedding.py, layers/moe/fused_moe_triton/layer.py; vLLM
-# model_executor/layers/linear.py, vocab_parallel_embedding.py, fused_moe/layer.py): the loader
-# is a bound method of the layer (`param.weight_loader`, or BasevLLMParameter.weight_loader).
-_EXPECTED_KIND: Sequence[Tuple[str, str]] = (
-    (r"(^|\.)embed_tokens\.weight$", "vocab"),
-    (r"(^|\.)lm_head\.weight$", "vocab"),
-    (r"\.qkv_proj\.(weight|bias)$", "qkv"),
-    (r"\.gate_up_proj\.weight$", "merged"),
-    (r"\.(o_proj|down_proj)\.weight$", "row"),
-    (r"\.experts\.(w13|w2)_weight$", "moe"),
-    (r"\.mlp\.gate\.weight$", "replicated"),
-    (r"norm\.weight$", "replicated"),
-)
-
-# Layer class -> kind, searched along the MRO of the loader's owner (QKVParallelLinear is a
-# ColumnParallelLinear: the first hit wins, so the most derived class decides).
-_LOADER_CLASSES: Dict[str, str] = {
-    "VocabParallelEmbedding": "vocab",
-    "ParallelLMHead": "vocab",
-    "QKVParallelLinear": "qkv",
-    "MergedColumnParallelLinear": "merged",
-    "RowParallelLinear": "row",
-    "ColumnParallelLinear": "column",
-    "ReplicatedLinear": "replicated",
-    "FusedMoE": "moe",
-}
-
-# The dim each sharded kind splits: column-parallel layers shard the output rows (output_dim 0),
-# row-parallel ones the input columns (input_dim 1): UnquantizedLinearMethod.create_weights sets
-# these attributes in both engines; BasevLLMParameter exposes them as properties.
-_SHARD_DIM: Dict[str, Tuple[str, int]] = {
-    "vocab": ("output_dim", 0),
-    "qkv": ("output_dim", 0),
-    "merged": ("output_dim", 0),
-    "row": ("input_dim", 1),
-}
-
-
-def expected_loader_kind(name: str) -> Optional[str]:
-    for pat, kind in _EXPECTED_KIND:
-        if re.search(pat, name):
-            return kind
-    return None
-
-
-def loader_kind(param: Any) -> Tuple[Optional[str], str]:
-    """(kind, description) of a parameter's weight loader; kind None when it carries none."""
-    loader = getattr(param, "weight_loader", None)
-    if loader is None:
-        return None, "no weight_loader"
-    owner = getattr(loader, "__self__", None)
-    if owner is not None and not isinstance(owner, type):
-        for cls in type(owner).__mro__:
-            kind = _LOADER_CLASSES.get(cls.__name__)
-            if kind is not None:
-                fn = getattr(loader, "__name__", "weight_loader")
-                return kind, f"{type(owner).__name__}.{fn}"
-        return "other", f"{type(owner).__name__}.{getattr(loader, '__name__', '?')}"
-    qual = getattr(loader, "__qualname__", getattr(loader, "__name__", repr(loader)))
-    return "default", str(qual)
-
-
-def _attr(param: Any, name: str) -> Any:
-    try:
-        return getattr(param, name, None)
-    except Exception:  # noqa: BLE001 - a property that raises means "not set"
-        return None
-
-
-def check_loaders(pairs: Iterable[Tuple[str, Any]], *, tp: int) -> str:
-    """Checks each parameter's weight loader and sharded dims against its shard-map kind.
-
-    Name, shape and dtype cannot tell two layouts apart (a row- and a column-parallel square
-    matrix, a packed quantized weight of the same byte size); the loader can. Returns "checked",
-    or "skipped" when no parameter carries a weight_loader (host test models, not an engine).
-    Raises InvalidArgumentError / UnimplementedError naming the parameter."""
-    pairs = list(pairs)
-    if not any(_attr(t, "weight_loader") is not None for _, t in pairs):
-        return "skipped"
-    for name, t in pairs:
-        packed = _attr(t, "packed_dim")
-        factor = _attr(t, "packed_factor") or _attr(t, "pack_factor")
-        if packed is not None or (factor is not None and factor != 1):
-            raise UnimplementedError(
-                f"parameter '{name}': packed (quantized) storage (packed_dim={packed}, "
-                f"packed_factor={factor}); the shard map writes unpacked canonical bytes only"
-            )
-        if _attr(t, "is_shuffled"):
-            raise UnimplementedError(
-                f"parameter '{name}': shuffled by the MoE backend after load (is_shuffled, "
-                "ROCm AITER); its layout is not the canonical one shardsync writes"
-            )
-        want = expected_loader_kind(name)
-        got, desc = loader_kind(t)
-        if want is None:
-            continue
-        if want == "replicated":
-            if got not in (None, "default", "replicated"):
-                raise InvalidArgumentError(
-                    f"parameter '{name}': weight loader {desc} ({got}) but the shard map "
-                    "holds it replicated on every rank"
-                )
-            continue
-        if got != want:
-            raise InvalidArgumentError(
-                f"parameter '{name}': weight loader {desc} ({got or 'none'}), the shard map "
-                f"expects a {want} layer's loader"
-            )
-        if want in _SHARD_DIM and tp > 1:
-            attr, dim = _SHARD_DIM[want]
-            have = _attr(t, attr)
-            if have is not None and int(have) != dim:
-                raise InvalidArgumentError(
-                    f"parameter '{name}': {attr}={have}, the shard map splits dim {dim}"
-                )
-    return "checked"
-
-
-# Finalize methods known to leave the canonical layout in place, by quant-method class. Anything
-# else (FP8, GPTQ/AWQ/Marlin repacks, ...) rewrites parameters after load and is refused.
-_CANONICAL_QUANT_METHODS = {
-    "UnquantizedLinearMethod",
-    "UnquantizedEmbeddingMethod",
-    "UnquantizedFusedMoEMethod",
-}
-# vLLM fused_moe/oracle/unquantized.py convert_to_unquantized_kernel_format: TRITON and
-# BATCHED_TRITON keep [E, 2I, H] / [E, H, I] as loaded; FLASHINFER_CUTLASS swaps w13 to w31,
-# FLASHINFER_TRTLLM pads and permutes to a block layout, AITER shuffles, MOONEP regroups; CPU
-# kernels repack per architecture.
-CANONICAL_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
-
-
-def check_finalize_methods(model: Any, *, allow_moe_backends: Sequence[str] = ()) -> int:
-    """Refuses modules whose post-load step leaves a non-canonical layout. Returns how many
-    quant methods were checked."""
-    named = getattr(model, "named_modules", None)
-    if not callable(named):
-        return 0
-    allowed = set(CANONICAL_MOE_BACKENDS) | set(allow_moe_backends)
-    n = 0
-    for mname, module in named():
-        qm = getattr(module, "quant_method", None)
-        if qm is None:
-            continue
-        n += 1
-        cls = type(qm).__name__
-        if cls not in _CANONICAL_QUANT_METHODS:
-            raise UnimplementedError(
-                f"module '{mname}': quant method {cls} rewrites its weights after load "
-                "(quantized or repacked layout); shardsync writes canonical unquantized bytes only"
-            )
-        backend = getattr(qm, "unquantized_backend", None)
-        if backend is not None:
-            bname = getattr(backend, "name", str(backend)).split(".")[-1]
-            if bname not in allowed:
-                raise UnimplementedError(
-                    f"module '{mname}': MoE backend {bname} permutes w13/w2 after load (vLLM "
-                    "fused_moe/oracle/unquantized.py convert_to_unquantized_kernel_format); its "
-                    f"post-load layout is not canonical. Use one of {sorted(allowed)} "
-                    "(e.g. VLLM moe_backend='triton')"
-                )
-    return n
-
 
 # ---------------------------------------------------------------------------------------------
 # Engine facts the hook reads from its process

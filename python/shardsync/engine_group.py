@@ -13,15 +13,23 @@ Gated methods: the seed's 16 wrapper names (LIFECYCLE_METHODS) and the engines' 
 `init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update`,
 `resume_generation`, `is_sleeping`, ...). The group also remembers which replicas released their
 weights (sleep / release_memory_occupation), so a sync can refuse an asleep replica by name.
+
+Async engines (vLLM `AsyncLLM`: `async def` weight-transfer methods, v1/engine/async_llm.py):
+a gated call that returns a coroutine is awaited on the engine's event loop (`loop=`, the loop
+the engine was created on and runs on) with `call_timeout`; without a loop it is closed unrun and
+refused by name, never left unawaited (an unawaited coroutine runs nothing: every rank would then
+time out with "no report").
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .errors import Error, InvalidArgumentError
+from .errors import DeadlineExceededError, Error, FailedPreconditionError, InvalidArgumentError
 
 __all__ = [
     "LIFECYCLE_METHODS",
@@ -134,9 +142,12 @@ class EngineWorker:
     refused, so a typo cannot silently become a no-op.
     """
 
-    def __init__(self, coord: WorkerCoord, engine: Any) -> None:
+    def __init__(self, coord: WorkerCoord, engine: Any, loop: Any = None,
+                 call_timeout: float = 600.0) -> None:
         self.coord = coord
         self._engine = engine
+        self._loop = loop
+        self._call_timeout = float(call_timeout)
 
     @property
     def is_head(self) -> bool:
@@ -156,7 +167,41 @@ class EngineWorker:
                 f"worker {self.coord.rank} (replica {self.coord.dp}): engine "
                 f"{type(self._engine).__name__} has no method {method!r}"
             )
-        return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
+        if inspect.iscoroutine(out):
+            return self._await(method, out)
+        return out
+
+    def _await(self, method: str, coro: Any) -> Any:
+        """Runs an async engine method's coroutine to completion on the engine's loop."""
+        loop = self._loop
+        where = f"worker {self.coord.rank} (replica {self.coord.dp})"
+        if loop is None or loop.is_closed():
+            coro.close()
+            raise FailedPreconditionError(
+                f"{where}: {type(self._engine).__name__}.{method} is async (e.g. vLLM AsyncLLM): "
+                "pass loop= (the event loop the engine runs on) to the EngineGroup / driver")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            coro.close()
+            raise FailedPreconditionError(
+                f"{where}: {method} called on the engine's own event loop thread: it would "
+                "block the loop it waits for; call the driver from another thread")
+        if not loop.is_running():
+            coro.close()
+            raise FailedPreconditionError(
+                f"{where}: the event loop given for {method} is not running (the engine's loop "
+                "must run in a thread of its own, as AsyncLLM's output handler needs)")
+        fut = asyncio.run_coroutine_threadsafe(coro, loop)
+        try:
+            return fut.result(timeout=self._call_timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise DeadlineExceededError(
+                f"{where}: {method} did not finish within {self._call_timeout:.0f}s")
 
     def __repr__(self) -> str:
         c = self.coord
@@ -215,6 +260,8 @@ class EngineGroup:
         engine: str = "sglang",
         gpus_per_node: Optional[int] = None,
         concurrent: bool = True,
+        loop: Any = None,
+        call_timeout: float = 600.0,
     ) -> None:
         n = len(engines)
         if not isinstance(tp, int) or tp <= 0 or not isinstance(pp, int) or pp <= 0:
@@ -244,7 +291,10 @@ class EngineGroup:
             ]
         if coords is None:
             coords = worker_coords(dp, tp, pp)
-        self.workers: List[EngineWorker] = [EngineWorker(c, e) for c, e in zip(coords, engines)]
+        self.loop = loop
+        self.workers: List[EngineWorker] = [
+            EngineWorker(c, e, loop=loop, call_timeout=call_timeout) for c, e in zip(coords, engines)
+        ]
         self._heads = [w for w in self.workers if w.is_head]
         self._heads.sort(key=lambda w: w.coord.dp)
         if [w.coord.dp for w in self._heads] != list(range(dp)):
@@ -255,6 +305,12 @@ class EngineGroup:
                     f"engines[{h.coord.rank}]: the head of replica {h.coord.dp} has no engine handle"
                 )
         self._released: Dict[int, frozenset] = {d: frozenset() for d in range(dp)}
+
+    def set_loop(self, loop: Any) -> None:
+        """The event loop async engines (AsyncLLM) run on; their coroutines are awaited there."""
+        self.loop = loop
+        for w in self.workers:
+            w._loop = loop
 
     def __len__(self) -> int:
         return len(self.workers)

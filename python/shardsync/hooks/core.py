@@ -113,6 +113,9 @@ class EngineRankHook:
         self.coord: Dict[str, Any] = {}
         self.snapshot: Dict[str, Tuple[int, Tuple[int, ...], str]] = {}
         self.poisoned: Optional[str] = None
+        # Set when the engine did something the job cannot survive (a draft runner the plan does
+        # not cover): every later init / sync status of this rank reports it.
+        self.fatal: Optional[str] = None
         self.loader_check = "not run"
         self._facts: Dict[str, Any] = {}
         self.last: Optional[Dict[str, Any]] = None
@@ -142,6 +145,9 @@ class EngineRankHook:
         return st
 
     def post(self, st: Dict[str, Any]) -> Dict[str, Any]:
+        if self.fatal and st.get("ok") and st.get("op") in ("init", "sync"):
+            st = make_status(st["op"], st.get("version") or 0, self.coord,
+                             error=FailedPreconditionError(self.fatal))
         err = post_status(self.config, st)
         if err is not None:
             st = dict(st, store_error=err)
@@ -230,9 +236,10 @@ class EngineRankHook:
         # A model with a finalize step that rewrites layouts is refused before binding.
         check_finalize_methods(model)
         expected = self.plan.shard_map().rank(self.coord["tp_rank"], self.coord["pp_rank"]).params
+        named = list(model.named_parameters())
+        _check_expert_naming(self.plan, expected, named)
         pairs = check_engine_params(
-            list(expected), model.named_parameters(),
-            ignore_extra=bool(cfg.get("ignore_extra", False)),
+            list(expected), named, ignore_extra=bool(cfg.get("ignore_extra", False)),
             wire_dtype=self.plan.wire_dtype)
         self.loader_check = (check_loaders(pairs, tp=self.plan.tp)
                              if cfg.get("check_loaders", True) else "disabled")
@@ -345,8 +352,10 @@ class EngineRankHook:
             self.run_finalize("after sync")
         return {"report": _summary(report)}
 
-    def run_finalize(self, when: str) -> None:
-        if self.finalize is not None:
+    def run_finalize(self, when: str, run: bool = True) -> None:
+        """The engine's post-load step (unless `run` is False: the engine runs it itself), then
+        the bound-parameter re-check."""
+        if run and self.finalize is not None:
             self.finalize(self._get_model())
         try:
             self.check_bound(when + " + finalize")
@@ -416,6 +425,25 @@ class EngineRankHook:
         if self._worker is not None and self._worker.is_alive():
             self._queue.put(None)
         return st
+
+
+def _check_expert_naming(plan: Any, expected: Sequence[Any], named: Sequence[Any]) -> None:
+    """The engine's expert names against the plan's naming, with the fix in the message (vLLM
+    >= 0.24 keeps them on RoutedExperts: fused_moe/routed_experts.py)."""
+    have = {n for n, _ in named}
+    want = [p.name for p in expected if ".experts." in p.name and p.name.endswith("_weight")]
+    if not want or any(n in have for n in want):
+        return
+    routed, fused = ".experts.routed_experts.", ".experts."
+    alt = {"fused_moe": ("routed_experts", lambda n: n.replace(fused, routed)),
+           "routed_experts": ("fused_moe", lambda n: n.replace(routed, fused))}
+    naming = getattr(plan, "expert_naming", "fused_moe")
+    other, rename = alt[naming]
+    if rename(want[0]) in have:
+        raise InvalidArgumentError(
+            f"engine parameter '{rename(want[0])}' uses expert naming '{other}' but the plan "
+            f"expects '{want[0]}' ('{naming}'): build the Plan with expert_naming='{other}' "
+            "(vLLM >= 0.24 names experts ...mlp.experts.routed_experts.*)")
 
 
 def _summary(report: Any) -> Any:

@@ -1,41 +1,57 @@
-"""SGLang: one shardsync session per scheduler (one per GPU), driven by JSON payloads only.
+"""SGLang: one shardsync session per scheduler (one per GPU), driven by small commands.
 
-Two entry points, both written from SGLang's source (see docs/python.md for launch recipes):
+Two entry points, both written from SGLang's source (see docs/python.md for launch recipes and
+the version table; `engines.py` probes which one the running engine has):
 
-1. External weight-update receiver (newer SGLang: `--weight-update-receivers`,
-   `weight_sync/external_receiver.py`). `receiver(context)` is the factory SGLang imports;
-   `init_weights_update_group(..., receiver=RECEIVER, receiver_init_payload=config)` builds one per
-   scheduler; every round is `update_weights_from_distributed(names=[], dtypes=[], shapes=[],
-   group_name, receiver_payload={...})`, which the scheduler hands to `receive(payload)` inside a
-   try (model_runner_components/weight_updater.py `receive_weights_from_distributed`).
-2. Custom weight loader (older SGLang, `--custom-weight-loader`, PR #7122): `load_weights(model,
-   named_tensors)`, reached through `update_weights_from_tensor(..., load_format=LOADER)`.
-   The command is JSON text in a `str` subclass, never a tensor: SGLang pickles named_tensors
-   with its patched torch reductions (utils/patch_torch.py), whose `_modify_tuple` indexed arg 6
-   of every reduced tensor, absent for CPU tensors (IndexError; UniRL issue #503), and moves each
-   value with `.to(device)` (`_unwrap_tensor`), which `Command.to` answers with itself. The loader
-   runs unguarded inside the scheduler (an exception there kills it), so it never raises.
+1. Custom weight loader (`--custom-weight-loader`, PR #7122, v0.4.7+; on SGLang main):
+   `load_weights(model, named_tensors)`, reached through `update_weights_from_tensor(
+   serialized_named_tensors, load_format=LOADER, flush_cache=False)`. The scheduler unpickles
+   `serialized_named_tensors[tp_rank]` with `MultiprocessingSerializer.deserialize`
+   (srt/utils/common.py) outside any try, then calls `_unwrap_tensor(value, tp_rank, device)
+   .to(device)` on every value and the loader with no try: anything that raises there kills the
+   scheduler and the engine. The command is therefore a plain `torch.nn.Module` carrying JSON
+   text in one attribute (`shardsync_command`):
+   - it pickles as `torch.nn.modules.module.Module` + `collections.OrderedDict`, both inside
+     every `SafeUnpickler.ALLOWED_MODULE_PREFIXES` we read ("torch.", "collections.", since
+     PR #11909, Oct 2025, CVE-2025-10164); a class of ours ("shardsync.") is "Blocked unsafe
+     class loading", and plain pickle (older SGLang) accepts anything;
+   - it holds no tensor, so the patched torch reductions (utils/patch_torch.py, whose
+     `_modify_tuple` indexed arg 6 of every reduced tensor: IndexError for CPU tensors, UniRL
+     #503) never run, and no CUDA IPC handle is opened (a pp>0 stage sits on another GPU);
+   - `Module.to(device)` with no parameters returns itself without touching the device, so
+     `_unwrap_tensor` cannot fail; a plain `str` would (no `.to`).
+   Every PP stage reads the same per-tp_rank payload, so the command carries no rank: each
+   scheduler reads its own (tp, pp) from `sglang.srt.distributed`.
+2. External weight-update receiver (`--weight-update-receivers`, `weight_sync/
+   external_receiver.py`): only on the sglang-miles branch, not SGLang main (stock `Engine`
+   raises TypeError on the receiver keywords; over HTTP they are dropped and SGLang opens a torch
+   process group at the store's address). The drivers use it only where `engines.probe` found it.
 
-Both paths take the same ops: `init` (capture ranks and config on the scheduler thread, then
-bind + connect in the background), `start` (sync in the background), `wait` (join, then run the
-model's post_load_weights on the scheduler thread and post the report), `sync` (start + wait in
-one blocking call: pp == 1 only), `close`. Background because SGLang handles a control request on
-pipeline stage 0 before forwarding it to stage 1 (engine-layouts.md 4.1): a blocking collective on
-stage 0 would wait for a stage that has not seen the request. Every PP stage gets the same
-per-tp_rank payload (`serialized_named_tensors[tp_rank]`), which is why the payload carries no
-rank: each scheduler reads its own (tp, pp) from `sglang.srt.distributed`.
+Ops (both paths): `init` (capture ranks and config on the scheduler thread, then bind + connect
+in the background), `start` (sync in the background), `wait` (join, post-load on the scheduler
+thread, report), `sync` (start + wait: pp == 1 only), `close`. Background because SGLang handles
+a control request on stage 0 before forwarding it to stage 1 (engine-layouts.md 4.1).
 
-Newer SGLang asserts an open `begin_weight_update` session around every update and refreshes
-derived weights / packed layouts only in `end_weight_update` (scheduler_components/
-weight_updater.py); the drivers in driver.py bracket each round with begin ... end. Because the
-scheduler marks the session "loaded" after a successful update round, `end_weight_update` then
-skips `post_load_weights` (run_post_load = not loaded): the hook runs it itself in `wait`.
+Speculative decoding: the scheduler calls the loader once per model runner (target, then the
+draft: `SchedulerWeightUpdaterManager.get_model_runners`, or the EAGLE worker's own fan-out).
+Every command carries a nonce (`seq`); a second call with the same nonce is another runner of the
+same request: it never rebinds or syncs again. The plan covers the target model only, so the
+draft is refused unless the config says `draft: "leave"` (its weights then stay as they are).
+
+Post-load: with the begin/end session (PR #28001) `end_weight_update` runs `post_load_weights`
+only when no `load_weights` ran in the session (`run_post_load = not loaded`). A loader round
+marks the session loaded, so the hook runs it itself in `wait`; a receiver round does not (it
+bypasses load_weights), so there the driver asks `wait` not to (`post_load: false`) and the
+engine's end runs it once.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import os
+import pickle
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -47,8 +63,11 @@ __all__ = [
     "LOADER",
     "RECEIVER",
     "GROUP_NAME",
-    "Command",
+    "ATTR",
     "command",
+    "command_text",
+    "serialize_for_http",
+    "payload_error",
     "init_request",
     "start_request",
     "wait_request",
@@ -66,48 +85,77 @@ __all__ = [
 LOADER = "shardsync.hooks.sglang.load_weights"
 RECEIVER = "shardsync.hooks.sglang.receiver"
 GROUP_NAME = "shardsync"
+ATTR = "shardsync_command"  # the attribute of the command Module holding the JSON text
 _NAME = "shardsync.cmd"
 _OPS = ("init", "start", "wait", "sync", "close")
 
 log = logging.getLogger("shardsync.hooks.sglang")
 
 
-class Command(str):
-    """JSON command text standing where SGLang expects a tensor: pickled as a str (no tensor
-    reduction), and `.to(device)` (SGLang's `_unwrap_tensor`) returns itself."""
-
-    def to(self, *args: Any, **kwargs: Any) -> "Command":
-        return self
-
-    def __reduce__(self) -> Any:
-        return (Command, (str(self),))
-
-
-def command(op: str, **fields: Any) -> List[Tuple[str, Command]]:
-    """named_tensors for update_weights_from_tensor(..., load_format=LOADER)."""
+def command(op: str, **fields: Any) -> List[Tuple[str, Any]]:
+    """named_tensors for update_weights_from_tensor(..., load_format=LOADER): one plain
+    torch.nn.Module whose `shardsync_command` attribute is the JSON command (module docstring)."""
     if op not in _OPS:
         raise InvalidArgumentError(f"op: must be one of {', '.join(_OPS)}, got {op!r}")
-    return [(_NAME, Command(json.dumps(dict(fields, op=op))))]
+    import torch
+
+    fields.setdefault("seq", os.urandom(8).hex())
+    m = torch.nn.Module()
+    setattr(m, ATTR, json.dumps(dict(fields, op=op)))
+    return [(_NAME, m)]
 
 
-def init_request(config: Dict[str, Any]) -> List[Tuple[str, Command]]:
+def command_text(value: Any) -> Optional[str]:
+    """The JSON text of a command value, or None when it is not one."""
+    text = getattr(value, ATTR, None) if not isinstance(value, (str, bytes)) else None
+    return text if isinstance(text, str) else None
+
+
+def serialize_for_http(named: List[Tuple[str, Any]], tp_size: int) -> List[str]:
+    """`serialized_named_tensors` for POST /update_weights_from_tensor: one base64 pickle per tp
+    rank (the scheduler indexes it by tp_rank), as MultiprocessingSerializer.serialize(output_str=
+    True) writes it; the command holds no tensor, so plain pickle gives ForkingPickler's bytes."""
+    blob = base64.b64encode(pickle.dumps(named)).decode()
+    return [blob] * int(tp_size)
+
+
+def payload_error() -> Optional[str]:
+    """Round-trips a command through this process's SGLang serializer and `_unwrap_tensor`
+    step; None when the installed SGLang accepts it, else why not."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found]
+    except ImportError as e:
+        return f"sglang.srt.utils.MultiprocessingSerializer is not importable ({e})"
+    try:
+        named = command("wait", timeout=0.0)
+        out = MultiprocessingSerializer.deserialize(MultiprocessingSerializer.serialize(named))
+        value = out[0][1].to("cpu")
+        if command_text(value) is None:
+            return f"the command came back as a {type(value).__name__} without {ATTR}"
+        return None
+    except Exception as e:  # noqa: BLE001 - the answer is the error
+        return f"{type(e).__name__}: {e}"
+
+
+def init_request(config: Dict[str, Any]) -> List[Tuple[str, Any]]:
     return command("init", config=config)
 
 
-def start_request(version: int) -> List[Tuple[str, Command]]:
+def start_request(version: int) -> List[Tuple[str, Any]]:
     return command("start", version=int(version))
 
 
-def wait_request(timeout: Optional[float] = None) -> List[Tuple[str, Command]]:
-    return command("wait", **({} if timeout is None else {"timeout": float(timeout)}))
+def wait_request(timeout: Optional[float] = None, post_load: bool = True) -> List[Tuple[str, Any]]:
+    extra: Dict[str, Any] = {} if timeout is None else {"timeout": float(timeout)}
+    return command("wait", post_load=bool(post_load), **extra)
 
 
-def sync_request(version: int) -> List[Tuple[str, Command]]:
+def sync_request(version: int) -> List[Tuple[str, Any]]:
     """Start and wait in one blocking call: only with pp == 1 (see the module docstring)."""
     return command("sync", version=int(version))
 
 
-def close_request() -> List[Tuple[str, Command]]:
+def close_request() -> List[Tuple[str, Any]]:
     return command("close")
 
 
@@ -260,13 +308,16 @@ def _wait(hook: EngineRankHook, msg: Dict[str, Any]) -> Dict[str, Any]:
     timeout = _timeout(hook, msg)
     statuses, err = hook.wait(timeout)
     out = make_status("wait", 0, hook.coord, jobs=len(statuses))
+    post_load = bool(msg.get("post_load", True))
     for st in statuses:
         if st["op"] == "sync":
             if st["ok"]:
-                # Post-load on the scheduler thread, after the bytes landed, then re-check that
-                # no parameter was swapped.
+                # Post-load on the scheduler thread, after the bytes landed (unless the engine's
+                # end_weight_update runs it: module docstring), then re-check that no parameter
+                # was swapped.
                 fin = hook._guard("sync", st["version"],
-                                  lambda: hook.run_finalize("after sync") or {}, post=False)
+                                  lambda: hook.run_finalize("after sync", run=post_load) or {},
+                                  post=False)
                 if not fin["ok"]:
                     st = dict(st, ok=False, error=fin["error"], code=fin["code"])
             st = hook.post(st)
@@ -347,9 +398,44 @@ def _loader_hook(model: Any) -> EngineRankHook:
         holder = {"model": model}
         hook = _new_hook(lambda: holder["model"])
         hook._holder = holder  # type: ignore[attr-defined]
+        hook._seq = None  # type: ignore[attr-defined]
         _tls.hook = hook
-    hook._holder["model"] = model  # type: ignore[attr-defined]
     return hook
+
+
+def _parse(named_tensors: Any) -> Dict[str, Any]:
+    items = list(named_tensors)
+    if len(items) != 1 or items[0][0] != _NAME:
+        names = [str(n) for n, _ in items][:3]
+        raise InvalidArgumentError(
+            f"shardsync loader: expected one '{_NAME}' command, got {len(items)} item(s) {names}")
+    text = command_text(items[0][1])
+    if text is None:
+        raise InvalidArgumentError(
+            f"shardsync loader: the command must be a torch.nn.Module with a '{ATTR}' text "
+            f"attribute (shardsync.hooks.sglang.command), got a {type(items[0][1]).__name__}")
+    msg = json.loads(text)
+    if not isinstance(msg, dict):
+        raise InvalidArgumentError("shardsync loader: the command must be a JSON object")
+    return msg
+
+
+def _other_runner(hook: EngineRankHook, model: Any, msg: Dict[str, Any]) -> Dict[str, Any]:
+    """A second call for the same request (same seq) with another model: the speculative draft
+    runner. It never rebinds nor syncs again; without draft='leave' the job fails by name."""
+    op = str(msg.get("op"))
+    cfg = hook.config or {}
+    if cfg.get("draft") == "leave":
+        return make_status(op, 0, hook.coord, draft="left untouched")
+    why = (f"speculative decoding: SGLang called the loader for a second model runner "
+           f"({type(model).__name__}, the draft) on request '{op}'; the plan covers the target "
+           "model only, so the draft's weights would go stale. Launch without speculative "
+           "decoding, or pass draft='leave' to the driver to keep the draft as it is")
+    hook.fatal = why
+    iid = cfg.get("init_id", 0)
+    return hook.refuse("init" if op == "init" else "sync",
+                       iid if op == "init" else int(msg.get("version", 0) or 0),
+                       FailedPreconditionError(why))
 
 
 def load_weights(model: Any, named_tensors: List[Tuple[str, Any]]) -> Dict[str, Any]:
@@ -357,21 +443,21 @@ def load_weights(model: Any, named_tensors: List[Tuple[str, Any]]) -> Dict[str, 
     status (SGLang ignores it) and posts it to the store."""
     hook = _loader_hook(model)
     try:
-        items = list(named_tensors)
-        if len(items) != 1 or items[0][0] != _NAME:
-            names = [str(n) for n, _ in items][:3]
-            raise InvalidArgumentError(
-                f"shardsync loader: expected one '{_NAME}' command, got {len(items)} item(s) "
-                f"{names}")
-        value = items[0][1]
-        if not isinstance(value, str):
-            raise InvalidArgumentError(
-                f"shardsync loader: the command must be JSON text (shardsync.hooks.sglang."
-                f"command), got a {type(value).__name__}")
-        msg = json.loads(str(value))
-        if not isinstance(msg, dict):
-            raise InvalidArgumentError("shardsync loader: the command must be a JSON object")
-        st = _dispatch(hook, msg)
+        msg = _parse(named_tensors)
+        seq = msg.get("seq")
+        holder = hook._holder  # type: ignore[attr-defined]
+        if seq is not None and seq == hook._seq and model is not holder["model"]:  # type: ignore
+            st = _other_runner(hook, model, msg)
+        elif seq is not None and seq == hook._seq:  # type: ignore[attr-defined]
+            st = make_status(str(msg.get("op")), 0, hook.coord, duplicate=True)
+        else:
+            hook._seq = seq  # type: ignore[attr-defined]
+            if msg.get("op") == "init":
+                holder["model"] = model  # the runner the init reached first: the target
+            elif model is not holder["model"]:
+                raise FailedPreconditionError(
+                    "the model SGLang passes is not the one bound at init (reloaded?): re-init")
+            st = _dispatch(hook, msg)
     except BaseException as e:  # noqa: BLE001 - an exception here would kill the scheduler
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

@@ -1,0 +1,291 @@
+"""What the running engine really has, decided in one place: probed, never guessed.
+
+`probe(handle, engine)` returns an `EngineCaps` for one replica's head: the engine's version, the
+weight-update entry points it has, the request shapes it takes and how it names stacked experts.
+In-process handles are probed through the engine's own modules (request classes, io_struct
+fields, the unpickler); HTTP heads through their routes (`HTTPEngine.probe`). A method found on a
+handle proves nothing (adapters and HTTP proxies answer every name), so nothing here uses
+`getattr(handle, name)` to decide a capability. `require(caps, need)` refuses, naming the engine
+version and the missing capability; the drivers call it before contacting the engine.
+
+Facts each probe relies on (engine files read for this module):
+- SGLang `srt/utils/common.py` `MultiprocessingSerializer.deserialize` unpickles with
+  `SafeUnpickler` (module-prefix allowlist, PR #11909, Oct 2025, CVE-2025-10164); the scheduler
+  calls it outside any try (`update_weights_from_tensor`), so a refused payload kills the engine.
+  The probe round-trips the real command payload through the installed serializer.
+- SGLang `srt/managers/io_struct.py`: `BeginWeightUpdateReqInput` exists with the begin/end
+  weight-update session (PR #28001, Jun 2026; the scheduler then asserts an open session around
+  every update); `InitWeightsUpdateGroupReqInput.receiver` and `ServerArgs.weight_update_receivers`
+  exist only on the sglang-miles branch (`weight_sync/external_receiver.py`), not on SGLang main.
+- SGLang `ServerArgs.custom_weight_loader` (PR #7122, v0.4.7) and `speculative_algorithm`.
+- vLLM `distributed/weight_transfer/base.py`: `WeightTransferInitRequest` /
+  `WeightTransferUpdateRequest` (API-level request classes) and `WeightTransferEngine.
+  start_weight_update` / `finish_weight_update` (the four-phase API, vLLM >= 0.22).
+- vLLM `model_executor/layers/fused_moe/routed_experts.py` (vLLM >= 0.24, PR #41184): expert
+  parameters are `...mlp.experts.routed_experts.w13_weight`.
+- vLLM `v1/engine/async_llm.py`: AsyncLLM's weight-transfer methods are `async def` and take the
+  request objects (older ones raise TypeError on anything else).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..errors import InvalidArgumentError, UnimplementedError
+
+__all__ = ["EngineCaps", "probe", "require", "parse_version", "SUPPORT", "plan_kwargs"]
+
+
+@dataclass(frozen=True)
+class EngineCaps:
+    engine: str  # "sglang" | "vllm"
+    version: str  # the engine's own version string
+    source: str  # how it was probed ("in-process", "http GET /get_server_info", ...)
+    http: bool = False
+    # SGLang
+    custom_loader: bool = False  # ServerArgs has custom_weight_loader
+    loader_listed: bool = False  # the head lists shardsync's loader
+    session_api: bool = False  # begin/end_weight_update (and the open-session assert)
+    receiver: bool = False  # external receivers (sglang-miles)
+    receiver_listed: bool = False
+    payload_error: Optional[str] = None  # why the unpickler refuses the command payload
+    draft: Optional[str] = None  # speculative algorithm / config when a draft model runs
+    tp_size: int = 1
+    # vLLM
+    native: bool = False  # four-phase weight-transfer API (start/update/finish)
+    request_classes: bool = False  # WeightTransferInitRequest / UpdateRequest importable
+    asynchronous: bool = False  # AsyncLLM: async def methods
+    collective_rpc: bool = False
+    backend: Optional[str] = None  # weight_transfer_config.backend
+    dev_mode: Optional[bool] = None  # HTTP: VLLM_SERVER_DEV_MODE routes mounted
+    expert_naming: str = "fused_moe"
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{'SGLang' if self.engine == 'sglang' else 'vLLM'} {self.version}"
+
+
+# Engine version range x path -> supported / refused, and why (docs/python.md renders the same).
+SUPPORT: Tuple[Tuple[str, str, str, str], ...] = (
+    ("sglang", "< 0.4.7", "any", "refused: no --custom-weight-loader (PR #7122)"),
+    ("sglang", ">= 0.4.7, before SafeUnpickler (PR #11909)", "loader",
+     "supported: plain pickle; no begin/end session"),
+    ("sglang", "SafeUnpickler (Oct 2025) .. before PR #28001", "loader",
+     "supported: command payload is a torch.nn.Module (allowlisted 'torch.')"),
+    ("sglang", "with begin/end_weight_update (PR #28001, Jun 2026)", "loader",
+     "supported: every round bracketed by begin/end"),
+    ("sglang", "main (any version)", "receiver",
+     "refused: external receivers exist only on the sglang-miles branch"),
+    ("sglang", "sglang-miles with weight_update_receivers", "receiver", "supported"),
+    ("sglang", "any, speculative decoding", "any",
+     "refused unless draft='leave': the plan covers the target model only"),
+    ("vllm", "< 0.22 (no start/finish_weight_update)", "native",
+     "refused: use the worker extension"),
+    ("vllm", "any V1", "extension", "supported (collective_rpc; in-process only)"),
+    ("vllm", ">= 0.22, < 0.24", "native", "supported: FusedMoE expert names"),
+    ("vllm", ">= 0.24", "native / extension",
+     "supported: RoutedExperts names (Plan(expert_naming='routed_experts'))"),
+    ("vllm", "AsyncLLM", "native", "supported: awaited on the engine's loop (loop=)"),
+    ("vllm", "vllm serve without VLLM_SERVER_DEV_MODE=1", "http",
+     "refused: /sleep, /wake_up, /is_sleeping and the RLHF routes are dev-mode routes"),
+)
+
+
+def parse_version(v: Any) -> Optional[Tuple[int, int, int]]:
+    """(major, minor, patch) of "0.24.1", "0.24.0rc1", "v0.5.4.post1"; None when unparsable."""
+    m = re.match(r"^v?(\d+)\.(\d+)(?:\.(\d+))?", str(v or ""))
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def _module(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _fields(cls: Any) -> List[str]:
+    if cls is None:
+        return []
+    if dataclasses.is_dataclass(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+    return list(getattr(cls, "__struct_fields__", ()))  # msgspec.Struct (newer io_struct)
+
+
+def _version_of(mod: Any, engine: str) -> str:
+    v = getattr(mod, "__version__", None)
+    if v is None:
+        ver = _module(f"{engine}.version")
+        v = getattr(ver, "__version__", None)
+    if not v:
+        raise UnimplementedError(
+            f"{engine}: the installed package reports no version (__version__): cannot decide "
+            "its weight-update capabilities; refused")
+    return str(v)
+
+
+def _head_attr(handle: Any, *path: str) -> Any:
+    """A config object the engine handle holds (server_args, vllm_config): data, not a method."""
+    obj = handle
+    for p in path:
+        try:
+            obj = getattr(obj, p, None)
+        except Exception:  # noqa: BLE001 - a proxy that raises means "not readable"
+            return None
+        if obj is None:
+            return None
+    return obj
+
+
+def _probe_sglang(handle: Any) -> EngineCaps:
+    from . import sglang as ss
+
+    mod = _module("sglang")
+    if mod is None:
+        raise UnimplementedError(
+            "sglang is not importable in this process: pass an HTTPEngine head (probed over "
+            "HTTP) or run the driver where SGLang is installed")
+    version = _version_of(mod, "sglang")
+    io = _module("sglang.srt.managers.io_struct")
+    sa_mod = _module("sglang.srt.server_args")
+    sa_fields = _fields(getattr(sa_mod, "ServerArgs", None))
+    sa = _head_attr(handle, "server_args")
+    loaders = list(getattr(sa, "custom_weight_loader", None) or [])
+    receivers = list(getattr(sa, "weight_update_receivers", None) or [])
+    init_fields = _fields(getattr(io, "InitWeightsUpdateGroupReqInput", None))
+    draft = getattr(sa, "speculative_algorithm", None)
+    return EngineCaps(
+        engine="sglang", version=version, source="in-process (sglang modules)",
+        custom_loader="custom_weight_loader" in sa_fields,
+        loader_listed=ss.LOADER in loaders,
+        session_api=getattr(io, "BeginWeightUpdateReqInput", None) is not None,
+        receiver="receiver" in init_fields and "weight_update_receivers" in sa_fields,
+        receiver_listed=ss.RECEIVER in receivers,
+        payload_error=ss.payload_error(),
+        draft=str(draft) if draft else None,
+        tp_size=int(getattr(sa, "tp_size", 1) or 1),
+    )
+
+
+def _probe_vllm(handle: Any) -> EngineCaps:
+    mod = _module("vllm")
+    if mod is None:
+        raise UnimplementedError(
+            "vllm is not importable in this process: pass an HTTPEngine head (probed over HTTP)")
+    version = _version_of(mod, "vllm")
+    base = _module("vllm.distributed.weight_transfer.base")
+    wte = getattr(base, "WeightTransferEngine", None)
+    req = (getattr(base, "WeightTransferInitRequest", None) is not None
+           and getattr(base, "WeightTransferUpdateRequest", None) is not None)
+    routed = importlib.util.find_spec("vllm.model_executor.layers.fused_moe.routed_experts")
+    cls = type(handle)
+    fn = inspect.getattr_static(cls, "init_weight_transfer_engine", None) or \
+        inspect.getattr_static(cls, "collective_rpc", None)
+    vc = _head_attr(handle, "vllm_config") or _head_attr(handle, "llm_engine", "vllm_config")
+    spec = getattr(vc, "speculative_config", None)
+    return EngineCaps(
+        engine="vllm", version=version, source="in-process (vllm modules)",
+        native=wte is not None and hasattr(wte, "start_weight_update")
+        and hasattr(wte, "finish_weight_update"),
+        request_classes=req,
+        asynchronous=inspect.iscoroutinefunction(fn),
+        collective_rpc=inspect.getattr_static(cls, "collective_rpc", None) is not None,
+        backend=getattr(getattr(vc, "weight_transfer_config", None), "backend", None),
+        expert_naming="routed_experts" if routed is not None else "fused_moe",
+        draft=str(getattr(spec, "method", "speculative")) if spec is not None else None,
+    )
+
+
+def probe(handle: Any, engine: str) -> EngineCaps:
+    """The capabilities of one head: its own `probe()` (HTTP heads), else the engine's modules in
+    this process (in-process `sglang.Engine`, `vllm.LLM` / `AsyncLLM`, or their adapters)."""
+    own = inspect.getattr_static(type(handle), "probe", None)
+    if own is not None:
+        caps = handle.probe()
+        if not isinstance(caps, EngineCaps) or caps.engine != engine:
+            raise InvalidArgumentError(f"head {handle!r}: probe() is not a {engine} EngineCaps")
+        return caps
+    if engine == "sglang":
+        return _probe_sglang(handle)
+    if engine == "vllm":
+        return _probe_vllm(handle)
+    raise InvalidArgumentError(f"engine: must be sglang or vllm, got {engine!r}")
+
+
+def agree(caps: List[EngineCaps]) -> EngineCaps:
+    """One replica set runs one engine version; replicas that disagree are refused by name."""
+    first = caps[0]
+    for d, c in enumerate(caps[1:], 1):
+        if dataclasses.replace(c, source=first.source) != first:
+            raise InvalidArgumentError(
+                f"replica {d} runs {c.label} with other capabilities than replica 0 "
+                f"({first.label}): one driver drives one engine version")
+    return first
+
+
+_WHY = {
+    "loader": "no --custom-weight-loader (ServerArgs.custom_weight_loader, SGLang >= 0.4.7)",
+    "loader_listed": "the engine was not launched with --custom-weight-loader "
+                     "shardsync.hooks.sglang.load_weights",
+    "payload": "its unpickler refuses the command payload",
+    "receiver": "no external weight-update receivers (weight_sync/external_receiver.py exists "
+                "only on the sglang-miles branch; InitWeightsUpdateGroupReqInput has no "
+                "'receiver' field, so the keywords raise TypeError in-process and are dropped "
+                "over HTTP)",
+    "receiver_listed": "the engine was not launched with --weight-update-receivers "
+                       "shardsync.hooks.sglang.receiver",
+    "native": "no four-phase weight-transfer API (WeightTransferEngine.start_weight_update / "
+              "finish_weight_update, vLLM >= 0.22): use path='extension'",
+    "request_classes": "no WeightTransferInitRequest / WeightTransferUpdateRequest",
+    "backend": "weight_transfer_config.backend is not 'shardsync'",
+    "collective_rpc": "no collective_rpc (worker extension path)",
+    "dev_mode": "the dev-mode routes (/sleep, /wake_up, /is_sleeping, /init_weight_transfer_"
+                "engine, ...) are not mounted: launch `vllm serve` with VLLM_SERVER_DEV_MODE=1",
+    "inproc": "the path needs an in-process engine (pickled or RPC payloads), not HTTP",
+}
+
+
+def require(caps: EngineCaps, *needs: str) -> None:
+    """Raises UnimplementedError naming the engine version and the first missing capability."""
+    have = {
+        "loader": caps.custom_loader, "loader_listed": caps.loader_listed,
+        "payload": caps.payload_error is None, "receiver": caps.receiver,
+        "receiver_listed": caps.receiver_listed, "native": caps.native,
+        "request_classes": caps.request_classes, "backend": caps.backend == "shardsync",
+        "collective_rpc": caps.collective_rpc, "dev_mode": caps.dev_mode is not False,
+        "inproc": not caps.http,
+    }
+    for n in needs:
+        if not have[n]:
+            why = _WHY[n]
+            if n == "payload":
+                why += f": {caps.payload_error}"
+            raise UnimplementedError(f"{caps.label} ({caps.source}): {why}; refused at init")
+
+
+def plan_kwargs(caps: EngineCaps) -> Dict[str, Any]:
+    """Plan keyword arguments the engine version decides (`Plan(..., **plan_kwargs(caps))`)."""
+    return {"expert_naming": caps.expert_naming} if caps.engine == "vllm" else {}
+
+
+def check_plan(caps: EngineCaps, plan: Any) -> None:
+    """The plan must name experts the way this engine version does (MoE models only)."""
+    if caps.engine != "vllm" or not int(getattr(plan.model, "num_experts", 0) or 0):
+        return
+    have = getattr(plan, "expert_naming", "fused_moe")
+    if have != caps.expert_naming:
+        names = {"fused_moe": "...mlp.experts.w13_weight (FusedMoE)",
+                 "routed_experts": "...mlp.experts.routed_experts.w13_weight (RoutedExperts)"}
+        raise InvalidArgumentError(
+            f"{caps.label} names its expert parameters {names[caps.expert_naming]} but the plan "
+            f"uses expert_naming='{have}': build the Plan with "
+            f"expert_naming='{caps.expert_naming}' (shardsync.hooks.engines.plan_kwargs)")

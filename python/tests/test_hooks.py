@@ -163,15 +163,36 @@ def test_vllm_ep_with_one_replica_matches_plan_ep(need_plan, tmp_path):
 # ---- commands, reports ----
 
 
-def test_sglang_commands_are_json_text():
+def test_sglang_commands_are_plain_modules_carrying_json():
+    """The command is a torch.nn.Module with one text attribute: no class of ours in the pickle
+    (SGLang's SafeUnpickler allowlists module prefixes), no tensor (the patched reductions), and
+    `.to(device)` returns it unchanged (_unwrap_tensor); each command carries a fresh nonce."""
+    import io
+
     from shardsync.hooks import sglang as ss
 
+    seqs = set()
     for named in (ss.init_request({"a": 1}), ss.start_request(3), ss.wait_request(5.0),
                   ss.sync_request(4), ss.close_request()):
         ((name, cmd),) = named
-        assert name == "shardsync.cmd" and type(cmd) is ss.Command
-        assert json.loads(cmd)["op"] in ("init", "start", "wait", "sync", "close")
-        assert pickle.loads(pickle.dumps(cmd)) == cmd and cmd.to("cuda:0") is cmd
+        assert name == "shardsync.cmd" and type(cmd) is torch.nn.Module
+        assert cmd.to("cuda:3") is cmd and cmd.to(0) is cmd
+        msg = json.loads(ss.command_text(cmd))
+        assert msg["op"] in ("init", "start", "wait", "sync", "close")
+        seqs.add(msg["seq"])
+        blob = pickle.dumps(named)
+        found = []
+
+        class Globals(pickle.Unpickler):
+            def find_class(self, module, name):
+                found.append(f"{module}.{name}")
+                return super().find_class(module, name)
+
+        back = Globals(io.BytesIO(blob)).load()
+        assert set(found) <= {"torch.nn.modules.module.Module", "collections.OrderedDict"}, found
+        assert ss.command_text(back[0][1]) == ss.command_text(cmd)
+    assert len(seqs) == 5
+    assert ss.wait_request(post_load=False)[0][1].shardsync_command.count('"post_load": false')
     assert ss.receiver_payload("start", version=2) == {"op": "start", "version": 2}
     with pytest.raises(shardsync.InvalidArgumentError, match="op: must be one of"):
         ss.command("bogus")
@@ -242,6 +263,8 @@ def test_hook_entry_points_without_init_return_status():
 
     st = ss.load_weights(object(), [("x", torch.zeros(1))])  # a real tensor: refused, no raise
     assert not st["ok"] and "expected one 'shardsync.cmd' command" in st["error"]
+    st = ss.load_weights(object(), [("shardsync.cmd", '{"op": "wait"}')])  # a str: refused
+    assert not st["ok"] and "must be a torch.nn.Module" in st["error"]
     st = ss.load_weights(object(), ss.start_request(1))
     assert not st["ok"] and "start before init" in st["error"]
     st = ss.load_weights(object(), ss.wait_request(0.1))

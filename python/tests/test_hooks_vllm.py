@@ -12,15 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import shardsync  # noqa: E402
-from fakes_engines import (  # noqa: E402
-    CuMemAllocator,
-    FakeLLM,
-    FakeModel,
-    Fp8LinearMethod,
-    installed,
-    vllm_config,
-    vllm_modules,
-)
+from fakes_engines import FakeModel, Fp8LinearMethod, installed  # noqa: E402
+from fakes_vllm import CuMemAllocator, FakeLLM, serve_vllm_http, vllm_config, vllm_modules  # noqa: E402,E501
 from hook_harness import TINY_MOE, Trainers, base_config, check_models, make_plan  # noqa: E402
 from shardsync.engine_group import EngineGroup, worker_coords  # noqa: E402
 from shardsync.hooks.driver import HookError, VLLMDriver  # noqa: E402
@@ -42,7 +35,7 @@ def tiny_moe(tmp_path_factory):
     return str(d)
 
 
-def _llms(plan, path, *, models=None, model_kw=None, config_kw=None):
+def _llms(plan, path, *, models=None, model_kw=None, config_kw=None, profile="0.23"):
     """One FakeLLM per replica; returns (EngineGroup, llms, models)."""
     from shardsync.hooks import vllm as vh
 
@@ -59,7 +52,7 @@ def _llms(plan, path, *, models=None, model_kw=None, config_kw=None):
                 per[(tp, pp)] = m
         cfg = vllm_config(plan.tp, plan.pp, backend="shardsync" if path == "native" else None,
                           **(config_kw or {}))
-        llms.append(FakeLLM(per, cfg, extension=vh.ShardsyncWorkerExtension
+        llms.append(FakeLLM(per, cfg, profile=profile, extension=vh.ShardsyncWorkerExtension
                             if path == "extension" else None))
     coords = worker_coords(plan.dp, plan.tp, plan.pp)
     handles = [llms[c.dp] if c.is_head else None for c in coords]
@@ -270,34 +263,32 @@ def test_vllm_sleep_mode_weights(vllm_env, tiny_model):
 def test_vllm_older_factory_without_model_points_to_the_extension(vllm_env, monkeypatch):
     """Older factories created engines as (config, parallel_config): no model to bind. The
     backend says so (a status, not an exception) and names the extension to use instead."""
-    import fakes_engines as fe
+    import fakes_vllm as fv
 
     def old_init(self, config, parallel_config):
         self.config, self.parallel_config = config, parallel_config
 
-    monkeypatch.setattr(fe.WeightTransferEngine, "__init__", old_init)
+    monkeypatch.setattr(fv.WeightTransferEngine, "__init__", old_init)
     eng = vllm_env.make_backend_class()(object(), vllm_config(1, 1).parallel_config)
     st = eng.init_transfer_engine(eng.parse_init_info({"plan": {}}))
     assert not st["ok"] and "without the model" in st["error"] and vllm_env.EXTENSION in st["error"]
 
 
 def test_vllm_native_over_http(vllm_env, tiny_model):
-    """vllm serve deployments: init / start / update / finish over the RLHF routes, JSON only;
-    is_sleeping over GET."""
-    from fakes_engines import serve_http
+    """vllm serve deployments (VLLM_SERVER_DEV_MODE=1): init / start / update / finish over the
+    RLHF routes, JSON only; the version from /version, is_sleeping over GET."""
     from shardsync.hooks.driver import HTTPEngine
 
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "vllm")
     with shardsync.StoreServer(token="hooks") as srv:
         _, llms, models = _llms(plan, "native")
-        url, http = serve_http(llms[0], "vllm")
+        url, http = serve_vllm_http(llms[0])
         trainers = Trainers(plan, srv).start()
         try:
             head = HTTPEngine(url, "vllm")
             group = EngineGroup([head, None], tp=2, pp=1)
-            with pytest.raises(shardsync.InvalidArgumentError, match="cannot read the heads'"):
-                VLLMDriver(group, plan, base_config(plan, srv))
-            driver = VLLMDriver(group, plan, base_config(plan, srv), path="native")
+            driver = VLLMDriver(group, plan, base_config(plan, srv))
+            assert driver.path == "native" and driver.caps.version == "0.23.1"
             driver.init()
             trainers.sync(1)
             assert driver.sync(1)["verified"]

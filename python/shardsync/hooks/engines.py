@@ -34,6 +34,7 @@ import importlib
 import importlib.util
 import inspect
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -113,6 +114,16 @@ def _module(name: str) -> Any:
         return None
 
 
+def _has_module(name: str) -> bool:
+    """Whether `name` is importable, without importing it (nor failing on a missing parent)."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _fields(cls: Any) -> List[str]:
     if cls is None:
         return []
@@ -186,7 +197,7 @@ def _probe_vllm(handle: Any) -> EngineCaps:
     wte = getattr(base, "WeightTransferEngine", None)
     req = (getattr(base, "WeightTransferInitRequest", None) is not None
            and getattr(base, "WeightTransferUpdateRequest", None) is not None)
-    routed = importlib.util.find_spec("vllm.model_executor.layers.fused_moe.routed_experts")
+    routed = _has_module("vllm.model_executor.layers.fused_moe.routed_experts")
     cls = type(handle)
     fn = inspect.getattr_static(cls, "init_weight_transfer_engine", None) or \
         inspect.getattr_static(cls, "collective_rpc", None)
@@ -200,7 +211,7 @@ def _probe_vllm(handle: Any) -> EngineCaps:
         asynchronous=inspect.iscoroutinefunction(fn),
         collective_rpc=inspect.getattr_static(cls, "collective_rpc", None) is not None,
         backend=getattr(getattr(vc, "weight_transfer_config", None), "backend", None),
-        expert_naming="routed_experts" if routed is not None else "fused_moe",
+        expert_naming="routed_experts" if routed else "fused_moe",
         draft=str(getattr(spec, "method", "speculative")) if spec is not None else None,
     )
 

@@ -452,7 +452,7 @@ def load_weights(model: Any, named_tensors: List[Tuple[str, Any]]) -> Dict[str, 
             st = make_status(str(msg.get("op")), 0, hook.coord, duplicate=True)
         else:
             hook._seq = seq  # type: ignore[attr-defined]
-            if msg.get("op") == "init":
+            if msg.get("op") == "init" or hook.config is None:
                 holder["model"] = model  # the runner the init reached first: the target
             elif model is not holder["model"]:
                 raise FailedPreconditionError(

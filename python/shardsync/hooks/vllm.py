@@ -19,10 +19,25 @@ kernel-format conversion. MoE backends whose post-load layout is not canonical (
 CUTLASS swaps w13 -> w31, FlashInfer TRT-LLM pads and block-permutes, ROCm AITER shuffles:
 fused_moe/oracle/unquantized.py) and quantized methods are refused at init (core.py
 `check_finalize_methods`); a finalize that re-registers a parameter (`replace_parameter`,
-quantization/utils/layer_utils.py) is caught by the data_ptr re-check and refused. vLLM's
-layerwise reload (`initialize_layerwise_reload` in start, `finalize_layerwise_reload` in finish)
-hands the loader fresh tensors every round; a bound session cannot follow them, so this backend
-writes in place and does not use it.
+quantization/utils/layer_utils.py) is caught by the data_ptr re-check and refused.
+
+Why whole-model `process_weights_after_loading` in place, every round, and not vLLM's layerwise
+reload (`initialize_layerwise_reload` in start, `finalize_layerwise_reload` in finish, which its
+checkpoint-format backends use)? Layerwise reload exists for kernels whose post-load layout is not
+the checkpoint layout: it restores fresh checkpoint-format tensors, lets `load_weights` fill
+them, then re-runs the conversion into the kernel tensors. A bound session cannot follow tensors
+that are new every round, and it writes the canonical bytes straight into the live parameters.
+That is exactly right only where the kernel layout *is* the canonical layout: for the unquantized
+MoE backends we allow (TRITON / BATCHED_TRITON) `convert_to_unquantized_kernel_format`
+(fused_moe/oracle/unquantized.py) returns w13/w2 unchanged, so re-running the whole-model step is
+idempotent on experts and rebuilds what must be derived (attention / MLA products). Backends whose
+conversion is one-way (FlashInfer TRT-LLM block layout, AITER shuffle, FlashInfer CUTLASS w31
+swap; verl #7987 hit the TRT-LLM one on vLLM 0.24-0.29) are refused at init.
+
+Expert names: vLLM >= 0.24 (PR #41184) turned FusedMoE into a factory returning a MoERunner whose
+`routed_experts` child (RoutedExperts, fused_moe/routed_experts.py) owns `w13_weight` /
+`w2_weight` and their `weight_loader`; the plan must say so (`Plan(expert_naming=
+"routed_experts")`, probed by `engines.probe`), and the hook names the fix when it does not.
 
 Sleep mode (`enable_sleep_mode`) allocates weights through `device_allocator/cumem.py`
 (CuMemAllocator, VMM): the hook refuses a sync while they are unmapped, and refuses the cuda_ipc

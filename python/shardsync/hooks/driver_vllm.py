@@ -45,6 +45,11 @@ class VLLMDriver(_Driver):
 
         self.vh = vh
         self.caps = caps = self._probe()
+        if caps.asynchronous and getattr(self.group, "loop", None) is None:
+            raise FailedPreconditionError(
+                f"{caps.label}: the heads are async (AsyncLLM: async def weight-transfer "
+                "methods): pass loop= (the event loop the engine runs on, running in its own "
+                "thread) so every call is awaited there")
         if path == "auto":
             if caps.http:
                 path = "native"

@@ -1,0 +1,330 @@
+"""Issue 23, one test per "Why" bullet: the engines as they ship (fakes_sglang.py /
+fakes_vllm.py profiles, each keeping its engine's contract), driven through the hooks.
+
+Every test here failed on the hooks before issue 23 (see each docstring for how)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import shardsync  # noqa: E402
+from fakes_engines import FakeModel, installed  # noqa: E402
+from fakes_sglang import serve_sglang_http, sglang_modules  # noqa: E402
+from fakes_vllm import (  # noqa: E402
+    CuMemAllocator,
+    FakeAsyncLLM,
+    FakeLLM,
+    serve_vllm_http,
+    vllm_config,
+    vllm_modules,
+)
+from hook_harness import TINY_MOE, Trainers, base_config, check_models, make_plan  # noqa: E402
+from shardsync.engine_group import EngineGroup, worker_coords  # noqa: E402
+from shardsync.hooks.driver import (  # noqa: E402
+    HookError,
+    HTTPEngine,
+    SGLangDriver,
+    SGLangEngineAdapter,
+    VLLMDriver,
+)
+from test_hooks_sglang import engines_for, run_versions  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-moe")
+    (d / "config.json").write_text(json.dumps(TINY_MOE))
+    return str(d)
+
+
+def _group(handles, plan):
+    coords = worker_coords(plan.dp, plan.tp, plan.pp)
+    return EngineGroup([handles[c.dp] if c.is_head else None for c in coords],
+                       tp=plan.tp, pp=plan.pp)
+
+
+def _llm(plan, profile, *, native=True, models=None):
+    from shardsync.hooks import vllm as vh
+
+    vh.register_vllm_backend()
+    sm = plan.shard_map()
+    models = {} if models is None else models
+    per = {}
+    for pp in range(plan.pp):
+        for tp in range(plan.tp):
+            models[(0, tp, pp)] = per[(tp, pp)] = FakeModel(sm.rank(tp, pp).params)
+    cfg = vllm_config(plan.tp, plan.pp, backend="shardsync" if native else None)
+    return FakeLLM(per, cfg, profile=profile,
+                   extension=None if native else vh.ShardsyncWorkerExtension), models
+
+
+def _shutdown(llm):
+    for w in llm.workers.values():
+        if w.weight_transfer_engine is not None:
+            w.weight_transfer_engine.shutdown()
+
+
+# ---- vLLM >= 0.24 MoE names -----------------------------------------------------------------
+
+
+def test_vllm_024_routed_experts_names(need_session, tiny_moe):
+    """vLLM 0.24 keeps experts on RoutedExperts ("...mlp.experts.routed_experts.w13_weight"):
+    the probe reads the naming, the plan built from it syncs every element, and a plan with the
+    old naming is refused by the driver naming the fix. Before: every MoE init failed (the shard
+    map had only "...mlp.experts.w13_weight"; no probe, no expert_naming)."""
+    from shardsync.hooks import engines
+
+    with installed(vllm_modules("0.24")), shardsync.StoreServer(token="hooks") as srv:
+        probe_plan = make_plan(tiny_moe, "dp=1,tp=2,pp=2", "vllm")
+        caps = engines.probe(_llm(probe_plan, "0.24")[0], "vllm")
+        assert caps.expert_naming == "routed_experts" and caps.version == "0.24.0"
+        plan = shardsync.Plan(tiny_moe, "fsdp=2", "dp=1,tp=2,pp=2", engine="vllm",
+                              wire_dtype="f32", trainer_dtype="f32", bucket_bytes=64 << 10,
+                              **engines.plan_kwargs(caps))
+        llm, models = _llm(plan, "0.24")
+        names = [n for n, _ in models[(0, 0, 0)].named_parameters()]
+        assert "model.layers.0.mlp.experts.routed_experts.w13_weight" in names
+        with pytest.raises(shardsync.InvalidArgumentError,
+                           match="expert_naming='routed_experts'"):
+            VLLMDriver(_group([llm], probe_plan), probe_plan, base_config(probe_plan, srv))
+        driver = VLLMDriver(_group([llm], plan), plan, base_config(plan, srv))
+        trainers = Trainers(plan, srv).start()
+        try:
+            driver.init()
+            assert all(r["loader_check"] == "checked" for r in driver.last_reports)
+            trainers.sync(1)
+            assert driver.sync(1)["verified"]
+            check_models(plan, trainers.weights(1), models)
+        finally:
+            trainers.stop()
+            _shutdown(llm)
+
+
+def test_vllm_worker_names_the_naming_fix(need_session, tiny_moe):
+    """Inside the worker, a plan whose expert names miss (the engine names them the other way)
+    fails with the fix, not a bare 'missing parameters' list (precheck of the driver bypassed)."""
+    with installed(vllm_modules("0.23")), shardsync.StoreServer(token="hooks") as srv:
+        plan = make_plan(tiny_moe, "dp=1,tp=1,pp=1", "vllm")
+        routed = shardsync.Plan(tiny_moe, "fsdp=2", "dp=1,tp=1,pp=1", engine="vllm",
+                                wire_dtype="f32", trainer_dtype="f32",
+                                expert_naming="routed_experts")
+        llm, _ = _llm(plan, "0.23", native=False)
+        (st,) = llm.collective_rpc("shardsync_init", args=(dict(
+            base_config(routed, srv, connect_timeout=1.0), replica=0),))
+        assert not st["ok"]
+        assert "uses expert naming 'fused_moe'" in st["error"]
+        assert "expert_naming='fused_moe'" in st["error"]
+
+
+# ---- SGLang command payload -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("profile", ["0.4.7", "0.5.4", "0.5.12"])
+def test_sglang_command_survives_the_safe_unpickler(need_session, tiny_model, profile):
+    """SGLang's unpickler (allowlisted since PR #11909) refused the hooks' `Command` (a class of
+    shardsync) outside any try: the scheduler died on the first push. The command is now a plain
+    torch.nn.Module: tp=2, pp=2 syncs on plain-pickle, SafeUnpickler and session versions alike,
+    every PP stage opening the same per-tp_rank payload on its own."""
+    plan = make_plan(tiny_model, "dp=1,tp=2,pp=2", "sglang")
+    with installed(sglang_modules(profile)), shardsync.StoreServer(token="hooks") as srv:
+        group, engines, models = engines_for(plan, profile=profile)
+        driver = SGLangDriver(group, plan, base_config(plan, srv))
+        assert driver.caps.payload_error is None and driver.session is (profile == "0.5.12")
+        run_versions(plan, srv, driver, models)
+        assert not engines[0].dead
+        engines[0].shutdown()
+
+
+# ---- SGLang external receiver ---------------------------------------------------------------
+
+
+def test_sglang_stock_engine_has_no_receiver(need_session, tiny_model):
+    """External receivers exist only on sglang-miles. On stock SGLang the receiver path is
+    refused at driver construction, naming the version and the missing capability, before any
+    request: in-process the Engine would raise TypeError on the keywords, over HTTP the keys
+    would be dropped and SGLang would open a torch process group at the store's address. Before:
+    path='receiver' called init_weights_update_group (TypeError / a process group attempt)."""
+    plan = make_plan(tiny_model, "dp=1,tp=1,pp=2", "sglang")
+    with installed(sglang_modules("0.5.12")), shardsync.StoreServer(token="hooks") as srv:
+        group, engines, _ = engines_for(plan)
+        url, http = serve_sglang_http(engines[0])
+        try:
+            for head in (engines[0], HTTPEngine(url, "sglang")):
+                with pytest.raises(shardsync.UnimplementedError,
+                                   match=r"SGLang 0\.5\.12 .*sglang-miles.*refused at init"):
+                    SGLangDriver(EngineGroup([head, None], tp=1, pp=2), plan,
+                                 base_config(plan, srv), path="receiver")
+            assert engines[0].calls == [] and engines[0].pg_attempts == []
+        finally:
+            http.shutdown()
+            engines[0].shutdown()
+
+
+def test_sglang_miles_receiver_runs_post_load_once(need_session, tiny_model):
+    """On sglang-miles a receiver round bypasses load_weights, so end_weight_update runs
+    post_load_weights itself (run_post_load = not loaded). Before: the hook ran it too (twice per
+    round); now exactly once, and the weights land."""
+    plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
+    with installed(sglang_modules("miles")), shardsync.StoreServer(token="hooks") as srv:
+        group, engines, models = engines_for(plan, profile="miles")
+        driver = SGLangDriver(group, plan, base_config(plan, srv), path="receiver")
+        run_versions(plan, srv, driver, models, versions=(1, 2))
+        assert [m.post_loads for m in models.values()] == [2, 2]
+        driver.close()
+        engines[0].shutdown()
+
+
+# ---- capability detection -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("over", ["adapter", "http"])
+def test_sglang_without_session_api_behind_a_proxy(need_session, tiny_model, over):
+    """session='auto' asked `callable(getattr(head, 'begin_weight_update'))`, which the Engine
+    adapter and HTTPEngine always satisfy: on an SGLang without the session API every round
+    failed. The probe now reads the engine's io_struct (in-process) or routes (HTTP)."""
+    plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
+    with installed(sglang_modules("0.5.4")), shardsync.StoreServer(token="hooks") as srv:
+        group, engines, models = engines_for(plan, profile="0.5.4")
+        url, http = serve_sglang_http(engines[0])
+        head = SGLangEngineAdapter(engines[0]) if over == "adapter" else HTTPEngine(url, "sglang")
+        try:
+            assert callable(getattr(head, "begin_weight_update", None))  # the proxy's answer
+            driver = SGLangDriver(EngineGroup([head, None], tp=2, pp=1), plan,
+                                  base_config(plan, srv))
+            assert driver.session is False
+            run_versions(plan, srv, driver, models, versions=(1,))
+            assert "begin_weight_update" not in engines[0].calls
+        finally:
+            http.shutdown()
+            engines[0].shutdown()
+
+
+def test_unsupported_sglang_refused_naming_version(need_session, tiny_model):
+    plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "sglang")
+    with installed(sglang_modules("0.4.6")), shardsync.StoreServer(token="hooks") as srv:
+        group, engines, _ = engines_for(plan, profile="0.4.6")
+        with pytest.raises(shardsync.UnimplementedError,
+                           match=r"SGLang 0\.4\.6 .*no --custom-weight-loader"):
+            SGLangDriver(group, plan, base_config(plan, srv))
+        engines[0].shutdown()
+
+
+# ---- vLLM AsyncLLM --------------------------------------------------------------------------
+
+
+def test_vllm_async_llm_awaited_on_its_loop(need_session, tiny_model):
+    """AsyncLLM's weight-transfer methods are async def and take request objects. Before, the
+    EngineGroup never awaited them: nothing ran and every rank timed out with "no report". Now
+    each is awaited on the engine's own loop, with WeightTransferInit/UpdateRequest objects."""
+    plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "vllm")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    with installed(vllm_modules("0.23")), shardsync.StoreServer(token="hooks") as srv:
+        llm, models = _llm(plan, "0.23")
+        engine = FakeAsyncLLM(llm, loop)
+        with pytest.raises(shardsync.FailedPreconditionError, match="async.*pass loop="):
+            VLLMDriver(_group([engine], plan), plan, base_config(plan, srv))
+        driver = VLLMDriver(_group([engine], plan), plan, base_config(plan, srv), loop=loop)
+        assert driver.caps.asynchronous and driver.path == "native"
+        trainers = Trainers(plan, srv).start()
+        try:
+            driver.init()
+            trainers.sync(1)
+            assert driver.sync(1)["verified"]
+            check_models(plan, trainers.weights(1), models)
+        finally:
+            trainers.stop()
+            _shutdown(llm)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+
+
+# ---- vLLM HTTP ------------------------------------------------------------------------------
+
+
+def test_vllm_http_dev_mode_and_wake_tags(need_session, tiny_model):
+    """`/sleep`, `/wake_up`, `/is_sleeping` and the RLHF routes exist only with
+    VLLM_SERVER_DEV_MODE=1, and `/wake_up` reads `tags` from query parameters. Before: the body
+    carried the tags (every tag woke) and a server without dev mode failed later with a bare
+    HTTP 404. Now a missing dev mode is refused at init naming the variable, and tags wake only
+    what they name."""
+    plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "vllm")
+    with installed(vllm_modules("0.23")), shardsync.StoreServer(token="hooks") as srv:
+        llm, models = _llm(plan, "0.23")
+        url, http = serve_vllm_http(llm, dev_mode=False)
+        url_dev, http_dev = serve_vllm_http(llm, dev_mode=True)
+        try:
+            with pytest.raises(shardsync.UnimplementedError, match="VLLM_SERVER_DEV_MODE=1"):
+                VLLMDriver(EngineGroup([HTTPEngine(url, "vllm")]), plan, base_config(plan, srv))
+            alloc = CuMemAllocator.get_instance()
+            m = models[(0, 0, 0)]
+            alloc.track([p for n, p in m.named_parameters() if "layers.0." in n], tag="kv_cache")
+            alloc.track([p for n, p in m.named_parameters() if "layers.0." not in n])
+            head = HTTPEngine(url_dev, "vllm")
+            head.sleep(1)
+            head.wake_up(tags=["weights"])
+            assert alloc.asleep_tags() == {"kv_cache"}
+            head.wake_up()
+            assert alloc.asleep_tags() == set()
+        finally:
+            http.shutdown()
+            http_dev.shutdown()
+            _shutdown(llm)
+
+
+# ---- smaller --------------------------------------------------------------------------------
+
+
+def test_sglang_speculative_draft(need_session, tiny_model):
+    """With speculative decoding SGLang calls the loader once per runner (target, then draft).
+    Before: the hook rebound to the draft and submitted a second sync. Now the draft is refused
+    at init (the plan covers the target only) unless draft='leave', and then the target is bound
+    and synced once per round while the draft keeps its weights."""
+    plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
+    with installed(sglang_modules("0.5.12")), shardsync.StoreServer(token="hooks") as srv:
+        group, engines, models = engines_for(plan, drafts=True)
+        with pytest.raises(shardsync.UnimplementedError, match="speculative decoding.*draft"):
+            SGLangDriver(group, plan, base_config(plan, srv))
+        driver = SGLangDriver(group, plan, base_config(plan, srv), draft="leave")
+        drafts = [p.draft for p in engines[0].procs.values()]
+        before = [[t.clone() for t in d.parameters()] for d in drafts]
+        run_versions(plan, srv, driver, models, versions=(1, 2))
+        for d, old in zip(drafts, before):
+            assert all(torch.equal(a, b) for a, b in zip(d.parameters(), old))
+            assert d.post_loads == 0
+        assert [m.post_loads for m in models.values()] == [2, 2]
+        engines[0].shutdown()
+
+
+def test_sglang_flush_never_asserts_in_the_scheduler(need_session, tiny_model):
+    """flush_cache_after_weight_update asserts inside the scheduler unless generation is idle.
+    Before: the wait request carried flush_cache=True, and a sync with requests in flight killed
+    the engine. Now updates never ask for it; the driver flushes after end, retrying, and names
+    a replica that stays busy; the engine keeps serving and the next round flushes."""
+    plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "sglang")
+    with installed(sglang_modules("0.5.12")), shardsync.StoreServer(token="hooks") as srv:
+        group, engines, models = engines_for(plan)
+        driver = SGLangDriver(group, plan, base_config(plan, srv), flush_timeout=0.3)
+        trainers = Trainers(plan, srv).start()
+        try:
+            driver.init()
+            trainers.sync(1)
+            with engines[0].generating():
+                with pytest.raises(shardsync.FailedPreconditionError,
+                                   match="flush_cache: replica 0 still refuses"):
+                    driver.sync(1)
+            assert not engines[0].dead
+            check_models(plan, trainers.weights(1), models)  # the weights landed all the same
+            trainers.sync(2)
+            assert driver.sync(2)["verified"]
+            assert engines[0].calls[-1] == "flush_cache"
+        finally:
+            trainers.stop()
+            engines[0].shutdown()

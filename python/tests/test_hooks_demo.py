@@ -1,5 +1,6 @@
-"""The engine-hook demo (python/tools/engine_hooks_demo.py) end to end on CPU: SGLang's and
-vLLM's call sequences, both paths each, every engine element compared."""
+"""The engine-hook demo (python/tools/engine_hooks_demo.py) end to end on CPU: every supported
+engine version range's call sequence through the versioned stand-in engines, every engine
+element compared; every unsupported range refused at init naming its version and capability."""
 
 from __future__ import annotations
 
@@ -20,12 +21,18 @@ def test_engine_hooks_demo(need_session, capsys):
         import engine_hooks_demo as demo
     finally:
         sys.path.remove(TOOLS)
-    rc = demo.main(["--rollout", "dp=2,tp=2,pp=2", "--versions", "2", "--timeout", "30"])
+    rc = demo.main(["--rollout", "dp=2,tp=2,pp=2", "--versions", "1", "--timeout", "30"])
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
-    assert [(r["engine"], r["path"]) for r in lines] == [
-        ("sglang", "receiver"), ("sglang", "loader"), ("vllm", "native"), ("vllm", "extension")]
-    for r in lines:
+    assert [(r["engine"], r["profile"], r["head"]) for r in lines] == [
+        (e, p, h) for e, p, _, h, _ in demo.SCENARIOS]
+    supported = [r for r in lines if r["expect"] == "ok"]
+    refused = [r for r in lines if r["expect"] != "ok"]
+    assert len(supported) == 14 and len(refused) == 4
+    for r in supported:
         assert r["ok"], r
-        assert [v["version"] for v in r["versions"]] == [1, 2]
+        assert [v["version"] for v in r["versions"]] == [1]
         assert all(v["mismatches"] == 0 and v["elements"] > 0 for v in r["versions"])
+    for r in refused:
+        assert r["ok"] and "refused" in r["error"] and r["expect"] in r["error"], r
+    assert {r["expert_naming"] for r in supported if r["profile"] == "0.24"} == {"routed_experts"}
     assert rc == 0

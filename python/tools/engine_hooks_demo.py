@@ -1,32 +1,29 @@
-"""Engine-hook demo: plays SGLang's scheduler and vLLM's worker call sequences against the
-shardsync hooks, with trainer ranks syncing for real, and checks every engine element.
+"""Engine-hook demo: every supported engine version range's call sequence, played against the
+shardsync hooks through the versioned stand-in engines, with trainer ranks syncing for real and
+every engine element checked; the unsupported ranges refused at init, by version and capability.
 
     PYTHONPATH=build/python /usr/bin/python3 python/tools/engine_hooks_demo.py            # CPU
     python3 python/tools/engine_hooks_demo.py --device cuda --transport cuda_ipc          # GPU
 
-Per engine and path it runs the whole sequence the engine runs:
-- SGLang, external receiver: init_weights_update_group(receiver=..., receiver_init_payload=)
-  then per version begin_weight_update -> update_weights_from_distributed({"op": "start"}) ->
-  ({"op": "wait"}) -> end_weight_update;
-- SGLang, custom loader: the same with update_weights_from_tensor(JSON command,
-  load_format=shardsync.hooks.sglang.load_weights);
-- vLLM, native backend: init_weight_transfer_engine -> per version start_weight_update ->
-  update_weights({"version": v}) -> finish_weight_update (post-load step included);
-- vLLM, worker extension: collective_rpc("shardsync_init") -> collective_rpc("shardsync_sync").
+Scenarios (engine, profile, path, head); the profiles (python/tests/fakes_sglang.py,
+fakes_vllm.py) keep each version's contract as the engine's source has it:
+- SGLang 0.4.7 (plain pickle), 0.5.4 (SafeUnpickler), 0.5.12 (begin/end session): custom loader,
+  in-process; 0.5.12 also through the Engine adapter and over HTTP; sglang-miles: receiver.
+  Refused: 0.4.6 (no custom loader), the receiver path on stock SGLang.
+- vLLM 0.16 and 0.21: worker extension; 0.23: native backend (LLM, AsyncLLM on its own loop,
+  HTTP in dev mode) and extension; 0.24: RoutedExperts names, native in-process and over HTTP.
+  Refused: native on 0.16 / 0.21 (no four-phase API), HTTP without VLLM_SERVER_DEV_MODE.
 
-The engines are the stand-ins the tests use (python/tests/fakes_engines.py): each reproduces its
-engine's request handling (stage-by-stage forwarding, pp0/tp0-only replies, patched tensor
-pickling, begin/end session asserts, worker RPC fan-out, post-load finalize), with parameters of
-the engines' names, local shapes and weight-loader classes. Every rank is a thread of this
-process: the "loopback" transport on CPU; with --device cuda the parameters and the trainer's
-shards are CUDA tensors and every rank is a device session (device=<the parameters' GPU>) over
-"cuda_ipc" (same-process peers need no IPC handle) or "nccl". Prints one JSON line per
-(engine, path) and exits non-zero on any mismatch or failure.
+Every rank is a thread of this process: the "loopback" transport on CPU; with --device cuda the
+parameters and the trainer's shards are CUDA tensors and every rank is a device session over
+"cuda_ipc" (same-process peers) or "nccl". Prints one JSON line per scenario and exits non-zero
+when a supported scenario fails or an unsupported one is not refused by name.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import queue
@@ -38,7 +35,7 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # fakes_engines.py
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the stand-in engines
 
 import torch  # noqa: E402
 
@@ -53,7 +50,27 @@ TINY = {
     "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16", "decoder_sparse_step": 1, "mlp_only_layers": [],
 }
-PATHS = {"sglang": ("receiver", "loader"), "vllm": ("native", "extension")}
+# (engine, profile, path, head, expected outcome: "ok" or the refusal's capability words)
+SCENARIOS = (
+    ("sglang", "0.4.7", "loader", "inproc", "ok"),
+    ("sglang", "0.5.4", "loader", "inproc", "ok"),
+    ("sglang", "0.5.12", "loader", "inproc", "ok"),
+    ("sglang", "0.5.12", "loader", "adapter", "ok"),
+    ("sglang", "0.5.12", "loader", "http", "ok"),
+    ("sglang", "miles", "receiver", "inproc", "ok"),
+    ("sglang", "0.4.6", "auto", "inproc", "no --custom-weight-loader"),
+    ("sglang", "0.5.12", "receiver", "http", "no external weight-update receivers"),
+    ("vllm", "0.16", "extension", "inproc", "ok"),
+    ("vllm", "0.21", "extension", "inproc", "ok"),
+    ("vllm", "0.23", "native", "inproc", "ok"),
+    ("vllm", "0.23", "extension", "inproc", "ok"),
+    ("vllm", "0.23", "native", "async", "ok"),
+    ("vllm", "0.23", "native", "http", "ok"),
+    ("vllm", "0.24", "native", "inproc", "ok"),
+    ("vllm", "0.24", "native", "http", "ok"),
+    ("vllm", "0.21", "native", "inproc", "no four-phase weight-transfer API"),
+    ("vllm", "0.23", "native", "http-nodev", "VLLM_SERVER_DEV_MODE=1"),
+)
 
 
 def full_weights(plan, version):
@@ -94,7 +111,6 @@ class Trainer(threading.Thread):
                                                    device=dev or "cpu"))
                     s.bind_source(n, shards[n][1])
             s.connect()
-            self.results[("connect", self.rank)] = True
             while True:
                 v = self.q.get()
                 if v is None:
@@ -112,119 +128,171 @@ class Trainer(threading.Thread):
                 s.close()
 
 
-def build(engine, path, plan, args):
+class Scenario:
+    """Builds one scenario's engines (one per replica), group and driver; tears them down."""
+
+    def __init__(self, engine, profile, path, head, args, model):
+        self.engine, self.profile, self.path, self.head = engine, profile, path, head
+        self.args, self.model = args, model
+        self.cleanup = []
+        self.models = {}
+
+    def modules(self):
+        import fakes_sglang as fs
+        import fakes_vllm as fv
+
+        return fs.sglang_modules(self.profile) if self.engine == "sglang" else \
+            fv.vllm_modules(self.profile)
+
+    def plan(self):
+        from shardsync.hooks import engines
+
+        kw = engines.plan_kwargs(engines.probe_installed(self.engine))
+        return shardsync.Plan(self.model, self.args.trainer, self.args.rollout,
+                              engine=self.engine, wire_dtype=self.args.wire_dtype,
+                              trainer_dtype="f32", **kw)
+
+    def build(self, plan, config):
+        import fakes_engines as fe
+        from shardsync.engine_group import EngineGroup, worker_coords
+        from shardsync.hooks.driver import HTTPEngine, SGLangDriver, SGLangEngineAdapter, \
+            VLLMDriver
+
+        sm = plan.shard_map()
+        self.dtype = getattr(torch, {"f32": "float32", "bf16": "bfloat16"}[self.args.wire_dtype])
+        device = "cuda:0" if self.args.device == "cuda" else "cpu"
+        heads, loop = [], None
+        for d in range(plan.dp):
+            per = {}
+            for pp in range(plan.pp):
+                for tp in range(plan.tp):
+                    m = fe.FakeModel(sm.rank(tp, pp).params, device=device, dtype=self.dtype)
+                    self.models[(d, tp, pp)] = per[(tp, pp)] = m
+            heads.append(self._engine(plan, per))
+        if self.head == "async":
+            loop = asyncio.new_event_loop()
+            t = threading.Thread(target=loop.run_forever, daemon=True)
+            t.start()
+            self.cleanup.append(lambda: (loop.call_soon_threadsafe(loop.stop), t.join(10)))
+            import fakes_vllm as fv
+
+            heads = [fv.FakeAsyncLLM(h, loop) for h in heads]
+        elif self.head.startswith("http"):
+            import fakes_sglang as fs
+            import fakes_vllm as fv
+
+            served = []
+            for h in heads:
+                url, srv = (fs.serve_sglang_http(h) if self.engine == "sglang" else
+                            fv.serve_vllm_http(h, dev_mode=self.head == "http"))
+                self.cleanup.append(srv.shutdown)
+                served.append(HTTPEngine(url, self.engine))
+            heads = served
+        elif self.head == "adapter":
+            heads = [SGLangEngineAdapter(h) for h in heads]
+        coords = worker_coords(plan.dp, plan.tp, plan.pp)
+        group = EngineGroup([heads[c.dp] if c.is_head else None for c in coords],
+                            tp=plan.tp, pp=plan.pp)
+        if self.engine == "sglang":
+            return group, SGLangDriver(group, plan, config, path=self.path)
+        return group, VLLMDriver(group, plan, config, path=self.path, loop=loop)
+
+    def _engine(self, plan, per):
+        if self.engine == "sglang":
+            import fakes_sglang as fs
+
+            e = fs.FakeSGLangEngine(per, plan.tp, plan.pp, profile=self.profile,
+                                    server_args=fs.sglang_server_args(
+                                        plan.tp, plan.pp, self.profile, ep_size=plan.inputs.ep))
+            self.cleanup.append(e.shutdown)
+            return e
+        import fakes_vllm as fv
+        from shardsync.hooks import vllm as vh
+
+        vh.register_vllm_backend()
+        native = self.path == "native" and fv.VLLM_PROFILES[self.profile].native
+        cfg = fv.vllm_config(plan.tp, plan.pp, backend="shardsync" if native else None,
+                             enable_expert_parallel=plan.inputs.ep > 1)
+        llm = fv.FakeLLM(per, cfg, profile=self.profile,
+                         extension=vh.ShardsyncWorkerExtension if self.path == "extension"
+                         else None)
+        self.cleanup.append(lambda: [w.weight_transfer_engine.shutdown()
+                                     for w in llm.workers.values()
+                                     if w.weight_transfer_engine is not None])
+        return llm
+
+    def close(self):
+        for fn in reversed(self.cleanup):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - tearing down
+                pass
+
+
+def run_one(sc, args, model):
     import fakes_engines as fe
-    from shardsync.engine_group import EngineGroup, worker_coords
-    from shardsync.hooks import vllm as vh
 
-    sm = plan.shard_map()
-    dtype = getattr(torch, {"f32": "float32", "bf16": "bfloat16"}[args.wire_dtype])
-    device = f"{args.device}:0" if args.device == "cuda" else "cpu"
-    models, engines = {}, []
-    for d in range(plan.dp):
-        per = {}
-        for pp in range(plan.pp):
-            for tp in range(plan.tp):
-                m = fe.FakeModel(sm.rank(tp, pp).params, device=device, dtype=dtype)
-                models[(d, tp, pp)] = per[(tp, pp)] = m
-        ep = int(plan.inputs.ep)  # the live engine config must say what the plan says
-        if engine == "sglang":
-            engines.append(fe.FakeSGLangEngine(
-                per, plan.tp, plan.pp, server_args=fe.sglang_server_args(plan.tp, plan.pp,
-                                                                         ep_size=ep)))
-        else:
-            cfg = fe.vllm_config(plan.tp, plan.pp,
-                                 backend="shardsync" if path == "native" else None,
-                                 enable_expert_parallel=ep > 1)
-            engines.append(fe.FakeLLM(per, cfg, extension=vh.ShardsyncWorkerExtension
-                                      if path == "extension" else None))
-    coords = worker_coords(plan.dp, plan.tp, plan.pp)
-    group = EngineGroup([engines[c.dp] if c.is_head else None for c in coords],
-                        tp=plan.tp, pp=plan.pp)
-    return group, engines, models, dtype
-
-
-def run_one(engine, path, args, model):
-    import fakes_engines as fe
-    from shardsync.hooks.driver import SGLangDriver, VLLMDriver
-
-    plan = shardsync.Plan(model, args.trainer, args.rollout, engine=engine,
-                          wire_dtype=args.wire_dtype, trainer_dtype="f32")
-    out = {"engine": engine, "path": path, "rollout": args.rollout, "trainer": args.trainer,
-           "device": args.device, "transport": args.transport, "plan": plan.hash, "ok": False}
-    mods = fe.sglang_modules() if engine == "sglang" else fe.vllm_modules()
-    with fe.installed(mods), shardsync.StoreServer(token=TOKEN) as srv:
-        if engine == "vllm":
-            from shardsync.hooks import vllm as vh
-
-            vh.register_vllm_backend()
-        group, engines, models, dtype = build(engine, path, plan, args)
+    engine, profile, path, head, expect = sc
+    s = Scenario(engine, profile, path, head, args, model)
+    out = {"engine": engine, "profile": profile, "path": path, "head": head, "expect": expect,
+           "rollout": args.rollout, "device": args.device, "ok": False}
+    with fe.installed(s.modules()), shardsync.StoreServer(token=TOKEN) as srv:
+        plan = s.plan()
+        out["plan"], out["expert_naming"] = plan.hash, plan.expert_naming
         config = {"store": srv.address, "token": TOKEN, "transport": args.transport,
                   "connect_timeout": args.timeout, "sync_timeout": args.timeout}
-        Driver = SGLangDriver if engine == "sglang" else VLLMDriver
-        driver = Driver(group, plan, config, path=path)
-        results = {}
-        trainers = [Trainer(plan, r, srv.address, args, results)
-                    for r in range(plan.trainer_world)]
-        for t in trainers:
-            t.start()
+        trainers, results = [], {}
         try:
             t0 = time.monotonic()
+            group, driver = s.build(plan, config)
+            out["version"], out["path"] = driver.caps.version, driver.path
+            trainers = [Trainer(plan, r, srv.address, args, results)
+                        for r in range(plan.trainer_world)]
+            for t in trainers:
+                t.start()
             driver.init()
             out["init_s"] = round(time.monotonic() - t0, 4)
             out["versions"] = []
             for v in range(1, args.versions + 1):
-                group.call("pause_generation")
                 for t in trainers:
                     t.q.put(v)
                 t0 = time.monotonic()
                 rep = driver.sync(v)
                 wall = time.monotonic() - t0
-                group.call("continue_generation" if engine == "sglang" else "resume_generation")
-                full = full_weights(plan, v)
-                checked = mism = 0
+                full, checked, mism = full_weights(plan, v), 0, 0
                 sm = plan.shard_map()
-                for (d, tp, pp), m in models.items():
+                for (d, tp, pp), m in s.models.items():
                     live = dict(m.named_parameters())
                     for p in sm.rank(tp, pp).params:
                         got = live[p.name].detach().to("cpu")
-                        want = expected(p, full, dtype)
-                        mism += int((got != want).sum())
+                        mism += int((got != expected(p, full, s.dtype)).sum())
                         checked += got.numel()
                 out["versions"].append({"version": v, "verified": rep["verified"],
                                         "bytes": rep["bytes"], "driver_s": round(wall, 4),
                                         "elements": checked, "mismatches": mism})
-            errs = {k: v for k, v in results.items() if k[0] == "error"}
-            out["trainer_errors"] = [v for v in errs.values()]
-            out["ok"] = (not errs and all(x["verified"] and x["mismatches"] == 0
-                                          for x in out["versions"]))
-        except Exception as e:  # noqa: BLE001
+            driver.close()
+            errs = [v for k, v in results.items() if k[0] == "error"]
+            out["trainer_errors"] = errs
+            out["ok"] = expect == "ok" and not errs and all(
+                x["verified"] and x["mismatches"] == 0 for x in out["versions"])
+        except shardsync.Error as e:
             out["error"] = f"{type(e).__name__}: {e}"
-            out["traceback"] = traceback.format_exc(limit=5)
+            version = {"miles": "0.5.12+miles"}.get(profile, profile)
+            out["ok"] = expect != "ok" and expect in str(e) and version in str(e)
+            if expect == "ok":
+                out["traceback"] = traceback.format_exc(limit=5)
         finally:
             for t in trainers:
                 t.q.put(None)
             for t in trainers:
                 t.join(args.timeout)
-            try:
-                driver.close()
-            except Exception:  # noqa: BLE001
-                pass
-            for e in engines:
-                if engine == "sglang":
-                    e.shutdown()
-                else:
-                    for w in e.workers.values():
-                        if w.weight_transfer_engine is not None:
-                            w.weight_transfer_engine.shutdown()
+            s.close()
     return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", choices=("sglang", "vllm", "both"), default="both")
-    ap.add_argument("--path", default="all",
-                    help="receiver | loader (sglang), native | extension (vllm), or all")
     ap.add_argument("--model", default=None,
                     help="embedded model name or config.json (default: a tiny Qwen3-MoE)")
     ap.add_argument("--trainer", default="fsdp=2")
@@ -242,23 +310,20 @@ def main(argv=None):
         print(json.dumps({"ok": False, "error": "--device cuda needs a CUDA build of shardsync "
                                                 "(shardsync._C.DEVICE_BINDING)"}))
         return 2
-    model = args.model
-    tmp = None
+    model, tmp = args.model, None
     if model is None:
         tmp = tempfile.mkdtemp(prefix="ss-demo-")
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(TINY, f)
         model = tmp
-    engines = ("sglang", "vllm") if args.engine == "both" else (args.engine,)
     ok = True
     try:
-        for engine in engines:
-            for path in PATHS[engine]:
-                if args.path not in ("all", path):
-                    continue
-                res = run_one(engine, path, args, model)
-                ok &= bool(res["ok"])
-                print(json.dumps(res), flush=True)
+        for sc in SCENARIOS:
+            if args.engine not in ("both", sc[0]):
+                continue
+            res = run_one(sc, args, model)
+            ok &= bool(res["ok"])
+            print(json.dumps(res), flush=True)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

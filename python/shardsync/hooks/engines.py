@@ -40,7 +40,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import InvalidArgumentError, UnimplementedError
 
-__all__ = ["EngineCaps", "probe", "require", "parse_version", "SUPPORT", "plan_kwargs"]
+__all__ = ["EngineCaps", "probe", "probe_installed", "require", "parse_version", "SUPPORT",
+           "plan_kwargs", "check_plan"]
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,16 @@ def probe(handle: Any, engine: str) -> EngineCaps:
     if engine == "vllm":
         return _probe_vllm(handle)
     raise InvalidArgumentError(f"engine: must be sglang or vllm, got {engine!r}")
+
+
+class _Installed:
+    """No running engine: the probe reads only the package installed in this process."""
+
+
+def probe_installed(engine: str) -> EngineCaps:
+    """The engine package installed in this process, with no engine running yet: what a plan
+    built here must say (`plan_kwargs`); the drivers check the running heads again."""
+    return probe(_Installed(), engine)
 
 
 def agree(caps: List[EngineCaps]) -> EngineCaps:

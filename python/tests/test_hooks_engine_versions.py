@@ -27,7 +27,6 @@ from fakes_vllm import (  # noqa: E402
 from hook_harness import TINY_MOE, Trainers, base_config, check_models, make_plan  # noqa: E402
 from shardsync.engine_group import EngineGroup, worker_coords  # noqa: E402
 from shardsync.hooks.driver import (  # noqa: E402
-    HookError,
     HTTPEngine,
     SGLangDriver,
     SGLangEngineAdapter,

@@ -14,7 +14,9 @@
 - The cache is flushed once per round after `end`, through `flush_cache` (retried until it
   answers success or `flush_timeout`): an update request's own `flush_cache=True` asserts inside
   the scheduler unless generation is fully idle (`flush_cache_after_weight_update`), which would
-  kill it; the separate call answers False instead.
+  kill it; the separate call answers False instead. `flush="with-update"` (for heads without a
+  flush_cache call, e.g. UniRL's wrapper, whose callers pause generation around a sync) asks it
+  of the round's last update; `flush="off"` leaves the cache alone.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import Error, FailedPreconditionError, InvalidArgumentError, UnimplementedError
-from .driver import _check_replies, _Driver
+from .driver_base import _check_replies, _Driver
 from .engines import require
 
 __all__ = ["SGLangDriver"]
@@ -53,7 +55,7 @@ class SGLangDriver(_Driver):
     def __init__(self, group: Any, plan: Any, config: Dict[str, Any], *, path: str = "auto",
                  session: Any = "auto", group_name: str = "shardsync",
                  timeout: Optional[float] = None, draft: str = "refuse",
-                 flush_timeout: float = 30.0) -> None:
+                 flush: str = "separate", flush_timeout: float = 30.0) -> None:
         super().__init__(group, plan, config, timeout=timeout, draft=draft)
         from . import sglang as ss
 
@@ -79,7 +81,10 @@ class SGLangDriver(_Driver):
                 + "; leave session='auto'")
         self.session = bool(session)
         self.group_name = group_name
-        self.flush_timeout = float(flush_timeout)
+        if flush not in ("separate", "with-update", "off"):
+            raise InvalidArgumentError(
+                f"flush: must be separate, with-update or off, got {flush!r}")
+        self.flush_mode, self.flush_timeout = flush, float(flush_timeout)
 
     def _facts(self, engine: Any) -> Dict[str, Any]:
         from .layout_check import sglang_facts
@@ -102,14 +107,15 @@ class SGLangDriver(_Driver):
             # Always close the session: a second begin on an open one asserts in the scheduler.
             _check_replies("end_weight_update", self.group.call("end_weight_update"))
 
-    def _loader(self, named: List[Tuple[str, Any]]) -> None:
+    def _loader(self, named: List[Tuple[str, Any]], flush_cache: bool = False) -> None:
         _check_replies("update_weights_from_tensor", self.group.call(
-            "update_weights_from_tensor", named, load_format=self.ss.LOADER, flush_cache=False))
+            "update_weights_from_tensor", named, load_format=self.ss.LOADER,
+            flush_cache=flush_cache))
 
-    def _receive(self, payload: Dict[str, Any]) -> None:
+    def _receive(self, payload: Dict[str, Any], flush_cache: bool = False) -> None:
         _check_replies("update_weights_from_distributed", self.group.call(
             "update_weights_from_distributed", names=[], dtypes=[], shapes=[],
-            group_name=self.group_name, receiver_payload=payload, flush_cache=False))
+            group_name=self.group_name, receiver_payload=payload, flush_cache=flush_cache))
 
     @property
     def _post_load(self) -> bool:
@@ -163,18 +169,21 @@ class SGLangDriver(_Driver):
         one cache flush per replica."""
         self._refuse_asleep()
         v = int(version)
+        last = self.flush_mode == "with-update"
 
         def body() -> None:
             if self.path == "receiver":
                 self._receive(self.ss.receiver_payload("start", version=v))
-                self._receive(self.ss.receiver_payload("wait", post_load=self._post_load))
+                self._receive(self.ss.receiver_payload("wait", post_load=self._post_load),
+                              flush_cache=last)
             else:
                 self._loader(self.ss.start_request(v))
-                self._loader(self.ss.wait_request(post_load=self._post_load))
+                self._loader(self.ss.wait_request(post_load=self._post_load), flush_cache=last)
 
         self._bracket(body)
         out = self._collect("sync", v)
-        self.flush()
+        if self.flush_mode == "separate":
+            self.flush()
         return out
 
     def close(self) -> None:

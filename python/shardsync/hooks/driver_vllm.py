@@ -19,7 +19,7 @@ import inspect
 from typing import Any, Dict, Optional
 
 from ..errors import FailedPreconditionError, InvalidArgumentError
-from .driver import _Driver
+from .driver_base import _Driver
 from .engines import require
 
 __all__ = ["VLLMDriver"]

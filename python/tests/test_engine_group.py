@@ -228,3 +228,33 @@ def test_group_tracks_released_weights():
     with pytest.raises(ReplicaError):
         g.sleep(1)
     assert g.asleep_replicas() == [0]
+
+
+def test_async_engine_methods_awaited_on_the_engines_loop():
+    """An async engine (vLLM AsyncLLM) returns coroutines: awaited on the loop given, refused by
+    name (and closed, never left unawaited) without one."""
+    import asyncio
+    import warnings
+
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    seen = []
+
+    class AsyncEngine:
+        async def start_weight_update(self):
+            seen.append(asyncio.get_running_loop())
+            return "started"
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "coroutine ... was never awaited" would fail
+            group = EngineGroup([AsyncEngine(), None], tp=2, pp=1)
+            with pytest.raises(ReplicaError, match="is async .*pass loop="):
+                group.start_weight_update()
+            group.set_loop(loop)
+            assert group.start_weight_update() == ["started"]
+            assert seen == [loop]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)

@@ -77,11 +77,18 @@ def test_vllm_024_routed_experts_names(need_session, tiny_moe):
     the probe reads the naming, the plan built from it syncs every element, and a plan with the
     old naming is refused by the driver naming the fix. Before: every MoE init failed (the shard
     map had only "...mlp.experts.w13_weight"; no probe, no expert_naming)."""
-    from shardsync.hooks import engines
-
     with installed(vllm_modules("0.24")), shardsync.StoreServer(token="hooks") as srv:
-        probe_plan = make_plan(tiny_moe, "dp=1,tp=2,pp=2", "vllm")
-        caps = engines.probe(_llm(probe_plan, "0.24")[0], "vllm")
+        from shardsync.hooks import vllm as vh
+
+        vh.register_vllm_backend()
+        default = make_plan(tiny_moe, "dp=1,tp=2,pp=2", "vllm")  # FusedMoE names
+        with pytest.raises(shardsync.InvalidArgumentError,
+                           match="expert_naming='routed_experts'"):
+            VLLMDriver(_group([_llm(default, "0.24")[0]], default), default,
+                       base_config(default, srv))
+        from shardsync.hooks import engines
+
+        caps = engines.probe_installed("vllm")
         assert caps.expert_naming == "routed_experts" and caps.version == "0.24.0"
         plan = shardsync.Plan(tiny_moe, "fsdp=2", "dp=1,tp=2,pp=2", engine="vllm",
                               wire_dtype="f32", trainer_dtype="f32", bucket_bytes=64 << 10,
@@ -89,9 +96,6 @@ def test_vllm_024_routed_experts_names(need_session, tiny_moe):
         llm, models = _llm(plan, "0.24")
         names = [n for n, _ in models[(0, 0, 0)].named_parameters()]
         assert "model.layers.0.mlp.experts.routed_experts.w13_weight" in names
-        with pytest.raises(shardsync.InvalidArgumentError,
-                           match="expert_naming='routed_experts'"):
-            VLLMDriver(_group([llm], probe_plan), probe_plan, base_config(probe_plan, srv))
         driver = VLLMDriver(_group([llm], plan), plan, base_config(plan, srv))
         trainers = Trainers(plan, srv).start()
         try:
@@ -134,9 +138,9 @@ def test_sglang_command_survives_the_safe_unpickler(need_session, tiny_model, pr
     with installed(sglang_modules(profile)), shardsync.StoreServer(token="hooks") as srv:
         group, engines, models = engines_for(plan, profile=profile)
         driver = SGLangDriver(group, plan, base_config(plan, srv))
-        assert driver.caps.payload_error is None and driver.session is (profile == "0.5.12")
         run_versions(plan, srv, driver, models)
         assert not engines[0].dead
+        assert driver.caps.payload_error is None and driver.session is (profile == "0.5.12")
         engines[0].shutdown()
 
 
@@ -248,25 +252,19 @@ def test_vllm_async_llm_awaited_on_its_loop(need_session, tiny_model):
 # ---- vLLM HTTP ------------------------------------------------------------------------------
 
 
-def test_vllm_http_dev_mode_and_wake_tags(need_session, tiny_model):
-    """`/sleep`, `/wake_up`, `/is_sleeping` and the RLHF routes exist only with
-    VLLM_SERVER_DEV_MODE=1, and `/wake_up` reads `tags` from query parameters. Before: the body
-    carried the tags (every tag woke) and a server without dev mode failed later with a bare
-    HTTP 404. Now a missing dev mode is refused at init naming the variable, and tags wake only
-    what they name."""
+def test_vllm_http_wake_tags_are_query_parameters(need_session, tiny_model):
+    """`/wake_up` reads `tags` from query parameters (query_params.getlist). Before: the body
+    carried them, the route saw none and woke every tag; now only the tags named wake."""
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "vllm")
-    with installed(vllm_modules("0.23")), shardsync.StoreServer(token="hooks") as srv:
+    with installed(vllm_modules("0.23")):
         llm, models = _llm(plan, "0.23")
-        url, http = serve_vllm_http(llm, dev_mode=False)
-        url_dev, http_dev = serve_vllm_http(llm, dev_mode=True)
+        url, http = serve_vllm_http(llm, dev_mode=True)
         try:
-            with pytest.raises(shardsync.UnimplementedError, match="VLLM_SERVER_DEV_MODE=1"):
-                VLLMDriver(EngineGroup([HTTPEngine(url, "vllm")]), plan, base_config(plan, srv))
             alloc = CuMemAllocator.get_instance()
             m = models[(0, 0, 0)]
             alloc.track([p for n, p in m.named_parameters() if "layers.0." in n], tag="kv_cache")
             alloc.track([p for n, p in m.named_parameters() if "layers.0." not in n])
-            head = HTTPEngine(url_dev, "vllm")
+            head = HTTPEngine(url, "vllm")
             head.sleep(1)
             head.wake_up(tags=["weights"])
             assert alloc.asleep_tags() == {"kv_cache"}
@@ -274,7 +272,24 @@ def test_vllm_http_dev_mode_and_wake_tags(need_session, tiny_model):
             assert alloc.asleep_tags() == set()
         finally:
             http.shutdown()
-            http_dev.shutdown()
+            _shutdown(llm)
+
+
+def test_vllm_http_without_dev_mode_refused_at_init(need_session, tiny_model):
+    """`/sleep`, `/wake_up`, `/is_sleeping` and the RLHF routes exist only with
+    VLLM_SERVER_DEV_MODE=1. Before: a server without it failed later with a bare HTTP 404; now
+    the driver refuses at construction naming the variable, and no route is posted to."""
+    plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "vllm")
+    with installed(vllm_modules("0.23")), shardsync.StoreServer(token="hooks") as srv:
+        llm, _ = _llm(plan, "0.23")
+        url, http = serve_vllm_http(llm, dev_mode=False)
+        try:
+            with pytest.raises(shardsync.UnimplementedError,
+                               match=r"vLLM 0\.23\.1 .*VLLM_SERVER_DEV_MODE=1"):
+                VLLMDriver(EngineGroup([HTTPEngine(url, "vllm")]), plan, base_config(plan, srv),
+                           path="native")
+        finally:
+            http.shutdown()
             _shutdown(llm)
 
 
@@ -305,25 +320,31 @@ def test_sglang_speculative_draft(need_session, tiny_model):
 def test_sglang_flush_never_asserts_in_the_scheduler(need_session, tiny_model):
     """flush_cache_after_weight_update asserts inside the scheduler unless generation is idle.
     Before: the wait request carried flush_cache=True, and a sync with requests in flight killed
-    the engine. Now updates never ask for it; the driver flushes after end, retrying, and names
-    a replica that stays busy; the engine keeps serving and the next round flushes."""
+    the engine. Now updates never ask for it; the driver flushes after end, retrying until the
+    engine is idle, and names a replica that stays busy; the engine keeps serving."""
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "sglang")
-    with installed(sglang_modules("0.5.12")), shardsync.StoreServer(token="hooks") as srv:
-        group, engines, models = engines_for(plan)
-        driver = SGLangDriver(group, plan, base_config(plan, srv), flush_timeout=0.3)
+    # Every version has the assert; 0.4.7 (plain pickle) isolates it from the unpickler finding.
+    with installed(sglang_modules("0.4.7")), shardsync.StoreServer(token="hooks") as srv:
+        group, engines, models = engines_for(plan, profile="0.4.7")
+        driver = SGLangDriver(group, plan, base_config(plan, srv))
         trainers = Trainers(plan, srv).start()
+        busy = engines[0].generating()
         try:
             driver.init()
             trainers.sync(1)
+            busy.__enter__()  # requests in flight; they finish 0.5 s into the round
+            threading.Timer(0.5, busy.__exit__, (None, None, None)).start()
+            assert driver.sync(1)["verified"]
+            assert not engines[0].dead and engines[0].calls[-1] == "flush_cache"
+            check_models(plan, trainers.weights(1), models)
+            trainers.sync(2)
+            driver.flush_timeout = 0.3
             with engines[0].generating():
                 with pytest.raises(shardsync.FailedPreconditionError,
                                    match="flush_cache: replica 0 still refuses"):
-                    driver.sync(1)
+                    driver.sync(2)
             assert not engines[0].dead
-            check_models(plan, trainers.weights(1), models)  # the weights landed all the same
-            trainers.sync(2)
-            assert driver.sync(2)["verified"]
-            assert engines[0].calls[-1] == "flush_cache"
+            check_models(plan, trainers.weights(2), models)  # the weights landed all the same
         finally:
             trainers.stop()
             engines[0].shutdown()

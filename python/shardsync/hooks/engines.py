@@ -14,8 +14,9 @@ Facts each probe relies on (engine files read for this module):
   calls it outside any try (`update_weights_from_tensor`), so a refused payload kills the engine.
   The probe round-trips the real command payload through the installed serializer.
 - SGLang `srt/managers/io_struct.py`: `BeginWeightUpdateReqInput` exists with the begin/end
-  weight-update session (PR #28001, Jun 2026; the scheduler then asserts an open session around
-  every update); `InitWeightsUpdateGroupReqInput.receiver` and `ServerArgs.weight_update_receivers`
+  weight-update session (PR #28001, Jun 2026, on top of PR #28710's scheduler assert of an open
+  session around every update; the HTTP route is `@app.post("/begin_weight_update")`, so a GET
+  answers 405 where it exists); `InitWeightsUpdateGroupReqInput.receiver` and `ServerArgs.weight_update_receivers`
   exist only on the sglang-miles branch (`weight_sync/external_receiver.py`), not on SGLang main.
 - SGLang `ServerArgs.custom_weight_loader` (PR #7122, v0.4.7) and `speculative_algorithm`.
 - vLLM `distributed/weight_transfer/base.py`: `WeightTransferInitRequest` /
@@ -81,7 +82,7 @@ SUPPORT: Tuple[Tuple[str, str, str, str], ...] = (
      "supported: plain pickle; no begin/end session"),
     ("sglang", "SafeUnpickler (Oct 2025) .. before PR #28001", "loader",
      "supported: command payload is a torch.nn.Module (allowlisted 'torch.')"),
-    ("sglang", "with begin/end_weight_update (PR #28001, Jun 2026)", "loader",
+    ("sglang", "with begin/end_weight_update (PRs #28710 + #28001, Jun 2026)", "loader",
      "supported: every round bracketed by begin/end"),
     ("sglang", "main (any version)", "receiver",
      "refused: external receivers exist only on the sglang-miles branch"),

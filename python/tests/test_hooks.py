@@ -325,3 +325,22 @@ def test_sglang_adapter_routes_missing_methods_through_the_tokenizer_manager():
     with pytest.raises(shardsync.UnimplementedError, match="no end_weight_update"):
         a.end_weight_update()
     Engine.loop.close()
+
+
+def test_expert_naming_is_part_of_the_plan(need_plan, tmp_path):
+    """Two naming choices never share a plan hash; the default keeps the hash and spec it had;
+    the spec rebuilds the plan elsewhere; SGLang refuses vLLM's RoutedExperts naming."""
+    from hook_harness import TINY_MOE
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_MOE))
+    kw = dict(engine="vllm", wire_dtype="f32", trainer_dtype="f32")
+    fused = shardsync.Plan(str(tmp_path), "fsdp=2", "dp=1,tp=2,pp=1", **kw)
+    routed = shardsync.Plan(str(tmp_path), "fsdp=2", "dp=1,tp=2,pp=1", **kw,
+                            expert_naming="routed_experts")
+    assert fused.hash != routed.hash and "expert_naming" not in fused.spec
+    assert shardsync.Plan.from_spec(routed.spec).hash == routed.hash
+    names = [p.name for p in routed.shard_map().rank(1, 0).params if ".experts." in p.name]
+    assert names and all(".experts.routed_experts.w" in n for n in names)
+    with pytest.raises(shardsync.InvalidArgumentError, match="vLLM's \\(>= 0.24\\) naming"):
+        shardsync.Plan(str(tmp_path), "fsdp=2", "dp=1,tp=2,pp=1", engine="sglang",
+                       expert_naming="routed_experts")

@@ -23,8 +23,54 @@ std::vector<int64_t> LinearIndices(const Region& r, const Shape& shape) {
 
 bool SameOp(const TransferOp& a, const TransferOp& b) {
   return a.tensor == b.tensor && a.param == b.param && a.src == b.src && a.dst == b.dst &&
-         a.wire_offset == b.wire_offset && a.bytes == b.bytes;
+         a.wire_offset == b.wire_offset && a.bytes == b.bytes && a.src_param == b.src_param &&
+         a.src_local == b.src_local;
 }
+
+// The sender holds op's bytes where the op says: FSDP-like layouts in their dim-0 shard of the
+// tensor; Megatron in local parameter src_param, at src_local, by a piece of that parameter that
+// carries the tensor (trainer map of the sender, cached per rank).
+class HeldCheck {
+ public:
+  HeldCheck(const PlanInputs& in, const std::vector<HfTensor>& inv) : in_(in), inv_(inv) {}
+  Status Check(const Message& m, const TransferOp& op) {
+    const HfTensor& t = inv_[op.tensor];
+    if (in_.trainer.kind != TrainerSpec::Kind::kMegatron) {
+      if (op.src_param == -1 &&
+          RegionContains(TrainerHeldRegion(in_.trainer, m.src, t.shape), op.src)) {
+        return OkStatus();
+      }
+      return InternalError(fmt::format("message {}->{}: trainer rank {} does not hold {} of '{}'",
+                                       m.src, m.dst, m.src, op.src.ToString(), t.name));
+    }
+    auto it = maps_.find(m.src);
+    if (it == maps_.end()) {
+      SS_ASSIGN_OR_RETURN(TrainerRankParams p,
+                          BuildTrainerParams(in_.model, in_.trainer, m.src, in_.trainer_dtype));
+      it = maps_.emplace(m.src, std::move(p)).first;
+    }
+    const auto& params = it->second.params;
+    if (op.src_param >= 0 && op.src_param < static_cast<int32_t>(params.size())) {
+      const TrainerParam& p = params[op.src_param];
+      for (const TrainerPiece& pc : p.pieces) {
+        if (pc.source != t.name || !RegionContains(pc.src, op.src)) continue;
+        Region want = op.src;
+        for (int i = 0; i < want.ndim; ++i) {
+          want.offset[i] += pc.local.offset[i] - pc.src.offset[i];
+        }
+        if (want == op.src_local && RegionInside(want, p.shape)) return OkStatus();
+      }
+    }
+    return InternalError(fmt::format(
+        "message {}->{}: trainer rank {} does not hold {} of '{}' at {} of its parameter {}", m.src,
+        m.dst, m.src, op.src.ToString(), t.name, op.src_local.ToString(), op.src_param));
+  }
+
+ private:
+  const PlanInputs& in_;
+  const std::vector<HfTensor>& inv_;
+  std::map<int, TrainerRankParams> maps_;
+};
 
 Status CheckMessageShape(const Message& m, int64_t cap, int64_t wire) {
   int64_t off = 0;
@@ -142,6 +188,7 @@ Status ValidateContext(const PlanContext& ctx) {
 
   SS_ASSIGN_OR_RETURN(DetailedSummary ds, ctx.Summarize(SummaryOptions{}));
   const PlanSummary& sum = ds.summary;
+  HeldCheck held(in, inv);
   size_t matched = 0;
   int64_t total_ops = 0, total_msgs = 0;
   for (int j = 0; j < D * E; ++j) {
@@ -188,11 +235,7 @@ Status ValidateContext(const PlanContext& ctx) {
               fmt::format("message {}->{}: op {} of '{}' -> {} of '{}' out of bounds", m.src, m.dst,
                           op.src.ToString(), t.name, op.dst.ToString(), prm.name));
         }
-        if (!RegionContains(TrainerHeldRegion(in.trainer, m.src, t.shape), op.src)) {
-          return InternalError(
-              fmt::format("message {}->{}: trainer rank {} does not hold {} of '{}'", m.src, m.dst,
-                          m.src, op.src.ToString(), t.name));
-        }
+        SS_RETURN_IF_ERROR(held.Check(m, op));
         if (!RegionIsContiguous(op.dst, prm.shape)) {
           return InternalError(fmt::format("message {}->{}: dst {} of '{}' is not contiguous",
                                            m.src, m.dst, op.dst.ToString(), prm.name));

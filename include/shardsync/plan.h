@@ -61,6 +61,19 @@ Result<std::pair<int64_t, int64_t>> MegatronChunkLayers(const MegatronLayout& m,
 // vocab_size_with_padding); tail rows past V hold no HF byte.
 int64_t MegatronPaddedVocab(const MegatronLayout& m, int64_t vocab_size);
 
+// Renderings of trainer maps (`shardsync shards --trainer`; JSON schema in docs/cli.md).
+// One row per rank: Megatron coordinates and layers, parameters, HF elements held, bytes.
+std::string TrainerMapToTable(const ModelSpec& model, const TrainerSpec& t,
+                              const std::vector<TrainerRankParams>& ranks);
+// {model, trainer, world, [padded_vocab], ranks: [{rank, [coords], params: [{name, chunk, shape,
+// dtype, pieces: [{source, src_offset, local_offset, extent}]}]}]}, one line.
+std::string TrainerMapToJson(const ModelSpec& model, const TrainerSpec& t,
+                             const std::vector<TrainerRankParams>& ranks);
+// Where the bytes of local parameter `name` come from on every rank holding it, or, given an HF
+// tensor name, where ranks hold its bytes. NotFound if neither.
+Result<std::string> ExplainTrainerParam(const std::vector<TrainerRankParams>& ranks,
+                                        std::string_view name);
+
 struct RolloutSpec {
   int dp = 1;
   ShardSpec shard;  // engine, tp, pp, ep, partition

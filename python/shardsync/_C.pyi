@@ -153,6 +153,23 @@ class TransferOp:
     dst: Region
     wire_offset: int
     bytes: int
+    # Megatron trainers: index into the sender's trainer_params(rank) and the region there;
+    # -1 and an empty region for FSDP-like layouts.
+    src_param: int
+    src_local: Region
+
+class TrainerPiece:
+    source: str
+    src: Region
+    local: Region
+
+class TrainerParam:
+    name: str
+    chunk: int
+    shape: List[int]
+    dtype: str
+    pieces: List[TrainerPiece]
+    numel: int
 
 class Bucket:
     op_begin: int
@@ -197,6 +214,8 @@ class PlanInputs:
     def summary(self) -> Dict[str, Any]: ...
     def validate(self) -> None: ...
     def held_region(self, trainer_rank: int, shape: List[int]) -> Region: ...
+    def trainer_params(self, trainer_rank: int) -> List[TrainerParam]: ...
+    def trainer_coords(self, trainer_rank: int) -> Optional[Dict[str, int]]: ...
 
 def parse_trainer_spec(spec: str) -> str: ...
 

@@ -117,12 +117,14 @@ struct TransferOp {
   Region dst;               // region of the engine parameter (same element count)
   int64_t wire_offset = 0;  // byte offset inside the message's wire image
   int64_t bytes = 0;        // wire bytes: src.numel() * DTypeSize(wire_dtype)
-  // Where the sender holds the bytes. -1 (FSDP-like layouts): the sender's shard of `tensor`,
-  // src relative to TrainerHeldRegion. Megatron: index into the sender's
-  // BuildTrainerParams(...).params, and `src_local` the region of that local parameter (same
-  // extents as `src`).
-  int32_t src_param = -1;
-  Region src_local;
+};
+
+// Where a Megatron sender holds an op's bytes: local parameter `param` (index into the sender's
+// BuildTrainerParams(...).params) at `region` (same extents as the op's src). FSDP-like senders
+// hold `tensor`'s dim-0 shard (TrainerHeldRegion) and need none.
+struct LocalSource {
+  int32_t param = 0;
+  Region region;
 };
 
 // A slice of a message's ops sent and verified as a unit (one checksum), under the bucket cap.
@@ -140,6 +142,9 @@ struct Message {
   int64_t bytes = 0;
   std::vector<TransferOp> ops;
   std::vector<Bucket> buckets;
+  // Megatron trainers: local[i] says where the sender holds ops[i]. Empty for FSDP-like layouts,
+  // so their plans stay as they were (a parallel array costs them nothing).
+  std::vector<LocalSource> local;
 };
 
 // One rank's part of the plan: what it sends and what it receives. Computed directly from the

@@ -153,10 +153,10 @@ class TransferOp:
     dst: Region
     wire_offset: int
     bytes: int
-    # Megatron trainers: index into the sender's trainer_params(rank) and the region there;
-    # -1 and an empty region for FSDP-like layouts.
-    src_param: int
-    src_local: Region
+
+class LocalSource:
+    param: int  # index into the sender's trainer_params(rank)
+    region: Region  # region of that local parameter (same extents as the op's src)
 
 class TrainerPiece:
     source: str
@@ -183,6 +183,8 @@ class Message:
     bytes: int
     ops: List[TransferOp]
     buckets: List[Bucket]
+    # Megatron trainers: local[i] is where the sender holds ops[i]; empty for FSDP-like layouts.
+    local: List[LocalSource]
 
 class RankPlan:
     rank: int

@@ -77,9 +77,10 @@ void RegisterPlan(py::module_& m) {
       .def_readonly("src", &TransferOp::src)
       .def_readonly("dst", &TransferOp::dst)
       .def_readonly("wire_offset", &TransferOp::wire_offset)
-      .def_readonly("bytes", &TransferOp::bytes)
-      .def_readonly("src_param", &TransferOp::src_param)
-      .def_readonly("src_local", &TransferOp::src_local);
+      .def_readonly("bytes", &TransferOp::bytes);
+  py::class_<LocalSource>(m, "LocalSource")
+      .def_readonly("param", &LocalSource::param)
+      .def_readonly("region", &LocalSource::region);
   py::class_<TrainerPiece>(m, "TrainerPiece")
       .def_readonly("source", &TrainerPiece::source)
       .def_readonly("src", &TrainerPiece::src)
@@ -109,7 +110,8 @@ void RegisterPlan(py::module_& m) {
       .def_readonly("dst", &Message::dst)
       .def_readonly("bytes", &Message::bytes)
       .def_readonly("ops", &Message::ops)
-      .def_readonly("buckets", &Message::buckets);
+      .def_readonly("buckets", &Message::buckets)
+      .def_readonly("local", &Message::local);
   py::class_<RankPlan>(m, "RankPlan")
       .def_readonly("rank", &RankPlan::rank)
       .def_readonly("plan_hash", &RankPlan::plan_hash)

@@ -95,7 +95,7 @@ def test_session_from_env(need_session, tiny_model, monkeypatch):
 )
 def test_megatron_plan_moves_local_regions(need_plan, tiny_model, trainer, rollout):
     """Megatron trainers: local parameters filled from their pieces, the plan's ops copied from
-    (src_param, src_local) into engine regions, give every engine parameter its expected value."""
+    (message.local: local parameter and region) into engine regions, give every engine parameter its expected value."""
     plan = shardsync.Plan(tiny_model, trainer, rollout, engine="vllm", bucket_bytes=4096)
     plan.validate()
     s = plan.summary()
@@ -119,8 +119,9 @@ def test_megatron_plan_moves_local_regions(need_plan, tiny_model, trainer, rollo
                 rank = sm.rank(d["tp_rank"], d["pp_rank"])
                 engines[key] = (rank, [np.zeros(q.shape, np.float32) for q in rank.params])
             rank, bufs = engines[key]
-            for op in m.ops:
-                v = local[op.src_param][op.src_local.slices()]
+            assert len(m.local) == len(m.ops)
+            for op, src in zip(m.ops, m.local):
+                v = local[src.param][src.region.slices()]
                 bufs[op.param][op.dst.slices()] = v.reshape(op.dst.extent)
     assert len(engines) == plan.dp * plan.tp * plan.pp
     for rank, bufs in engines.values():

@@ -98,11 +98,9 @@ class MegatronPlanner {
 
   // The holder of segment k of source s: (trainer rank, placement index).
   std::pair<int, int32_t> Holder(const Source& s, int64_t k) const;
-  TransferOp MakeOp(const MItem& it, const Placement& p, const Source& s, const Region& src,
-                    const Region& dst) const;
-  // Ops of item `i` for the byte range [y0, y1) served from placement `p`.
-  void EmitRange(int32_t i, int64_t y0, int64_t y1, const Placement& p,
-                 std::vector<TransferOp>* out) const;
+  // Ops of item `i` for the byte range [y0, y1) served from placement `p`, appended to out->ops
+  // with where the sender holds each (out->local).
+  void EmitRange(int32_t i, int64_t y0, int64_t y1, const Placement& p, Message* out) const;
 
   PlanInputs in_;
   MegatronLayout layout_;

@@ -203,28 +203,23 @@ std::pair<int, int32_t> MegatronPlanner::Holder(const Source& s, int64_t k) cons
   return {-1, -1};
 }
 
-TransferOp MegatronPlanner::MakeOp(const MItem& it, const Placement& p, const Source& s,
-                                   const Region& src, const Region& dst) const {
-  TransferOp op;
-  op.tensor = it.tensor;
-  op.param = it.param;
-  op.src = src;
-  op.dst = dst;
-  op.bytes = dst.numel() * wire_;
-  op.src_param = p.param;
-  op.src_local = src;
-  for (int i = 0; i < src.ndim; ++i) {
-    op.src_local.offset[i] = src.offset[i] - s.hf.offset[i] + p.local.offset[i];
-  }
-  return op;
-}
-
 void MegatronPlanner::EmitRange(int32_t i, int64_t y0, int64_t y1, const Placement& p,
-                                std::vector<TransferOp>* out) const {
+                                Message* out) const {
   const MItem& it = items_[i];
   const Source& s = sources_[it.source];
   ForItemRangeOps(it.geo, y0, y1, wire_, cap_, [&](const Region& src, const Region& dst) {
-    out->push_back(MakeOp(it, p, s, src, dst));
+    TransferOp op;
+    op.tensor = it.tensor;
+    op.param = it.param;
+    op.src = src;
+    op.dst = dst;
+    op.bytes = dst.numel() * wire_;
+    out->ops.push_back(op);
+    LocalSource ls{p.param, src};
+    for (int d = 0; d < src.ndim; ++d) {
+      ls.region.offset[d] = src.offset[d] - s.hf.offset[d] + p.local.offset[d];
+    }
+    out->local.push_back(ls);
   });
 }
 
@@ -236,7 +231,7 @@ Result<RankPlan> MegatronPlanner::PlanForRank(int sync_rank, const std::string& 
   if (who.is_trainer) {
     // Every segment this rank serves, as (dst, item) -> ops; ordered afterwards like the
     // receiver orders them (by item, i.e. engine order; one contiguous range per item).
-    std::map<std::pair<int, int32_t>, std::vector<TransferOp>> out;
+    std::map<std::pair<int, int32_t>, Message> out;
     for (const Source& s : sources_) {
       const int64_t T = s.total;
       if (T == 0) continue;
@@ -258,20 +253,21 @@ Result<RankPlan> MegatronPlanner::PlanForRank(int sync_rank, const std::string& 
         }
       }
     }
-    for (auto& [key, ops] : out) {
+    for (auto& [key, part] : out) {
       if (rp.sends.empty() || rp.sends.back().dst != key.first) {
         rp.sends.emplace_back();
         rp.sends.back().src = sync_rank;
         rp.sends.back().dst = key.first;
       }
-      auto& v = rp.sends.back().ops;
-      v.insert(v.end(), ops.begin(), ops.end());
+      Message& m = rp.sends.back();
+      m.ops.insert(m.ops.end(), part.ops.begin(), part.ops.end());
+      m.local.insert(m.local.end(), part.local.begin(), part.local.end());
     }
     for (Message& m : rp.sends) FinishMessage(&m, cap_);
     return rp;
   }
   const int d = who.replica, e = who.pp_rank * in_.rollout.shard.tp + who.tp_rank;
-  std::map<int, std::vector<TransferOp>> by_src;
+  std::map<int, Message> by_src;
   for (int32_t i = erank_begin_[e]; i < erank_begin_[e + 1]; ++i) {
     const MItem& it = items_[i];
     const Source& s = sources_[it.source];
@@ -285,11 +281,9 @@ Result<RankPlan> MegatronPlanner::PlanForRank(int sync_rank, const std::string& 
       EmitRange(i, a - o, b - o, places_[j], &by_src[rank]);
     }
   }
-  for (auto& [src, ops] : by_src) {
-    Message m;
+  for (auto& [src, m] : by_src) {
     m.src = src;
     m.dst = sync_rank;
-    m.ops = std::move(ops);
     FinishMessage(&m, cap_);
     rp.recvs.push_back(std::move(m));
   }

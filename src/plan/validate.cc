@@ -23,20 +23,20 @@ std::vector<int64_t> LinearIndices(const Region& r, const Shape& shape) {
 
 bool SameOp(const TransferOp& a, const TransferOp& b) {
   return a.tensor == b.tensor && a.param == b.param && a.src == b.src && a.dst == b.dst &&
-         a.wire_offset == b.wire_offset && a.bytes == b.bytes && a.src_param == b.src_param &&
-         a.src_local == b.src_local;
+         a.wire_offset == b.wire_offset && a.bytes == b.bytes;
 }
 
-// The sender holds op's bytes where the op says: FSDP-like layouts in their dim-0 shard of the
-// tensor; Megatron in local parameter src_param, at src_local, by a piece of that parameter that
-// carries the tensor (trainer map of the sender, cached per rank).
+// The sender holds op i's bytes where the message says: FSDP-like layouts in their dim-0 shard of
+// the tensor (no local sources); Megatron in local parameter local[i].param at local[i].region,
+// by a piece of that parameter that carries the tensor (trainer map of the sender, cached).
 class HeldCheck {
  public:
   HeldCheck(const PlanInputs& in, const std::vector<HfTensor>& inv) : in_(in), inv_(inv) {}
-  Status Check(const Message& m, const TransferOp& op) {
+  Status Check(const Message& m, size_t i) {
+    const TransferOp& op = m.ops[i];
     const HfTensor& t = inv_[op.tensor];
     if (in_.trainer.kind != TrainerSpec::Kind::kMegatron) {
-      if (op.src_param == -1 &&
+      if (m.local.empty() &&
           RegionContains(TrainerHeldRegion(in_.trainer, m.src, t.shape), op.src)) {
         return OkStatus();
       }
@@ -50,20 +50,21 @@ class HeldCheck {
       it = maps_.emplace(m.src, std::move(p)).first;
     }
     const auto& params = it->second.params;
-    if (op.src_param >= 0 && op.src_param < static_cast<int32_t>(params.size())) {
-      const TrainerParam& p = params[op.src_param];
+    const LocalSource ls = m.local.size() == m.ops.size() ? m.local[i] : LocalSource{-1, {}};
+    if (ls.param >= 0 && ls.param < static_cast<int32_t>(params.size())) {
+      const TrainerParam& p = params[ls.param];
       for (const TrainerPiece& pc : p.pieces) {
         if (pc.source != t.name || !RegionContains(pc.src, op.src)) continue;
         Region want = op.src;
         for (int i = 0; i < want.ndim; ++i) {
           want.offset[i] += pc.local.offset[i] - pc.src.offset[i];
         }
-        if (want == op.src_local && RegionInside(want, p.shape)) return OkStatus();
+        if (want == ls.region && RegionInside(want, p.shape)) return OkStatus();
       }
     }
     return InternalError(fmt::format(
         "message {}->{}: trainer rank {} does not hold {} of '{}' at {} of its parameter {}", m.src,
-        m.dst, m.src, op.src.ToString(), t.name, op.src_local.ToString(), op.src_param));
+        m.dst, m.src, op.src.ToString(), t.name, ls.region.ToString(), ls.param));
   }
 
  private:
@@ -214,6 +215,10 @@ Status ValidateContext(const PlanContext& ctx) {
       const Message& s = it->second;
       bool same = s.ops.size() == m.ops.size() && s.buckets.size() == m.buckets.size();
       for (size_t i = 0; same && i < m.ops.size(); ++i) same = SameOp(s.ops[i], m.ops[i]);
+      same = same && s.local.size() == m.local.size();
+      for (size_t i = 0; same && i < m.local.size(); ++i) {
+        same = s.local[i].param == m.local[i].param && s.local[i].region == m.local[i].region;
+      }
       if (!same) {
         return InternalError(
             fmt::format("message {}->{}: sender and receiver disagree", m.src, m.dst));
@@ -222,7 +227,8 @@ Status ValidateContext(const PlanContext& ctx) {
       recv += m.bytes;
       ops += static_cast<int64_t>(m.ops.size());
       const Region none;
-      for (const TransferOp& op : m.ops) {
+      for (size_t oi = 0; oi < m.ops.size(); ++oi) {
+        const TransferOp& op = m.ops[oi];
         if (op.tensor < 0 || op.tensor >= static_cast<int32_t>(inv.size()) || op.param < 0 ||
             op.param >= static_cast<int32_t>(rk.params.size())) {
           return OutOfRangeError(fmt::format("message {}->{}: op names tensor {} / param {}", m.src,
@@ -235,7 +241,7 @@ Status ValidateContext(const PlanContext& ctx) {
               fmt::format("message {}->{}: op {} of '{}' -> {} of '{}' out of bounds", m.src, m.dst,
                           op.src.ToString(), t.name, op.dst.ToString(), prm.name));
         }
-        SS_RETURN_IF_ERROR(held.Check(m, op));
+        SS_RETURN_IF_ERROR(held.Check(m, oi));
         if (!RegionIsContiguous(op.dst, prm.shape)) {
           return InternalError(fmt::format("message {}->{}: dst {} of '{}' is not contiguous",
                                            m.src, m.dst, op.dst.ToString(), prm.name));

@@ -316,12 +316,14 @@ void RoundTrip(const PlanInputs& in, RoundTripResult* res) {
     ASSERT_TRUE(rp.ok()) << rp.status().ToString();
     for (const Message& msg : rp->sends) {
       const int j = msg.dst - S, d = j / E, e = j % E;
-      for (const TransferOp& op : msg.ops) {
-        ASSERT_GE(op.src_param, 0);
-        const TrainerParam& sp = tp->params[op.src_param];
+      ASSERT_EQ(msg.local.size(), msg.ops.size());
+      for (size_t oi = 0; oi < msg.ops.size(); ++oi) {
+        const TransferOp& op = msg.ops[oi];
+        const LocalSource& ls = msg.local[oi];
+        const TrainerParam& sp = tp->params.at(ls.param);
         const Tensor& src = local.at(fmt::format("{}:{}", sp.chunk, sp.name));
-        ASSERT_TRUE(RegionInside(op.src_local, src.shape)) << sp.name;
-        const std::vector<int64_t> vals = Read(src, op.src_local);
+        ASSERT_TRUE(RegionInside(ls.region, src.shape)) << sp.name;
+        const std::vector<int64_t> vals = Read(src, ls.region);
         Tensor& dst = eng[d][e][op.param];
         size_t k = 0;
         ForEachRun(op.dst, dst.shape, [&](int64_t off, int64_t len) {
@@ -699,10 +701,12 @@ TEST(MegatronPlan, HashCoversTheLayoutAndIsStable) {
   ASSERT_EQ(a->sends.size(), b->sends.size());
   for (size_t i = 0; i < a->sends.size(); ++i) {
     ASSERT_EQ(a->sends[i].ops.size(), b->sends[i].ops.size());
+    ASSERT_EQ(a->sends[i].local.size(), a->sends[i].ops.size());
     for (size_t k = 0; k < a->sends[i].ops.size(); ++k) {
       const TransferOp &x = a->sends[i].ops[k], &y = b->sends[i].ops[k];
-      EXPECT_TRUE(x.src == y.src && x.dst == y.dst && x.src_local == y.src_local &&
-                  x.src_param == y.src_param && x.wire_offset == y.wire_offset);
+      const LocalSource &u = a->sends[i].local[k], &v = b->sends[i].local[k];
+      EXPECT_TRUE(x.src == y.src && x.dst == y.dst && u.region == v.region && u.param == v.param &&
+                  x.wire_offset == y.wire_offset);
     }
   }
 }

@@ -117,14 +117,14 @@ Status AppendOps(const plan_internal::PlanContext& ctx,
     AppendRegion(op.src, out);
     *out += ",\"dst_region\":";
     AppendRegion(op.dst, out);
-    if (op.src_param >= 0) {
+    if (i < m.local.size()) {
       // Megatron: the sender's local parameter (name, model chunk) and the region inside it.
       SS_ASSIGN_OR_RETURN(const TrainerRankParams* sp, senders->Get(m.src));
-      const TrainerParam& lp = sp->params.at(op.src_param);
+      const TrainerParam& lp = sp->params.at(m.local[i].param);
       fmt::format_to(std::back_inserter(*out),
                      ",\"src_param\":{},\"src_chunk\":{},\"src_local\":", Quoted(lp.name),
                      lp.chunk);
-      AppendRegion(op.src_local, out);
+      AppendRegion(m.local[i].region, out);
     }
     fmt::format_to(std::back_inserter(*out), ",\"wire_offset\":{},\"bytes\":{}}}\n", op.wire_offset,
                    op.bytes);

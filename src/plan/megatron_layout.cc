@@ -1,6 +1,7 @@
 // Megatron-Core layouts: parsing, rank coordinates, the layers of each model chunk, the sizes
-// Megatron derives from a model, and who holds a piece. Facts from Megatron-Core (NVIDIA/
-// Megatron-LM, core_r0.x through main of 2026-08); each rule names its file and function.
+// Megatron derives from a model, and who holds a piece. Facts from Megatron-Core 0.11 through 0.19
+// (NVIDIA/Megatron-LM main of 2026-08, d98e8a6; the expert grid and uneven stages arrived in 0.11,
+// num_query_groups < tp in 0.16); each rule names its file and function.
 #include <fmt/format.h>
 
 #include <charconv>
@@ -273,6 +274,7 @@ Result<MegatronDims> ComputeMegatronDims(const ModelSpec& m, const MegatronLayou
     return InvalidArgumentError(
         fmt::format("--trainer {} tp: num_attention_heads {} is not divisible by tp", f, np));
   }
+  // Core 0.16+ accepts ng < tp when tp % ng == 0 (earlier releases required ng % tp == 0).
   if (ng % tp != 0 && tp % ng != 0) {
     return InvalidArgumentError(fmt::format(
         "--trainer {} tp: num_query_groups (num_key_value_heads) {} is neither a multiple nor a "

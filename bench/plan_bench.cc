@@ -43,6 +43,9 @@ const Case kCases[] = {
     {"qwen3-235b-a22b", "fsdp=4096", "dp=128,tp=8,pp=4", false},
     {"qwen3-30b-a3b", "fsdp=1024", "dp=32,tp=8,pp=4"},
     {"qwen3-8b", "fsdp=1024", "dp=32,tp=8,pp=4"},
+    // Megatron-Core trainers: box intersections of local parameters with engine pieces.
+    {"qwen3-8b", "megatron=tp=2,pp=2", "dp=1,tp=2,pp=2"},
+    {"qwen3-235b-a22b", "megatron=tp=4,pp=8,ep=8,etp=1,dp=4,first=10,last=12", "dp=32,tp=8,pp=4"},
 };
 
 void SetCounters(benchmark::State& st, const PlanInputs& in, const PlanSummary& s) {

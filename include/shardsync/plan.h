@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "shardsync/dtype.h"
@@ -12,29 +13,66 @@
 #include "shardsync/region.h"
 #include "shardsync/shard_map.h"
 #include "shardsync/status.h"
+#include "shardsync/trainer_map.h"
 
 namespace shardsync {
 
 // Where trainer ranks hold each HF tensor. FSDP2 Shard(0) uses torch.chunk sizes: ceil(n/S) rows
-// per rank, trailing ranks short or empty. Megatron TP/PP layouts would add kinds here.
+// per rank, trailing ranks short or empty.
 //
-// Every kind is R replica groups x S shards along dim 0 (rank = g*S + s): fsdp=S is 1xS, hsdp=RxS,
-// replicate=S is Sx1, single is 1x1. A Megatron layout (column/row splits, interleaved qkv) would
-// be a new Kind whose held region is not a dim-0 slab; the planner's per-piece intersection is
-// written against TrainerHeldRegion-style row ranges and would gain a second path for it.
+// fsdp / hsdp / replicate / single are R replica groups x S shards along dim 0 (rank = g*S + s):
+// fsdp=S is 1xS, hsdp=RxS, replicate=S is Sx1, single is 1x1. megatron is a Megatron-Core
+// TP x PP (x VPP x EP x ETP x CP x DP) layout (trainer_map.h, docs/megatron.md): its ranks hold
+// local parameters (BuildTrainerParams), not dim-0 slabs of HF tensors.
 struct TrainerSpec {
-  enum class Kind { kFsdp, kHsdp, kReplicate, kSingle /*, kMegatron (future) */ };
+  enum class Kind { kFsdp, kHsdp, kReplicate, kSingle, kMegatron };
   Kind kind = Kind::kFsdp;
-  int replicas = 1;  // hsdp R (replicate: S)
-  int shards = 1;    // fsdp/hsdp S
+  int replicas = 1;         // hsdp R (replicate: S)
+  int shards = 1;           // fsdp/hsdp S
+  MegatronLayout megatron;  // kMegatron only
   int world() const;
-  std::string ToString() const;  // "fsdp=8", "hsdp=2x4", "replicate=4", "single"
-  int groups() const;            // R: number of full copies (holders of any given byte)
-  int shards_per_group() const;  // S: dim-0 chunks per copy
+  // "fsdp=8", "hsdp=2x4", "replicate=4", "single", "megatron=tp=2,pp=2" (canonical: the plan hash
+  // covers it).
+  std::string ToString() const;
+  int groups() const;            // R: full copies (megatron: cp*dp copies of the dense grid)
+  int shards_per_group() const;  // S: dim-0 chunks per copy (megatron: tp*pp)
 };
+// "fsdp=S", "hsdp=RxS", "replicate=S", "single" or "megatron=tp=T,pp=P,..." (trainer_map.h);
+// InvalidArgument naming the field ("--trainer megatron vpp: ...").
 Result<TrainerSpec> ParseTrainerSpec(std::string_view s);
 // Region of a tensor of `shape` held by trainer `rank` (ndim kept; empty when it holds none).
+// Megatron ranks hold local parameters, not HF regions: empty for them (use BuildTrainerParams).
 Region TrainerHeldRegion(const TrainerSpec& t, int rank, const Shape& shape);
+
+// The trainer map of one rank (trainer_map.h): its local parameters and the HF bytes each holds,
+// `dtype` being the dtype the trainer holds (PlanInputs::trainer_dtype). FSDP-like layouts give
+// one parameter per HF tensor. InvalidArgument naming the field when the layout does not fit the
+// model (the divisibilities Megatron-Core asserts); OutOfRange for a rank outside the world.
+Result<TrainerRankParams> BuildTrainerParams(const ModelSpec& model, const TrainerSpec& t, int rank,
+                                             DType dtype);
+// Checks a trainer layout against a model (Megatron-Core's asserts; nothing for FSDP-like).
+Status CheckTrainerLayout(const ModelSpec& model, const TrainerSpec& t);
+// Megatron: half-open global decoder layer range of model chunk `chunk` on pipeline rank
+// `pp_rank` (transformer_layer.py get_transformer_layer_offset, transformer_block.py
+// get_num_layers_to_build).
+Result<std::pair<int64_t, int64_t>> MegatronChunkLayers(const MegatronLayout& m, int64_t num_layers,
+                                                        int pp_rank, int chunk);
+// Megatron: padded vocabulary, ceil(V / (vocab_div*tp)) * vocab_div*tp (Megatron's
+// vocab_size_with_padding); tail rows past V hold no HF byte.
+int64_t MegatronPaddedVocab(const MegatronLayout& m, int64_t vocab_size);
+
+// Renderings of trainer maps (`shardsync shards --trainer`; JSON schema in docs/cli.md).
+// One row per rank: Megatron coordinates and layers, parameters, HF elements held, bytes.
+std::string TrainerMapToTable(const ModelSpec& model, const TrainerSpec& t,
+                              const std::vector<TrainerRankParams>& ranks);
+// {model, trainer, world, [padded_vocab], ranks: [{rank, [coords], params: [{name, chunk, shape,
+// dtype, pieces: [{source, src_offset, local_offset, extent}]}]}]}, one line.
+std::string TrainerMapToJson(const ModelSpec& model, const TrainerSpec& t,
+                             const std::vector<TrainerRankParams>& ranks);
+// Where the bytes of local parameter `name` come from on every rank holding it, or, given an HF
+// tensor name, where ranks hold its bytes. NotFound if neither.
+Result<std::string> ExplainTrainerParam(const std::vector<TrainerRankParams>& ranks,
+                                        std::string_view name);
 
 struct RolloutSpec {
   int dp = 1;
@@ -81,6 +119,14 @@ struct TransferOp {
   int64_t bytes = 0;        // wire bytes: src.numel() * DTypeSize(wire_dtype)
 };
 
+// Where a Megatron sender holds an op's bytes: local parameter `param` (index into the sender's
+// BuildTrainerParams(...).params) at `region` (same extents as the op's src). FSDP-like senders
+// hold `tensor`'s dim-0 shard (TrainerHeldRegion) and need none.
+struct LocalSource {
+  int32_t param = 0;
+  Region region;
+};
+
 // A slice of a message's ops sent and verified as a unit (one checksum), under the bucket cap.
 struct Bucket {
   int32_t op_begin = 0;
@@ -96,6 +142,9 @@ struct Message {
   int64_t bytes = 0;
   std::vector<TransferOp> ops;
   std::vector<Bucket> buckets;
+  // Megatron trainers: local[i] says where the sender holds ops[i]. Empty for FSDP-like layouts,
+  // so their plans stay as they were (a parallel array costs them nothing).
+  std::vector<LocalSource> local;
 };
 
 // One rank's part of the plan: what it sends and what it receives. Computed directly from the

@@ -154,6 +154,23 @@ class TransferOp:
     wire_offset: int
     bytes: int
 
+class LocalSource:
+    param: int  # index into the sender's trainer_params(rank)
+    region: Region  # region of that local parameter (same extents as the op's src)
+
+class TrainerPiece:
+    source: str
+    src: Region
+    local: Region
+
+class TrainerParam:
+    name: str
+    chunk: int
+    shape: List[int]
+    dtype: str
+    pieces: List[TrainerPiece]
+    numel: int
+
 class Bucket:
     op_begin: int
     op_end: int
@@ -166,6 +183,8 @@ class Message:
     bytes: int
     ops: List[TransferOp]
     buckets: List[Bucket]
+    # Megatron trainers: local[i] is where the sender holds ops[i]; empty for FSDP-like layouts.
+    local: List[LocalSource]
 
 class RankPlan:
     rank: int
@@ -198,6 +217,8 @@ class PlanInputs:
     def summary(self) -> Dict[str, Any]: ...
     def validate(self) -> None: ...
     def held_region(self, trainer_rank: int, shape: List[int]) -> Region: ...
+    def trainer_params(self, trainer_rank: int) -> List[TrainerParam]: ...
+    def trainer_coords(self, trainer_rank: int) -> Optional[Dict[str, int]]: ...
 
 def parse_trainer_spec(spec: str) -> str: ...
 

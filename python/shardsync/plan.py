@@ -34,7 +34,9 @@ class Plan:
     """The transfer plan of one job: model x trainer layout x rollout layout.
 
     Every rank builds it locally from the same arguments; ranks compare `hash` at connect.
-    `trainer` is "fsdp=S", "hsdp=RxS", "replicate=N" or "single"; `rollout` is
+    `trainer` is "fsdp=S", "hsdp=RxS", "replicate=N", "single" or a Megatron-Core layout
+    "megatron=tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,cp=C][,dp=D][,first=N][,last=M][,vocab_div=K]
+    [,experts=grouped|sequential][,norms=te|local]" (docs/megatron.md); `rollout` is
     "dp=D,tp=T,pp=P[,ep=E]". The sync world is trainer ranks [0, S) then engine rank
     (replica d, tp, pp) at S + d*T*P + pp*T + tp (`engine_rank`). `expert_naming` is the engine
     version's name for stacked experts ("fused_moe", or "routed_experts" for vLLM >= 0.24:
@@ -162,7 +164,22 @@ class Plan:
         self.inputs.validate()
 
     def held_region(self, trainer_rank: int, shape: Sequence[int]) -> Any:
+        """FSDP-like layouts: the region of a tensor of `shape` that `trainer_rank` holds."""
         return self.inputs.held_region(trainer_rank, list(shape))
+
+    def trainer_params(self, trainer_rank: int) -> List[Any]:
+        """The local parameters of trainer `trainer_rank` and the HF regions each holds.
+
+        Megatron: Megatron-Core's local names per model chunk (`p.chunk`, `p.name` as the chunk's
+        named_parameters() gives it without wrapper prefixes), local shapes, and pieces
+        (`source` HF tensor, `src` region there, `local` region in the parameter). FSDP-like
+        layouts: one parameter per HF tensor holding the rank's dim-0 chunk.
+        """
+        return self.inputs.trainer_params(trainer_rank)
+
+    def trainer_coords(self, trainer_rank: int) -> Any:
+        """Megatron coordinates of `trainer_rank` (tp, cp, dp, pp, etp, ep, edp), else None."""
+        return self.inputs.trainer_coords(trainer_rank)
 
     def hf_tensors(self) -> List[Tuple[str, List[int], str]]:
         return self.inputs.model.hf_tensors()

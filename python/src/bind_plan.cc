@@ -84,6 +84,28 @@ void RegisterPlan(py::module_& m) {
       .def_readonly("dst", &TransferOp::dst)
       .def_readonly("wire_offset", &TransferOp::wire_offset)
       .def_readonly("bytes", &TransferOp::bytes);
+  py::class_<LocalSource>(m, "LocalSource")
+      .def_readonly("param", &LocalSource::param)
+      .def_readonly("region", &LocalSource::region);
+  py::class_<TrainerPiece>(m, "TrainerPiece")
+      .def_readonly("source", &TrainerPiece::source)
+      .def_readonly("src", &TrainerPiece::src)
+      .def_readonly("local", &TrainerPiece::local)
+      .def("__repr__", [](const TrainerPiece& p) {
+        return "TrainerPiece(" + p.local.ToString() + " <- " + p.source + p.src.ToString() + ")";
+      });
+  py::class_<TrainerParam>(m, "TrainerParam")
+      .def_readonly("name", &TrainerParam::name)
+      .def_readonly("chunk", &TrainerParam::chunk)
+      .def_readonly("shape", &TrainerParam::shape)
+      .def_property_readonly("dtype",
+                             [](const TrainerParam& p) { return std::string(DTypeName(p.dtype)); })
+      .def_readonly("pieces", &TrainerParam::pieces)
+      .def_property_readonly("numel", &TrainerParam::numel)
+      .def("__repr__", [](const TrainerParam& p) {
+        return "TrainerParam(" + p.name + ", chunk " + std::to_string(p.chunk) + ", " +
+               ShapeToString(p.shape) + ", " + std::to_string(p.pieces.size()) + " pieces)";
+      });
   py::class_<Bucket>(m, "Bucket")
       .def_readonly("op_begin", &Bucket::op_begin)
       .def_readonly("op_end", &Bucket::op_end)
@@ -94,7 +116,8 @@ void RegisterPlan(py::module_& m) {
       .def_readonly("dst", &Message::dst)
       .def_readonly("bytes", &Message::bytes)
       .def_readonly("ops", &Message::ops)
-      .def_readonly("buckets", &Message::buckets);
+      .def_readonly("buckets", &Message::buckets)
+      .def_readonly("local", &Message::local);
   py::class_<RankPlan>(m, "RankPlan")
       .def_readonly("rank", &RankPlan::rank)
       .def_readonly("plan_hash", &RankPlan::plan_hash)
@@ -178,15 +201,52 @@ void RegisterPlan(py::module_& m) {
                                            " outside [0, " + std::to_string(in.trainer.world()) +
                                            ")"));
             }
+            if (in.trainer.kind == TrainerSpec::Kind::kMegatron) {
+              ThrowIfError(InvalidArgumentError(
+                  "held_region: " + in.trainer.ToString() +
+                  " ranks hold local parameters, not HF regions; use trainer_params(rank)"));
+            }
             return TrainerHeldRegion(in.trainer, trainer_rank, shape);
           },
           py::arg("trainer_rank"), py::arg("shape"),
-          "Region of a tensor of `shape` that trainer `trainer_rank` holds.");
+          "Region of a tensor of `shape` that trainer `trainer_rank` holds.")
+      .def(
+          "trainer_params",
+          [](const PlanInputs& in, int trainer_rank) {
+            return Unwrap(BuildTrainerParams(in.model, in.trainer, trainer_rank, in.trainer_dtype))
+                .params;
+          },
+          py::arg("trainer_rank"),
+          "Local parameters of trainer `trainer_rank` (Megatron: per model chunk, Megatron's "
+          "local names) and the HF regions each holds.")
+      .def(
+          "trainer_coords",
+          [](const PlanInputs& in, int trainer_rank) -> py::object {
+            if (trainer_rank < 0 || trainer_rank >= in.trainer.world()) {
+              ThrowIfError(OutOfRangeError("trainer rank " + std::to_string(trainer_rank) +
+                                           " outside [0, " + std::to_string(in.trainer.world()) +
+                                           ")"));
+            }
+            if (in.trainer.kind != TrainerSpec::Kind::kMegatron) return py::none();
+            const MegatronCoords c = MegatronRankCoords(in.trainer.megatron, trainer_rank);
+            py::dict d;
+            d["tp"] = c.tp;
+            d["cp"] = c.cp;
+            d["dp"] = c.dp;
+            d["pp"] = c.pp;
+            d["etp"] = c.etp;
+            d["ep"] = c.ep;
+            d["edp"] = c.edp;
+            return std::move(d);
+          },
+          py::arg("trainer_rank"),
+          "Megatron coordinates of a trainer rank (dense tp/cp/dp/pp, expert etp/ep/edp); None "
+          "for other layouts.");
   m.def(
       "parse_trainer_spec",
       [](const std::string& s) { return Unwrap(ParseTrainerSpec(s)).ToString(); }, py::arg("spec"),
       "Canonical spelling of a trainer spec (\"fsdp=8\", \"hsdp=2x4\", \"replicate=4\", "
-      "\"single\").");
+      "\"single\", \"megatron=tp=2,pp=2\").");
 }
 
 }  // namespace shardsync::py_bind

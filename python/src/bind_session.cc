@@ -107,6 +107,13 @@ class PySession {
             const std::string& prefix, double connect_timeout, double sync_timeout,
             std::map<std::string, std::string> transport_params, int device)
       : inputs_(std::move(inputs)), rank_(rank), device_(device) {
+    if (inputs_.trainer.kind == TrainerSpec::Kind::kMegatron) {
+      // Binding Megatron local parameters (bind_trainer) comes with the session work of a later
+      // phase; refused before anything connects.
+      ThrowIfError(UnimplementedError(
+          "trainer " + inputs_.trainer.ToString() +
+          ": sessions cannot bind Megatron trainers yet (Plan, trainer_params and shards work)"));
+    }
     SessionOptions opts;
     opts.prefix = prefix;
     opts.connect_timeout = SecondsToMillis(connect_timeout, "connect_timeout");

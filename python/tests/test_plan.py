@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 import shardsync
+from conftest import expected_param, reference_weights
 
 
 def test_layout_binding(need_plan):
@@ -85,3 +87,57 @@ def test_session_from_env(need_session, tiny_model, monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", "7")
         with pytest.raises(shardsync.InvalidArgumentError, match="WORLD_SIZE"):
             shardsync.Session.from_env(plan, transport="loopback")
+
+
+@pytest.mark.parametrize(
+    "trainer,rollout",
+    [("megatron=tp=2,pp=2", "dp=1,tp=2,pp=2"), ("megatron=tp=4,pp=2,vpp=2,dp=2", "dp=2,tp=4,pp=1")],
+)
+def test_megatron_plan_moves_local_regions(need_plan, tiny_model, trainer, rollout):
+    """Megatron trainers: local parameters filled from their pieces, the plan's ops copied from
+    (message.local: local parameter and region) into engine regions, give every engine parameter its expected value."""
+    plan = shardsync.Plan(tiny_model, trainer, rollout, engine="vllm", bucket_bytes=4096)
+    plan.validate()
+    s = plan.summary()
+    assert all(e["recv_bytes"] == e["owned_bytes"] for e in s["engine_ranks"])
+    full = reference_weights(plan)
+    sm = plan.shard_map()
+    engines = {}
+    for r in range(plan.trainer_world):
+        params = plan.trainer_params(r)
+        assert plan.trainer_coords(r)["pp"] == r // (plan.trainer_world // 2)
+        local = []
+        for p in params:
+            t = np.full(p.shape, np.nan, dtype=np.float32)  # padding stays NaN: never sent
+            for pc in p.pieces:
+                t[pc.local.slices()] = full[pc.source][pc.src.slices()]
+            local.append(t)
+        for m in plan.rank_plan(r).sends:
+            d = plan.describe_rank(m.dst)
+            key = (d["replica"], d["tp_rank"], d["pp_rank"])
+            if key not in engines:
+                rank = sm.rank(d["tp_rank"], d["pp_rank"])
+                engines[key] = (rank, [np.zeros(q.shape, np.float32) for q in rank.params])
+            rank, bufs = engines[key]
+            assert len(m.local) == len(m.ops)
+            for op, src in zip(m.ops, m.local):
+                v = local[src.param][src.region.slices()]
+                bufs[op.param][op.dst.slices()] = v.reshape(op.dst.extent)
+    assert len(engines) == plan.dp * plan.tp * plan.pp
+    for rank, bufs in engines.values():
+        for q, b in zip(rank.params, bufs):
+            np.testing.assert_array_equal(b, expected_param(q, full), err_msg=q.name)
+    with pytest.raises(shardsync.InvalidArgumentError, match="trainer_params"):
+        plan.held_region(0, [4, 4])
+    with pytest.raises(shardsync.OutOfRangeError):
+        plan.trainer_params(plan.trainer_world)
+    with pytest.raises(shardsync.InvalidArgumentError, match="vpp: virtual pipeline stages need pp > 1"):
+        shardsync.Plan(tiny_model, "megatron=tp=2,vpp=2", rollout)
+
+
+def test_megatron_sessions_refused_until_bound(need_session, tiny_model):
+    plan = shardsync.Plan(tiny_model, "megatron=tp=2", "dp=1,tp=2,pp=1")
+    hub = shardsync.LoopbackHub()
+    with shardsync.StoreServer(token="m") as srv:
+        with pytest.raises(shardsync.UnimplementedError, match="Megatron"):
+            shardsync.Session(plan, 0, srv.address, token="m", transport="loopback", hub=hub)

@@ -13,46 +13,15 @@
 #include "plan/planner.h"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
-#include <xxhash.h>
 #include <algorithm>
 #include <unordered_map>
+
+#include "plan/megatron.h"
 
 namespace shardsync::plan_internal {
 namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// Maps a sub-box `x` of item dst `dst` to the matching sub-box of item src `src` (dims aligned
-// from the right; extra leading dims have extent 1).
-Region MapToSrc(const Region& src, const Region& dst, const Region& x) {
-  Region y = src;
-  const int off = dst.ndim - src.ndim;
-  for (int i = 0; i < src.ndim; ++i) {
-    const int j = i + off;
-    if (j < 0) continue;
-    y.offset[i] = src.offset[i] + (x.offset[j] - dst.offset[j]);
-    y.extent[i] = x.extent[j];
-  }
-  return y;
-}
-
-// True when src and dst are the same box up to leading unit dims (right-aligned).
-bool Aligned(const Region& src, const Region& dst) {
-  const int off = dst.ndim - src.ndim;
-  for (int i = 0; i < src.ndim; ++i) {
-    const int j = i + off;
-    if (j < 0) {
-      if (src.extent[i] != 1) return false;
-    } else if (src.extent[i] != dst.extent[j]) {
-      return false;
-    }
-  }
-  for (int j = 0; j < off; ++j) {
-    if (dst.extent[j] != 1) return false;
-  }
-  return true;
-}
 
 // Merges `q` into `p` when they are adjacent along one src dim and the matching dst dim (the
 // coalescing step: adjacent pieces become one before intersection, so every piece x chunk
@@ -94,40 +63,6 @@ void AppendOp(std::vector<TransferOp>* out, int32_t tensor, int32_t param, const
 }
 
 }  // namespace
-
-int64_t SplitCount(const Region& box, int64_t elem_bytes, int64_t cap) {
-  if (box.numel() * elem_bytes <= cap) return 1;
-  int j = 0;
-  while (j < box.ndim && box.extent[j] <= 1) ++j;
-  if (j >= box.ndim) return 1;
-  int64_t q = elem_bytes;
-  for (int i = j + 1; i < box.ndim; ++i) q *= box.extent[i];
-  if (q <= cap) return CeilDiv(box.extent[j], cap / q);
-  Region sub = box;
-  sub.extent[j] = 1;
-  return box.extent[j] * SplitCount(sub, elem_bytes, cap);
-}
-
-void SplitBox(const Region& box, int64_t elem_bytes, int64_t cap,
-              const std::function<void(const Region&)>& fn) {
-  if (box.numel() * elem_bytes <= cap) return fn(box);
-  int j = 0;
-  while (j < box.ndim && box.extent[j] <= 1) ++j;
-  if (j >= box.ndim) return fn(box);
-  int64_t q = elem_bytes;
-  for (int i = j + 1; i < box.ndim; ++i) q *= box.extent[i];
-  const int64_t k = q <= cap ? cap / q : 1;
-  for (int64_t t = 0; t < box.extent[j]; t += k) {
-    Region sub = box;
-    sub.offset[j] = box.offset[j] + t;
-    sub.extent[j] = std::min(k, box.extent[j] - t);
-    if (q <= cap) {
-      fn(sub);
-    } else {
-      SplitBox(sub, elem_bytes, cap, fn);
-    }
-  }
-}
 
 Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
                                        std::vector<HfTensor> inventory) {
@@ -251,6 +186,11 @@ Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
   }
   c.map_ = std::move(map);
   c.inv_ = std::move(inventory);
+  if (in.trainer.kind == TrainerSpec::Kind::kMegatron) {
+    // Megatron layouts: megatron_plan.cc plans every rank; nothing below applies.
+    SS_ASSIGN_OR_RETURN(c.megatron_, MegatronPlanner::Build(c));
+    return c;
+  }
   c.stats_.resize(c.pieces_.size());
   for (size_t pi = 0; pi < c.pieces_.size(); ++pi) {
     const FlatPiece& p = c.pieces_[pi];
@@ -280,87 +220,24 @@ Item PlanContext::MakeItem(const FlatPiece& p, int64_t chunk) const {
     it.dst.offset[p.dst_dim0] += lo - a;
     it.dst.extent[p.dst_dim0] = hi - lo;
   }
-  const Shape& shape = param_shapes_[p.shape];
-  const int n = it.dst.ndim;
-  if (n == 0) {
-    it.run_dim = 0;
-    it.runs = 1;
-    it.run_bytes = wire_;
-    it.unit_dim = -1;
-    it.unit_bytes = wire_;
-    return it;
-  }
-  int inner = n - 1;
-  while (inner > 0 && it.dst.extent[inner] == shape[inner] && it.dst.offset[inner] == 0) --inner;
-  it.run_dim = inner;
-  it.runs = 1;
-  for (int i = 0; i < inner; ++i) it.runs *= it.dst.extent[i];
-  it.run_bytes = it.dst.numel() / it.runs * wire_;
-  it.unit_dim = -1;
-  for (int i = inner; i < n; ++i) {
-    if (it.dst.extent[i] > 1) {
-      it.unit_dim = i;
-      break;
-    }
-  }
-  it.unit_bytes = wire_;
-  if (it.unit_dim >= 0) {
-    for (int i = it.unit_dim + 1; i < n; ++i) it.unit_bytes *= it.dst.extent[i];
-  }
+  SetItemGeometry(&it, param_shapes_[p.shape], wire_);
   return it;
 }
 
-namespace {
-// The r-th contiguous run box of an item (row-major over dims [0, run_dim)).
-Region RunBox(const Item& it, int64_t r) {
-  Region x = it.dst;
-  for (int i = it.run_dim - 1; i >= 0; --i) {
-    x.offset[i] = it.dst.offset[i] + r % it.dst.extent[i];
-    x.extent[i] = 1;
-    r /= it.dst.extent[i];
-  }
-  return x;
-}
-// Run box restricted to the byte range [z0, z1) of the run (unit aligned).
-Region PartialRun(const Item& it, Region x, int64_t z0, int64_t z1) {
-  if (z0 == 0 && z1 == it.run_bytes) return x;
-  const int u = it.unit_dim;  // >= 0: a partial run exists only when units are finer than a run
-  x.offset[u] += z0 / it.unit_bytes;
-  x.extent[u] = (z1 - z0) / it.unit_bytes;
-  return x;
-}
-}  // namespace
-
 int64_t PlanContext::ItemOps(const Item& it) const {
-  return it.runs * SplitCount(RunBox(it, 0), wire_, in_.options.bucket_bytes);
+  return ItemOpCount(it, wire_, in_.options.bucket_bytes);
 }
 
 int64_t PlanContext::ItemRangeOps(const Item& it, int64_t y0, int64_t y1) const {
-  if (y1 <= y0) return 0;
-  const int64_t rb = it.run_bytes, cap = in_.options.bucket_bytes;
-  const Region run0 = RunBox(it, 0);
-  const int64_t r0 = y0 / rb, r1 = CeilDiv(y1, rb);  // runs [r0, r1) touched
-  if (r1 - r0 == 1) {
-    return SplitCount(PartialRun(it, run0, y0 - r0 * rb, y1 - r0 * rb), wire_, cap);
-  }
-  const int64_t full = SplitCount(run0, wire_, cap);
-  const int64_t head = SplitCount(PartialRun(it, run0, y0 - r0 * rb, rb), wire_, cap);
-  const int64_t tail = SplitCount(PartialRun(it, run0, 0, y1 - (r1 - 1) * rb), wire_, cap);
-  return head + tail + (r1 - r0 - 2) * full;
+  return ItemRangeOpCount(it, y0, y1, wire_, in_.options.bucket_bytes);
 }
 
 void PlanContext::EmitItemRange(const FlatPiece& p, const Item& it, int64_t y0, int64_t y1,
                                 std::vector<TransferOp>* out) const {
-  if (y1 <= y0) return;
-  const int64_t rb = it.run_bytes;
-  const int64_t r0 = y0 / rb, r1 = CeilDiv(y1, rb);
-  for (int64_t r = r0; r < r1; ++r) {
-    const int64_t z0 = std::max<int64_t>(y0 - r * rb, 0), z1 = std::min(y1 - r * rb, rb);
-    const Region x = PartialRun(it, RunBox(it, r), z0, z1);
-    SplitBox(x, wire_, in_.options.bucket_bytes, [&](const Region& sub) {
-      AppendOp(out, p.tensor, p.param, MapToSrc(it.src, it.dst, sub), sub, sub.numel() * wire_);
-    });
-  }
+  ForItemRangeOps(it, y0, y1, wire_, in_.options.bucket_bytes,
+                  [&](const Region& src, const Region& dst) {
+                    AppendOp(out, p.tensor, p.param, src, dst, dst.numel() * wire_);
+                  });
 }
 
 void PlanContext::ChunkDifferences(std::vector<int64_t>* db, std::vector<int64_t>* dops) const {
@@ -426,10 +303,7 @@ void PlanContext::BuildSequences() {
         item_off = off;
       });
       const Item it = MakeItem(pieces_[piece], s);
-      const int64_t yin = y - item_off;
-      const int64_t r = yin / it.run_bytes, z = yin - r * it.run_bytes;
-      const int64_t zr = std::min(it.run_bytes, CeilDiv(z, it.unit_bytes) * it.unit_bytes);
-      q.cuts[g] = d * T + q.erank_offset[e] + item_off + r * it.run_bytes + zr;
+      q.cuts[g] = d * T + q.erank_offset[e] + item_off + RoundUpToUnit(it, y - item_off);
     }
     q.cuts[0] = 0;
   }
@@ -460,28 +334,8 @@ int64_t PlanContext::CountRangeOps(int e, int s, int64_t y0, int64_t y1) const {
   return ops;
 }
 
-void PlanContext::FinishMessage(Message* m) const {
-  const int64_t cap = in_.options.bucket_bytes;
-  int64_t off = 0;
-  Bucket cur;
-  for (size_t i = 0; i < m->ops.size(); ++i) {
-    TransferOp& op = m->ops[i];
-    if (cur.op_end > cur.op_begin && cur.bytes + op.bytes > cap) {
-      m->buckets.push_back(cur);
-      cur = Bucket{};
-      cur.op_begin = static_cast<int32_t>(i);
-      cur.wire_offset = off;
-    }
-    op.wire_offset = off;
-    off += op.bytes;
-    cur.bytes += op.bytes;
-    cur.op_end = static_cast<int32_t>(i + 1);
-  }
-  if (cur.op_end > cur.op_begin) m->buckets.push_back(cur);
-  m->bytes = off;
-}
-
 Result<RankPlan> PlanContext::PlanForRank(int sync_rank) const {
+  if (megatron_) return megatron_->PlanForRank(sync_rank, hash_);
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(in_, sync_rank));
   RankPlan rp;
   rp.rank = sync_rank;
@@ -510,7 +364,7 @@ Result<RankPlan> PlanContext::PlanForRank(int sync_rank) const {
           } else {
             m.ops = local[e];
           }
-          FinishMessage(&m);
+          FinishMessage(&m, in_.options.bucket_bytes);
           rp.sends.push_back(std::move(m));
         }
       }
@@ -541,7 +395,7 @@ Result<RankPlan> PlanContext::PlanForRank(int sync_rank) const {
                         });
       }
     }
-    for (Message& m : rp.sends) FinishMessage(&m);
+    for (Message& m : rp.sends) FinishMessage(&m, in_.options.bucket_bytes);
     return rp;
   }
 
@@ -572,13 +426,14 @@ Result<RankPlan> PlanContext::PlanForRank(int sync_rank) const {
     m.src = src;
     m.dst = sync_rank;
     m.ops = std::move(by_src[src]);
-    FinishMessage(&m);
+    FinishMessage(&m, in_.options.bucket_bytes);
     rp.recvs.push_back(std::move(m));
   }
   return rp;
 }
 
 void PlanContext::ForEachPair(const PairFn& fn) const {
+  if (megatron_) return megatron_->ForEachPair(fn);
   if (whole_replicas_) {
     // Per (engine rank of a replica, chunk): bytes and ops via difference arrays; each piece adds
     // its first chunk, its last chunk and the run of equal interior chunks in O(1).
@@ -631,64 +486,3 @@ void PlanContext::ForEachPair(const PairFn& fn) const {
 }
 
 }  // namespace shardsync::plan_internal
-
-namespace shardsync {
-
-std::string PlanHash(const PlanInputs& in) {
-  // Canonical text of everything that defines the plan. The model's name/path is left out (ranks
-  // may read the same config from different paths); mlp_only_layers is a set, so it is sorted.
-  const ModelSpec& m = in.model;
-  std::string s;
-  auto kv = [&s](std::string_view k, const auto& v) { s += fmt::format("{}={}\n", k, v); };
-  kv("planner", kPlannerVersion);
-  kv("arch", static_cast<int>(m.arch));
-  kv("hidden_size", m.hidden_size);
-  kv("num_attention_heads", m.num_attention_heads);
-  kv("num_key_value_heads", m.num_key_value_heads);
-  kv("head_dim", m.head_dim);
-  kv("num_hidden_layers", m.num_hidden_layers);
-  kv("intermediate_size", m.intermediate_size);
-  kv("vocab_size", m.vocab_size);
-  kv("tie_word_embeddings", m.tie_word_embeddings);
-  kv("attention_bias", m.attention_bias);
-  kv("qkv_bias", m.qkv_bias);
-  kv("qk_norm", m.qk_norm);
-  kv("num_experts", m.num_experts);
-  kv("moe_intermediate_size", m.moe_intermediate_size);
-  kv("num_experts_per_tok", m.num_experts_per_tok);
-  kv("decoder_sparse_step", m.decoder_sparse_step);
-  std::vector<int64_t> mlp_only = m.mlp_only_layers;
-  std::sort(mlp_only.begin(), mlp_only.end());
-  mlp_only.erase(std::unique(mlp_only.begin(), mlp_only.end()), mlp_only.end());
-  kv("mlp_only_layers", fmt::format("{}", fmt::join(mlp_only, ",")));
-  kv("model_dtype", DTypeName(m.dtype));
-  // Fields that do not move bytes still identify the model the ranks must agree on.
-  kv("rms_norm_eps", fmt::format("{:.17g}", m.rms_norm_eps));
-  kv("rope_theta", fmt::format("{:.17g}", m.rope_theta));
-  kv("max_position_embeddings", m.max_position_embeddings);
-  kv("norm_topk_prob", m.norm_topk_prob);
-  if (m.rope_scaling) {
-    const RopeScaling& r = *m.rope_scaling;
-    kv("rope_scaling",
-       fmt::format("{};{:.17g};{:.17g};{:.17g};{}", r.type, r.factor, r.low_freq_factor,
-                   r.high_freq_factor, r.original_max_position_embeddings));
-  }
-  kv("trainer", in.trainer.ToString());
-  kv("trainer_dtype", DTypeName(in.trainer_dtype));
-  kv("engine", in.rollout.shard.engine == EngineKind::kSglang ? "sglang" : "vllm");
-  kv("dp", in.rollout.dp);
-  kv("tp", in.rollout.shard.tp);
-  kv("pp", in.rollout.shard.pp);
-  kv("ep", in.rollout.shard.ep);
-  kv("pp_partition", fmt::format("{}", fmt::join(in.rollout.shard.pp_partition, ",")));
-  // Only when not the default, so existing plans keep their hashes.
-  if (in.rollout.shard.expert_naming != ExpertNaming::kFusedMoe) {
-    kv("expert_naming", ExpertNamingName(in.rollout.shard.expert_naming));
-  }
-  kv("wire_dtype", DTypeName(in.options.wire_dtype));
-  kv("bucket_bytes", in.options.bucket_bytes);
-  const XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
-  return fmt::format("{:016x}{:016x}", h.high64, h.low64);
-}
-
-}  // namespace shardsync

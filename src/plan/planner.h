@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "shardsync/plan.h"
@@ -56,6 +57,8 @@ struct PieceStats {
 // Called for each (trainer rank, engine sync rank) pair with traffic.
 using PairFn = std::function<void(int trainer, int engine_sync_rank, int64_t bytes, int64_t ops)>;
 
+class MegatronPlanner;  // megatron_plan.cc: the planner for Megatron trainer layouts
+
 class PlanContext {
  public:
   // `map` is one replica's shard map for in.rollout.shard; `inventory` the model's HF tensors.
@@ -75,6 +78,9 @@ class PlanContext {
   int engine_per_replica() const { return E_; }
   int replicas() const { return D_; }
   const std::vector<FlatPiece>& pieces() const { return pieces_; }
+  const std::vector<Shape>& param_shapes() const { return param_shapes_; }
+  // Set for Megatron trainer layouts: it plans every rank; the dim-0 chunk machinery is unused.
+  const MegatronPlanner* megatron() const { return megatron_.get(); }
 
  private:
   Item MakeItem(const FlatPiece& p, int64_t chunk) const;
@@ -99,7 +105,6 @@ class PlanContext {
                        const std::function<void(int32_t, int64_t)>& fn) const;
   // Ops of the erank-local byte range [y0, y1) of erank e at chunk s.
   int64_t CountRangeOps(int e, int s, int64_t y0, int64_t y1) const;
-  void FinishMessage(Message* m) const;
 
   PlanInputs in_;
   ShardMap map_;
@@ -116,12 +121,34 @@ class PlanContext {
   bool whole_replicas_ = true;
   std::vector<Sequence> seqs_;     // per position s, only when R does not divide D
   std::vector<PieceStats> stats_;  // per flat piece
+  std::shared_ptr<const MegatronPlanner> megatron_;
 };
 
 // Builds the context for `in` (shard map and inventory from the model).
 Result<PlanContext> MakeContext(const PlanInputs& in);
 // Enumerates every rank's plan and checks it element by element (small jobs only).
 Status ValidateContext(const PlanContext& ctx);
+
+// ---- geometry.cc: shared by every trainer layout ----
+
+// Maps a sub-box `x` of `dst` to the matching sub-box of `src` (dims aligned from the right; extra
+// leading dims have extent 1), and back.
+Region MapToSrc(const Region& src, const Region& dst, const Region& x);
+Region MapToDst(const Region& src, const Region& dst, const Region& x);
+// True when src and dst are the same box up to leading unit dims (right-aligned).
+bool Aligned(const Region& src, const Region& dst);
+// Fills an item's split geometry (runs, units) from its dst box in a parameter of `shape`.
+void SetItemGeometry(Item* it, const Shape& shape, int64_t wire);
+// Ops of a whole item / of the item's byte range [y0, y1) (unit aligned).
+int64_t ItemOpCount(const Item& it, int64_t wire, int64_t cap);
+int64_t ItemRangeOpCount(const Item& it, int64_t y0, int64_t y1, int64_t wire, int64_t cap);
+// Calls fn(src box, dst box) for each op of the item's byte range [y0, y1), in order.
+void ForItemRangeOps(const Item& it, int64_t y0, int64_t y1, int64_t wire, int64_t cap,
+                     const std::function<void(const Region& src, const Region& dst)>& fn);
+// The item-local byte offset y rounded up to the next unit boundary (the cut points).
+int64_t RoundUpToUnit(const Item& it, int64_t y);
+// Wire offsets and buckets of a message whose ops are in order.
+void FinishMessage(Message* m, int64_t cap);
 
 // Split of a contiguous dst box into parts of at most `cap` bytes (along its first dim with
 // extent > 1, recursing into the next dim when one index is already over the cap).

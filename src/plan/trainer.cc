@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 #include <charconv>
 
+#include "plan/megatron.h"
 #include "shardsync/plan.h"
 
 namespace shardsync {
@@ -37,6 +38,8 @@ int TrainerSpec::groups() const {
       return replicas;
     case Kind::kSingle:
       return 1;
+    case Kind::kMegatron:
+      return megatron.cp * megatron.dp;
   }
   return 1;
 }
@@ -49,6 +52,8 @@ int TrainerSpec::shards_per_group() const {
     case Kind::kReplicate:
     case Kind::kSingle:
       return 1;
+    case Kind::kMegatron:
+      return megatron.tp * megatron.pp;
   }
   return 1;
 }
@@ -65,6 +70,8 @@ std::string TrainerSpec::ToString() const {
       return fmt::format("replicate={}", replicas);
     case Kind::kSingle:
       return "single";
+    case Kind::kMegatron:
+      return megatron.ToString();
   }
   return "?";
 }
@@ -78,7 +85,9 @@ Result<TrainerSpec> ParseTrainerSpec(std::string_view s) {
   const size_t eq = s.find('=');
   if (eq == std::string_view::npos) {
     return InvalidArgumentError(
-        fmt::format("--trainer: expected fsdp=S, hsdp=RxS, replicate=S or single, got '{}'", s));
+        fmt::format("--trainer: expected fsdp=S, hsdp=RxS, replicate=S, single or "
+                    "megatron=tp=T,pp=P[,...], got '{}'",
+                    s));
   }
   const std::string_view kind = s.substr(0, eq);
   const std::string_view val = s.substr(eq + 1);
@@ -97,9 +106,14 @@ Result<TrainerSpec> ParseTrainerSpec(std::string_view s) {
     }
     SS_ASSIGN_OR_RETURN(t.replicas, ParsePositive(val.substr(0, x), "--trainer hsdp R"));
     SS_ASSIGN_OR_RETURN(t.shards, ParsePositive(val.substr(x + 1), "--trainer hsdp S"));
+  } else if (kind == "megatron") {
+    t.kind = TrainerSpec::Kind::kMegatron;
+    SS_ASSIGN_OR_RETURN(t.megatron, plan_internal::ParseMegatronLayout(val));
+    return t;
   } else {
     return InvalidArgumentError(fmt::format(
-        "--trainer: unknown layout '{}' (expected fsdp, hsdp, replicate or single)", kind));
+        "--trainer: unknown layout '{}' (expected fsdp, hsdp, replicate, single or megatron)",
+        kind));
   }
   if (static_cast<int64_t>(t.replicas) * t.shards > kMaxRanks) {
     return InvalidArgumentError(
@@ -111,7 +125,7 @@ Result<TrainerSpec> ParseTrainerSpec(std::string_view s) {
 Region TrainerHeldRegion(const TrainerSpec& t, int rank, const Shape& shape) {
   Region r = Region::Full(shape);
   const int S = t.shards_per_group();
-  if (rank < 0 || rank >= t.world()) {
+  if (rank < 0 || rank >= t.world() || t.kind == TrainerSpec::Kind::kMegatron) {
     for (int i = 0; i < r.ndim; ++i) r.extent[i] = 0;
     return r;
   }

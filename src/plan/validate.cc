@@ -26,6 +26,53 @@ bool SameOp(const TransferOp& a, const TransferOp& b) {
          a.wire_offset == b.wire_offset && a.bytes == b.bytes;
 }
 
+// The sender holds op i's bytes where the message says: FSDP-like layouts in their dim-0 shard of
+// the tensor (no local sources); Megatron in local parameter local[i].param at local[i].region,
+// by a piece of that parameter that carries the tensor (trainer map of the sender, cached).
+class HeldCheck {
+ public:
+  HeldCheck(const PlanInputs& in, const std::vector<HfTensor>& inv) : in_(in), inv_(inv) {}
+  Status Check(const Message& m, size_t i) {
+    const TransferOp& op = m.ops[i];
+    const HfTensor& t = inv_[op.tensor];
+    if (in_.trainer.kind != TrainerSpec::Kind::kMegatron) {
+      if (m.local.empty() &&
+          RegionContains(TrainerHeldRegion(in_.trainer, m.src, t.shape), op.src)) {
+        return OkStatus();
+      }
+      return InternalError(fmt::format("message {}->{}: trainer rank {} does not hold {} of '{}'",
+                                       m.src, m.dst, m.src, op.src.ToString(), t.name));
+    }
+    auto it = maps_.find(m.src);
+    if (it == maps_.end()) {
+      SS_ASSIGN_OR_RETURN(TrainerRankParams p,
+                          BuildTrainerParams(in_.model, in_.trainer, m.src, in_.trainer_dtype));
+      it = maps_.emplace(m.src, std::move(p)).first;
+    }
+    const auto& params = it->second.params;
+    const LocalSource ls = m.local.size() == m.ops.size() ? m.local[i] : LocalSource{-1, {}};
+    if (ls.param >= 0 && ls.param < static_cast<int32_t>(params.size())) {
+      const TrainerParam& p = params[ls.param];
+      for (const TrainerPiece& pc : p.pieces) {
+        if (pc.source != t.name || !RegionContains(pc.src, op.src)) continue;
+        Region want = op.src;
+        for (int i = 0; i < want.ndim; ++i) {
+          want.offset[i] += pc.local.offset[i] - pc.src.offset[i];
+        }
+        if (want == ls.region && RegionInside(want, p.shape)) return OkStatus();
+      }
+    }
+    return InternalError(fmt::format(
+        "message {}->{}: trainer rank {} does not hold {} of '{}' at {} of its parameter {}", m.src,
+        m.dst, m.src, op.src.ToString(), t.name, ls.region.ToString(), ls.param));
+  }
+
+ private:
+  const PlanInputs& in_;
+  const std::vector<HfTensor>& inv_;
+  std::map<int, TrainerRankParams> maps_;
+};
+
 Status CheckMessageShape(const Message& m, int64_t cap, int64_t wire) {
   int64_t off = 0;
   for (size_t i = 0; i < m.ops.size(); ++i) {
@@ -142,6 +189,7 @@ Status ValidateContext(const PlanContext& ctx) {
 
   SS_ASSIGN_OR_RETURN(DetailedSummary ds, ctx.Summarize(SummaryOptions{}));
   const PlanSummary& sum = ds.summary;
+  HeldCheck held(in, inv);
   size_t matched = 0;
   int64_t total_ops = 0, total_msgs = 0;
   for (int j = 0; j < D * E; ++j) {
@@ -167,6 +215,10 @@ Status ValidateContext(const PlanContext& ctx) {
       const Message& s = it->second;
       bool same = s.ops.size() == m.ops.size() && s.buckets.size() == m.buckets.size();
       for (size_t i = 0; same && i < m.ops.size(); ++i) same = SameOp(s.ops[i], m.ops[i]);
+      same = same && s.local.size() == m.local.size();
+      for (size_t i = 0; same && i < m.local.size(); ++i) {
+        same = s.local[i].param == m.local[i].param && s.local[i].region == m.local[i].region;
+      }
       if (!same) {
         return InternalError(
             fmt::format("message {}->{}: sender and receiver disagree", m.src, m.dst));
@@ -175,7 +227,8 @@ Status ValidateContext(const PlanContext& ctx) {
       recv += m.bytes;
       ops += static_cast<int64_t>(m.ops.size());
       const Region none;
-      for (const TransferOp& op : m.ops) {
+      for (size_t oi = 0; oi < m.ops.size(); ++oi) {
+        const TransferOp& op = m.ops[oi];
         if (op.tensor < 0 || op.tensor >= static_cast<int32_t>(inv.size()) || op.param < 0 ||
             op.param >= static_cast<int32_t>(rk.params.size())) {
           return OutOfRangeError(fmt::format("message {}->{}: op names tensor {} / param {}", m.src,
@@ -188,11 +241,7 @@ Status ValidateContext(const PlanContext& ctx) {
               fmt::format("message {}->{}: op {} of '{}' -> {} of '{}' out of bounds", m.src, m.dst,
                           op.src.ToString(), t.name, op.dst.ToString(), prm.name));
         }
-        if (!RegionContains(TrainerHeldRegion(in.trainer, m.src, t.shape), op.src)) {
-          return InternalError(
-              fmt::format("message {}->{}: trainer rank {} does not hold {} of '{}'", m.src, m.dst,
-                          m.src, op.src.ToString(), t.name));
-        }
+        SS_RETURN_IF_ERROR(held.Check(m, oi));
         if (!RegionIsContiguous(op.dst, prm.shape)) {
           return InternalError(fmt::format("message {}->{}: dst {} of '{}' is not contiguous",
                                            m.src, m.dst, op.dst.ToString(), prm.name));

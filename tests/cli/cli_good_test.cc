@@ -191,6 +191,73 @@ TEST(CliGood, ShardsJsonCoversEveryParamExactlyOnce) {
   EXPECT_EQ(ParseJson(named)["ranks"].size(), 2u);
 }
 
+// `shards --trainer megatron=...`: every trainer rank's local parameters and the HF regions they
+// hold; split tensors are held once over the tp x pp ranks, tp-replicated norms once per tp rank.
+TEST(CliGood, ShardsTrainerMegatronJson) {
+  const CliResult r =
+      Ok({"shards", "--model", Tiny(), "--trainer", "megatron=tp=2,pp=2", "--json"});
+  const json j = ParseJson(r);
+  ExpectKeys(j, {"model", "trainer", "world", "padded_vocab", "ranks"}, "trainer shards");
+  EXPECT_EQ(j["trainer"], "megatron=tp=2,pp=2");
+  EXPECT_EQ(j["padded_vocab"], 256);  // 200 padded to a multiple of 128 * tp
+  ASSERT_EQ(j["ranks"].size(), 4u);
+  std::map<std::string, int64_t> held;
+  for (const auto& rank : j["ranks"]) {
+    ExpectKeys(rank, {"rank", "coords", "params"}, "trainer rank");
+    ExpectKeys(rank["coords"], {"tp", "cp", "dp", "pp", "etp", "ep", "edp"}, "coords");
+    for (const auto& p : rank["params"]) {
+      ExpectKeys(p, {"name", "chunk", "shape", "dtype", "pieces"}, "trainer param");
+      int64_t covered = 0;
+      for (const auto& piece : p["pieces"]) {
+        ExpectKeys(piece, {"source", "src_offset", "local_offset", "extent"}, "trainer piece");
+        covered += Numel(piece["extent"]);
+        held[piece["source"].get<std::string>()] += Numel(piece["extent"]);
+      }
+      EXPECT_LE(covered, Numel(p["shape"])) << p["name"];
+    }
+  }
+  const json map = ParseJson(Ok({"shards", "--model", Tiny(), "--engine", "vllm", "--json"}));
+  for (const auto& p : map["ranks"][0]["params"]) {
+    for (const auto& piece : p["pieces"]) {
+      const std::string src = piece["source"];
+      const int64_t n = Numel(piece["extent"]);
+      const bool norm = src.find("layernorm") != std::string::npos || src == "model.norm.weight";
+      EXPECT_EQ(held[src], norm ? 2 * n : n) << src;
+    }
+  }
+  const CliResult table = Ok({"shards", "--model", Tiny(), "--trainer", "megatron=tp=2,pp=2"});
+  EXPECT_NE(table.out.find("megatron coordinates"), std::string::npos) << table.out;
+  const CliResult explain =
+      Ok({"shards", "--model", Tiny(), "--trainer", "megatron=tp=2", "--rank", "1", "--explain",
+          "decoder.layers.0.self_attention.linear_qkv.weight"});
+  EXPECT_NE(explain.out.find("model.layers.0.self_attn.v_proj.weight"), std::string::npos)
+      << explain.out;
+}
+
+// `plan --trainer megatron=...`: receivers get their owned bytes; every op names the sender's
+// local parameter and region.
+TEST(CliGood, PlanMegatronDumpOps) {
+  const fs::path ops = Fixtures::Get().dir / "out/megatron.ops.jsonl";
+  fs::remove(ops);
+  const json j =
+      ParseJson(Ok({"plan", "--model", Tiny(), "--trainer", "megatron=tp=2,pp=2,dp=2", "--rollout",
+                    "dp=1,tp=2,pp=2", "--json", "--dump-ops", ops.string()}));
+  EXPECT_EQ(j["trainer"], "megatron=tp=2,pp=2,dp=2");
+  ASSERT_EQ(j["trainer_ranks"].size(), 8u);
+  for (const auto& e : j["engine_ranks"]) EXPECT_EQ(e["recv_bytes"], e["owned_bytes"]) << e.dump();
+  std::istringstream lines(ReadAll(ops));
+  int64_t n = 0, bytes = 0;
+  for (std::string line; std::getline(lines, line); ++n) {
+    const json op = json::parse(line, nullptr, false);
+    ASSERT_FALSE(op.is_discarded()) << line;
+    ExpectKeys(op, {"src_param", "src_chunk", "src_local"}, "megatron op");
+    EXPECT_EQ(op["src_local"]["extent"], op["src_region"]["extent"]) << line;
+    bytes += op["bytes"].get<int64_t>();
+  }
+  EXPECT_EQ(n, j["ops"].get<int64_t>());
+  EXPECT_EQ(bytes, j["total_bytes"].get<int64_t>());
+}
+
 // A config path that is not UTF-8 (the model's name is its path): JSON output must still be
 // produced and parse, not abort in the JSON library.
 TEST(CliGood, ShardsJsonWithNonUtf8ModelPath) {

@@ -82,6 +82,13 @@ std::string GpuOf(const Layout* layout, int replica, int tp, int pp) {
 int Run(const DemoFlags& f) {
   auto job = JobSpecFromFlags(f.job, /*all_local=*/true);
   if (!job.ok()) return ReportError(job.status());
+  if (job->inputs.trainer.kind == TrainerSpec::Kind::kMegatron) {
+    // Sessions bind Megatron trainers' local parameters in a later phase (docs/megatron.md).
+    return ReportError(InvalidArgumentError(
+        "--trainer " + job->inputs.trainer.ToString() +
+        ": demo cannot bind Megatron trainers yet; `shardsync plan` and `shardsync shards "
+        "--trainer` support them"));
+  }
   if (f.job_timeout_s < 1) {
     return ReportError(InvalidArgumentError("--job-timeout-s: must be positive"));
   }

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <tuple>
@@ -74,8 +75,28 @@ void AppendRegion(const Region& r, std::string* out) {
                  fmt::join(r.extent.begin(), r.extent.begin() + r.ndim, ","));
 }
 
-void AppendOps(const plan_internal::PlanContext& ctx, const std::vector<std::string>& tensor_names,
-               const Message& m, std::string* out) {
+// Megatron senders' local parameters, built once per rank (ops name where the bytes sit).
+class SenderParams {
+ public:
+  explicit SenderParams(const PlanInputs& in) : in_(in) {}
+  Result<const TrainerRankParams*> Get(int rank) {
+    auto it = cache_.find(rank);
+    if (it == cache_.end()) {
+      SS_ASSIGN_OR_RETURN(TrainerRankParams p,
+                          BuildTrainerParams(in_.model, in_.trainer, rank, in_.trainer_dtype));
+      it = cache_.emplace(rank, std::move(p)).first;
+    }
+    return &it->second;
+  }
+
+ private:
+  const PlanInputs& in_;
+  std::map<int, TrainerRankParams> cache_;
+};
+
+Status AppendOps(const plan_internal::PlanContext& ctx,
+                 const std::vector<std::string>& tensor_names, const Message& m,
+                 SenderParams* senders, std::string* out) {
   const int S = ctx.trainer_world();
   const int e = (m.dst - S) % ctx.engine_per_replica();
   const auto& params = ctx.map().ranks[e].params;
@@ -96,9 +117,19 @@ void AppendOps(const plan_internal::PlanContext& ctx, const std::vector<std::str
     AppendRegion(op.src, out);
     *out += ",\"dst_region\":";
     AppendRegion(op.dst, out);
+    if (i < m.local.size()) {
+      // Megatron: the sender's local parameter (name, model chunk) and the region inside it.
+      SS_ASSIGN_OR_RETURN(const TrainerRankParams* sp, senders->Get(m.src));
+      const TrainerParam& lp = sp->params.at(m.local[i].param);
+      fmt::format_to(std::back_inserter(*out),
+                     ",\"src_param\":{},\"src_chunk\":{},\"src_local\":", Quoted(lp.name),
+                     lp.chunk);
+      AppendRegion(m.local[i].region, out);
+    }
     fmt::format_to(std::back_inserter(*out), ",\"wire_offset\":{},\"bytes\":{}}}\n", op.wire_offset,
                    op.bytes);
   }
+  return OkStatus();
 }
 
 Result<std::string> DumpOps(const plan_internal::PlanContext& ctx, const DetailedSummary& ds,
@@ -107,10 +138,13 @@ Result<std::string> DumpOps(const plan_internal::PlanContext& ctx, const Detaile
   std::vector<std::string> tensor_names;
   tensor_names.reserve(ctx.inventory().size());
   for (const HfTensor& t : ctx.inventory()) tensor_names.push_back(Quoted(t.name));
+  SenderParams senders(ctx.inputs());
   if (rank) {
     SS_ASSIGN_OR_RETURN(RankPlan rp, ctx.PlanForRank(*rank));
-    for (const Message& m : rp.sends) AppendOps(ctx, tensor_names, m, &out);
-    for (const Message& m : rp.recvs) AppendOps(ctx, tensor_names, m, &out);
+    for (const Message& m : rp.sends)
+      SS_RETURN_IF_ERROR(AppendOps(ctx, tensor_names, m, &senders, &out));
+    for (const Message& m : rp.recvs)
+      SS_RETURN_IF_ERROR(AppendOps(ctx, tensor_names, m, &senders, &out));
     return out;
   }
   if (ds.summary.ops > kMaxDumpAllOps) {
@@ -121,7 +155,8 @@ Result<std::string> DumpOps(const plan_internal::PlanContext& ctx, const Detaile
   // Every op once: each trainer rank's sends.
   for (int t = 0; t < ctx.trainer_world(); ++t) {
     SS_ASSIGN_OR_RETURN(RankPlan rp, ctx.PlanForRank(t));
-    for (const Message& m : rp.sends) AppendOps(ctx, tensor_names, m, &out);
+    for (const Message& m : rp.sends)
+      SS_RETURN_IF_ERROR(AppendOps(ctx, tensor_names, m, &senders, &out));
   }
   return out;
 }
@@ -341,7 +376,10 @@ Registration reg(
        auto* sub = app.add_subcommand(
            "plan", "Transfer plan trainer shards -> engine shards: summary, cost, ops");
        sub->add_option("--model", a->model, "Embedded model NAME or config PATH")->required();
-       sub->add_option("--trainer", a->trainer, "fsdp=S | hsdp=RxS | replicate=S | single")
+       sub->add_option("--trainer", a->trainer,
+                       "fsdp=S | hsdp=RxS | replicate=S | single | "
+                       "megatron=tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,cp=C][,dp=D][,first=N][,last=M]"
+                       "[,vocab_div=K][,experts=grouped|sequential][,norms=te|local]")
            ->required();
        sub->add_option("--rollout", a->rollout, "dp=D,tp=T,pp=P[,ep=E]")->required();
        sub->add_option("--engine", a->engine, "sglang | vllm")->capture_default_str();

@@ -1,5 +1,6 @@
 // `shardsync shards`: which bytes of which HF tensor every engine rank (tp, pp) owns, under the
-// SGLang or vLLM loading rules.
+// SGLang or vLLM loading rules; with --trainer, which bytes every trainer rank holds and where in
+// its local parameters (Megatron-Core layouts: docs/megatron.md).
 #include <fmt/format.h>
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "command.h"
+#include "shardsync/plan.h"
 #include "shardsync/shard_map.h"
 
 namespace shardsync::cli {
@@ -18,6 +20,7 @@ namespace {
 struct ShardsOptions {
   std::string model;
   std::string engine;
+  std::string trainer, trainer_dtype = "fp32";
   int tp = 1;
   int pp = 1;
   int ep = 1;
@@ -29,7 +32,43 @@ struct ShardsOptions {
   CLI::Option* pp_partition_opt = nullptr;
   CLI::Option* rank_opt = nullptr;
   CLI::Option* explain_opt = nullptr;
+  CLI::Option* engine_opt = nullptr;
+  CLI::Option* trainer_opt = nullptr;
+  std::vector<CLI::Option*> engine_only;  // --tp, --pp, --ep, --pp-partition
 };
+
+// --trainer: every (or one) trainer rank's local parameters and the HF bytes they hold.
+Result<std::string> RunTrainer(const ShardsOptions& o) {
+  for (const CLI::Option* opt : o.engine_only) {
+    if (opt->count() > 0) {
+      return InvalidArgumentError(fmt::format(
+          "{}: an engine flag; with --trainer the layout is the trainer spec", opt->get_name()));
+    }
+  }
+  SS_ASSIGN_OR_RETURN(ModelSpec model, LoadModelSpec(o.model));
+  SS_ASSIGN_OR_RETURN(TrainerSpec t, ParseTrainerSpec(o.trainer));
+  SS_ASSIGN_OR_RETURN(DType dtype, ParseDType(o.trainer_dtype, "--trainer-dtype"));
+  SS_RETURN_IF_ERROR(CheckTrainerLayout(model, t));
+  int first = 0, last = t.world();
+  if (o.rank_opt->count() > 0) {
+    int r = -1;
+    char tail = 0;
+    if (std::sscanf(o.rank.c_str(), "%d%c", &r, &tail) != 1 || r < 0 || r >= t.world()) {
+      return InvalidArgumentError(fmt::format("--rank: '{}' is not a trainer rank of {} (world {})",
+                                              o.rank, t.ToString(), t.world()));
+    }
+    first = r;
+    last = r + 1;
+  }
+  std::vector<TrainerRankParams> ranks;
+  for (int r = first; r < last; ++r) {
+    SS_ASSIGN_OR_RETURN(TrainerRankParams p, BuildTrainerParams(model, t, r, dtype));
+    ranks.push_back(std::move(p));
+  }
+  if (o.explain_opt->count() > 0) return ExplainTrainerParam(ranks, o.explain);
+  if (o.json) return TrainerMapToJson(model, t, ranks);
+  return TrainerMapToTable(model, t, ranks);
+}
 
 // "--rank 1,0" -> (tp 1, pp 0).
 Result<std::pair<int, int>> ParseRank(const std::string& s, const ShardSpec& spec) {
@@ -47,6 +86,15 @@ Result<std::pair<int, int>> ParseRank(const std::string& s, const ShardSpec& spe
 }
 
 Result<std::string> Run(const ShardsOptions& o) {
+  if (o.trainer_opt->count() > 0) {
+    if (o.engine_opt->count() > 0) {
+      return InvalidArgumentError("--engine: give --engine (engine ranks) or --trainer, not both");
+    }
+    return RunTrainer(o);
+  }
+  if (o.engine_opt->count() == 0) {
+    return InvalidArgumentError("--engine: required (or --trainer for trainer ranks)");
+  }
   SS_ASSIGN_OR_RETURN(ModelSpec model, LoadModelSpec(o.model));
   ShardSpec spec;
   SS_ASSIGN_OR_RETURN(spec.engine, ParseEngineKind(o.engine, "--engine"));
@@ -69,40 +117,53 @@ Result<std::string> Run(const ShardsOptions& o) {
   return ShardMapToTable(map, ranks);
 }
 
-Registration reg({"shards", [](CLI::App& app) {
-                    auto o = std::make_shared<ShardsOptions>();
-                    auto* sub = app.add_subcommand(
-                        "shards",
-                        "Which bytes of which HF tensor every engine rank (tp, pp) owns, under the "
-                        "SGLang or vLLM loading rules");
-                    sub->add_option("--model", o->model,
-                                    "Embedded model name (qwen3-8b, ...) or a config.json path or "
-                                    "directory")
-                        ->required();
-                    sub->add_option("--engine", o->engine, "sglang | vllm")->required();
-                    sub->add_option("--tp", o->tp, "Tensor-parallel size (default 1)");
-                    sub->add_option("--pp", o->pp, "Pipeline-parallel size (default 1)");
-                    sub->add_option("--ep", o->ep,
-                                    "Expert-parallel size (SGLang --ep-size; vLLM: 1, or tp with "
-                                    "--enable-expert-parallel); default 1");
-                    o->pp_partition_opt =
-                        sub->add_option("--pp-partition", o->pp_partition,
-                                        "Explicit layers per stage, e.g. 9,10,9 "
-                                        "(SGLANG_PP_LAYER_PARTITION / VLLM_PP_LAYER_PARTITION)");
-                    auto* json = sub->add_flag("--json", o->json,
-                                               "Print one JSON object (schema: docs/cli.md)");
-                    o->rank_opt = sub->add_option("--rank", o->rank, "Only rank TP_RANK,PP_RANK");
-                    o->explain_opt =
-                        sub->add_option("--explain", o->explain,
-                                        "Say where every byte of this engine parameter comes from")
+Registration reg(
+    {"shards", [](CLI::App& app) {
+       auto o = std::make_shared<ShardsOptions>();
+       auto* sub = app.add_subcommand(
+           "shards",
+           "Which bytes of which HF tensor every engine rank (tp, pp) owns, under the "
+           "SGLang or vLLM loading rules; with --trainer, what every trainer rank "
+           "holds and where in its local parameters");
+       sub->add_option("--model", o->model,
+                       "Embedded model name (qwen3-8b, ...) or a config.json path or "
+                       "directory")
+           ->required();
+       o->engine_opt =
+           sub->add_option("--engine", o->engine, "sglang | vllm (engine ranks; or --trainer)");
+       o->trainer_opt =
+           sub->add_option("--trainer", o->trainer,
+                           "Trainer layout instead of an engine: megatron=tp=T,pp=P[,...] | fsdp=S "
+                           "| hsdp=RxS | replicate=S | single");
+       sub->add_option("--trainer-dtype", o->trainer_dtype,
+                       "Dtype the trainer holds (with --trainer)")
+           ->capture_default_str();
+       o->engine_only.push_back(sub->add_option("--tp", o->tp, "Tensor-parallel size (default 1)"));
+       o->engine_only.push_back(
+           sub->add_option("--pp", o->pp, "Pipeline-parallel size (default 1)"));
+       o->engine_only.push_back(
+           sub->add_option("--ep", o->ep,
+                           "Expert-parallel size (SGLang --ep-size; vLLM: 1, or tp with "
+                           "--enable-expert-parallel); default 1"));
+       o->pp_partition_opt =
+           sub->add_option("--pp-partition", o->pp_partition,
+                           "Explicit layers per stage, e.g. 9,10,9 "
+                           "(SGLANG_PP_LAYER_PARTITION / VLLM_PP_LAYER_PARTITION)");
+       o->engine_only.push_back(o->pp_partition_opt);
+       auto* json = sub->add_flag("--json", o->json, "Print one JSON object (schema: docs/cli.md)");
+       o->rank_opt = sub->add_option(
+           "--rank", o->rank, "Only engine rank TP_RANK,PP_RANK (with --trainer: trainer rank R)");
+       o->explain_opt = sub->add_option("--explain", o->explain,
+                                        "Say where every byte of this engine (or trainer local) "
+                                        "parameter comes from")
                             ->excludes(json);
-                    return [o] {
-                      Result<std::string> out = Run(*o);
-                      if (!out.ok()) return ReportError(out.status());
-                      std::fwrite(out->data(), 1, out->size(), stdout);
-                      return kExitOk;
-                    };
-                  }});
+       return [o] {
+         Result<std::string> out = Run(*o);
+         if (!out.ok()) return ReportError(out.status());
+         std::fwrite(out->data(), 1, out->size(), stdout);
+         return kExitOk;
+       };
+     }});
 
 }  // namespace
 }  // namespace shardsync::cli

@@ -1,0 +1,70 @@
+// PlanHash: one hash of everything that defines a plan, compared by every rank before any byte
+// moves.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <xxhash.h>
+
+#include <algorithm>
+
+#include "shardsync/plan.h"
+
+namespace shardsync {
+
+std::string PlanHash(const PlanInputs& in) {
+  // Canonical text of everything that defines the plan. The model's name/path is left out (ranks
+  // may read the same config from different paths); mlp_only_layers is a set, so it is sorted.
+  const ModelSpec& m = in.model;
+  std::string s;
+  auto kv = [&s](std::string_view k, const auto& v) { s += fmt::format("{}={}\n", k, v); };
+  kv("planner", kPlannerVersion);
+  kv("arch", static_cast<int>(m.arch));
+  kv("hidden_size", m.hidden_size);
+  kv("num_attention_heads", m.num_attention_heads);
+  kv("num_key_value_heads", m.num_key_value_heads);
+  kv("head_dim", m.head_dim);
+  kv("num_hidden_layers", m.num_hidden_layers);
+  kv("intermediate_size", m.intermediate_size);
+  kv("vocab_size", m.vocab_size);
+  kv("tie_word_embeddings", m.tie_word_embeddings);
+  kv("attention_bias", m.attention_bias);
+  kv("qkv_bias", m.qkv_bias);
+  kv("qk_norm", m.qk_norm);
+  kv("num_experts", m.num_experts);
+  kv("moe_intermediate_size", m.moe_intermediate_size);
+  kv("num_experts_per_tok", m.num_experts_per_tok);
+  kv("decoder_sparse_step", m.decoder_sparse_step);
+  std::vector<int64_t> mlp_only = m.mlp_only_layers;
+  std::sort(mlp_only.begin(), mlp_only.end());
+  mlp_only.erase(std::unique(mlp_only.begin(), mlp_only.end()), mlp_only.end());
+  kv("mlp_only_layers", fmt::format("{}", fmt::join(mlp_only, ",")));
+  kv("model_dtype", DTypeName(m.dtype));
+  // Fields that do not move bytes still identify the model the ranks must agree on.
+  kv("rms_norm_eps", fmt::format("{:.17g}", m.rms_norm_eps));
+  kv("rope_theta", fmt::format("{:.17g}", m.rope_theta));
+  kv("max_position_embeddings", m.max_position_embeddings);
+  kv("norm_topk_prob", m.norm_topk_prob);
+  if (m.rope_scaling) {
+    const RopeScaling& r = *m.rope_scaling;
+    kv("rope_scaling",
+       fmt::format("{};{:.17g};{:.17g};{:.17g};{}", r.type, r.factor, r.low_freq_factor,
+                   r.high_freq_factor, r.original_max_position_embeddings));
+  }
+  kv("trainer", in.trainer.ToString());
+  kv("trainer_dtype", DTypeName(in.trainer_dtype));
+  kv("engine", in.rollout.shard.engine == EngineKind::kSglang ? "sglang" : "vllm");
+  kv("dp", in.rollout.dp);
+  kv("tp", in.rollout.shard.tp);
+  kv("pp", in.rollout.shard.pp);
+  kv("ep", in.rollout.shard.ep);
+  kv("pp_partition", fmt::format("{}", fmt::join(in.rollout.shard.pp_partition, ",")));
+  // Only when not the default, so existing plans keep their hashes.
+  if (in.rollout.shard.expert_naming != ExpertNaming::kFusedMoe) {
+    kv("expert_naming", ExpertNamingName(in.rollout.shard.expert_naming));
+  }
+  kv("wire_dtype", DTypeName(in.options.wire_dtype));
+  kv("bucket_bytes", in.options.bucket_bytes);
+  const XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
+  return fmt::format("{:016x}{:016x}", h.high64, h.low64);
+}
+
+}  // namespace shardsync

@@ -41,6 +41,12 @@ std::string ShardMapToTable(const ShardMap& map,
       m.num_key_value_heads, m.head_dim, m.vocab_size, dims.ok() ? dims->padded_vocab : 0,
       m.tie_word_embeddings ? ", tied embeddings" : "", HumanCount(ModelNumElements(m)),
       HumanBytes(model_bytes), DTypeTorchName(m.dtype));
+  if (m.quant) {
+    out += fmt::format(
+        "engine weights: block FP8 ({}, from {}): quantized linears as e4m3 + fp32 "
+        "weight_scale_inv\n",
+        QuantConfigToString(*m.quant), m.quant->origin);
+  }
   out += fmt::format("engine {}: tp {}, pp {}", EngineKindName(map.spec.engine), map.spec.tp,
                      map.spec.pp);
   if (m.is_moe() && dims.ok()) {

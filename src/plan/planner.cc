@@ -18,6 +18,8 @@
 #include <algorithm>
 #include <unordered_map>
 
+#include "shardsync/fp8_plan.h"
+
 namespace shardsync::plan_internal {
 namespace {
 
@@ -131,6 +133,14 @@ void SplitBox(const Region& box, int64_t elem_bytes, int64_t cap,
 
 Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
                                        std::vector<HfTensor> inventory) {
+  if (in.model.quant) {
+    // Block-FP8 engine weights are planned by fp8_planner.cc (PlanFp8ForRank); this planner's ops
+    // are plain copies and would land the wrong bytes.
+    return UnimplementedError(fmt::format(
+        "model '{}' has block-FP8 engine weights ({} from {}): the sync sessions do not move FP8 "
+        "yet (PlanFp8ForRank plans them; `shardsync plan` shows the plan)",
+        in.model.name, QuantConfigToString(*in.model.quant), in.model.quant->origin));
+  }
   PlanContext c;
   c.in_ = in;
   const auto& sh = in.rollout.shard;
@@ -664,7 +674,7 @@ std::string PlanHash(const PlanInputs& in) {
   kv("model_dtype", DTypeName(m.dtype));
   // Block-FP8 engine weights (fp8_planner.cc); absent for bf16 plans, whose hashes stay as they
   // were.
-  if (m.quant) kv("quant", QuantConfigToString(*m.quant));
+  if (m.quant) kv("quant", fmt::format("{};{}", QuantConfigToString(*m.quant), kFp8PlannerVersion));
   // Fields that do not move bytes still identify the model the ranks must agree on.
   kv("rms_norm_eps", fmt::format("{:.17g}", m.rms_norm_eps));
   kv("rope_theta", fmt::format("{:.17g}", m.rope_theta));

@@ -25,10 +25,12 @@ struct ShardsOptions {
   bool json = false;
   std::string rank;
   std::string explain;
+  std::string quant;
   // Given flags, by count: an explicitly empty value is an error, not "flag absent".
   CLI::Option* pp_partition_opt = nullptr;
   CLI::Option* rank_opt = nullptr;
   CLI::Option* explain_opt = nullptr;
+  CLI::Option* quant_opt = nullptr;
 };
 
 // "--rank 1,0" -> (tp 1, pp 0).
@@ -48,6 +50,10 @@ Result<std::pair<int, int>> ParseRank(const std::string& s, const ShardSpec& spe
 
 Result<std::string> Run(const ShardsOptions& o) {
   SS_ASSIGN_OR_RETURN(ModelSpec model, LoadModelSpec(o.model));
+  if (o.quant_opt->count() > 0) {
+    SS_ASSIGN_OR_RETURN(model.quant, ParseQuantFlag(o.quant));
+    SS_RETURN_IF_ERROR(ValidateModelSpec(model));
+  }
   ShardSpec spec;
   SS_ASSIGN_OR_RETURN(spec.engine, ParseEngineKind(o.engine, "--engine"));
   spec.tp = o.tp;
@@ -89,6 +95,10 @@ Registration reg({"shards", [](CLI::App& app) {
                         sub->add_option("--pp-partition", o->pp_partition,
                                         "Explicit layers per stage, e.g. 9,10,9 "
                                         "(SGLANG_PP_LAYER_PARTITION / VLLM_PP_LAYER_PARTITION)");
+                    o->quant_opt = sub->add_option(
+                        "--quant", o->quant,
+                        "Engine weights: fp8-block128 (block-FP8 weight + weight_scale_inv, "
+                        "overriding the config's quantization_config) | none (the model dtype)");
                     auto* json = sub->add_flag("--json", o->json,
                                                "Print one JSON object (schema: docs/cli.md)");
                     o->rank_opt = sub->add_option("--rank", o->rank, "Only rank TP_RANK,PP_RANK");

@@ -43,14 +43,22 @@ inline constexpr uint8_t kFp8E4M3Nan = 0x7f;   // S.1111.111
 inline constexpr uint32_t kFp8ScaleNanBits = 0x7fc00000u;
 
 SHARDSYNC_HD uint32_t Fp8FloatBits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
   uint32_t u;
   __builtin_memcpy(&u, &f, 4);
   return u;
+#endif
 }
 SHARDSYNC_HD float Fp8BitsFloat(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
   float f;
   __builtin_memcpy(&f, &u, 4);
   return f;
+#endif
 }
 
 // fp32 -> float8_e4m3fn, round to nearest even, saturating to +-448; NaN -> 0x7f with the sign.
@@ -101,7 +109,28 @@ SHARDSYNC_HD float E4M3ToF32(uint8_t b) {
 SHARDSYNC_HD float Fp8BlockScale(float amax) {
   if (!(amax <= 3.402823466e38f)) return Fp8BitsFloat(kFp8ScaleNanBits);  // NaN or Inf
   const float a = amax < kFp8AmaxFloor ? kFp8AmaxFloor : amax;
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, kFp8E4M3Max);  // IEEE division whatever the build's -prec-div
+#else
   return a / kFp8E4M3Max;
+#endif
+}
+
+// The quantization multiplier 1 / scale and one element's code, both IEEE round to nearest
+// even on host and device.
+SHARDSYNC_HD float Fp8InverseScale(float scale) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(1.0f, scale);
+#else
+  return 1.0f / scale;
+#endif
+}
+SHARDSYNC_HD uint8_t Fp8QuantizeValue(float x, float inv) {
+#if defined(__CUDA_ARCH__)
+  return F32ToE4M3(__fmul_rn(x, inv));  // never contracted into an FMA
+#else
+  return F32ToE4M3(x * inv);
+#endif
 }
 
 // ---- host primitives ----

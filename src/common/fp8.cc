@@ -60,11 +60,11 @@ float QuantizeTile(const float* tile, int64_t rows, int64_t cols, uint8_t* dst, 
     return Fp8BitsFloat(kFp8ScaleNanBits);
   }
   const float scale = Fp8BlockScale(amax);
-  const float inv = 1.0f / scale;
+  const float inv = Fp8InverseScale(scale);
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = tile + r * cols;
     uint8_t* d = dst + r * dst_stride;
-    for (int64_t c = 0; c < cols; ++c) d[c] = F32ToE4M3(x[c] * inv);
+    for (int64_t c = 0; c < cols; ++c) d[c] = Fp8QuantizeValue(x[c], inv);
   }
   return scale;
 }

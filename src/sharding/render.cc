@@ -75,10 +75,12 @@ std::string ShardMapToTable(const ShardMap& map,
   const double ratio = model_bytes > 0 ? static_cast<double>(total) / model_bytes : 0.0;
   if (ranks.size() == map.ranks.size()) {
     out += fmt::format(
-        "\n{} ranks hold {} ({:.3f}x the checkpoint; above 1x by replicated norms, router and kv "
-        "heads, vocab padding{})\n",
+        "\n{} ranks hold {} ({:.3f}x the {}checkpoint; above 1x by replicated norms, router and "
+        "kv heads, vocab padding{}{})\n",
         ranks.size(), HumanBytes(total), ratio,
-        m.tie_word_embeddings && map.spec.pp > 1 ? ", the embedding on two stages" : "");
+        m.quant ? fmt::format("{} ", DTypeTorchName(m.dtype)) : std::string(),
+        m.tie_word_embeddings && map.spec.pp > 1 ? ", the embedding on two stages" : "",
+        m.quant ? "; below by the 1-byte FP8 weights" : "");
   } else {
     out += fmt::format("\n{} of {} ranks shown, holding {} ({:.2f}% of the checkpoint)\n",
                        ranks.size(), map.ranks.size(), HumanBytes(total), 100.0 * ratio);

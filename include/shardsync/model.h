@@ -27,6 +27,24 @@ struct RopeScaling {
   int64_t original_max_position_embeddings = 8192;
 };
 
+// Block-FP8 rollout weights (docs/fp8.md): every linear weight of attention and MLP (experts
+// included) becomes float8_e4m3fn plus an fp32 `weight_scale_inv` per 128 x 128 block, the
+// layout SGLang and vLLM load for `quantization_config: {quant_method: fp8, activation_scheme:
+// dynamic, weight_block_size: [128, 128]}` (sglang srt/layers/quantization/fp8.py Fp8Config,
+// vllm model_executor/layers/quantization/fp8.py Fp8Config). Embeddings, norms, biases, the MoE
+// router gate and lm_head stay in the model dtype (the engines build them without the FP8
+// method: VocabParallelEmbedding / ParallelLMHead get none, Qwen3-MoE's gate passes
+// quant_config=None). The trainer keeps its unquantized weights; HfTensorInventory lists those.
+struct QuantConfig {
+  int64_t block_n = 128;  // weight_block_size[0]: output rows per block
+  int64_t block_k = 128;  // weight_block_size[1]: input columns per block
+  // modules_to_not_convert / ignored_layers as written: module names whose linears stay in the
+  // model dtype, matched on dot boundaries ("lm_head", "model.layers.0.self_attn.q_proj",
+  // "layers.3.mlp"), as SGLang's is_layer_skipped does since PR #23467.
+  std::vector<std::string> ignored_modules;
+  std::string origin;  // "quantization_config" (config.json) or "--quant"
+};
+
 struct ModelSpec {
   std::string name;  // embedded name or the path it was read from
   Architecture arch = Architecture::kLlama;
@@ -52,7 +70,8 @@ struct ModelSpec {
   bool norm_topk_prob = false;
   int64_t decoder_sparse_step = 1;
   std::vector<int64_t> mlp_only_layers;
-  DType dtype = DType::kBF16;  // torch_dtype / dtype
+  DType dtype = DType::kBF16;        // torch_dtype / dtype
+  std::optional<QuantConfig> quant;  // engine weights in block FP8 (quantization_config)
 
   bool is_moe() const { return num_experts > 0; }
   // Qwen3-MoE rule: layer l is sparse iff l not in mlp_only_layers, num_experts > 0 and
@@ -62,6 +81,8 @@ struct ModelSpec {
 
 // Parses config.json text. `source` names the file in errors. Unknown architecture, a missing,
 // mistyped, non-positive, overflowing or inconsistent field: InvalidArgument naming the field.
+// A `quantization_config` is honoured (block FP8: ModelSpec::quant) or refused naming the field
+// (any other method, block size, scale format or unknown key), never ignored.
 Result<ModelSpec> ParseModelConfig(std::string_view json_text, std::string_view source);
 // NAME (embedded, see EmbeddedModelNames) or PATH (a config.json, or a directory holding one).
 Result<ModelSpec> LoadModelSpec(std::string_view name_or_path);
@@ -100,5 +121,23 @@ std::optional<int64_t> LayerIndexOf(std::string_view name);
 // Total elements / bytes of the HF checkpoint (sum over HfTensorInventory).
 int64_t ModelNumElements(const ModelSpec& spec);
 int64_t ModelBytes(const ModelSpec& spec);
+
+// ---- block FP8 (QuantConfig) ----
+
+// `--quant`: "fp8-block128" (block FP8, overriding any quantization_config) or "none" (engine
+// weights in the model dtype, dropping a config's quantization_config). InvalidArgument naming
+// the flag otherwise.
+Result<std::optional<QuantConfig>> ParseQuantFlag(std::string_view value);
+// "fp8 e4m3 128x128" plus the ignored modules, for tables and the plan hash.
+std::string QuantConfigToString(const QuantConfig& q);
+// True when HF tensor `hf_name` is a weight the engine holds in FP8 (a linear of attention or the
+// MLP / experts, not listed in ignored_modules). False for every tensor of an unquantized spec.
+bool IsQuantizedWeight(const ModelSpec& spec, std::string_view hf_name);
+// "…q_proj.weight" -> "…q_proj.weight_scale_inv" (the checkpoint's block-scale tensor).
+std::string WeightScaleName(std::string_view weight_name);
+// The tensors of the checkpoint the engine loads: HfTensorInventory with every quantized weight
+// as float8_e4m3fn followed by its fp32 weight_scale_inv [ceil(out/128), ceil(in/128)]. Equals
+// HfTensorInventory for an unquantized spec.
+std::vector<HfTensor> HfCheckpointInventory(const ModelSpec& spec);
 
 }  // namespace shardsync

@@ -93,6 +93,44 @@ class SyntheticWeightSource : public WeightSource {
   std::map<std::string, Shape, std::less<>> shapes_;
 };
 
+// ---- Block FP8 (docs/fp8.md) ----
+
+// The block-FP8 checkpoint view of unquantized HF values: every tensor with
+// IsQuantizedWeight(spec, name) reads as float8_e4m3fn (the quantizer of fp8.h, 128 x 128 blocks
+// aligned to the tensor) and "<name>_scale_inv" reads as its fp32 block scales
+// [ceil(rows/128), ceil(cols/128)]; every other tensor passes through. These are the bytes a sync
+// of `values` lands in a block-FP8 engine. `values` must outlive this source.
+class QuantizedWeightSource : public WeightSource {
+ public:
+  QuantizedWeightSource(const WeightSource& values, ModelSpec spec);
+  Result<TensorInfo> Describe(std::string_view hf_name) const override;
+  // Quantized weights only as F8_E4M3 and scales only as F32 (InvalidArgument otherwise).
+  Status Read(std::string_view hf_name, const Region& r, DType dtype, void* out) const override;
+
+ private:
+  const WeightSource& values_;
+  ModelSpec spec_;
+};
+
+// The dequantized view of a block-FP8 checkpoint (a safetensors FP8 checkpoint, or a
+// QuantizedWeightSource): each quantized weight reads, under its HF name and shape, as
+// e4m3 value * its block's scale in fp32, the weight an FP8 engine computes with. Other tensors
+// pass through. `fp8` must outlive this source.
+class DequantizedWeightSource : public WeightSource {
+ public:
+  DequantizedWeightSource(const WeightSource& fp8, ModelSpec spec);
+  Result<TensorInfo> Describe(std::string_view hf_name) const override;
+  Status Read(std::string_view hf_name, const Region& r, DType dtype, void* out) const override;
+
+ private:
+  const WeightSource& fp8_;
+  ModelSpec spec_;
+};
+
+// True when `weights` already holds float8_e4m3fn weights for the quantized spec (an FP8
+// checkpoint) rather than unquantized values.
+bool HoldsFp8Weights(const WeightSource& weights, const ModelSpec& spec);
+
 // A causal LM with a KV cache.
 class CausalLm {
  public:
@@ -111,7 +149,9 @@ class CausalLm {
 Result<std::unique_ptr<CausalLm>> MakeReferenceModel(const ModelSpec& spec,
                                                      const WeightSource& weights);
 
-// The engine's TP x PP (x EP) forward over engine-layout buffers. `per_rank[pp * tp + tp_rank]`
+// The engine's TP x PP (x EP) forward over engine-layout buffers. Block-FP8 parameters (an e4m3
+// weight with its weight_scale_inv) are dequantized per block, as the engine's own
+// block-dequantizing reference (block_quant_dequant) does. `per_rank[pp * tp + tp_rank]`
 // (ShardMap::ranks order) holds that rank's parameters; every parameter of the shard map must be
 // present with its dtype and local shape, and nothing else (errors name the rank and parameter).
 // Row-parallel partial sums (o_proj, down_proj, MoE experts) are summed across TP ranks, biases
@@ -155,7 +195,9 @@ inline constexpr double kLogitAbsTolerance = 1e-3;
 inline constexpr double kLogitRelTolerance = 1e-4;
 
 // Greedy-decodes `n_tokens` from `prompt` with the sharded model on `per_rank` and with the
-// unsharded model on `reference`, and compares. A mismatch is a result (match == false), not an
+// unsharded model on `reference` (the trainer's unquantized values; for a block-FP8 map the
+// unsharded model runs them quantized with the same quantizer, QuantizedWeightSource then
+// DequantizedWeightSource), and compares. A mismatch is a result (match == false), not an
 // error; errors are bad inputs (missing parameters, wrong shapes, bad token ids). `tolerance`
 // < 0: the default bound above.
 Result<GenerationCheck> CheckGeneration(const ShardMap& map,
@@ -183,9 +225,10 @@ Result<std::vector<EngineBuffers>> LoadEngineDump(const std::string& dir, const 
                                                   int replica = 0);
 // The proof that a sync's bytes landed where the engine's math expects them: CheckGeneration on
 // replica `replica`'s dumps in `dir` against the synthetic HF weights of `seed` as the engines
-// hold them (`wire_dtype`), from DefaultPrompt().
+// hold them (`wire_dtype`; for a block-FP8 map, quantized weights from the trainer's values in
+// `trainer_dtype`), from DefaultPrompt().
 Result<GenerationCheck> CheckGenerationOfDump(const ShardMap& map, const std::string& dir,
                                               int replica, uint64_t seed, DType wire_dtype,
-                                              int n_tokens);
+                                              int n_tokens, DType trainer_dtype = DType::kF32);
 
 }  // namespace shardsync

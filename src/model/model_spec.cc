@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "model/embedded_configs.h"
+#include "model/quant_config.h"
 #include "shardsync/model.h"
 
 namespace shardsync {
@@ -311,6 +312,8 @@ Result<ModelSpec> ParseJson(const json& j, std::string_view source) {
   } else {
     SS_ASSIGN_OR_RETURN(s.intermediate_size, r.PositiveInt("intermediate_size"));
   }
+  SS_ASSIGN_OR_RETURN(s.quant,
+                      internal::ParseQuantizationConfig(r.Find("quantization_config"), source));
   Status st = ValidateModelSpec(s);
   if (!st.ok()) return InvalidArgumentError(fmt::format("{}: {}", source, st.message()));
   return s;
@@ -430,7 +433,7 @@ Status ValidateModelSpec(const ModelSpec& s) {
   SS_RETURN_IF_ERROR(add("num_experts", {s.num_experts, s.hidden_size}, moe_layers));
   SS_RETURN_IF_ERROR(add("moe_intermediate_size", {s.moe_intermediate_size, s.hidden_size},
                          3 * moe_layers * s.num_experts));
-  return OkStatus();
+  return internal::ValidateQuantConfig(s);
 }
 
 Result<ModelSpec> ParseModelConfig(std::string_view json_text, std::string_view source) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "shardsync/fp8_plan.h"
 #include "shardsync/plan.h"
 
 namespace shardsync {
@@ -38,6 +39,9 @@ std::string PlanHash(const PlanInputs& in) {
   mlp_only.erase(std::unique(mlp_only.begin(), mlp_only.end()), mlp_only.end());
   kv("mlp_only_layers", fmt::format("{}", fmt::join(mlp_only, ",")));
   kv("model_dtype", DTypeName(m.dtype));
+  // Block-FP8 engine weights (fp8_planner.cc); absent for bf16 plans, whose hashes stay as they
+  // were.
+  if (m.quant) kv("quant", fmt::format("{};{}", QuantConfigToString(*m.quant), kFp8PlannerVersion));
   // Fields that do not move bytes still identify the model the ranks must agree on.
   kv("rms_norm_eps", fmt::format("{:.17g}", m.rms_norm_eps));
   kv("rope_theta", fmt::format("{:.17g}", m.rope_theta));

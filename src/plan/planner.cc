@@ -17,6 +17,7 @@
 #include <unordered_map>
 
 #include "plan/megatron.h"
+#include "shardsync/fp8_plan.h"
 
 namespace shardsync::plan_internal {
 namespace {
@@ -66,6 +67,14 @@ void AppendOp(std::vector<TransferOp>* out, int32_t tensor, int32_t param, const
 
 Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
                                        std::vector<HfTensor> inventory) {
+  if (in.model.quant) {
+    // Block-FP8 engine weights are planned by fp8_planner.cc (PlanFp8ForRank); this planner's ops
+    // are plain copies and would land the wrong bytes.
+    return UnimplementedError(fmt::format(
+        "model '{}' has block-FP8 engine weights ({} from {}): the sync sessions do not move FP8 "
+        "yet (PlanFp8ForRank plans them; `shardsync plan` shows the plan)",
+        in.model.name, QuantConfigToString(*in.model.quant), in.model.quant->origin));
+  }
   PlanContext c;
   c.in_ = in;
   const auto& sh = in.rollout.shard;

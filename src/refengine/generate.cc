@@ -42,7 +42,16 @@ Result<GenerationCheck> CheckGeneration(const ShardMap& map,
   c.prompt.assign(prompt.begin(), prompt.end());
   Generation ref, eng;
   {
-    SS_ASSIGN_OR_RETURN(auto lm, MakeReferenceModel(map.model, reference));
+    // A block-FP8 engine computes with the quantized weights: run the reference on the same.
+    std::unique_ptr<QuantizedWeightSource> fp8;
+    std::unique_ptr<DequantizedWeightSource> dq;
+    const WeightSource* src = &reference;
+    if (map.model.quant) {
+      fp8 = std::make_unique<QuantizedWeightSource>(reference, map.model);
+      dq = std::make_unique<DequantizedWeightSource>(*fp8, map.model);
+      src = dq.get();
+    }
+    SS_ASSIGN_OR_RETURN(auto lm, MakeReferenceModel(map.model, *src));
     SS_ASSIGN_OR_RETURN(ref, GreedyGenerate(*lm, prompt, n_tokens));
   }
   {

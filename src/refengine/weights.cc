@@ -233,10 +233,39 @@ Result<std::vector<EngineBuffers>> LoadEngineDump(const std::string& dir, const 
   return out;
 }
 
+namespace {
+// Block-FP8 syncs quantize the trainer's values (trainer dtype) and copy the rest through the
+// wire dtype: the reference values follow the same two paths.
+class Fp8SyncValues : public WeightSource {
+ public:
+  Fp8SyncValues(const ModelSpec& spec, uint64_t seed, DType wire, DType trainer)
+      : spec_(spec), wire_(WithDType(spec, wire), seed), trainer_(WithDType(spec, trainer), seed) {}
+  Result<TensorInfo> Describe(std::string_view n) const override { return Pick(n).Describe(n); }
+  Status Read(std::string_view n, const Region& r, DType t, void* out) const override {
+    return Pick(n).Read(n, r, t, out);
+  }
+
+ private:
+  static ModelSpec WithDType(ModelSpec s, DType t) {
+    s.dtype = t;
+    return s;
+  }
+  const WeightSource& Pick(std::string_view n) const {
+    return IsQuantizedWeight(spec_, n) ? static_cast<const WeightSource&>(trainer_) : wire_;
+  }
+  ModelSpec spec_;
+  SyntheticWeightSource wire_, trainer_;
+};
+}  // namespace
+
 Result<GenerationCheck> CheckGenerationOfDump(const ShardMap& map, const std::string& dir,
                                               int replica, uint64_t seed, DType wire_dtype,
-                                              int n_tokens) {
+                                              int n_tokens, DType trainer_dtype) {
   SS_ASSIGN_OR_RETURN(std::vector<EngineBuffers> received, LoadEngineDump(dir, map, replica));
+  if (map.model.quant) {
+    Fp8SyncValues reference(map.model, seed, wire_dtype, trainer_dtype);
+    return CheckGeneration(map, received, reference, DefaultPrompt(), n_tokens);
+  }
   ModelSpec ref_spec = map.model;
   ref_spec.dtype = wire_dtype;
   SyntheticWeightSource reference(ref_spec, seed);

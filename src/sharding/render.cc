@@ -41,6 +41,12 @@ std::string ShardMapToTable(const ShardMap& map,
       m.num_key_value_heads, m.head_dim, m.vocab_size, dims.ok() ? dims->padded_vocab : 0,
       m.tie_word_embeddings ? ", tied embeddings" : "", HumanCount(ModelNumElements(m)),
       HumanBytes(model_bytes), DTypeTorchName(m.dtype));
+  if (m.quant) {
+    out += fmt::format(
+        "engine weights: block FP8 ({}, from {}): quantized linears as e4m3 + fp32 "
+        "weight_scale_inv\n",
+        QuantConfigToString(*m.quant), m.quant->origin);
+  }
   out += fmt::format("engine {}: tp {}, pp {}", EngineKindName(map.spec.engine), map.spec.tp,
                      map.spec.pp);
   if (m.is_moe() && dims.ok()) {
@@ -69,10 +75,12 @@ std::string ShardMapToTable(const ShardMap& map,
   const double ratio = model_bytes > 0 ? static_cast<double>(total) / model_bytes : 0.0;
   if (ranks.size() == map.ranks.size()) {
     out += fmt::format(
-        "\n{} ranks hold {} ({:.3f}x the checkpoint; above 1x by replicated norms, router and kv "
-        "heads, vocab padding{})\n",
+        "\n{} ranks hold {} ({:.3f}x the {}checkpoint; above 1x by replicated norms, router and "
+        "kv heads, vocab padding{}{})\n",
         ranks.size(), HumanBytes(total), ratio,
-        m.tie_word_embeddings && map.spec.pp > 1 ? ", the embedding on two stages" : "");
+        m.quant ? fmt::format("{} ", DTypeTorchName(m.dtype)) : std::string(),
+        m.tie_word_embeddings && map.spec.pp > 1 ? ", the embedding on two stages" : "",
+        m.quant ? "; below by the 1-byte FP8 weights" : "");
   } else {
     out += fmt::format("\n{} of {} ranks shown, holding {} ({:.2f}% of the checkpoint)\n",
                        ranks.size(), map.ranks.size(), HumanBytes(total), 100.0 * ratio);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <charconv>
 
+#include "sharding/fp8_shard_map.h"
 #include "shardsync/shard_map.h"
 
 namespace shardsync {
@@ -363,6 +364,8 @@ Result<ShardMap> BuildShardMap(const ModelSpec& model, const ShardSpec& spec) {
       map.ranks.push_back(std::move(rs));
     }
   }
+  // Block-FP8 engines: weight + weight_scale_inv per quantized parameter (fp8_shard_map.cc).
+  if (model.quant) SS_RETURN_IF_ERROR(internal::QuantizeShardMap(&map));
   return map;
 }
 

@@ -67,7 +67,8 @@ std::string RankName(const EngineRankShards& r) {
 }  // namespace
 
 Status ValidateShardMap(const ShardMap& map) {
-  const auto inventory = HfTensorInventory(map.model);
+  // Pieces name the checkpoint the engine loads: FP8 weights and their scales when quantized.
+  const auto inventory = HfCheckpointInventory(map.model);
   std::unordered_map<std::string_view, const HfTensor*> by_name;
   by_name.reserve(inventory.size());
   for (const auto& t : inventory) by_name.emplace(t.name, &t);

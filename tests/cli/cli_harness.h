@@ -188,6 +188,16 @@ inline std::string TinyConfig(const std::string& drop_field = "",
   return j + "}";
 }
 
+// A block-FP8 Qwen3 (head_dim 128, every TP part of tp 2 on the 128 grid), with the
+// quantization_config Qwen3-8B-FP8 publishes.
+inline std::string Fp8Config() {
+  return R"({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": 256,)"
+         R"( "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,)"
+         R"( "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 512,)"
+         R"( "torch_dtype": "bfloat16", "quantization_config": {"activation_scheme": "dynamic",)"
+         R"( "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}})";
+}
+
 // Per-process fixture directory (ctest runs the cases as separate processes, maybe in parallel).
 class Fixtures {
  public:
@@ -230,6 +240,13 @@ class Fixtures {
                          R"(["Qwen3MoeForCausalLM"], "head_dim": 16,)"
                          R"( "num_experts": 4, "moe_intermediate_size": 32,)"
                          R"( "num_experts_per_tok": 8)"));
+    // Block FP8: a Qwen3 small enough for generate, on the 128 grid at tp 2; a config whose
+    // quantization_config is not block FP8.
+    WriteFile(dir / "fp8/config.json", Fp8Config());
+    WriteFile(dir / "awq/config.json",
+              TinyConfig("", "torch_dtype",
+                         R"("bfloat16", "quantization_config": {"quant_method": "awq",)"
+                         R"( "bits": 4, "group_size": 128})"));
     WriteFile(dir / "emptydir/.keep", "");
     // Safetensors: one good file, and the broken kinds inspect/generate must reject.
     const std::string good_header =

@@ -33,6 +33,7 @@ using json = nlohmann::json;
 
 struct BenchFlags {
   JobFlags job;
+  std::optional<std::string> quant;  // --quant
   bool json = false;
   std::string launch = "auto";
   int job_timeout_s = 900;
@@ -159,6 +160,9 @@ void PrintText(const JobSpec& job, const BenchSummary& b, const json& extra, boo
 }
 
 int Run(const BenchFlags& f) {
+  if (Status q = RefuseQuantizedJob(f.job.model, f.quant ? &*f.quant : nullptr, "bench"); !q.ok()) {
+    return ReportError(q);
+  }
   auto job = JobSpecFromFlags(f.job, /*all_local=*/true);
   if (!job.ok()) return ReportError(job.status());
   if (job->inputs.trainer.kind == TrainerSpec::Kind::kMegatron) {
@@ -269,6 +273,11 @@ Registration reg({"bench", [](CLI::App& app) {
                         "bench",
                         "Sharded sync vs broadcast-all vs the raw ceiling on the demo workload");
                     AddJobFlags(sub, &f->job);
+                    auto quant = std::make_shared<std::string>();
+                    auto* quant_opt = sub->add_option(
+                        "--quant", *quant,
+                        "Engine weights: fp8-block128 (block FP8: planned and generated, not "
+                        "synced yet, so refused) | none");
                     sub->add_flag("--json", f->json, "Print one JSON object");
                     sub->add_option("--launch", f->launch, "auto | threads | processes")
                         ->check(CLI::IsMember({"auto", "threads", "processes"}))
@@ -284,7 +293,10 @@ Registration reg({"bench", [](CLI::App& app) {
                                     "Fault run: SIGKILL this sync rank mid-sync; every other rank "
                                     "must fail within --timeout-ms, then a re-connected job must "
                                     "sync");
-                    return [f] { return Run(*f); };
+                    return [f, quant, quant_opt] {
+                      if (quant_opt->count() > 0) f->quant = *quant;
+                      return Run(*f);
+                    };
                   }});
 
 }  // namespace

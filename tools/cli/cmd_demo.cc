@@ -58,6 +58,7 @@ namespace {
 
 struct DemoFlags {
   JobFlags job;
+  std::optional<std::string> quant;  // --quant
   bool json = false;
   std::string launch = "auto";
   int job_timeout_s = 600;
@@ -80,6 +81,9 @@ std::string GpuOf(const Layout* layout, int replica, int tp, int pp) {
 }
 
 int Run(const DemoFlags& f) {
+  if (Status q = RefuseQuantizedJob(f.job.model, f.quant ? &*f.quant : nullptr, "demo"); !q.ok()) {
+    return ReportError(q);
+  }
   auto job = JobSpecFromFlags(f.job, /*all_local=*/true);
   if (!job.ok()) return ReportError(job.status());
   if (job->inputs.trainer.kind == TrainerSpec::Kind::kMegatron) {
@@ -295,6 +299,11 @@ Registration reg({"demo", [](CLI::App& app) {
                         "The main job: sync a trainer's (synthetic) weights into a rollout "
                         "engine layout on this host, verify every checksum and element");
                     AddJobFlags(sub, &f->job);
+                    auto quant = std::make_shared<std::string>();
+                    auto* quant_opt = sub->add_option(
+                        "--quant", *quant,
+                        "Engine weights: fp8-block128 (block FP8: planned and generated, not "
+                        "synced yet, so refused) | none");
                     sub->add_flag("--json", f->json, "Print one JSON object");
                     sub->add_option("--launch", f->launch, "auto | threads | processes")
                         ->check(CLI::IsMember({"auto", "threads", "processes"}))
@@ -306,7 +315,10 @@ Registration reg({"demo", [](CLI::App& app) {
                     sub->add_option("--job-timeout-s", f->job_timeout_s,
                                     "Kill every rank past this many seconds")
                         ->capture_default_str();
-                    return [f] { return Run(*f); };
+                    return [f, quant, quant_opt] {
+                      if (quant_opt->count() > 0) f->quant = *quant;
+                      return Run(*f);
+                    };
                   }});
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "command.h"
 #include "shardsync/refengine.h"
@@ -16,6 +17,7 @@ namespace {
 
 struct Args {
   std::string weights, model, prompt_ids, engine, pp_partition;
+  std::optional<std::string> quant;  // --quant
   uint64_t seed = 0;
   bool seed_given = false;
   int max_new_tokens = 8;
@@ -94,6 +96,39 @@ int Run(const Args& a) {
     weights = std::make_unique<SyntheticWeightSource>(spec, a.seed);
     weights_desc = fmt::format("synthetic seed {}", a.seed);
   }
+  // Block FP8: the engine runs e4m3 weights with their scales. An FP8 checkpoint serves them as
+  // they are; unquantized weights are quantized here with the sync's quantizer.
+  const std::optional<QuantConfig> config_quant = spec.quant;
+  if (a.quant) {
+    auto q = ParseQuantFlag(*a.quant);
+    if (!q.ok()) return ReportError(q.status());
+    spec.quant = *q;
+    if (Status v = ValidateModelSpec(spec); !v.ok()) return ReportError(v);
+  }
+  std::unique_ptr<WeightSource> fp8_owned, dq_owned;
+  const WeightSource* engine_weights = weights.get();     // what the sharded forward cuts
+  const WeightSource* reference_weights = weights.get();  // what the unsharded forward reads
+  if (spec.quant) {
+    if (HoldsFp8Weights(*weights, spec)) {
+      weights_desc += ", block-FP8 checkpoint";
+    } else {
+      fp8_owned = std::make_unique<QuantizedWeightSource>(*weights, spec);
+      engine_weights = fp8_owned.get();
+      weights_desc +=
+          fmt::format(", quantized to block FP8 ({})", QuantConfigToString(*spec.quant));
+    }
+    dq_owned = std::make_unique<DequantizedWeightSource>(*engine_weights, spec);
+    reference_weights = dq_owned.get();
+  } else if (config_quant) {
+    // --quant none on an FP8 checkpoint: run its dequantized weights in the model dtype.
+    ModelSpec as_stored = spec;
+    as_stored.quant = config_quant;
+    if (HoldsFp8Weights(*weights, as_stored)) {
+      dq_owned = std::make_unique<DequantizedWeightSource>(*weights, as_stored);
+      engine_weights = reference_weights = dq_owned.get();
+      weights_desc += ", block-FP8 checkpoint dequantized";
+    }
+  }
   for (int64_t id : prompt) {
     if (id >= spec.vocab_size) {
       return ReportError(InvalidArgumentError(fmt::format(
@@ -113,14 +148,14 @@ int Run(const Args& a) {
     }
     auto map = BuildShardMap(spec, ss);
     if (!map.ok()) return ReportError(map.status());
-    auto buffers = CutEngineShards(*map, *weights);
+    auto buffers = CutEngineShards(*map, *engine_weights);
     if (!buffers.ok()) return ReportError(buffers.status());
     auto m = MakeShardedModel(*map, *buffers);
     if (!m.ok()) return ReportError(m.status());
     lm = std::move(m).value();
     layout = fmt::format("{} tp {} x pp {} (ep {})", a.engine, a.tp, a.pp, a.ep);
   } else {
-    auto m = MakeReferenceModel(spec, *weights);
+    auto m = MakeReferenceModel(spec, *reference_weights);
     if (!m.ok()) return ReportError(m.status());
     lm = std::move(m).value();
   }
@@ -175,7 +210,13 @@ Registration reg(
        sub->add_option("--ep", a->ep, "expert-parallel size (default 1)");
        sub->add_option("--pp-partition", a->pp_partition, "explicit layers per stage, e.g. 10,9,9");
        sub->add_flag("--json", a->json, "print {tokens, logits (last prompt position, fp32), ...}");
-       return [a, sub] {
+       auto quant = std::make_shared<std::string>();
+       sub->add_option("--quant", *quant,
+                       "fp8-block128: run block-FP8 engine weights (an FP8 checkpoint as stored, "
+                       "other weights quantized here); none: the model dtype (overrides the "
+                       "config's quantization_config)");
+       return [a, sub, quant] {
+         if (sub->count("--quant") > 0) a->quant = *quant;
          if (sub->count("--prompt-ids") > 0 && a->prompt_ids.empty()) {
            return ReportError(InvalidArgumentError("--prompt-ids: empty list of token ids"));
          }

@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "command.h"
+#include "plan/fp8_planner.h"
 #include "plan/planner.h"
 
 namespace shardsync::cli {
@@ -32,6 +33,7 @@ struct Args {
   bool json = false;
   std::string dump_ops, svg;
   std::optional<int> rank;
+  std::optional<std::string> quant;  // --quant: fp8-block128 | none, overriding the config
 };
 
 std::string Human(double b) {
@@ -61,6 +63,10 @@ Result<PlanInputs> MakeInputs(const Args& a) {
         fmt::format("--bucket-mb: must be in [1, 1048576] MiB, got {}", a.bucket_mb));
   }
   in.options.bucket_bytes = a.bucket_mb << 20;
+  if (a.quant) {
+    SS_ASSIGN_OR_RETURN(in.model.quant, ParseQuantFlag(*a.quant));
+    SS_RETURN_IF_ERROR(ValidateModelSpec(in.model));
+  }
   return in;
 }
 
@@ -303,9 +309,207 @@ std::string TextSummary(const PlanInputs& in, const DetailedSummary& ds) {
   return o;
 }
 
+// ---- block-FP8 plans (fp8_plan.h) ----
+
+void AppendFp8Ops(const plan_internal::Fp8Context& ctx, const Fp8Message& m, std::string* out) {
+  const int e = (m.dst - ctx.trainer_world()) % ctx.engine_per_replica();
+  const auto& params = ctx.map().ranks[e].params;
+  int bucket = 0;
+  for (size_t i = 0; i < m.ops.size(); ++i) {
+    while (bucket + 1 < static_cast<int>(m.buckets.size()) &&
+           m.buckets[bucket].op_end <= static_cast<int32_t>(i)) {
+      ++bucket;
+    }
+    const Fp8Op& op = m.ops[i];
+    fmt::format_to(std::back_inserter(*out),
+                   "{{\"src\":{},\"dst\":{},\"bucket\":{},\"kind\":\"{}\",\"tensor\":{},", m.src,
+                   m.dst, bucket, Fp8OpKindName(op.kind), Quoted(ctx.inventory()[op.tensor].name));
+    if (op.kind == Fp8OpKind::kStage) {
+      fmt::format_to(std::back_inserter(*out), "\"stage\":{},", op.stage);
+    } else {
+      fmt::format_to(std::back_inserter(*out), "\"param\":{},", Quoted(params[op.param].name));
+    }
+    *out += "\"src_region\":";
+    AppendRegion(op.src, out);
+    *out += ",\"dst_region\":";
+    AppendRegion(op.dst, out);
+    if (op.kind == Fp8OpKind::kQuantize) {
+      fmt::format_to(std::back_inserter(*out),
+                     ",\"scale_param\":{},\"scale_region\":", Quoted(params[op.scale_param].name));
+      AppendRegion(op.scale_dst, out);
+    }
+    fmt::format_to(std::back_inserter(*out), ",\"wire_offset\":{},\"bytes\":{}}}\n", op.wire_offset,
+                   op.bytes);
+  }
+}
+
+Result<std::string> DumpFp8Ops(const plan_internal::Fp8Context& ctx, const Fp8PlanSummary& s,
+                               std::optional<int> rank) {
+  std::string out;
+  auto one = [&](int r) -> Status {
+    SS_ASSIGN_OR_RETURN(Fp8RankPlan rp, ctx.PlanForRank(r));
+    for (const Fp8Message& m : rp.sends) AppendFp8Ops(ctx, m, &out);
+    for (const Fp8Message& m : rp.recvs) AppendFp8Ops(ctx, m, &out);
+    const int e = (r - ctx.trainer_world()) % ctx.engine_per_replica();
+    for (size_t i = 0; i < rp.staged.size(); ++i) {
+      const Fp8StagedBand& b = rp.staged[i];
+      const auto& params = ctx.map().ranks[e].params;
+      fmt::format_to(std::back_inserter(out),
+                     "{{\"rank\":{},\"staged\":{},\"tensor\":{},\"param\":{},\"src_region\":", r, i,
+                     Quoted(ctx.inventory()[b.tensor].name), Quoted(params[b.param].name));
+      AppendRegion(b.src, &out);
+      out += ",\"dst_region\":";
+      AppendRegion(b.dst, &out);
+      out += ",\"scale_region\":";
+      AppendRegion(b.scale_dst, &out);
+      fmt::format_to(std::back_inserter(out), ",\"staging_offset\":{},\"bytes\":{}}}\n",
+                     b.staging_offset, b.bytes);
+    }
+    return OkStatus();
+  };
+  if (rank) {
+    SS_RETURN_IF_ERROR(one(*rank));
+    return out;
+  }
+  if (s.ops > kMaxDumpAllOps) {
+    return InvalidArgumentError(fmt::format(
+        "--dump-ops: the job has {} ops (limit {} without --rank); pass --rank R to dump one rank",
+        s.ops, kMaxDumpAllOps));
+  }
+  for (int t = 0; t < ctx.trainer_world(); ++t) SS_RETURN_IF_ERROR(one(t));
+  return out;
+}
+
+std::string Fp8Text(const PlanInputs& in, const Fp8PlanSummary& s, double seconds) {
+  const auto tsend = Stats(s.trainer_ranks, [](const auto& t) { return t.send_bytes; });
+  const auto erecv = Stats(s.engine_ranks, [](const auto& e) { return e.recv_bytes; });
+  const auto eown = Stats(s.engine_ranks, [](const auto& e) { return e.owned_bytes; });
+  std::string o;
+  o += fmt::format(
+      "shardsync plan: {}  {} -> dp={},tp={},pp={},ep={} ({}), block FP8 ({}, from {})\n",
+      in.model.name, in.trainer.ToString(), in.rollout.dp, in.rollout.shard.tp, in.rollout.shard.pp,
+      in.rollout.shard.ep, EngineKindName(in.rollout.shard.engine),
+      QuantConfigToString(*in.model.quant), in.model.quant->origin);
+  o += fmt::format("  {:<28}{} wire for unquantized params, {} on the trainer, buckets <= {}\n",
+                   "dtypes", DTypeName(in.options.wire_dtype), DTypeName(in.trainer_dtype),
+                   Human(static_cast<double>(in.options.bucket_bytes)));
+  o += fmt::format("  {:<28}{}\n", "plan hash", s.plan_hash);
+  o += fmt::format("  {:<28}{:.3f} s\n", "planning time", seconds);
+  o += fmt::format("  {:<28}{} ops in {} messages, {} total\n", "transfers", s.ops, s.messages,
+                   Human(static_cast<double>(s.total_bytes)));
+  o += fmt::format("  {:<28}{} elements; {} on the wire (e4m3 + scales)\n", "quantized by senders",
+                   s.sender_quantized_elements, Human(static_cast<double>(s.quantize_bytes)));
+  o += fmt::format(
+      "  {:<28}{} elements in {} bands straddling trainer ranks; {} raw {} on the wire, staging "
+      "<= {} per rank\n",
+      "quantized by receivers", s.receiver_quantized_elements, s.staged_bands,
+      Human(static_cast<double>(s.stage_bytes)), DTypeName(in.trainer_dtype),
+      Human(static_cast<double>(s.max_staging_bytes)));
+  o += fmt::format("  {:<28}{} on the wire\n", "unquantized copies",
+                   Human(static_cast<double>(s.copy_bytes)));
+  o +=
+      fmt::format("  {:<28}{} ranks; min {} / mean {} / max {} (max/mean {:.3f})\n",
+                  "trainer send bytes", s.trainer_ranks.size(), Human(tsend.min), Human(tsend.mean),
+                  Human(tsend.max), tsend.mean > 0 ? tsend.max / tsend.mean : 0.0);
+  o += fmt::format("  {:<28}{} ranks; min {} / mean {} / max {}\n", "engine recv bytes",
+                   s.engine_ranks.size(), Human(erecv.min), Human(erecv.mean), Human(erecv.max));
+  o += fmt::format("  {:<28}min {} / mean {} / max {}\n", "engine owned bytes", Human(eown.min),
+                   Human(eown.mean), Human(eown.max));
+  o += fmt::format("  {:<28}read {} (trainer values once) + write {} (engine bytes once) = {}\n",
+                   "memory-bound work", Human(static_cast<double>(s.bound_read_bytes)),
+                   Human(static_cast<double>(s.bound_write_bytes)),
+                   Human(static_cast<double>(s.bound_read_bytes + s.bound_write_bytes)));
+  return o;
+}
+
+std::string Fp8Json(const PlanInputs& in, const Fp8PlanSummary& s, double seconds) {
+  nlohmann::json j;
+  j["model"] = in.model.name;
+  j["trainer"] = in.trainer.ToString();
+  j["rollout"] = {{"dp", in.rollout.dp},
+                  {"tp", in.rollout.shard.tp},
+                  {"pp", in.rollout.shard.pp},
+                  {"ep", in.rollout.shard.ep},
+                  {"engine", std::string(EngineKindName(in.rollout.shard.engine))}};
+  j["quant"] = {{"method", "fp8"},
+                {"format", "e4m3"},
+                {"weight_block_size", {in.model.quant->block_n, in.model.quant->block_k}},
+                {"modules_to_not_convert", in.model.quant->ignored_modules},
+                {"origin", in.model.quant->origin}};
+  j["wire_dtype"] = std::string(DTypeName(in.options.wire_dtype));
+  j["trainer_dtype"] = std::string(DTypeName(in.trainer_dtype));
+  j["bucket_bytes"] = in.options.bucket_bytes;
+  j["plan_hash"] = s.plan_hash;
+  j["plan_seconds"] = seconds;
+  j["ops"] = s.ops;
+  j["messages"] = s.messages;
+  j["total_bytes"] = s.total_bytes;
+  j["copy_bytes"] = s.copy_bytes;
+  j["quantize_bytes"] = s.quantize_bytes;
+  j["stage_bytes"] = s.stage_bytes;
+  j["sender_quantized_elements"] = s.sender_quantized_elements;
+  j["receiver_quantized_elements"] = s.receiver_quantized_elements;
+  j["staged_bands"] = s.staged_bands;
+  j["max_staging_bytes"] = s.max_staging_bytes;
+  j["bound_read_bytes"] = s.bound_read_bytes;
+  j["bound_write_bytes"] = s.bound_write_bytes;
+  nlohmann::json tr = nlohmann::json::array();
+  for (const auto& t : s.trainer_ranks)
+    tr.push_back({{"rank", t.rank}, {"send_bytes", t.send_bytes}});
+  j["trainer_ranks"] = std::move(tr);
+  nlohmann::json er = nlohmann::json::array();
+  const int S = in.trainer.world();
+  for (size_t i = 0; i < s.engine_ranks.size(); ++i) {
+    const auto& e = s.engine_ranks[i];
+    er.push_back({{"sync_rank", S + static_cast<int>(i)},
+                  {"replica", e.replica},
+                  {"tp_rank", e.tp_rank},
+                  {"pp_rank", e.pp_rank},
+                  {"recv_bytes", e.recv_bytes},
+                  {"owned_bytes", e.owned_bytes}});
+  }
+  j["engine_ranks"] = std::move(er);
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+}
+
+int RunFp8(const PlanInputs& in, const Args& a) {
+  if (!a.svg.empty()) {
+    return ReportError(InvalidArgumentError(
+        "--svg: the heatmap is not available for block-FP8 plans yet (drop --svg, or plan the "
+        "bf16 engine with --quant none)"));
+  }
+  if (a.rank) {
+    if (auto r = DescribeSyncRank(in, *a.rank); !r.ok()) return ReportError(r.status());
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  auto ctx = plan_internal::Fp8Context::Build(in);
+  if (!ctx.ok()) return ReportError(ctx.status());
+  auto s = SummarizeFp8Plan(in);
+  if (!s.ok()) return ReportError(s.status());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!a.dump_ops.empty()) {
+    auto d = DumpFp8Ops(*ctx, *s, a.rank);
+    if (!d.ok()) return ReportError(d.status());
+    const std::string tmp = a.dump_ops + ".tmp." + std::to_string(::getpid());
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f << *d;
+    f.close();
+    if (!f || std::rename(tmp.c_str(), a.dump_ops.c_str()) != 0) {
+      std::remove(tmp.c_str());
+      return ReportError(
+          PermissionDeniedError(fmt::format("--dump-ops: cannot write '{}'", a.dump_ops)));
+    }
+  }
+  const std::string out = a.json ? Fp8Json(in, *s, seconds) : Fp8Text(in, *s, seconds);
+  std::fwrite(out.data(), 1, out.size(), stdout);
+  return kExitOk;
+}
+
 int Run(const Args& a) {
   auto in = MakeInputs(a);
   if (!in.ok()) return ReportError(in.status());
+  if (in->model.quant) return RunFp8(*in, a);
   Placement pl;
   pl.nodes = a.nodes;
   pl.gpus_per_node = a.gpus_per_node;
@@ -402,8 +606,13 @@ Registration reg(
        auto* dump = sub->add_option("--dump-ops", a->dump_ops, "Write ops as JSON lines to FILE");
        sub->add_option("--rank", *rank, "Sync rank whose ops --dump-ops writes")->needs(dump);
        sub->add_option("--svg", a->svg, "Write a trainer x engine byte heatmap SVG");
-       return [a, rank, sub] {
+       auto quant = std::make_shared<std::string>();
+       sub->add_option("--quant", *quant,
+                       "Engine weights: fp8-block128 (block FP8, overriding the config's "
+                       "quantization_config) | none (the model dtype)");
+       return [a, rank, sub, quant] {
          if (sub->count("--rank") > 0) a->rank = *rank;
+         if (sub->count("--quant") > 0) a->quant = *quant;
          if (sub->count("--dump-ops") > 0 && a->dump_ops.empty()) {
            return ReportError(InvalidArgumentError("--dump-ops: empty file name"));
          }

@@ -28,13 +28,15 @@ struct ShardsOptions {
   bool json = false;
   std::string rank;
   std::string explain;
+  std::string quant;
   // Given flags, by count: an explicitly empty value is an error, not "flag absent".
   CLI::Option* pp_partition_opt = nullptr;
   CLI::Option* rank_opt = nullptr;
   CLI::Option* explain_opt = nullptr;
   CLI::Option* engine_opt = nullptr;
   CLI::Option* trainer_opt = nullptr;
-  std::vector<CLI::Option*> engine_only;  // --tp, --pp, --ep, --pp-partition
+  CLI::Option* quant_opt = nullptr;
+  std::vector<CLI::Option*> engine_only;  // --tp, --pp, --ep, --pp-partition, --quant
 };
 
 // --trainer: every (or one) trainer rank's local parameters and the HF bytes they hold.
@@ -96,6 +98,10 @@ Result<std::string> Run(const ShardsOptions& o) {
     return InvalidArgumentError("--engine: required (or --trainer for trainer ranks)");
   }
   SS_ASSIGN_OR_RETURN(ModelSpec model, LoadModelSpec(o.model));
+  if (o.quant_opt->count() > 0) {
+    SS_ASSIGN_OR_RETURN(model.quant, ParseQuantFlag(o.quant));
+    SS_RETURN_IF_ERROR(ValidateModelSpec(model));
+  }
   ShardSpec spec;
   SS_ASSIGN_OR_RETURN(spec.engine, ParseEngineKind(o.engine, "--engine"));
   spec.tp = o.tp;
@@ -150,6 +156,11 @@ Registration reg(
                            "Explicit layers per stage, e.g. 9,10,9 "
                            "(SGLANG_PP_LAYER_PARTITION / VLLM_PP_LAYER_PARTITION)");
        o->engine_only.push_back(o->pp_partition_opt);
+       o->quant_opt = sub->add_option(
+           "--quant", o->quant,
+           "Engine weights: fp8-block128 (block-FP8 weight + weight_scale_inv, overriding the "
+           "config's quantization_config) | none (the model dtype)");
+       o->engine_only.push_back(o->quant_opt);
        auto* json = sub->add_flag("--json", o->json, "Print one JSON object (schema: docs/cli.md)");
        o->rank_opt = sub->add_option(
            "--rank", o->rank, "Only engine rank TP_RANK,PP_RANK (with --trainer: trainer rank R)");

@@ -1,0 +1,113 @@
+// Block-FP8 sync plan (docs/fp8.md): trainer shards (fp32 / bf16, unquantized) -> engine
+// parameters in float8_e4m3fn + fp32 weight_scale_inv per 128 x 128 block, exact to the byte.
+//
+// Where each block is quantized is a plan-level decision, made once per job:
+//  * kQuantize: one trainer rank holds every row of a band of blocks (FSDP chunk boundaries on the
+//    128 grid, the usual case): it reads its values once and sends e4m3 bytes + the blocks' scales
+//    (3 bytes per element moved instead of 4 for bf16 read + bf16 write).
+//  * kStage: a band's rows straddle trainer ranks (a chunk boundary inside a block, e.g. fsdp=4 on
+//    768-row experts: 192 rows per rank), so no sender sees the block's amax. Each holder sends its
+//    rows raw (trainer dtype, exact) into a staging area of the receiver, which quantizes the band
+//    with the same quantizer once every part landed (Fp8StagedBand). Costs trainer-dtype bytes on
+//    the wire for those bands, the staging memory, and a pass on the receiver.
+//  * kCopy: parameters the engine keeps unquantized (embeddings, norms, biases, router gate,
+//    lm_head, modules_to_not_convert) move as in a bf16 plan.
+// Every op's wire size is padded to 8 bytes (zeros, checksummed) so every op and every scale
+// section starts on a checksum word.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardsync/plan.h"
+
+namespace shardsync {
+
+// Bumped whenever the FP8 planner's output for the same inputs changes; part of PlanHash for
+// quantized models.
+inline constexpr std::string_view kFp8PlannerVersion = "shardsync-fp8-plan/1";
+
+enum class Fp8OpKind : uint8_t { kCopy, kQuantize, kStage };
+std::string_view Fp8OpKindName(Fp8OpKind k);  // "copy" | "quantize" | "stage"
+
+struct Fp8Op {
+  Fp8OpKind kind = Fp8OpKind::kCopy;
+  int32_t tensor = 0;        // index into HfTensorInventory(model): the trainer's tensors
+  int32_t param = 0;         // kCopy / kQuantize: index into the dst rank's params
+  int32_t scale_param = -1;  // kQuantize: the weight_scale_inv parameter of `param`
+  int32_t stage = -1;        // kStage: index into the receiver's Fp8RankPlan::staged
+  Region src;                // region of the HF tensor (rows block-aligned for kQuantize)
+  Region dst;                // kCopy / kQuantize: param region; kStage: rows x cols of the band
+  Region scale_dst;          // kQuantize: the scale param's blocks of `dst`
+  int64_t wire_offset = 0;   // multiple of 8 inside the message's wire image
+  // kCopy: numel * wire dtype; kQuantize: Fp8WireBytes(rows, cols); kStage: numel * trainer
+  // dtype; each rounded up to 8.
+  int64_t bytes = 0;
+};
+
+// A band of rows (<= 128) x whole blocks of one engine piece whose rows straddle trainer ranks:
+// the receiver quantizes it from staged raw values once all its kStage ops landed.
+struct Fp8StagedBand {
+  int32_t tensor = 0;
+  int32_t param = 0;
+  int32_t scale_param = 0;
+  Region src;                  // HF region of the band
+  Region dst;                  // fp8 param region
+  Region scale_dst;            // scale param region
+  DType dtype = DType::kF32;   // of the staged values (the trainer dtype)
+  int64_t staging_offset = 0;  // into the receiver's staging buffer, multiple of 8; row-major
+  int64_t bytes = 0;           // rows * cols * dtype size
+};
+
+struct Fp8Message {
+  int32_t src = 0;  // sync rank (trainer)
+  int32_t dst = 0;  // sync rank (engine)
+  int64_t bytes = 0;
+  std::vector<Fp8Op> ops;
+  std::vector<Bucket> buckets;
+};
+
+struct Fp8RankPlan {
+  int rank = 0;
+  std::string plan_hash;
+  std::vector<Fp8Message> sends;      // trainers, ordered by dst
+  std::vector<Fp8Message> recvs;      // engines, ordered by src
+  std::vector<Fp8StagedBand> staged;  // engines: bands this rank quantizes itself
+  int64_t staging_bytes = 0;          // engines: staging buffer size
+};
+
+// The plan of one sync rank for a model with a QuantConfig (FailedPrecondition without one).
+// Deterministic; the same inputs give the same plan on every machine. The bucket cap must hold
+// one 128 x 128 block (InvalidArgument naming --bucket-mb below 64 KiB).
+Result<Fp8RankPlan> PlanFp8ForRank(const PlanInputs& in, int sync_rank);
+
+struct Fp8PlanSummary {
+  std::string plan_hash;
+  int64_t ops = 0, messages = 0;
+  int64_t total_bytes = 0;                  // on the wire, every pair
+  int64_t copy_bytes = 0;                   // kCopy ops
+  int64_t quantize_bytes = 0;               // kQuantize ops (e4m3 + scales + padding)
+  int64_t stage_bytes = 0;                  // kStage ops (raw trainer values)
+  int64_t sender_quantized_elements = 0;    // quantized by trainer ranks on the fly
+  int64_t receiver_quantized_elements = 0;  // quantized by engine ranks from staging
+  int64_t staged_bands = 0;
+  int64_t max_staging_bytes = 0;  // largest staging buffer of an engine rank
+  // Memory-bound figure of the same work: every trainer element the plan reads, read once in
+  // the trainer dtype, plus every engine byte (e4m3, scales, unquantized params) written once.
+  int64_t bound_read_bytes = 0;
+  int64_t bound_write_bytes = 0;
+  std::vector<EngineRankSummary> engine_ranks;  // recv_bytes (wire) and owned_bytes (in memory)
+  std::vector<TrainerRankSummary> trainer_ranks;
+};
+// Enumerates every engine rank's plan (the job's traffic is the union of their receives).
+Result<Fp8PlanSummary> SummarizeFp8Plan(const PlanInputs& in);
+
+// Validates a whole (small) FP8 job element by element: every engine byte and every scale
+// covered exactly once (by a kCopy, a kQuantize, a staged band or a zero-fill), each from the HF
+// bytes the shard map says, every staged band's rows landed exactly once, sources held by the
+// sending trainer rank, both sides of every message identical, wire offsets and buckets
+// consistent.
+Status ValidateFp8Plan(const PlanInputs& in);
+
+}  // namespace shardsync

@@ -1,0 +1,433 @@
+// The block-FP8 planner (fp8_plan.h, docs/fp8.md).
+//
+// Geometry. As in the bf16 planner, every trainer layout is R groups x S dim-0 shards of
+// torch.chunk size; HF tensors are chunked along dim 0, which for every quantized tensor is the
+// weight's output rows, i.e. the block rows. A quantized engine piece is cut into bands of 128
+// source rows (block rows of the HF tensor: the shard map guarantees the piece starts on the
+// grid). A band inside one chunk is quantized by that chunk's holder; consecutive such bands of
+// one chunk merge into one kQuantize unit. A band whose rows cross a chunk boundary becomes a
+// staged band of the receiver, fed by one kStage unit per chunk it touches. Unquantized pieces
+// are cut per chunk into kCopy units.
+//
+// Sources. With R > 1 replica groups every unit of (replica d, engine rank e) is served by group
+// (index + e + d) % R, `index` being the unit's position among e's units of its chunk: a
+// round-robin any rank recomputes from its own walk (the bf16 planner's byte-balanced cuts are not
+// reused here; units are at most a few MiB, so the imbalance is one unit per chunk and pair).
+//
+// Ops. A unit becomes ops under the bucket cap: kCopy and kStage split like the bf16 planner's
+// boxes; kQuantize splits on band boundaries, then, when one band is over the cap, on 128-column
+// boundaries (a strided destination; only with caps below 128 rows of a weight).
+#include "plan/fp8_planner.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "plan/planner.h"
+#include "shardsync/fp8.h"
+
+namespace shardsync {
+
+std::string_view Fp8OpKindName(Fp8OpKind k) {
+  switch (k) {
+    case Fp8OpKind::kCopy:
+      return "copy";
+    case Fp8OpKind::kQuantize:
+      return "quantize";
+    case Fp8OpKind::kStage:
+      return "stage";
+  }
+  return "?";
+}
+
+namespace plan_internal {
+namespace {
+
+constexpr int64_t B = kFp8Block;
+// One 128 x 128 block with its scale must fit a bucket.
+constexpr int64_t kMinFp8Bucket = int64_t{64} << 10;
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t AlignUp8(int64_t n) { return (n + 7) & ~int64_t{7}; }
+
+// Blocks of a region's last two dims (leading dims kept).
+Region BlockRegion(const Region& r) {
+  Region b = r;
+  for (int i = r.ndim - 2; i < r.ndim; ++i) {
+    b.offset[i] = r.offset[i] / B;
+    b.extent[i] = CeilDiv(r.offset[i] + r.extent[i], B) - b.offset[i];
+  }
+  return b;
+}
+
+// Rows [r0, r0 + n) x cols [c0, c0 + m) of a unit's matrix (relative to its src / dst origin).
+void SubMatrix(const Fp8Unit& u, int64_t r0, int64_t n, int64_t c0, int64_t m, Region* src,
+               Region* dst) {
+  *src = u.src;
+  *dst = u.dst;
+  const int sr = u.src.ndim - 2, dr = u.dst.ndim - 2;
+  src->offset[sr] += r0;
+  src->extent[sr] = n;
+  src->offset[sr + 1] += c0;
+  src->extent[sr + 1] = m;
+  dst->offset[dr] += r0;
+  dst->extent[dr] = n;
+  dst->offset[dr + 1] += c0;
+  dst->extent[dr + 1] = m;
+}
+
+void FinishMessage(Fp8Message* m, int64_t cap) {
+  int64_t off = 0;
+  Bucket cur;
+  for (size_t i = 0; i < m->ops.size(); ++i) {
+    Fp8Op& op = m->ops[i];
+    if (cur.op_end > cur.op_begin && cur.bytes + op.bytes > cap) {
+      m->buckets.push_back(cur);
+      cur = Bucket{};
+      cur.op_begin = static_cast<int32_t>(i);
+      cur.wire_offset = off;
+    }
+    op.wire_offset = off;
+    off += op.bytes;
+    cur.bytes += op.bytes;
+    cur.op_end = static_cast<int32_t>(i + 1);
+  }
+  if (cur.op_end > cur.op_begin) m->buckets.push_back(cur);
+  m->bytes = off;
+}
+
+}  // namespace
+
+Result<Fp8Context> Fp8Context::Build(const PlanInputs& in) {
+  if (!in.model.quant) {
+    return FailedPreconditionError(fmt::format(
+        "model '{}' has no quantization config: plan it with the bf16 planner", in.model.name));
+  }
+  if (in.trainer.kind == TrainerSpec::Kind::kMegatron) {
+    // The FP8 planner cuts blocks along FSDP dim-0 chunks; Megatron's column/row splits and
+    // interleaved qkv would need per-block holder geometry it does not have yet.
+    return UnimplementedError(fmt::format(
+        "--trainer {}: block-FP8 engine weights from a Megatron trainer are not planned yet "
+        "(FSDP, HSDP, replicate and single trainers are)",
+        in.trainer.ToString()));
+  }
+  Fp8Context c;
+  c.in_ = in;
+  const auto& sh = in.rollout.shard;
+  if (in.rollout.dp < 1) return InvalidArgumentError("--rollout dp: must be positive");
+  if (sh.tp < 1 || sh.pp < 1) return InvalidArgumentError("--rollout tp/pp: must be positive");
+  if (in.trainer.world() < 1 || in.trainer.groups() < 1 || in.trainer.shards_per_group() < 1) {
+    return InvalidArgumentError(
+        fmt::format("--trainer {}: world must be positive", in.trainer.ToString()));
+  }
+  for (DType t : {in.options.wire_dtype, in.trainer_dtype}) {
+    if (t != DType::kBF16 && t != DType::kF16 && t != DType::kF32) {
+      return InvalidArgumentError(fmt::format(
+          "{}: {} is not a supported floating type (bf16, f16, f32)",
+          t == in.options.wire_dtype ? "--wire-dtype" : "--trainer-dtype", DTypeName(t)));
+    }
+  }
+  if (in.options.bucket_bytes < kMinFp8Bucket) {
+    return InvalidArgumentError(fmt::format(
+        "--bucket-mb: block-FP8 plans need a bucket of at least 64 KiB (one 128 x 128 block with "
+        "its scale), got {} bytes",
+        in.options.bucket_bytes));
+  }
+  SS_ASSIGN_OR_RETURN(c.map_, BuildShardMap(in.model, sh));
+  c.inv_ = HfTensorInventory(in.model);
+  c.S_world_ = in.trainer.world();
+  c.R_ = in.trainer.groups();
+  c.S_ = in.trainer.shards_per_group();
+  c.D_ = in.rollout.dp;
+  c.E_ = sh.tp * sh.pp;
+  c.wire_ = DTypeSize(in.options.wire_dtype);
+  c.stage_ = DTypeSize(in.trainer_dtype);
+  c.hash_ = PlanHash(in);
+  c.by_name_.reserve(c.inv_.size() * 2);
+  c.chunk_.resize(c.inv_.size());
+  for (size_t i = 0; i < c.inv_.size(); ++i) {
+    c.by_name_.emplace(c.inv_[i].name, static_cast<int32_t>(i));
+    c.chunk_[i] = std::max<int64_t>(1, CeilDiv(c.inv_[i].shape[0], c.S_));
+  }
+  c.scale_of_.resize(c.E_);
+  for (int e = 0; e < c.E_; ++e) {
+    const auto& params = c.map_.ranks[e].params;
+    std::unordered_map<std::string_view, int32_t> idx;
+    for (size_t i = 0; i < params.size(); ++i) idx.emplace(params[i].name, static_cast<int32_t>(i));
+    c.scale_of_[e].assign(params.size(), -1);
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].dtype != DType::kF8E4M3) continue;
+      auto it = idx.find(WeightScaleName(params[i].name));
+      if (it == idx.end()) {
+        return InternalError(
+            fmt::format("engine rank {}: '{}' has no weight_scale_inv", e, params[i].name));
+      }
+      c.scale_of_[e][i] = it->second;
+    }
+  }
+  return c;
+}
+
+int Fp8Context::SourceOf(const Fp8Unit& u, int e, int d) const {
+  const int g = R_ == 1 ? 0 : static_cast<int>((u.index + e + d) % R_);
+  return g * S_ + static_cast<int>(u.chunk);
+}
+
+void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
+                      std::vector<Fp8StagedBand>* staged) const {
+  const EngineRankShards& rk = map_.ranks[e];
+  std::vector<char> is_scale(rk.params.size(), 0);
+  for (int32_t s : scale_of_[e]) {
+    if (s >= 0) is_scale[s] = 1;
+  }
+  std::vector<int64_t> counter(S_, 0);
+  int32_t bands = 0;
+  int64_t staging = 0;
+  for (size_t pi = 0; pi < rk.params.size(); ++pi) {
+    if (is_scale[pi]) continue;
+    const EngineParam& p = rk.params[pi];
+    const bool quant = p.dtype == DType::kF8E4M3;
+    for (const Piece& pc : p.pieces) {
+      if (pc.src.empty()) continue;
+      const int32_t tensor = by_name_.at(pc.source);
+      const int64_t ch = chunk_[tensor];
+      const int64_t a = pc.src.offset[0], b = a + pc.src.extent[0];
+      const int dd = pc.dst.ndim - pc.src.ndim;  // dst dim of src dim 0
+      auto rows = [&](int64_t r0, int64_t r1, Region* s, Region* d) {
+        *s = pc.src;
+        s->offset[0] = r0;
+        s->extent[0] = r1 - r0;
+        *d = pc.dst;
+        d->offset[dd] += r0 - a;
+        d->extent[dd] = r1 - r0;
+      };
+      auto emit = [&](Fp8OpKind kind, int64_t r0, int64_t r1, int64_t chunk) {
+        Fp8Unit u;
+        u.kind = kind;
+        u.tensor = tensor;
+        u.param = static_cast<int32_t>(pi);
+        u.scale_param = quant ? scale_of_[e][pi] : -1;
+        rows(r0, r1, &u.src, &u.dst);
+        if (kind == Fp8OpKind::kQuantize) u.scale_dst = BlockRegion(u.dst);
+        u.chunk = chunk;
+        u.index = counter[chunk]++;
+        fn(u);
+      };
+      if (!quant) {
+        for (int64_t k = a / ch; k <= (b - 1) / ch; ++k) {
+          emit(Fp8OpKind::kCopy, std::max(a, k * ch), std::min(b, (k + 1) * ch), k);
+        }
+        continue;
+      }
+      int64_t run0 = -1, run_chunk = -1;
+      auto flush = [&](int64_t end) {
+        if (run0 >= 0) emit(Fp8OpKind::kQuantize, run0, end, run_chunk);
+        run0 = -1;
+      };
+      for (int64_t r = a; r < b; r += B) {
+        const int64_t re = std::min(b, r + B);
+        const int64_t k0 = r / ch, k1 = (re - 1) / ch;
+        if (k0 == k1) {
+          if (run0 >= 0 && run_chunk != k0) flush(r);
+          if (run0 < 0) {
+            run0 = r;
+            run_chunk = k0;
+          }
+          continue;
+        }
+        flush(r);
+        // A band straddling chunks [k0, k1]: the receiver quantizes it from staged raw values.
+        Fp8StagedBand band;
+        band.tensor = tensor;
+        band.param = static_cast<int32_t>(pi);
+        band.scale_param = scale_of_[e][pi];
+        rows(r, re, &band.src, &band.dst);
+        band.scale_dst = BlockRegion(band.dst);
+        band.dtype = in_.trainer_dtype;
+        band.staging_offset = staging;
+        band.bytes = band.src.numel() * stage_;
+        staging += AlignUp8(band.bytes);
+        const int32_t id = bands++;
+        if (staged != nullptr) staged->push_back(band);
+        const int64_t cols = pc.src.extent[1];
+        for (int64_t k = k0; k <= k1; ++k) {
+          const int64_t r0 = std::max(r, k * ch), r1 = std::min(re, (k + 1) * ch);
+          Fp8Unit u;
+          u.kind = Fp8OpKind::kStage;
+          u.tensor = tensor;
+          u.param = static_cast<int32_t>(pi);
+          u.scale_param = scale_of_[e][pi];
+          u.stage = id;
+          u.src = band.src;
+          u.src.offset[0] = r0;
+          u.src.extent[0] = r1 - r0;
+          u.dst = Region::Make({r0 - r, 0}, {r1 - r0, cols});
+          u.chunk = k;
+          u.index = counter[k]++;
+          fn(u);
+        }
+      }
+      flush(b);
+    }
+  }
+}
+
+void Fp8Context::Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const {
+  const int64_t cap = in_.options.bucket_bytes;
+  auto base = [&]() {
+    Fp8Op op;
+    op.kind = u.kind;
+    op.tensor = u.tensor;
+    op.param = u.param;
+    op.scale_param = u.kind == Fp8OpKind::kCopy ? -1 : u.scale_param;
+    op.stage = u.stage;
+    return op;
+  };
+  if (u.kind != Fp8OpKind::kQuantize) {
+    const int64_t elem = u.kind == Fp8OpKind::kCopy ? wire_ : stage_;
+    SplitBox(u.dst, elem, cap - 8, [&](const Region& sub) {
+      Fp8Op op = base();
+      op.dst = sub;
+      op.src = MapToSrc(u.src, u.dst, sub);
+      op.bytes = AlignUp8(sub.numel() * elem);
+      out->push_back(op);
+    });
+    return;
+  }
+  const int dr = u.dst.ndim - 2;
+  const int64_t R = u.dst.extent[dr], C = u.dst.extent[dr + 1];
+  auto add = [&](int64_t r0, int64_t n, int64_t c0, int64_t m) {
+    Fp8Op op = base();
+    SubMatrix(u, r0, n, c0, m, &op.src, &op.dst);
+    op.scale_dst = BlockRegion(op.dst);
+    op.bytes = Fp8WireBytes(n, m);
+    out->push_back(op);
+  };
+  if (Fp8WireBytes(R, C) <= cap) return add(0, R, 0, C);
+  int64_t bands = 0;
+  while (bands * B < R && Fp8WireBytes((bands + 1) * B, C) <= cap) ++bands;
+  if (bands > 0) {
+    for (int64_t r = 0; r < R; r += bands * B) add(r, std::min(bands * B, R - r), 0, C);
+    return;
+  }
+  int64_t blocks = 1;
+  while ((blocks + 1) * B < C && Fp8WireBytes(B, (blocks + 1) * B) <= cap) ++blocks;
+  for (int64_t r = 0; r < R; r += B) {
+    for (int64_t c = 0; c < C; c += blocks * B) {
+      add(r, std::min(B, R - r), c, std::min(blocks * B, C - c));
+    }
+  }
+}
+
+Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
+  SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(in_, sync_rank));
+  Fp8RankPlan rp;
+  rp.rank = sync_rank;
+  rp.plan_hash = hash_;
+  const int64_t cap = in_.options.bucket_bytes;
+  if (who.is_trainer) {
+    const int t = who.trainer_rank, s = t % S_;
+    for (int e = 0; e < E_; ++e) {
+      std::vector<Fp8Unit> mine;
+      Walk(
+          e,
+          [&](const Fp8Unit& u) {
+            if (u.chunk == s) mine.push_back(u);
+          },
+          nullptr);
+      for (int d = 0; d < D_; ++d) {
+        Fp8Message m;
+        m.src = sync_rank;
+        m.dst = S_world_ + d * E_ + e;
+        for (const Fp8Unit& u : mine) {
+          if (SourceOf(u, e, d) == t) Split(u, &m.ops);
+        }
+        if (m.ops.empty()) continue;
+        FinishMessage(&m, cap);
+        rp.sends.push_back(std::move(m));
+      }
+    }
+    std::sort(rp.sends.begin(), rp.sends.end(),
+              [](const Fp8Message& a, const Fp8Message& b) { return a.dst < b.dst; });
+    return rp;
+  }
+  const int d = who.replica, e = who.pp_rank * in_.rollout.shard.tp + who.tp_rank;
+  std::vector<std::vector<Fp8Op>> by_src(S_world_);
+  Walk(
+      e, [&](const Fp8Unit& u) { Split(u, &by_src[SourceOf(u, e, d)]); }, &rp.staged);
+  for (const Fp8StagedBand& b : rp.staged) rp.staging_bytes = b.staging_offset + AlignUp8(b.bytes);
+  for (int src = 0; src < S_world_; ++src) {
+    if (by_src[src].empty()) continue;
+    Fp8Message m;
+    m.src = src;
+    m.dst = sync_rank;
+    m.ops = std::move(by_src[src]);
+    FinishMessage(&m, cap);
+    rp.recvs.push_back(std::move(m));
+  }
+  return rp;
+}
+
+}  // namespace plan_internal
+
+Result<Fp8RankPlan> PlanFp8ForRank(const PlanInputs& in, int sync_rank) {
+  SS_RETURN_IF_ERROR(DescribeSyncRank(in, sync_rank));
+  SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::Fp8Context::Build(in));
+  return ctx.PlanForRank(sync_rank);
+}
+
+Result<Fp8PlanSummary> SummarizeFp8Plan(const PlanInputs& in) {
+  SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::Fp8Context::Build(in));
+  Fp8PlanSummary sum;
+  sum.plan_hash = ctx.hash();
+  const int S = ctx.trainer_world(), E = ctx.engine_per_replica(), D = ctx.replicas();
+  sum.trainer_ranks.resize(S);
+  for (int t = 0; t < S; ++t) sum.trainer_ranks[t].rank = t;
+  std::vector<char> read(ctx.inventory().size(), 0);
+  for (int j = 0; j < D * E; ++j) {
+    SS_ASSIGN_OR_RETURN(Fp8RankPlan rp, ctx.PlanForRank(S + j));
+    EngineRankSummary er;
+    er.replica = j / E;
+    er.pp_rank = (j % E) / in.rollout.shard.tp;
+    er.tp_rank = j % in.rollout.shard.tp;
+    for (const EngineParam& p : ctx.map().ranks[j % E].params) {
+      int64_t n = p.numel();
+      for (const ZeroFill& z : p.zero_fills) n -= z.dst.numel();
+      er.owned_bytes += n * DTypeSize(p.dtype);
+    }
+    for (const Fp8Message& m : rp.recvs) {
+      ++sum.messages;
+      sum.ops += static_cast<int64_t>(m.ops.size());
+      er.recv_bytes += m.bytes;
+      sum.trainer_ranks[m.src].send_bytes += m.bytes;
+      for (const Fp8Op& op : m.ops) {
+        read[op.tensor] = 1;
+        switch (op.kind) {
+          case Fp8OpKind::kCopy:
+            sum.copy_bytes += op.bytes;
+            break;
+          case Fp8OpKind::kQuantize:
+            sum.quantize_bytes += op.bytes;
+            sum.sender_quantized_elements += op.dst.numel();
+            break;
+          case Fp8OpKind::kStage:
+            sum.stage_bytes += op.bytes;
+            break;
+        }
+      }
+    }
+    for (const Fp8StagedBand& b : rp.staged) sum.receiver_quantized_elements += b.dst.numel();
+    sum.staged_bands += static_cast<int64_t>(rp.staged.size());
+    sum.max_staging_bytes = std::max(sum.max_staging_bytes, rp.staging_bytes);
+    sum.total_bytes += er.recv_bytes;
+    sum.bound_write_bytes += er.owned_bytes;
+    sum.engine_ranks.push_back(er);
+  }
+  const int64_t tsize = DTypeSize(in.trainer_dtype);
+  for (size_t i = 0; i < read.size(); ++i) {
+    if (read[i]) sum.bound_read_bytes += ctx.inventory()[i].numel() * tsize;
+  }
+  return sum;
+}
+
+}  // namespace shardsync

@@ -1,0 +1,60 @@
+// Internal: the block-FP8 planner's context (shared by planning, validation and the summary).
+#pragma once
+
+#include <functional>
+#include <unordered_map>
+#include <vector>
+
+#include "shardsync/fp8_plan.h"
+
+namespace shardsync::plan_internal {
+
+// One op before bucket splitting, as the walk over an engine rank's pieces produces it.
+struct Fp8Unit {
+  Fp8OpKind kind = Fp8OpKind::kCopy;
+  int32_t tensor = 0, param = 0, scale_param = -1;
+  int32_t stage = -1;  // kStage: index into the erank's staged bands
+  Region src, dst, scale_dst;
+  int64_t chunk = 0;  // trainer dim-0 chunk (FSDP shard position) holding src
+  int64_t index = 0;  // position among the erank's units of that chunk (source assignment)
+};
+
+class Fp8Context {
+ public:
+  static Result<Fp8Context> Build(const PlanInputs& in);
+
+  Result<Fp8RankPlan> PlanForRank(int sync_rank) const;
+  // Calls fn for every unit of engine rank `e` of a replica, in the plan's order; fills `staged`
+  // (the bands the rank quantizes itself, staging offsets assigned) when given.
+  void Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
+            std::vector<Fp8StagedBand>* staged) const;
+  // Trainer rank serving unit `u` of engine rank `e` in replica `d`.
+  int SourceOf(const Fp8Unit& u, int e, int d) const;
+
+  const PlanInputs& inputs() const { return in_; }
+  const ShardMap& map() const { return map_; }
+  const std::vector<HfTensor>& inventory() const { return inv_; }
+  const std::string& hash() const { return hash_; }
+  int trainer_world() const { return S_world_; }
+  int engine_per_replica() const { return E_; }
+  int replicas() const { return D_; }
+  int64_t chunk_rows(int32_t tensor) const { return chunk_[tensor]; }
+  int64_t wire_size() const { return wire_; }
+  int64_t stage_size() const { return stage_; }
+
+ private:
+  void Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const;
+
+  PlanInputs in_;
+  ShardMap map_;
+  std::vector<HfTensor> inv_;
+  std::unordered_map<std::string, int32_t> by_name_;
+  std::vector<int64_t> chunk_;  // per tensor: dim-0 rows per trainer shard (torch.chunk)
+  std::string hash_;
+  int S_world_ = 1, R_ = 1, S_ = 1, D_ = 1, E_ = 1;
+  int64_t wire_ = 2, stage_ = 4;
+  // Per engine rank of a replica: param index -> its weight_scale_inv param index (-1: none).
+  std::vector<std::vector<int32_t>> scale_of_;
+};
+
+}  // namespace shardsync::plan_internal

@@ -1,0 +1,331 @@
+// ValidateFp8Plan: enumerates every rank's FP8 plan of a small job and checks it element by element
+// against the shard map (which bytes of which HF tensor, and which HF scale blocks, land where),
+// independently of the planner's walk.
+#include <fmt/format.h>
+
+#include <map>
+
+#include "plan/fp8_planner.h"
+#include "plan/planner.h"
+#include "shardsync/fp8.h"
+
+namespace shardsync {
+namespace {
+
+using plan_internal::MapToSrc;
+
+using plan_internal::Fp8Context;
+
+constexpr int64_t kMaxValidateElements = int64_t{1} << 26;
+constexpr int64_t B = kFp8Block;
+
+int64_t AlignUp8(int64_t n) { return (n + 7) & ~int64_t{7}; }
+
+Region BlockRegion(const Region& r) {
+  Region b = r;
+  for (int i = r.ndim - 2; i < r.ndim; ++i) {
+    b.offset[i] = r.offset[i] / B;
+    b.extent[i] = (r.offset[i] + r.extent[i] + B - 1) / B - b.offset[i];
+  }
+  return b;
+}
+
+bool SameOp(const Fp8Op& a, const Fp8Op& b) {
+  return a.kind == b.kind && a.tensor == b.tensor && a.param == b.param &&
+         a.scale_param == b.scale_param && a.stage == b.stage && a.src == b.src && a.dst == b.dst &&
+         a.scale_dst == b.scale_dst && a.wire_offset == b.wire_offset && a.bytes == b.bytes;
+}
+
+Status CheckMessageShape(const Fp8Message& m, int64_t cap) {
+  int64_t off = 0;
+  for (size_t i = 0; i < m.ops.size(); ++i) {
+    const Fp8Op& op = m.ops[i];
+    if (op.wire_offset != off || op.bytes <= 0 || op.bytes % 8 != 0 || op.bytes > cap) {
+      return InternalError(fmt::format(
+          "message {}->{}: op {} has wire offset {} / bytes {} (expected offset {}, a positive "
+          "multiple of 8 within the cap {})",
+          m.src, m.dst, i, op.wire_offset, op.bytes, off, cap));
+    }
+    off += op.bytes;
+  }
+  if (off != m.bytes) {
+    return InternalError(
+        fmt::format("message {}->{}: bytes {} != sum of ops {}", m.src, m.dst, m.bytes, off));
+  }
+  int32_t next = 0;
+  int64_t boff = 0;
+  for (const Bucket& b : m.buckets) {
+    int64_t sum = 0;
+    for (int32_t i = b.op_begin; i < b.op_end && i < static_cast<int32_t>(m.ops.size()); ++i) {
+      sum += m.ops[i].bytes;
+    }
+    if (b.op_begin != next || b.op_end <= b.op_begin || b.wire_offset != boff || b.bytes != sum ||
+        (b.bytes > cap && b.op_end - b.op_begin > 1)) {
+      return InternalError(fmt::format("message {}->{}: bucket [{}, {}) is inconsistent", m.src,
+                                       m.dst, b.op_begin, b.op_end));
+    }
+    next = b.op_end;
+    boff += b.bytes;
+  }
+  if (next != static_cast<int32_t>(m.ops.size())) {
+    return InternalError(fmt::format("message {}->{}: buckets do not cover the ops", m.src, m.dst));
+  }
+  return OkStatus();
+}
+
+// The shard map's piece of `p` holding `dst`, checked to come from `source` at `src`.
+Status CheckAgainstPieces(const EngineParam& p, const std::string& source, const Region& src,
+                          const Region& dst, std::string_view what) {
+  for (const Piece& pc : p.pieces) {
+    if (pc.dst.ndim != dst.ndim || !RegionContains(pc.dst, dst)) continue;
+    if (pc.source != source || MapToSrc(pc.src, pc.dst, dst) != src) {
+      return InternalError(
+          fmt::format("{}: '{}' {} carries '{}' {}, the shard map puts '{}' {} there", what, p.name,
+                      dst.ToString(), source, src.ToString(), pc.source,
+                      MapToSrc(pc.src, pc.dst, dst).ToString()));
+    }
+    return OkStatus();
+  }
+  return InternalError(fmt::format("{}: '{}' {} is not inside one piece of the shard map", what,
+                                   p.name, dst.ToString()));
+}
+
+// A quantized region (kQuantize op or staged band): on the HF grid, its scale blocks, and the
+// shard map's weight and scale pieces.
+Status CheckQuantized(const Fp8Context& ctx, const EngineRankShards& rank, int32_t tensor,
+                      int32_t param, int32_t scale_param, const Region& src, const Region& dst,
+                      const Region& scale_dst, std::string_view what) {
+  const HfTensor& t = ctx.inventory()[tensor];
+  const auto& params = rank.params;
+  if (param < 0 || param >= static_cast<int32_t>(params.size()) || scale_param < 0 ||
+      scale_param >= static_cast<int32_t>(params.size())) {
+    return InternalError(fmt::format("{}: parameter index out of range", what));
+  }
+  const EngineParam& p = params[param];
+  const EngineParam& sp = params[scale_param];
+  if (p.dtype != DType::kF8E4M3 || sp.dtype != DType::kF32 || sp.name != WeightScaleName(p.name)) {
+    return InternalError(fmt::format("{}: '{}' / '{}' are not an e4m3 weight and its scales", what,
+                                     p.name, sp.name));
+  }
+  if (src.ndim != 2 || src.numel() != dst.numel()) {
+    return InternalError(
+        fmt::format("{}: {} -> {} is not a matrix box", what, src.ToString(), dst.ToString()));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const int64_t end = src.offset[i] + src.extent[i];
+    if (src.offset[i] % B != 0 || (end % B != 0 && end != t.shape[i])) {
+      return InternalError(
+          fmt::format("{}: {} of '{}' is off the 128 grid", what, src.ToString(), t.name));
+    }
+  }
+  if (scale_dst != BlockRegion(dst)) {
+    return InternalError(fmt::format("{}: scales {} are not the blocks of {}", what,
+                                     scale_dst.ToString(), dst.ToString()));
+  }
+  SS_RETURN_IF_ERROR(CheckAgainstPieces(p, t.name, src, dst, what));
+  return CheckAgainstPieces(sp, WeightScaleName(t.name), BlockRegion(src), scale_dst, what);
+}
+
+class Coverage {
+ public:
+  explicit Coverage(const EngineRankShards& rank) {
+    counts_.resize(rank.params.size());
+    for (size_t i = 0; i < rank.params.size(); ++i) {
+      counts_[i].assign(static_cast<size_t>(rank.params[i].numel()), 0);
+    }
+  }
+  void Add(const EngineRankShards& rank, int32_t param, const Region& r) {
+    auto& c = counts_[param];
+    ForEachRun(r, rank.params[param].shape, [&](int64_t off, int64_t len) {
+      for (int64_t i = 0; i < len; ++i) {
+        if (c[off + i] < 255) ++c[off + i];
+      }
+    });
+  }
+  Status Check(const EngineRankShards& rank, std::string_view who) const {
+    for (size_t i = 0; i < counts_.size(); ++i) {
+      for (size_t k = 0; k < counts_[i].size(); ++k) {
+        if (counts_[i][k] != 1) {
+          return InternalError(fmt::format("{}: element {} of '{}' is written {} times", who, k,
+                                           rank.params[i].name, int{counts_[i][k]}));
+        }
+      }
+    }
+    return OkStatus();
+  }
+
+ private:
+  std::vector<std::vector<uint8_t>> counts_;
+};
+
+}  // namespace
+
+Status ValidateFp8Plan(const PlanInputs& in) {
+  SS_ASSIGN_OR_RETURN(auto ctx, Fp8Context::Build(in));
+  const ShardMap& map = ctx.map();
+  const auto& inv = ctx.inventory();
+  const int S = ctx.trainer_world(), E = ctx.engine_per_replica(), D = ctx.replicas();
+  const int64_t cap = in.options.bucket_bytes;
+  int64_t elems = 0;
+  for (const auto& rk : map.ranks) {
+    for (const auto& p : rk.params) elems += p.numel();
+  }
+  if (elems * D > kMaxValidateElements) {
+    return FailedPreconditionError(
+        fmt::format("validate: {} engine elements is too many to check one by one (limit {})",
+                    elems * D, kMaxValidateElements));
+  }
+  std::map<std::pair<int, int>, Fp8Message> sent;
+  for (int t = 0; t < S; ++t) {
+    SS_ASSIGN_OR_RETURN(Fp8RankPlan rp, ctx.PlanForRank(t));
+    if (!rp.recvs.empty() || !rp.staged.empty()) {
+      return InternalError(fmt::format("trainer rank {} receives", t));
+    }
+    for (const Fp8Message& m : rp.sends) {
+      if (m.src != t || m.dst < S || m.dst >= S + D * E) {
+        return InternalError(fmt::format("trainer rank {}: message {}->{}", t, m.src, m.dst));
+      }
+      SS_RETURN_IF_ERROR(CheckMessageShape(m, cap));
+      for (const Fp8Op& op : m.ops) {
+        const Region held = TrainerHeldRegion(in.trainer, t, inv[op.tensor].shape);
+        if (!RegionContains(held, op.src)) {
+          return InternalError(fmt::format("trainer rank {} sends {} of '{}' but holds {}", t,
+                                           op.src.ToString(), inv[op.tensor].name,
+                                           held.ToString()));
+        }
+      }
+      if (!sent.emplace(std::make_pair(m.src, m.dst), m).second) {
+        return InternalError(fmt::format("two messages {}->{}", m.src, m.dst));
+      }
+    }
+  }
+  const int64_t wire = DTypeSize(in.options.wire_dtype), stage = DTypeSize(in.trainer_dtype);
+  for (int j = 0; j < D * E; ++j) {
+    const EngineRankShards& rank = map.ranks[j % E];
+    const std::string who = fmt::format("sync rank {} (replica {}, tp {}, pp {})", S + j, j / E,
+                                        rank.tp_rank, rank.pp_rank);
+    SS_ASSIGN_OR_RETURN(Fp8RankPlan rp, ctx.PlanForRank(S + j));
+    Coverage cover(rank);
+    std::vector<std::vector<uint8_t>> tiles(rp.staged.size());
+    for (size_t b = 0; b < rp.staged.size(); ++b) {
+      tiles[b].assign(static_cast<size_t>(rp.staged[b].src.numel()), 0);
+    }
+    for (const Fp8Message& m : rp.recvs) {
+      auto it = sent.find({m.src, m.dst});
+      if (m.dst != S + j || it == sent.end()) {
+        return InternalError(
+            fmt::format("{}: receives {}->{} that no trainer sends", who, m.src, m.dst));
+      }
+      const Fp8Message& s = it->second;
+      bool same = s.bytes == m.bytes && s.ops.size() == m.ops.size() &&
+                  s.buckets.size() == m.buckets.size();
+      for (size_t i = 0; same && i < m.ops.size(); ++i) same = SameOp(s.ops[i], m.ops[i]);
+      for (size_t i = 0; same && i < m.buckets.size(); ++i) {
+        same = s.buckets[i].op_begin == m.buckets[i].op_begin &&
+               s.buckets[i].op_end == m.buckets[i].op_end &&
+               s.buckets[i].bytes == m.buckets[i].bytes;
+      }
+      if (!same) {
+        return InternalError(
+            fmt::format("message {}->{} differs between sender and receiver", m.src, m.dst));
+      }
+      sent.erase(it);
+      SS_RETURN_IF_ERROR(CheckMessageShape(m, cap));
+      for (size_t i = 0; i < m.ops.size(); ++i) {
+        const Fp8Op& op = m.ops[i];
+        const std::string what = fmt::format("{}: message {}->{} op {} ({})", who, m.src, m.dst, i,
+                                             Fp8OpKindName(op.kind));
+        if (op.tensor < 0 || op.tensor >= static_cast<int32_t>(inv.size()) ||
+            !RegionInside(op.src, inv[op.tensor].shape)) {
+          return InternalError(fmt::format("{}: bad source", what));
+        }
+        const HfTensor& t = inv[op.tensor];
+        switch (op.kind) {
+          case Fp8OpKind::kCopy: {
+            if (op.param < 0 || op.param >= static_cast<int32_t>(rank.params.size())) {
+              return InternalError(fmt::format("{}: bad parameter", what));
+            }
+            const EngineParam& p = rank.params[op.param];
+            if (p.dtype == DType::kF8E4M3 || p.dtype != in.model.dtype ||
+                op.bytes != AlignUp8(op.src.numel() * wire)) {
+              return InternalError(
+                  fmt::format("{}: copies into '{}' ({})", what, p.name, DTypeName(p.dtype)));
+            }
+            SS_RETURN_IF_ERROR(CheckAgainstPieces(p, t.name, op.src, op.dst, what));
+            cover.Add(rank, op.param, op.dst);
+            break;
+          }
+          case Fp8OpKind::kQuantize: {
+            SS_RETURN_IF_ERROR(CheckQuantized(ctx, rank, op.tensor, op.param, op.scale_param,
+                                              op.src, op.dst, op.scale_dst, what));
+            const int dr = op.dst.ndim - 2;
+            if (op.bytes != Fp8WireBytes(op.dst.extent[dr], op.dst.extent[dr + 1])) {
+              return InternalError(fmt::format("{}: {} wire bytes", what, op.bytes));
+            }
+            cover.Add(rank, op.param, op.dst);
+            cover.Add(rank, op.scale_param, op.scale_dst);
+            break;
+          }
+          case Fp8OpKind::kStage: {
+            if (op.stage < 0 || op.stage >= static_cast<int32_t>(rp.staged.size())) {
+              return InternalError(fmt::format("{}: bad staged band {}", what, op.stage));
+            }
+            const Fp8StagedBand& band = rp.staged[op.stage];
+            const Region tile = Region::Make({0, 0}, {band.src.extent[0], band.src.extent[1]});
+            const int64_t r0 = op.src.offset[0] - band.src.offset[0];
+            if (band.tensor != op.tensor || op.src.ndim != 2 ||
+                op.src.offset[1] != band.src.offset[1] || op.src.extent[1] != band.src.extent[1] ||
+                op.dst != Region::Make({r0, 0}, {op.src.extent[0], op.src.extent[1]}) ||
+                !RegionContains(tile, op.dst) || op.bytes != AlignUp8(op.src.numel() * stage)) {
+              return InternalError(fmt::format("{}: {} does not fit band {} ({})", what,
+                                               op.src.ToString(), op.stage, band.src.ToString()));
+            }
+            ForEachRun(op.dst, {band.src.extent[0], band.src.extent[1]},
+                       [&](int64_t off, int64_t len) {
+                         for (int64_t k = 0; k < len; ++k) ++tiles[op.stage][off + k];
+                       });
+            break;
+          }
+        }
+      }
+    }
+    int64_t staging_end = 0;
+    for (size_t b = 0; b < rp.staged.size(); ++b) {
+      const Fp8StagedBand& band = rp.staged[b];
+      const std::string what = fmt::format("{}: staged band {}", who, b);
+      for (uint8_t c : tiles[b]) {
+        if (c != 1) {
+          return InternalError(fmt::format("{}: an element of {} is staged {} times", what,
+                                           band.src.ToString(), int{c}));
+        }
+      }
+      if (band.src.extent[0] > B || band.dtype != in.trainer_dtype ||
+          band.bytes != band.src.numel() * stage || band.staging_offset % 8 != 0 ||
+          band.staging_offset < staging_end) {
+        return InternalError(fmt::format("{}: bad geometry", what));
+      }
+      staging_end = band.staging_offset + band.bytes;
+      SS_RETURN_IF_ERROR(CheckQuantized(ctx, rank, band.tensor, band.param, band.scale_param,
+                                        band.src, band.dst, band.scale_dst, what));
+      cover.Add(rank, band.param, band.dst);
+      cover.Add(rank, band.scale_param, band.scale_dst);
+    }
+    if (staging_end > rp.staging_bytes) {
+      return InternalError(fmt::format("{}: staging needs {} bytes, the plan gives {}", who,
+                                       staging_end, rp.staging_bytes));
+    }
+    for (size_t pi = 0; pi < rank.params.size(); ++pi) {
+      for (const ZeroFill& z : rank.params[pi].zero_fills) {
+        cover.Add(rank, static_cast<int32_t>(pi), z.dst);
+      }
+    }
+    SS_RETURN_IF_ERROR(cover.Check(rank, who));
+  }
+  if (!sent.empty()) {
+    return InternalError(fmt::format("message {}->{} is sent but never received",
+                                     sent.begin()->first.first, sent.begin()->first.second));
+  }
+  return OkStatus();
+}
+
+}  // namespace shardsync

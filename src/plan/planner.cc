@@ -129,10 +129,7 @@ void SplitBox(const Region& box, int64_t elem_bytes, int64_t cap,
   }
 }
 
-Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
-                                       std::vector<HfTensor> inventory) {
-  PlanContext c;
-  c.in_ = in;
+Status CheckPlanOptions(const PlanInputs& in) {
   const auto& sh = in.rollout.shard;
   if (in.rollout.dp < 1) return InvalidArgumentError("--rollout dp: must be positive");
   if (sh.tp < 1 || sh.pp < 1) return InvalidArgumentError("--rollout tp/pp: must be positive");
@@ -147,11 +144,20 @@ Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
           t == in.options.wire_dtype ? "--wire-dtype" : "--trainer-dtype", DTypeName(t)));
     }
   }
-  c.wire_ = DTypeSize(in.options.wire_dtype);
   if (in.options.bucket_bytes < 4096) {
     return InvalidArgumentError(
         fmt::format("--bucket-mb: bucket cap {} bytes is below 4 KiB", in.options.bucket_bytes));
   }
+  return OkStatus();
+}
+
+Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
+                                       std::vector<HfTensor> inventory) {
+  PlanContext c;
+  c.in_ = in;
+  const auto& sh = in.rollout.shard;
+  SS_RETURN_IF_ERROR(CheckPlanOptions(in));
+  c.wire_ = DTypeSize(in.options.wire_dtype);
   if (map.spec.tp != sh.tp || map.spec.pp != sh.pp ||
       map.ranks.size() != static_cast<size_t>(sh.tp) * sh.pp) {
     return InvalidArgumentError(

@@ -56,6 +56,10 @@ struct PieceStats {
 // Called for each (trainer rank, engine sync rank) pair with traffic.
 using PairFn = std::function<void(int trainer, int engine_sync_rank, int64_t bytes, int64_t ops)>;
 
+// The checks of the inputs themselves (layouts, dtypes, bucket cap) that Build runs before
+// planning; ValidatePlanInputs adds the shard map's.
+Status CheckPlanOptions(const PlanInputs& in);
+
 class PlanContext {
  public:
   // `map` is one replica's shard map for in.rollout.shard; `inventory` the model's HF tensors.

@@ -11,6 +11,7 @@ engine hooks, adapters) import without the native module; Layout / Plan / Sessio
 
 from __future__ import annotations
 
+from . import types
 from ._native import has_part, native
 from .engine_group import LIFECYCLE_METHODS, EngineGroup, EngineWorker, ReplicaError, worker_coords
 from .errors import (

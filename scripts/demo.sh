@@ -12,8 +12,11 @@ bash scripts/install-deps.sh >&2
 
 say "[2/4] configure (cmake, Release)"
 mkdir -p build
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >build/demo-configure.log 2>&1 ||
-  { tail -30 build/demo-configure.log >&2; say "configure failed (build/demo-configure.log)"; exit 1; }
+if ! cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >build/demo-configure.log 2>&1; then
+  tail -30 build/demo-configure.log >&2
+  say "configure failed (build/demo-configure.log)"
+  exit 1
+fi
 
 say "[3/4] build on $(nproc) cores (first build: several minutes; log: build/demo-build.log)"
 # cmake's "[ 42%]" lines become one updating line on a terminal, one line per 10% elsewhere.

@@ -23,4 +23,5 @@ case "$installed" in
   *) echo "test: shardsync imported from $installed, not from $venv" >&2; exit 1 ;;
 esac
 "$venv/bin/shardsync" version
-SHARDSYNC_SOURCE_DIR="$root" "$venv/bin/python" -m pytest -q -p no:cacheprovider "$root/python/tests"
+SHARDSYNC_SOURCE_DIR="$root" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+  "$root/python/tests"

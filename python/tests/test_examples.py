@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(os.environ.get("SHARDSYNC_SOURCE_DIR") or Path(__file__).resolve().parents[2]) / "examples"
+SOURCE = Path(os.environ.get("SHARDSYNC_SOURCE_DIR") or Path(__file__).resolve().parents[2])
+EXAMPLES = SOURCE / "examples"
 
 
 @pytest.fixture

@@ -203,3 +203,12 @@ def test_cost_model_and_svg_match_the_cli(need_plan, tmp_path):
     e = got["estimates"]
     assert 0 < e["lower_bound_seconds"] <= e["plan_seconds"] < e["broadcast_seconds"]
     assert got["placement"] == {"nodes": 2, "gpus_per_node": 4, "colocated": True}
+
+
+def test_model_as_path(need_plan, tiny_model):
+    import pathlib
+
+    p = shardsync.Plan(pathlib.Path(tiny_model), "fsdp=2", "dp=1,tp=2,pp=1")
+    assert p.spec["model"] == tiny_model and isinstance(p.spec["model"], str)
+    assert p.hash == shardsync.Plan(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1").hash
+    assert shardsync.load_model(pathlib.Path(tiny_model)).hidden_size == 64

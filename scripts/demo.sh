@@ -1,7 +1,49 @@
 #!/usr/bin/env bash
-# Installs deps, builds, and runs the main job on the embedded default.
+# Installs deps, builds, and runs the main job on the embedded default. Says what it is doing at
+# each step (on a fresh machine the install and the build take minutes): one line per step on
+# stderr, the build's percentage as it goes, its full log in build/demo-build.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install-deps.sh >/dev/null
-bash scripts/build.sh >/dev/null
+say() { echo "demo: $*" >&2; }
+t0=$SECONDS
+
+say "[1/4] Debian packages (scripts/install-deps.sh)"
+bash scripts/install-deps.sh >&2
+
+say "[2/4] configure (cmake, Release)"
+mkdir -p build
+if ! cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >build/demo-configure.log 2>&1; then
+  tail -30 build/demo-configure.log >&2
+  say "configure failed (build/demo-configure.log)"
+  exit 1
+fi
+
+say "[3/4] build on $(nproc) cores (first build: several minutes; log: build/demo-build.log)"
+# cmake's "[ 42%]" lines become one updating line on a terminal, one line per 10% elsewhere.
+set +e
+cmake --build build -j"$(nproc)" 2>&1 | tee build/demo-build.log | {
+  last=-10
+  while IFS= read -r line; do
+    [[ $line =~ ^\[\ *([0-9]+)%\] ]] || continue
+    pct=${BASH_REMATCH[1]}
+    if [ -t 2 ]; then
+      printf '\rdemo: build %3d%%' "$pct" >&2
+    elif [ "$pct" -ge $((last + 10)) ]; then
+      say "build ${pct}%"
+      last=$pct
+    fi
+  done
+  [ -t 2 ] && printf '\n' >&2
+  true
+}
+rc=${PIPESTATUS[0]}
+set -e
+if [ "$rc" -ne 0 ]; then
+  grep -E "error|Error" build/demo-build.log | head -20 >&2
+  say "build failed (build/demo-build.log)"
+  exit "$rc"
+fi
+say "built in $((SECONDS - t0)) s"
+
+say "[4/4] shardsync demo $*"
 exec build/shardsync demo "$@"

@@ -250,6 +250,18 @@ Result<DetailedSummary> SummarizePlanDetailed(const PlanInputs& in, const Summar
 
 // Plain SVG heatmap of the byte matrix (axis labels, legend). No dependency.
 std::string HeatmapSvg(const DetailedSummary& s, std::string_view title);
+// "model: trainer -> dp=..,tp=..,pp=.. (engine)", the heatmap title `plan --svg` uses.
+std::string PlanHeatmapTitle(const PlanInputs& in);
+
+// The plan's report as JSON (schema in docs/cli.md, `shardsync plan --json`): sizes, per-rank
+// traffic and nodes, node pairs, placement and the cost model's estimates under `placement`.
+std::string PlanReportJson(const PlanInputs& in, const DetailedSummary& ds,
+                           const Placement& placement);
+
+// Every check planning makes of the inputs (layouts, dtypes, bucket cap, the engine's
+// divisibility rules, PP layer ranges) without planning: microseconds, for constructors that
+// must fail early. Errors name the field as PlanForRank / SummarizePlan do.
+Status ValidatePlanInputs(const PlanInputs& in);
 
 // Validates a whole (small) job: every engine byte covered exactly once by ops or zero-fills,
 // every source region inside its tensor and held by the sending trainer rank, both sides of

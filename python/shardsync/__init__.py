@@ -1,12 +1,17 @@
 """shardsync: verified, shard-aware weight sync from RL trainers into inference engines.
 
-Pure-Python parts (errors, EngineGroup, engine hooks, adapters) import without the native module;
-Layout / Plan / Session / Store need `shardsync._C` (built by CMake into build/python). torch is
-never imported at import time.
+    plan = shardsync.Plan("qwen3-8b", trainer="fsdp=8", rollout="dp=2,tp=4,pp=2")
+    session = shardsync.Session.from_env(plan)   # or Session(plan, rank, store, token=...)
+    ... bind_source / bind_destination ..., session.connect(), session.sync(version)
+
+Guide and API: docs/python.md; runnable jobs: examples/. Pure-Python parts (errors, EngineGroup,
+engine hooks, adapters) import without the native module; Layout / Plan / Session / Store need
+`shardsync._C` (`pip install .` builds it). torch is never imported at import time.
 """
 
 from __future__ import annotations
 
+from . import types
 from ._native import has_part, native
 from .engine_group import LIFECYCLE_METHODS, EngineGroup, EngineWorker, ReplicaError, worker_coords
 from .errors import (
@@ -24,7 +29,7 @@ from .errors import (
     UnimplementedError,
 )
 from .layout import compute_layout
-from .plan import Plan, load_model, shard_map
+from .plan import Plan, dtype_name, load_model, shard_map
 from .session import LoopbackHub, Session
 from .store import StoreClient, StoreServer
 from .adapters import (
@@ -60,6 +65,7 @@ __all__ = [
     "Plan",
     "load_model",
     "shard_map",
+    "dtype_name",
     "Session",
     "LoopbackHub",
     "StoreServer",

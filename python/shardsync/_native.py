@@ -20,12 +20,13 @@ def has_part(part: str) -> bool:
     return _C is not None and part in getattr(_C, "PARTS", ())
 
 
-def native(part: "str | None" = None) -> Any:
+def native(part: "str | None" = None) -> Any:  # Any: the module shardsync._C (typed in _C.pyi)
     """The native module; UnimplementedError when it or `part` is not built."""
     if _C is None:
         raise UnimplementedError(
-            f"shardsync native module not importable ({NATIVE_IMPORT_ERROR}); build it with "
-            "`cmake --build build --target shardsync_python` and set PYTHONPATH=build/python"
+            f"shardsync native module not importable ({NATIVE_IMPORT_ERROR}); install the "
+            "package with `pip install .` from the source tree (docs/python.md), or build it "
+            "with `cmake --build build --target shardsync_python` and set PYTHONPATH=build/python"
         )
     if part is not None and part not in _C.PARTS:
         raise UnimplementedError(f"shardsync native module was built without the {part!r} part")

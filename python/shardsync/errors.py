@@ -1,7 +1,8 @@
 """The shardsync exception hierarchy: one base class, one subclass per C++ StatusCode.
 
-The native module raises these with the C++ message unchanged, so a Python caller sees the same
-text as the CLI ("rank 3: --tp: must be positive, got 0"). Pure Python, importable without `_C`.
+The native module raises these with the C++ message, the CLI's flag names replaced by the Python
+arguments they correspond to ("rollout tp=3: num_attention_heads 32 is not divisible by tp" where
+the CLI says "--tp 3: ..."). Pure Python, importable without `_C`.
 """
 
 from __future__ import annotations

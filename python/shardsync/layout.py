@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 from ._native import native
+
+if TYPE_CHECKING:
+    from ._C import Layout
 
 __all__ = ["compute_layout"]
 
@@ -21,10 +24,12 @@ def compute_layout(
     gpu_id_step: int = 1,
     allow_multinode: bool = False,
     rollout_gpus: Optional[int] = None,
-) -> Any:
+) -> "Layout":
     """The rollout layout of dp x tp x pp workers on nodes of `gpus_per_node` GPUs (default: all on
-    one node), or on an explicit per-node GPU list. Raises InvalidArgumentError naming the field
-    (the same message as `shardsync layout`)."""
+    one node), or on an explicit per-node GPU list: which worker is each replica's head (pp0/tp0,
+    the one that owns the engine object) and which are shells, every worker's
+    CUDA_VISIBLE_DEVICES, and where the engine places each of its ranks. Raises
+    InvalidArgumentError naming the argument (`tp: must be positive, got 0`)."""
     C = native("layout")
     if node_gpus is None:
         # Build the cluster only; the C++ planner validates every field and names it.
@@ -48,5 +53,6 @@ def compute_layout(
     )
 
 
-def head_workers(layout: Any) -> List[int]:
+def head_workers(layout: "Layout") -> List[int]:
+    """Worker indices of the replica heads (the pp0/tp0 worker of each replica)."""
     return list(layout.head_workers())

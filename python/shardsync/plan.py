@@ -1,146 +1,238 @@
-"""Plan, ShardMap and model helpers over the C++ planner."""
+"""Plan, ShardMap and model helpers over the C++ planner (plan.h, shard_map.h, model.h)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+import json
+import os
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from ._native import native
+from .errors import InvalidArgumentError, OutOfRangeError
 
-__all__ = ["Plan", "shard_map", "load_model"]
+if TYPE_CHECKING:
+    from ._C import ModelSpec, PlanInputs, RankPlan, Region, ShardMap, TrainerParam
+    from .types import DTypeArg, ModelArg, PlanReport, PlanSummary, SyncRankInfo
+
+__all__ = ["Plan", "shard_map", "load_model", "dtype_name"]
 
 
-def load_model(name_or_path: str) -> Any:
-    """An embedded model name (qwen2.5-0.5b, qwen3-8b, ...), a config.json, or its directory."""
-    return native("model").load_model(name_or_path)
+def _model_arg(model: "ModelArg") -> Any:
+    """What the native side takes: a ModelSpec, or a name / path as str."""
+    if isinstance(model, os.PathLike):
+        return os.fspath(model)
+    return model
+
+
+def dtype_name(dtype: "DTypeArg", field: str = "dtype") -> str:
+    """Canonical name ("bfloat16", "float32", ...) of any dtype spelling shardsync takes: the CLI's
+    ("bf16", "fp32", "f32", "fp16", "half", "F32", ...), torch's ("bfloat16", torch.bfloat16) or
+    numpy's (numpy.float32, numpy.dtype("float32")). InvalidArgumentError names `field`."""
+    if isinstance(dtype, str):
+        text = dtype
+    else:
+        text = str(dtype)  # torch.bfloat16 -> "torch.bfloat16"
+        if not text.startswith("torch."):
+            name = getattr(dtype, "name", None) or getattr(dtype, "__name__", None)
+            if not isinstance(name, str):
+                raise InvalidArgumentError(
+                    f"{field}: expected a dtype name (bf16, fp32, ...) or a torch / numpy dtype, "
+                    f"got {dtype!r}")
+            text = name  # numpy.dtype("float32").name, numpy.float32.__name__
+    return native().dtype_torch_name(text, field)
+
+
+def load_model(name_or_path: "ModelArg") -> "ModelSpec":
+    """An embedded model (`shardsync._C.embedded_models()`: qwen2.5-0.5b, qwen3-8b, ...), a
+    Hugging Face config.json, or a directory holding one."""
+    return native("model").load_model(_model_arg(name_or_path))
 
 
 def shard_map(
-    model: Any,
+    model: "ModelArg",
     engine: str = "sglang",
     tp: int = 1,
     pp: int = 1,
     ep: int = 1,
     pp_partition: Sequence[int] = (),
     expert_naming: str = "fused_moe",
-) -> Any:
-    """Which bytes of which HF tensor every engine rank owns (shard_map.h). `expert_naming`:
-    "fused_moe" ("...mlp.experts.w13_weight": SGLang, vLLM < 0.24) or "routed_experts"
+) -> "ShardMap":
+    """Which bytes of which HF tensor every engine rank owns under `engine`'s TP x PP (x EP) rules
+    (shard_map.h). Raises InvalidArgumentError naming the argument when the engine would refuse the
+    layout ("tp=3: num_attention_heads 32 is not divisible by tp"). `expert_naming`: "fused_moe"
+    ("...mlp.experts.w13_weight": SGLang, vLLM < 0.24) or "routed_experts"
     ("...mlp.experts.routed_experts.w13_weight": vLLM >= 0.24)."""
-    return native("model").build_shard_map(model, engine, tp, pp, ep, list(pp_partition),
-                                           expert_naming)
+    return native("model").build_shard_map(_model_arg(model), engine, tp, pp, ep,
+                                           list(pp_partition), expert_naming)
 
 
 class Plan:
     """The transfer plan of one job: model x trainer layout x rollout layout.
 
-    Every rank builds it locally from the same arguments; ranks compare `hash` at connect.
-    `trainer` is "fsdp=S", "hsdp=RxS", "replicate=N", "single" or a Megatron-Core layout
-    "megatron=tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,cp=C][,dp=D][,first=N][,last=M][,vocab_div=K]
-    [,experts=grouped|sequential][,norms=te|local]" (docs/megatron.md); `rollout` is
-    "dp=D,tp=T,pp=P[,ep=E]". The sync world is trainer ranks [0, S) then engine rank
-    (replica d, tp, pp) at S + d*T*P + pp*T + tp (`engine_rank`). `expert_naming` is the engine
-    version's name for stacked experts ("fused_moe", or "routed_experts" for vLLM >= 0.24:
-    `shardsync.hooks.engines` probes it); it is part of the hash.
+    Every rank builds it locally from the same arguments (cheap: nothing is enumerated until a
+    rank asks for its own part) and the ranks compare `hash` at connect. Construction checks every
+    divisibility the engine asserts, so a layout the engine would refuse fails here, naming the
+    argument and field (`rollout tp=3: num_attention_heads 32 is not divisible by tp`).
+
+    Args:
+        model: an embedded model name ("qwen3-8b"), a config.json path or its directory, or a
+            ModelSpec from `load_model`.
+        trainer: how the trainer holds the weights: "fsdp=S" (FSDP2 Shard(0) over S ranks),
+            "hsdp=RxS" (R replicas of S shards), "replicate=N" (N full copies), "single", or a
+            Megatron-Core layout "megatron=tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,cp=C][,dp=D]
+            [,first=N][,last=M][,vocab_div=K][,experts=grouped|sequential][,norms=te|local]"
+            (docs/megatron.md).
+        rollout: the engines: "dp=D,tp=T,pp=P[,ep=E]" (D replicas of T x P ranks, E expert
+            parallel size for MoE models).
+        engine: "sglang" or "vllm": whose parameter names, fusions and layer split to follow.
+        wire_dtype: the dtype on the wire and in the engines' parameters (default bf16).
+        trainer_dtype: the dtype of the trainer's shards (default fp32; cast while packing).
+        bucket_bytes: bytes per checksummed bucket (the unit of verification and completion).
+        pp_partition: explicit decoder layers per PP stage (the engines'
+            *_PP_LAYER_PARTITION); default: the engine's own split.
+        expert_naming: the engine version's name for stacked experts ("fused_moe", or
+            "routed_experts" for vLLM >= 0.24: `shardsync.hooks.engines` probes it); part of the
+            hash.
+
+    Sync ranks: trainer ranks [0, S), then engine rank (replica d, tp, pp) at S + d*T*P + pp*T +
+    tp (`engine_rank`). Dtypes take any spelling: "bf16" / "bfloat16" / torch.bfloat16, "fp32" /
+    "f32" / "float32" / numpy.float32, "fp16" / "half".
     """
 
     def __init__(
         self,
-        model: Any,
+        model: "ModelArg",
         trainer: str,
         rollout: str,
         *,
         engine: str = "sglang",
-        wire_dtype: str = "bf16",
-        trainer_dtype: str = "f32",
+        wire_dtype: "DTypeArg" = "bf16",
+        trainer_dtype: "DTypeArg" = "fp32",
         bucket_bytes: int = 512 << 20,
+        pp_partition: Optional[Sequence[int]] = None,
         expert_naming: str = "fused_moe",
     ) -> None:
         C = native("plan")
-        self.inputs = C.PlanInputs(
-            model,
+        wire = dtype_name(wire_dtype, "wire_dtype")
+        held = dtype_name(trainer_dtype, "trainer_dtype")
+        partition = [int(n) for n in (pp_partition or ())]
+        self.inputs: "PlanInputs" = C.PlanInputs(
+            _model_arg(model),
             trainer,
             rollout,
             engine=engine,
-            wire_dtype=wire_dtype,
-            trainer_dtype=trainer_dtype,
+            wire_dtype=wire,
+            trainer_dtype=held,
             bucket_bytes=bucket_bytes,
+            pp_partition=partition,
             expert_naming=expert_naming,
         )
+        model_spec = model if isinstance(model, str) else None
+        if isinstance(model, os.PathLike):
+            model_spec = os.fspath(model)
         self._spec: Dict[str, Any] = dict(
-            model=model if isinstance(model, str) else self.inputs.model.name,
+            model=model_spec if model_spec is not None else self.inputs.model.name,
             trainer=trainer,
             rollout=rollout,
             engine=engine,
-            wire_dtype=wire_dtype,
-            trainer_dtype=trainer_dtype,
+            wire_dtype=wire,
+            trainer_dtype=held,
             bucket_bytes=bucket_bytes,
         )
+        if partition:
+            self._spec["pp_partition"] = partition
         if expert_naming != "fused_moe":  # absent means the default: older specs stay valid
             self._spec["expert_naming"] = expert_naming
 
     @classmethod
     def from_spec(cls, spec: Dict[str, Any]) -> "Plan":
-        """Rebuilds a plan from `spec` (what engine hooks receive through their config)."""
+        """Rebuilds a plan from `spec` (what engine hooks and remote workers receive)."""
         s = dict(spec)
         return cls(s.pop("model"), s.pop("trainer"), s.pop("rollout"), **s)
 
     @property
     def spec(self) -> Dict[str, Any]:
-        """JSON-serialisable arguments that rebuild this plan on another process."""
+        """JSON-serialisable arguments that rebuild this plan in another process
+        (`Plan.from_spec`). A model given as a ModelSpec is recorded by name, so only embedded
+        models round-trip that way; pass a path to ship a custom config."""
         return dict(self._spec)
 
     @property
     def hash(self) -> str:
+        """32 hex digits over everything that defines the plan; equal on every rank of a job."""
         return self.inputs.hash
 
     @property
-    def model(self) -> Any:
+    def model(self) -> "ModelSpec":
+        """The model's dimensions (hidden size, heads, layers, experts, ...)."""
         return self.inputs.model
 
     @property
     def world_size(self) -> int:
+        """Sync ranks in the job: trainer ranks plus every engine rank of every replica."""
         return self.inputs.world_size
 
     @property
     def trainer_world(self) -> int:
+        """Trainer ranks (S): sync ranks [0, S)."""
         return self.inputs.trainer_world
 
     @property
     def dp(self) -> int:
+        """Engine replicas."""
         return self.inputs.dp
 
     @property
     def tp(self) -> int:
+        """Tensor parallel size of each replica."""
         return self.inputs.tp
 
     @property
     def pp(self) -> int:
+        """Pipeline parallel size of each replica."""
         return self.inputs.pp
 
     @property
+    def ep(self) -> int:
+        """Expert parallel size (1 for dense models)."""
+        return self.inputs.ep
+
+    @property
+    def pp_partition(self) -> List[int]:
+        """Decoder layers per PP stage when given explicitly ([] for the engine's split)."""
+        return list(self.inputs.pp_partition)
+
+    @property
     def engine(self) -> str:
+        """"sglang" or "vllm"."""
         return self.inputs.engine
 
     @property
     def expert_naming(self) -> str:
+        """The engine's name for stacked experts: "fused_moe" or "routed_experts" (vLLM >= 0.24)."""
         return self.inputs.expert_naming
 
     @property
     def wire_dtype(self) -> str:
+        """Wire and engine-parameter dtype, safetensors spelling ("BF16")."""
         return self.inputs.wire_dtype
 
     @property
     def trainer_dtype(self) -> str:
+        """Dtype of the trainer's shards, safetensors spelling ("F32")."""
         return self.inputs.trainer_dtype
 
     @property
+    def bucket_bytes(self) -> int:
+        """Bytes per checksummed bucket."""
+        return self.inputs.bucket_bytes
+
+    @property
     def trainer_spec(self) -> str:
+        """Canonical trainer layout ("fsdp=8", "hsdp=2x4", "replicate=4", "single")."""
         return self.inputs.trainer
 
     def engine_rank(self, replica: int, tp_rank: int, pp_rank: int = 0) -> int:
         """Sync rank of engine rank (replica, tp, pp): S + replica*T*P + pp*T + tp."""
-        from .errors import OutOfRangeError
-
         if not (0 <= replica < self.dp and 0 <= tp_rank < self.tp and 0 <= pp_rank < self.pp):
             raise OutOfRangeError(
                 f"engine rank (replica {replica}, tp {tp_rank}, pp {pp_rank}) outside "
@@ -148,26 +240,58 @@ class Plan:
             )
         return self.trainer_world + replica * self.tp * self.pp + pp_rank * self.tp + tp_rank
 
-    def describe_rank(self, sync_rank: int) -> Dict[str, Any]:
+    def describe_rank(self, sync_rank: int) -> "SyncRankInfo":
+        """Who `sync_rank` is: a trainer rank, or engine rank (replica, tp_rank, pp_rank)."""
         return self.inputs.describe_rank(sync_rank)
 
-    def rank_plan(self, sync_rank: int) -> Any:
-        """What `sync_rank` sends and receives (messages, ops, buckets)."""
+    def rank_plan(self, sync_rank: int) -> "RankPlan":
+        """What `sync_rank` sends and receives: messages, their ops and checksummed buckets."""
         return self.inputs.rank_plan(sync_rank)
 
-    def summary(self) -> Dict[str, Any]:
+    def summary(self) -> "PlanSummary":
         """Job-wide statistics: ops, messages, bytes per engine / trainer rank, plan hash."""
         return self.inputs.summary()
 
+    def cost_model(
+        self,
+        *,
+        nodes: int = 0,
+        gpus_per_node: int = 8,
+        intra_node_gbps: float = 450.0,
+        inter_node_gbps: float = 50.0,
+    ) -> "PlanReport":
+        """The report of `shardsync plan --json` with the same flags: per-rank traffic, node
+        placement and the estimated sync time against broadcast-all and the lower bound
+        (`["estimates"]`). Trainer rank i runs on GPU i; engines are colocated (engine rank j on
+        GPU j) when both worlds have the same size, else placed after the trainer. `nodes` 0:
+        as many as needed. Bandwidths are GB/s per GPU per direction (defaults: H200 NVLink,
+        400 Gb/s NIC)."""
+        text = self.inputs.report_json(nodes=nodes, gpus_per_node=gpus_per_node,
+                                       intra_node_gbps=float(intra_node_gbps),
+                                       inter_node_gbps=float(inter_node_gbps))
+        return json.loads(text)
+
+    def svg(self, path: "Optional[str | os.PathLike[str]]" = None) -> str:
+        """The trainer x engine byte heatmap of `shardsync plan --svg`, as SVG text; also written
+        to `path` when given."""
+        text = self.inputs.heatmap_svg()
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        return text
+
     def validate(self) -> None:
-        """Exact-cover validation of the whole job (small jobs; enumerates every rank's plan)."""
+        """Exact-cover validation of the whole job, element by element (small jobs only: it
+        enumerates every rank's plan; raises naming the first defect)."""
         self.inputs.validate()
 
-    def held_region(self, trainer_rank: int, shape: Sequence[int]) -> Any:
-        """FSDP-like layouts: the region of a tensor of `shape` that `trainer_rank` holds."""
-        return self.inputs.held_region(trainer_rank, list(shape))
+    def held_region(self, trainer_rank: int, shape: Sequence[int]) -> "Region":
+        """The part of a tensor of `shape` that trainer `trainer_rank` holds (FSDP2 Shard(0):
+        torch.chunk rows; empty when it holds none). `region.slices()` cuts it from the full
+        tensor: `full[region.slices()]` is what that rank binds with `Session.bind_source`."""
+        return self.inputs.held_region(trainer_rank, [int(d) for d in shape])
 
-    def trainer_params(self, trainer_rank: int) -> List[Any]:
+    def trainer_params(self, trainer_rank: int) -> "List[TrainerParam]":
         """The local parameters of trainer `trainer_rank` and the HF regions each holds.
 
         Megatron: Megatron-Core's local names per model chunk (`p.chunk`, `p.name` as the chunk's
@@ -177,21 +301,23 @@ class Plan:
         """
         return self.inputs.trainer_params(trainer_rank)
 
-    def trainer_coords(self, trainer_rank: int) -> Any:
+    def trainer_coords(self, trainer_rank: int) -> Optional[Dict[str, int]]:
         """Megatron coordinates of `trainer_rank` (tp, cp, dp, pp, etp, ep, edp), else None."""
         return self.inputs.trainer_coords(trainer_rank)
 
     def hf_tensors(self) -> List[Tuple[str, List[int], str]]:
+        """[(name, shape, dtype)] of the model's Hugging Face checkpoint, in the planner's order."""
         return self.inputs.model.hf_tensors()
 
-    def shard_map(self) -> Any:
-        ep = self.inputs.ep
-        return shard_map(self.inputs.model, self.engine, self.tp, self.pp, ep,
-                         expert_naming=self.expert_naming)
+    def shard_map(self) -> "ShardMap":
+        """The engine-side shard map of one replica under this plan's layout."""
+        return shard_map(self.inputs.model, self.engine, self.tp, self.pp, self.ep,
+                         self.pp_partition, expert_naming=self.expert_naming)
 
     def __repr__(self) -> str:
+        ep = f",ep={self.ep}" if self.ep > 1 else ""
         return (
             f"Plan(model={self._spec['model']!r}, trainer={self.trainer_spec!r}, "
-            f"rollout='dp={self.dp},tp={self.tp},pp={self.pp}', engine={self.engine!r}, "
+            f"rollout='dp={self.dp},tp={self.tp},pp={self.pp}{ep}', engine={self.engine!r}, "
             f"hash={self.hash})"
         )

@@ -21,11 +21,17 @@ nccl for device sessions, shm on one host / ucx across hosts for host sessions; 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import (
+    TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union)
 
 from ._native import native
 from .errors import FailedPreconditionError, InvalidArgumentError
 from .plan import Plan
+
+if TYPE_CHECKING:
+    from . import _C
+    from ._C import EngineParam, RankPlan, Region
+    from .types import SupportsDLPack, SyncReport
 
 __all__ = ["Session", "LoopbackHub", "is_cuda_tensor"]
 
@@ -33,6 +39,7 @@ _DL_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
 
 def is_cuda_tensor(t: Any) -> bool:
+    """Whether `t` exports CUDA memory through DLPack (kDLCUDA or kDLCUDAManaged)."""
     dev = getattr(t, "__dlpack_device__", None)
     if dev is None:
         return False
@@ -42,15 +49,16 @@ def is_cuda_tensor(t: Any) -> bool:
         return False
 
 
-def LoopbackHub() -> Any:  # noqa: N802 - a factory that reads like the C++ class
-    """A hub shared by every session of one process on the loopback transport (tests)."""
+def LoopbackHub() -> "_C.LoopbackHub":  # noqa: N802 - a factory that reads like the C++ class
+    """A hub shared by every session of one process on the loopback transport (ranks as threads
+    of one process: tests, single-process examples)."""
     return native("session").LoopbackHub()
 
 
-_default_hub: Any = None
+_default_hub: "Optional[_C.LoopbackHub]" = None
 
 
-def default_loopback_hub() -> Any:
+def default_loopback_hub() -> "_C.LoopbackHub":
     """The process-wide hub loopback sessions use when none is given (in-process ranks only)."""
     global _default_hub
     if _default_hub is None:
@@ -59,11 +67,27 @@ def default_loopback_hub() -> Any:
 
 
 class Session:
-    """One rank of a sync job.
+    """One sync rank of a job: a trainer rank (binds sources) or an engine rank (binds
+    destinations). Construct, bind every tensor, `connect()` once (collective), then `sync(v)`
+    once per step (collective; v increasing). Use as a context manager or call `close()`.
 
-    store: "host:port" of the rendezvous store (StoreServer or `shardsync store`).
-    transport: "ucx" (host memory, any process / node), "loopback" (ranks in one process, sharing
-    `hub`, by default one per process), or another registered name (shardsync._C.transports()).
+    Args:
+        plan: the job's Plan, built from the same arguments on every rank.
+        rank: this process's sync rank (trainer ranks first, then `plan.engine_rank(d, tp, pp)`).
+        store: "host:port" of the rendezvous store (`StoreServer` or `shardsync store`).
+        token: the store's shared secret.
+        transport: "auto" (per pair: shm on one host, ucx across hosts; cuda_ipc / nccl for
+            device sessions), "loopback" (ranks as threads of one process, sharing `hub`), or a
+            registered name tried first for every pair (`shardsync._C.transports()`).
+        hub: the LoopbackHub of loopback ranks (default: one per process).
+        prefix: store key namespace; distinct jobs on one store need distinct prefixes.
+        connect_timeout, sync_timeout: seconds before `connect()` / `sync()` give up with
+            DeadlineExceededError (every wait is bounded).
+        staging: CUDA tensors in a host session: "auto" / "host" stage them through host copies
+            around each sync, "never" refuses them.
+        transport_params: transport options (strings), e.g. {"nccl_depth": "2"}.
+        device: "auto" (a CUDA tensor bound first makes this a device session on its GPU), a
+            CUDA index, or None (host session).
     """
 
     def __init__(
@@ -74,13 +98,13 @@ class Session:
         *,
         token: str = "",
         transport: str = "auto",
-        hub: Any = None,
+        hub: "Optional[_C.LoopbackHub]" = None,
         prefix: str = "ss/",
         connect_timeout: float = 60.0,
         sync_timeout: float = 60.0,
         staging: str = "auto",
         transport_params: Optional[Mapping[str, str]] = None,
-        device: Any = "auto",
+        device: Union[str, int, None] = "auto",
     ) -> None:
         if staging not in ("auto", "host", "never"):
             raise InvalidArgumentError(f"staging: must be auto, host or never, got {staging!r}")
@@ -92,20 +116,20 @@ class Session:
             raise InvalidArgumentError(f"device: expected 'auto', None or a CUDA index, got {device!r}")
         self.plan = plan
         self.staging = staging
-        self._args = dict(
+        self._args: Dict[str, Any] = dict(
             rank=rank, store=store, token=token, transport=transport, hub=hub, prefix=prefix,
             connect_timeout=connect_timeout, sync_timeout=sync_timeout,
             transport_params=dict(transport_params or {}),
         )
         self._auto_device = device == "auto"
         self._bound = False
-        self._native = self._make_native(None if device == "auto" else device)
+        self._native = self._make_native(device if isinstance(device, int) else None)
         # (device tensor, host copy) pairs staged around each sync.
         self._staged_sources: List[Tuple[Any, Any]] = []
         self._staged_dests: List[Tuple[Any, Any]] = []
         self._connected = False
 
-    def _make_native(self, device: Optional[int]) -> Any:
+    def _make_native(self, device: Optional[int]) -> "_C.SyncSession":
         a = self._args
         native_session = native("session").SyncSession(
             self.plan.inputs, a["rank"], a["store"], token=a["token"], transport=a["transport"],
@@ -143,26 +167,32 @@ class Session:
     # ---- identity ----
     @property
     def rank(self) -> int:
+        """This session's sync rank."""
         return self._native.rank
 
     @property
     def is_trainer(self) -> bool:
+        """True for a trainer rank (binds sources), False for an engine rank (destinations)."""
         return self._native.is_trainer
 
     @property
     def is_poisoned(self) -> bool:
+        """An engine rank whose last sync failed: its parameters may hold a mix of versions until
+        a later sync succeeds (the hooks refuse to serve from it)."""
         return self._native.is_poisoned
 
     @property
     def last_good_version(self) -> int:
+        """The last version this rank synced and verified (0 before the first)."""
         return self._native.last_good_version
 
     @property
-    def rank_plan(self) -> Any:
+    def rank_plan(self) -> "RankPlan":
+        """This rank's part of the plan: the messages it sends or receives."""
         return self._native.plan
 
-    def expected_params(self) -> List[Any]:
-        """EngineParam (name, shape, dtype, pieces) this engine rank must bind."""
+    def expected_params(self) -> "List[EngineParam]":
+        """Engine ranks: every parameter (engine name, local shape, dtype, pieces) to bind."""
         return list(self._native.expected_params())
 
     # ---- binding ----
@@ -176,9 +206,13 @@ class Session:
         t = tensor.detach()
         return t.to("cpu").contiguous()
 
-    def bind_source(self, hf_name: str, tensor: Any, region: Any = None) -> None:
-        """Trainer ranks: the shard of HF tensor `hf_name` this rank holds (default region: the
-        plan's held region for this rank; the tensor's shape must equal its extents)."""
+    def bind_source(self, hf_name: str, tensor: "SupportsDLPack",
+                    region: "Optional[Region | Tuple[Sequence[int], Sequence[int]]]" = None
+                    ) -> None:
+        """Trainer ranks: the shard of HF tensor `hf_name` this rank holds, borrowed without a
+        copy (its bytes are read at every sync, so update it in place). Default region: the
+        plan's held region for this rank (`plan.held_region(rank, shape)`); the tensor's shape
+        must equal the region's extents and its dtype the plan's trainer dtype."""
         self._resolve_device(tensor)
         host = self._stage(tensor, f"source '{hf_name}'")
         if host is not None:
@@ -188,8 +222,10 @@ class Session:
             with _device_guard(tensor):
                 self._native.bind_source(hf_name, tensor, region)
 
-    def bind_destination(self, name: str, tensor: Any) -> None:
-        """Engine ranks: parameter `name` (engine naming) with its local shape; bytes land in it."""
+    def bind_destination(self, name: str, tensor: "SupportsDLPack") -> None:
+        """Engine ranks: parameter `name` (the engine's name, e.g.
+        "model.layers.3.self_attn.qkv_proj.weight") with its local shape and the wire dtype;
+        each sync writes into it in place."""
         self._resolve_device(tensor)
         host = self._stage(tensor, f"destination '{name}'")
         if host is not None:
@@ -199,11 +235,16 @@ class Session:
             with _device_guard(tensor):
                 self._native.bind_destination(name, tensor)
 
-    def bind_sources(self, tensors: Mapping[str, Any]) -> None:
+    def bind_sources(self, tensors: "Mapping[str, SupportsDLPack]") -> None:
+        """`bind_source` for every (HF name, shard) of a mapping, each with its default region."""
         for name, t in tensors.items():
             self.bind_source(name, t)
 
-    def bind_destinations(self, tensors: Iterable[Tuple[str, Any]]) -> None:
+    def bind_destinations(
+        self,
+        tensors: "Mapping[str, SupportsDLPack] | Iterable[Tuple[str, SupportsDLPack]]",
+    ) -> None:
+        """`bind_destination` for every (name, tensor): a mapping or `named_parameters()`."""
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
         for name, t in items:
             self.bind_destination(name, t)
@@ -214,7 +255,7 @@ class Session:
         self._native.connect()
         self._connected = True
 
-    def sync(self, version: int) -> Dict[str, Any]:
+    def sync(self, version: int) -> "SyncReport":
         """Replays the plan for `version` (greater than the last good one, equal on every rank).
         Returns the job-wide report: version, bytes, seconds, gbps, slowest_rank, checksums_ok,
         checksums_total, verified, local, ranks. Raises the shardsync.Error subclass of the
@@ -231,6 +272,7 @@ class Session:
         return report
 
     def close(self) -> None:
+        """Leaves the job and releases every bound tensor (idempotent)."""
         self._native.close()
         self._staged_sources.clear()
         self._staged_dests.clear()
@@ -259,10 +301,11 @@ def _device_guard(tensor: Any) -> Any:
     ("Can't export tensors on a different CUDA device index", seen on 2 H200s with ranks on GPU 1
     whose current device had become 0): bind under that device."""
     dev = getattr(tensor, "device", None)
-    if getattr(dev, "type", None) == "cuda" and getattr(dev, "index", None) is not None:
+    index = getattr(dev, "index", None)
+    if getattr(dev, "type", None) == "cuda" and index is not None:
         import torch
 
-        return torch.cuda.device(dev.index)
+        return torch.cuda.device(index)
     return contextlib.nullcontext()
 
 

@@ -1,30 +1,41 @@
-"""Rendezvous store: a token-authenticated TCP key-value store (store.h). Timeouts in seconds."""
+"""Rendezvous store: a token-authenticated TCP key-value store (store.h). Timeouts in seconds.
+
+One process serves it (`StoreServer`, or `shardsync store --bind ADDR:PORT`); every rank of a job
+names it ("host:port") and shares its token. Sessions use it to exchange plan hashes, transport
+addresses and per-sync verdicts; `StoreClient` is there for launchers and tests.
+"""
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import TYPE_CHECKING, Any, List
 
 from ._native import native
+
+if TYPE_CHECKING:
+    from . import _C
 
 __all__ = ["StoreServer", "StoreClient"]
 
 
 class StoreServer:
-    """Serves the store in this process (rank 0, or a driver) until stop() or `with` exit."""
+    """Serves the store from a thread of this process (rank 0, or a driver) until `stop()` or
+    the end of a `with` block. `port=0` picks a free port; read it back from `address`."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "") -> None:
-        self._s = native("store").StoreServer.start(host, port, token)
+        self._s: "_C.StoreServer" = native("store").StoreServer.start(host, port, token)
 
     @property
     def port(self) -> int:
+        """The bound TCP port."""
         return self._s.port
 
     @property
     def address(self) -> str:
-        """"host:port", what every rank passes as `store`."""
+        """"host:port", what every rank passes as `store` (or SHARDSYNC_STORE)."""
         return self._s.address
 
     def stop(self) -> None:
+        """Stops serving; connected clients see their next call fail (idempotent)."""
         self._s.stop()
 
     def __enter__(self) -> "StoreServer":
@@ -35,22 +46,28 @@ class StoreServer:
 
 
 class StoreClient:
-    """One client per thread. PermissionDeniedError when the server refuses the token."""
+    """A connection to the store, for one thread at a time. PermissionDeniedError when the
+    server refuses the token; DeadlineExceededError when a wait runs out."""
 
     def __init__(self, address: str, token: str = "", timeout: float = 30.0) -> None:
-        self._c = native("store").StoreClient.connect(address, token, timeout)
+        self._c: "_C.StoreClient" = native("store").StoreClient.connect(address, token, timeout)
 
     def set(self, key: str, value: "bytes | str") -> None:
+        """Sets `key` (str values are stored UTF-8 encoded)."""
         self._c.set(key, value.encode() if isinstance(value, str) else value)
 
     def get(self, key: str, timeout: float = 30.0) -> bytes:
+        """The value of `key`, waiting up to `timeout` seconds for it to be set."""
         return self._c.get(key, timeout)
 
     def add(self, key: str, delta: int = 1) -> int:
+        """Atomically adds `delta` to the integer at `key` (0 if unset) and returns the sum."""
         return self._c.add(key, delta)
 
     def wait(self, keys: List[str], timeout: float = 30.0) -> None:
+        """Returns once every key is set; DeadlineExceededError after `timeout` seconds."""
         self._c.wait(list(keys), timeout)
 
     def barrier(self, name: str, world: int, timeout: float = 30.0) -> None:
+        """Returns once `world` clients entered barrier `name`."""
         self._c.barrier(name, world, timeout)

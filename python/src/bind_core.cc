@@ -34,18 +34,29 @@ Region RegionFromPy(py::handle obj, const std::string& what) {
 void RegisterCore(py::module_& m) {
   m.def(
       "parse_dtype",
-      [](const std::string& s) { return std::string(DTypeName(Unwrap(ParseDType(s)))); },
-      py::arg("name"),
-      "Canonical safetensors name of a dtype spelling (\"bfloat16\" -> \"BF16\").");
+      [](const std::string& s, const std::string& field) {
+        return std::string(DTypeName(Unwrap(ParseDType(s, field))));
+      },
+      py::arg("name"), py::arg("field") = "dtype",
+      "Canonical safetensors name of a dtype spelling (\"bfloat16\" -> \"BF16\"); errors name "
+      "`field`.");
   m.def(
-      "dtype_size", [](const std::string& s) { return DTypeSize(Unwrap(ParseDType(s))); },
-      py::arg("name"));
+      "dtype_size",
+      [](const std::string& s, const std::string& field) {
+        return DTypeSize(Unwrap(ParseDType(s, field)));
+      },
+      py::arg("name"), py::arg("field") = "dtype", "Bytes per element of a dtype spelling.");
   m.def(
       "dtype_torch_name",
-      [](const std::string& s) { return std::string(DTypeTorchName(Unwrap(ParseDType(s)))); },
-      py::arg("name"));
+      [](const std::string& s, const std::string& field) {
+        return std::string(DTypeTorchName(Unwrap(ParseDType(s, field))));
+      },
+      py::arg("name"), py::arg("field") = "dtype",
+      "torch's name of a dtype spelling (\"bf16\" -> \"bfloat16\"); errors name `field`.");
 
-  py::class_<Region>(m, "Region")
+  py::class_<Region>(m, "Region",
+                     "A box inside a tensor: per-dim offset and extent. `slices()` selects it from "
+                     "the full tensor (numpy / torch indexing).")
       .def(py::init([](std::vector<int64_t> offset, std::vector<int64_t> extent) {
              return RegionFromPy(py::make_tuple(offset, extent), "Region");
            }),

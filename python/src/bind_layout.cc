@@ -7,7 +7,10 @@
 namespace shardsync::py_bind {
 
 void RegisterLayout(py::module_& m) {
-  py::class_<LayoutWorker>(m, "LayoutWorker")
+  py::class_<LayoutWorker>(
+      m, "LayoutWorker",
+      "One rollout worker (one GPU): its node, GPU, (dp, pp, tp) coordinates and whether it is its "
+      "replica's head (pp0/tp0, owns the engine object) or a shell.")
       .def_readonly("rank", &LayoutWorker::rank)
       .def_readonly("node", &LayoutWorker::node)
       .def_readonly("gpu", &LayoutWorker::gpu)
@@ -25,7 +28,9 @@ void RegisterLayout(py::module_& m) {
                ", pp=" + std::to_string(w.pp) + ", tp=" + std::to_string(w.tp) + ", " +
                std::string(WorkerRoleName(w.role)) + ")";
       });
-  py::class_<EngineRankPlacement>(m, "EngineRankPlacement")
+  py::class_<EngineRankPlacement>(m, "EngineRankPlacement",
+                                  "Where the engine itself places one of its ranks (global rank, "
+                                  "node, GPU), by the engine's own formula.")
       .def_readonly("tp", &EngineRankPlacement::tp)
       .def_readonly("pp", &EngineRankPlacement::pp)
       .def_readonly("global_rank", &EngineRankPlacement::global_rank)
@@ -35,11 +40,15 @@ void RegisterLayout(py::module_& m) {
       .def_readonly("gpu", &EngineRankPlacement::gpu)
       .def_readonly("worker", &EngineRankPlacement::worker)
       .def_readonly("broadcast_rank", &EngineRankPlacement::broadcast_rank);
-  py::class_<ReplicaNode>(m, "ReplicaNode")
+  py::class_<ReplicaNode>(
+      m, "ReplicaNode",
+      "The part of a replica on one node: node rank and CUDA_VISIBLE_DEVICES there.")
       .def_readonly("node", &ReplicaNode::node)
       .def_readonly("node_rank", &ReplicaNode::node_rank)
       .def_readonly("cuda_visible_devices", &ReplicaNode::cuda_visible_devices);
-  py::class_<ReplicaLayout>(m, "ReplicaLayout")
+  py::class_<ReplicaLayout>(m, "ReplicaLayout",
+                            "One engine replica: its head worker, nodes, CUDA_VISIBLE_DEVICES "
+                            "(PP-major) and engine rank placement.")
       .def_readonly("dp", &ReplicaLayout::dp)
       .def_readonly("head", &ReplicaLayout::head)
       .def_readonly("node", &ReplicaLayout::node)
@@ -47,7 +56,9 @@ void RegisterLayout(py::module_& m) {
       .def_readonly("nodes", &ReplicaLayout::nodes)
       .def_readonly("engine_ranks", &ReplicaLayout::engine_ranks)
       .def_readonly("rank_offset", &ReplicaLayout::rank_offset);
-  py::class_<Layout>(m, "Layout")
+  py::class_<Layout>(m, "Layout",
+                     "The rollout layout of dp x tp x pp workers: workers, replicas, broadcast "
+                     "rank accounting; `to_json()`, `to_table()`.")
       .def_property_readonly("dp", [](const Layout& l) { return l.spec.dp; })
       .def_property_readonly("tp", [](const Layout& l) { return l.spec.tp; })
       .def_property_readonly("pp", [](const Layout& l) { return l.spec.pp; })
@@ -92,7 +103,8 @@ void RegisterLayout(py::module_& m) {
       },
       py::arg("dp"), py::arg("tp"), py::arg("pp"), py::arg("engine"), py::arg("node_gpus"),
       py::arg("base_gpu_id") = 0, py::arg("gpu_id_step") = 1, py::arg("allow_multinode") = false,
-      py::arg("rollout_gpus") = py::none());
+      py::arg("rollout_gpus") = py::none(),
+      "The rollout layout on nodes of node_gpus[i] GPUs (layout.h ComputeLayout).");
   m.def(
       "sync_engine_rank",
       [](int dp, int tp, int pp, int trainer_world, int d, int p, int t) {
@@ -103,7 +115,8 @@ void RegisterLayout(py::module_& m) {
         return Unwrap(SyncEngineRank(spec, trainer_world, d, p, t));
       },
       py::arg("dp"), py::arg("tp"), py::arg("pp"), py::arg("trainer_world"), py::arg("replica"),
-      py::arg("pp_rank"), py::arg("tp_rank"));
+      py::arg("pp_rank"), py::arg("tp_rank"),
+      "Sync rank of engine rank (replica, pp_rank, tp_rank): S + replica*T*P + pp*T + tp.");
 }
 
 }  // namespace shardsync::py_bind

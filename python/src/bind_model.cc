@@ -19,7 +19,9 @@ ModelSpec ModelFromPy(py::handle obj) {
 ModelSpec ModelArg(py::handle obj) { return ModelFromPy(obj); }
 
 void RegisterModel(py::module_& m) {
-  py::class_<ModelSpec>(m, "ModelSpec")
+  py::class_<ModelSpec>(m, "ModelSpec",
+                        "A model's dimensions (from an embedded config or a Hugging Face "
+                        "config.json); `hf_tensors()` lists its checkpoint.")
       .def_readonly("name", &ModelSpec::name)
       .def_property_readonly(
           "architecture", [](const ModelSpec& s) { return std::string(ArchitectureName(s.arch)); })
@@ -57,17 +59,23 @@ void RegisterModel(py::module_& m) {
       [](const std::string& text, const std::string& source) {
         return Unwrap(ParseModelConfig(text, source));
       },
-      py::arg("json_text"), py::arg("source") = "config.json");
-  m.def("embedded_models", &EmbeddedModelNames);
+      py::arg("json_text"), py::arg("source") = "config.json",
+      "A ModelSpec from the text of a Hugging Face config.json (`source` names it in errors).");
+  m.def("embedded_models", &EmbeddedModelNames, "Names of the models whose configs are built in.");
 
-  py::class_<Piece>(m, "Piece")
+  py::class_<Piece>(m, "Piece",
+                    "Bytes of HF tensor `source` (region `src`) that land in region `dst` of an "
+                    "engine parameter.")
       .def_readonly("source", &Piece::source)
       .def_readonly("src", &Piece::src)
       .def_readonly("dst", &Piece::dst)
       .def("__repr__", [](const Piece& p) {
         return "Piece(" + p.source + p.src.ToString() + " -> " + p.dst.ToString() + ")";
       });
-  py::class_<EngineParam>(m, "EngineParam")
+  py::class_<EngineParam>(
+      m, "EngineParam",
+      "One engine parameter on one rank: engine name, local shape, dtype, the pieces that fill it "
+      "and the regions the engine zero-fills (padded vocab).")
       .def_readonly("name", &EngineParam::name)
       .def_readonly("shape", &EngineParam::shape)
       .def_property_readonly("dtype",
@@ -84,7 +92,9 @@ void RegisterModel(py::module_& m) {
         return "EngineParam(" + p.name + ", " + ShapeToString(p.shape) + ", " +
                std::string(DTypeName(p.dtype)) + ")";
       });
-  py::class_<EngineRankShards>(m, "EngineRankShards")
+  py::class_<EngineRankShards>(m, "EngineRankShards",
+                               "Everything one engine rank (tp_rank, pp_rank) owns: its layer "
+                               "range and parameters in the engine's named_parameters order.")
       .def_readonly("tp_rank", &EngineRankShards::tp_rank)
       .def_readonly("pp_rank", &EngineRankShards::pp_rank)
       .def_readonly("moe_ep_rank", &EngineRankShards::moe_ep_rank)
@@ -105,7 +115,9 @@ void RegisterModel(py::module_& m) {
             return *p;
           },
           py::arg("name"));
-  py::class_<ShardMap>(m, "ShardMap")
+  py::class_<ShardMap>(m, "ShardMap",
+                       "One replica's shard map: `rank(tp, pp)` for each engine rank, `explain(tp, "
+                       "pp, name)`, `validate()` (exact cover).")
       .def_property_readonly(
           "engine", [](const ShardMap& s) { return std::string(EngineKindName(s.spec.engine)); })
       .def_property_readonly("tp", [](const ShardMap& s) { return s.spec.tp; })
@@ -149,7 +161,8 @@ void RegisterModel(py::module_& m) {
       },
       py::arg("model"), py::arg("engine") = "sglang", py::arg("tp") = 1, py::arg("pp") = 1,
       py::arg("ep") = 1, py::arg("pp_partition") = std::vector<int64_t>{},
-      py::arg("expert_naming") = "fused_moe");
+      py::arg("expert_naming") = "fused_moe",
+      "The shard map of one replica: which bytes of which HF tensor every engine rank owns.");
 }
 
 }  // namespace shardsync::py_bind

@@ -12,11 +12,17 @@ ModelSpec ModelArg(py::handle obj);  // bind_model.cc
 PlanInputs MakePlanInputs(py::handle model, const std::string& trainer, const std::string& rollout,
                           const std::string& engine, const std::string& wire_dtype,
                           const std::string& trainer_dtype, int64_t bucket_bytes,
-                          const std::string& expert_naming) {
+                          std::vector<int64_t> pp_partition, const std::string& expert_naming) {
   PlanInputs in;
   in.model = ModelArg(model);
   in.trainer = Unwrap(ParseTrainerSpec(trainer));
-  in.rollout = Unwrap(ParseRolloutSpec(rollout, Unwrap(ParseEngineKind(engine))));
+  try {
+    in.rollout = Unwrap(ParseRolloutSpec(rollout, Unwrap(ParseEngineKind(engine, "engine"))));
+  } catch (StatusException& e) {
+    e.wording = Wording::kRollout;  // "--tp" arrived as rollout="...,tp=3"
+    throw;
+  }
+  in.rollout.shard.pp_partition = std::move(pp_partition);
   in.options.wire_dtype = Unwrap(ParseDType(wire_dtype, "wire_dtype"));
   in.trainer_dtype = Unwrap(ParseDType(trainer_dtype, "trainer_dtype"));
   if (bucket_bytes <= 0) {
@@ -29,10 +35,35 @@ PlanInputs MakePlanInputs(py::handle model, const std::string& trainer, const st
     // Refuse an engine without that naming now, not at the first shard map.
     ThrowIfError(ComputeShardDims(in.model, in.rollout.shard).status());
   }
+  // Every check planning would make, now: a Plan that constructs can be summarised and
+  // connected, and a bad one fails here naming the field rather than at summary() or connect().
+  Status valid = ValidatePlanInputs(in);
+  if (!valid.ok()) throw StatusException{std::move(valid), Wording::kRollout};
   return in;
 }
 
 namespace {
+
+Placement MakePlacement(int nodes, int gpus_per_node, double intra_gbps, double inter_gbps) {
+  Placement p;
+  p.nodes = nodes;
+  p.gpus_per_node = gpus_per_node;
+  p.intra_node_gbps = intra_gbps;
+  p.inter_node_gbps = inter_gbps;
+  return p;
+}
+
+// The detailed summary under `placement`, planned without the GIL.
+DetailedSummary Detailed(const PlanInputs& in, const Placement& placement) {
+  SummaryOptions so;
+  so.placement = placement;
+  Result<DetailedSummary> ds = [&]() -> Result<DetailedSummary> {
+    py::gil_scoped_release nogil;
+    SS_RETURN_IF_ERROR(ResolvePlacement(in, placement));
+    return SummarizePlanDetailed(in, so);
+  }();
+  return Unwrap(std::move(ds));
+}
 
 py::dict SyncRankToPy(const SyncRank& r) {
   py::dict d;
@@ -77,24 +108,32 @@ py::dict SummaryToPy(const PlanSummary& s) {
 }  // namespace
 
 void RegisterPlan(py::module_& m) {
-  py::class_<TransferOp>(m, "TransferOp")
+  py::class_<TransferOp>(m, "TransferOp",
+                         "One contiguous destination run of a message: HF tensor region `src` -> "
+                         "engine parameter region `dst`, at `wire_offset`.")
       .def_readonly("tensor", &TransferOp::tensor)
       .def_readonly("param", &TransferOp::param)
       .def_readonly("src", &TransferOp::src)
       .def_readonly("dst", &TransferOp::dst)
       .def_readonly("wire_offset", &TransferOp::wire_offset)
       .def_readonly("bytes", &TransferOp::bytes);
-  py::class_<LocalSource>(m, "LocalSource")
+  py::class_<LocalSource>(
+      m, "LocalSource",
+      "Where a Megatron sender holds one op's bytes: its local parameter and region.")
       .def_readonly("param", &LocalSource::param)
       .def_readonly("region", &LocalSource::region);
-  py::class_<TrainerPiece>(m, "TrainerPiece")
+  py::class_<TrainerPiece>(
+      m, "TrainerPiece",
+      "HF bytes a trainer parameter holds: `src` of HF tensor `source` at `local`.")
       .def_readonly("source", &TrainerPiece::source)
       .def_readonly("src", &TrainerPiece::src)
       .def_readonly("local", &TrainerPiece::local)
       .def("__repr__", [](const TrainerPiece& p) {
         return "TrainerPiece(" + p.local.ToString() + " <- " + p.source + p.src.ToString() + ")";
       });
-  py::class_<TrainerParam>(m, "TrainerParam")
+  py::class_<TrainerParam>(
+      m, "TrainerParam",
+      "A trainer rank's local parameter (Megatron name per model chunk) and its pieces.")
       .def_readonly("name", &TrainerParam::name)
       .def_readonly("chunk", &TrainerParam::chunk)
       .def_readonly("shape", &TrainerParam::shape)
@@ -106,19 +145,23 @@ void RegisterPlan(py::module_& m) {
         return "TrainerParam(" + p.name + ", chunk " + std::to_string(p.chunk) + ", " +
                ShapeToString(p.shape) + ", " + std::to_string(p.pieces.size()) + " pieces)";
       });
-  py::class_<Bucket>(m, "Bucket")
+  py::class_<Bucket>(m, "Bucket",
+                     "A slice of a message's ops sent and verified as one unit (one checksum).")
       .def_readonly("op_begin", &Bucket::op_begin)
       .def_readonly("op_end", &Bucket::op_end)
       .def_readonly("wire_offset", &Bucket::wire_offset)
       .def_readonly("bytes", &Bucket::bytes);
-  py::class_<Message>(m, "Message")
+  py::class_<Message>(
+      m, "Message",
+      "Everything sync rank `src` sends sync rank `dst` in one sync: ops and buckets.")
       .def_readonly("src", &Message::src)
       .def_readonly("dst", &Message::dst)
       .def_readonly("bytes", &Message::bytes)
       .def_readonly("ops", &Message::ops)
       .def_readonly("buckets", &Message::buckets)
       .def_readonly("local", &Message::local);
-  py::class_<RankPlan>(m, "RankPlan")
+  py::class_<RankPlan>(m, "RankPlan",
+                       "One sync rank's part of the plan: the messages it sends and receives.")
       .def_readonly("rank", &RankPlan::rank)
       .def_readonly("plan_hash", &RankPlan::plan_hash)
       .def_readonly("sends", &RankPlan::sends)
@@ -135,11 +178,13 @@ void RegisterPlan(py::module_& m) {
         return b;
       });
 
-  py::class_<PlanInputs>(m, "PlanInputs")
+  py::class_<PlanInputs>(m, "PlanInputs",
+                         "The planner's inputs (model, trainer and rollout layouts, dtypes, bucket "
+                         "cap); use shardsync.Plan.")
       .def(py::init(&MakePlanInputs), py::arg("model"), py::arg("trainer"), py::arg("rollout"),
            py::arg("engine") = "sglang", py::arg("wire_dtype") = "bf16",
-           py::arg("trainer_dtype") = "f32", py::arg("bucket_bytes") = int64_t{512} << 20,
-           py::arg("expert_naming") = "fused_moe")
+           py::arg("trainer_dtype") = "fp32", py::arg("bucket_bytes") = int64_t{512} << 20,
+           py::arg("pp_partition") = std::vector<int64_t>{}, py::arg("expert_naming") = "fused_moe")
       .def_readonly("model", &PlanInputs::model)
       .def_property_readonly("trainer", [](const PlanInputs& in) { return in.trainer.ToString(); })
       .def_property_readonly("trainer_world",
@@ -163,6 +208,8 @@ void RegisterPlan(py::module_& m) {
           [](const PlanInputs& in) { return std::string(DTypeName(in.trainer_dtype)); })
       .def_property_readonly("bucket_bytes",
                              [](const PlanInputs& in) { return in.options.bucket_bytes; })
+      .def_property_readonly("pp_partition",
+                             [](const PlanInputs& in) { return in.rollout.shard.pp_partition; })
       .def_property_readonly("world_size", [](const PlanInputs& in) { return SyncWorldSize(in); })
       .def_property_readonly("hash", [](const PlanInputs& in) { return PlanHash(in); })
       .def(
@@ -241,7 +288,24 @@ void RegisterPlan(py::module_& m) {
           },
           py::arg("trainer_rank"),
           "Megatron coordinates of a trainer rank (dense tp/cp/dp/pp, expert etp/ep/edp); None "
-          "for other layouts.");
+          "for other layouts.")
+      .def(
+          "report_json",
+          [](const PlanInputs& in, int nodes, int gpus_per_node, double intra, double inter) {
+            const Placement p = MakePlacement(nodes, gpus_per_node, intra, inter);
+            return PlanReportJson(in, Detailed(in, p), p);
+          },
+          py::arg("nodes") = 0, py::arg("gpus_per_node") = 8, py::arg("intra_node_gbps") = 450.0,
+          py::arg("inter_node_gbps") = 50.0,
+          "`shardsync plan --json` for these inputs and placement (cost model included).")
+      .def(
+          "heatmap_svg",
+          [](const PlanInputs& in, int nodes, int gpus_per_node) {
+            const Placement p = MakePlacement(nodes, gpus_per_node, 450.0, 50.0);
+            return HeatmapSvg(Detailed(in, p), PlanHeatmapTitle(in));
+          },
+          py::arg("nodes") = 0, py::arg("gpus_per_node") = 8,
+          "`shardsync plan --svg`: the trainer x engine byte heatmap.");
   m.def(
       "parse_trainer_spec",
       [](const std::string& s) { return Unwrap(ParseTrainerSpec(s)).ToString(); }, py::arg("spec"),

@@ -324,7 +324,7 @@ void RegisterSession(py::module_& m) {
 #endif
   m.def("transports", &RegisteredTransports, "Registered transport names in priority order.");
 
-  py::class_<PySession>(m, "SyncSession")
+  py::class_<PySession>(m, "SyncSession", "One sync rank's session; use shardsync.Session.")
       .def(py::init<PlanInputs, int, const std::string&, const std::string&, const std::string&,
                     std::optional<PyLoopbackHub>, const std::string&, double, double,
                     std::map<std::string, std::string>, int>(),

@@ -17,7 +17,9 @@ Millis SecondsToMillis(double seconds, const std::string& what) {
 }
 
 void RegisterStore(py::module_& m) {
-  py::class_<StoreServer>(m, "StoreServer")
+  py::class_<StoreServer>(
+      m, "StoreServer",
+      "The rendezvous store served from a thread of this process; use shardsync.StoreServer.")
       .def_static(
           "start",
           [](const std::string& host, int port, const std::string& token) {
@@ -38,7 +40,7 @@ void RegisterStore(py::module_& m) {
         s.Stop();
       });
 
-  py::class_<StoreClient>(m, "StoreClient")
+  py::class_<StoreClient>(m, "StoreClient", "A store connection; use shardsync.StoreClient.")
       .def_static(
           "connect",
           [](const std::string& address, const std::string& token, double timeout) {
@@ -90,15 +92,19 @@ void RegisterStore(py::module_& m) {
           },
           py::arg("name"), py::arg("world"), py::arg("timeout") = 30.0);
 
-  m.def("launch_env", [] {
-    LaunchEnv e = Unwrap(LaunchEnvFromEnvironment());
-    py::dict d;
-    d["store"] = e.store_address;
-    d["rank"] = e.rank;
-    d["world_size"] = e.world_size;
-    d["token"] = e.token;
-    return d;
-  });
+  m.def(
+      "launch_env",
+      [] {
+        LaunchEnv e = Unwrap(LaunchEnvFromEnvironment());
+        py::dict d;
+        d["store"] = e.store_address;
+        d["rank"] = e.rank;
+        d["world_size"] = e.world_size;
+        d["token"] = e.token;
+        return d;
+      },
+      "The launch contract from the environment: SHARDSYNC_STORE, RANK (or SLURM_PROCID), "
+      "WORLD_SIZE (or SLURM_NTASKS), SHARDSYNC_TOKEN.");
 }
 
 }  // namespace shardsync::py_bind

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -19,10 +20,17 @@ namespace shardsync::py_bind {
 
 namespace py = pybind11;
 
-// Thrown by bindings for a non-OK Status; translated to the shardsync.errors subclass of its code
-// with the C++ message unchanged.
+// How CLI flag names in a C++ message become Python argument names (wording.cc): kArguments
+// ("--tp 3" -> "tp=3") for functions taking tp / pp / ... as keywords, kRollout ("--tp 3" ->
+// "rollout tp=3") where they arrive inside Plan's rollout spec.
+enum class Wording { kArguments, kRollout };
+std::string PythonWording(std::string_view msg, Wording wording);
+
+// Thrown by bindings for a non-OK Status; translated to the shardsync.errors subclass of its code,
+// its message in Python wording.
 struct StatusException {
   Status status;
+  Wording wording = Wording::kArguments;
 };
 
 inline void ThrowIfError(Status s) {

@@ -1,5 +1,6 @@
 // Status -> exception translation. The classes live in pure Python (shardsync/errors.py) so the
-// hierarchy is importable and documented without the native module.
+// hierarchy is importable and documented without the native module. Messages keep the C++ text
+// with CLI flags reworded as Python arguments (wording.cc).
 #include "common.h"
 
 namespace shardsync::py_bind {
@@ -18,7 +19,7 @@ void RegisterErrors(py::module_& m) {
         PyErr_SetString(PyExc_RuntimeError, e.status.ToString().c_str());
         return;
       }
-      PyErr_SetObject(cls.ptr(), py::str(e.status.message()).ptr());
+      PyErr_SetObject(cls.ptr(), py::str(PythonWording(e.status.message(), e.wording)).ptr());
     }
   });
   // Raises the exception of a status code with `message`: lets tests check the mapping of every
@@ -33,8 +34,10 @@ void RegisterErrors(py::module_& m) {
         ThrowIfError(Status(static_cast<StatusCode>(code), message));
       },
       py::arg("code"), py::arg("message"));
-  m.def("status_code_name",
-        [](int code) { return std::string(StatusCodeName(static_cast<StatusCode>(code))); });
+  m.def(
+      "status_code_name",
+      [](int code) { return std::string(StatusCodeName(static_cast<StatusCode>(code))); },
+      "The name of a StatusCode value (\"invalid_argument\").");
 }
 
 }  // namespace shardsync::py_bind

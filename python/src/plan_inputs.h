@@ -1,6 +1,9 @@
 // PlanInputs from the Python-side spellings (shared by the plan and session bindings).
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
 #include "common.h"
 #include "shardsync/plan.h"
 
@@ -9,6 +12,7 @@ namespace shardsync::py_bind {
 PlanInputs MakePlanInputs(py::handle model, const std::string& trainer, const std::string& rollout,
                           const std::string& engine, const std::string& wire_dtype,
                           const std::string& trainer_dtype, int64_t bucket_bytes,
+                          std::vector<int64_t> pp_partition,
                           const std::string& expert_naming = "fused_moe");
 
 }  // namespace shardsync::py_bind

@@ -1,4 +1,5 @@
-"""Every C++ StatusCode surfaces as its own shardsync.Error subclass, message unchanged."""
+"""Every C++ StatusCode surfaces as its own shardsync.Error subclass, with the C++ message (CLI
+flags reworded as the Python arguments they correspond to)."""
 
 from __future__ import annotations
 
@@ -52,11 +53,12 @@ def test_python_builtin_bases_kept():
 
 
 def test_real_errors_carry_cpp_messages(need_plan):
-    with pytest.raises(shardsync.InvalidArgumentError, match="tp"):
+    with pytest.raises(shardsync.InvalidArgumentError, match="^rollout tp: must be in"):
         shardsync.Plan("qwen2.5-0.5b", "fsdp=4", "dp=1,tp=0,pp=1")
     with pytest.raises(shardsync.Error):
         shardsync.load_model("no-such-model-anywhere")
-    with pytest.raises(shardsync.InvalidArgumentError, match="--tp"):
+    # Python argument names, not the CLI's flags (--tp), which the CLI keeps.
+    with pytest.raises(shardsync.InvalidArgumentError, match="^tp: must be positive, got 0"):
         shardsync.compute_layout(1, 0, 1)
     plan = shardsync.Plan("qwen2.5-0.5b", "fsdp=2", "dp=1,tp=2,pp=1")
     with pytest.raises(shardsync.OutOfRangeError):
@@ -79,3 +81,22 @@ def test_store_errors(need_plan):
             c.get("never-set", timeout=0.2)
     with pytest.raises(shardsync.InvalidArgumentError):
         shardsync.StoreClient("no-port-here", token="x", timeout=1.0)
+
+
+@pytest.mark.parametrize("cpp,python", [
+    ("--tp 3: num_attention_heads 32 is not divisible by tp",
+     "tp=3: num_attention_heads 32 is not divisible by tp"),
+    ("--wire-dtype: I8 is not a supported floating type", "wire_dtype: I8 is not a supported "
+     "floating type"),
+    ("--bucket-mb: bucket cap 100 bytes", "bucket_bytes: bucket cap 100 bytes"),
+    ("--gpus-per-node-list[2]: must be positive", "node_gpus[2]: must be positive"),
+    ("--dp x --tp x --pp: 16 workers", "dp x tp x pp: 16 workers"),
+    ("--ep 2: vLLM needs ep == tp (--enable-expert-parallel)",
+     "ep=2: vLLM needs ep == tp (enable_expert_parallel)"),
+    ("rank 3: a-- b --x y --1 --", "rank 3: a-- b x y --1 --"),  # only flags are touched
+    ("plain message", "plain message"),
+])
+def test_cli_flags_become_argument_names(cpp, python):
+    with pytest.raises(shardsync.InvalidArgumentError) as info:
+        shardsync.native()._raise_status(1, cpp)
+    assert str(info.value) == python

@@ -34,6 +34,19 @@ Result<PlanSummary> SummarizePlan(const PlanInputs& in) {
   return std::move(ds.summary);
 }
 
+Status ValidatePlanInputs(const PlanInputs& in) {
+  SS_RETURN_IF_ERROR(plan_internal::CheckPlanOptions(in));
+  // What BuildShardMap checks before it builds anything: every divisibility the engine asserts
+  // and every stage's layer range, without materialising the map.
+  const ShardSpec& sh = in.rollout.shard;
+  SS_RETURN_IF_ERROR(ComputeShardDims(in.model, sh).status());
+  for (int p = 0; p < sh.pp; ++p) {
+    SS_RETURN_IF_ERROR(
+        PpLayerRange(sh.engine, in.model.num_hidden_layers, p, sh.pp, sh.pp_partition).status());
+  }
+  return OkStatus();
+}
+
 Status ValidatePlan(const PlanInputs& in) {
   SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::MakeContext(in));
   return plan_internal::ValidateContext(ctx);

@@ -65,18 +65,7 @@ void AppendOp(std::vector<TransferOp>* out, int32_t tensor, int32_t param, const
 
 }  // namespace
 
-Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
-                                       std::vector<HfTensor> inventory) {
-  if (in.model.quant) {
-    // Block-FP8 engine weights are planned by fp8_planner.cc (PlanFp8ForRank); this planner's ops
-    // are plain copies and would land the wrong bytes.
-    return UnimplementedError(fmt::format(
-        "model '{}' has block-FP8 engine weights ({} from {}): the sync sessions do not move FP8 "
-        "yet (PlanFp8ForRank plans them; `shardsync plan` shows the plan)",
-        in.model.name, QuantConfigToString(*in.model.quant), in.model.quant->origin));
-  }
-  PlanContext c;
-  c.in_ = in;
+Status CheckPlanOptions(const PlanInputs& in) {
   const auto& sh = in.rollout.shard;
   if (in.rollout.dp < 1) return InvalidArgumentError("--rollout dp: must be positive");
   if (sh.tp < 1 || sh.pp < 1) return InvalidArgumentError("--rollout tp/pp: must be positive");
@@ -91,11 +80,28 @@ Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
           t == in.options.wire_dtype ? "--wire-dtype" : "--trainer-dtype", DTypeName(t)));
     }
   }
-  c.wire_ = DTypeSize(in.options.wire_dtype);
   if (in.options.bucket_bytes < 4096) {
     return InvalidArgumentError(
         fmt::format("--bucket-mb: bucket cap {} bytes is below 4 KiB", in.options.bucket_bytes));
   }
+  return OkStatus();
+}
+
+Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
+                                       std::vector<HfTensor> inventory) {
+  if (in.model.quant) {
+    // Block-FP8 engine weights are planned by fp8_planner.cc (PlanFp8ForRank); this planner's ops
+    // are plain copies and would land the wrong bytes.
+    return UnimplementedError(fmt::format(
+        "model '{}' has block-FP8 engine weights ({} from {}): the sync sessions do not move FP8 "
+        "yet (PlanFp8ForRank plans them; `shardsync plan` shows the plan)",
+        in.model.name, QuantConfigToString(*in.model.quant), in.model.quant->origin));
+  }
+  PlanContext c;
+  c.in_ = in;
+  const auto& sh = in.rollout.shard;
+  SS_RETURN_IF_ERROR(CheckPlanOptions(in));
+  c.wire_ = DTypeSize(in.options.wire_dtype);
   if (map.spec.tp != sh.tp || map.spec.pp != sh.pp ||
       map.ranks.size() != static_cast<size_t>(sh.tp) * sh.pp) {
     return InvalidArgumentError(

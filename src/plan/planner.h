@@ -59,6 +59,10 @@ using PairFn = std::function<void(int trainer, int engine_sync_rank, int64_t byt
 
 class MegatronPlanner;  // megatron_plan.cc: the planner for Megatron trainer layouts
 
+// The checks of the inputs themselves (layouts, dtypes, bucket cap) that Build runs before
+// planning; ValidatePlanInputs adds the shard map's.
+Status CheckPlanOptions(const PlanInputs& in);
+
 class PlanContext {
  public:
   // `map` is one replica's shard map for in.rollout.shard; `inventory` the model's HF tensors.

@@ -81,6 +81,27 @@ TEST(CliGood, Version) {
   EXPECT_EQ(a.out, b.out);
 }
 
+// Every command that prints a result takes --json.
+TEST(CliGood, VersionGpuInfoStoreAndRunTakeJson) {
+  const json v = ParseJson(Ok({"version", "--json"}));
+  ExpectKeys(v, {"version", "cuda_build", "transports"}, "version");
+  EXPECT_EQ(v["version"], SHARDSYNC_VERSION);
+  EXPECT_FALSE(v["transports"].empty());
+  const json g = ParseJson(Ok({"gpu-info", "--json"}));
+  ExpectKeys(g, {"available", "reason", "devices", "nccl"}, "gpu-info");
+  const CliResult text = Ok({"gpu-info"});
+  EXPECT_EQ(text.out.rfind("CUDA: ", 0), 0u) << text.out;
+  RunOptions opt;
+  opt.env = {{"SHARDSYNC_TOKEN", "cli-test-token"}};
+  opt.sigterm_after_first_line = true;
+  opt.timeout_s = 10;
+  const json s = ParseJson(Ok({"store", "--bind", "127.0.0.1:0", "--json"}, opt));
+  ExpectKeys(s, {"address", "port"}, "store");
+  EXPECT_EQ(s["address"], "127.0.0.1:" + std::to_string(s["port"].get<int>()));
+  const CliResult run = Ok({"run", "--help"});
+  EXPECT_NE(run.out.find("--json"), std::string::npos);
+}
+
 TEST(CliGood, HelpListsEveryCommand) {
   const CliResult r = Ok({"--help"});
   for (const char* cmd : {"layout", "shards", "plan", "store", "run", "demo", "bench", "generate",
@@ -544,6 +565,10 @@ TEST(CliGood, DemoVerifiesTinyJob) {
   EXPECT_GT(j["checksums_total"].get<int64_t>(), 0);
   EXPECT_EQ(j["checksums_ok"], j["checksums_total"]);
   EXPECT_EQ(j["recv_bytes_per_engine_rank"], j["owned_bytes_per_engine_rank"]);
+  // Not on a terminal: one stderr line per phase instead of a progress bar.
+  EXPECT_NE(r.err.find("shardsync demo: [2/4] connected (every rank)"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("[4/4] elements verified"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find('\r'), std::string::npos);
 }
 
 // One `shardsync run` process per sync rank over UCX: the launcher path torchrun / SLURM use.
@@ -577,6 +602,7 @@ TEST(CliGood, BenchVerifiesTinyJob) {
   EXPECT_EQ(j["verified"], true) << r.out;
   EXPECT_EQ(j["wire_bytes_equal_owned"], true);
   EXPECT_GT(j["bytes"].get<int64_t>(), 0);
+  EXPECT_NE(r.err.find("shardsync bench: every rank finished"), std::string::npos) << r.err;
 }
 
 // HF tensor names and shapes of the tiny model, from `shards --json` at tp 1 (every source tensor

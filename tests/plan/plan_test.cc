@@ -441,6 +441,39 @@ TEST(Planner, ClearErrorsForImpossibleSpecs) {
   EXPECT_NE(s.status().message().find("--wire-dtype"), std::string::npos);
 }
 
+// ValidatePlanInputs fails exactly where planning would, with the same message, without planning.
+TEST(Planner, ValidateInputsAgreesWithSummary) {
+  auto m = LoadModelSpec("qwen3-8b");
+  ASSERT_TRUE(m.ok());
+  std::vector<PlanInputs> cases = {
+      Inputs(*m, "fsdp=8", "dp=1,tp=3,pp=1"),   // 32 heads over tp 3
+      Inputs(*m, "fsdp=8", "dp=1,tp=1,pp=64"),  // more stages than layers
+      Inputs(*m, "fsdp=8", "dp=2,tp=4,pp=2"),   // fine
+      Inputs(TinyMoe(false), "hsdp=2x2", "dp=1,tp=4,pp=2,ep=4"),
+      Inputs(TinyMoe(false), "fsdp=2", "dp=1,tp=4,pp=1,ep=2", EngineKind::kVllm),  // vLLM ep
+  };
+  PlanInputs dtype = cases[2];
+  dtype.trainer_dtype = DType::kI32;
+  cases.push_back(dtype);
+  PlanInputs bucket = cases[2];
+  bucket.options.bucket_bytes = 100;
+  cases.push_back(bucket);
+  PlanInputs partition = cases[2];
+  partition.rollout.shard.pp_partition = {30, 7};
+  cases.push_back(partition);
+  int failing = 0;
+  for (const PlanInputs& in : cases) {
+    const Status v = ValidatePlanInputs(in);
+    const auto s = SummarizePlan(in);
+    EXPECT_EQ(v.ok(), s.ok()) << v.ToString() << " vs " << s.status().ToString();
+    if (!v.ok() && !s.ok()) {
+      ++failing;
+      EXPECT_EQ(v.message(), s.status().message());
+    }
+  }
+  EXPECT_EQ(failing, 6);
+}
+
 TEST(Planner, CostModelAndPlacement) {
   auto m = LoadModelSpec("qwen3-30b-a3b");
   ASSERT_TRUE(m.ok());

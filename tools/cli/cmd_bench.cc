@@ -24,7 +24,9 @@ namespace shardsync::cli {
 
 void AddJobFlags(CLI::App* sub, JobFlags* f);
 std::string HumanBytes(double b);
-std::function<void(int, int)> ProgressBar(const std::string& label, bool enabled);
+std::function<void(int, int)> JobProgress(const std::string& label, bool json, int world,
+                                          std::vector<std::string> phases);
+void PhaseLine(const std::string& label, const std::string& what);
 LocalJobOptions::Mode ParseLaunch(const std::string& s);
 
 namespace {
@@ -186,8 +188,13 @@ int Run(const BenchFlags& f) {
   lo.job.mode = JobMode::kBench;
   lo.mode = job->device == "cuda" ? LocalJobOptions::Mode::kProcesses : ParseLaunch(f.launch);
   lo.job_timeout = Millis(int64_t{f.job_timeout_s} * 1000);
-  lo.on_progress =
-      ProgressBar("shardsync bench", !f.json && isatty(STDOUT_FILENO) && isatty(STDERR_FILENO));
+  const int world = SyncWorldSize(job->inputs);
+  PhaseLine("shardsync bench",
+            job->inputs.model.name + ": " + std::to_string(summary->ops) + " ops planned; " +
+                std::to_string(world) + " sync ranks time the sharded sync, broadcast-all and " +
+                "the raw transport (" + std::to_string(job->bench_warmup) + " warm-up + " +
+                std::to_string(job->bench_reps) + " reps each), transport " + job->transport);
+  lo.on_progress = JobProgress("shardsync bench", f.json, world, {});
   TempDir dumps;
   if (f.gen_tokens > 0) {
     if (Status s = dumps.Create("bench"); !s.ok()) return ReportError(s);
@@ -195,6 +202,7 @@ int Run(const BenchFlags& f) {
   }
   auto res = RunLocalJob(lo);
   if (!res.ok()) return ReportError(res.status());
+  PhaseLine("shardsync bench", "every rank finished");
   auto b = SummarizeBench(*res);
   if (!b.ok()) return ReportError(b.status());
   // Wire bytes per engine rank against owned bytes, from the ranks' own accounting.

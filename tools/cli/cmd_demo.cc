@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "command.h"
 #include "shardsync/launcher.h"
@@ -45,6 +46,40 @@ std::function<void(int, int)> ProgressBar(const std::string& label, bool enabled
                  std::string(width - fill, ' ').c_str(), done, total);
     if (done >= total) std::fprintf(stderr, "\n");
     std::fflush(stderr);
+  };
+}
+
+bool OnTerminal() { return isatty(STDOUT_FILENO) && isatty(STDERR_FILENO); }
+
+void PhaseLine(const std::string& label, const std::string& what) {
+  if (OnTerminal()) return;  // the bar speaks for itself there
+  std::fprintf(stderr, "%s: %s\n", label.c_str(), what.c_str());
+  std::fflush(stderr);
+}
+
+// Progress of a local job on stderr. On a terminal: the redrawn bar (not with --json). Elsewhere
+// (CI logs, pipes, nohup): one line per milestone every rank has passed, named by `phases` when
+// given, so a long run is never silent and a log holds no carriage returns.
+std::function<void(int, int)> JobProgress(const std::string& label, bool json, int world,
+                                          std::vector<std::string> phases) {
+  if (OnTerminal()) return ProgressBar(label, !json);
+  auto shown = std::make_shared<int>(0);
+  return [label, world, phases = std::move(phases), shown](int done, int total) {
+    const int steps = world > 0 ? total / world : 0;
+    // The launcher reports job-wide counts; milestone k is passed once k * world of them are.
+    const int reached = world > 0 ? std::min(done / world, steps) : 0;
+    for (int k = *shown + 1; k <= reached; ++k) {
+      if (k <= static_cast<int>(phases.size())) {
+        std::fprintf(stderr, "%s: [%d/%d] %s (every rank)\n", label.c_str(), k, steps,
+                     phases[k - 1].c_str());
+      } else {
+        std::fprintf(stderr, "%s: every rank passed milestone %d\n", label.c_str(), k);
+      }
+    }
+    if (reached > *shown) {
+      *shown = reached;
+      std::fflush(stderr);
+    }
   };
 }
 
@@ -116,6 +151,11 @@ int Run(const DemoFlags& f) {
   ls.engine = in.rollout.shard.engine == EngineKind::kVllm ? EngineConvention::kVllm
                                                            : EngineConvention::kSglang;
   auto layout = ComputeLayout(Cluster::Uniform(1, in.rollout.world()), ls);
+  const int world = SyncWorldSize(in);
+  PhaseLine("shardsync demo", in.model.name + ": " + std::to_string(summary->ops) + " ops in " +
+                                  std::to_string(summary->messages) +
+                                  " messages planned; launching " + std::to_string(world) +
+                                  " sync ranks, transport " + job->transport);
 
   LocalJobOptions lo;
   lo.job = *job;
@@ -127,8 +167,11 @@ int Run(const DemoFlags& f) {
   lo.job.mode = JobMode::kSync;
   lo.mode = ParseLaunch(f.launch);
   lo.job_timeout = Millis(int64_t{f.job_timeout_s} * 1000);
-  const bool tty = isatty(STDOUT_FILENO) && isatty(STDERR_FILENO);
-  lo.on_progress = ProgressBar("shardsync demo", !f.json && tty);
+  // RankSteps: allocated, connected, each sync, verified (launcher.h).
+  std::vector<std::string> phases = {"parameters allocated and bound", "connected"};
+  for (int v = 1; v <= lo.job.syncs; ++v) phases.push_back("sync " + std::to_string(v));
+  phases.push_back(lo.job.verify ? "elements verified" : "done");
+  lo.on_progress = JobProgress("shardsync demo", f.json, world, std::move(phases));
   auto res = RunLocalJob(lo);
   if (!res.ok()) return ReportError(res.status());
 
@@ -148,8 +191,9 @@ int Run(const DemoFlags& f) {
   std::optional<GenerationCheck> gen;
   std::string gen_error;
   if (verified && f.gen_tokens > 0) {
-    if (lo.on_progress)
+    if (!f.json || !OnTerminal()) {
       std::fprintf(stderr, "shardsync demo: generating %d tokens on both sides\n", f.gen_tokens);
+    }
     // Greedy-decode from a fixed prompt with the sharded TP x PP engine on the parameters the
     // engine ranks received (their dumps) and with the unsharded model on the trainer's weights.
     auto g =

@@ -187,82 +187,6 @@ MinMeanMax Stats(const V& v, F f) {
   return s;
 }
 
-std::string JsonSummary(const PlanInputs& in, const DetailedSummary& ds, const Args& a) {
-  const PlanSummary& s = ds.summary;
-  nlohmann::json j;
-  j["model"] = in.model.name;
-  j["trainer"] = in.trainer.ToString();
-  j["rollout"] = {{"dp", in.rollout.dp},
-                  {"tp", in.rollout.shard.tp},
-                  {"pp", in.rollout.shard.pp},
-                  {"ep", in.rollout.shard.ep},
-                  {"engine", std::string(EngineKindName(in.rollout.shard.engine))}};
-  j["wire_dtype"] = std::string(DTypeName(in.options.wire_dtype));
-  j["trainer_dtype"] = std::string(DTypeName(in.trainer_dtype));
-  j["bucket_bytes"] = in.options.bucket_bytes;
-  j["plan_hash"] = s.plan_hash;
-  j["plan_seconds"] = s.plan_seconds;
-  j["ops"] = s.ops;
-  j["messages"] = s.messages;
-  j["total_bytes"] = s.total_bytes;
-  j["broadcast_recv_bytes_per_rank"] = s.broadcast_recv_bytes_per_rank;
-  j["model_bytes"] = ds.cost.model_bytes;
-  const auto tsend = Stats(s.trainer_ranks, [](const auto& t) { return t.send_bytes; });
-  j["trainer_send_bytes"] = {{"min", tsend.min},
-                             {"mean", tsend.mean},
-                             {"max", tsend.max},
-                             {"max_over_mean", tsend.mean > 0 ? tsend.max / tsend.mean : 0.0}};
-  nlohmann::json tr = nlohmann::json::array();
-  for (size_t i = 0; i < s.trainer_ranks.size(); ++i) {
-    const auto& t = s.trainer_ranks[i];
-    const auto& x = ds.trainer_traffic[i];
-    tr.push_back({{"rank", t.rank},
-                  {"send_bytes", t.send_bytes},
-                  {"ops", x.ops},
-                  {"messages", x.messages},
-                  {"intra_node_bytes", x.intra_node_bytes},
-                  {"node", ds.placement.TrainerNode(t.rank)}});
-  }
-  j["trainer_ranks"] = std::move(tr);
-  nlohmann::json er = nlohmann::json::array();
-  const int S = in.trainer.world();
-  for (size_t i = 0; i < s.engine_ranks.size(); ++i) {
-    const auto& e = s.engine_ranks[i];
-    const auto& x = ds.engine_traffic[i];
-    er.push_back({{"sync_rank", S + static_cast<int>(i)},
-                  {"replica", e.replica},
-                  {"tp_rank", e.tp_rank},
-                  {"pp_rank", e.pp_rank},
-                  {"recv_bytes", e.recv_bytes},
-                  {"owned_bytes", e.owned_bytes},
-                  {"ops", x.ops},
-                  {"messages", x.messages},
-                  {"intra_node_bytes", x.intra_node_bytes},
-                  {"node", ds.placement.EngineNode(static_cast<int>(i), S)}});
-  }
-  j["engine_ranks"] = std::move(er);
-  // Non-zero (trainer node, engine node) byte totals.
-  nlohmann::json np = nlohmann::json::array();
-  const int N = ds.placement.nodes;
-  for (size_t i = 0; i < ds.node_pair_bytes.size(); ++i) {
-    if (ds.node_pair_bytes[i] > 0) {
-      np.push_back({{"src_node", static_cast<int>(i) / N},
-                    {"dst_node", static_cast<int>(i) % N},
-                    {"bytes", ds.node_pair_bytes[i]}});
-    }
-  }
-  j["node_pairs"] = std::move(np);
-  j["placement"] = {{"nodes", ds.placement.nodes},
-                    {"gpus_per_node", ds.placement.gpus_per_node},
-                    {"colocated", ds.placement.colocated}};
-  j["estimates"] = {{"intra_node_gbps", a.intra_gbps},
-                    {"inter_node_gbps", a.inter_gbps},
-                    {"plan_seconds", ds.cost.seconds},
-                    {"broadcast_seconds", ds.cost.broadcast_seconds},
-                    {"lower_bound_seconds", ds.cost.lower_bound_seconds}};
-  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
-}
-
 std::string TextSummary(const PlanInputs& in, const DetailedSummary& ds) {
   const PlanSummary& s = ds.summary;
   const auto tsend = Stats(s.trainer_ranks, [](const auto& t) { return t.send_bytes; });
@@ -537,10 +461,7 @@ int Run(const Args& a) {
     dump = std::move(*d);
   }
   if (!a.svg.empty()) {
-    svg = HeatmapSvg(
-        *ds, fmt::format("{}: {} -> dp={},tp={},pp={} ({})", in->model.name, in->trainer.ToString(),
-                         in->rollout.dp, in->rollout.shard.tp, in->rollout.shard.pp,
-                         EngineKindName(in->rollout.shard.engine)));
+    svg = HeatmapSvg(*ds, PlanHeatmapTitle(*in));
   }
   // Each file goes to a temporary beside it and is renamed only once every file was written, so
   // an unwritable --svg never leaves a --dump-ops file behind (and vice versa).
@@ -568,7 +489,7 @@ int Run(const Args& a) {
       return ReportError(PermissionDeniedError(fmt::format("cannot write '{}'", path)));
     }
   }
-  const std::string out = a.json ? JsonSummary(*in, *ds, a) : TextSummary(*in, *ds);
+  const std::string out = a.json ? PlanReportJson(*in, *ds, pl) : TextSummary(*in, *ds);
   std::fwrite(out.data(), 1, out.size(), stdout);
   return kExitOk;
 }

@@ -99,6 +99,7 @@ struct RunFlags {
   std::optional<int> world_size;
   std::string store;
   std::string token;
+  bool json = false;  // the output is JSON either way
 };
 
 int Run(const RunFlags& f) {
@@ -159,6 +160,10 @@ Registration reg({"run", [](CLI::App& app) {
                                     "Sync world size (else WORLD_SIZE, else implied by the plan)");
                     sub->add_option("--store", f->store, "Store host:port (else SHARDSYNC_STORE)");
                     sub->add_option("--token", f->token, "Store token (else SHARDSYNC_TOKEN)");
+                    // run's result is one JSON line either way (launchers parse it); the flag is
+                    // accepted so that every command that prints a result takes --json.
+                    sub->add_flag("--json", f->json,
+                                  "Print the rank's result as one JSON line (the default)");
                     AddJobFlags(sub, &f->job);
                     return [f] { return Run(*f); };
                   }});

@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <nlohmann/json.hpp>
 
 #include "command.h"
 #include "shardsync/store.h"
@@ -10,7 +11,7 @@
 namespace shardsync::cli {
 namespace {
 
-int RunStore(const std::string& bind, const std::string& token_flag) {
+int RunStore(const std::string& bind, const std::string& token_flag, bool json) {
   auto hp = ParseHostPort(bind, "--bind");
   if (!hp.ok()) return ReportError(hp.status());
   std::string token = token_flag;
@@ -31,7 +32,12 @@ int RunStore(const std::string& bind, const std::string& token_flag) {
   auto server = StoreServer::Start(hp->first, hp->second, token);
   if (!server.ok()) return ReportError(Status(server.status()).Annotate("--bind"));
   // The one stdout line: launchers read the bound address (useful with port 0).
-  std::printf("%s\n", (*server)->address().c_str());
+  if (json) {
+    nlohmann::json j = {{"address", (*server)->address()}, {"port", (*server)->port()}};
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("%s\n", (*server)->address().c_str());
+  }
   std::fflush(stdout);
   int sig = 0;
   sigwait(&set, &sig);
@@ -53,7 +59,10 @@ Registration reg({"store", [](CLI::App& app) {
                     sub->add_option("--token", *token,
                                     "job token clients must present (default: $SHARDSYNC_TOKEN; "
                                     "prefer the variable, flags show in ps)");
-                    return [=] { return RunStore(*bind, *token); };
+                    auto json = std::make_shared<bool>(false);
+                    sub->add_flag("--json", *json,
+                                  "Print the bound address as {\"address\", \"port\"}");
+                    return [=] { return RunStore(*bind, *token, *json); };
                   }});
 
 }  // namespace

@@ -72,7 +72,7 @@ def test_sglang_pp2_full_sync_with_session(sglang_env, tiny_model, path):
     command carries no rank; each scheduler reads its (tp, pp) from SGLang's parallel state.
     begin/end brackets every round; post_load_weights rebuilt derived weights after landing."""
     plan = make_plan(tiny_model, "dp=2,tp=2,pp=2", "sglang")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, models = _engines(plan)
         driver = SGLangDriver(group, plan, base_config(plan, srv), path=path)
         assert driver.session is True
@@ -108,7 +108,7 @@ def test_sglang_loader_exception_never_reaches_the_scheduler(sglang_env, tiny_mo
     keeps serving, and the driver names the rank and the field."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
     wrong = make_plan(tiny_model, "dp=1,tp=4,pp=1", "sglang")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, _ = _engines(plan)
         eng = engines[0]
         driver = SGLangDriver(group, plan, base_config(plan, srv), path="loader")
@@ -137,7 +137,7 @@ def test_sglang_pp1_stage_failure_is_not_silent(sglang_env, tiny_model):
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=2", "sglang")
     sm = plan.shard_map()
     bad = sm.rank(0, 1).params[1]
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, _ = _engines(plan, overrides={(0, 0, 1): {bad.name: [3]}})
         driver = SGLangDriver(group, plan, base_config(plan, srv, connect_timeout=1.0,
                                                        sync_timeout=1.0), path="receiver",
@@ -167,7 +167,7 @@ def test_sglang_session_asserts(sglang_env, tiny_model):
     scheduler kills it). The driver brackets every round and closes the session even when the
     round failed, so the next begin does not assert."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, models = _engines(plan)
         eng = engines[0]
         # Without begin: the scheduler dies, as SGLang's does.
@@ -196,7 +196,7 @@ def test_sglang_layout_refused_from_live_server_args(sglang_env, tiny_model):
     contacts the engine; each scheduler refuses again from its own (precheck off here), naming
     the field, before any byte moves."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, models = _engines(
             plan, server_args=sglang_server_args(2, 1, enable_dp_attention=True))
         driver = SGLangDriver(group, plan, base_config(plan, srv), path="receiver", timeout=10.0)
@@ -214,7 +214,7 @@ def test_sglang_layout_refused_from_live_server_args(sglang_env, tiny_model):
 
 def test_sglang_asleep_replica_refused(sglang_env, tiny_model):
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "sglang")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, _ = _engines(plan)
         driver = SGLangDriver(group, plan, base_config(plan, srv), path="receiver")
         group.release_memory_occupation(tags=["weights"])
@@ -232,7 +232,7 @@ def test_sglang_receiver_over_http(sglang_env, tiny_model):
     from shardsync.hooks.driver import HTTPEngine
 
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=2", "sglang")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         _, engines, models = _engines(plan)
         url, http = serve_http(engines[0], "sglang")
         try:

@@ -74,9 +74,9 @@ def test_plan_hash_depends_on_inputs(need_plan, tiny_model):
 
 def test_session_from_env(need_session, tiny_model, monkeypatch):
     plan = shardsync.Plan(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1")
-    with shardsync.StoreServer(token="e") as srv:
+    with shardsync.StoreServer(token="test-token-0123456789") as srv:
         monkeypatch.setenv("SHARDSYNC_STORE", srv.address)
-        monkeypatch.setenv("SHARDSYNC_TOKEN", "e")
+        monkeypatch.setenv("SHARDSYNC_TOKEN", "test-token-0123456789")
         monkeypatch.setenv("RANK", "3")
         monkeypatch.setenv("WORLD_SIZE", str(plan.world_size))
         s = shardsync.Session.from_env(plan, transport="loopback")

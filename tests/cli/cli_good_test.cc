@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -300,11 +301,32 @@ TEST(CliGood, PlanJsonDumpOpsAndSvgAgree) {
 
 TEST(CliGood, StorePrintsAddressAndStopsOnSigterm) {
   RunOptions opt;
-  opt.env = {{"SHARDSYNC_TOKEN", "cli-test-token"}};
+  opt.env = {{"SHARDSYNC_TOKEN", "cli-test-token-0123456789"}};
   opt.sigterm_after_first_line = true;
   opt.timeout_s = 10;
   const CliResult r = Ok({"store", "--bind", "127.0.0.1:0"}, opt);
   EXPECT_TRUE(std::regex_match(r.out, std::regex("127\\.0\\.0\\.1:[1-9][0-9]*\n"))) << r.out;
+}
+
+// Issue 26: without a token the store generates one and prints it as a second stdout line, or
+// writes it to a new 0600 --token-file.
+TEST(CliGood, StoreGeneratesATokenWhenNoneIsGiven) {
+  RunOptions opt;
+  opt.sigterm_after_first_line = true;
+  opt.timeout_s = 10;
+  const CliResult r = Ok({"store", "--bind", "127.0.0.1:0"}, opt);
+  EXPECT_TRUE(std::regex_match(
+      r.out, std::regex("127\\.0\\.0\\.1:[1-9][0-9]*\nSHARDSYNC_TOKEN=[0-9a-f]{32}\n")))
+      << r.out;
+
+  const std::string file = Fixtures::Get().Expand("{DIR}/out/store.token");
+  const CliResult f = Ok({"store", "--bind", "127.0.0.1:0", "--token-file", file}, opt);
+  EXPECT_TRUE(std::regex_match(f.out, std::regex("127\\.0\\.0\\.1:[1-9][0-9]*\n"))) << f.out;
+  EXPECT_TRUE(std::regex_match(ReadAll(file), std::regex("[0-9a-f]{32}\n")));
+  struct stat st {};
+  ASSERT_EQ(stat(file.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  std::remove(file.c_str());
 }
 
 // `run` against a live standalone store: a wrong token is refused (exit 2, the variable named),
@@ -325,7 +347,7 @@ TEST(CliGood, RunAgainstStoreFailsBoundedAndNamed) {
   } server;
   server.thread = std::thread([&] {
     RunOptions opt;
-    opt.env = {{"SHARDSYNC_TOKEN", "right-token"}};
+    opt.env = {{"SHARDSYNC_TOKEN", "right-token-0123456789"}};
     opt.timeout_s = 30;
     bool told = false;
     opt.on_stdout = [&](pid_t pid, const std::string& out) {
@@ -352,13 +374,13 @@ TEST(CliGood, RunAgainstStoreFailsBoundedAndNamed) {
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   };
-  const CliResult wrong = RunCli(with(job, {"--token", "wrong-token"}));
+  const CliResult wrong = RunCli(with(job, {"--token", "wrong-token-0123456789"}));
   if (NoUcx(wrong)) GTEST_SKIP() << "this build has no UCX";
   EXPECT_EQ(wrong.exit_code, 2) << wrong.Describe();
   EXPECT_EQ(wrong.out, "");
   EXPECT_NE(wrong.err.find("SHARDSYNC_TOKEN"), std::string::npos) << wrong.Describe();
 
-  const CliResult alone = RunCli(with(job, {"--token", "right-token"}));
+  const CliResult alone = RunCli(with(job, {"--token", "right-token-0123456789"}));
   EXPECT_EQ(alone.exit_code, 1) << alone.Describe();
   const json j = ParseJson(alone);  // run prints its rank's result even when it fails
   EXPECT_TRUE(j.is_object());
@@ -371,7 +393,7 @@ TEST(CliGood, RunAgainstStoreFailsBoundedAndNamed) {
   server.pid = -1;
 
   // The store is gone now: connecting fails at the timeout instead of waiting forever.
-  const CliResult gone = RunCli(with(job, {"--token", "right-token"}));
+  const CliResult gone = RunCli(with(job, {"--token", "right-token-0123456789"}));
   EXPECT_EQ(gone.exit_code, 1) << gone.Describe();
   EXPECT_EQ(gone.out, "");
   EXPECT_NE(gone.err.find(store), std::string::npos) << gone.Describe();
@@ -389,9 +411,10 @@ TEST(CliGood, RunAgainstSilentStoreTimesOut) {
   ASSERT_EQ(listen(fd, 8), 0);  // the kernel completes the handshake; nobody reads
   ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
   const std::string store = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
-  const CliResult r = RunCli({"run", "--role", "trainer", "--rank", "0", "--model", Tiny(),
-                              "--trainer", "fsdp=2", "--rollout", "dp=1,tp=2,pp=1", "--transport",
-                              "ucx", "--timeout-ms", "1000", "--store", store, "--token", "t"});
+  const CliResult r =
+      RunCli({"run", "--role", "trainer", "--rank", "0", "--model", Tiny(), "--trainer", "fsdp=2",
+              "--rollout", "dp=1,tp=2,pp=1", "--transport", "ucx", "--timeout-ms", "1000",
+              "--store", store, "--token", "test-token-0123456789"});
   close(fd);
   if (NoUcx(r)) GTEST_SKIP() << "this build has no UCX";
   EXPECT_FALSE(r.timed_out) << r.Describe();

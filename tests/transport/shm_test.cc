@@ -33,13 +33,13 @@ RegisterChildTransport child_shm("shm", [] { return MakeShm(); });
 // Two connected shm transports driven from this thread (sends and receives are non-blocking).
 struct Pair {
   Pair() {
-    server = *StoreServer::Start("127.0.0.1", 0, "t");
+    server = *StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
     std::thread th([&] {
-      auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+      auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
       b = MakeShm();
       sb = b->Connect(*c, "p", 1, {0}, 5000ms);
     });
-    auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+    auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
     a = MakeShm();
     sa = a->Connect(*c, "p", 0, {1}, 5000ms);
     th.join();
@@ -176,14 +176,14 @@ TEST(Shm, PutIsRefusedAndNoSegmentOutlivesConnect) {
 }
 
 TEST(Shm, APeerThatDidNotListThisRankFailsConnectNamingIt) {
-  auto server = *StoreServer::Start("127.0.0.1", 0, "t");
+  auto server = *StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
   Status sa, sb;
   std::thread th([&] {
-    auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+    auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
     auto b = MakeShm();
     sb = b->Connect(*c, "p", 1, {2}, 2000ms);  // lists rank 2, not rank 0
   });
-  auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+  auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
   auto a = MakeShm();
   sa = a->Connect(*c, "p", 0, {1}, 2000ms);
   th.join();
@@ -195,8 +195,8 @@ TEST(Shm, APeerThatDidNotListThisRankFailsConnectNamingIt) {
 // The connection record comes from another process: malformed ones are clear errors naming the
 // peer, never a crash or a mapping of the wrong size.
 TEST(Shm, MalformedPeerRecordsAreRefused) {
-  auto server = *StoreServer::Start("127.0.0.1", 0, "t");
-  auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+  auto server = *StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
+  auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
   const std::string records[] = {
       "",
       "garbage",

@@ -46,14 +46,14 @@ RegisterChildTransport child_fault("fault_passthrough_ucx", []() -> std::unique_
 TEST(Ucx, TagModeRefusesPutAndModeMismatchFailsConnect) {
   auto tag = MakeUcx(UcxMode::kTag);
   EXPECT_FALSE(tag->caps().one_sided_put);
-  auto server = *StoreServer::Start("127.0.0.1", 0, "t");
+  auto server = *StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
   auto put = MakeUcx(UcxMode::kPut);
   Status a, b;
   std::thread th([&] {
-    auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+    auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
     b = put->Connect(*c, "m", 1, {0}, 3000ms);
   });
-  auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+  auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
   a = tag->Connect(*c, "m", 0, {1}, 3000ms);
   th.join();
   EXPECT_EQ(a.code(), StatusCode::kFailedPrecondition) << a.ToString();

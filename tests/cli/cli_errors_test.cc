@@ -484,6 +484,11 @@ const std::vector<BadCase> kDemo =
                {"gen_tokens_negative", Job("demo", {"--gen-tokens", "-1"}), {"--gen-tokens"}},
                {"gen_tokens_too_many", Job("demo", {"--gen-tokens", "100000"}), {"--gen-tokens"}},
                {"launch_unknown", Job("demo", {"--launch", "rockets"}), {"--launch"}},
+               // Issue 26: refused before a rank starts (ranks used to abort on bad_alloc).
+               {"absurd_config",
+                Job("demo", {"--model", "{DIR}/absurd/config.json", "--trainer", "fsdp=1",
+                             "--rollout", "dp=1,tp=1,pp=1"}),
+                {"--model", "more than"}},
            });
 SS_BAD_SUITE(Demo, kDemo);
 
@@ -554,6 +559,23 @@ const std::vector<BadCase> kGenerate = {
     {"weights_garbage_file",
      {"generate", "--weights", "{DIR}/garbage.safetensors"},
      {"garbage.safetensors"}},
+    // Issue 26: NaN / infinity and non-float weights are refused naming the tensor (they used to
+    // decode to tokens 0,0,0,0 with exit 0, and exit 1, respectively).
+    {"weights_nan",
+     {"generate", "--weights", "{DIR}/w_nan"},
+     {"model.layers.1.mlp.down_proj.weight", "non-finite"}},
+    {"weights_inf_bf16", {"generate", "--weights", "{DIR}/w_inf_bf16"}, {"model.norm.weight"}},
+    {"weights_i8",
+     {"generate", "--weights", "{DIR}/w_i8"},
+     {"model.layers.0.self_attn.k_proj.weight", "I8"}},
+    {"weights_nan_sharded",
+     {"generate", "--weights", "{DIR}/w_nan", "--engine", "sglang", "--tp", "2"},
+     {"model.layers.1.mlp.down_proj.weight", "non-finite"}},
+    // An absurd but valid config is refused before anything is allocated (it used to abort).
+    {"absurd_config", {"generate", "--model", "{DIR}/absurd/config.json"}, {"more than"}},
+    {"absurd_config_sharded",
+     {"generate", "--model", "{DIR}/absurd/config.json", "--engine", "sglang", "--tp", "2"},
+     {"more than"}},
 };
 SS_BAD_SUITE(Generate, kGenerate);
 

@@ -4,8 +4,11 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -327,6 +330,50 @@ TEST(CliGood, StoreGeneratesATokenWhenNoneIsGiven) {
   ASSERT_EQ(stat(file.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
   std::remove(file.c_str());
+}
+
+// Issue 26: a `demo` killed with SIGINT / SIGTERM left its temporary directory (engine dumps)
+// and its ranks' logs behind. Now both live in one directory that the signal removes; the demo
+// still dies of the signal.
+TEST(CliGood, DemoRemovesItsTempDirAndLogsOnSigterm) {
+  for (int sig : {SIGTERM, SIGINT}) {
+    const fs::path tmp = Fixtures::Get().dir / ("demo-tmp-" + std::to_string(sig));
+    fs::create_directories(tmp);
+    std::vector<std::string> args = {SHARDSYNC_CLI_PATH, "demo",   "--model",   Tiny(),
+                                     "--trainer",        "fsdp=2", "--rollout", "dp=1,tp=2,pp=1",
+                                     "--transport",      "shm",    "--syncs",   "1000000"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    std::vector<std::string> env = {"TMPDIR=" + tmp.string(), "PATH=/usr/bin:/bin"};
+    std::vector<char*> envp;
+    for (auto& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_addopen(&fa, 2, "/dev/null", O_WRONLY, 0);
+    pid_t pid = -1;
+    ASSERT_EQ(posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), envp.data()), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    // Wait until the ranks run: their logs sit in the demo's directory.
+    bool running = false;
+    for (int i = 0; i < 1000 && !running; ++i) {
+      std::error_code ec;
+      for (const auto& d : fs::recursive_directory_iterator(tmp, ec)) {
+        running = running || d.path().filename().string().rfind("shardsync-rank-", 0) == 0;
+      }
+      if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_TRUE(running) << "the demo's ranks never started";
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    kill(pid, sig);
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "status " << status;
+    EXPECT_TRUE(fs::is_empty(tmp)) << "left behind in " << tmp;
+    fs::remove_all(tmp);
+  }
 }
 
 // `run` against a live standalone store: a wrong token is refused (exit 2, the variable named),

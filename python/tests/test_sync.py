@@ -228,3 +228,49 @@ def test_device_sessions_need_cuda(need_session, tiny_model):
                 shardsync.Session(plan, 0, srv.address, token=TOKEN, transport="loopback", device=0)
         with pytest.raises(shardsync.InvalidArgumentError, match="device"):
             shardsync.Session(plan, 0, srv.address, token=TOKEN, transport="loopback", device=-5)
+
+
+def test_unwritable_and_shared_destinations_refused_at_bind(need_session, tiny_model, tmp_path):
+    """Issue 26: a read-only array used to be written by the sync and a read-only np.memmap
+    segfaulted the process; two destinations sharing one buffer failed only at sync. All are
+    InvalidArgumentError at bind now, and the process lives on."""
+    plan = shardsync.Plan(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1", wire_dtype="f32")
+    with shardsync.StoreServer() as srv:
+        e = shardsync.Session(plan, plan.trainer_world, srv.address, token=srv.token,
+                              transport="loopback")
+        p0, p1 = e.expected_params()[:2]
+        shape0 = tuple(p0.shape)
+
+        ro = np.zeros(shape0, np.float32)
+        ro.setflags(write=False)
+        with pytest.raises(shardsync.InvalidArgumentError, match="read-only"):
+            e.bind_destination(p0.name, ro)
+
+        path = tmp_path / "weights.bin"
+        np.zeros(shape0, np.float32).tofile(path)
+        mm = np.memmap(path, dtype=np.float32, mode="r", shape=shape0)
+        with pytest.raises(shardsync.InvalidArgumentError, match="read-only"):
+            e.bind_destination(p0.name, mm)
+        try:
+            import torch  # noqa: F401 - optional: torch has no read-only flag to look at
+        except ImportError:
+            torch = None
+        if torch is not None:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch warns about non-writable arrays
+                t = torch.from_numpy(mm)  # a torch tensor over the read-only mapping
+            with pytest.raises(shardsync.InvalidArgumentError, match="mapped read-only"):
+                e.bind_destination(p0.name, t)
+
+        # Two parameters over overlapping bytes of one buffer.
+        n0 = int(np.prod(p0.shape))
+        n1 = int(np.prod(p1.shape))
+        buf = np.zeros(n0 + n1, np.float32)
+        e.bind_destination(p0.name, buf[:n0].reshape(p0.shape))
+        with pytest.raises(shardsync.InvalidArgumentError, match="shares memory with"):
+            e.bind_destination(p1.name, buf[n0 - 1:n0 - 1 + n1].reshape(p1.shape))
+        # Adjacent, not overlapping: fine.
+        e.bind_destination(p1.name, buf[n0:].reshape(p1.shape))
+        e.close()

@@ -230,6 +230,7 @@ class LoopbackHub:
     def __init__(self) -> None: ...
 
 def transports() -> List[str]: ...
+MAX_SYNC_VERSION: int
 
 class SyncSession:
     def __init__(self, plan: PlanInputs, rank: int, store: str, token: str = "",

@@ -349,6 +349,7 @@ void RegisterSession(py::module_& m) {
   m.attr("DEVICE_BINDING") = false;
 #endif
   m.def("transports", &RegisteredTransports, "Registered transport names in priority order.");
+  m.attr("MAX_SYNC_VERSION") = kMaxSyncVersion;
 
   py::class_<PySession>(m, "SyncSession")
       .def(py::init<PlanInputs, int, const std::string&, const std::string&, const std::string&,

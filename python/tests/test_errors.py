@@ -106,3 +106,8 @@ def test_store_tokens_and_ephemeral_keys(need_plan):
         c.mark_dead("job/alive/1", "rank 1 exited")
         with pytest.raises(shardsync.UnavailableError, match="rank 1 exited"):
             c.wait(["job/alive/1"], timeout=5.0)
+
+
+def test_max_sync_version_is_documented(need_session):
+    """Issue 26: the largest accepted version is a public constant (the check is phase 2's)."""
+    assert shardsync.native().MAX_SYNC_VERSION == 2**63 - 1

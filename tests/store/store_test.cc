@@ -546,6 +546,17 @@ TEST(StoreFrame, RoundTripAndTruncation) {
   auto many = store_wire::ParseFrame(store_wire::EncodeFrame(Frame{Op::kReply, 0, {"x", "", "z"}}));
   ASSERT_TRUE(many.ok()) << many.status().ToString();
   EXPECT_EQ(many->args, (std::vector<std::string>{"x", "", "z"}));
+  // The ops issue 26 added: argument counts and empty keys are checked like the others.
+  for (Frame ok : {Frame{Op::kDeletePrefix, 0, {"p/"}}, Frame{Op::kSetEphemeral, 0, {"k", "v"}},
+                   Frame{Op::kSetIfAbsent, 1, {"k", ""}}, Frame{Op::kMarkDead, 0, {"k", "why"}}}) {
+    auto r = store_wire::ParseFrame(store_wire::EncodeFrame(ok));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->args, ok.args);
+  }
+  for (Frame bad : {Frame{Op::kDeletePrefix, 0, {"a", "b"}}, Frame{Op::kMarkDead, 0, {"k"}},
+                    Frame{Op::kSetIfAbsent, 0, {"", "v"}}, Frame{Op::kSetEphemeral, 0, {}}}) {
+    EXPECT_FALSE(store_wire::ParseFrame(store_wire::EncodeFrame(bad)).ok());
+  }
   std::string v2 = bytes;
   v2[4] = 2;
   EXPECT_NE(store_wire::ParseFrame(v2).status().message().find("version 2"), std::string::npos);

@@ -252,6 +252,14 @@ Result<std::vector<EngineBuffers>> LoadEngineDump(const std::string& dir, const 
   }
   if (ec) return UnavailableError(fmt::format("listing '{}': {}", dir, ec.message()));
   std::sort(files.begin(), files.end());
+  // Every tensor is copied into memory: the dumps' sizes, checked before anything is read.
+  int64_t total = 0;
+  for (const auto& path : files) {
+    const auto size = fs::file_size(path, ec);
+    total = refengine::SatAdd(total, ec ? 0 : static_cast<int64_t>(size));
+  }
+  SS_RETURN_IF_ERROR(
+      CheckHostMemory(total, fmt::format("engine dump directory '{}'", dir), "loading the dumps"));
   std::vector<EngineBuffers> out(map.ranks.size());
   std::vector<std::string> from(map.ranks.size());
   for (const auto& path : files) {

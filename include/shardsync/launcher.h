@@ -136,6 +136,9 @@ struct LocalJobOptions {
   // verified). The other ranks must then fail on their own within their timeout.
   int kill_rank = -1;
   int kill_at_progress = 0;
+  // Where each rank's stderr is kept while it runs (processes mode; "" = /tmp). A caller that
+  // removes its own temporary directory on SIGINT / SIGTERM puts them there.
+  std::string log_dir;
 };
 
 struct LocalJobResult {

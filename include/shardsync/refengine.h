@@ -144,8 +144,23 @@ class CausalLm {
   virtual void Reset() = 0;
 };
 
+// ---- Host memory budget ----
+// What this process may allocate: 80% of physical memory, capped by what RLIMIT_AS and
+// RLIMIT_DATA leave (`this_process` false: the host's 80% only, for work spread over several
+// processes); -1 when unknown. Every allocation the reference engine sizes from its input
+// (config dims, checkpoint shapes, token counts) is checked against it first.
+int64_t HostMemoryBudget(bool this_process = true);
+// InvalidArgument "<what>: <purpose>: N GiB needed, more than ..." when `bytes` exceed
+// HostMemoryBudget(this_process) (pass INT64_MAX for an estimate that overflowed): an absurd but
+// valid config is refused before anything is allocated instead of aborting on std::bad_alloc.
+Status CheckHostMemory(int64_t bytes, std::string_view what, std::string_view purpose,
+                       bool this_process = true);
+
 // The unsharded HF model. Checks every tensor of HfTensorInventory(spec) exists with its shape
-// (NotFound / InvalidArgument naming it); weights are converted to fp32 once.
+// (NotFound / InvalidArgument naming it); weights are converted to fp32 once. The weights, and
+// each Forward's activations and KV cache, are checked against HostMemoryBudget() first.
+// A checkpoint tensor in a dtype other than F32 / BF16 / F16 / F64, or holding a NaN or an
+// infinity, is InvalidArgument naming it (CheckpointWeightSource).
 Result<std::unique_ptr<CausalLm>> MakeReferenceModel(const ModelSpec& spec,
                                                      const WeightSource& weights);
 

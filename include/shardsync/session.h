@@ -130,6 +130,11 @@ struct SyncReport {
   std::vector<RankSyncStats> ranks;  // by sync rank
 };
 
+// Largest version Sync accepts: versions are 1 .. 2^63 - 1 (InvalidArgument naming the version
+// above it), so a version meant as "last" (2^64 - 1) cannot block every later one and a version
+// fits a signed 64-bit integer (JSON, Python, torch) on every rank.
+inline constexpr uint64_t kMaxSyncVersion = (uint64_t{1} << 63) - 1;
+
 class SyncSession {
  public:
   // `store` and `transport` must outlive the session. Fails on an invalid rank or plan.

@@ -1,7 +1,12 @@
 // Rendezvous store: a token-authenticated TCP key-value store for addresses, memory keys and ids.
 // Served by rank 0 (StoreServer in-process) or by `shardsync store --bind ADDR:PORT`.
 // Launch contract (torchrun / SLURM / Ray compatible): SHARDSYNC_STORE=host:port, RANK,
-// WORLD_SIZE, SHARDSYNC_TOKEN.
+// WORLD_SIZE, SHARDSYNC_TOKEN. What the token protects and what it does not: docs/security.md.
+//
+// Limits the server holds every client to: frames of 64 MiB (4 KiB before authentication), a
+// reply above 64 MiB is refused (OutOfRange) before it is built, 1 GiB of keys and values in all
+// (OutOfRange), connections capped from the process's descriptor limit (half of them may be
+// unauthenticated; the oldest is dropped past that), a wrong token answered after 0.5 s.
 #pragma once
 
 #include <chrono>
@@ -20,10 +25,18 @@ namespace shardsync {
 
 using Millis = std::chrono::milliseconds;
 
+// Shortest token a store accepts (servers refuse to start with less, clients refuse to send it).
+inline constexpr size_t kMinStoreTokenChars = 16;
+// InvalidArgument naming `what` (the flag or variable) when `token` is too short.
+Status CheckStoreToken(std::string_view token, std::string_view what);
+// A fresh random token (32 hex characters from the kernel's CSPRNG).
+Result<std::string> GenerateStoreToken();
+
 class StoreServer {
  public:
   virtual ~StoreServer() = default;
   // Binds host:port (port 0 picks a free one) and serves until Stop or destruction.
+  // InvalidArgument when `token` is shorter than kMinStoreTokenChars.
   static Result<std::unique_ptr<StoreServer>> Start(const std::string& host, int port,
                                                     const std::string& token);
   virtual int port() const = 0;
@@ -35,7 +48,8 @@ class StoreServer {
 class StoreClient {
  public:
   virtual ~StoreClient() = default;
-  // Connects to "host:port" and presents the token; PermissionDenied if the server refuses it.
+  // Connects to "host:port" and presents the token; PermissionDenied if the server refuses it
+  // (after the server's delay), InvalidArgument for a token shorter than kMinStoreTokenChars.
   static Result<std::unique_ptr<StoreClient>> Connect(const std::string& address,
                                                       const std::string& token, Millis timeout);
   virtual Status Set(const std::string& key, std::string_view value) = 0;
@@ -56,6 +70,30 @@ class StoreClient {
                                                           Millis timeout) = 0;
   // Every one of `world` participants calls Barrier(name, world); returns when all arrived.
   virtual Status Barrier(const std::string& name, int world, Millis timeout) = 0;
+
+  // Deletes every key starting with `prefix` (non-empty), dead keys included; returns how many
+  // live keys went. For a job's per-version keys once every rank passed that version.
+  virtual Result<int64_t> DeletePrefix(const std::string& prefix) = 0;
+
+  // Ephemeral keys (etcd leases, ZooKeeper ephemeral nodes): the key is bound to this client's
+  // connection. When that connection closes (the process exited or was killed, its host stopped
+  // answering TCP keepalive within ~5 s, or the client was destroyed) the key is removed and
+  // recorded dead with the reason; setting it again (any connection) revives it. A key another
+  // live connection holds is refused (FailedPrecondition), whoever writes it.
+  //
+  // Dead keys: Get, GetMany, Wait and SetThenGetMany naming a dead key fail at once with
+  // Unavailable naming the key and why it died, and requests already waiting on it fail the
+  // moment it dies. So a rank that waits for peers' keys and names, among them, each peer's
+  // ephemeral liveness key learns of a dead peer immediately instead of at its timeout.
+  virtual Status SetEphemeral(const std::string& key, std::string_view value) = 0;
+  // Sets `key` only if it is absent (or dead) and returns the value it holds afterwards: `value`
+  // when this call set it, the existing value otherwise (a claim: compare with what you sent).
+  // `ephemeral` binds a key this call sets to the connection.
+  virtual Result<std::string> SetIfAbsent(const std::string& key, std::string_view value,
+                                          bool ephemeral = false) = 0;
+  // Removes `key` (present or not) and records it dead with `reason`, as if its owner's
+  // connection had closed: for a launcher that saw the process exit.
+  virtual Status MarkDead(const std::string& key, std::string_view reason) = 0;
 };
 
 // Splits "host:port" ("[v6addr]:port" also accepted); InvalidArgument naming `what` otherwise.

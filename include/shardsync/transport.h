@@ -244,7 +244,13 @@ Status ConnectLoopbackDirect(Transport& t, int rank, const std::vector<int>& pee
 //        sends of 64 MiB on the 2-core dev VM.
 //   auto (default): put when this host has RDMA devices (/sys/class/infiniband), else tag.
 // SHARDSYNC_UCX_MODE=put|tag|auto overrides. All ranks of a job must resolve to the same mode
-// (Connect fails naming SHARDSYNC_UCX_MODE otherwise). Same-host peers: UCX 1.13's shm
+// (Connect fails naming SHARDSYNC_UCX_MODE otherwise).
+// Listening: UCX's TCP transport opens a listener on every network device it may use (one per
+// UCX_NET_DEVICES entry, bound to that device's address: uct_tcp_iface_listener_init in UCX's
+// src/uct/tcp/tcp_iface.c), and the store token does not cover those ports. A job whose ranks
+// all run on one host passes net_devices "loopback" (or sets SHARDSYNC_UCX_NET_DEVICES=loopback,
+// as the local launcher should): only the loopback interface is used, so nothing listens on a
+// routable address; shared memory (posix, sysv, cma) is unaffected. Same-host peers: UCX 1.13's shm
 // transports have no peer-failure support, so their death is detected by watching the peer's
 // process; remote peers use UCX keepalive (1 s unless UCX_KEEPALIVE_INTERVAL is set).
 // Destruction closes endpoints without waiting for the peer: PostFlush before destroying.
@@ -257,6 +263,11 @@ struct UcxOptions {
   // false: treat every peer as remote (UCX peer-failure mode, so no shared memory; TCP on one
   // host). Exercises the multi-node failure path on a single machine (tests).
   bool same_host_shm = true;
+  // Network devices UCX may use, in UCX_NET_DEVICES syntax ("eth0,mlx5_0:1"), or "loopback" for
+  // this host's loopback interface only; "" leaves UCX's choice (every device, or the user's
+  // UCX_NET_DEVICES). When set it wins over UCX_NET_DEVICES.
+  std::string net_devices;
+  bool net_devices_from_env = true;  // SHARDSYNC_UCX_NET_DEVICES overrides `net_devices` when set
 };
 // Unimplemented when shardsync was built without UCX.
 Result<std::unique_ptr<Transport>> NewUcxTransport(const UcxOptions& options = {});
@@ -264,7 +275,9 @@ Result<std::unique_ptr<Transport>> NewUcxTransport(const UcxOptions& options = {
 // ---------------------------------------------------------------------------------------------
 // Shared memory (same host, host memory, two-sided): every rank creates one POSIX shm segment
 // holding a ring per peer that sends to it (16 slots x 64 KiB); peers map it (names exchanged
-// through the store under `prefix`; the segment is unlinked once every peer mapped it). A send
+// through the store under `prefix`; the segment is unlinked once every peer mapped it; a rank
+// killed before that has its segment removed by a peer that sees its process gone, or by the next
+// connect on the host). A send
 // is copied into the ring slot by slot, the receiver copies each slot out into the posted
 // buffer (or into a buffer for messages that arrive before their receive). Two copies through a
 // ring that stays in cache instead of one kernel copy (UCX's cma), which lets the checksum ride

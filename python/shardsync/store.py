@@ -18,11 +18,15 @@ __all__ = ["StoreServer", "StoreClient"]
 
 
 class StoreServer:
-    """Serves the store from a thread of this process (rank 0, or a driver) until `stop()` or
-    the end of a `with` block. `port=0` picks a free port; read it back from `address`."""
+    """Serves the store in this process (rank 0, or a driver) until stop() or `with` exit.
+
+    token: at least 16 characters; "" generates a random one (read it back as `.token` and hand
+    it to the ranks as SHARDSYNC_TOKEN)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "") -> None:
-        self._s: "_C.StoreServer" = native("store").StoreServer.start(host, port, token)
+        C = native("store")
+        self.token = token or C.generate_store_token()
+        self._s: "_C.StoreServer" = C.StoreServer.start(host, port, self.token)
 
     @property
     def port(self) -> int:
@@ -71,3 +75,21 @@ class StoreClient:
     def barrier(self, name: str, world: int, timeout: float = 30.0) -> None:
         """Returns once `world` clients entered barrier `name`."""
         self._c.barrier(name, world, timeout)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Deletes every key starting with `prefix`; returns how many went."""
+        return self._c.delete_prefix(prefix)
+
+    def set_ephemeral(self, key: str, value: "bytes | str") -> None:
+        """Sets `key` bound to this client's connection: when it closes, the key dies, and every
+        get / wait naming it fails at once with UnavailableError (store.h)."""
+        self._c.set_ephemeral(key, value.encode() if isinstance(value, str) else value)
+
+    def set_if_absent(self, key: str, value: "bytes | str", ephemeral: bool = False) -> bytes:
+        """Sets `key` unless it exists; returns the value it holds afterwards."""
+        return self._c.set_if_absent(key, value.encode() if isinstance(value, str) else value,
+                                     ephemeral)
+
+    def mark_dead(self, key: str, reason: str) -> None:
+        """Removes `key` and records it dead with `reason` (waiters on it fail at once)."""
+        self._c.mark_dead(key, reason)

@@ -180,6 +180,7 @@ class PySession {
       transport_.reset();
       store_.reset();
       bound.swap(bound_);
+      dest_ranges_.clear();
     }
     bound.clear();  // releases the producers (their deleters take the GIL)
   }
@@ -230,8 +231,9 @@ class PySession {
           FailedPreconditionError("rank " + std::to_string(rank_) +
                                   " is a trainer rank: bind_source, not bind_destination"));
     }
-    TensorRef t = BorrowTensor(tensor, "destination '" + name + "'");
+    TensorRef t = BorrowTensor(tensor, "destination '" + name + "'", /*writable=*/true);
     CheckDevice(t, "destination '" + name + "'");
+    CheckNoOverlap(t, name);
     DestBinding b;
     b.name = name;
     b.data = t.data;
@@ -240,6 +242,11 @@ class PySession {
     b.mem = t.cuda ? MemKind::kCuda : MemKind::kHost;
     b.device = t.device;
     ThrowIfError(s.BindDest(b));
+    if (t.nbytes > 0) {
+      const auto start = reinterpret_cast<uintptr_t>(t.data);
+      dest_ranges_[{t.cuda ? t.device : -1, start}] = {start + static_cast<uintptr_t>(t.nbytes),
+                                                       name};
+    }
     bound_.push_back(std::move(t));
   }
 
@@ -279,6 +286,26 @@ class PySession {
     return nullptr;
   }
 
+  // Two destinations sharing bytes would each be written by the sync (and one's checksum break
+  // the other's): refused at bind, naming both.
+  void CheckNoOverlap(const TensorRef& t, const std::string& name) const {
+    if (t.nbytes <= 0) return;
+    const int space = t.cuda ? t.device : -1;
+    const auto start = reinterpret_cast<uintptr_t>(t.data);
+    const uintptr_t end = start + static_cast<uintptr_t>(t.nbytes);
+    auto check = [&](std::map<std::pair<int, uintptr_t>, Range>::const_iterator it) {
+      if (it == dest_ranges_.end() || it->first.first != space) return;
+      if (it->first.second < end && start < it->second.end) {
+        ThrowIfError(InvalidArgumentError(
+            "destination '" + name + "' shares memory with destination '" + it->second.name +
+            "' (bound to overlapping bytes of one buffer); every parameter needs its own"));
+      }
+    };
+    auto next = dest_ranges_.lower_bound({space, start});
+    check(next);
+    if (next != dest_ranges_.begin()) check(std::prev(next));
+  }
+
   // The host packer reads and writes with the CPU: CUDA tensors bind directly only in a device
   // session (device=N, the CUDA packer); otherwise the Python layer stages them through host
   // memory.
@@ -299,6 +326,12 @@ class PySession {
   int rank_;
   std::vector<HfTensor> inventory_;
   int device_ = -1;
+  struct Range {
+    uintptr_t end = 0;
+    std::string name;
+  };
+  // Bound destinations by (CUDA device or -1 for host, start address).
+  std::map<std::pair<int, uintptr_t>, Range> dest_ranges_;
   std::vector<TensorRef> bound_;    // declared before session_: outlives it
   std::unique_ptr<Packer> packer_;  // likewise
   std::unique_ptr<StoreClient> store_;
@@ -323,6 +356,7 @@ void RegisterSession(py::module_& m) {
   m.attr("DEVICE_BINDING") = false;
 #endif
   m.def("transports", &RegisteredTransports, "Registered transport names in priority order.");
+  m.attr("MAX_SYNC_VERSION") = kMaxSyncVersion;
 
   py::class_<PySession>(m, "SyncSession", "One sync rank's session; use shardsync.Session.")
       .def(py::init<PlanInputs, int, const std::string&, const std::string&, const std::string&,

@@ -90,7 +90,43 @@ void RegisterStore(py::module_& m) {
             py::gil_scoped_release nogil;
             ThrowIfError(c.Barrier(name, world, t));
           },
-          py::arg("name"), py::arg("world"), py::arg("timeout") = 30.0);
+          py::arg("name"), py::arg("world"), py::arg("timeout") = 30.0)
+      .def(
+          "delete_prefix",
+          [](StoreClient& c, const std::string& prefix) {
+            py::gil_scoped_release nogil;
+            return Unwrap(c.DeletePrefix(prefix));
+          },
+          py::arg("prefix"))
+      .def(
+          "set_ephemeral",
+          [](StoreClient& c, const std::string& key, py::bytes value) {
+            std::string v = value;
+            py::gil_scoped_release nogil;
+            ThrowIfError(c.SetEphemeral(key, v));
+          },
+          py::arg("key"), py::arg("value"))
+      .def(
+          "set_if_absent",
+          [](StoreClient& c, const std::string& key, py::bytes value, bool ephemeral) {
+            std::string v = value;
+            Result<std::string> r = [&] {
+              py::gil_scoped_release nogil;
+              return c.SetIfAbsent(key, v, ephemeral);
+            }();
+            return py::bytes(Unwrap(std::move(r)));
+          },
+          py::arg("key"), py::arg("value"), py::arg("ephemeral") = false)
+      .def(
+          "mark_dead",
+          [](StoreClient& c, const std::string& key, const std::string& reason) {
+            py::gil_scoped_release nogil;
+            ThrowIfError(c.MarkDead(key, reason));
+          },
+          py::arg("key"), py::arg("reason"));
+
+  m.def("generate_store_token", [] { return Unwrap(GenerateStoreToken()); });
+  m.attr("MIN_STORE_TOKEN_CHARS") = kMinStoreTokenChars;
 
   m.def(
       "launch_env",

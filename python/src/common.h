@@ -59,8 +59,15 @@ struct TensorRef {
 
 // Borrows `obj` (torch / numpy / cupy / anything with __dlpack__). `what` names the tensor in
 // errors ("source 'model.embed_tokens.weight'"). Requires a C-contiguous tensor; a torch tensor
-// that requires grad is detached first (same storage).
-TensorRef BorrowTensor(py::handle obj, const std::string& what);
+// that requires grad is detached first (same storage). `writable` (destinations, which the sync
+// writes): a read-only array (numpy flags.writeable False, a read-only buffer, a read-only
+// np.memmap) or host memory not mapped writable (a torch tensor over a read-only mapping) is
+// InvalidArgument here, instead of being written or crashing the process at sync time.
+TensorRef BorrowTensor(py::handle obj, const std::string& what, bool writable = false);
+
+// InvalidArgument naming `what` unless every page of [data, data + bytes) is mapped writable in
+// this process (/proc/self/maps). Host memory only.
+Status CheckHostWritable(const void* data, int64_t bytes, const std::string& what);
 
 void RegisterCore(py::module_& m);
 void RegisterLayout(py::module_& m);

@@ -2,6 +2,8 @@
 // legacy "dltensor" capsule is requested (no max_version), which every producer still returns.
 #include <dlpack/dlpack.h>
 
+#include <cstdlib>
+#include <fstream>
 #include <string>
 
 #include "common.h"
@@ -109,9 +111,16 @@ Result<DType> DTypeFromBufferFormat(const std::string& fmt, ssize_t itemsize,
   return InvalidArgumentError(what + ": unsupported buffer format '" + fmt + "'");
 }
 
-TensorRef BorrowBuffer(py::handle obj, const std::string& what) {
+TensorRef BorrowBuffer(py::handle obj, const std::string& what, bool writable) {
   py::buffer buf = py::reinterpret_borrow<py::buffer>(obj);
-  py::buffer_info info = buf.request();  // read-only is fine: sources are only read
+  py::buffer_info info;
+  try {
+    info = buf.request(writable);  // read-only is fine for sources: they are only read
+  } catch (py::error_already_set& e) {
+    if (!writable || !e.matches(PyExc_BufferError)) throw;
+    ThrowIfError(InvalidArgumentError(what + ": the buffer is read-only; the sync writes into " +
+                                      "its destinations"));
+  }
   TensorRef ref;
   ref.dtype = Unwrap(DTypeFromBufferFormat(info.format, info.itemsize, what));
   if (info.itemsize != DTypeSize(ref.dtype)) {
@@ -140,17 +149,67 @@ TensorRef BorrowBuffer(py::handle obj, const std::string& what) {
   return ref;
 }
 
+// numpy (and cupy) arrays say whether they may be written; a view of a read-only array says
+// so too.
+void CheckWriteableFlag(const py::object& obj, const std::string& what) {
+  if (!py::hasattr(obj, "flags")) return;
+  py::object flags = obj.attr("flags");
+  if (!py::hasattr(flags, "writeable")) return;
+  if (!flags.attr("writeable").cast<bool>()) {
+    ThrowIfError(InvalidArgumentError(what + ": the array is read-only (flags.writeable is " +
+                                      "False); the sync writes into its destinations"));
+  }
+}
+
 }  // namespace
 
-TensorRef BorrowTensor(py::handle obj_in, const std::string& what) {
+Status CheckHostWritable(const void* data, int64_t bytes, const std::string& what) {
+  if (bytes <= 0) return OkStatus();
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t end = begin + static_cast<uintptr_t>(bytes);
+  std::ifstream maps("/proc/self/maps");
+  if (!maps) return OkStatus();  // not Linux / no procfs: nothing to check against
+  // Mappings are listed in address order: walk them until [begin, end) is covered.
+  uintptr_t covered = begin;
+  for (std::string line; covered < end && std::getline(maps, line);) {
+    char* rest = nullptr;
+    const uintptr_t lo = std::strtoull(line.c_str(), &rest, 16);
+    if (rest == nullptr || *rest != '-') continue;
+    const uintptr_t hi = std::strtoull(rest + 1, &rest, 16);
+    if (hi <= covered) continue;
+    if (lo > covered) break;  // a gap: part of the range is not mapped at all
+    const char* perms = rest;
+    while (*perms == ' ') ++perms;
+    if (perms[0] == '\0' || perms[1] != 'w') {
+      return InvalidArgumentError(what +
+                                  ": its memory is mapped read-only (a read-only "
+                                  "np.memmap or file mapping?); the sync writes into " +
+                                  "its destinations");
+    }
+    covered = hi;
+  }
+  if (covered < end) {
+    return InvalidArgumentError(what + ": its memory is not (wholly) mapped in this process");
+  }
+  return OkStatus();
+}
+
+TensorRef BorrowTensor(py::handle obj_in, const std::string& what, bool writable) {
   py::object obj = py::reinterpret_borrow<py::object>(obj_in);
+  if (writable) CheckWriteableFlag(obj, what);
+  // Destinations in host memory: the pages themselves must be writable, whatever the producer
+  // claims (torch has no read-only flag: a tensor over a read-only mapping would crash the sync).
+  auto Checked = [&](TensorRef ref) {
+    if (writable && !ref.cuda) ThrowIfError(CheckHostWritable(ref.data, ref.nbytes, what));
+    return ref;
+  };
   // torch refuses to export tensors that require grad; detach() shares the storage.
   if (py::hasattr(obj, "requires_grad") && py::hasattr(obj, "detach") &&
       obj.attr("requires_grad").cast<bool>()) {
     obj = obj.attr("detach")();
   }
   if (!py::hasattr(obj, "__dlpack__")) {
-    if (PyObject_CheckBuffer(obj.ptr())) return BorrowBuffer(obj, what);
+    if (PyObject_CheckBuffer(obj.ptr())) return Checked(BorrowBuffer(obj, what, writable));
     ThrowIfError(InvalidArgumentError(what + ": " + std::string(py::str(py::type::of(obj))) +
                                       " has neither __dlpack__ nor the buffer protocol"));
   }
@@ -160,7 +219,7 @@ TensorRef BorrowTensor(py::handle obj_in, const std::string& what) {
   } catch (py::error_already_set& e) {
     // numpy refuses read-only arrays through DLPack but exports them as buffers.
     if (e.matches(PyExc_BufferError) && PyObject_CheckBuffer(obj.ptr())) {
-      return BorrowBuffer(obj, what);
+      return Checked(BorrowBuffer(obj, what, writable));
     }
     ThrowIfError(InvalidArgumentError(what + ": __dlpack__ failed: " + std::string(e.what())));
   }
@@ -200,7 +259,7 @@ TensorRef BorrowTensor(py::handle obj_in, const std::string& what) {
   ref.shape.assign(t.shape, t.shape + t.ndim);
   ref.data = static_cast<char*>(t.data) + t.byte_offset;
   ref.nbytes = NumElements(ref.shape) * DTypeSize(ref.dtype);
-  return ref;
+  return Checked(std::move(ref));
 }
 
 }  // namespace shardsync::py_bind

@@ -13,7 +13,7 @@ import shardsync
 from conftest import expected_param, reference_weights
 from fakes import fsdp_state_dict
 
-TOKEN = "hooks"
+TOKEN = "hooks-test-token-0123456789"
 
 # A tiny Qwen3-MoE: fused qkv, q/k norms, router, stacked experts (w13 / w2).
 TINY_MOE = {

@@ -12,6 +12,8 @@ import shardsync
 from conftest import expected_param, reference_weights
 from fakes import DTensor, Mesh, Partial, Replicate, Shard, EngineModel, fsdp_state_dict
 
+TOKEN = "test-token-0123456789"  # stores refuse tokens under 16 characters
+
 
 def _plan(model, trainer, rollout="dp=1,tp=2,pp=2", engine="sglang"):
     return shardsync.Plan(model, trainer, rollout, engine=engine, wire_dtype="f32",
@@ -140,10 +142,10 @@ def test_adapters_drive_a_sync(need_session, tiny_model, trainer, shards, replic
     plan = _plan(tiny_model, trainer, rollout)
     full = reference_weights(plan, seed=11)
     results, models = {}, {}
-    with shardsync.StoreServer(token="a") as srv:
+    with shardsync.StoreServer(token=TOKEN) as srv:
         def run(rank):
             try:
-                s = shardsync.Session(plan, rank, srv.address, token="a", transport="loopback")
+                s = shardsync.Session(plan, rank, srv.address, token=TOKEN, transport="loopback")
                 if s.is_trainer:
                     shardsync.bind_trainer(s, fsdp_state_dict(full, rank, shards, replicas))
                 else:

@@ -70,17 +70,49 @@ def test_real_errors_carry_cpp_messages(need_plan):
 def test_store_errors(need_plan):
     if not shardsync.has_part("store"):
         pytest.skip("store part not built")
-    with shardsync.StoreServer(token="right") as srv:
+    with shardsync.StoreServer(token="right-token-0123456789") as srv:
         with pytest.raises(shardsync.PermissionDeniedError):
-            shardsync.StoreClient(srv.address, token="wrong", timeout=5.0)
-        c = shardsync.StoreClient(srv.address, token="right")
+            shardsync.StoreClient(srv.address, token="wrong-token-0123456789", timeout=5.0)
+        c = shardsync.StoreClient(srv.address, token="right-token-0123456789")
         c.set("k", b"v")
         assert c.get("k") == b"v"
         assert c.add("n", 2) == 2
         with pytest.raises(shardsync.DeadlineExceededError):
             c.get("never-set", timeout=0.2)
     with pytest.raises(shardsync.InvalidArgumentError):
-        shardsync.StoreClient("no-port-here", token="x", timeout=1.0)
+        shardsync.StoreClient("no-port-here", token="test-token-0123456789", timeout=1.0)
+
+
+def test_store_tokens_and_ephemeral_keys(need_plan):
+    """Issue 26: short tokens refused, a generated one when none is given; keys bound to a client
+    die with it and fail their waiters at once."""
+    if not shardsync.has_part("store"):
+        pytest.skip("store part not built")
+    with pytest.raises(shardsync.InvalidArgumentError, match="at least 16"):
+        shardsync.StoreServer(token="short")
+    with shardsync.StoreServer() as srv:
+        assert len(srv.token) == 32
+        with pytest.raises(shardsync.InvalidArgumentError, match="at least 16"):
+            shardsync.StoreClient(srv.address, token="t")
+        owner = shardsync.StoreClient(srv.address, token=srv.token)
+        c = shardsync.StoreClient(srv.address, token=srv.token)
+        owner.set_ephemeral("job/alive/0", "rank 0")
+        assert c.set_if_absent("job/claim", "a", ephemeral=True) == b"a"
+        assert owner.set_if_absent("job/claim", "b") == b"a"
+        del owner  # its connection closes
+        # Waiting on it (beside a key nobody sets) fails as soon as the store saw the close.
+        with pytest.raises(shardsync.UnavailableError, match="job/alive/0"):
+            c.wait(["job/never", "job/alive/0"], timeout=5.0)
+        c.set("job/v1/x", b"1")
+        assert c.delete_prefix("job/v1/") == 1
+        c.mark_dead("job/alive/1", "rank 1 exited")
+        with pytest.raises(shardsync.UnavailableError, match="rank 1 exited"):
+            c.wait(["job/alive/1"], timeout=5.0)
+
+
+def test_max_sync_version_is_documented(need_session):
+    """Issue 26: the largest accepted version is a public constant (the check is phase 2's)."""
+    assert shardsync.native().MAX_SYNC_VERSION == 2**63 - 1
 
 
 @pytest.mark.parametrize("cpp,python", [

@@ -202,8 +202,8 @@ def test_collect_reports_names_silent_ranks(need_plan, tiny_model):
     from shardsync.hooks.driver import HookError, check_reports, collect_reports
 
     plan = _plan(tiny_model, "dp=2,tp=1,pp=2", "sglang")
-    with shardsync.StoreServer(token="t") as srv:
-        cfg = {"store": srv.address, "token": "t", "prefix": "x/"}
+    with shardsync.StoreServer(token="test-token-0123456789") as srv:
+        cfg = {"store": srv.address, "token": "test-token-0123456789", "prefix": "x/"}
         for d, pp in ((0, 0), (0, 1), (1, 0)):
             st = core.make_status("sync", 9, {"replica": d, "tp_rank": 0, "pp_rank": pp,
                                               "rank": plan.engine_rank(d, 0, pp)},

@@ -77,7 +77,7 @@ def test_vllm_024_routed_experts_names(need_session, tiny_moe):
     the probe reads the naming, the plan built from it syncs every element, and a plan with the
     old naming is refused by the driver naming the fix. Before: every MoE init failed (the shard
     map had only "...mlp.experts.w13_weight"; no probe, no expert_naming)."""
-    with installed(vllm_modules("0.24")), shardsync.StoreServer(token="hooks") as srv:
+    with installed(vllm_modules("0.24")), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         from shardsync.hooks import vllm as vh
 
         vh.register_vllm_backend()
@@ -112,7 +112,7 @@ def test_vllm_024_routed_experts_names(need_session, tiny_moe):
 def test_vllm_worker_names_the_naming_fix(need_session, tiny_moe):
     """Inside the worker, a plan whose expert names miss (the engine names them the other way)
     fails with the fix, not a bare 'missing parameters' list (precheck of the driver bypassed)."""
-    with installed(vllm_modules("0.23")), shardsync.StoreServer(token="hooks") as srv:
+    with installed(vllm_modules("0.23")), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         plan = make_plan(tiny_moe, "dp=1,tp=1,pp=1", "vllm")
         routed = shardsync.Plan(tiny_moe, "fsdp=2", "dp=1,tp=1,pp=1", engine="vllm",
                                 wire_dtype="f32", trainer_dtype="f32",
@@ -135,7 +135,7 @@ def test_sglang_command_survives_the_safe_unpickler(need_session, tiny_model, pr
     torch.nn.Module: tp=2, pp=2 syncs on plain-pickle, SafeUnpickler and session versions alike,
     every PP stage opening the same per-tp_rank payload on its own."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=2", "sglang")
-    with installed(sglang_modules(profile)), shardsync.StoreServer(token="hooks") as srv:
+    with installed(sglang_modules(profile)), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, models = engines_for(plan, profile=profile)
         driver = SGLangDriver(group, plan, base_config(plan, srv))
         run_versions(plan, srv, driver, models)
@@ -154,7 +154,7 @@ def test_sglang_stock_engine_has_no_receiver(need_session, tiny_model):
     would be dropped and SGLang would open a torch process group at the store's address. Before:
     path='receiver' called init_weights_update_group (TypeError / a process group attempt)."""
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=2", "sglang")
-    with installed(sglang_modules("0.5.12")), shardsync.StoreServer(token="hooks") as srv:
+    with installed(sglang_modules("0.5.12")), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, _ = engines_for(plan)
         url, http = serve_sglang_http(engines[0])
         try:
@@ -174,7 +174,7 @@ def test_sglang_miles_receiver_runs_post_load_once(need_session, tiny_model):
     post_load_weights itself (run_post_load = not loaded). Before: the hook ran it too (twice per
     round); now exactly once, and the weights land."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
-    with installed(sglang_modules("miles")), shardsync.StoreServer(token="hooks") as srv:
+    with installed(sglang_modules("miles")), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, models = engines_for(plan, profile="miles")
         driver = SGLangDriver(group, plan, base_config(plan, srv), path="receiver")
         run_versions(plan, srv, driver, models, versions=(1, 2))
@@ -192,7 +192,7 @@ def test_sglang_without_session_api_behind_a_proxy(need_session, tiny_model, ove
     adapter and HTTPEngine always satisfy: on an SGLang without the session API every round
     failed. The probe now reads the engine's io_struct (in-process) or routes (HTTP)."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
-    with installed(sglang_modules("0.5.4")), shardsync.StoreServer(token="hooks") as srv:
+    with installed(sglang_modules("0.5.4")), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, models = engines_for(plan, profile="0.5.4")
         url, http = serve_sglang_http(engines[0])
         head = SGLangEngineAdapter(engines[0]) if over == "adapter" else HTTPEngine(url, "sglang")
@@ -210,7 +210,7 @@ def test_sglang_without_session_api_behind_a_proxy(need_session, tiny_model, ove
 
 def test_unsupported_sglang_refused_naming_version(need_session, tiny_model):
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "sglang")
-    with installed(sglang_modules("0.4.6")), shardsync.StoreServer(token="hooks") as srv:
+    with installed(sglang_modules("0.4.6")), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, _ = engines_for(plan, profile="0.4.6")
         with pytest.raises(shardsync.UnimplementedError,
                            match=r"SGLang 0\.4\.6 .*no --custom-weight-loader"):
@@ -229,7 +229,7 @@ def test_vllm_async_llm_awaited_on_its_loop(need_session, tiny_model):
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    with installed(vllm_modules("0.23")), shardsync.StoreServer(token="hooks") as srv:
+    with installed(vllm_modules("0.23")), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         llm, models = _llm(plan, "0.23")
         engine = FakeAsyncLLM(llm, loop)
         with pytest.raises(shardsync.FailedPreconditionError, match="async.*pass loop="):
@@ -280,7 +280,7 @@ def test_vllm_http_without_dev_mode_refused_at_init(need_session, tiny_model):
     VLLM_SERVER_DEV_MODE=1. Before: a server without it failed later with a bare HTTP 404; now
     the driver refuses at construction naming the variable, and no route is posted to."""
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "vllm")
-    with installed(vllm_modules("0.23")), shardsync.StoreServer(token="hooks") as srv:
+    with installed(vllm_modules("0.23")), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         llm, _ = _llm(plan, "0.23")
         url, http = serve_vllm_http(llm, dev_mode=False)
         try:
@@ -302,7 +302,7 @@ def test_sglang_speculative_draft(need_session, tiny_model):
     at init (the plan covers the target only) unless draft='leave', and then the target is bound
     and synced once per round while the draft keeps its weights."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
-    with installed(sglang_modules("0.5.12")), shardsync.StoreServer(token="hooks") as srv:
+    with installed(sglang_modules("0.5.12")), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, models = engines_for(plan, drafts=True)
         with pytest.raises(shardsync.UnimplementedError, match="speculative decoding.*draft"):
             SGLangDriver(group, plan, base_config(plan, srv))
@@ -324,7 +324,7 @@ def test_sglang_flush_never_asserts_in_the_scheduler(need_session, tiny_model):
     engine is idle, and names a replica that stays busy; the engine keeps serving."""
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "sglang")
     # Every version has the assert; 0.4.7 (plain pickle) isolates it from the unpickler finding.
-    with installed(sglang_modules("0.4.7")), shardsync.StoreServer(token="hooks") as srv:
+    with installed(sglang_modules("0.4.7")), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, models = engines_for(plan, profile="0.4.7")
         driver = SGLangDriver(group, plan, base_config(plan, srv))
         trainers = Trainers(plan, srv).start()

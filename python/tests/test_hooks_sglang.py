@@ -74,7 +74,7 @@ def test_sglang_pp2_full_sync_with_session(sglang_env, tiny_model):
     command carries no rank; each scheduler reads its (tp, pp) from SGLang's parallel state.
     begin/end brackets every round; post_load_weights rebuilt derived weights after landing."""
     plan = make_plan(tiny_model, "dp=2,tp=2,pp=2", "sglang")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, models = engines_for(plan)
         driver = SGLangDriver(group, plan, base_config(plan, srv))
         assert (driver.path, driver.session) == ("loader", True)
@@ -116,7 +116,7 @@ def test_sglang_loader_exception_never_reaches_the_scheduler(sglang_env, tiny_mo
     keeps serving, and the driver names the rank and the field."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
     wrong = make_plan(tiny_model, "dp=1,tp=4,pp=1", "sglang")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, _ = engines_for(plan)
         eng = engines[0]
         driver = SGLangDriver(group, plan, base_config(plan, srv))
@@ -141,7 +141,7 @@ def test_sglang_pp1_stage_failure_is_not_silent(sglang_env, tiny_model):
     shard map reports through the store; the driver names it although the reply said success."""
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=2", "sglang")
     bad = plan.shard_map().rank(0, 1).params[1]
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, _ = engines_for(plan, overrides={(0, 0, 1): {bad.name: [3]}})
         driver = SGLangDriver(group, plan, base_config(plan, srv, connect_timeout=1.0,
                                                        sync_timeout=1.0), timeout=15.0)
@@ -168,7 +168,7 @@ def test_sglang_session_asserts(sglang_env, tiny_model):
     scheduler kills it). The driver brackets every round and closes the session even when the
     round failed, so the next begin does not assert."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, models = engines_for(plan)
         with pytest.raises(SchedulerDied, match="requires an open begin_weight_update"):
             engines[0].update_weights_from_tensor(ss.wait_request(), load_format=ss.LOADER)
@@ -194,7 +194,7 @@ def test_sglang_layout_refused_from_live_server_args(sglang_env, tiny_model):
     contacts the engine; each scheduler refuses again from its own (precheck off here), naming
     the field, before any byte moves."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, models = engines_for(
             plan, server_args=sglang_server_args(2, 1, enable_dp_attention=True))
         driver = SGLangDriver(group, plan, base_config(plan, srv), timeout=10.0)
@@ -211,7 +211,7 @@ def test_sglang_layout_refused_from_live_server_args(sglang_env, tiny_model):
 
 def test_sglang_asleep_replica_refused(sglang_env, tiny_model):
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "sglang")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, _ = engines_for(plan)
         driver = SGLangDriver(group, plan, base_config(plan, srv))
         group.release_memory_occupation(tags=["weights"])
@@ -226,7 +226,7 @@ def test_sglang_loader_over_http(sglang_env, tiny_model):
     """launch_server deployments (verl, slime): the loader path over SGLang's HTTP routes, the
     command pickled per tp rank as base64; capabilities from /get_server_info and route probes."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=2", "sglang")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         _, engines, models = engines_for(plan)
         url, http = serve_sglang_http(engines[0])
         try:

@@ -70,7 +70,7 @@ def test_vllm_full_sync_runs_finalize(vllm_env, tiny_moe, path):
     dp=2 x tp=2 x pp=2 and runs process_weights_after_loading after each sync: derived
     attention weights follow the new weights, MoE/linear methods re-run their finalize."""
     plan = make_plan(tiny_moe, "dp=2,tp=2,pp=2", "vllm")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, llms, models = _llms(plan, path)
         driver = VLLMDriver(group, plan, base_config(plan, srv))
         assert driver.path == path
@@ -101,7 +101,7 @@ def test_vllm_permuted_moe_backend_refused(vllm_env, tiny_moe):
     different layout. The seed extension wrote canonical bytes into it (a silent mis-sync);
     the hook refuses the backend at init, naming the module, and no byte moves."""
     plan = make_plan(tiny_moe, "dp=1,tp=1,pp=1", "vllm")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, llms, models = _llms(plan, "extension",
                                     model_kw={"moe_backend": "FLASHINFER_CUTLASS"})
         driver = VLLMDriver(group, plan, base_config(plan, srv), timeout=10.0)
@@ -126,7 +126,7 @@ def test_vllm_replaced_parameter_detected_and_next_sync_refused(vllm_env, tiny_m
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "vllm")
     sm = plan.shard_map()
     victim = next(p.name for p in sm.rank(0, 0).params if p.name.endswith("o_proj.weight"))
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, llms, models = _llms(plan, "native", model_kw={"replace_linear": {victim}})
         driver = VLLMDriver(group, plan, base_config(plan, srv))
         trainers = Trainers(plan, srv).start()
@@ -152,7 +152,7 @@ def test_vllm_state_machine_and_errors_never_raise(vllm_env, tiny_model):
     """update before start, a second update in a round, a bad update_info, finish without
     start: each is a status, never an exception inside the worker."""
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "vllm")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, llms, models = _llms(plan, "native")
         eng = llms[0].workers[(0, 0)].weight_transfer_engine
         st = eng.update_weights({"version": 1})
@@ -183,7 +183,7 @@ def test_vllm_unmodelled_layouts_refused_from_live_config(vllm_env, tiny_moe, fi
     kw = {field: value}
     if field == "enable_expert_parallel":
         kw.update(dp=2)
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, llms, models = _llms(plan, "extension", config_kw=kw)
         driver = VLLMDriver(group, plan, base_config(plan, srv), timeout=10.0)
         with pytest.raises(shardsync.Error, match=match):  # the driver, from llm.vllm_config
@@ -195,7 +195,7 @@ def test_vllm_unmodelled_layouts_refused_from_live_config(vllm_env, tiny_moe, fi
 
 def test_vllm_fp8_quant_method_refused(vllm_env, tiny_model):
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "vllm")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, llms, models = _llms(plan, "extension", model_kw={"quant": Fp8LinearMethod})
         driver = VLLMDriver(group, plan, base_config(plan, srv), timeout=10.0)
         with pytest.raises(HookError, match="quant method Fp8LinearMethod rewrites"):
@@ -212,7 +212,7 @@ def test_vllm_loader_kind_mismatch_refused(vllm_env, tiny_model):
     model = FakeModel(sm.rank(0, 0).params)
     name = next(p.name for p in sm.rank(0, 0).params if p.name.endswith("o_proj.weight"))
     model.tensor(name).weight_loader = ColumnParallelLinear().weight_loader
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, llms, _ = _llms(plan, "extension", models={(0, 0, 0): model})
         driver = VLLMDriver(group, plan, base_config(plan, srv), timeout=10.0)
         with pytest.raises(HookError, match=f"parameter '{name}': weight loader "
@@ -231,7 +231,7 @@ def test_vllm_sleep_mode_weights(vllm_env, tiny_model):
     is refused for them with the alternatives named; an asleep engine refuses a sync (the
     driver through is_sleeping and the group's record, each rank through the allocator)."""
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "vllm")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, llms, models = _llms(plan, "native", config_kw={"sleep_mode": True})
         CuMemAllocator.get_instance().track(list(models[(0, 0, 0)].parameters()))
         driver = VLLMDriver(group, plan, base_config(plan, srv, transport="cuda_ipc"),
@@ -280,7 +280,7 @@ def test_vllm_native_over_http(vllm_env, tiny_model):
     from shardsync.hooks.driver import HTTPEngine
 
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "vllm")
-    with shardsync.StoreServer(token="hooks") as srv:
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         _, llms, models = _llms(plan, "native")
         url, http = serve_vllm_http(llms[0])
         trainers = Trainers(plan, srv).start()

@@ -78,9 +78,9 @@ def test_plan_hash_depends_on_inputs(need_plan, tiny_model):
 
 def test_session_from_env(need_session, tiny_model, monkeypatch):
     plan = shardsync.Plan(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1")
-    with shardsync.StoreServer(token="e") as srv:
+    with shardsync.StoreServer(token="test-token-0123456789") as srv:
         monkeypatch.setenv("SHARDSYNC_STORE", srv.address)
-        monkeypatch.setenv("SHARDSYNC_TOKEN", "e")
+        monkeypatch.setenv("SHARDSYNC_TOKEN", "test-token-0123456789")
         monkeypatch.setenv("RANK", "3")
         monkeypatch.setenv("WORLD_SIZE", str(plan.world_size))
         s = shardsync.Session.from_env(plan, transport="loopback")
@@ -140,9 +140,9 @@ def test_megatron_plan_moves_local_regions(need_plan, tiny_model, trainer, rollo
 def test_megatron_sessions_refused_until_bound(need_session, tiny_model):
     plan = shardsync.Plan(tiny_model, "megatron=tp=2", "dp=1,tp=2,pp=1")
     hub = shardsync.LoopbackHub()
-    with shardsync.StoreServer(token="m") as srv:
+    with shardsync.StoreServer(token="megatron-test-token-0123") as srv:
         with pytest.raises(shardsync.UnimplementedError, match="Megatron"):
-            shardsync.Session(plan, 0, srv.address, token="m", transport="loopback", hub=hub)
+            shardsync.Session(plan, 0, srv.address, token="megatron-test-token-0123", transport="loopback", hub=hub)
 
 
 @pytest.mark.parametrize("rollout,kw,message", [

@@ -14,6 +14,8 @@ import shardsync
 from conftest import expected_param, reference_weights
 from sync_worker import run_rank
 
+TOKEN = "test-token-0123456789"  # stores refuse tokens under 16 characters
+
 LAYOUTS = [
     # (trainer, rollout, engine)
     ("fsdp=2", "dp=1,tp=2,pp=2", "sglang"),
@@ -35,9 +37,9 @@ def _have_transport(name):
 
 def run_multiprocess(spec, kind, versions=(1,), seed=3, timeout=120, transport="ucx"):
     plan = shardsync.Plan.from_spec(spec)
-    with shardsync.StoreServer(token="tok") as srv:
+    with shardsync.StoreServer(token=TOKEN) as srv:
         ctx = mp.get_context("spawn")
-        args = [(r, spec, srv.address, "tok", transport, kind, list(versions), seed)
+        args = [(r, spec, srv.address, TOKEN, transport, kind, list(versions), seed)
                 for r in range(plan.world_size)]
         with ctx.Pool(plan.world_size) as pool:
             res = pool.map_async(run_rank, args).get(timeout)
@@ -72,12 +74,12 @@ def test_multiprocess_torch_bf16(need_session, tiny_model):
 
 def _in_process(spec, kind="numpy", versions=(1,)):
     plan = shardsync.Plan.from_spec(spec)
-    with shardsync.StoreServer(token="t") as srv:
+    with shardsync.StoreServer(token=TOKEN) as srv:
         out = {}
 
         def body(r):
             # Each thread runs one rank; loopback sessions share the process's default hub.
-            args = (r, spec, srv.address, "t", "loopback", kind, list(versions), 5)
+            args = (r, spec, srv.address, srv.token, "loopback", kind, list(versions), 5)
             out[r] = run_rank(args)
 
         threads = [threading.Thread(target=body, args=(r,)) for r in range(plan.world_size)]
@@ -113,13 +115,13 @@ def test_in_process_torch_bf16(need_session, tiny_model):
 def test_session_errors(need_session, tiny_model):
     spec = _spec(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1", "sglang")
     plan = shardsync.Plan.from_spec(spec)
-    with shardsync.StoreServer(token="t") as srv:
+    with shardsync.StoreServer(token=TOKEN) as srv:
         with pytest.raises(shardsync.PermissionDeniedError):
-            shardsync.Session(plan, 0, srv.address, token="bad", transport="loopback",
-                              connect_timeout=5)
+            shardsync.Session(plan, 0, srv.address, token="bad-token-0123456789",
+                              transport="loopback", connect_timeout=5)
         with pytest.raises(shardsync.OutOfRangeError, match="sync world"):
-            shardsync.Session(plan, plan.world_size, srv.address, token="t", transport="loopback")
-        s = shardsync.Session(plan, 0, srv.address, token="t", transport="loopback",
+            shardsync.Session(plan, plan.world_size, srv.address, token=TOKEN, transport="loopback")
+        s = shardsync.Session(plan, 0, srv.address, token=TOKEN, transport="loopback",
                               connect_timeout=1, sync_timeout=1)
         name, shape, _ = plan.hf_tensors()[1]
         reg = plan.held_region(0, shape)
@@ -136,7 +138,7 @@ def test_session_errors(need_session, tiny_model):
         # Nobody else joins: connect runs out its deadline (DeadlineExceeded) rather than hang.
         with pytest.raises((shardsync.DeadlineExceededError, shardsync.NotFoundError)):
             s.connect()
-        e = shardsync.Session(plan, plan.trainer_world, srv.address, token="t",
+        e = shardsync.Session(plan, plan.trainer_world, srv.address, token=TOKEN,
                               transport="loopback")
         p = e.expected_params()[0]
         with pytest.raises(shardsync.InvalidArgumentError, match="the shard map says"):
@@ -169,11 +171,11 @@ def test_corrupted_transfer_is_data_loss_then_recovers(need_session, tiny_model)
     spec = _spec(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1", "sglang")
     plan = shardsync.Plan.from_spec(spec)
     full = reference_weights(plan, 9)
-    with shardsync.StoreServer(token="t") as srv:
+    with shardsync.StoreServer(token=TOKEN) as srv:
         sessions, dests = {}, {}
         for r in range(plan.world_size):
             params = {"fault.corrupt_data_post": "1", "fault.corrupt_byte": "3"} if r == 0 else {}
-            s = shardsync.Session(plan, r, srv.address, token="t", transport="loopback",
+            s = shardsync.Session(plan, r, srv.address, token=TOKEN, transport="loopback",
                                   prefix="fault/", sync_timeout=20, transport_params=params)
             if s.is_trainer:
                 for n, a in full.items():
@@ -209,20 +211,66 @@ def test_corrupted_transfer_is_data_loss_then_recovers(need_session, tiny_model)
 
 def test_unknown_fault_field_rejected(need_session, tiny_model):
     plan = shardsync.Plan.from_spec(_spec(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1", "sglang"))
-    with shardsync.StoreServer(token="t") as srv:
+    with shardsync.StoreServer(token=TOKEN) as srv:
         with pytest.raises(shardsync.InvalidArgumentError, match="unknown fault field"):
-            shardsync.Session(plan, 0, srv.address, token="t", transport="loopback",
+            shardsync.Session(plan, 0, srv.address, token=TOKEN, transport="loopback",
                               transport_params={"fault.bogus": "1"})
         with pytest.raises(shardsync.InvalidArgumentError, match="expected an integer"):
-            shardsync.Session(plan, 0, srv.address, token="t", transport="loopback",
+            shardsync.Session(plan, 0, srv.address, token=TOKEN, transport="loopback",
                               transport_params={"fault.fail_post": "x"})
 
 
 def test_device_sessions_need_cuda(need_session, tiny_model):
     plan = shardsync.Plan.from_spec(_spec(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1", "sglang"))
-    with shardsync.StoreServer(token="t") as srv:
+    with shardsync.StoreServer(token=TOKEN) as srv:
         if not shardsync.native().DEVICE_BINDING:
             with pytest.raises(shardsync.UnimplementedError, match="without CUDA"):
-                shardsync.Session(plan, 0, srv.address, token="t", transport="loopback", device=0)
+                shardsync.Session(plan, 0, srv.address, token=TOKEN, transport="loopback", device=0)
         with pytest.raises(shardsync.InvalidArgumentError, match="device"):
-            shardsync.Session(plan, 0, srv.address, token="t", transport="loopback", device=-5)
+            shardsync.Session(plan, 0, srv.address, token=TOKEN, transport="loopback", device=-5)
+
+
+def test_unwritable_and_shared_destinations_refused_at_bind(need_session, tiny_model, tmp_path):
+    """Issue 26: a read-only array used to be written by the sync and a read-only np.memmap
+    segfaulted the process; two destinations sharing one buffer failed only at sync. All are
+    InvalidArgumentError at bind now, and the process lives on."""
+    plan = shardsync.Plan(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1", wire_dtype="f32")
+    with shardsync.StoreServer() as srv:
+        e = shardsync.Session(plan, plan.trainer_world, srv.address, token=srv.token,
+                              transport="loopback")
+        p0, p1 = e.expected_params()[:2]
+        shape0 = tuple(p0.shape)
+
+        ro = np.zeros(shape0, np.float32)
+        ro.setflags(write=False)
+        with pytest.raises(shardsync.InvalidArgumentError, match="read-only"):
+            e.bind_destination(p0.name, ro)
+
+        path = tmp_path / "weights.bin"
+        np.zeros(shape0, np.float32).tofile(path)
+        mm = np.memmap(path, dtype=np.float32, mode="r", shape=shape0)
+        with pytest.raises(shardsync.InvalidArgumentError, match="read-only"):
+            e.bind_destination(p0.name, mm)
+        try:
+            import torch  # noqa: F401 - optional: torch has no read-only flag to look at
+        except ImportError:
+            torch = None
+        if torch is not None:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch warns about non-writable arrays
+                t = torch.from_numpy(mm)  # a torch tensor over the read-only mapping
+            with pytest.raises(shardsync.InvalidArgumentError, match="mapped read-only"):
+                e.bind_destination(p0.name, t)
+
+        # Two parameters over overlapping bytes of one buffer.
+        n0 = int(np.prod(p0.shape))
+        n1 = int(np.prod(p1.shape))
+        buf = np.zeros(n0 + n1, np.float32)
+        e.bind_destination(p0.name, buf[:n0].reshape(p0.shape))
+        with pytest.raises(shardsync.InvalidArgumentError, match="shares memory with"):
+            e.bind_destination(p1.name, buf[n0 - 1:n0 - 1 + n1].reshape(p1.shape))
+        # Adjacent, not overlapping: fine.
+        e.bind_destination(p1.name, buf[n0:].reshape(p1.shape))
+        e.close()

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 import shardsync  # noqa: E402
 
-TOKEN = "demo"
+TOKEN = "demo-token-0123456789"
 TINY = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
     "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,

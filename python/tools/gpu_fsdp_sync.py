@@ -65,7 +65,7 @@ def gpu_of(plan, rank, ngpu):
 
 
 def session(plan, rank, store, args):
-    kw = {"token": "gpu", "connect_timeout": 300, "sync_timeout": 120,
+    kw = {"token": "gpu-test-token-0123456789", "connect_timeout": 300, "sync_timeout": 120,
           "transport": args["transport"]}
     if args["dry"]:
         kw["device"] = None
@@ -192,7 +192,7 @@ def main():
     q = ctx.Queue()
     args = {"spec": spec, "dry": a.dry, "transport": a.transport, "gpus": max(ngpu, 1),
             "warmup": a.warmup, "reps": a.reps, "watchdog": a.watchdog_s}
-    with shardsync.StoreServer(token="gpu") as srv:
+    with shardsync.StoreServer(token="gpu-test-token-0123456789") as srv:
         procs = []
         for r in range(plan.world_size):
             fn = trainer if r < plan.trainer_world else engine

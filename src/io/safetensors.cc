@@ -21,16 +21,29 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
+// Error messages never echo a file's bytes beyond what identifies the fault (a path a
+// checkpoint index names may be a symlink to a file the user cannot otherwise read): tensor
+// names only when they look like names, and never values.
+std::string SafeName(std::string_view name) {
+  const bool printable = name.size() <= 256 && std::all_of(name.begin(), name.end(), [](char c) {
+                           return c >= 0x20 && c < 0x7f;
+                         });
+  return printable ? std::string(name) : fmt::format("<a {}-byte name>", name.size());
+}
+
 // The dtypes a safetensors file may hold, by their exact safetensors spelling.
+constexpr DType kSafetensorsDTypes[] = {DType::kF32,    DType::kBF16,   DType::kF16, DType::kF64,
+                                        DType::kF8E4M3, DType::kF8E5M2, DType::kI64, DType::kI32,
+                                        DType::kI16,    DType::kI8,     DType::kU8,  DType::kBool};
+
 Result<DType> SafetensorsDType(std::string_view s, std::string_view tensor) {
-  static constexpr DType kAll[] = {DType::kF32,    DType::kBF16,   DType::kF16, DType::kF64,
-                                   DType::kF8E4M3, DType::kF8E5M2, DType::kI64, DType::kI32,
-                                   DType::kI16,    DType::kI8,     DType::kU8,  DType::kBool};
-  for (DType t : kAll) {
+  std::string known;
+  for (DType t : kSafetensorsDTypes) {
     if (DTypeName(t) == s) return t;
+    known += (known.empty() ? "" : ", ") + std::string(DTypeName(t));
   }
-  return InvalidArgumentError(
-      fmt::format("safetensors tensor '{}': unknown dtype '{}'", tensor, s));
+  return InvalidArgumentError(fmt::format("safetensors tensor '{}': unknown dtype (not one of {})",
+                                          SafeName(tensor), known));
 }
 
 uint64_t ReadLe64(const uint8_t* p) {
@@ -41,7 +54,7 @@ uint64_t ReadLe64(const uint8_t* p) {
 
 Status ParseEntry(const std::string& name, const json& j, SafetensorsEntry* e) {
   auto bad = [&](std::string_view what) {
-    return InvalidArgumentError(fmt::format("safetensors tensor '{}': {}", name, what));
+    return InvalidArgumentError(fmt::format("safetensors tensor '{}': {}", SafeName(name), what));
   };
   if (!j.is_object()) return bad("entry is not a JSON object");
   auto dt = j.find("dtype");
@@ -102,20 +115,32 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> file) 
     return DataLossError(fmt::format(
         "safetensors: file is {} bytes, shorter than the 8-byte header length", file.size()));
   }
+  // The length field is the file's own bytes: say where it is, not what it holds.
   const uint64_t n = ReadLe64(file.data());
   if (n > kMaxSafetensorsHeaderBytes) {
     return InvalidArgumentError(
-        fmt::format("safetensors: header length {} exceeds the limit of {} bytes", n,
+        fmt::format("safetensors: the header length at bytes 0-7 exceeds the limit of {} bytes "
+                    "(not a safetensors file?)",
                     kMaxSafetensorsHeaderBytes));
   }
   if (n > file.size() - 8) {
-    return DataLossError(fmt::format(
-        "safetensors: header length {} runs past the end of the file ({} bytes): truncated", n,
-        file.size()));
+    return DataLossError(
+        fmt::format("safetensors: the header length at bytes 0-7 runs past the end of the file "
+                    "({} bytes): truncated, or not a safetensors file",
+                    file.size()));
   }
   const char* hb = reinterpret_cast<const char*>(file.data() + 8);
-  json j = json::parse(hb, hb + n, /*cb=*/nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return InvalidArgumentError("safetensors: header is not valid JSON");
+  json j;
+  try {
+    j = json::parse(hb, hb + n);
+  } catch (const json::parse_error& e) {
+    // nlohmann's message quotes the bytes it last read: report the offset instead.
+    return InvalidArgumentError(
+        fmt::format("safetensors: the header (bytes 8-{}) is not valid JSON (error near byte {})",
+                    8 + n, 8 + (e.byte > 0 ? e.byte - 1 : 0)));
+  } catch (const std::exception&) {
+    return InvalidArgumentError("safetensors: the header (bytes 8-) is not valid JSON");
+  }
   if (!j.is_object()) return InvalidArgumentError("safetensors: header is not a JSON object");
 
   SafetensorsHeader h;
@@ -127,8 +152,8 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> file) 
         return InvalidArgumentError("safetensors: __metadata__ is not an object");
       for (auto m = it->begin(); m != it->end(); ++m) {
         if (!m->is_string()) {
-          return InvalidArgumentError(
-              fmt::format("safetensors: __metadata__ value of '{}' is not a string", m.key()));
+          return InvalidArgumentError(fmt::format(
+              "safetensors: __metadata__ value of '{}' is not a string", SafeName(m.key())));
         }
         h.metadata[m.key()] = m->get<std::string>();
       }
@@ -148,16 +173,16 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> file) 
       return DataLossError(fmt::format(
           "safetensors tensor '{}': data [{}, {}) runs past the end of the data section ({} "
           "bytes): truncated file",
-          e.name, e.begin, e.end, h.data_size));
+          SafeName(e.name), e.begin, e.end, h.data_size));
     }
     if (e.begin < pos) {
       return DataLossError(fmt::format("safetensors tensor '{}': data [{}, {}) overlaps '{}'",
-                                       e.name, e.begin, e.end, prev->name));
+                                       SafeName(e.name), e.begin, e.end, SafeName(prev->name)));
     }
     if (e.begin > pos) {
       return DataLossError(
           fmt::format("safetensors tensor '{}': gap of {} bytes before its data at offset {}",
-                      e.name, e.begin - pos, e.begin));
+                      SafeName(e.name), e.begin - pos, e.begin));
     }
     pos = e.end;
     prev = &e;
@@ -257,8 +282,8 @@ Result<std::unique_ptr<SafetensorsCheckpoint>> SafetensorsCheckpoint::Open(
       std::map<std::string, std::vector<std::string>> by_file;
       for (auto it = wm->begin(); it != wm->end(); ++it) {
         if (!it->is_string()) {
-          return InvalidArgumentError(
-              fmt::format("'{}': weight_map['{}'] is not a string", index.string(), it.key()));
+          return InvalidArgumentError(fmt::format("'{}': weight_map['{}'] is not a string",
+                                                  index.string(), SafeName(it.key())));
         }
         const std::string file = it->get<std::string>();
         const fs::path fp(file);
@@ -266,7 +291,7 @@ Result<std::unique_ptr<SafetensorsCheckpoint>> SafetensorsCheckpoint::Open(
             file == "." || file == "..") {
           return InvalidArgumentError(
               fmt::format("'{}': weight_map['{}'] = '{}' is not a file name in the directory",
-                          index.string(), it.key(), file));
+                          index.string(), SafeName(it.key()), SafeName(file)));
         }
         by_file[file].push_back(it.key());
       }
@@ -291,8 +316,8 @@ Result<std::unique_ptr<SafetensorsCheckpoint>> SafetensorsCheckpoint::Open(
       }
       auto [it, inserted] = c->where_.emplace(e.name, idx);
       if (!inserted) {
-        return DataLossError(fmt::format("tensor '{}' is present in both '{}' and '{}'", e.name,
-                                         c->files_[it->second]->path(), file));
+        return DataLossError(fmt::format("tensor '{}' is present in both '{}' and '{}'",
+                                         SafeName(e.name), c->files_[it->second]->path(), file));
       }
     }
     for (const auto& name : expected) {
@@ -370,17 +395,33 @@ Result<std::vector<uint8_t>> SerializeSafetensors(
 Status WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                         const std::map<std::string, std::string>& metadata) {
   SS_ASSIGN_OR_RETURN(auto bytes, SerializeSafetensors(tensors, metadata));
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return UnavailableError(fmt::format("cannot create '{}'", tmp));
-    out.write(reinterpret_cast<const char*>(bytes.data()),
-              static_cast<std::streamsize>(bytes.size()));
-    if (!out.flush()) return UnavailableError(fmt::format("write to '{}' failed", tmp));
+  // A fresh file of a random name beside the target (mkstemp: O_CREAT | O_EXCL, mode 0600), so a
+  // file or symlink planted under a predictable temporary name is never opened or followed, and
+  // the weights are readable by this user only; the rename then replaces `path` itself (a
+  // symlink there included, never its target).
+  std::string tmp = path + ".XXXXXX";
+  const int fd = mkostemp(tmp.data(), O_CLOEXEC);
+  if (fd < 0) {
+    return UnavailableError(
+        fmt::format("cannot create a temporary file beside '{}': {}", path, std::strerror(errno)));
   }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) return UnavailableError(fmt::format("rename '{}' -> '{}': {}", tmp, path, ec.message()));
+  size_t off = 0;
+  int err = 0;
+  while (off < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + off, bytes.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      err = n < 0 ? errno : EIO;
+      break;
+    }
+    off += static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0 && err == 0) err = errno;
+  if (err == 0 && ::rename(tmp.c_str(), path.c_str()) != 0) err = errno;
+  if (err != 0) {
+    ::unlink(tmp.c_str());
+    return UnavailableError(fmt::format("writing '{}': {}", path, std::strerror(err)));
+  }
   return OkStatus();
 }
 

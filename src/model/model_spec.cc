@@ -442,9 +442,12 @@ Result<ModelSpec> ParseModelConfig(std::string_view json_text, std::string_view 
                          /*ignore_comments=*/false);
     return ParseJson(j, source);
   } catch (const json::parse_error& e) {
-    // e.what() is "[json.exception.parse_error.101] parse error at line 3, column 1: ...".
+    // e.what() is "[json.exception.parse_error.101] parse error at line 3, column 1: ...;
+    // last read: '<bytes>'": keep the position, drop the file's bytes (a config path may be a
+    // symlink to a file the user cannot otherwise read; issue 26).
     std::string what = e.what();
     if (auto p = what.find("] "); p != std::string::npos) what = what.substr(p + 2);
+    if (auto p = what.find("; last read"); p != std::string::npos) what.resize(p);
     return InvalidArgumentError(fmt::format("{}: invalid JSON: {}", source, what));
   } catch (const std::exception& e) {
     return InvalidArgumentError(fmt::format("{}: malformed config: {}", source, e.what()));

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "refengine/kernels.h"
 #include "shardsync/refengine.h"
 
 namespace shardsync {
@@ -17,6 +18,11 @@ Result<Generation> GreedyGenerate(CausalLm& lm, std::span<const int64_t> prompt,
     return InvalidArgumentError(
         fmt::format("max_new_tokens: must be non-negative, got {}", max_new_tokens));
   }
+  // Every step's logits are kept (vocab_size floats each).
+  SS_RETURN_IF_ERROR(CheckHostMemory(
+      refengine::SatMul(refengine::SatMul(int64_t{max_new_tokens} + 1, lm.vocab_size()), 4),
+      fmt::format("max_new_tokens {}", max_new_tokens),
+      fmt::format("keeping the logits of every step (vocabulary {})", lm.vocab_size())));
   lm.Reset();
   Generation g;
   SS_ASSIGN_OR_RETURN(std::vector<float> logits, lm.Forward(prompt));

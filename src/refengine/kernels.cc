@@ -67,19 +67,6 @@ void SwiGluMlp(const float* x, int64_t T, int64_t H, int64_t I, const float* gat
   MatMulT(g.data(), T, I, down, H, nullptr, out);
 }
 
-Status CheckFitsInMemory(int64_t bytes, std::string_view what) {
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page <= 0) return OkStatus();  // unknown: let the allocation decide
-  const double limit = 0.8 * static_cast<double>(pages) * static_cast<double>(page);
-  if (static_cast<double>(bytes) > limit) {
-    return FailedPreconditionError(fmt::format(
-        "{}: the reference engine needs {:.1f} GiB for fp32 weights, more than 80% of this "
-        "machine's {:.1f} GiB",
-        what, bytes / 1073741824.0, static_cast<double>(pages) * page / 1073741824.0));
-  }
-  return OkStatus();
-}
-
 void RmsNorm(float* x, int64_t rows, int64_t dim, const float* weight, double eps) {
   for (int64_t r = 0; r < rows; ++r) {
     float* v = x + r * dim;

@@ -61,10 +61,19 @@ void Attend(const float* q, int64_t T, int64_t n_q, const KvCache& cache, float*
 void NormAndRotate(float* rows, int64_t T, int64_t n_heads, int64_t head_dim,
                    const float* norm_weight, double eps, const Rope& rope, int64_t start_pos);
 
-// FailedPrecondition naming `what` if `bytes` of fp32 weights would not fit in 80% of physical
-// memory (the reference engine converts every weight to fp32 up front; failing early beats the
-// OOM killer).
-Status CheckFitsInMemory(int64_t bytes, std::string_view what);
+// Estimates of what an allocation sized from input will take: saturate at INT64_MAX instead of
+// wrapping, so an absurd config never sneaks under the budget (CheckHostMemory, refengine.h).
+inline int64_t SatMul(int64_t a, int64_t b) {
+  int64_t r = 0;
+  return a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r) ? INT64_MAX : r;
+}
+inline int64_t SatAdd(int64_t a, int64_t b) {
+  int64_t r = 0;
+  return a < 0 || b < 0 || __builtin_add_overflow(a, b, &r) ? INT64_MAX : r;
+}
+// Bytes one Forward of T tokens allocates beyond the weights: activations (hidden, attention,
+// the widest MLP, the router) and the KV cache the T positions add, fp32.
+int64_t ForwardBytes(const ModelSpec& spec, int64_t T, int64_t tp);
 
 // Qwen3-MoE routing for one token: softmax over the router logits, top-k (ties: lower expert
 // id first, as torch.topk on CPU), optionally renormalised. Returns (expert, weight) pairs.

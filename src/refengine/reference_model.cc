@@ -68,6 +68,8 @@ class ReferenceModel : public CausalLm {
     const int64_t T = static_cast<int64_t>(tokens.size()), H = s_.hidden_size;
     const int64_t V = s_.vocab_size, d = s_.head_dim;
     const int64_t nq = s_.num_attention_heads, nkv = s_.num_key_value_heads;
+    SS_RETURN_IF_ERROR(CheckHostMemory(refengine::ForwardBytes(s_, T, 1), "model '" + s_.name + "'",
+                                       fmt::format("a forward of {} tokens", T)));
     if (T == 0) return InvalidArgumentError("forward: no tokens");
     std::vector<float> x(T * H);
     const float* emb = W("model.embed_tokens.weight");
@@ -154,8 +156,11 @@ class ReferenceModel : public CausalLm {
 
 Result<std::unique_ptr<CausalLm>> MakeReferenceModel(const ModelSpec& spec,
                                                      const WeightSource& weights) {
+  // Before anything sized from the config is allocated (RoPE tables included).
+  SS_RETURN_IF_ERROR(CheckHostMemory(refengine::SatMul(ModelNumElements(spec), 4),
+                                     "model '" + spec.name + "'",
+                                     "the unsharded reference engine's fp32 weights"));
   SS_ASSIGN_OR_RETURN(Rope rope, Rope::Make(spec));
-  SS_RETURN_IF_ERROR(refengine::CheckFitsInMemory(ModelNumElements(spec) * 4, spec.name));
   auto m = std::make_unique<ReferenceModel>(spec, std::move(rope));
   SS_RETURN_IF_ERROR(m->Load(weights));
   return std::unique_ptr<CausalLm>(std::move(m));

@@ -51,11 +51,6 @@ class ShardedModel : public CausalLm {
       return InvalidArgumentError(fmt::format("{} engine buffer sets for {} engine ranks",
                                               per_rank.size(), map_.ranks.size()));
     }
-    int64_t elements = 0;
-    for (const auto& r : map_.ranks) {
-      for (const auto& p : r.params) elements += p.numel();
-    }
-    SS_RETURN_IF_ERROR(refengine::CheckFitsInMemory(elements * 4, m_.name + " (sharded)"));
     SS_RETURN_IF_ERROR(ConvertBuffers(per_rank));
     SS_RETURN_IF_ERROR(ComputeDims());
     SS_RETURN_IF_ERROR(BindWeights());
@@ -87,6 +82,9 @@ class ShardedModel : public CausalLm {
             fmt::format("token id {} is outside the vocabulary [0, {})", t, V));
       }
     }
+    SS_RETURN_IF_ERROR(CheckHostMemory(refengine::ForwardBytes(m_, T, tp_),
+                                       "model '" + m_.name + "'",
+                                       fmt::format("a sharded forward of {} tokens", T)));
     // Vocab-parallel embedding on stage 0: each rank looks up the ids in its row range, the
     // others contribute 0, and the all-reduce sums.
     std::vector<float> x(T * H, 0.f);
@@ -429,6 +427,14 @@ class ShardedModel : public CausalLm {
 
 Result<std::unique_ptr<CausalLm>> MakeShardedModel(const ShardMap& map,
                                                    const std::vector<EngineBuffers>& per_rank) {
+  // Before anything sized from the config is allocated (RoPE tables included).
+  int64_t elements = 0;
+  for (const auto& r : map.ranks) {
+    for (const auto& p : r.params) elements = refengine::SatAdd(elements, p.numel());
+  }
+  SS_RETURN_IF_ERROR(CheckHostMemory(refengine::SatMul(elements, 4),
+                                     "model '" + map.model.name + "'",
+                                     "the sharded engine's fp32 weights"));
   SS_ASSIGN_OR_RETURN(Rope rope, Rope::Make(map.model));
   auto m = std::make_unique<ShardedModel>(map, std::move(rope));
   SS_RETURN_IF_ERROR(m->Init(per_rank));

@@ -2,9 +2,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 
+#include "refengine/kernels.h"
 #include "shardsync/refengine.h"
 #include "shardsync/synthetic.h"
 
@@ -12,6 +14,48 @@ namespace shardsync {
 namespace {
 
 namespace fs = std::filesystem;
+
+// F8_E4M3: block-FP8 checkpoints' quantized weights (their fp32 scales are read beside them).
+bool IsFloatWeight(DType t) {
+  return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16 || t == DType::kF64 ||
+         t == DType::kF8E4M3;
+}
+
+// Index of the first NaN or infinity among `n` elements of a float dtype, -1 if none.
+int64_t FirstNonFinite(DType t, const uint8_t* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    bool finite = true;
+    switch (t) {
+      case DType::kF32: {
+        float f;
+        std::memcpy(&f, p + 4 * i, 4);
+        finite = std::isfinite(f);
+        break;
+      }
+      case DType::kF64: {
+        double f;
+        std::memcpy(&f, p + 8 * i, 8);
+        finite = std::isfinite(f);
+        break;
+      }
+      case DType::kBF16:
+      case DType::kF16: {
+        uint16_t h;
+        std::memcpy(&h, p + 2 * i, 2);
+        const uint16_t exp = t == DType::kBF16 ? 0x7f80 : 0x7c00;  // all-ones exponent
+        finite = (h & exp) != exp;
+        break;
+      }
+      case DType::kF8E4M3:  // e4m3fn has no infinity; S.1111.111 is its only NaN
+        finite = (p[i] & 0x7f) != 0x7f;
+        break;
+      default:
+        break;
+    }
+    if (!finite) return i;
+  }
+  return -1;
+}
 
 Status CheckRegion(std::string_view name, const Region& r, const Shape& shape) {
   if (!RegionInside(r, shape)) {
@@ -44,13 +88,27 @@ Status CheckpointWeightSource::Read(std::string_view hf_name, const Region& r, D
     return UnimplementedError(
         fmt::format("tensor '{}' has {} dimensions (max {})", hf_name, v.shape.size(), kMaxDims));
   }
+  if (!IsFloatWeight(v.dtype)) {
+    return InvalidArgumentError(fmt::format(
+        "tensor '{}' is {}: the reference engine reads F32, BF16, F16, F64 or F8_E4M3 weights",
+        hf_name, DTypeName(v.dtype)));
+  }
   SS_RETURN_IF_ERROR(CheckRegion(hf_name, r, v.shape));
   const int src_size = DTypeSize(v.dtype), dst_size = DTypeSize(dtype);
   auto* dst = static_cast<uint8_t*>(out);
   Status st;
   ForEachRun(r, v.shape, [&](int64_t off, int64_t len) {
     if (!st.ok()) return;
-    st = ConvertElements(v.dtype, v.data.data() + off * src_size, dtype, dst, len);
+    // A NaN or an infinity would decode to garbage tokens that look like an answer.
+    const uint8_t* src = v.data.data() + off * src_size;
+    if (const int64_t bad = FirstNonFinite(v.dtype, src, len); bad >= 0) {
+      st =
+          InvalidArgumentError(fmt::format("tensor '{}' holds a non-finite value (NaN or "
+                                           "infinity) at element {}",
+                                           hf_name, off + bad));
+      return;
+    }
+    st = ConvertElements(v.dtype, src, dtype, dst, len);
     dst += len * dst_size;
   });
   if (!st.ok()) st.Annotate(fmt::format("tensor '{}'", hf_name));
@@ -92,6 +150,14 @@ Status SyntheticWeightSource::Read(std::string_view hf_name, const Region& r, DT
 
 Result<std::vector<EngineBuffers>> CutEngineShards(const ShardMap& map,
                                                    const WeightSource& weights) {
+  int64_t bytes = 0;
+  for (const EngineRankShards& rank : map.ranks) {
+    for (const EngineParam& p : rank.params) {
+      bytes = refengine::SatAdd(bytes, refengine::SatMul(p.numel(), DTypeSize(p.dtype)));
+    }
+  }
+  SS_RETURN_IF_ERROR(
+      CheckHostMemory(bytes, "model '" + map.model.name + "'", "the engine-layout shards"));
   std::vector<EngineBuffers> out(map.ranks.size());
   std::vector<uint8_t> tmp;
   for (size_t i = 0; i < map.ranks.size(); ++i) {
@@ -154,10 +220,8 @@ Result<int> MetaInt(const SafetensorsHeader& h, const char* key, const std::stri
     used = 0;
   }
   if (used == 0 || used != it->second.size() || v < 0) {
-    return InvalidArgumentError(
-        fmt::format("engine dump '{}': __metadata__ '{}' = '{}' is not a "
-                    "non-negative integer",
-                    path, key, it->second));
+    return InvalidArgumentError(fmt::format(
+        "engine dump '{}': __metadata__ '{}' is not a non-negative integer", path, key));
   }
   return v;
 }
@@ -193,6 +257,14 @@ Result<std::vector<EngineBuffers>> LoadEngineDump(const std::string& dir, const 
   }
   if (ec) return UnavailableError(fmt::format("listing '{}': {}", dir, ec.message()));
   std::sort(files.begin(), files.end());
+  // Every tensor is copied into memory: the dumps' sizes, checked before anything is read.
+  int64_t total = 0;
+  for (const auto& path : files) {
+    const auto size = fs::file_size(path, ec);
+    total = refengine::SatAdd(total, ec ? 0 : static_cast<int64_t>(size));
+  }
+  SS_RETURN_IF_ERROR(
+      CheckHostMemory(total, fmt::format("engine dump directory '{}'", dir), "loading the dumps"));
   std::vector<EngineBuffers> out(map.ranks.size());
   std::vector<std::string> from(map.ranks.size());
   for (const auto& path : files) {

@@ -33,7 +33,13 @@ enum class Op : uint16_t {
   kWait = 5,     // args: keys...; num: timeout ms
   kReply = 6,    // num: StatusCode; args: value(s) or error message
   kGetMany = 7,  // args: keys...; num: timeout ms; reply: one value per key, in order
+  // Added in place (old servers close the connection on them; no old client sends them):
+  kDeletePrefix = 8,  // args: prefix; reply: how many keys were deleted
+  kSetEphemeral = 9,  // args: key, value; the key is bound to this connection
+  kSetIfAbsent = 10,  // args: key, value; num: 1 = ephemeral; reply: the value the key holds
+  kMarkDead = 11,     // args: key, reason; the key is removed and recorded as dead
 };
+inline constexpr Op kLastOp = Op::kMarkDead;
 
 struct FrameHeader {
   Op op = Op::kReply;
@@ -72,7 +78,7 @@ inline Result<FrameHeader> ParseFrameHeader(std::string_view bytes,
                                 " unsupported (want " + std::to_string(kVersion) + ")");
   }
   uint64_t op = detail::LoadLE(p + 6, 2);
-  if (op < static_cast<uint64_t>(Op::kHello) || op > static_cast<uint64_t>(Op::kGetMany)) {
+  if (op < static_cast<uint64_t>(Op::kHello) || op > static_cast<uint64_t>(kLastOp)) {
     return InvalidArgumentError("store frame: unknown op " + std::to_string(op));
   }
   uint64_t len = detail::LoadLE(p + 8, 4);
@@ -127,11 +133,15 @@ inline Result<Frame> ParseFrame(std::string_view bytes, size_t max_payload = kMa
       SS_RETURN_IF_ERROR(want_args(1, "hello"));
       break;
     case Op::kSet:
-      SS_RETURN_IF_ERROR(want_args(2, "set"));
+    case Op::kSetEphemeral:
+    case Op::kSetIfAbsent:
+    case Op::kMarkDead:
+      SS_RETURN_IF_ERROR(want_args(2, f.op == Op::kSet ? "set" : "ephemeral set or mark-dead"));
       break;
     case Op::kGet:
     case Op::kAdd:
-      SS_RETURN_IF_ERROR(want_args(1, f.op == Op::kGet ? "get" : "add"));
+    case Op::kDeletePrefix:
+      SS_RETURN_IF_ERROR(want_args(1, f.op == Op::kGet ? "get" : "add or delete-prefix"));
       break;
     case Op::kWait:
     case Op::kGetMany:

@@ -49,6 +49,7 @@ Result<LaunchEnv> LaunchEnvFromLookup(
   }
   SS_ASSIGN_OR_RETURN(auto token, FirstSet(lookup, {"SHARDSYNC_TOKEN"}));
   if (token.second.empty()) return InvalidArgumentError("SHARDSYNC_TOKEN is empty");
+  SS_RETURN_IF_ERROR(CheckStoreToken(token.second, "SHARDSYNC_TOKEN"));
   env.token = token.second;
   return env;
 }

@@ -107,12 +107,7 @@ class StoreClientImpl final : public StoreClient {
     SS_RETURN_IF_ERROR(CheckKey(key));
     Frame f{Op::kAdd, delta, {key}};
     SS_ASSIGN_OR_RETURN(std::string v, Call(f, Clock::now() + io_timeout_));
-    int64_t out = 0;
-    auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
-    if (ec != std::errc() || ptr != v.data() + v.size()) {
-      return InternalError("store add '" + key + "': server replied a non-integer");
-    }
-    return out;
+    return ParseCount(v, "add '" + key + "'");
   }
 
   Result<std::vector<std::string>> GetMany(const std::vector<std::string>& keys,
@@ -148,6 +143,38 @@ class StoreClientImpl final : public StoreClient {
     return Call(f, Clock::now() + store_net::ClampWait(timeout) + io_timeout_).status();
   }
 
+  Result<int64_t> DeletePrefix(const std::string& prefix) override {
+    if (prefix.empty()) {
+      return InvalidArgumentError(
+          "store delete-prefix: the prefix is empty (it would match every key)");
+    }
+    Frame f{Op::kDeletePrefix, 0, {prefix}};
+    SS_ASSIGN_OR_RETURN(std::string v, Call(f, Clock::now() + io_timeout_));
+    return ParseCount(v, "delete-prefix '" + prefix + "'");
+  }
+
+  Status SetEphemeral(const std::string& key, std::string_view value) override {
+    SS_RETURN_IF_ERROR(CheckKey(key));
+    SS_RETURN_IF_ERROR(CheckValue(key, value));
+    Frame f{Op::kSetEphemeral, 0, {key, std::string(value)}};
+    return Call(f, Clock::now() + io_timeout_).status();
+  }
+
+  Result<std::string> SetIfAbsent(const std::string& key, std::string_view value,
+                                  bool ephemeral) override {
+    SS_RETURN_IF_ERROR(CheckKey(key));
+    SS_RETURN_IF_ERROR(CheckValue(key, value));
+    Frame f{Op::kSetIfAbsent, ephemeral ? 1 : 0, {key, std::string(value)}};
+    return Call(f, Clock::now() + io_timeout_);
+  }
+
+  Status MarkDead(const std::string& key, std::string_view reason) override {
+    SS_RETURN_IF_ERROR(CheckKey(key));
+    SS_RETURN_IF_ERROR(CheckValue(key, reason));
+    Frame f{Op::kMarkDead, 0, {key, std::string(reason)}};
+    return Call(f, Clock::now() + io_timeout_).status();
+  }
+
   // Generation-counted so the same name can be reused: the k-th arrival (from 1) belongs to
   // round (k-1)/world, and the round's last arrival sets its done key.
   Status Barrier(const std::string& name, int world, Millis timeout) override {
@@ -174,6 +201,15 @@ class StoreClientImpl final : public StoreClient {
   }
 
  private:
+  static Result<int64_t> ParseCount(const std::string& v, const std::string& what) {
+    int64_t out = 0;
+    auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
+    if (ec != std::errc() || ptr != v.data() + v.size()) {
+      return InternalError("store " + what + ": server replied a non-integer");
+    }
+    return out;
+  }
+
   static Status CheckKey(const std::string& key) {
     if (key.empty()) return InvalidArgumentError("store: key is empty");
     return OkStatus();
@@ -237,9 +273,9 @@ class StoreClientImpl final : public StoreClient {
                               ": connection unusable after an earlier failure");
     }
     auto r = CallChainOnce(frames, deadline);
-    if (!r.ok() && (r.status().code() == StatusCode::kUnavailable ||
-                    r.status().code() == StatusCode::kInternal ||
-                    (r.status().code() == StatusCode::kDeadlineExceeded && io_failed_))) {
+    // Only a failure of the stream itself ends the connection: an error reply (a dead key, a
+    // refused request) leaves it in step.
+    if (!r.ok() && (io_failed_ || r.status().code() == StatusCode::kInternal)) {
       broken_ = true;
     }
     return r;
@@ -396,6 +432,8 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Connect(const std::string& add
                                                           Millis timeout) {
   SS_ASSIGN_OR_RETURN(auto hp, ParseHostPort(address, "store address"));
   if (hp.second == 0) return InvalidArgumentError("store address '" + address + "': port 0");
+  // No server accepts a shorter token: say so now rather than after its failed-hello delay.
+  SS_RETURN_IF_ERROR(CheckStoreToken(token, "SHARDSYNC_TOKEN"));
   if (timeout.count() <= 0) {
     return InvalidArgumentError("store connect timeout must be positive, got " +
                                 std::to_string(timeout.count()) + " ms");

@@ -164,8 +164,8 @@ Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& serve
     argv.push_back(nullptr);
     for (auto& e : env) envp.push_back(e.data());
     envp.push_back(nullptr);
-    char tmpl[] = "/tmp/shardsync-rank-XXXXXX";
-    int log_fd = mkstemp(tmpl);
+    std::string tmpl = (o.log_dir.empty() ? "/tmp" : o.log_dir) + "/shardsync-rank-XXXXXX";
+    int log_fd = mkstemp(tmpl.data());
     if (log_fd < 0) {
       KillAll(children);
       cleanup_logs();

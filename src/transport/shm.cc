@@ -1,11 +1,10 @@
 // Shared-memory transport (transport.h, "Shared memory"): one single-producer / single-consumer
-// ring per (sender, receiver) pair in the receiver's POSIX shm segment. Post* queue work and
-// Poll drives it: senders copy their queued messages into free slots, receivers copy published
-// slots into posted buffers. Written by hand: UCX's shm transports do the same copies but give
-// no hook to fuse the checksum into them, and the fused copies are what make verification cheap.
-#include <fcntl.h>
+// ring per (sender, receiver) pair in the receiver's POSIX shm segment (layout: shm_ring.h;
+// segments and their cleanup: shm_segment.h). Post* queue work and Poll drives it: senders copy
+// their queued messages into free slots, receivers copy published slots into posted buffers.
+// Written by hand: UCX's shm transports do the same copies but give no hook to fuse the checksum
+// into them, and the fused copies are what make verification cheap.
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,9 +14,6 @@
 #include <deque>
 #include <list>
 #include <map>
-#include <new>
-#include <random>
-#include <sstream>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -26,93 +22,21 @@
 #include "shardsync/transport.h"
 #include "store/log.h"
 #include "transport/process.h"
+#include "transport/shm_ring.h"
+#include "transport/shm_segment.h"
 
 namespace shardsync {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-constexpr uint64_t kMagic = 0x3147'4e49'5253'5353ull;  // "SSSRING1"
-// 16 x 64 KiB per pair: measured on the 2-core VM (4 pairs, fused checksums both ends), 64 KiB
-// slots beat 128 KiB - 1 MiB ones by 7-18 %: the ring stays in L2 while both ends work on it.
-constexpr uint64_t kSlotBytes = uint64_t{64} << 10;
-constexpr uint64_t kSlots = 16;
-// Largest message a receiver buffers before its receive is posted (a corrupt length must not
-// become an allocation of any size).
-constexpr uint64_t kMaxMessageBytes = uint64_t{1} << 40;
-
-struct SlotHeader {
-  uint64_t tag;
-  uint64_t msg_bytes;
-  uint64_t frag_offset;
-  uint64_t frag_bytes;
-};
-
-// head: slots the sender published; tail: slots the receiver released. The closed flags are set
-// by each side's transport when it is destroyed or aborted.
-struct alignas(64) RingCtl {
-  std::atomic<uint64_t> head;
-  char pad0[56];
-  std::atomic<uint64_t> tail;
-  char pad1[56];
-  std::atomic<uint32_t> sender_closed;
-  std::atomic<uint32_t> receiver_closed;
-  char pad2[56];
-};
-static_assert(std::atomic<uint64_t>::is_always_lock_free);
-static_assert(std::atomic<uint32_t>::is_always_lock_free);
-constexpr uint64_t kSlotStride = 64 + kSlotBytes;  // header padded to a cache line
-constexpr uint64_t kRingBytes = sizeof(RingCtl) + kSlots * kSlotStride;
-
-struct SegHeader {
-  uint64_t magic;
-  uint64_t rings;
-  uint64_t ring_bytes;
-  int64_t owner_rank;
-  char pad[32];
-};
-static_assert(sizeof(SegHeader) == 64);
-
-uint64_t TableBytes(uint64_t rings) { return (rings * 8 + 63) / 64 * 64; }
-uint64_t SegmentBytes(uint64_t rings) {
-  return sizeof(SegHeader) + TableBytes(rings) + rings * kRingBytes;
-}
-RingCtl* RingAt(char* seg, uint64_t rings, uint64_t i) {
-  return reinterpret_cast<RingCtl*>(seg + sizeof(SegHeader) + TableBytes(rings) + i * kRingBytes);
-}
-char* SlotAt(RingCtl* ring, uint64_t seq) {
-  return reinterpret_cast<char*>(ring) + sizeof(RingCtl) + (seq % kSlots) * kSlotStride;
-}
-
-// Copies message bytes [a, b) (dst and src point at offset a), adding the whole words of the
-// message (SummedHead/SummedTail of `sum->key`) that lie inside [a, b) into `sum` from the
-// copy's own loads; a word that starts here and ends in a later fragment goes to `straddles`.
-void CopyFragment(char* dst, const char* src, uint64_t a, uint64_t b, uint64_t msg_bytes,
-                  CopySum* sum, std::vector<uint64_t>& straddles) {
-  if (sum == nullptr) {
-    std::memcpy(dst, src, b - a);
-    return;
-  }
-  const uint64_t h = SummedHead(sum->key, msg_bytes), t = SummedTail(sum->key, msg_bytes);
-  const uint64_t s = std::max(a, h) <= h ? h : h + (std::max(a, h) - h + 7) / 8 * 8;
-  const uint64_t lim = std::min(b, t);
-  const uint64_t e = lim <= s ? s : h + (lim - h) / 8 * 8;
-  if (e > s) {
-    std::memcpy(dst, src, s - a);
-    sum->sum += CopyWithChecksumPartial(dst + (s - a), src + (s - a), e - s, sum->key + s);
-    std::memcpy(dst + (e - a), src + (e - a), b - e);
-  } else {
-    std::memcpy(dst, src, b - a);
-  }
-  if (e < b && e + 8 <= t) straddles.push_back(e);
-}
-
-// The straddling words, read from the message's whole image once every byte is in place.
-void FinishSum(const char* image, CopySum* sum, std::vector<uint64_t>& straddles) {
-  if (sum == nullptr) return;
-  for (uint64_t w : straddles) sum->sum += ChecksumPartial(image + w, 8, sum->key + w);
-  straddles.clear();
-}
+using shm::CopyFragment;
+using shm::FinishSum;
+using shm::kMaxMessageBytes;
+using shm::kSlotBytes;
+using shm::kSlots;
+using shm::RingCtl;
+using shm::SlotAt;
+using shm::SlotHeader;
 
 struct Op {
   int peer = 0;
@@ -140,6 +64,7 @@ struct Unexpected {
 struct Peer {
   int rank = 0;
   pid_t pid = 0;
+  std::string segment;  // the name its record gave
   char* map = nullptr;  // the peer's segment (null for this rank itself)
   size_t map_bytes = 0;
   RingCtl* out = nullptr;  // this rank -> peer, in the peer's segment
@@ -207,15 +132,19 @@ class ShmTransport final : public Transport {
     for (int p : peers) {
       if (std::find(list.begin(), list.end(), p) == list.end()) list.push_back(p);
     }
-    SS_RETURN_IF_ERROR(CreateSegment(list));
-    std::ostringstream rec;
-    rec << name_ << ' ' << getpid() << ' ' << list.size();
-    for (int p : list) rec << ' ' << p;
-    SS_RETURN_IF_ERROR(store.Set(prefix + "/shm/" + std::to_string(rank), rec.str()));
+    // Segments that ranks killed during an earlier connect on this host left behind.
+    shm::SweepOrphanSegments();
+    SS_ASSIGN_OR_RETURN(shm::OwnSegment own, shm::CreateSegment(rank, list));
+    name_ = own.name;
+    seg_ = own.map;
+    seg_bytes_ = own.bytes;
+    linked_ = true;
+    SS_RETURN_IF_ERROR(store.Set(prefix + "/shm/" + std::to_string(rank),
+                                 shm::FormatRecord(name_, getpid(), list)));
     for (size_t i = 0; i < list.size(); ++i) {
       Peer& p = peers_[list[i]];
       p.rank = list[i];
-      p.in = RingAt(seg_, list.size(), i);
+      p.in = shm::RingAt(seg_, list.size(), i);
       if (list[i] == rank) {
         p.pid = getpid();
         p.out = p.in;
@@ -235,14 +164,28 @@ class ShmTransport final : public Transport {
     }
     // The segment's name can go once every peer has mapped it (no file left behind on a crash).
     SS_RETURN_IF_ERROR(store.Set(prefix + "/shm_mapped/" + std::to_string(rank), "1"));
-    for (int p : list) {
-      if (p == rank) continue;
-      auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
-      auto v = store.Get(prefix + "/shm_mapped/" + std::to_string(p), std::max(left, Millis(1)));
-      if (!v.ok()) {
-        return DeadlineExceededError("shm: rank " + std::to_string(rank) +
-                                     " timed out waiting for peer rank " + std::to_string(p) +
-                                     " to map its rings");
+    for (int r : list) {
+      if (r == rank) continue;
+      // In short slices, so a peer that dies before mapping is seen within ~100 ms, not at the
+      // timeout; its segment (it never unlinked it) goes with it.
+      const std::string key = prefix + "/shm_mapped/" + std::to_string(r);
+      while (true) {
+        const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+        auto v = store.Get(key, std::clamp(left, Millis(1), Millis(100)));
+        if (v.ok()) break;
+        if (v.status().code() != StatusCode::kDeadlineExceeded) return v.status();
+        const Peer& p = peers_[r];
+        if (!internal::ProcessAlive(p.pid)) {
+          shm::UnlinkOrphan(p.segment);
+          return UnavailableError("shm: peer rank " + std::to_string(r) + " (pid " +
+                                  std::to_string(p.pid) +
+                                  ") exited during connect; its segment was removed");
+        }
+        if (Clock::now() >= deadline) {
+          return DeadlineExceededError("shm: rank " + std::to_string(rank) +
+                                       " timed out waiting for peer rank " + std::to_string(r) +
+                                       " to map its rings");
+        }
       }
     }
     Unlink();
@@ -314,95 +257,21 @@ class ShmTransport final : public Transport {
   }
 
  private:
-  Status CreateSegment(const std::vector<int>& list) {
-    std::random_device rd;
-    char nonce[17];
-    std::snprintf(nonce, sizeof(nonce), "%08x%08x", rd(), rd());
-    name_ = "/shardsync-" + std::to_string(getuid()) + "-" + std::to_string(getpid()) + "-" +
-            std::to_string(rank_) + "-" + nonce;
-    const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) {
-      return UnavailableError("shm: shm_open(" + name_ + ") failed: " + std::strerror(errno));
-    }
-    linked_ = true;
-    seg_bytes_ = SegmentBytes(list.size());
-    // Reserve the pages now: on a full /dev/shm a lazily backed mapping dies of SIGBUS later.
-    const int rc = posix_fallocate(fd, 0, static_cast<off_t>(seg_bytes_));
-    if (rc != 0) {
-      close(fd);
-      return UnavailableError("shm: cannot reserve " + std::to_string(seg_bytes_) +
-                              " bytes in /dev/shm for rank " + std::to_string(rank_) +
-                              "'s rings: " + std::strerror(rc));
-    }
-    void* m = mmap(nullptr, seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (m == MAP_FAILED) {
-      return UnavailableError(std::string("shm: mmap of this rank's rings failed: ") +
-                              std::strerror(errno));
-    }
-    seg_ = static_cast<char*>(m);
-    auto* h = reinterpret_cast<SegHeader*>(seg_);
-    h->rings = list.size();
-    h->ring_bytes = kRingBytes;
-    h->owner_rank = rank_;
-    auto* table = reinterpret_cast<int64_t*>(seg_ + sizeof(SegHeader));
-    for (size_t i = 0; i < list.size(); ++i) {
-      table[i] = list[i];
-      new (RingAt(seg_, list.size(), i)) RingCtl{};
-    }
-    std::atomic_thread_fence(std::memory_order_release);
-    h->magic = kMagic;
-    return OkStatus();
-  }
-
-  // Parses a peer's record ("name pid rings rank...") and maps its segment; every field is
-  // checked, since the record comes from another process.
+  // Maps the segment a peer's record names; a record from a process that already exited has its
+  // segment removed instead (the peer died during connect, before unlinking it).
   Status MapPeer(Peer& p, const std::string& record) {
-    const std::string who = "shm: peer rank " + std::to_string(p.rank);
-    std::istringstream in(record);
-    std::string name;
-    long long pid = 0;
-    unsigned long long rings = 0;
-    if (!(in >> name >> pid >> rings) || name.size() < 2 || name[0] != '/' ||
-        name.find('/', 1) != std::string::npos || pid <= 0 || rings == 0 || rings > 65536) {
-      return DataLossError(who + " published a malformed connection record");
+    SS_ASSIGN_OR_RETURN(shm::PeerRecord rec, shm::ParsePeerRecord(record, p.rank, rank_));
+    p.pid = rec.pid;
+    p.segment = rec.name;
+    if (rec.pid != getpid() && !internal::ProcessAlive(rec.pid)) {
+      shm::UnlinkOrphan(rec.name);
+      return UnavailableError("shm: peer rank " + std::to_string(p.rank) + " (pid " +
+                              std::to_string(rec.pid) +
+                              ") exited during connect; its segment was removed");
     }
-    long long index = -1;
-    for (unsigned long long i = 0; i < rings; ++i) {
-      long long r = 0;
-      if (!(in >> r)) return DataLossError(who + " published a malformed connection record");
-      if (r == rank_) index = static_cast<long long>(i);
-    }
-    if (index < 0) {
-      return FailedPreconditionError(who + " did not list rank " + std::to_string(rank_) +
-                                     " among its peers");
-    }
-    const int fd = shm_open(name.c_str(), O_RDWR, 0);
-    if (fd < 0) {
-      return UnavailableError(who + ": shm_open(" + name + ") failed: " + std::strerror(errno));
-    }
-    struct stat st {};
-    const uint64_t need = SegmentBytes(rings);
-    if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < need) {
-      close(fd);
-      return DataLossError(who + "'s segment is smaller than its record says");
-    }
-    void* m = mmap(nullptr, need, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (m == MAP_FAILED) {
-      return UnavailableError(who + ": mmap failed: " + std::strerror(errno));
-    }
-    p.map = static_cast<char*>(m);
-    p.map_bytes = need;
-    const auto* h = reinterpret_cast<const SegHeader*>(p.map);
-    std::atomic_thread_fence(std::memory_order_acquire);
-    if (h->magic != kMagic || h->rings != rings || h->ring_bytes != kRingBytes ||
-        h->owner_rank != p.rank) {
-      return DataLossError(who + "'s segment header does not match its record");
-    }
-    p.out = RingAt(p.map, rings, static_cast<uint64_t>(index));
+    SS_ASSIGN_OR_RETURN(p.map, shm::MapPeerSegment(rec, p.rank, &p.map_bytes));
+    p.out = shm::RingAt(p.map, rec.rings, rec.index);
     p.out_head = p.out->head.load(std::memory_order_relaxed);
-    p.pid = static_cast<pid_t>(pid);
     return OkStatus();
   }
 

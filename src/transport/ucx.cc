@@ -15,7 +15,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <map>
 #include <set>
 #include <thread>
@@ -23,11 +22,15 @@
 
 #include "store/log.h"
 #include "transport/process.h"
+#include "transport/ucx_support.h"
 
 namespace shardsync {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using ucx_support::HostName;
+using ucx_support::Reader;
+using ucx_support::Writer;
 
 constexpr uint32_t kRecordMagic = 0x55435853;  // "SXCU": record format version 1
 constexpr int kTagRankBits = 16;
@@ -37,42 +40,6 @@ constexpr uint64_t kTagUserMask = (uint64_t{1} << kTagUserBits) - 1;
 std::string UcsError(const char* what, ucs_status_t s) {
   return std::string(what) + ": " + ucs_status_string(s);
 }
-
-// Little-endian record writer / bounds-checked reader for the published connection record.
-struct Writer {
-  std::string out;
-  void U32(uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); }
-  void U64(uint64_t v) { out.append(reinterpret_cast<const char*>(&v), 8); }
-  void Bytes(const void* p, size_t n) {
-    U32(static_cast<uint32_t>(n));
-    out.append(static_cast<const char*>(p), n);
-  }
-};
-struct Reader {
-  std::string_view in;
-  bool ok = true;
-  template <typename T>
-  T Num() {
-    T v{};
-    if (in.size() < sizeof(T)) {
-      ok = false;
-      return v;
-    }
-    std::memcpy(&v, in.data(), sizeof(T));
-    in.remove_prefix(sizeof(T));
-    return v;
-  }
-  std::string_view Bytes() {
-    uint32_t n = Num<uint32_t>();
-    if (!ok || in.size() < n) {
-      ok = false;
-      return {};
-    }
-    std::string_view v = in.substr(0, n);
-    in.remove_prefix(n);
-    return v;
-  }
-};
 
 struct LocalRegion {
   MemRegion region;
@@ -102,19 +69,6 @@ struct Peer {
   pid_t pid = 0;
   Clock::time_point next_check;
 };
-
-// True one-sided puts into user memory need RDMA (UCX 1.13 emulates them over shm and tcp).
-bool HasRdmaDevice() {
-  std::error_code ec;
-  std::filesystem::directory_iterator it("/sys/class/infiniband", ec);
-  return !ec && it != std::filesystem::directory_iterator();
-}
-
-std::string HostName() {
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  return host;
-}
 
 enum class Kind { kPut, kFlush, kSend, kRecv };
 const char* KindName(Kind k) {
@@ -150,7 +104,8 @@ void OnEpError(void* arg, ucp_ep_h, ucs_status_t status) {
 
 class UcxTransport final : public Transport {
  public:
-  UcxTransport(UcxMode mode, bool same_host_shm) : mode_(mode), same_host_shm_(same_host_shm) {}
+  UcxTransport(UcxMode mode, bool same_host_shm, std::string net_devices)
+      : mode_(mode), same_host_shm_(same_host_shm), net_devices_(std::move(net_devices)) {}
   ~UcxTransport() override {
     Teardown(/*force=*/aborted_);
     ReleaseLocal();
@@ -166,6 +121,16 @@ class UcxTransport final : public Transport {
     // A user's UCX_KEEPALIVE_INTERVAL wins.
     if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
       ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
+    }
+    // The devices the job needs and no more: every TCP device UCX uses gets a listener on its
+    // address (transport.h, "Listening").
+    if (!net_devices_.empty()) {
+      s = ucp_config_modify(config, "NET_DEVICES", net_devices_.c_str());
+      if (s != UCS_OK) {
+        ucp_config_release(config);
+        return InvalidArgumentError(
+            UcsError(("ucx: NET_DEVICES '" + net_devices_ + "'").c_str(), s));
+      }
     }
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
@@ -586,6 +551,7 @@ class UcxTransport final : public Transport {
  private:
   UcxMode mode_;
   bool same_host_shm_;
+  std::string net_devices_;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int rank_ = -1;
@@ -601,23 +567,8 @@ class UcxTransport final : public Transport {
 }  // namespace
 
 Result<std::unique_ptr<Transport>> NewUcxTransport(const UcxOptions& options) {
-  UcxMode mode = options.mode;
-  if (options.mode_from_env) {
-    if (const char* m = std::getenv("SHARDSYNC_UCX_MODE"); m != nullptr && *m != '\0') {
-      std::string v(m);
-      if (v == "put") {
-        mode = UcxMode::kPut;
-      } else if (v == "tag") {
-        mode = UcxMode::kTag;
-      } else if (v == "auto") {
-        mode = UcxMode::kAuto;
-      } else {
-        return InvalidArgumentError("SHARDSYNC_UCX_MODE='" + v + "': want put, tag or auto");
-      }
-    }
-  }
-  if (mode == UcxMode::kAuto) mode = HasRdmaDevice() ? UcxMode::kPut : UcxMode::kTag;
-  auto t = std::make_unique<UcxTransport>(mode, options.same_host_shm);
+  SS_ASSIGN_OR_RETURN(ucx_support::ResolvedUcxOptions o, ucx_support::ResolveUcxOptions(options));
+  auto t = std::make_unique<UcxTransport>(o.mode, options.same_host_shm, o.net_devices);
   SS_RETURN_IF_ERROR(t->Init());
   return std::unique_ptr<Transport>(std::move(t));
 }

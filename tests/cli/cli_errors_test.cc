@@ -393,26 +393,41 @@ SS_BAD_SUITE(Plan, kPlan);
 
 // ---------------------------------------------------------------- store
 const std::vector<BadCase> kStore = {
-    {"token_missing", {"store", "--bind", "127.0.0.1:0"}, {"SHARDSYNC_TOKEN"}},
+    // Tokens shorter than 16 characters are refused before anything is served.
+    {"token_too_short", {"store", "--bind", "127.0.0.1:0", "--token", "short"}, {"--token"}},
+    {"token_env_too_short",
+     {"store", "--bind", "127.0.0.1:0"},
+     {"SHARDSYNC_TOKEN", "16"},
+     {},
+     2,
+     {{"SHARDSYNC_TOKEN", "t"}}},
+    {"token_file_exists",
+     {"store", "--bind", "127.0.0.1:0", "--token-file", "{DIR}/tiny/config.json"},
+     {"--token-file", "already exists"}},
     {"bind_no_port",
      {"store", "--bind", "127.0.0.1"},
      {"--bind"},
      {},
      2,
-     {{"SHARDSYNC_TOKEN", "t"}}},
+     {{"SHARDSYNC_TOKEN", "test-token-0123456789"}}},
     {"bind_port_out_of_range",
      {"store", "--bind", "127.0.0.1:99999"},
      {"--bind"},
      {},
      2,
-     {{"SHARDSYNC_TOKEN", "t"}}},
+     {{"SHARDSYNC_TOKEN", "test-token-0123456789"}}},
     {"bind_port_not_a_number",
      {"store", "--bind", "127.0.0.1:http"},
      {"--bind"},
      {},
      2,
-     {{"SHARDSYNC_TOKEN", "t"}}},
-    {"bind_empty", {"store", "--bind", ""}, {"--bind"}, {}, 2, {{"SHARDSYNC_TOKEN", "t"}}},
+     {{"SHARDSYNC_TOKEN", "test-token-0123456789"}}},
+    {"bind_empty",
+     {"store", "--bind", ""},
+     {"--bind"},
+     {},
+     2,
+     {{"SHARDSYNC_TOKEN", "test-token-0123456789"}}},
 };
 SS_BAD_SUITE(Store, kStore);
 
@@ -428,7 +443,7 @@ std::vector<std::string> Job(const std::string& cmd, std::vector<std::string> ex
     flags.insert(flags.end(), {{"--role", "trainer"},
                                {"--rank", "0"},
                                {"--store", "127.0.0.1:1"},
-                               {"--token", "t"},
+                               {"--token", "test-token-0123456789"},
                                {"--timeout-ms", "2000"}});
   }
   for (size_t i = 0; i + 1 < extra.size(); i += 2) {
@@ -495,7 +510,7 @@ const std::vector<BadCase> kRun = Concat(
         {"rank_negative", Job("run", {"--rank", "-1"}), {"rank=-1"}},
         {"store_missing",
          {"run", "--model", "{DIR}/tiny/config.json", "--trainer", "fsdp=2", "--rollout",
-          "dp=1,tp=2,pp=1", "--role", "trainer", "--rank", "0", "--token", "t"},
+          "dp=1,tp=2,pp=1", "--role", "trainer", "--rank", "0", "--token", "test-token-0123456789"},
          {"SHARDSYNC_STORE"}},
         {"token_missing",
          {"run", "--model", "{DIR}/tiny/config.json", "--trainer", "fsdp=2", "--rollout",
@@ -504,7 +519,8 @@ const std::vector<BadCase> kRun = Concat(
         {"store_malformed", Job("run", {"--store", "nohostport"}), {"SHARDSYNC_STORE"}},
         {"rank_env_not_a_number",
          {"run", "--model", "{DIR}/tiny/config.json", "--trainer", "fsdp=2", "--rollout",
-          "dp=1,tp=2,pp=1", "--role", "trainer", "--store", "127.0.0.1:1", "--token", "t"},
+          "dp=1,tp=2,pp=1", "--role", "trainer", "--store", "127.0.0.1:1", "--token",
+          "test-token-0123456789"},
          {"RANK"},
          {},
          2,
@@ -519,6 +535,11 @@ const std::vector<BadCase> kDemo =
                {"gen_tokens_negative", Job("demo", {"--gen-tokens", "-1"}), {"--gen-tokens"}},
                {"gen_tokens_too_many", Job("demo", {"--gen-tokens", "100000"}), {"--gen-tokens"}},
                {"launch_unknown", Job("demo", {"--launch", "rockets"}), {"--launch"}},
+               // Issue 26: refused before a rank starts (ranks used to abort on bad_alloc).
+               {"absurd_config",
+                Job("demo", {"--model", "{DIR}/absurd/config.json", "--trainer", "fsdp=1",
+                             "--rollout", "dp=1,tp=1,pp=1"}),
+                {"--model", "more than"}},
            });
 SS_BAD_SUITE(Demo, kDemo);
 
@@ -589,6 +610,23 @@ const std::vector<BadCase> kGenerate = {
     {"weights_garbage_file",
      {"generate", "--weights", "{DIR}/garbage.safetensors"},
      {"garbage.safetensors"}},
+    // Issue 26: NaN / infinity and non-float weights are refused naming the tensor (they used to
+    // decode to tokens 0,0,0,0 with exit 0, and exit 1, respectively).
+    {"weights_nan",
+     {"generate", "--weights", "{DIR}/w_nan"},
+     {"model.layers.1.mlp.down_proj.weight", "non-finite"}},
+    {"weights_inf_bf16", {"generate", "--weights", "{DIR}/w_inf_bf16"}, {"model.norm.weight"}},
+    {"weights_i8",
+     {"generate", "--weights", "{DIR}/w_i8"},
+     {"model.layers.0.self_attn.k_proj.weight", "I8"}},
+    {"weights_nan_sharded",
+     {"generate", "--weights", "{DIR}/w_nan", "--engine", "sglang", "--tp", "2"},
+     {"model.layers.1.mlp.down_proj.weight", "non-finite"}},
+    // An absurd but valid config is refused before anything is allocated (it used to abort).
+    {"absurd_config", {"generate", "--model", "{DIR}/absurd/config.json"}, {"more than"}},
+    {"absurd_config_sharded",
+     {"generate", "--model", "{DIR}/absurd/config.json", "--engine", "sglang", "--tp", "2"},
+     {"more than"}},
 };
 SS_BAD_SUITE(Generate, kGenerate);
 

@@ -4,7 +4,11 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -92,7 +96,7 @@ TEST(CliGood, VersionGpuInfoStoreAndRunTakeJson) {
   const CliResult text = Ok({"gpu-info"});
   EXPECT_EQ(text.out.rfind("CUDA: ", 0), 0u) << text.out;
   RunOptions opt;
-  opt.env = {{"SHARDSYNC_TOKEN", "cli-test-token"}};
+  opt.env = {{"SHARDSYNC_TOKEN", "cli-test-token-0123456789"}};
   opt.sigterm_after_first_line = true;
   opt.timeout_s = 10;
   const json s = ParseJson(Ok({"store", "--bind", "127.0.0.1:0", "--json"}, opt));
@@ -388,11 +392,76 @@ TEST(CliGood, PlanJsonDumpOpsAndSvgAgree) {
 
 TEST(CliGood, StorePrintsAddressAndStopsOnSigterm) {
   RunOptions opt;
-  opt.env = {{"SHARDSYNC_TOKEN", "cli-test-token"}};
+  opt.env = {{"SHARDSYNC_TOKEN", "cli-test-token-0123456789"}};
   opt.sigterm_after_first_line = true;
   opt.timeout_s = 10;
   const CliResult r = Ok({"store", "--bind", "127.0.0.1:0"}, opt);
   EXPECT_TRUE(std::regex_match(r.out, std::regex("127\\.0\\.0\\.1:[1-9][0-9]*\n"))) << r.out;
+}
+
+// Issue 26: without a token the store generates one and prints it as a second stdout line, or
+// writes it to a new 0600 --token-file.
+TEST(CliGood, StoreGeneratesATokenWhenNoneIsGiven) {
+  RunOptions opt;
+  opt.sigterm_after_first_line = true;
+  opt.timeout_s = 10;
+  const CliResult r = Ok({"store", "--bind", "127.0.0.1:0"}, opt);
+  EXPECT_TRUE(std::regex_match(
+      r.out, std::regex("127\\.0\\.0\\.1:[1-9][0-9]*\nSHARDSYNC_TOKEN=[0-9a-f]{32}\n")))
+      << r.out;
+
+  const std::string file = Fixtures::Get().Expand("{DIR}/out/store.token");
+  const CliResult f = Ok({"store", "--bind", "127.0.0.1:0", "--token-file", file}, opt);
+  EXPECT_TRUE(std::regex_match(f.out, std::regex("127\\.0\\.0\\.1:[1-9][0-9]*\n"))) << f.out;
+  EXPECT_TRUE(std::regex_match(ReadAll(file), std::regex("[0-9a-f]{32}\n")));
+  struct stat st {};
+  ASSERT_EQ(stat(file.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  std::remove(file.c_str());
+}
+
+// Issue 26: a `demo` killed with SIGINT / SIGTERM left its temporary directory (engine dumps)
+// and its ranks' logs behind. Now both live in one directory that the signal removes; the demo
+// still dies of the signal.
+TEST(CliGood, DemoRemovesItsTempDirAndLogsOnSigterm) {
+  for (int sig : {SIGTERM, SIGINT}) {
+    const fs::path tmp = Fixtures::Get().dir / ("demo-tmp-" + std::to_string(sig));
+    fs::create_directories(tmp);
+    std::vector<std::string> args = {SHARDSYNC_CLI_PATH, "demo",   "--model",   Tiny(),
+                                     "--trainer",        "fsdp=2", "--rollout", "dp=1,tp=2,pp=1",
+                                     "--transport",      "shm",    "--syncs",   "1000000"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    std::vector<std::string> env = {"TMPDIR=" + tmp.string(), "PATH=/usr/bin:/bin"};
+    std::vector<char*> envp;
+    for (auto& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_addopen(&fa, 2, "/dev/null", O_WRONLY, 0);
+    pid_t pid = -1;
+    ASSERT_EQ(posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), envp.data()), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    // Wait until the ranks run: their logs sit in the demo's directory.
+    bool running = false;
+    for (int i = 0; i < 1000 && !running; ++i) {
+      std::error_code ec;
+      for (const auto& d : fs::recursive_directory_iterator(tmp, ec)) {
+        running = running || d.path().filename().string().rfind("shardsync-rank-", 0) == 0;
+      }
+      if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_TRUE(running) << "the demo's ranks never started";
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    kill(pid, sig);
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "status " << status;
+    EXPECT_TRUE(fs::is_empty(tmp)) << "left behind in " << tmp;
+    fs::remove_all(tmp);
+  }
 }
 
 // `run` against a live standalone store: a wrong token is refused (exit 2, the variable named),
@@ -413,7 +482,7 @@ TEST(CliGood, RunAgainstStoreFailsBoundedAndNamed) {
   } server;
   server.thread = std::thread([&] {
     RunOptions opt;
-    opt.env = {{"SHARDSYNC_TOKEN", "right-token"}};
+    opt.env = {{"SHARDSYNC_TOKEN", "right-token-0123456789"}};
     opt.timeout_s = 30;
     bool told = false;
     opt.on_stdout = [&](pid_t pid, const std::string& out) {
@@ -440,13 +509,13 @@ TEST(CliGood, RunAgainstStoreFailsBoundedAndNamed) {
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   };
-  const CliResult wrong = RunCli(with(job, {"--token", "wrong-token"}));
+  const CliResult wrong = RunCli(with(job, {"--token", "wrong-token-0123456789"}));
   if (NoUcx(wrong)) GTEST_SKIP() << "this build has no UCX";
   EXPECT_EQ(wrong.exit_code, 2) << wrong.Describe();
   EXPECT_EQ(wrong.out, "");
   EXPECT_NE(wrong.err.find("SHARDSYNC_TOKEN"), std::string::npos) << wrong.Describe();
 
-  const CliResult alone = RunCli(with(job, {"--token", "right-token"}));
+  const CliResult alone = RunCli(with(job, {"--token", "right-token-0123456789"}));
   EXPECT_EQ(alone.exit_code, 1) << alone.Describe();
   const json j = ParseJson(alone);  // run prints its rank's result even when it fails
   EXPECT_TRUE(j.is_object());
@@ -459,7 +528,7 @@ TEST(CliGood, RunAgainstStoreFailsBoundedAndNamed) {
   server.pid = -1;
 
   // The store is gone now: connecting fails at the timeout instead of waiting forever.
-  const CliResult gone = RunCli(with(job, {"--token", "right-token"}));
+  const CliResult gone = RunCli(with(job, {"--token", "right-token-0123456789"}));
   EXPECT_EQ(gone.exit_code, 1) << gone.Describe();
   EXPECT_EQ(gone.out, "");
   EXPECT_NE(gone.err.find(store), std::string::npos) << gone.Describe();
@@ -477,9 +546,10 @@ TEST(CliGood, RunAgainstSilentStoreTimesOut) {
   ASSERT_EQ(listen(fd, 8), 0);  // the kernel completes the handshake; nobody reads
   ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
   const std::string store = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
-  const CliResult r = RunCli({"run", "--role", "trainer", "--rank", "0", "--model", Tiny(),
-                              "--trainer", "fsdp=2", "--rollout", "dp=1,tp=2,pp=1", "--transport",
-                              "ucx", "--timeout-ms", "1000", "--store", store, "--token", "t"});
+  const CliResult r =
+      RunCli({"run", "--role", "trainer", "--rank", "0", "--model", Tiny(), "--trainer", "fsdp=2",
+              "--rollout", "dp=1,tp=2,pp=1", "--transport", "ucx", "--timeout-ms", "1000",
+              "--store", store, "--token", "test-token-0123456789"});
   close(fd);
   if (NoUcx(r)) GTEST_SKIP() << "this build has no UCX";
   EXPECT_FALSE(r.timed_out) << r.Describe();

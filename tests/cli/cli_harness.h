@@ -198,6 +198,64 @@ inline std::string Fp8Config() {
          R"( "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}})";
 }
 
+// A complete F32 checkpoint of the TinyConfig model (every value 0.01), except that tensor
+// `odd` is stored with `odd_dtype` (same element count) and, when `odd_fill` is given, filled
+// with that byte pattern.
+inline std::string TinyCheckpoint(const std::string& odd = "", const std::string& odd_dtype = "",
+                                  const std::string& odd_fill = "") {
+  const int64_t H = 64, I = 128, V = 200, kv = 32;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> ts = {
+      {"model.embed_tokens.weight", {V, H}}};
+  for (int l = 0; l < 2; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    ts.push_back({p + "input_layernorm.weight", {H}});
+    ts.push_back({p + "self_attn.q_proj.weight", {H, H}});
+    ts.push_back({p + "self_attn.q_proj.bias", {H}});
+    ts.push_back({p + "self_attn.k_proj.weight", {kv, H}});
+    ts.push_back({p + "self_attn.k_proj.bias", {kv}});
+    ts.push_back({p + "self_attn.v_proj.weight", {kv, H}});
+    ts.push_back({p + "self_attn.v_proj.bias", {kv}});
+    ts.push_back({p + "self_attn.o_proj.weight", {H, H}});
+    ts.push_back({p + "post_attention_layernorm.weight", {H}});
+    ts.push_back({p + "mlp.gate_proj.weight", {I, H}});
+    ts.push_back({p + "mlp.up_proj.weight", {I, H}});
+    ts.push_back({p + "mlp.down_proj.weight", {H, I}});
+  }
+  ts.push_back({"model.norm.weight", {H}});
+  ts.push_back({"lm_head.weight", {V, H}});
+  std::string header = "{", data;
+  const float v = 0.01f;
+  for (const auto& [name, shape] : ts) {
+    int64_t n = 1;
+    std::string dims;
+    for (int64_t d : shape) {
+      n *= d;
+      if (!dims.empty()) dims += ",";
+      dims += std::to_string(d);
+    }
+    const bool is_odd = name == odd;
+    const std::string dtype = is_odd && !odd_dtype.empty() ? odd_dtype : "F32";
+    const int64_t elem = dtype == "F32" ? 4 : dtype == "I8" || dtype == "U8" ? 1 : 2;
+    const size_t begin = data.size();
+    for (int64_t i = 0; i < n; ++i) {
+      if (is_odd && !odd_fill.empty()) {
+        data += odd_fill.substr(0, elem);
+      } else if (elem == 4) {
+        data.append(reinterpret_cast<const char*>(&v), 4);
+      } else {
+        data.append(elem, '\x01');
+      }
+    }
+    // Appends, not `"..." + name`: GCC 12 flags the latter with a bogus -Wrestrict.
+    if (header.size() > 1) header += ",";
+    header.append("\"").append(name).append("\":{\"dtype\":\"").append(dtype);
+    header.append("\",\"shape\":[").append(dims).append("],\"data_offsets\":[");
+    header.append(std::to_string(begin)).append(",").append(std::to_string(data.size()));
+    header.append("]}");
+  }
+  return Safetensors(header + "}", data);
+}
+
 // Per-process fixture directory (ctest runs the cases as separate processes, maybe in parallel).
 class Fixtures {
  public:
@@ -284,6 +342,24 @@ class Fixtures {
               Safetensors(good_header, std::string(24, '\x01')));
     WriteFile(dir / "w_noconfig/model.safetensors",
               Safetensors(good_header, std::string(24, '\x01')));
+    // Issue 26: weights the reference engine must refuse (exit 2 naming the tensor).
+    const std::string nan_f32("\x00\x00\xc0\x7f", 4);  // a quiet NaN, little-endian
+    WriteFile(dir / "w_nan/config.json", TinyConfig());
+    WriteFile(dir / "w_nan/model.safetensors",
+              TinyCheckpoint("model.layers.1.mlp.down_proj.weight", "F32", nan_f32));
+    WriteFile(dir / "w_inf_bf16/config.json", TinyConfig());
+    WriteFile(dir / "w_inf_bf16/model.safetensors",
+              TinyCheckpoint("model.norm.weight", "BF16", std::string("\x80\x7f", 2)));
+    WriteFile(dir / "w_i8/config.json", TinyConfig());
+    WriteFile(dir / "w_i8/model.safetensors",
+              TinyCheckpoint("model.layers.0.self_attn.k_proj.weight", "I8"));
+    WriteFile(dir / "w_ok/config.json", TinyConfig());
+    WriteFile(dir / "w_ok/model.safetensors", TinyCheckpoint());
+    // Valid by every field's own rule, absurd in size: ~2^61 weights (fp32: past int64 bytes).
+    WriteFile(dir / "absurd/config.json",
+              R"({"architectures": ["Qwen2ForCausalLM"], "hidden_size": 536870912,)"
+              R"( "intermediate_size": 2, "num_attention_heads": 4, "num_key_value_heads": 2,)"
+              R"( "num_hidden_layers": 1, "vocab_size": 2147483648, "torch_dtype": "bfloat16"})");
     WriteFile(dir / "w_badconfig/config.json", "not json");
     WriteFile(dir / "w_badconfig/model.safetensors",
               Safetensors(good_header, std::string(24, '\x01')));

@@ -39,7 +39,7 @@ Status SetUpRank(const JobSpec& job, int r, int gpus, const std::string& hint,
                  const std::string& addr, DeviceRank& k) {
   k.device = GpuOf(job.inputs, r, gpus);
   SS_RETURN_IF_ERROR(RegisterGpuTransports());
-  SS_ASSIGN_OR_RETURN(k.store, StoreClient::Connect(addr, "tok", Millis(10000)));
+  SS_ASSIGN_OR_RETURN(k.store, StoreClient::Connect(addr, "test-token-0123456789", Millis(10000)));
   SS_ASSIGN_OR_RETURN(PeerInfo self, DevicePeerInfo(r, k.device));
   RouteOptions ro{self, hint, {}};
   ro.options.params["device"] = std::to_string(k.device);
@@ -81,7 +81,7 @@ Status SetUpRank(const JobSpec& job, int r, int gpus, const std::string& hint,
 
 void RunJob(int gpus, const std::string& hint, const std::string& want_cross) {
   JobSpec job = testing::Job(testing::TinyQwen2(4), "fsdp=2", "dp=1,tp=2,pp=2", "sglang", 16 << 10);
-  auto server = StoreServer::Start("127.0.0.1", 0, "tok");
+  auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
   ASSERT_TRUE(server.ok());
   const int world = SyncWorldSize(job.inputs);
   std::vector<DeviceRank> ranks(world);

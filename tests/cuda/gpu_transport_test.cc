@@ -20,7 +20,7 @@ namespace {
 struct StoreFixture {
   std::unique_ptr<StoreServer> server;
   std::unique_ptr<StoreClient> Client() {
-    auto c = StoreClient::Connect(server->address(), "tok", Millis(10000));
+    auto c = StoreClient::Connect(server->address(), "test-token-0123456789", Millis(10000));
     EXPECT_TRUE(c.ok()) << c.status().ToString();
     return c.ok() ? std::move(c).value() : nullptr;
   }
@@ -28,7 +28,7 @@ struct StoreFixture {
 
 StoreFixture StartStore() {
   StoreFixture f;
-  auto s = StoreServer::Start("127.0.0.1", 0, "tok");
+  auto s = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
   EXPECT_TRUE(s.ok()) << s.status().ToString();
   if (s.ok()) f.server = std::move(s).value();
   return f;

@@ -2,6 +2,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -138,7 +139,7 @@ TEST(Safetensors, EveryCorruptionClassHasItsError) {
       {"invalid JSON", Raw(R"({"t":{"dtype":)", {}), StatusCode::kInvalidArgument, "JSON"},
       {"not an object", Raw("[1,2]", {}), StatusCode::kInvalidArgument, "object"},
       {"unknown dtype", Raw(R"({"t":{"dtype":"F7","shape":[2],"data_offsets":[0,8]}})", d8),
-       StatusCode::kInvalidArgument, "'t': unknown dtype 'F7'"},
+       StatusCode::kInvalidArgument, "'t': unknown dtype"},
       {"negative shape", Raw(R"({"t":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", d8),
        StatusCode::kInvalidArgument, "'t'"},
       {"fractional shape", Raw(R"({"t":{"dtype":"F32","shape":[1.5],"data_offsets":[0,8]}})", d8),
@@ -233,6 +234,81 @@ TEST(Safetensors, ShardedCheckpointThroughIndex) {
   auto single = SafetensorsCheckpoint::Open(dir / "model-00001-of-00002.safetensors");
   ASSERT_TRUE(single.ok());
   EXPECT_EQ((*single)->directory(), dir.path());
+}
+
+// Issue 26: a checkpoint index may name a file that is a symlink to something the user cannot
+// otherwise read; errors about it name the file and the byte offset, never its bytes.
+TEST(Safetensors, ErrorsNeverEchoTheFilesBytes) {
+  TempDir dir;
+  const std::string secret = "SECRET-PASSWORD-hunter2-and-more-secret-bytes\n";
+  WriteBytes(dir / "secret.txt", std::vector<uint8_t>(secret.begin(), secret.end()));
+  ASSERT_EQ(::symlink((dir / "secret.txt").c_str(), (dir / "model-1.safetensors").c_str()), 0);
+  {
+    std::ofstream idx(dir / "model.safetensors.index.json");
+    idx << R"({"weight_map":{"a":"model-1.safetensors"}})";
+  }
+  auto c = SafetensorsCheckpoint::Open(dir.path());
+  ASSERT_FALSE(c.ok());
+  const std::string msg = c.status().message();
+  EXPECT_THAT(msg, HasSubstr("model-1.safetensors"));
+  EXPECT_THAT(msg, HasSubstr("bytes 0-7"));
+  // Neither the text nor the number its first 8 bytes spell.
+  EXPECT_EQ(msg.find("SECRET"), std::string::npos) << msg;
+  uint64_t as_number = 0;
+  std::memcpy(&as_number, secret.data(), 8);
+  EXPECT_EQ(msg.find(std::to_string(as_number)), std::string::npos) << msg;
+
+  // A JSON header that fails to parse: the offset, not the bytes nlohmann last read.
+  auto bad_json = ParseSafetensorsHeader(Raw(R"({"t": SECRETVALUE})", {}));
+  EXPECT_THAT(bad_json.status().message(), HasSubstr("near byte"));
+  EXPECT_EQ(bad_json.status().message().find("SECRET"), std::string::npos);
+  // A value in the header (a dtype) is not echoed; a name that is not a name is not either.
+  auto bad_dtype = ParseSafetensorsHeader(Raw(
+      R"({"t":{"dtype":"SECRET","shape":[2],"data_offsets":[0,8]}})", std::vector<uint8_t>(8, 0)));
+  EXPECT_EQ(bad_dtype.status().message().find("SECRET"), std::string::npos);
+  auto bad_name = ParseSafetensorsHeader(
+      Raw("{\"SECRET\\n\":{\"dtype\":\"F7\",\"shape\":[2],\"data_offsets\":[0,8]}}",
+          std::vector<uint8_t>(8, 0)));
+  EXPECT_THAT(bad_name.status().message(), HasSubstr("<a 7-byte name>"));
+  EXPECT_EQ(bad_name.status().message().find("SECRET"), std::string::npos);
+}
+
+// Issue 26: a file or symlink planted under the writer's temporary name is never opened or
+// followed, and what is written is readable by this user only.
+TEST(Safetensors, WriterIgnoresPlantedSymlinksAndWritesPrivateFiles) {
+  TempDir dir;
+  const std::string target = dir / "victim.txt";
+  WriteBytes(target, {'k', 'e', 'e', 'p'});
+  const std::string out = dir / "rank-3.safetensors";
+  ASSERT_EQ(::symlink(target.c_str(), (out + ".tmp").c_str()), 0);
+  std::vector<float> w = {1, 2};
+  const std::vector<TensorToWrite> ts = {
+      {"w", DType::kF32, {2}, {reinterpret_cast<uint8_t*>(w.data()), 8}}};
+  ASSERT_TRUE(WriteSafetensors(out, ts).ok());
+  auto read_all = [](const std::string& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+  };
+  EXPECT_EQ(read_all(target), "keep");
+  struct stat st {};
+  ASSERT_EQ(::lstat(out.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_TRUE(SafetensorsFile::Open(out).ok());
+  // A symlink at the final name is replaced, its target left alone.
+  ASSERT_EQ(::unlink(out.c_str()), 0);
+  ASSERT_EQ(::symlink(target.c_str(), out.c_str()), 0);
+  ASSERT_TRUE(WriteSafetensors(out, ts).ok());
+  EXPECT_EQ(read_all(target), "keep");
+  ASSERT_EQ(::lstat(out.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
+  // No temporary file is left behind (the planted symlink is still there, untouched).
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(dir.path())) {
+    files += e.is_regular_file() && !e.is_symlink() ? 1 : 0;
+  }
+  EXPECT_EQ(files, 2);  // victim.txt and rank-3.safetensors
+  EXPECT_TRUE(fs::is_symlink(out + ".tmp"));
 }
 
 TEST(Safetensors, ConvertElements) {

@@ -174,6 +174,18 @@ TEST(ConfigParse, MalformedJson) {
   ExpectError(ParseModelConfig(std::string(100000, '['), "cfg.json"), {"invalid JSON"});
 }
 
+// Issue 26: a config path may be a symlink to a file the user cannot otherwise read; the JSON
+// error gives the position, never the bytes nlohmann last read.
+TEST(ConfigParse, JsonErrorsDoNotEchoTheFile) {
+  for (const char* text : {"SECRET-hunter2", "{\"a\": SECRET-hunter2}", "[1, SECRETx]"}) {
+    auto r = ParseModelConfig(text, "cfg.json");
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("line 1, column"), std::string::npos)
+        << r.status().message();
+    EXPECT_EQ(r.status().message().find("SECRET"), std::string::npos) << r.status().message();
+  }
+}
+
 TEST(ConfigParse, FieldErrorsNameTheField) {
   struct Case {
     const char* field;

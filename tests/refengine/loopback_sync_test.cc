@@ -37,7 +37,7 @@ std::vector<EngineBuffers> SyncOverLoopback(const ModelSpec& spec, const std::st
   in.options.bucket_bytes = 16 << 10;  // many buckets
   in.trainer_dtype = DType::kF32;
 
-  auto server = StoreServer::Start("127.0.0.1", 0, "tok");
+  auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
   EXPECT_TRUE(server.ok()) << server.status().ToString();
   if (!server.ok()) return {};
   auto hub = NewLoopbackHub();
@@ -49,7 +49,7 @@ std::vector<EngineBuffers> SyncOverLoopback(const ModelSpec& spec, const std::st
   std::vector<std::vector<std::vector<float>>> sources(world);
   std::vector<EngineBuffers> received(world - trainers);
   for (int r = 0; r < world; ++r) {
-    auto c = StoreClient::Connect((*server)->address(), "tok", Millis(5000));
+    auto c = StoreClient::Connect((*server)->address(), "test-token-0123456789", Millis(5000));
     EXPECT_TRUE(c.ok());
     if (!c.ok()) return {};
     stores[r] = std::move(c).value();

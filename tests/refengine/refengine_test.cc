@@ -4,11 +4,13 @@
 #include <fmt/ranges.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <set>
 
 #include "refengine/kernels.h"
@@ -293,6 +295,89 @@ TEST(EngineDump, RoundTripThroughFilesNamedBySyncRank) {
   EXPECT_THAT(missing.status().message(), HasSubstr("(tp 1, pp 0)"));
   ASSERT_TRUE(WriteEngineDump(dir / "dup.safetensors", f.buffers[0], {0, 0, 0}).ok());
   EXPECT_THAT(LoadEngineDump(dir.path(), f.map).status().message(), HasSubstr("both claim"));
+}
+
+// Issue 26: `--dump-dir` followed a planted rank-N.safetensors.tmp symlink and overwrote its
+// target, and dumps were world-readable.
+TEST(EngineDump, PlantedSymlinkLeavesItsTargetUnchangedAndTheDumpIsPrivate) {
+  Fixture f = Make(Qwen2(), EngineKind::kSglang, 1, 1);
+  TempDir dir;
+  const std::string victim = dir / "victim";
+  std::ofstream(victim) << "precious";
+  const std::string dump = dir / "rank-3.safetensors";
+  ASSERT_EQ(::symlink(victim.c_str(), (dump + ".tmp").c_str()), 0);
+  ASSERT_TRUE(WriteEngineDump(dump, f.buffers[0], {0, 0, 0}).ok());
+  std::ifstream in(victim);
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in)), {}), "precious");
+  struct stat st {};
+  ASSERT_EQ(::lstat(dump.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  auto loaded = LoadEngineDump(dir.path(), f.map);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+}
+
+// Issue 26: an absurd but valid config is a named error before anything is allocated (it used
+// to abort on std::bad_alloc), and so is keeping the logits of an absurd number of steps.
+TEST(Budget, AbsurdSizesAreRefusedBeforeAllocating) {
+  // ~2^61 weights: fp32 bytes overflow int64, so the estimate must saturate, not wrap.
+  const ModelSpec absurd =
+      Spec(R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":536870912,"intermediate_size":2,)"
+           R"("num_attention_heads":4,"num_key_value_heads":2,"num_hidden_layers":1,)"
+           R"("vocab_size":2147483648,"torch_dtype":"bfloat16"})");
+  SyntheticWeightSource w(absurd, 1);
+  auto m = MakeReferenceModel(absurd, w);
+  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(m.status().message(), HasSubstr("over 8 EiB"));
+  auto map = BuildShardMap(absurd, {EngineKind::kSglang, 2, 1, 1, {}});
+  ASSERT_TRUE(map.ok()) << map.status().ToString();
+  EXPECT_THAT(CutEngineShards(*map, w).status().message(), HasSubstr("GiB needed, more than"));
+  EXPECT_THAT(MakeShardedModel(*map, {}).status().message(), HasSubstr("over 8 EiB"));
+
+  Fixture f = Make(Qwen2(), EngineKind::kSglang, 1, 1);
+  auto lm = MakeReferenceModel(f.spec, *f.weights);
+  ASSERT_TRUE(lm.ok());
+  auto g = GreedyGenerate(**lm, DefaultPrompt(), 2000000000);
+  EXPECT_EQ(g.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(g.status().message(), HasSubstr("max_new_tokens"));
+  EXPECT_GT(HostMemoryBudget(), 0);
+  EXPECT_TRUE(CheckHostMemory(1 << 20, "x", "y").ok());
+  EXPECT_EQ(CheckHostMemory(INT64_MAX, "x", "y").code(), StatusCode::kInvalidArgument);
+}
+
+// Issue 26: NaN weights decoded to tokens 0,0,0,0 and an I8 tensor was an internal error.
+TEST(Checkpoint, NonFiniteAndNonFloatWeightsAreNamedErrors) {
+  const ModelSpec spec = Qwen2();
+  SyntheticWeightSource syn(spec, 7);
+  std::vector<std::vector<uint8_t>> store;
+  std::vector<TensorToWrite> ts;
+  for (const HfTensor& t : HfTensorInventory(spec)) {
+    store.emplace_back(t.bytes());
+    ASSERT_TRUE(syn.Read(t.name, Region::Full(t.shape), t.dtype, store.back().data()).ok());
+    ts.push_back({t.name, t.dtype, t.shape, store.back()});
+  }
+  const std::string victim = "model.layers.1.mlp.up_proj.weight";
+  size_t vi = 0;
+  while (ts[vi].name != victim) ++vi;
+  TempDir dir;
+  auto open_and_load = [&]() {
+    EXPECT_TRUE(WriteSafetensors(dir / "model.safetensors", ts).ok());
+    auto ckpt = CheckpointWeightSource::Open(dir.path());
+    EXPECT_TRUE(ckpt.ok());
+    return MakeReferenceModel(spec, **ckpt).status();
+  };
+  uint16_t nan_bf16 = 0x7fc0;
+  std::memcpy(store[vi].data() + 10, &nan_bf16, 2);  // element 5
+  Status s = open_and_load();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr(victim));
+  EXPECT_THAT(s.message(), HasSubstr("element 5"));
+  std::vector<uint8_t> i8(store[vi].size() / 2, 1);
+  ts[vi] = {victim, DType::kI8, ts[vi].shape, i8};
+  s = open_and_load();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr(victim));
+  EXPECT_THAT(s.message(), HasSubstr("I8"));
 }
 
 TEST(Checkpoint, SafetensorsCheckpointGivesTheSyntheticModelsLogits) {

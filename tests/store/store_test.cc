@@ -12,6 +12,8 @@
 
 #include "shardsync/store.h"
 #include "store/frame.h"
+#include "store/kv.h"
+#include "store/limits.h"
 
 namespace shardsync {
 namespace {
@@ -20,7 +22,7 @@ using namespace std::chrono_literals;
 using store_wire::Frame;
 using store_wire::Op;
 
-constexpr char kToken[] = "test-token-123";
+constexpr char kToken[] = "test-token-0123456789";
 
 class StoreTest : public ::testing::Test {
  protected:
@@ -224,15 +226,43 @@ TEST_F(StoreTest, BarrierTimeoutSaysHowManyArrived) {
   EXPECT_EQ(c->Barrier("x", 0, 50ms).code(), StatusCode::kInvalidArgument);
 }
 
-TEST_F(StoreTest, WrongTokenRefused) {
-  auto c = StoreClient::Connect(server_->address(), "wrong", 2000ms);
-  EXPECT_EQ(c.status().code(), StatusCode::kPermissionDenied);
-  auto empty = StoreClient::Connect(server_->address(), "", 2000ms);
-  EXPECT_EQ(empty.status().code(), StatusCode::kPermissionDenied);
-  // The prefix of the right token is still wrong.
-  auto prefix = StoreClient::Connect(server_->address(), "test-token", 2000ms);
-  EXPECT_EQ(prefix.status().code(), StatusCode::kPermissionDenied);
+TEST_F(StoreTest, WrongTokenRefusedAfterADelay) {
+  // A wrong token, a prefix and an extension of the right one, tried at once.
+  const std::vector<std::string> wrong = {"wrong-token-0123456789", "test-token-012345678",
+                                          std::string(kToken) + "0"};
+  std::vector<Status> got(wrong.size());
+  std::vector<std::chrono::steady_clock::duration> took(wrong.size());
+  std::vector<std::thread> ts;
+  for (size_t i = 0; i < wrong.size(); ++i) {
+    ts.emplace_back([&, i] {
+      const auto t0 = std::chrono::steady_clock::now();
+      got[i] = StoreClient::Connect(server_->address(), wrong[i], 2000ms).status();
+      took[i] = std::chrono::steady_clock::now() - t0;
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (size_t i = 0; i < wrong.size(); ++i) {
+    EXPECT_EQ(got[i].code(), StatusCode::kPermissionDenied) << wrong[i];
+    // Each wrong guess costs the guesser half a second (as sshd / etcd slow failed logins).
+    EXPECT_GE(took[i], 450ms) << wrong[i];
+  }
   EXPECT_TRUE(Client()->Set("still", "serving").ok());
+}
+
+TEST_F(StoreTest, ShortTokensRefusedOnBothSides) {
+  for (const char* t : {"", "t", "fifteen-chars-x"}) {
+    auto c = StoreClient::Connect(server_->address(), t, 2000ms);
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << t;
+    EXPECT_NE(c.status().message().find("at least 16"), std::string::npos) << c.status().ToString();
+    auto s = StoreServer::Start("127.0.0.1", 0, t);
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << t;
+  }
+  EXPECT_TRUE(StoreServer::Start("127.0.0.1", 0, "sixteen-chars-xx").ok());
+  auto g1 = GenerateStoreToken(), g2 = GenerateStoreToken();
+  ASSERT_TRUE(g1.ok() && g2.ok());
+  EXPECT_EQ(g1->size(), 32u);
+  EXPECT_NE(*g1, *g2);
+  EXPECT_TRUE(CheckStoreToken(*g1, "x").ok());
 }
 
 TEST_F(StoreTest, UnauthenticatedRequestClosesConnection) {
@@ -356,6 +386,144 @@ TEST_F(StoreTest, StopThenConnectFails) {
   EXPECT_FALSE(c.ok());
 }
 
+// Issue 26: the per-version key cleanup primitive.
+TEST_F(StoreTest, DeletePrefixRemovesOnlyThatPrefix) {
+  auto c = Client();
+  ASSERT_TRUE(
+      c->SetMany({{"job/v1/a", "1"}, {"job/v1/b", "2"}, {"job/v10/a", "3"}, {"job/x", "4"}}).ok());
+  ASSERT_TRUE(c->MarkDead("job/v1/alive", "gone").ok());
+  auto n = c->DeletePrefix("job/v1/");
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_EQ(*n, 2);
+  EXPECT_EQ(c->Get("job/v1/a", 0ms).status().code(), StatusCode::kDeadlineExceeded);
+  // The dead record went with it: the key is merely absent now.
+  EXPECT_EQ(c->Get("job/v1/alive", 0ms).status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(*c->Get("job/v10/a", 0ms), "3");
+  EXPECT_EQ(*c->Get("job/x", 0ms), "4");
+  EXPECT_EQ(*c->DeletePrefix("nothing/"), 0);
+  EXPECT_EQ(c->DeletePrefix("").status().code(), StatusCode::kInvalidArgument);
+}
+
+// Issue 26 / 24: a key bound to a connection dies with it, and whoever waits on it learns at once.
+TEST_F(StoreTest, EphemeralKeyDiesWithItsConnectionAndWaitersFailAtOnce) {
+  auto owner = Client();
+  auto other = Client();
+  ASSERT_TRUE(owner->SetEphemeral("job/alive/5", "pid 123").ok());
+  EXPECT_EQ(*other->Get("job/alive/5", 0ms), "pid 123");
+  // Another live connection cannot take or overwrite it.
+  EXPECT_EQ(other->Set("job/alive/5", "x").code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(other->SetEphemeral("job/alive/5", "x").code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(other->Add("job/alive/5", 1).status().code(), StatusCode::kFailedPrecondition);
+
+  Status waited;
+  std::chrono::steady_clock::duration took{};
+  std::thread waiter([&] {
+    auto w = Client();
+    const auto t0 = std::chrono::steady_clock::now();
+    // A rank waiting for peer 5's address names peer 5's liveness key beside it.
+    waited = w->GetMany({"job/addr/5", "job/alive/5"}, 10000ms).status();
+    took = std::chrono::steady_clock::now() - t0;
+    // The connection stays usable after the dead-key reply.
+    EXPECT_TRUE(w->Set("after", "1").ok());
+  });
+  std::this_thread::sleep_for(100ms);
+  owner.reset();  // the owner's process exits: its socket closes
+  waiter.join();
+  EXPECT_EQ(waited.code(), StatusCode::kUnavailable) << waited.ToString();
+  EXPECT_NE(waited.message().find("job/alive/5"), std::string::npos) << waited.ToString();
+  EXPECT_NE(waited.message().find("dead"), std::string::npos) << waited.ToString();
+  EXPECT_LT(took, 1000ms);
+  // Later requests naming it fail at once too.
+  EXPECT_EQ(other->Wait({"job/alive/5"}, 5000ms).code(), StatusCode::kUnavailable);
+  // A new owner revives it.
+  ASSERT_TRUE(other->SetEphemeral("job/alive/5", "pid 456").ok());
+  EXPECT_EQ(*Client()->Get("job/alive/5", 0ms), "pid 456");
+}
+
+TEST_F(StoreTest, SetIfAbsentClaimsOnce) {
+  auto a = Client();
+  auto b = Client();
+  EXPECT_EQ(*a->SetIfAbsent("job/claim", "nonce-a", /*ephemeral=*/true), "nonce-a");
+  EXPECT_EQ(*b->SetIfAbsent("job/claim", "nonce-b", true), "nonce-a");
+  EXPECT_EQ(*b->SetIfAbsent("plain", "1"), "1");
+  EXPECT_EQ(*a->SetIfAbsent("plain", "2"), "1");
+  a.reset();  // the claimant's connection closes: its claim dies and can be taken again
+  EXPECT_EQ(b->Wait({"never", "job/claim"}, 5000ms).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(*b->SetIfAbsent("job/claim", "nonce-b", true), "nonce-b");
+}
+
+TEST_F(StoreTest, MarkDeadFailsWaitersWithTheReason) {
+  auto c = Client();
+  Status waited;
+  std::thread waiter([&] { waited = Client()->Get("job/alive/2", 10000ms).status(); });
+  std::this_thread::sleep_for(50ms);
+  ASSERT_TRUE(c->MarkDead("job/alive/2", "sync rank 2 exited (killed by signal 9)").ok());
+  waiter.join();
+  EXPECT_EQ(waited.code(), StatusCode::kUnavailable);
+  EXPECT_NE(waited.message().find("sync rank 2 exited (killed by signal 9)"), std::string::npos)
+      << waited.ToString();
+}
+
+// Issue 26: one GET_MANY naming a 4 MiB value 512 times must not make the server build 2 GiB.
+TEST_F(StoreTest, AmplifiedGetManyRefusedBeforeTheReplyIsBuilt) {
+  auto c = Client();
+  ASSERT_TRUE(c->Set("big", std::string(4 << 20, 'x')).ok());
+  std::vector<std::string> keys(512, "big");
+  auto r = c->GetMany(keys, 1000ms);
+  EXPECT_EQ(r.status().code(), StatusCode::kOutOfRange) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("frame limit"), std::string::npos) << r.status().ToString();
+  // Below the limit the same request is served, on the same connection.
+  keys.resize(8);
+  auto ok = c->GetMany(keys, 1000ms);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->size(), 8u);
+}
+
+TEST(StoreKv, QuotaAndOwnership) {
+  store_kv::Kv kv(100);
+  EXPECT_TRUE(kv.Set("a", std::string(50, 'x'), 1, false).ok());
+  EXPECT_EQ(kv.Set("b", std::string(60, 'x'), 1, false).code(), StatusCode::kOutOfRange);
+  EXPECT_TRUE(kv.Set("a", std::string(90, 'x'), 1, false).ok());  // replacing frees the old value
+  EXPECT_EQ(kv.bytes(), 91u);
+  EXPECT_EQ(kv.DeletePrefix("a"), 1);
+  EXPECT_EQ(kv.bytes(), 0u);
+  EXPECT_TRUE(kv.Set("e", "v", 7, true).ok());
+  EXPECT_TRUE(kv.Set("e", "w", 7, false).ok());  // the owner made it plain: it outlives owner 7
+  EXPECT_EQ(kv.ReleaseOwner(7, "gone"), 0u);
+  EXPECT_EQ(*kv.Find("e"), "w");
+  EXPECT_TRUE(kv.Set("f", "v", 7, true).ok());
+  EXPECT_EQ(kv.ReleaseOwner(7, "gone"), 1u);
+  EXPECT_EQ(kv.Find("f"), nullptr);
+  EXPECT_EQ(*kv.DeadReason("f"), "gone");
+  EXPECT_EQ(*kv.Add("f", 2, 8), 2);  // adding to a dead key revives it as 0 + delta
+  EXPECT_EQ(kv.DeadReason("f"), nullptr);
+}
+
+TEST(StoreLimits, ConnectionCapFollowsTheDescriptorLimit) {
+  auto l = store_limits::ConnectionLimits(128);
+  EXPECT_EQ(l.total, 96u);
+  EXPECT_EQ(l.unauthenticated, 48u);
+  l = store_limits::ConnectionLimits(1024);
+  EXPECT_EQ(l.total, 768u);
+  l = store_limits::ConnectionLimits(uint64_t{1} << 20);
+  EXPECT_EQ(l.total, store_limits::kMaxConnections);
+  l = store_limits::ConnectionLimits(20);  // tiny limits still serve a few ranks
+  EXPECT_EQ(l.total, 8u);
+  EXPECT_EQ(l.unauthenticated, 4u);
+}
+
+TEST(StoreLimits, LogLimiterCountsWhatItSuppressed) {
+  using Clock = store_limits::LogLimiter::Clock;
+  store_limits::LogLimiter lim(std::chrono::seconds(5));
+  const auto t0 = Clock::now();
+  uint64_t dropped = 99;
+  EXPECT_TRUE(lim.Allow(t0, &dropped));
+  EXPECT_EQ(dropped, 0u);
+  for (int i = 0; i < 1000; ++i) EXPECT_FALSE(lim.Allow(t0 + std::chrono::seconds(1), &dropped));
+  EXPECT_TRUE(lim.Allow(t0 + std::chrono::seconds(6), &dropped));
+  EXPECT_EQ(dropped, 1000u);
+}
+
 TEST(StoreFrame, RoundTripAndTruncation) {
   Frame f{Op::kWait, 1234, {"a", std::string(300, 'b'), "c"}};
   std::string bytes = store_wire::EncodeFrame(f);
@@ -378,6 +546,17 @@ TEST(StoreFrame, RoundTripAndTruncation) {
   auto many = store_wire::ParseFrame(store_wire::EncodeFrame(Frame{Op::kReply, 0, {"x", "", "z"}}));
   ASSERT_TRUE(many.ok()) << many.status().ToString();
   EXPECT_EQ(many->args, (std::vector<std::string>{"x", "", "z"}));
+  // The ops issue 26 added: argument counts and empty keys are checked like the others.
+  for (Frame ok : {Frame{Op::kDeletePrefix, 0, {"p/"}}, Frame{Op::kSetEphemeral, 0, {"k", "v"}},
+                   Frame{Op::kSetIfAbsent, 1, {"k", ""}}, Frame{Op::kMarkDead, 0, {"k", "why"}}}) {
+    auto r = store_wire::ParseFrame(store_wire::EncodeFrame(ok));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->args, ok.args);
+  }
+  for (Frame bad : {Frame{Op::kDeletePrefix, 0, {"a", "b"}}, Frame{Op::kMarkDead, 0, {"k"}},
+                    Frame{Op::kSetIfAbsent, 0, {"", "v"}}, Frame{Op::kSetEphemeral, 0, {}}}) {
+    EXPECT_FALSE(store_wire::ParseFrame(store_wire::EncodeFrame(bad)).ok());
+  }
   std::string v2 = bytes;
   v2[4] = 2;
   EXPECT_NE(store_wire::ParseFrame(v2).status().message().find("version 2"), std::string::npos);
@@ -402,7 +581,7 @@ TEST(LaunchEnvTest, ReadsTorchrunAndSlurmVariables) {
   std::map<std::string, std::string> vars = {{"SHARDSYNC_STORE", "node0:29600"},
                                              {"RANK", "3"},
                                              {"WORLD_SIZE", "8"},
-                                             {"SHARDSYNC_TOKEN", "t"}};
+                                             {"SHARDSYNC_TOKEN", kToken}};
   auto lookup = [&](const std::string& n) -> std::optional<std::string> {
     auto it = vars.find(n);
     if (it == vars.end()) return std::nullopt;
@@ -431,7 +610,9 @@ TEST(LaunchEnvTest, ReadsTorchrunAndSlurmVariables) {
   vars.erase("SHARDSYNC_TOKEN");
   EXPECT_NE(LaunchEnvFromLookup(lookup).status().message().find("SHARDSYNC_TOKEN"),
             std::string::npos);
-  vars["SHARDSYNC_TOKEN"] = "t";
+  vars["SHARDSYNC_TOKEN"] = "short";
+  EXPECT_NE(LaunchEnvFromLookup(lookup).status().message().find("at least 16"), std::string::npos);
+  vars["SHARDSYNC_TOKEN"] = kToken;
   vars["SHARDSYNC_STORE"] = "nohost";
   EXPECT_NE(LaunchEnvFromLookup(lookup).status().message().find("SHARDSYNC_STORE"),
             std::string::npos);

@@ -212,13 +212,15 @@ class RoutedJob {
       TheWire().sums.clear();
       TheWire().ready.clear();
     }
-    auto server = StoreServer::Start("127.0.0.1", 0, "tok");
+    auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
     EXPECT_TRUE(server.ok());
     server_ = std::move(server).value();
     auto hub = NewLoopbackHub();
     for (int r = 0; r < world_; ++r) {
       Rank& k = ranks_[r];
-      k.store = std::move(StoreClient::Connect(server_->address(), "tok", Millis(5000))).value();
+      k.store =
+          std::move(StoreClient::Connect(server_->address(), "test-token-0123456789", Millis(5000)))
+              .value();
       RouteOptions ro;
       ro.self = LocalPeerInfo(r);
       ro.hint = "fake_prepared";

@@ -33,7 +33,7 @@ class Job {
   explicit Job(JobSpec spec, Millis timeout = Millis(3000),
                const std::function<void(int, SessionOptions&)>& tune = nullptr)
       : spec_(std::move(spec)) {
-    auto server = StoreServer::Start("127.0.0.1", 0, "tok");
+    auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
     EXPECT_TRUE(server.ok());
     server_ = std::move(server).value();
     hub_ = NewLoopbackHub();
@@ -41,7 +41,7 @@ class Job {
     ranks_.resize(world_);
     for (int r = 0; r < world_; ++r) {
       Rank& k = ranks_[r];
-      auto c = StoreClient::Connect(server_->address(), "tok", Millis(5000));
+      auto c = StoreClient::Connect(server_->address(), "test-token-0123456789", Millis(5000));
       EXPECT_TRUE(c.ok());
       k.store = std::move(c).value();
       k.tx = NewFaultTransport(NewLoopbackTransport(hub_));
@@ -217,7 +217,7 @@ TEST(SyncSession, DifferentPlanFailsAtConnectNamingBothHashes) {
   other.options.bucket_bytes = 8 << 10;
   const std::string h0 = PlanHash(spec.inputs), h1 = PlanHash(other);
   ASSERT_NE(h0, h1);
-  auto server = StoreServer::Start("127.0.0.1", 0, "t");
+  auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
   ASSERT_TRUE(server.ok());
   auto hub = NewLoopbackHub();
   const int world = SyncWorldSize(spec.inputs);
@@ -225,7 +225,7 @@ TEST(SyncSession, DifferentPlanFailsAtConnectNamingBothHashes) {
   std::vector<std::thread> ts;
   for (int r = 0; r < world; ++r) {
     ts.emplace_back([&, r] {
-      auto c = StoreClient::Connect((*server)->address(), "t", Millis(5000));
+      auto c = StoreClient::Connect((*server)->address(), "test-token-0123456789", Millis(5000));
       if (!c.ok()) {
         st[r] = c.status();
         return;

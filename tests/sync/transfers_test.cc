@@ -259,7 +259,7 @@ class RecordedJob {
   RecordedJob(JobSpec spec, bool two_sided_only, bool external_packer = false,
               const std::string& transport = "loopback")
       : spec_(std::move(spec)) {
-    auto server = StoreServer::Start("127.0.0.1", 0, "tok");
+    auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
     EXPECT_TRUE(server.ok());
     server_ = std::move(server).value();
     auto hub = NewLoopbackHub();
@@ -267,7 +267,7 @@ class RecordedJob {
     ranks_.resize(world_);
     for (int r = 0; r < world_; ++r) {
       Rank& k = ranks_[r];
-      auto c = StoreClient::Connect(server_->address(), "tok", Millis(5000));
+      auto c = StoreClient::Connect(server_->address(), "test-token-0123456789", Millis(5000));
       EXPECT_TRUE(c.ok());
       k.store = std::move(c).value();
       k.tx = std::make_unique<Recorder>(

@@ -57,15 +57,15 @@ TEST(Loopback, DuplicateRankAndForeignTransportRefused) {
 }
 
 TEST(Loopback, StoreConnectDetectsDifferentHubs) {
-  auto server = *StoreServer::Start("127.0.0.1", 0, "t");
+  auto server = *StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
   auto a = NewLoopbackTransport(NewLoopbackHub());
   auto b = NewLoopbackTransport(NewLoopbackHub());
   Status sa, sb;
   std::thread t([&] {
-    auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+    auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
     sb = b->Connect(*c, "p", 1, {0}, 2000ms);
   });
-  auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+  auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
   sa = a->Connect(*c, "p", 0, {1}, 2000ms);
   t.join();
   EXPECT_EQ(sa.code(), StatusCode::kFailedPrecondition) << sa.ToString();

@@ -43,7 +43,8 @@ PeerInfo OnGpu(int rank, const std::string& gpu) {
 }
 
 struct Ranks {
-  std::unique_ptr<StoreServer> server = std::move(StoreServer::Start("127.0.0.1", 0, "t")).value();
+  std::unique_ptr<StoreServer> server =
+      std::move(StoreServer::Start("127.0.0.1", 0, "test-token-0123456789")).value();
   std::vector<std::unique_ptr<StoreClient>> stores;
   std::vector<std::unique_ptr<Transport>> tx;
 
@@ -55,7 +56,8 @@ struct Ranks {
     std::vector<std::thread> ts;
     for (int r = 0; r < n; ++r) {
       stores.push_back(
-          std::move(StoreClient::Connect(server->address(), "t", Millis(5000))).value());
+          std::move(StoreClient::Connect(server->address(), "test-token-0123456789", Millis(5000)))
+              .value());
       tx.push_back(std::move(NewRoutedTransport({infos[r], hint, {}})).value());
     }
     for (int r = 0; r < n; ++r) {
@@ -127,8 +129,10 @@ TEST(RoutedTransport, UnknownHintIsRefusedByName) {
 }
 
 TEST(RoutedTransport, MalformedPeerRecordIsDataLossNamingThePeer) {
-  auto server = std::move(StoreServer::Start("127.0.0.1", 0, "t")).value();
-  auto store = std::move(StoreClient::Connect(server->address(), "t", Millis(5000))).value();
+  auto server = std::move(StoreServer::Start("127.0.0.1", 0, "test-token-0123456789")).value();
+  auto store =
+      std::move(StoreClient::Connect(server->address(), "test-token-0123456789", Millis(5000)))
+          .value();
   ASSERT_TRUE(store->Set("m/route/1", "1\thost\tquantum\t0\t").ok());
   auto tx = std::move(NewRoutedTransport({LocalPeerInfo(0), "", {}})).value();
   Status s = tx->Connect(*store, "m/", 0, {1}, Millis(1000));
@@ -137,8 +141,10 @@ TEST(RoutedTransport, MalformedPeerRecordIsDataLossNamingThePeer) {
 }
 
 TEST(RoutedTransport, MissingPeerTimesOutNamingIt) {
-  auto server = std::move(StoreServer::Start("127.0.0.1", 0, "t")).value();
-  auto store = std::move(StoreClient::Connect(server->address(), "t", Millis(5000))).value();
+  auto server = std::move(StoreServer::Start("127.0.0.1", 0, "test-token-0123456789")).value();
+  auto store =
+      std::move(StoreClient::Connect(server->address(), "test-token-0123456789", Millis(5000)))
+          .value();
   auto tx = std::move(NewRoutedTransport({LocalPeerInfo(0), "", {}})).value();
   Status s = tx->Connect(*store, "t/", 0, {3}, Millis(200));
   EXPECT_FALSE(s.ok());

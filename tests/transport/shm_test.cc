@@ -1,8 +1,12 @@
 // The shm transport: the conformance suite (threads in one process, and a forked peer for the
 // peer-death test), summed copies against the checksum definition, and no file left in /dev/shm.
 #include <dirent.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <fstream>
 #include <random>
 #include <string>
 #include <thread>
@@ -12,6 +16,7 @@
 
 #include "shardsync/checksum.h"
 #include "shardsync/transport.h"
+#include "transport/shm_segment.h"
 #include "transport/transport_conformance.h"
 
 namespace shardsync::testing {
@@ -33,13 +38,13 @@ RegisterChildTransport child_shm("shm", [] { return MakeShm(); });
 // Two connected shm transports driven from this thread (sends and receives are non-blocking).
 struct Pair {
   Pair() {
-    server = *StoreServer::Start("127.0.0.1", 0, "t");
+    server = *StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
     std::thread th([&] {
-      auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+      auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
       b = MakeShm();
       sb = b->Connect(*c, "p", 1, {0}, 5000ms);
     });
-    auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+    auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
     a = MakeShm();
     sa = a->Connect(*c, "p", 0, {1}, 5000ms);
     th.join();
@@ -152,17 +157,24 @@ TEST(Shm, SummedReceiveOfAMessageThatArrivedFirst) {
   EXPECT_EQ(ss.sum, rs.sum);
 }
 
-TEST(Shm, PutIsRefusedAndNoSegmentOutlivesConnect) {
-  auto count = [] {
-    int n = 0;
-    if (DIR* d = opendir("/dev/shm")) {
-      const std::string mine =
-          "shardsync-" + std::to_string(getuid()) + "-" + std::to_string(getpid()) + "-";
-      while (dirent* e = readdir(d)) n += std::string(e->d_name).rfind(mine, 0) == 0;
-      closedir(d);
+// Names in /dev/shm of segments created by process `pid`.
+std::vector<std::string> SegmentsOf(pid_t pid) {
+  std::vector<std::string> out;
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d)) {
+      if (shm::SegmentCreator(e->d_name) == pid) out.emplace_back(e->d_name);
     }
-    return n;
-  };
+    closedir(d);
+  }
+  return out;
+}
+
+bool InDevShm(const std::string& name) {
+  return access(("/dev/shm/" + (name[0] == '/' ? name.substr(1) : name)).c_str(), F_OK) == 0;
+}
+
+TEST(Shm, PutIsRefusedAndNoSegmentOutlivesConnect) {
+  auto count = [] { return static_cast<int>(SegmentsOf(getpid()).size()); };
   const int before = count();
   {
     Pair p;
@@ -176,14 +188,14 @@ TEST(Shm, PutIsRefusedAndNoSegmentOutlivesConnect) {
 }
 
 TEST(Shm, APeerThatDidNotListThisRankFailsConnectNamingIt) {
-  auto server = *StoreServer::Start("127.0.0.1", 0, "t");
+  auto server = *StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
   Status sa, sb;
   std::thread th([&] {
-    auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+    auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
     auto b = MakeShm();
     sb = b->Connect(*c, "p", 1, {2}, 2000ms);  // lists rank 2, not rank 0
   });
-  auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+  auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
   auto a = MakeShm();
   sa = a->Connect(*c, "p", 0, {1}, 2000ms);
   th.join();
@@ -195,8 +207,8 @@ TEST(Shm, APeerThatDidNotListThisRankFailsConnectNamingIt) {
 // The connection record comes from another process: malformed ones are clear errors naming the
 // peer, never a crash or a mapping of the wrong size.
 TEST(Shm, MalformedPeerRecordsAreRefused) {
-  auto server = *StoreServer::Start("127.0.0.1", 0, "t");
-  auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+  auto server = *StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
+  auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
   const std::string records[] = {
       "",
       "garbage",
@@ -219,6 +231,79 @@ TEST(Shm, MalformedPeerRecordsAreRefused) {
     EXPECT_NE(s.code(), StatusCode::kDeadlineExceeded) << rec << ": " << s.ToString();
     EXPECT_NE(s.message().find("peer rank 1"), std::string::npos) << s.ToString();
   }
+}
+
+// A rank that creates its segment and dies before anyone could unlink it (SIGKILL mid-connect):
+// writes the segment's name to SS_CHILD_OUT, then exits without cleaning up.
+RegisterChildRole orphan_maker("shm_orphan_maker", [] {
+  auto seg = shm::CreateSegment(3, {0});
+  if (!seg.ok()) return 2;
+  FILE* f = std::fopen(ChildEnv("SS_CHILD_OUT").c_str(), "w");
+  if (f == nullptr) return 3;
+  std::fprintf(f, "%s", seg->name.c_str());
+  std::fclose(f);
+  _exit(0);
+});
+
+// Connects as rank 1 of {0, 1} under SS_CHILD_PREFIX and waits there for rank 0 (until killed).
+RegisterChildRole connect_and_wait("shm_connect_and_wait", [] {
+  auto c = StoreClient::Connect(ChildEnv("SS_CHILD_STORE"), kToken, 5000ms);
+  if (!c.ok()) return 2;
+  auto t = MakeShm();
+  return t->Connect(**c, ChildEnv("SS_CHILD_PREFIX"), 1, {0}, 60000ms).ok() ? 0 : 3;
+});
+
+// Issue 26: killing ranks during connect left their 2 MB segments in /dev/shm for good. The
+// next connect on the host sweeps those whose creator has exited, and only those.
+TEST(Shm, SegmentsOfRanksThatDiedAreSweptAtTheNextConnect) {
+  const std::string out = "/tmp/shardsync-shm-orphan-" + std::to_string(getpid());
+  const pid_t child = SpawnChild("shm_orphan_maker", {{"SS_CHILD_OUT", out}});
+  ASSERT_GT(child, 0);
+  const int wst = WaitChild(child, 10000ms);
+  ASSERT_TRUE(WIFEXITED(wst) && WEXITSTATUS(wst) == 0) << wst;
+  std::string orphan;
+  {
+    std::ifstream in(out);
+    std::getline(in, orphan);
+  }
+  std::remove(out.c_str());
+  ASSERT_FALSE(orphan.empty());
+  // (Not asserted to exist here: a concurrent test's connect may already have swept it.)
+  // A live process's segment (this one's) is left alone.
+  auto live = shm::CreateSegment(7, {0});
+  ASSERT_TRUE(live.ok()) << live.status().ToString();
+  Pair p;  // any connect sweeps
+  ASSERT_TRUE(p.sa.ok() && p.sb.ok());
+  EXPECT_FALSE(InDevShm(orphan)) << orphan << " survived the next connect";
+  EXPECT_TRUE(InDevShm(live->name));
+  shm_unlink(live->name.c_str());
+  munmap(live->map, live->bytes);
+}
+
+// A peer killed after publishing its record: the survivor removes its segment and fails at once
+// naming it, instead of waiting out its timeout with the segment left behind.
+TEST(Shm, APeerKilledDuringConnectIsRemovedByTheSurvivor) {
+  auto server = *StoreServer::Start("127.0.0.1", 0, kToken);
+  const std::string prefix = "die-" + std::to_string(getpid());
+  const pid_t child = SpawnChild(
+      "shm_connect_and_wait", {{"SS_CHILD_STORE", server->address()}, {"SS_CHILD_PREFIX", prefix}});
+  ASSERT_GT(child, 0);
+  auto c = *StoreClient::Connect(server->address(), kToken, 1000ms);
+  auto record = c->Get(prefix + "/shm/1", 10000ms);
+  ASSERT_TRUE(record.ok()) << record.status().ToString();
+  kill(child, SIGKILL);
+  WaitChild(child, 5000ms);
+  auto rec = shm::ParsePeerRecord(*record, 1, 0);
+  ASSERT_TRUE(rec.ok()) << rec.status().ToString();
+  auto t = MakeShm();
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = t->Connect(*c, prefix, 0, {1}, 10000ms);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1000ms);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_NE(s.message().find("peer rank 1"), std::string::npos) << s.ToString();
+  EXPECT_FALSE(InDevShm(rec->name)) << rec->name << " left behind";
+  t.reset();
+  EXPECT_TRUE(SegmentsOf(getpid()).empty());
 }
 
 }  // namespace

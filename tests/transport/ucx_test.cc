@@ -1,11 +1,16 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
 
 #include <gtest/gtest.h>
 
 #include "shardsync/transport.h"
 #include "transport/transport_conformance.h"
+#include "transport/ucx_support.h"
 
 namespace shardsync::testing {
 namespace {
@@ -46,14 +51,14 @@ RegisterChildTransport child_fault("fault_passthrough_ucx", []() -> std::unique_
 TEST(Ucx, TagModeRefusesPutAndModeMismatchFailsConnect) {
   auto tag = MakeUcx(UcxMode::kTag);
   EXPECT_FALSE(tag->caps().one_sided_put);
-  auto server = *StoreServer::Start("127.0.0.1", 0, "t");
+  auto server = *StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
   auto put = MakeUcx(UcxMode::kPut);
   Status a, b;
   std::thread th([&] {
-    auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+    auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
     b = put->Connect(*c, "m", 1, {0}, 3000ms);
   });
-  auto c = *StoreClient::Connect(server->address(), "t", 1000ms);
+  auto c = *StoreClient::Connect(server->address(), "test-token-0123456789", 1000ms);
   a = tag->Connect(*c, "m", 0, {1}, 3000ms);
   th.join();
   EXPECT_EQ(a.code(), StatusCode::kFailedPrecondition) << a.ToString();
@@ -67,6 +72,95 @@ TEST(Ucx, ModeFromEnvironmentValidated) {
   unsetenv("SHARDSYNC_UCX_MODE");
   EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(t.status().message().find("SHARDSYNC_UCX_MODE"), std::string::npos);
+}
+
+// TCP sockets this process has listening: "addr:port" as /proc/net/tcp{,6} print them (hex).
+std::set<std::string> OwnListeners() {
+  std::set<std::string> inodes;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const std::string target = std::filesystem::read_symlink(e.path(), ec).string();
+    if (!ec && target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+  }
+  std::set<std::string> out;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream f(line);
+      std::string sl, local, remote, state, queues, timer, retr, uid, timeout, inode;
+      f >> sl >> local >> remote >> state >> queues >> timer >> retr >> uid >> timeout >> inode;
+      if (state == "0A" && inodes.count(inode)) out.insert(local);
+    }
+  }
+  return out;
+}
+
+bool IsLoopback(const std::string& hex_addr) {
+  const std::string addr = hex_addr.substr(0, hex_addr.find(':'));
+  if (addr.size() == 8) return addr.substr(6) == "7F";  // 127.x.x.x, little-endian
+  return addr == "00000000000000000000000001000000" ||  // ::1
+         (addr.rfind("0000000000000000FFFF0000", 0) == 0 && addr.substr(30) == "7F");
+}
+
+// Issue 26: UCX ranks listened on the routable interface (which the store token does not cover)
+// even when every rank ran on this host. net_devices "loopback" keeps every listener on it.
+TEST(Ucx, LoopbackNetDevicesListenOnLoopbackOnly) {
+  const std::set<std::string> before = OwnListeners();
+  UcxOptions o;
+  o.mode = UcxMode::kTag;
+  o.mode_from_env = false;
+  o.net_devices = "loopback";
+  o.net_devices_from_env = false;
+  o.same_host_shm = false;  // peers over TCP, so the loopback listener must carry the traffic
+  auto a = NewUcxTransport(o);
+  auto b = NewUcxTransport(o);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString();
+  std::set<std::string> added;
+  for (const std::string& l : OwnListeners()) {
+    if (!before.count(l)) added.insert(l);
+  }
+  EXPECT_FALSE(added.empty()) << "UCX's TCP transport opened no listener at all";
+  for (const std::string& l : added) EXPECT_TRUE(IsLoopback(l)) << "listening on " << l;
+
+  auto server = *StoreServer::Start("127.0.0.1", 0, kToken);
+  Status sa, sb;
+  std::thread th([&] {
+    auto c = *StoreClient::Connect(server->address(), kToken, 1000ms);
+    sb = (*b)->Connect(*c, "lo", 1, {0}, 5000ms);
+  });
+  auto c = *StoreClient::Connect(server->address(), kToken, 1000ms);
+  sa = (*a)->Connect(*c, "lo", 0, {1}, 5000ms);
+  th.join();
+  ASSERT_TRUE(sa.ok() && sb.ok()) << sa.ToString() << " / " << sb.ToString();
+  char msg[] = "over loopback", got[sizeof(msg)] = {};
+  auto recv = (*b)->PostRecv(0, 3, got, sizeof(got));
+  auto send = (*a)->PostSend(1, 3, msg, sizeof(msg));
+  ASSERT_TRUE(recv.ok() && send.ok());
+  std::thread pump([&] { EXPECT_TRUE(WaitXfer(**a, *send, 5000ms, "send").ok()); });
+  EXPECT_TRUE(WaitXfer(**b, *recv, 5000ms, "recv").ok());
+  pump.join();
+  EXPECT_STREQ(got, msg);
+}
+
+TEST(Ucx, NetDevicesFromEnvironmentResolvedAndValidated) {
+  UcxOptions o;
+  setenv("SHARDSYNC_UCX_NET_DEVICES", "loopback", 1);
+  auto r = ucx_support::ResolveUcxOptions(o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->net_devices, ucx_support::LoopbackInterface());
+  setenv("SHARDSYNC_UCX_NET_DEVICES", "eth0; rm -rf /", 1);
+  auto bad = NewUcxTransport();
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("SHARDSYNC_UCX_NET_DEVICES"), std::string::npos);
+  o.net_devices_from_env = false;  // an explicit choice ignores the variable
+  o.net_devices = "mlx5_0:1,eth0";
+  auto explicit_devices = ucx_support::ResolveUcxOptions(o);
+  unsetenv("SHARDSYNC_UCX_NET_DEVICES");
+  ASSERT_TRUE(explicit_devices.ok());
+  EXPECT_EQ(explicit_devices->net_devices, "mlx5_0:1,eth0");
+  EXPECT_EQ(ucx_support::ResolveUcxOptions({})->net_devices, "");  // UCX's own choice
 }
 
 TEST(Ucx, RegistryCreatesUcx) {

@@ -115,6 +115,41 @@ std::string GpuOf(const Layout* layout, int replica, int tp, int pp) {
   return "-";
 }
 
+int64_t SatMul(int64_t a, int64_t b) {
+  int64_t r = 0;
+  return __builtin_mul_overflow(a, b, &r) ? INT64_MAX : r;
+}
+int64_t SatAdd(int64_t a, int64_t b) {
+  int64_t r = 0;
+  return __builtin_add_overflow(a, b, &r) ? INT64_MAX : r;
+}
+
+// Host memory the whole demo takes on this host, checked before a rank starts: an absurd but
+// valid config is bad input (exit 2), not ranks aborting on std::bad_alloc. Trainer shards in
+// the trainer dtype, every engine rank's parameters, and for the generation check the
+// unsharded fp32 reference beside the dumps and their fp32 copy.
+Status CheckDemoFitsHost(const PlanInputs& in, const PlanSummary& summary, bool generation) {
+  const std::vector<HfTensor> inv = HfTensorInventory(in.model);
+  int64_t trainer = 0, elements = 0, engine = 0;
+  for (const HfTensor& t : inv) {
+    elements = SatAdd(elements, t.numel());
+    for (int r = 0; r < in.trainer.world() && trainer < INT64_MAX; ++r) {
+      trainer = SatAdd(trainer, TrainerHeldRegion(in.trainer, r, t.shape).numel());
+    }
+  }
+  trainer = SatMul(trainer, DTypeSize(in.trainer_dtype));
+  for (const EngineRankSummary& e : summary.engine_ranks) engine = SatAdd(engine, e.owned_bytes);
+  int64_t total = SatAdd(trainer, engine);
+  if (generation) {
+    const int64_t fp32_engine = SatMul(engine / DTypeSize(in.options.wire_dtype), 4);
+    total = SatAdd(total, SatAdd(SatMul(elements, 4), SatAdd(engine, fp32_engine)));
+  }
+  return CheckHostMemory(total, "--model " + in.model.name,
+                         "the demo (trainer shards, engine parameters" +
+                             std::string(generation ? ", generation check" : "") + ")",
+                         /*this_process=*/false);
+}
+
 int Run(const DemoFlags& f) {
   if (Status q = RefuseQuantizedJob(f.job.model, f.quant ? &*f.quant : nullptr, "demo"); !q.ok()) {
     return ReportError(q);
@@ -142,6 +177,9 @@ int Run(const DemoFlags& f) {
   const PlanInputs& in = job->inputs;
   auto summary = SummarizePlan(in);
   if (!summary.ok()) return ReportError(summary.status());
+  if (Status s = CheckDemoFitsHost(in, *summary, f.gen_tokens > 0); !s.ok()) {
+    return ReportError(s);
+  }
   auto map = BuildShardMap(in.model, in.rollout.shard);
   if (!map.ok()) return ReportError(map.status());
   RolloutLayoutSpec ls;
@@ -159,11 +197,12 @@ int Run(const DemoFlags& f) {
 
   LocalJobOptions lo;
   lo.job = *job;
+  // Engine dumps and the ranks' logs live in one temporary directory, removed however the demo
+  // ends (SIGINT / SIGTERM included).
   TempDir dumps;
-  if (f.gen_tokens > 0) {
-    if (Status s = dumps.Create("demo"); !s.ok()) return ReportError(s);
-    lo.job.dump_dir = dumps.path;
-  }
+  if (Status s = dumps.Create("demo"); !s.ok()) return ReportError(s);
+  if (f.gen_tokens > 0) lo.job.dump_dir = dumps.path;
+  lo.log_dir = dumps.path;
   lo.job.mode = JobMode::kSync;
   lo.mode = ParseLaunch(f.launch);
   lo.job_timeout = Millis(int64_t{f.job_timeout_s} * 1000);

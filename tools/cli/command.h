@@ -47,20 +47,31 @@ int ReportInputError(Status status, std::string_view field);
 Status RefuseQuantizedJob(const std::string& model_flag, const std::string* quant_flag,
                           std::string_view command);
 
-// A temporary directory (engine dumps) removed however the command ends.
+// Paths removed if SIGINT or SIGTERM ends the command (signal_cleanup.cc): the first call
+// installs the handlers; the process then still dies of the signal.
+void RemoveOnSignal(const std::string& path);
+void ForgetOnSignal(const std::string& path);
+
+// A temporary directory (engine dumps, rank logs) removed however the command ends, SIGINT and
+// SIGTERM included.
 struct TempDir {
   std::string path;
-  // Creates /tmp/shardsync-<what>-XXXXXX; Unavailable when it cannot.
+  // Creates $TMPDIR/shardsync-<what>-XXXXXX (default /tmp; mode 0700); Unavailable when it
+  // cannot.
   Status Create(const std::string& what) {
-    std::string tmpl = "/tmp/shardsync-" + what + "-XXXXXX";
+    const char* base = getenv("TMPDIR");
+    std::string tmpl = std::string(base != nullptr && *base != '\0' ? base : "/tmp") +
+                       "/shardsync-" + what + "-XXXXXX";
     if (mkdtemp(tmpl.data()) == nullptr) {
       return UnavailableError("cannot create a temporary directory for engine dumps");
     }
     path = tmpl;
+    RemoveOnSignal(path);
     return OkStatus();
   }
   ~TempDir() {
     if (path.empty()) return;
+    ForgetOnSignal(path);
     std::error_code ec;
     std::filesystem::remove_all(path, ec);
   }

@@ -1,0 +1,75 @@
+#include "transport/ucx_support.h"
+
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cstdlib>
+#include <filesystem>
+
+namespace shardsync::ucx_support {
+
+bool HasRdmaDevice() {
+  std::error_code ec;
+  std::filesystem::directory_iterator it("/sys/class/infiniband", ec);
+  return !ec && it != std::filesystem::directory_iterator();
+}
+
+std::string HostName() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+std::string LoopbackInterface() {
+  ifaddrs* all = nullptr;
+  std::string name = "lo";
+  if (getifaddrs(&all) != 0) return name;
+  for (ifaddrs* i = all; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_name != nullptr && (i->ifa_flags & IFF_LOOPBACK) && (i->ifa_flags & IFF_UP)) {
+      name = i->ifa_name;
+      break;
+    }
+  }
+  freeifaddrs(all);
+  return name;
+}
+
+Result<ResolvedUcxOptions> ResolveUcxOptions(const UcxOptions& options) {
+  ResolvedUcxOptions r;
+  UcxMode mode = options.mode;
+  std::string devices = options.net_devices;
+  if (options.mode_from_env) {
+    if (const char* m = std::getenv("SHARDSYNC_UCX_MODE"); m != nullptr && *m != '\0') {
+      const std::string v(m);
+      if (v == "put") {
+        mode = UcxMode::kPut;
+      } else if (v == "tag") {
+        mode = UcxMode::kTag;
+      } else if (v == "auto") {
+        mode = UcxMode::kAuto;
+      } else {
+        return InvalidArgumentError("SHARDSYNC_UCX_MODE='" + v + "': want put, tag or auto");
+      }
+    }
+  }
+  if (options.net_devices_from_env) {
+    if (const char* d = std::getenv("SHARDSYNC_UCX_NET_DEVICES"); d != nullptr && *d != '\0') {
+      devices = d;
+    }
+  }
+  // UCX_NET_DEVICES syntax: comma-separated device names, "dev:port" for RDMA ports.
+  for (char c : devices) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != ',' && c != ':' && c != '_' &&
+        c != '-' && c != '.') {
+      return InvalidArgumentError("SHARDSYNC_UCX_NET_DEVICES / net_devices '" + devices +
+                                  "': want 'loopback' or device names like 'eth0,mlx5_0:1'");
+    }
+  }
+  r.mode = mode == UcxMode::kAuto ? (HasRdmaDevice() ? UcxMode::kPut : UcxMode::kTag) : mode;
+  r.net_devices = devices == "loopback" ? LoopbackInterface() : devices;
+  return r;
+}
+
+}  // namespace shardsync::ucx_support

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "command.h"
-#include "shardsync/launcher.h"
+#include "job/launcher.h"
 #include "shardsync/layout.h"
 #include "shardsync/plan.h"
 #include "shardsync/refengine.h"

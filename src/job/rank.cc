@@ -11,20 +11,20 @@
 #include <nlohmann/json.hpp>
 
 #include "common/trace.h"
+#include "job/internal.h"
+#include "job/launcher.h"
 #include "shardsync/gpu.h"
-#include "shardsync/launcher.h"
 #include "shardsync/refengine.h"
 #include "shardsync/safetensors.h"
 #include "shardsync/shard_map.h"
 #include "shardsync/synthetic.h"
 #include "shardsync/transport.h"
-#include "sync/internal.h"
 
 namespace shardsync {
 
 using Clock = std::chrono::steady_clock;
 
-int64_t PeakRssBytes() {
+int64_t job_internal::PeakRssBytes() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return static_cast<int64_t>(u.ru_maxrss) * 1024;
@@ -192,8 +192,8 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
   }
   SS_ASSIGN_OR_RETURN(in.options.wire_dtype, ParseDType(f.wire_dtype, "--wire-dtype"));
   SS_ASSIGN_OR_RETURN(in.trainer_dtype, ParseDType(f.trainer_dtype, "--trainer-dtype"));
-  SS_RETURN_IF_ERROR(sync_internal::CheckFloatDType(in.options.wire_dtype, "--wire-dtype"));
-  SS_RETURN_IF_ERROR(sync_internal::CheckFloatDType(in.trainer_dtype, "--trainer-dtype"));
+  SS_RETURN_IF_ERROR(job_internal::CheckFloatDType(in.options.wire_dtype, "--wire-dtype"));
+  SS_RETURN_IF_ERROR(job_internal::CheckFloatDType(in.trainer_dtype, "--trainer-dtype"));
   if (f.bucket_bytes < 0) {
     return InvalidArgumentError("--bucket-bytes: must be at least 8, got " +
                                 std::to_string(f.bucket_bytes));
@@ -285,7 +285,7 @@ int RankSteps(const JobSpec& job) {
   return 3 + (job.mode == JobMode::kBench ? 3 : job.syncs);
 }
 
-namespace sync_internal {
+namespace job_internal {
 
 std::vector<BcastBucket> BroadcastBuckets(const std::vector<HfTensor>& inv, int ws, int64_t cap,
                                           std::vector<int64_t>* tensor_offsets) {
@@ -450,9 +450,9 @@ void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& para
   }
 }
 
-}  // namespace sync_internal
+}  // namespace job_internal
 
-using namespace sync_internal;
+using namespace job_internal;
 
 Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Transport& transport,
                            const ProgressFn& progress) {

@@ -16,9 +16,9 @@
 #include <sstream>
 #include <thread>
 
-#include "shardsync/launcher.h"
+#include "job/launcher.h"
+
 #include "shardsync/transport.h"
-#include "sync/internal.h"
 
 extern char** environ;
 

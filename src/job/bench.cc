@@ -12,7 +12,8 @@
 #include <cstring>
 #include <map>
 
-#include "shardsync/launcher.h"
+#include "job/internal.h"
+#include "job/launcher.h"
 #include "shardsync/shard_map.h"
 #include "shardsync/synthetic.h"
 #include "shardsync/transport.h"
@@ -22,10 +23,10 @@ namespace shardsync {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using sync_internal::BcastBucket;
-using sync_internal::BroadcastBuckets;
-using sync_internal::kBenchVersionBroadcast;
-using sync_internal::kBenchVersionRaw;
+using job_internal::BcastBucket;
+using job_internal::BroadcastBuckets;
+using job_internal::kBenchVersionBroadcast;
+using job_internal::kBenchVersionRaw;
 using sync_internal::MakeTag;
 
 // Copies region `sr` of a row-major tensor (shape ss) into region `dr` of another (shape ds),
@@ -157,7 +158,7 @@ class BenchRank {
 
   bool VerifyParams(const char* after) {
     RankResult r;
-    sync_internal::VerifyEngineParams(job_, session_->ExpectedParams(), params_.bindings, r);
+    job_internal::VerifyEngineParams(job_, session_->ExpectedParams(), params_.bindings, r);
     res_.elements_checked += r.elements_checked;
     res_.element_mismatches += r.element_mismatches;
     if (r.element_mismatches > 0 && res_.first_mismatch.empty()) {
@@ -191,15 +192,15 @@ class BenchRank {
                                                                       std::move(hooks)));
     const RankPlan& plan = session_->plan();
     if (who_.is_trainer) {
-      SS_ASSIGN_OR_RETURN(shards_, sync_internal::FillTrainerShards(job_, who_.trainer_rank));
+      SS_ASSIGN_OR_RETURN(shards_, job_internal::FillTrainerShards(job_, who_.trainer_rank));
       for (const SourceBinding& b : shards_.bindings) SS_RETURN_IF_ERROR(session_->BindSource(b));
       int64_t max_msg = 0;
       for (const Message& m : plan.sends) max_msg = std::max(max_msg, m.bytes);
       raw_.assign(std::max<int64_t>(max_msg, 1), 0x5A);
       if (rank_ == 0) SS_RETURN_IF_ERROR(FillFullModel());
     } else {
-      SS_ASSIGN_OR_RETURN(params_, sync_internal::AllocateEngineParams(session_->ExpectedParams(),
-                                                                       in_.options.wire_dtype));
+      SS_ASSIGN_OR_RETURN(params_, job_internal::AllocateEngineParams(session_->ExpectedParams(),
+                                                                      in_.options.wire_dtype));
       for (const DestBinding& b : params_.bindings) SS_RETURN_IF_ERROR(session_->BindDest(b));
       stage_.assign(std::max<int64_t>(2 * max_bucket_, 1), 0);
       int64_t total = 0;
@@ -272,7 +273,7 @@ class BenchRank {
       tmp.resize(n);
       FillSyntheticRegion(job_.seed, inv_[t].name, inv_[t].shape, Region::Full(inv_[t].shape),
                           tmp.data());
-      sync_internal::StoreFloats(tmp.data(), n, td, full_.data() + at);
+      job_internal::StoreFloats(tmp.data(), n, td, full_.data() + at);
       at += n * ts;
     }
     stage_.assign(std::max<int64_t>(2 * max_bucket_, 1), 0);
@@ -543,8 +544,8 @@ class BenchRank {
   int64_t max_bucket_ = 0;
   std::unique_ptr<SyncSession> session_;
   uint64_t version_ = 0;
-  sync_internal::TrainerShards shards_;
-  sync_internal::EngineParams params_;
+  job_internal::TrainerShards shards_;
+  job_internal::EngineParams params_;
   std::vector<unsigned char> full_;   // trainer 0: the whole model, trainer dtype
   std::vector<unsigned char> stage_;  // two broadcast buckets (trainer 0: cast; engines: landed)
   std::vector<unsigned char> raw_;    // engines: raw receive area; trainers: raw source
@@ -565,8 +566,9 @@ double Median(std::vector<double> v) {
 
 }  // namespace
 
-Status RunBenchRank(const JobSpec& job, int rank, const SyncRank& who, StoreClient& store,
-                    Transport& transport, RankResult& res, const ProgressFn& progress) {
+Status job_internal::RunBenchRank(const JobSpec& job, int rank, const SyncRank& who,
+                                  StoreClient& store, Transport& transport, RankResult& res,
+                                  const ProgressFn& progress) {
   BenchRank b(job, rank, who, store, transport, res, progress);
   return b.Run();
 }

@@ -24,7 +24,7 @@ Status HostSender::Prepare(const Bindings& bindings, PeerShapes& shapes, const P
   pairs_ = &pairs;
   regbase_ = std::move(regbase);
   if (ctx_.builtin_packer()) {
-    // The CPU packer packs transfer by transfer into a small ring (PostTransfer says why it is
+    // The CPU packer packs transfer by transfer into a small ring (kRingBytes says why it is
     // never overwritten while in flight): it stays in cache, so packing writes cost no DRAM
     // traffic, and staging memory no longer grows with the bucket cap.
     if (!plan.sends.empty()) {

@@ -166,9 +166,10 @@ std::string DefaultTransport() {
   return "loopback";
 }
 
-Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
-  JobSpec job;
-  PlanInputs& in = job.inputs;
+namespace {
+
+// The flags that define the plan (--model ... --bucket-bytes), in the order they are checked.
+Status PlanInputsFromFlags(const JobFlags& f, PlanInputs& in) {
   SS_ASSIGN_OR_RETURN(in.model, LoadModelSpec(f.model));  // errors name --model
   SS_ASSIGN_OR_RETURN(EngineKind engine, ParseEngineKind(f.engine, "--engine"));
   // The parsers name the flag (--trainer ..., --rollout ...).
@@ -211,11 +212,12 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
     return InvalidArgumentError("--bucket-bytes: must be at least 8, got " +
                                 std::to_string(in.options.bucket_bytes));
   }
-  job.seed = f.seed;
-  if (f.syncs < 1 || f.syncs > 1000000) {
-    return InvalidArgumentError("--syncs: must be in [1, 1000000], got " + std::to_string(f.syncs));
-  }
-  job.syncs = f.syncs;
+  return OkStatus();
+}
+
+// --device and --gpus; a CUDA job also needs a device, the GPU transports and bf16 on the wire.
+Status DeviceFromFlags(const JobFlags& f, JobSpec& job) {
+  const PlanInputs& in = job.inputs;
   if (f.device != "cpu" && f.device != "cuda") {
     return InvalidArgumentError("--device: '" + f.device + "', expected cpu or cuda");
   }
@@ -237,6 +239,21 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
       return InvalidArgumentError("--trainer-dtype: --device cuda holds f32 or bf16 shards");
     }
   }
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
+  JobSpec job;
+  PlanInputs& in = job.inputs;
+  SS_RETURN_IF_ERROR(PlanInputsFromFlags(f, in));
+  job.seed = f.seed;
+  if (f.syncs < 1 || f.syncs > 1000000) {
+    return InvalidArgumentError("--syncs: must be in [1, 1000000], got " + std::to_string(f.syncs));
+  }
+  job.syncs = f.syncs;
+  SS_RETURN_IF_ERROR(DeviceFromFlags(f, job));
   // Device ranks route every pair (cuda_ipc / nccl); a named transport is the hint.
   job.transport = f.transport != "auto"  ? f.transport
                   : job.device == "cuda" ? "auto"
@@ -454,6 +471,26 @@ void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& para
 
 using namespace job_internal;
 
+namespace {
+
+// Engine ranks with --dump-dir: the received parameters as <dump_dir>/rank-<rank>.safetensors.
+Status WriteDump(const JobSpec& job, int rank, const SyncRank& who,
+                 const std::vector<EngineParam>& expected, const std::vector<DestBinding>& bound) {
+  std::vector<TensorToWrite> tensors;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const DestBinding& b = bound[i];
+    tensors.push_back({expected[i].name,
+                       b.dtype,
+                       expected[i].shape,
+                       {static_cast<const uint8_t*>(b.data),
+                        static_cast<size_t>(expected[i].numel() * DTypeSize(b.dtype))}});
+  }
+  return WriteEngineDump(job.dump_dir + "/rank-" + std::to_string(rank) + ".safetensors", tensors,
+                         {who.replica, who.tp_rank, who.pp_rank});
+}
+
+}  // namespace
+
 Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Transport& transport,
                            const ProgressFn& progress) {
   auto step = [&] {
@@ -525,18 +562,7 @@ Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Tra
   if (!who.is_trainer && !job.dump_dir.empty()) {
     // The dump is a demo/test artifact: report the sync's memory peak, not the serializer's.
     const int64_t sync_peak = PeakRssBytes();
-    std::vector<TensorToWrite> tensors;
-    const std::vector<EngineParam>& expected = session->ExpectedParams();
-    for (size_t i = 0; i < expected.size(); ++i) {
-      const DestBinding& b = params.bindings[i];
-      tensors.push_back({expected[i].name,
-                         b.dtype,
-                         expected[i].shape,
-                         {static_cast<const uint8_t*>(b.data),
-                          static_cast<size_t>(expected[i].numel() * DTypeSize(b.dtype))}});
-    }
-    Status ds = WriteEngineDump(job.dump_dir + "/rank-" + std::to_string(rank) + ".safetensors",
-                                tensors, {who.replica, who.tp_rank, who.pp_rank});
+    Status ds = WriteDump(job, rank, who, session->ExpectedParams(), params.bindings);
     if (!ds.ok()) return finish(ds.Annotate("--dump-dir"));
     step();
     finish(OkStatus());

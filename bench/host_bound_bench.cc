@@ -35,7 +35,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr size_t kTransfer = size_t{4} << 20;  // raw transfer size (as `shardsync bench`)
-constexpr size_t kPiece = size_t{1} << 20;     // sync session transfer size (session.cc)
+constexpr size_t kPiece = size_t{1} << 20;     // sync session transfer size (kMaxTransferBytes)
 
 size_t DemoBytesPerEngineRank() {
   PlanInputs in;

@@ -1,4 +1,6 @@
-// Internals shared by the rank program, the benchmark variants and the launcher.
+// Internals of the sync layer shared by its files, its tests and the job harness (src/job): tags,
+// verdict encoding, how buckets are cut into transfers, the CPU casts, and the session's harness
+// hooks.
 #pragma once
 
 #include <functional>
@@ -7,18 +9,14 @@
 #include <string_view>
 #include <vector>
 
-#include "shardsync/launcher.h"
 #include "shardsync/session.h"
 
 namespace shardsync {
-
-int64_t PeakRssBytes();
-
 namespace sync_internal {
 
 // Transfer tags, 48 bits (UCX keeps 16 for the source rank):
 // [control 1][version mod 2^11][sequence 36]. Sessions use versions from 1; the benchmark's
-// baseline variants use the reserved versions kBenchVersion*.
+// baseline variants use reserved versions (job/internal.h kBenchVersion*).
 inline constexpr uint64_t kSeqBits = 36;
 inline uint64_t MakeTag(bool control, uint64_t version, uint64_t seq) {
   return (uint64_t{control} << 47) | ((version & 0x7FF) << kSeqBits) |
@@ -29,18 +27,6 @@ inline uint64_t MakeTag(bool control, uint64_t version, uint64_t seq) {
 // DataLoss naming `rank` on anything malformed or naming another rank.
 std::string EncodeVerdict(const RankSyncStats& s);
 Result<RankSyncStats> DecodeVerdict(std::string_view text, int rank);
-
-inline constexpr uint64_t kBenchVersionBroadcast = 0x7FF;
-inline constexpr uint64_t kBenchVersionRaw = 0x7FE;
-
-struct TrainerShards {
-  std::vector<SourceBinding> bindings;
-  std::vector<std::unique_ptr<unsigned char[]>> buffers;
-};
-struct EngineParams {
-  std::vector<DestBinding> bindings;
-  std::vector<std::unique_ptr<unsigned char[]>> buffers;
-};
 
 // One transfer of a bucket: wire bytes [wire_offset, wire_offset + len) of the bucket (offsets
 // from the bucket start), landing contiguously at byte param_offset of destination parameter
@@ -75,46 +61,16 @@ std::vector<WireRun> BucketTransfers(const PlanInputs& in, const std::vector<HfT
                                      int src_trainer_rank, const Message& m, const Bucket& b,
                                      const std::function<const Shape&(int)>& dest_shape);
 
-// Broadcast-all baseline: whole HF tensors back to back (inventory order) in buckets under the
-// cap; a tensor larger than the cap travels alone. The same on every rank.
-struct BcastBucket {
-  size_t t_begin = 0, t_end = 0;
-  int64_t offset = 0;  // in the full model image
-  int64_t bytes = 0;
-};
-std::vector<BcastBucket> BroadcastBuckets(const std::vector<HfTensor>& inv, int ws, int64_t cap,
-                                          std::vector<int64_t>* tensor_offsets);
-
-// Device mode (device_rank.cc): the GPU a sync rank runs on (trainer t on GPU t % gpus; engine
-// rank (replica, pp, tp) where SGLang / vLLM place it, d*T*P + pp*T + tp, modulo the GPUs), and
-// the rank program with device bindings (sync mode, or bench mode's variants).
-Result<int> DeviceOfRank(const JobSpec& job, int rank);
-Status RunDeviceRank(const JobSpec& job, int rank, const SyncRank& who, StoreClient& store,
-                     Transport& transport, RankResult& res, const ProgressFn& progress);
-
 // Element cast between F32 / BF16 / F16 (plain copy for equal dtypes), as the packer does it.
 void CastInto(const void* in, DType a, void* out, DType b, int64_t n);
 // fp32 -> bf16 cast (as CastInto) of the first k elements of in[0, n), with k a multiple of 16
 // chosen by the kernel (0 where no vector unit does it), adding the checksum.h partial sum of
 // the k * 2 bytes written to *sum, out[0] being the start of message word `word`. Returns k.
 int64_t CastF32ToBF16WithSum(const void* in, void* out, int64_t n, uint64_t word, uint64_t* sum);
-void StoreFloats(const float* in, int64_t n, DType dtype, void* out);
-float LoadFloat(const void* p, int64_t i, DType dtype);
-Status CheckFloatDType(DType t, std::string_view field);
-// Synthetic weights of every HF tensor region the trainer rank holds, in the trainer dtype.
-Result<TrainerShards> FillTrainerShards(const JobSpec& job, int trainer_rank);
-// Parameters in `dtype`, filled with a garbage pattern (0xA5).
-Result<EngineParams> AllocateEngineParams(const std::vector<EngineParam>& expected, DType dtype);
-// Element-by-element comparison with the synthetic HF values; adds to out's counters.
-void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& params,
-                        const std::vector<DestBinding>& bound, RankResult& out);
-
-}  // namespace sync_internal
 
 // Harness hooks of a session (benchmarks; not in the public SessionOptions): transport peers
 // beyond the plan's (the broadcast-all baseline's), and a hook run after the session registered
 // its memory and before the transport connects (the baseline's staging).
-namespace sync_internal {
 struct HarnessHooks {
   std::vector<int> extra_peers;
   std::function<Status(Transport&)> before_transport_connect;
@@ -124,9 +80,5 @@ Result<std::unique_ptr<SyncSession>> CreateHarnessSession(const PlanInputs& inpu
                                                           SessionOptions options,
                                                           HarnessHooks hooks);
 }  // namespace sync_internal
-
-// Bench mode of RunRank (bench.cc): sharded, broadcast-all and raw variants.
-Status RunBenchRank(const JobSpec& job, int rank, const SyncRank& who, StoreClient& store,
-                    Transport& transport, RankResult& res, const ProgressFn& progress);
 
 }  // namespace shardsync

@@ -314,7 +314,7 @@ Case LeanCase() {
   return c;
 }
 
-// The lean kernel's shapes (kernels.cu): aligned whole rows of a row-parallel shard and a long
+// The lean kernel's shapes (lean_kernel.cu): aligned whole rows of a row-parallel shard and a long
 // contiguous run, each bucket's map one contiguous segment. Sums equal the CPU's, and a map moved
 // by one 16-byte pair (still the lean shape) is caught.
 TEST(GpuPack, LandedReadbackOnLeanShapes) {

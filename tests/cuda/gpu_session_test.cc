@@ -8,12 +8,13 @@
 #include <thread>
 
 #include "gpu_test_util.h"
+#include "job/internal.h"
+#include "job/launcher.h"
+#include "job/test_util.h"
 #include "shardsync/gpu.h"
-#include "shardsync/launcher.h"
 #include "shardsync/session.h"
 #include "shardsync/transport.h"
 #include "sync/internal.h"
-#include "sync/test_util.h"
 
 namespace shardsync::gpu {
 namespace {
@@ -24,7 +25,7 @@ struct DeviceRank {
   std::unique_ptr<Packer> packer;
   std::unique_ptr<SyncSession> session;
   std::vector<std::unique_ptr<DeviceBuffer>> bufs;
-  sync_internal::EngineParams host;  // engine: the parameters copied back for the element check
+  job_internal::EngineParams host;  // engine: the parameters copied back for the element check
   int device = 0;
 };
 
@@ -51,7 +52,7 @@ Status SetUpRank(const JobSpec& job, int r, int gpus, const std::string& hint,
   o.connect_timeout = Millis(20000);
   SS_ASSIGN_OR_RETURN(k.session, SyncSession::Create(job.inputs, r, *k.store, *k.tx, o));
   if (k.session->is_trainer()) {
-    SS_ASSIGN_OR_RETURN(auto shards, sync_internal::FillTrainerShards(job, r));
+    SS_ASSIGN_OR_RETURN(auto shards, job_internal::FillTrainerShards(job, r));
     for (SourceBinding b : shards.bindings) {
       const size_t n = b.region.numel() * DTypeSize(b.dtype);
       SS_ASSIGN_OR_RETURN(auto buf, DeviceBuffer::Allocate(n, k.device));
@@ -63,8 +64,8 @@ Status SetUpRank(const JobSpec& job, int r, int gpus, const std::string& hint,
       k.bufs.push_back(std::move(buf));
     }
   } else {
-    SS_ASSIGN_OR_RETURN(k.host, sync_internal::AllocateEngineParams(k.session->ExpectedParams(),
-                                                                    job.inputs.options.wire_dtype));
+    SS_ASSIGN_OR_RETURN(k.host, job_internal::AllocateEngineParams(k.session->ExpectedParams(),
+                                                                   job.inputs.options.wire_dtype));
     for (DestBinding b : k.host.bindings) {
       const size_t n = NumElements(b.shape) * DTypeSize(b.dtype);
       SS_ASSIGN_OR_RETURN(auto buf, DeviceBuffer::Allocate(n, k.device));
@@ -113,7 +114,7 @@ void RunJob(int gpus, const std::string& hint, const std::string& want_cross) {
       ASSERT_TRUE(CopyToHost(b.data, k.bufs[i]->data(), k.bufs[i]->bytes()).ok());
     }
     RankResult rr;
-    sync_internal::VerifyEngineParams(job, k.session->ExpectedParams(), k.host.bindings, rr);
+    job_internal::VerifyEngineParams(job, k.session->ExpectedParams(), k.host.bindings, rr);
     EXPECT_EQ(rr.element_mismatches, 0) << "rank " << r << " first: " << rr.first_mismatch;
     EXPECT_FALSE(k.session->IsPoisoned());
     checked += rr.elements_checked;

@@ -2,8 +2,8 @@
 // element by element with the synthetic HF values it was cut from.
 #include <gtest/gtest.h>
 
-#include "shardsync/launcher.h"
-#include "test_util.h"
+#include "job/launcher.h"
+#include "job/test_util.h"
 
 namespace shardsync {
 namespace {

@@ -14,13 +14,14 @@
 #include <thread>
 #include <tuple>
 
+#include "job/internal.h"
+#include "job/launcher.h"
+#include "job/test_util.h"
 #include "shardsync/checksum.h"
-#include "shardsync/launcher.h"
 #include "shardsync/session.h"
 #include "shardsync/transport.h"
 #include "sync/internal.h"
 #include "sync_expect.h"
-#include "test_util.h"
 
 namespace shardsync {
 namespace {
@@ -243,12 +244,12 @@ class RoutedJob {
     return All([&](int r) -> Status {
       Rank& k = ranks_[r];
       if (k.session->is_trainer()) {
-        SS_ASSIGN_OR_RETURN(k.shards, sync_internal::FillTrainerShards(spec_, r));
+        SS_ASSIGN_OR_RETURN(k.shards, job_internal::FillTrainerShards(spec_, r));
         for (auto& b : k.shards.bindings) SS_RETURN_IF_ERROR(k.session->BindSource(b));
       } else {
         SS_ASSIGN_OR_RETURN(k.params,
-                            sync_internal::AllocateEngineParams(k.session->ExpectedParams(),
-                                                                spec_.inputs.options.wire_dtype));
+                            job_internal::AllocateEngineParams(k.session->ExpectedParams(),
+                                                               spec_.inputs.options.wire_dtype));
         for (auto& b : k.params.bindings) SS_RETURN_IF_ERROR(k.session->BindDest(b));
       }
       return k.session->Connect();
@@ -269,8 +270,8 @@ class RoutedJob {
     std::unique_ptr<StoreClient> store;
     std::unique_ptr<Transport> tx;
     std::unique_ptr<SyncSession> session;
-    sync_internal::TrainerShards shards;
-    sync_internal::EngineParams params;
+    job_internal::TrainerShards shards;
+    job_internal::EngineParams params;
   };
   JobSpec spec_;
   int world_;

@@ -12,12 +12,13 @@
 #include <functional>
 #include <thread>
 
-#include "shardsync/launcher.h"
+#include "job/internal.h"
+#include "job/launcher.h"
+#include "job/test_util.h"
 #include "shardsync/transport.h"
 #include "sync/internal.h"
 #include "sync/verdict_board.h"
 #include "sync_expect.h"
-#include "test_util.h"
 
 namespace shardsync {
 namespace {
@@ -61,13 +62,13 @@ class Job {
       auto who = DescribeSyncRank(spec_.inputs, r);
       ASSERT_TRUE(who.ok());
       if (who->is_trainer) {
-        auto t = sync_internal::FillTrainerShards(spec_, who->trainer_rank);
+        auto t = job_internal::FillTrainerShards(spec_, who->trainer_rank);
         ASSERT_TRUE(t.ok());
         k.shards = std::move(t).value();
         for (auto& b : k.shards.bindings) ASSERT_TRUE(k.session->BindSource(b).ok());
       } else {
-        auto p = sync_internal::AllocateEngineParams(k.session->ExpectedParams(),
-                                                     spec_.inputs.options.wire_dtype);
+        auto p = job_internal::AllocateEngineParams(k.session->ExpectedParams(),
+                                                    spec_.inputs.options.wire_dtype);
         ASSERT_TRUE(p.ok());
         k.params = std::move(p).value();
         for (auto& b : k.params.bindings) ASSERT_TRUE(k.session->BindDest(b).ok());
@@ -94,15 +95,15 @@ class Job {
   SyncSession& session(int r) { return *ranks_[r].session; }
   FaultTransport& fault(int r) { return *ranks_[r].tx; }
   StoreClient& store(int r) { return *ranks_[r].store; }
-  sync_internal::EngineParams& params(int r) { return ranks_[r].params; }
+  job_internal::EngineParams& params(int r) { return ranks_[r].params; }
 
  private:
   struct Rank {
     std::unique_ptr<StoreClient> store;
     std::unique_ptr<FaultTransport> tx;
     std::unique_ptr<SyncSession> session;
-    sync_internal::TrainerShards shards;
-    sync_internal::EngineParams params;
+    job_internal::TrainerShards shards;
+    job_internal::EngineParams params;
   };
   JobSpec spec_;
   std::unique_ptr<StoreServer> server_;

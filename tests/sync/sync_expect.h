@@ -8,7 +8,8 @@
 #include <thread>
 #include <vector>
 
-#include "shardsync/launcher.h"
+#include "job/internal.h"
+#include "job/launcher.h"
 #include "shardsync/status.h"
 #include "sync/internal.h"
 
@@ -24,14 +25,14 @@ inline std::vector<Status> RunOnAll(int world, const std::function<Status(int)>&
 }
 
 // Element check of every engine rank of an in-process job: mismatches in total. `ranks` hold
-// `session` (a SyncSession pointer) and `params` (sync_internal::EngineParams).
+// `session` (a SyncSession pointer) and `params` (job_internal::EngineParams).
 template <typename Ranks>
 int64_t EngineMismatches(const JobSpec& spec, Ranks& ranks) {
   int64_t m = 0;
   for (auto& k : ranks) {
     if (k.session->is_trainer()) continue;
     RankResult rr;
-    sync_internal::VerifyEngineParams(spec, k.session->ExpectedParams(), k.params.bindings, rr);
+    job_internal::VerifyEngineParams(spec, k.session->ExpectedParams(), k.params.bindings, rr);
     EXPECT_GT(rr.elements_checked, 0);
     m += rr.element_mismatches;
   }

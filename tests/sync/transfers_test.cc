@@ -10,14 +10,15 @@
 #include <list>
 #include <thread>
 
+#include "job/internal.h"
+#include "job/launcher.h"
+#include "job/test_util.h"
 #include "shardsync/checksum.h"
-#include "shardsync/launcher.h"
 #include "shardsync/session.h"
 #include "shardsync/shard_map.h"
 #include "shardsync/transport.h"
 #include "sync/internal.h"
 #include "sync_expect.h"
-#include "test_util.h"
 
 namespace shardsync {
 namespace {
@@ -66,7 +67,7 @@ void CheckSplits(const JobSpec& job, SplitCounts& c) {
   for (int t = 0; t < in.trainer.world(); ++t) {
     auto plan = PlanForRank(in, t);
     EXPECT_TRUE(plan.ok());
-    auto shards = sync_internal::FillTrainerShards(job, t);
+    auto shards = job_internal::FillTrainerShards(job, t);
     EXPECT_TRUE(shards.ok());
     std::map<int, const SourceBinding*> by_tensor;
     for (const SourceBinding& b : shards->bindings) {
@@ -285,7 +286,7 @@ class RecordedJob {
       auto who = DescribeSyncRank(spec_.inputs, r);
       EXPECT_TRUE(who.ok());
       if (who->is_trainer) {
-        auto t = sync_internal::FillTrainerShards(spec_, who->trainer_rank);
+        auto t = job_internal::FillTrainerShards(spec_, who->trainer_rank);
         EXPECT_TRUE(t.ok());
         k.shards = std::move(t).value();
         for (auto& b : k.shards.bindings) {
@@ -293,8 +294,8 @@ class RecordedJob {
           k.tx->AddSource(b.data, b.region.numel() * DTypeSize(b.dtype));
         }
       } else {
-        auto p = sync_internal::AllocateEngineParams(k.session->ExpectedParams(),
-                                                     spec_.inputs.options.wire_dtype);
+        auto p = job_internal::AllocateEngineParams(k.session->ExpectedParams(),
+                                                    spec_.inputs.options.wire_dtype);
         EXPECT_TRUE(p.ok());
         k.params = std::move(p).value();
         for (auto& b : k.params.bindings) EXPECT_TRUE(k.session->BindDest(b).ok());
@@ -333,8 +334,8 @@ class RecordedJob {
     std::unique_ptr<Packer> packer;  // outlives the session (declared before it)
     std::unique_ptr<Recorder> tx;
     std::unique_ptr<SyncSession> session;
-    sync_internal::TrainerShards shards;
-    sync_internal::EngineParams params;
+    job_internal::TrainerShards shards;
+    job_internal::EngineParams params;
   };
   JobSpec spec_;
   std::unique_ptr<StoreServer> server_;

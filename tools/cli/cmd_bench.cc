@@ -14,8 +14,8 @@
 #include <string>
 
 #include "command.h"
+#include "job/launcher.h"
 #include "shardsync/gpu.h"
-#include "shardsync/launcher.h"
 #include "shardsync/plan.h"
 #include "shardsync/refengine.h"
 #include "shardsync/shard_map.h"

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "command.h"
-#include "shardsync/launcher.h"
+#include "job/launcher.h"
 #include "shardsync/layout.h"
 #include "shardsync/plan.h"
 #include "shardsync/refengine.h"

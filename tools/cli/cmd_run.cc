@@ -9,7 +9,7 @@
 #include <string>
 
 #include "command.h"
-#include "shardsync/launcher.h"
+#include "job/launcher.h"
 #include "shardsync/plan.h"
 
 namespace shardsync::cli {

@@ -5,7 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "shardsync/launcher.h"
+#include "job/launcher.h"
 #include "test_util.h"
 
 namespace shardsync {

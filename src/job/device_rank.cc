@@ -9,8 +9,9 @@
 #include <cstring>
 #include <map>
 
+#include "job/internal.h"
+#include "job/launcher.h"
 #include "shardsync/gpu.h"
-#include "shardsync/launcher.h"
 #include "shardsync/refengine.h"
 #include "shardsync/safetensors.h"
 #include "shardsync/shard_map.h"
@@ -22,8 +23,8 @@ namespace shardsync {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using sync_internal::kBenchVersionBroadcast;
-using sync_internal::kBenchVersionRaw;
+using job_internal::kBenchVersionBroadcast;
+using job_internal::kBenchVersionRaw;
 using sync_internal::MakeTag;
 
 int64_t Align(int64_t v) { return (v + 255) / 256 * 256; }
@@ -96,7 +97,7 @@ class DeviceRank {
   std::vector<DestBinding> dests_;
   // Broadcast-all: whole tensors in rounds under the bucket cap; trainer 0 holds the full model
   // in the wire dtype; each engine receives round r into slot r % 2 and slices its pieces out.
-  std::vector<sync_internal::BcastBucket> rounds_;
+  std::vector<job_internal::BcastBucket> rounds_;
   std::vector<int64_t> full_offsets_;
   std::unique_ptr<gpu::DeviceBuffer> full_;
   std::unique_ptr<gpu::DeviceBuffer> slots_;  // engines: 2 x the largest round
@@ -110,7 +111,7 @@ class DeviceRank {
 };
 
 Status DeviceRank::Setup(bool bench) {
-  SS_ASSIGN_OR_RETURN(device_, sync_internal::DeviceOfRank(job_, rank_));
+  SS_ASSIGN_OR_RETURN(device_, job_internal::DeviceOfRank(job_, rank_));
   res_.device = device_;
   SS_RETURN_IF_ERROR(gpu::SetDevice(device_));
   SS_ASSIGN_OR_RETURN(stream_, gpu::Stream::Create(device_));
@@ -332,8 +333,8 @@ Status DeviceRank::RunBench() {
 }
 
 Status DeviceRank::SetupBroadcast() {
-  rounds_ = sync_internal::BroadcastBuckets(inv_, DTypeSize(in_.options.wire_dtype),
-                                            in_.options.bucket_bytes, &full_offsets_);
+  rounds_ = job_internal::BroadcastBuckets(inv_, DTypeSize(in_.options.wire_dtype),
+                                           in_.options.bucket_bytes, &full_offsets_);
   for (const auto& r : rounds_) slot_bytes_ = std::max(slot_bytes_, Align(r.bytes));
   if (rank_ == 0) {
     int64_t total = 0;
@@ -355,7 +356,7 @@ Status DeviceRank::SetupBroadcast() {
 // Engine: round r's pieces out of slot r % 2 (prepared once, after the parameters are bound).
 Status PrepareSlices(const std::vector<HfTensor>& inv, const std::vector<EngineParam>& params,
                      const std::vector<DestBinding>& dests,
-                     const std::vector<sync_internal::BcastBucket>& rounds,
+                     const std::vector<job_internal::BcastBucket>& rounds,
                      const std::vector<int64_t>& full_offsets, unsigned char* slots,
                      int64_t slot_bytes, DType wire, int device,
                      std::vector<std::unique_ptr<gpu::CopyBatch>>* out) {
@@ -514,7 +515,7 @@ Status DeviceRank::RawNccl() {
 
 }  // namespace
 
-namespace sync_internal {
+namespace job_internal {
 
 Result<int> DeviceOfRank(const JobSpec& job, int rank) {
   int gpus = job.gpus;
@@ -541,5 +542,5 @@ Status RunDeviceRank(const JobSpec& job, int rank, const SyncRank& who, StoreCli
   return s;
 }
 
-}  // namespace sync_internal
+}  // namespace job_internal
 }  // namespace shardsync

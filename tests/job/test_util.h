@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "shardsync/launcher.h"
+#include "job/launcher.h"
 
 namespace shardsync::testing {
 

@@ -8,284 +8,28 @@
 #include <chrono>
 #include <cstring>
 #include <map>
-#include <nlohmann/json.hpp>
 
 #include "common/trace.h"
+#include "job/internal.h"
+#include "job/launcher.h"
 #include "shardsync/gpu.h"
-#include "shardsync/launcher.h"
 #include "shardsync/refengine.h"
 #include "shardsync/safetensors.h"
 #include "shardsync/shard_map.h"
 #include "shardsync/synthetic.h"
 #include "shardsync/transport.h"
-#include "sync/internal.h"
 
 namespace shardsync {
 
 using Clock = std::chrono::steady_clock;
 
-int64_t PeakRssBytes() {
+int64_t job_internal::PeakRssBytes() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return static_cast<int64_t>(u.ru_maxrss) * 1024;
 }
 
-std::vector<std::string> JobSpecToArgs(const JobSpec& job) {
-  const PlanInputs& in = job.inputs;
-  const ShardSpec& sh = in.rollout.shard;
-  std::string rollout = "dp=" + std::to_string(in.rollout.dp) + ",tp=" + std::to_string(sh.tp) +
-                        ",pp=" + std::to_string(sh.pp);
-  if (sh.ep != 1) rollout += ",ep=" + std::to_string(sh.ep);
-  std::vector<std::string> a = {
-      "--model",         in.model.name,
-      "--trainer",       in.trainer.ToString(),
-      "--rollout",       rollout,
-      "--engine",        std::string(EngineKindName(sh.engine)),
-      "--wire-dtype",    std::string(DTypeName(in.options.wire_dtype)),
-      "--trainer-dtype", std::string(DTypeName(in.trainer_dtype)),
-      "--bucket-bytes",  std::to_string(in.options.bucket_bytes),
-      "--seed",          std::to_string(job.seed),
-      "--syncs",         std::to_string(job.syncs),
-      "--transport",     job.transport,
-      "--timeout-ms",    std::to_string(job.timeout.count()),
-      "--mode",          job.mode == JobMode::kBench ? "bench" : "sync",
-      "--warmup",        std::to_string(job.bench_warmup),
-      "--reps",          std::to_string(job.bench_reps),
-      "--prefix",        job.prefix,
-  };
-  if (!sh.pp_partition.empty()) {
-    std::string p;
-    for (size_t i = 0; i < sh.pp_partition.size(); ++i) {
-      if (i) p += ',';  // not `"," + to_string(...)`: GCC 12 -Wrestrict false positive
-      p += std::to_string(sh.pp_partition[i]);
-    }
-    a.push_back("--pp-partition");
-    a.push_back(p);
-  }
-  if (job.device != "cpu") {
-    a.push_back("--device");
-    a.push_back(job.device);
-    a.push_back("--gpus");
-    a.push_back(std::to_string(job.gpus));
-  }
-  if (!job.verify) a.push_back("--no-verify");
-  if (!job.dump_dir.empty()) {
-    a.push_back("--dump-dir");
-    a.push_back(job.dump_dir);
-  }
-  return a;
-}
-
-std::string RankResultToJson(const RankResult& r) {
-  nlohmann::json ranks = nlohmann::json::array();
-  nlohmann::json j = {
-      {"rank", r.rank},
-      {"is_trainer", r.is_trainer},
-      {"replica", r.replica},
-      {"tp_rank", r.tp_rank},
-      {"pp_rank", r.pp_rank},
-      {"trainer_rank", r.trainer_rank},
-      {"ok", r.ok},
-      {"error", r.error},
-      {"version", r.report.version},
-      {"bytes", r.report.bytes},
-      {"seconds", r.report.seconds},
-      {"gbps", r.report.gbps},
-      {"slowest_rank", r.report.slowest_rank},
-      {"checksums_ok", r.report.checksums_ok},
-      {"checksums_total", r.report.checksums_total},
-      {"local_send_bytes", r.report.local.send_bytes},
-      {"local_recv_bytes", r.report.local.recv_bytes},
-      {"local_seconds", r.report.local.seconds},
-      {"elements_checked", r.elements_checked},
-      {"element_mismatches", r.element_mismatches},
-      {"first_mismatch", r.first_mismatch},
-      {"peak_rss_bytes", r.peak_rss_bytes},
-      {"poisoned", r.poisoned},
-      {"setup_seconds", r.setup_seconds},
-      {"device", r.device},
-      {"routes", r.routes},
-      {"bench",
-       {{"sharded", r.bench.sharded},
-        {"broadcast", r.bench.broadcast},
-        {"raw", r.bench.raw},
-        {"raw_nccl", r.bench.raw_nccl},
-        {"bytes", r.bench.bytes},
-        {"verified", r.bench.verified}}},
-  };
-  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-}
-
-Result<RankResult> RankResultFromJson(const std::string& text) {
-  try {
-    auto j = nlohmann::json::parse(text);
-    RankResult r;
-    r.rank = j.at("rank");
-    r.is_trainer = j.at("is_trainer");
-    r.replica = j.at("replica");
-    r.tp_rank = j.at("tp_rank");
-    r.pp_rank = j.at("pp_rank");
-    r.trainer_rank = j.at("trainer_rank");
-    r.ok = j.at("ok");
-    r.error = j.at("error");
-    r.report.version = j.at("version");
-    r.report.bytes = j.at("bytes");
-    r.report.seconds = j.at("seconds");
-    r.report.gbps = j.at("gbps");
-    r.report.slowest_rank = j.at("slowest_rank");
-    r.report.checksums_ok = j.at("checksums_ok");
-    r.report.checksums_total = j.at("checksums_total");
-    r.report.local.send_bytes = j.at("local_send_bytes");
-    r.report.local.recv_bytes = j.at("local_recv_bytes");
-    r.report.local.seconds = j.at("local_seconds");
-    r.elements_checked = j.at("elements_checked");
-    r.element_mismatches = j.at("element_mismatches");
-    r.first_mismatch = j.at("first_mismatch");
-    r.peak_rss_bytes = j.at("peak_rss_bytes");
-    r.poisoned = j.at("poisoned");
-    r.setup_seconds = j.at("setup_seconds");
-    const auto& b = j.at("bench");
-    r.bench.sharded = b.at("sharded").get<std::vector<double>>();
-    r.bench.broadcast = b.at("broadcast").get<std::vector<double>>();
-    r.bench.raw = b.at("raw").get<std::vector<double>>();
-    r.bench.raw_nccl = b.at("raw_nccl").get<std::vector<double>>();
-    r.device = j.at("device");
-    r.routes = j.at("routes");
-    r.bench.bytes = b.at("bytes");
-    r.bench.verified = b.at("verified");
-    return r;
-  } catch (const std::exception& e) {
-    return DataLossError(std::string("rank result is malformed: ") + e.what());
-  }
-}
-
-std::string DefaultTransport() {
-  for (const std::string& n : RegisteredTransports()) {
-    if (n == "ucx") return "ucx";
-  }
-  return "loopback";
-}
-
-Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
-  JobSpec job;
-  PlanInputs& in = job.inputs;
-  SS_ASSIGN_OR_RETURN(in.model, LoadModelSpec(f.model));  // errors name --model
-  SS_ASSIGN_OR_RETURN(EngineKind engine, ParseEngineKind(f.engine, "--engine"));
-  // The parsers name the flag (--trainer ..., --rollout ...).
-  SS_ASSIGN_OR_RETURN(in.trainer, ParseTrainerSpec(f.trainer));
-  SS_ASSIGN_OR_RETURN(in.rollout, ParseRolloutSpec(f.rollout, engine));
-  if (!f.pp_partition.empty()) {
-    std::vector<int64_t> parts;
-    std::string_view rest = f.pp_partition;
-    while (!rest.empty()) {
-      const size_t c = rest.find(',');
-      const std::string item(rest.substr(0, c));
-      char* end = nullptr;
-      const long long v = std::strtoll(item.c_str(), &end, 10);
-      if (item.empty() || *end != '\0' || v <= 0) {
-        return InvalidArgumentError("--pp-partition: '" + item + "' is not a positive layer count");
-      }
-      parts.push_back(v);
-      rest = c == std::string_view::npos ? std::string_view() : rest.substr(c + 1);
-    }
-    in.rollout.shard.pp_partition = parts;
-  }
-  SS_ASSIGN_OR_RETURN(in.options.wire_dtype, ParseDType(f.wire_dtype, "--wire-dtype"));
-  SS_ASSIGN_OR_RETURN(in.trainer_dtype, ParseDType(f.trainer_dtype, "--trainer-dtype"));
-  SS_RETURN_IF_ERROR(sync_internal::CheckFloatDType(in.options.wire_dtype, "--wire-dtype"));
-  SS_RETURN_IF_ERROR(sync_internal::CheckFloatDType(in.trainer_dtype, "--trainer-dtype"));
-  if (f.bucket_bytes < 0) {
-    return InvalidArgumentError("--bucket-bytes: must be at least 8, got " +
-                                std::to_string(f.bucket_bytes));
-  }
-  if (f.bucket_bytes > 0) {
-    in.options.bucket_bytes = f.bucket_bytes;
-  } else {
-    if (!(f.bucket_mb > 0) || f.bucket_mb > 1e6) {
-      return InvalidArgumentError("--bucket-mb: must be in (0, 1e6], got " +
-                                  std::to_string(f.bucket_mb));
-    }
-    in.options.bucket_bytes = static_cast<int64_t>(f.bucket_mb * (1 << 20));
-  }
-  if (in.options.bucket_bytes < 8) {
-    return InvalidArgumentError("--bucket-bytes: must be at least 8, got " +
-                                std::to_string(in.options.bucket_bytes));
-  }
-  job.seed = f.seed;
-  if (f.syncs < 1 || f.syncs > 1000000) {
-    return InvalidArgumentError("--syncs: must be in [1, 1000000], got " + std::to_string(f.syncs));
-  }
-  job.syncs = f.syncs;
-  if (f.device != "cpu" && f.device != "cuda") {
-    return InvalidArgumentError("--device: '" + f.device + "', expected cpu or cuda");
-  }
-  job.device = f.device;
-  if (f.gpus < 0 || f.gpus > 4096) {
-    return InvalidArgumentError("--gpus: must be in [0, 4096] (0: every visible GPU), got " +
-                                std::to_string(f.gpus));
-  }
-  job.gpus = f.gpus;
-  if (job.device == "cuda") {
-    std::string why;
-    if (!gpu::Available(&why)) return InvalidArgumentError("--device cuda: " + why);
-    SS_RETURN_IF_ERROR(gpu::RegisterGpuTransports());
-    if (in.options.wire_dtype != DType::kBF16) {
-      return InvalidArgumentError("--wire-dtype: --device cuda moves bf16 (got " +
-                                  std::string(DTypeName(in.options.wire_dtype)) + ")");
-    }
-    if (in.trainer_dtype != DType::kF32 && in.trainer_dtype != DType::kBF16) {
-      return InvalidArgumentError("--trainer-dtype: --device cuda holds f32 or bf16 shards");
-    }
-  }
-  // Device ranks route every pair (cuda_ipc / nccl); a named transport is the hint.
-  job.transport = f.transport != "auto"  ? f.transport
-                  : job.device == "cuda" ? "auto"
-                  : all_local            ? "shm"
-                                         : DefaultTransport();
-  if (job.transport != "loopback" && job.transport != "auto") {
-    bool known = false;
-    for (const std::string& n : RegisteredTransports()) known |= n == job.transport;
-    if (!known) {
-      return InvalidArgumentError("--transport: '" + f.transport +
-                                  "' is not available in this build (ucx needs libucx-dev at "
-                                  "build time); use loopback");
-    }
-  }
-  if (f.timeout_ms < 1 || f.timeout_ms > 86400000) {
-    return InvalidArgumentError("--timeout-ms: must be in [1, 86400000], got " +
-                                std::to_string(f.timeout_ms));
-  }
-  job.timeout = Millis(f.timeout_ms);
-  if (f.mode == "sync") {
-    job.mode = JobMode::kSync;
-  } else if (f.mode == "bench") {
-    job.mode = JobMode::kBench;
-  } else {
-    return InvalidArgumentError("--mode: '" + f.mode + "', expected sync or bench");
-  }
-  if (f.warmup < 0 || f.warmup > 1000) {
-    return InvalidArgumentError("--warmup: must be in [0, 1000], got " + std::to_string(f.warmup));
-  }
-  if (f.reps < 1 || f.reps > 1000) {
-    return InvalidArgumentError("--reps: must be in [1, 1000], got " + std::to_string(f.reps));
-  }
-  job.bench_warmup = f.warmup;
-  job.bench_reps = f.reps;
-  job.verify = !f.no_verify;
-  if (f.prefix.empty()) return InvalidArgumentError("--prefix: must not be empty");
-  job.prefix = f.prefix;
-  job.dump_dir = f.dump_dir;
-  // The plan must exist: fail here, naming the field, rather than in every rank.
-  SS_RETURN_IF_ERROR(SummarizePlan(in).status());
-  return job;
-}
-
-int RankSteps(const JobSpec& job) {
-  // allocated, connected, one per sync (bench: one per variant), verified.
-  return 3 + (job.mode == JobMode::kBench ? 3 : job.syncs);
-}
-
-namespace sync_internal {
+namespace job_internal {
 
 std::vector<BcastBucket> BroadcastBuckets(const std::vector<HfTensor>& inv, int ws, int64_t cap,
                                           std::vector<int64_t>* tensor_offsets) {
@@ -450,9 +194,29 @@ void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& para
   }
 }
 
-}  // namespace sync_internal
+}  // namespace job_internal
 
-using namespace sync_internal;
+using namespace job_internal;
+
+namespace {
+
+// Engine ranks with --dump-dir: the received parameters as <dump_dir>/rank-<rank>.safetensors.
+Status WriteDump(const JobSpec& job, int rank, const SyncRank& who,
+                 const std::vector<EngineParam>& expected, const std::vector<DestBinding>& bound) {
+  std::vector<TensorToWrite> tensors;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const DestBinding& b = bound[i];
+    tensors.push_back({expected[i].name,
+                       b.dtype,
+                       expected[i].shape,
+                       {static_cast<const uint8_t*>(b.data),
+                        static_cast<size_t>(expected[i].numel() * DTypeSize(b.dtype))}});
+  }
+  return WriteEngineDump(job.dump_dir + "/rank-" + std::to_string(rank) + ".safetensors", tensors,
+                         {who.replica, who.tp_rank, who.pp_rank});
+}
+
+}  // namespace
 
 Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Transport& transport,
                            const ProgressFn& progress) {
@@ -525,18 +289,7 @@ Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Tra
   if (!who.is_trainer && !job.dump_dir.empty()) {
     // The dump is a demo/test artifact: report the sync's memory peak, not the serializer's.
     const int64_t sync_peak = PeakRssBytes();
-    std::vector<TensorToWrite> tensors;
-    const std::vector<EngineParam>& expected = session->ExpectedParams();
-    for (size_t i = 0; i < expected.size(); ++i) {
-      const DestBinding& b = params.bindings[i];
-      tensors.push_back({expected[i].name,
-                         b.dtype,
-                         expected[i].shape,
-                         {static_cast<const uint8_t*>(b.data),
-                          static_cast<size_t>(expected[i].numel() * DTypeSize(b.dtype))}});
-    }
-    Status ds = WriteEngineDump(job.dump_dir + "/rank-" + std::to_string(rank) + ".safetensors",
-                                tensors, {who.replica, who.tp_rank, who.pp_rank});
+    Status ds = WriteDump(job, rank, who, session->ExpectedParams(), params.bindings);
     if (!ds.ok()) return finish(ds.Annotate("--dump-dir"));
     step();
     finish(OkStatus());

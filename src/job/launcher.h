@@ -2,7 +2,8 @@
 // and sends; an engine rank allocates its parameters, receives, and checks every element against
 // the synthetic HF values), and a local launcher that runs one job on this host: one process (or
 // thread, for the in-process loopback transport) per sync rank around an in-process store.
-// `demo` and `bench` are thin renderings of RunLocalJob.
+// `demo` and `bench` are thin renderings of RunLocalJob. Internal to the job layer and the CLI: a
+// library user calls session.h, not this.
 #pragma once
 
 #include <chrono>

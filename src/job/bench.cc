@@ -1,9 +1,6 @@
-// Bench mode of the rank program: on one transport and one set of processes, (a) the sharded
-// plan through a SyncSession, (b) the broadcast-all baseline (trainer rank 0 sends every full HF
-// tensor to every engine rank, which slices its shards locally, as the engines'
-// update_weights_from_distributed does), (c) raw transport transfers of the same bytes per
-// receiver with no plan logic (the transport's ceiling). Each repetition starts at a store
-// barrier; a rank's time runs from the barrier to its own end.
+// Bench mode of the rank program: the sharded plan, the broadcast-all baseline (bench_broadcast.cc)
+// and raw transfers (bench.h says what each is). Each repetition starts at a store barrier; a
+// rank's time runs from the barrier to its own end.
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -12,7 +9,9 @@
 #include <cstring>
 #include <map>
 
-#include "shardsync/launcher.h"
+#include "job/bench.h"
+#include "job/internal.h"
+#include "job/launcher.h"
 #include "shardsync/shard_map.h"
 #include "shardsync/synthetic.h"
 #include "shardsync/transport.h"
@@ -22,33 +21,11 @@ namespace shardsync {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using sync_internal::BcastBucket;
-using sync_internal::BroadcastBuckets;
-using sync_internal::kBenchVersionBroadcast;
-using sync_internal::kBenchVersionRaw;
+using job_internal::BenchControl;
+using job_internal::FlushPeers;
+using job_internal::kBenchVersionRaw;
+using job_internal::WaitXfers;
 using sync_internal::MakeTag;
-
-// Copies region `sr` of a row-major tensor (shape ss) into region `dr` of another (shape ds),
-// element i of one to element i of the other, row-major.
-void CopyRegion(const unsigned char* src, const Shape& ss, const Region& sr, unsigned char* dst,
-                const Shape& ds, const Region& dr, int es) {
-  std::vector<std::pair<int64_t, int64_t>> runs;
-  ForEachRun(sr, ss, [&](int64_t off, int64_t len) { runs.emplace_back(off, len); });
-  size_t k = 0;
-  int64_t pos = 0;
-  ForEachRun(dr, ds, [&](int64_t off, int64_t len) {
-    for (int64_t done = 0; done < len;) {
-      const int64_t n = std::min(len - done, runs[k].second - pos);
-      std::memcpy(dst + (off + done) * es, src + (runs[k].first + pos) * es, n * es);
-      done += n;
-      pos += n;
-      if (pos == runs[k].second) {
-        ++k;
-        pos = 0;
-      }
-    }
-  });
-}
 
 class BenchRank {
  public:
@@ -65,10 +42,8 @@ class BenchRank {
         S_(in_.trainer.world()),
         world_(SyncWorldSize(in_)),
         ws_(DTypeSize(in_.options.wire_dtype)),
-        inv_(HfTensorInventory(in_.model)) {
-    buckets_ = BroadcastBuckets(inv_, ws_, in_.options.bucket_bytes, &tensor_offsets_);
-    for (const BcastBucket& b : buckets_) max_bucket_ = std::max(max_bucket_, b.bytes);
-  }
+        inv_(HfTensorInventory(in_.model)),
+        bcast_(job, tx) {}
 
   Status Run() {
     SS_RETURN_IF_ERROR(Setup());
@@ -94,9 +69,9 @@ class BenchRank {
       SS_RETURN_IF_ERROR(Barrier("broadcast/" + std::to_string(i)));
       const auto t0 = Clock::now();
       if (rank_ == 0) {
-        SS_RETURN_IF_ERROR(BroadcastSend());
+        SS_RETURN_IF_ERROR(bcast_.Send());
       } else if (!who_.is_trainer) {
-        SS_RETURN_IF_ERROR(BroadcastReceive());
+        SS_RETURN_IF_ERROR(bcast_.Receive(session_->ExpectedParams(), params_.bindings));
       }
       Record(res_.bench.broadcast, i, t0);
     }
@@ -157,7 +132,7 @@ class BenchRank {
 
   bool VerifyParams(const char* after) {
     RankResult r;
-    sync_internal::VerifyEngineParams(job_, session_->ExpectedParams(), params_.bindings, r);
+    job_internal::VerifyEngineParams(job_, session_->ExpectedParams(), params_.bindings, r);
     res_.elements_checked += r.elements_checked;
     res_.element_mismatches += r.element_mismatches;
     if (r.element_mismatches > 0 && res_.first_mismatch.empty()) {
@@ -180,8 +155,7 @@ class BenchRank {
     }
     hooks.before_transport_connect = [this](Transport& t) -> Status {
       if (who_.is_trainer) return OkStatus();
-      SS_ASSIGN_OR_RETURN(uint32_t a,
-                          t.RegisterMemory({stage_.data(), stage_.size(), MemKind::kHost, -1}));
+      SS_ASSIGN_OR_RETURN(uint32_t a, t.RegisterMemory(bcast_.staging()));
       SS_ASSIGN_OR_RETURN(uint32_t b,
                           t.RegisterMemory({raw_.data(), raw_.size(), MemKind::kHost, -1}));
       return store_.Set(Key("regs/" + std::to_string(rank_)),
@@ -191,17 +165,17 @@ class BenchRank {
                                                                       std::move(hooks)));
     const RankPlan& plan = session_->plan();
     if (who_.is_trainer) {
-      SS_ASSIGN_OR_RETURN(shards_, sync_internal::FillTrainerShards(job_, who_.trainer_rank));
+      SS_ASSIGN_OR_RETURN(shards_, job_internal::FillTrainerShards(job_, who_.trainer_rank));
       for (const SourceBinding& b : shards_.bindings) SS_RETURN_IF_ERROR(session_->BindSource(b));
       int64_t max_msg = 0;
       for (const Message& m : plan.sends) max_msg = std::max(max_msg, m.bytes);
       raw_.assign(std::max<int64_t>(max_msg, 1), 0x5A);
-      if (rank_ == 0) SS_RETURN_IF_ERROR(FillFullModel());
+      if (rank_ == 0) bcast_.SetupSender();
     } else {
-      SS_ASSIGN_OR_RETURN(params_, sync_internal::AllocateEngineParams(session_->ExpectedParams(),
-                                                                       in_.options.wire_dtype));
+      SS_ASSIGN_OR_RETURN(params_, job_internal::AllocateEngineParams(session_->ExpectedParams(),
+                                                                      in_.options.wire_dtype));
       for (const DestBinding& b : params_.bindings) SS_RETURN_IF_ERROR(session_->BindDest(b));
-      stage_.assign(std::max<int64_t>(2 * max_bucket_, 1), 0);
+      bcast_.SetupReceiver(session_->ExpectedParams());
       int64_t total = 0;
       for (const Message& m : plan.recvs) {
         SS_RETURN_IF_ERROR(
@@ -211,16 +185,6 @@ class BenchRank {
       }
       raw_.assign(std::max<int64_t>(total, 1), 0);
       res_.bench.bytes = total;
-      // Which parameter pieces each HF tensor feeds (broadcast receivers slice locally).
-      std::map<std::string, size_t> index;
-      for (size_t t = 0; t < inv_.size(); ++t) index[inv_[t].name] = t;
-      slices_.resize(inv_.size());
-      const auto& params = session_->ExpectedParams();
-      for (size_t p = 0; p < params.size(); ++p) {
-        for (size_t k = 0; k < params[p].pieces.size(); ++k) {
-          slices_[index.at(params[p].pieces[k].source)].emplace_back(p, k);
-        }
-      }
     }
     SS_RETURN_IF_ERROR(session_->Connect());
     // Remote region ids and raw offsets of the peers this rank sends to.
@@ -241,7 +205,7 @@ class BenchRank {
         if (std::sscanf(regs.c_str(), "%u %u", &a, &b) != 2) {
           return DataLossError("bench: malformed region ids of sync rank " + std::to_string(d));
         }
-        stage_region_[d] = a;
+        bcast_.SetRemoteStaging(d, a);
         raw_region_[d] = b;
       }
       for (const Message& m : plan.sends) {
@@ -257,46 +221,12 @@ class BenchRank {
     return OkStatus();
   }
 
-  // Trainer rank 0 holds the whole model in the trainer dtype, as a gathered full_tensor()
-  // would be (the gather itself is not timed, which favours the baseline).
-  Status FillFullModel() {
-    const DType td = in_.trainer_dtype;
-    const int ts = DTypeSize(td);
-    int64_t total = 0;
-    for (const HfTensor& t : inv_) total += t.numel() * ts;
-    full_.resize(total);
-    std::vector<float> tmp;
-    int64_t at = 0;
-    for (size_t t = 0; t < inv_.size(); ++t) {
-      const int64_t n = inv_[t].numel();
-      tmp.resize(n);
-      FillSyntheticRegion(job_.seed, inv_[t].name, inv_[t].shape, Region::Full(inv_[t].shape),
-                          tmp.data());
-      sync_internal::StoreFloats(tmp.data(), n, td, full_.data() + at);
-      at += n * ts;
-    }
-    stage_.assign(std::max<int64_t>(2 * max_bucket_, 1), 0);
-    return OkStatus();
-  }
-
   bool put() const { return tx_.caps().one_sided_put; }
 
   Status Wait(std::vector<XferId>& ids, const std::string& what) {
-    Status s = WaitAllXfers(tx_, ids, job_.timeout, what);
-    ids.clear();
-    return s;
+    return WaitXfers(tx_, ids, job_.timeout, what);
   }
 
-  // Send completion can precede the protocol tail on this side (UCX rendezvous): flush every
-  // peer before leaving the transport alone at the next store barrier.
-  Status FlushPeers(const std::vector<int>& peers) {
-    std::vector<XferId> ids;
-    for (int p : peers) {
-      SS_ASSIGN_OR_RETURN(XferId id, tx_.PostFlush(p));
-      ids.push_back(id);
-    }
-    return Wait(ids, "flushing peers");
-  }
   std::vector<int> EnginePeers() const {
     std::vector<int> v;
     for (int r = S_; r < world_; ++r) v.push_back(r);
@@ -353,114 +283,6 @@ class BenchRank {
     return OkStatus();
   }
 
-  Status BroadcastSend() {
-    const int E = world_ - S_;
-    const DType td = in_.trainer_dtype;
-    const int ts = DTypeSize(td);
-    std::vector<std::vector<XferId>> sends(buckets_.size());
-    std::vector<std::vector<XferId>> acks(buckets_.size());
-    std::vector<char> ack_bufs(buckets_.size() * E);
-    std::vector<Control> controls(buckets_.size());
-    for (size_t k = 0; k < buckets_.size(); ++k) {
-      if (k >= 2) {
-        // Slot k % 2 is free once bucket k-2 left it and every receiver sliced it.
-        SS_RETURN_IF_ERROR(Wait(sends[k - 2], "broadcast bucket " + std::to_string(k - 2)));
-        SS_RETURN_IF_ERROR(Wait(acks[k - 2], "broadcast acks of bucket " + std::to_string(k - 2)));
-      }
-      const BcastBucket& b = buckets_[k];
-      // Cast the bucket's full tensors to the wire dtype, as the trainer does before broadcasting.
-      unsigned char* slot = stage_.data() + (k % 2) * max_bucket_;
-      const int64_t elems = b.bytes / ws_;
-      sync_internal::CastInto(full_.data() + (b.offset / ws_) * ts, td, slot,
-                              in_.options.wire_dtype, elems);
-      const uint64_t remote = (k % 2) * max_bucket_;
-      for (int e = 0; e < E; ++e) {
-        const int dst = S_ + e;
-        SS_ASSIGN_OR_RETURN(XferId a, tx_.PostRecv(dst, MakeTag(true, kBenchVersionBroadcast, k),
-                                                   &ack_bufs[k * E + e], 1));
-        acks[k].push_back(a);
-        if (put()) {
-          // Put, flush, then announce (the receiver slices only bytes that landed).
-          std::vector<XferId> landed;
-          SS_ASSIGN_OR_RETURN(XferId id,
-                              tx_.PostPut(dst, slot, b.bytes, stage_region_.at(dst), remote));
-          landed.push_back(id);
-          SS_ASSIGN_OR_RETURN(XferId fl, tx_.PostFlush(dst));
-          landed.push_back(fl);
-          SS_RETURN_IF_ERROR(Wait(landed, "broadcast to sync rank " + std::to_string(dst)));
-          SS_ASSIGN_OR_RETURN(XferId c, tx_.PostSend(dst, MakeTag(true, kBenchVersionBroadcast, k),
-                                                     &controls[k], sizeof(Control)));
-          sends[k].push_back(c);
-        } else {
-          SS_ASSIGN_OR_RETURN(
-              XferId id,
-              tx_.PostSend(dst, MakeTag(false, kBenchVersionBroadcast, k), slot, b.bytes));
-          sends[k].push_back(id);
-        }
-      }
-    }
-    for (size_t k = 0; k < buckets_.size(); ++k) {
-      SS_RETURN_IF_ERROR(Wait(sends[k], "broadcast sends"));
-      SS_RETURN_IF_ERROR(Wait(acks[k], "broadcast acks"));
-    }
-    return FlushPeers(EnginePeers());
-  }
-
-  Status BroadcastReceive() {
-    const auto& params = session_->ExpectedParams();
-    auto post = [&](size_t k) -> Result<XferId> {
-      unsigned char* slot = stage_.data() + (k % 2) * max_bucket_;
-      if (put()) {
-        return tx_.PostRecv(0, MakeTag(true, kBenchVersionBroadcast, k), &control_,
-                            sizeof(Control));
-      }
-      return tx_.PostRecv(0, MakeTag(false, kBenchVersionBroadcast, k), slot, buckets_[k].bytes);
-    };
-    std::vector<XferId> acks;
-    // Put mode: one control buffer, so one bucket announced at a time (the sender's acks keep
-    // at most two buckets in flight anyway).
-    const size_t ahead = put() ? 1 : 2;
-    std::vector<XferId> posted;
-    for (size_t k = 0; k < std::min(ahead, buckets_.size()); ++k) {
-      SS_ASSIGN_OR_RETURN(XferId id, post(k));
-      posted.push_back(id);
-    }
-    char ack = 1;
-    for (size_t k = 0; k < buckets_.size(); ++k) {
-      std::vector<XferId> one{posted[k]};
-      SS_RETURN_IF_ERROR(Wait(one, "broadcast bucket " + std::to_string(k) + " from sync rank 0"));
-      const BcastBucket& b = buckets_[k];
-      const unsigned char* slot = stage_.data() + (k % 2) * max_bucket_;
-      for (size_t t = b.t_begin; t < b.t_end; ++t) {
-        const unsigned char* tensor = slot + (tensor_offsets_[t] - b.offset);
-        for (auto [p, pc] : slices_[t]) {
-          const Piece& piece = params[p].pieces[pc];
-          CopyRegion(tensor, inv_[t].shape, piece.src,
-                     static_cast<unsigned char*>(params_.bindings[p].data), params[p].shape,
-                     piece.dst, ws_);
-        }
-      }
-      if (k + ahead < buckets_.size()) {
-        SS_ASSIGN_OR_RETURN(XferId id, post(k + ahead));
-        posted.push_back(id);
-      }
-      SS_ASSIGN_OR_RETURN(XferId a,
-                          tx_.PostSend(0, MakeTag(true, kBenchVersionBroadcast, k), &ack, 1));
-      acks.push_back(a);
-    }
-    // Padding rows, as the engine's loader would zero them.
-    for (size_t p = 0; p < params.size(); ++p) {
-      for (const ZeroFill& z : params[p].zero_fills) {
-        ForEachRun(z.dst, params[p].shape, [&](int64_t off, int64_t len) {
-          std::memset(static_cast<unsigned char*>(params_.bindings[p].data) + off * ws_, 0,
-                      len * ws_);
-        });
-      }
-    }
-    SS_RETURN_IF_ERROR(Wait(acks, "broadcast acks"));
-    return FlushPeers({0});
-  }
-
   // Raw transfers use the sync session's transfer size (at most 4 MiB, session.cc), not the
   // bucket cap: on UCX over CMA, 4 MiB transfers move the same bytes about twice as fast as
   // 512 MiB ones here, and the ceiling should be the transport's best, not a handicapped one.
@@ -489,24 +311,24 @@ class BenchRank {
     if (put()) {
       for (const Message& m : session_->plan().sends) {
         SS_ASSIGN_OR_RETURN(XferId c, tx_.PostSend(m.dst, MakeTag(true, kBenchVersionRaw, 0),
-                                                   &control_, sizeof(Control)));
+                                                   &control_, sizeof(BenchControl)));
         ids.push_back(c);
       }
       SS_RETURN_IF_ERROR(Wait(ids, "raw completion messages"));
     }
-    return FlushPeers(PlanPeers());
+    return FlushPeers(tx_, PlanPeers(), job_.timeout);
   }
 
   Status RawReceive() {
     std::vector<XferId> ids;
-    std::vector<Control> ctrl(session_->plan().recvs.size());
+    std::vector<BenchControl> ctrl(session_->plan().recvs.size());
     const int64_t cap = std::min(in_.options.bucket_bytes, kRawTransferBytes);
     int64_t base = 0;
     for (size_t i = 0; i < session_->plan().recvs.size(); ++i) {
       const Message& m = session_->plan().recvs[i];
       if (put()) {
         SS_ASSIGN_OR_RETURN(XferId id, tx_.PostRecv(m.src, MakeTag(true, kBenchVersionRaw, 0),
-                                                    &ctrl[i], sizeof(Control)));
+                                                    &ctrl[i], sizeof(BenchControl)));
         ids.push_back(id);
       } else {
         uint64_t seq = 0;
@@ -521,12 +343,8 @@ class BenchRank {
       base += m.bytes;
     }
     SS_RETURN_IF_ERROR(Wait(ids, "raw transfers"));
-    return FlushPeers(PlanPeers());
+    return FlushPeers(tx_, PlanPeers(), job_.timeout);
   }
-
-  struct Control {
-    uint64_t word[4] = {};
-  };
 
   const JobSpec& job_;
   const PlanInputs& in_;
@@ -538,20 +356,15 @@ class BenchRank {
   ProgressFn progress_;
   int S_, world_, ws_;
   std::vector<HfTensor> inv_;
-  std::vector<BcastBucket> buckets_;
-  std::vector<int64_t> tensor_offsets_;
-  int64_t max_bucket_ = 0;
   std::unique_ptr<SyncSession> session_;
   uint64_t version_ = 0;
-  sync_internal::TrainerShards shards_;
-  sync_internal::EngineParams params_;
-  std::vector<unsigned char> full_;   // trainer 0: the whole model, trainer dtype
-  std::vector<unsigned char> stage_;  // two broadcast buckets (trainer 0: cast; engines: landed)
-  std::vector<unsigned char> raw_;    // engines: raw receive area; trainers: raw source
-  std::vector<std::vector<std::pair<size_t, size_t>>> slices_;  // tensor -> (param, piece)
-  std::map<int, uint32_t> stage_region_, raw_region_;
+  job_internal::TrainerShards shards_;
+  job_internal::EngineParams params_;
+  std::vector<unsigned char> raw_;  // engines: raw receive area; trainers: raw source
+  std::map<int, uint32_t> raw_region_;
   std::map<int, uint64_t> raw_offset_;
-  Control control_;
+  BenchControl control_;
+  job_internal::BroadcastBaseline bcast_;
   std::map<const std::vector<double>*, double> cpu_;  // CPU seconds per variant (measured reps)
   double cpu_mark_ = 0;
 };
@@ -565,8 +378,9 @@ double Median(std::vector<double> v) {
 
 }  // namespace
 
-Status RunBenchRank(const JobSpec& job, int rank, const SyncRank& who, StoreClient& store,
-                    Transport& transport, RankResult& res, const ProgressFn& progress) {
+Status job_internal::RunBenchRank(const JobSpec& job, int rank, const SyncRank& who,
+                                  StoreClient& store, Transport& transport, RankResult& res,
+                                  const ProgressFn& progress) {
   BenchRank b(job, rank, who, store, transport, res, progress);
   return b.Run();
 }

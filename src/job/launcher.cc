@@ -16,9 +16,9 @@
 #include <sstream>
 #include <thread>
 
-#include "shardsync/launcher.h"
+#include "job/launcher.h"
+
 #include "shardsync/transport.h"
-#include "sync/internal.h"
 
 extern char** environ;
 
@@ -118,12 +118,28 @@ std::string DescribeExit(int status) {
   return "status " + std::to_string(status);
 }
 
-Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& server,
-                                    const std::string& token) {
+// SHARDSYNC_RANK_LOG_DIR keeps every rank's stderr as DIR/rank-<R>.log (GPU debugging); the
+// temporary logs go.
+void CleanupLogs(const std::vector<Child>& children) {
+  const char* keep = std::getenv("SHARDSYNC_RANK_LOG_DIR");
+  for (const Child& c : children) {
+    if (keep && *keep) {
+      std::ifstream in(c.log, std::ios::binary);
+      std::ofstream(std::string(keep) + "/rank-" + std::to_string(c.rank) + ".log",
+                    std::ios::binary | std::ios::app)
+          << in.rdbuf();
+    }
+    unlink(c.log.c_str());
+  }
+}
+
+// Forks `shardsync run` for every sync rank, its stderr and stdout in a temporary log. On failure
+// every child already started is killed and its log removed.
+Status SpawnRanks(const LocalJobOptions& o, StoreServer& server, const std::string& token,
+                  std::vector<Child>* out) {
   const JobSpec& job = o.job;
   const int world = SyncWorldSize(job.inputs);
-  const int total = world * RankSteps(job);
-  SS_ASSIGN_OR_RETURN(auto store, StoreClient::Connect(server.address(), token, job.timeout));
+  std::vector<Child>& children = *out;
   // argv / envp are built before fork: between fork and exec only async-signal-safe calls.
   std::vector<std::string> base_args = {"shardsync", "run"};
   for (auto& a : JobSpecToArgs(job)) base_args.push_back(a);
@@ -139,20 +155,6 @@ Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& serve
   base_env.push_back("SHARDSYNC_STORE=" + server.address());
   base_env.push_back("WORLD_SIZE=" + std::to_string(world));
   base_env.push_back("SHARDSYNC_TOKEN=" + token);
-  std::vector<Child> children;
-  // SHARDSYNC_RANK_LOG_DIR keeps every rank's stderr as DIR/rank-<R>.log (GPU debugging).
-  auto cleanup_logs = [&] {
-    const char* keep = std::getenv("SHARDSYNC_RANK_LOG_DIR");
-    for (Child& c : children) {
-      if (keep && *keep) {
-        std::ifstream in(c.log, std::ios::binary);
-        std::ofstream(std::string(keep) + "/rank-" + std::to_string(c.rank) + ".log",
-                      std::ios::binary | std::ios::app)
-            << in.rdbuf();
-      }
-      unlink(c.log.c_str());
-    }
-  };
   for (int r = 0; r < world; ++r) {
     std::vector<std::string> args = base_args;
     args.push_back("--role");
@@ -168,7 +170,7 @@ Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& serve
     int log_fd = mkstemp(tmpl.data());
     if (log_fd < 0) {
       KillAll(children);
-      cleanup_logs();
+      CleanupLogs(children);
       return InternalError(std::string("launcher: mkstemp: ") + std::strerror(errno));
     }
     const pid_t parent = getpid();
@@ -186,13 +188,22 @@ Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& serve
     close(log_fd);
     if (pid < 0) {
       KillAll(children);
-      cleanup_logs();
+      CleanupLogs(children);
       return InternalError(std::string("launcher: fork: ") + std::strerror(errno));
     }
     children.push_back({r, pid, tmpl, false, 0});
   }
+  return OkStatus();
+}
+
+// Reaps the children until every one exited, reporting progress and injecting the kill fault.
+// After a rank fails, the others get their own timeout to report before they are killed. Past the
+// job's limit every child is killed and the error names them (their logs removed).
+Status Supervise(const LocalJobOptions& o, StoreClient& store, std::vector<Child>& children) {
+  const JobSpec& job = o.job;
+  const int world = static_cast<int>(children.size());
+  const int total = world * RankSteps(job);
   const auto deadline = Clock::now() + o.job_timeout;
-  // After a rank fails, the others get their own timeout to report before they are killed.
   Clock::time_point failure_deadline = Clock::time_point::max();
   int running = world;
   bool killed = false;
@@ -210,7 +221,7 @@ Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& serve
       }
     }
     if (o.on_progress || o.kill_rank >= 0) {
-      auto p = store->Add(job.prefix + "progress", 0);
+      auto p = store.Add(job.prefix + "progress", 0);
       if (p.ok() && o.on_progress) o.on_progress(static_cast<int>(*p), total);
       if (p.ok() && o.kill_rank >= 0 && o.kill_rank < world && *p >= o.kill_at_progress &&
           !children[o.kill_rank].exited && !killed) {
@@ -227,7 +238,7 @@ Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& serve
           still += (still.empty() ? "" : ", ") + std::to_string(c.rank);
         }
       }
-      cleanup_logs();
+      CleanupLogs(children);
       return DeadlineExceededError("launcher: the job exceeded its " +
                                    std::to_string(o.job_timeout.count()) +
                                    " ms limit; killed ranks " + still);
@@ -240,12 +251,18 @@ Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& serve
     }
     if (running > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+  return OkStatus();
+}
+
+// Every rank's posted result; a rank that died before reporting (killed, crashed, or bad
+// arguments) gets ok=false saying how it ended, with the tail of its log.
+Result<LocalJobResult> CollectResults(const JobSpec& job, StoreServer& server, StoreClient& store,
+                                      const std::vector<Child>& children) {
   LocalJobResult out;
   out.store_address = server.address();
-  for (Child& c : children) {
-    auto text = store->Get(job.prefix + "result/" + std::to_string(c.rank), Millis(1000));
+  for (const Child& c : children) {
+    auto text = store.Get(job.prefix + "result/" + std::to_string(c.rank), Millis(1000));
     if (!text.ok()) {
-      // Died before reporting (killed, crashed, or bad arguments): say how, with its log.
       RankResult r;
       r.rank = c.rank;
       auto who = DescribeSyncRank(job.inputs, c.rank);
@@ -267,7 +284,17 @@ Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& serve
     SS_ASSIGN_OR_RETURN(RankResult r, RankResultFromJson(*text));
     out.ranks.push_back(std::move(r));
   }
-  cleanup_logs();
+  return out;
+}
+
+Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& server,
+                                    const std::string& token) {
+  SS_ASSIGN_OR_RETURN(auto store, StoreClient::Connect(server.address(), token, o.job.timeout));
+  std::vector<Child> children;
+  SS_RETURN_IF_ERROR(SpawnRanks(o, server, token, &children));
+  SS_RETURN_IF_ERROR(Supervise(o, *store, children));
+  SS_ASSIGN_OR_RETURN(LocalJobResult out, CollectResults(o.job, server, *store, children));
+  CleanupLogs(children);
   return out;
 }
 

@@ -1,0 +1,104 @@
+// cuda_ipc send pairs launched together (cuda_ipc.h): a trainer's posted send pairs go out as
+// ONE kernel over all their buckets once every one's receiver is ready, which spares the GPU each
+// launch's ramp-up and tail (measured on an H200, docs/benchmarks.md).
+#include <algorithm>
+#include <optional>
+
+#include "cuda/impl/cuda_ipc.h"
+
+namespace shardsync::gpu::ipc {
+namespace {
+
+// The send pairs' batches as one: buckets renumbered after each other's, in member order, landed
+// sums to `lsum` (8 bytes per bucket). Nullopt when they do not share one kernel (dtypes).
+std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, void* lsum) {
+  const BatchSpec& first = members[0]->spec();
+  BatchSpec m;
+  m.mode = first.mode;
+  m.in_dtype = first.in_dtype;
+  m.out_dtype = first.out_dtype;
+  for (const IpcSendPair* p : members) {
+    const BatchSpec& s = p->spec();
+    if (s.mode != m.mode || s.in_dtype != m.in_dtype || s.out_dtype != m.out_dtype) {
+      return std::nullopt;
+    }
+    const auto base = static_cast<int32_t>(m.bucket_bytes.size());
+    for (CopyRun r : s.runs) {
+      r.bucket += base;
+      m.runs.push_back(r);
+    }
+    for (CopyRun r : s.landed_runs) {
+      r.bucket += base;
+      m.landed_runs.push_back(r);
+    }
+    m.bucket_bytes.insert(m.bucket_bytes.end(), s.bucket_bytes.begin(), s.bucket_bytes.end());
+  }
+  for (size_t b = 0; b < m.bucket_bytes.size(); ++b) {
+    m.landed_sums.push_back(static_cast<unsigned char*>(lsum) + 8 * b);
+  }
+  return m;
+}
+
+}  // namespace
+
+Status CudaIpcTransport::SendPosted() {
+  for (const IpcSendPair* p : sends_) {
+    if (!p->posted()) return OkStatus();  // the rest follow (or the first Poll launches)
+  }
+  return LaunchPostedSends();
+}
+
+Status CudaIpcTransport::FinishLaunch(const MergedLaunch* group, IpcSendPair* self) {
+  SS_ASSIGN_OR_RETURN(std::vector<uint64_t> packed, group->batch->Checksums());
+  SS_ASSIGN_OR_RETURN(std::vector<uint64_t> landed, group->batch->LandedSums());
+  Status mine;
+  for (IpcSendPair* p : sends_) {
+    if (p->group() != group) continue;
+    Status s = p->Finished(packed, landed);
+    if (p == self) mine = s;
+  }
+  return mine;
+}
+
+Status CudaIpcTransport::LaunchPostedSends() {
+  std::vector<IpcSendPair*> members;
+  bool all_ready = true;
+  for (IpcSendPair* p : sends_) {
+    if (!p->posted()) continue;
+    members.push_back(p);
+    SS_ASSIGN_OR_RETURN(bool ready, p->Ready());
+    all_ready = all_ready && ready;
+  }
+  if (members.empty() || !all_ready) return OkStatus();
+  SS_CUDA(cudaSetDevice(device_), "cuda_ipc: cudaSetDevice");
+  if (members.size() == 1) return members[0]->LaunchAlone(stream_);
+  auto it = merged_.find(members);
+  if (it == merged_.end()) {
+    auto g = std::make_unique<MergedLaunch>();
+    g->device = device_;
+    for (const IpcSendPair* p : members) g->buckets += p->spec().bucket_bytes.size();
+    SS_ASSIGN_OR_RETURN(g->lsum, DeviceBuffer::Allocate(g->buckets * 8, device_));
+    SS_CUDA(cudaMemset(g->lsum->data(), 0, g->buckets * 8), "cuda_ipc: zero landed sums");
+    SS_CUDA(cudaEventCreateWithFlags(&g->done, cudaEventDisableTiming), "cuda_ipc: launch event");
+    if (std::optional<BatchSpec> spec = MergeSpecs(members, g->lsum->data())) {
+      SS_ASSIGN_OR_RETURN(g->batch, CopyBatch::Prepare(*spec, device_));
+    }
+    it = merged_.emplace(members, std::move(g)).first;
+  }
+  MergedLaunch& g = *it->second;
+  if (!g.batch) {  // no common kernel: one launch each
+    for (IpcSendPair* p : members) SS_RETURN_IF_ERROR(p->LaunchAlone(stream_));
+    return OkStatus();
+  }
+  SS_RETURN_IF_ERROR(g.batch->LaunchSignaled(stream_, ++g.seq));
+  SS_CUDA(cudaEventRecord(g.done, stream_), "cuda_ipc: launch event");
+  TraceLaunch("launched", g.buckets);
+  size_t first = 0;
+  for (IpcSendPair* p : members) {
+    p->LaunchedIn(&g, first);
+    first += p->spec().bucket_bytes.size();
+  }
+  return OkStatus();
+}
+
+}  // namespace shardsync::gpu::ipc

@@ -1,0 +1,63 @@
+// Internals of the job harness shared by its rank programs (rank.cc, bench.cc, device_rank.cc)
+// and the tests that drive sessions with synthetic weights.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "job/launcher.h"
+#include "shardsync/session.h"
+
+namespace shardsync::job_internal {
+
+// Reserved versions of the benchmark's baseline variants in the transfer tags
+// (sync_internal::MakeTag); sessions use versions from 1.
+inline constexpr uint64_t kBenchVersionBroadcast = 0x7FF;
+inline constexpr uint64_t kBenchVersionRaw = 0x7FE;
+
+int64_t PeakRssBytes();
+
+struct TrainerShards {
+  std::vector<SourceBinding> bindings;
+  std::vector<std::unique_ptr<unsigned char[]>> buffers;
+};
+struct EngineParams {
+  std::vector<DestBinding> bindings;
+  std::vector<std::unique_ptr<unsigned char[]>> buffers;
+};
+
+// Broadcast-all baseline: whole HF tensors back to back (inventory order) in buckets under the
+// cap; a tensor larger than the cap travels alone. The same on every rank.
+struct BcastBucket {
+  size_t t_begin = 0, t_end = 0;
+  int64_t offset = 0;  // in the full model image
+  int64_t bytes = 0;
+};
+std::vector<BcastBucket> BroadcastBuckets(const std::vector<HfTensor>& inv, int ws, int64_t cap,
+                                          std::vector<int64_t>* tensor_offsets);
+
+// Device mode (device_rank.cc): the GPU a sync rank runs on (trainer t on GPU t % gpus; engine
+// rank (replica, pp, tp) where SGLang / vLLM place it, d*T*P + pp*T + tp, modulo the GPUs), and
+// the rank program with device bindings (sync mode, or bench mode's variants).
+Result<int> DeviceOfRank(const JobSpec& job, int rank);
+Status RunDeviceRank(const JobSpec& job, int rank, const SyncRank& who, StoreClient& store,
+                     Transport& transport, RankResult& res, const ProgressFn& progress);
+
+// Bench mode of RunRank (bench.cc): sharded, broadcast-all and raw variants.
+Status RunBenchRank(const JobSpec& job, int rank, const SyncRank& who, StoreClient& store,
+                    Transport& transport, RankResult& res, const ProgressFn& progress);
+
+void StoreFloats(const float* in, int64_t n, DType dtype, void* out);
+float LoadFloat(const void* p, int64_t i, DType dtype);
+Status CheckFloatDType(DType t, std::string_view field);
+// Synthetic weights of every HF tensor region the trainer rank holds, in the trainer dtype.
+Result<TrainerShards> FillTrainerShards(const JobSpec& job, int trainer_rank);
+// Parameters in `dtype`, filled with a garbage pattern (0xA5).
+Result<EngineParams> AllocateEngineParams(const std::vector<EngineParam>& expected, DType dtype);
+// Element-by-element comparison with the synthetic HF values; adds to out's counters.
+void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& params,
+                        const std::vector<DestBinding>& bound, RankResult& out);
+
+}  // namespace shardsync::job_internal

@@ -1,0 +1,223 @@
+#include "sync/bindings.h"
+
+#include <algorithm>
+
+namespace shardsync::sync_internal {
+namespace {
+
+// InvalidArgument for a binding in memory the session's packer does not handle.
+Status UnsupportedMemory(const std::string& what, MemKind mem, const Packer& packer) {
+  return InvalidArgumentError(what + ": " + (mem == MemKind::kCuda ? "device" : "host") +
+                              " memory needs a packer that handles it (SessionOptions::packer;"
+                              " the " +
+                              std::string(packer.name()) + " packer does not)");
+}
+
+}  // namespace
+
+Bindings::Bindings(const SessionContext& ctx) : ctx_(ctx) {
+  for (size_t i = 0; i < ctx_.inventory.size(); ++i) tensor_index_[ctx_.inventory[i].name] = i;
+}
+
+Status Bindings::Init() {
+  if (!ctx_.who.is_trainer) {
+    SS_ASSIGN_OR_RETURN(ShardMap map, BuildShardMap(ctx_.in.model, ctx_.in.rollout.shard));
+    shards_ = map.rank(ctx_.who.tp_rank, ctx_.who.pp_rank);
+    for (size_t i = 0; i < shards_.params.size(); ++i) param_index_[shards_.params[i].name] = i;
+    dests_.resize(shards_.params.size());
+  }
+  return OkStatus();
+}
+
+Status Bindings::BindSource(const SourceBinding& b) {
+  const PlanInputs& in = ctx_.in;
+  if (!ctx_.who.is_trainer) {
+    return FailedPreconditionError("BindSource(" + b.hf_name + "): sync rank " +
+                                   std::to_string(ctx_.rank) + " is an engine rank");
+  }
+  auto it = tensor_index_.find(b.hf_name);
+  if (it == tensor_index_.end()) {
+    return InvalidArgumentError("source binding '" + b.hf_name + "': not a tensor of model " +
+                                in.model.name);
+  }
+  const HfTensor& t = ctx_.inventory[it->second];
+  const Region held = TrainerHeldRegion(in.trainer, ctx_.who.trainer_rank, t.shape);
+  if (!(b.region == held)) {
+    return InvalidArgumentError("source binding '" + b.hf_name + "': trainer rank " +
+                                std::to_string(ctx_.who.trainer_rank) + " of " +
+                                in.trainer.ToString() + " holds " + held.ToString() +
+                                ", binding covers " + b.region.ToString());
+  }
+  if (b.dtype != in.trainer_dtype) {
+    return InvalidArgumentError("source binding '" + b.hf_name + "': dtype " +
+                                std::string(DTypeName(b.dtype)) + ", plan's trainer dtype is " +
+                                std::string(DTypeName(in.trainer_dtype)));
+  }
+  if (b.data == nullptr && !held.empty()) {
+    return InvalidArgumentError("source binding '" + b.hf_name + "': null data");
+  }
+  if (!ctx_.packer->Supports(b.mem)) {
+    return UnsupportedMemory("source binding '" + b.hf_name + "'", b.mem, *ctx_.packer);
+  }
+  if (!sources_.emplace(it->second, b).second) {
+    return InvalidArgumentError("source binding '" + b.hf_name + "': bound twice");
+  }
+  return OkStatus();
+}
+
+Status Bindings::BindDest(const DestBinding& b) {
+  if (ctx_.who.is_trainer) {
+    return FailedPreconditionError("BindDest(" + b.name + "): sync rank " +
+                                   std::to_string(ctx_.rank) + " is a trainer rank");
+  }
+  auto it = param_index_.find(b.name);
+  if (it == param_index_.end()) {
+    return InvalidArgumentError(
+        "destination binding '" + b.name + "': not a parameter of engine rank tp=" +
+        std::to_string(ctx_.who.tp_rank) + " pp=" + std::to_string(ctx_.who.pp_rank));
+  }
+  const EngineParam& p = shards_.params[it->second];
+  if (b.shape != p.shape) {
+    return InvalidArgumentError("destination binding '" + b.name + "': shape " +
+                                ShapeToString(b.shape) + ", the shard map says " +
+                                ShapeToString(p.shape));
+  }
+  const DType wire = ctx_.in.options.wire_dtype;
+  if (b.dtype != wire) {
+    return InvalidArgumentError("destination binding '" + b.name + "': dtype " +
+                                std::string(DTypeName(b.dtype)) + " differs from the wire dtype " +
+                                std::string(DTypeName(wire)) +
+                                " (bytes land in place, so parameters must use the wire dtype)");
+  }
+  if (b.data == nullptr) {
+    return InvalidArgumentError("destination binding '" + b.name + "': null data");
+  }
+  if (!ctx_.packer->Supports(b.mem)) {
+    return UnsupportedMemory("destination binding '" + b.name + "'", b.mem, *ctx_.packer);
+  }
+  if (dests_[it->second].data != nullptr) {
+    return InvalidArgumentError("destination binding '" + b.name + "': bound twice");
+  }
+  dests_[it->second] = b;
+  return OkStatus();
+}
+
+Status Bindings::Check() const {
+  const RankPlan& plan = ctx_.plan;
+  const std::string me = "sync rank " + std::to_string(ctx_.rank);
+  if (ctx_.who.is_trainer) {
+    for (const Message& m : plan.sends) {
+      for (const TransferOp& op : m.ops) {
+        auto it = sources_.find(op.tensor);
+        const std::string& name = ctx_.inventory.at(op.tensor).name;
+        if (it == sources_.end()) {
+          return NotFoundError(me + ": source tensor '" + name +
+                               "' is sent by the plan but was not bound");
+        }
+        if (!RegionContains(it->second.region, op.src)) {
+          return InvalidArgumentError("source binding '" + name + "': plan reads " +
+                                      op.src.ToString() + " outside the bound region " +
+                                      it->second.region.ToString());
+        }
+      }
+    }
+    return OkStatus();
+  }
+  for (size_t i = 0; i < dests_.size(); ++i) {
+    if (dests_[i].data == nullptr) {
+      return NotFoundError(me + ": engine parameter '" + shards_.params[i].name +
+                           "' (tp=" + std::to_string(ctx_.who.tp_rank) +
+                           " pp=" + std::to_string(ctx_.who.pp_rank) + ") was not bound");
+    }
+  }
+  for (const Message& m : plan.recvs) {
+    for (const TransferOp& op : m.ops) {
+      if (op.param < 0 || static_cast<size_t>(op.param) >= dests_.size() ||
+          !RegionInside(op.dst, dests_[op.param].shape)) {
+        return InternalError("plan op from sync rank " + std::to_string(m.src) +
+                             " lands outside parameter index " + std::to_string(op.param));
+      }
+    }
+  }
+  return OkStatus();
+}
+
+int Bindings::BoundMem() const {
+  int kind = -1;
+  auto see = [&](MemKind k) {
+    const int v = static_cast<int>(k);
+    kind = kind == -1 || kind == v ? v : -2;
+  };
+  for (const auto& [t, b] : sources_) see(b.mem);
+  for (const DestBinding& d : dests_) see(d.mem);
+  return kind < 0 ? -1 : kind;
+}
+
+std::vector<PackRegion> Bindings::SourceRegions(const Message& m, const Bucket& b) const {
+  std::vector<PackRegion> out;
+  for (int i = b.op_begin; i < b.op_end; ++i) {
+    const TransferOp& op = m.ops[i];
+    const SourceBinding& sb = sources_.at(op.tensor);
+    PackRegion r;
+    r.base = sb.data;
+    r.dtype = sb.dtype;
+    r.shape = sb.region.extents();
+    r.region = op.src;
+    for (int d = 0; d < op.src.ndim; ++d) r.region.offset[d] -= sb.region.offset[d];
+    r.wire_offset = op.wire_offset - b.wire_offset;
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+std::vector<PackRegion> Bindings::LandedRegions(const Message& m, const Bucket& b) const {
+  std::vector<PackRegion> out;
+  for (int i = b.op_begin; i < b.op_end; ++i) {
+    const TransferOp& op = m.ops[i];
+    const DestBinding& d = dests_[op.param];
+    out.push_back({d.data, d.dtype, d.shape, op.dst, op.wire_offset - b.wire_offset});
+  }
+  return out;
+}
+
+Status Bindings::MismatchError(const Message& m, int bucket, uint64_t version, uint64_t sent,
+                               uint64_t got) const {
+  const Bucket& b = m.buckets[bucket];
+  const std::string where = "message from sync rank " + std::to_string(m.src) + " to sync rank " +
+                            std::to_string(ctx_.rank) + ", bucket " + std::to_string(bucket);
+  std::vector<std::string> names;
+  for (int i = b.op_begin; i < b.op_end; ++i) {
+    const std::string& n = dests_[m.ops[i].param].name;
+    if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
+  }
+  std::string list;
+  for (size_t i = 0; i < names.size() && i < 8; ++i) list += (i ? ", " : "") + names[i];
+  if (names.size() > 8) list += ", ... (" + std::to_string(names.size()) + " parameters)";
+  return DataLossError("checksum mismatch, version " + std::to_string(version) + ", " + where +
+                       ": sent " + Hex(sent) + ", landed " + Hex(got) + "; parameters: " + list);
+}
+
+const Shape& PeerShapes::Get(int dst, int param) {
+  auto it = shapes_.find(dst);
+  if (it == shapes_.end()) {
+    std::vector<Shape> shapes;
+    auto who = DescribeSyncRank(ctx_.in, dst);
+    if (who.ok()) {
+      if (!replica_map_) {
+        auto map = BuildShardMap(ctx_.in.model, ctx_.in.rollout.shard);
+        if (map.ok()) replica_map_ = std::make_unique<ShardMap>(std::move(map).value());
+      }
+      if (replica_map_) {
+        for (const EngineParam& p : replica_map_->rank(who->tp_rank, who->pp_rank).params) {
+          shapes.push_back(p.shape);
+        }
+      }
+    }
+    it = shapes_.emplace(dst, std::move(shapes)).first;
+  }
+  static const Shape kEmpty;
+  if (param < 0 || static_cast<size_t>(param) >= it->second.size()) return kEmpty;
+  return it->second[param];
+}
+
+}  // namespace shardsync::sync_internal

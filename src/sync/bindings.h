@@ -1,0 +1,70 @@
+// A rank's bindings: the source shards a trainer rank hands over, the parameters an engine rank
+// receives into, their checks against the plan, and the pack regions of a bucket over them.
+// PeerShapes: the parameter shapes of the engine ranks a trainer sends to.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardsync/shard_map.h"
+#include "sync/context.h"
+
+namespace shardsync::sync_internal {
+
+class Bindings {
+ public:
+  explicit Bindings(const SessionContext& ctx);
+  // Engine ranks: this rank's parameters from the shard map.
+  Status Init();
+
+  Status BindSource(const SourceBinding& b);
+  Status BindDest(const DestBinding& b);
+  // Every binding the plan needs is there and holds what the plan reads / writes.
+  Status Check() const;
+
+  // The engine parameters this rank binds (empty for trainer ranks).
+  const std::vector<EngineParam>& expected() const { return shards_.params; }
+  // The binding of HF tensor `tensor` (trainer) / of parameter `param` (engine).
+  const SourceBinding& source(int tensor) const { return sources_.at(tensor); }
+  const DestBinding& dest(int param) const { return dests_[param]; }
+  const std::vector<DestBinding>& dests() const { return dests_; }
+  // The memory every binding of this rank lives in (-1: none bound, or a mix).
+  int BoundMem() const;
+
+  // PackRegions of bucket `b` of message `m` over the sender's sources / the receiver's
+  // parameters, wire offsets from the bucket start.
+  std::vector<PackRegion> SourceRegions(const Message& m, const Bucket& b) const;
+  std::vector<PackRegion> LandedRegions(const Message& m, const Bucket& b) const;
+
+  // DataLoss naming the message, the bucket and (up to 8 of) the parameters it lands in.
+  Status MismatchError(const Message& m, int bucket, uint64_t version, uint64_t sent,
+                       uint64_t got) const;
+
+ private:
+  const SessionContext& ctx_;
+  std::map<std::string, size_t> tensor_index_;
+  // Trainer side: by HF tensor index.
+  std::map<int, SourceBinding> sources_;
+  // Engine side.
+  EngineRankShards shards_;
+  std::map<std::string, size_t> param_index_;
+  std::vector<DestBinding> dests_;
+};
+
+class PeerShapes {
+ public:
+  explicit PeerShapes(const SessionContext& ctx) : ctx_(ctx) {}
+  // Shape of parameter `param` of engine sync rank `dst` (cached per destination; empty when
+  // there is no such parameter).
+  const Shape& Get(int dst, int param);
+
+ private:
+  const SessionContext& ctx_;
+  std::map<int, std::vector<Shape>> shapes_;
+  std::unique_ptr<ShardMap> replica_map_;
+};
+
+}  // namespace shardsync::sync_internal

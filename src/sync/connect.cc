@@ -1,0 +1,77 @@
+#include "sync/connect.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+namespace shardsync::sync_internal {
+
+Status AgreeOnPlan(const SessionContext& ctx, SyncGuard& guard, Clock::time_point deadline) {
+  const std::string& mine = ctx.plan.plan_hash;
+  SS_RETURN_IF_ERROR(ctx.store.Set(ctx.Key("hash/" + std::to_string(ctx.rank)), mine));
+  for (int r = 0; r < ctx.world; ++r) {
+    if (r == ctx.rank) continue;
+    SS_ASSIGN_OR_RETURN(std::string h,
+                        guard.GetUntil(ctx.Key("hash/" + std::to_string(r)), deadline,
+                                       "plan hash of sync rank " + std::to_string(r)));
+    if (h != mine) {
+      return FailedPreconditionError(
+          "plan hash mismatch: sync rank " + std::to_string(r) + " has " + h + ", sync rank " +
+          std::to_string(ctx.rank) + " (this rank) has " + mine +
+          ": ranks were started with different model, layouts or plan options");
+    }
+  }
+  return OkStatus();
+}
+
+Status RegisterParams(const SessionContext& ctx, const Bindings& bindings) {
+  if (ctx.who.is_trainer) return OkStatus();
+  uint32_t base = 0;
+  const std::vector<DestBinding>& dests = bindings.dests();
+  for (size_t i = 0; i < dests.size(); ++i) {
+    const DestBinding& d = dests[i];
+    const size_t bytes = static_cast<size_t>(NumElements(d.shape)) * DTypeSize(d.dtype);
+    SS_ASSIGN_OR_RETURN(uint32_t id, ctx.tx.RegisterMemory({d.data, bytes, d.mem, d.device}));
+    if (i == 0) base = id;
+    if (id != base + i) {
+      return InternalError("transport " + std::string(ctx.tx.name()) +
+                           ": region ids are not dense (parameter " + d.name + " got " +
+                           std::to_string(id) + ")");
+    }
+  }
+  return ctx.store.Set(ctx.Key("regbase/" + std::to_string(ctx.rank)), std::to_string(base));
+}
+
+std::vector<int> TransportPeers(const SessionContext& ctx, const std::vector<int>& extra) {
+  std::vector<int> peers;
+  for (const Message& m : ctx.plan.sends) peers.push_back(m.dst);
+  for (const Message& m : ctx.plan.recvs) peers.push_back(m.src);
+  peers.insert(peers.end(), extra.begin(), extra.end());
+  std::sort(peers.begin(), peers.end());
+  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+  return peers;
+}
+
+Status ConnectTransport(const SessionContext& ctx, const std::vector<int>& peers,
+                        Clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+  return ctx.tx.Connect(ctx.store, ctx.Key("tx/"), ctx.rank, peers, std::max(left, Millis(1)));
+}
+
+Result<std::map<int, uint32_t>> ReadRegionBases(const SessionContext& ctx, SyncGuard& guard,
+                                                Clock::time_point deadline) {
+  std::map<int, uint32_t> bases;
+  for (const Message& m : ctx.plan.sends) {
+    const std::string who = "engine sync rank " + std::to_string(m.dst);
+    SS_ASSIGN_OR_RETURN(std::string b, guard.GetUntil(ctx.Key("regbase/" + std::to_string(m.dst)),
+                                                      deadline, "memory registration of " + who));
+    char* end = nullptr;
+    const unsigned long v = std::strtoul(b.c_str(), &end, 10);
+    if (b.empty() || *end != '\0' || v > UINT32_MAX) {
+      return DataLossError("memory registration of " + who + " is malformed: '" + b + "'");
+    }
+    bases[m.dst] = static_cast<uint32_t>(v);
+  }
+  return bases;
+}
+
+}  // namespace shardsync::sync_internal

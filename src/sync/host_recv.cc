@@ -1,0 +1,182 @@
+#include "sync/host_recv.h"
+
+namespace shardsync::sync_internal {
+
+Status HostReceiver::Prepare(const Bindings& bindings, const PreparedPairs& pairs) {
+  bindings_ = &bindings;
+  pairs_ = &pairs;
+  const RankPlan& plan = ctx_.plan;
+  runs_.assign(plan.recvs.size(), {});
+  for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
+    const Message& m = plan.recvs[mi];
+    SS_ASSIGN_OR_RETURN(SyncRank src, DescribeSyncRank(ctx_.in, m.src));
+    for (const Bucket& b : m.buckets) {
+      runs_[mi].push_back(
+          BucketTransfers(ctx_.in, ctx_.inventory, src.trainer_rank, m, b,
+                          [&](int param) -> const Shape& { return bindings.dest(param).shape; }));
+    }
+  }
+  return OkStatus();
+}
+
+Status HostReceiver::Receive(RankSyncStats& st) {
+  HostRecv hr;
+  hr.put = ctx_.tx.caps().one_sided_put;
+  // Host parameters with the built-in packer in tag mode: checksum each run right after it
+  // lands, while its bytes are still in cache, instead of re-reading the whole bucket from
+  // memory once its control message arrives.
+  hr.incremental = !hr.put && ctx_.builtin_packer();
+  // ... or let the transport sum the words as it copies them in (shm): no read at all.
+  hr.summed = hr.incremental && ctx_.tx.caps().summed_copy;
+  Status s = Post(hr, st);
+  if (s.ok()) s = Poll(hr, st);
+  if (!s.ok()) {
+    graveyard_.push_back(hr.ctrl);
+    if (hr.summed) graveyard_.push_back(hr.sums);
+  }
+  return s;
+}
+
+Status HostReceiver::Post(HostRecv& hr, RankSyncStats& st) {
+  size_t total = 0;  // buckets of the host path (prepared pairs count their own)
+  for (size_t mi = 0; mi < ctx_.plan.recvs.size(); ++mi) {
+    if (!pairs_->recvs(mi)) total += ctx_.plan.recvs[mi].buckets.size();
+  }
+  st.checksums_total = static_cast<int64_t>(total);
+  hr.ctrl = std::make_shared<std::vector<Control>>(total);
+  if (hr.summed) {
+    size_t runs = 0;
+    for (const auto& m : runs_) {
+      for (const auto& b : m) runs += b.size();
+    }
+    hr.sums->reserve(runs);
+  }
+  size_t k = 0;
+  for (size_t mi = 0; mi < ctx_.plan.recvs.size(); ++mi) {
+    if (pairs_->recvs(mi)) continue;
+    const Message& m = ctx_.plan.recvs[mi];
+    uint64_t seq = 0;
+    for (size_t bi = 0; bi < m.buckets.size(); ++bi, ++k) {
+      Expect e;
+      e.msg = static_cast<int>(mi);
+      e.bucket = static_cast<int>(bi);
+      e.slot = k;
+      if (!hr.put) {
+        // Two-sided: receive each run straight into its parameter (no staging copy).
+        e.runs = &runs_[mi][bi];
+        e.sums_at = hr.sums->size();
+        for (const WireRun& r : *e.runs) {
+          auto* dst = static_cast<unsigned char*>(bindings_->dest(r.param).data) + r.param_offset;
+          Result<XferId> id = XferId{0};
+          if (hr.summed) {
+            hr.sums->push_back(CopySum{static_cast<uint64_t>(r.wire_offset), 0});
+            id = ctx_.tx.PostRecvSummed(m.src, DataTag(guard_.version(), seq++), dst, r.len,
+                                        &hr.sums->back());
+          } else {
+            id = ctx_.tx.PostRecv(m.src, DataTag(guard_.version(), seq++), dst, r.len);
+          }
+          SS_RETURN_IF_ERROR(id.status());
+          e.ids.push_back(*id);
+        }
+      }
+      SS_ASSIGN_OR_RETURN(XferId id, ctx_.tx.PostRecv(m.src, ControlTag(guard_.version(), bi),
+                                                      &(*hr.ctrl)[k], sizeof(Control)));
+      e.ids.push_back(id);
+      hr.pending.push_back(std::move(e));
+    }
+  }
+  return OkStatus();
+}
+
+Status HostReceiver::Poll(HostRecv& hr, RankSyncStats& st) {
+  int idle = 0;
+  while (!hr.pending.empty()) {
+    size_t keep = 0;
+    bool progressed = false;
+    for (size_t i = 0; i < hr.pending.size(); ++i) {
+      Expect& e = hr.pending[i];
+      const Message& m = ctx_.plan.recvs[e.msg];
+      // In posting order, stopping at the first one still in flight: completions arrive
+      // roughly in order, and every Poll drives the transport's progress engine.
+      size_t done = 0;
+      for (; done < e.ids.size(); ++done) {
+        auto state = ctx_.tx.Poll(e.ids[done]);
+        if (!state.ok()) {
+          Status s = state.status();
+          return s.Annotate("sync rank " + std::to_string(ctx_.rank) +
+                            ": receiving from sync rank " + std::to_string(m.src));
+        }
+        if (*state == XferState::kInProgress) break;
+      }
+      progressed |= done > 0;
+      if (hr.incremental) AddLanded(hr, e, done);
+      e.ids.erase(e.ids.begin(), e.ids.begin() + done);
+      if (!e.ids.empty()) {
+        if (keep != i) hr.pending[keep] = std::move(e);
+        ++keep;
+        continue;
+      }
+      SS_RETURN_IF_ERROR(
+          VerifyBucket(m, e.bucket, (*hr.ctrl)[e.slot], hr.incremental ? &e.landed : nullptr));
+      ++st.checksums_ok;
+      st.recv_bytes += m.buckets[e.bucket].bytes;
+    }
+    hr.pending.resize(keep);
+    if (hr.pending.empty()) break;
+    SS_RETURN_IF_ERROR(guard_.CheckDeadline(
+        "waiting for " + std::to_string(hr.pending.size()) + " buckets (first from sync rank " +
+        std::to_string(ctx_.plan.recvs[hr.pending[0].msg].src) + ")"));
+    SyncGuard::Backoff(progressed, idle);
+  }
+  return OkStatus();
+}
+
+void HostReceiver::AddLanded(HostRecv& hr, Expect& e, size_t done) {
+  for (size_t d = 0; d < done && e.runs && e.runs_done < e.runs->size(); ++d, ++e.runs_done) {
+    const WireRun& r = (*e.runs)[e.runs_done];
+    const auto* at =
+        static_cast<const unsigned char*>(bindings_->dest(r.param).data) + r.param_offset;
+    const auto key = static_cast<uint64_t>(r.wire_offset);
+    if (hr.summed) {
+      const uint64_t h = SummedHead(key, r.len), t = SummedTail(key, r.len);
+      e.landed.Add(at, h, key);
+      e.landed.AddWords((*hr.sums)[e.sums_at + e.runs_done].sum, t - h);
+      e.landed.Add(at + t, r.len - t, key + t);
+    } else {
+      e.landed.Add(at, r.len, key);
+    }
+  }
+}
+
+Status HostReceiver::VerifyBucket(const Message& m, int bucket, const Control& c,
+                                  LandedSum* landed) {
+  const Bucket& b = m.buckets[bucket];
+  const std::string where = "message from sync rank " + std::to_string(m.src) + " to sync rank " +
+                            std::to_string(ctx_.rank) + ", bucket " + std::to_string(bucket);
+  if (c.magic != kControlMagic || c.bucket != static_cast<uint32_t>(bucket)) {
+    return DataLossError(where + ": malformed control message");
+  }
+  if (c.version != guard_.version()) {
+    return FailedPreconditionError(where + ": sender syncs version " + std::to_string(c.version) +
+                                   ", this rank " + std::to_string(guard_.version()));
+  }
+  if (c.bytes != static_cast<uint64_t>(b.bytes)) {
+    return DataLossError(where + ": sender reports " + std::to_string(c.bytes) +
+                         " bytes, the plan " + std::to_string(b.bytes));
+  }
+  uint64_t got = 0;
+  if (landed != nullptr) {
+    if (landed->bytes() != static_cast<uint64_t>(b.bytes)) {
+      return InternalError(where + ": checksummed " + std::to_string(landed->bytes()) +
+                           " landed bytes, expected " + std::to_string(b.bytes));
+    }
+    got = landed->Finish();
+  } else {
+    SS_ASSIGN_OR_RETURN(got, ctx_.packer->ChecksumLanded(bindings_->LandedRegions(m, b), b.bytes));
+  }
+  if (got != c.checksum)
+    return bindings_->MismatchError(m, bucket, guard_.version(), c.checksum, got);
+  return OkStatus();
+}
+
+}  // namespace shardsync::sync_internal

@@ -1,0 +1,95 @@
+// A trainer rank's host send path: every bucket of the messages that are not prepared pairs,
+// packed (or checksummed) and posted, with each bucket's checksum sent in a control message
+// after its bytes. The built-in CPU packer packs transfer by transfer into a small staging ring
+// and sends direct runs from the trainer's memory; a packer passed in (device memory) packs whole
+// buckets into double-buffered staging.
+#pragma once
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "sync/bindings.h"
+#include "sync/context.h"
+#include "sync/guard.h"
+#include "sync/host_pack.h"
+#include "sync/pairs.h"
+
+namespace shardsync::sync_internal {
+
+class HostSender {
+ public:
+  HostSender(const SessionContext& ctx, SyncGuard& guard) : ctx_(ctx), guard_(guard) {}
+
+  // Connect, after the pairs are prepared: staging, and every host bucket's transfers (replayed
+  // each sync). `regbase`: each receiver's first region id (one-sided puts).
+  Status Prepare(const Bindings& bindings, PeerShapes& shapes, const PreparedPairs& pairs,
+                 std::map<int, uint32_t> regbase);
+
+  // Whether this rank sends any bucket on the host path.
+  bool has_buckets() const { return has_buckets_; }
+  // Sync: sends every host bucket and waits until each one and its control message completed.
+  Status Send(RankSyncStats& st);
+
+ private:
+  // Sender-side state of one bucket in flight.
+  struct InFlight {
+    int msg = 0;
+    int bucket = 0;
+    int slot = 0;
+    std::vector<XferId> xfers;  // puts + flush (put mode) or data + control sends (tag mode)
+    std::vector<size_t> lens;   // wire bytes of each of xfers (0: flush / control)
+    uint64_t checksum = 0;
+    std::unique_ptr<Control> control;
+    // Summed sends (transport caps().summed_copy): the bucket's checksum is complete only once
+    // the transport reported the words it summed while copying; the control message waits.
+    std::shared_ptr<LandedSum> sum;       // shared with the fill functions of filled sends
+    size_t sums_begin = 0, sums_end = 0;  // this bucket's entries of the sync's CopySum array
+  };
+  // The host path's state for one sync.
+  struct HostSend {
+    std::vector<std::pair<int, int>> order;  // (message, bucket) in posting order
+    bool put = false, fused = false, summed = false, filled = false;
+    // One CopySum per direct transfer of this sync, at fixed addresses the transport writes
+    // into; kept past a failure (graveyard_) since the transport may still complete them.
+    std::shared_ptr<std::vector<CopySum>> send_sums = std::make_shared<std::vector<CopySum>>();
+    std::vector<size_t> sum_words;  // bytes of whole words each CopySum covers
+    std::deque<InFlight> flying;
+    size_t outstanding = 0;  // wire bytes posted and not yet seen complete (fused path)
+    size_t ring_at = 0;      // next free byte of the staging ring (fused path)
+    std::vector<std::unique_ptr<Control>> sent_controls;  // alive until their sends complete
+    std::vector<XferId> ctrl_ids;
+    std::vector<uint64_t> next_seq;
+    int next_slot = 0;
+  };
+
+  HostSend Plan() const;
+  Status SendAll(HostSend& hs, RankSyncStats& st);
+  std::unique_ptr<Control> MakeControl(const InFlight& f) const;
+  // Completes the oldest transfers (in posting order) until at most `limit` wire bytes are
+  // outstanding, driving progress meanwhile.
+  Status Drain(HostSend& hs, size_t limit);
+  Status FinishOldest(HostSend& hs, RankSyncStats& st);
+  Status CheckPacked(const Message& m, int bucket, uint64_t bytes) const;
+  // Packs (or checksums) and posts every transfer of bucket `bi` of send message `mi`.
+  Status PostBucket(HostSend& hs, int mi, int bi);
+  // One transfer `r` of the bucket in flight `f`: from staging (a packer passed in), or, with the
+  // built-in packer, straight from the source (direct) or packed just before it is posted.
+  Result<XferId> PostTransfer(HostSend& hs, InFlight& f, const WireRun& r, unsigned char* stage);
+
+  const SessionContext& ctx_;
+  SyncGuard& guard_;
+  const Bindings* bindings_ = nullptr;
+  const PreparedPairs* pairs_ = nullptr;
+  std::map<int, uint32_t> regbase_;               // engine sync rank -> its first region id
+  std::shared_ptr<unsigned char> staging_[2];     // from the packer: host or device memory
+  std::vector<std::vector<SendBucket>> buckets_;  // [send message][bucket]
+  bool has_buckets_ = false;
+  // What a failed sync's transfers may still write into (the sums of summed copies): kept for
+  // the session's life.
+  std::vector<std::shared_ptr<void>> graveyard_;
+};
+
+}  // namespace shardsync::sync_internal

@@ -89,9 +89,9 @@ void CheckSplits(const JobSpec& job, SplitCounts& c) {
       EXPECT_NE(rm, nullptr);
       for (size_t bi = 0; bi < m.buckets.size(); ++bi) {
         const Bucket& b = m.buckets[bi];
-        const auto xfers = BucketTransfers(in, inventory, t, m, b, shape);
+        const auto xfers = BucketTransfers(in, inventory, t, m, b, shape, nullptr);
         // The receiver derives the same split from its own view of the plan.
-        const auto rx = BucketTransfers(in, inventory, t, *rm, rm->buckets.at(bi), shape);
+        const auto rx = BucketTransfers(in, inventory, t, *rm, rm->buckets.at(bi), shape, nullptr);
         ASSERT_EQ(rx.size(), xfers.size()) << "trainer " << t << " -> " << m.dst;
         // Reference wire image of the bucket (the packer's strided pass).
         std::vector<PackRegion> regions;

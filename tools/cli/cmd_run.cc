@@ -106,13 +106,6 @@ int Run(const RunFlags& f) {
   if (Status q = RefuseQuantizedJob(f.job.model, nullptr, "run"); !q.ok()) return ReportError(q);
   auto job = JobSpecFromFlags(f.job);
   if (!job.ok()) return ReportError(job.status());
-  if (job->inputs.trainer.kind == TrainerSpec::Kind::kMegatron) {
-    // Sessions bind Megatron trainers' local parameters in a later phase (docs/megatron.md).
-    return ReportError(InvalidArgumentError(
-        "--trainer " + job->inputs.trainer.ToString() +
-        ": run cannot bind Megatron trainers yet; `shardsync plan` and `shardsync shards "
-        "--trainer` support them"));
-  }
   // Flags override the launch contract's environment variables.
   auto lookup = [&](const std::string& name) -> std::optional<std::string> {
     if (name == "RANK" && f.rank) return std::to_string(*f.rank);

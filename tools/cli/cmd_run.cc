@@ -19,7 +19,9 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
   sub->add_option("--model", f->model, "Embedded model name or config.json path")
       ->capture_default_str();
   sub->add_option("--trainer", f->trainer,
-                  "Trainer layout: fsdp=S | hsdp=RxS | replicate=N | single")
+                  "Trainer layout: fsdp=S | hsdp=RxS | replicate=N | single | "
+                  "megatron=tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,cp=C][,dp=D][,...] "
+                  "(docs/megatron.md)")
       ->capture_default_str();
   sub->add_option("--rollout", f->rollout, "Rollout layout: dp=D,tp=T,pp=P[,ep=E]")
       ->capture_default_str();

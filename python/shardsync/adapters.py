@@ -275,7 +275,7 @@ def megatron_sources(
     `trainer_params(rank)`), checking everything before a byte moves.
 
     `model_chunks`: one model chunk or the list of them (virtual pipeline stages, in order), as
-    Megatron-Core's `get_model` returns them (verl's `actor_module`, NeMo-RL's `model`); each a
+    Megatron-Core's `get_model` returns them (verl's `actor_module`); each a
     module whose `named_parameters()` give Megatron's local names (wrappers' `module.` prefixes
     are stripped: DDP, Float16Module) or a mapping of such names to tensors. `rename` maps a name
     to the trainer map's (None drops it). Errors name the first problem: a parameter the trainer

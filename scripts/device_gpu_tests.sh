@@ -4,8 +4,10 @@
 # speed. Usage (repo root):   scripts/device_gpu_tests.sh [quick|full|multi]
 # Logs and JSON reports go to ${OUT:-gpu-logs}/. Binaries: .bundle/bin (scripts/device_bundle.sh,
 # built here) or build/. NVLink multicast stays off.
-#   quick: test_gpu, small-model correctness with the generation check, a killed trainer.
-#   full:  quick + qwen3-8b fsdp=1 -> dp=1,tp=2,pp=2 colocated on one GPU, bf16 and fp32.
+#   quick: test_gpu, small-model correctness with the generation check (FSDP and Megatron
+#          trainers), a killed trainer.
+#   full:  quick + qwen3-8b fsdp=1 -> dp=1,tp=2,pp=2 colocated on one GPU, bf16 and fp32, and
+#          qwen3-8b megatron=tp=2,pp=2 -> dp=1,tp=2,pp=2 bf16.
 #   multi: 2+ GPUs: fsdp=G -> dp=1,tp=1,pp=2 over nccl (hint) and auto, correctness with
 #          generation, qwen3-8b / qwen3-32b speed, a killed engine rank.
 set -uo pipefail
@@ -45,12 +47,18 @@ if [ "$mode" != multi ]; then
     --trainer-dtype fp32 --gen-tokens 8
   run fault_trainer "${small[@]}" --gpus 1 --trainer fsdp=2 --rollout dp=1,tp=2,pp=2 \
     --kill-rank 1 --timeout-ms 10000
+  # Megatron trainer: local parameters (padded vocab rows garbage) read at the plan's regions.
+  run coloc_small_megatron "${small[@]}" --gpus 1 --trainer megatron=tp=2,pp=2,vpp=2 \
+    --rollout dp=1,tp=2,pp=2 --trainer-dtype fp32 --gen-tokens 8
 fi
 if [ "$mode" = full ]; then
   run coloc_8b_bf16 --model qwen3-8b --gpus 1 --trainer fsdp=1 --rollout dp=1,tp=2,pp=2 \
     --trainer-dtype bf16 --warmup 2 --reps 15
   run coloc_8b_f32 --model qwen3-8b --gpus 1 --trainer fsdp=1 --rollout dp=1,tp=2,pp=2 \
     --trainer-dtype fp32 --warmup 1 --reps 5
+  # Issue 28: Megatron tp2 pp2 -> SGLang tp2 pp2, >= 0.8x cudaMemcpy of the same bytes.
+  run coloc_8b_megatron_bf16 --model qwen3-8b --gpus 1 --trainer megatron=tp=2,pp=2 \
+    --rollout dp=1,tp=2,pp=2 --trainer-dtype bf16 --warmup 2 --reps 15
 fi
 if [ "$mode" = multi ]; then
   g=${GPUS:-$gpus}
@@ -68,6 +76,8 @@ if [ "$mode" = multi ]; then
       --rollout dp=1,tp=1,pp=2 --transport nccl --trainer-dtype bf16 --warmup 1 --reps 5 \
       ${BENCH_ARGS:-}
   done
+  run correct_megatron_nccl "${small[@]}" --gpus "$g" --trainer megatron=tp=1,pp=2 \
+    --rollout dp=1,tp=1,pp=2 --transport nccl --trainer-dtype bf16 --gen-tokens 8
   run fault_engine_nccl "${small[@]}" --gpus "$g" --trainer "fsdp=$g" --rollout dp=1,tp=1,pp=2 \
     --transport nccl --kill-rank "$((g + 1))" --timeout-ms 10000
 fi

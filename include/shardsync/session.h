@@ -84,8 +84,14 @@ struct SessionOptions {
   bool shared_memory_verdicts = true;
 };
 
-// A trainer rank's shard of one HF tensor: `region` of the HF tensor, stored row-major with the
-// region's extents as its shape.
+// What a trainer rank hands over, stored row-major with `region`'s extents as its shape. Either
+// its shard of one HF tensor (`hf_name`, `region` of the HF tensor: FSDP / HSDP / replicate /
+// single), or one of its local parameters (`local` non-empty: Megatron-Core trainers, whose
+// parameters are not slabs of HF tensors). A local parameter is named as the rank's trainer map
+// names it (BuildTrainerParams, `Plan.trainer_params(rank)`): Megatron's local name inside model
+// chunk `chunk` ("decoder.layers.0.self_attention.linear_qkv.weight"); for FSDP-like layouts the
+// HF name with chunk 0. Its `region` is the whole parameter, Region::Full(local shape);
+// `hf_name` is unused. Elements no trainer-map piece covers (padded vocab rows) are never read.
 struct SourceBinding {
   std::string hf_name;
   const void* data = nullptr;
@@ -93,6 +99,8 @@ struct SourceBinding {
   Region region;
   MemKind mem = MemKind::kHost;
   int device = -1;
+  std::string local = {};  // local parameter name (empty: an HF shard)
+  int chunk = 0;           // its model chunk (virtual pipeline stage; 0 without VPP)
 };
 
 // An engine rank's parameter, row-major.
@@ -148,13 +156,19 @@ class SyncSession {
   virtual const RankPlan& plan() const = 0;
 
   // Trainer ranks: one binding per HF tensor the rank holds (region must equal
-  // TrainerHeldRegion, dtype the plan's trainer dtype). Checked fully at Connect.
+  // TrainerHeldRegion, dtype the plan's trainer dtype), or one per local parameter
+  // (SourceBinding::local; Megatron trainers bind only these: shape and dtype as
+  // ExpectedSources says). Checked fully at Connect: every tensor or local parameter the plan
+  // reads must be bound.
   virtual Status BindSource(const SourceBinding& b) = 0;
   // Engine ranks: one binding per parameter of this engine rank (shape as the shard map says,
   // dtype equal to the wire dtype so bytes land without a copy). Checked fully at Connect.
   virtual Status BindDest(const DestBinding& b) = 0;
   // The engine parameters this rank must bind (empty for trainer ranks).
   virtual const std::vector<EngineParam>& ExpectedParams() const = 0;
+  // Trainer ranks: the local parameters this rank holds (its trainer map, BuildTrainerParams:
+  // name, chunk, local shape, dtype and the HF bytes each holds); empty for engine ranks.
+  virtual const std::vector<TrainerParam>& ExpectedSources() const = 0;
 
   // Collective over the sync world: publishes this rank's plan hash and checks every other
   // rank's (FailedPrecondition naming both hashes and the rank), checks the bindings against the

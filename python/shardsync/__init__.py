@@ -33,10 +33,12 @@ from .plan import Plan, dtype_name, load_model, shard_map
 from .session import LoopbackHub, Session
 from .store import StoreClient, StoreServer
 from .adapters import (
+    MegatronSources,
     TrainerSources,
     bind_engine,
     bind_trainer,
     check_engine_params,
+    megatron_sources,
     trainer_sources,
     trainer_spec_of,
 )
@@ -71,6 +73,8 @@ __all__ = [
     "StoreServer",
     "StoreClient",
     "TrainerSources",
+    "MegatronSources",
+    "megatron_sources",
     "trainer_spec_of",
     "trainer_sources",
     "bind_trainer",

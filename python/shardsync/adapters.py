@@ -2,7 +2,9 @@
 
 Trainer side: an FSDP2 module (or its state dict of DTensors: Shard(0) over a 1-d mesh, or
 (Replicate(), Shard(0)) over a 2-d HSDP mesh) -> the trainer spec string and this rank's local
-shards by HF name, checked against the plan; or a plain state dict (single source or replicated).
+shards by HF name, checked against the plan; or a plain state dict (single source or replicated);
+or a Megatron-Core rank's model chunks -> its local parameters by (chunk, local name), checked
+against the plan's trainer map (docs/megatron.md).
 Engine side: an engine's named_parameters() bound by the engine's names and local shapes,
 checked against the shard map.
 
@@ -19,6 +21,8 @@ from .errors import InvalidArgumentError, NotFoundError
 
 __all__ = [
     "TrainerSources",
+    "MegatronSources",
+    "megatron_sources",
     "trainer_spec_of",
     "trainer_sources",
     "bind_trainer",
@@ -237,9 +241,131 @@ def _check_against_plan(src: TrainerSources, plan: Any, strict: bool) -> None:
             )
 
 
-def bind_trainer(session: Any, module_or_state_dict: Any, **kwargs: Any) -> TrainerSources:
-    """trainer_sources(...) checked against the session's plan, then bound (empty local shards
-    are skipped: the plan reads nothing from them). Returns the sources."""
+@dataclass
+class MegatronSources:
+    """A Megatron trainer rank's local parameters, bound by (model chunk, local name)."""
+
+    spec: str  # the plan's trainer layout, "megatron=tp=2,pp=2"
+    rank: int  # trainer rank = sync rank = torch.distributed rank
+    tensors: Dict[Tuple[int, str], Any] = field(default_factory=dict)  # (chunk, name) -> tensor
+    ignored: List[str] = field(default_factory=list)  # "chunk C: name" not in the trainer map
+
+
+def _named_parameters(chunk: Any, index: int) -> Iterable[Tuple[str, Any]]:
+    if isinstance(chunk, Mapping):
+        return chunk.items()
+    named = getattr(chunk, "named_parameters", None)
+    if callable(named):
+        return named()
+    raise InvalidArgumentError(
+        f"model chunk {index}: expected a module with named_parameters() or a mapping of "
+        f"tensors, got {type(chunk).__name__}"
+    )
+
+
+def megatron_sources(
+    session_or_plan: Any,
+    model_chunks: Any,
+    *,
+    rank: Optional[int] = None,
+    rename: Optional[Callable[[str], Optional[str]]] = None,
+    ignore_extra: bool = False,
+) -> MegatronSources:
+    """Matches a Megatron trainer rank's model chunks to its trainer map (the plan's
+    `trainer_params(rank)`), checking everything before a byte moves.
+
+    `model_chunks`: one model chunk or the list of them (virtual pipeline stages, in order), as
+    Megatron-Core's `get_model` returns them (verl's `actor_module`); each a
+    module whose `named_parameters()` give Megatron's local names (wrappers' `module.` prefixes
+    are stripped: DDP, Float16Module) or a mapping of such names to tensors. `rename` maps a name
+    to the trainer map's (None drops it). Errors name the first problem: a parameter the trainer
+    map expects but the chunk lacks (NotFoundError), a shape or dtype that differs, a name given
+    twice, or (unless `ignore_extra`) a parameter the trainer map does not know.
+    """
+    plan = getattr(session_or_plan, "plan", session_or_plan)
+    if rank is None:
+        rank = int(getattr(session_or_plan, "rank"))
+    if not str(plan.trainer_spec).startswith("megatron="):
+        raise InvalidArgumentError(
+            f"layout 'megatron': the plan's trainer is {plan.trainer_spec}, not a Megatron layout"
+        )
+    if rank < 0 or rank >= plan.trainer_world:
+        raise InvalidArgumentError(
+            f"trainer rank {rank} outside the plan's trainer world {plan.trainer_world}"
+        )
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    rename = rename or default_rename
+    got: Dict[Tuple[int, str], Any] = {}
+    for c, chunk in enumerate(chunks):
+        for name, t in _named_parameters(chunk, c):
+            n = rename(name)
+            if n is None:
+                continue
+            if (c, n) in got:
+                raise InvalidArgumentError(
+                    f"model chunk {c}: '{name}' and another parameter are both '{n}'"
+                )
+            got[(c, n)] = t
+    out = MegatronSources(spec=str(plan.trainer_spec), rank=rank)
+    expected = plan.trainer_params(rank)
+    nchunks = max((p.chunk for p in expected), default=0) + 1
+    if len(chunks) != nchunks:
+        raise InvalidArgumentError(
+            f"trainer rank {rank} of {plan.trainer_spec} holds {nchunks} model chunk(s), "
+            f"{len(chunks)} given"
+        )
+    missing = []
+    for p in expected:
+        t = got.get((p.chunk, p.name))
+        if t is None:
+            missing.append(f"chunk {p.chunk}: {p.name}")
+            continue
+        shape, want = _shape(t), list(p.shape)
+        if shape != want:
+            raise InvalidArgumentError(
+                f"parameter '{p.name}' (chunk {p.chunk}) on trainer rank {rank}: shape {shape}, "
+                f"the trainer map of {plan.trainer_spec} says {want}"
+            )
+        dt = _dtype_name(t)
+        if dt != plan.trainer_dtype:
+            raise InvalidArgumentError(
+                f"parameter '{p.name}' (chunk {p.chunk}): dtype {dt}, the plan's trainer dtype "
+                f"is {plan.trainer_dtype}"
+            )
+        out.tensors[(p.chunk, p.name)] = t
+    if missing:
+        raise NotFoundError(
+            f"trainer rank {rank}: {len(missing)} local parameter(s) of the trainer map missing "
+            f"from the model chunks: {', '.join(missing[:5])}"
+        )
+    extra = [f"chunk {c}: {n}" for (c, n) in got if (c, n) not in out.tensors]
+    if extra and not ignore_extra:
+        raise InvalidArgumentError(
+            f"{len(extra)} parameter(s) of the model chunks are not in the trainer map of "
+            f"{plan.trainer_spec} (rank {rank}): {', '.join(extra[:5])} (pass ignore_extra=True "
+            "to leave them out)"
+        )
+    out.ignored = extra
+    return out
+
+
+def bind_trainer(session: Any, module_or_state_dict: Any, layout: str = "auto",
+                 **kwargs: Any) -> Any:
+    """Binds this trainer rank's parameters to `session`, checked against its plan first.
+
+    layout "fsdp" (or "auto" with an FSDP-like plan): trainer_sources(...) of an FSDP2 module /
+    state dict, bound by HF name (empty local shards are skipped: the plan reads nothing from
+    them); returns TrainerSources. layout "megatron" (or "auto" with a Megatron plan):
+    `module_or_state_dict` is the rank's model chunk(s), matched by (chunk, local name) with
+    megatron_sources(...) and bound whole; returns MegatronSources."""
+    megatron = str(session.plan.trainer_spec).startswith("megatron=")
+    if layout not in ("auto", "fsdp", "megatron"):
+        raise InvalidArgumentError(f"layout: must be auto, fsdp or megatron, got {layout!r}")
+    if layout == "megatron" or (layout == "auto" and megatron):
+        msrc = megatron_sources(session, module_or_state_dict, **kwargs)
+        for (c, n), t in msrc.tensors.items():
+            session.bind_source(n, t, chunk=c)
+        return msrc
     src = trainer_sources(module_or_state_dict, session.plan, **kwargs)
     if src.rank != session.rank:
         raise InvalidArgumentError(

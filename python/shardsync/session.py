@@ -30,7 +30,7 @@ from .plan import Plan
 
 if TYPE_CHECKING:
     from . import _C
-    from ._C import EngineParam, RankPlan, Region
+    from ._C import EngineParam, RankPlan, Region, TrainerParam
     from .types import SupportsDLPack, SyncReport
 
 __all__ = ["Session", "LoopbackHub", "is_cuda_tensor"]
@@ -195,6 +195,11 @@ class Session:
         """Engine ranks: every parameter (engine name, local shape, dtype, pieces) to bind."""
         return list(self._native.expected_params())
 
+    def expected_sources(self) -> "List[TrainerParam]":
+        """Trainer ranks: this rank's local parameters (its trainer map, `plan.trainer_params`):
+        Megatron's local names per model chunk, or one per HF tensor for FSDP-like layouts."""
+        return list(self._native.expected_sources())
+
     # ---- binding ----
     def _stage(self, tensor: Any, what: str) -> Any:
         if not is_cuda_tensor(tensor) or self.device is not None:
@@ -207,20 +212,27 @@ class Session:
         return t.to("cpu").contiguous()
 
     def bind_source(self, hf_name: str, tensor: "SupportsDLPack",
-                    region: "Optional[Region | Tuple[Sequence[int], Sequence[int]]]" = None
-                    ) -> None:
+                    region: "Optional[Region | Tuple[Sequence[int], Sequence[int]]]" = None,
+                    chunk: Optional[int] = None) -> None:
         """Trainer ranks: the shard of HF tensor `hf_name` this rank holds, borrowed without a
         copy (its bytes are read at every sync, so update it in place). Default region: the
         plan's held region for this rank (`plan.held_region(rank, shape)`); the tensor's shape
-        must equal the region's extents and its dtype the plan's trainer dtype."""
+        must equal the region's extents and its dtype the plan's trainer dtype.
+
+        Megatron trainers bind local parameters instead: `hf_name` is then the local name inside
+        model chunk `chunk` (default 0), as `expected_sources()` lists them
+        ("decoder.layers.0.self_attention.linear_qkv.weight"), the whole tensor with its local
+        shape, and no region. Passing `chunk` binds a local parameter on FSDP-like layouts too
+        (named like its HF tensor). `shardsync.bind_trainer(session, model_chunks)` does this
+        for every parameter of a Megatron model."""
         self._resolve_device(tensor)
         host = self._stage(tensor, f"source '{hf_name}'")
         if host is not None:
-            self._native.bind_source(hf_name, host, region)
+            self._native.bind_source(hf_name, host, region, chunk)
             self._staged_sources.append((tensor, host))
         else:
             with _device_guard(tensor):
-                self._native.bind_source(hf_name, tensor, region)
+                self._native.bind_source(hf_name, tensor, region, chunk)
 
     def bind_destination(self, name: str, tensor: "SupportsDLPack") -> None:
         """Engine ranks: parameter `name` (the engine's name, e.g.

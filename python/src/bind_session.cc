@@ -107,13 +107,6 @@ class PySession {
             const std::string& prefix, double connect_timeout, double sync_timeout,
             std::map<std::string, std::string> transport_params, int device)
       : inputs_(std::move(inputs)), rank_(rank), device_(device) {
-    if (inputs_.trainer.kind == TrainerSpec::Kind::kMegatron) {
-      // Binding Megatron local parameters (bind_trainer) comes with the session work of a later
-      // phase; refused before anything connects.
-      ThrowIfError(UnimplementedError(
-          "trainer " + inputs_.trainer.ToString() +
-          ": sessions cannot bind Megatron trainers yet (Plan, trainer_params and shards work)"));
-    }
     SessionOptions opts;
     opts.prefix = prefix;
     opts.connect_timeout = SecondsToMillis(connect_timeout, "connect_timeout");
@@ -190,12 +183,17 @@ class PySession {
     return *session_;
   }
 
-  void BindSource(const std::string& hf_name, py::handle tensor, py::handle region_obj) {
+  void BindSource(const std::string& hf_name, py::handle tensor, py::handle region_obj,
+                  std::optional<int> chunk) {
     SyncSession& s = session();
     if (!s.is_trainer()) {
       ThrowIfError(
           FailedPreconditionError("rank " + std::to_string(rank_) +
                                   " is an engine rank: bind_destination, not bind_source"));
+    }
+    if (chunk || inputs_.trainer.kind == TrainerSpec::Kind::kMegatron) {
+      BindLocal(s, hf_name, tensor, region_obj, chunk.value_or(0));
+      return;
     }
     TensorRef t = BorrowTensor(tensor, "source '" + hf_name + "'");
     Region region;
@@ -218,6 +216,30 @@ class PySession {
     b.data = t.data;
     b.dtype = t.dtype;
     b.region = region;
+    b.mem = t.cuda ? MemKind::kCuda : MemKind::kHost;
+    b.device = t.device;
+    ThrowIfError(s.BindSource(b));
+    bound_.push_back(std::move(t));
+  }
+
+  // A local parameter (Megatron: its name inside model chunk `chunk`; FSDP-like: the HF name),
+  // the whole tensor: its shape is the local shape.
+  void BindLocal(SyncSession& s, const std::string& name, py::handle tensor, py::handle region_obj,
+                 int chunk) {
+    const std::string what = "source '" + name + "' (chunk " + std::to_string(chunk) + ")";
+    if (!region_obj.is_none()) {
+      ThrowIfError(InvalidArgumentError(
+          what + ": a local parameter is bound whole (region must be None; " +
+          inputs_.trainer.ToString() + " ranks hold local parameters, plan.trainer_params(rank))"));
+    }
+    TensorRef t = BorrowTensor(tensor, what);
+    CheckDevice(t, what);
+    SourceBinding b;
+    b.local = name;
+    b.chunk = chunk;
+    b.data = t.data;
+    b.dtype = t.dtype;
+    b.region = Region::Full(t.shape);
     b.mem = t.cuda ? MemKind::kCuda : MemKind::kHost;
     b.device = t.device;
     ThrowIfError(s.BindSource(b));
@@ -375,8 +397,9 @@ void RegisterSession(py::module_& m) {
       .def_property_readonly("last_good_version",
                              [](PySession& s) { return s.session().last_good_version(); })
       .def("expected_params", [](PySession& s) { return s.session().ExpectedParams(); })
+      .def("expected_sources", [](PySession& s) { return s.session().ExpectedSources(); })
       .def("bind_source", &PySession::BindSource, py::arg("hf_name"), py::arg("tensor"),
-           py::arg("region") = py::none())
+           py::arg("region") = py::none(), py::arg("chunk") = py::none())
       .def("bind_destination", &PySession::BindDest, py::arg("name"), py::arg("tensor"))
       .def("connect", &PySession::Connect)
       .def("sync", &PySession::Sync, py::arg("version"))

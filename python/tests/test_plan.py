@@ -137,12 +137,16 @@ def test_megatron_plan_moves_local_regions(need_plan, tiny_model, trainer, rollo
         shardsync.Plan(tiny_model, "megatron=tp=2,vpp=2", rollout)
 
 
-def test_megatron_sessions_refused_until_bound(need_session, tiny_model):
+def test_megatron_sessions_bind_local_parameters(need_session, tiny_model):
+    """Megatron sessions are created and list the rank's local parameters (test_megatron.py
+    syncs them)."""
     plan = shardsync.Plan(tiny_model, "megatron=tp=2", "dp=1,tp=2,pp=1")
     hub = shardsync.LoopbackHub()
     with shardsync.StoreServer(token="megatron-test-token-0123") as srv:
-        with pytest.raises(shardsync.UnimplementedError, match="Megatron"):
-            shardsync.Session(plan, 0, srv.address, token="megatron-test-token-0123", transport="loopback", hub=hub)
+        with shardsync.Session(plan, 0, srv.address, token="megatron-test-token-0123",
+                               transport="loopback", hub=hub) as s:
+            assert [p.name for p in s.expected_sources()] == [
+                p.name for p in plan.trainer_params(0)]
 
 
 @pytest.mark.parametrize("rollout,kw,message", [

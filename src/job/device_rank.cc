@@ -66,6 +66,7 @@ class DeviceRank {
   }
   Status SyncStream(const char* what) { return stream_->Synchronize(job_.timeout, what); }
   Status FillTrainer();
+  Status FillMegatron();
   Status AllocEngine();
   Status Scramble();
   Status Verify(const char* after);
@@ -93,7 +94,8 @@ class DeviceRank {
   std::unique_ptr<SyncSession> session_;
   uint64_t version_ = 0;
   std::unique_ptr<gpu::DeviceBuffer> buf_;  // trainer: held shards; engine: parameters
-  std::vector<int64_t> offsets_;            // trainer: per HF tensor; engine: per parameter
+  std::vector<int64_t> offsets_;  // trainer: per HF tensor (Megatron: local parameter); engine:
+                                  // per parameter
   std::vector<DestBinding> dests_;
   // Broadcast-all: whole tensors in rounds under the bucket cap; trainer 0 holds the full model
   // in the wire dtype; each engine receives round r into slot r % 2 and slices its pieces out.
@@ -163,6 +165,7 @@ Status DeviceRank::Setup(bool bench) {
 
 // Every held shard in one allocation, filled on the GPU with the synthetic values.
 Status DeviceRank::FillTrainer() {
+  if (in_.trainer.kind == TrainerSpec::Kind::kMegatron) return FillMegatron();
   const DType td = in_.trainer_dtype;
   int64_t total = 0;
   std::vector<Region> held;
@@ -182,6 +185,62 @@ Status DeviceRank::FillTrainer() {
         session_->BindSource({inv_[i].name, at, td, held[i], MemKind::kCuda, device_}));
   }
   return SyncStream("trainer fill");
+}
+
+// Megatron: every local parameter of the rank's trainer map in one allocation, garbage first
+// (padded vocab rows keep it: the element check fails if the sync read them), then each piece's
+// synthetic values filled into a scratch buffer on the GPU and copied to its local region.
+Status DeviceRank::FillMegatron() {
+  const DType td = in_.trainer_dtype;
+  const int ts = DTypeSize(td);
+  const std::vector<TrainerParam>& params = session_->ExpectedSources();
+  std::map<std::string, Shape> hf;
+  for (const HfTensor& h : inv_) hf[h.name] = h.shape;
+  int64_t total = 0, scratch = 1;
+  for (const TrainerParam& p : params) {
+    offsets_.push_back(total);
+    total = Align(total + p.numel() * ts);
+    for (const TrainerPiece& pc : p.pieces) scratch = std::max(scratch, pc.src.numel() * ts);
+  }
+  SS_ASSIGN_OR_RETURN(buf_, gpu::DeviceBuffer::Allocate(std::max<int64_t>(total, 1), device_));
+  SS_ASSIGN_OR_RETURN(auto tmp, gpu::DeviceBuffer::Allocate(scratch, device_));
+  SS_RETURN_IF_ERROR(Scramble());
+  // cudaMemset runs on the legacy stream, which stream_ does not wait for: a synchronous copy
+  // on the legacy stream returns only after the memset finished.
+  unsigned char probe = 0;
+  SS_RETURN_IF_ERROR(gpu::CopyToHost(&probe, buf_->data(), 1));
+  auto* base = static_cast<unsigned char*>(buf_->data());
+  auto* scratch_at = static_cast<unsigned char*>(tmp->data());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const TrainerParam& p = params[i];
+    unsigned char* at = base + offsets_[i];
+    for (const TrainerPiece& pc : p.pieces) {
+      const Shape& shape = hf.at(pc.source);
+      SS_RETURN_IF_ERROR(gpu::FillSyntheticDevice(job_.seed, SyntheticFor(pc.source, shape), shape,
+                                                  pc.src, td, scratch_at, stream_->handle()));
+      // src and local have the same extents: the scratch's row-major order is the local one.
+      Status s;
+      int64_t k = 0;
+      ForEachRun(pc.local, p.shape, [&](int64_t off, int64_t len) {
+        if (s.ok()) {
+          s = gpu::CopyDeviceToDevice(at + off * ts, scratch_at + k * ts, len * ts,
+                                      stream_->handle());
+        }
+        k += len;
+      });
+      SS_RETURN_IF_ERROR(s);
+    }
+    SourceBinding b;
+    b.data = at;
+    b.dtype = td;
+    b.region = Region::Full(p.shape);
+    b.mem = MemKind::kCuda;
+    b.device = device_;
+    b.local = p.name;
+    b.chunk = p.chunk;
+    SS_RETURN_IF_ERROR(session_->BindSource(b));
+  }
+  return SyncStream("megatron trainer fill");  // before the scratch buffer is freed
 }
 
 // Every parameter in one allocation (as an engine's caching allocator would), garbage first.

@@ -52,7 +52,9 @@ Status RunBenchRank(const JobSpec& job, int rank, const SyncRank& who, StoreClie
 void StoreFloats(const float* in, int64_t n, DType dtype, void* out);
 float LoadFloat(const void* p, int64_t i, DType dtype);
 Status CheckFloatDType(DType t, std::string_view field);
-// Synthetic weights of every HF tensor region the trainer rank holds, in the trainer dtype.
+// Synthetic weights of every HF tensor region the trainer rank holds, in the trainer dtype;
+// Megatron trainers: every local parameter of the rank's trainer map (bound by local name and
+// chunk), its padded vocab rows left as garbage.
 Result<TrainerShards> FillTrainerShards(const JobSpec& job, int trainer_rank);
 // Parameters in `dtype`, filled with a garbage pattern (0xA5).
 Result<EngineParams> AllocateEngineParams(const std::vector<EngineParam>& expected, DType dtype);

@@ -83,9 +83,51 @@ Status CheckFloatDType(DType t, std::string_view field) {
                               " is not supported for synthetic weights (use F32, BF16 or F16)");
 }
 
+namespace {
+
+// Megatron trainers: every local parameter of the rank's trainer map, first filled with garbage
+// (0xA5 bytes: the padded vocab rows keep it, so a sync that read them would fail the element
+// check), then each piece's synthetic HF values written at its local region.
+Result<TrainerShards> FillMegatronParams(const JobSpec& job, int trainer_rank) {
+  const PlanInputs& in = job.inputs;
+  SS_ASSIGN_OR_RETURN(TrainerRankParams tp,
+                      BuildTrainerParams(in.model, in.trainer, trainer_rank, in.trainer_dtype));
+  std::map<std::string, Shape> hf;
+  for (const HfTensor& h : HfTensorInventory(in.model)) hf[h.name] = h.shape;
+  const int ts = DTypeSize(in.trainer_dtype);
+  TrainerShards t;
+  std::vector<float> tmp;
+  for (const TrainerParam& p : tp.params) {
+    const int64_t bytes = p.numel() * ts;
+    auto buf = std::make_unique<unsigned char[]>(std::max<int64_t>(bytes, 1));
+    std::memset(buf.get(), 0xA5, bytes);
+    for (const TrainerPiece& pc : p.pieces) {
+      tmp.resize(pc.src.numel());
+      FillSyntheticRegion(job.seed, pc.source, hf.at(pc.source), pc.src, tmp.data());
+      int64_t k = 0;  // src and local have the same extents: row-major order matches
+      ForEachRun(pc.local, p.shape, [&](int64_t off, int64_t len) {
+        StoreFloats(tmp.data() + k, len, in.trainer_dtype, buf.get() + off * ts);
+        k += len;
+      });
+    }
+    SourceBinding b;
+    b.data = buf.get();
+    b.dtype = in.trainer_dtype;
+    b.region = Region::Full(p.shape);
+    b.local = p.name;
+    b.chunk = p.chunk;
+    t.bindings.push_back(std::move(b));
+    t.buffers.push_back(std::move(buf));
+  }
+  return t;
+}
+
+}  // namespace
+
 Result<TrainerShards> FillTrainerShards(const JobSpec& job, int trainer_rank) {
   const PlanInputs& in = job.inputs;
   SS_RETURN_IF_ERROR(CheckFloatDType(in.trainer_dtype, "--trainer-dtype"));
+  if (in.trainer.kind == TrainerSpec::Kind::kMegatron) return FillMegatronParams(job, trainer_rank);
   TrainerShards t;
   std::vector<float> tmp;
   for (const HfTensor& h : HfTensorInventory(in.model)) {

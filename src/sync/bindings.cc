@@ -20,11 +20,33 @@ Bindings::Bindings(const SessionContext& ctx) : ctx_(ctx) {
 }
 
 Status Bindings::Init() {
-  if (!ctx_.who.is_trainer) {
-    SS_ASSIGN_OR_RETURN(ShardMap map, BuildShardMap(ctx_.in.model, ctx_.in.rollout.shard));
-    shards_ = map.rank(ctx_.who.tp_rank, ctx_.who.pp_rank);
-    for (size_t i = 0; i < shards_.params.size(); ++i) param_index_[shards_.params[i].name] = i;
-    dests_.resize(shards_.params.size());
+  const PlanInputs& in = ctx_.in;
+  if (ctx_.who.is_trainer) {
+    SS_ASSIGN_OR_RETURN(trainer_, BuildTrainerParams(in.model, in.trainer, ctx_.who.trainer_rank,
+                                                     in.trainer_dtype));
+    for (size_t i = 0; i < trainer_.params.size(); ++i) {
+      local_index_[{trainer_.params[i].chunk, trainer_.params[i].name}] = i;
+    }
+    if (trainer_.megatron) {
+      locals_.resize(trainer_.params.size());
+      local_bound_.assign(trainer_.params.size(), 0);
+    }
+    return OkStatus();
+  }
+  SS_ASSIGN_OR_RETURN(ShardMap map, BuildShardMap(in.model, in.rollout.shard));
+  shards_ = map.rank(ctx_.who.tp_rank, ctx_.who.pp_rank);
+  for (size_t i = 0; i < shards_.params.size(); ++i) param_index_[shards_.params[i].name] = i;
+  dests_.resize(shards_.params.size());
+  // Megatron senders: both ends cut transfers where the sender's local regions stop being
+  // contiguous (BucketTransfers), so the receiver needs its senders' local parameter shapes.
+  for (const Message& m : ctx_.plan.recvs) {
+    if (m.local.empty() || sender_shapes_.count(m.src)) continue;
+    SS_ASSIGN_OR_RETURN(SyncRank src, DescribeSyncRank(in, m.src));
+    SS_ASSIGN_OR_RETURN(
+        TrainerRankParams tp,
+        BuildTrainerParams(in.model, in.trainer, src.trainer_rank, in.trainer_dtype));
+    std::vector<Shape>& shapes = sender_shapes_[m.src];
+    for (const TrainerParam& p : tp.params) shapes.push_back(p.shape);
   }
   return OkStatus();
 }
@@ -34,6 +56,14 @@ Status Bindings::BindSource(const SourceBinding& b) {
   if (!ctx_.who.is_trainer) {
     return FailedPreconditionError("BindSource(" + b.hf_name + "): sync rank " +
                                    std::to_string(ctx_.rank) + " is an engine rank");
+  }
+  if (!b.local.empty()) return BindLocal(b);
+  if (trainer_.megatron) {
+    return InvalidArgumentError(
+        "source binding '" + b.hf_name + "': trainer rank " +
+        std::to_string(ctx_.who.trainer_rank) + " of " + in.trainer.ToString() +
+        " holds Megatron local parameters, not HF shards: bind each local parameter "
+        "(SourceBinding::local and chunk, as ExpectedSources lists them)");
   }
   auto it = tensor_index_.find(b.hf_name);
   if (it == tensor_index_.end()) {
@@ -62,6 +92,55 @@ Status Bindings::BindSource(const SourceBinding& b) {
   if (!sources_.emplace(it->second, b).second) {
     return InvalidArgumentError("source binding '" + b.hf_name + "': bound twice");
   }
+  return OkStatus();
+}
+
+Status Bindings::BindLocal(const SourceBinding& b) {
+  const PlanInputs& in = ctx_.in;
+  const std::string who =
+      "trainer rank " + std::to_string(ctx_.who.trainer_rank) + " of " + in.trainer.ToString();
+  const std::string what = "source binding '" + b.local + "'" +
+                           (trainer_.megatron ? " (chunk " + std::to_string(b.chunk) + ")" : "");
+  auto it = local_index_.find({b.chunk, b.local});
+  if (it == local_index_.end()) {
+    // Name the chunks that do hold it: a parameter bound to the wrong model chunk is the likely
+    // mistake under virtual pipelining.
+    std::string chunks;
+    for (const TrainerParam& p : trainer_.params) {
+      if (p.name == b.local) chunks += (chunks.empty() ? "" : ", ") + std::to_string(p.chunk);
+    }
+    return InvalidArgumentError(what + ": not a local parameter of " + who +
+                                (chunks.empty()
+                                     ? std::string(" (ExpectedSources lists them)")
+                                     : "; model chunk(s) " + chunks + " hold one of that name"));
+  }
+  const TrainerParam& p = trainer_.params[it->second];
+  if (!(b.region == Region::Full(p.shape))) {
+    return InvalidArgumentError(what + ": shape " + ShapeToString(b.region.extents()) +
+                                (b.region.offsets() == Shape(b.region.ndim, 0)
+                                     ? std::string()
+                                     : " at offset " + b.region.ToString()) +
+                                ", the trainer map of " + who + " says " + ShapeToString(p.shape));
+  }
+  if (b.dtype != in.trainer_dtype) {
+    return InvalidArgumentError(what + ": dtype " + std::string(DTypeName(b.dtype)) +
+                                ", plan's trainer dtype is " +
+                                std::string(DTypeName(in.trainer_dtype)));
+  }
+  if (b.data == nullptr && p.numel() > 0) return InvalidArgumentError(what + ": null data");
+  if (!ctx_.packer->Supports(b.mem)) return UnsupportedMemory(what, b.mem, *ctx_.packer);
+  if (!trainer_.megatron) {
+    // FSDP-like: one parameter per HF tensor, named like it, holding the rank's dim-0 chunk.
+    SourceBinding h = b;
+    h.hf_name = b.local;
+    h.local.clear();
+    h.region = TrainerHeldRegion(in.trainer, ctx_.who.trainer_rank,
+                                 ctx_.inventory.at(tensor_index_.at(b.local)).shape);
+    return BindSource(h);
+  }
+  if (local_bound_[it->second]) return InvalidArgumentError(what + ": bound twice");
+  locals_[it->second] = b;
+  local_bound_[it->second] = 1;
   return OkStatus();
 }
 
@@ -105,6 +184,36 @@ Status Bindings::BindDest(const DestBinding& b) {
 Status Bindings::Check() const {
   const RankPlan& plan = ctx_.plan;
   const std::string me = "sync rank " + std::to_string(ctx_.rank);
+  if (ctx_.who.is_trainer && trainer_.megatron) {
+    for (const Message& m : plan.sends) {
+      if (m.local.size() != m.ops.size()) {
+        return InternalError("plan message to sync rank " + std::to_string(m.dst) + ": " +
+                             std::to_string(m.ops.size()) + " ops but " +
+                             std::to_string(m.local.size()) + " local sources");
+      }
+      for (size_t i = 0; i < m.ops.size(); ++i) {
+        const LocalSource& ls = m.local[i];
+        if (ls.param < 0 || static_cast<size_t>(ls.param) >= trainer_.params.size()) {
+          return InternalError("plan op to sync rank " + std::to_string(m.dst) +
+                               " reads local parameter index " + std::to_string(ls.param) + " of " +
+                               std::to_string(trainer_.params.size()));
+        }
+        const TrainerParam& p = trainer_.params[ls.param];
+        const std::string name = "'" + p.name + "' (chunk " + std::to_string(p.chunk) + ")";
+        if (!local_bound_[ls.param]) {
+          return NotFoundError(me + ": local parameter " + name +
+                               " is read by the plan but was not bound");
+        }
+        if (!RegionInside(ls.region, p.shape) || ls.region.extents() != m.ops[i].src.extents()) {
+          return InternalError("plan op to sync rank " + std::to_string(m.dst) + " reads " +
+                               ls.region.ToString() + " of local parameter " + name + ", shape " +
+                               ShapeToString(p.shape) + ", for HF region " +
+                               m.ops[i].src.ToString());
+        }
+      }
+    }
+    return OkStatus();
+  }
   if (ctx_.who.is_trainer) {
     for (const Message& m : plan.sends) {
       for (const TransferOp& op : m.ops) {
@@ -149,22 +258,65 @@ int Bindings::BoundMem() const {
     kind = kind == -1 || kind == v ? v : -2;
   };
   for (const auto& [t, b] : sources_) see(b.mem);
+  for (size_t i = 0; i < locals_.size(); ++i) {
+    if (local_bound_[i]) see(locals_[i].mem);
+  }
   for (const DestBinding& d : dests_) see(d.mem);
   return kind < 0 ? -1 : kind;
+}
+
+Bindings::OpSource Bindings::SourceOf(const Message& m, int i) const {
+  const TransferOp& op = m.ops[i];
+  OpSource s;
+  if (trainer_.megatron) {
+    // Megatron: the op's bytes sit at the plan's local region of a local parameter.
+    const LocalSource& ls = m.local[i];
+    const SourceBinding& b = locals_[ls.param];
+    s.data = b.data;
+    s.dtype = b.dtype;
+    s.shape = trainer_.params[ls.param].shape;
+    s.region = ls.region;
+    s.id = ls.param;
+    return s;
+  }
+  const SourceBinding& sb = sources_.at(op.tensor);
+  s.data = sb.data;
+  s.dtype = sb.dtype;
+  s.shape = sb.region.extents();
+  s.region = op.src;
+  for (int d = 0; d < op.src.ndim; ++d) s.region.offset[d] -= sb.region.offset[d];
+  s.id = op.tensor;
+  return s;
+}
+
+const void* Bindings::SourceData(int32_t id) const {
+  return trainer_.megatron ? locals_.at(id).data : sources_.at(id).data;
+}
+
+const Shape* Bindings::LocalShape(const Message& m, int param) const {
+  if (ctx_.who.is_trainer) {
+    if (!trainer_.megatron || param < 0 || static_cast<size_t>(param) >= trainer_.params.size()) {
+      return nullptr;
+    }
+    return &trainer_.params[param].shape;
+  }
+  auto it = sender_shapes_.find(m.src);
+  if (it == sender_shapes_.end() || param < 0 || static_cast<size_t>(param) >= it->second.size()) {
+    return nullptr;
+  }
+  return &it->second[param];
 }
 
 std::vector<PackRegion> Bindings::SourceRegions(const Message& m, const Bucket& b) const {
   std::vector<PackRegion> out;
   for (int i = b.op_begin; i < b.op_end; ++i) {
-    const TransferOp& op = m.ops[i];
-    const SourceBinding& sb = sources_.at(op.tensor);
+    OpSource s = SourceOf(m, i);
     PackRegion r;
-    r.base = sb.data;
-    r.dtype = sb.dtype;
-    r.shape = sb.region.extents();
-    r.region = op.src;
-    for (int d = 0; d < op.src.ndim; ++d) r.region.offset[d] -= sb.region.offset[d];
-    r.wire_offset = op.wire_offset - b.wire_offset;
+    r.base = s.data;
+    r.dtype = s.dtype;
+    r.shape = std::move(s.shape);
+    r.region = s.region;
+    r.wire_offset = m.ops[i].wire_offset - b.wire_offset;
     out.push_back(std::move(r));
   }
   return out;

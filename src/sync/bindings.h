@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shardsync/shard_map.h"
@@ -27,8 +28,26 @@ class Bindings {
 
   // The engine parameters this rank binds (empty for trainer ranks).
   const std::vector<EngineParam>& expected() const { return shards_.params; }
+  // The trainer map of this rank (empty for engine ranks).
+  const std::vector<TrainerParam>& expected_sources() const { return trainer_.params; }
   // The binding of HF tensor `tensor` (trainer) / of parameter `param` (engine).
   const SourceBinding& source(int tensor) const { return sources_.at(tensor); }
+  // Where a sender reads op `i` of message `m`: the bound memory, its dtype and row-major shape,
+  // the op's region inside it, and `id` naming that memory for direct transfers (WireRun::tensor:
+  // the HF tensor, or for Megatron senders the local parameter).
+  struct OpSource {
+    const void* data = nullptr;
+    DType dtype = DType::kF32;
+    Shape shape;
+    Region region;
+    int32_t id = 0;
+  };
+  OpSource SourceOf(const Message& m, int i) const;
+  // The bound memory of a direct transfer's source `id` (WireRun::tensor).
+  const void* SourceData(int32_t id) const;
+  // Shape of local parameter `param` of the sender of message `m` (Megatron messages: the
+  // regions of Message::local sit in it), for BucketTransfers on both ends; null when unknown.
+  const Shape* LocalShape(const Message& m, int param) const;
   const DestBinding& dest(int param) const { return dests_[param]; }
   const std::vector<DestBinding>& dests() const { return dests_; }
   // The memory every binding of this rank lives in (-1: none bound, or a mix).
@@ -44,10 +63,20 @@ class Bindings {
                        uint64_t got) const;
 
  private:
+  Status BindLocal(const SourceBinding& b);
+
   const SessionContext& ctx_;
   std::map<std::string, size_t> tensor_index_;
   // Trainer side: by HF tensor index.
   std::map<int, SourceBinding> sources_;
+  // Trainer side: this rank's trainer map; Megatron senders bind its parameters (locals_, by
+  // parameter index), FSDP-like ones may name them too (stored in sources_).
+  TrainerRankParams trainer_;
+  std::map<std::pair<int, std::string>, size_t> local_index_;  // (chunk, name) -> parameter
+  std::vector<SourceBinding> locals_;
+  std::vector<char> local_bound_;
+  // Engine side: local parameter shapes of the Megatron trainer ranks this rank receives from.
+  std::map<int, std::vector<Shape>> sender_shapes_;
   // Engine side.
   EngineRankShards shards_;
   std::map<std::string, size_t> param_index_;

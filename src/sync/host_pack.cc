@@ -17,16 +17,16 @@ SendBucket MakeSendBucket(const SessionContext& ctx, const Bindings& bindings, P
   const int ws = DTypeSize(ctx.in.options.wire_dtype);
   const int ts = DTypeSize(ctx.in.trainer_dtype);
   SendBucket sb;
-  sb.xfers = BucketTransfers(ctx.in, ctx.inventory, ctx.who.trainer_rank, m, b,
-                             [&](int param) -> const Shape& { return shapes.Get(m.dst, param); });
+  sb.xfers = BucketTransfers(
+      ctx.in, ctx.inventory, ctx.who.trainer_rank, m, b,
+      [&](int param) -> const Shape& { return shapes.Get(m.dst, param); },
+      [&](int param) { return bindings.LocalShape(m, param); });
   for (int i = b.op_begin; i < b.op_end; ++i) {
     const TransferOp& op = m.ops[i];
-    const SourceBinding& src = bindings.source(op.tensor);
-    Region rel = op.src;
-    for (int d = 0; d < rel.ndim; ++d) rel.offset[d] -= src.region.offset[d];
+    const Bindings::OpSource src = bindings.SourceOf(m, i);
     const auto* base = static_cast<const unsigned char*>(src.data);
     int64_t w = op.wire_offset - b.wire_offset;
-    ForEachRun(rel, src.region.extents(), [&](int64_t off, int64_t len) {
+    ForEachRun(src.region, src.shape, [&](int64_t off, int64_t len) {
       if (!sb.pieces.empty()) {
         SrcPiece& p = sb.pieces.back();
         if (p.src + p.elems * ts == base + off * ts && p.wire + p.elems * ws == w) {

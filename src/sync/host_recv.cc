@@ -11,9 +11,10 @@ Status HostReceiver::Prepare(const Bindings& bindings, const PreparedPairs& pair
     const Message& m = plan.recvs[mi];
     SS_ASSIGN_OR_RETURN(SyncRank src, DescribeSyncRank(ctx_.in, m.src));
     for (const Bucket& b : m.buckets) {
-      runs_[mi].push_back(
-          BucketTransfers(ctx_.in, ctx_.inventory, src.trainer_rank, m, b,
-                          [&](int param) -> const Shape& { return bindings.dest(param).shape; }));
+      runs_[mi].push_back(BucketTransfers(
+          ctx_.in, ctx_.inventory, src.trainer_rank, m, b,
+          [&](int param) -> const Shape& { return bindings.dest(param).shape; },
+          [&](int param) { return bindings.LocalShape(m, param); }));
     }
   }
   return OkStatus();

@@ -244,7 +244,7 @@ Result<XferId> HostSender::PostTransfer(HostSend& hs, InFlight& f, const WireRun
   if (hs.fused) {
     SS_RETURN_IF_ERROR(Drain(hs, kSendWindowBytes > r.len ? kSendWindowBytes - r.len : 0));
     if (r.direct) {
-      const auto* data = static_cast<const unsigned char*>(bindings_->source(r.tensor).data);
+      const auto* data = static_cast<const unsigned char*>(bindings_->SourceData(r.tensor));
       src = data + r.src_offset;
       const auto key = static_cast<uint64_t>(r.wire_offset);
       if (hs.summed) {

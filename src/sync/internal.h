@@ -31,8 +31,9 @@ Result<RankSyncStats> DecodeVerdict(std::string_view text, int rank);
 // One transfer of a bucket: wire bytes [wire_offset, wire_offset + len) of the bucket (offsets
 // from the bucket start), landing contiguously at byte param_offset of destination parameter
 // `param`. `direct`: the same bytes are one contiguous run of the sender's source shard of HF
-// tensor `tensor` at byte src_offset, already in the wire dtype, so the sender posts them from
-// its own memory instead of packing them into staging.
+// tensor `tensor` (Megatron senders: of its local parameter `tensor`, Message::local) at byte
+// src_offset, already in the wire dtype, so the sender posts them from its own memory instead
+// of packing them into staging.
 struct WireRun {
   int32_t param = 0;
   uint64_t param_offset = 0;
@@ -55,11 +56,14 @@ inline constexpr size_t kMinDirectBytes = size_t{64} << 10;
 // and get the same list, so in two-sided mode each send has one receive posted straight into
 // its parameter. Runs contiguous in the destination are coalesced; when the trainer dtype is the
 // wire dtype they are cut where the source shard (TrainerHeldRegion of the message's trainer
-// rank) stops being contiguous, so long runs of both go direct; then split at
-// kMaxTransferBytes. `dest_shape(param)`: shape of the destination rank's parameter.
+// rank; Megatron messages: the Message::local region of the sender's local parameter) stops
+// being contiguous, so long runs of both go direct; then split at kMaxTransferBytes.
+// `dest_shape(param)`: shape of the destination rank's parameter; `local_shape(param)`: shape
+// of the sender's local parameter (Megatron messages; null: no direct transfers).
 std::vector<WireRun> BucketTransfers(const PlanInputs& in, const std::vector<HfTensor>& inventory,
                                      int src_trainer_rank, const Message& m, const Bucket& b,
-                                     const std::function<const Shape&(int)>& dest_shape);
+                                     const std::function<const Shape&(int)>& dest_shape,
+                                     const std::function<const Shape*(int)>& local_shape);
 
 // Element cast between F32 / BF16 / F16 (plain copy for equal dtypes), as the packer does it.
 void CastInto(const void* in, DType a, void* out, DType b, int64_t n);

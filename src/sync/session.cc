@@ -48,12 +48,17 @@ class SessionImpl final : public SyncSession {
   bool is_trainer() const override { return ctx_.who.is_trainer; }
   const RankPlan& plan() const override { return ctx_.plan; }
   const std::vector<EngineParam>& ExpectedParams() const override { return bindings_.expected(); }
+  const std::vector<TrainerParam>& ExpectedSources() const override {
+    return bindings_.expected_sources();
+  }
   bool IsPoisoned() const override { return poisoned_; }
   uint64_t last_good_version() const override { return last_good_; }
 
   Status BindSource(const SourceBinding& b) override {
-    if (connected_)
-      return FailedPreconditionError("BindSource(" + b.hf_name + "): already connected");
+    if (connected_) {
+      return FailedPreconditionError("BindSource(" + (b.local.empty() ? b.hf_name : b.local) +
+                                     "): already connected");
+    }
     return bindings_.BindSource(b);
   }
 

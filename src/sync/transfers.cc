@@ -48,7 +48,8 @@ void Emit(std::vector<WireRun>& out, const Span& d, int64_t from, int64_t len, b
 
 std::vector<WireRun> BucketTransfers(const PlanInputs& in, const std::vector<HfTensor>& inventory,
                                      int src_trainer_rank, const Message& m, const Bucket& b,
-                                     const std::function<const Shape&(int)>& dest_shape) {
+                                     const std::function<const Shape&(int)>& dest_shape,
+                                     const std::function<const Shape*(int)>& local_shape) {
   const int ws = DTypeSize(in.options.wire_dtype);
   std::vector<Span> dst;
   for (int i = b.op_begin; i < b.op_end; ++i) {
@@ -61,7 +62,22 @@ std::vector<WireRun> BucketTransfers(const PlanInputs& in, const std::vector<HfT
   }
   // Source runs only matter when bytes can go out as they are (no cast on the way).
   std::vector<Span> src;
-  if (in.trainer_dtype == in.options.wire_dtype) {
+  if (in.trainer_dtype == in.options.wire_dtype && !m.local.empty()) {
+    // Megatron: the op's bytes sit at its local region of a local parameter (id: the parameter).
+    for (int i = b.op_begin; i < b.op_end; ++i) {
+      const LocalSource& ls = m.local.size() == m.ops.size() ? m.local[i] : LocalSource{-1, {}};
+      const Shape* shape = local_shape && ls.param >= 0 ? local_shape(ls.param) : nullptr;
+      if (shape == nullptr || !RegionInside(ls.region, *shape)) {
+        src.clear();  // refused at Connect; here: no direct transfers
+        break;
+      }
+      int64_t w = m.ops[i].wire_offset - b.wire_offset;
+      ForEachRun(ls.region, *shape, [&](int64_t off, int64_t len) {
+        Append(src, w, len * ws, ls.param, static_cast<uint64_t>(off) * ws);
+        w += len * ws;
+      });
+    }
+  } else if (in.trainer_dtype == in.options.wire_dtype) {
     for (int i = b.op_begin; i < b.op_end; ++i) {
       const TransferOp& op = m.ops[i];
       if (op.tensor < 0 || static_cast<size_t>(op.tensor) >= inventory.size()) {

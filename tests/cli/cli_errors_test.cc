@@ -474,10 +474,9 @@ std::vector<BadCase> JobCases(const std::string& cmd) {
       {cmd + "_trainer_megatron_bad_field",
        Job(cmd, {"--trainer", "megatron=tp=2,foo=1"}),
        {"--trainer megatron", "foo"}},
-      // Sessions bind Megatron trainers in a later phase: refused up front, nothing run.
-      {cmd + "_trainer_megatron_not_yet",
-       Job(cmd, {"--trainer", "megatron=tp=2"}),
-       {"--trainer megatron=tp=2", "shardsync plan"}},
+      {cmd + "_trainer_megatron_not_fitting_model",
+       Job(cmd, {"--trainer", "megatron=tp=3"}),
+       {"--trainer megatron=tp=3", "num_attention_heads"}},
       {cmd + "_rollout_tp_not_dividing_heads",
        Job(cmd, {"--rollout", "dp=1,tp=3,pp=1"}),
        {"num_attention_heads"}},

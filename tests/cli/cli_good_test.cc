@@ -641,6 +641,49 @@ TEST(CliGood, DemoVerifiesTinyJob) {
   EXPECT_EQ(r.err.find('\r'), std::string::npos);
 }
 
+// Megatron trainers (docs/megatron.md): each trainer rank fills its local parameters through its
+// trainer map and binds them; the demo verifies every element and the reference engine's tokens.
+TEST(CliGood, DemoVerifiesMegatronTrainers) {
+  const std::string moe = Fixtures::Get().Expand("{DIR}/moe/config.json");
+  struct Case {
+    std::string model, trainer, rollout, engine, trainer_dtype, launch;
+  };
+  const Case cases[] = {
+      {Tiny(), "megatron=tp=2,pp=2", "dp=1,tp=2,pp=2", "sglang", "fp32", "threads"},
+      {moe, "megatron=tp=2,ep=2,etp=1", "dp=1,tp=2,pp=1,ep=2", "vllm", "bf16", "threads"},
+      // One `shardsync run` process per sync rank (shm): the path torchrun / SLURM use.
+      {moe, "megatron=tp=1,pp=2,ep=2,dp=2", "dp=1,tp=2,pp=2", "sglang", "bf16", "processes"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.trainer + " -> " + c.engine + " " + c.rollout);
+    std::vector<std::string> args = {
+        "demo",     c.model,        "--trainer", c.trainer, "--rollout",       c.rollout,
+        "--engine", c.engine,       "--launch",  c.launch,  "--trainer-dtype", c.trainer_dtype,
+        "--json",   "--gen-tokens", "4"};
+    args.insert(args.begin() + 1, "--model");
+    if (c.launch == "threads") args.insert(args.end(), {"--transport", "loopback"});
+    const json j = ParseJson(Ok(args, WithTimeout(60)));
+    ASSERT_TRUE(j.is_object());
+    EXPECT_EQ(j["verified"], true) << j.dump();
+    EXPECT_EQ(j["element_mismatches"], 0);
+    EXPECT_GT(j["elements_checked"].get<int64_t>(), 0);
+    EXPECT_EQ(j["recv_bytes_per_engine_rank"], j["owned_bytes_per_engine_rank"]);
+    EXPECT_EQ(j["generation_match"], true) << j.dump();
+    EXPECT_EQ(j["tokens"], j["reference_tokens"]);
+  }
+}
+
+TEST(CliGood, BenchVerifiesMegatronTrainer) {
+  const json j =
+      ParseJson(Ok({"bench", "--model", Tiny(), "--trainer", "megatron=tp=1,pp=2", "--rollout",
+                    "dp=1,tp=2,pp=1", "--trainer-dtype", "bf16", "--transport", "loopback",
+                    "--launch", "threads", "--reps", "1", "--warmup", "0", "--json"},
+                   WithTimeout(30)));
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["verified"], true) << j.dump();
+  EXPECT_EQ(j["wire_bytes_equal_owned"], true);
+}
+
 // One `shardsync run` process per sync rank over UCX: the launcher path torchrun / SLURM use.
 TEST(CliGood, DemoThroughRunProcesses) {
   const std::vector<std::string> args = {

@@ -293,6 +293,12 @@ class Fixtures {
     WriteFile(dir / "kvnotdiv/config.json", TinyConfig("", "num_key_value_heads", "3"));
     WriteFile(dir / "hugevocab/config.json", TinyConfig("", "vocab_size", "9223372036854775807"));
     WriteFile(dir / "tiedstr/config.json", TinyConfig("", "tie_word_embeddings", "\"yes\""));
+    // A small valid Qwen3-MoE (4 experts, one dense layer) for Megatron expert layouts.
+    WriteFile(dir / "moe/config.json",
+              TinyConfig("", "architectures",
+                         R"(["Qwen3MoeForCausalLM"], "head_dim": 16, "num_experts": 4,)"
+                         R"( "moe_intermediate_size": 32, "num_experts_per_tok": 2,)"
+                         R"( "mlp_only_layers": [1])"));
     WriteFile(dir / "moetopk/config.json",
               TinyConfig("", "architectures",
                          R"(["Qwen3MoeForCausalLM"], "head_dim": 16,)"

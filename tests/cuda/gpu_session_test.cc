@@ -80,8 +80,10 @@ Status SetUpRank(const JobSpec& job, int r, int gpus, const std::string& hint,
   return k.session->Connect();
 }
 
-void RunJob(int gpus, const std::string& hint, const std::string& want_cross) {
-  JobSpec job = testing::Job(testing::TinyQwen2(4), "fsdp=2", "dp=1,tp=2,pp=2", "sglang", 16 << 10);
+void RunJob(int gpus, const std::string& hint, const std::string& want_cross,
+            const std::string& trainer = "fsdp=2", DType trainer_dtype = DType::kF32) {
+  JobSpec job = testing::Job(testing::TinyQwen2(4), trainer, "dp=1,tp=2,pp=2", "sglang", 16 << 10);
+  job.inputs.trainer_dtype = trainer_dtype;
   auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
   ASSERT_TRUE(server.ok());
   const int world = SyncWorldSize(job.inputs);
@@ -135,6 +137,19 @@ TEST(GpuSession, TwoGpusCrossPairsOverNcclSameGpuPairsOverCudaIpc) {
 TEST(GpuSession, TwoGpusAutoPicksCudaIpcOnOneNode) {
   SS_REQUIRE_GPUS(2);
   RunJob(2, "", "cuda_ipc");
+}
+
+// Megatron trainers: local parameters in device memory (padded vocab rows garbage), the CUDA
+// packer reading the plan's local regions, cast (f32) or not (bf16).
+TEST(GpuSession, MegatronOneGpuOverCudaIpc) {
+  SS_REQUIRE_GPU();
+  RunJob(1, "", "cuda_ipc", "megatron=tp=2,pp=2", DType::kF32);
+  RunJob(1, "", "cuda_ipc", "megatron=tp=2,pp=2,vpp=2", DType::kBF16);
+}
+
+TEST(GpuSession, MegatronTwoGpusOverNccl) {
+  SS_REQUIRE_GPUS(2);
+  RunJob(2, "nccl", "nccl", "megatron=tp=2,pp=2,vpp=2", DType::kBF16);
 }
 
 }  // namespace

@@ -38,10 +38,11 @@ std::string MidQwen2() {
   "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "bfloat16"})");
 }
 
-JobSpec MidJob(const std::string& trainer_dtype, const std::string& rollout = "dp=1,tp=2,pp=2") {
+JobSpec MidJob(const std::string& trainer_dtype, const std::string& rollout = "dp=1,tp=2,pp=2",
+               const std::string& trainer = "fsdp=2") {
   JobFlags f;
   f.model = MidQwen2();
-  f.trainer = "fsdp=2";
+  f.trainer = trainer;
   f.rollout = rollout;
   f.trainer_dtype = trainer_dtype;
   f.bucket_bytes = 3 << 20;  // several buckets per message, some mixing both kinds of transfer
@@ -69,12 +70,21 @@ void CheckSplits(const JobSpec& job, SplitCounts& c) {
     EXPECT_TRUE(plan.ok());
     auto shards = job_internal::FillTrainerShards(job, t);
     EXPECT_TRUE(shards.ok());
+    // FSDP-like senders: bindings by HF tensor; Megatron: by local parameter (the trainer map's
+    // order, which FillTrainerShards keeps), the op's bytes at Message::local.
     std::map<int, const SourceBinding*> by_tensor;
     for (const SourceBinding& b : shards->bindings) {
       for (size_t i = 0; i < inventory.size(); ++i) {
         if (inventory[i].name == b.hf_name) by_tensor[static_cast<int>(i)] = &b;
       }
     }
+    auto tp = BuildTrainerParams(in.model, in.trainer, t, in.trainer_dtype);
+    EXPECT_TRUE(tp.ok());
+    const bool megatron = tp->megatron;
+    auto local_shape = [&](int p) -> const Shape* { return &tp->params.at(p).shape; };
+    auto source = [&](int id) -> const SourceBinding& {
+      return megatron ? shards->bindings.at(id) : *by_tensor.at(id);
+    };
     for (const Message& m : plan->sends) {
       auto who = DescribeSyncRank(in, m.dst);
       EXPECT_TRUE(who.ok());
@@ -89,14 +99,21 @@ void CheckSplits(const JobSpec& job, SplitCounts& c) {
       EXPECT_NE(rm, nullptr);
       for (size_t bi = 0; bi < m.buckets.size(); ++bi) {
         const Bucket& b = m.buckets[bi];
-        const auto xfers = BucketTransfers(in, inventory, t, m, b, shape);
+        const auto xfers = BucketTransfers(in, inventory, t, m, b, shape, local_shape);
         // The receiver derives the same split from its own view of the plan.
-        const auto rx = BucketTransfers(in, inventory, t, *rm, rm->buckets.at(bi), shape);
+        const auto rx =
+            BucketTransfers(in, inventory, t, *rm, rm->buckets.at(bi), shape, local_shape);
         ASSERT_EQ(rx.size(), xfers.size()) << "trainer " << t << " -> " << m.dst;
         // Reference wire image of the bucket (the packer's strided pass).
         std::vector<PackRegion> regions;
         for (int i = b.op_begin; i < b.op_end; ++i) {
           const TransferOp& op = m.ops[i];
+          if (megatron) {
+            const SourceBinding& sb = source(m.local.at(i).param);
+            regions.push_back({sb.data, sb.dtype, sb.region.extents(), m.local[i].region,
+                               op.wire_offset - b.wire_offset});
+            continue;
+          }
           const SourceBinding& sb = *by_tensor.at(op.tensor);
           PackRegion r{sb.data, sb.dtype, sb.region.extents(), op.src,
                        op.wire_offset - b.wire_offset};
@@ -121,7 +138,7 @@ void CheckSplits(const JobSpec& job, SplitCounts& c) {
           if (x.direct) {
             ++direct;
             // The source bytes are exactly the wire bytes.
-            const auto* src = static_cast<const unsigned char*>(by_tensor.at(x.tensor)->data);
+            const auto* src = static_cast<const unsigned char*>(source(x.tensor).data);
             EXPECT_EQ(std::memcmp(src + x.src_offset, ref.data() + x.wire_offset, x.len), 0)
                 << "direct transfer " << i << " of bucket " << bi << " to " << m.dst;
           } else {
@@ -150,6 +167,19 @@ TEST(BucketTransfers, CastingTrainerPacksEverything) {
   CheckSplits(MidJob("fp32"), c);
   EXPECT_EQ(c.direct, 0);
   EXPECT_GT(c.packed, 0);
+}
+
+// Megatron senders: direct runs leave from the local parameters (linear_qkv slabs, the vocab
+// rows) at the plan's local regions, and the receiver, from its senders' trainer maps, cuts the
+// same transfers.
+TEST(BucketTransfers, MegatronLocalRegionsGoDirectAndBothEndsAgree) {
+  for (const char* trainer : {"megatron=tp=2,pp=2", "megatron=tp=2,dp=2,vocab_div=1"}) {
+    SCOPED_TRACE(trainer);
+    SplitCounts c;
+    CheckSplits(MidJob("bf16", "dp=1,tp=2,pp=2", trainer), c);
+    EXPECT_GT(c.direct, 0);
+    EXPECT_GT(c.packed, 0);
+  }
 }
 
 TEST(BucketTransfers, ReplicatedTrainerAndVllmLayout) {
@@ -349,10 +379,11 @@ using testing::ExpectAllOk;
 // "shm" (two-sided with summed copies: the checksum rides on the transport's copies).
 class ZeroCopy : public ::testing::TestWithParam<std::string> {
  protected:
-  RecordedJob Job(const char* trainer_dtype, bool external_packer = false) const {
+  RecordedJob Job(const char* trainer_dtype, bool external_packer = false,
+                  const std::string& trainer = "fsdp=2") const {
     const bool shm = GetParam() == "shm";
-    return RecordedJob(MidJob(trainer_dtype), GetParam() != "put", external_packer,
-                       shm ? "shm" : "loopback");
+    return RecordedJob(MidJob(trainer_dtype, "dp=1,tp=2,pp=2", trainer), GetParam() != "put",
+                       external_packer, shm ? "shm" : "loopback");
   }
 };
 
@@ -415,6 +446,31 @@ TEST_P(ZeroCopy, PackerPassedInSendsTheSameSplitFromStaging) {
   job.tx(0).corrupt_next_direct = true;  // nothing leaves from the sources: nothing corrupted
   ExpectAllOk(job.Sync(2));
   EXPECT_EQ(job.tx(0).corrupted, 0);
+}
+
+// Megatron trainers on the same paths: direct transfers from the local parameters, packed ones
+// from their strided regions, a corrupted direct transfer caught, and a packer passed in (the
+// device path's shape) packing whole buckets from the local regions.
+TEST_P(ZeroCopy, MegatronLocalParametersDirectPackedAndCorrupted) {
+  RecordedJob job = Job("bf16", false, "megatron=tp=2,pp=2");
+  ExpectAllOk(job.Sync(1));
+  EXPECT_EQ(job.Mismatches(), 0);
+  EXPECT_GT(job.direct_posts(), 0) << "no transfer left from the local parameters";
+  EXPECT_GT(job.staged_posts(), 0);
+  job.tx(1).corrupt_next_direct = true;
+  auto st = job.Sync(2);
+  EXPECT_EQ(job.tx(1).corrupted, 1);
+  testing::ExpectOneDataLossFrom(job, st, 1);
+  ExpectAllOk(job.Sync(3));
+  EXPECT_EQ(job.Mismatches(), 0);
+}
+
+TEST_P(ZeroCopy, MegatronWithAPackerPassedIn) {
+  RecordedJob job = Job("fp32", /*external_packer=*/true, "megatron=tp=1,pp=2,dp=2");
+  ExpectAllOk(job.Sync(1));
+  EXPECT_EQ(job.Mismatches(), 0);
+  EXPECT_EQ(job.direct_posts(), 0);
+  EXPECT_GT(job.staged_posts(), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, ZeroCopy, ::testing::Values("two_sided", "put", "shm"),

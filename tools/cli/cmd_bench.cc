@@ -167,13 +167,6 @@ int Run(const BenchFlags& f) {
   }
   auto job = JobSpecFromFlags(f.job, /*all_local=*/true);
   if (!job.ok()) return ReportError(job.status());
-  if (job->inputs.trainer.kind == TrainerSpec::Kind::kMegatron) {
-    // Sessions bind Megatron trainers' local parameters in a later phase (docs/megatron.md).
-    return ReportError(InvalidArgumentError(
-        "--trainer " + job->inputs.trainer.ToString() +
-        ": bench cannot bind Megatron trainers yet; `shardsync plan` and `shardsync shards "
-        "--trainer` support them"));
-  }
   if (f.job_timeout_s < 1) {
     return ReportError(InvalidArgumentError("--job-timeout-s: must be positive"));
   }

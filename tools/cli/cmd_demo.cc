@@ -137,6 +137,14 @@ Status CheckDemoFitsHost(const PlanInputs& in, const PlanSummary& summary, bool 
       trainer = SatAdd(trainer, TrainerHeldRegion(in.trainer, r, t.shape).numel());
     }
   }
+  if (in.trainer.kind == TrainerSpec::Kind::kMegatron) {
+    // Megatron ranks hold local parameters (padded vocab rows included), not HF slabs.
+    for (int r = 0; r < in.trainer.world() && trainer < INT64_MAX; ++r) {
+      SS_ASSIGN_OR_RETURN(TrainerRankParams tp,
+                          BuildTrainerParams(in.model, in.trainer, r, in.trainer_dtype));
+      for (const TrainerParam& p : tp.params) trainer = SatAdd(trainer, p.numel());
+    }
+  }
   trainer = SatMul(trainer, DTypeSize(in.trainer_dtype));
   for (const EngineRankSummary& e : summary.engine_ranks) engine = SatAdd(engine, e.owned_bytes);
   int64_t total = SatAdd(trainer, engine);
@@ -156,13 +164,6 @@ int Run(const DemoFlags& f) {
   }
   auto job = JobSpecFromFlags(f.job, /*all_local=*/true);
   if (!job.ok()) return ReportError(job.status());
-  if (job->inputs.trainer.kind == TrainerSpec::Kind::kMegatron) {
-    // Sessions bind Megatron trainers' local parameters in a later phase (docs/megatron.md).
-    return ReportError(InvalidArgumentError(
-        "--trainer " + job->inputs.trainer.ToString() +
-        ": demo cannot bind Megatron trainers yet; `shardsync plan` and `shardsync shards "
-        "--trainer` support them"));
-  }
   if (f.job_timeout_s < 1) {
     return ReportError(InvalidArgumentError("--job-timeout-s: must be positive"));
   }

@@ -19,7 +19,9 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
   sub->add_option("--model", f->model, "Embedded model name or config.json path")
       ->capture_default_str();
   sub->add_option("--trainer", f->trainer,
-                  "Trainer layout: fsdp=S | hsdp=RxS | replicate=N | single")
+                  "Trainer layout: fsdp=S | hsdp=RxS | replicate=N | single | "
+                  "megatron=tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,cp=C][,dp=D][,...] "
+                  "(docs/megatron.md)")
       ->capture_default_str();
   sub->add_option("--rollout", f->rollout, "Rollout layout: dp=D,tp=T,pp=P[,ep=E]")
       ->capture_default_str();
@@ -106,13 +108,6 @@ int Run(const RunFlags& f) {
   if (Status q = RefuseQuantizedJob(f.job.model, nullptr, "run"); !q.ok()) return ReportError(q);
   auto job = JobSpecFromFlags(f.job);
   if (!job.ok()) return ReportError(job.status());
-  if (job->inputs.trainer.kind == TrainerSpec::Kind::kMegatron) {
-    // Sessions bind Megatron trainers' local parameters in a later phase (docs/megatron.md).
-    return ReportError(InvalidArgumentError(
-        "--trainer " + job->inputs.trainer.ToString() +
-        ": run cannot bind Megatron trainers yet; `shardsync plan` and `shardsync shards "
-        "--trainer` support them"));
-  }
   // Flags override the launch contract's environment variables.
   auto lookup = [&](const std::string& name) -> std::optional<std::string> {
     if (name == "RANK" && f.rank) return std::to_string(*f.rank);

@@ -24,6 +24,7 @@ void KeepAlive(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof(intvl));
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof(cnt));
 }
+
 }  // namespace
 
 void ServerImpl::HandleOne(Conn& c, Frame f) {

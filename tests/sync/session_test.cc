@@ -358,10 +358,14 @@ TEST(SyncSession, SendersNeverWriteIntoAnEngineOutsideItsSync) {
 namespace shardsync {
 namespace {
 
+using testing::JobNonce;
+std::string Root(StoreClient& store) { return testing::JobRoot(store); }
+
 // Whether every rank's verdict of `version` went through the store.
 bool VerdictsInStore(Job& job, uint64_t version) {
   for (int r = 0; r < job.world(); ++r) {
-    const std::string key = "ss/v" + std::to_string(version) + "/done/" + std::to_string(r);
+    const std::string key =
+        Root(job.store(0)) + "v" + std::to_string(version) + "/done/" + std::to_string(r);
     if (!job.store(0).Get(key, Millis(0)).ok()) return false;
   }
   return true;
@@ -372,17 +376,19 @@ TEST(SyncSession, OneHostsVerdictsGoThroughSharedMemoryAndTheSegmentIsGoneAfterC
   job.BindAll();
   ExpectAllOk(job.Connect());
   // Rank 0 published the board; every rank mapped it, so its name is already removed.
-  auto nonce = job.store(0).Get("ss/vboard", Millis(0));
+  const std::string root = Root(job.store(0));
+  auto nonce = job.store(0).Get(root + "vboard", Millis(0));
   ASSERT_TRUE(nonce.ok());
   ASSERT_NE(*nonce, "none");
   for (int r = 0; r < job.world(); ++r) {
-    auto m = job.store(0).Get("ss/vboard/" + *nonce + "/" + std::to_string(r), Millis(0));
+    auto m = job.store(0).Get(root + "vboard/" + *nonce + "/" + std::to_string(r), Millis(0));
     ASSERT_TRUE(m.ok());
     EXPECT_EQ(*m, "1") << "rank " << r;
   }
   const uint64_t n = std::stoull(*nonce);
-  EXPECT_FALSE(
-      sync_internal::VerdictBoard::Open(sync_internal::VerdictBoardName(n), job.world(), n).ok());
+  EXPECT_FALSE(sync_internal::VerdictBoard::Open(sync_internal::VerdictBoardName(n), job.world(), n,
+                                                 JobNonce(job.store(0)))
+                   .ok());
   // Past the board's ring, with versions skipped by multiples of its size.
   for (uint64_t v : {1, 2, 3, 4, 5, 9, 13, 17, 21}) {
     ExpectAllOk(job.Sync(v));
@@ -405,12 +411,13 @@ TEST(SyncSession, ARankWithoutTheBoardPutsEveryRanksVerdictsOnTheStore) {
     });
     job.BindAll();
     ExpectAllOk(job.Connect());
-    auto nonce = job.store(0).Get("ss/vboard", Millis(0));
+    const std::string root = Root(job.store(0));
+    auto nonce = job.store(0).Get(root + "vboard", Millis(0));
     ASSERT_TRUE(nonce.ok());
     if (off == 0) {
       EXPECT_EQ(*nonce, "none");  // rank 0 made no board: nobody asks
     } else {
-      auto m = job.store(0).Get("ss/vboard/" + *nonce + "/" + std::to_string(off), Millis(0));
+      auto m = job.store(0).Get(root + "vboard/" + *nonce + "/" + std::to_string(off), Millis(0));
       ASSERT_TRUE(m.ok());
       EXPECT_EQ(*m, "0");
     }

@@ -90,11 +90,10 @@ Status JobIdentity::CheckLaunch() {
   auto r = ctx_.store.Get(LaunchKey(ctx_.opt.prefix, ctx_.launch.id), Millis(0));
   if (r.ok() || r.status().code() != StatusCode::kUnavailable) return OkStatus();
   return UnavailableError(Me() + ": launch '" + ctx_.launch.id +
-                          "' lost a rank before this one joined its job: " + r.status().message());
+                          "' ended before this rank joined its job (" + r.status().message() + ")");
 }
 
 Status JobIdentity::Join(Clock::time_point deadline) {
-  if (joined_) return OkStatus();  // a retried Connect keeps the job it joined
   SS_RETURN_IF_ERROR(CheckLaunch());
   return ctx_.rank == 0 ? Claim() : WaitForClaim(deadline);
 }
@@ -117,11 +116,22 @@ Status JobIdentity::Claim() {
           .status()
           .IgnoreError();
     }
-    return FailedPreconditionError(
+    Status refused = FailedPreconditionError(
         Me() + ": key prefix '" + ctx_.opt.prefix + "' is held by another job, " +
         DescribeClaim(other) +
-        ", which is still running; jobs sharing a store need distinct "
-        "prefixes (prefix=, --prefix), or the earlier job's sessions must be closed first");
+        ", which is still running; jobs sharing a store need distinct prefixes (prefix=, "
+        "--prefix), or the earlier job's sessions must be closed first");
+    // This launch's other ranks, waiting for a claim of theirs that will not come, fail now.
+    if (!mine.launch.empty()) {
+      ctx_.store.MarkDead(LaunchKey(ctx_.opt.prefix, mine.launch), refused.message()).IgnoreError();
+    }
+    return refused;
+  }
+  if (!mine.launch.empty()) {
+    // A launch that failed to claim before (its key is dead) may try again (torchrun restarts
+    // its workers under the same run id): this claim revives it.
+    SS_RETURN_IF_ERROR(
+        ctx_.store.Set(LaunchKey(ctx_.opt.prefix, mine.launch), "claimed by job " + Hex(nonce_)));
   }
   SS_ASSIGN_OR_RETURN(Entry e, Enter(mine));
   if (e != Entry::kJoined) {
@@ -219,6 +229,15 @@ Status JobIdentity::Seal(SyncGuard& guard, Clock::time_point deadline) {
                                  ctx_.opt.prefix + "' " + state +
                                  "; no byte moved: give each job its own prefix or a launch id "
                                  "(job_id, SHARDSYNC_JOB_ID)");
+}
+
+void JobIdentity::Abandon(const Status& why) {
+  if (!joined_) return;
+  joined_ = false;
+  ctx_.store
+      .MarkDead(ctx_.Key("alive/" + std::to_string(ctx_.rank)),
+                Me() + " failed to connect: " + why.ToString())
+      .IgnoreError();
 }
 
 void JobIdentity::Leave() {

@@ -58,6 +58,9 @@ class JobIdentity {
   Status Join(Clock::time_point deadline);
   // Connect's last step (see above): FailedPrecondition when the job was contested.
   Status Seal(SyncGuard& guard, Clock::time_point deadline);
+  // Connect failed with `why`: the liveness key dies (peers waiting on this rank fail now,
+  // naming it); a retried Connect joins again.
+  void Abandon(const Status& why);
   // The session ends: its liveness key dies (peers still waiting on it fail at once) and rank 0
   // gives up its claim. Best effort; a no-op before Join.
   void Leave();

@@ -73,6 +73,13 @@ class SessionImpl final : public SyncSession {
       return FailedPreconditionError("sync rank " + std::to_string(ctx_.rank) +
                                      ": already connected");
     }
+    Status s = ConnectSteps();
+    // Peers waiting on this rank learn now, not at their timeout (a retry joins again).
+    if (!s.ok()) identity_.Abandon(s);
+    return s;
+  }
+
+  Status ConnectSteps() {
     SS_RETURN_IF_ERROR(ctx_.packer->Quiesce());  // registered memory is final before peers see it
     const auto deadline = Clock::now() + ctx_.opt.connect_timeout;
     // 0. The job: rank 0 claims the prefix, the others join its claim; every key below is the

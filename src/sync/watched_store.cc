@@ -31,13 +31,19 @@ R WatchedStore::Sliced(Millis timeout, const std::function<R(Millis)>& wait) {
         std::max(Millis(0), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
     R r = wait(std::min(left, kWatchSlice));
     if (StatusOf(r).code() != StatusCode::kDeadlineExceeded) return r;
+    // Callers that poll with short waits of their own (a transport's connect loop) are checked
+    // as often as long waits are.
+    if (Clock::now() >= next_check_) {
+      next_check_ = Clock::now() + kWatchSlice;
+      Status dead = CheckWatched();
+      if (!dead.ok()) return dead;
+    }
     if (left <= kWatchSlice) {
+      if (timeout <= kWatchSlice) return r;
       // The store's message names the last slice; the caller waited all of `timeout`.
       return DeadlineExceededError(StatusOf(r).message() + " (" + std::to_string(timeout.count()) +
                                    " ms in all)");
     }
-    Status dead = CheckWatched();
-    if (!dead.ok()) return dead;
   }
 }
 

@@ -76,6 +76,7 @@ class WatchedStore final : public StoreClient {
   StoreClient& inner_;
   std::vector<std::string> watch_;
   std::function<Status(const Status&)> on_dead_;
+  std::chrono::steady_clock::time_point next_check_{};
 };
 
 }  // namespace shardsync::sync_internal

@@ -95,11 +95,15 @@ using Clock = std::chrono::steady_clock;
 
 // Issue 24: a rank killed before it connects used to cost every other rank its whole connect
 // timeout. The launcher marks it dead in the store; the others fail at once, naming it.
-TEST_P(SyncProcesses, RankKilledBeforeConnectFailsTheOthersAtOnce) {
+TEST(LocalLauncher, RankKilledBeforeConnectFailsTheOthersAtOnce) {
   for (int dead : {2, 0}) {
     SCOPED_TRACE("killed rank " + std::to_string(dead));
     LocalJobOptions o;
-    o.job = Job(2, 30000);  // connect timeout 30 s: a wait for it would show
+    o.job =
+        testing::Job(testing::TinyQwen2(2, true), "fsdp=2", "dp=1,tp=2,pp=2", "sglang", 16 << 10);
+    o.job.transport = "shm";
+    o.job.syncs = 2;
+    o.job.timeout = Millis(30000);  // connect timeout 30 s: a wait for it would show
     o.mode = LocalJobOptions::Mode::kProcesses;
     o.exe = SHARDSYNC_CLI_PATH;
     o.job_timeout = Millis(60000);

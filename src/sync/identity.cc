@@ -116,22 +116,11 @@ Status JobIdentity::Claim() {
           .status()
           .IgnoreError();
     }
-    Status refused = FailedPreconditionError(
+    return FailedPreconditionError(
         Me() + ": key prefix '" + ctx_.opt.prefix + "' is held by another job, " +
         DescribeClaim(other) +
         ", which is still running; jobs sharing a store need distinct prefixes (prefix=, "
         "--prefix), or the earlier job's sessions must be closed first");
-    // This launch's other ranks, waiting for a claim of theirs that will not come, fail now.
-    if (!mine.launch.empty()) {
-      ctx_.store.MarkDead(LaunchKey(ctx_.opt.prefix, mine.launch), refused.message()).IgnoreError();
-    }
-    return refused;
-  }
-  if (!mine.launch.empty()) {
-    // A launch that failed to claim before (its key is dead) may try again (torchrun restarts
-    // its workers under the same run id): this claim revives it.
-    SS_RETURN_IF_ERROR(
-        ctx_.store.Set(LaunchKey(ctx_.opt.prefix, mine.launch), "claimed by job " + Hex(nonce_)));
   }
   SS_ASSIGN_OR_RETURN(Entry e, Enter(mine));
   if (e != Entry::kJoined) {

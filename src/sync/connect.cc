@@ -15,17 +15,25 @@ Status AgreeOnPlan(const SessionContext& ctx, SyncGuard& guard, Clock::time_poin
     keys.push_back(ctx.Key("hash/" + std::to_string(r)));
     others.push_back(r);
   }
-  SS_ASSIGN_OR_RETURN(std::vector<std::string> hashes,
-                      guard.GetFromRanks(keys, others, deadline, [&](size_t i) {
-                        return "plan hash of sync rank " + std::to_string(others[i]);
-                      }));
-  for (size_t i = 0; i < others.size(); ++i) {
-    if (hashes[i] != mine) {
-      return FailedPreconditionError(
-          "plan hash mismatch: sync rank " + std::to_string(others[i]) + " has " + hashes[i] +
-          ", sync rank " + std::to_string(ctx.rank) + " (this rank) has " + mine +
-          ": ranks were started with different model, layouts or plan options");
+  auto mismatch = [&](size_t i, const std::string& theirs) {
+    return FailedPreconditionError(
+        "plan hash mismatch: sync rank " + std::to_string(others[i]) + " has " + theirs +
+        ", sync rank " + std::to_string(ctx.rank) + " (this rank) has " + mine +
+        ": ranks were started with different model, layouts or plan options");
+  };
+  auto hashes = guard.GetFromRanks(keys, others, deadline, [&](size_t i) {
+    return "plan hash of sync rank " + std::to_string(others[i]);
+  });
+  if (!hashes.ok()) {
+    // A peer that saw a mismatch first has left already: report the mismatch, not its leaving.
+    for (size_t i = 0; i < keys.size() && hashes.status().code() == StatusCode::kUnavailable; ++i) {
+      auto h = ctx.store.Get(keys[i], Millis(0));
+      if (h.ok() && *h != mine) return mismatch(i, *h);
     }
+    return hashes.status();
+  }
+  for (size_t i = 0; i < others.size(); ++i) {
+    if ((*hashes)[i] != mine) return mismatch(i, (*hashes)[i]);
   }
   return OkStatus();
 }

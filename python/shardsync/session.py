@@ -284,7 +284,8 @@ class Session:
             raise FailedPreconditionError(f"rank {self.rank}: sync before connect")
         bound = native("session").MAX_SYNC_VERSION
         if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= bound:
-            raise InvalidArgumentError(f"version: {version!r} outside 1..{bound} (MAX_SYNC_VERSION)")
+            raise InvalidArgumentError(
+                f"version: {version!r} outside 1..{bound} (MAX_SYNC_VERSION)")
         for dev, host in self._staged_sources:
             host.copy_(dev.detach())
         report = self._native.sync(int(version))

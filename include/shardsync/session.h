@@ -3,21 +3,30 @@
 // sync replays the rank's plan, checksums every bucket on both sides, and returns one report that
 // every rank of the job agrees on (DESIGN.md "Sync protocol").
 //
-// Life cycle: Create -> Bind* -> Connect (plan hash check across all ranks, binding check, memory
-// registration, transport connect) -> Sync(version) repeatedly. Threading: a session, its store
-// client and its transport are driven by one thread at a time.
+// Life cycle: Create -> Bind* -> Connect (joins the job: rank 0 claims the key prefix, every other
+// rank joins that claim; plan hash check across all ranks, binding check, memory registration,
+// transport connect) -> Sync(version) repeatedly. Threading: a session, its store client and its
+// transport are driven by one thread at a time.
+//
+// One job is one job: every key, the verdict board and every control message carry the job's
+// nonce, so two jobs on one store and prefix never merge; the second fails at Connect, naming the
+// prefix and the job holding it (docs/security.md "Job identity").
 //
 // Failure: any error on any rank (peer death, timeout, checksum mismatch, stale or differing
 // version) makes every rank return an error within `sync_timeout`: the failing rank posts an abort
-// key the others poll. A receiver is poisoned from the start of a sync until that sync succeeds,
-// so a failed sync leaves it poisoned until a later full sync succeeds.
+// key the others poll. A rank whose session or process ended (its store connection closed, or a
+// launcher called MarkSyncRankDead) fails every rank waiting on it within about a second, naming
+// it. A receiver is poisoned from the start of a sync until that sync succeeds, so a failed sync
+// leaves it poisoned until a later full sync succeeds.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "shardsync/dtype.h"
@@ -74,6 +83,11 @@ std::unique_ptr<Packer> MakeCpuPacker();
 
 struct SessionOptions {
   std::string prefix = "ss/";  // store key namespace of this job (every rank uses the same)
+  // The launch this rank belongs to (store.h LaunchId): a rank refuses to join a job of another
+  // launch on its prefix. nullopt: from the environment (LaunchIdFromEnvironment); "": none. Ranks
+  // of one job started by different launchers (trainer under torchrun, engines under SGLang)
+  // must pass one id, or none.
+  std::optional<std::string> job_id;
   Millis connect_timeout{60000};
   Millis sync_timeout{60000};  // bounds every wait of one Sync on this rank
   // Pluggable packer (device memory); nullptr: the CPU packer.
@@ -153,6 +167,8 @@ class SyncSession {
 
   virtual int rank() const = 0;
   virtual bool is_trainer() const = 0;
+  // The launch id this session uses ("" for none): SessionOptions::job_id or the environment's.
+  virtual const std::string& job_id() const = 0;
   virtual const RankPlan& plan() const = 0;
 
   // Trainer ranks: one binding per HF tensor the rank holds (region must equal
@@ -177,12 +193,21 @@ class SyncSession {
 
   // Replays the plan for `version`, which must exceed every version this rank attempted before
   // (a failed version is not retried: use a newer one) and equal every peer's. Returns the
-  // job-wide report, or the first error seen anywhere. A refused stale version touches nothing.
+  // job-wide report, or the first error seen anywhere. A refused version (stale, 0 or above
+  // kMaxSyncVersion: InvalidArgument) touches nothing.
   virtual Result<SyncReport> Sync(uint64_t version) = 0;
 
   // True while a receiver's parameters may hold a partial or unverified sync.
   virtual bool IsPoisoned() const = 0;
   virtual uint64_t last_good_version() const = 0;
 };
+
+// For a launcher that saw sync rank `rank` of launch `job_id` (its SHARDSYNC_JOB_ID) exit: every
+// rank of that launch waiting on it at Connect or in a Sync fails within about a second, naming it
+// with `reason` ("(pid 1234) exited (killed by signal 9)"), instead of at its timeout. Returns
+// whether the launch's job was already claimed on `prefix` (its ranks inside it were told); until
+// then only ranks waiting for the claim are, so call it again while the job runs.
+Result<bool> MarkSyncRankDead(StoreClient& store, const std::string& prefix,
+                              const std::string& job_id, int rank, std::string_view reason);
 
 }  // namespace shardsync

@@ -74,6 +74,9 @@ class StoreClient {
   // Deletes every key starting with `prefix` (non-empty), dead keys included; returns how many
   // live keys went. For a job's per-version keys once every rank passed that version.
   virtual Result<int64_t> DeletePrefix(const std::string& prefix) = 0;
+  // DeletePrefix of every prefix in one round trip (a session drops many finished versions at
+  // once); the first error if one failed.
+  virtual Status DeletePrefixes(const std::vector<std::string>& prefixes) = 0;
 
   // Ephemeral keys (etcd leases, ZooKeeper ephemeral nodes): the key is bound to this client's
   // connection. When that connection closes (the process exited or was killed, its host stopped
@@ -100,12 +103,27 @@ class StoreClient {
 Result<std::pair<std::string, int>> ParseHostPort(std::string_view address,
                                                   std::string_view what = "address");
 
+// The launch a rank belongs to: ranks started by one launch share it, so a rank never joins a
+// job of another launch that uses the same store and key prefix (job identity, SessionOptions
+// ::job_id, docs/security.md). From the environment, the first that is set: SHARDSYNC_JOB_ID
+// (`shardsync run` / `demo` / `bench` give their ranks a fresh one), TORCHELASTIC_RUN_ID
+// (torchrun's --rdzv-id; its default "none" counts as unset), SLURM_JOB_ID with SLURM_STEP_ID.
+struct LaunchId {
+  std::string id;      // "" when none is set
+  std::string source;  // the variable(s) it came from, for messages ("" when none)
+};
+// Longest job id accepted; ids are printable ASCII without spaces (they travel in store values).
+inline constexpr size_t kMaxJobIdChars = 128;
+// InvalidArgument naming `what` when `id` is too long or holds a space or a control character.
+Status CheckJobId(std::string_view id, std::string_view what);
+
 // What a launched process reads from its environment (torchrun / SLURM / Ray compatible).
 struct LaunchEnv {
   std::string store_address;  // SHARDSYNC_STORE, "host:port"
   int rank = 0;               // RANK, else SLURM_PROCID
   int world_size = 1;         // WORLD_SIZE, else SLURM_NTASKS
   std::string token;          // SHARDSYNC_TOKEN
+  LaunchId job_id;            // LaunchIdFromLookup
 };
 
 // Reads the launch contract; errors name the missing or malformed variable.
@@ -113,5 +131,10 @@ Result<LaunchEnv> LaunchEnvFromEnvironment();
 // Same, with an injectable lookup (tests).
 Result<LaunchEnv> LaunchEnvFromLookup(
     const std::function<std::optional<std::string>(const std::string&)>& lookup);
+// The launch id alone (it needs none of the other variables); InvalidArgument naming the variable
+// when its value fails CheckJobId.
+Result<LaunchId> LaunchIdFromLookup(
+    const std::function<std::optional<std::string>(const std::string&)>& lookup);
+Result<LaunchId> LaunchIdFromEnvironment();
 
 }  // namespace shardsync

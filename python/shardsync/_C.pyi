@@ -260,6 +260,7 @@ class StoreClient:
     def mark_dead(self, key: str, reason: str) -> None: ...
 
 def launch_env() -> LaunchEnv: ...
+def launch_job_id() -> str: ...
 def generate_store_token() -> str: ...
 MIN_STORE_TOKEN_CHARS: int
 
@@ -274,9 +275,11 @@ class SyncSession:
     def __init__(self, plan: PlanInputs, rank: int, store: str, token: str = "",
                  transport: str = "ucx", hub: Optional[LoopbackHub] = None, prefix: str = "ss/",
                  connect_timeout: float = 60.0, sync_timeout: float = 60.0,
-                 transport_params: Dict[str, str] = ..., device: int = -1) -> None: ...
+                 transport_params: Dict[str, str] = ..., device: int = -1,
+                 job_id: Optional[str] = None) -> None: ...
     rank: int
     device: int
+    job_id: str
     is_trainer: bool
     plan: RankPlan
     is_poisoned: bool

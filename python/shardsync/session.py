@@ -80,7 +80,14 @@ class Session:
             device sessions), "loopback" (ranks as threads of one process, sharing `hub`), or a
             registered name tried first for every pair (`shardsync._C.transports()`).
         hub: the LoopbackHub of loopback ranks (default: one per process).
-        prefix: store key namespace; distinct jobs on one store need distinct prefixes.
+        prefix: store key namespace; distinct jobs on one store need distinct prefixes (a second
+            job on a prefix another job holds fails at connect with FailedPreconditionError
+            naming the prefix and that job).
+        job_id: the launch this rank belongs to: a rank never joins a job of another launch on
+            its prefix. None (the default): from the environment (SHARDSYNC_JOB_ID, else
+            torchrun's TORCHELASTIC_RUN_ID, else SLURM_JOB_ID.SLURM_STEP_ID); "" for none. Ranks
+            of one job started by different launchers (trainer under torchrun, engines under
+            SGLang) pass one id, or "" on every rank.
         connect_timeout, sync_timeout: seconds before `connect()` / `sync()` give up with
             DeadlineExceededError (every wait is bounded).
         staging: CUDA tensors in a host session: "auto" / "host" stage them through host copies
@@ -105,6 +112,7 @@ class Session:
         staging: str = "auto",
         transport_params: Optional[Mapping[str, str]] = None,
         device: Union[str, int, None] = "auto",
+        job_id: Optional[str] = None,
     ) -> None:
         if staging not in ("auto", "host", "never"):
             raise InvalidArgumentError(f"staging: must be auto, host or never, got {staging!r}")
@@ -114,12 +122,14 @@ class Session:
             hub = default_loopback_hub()
         if device != "auto" and device is not None and not isinstance(device, int):
             raise InvalidArgumentError(f"device: expected 'auto', None or a CUDA index, got {device!r}")
+        if job_id is not None and not isinstance(job_id, str):
+            raise InvalidArgumentError(f"job_id: expected a str or None, got {job_id!r}")
         self.plan = plan
         self.staging = staging
         self._args: Dict[str, Any] = dict(
             rank=rank, store=store, token=token, transport=transport, hub=hub, prefix=prefix,
             connect_timeout=connect_timeout, sync_timeout=sync_timeout,
-            transport_params=dict(transport_params or {}),
+            transport_params=dict(transport_params or {}), job_id=job_id,
         )
         self._auto_device = device == "auto"
         self._bound = False
@@ -135,7 +145,7 @@ class Session:
             self.plan.inputs, a["rank"], a["store"], token=a["token"], transport=a["transport"],
             hub=a["hub"], prefix=a["prefix"], connect_timeout=a["connect_timeout"],
             sync_timeout=a["sync_timeout"], transport_params=dict(a["transport_params"]),
-            device=-1 if device is None else int(device),
+            device=-1 if device is None else int(device), job_id=a["job_id"],
         )
         self.device = device
         return native_session
@@ -169,6 +179,11 @@ class Session:
     def rank(self) -> int:
         """This session's sync rank."""
         return self._native.rank
+
+    @property
+    def job_id(self) -> str:
+        """The launch id this session uses ("" for none): `job_id` or the environment's."""
+        return self._native.job_id
 
     @property
     def is_trainer(self) -> bool:
@@ -263,18 +278,26 @@ class Session:
 
     # ---- run ----
     def connect(self) -> None:
-        """Collective: checks plan hashes and bindings on every rank, connects the transport."""
+        """Collective: joins the job (rank 0 claims `prefix`, the others join its claim), checks
+        plan hashes and bindings on every rank, connects the transport. A rank that is gone (its
+        process exited, or its session closed) fails every rank waiting on it within about a
+        second, naming it."""
         self._native.connect()
         self._connected = True
 
     def sync(self, version: int) -> "SyncReport":
-        """Replays the plan for `version` (greater than the last good one, equal on every rank).
+        """Replays the plan for `version` (greater than the last good one, equal on every rank,
+        1 .. shardsync._C.MAX_SYNC_VERSION = 2**63 - 1, else InvalidArgumentError).
         Returns the job-wide report: version, bytes, seconds, gbps, slowest_rank, checksums_ok,
         checksums_total, verified, local, ranks. Raises the shardsync.Error subclass of the
         failure (DataLossError on a checksum mismatch, DeadlineExceededError, UnavailableError,
         AbortedError, ...) on every rank."""
         if not self._connected:
             raise FailedPreconditionError(f"rank {self.rank}: sync before connect")
+        bound = native("session").MAX_SYNC_VERSION
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= bound:
+            raise InvalidArgumentError(
+                f"version: {version!r} outside 1..{bound} (MAX_SYNC_VERSION)")
         for dev, host in self._staged_sources:
             host.copy_(dev.detach())
         report = self._native.sync(int(version))

@@ -115,12 +115,14 @@ class SyncReport(TypedDict):
 
 class LaunchEnv(TypedDict):
     """The launch contract read from the environment (SHARDSYNC_STORE, RANK / SLURM_PROCID,
-    WORLD_SIZE / SLURM_NTASKS, SHARDSYNC_TOKEN)."""
+    WORLD_SIZE / SLURM_NTASKS, SHARDSYNC_TOKEN) and the launch id (SHARDSYNC_JOB_ID,
+    TORCHELASTIC_RUN_ID or SLURM_JOB_ID.SLURM_STEP_ID; "" when none is set)."""
 
     store: str
     rank: int
     world_size: int
     token: str
+    job_id: str
 
 
 class TensorInfo(TypedDict):

@@ -137,10 +137,15 @@ void RegisterStore(py::module_& m) {
         d["rank"] = e.rank;
         d["world_size"] = e.world_size;
         d["token"] = e.token;
+        d["job_id"] = e.job_id.id;
         return d;
       },
       "The launch contract from the environment: SHARDSYNC_STORE, RANK (or SLURM_PROCID), "
-      "WORLD_SIZE (or SLURM_NTASKS), SHARDSYNC_TOKEN.");
+      "WORLD_SIZE (or SLURM_NTASKS), SHARDSYNC_TOKEN, and the launch id (launch_job_id).");
+  m.def(
+      "launch_job_id", [] { return Unwrap(LaunchIdFromEnvironment()).id; },
+      "This process's launch id: SHARDSYNC_JOB_ID, else TORCHELASTIC_RUN_ID (not torchrun's "
+      "default 'none'), else SLURM_JOB_ID.SLURM_STEP_ID; '' when none is set.");
 }
 
 }  // namespace shardsync::py_bind

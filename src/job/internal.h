@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -61,5 +62,15 @@ Result<EngineParams> AllocateEngineParams(const std::vector<EngineParam>& expect
 // Element-by-element comparison with the synthetic HF values; adds to out's counters.
 void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& params,
                         const std::vector<DestBinding>& bound, RankResult& out);
+
+// The environment of the local launcher's `shardsync run` children: the parent's less its launch
+// contract, plus the job's (store, world, token, the launch's SHARDSYNC_JOB_ID) and, every rank
+// being on this host, SHARDSYNC_UCX_NET_DEVICES=loopback unless the user named UCX's devices.
+std::vector<std::string> ChildEnvironment(const std::vector<std::string>& parent,
+                                          const std::string& store, int world,
+                                          const std::string& token, const std::string& job_id);
+// The host memory sync rank `rank` allocates (trainer shards or engine parameters, host memory),
+// checked against HostMemoryBudget before anything is: InvalidArgument naming --model otherwise.
+Status CheckRankFitsHost(const JobSpec& job, int rank);
 
 }  // namespace shardsync::job_internal

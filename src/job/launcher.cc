@@ -1,6 +1,9 @@
 // Local launcher: one job on this host, as threads around a loopback hub or as child processes
 // (`shardsync run`) around an in-process store. Children get PR_SET_PDEATHSIG so they cannot
-// outlive the launcher, and every exit path kills and reaps what is still running.
+// outlive the launcher, and every exit path kills and reaps what is still running. Every child
+// gets the launch's id (SHARDSYNC_JOB_ID), and a child that exits early is marked dead in the
+// store (MarkSyncRankDead), so the ranks waiting on it fail at once, naming it. Every rank is on
+// this host: UCX listens on loopback only and the store binds 127.0.0.1.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -16,8 +19,9 @@
 #include <sstream>
 #include <thread>
 
+#include "job/internal.h"
 #include "job/launcher.h"
-
+#include "shardsync/session.h"
 #include "shardsync/transport.h"
 
 extern char** environ;
@@ -27,16 +31,18 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-Result<std::string> RandomToken() {
+// 32 hex characters from /dev/urandom: the store token, and (8 bytes) the launch id.
+Result<std::string> RandomToken(size_t bytes = 16) {
   unsigned char b[16];
   std::ifstream f("/dev/urandom", std::ios::binary);
-  if (!f.read(reinterpret_cast<char*>(b), sizeof(b))) {
+  if (bytes > sizeof(b) ||
+      !f.read(reinterpret_cast<char*>(b), static_cast<std::streamsize>(bytes))) {
     return InternalError("launcher: cannot read /dev/urandom for the store token");
   }
   std::string s;
   char hex[3];
-  for (unsigned char c : b) {
-    std::snprintf(hex, sizeof(hex), "%02x", c);
+  for (size_t i = 0; i < bytes; ++i) {
+    std::snprintf(hex, sizeof(hex), "%02x", b[i]);
     s += hex;
   }
   return s;
@@ -133,28 +139,49 @@ void CleanupLogs(const std::vector<Child>& children) {
   }
 }
 
+}  // namespace
+
+std::vector<std::string> job_internal::ChildEnvironment(const std::vector<std::string>& parent,
+                                                        const std::string& store, int world,
+                                                        const std::string& token,
+                                                        const std::string& job_id) {
+  std::vector<std::string> env;
+  bool net_devices = false;  // the user named UCX's devices: keep them
+  for (const std::string& v : parent) {
+    if (v.starts_with("SHARDSYNC_STORE=") || v.starts_with("RANK=") ||
+        v.starts_with("WORLD_SIZE=") || v.starts_with("SHARDSYNC_TOKEN=") ||
+        v.starts_with("SHARDSYNC_JOB_ID=")) {
+      continue;
+    }
+    net_devices |= v.starts_with("SHARDSYNC_UCX_NET_DEVICES=") || v.starts_with("UCX_NET_DEVICES=");
+    env.push_back(v);
+  }
+  env.push_back("SHARDSYNC_STORE=" + store);
+  env.push_back("WORLD_SIZE=" + std::to_string(world));
+  env.push_back("SHARDSYNC_TOKEN=" + token);
+  env.push_back("SHARDSYNC_JOB_ID=" + job_id);
+  // Every rank is on this host: UCX's listeners on loopback, out of the network's reach (the
+  // store token does not cover them; docs/security.md).
+  if (!net_devices) env.push_back("SHARDSYNC_UCX_NET_DEVICES=loopback");
+  return env;
+}
+
+namespace {
+
 // Forks `shardsync run` for every sync rank, its stderr and stdout in a temporary log. On failure
 // every child already started is killed and its log removed.
 Status SpawnRanks(const LocalJobOptions& o, StoreServer& server, const std::string& token,
-                  std::vector<Child>* out) {
+                  const std::string& job_id, std::vector<Child>* out) {
   const JobSpec& job = o.job;
   const int world = SyncWorldSize(job.inputs);
   std::vector<Child>& children = *out;
   // argv / envp are built before fork: between fork and exec only async-signal-safe calls.
   std::vector<std::string> base_args = {"shardsync", "run"};
   for (auto& a : JobSpecToArgs(job)) base_args.push_back(a);
-  std::vector<std::string> base_env;
-  for (char** e = environ; *e; ++e) {
-    std::string_view v(*e);
-    if (v.starts_with("SHARDSYNC_STORE=") || v.starts_with("RANK=") ||
-        v.starts_with("WORLD_SIZE=") || v.starts_with("SHARDSYNC_TOKEN=")) {
-      continue;
-    }
-    base_env.emplace_back(v);
-  }
-  base_env.push_back("SHARDSYNC_STORE=" + server.address());
-  base_env.push_back("WORLD_SIZE=" + std::to_string(world));
-  base_env.push_back("SHARDSYNC_TOKEN=" + token);
+  std::vector<std::string> parent;
+  for (char** e = environ; *e; ++e) parent.emplace_back(*e);
+  const std::vector<std::string> base_env =
+      job_internal::ChildEnvironment(parent, server.address(), world, token, job_id);
   for (int r = 0; r < world; ++r) {
     std::vector<std::string> args = base_args;
     args.push_back("--role");
@@ -196,10 +223,34 @@ Status SpawnRanks(const LocalJobOptions& o, StoreServer& server, const std::stri
   return OkStatus();
 }
 
+// A child that exited before the job ended is marked dead in the store (MarkSyncRankDead): the
+// ranks waiting for its keys fail at once, naming it. Marked again until the job's claim exists
+// (ranks inside the job watch the rank's liveness key there).
+class DeathNotices {
+ public:
+  DeathNotices(StoreClient& store, const std::string& prefix, const std::string& job_id)
+      : store_(store), prefix_(prefix), job_id_(job_id) {}
+  void Exited(const Child& c, const std::string& how) {
+    pending_.push_back({c.rank, "(pid " + std::to_string(c.pid) + ") exited (" + how + ")"});
+  }
+  void Deliver() {
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      auto marked = MarkSyncRankDead(store_, prefix_, job_id_, it->first, it->second);
+      it = marked.ok() && *marked ? pending_.erase(it) : it + 1;
+    }
+  }
+
+ private:
+  StoreClient& store_;
+  const std::string prefix_, job_id_;
+  std::vector<std::pair<int, std::string>> pending_;  // rank, how it ended
+};
+
 // Reaps the children until every one exited, reporting progress and injecting the kill fault.
 // After a rank fails, the others get their own timeout to report before they are killed. Past the
 // job's limit every child is killed and the error names them (their logs removed).
-Status Supervise(const LocalJobOptions& o, StoreClient& store, std::vector<Child>& children) {
+Status Supervise(const LocalJobOptions& o, StoreClient& store, const std::string& job_id,
+                 std::vector<Child>& children) {
   const JobSpec& job = o.job;
   const int world = static_cast<int>(children.size());
   const int total = world * RankSteps(job);
@@ -207,6 +258,7 @@ Status Supervise(const LocalJobOptions& o, StoreClient& store, std::vector<Child
   Clock::time_point failure_deadline = Clock::time_point::max();
   int running = world;
   bool killed = false;
+  DeathNotices deaths(store, job.prefix, job_id);
   while (running > 0) {
     for (Child& c : children) {
       if (c.exited) continue;
@@ -214,12 +266,14 @@ Status Supervise(const LocalJobOptions& o, StoreClient& store, std::vector<Child
       if (w == c.pid) {
         c.exited = true;
         --running;
-        if (!(WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0) &&
-            failure_deadline == Clock::time_point::max()) {
+        const bool failed = !(WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0);
+        if (failed) deaths.Exited(c, DescribeExit(c.status));
+        if (failed && failure_deadline == Clock::time_point::max()) {
           failure_deadline = Clock::now() + job.timeout + std::chrono::seconds(5);
         }
       }
     }
+    deaths.Deliver();
     if (o.on_progress || o.kill_rank >= 0) {
       auto p = store.Add(job.prefix + "progress", 0);
       if (p.ok() && o.on_progress) o.on_progress(static_cast<int>(*p), total);
@@ -261,7 +315,8 @@ Result<LocalJobResult> CollectResults(const JobSpec& job, StoreServer& server, S
   LocalJobResult out;
   out.store_address = server.address();
   for (const Child& c : children) {
-    auto text = store.Get(job.prefix + "result/" + std::to_string(c.rank), Millis(1000));
+    // Every child has exited: a result it posted is there (its Set completed before it exited).
+    auto text = store.Get(job.prefix + "result/" + std::to_string(c.rank), Millis(0));
     if (!text.ok()) {
       RankResult r;
       r.rank = c.rank;
@@ -290,9 +345,10 @@ Result<LocalJobResult> CollectResults(const JobSpec& job, StoreServer& server, S
 Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& server,
                                     const std::string& token) {
   SS_ASSIGN_OR_RETURN(auto store, StoreClient::Connect(server.address(), token, o.job.timeout));
+  SS_ASSIGN_OR_RETURN(const std::string job_id, RandomToken(8));
   std::vector<Child> children;
-  SS_RETURN_IF_ERROR(SpawnRanks(o, server, token, &children));
-  SS_RETURN_IF_ERROR(Supervise(o, *store, children));
+  SS_RETURN_IF_ERROR(SpawnRanks(o, server, token, job_id, &children));
+  SS_RETURN_IF_ERROR(Supervise(o, *store, job_id, children));
   SS_ASSIGN_OR_RETURN(LocalJobResult out, CollectResults(o.job, server, *store, children));
   CleanupLogs(children);
   return out;

@@ -342,6 +342,40 @@ Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Tra
   return finish(OkStatus());
 }
 
+Status job_internal::CheckRankFitsHost(const JobSpec& job, int rank) {
+  if (job.device == "cuda") return OkStatus();  // the rank's buffers are in GPU memory
+  SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(job.inputs, rank));
+  const PlanInputs& in = job.inputs;
+  // Saturating: an absurd config's sizes overflow int64 (CheckHostMemory reads INT64_MAX so).
+  auto add = [](int64_t a, int64_t b) {
+    int64_t r = 0;
+    return __builtin_add_overflow(a, b, &r) ? INT64_MAX : r;
+  };
+  auto mul = [](int64_t a, int64_t b) {
+    int64_t r = 0;
+    return __builtin_mul_overflow(a, b, &r) ? INT64_MAX : r;
+  };
+  int64_t bytes = 0;
+  std::string what;
+  if (who.is_trainer) {
+    for (const HfTensor& h : HfTensorInventory(in.model)) {
+      bytes = add(bytes, TrainerHeldRegion(in.trainer, who.trainer_rank, h.shape).numel());
+    }
+    bytes = mul(bytes, DTypeSize(in.trainer_dtype));
+    what = "trainer rank " + std::to_string(who.trainer_rank) + "'s shards";
+  } else {
+    SS_ASSIGN_OR_RETURN(ShardMap map, BuildShardMap(in.model, in.rollout.shard));
+    for (const EngineParam& p : map.rank(who.tp_rank, who.pp_rank).params) {
+      bytes = add(bytes, p.numel());
+    }
+    bytes = mul(bytes, DTypeSize(in.options.wire_dtype));
+    what = "engine rank tp=" + std::to_string(who.tp_rank) + " pp=" + std::to_string(who.pp_rank) +
+           "'s parameters";
+  }
+  return CheckHostMemory(bytes, "--model " + in.model.name,
+                         "sync rank " + std::to_string(rank) + " (" + what + ")");
+}
+
 Result<RankResult> RunRankProcess(const JobSpec& job, const LaunchEnv& env) {
   const int world = SyncWorldSize(job.inputs);
   if (env.world_size != world) {
@@ -353,6 +387,8 @@ Result<RankResult> RunRankProcess(const JobSpec& job, const LaunchEnv& env) {
     return InvalidArgumentError("RANK: " + std::to_string(env.rank) + " outside [0, " +
                                 std::to_string(world) + ")");
   }
+  // Issue 26: an absurd but valid config is bad input (exit 2), not a rank aborting on bad_alloc.
+  SS_RETURN_IF_ERROR(CheckRankFitsHost(job, env.rank));
   if (job.transport == "loopback") {
     return InvalidArgumentError(
         "--transport loopback: works within one process only; use --transport ucx for "

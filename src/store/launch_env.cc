@@ -51,7 +51,63 @@ Result<LaunchEnv> LaunchEnvFromLookup(
   if (token.second.empty()) return InvalidArgumentError("SHARDSYNC_TOKEN is empty");
   SS_RETURN_IF_ERROR(CheckStoreToken(token.second, "SHARDSYNC_TOKEN"));
   env.token = token.second;
+  SS_ASSIGN_OR_RETURN(env.job_id, LaunchIdFromLookup(lookup));
   return env;
+}
+
+Status CheckJobId(std::string_view id, std::string_view what) {
+  if (id.size() > kMaxJobIdChars) {
+    return InvalidArgumentError(std::string(what) + ": " + std::to_string(id.size()) +
+                                " characters, at most " + std::to_string(kMaxJobIdChars));
+  }
+  for (char c : id) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u <= 0x20 || u >= 0x7f) {
+      return InvalidArgumentError(std::string(what) +
+                                  ": only printable ASCII without spaces is accepted");
+    }
+  }
+  return OkStatus();
+}
+
+Result<LaunchId> LaunchIdFromLookup(
+    const std::function<std::optional<std::string>(const std::string&)>& lookup) {
+  LaunchId out;
+  auto take = [&](const std::string& id, const std::string& source) -> Status {
+    SS_RETURN_IF_ERROR(CheckJobId(id, source));
+    out.id = id;
+    out.source = source;
+    return OkStatus();
+  };
+  if (auto v = lookup("SHARDSYNC_JOB_ID"); v && !v->empty()) {
+    SS_RETURN_IF_ERROR(take(*v, "SHARDSYNC_JOB_ID"));
+    return out;
+  }
+  // torchrun exports its rendezvous id to every worker; without --rdzv-id (or --standalone,
+  // which draws a uuid4) it is the literal default "none" (torch/distributed/run.py, `--rdzv_id`
+  // default="none"; local_elastic_agent.py sets TORCHELASTIC_RUN_ID; torch 1.13 to 2.x).
+  if (auto v = lookup("TORCHELASTIC_RUN_ID"); v && !v->empty() && *v != "none") {
+    SS_RETURN_IF_ERROR(take(*v, "TORCHELASTIC_RUN_ID"));
+    return out;
+  }
+  // One srun step is one launch: two steps of one allocation are two jobs.
+  if (auto v = lookup("SLURM_JOB_ID"); v && !v->empty()) {
+    auto step = lookup("SLURM_STEP_ID");
+    if (step && !step->empty()) {
+      SS_RETURN_IF_ERROR(take(*v + "." + *step, "SLURM_JOB_ID.SLURM_STEP_ID"));
+    } else {
+      SS_RETURN_IF_ERROR(take(*v, "SLURM_JOB_ID"));
+    }
+  }
+  return out;
+}
+
+Result<LaunchId> LaunchIdFromEnvironment() {
+  return LaunchIdFromLookup([](const std::string& name) -> std::optional<std::string> {
+    const char* v = std::getenv(name.c_str());
+    if (v == nullptr) return std::nullopt;
+    return std::string(v);
+  });
 }
 
 Result<LaunchEnv> LaunchEnvFromEnvironment() {

@@ -153,6 +153,19 @@ class StoreClientImpl final : public StoreClient {
     return ParseCount(v, "delete-prefix '" + prefix + "'");
   }
 
+  Status DeletePrefixes(const std::vector<std::string>& prefixes) override {
+    std::vector<Frame> frames;
+    for (const std::string& p : prefixes) {
+      if (p.empty()) {
+        return InvalidArgumentError(
+            "store delete-prefix: the prefix is empty (it would match every key)");
+      }
+      frames.push_back(Frame{Op::kDeletePrefix, 0, {p}});
+    }
+    if (frames.empty()) return OkStatus();
+    return CallChain(frames, Clock::now() + io_timeout_).status();
+  }
+
   Status SetEphemeral(const std::string& key, std::string_view value) override {
     SS_RETURN_IF_ERROR(CheckKey(key));
     SS_RETURN_IF_ERROR(CheckValue(key, value));

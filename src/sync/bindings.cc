@@ -177,6 +177,23 @@ Status Bindings::BindDest(const DestBinding& b) {
   if (dests_[it->second].data != nullptr) {
     return InvalidArgumentError("destination binding '" + b.name + "': bound twice");
   }
+  // Two parameters sharing bytes would each be written by the sync (one's checksum breaking the
+  // other's): refused here, naming both, not at the first sync.
+  const auto bytes_of = [](const DestBinding& d) {
+    return static_cast<uintptr_t>(NumElements(d.shape)) * DTypeSize(d.dtype);
+  };
+  const auto start = reinterpret_cast<uintptr_t>(b.data);
+  const uintptr_t end = start + bytes_of(b);
+  for (const DestBinding& d : dests_) {
+    const auto s = reinterpret_cast<uintptr_t>(d.data);
+    if (d.data == nullptr || d.mem != b.mem || d.device != b.device || start == end) continue;
+    if (s < end && start < s + bytes_of(d)) {
+      return InvalidArgumentError("destination binding '" + b.name + "' overlaps destination '" +
+                                  d.name +
+                                  "' (bytes of one buffer bound twice); every parameter "
+                                  "needs its own memory");
+    }
+  }
   dests_[it->second] = b;
   return OkStatus();
 }

@@ -8,17 +8,32 @@ namespace shardsync::sync_internal {
 Status AgreeOnPlan(const SessionContext& ctx, SyncGuard& guard, Clock::time_point deadline) {
   const std::string& mine = ctx.plan.plan_hash;
   SS_RETURN_IF_ERROR(ctx.store.Set(ctx.Key("hash/" + std::to_string(ctx.rank)), mine));
+  std::vector<std::string> keys;
+  std::vector<int> others;
   for (int r = 0; r < ctx.world; ++r) {
     if (r == ctx.rank) continue;
-    SS_ASSIGN_OR_RETURN(std::string h,
-                        guard.GetUntil(ctx.Key("hash/" + std::to_string(r)), deadline,
-                                       "plan hash of sync rank " + std::to_string(r)));
-    if (h != mine) {
-      return FailedPreconditionError(
-          "plan hash mismatch: sync rank " + std::to_string(r) + " has " + h + ", sync rank " +
-          std::to_string(ctx.rank) + " (this rank) has " + mine +
-          ": ranks were started with different model, layouts or plan options");
+    keys.push_back(ctx.Key("hash/" + std::to_string(r)));
+    others.push_back(r);
+  }
+  auto mismatch = [&](size_t i, const std::string& theirs) {
+    return FailedPreconditionError(
+        "plan hash mismatch: sync rank " + std::to_string(others[i]) + " has " + theirs +
+        ", sync rank " + std::to_string(ctx.rank) + " (this rank) has " + mine +
+        ": ranks were started with different model, layouts or plan options");
+  };
+  auto hashes = guard.GetFromRanks(keys, others, deadline, [&](size_t i) {
+    return "plan hash of sync rank " + std::to_string(others[i]);
+  });
+  if (!hashes.ok()) {
+    // A peer that saw a mismatch first has left already: report the mismatch, not its leaving.
+    for (size_t i = 0; i < keys.size() && hashes.status().code() == StatusCode::kUnavailable; ++i) {
+      auto h = ctx.store.Get(keys[i], Millis(0));
+      if (h.ok() && *h != mine) return mismatch(i, *h);
     }
+    return hashes.status();
+  }
+  for (size_t i = 0; i < others.size(); ++i) {
+    if ((*hashes)[i] != mine) return mismatch(i, (*hashes)[i]);
   }
   return OkStatus();
 }
@@ -59,17 +74,26 @@ Status ConnectTransport(const SessionContext& ctx, const std::vector<int>& peers
 
 Result<std::map<int, uint32_t>> ReadRegionBases(const SessionContext& ctx, SyncGuard& guard,
                                                 Clock::time_point deadline) {
-  std::map<int, uint32_t> bases;
+  std::vector<std::string> keys;
+  std::vector<int> dsts;
   for (const Message& m : ctx.plan.sends) {
-    const std::string who = "engine sync rank " + std::to_string(m.dst);
-    SS_ASSIGN_OR_RETURN(std::string b, guard.GetUntil(ctx.Key("regbase/" + std::to_string(m.dst)),
-                                                      deadline, "memory registration of " + who));
+    keys.push_back(ctx.Key("regbase/" + std::to_string(m.dst)));
+    dsts.push_back(m.dst);
+  }
+  auto who = [&](size_t i) { return "engine sync rank " + std::to_string(dsts[i]); };
+  SS_ASSIGN_OR_RETURN(std::vector<std::string> got,
+                      guard.GetFromRanks(keys, dsts, deadline, [&](size_t i) {
+                        return "memory registration of " + who(i);
+                      }));
+  std::map<int, uint32_t> bases;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const std::string& b = got[i];
     char* end = nullptr;
     const unsigned long v = std::strtoul(b.c_str(), &end, 10);
     if (b.empty() || *end != '\0' || v > UINT32_MAX) {
-      return DataLossError("memory registration of " + who + " is malformed: '" + b + "'");
+      return DataLossError("memory registration of " + who(i) + " is malformed: '" + b + "'");
     }
-    bases[m.dst] = static_cast<uint32_t>(v);
+    bases[dsts[i]] = static_cast<uint32_t>(v);
   }
   return bases;
 }

@@ -1,6 +1,6 @@
 // What every part of a sync session shares (session.cc composes the parts): the rank's identity,
 // its plan, the store, the transport and the packer; the control message and tags of the host
-// path; tracing. Fixed once the session is created.
+// path; tracing. Fixed once the session is created, but for the job it joins at Connect.
 #pragma once
 
 #include <chrono>
@@ -13,6 +13,7 @@
 #include "common/trace.h"
 #include "shardsync/session.h"
 #include "sync/internal.h"
+#include "sync/watched_store.h"
 
 namespace shardsync::sync_internal {
 
@@ -20,14 +21,16 @@ using Clock = std::chrono::steady_clock;
 
 struct SessionContext {
   SessionContext(PlanInputs inputs, int r, SyncRank w, RankPlan p, StoreClient& s, Transport& t,
-                 SessionOptions o)
+                 SessionOptions o, LaunchId l)
       : in(std::move(inputs)),
         rank(r),
         who(w),
         plan(std::move(p)),
-        store(s),
+        watched(s),
+        store(watched),
         tx(t),
         opt(std::move(o)),
+        launch(std::move(l)),
         inventory(HfTensorInventory(in.model)),
         world(SyncWorldSize(in)) {
     if (opt.packer == nullptr) {
@@ -40,8 +43,9 @@ struct SessionContext {
   SessionContext(const SessionContext&) = delete;
   SessionContext& operator=(const SessionContext&) = delete;
 
-  // Store key `k` in this job's namespace.
-  std::string Key(const std::string& k) const { return opt.prefix + k; }
+  // Store key `k` in this job's namespace, "<prefix><job nonce>/k" (identity.h); valid once
+  // Connect joined the job.
+  std::string Key(const std::string& k) const { return root + k; }
   // The built-in CPU packer (host memory), not one passed in SessionOptions.
   bool builtin_packer() const { return packer == own_packer.get(); }
 
@@ -49,13 +53,20 @@ struct SessionContext {
   const int rank;
   const SyncRank who;
   const RankPlan plan;
+  // The caller's store; `store` reaches it through `watched`, which watches the peers at Connect.
+  WatchedStore watched;
   StoreClient& store;
   Transport& tx;
   const SessionOptions opt;
+  const LaunchId launch;  // this rank's launch (SessionOptions::job_id or the environment)
   const std::vector<HfTensor> inventory;
   const int world;
   std::unique_ptr<Packer> own_packer;
   Packer* packer = nullptr;
+  // The job this rank joined (JobIdentity::Join): its key namespace and its nonce, which control
+  // messages and the verdict board carry.
+  std::string root;
+  uint64_t job_tag = 0;
 };
 
 inline constexpr uint32_t kControlMagic = 0x53534331;  // "SSC1"
@@ -67,8 +78,9 @@ struct Control {
   uint64_t version = 0;
   uint64_t bytes = 0;
   uint64_t checksum = 0;
+  uint64_t job = 0;  // SessionContext::job_tag: a message of another job is refused on receipt
 };
-static_assert(sizeof(Control) == 32);
+static_assert(sizeof(Control) == 40);
 
 // Tags (MakeTag): the version keeps messages of an aborted sync from being taken for a later
 // sync's.

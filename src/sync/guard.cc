@@ -9,6 +9,9 @@ namespace {
 
 // How often a waiting rank polls the abort key and its peers' versions.
 constexpr std::chrono::milliseconds kAbortPollInterval{50};
+// How often a waiting rank looks at every other rank's liveness key (one GetMany of them all;
+// a sync that completes sooner pays none).
+constexpr std::chrono::milliseconds kAlivePollInterval{200};
 
 }  // namespace
 
@@ -16,6 +19,67 @@ void SyncGuard::Begin(uint64_t version, Clock::time_point t0) {
   deadline_ = t0 + ctx_.opt.sync_timeout;
   version_ = version;
   next_abort_check_ = t0 + kAbortPollInterval;
+  next_alive_check_ = t0 + kAlivePollInterval;
+}
+
+std::string SyncGuard::AliveKey(int rank) const {
+  return ctx_.Key("alive/" + std::to_string(rank));
+}
+
+std::vector<std::string> SyncGuard::OthersAlive() const {
+  std::vector<std::string> keys;
+  for (int r = 0; r < ctx_.world; ++r) {
+    if (r != ctx_.rank) keys.push_back(AliveKey(r));
+  }
+  return keys;
+}
+
+Result<std::vector<std::string>> SyncGuard::GetFromRanks(
+    const std::vector<std::string>& keys, const std::vector<int>& ranks, Clock::time_point deadline,
+    const std::function<std::string(size_t)>& what,
+    const std::pair<std::string, std::string>* set_first) {
+  std::vector<std::string> all = keys;
+  for (int r : ranks) all.push_back(AliveKey(r));
+  auto named = [&](size_t i) {
+    return i < keys.size()
+               ? what(i)
+               : "sync rank " + std::to_string(ranks[i - keys.size()]) + " to join the job";
+  };
+  auto got = GetManyUntil(all, deadline, named, /*watch_abort=*/false, set_first);
+  if (!got.ok()) {
+    if (got.status().code() == StatusCode::kUnavailable) {
+      return GonePeer(ranks, /*in_sync=*/false, got.status());
+    }
+    return got.status();
+  }
+  got->resize(keys.size());
+  return got;
+}
+
+Status SyncGuard::GonePeer(const std::vector<int>& ranks, bool in_sync, const Status& fallback) {
+  for (int p : ranks) {
+    auto a = ctx_.store.Get(AliveKey(p), Millis(0));
+    if (a.ok() || a.status().code() != StatusCode::kUnavailable) continue;
+    // A rank that posted its verdict of this sync may have closed since: it is done with it.
+    if (in_sync && PostedVerdict(p)) continue;
+    return UnavailableError("sync rank " + std::to_string(ctx_.rank) + ": sync rank " +
+                            std::to_string(p) + " is gone (" + a.status().message() + ")" +
+                            (in_sync ? " during version " + std::to_string(version_) : ""));
+  }
+  return fallback;
+}
+
+Status SyncGuard::CheckAlive() {
+  if (others_.empty() && ctx_.world > 1) {
+    for (int r = 0; r < ctx_.world; ++r) {
+      if (r != ctx_.rank) others_.push_back(r);
+    }
+    others_alive_ = OthersAlive();
+  }
+  if (others_.empty()) return OkStatus();
+  auto a = ctx_.store.GetMany(others_alive_, Millis(0));
+  if (a.ok() || a.status().code() != StatusCode::kUnavailable) return OkStatus();
+  return GonePeer(others_, /*in_sync=*/true, OkStatus());
 }
 
 std::string SyncGuard::VKey(const std::string& k) const {
@@ -97,6 +161,11 @@ Status SyncGuard::CheckAbort(bool force) {
           .IgnoreError();
       return s;
     }
+  }
+  // Last: a failed rank's abort key names the cause, a dead one's liveness key only its death.
+  if (force || now >= next_alive_check_) {
+    next_alive_check_ = now + kAlivePollInterval;
+    SS_RETURN_IF_ERROR(CheckAlive());
   }
   return OkStatus();
 }

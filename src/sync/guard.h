@@ -1,7 +1,10 @@
 // Every wait of a session, bounded and abortable: the store waits of connect and sync, the
-// transport polls of the host path, the job's abort key and the peers' versions. A failing rank
-// posts the abort key; every waiting rank polls it (at most every 50 ms) and fails within its
-// own timeout (session.h "Failure").
+// transport polls of the host path, the job's abort key, the peers' versions and their liveness.
+// A failing rank posts the abort key; every waiting rank polls it (at most every 50 ms) and fails
+// within its own timeout (session.h "Failure"). A rank that is gone (its liveness key
+// `alive/<rank>` dead: its store connection closed, its session ended, or a launcher marked it)
+// fails every rank waiting on it at once at Connect (the waits name its liveness key) and within
+// kAlivePollInterval in a Sync.
 #pragma once
 
 #include <functional>
@@ -24,6 +27,19 @@ class SyncGuard {
   const std::vector<int>& peers() const { return peers_; }
   void set_board(const VerdictBoard* board) { board_ = board; }
 
+  // A rank's liveness key (identity.h), and every other rank's.
+  std::string AliveKey(int rank) const;
+  std::vector<std::string> OthersAlive() const;
+  // Connect's waits: `keys` (what(i) names key i) until `deadline`, watching the liveness of
+  // `ranks` in the same round trips, so a rank that is gone fails the wait at once, named.
+  Result<std::vector<std::string>> GetFromRanks(
+      const std::vector<std::string>& keys, const std::vector<int>& ranks,
+      Clock::time_point deadline, const std::function<std::string(size_t)>& what,
+      const std::pair<std::string, std::string>* set_first = nullptr);
+  // Unavailable naming the first of `ranks` whose liveness key is dead and that has not posted
+  // its verdict of this sync (`in_sync`); `fallback` when there is none.
+  Status GonePeer(const std::vector<int>& ranks, bool in_sync, const Status& fallback);
+
   // Starts the waits of Sync(version) at t0: its deadline is t0 + sync_timeout. The first abort
   // poll (a store round trip per peer) waits: a sync that completes within the poll interval
   // pays none on its critical path, and peers' failures reach it anyway through its pairs, the
@@ -45,7 +61,8 @@ class SyncGuard {
       const std::function<std::string(size_t)>& what, bool watch_abort = false,
       const std::pair<std::string, std::string>* set_first = nullptr);
 
-  // Polls the job's abort key and the peers' current versions (at most every 50 ms).
+  // Polls the job's abort key and the peers' current versions (at most every 50 ms), and every
+  // other rank's liveness (at most every kAlivePollInterval).
   Status CheckAbort(bool force = false);
   // DeadlineExceeded naming `what` past this sync's deadline, else CheckAbort.
   Status CheckDeadline(const std::string& what);
@@ -70,14 +87,20 @@ class SyncGuard {
   // Whether peer `p` posted its verdict for this version.
   bool PostedVerdict(int p);
 
+  // Fails naming a gone rank when one of the others' liveness keys is dead.
+  Status CheckAlive();
+
   const SessionContext& ctx_;
   std::vector<int> peers_;
+  std::vector<int> others_;                // every rank but this one
+  std::vector<std::string> others_alive_;  // their liveness keys (set at the first check)
   const VerdictBoard* board_ = nullptr;
   XferId progress_id_ = 0;  // a flush polled to drive progress while waiting on the store
   size_t progress_peer_ = 0;
   uint64_t version_ = 0;
   Clock::time_point deadline_;
   Clock::time_point next_abort_check_;
+  Clock::time_point next_alive_check_;
 };
 
 }  // namespace shardsync::sync_internal

@@ -157,6 +157,10 @@ Status HostReceiver::VerifyBucket(const Message& m, int bucket, const Control& c
   if (c.magic != kControlMagic || c.bucket != static_cast<uint32_t>(bucket)) {
     return DataLossError(where + ": malformed control message");
   }
+  if (c.job != ctx_.job_tag) {
+    return DataLossError(where + ": control message of job " + Hex(c.job) +
+                         ", this rank is in job " + Hex(ctx_.job_tag));
+  }
   if (c.version != guard_.version()) {
     return FailedPreconditionError(where + ": sender syncs version " + std::to_string(c.version) +
                                    ", this rank " + std::to_string(guard_.version()));

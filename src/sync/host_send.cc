@@ -120,6 +120,7 @@ std::unique_ptr<Control> HostSender::MakeControl(const InFlight& f) const {
   c->version = guard_.version();
   c->bytes = static_cast<uint64_t>(ctx_.plan.sends[f.msg].buckets[f.bucket].bytes);
   c->checksum = f.checksum;
+  c->job = ctx_.job_tag;
   return c;
 }
 

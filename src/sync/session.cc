@@ -3,9 +3,10 @@
 // and fails every rank fast when one fails.
 //
 // The session composes parts with one job each (docs/architecture.md walks a sync through them):
-// bindings.h (bindings and their checks), connect.h (agreement at Connect), pairs.h (prepared
-// device pairs), host_send.h / host_recv.h (the host data path and bucket verification),
-// verdicts.h (the job-wide report) and guard.h (every wait, the abort key).
+// identity.h (the job this rank joins), bindings.h (bindings and their checks), connect.h
+// (agreement at Connect), pairs.h (prepared device pairs), host_send.h / host_recv.h (the host
+// data path and bucket verification), verdicts.h (the job-wide report) and guard.h (every wait,
+// the abort key, the peers' liveness).
 #include "shardsync/session.h"
 
 #include <chrono>
@@ -18,6 +19,7 @@
 #include "sync/guard.h"
 #include "sync/host_recv.h"
 #include "sync/host_send.h"
+#include "sync/identity.h"
 #include "sync/internal.h"
 #include "sync/pairs.h"
 #include "sync/verdicts.h"
@@ -31,9 +33,11 @@ using sync_internal::Trace;
 class SessionImpl final : public SyncSession {
  public:
   SessionImpl(PlanInputs in, int rank, SyncRank who, RankPlan plan, StoreClient& store,
-              Transport& tx, SessionOptions opt, sync_internal::HarnessHooks hooks)
-      : ctx_(std::move(in), rank, who, std::move(plan), store, tx, std::move(opt)),
+              Transport& tx, SessionOptions opt, LaunchId launch, sync_internal::HarnessHooks hooks)
+      : ctx_(std::move(in), rank, who, std::move(plan), store, tx, std::move(opt),
+             std::move(launch)),
         hooks_(std::move(hooks)),
+        identity_(ctx_),
         bindings_(ctx_),
         shapes_(ctx_),
         guard_(ctx_),
@@ -41,11 +45,13 @@ class SessionImpl final : public SyncSession {
         sender_(ctx_, guard_),
         pairs_(ctx_, guard_),
         receiver_(ctx_, guard_) {}
+  ~SessionImpl() override { identity_.Leave(); }
 
   Status Init() { return bindings_.Init(); }
 
   int rank() const override { return ctx_.rank; }
   bool is_trainer() const override { return ctx_.who.is_trainer; }
+  const std::string& job_id() const override { return ctx_.launch.id; }
   const RankPlan& plan() const override { return ctx_.plan; }
   const std::vector<EngineParam>& ExpectedParams() const override { return bindings_.expected(); }
   const std::vector<TrainerParam>& ExpectedSources() const override {
@@ -72,10 +78,33 @@ class SessionImpl final : public SyncSession {
       return FailedPreconditionError("sync rank " + std::to_string(ctx_.rank) +
                                      ": already connected");
     }
+    Status s = ConnectSteps();
+    // Peers waiting on this rank learn now, not at their timeout (a retry joins again).
+    if (!s.ok()) identity_.Abandon(s);
+    return s;
+  }
+
+  Status ConnectSteps() {
     SS_RETURN_IF_ERROR(ctx_.packer->Quiesce());  // registered memory is final before peers see it
     const auto deadline = Clock::now() + ctx_.opt.connect_timeout;
+    // 0. The job: rank 0 claims the prefix, the others join its claim; every key below is the
+    // job's own.
+    SS_RETURN_IF_ERROR(identity_.Join(deadline));
     // 1. Plan hashes: every rank must hold the same plan before any byte moves.
     SS_RETURN_IF_ERROR(sync_internal::AgreeOnPlan(ctx_, guard_, deadline));
+    // Every rank joined (its liveness key exists): from here on, any store wait at Connect (the
+    // transport's and the prepared pairs' included) fails at once when one of them is gone.
+    struct StopWatching {
+      sync_internal::WatchedStore& w;
+      ~StopWatching() { w.Watch({}, nullptr); }
+    } stop{ctx_.watched};
+    ctx_.watched.Watch(guard_.OthersAlive(), [this](const Status& s) {
+      std::vector<int> others;
+      for (int r = 0; r < ctx_.world; ++r) {
+        if (r != ctx_.rank) others.push_back(r);
+      }
+      return guard_.GonePeer(others, /*in_sync=*/false, s);
+    });
     // 2. Bindings against the plan.
     SS_RETURN_IF_ERROR(bindings_.Check());
     // 3. Receive memory, registered once: senders put straight into the parameters.
@@ -93,6 +122,8 @@ class SessionImpl final : public SyncSession {
     guard_.set_board(verdicts_.board());
     SS_RETURN_IF_ERROR(sender_.Prepare(bindings_, shapes_, pairs_, std::move(regbase)));
     SS_RETURN_IF_ERROR(receiver_.Prepare(bindings_, pairs_));
+    // 6. Nobody contested the job while it connected (identity.h): it is whole.
+    SS_RETURN_IF_ERROR(identity_.Seal(guard_, deadline));
     connected_ = true;
     return OkStatus();
   }
@@ -101,6 +132,12 @@ class SessionImpl final : public SyncSession {
     if (!connected_) {
       return FailedPreconditionError("sync rank " + std::to_string(ctx_.rank) +
                                      ": Sync before Connect");
+    }
+    if (version == 0 || version > kMaxSyncVersion) {
+      // Refused before anything, the guard's version included: peers get the same refusal.
+      return InvalidArgumentError("sync rank " + std::to_string(ctx_.rank) + ": version " +
+                                  std::to_string(version) + " outside 1.." +
+                                  std::to_string(kMaxSyncVersion) + " (kMaxSyncVersion)");
     }
     const auto t0 = Clock::now();
     Trace(ctx_.rank, version, [] { return "called"; });
@@ -120,6 +157,7 @@ class SessionImpl final : public SyncSession {
       return s;
     }
     last_attempted_ = version;
+    if (ctx_.rank == 0) attempted_.push_back(version);
     if (!ctx_.who.is_trainer) poisoned_ = true;  // bytes are about to be overwritten
     s = ctx_.packer->Quiesce();  // the caller's pending writes to bound memory land first
     // (Each rank says it entered, its `cur` key, off its critical path: a receiver once its
@@ -142,6 +180,7 @@ class SessionImpl final : public SyncSession {
     Trace(ctx_.rank, version, [] { return "gathered every verdict"; });
     last_good_ = version;
     poisoned_ = false;
+    DropFinishedVersions(version);
     return report;
   }
 
@@ -150,6 +189,25 @@ class SessionImpl final : public SyncSession {
     guard_.PostAbort(s);
     if (!ctx_.who.is_trainer) poisoned_ = true;
     return s;
+  }
+
+  // Rank 0, after `version` succeeded: every rank posted its verdict of it, so every rank is
+  // done with every version before it and their keys can go (the store's key count stays flat).
+  // In one round trip every kDropEvery versions, after this rank's report: nothing per sync on
+  // anyone's critical path.
+  void DropFinishedVersions(uint64_t version) {
+    constexpr size_t kDropEvery = 16;
+    if (ctx_.rank != 0 || attempted_.size() < kDropEvery) return;
+    std::vector<std::string> prefixes;
+    for (uint64_t v : attempted_) {
+      if (v != version) prefixes.push_back(ctx_.Key("v" + std::to_string(v) + "/"));
+    }
+    Status s = ctx_.store.DeletePrefixes(prefixes);
+    Trace(ctx_.rank, version, [&] {
+      return "dropped " + std::to_string(prefixes.size()) +
+             " finished versions' keys: " + s.ToString();
+    });
+    attempted_.assign(1, version);
   }
 
   // This rank's `cur` key: the version it is in (peers' CheckAbort compare theirs).
@@ -242,6 +300,7 @@ class SessionImpl final : public SyncSession {
   // Declaration order is construction order: every part refers to ctx_ (and most to guard_).
   sync_internal::SessionContext ctx_;
   sync_internal::HarnessHooks hooks_;
+  sync_internal::JobIdentity identity_;
   sync_internal::Bindings bindings_;
   sync_internal::PeerShapes shapes_;
   sync_internal::SyncGuard guard_;
@@ -253,6 +312,7 @@ class SessionImpl final : public SyncSession {
   bool poisoned_ = false;
   uint64_t last_good_ = 0;
   uint64_t last_attempted_ = 0;
+  std::vector<uint64_t> attempted_;  // rank 0: versions whose keys are still in the store
 };
 
 }  // namespace
@@ -262,8 +322,15 @@ Result<std::unique_ptr<SyncSession>> sync_internal::CreateHarnessSession(
     SessionOptions options, HarnessHooks hooks) {
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(inputs, rank));
   SS_ASSIGN_OR_RETURN(RankPlan plan, PlanForRank(inputs, rank));
+  LaunchId launch;
+  if (options.job_id) {
+    SS_RETURN_IF_ERROR(CheckJobId(*options.job_id, "job_id"));
+    launch = {*options.job_id, options.job_id->empty() ? "" : "job_id"};
+  } else {
+    SS_ASSIGN_OR_RETURN(launch, LaunchIdFromEnvironment());
+  }
   auto s = std::make_unique<SessionImpl>(inputs, rank, who, std::move(plan), store, transport,
-                                         std::move(options), std::move(hooks));
+                                         std::move(options), std::move(launch), std::move(hooks));
   SS_RETURN_IF_ERROR(s->Init());
   return std::unique_ptr<SyncSession>(std::move(s));
 }

@@ -22,6 +22,7 @@ constexpr uint64_t kBusy = ~uint64_t{0};            // an entry's version while 
 struct Header {
   alignas(64) uint64_t magic;
   uint64_t world;
+  uint64_t job;                 // the job's nonce (identity.h): a board of another job is refused
   std::atomic<uint64_t> nonce;  // published last: an opener that sees it sees the rest
 };
 
@@ -69,7 +70,7 @@ void VerdictBoard::Unlink() {
 }
 
 Result<std::unique_ptr<VerdictBoard>> VerdictBoard::Create(const std::string& name, int world,
-                                                           uint64_t nonce) {
+                                                           uint64_t nonce, uint64_t job) {
   if (world < 1 || world > kMaxWorld) {
     return InvalidArgumentError("verdict board: world " + std::to_string(world) + " not in 1.." +
                                 std::to_string(kMaxWorld));
@@ -97,12 +98,13 @@ Result<std::unique_ptr<VerdictBoard>> VerdictBoard::Create(const std::string& na
   auto* h = new (p) Header();
   h->magic = kMagic;
   h->world = static_cast<uint64_t>(world);
+  h->job = job;
   h->nonce.store(nonce, std::memory_order_release);
   return std::unique_ptr<VerdictBoard>(new VerdictBoard(name, p, len, true, world));
 }
 
 Result<std::unique_ptr<VerdictBoard>> VerdictBoard::Open(const std::string& name, int world,
-                                                         uint64_t nonce) {
+                                                         uint64_t nonce, uint64_t job) {
   if (world < 1 || world > kMaxWorld) {
     return InvalidArgumentError("verdict board: world " + std::to_string(world) + " not in 1.." +
                                 std::to_string(kMaxWorld));
@@ -122,7 +124,7 @@ Result<std::unique_ptr<VerdictBoard>> VerdictBoard::Open(const std::string& name
   if (p == MAP_FAILED) return UnavailableError(Errno("verdict board mmap " + name));
   auto* h = static_cast<Header*>(p);
   if (h->nonce.load(std::memory_order_acquire) != nonce || h->magic != kMagic ||
-      h->world != static_cast<uint64_t>(world)) {
+      h->world != static_cast<uint64_t>(world) || h->job != job) {
     munmap(p, len);
     return UnavailableError("verdict board " + name + " belongs to another job");
   }

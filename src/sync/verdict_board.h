@@ -29,11 +29,12 @@ class VerdictBoard {
   static constexpr int kMaxWorld = 4096;
 
   // Rank 0: creates the segment `name` (replacing a stale one) for `world` ranks, stamped with
-  // `nonce`. The others: open it, and fail unless it carries the same nonce and world.
+  // `nonce` and the job's identity `job` (SessionContext::job_tag). The others: open it, and fail
+  // unless it carries the same nonce, job and world.
   static Result<std::unique_ptr<VerdictBoard>> Create(const std::string& name, int world,
-                                                      uint64_t nonce);
+                                                      uint64_t nonce, uint64_t job);
   static Result<std::unique_ptr<VerdictBoard>> Open(const std::string& name, int world,
-                                                    uint64_t nonce);
+                                                    uint64_t nonce, uint64_t job);
   ~VerdictBoard();
   VerdictBoard(const VerdictBoard&) = delete;
   VerdictBoard& operator=(const VerdictBoard&) = delete;

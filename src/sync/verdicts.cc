@@ -114,7 +114,7 @@ Result<std::string> VerdictExchange::MapBoard(Clock::time_point deadline, bool w
       std::random_device rd;
       const uint64_t nonce = (uint64_t{rd()} << 32 | rd()) ^ static_cast<uint64_t>(getpid()) ^
                              static_cast<uint64_t>(Clock::now().time_since_epoch().count());
-      auto b = VerdictBoard::Create(VerdictBoardName(nonce), ctx_.world, nonce);
+      auto b = VerdictBoard::Create(VerdictBoardName(nonce), ctx_.world, nonce, ctx_.job_tag);
       if (b.ok()) {
         board = std::move(*b);
         published = std::to_string(nonce);
@@ -124,8 +124,11 @@ Result<std::string> VerdictExchange::MapBoard(Clock::time_point deadline, bool w
     }
     SS_RETURN_IF_ERROR(ctx_.store.Set(ctx_.Key("vboard"), published));
   } else {
-    SS_ASSIGN_OR_RETURN(published, guard_.GetUntil(ctx_.Key("vboard"), deadline,
-                                                   "the verdict board of sync rank 0"));
+    SS_ASSIGN_OR_RETURN(auto got,
+                        guard_.GetFromRanks({ctx_.Key("vboard")}, {0}, deadline, [](size_t) {
+                          return std::string("the verdict board of sync rank 0");
+                        }));
+    published = std::move(got[0]);
     uint64_t nonce = 0;
     const auto [end, ec] =
         std::from_chars(published.data(), published.data() + published.size(), nonce);
@@ -133,7 +136,7 @@ Result<std::string> VerdictExchange::MapBoard(Clock::time_point deadline, bool w
       return DataLossError("verdict board of sync rank 0 is malformed: '" + published + "'");
     }
     if (want && published != "none") {
-      auto b = VerdictBoard::Open(VerdictBoardName(nonce), ctx_.world, nonce);
+      auto b = VerdictBoard::Open(VerdictBoardName(nonce), ctx_.world, nonce, ctx_.job_tag);
       if (b.ok()) {
         board = std::move(*b);
       } else {
@@ -168,7 +171,7 @@ Status VerdictExchange::Open(Clock::time_point deadline) {
     return "whether sync rank " + std::to_string(others[i]) + " mapped the verdict board";
   };
   SS_ASSIGN_OR_RETURN(std::vector<std::string> mapped,
-                      guard_.GetManyUntil(keys, deadline, what, /*watch_abort=*/false, &mine));
+                      guard_.GetFromRanks(keys, others, deadline, what, &mine));
   const bool all = board && std::all_of(mapped.begin(), mapped.end(),
                                         [](const std::string& m) { return m == "1"; });
   if (all) {

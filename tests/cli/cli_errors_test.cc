@@ -524,6 +524,16 @@ const std::vector<BadCase> kRun = Concat(
          {},
          2,
          {{"RANK", "zero"}}},
+        // Issue 26: an absurd but valid config is refused before the rank allocates (it used to
+        // abort on bad_alloc), trainer and engine ranks alike.
+        {"absurd_config_trainer",
+         Job("run", {"--model", "{DIR}/absurd/config.json", "--trainer", "fsdp=1", "--rollout",
+                     "dp=1,tp=1,pp=1", "--transport", "shm"}),
+         {"--model", "sync rank 0", "more than"}},
+        {"absurd_config_engine",
+         Job("run", {"--model", "{DIR}/absurd/config.json", "--trainer", "fsdp=1", "--rollout",
+                     "dp=1,tp=1,pp=1", "--transport", "shm", "--role", "engine", "--rank", "1"}),
+         {"--model", "sync rank 1", "parameters", "more than"}},
     });
 SS_BAD_SUITE(Run, kRun);
 

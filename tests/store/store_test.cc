@@ -402,6 +402,15 @@ TEST_F(StoreTest, DeletePrefixRemovesOnlyThatPrefix) {
   EXPECT_EQ(*c->Get("job/x", 0ms), "4");
   EXPECT_EQ(*c->DeletePrefix("nothing/"), 0);
   EXPECT_EQ(c->DeletePrefix("").status().code(), StatusCode::kInvalidArgument);
+  // Several prefixes in one round trip (a session's finished versions); the stream stays in step.
+  ASSERT_TRUE(c->SetMany({{"job/v2/a", "1"}, {"job/v3/a", "2"}, {"job/v4/a", "3"}}).ok());
+  ASSERT_TRUE(c->DeletePrefixes({"job/v2/", "job/v3/", "nothing/"}).ok());
+  EXPECT_EQ(c->Get("job/v2/a", 0ms).status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(c->Get("job/v3/a", 0ms).status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(*c->Get("job/v4/a", 0ms), "3");
+  EXPECT_TRUE(c->DeletePrefixes({}).ok());
+  EXPECT_EQ(c->DeletePrefixes({"job/", ""}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(*c->Get("job/v4/a", 0ms), "3");  // refused before anything was sent
 }
 
 // Issue 26 / 24: a key bound to a connection dies with it, and whoever waits on it learns at once.
@@ -618,6 +627,42 @@ TEST(LaunchEnvTest, ReadsTorchrunAndSlurmVariables) {
             std::string::npos);
   vars.erase("SHARDSYNC_STORE");
   EXPECT_EQ(LaunchEnvFromLookup(lookup).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Issue 26: the launch a rank belongs to, from the variable of the launcher that started it.
+TEST(LaunchEnvTest, LaunchIdFromTheLauncher) {
+  std::map<std::string, std::string> vars;
+  auto lookup = [&](const std::string& n) -> std::optional<std::string> {
+    auto it = vars.find(n);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+  auto id = [&] { return LaunchIdFromLookup(lookup); };
+  EXPECT_EQ(id()->id, "");  // none
+  vars["SLURM_JOB_ID"] = "4711";
+  EXPECT_EQ(id()->id, "4711");
+  vars["SLURM_STEP_ID"] = "2";  // two steps of one allocation are two launches
+  EXPECT_EQ(id()->id, "4711.2");
+  EXPECT_EQ(id()->source, "SLURM_JOB_ID.SLURM_STEP_ID");
+  vars["TORCHELASTIC_RUN_ID"] = "none";  // torchrun's default --rdzv-id: no id
+  EXPECT_EQ(id()->id, "4711.2");
+  vars["TORCHELASTIC_RUN_ID"] = "3f2a-run";
+  EXPECT_EQ(id()->id, "3f2a-run");
+  EXPECT_EQ(id()->source, "TORCHELASTIC_RUN_ID");
+  vars["SHARDSYNC_JOB_ID"] = "mine";
+  EXPECT_EQ(id()->id, "mine");
+  EXPECT_EQ(id()->source, "SHARDSYNC_JOB_ID");
+  vars["SHARDSYNC_JOB_ID"] = "two words";
+  EXPECT_EQ(id().status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(id().status().message().find("SHARDSYNC_JOB_ID"), std::string::npos);
+  vars["SHARDSYNC_JOB_ID"] = std::string(kMaxJobIdChars + 1, 'x');
+  EXPECT_EQ(id().status().code(), StatusCode::kInvalidArgument);
+  vars["SHARDSYNC_JOB_ID"] = "mine";
+  vars["SHARDSYNC_STORE"] = "node0:29600";
+  vars["RANK"] = "0";
+  vars["WORLD_SIZE"] = "2";
+  vars["SHARDSYNC_TOKEN"] = kToken;
+  EXPECT_EQ(LaunchEnvFromLookup(lookup)->job_id.id, "mine");
 }
 
 }  // namespace

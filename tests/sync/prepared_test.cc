@@ -327,7 +327,8 @@ TEST(PreparedPairs, SumsDeliveredWithTheDataSkipTheStore) {
     int in_store = 0;
     for (int t = 0; t < job.trainers(); ++t) {
       for (int r = job.trainers(); r < job.world(); ++r) {
-        const std::string key = prefix + "v1/sums/" + std::to_string(t) + "_" + std::to_string(r);
+        const std::string key = testing::JobRoot(job.store(0), prefix) + "v1/sums/" +
+                                std::to_string(t) + "_" + std::to_string(r);
         in_store += job.store(0).Get(key, Millis(0)).ok();
       }
     }

@@ -11,9 +11,25 @@
 #include "job/internal.h"
 #include "job/launcher.h"
 #include "shardsync/status.h"
+#include "sync/identity.h"
 #include "sync/internal.h"
 
 namespace shardsync::testing {
+
+// The nonce of the job holding key prefix `prefix` (identity.h; 0 when none), and that job's
+// key namespace "<prefix><nonce>/".
+inline uint64_t JobNonce(StoreClient& store, const std::string& prefix = "ss/") {
+  const std::string key = sync_internal::ClaimKey(prefix);
+  auto claim = store.Get(key, Millis(0));
+  EXPECT_TRUE(claim.ok()) << claim.status().ToString();
+  if (!claim.ok()) return 0;
+  auto c = sync_internal::ParseClaim(*claim, key);
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return c.ok() ? c->nonce : 0;
+}
+inline std::string JobRoot(StoreClient& store, const std::string& prefix = "ss/") {
+  return sync_internal::JobRoot(prefix, JobNonce(store, prefix));
+}
 
 // Runs fn(rank) for ranks 0..world-1 concurrently (one thread each); their statuses.
 inline std::vector<Status> RunOnAll(int world, const std::function<Status(int)>& fn) {

@@ -11,6 +11,8 @@
 namespace shardsync::sync_internal {
 namespace {
 
+constexpr uint64_t kJob = 0x6a6f62;  // the job's nonce every board here is stamped with
+
 using Lookup = VerdictBoard::Lookup;
 
 // "v<version>" (built with append: GCC 12 warns falsely on operator+ with a literal, bug 105329).
@@ -26,9 +28,9 @@ uint64_t TestNonce(uint64_t salt) {
 
 TEST(VerdictBoard, PostThenGetAcrossMappings) {
   const uint64_t nonce = TestNonce(1);
-  auto a = VerdictBoard::Create(VerdictBoardName(nonce), 3, nonce);
+  auto a = VerdictBoard::Create(VerdictBoardName(nonce), 3, nonce, kJob);
   ASSERT_TRUE(a.ok()) << a.status().ToString();
-  auto b = VerdictBoard::Open(VerdictBoardName(nonce), 3, nonce);
+  auto b = VerdictBoard::Open(VerdictBoardName(nonce), 3, nonce, kJob);
   ASSERT_TRUE(b.ok()) << b.status().ToString();
   std::string t;
   EXPECT_EQ((*b)->Get(0, 1, &t), Lookup::kMissing);
@@ -44,7 +46,7 @@ TEST(VerdictBoard, PostThenGetAcrossMappings) {
 
 TEST(VerdictBoard, RingKeepsTheLastVersionsAndReportsOverwrites) {
   const uint64_t nonce = TestNonce(2);
-  auto a = VerdictBoard::Create(VerdictBoardName(nonce), 2, nonce);
+  auto a = VerdictBoard::Create(VerdictBoardName(nonce), 2, nonce, kJob);
   ASSERT_TRUE(a.ok());
   for (uint64_t v = 1; v <= 10; ++v) (*a)->Post(1, v, Named(v));
   std::string t;
@@ -60,7 +62,7 @@ TEST(VerdictBoard, RingKeepsTheLastVersionsAndReportsOverwrites) {
 TEST(VerdictBoard, SkippedVersionsKeepTheirEntries) {
   // Callers may skip versions (1, 5, 9, ...): the ring follows the posts, not version % kRing.
   const uint64_t nonce = TestNonce(6);
-  auto a = VerdictBoard::Create(VerdictBoardName(nonce), 2, nonce);
+  auto a = VerdictBoard::Create(VerdictBoardName(nonce), 2, nonce, kJob);
   ASSERT_TRUE(a.ok());
   std::string t;
   for (uint64_t v = 1; v <= 1 + 4 * (VerdictBoard::kRing - 1); v += 4) {
@@ -78,7 +80,7 @@ TEST(VerdictBoard, SkippedVersionsKeepTheirEntries) {
 
 TEST(VerdictBoard, LongTextsAreCut) {
   const uint64_t nonce = TestNonce(3);
-  auto a = VerdictBoard::Create(VerdictBoardName(nonce), 1, nonce);
+  auto a = VerdictBoard::Create(VerdictBoardName(nonce), 1, nonce, kJob);
   ASSERT_TRUE(a.ok());
   const std::string long_text(VerdictBoard::kTextBytes + 77, 'x');
   (*a)->Post(0, 5, long_text);
@@ -92,25 +94,30 @@ TEST(VerdictBoard, LongTextsAreCut) {
 
 TEST(VerdictBoard, ForeignOrMissingSegmentsAreRefused) {
   const uint64_t nonce = TestNonce(4);
-  auto a = VerdictBoard::Create(VerdictBoardName(nonce), 4, nonce);
+  auto a = VerdictBoard::Create(VerdictBoardName(nonce), 4, nonce, kJob);
   ASSERT_TRUE(a.ok());
-  auto wrong_nonce = VerdictBoard::Open(VerdictBoardName(nonce), 4, nonce + 1);
+  auto wrong_nonce = VerdictBoard::Open(VerdictBoardName(nonce), 4, nonce + 1, kJob);
   EXPECT_FALSE(wrong_nonce.ok());
   EXPECT_NE(wrong_nonce.status().message().find("another job"), std::string::npos)
       << wrong_nonce.status().ToString();
-  auto wrong_world = VerdictBoard::Open(VerdictBoardName(nonce), 5, nonce);
+  // Issue 26: a board of another job (same name and nonce) is refused too.
+  auto wrong_job = VerdictBoard::Open(VerdictBoardName(nonce), 4, nonce, kJob + 1);
+  EXPECT_FALSE(wrong_job.ok());
+  EXPECT_NE(wrong_job.status().message().find("another job"), std::string::npos)
+      << wrong_job.status().ToString();
+  auto wrong_world = VerdictBoard::Open(VerdictBoardName(nonce), 5, nonce, kJob);
   EXPECT_FALSE(wrong_world.ok());
   EXPECT_NE(wrong_world.status().message().find("5 ranks"), std::string::npos)
       << wrong_world.status().ToString();
-  EXPECT_FALSE(VerdictBoard::Open(VerdictBoardName(nonce + 99), 4, nonce + 99).ok());
-  EXPECT_FALSE(VerdictBoard::Create(VerdictBoardName(nonce + 5), 0, nonce + 5).ok());
-  EXPECT_FALSE(
-      VerdictBoard::Create(VerdictBoardName(nonce + 6), VerdictBoard::kMaxWorld + 1, nonce + 6)
-          .ok());
+  EXPECT_FALSE(VerdictBoard::Open(VerdictBoardName(nonce + 99), 4, nonce + 99, kJob).ok());
+  EXPECT_FALSE(VerdictBoard::Create(VerdictBoardName(nonce + 5), 0, nonce + 5, kJob).ok());
+  EXPECT_FALSE(VerdictBoard::Create(VerdictBoardName(nonce + 6), VerdictBoard::kMaxWorld + 1,
+                                    nonce + 6, kJob)
+                   .ok());
   // Unlinked: the name is gone, the mappings stay.
   (*a)->Post(3, 1, "still here");
   (*a)->Unlink();
-  EXPECT_FALSE(VerdictBoard::Open(VerdictBoardName(nonce), 4, nonce).ok());
+  EXPECT_FALSE(VerdictBoard::Open(VerdictBoardName(nonce), 4, nonce, kJob).ok());
   std::string t;
   EXPECT_EQ((*a)->Get(3, 1, &t), Lookup::kFound);
 }
@@ -119,9 +126,9 @@ TEST(VerdictBoard, ReadersNeverSeeATornOrForeignText) {
   // A writer reposts versions as fast as it can while a reader looks them up: every text found
   // must be exactly the one posted for the version asked for.
   const uint64_t nonce = TestNonce(5);
-  auto a = VerdictBoard::Create(VerdictBoardName(nonce), 1, nonce);
+  auto a = VerdictBoard::Create(VerdictBoardName(nonce), 1, nonce, kJob);
   ASSERT_TRUE(a.ok());
-  auto b = VerdictBoard::Open(VerdictBoardName(nonce), 1, nonce);
+  auto b = VerdictBoard::Open(VerdictBoardName(nonce), 1, nonce, kJob);
   ASSERT_TRUE(b.ok());
   auto text_of = [](uint64_t v) {
     std::string s(100 + v % 800, static_cast<char>('a' + v % 26));

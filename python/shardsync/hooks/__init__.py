@@ -29,6 +29,7 @@ __all__ = ["EngineRankConfig"]
 # The JSON object every hook takes (built on the driver; drivers add replica and init_id):
 #   plan: Plan.spec (model, trainer, rollout, engine, wire_dtype, trainer_dtype, bucket_bytes)
 #   store: "host:port"; token: str; prefix: store key prefix ("ss/")
+#   job_id: the trainers' launch id (Session(job_id=...)); drivers set it from their environment
 #   transport: the Session's default unless named ("auto", "shm", "ucx", "cuda_ipc", "nccl",
 #   "loopback" for tests); staging: "host" stages CUDA parameters through host memory
 #   replica: this engine's DP replica (or env SHARDSYNC_REPLICA, or vLLM's data_parallel_rank)

@@ -113,6 +113,12 @@ class _Driver:
                 raise InvalidArgumentError(f"config: missing '{key}'")
         self.group, self.plan = group, plan
         self.config = dict(config, plan=plan.spec, draft=draft)
+        # The engine ranks join the trainer ranks' job: they take the trainers' launch id (this
+        # process's, unless the config names one), not the engine processes' own environment.
+        if "job_id" not in self.config:
+            from .._native import native
+
+            self.config["job_id"] = native("store").launch_job_id()
         self.timeout = float(timeout if timeout is not None else
                              float(config.get("connect_timeout", 60.0))
                              + float(config.get("sync_timeout", 60.0)) + 30.0)

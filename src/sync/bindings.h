@@ -29,6 +29,7 @@ class Bindings {
   const std::vector<EngineParam>& expected() const { return shards_.params; }
   // The binding of HF tensor `tensor` (trainer) / of parameter `param` (engine).
   const SourceBinding& source(int tensor) const { return sources_.at(tensor); }
+  bool has_source(int tensor) const { return sources_.count(tensor) > 0; }
   const DestBinding& dest(int param) const { return dests_[param]; }
   const std::vector<DestBinding>& dests() const { return dests_; }
   // The memory every binding of this rank lives in (-1: none bound, or a mix).

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/trace.h"
+#include "shardsync/fp8_plan.h"
 #include "shardsync/session.h"
 #include "sync/internal.h"
 
@@ -20,7 +21,7 @@ using Clock = std::chrono::steady_clock;
 
 struct SessionContext {
   SessionContext(PlanInputs inputs, int r, SyncRank w, RankPlan p, StoreClient& s, Transport& t,
-                 SessionOptions o)
+                 SessionOptions o, std::shared_ptr<const Fp8RankPlan> f = nullptr)
       : in(std::move(inputs)),
         rank(r),
         who(w),
@@ -29,7 +30,8 @@ struct SessionContext {
         tx(t),
         opt(std::move(o)),
         inventory(HfTensorInventory(in.model)),
-        world(SyncWorldSize(in)) {
+        world(SyncWorldSize(in)),
+        fp8(std::move(f)) {
     if (opt.packer == nullptr) {
       own_packer = MakeCpuPacker();
       packer = own_packer.get();
@@ -54,6 +56,9 @@ struct SessionContext {
   const SessionOptions opt;
   const std::vector<HfTensor> inventory;
   const int world;
+  // Block-FP8 models (ModelSpec::quant): the rank's FP8 plan, which the fp8_* parts replay; `plan`
+  // is then its outline (fp8_outline.h). Null for bf16 models.
+  const std::shared_ptr<const Fp8RankPlan> fp8;
   std::unique_ptr<Packer> own_packer;
   Packer* packer = nullptr;
 };

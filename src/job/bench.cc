@@ -53,7 +53,7 @@ class BenchRank {
     for (int i = 0; i < total; ++i) {
       SS_RETURN_IF_ERROR(Barrier("sharded/" + std::to_string(i)));
       const auto t0 = Clock::now();
-      SS_RETURN_IF_ERROR(session_->Sync(++version_).status());
+      SS_ASSIGN_OR_RETURN(res_.report, session_->Sync(++version_));
       Record(res_.bench.sharded, i, t0);
     }
     bool verified = true;

@@ -68,5 +68,10 @@ void VerifyFp8Param(const JobSpec& job, const std::vector<EngineParam>& params, 
                     const std::vector<DestBinding>& bound, RankResult& out);
 // True for the weight_scale_inv of a block-FP8 weight (checked with its weight).
 bool IsFp8Scale(const EngineParam& p);
+// Device mode: every block-FP8 weight and scale of an engine rank's parameters (`dests`, device
+// memory) against the GPU quantizer on the trainer's values (device_fp8.cc); adds to out.
+Status VerifyFp8Device(const JobSpec& job, const std::vector<EngineParam>& params,
+                       const std::vector<DestBinding>& dests, int device, void* stream,
+                       RankResult& out);
 
 }  // namespace shardsync::job_internal

@@ -348,7 +348,9 @@ TEST(Fp8Session, NonFiniteTrainerValueFailsTheSyncNamingTheTensor) {
         EXPECT_THAT(st[r].message(), HasSubstr(c.names));
         ++named;
       }
-      if (r >= job.trainers()) EXPECT_TRUE(job.session(r).IsPoisoned()) << "rank " << r;
+      if (r >= job.trainers()) {
+        EXPECT_TRUE(job.session(r).IsPoisoned()) << "rank " << r;
+      }
     }
     EXPECT_EQ(named, 1);
     x = keep;

@@ -57,7 +57,7 @@ struct SessionContext {
   const std::vector<HfTensor> inventory;
   const int world;
   // Block-FP8 models (ModelSpec::quant): the rank's FP8 plan, which the fp8_* parts replay; `plan`
-  // is then its outline (fp8_outline.h). Null for bf16 models.
+  // is then its outline (fp8_plan.h Fp8PlanOutline). Null for bf16 models.
   const std::shared_ptr<const Fp8RankPlan> fp8;
   std::unique_ptr<Packer> own_packer;
   Packer* packer = nullptr;

@@ -5,41 +5,11 @@
 namespace shardsync::sync_internal {
 namespace {
 
-Message OutlineOf(const Fp8Message& f) {
-  Message m;
-  m.src = f.src;
-  m.dst = f.dst;
-  m.bytes = f.bytes;
-  m.buckets = f.buckets;
-  m.ops.reserve(f.ops.size());
-  for (const Fp8Op& op : f.ops) {
-    TransferOp t;
-    t.tensor = op.tensor;
-    t.param = op.param;
-    t.src = op.src;
-    t.dst = op.dst;
-    t.wire_offset = op.wire_offset;
-    t.bytes = op.bytes;
-    m.ops.push_back(t);
-  }
-  return m;
-}
-
 bool EndsWith(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 }  // namespace
-
-RankPlan Fp8Outline(const Fp8RankPlan& fp8) {
-  RankPlan p;
-  p.rank = fp8.rank;
-  p.plan_hash = fp8.plan_hash;
-  for (const Fp8Message& m : fp8.sends) p.sends.push_back(OutlineOf(m));
-  for (const Fp8Message& m : fp8.recvs) p.recvs.push_back(OutlineOf(m));
-  return p;
-}
 
 DType Fp8DestDType(const EngineParam& p, DType wire) {
   if (p.dtype == DType::kF8E4M3) return p.dtype;

@@ -1,12 +1,9 @@
 // Block-FP8 sessions (fp8_plan.h, docs/fp8.md): what the parts a bf16 session shares with an FP8
 // one (connect, verdicts, guard, bindings) see of the FP8 plan, and the checks of FP8 bindings.
 //
-// The outline is a RankPlan with the FP8 plan's messages and buckets, byte for byte, and one
-// TransferOp per FP8 op naming its HF tensor, source region, engine parameter (the e4m3 weight
-// for quantize and stage ops), wire offset and wire bytes; a stage op's dst is its rows x
-// columns inside the staged band. Transport peers, region bases, binding checks of sources and
-// the parameters named in a checksum mismatch come from it; the data path replays the FP8 plan
-// itself (fp8_send.h, fp8_recv.h, PreparedPairs).
+// The session's `plan` is the FP8 plan's outline (fp8_plan.h Fp8PlanOutline): transport peers,
+// region bases and the parameters named in a checksum mismatch come from it; the data path
+// replays the FP8 plan itself (fp8_send.h, fp8_recv.h, fp8_pairs.cc).
 #pragma once
 
 #include <algorithm>
@@ -19,8 +16,6 @@
 namespace shardsync::sync_internal {
 
 class Bindings;
-
-RankPlan Fp8Outline(const Fp8RankPlan& fp8);
 
 // The dtype an engine parameter of a block-FP8 map is bound in: e4m3 weights and their fp32
 // weight_scale_inv as they are; every other parameter in the wire dtype (bytes land in place).

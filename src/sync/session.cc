@@ -277,7 +277,7 @@ Result<std::unique_ptr<SyncSession>> sync_internal::CreateHarnessSession(
     // Block-FP8 engine weights: the FP8 plan, and its outline for the parts both kinds share.
     SS_ASSIGN_OR_RETURN(Fp8RankPlan f, PlanFp8ForRank(inputs, rank));
     fp8 = std::make_shared<const Fp8RankPlan>(std::move(f));
-    plan = sync_internal::Fp8Outline(*fp8);
+    plan = Fp8PlanOutline(*fp8);
   } else {
     SS_ASSIGN_OR_RETURN(plan, PlanForRank(inputs, rank));
   }

@@ -9,6 +9,7 @@
 // Hand-written: no CUDA library quantizes to block FP8 with these semantics.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -52,28 +53,42 @@ __device__ __forceinline__ float Half(unsigned short h, int dtype) {
   return __half2float(__ushort_as_half(h));
 }
 
-__device__ __forceinline__ void Load8(const PTask& t, const unsigned char* p, float* v) {
-  if (t.dtype == 0) {
-    if (t.vec) {
-      const float4 a = reinterpret_cast<const float4*>(p)[0];
-      const float4 b = reinterpret_cast<const float4*>(p)[1];
-      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z;
-      v[7] = b.w;
-    } else {
-      for (int i = 0; i < 8; ++i) v[i] = reinterpret_cast<const float*>(p)[i];
-    }
-    return;
-  }
+// One word's 8 values as loaded, raw: 32 bytes of f32 or 16 of bf16 / f16 (the latter in half
+// the registers: values are converted where used, twice, rather than kept as floats).
+struct Raw {
+  uint4 a, b;
+};
+
+template <int DT>
+__device__ __forceinline__ Raw LoadWord(const PTask& t, const unsigned char* p) {
+  Raw w{};
+  const int dt = DT >= 0 ? DT : t.dtype;
   if (t.vec) {
-    const uint4 a = *reinterpret_cast<const uint4*>(p);
-    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
-    for (int i = 0; i < 4; ++i) {
-      v[2 * i] = Half(static_cast<unsigned short>(w[i] & 0xffffu), t.dtype);
-      v[2 * i + 1] = Half(static_cast<unsigned short>(w[i] >> 16), t.dtype);
-    }
+    w.a = *reinterpret_cast<const uint4*>(p);
+    if (dt == 0) w.b = *reinterpret_cast<const uint4*>(p + 16);
+  } else if (dt == 0) {
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(p);
+    w.a = make_uint4(q[0], q[1], q[2], q[3]);
+    w.b = make_uint4(q[4], q[5], q[6], q[7]);
   } else {
-    for (int i = 0; i < 8; ++i) v[i] = Half(reinterpret_cast<const unsigned short*>(p)[i], t.dtype);
+    const unsigned short* q = reinterpret_cast<const unsigned short*>(p);
+    w.a = make_uint4(q[0] | (uint32_t{q[1]} << 16), q[2] | (uint32_t{q[3]} << 16),
+                     q[4] | (uint32_t{q[5]} << 16), q[6] | (uint32_t{q[7]} << 16));
   }
+  return w;
+}
+
+template <int DT>
+__device__ __forceinline__ float Value(const PTask& t, const Raw& w, int i) {
+  const int dt = DT >= 0 ? DT : t.dtype;
+  if (dt == 0) {
+    const uint4& h = i < 4 ? w.a : w.b;
+    const int k = i & 3;
+    return __uint_as_float(k == 0 ? h.x : k == 1 ? h.y : k == 2 ? h.z : h.w);
+  }
+  const int k = i >> 1;
+  const uint32_t u = k == 0 ? w.a.x : k == 1 ? w.a.y : k == 2 ? w.a.z : w.a.w;
+  return Half(static_cast<unsigned short>((i & 1) ? u >> 16 : u & 0xffffu), dt);
 }
 
 template <typename T, typename Op>
@@ -101,72 +116,138 @@ __device__ __forceinline__ int FindTask(const PTask* tasks, int n, int64_t block
   return lo;
 }
 
-// acc: [packed sums | landed sums | non-finite counts], nb each.
-__global__ void __launch_bounds__(kThreads)
+// acc: [packed sums | landed sums | non-finite counts], nb each. DT: the tasks' dtype (0 f32,
+// 1 bf16, 2 f16) when they share one, -1 otherwise. What keeps it at memory speed (measured on an
+// H200, docs/benchmarks.md): 16-byte loads kept raw in registers; the block's amax as an integer
+// max of the values' magnitude bits (monotonic in the magnitude, and above the largest finite
+// value exactly for Inf and NaN, so the same max tells a non-finite block); e4m3 by the hardware's
+// cvt.rn.satfinite.e4m3x2.f32, which on finite values is fp8.h's F32ToE4M3 (round to nearest
+// even, saturating; tests/cuda/gpu_fp8_test.cc holds the two to the CPU bit for bit); every word
+// stored before any is read back, so the read-backs overlap.
+template <int DT>
+__global__ void __launch_bounds__(kThreads, DT == 0 ? 2 : 4)
     QuantizeKernel(const PTask* tasks, int n_tasks, unsigned long long* acc, int nb) {
-  __shared__ float f_shared[kThreads / 32];
-  __shared__ unsigned long long u_shared[kThreads / 32];
+  __shared__ unsigned int m_shared[kThreads / 32];
+  __shared__ unsigned long long u_shared[2][kThreads / 32];
   const int64_t block = blockIdx.x;
   const PTask& t = tasks[FindTask(tasks, n_tasks, block)];
+  const int dt = DT >= 0 ? DT : t.dtype;
   const int64_t nbc = (t.cols + B - 1) / B;
   const int64_t local = block - t.block_begin;
   const int64_t br = local / nbc, bc = local % nbc;
   const int64_t r0 = br * B, c0 = bc * B;
   const int nr = static_cast<int>(min(B, t.rows - r0)), nc = static_cast<int>(min(B, t.cols - c0));
-  const int es = t.dtype == 0 ? 4 : 2;
-  float v[kWordsPerThread][8];
-  float amax = 0.f;
-  unsigned long long bad = 0;
+  const int es = dt == 0 ? 4 : 2;
+  Raw raw[kWordsPerThread];
 #pragma unroll
   for (int k = 0; k < kWordsPerThread; ++k) {
     const int w = threadIdx.x + kThreads * k, r = w / kWordsPerRow, c = (w % kWordsPerRow) * 8;
+    raw[k] = Raw{};
     if (r < nr && c < nc) {  // cols % 8 == 0: a word is whole
-      Load8(t, t.src + ((r0 + r) * t.src_stride + c0 + c) * es, v[k]);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float a = fabsf(v[k][i]);
-        if (!(a <= 3.402823466e38f)) {
-          ++bad;
-        } else {
-          amax = fmaxf(amax, a);
-        }
-      }
+      raw[k] = LoadWord<DT>(t, t.src + ((r0 + r) * t.src_stride + c0 + c) * es);
     }
   }
-  amax = Reduce(
-      amax, [](float a, float b) { return fmaxf(a, b); }, f_shared);
-  bad = Reduce(
-      bad, [](unsigned long long a, unsigned long long b) { return a + b; }, u_shared);
-  const float scale = bad > 0 ? Fp8BitsFloat(kFp8ScaleNanBits) : Fp8BlockScale(amax);
+  // Magnitude bits: f32 as is; bf16 / f16 two per 32-bit word, maxed per half (vmaxu2).
+  unsigned int m = 0;
+#pragma unroll
+  for (int k = 0; k < kWordsPerThread; ++k) {
+    const uint32_t u[8] = {raw[k].a.x, raw[k].a.y, raw[k].a.z, raw[k].a.w,
+                           raw[k].b.x, raw[k].b.y, raw[k].b.z, raw[k].b.w};
+    if (dt == 0) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = max(m, u[i] & 0x7fffffffu);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) m = __vmaxu2(m, u[i] & 0x7fff7fffu);
+    }
+  }
+  if (dt != 0) m = max(m >> 16, m & 0xffffu);
+  for (int o = 16; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (threadIdx.x % 32 == 0) m_shared[threadIdx.x / 32] = m;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) m = max(m, m_shared[w]);
+  // Above the largest finite magnitude: an Inf or a NaN in the block.
+  const bool any_bad = dt == 0 ? m > 0x7f7fffffu : dt == 1 ? m > 0x7f7fu : m > 0x7bffu;
+  const float amax = dt == 0   ? __uint_as_float(m)
+                     : dt == 1 ? __uint_as_float(m << 16)
+                               : __half2float(__ushort_as_half(static_cast<unsigned short>(m)));
+  unsigned long long n_bad = 0;
+  if (any_bad) {  // rare: count them for the error
+    unsigned long long bad = 0;
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) bad += !(fabsf(Value<DT>(t, raw[k], i)) <= 3.402823466e38f);
+    }
+    n_bad = Reduce(
+        bad, [](unsigned long long a, unsigned long long b) { return a + b; }, u_shared[0]);
+  }
+  const float scale = any_bad ? Fp8BitsFloat(kFp8ScaleNanBits) : Fp8BlockScale(amax);
   const float inv = Fp8InverseScale(scale);
   unsigned long long packed = 0, landed = 0;
 #pragma unroll
   for (int k = 0; k < kWordsPerThread; ++k) {
     const int w = threadIdx.x + kThreads * k, r = w / kWordsPerRow, c = (w % kWordsPerRow) * 8;
-    if (r >= nr || c >= nc) continue;
-    uint64_t word = 0;
+    uint64_t word = 0x7f7f7f7f7f7f7f7full;
+    if (!any_bad) {
+      word = 0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint8_t q = bad > 0 ? kFp8E4M3Nan : Fp8QuantizeValue(v[k][i], inv);
-      word |= static_cast<uint64_t>(q) << (8 * i);
+      for (int i = 0; i < 8; i += 2) {
+        unsigned short two;
+        const float lo = __fmul_rn(Value<DT>(t, raw[k], i), inv);
+        const float hi = __fmul_rn(Value<DT>(t, raw[k], i + 1), inv);
+#if __CUDA_ARCH__ >= 890
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(hi), "f"(lo));
+#else  // no FP8 conversion in hardware: fp8.h's, bit for bit the same
+        two = static_cast<unsigned short>(F32ToE4M3(lo) | (F32ToE4M3(hi) << 8));
+#endif
+        word |= static_cast<uint64_t>(two) << (8 * i);
+      }
     }
-    const int64_t row = r0 + r, col = c0 + c;
-    *reinterpret_cast<uint64_t*>(t.weight + row * t.wstride + col) = word;
-    const uint64_t back =
-        __ldcg(reinterpret_cast<const unsigned long long*>(t.lweight + row * t.lwstride + col));
-    const uint64_t key = static_cast<uint64_t>(t.wire_offset + row * t.cols + col) / 8;
-    packed += ChecksumMixWord(word, key);
-    landed += ChecksumMixWord(back, key);
+    if (r < nr && c < nc) {
+      *reinterpret_cast<uint64_t*>(t.weight + (r0 + r) * t.wstride + c0 + c) = word;
+      packed += ChecksumMixWord(word, (t.wire_offset + (r0 + r) * t.cols + c0 + c) / 8);
+    }
+  }
+  uint64_t back[kWordsPerThread];
+#pragma unroll
+  for (int k = 0; k < kWordsPerThread; ++k) {
+    const int w = threadIdx.x + kThreads * k, r = w / kWordsPerRow, c = (w % kWordsPerRow) * 8;
+    back[k] = 0;
+    if (r < nr && c < nc) {
+      back[k] = __ldcg(
+          reinterpret_cast<const unsigned long long*>(t.lweight + (r0 + r) * t.lwstride + c0 + c));
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kWordsPerThread; ++k) {
+    const int w = threadIdx.x + kThreads * k, r = w / kWordsPerRow, c = (w % kWordsPerRow) * 8;
+    if (r < nr && c < nc) {
+      landed += ChecksumMixWord(back[k], (t.wire_offset + (r0 + r) * t.cols + c0 + c) / 8);
+    }
   }
   if (threadIdx.x == 0) t.scales[br * t.sstride + bc] = scale;
-  packed = Reduce(
-      packed, [](unsigned long long a, unsigned long long b) { return a + b; }, u_shared);
-  landed = Reduce(
-      landed, [](unsigned long long a, unsigned long long b) { return a + b; }, u_shared);
+  // Both sums in one pass over shared memory.
+  for (int o = 16; o > 0; o /= 2) {
+    packed += __shfl_xor_sync(0xffffffffu, packed, o);
+    landed += __shfl_xor_sync(0xffffffffu, landed, o);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();
+  if (lane == 0) {
+    u_shared[0][warp] = packed;
+    u_shared[1][warp] = landed;
+  }
+  __syncthreads();
   if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) {
+      packed += u_shared[0][w];
+      landed += u_shared[1][w];
+    }
     atomicAdd(&acc[t.bucket], packed);
     atomicAdd(&acc[nb + t.bucket], landed);
-    if (bad > 0) atomicAdd(&acc[2 * nb + t.bucket], bad);
+    if (n_bad > 0) atomicAdd(&acc[2 * nb + t.bucket], n_bad);
   }
 }
 
@@ -225,6 +306,7 @@ class Fp8Batch final : public CopyBatch {
     for (size_t i = 0; i < spec.quantize.size(); ++i) {
       SS_ASSIGN_OR_RETURN(PTask t, Check(spec, i));
       t.block_begin = blocks_;
+      dtype_ = i == 0 ? t.dtype : (dtype_ == t.dtype ? dtype_ : -1);
       blocks_ += ((t.rows + B - 1) / B) * ((t.cols + B - 1) / B);
       wire_ += Fp8WireBytes(t.rows, t.cols);
       in_ += t.rows * t.cols * (t.dtype == 0 ? 4 : 2);
@@ -316,8 +398,8 @@ class Fp8Batch final : public CopyBatch {
                                   "covering a row)");
     }
     if (!aligned(q.weight, q.weight_stride, 8) ||
-        !aligned(q.landed_weight, q.landed_weight_stride, 8) || !aligned(q.scales, 1, 4) ||
-        !aligned(q.landed_scales, 1, 4)) {
+        !aligned(q.landed_weight, q.landed_weight_stride, 8) || !aligned(q.scales, 0, 4) ||
+        !aligned(q.landed_scales, 0, 4)) {
       return InvalidArgumentError(who + ": e4m3 rows must start on 8 bytes and scales on 4");
     }
     if (q.bucket < 0 || q.bucket >= nb_ || q.wire_offset < 0 || q.wire_offset % 8 != 0 ||
@@ -351,8 +433,20 @@ class Fp8Batch final : public CopyBatch {
     SS_CUDA(cudaSetDevice(device_), "fp8 batch: cudaSetDevice");
     const size_t bytes = 3 * static_cast<size_t>(std::max(1, nb_)) * 8;
     if (blocks_ > 0) {
-      QuantizeKernel<<<static_cast<unsigned>(blocks_), kThreads, 0, s>>>(tasks_, n_tasks_, acc_,
-                                                                         nb_);
+      const unsigned grid = static_cast<unsigned>(blocks_);
+      switch (dtype_) {
+        case 0:
+          QuantizeKernel<0><<<grid, kThreads, 0, s>>>(tasks_, n_tasks_, acc_, nb_);
+          break;
+        case 1:
+          QuantizeKernel<1><<<grid, kThreads, 0, s>>>(tasks_, n_tasks_, acc_, nb_);
+          break;
+        case 2:
+          QuantizeKernel<2><<<grid, kThreads, 0, s>>>(tasks_, n_tasks_, acc_, nb_);
+          break;
+        default:
+          QuantizeKernel<-1><<<grid, kThreads, 0, s>>>(tasks_, n_tasks_, acc_, nb_);
+      }
       SS_CUDA(cudaGetLastError(), "fp8 batch: quantize launch");
       ScaleSumKernel<<<static_cast<unsigned>(n_tasks_), kThreads, 0, s>>>(tasks_, acc_, nb_);
       SS_CUDA(cudaGetLastError(), "fp8 batch: scale sums launch");
@@ -369,6 +463,7 @@ class Fp8Batch final : public CopyBatch {
   bool inner_landed_ = false;
   PTask* tasks_ = nullptr;
   int n_tasks_ = 0;
+  int dtype_ = -1;  // the tasks' common dtype code, -1 when mixed
   int64_t blocks_ = 0, wire_ = 0, in_ = 0;
   unsigned long long* acc_ = nullptr;
   unsigned long long* host_ = nullptr;  // [packed | landed | non-finite], pinned

@@ -1,8 +1,8 @@
 """Block FP8 from Python (docs/fp8.md): Plan(quant=...) and a config's quantization_config, the
 FP8 summary and outline, layouts the engines refuse named at construction, and a sync through
 Python sessions (one thread per rank, loopback) whose every e4m3 byte and scale is compared with
-a numpy reference of the engines' block quantizer (vllm/utils/deep_gemm.py per_block_cast_to_fp8:
-amax clamped at 1e-4, scale = amax / 448, e4m3(x * (1 / scale)) rounded to nearest even)."""
+a numpy reference of the engines' block quantizer (conftest.fp8_quantize, after
+vllm/utils/deep_gemm.py per_block_cast_to_fp8)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import shardsync
+from conftest import fp8_quantize as quantize
 
 TOKEN = "test-token-0123456789"
 
@@ -32,46 +33,6 @@ def fp8_model(tmp_path_factory) -> str:
         "weight_block_size": [128, 128]})
     (d / "config.json").write_text(json.dumps(cfg))
     return str(d)
-
-
-# ---- a numpy reference of the block quantizer (independent of the library's) ----
-
-def _e4m3_values() -> np.ndarray:
-    """Values of the 127 finite non-negative e4m3fn codes, ascending (code c at index c)."""
-    out = []
-    for c in range(0x7F):
-        e, m = (c >> 3) & 15, c & 7
-        out.append(m * 2.0 ** -9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
-    return np.array(out)
-
-
-_CODES = _e4m3_values()
-
-
-def _encode(v: np.ndarray) -> np.ndarray:
-    """Nearest e4m3 code of float32 values (ties to the even code, saturating at 448)."""
-    a = np.minimum(np.abs(v.astype(np.float64)), 448.0)
-    hi = np.clip(np.searchsorted(_CODES, a), 0, len(_CODES) - 1)
-    lo = np.maximum(hi - 1, 0)
-    dlo, dhi = a - _CODES[lo], _CODES[hi] - a
-    code = np.where(dlo < dhi, lo, np.where(dhi < dlo, hi, np.where(lo % 2 == 0, lo, hi)))
-    return (code | np.where(np.signbit(v), 0x80, 0)).astype(np.uint8)
-
-
-def quantize(x: np.ndarray):
-    rows, cols = x.shape
-    q = np.zeros(x.shape, np.uint8)
-    s = np.zeros(((rows + 127) // 128, (cols + 127) // 128), np.float32)
-    for br in range(s.shape[0]):
-        for bc in range(s.shape[1]):
-            blk = x[br * 128:(br + 1) * 128, bc * 128:(bc + 1) * 128].astype(np.float32)
-            amax = np.float32(max(float(np.abs(blk).max()), float(np.float32(1e-4))))
-            scale = np.float32(amax / np.float32(448.0))
-            inv = np.float32(np.float32(1.0) / scale)
-            s[br, bc] = scale
-            q[br * 128:(br + 1) * 128, bc * 128:(bc + 1) * 128] = _encode(
-                (blk * inv).astype(np.float32))
-    return q, s
 
 
 # ---- tests ----

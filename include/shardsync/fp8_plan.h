@@ -82,6 +82,13 @@ struct Fp8RankPlan {
 // one 128 x 128 block (InvalidArgument naming --bucket-mb below 64 KiB).
 Result<Fp8RankPlan> PlanFp8ForRank(const PlanInputs& in, int sync_rank);
 
+// The plan's outline as a RankPlan: the same messages and buckets, byte for byte, and one
+// TransferOp per FP8 op naming its HF tensor, source region, engine parameter (the e4m3 weight for
+// quantize and stage ops), wire offset and wire bytes; a stage op's dst is its rows x columns
+// inside the staged band. What SyncSession::plan() returns for a block-FP8 model: peers, buckets
+// and bytes, not a replayable bf16 plan.
+RankPlan Fp8PlanOutline(const Fp8RankPlan& fp8);
+
 struct Fp8PlanSummary {
   std::string plan_hash;
   int64_t ops = 0, messages = 0;

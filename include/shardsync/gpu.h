@@ -102,6 +102,30 @@ struct CopyRun {
   int64_t numel() const { return row_elems * rows; }
 };
 
+// One block-FP8 quantize op of a prepared pack (fp8_plan.h kQuantize): `rows` x `cols` trainer
+// values at `src` (row stride in elements; origin on the HF tensor's 128 grid; cols a multiple of
+// 8) quantized per 128 x 128 block (fp8.h) into e4m3 bytes at `weight` and fp32 block scales at
+// `scales` (row strides in elements of each), which may be a peer's memory. The checksum covers
+// the op's virtual wire image (e4m3 rows, then the scales, zero pads: Fp8WireBytes) at byte
+// `wire_offset` (a multiple of 8) of bucket `bucket`, as packed and as read back through the
+// receiver's own map of the same bytes (`landed_*`, this process's mapping of them).
+struct Fp8Task {
+  const void* src = nullptr;
+  DType dtype = DType::kF32;  // f32, bf16 or f16
+  int64_t src_stride = 0;
+  int64_t rows = 0, cols = 0;
+  void* weight = nullptr;
+  int64_t weight_stride = 0;
+  void* scales = nullptr;
+  int64_t scale_stride = 0;
+  const void* landed_weight = nullptr;
+  int64_t landed_weight_stride = 0;
+  const void* landed_scales = nullptr;
+  int64_t landed_scale_stride = 0;
+  int32_t bucket = 0;
+  int64_t wire_offset = 0;
+};
+
 // kPack: the wire image is the output (in_dtype -> wire_dtype, cast f32 -> bf16 allowed).
 // kUnpack: the wire image is the input (wire_dtype -> out_dtype, cast bf16 -> f32 allowed).
 // kVerify: no output; checksums the input as wire bytes (zero-copy receivers).
@@ -124,6 +148,12 @@ struct BatchSpec {
   // byte written where the receiver does not expect it changes the landed sum.
   std::vector<CopyRun> landed_runs;
   std::vector<void*> landed_sums;
+  // kPack of a block-FP8 plan (cuda_ipc pairs): quantize ops, quantized by the GPU beside the
+  // copies. With them (or a non-empty copy_bytes) `runs` and `landed_runs` tile a compact image
+  // of each bucket's copies, copy_bytes[b] long, and bucket_bytes[b] is the whole wire image the
+  // finished checksums cover; every launch must be signaled (LaunchSignaled).
+  std::vector<Fp8Task> quantize;
+  std::vector<int64_t> copy_bytes;
 };
 
 // A prepared batch: descriptors validated and uploaded once, replayed every sync. One launch in
@@ -151,6 +181,9 @@ class CopyBatch {
   // bucket's wire image).
   virtual Result<std::vector<uint64_t>> Checksums() const = 0;
   virtual Result<std::vector<uint64_t>> Sums() const = 0;
+  // Block-FP8 batches: per bucket, the non-finite trainer values the last launch met (their
+  // blocks were written as NaN); empty for other batches. Read like Checksums().
+  virtual std::vector<int64_t> NonFinite() const { return {}; }
   virtual int64_t wire_bytes() const = 0;
   virtual int64_t in_bytes() const = 0;
   virtual int64_t out_bytes() const = 0;

@@ -96,6 +96,15 @@ struct RemoteRegion {
   Shape shape;
   Region dst;
 };
+// A block-FP8 quantize op of a pair's bucket (fp8_plan.h kQuantize): the sender quantizes `src`
+// (trainer values; src.wire_offset is the op's offset in the bucket's wire image) into `weight`
+// (e4m3) and `scales` (fp32 block scales) at the peer. Receivers give their own tensors as
+// `landed_weight` / `landed_scales` (the landed map) and leave the rest empty.
+struct QuantizeRegion {
+  PackRegion src;
+  RemoteRegion weight, scales;
+  PackRegion landed_weight, landed_scales;
+};
 struct PairBucket {
   int64_t bytes = 0;  // wire bytes
   // Sender: the source regions (tensor dtype), tiling [0, bytes) of the wire image. Receiver:
@@ -104,6 +113,8 @@ struct PairBucket {
   // Sender: for each of `local`, where it lands at the peer (the receiver's landed region of the
   // same wire bytes). Empty on receivers and for two-sided transports.
   std::vector<RemoteRegion> remote;
+  // Block-FP8 plans (PairSpec::fp8): the bucket's quantize ops.
+  std::vector<QuantizeRegion> quantize{};
 };
 struct PairSpec {
   int peer = -1;
@@ -113,6 +124,10 @@ struct PairSpec {
   // Store key prefix of this pair, the same on both sides (prepare-time exchanges: cuda_ipc's
   // landed map). Unique per pair and job.
   std::string key;
+  // A block-FP8 plan's pair: each bucket's `local` / `remote` are its copy ops at wire offsets of
+  // a compact image of the copies alone (no pads, no quantize ops), `quantize` its quantize ops,
+  // and `bytes` the whole wire image. Transports that do not quantize refuse it.
+  bool fp8 = false;
 };
 // Per bucket, the finished checksum (checksum.h) of the wire image as packed, and as landed
 // where this side knows it: the sender of cuda_ipc reads every landed word back through the

@@ -378,6 +378,16 @@ def bind_trainer(session: Any, module_or_state_dict: Any, layout: str = "auto",
     return src
 
 
+def engine_dtype(param: Any, wire_dtype: str) -> str:
+    """The dtype an engine parameter holds: block-FP8 weights ("F8_E4M3") and their fp32
+    weight_scale_inv as the shard map says; every other parameter the wire dtype (the session's
+    rule, sync/fp8_outline.cc Fp8DestDType)."""
+    dt = str(getattr(param, "dtype", ""))
+    if dt == "F8_E4M3" or (dt == "F32" and str(param.name).endswith("weight_scale_inv")):
+        return dt
+    return wire_dtype
+
+
 def check_engine_params(
     expected: Sequence[Any],
     named_parameters: Iterable[Tuple[str, Any]],
@@ -414,10 +424,14 @@ def check_engine_params(
                 f"parameter '{p.name}': engine shape {got}, the shard map says {want}"
             )
         if wire_dtype is not None:
-            dt = _dtype_name(t)
-            if dt != wire_dtype:
+            dt, want = _dtype_name(t), engine_dtype(p, wire_dtype)
+            if dt == "U8" and want == "F8_E4M3":
+                dt = want  # the e4m3 bytes as uint8 (torch < 2.1, numpy)
+            if dt != want:
                 raise InvalidArgumentError(
-                    f"parameter '{p.name}': engine dtype {dt}, the wire dtype is {wire_dtype}"
+                    f"parameter '{p.name}': engine dtype {dt}, the "
+                    + ("wire dtype" if want == wire_dtype else "block-FP8 engine's")
+                    + f" is {want}"
                 )
         out.append((p.name, t))
     if missing:

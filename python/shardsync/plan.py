@@ -92,6 +92,11 @@ class Plan:
         expert_naming: the engine version's name for stacked experts ("fused_moe", or
             "routed_experts" for vLLM >= 0.24: `shardsync.hooks.engines` probes it); part of the
             hash.
+        quant: the engines' weights: "fp8-block128" (block FP8: float8_e4m3fn weights with an fp32
+            weight_scale_inv per 128 x 128 block, quantized at sync time; docs/fp8.md), "none"
+            (the model dtype, dropping a config's quantization_config), or None (as the config
+            says). A block-FP8 layout the engines refuse (a shard off the 128 grid) fails here
+            naming the tensor.
 
     Sync ranks: trainer ranks [0, S), then engine rank (replica d, tp, pp) at S + d*T*P + pp*T +
     tp (`engine_rank`). Dtypes take any spelling: "bf16" / "bfloat16" / torch.bfloat16, "fp32" /
@@ -110,6 +115,7 @@ class Plan:
         bucket_bytes: int = 512 << 20,
         pp_partition: Optional[Sequence[int]] = None,
         expert_naming: str = "fused_moe",
+        quant: Optional[str] = None,
     ) -> None:
         C = native("plan")
         wire = dtype_name(wire_dtype, "wire_dtype")
@@ -125,6 +131,7 @@ class Plan:
             bucket_bytes=bucket_bytes,
             pp_partition=partition,
             expert_naming=expert_naming,
+            quant=quant or "",
         )
         model_spec = model if isinstance(model, str) else None
         if isinstance(model, os.PathLike):
@@ -142,6 +149,8 @@ class Plan:
             self._spec["pp_partition"] = partition
         if expert_naming != "fused_moe":  # absent means the default: older specs stay valid
             self._spec["expert_naming"] = expert_naming
+        if quant:
+            self._spec["quant"] = quant
 
     @classmethod
     def from_spec(cls, spec: Dict[str, Any]) -> "Plan":
@@ -212,6 +221,12 @@ class Plan:
         return self.inputs.expert_naming
 
     @property
+    def quant(self) -> Optional[str]:
+        """The engines' weight format: "fp8 e4m3 128x128" (block FP8) or None (the model
+        dtype)."""
+        return self.inputs.quant
+
+    @property
     def wire_dtype(self) -> str:
         """Wire and engine-parameter dtype, safetensors spelling ("BF16")."""
         return self.inputs.wire_dtype
@@ -245,11 +260,15 @@ class Plan:
         return self.inputs.describe_rank(sync_rank)
 
     def rank_plan(self, sync_rank: int) -> "RankPlan":
-        """What `sync_rank` sends and receives: messages, their ops and checksummed buckets."""
+        """What `sync_rank` sends and receives: messages, their ops and checksummed buckets.
+        Block FP8: the FP8 plan's outline (one op per quantize, stage or copy op, with its wire
+        bytes)."""
         return self.inputs.rank_plan(sync_rank)
 
     def summary(self) -> "PlanSummary":
-        """Job-wide statistics: ops, messages, bytes per engine / trainer rank, plan hash."""
+        """Job-wide statistics: ops, messages, bytes per engine / trainer rank, plan hash. Block
+        FP8: also "quant" (elements quantized by the trainer / engine ranks, wire bytes by kind,
+        the memory-bound work), and no broadcast-all figure."""
         return self.inputs.summary()
 
     def cost_model(

@@ -18,6 +18,7 @@ __all__ = [
     "DTypeArg",
     "SyncRankInfo",
     "EngineRankSummary",
+    "Fp8Summary",
     "TrainerRankSummary",
     "PlanSummary",
     "RankStats",
@@ -72,17 +73,38 @@ class TrainerRankSummary(TypedDict):
     send_bytes: int
 
 
-class PlanSummary(TypedDict):
-    """`Plan.summary()`: job-wide statistics, computed analytically (no op is enumerated)."""
+class Fp8Summary(TypedDict):
+    """`Plan.summary()["quant"]` of a block-FP8 plan (docs/fp8.md): wire bytes by op kind, where
+    blocks are quantized (trainer ranks on the fly, or engine ranks from staged rows), and the
+    memory-bound work (every trainer element read once, every engine byte written once)."""
 
+    copy_bytes: int
+    quantize_bytes: int
+    stage_bytes: int
+    sender_quantized_elements: int
+    receiver_quantized_elements: int
+    staged_bands: int
+    max_staging_bytes: int
+    bound_read_bytes: int
+    bound_write_bytes: int
+
+
+class _PlanSummaryBase(TypedDict):
     plan_hash: str
     ops: int
     messages: int
     total_bytes: int
     engine_ranks: List[EngineRankSummary]
     trainer_ranks: List[TrainerRankSummary]
-    broadcast_recv_bytes_per_rank: int
     plan_seconds: float
+
+
+class PlanSummary(_PlanSummaryBase, total=False):
+    """`Plan.summary()`: job-wide statistics, computed analytically (no op is enumerated).
+    `broadcast_recv_bytes_per_rank` for bf16 plans; `quant` for block-FP8 ones."""
+
+    broadcast_recv_bytes_per_rank: int
+    quant: Fp8Summary
 
 
 class RankStats(TypedDict):

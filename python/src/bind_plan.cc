@@ -3,6 +3,7 @@
 
 #include "common.h"
 #include "plan_inputs.h"
+#include "shardsync/fp8_plan.h"
 #include "shardsync/plan.h"
 
 namespace shardsync::py_bind {
@@ -12,9 +13,12 @@ ModelSpec ModelArg(py::handle obj);  // bind_model.cc
 PlanInputs MakePlanInputs(py::handle model, const std::string& trainer, const std::string& rollout,
                           const std::string& engine, const std::string& wire_dtype,
                           const std::string& trainer_dtype, int64_t bucket_bytes,
-                          std::vector<int64_t> pp_partition, const std::string& expert_naming) {
+                          std::vector<int64_t> pp_partition, const std::string& expert_naming,
+                          const std::string& quant) {
   PlanInputs in;
   in.model = ModelArg(model);
+  // "fp8-block128" (block-FP8 engine weights), "none" (the model dtype), "" (as the config says).
+  if (!quant.empty()) in.model.quant = Unwrap(ParseQuantFlag(quant));
   in.trainer = Unwrap(ParseTrainerSpec(trainer));
   try {
     in.rollout = Unwrap(ParseRolloutSpec(rollout, Unwrap(ParseEngineKind(engine, "engine"))));
@@ -105,6 +109,32 @@ py::dict SummaryToPy(const PlanSummary& s) {
   return d;
 }
 
+// A block-FP8 plan's summary: the keys of a bf16 one (bytes on the wire; owned bytes in the
+// engines' dtypes) plus "quant" with where blocks are quantized and the memory-bound work.
+py::dict Fp8SummaryToPy(const Fp8PlanSummary& f) {
+  PlanSummary s;
+  s.plan_hash = f.plan_hash;
+  s.ops = f.ops;
+  s.messages = f.messages;
+  s.total_bytes = f.total_bytes;
+  s.engine_ranks = f.engine_ranks;
+  s.trainer_ranks = f.trainer_ranks;
+  py::dict d = SummaryToPy(s);
+  d.attr("pop")("broadcast_recv_bytes_per_rank");
+  py::dict q;
+  q["copy_bytes"] = f.copy_bytes;
+  q["quantize_bytes"] = f.quantize_bytes;
+  q["stage_bytes"] = f.stage_bytes;
+  q["sender_quantized_elements"] = f.sender_quantized_elements;
+  q["receiver_quantized_elements"] = f.receiver_quantized_elements;
+  q["staged_bands"] = f.staged_bands;
+  q["max_staging_bytes"] = f.max_staging_bytes;
+  q["bound_read_bytes"] = f.bound_read_bytes;
+  q["bound_write_bytes"] = f.bound_write_bytes;
+  d["quant"] = q;
+  return d;
+}
+
 }  // namespace
 
 void RegisterPlan(py::module_& m) {
@@ -184,7 +214,13 @@ void RegisterPlan(py::module_& m) {
       .def(py::init(&MakePlanInputs), py::arg("model"), py::arg("trainer"), py::arg("rollout"),
            py::arg("engine") = "sglang", py::arg("wire_dtype") = "bf16",
            py::arg("trainer_dtype") = "fp32", py::arg("bucket_bytes") = int64_t{512} << 20,
-           py::arg("pp_partition") = std::vector<int64_t>{}, py::arg("expert_naming") = "fused_moe")
+           py::arg("pp_partition") = std::vector<int64_t>{}, py::arg("expert_naming") = "fused_moe",
+           py::arg("quant") = "")
+      .def_property_readonly("quant",
+                             [](const PlanInputs& in) -> py::object {
+                               if (!in.model.quant) return py::none();
+                               return py::str(QuantConfigToString(*in.model.quant));
+                             })
       .def_readonly("model", &PlanInputs::model)
       .def_property_readonly("trainer", [](const PlanInputs& in) { return in.trainer.ToString(); })
       .def_property_readonly("trainer_world",
@@ -220,11 +256,20 @@ void RegisterPlan(py::module_& m) {
           "rank_plan",
           [](const PlanInputs& in, int r) {
             py::gil_scoped_release nogil;
+            // Block FP8: the outline of the FP8 plan (fp8_plan.h Fp8PlanOutline).
+            if (in.model.quant) return Fp8PlanOutline(Unwrap(PlanFp8ForRank(in, r)));
             return Unwrap(PlanForRank(in, r));
           },
           py::arg("sync_rank"))
       .def("summary",
            [](const PlanInputs& in) {
+             if (in.model.quant) {
+               Result<Fp8PlanSummary> f = [&] {
+                 py::gil_scoped_release nogil;
+                 return SummarizeFp8Plan(in);
+               }();
+               return Fp8SummaryToPy(Unwrap(std::move(f)));
+             }
              Result<PlanSummary> s = [&] {
                py::gil_scoped_release nogil;
                return SummarizePlan(in);
@@ -236,7 +281,7 @@ void RegisterPlan(py::module_& m) {
              Status s;
              {
                py::gil_scoped_release nogil;
-               s = ValidatePlan(in);
+               s = in.model.quant ? ValidateFp8Plan(in) : ValidatePlan(in);
              }
              ThrowIfError(s);
            })

@@ -263,6 +263,13 @@ class PySession {
     b.data = t.data;
     b.dtype = t.dtype;
     b.shape = t.shape;
+    // Block-FP8 weights may come as their bytes (uint8: torch < 2.1 and numpy have no float8,
+    // and engines keep `param.view(torch.uint8)` views): e4m3 is what the shard map says.
+    if (b.dtype == DType::kU8) {
+      for (const EngineParam& p : s.ExpectedParams()) {
+        if (p.name == name && p.dtype == DType::kF8E4M3) b.dtype = DType::kF8E4M3;
+      }
+    }
     b.mem = t.cuda ? MemKind::kCuda : MemKind::kHost;
     b.device = t.device;
     ThrowIfError(s.BindDest(b));

@@ -13,6 +13,7 @@ PlanInputs MakePlanInputs(py::handle model, const std::string& trainer, const st
                           const std::string& engine, const std::string& wire_dtype,
                           const std::string& trainer_dtype, int64_t bucket_bytes,
                           std::vector<int64_t> pp_partition,
-                          const std::string& expert_naming = "fused_moe");
+                          const std::string& expert_naming = "fused_moe",
+                          const std::string& quant = "");
 
 }  // namespace shardsync::py_bind

@@ -68,6 +68,62 @@ def expected_param(param, full, dtype=np.float32):
     return out.astype(dtype)
 
 
+# ---- block FP8: a numpy reference of the engines' block quantizer (docs/fp8.md; independent of
+# the library's): amax per 128 x 128 block clamped at 1e-4, scale = amax / 448 (fp32),
+# e4m3(x * (1 / scale)) rounded to nearest even, saturating at 448 ----
+
+def _e4m3_values() -> np.ndarray:
+    out = []
+    for c in range(0x7F):
+        e, m = (c >> 3) & 15, c & 7
+        out.append(m * 2.0 ** -9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    return np.array(out)
+
+
+_E4M3 = _e4m3_values()
+
+
+def _e4m3_encode(v: np.ndarray) -> np.ndarray:
+    a = np.minimum(np.abs(v.astype(np.float64)), 448.0)
+    hi = np.clip(np.searchsorted(_E4M3, a), 0, len(_E4M3) - 1)
+    lo = np.maximum(hi - 1, 0)
+    dlo, dhi = a - _E4M3[lo], _E4M3[hi] - a
+    code = np.where(dlo < dhi, lo, np.where(dhi < dlo, hi, np.where(lo % 2 == 0, lo, hi)))
+    return (code | np.where(np.signbit(v), 0x80, 0)).astype(np.uint8)
+
+
+def fp8_quantize(x: np.ndarray):
+    """(e4m3 codes as uint8, fp32 block scales) of a float32 matrix, blocks aligned at (0, 0)."""
+    rows, cols = x.shape
+    q = np.zeros(x.shape, np.uint8)
+    s = np.zeros(((rows + 127) // 128, (cols + 127) // 128), np.float32)
+    for br in range(s.shape[0]):
+        for bc in range(s.shape[1]):
+            blk = x[br * 128:(br + 1) * 128, bc * 128:(bc + 1) * 128].astype(np.float32)
+            amax = np.float32(max(float(np.abs(blk).max()), float(np.float32(1e-4))))
+            scale = np.float32(amax / np.float32(448.0))
+            s[br, bc] = scale
+            q[br * 128:(br + 1) * 128, bc * 128:(bc + 1) * 128] = _e4m3_encode(
+                (blk * np.float32(np.float32(1.0) / scale)).astype(np.float32))
+    return q, s
+
+
+def expected_fp8_param(param, full, cache):
+    """expected_param for a block-FP8 map: e4m3 weights (uint8) and their fp32 scales from
+    fp8_quantize of the full tensors (`cache`: name -> quantized), other parameters as usual."""
+    if param.dtype != "F8_E4M3" and not param.name.endswith("weight_scale_inv"):
+        return expected_param(param, full)
+    scale = param.dtype != "F8_E4M3"
+    out = np.zeros(param.shape, np.float32 if scale else np.uint8)
+    for pc in param.pieces:
+        src = pc.source[: -len("_scale_inv")] if scale else pc.source
+        if src not in cache:
+            cache[src] = fp8_quantize(full[src])
+        out[pc.dst.slices()] = cache[src][1 if scale else 0][pc.src.slices()].reshape(
+            pc.dst.extent)
+    return out
+
+
 def engine_index(plan, sync_rank):
     d = plan.describe_rank(sync_rank)
     return d["replica"], d["tp_rank"], d["pp_rank"]

@@ -122,7 +122,64 @@ class UnquantizedEmbeddingMethod(UnquantizedLinearMethod):
 
 
 class Fp8LinearMethod(UnquantizedLinearMethod):
-    pass
+    """Fp8LinearMethod of sglang srt/layers/quantization/fp8.py and vllm
+    model_executor/layers/quantization/fp8.py, the parts the hooks read and the post-load steps:
+    - attributes: quant_config.weight_block_size, use_marlin (both), use_deep_gemm (vLLM),
+      use_mxfp8 (SGLang);
+    - post-load of block FP8 on CUDA without DeepGEMM: SGLang keeps the Parameter objects
+      (process_weights_after_loading_block_quant: `layer.weight.data = weight.data`); vLLM
+      re-registers them over the same storage (replace_parameter copies the attributes);
+    - `ue8m0`: SGLang's DeepGEMM requant (requant_weight_ue8m0_inplace) ran at load and marked the
+      scale `format_ue8m0`;
+    - `transpose_scales`: vLLM's SM90 CUTLASS step (fp8_utils.py
+      maybe_post_process_fp8_weight_block: `Parameter(weight_scale.data.T.contiguous())`), new
+      storage of the transposed shape."""
+
+    def __init__(self, engine="sglang", block=(128, 128), use_marlin=False, use_deep_gemm=False,
+                 use_mxfp8=False, ue8m0=False, transpose_scales=False):
+        super().__init__()
+        self.engine, self.ue8m0, self.transpose_scales = engine, ue8m0, transpose_scales
+        self.quant_config = types.SimpleNamespace(
+            weight_block_size=None if block is None else list(block))
+        self.block_quant = block is not None
+        self.use_marlin, self.use_mxfp8 = use_marlin, use_mxfp8
+        if engine == "vllm":
+            self.use_deep_gemm = use_deep_gemm
+
+    def loaded(self, layer):
+        """What the engine's load-time post-load left on the layer."""
+        scale = getattr(layer, "weight_scale_inv", None)
+        if self.ue8m0 and scale is not None:
+            scale.format_ue8m0 = True
+
+    def process_weights_after_loading(self, layer):
+        self.finalized += 1
+        scale = getattr(layer, "weight_scale_inv", None)
+        if self.engine == "vllm" and scale is not None:
+            replace_parameter(layer, "weight", layer.weight.data)
+            new = scale.data.T.contiguous() if self.transpose_scales else scale.data
+            replace_parameter(layer, "weight_scale_inv", new)
+        elif scale is not None:
+            layer.weight.data = layer.weight.data
+            layer.weight_scale_inv.data = scale.data
+
+
+class Fp8MoEMethod:
+    """Fp8MoEMethod of vllm model_executor/layers/quantization/fp8.py (`fp8_backend` from
+    fused_moe/oracle/fp8.py select_fp8_moe_backend; convert_to_fp8_moe_kernel_format leaves
+    TRITON / BATCHED_TRITON weights as loaded) and of sglang srt/layers/quantization/fp8.py."""
+
+    def __init__(self, backend="TRITON", block=(128, 128)):
+        self.fp8_backend = UnquantizedMoeBackend(backend)
+        self.quant_config = types.SimpleNamespace(weight_block_size=list(block))
+        self.block_quant = True
+        self.finalized = 0
+
+    def loaded(self, layer):
+        pass
+
+    def process_weights_after_loading(self, layer):
+        self.finalized += 1
 
 
 class UnquantizedMoeBackend:
@@ -165,16 +222,25 @@ class FakeModel(nn.Module):
     of the engines' classes, each with its bound weight_loader and sharded-dim attributes."""
 
     def __init__(self, params, *, moe_backend="TRITON", overrides=None, replace_linear=(),
-                 quant=None, extra=(), device="cpu", dtype=torch.float32):
+                 quant=None, moe_quant=None, extra=(), device="cpu", dtype=torch.float32):
         super().__init__()
         overrides = overrides or {}
         self._device, self._dtype = torch.device(device), dtype
+        self._moe_quant = moe_quant
         self.attention = []
         for p in params:
+            # Block-FP8 weights as their bytes (torch 1.13 has no float8; the sessions and hooks
+            # take uint8 for e4m3), their scales in fp32.
+            pdt = {"F8_E4M3": torch.uint8}.get(p.dtype, torch.float32 if
+                                               p.name.endswith("weight_scale_inv") else None)
             self._add(p.name, list(overrides.get(p.name, p.shape)), moe_backend,
-                      p.name in replace_linear, quant)
+                      p.name in replace_linear, quant, pdt)
         for name, shape in extra:
             self._add(name, list(shape), moe_backend, False, quant)
+        for _, m in self.named_modules():  # the engine's own post-load at startup
+            qm = getattr(m, "quant_method", None)
+            if hasattr(qm, "loaded"):
+                qm.loaded(m)
         for mname, m in list(self.named_modules()):
             if isinstance(m, QKVParallelLinear) and mname.endswith("self_attn.qkv_proj"):
                 attn = Attention(m)
@@ -196,7 +262,7 @@ class FakeModel(nn.Module):
             mod = child
         return mod
 
-    def _add(self, name, shape, moe_backend, replace, quant):
+    def _add(self, name, shape, moe_backend, replace, quant, dtype=None):
         owner_path, _, pname = name.rpartition(".")
         cls, attrs = RMSNorm, {}
         for suffix, c, a in _KIND_CLASS:
@@ -204,7 +270,7 @@ class FakeModel(nn.Module):
                 cls, attrs = c, a
                 break
         mod = self._module(owner_path, cls)
-        param = nn.Parameter(torch.zeros(shape, dtype=self._dtype, device=self._device),
+        param = nn.Parameter(torch.zeros(shape, dtype=dtype or self._dtype, device=self._device),
                              requires_grad=False)
         if isinstance(mod, _Layer):
             param.weight_loader = mod.weight_loader
@@ -213,7 +279,8 @@ class FakeModel(nn.Module):
         mod.register_parameter(pname, param)
         if isinstance(mod, (FusedMoE, RoutedExperts)):
             if not hasattr(mod, "quant_method"):
-                mod.quant_method = UnquantizedFusedMoEMethod(moe_backend)
+                mod.quant_method = (self._moe_quant() if self._moe_quant is not None
+                                    else UnquantizedFusedMoEMethod(moe_backend))
         elif isinstance(mod, _Layer) and not hasattr(mod, "quant_method"):
             if quant is not None and isinstance(mod, (RowParallelLinear, ColumnParallelLinear)):
                 mod.quant_method = quant()

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 
 import shardsync
-from conftest import expected_param, reference_weights
+from conftest import expected_fp8_param, reference_weights
 from fakes import fsdp_state_dict
 
 TOKEN = "hooks-test-token-0123456789"
@@ -27,9 +27,9 @@ TINY_MOE = {
 }
 
 
-def make_plan(model, rollout, engine, trainer="fsdp=2"):
+def make_plan(model, rollout, engine, trainer="fsdp=2", quant=None):
     return shardsync.Plan(model, trainer, rollout, engine=engine, wire_dtype="f32",
-                          trainer_dtype="f32", bucket_bytes=64 << 10)
+                          trainer_dtype="f32", bucket_bytes=64 << 10, quant=quant)
 
 
 def base_config(plan, srv, **over):
@@ -113,13 +113,18 @@ class Trainers:
 
 
 def check_models(plan, full, models):
-    """Every engine parameter holds exactly its pieces of `full` (zero fills included)."""
+    """Every engine parameter holds exactly its pieces of `full` (zero fills included; block-FP8
+    weights and scales as the reference quantizer makes them, scales compared as bits)."""
     sm = plan.shard_map()
     n = 0
+    cache = {}
     for (replica, tp, pp), model in models.items():
         params = dict(model.named_parameters())
         for p in sm.rank(tp, pp).params:
             got = params[p.name].detach().numpy()
-            assert np.array_equal(got, expected_param(p, full)), (replica, tp, pp, p.name)
+            want = expected_fp8_param(p, full, cache)
+            if want.dtype == np.float32:
+                got, want = got.view(np.uint32), want.view(np.uint32)
+            assert np.array_equal(got, want), (replica, tp, pp, p.name)
             n += 1
     assert n > 0

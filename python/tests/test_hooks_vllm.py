@@ -198,7 +198,8 @@ def test_vllm_fp8_quant_method_refused(vllm_env, tiny_model):
     with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, llms, models = _llms(plan, "extension", model_kw={"quant": Fp8LinearMethod})
         driver = VLLMDriver(group, plan, base_config(plan, srv), timeout=10.0)
-        with pytest.raises(HookError, match="quant method Fp8LinearMethod rewrites"):
+        with pytest.raises(HookError, match="Fp8LinearMethod: the engine holds block-FP8 "
+                                            "weights but the plan is not block FP8"):
             driver.init()
 
 

@@ -53,19 +53,22 @@ class BenchRank {
     for (int i = 0; i < total; ++i) {
       SS_RETURN_IF_ERROR(Barrier("sharded/" + std::to_string(i)));
       const auto t0 = Clock::now();
-      SS_RETURN_IF_ERROR(session_->Sync(++version_).status());
+      SS_ASSIGN_OR_RETURN(res_.report, session_->Sync(++version_));
       Record(res_.bench.sharded, i, t0);
     }
     bool verified = true;
     if (!who_.is_trainer) verified = VerifyParams("sharded");
     Step();
     // (b) broadcast-all. Parameters are scrambled first so the baseline has to rewrite them.
-    if (!who_.is_trainer) {
+    // Block-FP8 engines have no broadcast-all of their own (the engines' update_weights paths
+    // load bf16 and requantize): `bench --quant` times the bf16 job beside (cmd_bench.cc).
+    const int broadcast_reps = fp8() ? 0 : total;
+    if (!who_.is_trainer && !fp8()) {
       for (auto& b : params_.bindings) {
         std::memset(b.data, 0xA5, NumElements(b.shape) * ws_);
       }
     }
-    for (int i = 0; i < total; ++i) {
+    for (int i = 0; i < broadcast_reps; ++i) {
       SS_RETURN_IF_ERROR(Barrier("broadcast/" + std::to_string(i)));
       const auto t0 = Clock::now();
       if (rank_ == 0) {
@@ -75,7 +78,7 @@ class BenchRank {
       }
       Record(res_.bench.broadcast, i, t0);
     }
-    if (!who_.is_trainer) verified = VerifyParams("broadcast") && verified;
+    if (!who_.is_trainer && !fp8()) verified = VerifyParams("broadcast") && verified;
     Step();
     // (c) raw transfers of the plan's bytes per (sender, receiver) pair.
     for (int i = 0; i < total; ++i) {
@@ -98,6 +101,7 @@ class BenchRank {
   void Step() {
     if (progress_) progress_();
   }
+  bool fp8() const { return in_.model.quant.has_value(); }
   void Record(std::vector<double>& v, int i, Clock::time_point t0) {
     if (i >= job_.bench_warmup)
       v.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
@@ -148,14 +152,18 @@ class BenchRank {
     opt.connect_timeout = job_.timeout;
     opt.sync_timeout = job_.timeout;
     // The broadcast baseline needs trainer 0 <-> every engine rank.
-    if (rank_ == 0) {
+    if (fp8()) {
+    } else if (rank_ == 0) {
       for (int r = S_; r < world_; ++r) hooks.extra_peers.push_back(r);
     } else if (!who_.is_trainer) {
       hooks.extra_peers.push_back(0);
     }
     hooks.before_transport_connect = [this](Transport& t) -> Status {
       if (who_.is_trainer) return OkStatus();
-      SS_ASSIGN_OR_RETURN(uint32_t a, t.RegisterMemory(bcast_.staging()));
+      uint32_t a = 0;
+      if (!fp8()) {
+        SS_ASSIGN_OR_RETURN(a, t.RegisterMemory(bcast_.staging()));
+      }
       SS_ASSIGN_OR_RETURN(uint32_t b,
                           t.RegisterMemory({raw_.data(), raw_.size(), MemKind::kHost, -1}));
       return store_.Set(Key("regs/" + std::to_string(rank_)),
@@ -170,12 +178,12 @@ class BenchRank {
       int64_t max_msg = 0;
       for (const Message& m : plan.sends) max_msg = std::max(max_msg, m.bytes);
       raw_.assign(std::max<int64_t>(max_msg, 1), 0x5A);
-      if (rank_ == 0) bcast_.SetupSender();
+      if (rank_ == 0 && !fp8()) bcast_.SetupSender();
     } else {
       SS_ASSIGN_OR_RETURN(params_, job_internal::AllocateEngineParams(session_->ExpectedParams(),
                                                                       in_.options.wire_dtype));
       for (const DestBinding& b : params_.bindings) SS_RETURN_IF_ERROR(session_->BindDest(b));
-      bcast_.SetupReceiver(session_->ExpectedParams());
+      if (!fp8()) bcast_.SetupReceiver(session_->ExpectedParams());
       int64_t total = 0;
       for (const Message& m : plan.recvs) {
         SS_RETURN_IF_ERROR(
@@ -195,7 +203,7 @@ class BenchRank {
     };
     if (who_.is_trainer) {
       std::vector<int> dsts;
-      if (rank_ == 0) {
+      if (rank_ == 0 && !fp8()) {
         for (int r = S_; r < world_; ++r) dsts.push_back(r);
       }
       for (const Message& m : plan.sends) dsts.push_back(m.dst);
@@ -205,7 +213,7 @@ class BenchRank {
         if (std::sscanf(regs.c_str(), "%u %u", &a, &b) != 2) {
           return DataLossError("bench: malformed region ids of sync rank " + std::to_string(d));
         }
-        bcast_.SetRemoteStaging(d, a);
+        if (!fp8()) bcast_.SetRemoteStaging(d, a);
         raw_region_[d] = b;
       }
       for (const Message& m : plan.sends) {
@@ -247,7 +255,8 @@ class BenchRank {
     SS_RETURN_IF_ERROR(store_.Set(Key("end/" + std::to_string(rank_)), "1"));
     const auto deadline = Clock::now() + job_.timeout;
     std::vector<int> peers = PlanPeers();
-    if (rank_ == 0) {
+    if (fp8()) {
+    } else if (rank_ == 0) {
       for (int r : EnginePeers()) peers.push_back(r);
     } else if (!who_.is_trainer) {
       peers.push_back(0);
@@ -407,14 +416,15 @@ Result<BenchSummary> SummarizeBench(const LocalJobResult& job) {
   s.sharded_seconds = job_median(&BenchNumbers::sharded);
   s.broadcast_seconds = job_median(&BenchNumbers::broadcast);
   s.raw_seconds = job_median(&BenchNumbers::raw);
-  if (reps == 0 || s.sharded_seconds <= 0 || s.broadcast_seconds <= 0 || s.raw_seconds <= 0) {
+  // A block-FP8 job has no broadcast-all variant (bench.cc): its figures stay 0.
+  if (reps == 0 || s.sharded_seconds <= 0 || s.raw_seconds <= 0) {
     return InternalError("bench: no measured repetitions");
   }
   s.sharded_gbps = s.bytes / s.sharded_seconds / 1e9;
-  s.broadcast_gbps = s.bytes / s.broadcast_seconds / 1e9;
+  s.broadcast_gbps = s.broadcast_seconds > 0 ? s.bytes / s.broadcast_seconds / 1e9 : 0;
   s.raw_transport_gbps = s.bytes / s.raw_seconds / 1e9;
   s.ratio_to_raw = s.sharded_gbps / s.raw_transport_gbps;
-  s.speedup_vs_broadcast = s.broadcast_seconds / s.sharded_seconds;
+  s.speedup_vs_broadcast = s.broadcast_seconds / s.sharded_seconds;  // 0 without broadcast
   s.raw_nccl_seconds = job_median(&BenchNumbers::raw_nccl);
   if (s.raw_nccl_seconds > 0) s.ratio_to_raw_nccl = s.raw_nccl_seconds / s.sharded_seconds;
   return s;

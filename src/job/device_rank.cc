@@ -11,12 +11,14 @@
 
 #include "job/internal.h"
 #include "job/launcher.h"
+#include "shardsync/fp8_plan.h"
 #include "shardsync/gpu.h"
 #include "shardsync/refengine.h"
 #include "shardsync/safetensors.h"
 #include "shardsync/shard_map.h"
 #include "shardsync/synthetic.h"
 #include "shardsync/transport.h"
+#include "sync/fp8_outline.h"
 #include "sync/internal.h"
 
 namespace shardsync {
@@ -126,7 +128,7 @@ Status DeviceRank::Setup(bool bench) {
   opt.sync_timeout = job_.timeout;
   opt.packer = packer_.get();
   const auto t0 = Clock::now();
-  if (bench) {
+  if (bench && !in_.model.quant) {  // block FP8: no broadcast-all (bench.cc says why)
     SS_RETURN_IF_ERROR(SetupBroadcast());
     if (rank_ == 0) {
       for (int r = S_; r < world_; ++r) hooks.extra_peers.push_back(r);
@@ -150,7 +152,12 @@ Status DeviceRank::Setup(bool bench) {
     routes += (routes.empty() ? "" : " ") + std::to_string(m.dst) + ":" + tx_.PeerTransport(m.dst);
   }
   res_.routes = routes;
-  if (bench && rank_ == 0) {
+  if (bench && rank_ == 0 && in_.model.quant) {
+    // The ceiling of a block-FP8 sync is its memory bound: cudaMemcpy of half the bytes it must
+    // read and write moves exactly that many through HBM.
+    SS_ASSIGN_OR_RETURN(Fp8PlanSummary sum, SummarizeFp8Plan(in_));
+    total_bytes_ = (sum.bound_read_bytes + sum.bound_write_bytes) / 2;
+  } else if (bench && rank_ == 0) {
     SS_ASSIGN_OR_RETURN(PlanSummary sum, SummarizePlan(in_));
     for (const auto& e : sum.engine_ranks) total_bytes_ += e.owned_bytes;
     for (int e = S_; e < world_; ++e) {
@@ -249,7 +256,7 @@ Status DeviceRank::AllocEngine() {
   int64_t total = 0;
   for (const EngineParam& p : session_->ExpectedParams()) {
     offsets_.push_back(total);
-    total = Align(total + p.numel() * DTypeSize(wd));
+    total = Align(total + p.numel() * DTypeSize(sync_internal::Fp8DestDType(p, wd)));
   }
   SS_ASSIGN_OR_RETURN(buf_, gpu::DeviceBuffer::Allocate(std::max<int64_t>(total, 1), device_));
   SS_RETURN_IF_ERROR(Scramble());
@@ -257,7 +264,7 @@ Status DeviceRank::AllocEngine() {
   for (size_t i = 0; i < params.size(); ++i) {
     DestBinding b{params[i].name,
                   static_cast<unsigned char*>(buf_->data()) + offsets_[i],
-                  wd,
+                  sync_internal::Fp8DestDType(params[i], wd),
                   params[i].shape,
                   MemKind::kCuda,
                   device_};
@@ -280,6 +287,7 @@ Status DeviceRank::Verify(const char* after) {
   int64_t checked = 0, zero_bad = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     const EngineParam& p = params[i];
+    if (p.dtype == DType::kF8E4M3 || job_internal::IsFp8Scale(p)) continue;  // below
     for (const Piece& pc : p.pieces) {
       const Shape& ss = shapes.at(pc.source);
       SS_RETURN_IF_ERROR(gpu::CountSyntheticMismatches(
@@ -305,10 +313,17 @@ Status DeviceRank::Verify(const char* after) {
   SS_RETURN_IF_ERROR(SyncStream("element check"));
   uint64_t bad = 0;
   SS_RETURN_IF_ERROR(gpu::CopyToHost(&bad, counter->data(), 8));
+  RankResult fp8;
+  SS_RETURN_IF_ERROR(
+      job_internal::VerifyFp8Device(job_, params, dests_, device_, stream_->handle(), fp8));
+  checked += fp8.elements_checked;
+  bad += static_cast<uint64_t>(fp8.element_mismatches);
   res_.elements_checked += checked;
   res_.element_mismatches += static_cast<int64_t>(bad) + zero_bad;
   if (bad + zero_bad > 0) {
-    if (res_.first_mismatch.empty()) res_.first_mismatch = std::string("after ") + after;
+    if (res_.first_mismatch.empty()) {
+      res_.first_mismatch = std::string("after ") + after + ": " + fp8.first_mismatch;
+    }
     return DataLossError("sync rank " + std::to_string(rank_) + ": " +
                          std::to_string(bad + zero_bad) + " of " + std::to_string(checked) +
                          " elements differ from the HF values after " + after);
@@ -359,14 +374,16 @@ Status DeviceRank::RunBench() {
     SS_RETURN_IF_ERROR(Scramble());  // the baseline must rewrite every byte
   }
   Step();
-  for (int i = 0; i < total; ++i) {  // (b) broadcast-all
+  for (int i = 0; i < (in_.model.quant ? 0 : total); ++i) {  // (b) broadcast-all
     SS_RETURN_IF_ERROR(Barrier("broadcast/" + std::to_string(i)));
     const auto t0 = Clock::now();
     if (rank_ == 0) SS_RETURN_IF_ERROR(BroadcastSend());
     if (!who_.is_trainer) SS_RETURN_IF_ERROR(BroadcastReceive());
     Record(res_.bench.broadcast, i, t0);
   }
-  if (!who_.is_trainer && job_.verify) SS_RETURN_IF_ERROR(Verify("broadcast-all"));
+  if (!who_.is_trainer && job_.verify && !in_.model.quant) {
+    SS_RETURN_IF_ERROR(Verify("broadcast-all"));
+  }
   full_.reset();  // the ceilings' buffers take their place (32B: 64 GiB on trainer 0's GPU)
   slots_.reset();
   slices_.clear();

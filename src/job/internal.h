@@ -59,9 +59,23 @@ Status CheckFloatDType(DType t, std::string_view field);
 Result<TrainerShards> FillTrainerShards(const JobSpec& job, int trainer_rank);
 // Parameters in `dtype`, filled with a garbage pattern (0xA5).
 Result<EngineParams> AllocateEngineParams(const std::vector<EngineParam>& expected, DType dtype);
-// Element-by-element comparison with the synthetic HF values; adds to out's counters.
+// Element-by-element comparison with the synthetic HF values; adds to out's counters. Block-FP8
+// weights and their scales are compared with the quantizer's output for the trainer's values
+// (VerifyFp8Param).
 void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& params,
                         const std::vector<DestBinding>& bound, RankResult& out);
+// The e4m3 weight params[i] and its weight_scale_inv (found by name) against fp8.h's quantizer
+// applied to the synthetic values as the trainer holds them (trainer dtype), piece by piece:
+// every byte and every scale, bit for bit (fp8_verify.cc).
+void VerifyFp8Param(const JobSpec& job, const std::vector<EngineParam>& params, size_t i,
+                    const std::vector<DestBinding>& bound, RankResult& out);
+// True for the weight_scale_inv of a block-FP8 weight (checked with its weight).
+bool IsFp8Scale(const EngineParam& p);
+// Device mode: every block-FP8 weight and scale of an engine rank's parameters (`dests`, device
+// memory) against the GPU quantizer on the trainer's values (device_fp8.cc); adds to out.
+Status VerifyFp8Device(const JobSpec& job, const std::vector<EngineParam>& params,
+                       const std::vector<DestBinding>& dests, int device, void* stream,
+                       RankResult& out);
 
 // The environment of the local launcher's `shardsync run` children: the parent's less its launch
 // contract, plus the job's (store, world, token, the launch's SHARDSYNC_JOB_ID) and, every rank

@@ -8,6 +8,7 @@
 
 #include "job/internal.h"
 #include "job/launcher.h"
+#include "shardsync/fp8_plan.h"
 #include "shardsync/gpu.h"
 #include "shardsync/transport.h"
 
@@ -50,6 +51,12 @@ std::vector<std::string> JobSpecToArgs(const JobSpec& job) {
     a.push_back(job.device);
     a.push_back("--gpus");
     a.push_back(std::to_string(job.gpus));
+  }
+  // The child re-reads config.json: say what the engine weights are either way, so a flag that
+  // overrode or dropped a quantization_config reaches it.
+  if (!in.model.quant || in.model.quant->origin == "--quant") {
+    a.push_back("--quant");
+    a.push_back(in.model.quant ? "fp8-block128" : "none");
   }
   if (!job.verify) a.push_back("--no-verify");
   if (!job.dump_dir.empty()) {
@@ -154,6 +161,9 @@ namespace {
 // The flags that define the plan (--model ... --bucket-bytes), in the order they are checked.
 Status PlanInputsFromFlags(const JobFlags& f, PlanInputs& in) {
   SS_ASSIGN_OR_RETURN(in.model, LoadModelSpec(f.model));  // errors name --model
+  if (!f.quant.empty()) {
+    SS_ASSIGN_OR_RETURN(in.model.quant, ParseQuantFlag(f.quant));  // errors name --quant
+  }
   SS_ASSIGN_OR_RETURN(EngineKind engine, ParseEngineKind(f.engine, "--engine"));
   // The parsers name the flag (--trainer ..., --rollout ...).
   SS_ASSIGN_OR_RETURN(in.trainer, ParseTrainerSpec(f.trainer));
@@ -275,8 +285,21 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
   if (f.prefix.empty()) return InvalidArgumentError("--prefix: must not be empty");
   job.prefix = f.prefix;
   job.dump_dir = f.dump_dir;
-  // The plan must exist: fail here, naming the field, rather than in every rank.
-  SS_RETURN_IF_ERROR(SummarizePlan(in).status());
+  // The plan must exist: fail here, naming the field (for block FP8: a layout off the 128 grid
+  // names the tensor), rather than in every rank.
+  if (in.model.quant) {
+    SS_ASSIGN_OR_RETURN(Fp8PlanSummary fp8, SummarizeFp8Plan(in));
+    if (job.device == "cuda" && fp8.staged_bands > 0) {
+      // Device pairs quantize whole blocks on the sender (sync/fp8_pairs.cc).
+      return InvalidArgumentError(
+          "--trainer " + in.trainer.ToString() + ": " + std::to_string(fp8.staged_bands) +
+          " bands of block-FP8 weights straddle trainer ranks (FSDP chunks off the 128-row "
+          "grid; `shardsync plan` lists them), which --device cuda does not quantize yet; choose "
+          "an FSDP size whose chunks fall on the grid, or --device cpu");
+    }
+  } else {
+    SS_RETURN_IF_ERROR(SummarizePlan(in).status());
+  }
   return job;
 }
 

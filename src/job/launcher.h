@@ -67,6 +67,9 @@ struct JobFlags {
   std::string dump_dir;
   std::string device = "cpu";  // cpu | cuda
   int gpus = 0;
+  // Engine weights: "fp8-block128" (block FP8, overriding the config's quantization_config),
+  // "none" (the model dtype, dropping it), "" (as the config says).
+  std::string quant;
 };
 // Validates and resolves the flags; errors name the flag. --transport auto resolves to "shm"
 // when every rank runs on this host (`all_local`: demo, bench), else to DefaultTransport().

@@ -18,6 +18,7 @@
 #include "shardsync/shard_map.h"
 #include "shardsync/synthetic.h"
 #include "shardsync/transport.h"
+#include "sync/fp8_outline.h"
 
 namespace shardsync {
 
@@ -151,11 +152,13 @@ Result<TrainerShards> FillTrainerShards(const JobSpec& job, int trainer_rank) {
 Result<EngineParams> AllocateEngineParams(const std::vector<EngineParam>& expected, DType dtype) {
   EngineParams e;
   for (const EngineParam& p : expected) {
-    const int64_t bytes = p.numel() * DTypeSize(dtype);
+    // Block-FP8 weights and scales in their own dtypes; everything else lands wire bytes.
+    const DType t = sync_internal::Fp8DestDType(p, dtype);
+    const int64_t bytes = p.numel() * DTypeSize(t);
     // Garbage, not zeros: a byte the sync forgets must show up in the element check.
     auto buf = std::make_unique<unsigned char[]>(bytes);
     std::memset(buf.get(), 0xA5, bytes);
-    e.bindings.push_back({p.name, buf.get(), dtype, p.shape, MemKind::kHost, -1});
+    e.bindings.push_back({p.name, buf.get(), t, p.shape, MemKind::kHost, -1});
     e.buffers.push_back(std::move(buf));
   }
   return e;
@@ -186,6 +189,8 @@ void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& para
   std::vector<unsigned char> expect(kChunk * ws);
   for (size_t i = 0; i < params.size(); ++i) {
     const EngineParam& p = params[i];
+    if (p.dtype == DType::kF8E4M3) VerifyFp8Param(job, params, i, bound, out);
+    if (p.dtype == DType::kF8E4M3 || IsFp8Scale(p)) continue;
     const auto* base = static_cast<const unsigned char*>(bound[i].data);
     for (const Piece& pc : p.pieces) {
       const Shape& src_shape = shapes.at(pc.source);

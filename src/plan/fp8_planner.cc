@@ -370,6 +370,39 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
 
 }  // namespace plan_internal
 
+namespace {
+
+Message OutlineOf(const Fp8Message& f) {
+  Message m;
+  m.src = f.src;
+  m.dst = f.dst;
+  m.bytes = f.bytes;
+  m.buckets = f.buckets;
+  m.ops.reserve(f.ops.size());
+  for (const Fp8Op& op : f.ops) {
+    TransferOp t;
+    t.tensor = op.tensor;
+    t.param = op.param;
+    t.src = op.src;
+    t.dst = op.dst;
+    t.wire_offset = op.wire_offset;
+    t.bytes = op.bytes;
+    m.ops.push_back(t);
+  }
+  return m;
+}
+
+}  // namespace
+
+RankPlan Fp8PlanOutline(const Fp8RankPlan& fp8) {
+  RankPlan p;
+  p.rank = fp8.rank;
+  p.plan_hash = fp8.plan_hash;
+  for (const Fp8Message& m : fp8.sends) p.sends.push_back(OutlineOf(m));
+  for (const Fp8Message& m : fp8.recvs) p.recvs.push_back(OutlineOf(m));
+  return p;
+}
+
 Result<Fp8RankPlan> PlanFp8ForRank(const PlanInputs& in, int sync_rank) {
   SS_RETURN_IF_ERROR(DescribeSyncRank(in, sync_rank));
   SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::Fp8Context::Build(in));

@@ -1,6 +1,7 @@
 // Public planner API: builds the shard map and inventory, then plans over the context.
 #include <chrono>
 
+#include "plan/fp8_planner.h"
 #include "plan/planner.h"
 
 namespace shardsync {
@@ -35,6 +36,9 @@ Result<PlanSummary> SummarizePlan(const PlanInputs& in) {
 }
 
 Status ValidatePlanInputs(const PlanInputs& in) {
+  // Block FP8: the FP8 planner's checks, the 128 grid of every quantized piece included (builds
+  // the shard map: milliseconds).
+  if (in.model.quant) return plan_internal::Fp8Context::Build(in).status();
   SS_RETURN_IF_ERROR(plan_internal::CheckPlanOptions(in));
   // What BuildShardMap checks before it builds anything: every divisibility the engine asserts
   // and every stage's layer range, without materialising the map.

@@ -90,11 +90,11 @@ Status CheckPlanOptions(const PlanInputs& in) {
 Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
                                        std::vector<HfTensor> inventory) {
   if (in.model.quant) {
-    // Block-FP8 engine weights are planned by fp8_planner.cc (PlanFp8ForRank); this planner's ops
-    // are plain copies and would land the wrong bytes.
+    // Block-FP8 engine weights are planned by fp8_planner.cc (PlanFp8ForRank, which the sync
+    // sessions replay); this planner's ops are plain copies and would land the wrong bytes.
     return UnimplementedError(fmt::format(
-        "model '{}' has block-FP8 engine weights ({} from {}): the sync sessions do not move FP8 "
-        "yet (PlanFp8ForRank plans them; `shardsync plan` shows the plan)",
+        "model '{}' has block-FP8 engine weights ({} from {}): its plan is a block-FP8 plan "
+        "(PlanFp8ForRank / SummarizeFp8Plan, which SyncSession uses), not a bf16 copy plan",
         in.model.name, QuantConfigToString(*in.model.quant), in.model.quant->origin));
   }
   PlanContext c;

@@ -32,6 +32,7 @@ class Bindings {
   const std::vector<TrainerParam>& expected_sources() const { return trainer_.params; }
   // The binding of HF tensor `tensor` (trainer) / of parameter `param` (engine).
   const SourceBinding& source(int tensor) const { return sources_.at(tensor); }
+  bool has_source(int tensor) const { return sources_.count(tensor) > 0; }
   // Where a sender reads op `i` of message `m`: the bound memory, its dtype and row-major shape,
   // the op's region inside it, and `id` naming that memory for direct transfers (WireRun::tensor:
   // the HF tensor, or for Megatron senders the local parameter).

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/trace.h"
+#include "shardsync/fp8_plan.h"
 #include "shardsync/session.h"
 #include "sync/internal.h"
 #include "sync/watched_store.h"
@@ -21,7 +22,7 @@ using Clock = std::chrono::steady_clock;
 
 struct SessionContext {
   SessionContext(PlanInputs inputs, int r, SyncRank w, RankPlan p, StoreClient& s, Transport& t,
-                 SessionOptions o, LaunchId l)
+                 SessionOptions o, LaunchId l, std::shared_ptr<const Fp8RankPlan> f = nullptr)
       : in(std::move(inputs)),
         rank(r),
         who(w),
@@ -32,7 +33,8 @@ struct SessionContext {
         opt(std::move(o)),
         launch(std::move(l)),
         inventory(HfTensorInventory(in.model)),
-        world(SyncWorldSize(in)) {
+        world(SyncWorldSize(in)),
+        fp8(std::move(f)) {
     if (opt.packer == nullptr) {
       own_packer = MakeCpuPacker();
       packer = own_packer.get();
@@ -61,6 +63,9 @@ struct SessionContext {
   const LaunchId launch;  // this rank's launch (SessionOptions::job_id or the environment)
   const std::vector<HfTensor> inventory;
   const int world;
+  // Block-FP8 models (ModelSpec::quant): the rank's FP8 plan, which the fp8_* parts replay; `plan`
+  // is then its outline (fp8_plan.h Fp8PlanOutline). Null for bf16 models.
+  const std::shared_ptr<const Fp8RankPlan> fp8;
   std::unique_ptr<Packer> own_packer;
   Packer* packer = nullptr;
   // The job this rank joined (JobIdentity::Join): its key namespace and its nonce, which control

@@ -46,6 +46,9 @@ class PreparedPairs {
 
  private:
   using Pairs = std::vector<std::unique_ptr<PreparedPair>>;
+  // Prepare for block-FP8 plans (fp8_pairs.cc): quantize ops as PairBucket::quantize.
+  Status PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
+                    const std::map<int, uint32_t>& regbase, Clock::time_point deadline);
   // Whether the pair with `peer` runs as a prepared pair (see Prepare).
   bool Prepared(int peer, int mem) const;
   std::string PairKey(int src, int dst) const;

@@ -16,6 +16,9 @@
 #include "sync/bindings.h"
 #include "sync/connect.h"
 #include "sync/context.h"
+#include "sync/fp8_outline.h"
+#include "sync/fp8_recv.h"
+#include "sync/fp8_send.h"
 #include "sync/guard.h"
 #include "sync/host_recv.h"
 #include "sync/host_send.h"
@@ -33,9 +36,10 @@ using sync_internal::Trace;
 class SessionImpl final : public SyncSession {
  public:
   SessionImpl(PlanInputs in, int rank, SyncRank who, RankPlan plan, StoreClient& store,
-              Transport& tx, SessionOptions opt, LaunchId launch, sync_internal::HarnessHooks hooks)
+              Transport& tx, SessionOptions opt, LaunchId launch, sync_internal::HarnessHooks hooks,
+              std::shared_ptr<const Fp8RankPlan> fp8)
       : ctx_(std::move(in), rank, who, std::move(plan), store, tx, std::move(opt),
-             std::move(launch)),
+             std::move(launch), std::move(fp8)),
         hooks_(std::move(hooks)),
         identity_(ctx_),
         bindings_(ctx_),
@@ -44,7 +48,9 @@ class SessionImpl final : public SyncSession {
         verdicts_(ctx_, guard_),
         sender_(ctx_, guard_),
         pairs_(ctx_, guard_),
-        receiver_(ctx_, guard_) {}
+        receiver_(ctx_, guard_),
+        fp8_sender_(ctx_, guard_),
+        fp8_receiver_(ctx_, guard_) {}
   ~SessionImpl() override { identity_.Leave(); }
 
   Status Init() { return bindings_.Init(); }
@@ -120,8 +126,13 @@ class SessionImpl final : public SyncSession {
     SS_RETURN_IF_ERROR(pairs_.Prepare(bindings_, shapes_, regbase, deadline));
     SS_RETURN_IF_ERROR(verdicts_.Open(deadline));
     guard_.set_board(verdicts_.board());
-    SS_RETURN_IF_ERROR(sender_.Prepare(bindings_, shapes_, pairs_, std::move(regbase)));
-    SS_RETURN_IF_ERROR(receiver_.Prepare(bindings_, pairs_));
+    if (ctx_.fp8) {  // block FP8: the host path replays the FP8 plan
+      SS_RETURN_IF_ERROR(fp8_sender_.Prepare(bindings_, pairs_));
+      SS_RETURN_IF_ERROR(fp8_receiver_.Prepare(bindings_, pairs_));
+    } else {
+      SS_RETURN_IF_ERROR(sender_.Prepare(bindings_, shapes_, pairs_, std::move(regbase)));
+      SS_RETURN_IF_ERROR(receiver_.Prepare(bindings_, pairs_));
+    }
     // 6. Nobody contested the job while it connected (identity.h): it is whole.
     SS_RETURN_IF_ERROR(identity_.Seal(guard_, deadline));
     connected_ = true;
@@ -252,8 +263,10 @@ class SessionImpl final : public SyncSession {
           [&] { return std::to_string(ready.size()) + " ready keys in"; });
     // Prepared pairs (device memory) go first: their device work overlaps the host path below.
     SS_RETURN_IF_ERROR(pairs_.PostSends([&](size_t mi) { return !signals(mi); }));
-    if (sender_.has_buckets()) SS_RETURN_IF_ERROR(enter());
-    SS_RETURN_IF_ERROR(sender_.Send(st));
+    if (ctx_.fp8 ? fp8_sender_.has_buckets() : sender_.has_buckets()) {
+      SS_RETURN_IF_ERROR(enter());
+    }
+    SS_RETURN_IF_ERROR(ctx_.fp8 ? fp8_sender_.Send(st) : sender_.Send(st));
     SS_RETURN_IF_ERROR(pairs_.FinishSends(st, enter));
     SS_RETURN_IF_ERROR(enter());
     // A send can complete here while its protocol tail (e.g. a rendezvous put's completion
@@ -284,7 +297,7 @@ class SessionImpl final : public SyncSession {
     SS_RETURN_IF_ERROR(ctx_.store.SetMany(
         {{ctx_.Key("cur/" + std::to_string(ctx_.rank)), std::to_string(guard_.version())},
          {ctx_.Key(guard_.VKey("ready/") + std::to_string(ctx_.rank)), "1"}}));
-    SS_RETURN_IF_ERROR(receiver_.Receive(st));
+    SS_RETURN_IF_ERROR(ctx_.fp8 ? fp8_receiver_.Receive(st) : receiver_.Receive(st));
     SS_RETURN_IF_ERROR(pairs_.FinishRecvs(st, bindings_));
     // Completing a receive can leave protocol messages to the sender (e.g. a rendezvous ack)
     // queued on this side; flush them out before this rank stops driving the transport.
@@ -308,6 +321,8 @@ class SessionImpl final : public SyncSession {
   sync_internal::HostSender sender_;
   sync_internal::PreparedPairs pairs_;
   sync_internal::HostReceiver receiver_;
+  sync_internal::Fp8HostSender fp8_sender_;
+  sync_internal::Fp8HostReceiver fp8_receiver_;
   bool connected_ = false;
   bool poisoned_ = false;
   uint64_t last_good_ = 0;
@@ -321,7 +336,16 @@ Result<std::unique_ptr<SyncSession>> sync_internal::CreateHarnessSession(
     const PlanInputs& inputs, int rank, StoreClient& store, Transport& transport,
     SessionOptions options, HarnessHooks hooks) {
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(inputs, rank));
-  SS_ASSIGN_OR_RETURN(RankPlan plan, PlanForRank(inputs, rank));
+  RankPlan plan;
+  std::shared_ptr<const Fp8RankPlan> fp8;
+  if (inputs.model.quant) {
+    // Block-FP8 engine weights: the FP8 plan, and its outline for the parts both kinds share.
+    SS_ASSIGN_OR_RETURN(Fp8RankPlan f, PlanFp8ForRank(inputs, rank));
+    fp8 = std::make_shared<const Fp8RankPlan>(std::move(f));
+    plan = Fp8PlanOutline(*fp8);
+  } else {
+    SS_ASSIGN_OR_RETURN(plan, PlanForRank(inputs, rank));
+  }
   LaunchId launch;
   if (options.job_id) {
     SS_RETURN_IF_ERROR(CheckJobId(*options.job_id, "job_id"));
@@ -330,7 +354,8 @@ Result<std::unique_ptr<SyncSession>> sync_internal::CreateHarnessSession(
     SS_ASSIGN_OR_RETURN(launch, LaunchIdFromEnvironment());
   }
   auto s = std::make_unique<SessionImpl>(inputs, rank, who, std::move(plan), store, transport,
-                                         std::move(options), std::move(launch), std::move(hooks));
+                                         std::move(options), std::move(launch), std::move(hooks),
+                                         std::move(fp8));
   SS_RETURN_IF_ERROR(s->Init());
   return std::unique_ptr<SyncSession>(std::move(s));
 }

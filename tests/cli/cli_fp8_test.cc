@@ -1,6 +1,6 @@
 // Block FP8 on the command line: a config's quantization_config and `--quant` are honoured
-// (shards, plan, generate) or refused (demo, bench, run: the sessions do not move FP8 yet; other
-// quantization methods), never ignored.
+// (shards, plan, generate, demo, bench, run) or refused (other quantization methods, layouts the
+// engines refuse), never ignored.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -119,6 +119,48 @@ TEST(CliFp8, GenerateShardedMatchesUnshardedOnFp8Weights) {
   EXPECT_NE(json::parse(none.out)["logits"], a["logits"]);
 }
 
+// Issue 25's CPU proof: an FP8 sync through real sessions (one process per rank, shm) lands
+// every e4m3 byte and scale as the quantizer computes them from the trainer's values, and the
+// sharded FP8 engine generates the unsharded FP8 reference's tokens.
+TEST(CliFp8, DemoSyncsBlockFp8AndGenerationMatches) {
+  for (const char* quant : {"", "fp8-block128"}) {
+    SCOPED_TRACE(quant);
+    std::vector<std::string> args = {"demo",   "--model",   "{DIR}/fp8/config.json", "--trainer",
+                                     "fsdp=4", "--rollout", "dp=1,tp=2,pp=1",        "--json"};
+    if (*quant) args.insert(args.end(), {"--quant", quant});
+    const json j = json::parse(Ok(args).out);
+    EXPECT_TRUE(j["verified"].get<bool>());
+    EXPECT_TRUE(j["generation_match"].get<bool>());
+    EXPECT_EQ(j["tokens"], j["reference_tokens"]);
+    EXPECT_EQ(j["element_mismatches"], 0);
+    EXPECT_GT(j["elements_checked"].get<int64_t>(), 0);
+    EXPECT_EQ(j["checksums_ok"], j["checksums_total"]);
+    EXPECT_EQ(j["quant"]["origin"], *quant ? "--quant" : "quantization_config");
+    EXPECT_GT(j["quant"]["sender_quantized_elements"].get<int64_t>(), 0);
+  }
+  // --quant none drops the config's quantization_config in every rank process: a bf16 sync.
+  const json none = json::parse(
+      Ok({"demo", "--model", "{DIR}/fp8/config.json", "--trainer", "fsdp=2", "--rollout",
+          "dp=1,tp=2,pp=1", "--gen-tokens", "0", "--quant", "none", "--json"})
+          .out);
+  EXPECT_TRUE(none["verified"].get<bool>());
+  EXPECT_FALSE(none.contains("quant"));
+}
+
+TEST(CliFp8, BenchTimesFp8NextToBf16) {
+  const json j =
+      json::parse(Ok({"bench", "--model", "{DIR}/fp8/config.json", "--trainer", "fsdp=2",
+                      "--rollout", "dp=1,tp=2,pp=1", "--warmup", "0", "--reps", "1", "--json"})
+                      .out);
+  EXPECT_TRUE(j["verified"].get<bool>());
+  EXPECT_GT(j["fp8_seconds"].get<double>(), 0);
+  EXPECT_GT(j["bf16_seconds"].get<double>(), 0);
+  EXPECT_GT(j["ceiling_seconds"].get<double>(), 0);
+  EXPECT_EQ(j["ceiling"], "raw_transport");
+  EXPECT_EQ(j["element_mismatches"], 0);
+  EXPECT_GT(j["quant"]["bound_write_bytes"].get<int64_t>(), 0);
+}
+
 TEST(CliFp8, RefusalsNameTheFieldOrFlag) {
   const std::string fp8 = "{DIR}/fp8/config.json";
   // Other quantization methods, for every command that reads a config.
@@ -139,17 +181,17 @@ TEST(CliFp8, RefusalsNameTheFieldOrFlag) {
   ExpectRefused({"plan", "--model", "{DIR}/tiny/config.json", "--trainer", "fsdp=2", "--rollout",
                  "dp=1,tp=2,pp=1", "--quant", "fp8-block128"},
                 {"qkv_proj.weight", "not divisible"});
-  // Syncing FP8 is not wired into the sessions yet: refused, not synced as bf16.
-  ExpectRefused({"demo", "--model", fp8, "--trainer", "fsdp=2", "--rollout", "dp=1,tp=2,pp=1"},
-                {"demo", "block-FP8", "quantization_config"});
+  // The sync commands refuse the same layouts at plan time, naming the tensor, before any rank
+  // starts.
   ExpectRefused({"demo", "--model", "{DIR}/tiny/config.json", "--quant", "fp8-block128"},
-                {"--quant", "block-FP8"});
-  ExpectRefused({"bench", "--model", fp8, "--trainer", "fsdp=2", "--rollout", "dp=1,tp=2,pp=1"},
-                {"bench", "block-FP8"});
-  ExpectRefused({"bench", "--model", fp8, "--quant", "none"}, {"--quant none", "config.json"});
-  ExpectRefused({"run", "--model", fp8, "--trainer", "fsdp=2", "--rollout", "dp=1,tp=2,pp=1",
-                 "--role", "trainer", "--rank", "0"},
-                {"run", "block-FP8"});
+                {"qkv_proj.weight", "block_n = 128"});
+  ExpectRefused({"bench", "--model", "{DIR}/tiny/config.json", "--rollout", "dp=1,tp=2,pp=1",
+                 "--quant", "fp8-block128"},
+                {"qkv_proj.weight", "not divisible"});
+  ExpectRefused({"run", "--model", "{DIR}/tiny/config.json", "--trainer", "fsdp=2", "--rollout",
+                 "dp=1,tp=2,pp=1", "--quant", "fp8-block128", "--role", "trainer", "--rank", "0"},
+                {"qkv_proj.weight"});
+  ExpectRefused({"demo", "--model", fp8, "--quant", "fp8"}, {"--quant"});
   ExpectRefused({"plan", "--model", fp8, "--trainer", "fsdp=2", "--rollout", "dp=1,tp=2,pp=1",
                  "--svg", "{DIR}/out/fp8.svg"},
                 {"--svg"});

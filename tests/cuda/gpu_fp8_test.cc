@@ -142,6 +142,135 @@ TEST(GpuFp8, QuantizePackMatchesTheCpuBitForBit) {
   EXPECT_GT(want_nonfinite, 0);  // the f16 source holds a NaN inside op 4
 }
 
+// The prepared pack of cuda_ipc's block-FP8 pairs (BatchSpec::quantize): e4m3 rows and scales
+// written into strided destinations (another tensor's rows, as in a peer's parameter), each word
+// summed as packed and as read back through the "receiver's" map, beside a copy run in the compact
+// copy image; a NaN is counted, a misplaced map changes the landed sum.
+TEST(GpuFp8, PreparedBatchQuantizesIntoStridedDestinations) {
+  SS_REQUIRE_GPU();
+  const Source a = MakeSource(DType::kF32, 384, 512, 4), b = MakeSource(DType::kBF16, 256, 1024, 5);
+  struct Op {
+    const Source* s;
+    int64_t r0, c0, rows, cols;  // of the source
+    int64_t wr, wc, sr, sc;      // where the e4m3 rows / the scales start in the destinations
+  } ops[] = {{&a, 0, 0, 384, 512, 10, 128, 1, 1}, {&b, 128, 256, 128, 768, 400, 0, 4, 0}};
+  const int64_t W = 1024, WR = 600, SC = 8, SR = 6;  // destinations: e4m3 [600, 1024], f32 [6, 8]
+  std::vector<std::unique_ptr<DeviceBuffer>> dsrc;
+  for (const Source* s : {&a, &b}) {
+    SS_ASSERT_OK_AND_ASSIGN(auto d, DeviceBuffer::Allocate(s->host.size(), 0));
+    SS_ASSERT_OK(CopyToDevice(d->data(), s->host.data(), s->host.size()));
+    dsrc.push_back(std::move(d));
+  }
+  SS_ASSERT_OK_AND_ASSIGN(auto dw, DeviceBuffer::Allocate(WR * W, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto ds, DeviceBuffer::Allocate(SR * SC * 4, 0));
+  SS_ASSERT_OK(Memset(dw->data(), 0xcd, WR * W));
+  SS_ASSERT_OK(Memset(ds->data(), 0xcd, SR * SC * 4));
+  // A copy of 1000 bf16 values into a third buffer: the compact copy image.
+  const int64_t n_copy = 1000;
+  std::vector<uint16_t> copy_src(n_copy);
+  for (int64_t i = 0; i < n_copy; ++i) copy_src[i] = static_cast<uint16_t>(i * 7919);
+  SS_ASSERT_OK_AND_ASSIGN(auto dcs, DeviceBuffer::Allocate(n_copy * 2, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto dcd, DeviceBuffer::Allocate(n_copy * 2, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto lsum, DeviceBuffer::Allocate(8, 0));
+  SS_ASSERT_OK(CopyToDevice(dcs->data(), copy_src.data(), n_copy * 2));
+  SS_ASSERT_OK(Memset(lsum->data(), 0, 8));
+  BatchSpec spec;
+  spec.mode = BatchMode::kPack;
+  spec.in_dtype = spec.out_dtype = DType::kBF16;
+  CopyRun run;
+  run.in = dcs->data();
+  run.out = dcd->data();
+  run.row_elems = n_copy;
+  spec.runs.push_back(run);
+  CopyRun landed = run;
+  landed.in = dcd->data();
+  spec.landed_runs.push_back(landed);
+  spec.landed_sums.push_back(lsum->data());
+  spec.copy_bytes.push_back(n_copy * 2);
+  std::vector<uint8_t> wire;  // the CPU quantize-pack of both ops, in one wire image
+  uint64_t want = ChecksumPartial(copy_src.data(), n_copy * 2, 0);
+  int64_t at = 0;
+  for (const Op& op : ops) {
+    const int es = DTypeSize(op.s->dtype);
+    PackRegion pr{op.s->host.data(),
+                  op.s->dtype,
+                  {op.s->rows, op.s->cols},
+                  Region::Make({op.r0, op.c0}, {op.rows, op.cols}),
+                  at};
+    wire.resize(at + Fp8WireBytes(op.rows, op.cols));
+    auto cpu = Fp8QuantizePack(pr, wire.data() + at);
+    ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
+    want += cpu->sum;
+    Fp8Task t;
+    t.src = static_cast<const uint8_t*>(dsrc[op.s == &a ? 0 : 1]->data()) +
+            (op.r0 * op.s->cols + op.c0) * es;
+    t.dtype = op.s->dtype;
+    t.src_stride = op.s->cols;
+    t.rows = op.rows;
+    t.cols = op.cols;
+    t.weight = static_cast<uint8_t*>(dw->data()) + op.wr * W + op.wc;
+    t.weight_stride = W;
+    t.scales = static_cast<float*>(ds->data()) + op.sr * SC + op.sc;
+    t.scale_stride = SC;
+    t.landed_weight = t.weight;
+    t.landed_weight_stride = W;
+    t.landed_scales = t.scales;
+    t.landed_scale_stride = SC;
+    t.wire_offset = at;
+    spec.quantize.push_back(t);
+    at += Fp8WireBytes(op.rows, op.cols);
+  }
+  spec.bucket_bytes.push_back(at + 4096);  // the copies' bytes, pads: the plan's whole bucket
+  SS_ASSERT_OK_AND_ASSIGN(auto batch, CopyBatch::Prepare(spec, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
+  SS_ASSERT_OK(batch->LaunchSignaled(stream->handle(), 1));
+  SS_ASSERT_OK(stream->Synchronize(Millis(20000), "fp8 batch"));
+  EXPECT_EQ(batch->Signaled(), 1u);
+  // Bytes and scales where the destinations say, nothing else touched.
+  std::vector<uint8_t> hw(WR * W), hs(SR * SC * 4);
+  SS_ASSERT_OK(CopyToHost(hw.data(), dw->data(), hw.size()));
+  SS_ASSERT_OK(CopyToHost(hs.data(), ds->data(), hs.size()));
+  std::vector<uint8_t> ew(WR * W, 0xcd), es(SR * SC * 4, 0xcd);
+  at = 0;
+  for (const Op& op : ops) {
+    for (int64_t r = 0; r < op.rows; ++r) {
+      std::memcpy(&ew[(op.wr + r) * W + op.wc], &wire[at + r * op.cols], op.cols);
+    }
+    const int64_t nbr = Fp8Blocks(op.rows), nbc = Fp8Blocks(op.cols);
+    for (int64_t r = 0; r < nbr; ++r) {
+      std::memcpy(&es[((op.sr + r) * SC + op.sc) * 4], &wire[at + op.rows * op.cols + r * nbc * 4],
+                  nbc * 4);
+    }
+    at += Fp8WireBytes(op.rows, op.cols);
+  }
+  EXPECT_TRUE(hw == ew);
+  EXPECT_TRUE(hs == es);
+  SS_ASSERT_OK_AND_ASSIGN(auto sums, batch->Sums());
+  EXPECT_EQ(sums[0], want);
+  SS_ASSERT_OK_AND_ASSIGN(auto landed_sums, batch->LandedSums());
+  SS_ASSERT_OK_AND_ASSIGN(auto finished, batch->Checksums());
+  EXPECT_EQ(ChecksumFinish(landed_sums[0], spec.bucket_bytes[0]), finished[0]);
+  EXPECT_EQ(batch->NonFinite(), std::vector<int64_t>{0});
+  // A replay with a NaN in op 0's values: counted, its block written as NaN.
+  float nan = std::numeric_limits<float>::quiet_NaN();
+  SS_ASSERT_OK(CopyToDevice(static_cast<uint8_t*>(dsrc[0]->data()) + 4 * (3 * 512 + 9), &nan, 4));
+  SS_ASSERT_OK(batch->LaunchSignaled(stream->handle(), 2));
+  SS_ASSERT_OK(stream->Synchronize(Millis(20000), "fp8 batch"));
+  EXPECT_EQ(batch->Signaled(), 2u);
+  EXPECT_EQ(batch->NonFinite(), std::vector<int64_t>{1});
+  // A map that reads op 1's rows one row off: the landed sum no longer matches.
+  spec.quantize[1].landed_weight = static_cast<const uint8_t*>(spec.quantize[1].weight) + W;
+  SS_ASSERT_OK_AND_ASSIGN(auto off, CopyBatch::Prepare(spec, 0));
+  SS_ASSERT_OK(off->LaunchSignaled(stream->handle(), 1));
+  SS_ASSERT_OK(stream->Synchronize(Millis(20000), "fp8 batch"));
+  SS_ASSERT_OK_AND_ASSIGN(auto off_landed, off->LandedSums());
+  SS_ASSERT_OK_AND_ASSIGN(auto off_sums, off->Checksums());
+  EXPECT_NE(ChecksumFinish(off_landed[0], spec.bucket_bytes[0]), off_sums[0]);
+  // Malformed ops are refused.
+  spec.quantize[1].cols = 764;  // not a multiple of 8
+  EXPECT_EQ(CopyBatch::Prepare(spec, 0).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(GpuFp8, RefusesMalformedTasks) {
   SS_REQUIRE_GPU();
   Fp8QuantizeTask t;

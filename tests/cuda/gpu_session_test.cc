@@ -81,9 +81,8 @@ Status SetUpRank(const JobSpec& job, int r, int gpus, const std::string& hint,
 }
 
 void RunJob(int gpus, const std::string& hint, const std::string& want_cross,
-            const std::string& trainer = "fsdp=2", DType trainer_dtype = DType::kF32) {
-  JobSpec job = testing::Job(testing::TinyQwen2(4), trainer, "dp=1,tp=2,pp=2", "sglang", 16 << 10);
-  job.inputs.trainer_dtype = trainer_dtype;
+            JobSpec job = testing::Job(testing::TinyQwen2(4), "fsdp=2", "dp=1,tp=2,pp=2", "sglang",
+                                       16 << 10)) {
   auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
   ASSERT_TRUE(server.ok());
   const int world = SyncWorldSize(job.inputs);
@@ -139,17 +138,76 @@ TEST(GpuSession, TwoGpusAutoPicksCudaIpcOnOneNode) {
   RunJob(2, "", "cuda_ipc");
 }
 
+JobSpec MegatronJob(const std::string& trainer, DType trainer_dtype) {
+  JobSpec job = testing::Job(testing::TinyQwen2(4), trainer, "dp=1,tp=2,pp=2", "sglang", 16 << 10);
+  job.inputs.trainer_dtype = trainer_dtype;
+  return job;
+}
+
 // Megatron trainers: local parameters in device memory (padded vocab rows garbage), the CUDA
 // packer reading the plan's local regions, cast (f32) or not (bf16).
 TEST(GpuSession, MegatronOneGpuOverCudaIpc) {
   SS_REQUIRE_GPU();
-  RunJob(1, "", "cuda_ipc", "megatron=tp=2,pp=2", DType::kF32);
-  RunJob(1, "", "cuda_ipc", "megatron=tp=2,pp=2,vpp=2", DType::kBF16);
+  RunJob(1, "", "cuda_ipc", MegatronJob("megatron=tp=2,pp=2", DType::kF32));
+  RunJob(1, "", "cuda_ipc", MegatronJob("megatron=tp=2,pp=2,vpp=2", DType::kBF16));
 }
 
 TEST(GpuSession, MegatronTwoGpusOverNccl) {
   SS_REQUIRE_GPUS(2);
-  RunJob(2, "nccl", "nccl", "megatron=tp=2,pp=2,vpp=2", DType::kBF16);
+  RunJob(2, "nccl", "nccl", MegatronJob("megatron=tp=2,pp=2,vpp=2", DType::kBF16));
+}
+
+// A Qwen3 with block-FP8 engine weights whose FSDP chunks at fsdp=2 fall on the 128 grid.
+JobSpec Fp8Job(const std::string& trainer, int64_t intermediate) {
+  JobFlags f;
+  f.model = testing::WriteConfig("qwen3-fp8-" + std::to_string(intermediate),
+                                 R"({
+  "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": )" +
+                                     std::to_string(intermediate) +
+                                     R"(,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 2,
+  "vocab_size": 300, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+  "torch_dtype": "bfloat16"})");
+  f.quant = "fp8-block128";
+  f.trainer = trainer;
+  f.rollout = "dp=1,tp=2,pp=2";
+  f.bucket_bytes = 256 << 10;
+  f.transport = "loopback";
+  return JobSpecFromFlags(f).value();
+}
+
+// Block FP8 over cuda_ipc: the trainer's kernel quantizes straight into the engine's e4m3 and
+// scale parameters; every byte and scale is then checked against the quantizer on the host.
+TEST(GpuSession, OneGpuBlockFp8OverCudaIpc) {
+  SS_REQUIRE_GPU();
+  RunJob(1, "", "cuda_ipc", Fp8Job("fsdp=2", 512));
+}
+
+// Bands straddling trainer ranks need a staging pass device pairs do not have: refused at
+// Connect naming the tensor, not synced wrong.
+TEST(GpuSession, BlockFp8StagedBandsAreRefusedOnDevicePairs) {
+  SS_REQUIRE_GPU();
+  JobSpec job = Fp8Job("fsdp=4", 768);  // gate/up: 192 rows per trainer rank
+  auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
+  ASSERT_TRUE(server.ok());
+  const int world = SyncWorldSize(job.inputs);
+  std::vector<DeviceRank> ranks(world);
+  std::vector<Status> st(world);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < world; ++r) {
+    ts.emplace_back([&, r] { st[r] = SetUpRank(job, r, 1, "", (*server)->address(), ranks[r]); });
+  }
+  for (auto& t : ts) t.join();
+  int named = 0;
+  for (int r = 0; r < world; ++r) {
+    EXPECT_FALSE(st[r].ok()) << "rank " << r;
+    if (st[r].code() == StatusCode::kUnimplemented &&
+        st[r].message().find("share 128-row blocks") != std::string::npos &&
+        st[r].message().find("_proj.weight'") != std::string::npos) {
+      ++named;
+    }
+  }
+  EXPECT_GT(named, 0) << "rank 0: " << st[0].ToString();
 }
 
 }  // namespace

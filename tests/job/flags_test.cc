@@ -81,9 +81,18 @@ TEST(JobFlags, ArgsReproduceTheJob) {
   f.pp_partition = value("--pp-partition");
   f.bucket_bytes = 12345;
   f.transport = "loopback";
+  f.quant = value("--quant");
   auto back = JobSpecFromFlags(f);
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(PlanHash(back->inputs), PlanHash(j.inputs));
+  EXPECT_EQ(value("--quant"), "none");
+  // Block FP8 from the flag reaches the child (its config has no quantization_config).
+  f.quant = "fp8-block128";
+  f.bucket_bytes = 1 << 20;
+  auto fp8 = JobSpecFromFlags(f);
+  ASSERT_FALSE(fp8.ok());  // the tiny Qwen2's 8-row heads are off the 128 grid
+  EXPECT_THAT(fp8.status().message(), HasSubstr("128"));
+  EXPECT_THAT(fp8.status().message(), HasSubstr("qkv_proj.weight"));
 }
 
 }  // namespace

@@ -29,19 +29,44 @@ std::function<void(int, int)> JobProgress(const std::string& label, bool json, i
 void PhaseLine(const std::string& label, const std::string& what);
 LocalJobOptions::Mode ParseLaunch(const std::string& s);
 
-namespace {
-
 using json = nlohmann::json;
+
+// Per replica: greedy tokens of the reference engine on the engine ranks' dumps (TP x PP math on
+// the received parameters) against the unsharded model on the synthetic HF weights (block FP8:
+// quantized from the trainer's values in its dtype, as the sync does).
+Result<json> Generation(const JobSpec& job, const std::string& dir, int n, bool* all) {
+  SS_ASSIGN_OR_RETURN(ShardMap map, BuildShardMap(job.inputs.model, job.inputs.rollout.shard));
+  json out = json::array();
+  *all = true;
+  for (int d = 0; d < job.inputs.rollout.dp; ++d) {
+    SS_ASSIGN_OR_RETURN(GenerationCheck g,
+                        CheckGenerationOfDump(map, dir, d, job.seed, job.inputs.options.wire_dtype,
+                                              n, job.inputs.trainer_dtype));
+    *all = *all && g.match;
+    out.push_back({{"replica", d},
+                   {"match", g.match},
+                   {"tokens", g.engine_tokens},
+                   {"reference_tokens", g.reference_tokens},
+                   {"max_logit_diff", g.max_logit_diff},
+                   {"tolerance", g.tolerance}});
+  }
+  return out;
+}
 
 struct BenchFlags {
   JobFlags job;
-  std::optional<std::string> quant;  // --quant
   bool json = false;
   std::string launch = "auto";
   int job_timeout_s = 900;
   int gen_tokens = 0;
   int kill_rank = -1;
 };
+
+// `bench` on a block-FP8 job (cmd_bench_fp8.cc).
+int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, int job_timeout_s,
+                int gen_tokens);
+
+namespace {
 
 // Bytes the plan moves between ranks on different GPUs (device runs), from the ranks' GPUs.
 Result<int64_t> CrossGpuBytes(const JobSpec& job, const LocalJobResult& res) {
@@ -53,26 +78,6 @@ Result<int64_t> CrossGpuBytes(const JobSpec& job, const LocalJobResult& res) {
     }
   }
   return cross;
-}
-
-// Per replica: greedy tokens of the reference engine on the engine ranks' dumps (TP x PP math on
-// the received parameters) against the unsharded model on the synthetic HF weights.
-Result<json> Generation(const JobSpec& job, const std::string& dir, int n, bool* all) {
-  SS_ASSIGN_OR_RETURN(ShardMap map, BuildShardMap(job.inputs.model, job.inputs.rollout.shard));
-  json out = json::array();
-  *all = true;
-  for (int d = 0; d < job.inputs.rollout.dp; ++d) {
-    SS_ASSIGN_OR_RETURN(GenerationCheck g, CheckGenerationOfDump(map, dir, d, job.seed,
-                                                                 job.inputs.options.wire_dtype, n));
-    *all = *all && g.match;
-    out.push_back({{"replica", d},
-                   {"match", g.match},
-                   {"tokens", g.engine_tokens},
-                   {"reference_tokens", g.reference_tokens},
-                   {"max_logit_diff", g.max_logit_diff},
-                   {"tolerance", g.tolerance}});
-  }
-  return out;
 }
 
 // --kill-rank: sync rank R is SIGKILLed while the job syncs back to back; every other rank must
@@ -162,9 +167,6 @@ void PrintText(const JobSpec& job, const BenchSummary& b, const json& extra, boo
 }
 
 int Run(const BenchFlags& f) {
-  if (Status q = RefuseQuantizedJob(f.job.model, f.quant ? &*f.quant : nullptr, "bench"); !q.ok()) {
-    return ReportError(q);
-  }
   auto job = JobSpecFromFlags(f.job, /*all_local=*/true);
   if (!job.ok()) return ReportError(job.status());
   if (f.job_timeout_s < 1) {
@@ -174,6 +176,9 @@ int Run(const BenchFlags& f) {
     return ReportError(InvalidArgumentError("--gen-tokens: must be in [0, 256]"));
   }
   if (f.kill_rank >= 0) return RunFault(f, *job);
+  if (job->inputs.model.quant) {
+    return RunFp8Bench(*job, f.json, f.launch, f.job_timeout_s, f.gen_tokens);
+  }
   auto summary = SummarizePlan(job->inputs);
   if (!summary.ok()) return ReportError(summary.status());
   LocalJobOptions lo;
@@ -274,11 +279,6 @@ Registration reg({"bench", [](CLI::App& app) {
                         "bench",
                         "Sharded sync vs broadcast-all vs the raw ceiling on the demo workload");
                     AddJobFlags(sub, &f->job);
-                    auto quant = std::make_shared<std::string>();
-                    auto* quant_opt = sub->add_option(
-                        "--quant", *quant,
-                        "Engine weights: fp8-block128 (block FP8: planned and generated, not "
-                        "synced yet, so refused) | none");
                     sub->add_flag("--json", f->json, "Print one JSON object");
                     sub->add_option("--launch", f->launch, "auto | threads | processes")
                         ->check(CLI::IsMember({"auto", "threads", "processes"}))
@@ -294,10 +294,7 @@ Registration reg({"bench", [](CLI::App& app) {
                                     "Fault run: SIGKILL this sync rank mid-sync; every other rank "
                                     "must fail within --timeout-ms, then a re-connected job must "
                                     "sync");
-                    return [f, quant, quant_opt] {
-                      if (quant_opt->count() > 0) f->quant = *quant;
-                      return Run(*f);
-                    };
+                    return [f] { return Run(*f); };
                   }});
 
 }  // namespace

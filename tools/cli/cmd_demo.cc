@@ -15,6 +15,7 @@
 
 #include "command.h"
 #include "job/launcher.h"
+#include "shardsync/fp8_plan.h"
 #include "shardsync/layout.h"
 #include "shardsync/plan.h"
 #include "shardsync/refengine.h"
@@ -83,6 +84,51 @@ std::function<void(int, int)> JobProgress(const std::string& label, bool json, i
   };
 }
 
+// The plan summary demo and bench print. Block FP8: the FP8 plan's ops, messages, hash and engine
+// bytes (the broadcast-all figure stays the model's full tensors in the wire dtype), with the FP8
+// summary in *fp8.
+Result<PlanSummary> JobPlanSummary(const PlanInputs& in, std::optional<Fp8PlanSummary>* fp8) {
+  if (!in.model.quant) return SummarizePlan(in);
+  SS_ASSIGN_OR_RETURN(Fp8PlanSummary f, SummarizeFp8Plan(in));
+  PlanInputs plain = in;
+  plain.model.quant.reset();
+  SS_ASSIGN_OR_RETURN(PlanSummary s, SummarizePlan(plain));
+  s.plan_hash = f.plan_hash;
+  s.ops = f.ops;
+  s.messages = f.messages;
+  s.total_bytes = f.total_bytes;
+  s.engine_ranks = f.engine_ranks;
+  s.trainer_ranks = f.trainer_ranks;
+  *fp8 = std::move(f);
+  return s;
+}
+
+std::string Fp8SummaryText(const PlanInputs& in, const Fp8PlanSummary& s) {
+  std::string o = "quant      block FP8 (" + QuantConfigToString(*in.model.quant) + ", from " +
+                  in.model.quant->origin + "): " + std::to_string(s.sender_quantized_elements) +
+                  " elements quantized by the trainer ranks, " +
+                  std::to_string(s.receiver_quantized_elements) + " by the engine ranks (" +
+                  std::to_string(s.staged_bands) + " bands straddling trainer ranks)\n";
+  o += "           wire: " + HumanBytes(static_cast<double>(s.quantize_bytes)) +
+       " e4m3 + scales, " + HumanBytes(static_cast<double>(s.stage_bytes)) + " staged raw, " +
+       HumanBytes(static_cast<double>(s.copy_bytes)) + " unquantized copies\n";
+  return o;
+}
+
+nlohmann::json Fp8SummaryJson(const PlanInputs& in, const Fp8PlanSummary& s) {
+  return {{"method", "fp8"},
+          {"weight_block_size", {in.model.quant->block_n, in.model.quant->block_k}},
+          {"origin", in.model.quant->origin},
+          {"sender_quantized_elements", s.sender_quantized_elements},
+          {"receiver_quantized_elements", s.receiver_quantized_elements},
+          {"staged_bands", s.staged_bands},
+          {"quantize_bytes", s.quantize_bytes},
+          {"stage_bytes", s.stage_bytes},
+          {"copy_bytes", s.copy_bytes},
+          {"bound_read_bytes", s.bound_read_bytes},
+          {"bound_write_bytes", s.bound_write_bytes}};
+}
+
 LocalJobOptions::Mode ParseLaunch(const std::string& s) {
   if (s == "threads") return LocalJobOptions::Mode::kThreads;
   if (s == "processes") return LocalJobOptions::Mode::kProcesses;
@@ -93,7 +139,6 @@ namespace {
 
 struct DemoFlags {
   JobFlags job;
-  std::optional<std::string> quant;  // --quant
   bool json = false;
   std::string launch = "auto";
   int job_timeout_s = 600;
@@ -159,9 +204,6 @@ Status CheckDemoFitsHost(const PlanInputs& in, const PlanSummary& summary, bool 
 }
 
 int Run(const DemoFlags& f) {
-  if (Status q = RefuseQuantizedJob(f.job.model, f.quant ? &*f.quant : nullptr, "demo"); !q.ok()) {
-    return ReportError(q);
-  }
   auto job = JobSpecFromFlags(f.job, /*all_local=*/true);
   if (!job.ok()) return ReportError(job.status());
   if (f.job_timeout_s < 1) {
@@ -176,7 +218,8 @@ int Run(const DemoFlags& f) {
                                             std::to_string(f.gen_tokens)));
   }
   const PlanInputs& in = job->inputs;
-  auto summary = SummarizePlan(in);
+  std::optional<Fp8PlanSummary> fp8;
+  auto summary = JobPlanSummary(in, &fp8);
   if (!summary.ok()) return ReportError(summary.status());
   if (Status s = CheckDemoFitsHost(in, *summary, f.gen_tokens > 0); !s.ok()) {
     return ReportError(s);
@@ -236,8 +279,8 @@ int Run(const DemoFlags& f) {
     }
     // Greedy-decode from a fixed prompt with the sharded TP x PP engine on the parameters the
     // engine ranks received (their dumps) and with the unsharded model on the trainer's weights.
-    auto g =
-        CheckGenerationOfDump(*map, dumps.path, 0, job->seed, in.options.wire_dtype, f.gen_tokens);
+    auto g = CheckGenerationOfDump(*map, dumps.path, 0, job->seed, in.options.wire_dtype,
+                                   f.gen_tokens, in.trainer_dtype);
     if (g.ok()) {
       gen = *g;
     } else {
@@ -270,6 +313,7 @@ int Run(const DemoFlags& f) {
                         {"element_mismatches", mismatches},
                         {"transport", job->transport},
                         {"plan_hash", summary->plan_hash}};
+    if (fp8) j["quant"] = Fp8SummaryJson(in, *fp8);
     if (gen) {
       j["generation_match"] = gen->match;
       j["tokens"] = gen->engine_tokens;
@@ -344,8 +388,11 @@ int Run(const DemoFlags& f) {
                   static_cast<long long>(rep.checksums_ok),
                   static_cast<long long>(rep.checksums_total));
     }
-    std::printf("elements   %lld checked against the HF values, %lld mismatches\n",
-                static_cast<long long>(checked), static_cast<long long>(mismatches));
+    if (fp8) std::printf("%s", Fp8SummaryText(in, *fp8).c_str());
+    std::printf("elements   %lld checked against the HF values%s, %lld mismatches\n",
+                static_cast<long long>(checked),
+                fp8 ? " (e4m3 bytes and scales against the quantizer)" : "",
+                static_cast<long long>(mismatches));
     if (gen) {
       std::printf("generate   prompt %s, %d greedy tokens:\n", TokenList(gen->prompt).c_str(),
                   static_cast<int>(gen->engine_tokens.size()));
@@ -383,11 +430,6 @@ Registration reg({"demo", [](CLI::App& app) {
                         "The main job: sync a trainer's (synthetic) weights into a rollout "
                         "engine layout on this host, verify every checksum and element");
                     AddJobFlags(sub, &f->job);
-                    auto quant = std::make_shared<std::string>();
-                    auto* quant_opt = sub->add_option(
-                        "--quant", *quant,
-                        "Engine weights: fp8-block128 (block FP8: planned and generated, not "
-                        "synced yet, so refused) | none");
                     sub->add_flag("--json", f->json, "Print one JSON object");
                     sub->add_option("--launch", f->launch, "auto | threads | processes")
                         ->check(CLI::IsMember({"auto", "threads", "processes"}))
@@ -399,10 +441,7 @@ Registration reg({"demo", [](CLI::App& app) {
                     sub->add_option("--job-timeout-s", f->job_timeout_s,
                                     "Kill every rank past this many seconds")
                         ->capture_default_str();
-                    return [f, quant, quant_opt] {
-                      if (quant_opt->count() > 0) f->quant = *quant;
-                      return Run(*f);
-                    };
+                    return [f] { return Run(*f); };
                   }});
 
 }  // namespace

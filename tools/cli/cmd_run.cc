@@ -61,35 +61,9 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
       ->capture_default_str();
   sub->add_option("--gpus", f->gpus, "--device cuda: GPUs to place ranks on (0: all visible)")
       ->capture_default_str();
-}
-
-Status RefuseQuantizedJob(const std::string& model_flag, const std::string* quant_flag,
-                          std::string_view command) {
-  // Before JobSpecFromFlags, which plans the job (and would fail on the bf16 planner's refusal):
-  // a model that does not load is reported there, with the job's other flags.
-  auto loaded = LoadModelSpec(model_flag);
-  if (!loaded.ok()) return OkStatus();
-  const ModelSpec& model = *loaded;
-  std::optional<QuantConfig> quant = model.quant;
-  if (quant_flag != nullptr) {
-    SS_ASSIGN_OR_RETURN(auto q, ParseQuantFlag(*quant_flag));
-    if (!q && model.quant) {
-      // The rank processes re-read config.json, so dropping its quantization_config here would
-      // not reach them.
-      return InvalidArgumentError(fmt::format(
-          "--quant none: {} cannot drop the quantization_config of '{}' (its rank processes read "
-          "config.json); remove the block from the config to sync bf16 weights",
-          command, model.name));
-    }
-    quant = std::move(q);
-  }
-  if (!quant) return OkStatus();
-  return InvalidArgumentError(fmt::format(
-      "{}: '{}' has block-FP8 engine weights ({}, from {}), which the sync sessions do not move "
-      "yet; `shardsync plan --quant fp8-block128` shows the FP8 plan and `shardsync generate "
-      "--quant fp8-block128` runs the FP8 engine on quantized weights",
-      quant->origin == "--quant" ? "--quant" : std::string(command), model.name,
-      QuantConfigToString(*quant), quant->origin));
+  sub->add_option("--quant", f->quant,
+                  "Engine weights: fp8-block128 (block FP8, quantized at sync time; overrides the "
+                  "config's quantization_config) | none (the model dtype; drops it)");
 }
 
 namespace {
@@ -105,7 +79,6 @@ struct RunFlags {
 };
 
 int Run(const RunFlags& f) {
-  if (Status q = RefuseQuantizedJob(f.job.model, nullptr, "run"); !q.ok()) return ReportError(q);
   auto job = JobSpecFromFlags(f.job);
   if (!job.ok()) return ReportError(job.status());
   // Flags override the launch contract's environment variables.

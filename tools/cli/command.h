@@ -39,14 +39,6 @@ int ReportError(const Status& status);
 // malformed file (DataLoss from a parser) as bad input, exit 2 like any other.
 int ReportInputError(Status status, std::string_view field);
 
-// Jobs whose engine weights are block FP8 (`--model`'s config.json has a quantization_config,
-// or --quant fp8-block128 given as `quant_flag`) are planned (`shardsync plan`) and generated
-// (`shardsync generate`) but not synced yet: InvalidArgument naming where the quantization came
-// from, never a bf16 sync that silently ignores it. `quant_flag` may be null (no --quant). A
-// model that does not load passes (JobSpecFromFlags reports it).
-Status RefuseQuantizedJob(const std::string& model_flag, const std::string* quant_flag,
-                          std::string_view command);
-
 // Paths removed if SIGINT or SIGTERM ends the command (signal_cleanup.cc): the first call
 // installs the handlers; the process then still dies of the signal.
 void RemoveOnSignal(const std::string& path);

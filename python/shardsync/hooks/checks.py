@@ -18,6 +18,7 @@ __all__ = [
     "check_loaders",
     "check_finalize_methods",
     "CANONICAL_MOE_BACKENDS",
+    "CANONICAL_FP8_MOE_BACKENDS",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -192,9 +193,62 @@ _CANONICAL_QUANT_METHODS = {
 CANONICAL_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
 
 
-def check_finalize_methods(model: Any, *, allow_moe_backends: Sequence[str] = ()) -> int:
+# Block FP8 (docs/fp8.md "What the engines do after loading"). The engines' FP8 methods, by
+# class name, are accepted when the plan is block FP8 and the backend keeps the e4m3 weight and
+# its fp32 weight_scale_inv as loaded (checked per backend below); otherwise refused.
+_FP8_METHODS = {"Fp8LinearMethod", "Fp8MoEMethod"}
+# vLLM fused_moe/oracle/fp8.py convert_to_fp8_moe_kernel_format: TRITON and BATCHED_TRITON take
+# [E, 2I, H] e4m3 with [E, 2I/128, H/128] scales as loaded; DEEPGEMM re-lays the scales (and
+# E8M0 requantizes), MARLIN repacks, AITER shuffles, FlashInfer swaps w1/w3 and shuffles.
+CANONICAL_FP8_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
+
+
+def _fp8_refusal(mname: str, qm: Any, module: Any) -> Optional[str]:
+    """Why an FP8 quant method's post-load step leaves a layout other than the canonical block
+    FP8 bytes a sync lands (None: it keeps them). Read from the attributes the engines set:
+    - weight_block_size [128, 128] (vLLM / SGLang Fp8Config): per-tensor or channel FP8 is another
+      format; SGLang `use_mxfp8`: UE8M0 scales per 32 elements.
+    - `use_marlin` (both, GPUs without FP8 hardware): prepare_fp8_layer_for_marlin repacks.
+    - vLLM Fp8LinearMethod `use_deep_gemm`: maybe_post_process_fp8_weight_block ->
+      deepgemm_post_process_fp8_weight_block requantizes to E8M0 and re-lays the scales, into new
+      Parameters (quantization/utils/fp8_utils.py).
+    - SGLang `format_ue8m0` on a scale (fp8.py process_weights_after_loading_block_quant ->
+      requant_weight_ue8m0_inplace for DeepGEMM): set once, so the step is not re-run on synced
+      bytes and DeepGEMM would read fp32 scales as UE8M0.
+    - vLLM Fp8MoEMethod `fp8_backend` outside CANONICAL_FP8_MOE_BACKENDS.
+    ROCm (float8_e4m3fnuz after normalize_e4m3fn_to_e4m3fnuz) is refused by the dtype check."""
+    cfg = getattr(qm, "quant_config", None)
+    block = getattr(qm, "weight_block_size", None) or getattr(cfg, "weight_block_size", None)
+    if getattr(qm, "use_mxfp8", False):
+        return "MXFP8 (UE8M0 scales per 32 elements) is not block FP8 [128, 128]"
+    if block is None or [int(b) for b in block] != [128, 128]:
+        return f"weight_block_size={block}: only block FP8 [128, 128] is synced"
+    if getattr(qm, "use_marlin", False):
+        return "Marlin repacks the e4m3 weights after load (prepare_fp8_layer_for_marlin)"
+    if getattr(qm, "use_deep_gemm", False):
+        return ("vLLM's DeepGEMM post-load step (maybe_post_process_fp8_weight_block) requantizes "
+                "the scales to E8M0 into new parameters; run with DeepGEMM off "
+                "(VLLM_USE_DEEP_GEMM=0)")
+    for pname, p in getattr(module, "named_parameters", lambda **_: [])(recurse=False):
+        if pname.endswith("scale_inv") and getattr(p, "format_ue8m0", False):
+            return (f"'{pname}' was requantized to UE8M0 for DeepGEMM "
+                    "(requant_weight_ue8m0_inplace) and is marked so; SGLang does not redo it "
+                    "on reloaded bytes: run with SGLANG_ENABLE_JIT_DEEPGEMM=0")
+    backend = getattr(qm, "fp8_backend", None)
+    if backend is not None:
+        bname = getattr(backend, "name", str(backend)).split(".")[-1]
+        if bname not in CANONICAL_FP8_MOE_BACKENDS:
+            return (f"FP8 MoE backend {bname} re-lays w13/w2 or their scales after load "
+                    "(fused_moe/oracle/fp8.py convert_to_fp8_moe_kernel_format); use one of "
+                    f"{list(CANONICAL_FP8_MOE_BACKENDS)}")
+    return None
+
+
+def check_finalize_methods(model: Any, *, allow_moe_backends: Sequence[str] = (),
+                           fp8: bool = False) -> int:
     """Refuses modules whose post-load step leaves a non-canonical layout. Returns how many
-    quant methods were checked."""
+    quant methods were checked. `fp8`: the plan is block FP8, so the engines' FP8 methods are
+    accepted where their backend keeps the canonical bytes (_fp8_refusal)."""
     named = getattr(model, "named_modules", None)
     if not callable(named):
         return 0
@@ -206,6 +260,16 @@ def check_finalize_methods(model: Any, *, allow_moe_backends: Sequence[str] = ()
             continue
         n += 1
         cls = type(qm).__name__
+        if fp8 and cls in _FP8_METHODS:
+            why = _fp8_refusal(mname, qm, module)
+            if why is not None:
+                raise UnimplementedError(f"module '{mname}': quant method {cls}: {why}")
+            continue
+        if cls in _FP8_METHODS:
+            raise UnimplementedError(
+                f"module '{mname}': quant method {cls}: the engine holds block-FP8 weights but "
+                "the plan is not block FP8; build the Plan with quant='fp8-block128' (or from "
+                "the FP8 checkpoint's config.json)")
         if cls not in _CANONICAL_QUANT_METHODS:
             raise UnimplementedError(
                 f"module '{mname}': quant method {cls} rewrites its weights after load "

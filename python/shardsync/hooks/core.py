@@ -234,7 +234,7 @@ class EngineRankHook:
         cfg = self.config
         model = self._get_model()
         # A model with a finalize step that rewrites layouts is refused before binding.
-        check_finalize_methods(model)
+        check_finalize_methods(model, fp8=getattr(self.plan, "quant", None) is not None)
         expected = self.plan.shard_map().rank(self.coord["tp_rank"], self.coord["pp_rank"]).params
         named = list(model.named_parameters())
         _check_expert_naming(self.plan, expected, named)

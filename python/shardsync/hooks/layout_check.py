@@ -11,7 +11,8 @@ Fields and why (engine-layouts.md 3.7-3.8 and the engines' sources):
   several replicas in one engine (one engine per replica here); enable_dp_attention shards
   attention over attn_tp = tp/dp and replicates the embedding; enable_dp_lm_head, attn_cp_size,
   moe_dense_tp_size, moe_dp_size change the TP groups of some layers; ep_num_redundant_experts /
-  enable_eplb place logical experts in several physical slots; quantization rewrites weights;
+  enable_eplb place logical experts in several physical slots; quantization other than the
+  plan's (block FP8 plans: "fp8"; others: none) holds other bytes;
   moe_runner_backend other than auto/triton (FlashInfer TRT-LLM swaps w1/w3, triton_kernels
   transposes) and moe_a2a_backend (DeepEP MoE classes) change the expert layout;
   weight_cache_mode != off shares weights with a daemon (model_runner_components/weight_updater.py
@@ -107,6 +108,17 @@ def check_layout(engine: str, plan: Any, facts: Mapping[str, Any],
     config = config or {}
     src = facts.get("source", engine)
     plan_ep = int(getattr(plan.inputs, "ep", 1) or 1)
+    # Block-FP8 plans sync engines that run quantization "fp8" (sglang srt/layers/quantization
+    # fp8.py Fp8Config, vllm model_executor/layers/quantization/fp8.py Fp8Config; None where the
+    # engine reads it from the checkpoint's quantization_config: the per-module check decides);
+    # other plans, unquantized engines only.
+    fp8_plan = getattr(plan, "quant", None) is not None
+    quant_bad = (lambda v: v is not None and str(v) != "fp8") if fp8_plan else (
+        lambda v: v is not None)
+    quant_why = ("the plan is block FP8 [128, 128]; only the engines' fp8 method loads it"
+                 if fp8_plan else
+                 "quantized weights are not the bytes of this plan; a block-FP8 engine needs a "
+                 "Plan with quant='fp8-block128' (or the FP8 checkpoint's config.json)")
     for key, want in (("tp", plan.tp), ("pp", plan.pp)):
         got = facts.get(key)
         if got is not None and int(got) != int(want):
@@ -134,8 +146,8 @@ def check_layout(engine: str, plan: Any, facts: Mapping[str, Any],
             ("ep_num_redundant_experts", facts.get("redundant_experts"),
              lambda v: int(v or 0) > 0, "logical experts have several physical copies"),
             ("enable_eplb", facts.get("eplb"), bool, "expert placement is rebalanced at runtime"),
-            ("quantization", facts.get("quantization"), lambda v: v is not None,
-             "quantized weights are not the canonical bytes shardsync writes"),
+            ("quantization", facts.get("quantization"), quant_bad,
+             quant_why),
             ("moe_runner_backend", facts.get("moe_backend"),
              lambda v: str(v or "auto") not in ("auto", "triton"),
              "the backend's expert layout differs from [E, 2I, H] gate|up (FlashInfer TRT-LLM "
@@ -166,8 +178,8 @@ def check_layout(engine: str, plan: Any, facts: Mapping[str, Any],
              "PCP adds a rank axis between PP and TP"),
             ("decode_context_parallel_size", facts.get("dcp"), lambda v: int(v or 1) > 1,
              "DCP shards the KV heads across TP ranks"),
-            ("model_config.quantization", facts.get("quantization"), lambda v: v is not None,
-             "quantized (FP8, ...) weights are not the canonical bytes shardsync writes"),
+            ("model_config.quantization", facts.get("quantization"), quant_bad,
+             quant_why),
             ("VLLM_PP_LAYER_PARTITION", facts.get("pp_partition_env"), bool,
              "custom layer partition; the plan uses the engine's default get_pp_indices"),
         )

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cuda/cuda_util.h"
+#include "cuda/impl/fp8_kernels.h"
 #include "cuda/impl/kernels.cuh"
 
 namespace shardsync::gpu {
@@ -499,6 +500,7 @@ class CopyBatchImpl final : public CopyBatch {
 }  // namespace kernels
 
 Result<std::unique_ptr<CopyBatch>> CopyBatch::Prepare(const BatchSpec& spec, int device) {
+  if (!spec.quantize.empty() || !spec.copy_bytes.empty()) return PrepareFp8Batch(spec, device);
   auto b = std::make_unique<kernels::CopyBatchImpl>();
   SS_RETURN_IF_ERROR(b->Init(spec, device));
   return std::unique_ptr<CopyBatch>(std::move(b));

@@ -53,6 +53,14 @@ inline void TraceLaunch(const char* what, size_t buckets) {
 }
 
 class IpcSendPair;
+class CudaIpcTransport;
+
+// Block-FP8 pairs (cuda_ipc_fp8.cc). Receiver: its own map of every quantize op of `spec`, as a
+// store value. Sender: the quantize ops of `spec` as Fp8Tasks of `bs` (mapped through the
+// receiver's map `blob`), and each bucket's compact copy image size (BatchSpec::copy_bytes).
+Result<std::string> Fp8LandedMap(const CudaIpcTransport& t, const PairSpec& spec);
+Status AddFp8Tasks(CudaIpcTransport& t, const PairSpec& spec, const std::string& blob,
+                   BatchSpec* bs);
 
 // One launch over several send pairs' buckets: the batch, the landed sums of all of them in one
 // device buffer (the kernel hands them over with its signal), and the event behind it.
@@ -266,7 +274,10 @@ class IpcSendPair final : public PreparedPair {
   // The launch completed: the sums, and the message that tells the receiver. `packed` (finished)
   // and `landed` (raw) are the launch's, read once for all its pairs; this pair's buckets start
   // at its offset in them.
-  Status Finished(const std::vector<uint64_t>& packed, const std::vector<uint64_t>& landed);
+  // `nonfinite` (block-FP8 launches; else empty): per bucket of the launch, the non-finite
+  // trainer values met, which fail the pair (DataLoss) instead of telling the receiver.
+  Status Finished(const std::vector<uint64_t>& packed, const std::vector<uint64_t>& landed,
+                  const std::vector<int64_t>& nonfinite);
 
   Result<PairSums> Sums() override { return sums_; }
   bool DeliversSums() const override { return true; }

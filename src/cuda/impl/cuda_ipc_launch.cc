@@ -17,6 +17,7 @@ std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, vo
   m.mode = first.mode;
   m.in_dtype = first.in_dtype;
   m.out_dtype = first.out_dtype;
+  bool fp8 = false;
   for (const IpcSendPair* p : members) {
     const BatchSpec& s = p->spec();
     if (s.mode != m.mode || s.in_dtype != m.in_dtype || s.out_dtype != m.out_dtype) {
@@ -31,8 +32,17 @@ std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, vo
       r.bucket += base;
       m.landed_runs.push_back(r);
     }
+    for (Fp8Task q : s.quantize) {
+      q.bucket += base;
+      m.quantize.push_back(q);
+    }
+    // Block-FP8 pairs' copies tile a compact image of each bucket; a plain pair's tile it all.
+    const auto& copies = s.copy_bytes.empty() ? s.bucket_bytes : s.copy_bytes;
+    m.copy_bytes.insert(m.copy_bytes.end(), copies.begin(), copies.end());
+    fp8 = fp8 || !s.copy_bytes.empty();
     m.bucket_bytes.insert(m.bucket_bytes.end(), s.bucket_bytes.begin(), s.bucket_bytes.end());
   }
+  if (!fp8) m.copy_bytes.clear();
   for (size_t b = 0; b < m.bucket_bytes.size(); ++b) {
     m.landed_sums.push_back(static_cast<unsigned char*>(lsum) + 8 * b);
   }
@@ -51,10 +61,11 @@ Status CudaIpcTransport::SendPosted() {
 Status CudaIpcTransport::FinishLaunch(const MergedLaunch* group, IpcSendPair* self) {
   SS_ASSIGN_OR_RETURN(std::vector<uint64_t> packed, group->batch->Checksums());
   SS_ASSIGN_OR_RETURN(std::vector<uint64_t> landed, group->batch->LandedSums());
+  const std::vector<int64_t> nonfinite = group->batch->NonFinite();
   Status mine;
   for (IpcSendPair* p : sends_) {
     if (p->group() != group) continue;
-    Status s = p->Finished(packed, landed);
+    Status s = p->Finished(packed, landed, nonfinite);
     if (p == self) mine = s;
   }
   return mine;

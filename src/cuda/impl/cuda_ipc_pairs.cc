@@ -195,7 +195,7 @@ Result<XferState> IpcSendPair::Poll() {
     } else {
       SS_ASSIGN_OR_RETURN(std::vector<uint64_t> packed, batch_->Checksums());
       SS_ASSIGN_OR_RETURN(std::vector<uint64_t> landed, batch_->LandedSums());
-      SS_RETURN_IF_ERROR(Finished(packed, landed));
+      SS_RETURN_IF_ERROR(Finished(packed, landed, batch_->NonFinite()));
     }
     if (state_ == kIdle) return XferState::kDone;
   }
@@ -205,13 +205,25 @@ Result<XferState> IpcSendPair::Poll() {
 }
 
 Status IpcSendPair::Finished(const std::vector<uint64_t>& packed,
-                             const std::vector<uint64_t>& landed) {
+                             const std::vector<uint64_t>& landed,
+                             const std::vector<int64_t>& nonfinite) {
   const size_t first = group_ ? first_ : 0;
   if (first + bytes_.size() > packed.size() || first + bytes_.size() > landed.size()) {
     return InternalError("cuda_ipc: launch sums for " + std::to_string(packed.size()) +
                          " buckets, pair to rank " + std::to_string(peer_) + " needs [" +
                          std::to_string(first) + ", " + std::to_string(first + bytes_.size()) +
                          ")");
+  }
+  int64_t bad = 0;
+  for (size_t b = first; b < first + bytes_.size() && b < nonfinite.size(); ++b)
+    bad += nonfinite[b];
+  if (bad > 0) {
+    state_ = kIdle;  // the receiver hears of it through the session's abort
+    return DataLossError("cuda_ipc: " + std::to_string(bad) +
+                         " non-finite trainer values (NaN or Inf) in block-FP8 weights for rank " +
+                         std::to_string(peer_) +
+                         ": block FP8 cannot represent them; nothing of this sync is reported "
+                         "good and the engine ranks stay poisoned");
   }
   sums_.packed.assign(packed.begin() + first, packed.begin() + first + bytes_.size());
   msg_ = {version_, bytes_.size()};
@@ -286,6 +298,10 @@ Result<std::unique_ptr<PreparedPair>> CudaIpcTransport::Prepare(StoreClient& sto
   if (!spec.send) {
     SS_ASSIGN_OR_RETURN(std::string blob, LandedMap(*this, spec));
     SS_RETURN_IF_ERROR(store.Set(spec.key + "landed", blob));
+    if (spec.fp8) {
+      SS_ASSIGN_OR_RETURN(std::string fp8, Fp8LandedMap(*this, spec));
+      SS_RETURN_IF_ERROR(store.Set(spec.key + "fp8map", fp8));
+    }
     return std::unique_ptr<PreparedPair>(new IpcRecvPair(*this, spec.peer, spec.buckets.size()));
   }
   BatchSpec bs;
@@ -319,6 +335,10 @@ Result<std::unique_ptr<PreparedPair>> CudaIpcTransport::Prepare(StoreClient& sto
       AppendCoRuns(l.region, l.shape, l.base, DTypeSize(l.dtype), r.dst, r.shape, base, ws, ws,
                    static_cast<int32_t>(b), l.wire_offset, &bs.runs);
     }
+  }
+  if (spec.fp8) {  // quantize ops, and each bucket's compact copy image
+    SS_ASSIGN_OR_RETURN(std::string fp8, store.Get(spec.key + "fp8map", timeout));
+    SS_RETURN_IF_ERROR(AddFp8Tasks(*this, spec, fp8, &bs));
   }
   // The receiver's map, read back through its regions.
   SS_ASSIGN_OR_RETURN(std::string blob, store.Get(spec.key + "landed", timeout));

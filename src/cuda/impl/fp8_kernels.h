@@ -3,9 +3,11 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "shardsync/dtype.h"
+#include "shardsync/gpu.h"
 #include "shardsync/status.h"
 
 namespace shardsync::gpu {
@@ -35,6 +37,11 @@ struct Fp8DeviceResult {
 // ops whose column count is not a multiple of 8, whose words span blocks). Bit-identical with
 // Fp8QuantizePack (fp8.h). Synchronous: for tests and the first device path; a prepared,
 // asynchronous launch belongs to the device session.
+// A prepared pack with quantize ops (BatchSpec::quantize or copy_bytes; fp8_batch.cu), which
+// CopyBatch::Prepare hands such specs to. Every launch must be signaled for the cuda_ipc pairs;
+// a plain Launch also works (the sums are read after the stream passed it).
+Result<std::unique_ptr<CopyBatch>> PrepareFp8Batch(const BatchSpec& spec, int device);
+
 Result<Fp8DeviceResult> Fp8QuantizePackDevice(const std::vector<Fp8QuantizeTask>& tasks,
                                               int num_sums, void* stream);
 

@@ -224,6 +224,13 @@ Result<std::unique_ptr<PreparedPair>> NcclTransport::Prepare(StoreClient&, const
     return InvalidArgumentError("nccl: pair with rank " + std::to_string(spec.peer) +
                                 " has no buckets");
   }
+  if (spec.fp8) {
+    // Block-FP8 plans over nccl would pack e4m3 + scales into the round's staging and scatter
+    // them on the receiver (docs/fp8.md); only cuda_ipc quantizes today.
+    return UnimplementedError("nccl: block-FP8 pair with rank " + std::to_string(spec.peer) +
+                              " (quantized engine weights across GPUs that cuda_ipc cannot reach)"
+                              " is not supported yet; cuda_ipc (the GPUs of one node) is");
+  }
   SS_ASSIGN_OR_RETURN(auto comm, PairComm(spec.peer));
   auto pair = std::make_unique<NcclPair>(*this, spec, comm.first, comm.second);
   SS_RETURN_IF_ERROR(pair->Init(spec));

@@ -1,0 +1,129 @@
+"""Block FP8 from Python (docs/fp8.md): Plan(quant=...) and a config's quantization_config, the
+FP8 summary and outline, layouts the engines refuse named at construction, and a sync through
+Python sessions (one thread per rank, loopback) whose every e4m3 byte and scale is compared with
+a numpy reference of the engines' block quantizer (conftest.fp8_quantize, after
+vllm/utils/deep_gemm.py per_block_cast_to_fp8)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+import shardsync
+from conftest import fp8_quantize as quantize
+
+TOKEN = "test-token-0123456789"
+
+FP8_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": 768,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 2,
+    "vocab_size": 300, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("fp8-model")
+    cfg = dict(FP8_QWEN3, quantization_config={
+        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+        "weight_block_size": [128, 128]})
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+# ---- tests ----
+
+def test_plan_quant_summary_outline_and_refusals(need_plan, fp8_model, tiny_model):
+    plan = shardsync.Plan(fp8_model, "fsdp=2", "dp=1,tp=2,pp=1", trainer_dtype="bf16")
+    assert plan.quant == "fp8 e4m3 128x128"
+    q = plan.summary()["quant"]
+    assert q["sender_quantized_elements"] > 0 and q["bound_write_bytes"] > 0
+    assert "broadcast_recv_bytes_per_rank" not in plan.summary()
+    rp = plan.rank_plan(plan.engine_rank(0, 0))
+    assert sum(m.bytes for m in rp.recvs) > 0
+    # --quant none plans the model dtype; the flag rides in the spec.
+    bf16 = shardsync.Plan(fp8_model, "fsdp=2", "dp=1,tp=2,pp=1", quant="none")
+    assert bf16.quant is None and bf16.hash != plan.hash
+    assert "broadcast_recv_bytes_per_rank" in bf16.summary()
+    assert shardsync.Plan.from_spec(bf16.spec).hash == bf16.hash
+    flagged = shardsync.Plan(fp8_model, "fsdp=2", "dp=1,tp=1,pp=1", quant="fp8-block128")
+    assert flagged.spec["quant"] == "fp8-block128"
+    assert shardsync.Plan.from_spec(flagged.spec).hash == flagged.hash
+    # A shard off the 128 grid: refused at construction, naming the tensor (the tiny model's
+    # 16-wide heads: every fused qkv part must be whole blocks).
+    with pytest.raises(shardsync.InvalidArgumentError, match="qkv_proj.weight"):
+        shardsync.Plan(tiny_model, "fsdp=2", "dp=1,tp=1,pp=1", quant="fp8-block128")
+    with pytest.raises(shardsync.InvalidArgumentError, match="quant: unknown value"):
+        shardsync.Plan(fp8_model, "fsdp=2", "dp=1,tp=2,pp=1", quant="int4")
+
+
+def test_sync_lands_the_quantizers_bytes(need_session, fp8_model):
+    if "loopback" not in shardsync.native().transports():
+        pytest.skip("loopback transport not built")
+    # fsdp=4: gate/up (768 rows) straddle trainer ranks, so both paths run: blocks quantized by
+    # their sender and bands quantized by the engine rank from staged rows.
+    spec = dict(model=fp8_model, trainer="fsdp=4", rollout="dp=1,tp=2,pp=1", engine="vllm",
+                wire_dtype="f32", trainer_dtype="f32", bucket_bytes=256 << 10)
+    plan = shardsync.Plan.from_spec(spec)
+    q = plan.summary()["quant"]
+    assert q["sender_quantized_elements"] > 0 and q["receiver_quantized_elements"] > 0
+    rng = np.random.default_rng(7)
+    full = {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s, _ in plan.hf_tensors()}
+    params = {}
+    errors = {}
+    with shardsync.StoreServer(token=TOKEN) as srv:
+        def body(r):
+            try:
+                s = shardsync.Session(plan, r, srv.address, token=TOKEN, transport="loopback",
+                                      connect_timeout=60, sync_timeout=60)
+                keep = {}
+                if s.is_trainer:
+                    for n, a in full.items():
+                        reg = plan.held_region(r, a.shape)
+                        if reg.numel:
+                            keep[n] = np.ascontiguousarray(a[reg.slices()])
+                            s.bind_source(n, keep[n])
+                else:
+                    for p in s.expected_params():
+                        dt = {"F8_E4M3": np.uint8}.get(p.dtype, np.float32)
+                        keep[p.name] = np.full(p.shape, 0xA5 if dt == np.uint8 else np.nan, dt)
+                    shardsync.bind_engine(s, keep.items())
+                    params[r] = (s.expected_params(), keep)
+                s.connect()
+                s.sync(1)
+                s.close()
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors[r] = e
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(plan.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert not errors, errors
+    ref = {}
+    checked = 0
+    for expected, keep in params.values():
+        for p in expected:
+            got = keep[p.name]
+            for pc in p.pieces:
+                if p.dtype == "F8_E4M3":
+                    ref.setdefault(pc.source, quantize(full[pc.source]))
+                    want = ref[pc.source][0][pc.src.slices()]
+                elif p.name.endswith("weight_scale_inv"):
+                    w = pc.source[: -len("_scale_inv")]
+                    ref.setdefault(w, quantize(full[w]))
+                    want = ref[w][1][pc.src.slices()]
+                else:
+                    want = full[pc.source][pc.src.slices()]
+                have = got[pc.dst.slices()].reshape(want.shape)
+                if want.dtype == np.float32:
+                    assert np.array_equal(have.view(np.uint32), want.view(np.uint32)), p.name
+                else:
+                    assert np.array_equal(have, want), (p.name, int((have != want).sum()))
+                checked += want.size
+    assert checked > 0

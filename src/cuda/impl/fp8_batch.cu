@@ -1,0 +1,480 @@
+// Prepared block-FP8 packs (gpu.h BatchSpec::quantize): the quantize ops of a cuda_ipc pair's
+// buckets, replayed every sync beside the pair's copies. One CTA per 128 x 128 block reads its
+// trainer values once (16-byte loads), reduces the block's amax, writes the e4m3 words straight
+// into the peer's weight and the scale into its weight_scale_inv, and sums every word it wrote
+// twice: as packed, and as read back (from L2) through the receiver's own map of the same bytes,
+// as the copy kernels do. A tail kernel sums the scale sections the same two ways. The copies run
+// in an ordinary CopyBatch over a compact image of them; its signaled launch comes last on the
+// stream, so its signal covers everything. The arithmetic is fp8.h's, shared with the CPU.
+// Hand-written: no CUDA library quantizes to block FP8 with these semantics.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "cuda/cuda_util.h"
+#include "cuda/impl/fp8_kernels.h"
+#include "shardsync/checksum.h"
+#include "shardsync/fp8.h"
+
+namespace shardsync::gpu {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWordsPerRow = kFp8Block / 8;                           // 16
+constexpr int kWordsPerThread = kFp8Block * kWordsPerRow / kThreads;  // 8
+constexpr int64_t B = kFp8Block;
+
+struct PTask {
+  const unsigned char* src;
+  int64_t src_stride;  // elements
+  int64_t rows, cols;
+  unsigned char* weight;
+  int64_t wstride;
+  float* scales;
+  int64_t sstride;
+  const unsigned char* lweight;
+  int64_t lwstride;
+  const float* lscales;
+  int64_t lsstride;
+  int64_t wire_offset;
+  int64_t block_begin;
+  int32_t dtype;  // 0 f32, 1 bf16, 2 f16
+  int32_t bucket;
+  int32_t vec;  // rows start on 16 bytes: vector loads
+};
+
+__device__ __forceinline__ float Half(unsigned short h, int dtype) {
+  if (dtype == 1) return __uint_as_float(static_cast<uint32_t>(h) << 16);
+  return __half2float(__ushort_as_half(h));
+}
+
+// One word's 8 values as loaded, raw: 32 bytes of f32 or 16 of bf16 / f16 (the latter in half
+// the registers: values are converted where used, twice, rather than kept as floats).
+struct Raw {
+  uint4 a, b;
+};
+
+template <int DT>
+__device__ __forceinline__ Raw LoadWord(const PTask& t, const unsigned char* p) {
+  Raw w{};
+  const int dt = DT >= 0 ? DT : t.dtype;
+  if (t.vec) {
+    w.a = *reinterpret_cast<const uint4*>(p);
+    if (dt == 0) w.b = *reinterpret_cast<const uint4*>(p + 16);
+  } else if (dt == 0) {
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(p);
+    w.a = make_uint4(q[0], q[1], q[2], q[3]);
+    w.b = make_uint4(q[4], q[5], q[6], q[7]);
+  } else {
+    const unsigned short* q = reinterpret_cast<const unsigned short*>(p);
+    w.a = make_uint4(q[0] | (uint32_t{q[1]} << 16), q[2] | (uint32_t{q[3]} << 16),
+                     q[4] | (uint32_t{q[5]} << 16), q[6] | (uint32_t{q[7]} << 16));
+  }
+  return w;
+}
+
+template <int DT>
+__device__ __forceinline__ float Value(const PTask& t, const Raw& w, int i) {
+  const int dt = DT >= 0 ? DT : t.dtype;
+  if (dt == 0) {
+    const uint4& h = i < 4 ? w.a : w.b;
+    const int k = i & 3;
+    return __uint_as_float(k == 0 ? h.x : k == 1 ? h.y : k == 2 ? h.z : h.w);
+  }
+  const int k = i >> 1;
+  const uint32_t u = k == 0 ? w.a.x : k == 1 ? w.a.y : k == 2 ? w.a.z : w.a.w;
+  return Half(static_cast<unsigned short>((i & 1) ? u >> 16 : u & 0xffffu), dt);
+}
+
+template <typename T, typename Op>
+__device__ __forceinline__ T Reduce(T v, Op op, T* shared) {
+  for (int o = 16; o > 0; o /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = shared[0];
+  for (int w = 1; w < kThreads / 32; ++w) v = op(v, shared[w]);
+  return v;
+}
+
+__device__ __forceinline__ int FindTask(const PTask* tasks, int n, int64_t block) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tasks[mid].block_begin <= block) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// acc: [packed sums | landed sums | non-finite counts], nb each. DT: the tasks' dtype (0 f32,
+// 1 bf16, 2 f16) when they share one, -1 otherwise. What keeps it at memory speed (measured on an
+// H200, docs/benchmarks.md): 16-byte loads kept raw in registers; the block's amax as an integer
+// max of the values' magnitude bits (monotonic in the magnitude, and above the largest finite
+// value exactly for Inf and NaN, so the same max tells a non-finite block); e4m3 by the hardware's
+// cvt.rn.satfinite.e4m3x2.f32, which on finite values is fp8.h's F32ToE4M3 (round to nearest
+// even, saturating; tests/cuda/gpu_fp8_test.cc holds the two to the CPU bit for bit); every word
+// stored before any is read back, so the read-backs overlap.
+template <int DT>
+__global__ void __launch_bounds__(kThreads, DT == 0 ? 2 : 4)
+    QuantizeKernel(const PTask* tasks, int n_tasks, unsigned long long* acc, int nb) {
+  __shared__ unsigned int m_shared[kThreads / 32];
+  __shared__ unsigned long long u_shared[2][kThreads / 32];
+  const int64_t block = blockIdx.x;
+  const PTask& t = tasks[FindTask(tasks, n_tasks, block)];
+  const int dt = DT >= 0 ? DT : t.dtype;
+  const int64_t nbc = (t.cols + B - 1) / B;
+  const int64_t local = block - t.block_begin;
+  const int64_t br = local / nbc, bc = local % nbc;
+  const int64_t r0 = br * B, c0 = bc * B;
+  const int nr = static_cast<int>(min(B, t.rows - r0)), nc = static_cast<int>(min(B, t.cols - c0));
+  const int es = dt == 0 ? 4 : 2;
+  Raw raw[kWordsPerThread];
+#pragma unroll
+  for (int k = 0; k < kWordsPerThread; ++k) {
+    const int w = threadIdx.x + kThreads * k, r = w / kWordsPerRow, c = (w % kWordsPerRow) * 8;
+    raw[k] = Raw{};
+    if (r < nr && c < nc) {  // cols % 8 == 0: a word is whole
+      raw[k] = LoadWord<DT>(t, t.src + ((r0 + r) * t.src_stride + c0 + c) * es);
+    }
+  }
+  // Magnitude bits: f32 as is; bf16 / f16 two per 32-bit word, maxed per half (vmaxu2).
+  unsigned int m = 0;
+#pragma unroll
+  for (int k = 0; k < kWordsPerThread; ++k) {
+    const uint32_t u[8] = {raw[k].a.x, raw[k].a.y, raw[k].a.z, raw[k].a.w,
+                           raw[k].b.x, raw[k].b.y, raw[k].b.z, raw[k].b.w};
+    if (dt == 0) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = max(m, u[i] & 0x7fffffffu);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) m = __vmaxu2(m, u[i] & 0x7fff7fffu);
+    }
+  }
+  if (dt != 0) m = max(m >> 16, m & 0xffffu);
+  for (int o = 16; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (threadIdx.x % 32 == 0) m_shared[threadIdx.x / 32] = m;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) m = max(m, m_shared[w]);
+  // Above the largest finite magnitude: an Inf or a NaN in the block.
+  const bool any_bad = dt == 0 ? m > 0x7f7fffffu : dt == 1 ? m > 0x7f7fu : m > 0x7bffu;
+  const float amax = dt == 0   ? __uint_as_float(m)
+                     : dt == 1 ? __uint_as_float(m << 16)
+                               : __half2float(__ushort_as_half(static_cast<unsigned short>(m)));
+  unsigned long long n_bad = 0;
+  if (any_bad) {  // rare: count them for the error
+    unsigned long long bad = 0;
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) bad += !(fabsf(Value<DT>(t, raw[k], i)) <= 3.402823466e38f);
+    }
+    n_bad = Reduce(
+        bad, [](unsigned long long a, unsigned long long b) { return a + b; }, u_shared[0]);
+  }
+  const float scale = any_bad ? Fp8BitsFloat(kFp8ScaleNanBits) : Fp8BlockScale(amax);
+  const float inv = Fp8InverseScale(scale);
+  unsigned long long packed = 0, landed = 0;
+#pragma unroll
+  for (int k = 0; k < kWordsPerThread; ++k) {
+    const int w = threadIdx.x + kThreads * k, r = w / kWordsPerRow, c = (w % kWordsPerRow) * 8;
+    uint64_t word = 0x7f7f7f7f7f7f7f7full;
+    if (!any_bad) {
+      word = 0;
+#pragma unroll
+      for (int i = 0; i < 8; i += 2) {
+        unsigned short two;
+        const float lo = __fmul_rn(Value<DT>(t, raw[k], i), inv);
+        const float hi = __fmul_rn(Value<DT>(t, raw[k], i + 1), inv);
+#if __CUDA_ARCH__ >= 890
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(hi), "f"(lo));
+#else  // no FP8 conversion in hardware: fp8.h's, bit for bit the same
+        two = static_cast<unsigned short>(F32ToE4M3(lo) | (F32ToE4M3(hi) << 8));
+#endif
+        word |= static_cast<uint64_t>(two) << (8 * i);
+      }
+    }
+    if (r < nr && c < nc) {
+      *reinterpret_cast<uint64_t*>(t.weight + (r0 + r) * t.wstride + c0 + c) = word;
+      packed += ChecksumMixWord(word, (t.wire_offset + (r0 + r) * t.cols + c0 + c) / 8);
+    }
+  }
+  uint64_t back[kWordsPerThread];
+#pragma unroll
+  for (int k = 0; k < kWordsPerThread; ++k) {
+    const int w = threadIdx.x + kThreads * k, r = w / kWordsPerRow, c = (w % kWordsPerRow) * 8;
+    back[k] = 0;
+    if (r < nr && c < nc) {
+      back[k] = __ldcg(
+          reinterpret_cast<const unsigned long long*>(t.lweight + (r0 + r) * t.lwstride + c0 + c));
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kWordsPerThread; ++k) {
+    const int w = threadIdx.x + kThreads * k, r = w / kWordsPerRow, c = (w % kWordsPerRow) * 8;
+    if (r < nr && c < nc) {
+      landed += ChecksumMixWord(back[k], (t.wire_offset + (r0 + r) * t.cols + c0 + c) / 8);
+    }
+  }
+  if (threadIdx.x == 0) t.scales[br * t.sstride + bc] = scale;
+  // Both sums in one pass over shared memory.
+  for (int o = 16; o > 0; o /= 2) {
+    packed += __shfl_xor_sync(0xffffffffu, packed, o);
+    landed += __shfl_xor_sync(0xffffffffu, landed, o);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();
+  if (lane == 0) {
+    u_shared[0][warp] = packed;
+    u_shared[1][warp] = landed;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) {
+      packed += u_shared[0][w];
+      landed += u_shared[1][w];
+    }
+    atomicAdd(&acc[t.bucket], packed);
+    atomicAdd(&acc[nb + t.bucket], landed);
+    if (n_bad > 0) atomicAdd(&acc[2 * nb + t.bucket], n_bad);
+  }
+}
+
+// One CTA per task, after QuantizeKernel: the scale section's words (two scales each, the last
+// one zero-padded when the count is odd), as written and as read back through the receiver's map.
+__global__ void __launch_bounds__(kThreads)
+    ScaleSumKernel(const PTask* tasks, unsigned long long* acc, int nb) {
+  __shared__ unsigned long long u_shared[kThreads / 32];
+  const PTask& t = tasks[blockIdx.x];
+  const int64_t nbc = (t.cols + B - 1) / B, n = ((t.rows + B - 1) / B) * nbc;
+  const uint64_t base = static_cast<uint64_t>(t.wire_offset + t.rows * t.cols) / 8;
+  unsigned long long packed = 0, landed = 0;
+  for (int64_t w = threadIdx.x; w < (n + 1) / 2; w += kThreads) {
+    uint64_t p = 0, l = 0;
+    for (int h = 0; h < 2; ++h) {
+      const int64_t i = 2 * w + h;
+      if (i >= n) break;
+      const int64_t br = i / nbc, bc = i % nbc;
+      p |= static_cast<uint64_t>(Fp8FloatBits(__ldcg(t.scales + br * t.sstride + bc))) << (32 * h);
+      l |= static_cast<uint64_t>(Fp8FloatBits(__ldcg(t.lscales + br * t.lsstride + bc)))
+           << (32 * h);
+    }
+    packed += ChecksumMixWord(p, base + w);
+    landed += ChecksumMixWord(l, base + w);
+  }
+  packed = Reduce(
+      packed, [](unsigned long long a, unsigned long long b) { return a + b; }, u_shared);
+  landed = Reduce(
+      landed, [](unsigned long long a, unsigned long long b) { return a + b; }, u_shared);
+  if (threadIdx.x == 0) {
+    atomicAdd(&acc[t.bucket], packed);
+    atomicAdd(&acc[nb + t.bucket], landed);
+  }
+}
+
+class Fp8Batch final : public CopyBatch {
+ public:
+  ~Fp8Batch() override {
+    cudaSetDevice(device_);
+    if (tasks_) cudaFree(tasks_);
+    if (acc_) cudaFree(acc_);
+    if (host_) cudaFreeHost(host_);
+  }
+
+  Status Init(const BatchSpec& spec, int device) {
+    device_ = device;
+    nb_ = static_cast<int>(spec.bucket_bytes.size());
+    bucket_bytes_ = spec.bucket_bytes;
+    if (spec.mode != BatchMode::kPack || spec.copy_bytes.size() != spec.bucket_bytes.size()) {
+      return InvalidArgumentError("fp8 batch: a pack with copy_bytes for every bucket (" +
+                                  std::to_string(spec.copy_bytes.size()) + " for " +
+                                  std::to_string(nb_) + " buckets)");
+    }
+    SS_CUDA(cudaSetDevice(device), "fp8 batch: cudaSetDevice");
+    std::vector<PTask> tasks;
+    for (size_t i = 0; i < spec.quantize.size(); ++i) {
+      SS_ASSIGN_OR_RETURN(PTask t, Check(spec, i));
+      t.block_begin = blocks_;
+      dtype_ = i == 0 ? t.dtype : (dtype_ == t.dtype ? dtype_ : -1);
+      blocks_ += ((t.rows + B - 1) / B) * ((t.cols + B - 1) / B);
+      wire_ += Fp8WireBytes(t.rows, t.cols);
+      in_ += t.rows * t.cols * (t.dtype == 0 ? 4 : 2);
+      tasks.push_back(t);
+    }
+    BatchSpec copies = spec;
+    copies.quantize.clear();
+    copies.copy_bytes.clear();
+    copies.bucket_bytes = spec.copy_bytes;
+    inner_landed_ = !spec.landed_runs.empty();
+    if (!inner_landed_) copies.landed_sums.clear();
+    SS_ASSIGN_OR_RETURN(inner_, CopyBatch::Prepare(copies, device));
+    n_tasks_ = static_cast<int>(tasks.size());
+    if (!tasks.empty()) {
+      SS_CUDA(cudaMalloc(&tasks_, tasks.size() * sizeof(PTask)), "fp8 batch: tasks");
+      SS_CUDA(
+          cudaMemcpy(tasks_, tasks.data(), tasks.size() * sizeof(PTask), cudaMemcpyHostToDevice),
+          "fp8 batch: upload tasks");
+    }
+    const size_t words = 3 * static_cast<size_t>(std::max(1, nb_));
+    SS_CUDA(cudaMalloc(&acc_, words * 8), "fp8 batch: sums");
+    SS_CUDA(cudaMemset(acc_, 0, words * 8), "fp8 batch: sums");
+    SS_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_), words * 8, cudaHostAllocDefault),
+            "fp8 batch: pinned sums");
+    std::memset(host_, 0, words * 8);
+    return OkStatus();
+  }
+
+  Status Launch(void* stream) override {
+    SS_RETURN_IF_ERROR(Quantize(static_cast<cudaStream_t>(stream)));
+    return inner_->Launch(stream);
+  }
+  // The quantize kernels and the copy of their sums go first: the copies' signal, last on the
+  // stream, covers them.
+  Status LaunchSignaled(void* stream, uint64_t seq) override {
+    SS_RETURN_IF_ERROR(Quantize(static_cast<cudaStream_t>(stream)));
+    return inner_->LaunchSignaled(stream, seq);
+  }
+  uint64_t Signaled() const override { return inner_->Signaled(); }
+
+  Result<std::vector<uint64_t>> Sums() const override {
+    SS_ASSIGN_OR_RETURN(std::vector<uint64_t> s, inner_->Sums());
+    for (int b = 0; b < nb_; ++b) s[b] += host_[b];
+    return s;
+  }
+  Result<std::vector<uint64_t>> Checksums() const override {
+    SS_ASSIGN_OR_RETURN(std::vector<uint64_t> s, Sums());
+    for (int b = 0; b < nb_; ++b)
+      s[b] = ChecksumFinish(s[b], static_cast<uint64_t>(bucket_bytes_[b]));
+    return s;
+  }
+  Result<std::vector<uint64_t>> LandedSums() const override {
+    std::vector<uint64_t> l(nb_, 0);
+    if (inner_landed_) {
+      SS_ASSIGN_OR_RETURN(l, inner_->LandedSums());
+    }
+    for (int b = 0; b < nb_; ++b) l[b] += host_[nb_ + b];
+    return l;
+  }
+  std::vector<int64_t> NonFinite() const override {
+    std::vector<int64_t> v(nb_);
+    for (int b = 0; b < nb_; ++b) v[b] = static_cast<int64_t>(host_[2 * nb_ + b]);
+    return v;
+  }
+  int64_t wire_bytes() const override { return inner_->wire_bytes() + wire_; }
+  int64_t in_bytes() const override { return inner_->in_bytes() + in_; }
+  int64_t out_bytes() const override { return inner_->out_bytes() + wire_; }
+  size_t num_chunks() const override { return inner_->num_chunks() + blocks_; }
+
+ private:
+  Result<PTask> Check(const BatchSpec& spec, size_t i) const {
+    const Fp8Task& q = spec.quantize[i];
+    const std::string who = "fp8 batch: quantize op " + std::to_string(i);
+    const int code = q.dtype == DType::kF32    ? 0
+                     : q.dtype == DType::kBF16 ? 1
+                     : q.dtype == DType::kF16  ? 2
+                                               : -1;
+    auto aligned = [](const void* p, int64_t stride, int64_t to) {
+      return reinterpret_cast<uintptr_t>(p) % to == 0 && stride % to == 0;
+    };
+    const int64_t nbc = Fp8Blocks(q.cols);
+    if (code < 0 || !q.src || !q.weight || !q.scales || !q.landed_weight || !q.landed_scales ||
+        q.rows < 1 || q.cols < 1 || q.cols % 8 != 0 || q.src_stride < q.cols ||
+        q.weight_stride < q.cols || q.landed_weight_stride < q.cols || q.scale_stride < nbc ||
+        q.landed_scale_stride < nbc) {
+      return InvalidArgumentError(who +
+                                  " is malformed (dtype f32/bf16/f16, non-null pointers, "
+                                  "positive extents, columns a multiple of 8, strides "
+                                  "covering a row)");
+    }
+    if (!aligned(q.weight, q.weight_stride, 8) ||
+        !aligned(q.landed_weight, q.landed_weight_stride, 8) || !aligned(q.scales, 0, 4) ||
+        !aligned(q.landed_scales, 0, 4)) {
+      return InvalidArgumentError(who + ": e4m3 rows must start on 8 bytes and scales on 4");
+    }
+    if (q.bucket < 0 || q.bucket >= nb_ || q.wire_offset < 0 || q.wire_offset % 8 != 0 ||
+        q.wire_offset + Fp8WireBytes(q.rows, q.cols) > spec.bucket_bytes[q.bucket]) {
+      return InvalidArgumentError(who + ": bucket " + std::to_string(q.bucket) + ", wire offset " +
+                                  std::to_string(q.wire_offset) +
+                                  " outside its bucket or not a multiple of 8");
+    }
+    const int es = code == 0 ? 4 : 2;
+    PTask t{};
+    t.src = static_cast<const unsigned char*>(q.src);
+    t.src_stride = q.src_stride;
+    t.rows = q.rows;
+    t.cols = q.cols;
+    t.weight = static_cast<unsigned char*>(q.weight);
+    t.wstride = q.weight_stride;
+    t.scales = static_cast<float*>(q.scales);
+    t.sstride = q.scale_stride;
+    t.lweight = static_cast<const unsigned char*>(q.landed_weight);
+    t.lwstride = q.landed_weight_stride;
+    t.lscales = static_cast<const float*>(q.landed_scales);
+    t.lsstride = q.landed_scale_stride;
+    t.wire_offset = q.wire_offset;
+    t.dtype = code;
+    t.bucket = q.bucket;
+    t.vec = aligned(q.src, q.src_stride * es, 16) ? 1 : 0;
+    return t;
+  }
+
+  Status Quantize(cudaStream_t s) {
+    SS_CUDA(cudaSetDevice(device_), "fp8 batch: cudaSetDevice");
+    const size_t bytes = 3 * static_cast<size_t>(std::max(1, nb_)) * 8;
+    if (blocks_ > 0) {
+      const unsigned grid = static_cast<unsigned>(blocks_);
+      switch (dtype_) {
+        case 0:
+          QuantizeKernel<0><<<grid, kThreads, 0, s>>>(tasks_, n_tasks_, acc_, nb_);
+          break;
+        case 1:
+          QuantizeKernel<1><<<grid, kThreads, 0, s>>>(tasks_, n_tasks_, acc_, nb_);
+          break;
+        case 2:
+          QuantizeKernel<2><<<grid, kThreads, 0, s>>>(tasks_, n_tasks_, acc_, nb_);
+          break;
+        default:
+          QuantizeKernel<-1><<<grid, kThreads, 0, s>>>(tasks_, n_tasks_, acc_, nb_);
+      }
+      SS_CUDA(cudaGetLastError(), "fp8 batch: quantize launch");
+      ScaleSumKernel<<<static_cast<unsigned>(n_tasks_), kThreads, 0, s>>>(tasks_, acc_, nb_);
+      SS_CUDA(cudaGetLastError(), "fp8 batch: scale sums launch");
+    }
+    SS_CUDA(cudaMemcpyAsync(host_, acc_, bytes, cudaMemcpyDeviceToHost, s), "fp8 batch: sums");
+    SS_CUDA(cudaMemsetAsync(acc_, 0, bytes, s), "fp8 batch: zero sums");
+    return OkStatus();
+  }
+
+  int device_ = 0;
+  int nb_ = 0;
+  std::vector<int64_t> bucket_bytes_;
+  std::unique_ptr<CopyBatch> inner_;
+  bool inner_landed_ = false;
+  PTask* tasks_ = nullptr;
+  int n_tasks_ = 0;
+  int dtype_ = -1;  // the tasks' common dtype code, -1 when mixed
+  int64_t blocks_ = 0, wire_ = 0, in_ = 0;
+  unsigned long long* acc_ = nullptr;
+  unsigned long long* host_ = nullptr;  // [packed | landed | non-finite], pinned
+};
+
+}  // namespace
+
+Result<std::unique_ptr<CopyBatch>> PrepareFp8Batch(const BatchSpec& spec, int device) {
+  auto b = std::make_unique<Fp8Batch>();
+  SS_RETURN_IF_ERROR(b->Init(spec, device));
+  return std::unique_ptr<CopyBatch>(std::move(b));
+}
+
+}  // namespace shardsync::gpu

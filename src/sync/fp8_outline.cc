@@ -1,0 +1,85 @@
+#include "sync/fp8_outline.h"
+
+#include "sync/bindings.h"
+
+namespace shardsync::sync_internal {
+namespace {
+
+bool EndsWith(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
+
+DType Fp8DestDType(const EngineParam& p, DType wire) {
+  if (p.dtype == DType::kF8E4M3) return p.dtype;
+  // The shard map gives each e4m3 weight a "<weight>_scale_inv" companion in fp32
+  // (fp8_shard_map.cc); unquantized parameters carry the model dtype there but land wire bytes.
+  if (p.dtype == DType::kF32 && EndsWith(p.name, "weight_scale_inv")) return p.dtype;
+  return wire;
+}
+
+Status CheckFp8Bindings(const SessionContext& ctx, const Bindings& bindings) {
+  const Fp8RankPlan& plan = *ctx.fp8;
+  const std::string me = RankName(ctx.rank);
+  if (ctx.who.is_trainer) {
+    for (const Fp8Message& m : plan.sends) {
+      for (const Fp8Op& op : m.ops) {
+        const std::string& name = ctx.inventory.at(op.tensor).name;
+        if (!bindings.has_source(op.tensor)) {
+          return NotFoundError(me + ": source tensor '" + name +
+                               "' is sent by the plan but was not bound");
+        }
+        const SourceBinding& b = bindings.source(op.tensor);
+        if (!RegionContains(b.region, op.src)) {
+          return InvalidArgumentError("source binding '" + name + "': plan reads " +
+                                      op.src.ToString() + " outside the bound region " +
+                                      b.region.ToString());
+        }
+      }
+    }
+    return OkStatus();
+  }
+  const std::vector<DestBinding>& dests = bindings.dests();
+  for (size_t i = 0; i < dests.size(); ++i) {
+    if (dests[i].data == nullptr) {
+      return NotFoundError(me + ": engine parameter '" + bindings.expected()[i].name +
+                           "' (tp=" + std::to_string(ctx.who.tp_rank) +
+                           " pp=" + std::to_string(ctx.who.pp_rank) + ") was not bound");
+    }
+  }
+  auto inside = [&](int32_t param, const Region& r) {
+    return param >= 0 && static_cast<size_t>(param) < dests.size() &&
+           RegionInside(r, dests[param].shape);
+  };
+  for (const Fp8Message& m : plan.recvs) {
+    for (const Fp8Op& op : m.ops) {
+      bool ok = false;
+      switch (op.kind) {
+        case Fp8OpKind::kCopy:
+          ok = inside(op.param, op.dst);
+          break;
+        case Fp8OpKind::kQuantize:
+          ok = inside(op.param, op.dst) && inside(op.scale_param, op.scale_dst) &&
+               dests[op.param].dtype == DType::kF8E4M3 &&
+               dests[op.scale_param].dtype == DType::kF32;
+          break;
+        case Fp8OpKind::kStage:
+          if (op.stage >= 0 && static_cast<size_t>(op.stage) < plan.staged.size()) {
+            const Fp8StagedBand& b = plan.staged[op.stage];
+            ok = RegionInside(op.dst, {b.src.extent[0], b.src.extent[1]}) &&
+                 inside(b.param, b.dst) && inside(b.scale_param, b.scale_dst);
+          }
+          break;
+      }
+      if (!ok) {
+        return InternalError("plan op (" + std::string(Fp8OpKindName(op.kind)) +
+                             ") from sync rank " + std::to_string(m.src) +
+                             " lands outside parameter index " + std::to_string(op.param));
+      }
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace shardsync::sync_internal

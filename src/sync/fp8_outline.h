@@ -1,0 +1,39 @@
+// Block-FP8 sessions (fp8_plan.h, docs/fp8.md): what the parts a bf16 session shares with an FP8
+// one (connect, verdicts, guard, bindings) see of the FP8 plan, and the checks of FP8 bindings.
+//
+// The session's `plan` is the FP8 plan's outline (fp8_plan.h Fp8PlanOutline): transport peers,
+// region bases and the parameters named in a checksum mismatch come from it; the data path
+// replays the FP8 plan itself (fp8_send.h, fp8_recv.h, fp8_pairs.cc).
+#pragma once
+
+#include <algorithm>
+#include <string>
+
+#include "shardsync/fp8_plan.h"
+#include "sync/context.h"
+#include "sync/internal.h"
+
+namespace shardsync::sync_internal {
+
+class Bindings;
+
+// The dtype an engine parameter of a block-FP8 map is bound in: e4m3 weights and their fp32
+// weight_scale_inv as they are; every other parameter in the wire dtype (bytes land in place).
+DType Fp8DestDType(const EngineParam& p, DType wire);
+
+// Connect's binding check for FP8 sessions: every source an op reads bound and holding the op's
+// region; every parameter, scale and staged band an op writes inside its binding.
+Status CheckFp8Bindings(const SessionContext& ctx, const Bindings& bindings);
+
+// How the host path cuts a bucket's wire image into transfers (both ends call it): pieces of at
+// most kMaxTransferBytes, in wire order. fn(offset, length).
+template <typename Fn>
+void ForEachFp8Transfer(int64_t bytes, Fn&& fn) {
+  const auto step = static_cast<int64_t>(kMaxTransferBytes);
+  for (int64_t at = 0; at < bytes; at += step) fn(at, std::min(step, bytes - at));
+}
+
+// NotFound / DataLoss text helpers shared by the FP8 parts: "sync rank R".
+inline std::string RankName(int rank) { return "sync rank " + std::to_string(rank); }
+
+}  // namespace shardsync::sync_internal

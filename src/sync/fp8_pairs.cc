@@ -1,0 +1,118 @@
+// Prepared pairs of block-FP8 plans (pairs.h PrepareFp8): each bucket's copy ops as copy regions
+// at offsets of a compact image of the copies, its quantize ops as PairBucket::quantize with
+// separate e4m3 and scale destinations (the peer's parameters; no wire buffer), so a transport
+// that quantizes (cuda_ipc) packs, quantizes and checksums straight into the receiver. Staged
+// bands (rows of a block on several trainer ranks) need the receiver's staging and a quantize
+// pass there, which no device pair has: such a device job is refused naming the parameter.
+#include "sync/fp8_outline.h"
+#include "sync/pairs.h"
+
+namespace shardsync::sync_internal {
+namespace {
+
+Status RefuseStaged(const SessionContext& ctx, const Bindings& bindings, const Fp8Message& m,
+                    int peer) {
+  for (const Fp8Op& op : m.ops) {
+    if (op.kind != Fp8OpKind::kStage) continue;
+    const std::string name =
+        ctx.who.is_trainer ? ctx.inventory.at(op.tensor).name : bindings.dest(op.param).name;
+    return UnimplementedError(
+        RankName(ctx.rank) + ": rows " + op.src.ToString() + " of '" + name +
+        "' share 128-row blocks with another trainer rank's rows (FSDP chunks off the 128 "
+        "grid), which device pairs (with sync rank " +
+        std::to_string(peer) +
+        ") do not quantize yet: choose an FSDP size whose chunks fall on the grid "
+        "(`shardsync plan` shows the staged bands) or sync from host memory");
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
+                                 const std::map<int, uint32_t>& regbase,
+                                 Clock::time_point deadline) {
+  const Fp8RankPlan& plan = *ctx_.fp8;
+  const DType wire = ctx_.in.options.wire_dtype, td = ctx_.in.trainer_dtype;
+  const int ws = DTypeSize(wire);
+  const int mem = bindings.BoundMem();
+  send_.resize(plan.sends.size());
+  recv_.resize(plan.recvs.size());
+  auto left = [&] {
+    return std::max(Millis(1), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
+  };
+  // Refused before any pair is prepared, so no peer waits for this rank's maps.
+  for (const Fp8Message& m : plan.recvs) {
+    if (Prepared(m.src, mem)) SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.src));
+  }
+  for (const Fp8Message& m : plan.sends) {
+    if (Prepared(m.dst, mem)) SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.dst));
+  }
+  for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
+    const Fp8Message& m = plan.recvs[mi];
+    if (!Prepared(m.src, mem)) continue;
+    PairSpec spec{m.src, /*send=*/false, wire, {}, PairKey(m.src, ctx_.rank)};
+    spec.fp8 = true;
+    for (const Bucket& b : m.buckets) {
+      PairBucket pb;
+      pb.bytes = b.bytes;
+      int64_t at = 0;  // compact copy image
+      for (int32_t i = b.op_begin; i < b.op_end; ++i) {
+        const Fp8Op& op = m.ops[i];
+        const DestBinding& d = bindings.dest(op.param);
+        if (op.kind == Fp8OpKind::kCopy) {
+          pb.local.push_back({d.data, d.dtype, d.shape, op.dst, at});
+          at += op.dst.numel() * ws;
+          continue;
+        }
+        const DestBinding& s = bindings.dest(op.scale_param);
+        QuantizeRegion q;
+        q.landed_weight = {d.data, d.dtype, d.shape, op.dst, op.wire_offset - b.wire_offset};
+        q.landed_scales = {s.data, s.dtype, s.shape, op.scale_dst, 0};
+        pb.quantize.push_back(std::move(q));
+      }
+      spec.buckets.push_back(std::move(pb));
+    }
+    SS_ASSIGN_OR_RETURN(recv_[mi], ctx_.tx.Prepare(ctx_.store, spec, left()));
+  }
+  for (size_t mi = 0; mi < plan.sends.size(); ++mi) {
+    const Fp8Message& m = plan.sends[mi];
+    if (!Prepared(m.dst, mem)) continue;
+    PairSpec spec{m.dst, /*send=*/true, wire, {}, PairKey(ctx_.rank, m.dst)};
+    spec.fp8 = true;
+    const uint32_t base = regbase.at(m.dst);
+    for (const Bucket& b : m.buckets) {
+      PairBucket pb;
+      pb.bytes = b.bytes;
+      int64_t at = 0;
+      for (int32_t i = b.op_begin; i < b.op_end; ++i) {
+        const Fp8Op& op = m.ops[i];
+        const SourceBinding& sb = bindings.source(op.tensor);
+        Region rel = op.src;
+        for (int d = 0; d < rel.ndim; ++d) rel.offset[d] -= sb.region.offset[d];
+        const PackRegion src{sb.data, td, sb.region.extents(), rel, 0};
+        const RemoteRegion dst{base + static_cast<uint32_t>(op.param), 0,
+                               shapes.Get(m.dst, op.param), op.dst};
+        if (op.kind == Fp8OpKind::kCopy) {
+          pb.local.push_back(src);
+          pb.local.back().wire_offset = at;
+          pb.remote.push_back(dst);
+          at += op.dst.numel() * ws;
+          continue;
+        }
+        QuantizeRegion q;
+        q.src = src;
+        q.src.wire_offset = op.wire_offset - b.wire_offset;
+        q.weight = dst;
+        q.scales = {base + static_cast<uint32_t>(op.scale_param), 0,
+                    shapes.Get(m.dst, op.scale_param), op.scale_dst};
+        pb.quantize.push_back(std::move(q));
+      }
+      spec.buckets.push_back(std::move(pb));
+    }
+    SS_ASSIGN_OR_RETURN(send_[mi], ctx_.tx.Prepare(ctx_.store, spec, left()));
+  }
+  return OkStatus();
+}
+
+}  // namespace shardsync::sync_internal

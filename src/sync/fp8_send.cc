@@ -1,0 +1,170 @@
+#include "sync/fp8_send.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "shardsync/checksum.h"
+#include "shardsync/fp8.h"
+#include "sync/fp8_outline.h"
+
+namespace shardsync::sync_internal {
+
+Result<Fp8Packed> PackFp8Bucket(const SessionContext& ctx, const Bindings& bindings,
+                                const Fp8Message& m, const Bucket& b, unsigned char* out) {
+  const DType td = ctx.in.trainer_dtype, wd = ctx.in.options.wire_dtype;
+  const int ts = DTypeSize(td), ws = DTypeSize(wd);
+  Fp8Packed res;
+  uint64_t sum = 0;
+  for (int32_t i = b.op_begin; i < b.op_end; ++i) {
+    const Fp8Op& op = m.ops[i];
+    const SourceBinding& sb = bindings.source(op.tensor);
+    Region rel = op.src;
+    for (int d = 0; d < rel.ndim; ++d) rel.offset[d] -= sb.region.offset[d];
+    const Shape shape = sb.region.extents();
+    const int64_t at = op.wire_offset - b.wire_offset;
+    unsigned char* o = out + at;
+    if (op.kind == Fp8OpKind::kQuantize) {
+      SS_ASSIGN_OR_RETURN(Fp8PackResult r, Fp8QuantizePack({sb.data, td, shape, rel, at}, o));
+      sum += r.sum;
+      if (r.nonfinite > 0 && res.first_bad_op < 0) res.first_bad_op = i;
+      res.nonfinite += r.nonfinite;
+      continue;
+    }
+    // Copies cast to the wire dtype; staged rows travel as the trainer holds them (the receiver
+    // quantizes them once their band is complete).
+    const bool copy = op.kind == Fp8OpKind::kCopy;
+    int64_t w = 0;
+    ForEachRun(rel, shape, [&](int64_t off, int64_t len) {
+      const auto* src = static_cast<const unsigned char*>(sb.data) + off * ts;
+      if (copy) {
+        CastInto(src, td, o + w, wd, len);
+        w += len * ws;
+      } else {
+        std::memcpy(o + w, src, static_cast<size_t>(len * ts));
+        w += len * ts;
+      }
+    });
+    std::memset(o + w, 0, static_cast<size_t>(op.bytes - w));
+    sum += ChecksumPartial(o, static_cast<size_t>(op.bytes), static_cast<uint64_t>(at));
+  }
+  res.checksum = ChecksumFinish(sum, static_cast<uint64_t>(b.bytes));
+  return res;
+}
+
+Status Fp8HostSender::Prepare(const Bindings& bindings, const PreparedPairs& pairs) {
+  bindings_ = &bindings;
+  const std::vector<Fp8Message>& sends = ctx_.fp8->sends;
+  int64_t max_bucket = 0;
+  size_t max_buckets = 0;
+  for (size_t mi = 0; mi < sends.size(); ++mi) {
+    if (pairs.sends(mi)) continue;
+    const Fp8Message& m = sends[mi];
+    for (const Fp8Op& op : m.ops) {
+      if (bindings.source(op.tensor).mem != MemKind::kHost) {
+        return UnimplementedError(
+            RankName(ctx_.rank) + ": block-FP8 bytes to sync rank " + std::to_string(m.dst) +
+            " would take the host path, which packs host memory; device shards need a prepared "
+            "pair (cuda_ipc, the GPUs of one node)");
+      }
+    }
+    if (!ctx_.tx.PeerCaps(m.dst).two_sided) {
+      return UnimplementedError(RankName(ctx_.rank) + ": block-FP8 bytes to sync rank " +
+                                std::to_string(m.dst) + " need two-sided messages, which " +
+                                ctx_.tx.PeerTransport(m.dst) + " does not offer");
+    }
+    for (const Bucket& b : m.buckets) max_bucket = std::max(max_bucket, b.bytes);
+    max_buckets = std::max(max_buckets, m.buckets.size());
+  }
+  // Buckets round-robin over receivers, each sender starting at a different one (HostSender
+  // says why).
+  const size_t n = sends.size();
+  const size_t first = n ? static_cast<size_t>(ctx_.who.trainer_rank) % n : 0;
+  order_.clear();
+  for (size_t b = 0; b < max_buckets; ++b) {
+    for (size_t k = 0; k < n; ++k) {
+      const size_t mi = (first + k) % n;
+      if (!pairs.sends(mi) && b < sends[mi].buckets.size()) {
+        order_.emplace_back(static_cast<int>(mi), static_cast<int>(b));
+      }
+    }
+  }
+  for (auto& s : slots_) {
+    if (max_bucket > 0) s = std::make_unique<unsigned char[]>(static_cast<size_t>(max_bucket));
+  }
+  return OkStatus();
+}
+
+Status Fp8HostSender::Send(RankSyncStats& st) {
+  std::deque<Flying> flying;
+  std::vector<uint64_t> seq(ctx_.fp8->sends.size(), 0);
+  int slot = 0;
+  Status s;
+  for (auto [mi, bi] : order_) {
+    if (flying.size() == 2) s = FinishOldest(flying, st);
+    if (s.ok()) s = guard_.CheckDeadline("while sending");
+    if (s.ok()) s = Post(mi, bi, slot, flying, seq);
+    if (!s.ok()) break;
+    slot ^= 1;
+  }
+  while (s.ok() && !flying.empty()) s = FinishOldest(flying, st);
+  if (!s.ok()) {
+    for (Flying& f : flying) graveyard_.push_back(std::move(f.control));
+  }
+  return s;
+}
+
+Status Fp8HostSender::Post(int mi, int bi, int slot, std::deque<Flying>& flying,
+                           std::vector<uint64_t>& seq) {
+  const Fp8Message& m = ctx_.fp8->sends[mi];
+  const Bucket& b = m.buckets[bi];
+  unsigned char* buf = slots_[slot].get();
+  SS_ASSIGN_OR_RETURN(Fp8Packed p, PackFp8Bucket(ctx_, *bindings_, m, b, buf));
+  if (p.nonfinite > 0) {
+    const Fp8Op& op = m.ops[p.first_bad_op];
+    return DataLossError(RankName(ctx_.rank) + ": " + std::to_string(p.nonfinite) +
+                         " non-finite values (NaN or Inf) in '" +
+                         ctx_.inventory.at(op.tensor).name + "' " + op.src.ToString() +
+                         " (first op) for sync rank " + std::to_string(m.dst) +
+                         ": block FP8 cannot represent them, so nothing of this sync is reported "
+                         "good and the engine ranks stay poisoned");
+  }
+  Flying f;
+  f.msg = mi;
+  f.bucket = bi;
+  f.slot = slot;
+  const uint64_t version = guard_.version();
+  Status s;
+  ForEachFp8Transfer(b.bytes, [&](int64_t off, int64_t len) {
+    if (!s.ok()) return;
+    auto id =
+        ctx_.tx.PostSend(m.dst, DataTag(version, seq[mi]++), buf + off, static_cast<size_t>(len));
+    if (id.ok()) {
+      f.ids.push_back(*id);
+    } else {
+      s = id.status();
+    }
+  });
+  SS_RETURN_IF_ERROR(s);
+  f.control = std::make_unique<Control>();
+  f.control->bucket = static_cast<uint32_t>(bi);
+  f.control->version = version;
+  f.control->bytes = static_cast<uint64_t>(b.bytes);
+  f.control->checksum = p.checksum;
+  f.control->job = ctx_.job_tag;
+  SS_ASSIGN_OR_RETURN(
+      XferId c, ctx_.tx.PostSend(m.dst, ControlTag(version, bi), f.control.get(), sizeof(Control)));
+  f.ids.push_back(c);
+  flying.push_back(std::move(f));
+  return OkStatus();
+}
+
+Status Fp8HostSender::FinishOldest(std::deque<Flying>& flying, RankSyncStats& st) {
+  Flying& f = flying.front();
+  const Fp8Message& m = ctx_.fp8->sends[f.msg];
+  SS_RETURN_IF_ERROR(guard_.WaitAll(f.ids, "sending to sync rank " + std::to_string(m.dst)));
+  st.send_bytes += m.buckets[f.bucket].bytes;
+  flying.pop_front();
+  return OkStatus();
+}
+
+}  // namespace shardsync::sync_internal

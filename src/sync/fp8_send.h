@@ -1,0 +1,60 @@
+// A trainer rank's host send path for block-FP8 plans (fp8_plan.h): each bucket's wire image is
+// built in one of two staging slots (quantize ops with the fused CPU quantize-pack, copy ops cast
+// to the wire dtype, stage ops as the trainer's raw values, every op's pad zeroed), checksummed
+// while it is built, and sent as transfers of at most kMaxTransferBytes followed by its control
+// message. A non-finite trainer value in a quantized block fails the sync with DataLoss naming the
+// tensor (block FP8 cannot carry it; the engine ranks stay poisoned).
+#pragma once
+
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "sync/bindings.h"
+#include "sync/context.h"
+#include "sync/guard.h"
+#include "sync/pairs.h"
+
+namespace shardsync::sync_internal {
+
+// What packing one bucket found.
+struct Fp8Packed {
+  uint64_t checksum = 0;  // finished (checksum.h) over the bucket's wire bytes, pads included
+  int64_t nonfinite = 0;  // non-finite inputs of quantize ops (their blocks are NaN)
+  int32_t first_bad_op = -1;
+};
+
+// Packs bucket `b` of FP8 send message `m` from the sender's bound sources into `out`
+// (b.bytes bytes). InvalidArgument for an op the quantizer refuses (a malformed region).
+Result<Fp8Packed> PackFp8Bucket(const SessionContext& ctx, const Bindings& bindings,
+                                const Fp8Message& m, const Bucket& b, unsigned char* out);
+
+class Fp8HostSender {
+ public:
+  Fp8HostSender(const SessionContext& ctx, SyncGuard& guard) : ctx_(ctx), guard_(guard) {}
+
+  // Connect: which messages go this way (not prepared pairs), and the staging slots.
+  Status Prepare(const Bindings& bindings, const PreparedPairs& pairs);
+  bool has_buckets() const { return !order_.empty(); }
+  Status Send(RankSyncStats& st);
+
+ private:
+  struct Flying {
+    int msg = 0, bucket = 0, slot = 0;
+    std::vector<XferId> ids;
+    std::unique_ptr<Control> control;
+  };
+  Status Post(int mi, int bi, int slot, std::deque<Flying>& flying, std::vector<uint64_t>& seq);
+  Status FinishOldest(std::deque<Flying>& flying, RankSyncStats& st);
+
+  const SessionContext& ctx_;
+  SyncGuard& guard_;
+  const Bindings* bindings_ = nullptr;
+  std::vector<std::pair<int, int>> order_;  // (message, bucket) in posting order
+  std::unique_ptr<unsigned char[]> slots_[2];
+  // Controls of a failed sync may still be read by the transport: kept for the session's life.
+  std::vector<std::unique_ptr<Control>> graveyard_;
+};
+
+}  // namespace shardsync::sync_internal

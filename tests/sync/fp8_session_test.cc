@@ -1,0 +1,388 @@
+// Block-FP8 sync sessions on loopback, one thread per sync rank (issue 25): Qwen3-8B and
+// Qwen3-30B-A3B shapes at toy size, fsdp=4 -> SGLang tp2 pp2 and vLLM tp2 ep2, fp32 and bf16
+// trainers. Every landed e4m3 byte and every scale is compared with the independent reference
+// quantizer (tests/common/fp8_reference.h) applied to the trainer's values; unquantized
+// parameters with the trainer's values in the wire dtype. Then the failure semantics: a flipped
+// byte, a non-finite trainer value, bindings in the wrong dtype.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include "common/fp8_reference.h"
+#include "job/internal.h"
+#include "job/test_util.h"
+#include "shardsync/fp8.h"
+#include "shardsync/fp8_plan.h"
+#include "shardsync/synthetic.h"
+#include "shardsync/transport.h"
+#include "sync_expect.h"
+
+namespace shardsync {
+namespace {
+
+using testing::ExpectAllOk;
+using ::testing::HasSubstr;
+
+// Qwen3-8B at toy size: head_dim 128, 4 q / 2 kv heads, intermediate 768 (192 rows per rank at
+// fsdp=4: gate/up bands straddle trainer ranks, q/o bands do not), vocab 500 (padded rows).
+std::string TinyQwen3Fp8() {
+  return testing::WriteConfig("qwen3-fp8", R"({
+  "architectures": ["Qwen3ForCausalLM"], "hidden_size": 512, "intermediate_size": 768,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 3,
+  "vocab_size": 500, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+  "torch_dtype": "bfloat16", "quantization_config": {"activation_scheme": "dynamic",
+  "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}})");
+}
+
+// Qwen3-30B-A3B at toy size: a dense first layer, 4 experts of 384 rows (96 per rank at fsdp=4).
+std::string TinyQwen3MoeFp8() {
+  return testing::WriteConfig("qwen3moe-fp8", R"({
+  "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 3,
+  "vocab_size": 300, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+  "num_experts": 4, "moe_intermediate_size": 384, "num_experts_per_tok": 2,
+  "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [0],
+  "torch_dtype": "bfloat16", "quantization_config": {"activation_scheme": "dynamic",
+  "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}})");
+}
+
+JobSpec Spec(const std::string& model, const std::string& rollout, const std::string& engine,
+             const std::string& trainer_dtype, int64_t bucket = 256 << 10) {
+  JobFlags f;
+  f.model = model;
+  f.trainer = "fsdp=4";
+  f.rollout = rollout;
+  f.engine = engine;
+  f.trainer_dtype = trainer_dtype;
+  f.bucket_bytes = bucket;
+  f.transport = "loopback";
+  f.timeout_ms = 20000;
+  auto j = JobSpecFromFlags(f);
+  EXPECT_TRUE(j.ok()) << j.status().ToString();
+  return *j;
+}
+
+// Every rank of one job in this process over loopback (the fault decorator around it).
+class Fp8Job {
+ public:
+  explicit Fp8Job(JobSpec spec, Millis timeout = Millis(5000)) : spec_(std::move(spec)) {
+    auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
+    EXPECT_TRUE(server.ok());
+    server_ = std::move(server).value();
+    hub_ = NewLoopbackHub();
+    world_ = SyncWorldSize(spec_.inputs);
+    ranks_.resize(world_);
+    for (int r = 0; r < world_; ++r) {
+      Rank& k = ranks_[r];
+      k.store = std::move(
+          StoreClient::Connect(server_->address(), "test-token-0123456789", Millis(5000)).value());
+      k.tx = NewFaultTransport(NewLoopbackTransport(hub_));
+      SessionOptions o;
+      o.sync_timeout = timeout;
+      o.connect_timeout = Millis(5000);
+      auto s = SyncSession::Create(spec_.inputs, r, *k.store, *k.tx, o);
+      EXPECT_TRUE(s.ok()) << s.status().ToString();
+      k.session = std::move(s).value();
+    }
+  }
+
+  void BindAll() {
+    for (int r = 0; r < world_; ++r) {
+      Rank& k = ranks_[r];
+      auto who = DescribeSyncRank(spec_.inputs, r).value();
+      if (who.is_trainer) {
+        k.shards = job_internal::FillTrainerShards(spec_, who.trainer_rank).value();
+        for (auto& b : k.shards.bindings) ASSERT_TRUE(k.session->BindSource(b).ok());
+      } else {
+        k.params = job_internal::AllocateEngineParams(k.session->ExpectedParams(),
+                                                      spec_.inputs.options.wire_dtype)
+                       .value();
+        for (auto& b : k.params.bindings) {
+          Status s = k.session->BindDest(b);
+          ASSERT_TRUE(s.ok()) << s.ToString();
+        }
+      }
+    }
+  }
+  std::vector<Status> All(const std::function<Status(int)>& fn) {
+    return testing::RunOnAll(world_, fn);
+  }
+  std::vector<Status> Connect() {
+    return All([&](int r) { return ranks_[r].session->Connect(); });
+  }
+  std::vector<Status> Sync(uint64_t v) {
+    return All([&](int r) { return ranks_[r].session->Sync(v).status(); });
+  }
+
+  // The job harness's element check (job_internal::VerifyEngineParams) over every engine rank.
+  int64_t HarnessMismatches() {
+    int64_t m = 0;
+    for (int r = trainers(); r < world_; ++r) {
+      RankResult rr;
+      job_internal::VerifyEngineParams(spec_, session(r).ExpectedParams(),
+                                       ranks_[r].params.bindings, rr);
+      EXPECT_GT(rr.elements_checked, 0);
+      m += rr.element_mismatches;
+    }
+    return m;
+  }
+  int world() const { return world_; }
+  int trainers() const { return spec_.inputs.trainer.world(); }
+  const JobSpec& spec() const { return spec_; }
+  SyncSession& session(int r) { return *ranks_[r].session; }
+  FaultTransport& fault(int r) { return *ranks_[r].tx; }
+  job_internal::TrainerShards& shards(int r) { return ranks_[r].shards; }
+  job_internal::EngineParams& params(int r) { return ranks_[r].params; }
+
+ private:
+  struct Rank {
+    std::unique_ptr<StoreClient> store;
+    std::unique_ptr<FaultTransport> tx;
+    std::unique_ptr<SyncSession> session;
+    job_internal::TrainerShards shards;
+    job_internal::EngineParams params;
+  };
+  JobSpec spec_;
+  std::unique_ptr<StoreServer> server_;
+  std::shared_ptr<LoopbackHub> hub_;
+  int world_ = 0;
+  std::vector<Rank> ranks_;
+};
+
+struct Counts {
+  int64_t fp8_bytes = 0, scales = 0, copied = 0, mismatches = 0;
+  std::string first;
+};
+
+// The trainer's values of a whole HF tensor as it holds them (trainer dtype), as fp32.
+std::vector<float> TrainerValues(const JobSpec& spec, const HfTensor& t) {
+  std::vector<float> f(t.numel());
+  FillSyntheticRegion(spec.seed, t.name, t.shape, Region::Full(t.shape), f.data());
+  for (float& v : f) {
+    unsigned char b[4];
+    job_internal::StoreFloats(&v, 1, spec.inputs.trainer_dtype, b);
+    v = job_internal::LoadFloat(b, 0, spec.inputs.trainer_dtype);
+  }
+  return f;
+}
+
+// Every engine parameter of every engine rank against the reference quantizer (quantized
+// weights and scales) or the trainer's values in the wire dtype (everything else).
+Counts CompareWithReference(Fp8Job& job) {
+  Counts c;
+  const JobSpec& spec = job.spec();
+  std::map<std::string, HfTensor> inv;
+  for (const HfTensor& t : HfTensorInventory(spec.inputs.model)) inv[t.name] = t;
+  std::map<std::string, fp8_reference::Quantized> ref;
+  std::map<std::string, std::vector<float>> values;
+  auto quantized = [&](const std::string& name) -> const fp8_reference::Quantized& {
+    auto it = ref.find(name);
+    if (it != ref.end()) return it->second;
+    const HfTensor& t = inv.at(name);
+    const auto x = TrainerValues(spec, t);
+    return ref.emplace(name, fp8_reference::QuantizeMatrix(x.data(), t.shape[0], t.shape[1]))
+        .first->second;
+  };
+  auto bad = [&](const std::string& what, int64_t n) {
+    if (n > 0 && c.mismatches == 0) c.first = what;
+    c.mismatches += n;
+  };
+  const DType wd = spec.inputs.options.wire_dtype;
+  for (int r = job.trainers(); r < job.world(); ++r) {
+    const auto& params = job.session(r).ExpectedParams();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const EngineParam& p = params[i];
+      const auto* got = static_cast<const uint8_t*>(job.params(r).bindings[i].data);
+      for (const Piece& pc : p.pieces) {
+        const bool weight = p.dtype == DType::kF8E4M3;
+        const bool scale = !weight && job_internal::IsFp8Scale(p);
+        const std::string src = scale ? pc.source.substr(0, pc.source.size() - 10) : pc.source;
+        const Shape shape =
+            scale ? Shape{Fp8Blocks(inv.at(src).shape[0]), Fp8Blocks(inv.at(src).shape[1])}
+                  : inv.at(src).shape;
+        std::vector<int64_t> src_runs;
+        ForEachRun(pc.src, shape, [&](int64_t off, int64_t len) {
+          for (int64_t e = 0; e < len; ++e) src_runs.push_back(off + e);
+        });
+        if (!weight && !scale && !values.count(src)) values[src] = TrainerValues(spec, inv.at(src));
+        const std::vector<float>& x = values[src];
+        size_t k = 0;
+        ForEachRun(pc.dst, p.shape, [&](int64_t off, int64_t len) {
+          for (int64_t e = 0; e < len; ++e, ++k) {
+            const int64_t s = src_runs[k], d = off + e;
+            const std::string where = p.name + " element " + std::to_string(d);
+            if (weight) {
+              bad(where, got[d] != quantized(src).q[s]);
+              ++c.fp8_bytes;
+            } else if (scale) {
+              float v;
+              std::memcpy(&v, got + 4 * d, 4);
+              bad(where, fp8_reference::Bits(v) != fp8_reference::Bits(quantized(src).scales[s]));
+              ++c.scales;
+            } else {
+              unsigned char want[4];
+              job_internal::StoreFloats(&x[s], 1, wd, want);
+              bad(where, std::memcmp(got + d * DTypeSize(wd), want, DTypeSize(wd)) != 0);
+              ++c.copied;
+            }
+          }
+        });
+      }
+    }
+  }
+  return c;
+}
+
+struct Layout {
+  std::string (*model)();
+  const char* rollout;
+  const char* engine;
+  const char* trainer_dtype;
+  bool reference;  // compare with the (slow) reference quantizer too
+};
+
+TEST(Fp8Session, EveryLandedByteAndScaleEqualsTheReferenceQuantizer) {
+  const Layout layouts[] = {
+      {TinyQwen3Fp8, "dp=1,tp=2,pp=2", "sglang", "fp32", true},
+      {TinyQwen3MoeFp8, "dp=1,tp=2,pp=1,ep=2", "vllm", "bf16", true},
+      // The other trainer dtypes, checked by the harness (the library quantizer, which
+      // tests/common/fp8_test.cc holds to the reference bit for bit).
+      {TinyQwen3Fp8, "dp=1,tp=2,pp=2", "sglang", "bf16", false},
+      {TinyQwen3MoeFp8, "dp=1,tp=2,pp=1,ep=2", "vllm", "fp32", false},
+  };
+  for (const Layout& l : layouts) {
+    SCOPED_TRACE(std::string(l.rollout) + " " + l.engine + " " + l.trainer_dtype);
+    JobSpec spec = Spec(l.model(), l.rollout, l.engine, l.trainer_dtype);
+    auto sum = SummarizeFp8Plan(spec.inputs);
+    ASSERT_TRUE(sum.ok()) << sum.status().ToString();
+    // Both paths run: blocks quantized by their sender and bands staged to the receiver.
+    EXPECT_GT(sum->sender_quantized_elements, 0);
+    EXPECT_GT(sum->receiver_quantized_elements, 0);
+    Fp8Job job(spec);
+    job.BindAll();
+    ExpectAllOk(job.Connect());
+    for (uint64_t v = 1; v <= 2; ++v) {
+      std::vector<SyncReport> reps(job.world());
+      ExpectAllOk(job.All([&](int r) {
+        auto rep = job.session(r).Sync(v);
+        if (rep.ok()) reps[r] = *rep;
+        return rep.status();
+      }));
+      EXPECT_GT(reps[0].checksums_total, 0);
+      EXPECT_EQ(reps[0].checksums_ok, reps[0].checksums_total);
+      EXPECT_EQ(reps[0].bytes, sum->total_bytes);
+    }
+    if (l.reference) {
+      const Counts c = CompareWithReference(job);
+      EXPECT_EQ(c.mismatches, 0) << "first: " << c.first;
+      EXPECT_EQ(c.fp8_bytes, sum->sender_quantized_elements + sum->receiver_quantized_elements);
+      EXPECT_GT(c.scales, 0);
+      EXPECT_GT(c.copied, 0);
+    }
+    // The harness's own element check (the library quantizer) agrees, and catches one byte.
+    EXPECT_EQ(job.HarnessMismatches(), 0);
+    static_cast<uint8_t*>(job.params(job.world() - 1).bindings[1].data)[3] ^= 0x01;
+    EXPECT_EQ(job.HarnessMismatches(), 1);
+  }
+}
+
+JobSpec Small() { return Spec(TinyQwen3Fp8(), "dp=1,tp=2,pp=2", "sglang", "fp32", 64 << 10); }
+
+TEST(Fp8Session, FlippedByteIsDataLossNamingTheParameter) {
+  Fp8Job job(Small());
+  job.BindAll();
+  ExpectAllOk(job.Connect());
+  ExpectAllOk(job.Sync(1));
+  job.fault(1).set_config(
+      {.corrupt_data_post = job.fault(1).counters().data_posts + 3, .corrupt_byte = 5});
+  auto st = job.Sync(2);
+  EXPECT_EQ(job.fault(1).counters().corrupted, 1);
+  testing::ExpectOneDataLossFrom(job, st, 1);
+  job.fault(1).set_config({});
+  ExpectAllOk(job.Sync(3));
+  for (int r = job.trainers(); r < job.world(); ++r) EXPECT_FALSE(job.session(r).IsPoisoned());
+  EXPECT_EQ(job.HarnessMismatches(), 0);
+}
+
+// A NaN in the trainer's values: block FP8 cannot carry it. Whether its block is quantized by the
+// sender or, straddling trainer ranks, by the receiver, the sync fails with DataLoss naming the
+// tensor or parameter, every engine rank stays poisoned, and a clean sync recovers.
+TEST(Fp8Session, NonFiniteTrainerValueFailsTheSyncNamingTheTensor) {
+  Fp8Job job(Small());
+  job.BindAll();
+  ExpectAllOk(job.Connect());
+  ExpectAllOk(job.Sync(1));
+  auto value = [&](const std::string& name, int64_t local) -> float& {
+    for (auto& b : job.shards(0).bindings) {
+      if (b.hf_name == name) return const_cast<float*>(static_cast<const float*>(b.data))[local];
+    }
+    ADD_FAILURE() << name;
+    static float none = 0;
+    return none;
+  };
+  struct Case {
+    const char* tensor;
+    int64_t row;  // of trainer rank 0's shard (512 columns)
+    const char* names;
+  } cases[] = {
+      // q_proj: 512 rows, 128 per rank: its blocks are quantized by trainer rank 0.
+      {"model.layers.0.self_attn.q_proj.weight", 5, "model.layers.0.self_attn.q_proj.weight"},
+      // gate_proj: 768 rows, 192 per rank: rows [128, 256) straddle ranks 0 and 1 (staged).
+      {"model.layers.0.mlp.gate_proj.weight", 150, "model.layers.0.mlp.gate_up_proj.weight"},
+  };
+  uint64_t v = 2;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.tensor);
+    float& x = value(c.tensor, c.row * 512 + 7);
+    const float keep = x;
+    x = std::nanf("");
+    auto st = job.Sync(v++);
+    int named = 0;
+    for (int r = 0; r < job.world(); ++r) {
+      EXPECT_FALSE(st[r].ok()) << "rank " << r;
+      if (st[r].code() == StatusCode::kDataLoss &&
+          st[r].message().find("non-finite") != std::string::npos) {
+        EXPECT_THAT(st[r].message(), HasSubstr(c.names));
+        ++named;
+      }
+      if (r >= job.trainers()) {
+        EXPECT_TRUE(job.session(r).IsPoisoned()) << "rank " << r;
+      }
+    }
+    EXPECT_EQ(named, 1);
+    x = keep;
+    ExpectAllOk(job.Sync(v++));
+    EXPECT_EQ(job.HarnessMismatches(), 0);
+  }
+}
+
+TEST(Fp8Session, ParametersBindInTheirEngineDtypes) {
+  Fp8Job job(Small());
+  const int e = job.trainers();
+  const auto& params = job.session(e).ExpectedParams();
+  int weights = 0, scales = 0;
+  for (const EngineParam& p : params) {
+    std::vector<unsigned char> buf(p.numel() * 4);
+    DestBinding b{p.name, buf.data(), DType::kBF16, p.shape, MemKind::kHost, -1};
+    if (p.dtype == DType::kF8E4M3) {
+      ++weights;
+      Status s = job.session(e).BindDest(b);
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+      EXPECT_THAT(s.message(), HasSubstr(p.name));
+      EXPECT_THAT(s.message(), HasSubstr("F8_E4M3"));
+    } else if (job_internal::IsFp8Scale(p)) {
+      ++scales;
+      EXPECT_FALSE(job.session(e).BindDest(b).ok()) << p.name;
+      b.dtype = DType::kF32;
+      EXPECT_TRUE(job.session(e).BindDest(b).ok()) << p.name;
+    }
+  }
+  EXPECT_GT(weights, 0);
+  EXPECT_EQ(weights, scales);
+}
+
+}  // namespace
+}  // namespace shardsync

@@ -276,10 +276,13 @@ def test_unwritable_and_shared_destinations_refused_at_bind(need_session, tiny_m
         e.close()
 
 
-def _job_rank(plan, rank, address, seed, job_id, out, versions=(1,)):
+def _job_rank(plan, rank, address, seed, job_id, out, versions=(1,), done=None):
     """One rank of a job on the shm transport (as its own process would run it): binds the
     weights of `seed`, connects, syncs; engine ranks compare every element with their own job's
-    weights. out[rank] = ("connect" | "sync", exception) or ("ok", verified, mismatches)."""
+    weights. out[rank] = ("connect" | "sync", exception) or ("ok", verified, mismatches). With
+    `done` (a threading.Barrier) the session stays open until every rank passed it, so jobs that
+    run together overlap for their whole life (a job that closed before another began is not a
+    conflict: its claim is gone)."""
     full = reference_weights(plan, seed)
     s = shardsync.Session(plan, rank, address, token=TOKEN, transport="shm", job_id=job_id,
                           connect_timeout=10, sync_timeout=10)
@@ -311,6 +314,11 @@ def _job_rank(plan, rank, address, seed, job_id, out, versions=(1,)):
                 bad += int(np.sum(keep[p.name] != expected_param(p, full)))
         out[rank] = ("ok", verified, bad)
     finally:
+        if done is not None:
+            try:
+                done.wait(60)
+            except threading.BrokenBarrierError:
+                pass
         s.close()
 
 
@@ -324,8 +332,9 @@ def test_two_jobs_on_one_prefix_never_merge(need_session, tiny_model):
     with shardsync.StoreServer(token=TOKEN) as srv:
         for trial in range(6):
             jobs = {"a": ({}, 3, f"a-{trial}"), "b": ({}, 4, f"b-{trial}")}
+            done = threading.Barrier(2 * plan.world_size)
             threads = [threading.Thread(target=_job_rank,
-                                        args=(plan, r, srv.address, seed, jid, out))
+                                        args=(plan, r, srv.address, seed, jid, out, (1,), done))
                        for out, seed, jid in jobs.values() for r in range(plan.world_size)]
             for t in threads:
                 t.start()

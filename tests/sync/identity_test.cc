@@ -58,9 +58,11 @@ Outcome Failed(const Status& s) {
 
 // Runs sync rank `rank` of `spec` as its own process would: its own store connection and shm
 // transport, bindings from spec.seed, Connect, `syncs` versions, then (engine ranks) the element
-// check against spec.seed's weights. `start` (if set) is waited on before connecting.
+// check against spec.seed's weights. `start` (if set) is waited on before connecting; `hold` (if
+// set) by a rank that connected, before its session closes, however it ends.
 Outcome RunRank(const JobSpec& spec, int rank, const std::string& store, SessionOptions opt,
-                int syncs, const std::function<void()>& start = nullptr) {
+                int syncs, const std::function<void()>& start = nullptr,
+                const std::function<void()>& hold = nullptr) {
   Outcome out;
   auto client = StoreClient::Connect(store, kToken, Millis(5000));
   if (!client.ok()) return Failed(client.status());
@@ -69,6 +71,13 @@ Outcome RunRank(const JobSpec& spec, int rank, const std::string& store, Session
   auto s = SyncSession::Create(spec.inputs, rank, **client, **tx, opt);
   if (!s.ok()) return Failed(s.status());
   SyncSession& session = **s;
+  struct AtExit {  // declared after the session: runs before it closes
+    const std::function<void()>& fn;
+    bool connected = false;
+    ~AtExit() {
+      if (fn && connected) fn();
+    }
+  } at_exit{hold};
   job_internal::TrainerShards shards;
   job_internal::EngineParams params;
   auto who = DescribeSyncRank(spec.inputs, rank);
@@ -84,6 +93,7 @@ Outcome RunRank(const JobSpec& spec, int rank, const std::string& store, Session
   if (start) start();
   out.connect = session.Connect();
   if (!out.connect.ok()) return out;
+  at_exit.connected = true;
   out.verified = true;
   out.sync = OkStatus();
   for (int v = 1; v <= syncs; ++v) {
@@ -133,20 +143,30 @@ TwoJobs RunTwoJobs(const std::string& store, const JobSpec& a, const JobSpec& b,
                    const SessionOptions& oa, const SessionOptions& ob, int syncs) {
   const int world = SyncWorldSize(a.inputs);
   TwoJobs out{std::vector<Outcome>(world), std::vector<Outcome>(world)};
-  std::atomic<int> ready{0};
+  std::atomic<int> ready{0}, done{0};
   auto start = [&] {
     ++ready;
     while (ready.load() < 2 * world) std::this_thread::yield();
   };
+  // A connected rank keeps its session open until every rank of both jobs is done, so the jobs
+  // overlap for their whole life (a job that closed before the other began would be no conflict:
+  // its claim is gone). A rank that failed to connect counts as done once its launcher noticed.
+  auto hold = [&] {
+    ++done;
+    const auto until = Clock::now() + std::chrono::seconds(60);
+    while (done.load() < 2 * world && Clock::now() < until) std::this_thread::yield();
+  };
   std::vector<std::thread> ts;
   for (int r = 0; r < world; ++r) {
     ts.emplace_back([&, r] {
-      out.a[r] = RunRank(a, r, store, oa, syncs, start);
+      out.a[r] = RunRank(a, r, store, oa, syncs, start, hold);
       LauncherSawExit(store, oa, r, out.a[r]);
+      if (!out.a[r].connect.ok()) ++done;
     });
     ts.emplace_back([&, r] {
-      out.b[r] = RunRank(b, r, store, ob, syncs, start);
+      out.b[r] = RunRank(b, r, store, ob, syncs, start, hold);
       LauncherSawExit(store, ob, r, out.b[r]);
+      if (!out.b[r].connect.ok()) ++done;
     });
   }
   for (auto& t : ts) t.join();

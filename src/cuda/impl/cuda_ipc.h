@@ -19,7 +19,6 @@
 #include <deque>
 #include <map>
 #include <memory>
-#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -27,7 +26,6 @@
 
 #include "common/trace.h"
 #include "cuda/cuda_util.h"
-#include "cuda/gpu_launch_board.h"
 #include "cuda/gpu_turnstile.h"
 #include "cuda/impl/shm_mailbox.h"
 #include "shardsync/gpu.h"
@@ -57,23 +55,10 @@ inline void TraceLaunch(const char* what, size_t buckets) {
 
 class IpcSendPair;
 
-// The send pairs' batches as one: buckets renumbered after each other's, in member order, landed
-// sums to `lsum` (8 bytes per bucket; none when null). Nullopt when they do not share one
-// kernel (dtypes).
-std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, void* lsum);
-
 // One launch over several send pairs' buckets: the batch, the landed sums of all of them in one
-// device buffer (the kernel hands them over with its signal), and the event behind it. A shared
-// launch (gpu_launch_board.h) also packs other senders' batches: their buckets follow this
-// rank's, each claimed sender's from `first`.
+// device buffer (the kernel hands them over with its signal), and the event behind it.
 struct MergedLaunch {
-  struct Remote {
-    internal::GpuLaunchBoard::Peer peer;
-    size_t first = 0;
-  };
   int device = 0;
-  std::vector<Remote> remote;
-  uint64_t version = 0;              // of the shared launch in flight
   std::unique_ptr<CopyBatch> batch;  // null: the pairs share no kernel (one launch each)
   std::unique_ptr<DeviceBuffer> lsum;
   // After the kernel: how a fault shows (a faulted kernel never signals).
@@ -81,9 +66,8 @@ struct MergedLaunch {
   uint64_t seq = 0;  // of the last signaled launch
   size_t buckets = 0;
   ~MergedLaunch() {
-    if (!done) return;
     cudaSetDevice(device);
-    cudaEventDestroy(done);
+    if (done) cudaEventDestroy(done);
   }
 };
 
@@ -164,12 +148,6 @@ class CudaIpcTransport final : public Transport {
   // turn goes back with the last one in flight); a failed or cancelled sync gives it back.
   void OpenTurnstile();
   void LaunchStarted() { ++launches_; }
-  // This rank's pairs launched by another sender (gpu_launch_board.h): whether their sums are
-  // in; if so every such pair has been told (Finished), and `self`'s error is returned.
-  Result<bool> PollRemote(IpcSendPair* self);
-  const MergedLaunch* remote_marker() const { return &remote_marker_; }
-  // The launch of `group` failed or was abandoned: the senders it packed for learn it.
-  void FailShared(const MergedLaunch* group);
   void LaunchCompleted();
   void DropTurn();
   // For a pair's Describe: whose turn a launch is waiting for ("" when none).
@@ -233,55 +211,17 @@ class CudaIpcTransport final : public Transport {
   Status PeerAlive(int peer);
   // Whether the posted sends may launch now: this rank has the GPU's turn, or goes without one.
   bool MayLaunch();
-  Status LaunchMembers(const std::vector<IpcSendPair*>& members,
-                       const std::vector<internal::GpuLaunchBoard::Peer>& peers, uint64_t version);
-  // Shared launches (cuda_ipc_share.cc): this rank's batch published on the board (once; false
-  // when it cannot be shared), the launch of its pairs by another sender adopted, and the
-  // peers' batches decoded into this process's pointers.
-  bool Shareable(const std::vector<IpcSendPair*>& members);
-  Status AdoptRemote(const std::vector<IpcSendPair*>& members, uint64_t version);
-  Result<const BatchSpec*> PeerBatch(const internal::GpuLaunchBoard::Peer& p, const BatchSpec& own);
-  Result<std::unique_ptr<BatchSpec>> DecodePeerBatch(const internal::GpuLaunchBoard::Peer& p,
-                                                     const BatchSpec& own);
-  Result<void*> OpenShared(const void* handle, int pid, uint64_t base);
-  Result<MergedLaunch*> SharedGroup(const std::vector<IpcSendPair*>& members,
-                                    const std::vector<internal::GpuLaunchBoard::Peer>& peers);
+  Status LaunchMembers(const std::vector<IpcSendPair*>& members);
   // PeerAlive for waits that poll in a tight loop: the syscall at most every kWaitCheckEvery per
   // peer (it took a visible share of each poll, and so of the time to notice a completion), so a
   // dead peer still fails the wait within a millisecond. A send checks exactly (PeerAlive).
   Status PeerAliveSoon(int peer);
   static constexpr std::chrono::milliseconds kWaitCheckEvery{1};
-  // How long the GPU's turn holder waits for the other senders of its GPU to be ready, to pack
-  // for them in its launch (they arrive within tens of microseconds of each other in a sync).
-  static constexpr std::chrono::microseconds kGatherWait{500};
 
   int device_;
   int rank_ = -1;
   std::string prefix_;  // Connect's: names this job's shared-memory records
   std::unique_ptr<internal::GpuTurnstile> turn_;
-  std::unique_ptr<internal::GpuLaunchBoard> board_;  // null: no shared launches
-  enum class Share { kUnknown, kYes, kNo } share_ = Share::kUnknown;
-  std::vector<IpcSendPair*> published_;  // the pairs whose batch is on the board, in order
-  uint64_t posted_ready_ = 0;            // version posted on the board
-  uint64_t gather_version_ = 0;          // the launcher waits briefly for the other senders
-  std::chrono::steady_clock::time_point gather_start_;
-  MergedLaunch remote_marker_;  // the group of pairs another sender launched
-  uint64_t remote_version_ = 0;
-  int remote_rank_ = -1, remote_pid_ = 0;  // that sender
-  const MergedLaunch* inflight_shared_ = nullptr;
-  // This process's allocations and mappings by base: how a peer opens them (IPC handle, the
-  // owner's pid and base) and their size.
-  struct AllocInfo {
-    cudaIpcMemHandle_t handle{};
-    int pid = 0;
-    uint64_t base = 0;
-    uint64_t bytes = 0;
-  };
-  std::map<uint64_t, AllocInfo> allocs_;
-  // Peers' batches decoded (null: unusable), by (slot, token, generation); shared groups by
-  // their members.
-  std::map<std::vector<uint64_t>, std::unique_ptr<BatchSpec>> peer_batches_;
-  std::map<std::vector<uint64_t>, std::unique_ptr<MergedLaunch>> shared_;
   bool turn_opened_ = false;  // tried (turn_ stays null when off or unavailable)
   int launches_ = 0;          // this rank's launches in flight
   bool turn_waiting_ = false;
@@ -326,8 +266,6 @@ class IpcSendPair final : public PreparedPair {
   Status Post(uint64_t version) override;
 
   bool posted() const { return state_ == kPosted; }
-  uint64_t version() const { return version_; }
-  size_t buckets() const { return bytes_.size(); }
   // Whether the receiver's pair was posted for this version (drives the mailbox).
   Result<bool> Ready();
   const BatchSpec& spec() const { return spec_; }

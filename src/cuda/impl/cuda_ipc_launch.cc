@@ -1,8 +1,7 @@
 // cuda_ipc send pairs launched together (cuda_ipc.h): a trainer's posted send pairs go out as
 // ONE kernel over all their buckets once every one's receiver is ready, which spares the GPU each
-// launch's ramp-up and tail (measured on an H200, docs/benchmarks.md). The senders of one GPU
-// take turns (gpu_turnstile.h), and the one holding the turn packs for the others that are ready
-// (gpu_launch_board.h, cuda_ipc_share.cc).
+// launch's ramp-up and tail (measured on an H200, docs/benchmarks.md).
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
 #include <string_view>
@@ -10,6 +9,39 @@
 #include "cuda/impl/cuda_ipc.h"
 
 namespace shardsync::gpu::ipc {
+namespace {
+
+// The send pairs' batches as one: buckets renumbered after each other's, in member order, landed
+// sums to `lsum` (8 bytes per bucket). Nullopt when they do not share one kernel (dtypes).
+std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, void* lsum) {
+  const BatchSpec& first = members[0]->spec();
+  BatchSpec m;
+  m.mode = first.mode;
+  m.in_dtype = first.in_dtype;
+  m.out_dtype = first.out_dtype;
+  for (const IpcSendPair* p : members) {
+    const BatchSpec& s = p->spec();
+    if (s.mode != m.mode || s.in_dtype != m.in_dtype || s.out_dtype != m.out_dtype) {
+      return std::nullopt;
+    }
+    const auto base = static_cast<int32_t>(m.bucket_bytes.size());
+    for (CopyRun r : s.runs) {
+      r.bucket += base;
+      m.runs.push_back(r);
+    }
+    for (CopyRun r : s.landed_runs) {
+      r.bucket += base;
+      m.landed_runs.push_back(r);
+    }
+    m.bucket_bytes.insert(m.bucket_bytes.end(), s.bucket_bytes.begin(), s.bucket_bytes.end());
+  }
+  for (size_t b = 0; b < m.bucket_bytes.size(); ++b) {
+    m.landed_sums.push_back(static_cast<unsigned char*>(lsum) + 8 * b);
+  }
+  return m;
+}
+
+}  // namespace
 
 Status CudaIpcTransport::SendPosted() {
   for (const IpcSendPair* p : sends_) {
@@ -21,15 +53,6 @@ Status CudaIpcTransport::SendPosted() {
 Status CudaIpcTransport::FinishLaunch(const MergedLaunch* group, IpcSendPair* self) {
   SS_ASSIGN_OR_RETURN(std::vector<uint64_t> packed, group->batch->Checksums());
   SS_ASSIGN_OR_RETURN(std::vector<uint64_t> landed, group->batch->LandedSums());
-  // The senders packed for first: they wait on this alone.
-  for (const MergedLaunch::Remote& r : group->remote) {
-    if (r.first + r.peer.buckets > packed.size()) {
-      board_->Fail(r.peer, group->version);
-      continue;
-    }
-    board_->Complete(r.peer, group->version, packed.data() + r.first, landed.data() + r.first);
-  }
-  if (inflight_shared_ == group) inflight_shared_ = nullptr;
   Status mine;
   for (IpcSendPair* p : sends_) {
     if (p->group() != group) continue;
@@ -39,11 +62,6 @@ Status CudaIpcTransport::FinishLaunch(const MergedLaunch* group, IpcSendPair* se
   return mine;
 }
 
-// Shared launches (gpu_launch_board.h): a rank whose receivers are all in posts its version on
-// the board; if another sender claimed it meanwhile, that one packs for it. The rank holding the
-// GPU's turn launches: its own pairs and every other sender ready for the same version, after
-// waiting up to kGatherWait for those not ready yet (one launch spares the GPU a switch between
-// processes, about 0.15 ms).
 Status CudaIpcTransport::LaunchPostedSends() {
   std::vector<IpcSendPair*> members;
   bool all_ready = true;
@@ -53,85 +71,15 @@ Status CudaIpcTransport::LaunchPostedSends() {
     SS_ASSIGN_OR_RETURN(bool ready, p->Ready());
     all_ready = all_ready && ready;
   }
-  if (members.empty() || !all_ready) return OkStatus();
-  const uint64_t v = members[0]->version();
-  const bool shared = Shareable(members);
-  if (shared) {
-    if (board_->ClaimedFor(v)) return AdoptRemote(members, v);
-    if (posted_ready_ != v) {
-      board_->PostReady(v);
-      posted_ready_ = v;
-    }
-  }
-  if (!MayLaunch()) return OkStatus();
-  if (shared && board_->ClaimedFor(v)) {  // claimed just before this rank took the turn
-    if (launches_ == 0 && turn_) turn_->Give();
-    return AdoptRemote(members, v);
-  }
-  std::vector<internal::GpuLaunchBoard::Peer> peers;
-  if (board_ && turn_->held()) {  // only the turn's holder packs for others
-    int pending = 0;
-    board_->Survey(v, &peers, &pending);
-    const auto now = std::chrono::steady_clock::now();
-    if (gather_version_ != v) {
-      gather_version_ = v;
-      gather_start_ = now;
-    }
-    if (pending > 0 && now - gather_start_ < kGatherWait) return OkStatus();  // keeps the turn
-  }
+  if (members.empty() || !all_ready || !MayLaunch()) return OkStatus();
   // A launch that failed before any kernel went out gives the turn back at once.
-  Status s = LaunchMembers(members, peers, v);
+  Status s = LaunchMembers(members);
   if (!s.ok() && launches_ == 0) DropTurn();
   return s;
 }
 
-Status CudaIpcTransport::LaunchMembers(const std::vector<IpcSendPair*>& members,
-                                       const std::vector<internal::GpuLaunchBoard::Peer>& peers,
-                                       uint64_t version) {
+Status CudaIpcTransport::LaunchMembers(const std::vector<IpcSendPair*>& members) {
   SS_CUDA(cudaSetDevice(device_), "cuda_ipc: cudaSetDevice");
-  if (board_ && posted_ready_ == version) board_->ClaimOwn(version);  // no one packs it again
-  posted_ready_ = 0;
-  // The peers this launch packs for: their batches decode here, and they are still ready.
-  std::vector<internal::GpuLaunchBoard::Peer> claimed;
-  for (const auto& p : peers) {
-    auto b = PeerBatch(p, members[0]->spec());  // decoded once per published batch
-    if (!b.ok()) continue;
-    if (board_->Claim(p, version)) claimed.push_back(p);
-  }
-  if (!claimed.empty()) {
-    auto g = SharedGroup(members, claimed);
-    if (!g.ok()) {
-      for (const auto& p : claimed) board_->Fail(p, version);
-      return g.status();
-    }
-    MergedLaunch& sg = **g;
-    sg.version = version;
-    Status s = sg.batch->LaunchSignaled(stream_, ++sg.seq);
-    if (s.ok()) {
-      s = internal::CudaStatus(cudaEventRecord(sg.done, stream_), "cuda_ipc: launch event");
-    }
-    if (!s.ok()) {
-      FailShared(&sg);
-      return s;
-    }
-    LaunchStarted();
-    inflight_shared_ = &sg;
-    if (trace::On()) {
-      std::string ranks;
-      for (const auto& p : claimed) {
-        ranks += ' ';
-        ranks += std::to_string(p.rank);
-      }
-      trace::Line("cuda_ipc: launched (%zu buckets) for this rank and sync ranks%s", sg.buckets,
-                  ranks.c_str());
-    }
-    size_t first = 0;
-    for (IpcSendPair* p : members) {
-      p->LaunchedIn(&sg, first);
-      first += p->buckets();
-    }
-    return OkStatus();
-  }
   if (members.size() == 1) return members[0]->LaunchAlone(stream_);
   auto it = merged_.find(members);
   if (it == merged_.end()) {
@@ -164,7 +112,7 @@ Status CudaIpcTransport::LaunchMembers(const std::vector<IpcSendPair*>& members,
 }
 
 bool CudaIpcTransport::MayLaunch() {
-  if (!turn_ || turn_->held()) return true;
+  if (!turn_) return true;
   const internal::GpuTurnstile::Turn t = turn_->TryTake();
   if (t == internal::GpuTurnstile::Turn::kBusy) {
     if (!turn_waiting_) {
@@ -200,9 +148,6 @@ void CudaIpcTransport::DropTurn() {
   launches_ = 0;
   turn_waiting_ = false;
   if (turn_) turn_->Give();
-  FailShared(inflight_shared_);  // the senders it packed for stop waiting
-  if (board_ && posted_ready_ != 0) board_->Withdraw(posted_ready_);
-  posted_ready_ = 0;
 }
 
 std::string CudaIpcTransport::TurnNote() const {
@@ -228,15 +173,6 @@ void CudaIpcTransport::OpenTurnstile() {
     return;
   }
   turn_ = std::move(t).value();
-  if (const char* v = std::getenv("SHARDSYNC_GPU_SHARED_LAUNCH"); v && std::string_view(v) == "0") {
-    return;
-  }
-  auto b = internal::GpuLaunchBoard::Open(internal::GpuLaunchBoard::Name(prefix_, bus), rank_);
-  if (!b.ok()) {
-    trace::Line("cuda_ipc: %s: no shared launches", b.status().ToString().c_str());
-    return;
-  }
-  board_ = std::move(b).value();
 }
 
 }  // namespace shardsync::gpu::ipc

@@ -1,6 +1,7 @@
 // cuda_ipc send pairs launched together (cuda_ipc.h): a trainer's posted send pairs go out as
 // ONE kernel over all their buckets once every one's receiver is ready, which spares the GPU each
-// launch's ramp-up and tail (measured on an H200, docs/benchmarks.md).
+// launch's ramp-up and tail (measured on an H200, docs/benchmarks.md). Sender processes sharing a
+// GPU launch one at a time, each while it holds the GPU's turn (gpu_turnstile.h).
 #include <algorithm>
 #include <cstdlib>
 #include <optional>

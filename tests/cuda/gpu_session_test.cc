@@ -96,11 +96,17 @@ void RunJob(int gpus, const std::string& hint, const std::string& want_cross,
       ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].ToString();
   };
   all([&](int r) { return SetUpRank(job, r, gpus, hint, (*server)->address(), ranks[r]); });
-  // Routing: same-GPU pairs over cuda_ipc, the others as the hint says.
+  // Routing: same-GPU pairs over cuda_ipc, the others as the hint says; pairs without a message
+  // in the trainer's plan (a Megatron pp stage sends only to the engine ranks holding its layers)
+  // get no transport.
   for (int t = 0; t < job.inputs.trainer.world(); ++t) {
     for (int e = job.inputs.trainer.world(); e < world; ++e) {
+      bool planned = false;
+      for (const Message& m : ranks[t].session->plan().sends) planned = planned || m.dst == e;
       const bool same = ranks[t].device == ranks[e].device;
-      EXPECT_EQ(ranks[t].tx->PeerTransport(e), same ? "cuda_ipc" : want_cross)
+      EXPECT_EQ(ranks[t].tx->PeerTransport(e), !planned ? "none"
+                                               : same   ? "cuda_ipc"
+                                                        : want_cross)
           << "trainer " << t << " -> engine rank " << e;
     }
   }

@@ -26,6 +26,7 @@
 
 #include "common/trace.h"
 #include "cuda/cuda_util.h"
+#include "cuda/gpu_turnstile.h"
 #include "cuda/impl/shm_mailbox.h"
 #include "shardsync/gpu.h"
 
@@ -151,6 +152,14 @@ class CudaIpcTransport final : public Transport {
   // `group`'s launch completed: every pair still waiting on it tells its receiver. Returns
   // `self`'s error; another pair's resurfaces at its own Poll (so it names the right peer).
   Status FinishLaunch(const MergedLaunch* group, IpcSendPair* self);
+  // The GPU's turn (gpu_turnstile.h): opened with the first send pair; a launch completed (the
+  // turn goes back with the last one in flight); a failed or cancelled sync gives it back.
+  void OpenTurnstile();
+  void LaunchStarted() { ++launches_; }
+  void LaunchCompleted();
+  void DropTurn();
+  // For a pair's Describe: whose turn a launch is waiting for ("" when none).
+  std::string TurnNote() const;
   // The registered region holding [p, p + bytes) and p's offset in it.
   Result<std::pair<uint32_t, uint64_t>> FindLocal(const void* p, uint64_t bytes) const;
 
@@ -208,6 +217,9 @@ class CudaIpcTransport final : public Transport {
                             std::to_string(peer_pid_[peer]) + ") " + why);
   }
   Status PeerAlive(int peer);
+  // Whether the posted sends may launch now: this rank has the GPU's turn, or goes without one.
+  bool MayLaunch();
+  Status LaunchMembers(const std::vector<IpcSendPair*>& members);
   // PeerAlive for waits that poll in a tight loop: the syscall at most every kWaitCheckEvery per
   // peer (it took a visible share of each poll, and so of the time to notice a completion), so a
   // dead peer still fails the wait within a millisecond. A send checks exactly (PeerAlive).
@@ -216,6 +228,12 @@ class CudaIpcTransport final : public Transport {
 
   int device_;
   int rank_ = -1;
+  std::string prefix_;  // Connect's: names this job's shared-memory records
+  std::unique_ptr<internal::GpuTurnstile> turn_;
+  bool turn_opened_ = false;  // tried (turn_ stays null when off or unavailable)
+  int launches_ = 0;          // this rank's launches in flight
+  bool turn_waiting_ = false;
+  std::chrono::steady_clock::time_point turn_wait_start_;
   bool connected_ = false;
   bool aborted_ = false;
   cudaStream_t own_stream_ = nullptr;

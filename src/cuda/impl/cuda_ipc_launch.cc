@@ -1,8 +1,11 @@
 // cuda_ipc send pairs launched together (cuda_ipc.h): a trainer's posted send pairs go out as
 // ONE kernel over all their buckets once every one's receiver is ready, which spares the GPU each
-// launch's ramp-up and tail (measured on an H200, docs/benchmarks.md).
+// launch's ramp-up and tail (measured on an H200, docs/benchmarks.md). Sender processes sharing a
+// GPU launch one at a time, each while it holds the GPU's turn (gpu_turnstile.h).
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
+#include <string_view>
 
 #include "cuda/impl/cuda_ipc.h"
 
@@ -80,7 +83,14 @@ Status CudaIpcTransport::LaunchPostedSends() {
     SS_ASSIGN_OR_RETURN(bool ready, p->Ready());
     all_ready = all_ready && ready;
   }
-  if (members.empty() || !all_ready) return OkStatus();
+  if (members.empty() || !all_ready || !MayLaunch()) return OkStatus();
+  // A launch that failed before any kernel went out gives the turn back at once.
+  Status s = LaunchMembers(members);
+  if (!s.ok() && launches_ == 0) DropTurn();
+  return s;
+}
+
+Status CudaIpcTransport::LaunchMembers(const std::vector<IpcSendPair*>& members) {
   SS_CUDA(cudaSetDevice(device_), "cuda_ipc: cudaSetDevice");
   if (members.size() == 1) return members[0]->LaunchAlone(stream_);
   auto it = merged_.find(members);
@@ -102,6 +112,7 @@ Status CudaIpcTransport::LaunchPostedSends() {
     return OkStatus();
   }
   SS_RETURN_IF_ERROR(g.batch->LaunchSignaled(stream_, ++g.seq));
+  LaunchStarted();
   SS_CUDA(cudaEventRecord(g.done, stream_), "cuda_ipc: launch event");
   TraceLaunch("launched", g.buckets);
   size_t first = 0;
@@ -110,6 +121,70 @@ Status CudaIpcTransport::LaunchPostedSends() {
     first += p->spec().bucket_bytes.size();
   }
   return OkStatus();
+}
+
+bool CudaIpcTransport::MayLaunch() {
+  if (!turn_) return true;
+  const internal::GpuTurnstile::Turn t = turn_->TryTake();
+  if (t == internal::GpuTurnstile::Turn::kBusy) {
+    if (!turn_waiting_) {
+      turn_waiting_ = true;
+      turn_wait_start_ = std::chrono::steady_clock::now();
+      trace::Line("cuda_ipc: the GPU's turn is held (pid %d): launch waits", turn_->HolderPid());
+    }
+    return false;
+  }
+  if (trace::On()) {
+    const double us = turn_waiting_ ? std::chrono::duration<double, std::micro>(
+                                          std::chrono::steady_clock::now() - turn_wait_start_)
+                                          .count()
+                                    : 0.0;
+    trace::Line(t == internal::GpuTurnstile::Turn::kMine
+                    ? "cuda_ipc: took the GPU's turn (waited %.0f us)"
+                    : "cuda_ipc: the GPU's turn was held too long (%.0f us): launching without it",
+                us);
+  }
+  turn_waiting_ = false;
+  return true;
+}
+
+void CudaIpcTransport::LaunchCompleted() {
+  if (launches_ > 0) --launches_;
+  if (launches_ == 0 && turn_ && turn_->held()) {
+    turn_->Give();
+    trace::Line("cuda_ipc: gave the GPU's turn back");
+  }
+}
+
+void CudaIpcTransport::DropTurn() {
+  launches_ = 0;
+  turn_waiting_ = false;
+  if (turn_) turn_->Give();
+}
+
+std::string CudaIpcTransport::TurnNote() const {
+  if (!turn_ || !turn_waiting_) return "";
+  return ", waiting for the GPU's turn (held by pid " + std::to_string(turn_->HolderPid()) + ")";
+}
+
+void CudaIpcTransport::OpenTurnstile() {
+  if (turn_opened_) return;
+  turn_opened_ = true;
+  if (const char* v = std::getenv("SHARDSYNC_GPU_TURNSTILE"); v && std::string_view(v) == "0") {
+    return;
+  }
+  char bus[64] = {};
+  if (cudaDeviceGetPCIBusId(bus, sizeof(bus), device_) != cudaSuccess) {
+    cudaGetLastError();
+    trace::Line("cuda_ipc: no PCI bus id for device %d: launches unordered", device_);
+    return;
+  }
+  auto t = internal::GpuTurnstile::Open(internal::GpuTurnstile::Name(prefix_, bus));
+  if (!t.ok()) {
+    trace::Line("cuda_ipc: %s: launches unordered", t.status().ToString().c_str());
+    return;
+  }
+  turn_ = std::move(t).value();
 }
 
 }  // namespace shardsync::gpu::ipc

@@ -156,7 +156,9 @@ Result<bool> IpcSendPair::Ready() {
 
 Status IpcSendPair::LaunchAlone(cudaStream_t s) {
   SS_RETURN_IF_ERROR(batch_->LaunchSignaled(s, ++seq_));
+  t_.LaunchStarted();
   SS_CUDA(cudaEventRecord(done_, s), "cuda_ipc: pair event");
+  TraceLaunch("launched", bytes_.size());
   LaunchedIn(nullptr, 0);
   return OkStatus();
 }
@@ -189,6 +191,7 @@ Result<XferState> IpcSendPair::Poll() {
       }
     }
     TraceLaunch("launch complete", bytes_.size());
+    t_.LaunchCompleted();  // the GPU's turn goes to the next launch before the messages
     // Every pair of the launch tells its receiver now, not one per Poll of the caller's loop.
     if (group_) {
       SS_RETURN_IF_ERROR(t_.FinishLaunch(group_, this));
@@ -244,12 +247,14 @@ Status IpcSendPair::Finished(const std::vector<uint64_t>& packed,
 void IpcSendPair::Cancel() {
   if (state_ == kIdle) return;
   cancelled_ = true;
+  t_.DropTurn();
   if (state_ == kPosted) state_ = kIdle;  // never launched: nothing in flight
 }
 
 std::string IpcSendPair::Describe() const {
   return "cuda_ipc: " + std::to_string(bytes_.size()) + " buckets into rank " +
-         std::to_string(peer_) + (group_ ? " (one launch with the other pairs)" : " (1 launch)");
+         std::to_string(peer_) + (group_ ? " (one launch with the other pairs)" : " (1 launch)") +
+         (state_ == kPosted ? t_.TurnNote() : "");
 }
 
 namespace {
@@ -304,6 +309,7 @@ Result<std::unique_ptr<PreparedPair>> CudaIpcTransport::Prepare(StoreClient& sto
     }
     return std::unique_ptr<PreparedPair>(new IpcRecvPair(*this, spec.peer, spec.buckets.size()));
   }
+  OpenTurnstile();
   BatchSpec bs;
   bs.mode = BatchMode::kPack;
   bs.out_dtype = spec.wire;

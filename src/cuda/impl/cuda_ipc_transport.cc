@@ -70,6 +70,7 @@ Status CudaIpcTransport::Connect(StoreClient& store, const std::string& prefix, 
                                  const std::vector<int>& peers, Millis timeout) {
   if (connected_) return FailedPreconditionError("cuda_ipc: Connect called twice");
   rank_ = rank;
+  prefix_ = prefix;
   SS_CUDA(cudaSetDevice(device_), "cuda_ipc: cudaSetDevice " + std::to_string(device_));
   if (!stream_) {
     SS_CUDA(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking), "cuda_ipc: stream");
@@ -280,6 +281,7 @@ Result<XferState> CudaIpcTransport::Poll(XferId id) {
 
 void CudaIpcTransport::Abort() {
   aborted_ = true;
+  DropTurn();
   for (auto& [p, m] : inbox_) m->header()->receiver_closed.store(1);
   for (auto& [p, m] : outbox_) m->header()->sender_closed.store(1);
 }

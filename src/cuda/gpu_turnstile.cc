@@ -1,0 +1,152 @@
+#include "cuda/gpu_turnstile.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cctype>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+namespace shardsync::gpu::internal {
+
+struct GpuTurnstile::Segment {
+  alignas(64) uint64_t turn;           // 0: free; else the holder's token
+  alignas(64) uint64_t users[kUsers];  // tokens of the instances that opened it (0: free)
+};
+
+namespace {
+
+constexpr size_t kLen = 4096;
+
+using Ref = std::atomic_ref<uint64_t>;
+static_assert(Ref::is_always_lock_free, "shared-memory words must be lock-free");
+
+std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+int PidOf(uint64_t token) { return static_cast<int>(token >> 32); }
+
+bool PidAlive(int pid) { return pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH; }
+
+uint64_t NewToken() {
+  static std::atomic<uint32_t> next{1};
+  return (static_cast<uint64_t>(static_cast<uint32_t>(getpid())) << 32) | next.fetch_add(1);
+}
+
+uint64_t Fnv(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+std::string GpuTurnstile::Name(const std::string& prefix, const std::string& gpu_id) {
+  // POSIX names: one leading slash and no other; the PCI id's ':' and '.' are kept out too.
+  std::string gpu;
+  for (char c : gpu_id) gpu += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "/ssgpu_%u_%016llx_%.40s", static_cast<unsigned>(getuid()),
+                static_cast<unsigned long long>(Fnv(prefix)), gpu.c_str());
+  return buf;
+}
+
+GpuTurnstile::GpuTurnstile(std::string name, Segment* seg, std::chrono::milliseconds max_wait)
+    : name_(std::move(name)), seg_(seg), max_wait_(max_wait), token_(NewToken()) {
+  for (int i = 0; i < kUsers && user_slot_ < 0; ++i) {
+    uint64_t v = Ref(seg_->users[i]).load(std::memory_order_acquire);
+    if ((v == 0 || !PidAlive(PidOf(v))) &&
+        Ref(seg_->users[i]).compare_exchange_strong(v, token_, std::memory_order_acq_rel)) {
+      user_slot_ = i;
+    }
+  }
+}
+
+Result<std::unique_ptr<GpuTurnstile>> GpuTurnstile::Open(const std::string& name,
+                                                         std::chrono::milliseconds max_wait) {
+  static_assert(sizeof(Segment) <= kLen);
+  const int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
+  if (fd < 0) return UnavailableError(Errno("gpu turnstile shm_open " + name));
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    const Status s = UnavailableError(Errno("gpu turnstile fstat " + name));
+    close(fd);
+    return s;
+  }
+  // New (size 0): sized here, zero-filled; openers racing on it all set the same size.
+  if (st.st_size == 0 && ftruncate(fd, static_cast<off_t>(kLen)) != 0) {
+    const Status s = UnavailableError(Errno("gpu turnstile ftruncate " + name));
+    close(fd);
+    return s;
+  }
+  if (st.st_size != 0 && st.st_size != static_cast<off_t>(kLen)) {
+    close(fd);
+    return UnavailableError("gpu turnstile " + name + " has " + std::to_string(st.st_size) +
+                            " bytes, expected " + std::to_string(kLen) + " (not ours)");
+  }
+  void* p = mmap(nullptr, kLen, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) return UnavailableError(Errno("gpu turnstile mmap " + name));
+  return std::unique_ptr<GpuTurnstile>(new GpuTurnstile(name, static_cast<Segment*>(p), max_wait));
+}
+
+GpuTurnstile::~GpuTurnstile() {
+  Give();
+  if (user_slot_ >= 0) Ref(seg_->users[user_slot_]).store(0, std::memory_order_release);
+  bool live = false;
+  for (int i = 0; i < kUsers && !live; ++i) {
+    const uint64_t v = Ref(seg_->users[i]).load(std::memory_order_acquire);
+    live = v != 0 && PidAlive(PidOf(v));
+  }
+  // A process opening the name right now keeps a segment no one else will find: its launches
+  // are then unordered for that job, which costs speed only.
+  if (!live) shm_unlink(name_.c_str());
+  munmap(seg_, kLen);
+}
+
+GpuTurnstile::Turn GpuTurnstile::TryTake() {
+  if (held_) return Turn::kMine;
+  Ref turn(seg_->turn);
+  uint64_t cur = 0;
+  // Our own token left by an earlier process with this pid and instance number: ours now.
+  if (turn.compare_exchange_strong(cur, token_, std::memory_order_acq_rel) || cur == token_) {
+    held_ = true;
+    seen_ = 0;
+    return Turn::kMine;
+  }
+  const auto now = std::chrono::steady_clock::now();
+  if (cur != seen_) {
+    seen_ = cur;
+    seen_since_ = now;
+    next_pid_check_ = now;
+  }
+  if (now >= next_pid_check_) {  // a syscall: at most every millisecond
+    next_pid_check_ = now + std::chrono::milliseconds(1);
+    if (!PidAlive(PidOf(cur)) && turn.compare_exchange_strong(cur, token_)) {
+      held_ = true;
+      seen_ = 0;
+      return Turn::kMine;
+    }
+  }
+  return now - seen_since_ >= max_wait_ ? Turn::kBypassed : Turn::kBusy;
+}
+
+void GpuTurnstile::Give() {
+  if (!held_) return;
+  held_ = false;
+  uint64_t mine = token_;
+  Ref(seg_->turn).compare_exchange_strong(mine, 0, std::memory_order_acq_rel);
+}
+
+int GpuTurnstile::HolderPid() const {
+  return PidOf(Ref(seg_->turn).load(std::memory_order_acquire));
+}
+
+}  // namespace shardsync::gpu::internal

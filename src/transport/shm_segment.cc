@@ -41,14 +41,19 @@ std::string Prefix() {
 
 }  // namespace
 
+std::string OwnSegmentPrefix() {
+  std::string name = "/";
+  name.append(Prefix()).append(std::to_string(getpid())).append("-");
+  return name;
+}
+
 Result<OwnSegment> CreateSegment(int rank, const std::vector<int>& senders) {
   std::random_device rd;
   char nonce[17];
   std::snprintf(nonce, sizeof(nonce), "%08x%08x", rd(), rd());
   OwnSegment s;
   // Built by appends: `"/" + std::string` trips GCC 12's bogus -Wrestrict.
-  s.name = "/";
-  s.name.append(Prefix()).append(std::to_string(getpid())).append("-");
+  s.name = OwnSegmentPrefix();
   s.name.append(std::to_string(rank)).append("-").append(nonce);
   const int fd = shm_open(s.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {

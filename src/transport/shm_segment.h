@@ -44,6 +44,9 @@ std::string FormatRecord(const std::string& name, pid_t pid, const std::vector<i
 // Maps a peer's segment and checks its header against the record; returns the mapping.
 Result<char*> MapPeerSegment(const PeerRecord& rec, int peer, size_t* bytes);
 
+// "/shardsync-<uid>-<pidns>-<pid>-": the start of every segment name this process creates. Other
+// layers' segments (cuda_ipc mailboxes) use it too, so SweepOrphanSegments reclaims theirs.
+std::string OwnSegmentPrefix();
 // The creator's pid when `name` is a segment of this user's shardsync in this pid namespace.
 std::optional<pid_t> SegmentCreator(std::string_view name);
 // Unlinks `name` when it is such a segment and its creator has exited; true if it did.

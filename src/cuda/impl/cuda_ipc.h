@@ -180,8 +180,7 @@ class CudaIpcTransport final : public Transport {
   // Connect's steps: this rank's export records (one per registered region) as a store value;
   // peer `p`'s exports and the outbox to it (`shm`: the mailbox name prefix of this job).
   std::string ExportRegions() const;
-  Status OpenPeer(StoreClient& store, const std::string& base, const std::string& shm, int p,
-                  Millis timeout);
+  Status OpenPeer(StoreClient& store, const std::string& base, int p, Millis timeout);
 
   struct Xfer {
     enum Kind { kEvent, kSend, kRecv } kind = kEvent;

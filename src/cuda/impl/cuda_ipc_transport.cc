@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "cuda/impl/cuda_ipc.h"
+#include "transport/shm_segment.h"
 
 namespace shardsync::gpu::ipc {
 
@@ -79,16 +80,20 @@ Status CudaIpcTransport::Connect(StoreClient& store, const std::string& prefix, 
   const std::string base = prefix + "cuda_ipc/";
   // 1. Export every region.
   SS_RETURN_IF_ERROR(store.Set(base + std::to_string(rank) + "/mem", ExportRegions()));
-  // 2. Inboxes (peer -> me), created by me.
-  const std::string shm = "/ssipc_" + Hex(Fnv(prefix)) + "_";
+  // 2. Inboxes (peer -> me), created by me. Their names follow the shm transport's convention
+  // (creator's uid, pid namespace and pid), so the mailboxes of a rank killed before it unlinked
+  // them are reclaimed by the next connect on this host (shm::SweepOrphanSegments), as shm
+  // rings are; the name is published in `ready` for the peers to open.
+  shm::SweepOrphanSegments();
+  const std::string shm = shm::OwnSegmentPrefix() + "ipc" + Hex(Fnv(prefix)) + "-";
   for (int p : peers) {
     SS_ASSIGN_OR_RETURN(Mailbox * m,
                         Mailbox::Create(shm + std::to_string(p) + "_" + std::to_string(rank)));
     inbox_[p].reset(m);
   }
-  SS_RETURN_IF_ERROR(store.Set(base + std::to_string(rank) + "/ready", "1"));
+  SS_RETURN_IF_ERROR(store.Set(base + std::to_string(rank) + "/ready", shm));
   // 3. Peers' exports and outboxes (me -> peer).
-  for (int p : peers) SS_RETURN_IF_ERROR(OpenPeer(store, base, shm, p, timeout));
+  for (int p : peers) SS_RETURN_IF_ERROR(OpenPeer(store, base, p, timeout));
   // 4. Once every peer mapped my inboxes, their names can go (no leak if we crash later).
   SS_RETURN_IF_ERROR(store.Set(base + std::to_string(rank) + "/opened", "1"));
   for (int p : peers) {
@@ -129,8 +134,8 @@ std::string CudaIpcTransport::ExportRegions() const {
   return blob;
 }
 
-Status CudaIpcTransport::OpenPeer(StoreClient& store, const std::string& base,
-                                  const std::string& shm, int p, Millis timeout) {
+Status CudaIpcTransport::OpenPeer(StoreClient& store, const std::string& base, int p,
+                                  Millis timeout) {
   auto got = store.Get(base + std::to_string(p) + "/mem", timeout);
   if (!got.ok()) {
     return Status(got.status().code(), "cuda_ipc: rank " + std::to_string(rank_) +
@@ -149,11 +154,18 @@ Status CudaIpcTransport::OpenPeer(StoreClient& store, const std::string& base,
       return DataLossError("cuda_ipc: peer rank " + std::to_string(p) + " export bad magic");
     }
   }
-  SS_RETURN_IF_ERROR(store.Get(base + std::to_string(p) + "/ready", timeout)
-                         .status()
-                         .Annotate("cuda_ipc: peer rank " + std::to_string(p) + " mailbox"));
+  auto ready = store.Get(base + std::to_string(p) + "/ready", timeout);
+  SS_RETURN_IF_ERROR(
+      ready.status().Annotate("cuda_ipc: peer rank " + std::to_string(p) + " mailbox"));
+  // The peer's mailbox prefix: one of this user's shardsync segments, nothing else.
+  const std::string& peer_shm = *ready;
+  if (!peer_shm.starts_with("/shardsync-") || peer_shm.size() > 200 ||
+      peer_shm.find('/', 1) != std::string::npos) {
+    return DataLossError("cuda_ipc: peer rank " + std::to_string(p) +
+                         " published a malformed mailbox name");
+  }
   SS_ASSIGN_OR_RETURN(Mailbox * m,
-                      Mailbox::Open(shm + std::to_string(rank_) + "_" + std::to_string(p)));
+                      Mailbox::Open(peer_shm + std::to_string(rank_) + "_" + std::to_string(p)));
   outbox_[p].reset(m);
   peer_pid_[p] = recs.empty() ? m->header()->receiver_pid.load() : recs[0].pid;
   if (peer_pid_[p] == 0) peer_pid_[p] = m->header()->receiver_pid.load();

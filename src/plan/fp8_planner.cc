@@ -76,26 +76,6 @@ void SubMatrix(const Fp8Unit& u, int64_t r0, int64_t n, int64_t c0, int64_t m, R
   dst->extent[dr + 1] = m;
 }
 
-void FinishMessage(Fp8Message* m, int64_t cap) {
-  int64_t off = 0;
-  Bucket cur;
-  for (size_t i = 0; i < m->ops.size(); ++i) {
-    Fp8Op& op = m->ops[i];
-    if (cur.op_end > cur.op_begin && cur.bytes + op.bytes > cap) {
-      m->buckets.push_back(cur);
-      cur = Bucket{};
-      cur.op_begin = static_cast<int32_t>(i);
-      cur.wire_offset = off;
-    }
-    op.wire_offset = off;
-    off += op.bytes;
-    cur.bytes += op.bytes;
-    cur.op_end = static_cast<int32_t>(i + 1);
-  }
-  if (cur.op_end > cur.op_begin) m->buckets.push_back(cur);
-  m->bytes = off;
-}
-
 }  // namespace
 
 Result<Fp8Context> Fp8Context::Build(const PlanInputs& in) {

@@ -170,24 +170,4 @@ void SplitBox(const Region& box, int64_t elem_bytes, int64_t cap,
   }
 }
 
-void FinishMessage(Message* m, int64_t cap) {
-  int64_t off = 0;
-  Bucket cur;
-  for (size_t i = 0; i < m->ops.size(); ++i) {
-    TransferOp& op = m->ops[i];
-    if (cur.op_end > cur.op_begin && cur.bytes + op.bytes > cap) {
-      m->buckets.push_back(cur);
-      cur = Bucket{};
-      cur.op_begin = static_cast<int32_t>(i);
-      cur.wire_offset = off;
-    }
-    op.wire_offset = off;
-    off += op.bytes;
-    cur.bytes += op.bytes;
-    cur.op_end = static_cast<int32_t>(i + 1);
-  }
-  if (cur.op_end > cur.op_begin) m->buckets.push_back(cur);
-  m->bytes = off;
-}
-
 }  // namespace shardsync::plan_internal

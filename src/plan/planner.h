@@ -152,7 +152,26 @@ void ForItemRangeOps(const Item& it, int64_t y0, int64_t y1, int64_t wire, int64
 // The item-local byte offset y rounded up to the next unit boundary (the cut points).
 int64_t RoundUpToUnit(const Item& it, int64_t y);
 // Wire offsets and buckets of a message whose ops are in order.
-void FinishMessage(Message* m, int64_t cap);
+template <typename M>  // Message, Fp8Message: ops with `bytes` and `wire_offset`, buckets
+void FinishMessage(M* m, int64_t cap) {
+  int64_t off = 0;
+  Bucket cur;
+  for (size_t i = 0; i < m->ops.size(); ++i) {
+    auto& op = m->ops[i];
+    if (cur.op_end > cur.op_begin && cur.bytes + op.bytes > cap) {
+      m->buckets.push_back(cur);
+      cur = Bucket{};
+      cur.op_begin = static_cast<int32_t>(i);
+      cur.wire_offset = off;
+    }
+    op.wire_offset = off;
+    off += op.bytes;
+    cur.bytes += op.bytes;
+    cur.op_end = static_cast<int32_t>(i + 1);
+  }
+  if (cur.op_end > cur.op_begin) m->buckets.push_back(cur);
+  m->bytes = off;
+}
 
 // Split of a contiguous dst box into parts of at most `cap` bytes (along its first dim with
 // extent > 1, recursing into the next dim when one index is already over the cap).

@@ -18,6 +18,7 @@
 #include "job/test_util.h"
 #include "shardsync/session.h"
 #include "shardsync/transport.h"
+#include "store/forked_store.h"
 #include "sync/identity.h"
 #include "sync/internal.h"
 #include "sync_expect.h"
@@ -188,6 +189,49 @@ void ExpectNeverVerifiedWrong(const std::vector<Outcome>& job, const std::string
           << name << " sync rank " << r << " reported verified holding other weights";
     }
   }
+}
+
+// Issue 26: 200 idle unauthenticated connections to a store whose descriptor limit is 128 (the
+// process holding all but 20) put its accept loop into an EMFILE busy loop and jobs failed with
+// deadline_exceeded. Now a 4-rank job connects and syncs, verified, within a second, and the store
+// stays quiet (tests/store/store_abuse_test.cc measures its CPU and log).
+TEST(StoreFlood, AFourRankJobSyncsThroughAFloodedStoreWithinASecond) {
+  rlimit own{};
+  getrlimit(RLIMIT_NOFILE, &own);
+  if (own.rlim_cur < 512) {
+    if (own.rlim_max < 512) GTEST_SKIP() << "needs 512 descriptors in the test process";
+    rlimit r{std::min<rlim_t>(own.rlim_max, 4096), own.rlim_max};
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &r), 0);
+  }
+  testing::ForkedStore store({.nofile = 128, .free_fds = 20}, kToken);
+  ASSERT_TRUE(store.ok());
+  std::vector<int> idle;
+  for (int i = 0; i < 200; ++i) {
+    const int fd = testing::RawConnect(store.port());
+    if (fd >= 0) idle.push_back(fd);
+  }
+  EXPECT_GE(idle.size(), 190u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the store works through them
+  const JobSpec job = FourRanks(7);
+  const int world = SyncWorldSize(job.inputs);
+  std::vector<Outcome> out(world);
+  const auto t0 = Clock::now();
+  std::vector<std::thread> ts;
+  for (int r = 0; r < world; ++r) {
+    ts.emplace_back([&, r] { out[r] = RunRank(job, r, store.address(), Options("flood"), 2); });
+  }
+  for (auto& t : ts) t.join();
+  const double secs = Since(t0);
+  std::printf("[idle flood] 4-rank job: connect + 2 syncs in %.0f ms\n", secs * 1e3);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(out[r].connect.ok()) << "rank " << r << ": " << out[r].connect.ToString();
+    EXPECT_TRUE(out[r].sync.ok()) << "rank " << r << ": " << out[r].sync.ToString();
+    EXPECT_TRUE(out[r].verified) << "rank " << r;
+    EXPECT_EQ(out[r].mismatches, 0) << "rank " << r;
+  }
+  EXPECT_LT(secs, 1.0);
+  EXPECT_TRUE(store.Alive());
+  for (int fd : idle) close(fd);
 }
 
 // The acceptance test of issue 26: 20 trials of two concurrent 4-rank jobs with different seeds

@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -251,6 +252,264 @@ __global__ void __launch_bounds__(kThreads, DT == 0 ? 2 : 4)
   }
 }
 
+// ChecksumMixWord with its key (index * kChecksumStep + kChecksumSeed) already computed.
+__device__ __forceinline__ uint64_t Mix(uint64_t word, uint64_t key) {
+  const uint64_t t = (word ^ key) * kChecksumMul;
+  return t ^ (t >> 32);
+}
+
+// ---- the pipelined kernel (the default) ----
+// Persistent CTAs, each over a contiguous range of blocks. A block's trainer values stream into
+// one of S shared-memory stages with cp.async (16-byte pieces, no registers held) while the CTA
+// works on earlier blocks, so loads stay in flight through the block's amax barrier, its
+// conversion and its read-backs; one CTA per block with its values in registers (the first
+// kernels) leaves HBM idle around each block's barriers (docs/benchmarks.md, "Block FP8").
+
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Bytes of one stage: a 128 x 128 block of the widest dtype the kernel takes.
+template <int DT>
+__host__ __device__ constexpr int StageBytes() {
+  return static_cast<int>(B * B) * (DT == 1 || DT == 2 ? 2 : 4);
+}
+// CTAs per SM that S stages leave room for (228 KiB of shared memory per SM, 1 KiB reserved per
+// CTA, ~0.3 KiB static), at most 4.
+template <int DT, int S>
+__host__ __device__ constexpr int PipeMinBlocks() {
+  const int per = S * StageBytes<DT>() + 1024 + 512;
+  const int n = 233472 / per;
+  return n < 1 ? 1 : (n > 4 ? 4 : n);
+}
+
+struct Geo {
+  int64_t br, bc, r0, c0;
+  int nr, nc;
+};
+__device__ __forceinline__ Geo GeoOf(const PTask& t, int64_t blk) {
+  const int64_t nbc = (t.cols + B - 1) / B;
+  const int64_t local = blk - t.block_begin;
+  Geo g;
+  g.br = local / nbc;
+  g.bc = local - g.br * nbc;
+  g.r0 = g.br * B;
+  g.c0 = g.bc * B;
+  g.nr = static_cast<int>(min(B, t.rows - g.r0));
+  g.nc = static_cast<int>(min(B, t.cols - g.c0));
+  return g;
+}
+
+// Stage layout: the block's rows back to back, 128 elements each (unused rows / columns of a
+// partial block hold stale bytes the consumer masks). Word w (8 elements: row w / 16, column
+// (w % 16) * 8) sits at byte w * 8 * es.
+template <int DT>
+__device__ __forceinline__ void IssueBlock(const PTask& t, int64_t blk, unsigned char* stage) {
+  const Geo g = GeoOf(t, blk);
+  const int dt = DT >= 0 ? DT : t.dtype;
+  const int es = dt == 0 ? 4 : 2;
+  const unsigned char* base = t.src + (g.r0 * t.src_stride + g.c0) * es;
+  const int64_t row_bytes = t.src_stride * es;
+  if (t.vec) {
+    // 16-byte pieces: ppr per row (16 for 2-byte values, 32 for f32); each thread keeps one
+    // piece column and steps kThreads / ppr rows.
+    const int ppr = 8 * es;
+    const int p = threadIdx.x % ppr;
+    const int step = kThreads / ppr;
+    const bool in_cols = p * 16 < g.nc * es;
+    for (int r = threadIdx.x / ppr; r < g.nr; r += step) {
+      if (in_cols) CpAsync16(stage + r * B * es + p * 16, base + r * row_bytes + p * 16);
+    }
+  } else {  // rows not on 16 bytes: plain loads, stored as the consumer reads them
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) {
+      const int w = threadIdx.x + kThreads * k, r = w / kWordsPerRow, c = (w % kWordsPerRow) * 8;
+      if (r < g.nr && c < g.nc) {
+        const Raw v = LoadWord<DT>(t, base + (r * t.src_stride + c) * es);
+        uint4* d = reinterpret_cast<uint4*>(stage + w * 8 * es);
+        d[0] = v.a;
+        if (dt == 0) d[1] = v.b;
+      }
+    }
+  }
+}
+
+// acc as QuantizeKernel's. Blocks [lo, hi) of the batch's block numbering per CTA; S stages.
+template <int DT, int S, int MinB>
+__global__ void __launch_bounds__(kThreads, MinB)
+    PipeKernel(const PTask* __restrict__ tasks, int n_tasks, int64_t n_blocks,
+               unsigned long long* acc, int nb) {
+  extern __shared__ __align__(16) unsigned char stages[];
+  __shared__ unsigned int m_shared[2][kThreads / 32];
+  __shared__ unsigned long long u_shared[kThreads / 32];
+  constexpr int kStage = StageBytes<DT>();
+  const int64_t lo = blockIdx.x * n_blocks / gridDim.x;
+  const int64_t hi = (blockIdx.x + 1) * n_blocks / gridDim.x;
+  if (lo >= hi) return;
+  int lt = FindTask(tasks, n_tasks, lo);  // the loader's task
+  int ct = lt;                            // the consumer's
+  auto issue = [&](int64_t blk, int s) {
+    if (blk < hi) {
+      while (lt + 1 < n_tasks && tasks[lt + 1].block_begin <= blk) ++lt;
+      IssueBlock<DT>(tasks[lt], blk, stages + s * kStage);
+    }
+    CpAsyncCommit();  // one group per block, empty past the range: the wait count stays S - 1
+  };
+#pragma unroll
+  for (int s = 0; s < S; ++s) issue(lo + s, s);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int rt = threadIdx.x / kWordsPerRow, ct8 = (threadIdx.x % kWordsPerRow) * 8;
+  // Sums of the current bucket, flushed (a warp sum, one atomic per warp) when it changes.
+  unsigned long long packed = 0, ldelta = 0;
+  int bucket = -1;
+  auto flush = [&]() {
+    if (bucket < 0) return;
+    unsigned long long l = packed + ldelta;
+    for (int o = 16; o > 0; o /= 2) {
+      packed += __shfl_xor_sync(0xffffffffu, packed, o);
+      l += __shfl_xor_sync(0xffffffffu, l, o);
+    }
+    if (lane == 0) {
+      atomicAdd(&acc[bucket], packed);
+      atomicAdd(&acc[nb + bucket], l);
+    }
+    packed = 0;
+    ldelta = 0;
+  };
+  int s = 0;
+  for (int64_t blk = lo, j = 0; blk < hi; ++blk, ++j) {
+    CpAsyncWait<S - 1>();
+    __syncthreads();  // every thread's pieces of this block are in the stage
+    while (ct + 1 < n_tasks && tasks[ct + 1].block_begin <= blk) ++ct;
+    const PTask& t = tasks[ct];
+    const int dt = DT >= 0 ? DT : t.dtype;
+    const int es = dt == 0 ? 4 : 2;
+    const Geo g = GeoOf(t, blk);
+    if (t.bucket != bucket) {
+      flush();
+      bucket = t.bucket;
+    }
+    const unsigned char* stage = stages + s * kStage;
+    const bool cvalid = ct8 < g.nc;
+    Raw raw[kWordsPerThread];
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) {
+      const int w = threadIdx.x + kThreads * k;
+      raw[k] = Raw{};
+      if (cvalid && rt + 16 * k < g.nr) {
+        const uint4* p = reinterpret_cast<const uint4*>(stage + w * 8 * es);
+        raw[k].a = p[0];
+        if (dt == 0) raw[k].b = p[1];
+      }
+    }
+    unsigned int m = 0;
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) {
+      const uint32_t u[8] = {raw[k].a.x, raw[k].a.y, raw[k].a.z, raw[k].a.w,
+                             raw[k].b.x, raw[k].b.y, raw[k].b.z, raw[k].b.w};
+      if (dt == 0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) m = max(m, u[i] & 0x7fffffffu);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) m = __vmaxu2(m, u[i] & 0x7fff7fffu);
+      }
+    }
+    if (dt != 0) m = max(m >> 16, m & 0xffffu);
+    for (int o = 16; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) m_shared[j & 1][warp] = m;
+    __syncthreads();  // the amax, and every thread is done reading stage s
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) m = max(m, m_shared[j & 1][w]);
+    issue(blk + S, s);
+    s = s + 1 == S ? 0 : s + 1;
+    const bool any_bad = dt == 0 ? m > 0x7f7fffffu : dt == 1 ? m > 0x7f7fu : m > 0x7bffu;
+    const float amax = dt == 0   ? __uint_as_float(m)
+                       : dt == 1 ? __uint_as_float(m << 16)
+                                 : __half2float(__ushort_as_half(static_cast<unsigned short>(m)));
+    if (any_bad) {  // rare (the whole CTA takes it): count them for the error
+      unsigned long long bad = 0;
+#pragma unroll
+      for (int k = 0; k < kWordsPerThread; ++k) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) bad += !(fabsf(Value<DT>(t, raw[k], i)) <= 3.402823466e38f);
+      }
+      const unsigned long long n_bad = Reduce(
+          bad, [](unsigned long long a, unsigned long long b) { return a + b; }, u_shared);
+      if (threadIdx.x == 0 && n_bad > 0) atomicAdd(&acc[2 * nb + bucket], n_bad);
+    }
+    const float scale = any_bad ? Fp8BitsFloat(kFp8ScaleNanBits) : Fp8BlockScale(amax);
+    const float inv = Fp8InverseScale(scale);
+    // This thread's words: rows rt + 16 k, columns [ct8, ct8 + 8) of the block.
+    const int64_t row = g.r0 + rt, col = g.c0 + ct8;
+    unsigned char* wp = t.weight + row * t.wstride + col;
+    const unsigned char* lp = t.lweight + row * t.lwstride + col;
+    const uint64_t index0 = static_cast<uint64_t>(t.wire_offset + row * t.cols + col) / 8;
+    const uint64_t key0 = index0 * kChecksumStep + kChecksumSeed;
+    const uint64_t dkey = static_cast<uint64_t>(2 * t.cols) * kChecksumStep;  // 16 rows on
+    uint64_t words[kWordsPerThread];
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) {
+      uint64_t word = 0x7f7f7f7f7f7f7f7full;
+      if (!any_bad) {
+        word = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i += 2) {
+          unsigned short two;
+          const float lo = __fmul_rn(Value<DT>(t, raw[k], i), inv);
+          const float hi = __fmul_rn(Value<DT>(t, raw[k], i + 1), inv);
+#if __CUDA_ARCH__ >= 890
+          asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(hi), "f"(lo));
+#else  // no FP8 conversion in hardware: fp8.h's, bit for bit the same
+          two = static_cast<unsigned short>(F32ToE4M3(lo) | (F32ToE4M3(hi) << 8));
+#endif
+          word |= static_cast<uint64_t>(two) << (8 * i);
+        }
+      }
+      words[k] = word;
+      if (cvalid && rt + 16 * k < g.nr) {
+        *reinterpret_cast<uint64_t*>(wp + 16 * k * t.wstride) = word;
+        packed += Mix(word, key0 + k * dkey);
+      }
+    }
+    if (threadIdx.x == 0) t.scales[g.br * t.sstride + g.bc] = scale;
+    // Read back through the receiver's map; only words that differ from what was written are
+    // mixed (twice), so the landed sum is packed + ldelta exactly (as the copy kernels do).
+    uint64_t back[kWordsPerThread];
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) {
+      back[k] = words[k];
+      if (cvalid && rt + 16 * k < g.nr) {
+        back[k] = __ldcg(reinterpret_cast<const unsigned long long*>(lp + 16 * k * t.lwstride));
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) {
+      if (back[k] != words[k]) {
+        const uint64_t key = key0 + k * dkey;
+        ldelta += Mix(back[k], key) - Mix(words[k], key);
+      }
+    }
+  }
+  flush();
+}
+
 // One CTA per task, after QuantizeKernel: the scale section's words (two scales each, the last
 // one zero-padded when the count is odd), as written and as read back through the receiver's map.
 __global__ void __launch_bounds__(kThreads)
@@ -280,6 +539,36 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) {
     atomicAdd(&acc[t.bucket], packed);
     atomicAdd(&acc[nb + t.bucket], landed);
+  }
+}
+
+using PipeFn = void (*)(const PTask*, int, int64_t, unsigned long long*, int);
+
+template <int DT, int S>
+PipeFn PipeOf() {
+  return &PipeKernel<DT, S, PipeMinBlocks<DT, S>()>;
+}
+template <int DT>
+PipeFn PipeFor(int stages) {
+  switch (stages) {
+    case 2:
+      return PipeOf<DT, 2>();
+    case 4:
+      return PipeOf<DT, 4>();
+    default:
+      return PipeOf<DT, 3>();
+  }
+}
+PipeFn PickPipe(int dtype, int stages) {
+  switch (dtype) {
+    case 0:
+      return PipeFor<0>(stages);
+    case 1:
+      return PipeFor<1>(stages);
+    case 2:
+      return PipeFor<2>(stages);
+    default:
+      return PipeFor<-1>(stages);
   }
 }
 
@@ -320,6 +609,7 @@ class Fp8Batch final : public CopyBatch {
     if (!inner_landed_) copies.landed_sums.clear();
     SS_ASSIGN_OR_RETURN(inner_, CopyBatch::Prepare(copies, device));
     n_tasks_ = static_cast<int>(tasks.size());
+    SS_RETURN_IF_ERROR(PickKernel(device));
     if (!tasks.empty()) {
       SS_CUDA(cudaMalloc(&tasks_, tasks.size() * sizeof(PTask)), "fp8 batch: tasks");
       SS_CUDA(
@@ -432,7 +722,12 @@ class Fp8Batch final : public CopyBatch {
   Status Quantize(cudaStream_t s) {
     SS_CUDA(cudaSetDevice(device_), "fp8 batch: cudaSetDevice");
     const size_t bytes = 3 * static_cast<size_t>(std::max(1, nb_)) * 8;
-    if (blocks_ > 0) {
+    if (blocks_ > 0 && pipe_) {
+      pipe_<<<grid_, kThreads, smem_, s>>>(tasks_, n_tasks_, blocks_, acc_, nb_);
+      SS_CUDA(cudaGetLastError(), "fp8 batch: quantize launch");
+      ScaleSumKernel<<<static_cast<unsigned>(n_tasks_), kThreads, 0, s>>>(tasks_, acc_, nb_);
+      SS_CUDA(cudaGetLastError(), "fp8 batch: scale sums launch");
+    } else if (blocks_ > 0) {
       const unsigned grid = static_cast<unsigned>(blocks_);
       switch (dtype_) {
         case 0:
@@ -456,8 +751,39 @@ class Fp8Batch final : public CopyBatch {
     return OkStatus();
   }
 
+  // The pipelined kernel for the tasks' dtype, its stages' shared memory and its grid (the
+  // resident CTAs); null: one CTA per block (SHARDSYNC_FP8_STAGES=0).
+  Status PickKernel(int device) {
+    int stages = 3;
+    const char* v = std::getenv("SHARDSYNC_FP8_STAGES");
+    if (v && *v) stages = std::atoi(v);
+    if (stages <= 0 || blocks_ == 0) return OkStatus();
+    stages = std::min(4, std::max(2, stages));
+    PipeFn pipe = PickPipe(dtype_, stages);
+    const int stage_bytes = (dtype_ == 1 || dtype_ == 2 ? 2 : 4) * static_cast<int>(B * B);
+    const int smem = stages * stage_bytes;
+    int sms = 0, occ = 0;
+    SS_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "fp8 batch: sms");
+    // A GPU with less shared memory per block than the stages need keeps one CTA per block.
+    if (cudaFuncSetAttribute(reinterpret_cast<const void*>(pipe),
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(pipe),
+                                                      kThreads, smem) != cudaSuccess ||
+        occ < 1) {
+      cudaGetLastError();
+      return OkStatus();
+    }
+    pipe_ = pipe;
+    smem_ = smem;
+    grid_ = static_cast<unsigned>(std::min<int64_t>(blocks_, int64_t{sms} * occ));
+    return OkStatus();
+  }
+
   int device_ = 0;
   int nb_ = 0;
+  PipeFn pipe_ = nullptr;
+  int smem_ = 0;
+  unsigned grid_ = 1;
   std::vector<int64_t> bucket_bytes_;
   std::unique_ptr<CopyBatch> inner_;
   bool inner_landed_ = false;

@@ -9,7 +9,7 @@
 //   nvcc -O3 -std=c++20 -arch=sm_90 -Iinclude -Isrc bench/cuda/fp8_probe.cu -o build/fp8_probe \
 //     -Xlinker --start-group build/src/cuda/libss_cuda.a build/src/common/libss_common.a \
 //     build/src/transport/libss_transport.a build/src/store/libss_store.a -Xlinker --end-group
-// Run: build/fp8_probe [reps] [stages...]   (default: 10 reps, stages 3)
+// Run: [PROBE_LAYERS=n] build/fp8_probe [reps] [stages...]   (default: 10 reps, stages 2)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -69,7 +69,8 @@ struct Layout {
   double quant_bytes = 0, copy_bytes = 0;  // HBM traffic: read once + write once
 };
 
-constexpr int64_t kH = 4096, kI = 12288, kQ = 4096, kKV = 1024, kLayers = 36, kVocab = 151936;
+constexpr int64_t kH = 4096, kI = 12288, kQ = 4096, kKV = 1024, kVocab = 151936;
+int64_t kLayers = 36;
 
 Layout Build(unsigned char* src, unsigned char* dst, unsigned char* scales, unsigned char* csrc,
              unsigned char* cdst, unsigned char* lsums) {
@@ -77,13 +78,13 @@ Layout Build(unsigned char* src, unsigned char* dst, unsigned char* scales, unsi
   int64_t s_at = 0, d_at = 0, sc_at = 0;  // bytes into the three buffers
   std::vector<int64_t> qwire, cbytes;
   auto bucket_of = [&](int pp, int tp, int64_t layer) {  // 5 buckets per engine rank
-    return (pp * 2 + tp) * 6 + static_cast<int>((layer % 18) / 4);
+    return (pp * 2 + tp) * 6 + static_cast<int>((layer % 18) / 4 % 5);
   };
   const int nb = 24;
   qwire.assign(nb, 0);
   cbytes.assign(nb, 0);
   for (int64_t l = 0; l < kLayers; ++l) {
-    const int pp = static_cast<int>(l / 18);
+    const int pp = static_cast<int>(l * 2 / kLayers);
     // HF tensors of the layer: [rows, cols], bf16.
     struct Hf {
       int64_t rows, cols;
@@ -212,9 +213,10 @@ double Time(CopyBatch& b, cudaStream_t s, int reps, uint64_t* seq) {
 
 int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::atoi(argv[1]) : 10;
+  if (const char* l = std::getenv("PROBE_LAYERS")) kLayers = std::atoi(l);
   std::vector<std::string> variants;
   for (int i = 2; i < argc; ++i) variants.push_back(argv[i]);
-  if (variants.empty()) variants.push_back("3");
+  if (variants.empty()) variants.push_back("2");
   CK(cudaSetDevice(0));
   int64_t src_bytes = 0, dst_bytes = 0, sc_bytes = 0;
   for (int64_t l = 0; l < kLayers; ++l) {
@@ -246,12 +248,14 @@ int main(int argc, char** argv) {
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     std::vector<double> ms;
-    const int64_t n = static_cast<int64_t>(bound / 2) / 16 * 16;  // < src_bytes
-    unsigned char* tmp;
+    const int64_t n = static_cast<int64_t>(bound / 2) / 16 * 16;
+    unsigned char *tmp, *from;
     CK(cudaMalloc(&tmp, n));
+    CK(cudaMalloc(&from, n));
+    CK(cudaMemset(from, 1, n));
     for (int i = 0; i < reps + 2; ++i) {
       CK(cudaEventRecord(e0, s));
-      CK(cudaMemcpyAsync(tmp, src, n, cudaMemcpyDeviceToDevice, s));
+      CK(cudaMemcpyAsync(tmp, from, n, cudaMemcpyDeviceToDevice, s));
       CK(cudaEventRecord(e1, s));
       CK(cudaEventSynchronize(e1));
       float t = 0;
@@ -259,6 +263,7 @@ int main(int argc, char** argv) {
       if (i >= 2) ms.push_back(t);
     }
     CK(cudaFree(tmp));
+    CK(cudaFree(from));
     memcpy_ms = Median(ms);
     std::printf("memcpy of the bound's traffic (%.2f GB): %.3f ms = %.0f GB/s\n", bound / 1e9,
                 memcpy_ms, bound / memcpy_ms / 1e6);

@@ -363,7 +363,7 @@ TEST(GpuFp8, PreparedBatchRunsManyBlocksPerCta) {
     SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
     const char* before = std::getenv("SHARDSYNC_FP8_STAGES");
     const std::string saved = before ? before : "";
-    for (const char* stages : {"", "2", "4", "0"}) {
+    for (const char* stages : {"", "3", "4", "0"}) {
       SCOPED_TRACE(std::string(DTypeName(dtype)) + ", SHARDSYNC_FP8_STAGES=" + stages);
       setenv("SHARDSYNC_FP8_STAGES", stages, 1);
       auto prepared = CopyBatch::Prepare(spec, 0);

@@ -1,12 +1,12 @@
 // Prepared block-FP8 packs (gpu.h BatchSpec::quantize): the quantize ops of a cuda_ipc pair's
-// buckets, replayed every sync beside the pair's copies. One CTA per 128 x 128 block reads its
-// trainer values once (16-byte loads), reduces the block's amax, writes the e4m3 words straight
-// into the peer's weight and the scale into its weight_scale_inv, and sums every word it wrote
-// twice: as packed, and as read back (from L2) through the receiver's own map of the same bytes,
-// as the copy kernels do. A tail kernel sums the scale sections the same two ways. The copies run
-// in an ordinary CopyBatch over a compact image of them; its signaled launch comes last on the
-// stream, so its signal covers everything. The arithmetic is fp8.h's, shared with the CPU.
-// Hand-written: no CUDA library quantizes to block FP8 with these semantics.
+// buckets, replayed every sync beside the pair's copies. The quantize kernel (PipeKernel) reads
+// the trainer's values once into shared-memory stages, reduces each 128 x 128 block's amax, writes
+// the e4m3 words straight into the peer's weight and the scale into its weight_scale_inv, and sums
+// every word it wrote twice: as packed, and as read back (from L2) through the receiver's own map
+// of the same bytes, as the copy kernels do. A tail kernel sums the scale sections the same two
+// ways. The copies run in an ordinary CopyBatch over a compact image of them; its signaled launch
+// comes last on the stream, so its signal covers everything. The arithmetic is fp8.h's, shared
+// with the CPU. Hand-written: no CUDA library quantizes to block FP8 with these semantics.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -261,9 +261,11 @@ __device__ __forceinline__ uint64_t Mix(uint64_t word, uint64_t key) {
 // ---- the pipelined kernel (the default) ----
 // Persistent CTAs, each over a contiguous range of blocks. A block's trainer values stream into
 // one of S shared-memory stages with cp.async (16-byte pieces, no registers held) while the CTA
-// works on earlier blocks, so loads stay in flight through the block's amax barrier, its
-// conversion and its read-backs; one CTA per block with its values in registers (the first
-// kernels) leaves HBM idle around each block's barriers (docs/benchmarks.md, "Block FP8").
+// works on the block before, so loads stay in flight through each block's amax barrier, its
+// conversion and its read-backs. QuantizeKernel above (one CTA per block, its values in
+// registers) leaves HBM idle around each block's barriers: 7.9 ms for qwen3-8b's quantize ops on
+// an H200 against 5.8 ms here (docs/benchmarks.md, "Block FP8"); it stays as the fallback for
+// GPUs whose shared memory cannot hold the stages, and SHARDSYNC_FP8_STAGES=0 picks it.
 
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
 #if __CUDA_ARCH__ >= 800
@@ -299,49 +301,70 @@ __host__ __device__ constexpr int PipeMinBlocks() {
   return n < 1 ? 1 : (n > 4 ? 4 : n);
 }
 
-struct Geo {
-  int64_t br, bc, r0, c0;
-  int nr, nc;
+// Where a CTA is in the block numbering: task t, block (br, bc) of it. CTAs walk consecutive
+// blocks, so the cursor steps without dividing (a 64-bit division per block cost a call).
+struct Cursor {
+  int t;
+  int br, bc, nbr, nbc;
 };
-__device__ __forceinline__ Geo GeoOf(const PTask& t, int64_t blk) {
-  const int64_t nbc = (t.cols + B - 1) / B;
-  const int64_t local = blk - t.block_begin;
-  Geo g;
-  g.br = local / nbc;
-  g.bc = local - g.br * nbc;
-  g.r0 = g.br * B;
-  g.c0 = g.bc * B;
-  g.nr = static_cast<int>(min(B, t.rows - g.r0));
-  g.nc = static_cast<int>(min(B, t.cols - g.c0));
-  return g;
+__device__ __forceinline__ Cursor CursorAt(const PTask* tasks, int n_tasks, int64_t blk) {
+  Cursor c;
+  c.t = FindTask(tasks, n_tasks, blk);
+  const PTask& t = tasks[c.t];
+  c.nbr = static_cast<int>((t.rows + B - 1) / B);
+  c.nbc = static_cast<int>((t.cols + B - 1) / B);
+  const int local = static_cast<int>(blk - t.block_begin);
+  c.br = local / c.nbc;
+  c.bc = local - c.br * c.nbc;
+  return c;
+}
+__device__ __forceinline__ void Step(Cursor& c, const PTask* tasks, int n_tasks) {
+  if (++c.bc < c.nbc) return;
+  c.bc = 0;
+  if (++c.br < c.nbr) return;
+  c.br = 0;
+  if (++c.t < n_tasks) {
+    c.nbr = static_cast<int>((tasks[c.t].rows + B - 1) / B);
+    c.nbc = static_cast<int>((tasks[c.t].cols + B - 1) / B);
+  }
 }
 
 // Stage layout: the block's rows back to back, 128 elements each (unused rows / columns of a
 // partial block hold stale bytes the consumer masks). Word w (8 elements: row w / 16, column
 // (w % 16) * 8) sits at byte w * 8 * es.
 template <int DT>
-__device__ __forceinline__ void IssueBlock(const PTask& t, int64_t blk, unsigned char* stage) {
-  const Geo g = GeoOf(t, blk);
+__device__ __forceinline__ void IssueBlock(const PTask& t, const Cursor& c, unsigned char* stage) {
   const int dt = DT >= 0 ? DT : t.dtype;
   const int es = dt == 0 ? 4 : 2;
-  const unsigned char* base = t.src + (g.r0 * t.src_stride + g.c0) * es;
+  const int64_t r0 = int64_t{c.br} * B, c0 = int64_t{c.bc} * B;
+  const int nr = static_cast<int>(min(B, t.rows - r0)), nc = static_cast<int>(min(B, t.cols - c0));
+  const unsigned char* base = t.src + (r0 * t.src_stride + c0) * es;
   const int64_t row_bytes = t.src_stride * es;
   if (t.vec) {
     // 16-byte pieces: ppr per row (16 for 2-byte values, 32 for f32); each thread keeps one
     // piece column and steps kThreads / ppr rows.
     const int ppr = 8 * es;
     const int p = threadIdx.x % ppr;
+    if (p * 16 >= nc * es) return;
     const int step = kThreads / ppr;
-    const bool in_cols = p * 16 < g.nc * es;
-    for (int r = threadIdx.x / ppr; r < g.nr; r += step) {
-      if (in_cols) CpAsync16(stage + r * B * es + p * 16, base + r * row_bytes + p * 16);
+    const unsigned char* g = base + (threadIdx.x / ppr) * row_bytes + p * 16;
+    unsigned char* d = stage + (threadIdx.x / ppr) * B * es + p * 16;
+    // Rows r, r + step, ...: 8 (2-byte values) or 16 (f32) at most, unrolled.
+    constexpr int kIters = DT == 1 || DT == 2 ? 8 : 16;
+    int r = threadIdx.x / ppr;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      if (r < nr) CpAsync16(d, g);
+      r += step;
+      g += step * row_bytes;
+      d += step * B * es;
     }
   } else {  // rows not on 16 bytes: plain loads, stored as the consumer reads them
 #pragma unroll
     for (int k = 0; k < kWordsPerThread; ++k) {
-      const int w = threadIdx.x + kThreads * k, r = w / kWordsPerRow, c = (w % kWordsPerRow) * 8;
-      if (r < g.nr && c < g.nc) {
-        const Raw v = LoadWord<DT>(t, base + (r * t.src_stride + c) * es);
+      const int w = threadIdx.x + kThreads * k, r = w / kWordsPerRow, col = (w % kWordsPerRow) * 8;
+      if (r < nr && col < nc) {
+        const Raw v = LoadWord<DT>(t, base + (r * t.src_stride + col) * es);
         uint4* d = reinterpret_cast<uint4*>(stage + w * 8 * es);
         d[0] = v.a;
         if (dt == 0) d[1] = v.b;
@@ -350,7 +373,10 @@ __device__ __forceinline__ void IssueBlock(const PTask& t, int64_t blk, unsigned
   }
 }
 
-// acc as QuantizeKernel's. Blocks [lo, hi) of the batch's block numbering per CTA; S stages.
+// acc as QuantizeKernel's. Each CTA takes a contiguous range of the batch's blocks (a
+// grid-strided order measured 6% slower on the kernel, 24% on the sync); S stages: 2 (the
+// default) leaves room for 3 CTAs per SM, which beat 2 CTAs with 3 stages (the kernel waits on
+// its own latencies more than on HBM: Nsight Compute shows half the issue slots idle).
 template <int DT, int S, int MinB>
 __global__ void __launch_bounds__(kThreads, MinB)
     PipeKernel(const PTask* __restrict__ tasks, int n_tasks, int64_t n_blocks,
@@ -362,12 +388,12 @@ __global__ void __launch_bounds__(kThreads, MinB)
   const int64_t lo = blockIdx.x * n_blocks / gridDim.x;
   const int64_t hi = (blockIdx.x + 1) * n_blocks / gridDim.x;
   if (lo >= hi) return;
-  int lt = FindTask(tasks, n_tasks, lo);  // the loader's task
-  int ct = lt;                            // the consumer's
+  Cursor lc = CursorAt(tasks, n_tasks, lo);  // the loader's
+  Cursor cc = lc;                            // the consumer's
   auto issue = [&](int64_t blk, int s) {
     if (blk < hi) {
-      while (lt + 1 < n_tasks && tasks[lt + 1].block_begin <= blk) ++lt;
-      IssueBlock<DT>(tasks[lt], blk, stages + s * kStage);
+      IssueBlock<DT>(tasks[lc.t], lc, stages + s * kStage);
+      Step(lc, tasks, n_tasks);
     }
     CpAsyncCommit();  // one group per block, empty past the range: the wait count stays S - 1
   };
@@ -376,11 +402,11 @@ __global__ void __launch_bounds__(kThreads, MinB)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int rt = threadIdx.x / kWordsPerRow, ct8 = (threadIdx.x % kWordsPerRow) * 8;
   // Sums of the current bucket, flushed (a warp sum, one atomic per warp) when it changes.
-  unsigned long long packed = 0, ldelta = 0;
+  unsigned long long packed = 0, landed = 0;
   int bucket = -1;
   auto flush = [&]() {
     if (bucket < 0) return;
-    unsigned long long l = packed + ldelta;
+    unsigned long long l = landed;
     for (int o = 16; o > 0; o /= 2) {
       packed += __shfl_xor_sync(0xffffffffu, packed, o);
       l += __shfl_xor_sync(0xffffffffu, l, o);
@@ -390,29 +416,34 @@ __global__ void __launch_bounds__(kThreads, MinB)
       atomicAdd(&acc[nb + bucket], l);
     }
     packed = 0;
-    ldelta = 0;
+    landed = 0;
   };
   int s = 0;
   for (int64_t blk = lo, j = 0; blk < hi; ++blk, ++j) {
     CpAsyncWait<S - 1>();
     __syncthreads();  // every thread's pieces of this block are in the stage
-    while (ct + 1 < n_tasks && tasks[ct + 1].block_begin <= blk) ++ct;
-    const PTask& t = tasks[ct];
+    const PTask& t = tasks[cc.t];
     const int dt = DT >= 0 ? DT : t.dtype;
     const int es = dt == 0 ? 4 : 2;
-    const Geo g = GeoOf(t, blk);
+    const int64_t r0 = int64_t{cc.br} * B, c0 = int64_t{cc.bc} * B;
+    const int br = cc.br, bc = cc.bc;
+    const int nr = static_cast<int>(min(B, t.rows - r0));
+    const int nc = static_cast<int>(min(B, t.cols - c0));
+    Step(cc, tasks, n_tasks);
     if (t.bucket != bucket) {
       flush();
       bucket = t.bucket;
     }
     const unsigned char* stage = stages + s * kStage;
-    const bool cvalid = ct8 < g.nc;
+    const bool cvalid = ct8 < nc;
+    // Words of this thread inside the block: k < kk (rows rt + 16 k below nr).
+    const int kk = cvalid ? min(kWordsPerThread, (nr - rt + 15) / 16) : 0;
     Raw raw[kWordsPerThread];
 #pragma unroll
     for (int k = 0; k < kWordsPerThread; ++k) {
       const int w = threadIdx.x + kThreads * k;
       raw[k] = Raw{};
-      if (cvalid && rt + 16 * k < g.nr) {
+      if (k < kk) {
         const uint4* p = reinterpret_cast<const uint4*>(stage + w * 8 * es);
         raw[k].a = p[0];
         if (dt == 0) raw[k].b = p[1];
@@ -437,8 +468,6 @@ __global__ void __launch_bounds__(kThreads, MinB)
     __syncthreads();  // the amax, and every thread is done reading stage s
 #pragma unroll
     for (int w = 0; w < kThreads / 32; ++w) m = max(m, m_shared[j & 1][w]);
-    issue(blk + S, s);
-    s = s + 1 == S ? 0 : s + 1;
     const bool any_bad = dt == 0 ? m > 0x7f7fffffu : dt == 1 ? m > 0x7f7fu : m > 0x7bffu;
     const float amax = dt == 0   ? __uint_as_float(m)
                        : dt == 1 ? __uint_as_float(m << 16)
@@ -456,61 +485,72 @@ __global__ void __launch_bounds__(kThreads, MinB)
     }
     const float scale = any_bad ? Fp8BitsFloat(kFp8ScaleNanBits) : Fp8BlockScale(amax);
     const float inv = Fp8InverseScale(scale);
-    // This thread's words: rows rt + 16 k, columns [ct8, ct8 + 8) of the block.
-    const int64_t row = g.r0 + rt, col = g.c0 + ct8;
+    if (threadIdx.x == 0) t.scales[br * t.sstride + bc] = scale;
+    // This thread's words: rows rt + 16 k, columns [ct8, ct8 + 8) of the block; wire words
+    // 2 * cols apart (16 rows), keys likewise.
+    const int64_t row = r0 + rt, col = c0 + ct8;
     unsigned char* wp = t.weight + row * t.wstride + col;
     const unsigned char* lp = t.lweight + row * t.lwstride + col;
+    const int64_t wstep = 16 * t.wstride, lstep = 16 * t.lwstride;
     const uint64_t index0 = static_cast<uint64_t>(t.wire_offset + row * t.cols + col) / 8;
+    const uint64_t dkey = static_cast<uint64_t>(2 * t.cols) * kChecksumStep;
     const uint64_t key0 = index0 * kChecksumStep + kChecksumSeed;
-    const uint64_t dkey = static_cast<uint64_t>(2 * t.cols) * kChecksumStep;  // 16 rows on
-    uint64_t words[kWordsPerThread];
+    uint64_t key = key0;
 #pragma unroll
     for (int k = 0; k < kWordsPerThread; ++k) {
       uint64_t word = 0x7f7f7f7f7f7f7f7full;
       if (!any_bad) {
-        word = 0;
+        uint32_t half[2];
 #pragma unroll
-        for (int i = 0; i < 8; i += 2) {
-          unsigned short two;
-          const float lo = __fmul_rn(Value<DT>(t, raw[k], i), inv);
-          const float hi = __fmul_rn(Value<DT>(t, raw[k], i + 1), inv);
+        for (int h = 0; h < 2; ++h) {
+          unsigned short two[2];
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            const int i = 4 * h + 2 * q;
+            const float lo = __fmul_rn(Value<DT>(t, raw[k], i), inv);
+            const float hi = __fmul_rn(Value<DT>(t, raw[k], i + 1), inv);
 #if __CUDA_ARCH__ >= 890
-          asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(hi), "f"(lo));
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two[q]) : "f"(hi), "f"(lo));
 #else  // no FP8 conversion in hardware: fp8.h's, bit for bit the same
-          two = static_cast<unsigned short>(F32ToE4M3(lo) | (F32ToE4M3(hi) << 8));
+            two[q] = static_cast<unsigned short>(F32ToE4M3(lo) | (F32ToE4M3(hi) << 8));
 #endif
-          word |= static_cast<uint64_t>(two) << (8 * i);
+          }
+          half[h] = static_cast<uint32_t>(two[0]) | (static_cast<uint32_t>(two[1]) << 16);
         }
+        word = static_cast<uint64_t>(half[0]) | (static_cast<uint64_t>(half[1]) << 32);
       }
-      words[k] = word;
-      if (cvalid && rt + 16 * k < g.nr) {
-        *reinterpret_cast<uint64_t*>(wp + 16 * k * t.wstride) = word;
-        packed += Mix(word, key0 + k * dkey);
+      if (k < kk) {
+        *reinterpret_cast<uint64_t*>(wp) = word;
+        packed += Mix(word, key);
       }
+      wp += wstep;
+      key += dkey;
     }
-    if (threadIdx.x == 0) t.scales[g.br * t.sstride + g.bc] = scale;
-    // Read back through the receiver's map; only words that differ from what was written are
-    // mixed (twice), so the landed sum is packed + ldelta exactly (as the copy kernels do).
+    // Stage s is free (every thread passed the amax barrier): the block S on goes there, issued
+    // here rather than right after the barrier so the block's values are no longer held.
+    issue(blk + S, s);
+    s = s + 1 == S ? 0 : s + 1;
+    // Read back through the receiver's map and mix every landed word: keeping the written words
+    // to mix only those that differ (the copy kernels' delta form) cost registers (spills at 3
+    // CTAs per SM) and measured no faster.
     uint64_t back[kWordsPerThread];
 #pragma unroll
     for (int k = 0; k < kWordsPerThread; ++k) {
-      back[k] = words[k];
-      if (cvalid && rt + 16 * k < g.nr) {
-        back[k] = __ldcg(reinterpret_cast<const unsigned long long*>(lp + 16 * k * t.lwstride));
-      }
+      back[k] = 0;
+      if (k < kk) back[k] = __ldcg(reinterpret_cast<const unsigned long long*>(lp));
+      lp += lstep;
     }
+    key = key0;
 #pragma unroll
     for (int k = 0; k < kWordsPerThread; ++k) {
-      if (back[k] != words[k]) {
-        const uint64_t key = key0 + k * dkey;
-        ldelta += Mix(back[k], key) - Mix(words[k], key);
-      }
+      if (k < kk) landed += Mix(back[k], key);
+      key += dkey;
     }
   }
   flush();
 }
 
-// One CTA per task, after QuantizeKernel: the scale section's words (two scales each, the last
+// One CTA per task, after the quantize kernel: the scale section's words (two scales each, the last
 // one zero-padded when the count is odd), as written and as read back through the receiver's map.
 __global__ void __launch_bounds__(kThreads)
     ScaleSumKernel(const PTask* tasks, unsigned long long* acc, int nb) {
@@ -551,12 +591,12 @@ PipeFn PipeOf() {
 template <int DT>
 PipeFn PipeFor(int stages) {
   switch (stages) {
-    case 2:
-      return PipeOf<DT, 2>();
+    case 3:
+      return PipeOf<DT, 3>();
     case 4:
       return PipeOf<DT, 4>();
     default:
-      return PipeOf<DT, 3>();
+      return PipeOf<DT, 2>();
   }
 }
 PipeFn PickPipe(int dtype, int stages) {
@@ -754,7 +794,7 @@ class Fp8Batch final : public CopyBatch {
   // The pipelined kernel for the tasks' dtype, its stages' shared memory and its grid (the
   // resident CTAs); null: one CTA per block (SHARDSYNC_FP8_STAGES=0).
   Status PickKernel(int device) {
-    int stages = 3;
+    int stages = 2;
     const char* v = std::getenv("SHARDSYNC_FP8_STAGES");
     if (v && *v) stages = std::atoi(v);
     if (stages <= 0 || blocks_ == 0) return OkStatus();

@@ -117,9 +117,10 @@ __device__ __forceinline__ int FindTask(const PTask* tasks, int n, int64_t block
   return lo;
 }
 
-// acc: [packed sums | landed sums | non-finite counts], nb each. DT: the tasks' dtype (0 f32,
-// 1 bf16, 2 f16) when they share one, -1 otherwise. What keeps it at memory speed (measured on an
-// H200, docs/benchmarks.md): 16-byte loads kept raw in registers; the block's amax as an integer
+// The fallback kernel, one CTA per block (PipeKernel below is the default). acc: [packed sums |
+// landed sums | non-finite counts], nb each. DT: the tasks' dtype (0 f32, 1 bf16, 2 f16) when they
+// share one, -1 otherwise. What made it faster than its first version (measured on an H200,
+// docs/benchmarks.md): 16-byte loads kept raw in registers; the block's amax as an integer
 // max of the values' magnitude bits (monotonic in the magnitude, and above the largest finite
 // value exactly for Inf and NaN, so the same max tells a non-finite block); e4m3 by the hardware's
 // cvt.rn.satfinite.e4m3x2.f32, which on finite values is fp8.h's F32ToE4M3 (round to nearest

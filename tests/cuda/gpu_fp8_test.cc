@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gpu_test_util.h"
@@ -269,6 +271,133 @@ TEST(GpuFp8, PreparedBatchQuantizesIntoStridedDestinations) {
   // Malformed ops are refused.
   spec.quantize[1].cols = 764;  // not a multiple of 8
   EXPECT_EQ(CopyBatch::Prepare(spec, 0).status().code(), StatusCode::kInvalidArgument);
+}
+
+// The pipelined quantize kernel as the sessions run it (every op of a batch in one dtype), over
+// more blocks than it has CTAs, so CTAs run several blocks and cross ops and buckets: partial
+// blocks on both dims, a source whose rows are not on 16 bytes (plain loads), a NaN block, four
+// ops in three buckets (bucket 0 twice, apart). Every e4m3 byte, scale, packed and landed sum and
+// non-finite count against the CPU quantize-pack, for f32, bf16 and f16 and each stage count.
+TEST(GpuFp8, PreparedBatchRunsManyBlocksPerCta) {
+  SS_REQUIRE_GPU();
+  for (DType dtype : {DType::kBF16, DType::kF32, DType::kF16}) {
+    // seeds: 4 and 8 have no NaN, 6 puts one at (5, 7) of its tensor.
+    const Source a = MakeSource(dtype, 1200, 1800, 4), b = MakeSource(dtype, 300, 1026, 6),
+                 c = MakeSource(dtype, 2048, 2048, 8);
+    struct Op {
+      const Source* s;
+      int64_t r0, c0, rows, cols;
+      int32_t bucket;
+    } ops[] = {{&a, 128, 128, 1000, 1544, 0},  // 8 x 13 blocks, the last row / column partial
+               {&b, 0, 0, 300, 1024, 1},       // rows of 2052 / 4104 bytes: not on 16 bytes
+               {&c, 0, 0, 2048, 2048, 2},      // 256 whole blocks
+               {&c, 0, 0, 128, 256, 0}};
+    const int nb = 3;
+    const int es = DTypeSize(dtype);
+    std::vector<std::unique_ptr<DeviceBuffer>> dsrc;
+    for (const Source* s : {&a, &b, &c}) {
+      SS_ASSERT_OK_AND_ASSIGN(auto d, DeviceBuffer::Allocate(s->host.size(), 0));
+      SS_ASSERT_OK(CopyToDevice(d->data(), s->host.data(), s->host.size()));
+      dsrc.push_back(std::move(d));
+    }
+    auto src_of = [&](const Source* s) { return dsrc[s == &a ? 0 : s == &b ? 1 : 2]->data(); };
+    // Each op's destinations: e4m3 rows at column 8 of [rows, cols + 16], scales at column 1 of
+    // [nbr, nbc + 1]; the rest stays 0xcd.
+    std::vector<std::unique_ptr<DeviceBuffer>> dw, ds;
+    std::vector<std::vector<uint8_t>> want_w, want_s;
+    std::vector<uint64_t> want_sum(nb, 0);
+    std::vector<int64_t> want_bad(nb, 0), at(nb, 0);
+    BatchSpec spec;
+    spec.mode = BatchMode::kPack;
+    spec.in_dtype = spec.out_dtype = DType::kBF16;
+    for (const Op& op : ops) {
+      const int64_t W = op.cols + 16, nbr = Fp8Blocks(op.rows), nbc = Fp8Blocks(op.cols);
+      SS_ASSERT_OK_AND_ASSIGN(auto w, DeviceBuffer::Allocate(op.rows * W, 0));
+      SS_ASSERT_OK_AND_ASSIGN(auto sc, DeviceBuffer::Allocate(nbr * (nbc + 1) * 4, 0));
+      SS_ASSERT_OK(Memset(w->data(), 0xcd, op.rows * W));
+      SS_ASSERT_OK(Memset(sc->data(), 0xcd, nbr * (nbc + 1) * 4));
+      std::vector<uint8_t> wire(Fp8WireBytes(op.rows, op.cols));
+      PackRegion pr{op.s->host.data(),
+                    dtype,
+                    {op.s->rows, op.s->cols},
+                    Region::Make({op.r0, op.c0}, {op.rows, op.cols}),
+                    at[op.bucket]};
+      auto cpu = Fp8QuantizePack(pr, wire.data());
+      ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
+      want_sum[op.bucket] += cpu->sum;
+      want_bad[op.bucket] += cpu->nonfinite;
+      std::vector<uint8_t> ew(op.rows * W, 0xcd), esc(nbr * (nbc + 1) * 4, 0xcd);
+      for (int64_t r = 0; r < op.rows; ++r) {
+        std::memcpy(&ew[r * W + 8], &wire[r * op.cols], op.cols);
+      }
+      for (int64_t r = 0; r < nbr; ++r) {
+        std::memcpy(&esc[(r * (nbc + 1) + 1) * 4], &wire[op.rows * op.cols + r * nbc * 4], nbc * 4);
+      }
+      want_w.push_back(std::move(ew));
+      want_s.push_back(std::move(esc));
+      Fp8Task t;
+      t.src = static_cast<const uint8_t*>(src_of(op.s)) + (op.r0 * op.s->cols + op.c0) * es;
+      t.dtype = dtype;
+      t.src_stride = op.s->cols;
+      t.rows = op.rows;
+      t.cols = op.cols;
+      t.weight = static_cast<uint8_t*>(w->data()) + 8;
+      t.weight_stride = W;
+      t.scales = static_cast<float*>(sc->data()) + 1;
+      t.scale_stride = nbc + 1;
+      t.landed_weight = t.weight;
+      t.landed_weight_stride = W;
+      t.landed_scales = t.scales;
+      t.landed_scale_stride = nbc + 1;
+      t.bucket = op.bucket;
+      t.wire_offset = at[op.bucket];
+      at[op.bucket] += Fp8WireBytes(op.rows, op.cols);
+      spec.quantize.push_back(t);
+      dw.push_back(std::move(w));
+      ds.push_back(std::move(sc));
+    }
+    for (int k = 0; k < nb; ++k) {
+      spec.bucket_bytes.push_back(at[k]);
+      spec.copy_bytes.push_back(0);
+    }
+    SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
+    const char* before = std::getenv("SHARDSYNC_FP8_STAGES");
+    const std::string saved = before ? before : "";
+    for (const char* stages : {"", "3", "4", "0"}) {
+      SCOPED_TRACE(std::string(DTypeName(dtype)) + ", SHARDSYNC_FP8_STAGES=" + stages);
+      setenv("SHARDSYNC_FP8_STAGES", stages, 1);
+      auto prepared = CopyBatch::Prepare(spec, 0);
+      ASSERT_TRUE(prepared.ok()) << prepared.status().ToString();
+      auto batch = std::move(prepared).value();
+      for (size_t i = 0; i < dw.size(); ++i) {
+        SS_ASSERT_OK(Memset(dw[i]->data(), 0xcd, want_w[i].size()));
+        SS_ASSERT_OK(Memset(ds[i]->data(), 0xcd, want_s[i].size()));
+      }
+      for (uint64_t seq = 1; seq <= 2; ++seq) {  // a replay gives the same sums
+        SS_ASSERT_OK(batch->LaunchSignaled(stream->handle(), seq));
+        SS_ASSERT_OK(stream->Synchronize(Millis(20000), "fp8 batch"));
+        EXPECT_EQ(batch->Signaled(), seq);
+        SS_ASSERT_OK_AND_ASSIGN(auto sums, batch->Sums());
+        SS_ASSERT_OK_AND_ASSIGN(auto landed, batch->LandedSums());
+        EXPECT_EQ(sums, want_sum);
+        EXPECT_EQ(landed, want_sum);
+        EXPECT_EQ(batch->NonFinite(), want_bad);
+      }
+      for (size_t i = 0; i < dw.size(); ++i) {
+        std::vector<uint8_t> hw(want_w[i].size()), hs(want_s[i].size());
+        SS_ASSERT_OK(CopyToHost(hw.data(), dw[i]->data(), hw.size()));
+        SS_ASSERT_OK(CopyToHost(hs.data(), ds[i]->data(), hs.size()));
+        EXPECT_TRUE(hw == want_w[i]) << "op " << i << ": e4m3 bytes differ";
+        EXPECT_TRUE(hs == want_s[i]) << "op " << i << ": scales differ";
+      }
+    }
+    if (before) {
+      setenv("SHARDSYNC_FP8_STAGES", saved.c_str(), 1);
+    } else {
+      unsetenv("SHARDSYNC_FP8_STAGES");
+    }
+    EXPECT_EQ(want_bad, (std::vector<int64_t>{0, 1, 0}));  // the test's own premise
+  }
 }
 
 TEST(GpuFp8, RefusesMalformedTasks) {

@@ -1,18 +1,19 @@
 // Prepared block-FP8 packs (gpu.h BatchSpec::quantize): the quantize ops of a cuda_ipc pair's
-// buckets, replayed every sync beside the pair's copies. One CTA per 128 x 128 block reads its
-// trainer values once (16-byte loads), reduces the block's amax, writes the e4m3 words straight
-// into the peer's weight and the scale into its weight_scale_inv, and sums every word it wrote
-// twice: as packed, and as read back (from L2) through the receiver's own map of the same bytes,
-// as the copy kernels do. A tail kernel sums the scale sections the same two ways. The copies run
-// in an ordinary CopyBatch over a compact image of them; its signaled launch comes last on the
-// stream, so its signal covers everything. The arithmetic is fp8.h's, shared with the CPU.
-// Hand-written: no CUDA library quantizes to block FP8 with these semantics.
+// buckets, replayed every sync beside the pair's copies. The quantize kernel (PipeKernel) reads
+// the trainer's values once into shared-memory stages, reduces each 128 x 128 block's amax, writes
+// the e4m3 words straight into the peer's weight and the scale into its weight_scale_inv, and sums
+// every word it wrote twice: as packed, and as read back (from L2) through the receiver's own map
+// of the same bytes, as the copy kernels do. A tail kernel sums the scale sections the same two
+// ways. The copies run in an ordinary CopyBatch over a compact image of them; its signaled launch
+// comes last on the stream, so its signal covers everything. The arithmetic is fp8.h's, shared
+// with the CPU. Hand-written: no CUDA library quantizes to block FP8 with these semantics.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -116,9 +117,10 @@ __device__ __forceinline__ int FindTask(const PTask* tasks, int n, int64_t block
   return lo;
 }
 
-// acc: [packed sums | landed sums | non-finite counts], nb each. DT: the tasks' dtype (0 f32,
-// 1 bf16, 2 f16) when they share one, -1 otherwise. What keeps it at memory speed (measured on an
-// H200, docs/benchmarks.md): 16-byte loads kept raw in registers; the block's amax as an integer
+// The fallback kernel, one CTA per block (PipeKernel below is the default). acc: [packed sums |
+// landed sums | non-finite counts], nb each. DT: the tasks' dtype (0 f32, 1 bf16, 2 f16) when they
+// share one, -1 otherwise. What made it faster than its first version (measured on an H200,
+// docs/benchmarks.md): 16-byte loads kept raw in registers; the block's amax as an integer
 // max of the values' magnitude bits (monotonic in the magnitude, and above the largest finite
 // value exactly for Inf and NaN, so the same max tells a non-finite block); e4m3 by the hardware's
 // cvt.rn.satfinite.e4m3x2.f32, which on finite values is fp8.h's F32ToE4M3 (round to nearest
@@ -251,7 +253,305 @@ __global__ void __launch_bounds__(kThreads, DT == 0 ? 2 : 4)
   }
 }
 
-// One CTA per task, after QuantizeKernel: the scale section's words (two scales each, the last
+// ChecksumMixWord with its key (index * kChecksumStep + kChecksumSeed) already computed.
+__device__ __forceinline__ uint64_t Mix(uint64_t word, uint64_t key) {
+  const uint64_t t = (word ^ key) * kChecksumMul;
+  return t ^ (t >> 32);
+}
+
+// ---- the pipelined kernel (the default) ----
+// Persistent CTAs, each over a contiguous range of blocks. A block's trainer values stream into
+// one of S shared-memory stages with cp.async (16-byte pieces, no registers held) while the CTA
+// works on the block before, so loads stay in flight through each block's amax barrier, its
+// conversion and its read-backs. QuantizeKernel above (one CTA per block, its values in
+// registers) leaves HBM idle around each block's barriers: 7.9 ms for qwen3-8b's quantize ops on
+// an H200 against 5.8 ms here (docs/benchmarks.md, "Block FP8"); it stays as the fallback for
+// GPUs whose shared memory cannot hold the stages, and SHARDSYNC_FP8_STAGES=0 picks it.
+
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Bytes of one stage: a 128 x 128 block of the widest dtype the kernel takes.
+template <int DT>
+__host__ __device__ constexpr int StageBytes() {
+  return static_cast<int>(B * B) * (DT == 1 || DT == 2 ? 2 : 4);
+}
+// CTAs per SM that S stages leave room for (228 KiB of shared memory per SM, 1 KiB reserved per
+// CTA, ~0.3 KiB static), at most 4.
+template <int DT, int S>
+__host__ __device__ constexpr int PipeMinBlocks() {
+  const int per = S * StageBytes<DT>() + 1024 + 512;
+  const int n = 233472 / per;
+  return n < 1 ? 1 : (n > 4 ? 4 : n);
+}
+
+// Where a CTA is in the block numbering: task t, block (br, bc) of it. CTAs walk consecutive
+// blocks, so the cursor steps without dividing (a 64-bit division per block cost a call).
+struct Cursor {
+  int t;
+  int br, bc, nbr, nbc;
+};
+__device__ __forceinline__ Cursor CursorAt(const PTask* tasks, int n_tasks, int64_t blk) {
+  Cursor c;
+  c.t = FindTask(tasks, n_tasks, blk);
+  const PTask& t = tasks[c.t];
+  c.nbr = static_cast<int>((t.rows + B - 1) / B);
+  c.nbc = static_cast<int>((t.cols + B - 1) / B);
+  const int local = static_cast<int>(blk - t.block_begin);
+  c.br = local / c.nbc;
+  c.bc = local - c.br * c.nbc;
+  return c;
+}
+__device__ __forceinline__ void Step(Cursor& c, const PTask* tasks, int n_tasks) {
+  if (++c.bc < c.nbc) return;
+  c.bc = 0;
+  if (++c.br < c.nbr) return;
+  c.br = 0;
+  if (++c.t < n_tasks) {
+    c.nbr = static_cast<int>((tasks[c.t].rows + B - 1) / B);
+    c.nbc = static_cast<int>((tasks[c.t].cols + B - 1) / B);
+  }
+}
+
+// Stage layout: the block's rows back to back, 128 elements each (unused rows / columns of a
+// partial block hold stale bytes the consumer masks). Word w (8 elements: row w / 16, column
+// (w % 16) * 8) sits at byte w * 8 * es.
+template <int DT>
+__device__ __forceinline__ void IssueBlock(const PTask& t, const Cursor& c, unsigned char* stage) {
+  const int dt = DT >= 0 ? DT : t.dtype;
+  const int es = dt == 0 ? 4 : 2;
+  const int64_t r0 = int64_t{c.br} * B, c0 = int64_t{c.bc} * B;
+  const int nr = static_cast<int>(min(B, t.rows - r0)), nc = static_cast<int>(min(B, t.cols - c0));
+  const unsigned char* base = t.src + (r0 * t.src_stride + c0) * es;
+  const int64_t row_bytes = t.src_stride * es;
+  if (t.vec) {
+    // 16-byte pieces: ppr per row (16 for 2-byte values, 32 for f32); each thread keeps one
+    // piece column and steps kThreads / ppr rows.
+    const int ppr = 8 * es;
+    const int p = threadIdx.x % ppr;
+    if (p * 16 >= nc * es) return;
+    const int step = kThreads / ppr;
+    const unsigned char* g = base + (threadIdx.x / ppr) * row_bytes + p * 16;
+    unsigned char* d = stage + (threadIdx.x / ppr) * B * es + p * 16;
+    // Rows r, r + step, ...: 8 (2-byte values) or 16 (f32) at most, unrolled.
+    constexpr int kIters = DT == 1 || DT == 2 ? 8 : 16;
+    int r = threadIdx.x / ppr;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      if (r < nr) CpAsync16(d, g);
+      r += step;
+      g += step * row_bytes;
+      d += step * B * es;
+    }
+  } else {  // rows not on 16 bytes: plain loads, stored as the consumer reads them
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) {
+      const int w = threadIdx.x + kThreads * k, r = w / kWordsPerRow, col = (w % kWordsPerRow) * 8;
+      if (r < nr && col < nc) {
+        const Raw v = LoadWord<DT>(t, base + (r * t.src_stride + col) * es);
+        uint4* d = reinterpret_cast<uint4*>(stage + w * 8 * es);
+        d[0] = v.a;
+        if (dt == 0) d[1] = v.b;
+      }
+    }
+  }
+}
+
+// acc as QuantizeKernel's. Each CTA takes a contiguous range of the batch's blocks (a
+// grid-strided order measured 6% slower on the kernel, 24% on the sync); S stages: 2 (the
+// default) leaves room for 3 CTAs per SM, which beat 2 CTAs with 3 stages (the kernel waits on
+// its own latencies more than on HBM: Nsight Compute shows half the issue slots idle).
+template <int DT, int S, int MinB>
+__global__ void __launch_bounds__(kThreads, MinB)
+    PipeKernel(const PTask* __restrict__ tasks, int n_tasks, int64_t n_blocks,
+               unsigned long long* acc, int nb) {
+  extern __shared__ __align__(16) unsigned char stages[];
+  __shared__ unsigned int m_shared[2][kThreads / 32];
+  __shared__ unsigned long long u_shared[kThreads / 32];
+  constexpr int kStage = StageBytes<DT>();
+  const int64_t lo = blockIdx.x * n_blocks / gridDim.x;
+  const int64_t hi = (blockIdx.x + 1) * n_blocks / gridDim.x;
+  if (lo >= hi) return;
+  Cursor lc = CursorAt(tasks, n_tasks, lo);  // the loader's
+  Cursor cc = lc;                            // the consumer's
+  auto issue = [&](int64_t blk, int s) {
+    if (blk < hi) {
+      IssueBlock<DT>(tasks[lc.t], lc, stages + s * kStage);
+      Step(lc, tasks, n_tasks);
+    }
+    CpAsyncCommit();  // one group per block, empty past the range: the wait count stays S - 1
+  };
+#pragma unroll
+  for (int s = 0; s < S; ++s) issue(lo + s, s);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int rt = threadIdx.x / kWordsPerRow, ct8 = (threadIdx.x % kWordsPerRow) * 8;
+  // Sums of the current bucket, flushed (a warp sum, one atomic per warp) when it changes.
+  unsigned long long packed = 0, landed = 0;
+  int bucket = -1;
+  auto flush = [&]() {
+    if (bucket < 0) return;
+    unsigned long long l = landed;
+    for (int o = 16; o > 0; o /= 2) {
+      packed += __shfl_xor_sync(0xffffffffu, packed, o);
+      l += __shfl_xor_sync(0xffffffffu, l, o);
+    }
+    if (lane == 0) {
+      atomicAdd(&acc[bucket], packed);
+      atomicAdd(&acc[nb + bucket], l);
+    }
+    packed = 0;
+    landed = 0;
+  };
+  int s = 0;
+  for (int64_t blk = lo, j = 0; blk < hi; ++blk, ++j) {
+    CpAsyncWait<S - 1>();
+    __syncthreads();  // every thread's pieces of this block are in the stage
+    const PTask& t = tasks[cc.t];
+    const int dt = DT >= 0 ? DT : t.dtype;
+    const int es = dt == 0 ? 4 : 2;
+    const int64_t r0 = int64_t{cc.br} * B, c0 = int64_t{cc.bc} * B;
+    const int br = cc.br, bc = cc.bc;
+    const int nr = static_cast<int>(min(B, t.rows - r0));
+    const int nc = static_cast<int>(min(B, t.cols - c0));
+    Step(cc, tasks, n_tasks);
+    if (t.bucket != bucket) {
+      flush();
+      bucket = t.bucket;
+    }
+    const unsigned char* stage = stages + s * kStage;
+    const bool cvalid = ct8 < nc;
+    // Words of this thread inside the block: k < kk (rows rt + 16 k below nr).
+    const int kk = cvalid ? min(kWordsPerThread, (nr - rt + 15) / 16) : 0;
+    Raw raw[kWordsPerThread];
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) {
+      const int w = threadIdx.x + kThreads * k;
+      raw[k] = Raw{};
+      if (k < kk) {
+        const uint4* p = reinterpret_cast<const uint4*>(stage + w * 8 * es);
+        raw[k].a = p[0];
+        if (dt == 0) raw[k].b = p[1];
+      }
+    }
+    unsigned int m = 0;
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) {
+      const uint32_t u[8] = {raw[k].a.x, raw[k].a.y, raw[k].a.z, raw[k].a.w,
+                             raw[k].b.x, raw[k].b.y, raw[k].b.z, raw[k].b.w};
+      if (dt == 0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) m = max(m, u[i] & 0x7fffffffu);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) m = __vmaxu2(m, u[i] & 0x7fff7fffu);
+      }
+    }
+    if (dt != 0) m = max(m >> 16, m & 0xffffu);
+    for (int o = 16; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) m_shared[j & 1][warp] = m;
+    __syncthreads();  // the amax, and every thread is done reading stage s
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) m = max(m, m_shared[j & 1][w]);
+    const bool any_bad = dt == 0 ? m > 0x7f7fffffu : dt == 1 ? m > 0x7f7fu : m > 0x7bffu;
+    const float amax = dt == 0   ? __uint_as_float(m)
+                       : dt == 1 ? __uint_as_float(m << 16)
+                                 : __half2float(__ushort_as_half(static_cast<unsigned short>(m)));
+    if (any_bad) {  // rare (the whole CTA takes it): count them for the error
+      unsigned long long bad = 0;
+#pragma unroll
+      for (int k = 0; k < kWordsPerThread; ++k) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) bad += !(fabsf(Value<DT>(t, raw[k], i)) <= 3.402823466e38f);
+      }
+      const unsigned long long n_bad = Reduce(
+          bad, [](unsigned long long a, unsigned long long b) { return a + b; }, u_shared);
+      if (threadIdx.x == 0 && n_bad > 0) atomicAdd(&acc[2 * nb + bucket], n_bad);
+    }
+    const float scale = any_bad ? Fp8BitsFloat(kFp8ScaleNanBits) : Fp8BlockScale(amax);
+    const float inv = Fp8InverseScale(scale);
+    if (threadIdx.x == 0) t.scales[br * t.sstride + bc] = scale;
+    // This thread's words: rows rt + 16 k, columns [ct8, ct8 + 8) of the block; wire words
+    // 2 * cols apart (16 rows), keys likewise.
+    const int64_t row = r0 + rt, col = c0 + ct8;
+    unsigned char* wp = t.weight + row * t.wstride + col;
+    const unsigned char* lp = t.lweight + row * t.lwstride + col;
+    const int64_t wstep = 16 * t.wstride, lstep = 16 * t.lwstride;
+    const uint64_t index0 = static_cast<uint64_t>(t.wire_offset + row * t.cols + col) / 8;
+    const uint64_t dkey = static_cast<uint64_t>(2 * t.cols) * kChecksumStep;
+    const uint64_t key0 = index0 * kChecksumStep + kChecksumSeed;
+    uint64_t key = key0;
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) {
+      uint64_t word = 0x7f7f7f7f7f7f7f7full;
+      if (!any_bad) {
+        uint32_t half[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          unsigned short two[2];
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            const int i = 4 * h + 2 * q;
+            const float lo = __fmul_rn(Value<DT>(t, raw[k], i), inv);
+            const float hi = __fmul_rn(Value<DT>(t, raw[k], i + 1), inv);
+#if __CUDA_ARCH__ >= 890
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two[q]) : "f"(hi), "f"(lo));
+#else  // no FP8 conversion in hardware: fp8.h's, bit for bit the same
+            two[q] = static_cast<unsigned short>(F32ToE4M3(lo) | (F32ToE4M3(hi) << 8));
+#endif
+          }
+          half[h] = static_cast<uint32_t>(two[0]) | (static_cast<uint32_t>(two[1]) << 16);
+        }
+        word = static_cast<uint64_t>(half[0]) | (static_cast<uint64_t>(half[1]) << 32);
+      }
+      if (k < kk) {
+        *reinterpret_cast<uint64_t*>(wp) = word;
+        packed += Mix(word, key);
+      }
+      wp += wstep;
+      key += dkey;
+    }
+    // Stage s is free (every thread passed the amax barrier): the block S on goes there, issued
+    // here rather than right after the barrier so the block's values are no longer held.
+    issue(blk + S, s);
+    s = s + 1 == S ? 0 : s + 1;
+    // Read back through the receiver's map and mix every landed word: keeping the written words
+    // to mix only those that differ (the copy kernels' delta form) cost registers (spills at 3
+    // CTAs per SM) and measured no faster.
+    uint64_t back[kWordsPerThread];
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) {
+      back[k] = 0;
+      if (k < kk) back[k] = __ldcg(reinterpret_cast<const unsigned long long*>(lp));
+      lp += lstep;
+    }
+    key = key0;
+#pragma unroll
+    for (int k = 0; k < kWordsPerThread; ++k) {
+      if (k < kk) landed += Mix(back[k], key);
+      key += dkey;
+    }
+  }
+  flush();
+}
+
+// One CTA per task, after the quantize kernel: the scale section's words (two scales each, the last
 // one zero-padded when the count is odd), as written and as read back through the receiver's map.
 __global__ void __launch_bounds__(kThreads)
     ScaleSumKernel(const PTask* tasks, unsigned long long* acc, int nb) {
@@ -280,6 +580,36 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) {
     atomicAdd(&acc[t.bucket], packed);
     atomicAdd(&acc[nb + t.bucket], landed);
+  }
+}
+
+using PipeFn = void (*)(const PTask*, int, int64_t, unsigned long long*, int);
+
+template <int DT, int S>
+PipeFn PipeOf() {
+  return &PipeKernel<DT, S, PipeMinBlocks<DT, S>()>;
+}
+template <int DT>
+PipeFn PipeFor(int stages) {
+  switch (stages) {
+    case 3:
+      return PipeOf<DT, 3>();
+    case 4:
+      return PipeOf<DT, 4>();
+    default:
+      return PipeOf<DT, 2>();
+  }
+}
+PipeFn PickPipe(int dtype, int stages) {
+  switch (dtype) {
+    case 0:
+      return PipeFor<0>(stages);
+    case 1:
+      return PipeFor<1>(stages);
+    case 2:
+      return PipeFor<2>(stages);
+    default:
+      return PipeFor<-1>(stages);
   }
 }
 
@@ -320,6 +650,7 @@ class Fp8Batch final : public CopyBatch {
     if (!inner_landed_) copies.landed_sums.clear();
     SS_ASSIGN_OR_RETURN(inner_, CopyBatch::Prepare(copies, device));
     n_tasks_ = static_cast<int>(tasks.size());
+    SS_RETURN_IF_ERROR(PickKernel(device));
     if (!tasks.empty()) {
       SS_CUDA(cudaMalloc(&tasks_, tasks.size() * sizeof(PTask)), "fp8 batch: tasks");
       SS_CUDA(
@@ -432,7 +763,12 @@ class Fp8Batch final : public CopyBatch {
   Status Quantize(cudaStream_t s) {
     SS_CUDA(cudaSetDevice(device_), "fp8 batch: cudaSetDevice");
     const size_t bytes = 3 * static_cast<size_t>(std::max(1, nb_)) * 8;
-    if (blocks_ > 0) {
+    if (blocks_ > 0 && pipe_) {
+      pipe_<<<grid_, kThreads, smem_, s>>>(tasks_, n_tasks_, blocks_, acc_, nb_);
+      SS_CUDA(cudaGetLastError(), "fp8 batch: quantize launch");
+      ScaleSumKernel<<<static_cast<unsigned>(n_tasks_), kThreads, 0, s>>>(tasks_, acc_, nb_);
+      SS_CUDA(cudaGetLastError(), "fp8 batch: scale sums launch");
+    } else if (blocks_ > 0) {
       const unsigned grid = static_cast<unsigned>(blocks_);
       switch (dtype_) {
         case 0:
@@ -456,8 +792,39 @@ class Fp8Batch final : public CopyBatch {
     return OkStatus();
   }
 
+  // The pipelined kernel for the tasks' dtype, its stages' shared memory and its grid (the
+  // resident CTAs); null: one CTA per block (SHARDSYNC_FP8_STAGES=0).
+  Status PickKernel(int device) {
+    int stages = 2;
+    const char* v = std::getenv("SHARDSYNC_FP8_STAGES");
+    if (v && *v) stages = std::atoi(v);
+    if (stages <= 0 || blocks_ == 0) return OkStatus();
+    stages = std::min(4, std::max(2, stages));
+    PipeFn pipe = PickPipe(dtype_, stages);
+    const int stage_bytes = (dtype_ == 1 || dtype_ == 2 ? 2 : 4) * static_cast<int>(B * B);
+    const int smem = stages * stage_bytes;
+    int sms = 0, occ = 0;
+    SS_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "fp8 batch: sms");
+    // A GPU with less shared memory per block than the stages need keeps one CTA per block.
+    if (cudaFuncSetAttribute(reinterpret_cast<const void*>(pipe),
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(pipe),
+                                                      kThreads, smem) != cudaSuccess ||
+        occ < 1) {
+      cudaGetLastError();
+      return OkStatus();
+    }
+    pipe_ = pipe;
+    smem_ = smem;
+    grid_ = static_cast<unsigned>(std::min<int64_t>(blocks_, int64_t{sms} * occ));
+    return OkStatus();
+  }
+
   int device_ = 0;
   int nb_ = 0;
+  PipeFn pipe_ = nullptr;
+  int smem_ = 0;
+  unsigned grid_ = 1;
   std::vector<int64_t> bucket_bytes_;
   std::unique_ptr<CopyBatch> inner_;
   bool inner_landed_ = false;

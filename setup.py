@@ -126,9 +126,23 @@ class CMakeBuild(build_ext):
             sys.exit(f"shardsync: {cmd[0]} failed (exit {e.returncode}); its output is above")
 
 
+def _bdist_wheel():
+    """The wheel writer: setuptools' own (>= 70.1), else the `wheel` package's, which the build
+    backend (python/build_backend/shardsync_build.py) may have loaded from Debian's python3-wheel
+    for an interpreter that has none; registered here since such a copy has no entry point."""
+    try:
+        from setuptools.command.bdist_wheel import bdist_wheel  # type: ignore[import-not-found]
+    except ImportError:
+        try:
+            from wheel.bdist_wheel import bdist_wheel  # type: ignore[import-not-found,no-redef]
+        except ImportError:
+            return {}
+    return {"bdist_wheel": bdist_wheel}
+
+
 setup(
     ext_modules=[CMakeExtension("shardsync._C")],
-    cmdclass={"build_ext": CMakeBuild},
+    cmdclass={"build_ext": CMakeBuild, **_bdist_wheel()},
     # setuptools' scratch space beside (not inside) the CMake build dir build/.
     options={"build": {"build_base": "build-pip"}},
 )

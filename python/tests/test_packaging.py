@@ -45,3 +45,36 @@ def test_installed_package_carries_the_cli():
                           "--model", "qwen2.5-0.5b", "--trainer", "fsdp=0", "--rollout", "dp=1"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stdout == "" and "trainer" in bad.stderr
+
+
+_HIDE_WHEEL = r"""
+import importlib.abc, sys
+class Hide(importlib.abc.MetaPathFinder):  # an interpreter without the `wheel` package
+    def find_spec(self, name, path=None, target=None):
+        if name == "wheel" and "wheel" not in sys.modules:
+            raise ImportError("no wheel here")
+        return None
+sys.meta_path.insert(0, Hide())
+sys.path.insert(0, sys.argv[1])
+import shardsync_build
+from wheel.bdist_wheel import bdist_wheel
+print(sys.modules["wheel"].__file__)
+print(callable(shardsync_build.build_wheel))
+"""
+
+
+def test_build_backend_writes_wheels_without_a_wheel_package():
+    """A Python without `wheel` (pyenv's, a venv of it; setuptools < 70.1 needs it) still builds:
+    the backend loads Debian's python3-wheel, and setup.py registers its bdist_wheel."""
+    backend = SOURCE / "python" / "build_backend"
+    if not (backend / "shardsync_build.py").is_file():
+        pytest.skip("needs the source tree")
+    if not Path("/usr/lib/python3/dist-packages/wheel/bdist_wheel.py").is_file():
+        pytest.skip("Debian's python3-wheel is not installed")
+    pytest.importorskip("setuptools")
+    r = subprocess.run([sys.executable, "-c", _HIDE_WHEEL, str(backend)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    where, callable_ = r.stdout.split()
+    assert where.startswith("/usr/lib/python3/dist-packages/wheel/"), where
+    assert callable_ == "True"

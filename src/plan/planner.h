@@ -3,6 +3,7 @@
 // public API so tests can plan over hand-built shard maps.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -178,5 +179,26 @@ void FinishMessage(M* m, int64_t cap) {
 int64_t SplitCount(const Region& box, int64_t elem_bytes, int64_t cap);
 void SplitBox(const Region& box, int64_t elem_bytes, int64_t cap,
               const std::function<void(const Region&)>& fn);
+
+// Min, mean and max of f(x) over v (per-rank bytes, ops, messages): the plan reports' statistics.
+struct MinMeanMax {
+  int64_t min = 0, max = 0;
+  double mean = 0;
+};
+template <typename V, typename F>
+MinMeanMax Stats(const V& v, F f) {
+  MinMeanMax s;
+  if (v.empty()) return s;
+  s.min = s.max = f(v[0]);
+  double sum = 0;
+  for (const auto& x : v) {
+    const int64_t b = f(x);
+    s.min = std::min(s.min, b);
+    s.max = std::max(s.max, b);
+    sum += static_cast<double>(b);
+  }
+  s.mean = sum / static_cast<double>(v.size());
+  return s;
+}
 
 }  // namespace shardsync::plan_internal

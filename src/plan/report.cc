@@ -4,30 +4,13 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
+#include "plan/planner.h"
 #include "shardsync/plan.h"
 
 namespace shardsync {
 namespace {
 
-struct MinMeanMax {
-  int64_t min = 0, max = 0;
-  double mean = 0;
-};
-template <typename V, typename F>
-MinMeanMax Stats(const V& v, F f) {
-  MinMeanMax s;
-  if (v.empty()) return s;
-  s.min = s.max = f(v[0]);
-  double sum = 0;
-  for (const auto& x : v) {
-    const int64_t b = f(x);
-    s.min = std::min(s.min, b);
-    s.max = std::max(s.max, b);
-    sum += static_cast<double>(b);
-  }
-  s.mean = sum / static_cast<double>(v.size());
-  return s;
-}
+using plan_internal::Stats;
 
 }  // namespace
 

@@ -167,25 +167,7 @@ Result<std::string> DumpOps(const plan_internal::PlanContext& ctx, const Detaile
   return out;
 }
 
-struct MinMeanMax {
-  int64_t min = 0, max = 0;
-  double mean = 0;
-};
-template <typename V, typename F>
-MinMeanMax Stats(const V& v, F f) {
-  MinMeanMax s;
-  if (v.empty()) return s;
-  s.min = s.max = f(v[0]);
-  double sum = 0;
-  for (const auto& x : v) {
-    const int64_t b = f(x);
-    s.min = std::min(s.min, b);
-    s.max = std::max(s.max, b);
-    sum += static_cast<double>(b);
-  }
-  s.mean = sum / static_cast<double>(v.size());
-  return s;
-}
+using plan_internal::Stats;
 
 std::string TextSummary(const PlanInputs& in, const DetailedSummary& ds) {
   const PlanSummary& s = ds.summary;

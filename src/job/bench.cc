@@ -292,9 +292,9 @@ class BenchRank {
     return OkStatus();
   }
 
-  // Raw transfers use the sync session's transfer size (at most 4 MiB, session.cc), not the
-  // bucket cap: on UCX over CMA, 4 MiB transfers move the same bytes about twice as fast as
-  // 512 MiB ones here, and the ceiling should be the transport's best, not a handicapped one.
+  // Raw transfers are cut at 4 MiB (the session's own are at most kMaxTransferBytes, 1 MiB,
+  // sync/internal.h), not at the bucket cap: on UCX over CMA, 4 MiB transfers move the same bytes
+  // about twice as fast as 512 MiB ones here, and the ceiling should be the transport's best.
   static constexpr int64_t kRawTransferBytes = int64_t{4} << 20;
 
   Status RawSend() {

@@ -13,6 +13,8 @@ constexpr std::string_view kClaimVersion = "ssjob1";
 constexpr std::string_view kSealed = "sealed";
 // How often a rank looks again at a claim that is dead (a finished job's) or one it cannot join.
 constexpr Millis kClaimPoll{20};
+// How long a member key's holder may take to set its liveness key (one store round trip).
+constexpr Millis kMemberSettle{1000};
 
 uint64_t Random64() {
   uint64_t v = 0;
@@ -182,16 +184,28 @@ Result<JobIdentity::Entry> JobIdentity::Enter(const JobClaim& c) {
   SS_ASSIGN_OR_RETURN(std::string held,
                       ctx_.store.SetIfAbsent(root + "member/" + r, member_, /*ephemeral=*/false));
   if (held != member_) {
-    if (!ctx_.store.Get(root + "alive/" + r, Millis(0)).ok()) return Entry::kStale;
+    // Its holder sets the liveness key right after the member key: absent means it is between
+    // the two (wait for it), dead means it is gone (the claim is a finished job's).
+    auto alive = ctx_.store.Get(root + "alive/" + r, kMemberSettle);
+    if (!alive.ok()) return Entry::kStale;
     const std::string why = "sync rank " + r +
                             " was claimed by two live processes (two jobs on "
                             "key prefix '" +
                             ctx_.opt.prefix + "' with no launch id)";
-    ctx_.store.SetIfAbsent(root + "state", "was contested: " + why, false).status().IgnoreError();
+    auto state =
+        ctx_.store.SetIfAbsent(root + "state", "was contested: " + why, false).value_or("");
+    // Sealed before this rank came: without launch ids nothing told the two rank-r processes
+    // apart, and the sealed job may run with the other job's rank r (docs/security.md, the
+    // residual case). Say so where the operator looks.
+    const std::string sealed =
+        state == kSealed ? "; that job was already sealed, so if this rank's job started with it, "
+                           "it may be running with this job's ranks in place of its own"
+                         : "";
     return FailedPreconditionError(Me() + ": " + DescribeClaim(c) + " holding key prefix '" +
                                    ctx_.opt.prefix + "' already has a live sync rank " + r +
-                                   ": a second job on this prefix; give each job its own prefix "
-                                   "or a launch id (job_id, SHARDSYNC_JOB_ID)");
+                                   ": a second job on this prefix" + sealed +
+                                   "; give each job its own prefix or a launch id (job_id, "
+                                   "SHARDSYNC_JOB_ID)");
   }
   Status s = ctx_.store.SetEphemeral(root + "alive/" + r, member_);
   if (!s.ok()) return s.Annotate(Me() + ": joining " + DescribeClaim(c));

@@ -281,30 +281,101 @@ TEST(JobIdentity, TwoConcurrentJobsOnOnePrefixNeverMerge) {
   std::printf("20 trials in %.2f s; job a won %d of them\n", Since(t0), a_won);
 }
 
+// A rank of `job` failed at Connect finding its rank held by a live process in a job that was
+// already sealed: the residual case's signature (identity.cc says so in the message).
+bool FoundItsRankTakenAfterTheSeal(const std::vector<Outcome>& job) {
+  for (const Outcome& o : job) {
+    if (o.connect.code() == StatusCode::kFailedPrecondition &&
+        o.connect.message().find("already has a live sync rank") != std::string::npos &&
+        o.connect.message().find("that job was already sealed") != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
+bool AnyVerifiedWrong(const std::vector<Outcome>& job) {
+  return std::any_of(job.begin(), job.end(),
+                     [](const Outcome& o) { return o.verified && o.mismatches != 0; });
+}
+
 // Without launch ids two jobs started in the same instant cannot be told apart by their ranks;
 // what protects them (identity.h): a rank of the job claimed by two live processes marks the job
-// contested and it fails at Seal. Whatever the interleaving, no rank reports a verified sync
-// holding the other job's weights. (The residual case, docs/security.md: a rank that starts only
-// after the other job's ranks all connected in its place.)
+// contested and it fails at Seal. No rank reports a verified sync holding the other job's weights,
+// except in the residual case (docs/security.md): a rank that starts only after the job sealed
+// with the other job's rank in its place. Nothing in the store can tell those two processes
+// apart, so there the test asks that the late rank fails saying the job it found was sealed (a
+// busy 2-core machine makes that interleaving common: CI saw it in 3 of 5 trials).
 TEST(JobIdentity, TwoJobsWithoutLaunchIdsNeverReportVerifiedWithTheOthersWeights) {
   auto server = StoreServer::Start("127.0.0.1", 0, kToken);
   ASSERT_TRUE(server.ok());
   const JobSpec a = FourRanks(11), b = FourRanks(22);
-  int one_won = 0, both_failed = 0;
+  int one_won = 0, both_failed = 0, residual = 0;
   // Short connect timeouts: a rank whose rank 0 gave up cannot be told without a launch id, and
   // waits for a claim until its timeout.
   for (int trial = 0; trial < 5; ++trial) {
     SCOPED_TRACE("trial " + std::to_string(trial));
     TwoJobs t = RunTwoJobs((*server)->address(), a, b, Options("", Millis(600)),
                            Options("", Millis(600)), 2);
-    ExpectNeverVerifiedWrong(t.a, "job a");
-    ExpectNeverVerifiedWrong(t.b, "job b");
+    const bool a_wrong = AnyVerifiedWrong(t.a), b_wrong = AnyVerifiedWrong(t.b);
+    if (!a_wrong || !FoundItsRankTakenAfterTheSeal(t.b)) ExpectNeverVerifiedWrong(t.a, "job a");
+    if (!b_wrong || !FoundItsRankTakenAfterTheSeal(t.a)) ExpectNeverVerifiedWrong(t.b, "job b");
+    residual += a_wrong || b_wrong;
     EXPECT_FALSE(AllConnected(t.a) && AllConnected(t.b));
     one_won += AllConnected(t.a) || AllConnected(t.b);
     both_failed += !AllConnected(t.a) && !AllConnected(t.b);
   }
-  std::printf("without launch ids: one job won %d trials, both failed in %d\n", one_won,
-              both_failed);
+  std::printf(
+      "without launch ids: one job won %d trials, both failed in %d, the residual case in %d\n",
+      one_won, both_failed, residual);
+}
+
+// The residual case forced: job b's ranks 0 and 1 and job a's ranks 2 and 3 connect and sync
+// first; then the other four start. Nothing told a's ranks 2 and 3 from b's, so that job syncs
+// b's weights into them (what docs/security.md says launch ids are for); every late rank fails at
+// Connect, and b's late ranks say the job holding their rank was already sealed.
+TEST(JobIdentity, ARankStartingAfterTheSealLearnsItsRankWasTakenAndSaysSo) {
+  auto server = StoreServer::Start("127.0.0.1", 0, kToken);
+  ASSERT_TRUE(server.ok());
+  const JobSpec a = FourRanks(11), b = FourRanks(22);
+  const SessionOptions opt = Options("", Millis(600));
+  std::vector<Outcome> early(4), late(4);
+  std::atomic<int> early_done{0}, late_done{0};
+  auto hold = [&] {
+    ++early_done;
+    const auto until = Clock::now() + std::chrono::seconds(60);
+    while (late_done.load() < 4 && Clock::now() < until) std::this_thread::yield();
+  };
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 4; ++r) {
+    ts.emplace_back([&, r] {
+      early[r] = RunRank(r < 2 ? b : a, r, (*server)->address(), opt, 2, nullptr, hold);
+      if (!early[r].connect.ok()) ++early_done;
+    });
+  }
+  const auto until = Clock::now() + std::chrono::seconds(60);
+  while (early_done.load() < 4 && Clock::now() < until) std::this_thread::yield();
+  for (int r = 0; r < 4; ++r) {
+    ts.emplace_back([&, r] {
+      late[r] = RunRank(r < 2 ? a : b, r, (*server)->address(), opt, 2);
+      ++late_done;
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_TRUE(early[r].connect.ok()) << "rank " << r << ": " << early[r].connect.ToString();
+    EXPECT_TRUE(early[r].verified) << "rank " << r;
+    EXPECT_FALSE(late[r].connect.ok()) << "rank " << r;
+  }
+  EXPECT_EQ(early[0].mismatches + early[1].mismatches, 0);
+  EXPECT_GT(early[2].mismatches, 0) << "a's rank 2 holds b's weights: the residual case";
+  EXPECT_THAT(late[0].connect.message(), HasSubstr("key prefix 'ss/' is held by another job"));
+  for (int r = 2; r < 4; ++r) {
+    EXPECT_EQ(late[r].connect.code(), StatusCode::kFailedPrecondition);
+    EXPECT_THAT(late[r].connect.message(), HasSubstr("already has a live sync rank"));
+    EXPECT_THAT(late[r].connect.message(), HasSubstr("that job was already sealed"));
+  }
+  EXPECT_TRUE(FoundItsRankTakenAfterTheSeal(late));
 }
 
 // A job whose sessions stay alive between calls: store connections, shm transports, sessions and

@@ -62,6 +62,34 @@ int HolderRank(const MegatronLayout& l, const HolderSet& h, int64_t k);
 // Index of `rank` among the holders, or -1 when it does not hold the piece.
 int64_t HolderIndex(const MegatronLayout& l, const HolderSet& h, int rank);
 
+// The trainer side of a Megatron layout as HF boxes: every HF tensor partitioned into sources
+// (one HF box held the same way by a set of ranks, possibly in several places: the tied
+// embedding's two copies). Shared by the bf16 planner and the block-FP8 planner.
+struct MegatronPlace {
+  HolderSet holders;
+  int64_t count = 0;  // HolderCount
+  int32_t param = 0;  // index into the stage's parameters (BuildTrainerParams order)
+  Region local;       // the source's box inside that parameter
+};
+struct MegatronSource {
+  int32_t tensor = 0;
+  Region hf;
+  int32_t place_begin = 0, place_end = 0;  // into MegatronSources::places
+  int64_t holders = 0;                     // sum of its places' counts
+};
+struct MegatronSources {
+  std::vector<MegatronPlace> places;
+  std::vector<MegatronSource> sources;  // by tensor, then HF box
+  std::vector<int32_t> tensor_begin;    // inventory size + 1: the sources of tensor t
+  // Holder k of source s (k in [0, s.holders)): its trainer rank and place index, places in
+  // order, each place's holders by ascending rank.
+  std::pair<int, int32_t> Holder(const MegatronLayout& l, const MegatronSource& s, int64_t k) const;
+};
+// Checked to partition every HF tensor of `inv` exactly (InternalError otherwise).
+Result<MegatronSources> BuildMegatronSources(const ModelSpec& m, const MegatronLayout& l,
+                                             const MegatronDims& d,
+                                             const std::vector<HfTensor>& inv);
+
 // Plans a Megatron trainer layout against the engine pieces of a PlanContext, as box
 // intersections: the HF tensors are partitioned into trainer "sources" (one HF box held the same
 // way by a set of ranks, possibly in several places: the tied embedding's two copies), each engine
@@ -75,12 +103,7 @@ class MegatronPlanner {
   void ForEachPair(const PairFn& fn) const;
 
  private:
-  struct Placement {
-    HolderSet holders;
-    int64_t count = 0;  // HolderCount
-    int32_t param = 0;  // index into the stage's parameters
-    Region local;       // the source's box inside that parameter
-  };
+  using Placement = MegatronPlace;
   struct Source {
     int32_t tensor = 0;
     Region hf;

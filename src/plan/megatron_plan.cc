@@ -30,21 +30,20 @@ bool Before(const RawSource& a, const RawSource& b) {
 
 }  // namespace
 
-Result<std::shared_ptr<const MegatronPlanner>> MegatronPlanner::Build(const PlanContext& c) {
-  auto mp = std::make_shared<MegatronPlanner>();
-  MegatronPlanner& p = *mp;
-  const PlanInputs& in = c.inputs();
-  p.in_ = in;
-  p.layout_ = in.trainer.megatron;
-  p.S_ = c.trainer_world();
-  p.E_ = c.engine_per_replica();
-  p.D_ = c.replicas();
-  p.wire_ = DTypeSize(in.options.wire_dtype);
-  p.cap_ = in.options.bucket_bytes;
-  const MegatronLayout& l = p.layout_;
-  const ModelSpec& m = in.model;
-  const auto& inv = c.inventory();
-  SS_ASSIGN_OR_RETURN(MegatronDims dims, ComputeMegatronDims(m, l));
+std::pair<int, int32_t> MegatronSources::Holder(const MegatronLayout& l, const MegatronSource& s,
+                                                int64_t k) const {
+  for (int32_t j = s.place_begin; j < s.place_end; ++j) {
+    const MegatronPlace& pl = places[j];
+    if (k < pl.count) return {HolderRank(l, pl.holders, k), j};
+    k -= pl.count;
+  }
+  return {-1, -1};
+}
+
+Result<MegatronSources> BuildMegatronSources(const ModelSpec& m, const MegatronLayout& l,
+                                             const MegatronDims& dims,
+                                             const std::vector<HfTensor>& inv) {
+  MegatronSources out;
   std::unordered_map<std::string, int32_t> by_name;
   for (size_t i = 0; i < inv.size(); ++i) by_name.emplace(inv[i].name, static_cast<int32_t>(i));
 
@@ -95,26 +94,27 @@ Result<std::shared_ptr<const MegatronPlanner>> MegatronPlanner::Build(const Plan
   for (size_t i = 0; i < raw.size(); ++i) {
     const RawSource& r = raw[i];
     if (i == 0 || raw[i - 1].tensor != r.tensor || !(raw[i - 1].hf == r.hf)) {
-      Source s;
+      MegatronSource s;
       s.tensor = r.tensor;
       s.hf = r.hf;
-      s.place_begin = static_cast<int32_t>(p.places_.size());
-      p.sources_.push_back(s);
+      s.place_begin = static_cast<int32_t>(out.places.size());
+      out.sources.push_back(s);
       covered[r.tensor] += r.hf.numel();
     }
-    Placement pl;
+    MegatronPlace pl;
     pl.holders = r.holders;
     pl.count = HolderCount(l, r.holders);
     pl.param = r.param;
     pl.local = r.local;
-    p.places_.push_back(pl);
-    Source& s = p.sources_.back();
-    s.place_end = static_cast<int32_t>(p.places_.size());
+    out.places.push_back(pl);
+    MegatronSource& s = out.sources.back();
+    s.place_end = static_cast<int32_t>(out.places.size());
     s.holders += pl.count;
   }
   // The sources must partition every HF tensor: each element held (in some place) exactly once.
-  std::vector<int32_t> tensor_src(inv.size() + 1, 0);
-  for (const Source& s : p.sources_) ++tensor_src[s.tensor + 1];
+  std::vector<int32_t>& tensor_src = out.tensor_begin;
+  tensor_src.assign(inv.size() + 1, 0);
+  for (const MegatronSource& s : out.sources) ++tensor_src[s.tensor + 1];
   std::partial_sum(tensor_src.begin(), tensor_src.end(), tensor_src.begin());
   for (size_t t = 0; t < inv.size(); ++t) {
     if (covered[t] != inv[t].numel()) {
@@ -123,14 +123,44 @@ Result<std::shared_ptr<const MegatronPlanner>> MegatronPlanner::Build(const Plan
     }
     for (int32_t a = tensor_src[t]; a < tensor_src[t + 1]; ++a) {
       for (int32_t b = a + 1; b < tensor_src[t + 1]; ++b) {
-        if (!Intersect(p.sources_[a].hf, p.sources_[b].hf).empty()) {
+        if (!Intersect(out.sources[a].hf, out.sources[b].hf).empty()) {
           return InternalError(
               fmt::format("megatron trainer map: HF tensor '{}' boxes {} and {} overlap",
-                          inv[t].name, p.sources_[a].hf.ToString(), p.sources_[b].hf.ToString()));
+                          inv[t].name, out.sources[a].hf.ToString(), out.sources[b].hf.ToString()));
         }
       }
     }
   }
+  return out;
+}
+
+Result<std::shared_ptr<const MegatronPlanner>> MegatronPlanner::Build(const PlanContext& c) {
+  auto mp = std::make_shared<MegatronPlanner>();
+  MegatronPlanner& p = *mp;
+  const PlanInputs& in = c.inputs();
+  p.in_ = in;
+  p.layout_ = in.trainer.megatron;
+  p.S_ = c.trainer_world();
+  p.E_ = c.engine_per_replica();
+  p.D_ = c.replicas();
+  p.wire_ = DTypeSize(in.options.wire_dtype);
+  p.cap_ = in.options.bucket_bytes;
+  const MegatronLayout& l = p.layout_;
+  const ModelSpec& m = in.model;
+  SS_ASSIGN_OR_RETURN(MegatronDims dims, ComputeMegatronDims(m, l));
+  SS_ASSIGN_OR_RETURN(MegatronSources ms, BuildMegatronSources(m, l, dims, c.inventory()));
+  p.places_ = std::move(ms.places);
+  p.sources_.reserve(ms.sources.size());
+  for (const MegatronSource& ts : ms.sources) {
+    Source s;
+    s.tensor = ts.tensor;
+    s.hf = ts.hf;
+    s.place_begin = ts.place_begin;
+    s.place_end = ts.place_end;
+    s.holders = ts.holders;
+    p.sources_.push_back(s);
+  }
+  const std::vector<int32_t>& tensor_src = ms.tensor_begin;
 
   // Items: every engine piece of one replica x the sources of its tensor, in engine order.
   const auto& pieces = c.pieces();

@@ -12,6 +12,10 @@
 //    the wire for those bands, the staging memory, and a pass on the receiver.
 //  * kCopy: parameters the engine keeps unquantized (embeddings, norms, biases, router gate,
 //    lm_head, modules_to_not_convert) move as in a bf16 plan.
+// Megatron trainers hold whole 128 x 128 blocks of every quantized weight for the usual models
+// (head_dim 128, per-rank widths on the grid): their ops are kQuantize / kCopy read from local
+// parameters (Fp8Message::local); a layout whose Megatron shards cut a block is refused at plan
+// time naming the HF tensor, its rows and columns and the Megatron rank.
 // Every op's wire size is padded to 8 bytes (zeros, checksummed) so every op and every scale
 // section starts on a checksum word.
 #pragma once
@@ -66,6 +70,9 @@ struct Fp8Message {
   int64_t bytes = 0;
   std::vector<Fp8Op> ops;
   std::vector<Bucket> buckets;
+  // Megatron trainers: local[i] says where the sender holds ops[i].src (Message::local); empty
+  // for FSDP-like layouts.
+  std::vector<LocalSource> local;
 };
 
 struct Fp8RankPlan {

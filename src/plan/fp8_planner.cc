@@ -14,6 +14,14 @@
 // round-robin any rank recomputes from its own walk (the bf16 planner's byte-balanced cuts are not
 // reused here; units are at most a few MiB, so the imbalance is one unit per chunk and pair).
 //
+// Megatron trainers. The HF tensors are partitioned into the trainer's sources (megatron.h
+// BuildMegatronSources: one HF box held the same way by a set of ranks, with where each holder
+// keeps it in its local parameters). Each engine piece x each source of its tensor is one box,
+// which for quantized weights must sit on the 128 grid (CheckMegatronGrid refuses otherwise), so
+// it becomes kQuantize / kCopy units read from the holder's local parameter (Fp8Message::local);
+// a box with several holders (DP / CP replicas) is cut along dim 0 into up to `holders` units
+// spread round-robin, as for HSDP groups. Nothing is staged.
+//
 // Ops. A unit becomes ops under the bucket cap: kCopy and kStage split like the bf16 planner's
 // boxes; kQuantize splits on band boundaries, then, when one band is over the cap, on 128-column
 // boundaries (a strided destination; only with caps below 128 rows of a weight).
@@ -23,6 +31,7 @@
 
 #include <algorithm>
 
+#include "plan/megatron.h"
 #include "plan/planner.h"
 #include "shardsync/fp8.h"
 
@@ -83,14 +92,6 @@ Result<Fp8Context> Fp8Context::Build(const PlanInputs& in) {
     return FailedPreconditionError(fmt::format(
         "model '{}' has no quantization config: plan it with the bf16 planner", in.model.name));
   }
-  if (in.trainer.kind == TrainerSpec::Kind::kMegatron) {
-    // The FP8 planner cuts blocks along FSDP dim-0 chunks; Megatron's column/row splits and
-    // interleaved qkv would need per-block holder geometry it does not have yet.
-    return UnimplementedError(fmt::format(
-        "--trainer {}: block-FP8 engine weights from a Megatron trainer are not planned yet "
-        "(FSDP, HSDP, replicate and single trainers are)",
-        in.trainer.ToString()));
-  }
   Fp8Context c;
   c.in_ = in;
   const auto& sh = in.rollout.shard;
@@ -145,16 +146,138 @@ Result<Fp8Context> Fp8Context::Build(const PlanInputs& in) {
       c.scale_of_[e][i] = it->second;
     }
   }
+  if (in.trainer.kind == TrainerSpec::Kind::kMegatron) {
+    const MegatronLayout& l = in.trainer.megatron;
+    SS_ASSIGN_OR_RETURN(MegatronDims dims, ComputeMegatronDims(in.model, l));
+    SS_ASSIGN_OR_RETURN(MegatronSources ms, BuildMegatronSources(in.model, l, dims, c.inv_));
+    c.mg_ = std::make_shared<const MegatronSources>(std::move(ms));
+    SS_RETURN_IF_ERROR(c.CheckMegatronGrid());
+  }
   return c;
 }
 
-int Fp8Context::SourceOf(const Fp8Unit& u, int e, int d) const {
+// Megatron's splits are whole 128 x 128 blocks per holder for the usual models (head_dim 128 makes
+// each head a band of 128 rows of linear_qkv; per-rank fc1 / fc2 / proj widths are multiples of
+// 128), so a holder quantizes its blocks on the fly. A source box that ends inside a block of a
+// quantized engine piece (head_dim 64, ffn / tp off the grid) would need the block's amax from two
+// Megatron ranks: refused here, naming the tensor, its rows and columns, and the rank.
+Status Fp8Context::CheckMegatronGrid() const {
+  const MegatronLayout& l = in_.trainer.megatron;
+  for (int e = 0; e < E_; ++e) {
+    const EngineRankShards& rk = map_.ranks[e];
+    for (const EngineParam& p : rk.params) {
+      if (p.dtype != DType::kF8E4M3) continue;
+      for (const Piece& pc : p.pieces) {
+        if (pc.src.empty()) continue;
+        const int32_t tensor = by_name_.at(pc.source);
+        const HfTensor& t = inv_[tensor];
+        for (int32_t si = mg_->tensor_begin[tensor]; si < mg_->tensor_begin[tensor + 1]; ++si) {
+          const MegatronSource& s = mg_->sources[si];
+          const Region x = Intersect(pc.src, s.hf);
+          if (x.empty()) continue;
+          bool on_grid = x.ndim == 2;
+          for (int i = 0; i < x.ndim && on_grid; ++i) {
+            const int64_t end = x.offset[i] + x.extent[i];
+            on_grid = x.offset[i] % B == 0 && (end % B == 0 || end == t.shape[i]);
+          }
+          if (on_grid) continue;
+          const auto [rank, place] = mg_->Holder(l, s, 0);
+          const MegatronPlace& pl = mg_->places[place];
+          std::string local = "?";
+          auto held = BuildTrainerParams(in_.model, in_.trainer, rank, in_.trainer_dtype);
+          if (held.ok() && pl.param < static_cast<int32_t>(held->params.size())) {
+            const TrainerParam& tp = held->params[pl.param];
+            local = fmt::format("'{}' (chunk {}) {}", tp.name, tp.chunk, pl.local.ToString());
+          }
+          return InvalidArgumentError(fmt::format(
+              "--trainer {}: Megatron rank {}{} holds rows [{}, {}) x cols [{}, {}) of '{}' in "
+              "local parameter {}, which cuts 128 x 128 blocks of engine "
+              "parameter '{}' on {} rank (tp {}, pp {}): block-FP8 weights are quantized by the "
+              "one Megatron rank holding a whole block, and blocks shared by Megatron ranks are "
+              "not staged; choose a Megatron tp / etp whose shards fall on the 128 grid",
+              in_.trainer.ToString(), rank,
+              s.holders > 1 ? fmt::format(" (one of {} ranks holding it)", s.holders) : "",
+              x.offset[0], x.offset[0] + x.extent[0], x.ndim > 1 ? x.offset[1] : 0,
+              x.ndim > 1 ? x.offset[1] + x.extent[1] : 1, t.name, local, p.name,
+              EngineKindName(in_.rollout.shard.engine), rk.tp_rank, rk.pp_rank));
+        }
+      }
+    }
+  }
+  return OkStatus();
+}
+
+std::pair<int, int32_t> Fp8Context::SenderOf(const Fp8Unit& u, int e, int d) const {
+  if (mg_) {
+    // Round-robin over the source's holders (DP / CP replicas of the rank), as for HSDP groups.
+    const MegatronSource& s = mg_->sources[u.source];
+    return mg_->Holder(in_.trainer.megatron, s, (u.index + e + d) % s.holders);
+  }
   const int g = R_ == 1 ? 0 : static_cast<int>((u.index + e + d) % R_);
-  return g * S_ + static_cast<int>(u.chunk);
+  return {g * S_ + static_cast<int>(u.chunk), -1};
+}
+
+LocalSource Fp8Context::LocalOf(const Fp8Op& op, int32_t source, int32_t place) const {
+  const MegatronSource& s = mg_->sources[source];
+  const MegatronPlace& pl = mg_->places[place];
+  LocalSource ls{pl.param, op.src};
+  for (int d = 0; d < op.src.ndim; ++d) {
+    ls.region.offset[d] = op.src.offset[d] - s.hf.offset[d] + pl.local.offset[d];
+  }
+  return ls;
+}
+
+// Megatron: every engine piece x the trainer sources of its tensor (each on the block grid:
+// CheckMegatronGrid). Where a source has several holders (DP / CP replicas; every tp rank for
+// replicated norms) its box is cut along dim 0 (on band boundaries when quantized) into up to
+// `holders` units, so the replicas share the work.
+void Fp8Context::WalkMegatron(int e, const std::function<void(const Fp8Unit&)>& fn) const {
+  const EngineRankShards& rk = map_.ranks[e];
+  std::vector<char> is_scale(rk.params.size(), 0);
+  for (int32_t s : scale_of_[e]) {
+    if (s >= 0) is_scale[s] = 1;
+  }
+  std::vector<int64_t> counter(mg_->sources.size(), 0);
+  for (size_t pi = 0; pi < rk.params.size(); ++pi) {
+    if (is_scale[pi]) continue;
+    const EngineParam& p = rk.params[pi];
+    const bool quant = p.dtype == DType::kF8E4M3;
+    for (const Piece& pc : p.pieces) {
+      if (pc.src.empty()) continue;
+      const int32_t tensor = by_name_.at(pc.source);
+      for (int32_t si = mg_->tensor_begin[tensor]; si < mg_->tensor_begin[tensor + 1]; ++si) {
+        const MegatronSource& s = mg_->sources[si];
+        const Region x = Intersect(pc.src, s.hf);
+        if (x.empty()) continue;
+        const int64_t unit = quant ? B : 1;
+        const int64_t n = CeilDiv(x.extent[0], unit);
+        const int64_t parts = std::min<int64_t>(std::max<int64_t>(s.holders, 1), n);
+        const int64_t end = x.offset[0] + x.extent[0];
+        for (int64_t k = 0; k < parts; ++k) {
+          const int64_t r0 = x.offset[0] + n * k / parts * unit;
+          const int64_t r1 = std::min(end, x.offset[0] + n * (k + 1) / parts * unit);
+          Fp8Unit u;
+          u.kind = quant ? Fp8OpKind::kQuantize : Fp8OpKind::kCopy;
+          u.tensor = tensor;
+          u.param = static_cast<int32_t>(pi);
+          u.scale_param = quant ? scale_of_[e][pi] : -1;
+          u.src = x;
+          u.src.offset[0] = r0;
+          u.src.extent[0] = r1 - r0;
+          u.dst = MapToDst(pc.src, pc.dst, u.src);
+          if (quant) u.scale_dst = BlockRegion(u.dst);
+          u.source = si;
+          u.index = counter[si]++;
+          fn(u);
+        }
+      }
+    }
+  }
 }
 
 void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
                       std::vector<Fp8StagedBand>* staged) const {
+  if (mg_) return WalkMegatron(e, fn);
   const EngineRankShards& rk = map_.ranks[e];
   std::vector<char> is_scale(rk.params.size(), 0);
   for (int32_t s : scale_of_[e]) {
@@ -305,6 +428,46 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
   rp.rank = sync_rank;
   rp.plan_hash = hash_;
   const int64_t cap = in_.options.bucket_bytes;
+  if (who.is_trainer && mg_) {
+    const int t = who.trainer_rank;
+    // The sources this rank holds (in any place).
+    std::vector<char> holds(mg_->sources.size(), 0);
+    for (size_t si = 0; si < mg_->sources.size(); ++si) {
+      const MegatronSource& s = mg_->sources[si];
+      for (int32_t j = s.place_begin; j < s.place_end && !holds[si]; ++j) {
+        holds[si] = HolderIndex(in_.trainer.megatron, mg_->places[j].holders, t) >= 0;
+      }
+    }
+    for (int e = 0; e < E_; ++e) {
+      std::vector<Fp8Unit> mine;
+      Walk(
+          e,
+          [&](const Fp8Unit& u) {
+            if (holds[u.source]) mine.push_back(u);
+          },
+          nullptr);
+      for (int d = 0; d < D_; ++d) {
+        Fp8Message m;
+        m.src = sync_rank;
+        m.dst = S_world_ + d * E_ + e;
+        for (const Fp8Unit& u : mine) {
+          const auto [rank, place] = SenderOf(u, e, d);
+          if (rank != t) continue;
+          const size_t first = m.ops.size();
+          Split(u, &m.ops);
+          for (size_t i = first; i < m.ops.size(); ++i) {
+            m.local.push_back(LocalOf(m.ops[i], u.source, place));
+          }
+        }
+        if (m.ops.empty()) continue;
+        FinishMessage(&m, cap);
+        rp.sends.push_back(std::move(m));
+      }
+    }
+    std::sort(rp.sends.begin(), rp.sends.end(),
+              [](const Fp8Message& a, const Fp8Message& b) { return a.dst < b.dst; });
+    return rp;
+  }
   if (who.is_trainer) {
     const int t = who.trainer_rank, s = t % S_;
     for (int e = 0; e < E_; ++e) {
@@ -333,8 +496,19 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
   }
   const int d = who.replica, e = who.pp_rank * in_.rollout.shard.tp + who.tp_rank;
   std::vector<std::vector<Fp8Op>> by_src(S_world_);
+  std::vector<std::vector<LocalSource>> local(mg_ ? S_world_ : 0);
   Walk(
-      e, [&](const Fp8Unit& u) { Split(u, &by_src[SourceOf(u, e, d)]); }, &rp.staged);
+      e,
+      [&](const Fp8Unit& u) {
+        const auto [src, place] = SenderOf(u, e, d);
+        std::vector<Fp8Op>& ops = by_src[src];
+        const size_t first = ops.size();
+        Split(u, &ops);
+        for (size_t i = first; mg_ && i < ops.size(); ++i) {
+          local[src].push_back(LocalOf(ops[i], u.source, place));
+        }
+      },
+      &rp.staged);
   for (const Fp8StagedBand& b : rp.staged) rp.staging_bytes = b.staging_offset + AlignUp8(b.bytes);
   for (int src = 0; src < S_world_; ++src) {
     if (by_src[src].empty()) continue;
@@ -342,6 +516,7 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
     m.src = src;
     m.dst = sync_rank;
     m.ops = std::move(by_src[src]);
+    if (mg_) m.local = std::move(local[src]);
     FinishMessage(&m, cap);
     rp.recvs.push_back(std::move(m));
   }
@@ -369,6 +544,7 @@ Message OutlineOf(const Fp8Message& f) {
     t.bytes = op.bytes;
     m.ops.push_back(t);
   }
+  m.local = f.local;
   return m;
 }
 

@@ -2,9 +2,12 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
+#include "plan/megatron.h"
 #include "shardsync/fp8_plan.h"
 
 namespace shardsync::plan_internal {
@@ -15,8 +18,9 @@ struct Fp8Unit {
   int32_t tensor = 0, param = 0, scale_param = -1;
   int32_t stage = -1;  // kStage: index into the erank's staged bands
   Region src, dst, scale_dst;
-  int64_t chunk = 0;  // trainer dim-0 chunk (FSDP shard position) holding src
-  int64_t index = 0;  // position among the erank's units of that chunk (source assignment)
+  int64_t chunk = 0;    // trainer dim-0 chunk (FSDP shard position) holding src
+  int32_t source = -1;  // Megatron: index into MegatronSources::sources holding src
+  int64_t index = 0;    // position among the erank's units of that chunk / source (senders)
 };
 
 class Fp8Context {
@@ -29,7 +33,12 @@ class Fp8Context {
   void Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
             std::vector<Fp8StagedBand>* staged) const;
   // Trainer rank serving unit `u` of engine rank `e` in replica `d`.
-  int SourceOf(const Fp8Unit& u, int e, int d) const;
+  int SourceOf(const Fp8Unit& u, int e, int d) const { return SenderOf(u, e, d).first; }
+  // The same, with the Megatron place (MegatronSources::places) it reads (-1 for FSDP-like).
+  std::pair<int, int32_t> SenderOf(const Fp8Unit& u, int e, int d) const;
+  // Megatron: where the sender reading from `place` holds op `op` of a unit of `source`.
+  LocalSource LocalOf(const Fp8Op& op, int32_t source, int32_t place) const;
+  bool megatron() const { return mg_ != nullptr; }
 
   const PlanInputs& inputs() const { return in_; }
   const ShardMap& map() const { return map_; }
@@ -44,6 +53,9 @@ class Fp8Context {
 
  private:
   void Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const;
+  void WalkMegatron(int e, const std::function<void(const Fp8Unit&)>& fn) const;
+  // Megatron: InvalidArgument when a trainer source cuts a block of a quantized engine piece.
+  Status CheckMegatronGrid() const;
 
   PlanInputs in_;
   ShardMap map_;
@@ -55,6 +67,8 @@ class Fp8Context {
   int64_t wire_ = 2, stage_ = 4;
   // Per engine rank of a replica: param index -> its weight_scale_inv param index (-1: none).
   std::vector<std::vector<int32_t>> scale_of_;
+  // Megatron trainers: the HF boxes each rank holds and where (megatron.h).
+  std::shared_ptr<const MegatronSources> mg_;
 };
 
 }  // namespace shardsync::plan_internal

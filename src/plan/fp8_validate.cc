@@ -12,6 +12,7 @@
 namespace shardsync {
 namespace {
 
+using plan_internal::MapToDst;
 using plan_internal::MapToSrc;
 
 using plan_internal::Fp8Context;
@@ -126,6 +127,40 @@ Status CheckQuantized(const Fp8Context& ctx, const EngineRankShards& rank, int32
   return CheckAgainstPieces(sp, WeightScaleName(t.name), BlockRegion(src), scale_dst, what);
 }
 
+// Megatron senders: every op read from a local parameter of the sending rank, at the region one
+// of its trainer-map pieces (BuildTrainerParams, independent of the planner's sources) puts the
+// op's HF bytes.
+Status CheckLocalSources(const TrainerRankParams& held, const Fp8Message& m,
+                         const std::vector<HfTensor>& inv) {
+  if (m.local.size() != m.ops.size()) {
+    return InternalError(fmt::format("message {}->{}: {} ops but {} local sources", m.src, m.dst,
+                                     m.ops.size(), m.local.size()));
+  }
+  for (size_t i = 0; i < m.ops.size(); ++i) {
+    const Fp8Op& op = m.ops[i];
+    const LocalSource& ls = m.local[i];
+    if (ls.param < 0 || ls.param >= static_cast<int32_t>(held.params.size())) {
+      return InternalError(fmt::format("message {}->{} op {}: local parameter {} of {}", m.src,
+                                       m.dst, i, ls.param, held.params.size()));
+    }
+    const TrainerParam& p = held.params[ls.param];
+    bool found = false;
+    for (const TrainerPiece& pc : p.pieces) {
+      if (pc.source != inv[op.tensor].name || !RegionContains(pc.src, op.src)) continue;
+      found = MapToDst(pc.src, pc.local, op.src) == ls.region;
+      break;
+    }
+    if (!found) {
+      return InternalError(fmt::format(
+          "message {}->{} op {}: trainer rank {} reads {} of local parameter '{}' (chunk {}) for "
+          "{} of '{}', which its trainer map does not put there",
+          m.src, m.dst, i, held.rank, ls.region.ToString(), p.name, p.chunk, op.src.ToString(),
+          inv[op.tensor].name));
+    }
+  }
+  return OkStatus();
+}
+
 class Coverage {
  public:
   explicit Coverage(const EngineRankShards& rank) {
@@ -178,6 +213,11 @@ Status ValidateFp8Plan(const PlanInputs& in) {
   std::map<std::pair<int, int>, Fp8Message> sent;
   for (int t = 0; t < S; ++t) {
     SS_ASSIGN_OR_RETURN(Fp8RankPlan rp, ctx.PlanForRank(t));
+    TrainerRankParams held_params;
+    if (ctx.megatron()) {
+      SS_ASSIGN_OR_RETURN(held_params,
+                          BuildTrainerParams(in.model, in.trainer, t, in.trainer_dtype));
+    }
     if (!rp.recvs.empty() || !rp.staged.empty()) {
       return InternalError(fmt::format("trainer rank {} receives", t));
     }
@@ -186,7 +226,13 @@ Status ValidateFp8Plan(const PlanInputs& in) {
         return InternalError(fmt::format("trainer rank {}: message {}->{}", t, m.src, m.dst));
       }
       SS_RETURN_IF_ERROR(CheckMessageShape(m, cap));
+      if (ctx.megatron()) {
+        SS_RETURN_IF_ERROR(CheckLocalSources(held_params, m, inv));
+      } else if (!m.local.empty()) {
+        return InternalError(fmt::format("trainer rank {}: local sources in an FSDP-like plan", t));
+      }
       for (const Fp8Op& op : m.ops) {
+        if (ctx.megatron()) break;  // checked against the rank's local parameters above
         const Region held = TrainerHeldRegion(in.trainer, t, inv[op.tensor].shape);
         if (!RegionContains(held, op.src)) {
           return InternalError(fmt::format("trainer rank {} sends {} of '{}' but holds {}", t,
@@ -220,6 +266,10 @@ Status ValidateFp8Plan(const PlanInputs& in) {
       bool same = s.bytes == m.bytes && s.ops.size() == m.ops.size() &&
                   s.buckets.size() == m.buckets.size();
       for (size_t i = 0; same && i < m.ops.size(); ++i) same = SameOp(s.ops[i], m.ops[i]);
+      same = same && s.local.size() == m.local.size();
+      for (size_t i = 0; same && i < m.local.size(); ++i) {
+        same = s.local[i].param == m.local[i].param && s.local[i].region == m.local[i].region;
+      }
       for (size_t i = 0; same && i < m.buckets.size(); ++i) {
         same = s.buckets[i].op_begin == m.buckets[i].op_begin &&
                s.buckets[i].op_end == m.buckets[i].op_end &&

@@ -239,16 +239,42 @@ ExecResult Execute(const PlanInputs& in, uint64_t seed) {
   const auto& inv = ctx.inventory();
   const int S = ctx.trainer_world(), E = ctx.engine_per_replica(), D = ctx.replicas();
   const DType td = in.trainer_dtype, wd = in.options.wire_dtype;
-  // The trainer's values: synthetic, held in the trainer dtype.
-  std::vector<std::vector<std::vector<uint8_t>>> shard(
-      S, std::vector<std::vector<uint8_t>>(inv.size()));
-  std::vector<std::vector<Region>> held(S, std::vector<Region>(inv.size()));
+  // The trainer's values: synthetic, held in the trainer dtype. FSDP-like ranks hold a dim-0
+  // shard per HF tensor; Megatron ranks their local parameters (garbage where no piece lands).
+  struct Held {
+    std::vector<uint8_t> data;
+    Shape shape;
+    Region hf;  // FSDP-like: the HF region held
+  };
+  std::vector<std::vector<Held>> shard(S);
   for (int t = 0; t < S; ++t) {
+    if (ctx.megatron()) {
+      auto tp = BuildTrainerParams(in.model, in.trainer, t, td);
+      EXPECT_TRUE(tp.ok()) << tp.status().ToString();
+      for (const TrainerParam& p : tp->params) {
+        Held h;
+        h.shape = p.shape;
+        h.data.assign(p.numel() * DTypeSize(td), 0x5a);
+        for (const TrainerPiece& pc : p.pieces) {
+          const auto it = std::find_if(inv.begin(), inv.end(),
+                                       [&](const HfTensor& x) { return x.name == pc.source; });
+          std::vector<float> f(pc.src.numel());
+          FillSyntheticRegion(seed, pc.source, it->shape, pc.src, f.data());
+          const auto typed = ToDType(f, td);
+          Scatter(typed.data(), h.data.data(), h.shape, pc.local, DTypeSize(td));
+        }
+        shard[t].push_back(std::move(h));
+      }
+      continue;
+    }
     for (size_t i = 0; i < inv.size(); ++i) {
-      held[t][i] = TrainerHeldRegion(in.trainer, t, inv[i].shape);
-      std::vector<float> f(held[t][i].numel());
-      FillSyntheticRegion(seed, inv[i].name, inv[i].shape, held[t][i], f.data());
-      shard[t][i] = ToDType(f, td);
+      Held h;
+      h.hf = TrainerHeldRegion(in.trainer, t, inv[i].shape);
+      h.shape = h.hf.extents();
+      std::vector<float> f(h.hf.numel());
+      FillSyntheticRegion(seed, inv[i].name, inv[i].shape, h.hf, f.data());
+      h.data = ToDType(f, td);
+      shard[t].push_back(std::move(h));
     }
   }
   // Senders: pack every bucket with the fused CPU quantize-pack; the fused checksum terms must
@@ -263,12 +289,16 @@ ExecResult Execute(const PlanInputs& in, uint64_t seed) {
         uint64_t sum = 0;
         for (int32_t i = b.op_begin; i < b.op_end; ++i) {
           const Fp8Op& op = m.ops[i];
+          EXPECT_EQ(m.local.size(), ctx.megatron() ? m.ops.size() : 0);
+          const Held& h = shard[t][ctx.megatron() ? m.local[i].param : op.tensor];
           PackRegion pr;
-          pr.base = shard[t][op.tensor].data();
+          pr.base = h.data.data();
           pr.dtype = td;
-          pr.shape = held[t][op.tensor].extents();
-          pr.region = op.src;
-          pr.region.offset[0] -= held[t][op.tensor].offset[0];
+          pr.shape = h.shape;
+          pr.region = ctx.megatron() ? m.local[i].region : op.src;
+          for (int d = 0; !ctx.megatron() && d < op.src.ndim; ++d) {
+            pr.region.offset[d] -= h.hf.offset[d];
+          }
           pr.wire_offset = op.wire_offset - b.wire_offset;
           uint8_t* out = wire.data() + op.wire_offset;
           if (op.kind == Fp8OpKind::kQuantize) {
@@ -281,8 +311,7 @@ ExecResult Execute(const PlanInputs& in, uint64_t seed) {
           const int es = DTypeSize(td);
           std::vector<uint8_t> vals;
           ForEachRun(pr.region, pr.shape, [&](int64_t off, int64_t len) {
-            vals.insert(vals.end(), shard[t][op.tensor].begin() + off * es,
-                        shard[t][op.tensor].begin() + (off + len) * es);
+            vals.insert(vals.end(), h.data.begin() + off * es, h.data.begin() + (off + len) * es);
           });
           if (op.kind == Fp8OpKind::kCopy) {
             Cast(vals.data(), td, out, wd, op.src.numel());
@@ -455,6 +484,137 @@ TEST(Fp8PlanExecution, EveryLandedByteAndScaleEqualsTheReferenceQuantizer) {
     EXPECT_GT(r.copies_checked, 0);
     EXPECT_GT(r.buckets, 0);
   }
+}
+
+// ---- Megatron-Core trainers ----
+
+// The dense toy with 4 layers (pp 2, vpp 2) or 6 (pp 4 with uneven first / last stages).
+ModelSpec TinyQwen3Layers(int64_t layers) {
+  ModelSpec m = TinyQwen3();
+  m.num_hidden_layers = layers;
+  return m;
+}
+ModelSpec TinyQwen3L4() { return TinyQwen3Layers(4); }
+ModelSpec TinyQwen3L6() { return TinyQwen3Layers(6); }
+
+struct MegatronCase {
+  ModelSpec (*model)();
+  const char* trainer;
+  const char* rollout;
+  EngineKind engine;
+  DType trainer_dtype;
+  int64_t bucket;
+};
+
+// The Megatron layouts -> SGLang tp2 pp2 / vLLM tp2 (ep2 for the MoE), plus DP replicas
+// on both sides, a bf16 trainer and small buckets.
+const MegatronCase kMegatronCases[] = {
+    {TinyQwen3L4, "megatron=tp=2,pp=2", "dp=1,tp=2,pp=2", EngineKind::kSglang, DType::kF32,
+     512 << 20},
+    {TinyQwen3L4, "megatron=tp=2,pp=2,vpp=2", "dp=1,tp=2,pp=2", EngineKind::kSglang, DType::kF32,
+     512 << 20},
+    {TinyQwen3L6, "megatron=tp=1,pp=4,first=1,last=1", "dp=1,tp=2,pp=2", EngineKind::kSglang,
+     DType::kBF16, 64 << 10},
+    {TinyQwen3L4, "megatron=tp=2,pp=2,dp=2", "dp=2,tp=2,pp=1", EngineKind::kVllm, DType::kBF16,
+     96 << 10},
+    {TinyQwen3Moe, "megatron=tp=2,pp=1,ep=2,etp=1", "dp=1,tp=2,pp=1,ep=2", EngineKind::kVllm,
+     DType::kF32, 512 << 20},
+    {TinyQwen3Moe, "megatron=tp=2,pp=1,ep=2,etp=1", "dp=1,tp=2,pp=1", EngineKind::kSglang,
+     DType::kF32, 512 << 20},
+    {TinyQwen3Moe, "megatron=tp=2,ep=2,etp=2,dp=2", "dp=1,tp=2,pp=1,ep=2", EngineKind::kSglang,
+     DType::kBF16, 64 << 10},
+};
+
+TEST(Fp8PlanMegatron, ExactCoverAndEveryLandedByteEqualsTheReferenceQuantizer) {
+  for (const MegatronCase& c : kMegatronCases) {
+    SCOPED_TRACE(fmt::format("{} -> {} {}", c.trainer, EngineKindName(c.engine), c.rollout));
+    PlanInputs in = Inputs(c.model(), c.trainer, c.rollout, c.engine);
+    in.trainer_dtype = c.trainer_dtype;
+    in.options.bucket_bytes = c.bucket;
+    const Status st = ValidateFp8Plan(in);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    auto sum = SummarizeFp8Plan(in);
+    ASSERT_TRUE(sum.ok()) << sum.status().ToString();
+    // Megatron ranks hold whole blocks: every quantized element by a sender, nothing staged.
+    EXPECT_EQ(sum->staged_bands, 0);
+    EXPECT_EQ(sum->stage_bytes, 0);
+    EXPECT_GT(sum->sender_quantized_elements, 0);
+    EXPECT_EQ(sum->bound_read_bytes, ModelNumElements(in.model) * DTypeSize(c.trainer_dtype));
+    const ExecResult r = Execute(in, 23);
+    EXPECT_EQ(r.mismatches, 0) << r.first_mismatch;
+    EXPECT_GT(r.fp8_bytes_checked, 100000);
+    EXPECT_GT(r.scales_checked, 0);
+    EXPECT_GT(r.copies_checked, 0);
+  }
+}
+
+TEST(Fp8PlanMegatron, SendersReadLocalParametersAndReplicasShareTheWork) {
+  PlanInputs in = Inputs(TinyQwen3L4(), "megatron=tp=2,pp=2,dp=2", "dp=1,tp=2,pp=2");
+  auto sum = SummarizeFp8Plan(in);
+  ASSERT_TRUE(sum.ok()) << sum.status().ToString();
+  ASSERT_EQ(sum->trainer_ranks.size(), 8u);
+  // Every rank of the 2 x 2 x dp 2 grid sends: the two DP replicas of each (tp, pp) split it.
+  for (const auto& t : sum->trainer_ranks) EXPECT_GT(t.send_bytes, 0) << "rank " << t.rank;
+  // Dense rank numbering tp-cp-ep-dp-pp: ranks 0 and 2 are the dp replicas of (tp 0, pp 0).
+  const double a = static_cast<double>(sum->trainer_ranks[0].send_bytes);
+  const double b = static_cast<double>(sum->trainer_ranks[2].send_bytes);
+  EXPECT_LT(std::abs(a - b) / (a + b), 0.25) << a << " vs " << b;
+  // Ops carry the local region of linear_qkv / linear_fc1 etc., not HF slabs.
+  auto rp = PlanFp8ForRank(in, 0);
+  ASSERT_TRUE(rp.ok()) << rp.status().ToString();
+  auto tp = BuildTrainerParams(in.model, in.trainer, 0, in.trainer_dtype);
+  ASSERT_TRUE(tp.ok());
+  bool qkv = false;
+  for (const Fp8Message& m : rp->sends) {
+    ASSERT_EQ(m.local.size(), m.ops.size());
+    for (size_t i = 0; i < m.ops.size(); ++i) {
+      const TrainerParam& p = tp->params[m.local[i].param];
+      EXPECT_TRUE(RegionInside(m.local[i].region, p.shape));
+      if (p.name.find("linear_qkv.weight") != std::string::npos &&
+          m.ops[i].kind == Fp8OpKind::kQuantize) {
+        qkv = true;
+      }
+    }
+  }
+  EXPECT_TRUE(qkv);
+  // Deterministic; a Megatron FP8 plan has its own hash (the bf16 and FSDP ones are pinned above).
+  EXPECT_EQ(PlanFp8ForRank(in, 0)->sends.size(), rp->sends.size());
+  PlanInputs fsdp = Inputs(TinyQwen3L4(), "fsdp=8", "dp=1,tp=2,pp=2");
+  PlanInputs plain = in;
+  plain.model.quant.reset();
+  EXPECT_NE(PlanHash(in), PlanHash(fsdp));
+  EXPECT_NE(PlanHash(in), PlanHash(plain));
+  EXPECT_EQ(rp->plan_hash, PlanHash(in));
+}
+
+TEST(Fp8PlanMegatron, ShardsThatCutBlocksAreRefusedNamingTensorRowsAndRank) {
+  // tp 4: linear_fc1 holds 768 / 4 = 192 rows of gate_proj per rank, inside SGLang tp 2's
+  // 384-row part.
+  PlanInputs in = Inputs(TinyQwen3(), "megatron=tp=4,pp=1", "dp=1,tp=2,pp=1");
+  auto rp = PlanFp8ForRank(in, 0);
+  ASSERT_FALSE(rp.ok());
+  EXPECT_EQ(rp.status().code(), StatusCode::kInvalidArgument);
+  const std::string msg(rp.status().message());
+  EXPECT_NE(msg.find("--trainer megatron=tp=4,pp=1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Megatron rank 0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rows [0, 192)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'model.layers.0.mlp.gate_proj.weight'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("linear_fc1.weight"), std::string::npos) << msg;
+  EXPECT_FALSE(SummarizeFp8Plan(in).ok());
+  EXPECT_FALSE(ValidateFp8Plan(in).ok());
+  // head_dim 64: a k head is 64 rows of a 128-row block, and Megatron tp 2 holds one kv head of
+  // each block per rank.
+  ModelSpec h64 = TinyQwen3();
+  h64.num_attention_heads = 8;
+  h64.head_dim = 64;
+  auto small = PlanFp8ForRank(Inputs(h64, "megatron=tp=2,pp=1", "dp=1,tp=1,pp=1"), 0);
+  ASSERT_FALSE(small.ok());
+  EXPECT_EQ(small.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(small.status().message().find("k_proj.weight"), std::string::npos)
+      << small.status().message();
+  // The same models plan in bf16.
+  in.model.quant.reset();
+  EXPECT_TRUE(PlanForRank(in, 0).ok());
 }
 
 }  // namespace

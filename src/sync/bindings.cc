@@ -217,24 +217,7 @@ Status Bindings::Check() const {
                              std::to_string(m.local.size()) + " local sources");
       }
       for (size_t i = 0; i < m.ops.size(); ++i) {
-        const LocalSource& ls = m.local[i];
-        if (ls.param < 0 || static_cast<size_t>(ls.param) >= trainer_.params.size()) {
-          return InternalError("plan op to sync rank " + std::to_string(m.dst) +
-                               " reads local parameter index " + std::to_string(ls.param) + " of " +
-                               std::to_string(trainer_.params.size()));
-        }
-        const TrainerParam& p = trainer_.params[ls.param];
-        const std::string name = "'" + p.name + "' (chunk " + std::to_string(p.chunk) + ")";
-        if (!local_bound_[ls.param]) {
-          return NotFoundError(me + ": local parameter " + name +
-                               " is read by the plan but was not bound");
-        }
-        if (!RegionInside(ls.region, p.shape) || ls.region.extents() != m.ops[i].src.extents()) {
-          return InternalError("plan op to sync rank " + std::to_string(m.dst) + " reads " +
-                               ls.region.ToString() + " of local parameter " + name + ", shape " +
-                               ShapeToString(p.shape) + ", for HF region " +
-                               m.ops[i].src.ToString());
-        }
+        SS_RETURN_IF_ERROR(CheckLocalSource(m.local[i], m.ops[i].src, m.dst));
       }
     }
     return OkStatus();
@@ -276,6 +259,26 @@ Status Bindings::Check() const {
   return OkStatus();
 }
 
+Status Bindings::CheckLocalSource(const LocalSource& ls, const Region& src, int dst) const {
+  if (ls.param < 0 || static_cast<size_t>(ls.param) >= trainer_.params.size()) {
+    return InternalError("plan op to sync rank " + std::to_string(dst) +
+                         " reads local parameter index " + std::to_string(ls.param) + " of " +
+                         std::to_string(trainer_.params.size()));
+  }
+  const TrainerParam& p = trainer_.params[ls.param];
+  const std::string name = "'" + p.name + "' (chunk " + std::to_string(p.chunk) + ")";
+  if (!local_bound_[ls.param]) {
+    return NotFoundError("sync rank " + std::to_string(ctx_.rank) + ": local parameter " + name +
+                         " is read by the plan but was not bound");
+  }
+  if (!RegionInside(ls.region, p.shape) || ls.region.extents() != src.extents()) {
+    return InternalError("plan op to sync rank " + std::to_string(dst) + " reads " +
+                         ls.region.ToString() + " of local parameter " + name + ", shape " +
+                         ShapeToString(p.shape) + ", for HF region " + src.ToString());
+  }
+  return OkStatus();
+}
+
 int Bindings::BoundMem() const {
   int kind = -1;
   auto see = [&](MemKind k) {
@@ -291,26 +294,35 @@ int Bindings::BoundMem() const {
 }
 
 Bindings::OpSource Bindings::SourceOf(const Message& m, int i) const {
-  const TransferOp& op = m.ops[i];
+  return SourceFor(m.ops[i].tensor, m.ops[i].src, trainer_.megatron ? &m.local[i] : nullptr);
+}
+
+Bindings::OpSource Bindings::Fp8SourceOf(const Fp8Message& m, int i) const {
+  return SourceFor(m.ops[i].tensor, m.ops[i].src, trainer_.megatron ? &m.local[i] : nullptr);
+}
+
+Bindings::OpSource Bindings::SourceFor(int32_t tensor, const Region& src,
+                                       const LocalSource* ls) const {
   OpSource s;
-  if (trainer_.megatron) {
+  if (ls != nullptr) {
     // Megatron: the op's bytes sit at the plan's local region of a local parameter.
-    const LocalSource& ls = m.local[i];
-    const SourceBinding& b = locals_[ls.param];
+    const SourceBinding& b = locals_[ls->param];
     s.data = b.data;
     s.dtype = b.dtype;
-    s.shape = trainer_.params[ls.param].shape;
-    s.region = ls.region;
-    s.id = ls.param;
+    s.shape = trainer_.params[ls->param].shape;
+    s.region = ls->region;
+    s.id = ls->param;
+    s.mem = b.mem;
     return s;
   }
-  const SourceBinding& sb = sources_.at(op.tensor);
+  const SourceBinding& sb = sources_.at(tensor);
   s.data = sb.data;
   s.dtype = sb.dtype;
   s.shape = sb.region.extents();
-  s.region = op.src;
-  for (int d = 0; d < op.src.ndim; ++d) s.region.offset[d] -= sb.region.offset[d];
-  s.id = op.tensor;
+  s.region = src;
+  for (int d = 0; d < src.ndim; ++d) s.region.offset[d] -= sb.region.offset[d];
+  s.id = tensor;
+  s.mem = sb.mem;
   return s;
 }
 

@@ -42,8 +42,15 @@ class Bindings {
     Shape shape;
     Region region;
     int32_t id = 0;
+    MemKind mem = MemKind::kHost;
   };
   OpSource SourceOf(const Message& m, int i) const;
+  // The same for op `i` of a block-FP8 message (Fp8Message::local for Megatron senders).
+  OpSource Fp8SourceOf(const Fp8Message& m, int i) const;
+  // Megatron senders: local source `ls` of an op reading HF region `src` for sync rank `dst` is a
+  // bound local parameter holding that region (Check's test, shared with FP8 plans).
+  Status CheckLocalSource(const LocalSource& ls, const Region& src, int dst) const;
+  bool megatron_sender() const { return ctx_.who.is_trainer && trainer_.megatron; }
   // The bound memory of a direct transfer's source `id` (WireRun::tensor).
   const void* SourceData(int32_t id) const;
   // Shape of local parameter `param` of the sender of message `m` (Megatron messages: the
@@ -65,6 +72,8 @@ class Bindings {
 
  private:
   Status BindLocal(const SourceBinding& b);
+  // ls: the op's local source (Megatron senders), else null.
+  OpSource SourceFor(int32_t tensor, const Region& src, const LocalSource* ls) const;
 
   const SessionContext& ctx_;
   std::map<std::string, size_t> tensor_index_;

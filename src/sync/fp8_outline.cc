@@ -23,6 +23,19 @@ DType Fp8DestDType(const EngineParam& p, DType wire) {
 Status CheckFp8Bindings(const SessionContext& ctx, const Bindings& bindings) {
   const Fp8RankPlan& plan = *ctx.fp8;
   const std::string me = RankName(ctx.rank);
+  if (bindings.megatron_sender()) {
+    for (const Fp8Message& m : plan.sends) {
+      if (m.local.size() != m.ops.size()) {
+        return InternalError("plan message to sync rank " + std::to_string(m.dst) + ": " +
+                             std::to_string(m.ops.size()) + " ops but " +
+                             std::to_string(m.local.size()) + " local sources");
+      }
+      for (size_t i = 0; i < m.ops.size(); ++i) {
+        SS_RETURN_IF_ERROR(bindings.CheckLocalSource(m.local[i], m.ops[i].src, m.dst));
+      }
+    }
+    return OkStatus();
+  }
   if (ctx.who.is_trainer) {
     for (const Fp8Message& m : plan.sends) {
       for (const Fp8Op& op : m.ops) {

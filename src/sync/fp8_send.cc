@@ -17,10 +17,10 @@ Result<Fp8Packed> PackFp8Bucket(const SessionContext& ctx, const Bindings& bindi
   uint64_t sum = 0;
   for (int32_t i = b.op_begin; i < b.op_end; ++i) {
     const Fp8Op& op = m.ops[i];
-    const SourceBinding& sb = bindings.source(op.tensor);
-    Region rel = op.src;
-    for (int d = 0; d < rel.ndim; ++d) rel.offset[d] -= sb.region.offset[d];
-    const Shape shape = sb.region.extents();
+    // The sender's HF shard, or for Megatron senders the op's region of a local parameter.
+    const Bindings::OpSource sb = bindings.Fp8SourceOf(m, i);
+    const Region& rel = sb.region;
+    const Shape& shape = sb.shape;
     const int64_t at = op.wire_offset - b.wire_offset;
     unsigned char* o = out + at;
     if (op.kind == Fp8OpKind::kQuantize) {
@@ -59,8 +59,8 @@ Status Fp8HostSender::Prepare(const Bindings& bindings, const PreparedPairs& pai
   for (size_t mi = 0; mi < sends.size(); ++mi) {
     if (pairs.sends(mi)) continue;
     const Fp8Message& m = sends[mi];
-    for (const Fp8Op& op : m.ops) {
-      if (bindings.source(op.tensor).mem != MemKind::kHost) {
+    for (size_t i = 0; i < m.ops.size(); ++i) {
+      if (bindings.Fp8SourceOf(m, static_cast<int>(i)).mem != MemKind::kHost) {
         return UnimplementedError(
             RankName(ctx_.rank) + ": block-FP8 bytes to sync rank " + std::to_string(m.dst) +
             " would take the host path, which packs host memory; device shards need a prepared "

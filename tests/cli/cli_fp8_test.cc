@@ -147,6 +147,27 @@ TEST(CliFp8, DemoSyncsBlockFp8AndGenerationMatches) {
   EXPECT_FALSE(none.contains("quant"));
 }
 
+// Issue 28 x 25: a Megatron-Core trainer (tp 2 x pp 2, quantizing from its local parameters)
+// into the FP8 engine, one process per rank: every byte and scale verified, tokens MATCH.
+TEST(CliFp8, DemoSyncsBlockFp8FromMegatronAndGenerationMatches) {
+  const json j = json::parse(Ok({"demo", "--model", "{DIR}/fp8/config.json", "--trainer",
+                                 "megatron=tp=2,pp=2", "--rollout", "dp=1,tp=2,pp=2", "--json"})
+                                 .out);
+  EXPECT_TRUE(j["verified"].get<bool>());
+  EXPECT_TRUE(j["generation_match"].get<bool>());
+  EXPECT_EQ(j["tokens"], j["reference_tokens"]);
+  EXPECT_EQ(j["element_mismatches"], 0);
+  EXPECT_GT(j["elements_checked"].get<int64_t>(), 0);
+  EXPECT_EQ(j["checksums_ok"], j["checksums_total"]);
+  EXPECT_GT(j["quant"]["sender_quantized_elements"].get<int64_t>(), 0);
+  EXPECT_EQ(j["quant"]["receiver_quantized_elements"], 0);
+  // Megatron tp 4 holds 64 of gate_proj's rows per rank: a block on two ranks, refused at plan
+  // time naming the tensor, its rows and the Megatron rank.
+  ExpectRefused({"demo", "--model", "{DIR}/fp8/config.json", "--trainer", "megatron=tp=4,pp=1",
+                 "--rollout", "dp=1,tp=1,pp=1"},
+                {"gate_proj.weight", "rows [0, 64)", "Megatron rank 0", "--trainer megatron"});
+}
+
 TEST(CliFp8, BenchTimesFp8NextToBf16) {
   const json j =
       json::parse(Ok({"bench", "--model", "{DIR}/fp8/config.json", "--trainer", "fsdp=2",

@@ -49,11 +49,22 @@ std::string TinyQwen3MoeFp8() {
   "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}})");
 }
 
+// The dense toy with 4 layers, for Megatron pipeline stages.
+std::string TinyQwen3Fp8L4() {
+  return testing::WriteConfig("qwen3-fp8-l4", R"({
+  "architectures": ["Qwen3ForCausalLM"], "hidden_size": 512, "intermediate_size": 768,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 4,
+  "vocab_size": 500, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+  "torch_dtype": "bfloat16", "quantization_config": {"activation_scheme": "dynamic",
+  "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}})");
+}
+
 JobSpec Spec(const std::string& model, const std::string& rollout, const std::string& engine,
-             const std::string& trainer_dtype, int64_t bucket = 256 << 10) {
+             const std::string& trainer_dtype, int64_t bucket = 256 << 10,
+             const std::string& trainer = "fsdp=4") {
   JobFlags f;
   f.model = model;
-  f.trainer = "fsdp=4";
+  f.trainer = trainer;
   f.rollout = rollout;
   f.engine = engine;
   f.trainer_dtype = trainer_dtype;
@@ -286,6 +297,51 @@ TEST(Fp8Session, EveryLandedByteAndScaleEqualsTheReferenceQuantizer) {
     EXPECT_EQ(job.HarnessMismatches(), 0);
     static_cast<uint8_t*>(job.params(job.world() - 1).bindings[1].data)[3] ^= 0x01;
     EXPECT_EQ(job.HarnessMismatches(), 1);
+  }
+}
+
+// Megatron-Core trainers (issue 28 x 25): senders quantize straight from their local parameters
+// (linear_qkv's interleaved groups, linear_fc1's [gate; up], grouped experts), DP replicas
+// sharing the work; every landed byte and scale equals the reference quantizer's.
+TEST(Fp8Session, MegatronTrainersLandEveryByteAndScaleOfTheReferenceQuantizer) {
+  struct Case {
+    std::string (*model)();
+    const char* trainer;
+    const char* rollout;
+    const char* engine;
+    const char* trainer_dtype;
+  } layouts[] = {
+      {TinyQwen3Fp8L4, "megatron=tp=2,pp=2", "dp=1,tp=2,pp=2", "sglang", "fp32"},
+      {TinyQwen3MoeFp8, "megatron=tp=2,ep=2,etp=1,dp=2", "dp=1,tp=2,pp=1,ep=2", "vllm", "bf16"},
+  };
+  for (const Case& l : layouts) {
+    SCOPED_TRACE(std::string(l.trainer) + " -> " + l.rollout + " " + l.engine);
+    JobSpec spec = Spec(l.model(), l.rollout, l.engine, l.trainer_dtype, 256 << 10, l.trainer);
+    auto sum = SummarizeFp8Plan(spec.inputs);
+    ASSERT_TRUE(sum.ok()) << sum.status().ToString();
+    EXPECT_GT(sum->sender_quantized_elements, 0);
+    EXPECT_EQ(sum->receiver_quantized_elements, 0);
+    for (const auto& t : sum->trainer_ranks) EXPECT_GT(t.send_bytes, 0) << "rank " << t.rank;
+    Fp8Job job(spec);
+    job.BindAll();
+    ExpectAllOk(job.Connect());
+    for (uint64_t v = 1; v <= 2; ++v) {
+      std::vector<SyncReport> reps(job.world());
+      ExpectAllOk(job.All([&](int r) {
+        auto rep = job.session(r).Sync(v);
+        if (rep.ok()) reps[r] = *rep;
+        return rep.status();
+      }));
+      EXPECT_GT(reps[0].checksums_total, 0);
+      EXPECT_EQ(reps[0].checksums_ok, reps[0].checksums_total);
+      EXPECT_EQ(reps[0].bytes, sum->total_bytes);
+    }
+    const Counts c = CompareWithReference(job);
+    EXPECT_EQ(c.mismatches, 0) << "first: " << c.first;
+    EXPECT_EQ(c.fp8_bytes, sum->sender_quantized_elements);
+    EXPECT_GT(c.scales, 0);
+    EXPECT_GT(c.copied, 0);
+    EXPECT_EQ(job.HarnessMismatches(), 0);
   }
 }
 

@@ -87,10 +87,9 @@ Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
       int64_t at = 0;
       for (int32_t i = b.op_begin; i < b.op_end; ++i) {
         const Fp8Op& op = m.ops[i];
-        const SourceBinding& sb = bindings.source(op.tensor);
-        Region rel = op.src;
-        for (int d = 0; d < rel.ndim; ++d) rel.offset[d] -= sb.region.offset[d];
-        const PackRegion src{sb.data, td, sb.region.extents(), rel, 0};
+        // The HF shard, or a Megatron sender's local parameter (Fp8Message::local).
+        const Bindings::OpSource os = bindings.Fp8SourceOf(m, i);
+        const PackRegion src{os.data, td, os.shape, os.region, 0};
         const RemoteRegion dst{base + static_cast<uint32_t>(op.param), 0,
                                shapes.Get(m.dst, op.param), op.dst};
         if (op.kind == Fp8OpKind::kCopy) {

@@ -117,8 +117,18 @@ class CudaPacker final : public Packer {
   Result<std::vector<int64_t>> QuantizeBands(const std::vector<Fp8BandTask>& bands) override {
     SS_RETURN_IF_ERROR(Init());
     if (bands.empty()) return std::vector<int64_t>{};
-    std::string key(1, 'q');
-    key.append(reinterpret_cast<const char*>(bands.data()), bands.size() * sizeof(Fp8BandTask));
+    std::string key(1, 'q');  // field by field: no padding bytes in the key
+    for (const Fp8BandTask& b : bands) {
+      const int64_t f[] = {reinterpret_cast<int64_t>(b.src),
+                           static_cast<int64_t>(b.dtype),
+                           b.rows,
+                           b.cols,
+                           reinterpret_cast<int64_t>(b.weight),
+                           b.weight_stride,
+                           reinterpret_cast<int64_t>(b.scales),
+                           b.scale_stride};
+      key.append(reinterpret_cast<const char*>(f), sizeof(f));
+    }
     auto it = cache_.find(key);
     if (it == cache_.end()) {
       BatchSpec spec;

@@ -48,6 +48,11 @@ struct Fp8Op {
   // kCopy: numel * wire dtype; kQuantize: Fp8WireBytes(rows, cols); kStage: numel * trainer
   // dtype; each rounded up to 8.
   int64_t bytes = 0;
+  // kStage: the band's staging_offset at the receiver. A stage op spans whole rows of its band
+  // (dst: rows x every column), so its bytes sit at staging_offset + dst row * row bytes: what a
+  // sender writing straight into the receiver's staging (cuda_ipc) needs, since only the
+  // receiver's plan holds the band.
+  int64_t staging_offset = 0;
 };
 
 // A band of rows (<= 128) x whole blocks of one engine piece whose rows straddle trainer ranks:

@@ -154,6 +154,14 @@ struct BatchSpec {
   // finished checksums cover; every launch must be signaled (LaunchSignaled).
   std::vector<Fp8Task> quantize;
   std::vector<int64_t> copy_bytes;
+  // A block-FP8 pack's stage ops (raw trainer values into the receiver's staging), optional:
+  // copies of `stage_dtype` with no cast (the copies above cast to the wire dtype), whose runs and
+  // landed runs tile a compact image of each bucket's stage ops, stage_bytes[b] long (empty, or
+  // one entry per bucket). Their sums join the bucket's packed and landed sums.
+  DType stage_dtype = DType::kF32;
+  std::vector<CopyRun> stage_runs;
+  std::vector<CopyRun> stage_landed_runs;
+  std::vector<int64_t> stage_bytes;
 };
 
 // A prepared batch: descriptors validated and uploaded once, replayed every sync. One launch in

@@ -39,6 +39,20 @@
 
 namespace shardsync {
 
+// One band of block-FP8 weights an engine rank quantizes itself (fp8_plan.h Fp8StagedBand):
+// `rows` (<= 128) x `cols` raw trainer values of `dtype` (f32 / bf16 / f16) at `src`, row-major
+// and contiguous, quantized per 128 x 128 block (fp8.h) into e4m3 rows at `weight` (row stride
+// `weight_stride` bytes) and fp32 scales at `scales` (row stride `scale_stride` floats).
+struct Fp8BandTask {
+  const void* src = nullptr;
+  DType dtype = DType::kF32;
+  int64_t rows = 0, cols = 0;
+  void* weight = nullptr;
+  int64_t weight_stride = 0;
+  float* scales = nullptr;
+  int64_t scale_stride = 0;
+};
+
 // Copies strided regions to and from contiguous wire images with the dtype cast and the checksum
 // (checksum.h) fused into the pass. The CPU implementation handles host memory; a device
 // implementation (src/cuda) can be passed in SessionOptions for device buffers.
@@ -75,6 +89,15 @@ class Packer {
   virtual Result<std::shared_ptr<unsigned char>> AllocStaging(size_t bytes) {
     return std::shared_ptr<unsigned char>(new unsigned char[bytes > 0 ? bytes : 1](),
                                           std::default_delete<unsigned char[]>());
+  }
+  // Quantizes every band (in memory this packer reads and writes; a non-finite value makes its
+  // block's scale NaN and bytes 0x7f) and returns, per band, the non-finite values met. Waits at
+  // most the packer's timeout. A receiver passes the same bands every sync: a device packer
+  // prepares them once. The CPU packer and the CUDA one are bit-exact with fp8.h.
+  virtual Result<std::vector<int64_t>> QuantizeBands(const std::vector<Fp8BandTask>& bands) {
+    (void)bands;
+    return UnimplementedError("packer " + std::string(name()) +
+                              " does not quantize block-FP8 bands");
   }
 };
 

@@ -105,6 +105,15 @@ struct QuantizeRegion {
   RemoteRegion weight, scales;
   PackRegion landed_weight, landed_scales;
 };
+// A block-FP8 stage op of a pair's bucket (fp8_plan.h kStage): raw trainer values copied, with no
+// cast, into the receiver's staging, which it quantizes once the sync's data is verified.
+// `local`: the sender's source (trainer dtype) or the receiver's staging (the same dtype), its
+// wire_offset in a compact image of the bucket's stage ops alone; `remote` (senders): where it
+// lands at the peer.
+struct StageRegion {
+  PackRegion local;
+  RemoteRegion remote;
+};
 struct PairBucket {
   int64_t bytes = 0;  // wire bytes
   // Sender: the source regions (tensor dtype), tiling [0, bytes) of the wire image. Receiver:
@@ -115,6 +124,8 @@ struct PairBucket {
   std::vector<RemoteRegion> remote;
   // Block-FP8 plans (PairSpec::fp8): the bucket's quantize ops.
   std::vector<QuantizeRegion> quantize{};
+  // Block-FP8 plans: the bucket's stage ops.
+  std::vector<StageRegion> stage{};
 };
 struct PairSpec {
   int peer = -1;
@@ -126,7 +137,8 @@ struct PairSpec {
   std::string key;
   // A block-FP8 plan's pair: each bucket's `local` / `remote` are its copy ops at wire offsets of
   // a compact image of the copies alone (no pads, no quantize ops), `quantize` its quantize ops,
-  // and `bytes` the whole wire image. Transports that do not quantize refuse it.
+  // `stage` its stage ops, and `bytes` the whole wire image. Transports that do not quantize
+  // refuse it.
   bool fp8 = false;
 };
 // Per bucket, the finished checksum (checksum.h) of the wire image as packed, and as landed

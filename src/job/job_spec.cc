@@ -288,15 +288,9 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
   // The plan must exist: fail here, naming the field (for block FP8: a layout off the 128 grid
   // names the tensor), rather than in every rank.
   if (in.model.quant) {
-    SS_ASSIGN_OR_RETURN(Fp8PlanSummary fp8, SummarizeFp8Plan(in));
-    if (job.device == "cuda" && fp8.staged_bands > 0) {
-      // Device pairs quantize whole blocks on the sender (sync/fp8_pairs.cc).
-      return InvalidArgumentError(
-          "--trainer " + in.trainer.ToString() + ": " + std::to_string(fp8.staged_bands) +
-          " bands of block-FP8 weights straddle trainer ranks (FSDP chunks off the 128-row "
-          "grid; `shardsync plan` lists them), which --device cuda does not quantize yet; choose "
-          "an FSDP size whose chunks fall on the grid, or --device cpu");
-    }
+    // Bands straddling trainer ranks run on both paths: the host receiver quantizes them as they
+    // land, a device receiver from its device staging (docs/fp8.md).
+    SS_RETURN_IF_ERROR(SummarizeFp8Plan(in).status());
   } else {
     SS_RETURN_IF_ERROR(SummarizePlan(in).status());
   }

@@ -361,6 +361,7 @@ void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
           u.param = static_cast<int32_t>(pi);
           u.scale_param = scale_of_[e][pi];
           u.stage = id;
+          u.staging_offset = band.staging_offset;
           u.src = band.src;
           u.src.offset[0] = r0;
           u.src.extent[0] = r1 - r0;
@@ -384,6 +385,7 @@ void Fp8Context::Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const {
     op.param = u.param;
     op.scale_param = u.kind == Fp8OpKind::kCopy ? -1 : u.scale_param;
     op.stage = u.stage;
+    op.staging_offset = u.staging_offset;
     return op;
   };
   if (u.kind != Fp8OpKind::kQuantize) {

@@ -16,7 +16,8 @@ namespace shardsync::plan_internal {
 struct Fp8Unit {
   Fp8OpKind kind = Fp8OpKind::kCopy;
   int32_t tensor = 0, param = 0, scale_param = -1;
-  int32_t stage = -1;  // kStage: index into the erank's staged bands
+  int32_t stage = -1;          // kStage: index into the erank's staged bands
+  int64_t staging_offset = 0;  // kStage: that band's Fp8StagedBand::staging_offset
   Region src, dst, scale_dst;
   int64_t chunk = 0;    // trainer dim-0 chunk (FSDP shard position) holding src
   int32_t source = -1;  // Megatron: index into MegatronSources::sources holding src

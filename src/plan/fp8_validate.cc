@@ -33,7 +33,8 @@ Region BlockRegion(const Region& r) {
 
 bool SameOp(const Fp8Op& a, const Fp8Op& b) {
   return a.kind == b.kind && a.tensor == b.tensor && a.param == b.param &&
-         a.scale_param == b.scale_param && a.stage == b.stage && a.src == b.src && a.dst == b.dst &&
+         a.scale_param == b.scale_param && a.stage == b.stage &&
+         a.staging_offset == b.staging_offset && a.src == b.src && a.dst == b.dst &&
          a.scale_dst == b.scale_dst && a.wire_offset == b.wire_offset && a.bytes == b.bytes;
 }
 
@@ -326,7 +327,8 @@ Status ValidateFp8Plan(const PlanInputs& in) {
             if (band.tensor != op.tensor || op.src.ndim != 2 ||
                 op.src.offset[1] != band.src.offset[1] || op.src.extent[1] != band.src.extent[1] ||
                 op.dst != Region::Make({r0, 0}, {op.src.extent[0], op.src.extent[1]}) ||
-                !RegionContains(tile, op.dst) || op.bytes != AlignUp8(op.src.numel() * stage)) {
+                op.staging_offset != band.staging_offset || !RegionContains(tile, op.dst) ||
+                op.bytes != AlignUp8(op.src.numel() * stage)) {
               return InternalError(fmt::format("{}: {} does not fit band {} ({})", what,
                                                op.src.ToString(), op.stage, band.src.ToString()));
             }

@@ -386,6 +386,11 @@ Status Bindings::MismatchError(const Message& m, int bucket, uint64_t version, u
                        ": sent " + Hex(sent) + ", landed " + Hex(got) + "; parameters: " + list);
 }
 
+int PeerShapes::Count(int dst) {
+  Get(dst, 0);
+  return static_cast<int>(shapes_.at(dst).size());
+}
+
 const Shape& PeerShapes::Get(int dst, int param) {
   auto it = shapes_.find(dst);
   if (it == shapes_.end()) {

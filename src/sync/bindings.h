@@ -99,6 +99,9 @@ class PeerShapes {
   // Shape of parameter `param` of engine sync rank `dst` (cached per destination; empty when
   // there is no such parameter).
   const Shape& Get(int dst, int param);
+  // How many parameters engine sync rank `dst` registers (its region ids run from its regbase;
+  // a block-FP8 receiver's staging comes right after them).
+  int Count(int dst);
 
  private:
   const SessionContext& ctx_;

@@ -38,7 +38,8 @@ Status AgreeOnPlan(const SessionContext& ctx, SyncGuard& guard, Clock::time_poin
   return OkStatus();
 }
 
-Status RegisterParams(const SessionContext& ctx, const Bindings& bindings) {
+Status RegisterParams(const SessionContext& ctx, const Bindings& bindings,
+                      const MemRegion* staging) {
   if (ctx.who.is_trainer) return OkStatus();
   uint32_t base = 0;
   const std::vector<DestBinding>& dests = bindings.dests();
@@ -51,6 +52,14 @@ Status RegisterParams(const SessionContext& ctx, const Bindings& bindings) {
       return InternalError("transport " + std::string(ctx.tx.name()) +
                            ": region ids are not dense (parameter " + d.name + " got " +
                            std::to_string(id) + ")");
+    }
+  }
+  if (staging != nullptr) {
+    SS_ASSIGN_OR_RETURN(uint32_t id, ctx.tx.RegisterMemory(*staging));
+    if (dests.empty() || id != base + dests.size()) {
+      return InternalError("transport " + std::string(ctx.tx.name()) +
+                           ": the block-FP8 staging got region " + std::to_string(id) +
+                           ", not the one after the parameters");
     }
   }
   return ctx.store.Set(ctx.Key("regbase/" + std::to_string(ctx.rank)), std::to_string(base));

@@ -19,7 +19,10 @@ Status AgreeOnPlan(const SessionContext& ctx, SyncGuard& guard, Clock::time_poin
 
 // Engine ranks: registers every bound parameter with the transport (dense region ids) and
 // publishes the first id as "regbase/<rank>": senders put straight into the parameters.
-Status RegisterParams(const SessionContext& ctx, const Bindings& bindings);
+// `staging` (block-FP8 receivers with staged bands on prepared pairs, PreparedPairs::
+// AllocStaging): registered right after the parameters, as region base + parameter count.
+Status RegisterParams(const SessionContext& ctx, const Bindings& bindings,
+                      const MemRegion* staging = nullptr);
 
 // The plan's peers of this rank plus `extra` (the harness's), sorted, once each.
 std::vector<int> TransportPeers(const SessionContext& ctx, const std::vector<int>& extra);

@@ -96,4 +96,53 @@ Status CheckFp8Bindings(const SessionContext& ctx, const Bindings& bindings) {
   return OkStatus();
 }
 
+Fp8StageTarget Fp8StageTargetOf(const Fp8Op& op) {
+  // A stage op covers whole rows of its band (ValidateFp8Plan): dst = [r0, r1) x [0, cols).
+  Fp8StageTarget t;
+  t.offset = op.staging_offset;
+  t.shape = {op.dst.offset[0] + op.dst.extent[0], op.dst.extent[1]};
+  t.dst = op.dst;
+  return t;
+}
+
+std::vector<Fp8BandTask> Fp8BandTasks(const Fp8RankPlan& plan,
+                                      const std::vector<DestBinding>& dests,
+                                      const unsigned char* staging) {
+  std::vector<Fp8BandTask> tasks;
+  tasks.reserve(plan.staged.size());
+  for (const Fp8StagedBand& b : plan.staged) {
+    const DestBinding& w = dests[b.param];
+    const DestBinding& s = dests[b.scale_param];
+    Fp8BandTask t;
+    t.src = staging + b.staging_offset;
+    t.dtype = b.dtype;
+    t.rows = b.src.extent[0];
+    t.cols = b.src.extent[1];
+    t.weight = static_cast<uint8_t*>(w.data) + RegionStartElement(b.dst, w.shape);
+    t.weight_stride = w.shape.back();
+    t.scales = static_cast<float*>(s.data) + RegionStartElement(b.scale_dst, s.shape);
+    t.scale_stride = s.shape.back();
+    tasks.push_back(t);
+  }
+  return tasks;
+}
+
+Status Fp8BandsStatus(int rank, const Fp8RankPlan& plan, const std::vector<DestBinding>& dests,
+                      const std::vector<int64_t>& bad) {
+  int64_t total = 0, bands = 0;
+  size_t first = bad.size();
+  for (size_t i = 0; i < bad.size(); ++i) {
+    if (bad[i] <= 0) continue;
+    total += bad[i];
+    ++bands;
+    if (first == bad.size()) first = i;
+  }
+  if (total == 0) return OkStatus();
+  const Fp8StagedBand& b = plan.staged.at(first);
+  return DataLossError(
+      RankName(rank) + ": " + std::to_string(total) + " non-finite values (NaN or Inf) in " +
+      std::to_string(bands) + " staged bands, first in rows " + b.src.ToString() + " of '" +
+      dests.at(b.param).name + "': block FP8 cannot represent them; the rank stays poisoned");
+}
+
 }  // namespace shardsync::sync_internal

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "shardsync/fp8_plan.h"
 #include "sync/context.h"
@@ -24,6 +25,27 @@ DType Fp8DestDType(const EngineParam& p, DType wire);
 // Connect's binding check for FP8 sessions: every source an op reads bound and holding the op's
 // region; every parameter, scale and staged band an op writes inside its binding.
 Status CheckFp8Bindings(const SessionContext& ctx, const Bindings& bindings);
+
+// Staged bands over prepared pairs (device memory, docs/fp8.md): the sender writes each stage op's
+// raw rows straight into the receiver's staging, which the receiver quantizes once the sync's
+// data is verified. Where stage op `op` lands in the receiver's staging, in bytes of its band's
+// row-major image: at byte `offset` of the staging, region `dst` of a tensor of `shape` (the
+// band's rows up to the op's last, every column). Computed from the sender's own plan.
+struct Fp8StageTarget {
+  int64_t offset = 0;
+  Shape shape;
+  Region dst;
+};
+Fp8StageTarget Fp8StageTargetOf(const Fp8Op& op);
+// The receiver's quantize pass: each staged band of `plan` from its place in `staging` into its
+// e4m3 rows and scales in `dests` (the bound parameters).
+std::vector<Fp8BandTask> Fp8BandTasks(const Fp8RankPlan& plan,
+                                      const std::vector<DestBinding>& dests,
+                                      const unsigned char* staging);
+// DataLoss naming the parameter and rows of the first band with non-finite values (`bad`: per
+// band, as Packer::QuantizeBands returns), or OK.
+Status Fp8BandsStatus(int rank, const Fp8RankPlan& plan, const std::vector<DestBinding>& dests,
+                      const std::vector<int64_t>& bad);
 
 // How the host path cuts a bucket's wire image into transfers (both ends call it): pieces of at
 // most kMaxTransferBytes, in wire order. fn(offset, length).

@@ -1,33 +1,64 @@
 // Prepared pairs of block-FP8 plans (pairs.h PrepareFp8): each bucket's copy ops as copy regions
 // at offsets of a compact image of the copies, its quantize ops as PairBucket::quantize with
 // separate e4m3 and scale destinations (the peer's parameters; no wire buffer), so a transport
-// that quantizes (cuda_ipc) packs, quantizes and checksums straight into the receiver. Staged
-// bands (rows of a block on several trainer ranks) need the receiver's staging and a quantize
-// pass there, which no device pair has: such a device job is refused naming the parameter.
+// that quantizes (cuda_ipc) packs, quantizes and checksums straight into the receiver. Stage ops
+// (bands whose rows straddle trainer ranks) as PairBucket::stage: raw trainer values, no cast, at
+// offsets of a compact image of the stage ops, into the receiver's device staging (AllocStaging),
+// which the receiver quantizes once every checksum of the sync verified (QuantizeStaged).
 #include "sync/fp8_outline.h"
 #include "sync/pairs.h"
 
 namespace shardsync::sync_internal {
 namespace {
 
-Status RefuseStaged(const SessionContext& ctx, const Bindings& bindings, const Fp8Message& m,
-                    int peer) {
+// A receiver without staging (its parameters are not in device memory) cannot take stage ops
+// over a prepared pair: refused naming the parameter, before any pair is prepared.
+Status RefuseStaged(const SessionContext& ctx, const Bindings& bindings, const Fp8Message& m) {
   for (const Fp8Op& op : m.ops) {
     if (op.kind != Fp8OpKind::kStage) continue;
-    const std::string name =
-        ctx.who.is_trainer ? ctx.inventory.at(op.tensor).name : bindings.dest(op.param).name;
     return UnimplementedError(
-        RankName(ctx.rank) + ": rows " + op.src.ToString() + " of '" + name +
+        RankName(ctx.rank) + ": rows " + op.src.ToString() + " of '" +
+        bindings.dest(op.param).name +
         "' share 128-row blocks with another trainer rank's rows (FSDP chunks off the 128 "
-        "grid), which device pairs (with sync rank " +
-        std::to_string(peer) +
-        ") do not quantize yet: choose an FSDP size whose chunks fall on the grid "
-        "(`shardsync plan` shows the staged bands) or sync from host memory");
+        "grid); prepared pairs (with sync rank " +
+        std::to_string(m.src) + ") stage such rows only into device memory");
   }
   return OkStatus();
 }
 
 }  // namespace
+
+Result<const MemRegion*> PreparedPairs::AllocStaging(const Bindings& bindings) {
+  bindings_ = &bindings;
+  if (!ctx_.fp8 || ctx_.who.is_trainer || ctx_.fp8->staging_bytes <= 0 ||
+      bindings.BoundMem() != static_cast<int>(MemKind::kCuda) || bindings.dests().empty()) {
+    return static_cast<const MemRegion*>(nullptr);
+  }
+  const Fp8RankPlan& plan = *ctx_.fp8;
+  const auto bytes = static_cast<size_t>(plan.staging_bytes);
+  auto buf = ctx_.packer->AllocStaging(bytes);
+  if (!buf.ok()) {
+    Status e = buf.status();
+    return e.Annotate(RankName(ctx_.rank) + ": block-FP8 staging of " + std::to_string(bytes) +
+                      " bytes for " + std::to_string(plan.staged.size()) +
+                      " bands straddling trainer ranks");
+  }
+  staging_ = std::move(buf).value();
+  staging_region_ = {staging_.get(), bytes, MemKind::kCuda, bindings.dests()[0].device};
+  bands_ = Fp8BandTasks(plan, bindings.dests(), staging_.get());
+  return &staging_region_;
+}
+
+Status PreparedPairs::QuantizeStaged() {
+  if (bands_.empty()) return OkStatus();
+  SS_ASSIGN_OR_RETURN(std::vector<int64_t> bad, ctx_.packer->QuantizeBands(bands_));
+  if (bad.size() != bands_.size()) {
+    return InternalError(RankName(ctx_.rank) + ": packer " + std::string(ctx_.packer->name()) +
+                         " quantized " + std::to_string(bad.size()) + " of " +
+                         std::to_string(bands_.size()) + " staged bands");
+  }
+  return Fp8BandsStatus(ctx_.rank, *ctx_.fp8, bindings_->dests(), bad);
+}
 
 Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
                                  const std::map<int, uint32_t>& regbase,
@@ -43,10 +74,7 @@ Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
   };
   // Refused before any pair is prepared, so no peer waits for this rank's maps.
   for (const Fp8Message& m : plan.recvs) {
-    if (Prepared(m.src, mem)) SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.src));
-  }
-  for (const Fp8Message& m : plan.sends) {
-    if (Prepared(m.dst, mem)) SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.dst));
+    if (Prepared(m.src, mem) && !staging_) SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m));
   }
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
     const Fp8Message& m = plan.recvs[mi];
@@ -56,9 +84,17 @@ Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
     for (const Bucket& b : m.buckets) {
       PairBucket pb;
       pb.bytes = b.bytes;
-      int64_t at = 0;  // compact copy image
+      int64_t at = 0, staged = 0;  // compact copy image, compact stage image
       for (int32_t i = b.op_begin; i < b.op_end; ++i) {
         const Fp8Op& op = m.ops[i];
+        if (op.kind == Fp8OpKind::kStage) {
+          const Fp8StagedBand& band = plan.staged.at(op.stage);
+          const Shape shape{band.src.extent[0], band.src.extent[1]};
+          pb.stage.push_back(
+              {{staging_.get() + band.staging_offset, td, shape, op.dst, staged}, {}});
+          staged += op.dst.numel() * DTypeSize(td);
+          continue;
+        }
         const DestBinding& d = bindings.dest(op.param);
         if (op.kind == Fp8OpKind::kCopy) {
           pb.local.push_back({d.data, d.dtype, d.shape, op.dst, at});
@@ -84,12 +120,23 @@ Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
     for (const Bucket& b : m.buckets) {
       PairBucket pb;
       pb.bytes = b.bytes;
-      int64_t at = 0;
+      int64_t at = 0, staged = 0;
       for (int32_t i = b.op_begin; i < b.op_end; ++i) {
         const Fp8Op& op = m.ops[i];
         // The HF shard, or a Megatron sender's local parameter (Fp8Message::local).
         const Bindings::OpSource os = bindings.Fp8SourceOf(m, i);
         const PackRegion src{os.data, td, os.shape, os.region, 0};
+        if (op.kind == Fp8OpKind::kStage) {
+          // The receiver's staging is its region after its parameters (RegisterParams).
+          const Fp8StageTarget t = Fp8StageTargetOf(op);
+          StageRegion sr{src,
+                         {base + static_cast<uint32_t>(shapes.Count(m.dst)),
+                          static_cast<uint64_t>(t.offset), t.shape, t.dst}};
+          sr.local.wire_offset = staged;
+          pb.stage.push_back(std::move(sr));
+          staged += op.src.numel() * DTypeSize(td);
+          continue;
+        }
         const RemoteRegion dst{base + static_cast<uint32_t>(op.param), 0,
                                shapes.Get(m.dst, op.param), op.dst};
         if (op.kind == Fp8OpKind::kCopy) {

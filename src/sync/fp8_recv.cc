@@ -59,7 +59,9 @@ Status Fp8HostReceiver::Prepare(const Bindings& bindings, const PreparedPairs& p
     for (const Bucket& b : m.buckets) slot_bytes_[mi] = std::max(slot_bytes_[mi], b.bytes);
     msgs_.push_back(static_cast<int>(mi));
   }
-  if (plan.staging_bytes > 0) {
+  // Host staging only when host-path messages land here: bands staged over prepared pairs use
+  // the device staging (PreparedPairs::AllocStaging).
+  if (plan.staging_bytes > 0 && !msgs_.empty()) {
     staging_ = std::make_unique<unsigned char[]>(static_cast<size_t>(plan.staging_bytes));
   }
   return OkStatus();
@@ -67,8 +69,14 @@ Status Fp8HostReceiver::Prepare(const Bindings& bindings, const PreparedPairs& p
 
 Status Fp8HostReceiver::Receive(RankSyncStats& st) {
   const Fp8RankPlan& plan = *ctx_.fp8;
-  std::vector<int64_t> band_left(plan.staged.size());
-  for (size_t i = 0; i < plan.staged.size(); ++i) band_left[i] = plan.staged[i].src.numel();
+  // The staged rows this path lands, per band (bands staged over prepared pairs are the device
+  // staging's: PreparedPairs::QuantizeStaged).
+  std::vector<int64_t> band_left(plan.staged.size(), 0);
+  for (int mi : msgs_) {
+    for (const Fp8Op& op : plan.recvs[mi].ops) {
+      if (op.kind == Fp8OpKind::kStage) band_left[op.stage] += op.dst.numel();
+    }
+  }
   std::vector<Inbox> boxes;
   Status s;
   for (int mi : msgs_) {

@@ -10,6 +10,7 @@
 
 #include "common/checksum_avx2.h"
 #include "shardsync/checksum.h"
+#include "shardsync/fp8.h"
 #include "shardsync/session.h"
 
 namespace shardsync {
@@ -261,6 +262,30 @@ class CpuPacker final : public Packer {
     ForEachRun(region, shape,
                [&](int64_t off, int64_t len) { std::memset(b + off * es, 0, len * es); });
     return OkStatus();
+  }
+
+  // fp8.h's block quantizer, block by block (what the host receiver runs per band as it lands).
+  Result<std::vector<int64_t>> QuantizeBands(const std::vector<Fp8BandTask>& bands) override {
+    std::vector<int64_t> bad(bands.size(), 0);
+    for (size_t i = 0; i < bands.size(); ++i) {
+      const Fp8BandTask& t = bands[i];
+      if (!t.src || !t.weight || !t.scales || t.rows < 1 || t.rows > kFp8Block || t.cols < 1 ||
+          t.weight_stride < t.cols || t.scale_stride < Fp8Blocks(t.cols) ||
+          (t.dtype != DType::kF32 && t.dtype != DType::kBF16 && t.dtype != DType::kF16)) {
+        return InvalidArgumentError("quantize bands: band " + std::to_string(i) +
+                                    " is malformed (1..128 rows, f32 / bf16 / f16 values, "
+                                    "non-null pointers, strides covering a row)");
+      }
+      const int es = DTypeSize(t.dtype);
+      const auto* src = static_cast<const unsigned char*>(t.src);
+      auto* q = static_cast<uint8_t*>(t.weight);
+      for (int64_t c0 = 0; c0 < t.cols; c0 += kFp8Block) {
+        t.scales[c0 / kFp8Block] = Fp8QuantizeBlock(src + c0 * es, t.dtype, t.cols, t.rows,
+                                                    std::min<int64_t>(kFp8Block, t.cols - c0),
+                                                    q + c0, t.weight_stride, &bad[i]);
+      }
+    }
+    return bad;
   }
 };
 

@@ -25,6 +25,16 @@ class PreparedPairs {
   Status Prepare(const Bindings& bindings, PeerShapes& shapes,
                  const std::map<int, uint32_t>& regbase, Clock::time_point deadline);
 
+  // Block-FP8 engine ranks whose parameters live in device memory and whose plan stages bands:
+  // allocates the plan's staging_bytes with the packer (device memory beside the parameters) for
+  // the senders to write raw rows into, and returns it for RegisterParams; null for every other
+  // rank (host receivers stage on the host path, fp8_recv.h). Before Connect.
+  Result<const MemRegion*> AllocStaging(const Bindings& bindings);
+  // Receiver, after FinishRecvs verified every checksum: quantizes every staged band from the
+  // staging into its e4m3 rows and scales (the packer's kernel; a bounded wait); DataLoss naming
+  // the parameter of a band with non-finite values. No-op without staging.
+  Status QuantizeStaged();
+
   // Whether send / recv message `mi` of the plan runs as a prepared pair.
   bool sends(size_t mi) const { return send_[mi] != nullptr; }
   bool recvs(size_t mi) const { return recv_[mi] != nullptr; }
@@ -67,6 +77,12 @@ class PreparedPairs {
   SyncGuard& guard_;
   // By send / recv message index (null: the message goes the host path).
   Pairs send_, recv_;
+  // Block-FP8 receivers with staged bands in device memory (AllocStaging): the staging, its
+  // registration and the bands' quantize tasks over it.
+  std::shared_ptr<unsigned char> staging_;
+  MemRegion staging_region_;
+  std::vector<Fp8BandTask> bands_;
+  const Bindings* bindings_ = nullptr;
 };
 
 }  // namespace shardsync::sync_internal

@@ -113,8 +113,10 @@ class SessionImpl final : public SyncSession {
     });
     // 2. Bindings against the plan.
     SS_RETURN_IF_ERROR(bindings_.Check());
-    // 3. Receive memory, registered once: senders put straight into the parameters.
-    SS_RETURN_IF_ERROR(sync_internal::RegisterParams(ctx_, bindings_));
+    // 3. Receive memory, registered once: senders put straight into the parameters (and into a
+    // block-FP8 receiver's device staging).
+    SS_ASSIGN_OR_RETURN(const MemRegion* staging, pairs_.AllocStaging(bindings_));
+    SS_RETURN_IF_ERROR(sync_internal::RegisterParams(ctx_, bindings_, staging));
     if (hooks_.before_transport_connect) {
       SS_RETURN_IF_ERROR(hooks_.before_transport_connect(ctx_.tx));
     }
@@ -299,6 +301,8 @@ class SessionImpl final : public SyncSession {
          {ctx_.Key(guard_.VKey("ready/") + std::to_string(ctx_.rank)), "1"}}));
     SS_RETURN_IF_ERROR(ctx_.fp8 ? fp8_receiver_.Receive(st) : receiver_.Receive(st));
     SS_RETURN_IF_ERROR(pairs_.FinishRecvs(st, bindings_));
+    // Block FP8: bands staged over device pairs are quantized from verified bytes only.
+    SS_RETURN_IF_ERROR(pairs_.QuantizeStaged());
     // Completing a receive can leave protocol messages to the sender (e.g. a rendezvous ack)
     // queued on this side; flush them out before this rank stops driving the transport.
     std::vector<XferId> flushes;

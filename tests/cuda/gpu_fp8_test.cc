@@ -14,6 +14,8 @@
 #include "gpu_test_util.h"
 #include "shardsync/checksum.h"
 #include "shardsync/fp8.h"
+#include "shardsync/gpu.h"
+#include "shardsync/session.h"
 
 #if defined(SHARDSYNC_HAVE_CUDA)
 #include "cuda/impl/fp8_kernels.h"
@@ -397,6 +399,158 @@ TEST(GpuFp8, PreparedBatchRunsManyBlocksPerCta) {
       unsetenv("SHARDSYNC_FP8_STAGES");
     }
     EXPECT_EQ(want_bad, (std::vector<int64_t>{0, 1, 0}));  // the test's own premise
+  }
+}
+
+// Stage ops of a block-FP8 pack (BatchSpec::stage_runs): raw f32 rows copied with no cast (the
+// batch's copies cast to bf16) into a "staging" buffer, beside a quantize op and a bf16 copy, in
+// one signaled launch. The staged bytes arrive bit for bit, the packed sum is the quantize op's +
+// the copy's + the stage image's, the landed sums (read back through the stage landed runs) agree,
+// and a landed run one element off breaks them.
+TEST(GpuFp8, PreparedBatchStagesRawValuesUnderTheSameSums) {
+  SS_REQUIRE_GPU();
+  const Source q = MakeSource(DType::kBF16, 128, 256, 4);
+  const Source raw = MakeSource(DType::kF32, 96, 256, 7);  // 96 rows of a band, raw
+  const int64_t n_stage = 96 * 256, n_copy = 1000;
+  std::vector<uint16_t> copy_src(n_copy);
+  for (int64_t i = 0; i < n_copy; ++i) copy_src[i] = static_cast<uint16_t>(i * 7);
+  SS_ASSERT_OK_AND_ASSIGN(auto dq, DeviceBuffer::Allocate(q.host.size(), 0));
+  SS_ASSERT_OK(CopyToDevice(dq->data(), q.host.data(), q.host.size()));
+  SS_ASSERT_OK_AND_ASSIGN(auto draw, DeviceBuffer::Allocate(raw.host.size(), 0));
+  SS_ASSERT_OK(CopyToDevice(draw->data(), raw.host.data(), raw.host.size()));
+  SS_ASSERT_OK_AND_ASSIGN(auto dstage, DeviceBuffer::Allocate(n_stage * 4 + 64, 0));
+  SS_ASSERT_OK(Memset(dstage->data(), 0xcd, n_stage * 4 + 64));
+  SS_ASSERT_OK_AND_ASSIGN(auto dw, DeviceBuffer::Allocate(128 * 256, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto ds, DeviceBuffer::Allocate(2 * 4, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto dcs, DeviceBuffer::Allocate(n_copy * 2, 0));
+  SS_ASSERT_OK(CopyToDevice(dcs->data(), copy_src.data(), n_copy * 2));
+  SS_ASSERT_OK_AND_ASSIGN(auto dcd, DeviceBuffer::Allocate(n_copy * 2, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto lsum, DeviceBuffer::Allocate(8, 0));
+  SS_ASSERT_OK(Memset(lsum->data(), 0, 8));
+  BatchSpec spec;
+  spec.mode = BatchMode::kPack;
+  spec.in_dtype = spec.out_dtype = DType::kBF16;
+  CopyRun run;
+  run.in = dcs->data();
+  run.out = dcd->data();
+  run.row_elems = n_copy;
+  spec.runs.push_back(run);
+  CopyRun landed = run;
+  landed.in = dcd->data();
+  spec.landed_runs.push_back(landed);
+  spec.landed_sums.push_back(lsum->data());
+  spec.copy_bytes.push_back(n_copy * 2);
+  Fp8Task t;
+  t.src = dq->data();
+  t.dtype = DType::kBF16;
+  t.src_stride = 256;
+  t.rows = 128;
+  t.cols = 256;
+  t.weight = dw->data();
+  t.weight_stride = 256;
+  t.scales = static_cast<float*>(ds->data());
+  t.scale_stride = 2;
+  t.landed_weight = t.weight;
+  t.landed_weight_stride = 256;
+  t.landed_scales = t.scales;
+  t.landed_scale_stride = 2;
+  spec.quantize.push_back(t);
+  // The stage op: 96 rows of 256 f32, as two strided runs (rows [0, 40) and [40, 96)).
+  spec.stage_dtype = DType::kF32;
+  for (int64_t r0 : {int64_t{0}, int64_t{40}}) {
+    CopyRun s;
+    s.in = static_cast<const float*>(draw->data()) + r0 * 256;
+    s.out = static_cast<float*>(dstage->data()) + r0 * 256;
+    s.in_stride = s.out_stride = 256;
+    s.row_elems = 256;
+    s.rows = r0 == 0 ? 40 : 56;
+    s.wire_offset = r0 * 256 * 4;
+    spec.stage_runs.push_back(s);
+    CopyRun l;
+    l.in = s.out;
+    l.row_elems = s.rows * 256;
+    l.wire_offset = s.wire_offset;
+    spec.stage_landed_runs.push_back(l);
+  }
+  spec.stage_bytes.push_back(n_stage * 4);
+  spec.bucket_bytes.push_back(Fp8WireBytes(128, 256) + n_copy * 2 + n_stage * 4);
+  std::vector<uint8_t> wire(Fp8WireBytes(128, 256));
+  auto cpu = Fp8QuantizePack(
+      PackRegion{q.host.data(), DType::kBF16, {128, 256}, Region::Make({0, 0}, {128, 256}), 0},
+      wire.data());
+  ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
+  const uint64_t want = cpu->sum + ChecksumPartial(copy_src.data(), n_copy * 2, 0) +
+                        ChecksumPartial(raw.host.data(), n_stage * 4, 0);
+  SS_ASSERT_OK_AND_ASSIGN(auto batch, CopyBatch::Prepare(spec, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
+  for (uint64_t seq = 1; seq <= 2; ++seq) {  // a replay sums from zero again
+    SS_ASSERT_OK(batch->LaunchSignaled(stream->handle(), seq));
+    SS_ASSERT_OK(stream->Synchronize(Millis(20000), "fp8 batch"));
+    EXPECT_EQ(batch->Signaled(), seq);
+    std::vector<uint8_t> staged(n_stage * 4 + 64);
+    SS_ASSERT_OK(CopyToHost(staged.data(), dstage->data(), staged.size()));
+    EXPECT_EQ(std::memcmp(staged.data(), raw.host.data(), n_stage * 4), 0);  // raw, not cast
+    EXPECT_EQ(staged[n_stage * 4], 0xcd);                                    // nothing past it
+    SS_ASSERT_OK_AND_ASSIGN(auto sums, batch->Sums());
+    EXPECT_EQ(sums[0], want);
+    SS_ASSERT_OK_AND_ASSIGN(auto landed_sums, batch->LandedSums());
+    SS_ASSERT_OK_AND_ASSIGN(auto finished, batch->Checksums());
+    EXPECT_EQ(ChecksumFinish(landed_sums[0], spec.bucket_bytes[0]), finished[0]);
+  }
+  // A staging map one element off: the landed sum no longer matches.
+  spec.stage_landed_runs[1].in = static_cast<const float*>(spec.stage_landed_runs[1].in) + 1;
+  SS_ASSERT_OK_AND_ASSIGN(auto off, CopyBatch::Prepare(spec, 0));
+  SS_ASSERT_OK(off->LaunchSignaled(stream->handle(), 1));
+  SS_ASSERT_OK(stream->Synchronize(Millis(20000), "fp8 batch"));
+  SS_ASSERT_OK_AND_ASSIGN(auto off_landed, off->LandedSums());
+  SS_ASSERT_OK_AND_ASSIGN(auto off_sums, off->Checksums());
+  EXPECT_NE(ChecksumFinish(off_landed[0], spec.bucket_bytes[0]), off_sums[0]);
+  // Stage runs that do not tile their image are refused.
+  spec.stage_bytes[0] += 8;
+  EXPECT_FALSE(CopyBatch::Prepare(spec, 0).ok());
+}
+
+// A receiver's quantize pass over its staged bands (Packer::QuantizeBands): the CUDA packer (the
+// prepared FP8 batch over local memory) against the CPU packer (fp8.h), bit for bit, in e4m3
+// bytes, scales and per-band non-finite counts; f32 and bf16 bands of 128 and 64 rows into strided
+// weights, one band with a NaN; a replay gives the same.
+TEST(GpuFp8, CudaPackerQuantizesStagedBandsLikeTheCpu) {
+  SS_REQUIRE_GPU();
+  const Source f = MakeSource(DType::kF32, 128, 512, 4), b = MakeSource(DType::kBF16, 64, 512, 6);
+  const int64_t W = 640, SC = 5;  // weight rows of 640 bytes, 5 scales per row
+  std::vector<uint8_t> hw(192 * W, 0xa5), hs(2 * SC * 4, 0xa5);
+  SS_ASSERT_OK_AND_ASSIGN(auto dsrc, DeviceBuffer::Allocate(f.host.size() + b.host.size(), 0));
+  SS_ASSERT_OK(CopyToDevice(dsrc->data(), f.host.data(), f.host.size()));
+  SS_ASSERT_OK(CopyToDevice(static_cast<uint8_t*>(dsrc->data()) + f.host.size(), b.host.data(),
+                            b.host.size()));
+  SS_ASSERT_OK_AND_ASSIGN(auto dw, DeviceBuffer::Allocate(hw.size(), 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto ds, DeviceBuffer::Allocate(hs.size(), 0));
+  SS_ASSERT_OK(CopyToDevice(dw->data(), hw.data(), hw.size()));
+  SS_ASSERT_OK(CopyToDevice(ds->data(), hs.data(), hs.size()));
+  auto bands = [&](uint8_t* src, uint8_t* w, float* s) {
+    Fp8BandTask x{src, DType::kF32, 128, 512, w + 8, W, s + 1, SC};
+    Fp8BandTask y{src + f.host.size(), DType::kBF16, 64, 512, w + 128 * W + 8, W, s + SC + 1, SC};
+    return std::vector<Fp8BandTask>{x, y};
+  };
+  std::vector<uint8_t> host_src(f.host);
+  host_src.insert(host_src.end(), b.host.begin(), b.host.end());
+  auto cpu_packer = MakeCpuPacker();
+  auto want_bad = cpu_packer->QuantizeBands(
+      bands(host_src.data(), hw.data(), reinterpret_cast<float*>(hs.data())));
+  ASSERT_TRUE(want_bad.ok()) << want_bad.status().ToString();
+  EXPECT_EQ(*want_bad, (std::vector<int64_t>{0, 1}));  // the test's own premise: seed 6 has a NaN
+  auto packer = MakeCudaPacker(0, Millis(20000));
+  for (int rep = 0; rep < 2; ++rep) {
+    auto bad = packer->QuantizeBands(bands(static_cast<uint8_t*>(dsrc->data()),
+                                           static_cast<uint8_t*>(dw->data()),
+                                           static_cast<float*>(ds->data())));
+    ASSERT_TRUE(bad.ok()) << bad.status().ToString();
+    EXPECT_EQ(*bad, *want_bad);
+    std::vector<uint8_t> gw(hw.size()), gs(hs.size());
+    SS_ASSERT_OK(CopyToHost(gw.data(), dw->data(), gw.size()));
+    SS_ASSERT_OK(CopyToHost(gs.data(), ds->data(), gs.size()));
+    EXPECT_TRUE(gw == hw);
+    EXPECT_TRUE(gs == hs);
   }
 }
 

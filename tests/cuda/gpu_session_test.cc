@@ -5,12 +5,14 @@
 // multi-process path (real IPC handles, killed peers) runs through `shardsync bench --device cuda`.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <thread>
 
 #include "gpu_test_util.h"
 #include "job/internal.h"
 #include "job/launcher.h"
 #include "job/test_util.h"
+#include "shardsync/fp8_plan.h"
 #include "shardsync/gpu.h"
 #include "shardsync/session.h"
 #include "shardsync/transport.h"
@@ -163,8 +165,11 @@ TEST(GpuSession, MegatronTwoGpusOverNccl) {
   RunJob(2, "nccl", "nccl", MegatronJob("megatron=tp=2,pp=2,vpp=2", DType::kBF16));
 }
 
-// A Qwen3 with block-FP8 engine weights whose FSDP chunks at fsdp=2 fall on the 128 grid.
-JobSpec Fp8Job(const std::string& trainer, int64_t intermediate) {
+// A Qwen3 with block-FP8 engine weights: at fsdp=2 and intermediate 512 the FSDP chunks fall on
+// the 128 grid; at fsdp=4 and 768 (192 rows per trainer rank) gate/up bands straddle trainer
+// ranks and are staged to the receiver.
+JobSpec Fp8Job(const std::string& trainer, int64_t intermediate,
+               const std::string& trainer_dtype = "fp32") {
   JobFlags f;
   f.model = testing::WriteConfig("qwen3-fp8-" + std::to_string(intermediate),
                                  R"({
@@ -176,6 +181,7 @@ JobSpec Fp8Job(const std::string& trainer, int64_t intermediate) {
   "torch_dtype": "bfloat16"})");
   f.quant = "fp8-block128";
   f.trainer = trainer;
+  f.trainer_dtype = trainer_dtype;
   f.rollout = "dp=1,tp=2,pp=2";
   f.bucket_bytes = 256 << 10;
   f.transport = "loopback";
@@ -189,31 +195,110 @@ TEST(GpuSession, OneGpuBlockFp8OverCudaIpc) {
   RunJob(1, "", "cuda_ipc", Fp8Job("fsdp=2", 512));
 }
 
-// Bands straddling trainer ranks need a staging pass device pairs do not have: refused at
-// Connect naming the tensor, not synced wrong.
-TEST(GpuSession, BlockFp8StagedBandsAreRefusedOnDevicePairs) {
+// Bands straddling trainer ranks over cuda_ipc: each trainer copies its rows raw (fp32 or bf16,
+// no cast) into the receiver's device staging in the same launch as its other ops, under the same
+// checksums; the receiver quantizes the bands once the sync verified. RunJob's element check
+// (VerifyEngineParams -> VerifyFp8Param) quantizes every piece's HF region on the host, so the
+// staged bands' e4m3 bytes and scales are held to the CPU quantizer like every other block.
+TEST(GpuSession, OneGpuBlockFp8StagedBandsOverCudaIpc) {
   SS_REQUIRE_GPU();
-  JobSpec job = Fp8Job("fsdp=4", 768);  // gate/up: 192 rows per trainer rank
+  for (const char* td : {"fp32", "bf16"}) {
+    SCOPED_TRACE(td);
+    JobSpec job = Fp8Job("fsdp=4", 768, td);  // gate/up: 192 rows per trainer rank
+    auto sum = SummarizeFp8Plan(job.inputs);
+    ASSERT_TRUE(sum.ok());
+    ASSERT_GT(sum->staged_bands, 0);
+    ASSERT_GT(sum->sender_quantized_elements, 0);
+    RunJob(1, "", "cuda_ipc", job);
+  }
+  // Not refused at flag time any more.
+  JobFlags f;
+  f.model = "qwen3-30b-a3b";
+  f.quant = "fp8-block128";
+  f.trainer = "fsdp=4";
+  f.rollout = "dp=1,tp=2,pp=1,ep=2";
+  f.engine = "vllm";
+  f.device = "cuda";
+  f.trainer_dtype = "bf16";
+  auto j = JobSpecFromFlags(f);
+  EXPECT_TRUE(j.ok()) << j.status().ToString();
+}
+
+// A NaN in a staged band (rows [128, 256) of gate_proj straddle trainer ranks 0 and 1): the
+// receiver's quantize pass meets it after the checksums verified and fails the sync with DataLoss
+// naming the parameter; every engine rank stays poisoned until a clean sync, which then lands
+// every element right.
+TEST(GpuSession, BlockFp8NanInAStagedBandIsDataLossNamingTheParameter) {
+  SS_REQUIRE_GPU();
+  JobSpec job = Fp8Job("fsdp=4", 768);
   auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
   ASSERT_TRUE(server.ok());
   const int world = SyncWorldSize(job.inputs);
+  const int trainers = job.inputs.trainer.world();
   std::vector<DeviceRank> ranks(world);
   std::vector<Status> st(world);
-  std::vector<std::thread> ts;
-  for (int r = 0; r < world; ++r) {
-    ts.emplace_back([&, r] { st[r] = SetUpRank(job, r, 1, "", (*server)->address(), ranks[r]); });
+  auto all = [&](const std::function<Status(int)>& fn) {
+    std::vector<std::thread> ts;
+    for (int r = 0; r < world; ++r) ts.emplace_back([&, r] { st[r] = fn(r); });
+    for (auto& t : ts) t.join();
+  };
+  auto expect_ok = [&] {
+    for (int r = 0; r < world; ++r)
+      ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].ToString();
+  };
+  all([&](int r) { return SetUpRank(job, r, 1, "", (*server)->address(), ranks[r]); });
+  expect_ok();
+  if (HasFatalFailure()) return;
+  all([&](int r) { return ranks[r].session->Sync(1).status(); });
+  expect_ok();
+  if (HasFatalFailure()) return;
+  // Trainer rank 0's device copy of gate_proj (its rows [0, 192), fp32): row 150, column 7.
+  auto shards = job_internal::FillTrainerShards(job, 0);
+  ASSERT_TRUE(shards.ok());
+  void* at = nullptr;
+  for (size_t i = 0; i < shards->bindings.size(); ++i) {
+    const SourceBinding& b = shards->bindings[i];
+    if (b.hf_name != "model.layers.0.mlp.gate_proj.weight") continue;
+    ASSERT_EQ(b.region.offset[0], 0);
+    at = static_cast<float*>(ranks[0].bufs[i]->data()) + 150 * b.region.extent[1] + 7;
   }
-  for (auto& t : ts) t.join();
+  ASSERT_NE(at, nullptr);
+  float keep = 0;
+  ASSERT_TRUE(CopyToHost(&keep, at, 4).ok());
+  const float nan = std::nanf("");
+  ASSERT_TRUE(CopyToDevice(at, &nan, 4).ok());
+  all([&](int r) { return ranks[r].session->Sync(2).status(); });
   int named = 0;
   for (int r = 0; r < world; ++r) {
     EXPECT_FALSE(st[r].ok()) << "rank " << r;
-    if (st[r].code() == StatusCode::kUnimplemented &&
-        st[r].message().find("share 128-row blocks") != std::string::npos &&
-        st[r].message().find("_proj.weight'") != std::string::npos) {
+    if (st[r].code() == StatusCode::kDataLoss &&
+        st[r].message().find("non-finite") != std::string::npos) {
+      EXPECT_NE(st[r].message().find("model.layers.0.mlp.gate_up_proj.weight"), std::string::npos)
+          << st[r].ToString();
+      EXPECT_NE(st[r].message().find("staged"), std::string::npos) << st[r].ToString();
       ++named;
     }
+    if (r >= trainers) {
+      EXPECT_TRUE(ranks[r].session->IsPoisoned()) << "rank " << r;
+    }
   }
-  EXPECT_GT(named, 0) << "rank 0: " << st[0].ToString();
+  EXPECT_EQ(named, 1) << "rank 0: " << st[0].ToString();
+  ASSERT_TRUE(CopyToDevice(at, &keep, 4).ok());
+  all([&](int r) { return ranks[r].session->Sync(3).status(); });
+  expect_ok();
+  if (HasFatalFailure()) return;
+  for (int r = trainers; r < world; ++r) {
+    DeviceRank& k = ranks[r];
+    for (size_t i = 0; i < k.bufs.size(); ++i) {
+      const DestBinding& b = k.host.bindings[i];
+      ASSERT_TRUE(CopyToHost(b.data, k.bufs[i]->data(), k.bufs[i]->bytes()).ok());
+    }
+    RankResult rr;
+    job_internal::VerifyEngineParams(job, k.session->ExpectedParams(), k.host.bindings, rr);
+    EXPECT_EQ(rr.element_mismatches, 0) << "rank " << r << " first: " << rr.first_mismatch;
+    EXPECT_GT(rr.elements_checked, 0);
+    EXPECT_FALSE(k.session->IsPoisoned());
+  }
 }
 
 }  // namespace

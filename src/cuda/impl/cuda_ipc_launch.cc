@@ -20,7 +20,7 @@ std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, vo
   m.mode = first.mode;
   m.in_dtype = first.in_dtype;
   m.out_dtype = first.out_dtype;
-  bool fp8 = false;
+  bool fp8 = false, staged = false;
   for (const IpcSendPair* p : members) {
     const BatchSpec& s = p->spec();
     if (s.mode != m.mode || s.in_dtype != m.in_dtype || s.out_dtype != m.out_dtype) {
@@ -43,9 +43,30 @@ std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, vo
     const auto& copies = s.copy_bytes.empty() ? s.bucket_bytes : s.copy_bytes;
     m.copy_bytes.insert(m.copy_bytes.end(), copies.begin(), copies.end());
     fp8 = fp8 || !s.copy_bytes.empty();
+    // Block-FP8 stage ops (raw trainer values into the receivers' staging): zero bytes for the
+    // buckets of pairs without any.
+    if (!s.stage_bytes.empty()) {
+      if (staged && s.stage_dtype != m.stage_dtype) return std::nullopt;
+      staged = true;
+      m.stage_dtype = s.stage_dtype;
+      for (CopyRun r : s.stage_runs) {
+        r.bucket += base;
+        m.stage_runs.push_back(r);
+      }
+      for (CopyRun r : s.stage_landed_runs) {
+        r.bucket += base;
+        m.stage_landed_runs.push_back(r);
+      }
+    }
+    if (s.stage_bytes.empty()) {
+      m.stage_bytes.resize(base + s.bucket_bytes.size(), 0);
+    } else {
+      m.stage_bytes.insert(m.stage_bytes.end(), s.stage_bytes.begin(), s.stage_bytes.end());
+    }
     m.bucket_bytes.insert(m.bucket_bytes.end(), s.bucket_bytes.begin(), s.bucket_bytes.end());
   }
   if (!fp8) m.copy_bytes.clear();
+  if (!staged) m.stage_bytes.clear();
   for (size_t b = 0; b < m.bucket_bytes.size(); ++b) {
     m.landed_sums.push_back(static_cast<unsigned char*>(lsum) + 8 * b);
   }

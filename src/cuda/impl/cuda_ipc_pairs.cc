@@ -7,6 +7,7 @@
 // receiver through the mailbox once the launch completed, with the packed sums: the session then
 // needs no store round trip to compare them. Receiver: waits for that message.
 #include <cstring>
+#include <functional>
 
 #include "cuda/impl/cuda_ipc.h"
 
@@ -14,6 +15,7 @@ namespace shardsync::gpu::ipc {
 namespace {
 
 constexpr uint64_t kLandedMagic = 0x53534c4d;  // "SSLM"
+constexpr uint64_t kStageMagic = 0x53535354;   // "SSST": a block-FP8 receiver's staging map
 constexpr uint64_t kPairTagBase = uint64_t{0x5350} << 48;
 
 constexpr uint64_t kReadyTagBase = uint64_t{0x5352} << 48;
@@ -259,16 +261,19 @@ std::string IpcSendPair::Describe() const {
 
 namespace {
 
-// The receiver's own map of every bucket, merged into runs contiguous in wire and memory.
-Result<std::string> LandedMap(const CudaIpcTransport& t, const PairSpec& spec) {
-  const int ws = DTypeSize(spec.wire);
+// The receiver's own map of the regions `of(bucket)` gives (elements of `dtype`), merged into
+// runs contiguous in wire and memory, as a store value headed by `magic`.
+Result<std::string> LandedMap(const CudaIpcTransport& t, const PairSpec& spec, DType dtype,
+                              uint64_t magic,
+                              const std::function<std::vector<PackRegion>(size_t)>& of) {
+  const int ws = DTypeSize(dtype);
   std::vector<LandedEntry> map;
   for (size_t b = 0; b < spec.buckets.size(); ++b) {
-    for (const PackRegion& r : spec.buckets[b].local) {
-      if (r.dtype != spec.wire) {
+    for (const PackRegion& r : of(b)) {
+      if (r.dtype != dtype) {
         return InvalidArgumentError(
             "cuda_ipc: landed region of pair with rank " + std::to_string(spec.peer) + " is " +
-            std::string(DTypeName(r.dtype)) + ", the wire " + std::string(DTypeName(spec.wire)));
+            std::string(DTypeName(r.dtype)) + ", expected " + std::string(DTypeName(dtype)));
       }
       SS_ASSIGN_OR_RETURN(auto where, t.FindLocal(r.base, NumElements(r.shape) * ws));
       int64_t wire = r.wire_offset;
@@ -286,10 +291,93 @@ Result<std::string> LandedMap(const CudaIpcTransport& t, const PairSpec& spec) {
     }
   }
   std::string blob(16 + map.size() * sizeof(LandedEntry), '\0');
-  const uint64_t head[2] = {kLandedMagic, map.size()};
+  const uint64_t head[2] = {magic, map.size()};
   std::memcpy(blob.data(), head, 16);
   if (!map.empty()) std::memcpy(blob.data() + 16, map.data(), map.size() * sizeof(LandedEntry));
   return blob;
+}
+
+// The receiver's map `blob` (LandedMap) as landed runs of the sender's batch, each mapped
+// through the receiver's regions.
+Status LandedRuns(CudaIpcTransport& t, const PairSpec& spec, const std::string& blob,
+                  uint64_t magic, int ws, const std::string& what, std::vector<CopyRun>* out) {
+  const std::string who = "cuda_ipc: pair with rank " + std::to_string(spec.peer);
+  uint64_t head[2] = {0, 0};
+  if (blob.size() >= 16) std::memcpy(head, blob.data(), 16);
+  if (blob.size() < 16 || head[0] != magic || (blob.size() - 16) / sizeof(LandedEntry) != head[1] ||
+      (blob.size() - 16) % sizeof(LandedEntry) != 0) {
+    return DataLossError(who + ": the receiver's " + what + " is malformed (" +
+                         std::to_string(blob.size()) + " bytes)");
+  }
+  std::vector<LandedEntry> map(head[1]);
+  if (!map.empty()) std::memcpy(map.data(), blob.data() + 16, map.size() * sizeof(LandedEntry));
+  for (size_t k = 0; k < map.size(); ++k) {
+    const LandedEntry& e = map[k];
+    if (e.bucket < 0 || e.bucket >= static_cast<int64_t>(spec.buckets.size()) || e.wire < 0 ||
+        e.region < 0 || e.region > UINT32_MAX || e.offset < 0 || e.bytes <= 0 || e.wire % ws != 0 ||
+        e.bytes % ws != 0) {
+      return DataLossError(who + ": " + what + " entry " + std::to_string(k) + " is malformed");
+    }
+    SS_ASSIGN_OR_RETURN(
+        void* p, t.RemotePointer(spec.peer, static_cast<uint32_t>(e.region),
+                                 static_cast<uint64_t>(e.offset), static_cast<uint64_t>(e.bytes)));
+    CopyRun lr;
+    lr.in = p;
+    lr.row_elems = e.bytes / ws;
+    lr.bucket = static_cast<int32_t>(e.bucket);
+    lr.wire_offset = e.wire;
+    out->push_back(lr);
+  }
+  return OkStatus();
+}
+
+bool HasStage(const PairSpec& spec) {
+  for (const PairBucket& b : spec.buckets) {
+    if (!b.stage.empty()) return true;
+  }
+  return false;
+}
+
+std::vector<PackRegion> StageLocals(const PairSpec& spec, size_t b) {
+  std::vector<PackRegion> v;
+  for (const StageRegion& r : spec.buckets[b].stage) v.push_back(r.local);
+  return v;
+}
+
+// Sender: the bucket's stage ops as raw copies (no cast) into the receiver's staging, at offsets
+// of a compact image of them, read back through the receiver's staging map.
+Status AddStageRuns(CudaIpcTransport& t, StoreClient& store, const PairSpec& spec, Millis timeout,
+                    BatchSpec* bs) {
+  const std::string who = "cuda_ipc: block-FP8 pair with rank " + std::to_string(spec.peer);
+  bool first = true;
+  for (size_t b = 0; b < spec.buckets.size(); ++b) {
+    int64_t bytes = 0;
+    for (size_t i = 0; i < spec.buckets[b].stage.size(); ++i) {
+      const StageRegion& sr = spec.buckets[b].stage[i];
+      const PackRegion& l = sr.local;
+      const RemoteRegion& r = sr.remote;
+      if (first) bs->stage_dtype = l.dtype;
+      first = false;
+      const int es = DTypeSize(l.dtype);
+      if (l.dtype != bs->stage_dtype || l.wire_offset != bytes ||
+          l.region.numel() != r.dst.numel() || !RegionInside(l.region, l.shape) ||
+          !RegionInside(r.dst, r.shape)) {
+        return InvalidArgumentError(who + ": bucket " + std::to_string(b) + " stage op " +
+                                    std::to_string(i) + " " + l.region.ToString() + " -> " +
+                                    r.dst.ToString() +
+                                    " does not fit (dtype, compact offset, size or bounds)");
+      }
+      SS_ASSIGN_OR_RETURN(
+          void* base, t.RemotePointer(spec.peer, r.region, r.offset, NumElements(r.shape) * es));
+      AppendCoRuns(l.region, l.shape, l.base, es, r.dst, r.shape, base, es, es,
+                   static_cast<int32_t>(b), l.wire_offset, &bs->stage_runs);
+      bytes += l.region.numel() * es;
+    }
+    bs->stage_bytes.push_back(bytes);
+  }
+  SS_ASSIGN_OR_RETURN(std::string blob, store.Get(spec.key + "stagemap", timeout));
+  return LandedRuns(t, spec, blob, kStageMagic, DTypeSize(bs->stage_dtype), "staging map",
+                    &bs->stage_landed_runs);
 }
 
 }  // namespace
@@ -301,11 +389,26 @@ Result<std::unique_ptr<PreparedPair>> CudaIpcTransport::Prepare(StoreClient& sto
   SS_RETURN_IF_ERROR(CheckBuckets(spec));
   const std::string who = "cuda_ipc: pair with rank " + std::to_string(spec.peer);
   if (!spec.send) {
-    SS_ASSIGN_OR_RETURN(std::string blob, LandedMap(*this, spec));
+    SS_ASSIGN_OR_RETURN(std::string blob,
+                        LandedMap(*this, spec, spec.wire, kLandedMagic,
+                                  [&](size_t b) { return spec.buckets[b].local; }));
     SS_RETURN_IF_ERROR(store.Set(spec.key + "landed", blob));
     if (spec.fp8) {
       SS_ASSIGN_OR_RETURN(std::string fp8, Fp8LandedMap(*this, spec));
       SS_RETURN_IF_ERROR(store.Set(spec.key + "fp8map", fp8));
+    }
+    if (spec.fp8 && HasStage(spec)) {  // only pairs with stage ops publish (and read) it
+      DType stage_dtype = DType::kF32;
+      for (const PairBucket& b : spec.buckets) {
+        if (!b.stage.empty()) {
+          stage_dtype = b.stage[0].local.dtype;
+          break;
+        }
+      }
+      SS_ASSIGN_OR_RETURN(std::string st,
+                          LandedMap(*this, spec, stage_dtype, kStageMagic,
+                                    [&](size_t b) { return StageLocals(spec, b); }));
+      SS_RETURN_IF_ERROR(store.Set(spec.key + "stagemap", st));
     }
     return std::unique_ptr<PreparedPair>(new IpcRecvPair(*this, spec.peer, spec.buckets.size()));
   }
@@ -345,36 +448,14 @@ Result<std::unique_ptr<PreparedPair>> CudaIpcTransport::Prepare(StoreClient& sto
   if (spec.fp8) {  // quantize ops, and each bucket's compact copy image
     SS_ASSIGN_OR_RETURN(std::string fp8, store.Get(spec.key + "fp8map", timeout));
     SS_RETURN_IF_ERROR(AddFp8Tasks(*this, spec, fp8, &bs));
+    if (HasStage(spec)) SS_RETURN_IF_ERROR(AddStageRuns(*this, store, spec, timeout, &bs));
+  } else if (HasStage(spec)) {
+    return InvalidArgumentError(who + ": stage ops outside a block-FP8 pair");
   }
   // The receiver's map, read back through its regions.
   SS_ASSIGN_OR_RETURN(std::string blob, store.Get(spec.key + "landed", timeout));
-  uint64_t head[2] = {0, 0};
-  if (blob.size() >= 16) std::memcpy(head, blob.data(), 16);
-  if (blob.size() < 16 || head[0] != kLandedMagic ||
-      (blob.size() - 16) / sizeof(LandedEntry) != head[1] ||
-      (blob.size() - 16) % sizeof(LandedEntry) != 0) {
-    return DataLossError(who + ": the receiver's landed map is malformed (" +
-                         std::to_string(blob.size()) + " bytes)");
-  }
-  std::vector<LandedEntry> map(head[1]);
-  if (!map.empty()) std::memcpy(map.data(), blob.data() + 16, map.size() * sizeof(LandedEntry));
-  for (size_t k = 0; k < map.size(); ++k) {
-    const LandedEntry& e = map[k];
-    if (e.bucket < 0 || e.bucket >= static_cast<int64_t>(spec.buckets.size()) || e.wire < 0 ||
-        e.region < 0 || e.region > UINT32_MAX || e.offset < 0 || e.bytes <= 0 || e.wire % ws != 0 ||
-        e.bytes % ws != 0) {
-      return DataLossError(who + ": landed map entry " + std::to_string(k) + " is malformed");
-    }
-    SS_ASSIGN_OR_RETURN(
-        void* p, RemotePointer(spec.peer, static_cast<uint32_t>(e.region),
-                               static_cast<uint64_t>(e.offset), static_cast<uint64_t>(e.bytes)));
-    CopyRun lr;
-    lr.in = p;
-    lr.row_elems = e.bytes / ws;
-    lr.bucket = static_cast<int32_t>(e.bucket);
-    lr.wire_offset = e.wire;
-    bs.landed_runs.push_back(lr);
-  }
+  SS_RETURN_IF_ERROR(
+      LandedRuns(*this, spec, blob, kLandedMagic, ws, "landed map", &bs.landed_runs));
   auto pair = std::make_unique<IpcSendPair>(*this, spec.peer, std::move(bytes));
   SS_RETURN_IF_ERROR(pair->Init(std::move(bs)).Annotate(who));
   return std::unique_ptr<PreparedPair>(std::move(pair));

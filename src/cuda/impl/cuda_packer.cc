@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cuda/cuda_util.h"
+#include "shardsync/fp8.h"
 #include "shardsync/gpu.h"
 #include "shardsync/session.h"
 
@@ -108,6 +109,64 @@ class CudaPacker final : public Packer {
       }
     }
     return s;
+  }
+
+  // A prepared block-FP8 batch (fp8_batch.cu, the sessions' quantize kernel) over the bands, one
+  // bucket each so a non-finite count names its band; the e4m3 words are "read back" from where
+  // they were written (local memory: nothing else to check). Prepared once per set of bands.
+  Result<std::vector<int64_t>> QuantizeBands(const std::vector<Fp8BandTask>& bands) override {
+    SS_RETURN_IF_ERROR(Init());
+    if (bands.empty()) return std::vector<int64_t>{};
+    std::string key(1, 'q');  // field by field: no padding bytes in the key
+    for (const Fp8BandTask& b : bands) {
+      const int64_t f[] = {reinterpret_cast<int64_t>(b.src),
+                           static_cast<int64_t>(b.dtype),
+                           b.rows,
+                           b.cols,
+                           reinterpret_cast<int64_t>(b.weight),
+                           b.weight_stride,
+                           reinterpret_cast<int64_t>(b.scales),
+                           b.scale_stride};
+      key.append(reinterpret_cast<const char*>(f), sizeof(f));
+    }
+    auto it = cache_.find(key);
+    if (it == cache_.end()) {
+      BatchSpec spec;
+      spec.mode = BatchMode::kPack;
+      for (size_t i = 0; i < bands.size(); ++i) {
+        const Fp8BandTask& b = bands[i];
+        Fp8Task t;
+        t.src = b.src;
+        t.dtype = b.dtype;
+        t.src_stride = b.cols;
+        t.rows = b.rows;
+        t.cols = b.cols;
+        t.weight = b.weight;
+        t.weight_stride = b.weight_stride;
+        t.scales = b.scales;
+        t.scale_stride = b.scale_stride;
+        t.landed_weight = b.weight;
+        t.landed_weight_stride = b.weight_stride;
+        t.landed_scales = b.scales;
+        t.landed_scale_stride = b.scale_stride;
+        t.bucket = static_cast<int32_t>(i);
+        t.wire_offset = 0;
+        spec.quantize.push_back(t);
+        spec.bucket_bytes.push_back(Fp8WireBytes(b.rows, b.cols));
+        spec.copy_bytes.push_back(0);
+      }
+      auto batch = CopyBatch::Prepare(spec, device_);
+      if (!batch.ok()) {
+        Status e = batch.status();
+        return e.Annotate("cuda packer: quantizing " + std::to_string(bands.size()) +
+                          " staged block-FP8 bands");
+      }
+      if (cache_.size() > 4096) cache_.clear();
+      it = cache_.emplace(key, std::move(batch).value()).first;
+    }
+    SS_RETURN_IF_ERROR(it->second->Launch(stream_));
+    SS_RETURN_IF_ERROR(Wait());
+    return it->second->NonFinite();
   }
 
   // Staging on the device: the pack kernel writes it, and device transports read it.

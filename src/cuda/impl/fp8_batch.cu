@@ -645,6 +645,9 @@ class Fp8Batch final : public CopyBatch {
     BatchSpec copies = spec;
     copies.quantize.clear();
     copies.copy_bytes.clear();
+    copies.stage_runs.clear();
+    copies.stage_landed_runs.clear();
+    copies.stage_bytes.clear();
     copies.bucket_bytes = spec.copy_bytes;
     inner_landed_ = !spec.landed_runs.empty();
     if (!inner_landed_) copies.landed_sums.clear();
@@ -663,16 +666,18 @@ class Fp8Batch final : public CopyBatch {
     SS_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_), words * 8, cudaHostAllocDefault),
             "fp8 batch: pinned sums");
     std::memset(host_, 0, words * 8);
-    return OkStatus();
+    return InitStage(spec, device);
   }
 
   Status Launch(void* stream) override {
+    if (stage_) SS_RETURN_IF_ERROR(stage_->Launch(stream));
     SS_RETURN_IF_ERROR(Quantize(static_cast<cudaStream_t>(stream)));
     return inner_->Launch(stream);
   }
-  // The quantize kernels and the copy of their sums go first: the copies' signal, last on the
-  // stream, covers them.
+  // The stage copies, the quantize kernels and the copy of their sums go first: the copies'
+  // signal, last on the stream, covers them.
   Status LaunchSignaled(void* stream, uint64_t seq) override {
+    if (stage_) SS_RETURN_IF_ERROR(stage_->Launch(stream));
     SS_RETURN_IF_ERROR(Quantize(static_cast<cudaStream_t>(stream)));
     return inner_->LaunchSignaled(stream, seq);
   }
@@ -681,6 +686,10 @@ class Fp8Batch final : public CopyBatch {
   Result<std::vector<uint64_t>> Sums() const override {
     SS_ASSIGN_OR_RETURN(std::vector<uint64_t> s, inner_->Sums());
     for (int b = 0; b < nb_; ++b) s[b] += host_[b];
+    if (stage_) {
+      SS_ASSIGN_OR_RETURN(std::vector<uint64_t> st, stage_->Sums());
+      for (int b = 0; b < nb_; ++b) s[b] += st[b];
+    }
     return s;
   }
   Result<std::vector<uint64_t>> Checksums() const override {
@@ -702,12 +711,52 @@ class Fp8Batch final : public CopyBatch {
     for (int b = 0; b < nb_; ++b) v[b] = static_cast<int64_t>(host_[2 * nb_ + b]);
     return v;
   }
-  int64_t wire_bytes() const override { return inner_->wire_bytes() + wire_; }
-  int64_t in_bytes() const override { return inner_->in_bytes() + in_; }
-  int64_t out_bytes() const override { return inner_->out_bytes() + wire_; }
-  size_t num_chunks() const override { return inner_->num_chunks() + blocks_; }
+  int64_t wire_bytes() const override {
+    return inner_->wire_bytes() + wire_ + (stage_ ? stage_->wire_bytes() : 0);
+  }
+  int64_t in_bytes() const override {
+    return inner_->in_bytes() + in_ + (stage_ ? stage_->in_bytes() : 0);
+  }
+  int64_t out_bytes() const override {
+    return inner_->out_bytes() + wire_ + (stage_ ? stage_->out_bytes() : 0);
+  }
+  size_t num_chunks() const override {
+    return inner_->num_chunks() + blocks_ + (stage_ ? stage_->num_chunks() : 0);
+  }
 
  private:
+  // Stage ops (BatchSpec::stage_runs): a plain CopyBatch of the trainer dtype, no cast, launched
+  // first; its landed sums go straight into acc_'s landed section (Quantize hands them over and
+  // re-zeroes them), its packed sums are its own, read with ours. None without stage bytes: a
+  // plan without staged bands runs exactly as before.
+  Status InitStage(const BatchSpec& spec, int device) {
+    int64_t total = 0;
+    for (int64_t b : spec.stage_bytes) total += b;
+    if (!spec.stage_bytes.empty() && static_cast<int>(spec.stage_bytes.size()) != nb_) {
+      return InvalidArgumentError("fp8 batch: stage_bytes for " +
+                                  std::to_string(spec.stage_bytes.size()) + " buckets, not " +
+                                  std::to_string(nb_));
+    }
+    if (total == 0) {
+      if (!spec.stage_runs.empty() || !spec.stage_landed_runs.empty()) {
+        return InvalidArgumentError("fp8 batch: stage runs without stage_bytes");
+      }
+      return OkStatus();
+    }
+    BatchSpec st;
+    st.mode = BatchMode::kPack;
+    st.in_dtype = spec.stage_dtype;
+    st.out_dtype = spec.stage_dtype;
+    st.runs = spec.stage_runs;
+    st.bucket_bytes = spec.stage_bytes;
+    st.landed_runs = spec.stage_landed_runs;
+    if (!st.landed_runs.empty()) {
+      for (int b = 0; b < nb_; ++b) st.landed_sums.push_back(acc_ + nb_ + b);
+    }
+    SS_ASSIGN_OR_RETURN(stage_, CopyBatch::Prepare(st, device));
+    return OkStatus();
+  }
+
   Result<PTask> Check(const BatchSpec& spec, size_t i) const {
     const Fp8Task& q = spec.quantize[i];
     const std::string who = "fp8 batch: quantize op " + std::to_string(i);
@@ -827,6 +876,7 @@ class Fp8Batch final : public CopyBatch {
   unsigned grid_ = 1;
   std::vector<int64_t> bucket_bytes_;
   std::unique_ptr<CopyBatch> inner_;
+  std::unique_ptr<CopyBatch> stage_;  // null without stage ops
   bool inner_landed_ = false;
   PTask* tasks_ = nullptr;
   int n_tasks_ = 0;

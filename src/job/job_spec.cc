@@ -288,9 +288,17 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
   // The plan must exist: fail here, naming the field (for block FP8: a layout off the 128 grid
   // names the tensor), rather than in every rank.
   if (in.model.quant) {
-    // Bands straddling trainer ranks run on both paths: the host receiver quantizes them as they
-    // land, a device receiver from its device staging (docs/fp8.md).
-    SS_RETURN_IF_ERROR(SummarizeFp8Plan(in).status());
+    // Bands straddling trainer ranks: the host receiver quantizes them as they land; a device
+    // receiver from its device staging, which is experimental (Fp8DeviceStagingEnabled).
+    SS_ASSIGN_OR_RETURN(Fp8PlanSummary fp8, SummarizeFp8Plan(in));
+    if (job.device == "cuda" && fp8.staged_bands > 0 && !Fp8DeviceStagingEnabled()) {
+      return InvalidArgumentError("--trainer " + in.trainer.ToString() + ": " +
+                                  std::to_string(fp8.staged_bands) +
+                                  " bands of block-FP8 weights straddle trainer ranks (FSDP "
+                                  "chunks off the 128-row grid) and --device cuda would stage "
+                                  "them; " +
+                                  kFp8DeviceStagingOff + ", or --device cpu");
+    }
   } else {
     SS_RETURN_IF_ERROR(SummarizePlan(in).status());
   }

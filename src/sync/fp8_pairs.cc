@@ -5,23 +5,41 @@
 // (bands whose rows straddle trainer ranks) as PairBucket::stage: raw trainer values, no cast, at
 // offsets of a compact image of the stage ops, into the receiver's device staging (AllocStaging),
 // which the receiver quantizes once every checksum of the sync verified (QuantizeStaged).
+#include <cstdlib>
+#include <string_view>
+
 #include "sync/fp8_outline.h"
 #include "sync/pairs.h"
+
+namespace shardsync {
+
+bool Fp8DeviceStagingEnabled() {
+  const char* v = std::getenv("SHARDSYNC_FP8_DEVICE_STAGING");
+  return v != nullptr && std::string_view(v) == "1";
+}
+
+}  // namespace shardsync
 
 namespace shardsync::sync_internal {
 namespace {
 
-// A receiver without staging (its parameters are not in device memory) cannot take stage ops
-// over a prepared pair: refused naming the parameter, before any pair is prepared.
-Status RefuseStaged(const SessionContext& ctx, const Bindings& bindings, const Fp8Message& m) {
+// A receiver without staging (its parameters are not in device memory, or device staging is off:
+// Fp8DeviceStagingEnabled) cannot take stage ops over a prepared pair, nor a sender send them:
+// refused naming the parameter (or tensor), before any pair is prepared.
+Status RefuseStaged(const SessionContext& ctx, const Bindings& bindings, const Fp8Message& m,
+                    int peer) {
   for (const Fp8Op& op : m.ops) {
     if (op.kind != Fp8OpKind::kStage) continue;
+    const std::string name =
+        ctx.who.is_trainer ? ctx.inventory.at(op.tensor).name : bindings.dest(op.param).name;
     return UnimplementedError(
-        RankName(ctx.rank) + ": rows " + op.src.ToString() + " of '" +
-        bindings.dest(op.param).name +
+        RankName(ctx.rank) + ": rows " + op.src.ToString() + " of '" + name +
         "' share 128-row blocks with another trainer rank's rows (FSDP chunks off the 128 "
-        "grid); prepared pairs (with sync rank " +
-        std::to_string(m.src) + ") stage such rows only into device memory");
+        "grid), over a device pair with sync rank " +
+        std::to_string(peer) + "; " +
+        (Fp8DeviceStagingEnabled() ? std::string("prepared pairs stage such rows only into "
+                                                 "device memory")
+                                   : std::string(kFp8DeviceStagingOff)));
   }
   return OkStatus();
 }
@@ -31,7 +49,8 @@ Status RefuseStaged(const SessionContext& ctx, const Bindings& bindings, const F
 Result<const MemRegion*> PreparedPairs::AllocStaging(const Bindings& bindings) {
   bindings_ = &bindings;
   if (!ctx_.fp8 || ctx_.who.is_trainer || ctx_.fp8->staging_bytes <= 0 ||
-      bindings.BoundMem() != static_cast<int>(MemKind::kCuda) || bindings.dests().empty()) {
+      !Fp8DeviceStagingEnabled() || bindings.BoundMem() != static_cast<int>(MemKind::kCuda) ||
+      bindings.dests().empty()) {
     return static_cast<const MemRegion*>(nullptr);
   }
   const Fp8RankPlan& plan = *ctx_.fp8;
@@ -74,7 +93,14 @@ Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
   };
   // Refused before any pair is prepared, so no peer waits for this rank's maps.
   for (const Fp8Message& m : plan.recvs) {
-    if (Prepared(m.src, mem) && !staging_) SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m));
+    if (Prepared(m.src, mem) && !staging_) {
+      SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.src));
+    }
+  }
+  if (!Fp8DeviceStagingEnabled()) {
+    for (const Fp8Message& m : plan.sends) {
+      if (Prepared(m.dst, mem)) SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.dst));
+    }
   }
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
     const Fp8Message& m = plan.recvs[mi];

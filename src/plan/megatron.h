@@ -71,6 +71,11 @@ struct MegatronPlace {
   int32_t param = 0;  // index into the stage's parameters (BuildTrainerParams order)
   Region local;       // the source's box inside that parameter
 };
+// Holder k of the places [begin, end) (their holder sets in order): (trainer rank, place index),
+// or (-1, -1) past the last.
+std::pair<int, int32_t> HolderAmong(const MegatronLayout& l,
+                                    const std::vector<MegatronPlace>& places, int32_t begin,
+                                    int32_t end, int64_t k);
 struct MegatronSource {
   int32_t tensor = 0;
   Region hf;

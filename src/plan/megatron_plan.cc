@@ -30,14 +30,20 @@ bool Before(const RawSource& a, const RawSource& b) {
 
 }  // namespace
 
-std::pair<int, int32_t> MegatronSources::Holder(const MegatronLayout& l, const MegatronSource& s,
-                                                int64_t k) const {
-  for (int32_t j = s.place_begin; j < s.place_end; ++j) {
+std::pair<int, int32_t> HolderAmong(const MegatronLayout& l,
+                                    const std::vector<MegatronPlace>& places, int32_t begin,
+                                    int32_t end, int64_t k) {
+  for (int32_t j = begin; j < end; ++j) {
     const MegatronPlace& pl = places[j];
     if (k < pl.count) return {HolderRank(l, pl.holders, k), j};
     k -= pl.count;
   }
   return {-1, -1};
+}
+
+std::pair<int, int32_t> MegatronSources::Holder(const MegatronLayout& l, const MegatronSource& s,
+                                                int64_t k) const {
+  return HolderAmong(l, places, s.place_begin, s.place_end, k);
 }
 
 Result<MegatronSources> BuildMegatronSources(const ModelSpec& m, const MegatronLayout& l,
@@ -225,12 +231,7 @@ Result<std::shared_ptr<const MegatronPlanner>> MegatronPlanner::Build(const Plan
 }
 
 std::pair<int, int32_t> MegatronPlanner::Holder(const Source& s, int64_t k) const {
-  for (int32_t j = s.place_begin; j < s.place_end; ++j) {
-    const Placement& pl = places_[j];
-    if (k < pl.count) return {HolderRank(layout_, pl.holders, k), j};
-    k -= pl.count;
-  }
-  return {-1, -1};
+  return HolderAmong(layout_, places_, s.place_begin, s.place_end, k);
 }
 
 void MegatronPlanner::EmitRange(int32_t i, int64_t y0, int64_t y1, const Placement& p,

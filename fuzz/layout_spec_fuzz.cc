@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "shardsync/fp8_plan.h"
 #include "shardsync/model.h"
 #include "shardsync/plan.h"
 
@@ -26,6 +27,28 @@ const shardsync::ModelSpec& Model() {
     s.num_experts_per_tok = 2;
     s.moe_intermediate_size = 16;
     s.mlp_only_layers = {1};
+    return s;
+  }();
+  return m;
+}
+
+// The same kind of model on the 128 grid with block-FP8 engine weights: the FP8 planner (FSDP and
+// Megatron trainers) must plan a layout or refuse it with an error, never crash.
+const shardsync::ModelSpec& Fp8Model() {
+  static const shardsync::ModelSpec m = [] {
+    shardsync::ModelSpec s = shardsync::LoadModelSpec("qwen3-30b-a3b").value();
+    s.hidden_size = 256;
+    s.num_attention_heads = 4;
+    s.num_key_value_heads = 2;
+    s.head_dim = 128;
+    s.num_hidden_layers = 4;
+    s.intermediate_size = 512;
+    s.vocab_size = 300;
+    s.num_experts = 4;
+    s.num_experts_per_tok = 2;
+    s.moe_intermediate_size = 256;
+    s.mlp_only_layers = {1};
+    s.quant = shardsync::ParseQuantFlag("fp8-block128").value();
     return s;
   }();
   return m;
@@ -61,6 +84,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     auto plan = shardsync::PlanForRank(in, r);
     if (!plan.ok()) __builtin_trap();  // inputs that validate must plan
     for (const auto& m : plan->sends) {
+      if (m.dst < 0 || m.dst >= world) __builtin_trap();
+    }
+  }
+  // Block FP8: plans or refuses (a shard off the 128 grid), and a plan stays inside the world.
+  in.model = Fp8Model();
+  if (!shardsync::CheckTrainerLayout(in.model, *trainer).ok()) return 0;
+  if (!shardsync::ValidatePlanInputs(in).ok()) return 0;
+  for (int r : {0, world - 1}) {
+    auto fp8 = shardsync::PlanFp8ForRank(in, r);
+    if (!fp8.ok()) continue;
+    for (const auto& m : fp8->sends) {
       if (m.dst < 0 || m.dst >= world) __builtin_trap();
     }
   }

@@ -147,6 +147,19 @@ inline int64_t Fp8Blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
 float Fp8QuantizeBlock(const void* src, DType dtype, int64_t src_stride, int64_t rows, int64_t cols,
                        uint8_t* dst, int64_t dst_stride, int64_t* nonfinite);
 
+// Wire bytes of a kAmax op: rows (< 128) of one block row; the e4m3 bytes zero-padded to 8,
+// then, for the holder that sends them, the block row's fp32 scales zero-padded to 8.
+inline int64_t Fp8PartWireBytes(int64_t rows, int64_t cols, bool with_scales) {
+  const int64_t q = (rows * cols + 7) & ~int64_t{7};
+  return q + (with_scales ? ((Fp8Blocks(cols) * 4 + 7) & ~int64_t{7}) : 0);
+}
+
+// The max over |x| of a fp32 value as magnitude bits: for non-negative floats the integer order
+// is the float order, and NaN (above 0x7f800000) and Inf (0x7f800000) rank above every finite
+// value, so the max of partials sees them.
+SHARDSYNC_HD uint32_t Fp8MagnitudeBits(float x) { return Fp8FloatBits(x) & 0x7fffffffu; }
+inline bool Fp8AmaxBitsFinite(uint32_t bits) { return bits < 0x7f800000u; }
+
 struct Fp8PackResult {
   uint64_t sum = 0;       // ChecksumPartial of the op's wire bytes at its wire offset
   int64_t nonfinite = 0;  // non-finite inputs seen (their blocks are NaN on the wire)
@@ -158,6 +171,16 @@ struct Fp8PackResult {
 // bytes as the CPU packer computes them (checksum.h: ChecksumPartial at byte offset
 // src.wire_offset, a multiple of 8). InvalidArgument for a bad region or dtype.
 Result<Fp8PackResult> Fp8QuantizePack(const PackRegion& src, void* out);
+
+// Blocks split across holders (the amax exchange, fp8_plan.h kAmax). The partial amax of `src`
+// (rows of one block row, 2-d, or 3-d with leading extent 1) per 128-column block as magnitude
+// bits (Fp8MagnitudeBits), into out[Fp8Blocks(cols)]. InvalidArgument for a bad region or dtype.
+Status Fp8PartialAmax(const PackRegion& src, uint32_t* out);
+// The quantize-pack of such rows with the block row's scales given (scales[Fp8Blocks(cols)],
+// from Fp8BlockScale of the combined amax): writes Fp8PartWireBytes(rows, cols, with_scales) at
+// `out` with the checksum terms, as Fp8QuantizePack does for whole blocks.
+Result<Fp8PackResult> Fp8QuantizePackScaled(const PackRegion& src, const float* scales,
+                                            bool with_scales, void* out);
 
 // Whole-tensor helpers (reference engine, tests): quantize a row-major [rows, cols] fp32 matrix
 // into e4m3 bytes [rows * cols] and scales [ceil(rows/128) * ceil(cols/128)]; dequantize back

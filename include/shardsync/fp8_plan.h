@@ -10,6 +10,12 @@
 //    rows raw (trainer dtype, exact) into a staging area of the receiver, which quantizes the band
 //    with the same quantizer once every part landed (Fp8StagedBand). Costs trainer-dtype bytes on
 //    the wire for those bands, the staging memory, and a pass on the receiver.
+//  * kAmax (PlanOptions::fp8_split = kAmax, the default): the same straddling band without
+//    staging. Every trainer rank holding rows of it posts the band's partial amax over its rows
+//    (per 128-column block) to the store once per sync, reads the other holders' partials, and
+//    quantizes its own rows with the block's scale (max of partials / 448: max is associative, so
+//    bit-exact with the whole block's quantizer); the holder of the band's first row also sends
+//    the scales. e4m3 on the wire, no staging, no receiver pass; host path only.
 //  * kCopy: parameters the engine keeps unquantized (embeddings, norms, biases, router gate,
 //    lm_head, modules_to_not_convert) move as in a bf16 plan.
 // Megatron trainers hold whole 128 x 128 blocks of every quantized weight for the usual models
@@ -32,21 +38,25 @@ namespace shardsync {
 // quantized models.
 inline constexpr std::string_view kFp8PlannerVersion = "shardsync-fp8-plan/1";
 
-enum class Fp8OpKind : uint8_t { kCopy, kQuantize, kStage };
-std::string_view Fp8OpKindName(Fp8OpKind k);  // "copy" | "quantize" | "stage"
+enum class Fp8OpKind : uint8_t { kCopy, kQuantize, kStage, kAmax };
+std::string_view Fp8OpKindName(Fp8OpKind k);  // "copy" | "quantize" | "stage" | "amax"
 
 struct Fp8Op {
   Fp8OpKind kind = Fp8OpKind::kCopy;
-  int32_t tensor = 0;        // index into HfTensorInventory(model): the trainer's tensors
-  int32_t param = 0;         // kCopy / kQuantize: index into the dst rank's params
-  int32_t scale_param = -1;  // kQuantize: the weight_scale_inv parameter of `param`
-  int32_t stage = -1;        // kStage: index into the receiver's Fp8RankPlan::staged
-  Region src;                // region of the HF tensor (rows block-aligned for kQuantize)
-  Region dst;                // kCopy / kQuantize: param region; kStage: rows x cols of the band
-  Region scale_dst;          // kQuantize: the scale param's blocks of `dst`
-  int64_t wire_offset = 0;   // multiple of 8 inside the message's wire image
+  int32_t tensor = 0;  // index into HfTensorInventory(model): the trainer's tensors
+  int32_t param = 0;   // kCopy / kQuantize: index into the dst rank's params
+  // kQuantize, and kAmax ops that send their band's scales: the weight_scale_inv parameter of
+  // `param`; -1 for a kAmax op of another holder of the band (e4m3 rows only).
+  int32_t scale_param = -1;
+  int32_t stage = -1;  // kStage: index into the receiver's Fp8RankPlan::staged
+  // Region of the HF tensor: rows block-aligned for kQuantize; for kAmax the sender's rows of one
+  // block row (the band is rows [src row / 128 * 128, + 128) of the tensor), columns on the grid.
+  Region src;
+  Region dst;        // kCopy / kQuantize / kAmax: param region; kStage: rows x cols of the band
+  Region scale_dst;  // kQuantize, kAmax with scale_param >= 0: the scale param's blocks of `dst`
+  int64_t wire_offset = 0;  // multiple of 8 inside the message's wire image
   // kCopy: numel * wire dtype; kQuantize: Fp8WireBytes(rows, cols); kStage: numel * trainer
-  // dtype; each rounded up to 8.
+  // dtype; kAmax: Fp8PartWireBytes(rows, cols, scale_param >= 0); each rounded up to 8.
   int64_t bytes = 0;
   // kStage: the band's staging_offset at the receiver. A stage op spans whole rows of its band
   // (dst: rows x every column), so its bytes sit at staging_offset + dst row * row bytes: what a
@@ -69,6 +79,23 @@ struct Fp8StagedBand {
   int64_t bytes = 0;           // rows * cols * dtype size
 };
 
+// A band of one block row (<= 128 rows x every column of an HF tensor) whose rows straddle FSDP
+// trainer ranks, as one of its holders sees it (kAmax): the holder computes the partial amax of
+// its own rows per 128-column block, posts it at `slot` of its store value, and combines it with
+// the other holders' at their slots.
+struct Fp8AmaxHolder {
+  int32_t rank = 0;  // sync rank (trainer) of another holder, in this rank's group
+  int64_t slot = 0;  // index of the band's first block in that holder's value
+};
+struct Fp8AmaxBand {
+  int32_t tensor = 0;
+  int64_t row0 = 0, rows = 0;      // the band: HF rows [row0, row0 + rows), on the 128 grid
+  int64_t own0 = 0, own_rows = 0;  // the rows this rank holds
+  int64_t blocks = 0;              // ceil(columns / 128): partials per holder
+  int64_t slot = 0;                // index of the band's first block in this rank's value
+  std::vector<Fp8AmaxHolder> others;
+};
+
 struct Fp8Message {
   int32_t src = 0;  // sync rank (trainer)
   int32_t dst = 0;  // sync rank (engine)
@@ -87,6 +114,12 @@ struct Fp8RankPlan {
   std::vector<Fp8Message> recvs;      // engines, ordered by src
   std::vector<Fp8StagedBand> staged;  // engines: bands this rank quantizes itself
   int64_t staging_bytes = 0;          // engines: staging buffer size
+  // Trainers of kAmax plans: every straddling band this rank holds rows of (sorted by tensor,
+  // row), whether or not it sends them (replica groups share the work, every holder posts), the
+  // length of its value (partials, 4 bytes each) and the ranks whose values it reads.
+  std::vector<Fp8AmaxBand> amax_bands;
+  int64_t amax_blocks = 0;
+  std::vector<int32_t> amax_peers;
 };
 
 // The plan of one sync rank for a model with a QuantConfig (FailedPrecondition without one).
@@ -112,6 +145,14 @@ struct Fp8PlanSummary {
   int64_t receiver_quantized_elements = 0;  // quantized by engine ranks from staging
   int64_t staged_bands = 0;
   int64_t max_staging_bytes = 0;  // largest staging buffer of an engine rank
+  // kAmax: ops' bytes (e4m3 + the scale senders' scales), elements, the straddling bands
+  // (distinct HF block rows) and their blocks, and the store bytes of the exchange per sync:
+  // every holder's value (4 bytes per block it holds rows of) written once and read by each
+  // other holder of its bands.
+  int64_t amax_bytes = 0;
+  int64_t amax_elements = 0;
+  int64_t amax_bands = 0, amax_blocks = 0;
+  int64_t exchange_write_bytes = 0, exchange_read_bytes = 0;
   // Memory-bound figure of the same work: every trainer element the plan reads, read once in
   // the trainer dtype, plus every engine byte (e4m3, scales, unquantized params) written once.
   int64_t bound_read_bytes = 0;

@@ -82,9 +82,20 @@ struct RolloutSpec {
 // "dp=2,tp=2,pp=2[,ep=2]"; errors name the field.
 Result<RolloutSpec> ParseRolloutSpec(std::string_view s, EngineKind engine);
 
+// Block-FP8 plans (fp8_plan.h): how a 128-row block whose rows straddle FSDP trainer ranks is
+// quantized. kAmax: its holders exchange partial amaxes through the store and each quantizes its
+// own rows with the block's scale (e4m3 on the wire, no staging; host path only). kStage: each
+// holder sends its rows raw and the receiver quantizes the band from a staging buffer.
+enum class Fp8Split : uint8_t { kAmax, kStage };
+std::string_view Fp8SplitName(Fp8Split s);  // "amax" | "stage"
+// "amax" | "stage"; InvalidArgument naming `flag` otherwise.
+Result<Fp8Split> ParseFp8Split(std::string_view s, std::string_view flag = "--fp8-split");
+
 struct PlanOptions {
   DType wire_dtype = DType::kBF16;
   int64_t bucket_bytes = int64_t{512} << 20;
+  // Block-FP8 models only; in the plan hash when kAmax (kStage plans keep their hashes).
+  Fp8Split fp8_split = Fp8Split::kAmax;
 };
 
 // Bumped whenever the planner's output for the same inputs changes; part of PlanHash.

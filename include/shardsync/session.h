@@ -66,6 +66,14 @@ inline constexpr char kFp8DeviceStagingOff[] =
     "whose chunks fall on the 128 grid (`shardsync plan` shows the staged bands), sync from host "
     "memory, or set SHARDSYNC_FP8_DEVICE_STAGING=1 to use them anyway";
 
+// Blocks shared by FSDP trainer ranks under the amax exchange (PlanOptions::fp8_split kAmax, the
+// default) are quantized on the host path only; device pairs refuse them with this tail.
+inline constexpr char kFp8AmaxOnDevice[] =
+    "the amax exchange of shared blocks runs on the host path only: use `--fp8-split stage` "
+    "(fp8_split='stage'; experimental on device pairs, SHARDSYNC_FP8_DEVICE_STAGING=1), an FSDP "
+    "size whose chunks fall on the 128 grid (`shardsync plan` shows the exchanged blocks), or "
+    "host memory";
+
 // Copies strided regions to and from contiguous wire images with the dtype cast and the checksum
 // (checksum.h) fused into the pass. The CPU implementation handles host memory; a device
 // implementation (src/cuda) can be passed in SessionOptions for device buffers.

@@ -83,6 +83,9 @@ class Fp8Summary(TypedDict):
     stage_bytes: int
     sender_quantized_elements: int
     receiver_quantized_elements: int
+    amax_elements: int
+    amax_bytes: int
+    exchange_write_bytes: int
     staged_bands: int
     max_staging_bytes: int
     bound_read_bytes: int

@@ -127,6 +127,9 @@ py::dict Fp8SummaryToPy(const Fp8PlanSummary& f) {
   q["stage_bytes"] = f.stage_bytes;
   q["sender_quantized_elements"] = f.sender_quantized_elements;
   q["receiver_quantized_elements"] = f.receiver_quantized_elements;
+  q["amax_elements"] = f.amax_elements;  // blocks shared by trainer ranks (amax exchange)
+  q["amax_bytes"] = f.amax_bytes;
+  q["exchange_write_bytes"] = f.exchange_write_bytes;
   q["staged_bands"] = f.staged_bands;
   q["max_staging_bytes"] = f.max_staging_bytes;
   q["bound_read_bytes"] = f.bound_read_bytes;

@@ -65,12 +65,14 @@ def test_sync_lands_the_quantizers_bytes(need_session, fp8_model):
     if "loopback" not in shardsync.native().transports():
         pytest.skip("loopback transport not built")
     # fsdp=4: gate/up (768 rows) straddle trainer ranks, so both paths run: blocks quantized by
-    # their sender and bands quantized by the engine rank from staged rows.
+    # their sender and blocks shared by trainer ranks, quantized by their holders with the amax
+    # they exchange (the default split).
     spec = dict(model=fp8_model, trainer="fsdp=4", rollout="dp=1,tp=2,pp=1", engine="vllm",
                 wire_dtype="f32", trainer_dtype="f32", bucket_bytes=256 << 10)
     plan = shardsync.Plan.from_spec(spec)
     q = plan.summary()["quant"]
-    assert q["sender_quantized_elements"] > 0 and q["receiver_quantized_elements"] > 0
+    assert q["sender_quantized_elements"] > 0 and q["amax_elements"] > 0
+    assert q["receiver_quantized_elements"] == 0
     rng = np.random.default_rng(7)
     full = {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s, _ in plan.hf_tensors()}
     params = {}

@@ -141,6 +141,90 @@ Result<Fp8PackResult> Fp8QuantizePack(const PackRegion& src, void* out) {
   return res;
 }
 
+namespace {
+
+// A kAmax op's source: rows (<= 128) x cols of a 2-d matrix (or one 3-d slice).
+struct PartRows {
+  const unsigned char* base = nullptr;
+  int64_t rows = 0, cols = 0, stride = 0;  // stride: elements between rows
+  int es = 0;
+};
+
+Result<PartRows> PartRowsOf(const PackRegion& src, std::string_view what) {
+  const Region& r = src.region;
+  if (!Quantizable(src.dtype)) {
+    return InvalidArgumentError(std::string(what) + ": source dtype " +
+                                std::string(DTypeName(src.dtype)) + " is not f32, bf16 or f16");
+  }
+  if (src.base == nullptr || !RegionInside(r, src.shape) || r.ndim < 2 || r.ndim > 3 ||
+      (r.ndim == 3 && r.extent[0] != 1) || src.wire_offset % 8 != 0 ||
+      r.extent[r.ndim - 2] > kFp8Block) {
+    return InvalidArgumentError(std::string(what) + ": region " + r.ToString() + " of shape " +
+                                ShapeToString(src.shape) +
+                                " is not at most 128 rows of a matrix at an 8-byte wire offset");
+  }
+  const int d = r.ndim - 2;
+  PartRows p;
+  p.rows = r.extent[d];
+  p.cols = r.extent[d + 1];
+  p.stride = src.shape[d + 1];
+  int64_t start = r.offset[d] * p.stride + r.offset[d + 1];
+  if (d == 1) start += r.offset[0] * src.shape[1] * src.shape[2];
+  p.es = DTypeSize(src.dtype);
+  p.base = static_cast<const unsigned char*>(src.base) + start * p.es;
+  return p;
+}
+
+}  // namespace
+
+Status Fp8PartialAmax(const PackRegion& src, uint32_t* out) {
+  SS_ASSIGN_OR_RETURN(PartRows p, PartRowsOf(src, "fp8 partial amax"));
+  const int64_t nbc = Fp8Blocks(p.cols);
+  std::fill(out, out + nbc, 0u);
+  std::vector<float> row(static_cast<size_t>(p.cols));
+  for (int64_t i = 0; i < p.rows; ++i) {
+    LoadRow(p.base + i * p.stride * p.es, src.dtype, p.cols, row.data());
+    for (int64_t bc = 0; bc < nbc; ++bc) {
+      const int64_t c1 = std::min(p.cols, (bc + 1) * kFp8Block);
+      uint32_t m = out[bc];
+      for (int64_t c = bc * kFp8Block; c < c1; ++c) m = std::max(m, Fp8MagnitudeBits(row[c]));
+      out[bc] = m;
+    }
+  }
+  return OkStatus();
+}
+
+Result<Fp8PackResult> Fp8QuantizePackScaled(const PackRegion& src, const float* scales,
+                                            bool with_scales, void* out) {
+  SS_ASSIGN_OR_RETURN(PartRows p, PartRowsOf(src, "fp8 quantize"));
+  const int64_t nbc = Fp8Blocks(p.cols);
+  std::vector<float> inv(static_cast<size_t>(nbc));
+  for (int64_t bc = 0; bc < nbc; ++bc) inv[bc] = Fp8InverseScale(scales[bc]);
+  auto* o = static_cast<uint8_t*>(out);
+  Fp8PackResult res;
+  std::vector<float> row(static_cast<size_t>(p.cols));
+  for (int64_t i = 0; i < p.rows; ++i) {
+    LoadRow(p.base + i * p.stride * p.es, src.dtype, p.cols, row.data());
+    uint8_t* d = o + i * p.cols;
+    for (int64_t c = 0; c < p.cols; ++c) {
+      const float x = row[c];
+      if (!(std::fabs(x) <= 3.402823466e38f)) ++res.nonfinite;
+      d[c] = Fp8QuantizeValue(x, inv[c / kFp8Block]);
+    }
+  }
+  const int64_t q = p.rows * p.cols, qp = AlignUp8(q);
+  std::memset(o + q, 0, static_cast<size_t>(qp - q));
+  int64_t total = qp;
+  if (with_scales) {
+    const int64_t sb = nbc * 4, sp = AlignUp8(sb);
+    std::memcpy(o + qp, scales, static_cast<size_t>(sb));
+    std::memset(o + qp + sb, 0, static_cast<size_t>(sp - sb));
+    total += sp;
+  }
+  res.sum = ChecksumPartial(o, static_cast<size_t>(total), static_cast<uint64_t>(src.wire_offset));
+  return res;
+}
+
 int64_t Fp8QuantizeMatrix(const float* x, int64_t rows, int64_t cols, uint8_t* q, float* scales) {
   int64_t nonfinite = 0;
   const int64_t nbc = Fp8Blocks(cols);

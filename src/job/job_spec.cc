@@ -58,6 +58,10 @@ std::vector<std::string> JobSpecToArgs(const JobSpec& job) {
     a.push_back("--quant");
     a.push_back(in.model.quant ? "fp8-block128" : "none");
   }
+  if (in.model.quant) {
+    a.push_back("--fp8-split");
+    a.push_back(std::string(Fp8SplitName(in.options.fp8_split)));
+  }
   if (!job.verify) a.push_back("--no-verify");
   if (!job.dump_dir.empty()) {
     a.push_back("--dump-dir");
@@ -186,6 +190,7 @@ Status PlanInputsFromFlags(const JobFlags& f, PlanInputs& in) {
   }
   SS_ASSIGN_OR_RETURN(in.options.wire_dtype, ParseDType(f.wire_dtype, "--wire-dtype"));
   SS_ASSIGN_OR_RETURN(in.trainer_dtype, ParseDType(f.trainer_dtype, "--trainer-dtype"));
+  SS_ASSIGN_OR_RETURN(in.options.fp8_split, ParseFp8Split(f.fp8_split));
   SS_RETURN_IF_ERROR(job_internal::CheckFloatDType(in.options.wire_dtype, "--wire-dtype"));
   SS_RETURN_IF_ERROR(job_internal::CheckFloatDType(in.trainer_dtype, "--trainer-dtype"));
   if (f.bucket_bytes < 0) {
@@ -291,6 +296,14 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
     // Bands straddling trainer ranks: the host receiver quantizes them as they land; a device
     // receiver from its device staging, which is experimental (Fp8DeviceStagingEnabled).
     SS_ASSIGN_OR_RETURN(Fp8PlanSummary fp8, SummarizeFp8Plan(in));
+    if (job.device == "cuda" && fp8.amax_elements > 0) {
+      return InvalidArgumentError("--trainer " + in.trainer.ToString() + ": " +
+                                  std::to_string(fp8.amax_blocks) +
+                                  " blocks of block-FP8 weights are shared by trainer ranks (FSDP "
+                                  "chunks off the 128-row grid) and --device cuda cannot quantize "
+                                  "them with the amax exchange; " +
+                                  kFp8AmaxOnDevice + " (--device cpu)");
+    }
     if (job.device == "cuda" && fp8.staged_bands > 0 && !Fp8DeviceStagingEnabled()) {
       return InvalidArgumentError("--trainer " + in.trainer.ToString() + ": " +
                                   std::to_string(fp8.staged_bands) +

@@ -70,6 +70,9 @@ struct JobFlags {
   // Engine weights: "fp8-block128" (block FP8, overriding the config's quantization_config),
   // "none" (the model dtype, dropping it), "" (as the config says).
   std::string quant;
+  // Block FP8: blocks whose rows straddle trainer ranks, "amax" (exchanged amax, the default) or
+  // "stage" (PlanOptions::fp8_split).
+  std::string fp8_split = "amax";
 };
 // Validates and resolves the flags; errors name the flag. --transport auto resolves to "shm"
 // when every rank runs on this host (`all_local`: demo, bench), else to DefaultTransport().

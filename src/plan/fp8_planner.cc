@@ -45,6 +45,8 @@ std::string_view Fp8OpKindName(Fp8OpKind k) {
       return "quantize";
     case Fp8OpKind::kStage:
       return "stage";
+    case Fp8OpKind::kAmax:
+      return "amax";
   }
   return "?";
 }
@@ -145,6 +147,22 @@ Result<Fp8Context> Fp8Context::Build(const PlanInputs& in) {
       }
       c.scale_of_[e][i] = it->second;
     }
+  }
+  if (in.trainer.kind != TrainerSpec::Kind::kMegatron && in.options.fp8_split == Fp8Split::kAmax) {
+    // Every straddling band of the job (any engine rank's, any column range), once: the unit of
+    // the amax exchange (AmaxLayout).
+    std::vector<std::pair<int32_t, int64_t>> bands;
+    for (int e = 0; e < c.E_; ++e) {
+      c.Walk(
+          e,
+          [&](const Fp8Unit& u) {
+            if (u.kind == Fp8OpKind::kAmax) bands.emplace_back(u.tensor, u.src.offset[0] / B * B);
+          },
+          nullptr);
+    }
+    std::sort(bands.begin(), bands.end());
+    bands.erase(std::unique(bands.begin(), bands.end()), bands.end());
+    c.amax_bands_ = std::move(bands);
   }
   if (in.trainer.kind == TrainerSpec::Kind::kMegatron) {
     const MegatronLayout& l = in.trainer.megatron;
@@ -339,6 +357,23 @@ void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
           continue;
         }
         flush(r);
+        if (in_.options.fp8_split == Fp8Split::kAmax) {
+          // A band straddling chunks [k0, k1], quantized by its holders with the block's amax
+          // exchanged among them; the holder of its first row sends the scales.
+          for (int64_t k = k0; k <= k1; ++k) {
+            Fp8Unit u;
+            u.kind = Fp8OpKind::kAmax;
+            u.tensor = tensor;
+            u.param = static_cast<int32_t>(pi);
+            u.scale_param = k == k0 ? scale_of_[e][pi] : -1;
+            rows(std::max(r, k * ch), std::min(re, (k + 1) * ch), &u.src, &u.dst);
+            if (k == k0) u.scale_dst = BlockRegion(u.dst);
+            u.chunk = k;
+            u.index = counter[k]++;
+            fn(u);
+          }
+          continue;
+        }
         // A band straddling chunks [k0, k1]: the receiver quantizes it from staged raw values.
         Fp8StagedBand band;
         band.tensor = tensor;
@@ -388,6 +423,26 @@ void Fp8Context::Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const {
     op.staging_offset = u.staging_offset;
     return op;
   };
+  if (u.kind == Fp8OpKind::kAmax) {
+    // Rows of one block row: split on 128-column boundaries only (caps below a 128-row band).
+    const bool sc = u.scale_param >= 0;
+    const int dr = u.dst.ndim - 2;
+    const int64_t R = u.dst.extent[dr], C = u.dst.extent[dr + 1];
+    int64_t step = C;
+    if (Fp8PartWireBytes(R, C, sc) > cap) {
+      step = B;
+      while (step + B < C && Fp8PartWireBytes(R, step + B, sc) <= cap) step += B;
+    }
+    for (int64_t c = 0; c < C; c += step) {
+      Fp8Op op = base();
+      const int64_t m = std::min(step, C - c);
+      SubMatrix(u, 0, R, c, m, &op.src, &op.dst);
+      if (sc) op.scale_dst = BlockRegion(op.dst);
+      op.bytes = Fp8PartWireBytes(R, m, sc);
+      out->push_back(op);
+    }
+    return;
+  }
   if (u.kind != Fp8OpKind::kQuantize) {
     const int64_t elem = u.kind == Fp8OpKind::kCopy ? wire_ : stage_;
     SplitBox(u.dst, elem, cap - 8, [&](const Region& sub) {
@@ -422,6 +477,39 @@ void Fp8Context::Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const {
       add(r, std::min(B, R - r), c, std::min(blocks * B, C - c));
     }
   }
+}
+
+void Fp8Context::AmaxLayout(int s, std::vector<Fp8AmaxBand>* mine, std::vector<int64_t>* blocks,
+                            std::vector<std::vector<char>>* peers, int group) const {
+  // Each chunk's value lists the partials of the bands it touches, in band order (tensor, row).
+  std::vector<int64_t> next(S_, 0);
+  for (const auto& [tensor, row0] : amax_bands_) {
+    const Shape& shape = inv_[tensor].shape;
+    const int64_t ch = chunk_[tensor];
+    const int64_t rows = std::min(B, shape[0] - row0), nb = CeilDiv(shape[1], B);
+    const int64_t k0 = row0 / ch, k1 = (row0 + rows - 1) / ch;
+    if (mine != nullptr && s >= k0 && s <= k1) {
+      Fp8AmaxBand ab;
+      ab.tensor = tensor;
+      ab.row0 = row0;
+      ab.rows = rows;
+      ab.own0 = std::max(row0, s * ch);
+      ab.own_rows = std::min(row0 + rows, (s + 1) * ch) - ab.own0;
+      ab.blocks = nb;
+      ab.slot = next[s];
+      for (int64_t k = k0; k <= k1; ++k) {
+        if (k != s) ab.others.push_back({static_cast<int32_t>(group * S_ + k), next[k]});
+      }
+      mine->push_back(std::move(ab));
+    }
+    for (int64_t k = k0; k <= k1; ++k) {
+      next[k] += nb;
+      for (int64_t j = k0; peers != nullptr && j <= k1; ++j) {
+        if (j != k) (*peers)[k][j] = 1;
+      }
+    }
+  }
+  if (blocks != nullptr) *blocks = std::move(next);
 }
 
 Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
@@ -494,6 +582,17 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
     }
     std::sort(rp.sends.begin(), rp.sends.end(),
               [](const Fp8Message& a, const Fp8Message& b) { return a.dst < b.dst; });
+    if (!amax_bands_.empty()) {
+      std::vector<int64_t> blocks;
+      AmaxLayout(s, &rp.amax_bands, &blocks, nullptr, t / S_);
+      rp.amax_blocks = blocks[s];
+      for (const Fp8AmaxBand& b : rp.amax_bands) {
+        for (const Fp8AmaxHolder& h : b.others) rp.amax_peers.push_back(h.rank);
+      }
+      std::sort(rp.amax_peers.begin(), rp.amax_peers.end());
+      rp.amax_peers.erase(std::unique(rp.amax_peers.begin(), rp.amax_peers.end()),
+                          rp.amax_peers.end());
+    }
     return rp;
   }
   const int d = who.replica, e = who.pp_rank * in_.rollout.shard.tp + who.tp_rank;
@@ -567,6 +666,10 @@ Result<Fp8RankPlan> PlanFp8ForRank(const PlanInputs& in, int sync_rank) {
   return ctx.PlanForRank(sync_rank);
 }
 
+namespace {
+int64_t CeilDivI(int64_t a, int64_t b) { return (a + b - 1) / b; }
+}  // namespace
+
 Result<Fp8PlanSummary> SummarizeFp8Plan(const PlanInputs& in) {
   SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::Fp8Context::Build(in));
   Fp8PlanSummary sum;
@@ -604,6 +707,10 @@ Result<Fp8PlanSummary> SummarizeFp8Plan(const PlanInputs& in) {
           case Fp8OpKind::kStage:
             sum.stage_bytes += op.bytes;
             break;
+          case Fp8OpKind::kAmax:
+            sum.amax_bytes += op.bytes;
+            sum.amax_elements += op.dst.numel();
+            break;
         }
       }
     }
@@ -613,6 +720,24 @@ Result<Fp8PlanSummary> SummarizeFp8Plan(const PlanInputs& in) {
     sum.total_bytes += er.recv_bytes;
     sum.bound_write_bytes += er.owned_bytes;
     sum.engine_ranks.push_back(er);
+  }
+  // The exchange: every holder of a straddling band (in every replica group) writes its value
+  // once and reads each of its peers' values once per sync.
+  if (!ctx.amax_bands().empty()) {
+    const int S1 = in.trainer.shards_per_group(), R = in.trainer.groups();
+    std::vector<int64_t> blocks;
+    std::vector<std::vector<char>> peers(S1, std::vector<char>(S1, 0));
+    ctx.AmaxLayout(0, nullptr, &blocks, &peers, 0);
+    sum.amax_bands = static_cast<int64_t>(ctx.amax_bands().size());
+    for (const auto& [tensor, row0] : ctx.amax_bands()) {
+      sum.amax_blocks += CeilDivI(ctx.inventory()[tensor].shape[1], kFp8Block);
+    }
+    for (int k = 0; k < S1; ++k) {
+      sum.exchange_write_bytes += R * blocks[k] * 4;
+      for (int j = 0; j < S1; ++j) {
+        if (peers[k][j]) sum.exchange_read_bytes += R * blocks[j] * 4;
+      }
+    }
   }
   const int64_t tsize = DTypeSize(in.trainer_dtype);
   for (size_t i = 0; i < read.size(); ++i) {

@@ -50,6 +50,13 @@ class Fp8Context {
   int replicas() const { return D_; }
   int64_t chunk_rows(int32_t tensor) const { return chunk_[tensor]; }
   int64_t wire_size() const { return wire_; }
+  // kAmax plans of FSDP-like trainers: every straddling band (tensor, first HF row), sorted.
+  const std::vector<std::pair<int32_t, int64_t>>& amax_bands() const { return amax_bands_; }
+  // The exchange's layout (fp8_plan.h Fp8AmaxBand): the bands chunk `s` holds rows of, for a
+  // rank of replica group `group` (mine); every chunk's value length in blocks (blocks); which
+  // chunks read which (peers[k][j]: chunk k reads chunk j's value). Each output optional.
+  void AmaxLayout(int s, std::vector<Fp8AmaxBand>* mine, std::vector<int64_t>* blocks,
+                  std::vector<std::vector<char>>* peers, int group) const;
   int64_t stage_size() const { return stage_; }
 
  private:
@@ -70,6 +77,7 @@ class Fp8Context {
   std::vector<std::vector<int32_t>> scale_of_;
   // Megatron trainers: the HF boxes each rank holds and where (megatron.h).
   std::shared_ptr<const MegatronSources> mg_;
+  std::vector<std::pair<int32_t, int64_t>> amax_bands_;
 };
 
 }  // namespace shardsync::plan_internal

@@ -3,6 +3,7 @@
 // independently of the planner's walk.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 
 #include "plan/fp8_planner.h"
@@ -128,6 +129,72 @@ Status CheckQuantized(const Fp8Context& ctx, const EngineRankShards& rank, int32
   return CheckAgainstPieces(sp, WeightScaleName(t.name), BlockRegion(src), scale_dst, what);
 }
 
+// A kAmax op: rows of one band (all of them when it sends the band's scales: then from its
+// first row) x columns on the grid, into the e4m3 weight (and its scales) the shard map names.
+Status CheckAmaxOp(const Fp8Context& ctx, const EngineRankShards& rank, const Fp8Op& op,
+                   std::string_view what) {
+  const HfTensor& t = ctx.inventory()[op.tensor];
+  const auto& params = rank.params;
+  const int32_t np = static_cast<int32_t>(params.size());
+  if (op.param < 0 || op.param >= np || op.scale_param >= np || op.src.ndim != 2 ||
+      op.src.numel() != op.dst.numel() || params[op.param].dtype != DType::kF8E4M3) {
+    return InternalError(fmt::format("{}: not rows of an e4m3 weight", what));
+  }
+  const int64_t r0 = op.src.offset[0], r1 = r0 + op.src.extent[0];
+  const int64_t c0 = op.src.offset[1], c1 = c0 + op.src.extent[1];
+  const bool scales = op.scale_param >= 0;
+  if (r0 / B != (r1 - 1) / B || c0 % B != 0 || (c1 % B != 0 && c1 != t.shape[1]) ||
+      (scales && r0 % B != 0) ||
+      op.bytes != Fp8PartWireBytes(op.src.extent[0], op.src.extent[1], scales)) {
+    return InternalError(
+        fmt::format("{}: {} of '{}' ({} bytes) is not rows of one band on the "
+                    "column grid",
+                    what, op.src.ToString(), t.name, op.bytes));
+  }
+  SS_RETURN_IF_ERROR(CheckAgainstPieces(params[op.param], t.name, op.src, op.dst, what));
+  if (!scales) return OkStatus();
+  const EngineParam& sp = params[op.scale_param];
+  if (sp.dtype != DType::kF32 || sp.name != WeightScaleName(params[op.param].name) ||
+      op.scale_dst != BlockRegion(op.dst)) {
+    return InternalError(fmt::format("{}: scales {} are not the blocks of {}", what,
+                                     op.scale_dst.ToString(), op.dst.ToString()));
+  }
+  return CheckAgainstPieces(sp, WeightScaleName(t.name), BlockRegion(op.src), op.scale_dst, what);
+}
+
+// A trainer rank's exchanged bands: each a straddling band of 128 HF rows (or the tensor's
+// last), the rows it holds (TrainerHeldRegion) as its own, its value's slots consecutive.
+Status CheckAmaxBands(const PlanInputs& in, const Fp8Context& ctx, int t, const Fp8RankPlan& rp,
+                      std::map<std::pair<int32_t, int64_t>, Fp8AmaxBand>* out) {
+  const auto& inv = ctx.inventory();
+  int64_t slot = 0;
+  for (const Fp8AmaxBand& b : rp.amax_bands) {
+    if (b.tensor < 0 || b.tensor >= static_cast<int32_t>(inv.size())) {
+      return InternalError(
+          fmt::format("trainer rank {}: exchanged band of tensor {}", t, b.tensor));
+    }
+    const Shape& shape = inv[b.tensor].shape;
+    const Region held = TrainerHeldRegion(in.trainer, t, shape);
+    const int64_t h0 = std::max(b.row0, held.offset[0]);
+    const int64_t h1 = std::min(b.row0 + b.rows, held.offset[0] + held.extent[0]);
+    if (b.row0 % B != 0 || b.rows != std::min(B, shape[0] - b.row0) || b.own0 != h0 ||
+        b.own_rows != h1 - h0 || b.own_rows <= 0 || b.own_rows == b.rows || b.slot != slot ||
+        b.blocks != (shape[1] + B - 1) / B || b.others.empty() ||
+        !out->emplace(std::make_pair(b.tensor, b.row0), b).second) {
+      return InternalError(
+          fmt::format("trainer rank {}: exchanged band {} of '{}' (own rows {} + "
+                      "{}, slot {}) does not fit what it holds",
+                      t, b.row0, inv[b.tensor].name, b.own0, b.own_rows, b.slot));
+    }
+    slot += b.blocks;
+  }
+  if (slot != rp.amax_blocks) {
+    return InternalError(fmt::format("trainer rank {}: {} exchanged blocks, the plan says {}", t,
+                                     slot, rp.amax_blocks));
+  }
+  return OkStatus();
+}
+
 // Megatron senders: every op read from a local parameter of the sending rank, at the region one
 // of its trainer-map pieces (BuildTrainerParams, independent of the planner's sources) puts the
 // op's HF bytes.
@@ -212,8 +279,11 @@ Status ValidateFp8Plan(const PlanInputs& in) {
                     elems * D, kMaxValidateElements));
   }
   std::map<std::pair<int, int>, Fp8Message> sent;
+  // The amax exchange: per trainer rank, its bands (tensor, first row) -> the band.
+  std::vector<std::map<std::pair<int32_t, int64_t>, Fp8AmaxBand>> amax(S);
   for (int t = 0; t < S; ++t) {
     SS_ASSIGN_OR_RETURN(Fp8RankPlan rp, ctx.PlanForRank(t));
+    SS_RETURN_IF_ERROR(CheckAmaxBands(in, ctx, t, rp, &amax[t]));
     TrainerRankParams held_params;
     if (ctx.megatron()) {
       SS_ASSIGN_OR_RETURN(held_params,
@@ -234,6 +304,17 @@ Status ValidateFp8Plan(const PlanInputs& in) {
       }
       for (const Fp8Op& op : m.ops) {
         if (ctx.megatron()) break;  // checked against the rank's local parameters above
+        if (op.kind == Fp8OpKind::kAmax) {
+          // Its band's amax is among the partials this rank exchanges, over rows it holds.
+          auto it = amax[t].find({op.tensor, op.src.offset[0] / B * B});
+          if (it == amax[t].end() || op.src.offset[0] < it->second.own0 ||
+              op.src.offset[0] + op.src.extent[0] > it->second.own0 + it->second.own_rows) {
+            return InternalError(fmt::format(
+                "trainer rank {} quantizes {} of '{}' without its band among its exchanged "
+                "partials",
+                t, op.src.ToString(), inv[op.tensor].name));
+          }
+        }
         const Region held = TrainerHeldRegion(in.trainer, t, inv[op.tensor].shape);
         if (!RegionContains(held, op.src)) {
           return InternalError(fmt::format("trainer rank {} sends {} of '{}' but holds {}", t,
@@ -243,6 +324,31 @@ Status ValidateFp8Plan(const PlanInputs& in) {
       }
       if (!sent.emplace(std::make_pair(m.src, m.dst), m).second) {
         return InternalError(fmt::format("two messages {}->{}", m.src, m.dst));
+      }
+    }
+  }
+  // Every holder's view of a band agrees: the others it reads hold the band at the slots named,
+  // and the holders' rows cover the band exactly once.
+  for (int t = 0; t < S; ++t) {
+    for (const auto& [key, b] : amax[t]) {
+      int64_t rows = b.own_rows;
+      for (const Fp8AmaxHolder& h : b.others) {
+        auto it = h.rank >= 0 && h.rank < S ? amax[h.rank].find(key) : amax[t].end();
+        if (h.rank < 0 || h.rank >= S || it == amax[h.rank].end() || it->second.slot != h.slot ||
+            it->second.blocks != b.blocks ||
+            h.rank / in.trainer.shards_per_group() != t / in.trainer.shards_per_group()) {
+          return InternalError(fmt::format(
+              "trainer rank {}: band {} of '{}' names holder {} at slot {}, which does not hold it "
+              "there",
+              t, b.row0, inv[b.tensor].name, h.rank, h.slot));
+        }
+        rows += it->second.own_rows;
+      }
+      if (rows != b.rows) {
+        return InternalError(
+            fmt::format("trainer rank {}: band {} of '{}' has {} rows, its holders "
+                        "{}",
+                        t, b.row0, inv[b.tensor].name, b.rows, rows));
       }
     }
   }
@@ -315,6 +421,12 @@ Status ValidateFp8Plan(const PlanInputs& in) {
             }
             cover.Add(rank, op.param, op.dst);
             cover.Add(rank, op.scale_param, op.scale_dst);
+            break;
+          }
+          case Fp8OpKind::kAmax: {
+            SS_RETURN_IF_ERROR(CheckAmaxOp(ctx, rank, op, what));
+            cover.Add(rank, op.param, op.dst);
+            if (op.scale_param >= 0) cover.Add(rank, op.scale_param, op.scale_dst);
             break;
           }
           case Fp8OpKind::kStage: {

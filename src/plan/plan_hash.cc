@@ -42,6 +42,8 @@ std::string PlanHash(const PlanInputs& in) {
   // Block-FP8 engine weights (fp8_planner.cc); absent for bf16 plans, whose hashes stay as they
   // were.
   if (m.quant) kv("quant", fmt::format("{};{}", QuantConfigToString(*m.quant), kFp8PlannerVersion));
+  // Only for the amax exchange, so staged FP8 plans keep the hashes they had.
+  if (m.quant && in.options.fp8_split == Fp8Split::kAmax) kv("fp8_split", "amax");
   // Fields that do not move bytes still identify the model the ranks must agree on.
   kv("rms_norm_eps", fmt::format("{:.17g}", m.rms_norm_eps));
   kv("rope_theta", fmt::format("{:.17g}", m.rope_theta));
@@ -69,6 +71,14 @@ std::string PlanHash(const PlanInputs& in) {
   kv("bucket_bytes", in.options.bucket_bytes);
   const XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
   return fmt::format("{:016x}{:016x}", h.high64, h.low64);
+}
+
+std::string_view Fp8SplitName(Fp8Split s) { return s == Fp8Split::kAmax ? "amax" : "stage"; }
+
+Result<Fp8Split> ParseFp8Split(std::string_view s, std::string_view flag) {
+  if (s == "amax") return Fp8Split::kAmax;
+  if (s == "stage") return Fp8Split::kStage;
+  return InvalidArgumentError(fmt::format("{}: '{}', expected amax or stage", flag, s));
 }
 
 }  // namespace shardsync

@@ -78,6 +78,11 @@ Status CheckFp8Bindings(const SessionContext& ctx, const Bindings& bindings) {
                dests[op.param].dtype == DType::kF8E4M3 &&
                dests[op.scale_param].dtype == DType::kF32;
           break;
+        case Fp8OpKind::kAmax:
+          ok = inside(op.param, op.dst) && dests[op.param].dtype == DType::kF8E4M3 &&
+               (op.scale_param < 0 || (inside(op.scale_param, op.scale_dst) &&
+                                       dests[op.scale_param].dtype == DType::kF32));
+          break;
         case Fp8OpKind::kStage:
           if (op.stage >= 0 && static_cast<size_t>(op.stage) < plan.staged.size()) {
             const Fp8StagedBand& b = plan.staged[op.stage];

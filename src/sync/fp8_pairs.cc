@@ -44,6 +44,23 @@ Status RefuseStaged(const SessionContext& ctx, const Bindings& bindings, const F
   return OkStatus();
 }
 
+// Blocks whose amax the trainer ranks exchange (kAmax) are quantized by the host path only: a
+// prepared pair carrying one is refused at Connect on both ends, naming the tensor and the ways
+// out.
+Status RefuseAmax(const SessionContext& ctx, const Bindings& bindings, const Fp8Message& m,
+                  int peer) {
+  for (const Fp8Op& op : m.ops) {
+    if (op.kind != Fp8OpKind::kAmax) continue;
+    const std::string name =
+        ctx.who.is_trainer ? ctx.inventory.at(op.tensor).name : bindings.dest(op.param).name;
+    return UnimplementedError(RankName(ctx.rank) + ": rows " + op.src.ToString() + " of '" + name +
+                              "' share 128-row blocks with another trainer rank's rows (FSDP "
+                              "chunks off the 128 grid), over a device pair with sync rank " +
+                              std::to_string(peer) + "; " + kFp8AmaxOnDevice);
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 Result<const MemRegion*> PreparedPairs::AllocStaging(const Bindings& bindings) {
@@ -92,6 +109,12 @@ Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
     return std::max(Millis(1), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
   };
   // Refused before any pair is prepared, so no peer waits for this rank's maps.
+  for (const Fp8Message& m : plan.recvs) {
+    if (Prepared(m.src, mem)) SS_RETURN_IF_ERROR(RefuseAmax(ctx_, bindings, m, m.src));
+  }
+  for (const Fp8Message& m : plan.sends) {
+    if (Prepared(m.dst, mem)) SS_RETURN_IF_ERROR(RefuseAmax(ctx_, bindings, m, m.dst));
+  }
   for (const Fp8Message& m : plan.recvs) {
     if (Prepared(m.src, mem) && !staging_) {
       SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.src));

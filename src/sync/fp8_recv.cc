@@ -216,10 +216,12 @@ Status Fp8HostReceiver::Scatter(const Fp8Message& m, const Bucket& b, const unsi
         n = Place(w, d.data, d.shape, op.dst, DTypeSize(d.dtype));
         break;
       }
-      case Fp8OpKind::kQuantize: {
+      case Fp8OpKind::kQuantize:
+      case Fp8OpKind::kAmax: {  // kAmax: the scales only from the band's first holder
         const DestBinding& d = bindings_->dest(op.param);
-        const DestBinding& sd = bindings_->dest(op.scale_param);
         n = Place(w, d.data, d.shape, op.dst, 1);
+        if (op.scale_param < 0) break;
+        const DestBinding& sd = bindings_->dest(op.scale_param);
         const int64_t at = (n + 7) & ~int64_t{7};
         if (!AllZero(w + n, at - n)) n = -1;
         if (n >= 0) n = at + Place(w + at, sd.data, sd.shape, op.scale_dst, 4);

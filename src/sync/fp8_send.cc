@@ -10,7 +10,8 @@
 namespace shardsync::sync_internal {
 
 Result<Fp8Packed> PackFp8Bucket(const SessionContext& ctx, const Bindings& bindings,
-                                const Fp8Message& m, const Bucket& b, unsigned char* out) {
+                                const Fp8Message& m, const Bucket& b, unsigned char* out,
+                                const Fp8AmaxScales* amax) {
   const DType td = ctx.in.trainer_dtype, wd = ctx.in.options.wire_dtype;
   const int ts = DTypeSize(td), ws = DTypeSize(wd);
   Fp8Packed res;
@@ -25,6 +26,22 @@ Result<Fp8Packed> PackFp8Bucket(const SessionContext& ctx, const Bindings& bindi
     unsigned char* o = out + at;
     if (op.kind == Fp8OpKind::kQuantize) {
       SS_ASSIGN_OR_RETURN(Fp8PackResult r, Fp8QuantizePack({sb.data, td, shape, rel, at}, o));
+      sum += r.sum;
+      if (r.nonfinite > 0 && res.first_bad_op < 0) res.first_bad_op = i;
+      res.nonfinite += r.nonfinite;
+      continue;
+    }
+    if (op.kind == Fp8OpKind::kAmax) {
+      auto it = amax == nullptr
+                    ? std::map<std::pair<int32_t, int64_t>, int64_t>::const_iterator()
+                    : amax->slot.find({op.tensor, op.src.offset[0] / kFp8Block * kFp8Block});
+      if (amax == nullptr || it == amax->slot.end()) {
+        return InternalError(RankName(ctx.rank) + ": no exchanged scales for " + op.src.ToString() +
+                             " of '" + ctx.inventory.at(op.tensor).name + "'");
+      }
+      const float* scales = amax->scales.data() + it->second + op.src.offset[1] / kFp8Block;
+      SS_ASSIGN_OR_RETURN(Fp8PackResult r, Fp8QuantizePackScaled({sb.data, td, shape, rel, at},
+                                                                 scales, op.scale_param >= 0, o));
       sum += r.sum;
       if (r.nonfinite > 0 && res.first_bad_op < 0) res.first_bad_op = i;
       res.nonfinite += r.nonfinite;
@@ -91,6 +108,123 @@ Status Fp8HostSender::Prepare(const Bindings& bindings, const PreparedPairs& pai
   for (auto& s : slots_) {
     if (max_bucket > 0) s = std::make_unique<unsigned char[]>(static_cast<size_t>(max_bucket));
   }
+  // The amax exchange reads the rows this rank holds of every shared block from host memory.
+  amax_ = {};
+  for (const Fp8AmaxBand& b : ctx_.fp8->amax_bands) {
+    const std::string& name = ctx_.inventory.at(b.tensor).name;
+    if (!bindings.has_source(b.tensor)) {
+      return NotFoundError(RankName(ctx_.rank) + ": source tensor '" + name +
+                           "' shares block-FP8 blocks with other trainer ranks but was not bound");
+    }
+    const SourceBinding& sb = bindings.source(b.tensor);
+    const Region own =
+        Region::Make({b.own0, 0}, {b.own_rows, ctx_.inventory.at(b.tensor).shape[1]});
+    if (sb.mem != MemKind::kHost || !RegionContains(sb.region, own)) {
+      return UnimplementedError(
+          RankName(ctx_.rank) + ": rows " + own.ToString() + " of '" + name +
+          "' share 128-row blocks with other trainer ranks; their amax exchange reads host "
+          "memory holding those rows (bound: " +
+          sb.region.ToString() + ")");
+    }
+    amax_.slot.emplace(std::make_pair(b.tensor, b.row0), b.slot);
+  }
+  amax_.scales.assign(static_cast<size_t>(ctx_.fp8->amax_blocks), 0.f);
+  return OkStatus();
+}
+
+Status Fp8HostSender::NonFinite(const Fp8AmaxBand& b, bool mine) const {
+  const HfTensor& t = ctx_.inventory.at(b.tensor);
+  return DataLossError(RankName(ctx_.rank) + ": non-finite values (NaN or Inf) in rows " +
+                       Region::Make({b.row0, 0}, {b.rows, t.shape[1]}).ToString() + " of '" +
+                       t.name + "'" +
+                       (mine ? " (this rank's rows)" : " (another trainer rank's rows)") +
+                       ", a block shared by trainer ranks: block FP8 cannot represent them, so "
+                       "nothing of this sync is reported good and the engine ranks stay "
+                       "poisoned");
+}
+
+Status Fp8HostSender::ExchangeAmax() {
+  const Fp8RankPlan& plan = *ctx_.fp8;
+  if (plan.amax_bands.empty()) return OkStatus();
+  // This rank's partials: per band, the max magnitude bits of its rows per 128-column block.
+  std::vector<uint32_t> own(static_cast<size_t>(plan.amax_blocks), 0);
+  for (const Fp8AmaxBand& b : plan.amax_bands) {
+    const SourceBinding& sb = bindings_->source(b.tensor);
+    const int64_t cols = ctx_.inventory.at(b.tensor).shape[1];
+    const Region rel =
+        Region::Make({b.own0 - sb.region.offset[0], -sb.region.offset[1]}, {b.own_rows, cols});
+    SS_RETURN_IF_ERROR(
+        Fp8PartialAmax({sb.data, sb.dtype, sb.region.extents(), rel, 0}, own.data() + b.slot));
+  }
+  auto key = [&](int rank) { return ctx_.Key(guard_.VKey("amax/") + std::to_string(rank) + "#"); };
+  // The previous version's value: every holder read it before posting its verdict of that
+  // version, so only a failed sync's laggards (which fail anyway) could still want it. Dropped
+  // here so the store holds one value per holder, not one per version until rank 0's sweep.
+  if (amax_posted_ > 0) {
+    std::string old = "v";  // piece by piece: GCC 12 -Wrestrict false positive on "v" + ...
+    old += std::to_string(amax_posted_);
+    old += "/amax/";
+    old += std::to_string(ctx_.rank);
+    old += '#';
+    ctx_.store.DeletePrefix(ctx_.Key(old)).status().IgnoreError();
+  }
+  std::string value(own.size() * 4, '\0');
+  std::memcpy(value.data(), own.data(), value.size());
+  SS_RETURN_IF_ERROR(ctx_.store.Set(key(ctx_.rank), value));
+  amax_posted_ = guard_.version();
+  for (const Fp8AmaxBand& b : plan.amax_bands) {
+    for (int64_t i = 0; i < b.blocks; ++i) {
+      if (!Fp8AmaxBitsFinite(own[b.slot + i])) return NonFinite(b, true);
+    }
+  }
+  std::vector<std::string> keys;
+  for (int32_t p : plan.amax_peers) keys.push_back(key(p));
+  auto got = guard_.GetManyUntil(
+      keys, guard_.deadline(),
+      [&](size_t i) {
+        return "sync rank " + std::to_string(plan.amax_peers[i]) +
+               "'s partial amaxes of block-FP8 blocks it shares with this rank (version " +
+               std::to_string(guard_.version()) + ")";
+      },
+      /*watch_abort=*/true);
+  if (!got.ok()) {
+    // A holder that found a non-finite value posted its partials before failing the sync: every
+    // holder names the tensor, not only the abort it caused.
+    if (got.status().code() != StatusCode::kAborted) return got.status();
+    auto late = ctx_.store.GetMany(keys, Millis(0));
+    if (!late.ok()) return got.status();
+    Status combined = Combine(own, *late);
+    return combined.code() == StatusCode::kDataLoss ? combined : got.status();
+  }
+  return Combine(own, *got);
+}
+
+Status Fp8HostSender::Combine(const std::vector<uint32_t>& own,
+                              const std::vector<std::string>& got) {
+  const Fp8RankPlan& plan = *ctx_.fp8;
+  std::map<int32_t, const std::string*> by_rank;
+  for (size_t i = 0; i < got.size() && i < plan.amax_peers.size(); ++i) {
+    by_rank[plan.amax_peers[i]] = &got[i];
+  }
+  for (const Fp8AmaxBand& b : plan.amax_bands) {
+    for (int64_t i = 0; i < b.blocks; ++i) {
+      uint32_t m = own[b.slot + i];
+      for (const Fp8AmaxHolder& h : b.others) {
+        const std::string& v = *by_rank.at(h.rank);
+        const auto at = static_cast<size_t>((h.slot + i) * 4);
+        if (v.size() % 4 != 0 || at + 4 > v.size()) {
+          return InternalError(RankName(ctx_.rank) + ": sync rank " + std::to_string(h.rank) +
+                               " posted " + std::to_string(v.size()) +
+                               " bytes of partial amaxes, fewer than its plan's");
+        }
+        uint32_t x;
+        std::memcpy(&x, v.data() + at, 4);
+        m = std::max(m, x);
+      }
+      if (!Fp8AmaxBitsFinite(m)) return NonFinite(b, false);
+      amax_.scales[b.slot + i] = Fp8BlockScale(Fp8BitsFloat(m));
+    }
+  }
   return OkStatus();
 }
 
@@ -118,7 +252,7 @@ Status Fp8HostSender::Post(int mi, int bi, int slot, std::deque<Flying>& flying,
   const Fp8Message& m = ctx_.fp8->sends[mi];
   const Bucket& b = m.buckets[bi];
   unsigned char* buf = slots_[slot].get();
-  SS_ASSIGN_OR_RETURN(Fp8Packed p, PackFp8Bucket(ctx_, *bindings_, m, b, buf));
+  SS_ASSIGN_OR_RETURN(Fp8Packed p, PackFp8Bucket(ctx_, *bindings_, m, b, buf, &amax_));
   if (p.nonfinite > 0) {
     const Fp8Op& op = m.ops[p.first_bad_op];
     return DataLossError(RankName(ctx_.rank) + ": " + std::to_string(p.nonfinite) +

@@ -2,11 +2,14 @@
 // built in one of two staging slots (quantize ops with the fused CPU quantize-pack, copy ops cast
 // to the wire dtype, stage ops as the trainer's raw values, every op's pad zeroed), checksummed
 // while it is built, and sent as transfers of at most kMaxTransferBytes followed by its control
-// message. A non-finite trainer value in a quantized block fails the sync with DataLoss naming the
-// tensor (block FP8 cannot carry it; the engine ranks stay poisoned).
+// message. Blocks shared with other trainer ranks (kAmax) are quantized with the scale their
+// holders agree on through the store first (ExchangeAmax). A non-finite trainer value in a
+// quantized block fails the sync with DataLoss naming the tensor (block FP8 cannot carry it; the
+// engine ranks stay poisoned).
 #pragma once
 
 #include <deque>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,10 +28,19 @@ struct Fp8Packed {
   int32_t first_bad_op = -1;
 };
 
+// The scales of the blocks this rank exchanged amaxes for (kAmax ops): per band (tensor, first
+// row), the index of its first block in `scales`.
+struct Fp8AmaxScales {
+  std::map<std::pair<int32_t, int64_t>, int64_t> slot;
+  std::vector<float> scales;
+};
+
 // Packs bucket `b` of FP8 send message `m` from the sender's bound sources into `out`
-// (b.bytes bytes). InvalidArgument for an op the quantizer refuses (a malformed region).
+// (b.bytes bytes); kAmax ops take their blocks' scales from `amax`. InvalidArgument for an op
+// the quantizer refuses (a malformed region).
 Result<Fp8Packed> PackFp8Bucket(const SessionContext& ctx, const Bindings& bindings,
-                                const Fp8Message& m, const Bucket& b, unsigned char* out);
+                                const Fp8Message& m, const Bucket& b, unsigned char* out,
+                                const Fp8AmaxScales* amax = nullptr);
 
 class Fp8HostSender {
  public:
@@ -37,9 +49,20 @@ class Fp8HostSender {
   // Connect: which messages go this way (not prepared pairs), and the staging slots.
   Status Prepare(const Bindings& bindings, const PreparedPairs& pairs);
   bool has_buckets() const { return !order_.empty(); }
+  // kAmax plans (fp8_plan.h Fp8AmaxBand): whether this rank holds rows of blocks shared with
+  // other trainer ranks.
+  bool exchanges() const { return !ctx_.fp8->amax_bands.empty(); }
+  // Posts this version's partial amaxes of those blocks under the job's key
+  // v<version>/amax/<rank>#, reads the other holders' (watched: a gone holder or an abort fails
+  // the wait, bounded by the sync's deadline) and derives every block's scale for Send. A
+  // non-finite value in a shared block fails every holder with DataLoss naming the tensor.
+  Status ExchangeAmax();
   Status Send(RankSyncStats& st);
 
  private:
+  // The blocks' scales from this rank's partials and the peers' values (plan.amax_peers order).
+  Status Combine(const std::vector<uint32_t>& own, const std::vector<std::string>& got);
+  Status NonFinite(const Fp8AmaxBand& b, bool mine) const;
   struct Flying {
     int msg = 0, bucket = 0, slot = 0;
     std::vector<XferId> ids;
@@ -55,6 +78,8 @@ class Fp8HostSender {
   std::unique_ptr<unsigned char[]> slots_[2];
   // Controls of a failed sync may still be read by the transport: kept for the session's life.
   std::vector<std::unique_ptr<Control>> graveyard_;
+  Fp8AmaxScales amax_;
+  uint64_t amax_posted_ = 0;  // the version whose partials this rank last posted
 };
 
 }  // namespace shardsync::sync_internal

@@ -251,6 +251,12 @@ class SessionImpl final : public SyncSession {
       ready.push_back(ctx_.Key(guard_.VKey("ready/") + std::to_string(plan.sends[mi].dst)));
       waited.push_back(plan.sends[mi].dst);
     }
+    // Block FP8 with blocks shared by trainer ranks: their holders agree on the blocks' scales
+    // first (one store value per holder), while the receivers get ready.
+    if (ctx_.fp8 && fp8_sender_.exchanges()) {
+      SS_RETURN_IF_ERROR(enter());
+      SS_RETURN_IF_ERROR(fp8_sender_.ExchangeAmax());
+    }
     if (!ready.empty()) SS_RETURN_IF_ERROR(enter());
     SS_RETURN_IF_ERROR(guard_
                            .GetManyUntil(

@@ -70,7 +70,7 @@ TEST(CliFp8, PlanShowsWhereBlocksAreQuantized) {
   const std::string ops = Fixtures::Get().Expand("{DIR}/out/fp8_ops.jsonl");
   const CliResult r =
       Ok({"plan", "--model", "{DIR}/fp8/config.json", "--trainer", "fsdp=4", "--rollout",
-          "dp=1,tp=2,pp=1", "--json", "--dump-ops", ops, "--rank", "4"});
+          "dp=1,tp=2,pp=1", "--fp8-split", "stage", "--json", "--dump-ops", ops, "--rank", "4"});
   const json j = json::parse(r.out);
   EXPECT_EQ(j["quant"]["weight_block_size"], json::array({128, 128}));
   EXPECT_EQ(j["quant"]["origin"], "quantization_config");

@@ -167,10 +167,11 @@ TEST(GpuSession, MegatronTwoGpusOverNccl) {
 
 // A Qwen3 with block-FP8 engine weights: at fsdp=2 and intermediate 512 the FSDP chunks fall on
 // the 128 grid; at fsdp=4 and 768 (192 rows per trainer rank) gate/up bands straddle trainer
-// ranks and are staged to the receiver.
+// ranks and are staged to the receiver (or, with split "amax", refused on device pairs).
 JobSpec Fp8Job(const std::string& trainer, int64_t intermediate,
-               const std::string& trainer_dtype = "fp32") {
+               const std::string& trainer_dtype = "fp32", const std::string& split = "stage") {
   JobFlags f;
+  f.fp8_split = split;
   f.model = testing::WriteConfig("qwen3-fp8-" + std::to_string(intermediate),
                                  R"({
   "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": )" +
@@ -228,6 +229,7 @@ TEST(GpuSession, OneGpuBlockFp8StagedBandsOverCudaIpc) {
   f.engine = "vllm";
   f.device = "cuda";
   f.trainer_dtype = "bf16";
+  f.fp8_split = "stage";
   auto j = JobSpecFromFlags(f);
   EXPECT_TRUE(j.ok()) << j.status().ToString();
 }
@@ -237,6 +239,7 @@ TEST(GpuSession, OneGpuBlockFp8StagedBandsOverCudaIpc) {
 // per trainer rank (staged bands).
 JobSpec Fp8MoeJob(const std::string& trainer, int64_t hidden) {
   JobFlags f;
+  f.fp8_split = "stage";
   f.model = testing::WriteConfig("qwen3moe-fp8-" + std::to_string(hidden), R"({
   "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": )" + std::to_string(hidden) +
                                                                                R"(,
@@ -381,12 +384,55 @@ TEST(GpuSession, BlockFp8StagedBandsAreRefusedOnDevicePairsUnlessSwitchedOn) {
   f.engine = "vllm";
   f.device = "cuda";
   f.trainer_dtype = "bf16";
+  f.fp8_split = "stage";
   auto off = JobSpecFromFlags(f);
   ASSERT_FALSE(off.ok());
   EXPECT_EQ(off.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(off.status().message().find("--trainer fsdp=4"), std::string::npos);
   EXPECT_NE(off.status().message().find("SHARDSYNC_FP8_DEVICE_STAGING=1"), std::string::npos);
   f.trainer = "fsdp=2";  // 384 rows per rank: on the grid
+  EXPECT_TRUE(JobSpecFromFlags(f).ok());
+}
+
+// Blocks shared by trainer ranks under the amax exchange (the default split) are quantized on
+// the host path only: device pairs refuse them at Connect naming the tensor and `--fp8-split
+// stage`, and `--device cuda` at flag time.
+TEST(GpuSession, BlockFp8AmaxExchangeIsRefusedOnDevicePairs) {
+  SS_REQUIRE_GPU();
+  JobSpec job = Fp8Job("fsdp=4", 768, "fp32", "amax");
+  auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
+  ASSERT_TRUE(server.ok());
+  const int world = SyncWorldSize(job.inputs);
+  std::vector<DeviceRank> ranks(world);
+  std::vector<Status> st(world);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < world; ++r) {
+    ts.emplace_back([&, r] { st[r] = SetUpRank(job, r, 1, "", (*server)->address(), ranks[r]); });
+  }
+  for (auto& t : ts) t.join();
+  int named = 0;
+  for (int r = 0; r < world; ++r) {
+    EXPECT_FALSE(st[r].ok()) << "rank " << r;
+    if (st[r].code() == StatusCode::kUnimplemented &&
+        st[r].message().find("share 128-row blocks") != std::string::npos &&
+        st[r].message().find("--fp8-split stage") != std::string::npos) {
+      ++named;
+    }
+  }
+  EXPECT_GT(named, 0) << "rank 0: " << st[0].ToString();
+  JobFlags f;
+  f.model = "qwen3-30b-a3b";
+  f.quant = "fp8-block128";
+  f.trainer = "fsdp=4";
+  f.rollout = "dp=1,tp=2,pp=1,ep=2";
+  f.engine = "vllm";
+  f.device = "cuda";
+  f.trainer_dtype = "bf16";
+  auto off = JobSpecFromFlags(f);
+  ASSERT_FALSE(off.ok());
+  EXPECT_EQ(off.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(off.status().message().find("--fp8-split stage"), std::string::npos);
+  f.trainer = "fsdp=2";  // on the grid: nothing exchanged
   EXPECT_TRUE(JobSpecFromFlags(f).ok());
 }
 

@@ -83,11 +83,15 @@ TEST(Fp8Plan, ExactCoverOverManyLayouts) {
       {TinyQwen3Moe, "hsdp=2x2", "dp=1,tp=2,pp=1,ep=2", EngineKind::kSglang, 1 << 20, DType::kF32},
   };
   for (const Case& c : cases) {
-    PlanInputs in = Inputs(c.model(), c.trainer, c.rollout, c.engine);
-    in.options.bucket_bytes = c.bucket;
-    in.trainer_dtype = c.trainer_dtype;
-    Status st = ValidateFp8Plan(in);
-    EXPECT_TRUE(st.ok()) << c.trainer << " -> " << c.rollout << ": " << st.ToString();
+    for (Fp8Split split : {Fp8Split::kAmax, Fp8Split::kStage}) {
+      PlanInputs in = Inputs(c.model(), c.trainer, c.rollout, c.engine);
+      in.options.bucket_bytes = c.bucket;
+      in.trainer_dtype = c.trainer_dtype;
+      in.options.fp8_split = split;
+      Status st = ValidateFp8Plan(in);
+      EXPECT_TRUE(st.ok()) << c.trainer << " -> " << c.rollout << " " << Fp8SplitName(split) << ": "
+                           << st.ToString();
+    }
   }
 }
 
@@ -99,7 +103,9 @@ TEST(Fp8Plan, SendersQuantizeWhereChunksFollowTheGridAndReceiversWhereTheyDoNot)
   EXPECT_EQ(aligned->staged_bands, 0);
   EXPECT_GT(aligned->sender_quantized_elements, 0);
   // fsdp=4: k/v_proj (256 rows: 64 per rank) and gate/up (768: 192) straddle.
-  auto ragged = SummarizeFp8Plan(Inputs(TinyQwen3(), "fsdp=4", "dp=1,tp=2,pp=2"));
+  PlanInputs staged_in = Inputs(TinyQwen3(), "fsdp=4", "dp=1,tp=2,pp=2");
+  staged_in.options.fp8_split = Fp8Split::kStage;
+  auto ragged = SummarizeFp8Plan(staged_in);
   ASSERT_TRUE(ragged.ok()) << ragged.status().ToString();
   EXPECT_GT(ragged->staged_bands, 0);
   EXPECT_GT(ragged->stage_bytes, 0);
@@ -116,6 +122,27 @@ TEST(Fp8Plan, SendersQuantizeWhereChunksFollowTheGridAndReceiversWhereTheyDoNot)
   EXPECT_EQ(owned, aligned->bound_write_bytes);
   // Reads: every HF tensor once in the trainer dtype (fp32).
   EXPECT_EQ(aligned->bound_read_bytes, ModelNumElements(TinyQwen3()) * 4);
+  EXPECT_EQ(aligned->amax_bands, 0);
+  EXPECT_EQ(aligned->exchange_write_bytes, 0);
+  // The same layout with the amax exchange (the default): the straddling elements travel as
+  // e4m3 (+ one scale row per band), nothing is staged, and the exchange is 4 bytes per block
+  // per holder.
+  auto amax = SummarizeFp8Plan(Inputs(TinyQwen3(), "fsdp=4", "dp=1,tp=2,pp=2"));
+  ASSERT_TRUE(amax.ok()) << amax.status().ToString();
+  EXPECT_EQ(amax->staged_bands, 0);
+  EXPECT_EQ(amax->stage_bytes, 0);
+  EXPECT_EQ(amax->max_staging_bytes, 0);
+  EXPECT_EQ(amax->receiver_quantized_elements, 0);
+  EXPECT_EQ(amax->amax_elements, ragged->receiver_quantized_elements);
+  EXPECT_EQ(amax->sender_quantized_elements, ragged->sender_quantized_elements);
+  EXPECT_LT(amax->amax_bytes, amax->amax_elements * 102 / 100);
+  EXPECT_LT(amax->total_bytes, ragged->total_bytes);
+  EXPECT_GT(amax->amax_bands, 0);
+  EXPECT_GT(amax->amax_blocks, 0);
+  // Two holders per band at fsdp 4 here: each writes its partials once, reads the other's.
+  EXPECT_EQ(amax->exchange_write_bytes, 2 * 4 * amax->amax_blocks);
+  EXPECT_GT(amax->exchange_read_bytes, 0);
+  EXPECT_EQ(amax->bound_write_bytes, ragged->bound_write_bytes);
 }
 
 TEST(Fp8Plan, BucketCapSplitsOnBlockBoundaries) {
@@ -153,6 +180,14 @@ TEST(Fp8Plan, HashCoversTheQuantConfigAndBf16PlansAreUnchanged) {
   PlanInputs ignored = in;
   ignored.model.quant->ignored_modules = {"lm_head"};
   EXPECT_NE(PlanHash(in), PlanHash(ignored));
+  // The split is in FP8 hashes (staged plans keep their hashes: the key is written only for
+  // amax), not in bf16 ones.
+  PlanInputs staged = in;
+  staged.options.fp8_split = Fp8Split::kStage;
+  EXPECT_NE(PlanHash(in), PlanHash(staged));
+  PlanInputs plain_staged = plain;
+  plain_staged.options.fp8_split = Fp8Split::kStage;
+  EXPECT_EQ(PlanHash(plain), PlanHash(plain_staged));
   // The bf16 hash documented in docs/cli.md before FP8 existed.
   PlanInputs doc;
   doc.model = *LoadModelSpec("qwen3-30b-a3b");
@@ -228,6 +263,7 @@ struct ExecResult {
   int64_t fp8_bytes_checked = 0, scales_checked = 0, copies_checked = 0;
   int64_t mismatches = 0;
   int64_t buckets = 0;
+  int64_t amax_ops = 0;  // kAmax ops packed
   std::string first_mismatch;
 };
 
@@ -277,12 +313,42 @@ ExecResult Execute(const PlanInputs& in, uint64_t seed) {
       shard[t].push_back(std::move(h));
     }
   }
+  // The amax exchange (kAmax): every trainer rank's partials over the rows it holds of each
+  // straddling band, then each band's scales from the max over its holders' partials.
+  std::vector<Fp8RankPlan> tplans;
+  std::vector<std::vector<uint32_t>> partials(S);
+  for (int t = 0; t < S; ++t) {
+    auto rp = ctx.PlanForRank(t);
+    EXPECT_TRUE(rp.ok());
+    partials[t].assign(rp->amax_blocks, 0);
+    for (const Fp8AmaxBand& b : rp->amax_bands) {
+      const Held& h = shard[t][b.tensor];
+      PackRegion pr{h.data.data(), td, h.shape,
+                    Region::Make({b.own0 - h.hf.offset[0], 0}, {b.own_rows, h.shape[1]}), 0};
+      EXPECT_TRUE(Fp8PartialAmax(pr, partials[t].data() + b.slot).ok());
+    }
+    tplans.push_back(std::move(*rp));
+  }
+  auto band_scales = [&](int t, const Fp8Op& op) {
+    const Fp8RankPlan& rp = tplans[t];
+    const auto it = std::find_if(rp.amax_bands.begin(), rp.amax_bands.end(), [&](const auto& b) {
+      return b.tensor == op.tensor && b.row0 == op.src.offset[0] / 128 * 128;
+    });
+    EXPECT_NE(it, rp.amax_bands.end());
+    std::vector<float> sc;
+    for (int64_t cb = op.src.offset[1] / 128; cb * 128 < op.src.offset[1] + op.src.extent[1];
+         ++cb) {
+      uint32_t m = partials[t][it->slot + cb];
+      for (const Fp8AmaxHolder& o : it->others) m = std::max(m, partials[o.rank][o.slot + cb]);
+      sc.push_back(Fp8BlockScale(Fp8BitsFloat(m)));
+    }
+    return sc;
+  };
   // Senders: pack every bucket with the fused CPU quantize-pack; the fused checksum terms must
   // equal the checksum of the bucket's bytes.
   std::map<std::pair<int, int>, std::vector<uint8_t>> wires;
   for (int t = 0; t < S; ++t) {
-    auto rp = ctx.PlanForRank(t);
-    EXPECT_TRUE(rp.ok());
+    const Fp8RankPlan* rp = &tplans[t];
     for (const Fp8Message& m : rp->sends) {
       std::vector<uint8_t> wire(m.bytes, 0);
       for (const Bucket& b : m.buckets) {
@@ -303,6 +369,15 @@ ExecResult Execute(const PlanInputs& in, uint64_t seed) {
           uint8_t* out = wire.data() + op.wire_offset;
           if (op.kind == Fp8OpKind::kQuantize) {
             auto r = Fp8QuantizePack(pr, out);
+            EXPECT_TRUE(r.ok()) << r.status().ToString();
+            EXPECT_EQ(r->nonfinite, 0);
+            sum += r->sum;
+            continue;
+          }
+          if (op.kind == Fp8OpKind::kAmax) {
+            ++res.amax_ops;
+            const std::vector<float> sc = band_scales(t, op);
+            auto r = Fp8QuantizePackScaled(pr, sc.data(), op.scale_param >= 0, out);
             EXPECT_TRUE(r.ok()) << r.status().ToString();
             EXPECT_EQ(r->nonfinite, 0);
             sum += r->sum;
@@ -349,8 +424,10 @@ ExecResult Execute(const PlanInputs& in, uint64_t seed) {
             Scatter(v.data(), params[op.param].data(), p.shape, op.dst, DTypeSize(p.dtype));
             break;
           }
+          case Fp8OpKind::kAmax:
           case Fp8OpKind::kQuantize: {
             Scatter(w, params[op.param].data(), p.shape, op.dst, 1);
+            if (op.scale_param < 0) break;
             const int64_t fp8 = (op.dst.numel() + 7) & ~int64_t{7};
             Scatter(w + fp8, params[op.scale_param].data(), rank.params[op.scale_param].shape,
                     op.scale_dst, 4);
@@ -474,15 +551,74 @@ TEST(Fp8PlanExecution, EveryLandedByteAndScaleEqualsTheReferenceQuantizer) {
       {TinyQwen3, "hsdp=2x3", "dp=2,tp=2,pp=1", EngineKind::kVllm, DType::kBF16, 96 << 10},
   };
   for (const Case& c : cases) {
+    for (Fp8Split split : {Fp8Split::kAmax, Fp8Split::kStage}) {
+      PlanInputs in = Inputs(c.model(), c.trainer, c.rollout, c.engine);
+      in.trainer_dtype = c.trainer_dtype;
+      in.options.bucket_bytes = c.bucket;
+      in.options.fp8_split = split;
+      const ExecResult r = Execute(in, 17);
+      EXPECT_EQ(r.mismatches, 0) << c.trainer << " -> " << c.rollout << " " << Fp8SplitName(split)
+                                 << ": " << r.first_mismatch;
+      EXPECT_GT(r.fp8_bytes_checked, 100000);
+      EXPECT_GT(r.scales_checked, 0);
+      EXPECT_GT(r.copies_checked, 0);
+      EXPECT_GT(r.buckets, 0);
+    }
+  }
+}
+
+// Qwen3-30B-A3B's 768-row experts at toy width (tp 2: 384 rows per engine rank, on the grid).
+ModelSpec TinyQwen3Moe768() {
+  ModelSpec m = TinyQwen3Moe();
+  m.moe_intermediate_size = 768;
+  return m;
+}
+
+TEST(Fp8PlanExecution, AmaxExchangeLandsTheReferenceBytesWhereSeveralRanksShareABlock) {
+  struct Case {
+    ModelSpec (*model)();
+    const char* trainer;
+    const char* rollout;
+    EngineKind engine;
+    DType trainer_dtype;
+    int64_t bucket;
+    int min_holders;  // most trainer ranks sharing one band
+  } cases[] = {
+      // fsdp=4 with 768-row experts: 192 rows per rank, bands [128, 256) and [512, 640) shared.
+      {TinyQwen3Moe768, "fsdp=4", "dp=1,tp=2,pp=1,ep=2", EngineKind::kVllm, DType::kF32, 512 << 20,
+       2},
+      {TinyQwen3Moe768, "fsdp=4", "dp=1,tp=2,pp=2", EngineKind::kSglang, DType::kBF16, 64 << 10, 2},
+      // Chunks smaller than a block: 256-row experts at fsdp 8 (32 rows each: 4 holders per band),
+      // the dense toy at fsdp 12 (43 rows of 512: 3 or 4 holders), with replica groups, ragged
+      // chunks and caps that split bands by columns.
+      {TinyQwen3Moe, "fsdp=8", "dp=1,tp=2,pp=1,ep=2", EngineKind::kVllm, DType::kF32, 512 << 20, 4},
+      {TinyQwen3, "fsdp=12", "dp=1,tp=2,pp=2", EngineKind::kSglang, DType::kF32, 64 << 10, 3},
+      {TinyQwen3Moe, "hsdp=2x6", "dp=2,tp=2,pp=1", EngineKind::kSglang, DType::kBF16, 96 << 10, 3},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("{} -> {} {}", c.trainer, EngineKindName(c.engine), c.rollout));
     PlanInputs in = Inputs(c.model(), c.trainer, c.rollout, c.engine);
     in.trainer_dtype = c.trainer_dtype;
     in.options.bucket_bytes = c.bucket;
-    const ExecResult r = Execute(in, 17);
-    EXPECT_EQ(r.mismatches, 0) << c.trainer << " -> " << c.rollout << ": " << r.first_mismatch;
+    const Status st = ValidateFp8Plan(in);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    auto sum = SummarizeFp8Plan(in);
+    ASSERT_TRUE(sum.ok()) << sum.status().ToString();
+    EXPECT_EQ(sum->staged_bands, 0);
+    EXPECT_EQ(sum->max_staging_bytes, 0);
+    EXPECT_GT(sum->amax_elements, 0);
+    size_t holders = 0;
+    for (int t = 0; t < in.trainer.world(); ++t) {
+      auto rp = PlanFp8ForRank(in, t);
+      ASSERT_TRUE(rp.ok());
+      for (const Fp8AmaxBand& b : rp->amax_bands) holders = std::max(holders, b.others.size() + 1);
+    }
+    EXPECT_GE(holders, static_cast<size_t>(c.min_holders));
+    const ExecResult r = Execute(in, 29);
+    EXPECT_EQ(r.mismatches, 0) << r.first_mismatch;
+    EXPECT_GT(r.amax_ops, 0);
     EXPECT_GT(r.fp8_bytes_checked, 100000);
     EXPECT_GT(r.scales_checked, 0);
-    EXPECT_GT(r.copies_checked, 0);
-    EXPECT_GT(r.buckets, 0);
   }
 }
 

@@ -61,8 +61,9 @@ std::string TinyQwen3Fp8L4() {
 
 JobSpec Spec(const std::string& model, const std::string& rollout, const std::string& engine,
              const std::string& trainer_dtype, int64_t bucket = 256 << 10,
-             const std::string& trainer = "fsdp=4") {
+             const std::string& trainer = "fsdp=4", const std::string& split = "amax") {
   JobFlags f;
+  f.fp8_split = split;
   f.model = model;
   f.trainer = trainer;
   f.rollout = rollout;
@@ -147,6 +148,11 @@ class Fp8Job {
   FaultTransport& fault(int r) { return *ranks_[r].tx; }
   job_internal::TrainerShards& shards(int r) { return ranks_[r].shards; }
   job_internal::EngineParams& params(int r) { return ranks_[r].params; }
+  // Ends rank r as a killed process would: its session and store connection go.
+  void Drop(int r) {
+    ranks_[r].session.reset();
+    ranks_[r].store.reset();
+  }
 
  private:
   struct Rank {
@@ -253,29 +259,48 @@ struct Layout {
   const char* engine;
   const char* trainer_dtype;
   bool reference;  // compare with the (slow) reference quantizer too
+  const char* split = "amax";
+  const char* trainer = "fsdp=4";
 };
 
 TEST(Fp8Session, EveryLandedByteAndScaleEqualsTheReferenceQuantizer) {
   const Layout layouts[] = {
+      // The amax exchange (the default) for blocks shared by trainer ranks.
       {TinyQwen3Fp8, "dp=1,tp=2,pp=2", "sglang", "fp32", true},
       {TinyQwen3MoeFp8, "dp=1,tp=2,pp=1,ep=2", "vllm", "bf16", true},
-      // The other trainer dtypes, checked by the harness (the library quantizer, which
-      // tests/common/fp8_test.cc holds to the reference bit for bit).
+      // Chunks smaller than a block: 3 or 4 holders per band (fsdp 12 of 512 / 384 rows).
+      {TinyQwen3MoeFp8, "dp=1,tp=2,pp=1,ep=2", "vllm", "fp32", true, "amax", "fsdp=12"},
+      // Staged bands, and the other trainer dtypes, checked by the harness (the library
+      // quantizer, which tests/common/fp8_test.cc holds to the reference bit for bit).
+      {TinyQwen3Fp8, "dp=1,tp=2,pp=2", "sglang", "fp32", true, "stage"},
+      {TinyQwen3MoeFp8, "dp=1,tp=2,pp=1,ep=2", "vllm", "bf16", true, "stage"},
       {TinyQwen3Fp8, "dp=1,tp=2,pp=2", "sglang", "bf16", false},
-      {TinyQwen3MoeFp8, "dp=1,tp=2,pp=1,ep=2", "vllm", "fp32", false},
+      {TinyQwen3MoeFp8, "dp=1,tp=2,pp=1,ep=2", "vllm", "fp32", false, "stage"},
   };
   for (const Layout& l : layouts) {
-    SCOPED_TRACE(std::string(l.rollout) + " " + l.engine + " " + l.trainer_dtype);
-    JobSpec spec = Spec(l.model(), l.rollout, l.engine, l.trainer_dtype);
+    SCOPED_TRACE(std::string(l.trainer) + " -> " + l.rollout + " " + l.engine + " " +
+                 l.trainer_dtype + " " + l.split);
+    JobSpec spec =
+        Spec(l.model(), l.rollout, l.engine, l.trainer_dtype, 256 << 10, l.trainer, l.split);
     auto sum = SummarizeFp8Plan(spec.inputs);
     ASSERT_TRUE(sum.ok()) << sum.status().ToString();
-    // Both paths run: blocks quantized by their sender and bands staged to the receiver.
-    EXPECT_GT(sum->sender_quantized_elements, 0);
-    EXPECT_GT(sum->receiver_quantized_elements, 0);
+    // Both paths run: blocks quantized by their sender and blocks shared by trainer ranks, by
+    // their holders (amax) or staged to the receiver.
+    if (std::string(l.trainer) == "fsdp=4") {
+      EXPECT_GT(sum->sender_quantized_elements, 0);
+    }
+    if (std::string(l.split) == "amax") {
+      EXPECT_GT(sum->amax_elements, 0);
+      EXPECT_EQ(sum->receiver_quantized_elements, 0);
+      EXPECT_EQ(sum->max_staging_bytes, 0);
+    } else {
+      EXPECT_GT(sum->receiver_quantized_elements, 0);
+      EXPECT_EQ(sum->amax_elements, 0);
+    }
     Fp8Job job(spec);
     job.BindAll();
     ExpectAllOk(job.Connect());
-    for (uint64_t v = 1; v <= 2; ++v) {
+    for (uint64_t v = 1; v <= 3; ++v) {
       std::vector<SyncReport> reps(job.world());
       ExpectAllOk(job.All([&](int r) {
         auto rep = job.session(r).Sync(v);
@@ -289,7 +314,8 @@ TEST(Fp8Session, EveryLandedByteAndScaleEqualsTheReferenceQuantizer) {
     if (l.reference) {
       const Counts c = CompareWithReference(job);
       EXPECT_EQ(c.mismatches, 0) << "first: " << c.first;
-      EXPECT_EQ(c.fp8_bytes, sum->sender_quantized_elements + sum->receiver_quantized_elements);
+      EXPECT_EQ(c.fp8_bytes, sum->sender_quantized_elements + sum->receiver_quantized_elements +
+                                 sum->amax_elements);
       EXPECT_GT(c.scales, 0);
       EXPECT_GT(c.copied, 0);
     }
@@ -345,7 +371,9 @@ TEST(Fp8Session, MegatronTrainersLandEveryByteAndScaleOfTheReferenceQuantizer) {
   }
 }
 
-JobSpec Small() { return Spec(TinyQwen3Fp8(), "dp=1,tp=2,pp=2", "sglang", "fp32", 64 << 10); }
+JobSpec Small(const std::string& split = "amax") {
+  return Spec(TinyQwen3Fp8(), "dp=1,tp=2,pp=2", "sglang", "fp32", 64 << 10, "fsdp=4", split);
+}
 
 TEST(Fp8Session, FlippedByteIsDataLossNamingTheParameter) {
   Fp8Job job(Small());
@@ -364,10 +392,14 @@ TEST(Fp8Session, FlippedByteIsDataLossNamingTheParameter) {
 }
 
 // A NaN in the trainer's values: block FP8 cannot carry it. Whether its block is quantized by the
-// sender or, straddling trainer ranks, by the receiver, the sync fails with DataLoss naming the
-// tensor or parameter, every engine rank stays poisoned, and a clean sync recovers.
-TEST(Fp8Session, NonFiniteTrainerValueFailsTheSyncNamingTheTensor) {
-  Fp8Job job(Small());
+// sender, by the trainer ranks sharing it (amax exchange: every holder fails naming the tensor)
+// or, staged, by the receiver, the sync fails with DataLoss naming the tensor or parameter, every
+// engine rank stays poisoned, and a clean sync recovers.
+class Fp8NonFinite : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(Fp8NonFinite, TrainerValueFailsTheSyncNamingTheTensor) {
+  const bool amax = std::string(GetParam()) == "amax";
+  Fp8Job job(Small(GetParam()));
   job.BindAll();
   ExpectAllOk(job.Connect());
   ExpectAllOk(job.Sync(1));
@@ -386,8 +418,10 @@ TEST(Fp8Session, NonFiniteTrainerValueFailsTheSyncNamingTheTensor) {
   } cases[] = {
       // q_proj: 512 rows, 128 per rank: its blocks are quantized by trainer rank 0.
       {"model.layers.0.self_attn.q_proj.weight", 5, "model.layers.0.self_attn.q_proj.weight"},
-      // gate_proj: 768 rows, 192 per rank: rows [128, 256) straddle ranks 0 and 1 (staged).
-      {"model.layers.0.mlp.gate_proj.weight", 150, "model.layers.0.mlp.gate_up_proj.weight"},
+      // gate_proj: 768 rows, 192 per rank: rows [128, 256) straddle ranks 0 and 1 (both
+      // holders fail naming the tensor; staged: the receiver names its parameter).
+      {"model.layers.0.mlp.gate_proj.weight", 150,
+       amax ? "model.layers.0.mlp.gate_proj.weight" : "model.layers.0.mlp.gate_up_proj.weight"},
   };
   uint64_t v = 2;
   for (const Case& c : cases) {
@@ -408,10 +442,44 @@ TEST(Fp8Session, NonFiniteTrainerValueFailsTheSyncNamingTheTensor) {
         EXPECT_TRUE(job.session(r).IsPoisoned()) << "rank " << r;
       }
     }
-    EXPECT_EQ(named, 1);
+    const bool shared = amax && std::string(c.tensor).find("gate_proj") != std::string::npos;
+    EXPECT_EQ(named, shared ? 2 : 1);
     x = keep;
     ExpectAllOk(job.Sync(v++));
     EXPECT_EQ(job.HarnessMismatches(), 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Splits, Fp8NonFinite, ::testing::Values("amax", "stage"));
+
+// A holder of shared blocks that is gone (its session and store connection closed, as a killed
+// process's) fails the next sync on every other rank well within the sync timeout, the holders
+// waiting for its partial amaxes naming it; the engine ranks stay poisoned.
+TEST(Fp8Session, AGoneHolderFailsTheAmaxExchangeNamingIt) {
+  Fp8Job job(Small(), Millis(10000));
+  job.BindAll();
+  ExpectAllOk(job.Connect());
+  ExpectAllOk(job.Sync(1));
+  const int victim = 1;  // trainer rank 1 shares gate/up and k/v bands with ranks 0 and 2
+  job.Drop(victim);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto st =
+      job.All([&](int r) { return r == victim ? OkStatus() : job.session(r).Sync(2).status(); });
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(took, 5.0) << "the sync timeout is 10 s";
+  for (int r = 0; r < job.world(); ++r) {
+    if (r == victim) continue;
+    EXPECT_FALSE(st[r].ok()) << "rank " << r;
+    if (r >= job.trainers()) {
+      EXPECT_TRUE(job.session(r).IsPoisoned()) << "rank " << r;
+    }
+  }
+  // Whoever saw it first (a holder waiting in the exchange, an engine rank waiting for
+  // buckets) names it; the others fail with its abort, which carries the cause.
+  for (int r = 0; r < job.world(); ++r) {
+    if (r != victim) {
+      EXPECT_THAT(st[r].message(), HasSubstr("sync rank 1 is gone")) << r;
+    }
   }
 }
 

@@ -59,6 +59,7 @@ JobSpec Spec(const std::string& model, const std::string& rollout, const std::st
   f.trainer_dtype = trainer_dtype;
   f.bucket_bytes = 64 << 10;  // stage ops cut into several per band
   f.transport = "loopback";
+  f.fp8_split = "stage";  // the default exchanges amaxes instead
   auto j = JobSpecFromFlags(f);
   EXPECT_TRUE(j.ok()) << j.status().ToString();
   return *j;

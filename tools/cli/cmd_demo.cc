@@ -105,11 +105,13 @@ Result<PlanSummary> JobPlanSummary(const PlanInputs& in, std::optional<Fp8PlanSu
 
 std::string Fp8SummaryText(const PlanInputs& in, const Fp8PlanSummary& s) {
   std::string o = "quant      block FP8 (" + QuantConfigToString(*in.model.quant) + ", from " +
-                  in.model.quant->origin + "): " + std::to_string(s.sender_quantized_elements) +
-                  " elements quantized by the trainer ranks, " +
+                  in.model.quant->origin +
+                  "): " + std::to_string(s.sender_quantized_elements + s.amax_elements) +
+                  " elements quantized by the trainer ranks (" + std::to_string(s.amax_elements) +
+                  " in " + std::to_string(s.amax_blocks) + " blocks they share, amax exchanged), " +
                   std::to_string(s.receiver_quantized_elements) + " by the engine ranks (" +
-                  std::to_string(s.staged_bands) + " bands straddling trainer ranks)\n";
-  o += "           wire: " + HumanBytes(static_cast<double>(s.quantize_bytes)) +
+                  std::to_string(s.staged_bands) + " bands straddling trainer ranks, staged)\n";
+  o += "           wire: " + HumanBytes(static_cast<double>(s.quantize_bytes + s.amax_bytes)) +
        " e4m3 + scales, " + HumanBytes(static_cast<double>(s.stage_bytes)) + " staged raw, " +
        HumanBytes(static_cast<double>(s.copy_bytes)) + " unquantized copies\n";
   return o;

@@ -34,6 +34,7 @@ struct Args {
   std::string dump_ops, svg;
   std::optional<int> rank;
   std::optional<std::string> quant;  // --quant: fp8-block128 | none, overriding the config
+  std::string fp8_split = "amax";    // --fp8-split
 };
 
 std::string Human(double b) {
@@ -63,6 +64,7 @@ Result<PlanInputs> MakeInputs(const Args& a) {
         fmt::format("--bucket-mb: must be in [1, 1048576] MiB, got {}", a.bucket_mb));
   }
   in.options.bucket_bytes = a.bucket_mb << 20;
+  SS_ASSIGN_OR_RETURN(in.options.fp8_split, ParseFp8Split(a.fp8_split));
   if (a.quant) {
     SS_ASSIGN_OR_RETURN(in.model.quant, ParseQuantFlag(*a.quant));
     SS_RETURN_IF_ERROR(ValidateModelSpec(in.model));
@@ -311,6 +313,12 @@ std::string Fp8Text(const PlanInputs& in, const Fp8PlanSummary& s, double second
       "quantized by receivers", s.receiver_quantized_elements, s.staged_bands,
       Human(static_cast<double>(s.stage_bytes)), DTypeName(in.trainer_dtype),
       Human(static_cast<double>(s.max_staging_bytes)));
+  o += fmt::format(
+      "  {:<28}{} elements in {} blocks of {} bands straddling trainer ranks; {} on the wire "
+      "(e4m3 + scales), staging 0; exchange {} written + {} read in the store per sync\n",
+      "quantized by holders (amax)", s.amax_elements, s.amax_blocks, s.amax_bands,
+      Human(static_cast<double>(s.amax_bytes)), Human(static_cast<double>(s.exchange_write_bytes)),
+      Human(static_cast<double>(s.exchange_read_bytes)));
   o += fmt::format("  {:<28}{} on the wire\n", "unquantized copies",
                    Human(static_cast<double>(s.copy_bytes)));
   o +=
@@ -357,6 +365,13 @@ std::string Fp8Json(const PlanInputs& in, const Fp8PlanSummary& s, double second
   j["receiver_quantized_elements"] = s.receiver_quantized_elements;
   j["staged_bands"] = s.staged_bands;
   j["max_staging_bytes"] = s.max_staging_bytes;
+  j["fp8_split"] = std::string(Fp8SplitName(in.options.fp8_split));
+  j["amax_bytes"] = s.amax_bytes;
+  j["amax_elements"] = s.amax_elements;
+  j["amax_bands"] = s.amax_bands;
+  j["amax_blocks"] = s.amax_blocks;
+  j["exchange_write_bytes"] = s.exchange_write_bytes;
+  j["exchange_read_bytes"] = s.exchange_read_bytes;
   j["bound_read_bytes"] = s.bound_read_bytes;
   j["bound_write_bytes"] = s.bound_write_bytes;
   nlohmann::json tr = nlohmann::json::array();
@@ -513,6 +528,10 @@ Registration reg(
        sub->add_option("--quant", *quant,
                        "Engine weights: fp8-block128 (block FP8, overriding the config's "
                        "quantization_config) | none (the model dtype)");
+       sub->add_option("--fp8-split", a->fp8_split,
+                       "Block FP8, blocks whose rows straddle FSDP trainer ranks: amax (holders "
+                       "exchange the block's amax) | stage (the receiver quantizes raw rows)")
+           ->capture_default_str();
        return [a, rank, sub, quant] {
          if (sub->count("--rank") > 0) a->rank = *rank;
          if (sub->count("--quant") > 0) a->quant = *quant;

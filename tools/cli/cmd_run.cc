@@ -64,6 +64,11 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
   sub->add_option("--quant", f->quant,
                   "Engine weights: fp8-block128 (block FP8, quantized at sync time; overrides the "
                   "config's quantization_config) | none (the model dtype; drops it)");
+  sub->add_option("--fp8-split", f->fp8_split,
+                  "Block FP8, blocks whose rows straddle FSDP trainer ranks: amax (their holders "
+                  "exchange the block's amax, e4m3 on the wire; host path) | stage (raw rows to a "
+                  "receiver staging buffer) (docs/fp8.md)")
+      ->capture_default_str();
 }
 
 namespace {

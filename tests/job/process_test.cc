@@ -90,6 +90,7 @@ TEST_P(SyncProcesses, KilledTrainerFailsEveryRankWithinTheTimeout) {
 namespace shardsync {
 namespace {
 
+using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using Clock = std::chrono::steady_clock;
 
@@ -119,7 +120,10 @@ TEST(LocalLauncher, RankKilledBeforeConnectFailsTheOthersAtOnce) {
       EXPECT_FALSE(rr.ok) << "sync rank " << rr.rank;
       if (rr.rank == dead) continue;
       EXPECT_THAT(rr.error, HasSubstr("sync rank " + std::to_string(dead))) << rr.error;
-      EXPECT_THAT(rr.error, HasSubstr("signal 9")) << rr.error;
+      // Why: the launcher's word (killed by signal 9) when it marked the rank dead first; the
+      // store's when the rank had joined and its connection closed first (a loaded machine).
+      EXPECT_THAT(rr.error, AnyOf(HasSubstr("signal 9"), HasSubstr("store connection")))
+          << rr.error;
     }
   }
 }

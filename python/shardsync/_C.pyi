@@ -209,8 +209,10 @@ class PlanInputs:
     def __init__(self, model: Union[str, ModelSpec], trainer: str, rollout: str,
                  engine: str = "sglang", wire_dtype: str = "bf16", trainer_dtype: str = "fp32",
                  bucket_bytes: int = ..., pp_partition: List[int] = ...,
-                 expert_naming: str = "fused_moe", quant: str = "") -> None: ...
+                 expert_naming: str = "fused_moe", quant: str = "",
+                 fp8_split: str = "amax") -> None: ...
     model: ModelSpec
+    fp8_split: str
     quant: Optional[str]
     trainer: str
     trainer_world: int

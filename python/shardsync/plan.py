@@ -97,6 +97,11 @@ class Plan:
             (the model dtype, dropping a config's quantization_config), or None (as the config
             says). A block-FP8 layout the engines refuse (a shard off the 128 grid) fails here
             naming the tensor.
+        fp8_split: block FP8 only, for 128 x 128 blocks whose rows straddle FSDP trainer ranks:
+            "amax" (the default: the holders exchange per-block amax through the store each sync
+            and each quantizes its own rows; e4m3 on the wire, no staging; host memory only) or
+            "stage" (raw values to the engine rank, which quantizes them from a staging buffer;
+            device pairs only with SHARDSYNC_FP8_DEVICE_STAGING=1). docs/fp8.md.
 
     Sync ranks: trainer ranks [0, S), then engine rank (replica d, tp, pp) at S + d*T*P + pp*T +
     tp (`engine_rank`). Dtypes take any spelling: "bf16" / "bfloat16" / torch.bfloat16, "fp32" /
@@ -116,6 +121,7 @@ class Plan:
         pp_partition: Optional[Sequence[int]] = None,
         expert_naming: str = "fused_moe",
         quant: Optional[str] = None,
+        fp8_split: str = "amax",
     ) -> None:
         C = native("plan")
         wire = dtype_name(wire_dtype, "wire_dtype")
@@ -132,6 +138,7 @@ class Plan:
             pp_partition=partition,
             expert_naming=expert_naming,
             quant=quant or "",
+            fp8_split=fp8_split,
         )
         model_spec = model if isinstance(model, str) else None
         if isinstance(model, os.PathLike):
@@ -151,6 +158,8 @@ class Plan:
             self._spec["expert_naming"] = expert_naming
         if quant:
             self._spec["quant"] = quant
+        if fp8_split != "amax":  # absent means the default: older specs stay valid
+            self._spec["fp8_split"] = fp8_split
 
     @classmethod
     def from_spec(cls, spec: Dict[str, Any]) -> "Plan":
@@ -219,6 +228,11 @@ class Plan:
     def expert_naming(self) -> str:
         """The engine's name for stacked experts: "fused_moe" or "routed_experts" (vLLM >= 0.24)."""
         return self.inputs.expert_naming
+
+    @property
+    def fp8_split(self) -> str:
+        """How block-FP8 blocks split across trainer ranks are quantized: "amax" or "stage"."""
+        return self.inputs.fp8_split
 
     @property
     def quant(self) -> Optional[str]:

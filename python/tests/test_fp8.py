@@ -59,20 +59,30 @@ def test_plan_quant_summary_outline_and_refusals(need_plan, fp8_model, tiny_mode
         shardsync.Plan(tiny_model, "fsdp=2", "dp=1,tp=1,pp=1", quant="fp8-block128")
     with pytest.raises(shardsync.InvalidArgumentError, match="quant: unknown value"):
         shardsync.Plan(fp8_model, "fsdp=2", "dp=1,tp=2,pp=1", quant="int4")
+    with pytest.raises(shardsync.InvalidArgumentError, match="fp8_split"):
+        shardsync.Plan(fp8_model, "fsdp=2", "dp=1,tp=2,pp=1", fp8_split="gather")
 
 
-def test_sync_lands_the_quantizers_bytes(need_session, fp8_model):
+@pytest.mark.parametrize("split", ["amax", "stage"])
+def test_sync_lands_the_quantizers_bytes(need_session, fp8_model, split):
     if "loopback" not in shardsync.native().transports():
         pytest.skip("loopback transport not built")
     # fsdp=4: gate/up (768 rows) straddle trainer ranks, so both paths run: blocks quantized by
     # their sender and blocks shared by trainer ranks, quantized by their holders with the amax
-    # they exchange (the default split).
+    # they exchange (the default split) or by the engine rank from staged raw values.
     spec = dict(model=fp8_model, trainer="fsdp=4", rollout="dp=1,tp=2,pp=1", engine="vllm",
                 wire_dtype="f32", trainer_dtype="f32", bucket_bytes=256 << 10)
+    if split != "amax":
+        spec["fp8_split"] = split
     plan = shardsync.Plan.from_spec(spec)
+    assert plan.fp8_split == split
+    assert shardsync.Plan.from_spec(plan.spec).hash == plan.hash
     q = plan.summary()["quant"]
-    assert q["sender_quantized_elements"] > 0 and q["amax_elements"] > 0
-    assert q["receiver_quantized_elements"] == 0
+    assert q["sender_quantized_elements"] > 0
+    if split == "amax":
+        assert q["amax_elements"] > 0 and q["receiver_quantized_elements"] == 0
+    else:
+        assert q["amax_elements"] == 0 and q["receiver_quantized_elements"] > 0
     rng = np.random.default_rng(7)
     full = {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s, _ in plan.hf_tensors()}
     params = {}

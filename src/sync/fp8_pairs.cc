@@ -96,19 +96,9 @@ Status PreparedPairs::QuantizeStaged() {
   return Fp8BandsStatus(ctx_.rank, *ctx_.fp8, bindings_->dests(), bad);
 }
 
-Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
-                                 const std::map<int, uint32_t>& regbase,
-                                 Clock::time_point deadline) {
+Status PreparedPairs::RefuseUnbuiltFp8(const Bindings& bindings) const {
   const Fp8RankPlan& plan = *ctx_.fp8;
-  const DType wire = ctx_.in.options.wire_dtype, td = ctx_.in.trainer_dtype;
-  const int ws = DTypeSize(wire);
   const int mem = bindings.BoundMem();
-  send_.resize(plan.sends.size());
-  recv_.resize(plan.recvs.size());
-  auto left = [&] {
-    return std::max(Millis(1), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
-  };
-  // Refused before any pair is prepared, so no peer waits for this rank's maps.
   for (const Fp8Message& m : plan.recvs) {
     if (Prepared(m.src, mem)) SS_RETURN_IF_ERROR(RefuseAmax(ctx_, bindings, m, m.src));
   }
@@ -125,39 +115,102 @@ Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
       if (Prepared(m.dst, mem)) SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.dst));
     }
   }
+  return OkStatus();
+}
+
+PairBucket PreparedPairs::Fp8RecvBucket(const Bindings& bindings, const Fp8Message& m,
+                                        const Bucket& b) const {
+  const DType td = ctx_.in.trainer_dtype;
+  const int ws = DTypeSize(ctx_.in.options.wire_dtype);
+  PairBucket pb;
+  pb.bytes = b.bytes;
+  int64_t at = 0, staged = 0;  // compact copy image, compact stage image
+  for (int32_t i = b.op_begin; i < b.op_end; ++i) {
+    const Fp8Op& op = m.ops[i];
+    if (op.kind == Fp8OpKind::kStage) {
+      const Fp8StagedBand& band = ctx_.fp8->staged.at(op.stage);
+      const Shape shape{band.src.extent[0], band.src.extent[1]};
+      pb.stage.push_back({{staging_.get() + band.staging_offset, td, shape, op.dst, staged}, {}});
+      staged += op.dst.numel() * DTypeSize(td);
+      continue;
+    }
+    const DestBinding& d = bindings.dest(op.param);
+    if (op.kind == Fp8OpKind::kCopy) {
+      pb.local.push_back({d.data, d.dtype, d.shape, op.dst, at});
+      at += op.dst.numel() * ws;
+      continue;
+    }
+    const DestBinding& s = bindings.dest(op.scale_param);
+    QuantizeRegion q;
+    q.landed_weight = {d.data, d.dtype, d.shape, op.dst, op.wire_offset - b.wire_offset};
+    q.landed_scales = {s.data, s.dtype, s.shape, op.scale_dst, 0};
+    pb.quantize.push_back(std::move(q));
+  }
+  return pb;
+}
+
+PairBucket PreparedPairs::Fp8SendBucket(const Bindings& bindings, PeerShapes& shapes,
+                                        const Fp8Message& m, const Bucket& b, uint32_t base) const {
+  const DType td = ctx_.in.trainer_dtype;
+  const int ws = DTypeSize(ctx_.in.options.wire_dtype);
+  PairBucket pb;
+  pb.bytes = b.bytes;
+  int64_t at = 0, staged = 0;
+  for (int32_t i = b.op_begin; i < b.op_end; ++i) {
+    const Fp8Op& op = m.ops[i];
+    // The HF shard, or a Megatron sender's local parameter (Fp8Message::local).
+    const Bindings::OpSource os = bindings.Fp8SourceOf(m, i);
+    const PackRegion src{os.data, td, os.shape, os.region, 0};
+    if (op.kind == Fp8OpKind::kStage) {
+      // The receiver's staging is its region after its parameters (RegisterParams).
+      const Fp8StageTarget t = Fp8StageTargetOf(op);
+      StageRegion sr{src,
+                     {base + static_cast<uint32_t>(shapes.Count(m.dst)),
+                      static_cast<uint64_t>(t.offset), t.shape, t.dst}};
+      sr.local.wire_offset = staged;
+      pb.stage.push_back(std::move(sr));
+      staged += op.src.numel() * DTypeSize(td);
+      continue;
+    }
+    const RemoteRegion dst{base + static_cast<uint32_t>(op.param), 0, shapes.Get(m.dst, op.param),
+                           op.dst};
+    if (op.kind == Fp8OpKind::kCopy) {
+      pb.local.push_back(src);
+      pb.local.back().wire_offset = at;
+      pb.remote.push_back(dst);
+      at += op.dst.numel() * ws;
+      continue;
+    }
+    QuantizeRegion q;
+    q.src = src;
+    q.src.wire_offset = op.wire_offset - b.wire_offset;
+    q.weight = dst;
+    q.scales = {base + static_cast<uint32_t>(op.scale_param), 0, shapes.Get(m.dst, op.scale_param),
+                op.scale_dst};
+    pb.quantize.push_back(std::move(q));
+  }
+  return pb;
+}
+
+Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
+                                 const std::map<int, uint32_t>& regbase,
+                                 Clock::time_point deadline) {
+  const Fp8RankPlan& plan = *ctx_.fp8;
+  const DType wire = ctx_.in.options.wire_dtype;
+  const int mem = bindings.BoundMem();
+  send_.resize(plan.sends.size());
+  recv_.resize(plan.recvs.size());
+  auto left = [&] {
+    return std::max(Millis(1), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
+  };
+  // Refused before any pair is prepared, so no peer waits for this rank's maps.
+  SS_RETURN_IF_ERROR(RefuseUnbuiltFp8(bindings));
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
     const Fp8Message& m = plan.recvs[mi];
     if (!Prepared(m.src, mem)) continue;
     PairSpec spec{m.src, /*send=*/false, wire, {}, PairKey(m.src, ctx_.rank)};
     spec.fp8 = true;
-    for (const Bucket& b : m.buckets) {
-      PairBucket pb;
-      pb.bytes = b.bytes;
-      int64_t at = 0, staged = 0;  // compact copy image, compact stage image
-      for (int32_t i = b.op_begin; i < b.op_end; ++i) {
-        const Fp8Op& op = m.ops[i];
-        if (op.kind == Fp8OpKind::kStage) {
-          const Fp8StagedBand& band = plan.staged.at(op.stage);
-          const Shape shape{band.src.extent[0], band.src.extent[1]};
-          pb.stage.push_back(
-              {{staging_.get() + band.staging_offset, td, shape, op.dst, staged}, {}});
-          staged += op.dst.numel() * DTypeSize(td);
-          continue;
-        }
-        const DestBinding& d = bindings.dest(op.param);
-        if (op.kind == Fp8OpKind::kCopy) {
-          pb.local.push_back({d.data, d.dtype, d.shape, op.dst, at});
-          at += op.dst.numel() * ws;
-          continue;
-        }
-        const DestBinding& s = bindings.dest(op.scale_param);
-        QuantizeRegion q;
-        q.landed_weight = {d.data, d.dtype, d.shape, op.dst, op.wire_offset - b.wire_offset};
-        q.landed_scales = {s.data, s.dtype, s.shape, op.scale_dst, 0};
-        pb.quantize.push_back(std::move(q));
-      }
-      spec.buckets.push_back(std::move(pb));
-    }
+    for (const Bucket& b : m.buckets) spec.buckets.push_back(Fp8RecvBucket(bindings, m, b));
     SS_ASSIGN_OR_RETURN(recv_[mi], ctx_.tx.Prepare(ctx_.store, spec, left()));
   }
   for (size_t mi = 0; mi < plan.sends.size(); ++mi) {
@@ -167,43 +220,7 @@ Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
     spec.fp8 = true;
     const uint32_t base = regbase.at(m.dst);
     for (const Bucket& b : m.buckets) {
-      PairBucket pb;
-      pb.bytes = b.bytes;
-      int64_t at = 0, staged = 0;
-      for (int32_t i = b.op_begin; i < b.op_end; ++i) {
-        const Fp8Op& op = m.ops[i];
-        // The HF shard, or a Megatron sender's local parameter (Fp8Message::local).
-        const Bindings::OpSource os = bindings.Fp8SourceOf(m, i);
-        const PackRegion src{os.data, td, os.shape, os.region, 0};
-        if (op.kind == Fp8OpKind::kStage) {
-          // The receiver's staging is its region after its parameters (RegisterParams).
-          const Fp8StageTarget t = Fp8StageTargetOf(op);
-          StageRegion sr{src,
-                         {base + static_cast<uint32_t>(shapes.Count(m.dst)),
-                          static_cast<uint64_t>(t.offset), t.shape, t.dst}};
-          sr.local.wire_offset = staged;
-          pb.stage.push_back(std::move(sr));
-          staged += op.src.numel() * DTypeSize(td);
-          continue;
-        }
-        const RemoteRegion dst{base + static_cast<uint32_t>(op.param), 0,
-                               shapes.Get(m.dst, op.param), op.dst};
-        if (op.kind == Fp8OpKind::kCopy) {
-          pb.local.push_back(src);
-          pb.local.back().wire_offset = at;
-          pb.remote.push_back(dst);
-          at += op.dst.numel() * ws;
-          continue;
-        }
-        QuantizeRegion q;
-        q.src = src;
-        q.src.wire_offset = op.wire_offset - b.wire_offset;
-        q.weight = dst;
-        q.scales = {base + static_cast<uint32_t>(op.scale_param), 0,
-                    shapes.Get(m.dst, op.scale_param), op.scale_dst};
-        pb.quantize.push_back(std::move(q));
-      }
-      spec.buckets.push_back(std::move(pb));
+      spec.buckets.push_back(Fp8SendBucket(bindings, shapes, m, b, base));
     }
     SS_ASSIGN_OR_RETURN(send_[mi], ctx_.tx.Prepare(ctx_.store, spec, left()));
   }

@@ -59,6 +59,13 @@ class PreparedPairs {
   // Prepare for block-FP8 plans (fp8_pairs.cc): quantize ops as PairBucket::quantize.
   Status PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
                     const std::map<int, uint32_t>& regbase, Clock::time_point deadline);
+  // FP8 ops prepared pairs do not run (amax-exchanged blocks; staged bands without device
+  // staging), refused naming the tensor before any pair is prepared.
+  Status RefuseUnbuiltFp8(const Bindings& bindings) const;
+  // One bucket of an FP8 message as the receiver's / the sender's PairBucket.
+  PairBucket Fp8RecvBucket(const Bindings& bindings, const Fp8Message& m, const Bucket& b) const;
+  PairBucket Fp8SendBucket(const Bindings& bindings, PeerShapes& shapes, const Fp8Message& m,
+                           const Bucket& b, uint32_t base) const;
   // Whether the pair with `peer` runs as a prepared pair (see Prepare).
   bool Prepared(int peer, int mem) const;
   std::string PairKey(int src, int dst) const;

@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "common/fp8_lane.h"
 #include "common/fp8_reference.h"
 #include "shardsync/checksum.h"
 #include "shardsync/fp8.h"
@@ -313,6 +314,35 @@ TEST(Fp8Dequantize, MultipliesEachBlockByItsScale) {
                 std::fabs(x[r * 140 + c]) / 16 + scale * std::ldexp(1.f, -9))
           << r << "," << c;
     }
+  }
+}
+
+}  // namespace
+}  // namespace shardsync
+
+namespace shardsync {
+namespace {
+
+// The CPU quantizer's branch-free conversion (common/fp8_lane.h) equals the definition on every
+// bf16 value (every sign, exponent and the top 7 mantissa bits), on every fp32 whose low 16 bits
+// are a few rounding-sensitive patterns, and on a million random fp32 bit patterns.
+TEST(Fp8Codes, BranchFreeLaneEqualsTheDefinition) {
+  auto check = [](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    ASSERT_EQ(E4M3Lane(f), F32ToE4M3(f)) << std::hex << "bits 0x" << u;
+  };
+  for (uint32_t hi = 0; hi < 65536; ++hi) {
+    for (uint32_t lo : {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu}) {
+      check(hi << 16 | lo);
+    }
+  }
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  for (int i = 0; i < 1000000; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    check(static_cast<uint32_t>(x));
   }
 }
 

@@ -196,6 +196,45 @@ struct DeviceStagingOn {
   ~DeviceStagingOn() { unsetenv("SHARDSYNC_FP8_DEVICE_STAGING"); }
 };
 
+// The flags of a qwen3-30b-a3b FP8 job on `--device cuda` (vLLM tp2 ep2), for flag-time checks.
+JobFlags MoeFlags(const std::string& trainer, const std::string& split) {
+  JobFlags f;
+  f.model = "qwen3-30b-a3b";
+  f.quant = "fp8-block128";
+  f.trainer = trainer;
+  f.rollout = "dp=1,tp=2,pp=1,ep=2";
+  f.engine = "vllm";
+  f.device = "cuda";
+  f.trainer_dtype = "bf16";
+  f.fp8_split = split;
+  return f;
+}
+
+// Sets up every rank of `job` on one GPU at once and expects each to fail at Connect; returns how
+// many failed Unimplemented with both `a` and `b` in the message (the refusal, named).
+int RefusedAtConnect(const JobSpec& job, const std::string& a, const std::string& b) {
+  auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
+  EXPECT_TRUE(server.ok());
+  if (!server.ok()) return 0;
+  const int world = SyncWorldSize(job.inputs);
+  std::vector<DeviceRank> ranks(world);
+  std::vector<Status> st(world);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < world; ++r) {
+    ts.emplace_back([&, r] { st[r] = SetUpRank(job, r, 1, "", (*server)->address(), ranks[r]); });
+  }
+  for (auto& t : ts) t.join();
+  int named = 0;
+  for (int r = 0; r < world; ++r) {
+    EXPECT_FALSE(st[r].ok()) << "rank " << r;
+    named += st[r].code() == StatusCode::kUnimplemented &&
+             st[r].message().find(a) != std::string::npos &&
+             st[r].message().find(b) != std::string::npos;
+  }
+  EXPECT_GT(named, 0) << "rank 0: " << st[0].ToString();
+  return named;
+}
+
 // Block FP8 over cuda_ipc: the trainer's kernel quantizes straight into the engine's e4m3 and
 // scale parameters; every byte and scale is then checked against the quantizer on the host.
 TEST(GpuSession, OneGpuBlockFp8OverCudaIpc) {
@@ -221,16 +260,7 @@ TEST(GpuSession, OneGpuBlockFp8StagedBandsOverCudaIpc) {
     RunJob(1, "", "cuda_ipc", job);
   }
   // Not refused at flag time when switched on.
-  JobFlags f;
-  f.model = "qwen3-30b-a3b";
-  f.quant = "fp8-block128";
-  f.trainer = "fsdp=4";
-  f.rollout = "dp=1,tp=2,pp=1,ep=2";
-  f.engine = "vllm";
-  f.device = "cuda";
-  f.trainer_dtype = "bf16";
-  f.fp8_split = "stage";
-  auto j = JobSpecFromFlags(f);
+  auto j = JobSpecFromFlags(MoeFlags("fsdp=4", "stage"));
   EXPECT_TRUE(j.ok()) << j.status().ToString();
 }
 
@@ -354,44 +384,15 @@ TEST(GpuSession, BlockFp8NanInAStagedBandIsDataLossNamingTheParameter) {
 TEST(GpuSession, BlockFp8StagedBandsAreRefusedOnDevicePairsUnlessSwitchedOn) {
   SS_REQUIRE_GPU();
   unsetenv("SHARDSYNC_FP8_DEVICE_STAGING");
-  JobSpec job = Fp8Job("fsdp=4", 768);  // gate/up: 192 rows per trainer rank
-  auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
-  ASSERT_TRUE(server.ok());
-  const int world = SyncWorldSize(job.inputs);
-  std::vector<DeviceRank> ranks(world);
-  std::vector<Status> st(world);
-  std::vector<std::thread> ts;
-  for (int r = 0; r < world; ++r) {
-    ts.emplace_back([&, r] { st[r] = SetUpRank(job, r, 1, "", (*server)->address(), ranks[r]); });
-  }
-  for (auto& t : ts) t.join();
-  int named = 0;
-  for (int r = 0; r < world; ++r) {
-    EXPECT_FALSE(st[r].ok()) << "rank " << r;
-    if (st[r].code() == StatusCode::kUnimplemented &&
-        st[r].message().find("share 128-row blocks") != std::string::npos &&
-        st[r].message().find("SHARDSYNC_FP8_DEVICE_STAGING=1") != std::string::npos) {
-      ++named;
-    }
-  }
-  EXPECT_GT(named, 0) << "rank 0: " << st[0].ToString();
+  // gate/up: 192 rows per trainer rank.
+  RefusedAtConnect(Fp8Job("fsdp=4", 768), "share 128-row blocks", "SHARDSYNC_FP8_DEVICE_STAGING=1");
   // `--device cuda`: at flag time, naming --trainer and the switch; layouts on the grid pass.
-  JobFlags f;
-  f.model = "qwen3-30b-a3b";
-  f.quant = "fp8-block128";
-  f.trainer = "fsdp=4";  // experts of 768 rows: 192 per trainer rank
-  f.rollout = "dp=1,tp=2,pp=1,ep=2";
-  f.engine = "vllm";
-  f.device = "cuda";
-  f.trainer_dtype = "bf16";
-  f.fp8_split = "stage";
-  auto off = JobSpecFromFlags(f);
+  auto off = JobSpecFromFlags(MoeFlags("fsdp=4", "stage"));  // experts: 192 rows per rank
   ASSERT_FALSE(off.ok());
   EXPECT_EQ(off.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(off.status().message().find("--trainer fsdp=4"), std::string::npos);
   EXPECT_NE(off.status().message().find("SHARDSYNC_FP8_DEVICE_STAGING=1"), std::string::npos);
-  f.trainer = "fsdp=2";  // 384 rows per rank: on the grid
-  EXPECT_TRUE(JobSpecFromFlags(f).ok());
+  EXPECT_TRUE(JobSpecFromFlags(MoeFlags("fsdp=2", "stage")).ok());  // 384 rows: on the grid
 }
 
 // Blocks shared by trainer ranks under the amax exchange (the default split) are quantized on
@@ -399,41 +400,13 @@ TEST(GpuSession, BlockFp8StagedBandsAreRefusedOnDevicePairsUnlessSwitchedOn) {
 // stage`, and `--device cuda` at flag time.
 TEST(GpuSession, BlockFp8AmaxExchangeIsRefusedOnDevicePairs) {
   SS_REQUIRE_GPU();
-  JobSpec job = Fp8Job("fsdp=4", 768, "fp32", "amax");
-  auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
-  ASSERT_TRUE(server.ok());
-  const int world = SyncWorldSize(job.inputs);
-  std::vector<DeviceRank> ranks(world);
-  std::vector<Status> st(world);
-  std::vector<std::thread> ts;
-  for (int r = 0; r < world; ++r) {
-    ts.emplace_back([&, r] { st[r] = SetUpRank(job, r, 1, "", (*server)->address(), ranks[r]); });
-  }
-  for (auto& t : ts) t.join();
-  int named = 0;
-  for (int r = 0; r < world; ++r) {
-    EXPECT_FALSE(st[r].ok()) << "rank " << r;
-    if (st[r].code() == StatusCode::kUnimplemented &&
-        st[r].message().find("share 128-row blocks") != std::string::npos &&
-        st[r].message().find("--fp8-split stage") != std::string::npos) {
-      ++named;
-    }
-  }
-  EXPECT_GT(named, 0) << "rank 0: " << st[0].ToString();
-  JobFlags f;
-  f.model = "qwen3-30b-a3b";
-  f.quant = "fp8-block128";
-  f.trainer = "fsdp=4";
-  f.rollout = "dp=1,tp=2,pp=1,ep=2";
-  f.engine = "vllm";
-  f.device = "cuda";
-  f.trainer_dtype = "bf16";
-  auto off = JobSpecFromFlags(f);
+  RefusedAtConnect(Fp8Job("fsdp=4", 768, "fp32", "amax"), "share 128-row blocks",
+                   "--fp8-split stage");
+  auto off = JobSpecFromFlags(MoeFlags("fsdp=4", "amax"));
   ASSERT_FALSE(off.ok());
   EXPECT_EQ(off.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(off.status().message().find("--fp8-split stage"), std::string::npos);
-  f.trainer = "fsdp=2";  // on the grid: nothing exchanged
-  EXPECT_TRUE(JobSpecFromFlags(f).ok());
+  EXPECT_TRUE(JobSpecFromFlags(MoeFlags("fsdp=2", "amax")).ok());  // on the grid: none shared
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "cuda/cuda_util.h"
+#include "cuda/impl/fp8_device.cuh"
 #include "cuda/impl/fp8_kernels.h"
 #include "shardsync/checksum.h"
 #include "shardsync/fp8.h"
@@ -40,29 +41,10 @@ __device__ __forceinline__ float LoadValue(const unsigned char* p, int dtype) {
   return __half2float(__ushort_as_half(h));
 }
 
-__device__ __forceinline__ int FindTask(const DeviceTask* tasks, int n, int64_t block) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (tasks[mid].block_begin <= block) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-
+using fp8dev::FindTask;
 template <typename T, typename Op>
 __device__ __forceinline__ T BlockReduce(T v, Op op, T* shared) {
-  for (int o = 16; o > 0; o /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  v = shared[0];
-  for (int w = 1; w < kThreads / 32; ++w) v = op(v, shared[w]);
-  return v;
+  return fp8dev::BlockReduce<kThreads>(v, op, shared);
 }
 
 // One CTA per block. Thread t owns words w = t + 256 k (k < 8) of the block: row w / 16, columns

@@ -35,6 +35,77 @@ def fp8_model(tmp_path_factory) -> str:
     return str(d)
 
 
+def _bind_fsdp_shards(plan, r, s, full, keep):
+    """An FSDP trainer rank: its dim-0 slab of every HF tensor."""
+    for n, a in full.items():
+        reg = plan.held_region(r, a.shape)
+        if reg.numel:
+            keep[n] = np.ascontiguousarray(a[reg.slices()])
+            s.bind_source(n, keep[n])
+
+
+def _bind_megatron_params(plan, r, s, full, keep):
+    """A Megatron trainer rank: its local parameters, filled from the HF tensors they hold."""
+    for p in plan.trainer_params(r):
+        t = np.full(p.shape, np.nan, np.float32)  # padding: never read
+        for pc in p.pieces:
+            t[pc.local.slices()] = full[pc.source][pc.src.slices()]
+        keep[(p.chunk, p.name)] = t
+        s.bind_source(p.name, t, chunk=p.chunk)
+
+
+def _sync_and_check(plan, bind_trainer, seed):
+    """One sync of random fp32 weights, one thread per rank over loopback; then every engine
+    element against the HF value, every e4m3 byte and scale against the reference quantizer."""
+    rng = np.random.default_rng(seed)
+    full = {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s, _ in plan.hf_tensors()}
+    params, errors = {}, {}
+    with shardsync.StoreServer(token=TOKEN) as srv:
+        def body(r):
+            try:
+                s = shardsync.Session(plan, r, srv.address, token=TOKEN, transport="loopback",
+                                      connect_timeout=60, sync_timeout=60)
+                keep = {}
+                if s.is_trainer:
+                    bind_trainer(plan, r, s, full, keep)
+                else:
+                    for p in s.expected_params():
+                        dt = {"F8_E4M3": np.uint8}.get(p.dtype, np.float32)
+                        keep[p.name] = np.full(p.shape, 0xA5 if dt == np.uint8 else np.nan, dt)
+                    shardsync.bind_engine(s, keep.items())
+                    params[r] = (s.expected_params(), keep)
+                s.connect()
+                s.sync(1)
+                s.close()
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors[r] = e
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(plan.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert not errors, errors
+    ref, checked = {}, 0
+    for expected, keep in params.values():
+        for p in expected:
+            for pc in p.pieces:
+                scale = p.name.endswith("weight_scale_inv")
+                w = pc.source[: -len("_scale_inv")] if scale else pc.source
+                if p.dtype == "F8_E4M3" or scale:
+                    ref.setdefault(w, quantize(full[w]))
+                    want = ref[w][1 if scale else 0][pc.src.slices()]
+                else:
+                    want = full[pc.source][pc.src.slices()]
+                have = keep[p.name][pc.dst.slices()].reshape(want.shape)
+                if want.dtype == np.float32:
+                    assert np.array_equal(have.view(np.uint32), want.view(np.uint32)), p.name
+                else:
+                    assert np.array_equal(have, want), (p.name, int((have != want).sum()))
+                checked += want.size
+    assert checked > 0
+
+
 # ---- tests ----
 
 def test_plan_quant_summary_outline_and_refusals(need_plan, fp8_model, tiny_model):
@@ -83,62 +154,7 @@ def test_sync_lands_the_quantizers_bytes(need_session, fp8_model, split):
         assert q["amax_elements"] > 0 and q["receiver_quantized_elements"] == 0
     else:
         assert q["amax_elements"] == 0 and q["receiver_quantized_elements"] > 0
-    rng = np.random.default_rng(7)
-    full = {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s, _ in plan.hf_tensors()}
-    params = {}
-    errors = {}
-    with shardsync.StoreServer(token=TOKEN) as srv:
-        def body(r):
-            try:
-                s = shardsync.Session(plan, r, srv.address, token=TOKEN, transport="loopback",
-                                      connect_timeout=60, sync_timeout=60)
-                keep = {}
-                if s.is_trainer:
-                    for n, a in full.items():
-                        reg = plan.held_region(r, a.shape)
-                        if reg.numel:
-                            keep[n] = np.ascontiguousarray(a[reg.slices()])
-                            s.bind_source(n, keep[n])
-                else:
-                    for p in s.expected_params():
-                        dt = {"F8_E4M3": np.uint8}.get(p.dtype, np.float32)
-                        keep[p.name] = np.full(p.shape, 0xA5 if dt == np.uint8 else np.nan, dt)
-                    shardsync.bind_engine(s, keep.items())
-                    params[r] = (s.expected_params(), keep)
-                s.connect()
-                s.sync(1)
-                s.close()
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors[r] = e
-
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(plan.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    assert not errors, errors
-    ref = {}
-    checked = 0
-    for expected, keep in params.values():
-        for p in expected:
-            got = keep[p.name]
-            for pc in p.pieces:
-                if p.dtype == "F8_E4M3":
-                    ref.setdefault(pc.source, quantize(full[pc.source]))
-                    want = ref[pc.source][0][pc.src.slices()]
-                elif p.name.endswith("weight_scale_inv"):
-                    w = pc.source[: -len("_scale_inv")]
-                    ref.setdefault(w, quantize(full[w]))
-                    want = ref[w][1][pc.src.slices()]
-                else:
-                    want = full[pc.source][pc.src.slices()]
-                have = got[pc.dst.slices()].reshape(want.shape)
-                if want.dtype == np.float32:
-                    assert np.array_equal(have.view(np.uint32), want.view(np.uint32)), p.name
-                else:
-                    assert np.array_equal(have, want), (p.name, int((have != want).sum()))
-                checked += want.size
-    assert checked > 0
+    _sync_and_check(plan, _bind_fsdp_shards, seed=7)
 
 
 def test_megatron_trainer_quantizes_from_its_local_parameters(need_session, fp8_model):
@@ -152,58 +168,7 @@ def test_megatron_trainer_quantizes_from_its_local_parameters(need_session, fp8_
                           wire_dtype="f32", trainer_dtype="f32", bucket_bytes=256 << 10)
     q = plan.summary()["quant"]
     assert q["sender_quantized_elements"] > 0 and q["receiver_quantized_elements"] == 0
-    rng = np.random.default_rng(11)
-    full = {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s, _ in plan.hf_tensors()}
-    params, errors = {}, {}
-    with shardsync.StoreServer(token=TOKEN) as srv:
-        def body(r):
-            try:
-                s = shardsync.Session(plan, r, srv.address, token=TOKEN, transport="loopback",
-                                      connect_timeout=60, sync_timeout=60)
-                keep = {}
-                if s.is_trainer:
-                    for p in plan.trainer_params(r):
-                        t = np.full(p.shape, np.nan, np.float32)  # padding: never read
-                        for pc in p.pieces:
-                            t[pc.local.slices()] = full[pc.source][pc.src.slices()]
-                        keep[(p.chunk, p.name)] = t
-                        s.bind_source(p.name, t, chunk=p.chunk)
-                else:
-                    for p in s.expected_params():
-                        dt = {"F8_E4M3": np.uint8}.get(p.dtype, np.float32)
-                        keep[p.name] = np.full(p.shape, 0xA5 if dt == np.uint8 else np.nan, dt)
-                    shardsync.bind_engine(s, keep.items())
-                    params[r] = (s.expected_params(), keep)
-                s.connect()
-                s.sync(1)
-                s.close()
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors[r] = e
-
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(plan.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    assert not errors, errors
-    ref, checked = {}, 0
-    for expected, keep in params.values():
-        for p in expected:
-            for pc in p.pieces:
-                scale = p.name.endswith("weight_scale_inv")
-                w = pc.source[: -len("_scale_inv")] if scale else pc.source
-                if p.dtype == "F8_E4M3" or scale:
-                    ref.setdefault(w, quantize(full[w]))
-                    want = ref[w][1 if scale else 0][pc.src.slices()]
-                else:
-                    want = full[pc.source][pc.src.slices()]
-                have = keep[p.name][pc.dst.slices()].reshape(want.shape)
-                if want.dtype == np.float32:
-                    assert np.array_equal(have.view(np.uint32), want.view(np.uint32)), p.name
-                else:
-                    assert np.array_equal(have, want), (p.name, int((have != want).sum()))
-                checked += want.size
-    assert checked > 0
+    _sync_and_check(plan, _bind_megatron_params, seed=11)
     with pytest.raises(shardsync.InvalidArgumentError,
                        match=r"Megatron rank 0 holds rows \[0, 192\).*gate_proj\.weight"):
         shardsync.Plan(fp8_model, "megatron=tp=4", "dp=1,tp=1,pp=1")

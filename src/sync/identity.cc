@@ -2,6 +2,7 @@
 
 #include <sys/random.h>
 
+#include <algorithm>
 #include <charconv>
 #include <random>
 #include <thread>
@@ -97,10 +98,10 @@ Status JobIdentity::CheckLaunch() {
 
 Status JobIdentity::Join(Clock::time_point deadline) {
   SS_RETURN_IF_ERROR(CheckLaunch());
-  return ctx_.rank == 0 ? Claim() : WaitForClaim(deadline);
+  return ctx_.rank == 0 ? Claim(deadline) : WaitForClaim(deadline);
 }
 
-Status JobIdentity::Claim() {
+Status JobIdentity::Claim(Clock::time_point deadline) {
   const std::string key = ClaimKey(ctx_.opt.prefix);
   JobClaim mine{nonce_, ctx_.plan.plan_hash, ctx_.launch.id, ctx_.launch.source};
   const std::string text = EncodeClaim(mine);
@@ -124,7 +125,7 @@ Status JobIdentity::Claim() {
         ", which is still running; jobs sharing a store need distinct prefixes (prefix=, "
         "--prefix), or the earlier job's sessions must be closed first");
   }
-  SS_ASSIGN_OR_RETURN(Entry e, Enter(mine));
+  SS_ASSIGN_OR_RETURN(Entry e, Enter(mine, deadline));
   if (e != Entry::kJoined) {
     return InternalError(Me() + ": job " + Hex(nonce_) + " it just claimed has a sync rank 0");
   }
@@ -170,7 +171,7 @@ Status JobIdentity::WaitForClaim(Clock::time_point deadline) {
           "; jobs sharing a store need distinct prefixes, and ranks of one job started by "
           "different launchers need one job_id (SHARDSYNC_JOB_ID)");
     }
-    SS_ASSIGN_OR_RETURN(Entry e, Enter(c));
+    SS_ASSIGN_OR_RETURN(Entry e, Enter(c, deadline));
     if (e == Entry::kJoined) return OkStatus();
     skip = true;
     skipped = c.nonce;
@@ -178,7 +179,7 @@ Status JobIdentity::WaitForClaim(Clock::time_point deadline) {
   }
 }
 
-Result<JobIdentity::Entry> JobIdentity::Enter(const JobClaim& c) {
+Result<JobIdentity::Entry> JobIdentity::Enter(const JobClaim& c, Clock::time_point deadline) {
   const std::string root = JobRoot(ctx_.opt.prefix, c.nonce);
   const std::string r = std::to_string(ctx_.rank);
   SS_ASSIGN_OR_RETURN(std::string held,
@@ -186,7 +187,8 @@ Result<JobIdentity::Entry> JobIdentity::Enter(const JobClaim& c) {
   if (held != member_) {
     // Its holder sets the liveness key right after the member key: absent means it is between
     // the two (wait for it), dead means it is gone (the claim is a finished job's).
-    auto alive = ctx_.store.Get(root + "alive/" + r, kMemberSettle);
+    const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+    auto alive = ctx_.store.Get(root + "alive/" + r, std::clamp(left, Millis(0), kMemberSettle));
     if (!alive.ok()) return Entry::kStale;
     const std::string why = "sync rank " + r +
                             " was claimed by two live processes (two jobs on "

@@ -67,10 +67,10 @@ class JobIdentity {
 
  private:
   enum class Entry { kJoined, kStale };
-  Status Claim();
+  Status Claim(Clock::time_point deadline);
   Status WaitForClaim(Clock::time_point deadline);
   // Takes this rank's member and liveness keys in the job `c` names.
-  Result<Entry> Enter(const JobClaim& c);
+  Result<Entry> Enter(const JobClaim& c, Clock::time_point deadline);
   // Unavailable when a launcher marked this rank's launch dead (LaunchKey).
   Status CheckLaunch();
   std::string Me() const;

@@ -153,6 +153,10 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
             scale.format_ue8m0 = True
 
     def process_weights_after_loading(self, layer):
+        # vLLM quantization/fp8.py Fp8LinearMethod.process_weights_after_loading re-registers
+        # `layer.weight = Parameter(weight.data)`; the version read also does `del
+        # layer.weight_scale_inv` and registers `weight_scale` (a rename this fake does not
+        # model; with it the hooks' bind by name fails closed naming the parameter).
         self.finalized += 1
         scale = getattr(layer, "weight_scale_inv", None)
         if self.engine == "vllm" and scale is not None:
@@ -188,6 +192,8 @@ class UnquantizedMoeBackend:
 
 
 class UnquantizedFusedMoEMethod:
+    # vLLM fused_moe/unquantized_fused_moe_method.py: `self.unquantized_backend =
+    # select_unquantized_moe_backend(...)`, an UnquantizedMoeBackend enum (.name read).
     def __init__(self, backend: str = "TRITON"):
         self.unquantized_backend = UnquantizedMoeBackend(backend)
         self.finalized = 0

@@ -193,6 +193,7 @@ def sglang_server_args(tp, pp, profile: Any = "0.5.12", **over):
 def sglang_modules(profile: Any = "0.5.12") -> Dict[str, Any]:
     profile = SGLANG_PROFILES[profile] if isinstance(profile, str) else profile
 
+    # model_loader/loader.py post_load_weights(model), called by WeightUpdater.end_weight_update.
     def post_load_weights(model):  # model_loader/loader.py: the model's own hook
         hook = getattr(model, "post_load_weights", None)
         if callable(hook):
@@ -246,7 +247,8 @@ class _SchedProc:
 
 
 def _unwrap_tensor(tensor, tp_rank, device):
-    # model_runner_components/weight_updater.py (LocalSerializedTensor is not faked).
+    # model_runner_components/weight_updater.py `_unwrap_tensor`: LocalSerializedTensor ->
+    # .get(tp_rank), then `tensor.to(device)` (sglang 027814e; LocalSerializedTensor not faked).
     return tensor.to(device)
 
 
@@ -358,6 +360,9 @@ class FakeSGLangEngine:
         return self._request("begin_weight_update", h)
 
     def _end(self):
+        # SchedulerWeightUpdaterManager.end_weight_update: `run_post_load = not
+        # self._weight_update_loaded`, then per runner WeightUpdater.end_weight_update ->
+        # post_load_weights(model) when asked, then DefaultModelLoader.postprocess_weights.
         def h(s):
             assert s.in_session, "end_weight_update called without begin_weight_update"
             run_post_load = not s.loaded
@@ -378,7 +383,11 @@ class FakeSGLangEngine:
         return self.update_serialized(payloads, load_format, flush_cache)
 
     def update_serialized(self, serialized_named_tensors, load_format=None, flush_cache=True):
-        """The scheduler's handling of UpdateWeightsFromTensorReqInput (also the HTTP route)."""
+        """The scheduler's handling of UpdateWeightsFromTensorReqInput (also the HTTP route):
+        srt/managers/scheduler_components/weight_updater.py SchedulerWeightUpdaterManager.
+        update_weights_from_tensor asserts the open session, deserializes
+        serialized_named_tensors[tp_rank] once, calls every runner of get_model_runners,
+        sets _weight_update_loaded, then flush_cache_after_weight_update."""
         def h(s):
             if self.profile.session_api:
                 assert s.in_session, ("update_weights_from_tensor requires an open "

@@ -79,6 +79,10 @@ def _profile(p: Any) -> VLLMProfile:
     return VLLM_PROFILES[p] if isinstance(p, str) else p
 
 
+# vllm/device_allocator/cumem.py AllocationData(handle, tag, cpu_backup_tensor=None,
+# is_mapped=True) in the keep_tags version (is_mapped False after sleep, True after wake_up);
+# handle = (py_device, py_alignedSize, py_d_mem, py_p_memHandle). Older cumem.py (010c211) has no
+# is_mapped: only cpu_backup_tensor marks an offloaded allocation.
 @dataclass
 class AllocationData:
     handle: Tuple[int, int, int, int]
@@ -88,6 +92,8 @@ class AllocationData:
 
 
 class CuMemAllocator:
+    # cumem.py CuMemAllocator: singleton via get_instance() (class attribute `instance` there),
+    # pointer_to_data keyed by d_mem; wake_up(tags=None) maps only the tags given.
     _instance = None
 
     def __init__(self):
@@ -117,6 +123,8 @@ class CuMemAllocator:
         return {d.tag for d in self.pointer_to_data.values() if not d.is_mapped}
 
 
+# distributed/weight_transfer/base.py WeightTransferInitRequest(init_info: dict) /
+# WeightTransferUpdateRequest(update_info: dict), both dataclasses (vllm 02f250b).
 @dataclass
 class WeightTransferInitRequest:
     init_info: Dict[str, Any] = field(default_factory=dict)
@@ -128,7 +136,10 @@ class WeightTransferUpdateRequest:
 
 
 class _WeightTransferEngineBase:
-    """distributed/weight_transfer/base.py (the parts the worker calls), before vLLM 0.22."""
+    """distributed/weight_transfer/base.py (the parts the worker calls), before vLLM 0.22.
+    __init__(config, vllm_config, device, model), _default_model, parse_*_info raising
+    ValueError on TypeError, update_weights -> parse_update_info -> receive_weights: as
+    WeightTransferEngine in base.py at vllm 02f250b."""
 
     init_info_cls: Any = None
     update_info_cls: Any = None
@@ -171,6 +182,9 @@ def _base_class(profile: VLLMProfile) -> type:
 
 
 class WeightTransferEngineFactory:
+    # distributed/weight_transfer/factory.py: register_engine(name, module_path_or_cls,
+    # class_name=None) (ValueError on a duplicate), create_engine(config, vllm_config, device,
+    # model) (ValueError "Invalid weight transfer backend").
     _registry: Dict[str, Callable[[], type]] = {}
 
     @classmethod
@@ -255,7 +269,11 @@ def vllm_config(tp, pp, *, dp=1, dp_rank=0, backend=None, sleep_mode=False, spec
 
 
 class FakeWorker:
-    """v1/worker/gpu_worker.py Worker, the parts weight sync touches."""
+    """v1/worker/gpu_worker.py Worker, the parts weight sync touches: load_model creates the
+    engine with WeightTransferEngineFactory.create_engine(weight_transfer_config, vllm_config,
+    device, model_runner.get_model()); _check_weight_transfer_engine raises the RuntimeError
+    below. Not mirrored: the real Worker's `_weight_update_active` flag (a second start, or an update
+    or finish without a start, raises RuntimeError there; the hooks call them in order)."""
 
     def __init__(self, rank, vllm_config, model, profile: VLLMProfile):
         self.rank, self.vllm_config, self.profile = rank, vllm_config, profile

@@ -344,3 +344,16 @@ def test_expert_naming_is_part_of_the_plan(need_plan, tmp_path):
     with pytest.raises(shardsync.InvalidArgumentError, match="vLLM's \\(>= 0.24\\) naming"):
         shardsync.Plan(str(tmp_path), "fsdp=2", "dp=1,tp=2,pp=1", engine="sglang",
                        expert_naming="routed_experts")
+
+
+def test_sglang_facts_from_an_older_args_dict_leave_missing_sizes_unknown(need_plan, tiny_model):
+    """Older SGLang's schedule_batch.global_server_args_dict holds only GLOBAL_SERVER_ARGS_KEYS
+    (no tp_size / pp_size / ep_size): those facts are unknown, not 1, so a tp=2 plan is not
+    refused for a field the engine never stated (the per-parameter checks still run); a stated
+    size that differs is still refused."""
+    plan = _plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
+    facts = sglang_facts({"device": "cuda", "disable_radix_cache": False}, env={})
+    assert facts["tp"] is None and facts["pp"] is None and facts["ep"] is None
+    check_layout("sglang", plan, facts)
+    with pytest.raises(shardsync.Error, match="tp_size=4"):
+        check_layout("sglang", plan, sglang_facts({"tp_size": 4}, env={}))

@@ -208,14 +208,21 @@ def _fp8_refusal(mname: str, qm: Any, module: Any) -> Optional[str]:
     FP8 bytes a sync lands (None: it keeps them). Read from the attributes the engines set:
     - weight_block_size [128, 128] (vLLM / SGLang Fp8Config): per-tensor or channel FP8 is another
       format; SGLang `use_mxfp8`: UE8M0 scales per 32 elements.
-    - `use_marlin` (both, GPUs without FP8 hardware): prepare_fp8_layer_for_marlin repacks.
-    - vLLM Fp8LinearMethod `use_deep_gemm`: maybe_post_process_fp8_weight_block ->
+    - `use_marlin` (both, GPUs without FP8 hardware): prepare_fp8_layer_for_marlin repacks
+      (vLLM quantization/fp8.py Fp8LinearMethod.__init__ `self.use_marlin = not
+      has_device_capability(89) or VLLM_TEST_FORCE_FP8_MARLIN`; process_weights_after_loading
+      calls prepare_fp8_layer_for_marlin and returns).
+    - vLLM Fp8LinearMethod `use_deep_gemm` (quantization/fp8.py Fp8LinearMethod.__init__:
+      `self.use_deep_gemm = is_deep_gemm_supported()`; process_weights_after_loading then calls
+      `maybe_post_process_fp8_weight_block(layer)` when block_quant): maybe_post_process_fp8_weight_block ->
       deepgemm_post_process_fp8_weight_block requantizes to E8M0 and re-lays the scales, into new
       Parameters (quantization/utils/fp8_utils.py).
     - SGLang `format_ue8m0` on a scale (fp8.py process_weights_after_loading_block_quant ->
       requant_weight_ue8m0_inplace for DeepGEMM): set once, so the step is not re-run on synced
       bytes and DeepGEMM would read fp32 scales as UE8M0.
-    - vLLM Fp8MoEMethod `fp8_backend` outside CANONICAL_FP8_MOE_BACKENDS.
+    - vLLM Fp8MoEMethod `fp8_backend` outside CANONICAL_FP8_MOE_BACKENDS (quantization/fp8.py
+      Fp8MoEMethod.__init__: `self.fp8_backend = get_fp8_moe_backend(self.block_quant)`, an
+      Fp8MoeBackend enum, in the version read; oracle/fp8.py is not confirmed here).
     ROCm (float8_e4m3fnuz after normalize_e4m3fn_to_e4m3fnuz) is refused by the dtype check."""
     cfg = getattr(qm, "quant_config", None)
     block = getattr(qm, "weight_block_size", None) or getattr(cfg, "weight_block_size", None)
@@ -275,6 +282,8 @@ def check_finalize_methods(model: Any, *, allow_moe_backends: Sequence[str] = ()
                 f"module '{mname}': quant method {cls} rewrites its weights after load "
                 "(quantized or repacked layout); shardsync writes canonical unquantized bytes only"
             )
+        # vLLM fused_moe/unquantized_fused_moe_method.py UnquantizedFusedMoEMethod.__init__:
+        # `self.unquantized_backend = select_unquantized_moe_backend(...)` (UnquantizedMoeBackend).
         backend = getattr(qm, "unquantized_backend", None)
         if backend is not None:
             bname = getattr(backend, "name", str(backend)).split(".")[-1]

@@ -46,8 +46,10 @@ def sglang_facts(server_args: Any, env: Optional[Mapping[str, str]] = None) -> D
     g = lambda name, d=None: _get(server_args, name, default=d)  # noqa: E731
     return {
         "source": "sglang server_args",
-        "tp": g("tp_size", 1), "pp": g("pp_size", 1), "dp": g("dp_size", 1),
-        "ep": g("ep_size", 1),
+        # None where the source lacks the field (older SGLang's global_server_args_dict holds
+        # only GLOBAL_SERVER_ARGS_KEYS): unknown, not 1; the per-parameter checks still run.
+        "tp": g("tp_size"), "pp": g("pp_size"), "dp": g("dp_size", 1),
+        "ep": g("ep_size"),
         "dp_attention": bool(g("enable_dp_attention", False)),
         "dp_lm_head": bool(g("enable_dp_lm_head", False)),
         "attn_cp": g("attn_cp_size", 1),
@@ -129,7 +131,7 @@ def check_layout(engine: str, plan: Any, facts: Mapping[str, Any],
             raise _refuse(engine, "dp_size", facts["dp"],
                           "several DP replicas inside one engine; launch one engine per replica "
                           "(the plan's dp) instead")
-        if int(facts.get("ep", 1) or 1) != plan_ep:
+        if facts.get("ep") is not None and int(facts["ep"] or 1) != plan_ep:
             raise InvalidArgumentError(
                 f"{src}: ep_size={facts.get('ep')} but the plan's rollout has ep={plan_ep}")
         checks = (
@@ -165,7 +167,7 @@ def check_layout(engine: str, plan: Any, facts: Mapping[str, Any],
             raise _refuse(engine, "parallel_config.enable_expert_parallel with "
                           "data_parallel_size", facts.get("dp"),
                           "the EP group spans DP replicas (ep = dp x tp)")
-        if int(facts.get("ep", 1) or 1) != plan_ep:
+        if facts.get("ep") is not None and int(facts["ep"] or 1) != plan_ep:
             raise InvalidArgumentError(
                 f"{src}: expert parallel size {facts.get('ep')} (enable_expert_parallel="
                 f"{facts.get('ep_enabled')}) but the plan's rollout has ep={plan_ep}")

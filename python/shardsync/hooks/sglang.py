@@ -39,7 +39,11 @@ same request: it never rebinds or syncs again. The plan covers the target model 
 draft is refused unless the config says `draft: "leave"` (its weights then stay as they are).
 
 Post-load: with the begin/end session (PR #28001) `end_weight_update` runs `post_load_weights`
-only when no `load_weights` ran in the session (`run_post_load = not loaded`). A loader round
+only when no `load_weights` ran in the session (`run_post_load = not loaded`; read in
+srt/managers/scheduler_components/weight_updater.py `SchedulerWeightUpdaterManager.
+end_weight_update`: `run_post_load = not self._weight_update_loaded`, then per runner
+model_runner_components/weight_updater.py `WeightUpdater.end_weight_update(run_post_load=)` ->
+`post_load_weights(model)` + `DefaultModelLoader.postprocess_weights`, sglang 027814e). A loader round
 marks the session loaded, so the hook runs it itself in `wait`; a receiver round does not (it
 bypasses load_weights), so there the driver asks `wait` not to (`post_load: false`) and the
 engine's end runs it once.
@@ -172,11 +176,18 @@ def receiver_payload(op: str, **fields: Any) -> Dict[str, Any]:
 
 
 def _server_args() -> Any:
+    # srt/server_args.py `get_global_server_args()` returns the scheduler's `_global_server_args`
+    # (set by set_global_server_args_for_scheduler; ValueError while unset). Older SGLang:
+    # srt/managers/schedule_batch.py `global_server_args_dict = {k: getattr(ServerArgs, k) for k
+    # in GLOBAL_SERVER_ARGS_KEYS}`, a subset of the fields only (sglang_facts reports the missing
+    # layout fields as unknown). Any failure of the getter (unset, or a version where it raises)
+    # falls through: the hook never raises into the scheduler, and without facts the
+    # per-parameter checks still run.
     try:  # newer SGLang
         from sglang.srt.server_args import get_global_server_args  # type: ignore
 
         return get_global_server_args()
-    except (ImportError, AttributeError):
+    except Exception:  # noqa: BLE001 - see above
         pass
     try:  # older SGLang kept a dict on schedule_batch
         from sglang.srt.managers.schedule_batch import global_server_args_dict  # type: ignore
@@ -194,6 +205,10 @@ class SGLangProbe(Probe):
         self._facts: Optional[Dict[str, Any]] = None
 
     def ranks(self) -> Tuple[int, int, int, int]:
+        # get_pp_group() returns a GroupCoordinator with rank_in_group / world_size (vLLM
+        # lineage: vllm/distributed/parallel_state.py get_pp_group; vLLM's own worker reads
+        # get_pp_group().rank_in_group, v1/worker/gpu_worker.py). SGLang's re-export from
+        # sglang.srt.distributed was not confirmed from SGLang's source when this was written.
         from sglang.srt.distributed import (  # type: ignore[import-not-found]
             get_pp_group,
             get_tensor_model_parallel_rank,
@@ -229,7 +244,10 @@ class SGLangProbe(Probe):
 
 
 def _post_load(model: Any) -> None:
-    """The model-level post-load step SGLang skips for bypassed loads (derived weights)."""
+    """The model-level post-load step SGLang skips for bypassed loads (derived weights).
+    srt/model_loader/loader.py `post_load_weights(model)`: imported and called so by
+    model_executor/model_runner_components/weight_updater.py WeightUpdater.end_weight_update
+    (sglang 027814e)."""
     try:
         from sglang.srt.model_loader.loader import post_load_weights  # type: ignore
     except ImportError:
@@ -440,7 +458,12 @@ def _other_runner(hook: EngineRankHook, model: Any, msg: Dict[str, Any]) -> Dict
 
 def load_weights(model: Any, named_tensors: List[Tuple[str, Any]]) -> Dict[str, Any]:
     """The custom loader SGLang calls on every scheduler (LOADER). Never raises: returns the
-    status (SGLang ignores it) and posts it to the store."""
+    status (SGLang ignores it) and posts it to the store.
+    Called as `dynamic_import(load_format)(self.get_model(), named_tensors)` with no try, after
+    `_unwrap_tensor(tensor, tp_rank=, device=)` (= `tensor.to(device)`), when `load_format in
+    self.custom_weight_loaders`: model_runner_components/weight_updater.py
+    WeightUpdater.update_weights_from_tensor (sglang 027814e); once per runner of
+    SchedulerWeightUpdaterManager.get_model_runners (target first, then the draft)."""
     hook = _loader_hook(model)
     try:
         msg = _parse(named_tensors)

@@ -82,6 +82,9 @@ class VLLMProbe(Probe):
         pc = self.vllm_config.parallel_config
         tp_size, pp_size = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
         try:  # the engine's own answer inside a vLLM worker
+            # vllm/distributed/parallel_state.py get_pp_group() -> GroupCoordinator; the worker
+            # itself reads get_pp_group().rank_in_group (v1/worker/gpu_worker.py
+            # get_kv_connector_handshake_metadata).
             from vllm.distributed.parallel_state import (  # type: ignore[import-not-found]
                 get_pp_group,
                 get_tensor_model_parallel_rank,
@@ -105,7 +108,14 @@ class VLLMProbe(Probe):
         """cuMem (sleep-mode) allocations holding the tensors, and those currently unmapped.
         AllocationData (device_allocator/cumem.py) is keyed by its base pointer; handle is
         (device, size, d_mem, p_handle); unmapped shows as is_mapped False (newer), is_asleep
-        True, or an offloaded cpu_backup_tensor (older)."""
+        True, or an offloaded cpu_backup_tensor (older).
+        Read in vllm/device_allocator/cumem.py: `CuMemAllocator.get_instance()` (singleton),
+        `pointer_to_data[allocation_handle[2]] = AllocationData(handle, tag)` in
+        `_python_malloc_callback`, `HandleType` (py_device, py_alignedSize, py_d_mem,
+        py_p_memHandle), `AllocationData.is_mapped` set False by `sleep` and True by `wake_up`
+        (a version with keep_tags); the version at 010c211 has neither flag and only sets
+        cpu_backup_tensor for offloaded tags: a tag discarded by a level-2 sleep carries no mark
+        there, so such a version reports those weights awake (wake the engine before a sync)."""
         try:
             from vllm.device_allocator.cumem import CuMemAllocator  # type: ignore
         except ImportError:
@@ -136,6 +146,9 @@ class VLLMProbe(Probe):
 
 
 def _finalizer(vllm_config: Any, device: Any) -> Any:
+    # vllm/model_executor/model_loader/utils.py `process_weights_after_loading(model: nn.Module,
+    # model_config: ModelConfig, target_device: torch.device)`: every QuantizeMethodBase's
+    # process_weights_after_loading(module), then attention layers' (model_config.dtype).
     def finalize(model: Any) -> None:
         from vllm.model_executor.model_loader.utils import (  # type: ignore[import-not-found]
             process_weights_after_loading,
@@ -151,6 +164,8 @@ def _finalizer(vllm_config: Any, device: Any) -> Any:
 
 
 def _get_model_fn(worker: Any) -> Any:
+    # v1/worker/gpu_worker.py Worker: `self.model_runner.get_model()` (Worker.get_model and
+    # load_model use it), `self.rank`, `self.device` (set in init_device), `self.vllm_config`.
     def get() -> Any:
         runner = worker.model_runner
         g = getattr(runner, "get_model", None)
@@ -211,7 +226,19 @@ class ShardsyncWorkerExtension:
 
 
 class _BackendCore:
-    """The backend's behaviour; make_backend_class mixes it with vLLM's WeightTransferEngine."""
+    """The backend's behaviour; make_backend_class mixes it with vLLM's WeightTransferEngine.
+
+    Overrides, as vllm/distributed/weight_transfer/base.py `WeightTransferEngine` declares them
+    (vllm 02f250b): set_weight_update_target(model, model_config), reset_weight_update_target()
+    (restores `self._default_model`), parse_init_info(init_dict) / parse_update_info(
+    update_dict), abstract init_transfer_engine(init_info), start_weight_update(),
+    finish_weight_update(), receive_weights(update_info), shutdown(), static
+    trainer_send_weights(iterator, trainer_args); update_weights(update_info: dict) is concrete
+    there (parse_update_info -> receive_weights -> torch.accelerator.synchronize) and replaced
+    here. The worker (v1/worker/gpu_worker.py) calls init_weight_transfer_engine(init_info) ->
+    parse_init_info + init_transfer_engine, and start/update/finish guarded by its own
+    `_weight_update_active` flag (RuntimeError on double start, update or finish without start).
+    """
 
     def _ss_setup(self, vllm_config: Any, device: Any, model: Any) -> None:
         holder = {"model": model}
@@ -381,7 +408,11 @@ def make_backend_class() -> type:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         # The factory's signature moved: (config, parallel_config), (config, parallel_config,
         # model), (config, vllm_config, device, model). Let the installed base sort its own
-        # arguments, then read what it kept.
+        # arguments, then read what it kept. Confirmed: the last form, base.py
+        # WeightTransferEngine.__init__ (keeps config, vllm_config, parallel_config,
+        # model_config, device, model, _default_model) and factory.py
+        # WeightTransferEngineFactory.create_engine -> engine_cls(config, vllm_config, device,
+        # model); the two older forms were not confirmed from vLLM's source when this was written.
         WeightTransferEngine.__init__(self, *args, **kwargs)
         vc = getattr(self, "vllm_config", None)
         if vc is None:
@@ -409,6 +440,8 @@ def register_vllm_backend(name: str = BACKEND) -> bool:
         )
     except ImportError:
         return False
+    # factory.py: `_registry: dict[str, Callable[[], type]]`; register_engine(name,
+    # module_path_or_cls, class_name=None) raises ValueError for a name already registered.
     if name in getattr(WeightTransferEngineFactory, "_registry", {}):
         return True
     WeightTransferEngineFactory.register_engine(name, make_backend_class())

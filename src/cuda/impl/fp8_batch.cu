@@ -571,6 +571,13 @@ template <int DT, int S>
 PipeFn PipeOf() {
   return &PipeKernel<DT, S, PipeMinBlocks<DT, S>()>;
 }
+// The signal of an overlapped launch (SHARDSYNC_FP8_OVERLAP): stream-ordered after both streams'
+// work, so the host word says every byte landed.
+__global__ void SetFlag(unsigned long long* flag, unsigned long long seq) {
+  __threadfence_system();
+  *reinterpret_cast<volatile unsigned long long*>(flag) = seq;
+}
+
 template <int DT>
 PipeFn PipeFor(int stages) {
   switch (stages) {
@@ -602,6 +609,10 @@ class Fp8Batch final : public CopyBatch {
     if (tasks_) cudaFree(tasks_);
     if (acc_) cudaFree(acc_);
     if (host_) cudaFreeHost(host_);
+    if (flag_) cudaFreeHost(flag_);
+    if (side_) cudaStreamDestroy(side_);
+    if (fork_) cudaEventDestroy(fork_);
+    if (join_) cudaEventDestroy(join_);
   }
 
   Status Init(const BatchSpec& spec, int device) {
@@ -648,6 +659,7 @@ class Fp8Batch final : public CopyBatch {
     SS_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_), words * 8, cudaHostAllocDefault),
             "fp8 batch: pinned sums");
     std::memset(host_, 0, words * 8);
+    SS_RETURN_IF_ERROR(InitOverlap());
     return InitStage(spec, device);
   }
 
@@ -660,10 +672,13 @@ class Fp8Batch final : public CopyBatch {
   // signal, last on the stream, covers them.
   Status LaunchSignaled(void* stream, uint64_t seq) override {
     if (stage_) SS_RETURN_IF_ERROR(stage_->Launch(stream));
+    if (overlap_ > 0) return LaunchOverlapped(static_cast<cudaStream_t>(stream), seq);
     SS_RETURN_IF_ERROR(Quantize(static_cast<cudaStream_t>(stream)));
     return inner_->LaunchSignaled(stream, seq);
   }
-  uint64_t Signaled() const override { return inner_->Signaled(); }
+  uint64_t Signaled() const override {
+    return overlap_ > 0 ? __atomic_load_n(flag_, __ATOMIC_ACQUIRE) : inner_->Signaled();
+  }
 
   Result<std::vector<uint64_t>> Sums() const override {
     SS_ASSIGN_OR_RETURN(std::vector<uint64_t> s, inner_->Sums());
@@ -791,6 +806,41 @@ class Fp8Batch final : public CopyBatch {
     return t;
   }
 
+  // Experimental (SHARDSYNC_FP8_OVERLAP=1: quantize first, 2: copies first): the copies on a side
+  // stream beside the quantize kernel, so each fills the other's ramp and tail; the signal is a
+  // host word written after both (SetFlag), not the copies' own.
+  Status InitOverlap() {
+    const char* v = std::getenv("SHARDSYNC_FP8_OVERLAP");
+    overlap_ = v && *v ? std::atoi(v) : 0;
+    if (overlap_ <= 0 || blocks_ == 0) {
+      overlap_ = 0;
+      return OkStatus();
+    }
+    SS_CUDA(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "fp8 batch: side stream");
+    SS_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "fp8 batch: event");
+    SS_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming), "fp8 batch: event");
+    SS_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&flag_), 8, cudaHostAllocMapped),
+            "fp8 batch: pinned flag");
+    *flag_ = 0;
+    return OkStatus();
+  }
+
+  Status LaunchOverlapped(cudaStream_t s, uint64_t seq) {
+    SS_CUDA(cudaEventRecord(fork_, s), "fp8 batch: fork");
+    SS_CUDA(cudaStreamWaitEvent(side_, fork_, 0), "fp8 batch: fork");
+    if (overlap_ == 2) SS_RETURN_IF_ERROR(inner_->LaunchSignaled(side_, seq));
+    SS_RETURN_IF_ERROR(Quantize(s));
+    if (overlap_ != 2) SS_RETURN_IF_ERROR(inner_->LaunchSignaled(side_, seq));
+    SS_CUDA(cudaEventRecord(join_, side_), "fp8 batch: join");
+    SS_CUDA(cudaStreamWaitEvent(s, join_, 0), "fp8 batch: join");
+    unsigned long long* dflag = nullptr;
+    SS_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dflag), flag_, 0),
+            "fp8 batch: flag");
+    SetFlag<<<1, 1, 0, s>>>(dflag, seq);
+    SS_CUDA(cudaGetLastError(), "fp8 batch: flag launch");
+    return OkStatus();
+  }
+
   Status Quantize(cudaStream_t s) {
     SS_CUDA(cudaSetDevice(device_), "fp8 batch: cudaSetDevice");
     const size_t bytes = 3 * static_cast<size_t>(std::max(1, nb_)) * 8;
@@ -866,6 +916,10 @@ class Fp8Batch final : public CopyBatch {
   int64_t blocks_ = 0, wire_ = 0, in_ = 0;
   unsigned long long* acc_ = nullptr;
   unsigned long long* host_ = nullptr;  // [packed | landed | non-finite], pinned
+  int overlap_ = 0;                     // SHARDSYNC_FP8_OVERLAP
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  unsigned long long* flag_ = nullptr;  // the overlapped launch's signal, pinned
 };
 
 }  // namespace

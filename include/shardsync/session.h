@@ -53,24 +53,11 @@ struct Fp8BandTask {
   int64_t scale_stride = 0;
 };
 
-// Staged bands over device (cuda_ipc) pairs are experimental and off unless
-// SHARDSYNC_FP8_DEVICE_STAGING=1: exact on an H200 for small models (tests/cuda), but a
-// qwen3-30b-a3b fsdp=4 bench failed there with an illegal memory access not yet explained
-// (docs/fp8.md). Off, such a device job is refused at Connect (and by `--device cuda` at flag
-// time) naming the parameter and the ways out.
-bool Fp8DeviceStagingEnabled();
-// The refusal's common tail: what to do instead.
-inline constexpr char kFp8DeviceStagingOff[] =
-    "quantizing such bands on device pairs is experimental and off (an illegal memory access "
-    "at qwen3-30b-a3b scale on an H200 is not yet explained, docs/fp8.md): choose an FSDP size "
-    "whose chunks fall on the 128 grid (`shardsync plan` shows the staged bands), sync from host "
-    "memory, or set SHARDSYNC_FP8_DEVICE_STAGING=1 to use them anyway";
-
 // Blocks shared by FSDP trainer ranks under the amax exchange (PlanOptions::fp8_split kAmax, the
 // default) are quantized on the host path only; device pairs refuse them with this tail.
 inline constexpr char kFp8AmaxOnDevice[] =
     "the amax exchange of shared blocks runs on the host path only: use `--fp8-split stage` "
-    "(fp8_split='stage'; experimental on device pairs, SHARDSYNC_FP8_DEVICE_STAGING=1), an FSDP "
+    "(fp8_split='stage': the receiver quantizes such bands from a staging buffer), an FSDP "
     "size whose chunks fall on the 128 grid (`shardsync plan` shows the exchanged blocks), or "
     "host memory";
 

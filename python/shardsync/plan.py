@@ -100,8 +100,8 @@ class Plan:
         fp8_split: block FP8 only, for 128 x 128 blocks whose rows straddle FSDP trainer ranks:
             "amax" (the default: the holders exchange per-block amax through the store each sync
             and each quantizes its own rows; e4m3 on the wire, no staging; host memory only) or
-            "stage" (raw values to the engine rank, which quantizes them from a staging buffer;
-            device pairs only with SHARDSYNC_FP8_DEVICE_STAGING=1). docs/fp8.md.
+            "stage" (raw values to the engine rank, which quantizes them from a staging buffer,
+            in host or device memory). docs/fp8.md.
 
     Sync ranks: trainer ranks [0, S), then engine rank (replica d, tp, pp) at S + d*T*P + pp*T +
     tp (`engine_rank`). Dtypes take any spelling: "bf16" / "bfloat16" / torch.bfloat16, "fp32" /

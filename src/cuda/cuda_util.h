@@ -29,6 +29,13 @@ inline Status CudaStatus(cudaError_t e, std::string_view what) {
 #define SS_CUDA(expr, what) \
   SS_RETURN_IF_ERROR(::shardsync::gpu::internal::CudaStatus((expr), (what)))
 
+// cudaMemcpy from pageable host memory to the device returns once the bytes are staged for DMA,
+// before they reach `dst` (CUDA's "API synchronization behavior"), and our streams are
+// non-blocking, so a kernel launched next on one of them could read the old bytes: the block FP8
+// band pass read half-uploaded task descriptors (cudaErrorIllegalAddress) that way. Uploads that
+// a kernel reads wait for the device. Prepare / control paths only, never a sync's hot path.
+Status UploadBlocking(void* dst, const void* src, size_t bytes, std::string_view what);
+
 // cuMemGetAddressRange through the runtime's driver entry point, so the layer does not link
 // libcuda (CI machines have no driver; the test binaries must still load there and skip).
 Status AllocationRange(const void* ptr, void** base, size_t* size);

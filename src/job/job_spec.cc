@@ -293,8 +293,8 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
   // The plan must exist: fail here, naming the field (for block FP8: a layout off the 128 grid
   // names the tensor), rather than in every rank.
   if (in.model.quant) {
-    // Bands straddling trainer ranks: the host receiver quantizes them as they land; a device
-    // receiver from its device staging, which is experimental (Fp8DeviceStagingEnabled).
+    // Bands straddling trainer ranks: the host receiver quantizes them as they land, a device
+    // receiver from its device staging (`--fp8-split stage`); the amax exchange is host-only.
     SS_ASSIGN_OR_RETURN(Fp8PlanSummary fp8, SummarizeFp8Plan(in));
     if (job.device == "cuda" && fp8.amax_elements > 0) {
       return InvalidArgumentError("--trainer " + in.trainer.ToString() + ": " +
@@ -303,14 +303,6 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
                                   "chunks off the 128-row grid) and --device cuda cannot quantize "
                                   "them with the amax exchange; " +
                                   kFp8AmaxOnDevice + " (--device cpu)");
-    }
-    if (job.device == "cuda" && fp8.staged_bands > 0 && !Fp8DeviceStagingEnabled()) {
-      return InvalidArgumentError("--trainer " + in.trainer.ToString() + ": " +
-                                  std::to_string(fp8.staged_bands) +
-                                  " bands of block-FP8 weights straddle trainer ranks (FSDP "
-                                  "chunks off the 128-row grid) and --device cuda would stage "
-                                  "them; " +
-                                  kFp8DeviceStagingOff + ", or --device cpu");
     }
   } else {
     SS_RETURN_IF_ERROR(SummarizePlan(in).status());

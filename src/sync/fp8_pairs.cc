@@ -11,21 +11,12 @@
 #include "sync/fp8_outline.h"
 #include "sync/pairs.h"
 
-namespace shardsync {
-
-bool Fp8DeviceStagingEnabled() {
-  const char* v = std::getenv("SHARDSYNC_FP8_DEVICE_STAGING");
-  return v != nullptr && std::string_view(v) == "1";
-}
-
-}  // namespace shardsync
-
 namespace shardsync::sync_internal {
 namespace {
 
-// A receiver without staging (its parameters are not in device memory, or device staging is off:
-// Fp8DeviceStagingEnabled) cannot take stage ops over a prepared pair, nor a sender send them:
-// refused naming the parameter (or tensor), before any pair is prepared.
+// A receiver without device staging (its parameters are not in device memory) cannot take stage ops
+// over a prepared pair, nor a sender send them: refused naming the parameter (or tensor), before
+// any pair is prepared.
 Status RefuseStaged(const SessionContext& ctx, const Bindings& bindings, const Fp8Message& m,
                     int peer) {
   for (const Fp8Op& op : m.ops) {
@@ -36,10 +27,7 @@ Status RefuseStaged(const SessionContext& ctx, const Bindings& bindings, const F
         RankName(ctx.rank) + ": rows " + op.src.ToString() + " of '" + name +
         "' share 128-row blocks with another trainer rank's rows (FSDP chunks off the 128 "
         "grid), over a device pair with sync rank " +
-        std::to_string(peer) + "; " +
-        (Fp8DeviceStagingEnabled() ? std::string("prepared pairs stage such rows only into "
-                                                 "device memory")
-                                   : std::string(kFp8DeviceStagingOff)));
+        std::to_string(peer) + "; prepared pairs stage such rows only into device memory");
   }
   return OkStatus();
 }
@@ -66,8 +54,7 @@ Status RefuseAmax(const SessionContext& ctx, const Bindings& bindings, const Fp8
 Result<const MemRegion*> PreparedPairs::AllocStaging(const Bindings& bindings) {
   bindings_ = &bindings;
   if (!ctx_.fp8 || ctx_.who.is_trainer || ctx_.fp8->staging_bytes <= 0 ||
-      !Fp8DeviceStagingEnabled() || bindings.BoundMem() != static_cast<int>(MemKind::kCuda) ||
-      bindings.dests().empty()) {
+      bindings.BoundMem() != static_cast<int>(MemKind::kCuda) || bindings.dests().empty()) {
     return static_cast<const MemRegion*>(nullptr);
   }
   const Fp8RankPlan& plan = *ctx_.fp8;
@@ -108,11 +95,6 @@ Status PreparedPairs::RefuseUnbuiltFp8(const Bindings& bindings) const {
   for (const Fp8Message& m : plan.recvs) {
     if (Prepared(m.src, mem) && !staging_) {
       SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.src));
-    }
-  }
-  if (!Fp8DeviceStagingEnabled()) {
-    for (const Fp8Message& m : plan.sends) {
-      if (Prepared(m.dst, mem)) SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.dst));
     }
   }
   return OkStatus();

@@ -189,13 +189,6 @@ JobSpec Fp8Job(const std::string& trainer, int64_t intermediate,
   return JobSpecFromFlags(f).value();
 }
 
-// Staged bands over device pairs are opt-in (session.h Fp8DeviceStagingEnabled): the tests that
-// run them switch them on for their own duration.
-struct DeviceStagingOn {
-  DeviceStagingOn() { setenv("SHARDSYNC_FP8_DEVICE_STAGING", "1", 1); }
-  ~DeviceStagingOn() { unsetenv("SHARDSYNC_FP8_DEVICE_STAGING"); }
-};
-
 // The flags of a qwen3-30b-a3b FP8 job on `--device cuda` (vLLM tp2 ep2), for flag-time checks.
 JobFlags MoeFlags(const std::string& trainer, const std::string& split) {
   JobFlags f;
@@ -249,7 +242,6 @@ TEST(GpuSession, OneGpuBlockFp8OverCudaIpc) {
 // staged bands' e4m3 bytes and scales are held to the CPU quantizer like every other block.
 TEST(GpuSession, OneGpuBlockFp8StagedBandsOverCudaIpc) {
   SS_REQUIRE_GPU();
-  DeviceStagingOn on;
   for (const char* td : {"fp32", "bf16"}) {
     SCOPED_TRACE(td);
     JobSpec job = Fp8Job("fsdp=4", 768, td);  // gate/up: 192 rows per trainer rank
@@ -292,7 +284,6 @@ JobSpec Fp8MoeJob(const std::string& trainer, int64_t hidden) {
 // 16 experts in `bench` (compute-sanitizer clean); 8 layers of 128 experts failed there.
 TEST(GpuSession, OneGpuBlockFp8ExpertsOverCudaIpc) {
   SS_REQUIRE_GPU();
-  DeviceStagingOn on;
   for (int64_t hidden : {256, 2048}) {
     for (const char* trainer : {"fsdp=2", "fsdp=4"}) {
       SCOPED_TRACE(std::string(trainer) + " hidden " + std::to_string(hidden));
@@ -307,7 +298,6 @@ TEST(GpuSession, OneGpuBlockFp8ExpertsOverCudaIpc) {
 // every element right.
 TEST(GpuSession, BlockFp8NanInAStagedBandIsDataLossNamingTheParameter) {
   SS_REQUIRE_GPU();
-  DeviceStagingOn on;
   JobSpec job = Fp8Job("fsdp=4", 768);
   auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
   ASSERT_TRUE(server.ok());
@@ -379,19 +369,11 @@ TEST(GpuSession, BlockFp8NanInAStagedBandIsDataLossNamingTheParameter) {
   }
 }
 
-// Switched off (the default), staged bands over device pairs are refused at Connect naming the
-// tensor and the ways out, not synced wrong; `--device cuda` refuses them at flag time.
-TEST(GpuSession, BlockFp8StagedBandsAreRefusedOnDevicePairsUnlessSwitchedOn) {
+// `--device cuda` takes staged bands (`--fp8-split stage`; the runs above sync them): blocks
+// shared by trainer ranks pass flag time with the stage split, on the grid or off it.
+TEST(GpuSession, BlockFp8StagedBandsPassFlagTimeOnDevice) {
   SS_REQUIRE_GPU();
-  unsetenv("SHARDSYNC_FP8_DEVICE_STAGING");
-  // gate/up: 192 rows per trainer rank.
-  RefusedAtConnect(Fp8Job("fsdp=4", 768), "share 128-row blocks", "SHARDSYNC_FP8_DEVICE_STAGING=1");
-  // `--device cuda`: at flag time, naming --trainer and the switch; layouts on the grid pass.
-  auto off = JobSpecFromFlags(MoeFlags("fsdp=4", "stage"));  // experts: 192 rows per rank
-  ASSERT_FALSE(off.ok());
-  EXPECT_EQ(off.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(off.status().message().find("--trainer fsdp=4"), std::string::npos);
-  EXPECT_NE(off.status().message().find("SHARDSYNC_FP8_DEVICE_STAGING=1"), std::string::npos);
+  EXPECT_TRUE(JobSpecFromFlags(MoeFlags("fsdp=4", "stage")).ok());  // experts: 192 rows per rank
   EXPECT_TRUE(JobSpecFromFlags(MoeFlags("fsdp=2", "stage")).ok());  // 384 rows: on the grid
 }
 

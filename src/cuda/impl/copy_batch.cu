@@ -167,7 +167,7 @@ struct DevArray {
     n = v.size();
     if (n == 0) return OkStatus();
     SS_CUDA(cudaMalloc(&p, n * sizeof(T)), what);
-    SS_CUDA(cudaMemcpy(p, v.data(), n * sizeof(T), cudaMemcpyHostToDevice), what);
+    SS_RETURN_IF_ERROR(internal::UploadBlocking(p, v.data(), n * sizeof(T), what));
     return OkStatus();
   }
 };

@@ -427,7 +427,7 @@ Status CudaIpcTransport::CopyIn(const void* buf, size_t n, void* host, bool devi
 Status CudaIpcTransport::CopyOut(const void* host, size_t n, void* buf, bool device_buf) {
   if (n == 0) return OkStatus();
   if (device_buf) {
-    SS_CUDA(cudaMemcpy(buf, host, n, cudaMemcpyHostToDevice), "cuda_ipc: control copy");
+    SS_RETURN_IF_ERROR(internal::UploadBlocking(buf, host, n, "cuda_ipc: control copy"));
   } else {
     std::memcpy(buf, host, n);
   }

@@ -6,6 +6,13 @@ namespace shardsync::gpu {
 
 namespace internal {
 
+Status UploadBlocking(void* dst, const void* src, size_t bytes, std::string_view what) {
+  if (bytes == 0) return OkStatus();
+  SS_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), what);
+  SS_CUDA(cudaDeviceSynchronize(), what);
+  return OkStatus();
+}
+
 Status AllocationRange(const void* ptr, void** base, size_t* size) {
   using Fn = int (*)(unsigned long long*, size_t*, unsigned long long);
   static Fn fn = [] {

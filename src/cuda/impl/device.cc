@@ -104,8 +104,7 @@ DeviceBuffer::~DeviceBuffer() {
 }
 
 Status CopyToDevice(void* dst, const void* src, size_t bytes) {
-  SS_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "copy to device");
-  return OkStatus();
+  return internal::UploadBlocking(dst, src, bytes, "copy to device");
 }
 Status CopyToHost(void* dst, const void* src, size_t bytes) {
   SS_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "copy to host");

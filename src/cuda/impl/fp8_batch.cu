@@ -4,9 +4,10 @@
 // the e4m3 words straight into the peer's weight and the scale into its weight_scale_inv, and sums
 // every word it wrote twice: as packed, and as read back (from L2) through the receiver's own map
 // of the same bytes, as the copy kernels do. A tail kernel sums the scale sections the same two
-// ways. The copies run in an ordinary CopyBatch over a compact image of them; its signaled launch
-// comes last on the stream, so its signal covers everything. The arithmetic is fp8.h's, shared
-// with the CPU. Hand-written: no CUDA library quantizes to block FP8 with these semantics.
+// ways. The copies run in an ordinary CopyBatch over a compact image of them, on a side stream
+// beside the quantize kernel; a host word written after both is the launch's signal. The arithmetic
+// is fp8.h's, shared with the CPU. Hand-written: no CUDA library quantizes to block FP8 with these
+// semantics.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -649,9 +650,8 @@ class Fp8Batch final : public CopyBatch {
     SS_RETURN_IF_ERROR(PickKernel(device));
     if (!tasks.empty()) {
       SS_CUDA(cudaMalloc(&tasks_, tasks.size() * sizeof(PTask)), "fp8 batch: tasks");
-      SS_CUDA(
-          cudaMemcpy(tasks_, tasks.data(), tasks.size() * sizeof(PTask), cudaMemcpyHostToDevice),
-          "fp8 batch: upload tasks");
+      SS_RETURN_IF_ERROR(internal::UploadBlocking(
+          tasks_, tasks.data(), tasks.size() * sizeof(PTask), "fp8 batch: upload tasks"));
     }
     const size_t words = 3 * static_cast<size_t>(std::max(1, nb_));
     SS_CUDA(cudaMalloc(&acc_, words * 8), "fp8 batch: sums");
@@ -672,12 +672,12 @@ class Fp8Batch final : public CopyBatch {
   // signal, last on the stream, covers them.
   Status LaunchSignaled(void* stream, uint64_t seq) override {
     if (stage_) SS_RETURN_IF_ERROR(stage_->Launch(stream));
-    if (overlap_ > 0) return LaunchOverlapped(static_cast<cudaStream_t>(stream), seq);
+    if (overlap_) return LaunchOverlapped(static_cast<cudaStream_t>(stream), seq);
     SS_RETURN_IF_ERROR(Quantize(static_cast<cudaStream_t>(stream)));
     return inner_->LaunchSignaled(stream, seq);
   }
   uint64_t Signaled() const override {
-    return overlap_ > 0 ? __atomic_load_n(flag_, __ATOMIC_ACQUIRE) : inner_->Signaled();
+    return overlap_ ? __atomic_load_n(flag_, __ATOMIC_ACQUIRE) : inner_->Signaled();
   }
 
   Result<std::vector<uint64_t>> Sums() const override {
@@ -806,21 +806,22 @@ class Fp8Batch final : public CopyBatch {
     return t;
   }
 
-  // Experimental (SHARDSYNC_FP8_OVERLAP=1: quantize first, 2: copies first): the copies on a side
-  // stream beside the quantize kernel, so each fills the other's ramp and tail; the signal is a
-  // host word written after both (SetFlag), not the copies' own.
+  // The copies run on a side stream beside the quantize kernel, which is launched first: they
+  // take the SMs its CTAs leave at its tail (its 3 CTAs per SM leave no registers for theirs
+  // before). The signal is then a host word written after both (SetFlag), not the copies' own.
+  // On one H200, qwen3-8b fsdp=1 -> tp2 pp2: 7.52-7.56 ms against 7.68-7.72 ms in line
+  // (docs/benchmarks.md). SHARDSYNC_FP8_OVERLAP=0 runs them in line, for A/B.
   Status InitOverlap() {
     const char* v = std::getenv("SHARDSYNC_FP8_OVERLAP");
-    overlap_ = v && *v ? std::atoi(v) : 0;
-    if (overlap_ <= 0 || blocks_ == 0) {
-      overlap_ = 0;
-      return OkStatus();
-    }
+    overlap_ = blocks_ > 0 && !(v && std::strcmp(v, "0") == 0);
+    if (!overlap_) return OkStatus();
     SS_CUDA(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "fp8 batch: side stream");
     SS_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "fp8 batch: event");
     SS_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming), "fp8 batch: event");
     SS_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&flag_), 8, cudaHostAllocMapped),
             "fp8 batch: pinned flag");
+    SS_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dflag_), flag_, 0),
+            "fp8 batch: flag");
     *flag_ = 0;
     return OkStatus();
   }
@@ -828,15 +829,11 @@ class Fp8Batch final : public CopyBatch {
   Status LaunchOverlapped(cudaStream_t s, uint64_t seq) {
     SS_CUDA(cudaEventRecord(fork_, s), "fp8 batch: fork");
     SS_CUDA(cudaStreamWaitEvent(side_, fork_, 0), "fp8 batch: fork");
-    if (overlap_ == 2) SS_RETURN_IF_ERROR(inner_->LaunchSignaled(side_, seq));
     SS_RETURN_IF_ERROR(Quantize(s));
-    if (overlap_ != 2) SS_RETURN_IF_ERROR(inner_->LaunchSignaled(side_, seq));
+    SS_RETURN_IF_ERROR(inner_->LaunchSignaled(side_, seq));
     SS_CUDA(cudaEventRecord(join_, side_), "fp8 batch: join");
     SS_CUDA(cudaStreamWaitEvent(s, join_, 0), "fp8 batch: join");
-    unsigned long long* dflag = nullptr;
-    SS_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dflag), flag_, 0),
-            "fp8 batch: flag");
-    SetFlag<<<1, 1, 0, s>>>(dflag, seq);
+    SetFlag<<<1, 1, 0, s>>>(dflag_, seq);
     SS_CUDA(cudaGetLastError(), "fp8 batch: flag launch");
     return OkStatus();
   }
@@ -916,10 +913,11 @@ class Fp8Batch final : public CopyBatch {
   int64_t blocks_ = 0, wire_ = 0, in_ = 0;
   unsigned long long* acc_ = nullptr;
   unsigned long long* host_ = nullptr;  // [packed | landed | non-finite], pinned
-  int overlap_ = 0;                     // SHARDSYNC_FP8_OVERLAP
+  bool overlap_ = false;                // SHARDSYNC_FP8_OVERLAP (on unless "0")
   cudaStream_t side_ = nullptr;
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
-  unsigned long long* flag_ = nullptr;  // the overlapped launch's signal, pinned
+  unsigned long long* flag_ = nullptr;   // the overlapped launch's signal, pinned
+  unsigned long long* dflag_ = nullptr;  // its device address
 };
 
 }  // namespace

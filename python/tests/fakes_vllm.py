@@ -272,14 +272,18 @@ class FakeWorker:
     """v1/worker/gpu_worker.py Worker, the parts weight sync touches: load_model creates the
     engine with WeightTransferEngineFactory.create_engine(weight_transfer_config, vllm_config,
     device, model_runner.get_model()); _check_weight_transfer_engine raises the RuntimeError
-    below. Not mirrored: the real Worker's `_weight_update_active` flag (a second start, or an update
-    or finish without a start, raises RuntimeError there; the hooks call them in order)."""
+    below. Four-phase profiles mirror the Worker's `_weight_update_active` flag (gpu_worker.py,
+    Worker.start_weight_update / update_weights / finish_weight_update, vLLM with engine-owned
+    start/finish): a second start, an update or a finish without a start raise RuntimeError with
+    vLLM's messages, and an update whose engine call raises clears the flag before re-raising (so
+    a driver that then calls finish gets "without a matching start")."""
 
     def __init__(self, rank, vllm_config, model, profile: VLLMProfile):
         self.rank, self.vllm_config, self.profile = rank, vllm_config, profile
         self.device = torch.device("cpu")
         self.model_runner = SimpleNamespace(model=model, get_model=lambda: model)
         self.weight_transfer_engine = None
+        self._weight_update_active = False
 
     def load_model(self):
         if self.vllm_config.weight_transfer_config is not None:
@@ -301,13 +305,33 @@ class FakeWorker:
         e.init_transfer_engine(e.parse_init_info(init_info))
 
     def start_weight_update(self):
-        self._engine().start_weight_update()
+        e = self._engine()
+        if self._weight_update_active:
+            raise RuntimeError("start_weight_update called while a weight update is already "
+                               "active. Call finish_weight_update first.")
+        e.start_weight_update()
+        self._weight_update_active = True
 
     def update_weights(self, update_info):
-        self._engine().update_weights(update_info)
+        e = self._engine()
+        if not self.profile.four_phase:
+            e.update_weights(update_info)
+            return
+        if not self._weight_update_active:
+            raise RuntimeError("start_weight_update must be called before update_weights.")
+        try:
+            e.update_weights(update_info)
+        except BaseException:
+            self._weight_update_active = False
+            raise
 
     def finish_weight_update(self):
-        self._engine().finish_weight_update()
+        e = self._engine()
+        if not self._weight_update_active:
+            raise RuntimeError(
+                "finish_weight_update called without a matching start_weight_update.")
+        e.finish_weight_update()
+        self._weight_update_active = False
 
     def sleep(self, level=1):
         CuMemAllocator.get_instance().sleep(offload_tags=("weights",) if level == 1 else ())

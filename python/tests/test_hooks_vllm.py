@@ -170,6 +170,48 @@ def test_vllm_state_machine_and_errors_never_raise(vllm_env, tiny_model):
         assert eng.init_transfer_engine("nonsense")["ok"] is False
 
 
+def test_vllm_update_that_raises_in_the_worker_is_reported_and_the_next_round_syncs(
+        vllm_env, tiny_model):
+    """vLLM's Worker clears its round when update_weights raises and then refuses the finish
+    (the fake mirrors gpu_worker.py's `_weight_update_active`): the driver reports the update's
+    error, not the finish's, and the engine's next start closes the abandoned round (here one
+    whose bytes landed: the raise came after the engine's update) and syncs."""
+    plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "vllm")
+    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
+        group, llms, models = _llms(plan, "native")
+        worker = llms[0].workers[(0, 0)]
+        eng = worker.weight_transfer_engine
+        driver = VLLMDriver(group, plan, base_config(plan, srv))
+        trainers = Trainers(plan, srv).start()
+        try:
+            driver.init()
+            real = eng.update_weights
+
+            def dies(info):  # the bytes land, then the worker's call fails
+                eng.update_weights = real
+                real(info)
+                raise ConnectionError("rpc to the worker died")
+
+            eng.update_weights = dies
+            trainers.sync(1)
+            with pytest.raises(Exception, match="rpc to the worker died") as ei:
+                driver.sync(1)
+            assert "without a matching start" not in str(ei.value)
+            assert worker._weight_update_active is False
+            trainers.wait(1)
+            trainers.sync(2)
+            rep = driver.sync(2)
+            assert rep["verified"] and rep["version"] == 2
+            trainers.wait(2)
+            check_models(plan, trainers.weights(2), models)
+            with pytest.raises(RuntimeError, match="already active"):  # the fake's guard bites
+                worker.start_weight_update()
+                worker.start_weight_update()
+        finally:
+            trainers.stop()
+            eng.shutdown()
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("enable_expert_parallel", True, "EP group spans DP replicas"),
     ("enable_eplb", True, "enable_eplb=True"),

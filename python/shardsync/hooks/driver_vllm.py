@@ -122,8 +122,16 @@ class VLLMDriver(_Driver):
             self.group.call("start_weight_update")
             try:
                 self.group.call("update_weights", self._update_request(v))
-            finally:
-                self.group.call("finish_weight_update")
+            except BaseException:
+                # vLLM's Worker clears its round when update_weights raised and then refuses a
+                # finish ("without a matching start", gpu_worker.py): close the round on the
+                # workers where it is still open, and report the first error, not that one.
+                try:
+                    self.group.call("finish_weight_update")
+                except Exception:  # noqa: BLE001
+                    pass
+                raise
+            self.group.call("finish_weight_update")
         else:
             self.group.call("collective_rpc", "shardsync_sync", args=(v,))
         return self._collect("sync", v)

@@ -52,7 +52,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from ..errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError
+from ..errors import (AbortedError, FailedPreconditionError, InvalidArgumentError,
+                      UnimplementedError)
 from .core import EngineRankHook, Probe, make_status
 from .layout_check import vllm_facts
 
@@ -297,13 +298,16 @@ class _BackendCore:
     def start_weight_update(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         hook = self._ss_hook
         err: Optional[BaseException] = None
+        if self._ss_state in ("started", "updated", "failed_round"):
+            # vLLM's Worker calls start only with its own round closed: after a finish, or after
+            # an update_weights that raised (it then clears its flag and refuses the finish), so
+            # the open round here was abandoned: close it as a failed one (a landed version
+            # whose finalize never ran must not count as verified) and start afresh.
+            self._abandon_round()
         if self._ss_state == "retargeted":
             err = UnimplementedError(
                 "the weight-update target model changed (set_weight_update_target, e.g. a "
                 "draft model): the session is bound to the target's parameters; re-init")
-        elif self._ss_state in ("started", "updated"):
-            err = FailedPreconditionError(
-                "start_weight_update while a round is open (finish_weight_update first)")
         elif self._ss_state == "failed" and hook.poisoned:
             err = FailedPreconditionError(f"rank refuses to sync: {hook.poisoned}")
         elif self._ss_state != "ready":
@@ -323,6 +327,16 @@ class _BackendCore:
         st = make_status("start", 0, hook.coord, error=err)
         self._ss_last = st
         return st
+
+    def _abandon_round(self) -> None:
+        hook = self._ss_hook
+        version = self._ss_round.get("version")
+        if version:  # a version the driver waits for: say it failed
+            hook.post(make_status("sync", version, hook.coord, error=AbortedError(
+                "the worker abandoned the round (update_weights raised) before "
+                "finish_weight_update; the engine's post-load step did not run")))
+        self._ss_state = "ready" if not hook.poisoned else "failed"
+        self._ss_round = {}
 
     def update_weights(self, update_info: Any) -> Dict[str, Any]:
         hook = self._ss_hook

@@ -4,7 +4,9 @@
 // slower than the bytes' share; docs/benchmarks.md.) Build: nvcc -O3 -arch=sm_90 -o ipc_read_probe
 // ipc_read_probe.cu. Run: `ipc_read_probe MODE [GiB]`, MODE = idle | poll | busy: what the
 // exporting process does while the other measures (blocks on a pipe; polls cudaStreamQuery on an
-// idle stream as the sessions do; launches small kernels).
+// idle stream as the sessions do; launches small kernels). Optional: blocks per SM (8) and loads
+// in flight per thread (4, or 1), and KiB per block's chunk (0: grid-stride; else each block copies
+// chunks of its own, as the batch kernel does): `ipc_read_probe idle 4 3 1 256`.
 #include <cuda_runtime.h>
 #include <fcntl.h>
 #include <sys/wait.h>
@@ -38,6 +40,29 @@ __global__ void Copy(const uint4* __restrict__ in, uint4* __restrict__ out, int6
     out[i + 3 * stride] = a3;
   }
   for (; i < n; i += stride) out[i] = __ldcs(in + i);
+}
+
+// One load in flight per thread (the landed pack kernel keeps about two): how a latency-bound
+// reader fares on another process's memory.
+__global__ void CopyOne(const uint4* __restrict__ in, uint4* __restrict__ out, int64_t n) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += stride) {
+    out[i] = in[i];
+  }
+}
+
+// The batch kernel's way through memory: each block copies whole chunks of `chunk` vectors of
+// its own (block b takes chunks b, b + grid, ...), two streams per thread over the halves.
+__global__ void CopyChunked(const uint4* __restrict__ in, uint4* __restrict__ out, int64_t n,
+                            int64_t chunk) {
+  for (int64_t c = blockIdx.x; c * chunk < n; c += gridDim.x) {
+    const int64_t base = c * chunk, half = min(chunk, n - base) / 2;
+    for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
+      const uint4 a = in[base + i], b = in[base + half + i];
+      out[base + i] = a;
+      out[base + half + i] = b;
+    }
+  }
 }
 
 __global__ void Spin(int64_t cycles) {
@@ -84,6 +109,11 @@ static void Exporter(int wfd, int rfd, size_t bytes, const char* mode) {
 int main(int argc, char** argv) {
   const char* mode = argc > 1 ? argv[1] : "idle";
   const size_t bytes = (argc > 2 ? std::atoll(argv[2]) : 2) << 30;
+  // Blocks per SM of the copy kernel (8 by default) and loads in flight per thread (4 or 1).
+  const int per_sm = argc > 3 ? std::atoi(argv[3]) : 8;
+  const int unroll = argc > 4 ? std::atoi(argv[4]) : 4;
+  // KiB per block's chunk (CopyChunked, as the batch kernel walks memory); 0: grid-stride copy.
+  const int64_t chunk_kib = argc > 5 ? std::atoll(argv[5]) : 0;
   int up[2], down[2];
   if (pipe(up) || pipe(down)) return 1;
   const pid_t pid = fork();  // before any CUDA call: both processes initialize their own
@@ -115,16 +145,26 @@ int main(int argc, char** argv) {
                {"local -> ipc  ", lsrc, rdst},
                {"ipc   -> ipc  ", rsrc, rdst}};
   const int64_t n = static_cast<int64_t>(bytes / 16);
-  std::printf("exporter %s, %zu MiB per copy, %d SMs\n", mode, bytes >> 20, sms);
+  std::printf(
+      "exporter %s, %zu MiB per copy, %d SMs, %d blocks per SM, %d loads in flight, chunks of "
+      "%lld KiB\n",
+      mode, bytes >> 20, sms, per_sm, unroll, static_cast<long long>(chunk_kib));
   for (int round = 0; round < 2; ++round) {
     for (const Case& c : cases) {
       for (int kind = 0; kind < 2; ++kind) {
         std::vector<float> ms;
         for (int r = 0; r < 11; ++r) {
           CK(cudaEventRecord(a, s));
-          if (kind == 0) {
-            Copy<<<sms * 8, 256, 0, s>>>(static_cast<const uint4*>(c.in),
-                                         static_cast<uint4*>(c.out), n);
+          if (kind == 0 && chunk_kib > 0) {
+            CopyChunked<<<sms * per_sm, 256, 0, s>>>(static_cast<const uint4*>(c.in),
+                                                     static_cast<uint4*>(c.out), n,
+                                                     chunk_kib * 1024 / 16);
+          } else if (kind == 0 && unroll == 1) {
+            CopyOne<<<sms * per_sm, 256, 0, s>>>(static_cast<const uint4*>(c.in),
+                                                 static_cast<uint4*>(c.out), n);
+          } else if (kind == 0) {
+            Copy<<<sms * per_sm, 256, 0, s>>>(static_cast<const uint4*>(c.in),
+                                              static_cast<uint4*>(c.out), n);
           } else {
             CK(cudaMemcpyAsync(c.out, c.in, bytes, cudaMemcpyDeviceToDevice, s));
           }

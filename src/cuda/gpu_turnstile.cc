@@ -1,16 +1,15 @@
 #include "cuda/gpu_turnstile.h"
 
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <cctype>
 #include <cerrno>
-#include <cstdio>
 #include <cstring>
+
+#include "cuda/shm_common.h"
 
 namespace shardsync::gpu::internal {
 
@@ -28,41 +27,17 @@ static_assert(Ref::is_always_lock_free, "shared-memory words must be lock-free")
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
-int PidOf(uint64_t token) { return static_cast<int>(token >> 32); }
-
-bool PidAlive(int pid) { return pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH; }
-
-uint64_t NewToken() {
-  static std::atomic<uint32_t> next{1};
-  return (static_cast<uint64_t>(static_cast<uint32_t>(getpid())) << 32) | next.fetch_add(1);
-}
-
-uint64_t Fnv(const std::string& s) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
-
 }  // namespace
 
 std::string GpuTurnstile::Name(const std::string& prefix, const std::string& gpu_id) {
-  // POSIX names: one leading slash and no other; the PCI id's ':' and '.' are kept out too.
-  std::string gpu;
-  for (char c : gpu_id) gpu += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
-  char buf[96];
-  std::snprintf(buf, sizeof(buf), "/ssgpu_%u_%016llx_%.40s", static_cast<unsigned>(getuid()),
-                static_cast<unsigned long long>(Fnv(prefix)), gpu.c_str());
-  return buf;
+  return GpuShmName("ssgpu", prefix, gpu_id);
 }
 
 GpuTurnstile::GpuTurnstile(std::string name, Segment* seg, std::chrono::milliseconds max_wait)
-    : name_(std::move(name)), seg_(seg), max_wait_(max_wait), token_(NewToken()) {
+    : name_(std::move(name)), seg_(seg), max_wait_(max_wait), token_(NewShmToken()) {
   for (int i = 0; i < kUsers && user_slot_ < 0; ++i) {
     uint64_t v = Ref(seg_->users[i]).load(std::memory_order_acquire);
-    if ((v == 0 || !PidAlive(PidOf(v))) &&
+    if ((v == 0 || !PidAlive(TokenPid(v))) &&
         Ref(seg_->users[i]).compare_exchange_strong(v, token_, std::memory_order_acq_rel)) {
       user_slot_ = i;
     }
@@ -103,7 +78,7 @@ GpuTurnstile::~GpuTurnstile() {
   bool live = false;
   for (int i = 0; i < kUsers && !live; ++i) {
     const uint64_t v = Ref(seg_->users[i]).load(std::memory_order_acquire);
-    live = v != 0 && PidAlive(PidOf(v));
+    live = v != 0 && PidAlive(TokenPid(v));
   }
   // A process opening the name right now keeps a segment no one else will find: its launches
   // are then unordered for that job, which costs speed only.
@@ -129,7 +104,7 @@ GpuTurnstile::Turn GpuTurnstile::TryTake() {
   }
   if (now >= next_pid_check_) {  // a syscall: at most every millisecond
     next_pid_check_ = now + std::chrono::milliseconds(1);
-    if (!PidAlive(PidOf(cur)) && turn.compare_exchange_strong(cur, token_)) {
+    if (!PidAlive(TokenPid(cur)) && turn.compare_exchange_strong(cur, token_)) {
       held_ = true;
       seen_ = 0;
       return Turn::kMine;
@@ -146,7 +121,7 @@ void GpuTurnstile::Give() {
 }
 
 int GpuTurnstile::HolderPid() const {
-  return PidOf(Ref(seg_->turn).load(std::memory_order_acquire));
+  return TokenPid(Ref(seg_->turn).load(std::memory_order_acquire));
 }
 
 }  // namespace shardsync::gpu::internal

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <thread>
 
+#include "cuda/gpu_launch_board.h"
 #include "gpu_test_util.h"
 #include "job/internal.h"
 #include "job/launcher.h"
@@ -160,6 +161,28 @@ TEST(GpuSession, MegatronOneGpuOverCudaIpc) {
   RunJob(1, "", "cuda_ipc", MegatronJob("megatron=tp=2,pp=2,vpp=2", DType::kBF16));
 }
 
+// Shared launches (SHARDSYNC_GPU_SHARED_LAUNCH, gpu_launch_board.h): the GPU's launcher (its
+// trainer of lowest rank) packs for the other trainers of the GPU, in one kernel (1) or one kernel
+// per trainer from its stream (2); every engine element still lands, each trainer's receivers
+// get their sums, and the launcher did pack for others (claims made). Threads of one process
+// here: the same board, claims and sums as separate processes, with pointers used as they are.
+struct SharedLaunchOn {
+  explicit SharedLaunchOn(const char* mode) { setenv("SHARDSYNC_GPU_SHARED_LAUNCH", mode, 1); }
+  ~SharedLaunchOn() { unsetenv("SHARDSYNC_GPU_SHARED_LAUNCH"); }
+};
+
+TEST(GpuSession, SharedLaunchesOneGpuOverCudaIpc) {
+  SS_REQUIRE_GPU();
+  for (const char* mode : {"1", "2"}) {
+    SharedLaunchOn on(mode);
+    const uint64_t before = internal::GpuLaunchBoard::ClaimsMade();
+    RunJob(1, "", "cuda_ipc", MegatronJob("megatron=tp=2,pp=2", DType::kBF16));
+    RunJob(1, "", "cuda_ipc", MegatronJob("megatron=tp=2,pp=2,vpp=2", DType::kF32));
+    RunJob(1, "", "cuda_ipc");  // fsdp=2
+    EXPECT_GT(internal::GpuLaunchBoard::ClaimsMade(), before) << "mode " << mode;
+  }
+}
+
 TEST(GpuSession, MegatronTwoGpusOverNccl) {
   SS_REQUIRE_GPUS(2);
   RunJob(2, "nccl", "nccl", MegatronJob("megatron=tp=2,pp=2,vpp=2", DType::kBF16));
@@ -233,6 +256,15 @@ int RefusedAtConnect(const JobSpec& job, const std::string& a, const std::string
 TEST(GpuSession, OneGpuBlockFp8OverCudaIpc) {
   SS_REQUIRE_GPU();
   RunJob(1, "", "cuda_ipc", Fp8Job("fsdp=2", 512));
+}
+
+// Block-FP8 batches are never shared (they launch under the turn, as without the switch).
+TEST(GpuSession, SharedLaunchesLeaveBlockFp8Alone) {
+  SS_REQUIRE_GPU();
+  SharedLaunchOn on("1");
+  const uint64_t before = internal::GpuLaunchBoard::ClaimsMade();
+  RunJob(1, "", "cuda_ipc", Fp8Job("fsdp=2", 512));
+  EXPECT_EQ(internal::GpuLaunchBoard::ClaimsMade(), before);
 }
 
 // Bands straddling trainer ranks over cuda_ipc: each trainer copies its rows raw (fp32 or bf16,

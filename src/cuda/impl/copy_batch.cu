@@ -1,6 +1,7 @@
 // CopyBatch (gpu.h): a batch's descriptors validated, cut into chunks and uploaded once, then
 // launched every sync (BatchKernel, and the lean kernel first for landed casts; kernels.cuh).
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -109,12 +110,23 @@ Status BuildDescs(const BatchSpec& spec, int wire_size, std::vector<Desc>* out) 
   return OkStatus();
 }
 
+// Wire bytes per chunk: kChunkWireBytes, or SHARDSYNC_CHUNK_KIB (an experiment knob: how many
+// pages a launch's blocks touch at once, docs/benchmarks.md), read once.
+int64_t ChunkWireBytes() {
+  static const int64_t bytes = [] {
+    const char* v = std::getenv("SHARDSYNC_CHUNK_KIB");
+    const long kib = v ? std::atol(v) : 0;
+    return kib >= 4 && kib <= (1 << 20) ? int64_t{kib} << 10 : kChunkWireBytes;
+  }();
+  return bytes;
+}
+
 // Chunks split runs at 8-aligned wire positions, so only run edges make boundary words.
 void BuildChunks(const BatchSpec& spec, const std::vector<Desc>& descs, int in_size, int out_size,
                  int wire_size, std::vector<Chunk>* out_chunks, std::vector<Boundary>* out_bounds) {
   std::vector<Chunk>& chunks = *out_chunks;
   std::vector<Boundary>& bounds = *out_bounds;
-  const int64_t step = kChunkWireBytes / wire_size;
+  const int64_t step = ChunkWireBytes() / wire_size;
   for (size_t k = 0; k < descs.size(); ++k) {
     const Desc& d = descs[k];
     int64_t e = 0;

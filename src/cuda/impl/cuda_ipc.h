@@ -19,6 +19,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -26,6 +27,7 @@
 
 #include "common/trace.h"
 #include "cuda/cuda_util.h"
+#include "cuda/gpu_launch_board.h"
 #include "cuda/gpu_turnstile.h"
 #include "cuda/impl/shm_mailbox.h"
 #include "shardsync/gpu.h"
@@ -63,20 +65,44 @@ Result<std::string> Fp8LandedMap(const CudaIpcTransport& t, const PairSpec& spec
 Status AddFp8Tasks(CudaIpcTransport& t, const PairSpec& spec, const std::string& blob,
                    BatchSpec* bs);
 
+// The send pairs' batches as one: buckets renumbered after each other's, in member order, landed
+// sums to `lsum` (8 bytes per bucket; none when null). Nullopt when they do not share one
+// kernel (dtypes).
+std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, void* lsum);
+
 // One launch over several send pairs' buckets: the batch, the landed sums of all of them in one
-// device buffer (the kernel hands them over with its signal), and the event behind it.
+// device buffer (the kernel hands them over with its signal), and the event behind it. A shared
+// launch (gpu_launch_board.h) also packs other senders' batches: their buckets follow this
+// rank's, each claimed sender's from `first`; in one kernel (`batch`), or (split mode, an
+// experiment) one kernel per sender back to back on this rank's stream, `before` then `batch`.
 struct MergedLaunch {
+  struct Remote {
+    internal::GpuLaunchBoard::Peer peer;
+    size_t first = 0;
+  };
   int device = 0;
+  std::vector<Remote> remote;
+  uint64_t version = 0;              // of the shared launch in flight
   std::unique_ptr<CopyBatch> batch;  // null: the pairs share no kernel (one launch each)
+  // Split mode: batches launched before `batch`, each with the buckets from its `first`.
+  std::vector<std::pair<std::unique_ptr<CopyBatch>, size_t>> before;
   std::unique_ptr<DeviceBuffer> lsum;
   // After the kernel: how a fault shows (a faulted kernel never signals).
   cudaEvent_t done = nullptr;
+  // SHARDSYNC_TRACE only: timing events around the launch (GPU time in the trace).
+  cudaEvent_t t0 = nullptr, t1 = nullptr;
+  std::string what;  // for the trace: whose batches, how many chunks
   uint64_t seq = 0;  // of the last signaled launch
   size_t buckets = 0;
   ~MergedLaunch() {
     cudaSetDevice(device);
-    if (done) cudaEventDestroy(done);
+    for (cudaEvent_t e : {done, t0, t1}) {
+      if (e) cudaEventDestroy(e);
+    }
   }
+  // The launch's finished and raw landed sums over all its buckets, and non-finite counts.
+  Status Sums(std::vector<uint64_t>* packed, std::vector<uint64_t>* landed,
+              std::vector<int64_t>* nonfinite) const;
 };
 
 class CudaIpcTransport final : public Transport {
@@ -156,6 +182,12 @@ class CudaIpcTransport final : public Transport {
   // turn goes back with the last one in flight); a failed or cancelled sync gives it back.
   void OpenTurnstile();
   void LaunchStarted() { ++launches_; }
+  // This rank's pairs launched by another sender (gpu_launch_board.h): whether their sums are
+  // in; if so every such pair has been told (Finished), and `self`'s error is returned.
+  Result<bool> PollRemote(IpcSendPair* self);
+  const MergedLaunch* remote_marker() const { return &remote_marker_; }
+  // The launch of `group` failed or was abandoned: the senders it packed for learn it.
+  void FailShared(const MergedLaunch* group);
   void LaunchCompleted();
   void DropTurn();
   // For a pair's Describe: whose turn a launch is waiting for ("" when none).
@@ -218,17 +250,74 @@ class CudaIpcTransport final : public Transport {
   Status PeerAlive(int peer);
   // Whether the posted sends may launch now: this rank has the GPU's turn, or goes without one.
   bool MayLaunch();
-  Status LaunchMembers(const std::vector<IpcSendPair*>& members);
+  Status LaunchMembers(const std::vector<IpcSendPair*>& members,
+                       const std::vector<internal::GpuLaunchBoard::Peer>& peers, uint64_t version);
+  // Shared launches (cuda_ipc_share.cc): this rank's batch published on the board (once; false
+  // when it cannot be shared), the launch of its pairs by another sender adopted, and the
+  // peers' batches decoded into this process's pointers.
+  bool Shareable(const std::vector<IpcSendPair*>& members);
+  Status AdoptRemote(const std::vector<IpcSendPair*>& members, uint64_t version);
+  Result<const BatchSpec*> PeerBatch(const internal::GpuLaunchBoard::Peer& p, const BatchSpec& own);
+  Result<std::unique_ptr<BatchSpec>> DecodePeerBatch(const internal::GpuLaunchBoard::Peer& p,
+                                                     const BatchSpec& own);
+  Result<void*> OpenShared(const void* handle, int pid, uint64_t base);
+  Result<MergedLaunch*> SharedGroup(const std::vector<IpcSendPair*>& members,
+                                    const std::vector<internal::GpuLaunchBoard::Peer>& peers);
   // PeerAlive for waits that poll in a tight loop: the syscall at most every kWaitCheckEvery per
   // peer (it took a visible share of each poll, and so of the time to notice a completion), so a
   // dead peer still fails the wait within a millisecond. A send checks exactly (PeerAlive).
   Status PeerAliveSoon(int peer);
   static constexpr std::chrono::milliseconds kWaitCheckEvery{1};
+  // Shared launches: whether this rank launches now (the GPU's launcher, or a sender the
+  // launcher did not claim in time); false while it waits to be claimed or was (adopted).
+  Result<bool> ShareStep(const std::vector<IpcSendPair*>& members, uint64_t version);
+  // Takes this rank's post for `version` off the board before it launches for itself: false when
+  // a launcher claimed it first (then it waits for that launch).
+  bool WithdrawPost(uint64_t version);
+  // Launch timing for the trace (SHARDSYNC_TRACE): events around a group's kernels.
+  void TraceStart(MergedLaunch& g);
+  void TraceEnd(const MergedLaunch& g);
+  // How long the GPU's launcher waits for the other senders of its GPU to be ready, to pack for
+  // them in its launch (they arrive within tens of microseconds of each other in a sync).
+  static constexpr std::chrono::microseconds kGatherWait{2000};
+  // How long a sender waits for the launcher to claim it before it launches for itself (the
+  // launcher's receivers may enter the sync much later than this rank's).
+  static constexpr std::chrono::milliseconds kClaimWait{20};
 
   int device_;
   int rank_ = -1;
   std::string prefix_;  // Connect's: names this job's shared-memory records
   std::unique_ptr<internal::GpuTurnstile> turn_;
+  std::unique_ptr<internal::GpuLaunchBoard> board_;  // null: no shared launches
+  enum class Share { kUnknown, kYes, kNo } share_ = Share::kUnknown;
+  int share_mode_ = 0;  // SHARDSYNC_GPU_SHARED_LAUNCH: 0 off, 1 one kernel, 2 split (experiment)
+  std::vector<IpcSendPair*> published_;  // the pairs whose batch is on the board, in order
+  uint64_t posted_ready_ = 0;            // version posted on the board
+  // The sync a ShareStep is in: when it started, the launcher's slot (re-checked every
+  // kWaitCheckEvery), whether this rank's post was claimed while it tried to withdraw it.
+  uint64_t share_version_ = 0;
+  std::chrono::steady_clock::time_point share_start_, next_leader_check_;
+  int leader_ = -1;
+  bool claim_taken_ = false;
+  uint64_t gather_version_ = 0;  // the launcher waits briefly for the other senders
+  std::chrono::steady_clock::time_point gather_start_;
+  MergedLaunch remote_marker_;  // the group of pairs another sender launched
+  uint64_t remote_version_ = 0;
+  int remote_rank_ = -1, remote_pid_ = 0;  // that sender
+  const MergedLaunch* inflight_shared_ = nullptr;
+  // This process's allocations and mappings by base: how a peer opens them (IPC handle, the
+  // owner's pid and base) and their size.
+  struct AllocInfo {
+    cudaIpcMemHandle_t handle{};
+    int pid = 0;
+    uint64_t base = 0;
+    uint64_t bytes = 0;
+  };
+  std::map<uint64_t, AllocInfo> allocs_;
+  // Peers' batches decoded (null: unusable), by (slot, token, generation); shared groups by
+  // their members.
+  std::map<std::vector<uint64_t>, std::unique_ptr<BatchSpec>> peer_batches_;
+  std::map<std::vector<uint64_t>, std::unique_ptr<MergedLaunch>> shared_;
   bool turn_opened_ = false;  // tried (turn_ stays null when off or unavailable)
   int launches_ = 0;          // this rank's launches in flight
   bool turn_waiting_ = false;
@@ -273,6 +362,8 @@ class IpcSendPair final : public PreparedPair {
   Status Post(uint64_t version) override;
 
   bool posted() const { return state_ == kPosted; }
+  uint64_t version() const { return version_; }
+  size_t buckets() const { return bytes_.size(); }
   // Whether the receiver's pair was posted for this version (drives the mailbox).
   Result<bool> Ready();
   const BatchSpec& spec() const { return spec_; }

@@ -1,7 +1,9 @@
 // cuda_ipc send pairs launched together (cuda_ipc.h): a trainer's posted send pairs go out as
 // ONE kernel over all their buckets once every one's receiver is ready, which spares the GPU each
 // launch's ramp-up and tail (measured on an H200, docs/benchmarks.md). Sender processes sharing a
-// GPU launch one at a time, each while it holds the GPU's turn (gpu_turnstile.h).
+// GPU launch one at a time, each while it holds the GPU's turn (gpu_turnstile.h); with shared
+// launches (SHARDSYNC_GPU_SHARED_LAUNCH, gpu_launch_board.h, cuda_ipc_share.cc) the GPU's
+// launcher packs for the others that are ready in its own launch.
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
@@ -10,10 +12,9 @@
 #include "cuda/impl/cuda_ipc.h"
 
 namespace shardsync::gpu::ipc {
-namespace {
 
-// The send pairs' batches as one: buckets renumbered after each other's, in member order, landed
-// sums to `lsum` (8 bytes per bucket). Nullopt when they do not share one kernel (dtypes).
+using internal::GpuLaunchBoard;
+
 std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, void* lsum) {
   const BatchSpec& first = members[0]->spec();
   BatchSpec m;
@@ -67,13 +68,33 @@ std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, vo
   }
   if (!fp8) m.copy_bytes.clear();
   if (!staged) m.stage_bytes.clear();
-  for (size_t b = 0; b < m.bucket_bytes.size(); ++b) {
+  for (size_t b = 0; lsum && b < m.bucket_bytes.size(); ++b) {
     m.landed_sums.push_back(static_cast<unsigned char*>(lsum) + 8 * b);
   }
   return m;
 }
 
-}  // namespace
+Status MergedLaunch::Sums(std::vector<uint64_t>* packed, std::vector<uint64_t>* landed,
+                          std::vector<int64_t>* nonfinite) const {
+  packed->clear();
+  landed->clear();
+  nonfinite->clear();
+  auto add = [&](const CopyBatch& b) -> Status {
+    SS_ASSIGN_OR_RETURN(std::vector<uint64_t> p, b.Checksums());
+    SS_ASSIGN_OR_RETURN(std::vector<uint64_t> l, b.LandedSums());
+    std::vector<int64_t> n = b.NonFinite();
+    if (!n.empty() || !nonfinite->empty()) {
+      nonfinite->resize(packed->size(), 0);
+      n.resize(p.size(), 0);
+      nonfinite->insert(nonfinite->end(), n.begin(), n.end());
+    }
+    packed->insert(packed->end(), p.begin(), p.end());
+    landed->insert(landed->end(), l.begin(), l.end());
+    return OkStatus();
+  };
+  for (const auto& [b, first] : before) SS_RETURN_IF_ERROR(add(*b));
+  return add(*batch);
+}
 
 Status CudaIpcTransport::SendPosted() {
   for (const IpcSendPair* p : sends_) {
@@ -83,9 +104,20 @@ Status CudaIpcTransport::SendPosted() {
 }
 
 Status CudaIpcTransport::FinishLaunch(const MergedLaunch* group, IpcSendPair* self) {
-  SS_ASSIGN_OR_RETURN(std::vector<uint64_t> packed, group->batch->Checksums());
-  SS_ASSIGN_OR_RETURN(std::vector<uint64_t> landed, group->batch->LandedSums());
-  const std::vector<int64_t> nonfinite = group->batch->NonFinite();
+  std::vector<uint64_t> packed, landed;
+  std::vector<int64_t> nonfinite;
+  Status sums = group->Sums(&packed, &landed, &nonfinite);
+  // The senders packed for first: they wait on this alone.
+  for (const MergedLaunch::Remote& r : group->remote) {
+    if (!sums.ok() || r.first + r.peer.buckets > packed.size()) {
+      board_->Fail(r.peer, group->version);
+      continue;
+    }
+    board_->Complete(r.peer, group->version, packed.data() + r.first, landed.data() + r.first);
+  }
+  if (inflight_shared_ == group) inflight_shared_ = nullptr;
+  TraceEnd(*group);
+  SS_RETURN_IF_ERROR(sums);
   Status mine;
   for (IpcSendPair* p : sends_) {
     if (p->group() != group) continue;
@@ -95,6 +127,11 @@ Status CudaIpcTransport::FinishLaunch(const MergedLaunch* group, IpcSendPair* se
   return mine;
 }
 
+// Shared launches (gpu_launch_board.h): the GPU's launcher (the sender of lowest sync rank)
+// takes the turn once its own receivers are in, waits up to kGatherWait for the other senders to
+// be ready (their receivers in too), claims them and launches for all; every other sender posts
+// its version and waits to be claimed, launching for itself only when the launcher went without
+// it, is gone, or did not claim it within kClaimWait.
 Status CudaIpcTransport::LaunchPostedSends() {
   std::vector<IpcSendPair*> members;
   bool all_ready = true;
@@ -104,15 +141,135 @@ Status CudaIpcTransport::LaunchPostedSends() {
     SS_ASSIGN_OR_RETURN(bool ready, p->Ready());
     all_ready = all_ready && ready;
   }
-  if (members.empty() || !all_ready || !MayLaunch()) return OkStatus();
+  if (members.empty() || !all_ready) return OkStatus();
+  const uint64_t v = members[0]->version();
+  const bool shared = Shareable(members);
+  if (shared) {
+    SS_ASSIGN_OR_RETURN(bool go, ShareStep(members, v));
+    if (!go) return OkStatus();
+  }
+  if (!MayLaunch()) return OkStatus();
+  std::vector<GpuLaunchBoard::Peer> peers;
+  if (shared && leader_ == board_->slot()) {  // only the GPU's launcher packs for others
+    int pending = 0;
+    board_->Survey(v, &peers, &pending);
+    const auto now = std::chrono::steady_clock::now();
+    if (gather_version_ != v) {
+      gather_version_ = v;
+      gather_start_ = now;
+    }
+    if (pending > 0 && now - gather_start_ < kGatherWait) return OkStatus();  // keeps the turn
+    if (pending > 0) {
+      trace::Line(
+          "cuda_ipc: launching without %d sender(s) of this GPU not ready after %lld us", pending,
+          static_cast<long long>(
+              std::chrono::duration_cast<std::chrono::microseconds>(now - gather_start_).count()));
+    }
+  }
   // A launch that failed before any kernel went out gives the turn back at once.
-  Status s = LaunchMembers(members);
+  Status s = LaunchMembers(members, peers, v);
   if (!s.ok() && launches_ == 0) DropTurn();
   return s;
 }
 
-Status CudaIpcTransport::LaunchMembers(const std::vector<IpcSendPair*>& members) {
+Result<bool> CudaIpcTransport::ShareStep(const std::vector<IpcSendPair*>& members,
+                                         uint64_t version) {
+  const auto now = std::chrono::steady_clock::now();
+  if (share_version_ != version) {
+    share_version_ = version;
+    share_start_ = now;
+    next_leader_check_ = now + kWaitCheckEvery;
+    claim_taken_ = false;
+    leader_ = board_->Leader();
+  }
+  if (board_->ClaimedFor(version)) {
+    SS_RETURN_IF_ERROR(AdoptRemote(members, version));
+    return false;
+  }
+  if (claim_taken_) {  // a launcher took the post; its name follows within microseconds
+    if (now - share_start_ > internal::GpuTurnstile::kMaxWait) {
+      return UnavailableError("cuda_ipc: sync rank " + std::to_string(rank_) +
+                              ": a launcher claimed this rank's pack for version " +
+                              std::to_string(version) + " but never said who it is");
+    }
+    return false;
+  }
+  if (now >= next_leader_check_) {  // the launcher may have exited (a syscall per live slot)
+    next_leader_check_ = now + kWaitCheckEvery;
+    leader_ = board_->Leader();
+  }
+  const bool leader = leader_ == board_->slot();
+  if (!leader && posted_ready_ != version) {
+    board_->PostReady(version);
+    posted_ready_ = version;
+    return false;  // claimed from here on, or launched alone below on a later poll
+  }
+  if (!leader) {
+    const bool went = leader_ < 0 || board_->LaunchedFor(leader_, version);
+    const bool late = now - share_start_ >= kClaimWait;
+    if (!went && !late) return false;
+    if (posted_ready_ == version) {
+      trace::Line("cuda_ipc: sync rank %d launches for itself (the GPU's launcher %s)", rank_,
+                  went ? "went without it" : "did not claim it in time");
+    }
+  }
+  return WithdrawPost(version);
+}
+
+bool CudaIpcTransport::WithdrawPost(uint64_t version) {
+  if (posted_ready_ != version) return true;
+  posted_ready_ = 0;
+  if (board_->Withdraw(version)) return true;
+  claim_taken_ = true;  // claimed first: wait for that launch (ShareStep adopts it)
+  return false;
+}
+
+Status CudaIpcTransport::LaunchMembers(const std::vector<IpcSendPair*>& members,
+                                       const std::vector<GpuLaunchBoard::Peer>& peers,
+                                       uint64_t version) {
   SS_CUDA(cudaSetDevice(device_), "cuda_ipc: cudaSetDevice");
+  // The peers this launch packs for: their batches decode here, and they are still ready.
+  std::vector<GpuLaunchBoard::Peer> claimed;
+  for (const auto& p : peers) {
+    auto b = PeerBatch(p, members[0]->spec());  // decoded once per published batch
+    if (!b.ok()) continue;
+    if (board_->Claim(p, version)) claimed.push_back(p);
+  }
+  // Then this rank's own slot: senders waiting on the launcher see it went (and without them).
+  if (board_ && share_ == Share::kYes) board_->ClaimOwn(version);
+  if (!claimed.empty()) {
+    auto g = SharedGroup(members, claimed);
+    if (!g.ok()) {
+      for (const auto& p : claimed) board_->Fail(p, version);
+      return g.status();
+    }
+    MergedLaunch& sg = **g;
+    sg.version = version;
+    ++sg.seq;
+    TraceStart(sg);
+    Status s;
+    for (auto& [b, first] : sg.before) {
+      if (s.ok()) s = b->LaunchSignaled(stream_, sg.seq);
+    }
+    if (s.ok()) s = sg.batch->LaunchSignaled(stream_, sg.seq);
+    if (s.ok()) {
+      s = internal::CudaStatus(cudaEventRecord(sg.done, stream_), "cuda_ipc: launch event");
+    }
+    if (!s.ok()) {
+      FailShared(&sg);
+      return s;
+    }
+    if (sg.t1) cudaEventRecord(sg.t1, stream_);
+    LaunchStarted();
+    inflight_shared_ = &sg;
+    trace::Line("cuda_ipc: launched %s", sg.what.c_str());
+    size_t first = 0;
+    for (IpcSendPair* p : members) {
+      p->LaunchedIn(&sg, first);
+      first += p->buckets();
+    }
+    return OkStatus();
+  }
   if (members.size() == 1) return members[0]->LaunchAlone(stream_);
   auto it = merged_.find(members);
   if (it == merged_.end()) {
@@ -124,6 +281,9 @@ Status CudaIpcTransport::LaunchMembers(const std::vector<IpcSendPair*>& members)
     SS_CUDA(cudaEventCreateWithFlags(&g->done, cudaEventDisableTiming), "cuda_ipc: launch event");
     if (std::optional<BatchSpec> spec = MergeSpecs(members, g->lsum->data())) {
       SS_ASSIGN_OR_RETURN(g->batch, CopyBatch::Prepare(*spec, device_));
+      g->what = "this rank's " + std::to_string(members.size()) + " pairs, " +
+                std::to_string(g->buckets) + " buckets, " + std::to_string(g->batch->num_chunks()) +
+                " chunks";
     }
     it = merged_.emplace(members, std::move(g)).first;
   }
@@ -132,10 +292,12 @@ Status CudaIpcTransport::LaunchMembers(const std::vector<IpcSendPair*>& members)
     for (IpcSendPair* p : members) SS_RETURN_IF_ERROR(p->LaunchAlone(stream_));
     return OkStatus();
   }
+  TraceStart(g);
   SS_RETURN_IF_ERROR(g.batch->LaunchSignaled(stream_, ++g.seq));
   LaunchStarted();
   SS_CUDA(cudaEventRecord(g.done, stream_), "cuda_ipc: launch event");
-  TraceLaunch("launched", g.buckets);
+  if (g.t1) cudaEventRecord(g.t1, stream_);
+  trace::Line("cuda_ipc: launched %s", g.what.c_str());
   size_t first = 0;
   for (IpcSendPair* p : members) {
     p->LaunchedIn(&g, first);
@@ -144,8 +306,28 @@ Status CudaIpcTransport::LaunchMembers(const std::vector<IpcSendPair*>& members)
   return OkStatus();
 }
 
+void CudaIpcTransport::TraceStart(MergedLaunch& g) {
+  if (!trace::On()) return;
+  if (!g.t0 && (cudaEventCreate(&g.t0) != cudaSuccess || cudaEventCreate(&g.t1) != cudaSuccess)) {
+    cudaGetLastError();
+    return;
+  }
+  if (cudaEventRecord(g.t0, stream_) != cudaSuccess) cudaGetLastError();
+}
+
+void CudaIpcTransport::TraceEnd(const MergedLaunch& g) {
+  if (!trace::On() || !g.t0 || !g.t1) return;
+  float ms = -1;
+  // The kernel signaled: its event follows within microseconds (the trace only waits for it).
+  if (cudaEventSynchronize(g.t1) != cudaSuccess ||
+      cudaEventElapsedTime(&ms, g.t0, g.t1) != cudaSuccess) {
+    cudaGetLastError();
+  }
+  trace::Line("cuda_ipc: launch complete: %.3f ms of GPU time for %s", ms, g.what.c_str());
+}
+
 bool CudaIpcTransport::MayLaunch() {
-  if (!turn_) return true;
+  if (!turn_ || turn_->held()) return true;
   const internal::GpuTurnstile::Turn t = turn_->TryTake();
   if (t == internal::GpuTurnstile::Turn::kBusy) {
     if (!turn_waiting_) {
@@ -181,6 +363,10 @@ void CudaIpcTransport::DropTurn() {
   launches_ = 0;
   turn_waiting_ = false;
   if (turn_) turn_->Give();
+  FailShared(inflight_shared_);  // the senders it packed for stop waiting
+  // A post claimed meanwhile is launched anyway: the session's abort tells its receivers.
+  if (board_ && posted_ready_ != 0) board_->Withdraw(posted_ready_);
+  posted_ready_ = 0;
 }
 
 std::string CudaIpcTransport::TurnNote() const {
@@ -206,6 +392,17 @@ void CudaIpcTransport::OpenTurnstile() {
     return;
   }
   turn_ = std::move(t).value();
+  // Shared launches: 1 one kernel for every sender of the GPU, 2 (an experiment) one kernel per
+  // sender from the launcher's stream; off unless asked for (docs/benchmarks.md).
+  const char* v = std::getenv("SHARDSYNC_GPU_SHARED_LAUNCH");
+  share_mode_ = v && std::string_view(v) == "1" ? 1 : v && std::string_view(v) == "2" ? 2 : 0;
+  if (share_mode_ == 0) return;
+  auto b = internal::GpuLaunchBoard::Open(internal::GpuLaunchBoard::Name(prefix_, bus), rank_);
+  if (!b.ok()) {
+    trace::Line("cuda_ipc: %s: no shared launches", b.status().ToString().c_str());
+    return;
+  }
+  board_ = std::move(b).value();
 }
 
 }  // namespace shardsync::gpu::ipc

@@ -174,7 +174,14 @@ Result<XferState> IpcSendPair::Poll() {
       return XferState::kInProgress;
     }
   }
-  if (state_ == kLaunched) {
+  if (state_ == kLaunched && group_ == t_.remote_marker()) {  // another sender's launch
+    SS_ASSIGN_OR_RETURN(bool done, t_.PollRemote(this));
+    if (!done) {
+      SS_RETURN_IF_ERROR(t_.CheckPeer(peer_));
+      return XferState::kInProgress;
+    }
+    if (state_ == kIdle) return XferState::kDone;
+  } else if (state_ == kLaunched) {
     // The kernel's own signal comes first; the event (after it on the stream) tells a fault.
     const CopyBatch& b = group_ ? *group_->batch : *batch_;
     const uint64_t seq = group_ ? group_->seq : seq_;
@@ -185,8 +192,10 @@ Result<XferState> IpcSendPair::Poll() {
         SS_RETURN_IF_ERROR(t_.CheckPeer(peer_));
         return XferState::kInProgress;
       }
+      if (e != cudaSuccess) t_.FailShared(group_);
       SS_CUDA(e, "cuda_ipc: pack into rank " + std::to_string(peer_));
       if (b.Signaled() != seq) {
+        t_.FailShared(group_);
         return InternalError("cuda_ipc: pack into rank " + std::to_string(peer_) +
                              " completed without its signal (launch " + std::to_string(seq) +
                              ", signaled " + std::to_string(b.Signaled()) + ")");
@@ -254,9 +263,11 @@ void IpcSendPair::Cancel() {
 }
 
 std::string IpcSendPair::Describe() const {
+  const char* how = group_ == t_.remote_marker() ? " (launched by another sender on this GPU)"
+                    : group_                     ? " (one launch with the other pairs)"
+                                                 : " (1 launch)";
   return "cuda_ipc: " + std::to_string(bytes_.size()) + " buckets into rank " +
-         std::to_string(peer_) + (group_ ? " (one launch with the other pairs)" : " (1 launch)") +
-         (state_ == kPosted ? t_.TurnNote() : "");
+         std::to_string(peer_) + how + (state_ == kPosted ? t_.TurnNote() : "");
 }
 
 namespace {

@@ -39,6 +39,7 @@ bool PidAlive(int pid) { return pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH;
 CudaIpcTransport::~CudaIpcTransport() {
   cudaSetDevice(device_);
   merged_.clear();
+  shared_.clear();
   retired_.clear();
   xfers_.clear();  // returns shared events to the pool
   for (cudaEvent_t e : event_pool_) cudaEventDestroy(e);
@@ -199,6 +200,7 @@ Result<void*> CudaIpcTransport::RemotePointer(int peer, uint32_t region, uint64_
   unsigned char* alloc = nullptr;
   if (r.pid == getpid()) {
     alloc = reinterpret_cast<unsigned char*>(r.alloc_base);  // same process: no IPC needed
+    allocs_.try_emplace(r.alloc_base, AllocInfo{r.handle, r.pid, r.alloc_base, 0});
   } else {
     const std::string key(reinterpret_cast<const char*>(&r.handle), sizeof(r.handle));
     auto o = opened_.find(key);
@@ -209,6 +211,8 @@ Result<void*> CudaIpcTransport::RemotePointer(int peer, uint32_t region, uint64_
               "cuda_ipc: cudaIpcOpenMemHandle of peer rank " + std::to_string(peer) + " region " +
                   std::to_string(region) + " (device " + std::to_string(r.device) + ")");
       o = opened_.emplace(key, p).first;
+      allocs_.try_emplace(reinterpret_cast<uint64_t>(p),
+                          AllocInfo{r.handle, r.pid, r.alloc_base, 0});
     }
     alloc = static_cast<unsigned char*>(o->second);
   }
@@ -309,6 +313,10 @@ void CudaIpcTransport::RemoveSend(IpcSendPair* p) {
   sends_.erase(std::remove(sends_.begin(), sends_.end(), p), sends_.end());
   // Launches naming it are never replayed again; kept (other members may still point at one)
   // until the transport goes.
+  for (auto& [key, g] : shared_) retired_.push_back(std::move(g));
+  shared_.clear();
+  published_.clear();
+  share_ = Share::kUnknown;  // a changed set of pairs publishes again
   for (auto it = merged_.begin(); it != merged_.end();) {
     if (std::find(it->first.begin(), it->first.end(), p) != it->first.end()) {
       retired_.push_back(std::move(it->second));

@@ -75,7 +75,11 @@ struct Handles {
   cudaIpcMemHandle_t src, dst;
 };
 
-static void Exporter(int wfd, int rfd, size_t bytes, const char* mode) {
+static void Exporter(int wfd, int rfd, size_t bytes, const char* mode, int small) {
+  for (int i = 0; i < small; ++i) {  // small allocations first, as a rank's counters and sums
+    void* p = nullptr;
+    CK(cudaMalloc(&p, 8 + 4096 * (i % 7)));
+  }
   CK(cudaSetDevice(0));
   void *src = nullptr, *dst = nullptr;
   CK(cudaMalloc(&src, bytes));
@@ -114,11 +118,15 @@ int main(int argc, char** argv) {
   const int unroll = argc > 4 ? std::atoi(argv[4]) : 4;
   // KiB per block's chunk (CopyChunked, as the batch kernel walks memory); 0: grid-stride copy.
   const int64_t chunk_kib = argc > 5 ? std::atoll(argv[5]) : 0;
+  // Bytes added to every allocation (the bench's buffers are not whole GiB: 4,106,660,608 B) and
+  // small allocations the exporter makes first.
+  const size_t extra = argc > 6 ? std::atoll(argv[6]) : 0;
+  const int small = argc > 7 ? std::atoi(argv[7]) : 0;
   int up[2], down[2];
   if (pipe(up) || pipe(down)) return 1;
   const pid_t pid = fork();  // before any CUDA call: both processes initialize their own
   if (pid == 0) {
-    Exporter(up[1], down[0], bytes, mode);
+    Exporter(up[1], down[0], bytes + extra, mode, small);
     return 0;
   }
   Handles h;
@@ -127,8 +135,8 @@ int main(int argc, char** argv) {
   void *rsrc = nullptr, *rdst = nullptr, *lsrc = nullptr, *ldst = nullptr;
   CK(cudaIpcOpenMemHandle(&rsrc, h.src, cudaIpcMemLazyEnablePeerAccess));
   CK(cudaIpcOpenMemHandle(&rdst, h.dst, cudaIpcMemLazyEnablePeerAccess));
-  CK(cudaMalloc(&lsrc, bytes));
-  CK(cudaMalloc(&ldst, bytes));
+  CK(cudaMalloc(&lsrc, bytes + extra));
+  CK(cudaMalloc(&ldst, bytes + extra));
   CK(cudaMemset(lsrc, 0x5a, bytes));
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -147,8 +155,8 @@ int main(int argc, char** argv) {
   const int64_t n = static_cast<int64_t>(bytes / 16);
   std::printf(
       "exporter %s, %zu MiB per copy, %d SMs, %d blocks per SM, %d loads in flight, chunks of "
-      "%lld KiB\n",
-      mode, bytes >> 20, sms, per_sm, unroll, static_cast<long long>(chunk_kib));
+      "%lld KiB, allocations + %zu B, %d small ones first\n",
+      mode, bytes >> 20, sms, per_sm, unroll, static_cast<long long>(chunk_kib), extra, small);
   for (int round = 0; round < 2; ++round) {
     for (const Case& c : cases) {
       for (int kind = 0; kind < 2; ++kind) {

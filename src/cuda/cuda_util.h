@@ -36,6 +36,18 @@ inline Status CudaStatus(cudaError_t e, std::string_view what) {
 // a kernel reads wait for the device. Prepare / control paths only, never a sync's hot path.
 Status UploadBlocking(void* dst, const void* src, size_t bytes, std::string_view what);
 
+// Bytes to cudaMalloc for a buffer of `bytes` that other processes may map (CUDA IPC): a whole
+// number of 2 MiB pages from 1 MiB up. An allocation of another size is mapped by the importing
+// process with small pages, and kernels there run up to 2x slower on it (TLB misses): on an H200
+// a copy between two imported 4 GiB + 12345 B buffers took 4.56 ms against 2.15 ms for whole
+// GiB (bench/cuda/ipc_read_probe.cu, docs/benchmarks.md). The owner's own accesses are not
+// affected.
+inline size_t IpcAllocBytes(size_t bytes) {
+  constexpr size_t kPage = size_t{2} << 20;
+  if (bytes < (size_t{1} << 20)) return bytes > 0 ? bytes : 1;
+  return (bytes + kPage - 1) / kPage * kPage;
+}
+
 // cuMemGetAddressRange through the runtime's driver entry point, so the layer does not link
 // libcuda (CI machines have no driver; the test binaries must still load there and skip).
 Status AllocationRange(const void* ptr, void** base, size_t* size);

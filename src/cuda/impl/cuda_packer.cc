@@ -173,7 +173,7 @@ class CudaPacker final : public Packer {
   Result<std::shared_ptr<unsigned char>> AllocStaging(size_t bytes) override {
     SS_RETURN_IF_ERROR(Init());
     void* p = nullptr;
-    SS_CUDA(cudaMalloc(&p, bytes > 0 ? bytes : 1),
+    SS_CUDA(cudaMalloc(&p, internal::IpcAllocBytes(bytes)),
             "cuda packer: staging of " + std::to_string(bytes) + " bytes");
     const int device = device_;
     return std::shared_ptr<unsigned char>(static_cast<unsigned char*>(p),

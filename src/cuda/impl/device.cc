@@ -94,7 +94,7 @@ Status Stream::Synchronize(Millis timeout, std::string_view what) const {
 Result<std::unique_ptr<DeviceBuffer>> DeviceBuffer::Allocate(size_t bytes, int device) {
   SS_CUDA(cudaSetDevice(device), "alloc: cudaSetDevice " + std::to_string(device));
   void* p = nullptr;
-  SS_CUDA(cudaMalloc(&p, std::max<size_t>(bytes, 1)),
+  SS_CUDA(cudaMalloc(&p, internal::IpcAllocBytes(bytes)),
           "cudaMalloc " + std::to_string(bytes) + " bytes on device " + std::to_string(device));
   return std::unique_ptr<DeviceBuffer>(new DeviceBuffer(p, bytes, device));
 }

@@ -126,6 +126,10 @@ struct PairBucket {
   std::vector<QuantizeRegion> quantize{};
   // Block-FP8 plans: the bucket's stage ops.
   std::vector<StageRegion> stage{};
+  // Block-FP8 plans: each of `local`'s byte offset in the bucket's whole wire image (its
+  // wire_offset is in the compact image of the copies), for transports that send the image
+  // itself (nccl).
+  std::vector<int64_t> wire_offsets{};
 };
 struct PairSpec {
   int peer = -1;
@@ -136,9 +140,9 @@ struct PairSpec {
   // landed map). Unique per pair and job.
   std::string key;
   // A block-FP8 plan's pair: each bucket's `local` / `remote` are its copy ops at wire offsets of
-  // a compact image of the copies alone (no pads, no quantize ops), `quantize` its quantize ops,
-  // `stage` its stage ops, and `bytes` the whole wire image. Transports that do not quantize
-  // refuse it.
+  // a compact image of the copies alone (no pads, no quantize ops; `wire_offsets` their offsets in
+  // the whole image), `quantize` its quantize ops, `stage` its stage ops, and `bytes` the whole
+  // wire image. Transports that do not quantize refuse it.
   bool fp8 = false;
 };
 // Per bucket, the finished checksum (checksum.h) of the wire image as packed, and as landed

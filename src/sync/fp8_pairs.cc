@@ -1,5 +1,6 @@
 // Prepared pairs of block-FP8 plans (pairs.h PrepareFp8): each bucket's copy ops as copy regions
-// at offsets of a compact image of the copies, its quantize ops as PairBucket::quantize with
+// at offsets of a compact image of the copies (and their offsets in the whole image, for nccl,
+// which sends the image: cuda/impl/fp8_rounds.h), its quantize ops as PairBucket::quantize with
 // separate e4m3 and scale destinations (the peer's parameters; no wire buffer), so a transport
 // that quantizes (cuda_ipc) packs, quantizes and checksums straight into the receiver. Stage ops
 // (bands whose rows straddle trainer ranks) as PairBucket::stage: raw trainer values, no cast, at
@@ -15,21 +16,31 @@ namespace shardsync::sync_internal {
 namespace {
 
 // A receiver without device staging (its parameters are not in device memory) cannot take stage ops
-// over a prepared pair, nor a sender send them: refused naming the parameter (or tensor), before
+// over a prepared pair, nor a sender send them; nor can a two-sided pair (nccl), whose sender has
+// no access to the receiver's staging: refused naming the parameter (or tensor) and `why`, before
 // any pair is prepared.
 Status RefuseStaged(const SessionContext& ctx, const Bindings& bindings, const Fp8Message& m,
-                    int peer) {
+                    int peer, const std::string& why) {
   for (const Fp8Op& op : m.ops) {
     if (op.kind != Fp8OpKind::kStage) continue;
     const std::string name =
         ctx.who.is_trainer ? ctx.inventory.at(op.tensor).name : bindings.dest(op.param).name;
-    return UnimplementedError(
-        RankName(ctx.rank) + ": rows " + op.src.ToString() + " of '" + name +
-        "' share 128-row blocks with another trainer rank's rows (FSDP chunks off the 128 "
-        "grid), over a device pair with sync rank " +
-        std::to_string(peer) + "; prepared pairs stage such rows only into device memory");
+    return UnimplementedError(RankName(ctx.rank) + ": rows " + op.src.ToString() + " of '" + name +
+                              "' share 128-row blocks with another trainer rank's rows (FSDP "
+                              "chunks off the 128 grid), over a device pair with sync rank " +
+                              std::to_string(peer) + "; " + why);
   }
   return OkStatus();
+}
+constexpr char kStagedNoStaging[] = "prepared pairs stage such rows only into device memory";
+// Stage ops are written straight into the receiver's staging (one-sided, cuda_ipc); a two-sided
+// pair (nccl) has no receiver-side scatter for them.
+std::string StagedTwoSided(const SessionContext& ctx, int peer) {
+  return "staged rows cross only one-sided pairs (cuda_ipc: the GPUs of one node, its default "
+         "route), not this pair's " +
+         ctx.tx.PeerTransport(peer) +
+         ": use an FSDP size whose chunks fall on the 128 grid (`shardsync plan` shows the staged "
+         "bands), cuda_ipc for this pair, or host memory";
 }
 
 // Blocks whose amax the trainer ranks exchange (kAmax) are quantized by the host path only: a
@@ -93,8 +104,15 @@ Status PreparedPairs::RefuseUnbuiltFp8(const Bindings& bindings) const {
     if (Prepared(m.dst, mem)) SS_RETURN_IF_ERROR(RefuseAmax(ctx_, bindings, m, m.dst));
   }
   for (const Fp8Message& m : plan.recvs) {
-    if (Prepared(m.src, mem) && !staging_) {
-      SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.src));
+    if (!Prepared(m.src, mem)) continue;
+    if (!ctx_.tx.PeerCaps(m.src).one_sided_put) {
+      SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.src, StagedTwoSided(ctx_, m.src)));
+    }
+    if (!staging_) SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.src, kStagedNoStaging));
+  }
+  for (const Fp8Message& m : plan.sends) {
+    if (Prepared(m.dst, mem) && !ctx_.tx.PeerCaps(m.dst).one_sided_put) {
+      SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.dst, StagedTwoSided(ctx_, m.dst)));
     }
   }
   return OkStatus();
@@ -119,6 +137,7 @@ PairBucket PreparedPairs::Fp8RecvBucket(const Bindings& bindings, const Fp8Messa
     const DestBinding& d = bindings.dest(op.param);
     if (op.kind == Fp8OpKind::kCopy) {
       pb.local.push_back({d.data, d.dtype, d.shape, op.dst, at});
+      pb.wire_offsets.push_back(op.wire_offset - b.wire_offset);
       at += op.dst.numel() * ws;
       continue;
     }
@@ -159,6 +178,7 @@ PairBucket PreparedPairs::Fp8SendBucket(const Bindings& bindings, PeerShapes& sh
     if (op.kind == Fp8OpKind::kCopy) {
       pb.local.push_back(src);
       pb.local.back().wire_offset = at;
+      pb.wire_offsets.push_back(op.wire_offset - b.wire_offset);
       pb.remote.push_back(dst);
       at += op.dst.numel() * ws;
       continue;

@@ -226,9 +226,11 @@ JobFlags MoeFlags(const std::string& trainer, const std::string& split) {
   return f;
 }
 
-// Sets up every rank of `job` on one GPU at once and expects each to fail at Connect; returns how
-// many failed Unimplemented with both `a` and `b` in the message (the refusal, named).
-int RefusedAtConnect(const JobSpec& job, const std::string& a, const std::string& b) {
+// Sets up every rank of `job` on `gpus` GPUs at once (routing `hint`) and expects each to fail at
+// Connect; returns how many failed Unimplemented with both `a` and `b` in the message (the
+// refusal, named).
+int RefusedAtConnect(const JobSpec& job, const std::string& a, const std::string& b, int gpus = 1,
+                     const std::string& hint = "") {
   auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
   EXPECT_TRUE(server.ok());
   if (!server.ok()) return 0;
@@ -237,7 +239,8 @@ int RefusedAtConnect(const JobSpec& job, const std::string& a, const std::string
   std::vector<Status> st(world);
   std::vector<std::thread> ts;
   for (int r = 0; r < world; ++r) {
-    ts.emplace_back([&, r] { st[r] = SetUpRank(job, r, 1, "", (*server)->address(), ranks[r]); });
+    ts.emplace_back(
+        [&, r] { st[r] = SetUpRank(job, r, gpus, hint, (*server)->address(), ranks[r]); });
   }
   for (auto& t : ts) t.join();
   int named = 0;
@@ -265,6 +268,19 @@ TEST(GpuSession, SharedLaunchesLeaveBlockFp8Alone) {
   const uint64_t before = internal::GpuLaunchBoard::ClaimsMade();
   RunJob(1, "", "cuda_ipc", Fp8Job("fsdp=2", 512));
   EXPECT_EQ(internal::GpuLaunchBoard::ClaimsMade(), before);
+}
+
+// Block FP8 across GPUs over nccl (the cross-GPU pairs; same-GPU pairs stay cuda_ipc): each round
+// goes as the plan's FP8 wire image, quantized by the sender into its slot and scattered by the
+// receiver (cuda/impl/fp8_rounds.h); 256 KiB buckets make several rounds per pair, so slots are
+// reused. Every e4m3 byte and scale is checked against the quantizer on the host, for fp32 and
+// bf16 trainers and for stacked experts (vLLM tp2 ep2, 3-d destinations).
+TEST(GpuSession, TwoGpusBlockFp8OverNccl) {
+  SS_REQUIRE_GPUS(2);
+  for (const char* td : {"fp32", "bf16"}) {
+    SCOPED_TRACE(td);
+    RunJob(2, "nccl", "nccl", Fp8Job("fsdp=2", 512, td));
+  }
 }
 
 // Bands straddling trainer ranks over cuda_ipc: each trainer copies its rows raw (fp32 or bf16,
@@ -310,6 +326,20 @@ JobSpec Fp8MoeJob(const std::string& trainer, int64_t hidden) {
   f.bucket_bytes = 1 << 20;
   f.transport = "loopback";
   return JobSpecFromFlags(f).value();
+}
+
+TEST(GpuSession, TwoGpusBlockFp8ExpertsOverNccl) {
+  SS_REQUIRE_GPUS(2);
+  RunJob(2, "nccl", "nccl", Fp8MoeJob("fsdp=2", 256));  // on the 128 grid: senders quantize
+}
+
+// Staged bands are written into the receiver's staging by a one-sided pair (cuda_ipc); an nccl
+// pair carrying one is refused at Connect on both ends, naming the tensor and the ways out.
+TEST(GpuSession, TwoGpusBlockFp8StagedBandsOverNcclAreRefused) {
+  SS_REQUIRE_GPUS(2);
+  EXPECT_GE(RefusedAtConnect(Fp8Job("fsdp=4", 768), "share 128-row blocks", "not this pair's nccl",
+                             2, "nccl"),
+            2);
 }
 
 // Measured on an H200 (docs/fp8.md): passes, as does a qwen3-30b-a3b-shaped MoE of 2 layers and

@@ -173,13 +173,17 @@ struct SharedLaunchOn {
 
 TEST(GpuSession, SharedLaunchesOneGpuOverCudaIpc) {
   SS_REQUIRE_GPU();
-  for (const char* mode : {"1", "2"}) {
+  for (const char* mode : {"1", "2", "0"}) {  // 1 is the default; 0 each sender in turn
     SharedLaunchOn on(mode);
     const uint64_t before = internal::GpuLaunchBoard::ClaimsMade();
     RunJob(1, "", "cuda_ipc", MegatronJob("megatron=tp=2,pp=2", DType::kBF16));
     RunJob(1, "", "cuda_ipc", MegatronJob("megatron=tp=2,pp=2,vpp=2", DType::kF32));
     RunJob(1, "", "cuda_ipc");  // fsdp=2
-    EXPECT_GT(internal::GpuLaunchBoard::ClaimsMade(), before) << "mode " << mode;
+    if (std::string_view(mode) == "0") {
+      EXPECT_EQ(internal::GpuLaunchBoard::ClaimsMade(), before) << "mode 0 packs for no one";
+    } else {
+      EXPECT_GT(internal::GpuLaunchBoard::ClaimsMade(), before) << "mode " << mode;
+    }
   }
 }
 

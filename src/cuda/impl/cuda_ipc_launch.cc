@@ -392,10 +392,12 @@ void CudaIpcTransport::OpenTurnstile() {
     return;
   }
   turn_ = std::move(t).value();
-  // Shared launches: 1 one kernel for every sender of the GPU, 2 (an experiment) one kernel per
-  // sender from the launcher's stream; off unless asked for (docs/benchmarks.md).
+  // Shared launches: 1 (the default) one kernel for every sender of the GPU, 2 (an experiment)
+  // one kernel per sender from the launcher's stream, 0 each sender its own under the turn. On one
+  // H200, qwen3-8b megatron tp2 pp2 -> tp2 pp2: 9.02 ms shared against 9.66-9.71 ms in turn
+  // (docs/benchmarks.md, eleventh session).
   const char* v = std::getenv("SHARDSYNC_GPU_SHARED_LAUNCH");
-  share_mode_ = v && std::string_view(v) == "1" ? 1 : v && std::string_view(v) == "2" ? 2 : 0;
+  share_mode_ = v && std::string_view(v) == "0" ? 0 : v && std::string_view(v) == "2" ? 2 : 1;
   if (share_mode_ == 0) return;
   auto b = internal::GpuLaunchBoard::Open(internal::GpuLaunchBoard::Name(prefix_, bus), rank_);
   if (!b.ok()) {

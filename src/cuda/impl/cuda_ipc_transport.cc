@@ -123,9 +123,10 @@ std::string CudaIpcTransport::ExportRegions() const {
     }
     if (s.ok() && alloc_size >= (size_t{1} << 20) && alloc_size % (size_t{2} << 20) != 0) {
       // Peers map it with small pages and run slower on it (cuda_util.h IpcAllocBytes).
-      trace::Line("cuda_ipc: region %zu lies in an allocation of %zu bytes, not whole 2 MiB "
-                  "pages: peers map it with small pages (slower kernels)",
-                  i, alloc_size);
+      trace::Line(
+          "cuda_ipc: region %zu lies in an allocation of %zu bytes, not whole 2 MiB "
+          "pages: peers map it with small pages (slower kernels)",
+          i, alloc_size);
     }
     if (s.ok()) {
       rec.ok = 1;

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <string>
 #include <string_view>
 
@@ -29,12 +30,15 @@ inline Status CudaStatus(cudaError_t e, std::string_view what) {
 #define SS_CUDA(expr, what) \
   SS_RETURN_IF_ERROR(::shardsync::gpu::internal::CudaStatus((expr), (what)))
 
-// cudaMemcpy from pageable host memory to the device returns once the bytes are staged for DMA,
+// A copy from pageable host memory to the device returns once the bytes are staged for DMA,
 // before they reach `dst` (CUDA's "API synchronization behavior"), and our streams are
 // non-blocking, so a kernel launched next on one of them could read the old bytes: the block FP8
 // band pass read half-uploaded task descriptors (cudaErrorIllegalAddress) that way. Uploads that
-// a kernel reads wait for the device. Prepare / control paths only, never a sync's hot path.
-Status UploadBlocking(void* dst, const void* src, size_t bytes, std::string_view what);
+// a kernel reads go on a stream of their own (current device) and are waited for, at most
+// `timeout`: no other stream of the process is waited on (a device-wide synchronize would wait
+// for the framework's compute too, without a bound).
+Status UploadBlocking(void* dst, const void* src, size_t bytes, std::string_view what,
+                      std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
 // Bytes to cudaMalloc for a buffer of `bytes` that other processes may map (CUDA IPC): a whole
 // number of 2 MiB pages from 1 MiB up. An allocation of another size is mapped by the importing

@@ -273,6 +273,7 @@ class CudaIpcTransport final : public Transport {
   Result<bool> ShareStep(const std::vector<IpcSendPair*>& members, uint64_t version);
   // Takes this rank's post for `version` off the board before it launches for itself: false when
   // a launcher claimed it first (then it waits for that launch).
+  void StopSharing(const Status& why);
   bool WithdrawPost(uint64_t version);
   // Launch timing for the trace (SHARDSYNC_TRACE): events around a group's kernels.
   void TraceStart(MergedLaunch& g);

@@ -216,6 +216,15 @@ Result<bool> CudaIpcTransport::ShareStep(const std::vector<IpcSendPair*>& member
   return WithdrawPost(version);
 }
 
+// A group this launcher could not prepare: it packs for no one from here on (its slot is marked
+// unshareable, so the next sender of lowest rank becomes the GPU's launcher).
+void CudaIpcTransport::StopSharing(const Status& why) {
+  trace::Line("cuda_ipc: sync rank %d stops packing for other senders: %s", rank_,
+              why.ToString().c_str());
+  share_ = Share::kNo;
+  if (board_) board_->MarkUnshareable();
+}
+
 bool CudaIpcTransport::WithdrawPost(uint64_t version) {
   if (posted_ready_ != version) return true;
   posted_ready_ = 0;
@@ -228,19 +237,33 @@ Status CudaIpcTransport::LaunchMembers(const std::vector<IpcSendPair*>& members,
                                        const std::vector<GpuLaunchBoard::Peer>& peers,
                                        uint64_t version) {
   SS_CUDA(cudaSetDevice(device_), "cuda_ipc: cudaSetDevice");
-  // The peers this launch packs for: their batches decode here, and they are still ready.
-  std::vector<GpuLaunchBoard::Peer> claimed;
+  const bool sharing = board_ && share_ == Share::kYes;  // before a StopSharing below
+  // The peers this launch packs for: their batches decode here, and the group over them is
+  // prepared BEFORE any is claimed, so a group that cannot be prepared (memory, a malformed
+  // batch) fails none of them: this rank stops sharing and they launch for themselves.
+  std::vector<GpuLaunchBoard::Peer> ready;
   for (const auto& p : peers) {
-    auto b = PeerBatch(p, members[0]->spec());  // decoded once per published batch
-    if (!b.ok()) continue;
-    if (board_->Claim(p, version)) claimed.push_back(p);
+    if (PeerBatch(p, members[0]->spec()).ok()) ready.push_back(p);  // decoded once per batch
+  }
+  if (!ready.empty()) {
+    auto pre = SharedGroup(members, ready);  // cached: prepared once per set of peers
+    if (!pre.ok()) {
+      StopSharing(pre.status());
+      ready.clear();
+    }
+  }
+  std::vector<GpuLaunchBoard::Peer> claimed;
+  for (const auto& p : ready) {
+    if (board_->Claim(p, version)) claimed.push_back(p);  // still ready: not withdrawn
   }
   // Then this rank's own slot: senders waiting on the launcher see it went (and without them).
-  if (board_ && share_ == Share::kYes) board_->ClaimOwn(version);
+  if (sharing) board_->ClaimOwn(version);
   if (!claimed.empty()) {
+    // The prepared group unless a peer withdrew between the survey and its claim.
     auto g = SharedGroup(members, claimed);
     if (!g.ok()) {
       for (const auto& p : claimed) board_->Fail(p, version);
+      StopSharing(g.status());
       return g.status();
     }
     MergedLaunch& sg = **g;

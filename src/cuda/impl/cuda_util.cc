@@ -1,16 +1,34 @@
 #include "cuda/cuda_util.h"
 
 #include <string>
+#include <thread>
 
 namespace shardsync::gpu {
 
 namespace internal {
 
-Status UploadBlocking(void* dst, const void* src, size_t bytes, std::string_view what) {
+Status UploadBlocking(void* dst, const void* src, size_t bytes, std::string_view what,
+                      std::chrono::milliseconds timeout) {
   if (bytes == 0) return OkStatus();
-  SS_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), what);
-  SS_CUDA(cudaDeviceSynchronize(), what);
-  return OkStatus();
+  cudaStream_t s = nullptr;
+  SS_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), what);
+  Status st = CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s), what);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (st.ok()) {
+    const cudaError_t e = cudaStreamQuery(s);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) {
+      st = CudaStatus(e, what);
+    } else if (std::chrono::steady_clock::now() > deadline) {
+      st = DeadlineExceededError(std::string(what) + ": an upload of " + std::to_string(bytes) +
+                                 " bytes did not land within " + std::to_string(timeout.count()) +
+                                 " ms");
+    } else {
+      std::this_thread::yield();
+    }
+  }
+  cudaStreamDestroy(s);
+  return st;
 }
 
 Status AllocationRange(const void* ptr, void** base, size_t* size) {

@@ -133,12 +133,18 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
       scale `format_ue8m0`;
     - `transpose_scales`: vLLM's SM90 CUTLASS step (fp8_utils.py
       maybe_post_process_fp8_weight_block: `Parameter(weight_scale.data.T.contiguous())`), new
-      storage of the transposed shape."""
+      storage of the transposed shape;
+    - `rename_scale`: vLLM versions whose block-FP8 post-load step renames the scale (quantization/
+      fp8.py Fp8LinearMethod.process_weights_after_loading: `weight, weight_scale =
+      process_fp8_weight_block_strategy(layer.weight, layer.weight_scale_inv)`, `del
+      layer.weight_scale_inv`, `layer.weight_scale = Parameter(weight_scale.data)`): after load the
+      layer holds `weight_scale`, and running the step again raises AttributeError."""
 
     def __init__(self, engine="sglang", block=(128, 128), use_marlin=False, use_deep_gemm=False,
-                 use_mxfp8=False, ue8m0=False, transpose_scales=False):
+                 use_mxfp8=False, ue8m0=False, transpose_scales=False, rename_scale=False):
         super().__init__()
         self.engine, self.ue8m0, self.transpose_scales = engine, ue8m0, transpose_scales
+        self.rename_scale = rename_scale
         self.quant_config = types.SimpleNamespace(
             weight_block_size=None if block is None else list(block))
         self.block_quant = block is not None
@@ -151,6 +157,9 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         scale = getattr(layer, "weight_scale_inv", None)
         if self.ue8m0 and scale is not None:
             scale.format_ue8m0 = True
+        if self.rename_scale and scale is not None:
+            del layer.weight_scale_inv
+            layer.weight_scale = torch.nn.Parameter(scale.data, requires_grad=False)
 
     def process_weights_after_loading(self, layer):
         # vLLM quantization/fp8.py Fp8LinearMethod.process_weights_after_loading re-registers
@@ -158,6 +167,8 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         # layer.weight_scale_inv` and registers `weight_scale` (a rename this fake does not
         # model; with it the hooks' bind by name fails closed naming the parameter).
         self.finalized += 1
+        if self.rename_scale:
+            _ = layer.weight_scale_inv  # deleted at load: AttributeError, as in vLLM
         scale = getattr(layer, "weight_scale_inv", None)
         if self.engine == "vllm" and scale is not None:
             replace_parameter(layer, "weight", layer.weight.data)

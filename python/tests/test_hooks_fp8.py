@@ -128,6 +128,18 @@ def test_vllm_fp8_backends_that_rewrite_weights_are_refused(need_session, fp8_mo
             driver.init()
 
 
+def test_vllm_that_renames_the_scale_after_load_is_refused_naming_it(need_session, fp8_moe):
+    """vLLM versions whose block-FP8 post-load step deletes weight_scale_inv and registers
+    weight_scale (fakes_engines.py Fp8LinearMethod rename_scale) cannot re-run that step on synced
+    bytes (it raises): refused at init, naming the module, the rename and the way out."""
+    plan = make_plan(fp8_moe, "dp=1,tp=1,pp=1", "vllm")
+    models = _models(plan, {"engine": "vllm", "rename_scale": True})
+    with installed(vllm_modules()), shardsync.StoreServer(token=TOKEN) as srv:
+        driver = VLLMDriver(_vllm(plan, models), plan, base_config(plan, srv), timeout=10.0)
+        with pytest.raises(HookError, match=r"qkv_proj.*renamed weight_scale_inv to weight_scale"):
+            driver.init()
+
+
 @pytest.mark.parametrize("linear,match", [
     ({"ue8m0": True}, "SGLANG_ENABLE_JIT_DEEPGEMM=0"),
     ({"use_mxfp8": True}, "MXFP8"),

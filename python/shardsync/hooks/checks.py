@@ -220,6 +220,10 @@ def _fp8_refusal(mname: str, qm: Any, module: Any) -> Optional[str]:
     - SGLang `format_ue8m0` on a scale (fp8.py process_weights_after_loading_block_quant ->
       requant_weight_ue8m0_inplace for DeepGEMM): set once, so the step is not re-run on synced
       bytes and DeepGEMM would read fp32 scales as UE8M0.
+    - a block-FP8 module holding `weight_scale` and no `weight_scale_inv`: vLLM versions whose
+      Fp8LinearMethod.process_weights_after_loading renames the scale (quantization/fp8.py:
+      `del layer.weight_scale_inv`, `layer.weight_scale = Parameter(weight_scale.data)`); the
+      step then raises when re-run.
     - vLLM Fp8MoEMethod `fp8_backend` outside CANONICAL_FP8_MOE_BACKENDS (quantization/fp8.py
       Fp8MoEMethod.__init__: `self.fp8_backend = get_fp8_moe_backend(self.block_quant)`, an
       Fp8MoeBackend enum, in the version read; oracle/fp8.py is not confirmed here).
@@ -236,7 +240,14 @@ def _fp8_refusal(mname: str, qm: Any, module: Any) -> Optional[str]:
         return ("vLLM's DeepGEMM post-load step (maybe_post_process_fp8_weight_block) requantizes "
                 "the scales to E8M0 into new parameters; run with DeepGEMM off "
                 "(VLLM_USE_DEEP_GEMM=0)")
-    for pname, p in getattr(module, "named_parameters", lambda **_: [])(recurse=False):
+    own = dict(getattr(module, "named_parameters", lambda **_: [])(recurse=False))
+    if "weight_scale" in own and "weight_scale_inv" not in own:
+        return ("the post-load step renamed weight_scale_inv to weight_scale (vLLM versions whose "
+                "quantization/fp8.py Fp8LinearMethod.process_weights_after_loading runs "
+                "process_fp8_weight_block_strategy then `del layer.weight_scale_inv`): the plan's "
+                "parameter is gone and that step cannot run again on synced bytes; use a vLLM "
+                "that keeps weight_scale_inv")
+    for pname, p in own.items():
         if pname.endswith("scale_inv") and getattr(p, "format_ue8m0", False):
             return (f"'{pname}' was requantized to UE8M0 for DeepGEMM "
                     "(requant_weight_ue8m0_inplace) and is marked so; SGLang does not redo it "

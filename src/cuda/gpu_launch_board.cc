@@ -1,5 +1,6 @@
 #include "cuda/gpu_launch_board.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -64,7 +65,45 @@ std::string GpuLaunchBoard::Name(const std::string& prefix, const std::string& g
 GpuLaunchBoard::GpuLaunchBoard(std::string name, Segment* seg, int slot, uint64_t token)
     : name_(std::move(name)), seg_(seg), slot_(slot), token_(token) {}
 
+int GpuLaunchBoard::SweepStale(std::chrono::seconds min_age, const std::string& only) {
+  DIR* d = opendir("/dev/shm");
+  if (d == nullptr) return 0;
+  const std::string prefix = "ssgpb_" + std::to_string(getuid()) + "_";
+  std::vector<std::string> names;
+  while (dirent* e = readdir(d)) {
+    if (std::string_view(e->d_name).starts_with(prefix)) names.emplace_back(e->d_name);
+  }
+  closedir(d);
+  const auto now = std::chrono::system_clock::now();
+  int removed = 0;
+  for (const std::string& n : names) {
+    if (!only.empty() && "/" + n != only) continue;
+    const std::string path = "/dev/shm/" + n;
+    struct stat st {};
+    if (lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != getuid() ||
+        st.st_size != static_cast<off_t>(kLen) ||
+        now - std::chrono::system_clock::from_time_t(st.st_ctime) < min_age) {
+      continue;
+    }
+    const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW);
+    if (fd < 0) continue;
+    void* p = mmap(nullptr, sizeof(Segment::slots), PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) continue;
+    const auto* slots = static_cast<const SlotHeader*>(p);
+    bool live = false;
+    for (int i = 0; i < kSlots && !live; ++i) {
+      const uint64_t v = __atomic_load_n(&slots[i].token, __ATOMIC_ACQUIRE);
+      live = v != 0 && PidAlive(TokenPid(v));  // kResetting (pid 0) counts as live
+    }
+    munmap(p, sizeof(Segment::slots));
+    if (!live && shm_unlink(("/" + n).c_str()) == 0) ++removed;
+  }
+  return removed;
+}
+
 Result<std::unique_ptr<GpuLaunchBoard>> GpuLaunchBoard::Open(const std::string& name, int rank) {
+  SweepStale(std::chrono::seconds(60));
   const int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
   if (fd < 0) return UnavailableError(Errno("gpu launch board shm_open " + name));
   struct stat st {};

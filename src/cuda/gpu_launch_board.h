@@ -97,6 +97,12 @@ class GpuLaunchBoard {
   void Complete(const Peer& p, uint64_t version, const uint64_t* packed, const uint64_t* landed);
   // Successful Claims by any board of this process (tests: that launches were shared at all).
   static uint64_t ClaimsMade();
+  // Unlinks this user's boards whose every slot is free or owned by a dead process and whose
+  // name is at least `min_age` old: boards of jobs that were killed (the last user out unlinks a
+  // board, a killed job's last user never does), each holding the pages its senders published.
+  // Open runs it with 60 s (a live job's board has a live slot; a board younger than that may be
+  // being created). `only`: just that board (tests). Returns how many it removed.
+  static int SweepStale(std::chrono::seconds min_age, const std::string& only = "");
   void Fail(const Peer& p, uint64_t version);
 
   struct Segment;

@@ -29,6 +29,38 @@ std::unique_ptr<GpuLaunchBoard> MustOpen(const std::string& name, int rank) {
   return b.ok() ? std::move(b).value() : nullptr;
 }
 
+bool Exists(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd >= 0) close(fd);
+  return fd >= 0;
+}
+
+// A killed job never unlinks its board (its last user out would): the next board opened on the
+// host sweeps boards whose every slot is dead, and leaves a board with a live slot alone.
+TEST(GpuLaunchBoard, BoardsOfKilledJobsAreSweptAndLiveOnesKept) {
+  const std::string dead = TestName("killed"), live = TestName("alive");
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {  // a sender that dies holding its slot
+    auto b = GpuLaunchBoard::Open(dead, 1);
+    if (b.ok()) b.value().release();  // no destructor: as after SIGKILL
+    _exit(b.ok() ? 0 : 1);
+  }
+  int st = 0;
+  ASSERT_EQ(waitpid(pid, &st, 0), pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  auto held = MustOpen(live, 0);
+  ASSERT_TRUE(held);
+  ASSERT_TRUE(Exists(dead));
+  // (Only these two: other tests' boards may be in creation at this moment.)
+  EXPECT_EQ(GpuLaunchBoard::SweepStale(std::chrono::hours(1), dead), 0);  // too young to judge
+  EXPECT_TRUE(Exists(dead));
+  EXPECT_EQ(GpuLaunchBoard::SweepStale(std::chrono::seconds(0), live), 0);  // a live slot
+  EXPECT_EQ(GpuLaunchBoard::SweepStale(std::chrono::seconds(0), dead), 1);
+  EXPECT_FALSE(Exists(dead));
+  EXPECT_TRUE(Exists(live));
+}
+
 TEST(GpuLaunchBoard, LauncherClaimsAndCompletesAReadySender) {
   const std::string name = TestName("claim");
   auto a = MustOpen(name, 0), b = MustOpen(name, 1);

@@ -1,5 +1,6 @@
 // Prepared block-FP8 packs (gpu.h BatchSpec::quantize): the quantize ops of a cuda_ipc pair's
-// buckets, replayed every sync beside the pair's copies. The quantize kernel (PipeKernel) reads
+// buckets (and its amax ops: rows of a block row quantized with the scales their holders agreed
+// on, Fp8Task::given_scales), replayed every sync beside the pair's copies. The quantize kernel (PipeKernel) reads
 // the trainer's values once into shared-memory stages, reduces each 128 x 128 block's amax, writes
 // the e4m3 words straight into the peer's weight and the scale into its weight_scale_inv, and sums
 // every word it wrote twice: as packed, and as read back (from L2) through the receiver's own map

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "cuda/cuda_util.h"
 #include "cuda/impl/fp8_device.cuh"
@@ -128,7 +129,11 @@ class AmaxBatch final : public Fp8AmaxBatch {
     SS_CUDA(cudaSetDevice(device), "fp8 partial amax: cudaSetDevice");
     const size_t bytes = static_cast<size_t>(std::max<int64_t>(1, len_)) * 4;
     SS_CUDA(cudaMalloc(&dev_, bytes), "fp8 partial amax: partials");
-    SS_CUDA(cudaMemset(dev_, 0, bytes), "fp8 partial amax: partials");
+    // Entries no part writes stay zero; uploaded and waited for (a cudaMemset on the legacy
+    // stream is not ordered before the launch on the packer's non-blocking stream).
+    const std::vector<uint32_t> zeros(bytes / 4, 0u);
+    SS_RETURN_IF_ERROR(
+        internal::UploadBlocking(dev_, zeros.data(), bytes, "fp8 partial amax: zero partials"));
     SS_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_), bytes, cudaHostAllocDefault),
             "fp8 partial amax: pinned partials");
     std::memset(host_, 0, bytes);

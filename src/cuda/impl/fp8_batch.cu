@@ -1,14 +1,14 @@
 // Prepared block-FP8 packs (gpu.h BatchSpec::quantize): the quantize ops of a cuda_ipc pair's
 // buckets (and its amax ops: rows of a block row quantized with the scales their holders agreed
-// on, Fp8Task::given_scales), replayed every sync beside the pair's copies. The quantize kernel (PipeKernel) reads
-// the trainer's values once into shared-memory stages, reduces each 128 x 128 block's amax, writes
-// the e4m3 words straight into the peer's weight and the scale into its weight_scale_inv, and sums
-// every word it wrote twice: as packed, and as read back (from L2) through the receiver's own map
-// of the same bytes, as the copy kernels do. A tail kernel sums the scale sections the same two
-// ways. The copies run in an ordinary CopyBatch over a compact image of them, on a side stream
-// beside the quantize kernel; a host word written after both is the launch's signal. The arithmetic
-// is fp8.h's, shared with the CPU. Hand-written: no CUDA library quantizes to block FP8 with these
-// semantics.
+// on, Fp8Task::given_scales), replayed every sync beside the pair's copies. The quantize kernel
+// (PipeKernel) reads the trainer's values once into shared-memory stages, reduces each 128 x 128
+// block's amax, writes the e4m3 words straight into the peer's weight and the scale into its
+// weight_scale_inv, and sums every word it wrote twice: as packed, and as read back (from L2)
+// through the receiver's own map of the same bytes, as the copy kernels do. A tail kernel sums the
+// scale sections the same two ways. The copies run in an ordinary CopyBatch over a compact image of
+// them, on a side stream beside the quantize kernel; a host word written after both is the launch's
+// signal. The arithmetic is fp8.h's, shared with the CPU. Hand-written: no CUDA library quantizes
+// to block FP8 with these semantics.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>

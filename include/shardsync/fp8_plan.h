@@ -15,7 +15,8 @@
 //    (per 128-column block) to the store once per sync, reads the other holders' partials, and
 //    quantizes its own rows with the block's scale (max of partials / 448: max is associative, so
 //    bit-exact with the whole block's quantizer); the holder of the band's first row also sends
-//    the scales. e4m3 on the wire, no staging, no receiver pass; host path only.
+//    the scales. e4m3 on the wire, no staging, no receiver pass; host path and one-sided device
+//    pairs (cuda_ipc), not nccl pairs.
 //  * kCopy: parameters the engine keeps unquantized (embeddings, norms, biases, router gate,
 //    lm_head, modules_to_not_convert) move as in a bf16 plan.
 // Megatron trainers hold whole 128 x 128 blocks of every quantized weight for the usual models

@@ -124,6 +124,11 @@ struct Fp8Task {
   int64_t landed_scale_stride = 0;
   int32_t bucket = 0;
   int64_t wire_offset = 0;
+  // A kAmax op (fp8_plan.h; the amax exchange): rows <= 128 of one block row quantized with the
+  // scales at `given_scales` (device memory, one per column block, read by the launch) instead
+  // of their own amax; `scales` / `landed_scales` null for a holder that sends no scale section
+  // (its wire image is then the e4m3 rows alone: Fp8PartWireBytes).
+  const float* given_scales = nullptr;
 };
 
 // kPack: the wire image is the output (in_dtype -> wire_dtype, cast f32 -> bf16 allowed).

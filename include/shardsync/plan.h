@@ -84,8 +84,9 @@ Result<RolloutSpec> ParseRolloutSpec(std::string_view s, EngineKind engine);
 
 // Block-FP8 plans (fp8_plan.h): how a 128-row block whose rows straddle FSDP trainer ranks is
 // quantized. kAmax: its holders exchange partial amaxes through the store and each quantizes its
-// own rows with the block's scale (e4m3 on the wire, no staging; host path only). kStage: each
-// holder sends its rows raw and the receiver quantizes the band from a staging buffer.
+// own rows with the block's scale (e4m3 on the wire, no staging; host path and cuda_ipc pairs).
+// kStage: each holder sends its rows raw and the receiver quantizes the band from a staging
+// buffer.
 enum class Fp8Split : uint8_t { kAmax, kStage };
 std::string_view Fp8SplitName(Fp8Split s);  // "amax" | "stage"
 // "amax" | "stage"; InvalidArgument naming `flag` otherwise.

@@ -53,13 +53,26 @@ struct Fp8BandTask {
   int64_t scale_stride = 0;
 };
 
+// A trainer rank's rows of one band of block-FP8 weights shared with other trainer ranks (the
+// amax exchange, fp8_plan.h Fp8AmaxBand) in device memory: `rows` (<= 128) x `cols` values of
+// `dtype` (f32 / bf16 / f16) at `src`, `src_stride` elements apart, whose partial amax per
+// 128-column block goes to entry `slot + column block` of the rank's partials.
+struct Fp8AmaxTask {
+  const void* src = nullptr;
+  DType dtype = DType::kF32;
+  int64_t src_stride = 0;
+  int64_t rows = 0, cols = 0;
+  int64_t slot = 0;
+};
+
 // Blocks shared by FSDP trainer ranks under the amax exchange (PlanOptions::fp8_split kAmax, the
-// default) are quantized on the host path only; device pairs refuse them with this tail.
+// default) are quantized on the host path and over one-sided device pairs (cuda_ipc); two-sided
+// pairs (nccl) refuse them with this tail.
 inline constexpr char kFp8AmaxOnDevice[] =
-    "the amax exchange of shared blocks runs on the host path only: use `--fp8-split stage` "
-    "(fp8_split='stage': the receiver quantizes such bands from a staging buffer), an FSDP "
-    "size whose chunks fall on the 128 grid (`shardsync plan` shows the exchanged blocks), or "
-    "host memory";
+    "the amax exchange of shared blocks runs on the host path and over cuda_ipc pairs (the GPUs "
+    "of one node, their default route), not over nccl pairs: use an FSDP size whose chunks fall "
+    "on the 128 grid (`shardsync plan` shows the exchanged blocks), cuda_ipc for this pair (no "
+    "nccl hint), or host memory";
 
 // Copies strided regions to and from contiguous wire images with the dtype cast and the checksum
 // (checksum.h) fused into the pass. The CPU implementation handles host memory; a device
@@ -106,6 +119,29 @@ class Packer {
     (void)bands;
     return UnimplementedError("packer " + std::string(name()) +
                               " does not quantize block-FP8 bands");
+  }
+  // The amax exchange of a trainer whose shards live in this packer's memory: each task's
+  // partial amax per 128-column block, as magnitude bits (fp8.h Fp8PartialAmax's, bit for bit on
+  // finite values; a non-finite value ranks above every finite one), into
+  // out[task.slot + block]; entries of `out` (out_len of them) no task covers are zero. Waits at
+  // most the packer's timeout. A trainer passes the same tasks every sync: a device packer
+  // prepares them once.
+  virtual Status PartialAmax(const std::vector<Fp8AmaxTask>& tasks, uint32_t* out,
+                             int64_t out_len) {
+    (void)tasks;
+    (void)out;
+    (void)out_len;
+    return UnimplementedError("packer " + std::string(name()) +
+                              " does not take partial amaxes of device memory");
+  }
+  // Copies `bytes` of host memory to `dst`, memory this packer allocated (AllocStaging): the
+  // agreed block scales a prepared pair reads. Done when it returns (a wait of at most the
+  // packer's timeout).
+  virtual Status Upload(void* dst, const void* src, size_t bytes) {
+    (void)dst;
+    (void)src;
+    (void)bytes;
+    return UnimplementedError("packer " + std::string(name()) + " does not upload to its memory");
   }
 };
 

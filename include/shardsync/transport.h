@@ -100,10 +100,17 @@ struct RemoteRegion {
 // (trainer values; src.wire_offset is the op's offset in the bucket's wire image) into `weight`
 // (e4m3) and `scales` (fp32 block scales) at the peer. Receivers give their own tensors as
 // `landed_weight` / `landed_scales` (the landed map) and leave the rest empty.
+// A kAmax op (rows of a block row shared with other trainer ranks) is the same with its block
+// row's scales given: `given_scales` (sender: device memory of this rank holding the agreed
+// scale of each of the op's column blocks, written before every launch; the op's own amax is not
+// taken), and `with_scales` false for the holders that send e4m3 rows only (no scale section on
+// the wire, `scales` / `landed_scales` unused).
 struct QuantizeRegion {
   PackRegion src;
   RemoteRegion weight, scales;
   PackRegion landed_weight, landed_scales;
+  const float* given_scales = nullptr;
+  bool with_scales = true;
 };
 // A block-FP8 stage op of a pair's bucket (fp8_plan.h kStage): raw trainer values copied, with no
 // cast, into the receiver's staging, which it quantizes once the sync's data is verified.

@@ -99,7 +99,8 @@ class Plan:
             naming the tensor.
         fp8_split: block FP8 only, for 128 x 128 blocks whose rows straddle FSDP trainer ranks:
             "amax" (the default: the holders exchange per-block amax through the store each sync
-            and each quantizes its own rows; e4m3 on the wire, no staging; host memory only) or
+            and each quantizes its own rows; e4m3 on the wire, no staging; host memory, or device
+            memory over cuda_ipc pairs) or
             "stage" (raw values to the engine rank, which quantizes them from a staging buffer,
             in host or device memory). docs/fp8.md.
 

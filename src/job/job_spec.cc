@@ -293,16 +293,17 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
   // The plan must exist: fail here, naming the field (for block FP8: a layout off the 128 grid
   // names the tensor), rather than in every rank.
   if (in.model.quant) {
-    // Bands straddling trainer ranks: the host receiver quantizes them as they land, a device
-    // receiver from its device staging (`--fp8-split stage`); the amax exchange is host-only.
+    // Bands straddling trainer ranks: quantized by their holders after the amax exchange (the
+    // host path and cuda_ipc pairs), or staged (`--fp8-split stage`). nccl pairs carry neither;
+    // with the nccl hint, pairs across GPUs are nccl.
     SS_ASSIGN_OR_RETURN(Fp8PlanSummary fp8, SummarizeFp8Plan(in));
-    if (job.device == "cuda" && fp8.amax_elements > 0) {
+    if (job.device == "cuda" && job.transport == "nccl" && fp8.amax_elements > 0) {
       return InvalidArgumentError("--trainer " + in.trainer.ToString() + ": " +
                                   std::to_string(fp8.amax_blocks) +
                                   " blocks of block-FP8 weights are shared by trainer ranks (FSDP "
-                                  "chunks off the 128-row grid) and --device cuda cannot quantize "
-                                  "them with the amax exchange; " +
-                                  kFp8AmaxOnDevice + " (--device cpu)");
+                                  "chunks off the 128-row grid) and --transport nccl cannot "
+                                  "quantize them with the amax exchange; " +
+                                  kFp8AmaxOnDevice + " (--transport auto)");
     }
   } else {
     SS_RETURN_IF_ERROR(SummarizePlan(in).status());

@@ -5,10 +5,14 @@
 // that quantizes (cuda_ipc) packs, quantizes and checksums straight into the receiver. Stage ops
 // (bands whose rows straddle trainer ranks) as PairBucket::stage: raw trainer values, no cast, at
 // offsets of a compact image of the stage ops, into the receiver's device staging (AllocStaging),
-// which the receiver quantizes once every checksum of the sync verified (QuantizeStaged).
+// which the receiver quantizes once every checksum of the sync verified (QuantizeStaged). Amax
+// ops (rows of blocks shared with other trainer ranks) as PairBucket::quantize with the block
+// row's agreed scales given: device memory of the sender (AllocAmaxScales) that the amax exchange
+// (fp8_send.h ExchangeAmax) fills before the pair launches.
 #include <cstdlib>
 #include <string_view>
 
+#include "shardsync/fp8.h"
 #include "sync/fp8_outline.h"
 #include "sync/pairs.h"
 
@@ -43,9 +47,9 @@ std::string StagedTwoSided(const SessionContext& ctx, int peer) {
          "bands), cuda_ipc for this pair, or host memory";
 }
 
-// Blocks whose amax the trainer ranks exchange (kAmax) are quantized by the host path only: a
-// prepared pair carrying one is refused at Connect on both ends, naming the tensor and the ways
-// out.
+// Blocks whose amax the trainer ranks exchange (kAmax) are quantized by the host path and by
+// one-sided pairs (cuda_ipc), whose sender writes the receiver's parameters: a two-sided pair
+// (nccl) carrying one is refused at Connect on both ends, naming the tensor and the ways out.
 Status RefuseAmax(const SessionContext& ctx, const Bindings& bindings, const Fp8Message& m,
                   int peer) {
   for (const Fp8Op& op : m.ops) {
@@ -94,14 +98,61 @@ Status PreparedPairs::QuantizeStaged() {
   return Fp8BandsStatus(ctx_.rank, *ctx_.fp8, bindings_->dests(), bad);
 }
 
+Status PreparedPairs::AllocAmaxScales(const Bindings& bindings) {
+  const Fp8RankPlan& plan = *ctx_.fp8;
+  amax_slot_.clear();
+  amax_scales_ = nullptr;
+  if (!ctx_.who.is_trainer || plan.amax_blocks <= 0) return OkStatus();
+  const int mem = bindings.BoundMem();
+  bool any = false;
+  for (const Fp8Message& m : plan.sends) {
+    if (!Prepared(m.dst, mem)) continue;
+    for (const Fp8Op& op : m.ops) any = any || op.kind == Fp8OpKind::kAmax;
+  }
+  if (!any) return OkStatus();
+  const auto bytes = static_cast<size_t>(plan.amax_blocks) * sizeof(float);
+  auto buf = ctx_.packer->AllocStaging(bytes);
+  if (!buf.ok()) {
+    Status e = buf.status();
+    return e.Annotate(RankName(ctx_.rank) + ": the agreed scales of " +
+                      std::to_string(plan.amax_blocks) +
+                      " block-FP8 blocks shared with other trainer ranks, in device memory");
+  }
+  amax_buf_ = std::move(buf).value();
+  amax_scales_ = reinterpret_cast<float*>(amax_buf_.get());
+  for (const Fp8AmaxBand& b : plan.amax_bands)
+    amax_slot_.emplace(std::make_pair(b.tensor, b.row0), b.slot);
+  return OkStatus();
+}
+
+Status PreparedPairs::UploadAmaxScales(const std::vector<float>& scales) {
+  if (!amax_scales_) return OkStatus();
+  if (static_cast<int64_t>(scales.size()) != ctx_.fp8->amax_blocks) {
+    return InternalError(RankName(ctx_.rank) + ": " + std::to_string(scales.size()) +
+                         " agreed block scales for " + std::to_string(ctx_.fp8->amax_blocks) +
+                         " shared blocks");
+  }
+  Status s = ctx_.packer->Upload(amax_scales_, scales.data(), scales.size() * sizeof(float));
+  if (!s.ok()) {
+    s.Annotate(RankName(ctx_.rank) +
+               ": the agreed scales of block-FP8 blocks shared with other trainer ranks, to the "
+               "device");
+  }
+  return s;
+}
+
 Status PreparedPairs::RefuseUnbuiltFp8(const Bindings& bindings) const {
   const Fp8RankPlan& plan = *ctx_.fp8;
   const int mem = bindings.BoundMem();
   for (const Fp8Message& m : plan.recvs) {
-    if (Prepared(m.src, mem)) SS_RETURN_IF_ERROR(RefuseAmax(ctx_, bindings, m, m.src));
+    if (Prepared(m.src, mem) && !ctx_.tx.PeerCaps(m.src).one_sided_put) {
+      SS_RETURN_IF_ERROR(RefuseAmax(ctx_, bindings, m, m.src));
+    }
   }
   for (const Fp8Message& m : plan.sends) {
-    if (Prepared(m.dst, mem)) SS_RETURN_IF_ERROR(RefuseAmax(ctx_, bindings, m, m.dst));
+    if (Prepared(m.dst, mem) && !ctx_.tx.PeerCaps(m.dst).one_sided_put) {
+      SS_RETURN_IF_ERROR(RefuseAmax(ctx_, bindings, m, m.dst));
+    }
   }
   for (const Fp8Message& m : plan.recvs) {
     if (!Prepared(m.src, mem)) continue;
@@ -141,10 +192,14 @@ PairBucket PreparedPairs::Fp8RecvBucket(const Bindings& bindings, const Fp8Messa
       at += op.dst.numel() * ws;
       continue;
     }
-    const DestBinding& s = bindings.dest(op.scale_param);
     QuantizeRegion q;
     q.landed_weight = {d.data, d.dtype, d.shape, op.dst, op.wire_offset - b.wire_offset};
-    q.landed_scales = {s.data, s.dtype, s.shape, op.scale_dst, 0};
+    // An amax op of a holder that is not the band's first sends e4m3 rows only.
+    q.with_scales = op.scale_param >= 0;
+    if (q.with_scales) {
+      const DestBinding& s = bindings.dest(op.scale_param);
+      q.landed_scales = {s.data, s.dtype, s.shape, op.scale_dst, 0};
+    }
     pb.quantize.push_back(std::move(q));
   }
   return pb;
@@ -187,8 +242,17 @@ PairBucket PreparedPairs::Fp8SendBucket(const Bindings& bindings, PeerShapes& sh
     q.src = src;
     q.src.wire_offset = op.wire_offset - b.wire_offset;
     q.weight = dst;
-    q.scales = {base + static_cast<uint32_t>(op.scale_param), 0, shapes.Get(m.dst, op.scale_param),
-                op.scale_dst};
+    if (op.kind == Fp8OpKind::kAmax) {
+      // The agreed scales of the op's column blocks: its band's slot in this rank's value (the
+      // band is rows [src row / 128 * 128, + 128)), as the host path reads them (fp8_send.cc).
+      const auto slot = amax_slot_.at({op.tensor, op.src.offset[0] / kFp8Block * kFp8Block});
+      q.given_scales = amax_scales_ + slot + op.src.offset[1] / kFp8Block;
+      q.with_scales = op.scale_param >= 0;
+    }
+    if (q.with_scales) {
+      q.scales = {base + static_cast<uint32_t>(op.scale_param), 0,
+                  shapes.Get(m.dst, op.scale_param), op.scale_dst};
+    }
     pb.quantize.push_back(std::move(q));
   }
   return pb;
@@ -207,6 +271,7 @@ Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
   };
   // Refused before any pair is prepared, so no peer waits for this rank's maps.
   SS_RETURN_IF_ERROR(RefuseUnbuiltFp8(bindings));
+  SS_RETURN_IF_ERROR(AllocAmaxScales(bindings));
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
     const Fp8Message& m = plan.recvs[mi];
     if (!Prepared(m.src, mem)) continue;

@@ -68,8 +68,9 @@ Result<Fp8Packed> PackFp8Bucket(const SessionContext& ctx, const Bindings& bindi
   return res;
 }
 
-Status Fp8HostSender::Prepare(const Bindings& bindings, const PreparedPairs& pairs) {
+Status Fp8HostSender::Prepare(const Bindings& bindings, PreparedPairs& pairs) {
   bindings_ = &bindings;
+  pairs_ = &pairs;
   const std::vector<Fp8Message>& sends = ctx_.fp8->sends;
   int64_t max_bucket = 0;
   size_t max_buckets = 0;
@@ -108,8 +109,11 @@ Status Fp8HostSender::Prepare(const Bindings& bindings, const PreparedPairs& pai
   for (auto& s : slots_) {
     if (max_bucket > 0) s = std::make_unique<unsigned char[]>(static_cast<size_t>(max_bucket));
   }
-  // The amax exchange reads the rows this rank holds of every shared block from host memory.
+  // The amax exchange reads the rows this rank holds of every shared block: from host memory,
+  // or from device memory with the packer's kernel.
   amax_ = {};
+  device_amax_.clear();
+  band_on_device_.clear();
   for (const Fp8AmaxBand& b : ctx_.fp8->amax_bands) {
     const std::string& name = ctx_.inventory.at(b.tensor).name;
     if (!bindings.has_source(b.tensor)) {
@@ -117,15 +121,25 @@ Status Fp8HostSender::Prepare(const Bindings& bindings, const PreparedPairs& pai
                            "' shares block-FP8 blocks with other trainer ranks but was not bound");
     }
     const SourceBinding& sb = bindings.source(b.tensor);
-    const Region own =
-        Region::Make({b.own0, 0}, {b.own_rows, ctx_.inventory.at(b.tensor).shape[1]});
-    if (sb.mem != MemKind::kHost || !RegionContains(sb.region, own)) {
+    const int64_t cols = ctx_.inventory.at(b.tensor).shape[1];
+    const Region own = Region::Make({b.own0, 0}, {b.own_rows, cols});
+    const bool device = sb.mem != MemKind::kHost;
+    if (!RegionContains(sb.region, own) || (device && !ctx_.packer->Supports(sb.mem))) {
       return UnimplementedError(
           RankName(ctx_.rank) + ": rows " + own.ToString() + " of '" + name +
-          "' share 128-row blocks with other trainer ranks; their amax exchange reads host "
-          "memory holding those rows (bound: " +
-          sb.region.ToString() + ")");
+          "' share 128-row blocks with other trainer ranks; their amax exchange reads memory "
+          "holding those rows, host memory or device memory with a device packer (bound: " +
+          sb.region.ToString() + " in " + (device ? "device" : "host") + " memory, packer " +
+          std::string(ctx_.packer->name()) + ")");
     }
+    if (device) {
+      // The bound shard is row-major with its region's extents; `own` starts at its column 0.
+      const int64_t stride = sb.region.extent[1];
+      const int64_t at = (b.own0 - sb.region.offset[0]) * stride - sb.region.offset[1];
+      device_amax_.push_back({static_cast<const unsigned char*>(sb.data) + at * DTypeSize(sb.dtype),
+                              sb.dtype, stride, b.own_rows, cols, b.slot});
+    }
+    band_on_device_.push_back(device);
     amax_.slot.emplace(std::make_pair(b.tensor, b.row0), b.slot);
   }
   amax_.scales.assign(static_cast<size_t>(ctx_.fp8->amax_blocks), 0.f);
@@ -146,9 +160,15 @@ Status Fp8HostSender::NonFinite(const Fp8AmaxBand& b, bool mine) const {
 Status Fp8HostSender::ExchangeAmax() {
   const Fp8RankPlan& plan = *ctx_.fp8;
   if (plan.amax_bands.empty()) return OkStatus();
-  // This rank's partials: per band, the max magnitude bits of its rows per 128-column block.
+  // This rank's partials: per band, the max magnitude bits of its rows per 128-column block
+  // (device rows by the packer's kernel, which zeroes the entries of host rows).
   std::vector<uint32_t> own(static_cast<size_t>(plan.amax_blocks), 0);
-  for (const Fp8AmaxBand& b : plan.amax_bands) {
+  if (!device_amax_.empty()) {
+    SS_RETURN_IF_ERROR(ctx_.packer->PartialAmax(device_amax_, own.data(), plan.amax_blocks));
+  }
+  for (size_t bi = 0; bi < plan.amax_bands.size(); ++bi) {
+    if (band_on_device_[bi]) continue;
+    const Fp8AmaxBand& b = plan.amax_bands[bi];
     const SourceBinding& sb = bindings_->source(b.tensor);
     const int64_t cols = ctx_.inventory.at(b.tensor).shape[1];
     const Region rel =
@@ -196,7 +216,9 @@ Status Fp8HostSender::ExchangeAmax() {
     Status combined = Combine(own, *late);
     return combined.code() == StatusCode::kDataLoss ? combined : got.status();
   }
-  return Combine(own, *got);
+  SS_RETURN_IF_ERROR(Combine(own, *got));
+  // Prepared pairs' amax ops read the scales from device memory at their launch.
+  return pairs_->UploadAmaxScales(amax_.scales);
 }
 
 Status Fp8HostSender::Combine(const std::vector<uint32_t>& own,

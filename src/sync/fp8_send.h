@@ -3,7 +3,9 @@
 // to the wire dtype, stage ops as the trainer's raw values, every op's pad zeroed), checksummed
 // while it is built, and sent as transfers of at most kMaxTransferBytes followed by its control
 // message. Blocks shared with other trainer ranks (kAmax) are quantized with the scale their
-// holders agree on through the store first (ExchangeAmax). A non-finite trainer value in a
+// holders agree on through the store first (ExchangeAmax), here or by the rank's prepared pairs
+// (cuda_ipc: the partials taken by the packer's kernel, the scales uploaded for the launch).
+// A non-finite trainer value in a
 // quantized block fails the sync with DataLoss naming the tensor (block FP8 cannot carry it; the
 // engine ranks stay poisoned).
 #pragma once
@@ -46,8 +48,9 @@ class Fp8HostSender {
  public:
   Fp8HostSender(const SessionContext& ctx, SyncGuard& guard) : ctx_(ctx), guard_(guard) {}
 
-  // Connect: which messages go this way (not prepared pairs), and the staging slots.
-  Status Prepare(const Bindings& bindings, const PreparedPairs& pairs);
+  // Connect: which messages go this way (not prepared pairs), the staging slots, and where the
+  // amax exchange reads this rank's rows (host memory, or device memory through the packer).
+  Status Prepare(const Bindings& bindings, PreparedPairs& pairs);
   bool has_buckets() const { return !order_.empty(); }
   // kAmax plans (fp8_plan.h Fp8AmaxBand): whether this rank holds rows of blocks shared with
   // other trainer ranks.
@@ -55,7 +58,10 @@ class Fp8HostSender {
   // Posts this version's partial amaxes of those blocks under the job's key
   // v<version>/amax/<rank>#, reads the other holders' (watched: a gone holder or an abort fails
   // the wait, bounded by the sync's deadline) and derives every block's scale for Send. A
-  // non-finite value in a shared block fails every holder with DataLoss naming the tensor.
+  // non-finite value in a shared block fails every holder with DataLoss naming the tensor. Rows
+  // in device memory are reduced by the packer (PartialAmax); the scales then go to the device
+  // memory the prepared pairs' amax ops read (PreparedPairs::UploadAmaxScales), so a rank whose
+  // pairs carry amax ops runs this before posting them.
   Status ExchangeAmax();
   Status Send(RankSyncStats& st);
 
@@ -79,6 +85,11 @@ class Fp8HostSender {
   // Controls of a failed sync may still be read by the transport: kept for the session's life.
   std::vector<std::unique_ptr<Control>> graveyard_;
   Fp8AmaxScales amax_;
+  // The bands whose rows this rank holds in device memory, as the packer reduces them, and
+  // whether each band (plan order) is one of them.
+  std::vector<Fp8AmaxTask> device_amax_;
+  std::vector<bool> band_on_device_;
+  PreparedPairs* pairs_ = nullptr;
   uint64_t amax_posted_ = 0;  // the version whose partials this rank last posted
 };
 

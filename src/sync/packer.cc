@@ -287,6 +287,28 @@ class CpuPacker final : public Packer {
     }
     return bad;
   }
+
+  // Host memory: the amax exchange's partials as the host path takes them, and a plain copy.
+  Status PartialAmax(const std::vector<Fp8AmaxTask>& tasks, uint32_t* out,
+                     int64_t out_len) override {
+    std::fill(out, out + out_len, 0u);
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      const Fp8AmaxTask& t = tasks[i];
+      if (t.slot < 0 || t.src_stride < t.cols || t.slot + Fp8Blocks(t.cols) > out_len) {
+        return InvalidArgumentError("partial amax: task " + std::to_string(i) +
+                                    " is malformed (a stride covering a row, its blocks inside " +
+                                    std::to_string(out_len) + " entries)");
+      }
+      SS_RETURN_IF_ERROR(Fp8PartialAmax(
+          {t.src, t.dtype, {t.rows, t.src_stride}, Region::Make({0, 0}, {t.rows, t.cols}), 0},
+          out + t.slot));
+    }
+    return OkStatus();
+  }
+  Status Upload(void* dst, const void* src, size_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+    return OkStatus();
+  }
 };
 
 }  // namespace

@@ -34,6 +34,11 @@ class PreparedPairs {
   // staging into its e4m3 rows and scales (the packer's kernel; a bounded wait); DataLoss naming
   // the parameter of a band with non-finite values. No-op without staging.
   Status QuantizeStaged();
+  // Block-FP8 trainers whose prepared pairs carry amax ops (blocks shared with other trainer
+  // ranks): whether they do, and the agreed scales (fp8_send.h ExchangeAmax, plan slot order)
+  // copied into the device memory those pairs' launches read. Must precede PostSends.
+  bool has_amax_sends() const { return amax_scales_ != nullptr; }
+  Status UploadAmaxScales(const std::vector<float>& scales);
 
   // Whether send / recv message `mi` of the plan runs as a prepared pair.
   bool sends(size_t mi) const { return send_[mi] != nullptr; }
@@ -62,6 +67,9 @@ class PreparedPairs {
   // FP8 ops prepared pairs do not run (amax-exchanged blocks; staged bands without device
   // staging), refused naming the tensor before any pair is prepared.
   Status RefuseUnbuiltFp8(const Bindings& bindings) const;
+  // Trainers with amax ops over prepared pairs: device memory (the packer's) for the agreed
+  // scales of every shared block, and each band's slot in it.
+  Status AllocAmaxScales(const Bindings& bindings);
   // One bucket of an FP8 message as the receiver's / the sender's PairBucket.
   PairBucket Fp8RecvBucket(const Bindings& bindings, const Fp8Message& m, const Bucket& b) const;
   PairBucket Fp8SendBucket(const Bindings& bindings, PeerShapes& shapes, const Fp8Message& m,
@@ -90,6 +98,11 @@ class PreparedPairs {
   MemRegion staging_region_;
   std::vector<Fp8BandTask> bands_;
   const Bindings* bindings_ = nullptr;
+  // Trainers with amax ops over prepared pairs (AllocAmaxScales): the agreed scales' device
+  // memory, and per band (tensor, first row) its first block's index there.
+  std::shared_ptr<unsigned char> amax_buf_;
+  float* amax_scales_ = nullptr;
+  std::map<std::pair<int32_t, int64_t>, int64_t> amax_slot_;
 };
 
 }  // namespace shardsync::sync_internal

@@ -235,7 +235,6 @@ class SessionImpl final : public SyncSession {
     // they launch the moment the last receiver's pair is posted); every other receiver is waited
     // for through its ready key.
     auto signals = [&](size_t mi) { return pairs_.SignalsReady(mi); };
-    SS_RETURN_IF_ERROR(pairs_.PostSends(signals));
     // This rank's `cur` key costs a store round trip: set while the prepared pairs run when
     // they are all there is to wait for, else before the first wait on the store.
     bool entered = false;
@@ -244,6 +243,15 @@ class SessionImpl final : public SyncSession {
       entered = true;
       return SetCurrent();
     };
+    // Block FP8 with blocks shared by trainer ranks whose prepared pairs quantize them (cuda_ipc):
+    // the holders agree on the blocks' scales before the pairs launch, which read them (a rank's
+    // pairs launch as one kernel, so none goes earlier). Plans without such pairs skip this.
+    const bool exchange_first = ctx_.fp8 && fp8_sender_.exchanges() && pairs_.has_amax_sends();
+    if (exchange_first) {
+      SS_RETURN_IF_ERROR(enter());
+      SS_RETURN_IF_ERROR(fp8_sender_.ExchangeAmax());
+    }
+    SS_RETURN_IF_ERROR(pairs_.PostSends(signals));
     std::vector<std::string> ready;
     std::vector<int> waited;
     for (size_t mi = 0; mi < plan.sends.size(); ++mi) {
@@ -253,7 +261,7 @@ class SessionImpl final : public SyncSession {
     }
     // Block FP8 with blocks shared by trainer ranks: their holders agree on the blocks' scales
     // first (one store value per holder), while the receivers get ready.
-    if (ctx_.fp8 && fp8_sender_.exchanges()) {
+    if (ctx_.fp8 && fp8_sender_.exchanges() && !exchange_first) {
       SS_RETURN_IF_ERROR(enter());
       SS_RETURN_IF_ERROR(fp8_sender_.ExchangeAmax());
     }

@@ -554,6 +554,200 @@ TEST(GpuFp8, CudaPackerQuantizesStagedBandsLikeTheCpu) {
   }
 }
 
+// The amax exchange over device pairs, kernel by kernel: one block row (rows [128, 256) of a
+// 384 x 600 tensor: four whole column blocks and one of 88 columns) split 3 ways with uneven rows
+// (22, 81, 25) among holders. Each holder's partial amax by the CUDA packer equals the CPU's
+// (Fp8PartialAmax) bit for bit, at its slot of a longer value whose other entries stay zero; the
+// prepared FP8 batch then quantizes each holder's rows with the agreed scales (given-scale
+// tasks, only the first holder writing them) into the destinations, byte for byte the CPU's
+// Fp8QuantizePackScaled, with equal packed and landed sums, and the three together equal the
+// whole band quantized at once (Fp8QuantizePack). A NaN in one holder's rows makes its partial
+// non-finite on the device as on the CPU. f32 and bf16 sources.
+TEST(GpuFp8, AmaxExchangePartsMatchTheCpuAndTheWholeBlock) {
+  SS_REQUIRE_GPU();
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const int64_t R = 384, C = 600, nbc = Fp8Blocks(C), row0 = 128;
+    const Source src = MakeSource(dtype, R, C, 7);  // seed 7: no NaN of its own
+    const int es = DTypeSize(dtype);
+    struct Holder {
+      int64_t r0, rows;
+    } holders[] = {{128, 22}, {150, 81}, {231, 25}};
+    SS_ASSERT_OK_AND_ASSIGN(auto dsrc, DeviceBuffer::Allocate(src.host.size(), 0));
+    SS_ASSERT_OK(CopyToDevice(dsrc->data(), src.host.data(), src.host.size()));
+    auto packer = MakeCudaPacker(0, Millis(20000));
+    auto cpu_partial = [&](const std::vector<uint8_t>& host, const Holder& h) {
+      std::vector<uint32_t> p(nbc, 0);
+      PackRegion pr{host.data(), dtype, {R, C}, Region::Make({h.r0, 0}, {h.rows, C}), 0};
+      EXPECT_TRUE(Fp8PartialAmax(pr, p.data()).ok());
+      return p;
+    };
+    auto gpu_partial = [&](const Holder& h) {
+      const int64_t slot = 3, len = slot + nbc + 2;  // other entries: zero
+      std::vector<uint32_t> out(len, 0xdeadbeef);
+      Fp8AmaxTask t{
+          static_cast<const uint8_t*>(dsrc->data()) + h.r0 * C * es, dtype, C, h.rows, C, slot};
+      Status st = packer->PartialAmax({t}, out.data(), len);
+      EXPECT_TRUE(st.ok()) << st.ToString();
+      for (int64_t i = 0; i < len; ++i) {
+        if (i < slot || i >= slot + nbc) {
+          EXPECT_EQ(out[i], 0u) << "entry " << i;
+        }
+      }
+      return std::vector<uint32_t>(out.begin() + slot, out.begin() + slot + nbc);
+    };
+    std::vector<uint32_t> agreed(nbc, 0);
+    for (const Holder& h : holders) {
+      const std::vector<uint32_t> want = cpu_partial(src.host, h), got = gpu_partial(h);
+      EXPECT_EQ(got, want) << "holder at row " << h.r0;
+      for (int64_t i = 0; i < nbc; ++i) agreed[i] = std::max(agreed[i], want[i]);
+    }
+    std::vector<float> scales(nbc);
+    for (int64_t i = 0; i < nbc; ++i) {
+      ASSERT_TRUE(Fp8AmaxBitsFinite(agreed[i]));
+      scales[i] = Fp8BlockScale(Fp8BitsFloat(agreed[i]));
+    }
+    SS_ASSERT_OK_AND_ASSIGN(auto dscales, DeviceBuffer::Allocate(nbc * 4, 0));
+    SS_ASSERT_OK(packer->Upload(dscales->data(), scales.data(), nbc * 4));
+    // Destinations: e4m3 rows of 640 bytes (the band at row 5, column 16), scales 8 per row.
+    const int64_t W = 640, WR = 140, SC = 8;
+    SS_ASSERT_OK_AND_ASSIGN(auto dw, DeviceBuffer::Allocate(WR * W, 0));
+    SS_ASSERT_OK_AND_ASSIGN(auto ds, DeviceBuffer::Allocate(SC * 4, 0));
+    SS_ASSERT_OK(Memset(dw->data(), 0xcd, WR * W));
+    SS_ASSERT_OK(Memset(ds->data(), 0xcd, SC * 4));
+    BatchSpec spec;
+    spec.mode = BatchMode::kPack;
+    spec.in_dtype = spec.out_dtype = DType::kBF16;
+    spec.copy_bytes.push_back(0);
+    std::vector<uint8_t> wire;
+    uint64_t want_sum = 0;
+    int64_t at = 0;
+    for (size_t i = 0; i < 3; ++i) {
+      const Holder& h = holders[i];
+      const bool with = i == 0;
+      const int64_t bytes = Fp8PartWireBytes(h.rows, C, with);
+      wire.resize(at + bytes);
+      PackRegion pr{src.host.data(), dtype, {R, C}, Region::Make({h.r0, 0}, {h.rows, C}), at};
+      auto cpu = Fp8QuantizePackScaled(pr, scales.data(), with, wire.data() + at);
+      ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
+      EXPECT_EQ(cpu->nonfinite, 0);
+      want_sum += cpu->sum;
+      Fp8Task t;
+      t.src = static_cast<const uint8_t*>(dsrc->data()) + h.r0 * C * es;
+      t.dtype = dtype;
+      t.src_stride = C;
+      t.rows = h.rows;
+      t.cols = C;
+      t.weight = static_cast<uint8_t*>(dw->data()) + (5 + h.r0 - row0) * W + 16;
+      t.weight_stride = W;
+      t.landed_weight = t.weight;
+      t.landed_weight_stride = W;
+      if (with) {
+        t.scales = static_cast<float*>(ds->data()) + 1;
+        t.scale_stride = SC;
+        t.landed_scales = t.scales;
+        t.landed_scale_stride = SC;
+      }
+      t.given_scales = static_cast<const float*>(dscales->data());
+      t.wire_offset = at;
+      spec.quantize.push_back(t);
+      at += bytes;
+    }
+    spec.bucket_bytes.push_back(at);
+    // The whole band quantized at once: what the three parts must add up to.
+    std::vector<uint8_t> whole(Fp8WireBytes(128, C));
+    PackRegion band{src.host.data(), dtype, {R, C}, Region::Make({row0, 0}, {128, C}), 0};
+    ASSERT_TRUE(Fp8QuantizePack(band, whole.data()).ok());
+    for (const char* stages : {"2", "0"}) {  // the pipelined kernel and the fallback
+      SCOPED_TRACE(std::string("SHARDSYNC_FP8_STAGES=") + stages);
+      setenv("SHARDSYNC_FP8_STAGES", stages, 1);
+      SS_ASSERT_OK_AND_ASSIGN(auto batch, CopyBatch::Prepare(spec, 0));
+      unsetenv("SHARDSYNC_FP8_STAGES");
+      SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
+      SS_ASSERT_OK(batch->LaunchSignaled(stream->handle(), 1));
+      SS_ASSERT_OK(stream->Synchronize(Millis(20000), "fp8 batch"));
+      std::vector<uint8_t> hw(WR * W), hs(SC * 4);
+      SS_ASSERT_OK(CopyToHost(hw.data(), dw->data(), hw.size()));
+      SS_ASSERT_OK(CopyToHost(hs.data(), ds->data(), hs.size()));
+      std::vector<uint8_t> ew(WR * W, 0xcd), esc(SC * 4, 0xcd);
+      int64_t off = 0;
+      for (size_t i = 0; i < 3; ++i) {
+        const Holder& h = holders[i];
+        for (int64_t r = 0; r < h.rows; ++r) {
+          std::memcpy(&ew[(5 + h.r0 - row0 + r) * W + 16], &wire[off + r * C], C);
+        }
+        if (i == 0) std::memcpy(&esc[4], &wire[off + ((h.rows * C + 7) & ~7)], nbc * 4);
+        off += Fp8PartWireBytes(h.rows, C, i == 0);
+      }
+      EXPECT_TRUE(hw == ew);
+      EXPECT_TRUE(hs == esc);
+      for (int64_t r = 0; r < 128; ++r) {  // and the whole band's bytes and scales
+        EXPECT_EQ(std::memcmp(&hw[(5 + r) * W + 16], &whole[r * C], C), 0) << "row " << r;
+      }
+      EXPECT_EQ(std::memcmp(&hs[4], &whole[128 * C], nbc * 4), 0);
+      SS_ASSERT_OK_AND_ASSIGN(auto sums, batch->Sums());
+      EXPECT_EQ(sums[0], want_sum);
+      SS_ASSERT_OK_AND_ASSIGN(auto landed, batch->LandedSums());
+      SS_ASSERT_OK_AND_ASSIGN(auto finished, batch->Checksums());
+      EXPECT_EQ(ChecksumFinish(landed[0], spec.bucket_bytes[0]), finished[0]);
+      EXPECT_EQ(finished[0],
+                ChecksumFinish(ChecksumPartial(wire.data(), wire.size(), 0), spec.bucket_bytes[0]));
+      EXPECT_EQ(batch->NonFinite(), std::vector<int64_t>{0});
+    }
+    // A NaN in the middle holder's rows: its partial is non-finite on the device as on the CPU,
+    // the other holders' are not.
+    std::vector<uint8_t> host = src.host;
+    const int64_t at_nan = (150 + 40) * C + 300;
+    if (dtype == DType::kF32) {
+      const float nan = std::nanf("");
+      std::memcpy(&host[at_nan * 4], &nan, 4);
+    } else {
+      const uint16_t nan = F32ToBF16(std::nanf(""));
+      std::memcpy(&host[at_nan * 2], &nan, 2);
+    }
+    SS_ASSERT_OK(CopyToDevice(dsrc->data(), host.data(), host.size()));
+    for (const Holder& h : holders) {
+      const std::vector<uint32_t> want = cpu_partial(host, h), got = gpu_partial(h);
+      for (int64_t i = 0; i < nbc; ++i) {
+        EXPECT_EQ(Fp8AmaxBitsFinite(got[i]), Fp8AmaxBitsFinite(want[i])) << h.r0 << " " << i;
+        EXPECT_EQ(Fp8AmaxBitsFinite(got[i]), !(h.r0 == 150 && i == 300 / 128));
+        if (Fp8AmaxBitsFinite(want[i])) {
+          EXPECT_EQ(got[i], want[i]);
+        }
+      }
+    }
+  }
+}
+
+// Given-scale tasks that break the rules are refused when the batch is prepared: more than one
+// block row, or no scales written nor given.
+TEST(GpuFp8, PreparedBatchRefusesMalformedAmaxTasks) {
+  SS_REQUIRE_GPU();
+  SS_ASSERT_OK_AND_ASSIGN(auto d, DeviceBuffer::Allocate(1 << 20, 0));
+  auto* p = static_cast<uint8_t*>(d->data());
+  BatchSpec spec;
+  spec.mode = BatchMode::kPack;
+  spec.copy_bytes.push_back(0);
+  spec.bucket_bytes.push_back(1 << 18);
+  Fp8Task t;
+  t.src = p;
+  t.dtype = DType::kF32;
+  t.src_stride = 256;
+  t.rows = 129;
+  t.cols = 256;
+  t.weight = p + (1 << 19);
+  t.weight_stride = 256;
+  t.landed_weight = t.weight;
+  t.landed_weight_stride = 256;
+  t.given_scales = reinterpret_cast<const float*>(p + (1 << 19) + (1 << 18));
+  spec.quantize.push_back(t);
+  EXPECT_EQ(CopyBatch::Prepare(spec, 0).status().code(), StatusCode::kInvalidArgument);
+  spec.quantize[0].rows = 128;
+  EXPECT_TRUE(CopyBatch::Prepare(spec, 0).ok());  // e4m3 rows alone, scales given
+  spec.quantize[0].given_scales = nullptr;
+  EXPECT_EQ(CopyBatch::Prepare(spec, 0).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(GpuFp8, RefusesMalformedTasks) {
   SS_REQUIRE_GPU();
   Fp8QuantizeTask t;

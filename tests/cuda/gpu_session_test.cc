@@ -194,7 +194,8 @@ TEST(GpuSession, MegatronTwoGpusOverNccl) {
 
 // A Qwen3 with block-FP8 engine weights: at fsdp=2 and intermediate 512 the FSDP chunks fall on
 // the 128 grid; at fsdp=4 and 768 (192 rows per trainer rank) gate/up bands straddle trainer
-// ranks and are staged to the receiver (or, with split "amax", refused on device pairs).
+// ranks and are staged to the receiver (or, with split "amax", quantized by their holders after
+// the amax exchange).
 JobSpec Fp8Job(const std::string& trainer, int64_t intermediate,
                const std::string& trainer_dtype = "fp32", const std::string& split = "stage") {
   JobFlags f;
@@ -311,9 +312,9 @@ TEST(GpuSession, OneGpuBlockFp8StagedBandsOverCudaIpc) {
 // A Qwen3-MoE with block-FP8 experts (vLLM tp2 ep2: stacked w13 / w2 of 3 dims): fsdp=2 cuts
 // every expert on the 128 grid (senders quantize), fsdp=4 gives 192 rows of each gate / up
 // per trainer rank (staged bands).
-JobSpec Fp8MoeJob(const std::string& trainer, int64_t hidden) {
+JobSpec Fp8MoeJob(const std::string& trainer, int64_t hidden, const std::string& split = "stage") {
   JobFlags f;
-  f.fp8_split = "stage";
+  f.fp8_split = split;
   f.model = testing::WriteConfig("qwen3moe-fp8-" + std::to_string(hidden), R"({
   "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": )" + std::to_string(hidden) +
                                                                                R"(,
@@ -443,18 +444,118 @@ TEST(GpuSession, BlockFp8StagedBandsPassFlagTimeOnDevice) {
   EXPECT_TRUE(JobSpecFromFlags(MoeFlags("fsdp=2", "stage")).ok());  // 384 rows: on the grid
 }
 
-// Blocks shared by trainer ranks under the amax exchange (the default split) are quantized on
-// the host path only: device pairs refuse them at Connect naming the tensor and `--fp8-split
-// stage`, and `--device cuda` at flag time.
-TEST(GpuSession, BlockFp8AmaxExchangeIsRefusedOnDevicePairs) {
+// Blocks shared by trainer ranks under the amax exchange (the default split) over cuda_ipc: each
+// holder's partial amaxes by the packer's kernel, exchanged through the store, the agreed scales
+// uploaded before its pairs launch, and its rows quantized with them straight into the engine
+// (the holder of a band's first row writes the scales). RunJob checks every e4m3 byte and scale
+// against the CPU quantizer of whole blocks, for fp32 and bf16 trainers, dense gate/up and
+// stacked experts (vLLM tp2 ep2). `--device cuda` takes the split at flag time; with the nccl
+// hint (its cross-GPU pairs cannot carry amax ops) it is refused there.
+TEST(GpuSession, OneGpuBlockFp8AmaxExchangeOverCudaIpc) {
   SS_REQUIRE_GPU();
-  RefusedAtConnect(Fp8Job("fsdp=4", 768, "fp32", "amax"), "share 128-row blocks",
-                   "--fp8-split stage");
-  auto off = JobSpecFromFlags(MoeFlags("fsdp=4", "amax"));
+  for (const char* td : {"fp32", "bf16"}) {
+    SCOPED_TRACE(td);
+    JobSpec job = Fp8Job("fsdp=4", 768, td, "amax");  // gate/up: 192 rows per trainer rank
+    auto sum = SummarizeFp8Plan(job.inputs);
+    ASSERT_TRUE(sum.ok());
+    ASSERT_GT(sum->amax_elements, 0);
+    ASSERT_EQ(sum->staged_bands, 0);
+    RunJob(1, "", "cuda_ipc", job);
+  }
+  RunJob(1, "", "cuda_ipc", Fp8MoeJob("fsdp=4", 256, "amax"));
+  auto on = JobSpecFromFlags(MoeFlags("fsdp=4", "amax"));
+  EXPECT_TRUE(on.ok()) << on.status().ToString();
+  JobFlags nccl = MoeFlags("fsdp=4", "amax");
+  nccl.transport = "nccl";
+  auto off = JobSpecFromFlags(nccl);
   ASSERT_FALSE(off.ok());
   EXPECT_EQ(off.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(off.status().message().find("--fp8-split stage"), std::string::npos);
+  EXPECT_NE(off.status().message().find("not over nccl pairs"), std::string::npos);
   EXPECT_TRUE(JobSpecFromFlags(MoeFlags("fsdp=2", "amax")).ok());  // on the grid: none shared
+}
+
+// Amax ops cross only one-sided pairs (the sender writes the receiver's parameters): an nccl pair
+// carrying one is refused at Connect on both ends, naming the tensor and the ways out.
+TEST(GpuSession, TwoGpusBlockFp8AmaxExchangeOverNcclIsRefused) {
+  SS_REQUIRE_GPUS(2);
+  EXPECT_GE(RefusedAtConnect(Fp8Job("fsdp=4", 768, "fp32", "amax"), "share 128-row blocks",
+                             "not over nccl pairs", 2, "nccl"),
+            2);
+}
+
+// A NaN in rows shared by trainer ranks 0 and 1 (gate_proj rows [128, 256); rank 0's row 150)
+// under the amax exchange over cuda_ipc: both holders fail with DataLoss naming the HF tensor
+// (the one holding it at once, the other when it combines the partials), no pair launches, every
+// engine rank stays poisoned, and a clean sync then lands every element right.
+TEST(GpuSession, BlockFp8NanInSharedRowsFailsEveryHolderNamingTheTensor) {
+  SS_REQUIRE_GPU();
+  JobSpec job = Fp8Job("fsdp=4", 768, "fp32", "amax");
+  auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
+  ASSERT_TRUE(server.ok());
+  const int world = SyncWorldSize(job.inputs);
+  const int trainers = job.inputs.trainer.world();
+  std::vector<DeviceRank> ranks(world);
+  std::vector<Status> st(world);
+  auto all = [&](const std::function<Status(int)>& fn) {
+    std::vector<std::thread> ts;
+    for (int r = 0; r < world; ++r) ts.emplace_back([&, r] { st[r] = fn(r); });
+    for (auto& t : ts) t.join();
+  };
+  auto expect_ok = [&] {
+    for (int r = 0; r < world; ++r)
+      ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].ToString();
+  };
+  all([&](int r) { return SetUpRank(job, r, 1, "", (*server)->address(), ranks[r]); });
+  expect_ok();
+  if (HasFatalFailure()) return;
+  all([&](int r) { return ranks[r].session->Sync(1).status(); });
+  expect_ok();
+  if (HasFatalFailure()) return;
+  auto shards = job_internal::FillTrainerShards(job, 0);
+  ASSERT_TRUE(shards.ok());
+  void* at = nullptr;
+  for (size_t i = 0; i < shards->bindings.size(); ++i) {
+    const SourceBinding& b = shards->bindings[i];
+    if (b.hf_name != "model.layers.0.mlp.gate_proj.weight") continue;
+    ASSERT_EQ(b.region.offset[0], 0);
+    at = static_cast<float*>(ranks[0].bufs[i]->data()) + 150 * b.region.extent[1] + 7;
+  }
+  ASSERT_NE(at, nullptr);
+  float keep = 0;
+  ASSERT_TRUE(CopyToHost(&keep, at, 4).ok());
+  const float nan = std::nanf("");
+  ASSERT_TRUE(CopyToDevice(at, &nan, 4).ok());
+  all([&](int r) { return ranks[r].session->Sync(2).status(); });
+  std::vector<int> named;
+  for (int r = 0; r < world; ++r) {
+    EXPECT_FALSE(st[r].ok()) << "rank " << r;
+    if (st[r].code() == StatusCode::kDataLoss &&
+        st[r].message().find("non-finite") != std::string::npos) {
+      EXPECT_NE(st[r].message().find("'model.layers.0.mlp.gate_proj.weight'"), std::string::npos)
+          << st[r].ToString();
+      named.push_back(r);
+    }
+    if (r >= trainers) {
+      EXPECT_TRUE(ranks[r].session->IsPoisoned()) << "rank " << r;
+    }
+  }
+  EXPECT_EQ(named, (std::vector<int>{0, 1})) << "rank 0: " << st[0].ToString();
+  ASSERT_TRUE(CopyToDevice(at, &keep, 4).ok());
+  all([&](int r) { return ranks[r].session->Sync(3).status(); });
+  expect_ok();
+  if (HasFatalFailure()) return;
+  for (int r = trainers; r < world; ++r) {
+    DeviceRank& k = ranks[r];
+    for (size_t i = 0; i < k.bufs.size(); ++i) {
+      const DestBinding& b = k.host.bindings[i];
+      ASSERT_TRUE(CopyToHost(b.data, k.bufs[i]->data(), k.bufs[i]->bytes()).ok());
+    }
+    RankResult rr;
+    job_internal::VerifyEngineParams(job, k.session->ExpectedParams(), k.host.bindings, rr);
+    EXPECT_EQ(rr.element_mismatches, 0) << "rank " << r << " first: " << rr.first_mismatch;
+    EXPECT_GT(rr.elements_checked, 0);
+    EXPECT_FALSE(k.session->IsPoisoned());
+  }
 }
 
 }  // namespace

@@ -225,5 +225,35 @@ TEST(Fp8Staging, NonFiniteStagedValueIsDataLossNamingTheParameter) {
       std::isnan(static_cast<const float*>(sc.data)[RegionStartElement(b.scale_dst, sc.shape)]));
 }
 
+// The CPU packer's side of the amax exchange over prepared pairs (session.h): PartialAmax over
+// host rows equals Fp8PartialAmax at each task's slot (other entries zero; a NaN ranks above every
+// finite value), a task past the value's end is refused, and Upload copies.
+TEST(Fp8Staging, CpuPackerTakesPartialAmaxesAndUploads) {
+  const int64_t rows = 200, cols = 300;  // 3 column blocks, the last of 44 columns
+  std::vector<float> x(rows * cols);
+  for (int64_t i = 0; i < rows * cols; ++i) x[i] = std::sin(0.37 * i) * (1 + i % 7);
+  x[150 * cols + 280] = std::nanf("");
+  auto packer = MakeCpuPacker();
+  std::vector<Fp8AmaxTask> tasks = {{x.data() + 128 * cols, DType::kF32, cols, 22, cols, 1},
+                                    {x.data() + 150 * cols, DType::kF32, cols, 50, cols, 5}};
+  std::vector<uint32_t> out(9, 0xdeadbeef);
+  ASSERT_TRUE(packer->PartialAmax(tasks, out.data(), 9).ok());
+  std::vector<uint32_t> want(9, 0);
+  for (const Fp8AmaxTask& t : tasks) {
+    const int64_t r0 = (static_cast<const float*>(t.src) - x.data()) / cols;
+    PackRegion pr{x.data(), DType::kF32, {rows, cols}, Region::Make({r0, 0}, {t.rows, cols}), 0};
+    ASSERT_TRUE(Fp8PartialAmax(pr, want.data() + t.slot).ok());
+  }
+  EXPECT_EQ(out, want);
+  EXPECT_EQ(out[0], 0u);
+  EXPECT_TRUE(Fp8AmaxBitsFinite(out[1]) && Fp8AmaxBitsFinite(out[3]));
+  EXPECT_FALSE(Fp8AmaxBitsFinite(out[7]));  // the NaN: rank 150's task, column block 2
+  EXPECT_EQ(packer->PartialAmax(tasks, out.data(), 7).code(), StatusCode::kInvalidArgument);
+  const float scales[3] = {1.5f, 2.5f, 3.5f};
+  float dst[3] = {};
+  ASSERT_TRUE(packer->Upload(dst, scales, sizeof(scales)).ok());
+  EXPECT_EQ(std::memcmp(dst, scales, sizeof(scales)), 0);
+}
+
 }  // namespace
 }  // namespace shardsync

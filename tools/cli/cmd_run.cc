@@ -66,8 +66,8 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
                   "config's quantization_config) | none (the model dtype; drops it)");
   sub->add_option("--fp8-split", f->fp8_split,
                   "Block FP8, blocks whose rows straddle FSDP trainer ranks: amax (their holders "
-                  "exchange the block's amax, e4m3 on the wire; host path) | stage (raw rows to a "
-                  "receiver staging buffer) (docs/fp8.md)")
+                  "exchange the block's amax, e4m3 on the wire; host path and cuda_ipc) | stage "
+                  "(raw rows to a receiver staging buffer) (docs/fp8.md)")
       ->capture_default_str();
 }
 

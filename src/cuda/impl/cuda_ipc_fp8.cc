@@ -1,7 +1,9 @@
 // Block-FP8 cuda_ipc pairs (PairSpec::fp8): the receiver publishes its own map of every quantize
 // op (where its e4m3 rows and its scales are, in its registered regions), the sender maps it and
 // hands the quantize ops to a prepared Fp8 batch (fp8_batch.cu) that writes the e4m3 bytes and the
-// scales straight into the receiver's parameters and reads them back through that map.
+// scales straight into the receiver's parameters and reads them back through that map. Amax ops
+// (rows of blocks shared by trainer ranks) are quantize ops with the sender's agreed scales given;
+// the holders that send no scales have no scale entry (sregion -1).
 #include <cstring>
 
 #include "cuda/impl/cuda_ipc.h"
@@ -13,7 +15,8 @@ namespace {
 constexpr uint64_t kFp8MapMagic = 0x53534638;  // "SSF8"
 
 // One quantize op as the receiver holds it: e4m3 rows at byte `woffset` of region `wregion`
-// (`wstride` bytes apart), scales at byte `soffset` of region `sregion` (`sstride` floats apart).
+// (`wstride` bytes apart), scales at byte `soffset` of region `sregion` (`sstride` floats apart;
+// sregion -1: the op sends no scales).
 struct Fp8MapEntry {
   int64_t bucket, wire, rows, cols;
   int64_t wregion, woffset, wstride;
@@ -47,10 +50,20 @@ Result<std::string> Fp8LandedMap(const CudaIpcTransport& t, const PairSpec& spec
     for (const QuantizeRegion& q : spec.buckets[b].quantize) {
       const PackRegion& w = q.landed_weight;
       const PackRegion& s = q.landed_scales;
-      if (w.dtype != DType::kF8E4M3 || s.dtype != DType::kF32) {
+      if (w.dtype != DType::kF8E4M3 || (q.with_scales && s.dtype != DType::kF32)) {
         return InvalidArgumentError(who + ": landed weight / scales must be F8_E4M3 / F32");
       }
       SS_ASSIGN_OR_RETURN(Matrix mw, MatrixOf(w.region, w.shape, who));
+      if (!q.with_scales) {
+        if (mw.rows > kFp8Block) {
+          return InvalidArgumentError(who + ": e4m3 rows " + w.region.ToString() +
+                                      " without scales span more than one block row");
+        }
+        SS_ASSIGN_OR_RETURN(auto wl, t.FindLocal(w.base, NumElements(w.shape)));
+        map.push_back({static_cast<int64_t>(b), w.wire_offset, mw.rows, mw.cols, wl.first,
+                       static_cast<int64_t>(wl.second) + mw.start, mw.stride, -1, 0, 0});
+        continue;
+      }
       SS_ASSIGN_OR_RETURN(Matrix ms, MatrixOf(s.region, s.shape, who));
       if (ms.rows != Fp8Blocks(mw.rows) || ms.cols != Fp8Blocks(mw.cols)) {
         return InvalidArgumentError(who + ": scales " + s.region.ToString() +
@@ -94,13 +107,19 @@ Status AddFp8Tasks(CudaIpcTransport& t, const PairSpec& spec, const std::string&
                              std::to_string(q.src.wire_offset);
       SS_ASSIGN_OR_RETURN(Matrix src, MatrixOf(q.src.region, q.src.shape, op));
       SS_ASSIGN_OR_RETURN(Matrix w, MatrixOf(q.weight.dst, q.weight.shape, op));
-      SS_ASSIGN_OR_RETURN(Matrix s, MatrixOf(q.scales.dst, q.scales.shape, op));
+      Matrix s{Fp8Blocks(src.rows), Fp8Blocks(src.cols), 0, 0};
+      if (q.with_scales) {
+        SS_ASSIGN_OR_RETURN(s, MatrixOf(q.scales.dst, q.scales.shape, op));
+      }
+      if (!q.with_scales && !q.given_scales) {
+        return InvalidArgumentError(op + ": sends no scales and is given none");
+      }
       if (k >= map.size()) return DataLossError(op + ": missing from the receiver's map");
       const Fp8MapEntry& e = map[k++];
       if (e.bucket != static_cast<int64_t>(b) || e.wire != q.src.wire_offset ||
           e.rows != src.rows || e.cols != src.cols || w.rows != src.rows || w.cols != src.cols ||
           s.rows != Fp8Blocks(src.rows) || s.cols != Fp8Blocks(src.cols) || e.wregion < 0 ||
-          e.sregion < 0 || e.woffset < 0 || e.soffset < 0) {
+          (e.sregion >= 0) != q.with_scales || e.woffset < 0 || e.soffset < 0) {
         return DataLossError(op + ": the receiver's map says bucket " + std::to_string(e.bucket) +
                              " byte " + std::to_string(e.wire) + ", " + std::to_string(e.rows) +
                              " x " + std::to_string(e.cols));
@@ -116,23 +135,26 @@ Status AddFp8Tasks(CudaIpcTransport& t, const PairSpec& spec, const std::string&
                                                     NumElements(q.weight.shape)));
       task.weight = static_cast<unsigned char*>(wb) + w.start;
       task.weight_stride = w.stride;
-      SS_ASSIGN_OR_RETURN(void* sb, t.RemotePointer(spec.peer, q.scales.region, q.scales.offset,
-                                                    NumElements(q.scales.shape) * 4));
-      task.scales = static_cast<float*>(sb) + s.start;
-      task.scale_stride = s.stride;
       SS_ASSIGN_OR_RETURN(
           void* lw, t.RemotePointer(spec.peer, static_cast<uint32_t>(e.wregion),
                                     static_cast<uint64_t>(e.woffset),
                                     static_cast<uint64_t>((e.rows - 1) * e.wstride + e.cols)));
       task.landed_weight = lw;
       task.landed_weight_stride = e.wstride;
-      SS_ASSIGN_OR_RETURN(
-          void* ls,
-          t.RemotePointer(spec.peer, static_cast<uint32_t>(e.sregion),
-                          static_cast<uint64_t>(e.soffset),
-                          static_cast<uint64_t>(((s.rows - 1) * e.sstride + s.cols) * 4)));
-      task.landed_scales = ls;
-      task.landed_scale_stride = e.sstride;
+      task.given_scales = q.given_scales;
+      if (q.with_scales) {
+        SS_ASSIGN_OR_RETURN(void* sb, t.RemotePointer(spec.peer, q.scales.region, q.scales.offset,
+                                                      NumElements(q.scales.shape) * 4));
+        task.scales = static_cast<float*>(sb) + s.start;
+        task.scale_stride = s.stride;
+        SS_ASSIGN_OR_RETURN(
+            void* ls,
+            t.RemotePointer(spec.peer, static_cast<uint32_t>(e.sregion),
+                            static_cast<uint64_t>(e.soffset),
+                            static_cast<uint64_t>(((s.rows - 1) * e.sstride + s.cols) * 4)));
+        task.landed_scales = ls;
+        task.landed_scale_stride = e.sstride;
+      }
       task.bucket = static_cast<int32_t>(b);
       task.wire_offset = q.src.wire_offset;
       bs->quantize.push_back(task);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cuda/cuda_util.h"
+#include "cuda/impl/fp8_kernels.h"
 #include "shardsync/fp8.h"
 #include "shardsync/gpu.h"
 #include "shardsync/session.h"
@@ -48,6 +49,8 @@ class CudaPacker final : public Packer {
  public:
   CudaPacker(int device, Millis timeout) : device_(device), timeout_(timeout) {}
   ~CudaPacker() override {
+    amax_.clear();
+    if (pinned_) cudaFreeHost(pinned_);
     if (quiesce_) cudaEventDestroy(quiesce_);
     if (stream_) cudaStreamDestroy(stream_);
   }
@@ -169,6 +172,59 @@ class CudaPacker final : public Packer {
     return it->second->NonFinite();
   }
 
+  // The amax exchange's partials (fp8_amax.cu), prepared once per set of tasks.
+  Status PartialAmax(const std::vector<Fp8AmaxTask>& tasks, uint32_t* out,
+                     int64_t out_len) override {
+    SS_RETURN_IF_ERROR(Init());
+    std::string key(1, 'a');
+    key.append(reinterpret_cast<const char*>(&out_len), sizeof(out_len));
+    std::vector<Fp8AmaxPart> parts;
+    for (const Fp8AmaxTask& t : tasks) {
+      const int64_t f[] = {reinterpret_cast<int64_t>(t.src),
+                           static_cast<int64_t>(t.dtype),
+                           t.src_stride,
+                           t.rows,
+                           t.cols,
+                           t.slot};
+      key.append(reinterpret_cast<const char*>(f), sizeof(f));
+      parts.push_back({t.src, t.dtype, t.src_stride, t.rows, t.cols, t.slot});
+    }
+    auto it = amax_.find(key);
+    if (it == amax_.end()) {
+      auto batch = Fp8AmaxBatch::Prepare(parts, out_len, device_);
+      if (!batch.ok()) {
+        Status e = batch.status();
+        return e.Annotate("cuda packer: partial amaxes of " + std::to_string(tasks.size()) +
+                          " shared block-FP8 bands");
+      }
+      if (amax_.size() > 64) amax_.clear();
+      it = amax_.emplace(key, std::move(batch).value()).first;
+    }
+    SS_RETURN_IF_ERROR(it->second->Launch(stream_));
+    SS_RETURN_IF_ERROR(Wait());
+    if (out_len > 0) std::memcpy(out, it->second->host(), static_cast<size_t>(out_len) * 4);
+    return OkStatus();
+  }
+
+  // Through a pinned buffer, so the copy is stream-ordered and waited for with the bound (a
+  // pageable copy may return before the bytes land: cuda_util.h UploadBlocking).
+  Status Upload(void* dst, const void* src, size_t bytes) override {
+    SS_RETURN_IF_ERROR(Init());
+    if (bytes == 0) return OkStatus();
+    if (pinned_bytes_ < bytes) {
+      if (pinned_) cudaFreeHost(pinned_);
+      pinned_ = nullptr;
+      pinned_bytes_ = 0;
+      SS_CUDA(cudaHostAlloc(&pinned_, bytes, cudaHostAllocDefault),
+              "cuda packer: pinned upload buffer");
+      pinned_bytes_ = bytes;
+    }
+    std::memcpy(pinned_, src, bytes);
+    SS_CUDA(cudaMemcpyAsync(dst, pinned_, bytes, cudaMemcpyHostToDevice, stream_),
+            "cuda packer: upload");
+    return Wait();
+  }
+
   // Staging on the device: the pack kernel writes it, and device transports read it.
   Result<std::shared_ptr<unsigned char>> AllocStaging(size_t bytes) override {
     SS_RETURN_IF_ERROR(Init());
@@ -274,6 +330,9 @@ class CudaPacker final : public Packer {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t quiesce_ = nullptr;
   std::map<std::string, std::unique_ptr<CopyBatch>> cache_;
+  std::map<std::string, std::unique_ptr<Fp8AmaxBatch>> amax_;  // PartialAmax's, by tasks
+  void* pinned_ = nullptr;                                     // Upload's buffer
+  size_t pinned_bytes_ = 0;
 };
 
 }  // namespace

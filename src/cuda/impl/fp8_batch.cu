@@ -1,13 +1,14 @@
 // Prepared block-FP8 packs (gpu.h BatchSpec::quantize): the quantize ops of a cuda_ipc pair's
-// buckets, replayed every sync beside the pair's copies. The quantize kernel (PipeKernel) reads
-// the trainer's values once into shared-memory stages, reduces each 128 x 128 block's amax, writes
-// the e4m3 words straight into the peer's weight and the scale into its weight_scale_inv, and sums
-// every word it wrote twice: as packed, and as read back (from L2) through the receiver's own map
-// of the same bytes, as the copy kernels do. A tail kernel sums the scale sections the same two
-// ways. The copies run in an ordinary CopyBatch over a compact image of them, on a side stream
-// beside the quantize kernel; a host word written after both is the launch's signal. The arithmetic
-// is fp8.h's, shared with the CPU. Hand-written: no CUDA library quantizes to block FP8 with these
-// semantics.
+// buckets (and its amax ops: rows of a block row quantized with the scales their holders agreed
+// on, Fp8Task::given_scales), replayed every sync beside the pair's copies. The quantize kernel
+// (PipeKernel) reads the trainer's values once into shared-memory stages, reduces each 128 x 128
+// block's amax, writes the e4m3 words straight into the peer's weight and the scale into its
+// weight_scale_inv, and sums every word it wrote twice: as packed, and as read back (from L2)
+// through the receiver's own map of the same bytes, as the copy kernels do. A tail kernel sums the
+// scale sections the same two ways. The copies run in an ordinary CopyBatch over a compact image of
+// them, on a side stream beside the quantize kernel; a host word written after both is the launch's
+// signal. The arithmetic is fp8.h's, shared with the CPU. Hand-written: no CUDA library quantizes
+// to block FP8 with these semantics.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -44,6 +45,9 @@ struct PTask {
   int64_t lwstride;
   const float* lscales;
   int64_t lsstride;
+  // kAmax ops (the amax exchange): the agreed scale of each column block, read instead of the
+  // block's own amax; null for quantize ops. `scales` is null for a holder sending no scales.
+  const float* given;
   int64_t wire_offset;
   int64_t block_begin;
   int32_t dtype;  // 0 f32, 1 bf16, 2 f16
@@ -168,7 +172,9 @@ __global__ void __launch_bounds__(kThreads, DT == 0 ? 2 : 4)
     n_bad = Reduce(
         bad, [](unsigned long long a, unsigned long long b) { return a + b; }, u_shared[0]);
   }
-  const float scale = any_bad ? Fp8BitsFloat(kFp8ScaleNanBits) : Fp8BlockScale(amax);
+  const float scale = any_bad   ? Fp8BitsFloat(kFp8ScaleNanBits)
+                      : t.given ? t.given[bc]
+                                : Fp8BlockScale(amax);
   const float inv = Fp8InverseScale(scale);
   unsigned long long packed = 0, landed = 0;
 #pragma unroll
@@ -212,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, DT == 0 ? 2 : 4)
       landed += ChecksumMixWord(back[k], (t.wire_offset + (r0 + r) * t.cols + c0 + c) / 8);
     }
   }
-  if (threadIdx.x == 0) t.scales[br * t.sstride + bc] = scale;
+  if (threadIdx.x == 0 && t.scales) t.scales[br * t.sstride + bc] = scale;
   // Both sums in one pass over shared memory.
   for (int o = 16; o > 0; o /= 2) {
     packed += __shfl_xor_sync(0xffffffffu, packed, o);
@@ -467,9 +473,13 @@ __global__ void __launch_bounds__(kThreads, MinB)
           bad, [](unsigned long long a, unsigned long long b) { return a + b; }, u_shared);
       if (threadIdx.x == 0 && n_bad > 0) atomicAdd(&acc[2 * nb + bucket], n_bad);
     }
-    const float scale = any_bad ? Fp8BitsFloat(kFp8ScaleNanBits) : Fp8BlockScale(amax);
+    // A kAmax op's rows take their block's agreed scale (the holders' amax exchange): the
+    // amax above only tells a non-finite value, as for every block.
+    const float scale = any_bad   ? Fp8BitsFloat(kFp8ScaleNanBits)
+                        : t.given ? t.given[bc]
+                                  : Fp8BlockScale(amax);
     const float inv = Fp8InverseScale(scale);
-    if (threadIdx.x == 0) t.scales[br * t.sstride + bc] = scale;
+    if (threadIdx.x == 0 && t.scales) t.scales[br * t.sstride + bc] = scale;
     // This thread's words: rows rt + 16 k, columns [ct8, ct8 + 8) of the block; wire words
     // 2 * cols apart (16 rows), keys likewise.
     const int64_t row = r0 + rt, col = c0 + ct8;
@@ -540,6 +550,7 @@ __global__ void __launch_bounds__(kThreads)
     ScaleSumKernel(const PTask* tasks, unsigned long long* acc, int nb) {
   __shared__ unsigned long long u_shared[kThreads / 32];
   const PTask& t = tasks[blockIdx.x];
+  if (!t.scales) return;  // a kAmax op of a holder that sends no scales: no scale section
   const int64_t nbc = (t.cols + B - 1) / B, n = ((t.rows + B - 1) / B) * nbc;
   const uint64_t base = static_cast<uint64_t>(t.wire_offset + t.rows * t.cols) / 8;
   unsigned long long packed = 0, landed = 0;
@@ -632,7 +643,8 @@ class Fp8Batch final : public CopyBatch {
       t.block_begin = blocks_;
       dtype_ = i == 0 ? t.dtype : (dtype_ == t.dtype ? dtype_ : -1);
       blocks_ += ((t.rows + B - 1) / B) * ((t.cols + B - 1) / B);
-      wire_ += Fp8WireBytes(t.rows, t.cols);
+      wire_ += t.given ? Fp8PartWireBytes(t.rows, t.cols, t.scales != nullptr)
+                       : Fp8WireBytes(t.rows, t.cols);
       in_ += t.rows * t.cols * (t.dtype == 0 ? 4 : 2);
       tasks.push_back(t);
     }
@@ -765,22 +777,29 @@ class Fp8Batch final : public CopyBatch {
       return reinterpret_cast<uintptr_t>(p) % to == 0 && stride % to == 0;
     };
     const int64_t nbc = Fp8Blocks(q.cols);
-    if (code < 0 || !q.src || !q.weight || !q.scales || !q.landed_weight || !q.landed_scales ||
-        q.rows < 1 || q.cols < 1 || q.cols % 8 != 0 || q.src_stride < q.cols ||
-        q.weight_stride < q.cols || q.landed_weight_stride < q.cols || q.scale_stride < nbc ||
-        q.landed_scale_stride < nbc) {
+    // A kAmax op (given scales) covers rows of one block row and may send no scales (both
+    // scale pointers null); a quantize op always sends them.
+    const bool given = q.given_scales != nullptr;
+    const bool with_scales = q.scales != nullptr || q.landed_scales != nullptr;
+    if (code < 0 || !q.src || !q.weight || !q.landed_weight ||
+        (with_scales && (!q.scales || !q.landed_scales)) || (!given && !with_scales) ||
+        (given && q.rows > kFp8Block) || q.rows < 1 || q.cols < 1 || q.cols % 8 != 0 ||
+        q.src_stride < q.cols || q.weight_stride < q.cols || q.landed_weight_stride < q.cols ||
+        (with_scales && (q.scale_stride < nbc || q.landed_scale_stride < nbc))) {
       return InvalidArgumentError(who +
                                   " is malformed (dtype f32/bf16/f16, non-null pointers, "
                                   "positive extents, columns a multiple of 8, strides "
-                                  "covering a row)");
+                                  "covering a row; given scales: at most 128 rows)");
     }
     if (!aligned(q.weight, q.weight_stride, 8) ||
         !aligned(q.landed_weight, q.landed_weight_stride, 8) || !aligned(q.scales, 0, 4) ||
-        !aligned(q.landed_scales, 0, 4)) {
+        !aligned(q.landed_scales, 0, 4) || !aligned(q.given_scales, 0, 4)) {
       return InvalidArgumentError(who + ": e4m3 rows must start on 8 bytes and scales on 4");
     }
+    const int64_t op_bytes =
+        given ? Fp8PartWireBytes(q.rows, q.cols, with_scales) : Fp8WireBytes(q.rows, q.cols);
     if (q.bucket < 0 || q.bucket >= nb_ || q.wire_offset < 0 || q.wire_offset % 8 != 0 ||
-        q.wire_offset + Fp8WireBytes(q.rows, q.cols) > spec.bucket_bytes[q.bucket]) {
+        q.wire_offset + op_bytes > spec.bucket_bytes[q.bucket]) {
       return InvalidArgumentError(who + ": bucket " + std::to_string(q.bucket) + ", wire offset " +
                                   std::to_string(q.wire_offset) +
                                   " outside its bucket or not a multiple of 8");
@@ -799,6 +818,7 @@ class Fp8Batch final : public CopyBatch {
     t.lwstride = q.landed_weight_stride;
     t.lscales = static_cast<const float*>(q.landed_scales);
     t.lsstride = q.landed_scale_stride;
+    t.given = q.given_scales;
     t.wire_offset = q.wire_offset;
     t.dtype = code;
     t.bucket = q.bucket;

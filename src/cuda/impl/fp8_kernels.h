@@ -42,6 +42,31 @@ struct Fp8DeviceResult {
 // a plain Launch also works (the sums are read after the stream passed it).
 Result<std::unique_ptr<CopyBatch>> PrepareFp8Batch(const BatchSpec& spec, int device);
 
+// The amax exchange over device pairs (fp8_amax.cu): a trainer rank's rows of one shared band
+// (session.h Fp8AmaxTask): rows (<= 128) x cols values at `src`, `src_stride` elements apart,
+// whose partial amax per 128-column block goes to entry slot + block.
+struct Fp8AmaxPart {
+  const void* src = nullptr;
+  DType dtype = DType::kF32;  // f32, bf16 or f16
+  int64_t src_stride = 0;
+  int64_t rows = 0, cols = 0;
+  int64_t slot = 0;
+};
+// The partial amaxes of a fixed set of parts, prepared once (descriptors uploaded) and replayed
+// every sync: one CTA per (part, 128-column block) takes the max of its values' magnitude bits
+// (fp8.h Fp8PartialAmax's: fp32 bits of |x|, so NaN and Inf rank above every finite value), and
+// the out_len entries (zero where no part writes) are copied to pinned host memory.
+class Fp8AmaxBatch {
+ public:
+  static Result<std::unique_ptr<Fp8AmaxBatch>> Prepare(const std::vector<Fp8AmaxPart>& parts,
+                                                       int64_t out_len, int device);
+  virtual ~Fp8AmaxBatch() = default;
+  // Enqueues the kernel and the copy to host on `stream` (a cudaStream_t); once the stream
+  // passed them, host() holds the entries. Never blocks.
+  virtual Status Launch(void* stream) = 0;
+  virtual const uint32_t* host() const = 0;
+};
+
 Result<Fp8DeviceResult> Fp8QuantizePackDevice(const std::vector<Fp8QuantizeTask>& tasks,
                                               int num_sums, void* stream);
 

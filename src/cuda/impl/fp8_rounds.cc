@@ -127,6 +127,10 @@ Result<Fp8SendRound> PrepareFp8SendRound(const PairBucket& b, DType wire, void* 
     const std::string op = who + ": quantize op at byte " + std::to_string(off);
     SS_ASSIGN_OR_RETURN(Matrix m, MatrixOf(q.src, op));
     if (off < 0 || off % 8 != 0) return InvalidArgumentError(op + ": not on 8 bytes");
+    // The session refuses amax ops over nccl pairs before preparing them (sync/fp8_pairs.cc).
+    if (q.given_scales || !q.with_scales) {
+      return UnimplementedError(op + ": amax-exchanged rows do not cross nccl pairs");
+    }
     const int64_t e4m3 = m.rows * m.cols, nbc = Fp8Blocks(m.cols);
     Fp8Task t;
     t.src = static_cast<const unsigned char*>(q.src.base) + m.start * DTypeSize(q.src.dtype);
@@ -213,6 +217,9 @@ Result<std::unique_ptr<CopyBatch>> PrepareFp8RecvRound(const PairBucket& b, DTyp
     const PackRegion& sc = b.quantize[i].landed_scales;
     const int64_t off = w.wire_offset;
     const std::string op = who + ": quantize op at byte " + std::to_string(off);
+    if (!b.quantize[i].with_scales) {
+      return UnimplementedError(op + ": amax-exchanged rows do not cross nccl pairs");
+    }
     if (w.dtype != DType::kF8E4M3 || sc.dtype != DType::kF32 || off < 0 || off % 8 != 0) {
       return InvalidArgumentError(op + ": weight / scales must be F8_E4M3 / F32, on 8 bytes");
     }

@@ -186,6 +186,12 @@ def main():
                 engine=a.engine, wire_dtype="bf16", trainer_dtype=a.trainer_dtype,
                 bucket_bytes=a.bucket_mb << 20)
     plan = shardsync.Plan.from_spec(spec)
+    if not a.dry and plan.trainer_world > max(ngpu, 1):
+        # The trainer is a real FSDP2 job over torch.distributed's NCCL backend, which refuses two
+        # ranks on one GPU ("Duplicate GPU detected") and then hangs: refuse up front.
+        ap.error(f"--trainer {spec['trainer']}: {plan.trainer_world} FSDP ranks need as many GPUs "
+                 f"(torch.distributed NCCL puts one rank per GPU), {max(ngpu, 1)} given; "
+                 "use --dry, or shardsync bench --device cuda for several trainer ranks on a GPU")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     ctx = mp.get_context("spawn")

@@ -69,6 +69,8 @@ Status AddFp8Tasks(CudaIpcTransport& t, const PairSpec& spec, const std::string&
 // sums to `lsum` (8 bytes per bucket; none when null). Nullopt when they do not share one
 // kernel (dtypes).
 std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, void* lsum);
+// `from` with every run's bucket moved up by `base`, appended to `to` (batches merged into one).
+void AppendRenumbered(const std::vector<CopyRun>& from, int32_t base, std::vector<CopyRun>* to);
 
 // One launch over several send pairs' buckets: the batch, the landed sums of all of them in one
 // device buffer (the kernel hands them over with its signal), and the event behind it. A shared

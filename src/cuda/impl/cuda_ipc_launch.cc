@@ -15,6 +15,13 @@ namespace shardsync::gpu::ipc {
 
 using internal::GpuLaunchBoard;
 
+void AppendRenumbered(const std::vector<CopyRun>& from, int32_t base, std::vector<CopyRun>* to) {
+  for (CopyRun r : from) {
+    r.bucket += base;
+    to->push_back(r);
+  }
+}
+
 std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, void* lsum) {
   const BatchSpec& first = members[0]->spec();
   BatchSpec m;
@@ -28,14 +35,8 @@ std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, vo
       return std::nullopt;
     }
     const auto base = static_cast<int32_t>(m.bucket_bytes.size());
-    for (CopyRun r : s.runs) {
-      r.bucket += base;
-      m.runs.push_back(r);
-    }
-    for (CopyRun r : s.landed_runs) {
-      r.bucket += base;
-      m.landed_runs.push_back(r);
-    }
+    AppendRenumbered(s.runs, base, &m.runs);
+    AppendRenumbered(s.landed_runs, base, &m.landed_runs);
     for (Fp8Task q : s.quantize) {
       q.bucket += base;
       m.quantize.push_back(q);

@@ -293,14 +293,8 @@ Result<MergedLaunch*> CudaIpcTransport::SharedGroup(
     for (size_t i = 1; i < parts.size(); ++i) {
       const BatchSpec& b = parts[i].first;
       const auto base = static_cast<int32_t>(parts[i].second);
-      for (CopyRun r : b.runs) {
-        r.bucket += base;
-        m.runs.push_back(r);
-      }
-      for (CopyRun r : b.landed_runs) {
-        r.bucket += base;
-        m.landed_runs.push_back(r);
-      }
+      AppendRenumbered(b.runs, base, &m.runs);
+      AppendRenumbered(b.landed_runs, base, &m.landed_runs);
       m.bucket_bytes.insert(m.bucket_bytes.end(), b.bucket_bytes.begin(), b.bucket_bytes.end());
     }
     for (size_t b = 0; b < g->buckets; ++b) m.landed_sums.push_back(lsum + 8 * b);

@@ -272,11 +272,16 @@ class FakeWorker:
     """v1/worker/gpu_worker.py Worker, the parts weight sync touches: load_model creates the
     engine with WeightTransferEngineFactory.create_engine(weight_transfer_config, vllm_config,
     device, model_runner.get_model()); _check_weight_transfer_engine raises the RuntimeError
-    below. Four-phase profiles mirror the Worker's `_weight_update_active` flag (gpu_worker.py,
-    Worker.start_weight_update / update_weights / finish_weight_update, vLLM with engine-owned
-    start/finish): a second start, an update or a finish without a start raise RuntimeError with
-    vLLM's messages, and an update whose engine call raises clears the flag before re-raising (so
-    a driver that then calls finish gets "without a matching start")."""
+    below. Four-phase profiles mirror the Worker's `_weight_update_active` flag, read in a recent
+    v1/worker/gpu_worker.py with engine-owned start/finish (its commit not known to us; the copy
+    read imports WeightTransferEngine / WeightTransferEngineFactory from
+    vllm.distributed.weight_transfer): `Worker.__init__` sets it False; `start_weight_update`
+    raises RuntimeError("start_weight_update called while a weight update is already active. Call
+    finish_weight_update first.") when set, else calls the engine's start and sets it;
+    `update_weights` raises "start_weight_update must be called before update_weights." when
+    clear, and on any BaseException from the engine's update_weights clears it and re-raises;
+    `finish_weight_update` raises "finish_weight_update called without a matching
+    start_weight_update." when clear, else calls the engine's finish and clears it."""
 
     def __init__(self, rank, vllm_config, model, profile: VLLMProfile):
         self.rank, self.vllm_config, self.profile = rank, vllm_config, profile

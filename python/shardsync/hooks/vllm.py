@@ -238,7 +238,10 @@ class _BackendCore:
     there (parse_update_info -> receive_weights -> torch.accelerator.synchronize) and replaced
     here. The worker (v1/worker/gpu_worker.py) calls init_weight_transfer_engine(init_info) ->
     parse_init_info + init_transfer_engine, and start/update/finish guarded by its own
-    `_weight_update_active` flag (RuntimeError on double start, update or finish without start).
+    `_weight_update_active` flag (RuntimeError on double start, update or finish without start;
+    an update_weights that raises clears it: `Worker.update_weights`, `except BaseException:
+    self._weight_update_active = False; raise`, in the recent gpu_worker.py python/tests/
+    fakes_vllm.py FakeWorker cites).
     """
 
     def _ss_setup(self, vllm_config: Any, device: Any, model: Any) -> None:

@@ -87,6 +87,11 @@ struct Control {
 };
 static_assert(sizeof(Control) == 40);
 
+// A bucket's control message as every receiver checks it before its checksum (host_recv.cc):
+// magic and bucket, the job it comes from, the version, the byte count; `where` names it.
+Status CheckControl(const Control& c, const std::string& where, int bucket, uint64_t job_tag,
+                    uint64_t version, int64_t bytes);
+
 // Tags (MakeTag): the version keeps messages of an aborted sync from being taken for a later
 // sync's.
 inline uint64_t ControlTag(uint64_t version, uint32_t bucket) {

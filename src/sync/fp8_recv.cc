@@ -178,21 +178,7 @@ Status Fp8HostReceiver::Land(Inbox& in, const Posted& p, std::vector<int64_t>& b
   const Control& c = in.ctrl.get()[p.slot];
   const std::string where = "message from sync rank " + std::to_string(m.src) + " to sync rank " +
                             std::to_string(ctx_.rank) + ", bucket " + std::to_string(p.bucket);
-  if (c.magic != kControlMagic || c.bucket != static_cast<uint32_t>(p.bucket)) {
-    return DataLossError(where + ": malformed control message");
-  }
-  if (c.job != ctx_.job_tag) {
-    return DataLossError(where + ": control message of job " + Hex(c.job) +
-                         ", this rank is in job " + Hex(ctx_.job_tag));
-  }
-  if (c.version != guard_.version()) {
-    return FailedPreconditionError(where + ": sender syncs version " + std::to_string(c.version) +
-                                   ", this rank " + std::to_string(guard_.version()));
-  }
-  if (c.bytes != static_cast<uint64_t>(b.bytes)) {
-    return DataLossError(where + ": sender reports " + std::to_string(c.bytes) +
-                         " bytes, the plan " + std::to_string(b.bytes));
-  }
+  SS_RETURN_IF_ERROR(CheckControl(c, where, p.bucket, ctx_.job_tag, guard_.version(), b.bytes));
   const unsigned char* img = in.slots[p.slot].get();
   const uint64_t got = Checksum(img, static_cast<size_t>(b.bytes));
   if (got != c.checksum) {

@@ -149,26 +149,32 @@ void HostReceiver::AddLanded(HostRecv& hr, Expect& e, size_t done) {
   }
 }
 
+Status CheckControl(const Control& c, const std::string& where, int bucket, uint64_t job_tag,
+                    uint64_t version, int64_t bytes) {
+  if (c.magic != kControlMagic || c.bucket != static_cast<uint32_t>(bucket)) {
+    return DataLossError(where + ": malformed control message");
+  }
+  if (c.job != job_tag) {
+    return DataLossError(where + ": control message of job " + Hex(c.job) +
+                         ", this rank is in job " + Hex(job_tag));
+  }
+  if (c.version != version) {
+    return FailedPreconditionError(where + ": sender syncs version " + std::to_string(c.version) +
+                                   ", this rank " + std::to_string(version));
+  }
+  if (c.bytes != static_cast<uint64_t>(bytes)) {
+    return DataLossError(where + ": sender reports " + std::to_string(c.bytes) +
+                         " bytes, the plan " + std::to_string(bytes));
+  }
+  return OkStatus();
+}
+
 Status HostReceiver::VerifyBucket(const Message& m, int bucket, const Control& c,
                                   LandedSum* landed) {
   const Bucket& b = m.buckets[bucket];
   const std::string where = "message from sync rank " + std::to_string(m.src) + " to sync rank " +
                             std::to_string(ctx_.rank) + ", bucket " + std::to_string(bucket);
-  if (c.magic != kControlMagic || c.bucket != static_cast<uint32_t>(bucket)) {
-    return DataLossError(where + ": malformed control message");
-  }
-  if (c.job != ctx_.job_tag) {
-    return DataLossError(where + ": control message of job " + Hex(c.job) +
-                         ", this rank is in job " + Hex(ctx_.job_tag));
-  }
-  if (c.version != guard_.version()) {
-    return FailedPreconditionError(where + ": sender syncs version " + std::to_string(c.version) +
-                                   ", this rank " + std::to_string(guard_.version()));
-  }
-  if (c.bytes != static_cast<uint64_t>(b.bytes)) {
-    return DataLossError(where + ": sender reports " + std::to_string(c.bytes) +
-                         " bytes, the plan " + std::to_string(b.bytes));
-  }
+  SS_RETURN_IF_ERROR(CheckControl(c, where, bucket, ctx_.job_tag, guard_.version(), b.bytes));
   uint64_t got = 0;
   if (landed != nullptr) {
     if (landed->bytes() != static_cast<uint64_t>(b.bytes)) {

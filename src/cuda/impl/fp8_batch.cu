@@ -66,6 +66,27 @@ struct Raw {
   uint4 a, b;
 };
 
+// The warp's largest magnitude bits over its threads' words: f32 as is; bf16 / f16 two per
+// 32-bit word, maxed per half (vmaxu2), then the larger half.
+__device__ __forceinline__ unsigned int WarpMaxBits(const Raw (&raw)[kWordsPerThread], int dt) {
+  unsigned int m = 0;
+#pragma unroll
+  for (int k = 0; k < kWordsPerThread; ++k) {
+    const uint32_t u[8] = {raw[k].a.x, raw[k].a.y, raw[k].a.z, raw[k].a.w,
+                           raw[k].b.x, raw[k].b.y, raw[k].b.z, raw[k].b.w};
+    if (dt == 0) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = max(m, u[i] & 0x7fffffffu);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) m = __vmaxu2(m, u[i] & 0x7fff7fffu);
+    }
+  }
+  if (dt != 0) m = max(m >> 16, m & 0xffffu);
+  for (int o = 16; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+
 template <int DT>
 __device__ __forceinline__ Raw LoadWord(const PTask& t, const unsigned char* p) {
   Raw w{};
@@ -136,22 +157,7 @@ __global__ void __launch_bounds__(kThreads, DT == 0 ? 2 : 4)
       raw[k] = LoadWord<DT>(t, t.src + ((r0 + r) * t.src_stride + c0 + c) * es);
     }
   }
-  // Magnitude bits: f32 as is; bf16 / f16 two per 32-bit word, maxed per half (vmaxu2).
-  unsigned int m = 0;
-#pragma unroll
-  for (int k = 0; k < kWordsPerThread; ++k) {
-    const uint32_t u[8] = {raw[k].a.x, raw[k].a.y, raw[k].a.z, raw[k].a.w,
-                           raw[k].b.x, raw[k].b.y, raw[k].b.z, raw[k].b.w};
-    if (dt == 0) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) m = max(m, u[i] & 0x7fffffffu);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) m = __vmaxu2(m, u[i] & 0x7fff7fffu);
-    }
-  }
-  if (dt != 0) m = max(m >> 16, m & 0xffffu);
-  for (int o = 16; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  unsigned int m = WarpMaxBits(raw, dt);
   if (threadIdx.x % 32 == 0) m_shared[threadIdx.x / 32] = m;
   __syncthreads();
 #pragma unroll
@@ -439,21 +445,7 @@ __global__ void __launch_bounds__(kThreads, MinB)
         if (dt == 0) raw[k].b = p[1];
       }
     }
-    unsigned int m = 0;
-#pragma unroll
-    for (int k = 0; k < kWordsPerThread; ++k) {
-      const uint32_t u[8] = {raw[k].a.x, raw[k].a.y, raw[k].a.z, raw[k].a.w,
-                             raw[k].b.x, raw[k].b.y, raw[k].b.z, raw[k].b.w};
-      if (dt == 0) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) m = max(m, u[i] & 0x7fffffffu);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) m = __vmaxu2(m, u[i] & 0x7fff7fffu);
-      }
-    }
-    if (dt != 0) m = max(m >> 16, m & 0xffffu);
-    for (int o = 16; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    unsigned int m = WarpMaxBits(raw, dt);
     if (lane == 0) m_shared[j & 1][warp] = m;
     __syncthreads();  // the amax, and every thread is done reading stage s
 #pragma unroll

@@ -14,20 +14,32 @@ Mirrored from SGLang's own files (python/sglang/srt/...):
   loading" otherwise), then per model runner (target, then the speculative draft:
   SchedulerWeightUpdaterManager.get_model_runners) `_unwrap_tensor(t, tp_rank, device).to(device)`
   and the custom loader with no try (model_runner_components/weight_updater.py); an exception
-  anywhere there kills the scheduler and with it the engine;
+  anywhere there kills the scheduler and with it the engine; the runners' order is the SGLang
+  line's: SGLang main's EAGLE worker updates the draft runner first, then the target
+  (sgl-project/sglang 006b0e3, speculative/eagle_worker_v2.py `EAGLEWorkerV2.
+  update_weights_from_tensor`), sglang-miles' `SchedulerWeightUpdaterManager.get_model_runners`
+  the target first (00a2ca2);
+- `--weight-cache-mode` other than off: `WeightUpdater._assert_weight_cache_inactive` raises
+  RuntimeError before any loader, with no try (027814e): the scheduler dies;
 - `flush_cache_after_weight_update` asserts the flush succeeded, and a flush succeeds only when
   generation is fully idle (scheduler: flush_cache returns False with requests in flight);
-- begin/end weight-update session (PR #28001): every update asserts an open session,
-  `end_weight_update` runs `post_load_weights` only when no load_weights ran in the session
-  (`run_post_load = not loaded`); a loader round marks it loaded, an external-receiver round
-  (load_weights bypassed) does not;
+- begin/end weight-update session (sglang-miles, PRs #28710 + #28001): every update asserts an
+  open session, `end_weight_update` runs `post_load_weights` only when the session is not marked
+  loaded (`run_post_load = not self._weight_update_loaded`), and every successful update marks
+  it: `update_weights_from_tensor` and `update_weights_from_distributed`, a receiver round
+  included (srt/managers/scheduler_components/weight_updater.py `SchedulerWeightUpdaterManager`,
+  sgl-project/sglang 00a2ca2: `_weight_update_loaded = True` after `load_weights(weights)`, which
+  for a receiver group is the empty list `receive_weights_from_distributed` returns after
+  `external.receive(receiver_payload)`);
 - external weight-update receivers exist only on the sglang-miles branch
   (weight_sync/external_receiver.py): a stock Engine's `init_weights_update_group` has no
   receiver keywords (TypeError), and its HTTP route drops unknown keys and opens a torch process
   group at the given address.
 
 Version strings of the profiles are labels; which release first shipped each capability is
-given by the PR cited on the field.
+given by the PR cited on the field. "0.5.12" stands for SGLang main's releases (loader +
+SafeUnpickler, no session); "miles-session" and "miles" for the sglang-miles branch, which
+reports release version strings too (only the capabilities tell it apart).
 """
 
 from __future__ import annotations
@@ -66,16 +78,17 @@ class SGLangProfile:
     version: str
     custom_loader: bool = True  # ServerArgs.custom_weight_loader (PR #7122, v0.4.7)
     safe_unpickler: bool = True  # SafeUnpickler in MultiprocessingSerializer (PR #11909)
-    session_api: bool = True  # begin/end_weight_update + the open-session assert (PR #28001)
+    session_api: bool = False  # begin/end + the open-session assert (sglang-miles, PR #28001)
     receivers: bool = False  # external receivers (sglang-miles branch only)
 
 
 SGLANG_PROFILES: Dict[str, SGLangProfile] = {
-    "0.4.6": SGLangProfile("0.4.6", custom_loader=False, safe_unpickler=False, session_api=False),
-    "0.4.7": SGLangProfile("0.4.7", safe_unpickler=False, session_api=False),
-    "0.5.4": SGLangProfile("0.5.4", session_api=False),
-    "0.5.12": SGLangProfile("0.5.12"),
-    "miles": SGLangProfile("0.5.12+miles", receivers=True),
+    "0.4.6": SGLangProfile("0.4.6", custom_loader=False, safe_unpickler=False),
+    "0.4.7": SGLangProfile("0.4.7", safe_unpickler=False),
+    "0.5.4": SGLangProfile("0.5.4"),
+    "0.5.12": SGLangProfile("0.5.12"),  # SGLang main: no session
+    "miles-session": SGLangProfile("0.5.12+miles", session_api=True),
+    "miles": SGLangProfile("0.5.12+miles", session_api=True, receivers=True),
 }
 
 # srt/utils/common.py SafeUnpickler.ALLOWED_MODULE_PREFIXES / DENY_CLASSES (sgl-project/sglang
@@ -377,6 +390,20 @@ class FakeSGLangEngine:
             return True, "Success"
         return self._request("end_weight_update", h)
 
+    def _runners(self, s):
+        """The model runners an update reaches, in the line's order (module docstring)."""
+        if s.draft is None:
+            return [s.model]
+        return [s.model, s.draft] if self.profile.session_api else [s.draft, s.model]
+
+    @staticmethod
+    def _assert_weight_cache_inactive(s, op):
+        # model_runner_components/weight_updater.py WeightUpdater._assert_weight_cache_inactive
+        mode = getattr(s.server_args, "weight_cache_mode", "off")
+        if mode != "off":
+            raise RuntimeError(f"[weight_cache] {op} is not supported while the weight cache is "
+                               f"active (--weight-cache-mode {mode})")
+
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         """entrypoints/engine.py: one serialized payload per tp rank."""
         payloads = [self.serializer.serialize(named_tensors) for _ in range(self.tp)]
@@ -393,7 +420,8 @@ class FakeSGLangEngine:
                 assert s.in_session, ("update_weights_from_tensor requires an open "
                                       "begin_weight_update session")
             named = self.serializer.deserialize(serialized_named_tensors[s.tp_rank])
-            for model in [s.model] + ([s.draft] if s.draft is not None else []):
+            for model in self._runners(s):
+                self._assert_weight_cache_inactive(s, "update_weights_from_tensor")
                 unwrapped = [(n, _unwrap_tensor(t, s.tp_rank, "cpu")) for n, t in named]
                 if load_format in (getattr(s.server_args, "custom_weight_loader", None) or ()):
                     mod, _, fn = load_format.rpartition(".")
@@ -446,12 +474,14 @@ class FakeSGLangEngine:
             r = s.receivers.get(group_name)
             if r is None:
                 return False, f"Group {group_name} not in {list(s.receivers)}"
+            self._assert_weight_cache_inactive(s, "update_weights_from_distributed")
             try:
                 r.receive(receiver.get("receiver_payload"))
                 ok, msg = True, "Succeeded to update parameter online."
             except Exception as e:  # noqa: BLE001 - weight_updater.py catches the receiver's
                 ok, msg = False, f"Failed to update parameter online: {e}."
-            if ok:  # load_weights was bypassed: the session is not marked loaded (PR #28001)
+            if ok:  # load_weights([]) ran on every runner: marked loaded all the same (00a2ca2)
+                s.loaded = True
                 self._flush_after_update(flush_cache)
             return ok, msg
         return self._request("update_weights_from_distributed", h)

@@ -27,7 +27,7 @@ def test_engine_hooks_demo(need_session, capsys):
         (e, p, h) for e, p, _, h, _ in demo.SCENARIOS]
     supported = [r for r in lines if r["expect"] == "ok"]
     refused = [r for r in lines if r["expect"] != "ok"]
-    assert len(supported) == 14 and len(refused) == 4
+    assert len(supported) == 16 and len(refused) == 5
     for r in supported:
         assert r["ok"], r
         assert [v["version"] for v in r["versions"]] == [1]

@@ -128,19 +128,20 @@ def test_vllm_worker_names_the_naming_fix(need_session, tiny_moe):
 # ---- SGLang command payload -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("profile", ["0.4.7", "0.5.4", "0.5.12"])
+@pytest.mark.parametrize("profile", ["0.4.7", "0.5.4", "0.5.12", "miles-session"])
 def test_sglang_command_survives_the_safe_unpickler(need_session, tiny_model, profile):
     """SGLang's unpickler (allowlisted since PR #11909) refused the hooks' `Command` (a class of
     shardsync) outside any try: the scheduler died on the first push. The command is now a plain
     torch.nn.Module: tp=2, pp=2 syncs on plain-pickle, SafeUnpickler and session versions alike,
-    every PP stage opening the same per-tp_rank payload on its own."""
+    every PP stage opening the same per-tp_rank payload on its own. Only sglang-miles has the
+    begin/end session; SGLang main's releases (0.5.12 here) do not."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=2", "sglang")
     with installed(sglang_modules(profile)), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, models = engines_for(plan, profile=profile)
         driver = SGLangDriver(group, plan, base_config(plan, srv))
         run_versions(plan, srv, driver, models)
         assert not engines[0].dead
-        assert driver.caps.payload_error is None and driver.session is (profile == "0.5.12")
+        assert driver.caps.payload_error is None and driver.session is (profile == "miles-session")
         engines[0].shutdown()
 
 
@@ -155,7 +156,7 @@ def test_sglang_stock_engine_has_no_receiver(need_session, tiny_model):
     path='receiver' called init_weights_update_group (TypeError / a process group attempt)."""
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=2", "sglang")
     with installed(sglang_modules("0.5.12")), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
-        group, engines, _ = engines_for(plan)
+        group, engines, _ = engines_for(plan, profile="0.5.12")
         url, http = serve_sglang_http(engines[0])
         try:
             for head in (engines[0], HTTPEngine(url, "sglang")):
@@ -169,16 +170,24 @@ def test_sglang_stock_engine_has_no_receiver(need_session, tiny_model):
             engines[0].shutdown()
 
 
-def test_sglang_miles_receiver_runs_post_load_once(need_session, tiny_model):
-    """On sglang-miles a receiver round bypasses load_weights, so end_weight_update runs
-    post_load_weights itself (run_post_load = not loaded). Before: the hook ran it too (twice per
-    round); now exactly once, and the weights land."""
+def test_sglang_miles_receiver_round_runs_post_load(need_session, tiny_model):
+    """sglang-miles marks a receiver round loaded like any update (SchedulerWeightUpdaterManager.
+    update_weights_from_distributed sets _weight_update_loaded after load_weights([]) on every
+    runner), so its end_weight_update skips post_load_weights. Before: the driver told the hook
+    not to run it on receiver rounds either, so derived weights went stale, silently (0 post-
+    loads). Now the hook runs it in every round's wait: once per round, and the derived weights
+    follow the new qkv."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
     with installed(sglang_modules("miles")), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
         group, engines, models = engines_for(plan, profile="miles")
         driver = SGLangDriver(group, plan, base_config(plan, srv), path="receiver")
         run_versions(plan, srv, driver, models, versions=(1, 2))
         assert [m.post_loads for m in models.values()] == [2, 2]
+        for m in models.values():
+            for a in m.attention:
+                assert float(a.derived) == pytest.approx(
+                    float(a._qkv[0].weight.double().sum()), rel=1e-6)
+        assert all(p.loaded for p in engines[0].procs.values())  # end saw the round loaded
         driver.close()
         engines[0].shutdown()
 
@@ -296,14 +305,17 @@ def test_vllm_http_without_dev_mode_refused_at_init(need_session, tiny_model):
 # ---- smaller --------------------------------------------------------------------------------
 
 
-def test_sglang_speculative_draft(need_session, tiny_model):
-    """With speculative decoding SGLang calls the loader once per runner (target, then draft).
-    Before: the hook rebound to the draft and submitted a second sync. Now the draft is refused
-    at init (the plan covers the target only) unless draft='leave', and then the target is bound
-    and synced once per round while the draft keeps its weights."""
+@pytest.mark.parametrize("profile", ["0.5.12", "miles-session"])
+def test_sglang_speculative_draft(need_session, tiny_model, profile):
+    """With speculative decoding SGLang calls the loader once per runner: SGLang main's EAGLE
+    worker the draft first (eagle_worker_v2.py), sglang-miles the target first. The draft is
+    refused at init (the plan covers the target only) unless draft='leave'; then the hook binds
+    the runner whose parameters are the plan's, whatever the order, and syncs it once per round
+    while the draft keeps its weights. Before: init bound the first caller, the draft on SGLang
+    main, and failed."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
-    with installed(sglang_modules("0.5.12")), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
-        group, engines, models = engines_for(plan, drafts=True)
+    with installed(sglang_modules(profile)), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
+        group, engines, models = engines_for(plan, drafts=True, profile=profile)
         with pytest.raises(shardsync.UnimplementedError, match="speculative decoding.*draft"):
             SGLangDriver(group, plan, base_config(plan, srv))
         driver = SGLangDriver(group, plan, base_config(plan, srv), draft="leave")
@@ -314,7 +326,61 @@ def test_sglang_speculative_draft(need_session, tiny_model):
             assert all(torch.equal(a, b) for a, b in zip(d.parameters(), old))
             assert d.post_loads == 0
         assert [m.post_loads for m in models.values()] == [2, 2]
+        assert not engines[0].dead
         engines[0].shutdown()
+
+
+def test_sglang_draft_first_without_leave_is_refused_in_the_hook(need_session, tiny_model):
+    """The driver's probe refuses a draft from the head's server args; where those are not
+    readable (precheck or not), the hook still refuses: with the draft called first, the init
+    binds the target and reports the draft runner by name instead of binding the draft."""
+    from shardsync.hooks import sglang as ss
+
+    plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "sglang")
+    with installed(sglang_modules("0.5.12")), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
+        group, engines, models = engines_for(plan, drafts=True, profile="0.5.12")
+        cfg = dict(base_config(plan, srv, connect_timeout=2.0), replica=0, init_id=7)
+        eng = engines[0]
+        eng.update_weights_from_tensor(ss.init_request(cfg), load_format=ss.LOADER,
+                                       flush_cache=False)
+        eng.update_weights_from_tensor(ss.wait_request(timeout=5), load_format=ss.LOADER,
+                                       flush_cache=False)
+        st = json.loads(shardsync.StoreClient(srv.address, "hooks-test-token-0123456789").get(
+            "ss/hooks/init/7/0/0/0", timeout=5.0))
+        assert not st["ok"] and "second model runner" in st["error"], st
+        assert "draft" in st["error"] and not eng.dead
+        eng.shutdown()
+
+
+def test_sglang_weight_cache_mode_refused_by_name(need_session, tiny_model):
+    """--weight-cache-mode other than off: SGLang's WeightUpdater._assert_weight_cache_inactive
+    raises before any loader, with no try, and the scheduler dies. Before: the driver probed
+    nothing, and with precheck off (or server args read only by the ranks) the first request
+    killed the engine. Now the probe reads the mode and the driver refuses at construction, in
+    process and over HTTP, naming the flag; no request reaches the engine."""
+    from fakes_sglang import FakeSGLangEngine, SchedulerDied, sglang_server_args
+    from shardsync.hooks import sglang as ss
+
+    plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
+    with installed(sglang_modules("0.5.12")), shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
+        sa = sglang_server_args(2, 1, "0.5.12", weight_cache_mode="client")
+        group, engines, _ = engines_for(plan, profile="0.5.12", server_args=sa)
+        url, http = serve_sglang_http(engines[0])
+        try:
+            for head in (engines[0], HTTPEngine(url, "sglang")):
+                for path in ("loader", "auto"):
+                    with pytest.raises(shardsync.UnimplementedError,
+                                       match=r"--weight-cache-mode client.*"
+                                             r"_assert_weight_cache_inactive"):
+                        SGLangDriver(EngineGroup([head, None], tp=2, pp=1), plan,
+                                     base_config(plan, srv, precheck=False), path=path)
+            assert engines[0].calls == [] and not engines[0].dead
+            # What the refusal prevents: the engine's own assert kills the scheduler.
+            with pytest.raises(SchedulerDied, match="weight_cache"):
+                engines[0].update_weights_from_tensor(ss.wait_request(), load_format=ss.LOADER)
+        finally:
+            http.shutdown()
+            engines[0].shutdown()
 
 
 def test_sglang_flush_never_asserts_in_the_scheduler(need_session, tiny_model):

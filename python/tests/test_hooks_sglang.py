@@ -1,7 +1,9 @@
 """SGLang hooks against FakeSGLangEngine (fakes_sglang.py), which keeps SGLang's contract for a
 weight-update request: stage-by-stage handling with only pp0/tp0 answering, the allowlisted
 unpickler outside any try, per-tp_rank payloads shared by every PP stage, unguarded custom
-loaders, begin/end session asserts, the flush assert, external receivers (sglang-miles only)."""
+loaders, begin/end session asserts and external receivers (both sglang-miles only), the flush
+assert. Most tests run the sglang-miles session profile ("miles-session"); SGLang main's
+releases ("0.5.12", no session) are covered in test_hooks_engine_versions.py."""
 
 from __future__ import annotations
 
@@ -27,11 +29,12 @@ from shardsync.hooks.driver import HookError, HTTPEngine, SGLangDriver  # noqa: 
 
 @pytest.fixture
 def sglang_env(need_session):
-    with installed(sglang_modules("0.5.12")):
+    with installed(sglang_modules("miles-session")):
         yield
 
 
-def engines_for(plan, *, models=None, overrides=None, profile="0.5.12", drafts=False, **kw):
+def engines_for(plan, *, models=None, overrides=None, profile="miles-session", drafts=False,
+                **kw):
     """One FakeSGLangEngine per replica; returns (EngineGroup over the workers, engines, models).
     With `drafts`, every scheduler also runs a draft model runner (its own FakeModel)."""
     sm = plan.shard_map()
@@ -164,7 +167,7 @@ def test_sglang_pp1_stage_failure_is_not_silent(sglang_env, tiny_model):
 
 
 def test_sglang_session_asserts(sglang_env, tiny_model):
-    """Newer SGLang asserts an open begin_weight_update session around updates (an assert in a
+    """sglang-miles asserts an open begin_weight_update session around updates (an assert in a
     scheduler kills it). The driver brackets every round and closes the session even when the
     round failed, so the next begin does not assert."""
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")
@@ -233,7 +236,7 @@ def test_sglang_loader_over_http(sglang_env, tiny_model):
             group = EngineGroup([HTTPEngine(url, "sglang")] + [None] * 3, tp=2, pp=2)
             driver = SGLangDriver(group, plan, base_config(plan, srv))
             assert driver.path == "loader" and driver.session is True
-            assert driver.caps.version == "0.5.12" and driver.caps.http
+            assert driver.caps.version == "0.5.12+miles" and driver.caps.http
             run_versions(plan, srv, driver, models, versions=(1,))
             driver.close()
             assert not engines[0].dead

@@ -7,9 +7,11 @@ every engine element checked; the unsupported ranges refused at init, by version
 
 Scenarios (engine, profile, path, head); the profiles (python/tests/fakes_sglang.py,
 fakes_vllm.py) keep each version's contract as the engine's source has it:
-- SGLang 0.4.7 (plain pickle), 0.5.4 (SafeUnpickler), 0.5.12 (begin/end session): custom loader,
-  in-process; 0.5.12 also through the Engine adapter and over HTTP; sglang-miles: receiver.
-  Refused: 0.4.6 (no custom loader), the receiver path on stock SGLang.
+- SGLang main releases 0.4.7 (plain pickle), 0.5.4 and 0.5.12 (SafeUnpickler, no session):
+  custom loader, in-process, 0.5.12 also over HTTP; sglang-miles with the begin/end session
+  ("miles-session"): custom loader in-process, through the Engine adapter and over HTTP;
+  sglang-miles with receivers: receiver. Refused: 0.4.6 (no custom loader), the receiver path on
+  SGLang main, a head launched with --weight-cache-mode client.
 - vLLM 0.16 and 0.21: worker extension; 0.23: native backend (LLM, AsyncLLM on its own loop,
   HTTP in dev mode) and extension; 0.24: RoutedExperts names, native in-process and over HTTP.
   Refused: native on 0.16 / 0.21 (no four-phase API), HTTP without VLLM_SERVER_DEV_MODE.
@@ -55,11 +57,14 @@ SCENARIOS = (
     ("sglang", "0.4.7", "loader", "inproc", "ok"),
     ("sglang", "0.5.4", "loader", "inproc", "ok"),
     ("sglang", "0.5.12", "loader", "inproc", "ok"),
-    ("sglang", "0.5.12", "loader", "adapter", "ok"),
     ("sglang", "0.5.12", "loader", "http", "ok"),
+    ("sglang", "miles-session", "loader", "inproc", "ok"),
+    ("sglang", "miles-session", "loader", "adapter", "ok"),
+    ("sglang", "miles-session", "loader", "http", "ok"),
     ("sglang", "miles", "receiver", "inproc", "ok"),
     ("sglang", "0.4.6", "auto", "inproc", "no --custom-weight-loader"),
     ("sglang", "0.5.12", "receiver", "http", "no external weight-update receivers"),
+    ("sglang", "0.5.12", "loader", "weight-cache", "--weight-cache-mode client"),
     ("vllm", "0.16", "extension", "inproc", "ok"),
     ("vllm", "0.21", "extension", "inproc", "ok"),
     ("vllm", "0.23", "native", "inproc", "ok"),
@@ -201,9 +206,11 @@ class Scenario:
         if self.engine == "sglang":
             import fakes_sglang as fs
 
+            cache = {"weight_cache_mode": "client"} if self.head == "weight-cache" else {}
             e = fs.FakeSGLangEngine(per, plan.tp, plan.pp, profile=self.profile,
                                     server_args=fs.sglang_server_args(
-                                        plan.tp, plan.pp, self.profile, ep_size=plan.inputs.ep))
+                                        plan.tp, plan.pp, self.profile, ep_size=plan.inputs.ep,
+                                        **cache))
             self.cleanup.append(e.shutdown)
             return e
         import fakes_vllm as fv
@@ -277,7 +284,8 @@ def run_one(sc, args, model):
                 x["verified"] and x["mismatches"] == 0 for x in out["versions"])
         except shardsync.Error as e:
             out["error"] = f"{type(e).__name__}: {e}"
-            version = {"miles": "0.5.12+miles"}.get(profile, profile)
+            version = {"miles": "0.5.12+miles", "miles-session": "0.5.12+miles"}.get(profile,
+                                                                                    profile)
             out["ok"] = expect != "ok" and expect in str(e) and version in str(e)
             if expect == "ok":
                 out["traceback"] = traceback.format_exc(limit=5)

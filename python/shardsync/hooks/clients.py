@@ -181,6 +181,7 @@ class SGLangHTTP(_HTTP):
             receiver="weight_update_receivers" in info,
             receiver_listed=ss.RECEIVER in (info.get("weight_update_receivers") or []),
             draft=info.get("speculative_algorithm") or None,
+            weight_cache=str(info.get("weight_cache_mode") or "off"),
             tp_size=int(info.get("tp_size") or 1),
         )
 

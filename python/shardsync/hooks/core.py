@@ -145,7 +145,9 @@ class EngineRankHook:
         return st
 
     def post(self, st: Dict[str, Any]) -> Dict[str, Any]:
-        if self.fatal and st.get("ok") and st.get("op") in ("init", "sync"):
+        # A fatal finding outranks whatever the job saw next (a peer timing out on this rank).
+        if self.fatal and st.get("op") in ("init", "sync") and self.fatal not in str(
+                st.get("error") or ""):
             st = make_status(st["op"], st.get("version") or 0, self.coord,
                              error=FailedPreconditionError(self.fatal))
         err = post_status(self.config, st)

@@ -98,14 +98,23 @@ class _Driver:
     engine = "?"
 
     def __init__(self, group: Any, plan: Any, config: Dict[str, Any], *,
-                 timeout: Optional[float] = None, draft: str = "refuse") -> None:
+                 timeout: Optional[float] = None, draft: str = "refuse",
+                 replicas: Optional[Sequence[int]] = None) -> None:
         if not isinstance(group, EngineGroup):
             group = EngineGroup(list(group), tp=1, pp=1)  # one handle per replica, heads only
         if draft not in ("refuse", "leave"):
             raise InvalidArgumentError(f"draft: must be refuse or leave, got {draft!r}")
-        if group.dp != plan.dp:
+        # `replicas`: the plan's replicas this group's heads are, in order (a driver per head,
+        # e.g. UniRL's colocated ranks each driving their own engine); default all of them.
+        self.replicas = list(range(plan.dp)) if replicas is None else [int(r) for r in replicas]
+        if any(not 0 <= r < plan.dp for r in self.replicas) or \
+                len(set(self.replicas)) != len(self.replicas):
             raise InvalidArgumentError(
-                f"group has {group.dp} replica(s), the plan's rollout dp={plan.dp}")
+                f"replicas {self.replicas}: distinct replica indices of the plan's dp={plan.dp}")
+        if group.dp != len(self.replicas):
+            raise InvalidArgumentError(
+                f"group has {group.dp} replica(s), the plan's rollout dp={plan.dp}"
+                + ("" if replicas is None else f" of which it drives {self.replicas}"))
         if plan.engine != self.engine:
             raise InvalidArgumentError(f"plan engine '{plan.engine}', driver for {self.engine}")
         for key in ("store",):
@@ -127,11 +136,12 @@ class _Driver:
         self.precheck_layout = bool(config.get("precheck", True))
 
     def replica_config(self, d: int) -> Dict[str, Any]:
-        return dict(self.config, replica=d, init_id=self.init_id)
+        """The config of the group's head `d` (the plan's replica `replicas[d]`)."""
+        return dict(self.config, replica=self.replicas[d], init_id=self.init_id)
 
     def _collect(self, op: str, version: int) -> Dict[str, Any]:
         self.last_reports = collect_reports(self.plan, self.config, op, version,
-                                            timeout=self.timeout)
+                                            timeout=self.timeout, replicas=self.replicas)
         return check_reports(self.last_reports, op, version)
 
     def _refuse_asleep(self) -> None:

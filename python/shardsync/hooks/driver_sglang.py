@@ -1,6 +1,7 @@
 """SGLangDriver: SGLang's call sequences on every replica's head (see sglang.py for the hook).
 
-- Loader path (SGLang main, `--custom-weight-loader shardsync.hooks.sglang.load_weights`): init
+- Loader path (SGLang >= 0.4.7 and sglang-miles, `--custom-weight-loader
+  shardsync.hooks.sglang.load_weights`): init
   = [begin] `update_weights_from_tensor(init command)` + wait [end]; every round = [begin] start
   -> wait [end], each an `update_weights_from_tensor(command, load_format=LOADER,
   flush_cache=False)`. In-process engines and SGLang servers alike (the command is a pickle of a
@@ -9,8 +10,14 @@
   receiver_init_payload=config)`; every round = `update_weights_from_distributed(names=[],
   receiver_payload={"op": ...})`.
 - begin/end (`begin_weight_update` ... `end_weight_update`) bracket every request where the
-  engine has the session (it asserts an open session around every update, PR #28001) and never
-  where it has not; `engines.probe` decides, from the io_struct classes or the routes.
+  engine has the session (sglang-miles branch work, PRs #28710 + #28001: its scheduler asserts an
+  open session around every update) and never where it has not (SGLang main releases);
+  `engines.probe` decides, from the io_struct classes or the routes, never from the version.
+- Post-load runs in the hook's `wait` on both paths (sglang.py docstring: sglang-miles marks a
+  receiver round loaded too, so its `end_weight_update` skips post-load).
+- Refused before any request (`engines.require`): a head launched with `--weight-cache-mode`
+  other than off (SGLang's `WeightUpdater._assert_weight_cache_inactive` raises before any
+  loader, and with no try around it the scheduler dies).
 - The cache is flushed once per round after `end`, through `flush_cache` (retried until it
   answers success or `flush_timeout`): an update request's own `flush_cache=True` asserts inside
   the scheduler unless generation is fully idle (`flush_cache_after_weight_update`), which would
@@ -55,8 +62,9 @@ class SGLangDriver(_Driver):
     def __init__(self, group: Any, plan: Any, config: Dict[str, Any], *, path: str = "auto",
                  session: Any = "auto", group_name: str = "shardsync",
                  timeout: Optional[float] = None, draft: str = "refuse",
-                 flush: str = "separate", flush_timeout: float = 30.0) -> None:
-        super().__init__(group, plan, config, timeout=timeout, draft=draft)
+                 flush: str = "separate", flush_timeout: float = 30.0,
+                 replicas: Optional[Sequence[int]] = None) -> None:
+        super().__init__(group, plan, config, timeout=timeout, draft=draft, replicas=replicas)
         from . import sglang as ss
 
         self.ss = ss
@@ -65,9 +73,9 @@ class SGLangDriver(_Driver):
             path = "loader" if caps.loader_listed else (
                 "receiver" if caps.receiver and caps.receiver_listed else "loader")
         if path == "loader":
-            require(caps, "loader", "loader_listed", "payload")
+            require(caps, "loader", "loader_listed", "payload", "weight_cache")
         elif path == "receiver":
-            require(caps, "receiver", "receiver_listed")
+            require(caps, "receiver", "receiver_listed", "weight_cache")
         else:
             raise InvalidArgumentError(f"path: must be loader, receiver or auto, got {path!r}")
         self.path = path
@@ -117,11 +125,6 @@ class SGLangDriver(_Driver):
             "update_weights_from_distributed", names=[], dtypes=[], shapes=[],
             group_name=self.group_name, receiver_payload=payload, flush_cache=flush_cache))
 
-    @property
-    def _post_load(self) -> bool:
-        # A receiver round bypasses load_weights, so end_weight_update runs post_load itself.
-        return not (self.path == "receiver" and self.session)
-
     def flush(self) -> None:
         """Flushes every replica's cache, retrying while SGLang answers not-idle (bounded)."""
         deadline = time.monotonic() + self.flush_timeout
@@ -148,7 +151,7 @@ class SGLangDriver(_Driver):
         if self.path == "receiver":
             def args(d: int) -> Tuple[Sequence[Any], Dict[str, Any]]:
                 return (), dict(master_address=host, master_port=int(port),
-                                rank_offset=self.plan.engine_rank(d, 0, 0),
+                                rank_offset=self.plan.engine_rank(self.replicas[d], 0, 0),
                                 world_size=self.plan.world_size, group_name=self.group_name,
                                 receiver=self.ss.RECEIVER,
                                 receiver_init_payload=self.replica_config(d))
@@ -174,11 +177,12 @@ class SGLangDriver(_Driver):
         def body() -> None:
             if self.path == "receiver":
                 self._receive(self.ss.receiver_payload("start", version=v))
-                self._receive(self.ss.receiver_payload("wait", post_load=self._post_load),
-                              flush_cache=last)
+                # Post-load in the hook on every path: sglang-miles marks a receiver round
+                # loaded too, so end_weight_update skips it (sglang.py docstring).
+                self._receive(self.ss.receiver_payload("wait", post_load=True), flush_cache=last)
             else:
                 self._loader(self.ss.start_request(v))
-                self._loader(self.ss.wait_request(post_load=self._post_load), flush_cache=last)
+                self._loader(self.ss.wait_request(post_load=True), flush_cache=last)
 
         self._bracket(body)
         out = self._collect("sync", v)

@@ -16,8 +16,16 @@ Facts each probe relies on (engine files read for this module):
 - SGLang `srt/managers/io_struct.py`: `BeginWeightUpdateReqInput` exists with the begin/end
   weight-update session (PR #28001, Jun 2026, on top of PR #28710's scheduler assert of an open
   session around every update; the HTTP route is `@app.post("/begin_weight_update")`, so a GET
-  answers 405 where it exists); `InitWeightsUpdateGroupReqInput.receiver` and `ServerArgs.weight_update_receivers`
-  exist only on the sglang-miles branch (`weight_sync/external_receiver.py`), not on SGLang main.
+  answers 405 where it exists); `InitWeightsUpdateGroupReqInput.receiver` and
+  `ServerArgs.weight_update_receivers` (`weight_sync/external_receiver.py`). Both are sglang-miles
+  branch work (sgl-project/sglang@sglang-miles, the SGLang miles installs), not SGLang main's
+  releases; the branch reports release version strings, so only the probe can tell them apart.
+- SGLang `ServerArgs.weight_cache_mode` (`--weight-cache-mode {off,daemon,client}`): with any
+  mode but off, `WeightUpdater._assert_weight_cache_inactive` raises RuntimeError at the top of
+  `update_weights_from_tensor` / `_from_distributed` / `_from_ipc`, before any custom loader
+  (model_runner_components/weight_updater.py, sgl-project/sglang 027814e), and the scheduler
+  calls it with no try: the scheduler dies. Refused from the head's server args before any
+  request (`require(caps, "weight_cache")`).
 - SGLang `ServerArgs.custom_weight_loader` (PR #7122, v0.4.7) and `speculative_algorithm`.
 - vLLM `distributed/weight_transfer/base.py`: `WeightTransferInitRequest` /
   `WeightTransferUpdateRequest` (API-level request classes) and `WeightTransferEngine.
@@ -59,6 +67,7 @@ class EngineCaps:
     receiver_listed: bool = False
     payload_error: Optional[str] = None  # why the unpickler refuses the command payload
     draft: Optional[str] = None  # speculative algorithm / config when a draft model runs
+    weight_cache: Optional[str] = None  # ServerArgs.weight_cache_mode of the head (None: unread)
     tp_size: int = 1
     # vLLM
     native: bool = False  # four-phase weight-transfer API (start/update/finish)
@@ -80,15 +89,25 @@ SUPPORT: Tuple[Tuple[str, str, str, str], ...] = (
     ("sglang", "< 0.4.7", "any", "refused: no --custom-weight-loader (PR #7122)"),
     ("sglang", ">= 0.4.7, before SafeUnpickler (PR #11909)", "loader",
      "supported: plain pickle; no begin/end session"),
-    ("sglang", "SafeUnpickler (Oct 2025) .. before PR #28001", "loader",
-     "supported: command payload is a torch.nn.Module (allowlisted 'torch.')"),
-    ("sglang", "with begin/end_weight_update (PRs #28710 + #28001, Jun 2026)", "loader",
+    ("sglang", "main releases with SafeUnpickler (Oct 2025 on)", "loader",
+     "supported: the command is a torch.nn.Module (allowlisted 'torch.'); no begin/end session"),
+    ("sglang", "sglang-miles with begin/end_weight_update (PRs #28710 + #28001)", "loader",
      "supported: every round bracketed by begin/end"),
     ("sglang", "main (any version)", "receiver",
      "refused: external receivers exist only on the sglang-miles branch"),
-    ("sglang", "sglang-miles with weight_update_receivers", "receiver", "supported"),
+    ("sglang", "sglang-miles with weight_update_receivers", "receiver",
+     "supported: post-load runs in the hook (the branch marks receiver rounds loaded)"),
+    ("sglang", "any, --weight-cache-mode other than off", "any",
+     "refused: WeightUpdater._assert_weight_cache_inactive would kill the scheduler"),
     ("sglang", "any, speculative decoding", "any",
-     "refused unless draft='leave': the plan covers the target model only"),
+     "refused unless draft='leave' (the plan covers the target model only); with 'leave' the "
+     "hook binds the runner whose parameters are the plan's, whichever SGLang calls first"),
+    ("unirl", "ar.py (colocated), as shipped", "ShardsyncWeightSync",
+     "supported: no patch; the Hydra sync block only"),
+    ("unirl", "async_ar.py, agentic_async.py (separate slabs)", "ShardsyncWeightSync",
+     "supported with integrations/unirl-async.patch (one line per trainer)"),
+    ("unirl", "SGLang rollout pp_size > 1", "ShardsyncWeightSync",
+     "needs UniRL PR #502 (unmerged): as shipped, SGLangEngineConfig refuses pp_size > 1"),
     ("vllm", "< 0.22 (no start/finish_weight_update)", "native",
      "refused: use the worker extension"),
     ("vllm", "any V1", "extension", "supported (collective_rpc; in-process only)"),
@@ -159,6 +178,16 @@ def _head_attr(handle: Any, *path: str) -> Any:
     return obj
 
 
+def _weight_cache(server_args: Any) -> Optional[str]:
+    """The head's --weight-cache-mode ("off" when the version has no such field), or None when
+    its server args are not readable."""
+    if server_args is None:
+        return None
+    get = server_args.get if isinstance(server_args, dict) else (
+        lambda k, d=None: getattr(server_args, k, d))
+    return str(get("weight_cache_mode", None) or "off")
+
+
 def _probe_sglang(handle: Any) -> EngineCaps:
     from . import sglang as ss
 
@@ -185,6 +214,7 @@ def _probe_sglang(handle: Any) -> EngineCaps:
         receiver_listed=ss.RECEIVER in receivers,
         payload_error=ss.payload_error(),
         draft=str(draft) if draft else None,
+        weight_cache=_weight_cache(sa),
         tp_size=int(getattr(sa, "tp_size", 1) or 1),
     )
 
@@ -274,6 +304,10 @@ _WHY = {
     "dev_mode": "the dev-mode routes (/sleep, /wake_up, /is_sleeping, /init_weight_transfer_"
                 "engine, ...) are not mounted: launch `vllm serve` with VLLM_SERVER_DEV_MODE=1",
     "inproc": "the path needs an in-process engine (pickled or RPC payloads), not HTTP",
+    "weight_cache": "launched with --weight-cache-mode {mode}: the weights are shared with the "
+                    "weight-cache daemon and WeightUpdater._assert_weight_cache_inactive raises "
+                    "before any loader, with no try around it (the scheduler would die); "
+                    "relaunch with --weight-cache-mode off",
 }
 
 
@@ -286,12 +320,15 @@ def require(caps: EngineCaps, *needs: str) -> None:
         "request_classes": caps.request_classes, "backend": caps.backend == "shardsync",
         "collective_rpc": caps.collective_rpc, "dev_mode": caps.dev_mode is not False,
         "inproc": not caps.http,
+        "weight_cache": caps.weight_cache in (None, "off"),
     }
     for n in needs:
         if not have[n]:
             why = _WHY[n]
             if n == "payload":
                 why += f": {caps.payload_error}"
+            if n == "weight_cache":
+                why = why.format(mode=caps.weight_cache)
             raise UnimplementedError(f"{caps.label} ({caps.source}): {why}; refused at init")
 
 

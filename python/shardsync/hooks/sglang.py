@@ -3,7 +3,8 @@
 Two entry points, both written from SGLang's source (see docs/python.md for launch recipes and
 the version table; `engines.py` probes which one the running engine has):
 
-1. Custom weight loader (`--custom-weight-loader`, PR #7122, v0.4.7+; on SGLang main):
+1. Custom weight loader (`--custom-weight-loader`, PR #7122, v0.4.7+; SGLang main releases
+   and sglang-miles alike):
    `load_weights(model, named_tensors)`, reached through `update_weights_from_tensor(
    serialized_named_tensors, load_format=LOADER, flush_cache=False)`. The scheduler unpickles
    `serialized_named_tensors[tp_rank]` with `MultiprocessingSerializer.deserialize`
@@ -32,21 +33,33 @@ in the background), `start` (sync in the background), `wait` (join, post-load on
 thread, report), `sync` (start + wait: pp == 1 only), `close`. Background because SGLang handles
 a control request on stage 0 before forwarding it to stage 1 (engine-layouts.md 4.1).
 
-Speculative decoding: the scheduler calls the loader once per model runner (target, then the
-draft: `SchedulerWeightUpdaterManager.get_model_runners`, or the EAGLE worker's own fan-out).
-Every command carries a nonce (`seq`); a second call with the same nonce is another runner of the
-same request: it never rebinds or syncs again. The plan covers the target model only, so the
-draft is refused unless the config says `draft: "leave"` (its weights then stay as they are).
+Speculative decoding: the scheduler calls the loader once per model runner, in an order that
+depends on the SGLang line: SGLang main's EAGLE worker calls the draft runner first, then the
+target (sgl-project/sglang 006b0e3, speculative/eagle_worker_v2.py `EAGLEWorkerV2.
+update_weights_from_tensor`: `self.draft_worker.draft_runner.update_weights_from_tensor(...)`,
+then `self.target_worker.model_runner...`; the scheduler hands the request to `self.draft_worker
+or self.tp_worker`), while sglang-miles' `SchedulerWeightUpdaterManager.get_model_runners` yields
+the target first. So the hook never binds "the first call": at init it binds the runner whose
+parameters are the plan's (every name the shard map gives this rank), deferring a runner that
+is not until the one that is arrives; an init no runner matches binds the runner that came, at
+the next request, and fails there naming the parameter. Every command carries a nonce (`seq`);
+the bound runner handles it once, any other runner is "another runner of the same request": it
+never rebinds or syncs. The plan covers the target model only, so the draft is refused unless
+the config says `draft: "leave"` (its weights then stay as they are).
 
-Post-load: with the begin/end session (PR #28001) `end_weight_update` runs `post_load_weights`
-only when no `load_weights` ran in the session (`run_post_load = not loaded`; read in
-srt/managers/scheduler_components/weight_updater.py `SchedulerWeightUpdaterManager.
-end_weight_update`: `run_post_load = not self._weight_update_loaded`, then per runner
-model_runner_components/weight_updater.py `WeightUpdater.end_weight_update(run_post_load=)` ->
-`post_load_weights(model)` + `DefaultModelLoader.postprocess_weights`, sglang 027814e). A loader round
-marks the session loaded, so the hook runs it itself in `wait`; a receiver round does not (it
-bypasses load_weights), so there the driver asks `wait` not to (`post_load: false`) and the
-engine's end runs it once.
+Post-load runs in the hook's `wait` on every path. With the begin/end session (sglang-miles,
+PRs #28710 + #28001) `end_weight_update` runs `post_load_weights` only when no update ran in the
+session (`run_post_load = not self._weight_update_loaded`, srt/managers/scheduler_components/
+weight_updater.py `SchedulerWeightUpdaterManager.end_weight_update`, sgl-project/sglang 00a2ca2;
+per runner `WeightUpdater.end_weight_update(run_post_load=)` -> `post_load_weights(model)` +
+`DefaultModelLoader.postprocess_weights`, 027814e). Every successful update marks the session
+loaded: `update_weights_from_tensor` (our loader rounds), and `update_weights_from_distributed`,
+which sets `_weight_update_loaded = True` after `load_weights(weights)` on every runner (00a2ca2)
+and so also after a receiver round, whose `WeightUpdater.receive_weights_from_distributed` calls
+`external.receive(receiver_payload)` and returns no weights (the receiver-bearing weight_updater.py
+of the sglang-miles line). Nothing shows the engine running post-load after either kind of
+round, so the hook runs it itself; SGLang's `end_weight_update` then runs the quant methods'
+`process_weights_after_loading`, in SGLang's own order (post-load first).
 """
 
 from __future__ import annotations
@@ -416,7 +429,11 @@ def _loader_hook(model: Any) -> EngineRankHook:
         holder = {"model": model}
         hook = _new_hook(lambda: holder["model"])
         hook._holder = holder  # type: ignore[attr-defined]
-        hook._seq = None  # type: ignore[attr-defined]
+        hook._bound = False  # type: ignore[attr-defined]  # an init chose a runner
+        hook._seq = None  # type: ignore[attr-defined]  # the request being handled
+        hook._done = False  # type: ignore[attr-defined]  # the bound runner handled it
+        hook._deferred = []  # type: ignore[attr-defined]  # init runners that are not the plan's
+        hook._deferred_msg = None  # type: ignore[attr-defined]
         _tls.hook = hook
     return hook
 
@@ -438,9 +455,17 @@ def _parse(named_tensors: Any) -> Dict[str, Any]:
     return msg
 
 
+def _plan_model(hook: EngineRankHook, model: Any) -> bool:
+    """Whether `model` holds every parameter the plan gives this rank (by name): the target
+    runner, not a speculative draft (a few layers of its own)."""
+    expected = hook.plan.shard_map().rank(hook.coord["tp_rank"], hook.coord["pp_rank"]).params
+    have = {n for n, _ in model.named_parameters()}
+    return all(p.name in have for p in expected)
+
+
 def _other_runner(hook: EngineRankHook, model: Any, msg: Dict[str, Any]) -> Dict[str, Any]:
-    """A second call for the same request (same seq) with another model: the speculative draft
-    runner. It never rebinds nor syncs again; without draft='leave' the job fails by name."""
+    """A call for the same request (same seq) with a runner the hook did not bind: the
+    speculative draft. It never rebinds nor syncs; without draft='leave' the job fails by name."""
     op = str(msg.get("op"))
     cfg = hook.config or {}
     if cfg.get("draft") == "leave":
@@ -456,31 +481,81 @@ def _other_runner(hook: EngineRankHook, model: Any, msg: Dict[str, Any]) -> Dict
                        FailedPreconditionError(why))
 
 
+def _bind_init(hook: EngineRankHook, model: Any, msg: Dict[str, Any]) -> Dict[str, Any]:
+    """Binds `model` (captured config) and queues the init job; the runners deferred for this
+    request are then other runners."""
+    hook._holder["model"] = model  # type: ignore[attr-defined]
+    hook._bound = True  # type: ignore[attr-defined]
+    hook._done = True  # type: ignore[attr-defined]
+    init_id = msg["config"].get("init_id", 0)
+    deferred, hook._deferred = hook._deferred, []  # type: ignore[attr-defined]
+    for other in deferred:  # a draft called first: refused before anything binds
+        o = _other_runner(hook, other, msg)
+        if not o.get("ok"):
+            return o
+    hook.submit("init", init_id, hook.open_body, post=True)
+    return make_status("init", init_id, hook.coord, queued=True)
+
+
+def _flush_deferred(hook: EngineRankHook) -> None:
+    """An init no runner of the request matched: bind the runner that came, so its init fails
+    naming the parameter (open_body's checks) instead of never reporting."""
+    if hook._deferred and not hook._done:  # type: ignore[attr-defined]
+        _bind_init(hook, hook._deferred[0], hook._deferred_msg)  # type: ignore[attr-defined]
+    hook._deferred, hook._deferred_msg = [], None  # type: ignore[attr-defined]
+
+
+def _init(hook: EngineRankHook, model: Any, msg: Dict[str, Any]) -> Dict[str, Any]:
+    if hook._done:  # type: ignore[attr-defined]  # the plan's runner already took it
+        return _other_runner(hook, model, msg)
+    if hook.busy:
+        return hook.refuse("init", 0, FailedPreconditionError(
+            "init while a previous init/start is still pending (send wait first)"))
+    config = msg.get("config")
+    st = hook.capture(config)
+    if not st["ok"]:
+        hook._done = True  # type: ignore[attr-defined]
+        return st
+    if _plan_model(hook, model):
+        return _bind_init(hook, model, msg)
+    hook._deferred.append(model)  # type: ignore[attr-defined]
+    hook._deferred_msg = msg  # type: ignore[attr-defined]
+    return make_status("init", 0, hook.coord, deferred=(
+        f"{type(model).__name__} lacks the plan's parameters (a speculative draft runner?): "
+        "waiting for the runner that holds them"))
+
+
 def load_weights(model: Any, named_tensors: List[Tuple[str, Any]]) -> Dict[str, Any]:
     """The custom loader SGLang calls on every scheduler (LOADER). Never raises: returns the
     status (SGLang ignores it) and posts it to the store.
     Called as `dynamic_import(load_format)(self.get_model(), named_tensors)` with no try, after
     `_unwrap_tensor(tensor, tp_rank=, device=)` (= `tensor.to(device)`), when `load_format in
     self.custom_weight_loaders`: model_runner_components/weight_updater.py
-    WeightUpdater.update_weights_from_tensor (sglang 027814e); once per runner of
-    SchedulerWeightUpdaterManager.get_model_runners (target first, then the draft)."""
+    WeightUpdater.update_weights_from_tensor (sglang 027814e); once per model runner, the
+    speculative draft's included, in the engine's order (module docstring)."""
     hook = _loader_hook(model)
     try:
         msg = _parse(named_tensors)
         seq = msg.get("seq")
+        if seq is None or seq != hook._seq:  # type: ignore[attr-defined]  # a new request
+            _flush_deferred(hook)
+            hook._seq, hook._done = seq, False  # type: ignore[attr-defined]
         holder = hook._holder  # type: ignore[attr-defined]
-        if seq is not None and seq == hook._seq and model is not holder["model"]:  # type: ignore
-            st = _other_runner(hook, model, msg)
-        elif seq is not None and seq == hook._seq:  # type: ignore[attr-defined]
-            st = make_status(str(msg.get("op")), 0, hook.coord, duplicate=True)
+        if msg.get("op") == "init":
+            st = _init(hook, model, msg)
+        elif not hook._bound or model is holder["model"]:  # type: ignore[attr-defined]
+            if hook._done:  # type: ignore[attr-defined]
+                st = make_status(str(msg.get("op")), 0, hook.coord, duplicate=True)
+            else:
+                if not hook._bound:  # type: ignore[attr-defined]  # before any init
+                    holder["model"] = model
+                hook._done = True  # type: ignore[attr-defined]
+                st = _dispatch(hook, msg)
+        elif hook.plan is not None and _plan_model(hook, model):
+            raise FailedPreconditionError(
+                "the model SGLang passes is not the one bound at init (reloaded?): re-init")
         else:
-            hook._seq = seq  # type: ignore[attr-defined]
-            if msg.get("op") == "init" or hook.config is None:
-                holder["model"] = model  # the runner the init reached first: the target
-            elif model is not holder["model"]:
-                raise FailedPreconditionError(
-                    "the model SGLang passes is not the one bound at init (reloaded?): re-init")
-            st = _dispatch(hook, msg)
+            st = _other_runner(hook, model, msg)
     except BaseException as e:  # noqa: BLE001 - an exception here would kill the scheduler
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

@@ -358,7 +358,7 @@ def test_sglang_weight_cache_mode_refused_by_name(need_session, tiny_model):
     nothing, and with precheck off (or server args read only by the ranks) the first request
     killed the engine. Now the probe reads the mode and the driver refuses at construction, in
     process and over HTTP, naming the flag; no request reaches the engine."""
-    from fakes_sglang import FakeSGLangEngine, SchedulerDied, sglang_server_args
+    from fakes_sglang import SchedulerDied, sglang_server_args
     from shardsync.hooks import sglang as ss
 
     plan = make_plan(tiny_model, "dp=1,tp=2,pp=1", "sglang")

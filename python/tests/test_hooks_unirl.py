@@ -183,7 +183,8 @@ def _patched_accepts(path="unirl/trainer/async_ar.py"):
     part = part[:part.index("\ndiff --git", 1)] if "\ndiff --git" in part[1:] else part
 
     def suffixes(sign):
-        line = next(ln for ln in part.splitlines() if ln.startswith(sign + " ") and "endswith" in ln)
+        line = next(ln for ln in part.splitlines()
+                    if ln.startswith(sign + " ") and "endswith" in ln)
         arg = ast.literal_eval(re.search(r"endswith\((.*)\):", line).group(1))
         return arg if isinstance(arg, tuple) else (arg,)
 
@@ -234,3 +235,15 @@ def test_unirl_async_trainer_with_the_patch(unirl, tiny_model):
         finally:
             trainer.weight_sync.cleanup()
             engines[0].shutdown()
+
+
+def test_docs_table_lists_every_sglang_and_unirl_path():
+    """docs/python.md's version x path table holds SUPPORT's SGLang and UniRL rows as they are
+    (the refusals and supports the tests here and in test_hooks_engine_versions.py show)."""
+    from shardsync.hooks.engines import support_rows
+
+    text = DOCS.read_text()
+    rows = support_rows("sglang", "unirl")
+    assert len(rows) == 11
+    missing = [r for r in rows if r not in text]
+    assert not missing, missing

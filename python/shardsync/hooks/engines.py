@@ -50,7 +50,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..errors import InvalidArgumentError, UnimplementedError
 
 __all__ = ["EngineCaps", "probe", "probe_installed", "require", "parse_version", "SUPPORT",
-           "plan_kwargs", "check_plan"]
+           "support_rows", "plan_kwargs", "check_plan"]
 
 
 @dataclass(frozen=True)
@@ -84,30 +84,33 @@ class EngineCaps:
         return f"{'SGLang' if self.engine == 'sglang' else 'vLLM'} {self.version}"
 
 
-# Engine version range x path -> supported / refused, and why (docs/python.md renders the same).
+# Engine version range x path -> supported / refused, and why. docs/python.md's table holds the
+# SGLang and UniRL rows as `support_rows` renders them (test_hooks_unirl.py checks).
 SUPPORT: Tuple[Tuple[str, str, str, str], ...] = (
-    ("sglang", "< 0.4.7", "any", "refused: no --custom-weight-loader (PR #7122)"),
-    ("sglang", ">= 0.4.7, before SafeUnpickler (PR #11909)", "loader",
+    ("sglang", "< 0.4.7", "any", "refused: no `--custom-weight-loader` (PR #7122)"),
+    ("sglang", ">= 0.4.7, before SafeUnpickler (PR #11909, Oct 2025)", "loader",
      "supported: plain pickle; no begin/end session"),
-    ("sglang", "main releases with SafeUnpickler (Oct 2025 on)", "loader",
-     "supported: the command is a torch.nn.Module (allowlisted 'torch.'); no begin/end session"),
-    ("sglang", "sglang-miles with begin/end_weight_update (PRs #28710 + #28001)", "loader",
-     "supported: every round bracketed by begin/end"),
-    ("sglang", "main (any version)", "receiver",
+    ("sglang", "main releases with SafeUnpickler", "loader",
+     "supported: the command is an allowlisted `torch.nn.Module`; no begin/end session"),
+    ("sglang", "sglang-miles, with begin/end_weight_update (PRs #28710 + #28001)", "loader",
+     "supported: every request bracketed by begin/end"),
+    ("sglang", "main, any version", "receiver",
      "refused: external receivers exist only on the sglang-miles branch"),
-    ("sglang", "sglang-miles with weight_update_receivers", "receiver",
-     "supported: post-load runs in the hook (the branch marks receiver rounds loaded)"),
-    ("sglang", "any, --weight-cache-mode other than off", "any",
-     "refused: WeightUpdater._assert_weight_cache_inactive would kill the scheduler"),
+    ("sglang", "sglang-miles, with `--weight-update-receivers`", "receiver",
+     "supported: post-load runs in the hook (the branch marks receiver rounds loaded, so its "
+     "`end_weight_update` skips it)"),
+    ("sglang", "any, `--weight-cache-mode` other than off", "any",
+     "refused: `WeightUpdater._assert_weight_cache_inactive` raises before any loader and would "
+     "kill the scheduler"),
     ("sglang", "any, speculative decoding", "any",
-     "refused unless draft='leave' (the plan covers the target model only); with 'leave' the "
-     "hook binds the runner whose parameters are the plan's, whichever SGLang calls first"),
-    ("unirl", "ar.py (colocated), as shipped", "ShardsyncWeightSync",
-     "supported: no patch; the Hydra sync block only"),
-    ("unirl", "async_ar.py, agentic_async.py (separate slabs)", "ShardsyncWeightSync",
-     "supported with integrations/unirl-async.patch (one line per trainer)"),
-    ("unirl", "SGLang rollout pp_size > 1", "ShardsyncWeightSync",
-     "needs UniRL PR #502 (unmerged): as shipped, SGLangEngineConfig refuses pp_size > 1"),
+     "refused unless `draft=\"leave\"` (the plan covers the target only); then the hook binds the "
+     "runner whose parameters are the plan's (SGLang main's EAGLE worker calls the draft first)"),
+    ("unirl", "`ar.py` (colocated), as shipped", "`ShardsyncWeightSync`",
+     "supported, no patch: the Hydra block only"),
+    ("unirl", "`async_ar.py`, `agentic_async.py` (separate slabs)", "`ShardsyncWeightSync`",
+     "supported with `integrations/unirl-async.patch` (one line per trainer)"),
+    ("unirl", "SGLang rollout `pp_size > 1`", "`ShardsyncWeightSync`",
+     "needs UniRL PR #502 (unmerged): as shipped `SGLangEngineConfig` refuses it"),
     ("vllm", "< 0.22 (no start/finish_weight_update)", "native",
      "refused: use the worker extension"),
     ("vllm", "any V1", "extension", "supported (collective_rpc; in-process only)"),
@@ -118,6 +121,13 @@ SUPPORT: Tuple[Tuple[str, str, str, str], ...] = (
     ("vllm", "vllm serve without VLLM_SERVER_DEV_MODE=1", "http",
      "refused: /sleep, /wake_up, /is_sleeping and the RLHF routes are dev-mode routes"),
 )
+
+
+def support_rows(*engines: str) -> List[str]:
+    """SUPPORT's rows of `engines` as docs/python.md's markdown table has them."""
+    label = {"sglang": "SGLang", "vllm": "vLLM", "unirl": "UniRL"}
+    return [f"| {label[e]} {rng} | {path} | {verdict} |"
+            for e, rng, path, verdict in SUPPORT if e in engines]
 
 
 def parse_version(v: Any) -> Optional[Tuple[int, int, int]]:

@@ -106,10 +106,24 @@ def expected_loader_kind(name: str) -> Optional[str]:
     return None
 
 
-def loader_kind(param: Any) -> Tuple[Optional[str], str]:
-    """(kind, description) of a parameter's weight loader; kind None when it carries none."""
+def _class_kind(owner: Any) -> Optional[str]:
+    for cls in type(owner).__mro__:
+        kind = _LOADER_CLASSES.get(cls.__name__)
+        if kind is not None:
+            return kind
+    return None
+
+
+def loader_kind(param: Any, owner: Any = None) -> Tuple[Optional[str], str]:
+    """(kind, description) of a parameter's weight loader; kind None when it carries none.
+    `owner`: the module holding the parameter, read when a post-load step re-registered it
+    without its loader (vLLM FP8: `layer.weight = Parameter(weight.data)`): the loader was a
+    bound method of that layer, so its class says the same."""
     loader = getattr(param, "weight_loader", None)
     if loader is None:
+        kind = _class_kind(owner) if owner is not None else None
+        if kind is not None:
+            return kind, f"{type(owner).__name__} (loader dropped after load; its layer's class)"
         return None, "no weight_loader"
     owner = getattr(loader, "__self__", None)
     if owner is not None and not isinstance(owner, type):
@@ -130,7 +144,8 @@ def _attr(param: Any, name: str) -> Any:
         return None
 
 
-def check_loaders(pairs: Iterable[Tuple[str, Any]], *, tp: int) -> str:
+def check_loaders(pairs: Iterable[Tuple[str, Any]], *, tp: int,
+                  owners: Optional[Dict[str, Any]] = None) -> str:
     """Checks each parameter's weight loader and sharded dims against its shard-map kind.
 
     Name, shape and dtype cannot tell two layouts apart (a row- and a column-parallel square
@@ -154,7 +169,7 @@ def check_loaders(pairs: Iterable[Tuple[str, Any]], *, tp: int) -> str:
                 "ROCm AITER); its layout is not the canonical one shardsync writes"
             )
         want = expected_loader_kind(name)
-        got, desc = loader_kind(t)
+        got, desc = loader_kind(t, (owners or {}).get(name))
         if want is None:
             continue
         if want == "replicated":
@@ -263,10 +278,12 @@ def _fp8_refusal(mname: str, qm: Any, module: Any) -> Optional[str]:
 
 
 def check_finalize_methods(model: Any, *, allow_moe_backends: Sequence[str] = (),
-                           fp8: bool = False) -> int:
+                           fp8: bool = False, handled: Iterable[str] = ()) -> int:
     """Refuses modules whose post-load step leaves a non-canonical layout. Returns how many
     quant methods were checked. `fp8`: the plan is block FP8, so the engines' FP8 methods are
-    accepted where their backend keeps the canonical bytes (_fp8_refusal)."""
+    accepted where their backend keeps the canonical bytes (_fp8_refusal). `handled`: module
+    names an engine's own FP8 views already classified (vllm_fp8.VllmFp8Views)."""
+    handled = set(handled)
     named = getattr(model, "named_modules", None)
     if not callable(named):
         return 0
@@ -277,6 +294,8 @@ def check_finalize_methods(model: Any, *, allow_moe_backends: Sequence[str] = ()
         if qm is None:
             continue
         n += 1
+        if mname in handled:
+            continue
         cls = type(qm).__name__
         if fp8 and cls in _FP8_METHODS:
             why = _fp8_refusal(mname, qm, module)

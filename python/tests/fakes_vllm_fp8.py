@@ -18,7 +18,8 @@ same files):
   `Fp8BlockScaledMMLinearKernel.process_weights_after_loading`: `replace_parameter` of `weight`
   and `weight_scale_inv` with what `process_fp8_weight_block_strategy` returns, the same
   tensors; scaled_mm/deep_gemm.py at 104b28a7 adds `deepgemm_post_process_fp8_weight_block`
-  into new parameters; Marlin kernels repack). Fp8LinearMethod delegates its post-load to the
+  into new parameters; scaled_mm/cuda.py at 91e12fc9 `CudaFp8BlockScaledMMKernel` runs the base
+  step, then its DeepGEMM kernel's; Marlin kernels repack). Fp8LinearMethod delegates its post-load to the
   kernel (read in a vLLM-derived tree of that generation; upstream's own fp8.py of that
   generation was not found in the index).
 - `Fp8MoEMethod(backend)`: fused_moe/oracle/fp8.py at 39aa9c41
@@ -144,6 +145,22 @@ class _DeepGemmKernel(_BlockKernel):
         replace_parameter(layer, "weight_scale_inv", layer.weight_scale_inv.data.t().contiguous())
 
 
+class _CudaDispatchKernel(_BlockKernel):
+    """scaled_mm/cuda.py at 91e12fc9 CudaFp8BlockScaledMMKernel: a DeepGEMM kernel when DeepGEMM
+    is supported, a CUTLASS fallback; post-load = the base step, then the DeepGEMM kernel's,
+    which re-lays only where should_use_deepgemm_for_fp8_linear(orig_dtype, weight) holds."""
+
+    def __init__(self):
+        self.deepgemm_kernel = _kernel("DeepGemm") if _ENV.deep_gemm else None
+        self.default_fallback_kernel = _kernel("Cutlass")
+
+    def process_weights_after_loading(self, layer):
+        super().process_weights_after_loading(layer)
+        w = layer.weight
+        if self.deepgemm_kernel is not None and w.shape[0] % 64 == 0 and w.shape[1] % 128 == 0:
+            _DeepGemmKernel.process_weights_after_loading(self.deepgemm_kernel, layer)
+
+
 class _MarlinKernel:
     def process_weights_after_loading(self, layer):
         _marlin_repack(layer, "weight")
@@ -152,11 +169,12 @@ class _MarlinKernel:
 _KERNELS = {"Triton": "TritonFp8BlockScaledMMKernel", "Cutlass": "CutlassFp8BlockScaledMMKernel",
             "DeepGemm": "DeepGemmFp8BlockScaledMMKernel",
             "FlashInfer": "FlashInferFp8DeepGEMMDynamicBlockScaledKernel",
-            "Marlin": "MarlinFP8ScaledMMLinearKernel"}
+            "Marlin": "MarlinFP8ScaledMMLinearKernel", "Cuda": "CudaFp8BlockScaledMMKernel"}
 
 
 def _kernel(name):
-    base = {"DeepGemm": _DeepGemmKernel, "Marlin": _MarlinKernel}.get(name, _BlockKernel)
+    base = {"DeepGemm": _DeepGemmKernel, "Marlin": _MarlinKernel,
+            "Cuda": _CudaDispatchKernel}.get(name, _BlockKernel)
     return type(_KERNELS[name], (base,), {})()
 
 

@@ -57,6 +57,8 @@ LAYOUTS = {
                       "weight_scale_inv"),
     "kernel-cutlass": (Fp8Env(), {"generation": "kernel", "kernel": "Cutlass"},
                        "BATCHED_TRITON", "weight_scale_inv"),
+    "kernel-cuda-dispatch": (Fp8Env(), {"generation": "kernel", "kernel": "Cuda"}, "TRITON",
+                             "weight_scale_inv"),
 }
 
 
@@ -204,6 +206,8 @@ def test_vllm_fp8_native_in_process_and_over_http(need_session, fp8_moe, profile
      "kernel DeepGemmFp8BlockScaledMMKernel"),
     (Fp8Env(), {"generation": "kernel", "kernel": "FlashInfer"}, "TRITON",
      "kernel FlashInferFp8DeepGEMMDynamicBlockScaledKernel"),
+    (Fp8Env(deep_gemm=True), {"generation": "kernel", "kernel": "Cuda"}, "TRITON",
+     "CudaFp8BlockScaledMMKernel dispatches it to DeepGEMM"),
     (Fp8Env(), {"generation": "kernel", "marlin": True}, "TRITON", "backend Marlin"),
     (Fp8Env(), {"generation": "rename", "block": (1, 128)}, "TRITON",
      r"weight_block_size=\[1, 128\]"),

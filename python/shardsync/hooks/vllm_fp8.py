@@ -20,7 +20,9 @@ A block-FP8 checkpoint loads into `weight` (e4m3 [N, K]) and `weight_scale_inv` 
   kernels/linear/scaled_mm/BlockScaledMMLinearKernel.py at e5bbb6c0): the block kernels'
   `process_weights_after_loading` re-registers `weight` and `weight_scale_inv` over the tensors
   `process_fp8_weight_block_strategy` returns (the same ones), so Triton and CUTLASS
-  (scaled_mm/triton.py, cutlass.py: `Bs.T` is a view taken per call) keep the loaded layout;
+  (scaled_mm/triton.py, cutlass.py: `Bs.T` is a view taken per call) keep the loaded layout, and
+  so does the CUDA dispatcher `CudaFp8BlockScaledMMKernel` (scaled_mm/cuda.py at 91e12fc9)
+  unless it has a DeepGEMM kernel that applies to the layer;
   DeepGEMM (scaled_mm/deep_gemm.py at 104b28a7: `deepgemm_post_process_fp8_weight_block`, E8M0
   requant and TMA-aligned scales in new storage), FlashInfer, AITER and Marlin kernels: refused.
 - MoE (`Fp8MoEMethod.fp8_backend`; fused_moe/oracle/fp8.py at 39aa9c41
@@ -138,6 +140,22 @@ def _linear(mname: str, qm: Any, layer: Any, own: Dict[str, Any]) -> Tuple[str, 
             f"module '{mname}': vLLM FP8 linear backend Marlin repacks the e4m3 weight after "
             "load (prepare_fp8_layer_for_marlin, GPUs below SM89 or VLLM_TEST_FORCE_FP8_MARLIN); "
             "refused")
+    if kname == "CudaFp8BlockScaledMMKernel":
+        # scaled_mm/cuda.py at 91e12fc9: the CUDA dispatcher's post-load is the base step plus
+        # its `deepgemm_kernel`'s (DeepGEMM installed and supported), which re-lays the weight
+        # and scales wherever should_use_deepgemm_for_fp8_linear(orig_dtype, weight) holds;
+        # otherwise it serves through its CUTLASS / Triton fallback, as loaded.
+        use_dg_fn = _vllm_fn("vllm.utils.deep_gemm", "should_use_deepgemm_for_fp8_linear")
+        fallback = type(getattr(kernel, "default_fallback_kernel", None)).__name__
+        if getattr(kernel, "deepgemm_kernel", None) is not None and (
+                use_dg_fn is None
+                or use_dg_fn(getattr(layer, "orig_dtype", None), layer.weight)):
+            raise UnimplementedError(
+                f"module '{mname}': vLLM FP8 linear kernel CudaFp8BlockScaledMMKernel dispatches "
+                "it to DeepGEMM, whose post-load (deepgemm_post_process_fp8_weight_block) "
+                "re-laid the weight and scales; run with VLLM_USE_DEEP_GEMM=0 (its CUTLASS / "
+                "Triton fallback keeps them as loaded)")
+        return f"CudaFp8BlockScaledMMKernel ({fallback})", "canonical"
     if kernel is not None and hasattr(kernel, "apply_block_scaled_mm"):
         if kname not in FP8_LINEAR_KERNELS:
             raise UnimplementedError(

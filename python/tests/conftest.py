@@ -37,6 +37,19 @@ def need_session():
     _need("session")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_loopback_hub():
+    """Each test gets its own process-wide loopback hub, as each engine / trainer process of a
+    real job has its own: engine-side sessions of the vLLM native backend live until vLLM shuts
+    the backend down (WeightTransferEngine.shutdown), which a test's fake HTTP server never does,
+    so a later test joining the same ranks would meet them ("rank 2 already joined this hub")."""
+    import shardsync.session as ss_session
+
+    ss_session._default_hub = None
+    yield
+    ss_session._default_hub = None
+
+
 @pytest.fixture
 def need_plan():
     _need("plan")

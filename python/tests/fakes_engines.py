@@ -130,21 +130,14 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
       (process_weights_after_loading_block_quant: `layer.weight.data = weight.data`); vLLM
       re-registers them over the same storage (replace_parameter copies the attributes);
     - `ue8m0`: SGLang's DeepGEMM requant (requant_weight_ue8m0_inplace) ran at load and marked the
-      scale `format_ue8m0`;
-    - `transpose_scales`: vLLM's SM90 CUTLASS step (fp8_utils.py
-      maybe_post_process_fp8_weight_block: `Parameter(weight_scale.data.T.contiguous())`), new
-      storage of the transposed shape;
-    - `rename_scale`: vLLM versions whose block-FP8 post-load step renames the scale (quantization/
-      fp8.py Fp8LinearMethod.process_weights_after_loading: `weight, weight_scale =
-      process_fp8_weight_block_strategy(layer.weight, layer.weight_scale_inv)`, `del
-      layer.weight_scale_inv`, `layer.weight_scale = Parameter(weight_scale.data)`): after load the
-      layer holds `weight_scale`, and running the step again raises AttributeError."""
+      scale `format_ue8m0`.
+    vLLM's FP8 generations backend by backend (the scale renamed to weight_scale, SM90 CUTLASS's
+    transposed scales, kernels): fakes_vllm_fp8.py."""
 
     def __init__(self, engine="sglang", block=(128, 128), use_marlin=False, use_deep_gemm=False,
-                 use_mxfp8=False, ue8m0=False, transpose_scales=False, rename_scale=False):
+                 use_mxfp8=False, ue8m0=False):
         super().__init__()
-        self.engine, self.ue8m0, self.transpose_scales = engine, ue8m0, transpose_scales
-        self.rename_scale = rename_scale
+        self.engine, self.ue8m0 = engine, ue8m0
         self.quant_config = types.SimpleNamespace(
             weight_block_size=None if block is None else list(block))
         self.block_quant = block is not None
@@ -157,23 +150,16 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         scale = getattr(layer, "weight_scale_inv", None)
         if self.ue8m0 and scale is not None:
             scale.format_ue8m0 = True
-        if self.rename_scale and scale is not None:
-            del layer.weight_scale_inv
-            layer.weight_scale = torch.nn.Parameter(scale.data, requires_grad=False)
 
     def process_weights_after_loading(self, layer):
-        # vLLM quantization/fp8.py Fp8LinearMethod.process_weights_after_loading re-registers
-        # `layer.weight = Parameter(weight.data)`; the version read also does `del
-        # layer.weight_scale_inv` and registers `weight_scale` (a rename this fake does not
-        # model; with it the hooks' bind by name fails closed naming the parameter).
+        # vLLM quantization/fp8.py at 0071b24b Fp8LinearMethod.process_weights_after_loading
+        # (block quant, CUDA): `layer.weight = Parameter(weight)`, `layer.weight_scale_inv =
+        # Parameter(weight_scale_inv)` over the same storage.
         self.finalized += 1
-        if self.rename_scale:
-            _ = layer.weight_scale_inv  # deleted at load: AttributeError, as in vLLM
         scale = getattr(layer, "weight_scale_inv", None)
         if self.engine == "vllm" and scale is not None:
             replace_parameter(layer, "weight", layer.weight.data)
-            new = scale.data.T.contiguous() if self.transpose_scales else scale.data
-            replace_parameter(layer, "weight_scale_inv", new)
+            replace_parameter(layer, "weight_scale_inv", scale.data)
         elif scale is not None:
             layer.weight.data = layer.weight.data
             layer.weight_scale_inv.data = scale.data

@@ -8,7 +8,22 @@ Mirrored from vLLM's own files (vllm/...):
   device, model)` in `load_model`, and raises RuntimeError when none is configured; the worker
   methods are `init_weight_transfer_engine(init_info)`, `start_weight_update()`,
   `update_weights(update_info)`, `finish_weight_update()` (v1/worker/gpu_worker.py); start/finish
-  exist from vLLM 0.22 (the four-phase API);
+  exist from vLLM 0.22 (the four-phase API), in two generations: before PR #44353 (vLLM < 0.25,
+  profiles 0.23 / 0.24) the worker owns them: `Worker.start_weight_update(is_checkpoint_format=
+  True)` runs `initialize_layerwise_reload(model)` itself when True, `update_weights` parses the
+  info and calls `engine.receive_weights(info, load_weights=model.load_weights)` (checkpoint
+  format) or `load_weights=load_weights_direct`, `finish_weight_update` runs
+  `finalize_layerwise_reload(model, model_config)` when the start was checkpoint format (the
+  gpu_worker.py of that generation, read from a copy in the index); `LLM` / `AsyncLLM.
+  start_weight_update(is_checkpoint_format=True)` pass it on, and the HTTP route reads
+  `body.get("is_checkpoint_format", True)` (entrypoints/serve/dev/rlhf/api_router.py). From PR
+  #44353 (profile 0.25) each engine owns start / finish and the route reads no body. Before
+  0.22 (profile 0.21) the worker's single `update_weights` reads the parsed info's
+  `is_checkpoint_format` (WeightTransferUpdateInfo, base.py) the same way;
+- `model_loader/reload/layerwise.py`: `initialize_layerwise_reload` keeps each layer's served
+  tensors aside (`info.kernel_tensors`) and registers meta placeholders in their place;
+  `finalize_layerwise_reload` puts the served tensors back into every layer nothing was loaded
+  into (`load_numel <= 0`) and re-runs attention layers' post-load;
 - `LLM.init_weight_transfer_engine(request: WeightTransferInitRequest | dict)` and
   `update_weights(request)` call `collective_rpc(..., kwargs={"init_info": ...})`
   (entrypoints/llm.py); `AsyncLLM`'s are `async def`, take only the request objects (TypeError
@@ -64,6 +79,7 @@ class VLLMProfile:
     version: str
     native: bool = True  # distributed/weight_transfer/ (PR #31943)
     four_phase: bool = True  # start/finish_weight_update (vLLM 0.22)
+    engine_owned: bool = False  # start/finish owned by the engine (PR #44353, vLLM 0.25)
     routed_experts: bool = False  # RoutedExperts (vLLM 0.24, PR #41184)
 
 
@@ -72,6 +88,7 @@ VLLM_PROFILES: Dict[str, VLLMProfile] = {
     "0.21": VLLMProfile("0.21.0", four_phase=False),
     "0.23": VLLMProfile("0.23.1"),
     "0.24": VLLMProfile("0.24.0", routed_experts=True),
+    "0.25": VLLMProfile("0.25.0", engine_owned=True, routed_experts=True),
 }
 
 
@@ -168,7 +185,7 @@ class _WeightTransferEngineBase:
 
 
 class WeightTransferEngine(_WeightTransferEngineBase):
-    """vLLM >= 0.22: each engine owns start_weight_update / finish_weight_update (abstract)."""
+    """vLLM >= 0.25 (PR #44353): each engine owns start_weight_update / finish_weight_update."""
 
     def start_weight_update(self):
         raise NotImplementedError
@@ -178,7 +195,46 @@ class WeightTransferEngine(_WeightTransferEngineBase):
 
 
 def _base_class(profile: VLLMProfile) -> type:
-    return WeightTransferEngine if profile.four_phase else _WeightTransferEngineBase
+    return WeightTransferEngine if profile.engine_owned else _WeightTransferEngineBase
+
+
+class _LayerInfo:
+    def __init__(self):
+        self.kernel_tensors, self.load_numel = None, 0
+
+
+def initialize_layerwise_reload(model):
+    """model_loader/reload/layerwise.py: served tensors aside, meta placeholders in place."""
+    for layer in model.modules():
+        own = dict(layer._parameters)
+        if not own:
+            continue
+        info = layer.__dict__.setdefault("_ss_fake_reload", _LayerInfo())
+        info.kernel_tensors, info.load_numel = own, 0
+        for name, t in own.items():
+            if t is None:
+                continue
+            ph = torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="meta"),
+                                    requires_grad=False)
+            for k, v in vars(t).items():
+                setattr(ph, k, v)
+            delattr(layer, name)
+            layer.register_parameter(name, ph)
+
+
+def finalize_layerwise_reload(model, model_config):
+    """layerwise.py: attention layers get their served tensors back and re-run their post-load;
+    so does every layer nothing was loaded into (load_numel <= 0)."""
+    for layer in model.modules():
+        info = layer.__dict__.get("_ss_fake_reload")
+        if info is not None and info.kernel_tensors is not None and info.load_numel <= 0:
+            for name in list(layer._parameters):
+                delattr(layer, name)
+            for name, t in info.kernel_tensors.items():
+                layer.register_parameter(name, t)
+            info.kernel_tensors = None
+        if isinstance(layer, Attention):
+            layer.process_weights_after_loading(model_config.dtype)
 
 
 class WeightTransferEngineFactory:
@@ -228,13 +284,17 @@ def vllm_modules(profile: Any = "0.23") -> Dict[str, Any]:
         "vllm.model_executor.model_loader.utils": _module(
             "vllm.model_executor.model_loader.utils",
             process_weights_after_loading=process_weights_after_loading),
+        "vllm.model_executor.model_loader.reload": _module(
+            "vllm.model_executor.model_loader.reload",
+            initialize_layerwise_reload=initialize_layerwise_reload,
+            finalize_layerwise_reload=finalize_layerwise_reload),
         "vllm.device_allocator": _module("vllm.device_allocator"),
         "vllm.device_allocator.cumem": _module("vllm.device_allocator.cumem",
                                                CuMemAllocator=CuMemAllocator),
     }
     if profile.native:
         base = _base_class(profile)
-        if not profile.four_phase:
+        if not profile.engine_owned:
             for name in ("start_weight_update", "finish_weight_update"):
                 assert not hasattr(base, name)
         mods.update({
@@ -309,21 +369,45 @@ class FakeWorker:
         e = self._engine()
         e.init_transfer_engine(e.parse_init_info(init_info))
 
-    def start_weight_update(self):
+    def start_weight_update(self, is_checkpoint_format=True):
         e = self._engine()
         if self._weight_update_active:
             raise RuntimeError("start_weight_update called while a weight update is already "
                                "active. Call finish_weight_update first.")
-        e.start_weight_update()
+        if self.profile.engine_owned:
+            e.start_weight_update()
+        elif is_checkpoint_format:
+            initialize_layerwise_reload(self.model_runner.get_model())
+        self._is_checkpoint_format = is_checkpoint_format
         self._weight_update_active = True
+
+    def _receive(self, e, typed, checkpoint):
+        model = self.model_runner.get_model()
+
+        def load_weights_direct(weights):
+            for name, weight in weights:
+                model.get_parameter(name).copy_(weight)
+
+        e.receive_weights(typed, load_weights=getattr(model, "load_weights", None)
+                          if checkpoint else load_weights_direct)
 
     def update_weights(self, update_info):
         e = self._engine()
-        if not self.profile.four_phase:
-            e.update_weights(update_info)
+        if not self.profile.four_phase:  # vLLM < 0.22: one call, the info says the format
+            typed = e.parse_update_info(update_info)
+            checkpoint = getattr(typed, "is_checkpoint_format", True)
+            if checkpoint:
+                initialize_layerwise_reload(self.model_runner.get_model())
+            self._receive(e, typed, checkpoint)
+            if checkpoint:
+                finalize_layerwise_reload(self.model_runner.get_model(),
+                                          self.vllm_config.model_config)
             return
         if not self._weight_update_active:
             raise RuntimeError("start_weight_update must be called before update_weights.")
+        if not self.profile.engine_owned:
+            self._receive(e, e.parse_update_info(update_info), self._is_checkpoint_format)
+            return
         try:
             e.update_weights(update_info)
         except BaseException:
@@ -335,7 +419,11 @@ class FakeWorker:
         if not self._weight_update_active:
             raise RuntimeError(
                 "finish_weight_update called without a matching start_weight_update.")
-        e.finish_weight_update()
+        if self.profile.engine_owned:
+            e.finish_weight_update()
+        elif self._is_checkpoint_format:
+            finalize_layerwise_reload(self.model_runner.get_model(),
+                                      self.vllm_config.model_config)
         self._weight_update_active = False
 
     def sleep(self, level=1):
@@ -395,10 +483,10 @@ class FakeLLM:
         info = request["update_info"] if isinstance(request, dict) else request.update_info
         self.collective_rpc("update_weights", kwargs={"update_info": info})
 
-    def __getattr__(self, name):
-        if name in ("start_weight_update", "finish_weight_update") and self.profile.four_phase:
-            return lambda *a: self.collective_rpc(name)
-        raise AttributeError(name)
+    def __new__(cls, *args, profile: Any = "0.23", **kwargs):
+        if cls is FakeLLM and _profile(profile).four_phase:
+            cls = _EngineOwnedLLM if _profile(profile).engine_owned else _WorkerOwnedLLM
+        return super().__new__(cls)
 
     # The engine core's sleep state (is_sleeping answers it; the allocator tracks tags).
     _sleeping = False
@@ -419,6 +507,25 @@ class FakeLLM:
 
     def resume_generation(self):
         return None
+
+
+class _EngineOwnedLLM(FakeLLM):
+    # entrypoints/llm.py (PR #44353 on): start_weight_update() / finish_weight_update().
+    def start_weight_update(self):
+        self.collective_rpc("start_weight_update")
+
+    def finish_weight_update(self):
+        self.collective_rpc("finish_weight_update")
+
+
+class _WorkerOwnedLLM(FakeLLM):
+    # entrypoints/llm.py before PR #44353: the format goes to the workers.
+    def start_weight_update(self, is_checkpoint_format: bool = True):
+        self.collective_rpc("start_weight_update",
+                            kwargs={"is_checkpoint_format": is_checkpoint_format})
+
+    def finish_weight_update(self):
+        self.collective_rpc("finish_weight_update")
 
 
 class FakeAsyncLLM:
@@ -450,8 +557,10 @@ class FakeAsyncLLM:
             raise TypeError(f"Expected WeightTransferUpdateRequest, got {type(request)}")
         await self._rpc("update_weights", kwargs={"update_info": request.update_info})
 
-    async def start_weight_update(self):
-        await self._rpc("start_weight_update")
+    def __new__(cls, llm, *args, **kwargs):
+        if cls is FakeAsyncLLM and llm.profile.four_phase:
+            cls = _EngineOwnedAsyncLLM if llm.profile.engine_owned else _WorkerOwnedAsyncLLM
+        return super().__new__(cls)
 
     async def finish_weight_update(self, weight_version=None):
         await self._rpc("finish_weight_update")
@@ -461,11 +570,25 @@ class FakeAsyncLLM:
         return self._llm.is_sleeping()
 
 
+class _EngineOwnedAsyncLLM(FakeAsyncLLM):
+    async def start_weight_update(self):
+        await self._rpc("start_weight_update")
+
+
+class _WorkerOwnedAsyncLLM(FakeAsyncLLM):
+    # v1/engine/async_llm.py before PR #44353: collective_rpc("start_weight_update",
+    # kwargs={"is_checkpoint_format": is_checkpoint_format}).
+    async def start_weight_update(self, is_checkpoint_format: bool = True):
+        await self._rpc("start_weight_update",
+                        kwargs={"is_checkpoint_format": is_checkpoint_format})
+
+
 def serve_vllm_http(llm: FakeLLM, *, dev_mode: bool = True):
     """`vllm serve` in front of `llm` on 127.0.0.1 (module docstring). Returns (url, server)."""
     import http.server
     from urllib.parse import parse_qs
 
+    worker_owned = llm.profile.four_phase and not llm.profile.engine_owned
     dev_post = {"sleep", "wake_up", "pause", "resume", "init_weight_transfer_engine",
                 "start_weight_update", "update_weights", "finish_weight_update"}
 
@@ -510,6 +633,10 @@ def serve_vllm_http(llm: FakeLLM, *, dev_mode: bool = True):
                         WeightTransferInitRequest(init_info=body["init_info"]))
                 elif path == "update_weights":
                     llm.update_weights(WeightTransferUpdateRequest(update_info=body["update_info"]))
+                elif path == "start_weight_update" and worker_owned:
+                    # The route of that generation: body.get("is_checkpoint_format", True).
+                    llm.start_weight_update(is_checkpoint_format=(body or {}).get(
+                        "is_checkpoint_format", True))
                 else:
                     getattr(llm, path)()
             except Exception as e:  # noqa: BLE001 - the server answers 500, as FastAPI does

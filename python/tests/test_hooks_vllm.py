@@ -175,10 +175,13 @@ def test_vllm_update_that_raises_in_the_worker_is_reported_and_the_next_round_sy
     """vLLM's Worker clears its round when update_weights raises and then refuses the finish
     (the fake mirrors gpu_worker.py's `_weight_update_active`): the driver reports the update's
     error, not the finish's, and the engine's next start closes the abandoned round (here one
-    whose bytes landed: the raise came after the engine's update) and syncs."""
+    whose bytes landed: the raise came after the engine's update) and syncs. The engine-owned
+    lifecycle (vLLM >= 0.25)."""
     plan = make_plan(tiny_model, "dp=1,tp=1,pp=1", "vllm")
-    with shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
-        group, llms, models = _llms(plan, "native")
+    with installed(vllm_modules("0.25")), \
+            shardsync.StoreServer(token="hooks-test-token-0123456789") as srv:
+        vllm_env.register_vllm_backend()
+        group, llms, models = _llms(plan, "native", profile="0.25")
         worker = llms[0].workers[(0, 0)]
         eng = worker.weight_transfer_engine
         driver = VLLMDriver(group, plan, base_config(plan, srv))
@@ -311,7 +314,7 @@ def test_vllm_older_factory_without_model_points_to_the_extension(vllm_env, monk
     def old_init(self, config, parallel_config):
         self.config, self.parallel_config = config, parallel_config
 
-    monkeypatch.setattr(fv.WeightTransferEngine, "__init__", old_init)
+    monkeypatch.setattr(fv._WeightTransferEngineBase, "__init__", old_init)
     eng = vllm_env.make_backend_class()(object(), vllm_config(1, 1).parallel_config)
     st = eng.init_transfer_engine(eng.parse_init_info({"plan": {}}))
     assert not st["ok"] and "without the model" in st["error"] and vllm_env.EXTENSION in st["error"]

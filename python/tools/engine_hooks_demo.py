@@ -12,9 +12,16 @@ fakes_vllm.py) keep each version's contract as the engine's source has it:
   ("miles-session"): custom loader in-process, through the Engine adapter and over HTTP;
   sglang-miles with receivers: receiver. Refused: 0.4.6 (no custom loader), the receiver path on
   SGLang main, a head launched with --weight-cache-mode client.
-- vLLM 0.16 and 0.21: worker extension; 0.23: native backend (LLM, AsyncLLM on its own loop,
-  HTTP in dev mode) and extension; 0.24: RoutedExperts names, native in-process and over HTTP.
-  Refused: native on 0.16 / 0.21 (no four-phase API), HTTP without VLLM_SERVER_DEV_MODE.
+- vLLM 0.16 and 0.21: worker extension; 0.23: native backend with the worker-owned start /
+  finish (LLM, AsyncLLM on its own loop, HTTP in dev mode) and extension; 0.24: RoutedExperts
+  names, native in-process and over HTTP; 0.25: the engine-owned start / finish (PR #44353),
+  in-process and over HTTP. Refused: native on 0.16 / 0.21 (no four-phase API), HTTP without
+  VLLM_SERVER_DEV_MODE.
+- Block FP8 (FP8_SCENARIOS, a Qwen3-MoE on the 128 grid): SGLang 0.5.12 custom loader; vLLM
+  native on 0.23 (worker-owned, over HTTP) and 0.25 (in-process), serving its post-load layout
+  (the scale renamed to weight_scale and transposed by SM90 CUTLASS; the MoE method on TRITON);
+  every e4m3 byte and scale compared with the reference quantizer. Refused by backend name:
+  vLLM Marlin and the DeepGEMM MoE backend.
 
 Every rank is a thread of this process: the "loopback" transport on CPU; with --device cuda the
 parameters and the trainer's shards are CUDA tensors and every rank is a device session over
@@ -73,8 +80,26 @@ SCENARIOS = (
     ("vllm", "0.23", "native", "http", "ok"),
     ("vllm", "0.24", "native", "inproc", "ok"),
     ("vllm", "0.24", "native", "http", "ok"),
+    ("vllm", "0.25", "native", "inproc", "ok"),
+    ("vllm", "0.25", "native", "http", "ok"),
     ("vllm", "0.21", "native", "inproc", "no four-phase weight-transfer API"),
     ("vllm", "0.23", "native", "http-nodev", "VLLM_SERVER_DEV_MODE=1"),
+)
+
+
+# Block FP8 (docs/fp8.md): every TP part on the 128 grid at tp 2 (head_dim 128, 256-row experts).
+TINY_FP8 = dict(TINY, hidden_size=128, intermediate_size=256, moe_intermediate_size=256,
+                num_experts=2, num_experts_per_tok=1, head_dim=128, num_hidden_layers=2,
+                vocab_size=128, mlp_only_layers=[0],
+                quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]})
+# (engine, profile, path, head, expected outcome, FP8 backend of the stand-in engine)
+FP8_SCENARIOS = (
+    ("sglang", "0.5.12", "loader", "inproc", "ok", "sglang"),
+    ("vllm", "0.23", "native", "http", "ok", "sm90-cutlass"),
+    ("vllm", "0.25", "native", "inproc", "ok", "sm90-cutlass"),
+    ("vllm", "0.25", "native", "inproc", "backend Marlin", "marlin"),
+    ("vllm", "0.25", "native", "inproc", "FP8 MoE backend DEEPGEMM", "moe-deepgemm"),
 )
 
 
@@ -136,18 +161,32 @@ class Trainer(threading.Thread):
 class Scenario:
     """Builds one scenario's engines (one per replica), group and driver; tears them down."""
 
-    def __init__(self, engine, profile, path, head, args, model):
+    def __init__(self, engine, profile, path, head, args, model, fp8=None):
         self.engine, self.profile, self.path, self.head = engine, profile, path, head
-        self.args, self.model = args, model
+        self.args, self.model, self.fp8 = args, model, fp8
         self.cleanup = []
         self.models = {}
 
     def modules(self):
         import fakes_sglang as fs
         import fakes_vllm as fv
+        import fakes_vllm_fp8 as ff
 
-        return fs.sglang_modules(self.profile) if self.engine == "sglang" else \
-            fv.vllm_modules(self.profile)
+        if self.engine == "sglang":
+            return fs.sglang_modules(self.profile)
+        return {**fv.vllm_modules(self.profile), **ff.vllm_fp8_modules(ff.Fp8Env())}
+
+    def fp8_methods(self):
+        """(linear, MoE) quant-method factories of the stand-in FP8 engine."""
+        import fakes_engines as fe
+        import fakes_vllm_fp8 as ff
+
+        if self.engine == "sglang":
+            return (lambda: fe.Fp8LinearMethod("sglang")), (lambda: fe.Fp8MoEMethod("TRITON"))
+        lin = {"marlin": {"generation": "rename", "marlin": True}}.get(
+            self.fp8, {"generation": "rename"})
+        moe = "DEEPGEMM" if self.fp8 == "moe-deepgemm" else "TRITON"
+        return (lambda: ff.Fp8LinearMethod(**lin)), (lambda: ff.Fp8MoEMethod(moe))
 
     def plan(self):
         from shardsync.hooks import engines
@@ -167,11 +206,20 @@ class Scenario:
         self.dtype = getattr(torch, {"f32": "float32", "bf16": "bfloat16"}[self.args.wire_dtype])
         device = "cuda:0" if self.args.device == "cuda" else "cpu"
         heads, loop = [], None
+        quant = {}
+        if self.fp8:
+            lin, moe = self.fp8_methods()
+            quant = {"quant": lin, "moe_quant": moe}
         for d in range(plan.dp):
             per = {}
             for pp in range(plan.pp):
                 for tp in range(plan.tp):
-                    m = fe.FakeModel(sm.rank(tp, pp).params, device=device, dtype=self.dtype)
+                    m = fe.FakeModel(sm.rank(tp, pp).params, device=device, dtype=self.dtype,
+                                     **quant)
+                    if self.fp8 and self.engine == "vllm":
+                        import fakes_vllm_fp8 as ff
+
+                        ff.attach_kv_cache_method(m)
                     self.models[(d, tp, pp)] = per[(tp, pp)] = m
             heads.append(self._engine(plan, per))
         if self.head == "async":
@@ -219,7 +267,8 @@ class Scenario:
         vh.register_vllm_backend()
         native = self.path == "native" and fv.VLLM_PROFILES[self.profile].native
         cfg = fv.vllm_config(plan.tp, plan.pp, backend="shardsync" if native else None,
-                             enable_expert_parallel=plan.inputs.ep > 1)
+                             enable_expert_parallel=plan.inputs.ep > 1,
+                             quantization="fp8" if self.fp8 else None)
         llm = fv.FakeLLM(per, cfg, profile=self.profile,
                          extension=vh.ShardsyncWorkerExtension if self.path == "extension"
                          else None)
@@ -236,19 +285,47 @@ class Scenario:
                 pass
 
 
-def run_one(sc, args, model):
+def served(model, name):
+    """The tensor the engine serves for plan parameter `name` on CPU, as the plan lays it out
+    (vLLM FP8: a scale renamed to weight_scale, transposed by SM90 CUTLASS)."""
+    live = dict(model.named_parameters())
+    t = live.get(name)
+    if t is None and name.endswith("weight_scale_inv"):
+        t = live[name[: -len("_inv")]]
+    t = t.detach().to("cpu")
+    return t
+
+
+def check_fp8(plan, full, model, p, cache, transposed):
+    """(elements, mismatches) of one parameter against the reference quantizer (conftest);
+    `transposed`: the engine serves linear layers' scales transposed (vLLM SM90 CUTLASS)."""
+    import numpy as np
+    from conftest import expected_fp8_param
+
+    want = expected_fp8_param(p, {n: v.numpy() for n, v in full.items()}, cache)
+    got = served(model, p.name).numpy()
+    if transposed and p.name.endswith("weight_scale_inv") and ".experts." not in p.name:
+        got = got.T
+    if want.dtype == np.float32:
+        got, want = got.view(np.uint32), want.view(np.uint32)
+    return int(want.size), int((got != want).sum()) if got.shape == want.shape else int(want.size)
+
+
+def run_one(sc, args, model, fp8=None):
     import fakes_engines as fe
 
     engine, profile, path, head, expect = sc
-    s = Scenario(engine, profile, path, head, args, model)
+    s = Scenario(engine, profile, path, head, args, model, fp8)
     out = {"engine": engine, "profile": profile, "path": path, "head": head, "expect": expect,
            "rollout": args.rollout, "device": args.device, "ok": False}
+    if fp8:
+        out["quant"], out["fp8_backend"] = "fp8-block128", fp8
     with fe.installed(s.modules()), shardsync.StoreServer(token=TOKEN) as srv:
         plan = s.plan()
         out["plan"], out["expert_naming"] = plan.hash, plan.expert_naming
         config = {"store": srv.address, "token": TOKEN, "transport": args.transport,
                   "connect_timeout": args.timeout, "sync_timeout": args.timeout}
-        trainers, results = [], {}
+        trainers, results, inited = [], {}, False
         try:
             t0 = time.monotonic()
             group, driver = s.build(plan, config)
@@ -259,6 +336,7 @@ def run_one(sc, args, model):
                 t.start()
             driver.init()
             out["init_s"] = round(time.monotonic() - t0, 4)
+            inited = True
             out["versions"] = []
             for v in range(1, args.versions + 1):
                 for t in trainers:
@@ -266,12 +344,16 @@ def run_one(sc, args, model):
                 t0 = time.monotonic()
                 rep = driver.sync(v)
                 wall = time.monotonic() - t0
-                full, checked, mism = full_weights(plan, v), 0, 0
+                full, checked, mism, cache = full_weights(plan, v), 0, 0, {}
                 sm = plan.shard_map()
                 for (d, tp, pp), m in s.models.items():
-                    live = dict(m.named_parameters())
                     for p in sm.rank(tp, pp).params:
-                        got = live[p.name].detach().to("cpu")
+                        if fp8:
+                            n, bad = check_fp8(plan, full, m, p, cache,
+                                               engine == "vllm" and fp8 == "sm90-cutlass")
+                            checked, mism = checked + n, mism + bad
+                            continue
+                        got = served(m, p.name)
                         mism += int((got != expected(p, full, s.dtype)).sum())
                         checked += got.numel()
                 out["versions"].append({"version": v, "verified": rep["verified"],
@@ -286,14 +368,17 @@ def run_one(sc, args, model):
             out["error"] = f"{type(e).__name__}: {e}"
             version = {"miles": "0.5.12+miles", "miles-session": "0.5.12+miles"}.get(profile,
                                                                                     profile)
-            out["ok"] = expect != "ok" and expect in str(e) and version in str(e)
+            # Capability refusals name the version; FP8 ones the module and backend.
+            out["ok"] = expect != "ok" and expect in str(e) and (bool(fp8) or version in str(e))
             if expect == "ok":
                 out["traceback"] = traceback.format_exc(limit=5)
         finally:
             for t in trainers:
                 t.q.put(None)
+            # A refusal at init leaves the trainers waiting in connect: they fail once this
+            # scenario's store closes (daemon threads), so do not wait out their timeout.
             for t in trainers:
-                t.join(args.timeout)
+                t.join(args.timeout if inited else 1.0)
             s.close()
     return out
 
@@ -311,6 +396,8 @@ def main(argv=None):
     ap.add_argument("--transport", default=None,
                     help="default: loopback on cpu, cuda_ipc on cuda")
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--no-fp8", dest="fp8", action="store_false",
+                    help="skip the block-FP8 scenarios (FP8_SCENARIOS)")
     args = ap.parse_args(argv)
     if args.transport is None:
         args.transport = "cuda_ipc" if args.device == "cuda" else "loopback"
@@ -319,11 +406,15 @@ def main(argv=None):
                                                 "(shardsync._C.DEVICE_BINDING)"}))
         return 2
     model, tmp = args.model, None
+    tmp = tempfile.mkdtemp(prefix="ss-demo-")
     if model is None:
-        tmp = tempfile.mkdtemp(prefix="ss-demo-")
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(TINY, f)
         model = tmp
+    fp8_model = os.path.join(tmp, "fp8")
+    os.makedirs(fp8_model)
+    with open(os.path.join(fp8_model, "config.json"), "w") as f:
+        json.dump(TINY_FP8, f)
     ok = True
     try:
         for sc in SCENARIOS:
@@ -332,9 +423,17 @@ def main(argv=None):
             res = run_one(sc, args, model)
             ok &= bool(res["ok"])
             print(json.dumps(res), flush=True)
+        # Block FP8 runs on the FP8 model at tp 2 (its parts sit on the 128 grid there).
+        fp8_args = argparse.Namespace(**dict(vars(args), rollout="dp=1,tp=2,pp=1",
+                                             wire_dtype="f32"))
+        for *sc, backend in FP8_SCENARIOS if args.fp8 else ():
+            if args.engine not in ("both", sc[0]):
+                continue
+            res = run_one(tuple(sc), fp8_args, fp8_model, fp8=backend)
+            ok &= bool(res["ok"])
+            print(json.dumps(res), flush=True)
     finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0 if ok else 1
 
 

@@ -58,6 +58,11 @@ class BenchRank {
     }
     bool verified = true;
     if (!who_.is_trainer) verified = VerifyParams("sharded");
+    if (!who_.is_trainer && !job_.dump_dir.empty()) {  // the sharded sync's parameters
+      Status ds = job_internal::WriteRankDump(job_, rank_, who_, session_->ExpectedParams(),
+                                              params_.bindings);
+      if (!ds.ok()) return ds.Annotate("--dump-dir");
+    }
     Step();
     // (b) broadcast-all. Parameters are scrambled first so the baseline has to rewrite them.
     // Block-FP8 engines have no broadcast-all of their own (the engines' update_weights paths

@@ -59,6 +59,11 @@ Status CheckFloatDType(DType t, std::string_view field);
 Result<TrainerShards> FillTrainerShards(const JobSpec& job, int trainer_rank);
 // Parameters in `dtype`, filled with a garbage pattern (0xA5).
 Result<EngineParams> AllocateEngineParams(const std::vector<EngineParam>& expected, DType dtype);
+// Engine ranks with --dump-dir: the received parameters, in their own dtypes (e4m3 weights and
+// fp32 scales for block FP8), as <dump_dir>/rank-<rank>.safetensors (refengine WriteEngineDump).
+Status WriteRankDump(const JobSpec& job, int rank, const SyncRank& who,
+                     const std::vector<EngineParam>& expected,
+                     const std::vector<DestBinding>& bound);
 // Element-by-element comparison with the synthetic HF values; adds to out's counters. Block-FP8
 // weights and their scales are compared with the quantizer's output for the trainer's values
 // (VerifyFp8Param).

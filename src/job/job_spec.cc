@@ -1,6 +1,7 @@
 // A job's flags, arguments and results as text: JobSpecFromFlags (validation, errors name the
 // flag), the arguments that reproduce a job in a child process, and RankResult as JSON.
 #include <cstdlib>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
@@ -290,6 +291,12 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
   if (f.prefix.empty()) return InvalidArgumentError("--prefix: must not be empty");
   job.prefix = f.prefix;
   job.dump_dir = f.dump_dir;
+  // Engine ranks write <dir>/rank-<R>.safetensors once they synced: a directory that is not
+  // there fails them all after the sync (and stalls a bench's other ranks at its next barrier).
+  std::error_code ec;
+  if (!f.dump_dir.empty() && !std::filesystem::is_directory(f.dump_dir, ec)) {
+    return InvalidArgumentError("--dump-dir: '" + f.dump_dir + "' is not a directory");
+  }
   // The plan must exist: fail here, naming the field (for block FP8: a layout off the 128 grid
   // names the tensor), rather than in every rank.
   if (in.model.quant) {

@@ -245,11 +245,10 @@ void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& para
 
 using namespace job_internal;
 
-namespace {
-
 // Engine ranks with --dump-dir: the received parameters as <dump_dir>/rank-<rank>.safetensors.
-Status WriteDump(const JobSpec& job, int rank, const SyncRank& who,
-                 const std::vector<EngineParam>& expected, const std::vector<DestBinding>& bound) {
+Status job_internal::WriteRankDump(const JobSpec& job, int rank, const SyncRank& who,
+                                   const std::vector<EngineParam>& expected,
+                                   const std::vector<DestBinding>& bound) {
   std::vector<TensorToWrite> tensors;
   for (size_t i = 0; i < expected.size(); ++i) {
     const DestBinding& b = bound[i];
@@ -262,8 +261,6 @@ Status WriteDump(const JobSpec& job, int rank, const SyncRank& who,
   return WriteEngineDump(job.dump_dir + "/rank-" + std::to_string(rank) + ".safetensors", tensors,
                          {who.replica, who.tp_rank, who.pp_rank});
 }
-
-}  // namespace
 
 Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Transport& transport,
                            const ProgressFn& progress) {
@@ -336,7 +333,7 @@ Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Tra
   if (!who.is_trainer && !job.dump_dir.empty()) {
     // The dump is a demo/test artifact: report the sync's memory peak, not the serializer's.
     const int64_t sync_peak = PeakRssBytes();
-    Status ds = WriteDump(job, rank, who, session->ExpectedParams(), params.bindings);
+    Status ds = WriteRankDump(job, rank, who, session->ExpectedParams(), params.bindings);
     if (!ds.ok()) return finish(ds.Annotate("--dump-dir"));
     step();
     finish(OkStatus());

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cctype>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -180,6 +181,32 @@ TEST(CliFp8, BenchTimesFp8NextToBf16) {
   EXPECT_EQ(j["ceiling"], "raw_transport");
   EXPECT_EQ(j["element_mismatches"], 0);
   EXPECT_GT(j["quant"]["bound_write_bytes"].get<int64_t>(), 0);
+}
+
+// Issue 32: --dump-dir holds the FP8 run's engine parameters (e4m3 weights, fp32 scales), not the
+// bf16 comparison run's, which used to overwrite them.
+TEST(CliFp8, BenchDumpDirHoldsTheFp8RunsParameters) {
+  const std::string dir = Fixtures::Get().Expand("{DIR}/out/bench-fp8-dump");
+  ExpectRefused({"bench", "--model", "{DIR}/fp8/config.json", "--trainer", "fsdp=2", "--rollout",
+                 "dp=1,tp=2,pp=1", "--dump-dir", dir},
+                {"--dump-dir", "not a directory"});
+  fs::create_directories(dir);
+  const json j = json::parse(
+      Ok({"bench", "--model", "{DIR}/fp8/config.json", "--trainer", "fsdp=2", "--rollout",
+          "dp=1,tp=2,pp=1", "--warmup", "0", "--reps", "1", "--dump-dir", dir, "--json"})
+          .out);
+  EXPECT_TRUE(j["verified"].get<bool>());
+  for (const char* rank : {"rank-2", "rank-3"}) {  // the engine ranks: sync ranks 2 and 3
+    SCOPED_TRACE(rank);
+    const json t = json::parse(Ok({"inspect", dir + "/" + rank + ".safetensors", "--json"}).out);
+    std::map<std::string, std::string> dtype;
+    for (const auto& e : t["tensors"]) dtype[e["name"]] = e["dtype"];
+    for (const std::string p :
+         {"model.layers.0.self_attn.qkv_proj.", "model.layers.1.mlp.down_proj."}) {
+      EXPECT_EQ(dtype[p + "weight"], "F8_E4M3");
+      EXPECT_EQ(dtype[p + "weight_scale_inv"], "F32");
+    }
+  }
 }
 
 TEST(CliFp8, RefusalsNameTheFieldOrFlag) {

@@ -193,8 +193,9 @@ int Run(const BenchFlags& f) {
                 "the raw transport (" + std::to_string(job->bench_warmup) + " warm-up + " +
                 std::to_string(job->bench_reps) + " reps each), transport " + job->transport);
   lo.on_progress = JobProgress("shardsync bench", f.json, world, {});
+  // --gen-tokens reads the engine dumps: from --dump-dir when given, else a temporary directory.
   TempDir dumps;
-  if (f.gen_tokens > 0) {
+  if (f.gen_tokens > 0 && lo.job.dump_dir.empty()) {
     if (Status s = dumps.Create("bench"); !s.ok()) return ReportError(s);
     lo.job.dump_dir = dumps.path;
   }
@@ -212,7 +213,7 @@ int Run(const BenchFlags& f) {
   json extra = json::object();
   bool generation_ok = true;
   if (f.gen_tokens > 0) {
-    auto g = Generation(*job, dumps.path, f.gen_tokens, &generation_ok);
+    auto g = Generation(*job, lo.job.dump_dir, f.gen_tokens, &generation_ok);
     if (!g.ok()) return ReportError(g.status());
     extra["generation"] = *g;
   }

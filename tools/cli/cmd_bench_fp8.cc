@@ -96,9 +96,12 @@ int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, int
   std::optional<Fp8PlanSummary> s;
   auto summary = JobPlanSummary(job.inputs, &s);
   if (!summary.ok()) return ReportError(summary.status());
+  // --dump-dir DIR holds the FP8 run's engine parameters (e4m3 weights and their scales): the
+  // run the bench is about. The bf16 comparison run below dumps nothing, or it would overwrite
+  // them. --gen-tokens reads the FP8 dumps, from DIR or a temporary directory.
   JobSpec fp8_job = job;
   TempDir dumps;
-  if (gen_tokens > 0) {
+  if (gen_tokens > 0 && fp8_job.dump_dir.empty()) {
     if (Status st = dumps.Create("bench"); !st.ok()) return ReportError(st);
     fp8_job.dump_dir = dumps.path;
   }
@@ -120,13 +123,14 @@ int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, int
   json extra = json::object();
   bool generation_ok = true;
   if (gen_tokens > 0) {
-    auto g = Generation(fp8_job, dumps.path, gen_tokens, &generation_ok);
+    auto g = Generation(fp8_job, fp8_job.dump_dir, gen_tokens, &generation_ok);
     if (!g.ok()) return ReportError(g.status());
     extra["generation"] = *g;
   }
   JobSpec bf16_job = job;
   bf16_job.inputs.model.quant.reset();
   bf16_job.prefix = job.prefix + "bf16/";
+  bf16_job.dump_dir.clear();
   LocalJobResult res16;
   auto b16 = RunOne(bf16_job, as_json, launch, job_timeout_s, "shardsync bench (bf16)", &res16);
   if (!b16.ok()) return ReportError(b16.status());

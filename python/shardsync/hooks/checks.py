@@ -106,10 +106,24 @@ def expected_loader_kind(name: str) -> Optional[str]:
     return None
 
 
-def loader_kind(param: Any) -> Tuple[Optional[str], str]:
-    """(kind, description) of a parameter's weight loader; kind None when it carries none."""
+def _class_kind(owner: Any) -> Optional[str]:
+    for cls in type(owner).__mro__:
+        kind = _LOADER_CLASSES.get(cls.__name__)
+        if kind is not None:
+            return kind
+    return None
+
+
+def loader_kind(param: Any, owner: Any = None) -> Tuple[Optional[str], str]:
+    """(kind, description) of a parameter's weight loader; kind None when it carries none.
+    `owner`: the module holding the parameter, read when a post-load step re-registered it
+    without its loader (vLLM FP8: `layer.weight = Parameter(weight.data)`): the loader was a
+    bound method of that layer, so its class says the same."""
     loader = getattr(param, "weight_loader", None)
     if loader is None:
+        kind = _class_kind(owner) if owner is not None else None
+        if kind is not None:
+            return kind, f"{type(owner).__name__} (loader dropped after load; its layer's class)"
         return None, "no weight_loader"
     owner = getattr(loader, "__self__", None)
     if owner is not None and not isinstance(owner, type):
@@ -130,7 +144,8 @@ def _attr(param: Any, name: str) -> Any:
         return None
 
 
-def check_loaders(pairs: Iterable[Tuple[str, Any]], *, tp: int) -> str:
+def check_loaders(pairs: Iterable[Tuple[str, Any]], *, tp: int,
+                  owners: Optional[Dict[str, Any]] = None) -> str:
     """Checks each parameter's weight loader and sharded dims against its shard-map kind.
 
     Name, shape and dtype cannot tell two layouts apart (a row- and a column-parallel square
@@ -154,7 +169,7 @@ def check_loaders(pairs: Iterable[Tuple[str, Any]], *, tp: int) -> str:
                 "ROCm AITER); its layout is not the canonical one shardsync writes"
             )
         want = expected_loader_kind(name)
-        got, desc = loader_kind(t)
+        got, desc = loader_kind(t, (owners or {}).get(name))
         if want is None:
             continue
         if want == "replicated":
@@ -205,7 +220,10 @@ CANONICAL_FP8_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
 
 def _fp8_refusal(mname: str, qm: Any, module: Any) -> Optional[str]:
     """Why an FP8 quant method's post-load step leaves a layout other than the canonical block
-    FP8 bytes a sync lands (None: it keeps them). Read from the attributes the engines set:
+    FP8 bytes a sync lands (None: it keeps them). vLLM's modules never get here: the vLLM hook
+    binds them as served (vllm_fp8.VllmFp8Views, check_finalize_methods' `handled`); this is
+    SGLang's check, and any engine's without such views. Read from the attributes the engines
+    set:
     - weight_block_size [128, 128] (vLLM / SGLang Fp8Config): per-tensor or channel FP8 is another
       format; SGLang `use_mxfp8`: UE8M0 scales per 32 elements.
     - `use_marlin` (both, GPUs without FP8 hardware): prepare_fp8_layer_for_marlin repacks
@@ -220,10 +238,8 @@ def _fp8_refusal(mname: str, qm: Any, module: Any) -> Optional[str]:
     - SGLang `format_ue8m0` on a scale (fp8.py process_weights_after_loading_block_quant ->
       requant_weight_ue8m0_inplace for DeepGEMM): set once, so the step is not re-run on synced
       bytes and DeepGEMM would read fp32 scales as UE8M0.
-    - a block-FP8 module holding `weight_scale` and no `weight_scale_inv`: vLLM versions whose
-      Fp8LinearMethod.process_weights_after_loading renames the scale (quantization/fp8.py:
-      `del layer.weight_scale_inv`, `layer.weight_scale = Parameter(weight_scale.data)`); the
-      step then raises when re-run.
+    - a block-FP8 module holding `weight_scale` and no `weight_scale_inv` (the plan's name is
+      gone; vLLM's rename is bound by its views instead).
     - vLLM Fp8MoEMethod `fp8_backend` outside CANONICAL_FP8_MOE_BACKENDS (quantization/fp8.py
       Fp8MoEMethod.__init__: `self.fp8_backend = get_fp8_moe_backend(self.block_quant)`, an
       Fp8MoeBackend enum, in the version read; oracle/fp8.py is not confirmed here).
@@ -242,11 +258,8 @@ def _fp8_refusal(mname: str, qm: Any, module: Any) -> Optional[str]:
                 "(VLLM_USE_DEEP_GEMM=0)")
     own = dict(getattr(module, "named_parameters", lambda **_: [])(recurse=False))
     if "weight_scale" in own and "weight_scale_inv" not in own:
-        return ("the post-load step renamed weight_scale_inv to weight_scale (vLLM versions whose "
-                "quantization/fp8.py Fp8LinearMethod.process_weights_after_loading runs "
-                "process_fp8_weight_block_strategy then `del layer.weight_scale_inv`): the plan's "
-                "parameter is gone and that step cannot run again on synced bytes; use a vLLM "
-                "that keeps weight_scale_inv")
+        return ("the post-load step renamed weight_scale_inv to weight_scale: the plan's "
+                "parameter is gone and this engine's hook has no view of the served layout")
     for pname, p in own.items():
         if pname.endswith("scale_inv") and getattr(p, "format_ue8m0", False):
             return (f"'{pname}' was requantized to UE8M0 for DeepGEMM "
@@ -263,10 +276,12 @@ def _fp8_refusal(mname: str, qm: Any, module: Any) -> Optional[str]:
 
 
 def check_finalize_methods(model: Any, *, allow_moe_backends: Sequence[str] = (),
-                           fp8: bool = False) -> int:
+                           fp8: bool = False, handled: Iterable[str] = ()) -> int:
     """Refuses modules whose post-load step leaves a non-canonical layout. Returns how many
     quant methods were checked. `fp8`: the plan is block FP8, so the engines' FP8 methods are
-    accepted where their backend keeps the canonical bytes (_fp8_refusal)."""
+    accepted where their backend keeps the canonical bytes (_fp8_refusal). `handled`: module
+    names an engine's own FP8 views already classified (vllm_fp8.VllmFp8Views)."""
+    handled = set(handled)
     named = getattr(model, "named_modules", None)
     if not callable(named):
         return 0
@@ -277,6 +292,8 @@ def check_finalize_methods(model: Any, *, allow_moe_backends: Sequence[str] = ()
         if qm is None:
             continue
         n += 1
+        if mname in handled:
+            continue
         cls = type(qm).__name__
         if fp8 and cls in _FP8_METHODS:
             why = _fp8_refusal(mname, qm, module)

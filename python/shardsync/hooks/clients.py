@@ -235,10 +235,14 @@ class VLLMHTTP(_HTTP):
                 f"{self.base_url}/version: HTTP {code} {str(out)[:200]}: cannot read the vLLM "
                 "version; refused")
         dev = self._request("GET", "is_sleeping")[0] != 404
+        native = dev and self._route_exists("start_weight_update")
         return EngineCaps(
             engine="vllm", version=str(version), http=True, dev_mode=dev,
             source=f"http {self.base_url} (/version, route probes)",
-            native=dev and self._route_exists("start_weight_update"),
+            native=native,
+            # Who owns start / finish: only the version tells over HTTP (PR #44353, vLLM 0.25).
+            # Either way start_weight_update sends is_checkpoint_format=False (below).
+            lifecycle=(None if not native else "engine" if parsed >= (0, 25, 0) else "worker"),
             request_classes=True,  # the routes build the request objects themselves
             # RoutedExperts arrived in vLLM 0.24 (PR #41184); over HTTP only the version tells.
             expert_naming="routed_experts" if parsed >= (0, 24, 0) else "fused_moe",
@@ -282,9 +286,15 @@ class VLLMHTTP(_HTTP):
         self._dev("/update_weights")
         return self._http("POST", "update_weights", _body(request, "update_info"))
 
-    def start_weight_update(self) -> Any:
+    def start_weight_update(self, is_checkpoint_format: bool = False) -> Any:
+        """Always says the format: before PR #44353 (vLLM < 0.25) the route reads
+        `body.get("is_checkpoint_format", True)` and the worker then runs
+        `initialize_layerwise_reload` itself (entrypoints/serve/dev/rlhf/api_router.py,
+        v1/worker/gpu_worker.py of that generation), a reload shardsync's in-place writes never
+        fill; from PR #44353 on the route reads no body, so the key is ignored there."""
         self._dev("/start_weight_update")
-        return self._http("POST", "start_weight_update", {})
+        return self._http("POST", "start_weight_update",
+                          {"is_checkpoint_format": bool(is_checkpoint_format)})
 
     def finish_weight_update(self) -> Any:
         self._dev("/finish_weight_update")

@@ -19,6 +19,7 @@ and owns that rank's shardsync session. Rules it keeps for both engines:
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -80,6 +81,12 @@ class Probe:
         released]} of the given parameters."""
         return {"cumem": [], "asleep": []}
 
+    def fp8_views(self, model: Any, expected: Sequence[Any]) -> Any:
+        """For a block-FP8 plan: where the engine serves the plan's FP8 parameters after its
+        post-load step (vllm_fp8.VllmFp8Views: `modules`, `named`, `live_name`, `staged`,
+        `after_sync`, `masked`), or None when it serves them as loaded under the plan's names."""
+        return None
+
 
 # ---------------------------------------------------------------------------------------------
 # The hook
@@ -117,6 +124,8 @@ class EngineRankHook:
         # not cover): every later init / sync status of this rank reports it.
         self.fatal: Optional[str] = None
         self.loader_check = "not run"
+        self.views: Any = None  # Probe.fp8_views of a block-FP8 plan
+        self._owners: Dict[str, Any] = {}
         self._facts: Dict[str, Any] = {}
         self.last: Optional[Dict[str, Any]] = None
         self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
@@ -235,15 +244,24 @@ class EngineRankHook:
             self.session = None
         cfg = self.config
         model = self._get_model()
-        # A model with a finalize step that rewrites layouts is refused before binding.
-        check_finalize_methods(model, fp8=getattr(self.plan, "quant", None) is not None)
         expected = self.plan.shard_map().rank(self.coord["tp_rank"], self.coord["pp_rank"]).params
+        fp8 = getattr(self.plan, "quant", None) is not None
+        # Where a block-FP8 engine serves the plan's parameters after its post-load step (or a
+        # refusal naming the backend), then every other module whose finalize step rewrites
+        # layouts is refused, all before binding.
+        self.views = self.probe.fp8_views(model, expected) if fp8 else None
+        check_finalize_methods(model, fp8=fp8,
+                               handled=self.views.modules if self.views is not None else ())
         named = list(model.named_parameters())
+        if self.views is not None:
+            named = self.views.named(named)
         _check_expert_naming(self.plan, expected, named)
         pairs = check_engine_params(
             list(expected), named, ignore_extra=bool(cfg.get("ignore_extra", False)),
             wire_dtype=self.plan.wire_dtype)
-        self.loader_check = (check_loaders(pairs, tp=self.plan.tp)
+        self._owners = _owners(model, [n for n, _ in pairs])
+        self.loader_check = (check_loaders(self._served(pairs, model), tp=self.plan.tp,
+                                           owners=self._owners)
                              if cfg.get("check_loaders", True) else "disabled")
         self._check_memory(pairs, cfg)
         device = self._device(pairs, cfg)
@@ -264,10 +282,25 @@ class EngineRankHook:
             s.close()
             raise
         self.session = s
+        # What the engine serves (a staged scale's served tensor, not the staging) must stay.
         self.snapshot = {n: (tensor_ptr(t), tuple(int(d) for d in t.shape), _dtype_str(t))
-                         for n, t in pairs}
+                         for n, t in self._served(pairs, model)}
         self.poisoned = None
-        return {"params": len(pairs), "device": device, "loader_check": self.loader_check}
+        out = {"params": len(pairs), "device": device, "loader_check": self.loader_check}
+        if self.views is not None:
+            out["fp8"] = self.views.describe()
+        return out
+
+    def _live(self, name: str) -> str:
+        """The engine's own name of plan parameter `name` (a renamed FP8 scale)."""
+        return self.views.live_name(name) if self.views is not None else name
+
+    def _served(self, pairs: Sequence[Tuple[str, Any]], model: Any) -> List[Tuple[str, Any]]:
+        """(plan name, the tensor the engine serves): a staged FP8 scale's served tensor."""
+        if self.views is None:
+            return list(pairs)
+        live = dict(model.named_parameters())
+        return [(n, live[self._live(n)] if self.views.staged(n) else t) for n, t in pairs]
 
     def _check_memory(self, pairs: Sequence[Tuple[str, Any]], cfg: Dict[str, Any]) -> None:
         mem = self.probe.memory(pairs)
@@ -311,9 +344,10 @@ class EngineRankHook:
         model = self._get_model()
         live = dict(model.named_parameters())
         for name, (ptr, shape, dtype) in self.snapshot.items():
-            t = live.get(name)
+            t = live.get(self._live(name))
             if t is None:
-                raise FailedPreconditionError(f"{when}: parameter '{name}' is gone from the model")
+                raise FailedPreconditionError(
+                    f"{when}: parameter '{self._live(name)}' is gone from the model")
             now = (tensor_ptr(t), tuple(int(d) for d in t.shape), _dtype_str(t))
             if now != (ptr, shape, dtype):
                 raise FailedPreconditionError(
@@ -323,12 +357,14 @@ class EngineRankHook:
                     "no longer reads (the engine's post-load step re-registered it, e.g. vLLM "
                     "replace_parameter). This layout is refused; re-init after a reload")
         if self.loader_check == "checked":
-            check_loaders([(n, live[n]) for n in self.snapshot], tp=self.plan.tp)
+            check_loaders([(n, live[self._live(n)]) for n in self.snapshot], tp=self.plan.tp,
+                          owners=self._owners)
 
     def check_awake(self, when: str) -> None:
         """Refuses while bound parameters are unmapped (sleep); transient, does not poison."""
         live = dict(self._get_model().named_parameters())
-        mem = self.probe.memory([(n, live[n]) for n in self.snapshot if n in live])
+        mem = self.probe.memory([(n, live[self._live(n)]) for n in self.snapshot
+                                 if self._live(n) in live])
         if mem.get("asleep"):
             raise FailedPreconditionError(
                 f"{when}: engine is asleep ({', '.join(mem['asleep'][:3])} released); wake it "
@@ -352,6 +388,8 @@ class EngineRankHook:
             raise FailedPreconditionError(f"rank refuses to sync: {self.poisoned}")
         self.check_ready("before sync")
         report = self.session.sync(int(version))
+        if self.views is not None:  # staged FP8 scales into their served layout
+            self.views.after_sync(self._get_model())
         if finalize:
             self.run_finalize("after sync")
         return {"report": _summary(report)}
@@ -360,7 +398,10 @@ class EngineRankHook:
         """The engine's post-load step (unless `run` is False: the engine runs it itself), then
         the bound-parameter re-check."""
         if run and self.finalize is not None:
-            self.finalize(self._get_model())
+            # Block FP8: the FP8 methods' own steps are masked, their result is what was synced.
+            masked = self.views.masked() if self.views is not None else contextlib.nullcontext()
+            with masked:
+                self.finalize(self._get_model())
         try:
             self.check_bound(when + " + finalize")
         except Error as e:
@@ -429,6 +470,19 @@ class EngineRankHook:
         if self._worker is not None and self._worker.is_alive():
             self._queue.put(None)
         return st
+
+
+def _owners(model: Any, names: Sequence[str]) -> Dict[str, Any]:
+    """Parameter name -> the module holding it: the layer a weight loader would be bound to, for
+    parameters a post-load step re-registered without their loader (vLLM FP8's
+    `layer.weight = Parameter(weight.data)`)."""
+    mods = dict(model.named_modules()) if callable(getattr(model, "named_modules", None)) else {}
+    out = {}
+    for n in names:
+        m = mods.get(n.rpartition(".")[0])
+        if m is not None:
+            out[n] = m
+    return out
 
 
 def _check_expert_naming(plan: Any, expected: Sequence[Any], named: Sequence[Any]) -> None:

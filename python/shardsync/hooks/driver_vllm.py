@@ -3,7 +3,11 @@
 - Native path (weight_transfer_config backend "shardsync", vLLM >= 0.22 with the four-phase
   API): init = `init_weight_transfer_engine(WeightTransferInitRequest(init_info=config))`; every
   round = `start_weight_update()` -> `update_weights(WeightTransferUpdateRequest(update_info=
-  {"version": v}))` -> `finish_weight_update()`. In-process the request objects are the
+  {"version": v}))` -> `finish_weight_update()`. Before PR #44353 (vLLM < 0.25) the worker owns
+  start / finish and a start with is_checkpoint_format=True (its default) runs
+  `initialize_layerwise_reload`; so the start says `is_checkpoint_format=False` wherever the
+  engine takes it (in-process when its start_weight_update has the parameter, always over
+  HTTP), and the backend's `receive_weights(info, load_weights=...)` is the whole round. In-process the request objects are the
   engine's own classes (vllm/distributed/weight_transfer/base.py: `LLM` accepts them or dicts,
   `AsyncLLM` only them); over HTTP the RLHF routes build them from `{"init_info": ...}` /
   `{"update_info": ...}` bodies (dev mode only).
@@ -119,7 +123,9 @@ class VLLMDriver(_Driver):
         self._refuse_sleeping()
         v = int(version)
         if self.path == "native":
-            self.group.call("start_weight_update")
+            kw = ({"is_checkpoint_format": False}
+                  if self.caps.http or self.caps.lifecycle == "worker" else {})
+            self.group.call("start_weight_update", **kw)
             try:
                 self.group.call("update_weights", self._update_request(v))
             except BaseException:

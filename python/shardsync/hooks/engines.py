@@ -28,8 +28,12 @@ Facts each probe relies on (engine files read for this module):
   request (`require(caps, "weight_cache")`).
 - SGLang `ServerArgs.custom_weight_loader` (PR #7122, v0.4.7) and `speculative_algorithm`.
 - vLLM `distributed/weight_transfer/base.py`: `WeightTransferInitRequest` /
-  `WeightTransferUpdateRequest` (API-level request classes) and `WeightTransferEngine.
-  start_weight_update` / `finish_weight_update` (the four-phase API, vLLM >= 0.22).
+  `WeightTransferUpdateRequest` (API-level request classes). The four-phase API (start /
+  update / finish, vLLM >= 0.22) in two generations: before PR #44353 (vLLM < 0.25) the worker
+  owns start / finish (`Worker.start_weight_update(is_checkpoint_format=True)` runs
+  `initialize_layerwise_reload` itself; `update_weights` calls `engine.receive_weights(info,
+  load_weights=...)`; `LLM` / `AsyncLLM.start_weight_update(is_checkpoint_format)`); from it on
+  each engine owns them (`WeightTransferEngine.start_weight_update` / `finish_weight_update`).
 - vLLM `model_executor/layers/fused_moe/routed_experts.py` (vLLM >= 0.24, PR #41184): expert
   parameters are `...mlp.experts.routed_experts.w13_weight`.
 - vLLM `v1/engine/async_llm.py`: AsyncLLM's weight-transfer methods are `async def` and take the
@@ -71,6 +75,9 @@ class EngineCaps:
     tp_size: int = 1
     # vLLM
     native: bool = False  # four-phase weight-transfer API (start/update/finish)
+    # "engine": engine-owned start / finish (PR #44353, vLLM >= 0.25); "worker": the worker owns
+    # them and takes is_checkpoint_format (vLLM 0.22 .. 0.24); None: no four-phase API.
+    lifecycle: Optional[str] = None
     request_classes: bool = False  # WeightTransferInitRequest / UpdateRequest importable
     asynchronous: bool = False  # AsyncLLM: async def methods
     collective_rpc: bool = False
@@ -114,9 +121,16 @@ SUPPORT: Tuple[Tuple[str, str, str, str], ...] = (
     ("vllm", "< 0.22 (no start/finish_weight_update)", "native",
      "refused: use the worker extension"),
     ("vllm", "any V1", "extension", "supported (collective_rpc; in-process only)"),
-    ("vllm", ">= 0.22, < 0.24", "native", "supported: FusedMoE expert names"),
+    ("vllm", ">= 0.22, < 0.25 (worker-owned start / finish)", "native",
+     "supported: rounds started with is_checkpoint_format=False (no layerwise reload); the "
+     "backend's receive_weights(info, load_weights=...) is the round"),
+    ("vllm", ">= 0.25 (engine-owned start / finish, PR #44353)", "native", "supported"),
     ("vllm", ">= 0.24", "native / extension",
      "supported: RoutedExperts names (Plan(expert_naming='routed_experts'))"),
+    ("vllm", "any, block FP8", "native / extension / http",
+     "supported where the FP8 backend serves a block layout (Triton, CUTLASS incl. SM90's "
+     "transposed scales, DeepGEMM with fp32 scales; MoE TRITON / BATCHED_TRITON); refused by "
+     "backend name: Marlin, DeepGEMM E8M0, FlashInfer, AITER, DeepGEMM MoE"),
     ("vllm", "AsyncLLM", "native", "supported: awaited on the engine's loop (loop=)"),
     ("vllm", "vllm serve without VLLM_SERVER_DEV_MODE=1", "http",
      "refused: /sleep, /wake_up, /is_sleeping and the RLHF routes are dev-mode routes"),
@@ -243,12 +257,18 @@ def _probe_vllm(handle: Any) -> EngineCaps:
     cls = type(handle)
     fn = inspect.getattr_static(cls, "init_weight_transfer_engine", None) or \
         inspect.getattr_static(cls, "collective_rpc", None)
+    engine_owned = wte is not None and hasattr(wte, "start_weight_update") \
+        and hasattr(wte, "finish_weight_update")
+    # Before PR #44353: LLM / AsyncLLM.start_weight_update(is_checkpoint_format=True) drives the
+    # worker-owned lifecycle (entrypoints/llm.py, v1/engine/async_llm.py of that generation).
+    worker_owned = not engine_owned and wte is not None and _takes(
+        inspect.getattr_static(cls, "start_weight_update", None), "is_checkpoint_format")
     vc = _head_attr(handle, "vllm_config") or _head_attr(handle, "llm_engine", "vllm_config")
     spec = getattr(vc, "speculative_config", None)
     return EngineCaps(
         engine="vllm", version=version, source="in-process (vllm modules)",
-        native=wte is not None and hasattr(wte, "start_weight_update")
-        and hasattr(wte, "finish_weight_update"),
+        native=engine_owned or worker_owned,
+        lifecycle="engine" if engine_owned else "worker" if worker_owned else None,
         request_classes=req,
         asynchronous=inspect.iscoroutinefunction(fn),
         collective_rpc=inspect.getattr_static(cls, "collective_rpc", None) is not None,
@@ -256,6 +276,17 @@ def _probe_vllm(handle: Any) -> EngineCaps:
         expert_naming="routed_experts" if routed else "fused_moe",
         draft=str(getattr(spec, "method", "speculative")) if spec is not None else None,
     )
+
+
+def _takes(fn: Any, name: str) -> bool:
+    """Whether callable `fn` (a function as the class holds it) has parameter `name`."""
+    fn = getattr(fn, "__func__", fn)
+    if not callable(fn):
+        return False
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def probe(handle: Any, engine: str) -> EngineCaps:

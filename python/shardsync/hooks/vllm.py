@@ -6,7 +6,10 @@
    `weight_transfer_config={"backend": "shardsync"}` (v1/worker/gpu_worker.py), and drives the
    engine's state machine: `init_weight_transfer_engine(init_info)` -> per round
    `start_weight_update()` -> `update_weights(update_info)` -> `finish_weight_update()`
-   (distributed/weight_transfer/base.py). init_info is the shardsync config, update_info
+   (distributed/weight_transfer/base.py, vLLM >= 0.25: PR #44353 gave each engine its start /
+   finish). Before that (0.22 - 0.24) the worker owns start / finish and calls only the
+   engine's `receive_weights(info, load_weights=...)`, which is then the whole round
+   (`_BackendCore.receive_weights`). init_info is the shardsync config, update_info
    `{"version": v}`: JSON only.
 2. Worker extension (older vLLM): `worker_extension_cls=EXTENSION`, driven by
    `collective_rpc("shardsync_init", args=(config,))` / `("shardsync_sync", args=(version,))`
@@ -19,7 +22,9 @@ kernel-format conversion. MoE backends whose post-load layout is not canonical (
 CUTLASS swaps w13 -> w31, FlashInfer TRT-LLM pads and block-permutes, ROCm AITER shuffles:
 fused_moe/oracle/unquantized.py) and quantized methods are refused at init (core.py
 `check_finalize_methods`); a finalize that re-registers a parameter (`replace_parameter`,
-quantization/utils/layer_utils.py) is caught by the data_ptr re-check and refused.
+quantization/utils/layer_utils.py) is caught by the data_ptr re-check and refused. Block FP8 is
+bound as vLLM serves it after load, and its methods' steps are masked in that call
+(vllm_fp8.py, `VLLMProbe.fp8_views`).
 
 Why whole-model `process_weights_after_loading` in place, every round, and not vLLM's layerwise
 reload (`initialize_layerwise_reload` in start, `finalize_layerwise_reload` in finish, which its
@@ -104,6 +109,12 @@ class VLLMProbe(Probe):
 
     def facts(self) -> Dict[str, Any]:
         return vllm_facts(self.vllm_config)
+
+    def fp8_views(self, model: Any, expected: Sequence[Any]) -> Any:
+        """vLLM's FP8 methods serve their post-load layout (vllm_fp8.py): bound as served."""
+        from .vllm_fp8 import VllmFp8Views
+
+        return VllmFp8Views(model, expected)
 
     def memory(self, tensors: Sequence[Tuple[str, Any]]) -> Dict[str, Any]:
         """cuMem (sleep-mode) allocations holding the tensors, and those currently unmapped.
@@ -367,8 +378,43 @@ class _BackendCore:
         self._ss_last = st
         return st
 
-    def receive_weights(self, update_info: Any) -> Dict[str, Any]:
-        return self.update_weights(update_info)
+    def receive_weights(self, update_info: Any, load_weights: Any = None) -> Dict[str, Any]:
+        """The worker-owned lifecycle (vLLM < 0.25, before PR #44353 moved start / finish into
+        the engines): `Worker.start_weight_update(is_checkpoint_format)` and
+        `finish_weight_update()` never reach this engine, and `Worker.update_weights` calls
+        `engine.receive_weights(typed_update_info, load_weights=...)` (v1/worker/gpu_worker.py
+        of that generation; vLLM < 0.22 the same from its single `update_weights`). So this call
+        is the whole round: check, land, the engine's post-load step, re-check, post the status.
+        `load_weights` (model.load_weights, or the worker's direct copy) is not used: the bytes
+        land in place. A round whose start ran `initialize_layerwise_reload` (is_checkpoint_format
+        True: the layers hold meta placeholders, the served tensors are set aside until
+        `finalize_layerwise_reload` puts them back) is refused before a byte moves: the driver
+        starts every round with is_checkpoint_format=False."""
+        if self._ss_state == "started":
+            return self.update_weights(update_info)  # inside our own start ... finish
+        hook = self._ss_hook
+        info = update_info.info if isinstance(update_info, _UpdateInfo) else update_info
+        version = info.get("version") if isinstance(info, dict) else None
+        if not isinstance(version, int) or isinstance(version, bool):
+            st = hook.refuse("sync", 0, InvalidArgumentError(
+                f"update_info: expected {{'version': int}}, got {info!r}"))
+        elif self._ss_state != "ready":
+            st = hook.refuse("sync", version, FailedPreconditionError(
+                f"receive_weights before a successful init_weight_transfer_engine (state "
+                f"{self._ss_state})"))
+        else:
+            reload = _layerwise_placeholders(self._ss_holder["model"])
+            if reload:
+                st = hook.refuse("sync", version, FailedPreconditionError(
+                    f"the worker started a checkpoint-format (layerwise) reload: parameter "
+                    f"'{reload}' is a meta placeholder until finalize_layerwise_reload; nothing "
+                    "was written. Start the round with is_checkpoint_format=False (POST "
+                    "/start_weight_update {\"is_checkpoint_format\": false}; the shardsync "
+                    "driver does)"))
+            else:
+                st = hook.sync(version)
+        self._ss_last = st
+        return st
 
     def finish_weight_update(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         hook = self._ss_hook
@@ -414,6 +460,20 @@ class _InitInfo:
 @dataclass
 class _UpdateInfo:
     info: Any = field(default_factory=dict)
+    # WeightTransferUpdateInfo.is_checkpoint_format (distributed/weight_transfer/base.py, vLLM <
+    # 0.22: the worker's update_weights runs the layerwise reload when True). The bytes land in
+    # the served layout: kernel format.
+    is_checkpoint_format: bool = False
+
+
+def _layerwise_placeholders(model: Any) -> Optional[str]:
+    """The first parameter on the meta device: model_loader/reload/layerwise.py
+    `initialize_layerwise_reload` restores every layer's parameters on meta and keeps the served
+    ones aside (`info.kernel_tensors`) until `finalize_layerwise_reload`."""
+    for name, t in model.named_parameters():
+        if getattr(t, "is_meta", False):
+            return name
+    return None
 
 
 def make_backend_class() -> type:

@@ -462,10 +462,11 @@ TEST(MegatronLayout, ParsesCanonically) {
   EXPECT_EQ(Megatron("tp=4").megatron.etp, 4);  // etp defaults to tp
   // The local spec builds SequentialMLP (models/backends.py LocalSpecProvider): norms=local
   // implies experts=sequential, which its canonical spelling leaves out.
-  const TrainerSpec local = Megatron("tp=2,pp=2,ep=2,norms=local");
+  const TrainerSpec local = Megatron("tp=2,pp=2,ep=2,etp=1,norms=local");
   EXPECT_TRUE(local.megatron.sequential_experts);
-  EXPECT_EQ(local.ToString(), "megatron=tp=2,pp=2,ep=2,norms=local");
-  EXPECT_EQ(Megatron("norms=local,experts=sequential,tp=2,pp=2,ep=2").ToString(), local.ToString());
+  EXPECT_EQ(local.ToString(), "megatron=tp=2,pp=2,ep=2,etp=1,norms=local");
+  EXPECT_EQ(Megatron("norms=local,experts=sequential,tp=2,etp=1,pp=2,ep=2").ToString(),
+            local.ToString());
   const TrainerSpec glu = Megatron("tp=2,dp=2,glu_interleave=32,ep=2");
   EXPECT_EQ(glu.megatron.glu_interleave, 32);
   EXPECT_EQ(glu.ToString(), "megatron=tp=2,pp=1,ep=2,dp=2,glu_interleave=32");

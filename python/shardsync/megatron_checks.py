@@ -66,7 +66,8 @@ _LOCAL_NORM = re.compile(r"(^|\.)input_layernorm\.weight$")
 # (core 0.13-0.16 with moe_grouped_gemm: models/backends.py LocalSpecProvider.grouped_mlp_modules,
 # or extensions/transformer_engine_spec_provider.py TESpecProvider.grouped_mlp_modules with
 # moe_use_legacy_grouped_gemm; experts.py GroupedMLP.__init__ at core_v0.16.0 3bec9aa) weight1
-# [hidden, experts*2*ffn/etp] / weight2, the experts transposed and concatenated; moe_single_grouped_weight (main) one `linear_fc1.weight` for all experts.
+# [hidden, experts*2*ffn/etp] / weight2, the experts transposed and concatenated;
+# moe_single_grouped_weight (main) one `linear_fc1.weight` for all experts.
 _GROUPED = re.compile(r"(^|\.)mlp\.experts\.linear_fc[12]\.weight\d+$")
 _SEQUENTIAL = re.compile(r"(^|\.)mlp\.experts\.local_experts\.\d+\.linear_fc[12]\.weight$")
 _LEGACY = re.compile(r"(^|\.)mlp\.experts\.weight[12]$")

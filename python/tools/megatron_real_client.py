@@ -23,13 +23,14 @@ Each trainer process: torch.distributed over gloo (several ranks share the one G
 refuses), `parallel_state.initialize_model_parallel`, Bridge's `AutoBridge.from_hf_pretrained` ->
 `to_megatron_provider(load_weights=False)` -> `provide_distributed_model(wrap_with_ddp=False,
 use_cpu_initialization=True, bf16=True)` (Float16Module-wrapped GPTModel chunks, one per virtual
-stage; `--init cuda` builds them on the GPU), `AutoBridge.load_hf_weights(chunks)` (Bridge's param mappings scatter each HF tensor over
-the tp / ep groups), chunks moved to the GPU, then bound (bind_trainer reads the chunks'
-TransformerConfig and the real parallel_state) and synced. Engine processes bind NaN-filled CUDA
-buffers with SGLang's names, sync, compare every element with the HF checkpoint cut by the shard
-map, and dump what they received (WriteEngineDump's format: safetensors with the rank in
-__metadata__); the parent then runs `shardsync generate --engine-dump` (the reference engine's
-sharded forward on the dumps against the unsharded model on the HF checkpoint).
+stage; `--init cuda` builds them on the GPU), `AutoBridge.load_hf_weights(chunks)` (Bridge's param
+mappings scatter each HF tensor over the tp / ep groups), chunks moved to the GPU, then bound
+(bind_trainer reads the chunks' TransformerConfig and the real parallel_state) and synced.
+Engine processes bind NaN-filled CUDA buffers with SGLang's names, sync, compare every element with
+the HF checkpoint cut by the shard map, and dump what they received (WriteEngineDump's format:
+safetensors with the rank in __metadata__); the parent then runs `shardsync generate
+--engine-dump` (the reference engine's sharded forward on the dumps against the unsharded model on
+the HF checkpoint).
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ def import_bridge(notes):
         import transformer_engine  # noqa: F401
     except ImportError:
         te = MagicMock()
-        sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"] = te, te.pytorch
+        sys.modules["transformer_engine"] = te
+        sys.modules["transformer_engine.pytorch"] = te.pytorch
         try:
             importlib.import_module("megatron.bridge.peft.lora_layers")
         finally:

@@ -18,7 +18,8 @@
 namespace shardsync {
 
 // A Megatron-Core parallel layout: "megatron=tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,cp=C][,dp=D]
-// [,first=N][,last=M][,vocab_div=K][,experts=grouped|sequential][,norms=te|local]".
+// [,first=N][,last=M][,vocab_div=K][,experts=grouped|sequential][,norms=te|local]
+// [,glu_interleave=G]".
 //
 // World = tp*cp*dp*pp; the expert grid is etp x ep x edp x pp with edp = world / (etp*ep*pp).
 // Trainer sync rank = Megatron global rank (parallel_state.py RankGenerator, default order
@@ -35,14 +36,21 @@ struct MegatronLayout {
   // decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers; 0: not set.
   int64_t first = 0;
   int64_t last = 0;
-  int vocab_div = 128;              // make_vocab_size_divisible_by (padding multiple: vocab_div*tp)
-  bool sequential_experts = false;  // SequentialMLP names instead of TEGroupedMLP's weight{i}
-  bool local_norms = false;         // local spec norm names instead of TE fused layer_norm_weight
+  int vocab_div = 128;  // make_vocab_size_divisible_by (padding multiple: vocab_div*tp)
+  // SequentialMLP names instead of TEGroupedMLP's weight{i}. The local spec builds only
+  // SequentialMLP (models/backends.py LocalSpecProvider.grouped_mlp_modules), so local_norms
+  // implies it.
+  bool sequential_experts = false;
+  bool local_norms = false;  // local spec norm names instead of TE fused layer_norm_weight
+  // moe_mlp_glu_interleave_size (TEGroupedMLP): each expert's local linear_fc1 rows are blocks of
+  // G gate rows then G up rows instead of [gate; up]. 0: not set.
+  int glu_interleave = 0;
 
   int world() const { return tp * cp * dp * pp; }
   int expert_dp() const { return world() / (etp * ep * pp); }
   // Canonical spelling: "megatron=tp=T,pp=P" plus every field that differs from its default
-  // (etp when it differs from tp), in the order of the grammar above.
+  // (etp when it differs from tp; experts when it differs from what the norms imply), in the
+  // order of the grammar above.
   std::string ToString() const;
 };
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from . import megatron_checks as mc
 from .errors import InvalidArgumentError, NotFoundError
 
 __all__ = [
@@ -249,6 +250,11 @@ class MegatronSources:
     rank: int  # trainer rank = sync rank = torch.distributed rank
     tensors: Dict[Tuple[int, str], Any] = field(default_factory=dict)  # (chunk, name) -> tensor
     ignored: List[str] = field(default_factory=list)  # "chunk C: name" not in the trainer map
+    # Where the rank's coordinates were read and checked ("megatron.core.parallel_state", "the
+    # model chunk's pg_collection"), None when nothing carried them; whether a TransformerConfig
+    # was checked.
+    coords_from: Optional[str] = None
+    config_checked: bool = False
 
 
 def _named_parameters(chunk: Any, index: int) -> Iterable[Tuple[str, Any]]:
@@ -270,9 +276,22 @@ def megatron_sources(
     rank: Optional[int] = None,
     rename: Optional[Callable[[str], Optional[str]]] = None,
     ignore_extra: bool = False,
+    parallel_state: Any = "auto",
+    config: Any = None,
 ) -> MegatronSources:
     """Matches a Megatron trainer rank's model chunks to its trainer map (the plan's
     `trainer_params(rank)`), checking everything before a byte moves.
+
+    First what the rank's own objects say (megatron_checks.py, docs/megatron.md "What bind
+    checks"): the spec the parameter names show (TE / local norms; TEGroupedMLP, SequentialMLP,
+    or the refused legacy GroupedMLP) against the layout's norms / experts; the chunks'
+    TransformerConfig (`config`, default `chunk.config`) against its parallel sizes and pipeline
+    split, refusing by name the settings that change what stored bytes mean and the layout cannot
+    express (layernorm_zero_centered_gamma, a custom pipeline layout) and requiring
+    glu_interleave=G for TEGroupedMLP with moe_mlp_glu_interleave_size G; and the rank's
+    coordinates from `parallel_state` ("auto": megatron.core.parallel_state when initialized,
+    else the chunk's pg_collection; None: skip) against the layout's for `rank` (the default rank
+    order tp-cp-ep-dp-pp; --use-tp-pp-dp-mapping is refused naming both placements).
 
     `model_chunks`: one model chunk or the list of them (virtual pipeline stages, in order), as
     Megatron-Core's `get_model` returns them (verl's `actor_module`); each a
@@ -306,7 +325,17 @@ def megatron_sources(
                     f"model chunk {c}: '{name}' and another parameter are both '{n}'"
                 )
             got[(c, n)] = t
-    out = MegatronSources(spec=str(plan.trainer_spec), rank=rank)
+    spec = str(plan.trainer_spec)
+    layout = plan.megatron_layout()
+    mc.check_spec(layout, spec, list(got))
+    cfg = config if config is not None else mc.chunk_config(chunks)
+    model = getattr(plan, "model", None)
+    if cfg is not None:
+        grouped = layout["experts"] == "grouped" and int(getattr(model, "num_experts", 0) or 0) > 0
+        mc.check_config(layout, spec, cfg, model, grouped)
+    out = MegatronSources(spec=spec, rank=rank)
+    out.coords_from = mc.check_coords(plan, layout, spec, rank, parallel_state, chunks)
+    out.config_checked = cfg is not None
     expected = plan.trainer_params(rank)
     nchunks = max((p.chunk for p in expected), default=0) + 1
     if len(chunks) != nchunks:

@@ -79,8 +79,8 @@ class Plan:
         trainer: how the trainer holds the weights: "fsdp=S" (FSDP2 Shard(0) over S ranks),
             "hsdp=RxS" (R replicas of S shards), "replicate=N" (N full copies), "single", or a
             Megatron-Core layout "megatron=tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,cp=C][,dp=D]
-            [,first=N][,last=M][,vocab_div=K][,experts=grouped|sequential][,norms=te|local]"
-            (docs/megatron.md).
+            [,first=N][,last=M][,vocab_div=K][,experts=grouped|sequential][,norms=te|local]
+            [,glu_interleave=G]" (docs/megatron.md).
         rollout: the engines: "dp=D,tp=T,pp=P[,ep=E]" (D replicas of T x P ranks, E expert
             parallel size for MoE models).
         engine: "sglang" or "vllm": whose parameter names, fusions and layer split to follow.
@@ -338,6 +338,12 @@ class Plan:
     def trainer_coords(self, trainer_rank: int) -> Optional[Dict[str, int]]:
         """Megatron coordinates of `trainer_rank` (tp, cp, dp, pp, etp, ep, edp), else None."""
         return self.inputs.trainer_coords(trainer_rank)
+
+    def megatron_layout(self) -> Optional[Dict[str, Any]]:
+        """Every field of a Megatron trainer layout (tp, pp, vpp, ep, etp, cp, dp, edp, first,
+        last, vocab_div, experts "grouped"/"sequential", norms "te"/"local", glu_interleave),
+        defaults filled in; None for other layouts."""
+        return self.inputs.megatron_layout()
 
     def hf_tensors(self) -> List[Tuple[str, List[int], str]]:
         """[(name, shape, dtype)] of the model's Hugging Face checkpoint, in the planner's order."""

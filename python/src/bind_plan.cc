@@ -342,6 +342,30 @@ void RegisterPlan(py::module_& m) {
           "Megatron coordinates of a trainer rank (dense tp/cp/dp/pp, expert etp/ep/edp); None "
           "for other layouts.")
       .def(
+          "megatron_layout",
+          [](const PlanInputs& in) -> py::object {
+            if (in.trainer.kind != TrainerSpec::Kind::kMegatron) return py::none();
+            const MegatronLayout& m = in.trainer.megatron;
+            py::dict d;
+            d["tp"] = m.tp;
+            d["pp"] = m.pp;
+            d["vpp"] = m.vpp;
+            d["ep"] = m.ep;
+            d["etp"] = m.etp;
+            d["cp"] = m.cp;
+            d["dp"] = m.dp;
+            d["edp"] = m.expert_dp();
+            d["first"] = m.first;
+            d["last"] = m.last;
+            d["vocab_div"] = m.vocab_div;
+            d["experts"] = m.sequential_experts ? "sequential" : "grouped";
+            d["norms"] = m.local_norms ? "local" : "te";
+            d["glu_interleave"] = m.glu_interleave;
+            return std::move(d);
+          },
+          "Every field of a Megatron trainer layout, defaults filled in (etp, experts), plus the "
+          "expert data-parallel size edp; None for other layouts.")
+      .def(
           "report_json",
           [](const PlanInputs& in, int nodes, int gpus_per_node, double intra, double inter) {
             const Placement p = MakePlacement(nodes, gpus_per_node, intra, inter);

@@ -39,8 +39,10 @@ std::string MegatronLayout::ToString() const {
   if (first != 0) s += fmt::format(",first={}", first);
   if (last != 0) s += fmt::format(",last={}", last);
   if (vocab_div != 128) s += fmt::format(",vocab_div={}", vocab_div);
-  if (sequential_experts) s += ",experts=sequential";
+  // The local spec implies SequentialMLP (the parser refuses grouped with it).
+  if (sequential_experts && !local_norms) s += ",experts=sequential";
   if (local_norms) s += ",norms=local";
+  if (glu_interleave != 0) s += fmt::format(",glu_interleave={}", glu_interleave);
   return s;
 }
 
@@ -162,7 +164,7 @@ namespace plan_internal {
 
 Result<MegatronLayout> ParseMegatronLayout(std::string_view s) {
   MegatronLayout m;
-  bool seen_etp = false;
+  bool seen_etp = false, seen_experts = false;
   std::vector<std::string_view> seen;
   if (s.empty()) {
     return InvalidArgumentError("--trainer megatron: expected tp=T,pp=P[,...], got ''");
@@ -177,7 +179,7 @@ Result<MegatronLayout> ParseMegatronLayout(std::string_view s) {
     if (eq == std::string_view::npos) {
       return InvalidArgumentError(fmt::format(
           "--trainer megatron: expected key=value (tp, pp, vpp, ep, etp, cp, dp, first, last, "
-          "vocab_div, experts, norms), got '{}'",
+          "vocab_div, experts, norms, glu_interleave), got '{}'",
           kv));
     }
     const std::string_view key = kv.substr(0, eq), val = kv.substr(eq + 1);
@@ -194,6 +196,7 @@ Result<MegatronLayout> ParseMegatronLayout(std::string_view s) {
                         val));
       }
       m.sequential_experts = val == "sequential";
+      seen_experts = true;
       continue;
     }
     if (key == "norms") {
@@ -205,20 +208,21 @@ Result<MegatronLayout> ParseMegatronLayout(std::string_view s) {
       m.local_norms = val == "local";
       continue;
     }
-    int* small = key == "tp"          ? &m.tp
-                 : key == "pp"        ? &m.pp
-                 : key == "vpp"       ? &m.vpp
-                 : key == "ep"        ? &m.ep
-                 : key == "etp"       ? &m.etp
-                 : key == "cp"        ? &m.cp
-                 : key == "dp"        ? &m.dp
-                 : key == "vocab_div" ? &m.vocab_div
-                                      : nullptr;
+    int* small = key == "tp"               ? &m.tp
+                 : key == "pp"             ? &m.pp
+                 : key == "vpp"            ? &m.vpp
+                 : key == "ep"             ? &m.ep
+                 : key == "etp"            ? &m.etp
+                 : key == "cp"             ? &m.cp
+                 : key == "dp"             ? &m.dp
+                 : key == "vocab_div"      ? &m.vocab_div
+                 : key == "glu_interleave" ? &m.glu_interleave
+                                           : nullptr;
     int64_t* layers = key == "first" ? &m.first : key == "last" ? &m.last : nullptr;
     if (small == nullptr && layers == nullptr) {
       return InvalidArgumentError(fmt::format(
           "--trainer megatron: unknown field '{}' (expected tp, pp, vpp, ep, etp, cp, dp, first, "
-          "last, vocab_div, experts, norms)",
+          "last, vocab_div, experts, norms, glu_interleave)",
           key));
     }
     SS_ASSIGN_OR_RETURN(int64_t v, ParseCount(val, key));
@@ -231,6 +235,37 @@ Result<MegatronLayout> ParseMegatronLayout(std::string_view s) {
   }
   // parallel_state.py initialize_model_parallel: expert_tensor_parallel_size defaults to tp.
   if (!seen_etp) m.etp = m.tp;
+  if (m.local_norms) {
+    // models/backends.py LocalSpecProvider.grouped_mlp_modules: the local spec builds
+    // SequentialMLP (core 0.17+ always; 0.13-0.16 without moe_grouped_gemm, and with it the
+    // legacy GroupedMLP, whose experts.weight1 / weight2 hold the experts transposed).
+    if (seen_experts && !m.sequential_experts) {
+      return InvalidArgumentError(
+          "--trainer megatron experts: experts=grouped (TEGroupedMLP) needs the Transformer-Engine "
+          "spec; the local spec (norms=local) builds SequentialMLP (models/backends.py "
+          "LocalSpecProvider), or on core 0.13-0.16 with moe_grouped_gemm the legacy GroupedMLP "
+          "(experts.weight1 / weight2), which is not supported");
+    }
+    m.sequential_experts = true;
+    // transformer/dot_product_attention.py DotProductAttention.__init__ asserts
+    // context_parallel_size == 1 ("Context parallelism is only supported by
+    // TEDotProductAttention!").
+    if (m.cp > 1) {
+      return InvalidArgumentError(fmt::format(
+          "--trainer {} cp: the local spec (norms=local) uses DotProductAttention, which refuses "
+          "context parallelism (only TEDotProductAttention supports it)",
+          m.ToString()));
+    }
+  }
+  // transformer/moe/experts.py: only TEGroupedMLP reads moe_mlp_glu_interleave_size
+  // (_remove_glu_interleaving in its forward); SequentialMLP's experts are plain MLPs.
+  if (m.glu_interleave > 0 && m.sequential_experts) {
+    return InvalidArgumentError(
+        fmt::format("--trainer {} glu_interleave: only TEGroupedMLP (experts=grouped) "
+                    "interleaves gate and up rows; SequentialMLP ignores "
+                    "moe_mlp_glu_interleave_size",
+                    m.ToString()));
+  }
   const int64_t world = int64_t{m.tp} * m.cp * m.dp * m.pp;
   if (world > kMaxRanks) {
     return InvalidArgumentError(fmt::format("--trainer {}: world tp*cp*dp*pp = {} exceeds {} ranks",
@@ -314,6 +349,19 @@ Result<MegatronDims> ComputeMegatronDims(const ModelSpec& m, const MegatronLayou
     }
     d.experts_per_rank = m.num_experts / l.ep;
     d.moe_ffn_per_rank = m.moe_intermediate_size / l.etp;
+    // experts.py TEGroupedMLP._remove_glu_interleaving reshapes each rank's fc1 output into
+    // [.., per / G, 2, G]: G must divide the rank's moe_ffn rows.
+    if (l.glu_interleave > 0 && d.moe_ffn_per_rank % l.glu_interleave != 0) {
+      return InvalidArgumentError(fmt::format(
+          "--trainer {} glu_interleave: moe_intermediate_size / etp = {} rows per rank are not "
+          "divisible by {}",
+          f, d.moe_ffn_per_rank, l.glu_interleave));
+    }
+  } else if (l.glu_interleave > 0) {
+    return InvalidArgumentError(fmt::format(
+        "--trainer {} glu_interleave: model {} has no MoE layers (moe_mlp_glu_interleave_size "
+        "only changes TEGroupedMLP experts)",
+        f, m.name));
   }
   for (int p = 0; p < l.pp; ++p) {
     for (int v = 0; v < l.vpp; ++v) {

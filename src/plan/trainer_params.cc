@@ -15,7 +15,8 @@
 //    output_layer.weight is a copy (language_module.py setup_embeddings_and_output_layer);
 //  - experts: global expert = ep_rank * num_local + i (moe_layer.py), TEGroupedMLP
 //    linear_fc1.weight{i} / linear_fc2.weight{i}, SequentialMLP local_experts.{i}.linear_fc{1,2}
-//    .weight (moe/experts.py), expert TP like dense TP over etp ranks; router replicated.
+//    .weight (moe/experts.py), expert TP like dense TP over etp ranks; router replicated;
+//    TEGroupedMLP with moe_mlp_glu_interleave_size G: fc1 rows in [gate G | up G] blocks.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -108,13 +109,24 @@ class StageBuilder {
     }
   }
 
-  // SwiGLU fc1 [gate_r; up_r] over `ranks` (tp or etp) and RowParallel fc2 columns.
+  // SwiGLU fc1 [gate_r; up_r] over `ranks` (tp or etp) and RowParallel fc2 columns. With
+  // `interleave` G > 0 (TEGroupedMLP, moe_mlp_glu_interleave_size) the local rows are blocks
+  // [gate G rows | up G rows], block b holding rows [b*G, (b+1)*G) of the rank's gate_r and up_r
+  // (experts.py TEGroupedMLP._remove_glu_interleaving: reshape(-1, per / G, 2, G), transpose).
   void Fc1(const std::string& name, const std::string& gate, const std::string& up, int64_t per,
-           int rank, HoldKind k) {
+           int rank, HoldKind k, int64_t interleave = 0) {
     const int64_t H = m_.hidden_size;
     Param(name, {2 * per, H});
-    Add(gate, Rows(rank * per, per, H), Rows(0, per, H), k);
-    Add(up, Rows(rank * per, per, H), Rows(per, per, H), k);
+    if (interleave == 0) {
+      Add(gate, Rows(rank * per, per, H), Rows(0, per, H), k);
+      Add(up, Rows(rank * per, per, H), Rows(per, per, H), k);
+      return;
+    }
+    const int64_t G = interleave;
+    for (int64_t b = 0; b < per / G; ++b) {
+      Add(gate, Rows(rank * per + b * G, G, H), Rows(2 * b * G, G, H), k);
+      Add(up, Rows(rank * per + b * G, G, H), Rows(2 * b * G + G, G, H), k);
+    }
   }
   void Fc2(const std::string& name, const std::string& down, int64_t per, int rank, HoldKind k) {
     const int64_t H = m_.hidden_size;
@@ -174,7 +186,7 @@ class StageBuilder {
     }
     for (int64_t e = 0; e < n; ++e) {
       Fc1(fmt::format("{}mlp.experts.linear_fc1.weight{}", pre, e), ex(e) + "gate_proj.weight",
-          ex(e) + "up_proj.weight", per, etp_, HoldKind::kExpert);
+          ex(e) + "up_proj.weight", per, etp_, HoldKind::kExpert, l_.glu_interleave);
     }
     for (int64_t e = 0; e < n; ++e) {
       Fc2(fmt::format("{}mlp.experts.linear_fc2.weight{}", pre, e), ex(e) + "down_proj.weight", per,

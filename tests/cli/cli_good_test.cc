@@ -259,6 +259,29 @@ TEST(CliGood, ShardsTrainerMegatronJson) {
       << explain.out;
 }
 
+// The local spec builds SequentialMLP experts (models/backends.py LocalSpecProvider):
+// norms=local on a MoE model lists local_experts names and no TEGroupedMLP weight{i}.
+TEST(CliGood, ShardsTrainerMegatronLocalSpecListsSequentialMlp) {
+  const json j =
+      ParseJson(Ok({"shards", "--model", "qwen3-30b-a3b", "--trainer",
+                    "megatron=tp=2,pp=2,ep=2,etp=1,norms=local", "--rank", "1", "--json"}));
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["trainer"], "megatron=tp=2,pp=2,ep=2,etp=1,norms=local");
+  int sequential = 0, grouped = 0, input_norms = 0;
+  const std::regex te_grouped(R"(mlp\.experts\.linear_fc[12]\.weight\d+$)");
+  for (const auto& rank : j["ranks"]) {
+    for (const auto& p : rank["params"]) {
+      const std::string n = p["name"];
+      sequential += n.find("mlp.experts.local_experts.") != std::string::npos;
+      grouped += std::regex_search(n, te_grouped);
+      input_norms += n.find(".input_layernorm.weight") != std::string::npos;
+    }
+  }
+  EXPECT_EQ(sequential, 24 * 64 * 2);  // 24 layers per stage x 64 local experts x fc1 / fc2
+  EXPECT_EQ(grouped, 0);
+  EXPECT_EQ(input_norms, 24);
+}
+
 // `plan --trainer megatron=...`: receivers get their owned bytes; every op names the sender's
 // local parameter and region.
 TEST(CliGood, PlanMegatronDumpOps) {
@@ -739,9 +762,10 @@ std::map<std::string, std::vector<int64_t>> TinyHfShapes() {
 }
 
 // Writes DIR/config.json and DIR/model.safetensors (small pseudo-random bf16 values); returns
-// the data section's size.
+// the data section's size. `values`: each tensor's bf16 bytes, when given.
 size_t WriteCheckpoint(const fs::path& dir,
-                       const std::map<std::string, std::vector<int64_t>>& shapes) {
+                       const std::map<std::string, std::vector<int64_t>>& shapes,
+                       std::map<std::string, std::string>* values = nullptr) {
   json header = json::object();
   std::string data;
   uint32_t state = 12345;
@@ -759,6 +783,7 @@ size_t WriteCheckpoint(const fs::path& dir,
       data.push_back(static_cast<char>(bf16 >> 8));
     }
     header[name] = {{"dtype", "BF16"}, {"shape", shape}, {"data_offsets", {begin, data.size()}}};
+    if (values != nullptr) (*values)[name] = data.substr(begin);
   }
   WriteFile(dir / "config.json", TinyConfig());
   WriteFile(dir / "model.safetensors", Safetensors(header.dump(), data));
@@ -798,6 +823,77 @@ TEST(CliCheckpoint, InspectAndGenerate) {
     args.insert(args.end(), {"--engine", engine, "--tp", "2", "--pp", "2"});
     EXPECT_EQ(ParseJson(Ok(args))["tokens"], plain["tokens"]) << engine;
   }
+}
+
+// Engine dumps as any client writes them (replica 0 of SGLang tp2 pp2: each rank's parameters,
+// cut here from the checkpoint's values by the shard map `shards --json` prints, rank in
+// __metadata__): `generate --engine-dump` runs the sharded forward on them and MATCHes the
+// unsharded model; a dump whose final norm is zeroed is a MISMATCH, exit 1.
+TEST(CliCheckpoint, GenerateOnEngineDumps) {
+  const auto shapes = TinyHfShapes();
+  const fs::path ckpt = Fixtures::Get().dir / "ckpt-dumps";
+  std::map<std::string, std::string> values;
+  WriteCheckpoint(ckpt, shapes, &values);
+  const json map = ParseJson(Ok({"shards", "--model", (ckpt / "config.json").string(), "--engine",
+                                 "sglang", "--tp", "2", "--pp", "2", "--json"}));
+  ASSERT_TRUE(map.is_object());
+  const fs::path dumps = Fixtures::Get().dir / "dumps";
+  auto write_dumps = [&](bool zero_final_norm) {
+    fs::remove_all(dumps);
+    for (const auto& rank : map["ranks"]) {
+      json header = json::object();
+      std::string data;
+      for (const auto& p : rank["params"]) {
+        const auto shape = p["shape"].get<std::vector<int64_t>>();
+        const int64_t cols = shape.size() > 1 ? shape[1] : 1;
+        std::string buf(Numel(p["shape"]) * 2, '\0');  // zero-filled rows stay zero
+        for (const auto& pc : p["pieces"]) {
+          const std::string& src = values.at(pc["source"].get<std::string>());
+          const auto& sshape = shapes.at(pc["source"].get<std::string>());
+          const int64_t scols = sshape.size() > 1 ? sshape[1] : 1;
+          const auto ext = pc["extent"].get<std::vector<int64_t>>();
+          const auto so = pc["src_offset"].get<std::vector<int64_t>>();
+          const auto dof = pc["dst_offset"].get<std::vector<int64_t>>();
+          const int64_t rows = ext.size() > 1 ? ext[0] : 1,
+                        width = ext.size() > 1 ? ext[1] : ext[0];
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t s0 = ext.size() > 1 ? (so[0] + r) * scols + so[1] : so[0];
+            const int64_t d0 = ext.size() > 1 ? (dof[0] + r) * cols + dof[1] : dof[0];
+            std::memcpy(&buf[d0 * 2], &src[s0 * 2], width * 2);
+          }
+        }
+        if (zero_final_norm && p["name"] == "model.norm.weight") buf.assign(buf.size(), '\0');
+        header[p["name"].get<std::string>()] = {
+            {"dtype", "BF16"},
+            {"shape", shape},
+            {"data_offsets", {data.size(), data.size() + buf.size()}}};
+        data += buf;
+      }
+      header["__metadata__"] = {{"shardsync.replica", "0"},
+                                {"shardsync.tp_rank", std::to_string(rank["tp_rank"].get<int>())},
+                                {"shardsync.pp_rank", std::to_string(rank["pp_rank"].get<int>())}};
+      WriteFile(dumps / ("rank-" + std::to_string(rank["pp_rank"].get<int>()) +
+                         std::to_string(rank["tp_rank"].get<int>()) + ".safetensors"),
+                Safetensors(header.dump(), data));
+    }
+  };
+  const std::vector<std::string> args = {
+      "generate", ckpt.string(),   "--engine",     "sglang",           "--tp", "2",     "--pp",
+      "2",        "--engine-dump", dumps.string(), "--max-new-tokens", "3",    "--json"};
+  std::vector<std::string> cmd = args;
+  cmd.insert(cmd.begin() + 1, "--weights");
+  write_dumps(false);
+  const json good = ParseJson(Ok(cmd));
+  ASSERT_TRUE(good.is_object());
+  EXPECT_EQ(good["match"], true) << good.dump();
+  EXPECT_EQ(good["tokens"], good["reference_tokens"]);
+  EXPECT_EQ(good["tokens"].size(), 3u);
+  write_dumps(true);
+  const CliResult bad = RunCli(cmd);
+  EXPECT_EQ(bad.exit_code, 1) << bad.Describe();
+  const json j = ParseJson(bad);
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["match"], false);
 }
 
 // A checkpoint that does not fit its config.json: generate names the tensor, exits 2, and

@@ -222,6 +222,19 @@ std::map<std::string, Tensor> PackRank(const ModelSpec& model, const MegatronLay
         const std::string e = fmt::format("{}mlp.experts.{}.", h, c.ep * n + i);
         Tensor fc1 =
             swiglu(hf.Get(e + "gate_proj.weight"), hf.Get(e + "up_proj.weight"), m.etp, c.etp);
+        if (m.glu_interleave > 0) {
+          // TEGroupedMLP with moe_mlp_glu_interleave_size G: the forward's
+          // _remove_glu_interleaving turns rows [b][s][j] (block b, s 0 gate / 1 up, row j < G)
+          // into [s][b][j]; the stored rows are the inverse: row (b, s, j) = [gate; up] row
+          // s*per + b*G + j.
+          const int64_t per = fc1.rows() / 2, G = m.glu_interleave;
+          std::vector<Tensor> blocks;
+          for (int64_t b = 0; b < per / G; ++b) {
+            for (int64_t half = 0; half < 2; ++half)
+              blocks.push_back(RowsOf(fc1, half * per + b * G, G));
+          }
+          fc1 = Cat(blocks);
+        }
         Tensor fc2 = row_split(hf.Get(e + "down_proj.weight"), m.etp, c.etp);
         if (m.sequential_experts) {
           put(fmt::format("{}mlp.experts.local_experts.{}.linear_fc1.weight", p, i), fc1);
@@ -357,7 +370,9 @@ const char* kLayouts[] = {
     "tp=2,ep=4,etp=1,dp=2",                          // ep4 etp1
     "tp=2,pp=2,ep=2,etp=2,dp=2,experts=sequential",  // ep2 etp2
     "tp=8",                                          // num_query_groups < tp
-    "tp=1,pp=2,cp=2,dp=2,vocab_div=1,norms=local",   // cp and dp replicas, local norm names
+    "tp=1,pp=2,cp=2,dp=2,vocab_div=1",               // cp and dp replicas
+    "tp=2,pp=2,norms=local",                         // local spec: SequentialMLP experts
+    "tp=2,pp=2,ep=2,etp=1,dp=2,glu_interleave=4",    // TEGroupedMLP fc1 rows interleaved
 };
 
 struct EngineCase {
@@ -383,6 +398,11 @@ TEST_P(MegatronRoundTrip, EveryLayoutIntoEveryEngine) {
   const ModelSpec model = ModelByName(GetParam());
   int runs = 0;
   for (const char* layout : kLayouts) {
+    // moe_mlp_glu_interleave_size only changes experts: dense models refuse it (ModelErrors).
+    if (!model.is_moe() && std::string(layout).find("glu_interleave") != std::string::npos) {
+      runs += std::size(kEngines);
+      continue;
+    }
     for (const EngineCase& ec : kEngines) {
       std::string rollout = ec.rollout;
       if (!model.is_moe() && rollout.find("ep=2") != std::string::npos) {
@@ -433,13 +453,23 @@ TEST(MegatronLayout, ParsesCanonically) {
             "megatron=tp=2,pp=2");  // defaults, in any order, spell the same
   const std::string all =
       "megatron=tp=2,pp=4,vpp=2,ep=2,etp=1,cp=2,dp=2,first=2,last=2,vocab_div=64,"
-      "experts=sequential,norms=local";
+      "experts=sequential";
   auto t = ParseTrainerSpec(all);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   EXPECT_EQ(t->ToString(), all);
   EXPECT_EQ(t->world(), 2 * 2 * 2 * 4);
   EXPECT_EQ(t->megatron.expert_dp(), 32 / (1 * 2 * 4));
   EXPECT_EQ(Megatron("tp=4").megatron.etp, 4);  // etp defaults to tp
+  // The local spec builds SequentialMLP (models/backends.py LocalSpecProvider): norms=local
+  // implies experts=sequential, which its canonical spelling leaves out.
+  const TrainerSpec local = Megatron("tp=2,pp=2,ep=2,etp=1,norms=local");
+  EXPECT_TRUE(local.megatron.sequential_experts);
+  EXPECT_EQ(local.ToString(), "megatron=tp=2,pp=2,ep=2,etp=1,norms=local");
+  EXPECT_EQ(Megatron("norms=local,experts=sequential,tp=2,etp=1,pp=2,ep=2").ToString(),
+            local.ToString());
+  const TrainerSpec glu = Megatron("tp=2,dp=2,glu_interleave=32,ep=2");
+  EXPECT_EQ(glu.megatron.glu_interleave, 32);
+  EXPECT_EQ(glu.ToString(), "megatron=tp=2,pp=1,ep=2,dp=2,glu_interleave=32");
 }
 
 TEST(MegatronLayout, ErrorsNameTheField) {
@@ -458,6 +488,16 @@ TEST(MegatronLayout, ErrorsNameTheField) {
       {"megatron=tp=2,experts=fused", "experts"},
       {"megatron=tp=2,norms=rms", "norms"},
       {"megatron=tp=99999999", "--trainer megatron tp"},
+      // DotProductAttention (the local spec's) refuses context parallelism.
+      {"megatron=tp=2,cp=2,norms=local",
+       "cp: the local spec (norms=local) uses "
+       "DotProductAttention, which refuses context parallelism"},
+      {"megatron=tp=2,norms=local,experts=grouped",
+       "experts: experts=grouped (TEGroupedMLP) "
+       "needs the Transformer-Engine spec"},
+      {"megatron=tp=2,experts=sequential,glu_interleave=4", "glu_interleave: only TEGroupedMLP"},
+      {"megatron=tp=2,norms=local,glu_interleave=4", "glu_interleave: only TEGroupedMLP"},
+      {"megatron=tp=2,glu_interleave=0", "--trainer megatron glu_interleave"},
   };
   for (const auto& c : cases) {
     auto t = ParseTrainerSpec(c.in);
@@ -482,6 +522,9 @@ TEST(MegatronLayout, ModelErrorsNameTheField) {
       {Qwen3_30B_A3B(), "tp=1,ep=1,etp=32,dp=32", "moe_intermediate_size",
        StatusCode::kInvalidArgument},
       {LoadModelSpec("qwen2.5-0.5b").value(), "tp=3", "num_attention_heads",
+       StatusCode::kInvalidArgument},
+      {Qwen3_8B(), "tp=2,glu_interleave=4", "has no MoE layers", StatusCode::kInvalidArgument},
+      {Qwen3_30B_A3B(), "tp=1,ep=2,dp=2,glu_interleave=3", "glu_interleave: moe_intermediate_size",
        StatusCode::kInvalidArgument},
   };
   for (const auto& c : cases) {
@@ -622,6 +665,41 @@ TEST(MegatronTrainerMap, NamesAndPieces) {
   EXPECT_EQ(f->params[0].name, inv[0].name);
   EXPECT_EQ(f->params[0].pieces[0].src,
             TrainerHeldRegion(*ParseTrainerSpec("fsdp=4"), 1, inv[0].shape));
+}
+
+// moe_mlp_glu_interleave_size G: a TEGroupedMLP expert's fc1 rows are blocks [gate G | up G]
+// of the rank's gate and up slices; other parameters are unchanged.
+TEST(MegatronTrainerMap, InterleavedGluRows) {
+  const ModelSpec m = Qwen3_30B_A3B();  // moe_intermediate_size 16
+  auto plain = BuildTrainerParams(m, Megatron("tp=2,ep=2,etp=2,dp=2"), 1, DType::kF32);
+  auto inter =
+      BuildTrainerParams(m, Megatron("tp=2,ep=2,etp=2,dp=2,glu_interleave=4"), 1, DType::kF32);
+  ASSERT_TRUE(plain.ok() && inter.ok()) << inter.status().ToString();
+  ASSERT_EQ(plain->params.size(), inter->params.size());
+  const std::string fc1 = "decoder.layers.0.mlp.experts.linear_fc1.weight1";
+  for (size_t i = 0; i < plain->params.size(); ++i) {
+    const TrainerParam &a = plain->params[i], &b = inter->params[i];
+    EXPECT_EQ(a.name, b.name);
+    EXPECT_EQ(a.shape, b.shape);
+    if (b.name.find("experts.linear_fc1") == std::string::npos) {
+      EXPECT_EQ(a.pieces.size(), b.pieces.size()) << a.name;
+      continue;
+    }
+    // Rank 1: etp 1 of ep 0 holds rows [8, 16) of gate and up (16 / etp 2 = 8 per rank).
+    ASSERT_EQ(b.pieces.size(), 4u) << b.name;  // 2 blocks of G 4, gate then up each
+    EXPECT_EQ(b.shape, (Shape{16, 32}));
+    if (b.name != fc1) continue;
+    EXPECT_EQ(b.pieces[0].source, "model.layers.0.mlp.experts.1.gate_proj.weight");
+    EXPECT_EQ(b.pieces[0].src, Region::Make({8, 0}, {4, 32}));
+    EXPECT_EQ(b.pieces[0].local, Region::Make({0, 0}, {4, 32}));
+    EXPECT_EQ(b.pieces[1].source, "model.layers.0.mlp.experts.1.up_proj.weight");
+    EXPECT_EQ(b.pieces[1].src, Region::Make({8, 0}, {4, 32}));
+    EXPECT_EQ(b.pieces[1].local, Region::Make({4, 0}, {4, 32}));
+    EXPECT_EQ(b.pieces[2].source, "model.layers.0.mlp.experts.1.gate_proj.weight");
+    EXPECT_EQ(b.pieces[2].src, Region::Make({12, 0}, {4, 32}));
+    EXPECT_EQ(b.pieces[2].local, Region::Make({8, 0}, {4, 32}));
+    EXPECT_EQ(b.pieces[3].local, Region::Make({12, 0}, {4, 32}));
+  }
 }
 
 TEST(MegatronTrainerMap, TiedEmbeddingsUnderPp) {

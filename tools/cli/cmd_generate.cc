@@ -17,6 +17,7 @@ namespace {
 
 struct Args {
   std::string weights, model, prompt_ids, engine, pp_partition;
+  std::string engine_dump;           // --engine-dump: replica 0's received parameters, checked
   std::optional<std::string> quant;  // --quant
   uint64_t seed = 0;
   bool seed_given = false;
@@ -50,6 +51,39 @@ double Since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// --engine-dump: the engines' received parameters (one safetensors dump per engine rank, as
+// WriteEngineDump writes them) run through the sharded forward, against the unsharded model on
+// --weights / --model: the check `demo` makes after a sync, for dumps any client wrote.
+int CheckDump(const Args& a, const ShardMap& map, const WeightSource& reference,
+              const std::vector<int64_t>& prompt, const std::string& weights_desc) {
+  auto buffers = LoadEngineDump(a.engine_dump, map, 0);
+  if (!buffers.ok()) return ReportInputError(buffers.status(), "--engine-dump");
+  auto g = CheckGeneration(map, *buffers, reference, prompt, a.max_new_tokens);
+  if (!g.ok()) return ReportError(g.status());
+  if (a.json) {
+    nlohmann::json j;
+    j["weights"] = weights_desc;
+    j["engine_dump"] = a.engine_dump;
+    j["layout"] = fmt::format("{} tp {} x pp {} (ep {})", a.engine, a.tp, a.pp, a.ep);
+    j["prompt_ids"] = prompt;
+    j["tokens"] = g->engine_tokens;
+    j["reference_tokens"] = g->reference_tokens;
+    j["max_logit_diff"] = g->max_logit_diff;
+    j["logit_tolerance"] = g->tolerance;
+    j["match"] = g->match;
+    std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+  } else {
+    std::printf("engine  (%s tp %d x pp %d, dumps in %s): [%s]\n", a.engine.c_str(), a.tp, a.pp,
+                a.engine_dump.c_str(),
+                fmt::format("{}", fmt::join(g->engine_tokens, ", ")).c_str());
+    std::printf("reference (unsharded, %s):       [%s]\n", weights_desc.c_str(),
+                fmt::format("{}", fmt::join(g->reference_tokens, ", ")).c_str());
+    std::printf("%s: max |logit diff| %.3g (tolerance %.3g)\n", g->match ? "MATCH" : "MISMATCH",
+                g->max_logit_diff, g->tolerance);
+  }
+  return g->match ? kExitOk : 1;
+}
+
 int Run(const Args& a) {
   using Clock = std::chrono::steady_clock;
   if (a.weights.empty() == a.model.empty()) {
@@ -64,6 +98,11 @@ int Run(const Args& a) {
         fmt::format("--max-new-tokens: must be in [0, 4096], got {}", a.max_new_tokens)));
   }
   const bool sharded = !a.engine.empty();
+  if (!a.engine_dump.empty() && !sharded) {
+    return ReportError(
+        InvalidArgumentError("--engine-dump: needs --engine sglang|vllm and its "
+                             "--tp/--pp/--ep (the layout the dumps were cut for)"));
+  }
   if (!sharded && (a.tp != 1 || a.pp != 1 || a.ep != 1 || !a.pp_partition.empty())) {
     return ReportError(
         InvalidArgumentError("--tp/--pp/--ep/--pp-partition need --engine sglang|vllm"));
@@ -148,6 +187,7 @@ int Run(const Args& a) {
     }
     auto map = BuildShardMap(spec, ss);
     if (!map.ok()) return ReportError(map.status());
+    if (!a.engine_dump.empty()) return CheckDump(a, *map, *reference_weights, prompt, weights_desc);
     auto buffers = CutEngineShards(*map, *engine_weights);
     if (!buffers.ok()) return ReportError(buffers.status());
     auto m = MakeShardedModel(*map, *buffers);
@@ -209,6 +249,10 @@ Registration reg(
        sub->add_option("--pp", a->pp, "pipeline-parallel size (default 1)");
        sub->add_option("--ep", a->ep, "expert-parallel size (default 1)");
        sub->add_option("--pp-partition", a->pp_partition, "explicit layers per stage, e.g. 10,9,9");
+       sub->add_option("--engine-dump", a->engine_dump,
+                       "DIR of engine dumps (replica 0, one safetensors per engine rank): run the "
+                       "sharded forward on them and compare with the unsharded model (MATCH / "
+                       "MISMATCH, exit 1 on a mismatch)");
        sub->add_flag("--json", a->json, "print {tokens, logits (last prompt position, fp32), ...}");
        auto quant = std::make_shared<std::string>();
        sub->add_option("--quant", *quant,

@@ -498,10 +498,11 @@ Registration reg(
        auto* sub = app.add_subcommand(
            "plan", "Transfer plan trainer shards -> engine shards: summary, cost, ops");
        sub->add_option("--model", a->model, "Embedded model NAME or config PATH")->required();
-       sub->add_option("--trainer", a->trainer,
-                       "fsdp=S | hsdp=RxS | replicate=S | single | "
-                       "megatron=tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,cp=C][,dp=D][,first=N][,last=M]"
-                       "[,vocab_div=K][,experts=grouped|sequential][,norms=te|local]")
+       sub->add_option(
+              "--trainer", a->trainer,
+              "fsdp=S | hsdp=RxS | replicate=S | single | "
+              "megatron=tp=T,pp=P[,vpp=V][,ep=E][,etp=X][,cp=C][,dp=D][,first=N][,last=M]"
+              "[,vocab_div=K][,experts=grouped|sequential][,norms=te|local][,glu_interleave=G]")
            ->required();
        sub->add_option("--rollout", a->rollout, "dp=D,tp=T,pp=P[,ep=E]")->required();
        sub->add_option("--engine", a->engine, "sglang | vllm")->capture_default_str();

@@ -453,16 +453,21 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Connect(const std::string& add
   }
   timeout = store_net::ClampWait(timeout);
   auto deadline = Clock::now() + timeout;
-  SS_ASSIGN_OR_RETURN(int fd, Dial(hp.first, hp.second, deadline, address));
-  auto client = std::make_unique<StoreClientImpl>(fd, address, timeout);
-  Status s = client->Hello(token);
-  if (!s.ok()) {
+  auto backoff = std::chrono::milliseconds(2);
+  while (true) {
+    SS_ASSIGN_OR_RETURN(int fd, Dial(hp.first, hp.second, deadline, address));
+    auto client = std::make_unique<StoreClientImpl>(fd, address, timeout);
+    Status s = client->Hello(token);
+    if (s.ok()) return std::unique_ptr<StoreClient>(std::move(client));
     if (s.code() == StatusCode::kPermissionDenied) {
       return PermissionDeniedError("store " + address + " refused the token (SHARDSYNC_TOKEN)");
     }
-    return s;
+    // A store under a flood of unauthenticated connections may close a new one before reading
+    // its hello (it keeps its slots for connections that authenticate): dial again.
+    if (Clock::now() + backoff >= deadline) return s;
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(50));
   }
-  return std::unique_ptr<StoreClient>(std::move(client));
 }
 
 }  // namespace shardsync

@@ -134,10 +134,22 @@ void CleanupLogs(const std::vector<Child>& children) {
   const char* keep = std::getenv("SHARDSYNC_RANK_LOG_DIR");
   for (const Child& c : children) {
     if (keep && *keep) {
-      std::ifstream in(c.log, std::ios::binary);
-      std::ofstream(std::string(keep) + "/rank-" + std::to_string(c.rank) + ".log",
-                    std::ios::binary | std::ios::app)
-          << in.rdbuf();
+      // O_NOFOLLOW: a symlink planted at DIR/rank-R.log must not redirect the log into a file
+      // of the planter's choosing; such a log is skipped.
+      const std::string path = std::string(keep) + "/rank-" + std::to_string(c.rank) + ".log";
+      const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC,
+                          0600);
+      if (fd < 0) {
+        std::fprintf(stderr, "launcher: not keeping sync rank %d's log as %s: %s\n", c.rank,
+                     path.c_str(), std::strerror(errno));
+      } else {
+        std::ifstream in(c.log, std::ios::binary);
+        char buf[65536];
+        while (in.read(buf, sizeof(buf)) || in.gcount() > 0) {
+          if (write(fd, buf, static_cast<size_t>(in.gcount())) < 0) break;
+        }
+        close(fd);
+      }
     }
     unlink(c.log.c_str());
   }

@@ -282,14 +282,17 @@ class StoreClientImpl final : public StoreClient {
   Result<std::vector<std::string>> CallChain(const std::vector<Frame>& frames,
                                              Clock::time_point deadline) {
     if (broken_) {
-      return UnavailableError("store " + address_ +
-                              ": connection unusable after an earlier failure");
+      // Say what happened to it (a killed store: "server closed the connection"), not only
+      // that the connection is gone.
+      return UnavailableError("store " + address_ + " is unreachable: " + broken_why_ +
+                              " (the store process died or was stopped?)");
     }
     auto r = CallChainOnce(frames, deadline);
     // Only a failure of the stream itself ends the connection: an error reply (a dead key, a
     // refused request) leaves it in step.
     if (!r.ok() && (io_failed_ || r.status().code() == StatusCode::kInternal)) {
       broken_ = true;
+      broken_why_ = r.status().message();
     }
     return r;
   }
@@ -404,6 +407,7 @@ class StoreClientImpl final : public StoreClient {
   std::string address_;
   Millis io_timeout_;
   bool broken_ = false;
+  std::string broken_why_;  // the failure that broke it
   bool io_failed_ = false;
 };
 

@@ -193,7 +193,9 @@ void ServerImpl::Accept() {
         // Out of descriptors (or kernel memory). Make room from an unauthenticated connection;
         // else take the pending connection on the spare descriptor and drop it, and stop
         // accepting for a while, so poll() does not report the listener ready forever.
-        if (EvictUnauthenticated("out of descriptors")) continue;
+        // Any idle one, however young: the pending connection may carry a hello, and is not
+        // seen until it is accepted.
+        if (EvictUnauthenticated("out of descriptors", "", /*any_age=*/true)) continue;
         DropPendingWithSpare();
         PauseAccepting();
         Log(kLogAccept, spdlog::level::warn,

@@ -488,6 +488,23 @@ TEST_F(StoreTest, AmplifiedGetManyRefusedBeforeTheReplyIsBuilt) {
   EXPECT_EQ(ok->size(), 8u);
 }
 
+// Issue 37: after the store is gone, every later call says so with the failure that broke the
+// connection, not only that the connection is unusable.
+TEST(StoreClientTest, AfterTheStoreDiesCallsNameItsAddressAndWhy) {
+  auto server = StoreServer::Start("127.0.0.1", 0, "died-test-token-0123456789");
+  ASSERT_TRUE(server.ok());
+  const std::string address = (*server)->address();
+  auto c = StoreClient::Connect(address, "died-test-token-0123456789", Millis(5000));
+  ASSERT_TRUE(c.ok());
+  (*server)->Stop();
+  EXPECT_FALSE((*c)->Set("k", "v").ok());
+  const Status later = (*c)->Get("k", Millis(100)).status();
+  EXPECT_EQ(later.code(), StatusCode::kUnavailable);
+  EXPECT_NE(later.message().find("store " + address + " is unreachable"), std::string::npos)
+      << later.ToString();
+  EXPECT_NE(later.message().find("died"), std::string::npos) << later.ToString();
+}
+
 TEST(StoreWire, RepliesWrittenInPlaceEqualEncodedOnes) {
   const std::vector<std::string> args{"a", std::string(300, 'b'), ""};
   std::string in_place;

@@ -5,6 +5,8 @@
 // connection, as separate processes would have.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -247,6 +249,132 @@ TEST(StoreFlood, AFourRankJobSyncsThroughAFloodedStoreWithinASecond) {
   EXPECT_LT(secs, 1.0);
   EXPECT_TRUE(store.Alive());
   for (int fd : idle) close(fd);
+}
+
+// Issue 37's flood: threads that each keep up to 64 connections open to the store without a word,
+// opening a new one whenever the store closes one (~3k/s from one thread on the dev VM).
+class ReconnectingFlood {
+ public:
+  ReconnectingFlood(int port, int threads) {
+    for (int t = 0; t < threads; ++t) {
+      ts_.emplace_back([this, port] {
+        std::vector<int> fds;
+        while (!stop_.load()) {
+          while (fds.size() < 64 && !stop_.load()) {
+            const int fd = testing::RawConnect(port);
+            if (fd < 0) break;
+            fds.push_back(fd);
+            ++opened_;
+          }
+          std::vector<pollfd> p;
+          for (int fd : fds) p.push_back({fd, POLLIN, 0});
+          if (poll(p.data(), p.size(), 5) <= 0) continue;
+          std::vector<int> keep;
+          for (const pollfd& q : p) {
+            char b;
+            if ((q.revents & (POLLIN | POLLHUP | POLLERR)) &&
+                recv(q.fd, &b, 1, MSG_DONTWAIT) <= 0) {
+              close(q.fd);
+            } else {
+              keep.push_back(q.fd);
+            }
+          }
+          fds.swap(keep);
+        }
+        for (int fd : fds) close(fd);
+      });
+    }
+  }
+  ~ReconnectingFlood() {
+    stop_ = true;
+    for (auto& t : ts_) t.join();
+  }
+  uint64_t opened() const { return opened_.load(); }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> opened_{0};
+  std::vector<std::thread> ts_;
+};
+
+// One 4-rank job (connect + 2 syncs, verified) against `store`; its seconds, or -1 if a rank
+// failed (printed).
+double TimedJob(const std::string& store, const std::string& launch) {
+  const JobSpec job = FourRanks(7);
+  std::vector<Outcome> out(4);
+  const auto t0 = Clock::now();
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 4; ++r) {
+    ts.emplace_back([&, r] { out[r] = RunRank(job, r, store, Options(launch, Millis(20000)), 2); });
+  }
+  for (auto& t : ts) t.join();
+  const double secs = Since(t0);
+  for (int r = 0; r < 4; ++r) {
+    if (!out[r].connect.ok() || !out[r].sync.ok() || !out[r].verified || out[r].mismatches) {
+      std::printf("rank %d failed: %s / %s\n", r, out[r].connect.ToString().c_str(),
+                  out[r].sync.ToString().c_str());
+      return -1;
+    }
+  }
+  return secs;
+}
+
+bool RaiseOwnFdLimit() {
+  rlimit own{};
+  getrlimit(RLIMIT_NOFILE, &own);
+  if (own.rlim_cur >= 4096) return true;
+  if (own.rlim_max < 1024) return false;
+  rlimit r{std::min<rlim_t>(own.rlim_max, 8192), own.rlim_max};
+  return setrlimit(RLIMIT_NOFILE, &r) == 0;
+}
+
+// Issue 37: a reconnecting flood no longer evicts a job's connections before their hello is read
+// (it failed both jobs at fd limit 128 before). Light for CI: one thread, one job, a generous
+// bound; bench: StoreFloodBench below.
+TEST(StoreFlood, AJobConnectsThroughAReconnectingFlood) {
+  if (!RaiseOwnFdLimit()) GTEST_SKIP() << "needs 1024 descriptors in the test process";
+  testing::ForkedStore store({.nofile = 128}, kToken);
+  ASSERT_TRUE(store.ok());
+  ReconnectingFlood flood(store.port(), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const double secs = TimedJob(store.address(), "flooded");
+  std::printf("[reconnecting flood] %llu connections opened; the job took %.0f ms\n",
+              static_cast<unsigned long long>(flood.opened()), secs * 1e3);
+  EXPECT_GE(secs, 0) << "the job failed under the flood";
+  EXPECT_LT(secs, 15.0);
+  EXPECT_TRUE(store.Alive());
+}
+
+// The issue's measurement (run by hand: --gtest_also_run_disabled_tests): fd limits 128 and 1024,
+// one and eight reconnecting threads, 10 jobs each; docs/security.md records the figures.
+TEST(StoreFloodBench, DISABLED_FourRankJobsUnderReconnectingFloods) {
+  if (!RaiseOwnFdLimit()) GTEST_SKIP() << "needs 1024 descriptors in the test process";
+  for (rlim_t nofile : {rlim_t{128}, rlim_t{1024}}) {
+    for (int threads : {1, 8}) {
+      testing::ForkedStore store({.nofile = nofile}, kToken);
+      ASSERT_TRUE(store.ok());
+      ReconnectingFlood flood(store.port(), threads);
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      double worst = 0;
+      int failed = 0, over = 0;
+      const double cpu0 = store.CpuSeconds();
+      const auto t0 = Clock::now();
+      for (int run = 0; run < 10; ++run) {
+        const double s =
+            TimedJob(store.address(), "bench-" + std::to_string(nofile) + "-" +
+                                          std::to_string(threads) + "-" + std::to_string(run));
+        if (s < 0) ++failed;
+        worst = std::max(worst, s);
+        over += s >= 1.0;
+      }
+      std::printf(
+          "[flood bench] fd limit %llu, %d thread(s): 10 jobs, worst %.0f ms, %d over 1 s, %d "
+          "failed; flood opened %.0f connections/s; store CPU %.0f%%\n",
+          static_cast<unsigned long long>(nofile), threads, worst * 1e3, over, failed,
+          flood.opened() / Since(t0), 100 * (store.CpuSeconds() - cpu0) / Since(t0));
+      EXPECT_EQ(failed, 0);
+    }
+  }
 }
 
 // The acceptance test of issue 26: 20 trials of two concurrent 4-rank jobs with different seeds

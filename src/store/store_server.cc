@@ -472,7 +472,9 @@ Result<std::unique_ptr<StoreServer>> StoreServer::Start(const std::string& host,
     if (fd < 0) continue;
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 512) == 0) break;
+    // The longest backlog the kernel allows (net.core.somaxconn): under a connection flood a full
+    // backlog drops a job's SYNs, and a client resends one only after a second.
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, SOMAXCONN) == 0) break;
     last = store_net::ErrnoStatus(StatusCode::kUnavailable,
                                   "store bind " + bind_host + ":" + std::to_string(port), errno);
     close(fd);

@@ -263,6 +263,30 @@ def test_unwritable_and_shared_destinations_refused_at_bind(need_session, tiny_m
                 t = torch.from_numpy(mm)  # a torch tensor over the read-only mapping
             with pytest.raises(shardsync.InvalidArgumentError, match="mapped read-only"):
                 e.bind_destination(p0.name, t)
+            # Issue 37: tensors over an immutable bytes object (torch.frombuffer, or from_numpy
+            # of np.frombuffer), at its start or at an offset, are refused naming the parameter.
+            n = int(np.prod(shape0))
+            blob = bytes(4 * n + 64)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                over = [torch.frombuffer(blob, dtype=torch.float32, count=n).reshape(shape0),
+                        torch.frombuffer(blob, dtype=torch.float32, count=n,
+                                         offset=64).reshape(shape0),
+                        torch.from_numpy(np.frombuffer(blob, np.float32, n).reshape(shape0))]
+            for t in over:
+                with pytest.raises(shardsync.InvalidArgumentError, match="immutable Python bytes"
+                                   ) as err:
+                    e.bind_destination(p0.name, t)
+                assert p0.name in str(err.value)
+            # A bytearray is the caller's to write: accepted.
+            mutable = bytearray(4 * n)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                e.bind_destination(p0.name, torch.frombuffer(mutable, dtype=torch.float32)
+                                   .reshape(shape0))
+            e.close()
+            e = shardsync.Session(plan, plan.trainer_world, srv.address, token=srv.token,
+                                  transport="loopback")
 
         # Two parameters over overlapping bytes of one buffer.
         n0 = int(np.prod(p0.shape))

@@ -487,6 +487,11 @@ Result<std::unique_ptr<StoreServer>> StoreServer::Start(const std::string& host,
   getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
   int bound = ss.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
                                        : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  // The kernel hands over a connection only once its first bytes arrived (or after 2 s, the
+  // hello timeout): a client sends its hello at once, so the job's connections are accepted
+  // with it and authenticate on the spot, while idle flood connections wait in the kernel.
+  int defer = 2;
+  setsockopt(fd, IPPROTO_TCP, TCP_DEFER_ACCEPT, &defer, sizeof(defer));
   Status nb = store_net::SetNonBlocking(fd);
   int pipefd[2];
   if (!nb.ok() || pipe2(pipefd, O_CLOEXEC | O_NONBLOCK) != 0) {

@@ -9,7 +9,7 @@ CLI: every rank is a `shardsync run` process (the job's ranks get SHARDSYNC_JOB_
 SHARDSYNC_JOB_SECRET as a launcher gives them). Python: every rank a thread with its own
 shardsync.Session (shm transport), the job's made with shardsync.new_launch().
 
-    /usr/bin/python3 bench/security/intruder.py --cli build/tools/cli/shardsync --trials 20
+    /usr/bin/python3 bench/security/intruder.py --cli build/shardsync --trials 20
 (the shardsync package importable: pip-installed from the build, as scripts/test.sh does)."""
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ Result<int> Dial(const std::string& host, int port, Clock::time_point deadline,
   hints.ai_flags = AI_NUMERICSERV;
   Status last = DeadlineExceededError("store " + address + ": connect timed out");
   auto backoff = std::chrono::milliseconds(5);
+  // Each attempt waits a short while first: a SYN the server's full backlog dropped (a flood of
+  // connections) is resent by the kernel only after a second, a new attempt sends one now.
+  auto attempt = std::chrono::milliseconds(250);
   while (true) {
     addrinfo* res = nullptr;
     int gai = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
@@ -49,7 +52,8 @@ Result<int> Dial(const std::string& host, int port, Clock::time_point deadline,
       int err = rc == 0 ? 0 : errno;
       if (rc != 0 && err == EINPROGRESS) {
         pollfd p{fd, POLLOUT, 0};
-        int pr = poll(&p, 1, store_net::MillisLeft(deadline));
+        int pr = poll(&p, 1, store_net::MillisLeft(std::min(deadline, Clock::now() + attempt)));
+        attempt = std::min(attempt * 2, std::chrono::milliseconds(4000));
         if (pr <= 0) {
           err = ETIMEDOUT;
         } else {

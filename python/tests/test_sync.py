@@ -422,17 +422,19 @@ def test_jobs_without_launch_identity_refuse_to_connect(need_session, tiny_model
         pytest.skip("shm transport not built")
     plan = shardsync.Plan.from_spec(_spec(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1", "sglang"))
     with shardsync.StoreServer(token=TOKEN) as srv:
-        out = {}
-        threads = [threading.Thread(target=_job_rank, args=(plan, r, srv.address, 3, "", out),
-                                    kwargs={"job_secret": ""})
-                   for r in range(plan.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        for r, o in out.items():
-            assert o[0] == "connect", (r, o)
-            assert "no launch identity" in str(o[1]) and "new_launch()" in str(o[1]), str(o[1])
+        for trial in range(24):  # two such jobs on one store and prefix, as the issue ran them
+            a, b = {}, {}
+            threads = [threading.Thread(target=_job_rank,
+                                        args=(plan, r, srv.address, seed, "", out),
+                                        kwargs={"job_secret": ""})
+                       for out, seed in ((a, 3), (b, 4)) for r in range(plan.world_size)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            for r, o in list(a.items()) + list(b.items()):
+                assert o[0] == "connect", (trial, r, o)
+                assert "no launch identity" in str(o[1]) and "new_launch()" in str(o[1]), str(o[1])
 
 
 def test_job_id_and_version_bounds(need_session, tiny_model):

@@ -4,7 +4,7 @@
 # Idempotent: installs only what is missing. Run as root (or with sudo).
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
-      libcli11-dev libfmt-dev libspdlog-dev libxxhash-dev libucx-dev ucx-utils pybind11-dev
+      libcli11-dev libfmt-dev libspdlog-dev libxxhash-dev libssl-dev libucx-dev ucx-utils pybind11-dev
       libdlpack-dev python3-dev python3-numpy python3-pytest python3-torch python3-setuptools
       python3-wheel python3-venv)
 missing=()

@@ -155,6 +155,11 @@ struct SessionOptions {
   // of one job started by different launchers (trainer under torchrun, engines under SGLang)
   // must pass one id, or none.
   std::optional<std::string> job_id;
+  // The launch's secret (store.h LaunchId::secret), which every rank of the job proves to claim
+  // its slot: a process without it is refused, whatever id it gives. nullopt: from the
+  // environment (SHARDSYNC_JOB_SECRET); "": none. A rank with neither an id nor a secret in a job
+  // of several ranks refuses to connect (docs/security.md "Job identity").
+  std::optional<std::string> job_secret;
   Millis connect_timeout{60000};
   Millis sync_timeout{60000};  // bounds every wait of one Sync on this rank
   // Pluggable packer (device memory); nullptr: the CPU packer.

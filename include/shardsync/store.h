@@ -4,9 +4,11 @@
 // WORLD_SIZE, SHARDSYNC_TOKEN. What the token protects and what it does not: docs/security.md.
 //
 // Limits the server holds every client to: frames of 64 MiB (4 KiB before authentication), a
-// reply above 64 MiB is refused (OutOfRange) before it is built, 1 GiB of keys and values in all
-// (OutOfRange), connections capped from the process's descriptor limit (half of them may be
-// unauthenticated; the oldest is dropped past that), a wrong token answered after 0.5 s.
+// reply above 64 MiB is refused (OutOfRange) before it is built, 1 GiB held for requests in all
+// (keys, values, dead keys' reasons, parked and buffered requests, unread replies: OutOfRange;
+// StoreServerOptions::max_bytes), keys of at most 4 KiB, connections capped from the process's
+// descriptor limit (half of them may be unauthenticated; the oldest is dropped past that), a wrong
+// token answered after 0.5 s.
 #pragma once
 
 #include <chrono>
@@ -32,6 +34,13 @@ Status CheckStoreToken(std::string_view token, std::string_view what);
 // A fresh random token (32 hex characters from the kernel's CSPRNG).
 Result<std::string> GenerateStoreToken();
 
+struct StoreServerOptions {
+  // Every byte the server holds for requests counts against this (keys, values, dead keys'
+  // reasons, parked requests, buffered requests, unread replies); a request over it gets an
+  // OutOfRange reply. At least 1 MiB.
+  size_t max_bytes = size_t{1} << 30;
+};
+
 class StoreServer {
  public:
   virtual ~StoreServer() = default;
@@ -39,6 +48,9 @@ class StoreServer {
   // InvalidArgument when `token` is shorter than kMinStoreTokenChars.
   static Result<std::unique_ptr<StoreServer>> Start(const std::string& host, int port,
                                                     const std::string& token);
+  static Result<std::unique_ptr<StoreServer>> Start(const std::string& host, int port,
+                                                    const std::string& token,
+                                                    const StoreServerOptions& options);
   virtual int port() const = 0;
   virtual std::string address() const = 0;  // "host:port"
   virtual void Stop() = 0;
@@ -107,11 +119,26 @@ Result<std::pair<std::string, int>> ParseHostPort(std::string_view address,
 // job of another launch that uses the same store and key prefix (job identity, SessionOptions
 // ::job_id, docs/security.md). From the environment, the first that is set: SHARDSYNC_JOB_ID
 // (`shardsync run` / `demo` / `bench` give their ranks a fresh one), TORCHELASTIC_RUN_ID
-// (torchrun's --rdzv-id; its default "none" counts as unset), SLURM_JOB_ID with SLURM_STEP_ID.
+// (torchrun's --rdzv-id; its default "none" counts as unset), SLURM_JOB_ID with SLURM_STEP_ID,
+// RAY_JOB_ID (Ray's raylet gives it to every worker process it starts).
+//
+// An id names a launch but proves nothing (anyone can pass it). The launch's secret
+// (SHARDSYNC_JOB_SECRET, SessionOptions::job_secret; the local launcher draws one per job) is
+// what a rank proves to claim a slot of the job: a process without it is refused.
 struct LaunchId {
   std::string id;      // "" when none is set
   std::string source;  // the variable(s) it came from, for messages ("" when none)
+  std::string secret;  // the launch's secret, "" when none (never printed)
+  // True when the rank can say which launch it belongs to.
+  bool any() const { return !id.empty() || !secret.empty(); }
 };
+// Shortest and longest launch secret accepted (GenerateJobSecret gives 32 hex characters).
+inline constexpr size_t kMinJobSecretChars = 16;
+inline constexpr size_t kMaxJobSecretChars = 256;
+// InvalidArgument naming `what` when `secret` is too short or too long (never echoing it).
+Status CheckJobSecret(std::string_view secret, std::string_view what);
+// A fresh launch secret: 32 hex characters (128 bits) from the kernel's CSPRNG.
+Result<std::string> GenerateJobSecret();
 // Longest job id accepted; ids are printable ASCII without spaces (they travel in store values).
 inline constexpr size_t kMaxJobIdChars = 128;
 // InvalidArgument naming `what` when `id` is too long or holds a space or a control character.

@@ -285,10 +285,10 @@ Status ConnectLoopbackDirect(Transport& t, int rank, const std::vector<int>& pee
 // (Connect fails naming SHARDSYNC_UCX_MODE otherwise).
 // Listening: UCX's TCP transport opens a listener on every network device it may use (one per
 // UCX_NET_DEVICES entry, bound to that device's address: uct_tcp_iface_listener_init in UCX's
-// src/uct/tcp/tcp_iface.c), and the store token does not cover those ports. A job whose ranks
-// all run on one host passes net_devices "loopback" (or sets SHARDSYNC_UCX_NET_DEVICES=loopback,
-// as the local launcher should): only the loopback interface is used, so nothing listens on a
-// routable address; shared memory (posix, sysv, cma) is unaffected. Same-host peers: UCX 1.13's shm
+// src/uct/tcp/tcp_iface.c), and the store token does not cover those ports. So UCX uses only the
+// loopback interface unless a device is named (net_devices, SHARDSYNC_UCX_NET_DEVICES or UCX's
+// UCX_NET_DEVICES; "all" for every device): nothing listens on a routable address by default;
+// shared memory (posix, sysv, cma) is unaffected. Jobs across hosts name their interconnect. Same-host peers: UCX 1.13's shm
 // transports have no peer-failure support, so their death is detected by watching the peer's
 // process; remote peers use UCX keepalive (1 s unless UCX_KEEPALIVE_INTERVAL is set).
 // Destruction closes endpoints without waiting for the peer: PostFlush before destroying.
@@ -301,9 +301,9 @@ struct UcxOptions {
   // false: treat every peer as remote (UCX peer-failure mode, so no shared memory; TCP on one
   // host). Exercises the multi-node failure path on a single machine (tests).
   bool same_host_shm = true;
-  // Network devices UCX may use, in UCX_NET_DEVICES syntax ("eth0,mlx5_0:1"), or "loopback" for
-  // this host's loopback interface only; "" leaves UCX's choice (every device, or the user's
-  // UCX_NET_DEVICES). When set it wins over UCX_NET_DEVICES.
+  // Network devices UCX may use, in UCX_NET_DEVICES syntax ("eth0,mlx5_0:1"), "loopback" for
+  // this host's loopback interface only, or "all" for UCX's choice (every device). "": the
+  // user's UCX_NET_DEVICES when set, else loopback. When set it wins over UCX_NET_DEVICES.
   std::string net_devices;
   bool net_devices_from_env = true;  // SHARDSYNC_UCX_NET_DEVICES overrides `net_devices` when set
 };

@@ -31,7 +31,7 @@ from .errors import (
 from .layout import compute_layout
 from .plan import Plan, dtype_name, load_model, shard_map
 from .session import LoopbackHub, Session
-from .store import StoreClient, StoreServer
+from .store import StoreClient, StoreServer, new_launch
 from .adapters import (
     MegatronSources,
     TrainerSources,
@@ -72,6 +72,7 @@ __all__ = [
     "LoopbackHub",
     "StoreServer",
     "StoreClient",
+    "new_launch",
     "TrainerSources",
     "MegatronSources",
     "megatron_sources",

@@ -85,9 +85,14 @@ class Session:
             naming the prefix and that job).
         job_id: the launch this rank belongs to: a rank never joins a job of another launch on
             its prefix. None (the default): from the environment (SHARDSYNC_JOB_ID, else
-            torchrun's TORCHELASTIC_RUN_ID, else SLURM_JOB_ID.SLURM_STEP_ID); "" for none. Ranks
-            of one job started by different launchers (trainer under torchrun, engines under
-            SGLang) pass one id, or "" on every rank.
+            torchrun's TORCHELASTIC_RUN_ID, else SLURM_JOB_ID.SLURM_STEP_ID, else RAY_JOB_ID);
+            "" for none. Ranks of one job started by different launchers (trainer under
+            torchrun, engines under SGLang) pass one id.
+        job_secret: the launch's secret, which each rank proves to claim its slot (a process
+            that only knows the id is refused). None (the default): SHARDSYNC_JOB_SECRET when
+            the id is the environment's; "" for none. A job of several ranks whose ranks have
+            neither an id nor a secret refuses to connect: ranks started by `multiprocessing`
+            (no launcher) pass `**shardsync.new_launch()` made once in the parent.
         connect_timeout, sync_timeout: seconds before `connect()` / `sync()` give up with
             DeadlineExceededError (every wait is bounded).
         staging: CUDA tensors in a host session: "auto" / "host" stage them through host copies
@@ -113,6 +118,7 @@ class Session:
         transport_params: Optional[Mapping[str, str]] = None,
         device: Union[str, int, None] = "auto",
         job_id: Optional[str] = None,
+        job_secret: Optional[str] = None,
     ) -> None:
         if staging not in ("auto", "host", "never"):
             raise InvalidArgumentError(f"staging: must be auto, host or never, got {staging!r}")
@@ -124,12 +130,16 @@ class Session:
             raise InvalidArgumentError(f"device: expected 'auto', None or a CUDA index, got {device!r}")
         if job_id is not None and not isinstance(job_id, str):
             raise InvalidArgumentError(f"job_id: expected a str or None, got {job_id!r}")
+        if job_secret is not None and not isinstance(job_secret, str):
+            # The value is not echoed: it is a secret.
+            raise InvalidArgumentError(
+                f"job_secret: expected a str or None, got a {type(job_secret).__name__}")
         self.plan = plan
         self.staging = staging
         self._args: Dict[str, Any] = dict(
             rank=rank, store=store, token=token, transport=transport, hub=hub, prefix=prefix,
             connect_timeout=connect_timeout, sync_timeout=sync_timeout,
-            transport_params=dict(transport_params or {}), job_id=job_id,
+            transport_params=dict(transport_params or {}), job_id=job_id, job_secret=job_secret,
         )
         self._auto_device = device == "auto"
         self._bound = False
@@ -146,6 +156,7 @@ class Session:
             hub=a["hub"], prefix=a["prefix"], connect_timeout=a["connect_timeout"],
             sync_timeout=a["sync_timeout"], transport_params=dict(a["transport_params"]),
             device=-1 if device is None else int(device), job_id=a["job_id"],
+            job_secret=a["job_secret"],
         )
         self.device = device
         return native_session

@@ -14,7 +14,19 @@ from ._native import native
 if TYPE_CHECKING:
     from . import _C
 
-__all__ = ["StoreServer", "StoreClient"]
+__all__ = ["StoreServer", "StoreClient", "new_launch"]
+
+
+def new_launch() -> "dict[str, str]":
+    """A fresh launch identity, {"job_id": ..., "job_secret": ...}, for ranks that no launcher
+    started (`multiprocessing`, a hand-rolled spawn): make it once in the parent and pass it to
+    every rank's `Session(..., **launch)`. A job of several ranks whose ranks have no launch
+    identity refuses to connect (two such jobs on one store and prefix could not be told apart);
+    the secret is what keeps any other process, even one that knows the id, out of the job's
+    slots (docs/security.md "Job identity"). Keep it out of logs and command lines."""
+    C = native("store")
+    return {"job_id": "launch-" + C.generate_job_secret()[:16],
+            "job_secret": C.generate_job_secret()}
 
 
 class StoreServer:

@@ -106,11 +106,12 @@ class PySession {
             const std::string& transport, std::optional<PyLoopbackHub> hub,
             const std::string& prefix, double connect_timeout, double sync_timeout,
             std::map<std::string, std::string> transport_params, int device,
-            std::optional<std::string> job_id)
+            std::optional<std::string> job_id, std::optional<std::string> job_secret)
       : inputs_(std::move(inputs)), rank_(rank), device_(device) {
     SessionOptions opts;
     opts.prefix = prefix;
-    opts.job_id = std::move(job_id);  // None: the environment's launch id
+    opts.job_id = std::move(job_id);          // None: the environment's launch id
+    opts.job_secret = std::move(job_secret);  // None: the environment's launch secret
     opts.connect_timeout = SecondsToMillis(connect_timeout, "connect_timeout");
     opts.sync_timeout = SecondsToMillis(sync_timeout, "sync_timeout");
     TransportOptions topts;
@@ -393,12 +394,14 @@ void RegisterSession(py::module_& m) {
   py::class_<PySession>(m, "SyncSession", "One sync rank's session; use shardsync.Session.")
       .def(py::init<PlanInputs, int, const std::string&, const std::string&, const std::string&,
                     std::optional<PyLoopbackHub>, const std::string&, double, double,
-                    std::map<std::string, std::string>, int, std::optional<std::string>>(),
+                    std::map<std::string, std::string>, int, std::optional<std::string>,
+                    std::optional<std::string>>(),
            py::arg("plan"), py::arg("rank"), py::arg("store"), py::arg("token") = "",
            py::arg("transport") = "auto", py::arg("hub") = py::none(), py::arg("prefix") = "ss/",
            py::arg("connect_timeout") = 60.0, py::arg("sync_timeout") = 60.0,
            py::arg("transport_params") = std::map<std::string, std::string>{},
-           py::arg("device") = -1, py::arg("job_id") = py::none())
+           py::arg("device") = -1, py::arg("job_id") = py::none(),
+           py::arg("job_secret") = py::none())
       .def_property_readonly("rank", &PySession::rank)
       .def_property_readonly("job_id", &PySession::job_id)
       .def_property_readonly("device", &PySession::device)

@@ -145,7 +145,13 @@ void RegisterStore(py::module_& m) {
   m.def(
       "launch_job_id", [] { return Unwrap(LaunchIdFromEnvironment()).id; },
       "This process's launch id: SHARDSYNC_JOB_ID, else TORCHELASTIC_RUN_ID (not torchrun's "
-      "default 'none'), else SLURM_JOB_ID.SLURM_STEP_ID; '' when none is set.");
+      "default 'none'), else SLURM_JOB_ID.SLURM_STEP_ID, else RAY_JOB_ID; '' when none is set.");
+  m.def(
+      "launch_job_secret", [] { return Unwrap(LaunchIdFromEnvironment()).secret; },
+      "This process's launch secret (SHARDSYNC_JOB_SECRET); '' when none is set.");
+  m.def(
+      "generate_job_secret", [] { return Unwrap(GenerateJobSecret()); },
+      "A fresh launch secret: 32 hex characters from the kernel's CSPRNG.");
 }
 
 }  // namespace shardsync::py_bind

@@ -68,6 +68,9 @@ TensorRef BorrowTensor(py::handle obj, const std::string& what, bool writable = 
 // InvalidArgument naming `what` unless every page of [data, data + bytes) is mapped writable in
 // this process (/proc/self/maps). Host memory only.
 Status CheckHostWritable(const void* data, int64_t bytes, const std::string& what);
+// InvalidArgument naming `what` when [data, data + bytes) lies in an immutable Python bytes
+// object (dlpack.cc says how it is found).
+Status CheckNotInBytesObject(const void* data, int64_t bytes, const std::string& what);
 
 void RegisterCore(py::module_& m);
 void RegisterLayout(py::module_& m);

@@ -2,6 +2,7 @@
 // legacy "dltensor" capsule is requested (no max_version), which every producer still returns.
 #include <dlpack/dlpack.h>
 
+#include <cstddef>
 #include <cstdlib>
 #include <fstream>
 #include <string>
@@ -194,13 +195,58 @@ Status CheckHostWritable(const void* data, int64_t bytes, const std::string& wha
   return OkStatus();
 }
 
+Status CheckNotInBytesObject(const void* data, int64_t bytes, const std::string& what) {
+  if (bytes <= 0) return OkStatus();
+  // torch.frombuffer(b) and torch.from_numpy(np.frombuffer(b)) give tensors over an immutable
+  // bytes object's characters, and nothing says so at bind time: torch has no read-only tensor
+  // flag (Debian's 1.13, nor 2.x; it only warns when the tensor is made), DLPack 0.x carries
+  // none, and the pages are writable heap. CPython lays a bytes object out as its header, then
+  // its characters (PyBytesObject::ob_sval): so memory inside one has, at most 4 KiB before it
+  // (frombuffer's offset=), an object header whose type is PyBytes_Type and whose characters
+  // cover the whole range. Reads stay inside the readable mapping that holds `data`.
+  const uintptr_t p = reinterpret_cast<uintptr_t>(data);
+  uintptr_t floor = p;
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    char* rest = nullptr;
+    const uintptr_t lo = std::strtoull(line.c_str(), &rest, 16);
+    if (rest == nullptr || *rest != '-') continue;
+    const uintptr_t hi = std::strtoull(rest + 1, &rest, 16);
+    while (*rest == ' ') ++rest;
+    if (lo <= p && p < hi && rest[0] == 'r') {
+      floor = lo;
+      break;
+    }
+  }
+  constexpr uintptr_t kHeader = offsetof(PyBytesObject, ob_sval);
+  constexpr uintptr_t kReach = 4096;
+  if (p < floor + kHeader) return OkStatus();
+  uintptr_t obj = (p - kHeader) & ~uintptr_t{7};
+  for (; obj >= floor && obj + kHeader + kReach >= p; obj -= 8) {
+    const auto* o = reinterpret_cast<const PyVarObject*>(obj);
+    if (o->ob_base.ob_type != &PyBytes_Type || o->ob_size < 0) continue;
+    const uintptr_t chars = obj + kHeader;
+    if (chars <= p && p + static_cast<uintptr_t>(bytes) <= chars + o->ob_size) {
+      return InvalidArgumentError(what +
+                                  ": its memory is an immutable Python bytes object's "
+                                  "(torch.frombuffer / np.frombuffer of bytes?); the sync writes "
+                                  "into its destinations: pass a bytearray or a copy");
+    }
+    if (obj < 8) break;
+  }
+  return OkStatus();
+}
+
 TensorRef BorrowTensor(py::handle obj_in, const std::string& what, bool writable) {
   py::object obj = py::reinterpret_borrow<py::object>(obj_in);
   if (writable) CheckWriteableFlag(obj, what);
   // Destinations in host memory: the pages themselves must be writable, whatever the producer
   // claims (torch has no read-only flag: a tensor over a read-only mapping would crash the sync).
   auto Checked = [&](TensorRef ref) {
-    if (writable && !ref.cuda) ThrowIfError(CheckHostWritable(ref.data, ref.nbytes, what));
+    if (writable && !ref.cuda) {
+      ThrowIfError(CheckHostWritable(ref.data, ref.nbytes, what));
+      ThrowIfError(CheckNotInBytesObject(ref.data, ref.nbytes, what));
+    }
     return ref;
   };
   // torch refuses to export tensors that require grad; detach() shares the storage.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import secrets
 
 import numpy as np
 import pytest
@@ -25,6 +27,14 @@ TINY_CONFIG = {
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
 }
+
+
+# The test run is one launch, as torchrun or `shardsync run` would start its ranks: sessions (and
+# the worker processes tests spawn, which inherit it) take this id and secret unless a test passes
+# its own; a job of several ranks without a launch identity refuses to connect
+# (docs/security.md "Job identity"). Tests of that refusal pass job_id="", job_secret="".
+os.environ.setdefault("SHARDSYNC_JOB_ID", f"pytest-{os.getpid()}")
+os.environ.setdefault("SHARDSYNC_JOB_SECRET", secrets.token_hex(16))
 
 
 def _need(part: str) -> None:

@@ -263,6 +263,30 @@ def test_unwritable_and_shared_destinations_refused_at_bind(need_session, tiny_m
                 t = torch.from_numpy(mm)  # a torch tensor over the read-only mapping
             with pytest.raises(shardsync.InvalidArgumentError, match="mapped read-only"):
                 e.bind_destination(p0.name, t)
+            # Issue 37: tensors over an immutable bytes object (torch.frombuffer, or from_numpy
+            # of np.frombuffer), at its start or at an offset, are refused naming the parameter.
+            n = int(np.prod(shape0))
+            blob = bytes(4 * n + 64)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                over = [torch.frombuffer(blob, dtype=torch.float32, count=n).reshape(shape0),
+                        torch.frombuffer(blob, dtype=torch.float32, count=n,
+                                         offset=64).reshape(shape0),
+                        torch.from_numpy(np.frombuffer(blob, np.float32, n).reshape(shape0))]
+            for t in over:
+                with pytest.raises(shardsync.InvalidArgumentError, match="immutable Python bytes"
+                                   ) as err:
+                    e.bind_destination(p0.name, t)
+                assert p0.name in str(err.value)
+            # A bytearray is the caller's to write: accepted.
+            mutable = bytearray(4 * n)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                e.bind_destination(p0.name, torch.frombuffer(mutable, dtype=torch.float32)
+                                   .reshape(shape0))
+            e.close()
+            e = shardsync.Session(plan, plan.trainer_world, srv.address, token=srv.token,
+                                  transport="loopback")
 
         # Two parameters over overlapping bytes of one buffer.
         n0 = int(np.prod(p0.shape))
@@ -276,7 +300,7 @@ def test_unwritable_and_shared_destinations_refused_at_bind(need_session, tiny_m
         e.close()
 
 
-def _job_rank(plan, rank, address, seed, job_id, out, versions=(1,), done=None):
+def _job_rank(plan, rank, address, seed, job_id, out, versions=(1,), done=None, job_secret=None):
     """One rank of a job on the shm transport (as its own process would run it): binds the
     weights of `seed`, connects, syncs; engine ranks compare every element with their own job's
     weights. out[rank] = ("connect" | "sync", exception) or ("ok", verified, mismatches). With
@@ -285,7 +309,7 @@ def _job_rank(plan, rank, address, seed, job_id, out, versions=(1,), done=None):
     conflict: its claim is gone)."""
     full = reference_weights(plan, seed)
     s = shardsync.Session(plan, rank, address, token=TOKEN, transport="shm", job_id=job_id,
-                          connect_timeout=10, sync_timeout=10)
+                          job_secret=job_secret, connect_timeout=10, sync_timeout=10)
     try:
         keep = {}
         if s.is_trainer:
@@ -349,6 +373,68 @@ def test_two_jobs_on_one_prefix_never_merge(need_session, tiny_model):
             for r, o in jobs["b" if won[0] == "a" else "a"][0].items():
                 assert o[0] == "connect", f"trial {trial} rank {r}: {o}"
                 assert "key prefix 'ss/'" in str(o[1]), str(o[1])
+
+
+def test_a_lone_process_never_takes_a_late_ranks_slot(need_session, tiny_model):
+    """Issue 37: a job's trainer rank 1 starts late and a lone process (other weights) claims its
+    slot first: with no launch identity, with the job's id, with the job's id and a wrong secret,
+    with another launch's id and secret. It is refused at connect every time and the job syncs,
+    verified, with its own weights (the issue saw verified=True holding the intruder's)."""
+    if not _have_transport("shm"):
+        pytest.skip("shm transport not built")
+    plan = shardsync.Plan.from_spec(_spec(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1", "sglang"))
+    with shardsync.StoreServer(token=TOKEN) as srv:
+        for kind in ("none", "id", "wrong secret", "other launch"):
+            launch = shardsync.new_launch()
+            bad = {"none": {"job_id": "", "job_secret": ""},
+                   "id": {"job_id": launch["job_id"], "job_secret": ""},
+                   "wrong secret": {"job_id": launch["job_id"],
+                                    "job_secret": shardsync.new_launch()["job_secret"]},
+                   "other launch": shardsync.new_launch()}[kind]
+            job, intruder = {}, {}
+            threads = [threading.Thread(target=_job_rank,
+                                        args=(plan, r, srv.address, 3, launch["job_id"], job),
+                                        kwargs={"job_secret": launch["job_secret"]})
+                       for r in (0, 2, 3)]
+            threads.append(threading.Thread(
+                target=_job_rank, args=(plan, 1, srv.address, 9, bad["job_id"], intruder),
+                kwargs={"job_secret": bad["job_secret"]}))
+            for t in threads:
+                t.start()
+            threads[-1].join(30)  # the intruder had its chance: the job's own rank 1 comes
+            late = threading.Thread(target=_job_rank,
+                                    args=(plan, 1, srv.address, 3, launch["job_id"], job),
+                                    kwargs={"job_secret": launch["job_secret"]})
+            late.start()
+            for t in threads + [late]:
+                t.join(60)
+            assert intruder[1][0] == "connect", (kind, intruder)
+            assert isinstance(intruder[1][1], shardsync.FailedPreconditionError), (kind, intruder)
+            for r in range(4):
+                assert job[r] == ("ok", True, 0), (kind, r, job[r])
+
+
+def test_jobs_without_launch_identity_refuse_to_connect(need_session, tiny_model):
+    """Issue 37: ranks started by multiprocessing without a launch identity could merge with
+    another such job (2 of 24 trials verified the other's weights). A job of several ranks
+    without one now refuses to connect, naming shardsync.new_launch()."""
+    if not _have_transport("shm"):
+        pytest.skip("shm transport not built")
+    plan = shardsync.Plan.from_spec(_spec(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1", "sglang"))
+    with shardsync.StoreServer(token=TOKEN) as srv:
+        for trial in range(24):  # two such jobs on one store and prefix, as the issue ran them
+            a, b = {}, {}
+            threads = [threading.Thread(target=_job_rank,
+                                        args=(plan, r, srv.address, seed, "", out),
+                                        kwargs={"job_secret": ""})
+                       for out, seed in ((a, 3), (b, 4)) for r in range(plan.world_size)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            for r, o in list(a.items()) + list(b.items()):
+                assert o[0] == "connect", (trial, r, o)
+                assert "no launch identity" in str(o[1]) and "new_launch()" in str(o[1]), str(o[1])
 
 
 def test_job_id_and_version_bounds(need_session, tiny_model):

@@ -104,24 +104,7 @@ int GpuLaunchBoard::SweepStale(std::chrono::seconds min_age, const std::string& 
 
 Result<std::unique_ptr<GpuLaunchBoard>> GpuLaunchBoard::Open(const std::string& name, int rank) {
   SweepStale(std::chrono::seconds(60));
-  const int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
-  if (fd < 0) return UnavailableError(Errno("gpu launch board shm_open " + name));
-  struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    const Status s = UnavailableError(Errno("gpu launch board fstat " + name));
-    close(fd);
-    return s;
-  }
-  if (st.st_size == 0 && ftruncate(fd, static_cast<off_t>(kLen)) != 0) {
-    const Status s = UnavailableError(Errno("gpu launch board ftruncate " + name));
-    close(fd);
-    return s;
-  }
-  if (st.st_size != 0 && st.st_size != static_cast<off_t>(kLen)) {
-    close(fd);
-    return UnavailableError("gpu launch board " + name + " has " + std::to_string(st.st_size) +
-                            " bytes, expected " + std::to_string(kLen) + " (not ours)");
-  }
+  SS_ASSIGN_OR_RETURN(const int fd, OpenOwnShm(name, kLen, "gpu launch board"));
   void* p = mmap(nullptr, kLen, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
   if (p == MAP_FAILED) return UnavailableError(Errno("gpu launch board mmap " + name));

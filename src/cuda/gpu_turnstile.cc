@@ -47,25 +47,7 @@ GpuTurnstile::GpuTurnstile(std::string name, Segment* seg, std::chrono::millisec
 Result<std::unique_ptr<GpuTurnstile>> GpuTurnstile::Open(const std::string& name,
                                                          std::chrono::milliseconds max_wait) {
   static_assert(sizeof(Segment) <= kLen);
-  const int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
-  if (fd < 0) return UnavailableError(Errno("gpu turnstile shm_open " + name));
-  struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    const Status s = UnavailableError(Errno("gpu turnstile fstat " + name));
-    close(fd);
-    return s;
-  }
-  // New (size 0): sized here, zero-filled; openers racing on it all set the same size.
-  if (st.st_size == 0 && ftruncate(fd, static_cast<off_t>(kLen)) != 0) {
-    const Status s = UnavailableError(Errno("gpu turnstile ftruncate " + name));
-    close(fd);
-    return s;
-  }
-  if (st.st_size != 0 && st.st_size != static_cast<off_t>(kLen)) {
-    close(fd);
-    return UnavailableError("gpu turnstile " + name + " has " + std::to_string(st.st_size) +
-                            " bytes, expected " + std::to_string(kLen) + " (not ours)");
-  }
+  SS_ASSIGN_OR_RETURN(const int fd, OpenOwnShm(name, kLen, "gpu turnstile"));
   void* p = mmap(nullptr, kLen, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   close(fd);
   if (p == MAP_FAILED) return UnavailableError(Errno("gpu turnstile mmap " + name));

@@ -110,6 +110,50 @@ const SafetensorsEntry* SafetensorsHeader::Find(std::string_view name) const {
   return nullptr;
 }
 
+// A safetensors header is an object of tensor objects (dtype, a shape of a few dims, two data
+// offsets) and string metadata: three levels, short arrays. nlohmann builds the whole tree first,
+// and a hostile 80 MB header of nested or long arrays cost 33 s and 5.95 GB of it: a linear scan
+// refuses those shapes before parsing, naming the byte (never echoing the header).
+Status CheckHeaderShape(const char* p, uint64_t n) {
+  constexpr int kMaxDepth = 8;
+  constexpr uint64_t kMaxArrayItems = 64;
+  bool arr[kMaxDepth + 1] = {};
+  uint64_t items[kMaxDepth + 1] = {};
+  int depth = 0;
+  bool in_string = false;
+  for (uint64_t i = 0; i < n; ++i) {
+    const char c = p[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > kMaxDepth) {
+        return InvalidArgumentError(fmt::format(
+            "safetensors: the header nests deeper than {} levels at byte {} (not a safetensors "
+            "header)",
+            kMaxDepth, 8 + i));
+      }
+      arr[depth] = c == '[';
+      items[depth] = 0;
+    } else if (c == '}' || c == ']') {
+      if (depth > 0) --depth;
+    } else if (c == ',' && depth > 0 && arr[depth] && ++items[depth] >= kMaxArrayItems) {
+      return InvalidArgumentError(fmt::format(
+          "safetensors: the header has an array of more than {} items at byte {} (shapes and "
+          "offsets are a few numbers)",
+          kMaxArrayItems, 8 + i));
+    }
+  }
+  return OkStatus();
+}
+
 Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> file) {
   if (file.size() < 8) {
     return DataLossError(fmt::format(
@@ -130,6 +174,7 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const uint8_t> file) 
                     file.size()));
   }
   const char* hb = reinterpret_cast<const char*>(file.data() + 8);
+  SS_RETURN_IF_ERROR(CheckHeaderShape(hb, n));
   json j;
   try {
     j = json::parse(hb, hb + n);

@@ -154,6 +154,10 @@ class BenchRank {
     SessionOptions opt;
     sync_internal::HarnessHooks hooks;
     opt.prefix = job_.prefix;
+    if (job_.launch.any()) {
+      opt.job_id = job_.launch.id;
+      opt.job_secret = job_.launch.secret;
+    }
     opt.connect_timeout = job_.timeout;
     opt.sync_timeout = job_.timeout;
     // The broadcast baseline needs trainer 0 <-> every engine rank.

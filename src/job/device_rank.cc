@@ -124,6 +124,10 @@ Status DeviceRank::Setup(bool bench) {
   SessionOptions opt;
   sync_internal::HarnessHooks hooks;
   opt.prefix = job_.prefix;
+  if (job_.launch.any()) {
+    opt.job_id = job_.launch.id;
+    opt.job_secret = job_.launch.secret;
+  }
   opt.connect_timeout = job_.timeout;
   opt.sync_timeout = job_.timeout;
   opt.packer = packer_.get();

@@ -83,11 +83,13 @@ Status VerifyFp8Device(const JobSpec& job, const std::vector<EngineParam>& param
                        RankResult& out);
 
 // The environment of the local launcher's `shardsync run` children: the parent's less its launch
-// contract, plus the job's (store, world, token, the launch's SHARDSYNC_JOB_ID) and, every rank
-// being on this host, SHARDSYNC_UCX_NET_DEVICES=loopback unless the user named UCX's devices.
+// contract, plus the job's (store, world, token, the launch's SHARDSYNC_JOB_ID and
+// SHARDSYNC_JOB_SECRET) and, every rank being on this host, SHARDSYNC_UCX_NET_DEVICES=loopback
+// unless the user named UCX's devices.
 std::vector<std::string> ChildEnvironment(const std::vector<std::string>& parent,
                                           const std::string& store, int world,
-                                          const std::string& token, const std::string& job_id);
+                                          const std::string& token, const std::string& job_id,
+                                          const std::string& job_secret = "");
 // The host memory sync rank `rank` allocates (trainer shards or engine parameters, host memory),
 // checked against HostMemoryBudget before anything is: InvalidArgument naming --model otherwise.
 Status CheckRankFitsHost(const JobSpec& job, int rank);

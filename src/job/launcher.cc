@@ -60,7 +60,11 @@ std::string Tail(const std::string& path, size_t max_bytes = 2000) {
 
 Result<LocalJobResult> RunThreads(const LocalJobOptions& o, StoreServer& server,
                                   const std::string& token) {
-  const JobSpec& job = o.job;
+  // The ranks are this process's threads: one launch, drawn here as `run` draws one per child.
+  JobSpec job = o.job;
+  SS_ASSIGN_OR_RETURN(job.launch.id, RandomToken(8));
+  job.launch.source = "the in-process launcher";
+  SS_ASSIGN_OR_RETURN(job.launch.secret, GenerateJobSecret());
   const int world = SyncWorldSize(job.inputs);
   const int total = world * RankSteps(job);
   auto hub = NewLoopbackHub();
@@ -130,10 +134,22 @@ void CleanupLogs(const std::vector<Child>& children) {
   const char* keep = std::getenv("SHARDSYNC_RANK_LOG_DIR");
   for (const Child& c : children) {
     if (keep && *keep) {
-      std::ifstream in(c.log, std::ios::binary);
-      std::ofstream(std::string(keep) + "/rank-" + std::to_string(c.rank) + ".log",
-                    std::ios::binary | std::ios::app)
-          << in.rdbuf();
+      // O_NOFOLLOW: a symlink planted at DIR/rank-R.log must not redirect the log into a file
+      // of the planter's choosing; such a log is skipped.
+      const std::string path = std::string(keep) + "/rank-" + std::to_string(c.rank) + ".log";
+      const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC,
+                          0600);
+      if (fd < 0) {
+        std::fprintf(stderr, "launcher: not keeping sync rank %d's log as %s: %s\n", c.rank,
+                     path.c_str(), std::strerror(errno));
+      } else {
+        std::ifstream in(c.log, std::ios::binary);
+        char buf[65536];
+        while (in.read(buf, sizeof(buf)) || in.gcount() > 0) {
+          if (write(fd, buf, static_cast<size_t>(in.gcount())) < 0) break;
+        }
+        close(fd);
+      }
     }
     unlink(c.log.c_str());
   }
@@ -144,13 +160,14 @@ void CleanupLogs(const std::vector<Child>& children) {
 std::vector<std::string> job_internal::ChildEnvironment(const std::vector<std::string>& parent,
                                                         const std::string& store, int world,
                                                         const std::string& token,
-                                                        const std::string& job_id) {
+                                                        const std::string& job_id,
+                                                        const std::string& job_secret) {
   std::vector<std::string> env;
   bool net_devices = false;  // the user named UCX's devices: keep them
   for (const std::string& v : parent) {
     if (v.starts_with("SHARDSYNC_STORE=") || v.starts_with("RANK=") ||
         v.starts_with("WORLD_SIZE=") || v.starts_with("SHARDSYNC_TOKEN=") ||
-        v.starts_with("SHARDSYNC_JOB_ID=")) {
+        v.starts_with("SHARDSYNC_JOB_ID=") || v.starts_with("SHARDSYNC_JOB_SECRET=")) {
       continue;
     }
     net_devices |= v.starts_with("SHARDSYNC_UCX_NET_DEVICES=") || v.starts_with("UCX_NET_DEVICES=");
@@ -160,6 +177,7 @@ std::vector<std::string> job_internal::ChildEnvironment(const std::vector<std::s
   env.push_back("WORLD_SIZE=" + std::to_string(world));
   env.push_back("SHARDSYNC_TOKEN=" + token);
   env.push_back("SHARDSYNC_JOB_ID=" + job_id);
+  if (!job_secret.empty()) env.push_back("SHARDSYNC_JOB_SECRET=" + job_secret);
   // Every rank is on this host: UCX's listeners on loopback, out of the network's reach (the
   // store token does not cover them; docs/security.md).
   if (!net_devices) env.push_back("SHARDSYNC_UCX_NET_DEVICES=loopback");
@@ -171,7 +189,8 @@ namespace {
 // Forks `shardsync run` for every sync rank, its stderr and stdout in a temporary log. On failure
 // every child already started is killed and its log removed.
 Status SpawnRanks(const LocalJobOptions& o, StoreServer& server, const std::string& token,
-                  const std::string& job_id, std::vector<Child>* out) {
+                  const std::string& job_id, const std::string& job_secret,
+                  std::vector<Child>* out) {
   const JobSpec& job = o.job;
   const int world = SyncWorldSize(job.inputs);
   std::vector<Child>& children = *out;
@@ -181,7 +200,7 @@ Status SpawnRanks(const LocalJobOptions& o, StoreServer& server, const std::stri
   std::vector<std::string> parent;
   for (char** e = environ; *e; ++e) parent.emplace_back(*e);
   const std::vector<std::string> base_env =
-      job_internal::ChildEnvironment(parent, server.address(), world, token, job_id);
+      job_internal::ChildEnvironment(parent, server.address(), world, token, job_id, job_secret);
   for (int r = 0; r < world; ++r) {
     std::vector<std::string> args = base_args;
     args.push_back("--role");
@@ -347,7 +366,8 @@ Result<LocalJobResult> RunProcesses(const LocalJobOptions& o, StoreServer& serve
   SS_ASSIGN_OR_RETURN(auto store, StoreClient::Connect(server.address(), token, o.job.timeout));
   SS_ASSIGN_OR_RETURN(const std::string job_id, RandomToken(8));
   std::vector<Child> children;
-  SS_RETURN_IF_ERROR(SpawnRanks(o, server, token, job_id, &children));
+  SS_ASSIGN_OR_RETURN(const std::string job_secret, GenerateJobSecret());
+  SS_RETURN_IF_ERROR(SpawnRanks(o, server, token, job_id, job_secret, &children));
   SS_RETURN_IF_ERROR(Supervise(o, *store, job_id, children));
   SS_ASSIGN_OR_RETURN(LocalJobResult out, CollectResults(o.job, server, *store, children));
   CleanupLogs(children);

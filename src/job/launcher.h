@@ -33,6 +33,9 @@ struct JobSpec {
   int bench_reps = 5;
   bool verify = true;          // engine ranks check every element after the last sync
   std::string prefix = "ss/";  // store key namespace
+  // The launch identity the ranks' sessions use (SessionOptions::job_id / job_secret); empty:
+  // the environment's (a `shardsync run` child's). The in-process launcher draws one.
+  LaunchId launch;
   // Engine ranks write the parameters they received (after the last sync) as
   // <dump_dir>/rank-<sync rank>.safetensors (refengine's WriteEngineDump); empty: no dump.
   std::string dump_dir;

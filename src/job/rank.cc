@@ -285,6 +285,10 @@ Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Tra
   }
   SessionOptions opt;
   opt.prefix = job.prefix;
+  if (job.launch.any()) {
+    opt.job_id = job.launch.id;
+    opt.job_secret = job.launch.secret;
+  }
   opt.connect_timeout = job.timeout;
   opt.sync_timeout = job.timeout;
   SS_ASSIGN_OR_RETURN(auto session, SyncSession::Create(job.inputs, rank, store, transport, opt));

@@ -25,7 +25,21 @@ Result<Generation> GreedyGenerate(CausalLm& lm, std::span<const int64_t> prompt,
       fmt::format("keeping the logits of every step (vocabulary {})", lm.vocab_size())));
   lm.Reset();
   Generation g;
+  // Finite weights can still overflow (1e30 everywhere gives inf, then NaN): argmax over a NaN is
+  // meaningless, so such a step is an error naming it, never a token.
+  auto finite = [](const std::vector<float>& l, int step) -> Status {
+    for (size_t v = 0; v < l.size(); ++v) {
+      if (!std::isfinite(l[v])) {
+        return FailedPreconditionError(fmt::format(
+            "generate: step {}'s logits are not finite (token {} is {}): the weights overflow "
+            "float32 in the forward pass",
+            step, v, l[v]));
+      }
+    }
+    return OkStatus();
+  };
   SS_ASSIGN_OR_RETURN(std::vector<float> logits, lm.Forward(prompt));
+  SS_RETURN_IF_ERROR(finite(logits, 0));
   for (int i = 0; i < max_new_tokens; ++i) {
     // argmax; max_element keeps the first (lowest id) of equal values, as torch.argmax does.
     const int64_t next = std::max_element(logits.begin(), logits.end()) - logits.begin();
@@ -34,6 +48,7 @@ Result<Generation> GreedyGenerate(CausalLm& lm, std::span<const int64_t> prompt,
     if (i + 1 == max_new_tokens) return g;
     const int64_t one[1] = {next};
     SS_ASSIGN_OR_RETURN(logits, lm.Forward(one));
+    SS_RETURN_IF_ERROR(finite(logits, i + 1));
   }
   g.step_logits.push_back(std::move(logits));  // max_new_tokens == 0: the prompt's logits
   return g;

@@ -171,6 +171,23 @@ inline Result<Frame> ParseFrame(std::string_view bytes, size_t max_payload = kMa
   return f;
 }
 
+// A reply frame written in place: its header for `nargs` args and `payload_bytes` of payload
+// (12 + 4 + size per arg), then each arg with AppendArg. EncodeFrame's bytes, without building
+// the args first (the store server's large replies).
+inline void AppendReplyHeader(std::string& out, StatusCode code, size_t nargs,
+                              size_t payload_bytes) {
+  detail::StoreLE(out, kMagic, 4);
+  detail::StoreLE(out, kVersion, 2);
+  detail::StoreLE(out, static_cast<uint16_t>(Op::kReply), 2);
+  detail::StoreLE(out, payload_bytes, 4);
+  detail::StoreLE(out, static_cast<uint64_t>(static_cast<int64_t>(code)), 8);
+  detail::StoreLE(out, nargs, 4);
+}
+inline void AppendArg(std::string& out, std::string_view a) {
+  detail::StoreLE(out, a.size(), 4);
+  out.append(a);
+}
+
 inline std::string EncodeFrame(const Frame& f) {
   std::string payload;
   detail::StoreLE(payload, static_cast<uint64_t>(f.num), 8);

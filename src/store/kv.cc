@@ -28,14 +28,26 @@ bool Kv::Erase(const std::string& key) {
   return true;
 }
 
+bool Kv::EraseDead(const std::string& key) {
+  auto d = dead_.find(key);
+  if (d == dead_.end()) return false;
+  bytes_ -= Cost(key, d->second);
+  dead_.erase(d);
+  return true;
+}
+
 Status Kv::Set(const std::string& key, std::string value, OwnerId who, bool ephemeral) {
   SS_RETURN_IF_ERROR(CheckWritable(key, who));
   auto it = kv_.find(key);
-  const size_t old = it == kv_.end() ? 0 : Cost(key, it->second.value);
+  auto d = dead_.find(key);
+  const size_t old = (it == kv_.end() ? 0 : Cost(key, it->second.value)) +
+                     (d == dead_.end() ? 0 : Cost(key, d->second));
   const size_t now = Cost(key, value);
-  if (bytes_ - old + now > max_bytes_) {
-    return OutOfRangeError("store set '" + key + "': the store would hold more than its quota of " +
-                           std::to_string(max_bytes_) + " bytes");
+  if (now > old && now - old > Room()) {
+    return OutOfRangeError("store set '" + key.substr(0, 200) +
+                           "': the store would hold more than its quota of " +
+                           std::to_string(max_bytes_) +
+                           " bytes (keys, values, dead keys' reasons and requests in flight)");
   }
   // Allocate before changing anything else: a bad_alloc leaves the store as it was.
   bool inserted = false;
@@ -49,7 +61,7 @@ Status Kv::Set(const std::string& key, std::string value, OwnerId who, bool ephe
     if (inserted) kv_.erase(it);
     throw;
   }
-  dead_.erase(key);
+  EraseDead(key);
   Entry& e = it->second;
   if (e.owner != 0 && !ephemeral) {
     // The owner re-set its key as plain: the key no longer dies with the connection.
@@ -60,8 +72,9 @@ Status Kv::Set(const std::string& key, std::string value, OwnerId who, bool ephe
     }
   }
   e.owner = ephemeral ? who : 0;
+  bytes_ -= e.value.size() + (inserted ? 0 : key.size() + kEntryOverhead);
   e.value = std::move(value);
-  bytes_ = bytes_ - old + now;
+  bytes_ += now;
   return OkStatus();
 }
 
@@ -102,14 +115,29 @@ int64_t Kv::DeletePrefix(std::string_view prefix) {
   }
   for (auto it = dead_.lower_bound(std::string(prefix));
        it != dead_.end() && std::string_view(it->first).starts_with(prefix);) {
+    bytes_ -= Cost(it->first, it->second);
     it = dead_.erase(it);
   }
   return n;
 }
 
-void Kv::MarkDead(const std::string& key, std::string reason) {
+Status Kv::MarkDead(const std::string& key, std::string reason) {
+  if (reason.size() > kMaxReasonBytes) reason.resize(kMaxReasonBytes);
+  auto it = kv_.find(key);
+  auto d = dead_.find(key);
+  const size_t old = (it == kv_.end() ? 0 : Cost(key, it->second.value)) +
+                     (d == dead_.end() ? 0 : Cost(key, d->second));
+  const size_t now = Cost(key, reason);
+  if (now > old && now - old > Room()) {
+    return OutOfRangeError("store mark-dead '" + key.substr(0, 200) +
+                           "': the store would hold more than its quota of " +
+                           std::to_string(max_bytes_) + " bytes");
+  }
+  std::string& slot = dead_[key];  // allocates before anything changes
   Erase(key);
-  dead_[key] = std::move(reason);
+  bytes_ = bytes_ - (d == dead_.end() ? 0 : Cost(key, slot)) + now;
+  slot = std::move(reason);
+  return OkStatus();
 }
 
 size_t Kv::ReleaseOwner(OwnerId who, const std::string& reason) {
@@ -123,7 +151,10 @@ size_t Kv::ReleaseOwner(OwnerId who, const std::string& reason) {
     if (it == kv_.end() || it->second.owner != who) continue;
     bytes_ -= Cost(k, it->second.value);
     kv_.erase(it);
+    // A closing connection's keys always die (the reason is the server's, ~100 bytes a key).
+    // (A live key has no dead record: Set erased it.)
     dead_[k] = reason;
+    bytes_ += Cost(k, reason);
     ++n;
   }
   return n;

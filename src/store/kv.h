@@ -21,7 +21,16 @@ using OwnerId = uint64_t;
 
 class Kv {
  public:
-  explicit Kv(size_t max_bytes) : max_bytes_(max_bytes) {}
+  // Bytes a key, a value or a dead key's reason costs beyond its characters: its map node and
+  // string headers, so that many tiny keys count what they hold.
+  static constexpr size_t kEntryOverhead = 96;
+  // A dead key's reason is cut to this many bytes (a client's MARK_DEAD names any length).
+  static constexpr size_t kMaxReasonBytes = 1024;
+
+  // `reserved` (may be null): bytes held elsewhere for requests (the server's connections:
+  // buffered input, parked key lists, unread replies), counted against the same quota.
+  explicit Kv(size_t max_bytes, const size_t* reserved = nullptr)
+      : max_bytes_(max_bytes), reserved_(reserved) {}
 
   // Sets `key`; `ephemeral` binds it to `who`. A key held by another live owner is refused
   // (FailedPrecondition); setting a dead key revives it. OutOfRange past the byte quota.
@@ -33,8 +42,9 @@ class Kv {
   Result<int64_t> Add(const std::string& key, int64_t delta, OwnerId who);
   // Deletes every key and dead-key record starting with `prefix`; returns the keys deleted.
   int64_t DeletePrefix(std::string_view prefix);
-  // Removes `key` (present or not) and records it dead with `reason`.
-  void MarkDead(const std::string& key, std::string reason);
+  // Removes `key` (present or not) and records it dead with `reason` (cut to kMaxReasonBytes).
+  // OutOfRange past the byte quota (the key stays as it was).
+  Status MarkDead(const std::string& key, std::string reason);
   // `who` went away: every key it held becomes dead with `reason`. Returns how many.
   size_t ReleaseOwner(OwnerId who, const std::string& reason);
 
@@ -42,7 +52,11 @@ class Kv {
   const std::string* Find(const std::string& key) const;
   // Why `key` is dead, nullptr when it is not.
   const std::string* DeadReason(const std::string& key) const;
+  // Keys, values and dead keys' reasons, with kEntryOverhead each.
   size_t bytes() const { return bytes_; }
+  size_t max_bytes() const { return max_bytes_; }
+  size_t keys() const { return kv_.size(); }
+  size_t dead_keys() const { return dead_.size(); }
 
  private:
   struct Entry {
@@ -50,14 +64,22 @@ class Kv {
     OwnerId owner = 0;  // 0: plain key
   };
   static size_t Cost(const std::string& key, const std::string& value) {
-    return key.size() + value.size();
+    return key.size() + value.size() + kEntryOverhead;
   }
+  // Bytes the quota has room for beyond what `bytes_` and the reservations hold.
+  size_t Room() const {
+    const size_t used = bytes_ + (reserved_ != nullptr ? *reserved_ : 0);
+    return used >= max_bytes_ ? 0 : max_bytes_ - used;
+  }
+  // Forgets `key`'s dead record; true if there was one.
+  bool EraseDead(const std::string& key);
   // FailedPrecondition when `key` is ephemeral and held by another owner than `who`.
   Status CheckWritable(const std::string& key, OwnerId who) const;
   // Erases `key` and its ownership; true if it existed.
   bool Erase(const std::string& key);
 
   size_t max_bytes_;
+  const size_t* reserved_;
   size_t bytes_ = 0;
   std::map<std::string, Entry> kv_;
   std::map<std::string, std::string> dead_;

@@ -27,6 +27,10 @@ Result<std::pair<std::string, std::string>> FirstSet(
   return InvalidArgumentError(all + " is not set");
 }
 
+// The launch's id alone (LaunchIdFromLookup adds the secret).
+Result<LaunchId> LaunchNameFromLookup(
+    const std::function<std::optional<std::string>(const std::string&)>& lookup);
+
 }  // namespace
 
 Result<LaunchEnv> LaunchEnvFromLookup(
@@ -70,7 +74,32 @@ Status CheckJobId(std::string_view id, std::string_view what) {
   return OkStatus();
 }
 
+Status CheckJobSecret(std::string_view secret, std::string_view what) {
+  if (secret.size() < kMinJobSecretChars || secret.size() > kMaxJobSecretChars) {
+    return InvalidArgumentError(std::string(what) + ": " + std::to_string(secret.size()) +
+                                " characters, " + std::to_string(kMinJobSecretChars) + " to " +
+                                std::to_string(kMaxJobSecretChars) +
+                                " required (shardsync.new_launch() or openssl rand -hex 16 "
+                                "makes one)");
+  }
+  return OkStatus();
+}
+
+Result<std::string> GenerateJobSecret() { return GenerateStoreToken(); }
+
 Result<LaunchId> LaunchIdFromLookup(
+    const std::function<std::optional<std::string>(const std::string&)>& lookup) {
+  SS_ASSIGN_OR_RETURN(LaunchId out, LaunchNameFromLookup(lookup));
+  if (auto s = lookup("SHARDSYNC_JOB_SECRET"); s && !s->empty()) {
+    SS_RETURN_IF_ERROR(CheckJobSecret(*s, "SHARDSYNC_JOB_SECRET"));
+    out.secret = *s;
+  }
+  return out;
+}
+
+namespace {
+
+Result<LaunchId> LaunchNameFromLookup(
     const std::function<std::optional<std::string>(const std::string&)>& lookup) {
   LaunchId out;
   auto take = [&](const std::string& id, const std::string& source) -> Status {
@@ -98,9 +127,16 @@ Result<LaunchId> LaunchIdFromLookup(
     } else {
       SS_RETURN_IF_ERROR(take(*v, "SLURM_JOB_ID"));
     }
+  } else if (auto r = lookup("RAY_JOB_ID"); r && !r->empty()) {
+    // Ray's raylet exports the job id (hex) to each worker it starts (ray-project/ray
+    // src/ray/raylet/worker_pool.cc WorkerPool::BuildProcessCommandArgs: env kEnvVarKeyJobId,
+    // "RAY_JOB_ID" in src/ray/common/constants.h). One Ray job is one launch.
+    SS_RETURN_IF_ERROR(take(*r, "RAY_JOB_ID"));
   }
   return out;
 }
+
+}  // namespace
 
 Result<LaunchId> LaunchIdFromEnvironment() {
   return LaunchIdFromLookup([](const std::string& name) -> std::optional<std::string> {

@@ -12,15 +12,19 @@ namespace shardsync::store_limits {
 
 // Hard ceiling whatever the descriptor limit: far above any job's ranks.
 inline constexpr size_t kMaxConnections = 16384;
-// Bytes of values and keys the store holds in all (etcd's --quota-backend-bytes idea): a job
-// keeps addresses, memory keys and verdicts there, kilobytes per rank.
+// Bytes the store holds for requests in all (etcd's --quota-backend-bytes idea): keys, values,
+// dead keys' reasons, parked requests' keys, buffered requests and unread replies. A job keeps
+// addresses, memory keys and verdicts there, kilobytes per rank. StoreServerOptions::max_bytes.
 inline constexpr size_t kMaxStoreBytes = size_t{1} << 30;
+// Longest key a request may name (keys are names: a job's are under 100 bytes).
+inline constexpr size_t kMaxKeyBytes = 4096;
 // Reply bytes a connection may have queued before the server stops reading its requests.
 inline constexpr size_t kOutHighWater = size_t{16} << 20;
 
 struct ConnLimits {
   size_t total = 0;            // open connections, authenticated or not
   size_t unauthenticated = 0;  // of which before a valid hello (the oldest is evicted past it)
+  size_t per_source = 0;       // of which from one source address
 };
 
 // Connections for a process whose RLIMIT_NOFILE soft limit is `nofile`: a quarter of the limit
@@ -33,6 +37,7 @@ inline ConnLimits ConnectionLimits(uint64_t nofile) {
   ConnLimits l;
   l.total = static_cast<size_t>(std::min<uint64_t>(total, kMaxConnections));
   l.unauthenticated = std::max<size_t>(4, l.total / 2);
+  l.per_source = std::max<size_t>(4, l.unauthenticated / 4);
   return l;
 }
 

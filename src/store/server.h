@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -36,6 +37,12 @@ inline constexpr auto kAcceptBackoffMax = std::chrono::milliseconds(1000);
 
 // "host:port" ("[v6]:port") of a peer address.
 std::string SockAddrToString(const sockaddr_storage& ss);
+// The host part alone ("127.0.0.1", "[::1]").
+std::string SourceOf(const std::string& peer);
+
+// An idle unauthenticated connection younger than this is not evicted for a newer one: a client
+// connects and sends its hello at once, and needs the time for it to arrive.
+inline constexpr auto kEvictMinAge = std::chrono::milliseconds(20);
 
 // A Get / Wait / GetMany parked until its keys exist, one dies, or its deadline.
 struct Pending {
@@ -58,6 +65,15 @@ struct Conn {
   std::optional<Pending> pending;
   std::string delayed;  // a refused hello's reply, sent at reply_at
   Clock::time_point reply_at;
+  Clock::time_point opened;  // when it was accepted
+  bool got_bytes = false;    // sent anything (an authentication in flight, if not authed)
+  std::string source;        // SourceOf(peer)
+  // Memory accounting (ServerImpl::Recount): bytes this connection holds for requests, as last
+  // counted into ServerImpl::conn_bytes_; the size of the frame being received (reserved when its
+  // header arrives); bytes of a refused frame still to be read and dropped.
+  size_t counted = 0;
+  size_t reserve = 0;
+  size_t discard = 0;
   // Reads and request handling pause while a request is parked, the connection is closing, or
   // its replies pile up unread.
   bool Paused() const {
@@ -80,7 +96,7 @@ enum LogKind {
 class ServerImpl final : public StoreServer {
  public:
   ServerImpl(int listen_fd, int wake_r, int wake_w, int spare_fd, std::string host, int port,
-             std::string token, store_limits::ConnLimits limits);
+             std::string token, store_limits::ConnLimits limits, size_t max_bytes);
   ~ServerImpl() override { Stop(); }
 
   int port() const override { return port_; }
@@ -99,8 +115,24 @@ class ServerImpl final : public StoreServer {
 
   // ---- store_server.cc: the loop, accepting, connection I/O ----
   void Run();
-  // Closes the oldest unauthenticated connection to make room; false if there is none.
-  bool EvictOldestUnauthenticated(const char* why);
+  // Every byte held for requests: keys, values, dead keys' reasons (kv_) and what connections
+  // hold (conn_bytes_); the quota bounds it (docs/security.md "What the store survives").
+  size_t Held() const { return kv_.bytes() + conn_bytes_; }
+  // Brings c's share of conn_bytes_ up to date: its input buffer (or the frame it reserved), its
+  // unread replies and its parked request's keys.
+  void Recount(Conn& c);
+  // Not read now: c.Paused(), or the store is over its quota and c has replies to read first.
+  bool Blocked(const Conn& c) const {
+    return c.Paused() || (!c.out.empty() && Held() > max_bytes_);
+  }
+  // Closes an unauthenticated connection to make room (from `source` when not empty): the oldest
+  // that failed its hello, else the oldest idle one (nothing received) open for at least
+  // kEvictMinAge. Never one whose authentication is in flight. False if there is none.
+  // `any_age`: idle ones however young (room for a connection whose hello is in flight).
+  bool EvictUnauthenticated(const char* why, const std::string& source = "", bool any_age = false);
+  // Takes a just-accepted connection: reads what it sent (a client's hello usually is there by
+  // now, and authenticates it at once), then makes room under the caps or refuses it.
+  void Admit(int fd, const sockaddr_storage& ss);
   void Accept();
   // The reserved-descriptor trick (libev, nginx): give the spare back, accept the pending
   // connection on it and close it, then take the spare again.
@@ -136,6 +168,8 @@ class ServerImpl final : public StoreServer {
   int port_;
   std::string token_;
   store_limits::ConnLimits limits_;
+  size_t max_bytes_;
+  size_t conn_bytes_ = 0;  // declared before kv_, which reads it
   std::atomic<bool> stopping_{false};
   std::thread thread_;
   std::list<Conn> conns_;  // list: Conn addresses stay valid while iterating; accept order
@@ -143,8 +177,11 @@ class ServerImpl final : public StoreServer {
   store_kv::OwnerId next_id_ = 1;
   size_t open_ = 0;             // connections with an open descriptor
   size_t unauthenticated_ = 0;  // of which not authenticated
-  bool served_ = false;         // an authenticated request was handled this round
-  bool released_ = false;       // a closed connection's ephemeral keys died
+  // Unauthenticated connections per source address (no port): one source may hold at most
+  // limits_.per_source of them, so a flooding host cannot take every slot.
+  std::unordered_map<std::string, size_t> unauth_by_source_;
+  bool served_ = false;    // an authenticated request was handled this round
+  bool released_ = false;  // a closed connection's ephemeral keys died
   Clock::time_point accept_paused_until_{};
   std::chrono::milliseconds accept_backoff_ = kAcceptBackoffMin;
   std::array<store_limits::LogLimiter, kLogN> logs_;

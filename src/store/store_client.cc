@@ -32,6 +32,9 @@ Result<int> Dial(const std::string& host, int port, Clock::time_point deadline,
   hints.ai_flags = AI_NUMERICSERV;
   Status last = DeadlineExceededError("store " + address + ": connect timed out");
   auto backoff = std::chrono::milliseconds(5);
+  // Each attempt waits a short while first: a SYN the server's full backlog dropped (a flood of
+  // connections) is resent by the kernel only after a second, a new attempt sends one now.
+  auto attempt = std::chrono::milliseconds(250);
   while (true) {
     addrinfo* res = nullptr;
     int gai = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
@@ -49,7 +52,8 @@ Result<int> Dial(const std::string& host, int port, Clock::time_point deadline,
       int err = rc == 0 ? 0 : errno;
       if (rc != 0 && err == EINPROGRESS) {
         pollfd p{fd, POLLOUT, 0};
-        int pr = poll(&p, 1, store_net::MillisLeft(deadline));
+        int pr = poll(&p, 1, store_net::MillisLeft(std::min(deadline, Clock::now() + attempt)));
+        attempt = std::min(attempt * 2, std::chrono::milliseconds(4000));
         if (pr <= 0) {
           err = ETIMEDOUT;
         } else {
@@ -282,14 +286,17 @@ class StoreClientImpl final : public StoreClient {
   Result<std::vector<std::string>> CallChain(const std::vector<Frame>& frames,
                                              Clock::time_point deadline) {
     if (broken_) {
-      return UnavailableError("store " + address_ +
-                              ": connection unusable after an earlier failure");
+      // Say what happened to it (a killed store: "server closed the connection"), not only
+      // that the connection is gone.
+      return UnavailableError("store " + address_ + " is unreachable: " + broken_why_ +
+                              " (the store process died or was stopped?)");
     }
     auto r = CallChainOnce(frames, deadline);
     // Only a failure of the stream itself ends the connection: an error reply (a dead key, a
     // refused request) leaves it in step.
     if (!r.ok() && (io_failed_ || r.status().code() == StatusCode::kInternal)) {
       broken_ = true;
+      broken_why_ = r.status().message();
     }
     return r;
   }
@@ -404,6 +411,7 @@ class StoreClientImpl final : public StoreClient {
   std::string address_;
   Millis io_timeout_;
   bool broken_ = false;
+  std::string broken_why_;  // the failure that broke it
   bool io_failed_ = false;
 };
 
@@ -453,16 +461,21 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Connect(const std::string& add
   }
   timeout = store_net::ClampWait(timeout);
   auto deadline = Clock::now() + timeout;
-  SS_ASSIGN_OR_RETURN(int fd, Dial(hp.first, hp.second, deadline, address));
-  auto client = std::make_unique<StoreClientImpl>(fd, address, timeout);
-  Status s = client->Hello(token);
-  if (!s.ok()) {
+  auto backoff = std::chrono::milliseconds(2);
+  while (true) {
+    SS_ASSIGN_OR_RETURN(int fd, Dial(hp.first, hp.second, deadline, address));
+    auto client = std::make_unique<StoreClientImpl>(fd, address, timeout);
+    Status s = client->Hello(token);
+    if (s.ok()) return std::unique_ptr<StoreClient>(std::move(client));
     if (s.code() == StatusCode::kPermissionDenied) {
       return PermissionDeniedError("store " + address + " refused the token (SHARDSYNC_TOKEN)");
     }
-    return s;
+    // A store under a flood of unauthenticated connections may close a new one before reading
+    // its hello (it keeps its slots for connections that authenticate): dial again.
+    if (Clock::now() + backoff >= deadline) return s;
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(50));
   }
-  return std::unique_ptr<StoreClient>(std::move(client));
 }
 
 }  // namespace shardsync

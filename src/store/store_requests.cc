@@ -59,12 +59,27 @@ void ServerImpl::Handle(Conn& c, Frame f) {
     }
     c.authed = true;
     --unauthenticated_;
+    if (auto it = unauth_by_source_.find(c.source);
+        it != unauth_by_source_.end() && --it->second == 0) {
+      unauth_by_source_.erase(it);
+    }
     KeepAlive(c.fd);
     served_ = true;
     Reply(c, StatusCode::kOk, "");
     return;
   }
   served_ = true;
+  // Keys are names, not payloads: a long one would be held (and echoed in errors) at its length.
+  const size_t nkeys = f.op == Op::kWait || f.op == Op::kGetMany ? f.args.size()
+                       : f.op == Op::kHello                      ? 0
+                                                                 : 1;
+  for (size_t i = 0; i < nkeys; ++i) {
+    if (f.args[i].size() > store_limits::kMaxKeyBytes) {
+      return Reply(c, StatusCode::kInvalidArgument,
+                   "store: a key of " + std::to_string(f.args[i].size()) + " bytes (at most " +
+                       std::to_string(store_limits::kMaxKeyBytes) + ")");
+    }
+  }
   switch (f.op) {
     case Op::kHello:
       Reply(c, StatusCode::kOk, "");
@@ -93,11 +108,12 @@ void ServerImpl::Handle(Conn& c, Frame f) {
     case Op::kDeletePrefix:
       Reply(c, StatusCode::kOk, std::to_string(kv_.DeletePrefix(f.args[0])));
       return;
-    case Op::kMarkDead:
-      kv_.MarkDead(f.args[0], f.args[1].empty() ? "marked dead by a client" : f.args[1]);
-      Reply(c, StatusCode::kOk, "");
-      WakeParked();
+    case Op::kMarkDead: {
+      Status s = kv_.MarkDead(f.args[0], f.args[1].empty() ? "marked dead by a client" : f.args[1]);
+      ReplyStatus(c, s, "");
+      if (s.ok()) WakeParked();
       return;
+    }
     case Op::kGet:
     case Op::kWait:
     case Op::kGetMany: {
@@ -106,7 +122,16 @@ void ServerImpl::Handle(Conn& c, Frame f) {
       p.keys = std::move(f.args);
       p.timeout_ms = f.num;
       p.deadline = Clock::now() + store_net::ClampWait(std::chrono::milliseconds(f.num));
+      size_t bytes = 0;
+      for (const std::string& k : p.keys) bytes += k.capacity() + sizeof(std::string);
+      if (Held() + bytes > max_bytes_) {
+        return Reply(c, StatusCode::kOutOfRange,
+                     "store: parking a request on " + std::to_string(p.keys.size()) +
+                         " keys would take the store past its quota of " +
+                         std::to_string(max_bytes_) + " bytes");
+      }
       c.pending = std::move(p);
+      Recount(c);
       TryComplete(c, /*expired=*/false);
       return;
     }
@@ -123,6 +148,18 @@ void ServerImpl::Reply(Conn& c, StatusCode code, std::string arg) {
 }
 
 void ServerImpl::Reply(Conn& c, StatusCode code, std::vector<std::string> args) {
+  // Unread replies count against the quota: a large one that does not fit becomes an error (a
+  // short reply always goes; a connection with replies to read is not read while the store is
+  // over its quota, so those stay one per connection).
+  size_t bytes = store_wire::kHeaderBytes + 12;
+  for (const std::string& a : args) bytes += 4 + a.size();
+  if (bytes > 4096 && Held() + bytes > max_bytes_) {
+    code = StatusCode::kOutOfRange;
+    args.assign(1, "store: a reply of " + std::to_string(bytes) +
+                       " bytes would take the store past its quota of " +
+                       std::to_string(max_bytes_) +
+                       " bytes (unread replies count: read them first)");
+  }
   Frame r;
   r.op = Op::kReply;
   r.num = static_cast<int64_t>(code);
@@ -171,15 +208,27 @@ bool ServerImpl::TryComplete(Conn& c, bool expired) {
     Reply(c, StatusCode::kOutOfRange, std::move(msg));
     return true;
   }
-  std::vector<std::string> values;
   if (p.op == Op::kWait) {
-    values.emplace_back();
-  } else {
-    values.reserve(p.keys.size());
-    for (const std::string& k : p.keys) values.push_back(*kv_.Find(k));
+    c.pending.reset();
+    Reply(c, StatusCode::kOk, "");
+    return true;
   }
+  // Unread replies count against the quota, and this one is built in place in the connection's
+  // output (no copy of the values on the way): it needs its own size of room.
+  const size_t frame = store_wire::kHeaderBytes + reply_bytes;
+  if (Held() + frame > max_bytes_) {
+    std::string msg = "store get: a reply of " + std::to_string(frame) +
+                      " bytes would take the store past its quota of " +
+                      std::to_string(max_bytes_) + " bytes (unread replies count: read them first)";
+    c.pending.reset();
+    Reply(c, StatusCode::kOutOfRange, std::move(msg));
+    return true;
+  }
+  c.out.reserve(c.out.size() + frame);
+  store_wire::AppendReplyHeader(c.out, StatusCode::kOk, p.keys.size(), reply_bytes);
+  for (const std::string& k : p.keys) store_wire::AppendArg(c.out, *kv_.Find(k));
   c.pending.reset();
-  Reply(c, StatusCode::kOk, std::move(values));
+  Flush(c);
   return true;
 }
 
@@ -207,7 +256,7 @@ void ServerImpl::Expire() {
       continue;
     }
     if (!c.authed && now >= c.hello_deadline && !c.close_after_flush) {
-      Log(kLogHello, spdlog::level::warn, "closing connection from {}: no hello within 10 s",
+      Log(kLogHello, spdlog::level::warn, "closing connection from {}: no hello within 2 s",
           c.peer);
       c.dead = true;
       continue;

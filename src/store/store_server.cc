@@ -29,7 +29,8 @@ namespace shardsync {
 namespace store_server {
 namespace {
 
-constexpr auto kHelloTimeout = std::chrono::seconds(10);
+// A client sends its hello as soon as it is connected: an unauthenticated connection is short.
+constexpr auto kHelloTimeout = std::chrono::seconds(2);
 
 }  // namespace
 
@@ -50,8 +51,14 @@ std::string SockAddrToString(const sockaddr_storage& ss) {
   return "?";
 }
 
+std::string SourceOf(const std::string& peer) {
+  const size_t colon = peer.rfind(':');
+  return colon == std::string::npos ? peer : peer.substr(0, colon);
+}
+
 ServerImpl::ServerImpl(int listen_fd, int wake_r, int wake_w, int spare_fd, std::string host,
-                       int port, std::string token, store_limits::ConnLimits limits)
+                       int port, std::string token, store_limits::ConnLimits limits,
+                       size_t max_bytes)
     : listen_fd_(listen_fd),
       wake_r_(wake_r),
       wake_w_(wake_w),
@@ -60,7 +67,8 @@ ServerImpl::ServerImpl(int listen_fd, int wake_r, int wake_w, int spare_fd, std:
       port_(port),
       token_(std::move(token)),
       limits_(limits),
-      kv_(store_limits::kMaxStoreBytes) {
+      max_bytes_(max_bytes),
+      kv_(max_bytes, &conn_bytes_) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -108,7 +116,7 @@ void ServerImpl::Run() {
       if (c.dead) continue;
       short ev = 0;
       // A parked request stops reading: a client cannot pile up unbounded pipelined input.
-      if (!c.Paused()) ev |= POLLIN;
+      if (!Blocked(c)) ev |= POLLIN;
       if (!c.out.empty()) ev |= POLLOUT;
       fds.push_back({c.fd, ev, 0});
       order.push_back(&c);
@@ -147,20 +155,32 @@ void ServerImpl::Run() {
   }
 }
 
-bool ServerImpl::EvictOldestUnauthenticated(const char* why) {
-  for (Conn& c : conns_) {
+bool ServerImpl::EvictUnauthenticated(const char* why, const std::string& source, bool any_age) {
+  const auto now = Clock::now();
+  Conn* victim = nullptr;
+  for (Conn& c : conns_) {  // accept order: the first match is the oldest
     if (c.dead || c.authed || c.fd < 0) continue;
-    Log(kLogEvict, spdlog::level::warn,
-        "dropped unauthenticated connection from {} ({}; {} of at most {} open)", c.peer, why,
-        unauthenticated_, limits_.unauthenticated);
-    CloseConn(c, "evicted before authenticating");
-    return true;
+    if (!source.empty() && c.source != source) continue;
+    if (c.close_after_flush) {  // failed its hello: waits only to be told so
+      victim = &c;
+      break;
+    }
+    if (victim == nullptr && !c.got_bytes && (any_age || now - c.opened >= kEvictMinAge)) {
+      victim = &c;
+    }
   }
-  return false;
+  if (victim == nullptr) return false;
+  Log(kLogEvict, spdlog::level::warn,
+      "dropped unauthenticated connection from {} ({}; {} of at most {} open)", victim->peer, why,
+      unauthenticated_, limits_.unauthenticated);
+  CloseConn(*victim, "evicted before authenticating");
+  return true;
 }
 
 void ServerImpl::Accept() {
-  for (int i = 0; i < 64; ++i) {
+  // Drain the backlog each round: a flood must not leave a job's connections queued behind it
+  // (a full backlog drops SYNs, and a client resends one only after a second).
+  for (int i = 0; i < 1024; ++i) {
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);
     int fd =
@@ -173,7 +193,9 @@ void ServerImpl::Accept() {
         // Out of descriptors (or kernel memory). Make room from an unauthenticated connection;
         // else take the pending connection on the spare descriptor and drop it, and stop
         // accepting for a while, so poll() does not report the listener ready forever.
-        if (EvictOldestUnauthenticated("out of descriptors")) continue;
+        // Any idle one, however young: the pending connection may carry a hello, and is not
+        // seen until it is accepted.
+        if (EvictUnauthenticated("out of descriptors", "", /*any_age=*/true)) continue;
         DropPendingWithSpare();
         PauseAccepting();
         Log(kLogAccept, spdlog::level::warn,
@@ -186,33 +208,56 @@ void ServerImpl::Accept() {
       return;
     }
     accept_backoff_ = kAcceptBackoffMin;
-    if (open_ >= limits_.total && !EvictOldestUnauthenticated("connection cap")) {
-      Log(kLogFull, spdlog::level::warn,
-          "refusing connection from {}: {} authenticated connections open (cap {} from the "
-          "descriptor limit)",
-          SockAddrToString(ss), open_, limits_.total);
-      close(fd);
-      continue;
-    }
-    if (unauthenticated_ >= limits_.unauthenticated) {
-      EvictOldestUnauthenticated("unauthenticated cap");
-    }
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    try {
-      Conn c;
-      c.id = next_id_++;
-      c.fd = fd;
-      c.peer = SockAddrToString(ss);
-      c.hello_deadline = Clock::now() + kHelloTimeout;
-      conns_.push_back(std::move(c));
-    } catch (const std::bad_alloc&) {
-      close(fd);
-      Log(kLogMemory, spdlog::level::err, "out of memory accepting a connection");
-      return;
-    }
-    ++open_;
-    ++unauthenticated_;
+    Admit(fd, ss);
+  }
+}
+
+void ServerImpl::Admit(int fd, const sockaddr_storage& ss) {
+  if (open_ >= limits_.total && !EvictUnauthenticated("connection cap")) {
+    Log(kLogFull, spdlog::level::warn,
+        "refusing connection from {}: {} connections open, none of them evictable (cap {} from "
+        "the descriptor limit)",
+        SockAddrToString(ss), open_, limits_.total);
+    close(fd);
+    return;
+  }
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  try {
+    Conn c;
+    c.id = next_id_++;
+    c.fd = fd;
+    c.peer = SockAddrToString(ss);
+    c.source = SourceOf(c.peer);
+    c.opened = Clock::now();
+    c.hello_deadline = c.opened + kHelloTimeout;
+    conns_.push_back(std::move(c));
+  } catch (const std::bad_alloc&) {
+    close(fd);
+    Log(kLogMemory, spdlog::level::err, "out of memory accepting a connection");
+    return;
+  }
+  ++open_;
+  ++unauthenticated_;
+  size_t& from_source = ++unauth_by_source_[conns_.back().source];
+  Conn& c = conns_.back();
+  ReadFrom(c);  // a hello already here authenticates it now, taking no unauthenticated slot
+  if (c.dead || c.authed) return;
+  // It needs an unauthenticated slot, under its source's cap and the global one. Room is made
+  // from connections that failed their hello, then idle ones (nothing received): for a new idle
+  // one only those open long enough to have sent a hello, for one whose hello is in flight any.
+  // Never from one whose authentication is in flight; without room the new one goes.
+  const bool in_flight = c.got_bytes && !c.close_after_flush;
+  const bool source_full = from_source > limits_.per_source;
+  const bool all_full = unauthenticated_ > limits_.unauthenticated;
+  if ((source_full && !EvictUnauthenticated("per-source cap", c.source, in_flight)) ||
+      (all_full && !source_full && !EvictUnauthenticated("unauthenticated cap", "", in_flight))) {
+    Log(kLogFull, spdlog::level::warn,
+        "refusing connection from {}: {} unauthenticated connections open ({} from {}; caps {} "
+        "and {} per source)",
+        c.peer, unauthenticated_, from_source, c.source, limits_.unauthenticated,
+        limits_.per_source);
+    CloseConn(c, "refused before authenticating");
   }
 }
 
@@ -230,13 +275,28 @@ void ServerImpl::PauseAccepting() {
   accept_backoff_ = std::min(accept_backoff_ * 2, kAcceptBackoffMax);
 }
 
+void ServerImpl::Recount(Conn& c) {
+  if (c.fd < 0) return;  // closed: CloseConn released its share
+  size_t keys = 0;
+  if (c.pending) {
+    for (const std::string& k : c.pending->keys) keys += k.capacity() + sizeof(std::string);
+  }
+  const size_t now =
+      std::max(c.in.capacity(), c.reserve) + c.out.capacity() + c.delayed.capacity() + keys;
+  conn_bytes_ = conn_bytes_ - c.counted + now;
+  c.counted = now;
+}
+
 void ServerImpl::ReadFrom(Conn& c) {
   char buf[65536];
   while (true) {
     ssize_t n = recv(c.fd, buf, sizeof(buf), 0);
     if (n > 0) {
+      c.got_bytes = true;
+      size_t skip = std::min(c.discard, static_cast<size_t>(n));  // a refused frame's rest
+      c.discard -= skip;
       try {
-        c.in.append(buf, static_cast<size_t>(n));
+        c.in.append(buf + skip, static_cast<size_t>(n) - skip);
       } catch (const std::bad_alloc&) {
         Log(kLogMemory, spdlog::level::err, "out of memory reading from {}; closing it", c.peer);
         c.dead = true;
@@ -244,7 +304,7 @@ void ServerImpl::ReadFrom(Conn& c) {
       }
       if (!Process(c)) return;
       // Stop reading while paused; the rest stays in the socket buffer.
-      if (c.Paused()) return;
+      if (Blocked(c)) return;
       continue;
     }
     if (n == 0) {
@@ -258,16 +318,36 @@ void ServerImpl::ReadFrom(Conn& c) {
 }
 
 bool ServerImpl::Process(Conn& c) {
-  while (!c.Paused() && !c.dead) {
-    if (c.in.size() < store_wire::kHeaderBytes) return true;
+  // Small frames need no reservation: the 64 KiB read buffer bounds what one read adds.
+  constexpr size_t kReserveAbove = 64 << 10;
+  while (!Blocked(c) && !c.dead && c.discard == 0) {
+    if (c.in.size() < store_wire::kHeaderBytes) break;
     size_t limit = c.authed ? store_wire::kMaxPayloadBytes : store_wire::kMaxHelloPayloadBytes;
     auto header = store_wire::ParseFrameHeader(c.in, limit);
     if (!header.ok()) return Drop(c, header.status());
     size_t total = store_wire::kHeaderBytes + header->payload_bytes;
-    if (c.in.size() < total) return true;
+    if (c.in.size() < total) {
+      if (total > kReserveAbove && c.reserve < total) {
+        // The frame's bytes count from its header on; one that would take the store past its
+        // quota is read and dropped, and answered with an error.
+        if (Held() - c.counted + total > max_bytes_) {
+          c.discard = total - c.in.size();
+          c.in.clear();
+          Reply(c, StatusCode::kOutOfRange,
+                "store: a request of " + std::to_string(total) +
+                    " bytes would take the store past its quota of " + std::to_string(max_bytes_) +
+                    " bytes (keys, values, dead keys' reasons and requests in flight)");
+          break;
+        }
+        c.reserve = total;
+        c.in.reserve(total);  // grown once: appending by doubling would hold up to twice that
+      }
+      break;
+    }
     try {
       auto frame = store_wire::ParseFrame(std::string_view(c.in).substr(0, total), limit);
       c.in.erase(0, total);
+      c.reserve = 0;
       if (!frame.ok()) return Drop(c, frame.status());
       HandleOne(c, std::move(*frame));
     } catch (const std::bad_alloc&) {
@@ -276,6 +356,8 @@ bool ServerImpl::Process(Conn& c) {
       c.dead = true;
     }
   }
+  if (c.in.empty() && c.in.capacity() > kReserveAbove) std::string().swap(c.in);
+  Recount(c);
   return !c.dead;
 }
 
@@ -293,11 +375,13 @@ void ServerImpl::Flush(Conn& c) {
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
     c.dead = true;
-    return;
+    break;
   }
-  if (c.close_after_flush && c.delayed.empty()) c.dead = true;
+  if (c.out.empty() && c.out.capacity() > (64 << 10)) std::string().swap(c.out);
+  Recount(c);
+  if (c.out.empty() && c.close_after_flush && c.delayed.empty()) c.dead = true;
 }
 
 void ServerImpl::DrainBuffered() {
@@ -305,7 +389,7 @@ void ServerImpl::DrainBuffered() {
   while (progress) {
     progress = false;
     for (Conn& c : conns_) {
-      if (c.dead || c.Paused()) continue;
+      if (c.dead || Blocked(c)) continue;
       if (c.in.size() < store_wire::kHeaderBytes) continue;
       size_t before = c.in.size();
       Process(c);
@@ -319,9 +403,20 @@ void ServerImpl::CloseConn(Conn& c, const std::string& why) {
     close(c.fd);
     c.fd = -1;
     --open_;
-    if (!c.authed) --unauthenticated_;
+    if (!c.authed) {
+      --unauthenticated_;
+      auto it = unauth_by_source_.find(c.source);
+      if (it != unauth_by_source_.end() && --it->second == 0) unauth_by_source_.erase(it);
+    }
   }
   c.dead = true;
+  c.pending.reset();
+  std::string().swap(c.in);
+  std::string().swap(c.out);
+  std::string().swap(c.delayed);
+  c.reserve = 0;
+  conn_bytes_ -= c.counted;
+  c.counted = 0;
   if (kv_.ReleaseOwner(c.id, "its owner's store connection (" + c.peer + ") " + why) > 0) {
     released_ = true;
   }
@@ -346,6 +441,16 @@ void ServerImpl::Reap() {
 
 Result<std::unique_ptr<StoreServer>> StoreServer::Start(const std::string& host, int port,
                                                         const std::string& token) {
+  return Start(host, port, token, StoreServerOptions{});
+}
+
+Result<std::unique_ptr<StoreServer>> StoreServer::Start(const std::string& host, int port,
+                                                        const std::string& token,
+                                                        const StoreServerOptions& options) {
+  if (options.max_bytes < (size_t{1} << 20)) {
+    return InvalidArgumentError("store quota of " + std::to_string(options.max_bytes) +
+                                " bytes: at least 1 MiB");
+  }
   if (port < 0 || port > 65535) {
     return InvalidArgumentError("store bind port " + std::to_string(port) + " out of range");
   }
@@ -367,7 +472,9 @@ Result<std::unique_ptr<StoreServer>> StoreServer::Start(const std::string& host,
     if (fd < 0) continue;
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 512) == 0) break;
+    // The longest backlog the kernel allows (net.core.somaxconn): under a connection flood a full
+    // backlog drops a job's SYNs, and a client resends one only after a second.
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, SOMAXCONN) == 0) break;
     last = store_net::ErrnoStatus(StatusCode::kUnavailable,
                                   "store bind " + bind_host + ":" + std::to_string(port), errno);
     close(fd);
@@ -380,6 +487,11 @@ Result<std::unique_ptr<StoreServer>> StoreServer::Start(const std::string& host,
   getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
   int bound = ss.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
                                        : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  // The kernel hands over a connection only once its first bytes arrived (or after 2 s, the
+  // hello timeout): a client sends its hello at once, so the job's connections are accepted
+  // with it and authenticate on the spot, while idle flood connections wait in the kernel.
+  int defer = 2;
+  setsockopt(fd, IPPROTO_TCP, TCP_DEFER_ACCEPT, &defer, sizeof(defer));
   Status nb = store_net::SetNonBlocking(fd);
   int pipefd[2];
   if (!nb.ok() || pipe2(pipefd, O_CLOEXEC | O_NONBLOCK) != 0) {
@@ -396,7 +508,7 @@ Result<std::unique_ptr<StoreServer>> StoreServer::Start(const std::string& host,
   StoreLog().debug("store: serving on {}:{} (at most {} connections, {} unauthenticated)",
                    bind_host, bound, limits.total, limits.unauthenticated);
   return std::unique_ptr<StoreServer>(new store_server::ServerImpl(
-      fd, pipefd[0], pipefd[1], spare, bind_host, bound, token, limits));
+      fd, pipefd[0], pipefd[1], spare, bind_host, bound, token, limits, options.max_bytes));
 }
 
 }  // namespace shardsync

@@ -1,16 +1,19 @@
 #include "sync/identity.h"
 
 #include <sys/random.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
 #include <random>
 #include <thread>
 
+#include "sync/launch_mac.h"
+
 namespace shardsync::sync_internal {
 namespace {
 
-constexpr std::string_view kClaimVersion = "ssjob1";
+constexpr std::string_view kClaimVersion = "ssjob2";
 constexpr std::string_view kSealed = "sealed";
 // How often a rank looks again at a claim that is dead (a finished job's) or one it cannot join.
 constexpr Millis kClaimPoll{20};
@@ -33,24 +36,74 @@ Result<uint64_t> ParseHex(std::string_view s) {
   return v;
 }
 
-}  // namespace
-
-std::string EncodeClaim(const JobClaim& c) {
-  // Space-separated: job ids hold no spaces (CheckJobId), plan hashes are hex; "-" is no launch.
-  return std::string(kClaimVersion) + " " + Hex(c.nonce) + " " + c.plan_hash + " " +
-         (c.launch.empty() ? "-" : c.launch) + " " +
-         (c.launch_source.empty() ? "-" : c.launch_source);
-}
-
-Result<JobClaim> ParseClaim(std::string_view text, const std::string& key) {
+std::vector<std::string_view> Fields(std::string_view text) {
   std::vector<std::string_view> f;
   for (size_t at = 0; at <= text.size();) {
     const size_t sp = std::min(text.find(' ', at), text.size());
     f.push_back(text.substr(at, sp - at));
     at = sp + 1;
   }
-  auto nonce = f.size() == 5 && f[0] == kClaimVersion ? ParseHex(f[1]) : Result<uint64_t>(0);
-  if (f.size() != 5 || f[0] != kClaimVersion || !nonce.ok() || f[2].empty()) {
+  return f;
+}
+
+std::string ThisProcess() {
+  char host[256] = "?";
+  gethostname(host, sizeof(host) - 1);
+  host[sizeof(host) - 1] = 0;
+  return std::to_string(getpid()) + "@" + host;
+}
+
+// Proof messages: a tag, then the fields, newline-separated (no field holds a newline: prefixes
+// are the caller's but ids, hashes and hex never do; the tag keeps the three proofs apart).
+std::string ProofMessage(std::initializer_list<std::string_view> parts) {
+  std::string m;
+  for (std::string_view p : parts) m.append(p).push_back('\n');
+  return m;
+}
+
+}  // namespace
+
+std::string EncodeClaim(const JobClaim& c) {
+  // Space-separated: job ids hold no spaces (CheckJobId), plan hashes are hex; "-" is no launch.
+  return std::string(kClaimVersion) + " " + Hex(c.nonce) + " " + c.plan_hash + " " +
+         (c.launch.empty() ? "-" : c.launch) + " " +
+         (c.launch_source.empty() ? "-" : c.launch_source) + " " + (c.mac.empty() ? "-" : c.mac);
+}
+
+std::string ClaimMac(const std::string& secret, const std::string& prefix, const JobClaim& c) {
+  return LaunchMac(secret, ProofMessage({"shardsync claim", prefix, Hex(c.nonce), c.plan_hash,
+                                         c.launch, c.launch_source}));
+}
+
+std::string MemberMac(const std::string& secret, const std::string& prefix, uint64_t nonce,
+                      int rank, std::string_view member, std::string_view where) {
+  return LaunchMac(secret, ProofMessage({"shardsync member", prefix, Hex(nonce),
+                                         std::to_string(rank), member, where}));
+}
+
+std::string SealText(const std::string& secret, const std::string& prefix, uint64_t nonce) {
+  if (secret.empty()) return std::string(kSealed);
+  return std::string(kSealed) + " " +
+         LaunchMac(secret, ProofMessage({"shardsync seal", prefix, Hex(nonce)}));
+}
+
+std::string EncodeMember(const MemberRecord& m) {
+  return m.id + " " + (m.where.empty() ? "-" : m.where) + " " + (m.mac.empty() ? "-" : m.mac);
+}
+
+MemberRecord ParseMember(std::string_view text) {
+  const auto f = Fields(text);
+  MemberRecord m;
+  m.id = std::string(f[0]);
+  if (f.size() > 1 && f[1] != "-") m.where = std::string(f[1]);
+  if (f.size() > 2 && f[2] != "-") m.mac = std::string(f[2]);
+  return m;
+}
+
+Result<JobClaim> ParseClaim(std::string_view text, const std::string& key) {
+  const auto f = Fields(text);
+  auto nonce = f.size() == 6 && f[0] == kClaimVersion ? ParseHex(f[1]) : Result<uint64_t>(0);
+  if (f.size() != 6 || f[0] != kClaimVersion || !nonce.ok() || f[2].empty()) {
     return DataLossError("store key '" + key +
                          "' holds no shardsync job claim (another program or version uses this "
                          "key prefix)");
@@ -60,6 +113,7 @@ Result<JobClaim> ParseClaim(std::string_view text, const std::string& key) {
   c.plan_hash = std::string(f[2]);
   if (f[3] != "-") c.launch = std::string(f[3]);
   if (f[4] != "-") c.launch_source = std::string(f[4]);
+  if (f[5] != "-") c.mac = std::string(f[5]);
   return c;
 }
 
@@ -71,6 +125,7 @@ std::string DescribeClaim(const JobClaim& c) {
     s += "launch '" + c.launch + "'";
     if (!c.launch_source.empty()) s += " from " + c.launch_source;
   }
+  if (!c.mac.empty()) s += ", keyed by its launch secret";
   return s + ", plan " + c.plan_hash + ")";
 }
 
@@ -84,7 +139,7 @@ bool LaunchesMayMatch(const std::string& a, const std::string& b) {
 }
 
 JobIdentity::JobIdentity(SessionContext& ctx)
-    : ctx_(ctx), nonce_(Random64()), member_(Hex(Random64())) {}
+    : ctx_(ctx), nonce_(Random64()), member_(Hex(Random64())), where_(ThisProcess()) {}
 
 std::string JobIdentity::Me() const { return "sync rank " + std::to_string(ctx_.rank); }
 
@@ -96,28 +151,100 @@ Status JobIdentity::CheckLaunch() {
                           "' ended before this rank joined its job (" + r.status().message() + ")");
 }
 
+Status JobIdentity::NoLaunchIdentity() const {
+  return FailedPreconditionError(
+      Me() + " of " + std::to_string(ctx_.world) +
+      ": no launch identity, so nothing tells this job's ranks from another job's on key prefix '" +
+      ctx_.opt.prefix +
+      "' and two jobs could merge; start the ranks with `shardsync run`, torchrun "
+      "(--standalone or --rdzv-id), srun or Ray, or give every rank of the job one id and "
+      "secret: Session(job_id=, job_secret=) from shardsync.new_launch() in the parent process "
+      "(multiprocessing), SessionOptions::job_id / job_secret, or SHARDSYNC_JOB_ID and "
+      "SHARDSYNC_JOB_SECRET");
+}
+
+bool JobIdentity::SameLaunch(const JobClaim& c) const {
+  if (!ctx_.launch.secret.empty()) {
+    return LaunchMacEquals(c.mac, ClaimMac(ctx_.launch.secret, ctx_.opt.prefix, c));
+  }
+  return c.mac.empty() && !ctx_.launch.id.empty() && c.launch == ctx_.launch.id;
+}
+
+Status JobIdentity::CheckClaimProof(const JobClaim& c) const {
+  const bool have = !ctx_.launch.secret.empty();
+  if (!have && c.mac.empty()) return OkStatus();
+  const std::string held =
+      Me() + ": key prefix '" + ctx_.opt.prefix + "' is held by " + DescribeClaim(c);
+  if (!have) {
+    return FailedPreconditionError(
+        held +
+        ", which proves a launch secret this rank was not given: every rank of the job needs "
+        "it (job_secret=, SessionOptions::job_secret, SHARDSYNC_JOB_SECRET)");
+  }
+  if (SameLaunch(c)) return OkStatus();
+  return FailedPreconditionError(
+      held + ", which does not prove this rank's launch secret" +
+      (c.launch == ctx_.launch.id && !c.launch.empty()
+           ? ": a process that knows the launch id but not its secret claimed the prefix (an "
+             "id is no proof)"
+           : ": another job") +
+      "; this rank does not join it");
+}
+
+std::string JobIdentity::DescribeMember(std::string_view text, const JobClaim& c, int rank) const {
+  const MemberRecord m = ParseMember(text);
+  std::string s = "process " + (m.where.empty() ? std::string("?") : m.where) + " (member " + m.id;
+  if (!ctx_.launch.secret.empty()) {
+    const bool proven = LaunchMacEquals(
+        m.mac, MemberMac(ctx_.launch.secret, ctx_.opt.prefix, c.nonce, rank, m.id, m.where));
+    s += proven ? ", proves the launch secret" : ", does not prove the launch secret";
+  }
+  return s + ")";
+}
+
+Status JobIdentity::DoubleClaim(const JobClaim& c, int rank, std::string_view held) {
+  const std::string root = JobRoot(ctx_.opt.prefix, c.nonce);
+  const std::string r = std::to_string(rank);
+  const std::string mine = EncodeMember(
+      {member_, where_,
+       MemberMac(ctx_.launch.secret, ctx_.opt.prefix, c.nonce, rank, member_, where_)});
+  const std::string why = "sync rank " + r + " of " + DescribeClaim(c) + " on key prefix '" +
+                          ctx_.opt.prefix + "' was claimed twice: first by " +
+                          DescribeMember(held, c, rank) + ", then by " +
+                          DescribeMember(mine, c, rank);
+  auto state = ctx_.store.SetIfAbsent(root + "state", "was contested: " + why, false).value_or("");
+  // The job must not go on with a slot two processes claim: before the seal the contest fails
+  // it there; every rank's liveness key dies with the reason, so ranks waiting at Connect fail
+  // now, and a sealed job fails at its next wait that looks at them (a sync's after 200 ms).
+  for (int i = 0; i < ctx_.world; ++i) {
+    ctx_.store.MarkDead(root + "alive/" + std::to_string(i), "job failed: " + why).IgnoreError();
+  }
+  const std::string outcome = state.starts_with(kSealed)
+                                  ? "; the job had sealed and is now failed on every rank"
+                                  : "; the job fails on every rank";
+  return FailedPreconditionError(Me() + ": " + why + outcome +
+                                 "; give each job its own prefix and each launch its own id and "
+                                 "secret (job_id, job_secret, SHARDSYNC_JOB_ID/_SECRET)");
+}
+
 Status JobIdentity::Join(Clock::time_point deadline) {
+  if (ctx_.world > 1 && !ctx_.launch.any()) return NoLaunchIdentity();
   SS_RETURN_IF_ERROR(CheckLaunch());
   return ctx_.rank == 0 ? Claim(deadline) : WaitForClaim(deadline);
 }
 
 Status JobIdentity::Claim(Clock::time_point deadline) {
   const std::string key = ClaimKey(ctx_.opt.prefix);
-  JobClaim mine{nonce_, ctx_.plan.plan_hash, ctx_.launch.id, ctx_.launch.source};
+  JobClaim mine{nonce_, ctx_.plan.plan_hash, ctx_.launch.id, ctx_.launch.source, ""};
+  mine.mac = ClaimMac(ctx_.launch.secret, ctx_.opt.prefix, mine);
   const std::string text = EncodeClaim(mine);
   SS_ASSIGN_OR_RETURN(std::string held, ctx_.store.SetIfAbsent(key, text, /*ephemeral=*/true));
   if (held != text) {
     SS_ASSIGN_OR_RETURN(JobClaim other, ParseClaim(held, key));
-    // Without telling launch ids apart, this job's other ranks may be joining that claim right
-    // now: the holder must not seal a job they entered (Seal).
-    if (LaunchesMayMatch(mine.launch, other.launch)) {
-      ctx_.store
-          .SetIfAbsent(JobRoot(ctx_.opt.prefix, other.nonce) + "state",
-                       "was contested: a second job's sync rank 0 (" + DescribeClaim(mine) +
-                           ") found it holding the prefix",
-                       false)
-          .status()
-          .IgnoreError();
+    // Rank 0 of this very launch holds it: slot 0 claimed twice.
+    if (SameLaunch(other)) {
+      auto first = ctx_.store.Get(JobRoot(ctx_.opt.prefix, other.nonce) + "member/0", Millis(0));
+      return DoubleClaim(other, 0, first.ok() ? *first : "? (no member key yet)");
     }
     return FailedPreconditionError(
         Me() + ": key prefix '" + ctx_.opt.prefix + "' is held by another job, " +
@@ -171,6 +298,7 @@ Status JobIdentity::WaitForClaim(Clock::time_point deadline) {
           "; jobs sharing a store need distinct prefixes, and ranks of one job started by "
           "different launchers need one job_id (SHARDSYNC_JOB_ID)");
     }
+    SS_RETURN_IF_ERROR(CheckClaimProof(c));
     SS_ASSIGN_OR_RETURN(Entry e, Enter(c, deadline));
     if (e == Entry::kJoined) return OkStatus();
     skip = true;
@@ -182,32 +310,18 @@ Status JobIdentity::WaitForClaim(Clock::time_point deadline) {
 Result<JobIdentity::Entry> JobIdentity::Enter(const JobClaim& c, Clock::time_point deadline) {
   const std::string root = JobRoot(ctx_.opt.prefix, c.nonce);
   const std::string r = std::to_string(ctx_.rank);
+  const std::string mine = EncodeMember(
+      {member_, where_,
+       MemberMac(ctx_.launch.secret, ctx_.opt.prefix, c.nonce, ctx_.rank, member_, where_)});
   SS_ASSIGN_OR_RETURN(std::string held,
-                      ctx_.store.SetIfAbsent(root + "member/" + r, member_, /*ephemeral=*/false));
-  if (held != member_) {
+                      ctx_.store.SetIfAbsent(root + "member/" + r, mine, /*ephemeral=*/false));
+  if (held != mine) {
     // Its holder sets the liveness key right after the member key: absent means it is between
     // the two (wait for it), dead means it is gone (the claim is a finished job's).
     const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
     auto alive = ctx_.store.Get(root + "alive/" + r, std::clamp(left, Millis(0), kMemberSettle));
     if (!alive.ok()) return Entry::kStale;
-    const std::string why = "sync rank " + r +
-                            " was claimed by two live processes (two jobs on "
-                            "key prefix '" +
-                            ctx_.opt.prefix + "' with no launch id)";
-    auto state =
-        ctx_.store.SetIfAbsent(root + "state", "was contested: " + why, false).value_or("");
-    // Sealed before this rank came: without launch ids nothing told the two rank-r processes
-    // apart, and the sealed job may run with the other job's rank r (docs/security.md, the
-    // residual case). Say so where the operator looks.
-    const std::string sealed =
-        state == kSealed ? "; that job was already sealed, so if this rank's job started with it, "
-                           "it may be running with this job's ranks in place of its own"
-                         : "";
-    return FailedPreconditionError(Me() + ": " + DescribeClaim(c) + " holding key prefix '" +
-                                   ctx_.opt.prefix + "' already has a live sync rank " + r +
-                                   ": a second job on this prefix" + sealed +
-                                   "; give each job its own prefix or a launch id (job_id, "
-                                   "SHARDSYNC_JOB_ID)");
+    return DoubleClaim(c, ctx_.rank, held);
   }
   Status s = ctx_.store.SetEphemeral(root + "alive/" + r, member_);
   if (!s.ok()) return s.Annotate(Me() + ": joining " + DescribeClaim(c));
@@ -218,22 +332,56 @@ Result<JobIdentity::Entry> JobIdentity::Enter(const JobClaim& c, Clock::time_poi
   return Entry::kJoined;
 }
 
+Status JobIdentity::CheckMembers(SyncGuard& guard, Clock::time_point deadline) {
+  if (ctx_.launch.secret.empty() || ctx_.world < 2) return OkStatus();
+  std::vector<std::string> keys;
+  std::vector<int> ranks;
+  for (int i = 1; i < ctx_.world; ++i) {
+    keys.push_back(ctx_.Key("member/" + std::to_string(i)));
+    ranks.push_back(i);
+  }
+  SS_ASSIGN_OR_RETURN(auto held, guard.GetFromRanks(keys, ranks, deadline, [](size_t) {
+    return std::string("the job's member keys");
+  }));
+  for (size_t i = 0; i < held.size(); ++i) {
+    const int rank = ranks[i];
+    const MemberRecord m = ParseMember(held[i]);
+    if (LaunchMacEquals(m.mac, MemberMac(ctx_.launch.secret, ctx_.opt.prefix, claim_.nonce, rank,
+                                         m.id, m.where))) {
+      continue;
+    }
+    const std::string why = "sync rank " + std::to_string(rank) + " was claimed by " +
+                            DescribeMember(held[i], claim_, rank) +
+                            ", a process without the launch's secret";
+    ctx_.store.SetIfAbsent(ctx_.Key("state"), "was contested: " + why, false)
+        .status()
+        .IgnoreError();
+    return FailedPreconditionError(Me() + ": " + DescribeClaim(claim_) + " on key prefix '" +
+                                   ctx_.opt.prefix + "': " + why +
+                                   "; the job is not sealed and no byte moved");
+  }
+  return OkStatus();
+}
+
 Status JobIdentity::Seal(SyncGuard& guard, Clock::time_point deadline) {
   const std::string key = ctx_.Key("state");
+  const std::string sealed = SealText(ctx_.launch.secret, ctx_.opt.prefix, claim_.nonce);
   std::string state;
   if (ctx_.rank == 0) {
-    SS_ASSIGN_OR_RETURN(state, ctx_.store.SetIfAbsent(key, std::string(kSealed), false));
+    SS_RETURN_IF_ERROR(CheckMembers(guard, deadline));
+    SS_ASSIGN_OR_RETURN(state, ctx_.store.SetIfAbsent(key, sealed, false));
   } else {
     SS_ASSIGN_OR_RETURN(auto v, guard.GetFromRanks({key}, {0}, deadline, [](size_t) {
       return std::string("sync rank 0 to seal the job");
     }));
     state = std::move(v[0]);
   }
-  if (state == kSealed) return OkStatus();
+  if (state == sealed) return OkStatus();
+  if (state.starts_with(kSealed)) state = "was sealed by a process without the launch's secret";
   return FailedPreconditionError(Me() + ": " + DescribeClaim(claim_) + " on key prefix '" +
                                  ctx_.opt.prefix + "' " + state +
-                                 "; no byte moved: give each job its own prefix or a launch id "
-                                 "(job_id, SHARDSYNC_JOB_ID)");
+                                 "; no byte moved: give each job its own prefix and each launch "
+                                 "its own id and secret (job_id, job_secret, SHARDSYNC_JOB_ID)");
 }
 
 void JobIdentity::Abandon(const Status& why) {
@@ -250,6 +398,11 @@ void JobIdentity::Leave() {
   joined_ = false;
   ctx_.store.MarkDead(ctx_.Key("alive/" + std::to_string(ctx_.rank)), Me() + " closed its session")
       .IgnoreError();
+  // The last rank to leave deletes the job's keys, dead ones included: a finished job leaves
+  // nothing in the store (its rank 0's claim below is one dead key per prefix, replaced by the
+  // next job's).
+  auto left = ctx_.store.Add(ctx_.Key("left"), 1);
+  if (left.ok() && *left == ctx_.world) ctx_.store.DeletePrefix(ctx_.root).status().IgnoreError();
   if (ctx_.rank != 0) return;
   // Only this job's claim (it is ephemeral on this connection, so nobody else replaced it).
   const std::string key = ClaimKey(ctx_.opt.prefix);

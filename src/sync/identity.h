@@ -14,7 +14,17 @@
 // Its holder is alive: two processes claim one rank of the job, i.e. two jobs with no launch id
 // joined one claim. The job is then contested: `<root>state` records it, and every rank fails at
 // Seal, where rank 0 sets the state to "sealed" unless a contest was recorded first (SetIfAbsent:
-// exactly one of the two wins, so a contest after the seal leaves the sealed job alone).
+// exactly one of the two wins).
+//
+// The launch secret (store.h LaunchId::secret) makes those claims proofs: rank 0's claim, each
+// member key and the seal carry an HMAC under the secret (launch_mac.h) over the prefix, the
+// job's nonce and the slot. A rank with the secret joins only a claim that proves it, and rank 0
+// seals only when every member key does; a rank without it refuses a job whose claim is keyed. So
+// a process that knows the job's id but not its secret (ids are not secret), or replays a value
+// it read from the store, never takes a slot of the job. A slot claimed twice by live processes
+// fails the job naming both (before the seal: a contest; after it: every rank's liveness key dies
+// with the reason), never seals with the first comer. A session with no launch identity at all
+// (no id, no secret) in a job of more than one rank refuses to connect (NoLaunchIdentity).
 #pragma once
 
 #include <cstdint>
@@ -33,7 +43,23 @@ struct JobClaim {
   std::string plan_hash;
   std::string launch;         // "" when the job has no launch id
   std::string launch_source;  // where rank 0 found it (for messages)
+  std::string mac;            // ClaimMac under the launch secret; "" when the launch has none
 };
+// What each proof covers (domain-separated messages for LaunchMac).
+std::string ClaimMac(const std::string& secret, const std::string& prefix, const JobClaim& c);
+std::string MemberMac(const std::string& secret, const std::string& prefix, uint64_t nonce,
+                      int rank, std::string_view member, std::string_view where);
+std::string SealText(const std::string& secret, const std::string& prefix, uint64_t nonce);
+
+// A rank's member key `<root>member/<rank>`: its session's id, where it runs ("pid@host", for
+// messages naming claimants) and its MemberMac.
+struct MemberRecord {
+  std::string id;
+  std::string where;
+  std::string mac;  // "" without a secret
+};
+std::string EncodeMember(const MemberRecord& m);
+MemberRecord ParseMember(std::string_view text);  // lenient: unparsed fields stay empty
 std::string EncodeClaim(const JobClaim& c);
 // DataLoss naming `key` when `text` is not a claim.
 Result<JobClaim> ParseClaim(std::string_view text, const std::string& key);
@@ -67,6 +93,21 @@ class JobIdentity {
 
  private:
   enum class Entry { kJoined, kStale };
+  // FailedPrecondition naming the ways to give one when a rank of a job of several has no launch
+  // identity.
+  Status NoLaunchIdentity() const;
+  // OK when this rank may join `c` as far as the secret goes (both have none, or `c` proves this
+  // rank's); FailedPrecondition otherwise.
+  Status CheckClaimProof(const JobClaim& c) const;
+  // `c` proves to be this rank's own launch (its secret, or without secrets its non-empty id).
+  bool SameLaunch(const JobClaim& c) const;
+  // "process 42@host (member 0123..., proves the launch secret)".
+  std::string DescribeMember(std::string_view text, const JobClaim& c, int rank) const;
+  // Slot `rank` of job `c` is held by the live member `held` while this rank claims it too: the
+  // contest is recorded, a sealed job is failed on every rank; returns the error naming both.
+  Status DoubleClaim(const JobClaim& c, int rank, std::string_view held);
+  // Rank 0 at Seal: every member key proves the launch secret.
+  Status CheckMembers(SyncGuard& guard, Clock::time_point deadline);
   Status Claim(Clock::time_point deadline);
   Status WaitForClaim(Clock::time_point deadline);
   // Takes this rank's member and liveness keys in the job `c` names.
@@ -78,6 +119,7 @@ class JobIdentity {
   SessionContext& ctx_;
   const uint64_t nonce_;      // the job's, when this rank is rank 0
   const std::string member_;  // this session's member id
+  const std::string where_;   // "pid@host"
   JobClaim claim_;            // the job this rank joined
   bool joined_ = false;
 };

@@ -371,6 +371,16 @@ Result<std::unique_ptr<SyncSession>> sync_internal::CreateHarnessSession(
   } else {
     SS_ASSIGN_OR_RETURN(launch, LaunchIdFromEnvironment());
   }
+  if (options.job_secret) {
+    if (!options.job_secret->empty())
+      SS_RETURN_IF_ERROR(CheckJobSecret(*options.job_secret, "job_secret"));
+    launch.secret = *options.job_secret;
+  } else if (options.job_id) {
+    // An explicit id without an explicit secret: the environment's secret belongs to the
+    // environment's launch, which may be another.
+    auto env = LaunchIdFromEnvironment();
+    if (env.ok() && env->id == launch.id) launch.secret = env->secret;
+  }
   auto s = std::make_unique<SessionImpl>(inputs, rank, who, std::move(plan), store, transport,
                                          std::move(options), std::move(launch), std::move(hooks),
                                          std::move(fp8));

@@ -59,12 +59,21 @@ Result<ResolvedUcxOptions> ResolveUcxOptions(const UcxOptions& options) {
       devices = d;
     }
   }
+  // Nothing named (here, SHARDSYNC_UCX_NET_DEVICES or UCX's own UCX_NET_DEVICES): loopback only,
+  // so no UCX listener opens on a routable address the store token does not cover. "all" is
+  // UCX's own choice (every device), for jobs across hosts that name none.
+  if (devices.empty()) {
+    const char* ucx = std::getenv("UCX_NET_DEVICES");
+    if (ucx == nullptr || *ucx == '\0') devices = "loopback";
+  } else if (devices == "all") {
+    devices.clear();
+  }
   // UCX_NET_DEVICES syntax: comma-separated device names, "dev:port" for RDMA ports.
   for (char c : devices) {
     if (!std::isalnum(static_cast<unsigned char>(c)) && c != ',' && c != ':' && c != '_' &&
         c != '-' && c != '.') {
       return InvalidArgumentError("SHARDSYNC_UCX_NET_DEVICES / net_devices '" + devices +
-                                  "': want 'loopback' or device names like 'eth0,mlx5_0:1'");
+                                  "': want 'loopback', 'all' or device names like 'eth0,mlx5_0:1'");
     }
   }
   r.mode = mode == UcxMode::kAuto ? (HasRdmaDevice() ? UcxMode::kPut : UcxMode::kTag) : mode;

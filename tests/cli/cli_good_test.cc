@@ -596,6 +596,18 @@ TEST(CliGood, InspectFileAndDirectory) {
   EXPECT_NE(table.out.find("2 tensors"), std::string::npos) << table.out;
 }
 
+// Issue 37: a tensor name with an escape sequence was printed raw (it drives the terminal).
+TEST(CliGood, InspectEscapesControlCharactersInNames) {
+  const Fixtures& fx = Fixtures::Get();
+  const std::filesystem::path file = fx.dir / "escapes.safetensors";
+  WriteFile(file, Safetensors(R"({"evil\u001b[31m.weight": {"dtype": "F32", "shape": [1], )"
+                              R"("data_offsets": [0, 4]}})",
+                              std::string(4, '\x01')));
+  const CliResult table = Ok({"inspect", file.string()});
+  EXPECT_EQ(table.out.find('\x1b'), std::string::npos) << table.Describe();
+  EXPECT_NE(table.out.find("evil\\x1b[31m.weight"), std::string::npos) << table.out;
+}
+
 TEST(CliGood, GenerateUnshardedAndShardedAgree) {
   const std::vector<std::string> base = {"generate", "--model",      Tiny(),  "--seed",
                                          "7",        "--prompt-ids", "1,2,3", "--max-new-tokens",

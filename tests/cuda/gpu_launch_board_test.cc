@@ -2,10 +2,12 @@
 // completes other senders' slots; withdrawn, unshareable, stale and orphaned slots are handled.
 // Runs everywhere.
 #include "cuda/gpu_launch_board.h"
+#include "cuda/gpu_turnstile.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -33,6 +35,30 @@ bool Exists(const std::string& name) {
   const int fd = shm_open(name.c_str(), O_RDONLY, 0);
   if (fd >= 0) close(fd);
   return fd >= 0;
+}
+
+// Issue 37: another user's board planted under the name was joined and its claims forged. A
+// segment that exists is opened only if this user owns it and no one else may open it; one open
+// to others (what another user's pre-created file would have to be for us to open it) is refused,
+// and so is a turnstile's, and neither is changed.
+TEST(GpuLaunchBoard, APlantedSegmentOpenToOthersIsRefused) {
+  for (const std::string& name :
+       {TestName("planted"),
+        GpuTurnstile::Name("test/planted/" + std::to_string(getpid()) + "/", "0000:1B:00.0")}) {
+    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    ASSERT_GE(fd, 0) << name;
+    ASSERT_EQ(fchmod(fd, 0666), 0);
+    close(fd);
+    const bool board = name.find("ssgpb") != std::string::npos;
+    const Status s = board ? GpuLaunchBoard::Open(name, 0).status()
+                           : GpuTurnstile::Open(name, std::chrono::milliseconds(100)).status();
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << name;
+    EXPECT_NE(s.message().find("is open to other users"), std::string::npos) << s.ToString();
+    struct stat st {};
+    ASSERT_EQ(stat(("/dev/shm" + name).c_str(), &st), 0);
+    EXPECT_EQ(st.st_size, 0) << "refused, and left as it was";
+    shm_unlink(name.c_str());
+  }
 }
 
 // A killed job never unlinks its board (its last user out would): the next board opened on the

@@ -380,6 +380,32 @@ TEST(Checkpoint, NonFiniteAndNonFloatWeightsAreNamedErrors) {
   EXPECT_THAT(s.message(), HasSubstr("I8"));
 }
 
+// Issue 37: finite but huge weights (1e30 in every bf16 element) overflow the forward pass to
+// inf / NaN logits; generation used to go on and exit 0. It is an error naming the step.
+TEST(Checkpoint, HugeFiniteWeightsGiveANamedErrorNotNaNTokens) {
+  const ModelSpec spec = Qwen2();
+  std::vector<std::vector<uint8_t>> store;
+  std::vector<TensorToWrite> ts;
+  const uint16_t huge_bf16 = 0x7149;  // about 1e30: finite
+  for (const HfTensor& t : HfTensorInventory(spec)) {
+    store.emplace_back(t.bytes());
+    ASSERT_EQ(t.dtype, DType::kBF16);
+    for (size_t i = 0; i + 1 < store.back().size(); i += 2) {
+      std::memcpy(store.back().data() + i, &huge_bf16, 2);
+    }
+    ts.push_back({t.name, t.dtype, t.shape, store.back()});
+  }
+  TempDir dir;
+  ASSERT_TRUE(WriteSafetensors(dir / "model.safetensors", ts).ok());
+  auto ckpt = CheckpointWeightSource::Open(dir.path());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  auto lm = MakeReferenceModel(spec, **ckpt);
+  ASSERT_TRUE(lm.ok()) << lm.status().ToString();  // every weight is finite
+  auto g = GreedyGenerate(**lm, DefaultPrompt(), 4);
+  EXPECT_EQ(g.status().code(), StatusCode::kFailedPrecondition) << g.status().ToString();
+  EXPECT_THAT(g.status().message(), HasSubstr("logits are not finite"));
+}
+
 TEST(Checkpoint, SafetensorsCheckpointGivesTheSyntheticModelsLogits) {
   const ModelSpec spec = Qwen3();
   SyntheticWeightSource syn(spec, 7);

@@ -30,6 +30,7 @@ struct StoreLimits {
   rlim_t as_bytes = 0;  // RLIMIT_AS (0: inherited)
   // After the server started, hold descriptors until only this many are free (-1: none held).
   int free_fds = -1;
+  size_t max_bytes = 0;  // StoreServerOptions::max_bytes (0: the default quota)
 };
 
 // A store served by a child process (so a test can cap its descriptors or memory and measure its
@@ -55,7 +56,9 @@ class ForkedStore {
         rlimit r{lim.as_bytes, lim.as_bytes};
         setrlimit(RLIMIT_AS, &r);
       }
-      auto s = StoreServer::Start("127.0.0.1", 0, token);
+      StoreServerOptions opt;
+      if (lim.max_bytes > 0) opt.max_bytes = lim.max_bytes;
+      auto s = StoreServer::Start("127.0.0.1", 0, token, opt);
       if (!s.ok()) _exit(3);
       if (lim.free_fds >= 0) {
         std::vector<int> held;
@@ -113,6 +116,14 @@ class ForkedStore {
       if (i == 15) stime = std::stoull(field);
     }
     return double(utime + stime) / sysconf(_SC_CLK_TCK);
+  }
+  // The store process's peak resident memory (VmHWM), bytes.
+  size_t PeakRssBytes() const {
+    std::ifstream f("/proc/" + std::to_string(pid_) + "/status");
+    for (std::string line; std::getline(f, line);) {
+      if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+    }
+    return 0;
   }
   size_t LogBytes() const {
     struct stat st {};

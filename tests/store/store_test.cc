@@ -488,12 +488,38 @@ TEST_F(StoreTest, AmplifiedGetManyRefusedBeforeTheReplyIsBuilt) {
   EXPECT_EQ(ok->size(), 8u);
 }
 
+// Issue 37: after the store is gone, every later call says so with the failure that broke the
+// connection, not only that the connection is unusable.
+TEST(StoreClientTest, AfterTheStoreDiesCallsNameItsAddressAndWhy) {
+  auto server = StoreServer::Start("127.0.0.1", 0, "died-test-token-0123456789");
+  ASSERT_TRUE(server.ok());
+  const std::string address = (*server)->address();
+  auto c = StoreClient::Connect(address, "died-test-token-0123456789", Millis(5000));
+  ASSERT_TRUE(c.ok());
+  (*server)->Stop();
+  EXPECT_FALSE((*c)->Set("k", "v").ok());
+  const Status later = (*c)->Get("k", Millis(100)).status();
+  EXPECT_EQ(later.code(), StatusCode::kUnavailable);
+  EXPECT_NE(later.message().find("store " + address + " is unreachable"), std::string::npos)
+      << later.ToString();
+  EXPECT_NE(later.message().find("died"), std::string::npos) << later.ToString();
+}
+
+TEST(StoreWire, RepliesWrittenInPlaceEqualEncodedOnes) {
+  const std::vector<std::string> args{"a", std::string(300, 'b'), ""};
+  std::string in_place;
+  store_wire::AppendReplyHeader(in_place, StatusCode::kOk, args.size(), 12 + 4 * 3 + 301);
+  for (const std::string& a : args) store_wire::AppendArg(in_place, a);
+  EXPECT_EQ(in_place, store_wire::EncodeFrame({store_wire::Op::kReply, 0, args}));
+}
+
 TEST(StoreKv, QuotaAndOwnership) {
-  store_kv::Kv kv(100);
+  constexpr size_t kO = store_kv::Kv::kEntryOverhead;  // what each key costs beyond its bytes
+  store_kv::Kv kv(kO + 100);
   EXPECT_TRUE(kv.Set("a", std::string(50, 'x'), 1, false).ok());
   EXPECT_EQ(kv.Set("b", std::string(60, 'x'), 1, false).code(), StatusCode::kOutOfRange);
   EXPECT_TRUE(kv.Set("a", std::string(90, 'x'), 1, false).ok());  // replacing frees the old value
-  EXPECT_EQ(kv.bytes(), 91u);
+  EXPECT_EQ(kv.bytes(), kO + 91u);
   EXPECT_EQ(kv.DeletePrefix("a"), 1);
   EXPECT_EQ(kv.bytes(), 0u);
   EXPECT_TRUE(kv.Set("e", "v", 7, true).ok());
@@ -503,9 +529,31 @@ TEST(StoreKv, QuotaAndOwnership) {
   EXPECT_TRUE(kv.Set("f", "v", 7, true).ok());
   EXPECT_EQ(kv.ReleaseOwner(7, "gone"), 1u);
   EXPECT_EQ(kv.Find("f"), nullptr);
+  ASSERT_NE(kv.DeadReason("f"), nullptr);
   EXPECT_EQ(*kv.DeadReason("f"), "gone");
-  EXPECT_EQ(*kv.Add("f", 2, 8), 2);  // adding to a dead key revives it as 0 + delta
+  EXPECT_EQ(kv.bytes(), 2 * kO + 2 + 5);  // e's value, f's dead record with its reason
+  EXPECT_EQ(*kv.Add("f", 2, 8), 2);       // adding to a dead key revives it as 0 + delta
   EXPECT_EQ(kv.DeadReason("f"), nullptr);
+  EXPECT_EQ(kv.bytes(), 2 * kO + 4);
+}
+
+// Issue 37: dead keys' reasons count against the quota, are cut to kMaxReasonBytes, and a
+// MARK_DEAD past the quota fails (the key stays as it was); deleting the prefix frees them.
+TEST(StoreKv, DeadKeysCountAgainstTheQuota) {
+  constexpr size_t kO = store_kv::Kv::kEntryOverhead;
+  store_kv::Kv kv(4096);
+  ASSERT_TRUE(kv.MarkDead("k", std::string(100000, 'r')).ok());
+  EXPECT_EQ(kv.DeadReason("k")->size(), store_kv::Kv::kMaxReasonBytes);
+  EXPECT_EQ(kv.bytes(), kO + 1 + store_kv::Kv::kMaxReasonBytes);
+  int marked = 1;
+  while (kv.MarkDead("k" + std::to_string(marked), std::string(1000, 'r')).ok()) ++marked;
+  EXPECT_EQ(marked, 3) << "4 KiB hold three dead keys of 1 KiB reasons, not more";
+  EXPECT_LE(kv.bytes(), 4096u);
+  EXPECT_EQ(kv.MarkDead("k9", "x" + std::string(2000, 'r')).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(kv.DeadReason("k9"), nullptr);
+  EXPECT_EQ(kv.DeletePrefix("k"), 0);  // no live keys went, but every dead one did
+  EXPECT_EQ(kv.bytes(), 0u);
+  EXPECT_EQ(kv.dead_keys(), 0u);
 }
 
 TEST(StoreLimits, ConnectionCapFollowsTheDescriptorLimit) {

@@ -5,11 +5,14 @@
 // connection, as separate processes would have.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -49,6 +52,7 @@ struct Outcome {
   Status sync = InternalError("not run");  // the first failed sync, else OK
   bool verified = false;                   // every sync returned a fully verified report
   int64_t mismatches = 0;  // engine ranks: elements that differ from this rank's own job's weights
+  double connect_seconds = 0;  // store connection and Connect
 };
 
 Outcome Failed(const Status& s) {
@@ -63,13 +67,16 @@ Outcome Failed(const Status& s) {
 // set) by a rank that connected, before its session closes, however it ends.
 Outcome RunRank(const JobSpec& spec, int rank, const std::string& store, SessionOptions opt,
                 int syncs, const std::function<void()>& start = nullptr,
-                const std::function<void()>& hold = nullptr) {
+                const std::function<void()>& hold = nullptr,
+                sync_internal::HarnessHooks hooks = {}) {
   Outcome out;
+  const auto t0 = Clock::now();
   auto client = StoreClient::Connect(store, kToken, Millis(5000));
   if (!client.ok()) return Failed(client.status());
   auto tx = CreateTransport("shm", {});
   if (!tx.ok()) return Failed(tx.status());
-  auto s = SyncSession::Create(spec.inputs, rank, **client, **tx, opt);
+  auto s =
+      sync_internal::CreateHarnessSession(spec.inputs, rank, **client, **tx, opt, std::move(hooks));
   if (!s.ok()) return Failed(s.status());
   SyncSession& session = **s;
   struct AtExit {  // declared after the session: runs before it closes
@@ -93,6 +100,7 @@ Outcome RunRank(const JobSpec& spec, int rank, const std::string& store, Session
   }
   if (start) start();
   out.connect = session.Connect();
+  out.connect_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   if (!out.connect.ok()) return out;
   at_exit.connected = true;
   out.verified = true;
@@ -115,8 +123,20 @@ Outcome RunRank(const JobSpec& spec, int rank, const std::string& store, Session
   return out;
 }
 
-SessionOptions Options(std::optional<std::string> job_id, Millis connect = Millis(10000)) {
+// A launch: its id, and a secret unless `secret` says otherwise ("" for none; nullopt: a fresh
+// one drawn for this id, the same for every call naming it).
+SessionOptions Options(std::optional<std::string> job_id, Millis connect = Millis(10000),
+                       std::optional<std::string> secret = std::nullopt) {
+  static std::mutex mu;
+  static std::map<std::string, std::string> secrets;
   SessionOptions o;
+  if (!secret && job_id) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto [it, fresh] = secrets.emplace(*job_id, "");
+    if (fresh) it->second = GenerateJobSecret().value();
+    secret = it->second;
+  }
+  o.job_secret = std::move(secret);
   o.job_id = std::move(job_id);
   o.connect_timeout = connect;
   o.sync_timeout = Millis(10000);
@@ -234,6 +254,142 @@ TEST(StoreFlood, AFourRankJobSyncsThroughAFloodedStoreWithinASecond) {
   for (int fd : idle) close(fd);
 }
 
+// Issue 37's flood: threads that each keep up to 64 connections open to the store without a word,
+// opening a new one whenever the store closes one (~3k/s from one thread on the dev VM).
+class ReconnectingFlood {
+ public:
+  ReconnectingFlood(int port, int threads) {
+    for (int t = 0; t < threads; ++t) {
+      ts_.emplace_back([this, port] {
+        std::vector<int> fds;
+        while (!stop_.load()) {
+          while (fds.size() < 64 && !stop_.load()) {
+            const int fd = testing::RawConnect(port);
+            if (fd < 0) break;
+            fds.push_back(fd);
+            ++opened_;
+          }
+          std::vector<pollfd> p;
+          for (int fd : fds) p.push_back({fd, POLLIN, 0});
+          if (poll(p.data(), p.size(), 5) <= 0) continue;
+          std::vector<int> keep;
+          for (const pollfd& q : p) {
+            char b;
+            if ((q.revents & (POLLIN | POLLHUP | POLLERR)) &&
+                recv(q.fd, &b, 1, MSG_DONTWAIT) <= 0) {
+              close(q.fd);
+            } else {
+              keep.push_back(q.fd);
+            }
+          }
+          fds.swap(keep);
+        }
+        for (int fd : fds) close(fd);
+      });
+    }
+  }
+  ~ReconnectingFlood() {
+    stop_ = true;
+    for (auto& t : ts_) t.join();
+  }
+  uint64_t opened() const { return opened_.load(); }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> opened_{0};
+  std::vector<std::thread> ts_;
+};
+
+// One 4-rank job (connect + 2 syncs, verified) against `store`; its seconds, or -1 if a rank
+// failed (printed).
+double TimedJob(const std::string& store, const std::string& launch, double* connect = nullptr) {
+  const JobSpec job = FourRanks(7);
+  std::vector<Outcome> out(4);
+  const auto t0 = Clock::now();
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 4; ++r) {
+    ts.emplace_back([&, r] { out[r] = RunRank(job, r, store, Options(launch, Millis(20000)), 2); });
+  }
+  for (auto& t : ts) t.join();
+  const double secs = Since(t0);
+  if (connect) {
+    *connect = 0;
+    for (const Outcome& o : out) *connect = std::max(*connect, o.connect_seconds);
+  }
+  for (int r = 0; r < 4; ++r) {
+    if (!out[r].connect.ok() || !out[r].sync.ok() || !out[r].verified || out[r].mismatches) {
+      std::printf("rank %d failed: %s / %s\n", r, out[r].connect.ToString().c_str(),
+                  out[r].sync.ToString().c_str());
+      return -1;
+    }
+  }
+  return secs;
+}
+
+bool RaiseOwnFdLimit() {
+  rlimit own{};
+  getrlimit(RLIMIT_NOFILE, &own);
+  if (own.rlim_cur >= 4096) return true;
+  if (own.rlim_max < 1024) return false;
+  rlimit r{std::min<rlim_t>(own.rlim_max, 8192), own.rlim_max};
+  return setrlimit(RLIMIT_NOFILE, &r) == 0;
+}
+
+// Issue 37: a reconnecting flood no longer evicts a job's connections before their hello is read
+// (it failed both jobs at fd limit 128 before). Light for CI: one thread, one job, a generous
+// bound; bench: StoreFloodBench below.
+TEST(StoreFlood, AJobConnectsThroughAReconnectingFlood) {
+  if (!RaiseOwnFdLimit()) GTEST_SKIP() << "needs 1024 descriptors in the test process";
+  testing::ForkedStore store({.nofile = 128}, kToken);
+  ASSERT_TRUE(store.ok());
+  ReconnectingFlood flood(store.port(), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const double secs = TimedJob(store.address(), "flooded");
+  std::printf("[reconnecting flood] %llu connections opened; the job took %.0f ms\n",
+              static_cast<unsigned long long>(flood.opened()), secs * 1e3);
+  EXPECT_GE(secs, 0) << "the job failed under the flood";
+  EXPECT_LT(secs, 15.0);
+  EXPECT_TRUE(store.Alive());
+}
+
+// The issue's measurement (run by hand: --gtest_also_run_disabled_tests): fd limits 128 and 1024,
+// one and eight reconnecting threads, 10 jobs each; docs/security.md records the figures.
+TEST(StoreFloodBench, DISABLED_FourRankJobsUnderReconnectingFloods) {
+  if (!RaiseOwnFdLimit()) GTEST_SKIP() << "needs 1024 descriptors in the test process";
+  for (rlim_t nofile : {rlim_t{128}, rlim_t{1024}}) {
+    for (int threads : {1, 8}) {
+      testing::ForkedStore store({.nofile = nofile}, kToken);
+      ASSERT_TRUE(store.ok());
+      ReconnectingFlood flood(store.port(), threads);
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      double worst = 0, worst_connect = 0;
+      int failed = 0, over = 0, connect_over = 0;
+      const double cpu0 = store.CpuSeconds();
+      const auto t0 = Clock::now();
+      for (int run = 0; run < 10; ++run) {
+        double connect = 0;
+        const double s = TimedJob(store.address(),
+                                  "bench-" + std::to_string(nofile) + "-" +
+                                      std::to_string(threads) + "-" + std::to_string(run),
+                                  &connect);
+        if (s < 0) ++failed;
+        worst = std::max(worst, s);
+        over += s >= 1.0;
+        worst_connect = std::max(worst_connect, connect);
+        connect_over += connect >= 1.0;
+      }
+      std::printf(
+          "[flood bench] fd limit %llu, %d thread(s): 10 jobs; connect worst %.0f ms (%d over "
+          "1 s); connect + 2 syncs worst %.0f ms (%d over 1 s), %d failed; flood opened %.0f "
+          "connections/s; store CPU %.0f%%\n",
+          static_cast<unsigned long long>(nofile), threads, worst_connect * 1e3, connect_over,
+          worst * 1e3, over, failed, flood.opened() / Since(t0),
+          100 * (store.CpuSeconds() - cpu0) / Since(t0));
+      EXPECT_EQ(failed, 0);
+    }
+  }
+}
+
 // The acceptance test of issue 26: 20 trials of two concurrent 4-rank jobs with different seeds
 // on one store and the default prefix, launched as `shardsync run` / torchrun launch them (each
 // with its launch id). Exactly one job syncs, verified with its own weights; every rank of the
@@ -281,101 +437,219 @@ TEST(JobIdentity, TwoConcurrentJobsOnOnePrefixNeverMerge) {
   std::printf("20 trials in %.2f s; job a won %d of them\n", Since(t0), a_won);
 }
 
-// A rank of `job` failed at Connect finding its rank held by a live process in a job that was
-// already sealed: the residual case's signature (identity.cc says so in the message).
-bool FoundItsRankTakenAfterTheSeal(const std::vector<Outcome>& job) {
-  for (const Outcome& o : job) {
-    if (o.connect.code() == StatusCode::kFailedPrecondition &&
-        o.connect.message().find("already has a live sync rank") != std::string::npos &&
-        o.connect.message().find("that job was already sealed") != std::string::npos) {
-      return true;
-    }
-  }
-  return false;
-}
-
 bool AnyVerifiedWrong(const std::vector<Outcome>& job) {
   return std::any_of(job.begin(), job.end(),
                      [](const Outcome& o) { return o.verified && o.mismatches != 0; });
 }
 
-// Without launch ids two jobs started in the same instant cannot be told apart by their ranks;
-// what protects them (identity.h): a rank of the job claimed by two live processes marks the job
-// contested and it fails at Seal. No rank reports a verified sync holding the other job's weights,
-// except in the residual case (docs/security.md): a rank that starts only after the job sealed
-// with the other job's rank in its place. Nothing in the store can tell those two processes
-// apart, so there the test asks that the late rank fails saying the job it found was sealed (a
-// busy 2-core machine makes that interleaving common: CI saw it in 3 of 5 trials).
-TEST(JobIdentity, TwoJobsWithoutLaunchIdsNeverReportVerifiedWithTheOthersWeights) {
+// Issue 37: without any launch identity two jobs on one store and prefix cannot be told apart
+// (issue 26's residual case: a rank starting after the other job sealed took its place), so a job
+// of several ranks with neither an id nor a secret refuses to connect, naming the ways to give
+// one. 24 trials of two such jobs started together: every rank refuses, none ever verifies.
+TEST(JobIdentity, TwoJobsWithoutLaunchIdentityRefuseToConnectSoNeverMerge) {
   auto server = StoreServer::Start("127.0.0.1", 0, kToken);
   ASSERT_TRUE(server.ok());
   const JobSpec a = FourRanks(11), b = FourRanks(22);
-  int one_won = 0, both_failed = 0, residual = 0;
-  // Short connect timeouts: a rank whose rank 0 gave up cannot be told without a launch id, and
-  // waits for a claim until its timeout.
-  for (int trial = 0; trial < 5; ++trial) {
+  const SessionOptions none = Options("", Millis(2000), "");
+  for (int trial = 0; trial < 24; ++trial) {
     SCOPED_TRACE("trial " + std::to_string(trial));
-    TwoJobs t = RunTwoJobs((*server)->address(), a, b, Options("", Millis(600)),
-                           Options("", Millis(600)), 2);
-    const bool a_wrong = AnyVerifiedWrong(t.a), b_wrong = AnyVerifiedWrong(t.b);
-    if (!a_wrong || !FoundItsRankTakenAfterTheSeal(t.b)) ExpectNeverVerifiedWrong(t.a, "job a");
-    if (!b_wrong || !FoundItsRankTakenAfterTheSeal(t.a)) ExpectNeverVerifiedWrong(t.b, "job b");
-    residual += a_wrong || b_wrong;
-    EXPECT_FALSE(AllConnected(t.a) && AllConnected(t.b));
-    one_won += AllConnected(t.a) || AllConnected(t.b);
-    both_failed += !AllConnected(t.a) && !AllConnected(t.b);
+    TwoJobs t = RunTwoJobs((*server)->address(), a, b, none, none, 1);
+    EXPECT_FALSE(AnyVerifiedWrong(t.a) || AnyVerifiedWrong(t.b));
+    for (const auto* job : {&t.a, &t.b}) {
+      for (const Outcome& o : *job) {
+        EXPECT_EQ(o.connect.code(), StatusCode::kFailedPrecondition) << o.connect.ToString();
+        EXPECT_THAT(o.connect.message(), HasSubstr("no launch identity"));
+        EXPECT_THAT(o.connect.message(), HasSubstr("shardsync.new_launch()"));
+        EXPECT_FALSE(o.verified);
+      }
+    }
   }
-  std::printf(
-      "without launch ids: one job won %d trials, both failed in %d, the residual case in %d\n",
-      one_won, both_failed, residual);
 }
 
-// The residual case forced: job b's ranks 0 and 1 and job a's ranks 2 and 3 connect and sync
-// first; then the other four start. Nothing told a's ranks 2 and 3 from b's, so that job syncs
-// b's weights into them (what docs/security.md says launch ids are for); every late rank fails at
-// Connect, and b's late ranks say the job holding their rank was already sealed.
-TEST(JobIdentity, ARankStartingAfterTheSealLearnsItsRankWasTakenAndSaysSo) {
+// Issue 26's residual case, now with launch identities: job b's ranks 0 and 1 and job a's ranks 2
+// and 3 start first, as if each job's other half were late. a's ranks refuse b's claim (another
+// launch), b's job never gets ranks 2 and 3: no rank of either ever syncs with the other's.
+TEST(JobIdentity, EarlyRanksOfAnotherLaunchNeverFillAJobsSlots) {
   auto server = StoreServer::Start("127.0.0.1", 0, kToken);
   ASSERT_TRUE(server.ok());
   const JobSpec a = FourRanks(11), b = FourRanks(22);
-  const SessionOptions opt = Options("", Millis(600));
-  std::vector<Outcome> early(4), late(4);
-  std::atomic<int> early_done{0}, late_done{0};
-  auto hold = [&] {
-    ++early_done;
-    const auto until = Clock::now() + std::chrono::seconds(60);
-    while (late_done.load() < 4 && Clock::now() < until) std::this_thread::yield();
-  };
+  std::vector<Outcome> early(4);
   std::vector<std::thread> ts;
   for (int r = 0; r < 4; ++r) {
     ts.emplace_back([&, r] {
-      early[r] = RunRank(r < 2 ? b : a, r, (*server)->address(), opt, 2, nullptr, hold);
-      if (!early[r].connect.ok()) ++early_done;
-    });
-  }
-  const auto until = Clock::now() + std::chrono::seconds(60);
-  while (early_done.load() < 4 && Clock::now() < until) std::this_thread::yield();
-  for (int r = 0; r < 4; ++r) {
-    ts.emplace_back([&, r] {
-      late[r] = RunRank(r < 2 ? a : b, r, (*server)->address(), opt, 2);
-      ++late_done;
+      early[r] = RunRank(r < 2 ? b : a, r, (*server)->address(),
+                         Options(r < 2 ? "late-b" : "late-a", Millis(800)), 1);
     });
   }
   for (auto& t : ts) t.join();
+  EXPECT_FALSE(AnyVerifiedWrong(early));
   for (int r = 0; r < 4; ++r) {
-    ASSERT_TRUE(early[r].connect.ok()) << "rank " << r << ": " << early[r].connect.ToString();
-    EXPECT_TRUE(early[r].verified) << "rank " << r;
-    EXPECT_FALSE(late[r].connect.ok()) << "rank " << r;
+    EXPECT_FALSE(early[r].connect.ok()) << "rank " << r;
   }
-  EXPECT_EQ(early[0].mismatches + early[1].mismatches, 0);
-  EXPECT_GT(early[2].mismatches, 0) << "a's rank 2 holds b's weights: the residual case";
-  EXPECT_THAT(late[0].connect.message(), HasSubstr("key prefix 'ss/' is held by another job"));
   for (int r = 2; r < 4; ++r) {
-    EXPECT_EQ(late[r].connect.code(), StatusCode::kFailedPrecondition);
-    EXPECT_THAT(late[r].connect.message(), HasSubstr("already has a live sync rank"));
-    EXPECT_THAT(late[r].connect.message(), HasSubstr("that job was already sealed"));
+    EXPECT_EQ(early[r].connect.code(), StatusCode::kFailedPrecondition);
+    EXPECT_THAT(early[r].connect.message(), HasSubstr("held by another launch's job"));
   }
-  EXPECT_TRUE(FoundItsRankTakenAfterTheSeal(late));
+}
+
+// How the lone process of issue 37 comes: no launch identity, the job's id (ids are not secret),
+// the job's id with a secret of its own, another launch's id and secret.
+enum class Intruder { kNoIdentity, kJobIdOnly, kJobIdWrongSecret, kOtherLaunch };
+const char* IntruderName(Intruder i) {
+  switch (i) {
+    case Intruder::kNoIdentity:
+      return "no identity";
+    case Intruder::kJobIdOnly:
+      return "the job's id";
+    case Intruder::kJobIdWrongSecret:
+      return "the job's id and a wrong secret";
+    case Intruder::kOtherLaunch:
+      return "another launch";
+  }
+  return "?";
+}
+
+// Issue 37: a 4-rank job whose trainer rank 1 starts late, and a lone process that claims rank 1
+// first, with other weights (seed 99). Run by `IntruderTrial` for each kind of intruder: no rank of
+// the job may report a verified sync holding the intruder's weights; the intruder is refused.
+struct IntruderTrial {
+  Outcome intruder;
+  std::vector<Outcome> job;
+};
+IntruderTrial RunIntruderTrial(const std::string& store, Intruder kind, int trial) {
+  const JobSpec mine = FourRanks(11), theirs = FourRanks(99);
+  const std::string id =
+      "intruded-" + std::to_string(trial) + "-" + std::to_string(static_cast<int>(kind));
+  const SessionOptions opt = Options(id, Millis(4000));
+  SessionOptions bad;
+  switch (kind) {
+    case Intruder::kNoIdentity:
+      bad = Options("", Millis(4000), "");
+      break;
+    case Intruder::kJobIdOnly:
+      bad = Options(id, Millis(4000), "");
+      break;
+    case Intruder::kJobIdWrongSecret:
+      bad = Options(id, Millis(4000), GenerateJobSecret().value());
+      break;
+    case Intruder::kOtherLaunch:
+      bad = Options("other-" + id, Millis(4000));
+      break;
+  }
+  IntruderTrial t{Outcome{}, std::vector<Outcome>(4)};
+  std::atomic<bool> intruder_done{false};
+  std::vector<std::thread> ts;
+  for (int r : {0, 2, 3}) {
+    ts.emplace_back([&, r] { t.job[r] = RunRank(mine, r, store, opt, 2); });
+  }
+  ts.emplace_back([&] {
+    t.intruder = RunRank(theirs, 1, store, bad, 2);
+    intruder_done = true;
+  });
+  // The job's own rank 1 comes once the intruder had its chance (or after 300 ms).
+  ts.emplace_back([&] {
+    const auto until = Clock::now() + std::chrono::milliseconds(300);
+    while (!intruder_done.load() && Clock::now() < until) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    t.job[1] = RunRank(mine, 1, store, opt, 2);
+  });
+  for (auto& th : ts) th.join();
+  return t;
+}
+
+TEST(JobIdentity, ALoneProcessNeverTakesALateRanksSlot) {
+  auto server = StoreServer::Start("127.0.0.1", 0, kToken);
+  ASSERT_TRUE(server.ok());
+  int trial = 0;
+  for (Intruder kind : {Intruder::kNoIdentity, Intruder::kJobIdOnly, Intruder::kJobIdWrongSecret,
+                        Intruder::kOtherLaunch}) {
+    for (int i = 0; i < 2; ++i, ++trial) {
+      SCOPED_TRACE(std::string("intruder with ") + IntruderName(kind) + ", trial " +
+                   std::to_string(i));
+      IntruderTrial t = RunIntruderTrial((*server)->address(), kind, trial);
+      EXPECT_FALSE(AnyVerifiedWrong(t.job));
+      EXPECT_FALSE(t.intruder.connect.ok()) << "the intruder joined the job";
+      EXPECT_EQ(t.intruder.connect.code(), StatusCode::kFailedPrecondition)
+          << t.intruder.connect.ToString();
+      for (int r = 0; r < 4; ++r) {
+        // The intruder refused itself before taking anything: the job runs whole.
+        EXPECT_TRUE(t.job[r].connect.ok()) << "rank " << r << ": " << t.job[r].connect.ToString();
+        EXPECT_TRUE(t.job[r].verified) << "rank " << r;
+        EXPECT_EQ(t.job[r].mismatches, 0) << "rank " << r;
+      }
+    }
+  }
+}
+
+// A process that writes the store by hand (it holds the token, not the launch secret) takes rank
+// 1's member and liveness keys before rank 1 comes: rank 1 finds its slot claimed twice and the job
+// fails at Connect on every rank, naming both claimants and that the first proves no secret.
+TEST(JobIdentity, AHandWrittenClaimOfASlotFailsTheJobNamingBothClaimants) {
+  auto server = StoreServer::Start("127.0.0.1", 0, kToken);
+  ASSERT_TRUE(server.ok());
+  const std::string address = (*server)->address();
+  const JobSpec spec = FourRanks(11);
+  const SessionOptions opt = Options("hand-written", Millis(3000));
+  auto intruder = StoreClient::Connect(address, kToken, Millis(5000));
+  ASSERT_TRUE(intruder.ok());
+  std::vector<Outcome> out(4);
+  std::vector<std::thread> ts;
+  std::atomic<bool> planted{false};
+  for (int r : {0, 2, 3}) ts.emplace_back([&, r] { out[r] = RunRank(spec, r, address, opt, 1); });
+  ts.emplace_back([&] {
+    // Waits for rank 0's claim, then plants rank 1's keys as a raw store client would.
+    uint64_t nonce = 0;
+    const auto until = Clock::now() + std::chrono::seconds(10);
+    while (nonce == 0 && Clock::now() < until) {
+      auto c = (*intruder)->Get(sync_internal::ClaimKey("ss/"), Millis(100));
+      if (c.ok()) nonce = sync_internal::ParseClaim(*c, "claim").value().nonce;
+    }
+    const std::string root = sync_internal::JobRoot("ss/", nonce);
+    EXPECT_TRUE((*intruder)->Set(root + "member/1", "0badc0de 666@elsewhere -").ok());
+    EXPECT_TRUE((*intruder)->SetEphemeral(root + "alive/1", "0badc0de").ok());
+    planted = true;
+  });
+  ts.emplace_back([&] {
+    while (!planted.load()) std::this_thread::yield();
+    out[1] = RunRank(spec, 1, address, opt, 1);
+  });
+  for (auto& t : ts) t.join();
+  EXPECT_FALSE(AnyVerifiedWrong(out));
+  for (int r = 0; r < 4; ++r) EXPECT_FALSE(out[r].connect.ok()) << "rank " << r;
+  EXPECT_THAT(out[1].connect.message(), HasSubstr("was claimed twice"));
+  EXPECT_THAT(out[1].connect.message(), HasSubstr("666@elsewhere"));
+  EXPECT_THAT(out[1].connect.message(), HasSubstr("does not prove the launch secret"));
+  EXPECT_THAT(out[0].connect.message(), HasSubstr("was claimed twice"));
+}
+
+// Rank 0 seals only when every member key proves the launch secret: here rank 1's is replaced
+// (as a token holder could) after it joined; the job fails at the seal naming rank 1.
+TEST(JobIdentity, RankZeroSealsOnlyWhenEveryMemberProvesTheSecret) {
+  auto server = StoreServer::Start("127.0.0.1", 0, kToken);
+  ASSERT_TRUE(server.ok());
+  const std::string address = (*server)->address();
+  const JobSpec spec = FourRanks(11);
+  const SessionOptions opt = Options("swapped-member", Millis(3000));
+  auto raw = StoreClient::Connect(address, kToken, Millis(5000));
+  ASSERT_TRUE(raw.ok());
+  sync_internal::HarnessHooks hooks;
+  hooks.before_transport_connect = [&](Transport&) {
+    EXPECT_TRUE((*raw)->Set(testing::JobRoot(**raw) + "member/1", "0badc0de 666@elsewhere -").ok());
+    return OkStatus();
+  };
+  std::vector<Outcome> out(4);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 4; ++r) {
+    ts.emplace_back([&, r] {
+      out[r] = RunRank(spec, r, address, opt, 1, nullptr, nullptr,
+                       r == 0 ? hooks : sync_internal::HarnessHooks{});
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < 4; ++r) EXPECT_FALSE(out[r].connect.ok()) << "rank " << r;
+  EXPECT_THAT(out[0].connect.message(), HasSubstr("sync rank 1 was claimed by process "
+                                                  "666@elsewhere"));
+  EXPECT_THAT(out[0].connect.message(), HasSubstr("without the launch's secret"));
 }
 
 // A job whose sessions stay alive between calls: store connections, shm transports, sessions and
@@ -433,14 +707,14 @@ class LiveJob {
   std::vector<Rank> ranks_;
 };
 
-// Without launch ids, a second job on a prefix another job holds fails at Connect on every rank,
-// naming the prefix and the holder, at once; the first job goes on syncing.
-TEST(JobIdentity, SecondJobWithoutLaunchIdFailsAtConnectAndTheFirstGoesOn) {
+// A second job on a prefix another job holds fails at Connect on every rank, naming the prefix and
+// the holder, at once; the first job goes on syncing.
+TEST(JobIdentity, SecondJobFailsAtConnectAndTheFirstGoesOn) {
   auto server = StoreServer::Start("127.0.0.1", 0, kToken);
   ASSERT_TRUE(server.ok());
   const std::string address = (*server)->address();
   const JobSpec a = FourRanks(11), b = FourRanks(22);
-  LiveJob first(a, address, Options(""));
+  LiveJob first(a, address, Options("first"));
   testing::ExpectAllOk(first.Connect());
   testing::ExpectAllOk(first.Sync(1));
   const int world = first.world();
@@ -448,7 +722,7 @@ TEST(JobIdentity, SecondJobWithoutLaunchIdFailsAtConnectAndTheFirstGoesOn) {
   const auto t0 = Clock::now();
   std::vector<std::thread> ts;
   for (int r = 0; r < world; ++r) {
-    ts.emplace_back([&, r] { second[r] = RunRank(b, r, address, Options(""), 1); });
+    ts.emplace_back([&, r] { second[r] = RunRank(b, r, address, Options("second"), 1); });
   }
   for (auto& t : ts) t.join();
   EXPECT_LT(Since(t0), 5.0) << "the second job must fail at once, not at its timeout";
@@ -462,6 +736,60 @@ TEST(JobIdentity, SecondJobWithoutLaunchIdFailsAtConnectAndTheFirstGoesOn) {
   testing::ExpectAllOk(first.Sync(2));
   testing::ExpectAllOk(first.Sync(3));
   EXPECT_EQ(first.Mismatches(), 0);
+}
+
+// Issue 37: a slot claimed twice by processes that both hold the launch secret (a rank started
+// twice) fails the job naming both, even after the seal: the sealed job must not go on with the
+// first comer. The second claimant fails at Connect; the job's next sync fails on every rank.
+TEST(JobIdentity, ASlotClaimedTwiceAfterTheSealFailsTheJobNamingBoth) {
+  auto server = StoreServer::Start("127.0.0.1", 0, kToken);
+  ASSERT_TRUE(server.ok());
+  const std::string address = (*server)->address();
+  const JobSpec spec = FourRanks(11);
+  const SessionOptions opt = Options("twice", Millis(3000));
+  LiveJob job(spec, address, opt);
+  testing::ExpectAllOk(job.Connect());
+  testing::ExpectAllOk(job.Sync(1));
+  const Outcome second = RunRank(spec, 1, address, opt, 1);
+  EXPECT_EQ(second.connect.code(), StatusCode::kFailedPrecondition) << second.connect.ToString();
+  EXPECT_THAT(second.connect.message(), HasSubstr("sync rank 1 of job"));
+  EXPECT_THAT(second.connect.message(), HasSubstr("was claimed twice"));
+  EXPECT_THAT(second.connect.message(), HasSubstr("proves the launch secret"));
+  EXPECT_THAT(second.connect.message(), HasSubstr("now failed on every rank"));
+  // Every rank's liveness key died naming both claimants: the job's next wait that looks at
+  // them (at once at Connect, after 200 ms in a sync) fails with that reason.
+  for (int r = 0; r < job.world(); ++r) {
+    auto alive =
+        job.store(0).Get(testing::JobRoot(job.store(0)) + "alive/" + std::to_string(r), Millis(0));
+    EXPECT_EQ(alive.status().code(), StatusCode::kUnavailable) << "rank " << r;
+    EXPECT_THAT(alive.status().message(), HasSubstr("was claimed twice")) << "rank " << r;
+  }
+}
+
+// Issue 37: a finished job leaves no key in the store: the last rank to close deletes the job's
+// namespace (dead keys included); what stays is one dead claim key per prefix.
+TEST(JobIdentity, AFinishedJobLeavesNoKeys) {
+  auto server = StoreServer::Start("127.0.0.1", 0, kToken);
+  ASSERT_TRUE(server.ok());
+  const std::string address = (*server)->address();
+  auto probe = StoreClient::Connect(address, kToken, Millis(5000));
+  ASSERT_TRUE(probe.ok());
+  for (int i = 0; i < 3; ++i) {
+    std::string root;
+    {
+      LiveJob job(FourRanks(11), address, Options("finished-" + std::to_string(i)));
+      testing::ExpectAllOk(job.Connect());
+      testing::ExpectAllOk(job.Sync(1));
+      root = testing::JobRoot(**probe);
+    }
+    // DeletePrefix counts the live keys it removed: none are left under the job's root.
+    auto left = (*probe)->DeletePrefix(root);
+    ASSERT_TRUE(left.ok());
+    EXPECT_EQ(*left, 0) << "job " << i << " left keys under " << root;
+    auto dead = (*probe)->Get(root + "alive/0", Millis(0));
+    EXPECT_EQ(dead.status().code(), StatusCode::kDeadlineExceeded)
+        << "its dead keys too: " << dead.status().ToString();
+  }
 }
 
 // ---- fail fast (issue 24) ----

@@ -160,7 +160,15 @@ TEST(Ucx, NetDevicesFromEnvironmentResolvedAndValidated) {
   unsetenv("SHARDSYNC_UCX_NET_DEVICES");
   ASSERT_TRUE(explicit_devices.ok());
   EXPECT_EQ(explicit_devices->net_devices, "mlx5_0:1,eth0");
-  EXPECT_EQ(ucx_support::ResolveUcxOptions({})->net_devices, "");  // UCX's own choice
+  // Issue 37: nothing named listens on loopback only; UCX's own variable or "all" opens it.
+  unsetenv("UCX_NET_DEVICES");
+  EXPECT_EQ(ucx_support::ResolveUcxOptions({})->net_devices, ucx_support::LoopbackInterface());
+  setenv("UCX_NET_DEVICES", "eth0", 1);
+  EXPECT_EQ(ucx_support::ResolveUcxOptions({})->net_devices, "");  // UCX reads its variable
+  unsetenv("UCX_NET_DEVICES");
+  UcxOptions all;
+  all.net_devices = "all";
+  EXPECT_EQ(ucx_support::ResolveUcxOptions(all)->net_devices, "");  // UCX's own choice
 }
 
 TEST(Ucx, RegistryCreatesUcx) {

@@ -17,6 +17,21 @@ struct Args {
   bool json = false;
 };
 
+// Tensor and file names are the file's bytes: control characters (a planted ESC sequence would
+// drive the terminal) are shown as \xNN, as is a backslash (so the escaped form is unambiguous).
+std::string Printable(std::string_view s) {
+  std::string out;
+  for (char c : s) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f || c == '\\') {
+      out += fmt::format("\\x{:02x}", u);
+    } else {
+      out.push_back(c);
+    }
+  }
+  return out;
+}
+
 int Run(const Args& a) {
   auto ck = SafetensorsCheckpoint::Open(a.path);
   if (!ck.ok()) return ReportInputError(ck.status(), "path");
@@ -55,16 +70,16 @@ int Run(const Args& a) {
     return kExitOk;
   }
   size_t w = 4;
-  for (const auto& r : rows) w = std::max(w, r.e->name.size());
+  for (const auto& r : rows) w = std::max(w, Printable(r.e->name).size());
   const bool multi = (*ck)->files().size() > 1;
   std::printf("%s\n", fmt::format("{:<{}}  {:<7}  {:<22}  {:>14}{}", "name", w, "dtype", "shape",
                                   "bytes", multi ? "  file" : "")
                           .c_str());
   for (const auto& r : rows) {
-    std::printf("%s\n",
-                fmt::format("{:<{}}  {:<7}  {:<22}  {:>14}{}", r.e->name, w, DTypeName(r.e->dtype),
-                            ShapeToString(r.e->shape), r.e->bytes(), multi ? "  " + r.file : "")
-                    .c_str());
+    std::printf("%s\n", fmt::format("{:<{}}  {:<7}  {:<22}  {:>14}{}", Printable(r.e->name), w,
+                                    DTypeName(r.e->dtype), ShapeToString(r.e->shape), r.e->bytes(),
+                                    multi ? "  " + Printable(r.file) : "")
+                            .c_str());
   }
   std::printf("%zu tensors, %llu bytes (%.2f MiB) in %zu file(s)\n", rows.size(),
               static_cast<unsigned long long>(total), total / 1048576.0, (*ck)->files().size());

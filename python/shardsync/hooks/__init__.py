@@ -30,6 +30,7 @@ __all__ = ["EngineRankConfig"]
 #   plan: Plan.spec (model, trainer, rollout, engine, wire_dtype, trainer_dtype, bucket_bytes)
 #   store: "host:port"; token: str; prefix: store key prefix ("ss/")
 #   job_id: the trainers' launch id (Session(job_id=...)); drivers set it from their environment
+#   job_secret: that launch's secret (Session(job_secret=...)); drivers set it with job_id
 #   transport: the Session's default unless named ("auto", "shm", "ucx", "cuda_ipc", "nccl",
 #   "loopback" for tests); staging: "host" stages CUDA parameters through host memory
 #   replica: this engine's DP replica (or env SHARDSYNC_REPLICA, or vLLM's data_parallel_rank)

@@ -271,7 +271,7 @@ class EngineRankHook:
             self.plan, self.coord["rank"], cfg["store"], token=cfg.get("token", ""),
             prefix=cfg.get("prefix", "ss/"),
             # The driver's launch id (its trainer ranks'), never this engine process's own.
-            job_id=str(cfg.get("job_id", "")),
+            job_id=str(cfg.get("job_id", "")), job_secret=str(cfg.get("job_secret", "")),
             connect_timeout=float(cfg.get("connect_timeout", 60.0)),
             sync_timeout=float(cfg.get("sync_timeout", 60.0)), device=device, **kw)
         try:

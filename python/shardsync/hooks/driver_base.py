@@ -128,6 +128,9 @@ class _Driver:
             from .._native import native
 
             self.config["job_id"] = native("store").launch_job_id()
+            # With the id, its secret (SHARDSYNC_JOB_SECRET): the engine ranks prove it to
+            # claim their slots (docs/security.md "Job identity").
+            self.config.setdefault("job_secret", native("store").launch_job_secret())
         self.timeout = float(timeout if timeout is not None else
                              float(config.get("connect_timeout", 60.0))
                              + float(config.get("sync_timeout", 60.0)) + 30.0)

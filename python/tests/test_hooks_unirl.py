@@ -89,7 +89,7 @@ def _rollout_cfg(model, tp, extra):
     return {"_target_": "unirl.rollout.engine.sglang.engine.SGLangRolloutEngine", "config": cfg}
 
 
-def test_unirl_ar_trainer_as_shipped(unirl, tiny_model):
+def test_unirl_ar_trainer_as_shipped(unirl, tiny_model, monkeypatch):
     """ARTrainer (ar.py) with the docs' block and nothing else: `remote_hydra(sync_cfg,
     backend=..., rollout=...)` in one colocated scope over 4 GPUs (SGLang tp=2: two replicas),
     then train_step's wake_up / sync / generate / sleep, three rounds. Set up on the first
@@ -97,6 +97,10 @@ def test_unirl_ar_trainer_as_shipped(unirl, tiny_model):
     version (what each sample carries) is the round number: stamped once per round, though
     UniRL's wrapper counted two updates per round. Before: the constructor raised TypeError on
     `rollout=`, and sync() "before connect()"."""
+    # No launcher identity in the environment (UniRL starts workers through Ray): the handler
+    # draws the job's own on rank 0 and shares it with the store token.
+    monkeypatch.delenv("SHARDSYNC_JOB_ID", raising=False)
+    monkeypatch.delenv("SHARDSYNC_JOB_SECRET", raising=False)
     colocated, _ = _recipes()
     plan = shardsync.Plan(tiny_model, "fsdp=4", "dp=2,tp=2,pp=1", engine="sglang",
                           wire_dtype="bf16", trainer_dtype="f32")
@@ -191,13 +195,17 @@ def _patched_accepts(path="unirl/trainer/async_ar.py"):
     return suffixes("-"), suffixes("+")
 
 
-def test_unirl_async_trainer_with_the_patch(unirl, tiny_model):
+def test_unirl_async_trainer_with_the_patch(unirl, tiny_model, monkeypatch):
     """AsyncARTrainer: train slab (2 GPUs, fsdp=2) and rollout slab (2 GPUs, SGLang tp=2) built
     as async_ar.py does, the handler from the docs' separate-slabs block with `backend=` only.
     As shipped, `_connect_separate` refuses it; with the patch's line, the trainer's own
     pick_master / set_rollout_targets(tp_zero_workers) / connect drive it, and each
     AsyncBatchControl.sync_rollout round (sync(), then rollout.set_version(train_version))
     lands every element."""
+    # No launcher identity in the environment (UniRL starts workers through Ray): the handler
+    # draws the job's own on rank 0 and shares it with the store token.
+    monkeypatch.delenv("SHARDSYNC_JOB_ID", raising=False)
+    monkeypatch.delenv("SHARDSYNC_JOB_SECRET", raising=False)
     _, separate = _recipes()
     sync_cfg = dict(separate["sync"], model=tiny_model)
     before, after = _patched_accepts()

@@ -235,6 +235,7 @@ class ShardsyncWeightSync(FullWeightSync):
         self._timeout = float(operation_timeout_s)
         self._store_server: Any = None
         self._token: Optional[str] = None
+        self._launch: Dict[str, str] = {}
         self._targets: List[Any] = []
         self._role: Optional[str] = None
         self._session: Any = None
@@ -420,7 +421,8 @@ class ShardsyncWeightSync(FullWeightSync):
                 "once the rollout role does)")
         config = {"store": store, "token": self._token, "transport": self._transport,
                   "connect_timeout": self._timeout, "sync_timeout": self._timeout,
-                  "precheck": False}  # the wrapper's server args are not readable
+                  "precheck": False,  # the wrapper's server args are not readable
+                  **self._launch}  # the engine ranks join this job's launch identity
         # UniRL pauses generation around a sync (ar.py: sleep/wake, async trainers: quiesce)
         # and the wrapper has no flush_cache call: flush with the round's last update, as
         # UniRL's own handlers do (flush on is_last).
@@ -436,6 +438,7 @@ class ShardsyncWeightSync(FullWeightSync):
         from ..adapters import bind_trainer, trainer_spec_of
         from ..plan import Plan
         from ..session import Session
+        from ..store import new_launch
 
         rank, _ = self._rank_world
         _, err = self._capture(self._check_group)
@@ -454,6 +457,10 @@ class ShardsyncWeightSync(FullWeightSync):
                     out.update(dp=len(heads), tp=tp, pp=pp, store=store)
                     self._heads = [self._head(h, tp, local=False) for h in heads]
                 out["token"] = self._token
+                # A fresh launch identity per job (docs/security.md "Job identity"): UniRL
+                # starts its workers through Ray, not a launcher shardsync reads, and a job of
+                # several ranks without one refuses to connect; shared with the store token.
+                out["launch"] = new_launch()
                 return out
 
             got, err = self._capture(decide)
@@ -461,6 +468,7 @@ class ShardsyncWeightSync(FullWeightSync):
         shared = self._broadcast(shared)
         self._agree(shared.get("error") if rank == 0 else None, "setup (rank 0)")
         self._token = shared["token"]
+        self._launch = dict(shared["launch"])
         state = self._backend.model.state_dict()
 
         def build() -> Any:
@@ -490,7 +498,7 @@ class ShardsyncWeightSync(FullWeightSync):
         def session() -> Any:
             s = Session(plan, rank, shared["store"], token=self._token,
                         transport=self._transport, connect_timeout=self._timeout,
-                        sync_timeout=self._timeout)
+                        sync_timeout=self._timeout, **self._launch)
             remap = self._name_remap
             bind_trainer(s, state, rename=lambda n: _apply_name_remap(n, remap))
             return s

@@ -37,6 +37,8 @@ std::vector<std::string> JobSpecToArgs(const JobSpec& job) {
       "--reps",          std::to_string(job.bench_reps),
       "--prefix",        job.prefix,
   };
+  a.push_back("--setup-timeout-s");
+  a.push_back(std::to_string(job.setup_timeout.count() / 1000));
   if (!sh.pp_partition.empty()) {
     std::string p;
     for (size_t i = 0; i < sh.pp_partition.size(); ++i) {
@@ -271,6 +273,11 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
                                 std::to_string(f.timeout_ms));
   }
   job.timeout = Millis(f.timeout_ms);
+  if (f.setup_timeout_s < 1 || f.setup_timeout_s > 86400) {
+    return InvalidArgumentError("--setup-timeout-s: must be in [1, 86400], got " +
+                                std::to_string(f.setup_timeout_s));
+  }
+  job.setup_timeout = Millis(f.setup_timeout_s * 1000);
   if (f.mode == "sync") {
     job.mode = JobMode::kSync;
   } else if (f.mode == "bench") {

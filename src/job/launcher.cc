@@ -309,7 +309,7 @@ Status Supervise(const LocalJobOptions& o, StoreClient& store, const std::string
       CleanupLogs(children);
       return DeadlineExceededError("launcher: the job exceeded its " +
                                    std::to_string(o.job_timeout.count()) +
-                                   " ms limit; killed ranks " + still);
+                                   " ms limit (--job-timeout-s raises it); killed ranks " + still);
     }
     if (now > failure_deadline) {
       // A rank failed and others did not finish in their own timeout: kill them and report

@@ -61,6 +61,8 @@ class SetupBarrier {
   double seconds() const { return seconds_; }  // this rank's wait for the others
 
  private:
+  Status PeerGone(const Status& first, int world);
+
   const JobSpec& job_;
   const int rank_;
   StoreClient& store_;

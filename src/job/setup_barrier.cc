@@ -44,6 +44,37 @@ Status SetupBarrier::Fail(const Status& why) {
   return why;
 }
 
+// A rank whose setup key is dead, with its reason: the first that is not itself an echo (a rank
+// that stopped because another's key died marks its own with kEcho, and its exit would otherwise
+// show as "store connection closed" ahead of the rank that caused it all). Marks this rank's key
+// as an echo of it, for the ranks still waiting.
+Status SetupBarrier::PeerGone(const Status& first, int world) {
+  constexpr std::string_view kEcho = "stopped waiting for the others' setup: ";
+  std::string cause;
+  for (int r = 0; r < world; ++r) {
+    if (r == rank_) continue;
+    auto v = store_.Get(SetupKey(job_, launch_, "alive", r), Millis(0));
+    if (v.ok() || v.status().code() != StatusCode::kUnavailable) continue;
+    std::string why = v.status().message();
+    const size_t at = why.find("is dead: ");
+    if (at != std::string::npos) why = why.substr(at + 9);
+    if (why.find(kEcho) != std::string::npos) continue;
+    if (why.find("sync rank " + std::to_string(r)) == std::string::npos) {
+      why = "sync rank " + std::to_string(r) + ": " + why;  // a closed connection names nobody
+    }
+    cause = why;
+    break;
+  }
+  Status s =
+      UnavailableError("sync rank " + std::to_string(rank_) + " waiting for every rank's setup: " +
+                       (cause.empty() ? first.message() : cause));
+  store_
+      .MarkDead(SetupKey(job_, launch_, "alive", rank_),
+                "sync rank " + std::to_string(rank_) + " " + std::string(kEcho) + s.message())
+      .IgnoreError();
+  return s;
+}
+
 Status SetupBarrier::Wait() {
   const int world = SyncWorldSize(job_.inputs);
   SS_RETURN_IF_ERROR(store_.Set(SetupKey(job_, launch_, "ready", rank_), "1"));
@@ -57,6 +88,7 @@ Status SetupBarrier::Wait() {
     // Slices, so the error can say which ranks are still setting up.
     auto got = store_.GetMany(keys, std::clamp(left, Millis(1), Millis(1000)));
     if (got.ok()) break;
+    if (got.status().code() == StatusCode::kUnavailable) return PeerGone(got.status(), world);
     if (got.status().code() != StatusCode::kDeadlineExceeded) {
       return got.status().Annotate("sync rank " + std::to_string(rank_) +
                                    " waiting for every rank's setup");

@@ -58,8 +58,13 @@ Status Presence::PeerFailed(const Status& s) const {
     std::string why = v.status().message();
     const size_t at = why.find("is dead: ");
     if (at != std::string::npos) why = why.substr(at + 9);
-    return AbortedError("sync rank " + std::to_string(ctx_.rank) + ": sync rank " +
-                        std::to_string(r) + " cannot join the job: " + why);
+    const std::string me =
+        "sync rank " + std::to_string(ctx_.rank) + ": sync rank " + std::to_string(r);
+    // Aborted, not Unavailable: waits before the claim read Unavailable as "no claim yet".
+    if (why.find("failed before connect") != std::string::npos) {
+      return AbortedError(me + " cannot join the job: " + why);
+    }
+    return AbortedError(me + " is gone before it joined the job (" + why + ")");
   }
   return s;
 }

@@ -134,8 +134,10 @@ class SessionImpl final : public SyncSession {
       for (int r = 0; r < ctx_.world; ++r) {
         if (r != ctx_.rank) others.push_back(r);
       }
-      Status p = presence_.PeerFailed(s);
-      return p.code() == StatusCode::kAborted ? p : guard_.GonePeer(others, false, s);
+      // A joined rank that is gone says so (its liveness key); one that failed before it joined
+      // only by its presence key.
+      Status gone = guard_.GonePeer(others, false, s);
+      return gone.message() != s.message() ? gone : presence_.PeerFailed(s);
     });
     // 2. Bindings against the plan.
     SS_RETURN_IF_ERROR(bindings_.Check());

@@ -341,16 +341,16 @@ TEST(SyncSession, BindingErrorsNameTheTensor) {
       {"model.embed_tokens.weight", buf.data(), DType::kF32, Region::Make({0, 0}, {1, 1})});
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("model.embed_tokens.weight"));
-  // A failed bind ends its rank before connect (issue 36): every other rank's Connect fails at
-  // once, naming a rank that failed and its error.
+  // Missing parameters are reported at Connect, naming one: this rank's own, or a peer's that
+  // failed first (a rank that fails to connect, or failed a bind before it, fails its peers at
+  // once, with its cause).
   auto st = job.Connect();
-  for (int r = 0; r < job.world(); ++r) {
-    EXPECT_FALSE(st[r].ok()) << "rank " << r;
-    if (r == engine || r == 0) continue;
-    EXPECT_EQ(st[r].code(), StatusCode::kAborted) << st[r].ToString();
-    EXPECT_THAT(st[r].message(), HasSubstr("failed before connect: invalid_argument"))
-        << st[r].ToString();
-  }
+  EXPECT_TRUE(st[engine].code() == StatusCode::kNotFound ||
+              st[engine].code() == StatusCode::kUnavailable ||
+              st[engine].code() == StatusCode::kAborted)
+      << st[engine].ToString();
+  EXPECT_THAT(st[engine].message(),
+              ::testing::AnyOf(HasSubstr("was not bound"), HasSubstr("failed before connect")));
 }
 
 // Issue 36: a rank that fails at bind (and never calls Connect) fails every peer waiting at
@@ -379,7 +379,10 @@ TEST(SyncSession, ARankFailingAtBindFailsEveryPeerAtOnceNamingItAndItsError) {
   EXPECT_EQ(st[bad].code(), StatusCode::kInvalidArgument) << st[bad].ToString();
   for (int r = 0; r < job.world(); ++r) {
     if (r == bad) continue;
-    EXPECT_EQ(st[r].code(), StatusCode::kAborted) << "rank " << r << ": " << st[r].ToString();
+    // Aborted from its presence key, or Unavailable from a peer that saw it first and left
+    // (its reason carries this one).
+    EXPECT_TRUE(st[r].code() == StatusCode::kAborted || st[r].code() == StatusCode::kUnavailable)
+        << "rank " << r << ": " << st[r].ToString();
     EXPECT_THAT(st[r].message(), HasSubstr("sync rank " + std::to_string(bad) +
                                            " failed before connect: invalid_argument"));
     EXPECT_THAT(st[r].message(), HasSubstr(p.name)) << "its own error, naming the tensor";

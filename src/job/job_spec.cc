@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "job/internal.h"
@@ -273,6 +274,14 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
                                 std::to_string(f.timeout_ms));
   }
   job.timeout = Millis(f.timeout_ms);
+  if (f.timeout_auto && all_local) {
+    // Every rank of a local job shares this host's cores: a sync on 8 ranks over 2 busy cores
+    // takes several times what it takes with a core each (issue 36: the default bench's first
+    // sync outlasted 60 s at load 20 on 2 cores).
+    const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+    const int64_t per_core = (SyncWorldSize(in) + cores - 1) / cores;
+    job.timeout = Millis(std::min<int64_t>(f.timeout_ms * per_core, 86400000));
+  }
   if (f.setup_timeout_s < 1 || f.setup_timeout_s > 86400) {
     return InvalidArgumentError("--setup-timeout-s: must be in [1, 86400], got " +
                                 std::to_string(f.setup_timeout_s));

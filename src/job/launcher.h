@@ -62,6 +62,10 @@ struct JobFlags {
   int syncs = 1;
   std::string transport = "auto";  // auto: see JobSpecFromFlags
   int64_t timeout_ms = 60000;
+  // timeout_ms scaled to the job when every rank runs on this host (JobSpecFromFlags' all_local):
+  // times the ranks per CPU core, since they share the cores. The CLI sets it unless
+  // --timeout-ms was given.
+  bool timeout_auto = false;
   int64_t setup_timeout_s = 900;
   std::string mode = "sync";
   int warmup = 1;

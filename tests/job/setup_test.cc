@@ -136,6 +136,23 @@ TEST(LocalJobResult, FailureReportListsEveryFailingRankCausesFirst) {
   EXPECT_EQ(res.FailureReport(), "");
 }
 
+TEST(JobFlags, TheDefaultTimeoutOfALocalJobScalesWithTheRanksPerCore) {
+  JobFlags f;  // 8 ranks
+  f.timeout_auto = true;
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  auto local = JobSpecFromFlags(f, /*all_local=*/true);
+  ASSERT_TRUE(local.ok()) << local.status().ToString();
+  EXPECT_EQ(local->timeout, Millis(60000 * std::max<int64_t>(1, (8 + cores - 1) / cores)));
+  auto run = JobSpecFromFlags(f, /*all_local=*/false);  // `run`: ranks anywhere
+  ASSERT_TRUE(run.ok());
+  EXPECT_EQ(run->timeout, Millis(60000));
+  f.timeout_auto = false;  // --timeout-ms given
+  f.timeout_ms = 1234;
+  auto given = JobSpecFromFlags(f, /*all_local=*/true);
+  ASSERT_TRUE(given.ok());
+  EXPECT_EQ(given->timeout, Millis(1234));
+}
+
 TEST(JobFlags, SetupTimeoutIsAFlagThatReachesTheChildren) {
   JobFlags f;
   f.setup_timeout_s = 0;

@@ -88,7 +88,18 @@ Status SetupBarrier::Wait() {
     // Slices, so the error can say which ranks are still setting up.
     auto got = store_.GetMany(keys, std::clamp(left, Millis(1), Millis(1000)));
     if (got.ok()) break;
-    if (got.status().code() == StatusCode::kUnavailable) return PeerGone(got.status(), world);
+    if (got.status().code() == StatusCode::kUnavailable) {
+      // A rank that is ready may end (its connection closes) before this one reads: only the
+      // alive keys of ranks not yet ready still matter.
+      std::vector<std::string> still = std::vector<std::string>(keys.begin(), keys.begin() + world);
+      for (int r = 0; r < world; ++r) {
+        if (!store_.Get(keys[r], Millis(0)).ok())
+          still.push_back(SetupKey(job_, launch_, "alive", r));
+      }
+      if (still.size() == keys.size()) return PeerGone(got.status(), world);
+      keys = std::move(still);
+      continue;
+    }
     if (got.status().code() != StatusCode::kDeadlineExceeded) {
       return got.status().Annotate("sync rank " + std::to_string(rank_) +
                                    " waiting for every rank's setup");

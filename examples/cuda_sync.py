@@ -28,6 +28,7 @@ import shardsync  # noqa: E402
 
 
 def main() -> int:
+    host_sync.require_torch("cuda_sync")
     if not shardsync.native().DEVICE_BINDING:
         sys.exit("cuda_sync: this shardsync was built without CUDA (shardsync._C.DEVICE_BINDING "
                  "is false); reinstall with nvcc on PATH (pip install . builds the CUDA layers "

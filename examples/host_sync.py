@@ -122,6 +122,18 @@ def launch_local(world: int, argv, timeout: float) -> int:
     return max(p.returncode for p in procs)
 
 
+def require_torch(prog: str) -> None:
+    """Checked once, before any rank starts: without torch every rank would die with its own
+    traceback. A pyenv / conda python3 first on PATH has no torch; Debian's (/usr/bin/python3,
+    python3-torch) has."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        sys.exit(f"{prog}: this python ({sys.executable}) cannot import torch ({e}); make the venv "
+                 "from Debian's python, which has it: /usr/bin/python3 -m venv "
+                 "--system-site-packages v (README, 'From Python')")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -136,6 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="where tensors live (cuda: examples/cuda_sync.py)")
     args = ap.parse_args(argv)
+    if "RANK" not in os.environ:
+        require_torch("host_sync")
 
     # Every rank builds the same plan; a layout the engine would refuse fails here, named.
     plan = shardsync.Plan(args.model, args.trainer, args.rollout, engine=args.engine,
@@ -179,8 +193,7 @@ def run_rank(plan: shardsync.Plan, args: argparse.Namespace) -> int:
     else:
         # The engine rank's own parameters, as the engine names and shapes them on this rank.
         mine = plan.shard_map().rank(who["tp_rank"], who["pp_rank"])
-        params = {p.name: torch.zeros(p.shape, dtype=torch.bfloat16, device=device)
-                  for p in mine.params}
+        params = shardsync.allocate_params(mine.params, device)  # zeros, the wire dtype (bf16)
         for name, tensor in params.items():
             session.bind_destination(name, tensor)
         role = (f"engine replica {who['replica']} tp {who['tp_rank']} pp {who['pp_rank']}: "

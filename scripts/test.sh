@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Installs deps, builds, runs every test: C++ via ctest, then the Python package as a user gets it
 # (pip-installed into a venv, from the same build: nothing compiles twice) with its tests run
-# against that install from another directory. What CI runs.
+# against that install from another directory. What CI runs. Builds every target (tests, benches,
+# the CUDA code whenever nvcc is present: CI compiles the GPU code it cannot run), in the build/
+# dir `scripts/demo.sh` may have started: the layers it built are reused, and CUDA goes back to
+# AUTO (the demo turns it off on a machine with no GPU; the layers that link the CUDA code, job
+# and the CLI, then compile again). SHARDSYNC_CUDA=OFF|ON overrides.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 bash scripts/install-deps.sh
-bash scripts/build.sh
+bash scripts/build.sh -DSHARDSYNC_CUDA="${SHARDSYNC_CUDA:-AUTO}"
 ctest --test-dir build --output-on-failure -j"$(nproc)" --timeout 300
 
 venv=$root/build/venv

@@ -252,6 +252,11 @@ class SyncSession {
   // Engine ranks: one binding per parameter of this engine rank (shape as the shard map says,
   // dtype equal to the wire dtype so bytes land without a copy). Checked fully at Connect.
   virtual Status BindDest(const DestBinding& b) = 0;
+  // A failed BindSource / BindDest ends this rank before connect, and so does this call (for an
+  // error of the caller's own, e.g. an exception in the framework code that prepares the
+  // tensors): the rank's presence key (created with the session) is marked dead with `why`, and
+  // every peer waiting at Connect fails at once naming this rank and `why`. No-op once connected.
+  virtual void FailBeforeConnect(const std::string& why) = 0;
   // The engine parameters this rank must bind (empty for trainer ranks).
   virtual const std::vector<EngineParam>& ExpectedParams() const = 0;
   // Trainer ranks: the local parameters this rank holds (its trainer map, BuildTrainerParams:

@@ -35,6 +35,7 @@ from .store import StoreClient, StoreServer, new_launch
 from .adapters import (
     MegatronSources,
     TrainerSources,
+    allocate_params,
     bind_engine,
     bind_trainer,
     check_engine_params,
@@ -80,6 +81,7 @@ __all__ = [
     "trainer_sources",
     "bind_trainer",
     "bind_engine",
+    "allocate_params",
     "check_engine_params",
     "has_part",
     "native",

@@ -419,7 +419,7 @@ def engine_dtype(param: Any, wire_dtype: str) -> str:
 
 def check_engine_params(
     expected: Sequence[Any],
-    named_parameters: Iterable[Tuple[str, Any]],
+    named_parameters: Any,
     *,
     rename: Optional[Callable[[str], Optional[str]]] = None,
     ignore_extra: bool = False,
@@ -434,7 +434,7 @@ def check_engine_params(
     `ignore_extra`) an engine parameter the shard map does not know.
     """
     params: Dict[str, Any] = {}
-    for name, t in named_parameters:
+    for name, t in _named_items(named_parameters):
         n = rename(name) if rename else name
         if n is not None:
             params[n] = t
@@ -477,9 +477,34 @@ def check_engine_params(
     return out
 
 
-def bind_engine(session: Any, named_parameters: Iterable[Tuple[str, Any]], **kwargs: Any) -> int:
+def _named_items(named: Any) -> Iterable[Tuple[str, Any]]:
+    """(name, tensor) pairs of a mapping ({name: tensor}), a module (its named_parameters()) or
+    an iterable of pairs (named_parameters() itself)."""
+    if isinstance(named, Mapping):
+        return named.items()
+    np_fn = getattr(named, "named_parameters", None)
+    if callable(np_fn):
+        return np_fn()
+    return named
+
+
+def allocate_params(params: Iterable[Any], device: Any = "cpu") -> Dict[str, Any]:
+    """Zeroed torch tensors for engine parameters (`session.expected_params()`, or
+    `plan.shard_map().rank(tp, pp).params`): {name: tensor}, each with its local shape and the
+    dtype a session binds (`param.torch_dtype`), on `device`. What an engine rank without an
+    engine of its own (tests, examples) binds with `bind_engine(session, tensors)`."""
+    import torch
+
+    return {p.name: torch.zeros(tuple(p.shape), dtype=getattr(torch, p.torch_dtype),
+                                device=device)
+            for p in params}
+
+
+def bind_engine(session: Any, named_parameters: Any, **kwargs: Any) -> int:
     """Binds an engine rank's parameters (by engine names, local shapes) as destinations after
-    check_engine_params against the session's shard map. Returns how many were bound."""
+    check_engine_params against the session's shard map: `named_parameters` is a mapping
+    {name: tensor}, a module (its named_parameters()) or (name, tensor) pairs. Returns how many
+    were bound."""
     kwargs.setdefault("wire_dtype", session.plan.wire_dtype)
     pairs = check_engine_params(session.expected_params(), named_parameters, **kwargs)
     for n, t in pairs:

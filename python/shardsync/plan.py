@@ -95,7 +95,9 @@ class Plan:
         quant: the engines' weights: "fp8-block128" (block FP8: float8_e4m3fn weights with an fp32
             weight_scale_inv per 128 x 128 block, quantized at sync time; docs/fp8.md), "none"
             (the model dtype, dropping a config's quantization_config), or None (as the config
-            says). A block-FP8 layout the engines refuse (a shard off the 128 grid) fails here
+            says). "fp8", SGLang's and vLLM's spelling, means what it means to them: block FP8
+            when the config's quantization_config has weight_block_size [128, 128] (then the
+            same as None), per-tensor FP8 otherwise, which is refused (InvalidArgumentError). A block-FP8 layout the engines refuse (a shard off the 128 grid) fails here
             naming the tensor.
         fp8_split: block FP8 only, for 128 x 128 blocks whose rows straddle FSDP trainer ranks:
             "amax" (the default: the holders exchange per-block amax through the store each sync
@@ -350,9 +352,12 @@ class Plan:
         return self.inputs.model.hf_tensors()
 
     def shard_map(self) -> "ShardMap":
-        """The engine-side shard map of one replica under this plan's layout."""
-        return shard_map(self.inputs.model, self.engine, self.tp, self.pp, self.ep,
-                         self.pp_partition, expert_naming=self.expert_naming)
+        """The engine-side shard map of one replica under this plan's layout, each parameter's
+        dtype the one an engine rank binds: the plan's wire dtype (block-FP8 weights "F8_E4M3"
+        and their "F32" weight_scale_inv as they are), as `Session.expected_params()` says."""
+        return native("model").build_shard_map(
+            _model_arg(self.inputs.model), self.engine, self.tp, self.pp, self.ep,
+            list(self.pp_partition), self.expert_naming, self.wire_dtype)
 
     def __repr__(self) -> str:
         ep = f",ep={self.ep}" if self.ep > 1 else ""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from typing import (
-    TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union)
+    TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union)
 
 from ._native import native
 from .errors import FailedPreconditionError, InvalidArgumentError
@@ -251,27 +251,53 @@ class Session:
         shape, and no region. Passing `chunk` binds a local parameter on FSDP-like layouts too
         (named like its HF tensor). `shardsync.bind_trainer(session, model_chunks)` does this
         for every parameter of a Megatron model."""
-        self._resolve_device(tensor)
-        host = self._stage(tensor, f"source '{hf_name}'")
-        if host is not None:
-            self._native.bind_source(hf_name, host, region, chunk)
-            self._staged_sources.append((tensor, host))
-        else:
-            with _device_guard(tensor):
-                self._native.bind_source(hf_name, tensor, region, chunk)
+        with self._failing_before_connect(f"bind_source('{hf_name}')"):
+            self._resolve_device(tensor)
+            host = self._stage(tensor, f"source '{hf_name}'")
+            if host is not None:
+                self._native.bind_source(hf_name, host, region, chunk)
+                self._staged_sources.append((tensor, host))
+            else:
+                with _device_guard(tensor):
+                    self._native.bind_source(hf_name, tensor, region, chunk)
 
     def bind_destination(self, name: str, tensor: "SupportsDLPack") -> None:
         """Engine ranks: parameter `name` (the engine's name, e.g.
         "model.layers.3.self_attn.qkv_proj.weight") with its local shape and the wire dtype;
         each sync writes into it in place."""
-        self._resolve_device(tensor)
-        host = self._stage(tensor, f"destination '{name}'")
-        if host is not None:
-            self._native.bind_destination(name, host)
-            self._staged_dests.append((tensor, host))
-        else:
-            with _device_guard(tensor):
-                self._native.bind_destination(name, tensor)
+        with self._failing_before_connect(f"bind_destination('{name}')"):
+            self._resolve_device(tensor)
+            host = self._stage(tensor, f"destination '{name}'")
+            if host is not None:
+                self._native.bind_destination(name, host)
+                self._staged_dests.append((tensor, host))
+            else:
+                with _device_guard(tensor):
+                    self._native.bind_destination(name, tensor)
+
+    def fail_before_connect(self, why: "str | BaseException") -> None:
+        """This rank will not connect: every peer waiting in `connect()` fails at once, naming
+        this rank and `why` (an exception: its type and message), instead of at its
+        connect_timeout. A failed bind_* call does this itself; call it for an error of your own
+        between creating the session and `connect()` (e.g. `except Exception as e:
+        session.fail_before_connect(e); raise`). No-op once connected."""
+        if isinstance(why, BaseException):
+            why = f"{type(why).__name__}: {why}"
+        self._native.fail_before_connect(str(why))
+
+    @contextlib.contextmanager
+    def _failing_before_connect(self, what: str) -> "Iterator[None]":
+        """An exception inside (a bind's, the native one's or a conversion's) is posted to the
+        peers before it propagates: the rank cannot connect without that binding."""
+        try:
+            yield
+        except Exception as e:
+            if not self._connected:
+                try:
+                    self.fail_before_connect(f"{what}: {type(e).__name__}: {e}")
+                except Exception:  # a closed session: the original error matters, not this
+                    pass
+            raise
 
     def bind_sources(self, tensors: "Mapping[str, SupportsDLPack]") -> None:
         """`bind_source` for every (HF name, shard) of a mapping, each with its default region."""
@@ -292,13 +318,18 @@ class Session:
         """Collective: joins the job (rank 0 claims `prefix`, the others join its claim), checks
         plan hashes and bindings on every rank, connects the transport. A rank that is gone (its
         process exited, or its session closed) fails every rank waiting on it within about a
-        second, naming it."""
+        second, naming it; so does a rank whose bind failed (or that called
+        `fail_before_connect`) since its Session was created: the others raise AbortedError
+        naming it and its error. A connect that times out (DeadlineExceededError) names the ranks
+        that never reached connect()."""
         self._native.connect()
         self._connected = True
 
     def sync(self, version: int) -> "SyncReport":
-        """Replays the plan for `version` (greater than the last good one, equal on every rank,
-        1 .. shardsync._C.MAX_SYNC_VERSION = 2**63 - 1, else InvalidArgumentError).
+        """Replays the plan for `version`: equal on every rank, in 1 ..
+        shardsync._C.MAX_SYNC_VERSION = 2**63 - 1 (else InvalidArgumentError), and greater than
+        every version this rank attempted before (else FailedPreconditionError, "is stale",
+        nothing touched; a failed version is not retried: use a newer one).
         Returns the job-wide report: version, bytes, seconds, gbps, slowest_rank, checksums_ok,
         checksums_total, verified, local, ranks. Raises the shardsync.Error subclass of the
         failure (DataLossError on a checksum mismatch, DeadlineExceededError, UnavailableError,

@@ -1,6 +1,8 @@
 // Model spec (model.h) and shard map (shard_map.h).
 #include <pybind11/stl.h>
 
+#include <optional>
+
 #include "common.h"
 #include "shardsync/model.h"
 #include "shardsync/shard_map.h"
@@ -80,6 +82,9 @@ void RegisterModel(py::module_& m) {
       .def_readonly("shape", &EngineParam::shape)
       .def_property_readonly("dtype",
                              [](const EngineParam& p) { return std::string(DTypeName(p.dtype)); })
+      .def_property_readonly(
+          "torch_dtype", [](const EngineParam& p) { return std::string(DTypeTorchName(p.dtype)); },
+          "torch's name of `dtype` (\"bfloat16\"): getattr(torch, p.torch_dtype)")
       .def_readonly("pieces", &EngineParam::pieces)
       .def_property_readonly("zero_fills",
                              [](const EngineParam& p) {
@@ -147,7 +152,8 @@ void RegisterModel(py::module_& m) {
   m.def(
       "build_shard_map",
       [](py::handle model, const std::string& engine, int tp, int pp, int ep,
-         std::vector<int64_t> pp_partition, const std::string& expert_naming) {
+         std::vector<int64_t> pp_partition, const std::string& expert_naming,
+         const std::string& wire_dtype) {
         ShardSpec spec;
         spec.engine = Unwrap(ParseEngineKind(engine));
         spec.tp = tp;
@@ -155,14 +161,30 @@ void RegisterModel(py::module_& m) {
         spec.ep = ep;
         spec.pp_partition = std::move(pp_partition);
         spec.expert_naming = Unwrap(ParseExpertNaming(expert_naming));
+        std::optional<DType> wire;
+        if (!wire_dtype.empty()) wire = Unwrap(ParseDType(wire_dtype, "wire_dtype"));
         ModelSpec ms = ModelFromPy(model);
         py::gil_scoped_release nogil;
-        return Unwrap(BuildShardMap(ms, spec));
+        ShardMap map = Unwrap(BuildShardMap(ms, spec));
+        if (wire) {
+          // What a session's engine parameters hold (sync/fp8_outline.cc Fp8DestDType): block-FP8
+          // e4m3 weights and their fp32 weight_scale_inv as the map says, the rest wire bytes.
+          for (EngineRankShards& r : map.ranks) {
+            for (EngineParam& p : r.params) {
+              const bool fp8 = p.dtype == DType::kF8E4M3 ||
+                               (p.dtype == DType::kF32 && p.name.ends_with("weight_scale_inv"));
+              if (!fp8) p.dtype = *wire;
+            }
+          }
+        }
+        return map;
       },
       py::arg("model"), py::arg("engine") = "sglang", py::arg("tp") = 1, py::arg("pp") = 1,
       py::arg("ep") = 1, py::arg("pp_partition") = std::vector<int64_t>{},
-      py::arg("expert_naming") = "fused_moe",
-      "The shard map of one replica: which bytes of which HF tensor every engine rank owns.");
+      py::arg("expert_naming") = "fused_moe", py::arg("wire_dtype") = "",
+      "The shard map of one replica: which bytes of which HF tensor every engine rank owns; "
+      "with `wire_dtype`, each parameter's dtype is what a session binds (the wire dtype; "
+      "block-FP8 weights and scales as they are), else the model's.");
 }
 
 }  // namespace shardsync::py_bind

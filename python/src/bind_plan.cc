@@ -17,8 +17,27 @@ PlanInputs MakePlanInputs(py::handle model, const std::string& trainer, const st
                           const std::string& quant, const std::string& fp8_split) {
   PlanInputs in;
   in.model = ModelArg(model);
-  // "fp8-block128" (block-FP8 engine weights), "none" (the model dtype), "" (as the config says).
-  if (!quant.empty()) in.model.quant = Unwrap(ParseQuantFlag(quant));
+  // "fp8-block128" (block-FP8 engine weights), "none" (the model dtype), "" (as the config says),
+  // and the engines' own spelling "fp8": SGLang's and vLLM's `--quantization fp8` is block FP8
+  // only when the checkpoint's quantization_config has weight_block_size (Fp8Config.from_config:
+  // vllm/model_executor/layers/quantization/fp8.py, python/sglang/srt/layers/quantization/fp8.py),
+  // and per-tensor FP8 otherwise, which no shardsync plan produces: accepted as "as the config
+  // says" for a block-128 config, refused otherwise.
+  if (quant == "fp8") {
+    const auto& q = in.model.quant;
+    if (!q || q->block_n != 128 || q->block_k != 128) {
+      ThrowIfError(InvalidArgumentError(
+          "quant: 'fp8' is SGLang's / vLLM's --quantization fp8, which is block FP8 only for a "
+          "checkpoint whose quantization_config has weight_block_size [128, 128], and per-tensor "
+          "FP8 otherwise (not supported); model " +
+          in.model.name + " has " +
+          (q ? "blocks of " + std::to_string(q->block_n) + " x " + std::to_string(q->block_k)
+             : std::string("no quantization_config")) +
+          ": for block-128 FP8 engine weights pass quant='fp8-block128'"));
+    }
+  } else if (!quant.empty()) {
+    in.model.quant = Unwrap(ParseQuantFlag(quant));
+  }
   in.trainer = Unwrap(ParseTrainerSpec(trainer));
   try {
     in.rollout = Unwrap(ParseRolloutSpec(rollout, Unwrap(ParseEngineKind(engine, "engine"))));

@@ -416,6 +416,12 @@ void RegisterSession(py::module_& m) {
            py::arg("region") = py::none(), py::arg("chunk") = py::none())
       .def("bind_destination", &PySession::BindDest, py::arg("name"), py::arg("tensor"))
       .def("connect", &PySession::Connect)
+      .def(
+          "fail_before_connect",
+          [](PySession& s, const std::string& why) { s.session().FailBeforeConnect(why); },
+          py::arg("why"),
+          "This rank cannot connect: every peer waiting at connect() fails now, naming it and "
+          "`why` (SyncSession::FailBeforeConnect).")
       .def("sync", &PySession::Sync, py::arg("version"))
       .def("close", &PySession::Close);
 }

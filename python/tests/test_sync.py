@@ -479,3 +479,70 @@ def test_sync_version_outside_the_range_is_refused(need_session, tiny_model):
                 sessions[0].sync(v)
         for s in sessions:
             s.close()
+
+
+@pytest.mark.parametrize("how", ["bind", "own_error"])
+def test_a_rank_failing_at_bind_fails_the_others_at_once_naming_it(need_session, tiny_model,
+                                                                    how):
+    """Issue 36: one of four ranks raises at bind (a shardsync bind error, or an error of the
+    caller's own posted with fail_before_connect); the other three, waiting in connect() with a
+    60 s timeout, fail within 5 s naming that rank and its error."""
+    import time
+
+    plan = shardsync.Plan(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1", wire_dtype="f32",
+                          trainer_dtype="f32")
+    assert plan.world_size == 4
+    bad = 2  # engine rank tp 0
+    hub = shardsync.LoopbackHub()
+    full = reference_weights(plan)
+    with shardsync.StoreServer(token=TOKEN) as srv:
+        sessions = [shardsync.Session(plan, r, srv.address, token=TOKEN, transport="loopback",
+                                      hub=hub, connect_timeout=60, job_id="issue36")
+                    for r in range(plan.world_size)]
+        ended = {}
+        t0 = time.monotonic()
+
+        def body(r):
+            s = sessions[r]
+            try:
+                if r == bad:
+                    time.sleep(0.3)  # the others are waiting in connect()
+                    p = s.expected_params()[0]
+                    if how == "bind":
+                        s.bind_destination(p.name, np.zeros([d + 1 for d in p.shape], np.float32))
+                    try:
+                        raise RuntimeError("the engine's weight loader is not ready")
+                    except RuntimeError as e:
+                        s.fail_before_connect(e)
+                        raise
+                if s.is_trainer:
+                    for name, shape, _ in plan.hf_tensors():
+                        region = plan.held_region(r, shape)
+                        if region.numel:
+                            s.bind_source(name, np.ascontiguousarray(full[name][region.slices()]))
+                else:
+                    for p in s.expected_params():
+                        s.bind_destination(p.name, np.zeros(p.shape, np.float32))
+                s.connect()
+                return "connected"
+            finally:
+                ended[r] = time.monotonic() - t0
+
+        out = _threads(plan, body)
+        for s in sessions:
+            s.close()
+    if how == "bind":
+        assert isinstance(out[bad], shardsync.InvalidArgumentError), out[bad]
+        why = "the shard map says"
+    else:
+        assert isinstance(out[bad], RuntimeError), out[bad]
+        why = "RuntimeError: the engine's weight loader is not ready"
+    for r in range(plan.world_size):
+        if r == bad:
+            continue
+        # AbortedError from its presence key, or UnavailableError from a peer that saw it first
+        # and left (whose reason carries this one).
+        assert isinstance(out[r], (shardsync.AbortedError, shardsync.UnavailableError)), (r, out[r])
+        assert f"sync rank {bad} failed before connect" in str(out[r]), (r, out[r])
+        assert why in str(out[r]), (r, out[r])
+        assert ended[r] < 5.0, (r, ended[r], out[r])

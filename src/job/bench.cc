@@ -74,7 +74,8 @@ class BenchRank {
       }
     }
     for (int i = 0; i < broadcast_reps; ++i) {
-      SS_RETURN_IF_ERROR(Barrier("broadcast/" + std::to_string(i)));
+      // The first waits for the engines' element check and scramble: work, not a sync.
+      SS_RETURN_IF_ERROR(Barrier("broadcast/" + std::to_string(i), i == 0));
       const auto t0 = Clock::now();
       if (rank_ == 0) {
         SS_RETURN_IF_ERROR(bcast_.Send());
@@ -87,7 +88,7 @@ class BenchRank {
     Step();
     // (c) raw transfers of the plan's bytes per (sender, receiver) pair.
     for (int i = 0; i < total; ++i) {
-      SS_RETURN_IF_ERROR(Barrier("raw/" + std::to_string(i)));
+      SS_RETURN_IF_ERROR(Barrier("raw/" + std::to_string(i), i == 0));
       const auto t0 = Clock::now();
       SS_RETURN_IF_ERROR(who_.is_trainer ? RawSend() : RawReceive());
       Record(res_.bench.raw, i, t0);
@@ -132,8 +133,12 @@ class BenchRank {
       std::fclose(f);
     }
   }
-  Status Barrier(const std::string& name) {
-    Status s = store_.Barrier(job_.prefix + "bench/" + name, world_, job_.timeout);
+  // `after_work`: the barrier follows a phase of local work (the engines' element check of
+  // every parameter: a minute on a loaded 2-core machine), bounded like setup, not by
+  // --timeout-ms.
+  Status Barrier(const std::string& name, bool after_work = false) {
+    Status s = store_.Barrier(job_.prefix + "bench/" + name, world_,
+                              after_work ? job_.setup_timeout : job_.timeout);
     cpu_mark_ = CpuSeconds();  // the barrier's own waiting is not the variant's work
     return s;
   }
@@ -180,6 +185,18 @@ class BenchRank {
     };
     SS_ASSIGN_OR_RETURN(session_, sync_internal::CreateHarnessSession(in_, rank_, store_, tx_, opt,
                                                                       std::move(hooks)));
+    // Rank 0 fills the whole model for the broadcast baseline: minutes on a loaded 2-core
+    // machine. Connect's timeout starts once every rank is set up.
+    job_internal::SetupBarrier setup(job_, rank_, store_);
+    SS_RETURN_IF_ERROR(setup.Begin());
+    if (Status s = Fill(); !s.ok()) return setup.Fail(s);
+    SS_RETURN_IF_ERROR(setup.Wait());
+    SS_RETURN_IF_ERROR(session_->Connect());
+    return ReadPeerRegions();
+  }
+
+  // This rank's synthetic weights and bindings, the baselines' buffers and its raw offsets.
+  Status Fill() {
     const RankPlan& plan = session_->plan();
     if (who_.is_trainer) {
       SS_ASSIGN_OR_RETURN(shards_, job_internal::FillTrainerShards(job_, who_.trainer_rank));
@@ -203,8 +220,12 @@ class BenchRank {
       raw_.assign(std::max<int64_t>(total, 1), 0);
       res_.bench.bytes = total;
     }
-    SS_RETURN_IF_ERROR(session_->Connect());
-    // Remote region ids and raw offsets of the peers this rank sends to.
+    return OkStatus();
+  }
+
+  // Remote region ids and raw offsets of the peers this rank sends to.
+  Status ReadPeerRegions() {
+    const RankPlan& plan = session_->plan();
     const auto deadline = Clock::now() + job_.timeout;
     auto get = [&](const std::string& k) -> Result<std::string> {
       auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
@@ -404,7 +425,7 @@ Status job_internal::RunBenchRank(const JobSpec& job, int rank, const SyncRank& 
 }
 
 Result<BenchSummary> SummarizeBench(const LocalJobResult& job) {
-  if (!job.ok()) return AbortedError("bench: " + job.FirstError());
+  if (!job.ok()) return AbortedError("bench: " + job.FailureReport());
   BenchSummary s;
   s.verified = true;
   size_t reps = 0;

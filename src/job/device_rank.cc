@@ -74,6 +74,7 @@ class DeviceRank {
   Status Verify(const char* after);
   Status Dump();
   Status SetupBroadcast();
+  Status SetupBroadcastSource();
   Status BroadcastSend();
   Status BroadcastReceive();
   Status RawMemcpy();
@@ -103,7 +104,8 @@ class DeviceRank {
   // in the wire dtype; each engine receives round r into slot r % 2 and slices its pieces out.
   std::vector<job_internal::BcastBucket> rounds_;
   std::vector<int64_t> full_offsets_;
-  std::unique_ptr<gpu::DeviceBuffer> full_;
+  std::unique_ptr<gpu::DeviceBuffer> full_;   // trainer 0, unless its shards are that image
+  const unsigned char* full_src_ = nullptr;   // trainer 0: full_, or its shards' buffer
   std::unique_ptr<gpu::DeviceBuffer> slots_;  // engines: 2 x the largest round
   int64_t slot_bytes_ = 0;
   std::vector<std::unique_ptr<gpu::CopyBatch>> slices_;  // engines: per round (null: nothing)
@@ -147,9 +149,14 @@ Status DeviceRank::Setup(bool bench) {
   }
   SS_ASSIGN_OR_RETURN(session_, sync_internal::CreateHarnessSession(in_, rank_, store_, tx_, opt,
                                                                     std::move(hooks)));
-  SS_RETURN_IF_ERROR(who_.is_trainer ? FillTrainer() : AllocEngine());
+  job_internal::SetupBarrier setup(job_, rank_, store_);
+  SS_RETURN_IF_ERROR(setup.Begin());
+  Status filled = who_.is_trainer ? FillTrainer() : AllocEngine();
+  if (filled.ok() && bench && !in_.model.quant) filled = SetupBroadcastSource();
+  if (!filled.ok()) return setup.Fail(filled);
   res_.setup_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   Step();
+  SS_RETURN_IF_ERROR(setup.Wait());  // connect's timeout starts once every rank is set up
   SS_RETURN_IF_ERROR(session_->Connect());
   std::string routes;
   for (const Message& m : session_->plan().sends) {
@@ -389,6 +396,7 @@ Status DeviceRank::RunBench() {
     SS_RETURN_IF_ERROR(Verify("broadcast-all"));
   }
   full_.reset();  // the ceilings' buffers take their place (32B: 64 GiB on trainer 0's GPU)
+  full_src_ = nullptr;
   slots_.reset();
   slices_.clear();
   Step();
@@ -416,21 +424,40 @@ Status DeviceRank::SetupBroadcast() {
   rounds_ = job_internal::BroadcastBuckets(inv_, DTypeSize(in_.options.wire_dtype),
                                            in_.options.bucket_bytes, &full_offsets_);
   for (const auto& r : rounds_) slot_bytes_ = std::max(slot_bytes_, Align(r.bytes));
-  if (rank_ == 0) {
-    int64_t total = 0;
-    for (const auto& r : rounds_) total += r.bytes;
-    SS_ASSIGN_OR_RETURN(full_, gpu::DeviceBuffer::Allocate(std::max<int64_t>(total, 1), device_));
-    for (size_t t = 0; t < inv_.size(); ++t) {  // the trainer's weights cast to the wire dtype
-      SS_RETURN_IF_ERROR(gpu::FillSyntheticDevice(
-          job_.seed, SyntheticFor(inv_[t].name, inv_[t].shape), inv_[t].shape,
-          Region::Full(inv_[t].shape), in_.options.wire_dtype,
-          static_cast<unsigned char*>(full_->data()) + full_offsets_[t], stream_->handle()));
-    }
-    SS_RETURN_IF_ERROR(SyncStream("broadcast fill"));
-  }
   if (who_.is_trainer) return OkStatus();
   SS_ASSIGN_OR_RETURN(slots_, gpu::DeviceBuffer::Allocate(2 * slot_bytes_, device_));
   return OkStatus();
+}
+
+// Trainer 0's source of the broadcast-all rounds: the whole model in the wire dtype, as a gathered
+// full_tensor() would be. When its own shards already are that image (this rank holds every
+// tensor whole, in the wire dtype, at the offsets the rounds use), they are the source, read
+// only: no third copy of the model on the GPU. Issue 36: qwen3-30b-a3b fsdp=1 on one H200 ran out
+// of memory allocating this copy (61 GB) beside the trainer's and the engines' 122 GB.
+Status DeviceRank::SetupBroadcastSource() {
+  if (rank_ != 0) return OkStatus();
+  bool own = in_.trainer_dtype == in_.options.wire_dtype &&
+             in_.trainer.kind != TrainerSpec::Kind::kMegatron && offsets_.size() == inv_.size();
+  for (size_t t = 0; own && t < inv_.size(); ++t) {
+    own = offsets_[t] == full_offsets_[t] &&
+          TrainerHeldRegion(in_.trainer, who_.trainer_rank, inv_[t].shape) ==
+              Region::Full(inv_[t].shape);
+  }
+  if (own) {
+    full_src_ = static_cast<const unsigned char*>(buf_->data());
+    return OkStatus();
+  }
+  int64_t total = 0;
+  for (const auto& r : rounds_) total += r.bytes;
+  SS_ASSIGN_OR_RETURN(full_, gpu::DeviceBuffer::Allocate(std::max<int64_t>(total, 1), device_));
+  for (size_t t = 0; t < inv_.size(); ++t) {  // the trainer's weights cast to the wire dtype
+    SS_RETURN_IF_ERROR(gpu::FillSyntheticDevice(
+        job_.seed, SyntheticFor(inv_[t].name, inv_[t].shape), inv_[t].shape,
+        Region::Full(inv_[t].shape), in_.options.wire_dtype,
+        static_cast<unsigned char*>(full_->data()) + full_offsets_[t], stream_->handle()));
+  }
+  full_src_ = static_cast<const unsigned char*>(full_->data());
+  return SyncStream("broadcast fill");
 }
 
 // Engine: round r's pieces out of slot r % 2 (prepared once, after the parameters are bound).
@@ -485,7 +512,7 @@ Status DeviceRank::BroadcastSend() {
   };
   for (size_t r = 0; r < rounds_.size(); ++r) {
     ctrl[r] = r;
-    const auto* src = static_cast<const unsigned char*>(full_->data()) + rounds_[r].offset;
+    const auto* src = full_src_ + rounds_[r].offset;
     std::vector<XferId> ids;
     for (int e = S_; e < world_; ++e) {
       if (r >= 2) SS_RETURN_IF_ERROR(ack(e, r - 2));
@@ -540,15 +567,22 @@ Status DeviceRank::BroadcastReceive() {
 }
 
 // cudaMemcpy device-to-device of the bytes the plan lands job-wide, through one pair of buffers
-// of at most 1 GiB (the rate does not depend on the size past a few MiB).
+// of at most 1 GiB (the rate does not depend on the size past a few MiB). The pair is the first
+// 2 GiB of trainer 0's own shards when it holds that much: the last phase that reads them (the
+// broadcast) is over, and nothing is allocated beside the job's memory.
 Status DeviceRank::RawMemcpy() {
-  if (!raw_) {
-    const int64_t chunk = std::min<int64_t>(total_bytes_, int64_t{1} << 30);
-    SS_ASSIGN_OR_RETURN(raw_,
-                        gpu::DeviceBuffer::Allocate(2 * std::max<int64_t>(chunk, 1), device_));
+  const int64_t want = std::max<int64_t>(std::min<int64_t>(total_bytes_, int64_t{1} << 30), 1);
+  unsigned char* a = nullptr;
+  int64_t chunk = want;
+  if (buf_ && static_cast<int64_t>(buf_->bytes()) >= 2 * want) {
+    a = static_cast<unsigned char*>(buf_->data());
+  } else {
+    if (!raw_) {
+      SS_ASSIGN_OR_RETURN(raw_, gpu::DeviceBuffer::Allocate(2 * want, device_));
+    }
+    chunk = static_cast<int64_t>(raw_->bytes() / 2);
+    a = static_cast<unsigned char*>(raw_->data());
   }
-  const int64_t chunk = static_cast<int64_t>(raw_->bytes() / 2);
-  auto* a = static_cast<unsigned char*>(raw_->data());
   for (int64_t done = 0; done < total_bytes_; done += chunk) {
     const int64_t n = std::min(chunk, total_bytes_ - done);
     SS_RETURN_IF_ERROR(gpu::CopyDeviceToDevice(a + chunk, a, n, stream_->handle()));

@@ -46,6 +46,33 @@ Result<int> DeviceOfRank(const JobSpec& job, int rank);
 Status RunDeviceRank(const JobSpec& job, int rank, const SyncRank& who, StoreClient& store,
                      Transport& transport, RankResult& res, const ProgressFn& progress);
 
+// Every rank's setup (allocation, synthetic fill, bindings) before any rank connects
+// (setup_barrier.cc): Begin when setup starts (an ephemeral key per rank: a rank that dies or
+// calls Fail fails the others' Wait at once, naming it and its error), Wait when it is done, for
+// every rank's, bounded by JobSpec::setup_timeout (--setup-timeout-s), not by --timeout-ms.
+class SetupBarrier {
+ public:
+  SetupBarrier(const JobSpec& job, int rank, StoreClient& store)
+      : job_(job), rank_(rank), store_(store) {}
+  Status Begin();
+  // Posts `why` where the other ranks' Wait sees it; returns it.
+  Status Fail(const Status& why);
+  Status Wait();
+  double seconds() const { return seconds_; }  // this rank's wait for the others
+
+ private:
+  Status PeerGone(const Status& first, int world);
+
+  const JobSpec& job_;
+  const int rank_;
+  StoreClient& store_;
+  LaunchId launch_;
+  double seconds_ = 0;
+};
+
+// The key a rank holds while it sets up; a launcher that saw the rank exit marks it dead.
+std::string SetupAliveKey(const std::string& prefix, const std::string& launch, int rank);
+
 // Bench mode of RunRank (bench.cc): sharded, broadcast-all and raw variants.
 Status RunBenchRank(const JobSpec& job, int rank, const SyncRank& who, StoreClient& store,
                     Transport& transport, RankResult& res, const ProgressFn& progress);

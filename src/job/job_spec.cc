@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "job/internal.h"
@@ -38,6 +39,8 @@ std::vector<std::string> JobSpecToArgs(const JobSpec& job) {
       "--reps",          std::to_string(job.bench_reps),
       "--prefix",        job.prefix,
   };
+  a.push_back("--setup-timeout-s");
+  a.push_back(std::to_string(job.setup_timeout.count() / 1000));
   if (!sh.pp_partition.empty()) {
     std::string p;
     for (size_t i = 0; i < sh.pp_partition.size(); ++i) {
@@ -272,6 +275,19 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
                                 std::to_string(f.timeout_ms));
   }
   job.timeout = Millis(f.timeout_ms);
+  if (f.timeout_auto && all_local) {
+    // Every rank of a local job shares this host's cores: a sync on 8 ranks over 2 busy cores
+    // takes several times what it takes with a core each (issue 36: the default bench's first
+    // sync outlasted 60 s at load 20 on 2 cores).
+    const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+    const int64_t per_core = (SyncWorldSize(in) + cores - 1) / cores;
+    job.timeout = Millis(std::min<int64_t>(f.timeout_ms * per_core, 86400000));
+  }
+  if (f.setup_timeout_s < 1 || f.setup_timeout_s > 86400) {
+    return InvalidArgumentError("--setup-timeout-s: must be in [1, 86400], got " +
+                                std::to_string(f.setup_timeout_s));
+  }
+  job.setup_timeout = Millis(f.setup_timeout_s * 1000);
   if (f.mode == "sync") {
     job.mode = JobMode::kSync;
   } else if (f.mode == "bench") {

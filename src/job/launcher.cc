@@ -249,8 +249,22 @@ class DeathNotices {
  public:
   DeathNotices(StoreClient& store, const std::string& prefix, const std::string& job_id)
       : store_(store), prefix_(prefix), job_id_(job_id) {}
+  // The rank's own error, when it posted its result before exiting, rides along: the ranks this
+  // notice fails then say why, not only that it exited.
   void Exited(const Child& c, const std::string& how) {
-    pending_.push_back({c.rank, "(pid " + std::to_string(c.pid) + ") exited (" + how + ")"});
+    std::string why;
+    auto text = store_.Get(prefix_ + "result/" + std::to_string(c.rank), Millis(0));
+    if (text.ok()) {
+      auto r = RankResultFromJson(*text);
+      if (r.ok() && !r->error.empty()) why = ": " + r->error;
+    }
+    const std::string ended = "(pid " + std::to_string(c.pid) + ") exited (" + how + ")" + why;
+    // Ranks still setting up (job_internal::SetupBarrier) wait on its setup key.
+    store_
+        .MarkDead(job_internal::SetupAliveKey(prefix_, job_id_, c.rank),
+                  "sync rank " + std::to_string(c.rank) + " " + ended)
+        .IgnoreError();
+    pending_.push_back({c.rank, ended});
   }
   void Deliver() {
     for (auto it = pending_.begin(); it != pending_.end();) {
@@ -314,7 +328,7 @@ Status Supervise(const LocalJobOptions& o, StoreClient& store, const std::string
       CleanupLogs(children);
       return DeadlineExceededError("launcher: the job exceeded its " +
                                    std::to_string(o.job_timeout.count()) +
-                                   " ms limit; killed ranks " + still);
+                                   " ms limit (--job-timeout-s raises it); killed ranks " + still);
     }
     if (now > failure_deadline) {
       // A rank failed and others did not finish in their own timeout: kill them and report
@@ -384,15 +398,52 @@ bool LocalJobResult::ok() const {
   return true;
 }
 
+namespace {
+
+// An error that only repeats another rank's failure: an abort it posted, its liveness key dead,
+// its launch ended.
+bool EchoesAnother(const std::string& error) {
+  return error.rfind("aborted", 0) == 0 || error.find(" is gone (") != std::string::npos ||
+         error.find("ended before this rank joined") != std::string::npos;
+}
+
+std::string RankName(const RankResult& r) {
+  std::string s = "sync rank " + std::to_string(r.rank);
+  if (r.is_trainer && r.trainer_rank >= 0) {
+    s += " (trainer " + std::to_string(r.trainer_rank) + ")";
+  } else if (!r.is_trainer && r.replica >= 0) {
+    s += " (engine replica " + std::to_string(r.replica) + " tp " + std::to_string(r.tp_rank) +
+         " pp " + std::to_string(r.pp_rank) + ")";
+  }
+  return s;
+}
+
+}  // namespace
+
 std::string LocalJobResult::FirstError() const {
-  // The root cause, not the echo: Aborted errors only repeat another rank's failure.
+  // The root cause, not the echo.
   for (const RankResult& r : ranks) {
-    if (!r.ok && r.error.rfind("aborted", 0) != 0) return r.error;
+    if (!r.ok && !EchoesAnother(r.error)) return r.error;
   }
   for (const RankResult& r : ranks) {
     if (!r.ok) return r.error;
   }
   return "";
+}
+
+std::string LocalJobResult::FailureReport() const {
+  int failed = 0;
+  std::string causes, echoes;
+  for (const RankResult& r : ranks) {
+    if (r.ok) continue;
+    ++failed;
+    const bool echo = EchoesAnother(r.error);
+    (echo ? echoes : causes) +=
+        "\n  " + RankName(r) + (echo ? ", after another rank: " : ": ") + r.error;
+  }
+  if (failed == 0) return "";
+  return std::to_string(failed) + " of " + std::to_string(ranks.size()) +
+         " sync ranks failed, each with its own last error:" + causes + echoes;
 }
 
 Result<LocalJobResult> RunLocalJob(const LocalJobOptions& o) {

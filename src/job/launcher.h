@@ -28,6 +28,9 @@ struct JobSpec {
   int syncs = 1;                       // sync mode: versions 1..syncs
   std::string transport = "loopback";  // "ucx" | "loopback" (in-process only)
   Millis timeout{60000};               // per connect / per sync
+  // Bound of the wait for every rank's setup (allocation and synthetic fill) before connect
+  // (job_internal::SetupBarrier): setup is not counted in `timeout`.
+  Millis setup_timeout{900000};
   JobMode mode = JobMode::kSync;
   int bench_warmup = 1;
   int bench_reps = 5;
@@ -62,6 +65,11 @@ struct JobFlags {
   int syncs = 1;
   std::string transport = "auto";  // auto: see JobSpecFromFlags
   int64_t timeout_ms = 60000;
+  // timeout_ms scaled to the job when every rank runs on this host (JobSpecFromFlags' all_local):
+  // times the ranks per CPU core, since they share the cores. The CLI sets it unless
+  // --timeout-ms was given.
+  bool timeout_auto = false;
+  int64_t setup_timeout_s = 900;
   std::string mode = "sync";
   int warmup = 1;
   int reps = 5;
@@ -155,7 +163,11 @@ struct LocalJobResult {
   std::vector<RankResult> ranks;  // by sync rank
   std::string store_address;
   bool ok() const;
+  // The first failing rank's error that is not an echo of another's (an abort, a peer gone).
   std::string FirstError() const;
+  // Every failing rank on its own line with its last error, root causes before echoes; "" when
+  // every rank succeeded. What the launchers print.
+  std::string FailureReport() const;
 };
 
 // The job-wide bench figures: per repetition the slowest rank's time, then the median.

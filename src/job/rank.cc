@@ -262,6 +262,21 @@ Status job_internal::WriteRankDump(const JobSpec& job, int rank, const SyncRank&
                          {who.replica, who.tp_rank, who.pp_rank});
 }
 
+namespace {
+
+// A rank's last error as the launchers print it: a deadline names the flag that raises it
+// (issue 36: users saw "exit code 1" and never learned of --timeout-ms).
+std::string RankError(const JobSpec& job, const Status& s) {
+  std::string e = s.ToString();
+  if (s.code() == StatusCode::kDeadlineExceeded && e.find(" --") == std::string::npos) {
+    e += " (--timeout-ms " + std::to_string(job.timeout.count()) +
+         " bounds connect and each sync; raise it on a loaded machine)";
+  }
+  return e;
+}
+
+}  // namespace
+
 Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Transport& transport,
                            const ProgressFn& progress) {
   auto step = [&] {
@@ -279,7 +294,7 @@ Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Tra
     Status s = job.device == "cuda" ? RunDeviceRank(job, rank, who, store, transport, res, progress)
                                     : RunBenchRank(job, rank, who, store, transport, res, progress);
     res.ok = s.ok();
-    if (!s.ok()) res.error = s.ToString();
+    if (!s.ok()) res.error = RankError(job, s);
     res.peak_rss_bytes = PeakRssBytes();
     return res;
   }
@@ -292,26 +307,34 @@ Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Tra
   opt.connect_timeout = job.timeout;
   opt.sync_timeout = job.timeout;
   SS_ASSIGN_OR_RETURN(auto session, SyncSession::Create(job.inputs, rank, store, transport, opt));
+  SetupBarrier setup(job, rank, store);
+  SS_RETURN_IF_ERROR(setup.Begin());
   const auto t0 = Clock::now();
   TrainerShards shards;
   EngineParams params;
-  if (who.is_trainer) {
-    SS_ASSIGN_OR_RETURN(shards, FillTrainerShards(job, who.trainer_rank));
-    for (const SourceBinding& b : shards.bindings) SS_RETURN_IF_ERROR(session->BindSource(b));
-  } else {
-    SS_ASSIGN_OR_RETURN(
-        params, AllocateEngineParams(session->ExpectedParams(), job.inputs.options.wire_dtype));
-    for (const DestBinding& b : params.bindings) SS_RETURN_IF_ERROR(session->BindDest(b));
-  }
+  auto fill = [&]() -> Status {
+    if (who.is_trainer) {
+      SS_ASSIGN_OR_RETURN(shards, FillTrainerShards(job, who.trainer_rank));
+      for (const SourceBinding& b : shards.bindings) SS_RETURN_IF_ERROR(session->BindSource(b));
+    } else {
+      SS_ASSIGN_OR_RETURN(
+          params, AllocateEngineParams(session->ExpectedParams(), job.inputs.options.wire_dtype));
+      for (const DestBinding& b : params.bindings) SS_RETURN_IF_ERROR(session->BindDest(b));
+    }
+    return OkStatus();
+  };
+  if (Status s = fill(); !s.ok()) return setup.Fail(s);
   res.setup_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   step();
   auto finish = [&](const Status& s) {
     res.ok = s.ok();
     res.poisoned = session->IsPoisoned();
-    if (!s.ok()) res.error = s.ToString();
+    if (!s.ok()) res.error = RankError(job, s);
     res.peak_rss_bytes = PeakRssBytes();
     return res;
   };
+  // Connect's timeout starts once every rank is set up.
+  if (Status s = setup.Wait(); !s.ok()) return finish(s);
   Status cs = session->Connect();
   if (!cs.ok()) return finish(cs);
   step();

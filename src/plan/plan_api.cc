@@ -2,6 +2,7 @@
 #include <chrono>
 
 #include "plan/fp8_planner.h"
+#include "plan/megatron.h"
 #include "plan/planner.h"
 
 namespace shardsync {
@@ -36,6 +37,18 @@ Result<PlanSummary> SummarizePlan(const PlanInputs& in) {
 }
 
 Status ValidatePlanInputs(const PlanInputs& in) {
+  // A Megatron trainer's layout on this model (its dims and every chunk's layers), so a Plan that
+  // constructs can be planned (issue 36: megatron=tp=2,pp=8 on a 4-layer model constructed and
+  // failed only at its first use).
+  if (in.trainer.kind == TrainerSpec::Kind::kMegatron) {
+    const MegatronLayout& m = in.trainer.megatron;
+    SS_RETURN_IF_ERROR(plan_internal::ComputeMegatronDims(in.model, m).status());
+    for (int p = 0; p < m.pp; ++p) {
+      for (int c = 0; c < m.vpp; ++c) {
+        SS_RETURN_IF_ERROR(MegatronChunkLayers(m, in.model.num_hidden_layers, p, c).status());
+      }
+    }
+  }
   // Block FP8: the FP8 planner's checks, the 128 grid of every quantized piece included (builds
   // the shard map: milliseconds).
   if (in.model.quant) return plan_internal::Fp8Context::Build(in).status();

@@ -6,12 +6,13 @@
 
 #include <algorithm>
 
+#include "plan/plan_hash.h"
 #include "shardsync/fp8_plan.h"
 #include "shardsync/plan.h"
 
 namespace shardsync {
 
-std::string PlanHash(const PlanInputs& in) {
+std::string PlanHashText(const PlanInputs& in) {
   // Canonical text of everything that defines the plan. The model's name/path is left out (ranks
   // may read the same config from different paths); mlp_only_layers is a set, so it is sorted.
   const ModelSpec& m = in.model;
@@ -69,8 +70,48 @@ std::string PlanHash(const PlanInputs& in) {
   }
   kv("wire_dtype", DTypeName(in.options.wire_dtype));
   kv("bucket_bytes", in.options.bucket_bytes);
+  return s;
+}
+
+std::string PlanHash(const PlanInputs& in) {
+  const std::string s = PlanHashText(in);
   const XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
   return fmt::format("{:016x}{:016x}", h.high64, h.low64);
+}
+
+std::string FirstPlanDifference(std::string_view mine, std::string_view theirs,
+                                std::string_view who) {
+  // Both are "key=value\n" lines in one order; a key only one side has (a field added for
+  // non-default values, e.g. quant) counts as a difference too.
+  auto lines = [](std::string_view t) {
+    std::vector<std::pair<std::string_view, std::string_view>> out;
+    for (size_t at = 0; at < t.size();) {
+      size_t nl = t.find('\n', at);
+      if (nl == std::string_view::npos) nl = t.size();
+      const std::string_view line = t.substr(at, nl - at);
+      const size_t eq = line.find('=');
+      out.emplace_back(line.substr(0, eq),
+                       eq == std::string_view::npos ? std::string_view() : line.substr(eq + 1));
+      at = nl + 1;
+    }
+    return out;
+  };
+  const auto a = lines(mine), b = lines(theirs);
+  auto value_in = [](const auto& v, std::string_view k) -> std::string {
+    for (const auto& [key, val] : v) {
+      if (key == k) return std::string(val);
+    }
+    return "(absent)";
+  };
+  auto say = [&](std::string_view k) {
+    return std::string(k) + " is " + value_in(a, k) + " here and " + value_in(b, k) + " on " +
+           std::string(who);
+  };
+  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+    if (i < a.size() && i < b.size() && a[i] == b[i]) continue;
+    return say(i < a.size() ? a[i].first : b[i].first);
+  }
+  return "";
 }
 
 std::string_view Fp8SplitName(Fp8Split s) { return s == Fp8Split::kAmax ? "amax" : "stage"; }

@@ -151,9 +151,17 @@ Result<DetailedSummary> PlanContext::Summarize(const SummaryOptions& opts) const
 std::string HeatmapSvg(const DetailedSummary& s, std::string_view title) {
   const Heatmap& h = s.heatmap;
   const int cell = std::clamp(640 / std::max({h.rows, h.cols, 1}), 4, 40);
-  const int left = 110, top = 60, legend_w = 260;
-  const int W = left + h.cols * cell + 40, H = top + h.rows * cell + 110;
-  const int width = std::max(W, left + legend_w + 40);
+  // Engine columns are labelled "r<replica> tp<t> pp<p>" written downwards below the grid.
+  const int left = 110, top = 60, legend_w = 260, col_labels = 78;
+  const int W = left + h.cols * cell + 40, H = top + h.rows * cell + 110 + col_labels;
+  const std::string subtitle = fmt::format(
+      "bytes sent, trainer rank (rows, {} per block) x engine rank (columns, {} per block)",
+      h.trainer_block, h.engine_block);
+  // Wide enough for the title (14 px) and the subtitle (11 px) at about 0.6 em per character, so
+  // neither is clipped on a narrow grid (issue 36).
+  const int text_w =
+      12 + static_cast<int>(std::max(title.size() * 8.4, subtitle.size() * 6.6)) + 20;
+  const int width = std::max({W, left + legend_w + 40, text_w});
   int64_t vmax = 0;
   for (int64_t b : h.bytes) vmax = std::max(vmax, b);
   auto color = [&](int64_t b) {
@@ -191,11 +199,8 @@ std::string HeatmapSvg(const DetailedSummary& s, std::string_view title) {
     else
       esc += ch;
   }
-  o += fmt::format("<text x=\"{}\" y=\"20\" font-size=\"14\">{}</text>\n", left, esc);
-  o += fmt::format(
-      "<text x=\"{}\" y=\"40\">bytes sent, trainer rank (rows, {} per block) x engine rank "
-      "(columns, {} per block)</text>\n",
-      left, h.trainer_block, h.engine_block);
+  o += fmt::format("<text x=\"12\" y=\"20\" font-size=\"14\">{}</text>\n", esc);
+  o += fmt::format("<text x=\"12\" y=\"40\">{}</text>\n", subtitle);
   for (int r = 0; r < h.rows; ++r) {
     for (int c = 0; c < h.cols; ++c) {
       const int64_t b = h.bytes[static_cast<size_t>(r) * h.cols + c];
@@ -213,19 +218,28 @@ std::string HeatmapSvg(const DetailedSummary& s, std::string_view title) {
     o += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"end\">t{}</text>\n", left - 4,
                      top + r * cell + cell / 2 + 4, r * h.trainer_block);
   }
+  const std::vector<EngineRankSummary>& er = s.summary.engine_ranks;
   for (int c = 0; c < h.cols; c += cstep) {
-    o += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">e{}</text>\n",
-                     left + c * cell + cell / 2, top + h.rows * cell + 14, c * h.engine_block);
+    const int j = c * h.engine_block;  // the block's first engine rank
+    const std::string label =
+        j < static_cast<int>(er.size())
+            ? fmt::format("r{} tp{} pp{}", er[j].replica, er[j].tp_rank, er[j].pp_rank)
+            : fmt::format("e{}", j);
+    const int x = left + c * cell + cell / 2 + 4, y = top + h.rows * cell + 6;
+    o += fmt::format(
+        "<text x=\"{}\" y=\"{}\" transform=\"rotate(90 {} {})\" text-anchor=\"start\">{}</text>\n",
+        x, y, x, y, label);
   }
   o += fmt::format(
       "<text x=\"12\" y=\"{}\" transform=\"rotate(-90 12 {})\" text-anchor=\"middle\">trainer "
       "rank</text>\n",
       top + h.rows * cell / 2, top + h.rows * cell / 2);
   o += fmt::format(
-      "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">engine rank (sync rank - {})</text>\n",
-      left + h.cols * cell / 2, top + h.rows * cell + 32, h.trainer_ranks);
+      "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">engine rank: replica, tp, pp (sync rank "
+      "- {})</text>\n",
+      left + h.cols * cell / 2, top + h.rows * cell + col_labels + 18, h.trainer_ranks);
   // Legend.
-  const int ly = top + h.rows * cell + 50;
+  const int ly = top + h.rows * cell + col_labels + 36;
   o += "<defs><linearGradient id=\"g\"><stop offset=\"0\" stop-color=\"#ffffff\"/>"
        "<stop offset=\"1\" stop-color=\"#08306b\"/></linearGradient></defs>\n";
   o += fmt::format(

@@ -11,6 +11,15 @@ namespace {
 // Bound on any rank count, so a typo cannot make the planner allocate gigabytes.
 constexpr int64_t kMaxRanks = int64_t{1} << 20;
 
+// Layout specs hold no spaces; "dp=1, tp=2, pp=1" is how people type them in Python.
+std::string WithoutSpaces(std::string_view s) {
+  std::string out;
+  for (char c : s) {
+    if (c != ' ' && c != '\t') out += c;
+  }
+  return out;
+}
+
 Result<int> ParsePositive(std::string_view text, std::string_view field) {
   int64_t v = 0;
   const char* b = text.data();
@@ -76,7 +85,9 @@ std::string TrainerSpec::ToString() const {
   return "?";
 }
 
-Result<TrainerSpec> ParseTrainerSpec(std::string_view s) {
+Result<TrainerSpec> ParseTrainerSpec(std::string_view raw) {
+  const std::string owned = WithoutSpaces(raw);
+  const std::string_view s = owned;
   TrainerSpec t;
   if (s == "single") {
     t.kind = TrainerSpec::Kind::kSingle;
@@ -145,7 +156,9 @@ Region TrainerHeldRegion(const TrainerSpec& t, int rank, const Shape& shape) {
   return r;
 }
 
-Result<RolloutSpec> ParseRolloutSpec(std::string_view s, EngineKind engine) {
+Result<RolloutSpec> ParseRolloutSpec(std::string_view raw, EngineKind engine) {
+  const std::string owned = WithoutSpaces(raw);
+  const std::string_view s = owned;
   RolloutSpec r;
   r.shard.engine = engine;
   bool seen[4] = {false, false, false, false};

@@ -37,6 +37,10 @@ Status Bindings::Init() {
   }
   SS_ASSIGN_OR_RETURN(ShardMap map, BuildShardMap(in.model, in.rollout.shard));
   shards_ = map.rank(ctx_.who.tp_rank, ctx_.who.pp_rank);
+  // ExpectedParams says what BindDest accepts: the wire dtype (block FP8: e4m3 weights and fp32
+  // scales), not the config's dtype the shard map carries (issue 36: with wire_dtype fp32 it said
+  // BF16, and binding what it described was refused).
+  for (EngineParam& p : shards_.params) p.dtype = Fp8DestDType(p, in.options.wire_dtype);
   for (size_t i = 0; i < shards_.params.size(); ++i) param_index_[shards_.params[i].name] = i;
   dests_.resize(shards_.params.size());
   // Megatron senders: both ends cut transfers where the sender's local regions stop being

@@ -3,11 +3,16 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "plan/plan_hash.h"
+
 namespace shardsync::sync_internal {
 
 Status AgreeOnPlan(const SessionContext& ctx, SyncGuard& guard, Clock::time_point deadline) {
   const std::string& mine = ctx.plan.plan_hash;
-  SS_RETURN_IF_ERROR(ctx.store.Set(ctx.Key("hash/" + std::to_string(ctx.rank)), mine));
+  // The hash's text too, in the same round trip: a mismatch then names the field that differs.
+  const std::string text = PlanHashText(ctx.in);
+  SS_RETURN_IF_ERROR(ctx.store.SetMany({{ctx.Key("planspec/" + std::to_string(ctx.rank)), text},
+                                        {ctx.Key("hash/" + std::to_string(ctx.rank)), mine}}));
   std::vector<std::string> keys;
   std::vector<int> others;
   for (int r = 0; r < ctx.world; ++r) {
@@ -16,10 +21,15 @@ Status AgreeOnPlan(const SessionContext& ctx, SyncGuard& guard, Clock::time_poin
     others.push_back(r);
   }
   auto mismatch = [&](size_t i, const std::string& theirs) {
-    return FailedPreconditionError(
-        "plan hash mismatch: sync rank " + std::to_string(others[i]) + " has " + theirs +
-        ", sync rank " + std::to_string(ctx.rank) + " (this rank) has " + mine +
-        ": ranks were started with different model, layouts or plan options");
+    const std::string peer = "sync rank " + std::to_string(others[i]);
+    auto their_text = ctx.store.Get(ctx.Key("planspec/" + std::to_string(others[i])), Millis(0));
+    std::string field = their_text.ok() ? FirstPlanDifference(text, *their_text, peer) : "";
+    if (field.empty()) field = "the differing field is unknown (" + peer + " published none)";
+    return FailedPreconditionError("plan hash mismatch: " + peer + " has " + theirs +
+                                   ", sync rank " + std::to_string(ctx.rank) + " (this rank) has " +
+                                   mine + ": " + field +
+                                   " (ranks were started with different model, layouts or plan "
+                                   "options)");
   };
   auto hashes = guard.GetFromRanks(keys, others, deadline, [&](size_t i) {
     return "plan hash of sync rank " + std::to_string(others[i]);

@@ -25,6 +25,7 @@
 #include "sync/identity.h"
 #include "sync/internal.h"
 #include "sync/pairs.h"
+#include "sync/presence.h"
 #include "sync/verdicts.h"
 
 namespace shardsync {
@@ -42,6 +43,7 @@ class SessionImpl final : public SyncSession {
              std::move(launch), std::move(fp8)),
         hooks_(std::move(hooks)),
         identity_(ctx_),
+        presence_(ctx_),
         bindings_(ctx_),
         shapes_(ctx_),
         guard_(ctx_),
@@ -51,9 +53,16 @@ class SessionImpl final : public SyncSession {
         receiver_(ctx_, guard_),
         fp8_sender_(ctx_, guard_),
         fp8_receiver_(ctx_, guard_) {}
-  ~SessionImpl() override { identity_.Leave(); }
+  ~SessionImpl() override {
+    identity_.Leave();
+    presence_.Leave();
+  }
 
-  Status Init() { return bindings_.Init(); }
+  Status Init() {
+    SS_RETURN_IF_ERROR(bindings_.Init());
+    presence_.Announce();  // peers see this rank from now on, and a failure of it before connect
+    return OkStatus();
+  }
 
   int rank() const override { return ctx_.rank; }
   bool is_trainer() const override { return ctx_.who.is_trainer; }
@@ -71,12 +80,16 @@ class SessionImpl final : public SyncSession {
       return FailedPreconditionError("BindSource(" + (b.local.empty() ? b.hf_name : b.local) +
                                      "): already connected");
     }
-    return bindings_.BindSource(b);
+    return FailIfBad(bindings_.BindSource(b));
   }
 
   Status BindDest(const DestBinding& b) override {
     if (connected_) return FailedPreconditionError("BindDest(" + b.name + "): already connected");
-    return bindings_.BindDest(b);
+    return FailIfBad(bindings_.BindDest(b));
+  }
+
+  void FailBeforeConnect(const std::string& why) override {
+    if (!connected_) presence_.Fail(why);
   }
 
   Status Connect() override {
@@ -87,29 +100,44 @@ class SessionImpl final : public SyncSession {
     Status s = ConnectSteps();
     // Peers waiting on this rank learn now, not at their timeout (a retry joins again).
     if (!s.ok()) identity_.Abandon(s);
+    return presence_.ExplainTimeout(std::move(s));
+  }
+
+  // A failed bind is this rank's end before connect: peers waiting for it learn at once.
+  Status FailIfBad(Status s) {
+    if (!s.ok()) presence_.Fail(s.ToString());
     return s;
   }
 
   Status ConnectSteps() {
     SS_RETURN_IF_ERROR(ctx_.packer->Quiesce());  // registered memory is final before peers see it
     const auto deadline = Clock::now() + ctx_.opt.connect_timeout;
+    presence_.Connecting();
+    // Any store wait at Connect (the transport's and the prepared pairs' included) fails at once
+    // when a peer is gone: before the job exists, by its presence key (presence.h: a bind error,
+    // an exit before connect); once every rank joined, by its liveness key too.
+    struct StopWatching {
+      sync_internal::WatchedStore& w;
+      ~StopWatching() { w.Watch({}, nullptr); }
+    } stop{ctx_.watched};
+    ctx_.watched.Watch(presence_.OthersKeys(),
+                       [this](const Status& s) { return presence_.PeerFailed(s); });
     // 0. The job: rank 0 claims the prefix, the others join its claim; every key below is the
     // job's own.
     SS_RETURN_IF_ERROR(identity_.Join(deadline));
     // 1. Plan hashes: every rank must hold the same plan before any byte moves.
     SS_RETURN_IF_ERROR(sync_internal::AgreeOnPlan(ctx_, guard_, deadline));
-    // Every rank joined (its liveness key exists): from here on, any store wait at Connect (the
-    // transport's and the prepared pairs' included) fails at once when one of them is gone.
-    struct StopWatching {
-      sync_internal::WatchedStore& w;
-      ~StopWatching() { w.Watch({}, nullptr); }
-    } stop{ctx_.watched};
-    ctx_.watched.Watch(guard_.OthersAlive(), [this](const Status& s) {
+    std::vector<std::string> watched = guard_.OthersAlive();
+    for (std::string& k : presence_.OthersKeys()) watched.push_back(std::move(k));
+    ctx_.watched.Watch(std::move(watched), [this](const Status& s) {
       std::vector<int> others;
       for (int r = 0; r < ctx_.world; ++r) {
         if (r != ctx_.rank) others.push_back(r);
       }
-      return guard_.GonePeer(others, /*in_sync=*/false, s);
+      // A joined rank that is gone says so (its liveness key); one that failed before it joined
+      // only by its presence key.
+      Status gone = guard_.GonePeer(others, false, s);
+      return gone.message() != s.message() ? gone : presence_.PeerFailed(s);
     });
     // 2. Bindings against the plan.
     SS_RETURN_IF_ERROR(bindings_.Check());
@@ -213,7 +241,12 @@ class SessionImpl final : public SyncSession {
     if (ctx_.rank != 0 || attempted_.size() < kDropEvery) return;
     std::vector<std::string> prefixes;
     for (uint64_t v : attempted_) {
-      if (v != version) prefixes.push_back(ctx_.Key("v" + std::to_string(v) + "/"));
+      if (v == version) continue;
+      // Appended piece by piece: GCC 12 warns (-Wrestrict, a false positive) on "v" + to_string.
+      std::string k = "v";
+      k += std::to_string(v);
+      k += '/';
+      prefixes.push_back(ctx_.Key(k));
     }
     Status s = ctx_.store.DeletePrefixes(prefixes);
     Trace(ctx_.rank, version, [&] {
@@ -332,6 +365,7 @@ class SessionImpl final : public SyncSession {
   sync_internal::SessionContext ctx_;
   sync_internal::HarnessHooks hooks_;
   sync_internal::JobIdentity identity_;
+  sync_internal::Presence presence_;
   sync_internal::Bindings bindings_;
   sync_internal::PeerShapes shapes_;
   sync_internal::SyncGuard guard_;

@@ -507,6 +507,24 @@ TEST(Planner, CostModelAndPlacement) {
   EXPECT_NE(svg.find("<svg"), std::string::npos);
   EXPECT_NE(svg.find("t&lt;x&gt;"), std::string::npos);
   EXPECT_NE(svg.find("trainer rank"), std::string::npos);
+  // Engine columns name replica, tp and pp (dp=2,tp=2,pp=2: engine rank 5 is replica 1 tp 1 pp 0).
+  EXPECT_NE(svg.find(">r0 tp0 pp0<"), std::string::npos) << svg;
+  EXPECT_NE(svg.find(">r1 tp1 pp0<"), std::string::npos) << svg;
+  EXPECT_EQ(svg.find(">e0<"), std::string::npos);
+}
+
+// Issue 36: on a narrow grid (one trainer, one engine rank) the image is as wide as its title.
+TEST(Planner, HeatmapTitleFitsANarrowGrid) {
+  auto m = LoadModelSpec("qwen2.5-0.5b");
+  ASSERT_TRUE(m.ok());
+  auto ds = SummarizePlanDetailed(Inputs(*m, "single", "dp=1,tp=1,pp=1"), SummaryOptions{});
+  ASSERT_TRUE(ds.ok()) << ds.status().ToString();
+  const std::string title(90, 'T');
+  const std::string svg = HeatmapSvg(*ds, title);
+  const size_t w = svg.find("width=\"");
+  ASSERT_NE(w, std::string::npos);
+  const int width = std::stoi(svg.substr(w + 7));
+  EXPECT_GE(width, 12 + 90 * 8) << "a 90-character title at 14 px needs about 8 px a character";
 }
 
 TEST(Planner, HeatmapAggregatesManyRanks) {

@@ -211,7 +211,7 @@ TEST(SyncSession, SenderTransportDeathFailsEveryRank) {
   EXPECT_EQ(job.Mismatches(), 0);
 }
 
-TEST(SyncSession, DifferentPlanFailsAtConnectNamingBothHashes) {
+TEST(SyncSession, DifferentPlanFailsAtConnectNamingBothHashesAndTheField) {
   JobSpec spec = Small();
   // Rank 3 plans with a different bucket cap: a different plan hash.
   PlanInputs other = spec.inputs;
@@ -251,6 +251,11 @@ TEST(SyncSession, DifferentPlanFailsAtConnectNamingBothHashes) {
     EXPECT_THAT(st[r].message(), HasSubstr(h0));
     EXPECT_THAT(st[r].message(), HasSubstr(h1));
     EXPECT_THAT(st[r].message(), HasSubstr("sync rank 3"));
+    // The field that differs, with both values, from the plans' published texts.
+    const std::string mine = r == 3 ? "8192" : std::to_string(spec.inputs.options.bucket_bytes);
+    const std::string theirs = r == 3 ? std::to_string(spec.inputs.options.bucket_bytes) : "8192";
+    EXPECT_THAT(st[r].message(), HasSubstr("bucket_bytes is " + mine + " here and " + theirs))
+        << st[r].ToString();
   }
 }
 
@@ -337,12 +342,71 @@ TEST(SyncSession, BindingErrorsNameTheTensor) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("model.embed_tokens.weight"));
   // Missing parameters are reported at Connect, naming one: this rank's own, or a peer's that
-  // failed first (a rank that fails to connect fails its peers at once, with its cause).
+  // failed first (a rank that fails to connect, or failed a bind before it, fails its peers at
+  // once, with its cause).
   auto st = job.Connect();
   EXPECT_TRUE(st[engine].code() == StatusCode::kNotFound ||
-              st[engine].code() == StatusCode::kUnavailable)
+              st[engine].code() == StatusCode::kUnavailable ||
+              st[engine].code() == StatusCode::kAborted)
       << st[engine].ToString();
-  EXPECT_THAT(st[engine].message(), HasSubstr("was not bound"));
+  EXPECT_THAT(st[engine].message(),
+              ::testing::AnyOf(HasSubstr("was not bound"), HasSubstr("failed before connect")));
+}
+
+// Issue 36: a rank that fails at bind (and never calls Connect) fails every peer waiting at
+// Connect within seconds, not at its connect timeout, naming that rank and its own error.
+TEST(SyncSession, ARankFailingAtBindFailsEveryPeerAtOnceNamingItAndItsError) {
+  const int bad = 3;  // an engine rank
+  Job job(Small(), Millis(3000), [](int, SessionOptions& o) { o.connect_timeout = Millis(30000); });
+  job.BindAll();
+  const EngineParam& p = job.session(bad).ExpectedParams().at(0);
+  std::vector<unsigned char> buf(p.numel() * 2);
+  Shape wrong = p.shape;
+  wrong[0] += 1;
+  std::vector<double> ended(job.world(), 0);
+  const auto t0 = Clock::now();
+  auto st = job.All([&](int r) {
+    Status s;
+    if (r == bad) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the others wait in Connect
+      s = job.session(r).BindDest({p.name, buf.data(), DType::kBF16, wrong});
+    } else {
+      s = job.session(r).Connect();
+    }
+    ended[r] = std::chrono::duration<double>(Clock::now() - t0).count();
+    return s;
+  });
+  EXPECT_EQ(st[bad].code(), StatusCode::kInvalidArgument) << st[bad].ToString();
+  for (int r = 0; r < job.world(); ++r) {
+    if (r == bad) continue;
+    // Aborted from its presence key, or Unavailable from a peer that saw it first and left
+    // (its reason carries this one).
+    EXPECT_TRUE(st[r].code() == StatusCode::kAborted || st[r].code() == StatusCode::kUnavailable)
+        << "rank " << r << ": " << st[r].ToString();
+    EXPECT_THAT(st[r].message(), HasSubstr("sync rank " + std::to_string(bad) +
+                                           " failed before connect: invalid_argument"));
+    EXPECT_THAT(st[r].message(), HasSubstr(p.name)) << "its own error, naming the tensor";
+    EXPECT_LT(ended[r], 5.0) << "rank " << r;
+  }
+}
+
+// Issue 36: a connect that times out names the ranks that never reached connect().
+TEST(SyncSession, AConnectTimeoutNamesTheRanksThatNeverReachedConnect) {
+  const int idle = 4;  // its Session exists; connect() is never called
+  Job job(Small(), Millis(3000), [](int, SessionOptions& o) { o.connect_timeout = Millis(1500); });
+  job.BindAll();
+  auto st = job.All([&](int r) { return r == idle ? OkStatus() : job.session(r).Connect(); });
+  int named = 0;
+  for (int r = 0; r < job.world(); ++r) {
+    if (r == idle) continue;
+    EXPECT_FALSE(st[r].ok()) << "rank " << r;
+    if (st[r].code() != StatusCode::kDeadlineExceeded) continue;  // a peer gone first
+    EXPECT_THAT(st[r].message(),
+                HasSubstr("never reached connect(): 4 (Session created, connect() not called)"))
+        << st[r].ToString();
+    ++named;
+  }
+  EXPECT_GT(named, 0);
 }
 
 }  // namespace

@@ -413,7 +413,7 @@ int Run(const DemoFlags& f) {
   }
   if (!verified) {
     std::fprintf(stderr, "shardsync demo: %s\n",
-                 res->FirstError().empty() ? "verification failed" : res->FirstError().c_str());
+                 res->ok() ? "verification failed" : res->FailureReport().c_str());
     return kExitFailure;
   }
   if (!generation_ok) {

@@ -46,7 +46,16 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
                   "on this host; run: ucx; --device cuda: per pair, cuda_ipc on one node, nccl "
                   "across)")
       ->capture_default_str();
-  sub->add_option("--timeout-ms", f->timeout_ms, "Timeout of connect and of every sync")
+  f->timeout_auto = true;  // until --timeout-ms is given
+  sub->add_option("--timeout-ms", f->timeout_ms,
+                  "Timeout of connect and of every sync (each rank's setup is not counted); "
+                  "demo and bench, whose ranks all run here, multiply the default by the ranks "
+                  "per CPU core")
+      ->capture_default_str()
+      ->each([f](const std::string&) { f->timeout_auto = false; });
+  sub->add_option("--setup-timeout-s", f->setup_timeout_s,
+                  "How long ranks wait for every rank to allocate and fill its weights before "
+                  "they connect")
       ->capture_default_str();
   sub->add_option("--mode", f->mode, "sync | bench")->capture_default_str();
   sub->add_option("--warmup", f->warmup, "Bench warm-up repetitions")->capture_default_str();

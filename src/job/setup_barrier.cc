@@ -104,6 +104,25 @@ Status SetupBarrier::Wait() {
       return got.status().Annotate("sync rank " + std::to_string(rank_) +
                                    " waiting for every rank's setup");
     }
+    // A rank that never began its setup (no alive key) is not slow but absent (not started, a
+    // wrong --store or --rank): --timeout-ms bounds the wait for it, as it bounds connect, so a
+    // lone `run` rank fails in seconds rather than after --setup-timeout-s.
+    if (Clock::now() - t0 >= job_.timeout) {
+      std::string absent;
+      for (int r = 0; r < world; ++r) {
+        if (r == rank_ || store_.Get(keys[r], Millis(0)).ok()) continue;
+        if (store_.Get(SetupKey(job_, launch_, "alive", r), Millis(0)).status().code() ==
+            StatusCode::kDeadlineExceeded) {
+          absent += (absent.empty() ? "" : ", ") + std::to_string(r);
+        }
+      }
+      if (!absent.empty()) {
+        return DeadlineExceededError(
+            "sync rank " + std::to_string(rank_) + ": sync ranks " + absent +
+            " did not start within --timeout-ms " + std::to_string(job_.timeout.count()) +
+            " (never began their setup: not launched, or another --store / --rank)");
+      }
+    }
     if (Clock::now() < deadline) continue;
     std::string missing;
     for (int r = 0; r < world; ++r) {

@@ -144,13 +144,17 @@ py::dict Fp8SummaryToPy(const Fp8PlanSummary& f) {
 void RegisterPlan(py::module_& m) {
   py::class_<TransferOp>(m, "TransferOp",
                          "One contiguous destination run of a message: HF tensor region `src` -> "
-                         "engine parameter region `dst`, at `wire_offset`.")
+                         "engine parameter region `dst`, at `wire_offset`, with its `encoding`.")
       .def_readonly("tensor", &TransferOp::tensor)
       .def_readonly("param", &TransferOp::param)
       .def_readonly("src", &TransferOp::src)
       .def_readonly("dst", &TransferOp::dst)
       .def_readonly("wire_offset", &TransferOp::wire_offset)
-      .def_readonly("bytes", &TransferOp::bytes);
+      .def_readonly("bytes", &TransferOp::bytes)
+      .def_property_readonly(
+          "encoding", [](const TransferOp& op) { return std::string(EncodingName(op.encoding)); },
+          "How the op travels: copy (cast to the wire dtype) | quantize | stage | amax (block FP8, "
+          "docs/fp8.md).");
   py::class_<LocalSource>(
       m, "LocalSource",
       "Where a Megatron sender holds one op's bytes: its local parameter and region.")
@@ -263,8 +267,6 @@ void RegisterPlan(py::module_& m) {
           "rank_plan",
           [](const PlanInputs& in, int r) {
             py::gil_scoped_release nogil;
-            // Block FP8: the outline of the FP8 plan (fp8_plan.h Fp8PlanOutline).
-            if (in.model.quant) return Fp8PlanOutline(Unwrap(PlanFp8ForRank(in, r)));
             return Unwrap(PlanForRank(in, r));
           },
           py::arg("sync_rank"))

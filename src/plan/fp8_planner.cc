@@ -18,7 +18,7 @@
 // BuildMegatronSources: one HF box held the same way by a set of ranks, with where each holder
 // keeps it in its local parameters). Each engine piece x each source of its tensor is one box,
 // which for quantized weights must sit on the 128 grid (CheckMegatronGrid refuses otherwise), so
-// it becomes kQuantize / kCopy units read from the holder's local parameter (Fp8Message::local);
+// it becomes kQuantize / kCopy units read from the holder's local parameter (Message::local);
 // a box with several holders (DP / CP replicas) is cut along dim 0 into up to `holders` units
 // spread round-robin, as for HSDP groups. Nothing is staged.
 //
@@ -36,20 +36,6 @@
 #include "shardsync/fp8.h"
 
 namespace shardsync {
-
-std::string_view Fp8OpKindName(Fp8OpKind k) {
-  switch (k) {
-    case Fp8OpKind::kCopy:
-      return "copy";
-    case Fp8OpKind::kQuantize:
-      return "quantize";
-    case Fp8OpKind::kStage:
-      return "stage";
-    case Fp8OpKind::kAmax:
-      return "amax";
-  }
-  return "?";
-}
 
 namespace plan_internal {
 namespace {
@@ -156,7 +142,8 @@ Result<Fp8Context> Fp8Context::Build(const PlanInputs& in) {
       c.Walk(
           e,
           [&](const Fp8Unit& u) {
-            if (u.kind == Fp8OpKind::kAmax) bands.emplace_back(u.tensor, u.src.offset[0] / B * B);
+            if (u.encoding == Encoding::kAmax)
+              bands.emplace_back(u.tensor, u.src.offset[0] / B * B);
           },
           nullptr);
     }
@@ -235,7 +222,7 @@ std::pair<int, int32_t> Fp8Context::SenderOf(const Fp8Unit& u, int e, int d) con
   return {g * S_ + static_cast<int>(u.chunk), -1};
 }
 
-LocalSource Fp8Context::LocalOf(const Fp8Op& op, int32_t source, int32_t place) const {
+LocalSource Fp8Context::LocalOf(const TransferOp& op, int32_t source, int32_t place) const {
   const MegatronSource& s = mg_->sources[source];
   const MegatronPlace& pl = mg_->places[place];
   LocalSource ls{pl.param, op.src};
@@ -275,7 +262,7 @@ void Fp8Context::WalkMegatron(int e, const std::function<void(const Fp8Unit&)>& 
           const int64_t r0 = x.offset[0] + n * k / parts * unit;
           const int64_t r1 = std::min(end, x.offset[0] + n * (k + 1) / parts * unit);
           Fp8Unit u;
-          u.kind = quant ? Fp8OpKind::kQuantize : Fp8OpKind::kCopy;
+          u.encoding = quant ? Encoding::kQuantize : Encoding::kCopy;
           u.tensor = tensor;
           u.param = static_cast<int32_t>(pi);
           u.scale_param = quant ? scale_of_[e][pi] : -1;
@@ -294,7 +281,7 @@ void Fp8Context::WalkMegatron(int e, const std::function<void(const Fp8Unit&)>& 
 }
 
 void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
-                      std::vector<Fp8StagedBand>* staged) const {
+                      std::vector<StagedBand>* staged) const {
   if (mg_) return WalkMegatron(e, fn);
   const EngineRankShards& rk = map_.ranks[e];
   std::vector<char> is_scale(rk.params.size(), 0);
@@ -322,27 +309,27 @@ void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
         d->offset[dd] += r0 - a;
         d->extent[dd] = r1 - r0;
       };
-      auto emit = [&](Fp8OpKind kind, int64_t r0, int64_t r1, int64_t chunk) {
+      auto emit = [&](Encoding kind, int64_t r0, int64_t r1, int64_t chunk) {
         Fp8Unit u;
-        u.kind = kind;
+        u.encoding = kind;
         u.tensor = tensor;
         u.param = static_cast<int32_t>(pi);
         u.scale_param = quant ? scale_of_[e][pi] : -1;
         rows(r0, r1, &u.src, &u.dst);
-        if (kind == Fp8OpKind::kQuantize) u.scale_dst = BlockRegion(u.dst);
+        if (kind == Encoding::kQuantize) u.scale_dst = BlockRegion(u.dst);
         u.chunk = chunk;
         u.index = counter[chunk]++;
         fn(u);
       };
       if (!quant) {
         for (int64_t k = a / ch; k <= (b - 1) / ch; ++k) {
-          emit(Fp8OpKind::kCopy, std::max(a, k * ch), std::min(b, (k + 1) * ch), k);
+          emit(Encoding::kCopy, std::max(a, k * ch), std::min(b, (k + 1) * ch), k);
         }
         continue;
       }
       int64_t run0 = -1, run_chunk = -1;
       auto flush = [&](int64_t end) {
-        if (run0 >= 0) emit(Fp8OpKind::kQuantize, run0, end, run_chunk);
+        if (run0 >= 0) emit(Encoding::kQuantize, run0, end, run_chunk);
         run0 = -1;
       };
       for (int64_t r = a; r < b; r += B) {
@@ -362,7 +349,7 @@ void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
           // exchanged among them; the holder of its first row sends the scales.
           for (int64_t k = k0; k <= k1; ++k) {
             Fp8Unit u;
-            u.kind = Fp8OpKind::kAmax;
+            u.encoding = Encoding::kAmax;
             u.tensor = tensor;
             u.param = static_cast<int32_t>(pi);
             u.scale_param = k == k0 ? scale_of_[e][pi] : -1;
@@ -375,7 +362,7 @@ void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
           continue;
         }
         // A band straddling chunks [k0, k1]: the receiver quantizes it from staged raw values.
-        Fp8StagedBand band;
+        StagedBand band;
         band.tensor = tensor;
         band.param = static_cast<int32_t>(pi);
         band.scale_param = scale_of_[e][pi];
@@ -391,7 +378,7 @@ void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
         for (int64_t k = k0; k <= k1; ++k) {
           const int64_t r0 = std::max(r, k * ch), r1 = std::min(re, (k + 1) * ch);
           Fp8Unit u;
-          u.kind = Fp8OpKind::kStage;
+          u.encoding = Encoding::kStage;
           u.tensor = tensor;
           u.param = static_cast<int32_t>(pi);
           u.scale_param = scale_of_[e][pi];
@@ -411,19 +398,19 @@ void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
   }
 }
 
-void Fp8Context::Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const {
+void Fp8Context::Split(const Fp8Unit& u, std::vector<TransferOp>* out) const {
   const int64_t cap = in_.options.bucket_bytes;
   auto base = [&]() {
-    Fp8Op op;
-    op.kind = u.kind;
+    TransferOp op;
+    op.encoding = u.encoding;
     op.tensor = u.tensor;
     op.param = u.param;
-    op.scale_param = u.kind == Fp8OpKind::kCopy ? -1 : u.scale_param;
+    op.scale_param = u.encoding == Encoding::kCopy ? -1 : u.scale_param;
     op.stage = u.stage;
     op.staging_offset = u.staging_offset;
     return op;
   };
-  if (u.kind == Fp8OpKind::kAmax) {
+  if (u.encoding == Encoding::kAmax) {
     // Rows of one block row: split on 128-column boundaries only (caps below a 128-row band).
     const bool sc = u.scale_param >= 0;
     const int dr = u.dst.ndim - 2;
@@ -434,7 +421,7 @@ void Fp8Context::Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const {
       while (step + B < C && Fp8PartWireBytes(R, step + B, sc) <= cap) step += B;
     }
     for (int64_t c = 0; c < C; c += step) {
-      Fp8Op op = base();
+      TransferOp op = base();
       const int64_t m = std::min(step, C - c);
       SubMatrix(u, 0, R, c, m, &op.src, &op.dst);
       if (sc) op.scale_dst = BlockRegion(op.dst);
@@ -443,10 +430,10 @@ void Fp8Context::Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const {
     }
     return;
   }
-  if (u.kind != Fp8OpKind::kQuantize) {
-    const int64_t elem = u.kind == Fp8OpKind::kCopy ? wire_ : stage_;
+  if (u.encoding != Encoding::kQuantize) {
+    const int64_t elem = u.encoding == Encoding::kCopy ? wire_ : stage_;
     SplitBox(u.dst, elem, cap - 8, [&](const Region& sub) {
-      Fp8Op op = base();
+      TransferOp op = base();
       op.dst = sub;
       op.src = MapToSrc(u.src, u.dst, sub);
       op.bytes = AlignUp8(sub.numel() * elem);
@@ -457,7 +444,7 @@ void Fp8Context::Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const {
   const int dr = u.dst.ndim - 2;
   const int64_t R = u.dst.extent[dr], C = u.dst.extent[dr + 1];
   auto add = [&](int64_t r0, int64_t n, int64_t c0, int64_t m) {
-    Fp8Op op = base();
+    TransferOp op = base();
     SubMatrix(u, r0, n, c0, m, &op.src, &op.dst);
     op.scale_dst = BlockRegion(op.dst);
     op.bytes = Fp8WireBytes(n, m);
@@ -479,7 +466,7 @@ void Fp8Context::Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const {
   }
 }
 
-void Fp8Context::AmaxLayout(int s, std::vector<Fp8AmaxBand>* mine, std::vector<int64_t>* blocks,
+void Fp8Context::AmaxLayout(int s, std::vector<AmaxBand>* mine, std::vector<int64_t>* blocks,
                             std::vector<std::vector<char>>* peers, int group) const {
   // Each chunk's value lists the partials of the bands it touches, in band order (tensor, row).
   std::vector<int64_t> next(S_, 0);
@@ -489,7 +476,7 @@ void Fp8Context::AmaxLayout(int s, std::vector<Fp8AmaxBand>* mine, std::vector<i
     const int64_t rows = std::min(B, shape[0] - row0), nb = CeilDiv(shape[1], B);
     const int64_t k0 = row0 / ch, k1 = (row0 + rows - 1) / ch;
     if (mine != nullptr && s >= k0 && s <= k1) {
-      Fp8AmaxBand ab;
+      AmaxBand ab;
       ab.tensor = tensor;
       ab.row0 = row0;
       ab.rows = rows;
@@ -512,9 +499,9 @@ void Fp8Context::AmaxLayout(int s, std::vector<Fp8AmaxBand>* mine, std::vector<i
   if (blocks != nullptr) *blocks = std::move(next);
 }
 
-Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
+Result<RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(in_, sync_rank));
-  Fp8RankPlan rp;
+  RankPlan rp;
   rp.rank = sync_rank;
   rp.plan_hash = hash_;
   const int64_t cap = in_.options.bucket_bytes;
@@ -537,7 +524,7 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
           },
           nullptr);
       for (int d = 0; d < D_; ++d) {
-        Fp8Message m;
+        Message m;
         m.src = sync_rank;
         m.dst = S_world_ + d * E_ + e;
         for (const Fp8Unit& u : mine) {
@@ -555,7 +542,7 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
       }
     }
     std::sort(rp.sends.begin(), rp.sends.end(),
-              [](const Fp8Message& a, const Fp8Message& b) { return a.dst < b.dst; });
+              [](const Message& a, const Message& b) { return a.dst < b.dst; });
     return rp;
   }
   if (who.is_trainer) {
@@ -569,7 +556,7 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
           },
           nullptr);
       for (int d = 0; d < D_; ++d) {
-        Fp8Message m;
+        Message m;
         m.src = sync_rank;
         m.dst = S_world_ + d * E_ + e;
         for (const Fp8Unit& u : mine) {
@@ -581,13 +568,13 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
       }
     }
     std::sort(rp.sends.begin(), rp.sends.end(),
-              [](const Fp8Message& a, const Fp8Message& b) { return a.dst < b.dst; });
+              [](const Message& a, const Message& b) { return a.dst < b.dst; });
     if (!amax_bands_.empty()) {
       std::vector<int64_t> blocks;
       AmaxLayout(s, &rp.amax_bands, &blocks, nullptr, t / S_);
       rp.amax_blocks = blocks[s];
-      for (const Fp8AmaxBand& b : rp.amax_bands) {
-        for (const Fp8AmaxHolder& h : b.others) rp.amax_peers.push_back(h.rank);
+      for (const AmaxBand& b : rp.amax_bands) {
+        for (const AmaxHolder& h : b.others) rp.amax_peers.push_back(h.rank);
       }
       std::sort(rp.amax_peers.begin(), rp.amax_peers.end());
       rp.amax_peers.erase(std::unique(rp.amax_peers.begin(), rp.amax_peers.end()),
@@ -596,13 +583,13 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
     return rp;
   }
   const int d = who.replica, e = who.pp_rank * in_.rollout.shard.tp + who.tp_rank;
-  std::vector<std::vector<Fp8Op>> by_src(S_world_);
+  std::vector<std::vector<TransferOp>> by_src(S_world_);
   std::vector<std::vector<LocalSource>> local(mg_ ? S_world_ : 0);
   Walk(
       e,
       [&](const Fp8Unit& u) {
         const auto [src, place] = SenderOf(u, e, d);
-        std::vector<Fp8Op>& ops = by_src[src];
+        std::vector<TransferOp>& ops = by_src[src];
         const size_t first = ops.size();
         Split(u, &ops);
         for (size_t i = first; mg_ && i < ops.size(); ++i) {
@@ -610,10 +597,10 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
         }
       },
       &rp.staged);
-  for (const Fp8StagedBand& b : rp.staged) rp.staging_bytes = b.staging_offset + AlignUp8(b.bytes);
+  for (const StagedBand& b : rp.staged) rp.staging_bytes = b.staging_offset + AlignUp8(b.bytes);
   for (int src = 0; src < S_world_; ++src) {
     if (by_src[src].empty()) continue;
-    Fp8Message m;
+    Message m;
     m.src = src;
     m.dst = sync_rank;
     m.ops = std::move(by_src[src]);

@@ -16,6 +16,10 @@ Result<PlanContext> MakeContext(const PlanInputs& in) {
 
 Result<RankPlan> PlanForRank(const PlanInputs& in, int sync_rank) {
   SS_RETURN_IF_ERROR(DescribeSyncRank(in, sync_rank));
+  if (in.model.quant) {  // block FP8: the codec's planner (fp8_planner.cc)
+    SS_ASSIGN_OR_RETURN(auto fp8, plan_internal::Fp8Context::Build(in));
+    return fp8.PlanForRank(sync_rank);
+  }
   SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::MakeContext(in));
   return ctx.PlanForRank(sync_rank);
 }

@@ -73,6 +73,20 @@ std::string PlanHash(const PlanInputs& in) {
   return fmt::format("{:016x}{:016x}", h.high64, h.low64);
 }
 
+std::string_view EncodingName(Encoding e) {
+  switch (e) {
+    case Encoding::kCopy:
+      return "copy";
+    case Encoding::kQuantize:
+      return "quantize";
+    case Encoding::kStage:
+      return "stage";
+    case Encoding::kAmax:
+      return "amax";
+  }
+  return "?";
+}
+
 std::string_view Fp8SplitName(Fp8Split s) { return s == Fp8Split::kAmax ? "amax" : "stage"; }
 
 Result<Fp8Split> ParseFp8Split(std::string_view s, std::string_view flag) {

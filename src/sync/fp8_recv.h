@@ -28,7 +28,7 @@ class Fp8HostReceiver {
 
   // Quantizes staged band `band` from `staging` into the bound weight and scale parameters;
   // returns the non-finite inputs it saw.
-  static int64_t QuantizeBand(const Fp8StagedBand& band, const unsigned char* staging,
+  static int64_t QuantizeBand(const StagedBand& band, const unsigned char* staging,
                               const Bindings& bindings);
 
  private:
@@ -50,7 +50,7 @@ class Fp8HostReceiver {
   Status PostBucket(Inbox& in, int slot);
   // The bucket in `p` arrived: verify, scatter, and quantize the bands it completed.
   Status Land(Inbox& in, const Posted& p, std::vector<int64_t>& band_left);
-  Status Scatter(const Fp8Message& m, const Bucket& b, const unsigned char* img, int bucket,
+  Status Scatter(const Message& m, const Bucket& b, const unsigned char* img, int bucket,
                  std::vector<int64_t>& band_left);
 
   const SessionContext& ctx_;

@@ -41,7 +41,7 @@ struct Fp8AmaxScales {
 // (b.bytes bytes); kAmax ops take their blocks' scales from `amax`. InvalidArgument for an op
 // the quantizer refuses (a malformed region).
 Result<Fp8Packed> PackFp8Bucket(const SessionContext& ctx, const Bindings& bindings,
-                                const Fp8Message& m, const Bucket& b, unsigned char* out,
+                                const Message& m, const Bucket& b, unsigned char* out,
                                 const Fp8AmaxScales* amax = nullptr);
 
 class Fp8HostSender {
@@ -52,9 +52,9 @@ class Fp8HostSender {
   // amax exchange reads this rank's rows (host memory, or device memory through the packer).
   Status Prepare(const Bindings& bindings, PreparedPairs& pairs);
   bool has_buckets() const { return !order_.empty(); }
-  // kAmax plans (fp8_plan.h Fp8AmaxBand): whether this rank holds rows of blocks shared with
+  // kAmax plans (fp8_plan.h AmaxBand): whether this rank holds rows of blocks shared with
   // other trainer ranks.
-  bool exchanges() const { return !ctx_.fp8->amax_bands.empty(); }
+  bool exchanges() const { return !ctx_.plan.amax_bands.empty(); }
   // Posts this version's partial amaxes of those blocks under the job's key
   // v<version>/amax/<rank>#, reads the other holders' (watched: a gone holder or an abort fails
   // the wait, bounded by the sync's deadline) and derives every block's scale for Send. A
@@ -68,7 +68,7 @@ class Fp8HostSender {
  private:
   // The blocks' scales from this rank's partials and the peers' values (plan.amax_peers order).
   Status Combine(const std::vector<uint32_t>& own, const std::vector<std::string>& got);
-  Status NonFinite(const Fp8AmaxBand& b, bool mine) const;
+  Status NonFinite(const AmaxBand& b, bool mine) const;
   struct Flying {
     int msg = 0, bucket = 0, slot = 0;
     std::vector<XferId> ids;

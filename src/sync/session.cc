@@ -16,7 +16,6 @@
 #include "sync/bindings.h"
 #include "sync/connect.h"
 #include "sync/context.h"
-#include "sync/fp8_outline.h"
 #include "sync/fp8_recv.h"
 #include "sync/fp8_send.h"
 #include "sync/guard.h"
@@ -36,10 +35,9 @@ using sync_internal::Trace;
 class SessionImpl final : public SyncSession {
  public:
   SessionImpl(PlanInputs in, int rank, SyncRank who, RankPlan plan, StoreClient& store,
-              Transport& tx, SessionOptions opt, LaunchId launch, sync_internal::HarnessHooks hooks,
-              std::shared_ptr<const Fp8RankPlan> fp8)
+              Transport& tx, SessionOptions opt, LaunchId launch, sync_internal::HarnessHooks hooks)
       : ctx_(std::move(in), rank, who, std::move(plan), store, tx, std::move(opt),
-             std::move(launch), std::move(fp8)),
+             std::move(launch)),
         hooks_(std::move(hooks)),
         identity_(ctx_),
         bindings_(ctx_),
@@ -128,7 +126,7 @@ class SessionImpl final : public SyncSession {
     SS_RETURN_IF_ERROR(pairs_.Prepare(bindings_, shapes_, regbase, deadline));
     SS_RETURN_IF_ERROR(verdicts_.Open(deadline));
     guard_.set_board(verdicts_.board());
-    if (ctx_.fp8) {  // block FP8: the host path replays the FP8 plan
+    if (ctx_.quantized()) {  // block FP8: the host path replays the FP8 plan
       SS_RETURN_IF_ERROR(fp8_sender_.Prepare(bindings_, pairs_));
       SS_RETURN_IF_ERROR(fp8_receiver_.Prepare(bindings_, pairs_));
     } else {
@@ -246,7 +244,8 @@ class SessionImpl final : public SyncSession {
     // Block FP8 with blocks shared by trainer ranks whose prepared pairs quantize them (cuda_ipc):
     // the holders agree on the blocks' scales before the pairs launch, which read them (a rank's
     // pairs launch as one kernel, so none goes earlier). Plans without such pairs skip this.
-    const bool exchange_first = ctx_.fp8 && fp8_sender_.exchanges() && pairs_.has_amax_sends();
+    const bool exchange_first =
+        ctx_.quantized() && fp8_sender_.exchanges() && pairs_.has_amax_sends();
     if (exchange_first) {
       SS_RETURN_IF_ERROR(enter());
       SS_RETURN_IF_ERROR(fp8_sender_.ExchangeAmax());
@@ -261,7 +260,7 @@ class SessionImpl final : public SyncSession {
     }
     // Block FP8 with blocks shared by trainer ranks: their holders agree on the blocks' scales
     // first (one store value per holder), while the receivers get ready.
-    if (ctx_.fp8 && fp8_sender_.exchanges() && !exchange_first) {
+    if (ctx_.quantized() && fp8_sender_.exchanges() && !exchange_first) {
       SS_RETURN_IF_ERROR(enter());
       SS_RETURN_IF_ERROR(fp8_sender_.ExchangeAmax());
     }
@@ -279,10 +278,10 @@ class SessionImpl final : public SyncSession {
           [&] { return std::to_string(ready.size()) + " ready keys in"; });
     // Prepared pairs (device memory) go first: their device work overlaps the host path below.
     SS_RETURN_IF_ERROR(pairs_.PostSends([&](size_t mi) { return !signals(mi); }));
-    if (ctx_.fp8 ? fp8_sender_.has_buckets() : sender_.has_buckets()) {
+    if (ctx_.quantized() ? fp8_sender_.has_buckets() : sender_.has_buckets()) {
       SS_RETURN_IF_ERROR(enter());
     }
-    SS_RETURN_IF_ERROR(ctx_.fp8 ? fp8_sender_.Send(st) : sender_.Send(st));
+    SS_RETURN_IF_ERROR(ctx_.quantized() ? fp8_sender_.Send(st) : sender_.Send(st));
     SS_RETURN_IF_ERROR(pairs_.FinishSends(st, enter));
     SS_RETURN_IF_ERROR(enter());
     // A send can complete here while its protocol tail (e.g. a rendezvous put's completion
@@ -313,7 +312,7 @@ class SessionImpl final : public SyncSession {
     SS_RETURN_IF_ERROR(ctx_.store.SetMany(
         {{ctx_.Key("cur/" + std::to_string(ctx_.rank)), std::to_string(guard_.version())},
          {ctx_.Key(guard_.VKey("ready/") + std::to_string(ctx_.rank)), "1"}}));
-    SS_RETURN_IF_ERROR(ctx_.fp8 ? fp8_receiver_.Receive(st) : receiver_.Receive(st));
+    SS_RETURN_IF_ERROR(ctx_.quantized() ? fp8_receiver_.Receive(st) : receiver_.Receive(st));
     SS_RETURN_IF_ERROR(pairs_.FinishRecvs(st, bindings_));
     // Block FP8: bands staged over device pairs are quantized from verified bytes only.
     SS_RETURN_IF_ERROR(pairs_.QuantizeStaged());
@@ -354,16 +353,7 @@ Result<std::unique_ptr<SyncSession>> sync_internal::CreateHarnessSession(
     const PlanInputs& inputs, int rank, StoreClient& store, Transport& transport,
     SessionOptions options, HarnessHooks hooks) {
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(inputs, rank));
-  RankPlan plan;
-  std::shared_ptr<const Fp8RankPlan> fp8;
-  if (inputs.model.quant) {
-    // Block-FP8 engine weights: the FP8 plan, and its outline for the parts both kinds share.
-    SS_ASSIGN_OR_RETURN(Fp8RankPlan f, PlanFp8ForRank(inputs, rank));
-    fp8 = std::make_shared<const Fp8RankPlan>(std::move(f));
-    plan = Fp8PlanOutline(*fp8);
-  } else {
-    SS_ASSIGN_OR_RETURN(plan, PlanForRank(inputs, rank));
-  }
+  SS_ASSIGN_OR_RETURN(RankPlan plan, PlanForRank(inputs, rank));
   LaunchId launch;
   if (options.job_id) {
     SS_RETURN_IF_ERROR(CheckJobId(*options.job_id, "job_id"));
@@ -382,8 +372,7 @@ Result<std::unique_ptr<SyncSession>> sync_internal::CreateHarnessSession(
     if (env.ok() && env->id == launch.id) launch.secret = env->secret;
   }
   auto s = std::make_unique<SessionImpl>(inputs, rank, who, std::move(plan), store, transport,
-                                         std::move(options), std::move(launch), std::move(hooks),
-                                         std::move(fp8));
+                                         std::move(options), std::move(launch), std::move(hooks));
   SS_RETURN_IF_ERROR(s->Init());
   return std::unique_ptr<SyncSession>(std::move(s));
 }

@@ -99,18 +99,7 @@ struct OpText {
 
 OpText TextOf(const TransferOp& op) {
   OpText t;
-  t.tensor = op.tensor;
-  t.param = op.param;
-  t.src = op.src;
-  t.dst = op.dst;
-  t.wire_offset = op.wire_offset;
-  t.bytes = op.bytes;
-  return t;
-}
-
-OpText TextOf(const Fp8Op& op) {
-  OpText t;
-  t.kind = Fp8OpKindName(op.kind);
+  t.kind = EncodingName(op.encoding);
   t.tensor = op.tensor;
   t.param = op.param;
   t.scale_param = op.scale_param;
@@ -124,8 +113,7 @@ OpText TextOf(const Fp8Op& op) {
   return t;
 }
 
-template <typename M>
-void AppendMessage(std::string_view dir, const M& m, std::string* s) {
+void AppendMessage(std::string_view dir, const Message& m, std::string* s) {
   *s += fmt::format("{} {}->{} {}B\n", dir, m.src, m.dst, m.bytes);
   for (const auto& op : m.ops) *s += TextOf(op).Line();
   for (const Bucket& b : m.buckets) {
@@ -135,24 +123,23 @@ void AppendMessage(std::string_view dir, const M& m, std::string* s) {
     *s += fmt::format("local p{} {}\n", l.param, l.region.ToString());
 }
 
-template <typename P>
-void AppendMessages(const P& p, std::string* s) {
+void AppendMessages(const RankPlan& p, std::string* s) {
   *s += fmt::format("rank {} {}\n", p.rank, p.plan_hash);
   for (const auto& m : p.sends) AppendMessage("send", m, s);
   for (const auto& m : p.recvs) AppendMessage("recv", m, s);
 }
 
-void AppendQuantTables(const Fp8RankPlan& p, std::string* s) {
-  for (const Fp8StagedBand& b : p.staged) {
+void AppendQuantTables(const RankPlan& p, std::string* s) {
+  for (const StagedBand& b : p.staged) {
     *s += fmt::format("band t{} p{} s{} {} {} {} {} so{} +{}\n", b.tensor, b.param, b.scale_param,
                       b.src.ToString(), b.dst.ToString(), b.scale_dst.ToString(),
                       DTypeName(b.dtype), b.staging_offset, b.bytes);
   }
   *s += fmt::format("staging {}\n", p.staging_bytes);
-  for (const Fp8AmaxBand& b : p.amax_bands) {
+  for (const AmaxBand& b : p.amax_bands) {
     *s += fmt::format("amax t{} r{}+{} own{}+{} b{} slot{}", b.tensor, b.row0, b.rows, b.own0,
                       b.own_rows, b.blocks, b.slot);
-    for (const Fp8AmaxHolder& h : b.others) *s += fmt::format(" {}@{}", h.rank, h.slot);
+    for (const AmaxHolder& h : b.others) *s += fmt::format(" {}@{}", h.rank, h.slot);
     *s += "\n";
   }
   *s += fmt::format("amax_blocks {} peers", p.amax_blocks);
@@ -164,16 +151,11 @@ std::string PlansText(const PlanInputs& in) {
   std::string s;
   const int world = SyncWorldSize(in);
   for (int r = 0; r < world; ++r) {
-    if (in.model.quant) {
-      auto p = PlanFp8ForRank(in, r);
-      if (!p.ok()) return "error " + p.status().ToString();
-      AppendMessages(*p, &s);
-      AppendQuantTables(*p, &s);
-    } else {
-      auto p = PlanForRank(in, r);
-      if (!p.ok()) return "error " + p.status().ToString();
-      AppendMessages(*p, &s);
-    }
+    auto p = PlanForRank(in, r);
+    if (!p.ok()) return "error " + p.status().ToString();
+    AppendMessages(*p, &s);
+    // The quantization tables, for block-FP8 plans only.
+    if (in.model.quant) AppendQuantTables(*p, &s);
   }
   return s;
 }

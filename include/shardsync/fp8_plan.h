@@ -48,40 +48,7 @@ inline constexpr std::string_view kFp8PlannerVersion = "shardsync-fp8-plan/1";
 // Planning one needs a bucket cap holding one 128 x 128 block (InvalidArgument naming --bucket-mb
 // below 64 KiB).
 
-struct Fp8PlanSummary {
-  std::string plan_hash;
-  int64_t ops = 0, messages = 0;
-  int64_t total_bytes = 0;                  // on the wire, every pair
-  int64_t copy_bytes = 0;                   // kCopy ops
-  int64_t quantize_bytes = 0;               // kQuantize ops (e4m3 + scales + padding)
-  int64_t stage_bytes = 0;                  // kStage ops (raw trainer values)
-  int64_t sender_quantized_elements = 0;    // quantized by trainer ranks on the fly
-  int64_t receiver_quantized_elements = 0;  // quantized by engine ranks from staging
-  int64_t staged_bands = 0;
-  int64_t max_staging_bytes = 0;  // largest staging buffer of an engine rank
-  // kAmax: ops' bytes (e4m3 + the scale senders' scales), elements, the straddling bands
-  // (distinct HF block rows) and their blocks, and the store bytes of the exchange per sync:
-  // every holder's value (4 bytes per block it holds rows of) written once and read by each
-  // other holder of its bands.
-  int64_t amax_bytes = 0;
-  int64_t amax_elements = 0;
-  int64_t amax_bands = 0, amax_blocks = 0;
-  int64_t exchange_write_bytes = 0, exchange_read_bytes = 0;
-  // Memory-bound figure of the same work: every trainer element the plan reads, read once in
-  // the trainer dtype, plus every engine byte (e4m3, scales, unquantized params) written once.
-  int64_t bound_read_bytes = 0;
-  int64_t bound_write_bytes = 0;
-  std::vector<EngineRankSummary> engine_ranks;  // recv_bytes (wire) and owned_bytes (in memory)
-  std::vector<TrainerRankSummary> trainer_ranks;
-};
-// Enumerates every engine rank's plan (the job's traffic is the union of their receives).
-Result<Fp8PlanSummary> SummarizeFp8Plan(const PlanInputs& in);
-
-// Validates a whole (small) FP8 job element by element: every engine byte and every scale
-// covered exactly once (by a kCopy, a kQuantize, a staged band or a zero-fill), each from the HF
-// bytes the shard map says, every staged band's rows landed exactly once, sources held by the
-// sending trainer rank, both sides of every message identical, wire offsets and buckets
-// consistent.
-Status ValidateFp8Plan(const PlanInputs& in);
+// Its summary is a PlanSummary (SummarizePlan fills the block-FP8 figures) and ValidatePlan
+// checks it.
 
 }  // namespace shardsync

@@ -260,8 +260,27 @@ struct PlanSummary {
   std::vector<TrainerRankSummary> trainer_ranks;
   int64_t broadcast_recv_bytes_per_rank = 0;  // every full HF tensor, as broadcast-all sends
   double plan_seconds = 0;
+  // Block-FP8 plans (fp8_plan.h; zero otherwise). Wire bytes by encoding (kQuantize: e4m3 +
+  // scales + padding; kStage: raw trainer values), elements quantized by trainer ranks on the fly
+  // and by engine ranks from staging, the staged bands and the largest staging buffer of an
+  // engine rank.
+  int64_t copy_bytes = 0, quantize_bytes = 0, stage_bytes = 0;
+  int64_t sender_quantized_elements = 0, receiver_quantized_elements = 0;
+  int64_t staged_bands = 0, max_staging_bytes = 0;
+  // kAmax: ops' bytes (e4m3 + the scale senders' scales), elements, the straddling bands
+  // (distinct HF block rows) and their blocks, and the store bytes of the exchange per sync:
+  // every holder's value (4 bytes per block it holds rows of) written once and read by each
+  // other holder of its bands.
+  int64_t amax_bytes = 0, amax_elements = 0;
+  int64_t amax_bands = 0, amax_blocks = 0;
+  int64_t exchange_write_bytes = 0, exchange_read_bytes = 0;
+  // Memory-bound figure of the same work: every trainer element the plan reads, read once in
+  // the trainer dtype, plus every engine byte (e4m3, scales, unquantized params) written once.
+  int64_t bound_read_bytes = 0, bound_write_bytes = 0;
 };
-// Job-wide statistics, computed analytically per tensor (never enumerating the job's ops).
+// Job-wide statistics: computed analytically per tensor (never enumerating the job's ops); a
+// block-FP8 plan's by enumerating every engine rank's plan (the job's traffic is the union of
+// their receives), engine_ranks' owned_bytes in the engine's dtypes.
 Result<PlanSummary> SummarizePlan(const PlanInputs& in);
 
 // ---- Placement and cost model ----
@@ -345,7 +364,10 @@ Status ValidatePlanInputs(const PlanInputs& in);
 // Validates a whole (small) job: every engine byte covered exactly once by ops or zero-fills,
 // every source region inside its tensor and held by the sending trainer rank, both sides of
 // every message identical, wire offsets and buckets consistent, the summary in agreement.
-// Enumerates every rank's plan: for tests and small jobs only.
+// Block-FP8 plans: every engine byte and every scale covered exactly once (by a copy, a
+// quantize or amax op, a staged band or a zero-fill), each from the HF bytes the shard map says,
+// every staged band's rows landed exactly once. Enumerates every rank's plan: for tests and
+// small jobs only.
 Status ValidatePlan(const PlanInputs& in);
 
 }  // namespace shardsync

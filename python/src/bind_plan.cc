@@ -112,15 +112,10 @@ py::dict SummaryToPy(const PlanSummary& s) {
 
 // A block-FP8 plan's summary: the keys of a bf16 one (bytes on the wire; owned bytes in the
 // engines' dtypes) plus "quant" with where blocks are quantized and the memory-bound work.
-py::dict Fp8SummaryToPy(const Fp8PlanSummary& f) {
-  PlanSummary s;
-  s.plan_hash = f.plan_hash;
-  s.ops = f.ops;
-  s.messages = f.messages;
-  s.total_bytes = f.total_bytes;
-  s.engine_ranks = f.engine_ranks;
-  s.trainer_ranks = f.trainer_ranks;
-  py::dict d = SummaryToPy(s);
+// Block FP8: the same dict with the codec's figures under "quant" (and no broadcast-all figure:
+// the engines' own update paths load bf16 and requantize).
+py::dict Fp8SummaryToPy(const PlanSummary& f) {
+  py::dict d = SummaryToPy(f);
   d.attr("pop")("broadcast_recv_bytes_per_rank");
   py::dict q;
   q["copy_bytes"] = f.copy_bytes;
@@ -272,25 +267,19 @@ void RegisterPlan(py::module_& m) {
           py::arg("sync_rank"))
       .def("summary",
            [](const PlanInputs& in) {
-             if (in.model.quant) {
-               Result<Fp8PlanSummary> f = [&] {
-                 py::gil_scoped_release nogil;
-                 return SummarizeFp8Plan(in);
-               }();
-               return Fp8SummaryToPy(Unwrap(std::move(f)));
-             }
              Result<PlanSummary> s = [&] {
                py::gil_scoped_release nogil;
                return SummarizePlan(in);
              }();
-             return SummaryToPy(Unwrap(std::move(s)));
+             return in.model.quant ? Fp8SummaryToPy(Unwrap(std::move(s)))
+                                   : SummaryToPy(Unwrap(std::move(s)));
            })
       .def("validate",
            [](const PlanInputs& in) {
              Status s;
              {
                py::gil_scoped_release nogil;
-               s = in.model.quant ? ValidateFp8Plan(in) : ValidatePlan(in);
+               s = ValidatePlan(in);
              }
              ThrowIfError(s);
            })

@@ -24,6 +24,9 @@ struct Fp8Unit {
   int64_t index = 0;    // position among the erank's units of that chunk / source (senders)
 };
 
+// Blocks of a region's last two dims (leading dims kept): where a weight region's scales are.
+Region BlockRegion(const Region& r);
+
 class Fp8Context {
  public:
   static Result<Fp8Context> Build(const PlanInputs& in);
@@ -79,5 +82,10 @@ class Fp8Context {
   std::shared_ptr<const MegatronSources> mg_;
   std::vector<std::pair<int32_t, int64_t>> amax_bands_;
 };
+
+// The block-FP8 plan's summary (fp8_summary.cc) and its element-by-element validation
+// (fp8_validate.cc), behind SummarizePlan and ValidatePlan.
+Result<PlanSummary> SummarizeFp8(const PlanInputs& in);
+Status ValidateFp8(const PlanInputs& in);
 
 }  // namespace shardsync::plan_internal

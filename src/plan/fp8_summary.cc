@@ -13,9 +13,9 @@ namespace {
 int64_t CeilDivI(int64_t a, int64_t b) { return (a + b - 1) / b; }
 }  // namespace
 
-Result<Fp8PlanSummary> SummarizeFp8Plan(const PlanInputs& in) {
+Result<PlanSummary> plan_internal::SummarizeFp8(const PlanInputs& in) {
   SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::Fp8Context::Build(in));
-  Fp8PlanSummary sum;
+  PlanSummary sum;
   sum.plan_hash = ctx.hash();
   const int S = ctx.trainer_world(), E = ctx.engine_per_replica(), D = ctx.replicas();
   sum.trainer_ranks.resize(S);
@@ -81,6 +81,10 @@ Result<Fp8PlanSummary> SummarizeFp8Plan(const PlanInputs& in) {
         if (peers[k][j]) sum.exchange_read_bytes += R * blocks[j] * 4;
       }
     }
+  }
+  // Broadcast-all sends every full HF tensor in the wire dtype, as for a bf16 plan.
+  for (const HfTensor& t : ctx.inventory()) {
+    sum.broadcast_recv_bytes_per_rank += t.numel() * ctx.wire_size();
   }
   const int64_t tsize = DTypeSize(in.trainer_dtype);
   for (size_t i = 0; i < read.size(); ++i) {

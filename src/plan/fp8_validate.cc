@@ -1,6 +1,6 @@
-// ValidateFp8Plan: enumerates every rank's FP8 plan of a small job and checks it element by element
-// against the shard map (which bytes of which HF tensor, and which HF scale blocks, land where),
-// independently of the planner's walk.
+// ValidatePlan of a block-FP8 plan (plan_internal::ValidateFp8): enumerates every rank's FP8 plan
+// of a small job and checks it element by element against the shard map (which bytes of which HF
+// tensor, and which HF scale blocks, land where), independently of the planner's walk.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -263,7 +263,7 @@ class Coverage {
 
 }  // namespace
 
-Status ValidateFp8Plan(const PlanInputs& in) {
+Status plan_internal::ValidateFp8(const PlanInputs& in) {
   SS_ASSIGN_OR_RETURN(auto ctx, Fp8Context::Build(in));
   const ShardMap& map = ctx.map();
   const auto& inv = ctx.inventory();

@@ -35,6 +35,12 @@ Result<DetailedSummary> SummarizePlanDetailed(const PlanInputs& in, const Summar
 }
 
 Result<PlanSummary> SummarizePlan(const PlanInputs& in) {
+  if (in.model.quant) {  // block FP8: the codec's summary (fp8_summary.cc)
+    const auto t0 = std::chrono::steady_clock::now();
+    SS_ASSIGN_OR_RETURN(PlanSummary s, plan_internal::SummarizeFp8(in));
+    s.plan_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return s;
+  }
   SS_ASSIGN_OR_RETURN(DetailedSummary ds, SummarizePlanDetailed(in, SummaryOptions{}));
   return std::move(ds.summary);
 }
@@ -56,6 +62,7 @@ Status ValidatePlanInputs(const PlanInputs& in) {
 }
 
 Status ValidatePlan(const PlanInputs& in) {
+  if (in.model.quant) return plan_internal::ValidateFp8(in);  // fp8_validate.cc
   SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::MakeContext(in));
   return plan_internal::ValidateContext(ctx);
 }

@@ -94,7 +94,7 @@ Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
     // PlanForRank sends them); this planner's ops are plain copies and would land the wrong bytes.
     return UnimplementedError(fmt::format(
         "model '{}' has block-FP8 engine weights ({} from {}): its plan is a block-FP8 plan "
-        "(PlanForRank / SummarizeFp8Plan), not a bf16 copy plan",
+        "(PlanForRank / SummarizePlan), not a bf16 copy plan",
         in.model.name, QuantConfigToString(*in.model.quant), in.model.quant->origin));
   }
   PlanContext c;

@@ -102,7 +102,7 @@ Status CheckFp8Bindings(const SessionContext& ctx, const Bindings& bindings) {
 }
 
 Fp8StageTarget Fp8StageTargetOf(const TransferOp& op) {
-  // A stage op covers whole rows of its band (ValidateFp8Plan): dst = [r0, r1) x [0, cols).
+  // A stage op covers whole rows of its band (ValidatePlan): dst = [r0, r1) x [0, cols).
   Fp8StageTarget t;
   t.offset = op.staging_offset;
   t.shape = {op.dst.offset[0] + op.dst.extent[0], op.dst.extent[1]};

@@ -13,18 +13,19 @@
 #include "sync/bindings.h"
 #include "sync/context.h"
 #include "sync/guard.h"
+#include "sync/host_path.h"
 #include "sync/pairs.h"
 
 namespace shardsync::sync_internal {
 
-class Fp8HostReceiver {
+class Fp8HostReceiver final : public HostRecvPath {
  public:
   Fp8HostReceiver(const SessionContext& ctx, SyncGuard& guard) : ctx_(ctx), guard_(guard) {}
 
   // Connect: which messages come this way, and the staging buffer of the rank's bands.
-  Status Prepare(const Bindings& bindings, const PreparedPairs& pairs);
+  Status Prepare(const Bindings& bindings, const PreparedPairs& pairs) override;
   // Sync: every host bucket received, verified and scattered; every band quantized.
-  Status Receive(RankSyncStats& st);
+  Status Receive(RankSyncStats& st) override;
 
   // Quantizes staged band `band` from `staging` into the bound weight and scale parameters;
   // returns the non-finite inputs it saw.

@@ -68,7 +68,8 @@ Result<Fp8Packed> PackFp8Bucket(const SessionContext& ctx, const Bindings& bindi
   return res;
 }
 
-Status Fp8HostSender::Prepare(const Bindings& bindings, PreparedPairs& pairs) {
+Status Fp8HostSender::Prepare(const Bindings& bindings, PeerShapes& /*shapes*/,
+                              PreparedPairs& pairs, std::map<int, uint32_t> /*regbase*/) {
   bindings_ = &bindings;
   pairs_ = &pairs;
   const std::vector<Message>& sends = ctx_.plan.sends;

@@ -1,4 +1,4 @@
-// The block-FP8 planner: exact cover (ValidateFp8Plan) over many layouts, where blocks are
+// The block-FP8 planner: exact cover (ValidatePlan) over many layouts, where blocks are
 // quantized (sender vs staged), bucket splitting, determinism, and an in-memory execution of whole
 // plans with the CPU quantize-pack whose every landed e4m3 byte and scale is compared with the
 // independent reference quantizer applied to the trainer's values.
@@ -89,7 +89,7 @@ TEST(Fp8Plan, ExactCoverOverManyLayouts) {
       in.options.bucket_bytes = c.bucket;
       in.trainer_dtype = c.trainer_dtype;
       in.options.fp8_split = split;
-      Status st = ValidateFp8Plan(in);
+      Status st = ValidatePlan(in);
       EXPECT_TRUE(st.ok()) << c.trainer << " -> " << c.rollout << " " << Fp8SplitName(split) << ": "
                            << st.ToString();
     }
@@ -98,7 +98,7 @@ TEST(Fp8Plan, ExactCoverOverManyLayouts) {
 
 TEST(Fp8Plan, SendersQuantizeWhereChunksFollowTheGridAndReceiversWhereTheyDoNot) {
   // fsdp=2 on the tiny dense model: every dim 0 (512, 256, 768 rows) splits on the grid.
-  auto aligned = SummarizeFp8Plan(Inputs(TinyQwen3(), "fsdp=2", "dp=1,tp=2,pp=2"));
+  auto aligned = SummarizePlan(Inputs(TinyQwen3(), "fsdp=2", "dp=1,tp=2,pp=2"));
   ASSERT_TRUE(aligned.ok()) << aligned.status().ToString();
   EXPECT_EQ(aligned->stage_bytes, 0);
   EXPECT_EQ(aligned->staged_bands, 0);
@@ -106,7 +106,7 @@ TEST(Fp8Plan, SendersQuantizeWhereChunksFollowTheGridAndReceiversWhereTheyDoNot)
   // fsdp=4: k/v_proj (256 rows: 64 per rank) and gate/up (768: 192) straddle.
   PlanInputs staged_in = Inputs(TinyQwen3(), "fsdp=4", "dp=1,tp=2,pp=2");
   staged_in.options.fp8_split = Fp8Split::kStage;
-  auto ragged = SummarizeFp8Plan(staged_in);
+  auto ragged = SummarizePlan(staged_in);
   ASSERT_TRUE(ragged.ok()) << ragged.status().ToString();
   EXPECT_GT(ragged->staged_bands, 0);
   EXPECT_GT(ragged->stage_bytes, 0);
@@ -128,7 +128,7 @@ TEST(Fp8Plan, SendersQuantizeWhereChunksFollowTheGridAndReceiversWhereTheyDoNot)
   // The same layout with the amax exchange (the default): the straddling elements travel as
   // e4m3 (+ one scale row per band), nothing is staged, and the exchange is 4 bytes per block
   // per holder.
-  auto amax = SummarizeFp8Plan(Inputs(TinyQwen3(), "fsdp=4", "dp=1,tp=2,pp=2"));
+  auto amax = SummarizePlan(Inputs(TinyQwen3(), "fsdp=4", "dp=1,tp=2,pp=2"));
   ASSERT_TRUE(amax.ok()) << amax.status().ToString();
   EXPECT_EQ(amax->staged_bands, 0);
   EXPECT_EQ(amax->stage_bytes, 0);
@@ -149,7 +149,7 @@ TEST(Fp8Plan, SendersQuantizeWhereChunksFollowTheGridAndReceiversWhereTheyDoNot)
 TEST(Fp8Plan, BucketCapSplitsOnBlockBoundaries) {
   PlanInputs in = Inputs(TinyQwen3(), "fsdp=1", "dp=1,tp=1,pp=1");
   in.options.bucket_bytes = 64 << 10;  // < 128 rows of a 768-column weight
-  ASSERT_TRUE(ValidateFp8Plan(in).ok());
+  ASSERT_TRUE(ValidatePlan(in).ok());
   auto rp = PlanForRank(in, 1);
   ASSERT_TRUE(rp.ok()) << rp.status().ToString();
   int quantize = 0, strided = 0;
@@ -617,9 +617,9 @@ TEST(Fp8PlanExecution, AmaxExchangeLandsTheReferenceBytesWhereSeveralRanksShareA
     PlanInputs in = Inputs(c.model(), c.trainer, c.rollout, c.engine);
     in.trainer_dtype = c.trainer_dtype;
     in.options.bucket_bytes = c.bucket;
-    const Status st = ValidateFp8Plan(in);
+    const Status st = ValidatePlan(in);
     EXPECT_TRUE(st.ok()) << st.ToString();
-    auto sum = SummarizeFp8Plan(in);
+    auto sum = SummarizePlan(in);
     ASSERT_TRUE(sum.ok()) << sum.status().ToString();
     EXPECT_EQ(sum->staged_bands, 0);
     EXPECT_EQ(sum->max_staging_bytes, 0);
@@ -684,9 +684,9 @@ TEST(Fp8PlanMegatron, ExactCoverAndEveryLandedByteEqualsTheReferenceQuantizer) {
     PlanInputs in = Inputs(c.model(), c.trainer, c.rollout, c.engine);
     in.trainer_dtype = c.trainer_dtype;
     in.options.bucket_bytes = c.bucket;
-    const Status st = ValidateFp8Plan(in);
+    const Status st = ValidatePlan(in);
     EXPECT_TRUE(st.ok()) << st.ToString();
-    auto sum = SummarizeFp8Plan(in);
+    auto sum = SummarizePlan(in);
     ASSERT_TRUE(sum.ok()) << sum.status().ToString();
     // Megatron ranks hold whole blocks: every quantized element by a sender, nothing staged.
     EXPECT_EQ(sum->staged_bands, 0);
@@ -703,7 +703,7 @@ TEST(Fp8PlanMegatron, ExactCoverAndEveryLandedByteEqualsTheReferenceQuantizer) {
 
 TEST(Fp8PlanMegatron, SendersReadLocalParametersAndReplicasShareTheWork) {
   PlanInputs in = Inputs(TinyQwen3L4(), "megatron=tp=2,pp=2,dp=2", "dp=1,tp=2,pp=2");
-  auto sum = SummarizeFp8Plan(in);
+  auto sum = SummarizePlan(in);
   ASSERT_TRUE(sum.ok()) << sum.status().ToString();
   ASSERT_EQ(sum->trainer_ranks.size(), 8u);
   // Every rank of the 2 x 2 x dp 2 grid sends: the two DP replicas of each (tp, pp) split it.
@@ -753,8 +753,8 @@ TEST(Fp8PlanMegatron, ShardsThatCutBlocksAreRefusedNamingTensorRowsAndRank) {
   EXPECT_NE(msg.find("rows [0, 192)"), std::string::npos) << msg;
   EXPECT_NE(msg.find("'model.layers.0.mlp.gate_proj.weight'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("linear_fc1.weight"), std::string::npos) << msg;
-  EXPECT_FALSE(SummarizeFp8Plan(in).ok());
-  EXPECT_FALSE(ValidateFp8Plan(in).ok());
+  EXPECT_FALSE(SummarizePlan(in).ok());
+  EXPECT_FALSE(ValidatePlan(in).ok());
   // head_dim 64: a k head is 64 rows of a 128-row block, and Megatron tp 2 holds one kv head of
   // each block per rank.
   ModelSpec h64 = TinyQwen3();

@@ -169,11 +169,13 @@ void AppendRanks(const std::vector<EngineRankSummary>& er,
   for (const auto& t : tr) *s += fmt::format("t {} {}\n", t.rank, t.send_bytes);
 }
 
+// A block-FP8 summary's line has the codec's figures (as the table was first written); a bf16
+// one the broadcast-all figure.
 std::string SummaryText(const PlanInputs& in) {
+  auto x = SummarizePlan(in);
+  if (!x.ok()) return "error " + x.status().ToString();
   std::string s;
   if (in.model.quant) {
-    auto x = SummarizeFp8Plan(in);
-    if (!x.ok()) return "error " + x.status().ToString();
     s += fmt::format(
         "{} ops{} msgs{} total{} copy{} quant{} stage{} sq{} rq{} bands{} staging{} amax{} ae{} "
         "ab{} abl{} xw{} xr{} br{} bw{}\n",
@@ -182,14 +184,11 @@ std::string SummaryText(const PlanInputs& in) {
         x->staged_bands, x->max_staging_bytes, x->amax_bytes, x->amax_elements, x->amax_bands,
         x->amax_blocks, x->exchange_write_bytes, x->exchange_read_bytes, x->bound_read_bytes,
         x->bound_write_bytes);
-    AppendRanks(x->engine_ranks, x->trainer_ranks, &s);
   } else {
-    auto x = SummarizePlan(in);
-    if (!x.ok()) return "error " + x.status().ToString();
     s += fmt::format("{} ops{} msgs{} total{} bcast{}\n", x->plan_hash, x->ops, x->messages,
                      x->total_bytes, x->broadcast_recv_bytes_per_rank);
-    AppendRanks(x->engine_ranks, x->trainer_ranks, &s);
   }
+  AppendRanks(x->engine_ranks, x->trainer_ranks, &s);
   return s;
 }
 

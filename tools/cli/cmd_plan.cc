@@ -252,7 +252,7 @@ void AppendFp8Ops(const plan_internal::Fp8Context& ctx, const Message& m, std::s
   }
 }
 
-Result<std::string> DumpFp8Ops(const plan_internal::Fp8Context& ctx, const Fp8PlanSummary& s,
+Result<std::string> DumpFp8Ops(const plan_internal::Fp8Context& ctx, const PlanSummary& s,
                                std::optional<int> rank) {
   std::string out;
   auto one = [&](int r) -> Status {
@@ -289,7 +289,7 @@ Result<std::string> DumpFp8Ops(const plan_internal::Fp8Context& ctx, const Fp8Pl
   return out;
 }
 
-std::string Fp8Text(const PlanInputs& in, const Fp8PlanSummary& s, double seconds) {
+std::string Fp8Text(const PlanInputs& in, const PlanSummary& s, double seconds) {
   const auto tsend = Stats(s.trainer_ranks, [](const auto& t) { return t.send_bytes; });
   const auto erecv = Stats(s.engine_ranks, [](const auto& e) { return e.recv_bytes; });
   const auto eown = Stats(s.engine_ranks, [](const auto& e) { return e.owned_bytes; });
@@ -337,7 +337,7 @@ std::string Fp8Text(const PlanInputs& in, const Fp8PlanSummary& s, double second
   return o;
 }
 
-std::string Fp8Json(const PlanInputs& in, const Fp8PlanSummary& s, double seconds) {
+std::string Fp8Json(const PlanInputs& in, const PlanSummary& s, double seconds) {
   nlohmann::json j;
   j["model"] = in.model.name;
   j["trainer"] = in.trainer.ToString();
@@ -406,7 +406,7 @@ int RunFp8(const PlanInputs& in, const Args& a) {
   const auto t0 = std::chrono::steady_clock::now();
   auto ctx = plan_internal::Fp8Context::Build(in);
   if (!ctx.ok()) return ReportError(ctx.status());
-  auto s = SummarizeFp8Plan(in);
+  auto s = SummarizePlan(in);
   if (!s.ok()) return ReportError(s.status());
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -92,7 +92,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!shardsync::CheckTrainerLayout(in.model, *trainer).ok()) return 0;
   if (!shardsync::ValidatePlanInputs(in).ok()) return 0;
   for (int r : {0, world - 1}) {
-    auto fp8 = shardsync::PlanFp8ForRank(in, r);
+    auto fp8 = shardsync::PlanForRank(in, r);
     if (!fp8.ok()) continue;
     for (const auto& m : fp8->sends) {
       if (m.dst < 0 || m.dst >= world) __builtin_trap();

@@ -121,14 +121,39 @@ struct SyncRank {
 int SyncWorldSize(const PlanInputs& in);
 Result<SyncRank> DescribeSyncRank(const PlanInputs& in, int sync_rank);
 
+// How an op's bytes travel and land. Every op of an unquantized plan is a copy; a block-FP8 plan
+// (ModelSpec::quant, fp8_plan.h) adds the other three, its codec's (docs/fp8.md).
+enum class Encoding : uint8_t {
+  kCopy,      // the source cast to the wire dtype, landed in place
+  kQuantize,  // e4m3 rows + the fp32 scales of their 128 x 128 blocks, quantized by the sender
+  kStage,     // raw trainer values into the receiver's staging (RankPlan::staged), which quantizes
+  kAmax,      // e4m3 rows quantized with their block's scale agreed among the trainer ranks holding
+              // it (RankPlan::amax_bands)
+};
+std::string_view EncodingName(Encoding e);  // "copy" | "quantize" | "stage" | "amax"
+
 // One contiguous destination run filled from one source region.
 struct TransferOp {
-  int32_t tensor = 0;       // index into HfTensorInventory(model)
-  int32_t param = 0;        // index into the destination rank's EngineRankShards::params
-  Region src;               // region of the HF tensor (source coordinates)
-  Region dst;               // region of the engine parameter (same element count)
-  int64_t wire_offset = 0;  // byte offset inside the message's wire image
-  int64_t bytes = 0;        // wire bytes: src.numel() * DTypeSize(wire_dtype)
+  int32_t tensor = 0;  // index into HfTensorInventory(model)
+  int32_t param = 0;   // index into the destination rank's EngineRankShards::params
+  Region src;          // region of the HF tensor (source coordinates)
+  // Region of the engine parameter (same element count); kStage: rows x cols inside the band.
+  Region dst;
+  int64_t wire_offset = 0;  // byte offset inside the message's wire image (a multiple of 8 for
+                            // every op of a block-FP8 plan)
+  // Wire bytes. kCopy: src.numel() * DTypeSize(wire_dtype) (block-FP8 plans: rounded up to 8);
+  // the others: fp8_plan.h.
+  int64_t bytes = 0;
+  Encoding encoding = Encoding::kCopy;
+  // kQuantize, and kAmax ops that send their band's scales: the weight_scale_inv parameter of
+  // `param`, and its blocks of `dst`; -1 otherwise.
+  int32_t scale_param = -1;
+  Region scale_dst;
+  // kStage: the band (index into the receiver's RankPlan::staged) and its staging offset there:
+  // a stage op spans whole rows of its band, so its bytes sit at staging_offset + dst row * row
+  // bytes (what a sender writing straight into the receiver's staging needs).
+  int32_t stage = -1;
+  int64_t staging_offset = 0;
 };
 
 // Where a Megatron sender holds an op's bytes: local parameter `param` (index into the sender's
@@ -159,6 +184,38 @@ struct Message {
   std::vector<LocalSource> local;
 };
 
+// The quantization tables of a block-FP8 plan (fp8_plan.h, docs/fp8.md).
+//
+// A band of rows (<= 128) x whole blocks of one engine piece whose rows straddle trainer ranks
+// (kStage): the receiver quantizes it from staged raw values once all its stage ops landed.
+struct StagedBand {
+  int32_t tensor = 0;
+  int32_t param = 0;
+  int32_t scale_param = 0;
+  Region src;                  // HF region of the band
+  Region dst;                  // fp8 param region
+  Region scale_dst;            // scale param region
+  DType dtype = DType::kF32;   // of the staged values (the trainer dtype)
+  int64_t staging_offset = 0;  // into the receiver's staging buffer, multiple of 8; row-major
+  int64_t bytes = 0;           // rows * cols * dtype size
+};
+// A band of one block row (<= 128 rows x every column of an HF tensor) whose rows straddle FSDP
+// trainer ranks, as one of its holders sees it (kAmax): the holder computes the partial amax of
+// its own rows per 128-column block, posts it at `slot` of its store value, and combines it with
+// the other holders' at their slots.
+struct AmaxHolder {
+  int32_t rank = 0;  // sync rank (trainer) of another holder, in this rank's group
+  int64_t slot = 0;  // index of the band's first block in that holder's value
+};
+struct AmaxBand {
+  int32_t tensor = 0;
+  int64_t row0 = 0, rows = 0;      // the band: HF rows [row0, row0 + rows), on the 128 grid
+  int64_t own0 = 0, own_rows = 0;  // the rows this rank holds
+  int64_t blocks = 0;              // ceil(columns / 128): partials per holder
+  int64_t slot = 0;                // index of the band's first block in this rank's value
+  std::vector<AmaxHolder> others;
+};
+
 // One rank's part of the plan: what it sends and what it receives. Computed directly from the
 // layouts, without enumerating the job's other ops.
 struct RankPlan {
@@ -166,13 +223,23 @@ struct RankPlan {
   std::string plan_hash;
   std::vector<Message> sends;  // ordered by dst
   std::vector<Message> recvs;  // ordered by src
+  // Block-FP8 plans' quantization tables (empty otherwise). Engines: the bands this rank
+  // quantizes itself and its staging size. Trainers of kAmax plans: every straddling band this
+  // rank holds rows of (sorted by tensor, row), whether or not it sends them (replica groups
+  // share the work, every holder posts), the length of its value (partials, 4 bytes each) and
+  // the ranks whose values it reads.
+  std::vector<StagedBand> staged;
+  int64_t staging_bytes = 0;
+  std::vector<AmaxBand> amax_bands;
+  int64_t amax_blocks = 0;
+  std::vector<int32_t> amax_peers;
 };
 
 // Hash of everything that defines the plan (model, layouts, engine, options, planner version):
 // 32 hex chars. Ranks compare it before any byte moves.
 std::string PlanHash(const PlanInputs& in);
 
-// The plan of one sync rank.
+// The plan of one sync rank; a block-FP8 plan for a model with a QuantConfig (fp8_plan.h).
 Result<RankPlan> PlanForRank(const PlanInputs& in, int sync_rank);
 
 struct EngineRankSummary {
@@ -193,8 +260,27 @@ struct PlanSummary {
   std::vector<TrainerRankSummary> trainer_ranks;
   int64_t broadcast_recv_bytes_per_rank = 0;  // every full HF tensor, as broadcast-all sends
   double plan_seconds = 0;
+  // Block-FP8 plans (fp8_plan.h; zero otherwise). Wire bytes by encoding (kQuantize: e4m3 +
+  // scales + padding; kStage: raw trainer values), elements quantized by trainer ranks on the fly
+  // and by engine ranks from staging, the staged bands and the largest staging buffer of an
+  // engine rank.
+  int64_t copy_bytes = 0, quantize_bytes = 0, stage_bytes = 0;
+  int64_t sender_quantized_elements = 0, receiver_quantized_elements = 0;
+  int64_t staged_bands = 0, max_staging_bytes = 0;
+  // kAmax: ops' bytes (e4m3 + the scale senders' scales), elements, the straddling bands
+  // (distinct HF block rows) and their blocks, and the store bytes of the exchange per sync:
+  // every holder's value (4 bytes per block it holds rows of) written once and read by each
+  // other holder of its bands.
+  int64_t amax_bytes = 0, amax_elements = 0;
+  int64_t amax_bands = 0, amax_blocks = 0;
+  int64_t exchange_write_bytes = 0, exchange_read_bytes = 0;
+  // Memory-bound figure of the same work: every trainer element the plan reads, read once in
+  // the trainer dtype, plus every engine byte (e4m3, scales, unquantized params) written once.
+  int64_t bound_read_bytes = 0, bound_write_bytes = 0;
 };
-// Job-wide statistics, computed analytically per tensor (never enumerating the job's ops).
+// Job-wide statistics: computed analytically per tensor (never enumerating the job's ops); a
+// block-FP8 plan's by enumerating every engine rank's plan (the job's traffic is the union of
+// their receives), engine_ranks' owned_bytes in the engine's dtypes.
 Result<PlanSummary> SummarizePlan(const PlanInputs& in);
 
 // ---- Placement and cost model ----
@@ -278,7 +364,10 @@ Status ValidatePlanInputs(const PlanInputs& in);
 // Validates a whole (small) job: every engine byte covered exactly once by ops or zero-fills,
 // every source region inside its tensor and held by the sending trainer rank, both sides of
 // every message identical, wire offsets and buckets consistent, the summary in agreement.
-// Enumerates every rank's plan: for tests and small jobs only.
+// Block-FP8 plans: every engine byte and every scale covered exactly once (by a copy, a
+// quantize or amax op, a staged band or a zero-fill), each from the HF bytes the shard map says,
+// every staged band's rows landed exactly once. Enumerates every rank's plan: for tests and
+// small jobs only.
 Status ValidatePlan(const PlanInputs& in);
 
 }  // namespace shardsync

@@ -39,7 +39,7 @@
 
 namespace shardsync {
 
-// One band of block-FP8 weights an engine rank quantizes itself (fp8_plan.h Fp8StagedBand):
+// One band of block-FP8 weights an engine rank quantizes itself (plan.h StagedBand):
 // `rows` (<= 128) x `cols` raw trainer values of `dtype` (f32 / bf16 / f16) at `src`, row-major
 // and contiguous, quantized per 128 x 128 block (fp8.h) into e4m3 rows at `weight` (row stride
 // `weight_stride` bytes) and fp32 scales at `scales` (row stride `scale_stride` floats).
@@ -54,7 +54,7 @@ struct Fp8BandTask {
 };
 
 // A trainer rank's rows of one band of block-FP8 weights shared with other trainer ranks (the
-// amax exchange, fp8_plan.h Fp8AmaxBand) in device memory: `rows` (<= 128) x `cols` values of
+// amax exchange, plan.h AmaxBand) in device memory: `rows` (<= 128) x `cols` values of
 // `dtype` (f32 / bf16 / f16) at `src`, `src_stride` elements apart, whose partial amax per
 // 128-column block goes to entry `slot + column block` of the rank's partials.
 struct Fp8AmaxTask {

@@ -278,8 +278,7 @@ class Plan:
 
     def rank_plan(self, sync_rank: int) -> "RankPlan":
         """What `sync_rank` sends and receives: messages, their ops and checksummed buckets.
-        Block FP8: the FP8 plan's outline (one op per quantize, stage or copy op, with its wire
-        bytes)."""
+        Block FP8: each op's `encoding` says how it travels (copy, quantize, stage or amax)."""
         return self.inputs.rank_plan(sync_rank)
 
     def summary(self) -> "PlanSummary":

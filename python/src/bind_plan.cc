@@ -131,15 +131,10 @@ py::dict SummaryToPy(const PlanSummary& s) {
 
 // A block-FP8 plan's summary: the keys of a bf16 one (bytes on the wire; owned bytes in the
 // engines' dtypes) plus "quant" with where blocks are quantized and the memory-bound work.
-py::dict Fp8SummaryToPy(const Fp8PlanSummary& f) {
-  PlanSummary s;
-  s.plan_hash = f.plan_hash;
-  s.ops = f.ops;
-  s.messages = f.messages;
-  s.total_bytes = f.total_bytes;
-  s.engine_ranks = f.engine_ranks;
-  s.trainer_ranks = f.trainer_ranks;
-  py::dict d = SummaryToPy(s);
+// Block FP8: the same dict with the codec's figures under "quant" (and no broadcast-all figure:
+// the engines' own update paths load bf16 and requantize).
+py::dict Fp8SummaryToPy(const PlanSummary& f) {
+  py::dict d = SummaryToPy(f);
   d.attr("pop")("broadcast_recv_bytes_per_rank");
   py::dict q;
   q["copy_bytes"] = f.copy_bytes;
@@ -163,13 +158,17 @@ py::dict Fp8SummaryToPy(const Fp8PlanSummary& f) {
 void RegisterPlan(py::module_& m) {
   py::class_<TransferOp>(m, "TransferOp",
                          "One contiguous destination run of a message: HF tensor region `src` -> "
-                         "engine parameter region `dst`, at `wire_offset`.")
+                         "engine parameter region `dst`, at `wire_offset`, with its `encoding`.")
       .def_readonly("tensor", &TransferOp::tensor)
       .def_readonly("param", &TransferOp::param)
       .def_readonly("src", &TransferOp::src)
       .def_readonly("dst", &TransferOp::dst)
       .def_readonly("wire_offset", &TransferOp::wire_offset)
-      .def_readonly("bytes", &TransferOp::bytes);
+      .def_readonly("bytes", &TransferOp::bytes)
+      .def_property_readonly(
+          "encoding", [](const TransferOp& op) { return std::string(EncodingName(op.encoding)); },
+          "How the op travels: copy (cast to the wire dtype) | quantize | stage | amax (block FP8, "
+          "docs/fp8.md).");
   py::class_<LocalSource>(
       m, "LocalSource",
       "Where a Megatron sender holds one op's bytes: its local parameter and region.")
@@ -282,32 +281,24 @@ void RegisterPlan(py::module_& m) {
           "rank_plan",
           [](const PlanInputs& in, int r) {
             py::gil_scoped_release nogil;
-            // Block FP8: the outline of the FP8 plan (fp8_plan.h Fp8PlanOutline).
-            if (in.model.quant) return Fp8PlanOutline(Unwrap(PlanFp8ForRank(in, r)));
             return Unwrap(PlanForRank(in, r));
           },
           py::arg("sync_rank"))
       .def("summary",
            [](const PlanInputs& in) {
-             if (in.model.quant) {
-               Result<Fp8PlanSummary> f = [&] {
-                 py::gil_scoped_release nogil;
-                 return SummarizeFp8Plan(in);
-               }();
-               return Fp8SummaryToPy(Unwrap(std::move(f)));
-             }
              Result<PlanSummary> s = [&] {
                py::gil_scoped_release nogil;
                return SummarizePlan(in);
              }();
-             return SummaryToPy(Unwrap(std::move(s)));
+             return in.model.quant ? Fp8SummaryToPy(Unwrap(std::move(s)))
+                                   : SummaryToPy(Unwrap(std::move(s)));
            })
       .def("validate",
            [](const PlanInputs& in) {
              Status s;
              {
                py::gil_scoped_release nogil;
-               s = in.model.quant ? ValidateFp8Plan(in) : ValidatePlan(in);
+               s = ValidatePlan(in);
              }
              ThrowIfError(s);
            })

@@ -166,7 +166,7 @@ Status DeviceRank::Setup(bool bench) {
   if (bench && rank_ == 0 && in_.model.quant) {
     // The ceiling of a block-FP8 sync is its memory bound: cudaMemcpy of half the bytes it must
     // read and write moves exactly that many through HBM.
-    SS_ASSIGN_OR_RETURN(Fp8PlanSummary sum, SummarizeFp8Plan(in_));
+    SS_ASSIGN_OR_RETURN(PlanSummary sum, SummarizePlan(in_));
     total_bytes_ = (sum.bound_read_bytes + sum.bound_write_bytes) / 2;
   } else if (bench && rank_ == 0) {
     SS_ASSIGN_OR_RETURN(PlanSummary sum, SummarizePlan(in_));

@@ -319,7 +319,7 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
     // Bands straddling trainer ranks: quantized by their holders after the amax exchange (the
     // host path and cuda_ipc pairs), or staged (`--fp8-split stage`). nccl pairs carry neither;
     // with the nccl hint, pairs across GPUs are nccl.
-    SS_ASSIGN_OR_RETURN(Fp8PlanSummary fp8, SummarizeFp8Plan(in));
+    SS_ASSIGN_OR_RETURN(PlanSummary fp8, SummarizePlan(in));
     if (job.device == "cuda" && job.transport == "nccl" && fp8.amax_elements > 0) {
       return InvalidArgumentError("--trainer " + in.trainer.ToString() + ": " +
                                   std::to_string(fp8.amax_blocks) +

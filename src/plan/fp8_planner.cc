@@ -18,7 +18,7 @@
 // BuildMegatronSources: one HF box held the same way by a set of ranks, with where each holder
 // keeps it in its local parameters). Each engine piece x each source of its tensor is one box,
 // which for quantized weights must sit on the 128 grid (CheckMegatronGrid refuses otherwise), so
-// it becomes kQuantize / kCopy units read from the holder's local parameter (Fp8Message::local);
+// it becomes kQuantize / kCopy units read from the holder's local parameter (Message::local);
 // a box with several holders (DP / CP replicas) is cut along dim 0 into up to `holders` units
 // spread round-robin, as for HSDP groups. Nothing is staged.
 //
@@ -37,20 +37,6 @@
 
 namespace shardsync {
 
-std::string_view Fp8OpKindName(Fp8OpKind k) {
-  switch (k) {
-    case Fp8OpKind::kCopy:
-      return "copy";
-    case Fp8OpKind::kQuantize:
-      return "quantize";
-    case Fp8OpKind::kStage:
-      return "stage";
-    case Fp8OpKind::kAmax:
-      return "amax";
-  }
-  return "?";
-}
-
 namespace plan_internal {
 namespace {
 
@@ -61,7 +47,8 @@ constexpr int64_t kMinFp8Bucket = int64_t{64} << 10;
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t AlignUp8(int64_t n) { return (n + 7) & ~int64_t{7}; }
 
-// Blocks of a region's last two dims (leading dims kept).
+}  // namespace
+
 Region BlockRegion(const Region& r) {
   Region b = r;
   for (int i = r.ndim - 2; i < r.ndim; ++i) {
@@ -70,6 +57,8 @@ Region BlockRegion(const Region& r) {
   }
   return b;
 }
+
+namespace {
 
 // Rows [r0, r0 + n) x cols [c0, c0 + m) of a unit's matrix (relative to its src / dst origin).
 void SubMatrix(const Fp8Unit& u, int64_t r0, int64_t n, int64_t c0, int64_t m, Region* src,
@@ -156,7 +145,8 @@ Result<Fp8Context> Fp8Context::Build(const PlanInputs& in) {
       c.Walk(
           e,
           [&](const Fp8Unit& u) {
-            if (u.kind == Fp8OpKind::kAmax) bands.emplace_back(u.tensor, u.src.offset[0] / B * B);
+            if (u.encoding == Encoding::kAmax)
+              bands.emplace_back(u.tensor, u.src.offset[0] / B * B);
           },
           nullptr);
     }
@@ -174,127 +164,8 @@ Result<Fp8Context> Fp8Context::Build(const PlanInputs& in) {
   return c;
 }
 
-// Megatron's splits are whole 128 x 128 blocks per holder for the usual models (head_dim 128 makes
-// each head a band of 128 rows of linear_qkv; per-rank fc1 / fc2 / proj widths are multiples of
-// 128), so a holder quantizes its blocks on the fly. A source box that ends inside a block of a
-// quantized engine piece (head_dim 64, ffn / tp off the grid) would need the block's amax from two
-// Megatron ranks: refused here, naming the tensor, its rows and columns, and the rank.
-Status Fp8Context::CheckMegatronGrid() const {
-  const MegatronLayout& l = in_.trainer.megatron;
-  for (int e = 0; e < E_; ++e) {
-    const EngineRankShards& rk = map_.ranks[e];
-    for (const EngineParam& p : rk.params) {
-      if (p.dtype != DType::kF8E4M3) continue;
-      for (const Piece& pc : p.pieces) {
-        if (pc.src.empty()) continue;
-        const int32_t tensor = by_name_.at(pc.source);
-        const HfTensor& t = inv_[tensor];
-        for (int32_t si = mg_->tensor_begin[tensor]; si < mg_->tensor_begin[tensor + 1]; ++si) {
-          const MegatronSource& s = mg_->sources[si];
-          const Region x = Intersect(pc.src, s.hf);
-          if (x.empty()) continue;
-          bool on_grid = x.ndim == 2;
-          for (int i = 0; i < x.ndim && on_grid; ++i) {
-            const int64_t end = x.offset[i] + x.extent[i];
-            on_grid = x.offset[i] % B == 0 && (end % B == 0 || end == t.shape[i]);
-          }
-          if (on_grid) continue;
-          const auto [rank, place] = mg_->Holder(l, s, 0);
-          const MegatronPlace& pl = mg_->places[place];
-          std::string local = "?";
-          auto held = BuildTrainerParams(in_.model, in_.trainer, rank, in_.trainer_dtype);
-          if (held.ok() && pl.param < static_cast<int32_t>(held->params.size())) {
-            const TrainerParam& tp = held->params[pl.param];
-            local = fmt::format("'{}' (chunk {}) {}", tp.name, tp.chunk, pl.local.ToString());
-          }
-          return InvalidArgumentError(fmt::format(
-              "--trainer {}: Megatron rank {}{} holds rows [{}, {}) x cols [{}, {}) of '{}' in "
-              "local parameter {}, which cuts 128 x 128 blocks of engine "
-              "parameter '{}' on {} rank (tp {}, pp {}): block-FP8 weights are quantized by the "
-              "one Megatron rank holding a whole block, and blocks shared by Megatron ranks are "
-              "not staged; choose a Megatron tp / etp whose shards fall on the 128 grid",
-              in_.trainer.ToString(), rank,
-              s.holders > 1 ? fmt::format(" (one of {} ranks holding it)", s.holders) : "",
-              x.offset[0], x.offset[0] + x.extent[0], x.ndim > 1 ? x.offset[1] : 0,
-              x.ndim > 1 ? x.offset[1] + x.extent[1] : 1, t.name, local, p.name,
-              EngineKindName(in_.rollout.shard.engine), rk.tp_rank, rk.pp_rank));
-        }
-      }
-    }
-  }
-  return OkStatus();
-}
-
-std::pair<int, int32_t> Fp8Context::SenderOf(const Fp8Unit& u, int e, int d) const {
-  if (mg_) {
-    // Round-robin over the source's holders (DP / CP replicas of the rank), as for HSDP groups.
-    const MegatronSource& s = mg_->sources[u.source];
-    return mg_->Holder(in_.trainer.megatron, s, (u.index + e + d) % s.holders);
-  }
-  const int g = R_ == 1 ? 0 : static_cast<int>((u.index + e + d) % R_);
-  return {g * S_ + static_cast<int>(u.chunk), -1};
-}
-
-LocalSource Fp8Context::LocalOf(const Fp8Op& op, int32_t source, int32_t place) const {
-  const MegatronSource& s = mg_->sources[source];
-  const MegatronPlace& pl = mg_->places[place];
-  LocalSource ls{pl.param, op.src};
-  for (int d = 0; d < op.src.ndim; ++d) {
-    ls.region.offset[d] = op.src.offset[d] - s.hf.offset[d] + pl.local.offset[d];
-  }
-  return ls;
-}
-
-// Megatron: every engine piece x the trainer sources of its tensor (each on the block grid:
-// CheckMegatronGrid). Where a source has several holders (DP / CP replicas; every tp rank for
-// replicated norms) its box is cut along dim 0 (on band boundaries when quantized) into up to
-// `holders` units, so the replicas share the work.
-void Fp8Context::WalkMegatron(int e, const std::function<void(const Fp8Unit&)>& fn) const {
-  const EngineRankShards& rk = map_.ranks[e];
-  std::vector<char> is_scale(rk.params.size(), 0);
-  for (int32_t s : scale_of_[e]) {
-    if (s >= 0) is_scale[s] = 1;
-  }
-  std::vector<int64_t> counter(mg_->sources.size(), 0);
-  for (size_t pi = 0; pi < rk.params.size(); ++pi) {
-    if (is_scale[pi]) continue;
-    const EngineParam& p = rk.params[pi];
-    const bool quant = p.dtype == DType::kF8E4M3;
-    for (const Piece& pc : p.pieces) {
-      if (pc.src.empty()) continue;
-      const int32_t tensor = by_name_.at(pc.source);
-      for (int32_t si = mg_->tensor_begin[tensor]; si < mg_->tensor_begin[tensor + 1]; ++si) {
-        const MegatronSource& s = mg_->sources[si];
-        const Region x = Intersect(pc.src, s.hf);
-        if (x.empty()) continue;
-        const int64_t unit = quant ? B : 1;
-        const int64_t n = CeilDiv(x.extent[0], unit);
-        const int64_t parts = std::min<int64_t>(std::max<int64_t>(s.holders, 1), n);
-        const int64_t end = x.offset[0] + x.extent[0];
-        for (int64_t k = 0; k < parts; ++k) {
-          const int64_t r0 = x.offset[0] + n * k / parts * unit;
-          const int64_t r1 = std::min(end, x.offset[0] + n * (k + 1) / parts * unit);
-          Fp8Unit u;
-          u.kind = quant ? Fp8OpKind::kQuantize : Fp8OpKind::kCopy;
-          u.tensor = tensor;
-          u.param = static_cast<int32_t>(pi);
-          u.scale_param = quant ? scale_of_[e][pi] : -1;
-          u.src = x;
-          u.src.offset[0] = r0;
-          u.src.extent[0] = r1 - r0;
-          u.dst = MapToDst(pc.src, pc.dst, u.src);
-          if (quant) u.scale_dst = BlockRegion(u.dst);
-          u.source = si;
-          u.index = counter[si]++;
-          fn(u);
-        }
-      }
-    }
-  }
-}
-
 void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
-                      std::vector<Fp8StagedBand>* staged) const {
+                      std::vector<StagedBand>* staged) const {
   if (mg_) return WalkMegatron(e, fn);
   const EngineRankShards& rk = map_.ranks[e];
   std::vector<char> is_scale(rk.params.size(), 0);
@@ -322,27 +193,27 @@ void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
         d->offset[dd] += r0 - a;
         d->extent[dd] = r1 - r0;
       };
-      auto emit = [&](Fp8OpKind kind, int64_t r0, int64_t r1, int64_t chunk) {
+      auto emit = [&](Encoding kind, int64_t r0, int64_t r1, int64_t chunk) {
         Fp8Unit u;
-        u.kind = kind;
+        u.encoding = kind;
         u.tensor = tensor;
         u.param = static_cast<int32_t>(pi);
         u.scale_param = quant ? scale_of_[e][pi] : -1;
         rows(r0, r1, &u.src, &u.dst);
-        if (kind == Fp8OpKind::kQuantize) u.scale_dst = BlockRegion(u.dst);
+        if (kind == Encoding::kQuantize) u.scale_dst = BlockRegion(u.dst);
         u.chunk = chunk;
         u.index = counter[chunk]++;
         fn(u);
       };
       if (!quant) {
         for (int64_t k = a / ch; k <= (b - 1) / ch; ++k) {
-          emit(Fp8OpKind::kCopy, std::max(a, k * ch), std::min(b, (k + 1) * ch), k);
+          emit(Encoding::kCopy, std::max(a, k * ch), std::min(b, (k + 1) * ch), k);
         }
         continue;
       }
       int64_t run0 = -1, run_chunk = -1;
       auto flush = [&](int64_t end) {
-        if (run0 >= 0) emit(Fp8OpKind::kQuantize, run0, end, run_chunk);
+        if (run0 >= 0) emit(Encoding::kQuantize, run0, end, run_chunk);
         run0 = -1;
       };
       for (int64_t r = a; r < b; r += B) {
@@ -362,7 +233,7 @@ void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
           // exchanged among them; the holder of its first row sends the scales.
           for (int64_t k = k0; k <= k1; ++k) {
             Fp8Unit u;
-            u.kind = Fp8OpKind::kAmax;
+            u.encoding = Encoding::kAmax;
             u.tensor = tensor;
             u.param = static_cast<int32_t>(pi);
             u.scale_param = k == k0 ? scale_of_[e][pi] : -1;
@@ -375,7 +246,7 @@ void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
           continue;
         }
         // A band straddling chunks [k0, k1]: the receiver quantizes it from staged raw values.
-        Fp8StagedBand band;
+        StagedBand band;
         band.tensor = tensor;
         band.param = static_cast<int32_t>(pi);
         band.scale_param = scale_of_[e][pi];
@@ -391,7 +262,7 @@ void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
         for (int64_t k = k0; k <= k1; ++k) {
           const int64_t r0 = std::max(r, k * ch), r1 = std::min(re, (k + 1) * ch);
           Fp8Unit u;
-          u.kind = Fp8OpKind::kStage;
+          u.encoding = Encoding::kStage;
           u.tensor = tensor;
           u.param = static_cast<int32_t>(pi);
           u.scale_param = scale_of_[e][pi];
@@ -411,19 +282,19 @@ void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
   }
 }
 
-void Fp8Context::Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const {
+void Fp8Context::Split(const Fp8Unit& u, std::vector<TransferOp>* out) const {
   const int64_t cap = in_.options.bucket_bytes;
   auto base = [&]() {
-    Fp8Op op;
-    op.kind = u.kind;
+    TransferOp op;
+    op.encoding = u.encoding;
     op.tensor = u.tensor;
     op.param = u.param;
-    op.scale_param = u.kind == Fp8OpKind::kCopy ? -1 : u.scale_param;
+    op.scale_param = u.encoding == Encoding::kCopy ? -1 : u.scale_param;
     op.stage = u.stage;
     op.staging_offset = u.staging_offset;
     return op;
   };
-  if (u.kind == Fp8OpKind::kAmax) {
+  if (u.encoding == Encoding::kAmax) {
     // Rows of one block row: split on 128-column boundaries only (caps below a 128-row band).
     const bool sc = u.scale_param >= 0;
     const int dr = u.dst.ndim - 2;
@@ -434,7 +305,7 @@ void Fp8Context::Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const {
       while (step + B < C && Fp8PartWireBytes(R, step + B, sc) <= cap) step += B;
     }
     for (int64_t c = 0; c < C; c += step) {
-      Fp8Op op = base();
+      TransferOp op = base();
       const int64_t m = std::min(step, C - c);
       SubMatrix(u, 0, R, c, m, &op.src, &op.dst);
       if (sc) op.scale_dst = BlockRegion(op.dst);
@@ -443,10 +314,10 @@ void Fp8Context::Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const {
     }
     return;
   }
-  if (u.kind != Fp8OpKind::kQuantize) {
-    const int64_t elem = u.kind == Fp8OpKind::kCopy ? wire_ : stage_;
+  if (u.encoding != Encoding::kQuantize) {
+    const int64_t elem = u.encoding == Encoding::kCopy ? wire_ : stage_;
     SplitBox(u.dst, elem, cap - 8, [&](const Region& sub) {
-      Fp8Op op = base();
+      TransferOp op = base();
       op.dst = sub;
       op.src = MapToSrc(u.src, u.dst, sub);
       op.bytes = AlignUp8(sub.numel() * elem);
@@ -457,7 +328,7 @@ void Fp8Context::Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const {
   const int dr = u.dst.ndim - 2;
   const int64_t R = u.dst.extent[dr], C = u.dst.extent[dr + 1];
   auto add = [&](int64_t r0, int64_t n, int64_t c0, int64_t m) {
-    Fp8Op op = base();
+    TransferOp op = base();
     SubMatrix(u, r0, n, c0, m, &op.src, &op.dst);
     op.scale_dst = BlockRegion(op.dst);
     op.bytes = Fp8WireBytes(n, m);
@@ -479,7 +350,7 @@ void Fp8Context::Split(const Fp8Unit& u, std::vector<Fp8Op>* out) const {
   }
 }
 
-void Fp8Context::AmaxLayout(int s, std::vector<Fp8AmaxBand>* mine, std::vector<int64_t>* blocks,
+void Fp8Context::AmaxLayout(int s, std::vector<AmaxBand>* mine, std::vector<int64_t>* blocks,
                             std::vector<std::vector<char>>* peers, int group) const {
   // Each chunk's value lists the partials of the bands it touches, in band order (tensor, row).
   std::vector<int64_t> next(S_, 0);
@@ -489,7 +360,7 @@ void Fp8Context::AmaxLayout(int s, std::vector<Fp8AmaxBand>* mine, std::vector<i
     const int64_t rows = std::min(B, shape[0] - row0), nb = CeilDiv(shape[1], B);
     const int64_t k0 = row0 / ch, k1 = (row0 + rows - 1) / ch;
     if (mine != nullptr && s >= k0 && s <= k1) {
-      Fp8AmaxBand ab;
+      AmaxBand ab;
       ab.tensor = tensor;
       ab.row0 = row0;
       ab.rows = rows;
@@ -512,9 +383,9 @@ void Fp8Context::AmaxLayout(int s, std::vector<Fp8AmaxBand>* mine, std::vector<i
   if (blocks != nullptr) *blocks = std::move(next);
 }
 
-Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
+Result<RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(in_, sync_rank));
-  Fp8RankPlan rp;
+  RankPlan rp;
   rp.rank = sync_rank;
   rp.plan_hash = hash_;
   const int64_t cap = in_.options.bucket_bytes;
@@ -537,7 +408,7 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
           },
           nullptr);
       for (int d = 0; d < D_; ++d) {
-        Fp8Message m;
+        Message m;
         m.src = sync_rank;
         m.dst = S_world_ + d * E_ + e;
         for (const Fp8Unit& u : mine) {
@@ -555,7 +426,7 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
       }
     }
     std::sort(rp.sends.begin(), rp.sends.end(),
-              [](const Fp8Message& a, const Fp8Message& b) { return a.dst < b.dst; });
+              [](const Message& a, const Message& b) { return a.dst < b.dst; });
     return rp;
   }
   if (who.is_trainer) {
@@ -569,7 +440,7 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
           },
           nullptr);
       for (int d = 0; d < D_; ++d) {
-        Fp8Message m;
+        Message m;
         m.src = sync_rank;
         m.dst = S_world_ + d * E_ + e;
         for (const Fp8Unit& u : mine) {
@@ -581,13 +452,13 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
       }
     }
     std::sort(rp.sends.begin(), rp.sends.end(),
-              [](const Fp8Message& a, const Fp8Message& b) { return a.dst < b.dst; });
+              [](const Message& a, const Message& b) { return a.dst < b.dst; });
     if (!amax_bands_.empty()) {
       std::vector<int64_t> blocks;
       AmaxLayout(s, &rp.amax_bands, &blocks, nullptr, t / S_);
       rp.amax_blocks = blocks[s];
-      for (const Fp8AmaxBand& b : rp.amax_bands) {
-        for (const Fp8AmaxHolder& h : b.others) rp.amax_peers.push_back(h.rank);
+      for (const AmaxBand& b : rp.amax_bands) {
+        for (const AmaxHolder& h : b.others) rp.amax_peers.push_back(h.rank);
       }
       std::sort(rp.amax_peers.begin(), rp.amax_peers.end());
       rp.amax_peers.erase(std::unique(rp.amax_peers.begin(), rp.amax_peers.end()),
@@ -596,13 +467,13 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
     return rp;
   }
   const int d = who.replica, e = who.pp_rank * in_.rollout.shard.tp + who.tp_rank;
-  std::vector<std::vector<Fp8Op>> by_src(S_world_);
+  std::vector<std::vector<TransferOp>> by_src(S_world_);
   std::vector<std::vector<LocalSource>> local(mg_ ? S_world_ : 0);
   Walk(
       e,
       [&](const Fp8Unit& u) {
         const auto [src, place] = SenderOf(u, e, d);
-        std::vector<Fp8Op>& ops = by_src[src];
+        std::vector<TransferOp>& ops = by_src[src];
         const size_t first = ops.size();
         Split(u, &ops);
         for (size_t i = first; mg_ && i < ops.size(); ++i) {
@@ -610,10 +481,10 @@ Result<Fp8RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
         }
       },
       &rp.staged);
-  for (const Fp8StagedBand& b : rp.staged) rp.staging_bytes = b.staging_offset + AlignUp8(b.bytes);
+  for (const StagedBand& b : rp.staged) rp.staging_bytes = b.staging_offset + AlignUp8(b.bytes);
   for (int src = 0; src < S_world_; ++src) {
     if (by_src[src].empty()) continue;
-    Fp8Message m;
+    Message m;
     m.src = src;
     m.dst = sync_rank;
     m.ops = std::move(by_src[src]);

@@ -1,5 +1,4 @@
-// The block-FP8 planner's public face (fp8_plan.h): a rank's plan, its outline as a bf16-style
-// RankPlan, and the whole job's summary. The planning itself is fp8_planner.cc.
+// The block-FP8 plan's summary (fp8_plan.h). The planning itself is fp8_planner.cc.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -11,59 +10,19 @@
 namespace shardsync {
 
 namespace {
-
-Message OutlineOf(const Fp8Message& f) {
-  Message m;
-  m.src = f.src;
-  m.dst = f.dst;
-  m.bytes = f.bytes;
-  m.buckets = f.buckets;
-  m.ops.reserve(f.ops.size());
-  for (const Fp8Op& op : f.ops) {
-    TransferOp t;
-    t.tensor = op.tensor;
-    t.param = op.param;
-    t.src = op.src;
-    t.dst = op.dst;
-    t.wire_offset = op.wire_offset;
-    t.bytes = op.bytes;
-    m.ops.push_back(t);
-  }
-  m.local = f.local;
-  return m;
-}
-
-}  // namespace
-
-RankPlan Fp8PlanOutline(const Fp8RankPlan& fp8) {
-  RankPlan p;
-  p.rank = fp8.rank;
-  p.plan_hash = fp8.plan_hash;
-  for (const Fp8Message& m : fp8.sends) p.sends.push_back(OutlineOf(m));
-  for (const Fp8Message& m : fp8.recvs) p.recvs.push_back(OutlineOf(m));
-  return p;
-}
-
-Result<Fp8RankPlan> PlanFp8ForRank(const PlanInputs& in, int sync_rank) {
-  SS_RETURN_IF_ERROR(DescribeSyncRank(in, sync_rank));
-  SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::Fp8Context::Build(in));
-  return ctx.PlanForRank(sync_rank);
-}
-
-namespace {
 int64_t CeilDivI(int64_t a, int64_t b) { return (a + b - 1) / b; }
 }  // namespace
 
-Result<Fp8PlanSummary> SummarizeFp8Plan(const PlanInputs& in) {
+Result<PlanSummary> plan_internal::SummarizeFp8(const PlanInputs& in) {
   SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::Fp8Context::Build(in));
-  Fp8PlanSummary sum;
+  PlanSummary sum;
   sum.plan_hash = ctx.hash();
   const int S = ctx.trainer_world(), E = ctx.engine_per_replica(), D = ctx.replicas();
   sum.trainer_ranks.resize(S);
   for (int t = 0; t < S; ++t) sum.trainer_ranks[t].rank = t;
   std::vector<char> read(ctx.inventory().size(), 0);
   for (int j = 0; j < D * E; ++j) {
-    SS_ASSIGN_OR_RETURN(Fp8RankPlan rp, ctx.PlanForRank(S + j));
+    SS_ASSIGN_OR_RETURN(RankPlan rp, ctx.PlanForRank(S + j));
     EngineRankSummary er;
     er.replica = j / E;
     er.pp_rank = (j % E) / in.rollout.shard.tp;
@@ -73,32 +32,32 @@ Result<Fp8PlanSummary> SummarizeFp8Plan(const PlanInputs& in) {
       for (const ZeroFill& z : p.zero_fills) n -= z.dst.numel();
       er.owned_bytes += n * DTypeSize(p.dtype);
     }
-    for (const Fp8Message& m : rp.recvs) {
+    for (const Message& m : rp.recvs) {
       ++sum.messages;
       sum.ops += static_cast<int64_t>(m.ops.size());
       er.recv_bytes += m.bytes;
       sum.trainer_ranks[m.src].send_bytes += m.bytes;
-      for (const Fp8Op& op : m.ops) {
+      for (const TransferOp& op : m.ops) {
         read[op.tensor] = 1;
-        switch (op.kind) {
-          case Fp8OpKind::kCopy:
+        switch (op.encoding) {
+          case Encoding::kCopy:
             sum.copy_bytes += op.bytes;
             break;
-          case Fp8OpKind::kQuantize:
+          case Encoding::kQuantize:
             sum.quantize_bytes += op.bytes;
             sum.sender_quantized_elements += op.dst.numel();
             break;
-          case Fp8OpKind::kStage:
+          case Encoding::kStage:
             sum.stage_bytes += op.bytes;
             break;
-          case Fp8OpKind::kAmax:
+          case Encoding::kAmax:
             sum.amax_bytes += op.bytes;
             sum.amax_elements += op.dst.numel();
             break;
         }
       }
     }
-    for (const Fp8StagedBand& b : rp.staged) sum.receiver_quantized_elements += b.dst.numel();
+    for (const StagedBand& b : rp.staged) sum.receiver_quantized_elements += b.dst.numel();
     sum.staged_bands += static_cast<int64_t>(rp.staged.size());
     sum.max_staging_bytes = std::max(sum.max_staging_bytes, rp.staging_bytes);
     sum.total_bytes += er.recv_bytes;
@@ -122,6 +81,10 @@ Result<Fp8PlanSummary> SummarizeFp8Plan(const PlanInputs& in) {
         if (peers[k][j]) sum.exchange_read_bytes += R * blocks[j] * 4;
       }
     }
+  }
+  // Broadcast-all sends every full HF tensor in the wire dtype, as for a bf16 plan.
+  for (const HfTensor& t : ctx.inventory()) {
+    sum.broadcast_recv_bytes_per_rank += t.numel() * ctx.wire_size();
   }
   const int64_t tsize = DTypeSize(in.trainer_dtype);
   for (size_t i = 0; i < read.size(); ++i) {

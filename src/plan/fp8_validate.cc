@@ -1,6 +1,6 @@
-// ValidateFp8Plan: enumerates every rank's FP8 plan of a small job and checks it element by element
-// against the shard map (which bytes of which HF tensor, and which HF scale blocks, land where),
-// independently of the planner's walk.
+// ValidatePlan of a block-FP8 plan (plan_internal::ValidateFp8): enumerates every rank's FP8 plan
+// of a small job and checks it element by element against the shard map (which bytes of which HF
+// tensor, and which HF scale blocks, land where), independently of the planner's walk.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -32,17 +32,17 @@ Region BlockRegion(const Region& r) {
   return b;
 }
 
-bool SameOp(const Fp8Op& a, const Fp8Op& b) {
-  return a.kind == b.kind && a.tensor == b.tensor && a.param == b.param &&
+bool SameOp(const TransferOp& a, const TransferOp& b) {
+  return a.encoding == b.encoding && a.tensor == b.tensor && a.param == b.param &&
          a.scale_param == b.scale_param && a.stage == b.stage &&
          a.staging_offset == b.staging_offset && a.src == b.src && a.dst == b.dst &&
          a.scale_dst == b.scale_dst && a.wire_offset == b.wire_offset && a.bytes == b.bytes;
 }
 
-Status CheckMessageShape(const Fp8Message& m, int64_t cap) {
+Status CheckMessageShape(const Message& m, int64_t cap) {
   int64_t off = 0;
   for (size_t i = 0; i < m.ops.size(); ++i) {
-    const Fp8Op& op = m.ops[i];
+    const TransferOp& op = m.ops[i];
     if (op.wire_offset != off || op.bytes <= 0 || op.bytes % 8 != 0 || op.bytes > cap) {
       return InternalError(fmt::format(
           "message {}->{}: op {} has wire offset {} / bytes {} (expected offset {}, a positive "
@@ -131,7 +131,7 @@ Status CheckQuantized(const Fp8Context& ctx, const EngineRankShards& rank, int32
 
 // A kAmax op: rows of one band (all of them when it sends the band's scales: then from its
 // first row) x columns on the grid, into the e4m3 weight (and its scales) the shard map names.
-Status CheckAmaxOp(const Fp8Context& ctx, const EngineRankShards& rank, const Fp8Op& op,
+Status CheckAmaxOp(const Fp8Context& ctx, const EngineRankShards& rank, const TransferOp& op,
                    std::string_view what) {
   const HfTensor& t = ctx.inventory()[op.tensor];
   const auto& params = rank.params;
@@ -164,11 +164,11 @@ Status CheckAmaxOp(const Fp8Context& ctx, const EngineRankShards& rank, const Fp
 
 // A trainer rank's exchanged bands: each a straddling band of 128 HF rows (or the tensor's
 // last), the rows it holds (TrainerHeldRegion) as its own, its value's slots consecutive.
-Status CheckAmaxBands(const PlanInputs& in, const Fp8Context& ctx, int t, const Fp8RankPlan& rp,
-                      std::map<std::pair<int32_t, int64_t>, Fp8AmaxBand>* out) {
+Status CheckAmaxBands(const PlanInputs& in, const Fp8Context& ctx, int t, const RankPlan& rp,
+                      std::map<std::pair<int32_t, int64_t>, AmaxBand>* out) {
   const auto& inv = ctx.inventory();
   int64_t slot = 0;
-  for (const Fp8AmaxBand& b : rp.amax_bands) {
+  for (const AmaxBand& b : rp.amax_bands) {
     if (b.tensor < 0 || b.tensor >= static_cast<int32_t>(inv.size())) {
       return InternalError(
           fmt::format("trainer rank {}: exchanged band of tensor {}", t, b.tensor));
@@ -198,14 +198,14 @@ Status CheckAmaxBands(const PlanInputs& in, const Fp8Context& ctx, int t, const 
 // Megatron senders: every op read from a local parameter of the sending rank, at the region one
 // of its trainer-map pieces (BuildTrainerParams, independent of the planner's sources) puts the
 // op's HF bytes.
-Status CheckLocalSources(const TrainerRankParams& held, const Fp8Message& m,
+Status CheckLocalSources(const TrainerRankParams& held, const Message& m,
                          const std::vector<HfTensor>& inv) {
   if (m.local.size() != m.ops.size()) {
     return InternalError(fmt::format("message {}->{}: {} ops but {} local sources", m.src, m.dst,
                                      m.ops.size(), m.local.size()));
   }
   for (size_t i = 0; i < m.ops.size(); ++i) {
-    const Fp8Op& op = m.ops[i];
+    const TransferOp& op = m.ops[i];
     const LocalSource& ls = m.local[i];
     if (ls.param < 0 || ls.param >= static_cast<int32_t>(held.params.size())) {
       return InternalError(fmt::format("message {}->{} op {}: local parameter {} of {}", m.src,
@@ -263,7 +263,7 @@ class Coverage {
 
 }  // namespace
 
-Status ValidateFp8Plan(const PlanInputs& in) {
+Status plan_internal::ValidateFp8(const PlanInputs& in) {
   SS_ASSIGN_OR_RETURN(auto ctx, Fp8Context::Build(in));
   const ShardMap& map = ctx.map();
   const auto& inv = ctx.inventory();
@@ -278,11 +278,11 @@ Status ValidateFp8Plan(const PlanInputs& in) {
         fmt::format("validate: {} engine elements is too many to check one by one (limit {})",
                     elems * D, kMaxValidateElements));
   }
-  std::map<std::pair<int, int>, Fp8Message> sent;
+  std::map<std::pair<int, int>, Message> sent;
   // The amax exchange: per trainer rank, its bands (tensor, first row) -> the band.
-  std::vector<std::map<std::pair<int32_t, int64_t>, Fp8AmaxBand>> amax(S);
+  std::vector<std::map<std::pair<int32_t, int64_t>, AmaxBand>> amax(S);
   for (int t = 0; t < S; ++t) {
-    SS_ASSIGN_OR_RETURN(Fp8RankPlan rp, ctx.PlanForRank(t));
+    SS_ASSIGN_OR_RETURN(RankPlan rp, ctx.PlanForRank(t));
     SS_RETURN_IF_ERROR(CheckAmaxBands(in, ctx, t, rp, &amax[t]));
     TrainerRankParams held_params;
     if (ctx.megatron()) {
@@ -292,7 +292,7 @@ Status ValidateFp8Plan(const PlanInputs& in) {
     if (!rp.recvs.empty() || !rp.staged.empty()) {
       return InternalError(fmt::format("trainer rank {} receives", t));
     }
-    for (const Fp8Message& m : rp.sends) {
+    for (const Message& m : rp.sends) {
       if (m.src != t || m.dst < S || m.dst >= S + D * E) {
         return InternalError(fmt::format("trainer rank {}: message {}->{}", t, m.src, m.dst));
       }
@@ -302,9 +302,9 @@ Status ValidateFp8Plan(const PlanInputs& in) {
       } else if (!m.local.empty()) {
         return InternalError(fmt::format("trainer rank {}: local sources in an FSDP-like plan", t));
       }
-      for (const Fp8Op& op : m.ops) {
+      for (const TransferOp& op : m.ops) {
         if (ctx.megatron()) break;  // checked against the rank's local parameters above
-        if (op.kind == Fp8OpKind::kAmax) {
+        if (op.encoding == Encoding::kAmax) {
           // Its band's amax is among the partials this rank exchanges, over rows it holds.
           auto it = amax[t].find({op.tensor, op.src.offset[0] / B * B});
           if (it == amax[t].end() || op.src.offset[0] < it->second.own0 ||
@@ -332,7 +332,7 @@ Status ValidateFp8Plan(const PlanInputs& in) {
   for (int t = 0; t < S; ++t) {
     for (const auto& [key, b] : amax[t]) {
       int64_t rows = b.own_rows;
-      for (const Fp8AmaxHolder& h : b.others) {
+      for (const AmaxHolder& h : b.others) {
         auto it = h.rank >= 0 && h.rank < S ? amax[h.rank].find(key) : amax[t].end();
         if (h.rank < 0 || h.rank >= S || it == amax[h.rank].end() || it->second.slot != h.slot ||
             it->second.blocks != b.blocks ||
@@ -357,19 +357,19 @@ Status ValidateFp8Plan(const PlanInputs& in) {
     const EngineRankShards& rank = map.ranks[j % E];
     const std::string who = fmt::format("sync rank {} (replica {}, tp {}, pp {})", S + j, j / E,
                                         rank.tp_rank, rank.pp_rank);
-    SS_ASSIGN_OR_RETURN(Fp8RankPlan rp, ctx.PlanForRank(S + j));
+    SS_ASSIGN_OR_RETURN(RankPlan rp, ctx.PlanForRank(S + j));
     Coverage cover(rank);
     std::vector<std::vector<uint8_t>> tiles(rp.staged.size());
     for (size_t b = 0; b < rp.staged.size(); ++b) {
       tiles[b].assign(static_cast<size_t>(rp.staged[b].src.numel()), 0);
     }
-    for (const Fp8Message& m : rp.recvs) {
+    for (const Message& m : rp.recvs) {
       auto it = sent.find({m.src, m.dst});
       if (m.dst != S + j || it == sent.end()) {
         return InternalError(
             fmt::format("{}: receives {}->{} that no trainer sends", who, m.src, m.dst));
       }
-      const Fp8Message& s = it->second;
+      const Message& s = it->second;
       bool same = s.bytes == m.bytes && s.ops.size() == m.ops.size() &&
                   s.buckets.size() == m.buckets.size();
       for (size_t i = 0; same && i < m.ops.size(); ++i) same = SameOp(s.ops[i], m.ops[i]);
@@ -389,16 +389,16 @@ Status ValidateFp8Plan(const PlanInputs& in) {
       sent.erase(it);
       SS_RETURN_IF_ERROR(CheckMessageShape(m, cap));
       for (size_t i = 0; i < m.ops.size(); ++i) {
-        const Fp8Op& op = m.ops[i];
+        const TransferOp& op = m.ops[i];
         const std::string what = fmt::format("{}: message {}->{} op {} ({})", who, m.src, m.dst, i,
-                                             Fp8OpKindName(op.kind));
+                                             EncodingName(op.encoding));
         if (op.tensor < 0 || op.tensor >= static_cast<int32_t>(inv.size()) ||
             !RegionInside(op.src, inv[op.tensor].shape)) {
           return InternalError(fmt::format("{}: bad source", what));
         }
         const HfTensor& t = inv[op.tensor];
-        switch (op.kind) {
-          case Fp8OpKind::kCopy: {
+        switch (op.encoding) {
+          case Encoding::kCopy: {
             if (op.param < 0 || op.param >= static_cast<int32_t>(rank.params.size())) {
               return InternalError(fmt::format("{}: bad parameter", what));
             }
@@ -412,7 +412,7 @@ Status ValidateFp8Plan(const PlanInputs& in) {
             cover.Add(rank, op.param, op.dst);
             break;
           }
-          case Fp8OpKind::kQuantize: {
+          case Encoding::kQuantize: {
             SS_RETURN_IF_ERROR(CheckQuantized(ctx, rank, op.tensor, op.param, op.scale_param,
                                               op.src, op.dst, op.scale_dst, what));
             const int dr = op.dst.ndim - 2;
@@ -423,17 +423,17 @@ Status ValidateFp8Plan(const PlanInputs& in) {
             cover.Add(rank, op.scale_param, op.scale_dst);
             break;
           }
-          case Fp8OpKind::kAmax: {
+          case Encoding::kAmax: {
             SS_RETURN_IF_ERROR(CheckAmaxOp(ctx, rank, op, what));
             cover.Add(rank, op.param, op.dst);
             if (op.scale_param >= 0) cover.Add(rank, op.scale_param, op.scale_dst);
             break;
           }
-          case Fp8OpKind::kStage: {
+          case Encoding::kStage: {
             if (op.stage < 0 || op.stage >= static_cast<int32_t>(rp.staged.size())) {
               return InternalError(fmt::format("{}: bad staged band {}", what, op.stage));
             }
-            const Fp8StagedBand& band = rp.staged[op.stage];
+            const StagedBand& band = rp.staged[op.stage];
             const Region tile = Region::Make({0, 0}, {band.src.extent[0], band.src.extent[1]});
             const int64_t r0 = op.src.offset[0] - band.src.offset[0];
             if (band.tensor != op.tensor || op.src.ndim != 2 ||
@@ -455,7 +455,7 @@ Status ValidateFp8Plan(const PlanInputs& in) {
     }
     int64_t staging_end = 0;
     for (size_t b = 0; b < rp.staged.size(); ++b) {
-      const Fp8StagedBand& band = rp.staged[b];
+      const StagedBand& band = rp.staged[b];
       const std::string what = fmt::format("{}: staged band {}", who, b);
       for (uint8_t c : tiles[b]) {
         if (c != 1) {

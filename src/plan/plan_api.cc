@@ -17,6 +17,10 @@ Result<PlanContext> MakeContext(const PlanInputs& in) {
 
 Result<RankPlan> PlanForRank(const PlanInputs& in, int sync_rank) {
   SS_RETURN_IF_ERROR(DescribeSyncRank(in, sync_rank));
+  if (in.model.quant) {  // block FP8: the codec's planner (fp8_planner.cc)
+    SS_ASSIGN_OR_RETURN(auto fp8, plan_internal::Fp8Context::Build(in));
+    return fp8.PlanForRank(sync_rank);
+  }
   SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::MakeContext(in));
   return ctx.PlanForRank(sync_rank);
 }
@@ -32,6 +36,12 @@ Result<DetailedSummary> SummarizePlanDetailed(const PlanInputs& in, const Summar
 }
 
 Result<PlanSummary> SummarizePlan(const PlanInputs& in) {
+  if (in.model.quant) {  // block FP8: the codec's summary (fp8_summary.cc)
+    const auto t0 = std::chrono::steady_clock::now();
+    SS_ASSIGN_OR_RETURN(PlanSummary s, plan_internal::SummarizeFp8(in));
+    s.plan_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return s;
+  }
   SS_ASSIGN_OR_RETURN(DetailedSummary ds, SummarizePlanDetailed(in, SummaryOptions{}));
   return std::move(ds.summary);
 }
@@ -65,6 +75,7 @@ Status ValidatePlanInputs(const PlanInputs& in) {
 }
 
 Status ValidatePlan(const PlanInputs& in) {
+  if (in.model.quant) return plan_internal::ValidateFp8(in);  // fp8_validate.cc
   SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::MakeContext(in));
   return plan_internal::ValidateContext(ctx);
 }

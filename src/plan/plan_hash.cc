@@ -114,6 +114,20 @@ std::string FirstPlanDifference(std::string_view mine, std::string_view theirs,
   return "";
 }
 
+std::string_view EncodingName(Encoding e) {
+  switch (e) {
+    case Encoding::kCopy:
+      return "copy";
+    case Encoding::kQuantize:
+      return "quantize";
+    case Encoding::kStage:
+      return "stage";
+    case Encoding::kAmax:
+      return "amax";
+  }
+  return "?";
+}
+
 std::string_view Fp8SplitName(Fp8Split s) { return s == Fp8Split::kAmax ? "amax" : "stage"; }
 
 Result<Fp8Split> ParseFp8Split(std::string_view s, std::string_view flag) {

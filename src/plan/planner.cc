@@ -90,11 +90,11 @@ Status CheckPlanOptions(const PlanInputs& in) {
 Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
                                        std::vector<HfTensor> inventory) {
   if (in.model.quant) {
-    // Block-FP8 engine weights are planned by fp8_planner.cc (PlanFp8ForRank, which the sync
-    // sessions replay); this planner's ops are plain copies and would land the wrong bytes.
+    // Block-FP8 engine weights are planned by their codec's planner (fp8_planner.cc, where
+    // PlanForRank sends them); this planner's ops are plain copies and would land the wrong bytes.
     return UnimplementedError(fmt::format(
         "model '{}' has block-FP8 engine weights ({} from {}): its plan is a block-FP8 plan "
-        "(PlanFp8ForRank / SummarizeFp8Plan, which SyncSession uses), not a bf16 copy plan",
+        "(PlanForRank / SummarizePlan), not a bf16 copy plan",
         in.model.name, QuantConfigToString(*in.model.quant), in.model.quant->origin));
   }
   PlanContext c;

@@ -153,7 +153,7 @@ void ForItemRangeOps(const Item& it, int64_t y0, int64_t y1, int64_t wire, int64
 // The item-local byte offset y rounded up to the next unit boundary (the cut points).
 int64_t RoundUpToUnit(const Item& it, int64_t y);
 // Wire offsets and buckets of a message whose ops are in order.
-template <typename M>  // Message, Fp8Message: ops with `bytes` and `wire_offset`, buckets
+template <typename M>  // Message, Message: ops with `bytes` and `wire_offset`, buckets
 void FinishMessage(M* m, int64_t cap) {
   int64_t off = 0;
   Bucket cur;

@@ -168,12 +168,12 @@ Status Bindings::BindDest(const DestBinding& b) {
                                 ShapeToString(p.shape));
   }
   const DType wire = ctx_.in.options.wire_dtype;
-  if (ctx_.fp8 && b.dtype != Fp8DestDType(p, wire)) {
+  if (ctx_.quantized() && b.dtype != Fp8DestDType(p, wire)) {
     return InvalidArgumentError("destination binding '" + b.name + "': dtype " +
                                 std::string(DTypeName(b.dtype)) + ", the block-FP8 engine holds " +
                                 std::string(DTypeName(Fp8DestDType(p, wire))));
   }
-  if (!ctx_.fp8 && b.dtype != wire) {
+  if (!ctx_.quantized() && b.dtype != wire) {
     return InvalidArgumentError("destination binding '" + b.name + "': dtype " +
                                 std::string(DTypeName(b.dtype)) + " differs from the wire dtype " +
                                 std::string(DTypeName(wire)) +
@@ -210,7 +210,7 @@ Status Bindings::BindDest(const DestBinding& b) {
 }
 
 Status Bindings::Check() const {
-  if (ctx_.fp8) return CheckFp8Bindings(ctx_, *this);
+  if (ctx_.quantized()) return CheckFp8Bindings(ctx_, *this);
   const RankPlan& plan = ctx_.plan;
   const std::string me = "sync rank " + std::to_string(ctx_.rank);
   if (ctx_.who.is_trainer && trainer_.megatron) {
@@ -298,10 +298,6 @@ int Bindings::BoundMem() const {
 }
 
 Bindings::OpSource Bindings::SourceOf(const Message& m, int i) const {
-  return SourceFor(m.ops[i].tensor, m.ops[i].src, trainer_.megatron ? &m.local[i] : nullptr);
-}
-
-Bindings::OpSource Bindings::Fp8SourceOf(const Fp8Message& m, int i) const {
   return SourceFor(m.ops[i].tensor, m.ops[i].src, trainer_.megatron ? &m.local[i] : nullptr);
 }
 

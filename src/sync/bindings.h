@@ -45,8 +45,6 @@ class Bindings {
     MemKind mem = MemKind::kHost;
   };
   OpSource SourceOf(const Message& m, int i) const;
-  // The same for op `i` of a block-FP8 message (Fp8Message::local for Megatron senders).
-  OpSource Fp8SourceOf(const Fp8Message& m, int i) const;
   // Megatron senders: local source `ls` of an op reading HF region `src` for sync rank `dst` is a
   // bound local parameter holding that region (Check's test, shared with FP8 plans).
   Status CheckLocalSource(const LocalSource& ls, const Region& src, int dst) const;

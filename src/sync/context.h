@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "common/trace.h"
-#include "shardsync/fp8_plan.h"
 #include "shardsync/session.h"
 #include "sync/internal.h"
 #include "sync/watched_store.h"
@@ -22,7 +21,7 @@ using Clock = std::chrono::steady_clock;
 
 struct SessionContext {
   SessionContext(PlanInputs inputs, int r, SyncRank w, RankPlan p, StoreClient& s, Transport& t,
-                 SessionOptions o, LaunchId l, std::shared_ptr<const Fp8RankPlan> f = nullptr)
+                 SessionOptions o, LaunchId l)
       : in(std::move(inputs)),
         rank(r),
         who(w),
@@ -33,8 +32,7 @@ struct SessionContext {
         opt(std::move(o)),
         launch(std::move(l)),
         inventory(HfTensorInventory(in.model)),
-        world(SyncWorldSize(in)),
-        fp8(std::move(f)) {
+        world(SyncWorldSize(in)) {
     if (opt.packer == nullptr) {
       own_packer = MakeCpuPacker();
       packer = own_packer.get();
@@ -48,6 +46,9 @@ struct SessionContext {
   // Store key `k` in this job's namespace, "<prefix><job nonce>/k" (identity.h); valid once
   // Connect joined the job.
   std::string Key(const std::string& k) const { return root + k; }
+  // Block-FP8 models (ModelSpec::quant): `plan`'s ops carry the codec's encodings and its
+  // quantization tables, which the fp8_* parts replay.
+  bool quantized() const { return in.model.quant.has_value(); }
   // The built-in CPU packer (host memory), not one passed in SessionOptions.
   bool builtin_packer() const { return packer == own_packer.get(); }
 
@@ -63,9 +64,6 @@ struct SessionContext {
   const LaunchId launch;  // this rank's launch (SessionOptions::job_id or the environment)
   const std::vector<HfTensor> inventory;
   const int world;
-  // Block-FP8 models (ModelSpec::quant): the rank's FP8 plan, which the fp8_* parts replay; `plan`
-  // is then its outline (fp8_plan.h Fp8PlanOutline). Null for bf16 models.
-  const std::shared_ptr<const Fp8RankPlan> fp8;
   std::unique_ptr<Packer> own_packer;
   Packer* packer = nullptr;
   // The job this rank joined (JobIdentity::Join): its key namespace and its nonce, which control

@@ -21,10 +21,10 @@ DType Fp8DestDType(const EngineParam& p, DType wire) {
 }
 
 Status CheckFp8Bindings(const SessionContext& ctx, const Bindings& bindings) {
-  const Fp8RankPlan& plan = *ctx.fp8;
+  const RankPlan& plan = ctx.plan;
   const std::string me = RankName(ctx.rank);
   if (bindings.megatron_sender()) {
-    for (const Fp8Message& m : plan.sends) {
+    for (const Message& m : plan.sends) {
       if (m.local.size() != m.ops.size()) {
         return InternalError("plan message to sync rank " + std::to_string(m.dst) + ": " +
                              std::to_string(m.ops.size()) + " ops but " +
@@ -37,8 +37,8 @@ Status CheckFp8Bindings(const SessionContext& ctx, const Bindings& bindings) {
     return OkStatus();
   }
   if (ctx.who.is_trainer) {
-    for (const Fp8Message& m : plan.sends) {
-      for (const Fp8Op& op : m.ops) {
+    for (const Message& m : plan.sends) {
+      for (const TransferOp& op : m.ops) {
         const std::string& name = ctx.inventory.at(op.tensor).name;
         if (!bindings.has_source(op.tensor)) {
           return NotFoundError(me + ": source tensor '" + name +
@@ -66,33 +66,33 @@ Status CheckFp8Bindings(const SessionContext& ctx, const Bindings& bindings) {
     return param >= 0 && static_cast<size_t>(param) < dests.size() &&
            RegionInside(r, dests[param].shape);
   };
-  for (const Fp8Message& m : plan.recvs) {
-    for (const Fp8Op& op : m.ops) {
+  for (const Message& m : plan.recvs) {
+    for (const TransferOp& op : m.ops) {
       bool ok = false;
-      switch (op.kind) {
-        case Fp8OpKind::kCopy:
+      switch (op.encoding) {
+        case Encoding::kCopy:
           ok = inside(op.param, op.dst);
           break;
-        case Fp8OpKind::kQuantize:
+        case Encoding::kQuantize:
           ok = inside(op.param, op.dst) && inside(op.scale_param, op.scale_dst) &&
                dests[op.param].dtype == DType::kF8E4M3 &&
                dests[op.scale_param].dtype == DType::kF32;
           break;
-        case Fp8OpKind::kAmax:
+        case Encoding::kAmax:
           ok = inside(op.param, op.dst) && dests[op.param].dtype == DType::kF8E4M3 &&
                (op.scale_param < 0 || (inside(op.scale_param, op.scale_dst) &&
                                        dests[op.scale_param].dtype == DType::kF32));
           break;
-        case Fp8OpKind::kStage:
+        case Encoding::kStage:
           if (op.stage >= 0 && static_cast<size_t>(op.stage) < plan.staged.size()) {
-            const Fp8StagedBand& b = plan.staged[op.stage];
+            const StagedBand& b = plan.staged[op.stage];
             ok = RegionInside(op.dst, {b.src.extent[0], b.src.extent[1]}) &&
                  inside(b.param, b.dst) && inside(b.scale_param, b.scale_dst);
           }
           break;
       }
       if (!ok) {
-        return InternalError("plan op (" + std::string(Fp8OpKindName(op.kind)) +
+        return InternalError("plan op (" + std::string(EncodingName(op.encoding)) +
                              ") from sync rank " + std::to_string(m.src) +
                              " lands outside parameter index " + std::to_string(op.param));
       }
@@ -101,8 +101,8 @@ Status CheckFp8Bindings(const SessionContext& ctx, const Bindings& bindings) {
   return OkStatus();
 }
 
-Fp8StageTarget Fp8StageTargetOf(const Fp8Op& op) {
-  // A stage op covers whole rows of its band (ValidateFp8Plan): dst = [r0, r1) x [0, cols).
+Fp8StageTarget Fp8StageTargetOf(const TransferOp& op) {
+  // A stage op covers whole rows of its band (ValidatePlan): dst = [r0, r1) x [0, cols).
   Fp8StageTarget t;
   t.offset = op.staging_offset;
   t.shape = {op.dst.offset[0] + op.dst.extent[0], op.dst.extent[1]};
@@ -110,12 +110,11 @@ Fp8StageTarget Fp8StageTargetOf(const Fp8Op& op) {
   return t;
 }
 
-std::vector<Fp8BandTask> Fp8BandTasks(const Fp8RankPlan& plan,
-                                      const std::vector<DestBinding>& dests,
+std::vector<Fp8BandTask> Fp8BandTasks(const RankPlan& plan, const std::vector<DestBinding>& dests,
                                       const unsigned char* staging) {
   std::vector<Fp8BandTask> tasks;
   tasks.reserve(plan.staged.size());
-  for (const Fp8StagedBand& b : plan.staged) {
+  for (const StagedBand& b : plan.staged) {
     const DestBinding& w = dests[b.param];
     const DestBinding& s = dests[b.scale_param];
     Fp8BandTask t;
@@ -132,7 +131,7 @@ std::vector<Fp8BandTask> Fp8BandTasks(const Fp8RankPlan& plan,
   return tasks;
 }
 
-Status Fp8BandsStatus(int rank, const Fp8RankPlan& plan, const std::vector<DestBinding>& dests,
+Status Fp8BandsStatus(int rank, const RankPlan& plan, const std::vector<DestBinding>& dests,
                       const std::vector<int64_t>& bad) {
   int64_t total = 0, bands = 0;
   size_t first = bad.size();
@@ -143,7 +142,7 @@ Status Fp8BandsStatus(int rank, const Fp8RankPlan& plan, const std::vector<DestB
     if (first == bad.size()) first = i;
   }
   if (total == 0) return OkStatus();
-  const Fp8StagedBand& b = plan.staged.at(first);
+  const StagedBand& b = plan.staged.at(first);
   return DataLossError(
       RankName(rank) + ": " + std::to_string(total) + " non-finite values (NaN or Inf) in " +
       std::to_string(bands) + " staged bands, first in rows " + b.src.ToString() + " of '" +

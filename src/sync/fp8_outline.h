@@ -1,9 +1,8 @@
-// Block-FP8 sessions (fp8_plan.h, docs/fp8.md): what the parts a bf16 session shares with an FP8
-// one (connect, verdicts, guard, bindings) see of the FP8 plan, and the checks of FP8 bindings.
-//
-// The session's `plan` is the FP8 plan's outline (fp8_plan.h Fp8PlanOutline): transport peers,
-// region bases and the parameters named in a checksum mismatch come from it; the data path
-// replays the FP8 plan itself (fp8_send.h, fp8_recv.h, fp8_pairs.cc).
+// Block-FP8 sessions (fp8_plan.h, docs/fp8.md): the codec's helpers for the parts every session
+// shares (bindings: the engine dtypes and the checks of FP8 bindings) and for its data path
+// (where stage ops land in a receiver's staging, the receiver's band quantize tasks). The
+// session's `plan` is the block-FP8 plan itself (its ops carry their Encoding): transport peers,
+// region bases and the parameters named in a checksum mismatch come from it as for bf16.
 #pragma once
 
 #include <algorithm>
@@ -36,15 +35,14 @@ struct Fp8StageTarget {
   Shape shape;
   Region dst;
 };
-Fp8StageTarget Fp8StageTargetOf(const Fp8Op& op);
+Fp8StageTarget Fp8StageTargetOf(const TransferOp& op);
 // The receiver's quantize pass: each staged band of `plan` from its place in `staging` into its
 // e4m3 rows and scales in `dests` (the bound parameters).
-std::vector<Fp8BandTask> Fp8BandTasks(const Fp8RankPlan& plan,
-                                      const std::vector<DestBinding>& dests,
+std::vector<Fp8BandTask> Fp8BandTasks(const RankPlan& plan, const std::vector<DestBinding>& dests,
                                       const unsigned char* staging);
 // DataLoss naming the parameter and rows of the first band with non-finite values (`bad`: per
 // band, as Packer::QuantizeBands returns), or OK.
-Status Fp8BandsStatus(int rank, const Fp8RankPlan& plan, const std::vector<DestBinding>& dests,
+Status Fp8BandsStatus(int rank, const RankPlan& plan, const std::vector<DestBinding>& dests,
                       const std::vector<int64_t>& bad);
 
 // How the host path cuts a bucket's wire image into transfers (both ends call it): pieces of at

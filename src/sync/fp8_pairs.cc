@@ -23,10 +23,10 @@ namespace {
 // over a prepared pair, nor a sender send them; nor can a two-sided pair (nccl), whose sender has
 // no access to the receiver's staging: refused naming the parameter (or tensor) and `why`, before
 // any pair is prepared.
-Status RefuseStaged(const SessionContext& ctx, const Bindings& bindings, const Fp8Message& m,
-                    int peer, const std::string& why) {
-  for (const Fp8Op& op : m.ops) {
-    if (op.kind != Fp8OpKind::kStage) continue;
+Status RefuseStaged(const SessionContext& ctx, const Bindings& bindings, const Message& m, int peer,
+                    const std::string& why) {
+  for (const TransferOp& op : m.ops) {
+    if (op.encoding != Encoding::kStage) continue;
     const std::string name =
         ctx.who.is_trainer ? ctx.inventory.at(op.tensor).name : bindings.dest(op.param).name;
     return UnimplementedError(RankName(ctx.rank) + ": rows " + op.src.ToString() + " of '" + name +
@@ -50,10 +50,9 @@ std::string StagedTwoSided(const SessionContext& ctx, int peer) {
 // Blocks whose amax the trainer ranks exchange (kAmax) are quantized by the host path and by
 // one-sided pairs (cuda_ipc), whose sender writes the receiver's parameters: a two-sided pair
 // (nccl) carrying one is refused at Connect on both ends, naming the tensor and the ways out.
-Status RefuseAmax(const SessionContext& ctx, const Bindings& bindings, const Fp8Message& m,
-                  int peer) {
-  for (const Fp8Op& op : m.ops) {
-    if (op.kind != Fp8OpKind::kAmax) continue;
+Status RefuseAmax(const SessionContext& ctx, const Bindings& bindings, const Message& m, int peer) {
+  for (const TransferOp& op : m.ops) {
+    if (op.encoding != Encoding::kAmax) continue;
     const std::string name =
         ctx.who.is_trainer ? ctx.inventory.at(op.tensor).name : bindings.dest(op.param).name;
     return UnimplementedError(RankName(ctx.rank) + ": rows " + op.src.ToString() + " of '" + name +
@@ -68,11 +67,11 @@ Status RefuseAmax(const SessionContext& ctx, const Bindings& bindings, const Fp8
 
 Result<const MemRegion*> PreparedPairs::AllocStaging(const Bindings& bindings) {
   bindings_ = &bindings;
-  if (!ctx_.fp8 || ctx_.who.is_trainer || ctx_.fp8->staging_bytes <= 0 ||
+  if (!ctx_.quantized() || ctx_.who.is_trainer || ctx_.plan.staging_bytes <= 0 ||
       bindings.BoundMem() != static_cast<int>(MemKind::kCuda) || bindings.dests().empty()) {
     return static_cast<const MemRegion*>(nullptr);
   }
-  const Fp8RankPlan& plan = *ctx_.fp8;
+  const RankPlan& plan = ctx_.plan;
   const auto bytes = static_cast<size_t>(plan.staging_bytes);
   auto buf = ctx_.packer->AllocStaging(bytes);
   if (!buf.ok()) {
@@ -95,19 +94,19 @@ Status PreparedPairs::QuantizeStaged() {
                          " quantized " + std::to_string(bad.size()) + " of " +
                          std::to_string(bands_.size()) + " staged bands");
   }
-  return Fp8BandsStatus(ctx_.rank, *ctx_.fp8, bindings_->dests(), bad);
+  return Fp8BandsStatus(ctx_.rank, ctx_.plan, bindings_->dests(), bad);
 }
 
 Status PreparedPairs::AllocAmaxScales(const Bindings& bindings) {
-  const Fp8RankPlan& plan = *ctx_.fp8;
+  const RankPlan& plan = ctx_.plan;
   amax_slot_.clear();
   amax_scales_ = nullptr;
   if (!ctx_.who.is_trainer || plan.amax_blocks <= 0) return OkStatus();
   const int mem = bindings.BoundMem();
   bool any = false;
-  for (const Fp8Message& m : plan.sends) {
+  for (const Message& m : plan.sends) {
     if (!Prepared(m.dst, mem)) continue;
-    for (const Fp8Op& op : m.ops) any = any || op.kind == Fp8OpKind::kAmax;
+    for (const TransferOp& op : m.ops) any = any || op.encoding == Encoding::kAmax;
   }
   if (!any) return OkStatus();
   const auto bytes = static_cast<size_t>(plan.amax_blocks) * sizeof(float);
@@ -120,16 +119,16 @@ Status PreparedPairs::AllocAmaxScales(const Bindings& bindings) {
   }
   amax_buf_ = std::move(buf).value();
   amax_scales_ = reinterpret_cast<float*>(amax_buf_.get());
-  for (const Fp8AmaxBand& b : plan.amax_bands)
+  for (const AmaxBand& b : plan.amax_bands)
     amax_slot_.emplace(std::make_pair(b.tensor, b.row0), b.slot);
   return OkStatus();
 }
 
 Status PreparedPairs::UploadAmaxScales(const std::vector<float>& scales) {
   if (!amax_scales_) return OkStatus();
-  if (static_cast<int64_t>(scales.size()) != ctx_.fp8->amax_blocks) {
+  if (static_cast<int64_t>(scales.size()) != ctx_.plan.amax_blocks) {
     return InternalError(RankName(ctx_.rank) + ": " + std::to_string(scales.size()) +
-                         " agreed block scales for " + std::to_string(ctx_.fp8->amax_blocks) +
+                         " agreed block scales for " + std::to_string(ctx_.plan.amax_blocks) +
                          " shared blocks");
   }
   Status s = ctx_.packer->Upload(amax_scales_, scales.data(), scales.size() * sizeof(float));
@@ -142,26 +141,26 @@ Status PreparedPairs::UploadAmaxScales(const std::vector<float>& scales) {
 }
 
 Status PreparedPairs::RefuseUnbuiltFp8(const Bindings& bindings) const {
-  const Fp8RankPlan& plan = *ctx_.fp8;
+  const RankPlan& plan = ctx_.plan;
   const int mem = bindings.BoundMem();
-  for (const Fp8Message& m : plan.recvs) {
+  for (const Message& m : plan.recvs) {
     if (Prepared(m.src, mem) && !ctx_.tx.PeerCaps(m.src).one_sided_put) {
       SS_RETURN_IF_ERROR(RefuseAmax(ctx_, bindings, m, m.src));
     }
   }
-  for (const Fp8Message& m : plan.sends) {
+  for (const Message& m : plan.sends) {
     if (Prepared(m.dst, mem) && !ctx_.tx.PeerCaps(m.dst).one_sided_put) {
       SS_RETURN_IF_ERROR(RefuseAmax(ctx_, bindings, m, m.dst));
     }
   }
-  for (const Fp8Message& m : plan.recvs) {
+  for (const Message& m : plan.recvs) {
     if (!Prepared(m.src, mem)) continue;
     if (!ctx_.tx.PeerCaps(m.src).one_sided_put) {
       SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.src, StagedTwoSided(ctx_, m.src)));
     }
     if (!staging_) SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.src, kStagedNoStaging));
   }
-  for (const Fp8Message& m : plan.sends) {
+  for (const Message& m : plan.sends) {
     if (Prepared(m.dst, mem) && !ctx_.tx.PeerCaps(m.dst).one_sided_put) {
       SS_RETURN_IF_ERROR(RefuseStaged(ctx_, bindings, m, m.dst, StagedTwoSided(ctx_, m.dst)));
     }
@@ -169,7 +168,7 @@ Status PreparedPairs::RefuseUnbuiltFp8(const Bindings& bindings) const {
   return OkStatus();
 }
 
-PairBucket PreparedPairs::Fp8RecvBucket(const Bindings& bindings, const Fp8Message& m,
+PairBucket PreparedPairs::Fp8RecvBucket(const Bindings& bindings, const Message& m,
                                         const Bucket& b) const {
   const DType td = ctx_.in.trainer_dtype;
   const int ws = DTypeSize(ctx_.in.options.wire_dtype);
@@ -177,16 +176,16 @@ PairBucket PreparedPairs::Fp8RecvBucket(const Bindings& bindings, const Fp8Messa
   pb.bytes = b.bytes;
   int64_t at = 0, staged = 0;  // compact copy image, compact stage image
   for (int32_t i = b.op_begin; i < b.op_end; ++i) {
-    const Fp8Op& op = m.ops[i];
-    if (op.kind == Fp8OpKind::kStage) {
-      const Fp8StagedBand& band = ctx_.fp8->staged.at(op.stage);
+    const TransferOp& op = m.ops[i];
+    if (op.encoding == Encoding::kStage) {
+      const StagedBand& band = ctx_.plan.staged.at(op.stage);
       const Shape shape{band.src.extent[0], band.src.extent[1]};
       pb.stage.push_back({{staging_.get() + band.staging_offset, td, shape, op.dst, staged}, {}});
       staged += op.dst.numel() * DTypeSize(td);
       continue;
     }
     const DestBinding& d = bindings.dest(op.param);
-    if (op.kind == Fp8OpKind::kCopy) {
+    if (op.encoding == Encoding::kCopy) {
       pb.local.push_back({d.data, d.dtype, d.shape, op.dst, at});
       pb.wire_offsets.push_back(op.wire_offset - b.wire_offset);
       at += op.dst.numel() * ws;
@@ -206,18 +205,18 @@ PairBucket PreparedPairs::Fp8RecvBucket(const Bindings& bindings, const Fp8Messa
 }
 
 PairBucket PreparedPairs::Fp8SendBucket(const Bindings& bindings, PeerShapes& shapes,
-                                        const Fp8Message& m, const Bucket& b, uint32_t base) const {
+                                        const Message& m, const Bucket& b, uint32_t base) const {
   const DType td = ctx_.in.trainer_dtype;
   const int ws = DTypeSize(ctx_.in.options.wire_dtype);
   PairBucket pb;
   pb.bytes = b.bytes;
   int64_t at = 0, staged = 0;
   for (int32_t i = b.op_begin; i < b.op_end; ++i) {
-    const Fp8Op& op = m.ops[i];
-    // The HF shard, or a Megatron sender's local parameter (Fp8Message::local).
-    const Bindings::OpSource os = bindings.Fp8SourceOf(m, i);
+    const TransferOp& op = m.ops[i];
+    // The HF shard, or a Megatron sender's local parameter (Message::local).
+    const Bindings::OpSource os = bindings.SourceOf(m, i);
     const PackRegion src{os.data, td, os.shape, os.region, 0};
-    if (op.kind == Fp8OpKind::kStage) {
+    if (op.encoding == Encoding::kStage) {
       // The receiver's staging is its region after its parameters (RegisterParams).
       const Fp8StageTarget t = Fp8StageTargetOf(op);
       StageRegion sr{src,
@@ -230,7 +229,7 @@ PairBucket PreparedPairs::Fp8SendBucket(const Bindings& bindings, PeerShapes& sh
     }
     const RemoteRegion dst{base + static_cast<uint32_t>(op.param), 0, shapes.Get(m.dst, op.param),
                            op.dst};
-    if (op.kind == Fp8OpKind::kCopy) {
+    if (op.encoding == Encoding::kCopy) {
       pb.local.push_back(src);
       pb.local.back().wire_offset = at;
       pb.wire_offsets.push_back(op.wire_offset - b.wire_offset);
@@ -242,7 +241,7 @@ PairBucket PreparedPairs::Fp8SendBucket(const Bindings& bindings, PeerShapes& sh
     q.src = src;
     q.src.wire_offset = op.wire_offset - b.wire_offset;
     q.weight = dst;
-    if (op.kind == Fp8OpKind::kAmax) {
+    if (op.encoding == Encoding::kAmax) {
       // The agreed scales of the op's column blocks: its band's slot in this rank's value (the
       // band is rows [src row / 128 * 128, + 128)), as the host path reads them (fp8_send.cc).
       const auto slot = amax_slot_.at({op.tensor, op.src.offset[0] / kFp8Block * kFp8Block});
@@ -261,7 +260,7 @@ PairBucket PreparedPairs::Fp8SendBucket(const Bindings& bindings, PeerShapes& sh
 Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
                                  const std::map<int, uint32_t>& regbase,
                                  Clock::time_point deadline) {
-  const Fp8RankPlan& plan = *ctx_.fp8;
+  const RankPlan& plan = ctx_.plan;
   const DType wire = ctx_.in.options.wire_dtype;
   const int mem = bindings.BoundMem();
   send_.resize(plan.sends.size());
@@ -273,7 +272,7 @@ Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
   SS_RETURN_IF_ERROR(RefuseUnbuiltFp8(bindings));
   SS_RETURN_IF_ERROR(AllocAmaxScales(bindings));
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
-    const Fp8Message& m = plan.recvs[mi];
+    const Message& m = plan.recvs[mi];
     if (!Prepared(m.src, mem)) continue;
     PairSpec spec{m.src, /*send=*/false, wire, {}, PairKey(m.src, ctx_.rank)};
     spec.fp8 = true;
@@ -281,7 +280,7 @@ Status PreparedPairs::PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
     SS_ASSIGN_OR_RETURN(recv_[mi], ctx_.tx.Prepare(ctx_.store, spec, left()));
   }
   for (size_t mi = 0; mi < plan.sends.size(); ++mi) {
-    const Fp8Message& m = plan.sends[mi];
+    const Message& m = plan.sends[mi];
     if (!Prepared(m.dst, mem)) continue;
     PairSpec spec{m.dst, /*send=*/true, wire, {}, PairKey(ctx_.rank, m.dst)};
     spec.fp8 = true;

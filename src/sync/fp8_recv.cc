@@ -37,12 +37,12 @@ std::shared_ptr<unsigned char> Buffer(int64_t bytes) {
 
 Status Fp8HostReceiver::Prepare(const Bindings& bindings, const PreparedPairs& pairs) {
   bindings_ = &bindings;
-  const Fp8RankPlan& plan = *ctx_.fp8;
+  const RankPlan& plan = ctx_.plan;
   msgs_.clear();
   slot_bytes_.assign(plan.recvs.size(), 0);
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
     if (pairs.recvs(mi)) continue;
-    const Fp8Message& m = plan.recvs[mi];
+    const Message& m = plan.recvs[mi];
     for (const DestBinding& d : bindings.dests()) {
       if (d.mem != MemKind::kHost) {
         return UnimplementedError(
@@ -68,13 +68,13 @@ Status Fp8HostReceiver::Prepare(const Bindings& bindings, const PreparedPairs& p
 }
 
 Status Fp8HostReceiver::Receive(RankSyncStats& st) {
-  const Fp8RankPlan& plan = *ctx_.fp8;
+  const RankPlan& plan = ctx_.plan;
   // The staged rows this path lands, per band (bands staged over prepared pairs are the device
   // staging's: PreparedPairs::QuantizeStaged).
   std::vector<int64_t> band_left(plan.staged.size(), 0);
   for (int mi : msgs_) {
-    for (const Fp8Op& op : plan.recvs[mi].ops) {
-      if (op.kind == Fp8OpKind::kStage) band_left[op.stage] += op.dst.numel();
+    for (const TransferOp& op : plan.recvs[mi].ops) {
+      if (op.encoding == Encoding::kStage) band_left[op.stage] += op.dst.numel();
     }
   }
   std::vector<Inbox> boxes;
@@ -144,7 +144,7 @@ Status Fp8HostReceiver::Receive(RankSyncStats& st) {
 }
 
 Status Fp8HostReceiver::PostBucket(Inbox& in, int slot) {
-  const Fp8Message& m = ctx_.fp8->recvs[in.msg];
+  const Message& m = ctx_.plan.recvs[in.msg];
   if (in.next >= static_cast<int>(m.buckets.size())) return OkStatus();
   const int bi = in.next++;
   const Bucket& b = m.buckets[bi];
@@ -173,7 +173,7 @@ Status Fp8HostReceiver::PostBucket(Inbox& in, int slot) {
 }
 
 Status Fp8HostReceiver::Land(Inbox& in, const Posted& p, std::vector<int64_t>& band_left) {
-  const Fp8Message& m = ctx_.fp8->recvs[in.msg];
+  const Message& m = ctx_.plan.recvs[in.msg];
   const Bucket& b = m.buckets[p.bucket];
   const Control& c = in.ctrl.get()[p.slot];
   const std::string where = "message from sync rank " + std::to_string(m.src) + " to sync rank " +
@@ -188,22 +188,22 @@ Status Fp8HostReceiver::Land(Inbox& in, const Posted& p, std::vector<int64_t>& b
   return Scatter(m, b, img, p.bucket, band_left);
 }
 
-Status Fp8HostReceiver::Scatter(const Fp8Message& m, const Bucket& b, const unsigned char* img,
+Status Fp8HostReceiver::Scatter(const Message& m, const Bucket& b, const unsigned char* img,
                                 int bucket, std::vector<int64_t>& band_left) {
-  const Fp8RankPlan& plan = *ctx_.fp8;
+  const RankPlan& plan = ctx_.plan;
   const int ts = DTypeSize(ctx_.in.trainer_dtype);
   for (int32_t i = b.op_begin; i < b.op_end; ++i) {
-    const Fp8Op& op = m.ops[i];
+    const TransferOp& op = m.ops[i];
     const unsigned char* w = img + (op.wire_offset - b.wire_offset);
     int64_t n = 0;  // wire bytes placed; the rest of op.bytes must be the zero pad
-    switch (op.kind) {
-      case Fp8OpKind::kCopy: {
+    switch (op.encoding) {
+      case Encoding::kCopy: {
         const DestBinding& d = bindings_->dest(op.param);
         n = Place(w, d.data, d.shape, op.dst, DTypeSize(d.dtype));
         break;
       }
-      case Fp8OpKind::kQuantize:
-      case Fp8OpKind::kAmax: {  // kAmax: the scales only from the band's first holder
+      case Encoding::kQuantize:
+      case Encoding::kAmax: {  // kAmax: the scales only from the band's first holder
         const DestBinding& d = bindings_->dest(op.param);
         n = Place(w, d.data, d.shape, op.dst, 1);
         if (op.scale_param < 0) break;
@@ -213,8 +213,8 @@ Status Fp8HostReceiver::Scatter(const Fp8Message& m, const Bucket& b, const unsi
         if (n >= 0) n = at + Place(w + at, sd.data, sd.shape, op.scale_dst, 4);
         break;
       }
-      case Fp8OpKind::kStage: {
-        const Fp8StagedBand& band = plan.staged[op.stage];
+      case Encoding::kStage: {
+        const StagedBand& band = plan.staged[op.stage];
         n = Place(w, staging_.get() + band.staging_offset, {band.src.extent[0], band.src.extent[1]},
                   op.dst, ts);
         break;
@@ -224,13 +224,13 @@ Status Fp8HostReceiver::Scatter(const Fp8Message& m, const Bucket& b, const unsi
       return DataLossError("message from sync rank " + std::to_string(m.src) + " to sync rank " +
                            std::to_string(ctx_.rank) + ", bucket " + std::to_string(bucket) +
                            ": op " + std::to_string(i) + " (" +
-                           std::string(Fp8OpKindName(op.kind)) + " of '" +
+                           std::string(EncodingName(op.encoding)) + " of '" +
                            bindings_->dest(op.param).name + "') has non-zero padding");
     }
-    if (op.kind != Fp8OpKind::kStage) continue;
+    if (op.encoding != Encoding::kStage) continue;
     band_left[op.stage] -= op.dst.numel();
     if (band_left[op.stage] != 0) continue;
-    const Fp8StagedBand& band = plan.staged[op.stage];
+    const StagedBand& band = plan.staged[op.stage];
     const int64_t bad = QuantizeBand(band, staging_.get(), *bindings_);
     if (bad > 0) {
       return DataLossError(RankName(ctx_.rank) + ": " + std::to_string(bad) +
@@ -242,7 +242,7 @@ Status Fp8HostReceiver::Scatter(const Fp8Message& m, const Bucket& b, const unsi
   return OkStatus();
 }
 
-int64_t Fp8HostReceiver::QuantizeBand(const Fp8StagedBand& band, const unsigned char* staging,
+int64_t Fp8HostReceiver::QuantizeBand(const StagedBand& band, const unsigned char* staging,
                                       const Bindings& bindings) {
   const DestBinding& w = bindings.dest(band.param);
   const DestBinding& sc = bindings.dest(band.scale_param);

@@ -13,22 +13,23 @@
 #include "sync/bindings.h"
 #include "sync/context.h"
 #include "sync/guard.h"
+#include "sync/host_path.h"
 #include "sync/pairs.h"
 
 namespace shardsync::sync_internal {
 
-class Fp8HostReceiver {
+class Fp8HostReceiver final : public HostRecvPath {
  public:
   Fp8HostReceiver(const SessionContext& ctx, SyncGuard& guard) : ctx_(ctx), guard_(guard) {}
 
   // Connect: which messages come this way, and the staging buffer of the rank's bands.
-  Status Prepare(const Bindings& bindings, const PreparedPairs& pairs);
+  Status Prepare(const Bindings& bindings, const PreparedPairs& pairs) override;
   // Sync: every host bucket received, verified and scattered; every band quantized.
-  Status Receive(RankSyncStats& st);
+  Status Receive(RankSyncStats& st) override;
 
   // Quantizes staged band `band` from `staging` into the bound weight and scale parameters;
   // returns the non-finite inputs it saw.
-  static int64_t QuantizeBand(const Fp8StagedBand& band, const unsigned char* staging,
+  static int64_t QuantizeBand(const StagedBand& band, const unsigned char* staging,
                               const Bindings& bindings);
 
  private:
@@ -50,7 +51,7 @@ class Fp8HostReceiver {
   Status PostBucket(Inbox& in, int slot);
   // The bucket in `p` arrived: verify, scatter, and quantize the bands it completed.
   Status Land(Inbox& in, const Posted& p, std::vector<int64_t>& band_left);
-  Status Scatter(const Fp8Message& m, const Bucket& b, const unsigned char* img, int bucket,
+  Status Scatter(const Message& m, const Bucket& b, const unsigned char* img, int bucket,
                  std::vector<int64_t>& band_left);
 
   const SessionContext& ctx_;

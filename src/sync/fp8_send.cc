@@ -10,28 +10,28 @@
 namespace shardsync::sync_internal {
 
 Result<Fp8Packed> PackFp8Bucket(const SessionContext& ctx, const Bindings& bindings,
-                                const Fp8Message& m, const Bucket& b, unsigned char* out,
+                                const Message& m, const Bucket& b, unsigned char* out,
                                 const Fp8AmaxScales* amax) {
   const DType td = ctx.in.trainer_dtype, wd = ctx.in.options.wire_dtype;
   const int ts = DTypeSize(td), ws = DTypeSize(wd);
   Fp8Packed res;
   uint64_t sum = 0;
   for (int32_t i = b.op_begin; i < b.op_end; ++i) {
-    const Fp8Op& op = m.ops[i];
+    const TransferOp& op = m.ops[i];
     // The sender's HF shard, or for Megatron senders the op's region of a local parameter.
-    const Bindings::OpSource sb = bindings.Fp8SourceOf(m, i);
+    const Bindings::OpSource sb = bindings.SourceOf(m, i);
     const Region& rel = sb.region;
     const Shape& shape = sb.shape;
     const int64_t at = op.wire_offset - b.wire_offset;
     unsigned char* o = out + at;
-    if (op.kind == Fp8OpKind::kQuantize) {
+    if (op.encoding == Encoding::kQuantize) {
       SS_ASSIGN_OR_RETURN(Fp8PackResult r, Fp8QuantizePack({sb.data, td, shape, rel, at}, o));
       sum += r.sum;
       if (r.nonfinite > 0 && res.first_bad_op < 0) res.first_bad_op = i;
       res.nonfinite += r.nonfinite;
       continue;
     }
-    if (op.kind == Fp8OpKind::kAmax) {
+    if (op.encoding == Encoding::kAmax) {
       auto it = amax == nullptr
                     ? std::map<std::pair<int32_t, int64_t>, int64_t>::const_iterator()
                     : amax->slot.find({op.tensor, op.src.offset[0] / kFp8Block * kFp8Block});
@@ -49,7 +49,7 @@ Result<Fp8Packed> PackFp8Bucket(const SessionContext& ctx, const Bindings& bindi
     }
     // Copies cast to the wire dtype; staged rows travel as the trainer holds them (the receiver
     // quantizes them once their band is complete).
-    const bool copy = op.kind == Fp8OpKind::kCopy;
+    const bool copy = op.encoding == Encoding::kCopy;
     int64_t w = 0;
     ForEachRun(rel, shape, [&](int64_t off, int64_t len) {
       const auto* src = static_cast<const unsigned char*>(sb.data) + off * ts;
@@ -68,17 +68,18 @@ Result<Fp8Packed> PackFp8Bucket(const SessionContext& ctx, const Bindings& bindi
   return res;
 }
 
-Status Fp8HostSender::Prepare(const Bindings& bindings, PreparedPairs& pairs) {
+Status Fp8HostSender::Prepare(const Bindings& bindings, PeerShapes& /*shapes*/,
+                              PreparedPairs& pairs, std::map<int, uint32_t> /*regbase*/) {
   bindings_ = &bindings;
   pairs_ = &pairs;
-  const std::vector<Fp8Message>& sends = ctx_.fp8->sends;
+  const std::vector<Message>& sends = ctx_.plan.sends;
   int64_t max_bucket = 0;
   size_t max_buckets = 0;
   for (size_t mi = 0; mi < sends.size(); ++mi) {
     if (pairs.sends(mi)) continue;
-    const Fp8Message& m = sends[mi];
+    const Message& m = sends[mi];
     for (size_t i = 0; i < m.ops.size(); ++i) {
-      if (bindings.Fp8SourceOf(m, static_cast<int>(i)).mem != MemKind::kHost) {
+      if (bindings.SourceOf(m, static_cast<int>(i)).mem != MemKind::kHost) {
         return UnimplementedError(
             RankName(ctx_.rank) + ": block-FP8 bytes to sync rank " + std::to_string(m.dst) +
             " would take the host path, which packs host memory; device shards need a prepared "
@@ -114,7 +115,7 @@ Status Fp8HostSender::Prepare(const Bindings& bindings, PreparedPairs& pairs) {
   amax_ = {};
   device_amax_.clear();
   band_on_device_.clear();
-  for (const Fp8AmaxBand& b : ctx_.fp8->amax_bands) {
+  for (const AmaxBand& b : ctx_.plan.amax_bands) {
     const std::string& name = ctx_.inventory.at(b.tensor).name;
     if (!bindings.has_source(b.tensor)) {
       return NotFoundError(RankName(ctx_.rank) + ": source tensor '" + name +
@@ -142,11 +143,11 @@ Status Fp8HostSender::Prepare(const Bindings& bindings, PreparedPairs& pairs) {
     band_on_device_.push_back(device);
     amax_.slot.emplace(std::make_pair(b.tensor, b.row0), b.slot);
   }
-  amax_.scales.assign(static_cast<size_t>(ctx_.fp8->amax_blocks), 0.f);
+  amax_.scales.assign(static_cast<size_t>(ctx_.plan.amax_blocks), 0.f);
   return OkStatus();
 }
 
-Status Fp8HostSender::NonFinite(const Fp8AmaxBand& b, bool mine) const {
+Status Fp8HostSender::NonFinite(const AmaxBand& b, bool mine) const {
   const HfTensor& t = ctx_.inventory.at(b.tensor);
   return DataLossError(RankName(ctx_.rank) + ": non-finite values (NaN or Inf) in rows " +
                        Region::Make({b.row0, 0}, {b.rows, t.shape[1]}).ToString() + " of '" +
@@ -158,7 +159,7 @@ Status Fp8HostSender::NonFinite(const Fp8AmaxBand& b, bool mine) const {
 }
 
 Status Fp8HostSender::ExchangeAmax() {
-  const Fp8RankPlan& plan = *ctx_.fp8;
+  const RankPlan& plan = ctx_.plan;
   if (plan.amax_bands.empty()) return OkStatus();
   // This rank's partials: per band, the max magnitude bits of its rows per 128-column block
   // (device rows by the packer's kernel, which zeroes the entries of host rows).
@@ -168,7 +169,7 @@ Status Fp8HostSender::ExchangeAmax() {
   }
   for (size_t bi = 0; bi < plan.amax_bands.size(); ++bi) {
     if (band_on_device_[bi]) continue;
-    const Fp8AmaxBand& b = plan.amax_bands[bi];
+    const AmaxBand& b = plan.amax_bands[bi];
     const SourceBinding& sb = bindings_->source(b.tensor);
     const int64_t cols = ctx_.inventory.at(b.tensor).shape[1];
     const Region rel =
@@ -192,7 +193,7 @@ Status Fp8HostSender::ExchangeAmax() {
   std::memcpy(value.data(), own.data(), value.size());
   SS_RETURN_IF_ERROR(ctx_.store.Set(key(ctx_.rank), value));
   amax_posted_ = guard_.version();
-  for (const Fp8AmaxBand& b : plan.amax_bands) {
+  for (const AmaxBand& b : plan.amax_bands) {
     for (int64_t i = 0; i < b.blocks; ++i) {
       if (!Fp8AmaxBitsFinite(own[b.slot + i])) return NonFinite(b, true);
     }
@@ -223,15 +224,15 @@ Status Fp8HostSender::ExchangeAmax() {
 
 Status Fp8HostSender::Combine(const std::vector<uint32_t>& own,
                               const std::vector<std::string>& got) {
-  const Fp8RankPlan& plan = *ctx_.fp8;
+  const RankPlan& plan = ctx_.plan;
   std::map<int32_t, const std::string*> by_rank;
   for (size_t i = 0; i < got.size() && i < plan.amax_peers.size(); ++i) {
     by_rank[plan.amax_peers[i]] = &got[i];
   }
-  for (const Fp8AmaxBand& b : plan.amax_bands) {
+  for (const AmaxBand& b : plan.amax_bands) {
     for (int64_t i = 0; i < b.blocks; ++i) {
       uint32_t m = own[b.slot + i];
-      for (const Fp8AmaxHolder& h : b.others) {
+      for (const AmaxHolder& h : b.others) {
         const std::string& v = *by_rank.at(h.rank);
         const auto at = static_cast<size_t>((h.slot + i) * 4);
         if (v.size() % 4 != 0 || at + 4 > v.size()) {
@@ -252,7 +253,7 @@ Status Fp8HostSender::Combine(const std::vector<uint32_t>& own,
 
 Status Fp8HostSender::Send(RankSyncStats& st) {
   std::deque<Flying> flying;
-  std::vector<uint64_t> seq(ctx_.fp8->sends.size(), 0);
+  std::vector<uint64_t> seq(ctx_.plan.sends.size(), 0);
   int slot = 0;
   Status s;
   for (auto [mi, bi] : order_) {
@@ -271,12 +272,12 @@ Status Fp8HostSender::Send(RankSyncStats& st) {
 
 Status Fp8HostSender::Post(int mi, int bi, int slot, std::deque<Flying>& flying,
                            std::vector<uint64_t>& seq) {
-  const Fp8Message& m = ctx_.fp8->sends[mi];
+  const Message& m = ctx_.plan.sends[mi];
   const Bucket& b = m.buckets[bi];
   unsigned char* buf = slots_[slot].get();
   SS_ASSIGN_OR_RETURN(Fp8Packed p, PackFp8Bucket(ctx_, *bindings_, m, b, buf, &amax_));
   if (p.nonfinite > 0) {
-    const Fp8Op& op = m.ops[p.first_bad_op];
+    const TransferOp& op = m.ops[p.first_bad_op];
     return DataLossError(RankName(ctx_.rank) + ": " + std::to_string(p.nonfinite) +
                          " non-finite values (NaN or Inf) in '" +
                          ctx_.inventory.at(op.tensor).name + "' " + op.src.ToString() +
@@ -316,7 +317,7 @@ Status Fp8HostSender::Post(int mi, int bi, int slot, std::deque<Flying>& flying,
 
 Status Fp8HostSender::FinishOldest(std::deque<Flying>& flying, RankSyncStats& st) {
   Flying& f = flying.front();
-  const Fp8Message& m = ctx_.fp8->sends[f.msg];
+  const Message& m = ctx_.plan.sends[f.msg];
   SS_RETURN_IF_ERROR(guard_.WaitAll(f.ids, "sending to sync rank " + std::to_string(m.dst)));
   st.send_bytes += m.buckets[f.bucket].bytes;
   flying.pop_front();

@@ -19,6 +19,7 @@
 #include "sync/bindings.h"
 #include "sync/context.h"
 #include "sync/guard.h"
+#include "sync/host_path.h"
 #include "sync/pairs.h"
 
 namespace shardsync::sync_internal {
@@ -41,20 +42,21 @@ struct Fp8AmaxScales {
 // (b.bytes bytes); kAmax ops take their blocks' scales from `amax`. InvalidArgument for an op
 // the quantizer refuses (a malformed region).
 Result<Fp8Packed> PackFp8Bucket(const SessionContext& ctx, const Bindings& bindings,
-                                const Fp8Message& m, const Bucket& b, unsigned char* out,
+                                const Message& m, const Bucket& b, unsigned char* out,
                                 const Fp8AmaxScales* amax = nullptr);
 
-class Fp8HostSender {
+class Fp8HostSender final : public HostSendPath {
  public:
   Fp8HostSender(const SessionContext& ctx, SyncGuard& guard) : ctx_(ctx), guard_(guard) {}
 
   // Connect: which messages go this way (not prepared pairs), the staging slots, and where the
   // amax exchange reads this rank's rows (host memory, or device memory through the packer).
-  Status Prepare(const Bindings& bindings, PreparedPairs& pairs);
-  bool has_buckets() const { return !order_.empty(); }
-  // kAmax plans (fp8_plan.h Fp8AmaxBand): whether this rank holds rows of blocks shared with
+  Status Prepare(const Bindings& bindings, PeerShapes& shapes, PreparedPairs& pairs,
+                 std::map<int, uint32_t> regbase) override;
+  bool has_buckets() const override { return !order_.empty(); }
+  // kAmax plans (fp8_plan.h AmaxBand): whether this rank holds rows of blocks shared with
   // other trainer ranks.
-  bool exchanges() const { return !ctx_.fp8->amax_bands.empty(); }
+  bool exchanges() const override { return !ctx_.plan.amax_bands.empty(); }
   // Posts this version's partial amaxes of those blocks under the job's key
   // v<version>/amax/<rank>#, reads the other holders' (watched: a gone holder or an abort fails
   // the wait, bounded by the sync's deadline) and derives every block's scale for Send. A
@@ -62,13 +64,13 @@ class Fp8HostSender {
   // in device memory are reduced by the packer (PartialAmax); the scales then go to the device
   // memory the prepared pairs' amax ops read (PreparedPairs::UploadAmaxScales), so a rank whose
   // pairs carry amax ops runs this before posting them.
-  Status ExchangeAmax();
-  Status Send(RankSyncStats& st);
+  Status ExchangeAmax() override;
+  Status Send(RankSyncStats& st) override;
 
  private:
   // The blocks' scales from this rank's partials and the peers' values (plan.amax_peers order).
   Status Combine(const std::vector<uint32_t>& own, const std::vector<std::string>& got);
-  Status NonFinite(const Fp8AmaxBand& b, bool mine) const;
+  Status NonFinite(const AmaxBand& b, bool mine) const;
   struct Flying {
     int msg = 0, bucket = 0, slot = 0;
     std::vector<XferId> ids;

@@ -11,19 +11,18 @@
 #include "sync/bindings.h"
 #include "sync/context.h"
 #include "sync/guard.h"
+#include "sync/host_path.h"
 #include "sync/landed_sum.h"
 #include "sync/pairs.h"
 
 namespace shardsync::sync_internal {
 
-class HostReceiver {
+class HostReceiver final : public HostRecvPath {
  public:
   HostReceiver(const SessionContext& ctx, SyncGuard& guard) : ctx_(ctx), guard_(guard) {}
 
-  // Connect: every bucket's transfers, as the sender cuts them (replayed each sync).
-  Status Prepare(const Bindings& bindings, const PreparedPairs& pairs);
-  // Sync: posts every host receive, then completes and verifies each bucket.
-  Status Receive(RankSyncStats& st);
+  Status Prepare(const Bindings& bindings, const PreparedPairs& pairs) override;
+  Status Receive(RankSyncStats& st) override;
 
  private:
   // One bucket a receiver expects on the host path.

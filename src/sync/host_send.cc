@@ -17,7 +17,7 @@ constexpr size_t kRingBytes = kSendWindowBytes + kMaxTransferBytes;
 
 }  // namespace
 
-Status HostSender::Prepare(const Bindings& bindings, PeerShapes& shapes, const PreparedPairs& pairs,
+Status HostSender::Prepare(const Bindings& bindings, PeerShapes& shapes, PreparedPairs& pairs,
                            std::map<int, uint32_t> regbase) {
   const RankPlan& plan = ctx_.plan;
   bindings_ = &bindings;

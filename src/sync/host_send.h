@@ -15,23 +15,19 @@
 #include "sync/context.h"
 #include "sync/guard.h"
 #include "sync/host_pack.h"
+#include "sync/host_path.h"
 #include "sync/pairs.h"
 
 namespace shardsync::sync_internal {
 
-class HostSender {
+class HostSender final : public HostSendPath {
  public:
   HostSender(const SessionContext& ctx, SyncGuard& guard) : ctx_(ctx), guard_(guard) {}
 
-  // Connect, after the pairs are prepared: staging, and every host bucket's transfers (replayed
-  // each sync). `regbase`: each receiver's first region id (one-sided puts).
-  Status Prepare(const Bindings& bindings, PeerShapes& shapes, const PreparedPairs& pairs,
-                 std::map<int, uint32_t> regbase);
-
-  // Whether this rank sends any bucket on the host path.
-  bool has_buckets() const { return has_buckets_; }
-  // Sync: sends every host bucket and waits until each one and its control message completed.
-  Status Send(RankSyncStats& st);
+  Status Prepare(const Bindings& bindings, PeerShapes& shapes, PreparedPairs& pairs,
+                 std::map<int, uint32_t> regbase) override;
+  bool has_buckets() const override { return has_buckets_; }
+  Status Send(RankSyncStats& st) override;
 
  private:
   // Sender-side state of one bucket in flight.

@@ -17,7 +17,7 @@ std::string PreparedPairs::PairKey(int src, int dst) const {
 
 Status PreparedPairs::Prepare(const Bindings& bindings, PeerShapes& shapes,
                               const std::map<int, uint32_t>& regbase, Clock::time_point deadline) {
-  if (ctx_.fp8) return PrepareFp8(bindings, shapes, regbase, deadline);
+  if (ctx_.quantized()) return PrepareFp8(bindings, shapes, regbase, deadline);
   const RankPlan& plan = ctx_.plan;
   const DType wire = ctx_.in.options.wire_dtype;
   const int mem = bindings.BoundMem();

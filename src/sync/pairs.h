@@ -71,8 +71,8 @@ class PreparedPairs {
   // scales of every shared block, and each band's slot in it.
   Status AllocAmaxScales(const Bindings& bindings);
   // One bucket of an FP8 message as the receiver's / the sender's PairBucket.
-  PairBucket Fp8RecvBucket(const Bindings& bindings, const Fp8Message& m, const Bucket& b) const;
-  PairBucket Fp8SendBucket(const Bindings& bindings, PeerShapes& shapes, const Fp8Message& m,
+  PairBucket Fp8RecvBucket(const Bindings& bindings, const Message& m, const Bucket& b) const;
+  PairBucket Fp8SendBucket(const Bindings& bindings, PeerShapes& shapes, const Message& m,
                            const Bucket& b, uint32_t base) const;
   // Whether the pair with `peer` runs as a prepared pair (see Prepare).
   bool Prepared(int peer, int mem) const;

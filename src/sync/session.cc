@@ -16,7 +16,6 @@
 #include "sync/bindings.h"
 #include "sync/connect.h"
 #include "sync/context.h"
-#include "sync/fp8_outline.h"
 #include "sync/fp8_recv.h"
 #include "sync/fp8_send.h"
 #include "sync/guard.h"
@@ -34,13 +33,25 @@ namespace {
 using sync_internal::Clock;
 using sync_internal::Trace;
 
+// The host data path for the session's plan (host_path.h): the block-FP8 codec's for a quantized
+// model, whose ops carry its encodings; the copy path otherwise.
+std::unique_ptr<sync_internal::HostSendPath> MakeHostSend(const sync_internal::SessionContext& ctx,
+                                                          sync_internal::SyncGuard& guard) {
+  if (ctx.quantized()) return std::make_unique<sync_internal::Fp8HostSender>(ctx, guard);
+  return std::make_unique<sync_internal::HostSender>(ctx, guard);
+}
+std::unique_ptr<sync_internal::HostRecvPath> MakeHostRecv(const sync_internal::SessionContext& ctx,
+                                                          sync_internal::SyncGuard& guard) {
+  if (ctx.quantized()) return std::make_unique<sync_internal::Fp8HostReceiver>(ctx, guard);
+  return std::make_unique<sync_internal::HostReceiver>(ctx, guard);
+}
+
 class SessionImpl final : public SyncSession {
  public:
   SessionImpl(PlanInputs in, int rank, SyncRank who, RankPlan plan, StoreClient& store,
-              Transport& tx, SessionOptions opt, LaunchId launch, sync_internal::HarnessHooks hooks,
-              std::shared_ptr<const Fp8RankPlan> fp8)
+              Transport& tx, SessionOptions opt, LaunchId launch, sync_internal::HarnessHooks hooks)
       : ctx_(std::move(in), rank, who, std::move(plan), store, tx, std::move(opt),
-             std::move(launch), std::move(fp8)),
+             std::move(launch)),
         hooks_(std::move(hooks)),
         identity_(ctx_),
         presence_(ctx_),
@@ -48,11 +59,9 @@ class SessionImpl final : public SyncSession {
         shapes_(ctx_),
         guard_(ctx_),
         verdicts_(ctx_, guard_),
-        sender_(ctx_, guard_),
         pairs_(ctx_, guard_),
-        receiver_(ctx_, guard_),
-        fp8_sender_(ctx_, guard_),
-        fp8_receiver_(ctx_, guard_) {}
+        host_send_(MakeHostSend(ctx_, guard_)),
+        host_recv_(MakeHostRecv(ctx_, guard_)) {}
   ~SessionImpl() override {
     identity_.Leave();
     presence_.Leave();
@@ -156,13 +165,8 @@ class SessionImpl final : public SyncSession {
     SS_RETURN_IF_ERROR(pairs_.Prepare(bindings_, shapes_, regbase, deadline));
     SS_RETURN_IF_ERROR(verdicts_.Open(deadline));
     guard_.set_board(verdicts_.board());
-    if (ctx_.fp8) {  // block FP8: the host path replays the FP8 plan
-      SS_RETURN_IF_ERROR(fp8_sender_.Prepare(bindings_, pairs_));
-      SS_RETURN_IF_ERROR(fp8_receiver_.Prepare(bindings_, pairs_));
-    } else {
-      SS_RETURN_IF_ERROR(sender_.Prepare(bindings_, shapes_, pairs_, std::move(regbase)));
-      SS_RETURN_IF_ERROR(receiver_.Prepare(bindings_, pairs_));
-    }
+    SS_RETURN_IF_ERROR(host_send_->Prepare(bindings_, shapes_, pairs_, std::move(regbase)));
+    SS_RETURN_IF_ERROR(host_recv_->Prepare(bindings_, pairs_));
     // 6. Nobody contested the job while it connected (identity.h): it is whole.
     SS_RETURN_IF_ERROR(identity_.Seal(guard_, deadline));
     connected_ = true;
@@ -279,10 +283,10 @@ class SessionImpl final : public SyncSession {
     // Block FP8 with blocks shared by trainer ranks whose prepared pairs quantize them (cuda_ipc):
     // the holders agree on the blocks' scales before the pairs launch, which read them (a rank's
     // pairs launch as one kernel, so none goes earlier). Plans without such pairs skip this.
-    const bool exchange_first = ctx_.fp8 && fp8_sender_.exchanges() && pairs_.has_amax_sends();
+    const bool exchange_first = host_send_->exchanges() && pairs_.has_amax_sends();
     if (exchange_first) {
       SS_RETURN_IF_ERROR(enter());
-      SS_RETURN_IF_ERROR(fp8_sender_.ExchangeAmax());
+      SS_RETURN_IF_ERROR(host_send_->ExchangeAmax());
     }
     SS_RETURN_IF_ERROR(pairs_.PostSends(signals));
     std::vector<std::string> ready;
@@ -294,9 +298,9 @@ class SessionImpl final : public SyncSession {
     }
     // Block FP8 with blocks shared by trainer ranks: their holders agree on the blocks' scales
     // first (one store value per holder), while the receivers get ready.
-    if (ctx_.fp8 && fp8_sender_.exchanges() && !exchange_first) {
+    if (host_send_->exchanges() && !exchange_first) {
       SS_RETURN_IF_ERROR(enter());
-      SS_RETURN_IF_ERROR(fp8_sender_.ExchangeAmax());
+      SS_RETURN_IF_ERROR(host_send_->ExchangeAmax());
     }
     if (!ready.empty()) SS_RETURN_IF_ERROR(enter());
     SS_RETURN_IF_ERROR(guard_
@@ -312,10 +316,10 @@ class SessionImpl final : public SyncSession {
           [&] { return std::to_string(ready.size()) + " ready keys in"; });
     // Prepared pairs (device memory) go first: their device work overlaps the host path below.
     SS_RETURN_IF_ERROR(pairs_.PostSends([&](size_t mi) { return !signals(mi); }));
-    if (ctx_.fp8 ? fp8_sender_.has_buckets() : sender_.has_buckets()) {
+    if (host_send_->has_buckets()) {
       SS_RETURN_IF_ERROR(enter());
     }
-    SS_RETURN_IF_ERROR(ctx_.fp8 ? fp8_sender_.Send(st) : sender_.Send(st));
+    SS_RETURN_IF_ERROR(host_send_->Send(st));
     SS_RETURN_IF_ERROR(pairs_.FinishSends(st, enter));
     SS_RETURN_IF_ERROR(enter());
     // A send can complete here while its protocol tail (e.g. a rendezvous put's completion
@@ -346,7 +350,7 @@ class SessionImpl final : public SyncSession {
     SS_RETURN_IF_ERROR(ctx_.store.SetMany(
         {{ctx_.Key("cur/" + std::to_string(ctx_.rank)), std::to_string(guard_.version())},
          {ctx_.Key(guard_.VKey("ready/") + std::to_string(ctx_.rank)), "1"}}));
-    SS_RETURN_IF_ERROR(ctx_.fp8 ? fp8_receiver_.Receive(st) : receiver_.Receive(st));
+    SS_RETURN_IF_ERROR(host_recv_->Receive(st));
     SS_RETURN_IF_ERROR(pairs_.FinishRecvs(st, bindings_));
     // Block FP8: bands staged over device pairs are quantized from verified bytes only.
     SS_RETURN_IF_ERROR(pairs_.QuantizeStaged());
@@ -370,11 +374,10 @@ class SessionImpl final : public SyncSession {
   sync_internal::PeerShapes shapes_;
   sync_internal::SyncGuard guard_;
   sync_internal::VerdictExchange verdicts_;
-  sync_internal::HostSender sender_;
   sync_internal::PreparedPairs pairs_;
-  sync_internal::HostReceiver receiver_;
-  sync_internal::Fp8HostSender fp8_sender_;
-  sync_internal::Fp8HostReceiver fp8_receiver_;
+  // The host path, chosen by the plan's encodings (host_path.h).
+  std::unique_ptr<sync_internal::HostSendPath> host_send_;
+  std::unique_ptr<sync_internal::HostRecvPath> host_recv_;
   bool connected_ = false;
   bool poisoned_ = false;
   uint64_t last_good_ = 0;
@@ -388,16 +391,7 @@ Result<std::unique_ptr<SyncSession>> sync_internal::CreateHarnessSession(
     const PlanInputs& inputs, int rank, StoreClient& store, Transport& transport,
     SessionOptions options, HarnessHooks hooks) {
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(inputs, rank));
-  RankPlan plan;
-  std::shared_ptr<const Fp8RankPlan> fp8;
-  if (inputs.model.quant) {
-    // Block-FP8 engine weights: the FP8 plan, and its outline for the parts both kinds share.
-    SS_ASSIGN_OR_RETURN(Fp8RankPlan f, PlanFp8ForRank(inputs, rank));
-    fp8 = std::make_shared<const Fp8RankPlan>(std::move(f));
-    plan = Fp8PlanOutline(*fp8);
-  } else {
-    SS_ASSIGN_OR_RETURN(plan, PlanForRank(inputs, rank));
-  }
+  SS_ASSIGN_OR_RETURN(RankPlan plan, PlanForRank(inputs, rank));
   LaunchId launch;
   if (options.job_id) {
     SS_RETURN_IF_ERROR(CheckJobId(*options.job_id, "job_id"));
@@ -416,8 +410,7 @@ Result<std::unique_ptr<SyncSession>> sync_internal::CreateHarnessSession(
     if (env.ok() && env->id == launch.id) launch.secret = env->secret;
   }
   auto s = std::make_unique<SessionImpl>(inputs, rank, who, std::move(plan), store, transport,
-                                         std::move(options), std::move(launch), std::move(hooks),
-                                         std::move(fp8));
+                                         std::move(options), std::move(launch), std::move(hooks));
   SS_RETURN_IF_ERROR(s->Init());
   return std::unique_ptr<SyncSession>(std::move(s));
 }

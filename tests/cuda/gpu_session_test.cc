@@ -298,7 +298,7 @@ TEST(GpuSession, OneGpuBlockFp8StagedBandsOverCudaIpc) {
   for (const char* td : {"fp32", "bf16"}) {
     SCOPED_TRACE(td);
     JobSpec job = Fp8Job("fsdp=4", 768, td);  // gate/up: 192 rows per trainer rank
-    auto sum = SummarizeFp8Plan(job.inputs);
+    auto sum = SummarizePlan(job.inputs);
     ASSERT_TRUE(sum.ok());
     ASSERT_GT(sum->staged_bands, 0);
     ASSERT_GT(sum->sender_quantized_elements, 0);
@@ -456,7 +456,7 @@ TEST(GpuSession, OneGpuBlockFp8AmaxExchangeOverCudaIpc) {
   for (const char* td : {"fp32", "bf16"}) {
     SCOPED_TRACE(td);
     JobSpec job = Fp8Job("fsdp=4", 768, td, "amax");  // gate/up: 192 rows per trainer rank
-    auto sum = SummarizeFp8Plan(job.inputs);
+    auto sum = SummarizePlan(job.inputs);
     ASSERT_TRUE(sum.ok());
     ASSERT_GT(sum->amax_elements, 0);
     ASSERT_EQ(sum->staged_bands, 0);

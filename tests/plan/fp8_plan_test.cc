@@ -1,4 +1,4 @@
-// The block-FP8 planner: exact cover (ValidateFp8Plan) over many layouts, where blocks are
+// The block-FP8 planner: exact cover (ValidatePlan) over many layouts, where blocks are
 // quantized (sender vs staged), bucket splitting, determinism, and an in-memory execution of whole
 // plans with the CPU quantize-pack whose every landed e4m3 byte and scale is compared with the
 // independent reference quantizer applied to the trainer's values.
@@ -12,6 +12,7 @@
 
 #include "common/fp8_reference.h"
 #include "plan/fp8_planner.h"
+#include "plan/planner.h"
 #include "shardsync/checksum.h"
 #include "shardsync/fp8.h"
 #include "shardsync/fp8_plan.h"
@@ -88,7 +89,7 @@ TEST(Fp8Plan, ExactCoverOverManyLayouts) {
       in.options.bucket_bytes = c.bucket;
       in.trainer_dtype = c.trainer_dtype;
       in.options.fp8_split = split;
-      Status st = ValidateFp8Plan(in);
+      Status st = ValidatePlan(in);
       EXPECT_TRUE(st.ok()) << c.trainer << " -> " << c.rollout << " " << Fp8SplitName(split) << ": "
                            << st.ToString();
     }
@@ -97,7 +98,7 @@ TEST(Fp8Plan, ExactCoverOverManyLayouts) {
 
 TEST(Fp8Plan, SendersQuantizeWhereChunksFollowTheGridAndReceiversWhereTheyDoNot) {
   // fsdp=2 on the tiny dense model: every dim 0 (512, 256, 768 rows) splits on the grid.
-  auto aligned = SummarizeFp8Plan(Inputs(TinyQwen3(), "fsdp=2", "dp=1,tp=2,pp=2"));
+  auto aligned = SummarizePlan(Inputs(TinyQwen3(), "fsdp=2", "dp=1,tp=2,pp=2"));
   ASSERT_TRUE(aligned.ok()) << aligned.status().ToString();
   EXPECT_EQ(aligned->stage_bytes, 0);
   EXPECT_EQ(aligned->staged_bands, 0);
@@ -105,7 +106,7 @@ TEST(Fp8Plan, SendersQuantizeWhereChunksFollowTheGridAndReceiversWhereTheyDoNot)
   // fsdp=4: k/v_proj (256 rows: 64 per rank) and gate/up (768: 192) straddle.
   PlanInputs staged_in = Inputs(TinyQwen3(), "fsdp=4", "dp=1,tp=2,pp=2");
   staged_in.options.fp8_split = Fp8Split::kStage;
-  auto ragged = SummarizeFp8Plan(staged_in);
+  auto ragged = SummarizePlan(staged_in);
   ASSERT_TRUE(ragged.ok()) << ragged.status().ToString();
   EXPECT_GT(ragged->staged_bands, 0);
   EXPECT_GT(ragged->stage_bytes, 0);
@@ -127,7 +128,7 @@ TEST(Fp8Plan, SendersQuantizeWhereChunksFollowTheGridAndReceiversWhereTheyDoNot)
   // The same layout with the amax exchange (the default): the straddling elements travel as
   // e4m3 (+ one scale row per band), nothing is staged, and the exchange is 4 bytes per block
   // per holder.
-  auto amax = SummarizeFp8Plan(Inputs(TinyQwen3(), "fsdp=4", "dp=1,tp=2,pp=2"));
+  auto amax = SummarizePlan(Inputs(TinyQwen3(), "fsdp=4", "dp=1,tp=2,pp=2"));
   ASSERT_TRUE(amax.ok()) << amax.status().ToString();
   EXPECT_EQ(amax->staged_bands, 0);
   EXPECT_EQ(amax->stage_bytes, 0);
@@ -148,13 +149,13 @@ TEST(Fp8Plan, SendersQuantizeWhereChunksFollowTheGridAndReceiversWhereTheyDoNot)
 TEST(Fp8Plan, BucketCapSplitsOnBlockBoundaries) {
   PlanInputs in = Inputs(TinyQwen3(), "fsdp=1", "dp=1,tp=1,pp=1");
   in.options.bucket_bytes = 64 << 10;  // < 128 rows of a 768-column weight
-  ASSERT_TRUE(ValidateFp8Plan(in).ok());
-  auto rp = PlanFp8ForRank(in, 1);
+  ASSERT_TRUE(ValidatePlan(in).ok());
+  auto rp = PlanForRank(in, 1);
   ASSERT_TRUE(rp.ok()) << rp.status().ToString();
   int quantize = 0, strided = 0;
-  for (const Fp8Message& m : rp->recvs) {
-    for (const Fp8Op& op : m.ops) {
-      if (op.kind != Fp8OpKind::kQuantize) continue;
+  for (const Message& m : rp->recvs) {
+    for (const TransferOp& op : m.ops) {
+      if (op.encoding != Encoding::kQuantize) continue;
       ++quantize;
       EXPECT_LE(op.bytes, in.options.bucket_bytes);
       EXPECT_EQ(op.src.offset[0] % 128, 0);
@@ -166,7 +167,7 @@ TEST(Fp8Plan, BucketCapSplitsOnBlockBoundaries) {
   EXPECT_GT(quantize, 0);
   EXPECT_GT(strided, 0);  // down_proj rows (768 columns) split by 128-column blocks
   in.options.bucket_bytes = 32 << 10;
-  auto bad = PlanFp8ForRank(in, 1);
+  auto bad = PlanForRank(in, 1);
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("--bucket-mb"), std::string::npos);
@@ -195,22 +196,38 @@ TEST(Fp8Plan, HashCoversTheQuantConfigAndBf16PlansAreUnchanged) {
   doc.rollout = *ParseRolloutSpec("dp=2,tp=2,pp=2", EngineKind::kSglang);
   EXPECT_EQ(PlanHash(doc), "cfce491aa55a4297cc15a765adc89cba");
   // Deterministic, and every rank agrees on the hash.
-  auto a = PlanFp8ForRank(in, 5), b = PlanFp8ForRank(in, 5);
+  auto a = PlanForRank(in, 5), b = PlanForRank(in, 5);
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_EQ(a->plan_hash, PlanHash(in));
   ASSERT_EQ(a->recvs.size(), b->recvs.size());
   for (size_t i = 0; i < a->recvs.size(); ++i) EXPECT_EQ(a->recvs[i].bytes, b->recvs[i].bytes);
 }
 
-TEST(Fp8Plan, TheBf16PlannerRefusesQuantizedModels) {
+TEST(Fp8Plan, TheCopyPlannerRefusesQuantizedModels) {
+  // A quantized model's plan is the codec's (PlanForRank sends it there): the copy planner, whose
+  // ops would land plain copies into e4m3 weights, refuses it, and the codec's planner refuses a
+  // model without a quantization config.
   PlanInputs in = Inputs(TinyQwen3(), "fsdp=4", "dp=1,tp=2,pp=2");
+  auto copy = plan_internal::MakeContext(in);
+  ASSERT_FALSE(copy.ok());
+  EXPECT_EQ(copy.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(copy.status().message().find("block-FP8"), std::string::npos);
   auto rp = PlanForRank(in, 0);
-  ASSERT_FALSE(rp.ok());
-  EXPECT_EQ(rp.status().code(), StatusCode::kUnimplemented);
-  EXPECT_NE(rp.status().message().find("block-FP8"), std::string::npos);
+  ASSERT_TRUE(rp.ok()) << rp.status().ToString();
+  bool quantize = false;
+  for (const Message& m : rp->sends) {
+    for (const TransferOp& op : m.ops) quantize = quantize || op.encoding == Encoding::kQuantize;
+  }
+  EXPECT_TRUE(quantize);
   PlanInputs plain = in;
   plain.model.quant.reset();
-  EXPECT_EQ(PlanFp8ForRank(plain, 0).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(plan_internal::Fp8Context::Build(plain).status().code(),
+            StatusCode::kFailedPrecondition);
+  auto bf16 = PlanForRank(plain, 0);
+  ASSERT_TRUE(bf16.ok()) << bf16.status().ToString();
+  for (const Message& m : bf16->sends) {
+    for (const TransferOp& op : m.ops) EXPECT_EQ(op.encoding, Encoding::kCopy);
+  }
 }
 
 // ---- in-memory execution of a whole plan ----
@@ -315,13 +332,13 @@ ExecResult Execute(const PlanInputs& in, uint64_t seed) {
   }
   // The amax exchange (kAmax): every trainer rank's partials over the rows it holds of each
   // straddling band, then each band's scales from the max over its holders' partials.
-  std::vector<Fp8RankPlan> tplans;
+  std::vector<RankPlan> tplans;
   std::vector<std::vector<uint32_t>> partials(S);
   for (int t = 0; t < S; ++t) {
     auto rp = ctx.PlanForRank(t);
     EXPECT_TRUE(rp.ok());
     partials[t].assign(rp->amax_blocks, 0);
-    for (const Fp8AmaxBand& b : rp->amax_bands) {
+    for (const AmaxBand& b : rp->amax_bands) {
       const Held& h = shard[t][b.tensor];
       PackRegion pr{h.data.data(), td, h.shape,
                     Region::Make({b.own0 - h.hf.offset[0], 0}, {b.own_rows, h.shape[1]}), 0};
@@ -329,8 +346,8 @@ ExecResult Execute(const PlanInputs& in, uint64_t seed) {
     }
     tplans.push_back(std::move(*rp));
   }
-  auto band_scales = [&](int t, const Fp8Op& op) {
-    const Fp8RankPlan& rp = tplans[t];
+  auto band_scales = [&](int t, const TransferOp& op) {
+    const RankPlan& rp = tplans[t];
     const auto it = std::find_if(rp.amax_bands.begin(), rp.amax_bands.end(), [&](const auto& b) {
       return b.tensor == op.tensor && b.row0 == op.src.offset[0] / 128 * 128;
     });
@@ -339,7 +356,7 @@ ExecResult Execute(const PlanInputs& in, uint64_t seed) {
     for (int64_t cb = op.src.offset[1] / 128; cb * 128 < op.src.offset[1] + op.src.extent[1];
          ++cb) {
       uint32_t m = partials[t][it->slot + cb];
-      for (const Fp8AmaxHolder& o : it->others) m = std::max(m, partials[o.rank][o.slot + cb]);
+      for (const AmaxHolder& o : it->others) m = std::max(m, partials[o.rank][o.slot + cb]);
       sc.push_back(Fp8BlockScale(Fp8BitsFloat(m)));
     }
     return sc;
@@ -348,13 +365,13 @@ ExecResult Execute(const PlanInputs& in, uint64_t seed) {
   // equal the checksum of the bucket's bytes.
   std::map<std::pair<int, int>, std::vector<uint8_t>> wires;
   for (int t = 0; t < S; ++t) {
-    const Fp8RankPlan* rp = &tplans[t];
-    for (const Fp8Message& m : rp->sends) {
+    const RankPlan* rp = &tplans[t];
+    for (const Message& m : rp->sends) {
       std::vector<uint8_t> wire(m.bytes, 0);
       for (const Bucket& b : m.buckets) {
         uint64_t sum = 0;
         for (int32_t i = b.op_begin; i < b.op_end; ++i) {
-          const Fp8Op& op = m.ops[i];
+          const TransferOp& op = m.ops[i];
           EXPECT_EQ(m.local.size(), ctx.megatron() ? m.ops.size() : 0);
           const Held& h = shard[t][ctx.megatron() ? m.local[i].param : op.tensor];
           PackRegion pr;
@@ -367,14 +384,14 @@ ExecResult Execute(const PlanInputs& in, uint64_t seed) {
           }
           pr.wire_offset = op.wire_offset - b.wire_offset;
           uint8_t* out = wire.data() + op.wire_offset;
-          if (op.kind == Fp8OpKind::kQuantize) {
+          if (op.encoding == Encoding::kQuantize) {
             auto r = Fp8QuantizePack(pr, out);
             EXPECT_TRUE(r.ok()) << r.status().ToString();
             EXPECT_EQ(r->nonfinite, 0);
             sum += r->sum;
             continue;
           }
-          if (op.kind == Fp8OpKind::kAmax) {
+          if (op.encoding == Encoding::kAmax) {
             ++res.amax_ops;
             const std::vector<float> sc = band_scales(t, op);
             auto r = Fp8QuantizePackScaled(pr, sc.data(), op.scale_param >= 0, out);
@@ -388,7 +405,7 @@ ExecResult Execute(const PlanInputs& in, uint64_t seed) {
           ForEachRun(pr.region, pr.shape, [&](int64_t off, int64_t len) {
             vals.insert(vals.end(), h.data.begin() + off * es, h.data.begin() + (off + len) * es);
           });
-          if (op.kind == Fp8OpKind::kCopy) {
+          if (op.encoding == Encoding::kCopy) {
             Cast(vals.data(), td, out, wd, op.src.numel());
           } else {
             std::memcpy(out, vals.data(), vals.size());
@@ -412,20 +429,20 @@ ExecResult Execute(const PlanInputs& in, uint64_t seed) {
       params[p].assign(rank.params[p].bytes(), 0xa5);
     }
     std::vector<uint8_t> staging(rp->staging_bytes, 0);
-    for (const Fp8Message& m : rp->recvs) {
+    for (const Message& m : rp->recvs) {
       const std::vector<uint8_t>& wire = wires.at({m.src, m.dst});
-      for (const Fp8Op& op : m.ops) {
+      for (const TransferOp& op : m.ops) {
         const uint8_t* w = wire.data() + op.wire_offset;
         const EngineParam& p = rank.params[op.param];
-        switch (op.kind) {
-          case Fp8OpKind::kCopy: {
+        switch (op.encoding) {
+          case Encoding::kCopy: {
             std::vector<uint8_t> v(op.dst.numel() * DTypeSize(p.dtype));
             Cast(w, wd, v.data(), p.dtype, op.dst.numel());
             Scatter(v.data(), params[op.param].data(), p.shape, op.dst, DTypeSize(p.dtype));
             break;
           }
-          case Fp8OpKind::kAmax:
-          case Fp8OpKind::kQuantize: {
+          case Encoding::kAmax:
+          case Encoding::kQuantize: {
             Scatter(w, params[op.param].data(), p.shape, op.dst, 1);
             if (op.scale_param < 0) break;
             const int64_t fp8 = (op.dst.numel() + 7) & ~int64_t{7};
@@ -433,8 +450,8 @@ ExecResult Execute(const PlanInputs& in, uint64_t seed) {
                     op.scale_dst, 4);
             break;
           }
-          case Fp8OpKind::kStage: {
-            const Fp8StagedBand& band = rp->staged[op.stage];
+          case Encoding::kStage: {
+            const StagedBand& band = rp->staged[op.stage];
             Scatter(w, staging.data() + band.staging_offset,
                     {band.src.extent[0], band.src.extent[1]}, op.dst, DTypeSize(td));
             break;
@@ -442,7 +459,7 @@ ExecResult Execute(const PlanInputs& in, uint64_t seed) {
         }
       }
     }
-    for (const Fp8StagedBand& band : rp->staged) {
+    for (const StagedBand& band : rp->staged) {
       const EngineParam& p = rank.params[band.param];
       const int dr = band.dst.ndim - 2;
       const int64_t rows = band.src.extent[0], cols = band.src.extent[1], C = p.shape.back();
@@ -600,18 +617,18 @@ TEST(Fp8PlanExecution, AmaxExchangeLandsTheReferenceBytesWhereSeveralRanksShareA
     PlanInputs in = Inputs(c.model(), c.trainer, c.rollout, c.engine);
     in.trainer_dtype = c.trainer_dtype;
     in.options.bucket_bytes = c.bucket;
-    const Status st = ValidateFp8Plan(in);
+    const Status st = ValidatePlan(in);
     EXPECT_TRUE(st.ok()) << st.ToString();
-    auto sum = SummarizeFp8Plan(in);
+    auto sum = SummarizePlan(in);
     ASSERT_TRUE(sum.ok()) << sum.status().ToString();
     EXPECT_EQ(sum->staged_bands, 0);
     EXPECT_EQ(sum->max_staging_bytes, 0);
     EXPECT_GT(sum->amax_elements, 0);
     size_t holders = 0;
     for (int t = 0; t < in.trainer.world(); ++t) {
-      auto rp = PlanFp8ForRank(in, t);
+      auto rp = PlanForRank(in, t);
       ASSERT_TRUE(rp.ok());
-      for (const Fp8AmaxBand& b : rp->amax_bands) holders = std::max(holders, b.others.size() + 1);
+      for (const AmaxBand& b : rp->amax_bands) holders = std::max(holders, b.others.size() + 1);
     }
     EXPECT_GE(holders, static_cast<size_t>(c.min_holders));
     const ExecResult r = Execute(in, 29);
@@ -667,9 +684,9 @@ TEST(Fp8PlanMegatron, ExactCoverAndEveryLandedByteEqualsTheReferenceQuantizer) {
     PlanInputs in = Inputs(c.model(), c.trainer, c.rollout, c.engine);
     in.trainer_dtype = c.trainer_dtype;
     in.options.bucket_bytes = c.bucket;
-    const Status st = ValidateFp8Plan(in);
+    const Status st = ValidatePlan(in);
     EXPECT_TRUE(st.ok()) << st.ToString();
-    auto sum = SummarizeFp8Plan(in);
+    auto sum = SummarizePlan(in);
     ASSERT_TRUE(sum.ok()) << sum.status().ToString();
     // Megatron ranks hold whole blocks: every quantized element by a sender, nothing staged.
     EXPECT_EQ(sum->staged_bands, 0);
@@ -686,7 +703,7 @@ TEST(Fp8PlanMegatron, ExactCoverAndEveryLandedByteEqualsTheReferenceQuantizer) {
 
 TEST(Fp8PlanMegatron, SendersReadLocalParametersAndReplicasShareTheWork) {
   PlanInputs in = Inputs(TinyQwen3L4(), "megatron=tp=2,pp=2,dp=2", "dp=1,tp=2,pp=2");
-  auto sum = SummarizeFp8Plan(in);
+  auto sum = SummarizePlan(in);
   ASSERT_TRUE(sum.ok()) << sum.status().ToString();
   ASSERT_EQ(sum->trainer_ranks.size(), 8u);
   // Every rank of the 2 x 2 x dp 2 grid sends: the two DP replicas of each (tp, pp) split it.
@@ -696,25 +713,25 @@ TEST(Fp8PlanMegatron, SendersReadLocalParametersAndReplicasShareTheWork) {
   const double b = static_cast<double>(sum->trainer_ranks[2].send_bytes);
   EXPECT_LT(std::abs(a - b) / (a + b), 0.25) << a << " vs " << b;
   // Ops carry the local region of linear_qkv / linear_fc1 etc., not HF slabs.
-  auto rp = PlanFp8ForRank(in, 0);
+  auto rp = PlanForRank(in, 0);
   ASSERT_TRUE(rp.ok()) << rp.status().ToString();
   auto tp = BuildTrainerParams(in.model, in.trainer, 0, in.trainer_dtype);
   ASSERT_TRUE(tp.ok());
   bool qkv = false;
-  for (const Fp8Message& m : rp->sends) {
+  for (const Message& m : rp->sends) {
     ASSERT_EQ(m.local.size(), m.ops.size());
     for (size_t i = 0; i < m.ops.size(); ++i) {
       const TrainerParam& p = tp->params[m.local[i].param];
       EXPECT_TRUE(RegionInside(m.local[i].region, p.shape));
       if (p.name.find("linear_qkv.weight") != std::string::npos &&
-          m.ops[i].kind == Fp8OpKind::kQuantize) {
+          m.ops[i].encoding == Encoding::kQuantize) {
         qkv = true;
       }
     }
   }
   EXPECT_TRUE(qkv);
   // Deterministic; a Megatron FP8 plan has its own hash (the bf16 and FSDP ones are pinned above).
-  EXPECT_EQ(PlanFp8ForRank(in, 0)->sends.size(), rp->sends.size());
+  EXPECT_EQ(PlanForRank(in, 0)->sends.size(), rp->sends.size());
   PlanInputs fsdp = Inputs(TinyQwen3L4(), "fsdp=8", "dp=1,tp=2,pp=2");
   PlanInputs plain = in;
   plain.model.quant.reset();
@@ -727,7 +744,7 @@ TEST(Fp8PlanMegatron, ShardsThatCutBlocksAreRefusedNamingTensorRowsAndRank) {
   // tp 4: linear_fc1 holds 768 / 4 = 192 rows of gate_proj per rank, inside SGLang tp 2's
   // 384-row part.
   PlanInputs in = Inputs(TinyQwen3(), "megatron=tp=4,pp=1", "dp=1,tp=2,pp=1");
-  auto rp = PlanFp8ForRank(in, 0);
+  auto rp = PlanForRank(in, 0);
   ASSERT_FALSE(rp.ok());
   EXPECT_EQ(rp.status().code(), StatusCode::kInvalidArgument);
   const std::string msg(rp.status().message());
@@ -736,14 +753,14 @@ TEST(Fp8PlanMegatron, ShardsThatCutBlocksAreRefusedNamingTensorRowsAndRank) {
   EXPECT_NE(msg.find("rows [0, 192)"), std::string::npos) << msg;
   EXPECT_NE(msg.find("'model.layers.0.mlp.gate_proj.weight'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("linear_fc1.weight"), std::string::npos) << msg;
-  EXPECT_FALSE(SummarizeFp8Plan(in).ok());
-  EXPECT_FALSE(ValidateFp8Plan(in).ok());
+  EXPECT_FALSE(SummarizePlan(in).ok());
+  EXPECT_FALSE(ValidatePlan(in).ok());
   // head_dim 64: a k head is 64 rows of a 128-row block, and Megatron tp 2 holds one kv head of
   // each block per rank.
   ModelSpec h64 = TinyQwen3();
   h64.num_attention_heads = 8;
   h64.head_dim = 64;
-  auto small = PlanFp8ForRank(Inputs(h64, "megatron=tp=2,pp=1", "dp=1,tp=1,pp=1"), 0);
+  auto small = PlanForRank(Inputs(h64, "megatron=tp=2,pp=1", "dp=1,tp=1,pp=1"), 0);
   ASSERT_FALSE(small.ok());
   EXPECT_EQ(small.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(small.status().message().find("k_proj.weight"), std::string::npos)

@@ -282,7 +282,7 @@ TEST(Fp8Session, EveryLandedByteAndScaleEqualsTheReferenceQuantizer) {
                  l.trainer_dtype + " " + l.split);
     JobSpec spec =
         Spec(l.model(), l.rollout, l.engine, l.trainer_dtype, 256 << 10, l.trainer, l.split);
-    auto sum = SummarizeFp8Plan(spec.inputs);
+    auto sum = SummarizePlan(spec.inputs);
     ASSERT_TRUE(sum.ok()) << sum.status().ToString();
     // Both paths run: blocks quantized by their sender and blocks shared by trainer ranks, by
     // their holders (amax) or staged to the receiver.
@@ -343,7 +343,7 @@ TEST(Fp8Session, MegatronTrainersLandEveryByteAndScaleOfTheReferenceQuantizer) {
   for (const Case& l : layouts) {
     SCOPED_TRACE(std::string(l.trainer) + " -> " + l.rollout + " " + l.engine);
     JobSpec spec = Spec(l.model(), l.rollout, l.engine, l.trainer_dtype, 256 << 10, l.trainer);
-    auto sum = SummarizeFp8Plan(spec.inputs);
+    auto sum = SummarizePlan(spec.inputs);
     ASSERT_TRUE(sum.ok()) << sum.status().ToString();
     EXPECT_GT(sum->sender_quantized_elements, 0);
     EXPECT_EQ(sum->receiver_quantized_elements, 0);

@@ -68,7 +68,7 @@ JobSpec Spec(const std::string& model, const std::string& rollout, const std::st
 // One engine rank's staging, filled by every trainer rank's stage ops as a device sender would
 // write them, and its parameters.
 struct Receiver {
-  Fp8RankPlan plan;
+  RankPlan plan;
   std::vector<EngineParam> params;
   job_internal::EngineParams bound;
   std::vector<unsigned char> staging;
@@ -78,7 +78,7 @@ struct Receiver {
 Receiver Stage(const JobSpec& spec, int engine) {
   const PlanInputs& in = spec.inputs;
   Receiver rx;
-  rx.plan = PlanFp8ForRank(in, engine).value();
+  rx.plan = PlanForRank(in, engine).value();
   const SyncRank who = DescribeSyncRank(in, engine).value();
   rx.params =
       BuildShardMap(in.model, in.rollout.shard).value().rank(who.tp_rank, who.pp_rank).params;
@@ -88,12 +88,12 @@ Receiver Stage(const JobSpec& spec, int engine) {
   const std::vector<HfTensor> inv = HfTensorInventory(in.model);
   const int es = DTypeSize(in.trainer_dtype);
   for (int t = 0; t < in.trainer.world(); ++t) {
-    const Fp8RankPlan sp = PlanFp8ForRank(in, t).value();
+    const RankPlan sp = PlanForRank(in, t).value();
     const auto shards = job_internal::FillTrainerShards(spec, t).value();
-    for (const Fp8Message& m : sp.sends) {
+    for (const Message& m : sp.sends) {
       if (m.dst != engine) continue;
-      for (const Fp8Op& op : m.ops) {
-        if (op.kind != Fp8OpKind::kStage) continue;
+      for (const TransferOp& op : m.ops) {
+        if (op.encoding != Encoding::kStage) continue;
         const SourceBinding* sb = nullptr;
         for (const SourceBinding& b : shards.bindings) {
           if (b.hf_name == inv.at(op.tensor).name) sb = &b;
@@ -148,7 +148,7 @@ TEST(Fp8Staging, SendersPlaceStagedRowsWhereTheReceiverQuantizesThem) {
       Receiver rx = Stage(spec, e);
       // Every byte of every band written once; the pads between bands never.
       std::vector<int> want(rx.staging.size(), 0);
-      for (const Fp8StagedBand& b : rx.plan.staged) {
+      for (const StagedBand& b : rx.plan.staged) {
         for (int64_t i = 0; i < b.bytes; ++i) want[b.staging_offset + i] = 1;
       }
       EXPECT_EQ(rx.written, want) << "engine rank " << e;
@@ -158,7 +158,7 @@ TEST(Fp8Staging, SendersPlaceStagedRowsWhereTheReceiverQuantizesThem) {
       ASSERT_TRUE(bad.ok()) << bad.status().ToString();
       EXPECT_EQ(*bad, std::vector<int64_t>(tasks.size(), 0));
       EXPECT_TRUE(sync_internal::Fp8BandsStatus(e, rx.plan, rx.bound.bindings, *bad).ok());
-      for (const Fp8StagedBand& b : rx.plan.staged) {
+      for (const StagedBand& b : rx.plan.staged) {
         ++bands;
         const HfTensor& h = list.at(b.tensor);
         auto it = ref.find(h.name);
@@ -206,7 +206,7 @@ TEST(Fp8Staging, NonFiniteStagedValueIsDataLossNamingTheParameter) {
   const int e = spec.inputs.trainer.world();
   Receiver rx = Stage(spec, e);
   ASSERT_GT(rx.plan.staged.size(), 1u);
-  const Fp8StagedBand& b = rx.plan.staged[1];
+  const StagedBand& b = rx.plan.staged[1];
   const float nan = std::nanf("");
   std::memcpy(rx.staging.data() + b.staging_offset + 4 * 37, &nan, 4);
   const auto tasks = sync_internal::Fp8BandTasks(rx.plan, rx.bound.bindings, rx.staging.data());

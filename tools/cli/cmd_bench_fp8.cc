@@ -2,7 +2,7 @@
 // in one run, the FP8 sync (the product's session, quantizing at sync time) and its ceiling, then
 // the bf16 sync of the same model and layouts, so the FP8 figure stands next to the one it
 // replaces. The ceiling is the memory bound of the FP8 work with --device cuda (every trainer
-// element read once, every engine byte written once, SummarizeFp8Plan; cudaMemcpy of half that
+// element read once, every engine byte written once, SummarizePlan; cudaMemcpy of half that
 // many bytes moves exactly that much through HBM) and the raw transport on the host.
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -24,9 +24,9 @@ std::function<void(int, int)> JobProgress(const std::string& label, bool json, i
                                           std::vector<std::string> phases);
 void PhaseLine(const std::string& label, const std::string& what);
 LocalJobOptions::Mode ParseLaunch(const std::string& s);
-Result<PlanSummary> JobPlanSummary(const PlanInputs& in, std::optional<Fp8PlanSummary>* fp8);
-std::string Fp8SummaryText(const PlanInputs& in, const Fp8PlanSummary& s);
-json Fp8SummaryJson(const PlanInputs& in, const Fp8PlanSummary& s);
+Result<PlanSummary> JobPlanSummary(const PlanInputs& in, std::optional<PlanSummary>* fp8);
+std::string Fp8SummaryText(const PlanInputs& in, const PlanSummary& s);
+json Fp8SummaryJson(const PlanInputs& in, const PlanSummary& s);
 Result<json> Generation(const JobSpec& job, const std::string& dir, int n, bool* all);
 
 namespace {
@@ -50,7 +50,7 @@ Result<BenchSummary> RunOne(const JobSpec& job, bool as_json, const std::string&
   return SummarizeBench(*out);
 }
 
-void PrintText(const JobSpec& job, const Fp8PlanSummary& s, const Figures& f, const json& extra,
+void PrintText(const JobSpec& job, const PlanSummary& s, const Figures& f, const json& extra,
                bool verified) {
   const auto& in = job.inputs;
   const bool cuda = job.device == "cuda";
@@ -93,7 +93,7 @@ void PrintText(const JobSpec& job, const Fp8PlanSummary& s, const Figures& f, co
 
 int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, int job_timeout_s,
                 int gen_tokens) {
-  std::optional<Fp8PlanSummary> s;
+  std::optional<PlanSummary> s;
   auto summary = JobPlanSummary(job.inputs, &s);
   if (!summary.ok()) return ReportError(summary.status());
   // --dump-dir DIR holds the FP8 run's engine parameters (e4m3 weights and their scales): the

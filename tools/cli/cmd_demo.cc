@@ -84,26 +84,15 @@ std::function<void(int, int)> JobProgress(const std::string& label, bool json, i
   };
 }
 
-// The plan summary demo and bench print. Block FP8: the FP8 plan's ops, messages, hash and engine
-// bytes (the broadcast-all figure stays the model's full tensors in the wire dtype), with the FP8
-// summary in *fp8.
-Result<PlanSummary> JobPlanSummary(const PlanInputs& in, std::optional<Fp8PlanSummary>* fp8) {
-  if (!in.model.quant) return SummarizePlan(in);
-  SS_ASSIGN_OR_RETURN(Fp8PlanSummary f, SummarizeFp8Plan(in));
-  PlanInputs plain = in;
-  plain.model.quant.reset();
-  SS_ASSIGN_OR_RETURN(PlanSummary s, SummarizePlan(plain));
-  s.plan_hash = f.plan_hash;
-  s.ops = f.ops;
-  s.messages = f.messages;
-  s.total_bytes = f.total_bytes;
-  s.engine_ranks = f.engine_ranks;
-  s.trainer_ranks = f.trainer_ranks;
-  *fp8 = std::move(f);
+// The plan summary demo and bench print; block FP8: also in *fp8, whose codec figures (quantized
+// elements, wire bytes by encoding) they print beside it.
+Result<PlanSummary> JobPlanSummary(const PlanInputs& in, std::optional<PlanSummary>* fp8) {
+  SS_ASSIGN_OR_RETURN(PlanSummary s, SummarizePlan(in));
+  if (in.model.quant) *fp8 = s;
   return s;
 }
 
-std::string Fp8SummaryText(const PlanInputs& in, const Fp8PlanSummary& s) {
+std::string Fp8SummaryText(const PlanInputs& in, const PlanSummary& s) {
   std::string o = "quant      block FP8 (" + QuantConfigToString(*in.model.quant) + ", from " +
                   in.model.quant->origin +
                   "): " + std::to_string(s.sender_quantized_elements + s.amax_elements) +
@@ -117,7 +106,7 @@ std::string Fp8SummaryText(const PlanInputs& in, const Fp8PlanSummary& s) {
   return o;
 }
 
-nlohmann::json Fp8SummaryJson(const PlanInputs& in, const Fp8PlanSummary& s) {
+nlohmann::json Fp8SummaryJson(const PlanInputs& in, const PlanSummary& s) {
   return {{"method", "fp8"},
           {"weight_block_size", {in.model.quant->block_n, in.model.quant->block_k}},
           {"origin", in.model.quant->origin},
@@ -220,7 +209,7 @@ int Run(const DemoFlags& f) {
                                             std::to_string(f.gen_tokens)));
   }
   const PlanInputs& in = job->inputs;
-  std::optional<Fp8PlanSummary> fp8;
+  std::optional<PlanSummary> fp8;
   auto summary = JobPlanSummary(in, &fp8);
   if (!summary.ok()) return ReportError(summary.status());
   if (Status s = CheckDemoFitsHost(in, *summary, f.gen_tokens > 0); !s.ok()) {

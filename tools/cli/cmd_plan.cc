@@ -219,7 +219,7 @@ std::string TextSummary(const PlanInputs& in, const DetailedSummary& ds) {
 
 // ---- block-FP8 plans (fp8_plan.h) ----
 
-void AppendFp8Ops(const plan_internal::Fp8Context& ctx, const Fp8Message& m, std::string* out) {
+void AppendFp8Ops(const plan_internal::Fp8Context& ctx, const Message& m, std::string* out) {
   const int e = (m.dst - ctx.trainer_world()) % ctx.engine_per_replica();
   const auto& params = ctx.map().ranks[e].params;
   int bucket = 0;
@@ -228,11 +228,12 @@ void AppendFp8Ops(const plan_internal::Fp8Context& ctx, const Fp8Message& m, std
            m.buckets[bucket].op_end <= static_cast<int32_t>(i)) {
       ++bucket;
     }
-    const Fp8Op& op = m.ops[i];
+    const TransferOp& op = m.ops[i];
     fmt::format_to(std::back_inserter(*out),
                    "{{\"src\":{},\"dst\":{},\"bucket\":{},\"kind\":\"{}\",\"tensor\":{},", m.src,
-                   m.dst, bucket, Fp8OpKindName(op.kind), Quoted(ctx.inventory()[op.tensor].name));
-    if (op.kind == Fp8OpKind::kStage) {
+                   m.dst, bucket, EncodingName(op.encoding),
+                   Quoted(ctx.inventory()[op.tensor].name));
+    if (op.encoding == Encoding::kStage) {
       fmt::format_to(std::back_inserter(*out), "\"stage\":{},", op.stage);
     } else {
       fmt::format_to(std::back_inserter(*out), "\"param\":{},", Quoted(params[op.param].name));
@@ -241,7 +242,7 @@ void AppendFp8Ops(const plan_internal::Fp8Context& ctx, const Fp8Message& m, std
     AppendRegion(op.src, out);
     *out += ",\"dst_region\":";
     AppendRegion(op.dst, out);
-    if (op.kind == Fp8OpKind::kQuantize) {
+    if (op.encoding == Encoding::kQuantize) {
       fmt::format_to(std::back_inserter(*out),
                      ",\"scale_param\":{},\"scale_region\":", Quoted(params[op.scale_param].name));
       AppendRegion(op.scale_dst, out);
@@ -251,16 +252,16 @@ void AppendFp8Ops(const plan_internal::Fp8Context& ctx, const Fp8Message& m, std
   }
 }
 
-Result<std::string> DumpFp8Ops(const plan_internal::Fp8Context& ctx, const Fp8PlanSummary& s,
+Result<std::string> DumpFp8Ops(const plan_internal::Fp8Context& ctx, const PlanSummary& s,
                                std::optional<int> rank) {
   std::string out;
   auto one = [&](int r) -> Status {
-    SS_ASSIGN_OR_RETURN(Fp8RankPlan rp, ctx.PlanForRank(r));
-    for (const Fp8Message& m : rp.sends) AppendFp8Ops(ctx, m, &out);
-    for (const Fp8Message& m : rp.recvs) AppendFp8Ops(ctx, m, &out);
+    SS_ASSIGN_OR_RETURN(RankPlan rp, ctx.PlanForRank(r));
+    for (const Message& m : rp.sends) AppendFp8Ops(ctx, m, &out);
+    for (const Message& m : rp.recvs) AppendFp8Ops(ctx, m, &out);
     const int e = (r - ctx.trainer_world()) % ctx.engine_per_replica();
     for (size_t i = 0; i < rp.staged.size(); ++i) {
-      const Fp8StagedBand& b = rp.staged[i];
+      const StagedBand& b = rp.staged[i];
       const auto& params = ctx.map().ranks[e].params;
       fmt::format_to(std::back_inserter(out),
                      "{{\"rank\":{},\"staged\":{},\"tensor\":{},\"param\":{},\"src_region\":", r, i,
@@ -288,7 +289,7 @@ Result<std::string> DumpFp8Ops(const plan_internal::Fp8Context& ctx, const Fp8Pl
   return out;
 }
 
-std::string Fp8Text(const PlanInputs& in, const Fp8PlanSummary& s, double seconds) {
+std::string Fp8Text(const PlanInputs& in, const PlanSummary& s, double seconds) {
   const auto tsend = Stats(s.trainer_ranks, [](const auto& t) { return t.send_bytes; });
   const auto erecv = Stats(s.engine_ranks, [](const auto& e) { return e.recv_bytes; });
   const auto eown = Stats(s.engine_ranks, [](const auto& e) { return e.owned_bytes; });
@@ -336,7 +337,7 @@ std::string Fp8Text(const PlanInputs& in, const Fp8PlanSummary& s, double second
   return o;
 }
 
-std::string Fp8Json(const PlanInputs& in, const Fp8PlanSummary& s, double seconds) {
+std::string Fp8Json(const PlanInputs& in, const PlanSummary& s, double seconds) {
   nlohmann::json j;
   j["model"] = in.model.name;
   j["trainer"] = in.trainer.ToString();
@@ -405,7 +406,7 @@ int RunFp8(const PlanInputs& in, const Args& a) {
   const auto t0 = std::chrono::steady_clock::now();
   auto ctx = plan_internal::Fp8Context::Build(in);
   if (!ctx.ok()) return ReportError(ctx.status());
-  auto s = SummarizeFp8Plan(in);
+  auto s = SummarizePlan(in);
   if (!s.ok()) return ReportError(s.status());
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -500,8 +500,11 @@ class FakeLLM:
         self.collective_rpc("update_weights", kwargs={"update_info": info})
 
     def __new__(cls, *args, profile: Any = "0.23", **kwargs):
-        if cls is FakeLLM and _profile(profile).four_phase:
-            cls = _EngineOwnedLLM if _profile(profile).engine_owned else _WorkerOwnedLLM
+        p = _profile(profile)
+        if cls is FakeLLM and p.four_phase:
+            cls = _EngineOwnedLLM if p.engine_owned else _WorkerOwnedLLM
+        elif cls is FakeLLM and not p.pause_modes:  # before PauseMode (module docstring)
+            cls = _FakeLLMWithoutPauseModes
         return super().__new__(cls)
 
     # The engine core's sleep state (is_sleeping answers it; the allocator tracks tags).
@@ -517,11 +520,6 @@ class FakeLLM:
 
     def is_sleeping(self):
         return self._sleeping
-
-    def __new__(cls, *args, profile: Any = "0.23", **kw):
-        if cls is FakeLLM and not _profile(profile).pause_modes:
-            cls = _FakeLLMWithoutPauseModes
-        return super().__new__(cls)
 
     # The engine core's pause (module docstring): "keep" holds every step until resume.
     _paused = None

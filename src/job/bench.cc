@@ -158,7 +158,10 @@ class BenchRank {
     SS_RETURN_IF_ERROR(Barrier("commit/" + std::to_string(i)));
     SS_ASSIGN_OR_RETURN(CommitReport c, session_->Commit(version_));
     if (who_.is_trainer) return OkStatus();
-    if (i >= job_.bench_warmup) res_.bench.stall.push_back(c.stall_seconds);
+    if (i >= job_.bench_warmup) {
+      res_.bench.stall.push_back(c.stall_seconds);
+      res_.bench.commit_copy.push_back(c.copy_seconds);
+    }
     res_.stall_seconds = c.stall_seconds;
     res_.transfer_seconds = res_.report.local.seconds;
     res_.staging_bytes = session_->staging_bytes();
@@ -477,6 +480,7 @@ Result<BenchSummary> SummarizeBench(const LocalJobResult& job) {
   if (s.raw_nccl_seconds > 0) s.ratio_to_raw_nccl = s.raw_nccl_seconds / s.sharded_seconds;
   s.stall_seconds = job_median(&BenchNumbers::stall);
   s.commit_raw_seconds = job_median(&BenchNumbers::commit_raw);
+  s.commit_copy_seconds = job_median(&BenchNumbers::commit_copy);
   return s;
 }
 

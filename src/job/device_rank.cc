@@ -534,13 +534,13 @@ Status DeviceRank::RunBench() {
     res_.bench.decode_commit_ms = decode_->MedianMs(commit_spans_, /*across_end=*/true);
     decode_.reset();
   }
-  if (job_.staged()) SS_RETURN_IF_ERROR(CommitCeiling(total));
   if (!who_.is_trainer) {
     res_.bench.bytes = res_.report.local.recv_bytes;
     if (job_.verify) SS_RETURN_IF_ERROR(Verify("the sharded syncs"));
     if (!job_.dump_dir.empty()) SS_RETURN_IF_ERROR(Dump());
-    SS_RETURN_IF_ERROR(Scramble());  // the baseline must rewrite every byte
   }
+  if (job_.staged()) SS_RETURN_IF_ERROR(CommitCeiling(total));  // overwrites the parameters
+  if (!who_.is_trainer) SS_RETURN_IF_ERROR(Scramble());  // the baseline must rewrite every byte
   Step();
   for (int i = 0; i < (in_.model.quant ? 0 : total); ++i) {  // (b) broadcast-all
     SS_RETURN_IF_ERROR(Barrier("broadcast/" + std::to_string(i)));
@@ -705,15 +705,20 @@ Status DeviceRank::BroadcastReceive() {
 
 // --commit staged: every rank starts the commit together (as an engine's pause would).
 Status DeviceRank::TimedCommit(int i) {
-  SS_RETURN_IF_ERROR(Barrier("commit/" + std::to_string(i)));
+  // The engines pause in place first (the step in flight ends), then commit together: the stall
+  // is the commit alone, every engine rank starting it at once.
   const double c0 = decode_ ? decode_->Now() : 0;
-  if (decode_) decode_->Pause();  // the engine's in-place pause
+  if (decode_) decode_->Pause();
+  SS_RETURN_IF_ERROR(Barrier("commit/" + std::to_string(i)));
   auto committed = session_->Commit(version_);
   if (decode_) decode_->Resume();
   SS_ASSIGN_OR_RETURN(CommitReport c, std::move(committed));
   if (decode_ && i >= job_.bench_warmup) commit_spans_.emplace_back(c0, decode_->Now());
   if (who_.is_trainer) return OkStatus();
-  if (i >= job_.bench_warmup) res_.bench.stall.push_back(c.stall_seconds);
+  if (i >= job_.bench_warmup) {
+    res_.bench.stall.push_back(c.stall_seconds);
+    res_.bench.commit_copy.push_back(c.copy_seconds);
+  }
   res_.stall_seconds = c.stall_seconds;
   res_.transfer_seconds = res_.report.local.seconds;
   res_.keep_previous = c.keep_previous;
@@ -721,19 +726,19 @@ Status DeviceRank::TimedCommit(int i) {
   return OkStatus();
 }
 
-// The copy a commit cannot beat: one cudaMemcpy of each engine rank's parameter bytes (one
-// allocation) into a buffer of its size, every engine rank at once.
+// The copy a commit cannot beat: cudaMemcpy of each engine rank's parameter bytes, every engine
+// rank at once.
 Status DeviceRank::CommitCeiling(int total) {
-  std::unique_ptr<gpu::DeviceBuffer> scratch;
-  if (!who_.is_trainer) {
-    SS_ASSIGN_OR_RETURN(scratch, gpu::DeviceBuffer::Allocate(buf_->bytes(), device_));
-  }
+  // The parameters' allocation copied onto itself, half by half: the same bytes as one
+  // cudaMemcpy of it, no second buffer (the parameters are verified before and scrambled after).
+  const size_t half = buf_ ? buf_->bytes() / 2 : 0;
+  auto* p = buf_ ? static_cast<unsigned char*>(buf_->data()) : nullptr;
   for (int i = 0; i < total; ++i) {
     SS_RETURN_IF_ERROR(Barrier("commitraw/" + std::to_string(i)));
     const auto t0 = Clock::now();
     if (who_.is_trainer) continue;
-    SS_RETURN_IF_ERROR(
-        gpu::CopyDeviceToDevice(scratch->data(), buf_->data(), buf_->bytes(), stream_->handle()));
+    SS_RETURN_IF_ERROR(gpu::CopyDeviceToDevice(p + half, p, half, stream_->handle()));
+    SS_RETURN_IF_ERROR(gpu::CopyDeviceToDevice(p, p + half, half, stream_->handle()));
     SS_RETURN_IF_ERROR(SyncStream("commit ceiling cudaMemcpy"));
     Record(res_.bench.commit_raw, i, t0);
   }

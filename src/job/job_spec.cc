@@ -204,6 +204,7 @@ std::string RankResultToJson(const RankResult& r) {
         {"raw_nccl", r.bench.raw_nccl},
         {"stall", r.bench.stall},
         {"commit_raw", r.bench.commit_raw},
+        {"commit_copy", r.bench.commit_copy},
         {"decode_idle_ms", r.bench.decode_idle_ms},
         {"decode_transfer_ms", r.bench.decode_transfer_ms},
         {"decode_commit_ms", r.bench.decode_commit_ms},
@@ -248,6 +249,7 @@ Result<RankResult> RankResultFromJson(const std::string& text) {
     r.bench.raw_nccl = b.at("raw_nccl").get<std::vector<double>>();
     r.bench.stall = b.at("stall").get<std::vector<double>>();
     r.bench.commit_raw = b.at("commit_raw").get<std::vector<double>>();
+    r.bench.commit_copy = b.at("commit_copy").get<std::vector<double>>();
     r.bench.decode_idle_ms = b.at("decode_idle_ms");
     r.bench.decode_transfer_ms = b.at("decode_transfer_ms");
     r.bench.decode_commit_ms = b.at("decode_commit_ms");

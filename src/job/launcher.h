@@ -111,6 +111,7 @@ struct BenchNumbers {
   // ranks starting together), and a cudaMemcpy / memcpy of this rank's parameter bytes, all
   // engine ranks together (the copy a commit cannot beat).
   std::vector<double> stall, commit_raw;
+  std::vector<double> commit_copy;  // the copy inside each commit (stall less the agreement)
   // --device cuda --commit staged: a decode-like loop on engine ranks (a pass reading every
   // live parameter), its median step in ms while idle, during the transfer, during the commit.
   double decode_idle_ms = 0, decode_transfer_ms = 0, decode_commit_ms = 0;
@@ -203,6 +204,7 @@ struct BenchSummary {
   // --commit staged: the commit's stall (slowest engine rank per repetition, median) and the
   // copy of every engine rank's parameter bytes at once (memcpy / cudaMemcpy), the same way.
   double stall_seconds = 0, commit_raw_seconds = 0;
+  double commit_copy_seconds = 0;  // the copy inside the commit, the same way
   bool verified = false;
 };
 struct LocalJobResult;

@@ -288,6 +288,7 @@ int Run(const BenchFlags& f) {
     j["stall_seconds"] = job->staged() ? b->stall_seconds : b->sharded_seconds;
     if (job->staged()) {
       j["commit_raw_seconds"] = b->commit_raw_seconds;
+      j["commit_copy_seconds"] = b->commit_copy_seconds;
       j["stall_over_commit_raw"] =
           b->commit_raw_seconds > 0 ? b->stall_seconds / b->commit_raw_seconds : 0.0;
       json per = json::array();

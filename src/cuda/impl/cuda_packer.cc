@@ -235,27 +235,38 @@ class CudaPacker final : public Packer {
   }
 
   // Copies: adjacent pairs merged into one cudaMemcpyAsync (bound parameters that sit back to
-  // back in one allocation copy as one); swaps: one exchange kernel per pair. One wait at the end.
+  // back in one allocation copy as one); a merged run the runtime refuses (it spans two
+  // allocations that happen to be adjacent) is copied pair by pair. Swaps: one exchange kernel
+  // per pair. One wait at the end.
   Status CopyAreas(const std::vector<AreaCopy>& copies, bool swap) override {
     SS_RETURN_IF_ERROR(Init());
     if (!swap) {
-      std::vector<AreaCopy> merged;
+      std::vector<std::pair<AreaCopy, std::vector<AreaCopy>>> merged;  // run, its pairs
       for (const AreaCopy& c : copies) {
         if (c.bytes <= 0) continue;
         if (!merged.empty()) {
-          AreaCopy& m = merged.back();
+          AreaCopy& m = merged.back().first;
           if (static_cast<unsigned char*>(m.dst) + m.bytes == c.dst &&
               static_cast<unsigned char*>(m.src) + m.bytes == c.src) {
             m.bytes += c.bytes;
+            merged.back().second.push_back(c);
             continue;
           }
         }
-        merged.push_back(c);
+        merged.push_back({c, {c}});
       }
-      for (const AreaCopy& c : merged) {
-        SS_CUDA(cudaMemcpyAsync(c.dst, c.src, static_cast<size_t>(c.bytes),
-                                cudaMemcpyDeviceToDevice, stream_),
-                "cuda packer: commit copy of " + std::to_string(c.bytes) + " bytes");
+      for (const auto& [run, pairs] : merged) {
+        cudaError_t e = cudaMemcpyAsync(run.dst, run.src, static_cast<size_t>(run.bytes),
+                                        cudaMemcpyDeviceToDevice, stream_);
+        if (e == cudaErrorInvalidValue && pairs.size() > 1) {
+          cudaGetLastError();  // not sticky: clear it and copy the run's pairs one by one
+          for (const AreaCopy& c : pairs) {
+            e = cudaMemcpyAsync(c.dst, c.src, static_cast<size_t>(c.bytes),
+                                cudaMemcpyDeviceToDevice, stream_);
+            if (e != cudaSuccess) break;
+          }
+        }
+        SS_CUDA(e, "cuda packer: commit copy of " + std::to_string(run.bytes) + " bytes");
       }
     } else {
       if (sm_count_ == 0) {

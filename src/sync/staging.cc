@@ -169,9 +169,13 @@ std::vector<int> StagedCommit::ScopeRanks() const {
 
 Status StagedCommit::Agree(uint64_t version, const std::string& step, const std::string& state,
                            Clock::time_point deadline) {
+  // Each attempt at a version has keys of its own: a commit retried after a failed one must not
+  // read the earlier attempt's states (every rank of the scope counts its attempts alike).
   std::string base = "v";  // piece by piece: GCC 12 -Wrestrict false positive on "v" + ...
   base += std::to_string(version);
   base += "/commit/";
+  base += std::to_string(attempt_);
+  base += '/';
   base += step;
   base += '/';
   std::vector<std::string> keys;
@@ -204,6 +208,8 @@ Status StagedCommit::Agree(uint64_t version, const std::string& step, const std:
 
 Result<CommitReport> StagedCommit::Commit(uint64_t version, uint64_t verified) {
   const auto t0 = Clock::now();
+  attempt_ = version == attempt_version_ ? attempt_ + 1 : 1;
+  attempt_version_ = version;
   CommitReport rep;
   rep.version = version;
   rep.keep_previous = keep();

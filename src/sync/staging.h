@@ -79,6 +79,8 @@ class StagedCommit {
   bool can_rollback_ = false;
   uint64_t rollback_to_ = 0;
   bool live_poisoned_ = false;
+  uint64_t attempt_version_ = 0;  // Commit's attempts at this version (its store keys)
+  int attempt_ = 0;
 };
 
 }  // namespace shardsync::sync_internal

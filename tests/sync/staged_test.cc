@@ -273,6 +273,9 @@ TEST(StagedCommit, ARankWhoseCopyFailsRollsBackEveryRankOfTheScope) {
     EXPECT_EQ(job.session(r).committed_version(), 1u);
     EXPECT_FALSE(job.session(r).IsPoisoned());
   }
+  // The same version again: a retried commit agrees afresh (not on the failed attempt's keys).
+  ExpectAllOk(job.Commit(2));
+  EXPECT_EQ(job.Mismatches(), 0);  // seed 3's values
   ExpectAllOk(job.Sync(3));
   ExpectAllOk(job.Commit(3));
   EXPECT_EQ(job.Mismatches(), 0);

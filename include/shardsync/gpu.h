@@ -85,6 +85,9 @@ Status CopyToDevice(void* dst, const void* src, size_t bytes);
 Status CopyToHost(void* dst, const void* src, size_t bytes);
 Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes, void* stream = nullptr);
 Status Memset(void* dst, int value, size_t bytes);
+// Queues one memory-bound pass reading `bytes` of device memory at `p` on `stream`, as a decode
+// step reads every weight: `bench --commit staged`'s stand-in for an engine serving beside a sync.
+Status LaunchReadPass(const void* p, size_t bytes, void* stream);
 
 // One strided piece of a batch: `rows` runs of `row_elems` elements. The input run r starts at
 // in + r*in_stride elements, the output run at out + r*out_stride (strides in elements of each

@@ -143,6 +143,24 @@ class Packer {
     (void)bytes;
     return UnimplementedError("packer " + std::string(name()) + " does not upload to its memory");
   }
+  // Staged commit (SessionOptions::commit): bytes of memory this packer's AllocStaging could
+  // still take (host: available memory; device: cudaMemGetInfo's free bytes).
+  virtual Result<int64_t> FreeBytes() {
+    return UnimplementedError("packer " + std::string(name()) + " does not report free memory");
+  }
+  // Copies (or, `swap`, exchanges) every task's `bytes` between `dst` and `src`, memory this
+  // packer reads and writes; done when it returns (a wait of at most the packer's timeout). The
+  // staged commit's only data movement: staging -> live parameters, and back on a rollback.
+  struct AreaCopy {
+    void* dst = nullptr;
+    void* src = nullptr;
+    int64_t bytes = 0;
+  };
+  virtual Status CopyAreas(const std::vector<AreaCopy>& copies, bool swap) {
+    (void)copies;
+    (void)swap;
+    return UnimplementedError("packer " + std::string(name()) + " does not copy areas");
+  }
 };
 
 // The host-memory packer (bf16/f16/f32 casts). Single-threaded.
@@ -168,6 +186,34 @@ struct SessionOptions {
   // through it instead of the store (a store round trip and fan-out less at the end of every
   // sync). Used only when every rank agrees at Connect; SHARDSYNC_VERDICT_BOARD=0 turns it off.
   bool shared_memory_verdicts = true;
+
+  // Staged commit (docs/staged-commit.md): kStaged engine ranks receive every sync into a staging
+  // area of their own while the engine keeps serving from the live parameters, verify it as an
+  // in-place sync does, and copy it into the live parameters only in Commit(version), once every
+  // engine rank of `commit_scope` verified. A sync that fails leaves the live parameters as they
+  // were. kInPlace (the default): bytes land in the bound parameters.
+  enum class Commit { kInPlace, kStaged } commit = Commit::kInPlace;
+  // Where staging lives: the packer's memory (device memory beside the parameters for a device
+  // packer, host memory for the CPU packer). Host staging of device parameters is refused: the
+  // device transports land only in device memory.
+  std::optional<MemKind> staging;  // nullopt: the bound parameters' memory
+  // Ranks that agree before any commits: every engine rank of the job, or of this rank's replica.
+  enum class Scope { kJob, kReplica } commit_scope = Scope::kJob;
+  // How Rollback() gets the previous committed version back. kArea: a second area the live
+  // parameters are copied into after each verified sync (while the engine still serves; the
+  // commit stall stays one copy). kSwap: the commit exchanges staging and live parameters
+  // (no second area, a stall of two copies' traffic). kNone: no rollback. kAuto: kArea when it
+  // fits in the packer's free memory beside staging, else kSwap.
+  enum class Keep { kAuto, kArea, kSwap, kNone } keep_previous = Keep::kAuto;
+};
+
+// What Commit returns on an engine rank (zeros on a trainer rank).
+struct CommitReport {
+  uint64_t version = 0;
+  int64_t bytes = 0;          // copied from staging into the live parameters
+  double stall_seconds = 0;   // Commit's call to return: the agreement and the copy
+  double copy_seconds = 0;    // the copy alone
+  std::string keep_previous;  // "area", "swap" or "none": how a rollback restores
 };
 
 // What a trainer rank hands over, stored row-major with `region`'s extents as its shape. Either
@@ -274,10 +320,41 @@ class SyncSession {
   // kMaxSyncVersion: InvalidArgument) touches nothing.
   virtual Result<SyncReport> Sync(uint64_t version) = 0;
 
-  // True while a receiver's parameters may hold a partial or unverified sync.
+  // True while a receiver's parameters may hold a partial or unverified sync. Staged commit:
+  // the live parameters (a failed sync poisons only staging; a commit that failed after its copy
+  // and could not roll back poisons them).
   virtual bool IsPoisoned() const = 0;
   virtual uint64_t last_good_version() const = 0;
+
+  // ---- Staged commit (SessionOptions::commit kStaged) ----
+  // Bytes of the staging area this engine rank needs (its parameters as bound), known from the
+  // plan before anything is bound; 0 on trainer ranks. Connect refuses (FailedPrecondition naming
+  // the rank, the bytes and the free bytes) when they do not fit the packer's free memory.
+  virtual int64_t staging_bytes() const = 0;
+  // Collective over the engine ranks of SessionOptions::commit_scope (the engine is paused):
+  // once every one of them verified `version` (the last successful Sync) and is in Commit, each
+  // copies its staging into its live parameters, then all agree it was done. A rank that cannot
+  // commit (it did not verify `version`, its copy failed, it is gone or late past sync_timeout)
+  // makes every other rank of the scope fail and roll back to the version they served (when
+  // they already copied: keep_previous kArea / kSwap; kNone leaves them poisoned). No-op on
+  // trainer ranks.
+  virtual Result<CommitReport> Commit(uint64_t version) = 0;
+  // Engine ranks, local: restores the version committed before the last commit, bit for bit
+  // (keep_previous kArea / kSwap). Available from a commit until the next sync replaces what was
+  // kept (kArea: the next verified sync; kSwap: the next sync); FailedPrecondition otherwise.
+  // No-op on the trainer ranks of a staged session.
+  virtual Status Rollback() = 0;
+  // The version the live parameters hold (0: whatever they held before the first commit).
+  // In-place sessions: last_good_version().
+  virtual uint64_t committed_version() const = 0;
+  // How Rollback restores ("area", "swap", "none"; "" before Connect or in place).
+  virtual std::string keep_previous() const = 0;
 };
+
+// Bytes of the staging area engine sync rank `rank` needs under a staged commit: its parameters
+// in the dtypes it binds them (the wire dtype; block-FP8 weights and scales in theirs), from the
+// plan alone; 0 for trainer ranks. SyncSession::staging_bytes says the same once created.
+Result<int64_t> StagingBytes(const PlanInputs& inputs, int rank);
 
 // For a launcher that saw sync rank `rank` of launch `job_id` (its SHARDSYNC_JOB_ID) exit: every
 // rank of that launch waiting on it at Connect or in a Sync fails within about a second, naming it

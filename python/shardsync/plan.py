@@ -105,6 +105,11 @@ class Plan:
             memory over cuda_ipc pairs) or
             "stage" (raw values to the engine rank, which quantizes them from a staging buffer,
             in host or device memory). docs/fp8.md.
+        commit: the default of the sessions built on this plan: "inplace" (bytes land in the
+            engine's live parameters; the engine must be idle for the whole transfer) or
+            "staged" (they land in a staging area while the engine serves, and
+            `Session.commit(version)` copies a verified version in during a short pause;
+            docs/staged-commit.md). Not part of the hash.
 
     Sync ranks: trainer ranks [0, S), then engine rank (replica d, tp, pp) at S + d*T*P + pp*T +
     tp (`engine_rank`). Dtypes take any spelling: "bf16" / "bfloat16" / torch.bfloat16, "fp32" /
@@ -125,7 +130,13 @@ class Plan:
         expert_naming: str = "fused_moe",
         quant: Optional[str] = None,
         fp8_split: str = "amax",
+        commit: str = "inplace",
     ) -> None:
+        if commit not in ("inplace", "staged"):
+            from .errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"commit: expected 'inplace' or 'staged', got {commit!r}")
+        self.commit = commit
         C = native("plan")
         wire = dtype_name(wire_dtype, "wire_dtype")
         held = dtype_name(trainer_dtype, "trainer_dtype")
@@ -163,6 +174,8 @@ class Plan:
             self._spec["quant"] = quant
         if fp8_split != "amax":  # absent means the default: older specs stay valid
             self._spec["fp8_split"] = fp8_split
+        if commit != "inplace":  # absent means the default: older specs stay valid
+            self._spec["commit"] = commit
 
     @classmethod
     def from_spec(cls, spec: Dict[str, Any]) -> "Plan":
@@ -271,6 +284,13 @@ class Plan:
                 f"dp={self.dp}, tp={self.tp}, pp={self.pp}"
             )
         return self.trainer_world + replica * self.tp * self.pp + pp_rank * self.tp + tp_rank
+
+    def staging_bytes(self, sync_rank: int) -> int:
+        """Bytes of staging engine sync rank `sync_rank` needs under commit="staged": its
+        parameters in the dtypes it binds them (each on a 256-byte boundary); 0 for trainer
+        ranks. A session refuses at connect, naming the rank and the numbers, when they do not
+        fit the memory they would live in (device: free device memory)."""
+        return int(self.inputs.staging_bytes(sync_rank))
 
     def describe_rank(self, sync_rank: int) -> "SyncRankInfo":
         """Who `sync_rank` is: a trainer rank, or engine rank (replica, tp_rank, pp_rank)."""

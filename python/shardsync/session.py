@@ -100,6 +100,18 @@ class Session:
         transport_params: transport options (strings), e.g. {"nccl_depth": "2"}.
         device: "auto" (a CUDA tensor bound first makes this a device session on its GPU), a
             CUDA index, or None (host session).
+        commit: "inplace" (bytes land in the bound parameters: the engine must not read them
+            during `sync`) or "staged" (engine ranks land every sync in a staging area of their
+            own while the engine keeps serving, and `commit(version)` copies a verified version
+            into the bound parameters; docs/staged-commit.md). None: the plan's `commit`.
+        staging_memory: commit="staged": "auto" (the bound parameters' memory), "device" or
+            "host"; the transports land only in the parameters' memory, so the other is refused.
+        commit_scope: commit="staged": the engine ranks that commit together, "job" or
+            "replica" (this rank's DP replica).
+        keep_previous: commit="staged": how `rollback()` restores the previous version: "auto"
+            ("area" when it fits beside staging, else "swap"), "area" (a second copy made while
+            the engine serves; the commit stall stays one copy), "swap" (the commit exchanges
+            staging and parameters; no second area, twice the copy traffic), "none".
     """
 
     def __init__(
@@ -119,6 +131,10 @@ class Session:
         device: Union[str, int, None] = "auto",
         job_id: Optional[str] = None,
         job_secret: Optional[str] = None,
+        commit: Optional[str] = None,
+        staging_memory: str = "auto",
+        commit_scope: str = "job",
+        keep_previous: str = "auto",
     ) -> None:
         if staging not in ("auto", "host", "never"):
             raise InvalidArgumentError(f"staging: must be auto, host or never, got {staging!r}")
@@ -136,10 +152,15 @@ class Session:
                 f"job_secret: expected a str or None, got a {type(job_secret).__name__}")
         self.plan = plan
         self.staging = staging
+        if commit is None:
+            commit = getattr(plan, "commit", "inplace")
+        self.commit_mode = commit
         self._args: Dict[str, Any] = dict(
             rank=rank, store=store, token=token, transport=transport, hub=hub, prefix=prefix,
             connect_timeout=connect_timeout, sync_timeout=sync_timeout,
             transport_params=dict(transport_params or {}), job_id=job_id, job_secret=job_secret,
+            commit=commit, staging_memory=staging_memory, commit_scope=commit_scope,
+            keep_previous=keep_previous,
         )
         self._auto_device = device == "auto"
         self._bound = False
@@ -157,6 +178,8 @@ class Session:
             sync_timeout=a["sync_timeout"], transport_params=dict(a["transport_params"]),
             device=-1 if device is None else int(device), job_id=a["job_id"],
             job_secret=a["job_secret"],
+            commit=a["commit"], staging_memory=a["staging_memory"],
+            commit_scope=a["commit_scope"], keep_previous=a["keep_previous"],
         )
         self.device = device
         return native_session
@@ -211,6 +234,23 @@ class Session:
     def last_good_version(self) -> int:
         """The last version this rank synced and verified (0 before the first)."""
         return self._native.last_good_version
+
+    @property
+    def staging_bytes(self) -> int:
+        """Engine ranks: bytes of the staging area a staged commit needs (`plan.staging_bytes`);
+        0 for trainer ranks."""
+        return int(self._native.staging_bytes)
+
+    @property
+    def committed_version(self) -> int:
+        """The version the bound parameters hold: the last committed one (commit="staged"; 0
+        before the first commit), else the last good version."""
+        return int(self._native.committed_version)
+
+    @property
+    def keep_previous(self) -> str:
+        """commit="staged", once connected: how `rollback()` restores ("area", "swap", "none")."""
+        return str(self._native.keep_previous)
 
     @property
     def rank_plan(self) -> "RankPlan":
@@ -343,10 +383,41 @@ class Session:
         for dev, host in self._staged_sources:
             host.copy_(dev.detach())
         report = self._native.sync(int(version))
+        # This rank's transfer (commit="inplace": the engine's stall too) and staging.
+        report["transfer_seconds"] = report["local"]["seconds"]
+        report["staging_bytes"] = self.staging_bytes if self.commit_mode == "staged" else 0
+        if self.commit_mode != "staged":
+            report["stall_seconds"] = report["transfer_seconds"]
+            self._copy_out()
+        return report
+
+    def commit(self, version: int) -> Dict[str, Any]:
+        """commit="staged", collective over the engine ranks of `commit_scope` (call it with the
+        engine paused): once every one of them verified `version` (the last `sync`), copies the
+        staging area into the bound parameters. Returns {version, bytes, stall_seconds,
+        copy_seconds, keep_previous, staging_bytes}. A rank that cannot commit makes every rank of
+        the scope raise, and those that already copied roll back: the bound parameters then hold
+        the version they served. No-op on trainer ranks."""
+        if not self._connected:
+            raise FailedPreconditionError(f"rank {self.rank}: commit before connect")
+        rep = dict(self._native.commit(int(version)))
+        rep["staging_bytes"] = self.staging_bytes
+        self._copy_out()
+        return rep
+
+    def rollback(self) -> None:
+        """commit="staged", engine ranks (local; call it on every rank of the scope): restores the
+        version committed before the last commit, bit for bit. Possible from a commit until the
+        next sync replaces what was kept; FailedPreconditionError otherwise, and with
+        keep_previous="none"."""
+        self._native.rollback()
+        self._copy_out()
+
+    def _copy_out(self) -> None:
+        """Host-staged CUDA destinations get what the bound host copies hold."""
         for dev, host in self._staged_dests:
             with _no_grad():
                 dev.copy_(host)
-        return report
 
     def close(self) -> None:
         """Leaves the job and releases every bound tensor (idempotent)."""

@@ -23,6 +23,7 @@ __all__ = [
     "PlanSummary",
     "RankStats",
     "SyncReport",
+    "CommitReport",
     "LaunchEnv",
     "TensorInfo",
     "PlanReport",
@@ -123,8 +124,7 @@ class RankStats(TypedDict):
     checksums_total: int
 
 
-class SyncReport(TypedDict):
-    """`Session.sync(v)`: the job-wide report, the same on every rank."""
+class _SyncReportBase(TypedDict):
 
     version: int
     bytes: int
@@ -136,6 +136,32 @@ class SyncReport(TypedDict):
     verified: bool  # every bucket's checksum matched on both sides
     local: RankStats
     ranks: List[RankStats]
+
+
+class SyncReport(_SyncReportBase, total=False):
+    """`Session.sync(v)`: the job-wide report, the same on every rank, and what
+    shardsync.Session.sync adds for this rank: its transfer seconds, its staging bytes
+    (commit="staged"), and with commit="inplace" the engine's stall (the whole transfer)."""
+
+    transfer_seconds: float
+    staging_bytes: int
+    stall_seconds: float
+
+
+class _CommitReportBase(TypedDict):
+
+    version: int
+    bytes: int  # copied from staging into the bound parameters
+    stall_seconds: float  # the commit call: agreement with the scope's ranks and the copy
+    copy_seconds: float  # the copy alone
+    keep_previous: str  # "area", "swap", "none": how rollback() restores
+
+
+class CommitReport(_CommitReportBase, total=False):
+    """`Session.commit(v)` (commit="staged"): this rank's commit; shardsync.Session.commit adds
+    its staging bytes."""
+
+    staging_bytes: int
 
 
 class LaunchEnv(TypedDict):

@@ -5,6 +5,7 @@
 #include "plan_inputs.h"
 #include "shardsync/fp8_plan.h"
 #include "shardsync/plan.h"
+#include "shardsync/session.h"
 
 namespace shardsync::py_bind {
 
@@ -375,6 +376,12 @@ void RegisterPlan(py::module_& m) {
           },
           "Every field of a Megatron trainer layout, defaults filled in (etp, experts), plus the "
           "expert data-parallel size edp; None for other layouts.")
+      .def(
+          "staging_bytes",
+          [](const PlanInputs& in, int sync_rank) { return Unwrap(StagingBytes(in, sync_rank)); },
+          py::arg("sync_rank"),
+          "Bytes of staging engine sync rank `sync_rank` needs under a staged commit (its "
+          "parameters as it binds them); 0 for trainer ranks.")
       .def(
           "report_json",
           [](const PlanInputs& in, int nodes, int gpus_per_node, double intra, double inter) {

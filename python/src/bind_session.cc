@@ -100,15 +100,64 @@ std::optional<FaultConfig> FaultFromParams(std::map<std::string, std::string>& p
   return f;
 }
 
+// Session(commit=, staging_memory=, commit_scope=, keep_previous=) as SessionOptions; errors name
+// the argument.
+void CommitFromPy(const std::string& commit, const std::string& staging, const std::string& scope,
+                  const std::string& keep, SessionOptions& o) {
+  if (commit == "staged") {
+    o.commit = SessionOptions::Commit::kStaged;
+  } else if (commit != "inplace") {
+    ThrowIfError(
+        InvalidArgumentError("commit: expected 'inplace' or 'staged', got '" + commit + "'"));
+  }
+  if (staging == "device") {
+    o.staging = MemKind::kCuda;
+  } else if (staging == "host") {
+    o.staging = MemKind::kHost;
+  } else if (staging != "auto") {
+    ThrowIfError(InvalidArgumentError("staging_memory: expected 'auto', 'device' or 'host', got '" +
+                                      staging + "'"));
+  }
+  if (scope == "replica") {
+    o.commit_scope = SessionOptions::Scope::kReplica;
+  } else if (scope != "job") {
+    ThrowIfError(
+        InvalidArgumentError("commit_scope: expected 'job' or 'replica', got '" + scope + "'"));
+  }
+  if (keep == "area") {
+    o.keep_previous = SessionOptions::Keep::kArea;
+  } else if (keep == "swap") {
+    o.keep_previous = SessionOptions::Keep::kSwap;
+  } else if (keep == "none") {
+    o.keep_previous = SessionOptions::Keep::kNone;
+  } else if (keep != "auto") {
+    ThrowIfError(InvalidArgumentError(
+        "keep_previous: expected 'auto', 'area', 'swap' or 'none', got '" + keep + "'"));
+  }
+}
+
+py::dict CommitToPy(const CommitReport& c) {
+  py::dict d;
+  d["version"] = c.version;
+  d["bytes"] = c.bytes;
+  d["stall_seconds"] = c.stall_seconds;
+  d["copy_seconds"] = c.copy_seconds;
+  d["keep_previous"] = c.keep_previous;
+  return d;
+}
+
 class PySession {
  public:
   PySession(PlanInputs inputs, int rank, const std::string& store_address, const std::string& token,
             const std::string& transport, std::optional<PyLoopbackHub> hub,
             const std::string& prefix, double connect_timeout, double sync_timeout,
             std::map<std::string, std::string> transport_params, int device,
-            std::optional<std::string> job_id, std::optional<std::string> job_secret)
+            std::optional<std::string> job_id, std::optional<std::string> job_secret,
+            const std::string& commit, const std::string& staging_memory,
+            const std::string& commit_scope, const std::string& keep_previous)
       : inputs_(std::move(inputs)), rank_(rank), device_(device) {
     SessionOptions opts;
+    CommitFromPy(commit, staging_memory, commit_scope, keep_previous, opts);
     opts.prefix = prefix;
     opts.job_id = std::move(job_id);          // None: the environment's launch id
     opts.job_secret = std::move(job_secret);  // None: the environment's launch secret
@@ -303,6 +352,27 @@ class PySession {
     return ReportToPy(Unwrap(std::move(r)));
   }
 
+  py::dict Commit(uint64_t version) {
+    SyncSession& s = session();
+    std::lock_guard<std::mutex> lock(mu_);
+    Result<CommitReport> r = [&] {
+      py::gil_scoped_release nogil;
+      return s.Commit(version);
+    }();
+    return CommitToPy(Unwrap(std::move(r)));
+  }
+
+  void Rollback() {
+    SyncSession& s = session();
+    std::lock_guard<std::mutex> lock(mu_);
+    Status st;
+    {
+      py::gil_scoped_release nogil;
+      st = s.Rollback();
+    }
+    ThrowIfError(st);
+  }
+
   int rank() const { return rank_; }
   int device() const { return device_; }
   std::string job_id() { return session().job_id(); }
@@ -395,13 +465,16 @@ void RegisterSession(py::module_& m) {
       .def(py::init<PlanInputs, int, const std::string&, const std::string&, const std::string&,
                     std::optional<PyLoopbackHub>, const std::string&, double, double,
                     std::map<std::string, std::string>, int, std::optional<std::string>,
-                    std::optional<std::string>>(),
+                    std::optional<std::string>, const std::string&, const std::string&,
+                    const std::string&, const std::string&>(),
            py::arg("plan"), py::arg("rank"), py::arg("store"), py::arg("token") = "",
            py::arg("transport") = "auto", py::arg("hub") = py::none(), py::arg("prefix") = "ss/",
            py::arg("connect_timeout") = 60.0, py::arg("sync_timeout") = 60.0,
            py::arg("transport_params") = std::map<std::string, std::string>{},
            py::arg("device") = -1, py::arg("job_id") = py::none(),
-           py::arg("job_secret") = py::none())
+           py::arg("job_secret") = py::none(), py::arg("commit") = "inplace",
+           py::arg("staging_memory") = "auto", py::arg("commit_scope") = "job",
+           py::arg("keep_previous") = "auto")
       .def_property_readonly("rank", &PySession::rank)
       .def_property_readonly("job_id", &PySession::job_id)
       .def_property_readonly("device", &PySession::device)
@@ -423,6 +496,14 @@ void RegisterSession(py::module_& m) {
           "This rank cannot connect: every peer waiting at connect() fails now, naming it and "
           "`why` (SyncSession::FailBeforeConnect).")
       .def("sync", &PySession::Sync, py::arg("version"))
+      .def("commit", &PySession::Commit, py::arg("version"))
+      .def("rollback", &PySession::Rollback)
+      .def_property_readonly("staging_bytes",
+                             [](PySession& s) { return s.session().staging_bytes(); })
+      .def_property_readonly("committed_version",
+                             [](PySession& s) { return s.session().committed_version(); })
+      .def_property_readonly("keep_previous",
+                             [](PySession& s) { return s.session().keep_previous(); })
       .def("close", &PySession::Close);
 }
 

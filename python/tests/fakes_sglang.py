@@ -34,7 +34,18 @@ Mirrored from SGLang's own files (python/sglang/srt/...):
 - external weight-update receivers exist only on the sglang-miles branch
   (weight_sync/external_receiver.py): a stock Engine's `init_weights_update_group` has no
   receiver keywords (TypeError), and its HTTP route drops unknown keys and opens a torch process
-  group at the given address.
+  group at the given address;
+- pause / continue (issue 33): `PauseGenerationReqInput.mode: Literal["abort", "retract",
+  "in_place"]` (srt/managers/io_struct.py): "in_place" pauses the scheduler's event loop from
+  performing inference, only control requests are handled, and the paused requests continue
+  with their old KV cache after `continue_generation` (`Scheduler.pause_generation` only sets
+  `_engine_paused`; the event loop `continue`s past batch launches while it is set; in-flight GPU
+  kernels still finish, which the hook's commit waits for with a device synchronize and this fake
+  stands in for by letting the running forward step end before the pause answers). Versions
+  whose `pause_generation()` takes no mode (SGLang <= 0.5.5, as verl's compatibility shim for
+  `verlai/verl:sgl055` says: "pause_generation() takes no args") abort instead; the profiles
+  before 0.5.12 have that pause. `generate()` is one forward step over every stage: a
+  fingerprint of each scheduler's parameters, all read under one step.
 
 Version strings of the profiles are labels; which release first shipped each capability is
 given by the PR cited on the field. "0.5.12" stands for SGLang main's releases (loader +
@@ -80,12 +91,14 @@ class SGLangProfile:
     safe_unpickler: bool = True  # SafeUnpickler in MultiprocessingSerializer (PR #11909)
     session_api: bool = False  # begin/end + the open-session assert (sglang-miles, PR #28001)
     receivers: bool = False  # external receivers (sglang-miles branch only)
+    # PauseGenerationReqInput.mode values (empty: `pause_generation()` takes no mode, aborts)
+    pause_modes: Tuple[str, ...] = ("abort", "retract", "in_place")
 
 
 SGLANG_PROFILES: Dict[str, SGLangProfile] = {
-    "0.4.6": SGLangProfile("0.4.6", custom_loader=False, safe_unpickler=False),
-    "0.4.7": SGLangProfile("0.4.7", safe_unpickler=False),
-    "0.5.4": SGLangProfile("0.5.4"),
+    "0.4.6": SGLangProfile("0.4.6", custom_loader=False, safe_unpickler=False, pause_modes=()),
+    "0.4.7": SGLangProfile("0.4.7", safe_unpickler=False, pause_modes=()),
+    "0.5.4": SGLangProfile("0.5.4", pause_modes=()),
     "0.5.12": SGLangProfile("0.5.12"),  # SGLang main: no session
     "miles-session": SGLangProfile("0.5.12+miles", session_api=True),
     "miles": SGLangProfile("0.5.12+miles", session_api=True, receivers=True),
@@ -181,6 +194,13 @@ def _io_struct(profile: SGLangProfile) -> Dict[str, Any]:
                                                             group),
            "UpdateWeightsFromDistributedReqInput": make_dataclass(
                "UpdateWeightsFromDistributedReqInput", dist)}
+    if profile.pause_modes:
+        from typing import Literal
+
+        out["PauseGenerationReqInput"] = make_dataclass(
+            "PauseGenerationReqInput",
+            [("mode", Literal[profile.pause_modes], "abort")])  # type: ignore[valid-type]
+        out["ContinueGenerationReqInput"] = make_dataclass("ContinueGenerationReqInput", [])
     if profile.session_api:
         out["BeginWeightUpdateReqInput"] = make_dataclass(
             "BeginWeightUpdateReqInput", [("selector", str, "all")])
@@ -282,6 +302,9 @@ class FakeSGLangEngine:
         self.calls: List[str] = []
         self.pg_attempts: List[Tuple[Any, ...]] = []
         self.inflight = 0  # requests being generated: flush_cache refuses while > 0
+        self.paused: Optional[str] = None  # the in-place pause's mode while it holds
+        self._step = threading.Condition()
+        self._forwards = 0  # forward steps running now
         self.procs = {(t, p): _SchedProc(t, p, tp, pp, self.server_args, models[(t, p)],
                                          (drafts or {}).get((t, p)))
                       for p in range(pp) for t in range(tp)}
@@ -504,11 +527,46 @@ class FakeSGLangEngine:
     def resume_memory_occupation(self, tags=None):
         return self._request("resume_memory_occupation", lambda s: None)
 
-    def pause_generation(self):
+    def pause_generation(self, mode: str = "abort"):
+        if not self.profile.pause_modes:  # SGLang <= 0.5.5: pause_generation() takes no mode
+            raise TypeError("pause_generation() got an unexpected keyword argument 'mode'")
+        if mode not in self.profile.pause_modes:
+            raise ValueError(f"Invalid mode: {mode!r}. Expected one of "
+                             f"{list(self.profile.pause_modes)}.")
+        with self._step:
+            self.paused = mode
+            # Stand-in for the GPU work in flight (module docstring): the running step ends.
+            self._step.wait_for(lambda: self._forwards == 0, self.stage_timeout)
         return self._request("pause_generation", lambda s: None)
 
     def continue_generation(self):
-        return self._request("continue_generation", lambda s: None)
+        out = self._request("continue_generation", lambda s: None)
+        with self._step:
+            self.paused = None
+            self._step.notify_all()
+        return out
+
+    def generate(self, timeout: float = 60.0) -> Tuple[Tuple[float, float], ...]:
+        """One forward step over every stage (module docstring): per (pp, tp), the sum and the
+        sum of squares of the scheduler's parameters. Waits while an in-place pause holds."""
+        with self._step:
+            if not self._step.wait_for(lambda: self.paused is None, timeout):
+                raise TimeoutError("generate: the engine stayed paused")
+            self._forwards += 1
+        try:
+            self.calls.append("generate")
+            out = []
+            for p in range(self.pp):
+                for t in range(self.tp):
+                    ps = [x.detach().double()
+                          for _, x in self.procs[(t, p)].model.named_parameters()]
+                    out.append((round(float(sum(x.sum() for x in ps)), 6),
+                                round(float(sum((x * x).sum() for x in ps)), 6)))
+            return tuple(out)
+        finally:
+            with self._step:
+                self._forwards -= 1
+                self._step.notify_all()
 
 
 def serve_sglang_http(engine: FakeSGLangEngine):

@@ -37,7 +37,16 @@ Mirrored from vLLM's own files (vllm/...):
   `wake_up(tags)` maps only the tags given (None: all);
 - `vllm serve` (entrypoints/serve/dev/*/api_router.py): `/sleep?level=&mode=`,
   `/wake_up?tags=` (query_params.getlist), GET `/is_sleeping`, and the RLHF routes exist only
-  with VLLM_SERVER_DEV_MODE=1; GET `/version` always.
+  with VLLM_SERVER_DEV_MODE=1; GET `/version` always;
+- pause / resume (issue 33): `PauseMode = Literal["abort", "wait", "keep"]` (v1/engine/
+  __init__.py; "keep": freeze requests in the queue, they resume on `resume_generation()`), taken
+  by `LLM` / `AsyncLLM.pause_generation(*, mode="abort", wait_for_inflight_requests=None,
+  clear_cache=True)` (v1/engine/async_llm.py) and `EngineCore.pause_scheduler(mode, clear_cache)`
+  (v1/engine/core.py: "keep" sets PAUSED_ALL, so no step runs, and completes once the output
+  queue is empty: the running step ends first). Profiles without `pause_modes` have the older
+  `pause_generation(*, wait_for_inflight_requests=False, clear_cache=True)`, which aborts or
+  drains. `generate()` is one engine step over every worker: a fingerprint of each worker's
+  parameters, all read in that step.
 
 Version strings of the profiles are labels for the capability sets cited above.
 """
@@ -81,11 +90,12 @@ class VLLMProfile:
     four_phase: bool = True  # start/finish_weight_update (vLLM 0.22)
     engine_owned: bool = False  # start/finish owned by the engine (PR #44353, vLLM 0.25)
     routed_experts: bool = False  # RoutedExperts (vLLM 0.24, PR #41184)
+    pause_modes: Tuple[str, ...] = ("abort", "wait", "keep")  # v1/engine/__init__.py PauseMode
 
 
 VLLM_PROFILES: Dict[str, VLLMProfile] = {
-    "0.16": VLLMProfile("0.16.0", native=False, four_phase=False),
-    "0.21": VLLMProfile("0.21.0", four_phase=False),
+    "0.16": VLLMProfile("0.16.0", native=False, four_phase=False, pause_modes=()),
+    "0.21": VLLMProfile("0.21.0", four_phase=False, pause_modes=()),
     "0.23": VLLMProfile("0.23.1"),
     "0.24": VLLMProfile("0.24.0", routed_experts=True),
     "0.25": VLLMProfile("0.25.0", engine_owned=True, routed_experts=True),
@@ -307,6 +317,12 @@ def vllm_modules(profile: Any = "0.23") -> Dict[str, Any]:
                 "vllm.distributed.weight_transfer.factory",
                 WeightTransferEngineFactory=WeightTransferEngineFactory),
         })
+    if profile.pause_modes:
+        from typing import Literal
+
+        mods["vllm.v1"] = _module("vllm.v1")
+        mods["vllm.v1.engine"] = _module("vllm.v1.engine",
+                                         PauseMode=Literal[profile.pause_modes])
     if profile.routed_experts:
         for name in ("vllm.model_executor.layers", "vllm.model_executor.layers.fused_moe",
                      "vllm.model_executor.layers.fused_moe.routed_experts"):
@@ -484,8 +500,11 @@ class FakeLLM:
         self.collective_rpc("update_weights", kwargs={"update_info": info})
 
     def __new__(cls, *args, profile: Any = "0.23", **kwargs):
-        if cls is FakeLLM and _profile(profile).four_phase:
-            cls = _EngineOwnedLLM if _profile(profile).engine_owned else _WorkerOwnedLLM
+        p = _profile(profile)
+        if cls is FakeLLM and p.four_phase:
+            cls = _EngineOwnedLLM if p.engine_owned else _WorkerOwnedLLM
+        elif cls is FakeLLM and not p.pause_modes:  # before PauseMode (module docstring)
+            cls = _FakeLLMWithoutPauseModes
         return super().__new__(cls)
 
     # The engine core's sleep state (is_sleeping answers it; the allocator tracks tags).
@@ -502,10 +521,58 @@ class FakeLLM:
     def is_sleeping(self):
         return self._sleeping
 
-    def pause_generation(self, **kw):
+    # The engine core's pause (module docstring): "keep" holds every step until resume.
+    _paused = None
+    _forwards = 0
+
+    @property
+    def _step(self):
+        if "_step_cond" not in self.__dict__:
+            self.__dict__["_step_cond"] = threading.Condition()
+        return self.__dict__["_step_cond"]
+
+    def pause_generation(self, *, mode="abort", wait_for_inflight_requests=None,
+                         clear_cache=True):
+        if mode not in self.profile.pause_modes:
+            raise ValueError(f"Invalid pause mode: {mode}")
+        with self._step:
+            self._paused = mode
+            self._step.wait_for(lambda: self._forwards == 0, self.call_timeout)
         return None
 
     def resume_generation(self):
+        with self._step:
+            self._paused = None
+            self._step.notify_all()
+        return None
+
+    def generate(self, timeout: float = 60.0):
+        """One engine step over every worker (module docstring): per (pp, tp), the sum and the
+        sum of squares of the worker's parameters. Waits while a pause holds."""
+        with self._step:
+            if not self._step.wait_for(lambda: self._paused is None, timeout):
+                raise TimeoutError("generate: the engine stayed paused")
+            self._forwards += 1
+        try:
+            out = []
+            for p in range(self.pp):
+                for t in range(self.tp):
+                    model = self.workers[(t, p)].model_runner.model
+                    ps = [x.detach().double() for _, x in model.named_parameters()]
+                    out.append((round(float(sum(x.sum() for x in ps)), 6),
+                                round(float(sum((x * x).sum() for x in ps)), 6)))
+            return tuple(out)
+        finally:
+            with self._step:
+                self._forwards -= 1
+                self._step.notify_all()
+
+
+class _FakeLLMWithoutPauseModes(FakeLLM):
+    """Versions before PauseMode: `pause_generation(*, wait_for_inflight_requests=False,
+    clear_cache=True)` aborts in-flight requests (or drains them), no mode."""
+
+    def pause_generation(self, *, wait_for_inflight_requests=False, clear_cache=True):
         return None
 
 

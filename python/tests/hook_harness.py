@@ -27,9 +27,9 @@ TINY_MOE = {
 }
 
 
-def make_plan(model, rollout, engine, trainer="fsdp=2", quant=None):
+def make_plan(model, rollout, engine, trainer="fsdp=2", quant=None, commit="inplace"):
     return shardsync.Plan(model, trainer, rollout, engine=engine, wire_dtype="f32",
-                          trainer_dtype="f32", bucket_bytes=64 << 10, quant=quant)
+                          trainer_dtype="f32", bucket_bytes=64 << 10, quant=quant, commit=commit)
 
 
 def base_config(plan, srv, **over):

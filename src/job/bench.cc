@@ -55,7 +55,9 @@ class BenchRank {
       const auto t0 = Clock::now();
       SS_ASSIGN_OR_RETURN(res_.report, session_->Sync(++version_));
       Record(res_.bench.sharded, i, t0);
+      if (job_.staged()) SS_RETURN_IF_ERROR(TimedCommit(i));
     }
+    if (job_.staged()) SS_RETURN_IF_ERROR(CommitCeiling(total));
     bool verified = true;
     if (!who_.is_trainer) verified = VerifyParams("sharded");
     if (!who_.is_trainer && !job_.dump_dir.empty()) {  // the sharded sync's parameters
@@ -155,6 +157,45 @@ class BenchRank {
     return r.element_mismatches == 0;
   }
 
+  // --commit staged: every rank starts the commit together (as an engine's pause would), and
+  // the stall is each engine rank's Commit call.
+  Status TimedCommit(int i) {
+    SS_RETURN_IF_ERROR(Barrier("commit/" + std::to_string(i)));
+    SS_ASSIGN_OR_RETURN(CommitReport c, session_->Commit(version_));
+    if (who_.is_trainer) return OkStatus();
+    if (i >= job_.bench_warmup) {
+      res_.bench.stall.push_back(c.stall_seconds);
+      res_.bench.commit_copy.push_back(c.copy_seconds);
+    }
+    res_.stall_seconds = c.stall_seconds;
+    res_.transfer_seconds = res_.report.local.seconds;
+    res_.staging_bytes = session_->staging_bytes();
+    res_.keep_previous = c.keep_previous;
+    return OkStatus();
+  }
+
+  // The copy a commit cannot beat: memcpy of each engine rank's parameter bytes, every engine
+  // rank at once.
+  Status CommitCeiling(int total) {
+    std::vector<unsigned char> scratch;
+    int64_t bytes = 0;
+    for (const DestBinding& b : params_.bindings)
+      bytes += NumElements(b.shape) * DTypeSize(b.dtype);
+    if (!who_.is_trainer) scratch.assign(static_cast<size_t>(std::max<int64_t>(bytes, 1)), 1);
+    for (int i = 0; i < total; ++i) {
+      SS_RETURN_IF_ERROR(Barrier("commitraw/" + std::to_string(i)));
+      const auto t0 = Clock::now();
+      int64_t at = 0;
+      for (const DestBinding& b : params_.bindings) {
+        const int64_t n = NumElements(b.shape) * DTypeSize(b.dtype);
+        std::memcpy(scratch.data() + at, b.data, static_cast<size_t>(n));
+        at += n;
+      }
+      if (!who_.is_trainer) Record(res_.bench.commit_raw, i, t0);
+    }
+    return OkStatus();
+  }
+
   Status Setup() {
     SessionOptions opt;
     sync_internal::HarnessHooks hooks;
@@ -165,6 +206,7 @@ class BenchRank {
     }
     opt.connect_timeout = job_.timeout;
     opt.sync_timeout = job_.timeout;
+    ApplyCommitOptions(job_, opt);
     // The broadcast baseline needs trainer 0 <-> every engine rank.
     if (fp8()) {
     } else if (rank_ == 0) {
@@ -457,6 +499,9 @@ Result<BenchSummary> SummarizeBench(const LocalJobResult& job) {
   s.speedup_vs_broadcast = s.broadcast_seconds / s.sharded_seconds;  // 0 without broadcast
   s.raw_nccl_seconds = job_median(&BenchNumbers::raw_nccl);
   if (s.raw_nccl_seconds > 0) s.ratio_to_raw_nccl = s.raw_nccl_seconds / s.sharded_seconds;
+  s.stall_seconds = job_median(&BenchNumbers::stall);
+  s.commit_raw_seconds = job_median(&BenchNumbers::commit_raw);
+  s.commit_copy_seconds = job_median(&BenchNumbers::commit_copy);
   return s;
 }
 

@@ -6,8 +6,12 @@
 // pair's bytes.
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <map>
+#include <mutex>
+#include <thread>
+#include <utility>
 
 #include "job/internal.h"
 #include "job/launcher.h"
@@ -30,6 +34,96 @@ using job_internal::kBenchVersionRaw;
 using sync_internal::MakeTag;
 
 int64_t Align(int64_t v) { return (v + 255) / 256 * 256; }
+
+// --commit staged, engine ranks of the bench: a decode-like loop on a stream of its own, each
+// step one read of every live parameter (what a decode step reads), timed per step, so the bench
+// can say how much the transfer and the commit slow the engine down. Pause / Resume bracket a
+// commit as an engine's in-place pause does: the step in flight ends first, the next one waits
+// (its time, from when it was due, is what a token sees across the commit).
+class DecodeLoop {
+ public:
+  DecodeLoop(const void* p, size_t bytes, int device, Millis timeout, Clock::time_point epoch)
+      : p_(p), bytes_(bytes), device_(device), timeout_(timeout), epoch_(epoch) {}
+  ~DecodeLoop() { Stop(); }
+  Status Start() {
+    SS_ASSIGN_OR_RETURN(stream_, gpu::Stream::Create(device_));
+    thread_ = std::thread([this] {
+      status_ = gpu::SetDevice(device_);
+      while (status_.ok()) {
+        const double t0 = Now();
+        {
+          std::unique_lock<std::mutex> lock(mu_);
+          cv_.wait(lock, [&] { return !paused_ || stop_; });
+          if (stop_) break;
+          in_step_ = true;
+        }
+        status_ = gpu::LaunchReadPass(p_, bytes_, stream_->handle());
+        if (status_.ok()) status_ = stream_->Synchronize(timeout_, "decode-like loop");
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          in_step_ = false;
+          steps_.emplace_back(t0, Now());
+        }
+        cv_.notify_all();
+      }
+    });
+    return OkStatus();
+  }
+  void Pause() {
+    std::unique_lock<std::mutex> lock(mu_);
+    paused_ = true;
+    cv_.wait(lock, [&] { return !in_step_; });
+  }
+  void Resume() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      paused_ = false;
+    }
+    cv_.notify_all();
+  }
+  Status Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+    return status_;
+  }
+  double Now() const { return std::chrono::duration<double>(Clock::now() - epoch_).count(); }
+  // Median step (ms) of the steps whose midpoint falls in one of `spans` (seconds since the
+  // epoch); `across_end`: of the steps running when a span ended (the step a pause held).
+  double MedianMs(const std::vector<std::pair<double, double>>& spans,
+                  bool across_end = false) const {
+    std::vector<double> in;
+    for (const auto& [a, b] : steps_) {
+      const double mid = (a + b) / 2;
+      for (const auto& [s, e] : spans) {
+        if (across_end ? (a <= e && b >= e) : (mid >= s && mid <= e)) {
+          in.push_back((b - a) * 1e3);
+          break;
+        }
+      }
+    }
+    if (in.empty()) return 0;
+    std::sort(in.begin(), in.end());
+    return in[in.size() / 2];
+  }
+
+ private:
+  const void* p_;
+  size_t bytes_;
+  int device_;
+  Millis timeout_;
+  Clock::time_point epoch_;
+  std::unique_ptr<gpu::Stream> stream_;
+  std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false, paused_ = false, in_step_ = false;
+  Status status_;
+  std::vector<std::pair<double, double>> steps_;
+};
 
 class DeviceRank {
  public:
@@ -79,6 +173,14 @@ class DeviceRank {
   Status BroadcastReceive();
   Status RawMemcpy();
   Status RawNccl();
+  bool Staged() const { return job_.staged() && !who_.is_trainer; }
+  // The live parameters' hash (job_internal::LiveHash) through a host copy: a device-wide
+  // synchronize could wait on a dead peer's pair.
+  Result<std::string> LiveHash();
+  // A staged engine rank's failure in `where`: what its live parameters hold now.
+  Status StagedFailure(const char* where, Status s);
+  Status TimedCommit(int i);
+  Status CommitCeiling(int total);
   std::vector<int> NcclPeers() const;
 
   const JobSpec& job_;
@@ -113,7 +215,10 @@ class DeviceRank {
   // Raw ceilings: trainer 0's memcpy buffers, every rank's NCCL buffer.
   std::unique_ptr<gpu::DeviceBuffer> raw_;
   int64_t total_bytes_ = 0;  // trainer 0: bytes the plan lands job-wide
-  int broadcast_rep_ = 0;    // names the acks of each repetition
+  // --commit staged, engine ranks: the decode-like loop and when each transfer / commit ran.
+  std::unique_ptr<DecodeLoop> decode_;
+  std::vector<std::pair<double, double>> transfer_spans_, commit_spans_;
+  int broadcast_rep_ = 0;  // names the acks of each repetition
 };
 
 Status DeviceRank::Setup(bool bench) {
@@ -133,6 +238,7 @@ Status DeviceRank::Setup(bool bench) {
   opt.connect_timeout = job_.timeout;
   opt.sync_timeout = job_.timeout;
   opt.packer = packer_.get();
+  ApplyCommitOptions(job_, opt);
   const auto t0 = Clock::now();
   if (bench && !in_.model.quant) {  // block FP8: no broadcast-all (bench.cc says why)
     SS_RETURN_IF_ERROR(SetupBroadcast());
@@ -154,6 +260,12 @@ Status DeviceRank::Setup(bool bench) {
   Status filled = who_.is_trainer ? FillTrainer() : AllocEngine();
   if (filled.ok() && bench && !in_.model.quant) filled = SetupBroadcastSource();
   if (!filled.ok()) return setup.Fail(filled);
+  res_.staging_bytes = session_->staging_bytes();
+  if (Staged() && !bench) {
+    auto hash = LiveHash();
+    if (!hash.ok()) return setup.Fail(hash.status());
+    res_.live_hash = *hash;
+  }
   res_.setup_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   Step();
   SS_RETURN_IF_ERROR(setup.Wait());  // connect's timeout starts once every rank is set up
@@ -359,10 +471,45 @@ Status DeviceRank::Dump() {
       .Annotate("--dump-dir");
 }
 
+Result<std::string> DeviceRank::LiveHash() {
+  std::vector<unsigned char> host(buf_->bytes());
+  SS_RETURN_IF_ERROR(gpu::CopyToHost(host.data(), buf_->data(), host.size()));
+  std::vector<DestBinding> h = dests_;
+  for (size_t i = 0; i < h.size(); ++i) h[i].data = host.data() + offsets_[i];
+  return job_internal::LiveHash(h);
+}
+
+Status DeviceRank::StagedFailure(const char* where, Status s) {
+  if (!Staged()) return s;
+  res_.failed_in = where;
+  res_.committed_version = session_->committed_version();
+  res_.keep_previous = session_->keep_previous();
+  auto h = LiveHash();
+  res_.live_hash_after = h.ok() ? *h : h.status().ToString();
+  res_.live_intact = res_.live_hash_after == res_.live_hash;
+  return s;
+}
+
 Status DeviceRank::RunSyncs() {
   for (int v = 1; v <= job_.syncs; ++v) {
-    SS_ASSIGN_OR_RETURN(res_.report, session_->Sync(static_cast<uint64_t>(v)));
+    auto rep = session_->Sync(static_cast<uint64_t>(v));
+    if (!rep.ok()) return StagedFailure("sync", rep.status());
+    res_.report = *rep;
+    res_.transfer_seconds = rep->local.seconds;
+    if (job_.staged()) {
+      auto c = session_->Commit(static_cast<uint64_t>(v));
+      if (!c.ok()) return StagedFailure("commit", c.status());
+      res_.stall_seconds = c->stall_seconds;
+      if (Staged()) {
+        SS_ASSIGN_OR_RETURN(res_.live_hash, LiveHash());
+      }
+    }
     Step();
+  }
+  if (Staged()) {
+    res_.committed_version = session_->committed_version();
+    res_.keep_previous = session_->keep_previous();
+    res_.live_hash_after = res_.live_hash;
   }
   if (who_.is_trainer) return OkStatus();
   if (job_.verify) SS_RETURN_IF_ERROR(Verify("the last sync"));
@@ -372,18 +519,37 @@ Status DeviceRank::RunSyncs() {
 
 Status DeviceRank::RunBench() {
   const int total = job_.bench_warmup + job_.bench_reps;
+  double idle_end = 0;
+  if (Staged()) {  // the engine serves throughout: alone first, then beside every sync
+    decode_ = std::make_unique<DecodeLoop>(buf_->data(), buf_->bytes(), device_, job_.timeout,
+                                           Clock::now());
+    SS_RETURN_IF_ERROR(decode_->Start());
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    idle_end = decode_->Now();
+  }
   for (int i = 0; i < total; ++i) {  // (a) sharded: the product's session
     SS_RETURN_IF_ERROR(Barrier("sharded/" + std::to_string(i)));
     const auto t0 = Clock::now();
+    const double s0 = decode_ ? decode_->Now() : 0;
     SS_ASSIGN_OR_RETURN(res_.report, session_->Sync(++version_));
     Record(res_.bench.sharded, i, t0);
+    if (decode_ && i >= job_.bench_warmup) transfer_spans_.emplace_back(s0, decode_->Now());
+    if (job_.staged()) SS_RETURN_IF_ERROR(TimedCommit(i));
+  }
+  if (decode_) {
+    SS_RETURN_IF_ERROR(decode_->Stop());
+    res_.bench.decode_idle_ms = decode_->MedianMs({{0.0, idle_end}});
+    res_.bench.decode_transfer_ms = decode_->MedianMs(transfer_spans_);
+    res_.bench.decode_commit_ms = decode_->MedianMs(commit_spans_, /*across_end=*/true);
+    decode_.reset();
   }
   if (!who_.is_trainer) {
     res_.bench.bytes = res_.report.local.recv_bytes;
     if (job_.verify) SS_RETURN_IF_ERROR(Verify("the sharded syncs"));
     if (!job_.dump_dir.empty()) SS_RETURN_IF_ERROR(Dump());
-    SS_RETURN_IF_ERROR(Scramble());  // the baseline must rewrite every byte
   }
+  if (job_.staged()) SS_RETURN_IF_ERROR(CommitCeiling(total));  // overwrites the parameters
+  if (!who_.is_trainer) SS_RETURN_IF_ERROR(Scramble());  // the baseline must rewrite every byte
   Step();
   for (int i = 0; i < (in_.model.quant ? 0 : total); ++i) {  // (b) broadcast-all
     SS_RETURN_IF_ERROR(Barrier("broadcast/" + std::to_string(i)));
@@ -562,6 +728,48 @@ Status DeviceRank::BroadcastReceive() {
     }
     SS_RETURN_IF_ERROR(
         store_.Set(Key("ack/" + rep + "/" + std::to_string(rank_) + "/" + std::to_string(r)), "1"));
+  }
+  return OkStatus();
+}
+
+// --commit staged: every rank starts the commit together (as an engine's pause would).
+Status DeviceRank::TimedCommit(int i) {
+  // The engines pause in place first (the step in flight ends), then commit together: the stall
+  // is the commit alone, every engine rank starting it at once.
+  const double c0 = decode_ ? decode_->Now() : 0;
+  if (decode_) decode_->Pause();
+  SS_RETURN_IF_ERROR(Barrier("commit/" + std::to_string(i)));
+  auto committed = session_->Commit(version_);
+  if (decode_) decode_->Resume();
+  SS_ASSIGN_OR_RETURN(CommitReport c, std::move(committed));
+  if (decode_ && i >= job_.bench_warmup) commit_spans_.emplace_back(c0, decode_->Now());
+  if (who_.is_trainer) return OkStatus();
+  if (i >= job_.bench_warmup) {
+    res_.bench.stall.push_back(c.stall_seconds);
+    res_.bench.commit_copy.push_back(c.copy_seconds);
+  }
+  res_.stall_seconds = c.stall_seconds;
+  res_.transfer_seconds = res_.report.local.seconds;
+  res_.keep_previous = c.keep_previous;
+  res_.committed_version = c.version;
+  return OkStatus();
+}
+
+// The copy a commit cannot beat: cudaMemcpy of each engine rank's parameter bytes, every engine
+// rank at once.
+Status DeviceRank::CommitCeiling(int total) {
+  // The parameters' allocation copied onto itself, half by half: the same bytes as one
+  // cudaMemcpy of it, no second buffer (the parameters are verified before and scrambled after).
+  const size_t half = buf_ ? buf_->bytes() / 2 : 0;
+  auto* p = buf_ ? static_cast<unsigned char*>(buf_->data()) : nullptr;
+  for (int i = 0; i < total; ++i) {
+    SS_RETURN_IF_ERROR(Barrier("commitraw/" + std::to_string(i)));
+    const auto t0 = Clock::now();
+    if (who_.is_trainer) continue;
+    SS_RETURN_IF_ERROR(gpu::CopyDeviceToDevice(p + half, p, half, stream_->handle()));
+    SS_RETURN_IF_ERROR(gpu::CopyDeviceToDevice(p, p + half, half, stream_->handle()));
+    SS_RETURN_IF_ERROR(SyncStream("commit ceiling cudaMemcpy"));
+    Record(res_.bench.commit_raw, i, t0);
   }
   return OkStatus();
 }

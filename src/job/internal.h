@@ -101,6 +101,9 @@ void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& para
 // every byte and every scale, bit for bit (fp8_verify.cc).
 void VerifyFp8Param(const JobSpec& job, const std::vector<EngineParam>& params, size_t i,
                     const std::vector<DestBinding>& bound, RankResult& out);
+// One hash of every bound parameter's bytes in order (host memory; hex): the staged fault runs
+// compare the live parameters before and after a failed sync.
+std::string LiveHash(const std::vector<DestBinding>& bound);
 // True for the weight_scale_inv of a block-FP8 weight (checked with its weight).
 bool IsFp8Scale(const EngineParam& p);
 // Device mode: every block-FP8 weight and scale of an engine rank's parameters (`dests`, device

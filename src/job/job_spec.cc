@@ -16,6 +16,85 @@
 
 namespace shardsync {
 
+namespace {
+
+std::string_view KeepName(SessionOptions::Keep k) {
+  switch (k) {
+    case SessionOptions::Keep::kArea:
+      return "area";
+    case SessionOptions::Keep::kSwap:
+      return "swap";
+    case SessionOptions::Keep::kNone:
+      return "none";
+    default:
+      return "auto";
+  }
+}
+
+// --commit, --staging, --commit-scope, --keep-previous.
+Status CommitFromFlags(const JobFlags& f, JobSpec& job) {
+  if (f.commit == "staged") {
+    job.commit = SessionOptions::Commit::kStaged;
+  } else if (f.commit != "inplace") {
+    return InvalidArgumentError("--commit: '" + f.commit + "', expected inplace or staged");
+  }
+  const bool staged = job.staged();
+  auto staged_only = [&](const char* flag, bool set) -> Status {
+    if (set && !staged) {
+      return InvalidArgumentError(std::string(flag) + ": only with --commit staged");
+    }
+    return OkStatus();
+  };
+  if (f.staging == "device") {
+    job.staging = MemKind::kCuda;
+  } else if (f.staging == "host") {
+    job.staging = MemKind::kHost;
+  } else if (f.staging != "auto") {
+    return InvalidArgumentError("--staging: '" + f.staging + "', expected auto, device or host");
+  }
+  SS_RETURN_IF_ERROR(staged_only("--staging", f.staging != "auto"));
+  // The transports land where the parameters are (session.h SessionOptions::staging).
+  if (job.staging && (*job.staging == MemKind::kCuda) != (job.device == "cuda")) {
+    return InvalidArgumentError(
+        "--staging " + f.staging + ": the engine parameters are in " +
+        (job.device == "cuda" ? "device" : "host") + " memory (--device " + job.device +
+        ") and the transports land only there; staging must be in the same memory");
+  }
+  if (f.commit_scope == "replica") {
+    job.commit_scope = SessionOptions::Scope::kReplica;
+  } else if (f.commit_scope != "job") {
+    return InvalidArgumentError("--commit-scope: '" + f.commit_scope +
+                                "', expected job or replica");
+  }
+  SS_RETURN_IF_ERROR(staged_only("--commit-scope", f.commit_scope != "job"));
+  const std::pair<const char*, SessionOptions::Keep> keeps[] = {
+      {"auto", SessionOptions::Keep::kAuto},
+      {"area", SessionOptions::Keep::kArea},
+      {"swap", SessionOptions::Keep::kSwap},
+      {"none", SessionOptions::Keep::kNone}};
+  bool known = false;
+  for (const auto& [name, k] : keeps) {
+    if (f.keep_previous == name) {
+      job.keep_previous = k;
+      known = true;
+    }
+  }
+  if (!known) {
+    return InvalidArgumentError("--keep-previous: '" + f.keep_previous +
+                                "', expected auto, area, swap or none");
+  }
+  return staged_only("--keep-previous", f.keep_previous != "auto");
+}
+
+}  // namespace
+
+void ApplyCommitOptions(const JobSpec& job, SessionOptions& opt) {
+  opt.commit = job.commit;
+  opt.staging = job.staging;
+  opt.commit_scope = job.commit_scope;
+  opt.keep_previous = job.keep_previous;
+}
+
 std::vector<std::string> JobSpecToArgs(const JobSpec& job) {
   const PlanInputs& in = job.inputs;
   const ShardSpec& sh = in.rollout.shard;
@@ -66,6 +145,15 @@ std::vector<std::string> JobSpecToArgs(const JobSpec& job) {
     a.push_back("--fp8-split");
     a.push_back(std::string(Fp8SplitName(in.options.fp8_split)));
   }
+  if (job.staged()) {
+    a.insert(a.end(), {"--commit", "staged", "--commit-scope",
+                       job.commit_scope == SessionOptions::Scope::kJob ? "job" : "replica",
+                       "--keep-previous", std::string(KeepName(job.keep_previous))});
+    if (job.staging) {
+      a.push_back("--staging");
+      a.push_back(*job.staging == MemKind::kCuda ? "device" : "host");
+    }
+  }
   if (!job.verify) a.push_back("--no-verify");
   if (!job.dump_dir.empty()) {
     a.push_back("--dump-dir");
@@ -103,11 +191,26 @@ std::string RankResultToJson(const RankResult& r) {
       {"setup_seconds", r.setup_seconds},
       {"device", r.device},
       {"routes", r.routes},
+      {"transfer_seconds", r.transfer_seconds},
+      {"stall_seconds", r.stall_seconds},
+      {"staging_bytes", r.staging_bytes},
+      {"committed_version", r.committed_version},
+      {"keep_previous", r.keep_previous},
+      {"live_hash", r.live_hash},
+      {"live_hash_after", r.live_hash_after},
+      {"live_intact", r.live_intact},
+      {"failed_in", r.failed_in},
       {"bench",
        {{"sharded", r.bench.sharded},
         {"broadcast", r.bench.broadcast},
         {"raw", r.bench.raw},
         {"raw_nccl", r.bench.raw_nccl},
+        {"stall", r.bench.stall},
+        {"commit_raw", r.bench.commit_raw},
+        {"commit_copy", r.bench.commit_copy},
+        {"decode_idle_ms", r.bench.decode_idle_ms},
+        {"decode_transfer_ms", r.bench.decode_transfer_ms},
+        {"decode_commit_ms", r.bench.decode_commit_ms},
         {"bytes", r.bench.bytes},
         {"verified", r.bench.verified}}},
   };
@@ -147,6 +250,21 @@ Result<RankResult> RankResultFromJson(const std::string& text) {
     r.bench.broadcast = b.at("broadcast").get<std::vector<double>>();
     r.bench.raw = b.at("raw").get<std::vector<double>>();
     r.bench.raw_nccl = b.at("raw_nccl").get<std::vector<double>>();
+    r.bench.stall = b.at("stall").get<std::vector<double>>();
+    r.bench.commit_raw = b.at("commit_raw").get<std::vector<double>>();
+    r.bench.commit_copy = b.at("commit_copy").get<std::vector<double>>();
+    r.bench.decode_idle_ms = b.at("decode_idle_ms");
+    r.bench.decode_transfer_ms = b.at("decode_transfer_ms");
+    r.bench.decode_commit_ms = b.at("decode_commit_ms");
+    r.transfer_seconds = j.at("transfer_seconds");
+    r.stall_seconds = j.at("stall_seconds");
+    r.staging_bytes = j.at("staging_bytes");
+    r.committed_version = j.at("committed_version");
+    r.keep_previous = j.at("keep_previous");
+    r.live_hash = j.at("live_hash");
+    r.live_hash_after = j.at("live_hash_after");
+    r.live_intact = j.at("live_intact");
+    r.failed_in = j.at("failed_in");
     r.device = j.at("device");
     r.routes = j.at("routes");
     r.bench.bytes = b.at("bytes");
@@ -313,6 +431,7 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
   if (!f.dump_dir.empty() && !std::filesystem::is_directory(f.dump_dir, ec)) {
     return InvalidArgumentError("--dump-dir: '" + f.dump_dir + "' is not a directory");
   }
+  SS_RETURN_IF_ERROR(CommitFromFlags(f, job));
   // The plan must exist: fail here, naming the field (for block FP8: a layout off the 128 grid
   // names the tensor), rather than in every rank.
   if (in.model.quant) {

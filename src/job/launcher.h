@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,7 +49,16 @@ struct JobSpec {
   // gpus, as SGLang / vLLM place them; gpus 0: every visible GPU.
   std::string device = "cpu";
   int gpus = 0;
+  // Staged commit (session.h SessionOptions): engine ranks land each sync in staging and commit
+  // it after the job-wide verdict (`run` / `demo`: every sync; `bench`: the timed stall).
+  SessionOptions::Commit commit = SessionOptions::Commit::kInPlace;
+  std::optional<MemKind> staging;
+  SessionOptions::Scope commit_scope = SessionOptions::Scope::kJob;
+  SessionOptions::Keep keep_previous = SessionOptions::Keep::kAuto;
+  bool staged() const { return commit == SessionOptions::Commit::kStaged; }
 };
+// The job's commit options on a session's options.
+void ApplyCommitOptions(const JobSpec& job, SessionOptions& opt);
 
 // The job flags shared by `run`, `demo` and `bench`, as typed.
 struct JobFlags {
@@ -84,6 +94,10 @@ struct JobFlags {
   // Block FP8: blocks whose rows straddle trainer ranks, "amax" (exchanged amax, the default) or
   // "stage" (PlanOptions::fp8_split).
   std::string fp8_split = "amax";
+  std::string commit = "inplace";      // inplace | staged
+  std::string staging = "auto";        // auto (the parameters' memory) | device | host
+  std::string commit_scope = "job";    // job | replica
+  std::string keep_previous = "auto";  // auto | area | swap | none
 };
 // Validates and resolves the flags; errors name the flag. --transport auto resolves to "shm"
 // when every rank runs on this host (`all_local`: demo, bench), else to DefaultTransport().
@@ -101,6 +115,14 @@ struct BenchNumbers {
   // raw: the transport's ceiling (host) or cudaMemcpy of the same bytes (device); raw_nccl
   // (device): NCCL send / recv of every nccl pair's bytes with the session's communicators.
   std::vector<double> sharded, broadcast, raw, raw_nccl;
+  // --commit staged: per repetition this rank's commit stall (commit call to return, all engine
+  // ranks starting together), and a cudaMemcpy / memcpy of this rank's parameter bytes, all
+  // engine ranks together (the copy a commit cannot beat).
+  std::vector<double> stall, commit_raw;
+  std::vector<double> commit_copy;  // the copy inside each commit (stall less the agreement)
+  // --device cuda --commit staged: a decode-like loop on engine ranks (a pass reading every
+  // live parameter), its median step in ms while idle, during the transfer, during the commit.
+  double decode_idle_ms = 0, decode_transfer_ms = 0, decode_commit_ms = 0;
   int64_t bytes = 0;      // bytes landed in engine parameters per repetition (engine ranks)
   bool verified = false;  // engine ranks: every element right after the sharded and broadcast runs
 };
@@ -122,6 +144,18 @@ struct RankResult {
   BenchNumbers bench;        // bench mode: per rank timings (the job result takes the max)
   int device = -1;           // --device cuda: this rank's GPU
   std::string routes;        // "dst:transport ..." of the pairs this rank sends on
+  // Staged commit (engine ranks): the last sync's transfer, the last commit's stall (commit call
+  // to return) and this rank's staging bytes; the version its live parameters hold, their hash
+  // when it was committed, and after a failure whether they still hash the same.
+  double transfer_seconds = 0;
+  double stall_seconds = 0;
+  int64_t staging_bytes = 0;
+  uint64_t committed_version = 0;
+  std::string keep_previous;
+  std::string live_hash;        // after the last commit (hex)
+  std::string live_hash_after;  // when the rank ended (hex; staged engine ranks)
+  bool live_intact = true;      // live_hash_after == live_hash
+  std::string failed_in;        // "sync" | "commit" | "" (a staged rank's failure)
 };
 std::string RankResultToJson(const RankResult& r);
 Result<RankResult> RankResultFromJson(const std::string& text);
@@ -179,6 +213,10 @@ struct BenchSummary {
   double raw_nccl_seconds = 0;      // device: NCCL send / recv of the nccl pairs (0: none)
   double ratio_to_raw_nccl = 0;     // raw_nccl_seconds / sharded_seconds (0: no nccl pair)
   double speedup_vs_broadcast = 0;  // broadcast_seconds / sharded_seconds
+  // --commit staged: the commit's stall (slowest engine rank per repetition, median) and the
+  // copy of every engine rank's parameter bytes at once (memcpy / cudaMemcpy), the same way.
+  double stall_seconds = 0, commit_raw_seconds = 0;
+  double commit_copy_seconds = 0;  // the copy inside the commit, the same way
   bool verified = false;
 };
 struct LocalJobResult;

@@ -6,12 +6,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <map>
 
 #include "common/trace.h"
 #include "job/internal.h"
 #include "job/launcher.h"
+#include "shardsync/checksum.h"
 #include "shardsync/gpu.h"
 #include "shardsync/refengine.h"
 #include "shardsync/safetensors.h"
@@ -241,6 +243,18 @@ void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& para
   }
 }
 
+std::string LiveHash(const std::vector<DestBinding>& bound) {
+  uint64_t h = 0;
+  for (const DestBinding& d : bound) {
+    int64_t n = DTypeSize(d.dtype);
+    for (int64_t e : d.shape) n *= e;
+    h = (h ^ Checksum(d.data, static_cast<size_t>(n))) * 0x100000001b3ull;
+  }
+  char buf[20];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
 }  // namespace job_internal
 
 using namespace job_internal;
@@ -306,9 +320,11 @@ Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Tra
   }
   opt.connect_timeout = job.timeout;
   opt.sync_timeout = job.timeout;
+  ApplyCommitOptions(job, opt);
   SS_ASSIGN_OR_RETURN(auto session, SyncSession::Create(job.inputs, rank, store, transport, opt));
   SetupBarrier setup(job, rank, store);
   SS_RETURN_IF_ERROR(setup.Begin());
+  const bool staged = job.staged() && !who.is_trainer;
   const auto t0 = Clock::now();
   TrainerShards shards;
   EngineParams params;
@@ -320,6 +336,9 @@ Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Tra
       SS_ASSIGN_OR_RETURN(
           params, AllocateEngineParams(session->ExpectedParams(), job.inputs.options.wire_dtype));
       for (const DestBinding& b : params.bindings) SS_RETURN_IF_ERROR(session->BindDest(b));
+      res.staging_bytes = session->staging_bytes();
+      // Staged: what the live parameters hold until a commit (the fault runs compare it).
+      if (staged) res.live_hash = LiveHash(params.bindings);
     }
     return OkStatus();
   };
@@ -329,6 +348,12 @@ Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Tra
   auto finish = [&](const Status& s) {
     res.ok = s.ok();
     res.poisoned = session->IsPoisoned();
+    if (staged) {
+      res.committed_version = session->committed_version();
+      res.keep_previous = session->keep_previous();
+      res.live_hash_after = LiveHash(params.bindings);
+      res.live_intact = res.live_hash_after == res.live_hash;
+    }
     if (!s.ok()) res.error = RankError(job, s);
     res.peak_rss_bytes = PeakRssBytes();
     return res;
@@ -340,8 +365,22 @@ Result<RankResult> RunRank(const JobSpec& job, int rank, StoreClient& store, Tra
   step();
   for (int v = 1; v <= job.syncs; ++v) {
     auto rep = session->Sync(static_cast<uint64_t>(v));
-    if (!rep.ok()) return finish(rep.status());
+    if (!rep.ok()) {
+      if (staged) res.failed_in = "sync";
+      return finish(rep.status());
+    }
     res.report = *rep;
+    res.transfer_seconds = rep->local.seconds;
+    if (job.staged()) {
+      // Every rank verified v (the report is job-wide): the engine ranks commit it together.
+      auto c = session->Commit(static_cast<uint64_t>(v));
+      if (!c.ok()) {
+        if (staged) res.failed_in = "commit";
+        return finish(c.status());
+      }
+      res.stall_seconds = c->stall_seconds;
+      if (staged) res.live_hash = LiveHash(params.bindings);
+    }
     step();
   }
   if (!who.is_trainer && job.verify) {

@@ -55,6 +55,9 @@ class Bindings {
   // regions of Message::local sit in it), for BucketTransfers on both ends; null when unknown.
   const Shape* LocalShape(const Message& m, int param) const;
   const DestBinding& dest(int param) const { return dests_[param]; }
+  // Staged commit (staging.h): parameter `param` lands at `data` (its staging, same memory kind)
+  // instead of where it was bound; before Connect registers receive memory.
+  void RedirectDest(int param, void* data) { dests_[param].data = data; }
   const std::vector<DestBinding>& dests() const { return dests_; }
   // The memory every binding of this rank lives in (-1: none bound, or a mix).
   int BoundMem() const;

@@ -1,7 +1,11 @@
 // CPU packer: strided regions <-> contiguous wire images, dtype cast and checksum fused in one
 // pass over each cache-sized chunk.
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #if defined(__x86_64__)
@@ -307,6 +311,46 @@ class CpuPacker final : public Packer {
   }
   Status Upload(void* dst, const void* src, size_t bytes) override {
     if (bytes > 0) std::memcpy(dst, src, bytes);
+    return OkStatus();
+  }
+
+  // Available memory (MemAvailable: what can be allocated without swapping).
+  Result<int64_t> FreeBytes() override {
+    std::FILE* f = std::fopen("/proc/meminfo", "r");
+    if (f != nullptr) {
+      char line[256];
+      long long kb = -1;
+      while (std::fgets(line, sizeof(line), f) != nullptr) {
+        if (std::sscanf(line, "MemAvailable: %lld kB", &kb) == 1) break;
+      }
+      std::fclose(f);
+      if (kb >= 0) return static_cast<int64_t>(kb) * 1024;
+    }
+    const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages < 0 || page < 0) return UnavailableError("cpu packer: available memory unknown");
+    return static_cast<int64_t>(pages) * page;
+  }
+
+  // A swap goes through a cache-sized bounce buffer: each byte is read and written once per
+  // side, twice a copy's traffic.
+  Status CopyAreas(const std::vector<AreaCopy>& copies, bool swap) override {
+    constexpr int64_t kBounce = 256 << 10;
+    std::unique_ptr<unsigned char[]> tmp;
+    if (swap) tmp.reset(new unsigned char[kBounce]);
+    for (const AreaCopy& c : copies) {
+      auto* d = static_cast<unsigned char*>(c.dst);
+      auto* s = static_cast<unsigned char*>(c.src);
+      if (!swap) {
+        std::memcpy(d, s, static_cast<size_t>(c.bytes));
+        continue;
+      }
+      for (int64_t at = 0; at < c.bytes; at += kBounce) {
+        const size_t n = static_cast<size_t>(std::min(kBounce, c.bytes - at));
+        std::memcpy(tmp.get(), d + at, n);
+        std::memcpy(d + at, s + at, n);
+        std::memcpy(s + at, tmp.get(), n);
+      }
+    }
     return OkStatus();
   }
 };

@@ -25,6 +25,7 @@
 #include "sync/internal.h"
 #include "sync/pairs.h"
 #include "sync/presence.h"
+#include "sync/staging.h"
 #include "sync/verdicts.h"
 
 namespace shardsync {
@@ -61,7 +62,8 @@ class SessionImpl final : public SyncSession {
         verdicts_(ctx_, guard_),
         pairs_(ctx_, guard_),
         host_send_(MakeHostSend(ctx_, guard_)),
-        host_recv_(MakeHostRecv(ctx_, guard_)) {}
+        host_recv_(MakeHostRecv(ctx_, guard_)),
+        staged_(ctx_, guard_) {}
   ~SessionImpl() override {
     identity_.Leave();
     presence_.Leave();
@@ -81,8 +83,40 @@ class SessionImpl final : public SyncSession {
   const std::vector<TrainerParam>& ExpectedSources() const override {
     return bindings_.expected_sources();
   }
-  bool IsPoisoned() const override { return poisoned_; }
+  // Staged: a failed sync poisons only staging; the live parameters only by a broken commit.
+  bool IsPoisoned() const override { return staged_.on() ? staged_.live_poisoned() : poisoned_; }
   uint64_t last_good_version() const override { return last_good_; }
+  int64_t staging_bytes() const override { return staged_.bytes(); }
+  uint64_t committed_version() const override {
+    return staged_.on() ? staged_.committed() : last_good_;
+  }
+  std::string keep_previous() const override { return connected_ ? staged_.keep() : ""; }
+
+  Result<CommitReport> Commit(uint64_t version) override {
+    if (!connected_) {
+      return FailedPreconditionError("sync rank " + std::to_string(ctx_.rank) +
+                                     ": Commit before Connect");
+    }
+    if (ctx_.opt.commit != SessionOptions::Commit::kStaged) {
+      return FailedPreconditionError("sync rank " + std::to_string(ctx_.rank) +
+                                     ": Commit is for staged sessions (commit staged); in place, "
+                                     "a verified sync is already live");
+    }
+    if (ctx_.who.is_trainer) return CommitReport{version, 0, 0, 0, ""};  // nothing to commit
+    return staged_.Commit(version, last_good_);
+  }
+
+  Status Rollback() override {
+    if (!connected_) {
+      return FailedPreconditionError("sync rank " + std::to_string(ctx_.rank) +
+                                     ": Rollback before Connect");
+    }
+    // As Commit: a no-op on the trainer ranks of a staged job (callers may call every rank).
+    if (ctx_.who.is_trainer && ctx_.opt.commit == SessionOptions::Commit::kStaged) {
+      return OkStatus();
+    }
+    return staged_.Rollback();
+  }
 
   Status BindSource(const SourceBinding& b) override {
     if (connected_) {
@@ -150,6 +184,8 @@ class SessionImpl final : public SyncSession {
     });
     // 2. Bindings against the plan.
     SS_RETURN_IF_ERROR(bindings_.Check());
+    // Staged commit: parameters land in staging (registered below in their place).
+    SS_RETURN_IF_ERROR(staged_.Prepare(bindings_));
     // 3. Receive memory, registered once: senders put straight into the parameters (and into a
     // block-FP8 receiver's device staging).
     SS_ASSIGN_OR_RETURN(const MemRegion* staging, pairs_.AllocStaging(bindings_));
@@ -204,6 +240,7 @@ class SessionImpl final : public SyncSession {
     last_attempted_ = version;
     if (ctx_.rank == 0) attempted_.push_back(version);
     if (!ctx_.who.is_trainer) poisoned_ = true;  // bytes are about to be overwritten
+    staged_.BeginSync();
     s = ctx_.packer->Quiesce();  // the caller's pending writes to bound memory land first
     // (Each rank says it entered, its `cur` key, off its critical path: a receiver once its
     // prepared pairs are posted (RunReceiver), a sender while they run (RunSender).)
@@ -362,7 +399,9 @@ class SessionImpl final : public SyncSession {
       SS_ASSIGN_OR_RETURN(XferId id, ctx_.tx.PostFlush(plan.recvs[mi].src));
       flushes.push_back(id);
     }
-    return guard_.WaitAll(flushes, "flushing to the senders");
+    SS_RETURN_IF_ERROR(guard_.WaitAll(flushes, "flushing to the senders"));
+    // Staged, kArea: the served version kept for a rollback of the next commit.
+    return staged_.AfterVerified();
   }
 
   // Declaration order is construction order: every part refers to ctx_ (and most to guard_).
@@ -378,6 +417,7 @@ class SessionImpl final : public SyncSession {
   // The host path, chosen by the plan's encodings (host_path.h).
   std::unique_ptr<sync_internal::HostSendPath> host_send_;
   std::unique_ptr<sync_internal::HostRecvPath> host_recv_;
+  sync_internal::StagedCommit staged_;
   bool connected_ = false;
   bool poisoned_ = false;
   uint64_t last_good_ = 0;

@@ -104,11 +104,23 @@ int RunFault(const BenchFlags& f, const JobSpec& job) {
   if (!res.ok()) return ReportError(res.status());
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   bool all_failed = true;
+  // --commit staged: every surviving engine rank's live parameters hash as they did after its
+  // last commit (nothing of the failed version reached them).
+  bool live_intact = true;
   json survivors = json::array();
   for (const RankResult& r : res->ranks) {
     if (r.rank == f.kill_rank) continue;
     all_failed = all_failed && !r.ok;
-    survivors.push_back({{"rank", r.rank}, {"ok", r.ok}, {"error", r.error}});
+    json sv = {{"rank", r.rank}, {"ok", r.ok}, {"error", r.error}};
+    if (job.staged() && !r.is_trainer) {
+      live_intact = live_intact && r.live_intact && !r.live_hash.empty();
+      sv["failed_in"] = r.failed_in;
+      sv["committed_version"] = r.committed_version;
+      sv["live_hash_committed"] = r.live_hash;
+      sv["live_hash_after"] = r.live_hash_after;
+      sv["live_intact"] = r.live_intact;
+    }
+    survivors.push_back(sv);
   }
   // The next sync after re-connect.
   LocalJobOptions again = lo;
@@ -117,14 +129,22 @@ int RunFault(const BenchFlags& f, const JobSpec& job) {
   again.job.verify = true;
   again.job.prefix = job.prefix + "reconnect/";
   auto res2 = RunLocalJob(again);
-  const bool reconnect_ok = res2.ok() && res2->ok();
-  const bool ok = all_failed && reconnect_ok;
+  bool reconnect_ok = res2.ok() && res2->ok();
+  if (reconnect_ok && job.staged()) {
+    // The re-connected job's sync committed on every engine rank.
+    for (const RankResult& r : res2->ranks) {
+      reconnect_ok = reconnect_ok && (r.is_trainer || r.committed_version == 1);
+    }
+  }
+  const bool ok = all_failed && reconnect_ok && live_intact;
   json j = {{"kill_rank", f.kill_rank},
             {"timeout_ms", job.timeout.count()},
             {"fault_job_seconds", wall},
             {"every_survivor_failed", all_failed},
             {"survivors", survivors},
             {"reconnect_ok", reconnect_ok},
+            {"commit", job.staged() ? "staged" : "inplace"},
+            {"live_intact", live_intact},
             {"reconnect_error", res2.ok() ? res2->FirstError() : res2.status().ToString()},
             {"ok", ok}};
   std::printf("%s\n", f.json ? j.dump().c_str() : j.dump(2).c_str());
@@ -160,6 +180,13 @@ void PrintText(const JobSpec& job, const BenchSummary& b, const json& extra, boo
                   g["match"].get<bool>() ? "MATCH" : "MISMATCH", g["tokens"].dump().c_str(),
                   g["reference_tokens"].dump().c_str());
     }
+  }
+  if (job.staged()) {
+    std::printf(
+        "  staged commit: stall %.4f s (slowest engine rank's commit) vs %s of every "
+        "engine rank's bytes at once %.4f s = %.2fx; transfer %.4f s while serving\n",
+        b.stall_seconds, job.device == "cuda" ? "cudaMemcpy" : "memcpy", b.commit_raw_seconds,
+        b.commit_raw_seconds > 0 ? b.stall_seconds / b.commit_raw_seconds : 0.0, b.sharded_seconds);
   }
   std::printf("  sharded / raw = %.2f, speedup vs broadcast = %.2fx, wire bytes == owned: %s, %s\n",
               b.ratio_to_raw, b.speedup_vs_broadcast, wire_eq_owned ? "yes" : "NO",
@@ -254,6 +281,30 @@ int Run(const BenchFlags& f) {
               {"reps", job->bench_reps},
               {"warmup", job->bench_warmup}};
     j.update(extra);
+    j["commit"] = job->staged() ? "staged" : "inplace";
+    // The engine's stall per sync: in place, the whole transfer (it must be idle while bytes land
+    // in its parameters); staged, the commit alone. Per engine rank beside the job's figures.
+    j["transfer_seconds"] = b->sharded_seconds;
+    j["stall_seconds"] = job->staged() ? b->stall_seconds : b->sharded_seconds;
+    if (job->staged()) {
+      j["commit_raw_seconds"] = b->commit_raw_seconds;
+      j["commit_copy_seconds"] = b->commit_copy_seconds;
+      j["stall_over_commit_raw"] =
+          b->commit_raw_seconds > 0 ? b->stall_seconds / b->commit_raw_seconds : 0.0;
+      json per = json::array();
+      for (const RankResult& r : res->ranks) {
+        if (r.is_trainer) continue;
+        per.push_back({{"rank", r.rank},
+                       {"transfer_seconds", r.transfer_seconds},
+                       {"stall_seconds", r.stall_seconds},
+                       {"staging_bytes", r.staging_bytes},
+                       {"keep_previous", r.keep_previous},
+                       {"decode_idle_ms", r.bench.decode_idle_ms},
+                       {"decode_transfer_ms", r.bench.decode_transfer_ms},
+                       {"decode_commit_ms", r.bench.decode_commit_ms}});
+      }
+      j["engine_ranks"] = per;
+    }
     if (job->device == "cuda") {
       j["checksums_ok"] = r0.report.checksums_ok;
       j["checksums_total"] = r0.report.checksums_total;

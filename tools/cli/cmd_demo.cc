@@ -304,6 +304,26 @@ int Run(const DemoFlags& f) {
                         {"element_mismatches", mismatches},
                         {"transport", job->transport},
                         {"plan_hash", summary->plan_hash}};
+    j["commit"] = job->staged() ? "staged" : "inplace";
+    if (job->staged()) {
+      // Per engine rank: the last sync's transfer, the last commit's stall, the staging area.
+      nlohmann::json transfer = nlohmann::json::array(), stall = nlohmann::json::array(),
+                     staging = nlohmann::json::array();
+      double max_stall = 0;
+      for (const RankResult& r : res->ranks) {
+        if (r.is_trainer) continue;
+        transfer.push_back(r.transfer_seconds);
+        stall.push_back(r.stall_seconds);
+        staging.push_back(r.staging_bytes);
+        max_stall = std::max(max_stall, r.stall_seconds);
+        j["keep_previous"] = r.keep_previous;
+        j["committed_version"] = r.committed_version;
+      }
+      j["transfer_seconds"] = transfer;
+      j["stall_seconds"] = stall;
+      j["staging_bytes"] = staging;
+      j["max_stall_seconds"] = max_stall;
+    }
     if (fp8) j["quant"] = Fp8SummaryJson(in, *fp8);
     if (gen) {
       j["generation_match"] = gen->match;
@@ -378,6 +398,22 @@ int Run(const DemoFlags& f) {
       std::printf("checksums  %lld/%lld buckets verified\n",
                   static_cast<long long>(rep.checksums_ok),
                   static_cast<long long>(rep.checksums_total));
+    }
+    if (job->staged()) {
+      double max_stall = 0, max_transfer = 0;
+      int64_t staging = 0;
+      std::string keep;
+      for (const RankResult& r : res->ranks) {
+        if (r.is_trainer) continue;
+        max_stall = std::max(max_stall, r.stall_seconds);
+        max_transfer = std::max(max_transfer, r.transfer_seconds);
+        staging = std::max(staging, r.staging_bytes);
+        keep = r.keep_previous;
+      }
+      std::printf(
+          "commit     staged: transfer %.3f s while serving, stall %.4f s (commit, slowest "
+          "engine rank); staging up to %s per engine rank, rollback kept by %s\n",
+          max_transfer, max_stall, HumanBytes(staging).c_str(), keep.c_str());
     }
     if (fp8) std::printf("%s", Fp8SummaryText(in, *fp8).c_str());
     std::printf("elements   %lld checked against the HF values%s, %lld mismatches\n",

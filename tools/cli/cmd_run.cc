@@ -73,6 +73,22 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
   sub->add_option("--quant", f->quant,
                   "Engine weights: fp8-block128 (block FP8, quantized at sync time; overrides the "
                   "config's quantization_config) | none (the model dtype; drops it)");
+  sub->add_option("--commit", f->commit,
+                  "inplace (bytes land in the live parameters; the engine must be idle for the "
+                  "whole transfer) | staged (they land in staging while the engine serves; a "
+                  "verified version is copied in by a short commit)")
+      ->capture_default_str();
+  sub->add_option("--staging", f->staging,
+                  "--commit staged: auto (the parameters' memory) | device | host")
+      ->capture_default_str();
+  sub->add_option("--commit-scope", f->commit_scope,
+                  "--commit staged: engine ranks that commit together: job | replica")
+      ->capture_default_str();
+  sub->add_option("--keep-previous", f->keep_previous,
+                  "--commit staged, how a rollback restores: auto (area when it fits, else "
+                  "swap) | area (a second copy, made while the engine serves) | swap (the "
+                  "commit exchanges staging and parameters) | none")
+      ->capture_default_str();
   sub->add_option("--fp8-split", f->fp8_split,
                   "Block FP8, blocks whose rows straddle FSDP trainer ranks: amax (their holders "
                   "exchange the block's amax, e4m3 on the wire; host path and cuda_ipc) | stage "

@@ -388,11 +388,52 @@ class EngineRankHook:
             raise FailedPreconditionError(f"rank refuses to sync: {self.poisoned}")
         self.check_ready("before sync")
         report = self.session.sync(int(version))
+        if self.staged:
+            # Staged commit: the bytes are in staging, the engine still serves the live
+            # parameters; post-load belongs to the commit (do_commit).
+            return {"report": _summary(report), "staged": True}
         if self.views is not None:  # staged FP8 scales into their served layout
             self.views.after_sync(self._get_model())
         if finalize:
             self.run_finalize("after sync")
         return {"report": _summary(report)}
+
+    @property
+    def staged(self) -> bool:
+        return getattr(self.session, "commit_mode", "inplace") == "staged"
+
+    def do_commit(self, version: int, finalize: bool = True) -> Dict[str, Any]:
+        """Staged commit (raises; wrap with _guard): the engine is paused in place, so finish
+        what it queued on the GPU, copy the verified version into the live parameters
+        (collective over the commit scope; a rank that cannot makes every rank roll back), then
+        the engine's post-load step."""
+        if self.session is None:
+            raise FailedPreconditionError("commit before a successful init on this rank")
+        if not self.staged:
+            raise FailedPreconditionError(
+                "commit: this rank's session is in place (the plan's commit is 'inplace')")
+        self.check_ready("before commit")
+        _synchronize_device(self.session)
+        rep = self.session.commit(int(version))
+        if self.views is not None:  # staged FP8 scales into their served layout
+            self.views.after_sync(self._get_model())
+        if finalize:
+            self.run_finalize("after commit")
+        return {"commit": rep}
+
+    def do_rollback(self, finalize: bool = True) -> Dict[str, Any]:
+        """Staged commit: the version committed before the last commit, bit for bit, then the
+        engine's post-load step (raises; wrap with _guard)."""
+        if self.session is None:
+            raise FailedPreconditionError("rollback before a successful init on this rank")
+        self.check_ready("before rollback")
+        _synchronize_device(self.session)
+        self.session.rollback()
+        if self.views is not None:
+            self.views.after_sync(self._get_model())
+        if finalize:
+            self.run_finalize("after rollback")
+        return {"committed_version": self.session.committed_version}
 
     def run_finalize(self, when: str, run: bool = True) -> None:
         """The engine's post-load step (unless `run` is False: the engine runs it itself), then
@@ -483,6 +524,20 @@ def _owners(model: Any, names: Sequence[str]) -> Dict[str, Any]:
         if m is not None:
             out[n] = m
     return out
+
+
+def _synchronize_device(session: Any) -> None:
+    """The engines' in-place pauses stop scheduling, not the GPU: SGLang's in_place mode only
+    sets `_engine_paused` and returns, leaving in-flight batches to finish (srt/managers/
+    scheduler.py `Scheduler.pause_generation`), and vLLM's "keep" freezes the queue (v1/engine/
+    core.py `EngineCore.pause_scheduler`). A forward still reading the live parameters must end
+    before the commit writes them."""
+    device = getattr(session, "device", None)
+    if device is None:
+        return
+    import torch
+
+    torch.cuda.synchronize(device)
 
 
 def _check_expert_naming(plan: Any, expected: Sequence[Any], named: Sequence[Any]) -> None:

@@ -136,6 +136,10 @@ class _Driver:
                              + float(config.get("sync_timeout", 60.0)) + 30.0)
         self.init_id = 0
         self.last_reports: List[Dict[str, Any]] = []
+        # Staged commit (Plan(commit="staged")): rounds land in staging while the engines serve,
+        # then one short in-place pause commits them (`_staged_round`).
+        self.staged = getattr(plan, "commit", "inplace") == "staged"
+        self.committed = 0
         self.precheck_layout = bool(config.get("precheck", True))
 
     def replica_config(self, d: int) -> Dict[str, Any]:
@@ -146,6 +150,52 @@ class _Driver:
         self.last_reports = collect_reports(self.plan, self.config, op, version,
                                             timeout=self.timeout, replicas=self.replicas)
         return check_reports(self.last_reports, op, version)
+
+    # ---- staged commit: the engine-specific halves are _transfer (start the round, collect
+    # every rank's report from the store while the engine serves, join), _commit_call, _pause,
+    # _resume (driver_sglang.py, driver_vllm.py) ----
+    def _staged_round(self, version: int) -> Dict[str, Any]:
+        """Transfer while the engines serve (every rank verifies into staging), then pause in
+        place, commit on every rank (a rank that cannot rolls every rank back), post-load,
+        resume. The stall the engines see is the pause-to-resume interval only."""
+        t0 = time.monotonic()
+        out = self._transfer(version)
+        out["transfer_seconds"] = time.monotonic() - t0
+        commit = self.commit(version)
+        out.update(stall_seconds=commit["stall_seconds"], commit=commit)
+        return out
+
+    def commit(self, version: int) -> Dict[str, Any]:
+        """Pauses every replica in place, commits `version` (verified by the last round) on every
+        engine rank, runs post-load, resumes; raises HookError naming the ranks that could not
+        commit (every rank then serves the version it served before)."""
+        if not self.staged:
+            raise FailedPreconditionError("commit: the plan's commit is 'inplace'")
+        p0 = time.monotonic()
+        self._pause()
+        try:
+            self._commit_call("commit", version)
+            out = self._collect("commit", version)
+        finally:
+            self._resume()
+        out["stall_seconds"] = time.monotonic() - p0
+        self.committed = int(version)
+        return out
+
+    def rollback(self) -> Dict[str, Any]:
+        """Every engine rank back to the version committed before the last commit (bit for
+        bit), under the same in-place pause."""
+        if not self.staged or not self.committed:
+            raise FailedPreconditionError("rollback: no staged commit to roll back")
+        p0 = time.monotonic()
+        self._pause()
+        try:
+            self._commit_call("rollback", self.committed)
+            out = self._collect("rollback", self.committed)
+        finally:
+            self._resume()
+        out["stall_seconds"] = time.monotonic() - p0
+        return out
 
     def _refuse_asleep(self) -> None:
         asleep = self.group.asleep_replicas()

@@ -18,6 +18,12 @@
 - Refused before any request (`engines.require`): a head launched with `--weight-cache-mode`
   other than off (SGLang's `WeightUpdater._assert_weight_cache_inactive` raises before any
   loader, and with no try around it the scheduler dies).
+- Staged commit (`Plan(commit="staged")`): start -> wait while the engine serves (bytes land in
+  staging), then `pause_generation(mode="in_place")` (requests and their KV cache stay: io_struct
+  `PauseGenerationReqInput`, scheduler `pause_generation` only sets `_engine_paused`), a commit
+  round (commit -> wait, post-load on every scheduler), `continue_generation()`. Refused where
+  the engine has no in-place pause (`engines.require(caps, "pause_in_place")`). The prefix cache
+  keeps the KV computed before the commit, as the in-place pause intends: no flush.
 - The cache is flushed once per round after `end`, through `flush_cache` (retried until it
   answers success or `flush_timeout`): an update request's own `flush_cache=True` asserts inside
   the scheduler unless generation is fully idle (`flush_cache_after_weight_update`), which would
@@ -89,6 +95,8 @@ class SGLangDriver(_Driver):
                 + "; leave session='auto'")
         self.session = bool(session)
         self.group_name = group_name
+        if self.staged:
+            require(caps, "pause_in_place")
         if flush not in ("separate", "with-update", "off"):
             raise InvalidArgumentError(
                 f"flush: must be separate, with-update or off, got {flush!r}")
@@ -172,6 +180,8 @@ class SGLangDriver(_Driver):
         one cache flush per replica."""
         self._refuse_asleep()
         v = int(version)
+        if self.staged:
+            return self._staged_round(v)
         last = self.flush_mode == "with-update"
 
         def body() -> None:
@@ -189,6 +199,47 @@ class SGLangDriver(_Driver):
         if self.flush_mode == "separate":
             self.flush()
         return out
+
+    # ---- staged commit halves (driver_base._Driver._staged_round) ----
+    def _transfer(self, v: int) -> Dict[str, Any]:
+        """start, then every rank's report from the store (a `wait` request now would hold the
+        scheduler thread for the whole transfer), then `wait` to join the finished jobs."""
+        out: Dict[str, Any] = {}
+
+        def body() -> None:
+            recv = self.path == "receiver"
+            if recv:
+                self._receive(self.ss.receiver_payload("start", version=v))
+            else:
+                self._loader(self.ss.start_request(v))
+            try:
+                out.update(self._collect("sync", v))
+            finally:
+                if recv:
+                    self._receive(self.ss.receiver_payload("wait", post_load=False))
+                else:
+                    self._loader(self.ss.wait_request(post_load=False))
+
+        self._bracket(body)
+        return out
+
+    def _commit_call(self, op: str, v: int) -> None:
+        def body() -> None:
+            if self.path == "receiver":
+                self._receive(self.ss.receiver_payload(op, version=v))
+                self._receive(self.ss.receiver_payload("wait", post_load=True))
+            else:
+                req = self.ss.commit_request(v) if op == "commit" else self.ss.rollback_request(v)
+                self._loader(req)
+                self._loader(self.ss.wait_request(post_load=True))
+
+        self._bracket(body)
+
+    def _pause(self) -> None:
+        self.group.call("pause_generation", mode="in_place")
+
+    def _resume(self) -> None:
+        self.group.call("continue_generation")
 
     def close(self) -> None:
         if self.path == "receiver":

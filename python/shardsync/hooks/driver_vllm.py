@@ -13,6 +13,13 @@
   `{"update_info": ...}` bodies (dev mode only).
 - Extension path (any V1 vLLM, in-process): `collective_rpc("shardsync_init", args=(config,))`,
   then `collective_rpc("shardsync_sync", args=(v,))` per round.
+- Staged commit (`Plan(commit="staged")`, extension path): `collective_rpc("shardsync_start")`
+  starts the sync on a worker thread and returns, so the engine keeps stepping while it lands in
+  staging (reports through the store, `shardsync_wait` joins), then `pause_generation(mode="keep",
+  clear_cache=False)` (v1/engine/__init__.py PauseMode "keep": requests stay queued with their
+  KV cache and resume on `resume_generation()`), `collective_rpc("shardsync_commit", args=(v,))`
+  (copy + post-load on every worker), `resume_generation()`. Refused where the engine has no
+  "keep" pause, and on the native path (its four phases have no commit step).
 - AsyncLLM: every method above is `async def`; the EngineGroup awaits each on the engine's loop
   (`loop=`), bounded by its call timeout.
 """
@@ -68,6 +75,12 @@ class VLLMDriver(_Driver):
         else:
             raise InvalidArgumentError(f"path: must be native, extension or auto, got {path!r}")
         self.path = path
+        if self.staged:
+            require(caps, "pause_in_place")
+            if path != "extension":
+                raise FailedPreconditionError(
+                    f"{caps.label}: a staged commit needs a commit step, which the native "
+                    "weight-transfer API (start / update / finish) has not: use path='extension'")
         self._req: Any = None
         if not caps.http and path == "native":
             from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-found]
@@ -122,6 +135,8 @@ class VLLMDriver(_Driver):
         self._refuse_asleep()
         self._refuse_sleeping()
         v = int(version)
+        if self.staged:
+            return self._staged_round(v)
         if self.path == "native":
             kw = ({"is_checkpoint_format": False}
                   if self.caps.http or self.caps.lifecycle == "worker" else {})
@@ -141,6 +156,25 @@ class VLLMDriver(_Driver):
         else:
             self.group.call("collective_rpc", "shardsync_sync", args=(v,))
         return self._collect("sync", v)
+
+    # ---- staged commit halves (driver_base._Driver._staged_round) ----
+    def _transfer(self, v: int) -> Dict[str, Any]:
+        """shardsync_start returns at once (the sync runs on a worker thread, so the engine core
+        keeps stepping); every rank's report comes from the store; shardsync_wait joins."""
+        self.group.call("collective_rpc", "shardsync_start", args=(v,))
+        try:
+            return self._collect("sync", v)
+        finally:
+            self.group.call("collective_rpc", "shardsync_wait")
+
+    def _commit_call(self, op: str, v: int) -> None:
+        self.group.call("collective_rpc", f"shardsync_{op}", args=(v,))
+
+    def _pause(self) -> None:
+        self.group.call("pause_generation", mode="keep", clear_cache=False)
+
+    def _resume(self) -> None:
+        self.group.call("resume_generation")
 
     def close(self) -> None:
         if self.path == "extension":

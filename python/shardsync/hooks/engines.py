@@ -36,6 +36,16 @@ Facts each probe relies on (engine files read for this module):
   each engine owns them (`WeightTransferEngine.start_weight_update` / `finish_weight_update`).
 - vLLM `model_executor/layers/fused_moe/routed_experts.py` (vLLM >= 0.24, PR #41184): expert
   parameters are `...mlp.experts.routed_experts.w13_weight`.
+- SGLang `srt/managers/io_struct.py` `PauseGenerationReqInput.mode: Literal["abort", "retract",
+  "in_place"]`: "in_place" pauses the scheduler's event loop (only control requests are handled)
+  and keeps every request with its KV cache until `ContinueGenerationReqInput`; `srt/managers/
+  scheduler.py` `Scheduler.pause_generation` only sets `_engine_paused` in that mode. Versions
+  whose pause takes no mode (SGLang <= 0.5.5: `pause_generation()` aborts) have no in-place pause.
+- vLLM `v1/engine/__init__.py` `PauseMode = Literal["abort", "wait", "keep"]` ("keep": freeze
+  requests in the queue, they resume on `resume_generation()`), taken by `AsyncLLM.
+  pause_generation(*, mode=..., clear_cache=...)` (`v1/engine/async_llm.py`) and `EngineCore.
+  pause_scheduler(mode, clear_cache)` (`v1/engine/core.py`: "keep" sets PAUSED_ALL). Older
+  versions' `pause_generation(*, wait_for_inflight_requests, clear_cache)` abort or drain.
 - vLLM `v1/engine/async_llm.py`: AsyncLLM's weight-transfer methods are `async def` and take the
   request objects (older ones raise TypeError on anything else).
 """
@@ -84,6 +94,9 @@ class EngineCaps:
     backend: Optional[str] = None  # weight_transfer_config.backend
     dev_mode: Optional[bool] = None  # HTTP: VLLM_SERVER_DEV_MODE routes mounted
     expert_naming: str = "fused_moe"
+    # Both: a pause that keeps requests and their KV cache (staged commit pauses the engine so
+    # for the commit only): SGLang's pause_generation mode "in_place", vLLM's "keep".
+    pause_in_place: bool = False
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -177,6 +190,23 @@ def _fields(cls: Any) -> List[str]:
     return list(getattr(cls, "__struct_fields__", ()))  # msgspec.Struct (newer io_struct)
 
 
+def _literal_args(cls_or_alias: Any, attr: Optional[str]) -> List[str]:
+    """The values of a Literal: a class field's annotation (`attr`) or the alias itself."""
+    import typing
+
+    ann: Any = cls_or_alias
+    if attr is not None:
+        anns: Dict[str, Any] = {}
+        for c in reversed(getattr(cls_or_alias, "__mro__", ())):
+            anns.update(getattr(c, "__annotations__", {}) or {})
+        ann = anns.get(attr)
+    if ann is None:
+        return []
+    if isinstance(ann, str):  # postponed annotations: the source text of the Literal
+        return re.findall(r"['\"]([A-Za-z_]+)['\"]", ann)
+    return [str(a) for a in typing.get_args(ann)]
+
+
 def _version_of(mod: Any, engine: str) -> str:
     v = getattr(mod, "__version__", None)
     if v is None:
@@ -240,6 +270,8 @@ def _probe_sglang(handle: Any) -> EngineCaps:
         draft=str(draft) if draft else None,
         weight_cache=_weight_cache(sa),
         tp_size=int(getattr(sa, "tp_size", 1) or 1),
+        pause_in_place="in_place" in _literal_args(
+            getattr(io, "PauseGenerationReqInput", None), "mode"),
     )
 
 
@@ -275,6 +307,9 @@ def _probe_vllm(handle: Any) -> EngineCaps:
         backend=getattr(getattr(vc, "weight_transfer_config", None), "backend", None),
         expert_naming="routed_experts" if routed else "fused_moe",
         draft=str(getattr(spec, "method", "speculative")) if spec is not None else None,
+        pause_in_place="keep" in _literal_args(
+            getattr(_module("vllm.v1.engine"), "PauseMode", None), None)
+        and "mode" in _params(inspect.getattr_static(cls, "pause_generation", None)),
     )
 
 
@@ -287,6 +322,13 @@ def _takes(fn: Any, name: str) -> bool:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _params(fn: Any) -> List[str]:
+    try:
+        return list(inspect.signature(fn).parameters) if callable(fn) else []
+    except (TypeError, ValueError):
+        return []
 
 
 def probe(handle: Any, engine: str) -> EngineCaps:
@@ -345,6 +387,10 @@ _WHY = {
     "dev_mode": "the dev-mode routes (/sleep, /wake_up, /is_sleeping, /init_weight_transfer_"
                 "engine, ...) are not mounted: launch `vllm serve` with VLLM_SERVER_DEV_MODE=1",
     "inproc": "the path needs an in-process engine (pickled or RPC payloads), not HTTP",
+    "pause_in_place": "no pause that keeps requests and their KV cache (SGLang: "
+                      "PauseGenerationReqInput.mode 'in_place'; vLLM: pause_generation(mode="
+                      "'keep')), which a staged commit needs to swap versions without draining; "
+                      "use Plan(commit='inplace')",
     "weight_cache": "launched with --weight-cache-mode {mode}: the weights are shared with the "
                     "weight-cache daemon and WeightUpdater._assert_weight_cache_inactive raises "
                     "before any loader, with no try around it (the scheduler would die); "
@@ -362,6 +408,7 @@ def require(caps: EngineCaps, *needs: str) -> None:
         "collective_rpc": caps.collective_rpc, "dev_mode": caps.dev_mode is not False,
         "inproc": not caps.http,
         "weight_cache": caps.weight_cache in (None, "off"),
+        "pause_in_place": caps.pause_in_place,
     }
     for n in needs:
         if not have[n]:

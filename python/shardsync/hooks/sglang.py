@@ -90,6 +90,8 @@ __all__ = [
     "wait_request",
     "sync_request",
     "close_request",
+    "commit_request",
+    "rollback_request",
     "receiver_payload",
     "load_weights",
     "receiver",
@@ -104,7 +106,7 @@ RECEIVER = "shardsync.hooks.sglang.receiver"
 GROUP_NAME = "shardsync"
 ATTR = "shardsync_command"  # the attribute of the command Module holding the JSON text
 _NAME = "shardsync.cmd"
-_OPS = ("init", "start", "wait", "sync", "close")
+_OPS = ("init", "start", "wait", "sync", "close", "commit", "rollback")
 
 log = logging.getLogger("shardsync.hooks.sglang")
 
@@ -170,6 +172,17 @@ def wait_request(timeout: Optional[float] = None, post_load: bool = True) -> Lis
 def sync_request(version: int) -> List[Tuple[str, Any]]:
     """Start and wait in one blocking call: only with pp == 1 (see the module docstring)."""
     return command("sync", version=int(version))
+
+
+def commit_request(version: int) -> List[Tuple[str, Any]]:
+    """Staged commit of a verified version (in the background, like start; `wait` joins it and
+    runs post-load on the scheduler thread)."""
+    return command("commit", version=int(version))
+
+
+def rollback_request(version: int) -> List[Tuple[str, Any]]:
+    """Staged commit: back to the version committed before `version` (background; `wait`)."""
+    return command("rollback", version=int(version))
 
 
 def close_request() -> List[Tuple[str, Any]]:
@@ -318,8 +331,10 @@ def _dispatch_op(hook: EngineRankHook, msg: Dict[str, Any]) -> Dict[str, Any]:
         if hook.config is None:
             return hook.refuse("sync", version,
                                FailedPreconditionError("start before init on this rank"))
+        # Staged: the status goes to the store when the transfer ends (the driver reads it
+        # while the engine serves; `wait` only joins). In place, `wait` posts it after post-load.
         return hook.submit("sync", version, lambda: hook.do_sync(version, finalize=False),
-                           post=False)
+                           post=hook.staged)
     if op == "wait":
         return _wait(hook, msg)
     if op == "sync":
@@ -329,6 +344,15 @@ def _dispatch_op(hook: EngineRankHook, msg: Dict[str, Any]) -> Dict[str, Any]:
                 "before forwarding it, so stage 0 would block on a stage that has not seen it; "
                 "use start then wait"))
         return hook.sync(version)
+    if op in ("commit", "rollback"):
+        # Collective over the commit scope, which spans PP stages: in the background, as start.
+        if hook.config is None:
+            return hook.refuse(op, version, FailedPreconditionError(f"{op} before init"))
+        if op == "commit":
+            return hook.submit("commit", version,
+                               lambda: hook.do_commit(version, finalize=False), post=False)
+        return hook.submit("rollback", version, lambda: hook.do_rollback(finalize=False),
+                           post=False)
     if op == "close":
         return hook.close()
     return hook.refuse(str(op), version, InvalidArgumentError(
@@ -341,13 +365,15 @@ def _wait(hook: EngineRankHook, msg: Dict[str, Any]) -> Dict[str, Any]:
     out = make_status("wait", 0, hook.coord, jobs=len(statuses))
     post_load = bool(msg.get("post_load", True))
     for st in statuses:
-        if st["op"] == "sync":
-            if st["ok"]:
+        if st["op"] in ("sync", "commit", "rollback"):
+            # Staged syncs changed nothing the engine reads: post-load follows their commit.
+            if st["ok"] and not st.get("staged"):
                 # Post-load on the scheduler thread, after the bytes landed (unless the engine's
                 # end_weight_update runs it: module docstring), then re-check that no parameter
                 # was swapped.
-                fin = hook._guard("sync", st["version"],
-                                  lambda: hook.run_finalize("after sync", run=post_load) or {},
+                when = "after " + st["op"]
+                fin = hook._guard(st["op"], st["version"],
+                                  lambda: hook.run_finalize(when, run=post_load) or {},
                                   post=False)
                 if not fin["ok"]:
                     st = dict(st, ok=False, error=fin["error"], code=fin["code"])

@@ -227,6 +227,45 @@ class ShardsyncWorkerExtension:
                 "shardsync_sync before shardsync_init on this worker"))
         return hook.sync(int(version))
 
+    def shardsync_start(self, version: int) -> Dict[str, Any]:
+        """Staged commit: the sync on the hook's worker thread (posted to the store when done),
+        so the engine keeps stepping on its live parameters while bytes land in staging."""
+        hook = self._shardsync_hook
+        if hook is None:
+            return make_status("sync", int(version), {}, error=FailedPreconditionError(
+                "shardsync_start before shardsync_init on this worker"))
+        return hook.submit("sync", int(version), lambda: hook.do_sync(int(version)), post=True)
+
+    def shardsync_wait(self, timeout: float = 300.0) -> Dict[str, Any]:
+        """Joins the jobs shardsync_start queued (bounded)."""
+        hook = self._shardsync_hook
+        if hook is None:
+            return make_status("wait", 0, {})
+        statuses, err = hook.wait(float(timeout))
+        bad = next((st for st in statuses if not st.get("ok")), None)
+        if err is not None:
+            return make_status("wait", 0, hook.coord, error=err)
+        if bad is not None:
+            return dict(bad, op="wait")
+        return make_status("wait", 0, hook.coord, jobs=len(statuses))
+
+    def shardsync_commit(self, version: int) -> Dict[str, Any]:
+        """Staged commit (the engine paused with mode "keep"): copies the verified `version` into
+        the live parameters (collective over the commit scope), then post-load."""
+        hook = self._shardsync_hook
+        if hook is None:
+            return make_status("commit", int(version), {}, error=FailedPreconditionError(
+                "shardsync_commit before shardsync_init on this worker"))
+        return hook._guard("commit", int(version), lambda: hook.do_commit(int(version)))
+
+    def shardsync_rollback(self, version: int) -> Dict[str, Any]:
+        """Staged commit: back to the version committed before `version`, then post-load."""
+        hook = self._shardsync_hook
+        if hook is None:
+            return make_status("rollback", int(version), {}, error=FailedPreconditionError(
+                "shardsync_rollback before shardsync_init on this worker"))
+        return hook._guard("rollback", int(version), hook.do_rollback)
+
     def shardsync_close(self) -> Dict[str, Any]:
         hook, self._shardsync_hook = self._shardsync_hook, None
         return make_status("close", 0, {}) if hook is None else hook.close()

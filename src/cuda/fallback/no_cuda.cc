@@ -34,6 +34,7 @@ Status CopyDeviceToDevice(void*, const void*, size_t, void*) {
   return NoCuda("CopyDeviceToDevice");
 }
 Status Memset(void*, int, size_t) { return NoCuda("Memset"); }
+Status LaunchReadPass(const void*, size_t, void*) { return NoCuda("LaunchReadPass"); }
 Result<std::unique_ptr<CopyBatch>> CopyBatch::Prepare(const BatchSpec&, int) {
   return NoCuda("CopyBatch::Prepare");
 }

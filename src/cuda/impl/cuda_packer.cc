@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cuda/cuda_util.h"
+#include "cuda/impl/area_kernels.h"
 #include "cuda/impl/fp8_kernels.h"
 #include "shardsync/fp8.h"
 #include "shardsync/gpu.h"
@@ -226,6 +227,60 @@ class CudaPacker final : public Packer {
   }
 
   // Staging on the device: the pack kernel writes it, and device transports read it.
+  Result<int64_t> FreeBytes() override {
+    SS_RETURN_IF_ERROR(Init());
+    size_t free_bytes = 0, total = 0;
+    SS_CUDA(cudaMemGetInfo(&free_bytes, &total), "cuda packer: cudaMemGetInfo");
+    return static_cast<int64_t>(free_bytes);
+  }
+
+  // Copies: adjacent pairs merged into one cudaMemcpyAsync (bound parameters that sit back to
+  // back in one allocation copy as one); a merged run the runtime refuses (it spans two
+  // allocations that happen to be adjacent) is copied pair by pair. Swaps: one exchange kernel
+  // per pair. One wait at the end.
+  Status CopyAreas(const std::vector<AreaCopy>& copies, bool swap) override {
+    SS_RETURN_IF_ERROR(Init());
+    if (!swap) {
+      std::vector<std::pair<AreaCopy, std::vector<AreaCopy>>> merged;  // run, its pairs
+      for (const AreaCopy& c : copies) {
+        if (c.bytes <= 0) continue;
+        if (!merged.empty()) {
+          AreaCopy& m = merged.back().first;
+          if (static_cast<unsigned char*>(m.dst) + m.bytes == c.dst &&
+              static_cast<unsigned char*>(m.src) + m.bytes == c.src) {
+            m.bytes += c.bytes;
+            merged.back().second.push_back(c);
+            continue;
+          }
+        }
+        merged.push_back({c, {c}});
+      }
+      for (const auto& [run, pairs] : merged) {
+        cudaError_t e = cudaMemcpyAsync(run.dst, run.src, static_cast<size_t>(run.bytes),
+                                        cudaMemcpyDeviceToDevice, stream_);
+        if (e == cudaErrorInvalidValue && pairs.size() > 1) {
+          cudaGetLastError();  // not sticky: clear it and copy the run's pairs one by one
+          for (const AreaCopy& c : pairs) {
+            e = cudaMemcpyAsync(c.dst, c.src, static_cast<size_t>(c.bytes),
+                                cudaMemcpyDeviceToDevice, stream_);
+            if (e != cudaSuccess) break;
+          }
+        }
+        SS_CUDA(e, "cuda packer: commit copy of " + std::to_string(run.bytes) + " bytes");
+      }
+    } else {
+      if (sm_count_ == 0) {
+        SS_CUDA(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_),
+                "cuda packer: SM count");
+      }
+      for (const AreaCopy& c : copies) {
+        SS_CUDA(static_cast<cudaError_t>(LaunchSwap(c.dst, c.src, c.bytes, stream_, sm_count_)),
+                "cuda packer: commit exchange of " + std::to_string(c.bytes) + " bytes");
+      }
+    }
+    return Wait();
+  }
+
   Result<std::shared_ptr<unsigned char>> AllocStaging(size_t bytes) override {
     SS_RETURN_IF_ERROR(Init());
     void* p = nullptr;
@@ -328,6 +383,7 @@ class CudaPacker final : public Packer {
   int device_;
   Millis timeout_;
   cudaStream_t stream_ = nullptr;
+  int sm_count_ = 0;
   cudaEvent_t quiesce_ = nullptr;
   std::map<std::string, std::unique_ptr<CopyBatch>> cache_;
   std::map<std::string, std::unique_ptr<Fp8AmaxBatch>> amax_;  // PartialAmax's, by tasks

@@ -118,9 +118,9 @@ Status SetupBarrier::Wait() {
       }
       if (!absent.empty()) {
         return DeadlineExceededError(
-            "sync rank " + std::to_string(rank_) + ": sync ranks " + absent +
-            " did not start within --timeout-ms " + std::to_string(job_.timeout.count()) +
-            " (never began their setup: not launched, or another --store / --rank)");
+            "sync rank " + std::to_string(rank_) + ": no sign of sync rank " + absent +
+            " within --timeout-ms " + std::to_string(job_.timeout.count()) +
+            ": never began setup (not launched, or launched with another --store / --rank)");
       }
     }
     if (Clock::now() < deadline) continue;

@@ -205,7 +205,7 @@ Status CheckNotInBytesObject(const void* data, int64_t bytes, const std::string&
   // (frombuffer's offset=), an object header whose type is PyBytes_Type and whose characters
   // cover the whole range. Reads stay inside the readable mapping that holds `data`.
   const uintptr_t p = reinterpret_cast<uintptr_t>(data);
-  uintptr_t floor = p;
+  uintptr_t floor = p, ceil = p;
   std::ifstream maps("/proc/self/maps");
   for (std::string line; std::getline(maps, line);) {
     char* rest = nullptr;
@@ -215,6 +215,7 @@ Status CheckNotInBytesObject(const void* data, int64_t bytes, const std::string&
     while (*rest == ' ') ++rest;
     if (lo <= p && p < hi && rest[0] == 'r') {
       floor = lo;
+      ceil = hi;
       break;
     }
   }
@@ -225,7 +226,15 @@ Status CheckNotInBytesObject(const void* data, int64_t bytes, const std::string&
   for (; obj >= floor && obj + kHeader + kReach >= p; obj -= 8) {
     const auto* o = reinterpret_cast<const PyVarObject*>(obj);
     if (o->ob_base.ob_type != &PyBytes_Type || o->ob_size < 0) continue;
+    // A live object only: a freed one keeps its type word (pymalloc and glibc's fastbins write
+    // the free-list link over ob_refcnt alone), so stale headers in freed memory before an
+    // unrelated array matched here. Live: a plausible reference count, and the NUL CPython keeps
+    // after the characters (ob_sval[ob_size] == 0).
+    const Py_ssize_t refs = o->ob_base.ob_refcnt;
+    if (refs < 1 || refs > (Py_ssize_t{1} << 32)) continue;
     const uintptr_t chars = obj + kHeader;
+    const uintptr_t end = chars + static_cast<uintptr_t>(o->ob_size);
+    if (end < chars || end >= ceil || *reinterpret_cast<const char*>(end) != '\0') continue;
     if (chars <= p && p + static_cast<uintptr_t>(bytes) <= chars + o->ob_size) {
       return InvalidArgumentError(what +
                                   ": its memory is an immutable Python bytes object's "

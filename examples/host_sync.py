@@ -102,10 +102,15 @@ def launch_local(world: int, argv, timeout: float) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # for the gloo rendezvous of rank 0
+    # One launch identity for the job's ranks, as torchrun gives its workers TORCHELASTIC_RUN_ID:
+    # a job of several ranks without one refuses to connect (its ranks could not be told from
+    # another job's on the same store); the secret keeps other processes out of its slots.
+    launch = shardsync.new_launch()
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   SHARDSYNC_JOB_ID=launch["job_id"], SHARDSYNC_JOB_SECRET=launch["job_secret"])
         procs.append(subprocess.Popen([sys.executable, __file__] + list(argv), env=env))
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs):

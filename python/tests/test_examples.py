@@ -18,6 +18,10 @@ EXAMPLES = SOURCE / "examples"
 def _env():
     """This environment with PYTHONPATH made absolute: the examples run from another directory."""
     env = dict(os.environ)
+    # As a user runs them: conftest gives this process a launch identity, a user's shell has none
+    # (without this pop the examples' own identity went untested and a fresh clone failed).
+    env.pop("SHARDSYNC_JOB_ID", None)
+    env.pop("SHARDSYNC_JOB_SECRET", None)
     paths = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)

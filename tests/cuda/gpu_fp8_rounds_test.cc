@@ -20,7 +20,7 @@
 #include "shardsync/transport.h"
 
 #if defined(SHARDSYNC_HAVE_CUDA)
-#include "cuda/impl/fp8_rounds.h"
+#include "cuda/nccl/fp8_rounds.h"
 #endif
 
 namespace shardsync::gpu {

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "cuda/cuda_util.h"
-#include "cuda/impl/kernels.cuh"
+#include "cuda/kernels/kernels.cuh"
 
 namespace shardsync::gpu {
 

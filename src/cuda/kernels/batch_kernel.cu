@@ -2,7 +2,7 @@
 // and the variant each batch runs.
 #include <string>
 
-#include "cuda/impl/kernels.cuh"
+#include "cuda/kernels/kernels.cuh"
 
 namespace shardsync::gpu::kernels {
 namespace {

@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "cuda/impl/nccl_api.h"
+#include "cuda/nccl/nccl_api.h"
 #include "shardsync/gpu.h"
 
 namespace shardsync::gpu::nccl {

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "cuda/cuda_util.h"
-#include "cuda/impl/fp8_device.cuh"
-#include "cuda/impl/fp8_kernels.h"
+#include "cuda/kernels/fp8_device.cuh"
+#include "cuda/kernels/fp8_kernels.h"
 #include "shardsync/fp8.h"
 
 namespace shardsync::gpu {

@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "cuda/impl/cuda_ipc.h"
+#include "cuda/cuda_ipc/cuda_ipc.h"
 #include "transport/shm_segment.h"
 
 namespace shardsync::gpu::ipc {

@@ -6,7 +6,7 @@
 // the holders that send no scales have no scale entry (sregion -1).
 #include <cstring>
 
-#include "cuda/impl/cuda_ipc.h"
+#include "cuda/cuda_ipc/cuda_ipc.h"
 #include "shardsync/fp8.h"
 
 namespace shardsync::gpu::ipc {

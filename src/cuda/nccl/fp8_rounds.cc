@@ -1,7 +1,7 @@
 // Block-FP8 rounds of two-sided device pairs (fp8_rounds.h): the sender builds a round's wire image
 // in its slot with the prepared FP8 batch (fp8_batch.cu) and sums the slot's bytes; the receiver
 // scatters the received image with one byte-copy batch that sums it the same way.
-#include "cuda/impl/fp8_rounds.h"
+#include "cuda/nccl/fp8_rounds.h"
 
 #include <algorithm>
 #include <utility>

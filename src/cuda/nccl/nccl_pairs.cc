@@ -19,8 +19,8 @@
 
 #include "common/trace.h"
 #include "cuda/cuda_util.h"
-#include "cuda/impl/fp8_rounds.h"
-#include "cuda/impl/nccl_transport.h"
+#include "cuda/nccl/fp8_rounds.h"
+#include "cuda/nccl/nccl_transport.h"
 
 namespace shardsync::gpu::nccl {
 

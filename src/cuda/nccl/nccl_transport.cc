@@ -1,4 +1,4 @@
-#include "cuda/impl/nccl_transport.h"
+#include "cuda/nccl/nccl_transport.h"
 
 #include <unistd.h>
 

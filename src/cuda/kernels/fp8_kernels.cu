@@ -10,8 +10,8 @@
 #include <string>
 
 #include "cuda/cuda_util.h"
-#include "cuda/impl/fp8_device.cuh"
-#include "cuda/impl/fp8_kernels.h"
+#include "cuda/kernels/fp8_device.cuh"
+#include "cuda/kernels/fp8_kernels.h"
 #include "shardsync/checksum.h"
 #include "shardsync/fp8.h"
 

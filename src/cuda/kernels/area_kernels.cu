@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda/impl/area_kernels.h"
+#include "cuda/kernels/area_kernels.h"
 #include "shardsync/gpu.h"
 
 namespace shardsync::gpu {

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <functional>
 
-#include "cuda/impl/cuda_ipc.h"
+#include "cuda/cuda_ipc/cuda_ipc.h"
 
 namespace shardsync::gpu::ipc {
 namespace {

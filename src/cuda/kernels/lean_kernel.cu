@@ -1,7 +1,7 @@
 // The lean landed pack kernel (kernels.cuh LeanChunk): the common chunks of a landed f32 -> bf16
 // pack in a kernel with the registers of two simple shapes only; BatchKernel, launched right
 // after, does the rest.
-#include "cuda/impl/kernels.cuh"
+#include "cuda/kernels/kernels.cuh"
 
 namespace shardsync::gpu::kernels {
 namespace {

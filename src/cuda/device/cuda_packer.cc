@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "cuda/cuda_util.h"
-#include "cuda/impl/area_kernels.h"
-#include "cuda/impl/fp8_kernels.h"
+#include "cuda/kernels/area_kernels.h"
+#include "cuda/kernels/fp8_kernels.h"
 #include "shardsync/fp8.h"
 #include "shardsync/gpu.h"
 #include "shardsync/session.h"

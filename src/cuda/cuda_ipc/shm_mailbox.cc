@@ -1,4 +1,4 @@
-#include "cuda/impl/shm_mailbox.h"
+#include "cuda/cuda_ipc/shm_mailbox.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

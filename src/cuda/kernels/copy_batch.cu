@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "cuda/cuda_util.h"
-#include "cuda/impl/fp8_kernels.h"
-#include "cuda/impl/kernels.cuh"
+#include "cuda/kernels/fp8_kernels.h"
+#include "cuda/kernels/kernels.cuh"
 
 namespace shardsync::gpu {
 

@@ -29,7 +29,7 @@
 #include "cuda/cuda_util.h"
 #include "cuda/gpu_launch_board.h"
 #include "cuda/gpu_turnstile.h"
-#include "cuda/impl/shm_mailbox.h"
+#include "cuda/cuda_ipc/shm_mailbox.h"
 #include "shardsync/gpu.h"
 
 namespace shardsync::gpu::ipc {

@@ -2,7 +2,7 @@
 // gpu.h offers on them.
 #include <cstdlib>
 
-#include "cuda/impl/cuda_ipc.h"
+#include "cuda/cuda_ipc/cuda_ipc.h"
 
 namespace shardsync::gpu {
 

@@ -1,4 +1,4 @@
-#include "cuda/impl/nccl_api.h"
+#include "cuda/nccl/nccl_api.h"
 
 #include <dlfcn.h>
 

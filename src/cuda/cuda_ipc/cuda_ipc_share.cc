@@ -3,7 +3,7 @@
 // batch decoded into this process's mappings, and the launch of this rank's pairs by a peer.
 #include <cstring>
 
-#include "cuda/impl/cuda_ipc.h"
+#include "cuda/cuda_ipc/cuda_ipc.h"
 
 namespace shardsync::gpu::ipc {
 

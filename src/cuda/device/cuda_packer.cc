@@ -1,7 +1,7 @@
-// CUDA implementation of the session's Packer (session.h): pack / verify / unpack of device
+// CUDA implementation of the session's Packer (pack.h): pack / verify / unpack of device
 // regions with the fused checksum, one launch per call, prepared batches cached by their inputs
-// so a replayed plan uploads its descriptors once. Only session.h's abstract Packer class is
-// used (header only): the cuda layer does not link the sync layer.
+// so a replayed plan uploads its descriptors once. The Packer interface is the common layer's
+// (pack.h): the cuda layer neither includes nor links the sync layer.
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -15,7 +15,7 @@
 #include "cuda/kernels/fp8_kernels.h"
 #include "shardsync/fp8.h"
 #include "shardsync/gpu.h"
-#include "shardsync/session.h"
+#include "shardsync/pack.h"
 
 namespace shardsync::gpu {
 

@@ -43,7 +43,7 @@ struct Fp8DeviceResult {
 Result<std::unique_ptr<CopyBatch>> PrepareFp8Batch(const BatchSpec& spec, int device);
 
 // The amax exchange over device pairs (fp8_amax.cu): a trainer rank's rows of one shared band
-// (session.h Fp8AmaxTask): rows (<= 128) x cols values at `src`, `src_stride` elements apart,
+// (pack.h Fp8AmaxTask): rows (<= 128) x cols values at `src`, `src_stride` elements apart,
 // whose partial amax per 128-column block goes to entry slot + block.
 struct Fp8AmaxPart {
   const void* src = nullptr;

@@ -22,8 +22,8 @@
 #include "shardsync/shard_map.h"
 #include "shardsync/synthetic.h"
 #include "shardsync/transport.h"
-#include "sync/fp8_outline.h"
-#include "sync/internal.h"
+#include "sync/harness.h"
+#include "sync/tags.h"
 
 namespace shardsync {
 namespace {
@@ -31,7 +31,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using job_internal::kBenchVersionBroadcast;
 using job_internal::kBenchVersionRaw;
-using sync_internal::MakeTag;
 
 int64_t Align(int64_t v) { return (v + 255) / 256 * 256; }
 
@@ -229,7 +228,7 @@ Status DeviceRank::Setup(bool bench) {
   packer_ = gpu::MakeCudaPacker(device_, job_.timeout);
   if (!packer_) return UnimplementedError("--device cuda: this build has no CUDA packer");
   SessionOptions opt;
-  sync_internal::HarnessHooks hooks;
+  HarnessHooks hooks;
   opt.prefix = job_.prefix;
   if (job_.launch.any()) {
     opt.job_id = job_.launch.id;
@@ -253,8 +252,8 @@ Status DeviceRank::Setup(bool bench) {
       return store_.Set(Key("slots/" + std::to_string(rank_)), std::to_string(id));
     };
   }
-  SS_ASSIGN_OR_RETURN(session_, sync_internal::CreateHarnessSession(in_, rank_, store_, tx_, opt,
-                                                                    std::move(hooks)));
+  SS_ASSIGN_OR_RETURN(session_,
+                      CreateHarnessSession(in_, rank_, store_, tx_, opt, std::move(hooks)));
   job_internal::SetupBarrier setup(job_, rank_, store_);
   SS_RETURN_IF_ERROR(setup.Begin());
   Status filled = who_.is_trainer ? FillTrainer() : AllocEngine();
@@ -379,7 +378,7 @@ Status DeviceRank::AllocEngine() {
   int64_t total = 0;
   for (const EngineParam& p : session_->ExpectedParams()) {
     offsets_.push_back(total);
-    total = Align(total + p.numel() * DTypeSize(sync_internal::Fp8DestDType(p, wd)));
+    total = Align(total + p.numel() * DTypeSize(Fp8DestDType(p, wd)));
   }
   SS_ASSIGN_OR_RETURN(buf_, gpu::DeviceBuffer::Allocate(std::max<int64_t>(total, 1), device_));
   SS_RETURN_IF_ERROR(Scramble());
@@ -387,7 +386,7 @@ Status DeviceRank::AllocEngine() {
   for (size_t i = 0; i < params.size(); ++i) {
     DestBinding b{params[i].name,
                   static_cast<unsigned char*>(buf_->data()) + offsets_[i],
-                  sync_internal::Fp8DestDType(params[i], wd),
+                  Fp8DestDType(params[i], wd),
                   params[i].shape,
                   MemKind::kCuda,
                   device_};

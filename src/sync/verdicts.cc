@@ -7,8 +7,6 @@
 #include <cstdlib>
 #include <random>
 
-#include "sync/verdict_codec.h"
-
 namespace shardsync::sync_internal {
 
 void VerdictExchange::Post(const RankSyncStats& st) {

@@ -26,9 +26,9 @@
 #include <memory>
 #include <string>
 
+#include "common/cast.h"
 #include "shardsync/checksum.h"
 #include "shardsync/plan.h"
-#include "sync/internal.h"
 
 namespace shardsync {
 namespace {
@@ -136,7 +136,7 @@ void BM_CmaFp32(benchmark::State& st) {
         uint64_t s = 0;
         for (size_t o = 0; o < b.bytes; o += kPiece) {
           uint64_t part = 0;
-          sync_internal::CastF32ToBF16WithSum(src + 2 * o, stage, kPiece / 2, o / 8, &part);
+          CastF32ToBF16WithSum(src + 2 * o, stage, kPiece / 2, o / 8, &part);
           s += part;
           CmaRead(dst + o, stage, kPiece);
           s -= ChecksumPartial(dst + o, kPiece, o);
@@ -203,7 +203,7 @@ void BM_RingFp32VsRingRaw(benchmark::State& st) {
         for (size_t o = 0; o < b.bytes; o += kSlot) {
           unsigned char* slot = ring + (o / kSlot % 16) * kSlot;
           uint64_t part = 0;
-          sync_internal::CastF32ToBF16WithSum(src + 2 * o, slot, kSlot / 2, o / 8, &part);
+          CastF32ToBF16WithSum(src + 2 * o, slot, kSlot / 2, o / 8, &part);
           s += part;
           s -= CopyWithChecksumPartial(dst + o, slot, kSlot, o);
         }

@@ -39,6 +39,11 @@ namespace shardsync {
 // quantized models.
 inline constexpr std::string_view kFp8PlannerVersion = "shardsync-fp8-plan/1";
 
+// The dtype an engine parameter of a block-FP8 map is bound in: e4m3 weights and their fp32
+// weight_scale_inv as they are; every other parameter in the wire dtype (bytes land in place).
+// Sessions check bindings against it; harnesses and engine hooks allocate with it.
+DType Fp8DestDType(const EngineParam& p, DType wire);
+
 // A block-FP8 plan is a RankPlan (plan.h PlanForRank) whose ops carry their Encoding: kCopy,
 // kQuantize, kStage (with RankPlan::staged) or kAmax (with RankPlan::amax_bands). Wire bytes:
 // kCopy numel * wire dtype; kQuantize Fp8WireBytes(rows, cols); kStage numel * trainer dtype;

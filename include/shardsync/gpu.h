@@ -14,14 +14,11 @@
 
 #include "shardsync/checksum.h"
 #include "shardsync/dtype.h"
+#include "shardsync/pack.h"
 #include "shardsync/region.h"
 #include "shardsync/status.h"
 #include "shardsync/synthetic.h"
 #include "shardsync/transport.h"
-
-namespace shardsync {
-class Packer;  // session.h
-}  // namespace shardsync
 
 namespace shardsync::gpu {
 
@@ -265,7 +262,7 @@ Status SetTransportStream(Transport& t, void* stream);
 // Registers "cuda_ipc" (priority 100) and "nccl" (priority 200) in the transport registry
 // (idempotent). Factory params (TransportOptions.params): "device" (CUDA index, default 0).
 Status RegisterGpuTransports();
-// The session's Packer (session.h) for device regions: Pack (cast + checksum, one launch),
+// The session's Packer (pack.h) for device regions: Pack (cast + checksum, one launch),
 // ChecksumLanded (verify, one launch), Unpack, ZeroFill, on `device`, each waiting at most
 // `timeout`. Prepared batches are cached by their inputs (a replayed plan uploads descriptors
 // once). One dtype per call (Unimplemented otherwise). nullptr in builds without CUDA.

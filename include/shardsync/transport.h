@@ -26,8 +26,6 @@
 
 namespace shardsync {
 
-enum class MemKind { kHost, kCuda };
-
 struct MemRegion {
   void* base = nullptr;
   size_t bytes = 0;

@@ -410,7 +410,7 @@ def bind_trainer(session: Any, module_or_state_dict: Any, layout: str = "auto",
 def engine_dtype(param: Any, wire_dtype: str) -> str:
     """The dtype an engine parameter holds: block-FP8 weights ("F8_E4M3") and their fp32
     weight_scale_inv as the shard map says; every other parameter the wire dtype (the session's
-    rule, sync/fp8_outline.cc Fp8DestDType)."""
+    rule, fp8_plan.h Fp8DestDType)."""
     dt = str(getattr(param, "dtype", ""))
     if dt == "F8_E4M3" or (dt == "F32" and str(param.name).endswith("weight_scale_inv")):
         return dt

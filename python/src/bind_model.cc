@@ -167,7 +167,7 @@ void RegisterModel(py::module_& m) {
         py::gil_scoped_release nogil;
         ShardMap map = Unwrap(BuildShardMap(ms, spec));
         if (wire) {
-          // What a session's engine parameters hold (sync/fp8_outline.cc Fp8DestDType): block-FP8
+          // What a session's engine parameters hold (fp8_plan.h Fp8DestDType): block-FP8
           // e4m3 weights and their fp32 weight_scale_inv as the map says, the rest wire bytes.
           for (EngineRankShards& r : map.ranks) {
             for (EngineParam& p : r.params) {

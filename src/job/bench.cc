@@ -15,7 +15,8 @@
 #include "shardsync/shard_map.h"
 #include "shardsync/synthetic.h"
 #include "shardsync/transport.h"
-#include "sync/internal.h"
+#include "sync/harness.h"
+#include "sync/tags.h"
 
 namespace shardsync {
 namespace {
@@ -25,7 +26,6 @@ using job_internal::BenchControl;
 using job_internal::FlushPeers;
 using job_internal::kBenchVersionRaw;
 using job_internal::WaitXfers;
-using sync_internal::MakeTag;
 
 class BenchRank {
  public:
@@ -198,7 +198,7 @@ class BenchRank {
 
   Status Setup() {
     SessionOptions opt;
-    sync_internal::HarnessHooks hooks;
+    HarnessHooks hooks;
     opt.prefix = job_.prefix;
     if (job_.launch.any()) {
       opt.job_id = job_.launch.id;
@@ -225,8 +225,8 @@ class BenchRank {
       return store_.Set(Key("regs/" + std::to_string(rank_)),
                         std::to_string(a) + " " + std::to_string(b));
     };
-    SS_ASSIGN_OR_RETURN(session_, sync_internal::CreateHarnessSession(in_, rank_, store_, tx_, opt,
-                                                                      std::move(hooks)));
+    SS_ASSIGN_OR_RETURN(session_,
+                        CreateHarnessSession(in_, rank_, store_, tx_, opt, std::move(hooks)));
     // Rank 0 fills the whole model for the broadcast baseline: minutes on a loaded 2-core
     // machine. Connect's timeout starts once every rank is set up.
     job_internal::SetupBarrier setup(job_, rank_, store_);
@@ -365,7 +365,7 @@ class BenchRank {
   }
 
   // Raw transfers are cut at 4 MiB (the session's own are at most kMaxTransferBytes, 1 MiB,
-  // sync/internal.h), not at the bucket cap: on UCX over CMA, 4 MiB transfers move the same bytes
+  // sync/transfers.h), not at the bucket cap: on UCX over CMA, 4 MiB transfers move the same bytes
   // about twice as fast as 512 MiB ones here, and the ceiling should be the transport's best.
   static constexpr int64_t kRawTransferBytes = int64_t{4} << 20;
 

@@ -1,16 +1,14 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/cast.h"
 #include "job/bench.h"
 #include "shardsync/shard_map.h"
 #include "shardsync/synthetic.h"
-#include "sync/internal.h"
+#include "sync/tags.h"
 
 namespace shardsync::job_internal {
 namespace {
-
-using sync_internal::CastInto;
-using sync_internal::MakeTag;
 
 // Copies region `sr` of a row-major tensor (shape ss) into region `dr` of another (shape ds),
 // element i of one to element i of the other, row-major.

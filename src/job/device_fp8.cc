@@ -14,7 +14,7 @@
 #include "shardsync/synthetic.h"
 
 #if defined(SHARDSYNC_HAVE_CUDA)
-#include "cuda/impl/fp8_kernels.h"
+#include "cuda/kernels/fp8_kernels.h"
 #endif
 
 namespace shardsync::job_internal {

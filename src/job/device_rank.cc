@@ -2,224 +2,10 @@
 // user runs, with device bindings (trainer shards and engine parameters in GPU memory, the CUDA
 // packer) over the routed transport (cuda_ipc on one GPU or node, nccl across). Bench mode adds,
 // in the same processes and through the same transport, the broadcast-all baseline and the raw
-// ceilings: cudaMemcpy device-to-device of the same bytes, and NCCL send / recv of each nccl
-// pair's bytes.
-#include <algorithm>
-#include <chrono>
-#include <condition_variable>
-#include <cstring>
-#include <map>
-#include <mutex>
-#include <thread>
-#include <utility>
+// ceilings (device_baselines.cc).
+#include "job/device_rank.h"
 
-#include "job/internal.h"
-#include "job/launcher.h"
-#include "shardsync/fp8_plan.h"
-#include "shardsync/gpu.h"
-#include "shardsync/refengine.h"
-#include "shardsync/safetensors.h"
-#include "shardsync/shard_map.h"
-#include "shardsync/synthetic.h"
-#include "shardsync/transport.h"
-#include "sync/fp8_outline.h"
-#include "sync/internal.h"
-
-namespace shardsync {
-namespace {
-
-using Clock = std::chrono::steady_clock;
-using job_internal::kBenchVersionBroadcast;
-using job_internal::kBenchVersionRaw;
-using sync_internal::MakeTag;
-
-int64_t Align(int64_t v) { return (v + 255) / 256 * 256; }
-
-// --commit staged, engine ranks of the bench: a decode-like loop on a stream of its own, each
-// step one read of every live parameter (what a decode step reads), timed per step, so the bench
-// can say how much the transfer and the commit slow the engine down. Pause / Resume bracket a
-// commit as an engine's in-place pause does: the step in flight ends first, the next one waits
-// (its time, from when it was due, is what a token sees across the commit).
-class DecodeLoop {
- public:
-  DecodeLoop(const void* p, size_t bytes, int device, Millis timeout, Clock::time_point epoch)
-      : p_(p), bytes_(bytes), device_(device), timeout_(timeout), epoch_(epoch) {}
-  ~DecodeLoop() { Stop(); }
-  Status Start() {
-    SS_ASSIGN_OR_RETURN(stream_, gpu::Stream::Create(device_));
-    thread_ = std::thread([this] {
-      status_ = gpu::SetDevice(device_);
-      while (status_.ok()) {
-        const double t0 = Now();
-        {
-          std::unique_lock<std::mutex> lock(mu_);
-          cv_.wait(lock, [&] { return !paused_ || stop_; });
-          if (stop_) break;
-          in_step_ = true;
-        }
-        status_ = gpu::LaunchReadPass(p_, bytes_, stream_->handle());
-        if (status_.ok()) status_ = stream_->Synchronize(timeout_, "decode-like loop");
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          in_step_ = false;
-          steps_.emplace_back(t0, Now());
-        }
-        cv_.notify_all();
-      }
-    });
-    return OkStatus();
-  }
-  void Pause() {
-    std::unique_lock<std::mutex> lock(mu_);
-    paused_ = true;
-    cv_.wait(lock, [&] { return !in_step_; });
-  }
-  void Resume() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      paused_ = false;
-    }
-    cv_.notify_all();
-  }
-  Status Stop() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    if (thread_.joinable()) thread_.join();
-    return status_;
-  }
-  double Now() const { return std::chrono::duration<double>(Clock::now() - epoch_).count(); }
-  // Median step (ms) of the steps whose midpoint falls in one of `spans` (seconds since the
-  // epoch); `across_end`: of the steps running when a span ended (the step a pause held).
-  double MedianMs(const std::vector<std::pair<double, double>>& spans,
-                  bool across_end = false) const {
-    std::vector<double> in;
-    for (const auto& [a, b] : steps_) {
-      const double mid = (a + b) / 2;
-      for (const auto& [s, e] : spans) {
-        if (across_end ? (a <= e && b >= e) : (mid >= s && mid <= e)) {
-          in.push_back((b - a) * 1e3);
-          break;
-        }
-      }
-    }
-    if (in.empty()) return 0;
-    std::sort(in.begin(), in.end());
-    return in[in.size() / 2];
-  }
-
- private:
-  const void* p_;
-  size_t bytes_;
-  int device_;
-  Millis timeout_;
-  Clock::time_point epoch_;
-  std::unique_ptr<gpu::Stream> stream_;
-  std::thread thread_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false, paused_ = false, in_step_ = false;
-  Status status_;
-  std::vector<std::pair<double, double>> steps_;
-};
-
-class DeviceRank {
- public:
-  DeviceRank(const JobSpec& job, int rank, const SyncRank& who, StoreClient& store, Transport& tx,
-             RankResult& res, const ProgressFn& progress)
-      : job_(job),
-        in_(job.inputs),
-        rank_(rank),
-        who_(who),
-        store_(store),
-        tx_(tx),
-        res_(res),
-        progress_(progress),
-        S_(in_.trainer.world()),
-        world_(SyncWorldSize(in_)),
-        inv_(HfTensorInventory(in_.model)) {}
-  ~DeviceRank() {
-    session_.reset();  // before the memory it bound
-  }
-
-  Status Setup(bool bench);
-  Status RunSyncs();
-  Status RunBench();
-
- private:
-  void Step() {
-    if (progress_) progress_();
-  }
-  std::string Key(const std::string& k) const { return job_.prefix + "bench/" + k; }
-  Status Barrier(const std::string& name) {
-    return store_.Barrier(job_.prefix + "bench/" + name, world_, job_.timeout);
-  }
-  void Record(std::vector<double>& v, int i, Clock::time_point t0) const {
-    if (i >= job_.bench_warmup)
-      v.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  Status SyncStream(const char* what) { return stream_->Synchronize(job_.timeout, what); }
-  Status FillTrainer();
-  Status FillMegatron();
-  Status AllocEngine();
-  Status Scramble();
-  Status Verify(const char* after);
-  Status Dump();
-  Status SetupBroadcast();
-  Status SetupBroadcastSource();
-  Status BroadcastSend();
-  Status BroadcastReceive();
-  Status RawMemcpy();
-  Status RawNccl();
-  bool Staged() const { return job_.staged() && !who_.is_trainer; }
-  // The live parameters' hash (job_internal::LiveHash) through a host copy: a device-wide
-  // synchronize could wait on a dead peer's pair.
-  Result<std::string> LiveHash();
-  // A staged engine rank's failure in `where`: what its live parameters hold now.
-  Status StagedFailure(const char* where, Status s);
-  Status TimedCommit(int i);
-  Status CommitCeiling(int total);
-  std::vector<int> NcclPeers() const;
-
-  const JobSpec& job_;
-  const PlanInputs& in_;
-  int rank_;
-  SyncRank who_;
-  StoreClient& store_;
-  Transport& tx_;
-  RankResult& res_;
-  ProgressFn progress_;
-  int S_, world_;
-  std::vector<HfTensor> inv_;
-  int device_ = 0;
-  std::unique_ptr<gpu::Stream> stream_;
-  std::unique_ptr<Packer> packer_;
-  std::unique_ptr<SyncSession> session_;
-  uint64_t version_ = 0;
-  std::unique_ptr<gpu::DeviceBuffer> buf_;  // trainer: held shards; engine: parameters
-  std::vector<int64_t> offsets_;  // trainer: per HF tensor (Megatron: local parameter); engine:
-                                  // per parameter
-  std::vector<DestBinding> dests_;
-  // Broadcast-all: whole tensors in rounds under the bucket cap; trainer 0 holds the full model
-  // in the wire dtype; each engine receives round r into slot r % 2 and slices its pieces out.
-  std::vector<job_internal::BcastBucket> rounds_;
-  std::vector<int64_t> full_offsets_;
-  std::unique_ptr<gpu::DeviceBuffer> full_;   // trainer 0, unless its shards are that image
-  const unsigned char* full_src_ = nullptr;   // trainer 0: full_, or its shards' buffer
-  std::unique_ptr<gpu::DeviceBuffer> slots_;  // engines: 2 x the largest round
-  int64_t slot_bytes_ = 0;
-  std::vector<std::unique_ptr<gpu::CopyBatch>> slices_;  // engines: per round (null: nothing)
-  std::map<int, uint32_t> slot_region_;                  // trainer 0: engine -> its slots' region
-  // Raw ceilings: trainer 0's memcpy buffers, every rank's NCCL buffer.
-  std::unique_ptr<gpu::DeviceBuffer> raw_;
-  int64_t total_bytes_ = 0;  // trainer 0: bytes the plan lands job-wide
-  // --commit staged, engine ranks: the decode-like loop and when each transfer / commit ran.
-  std::unique_ptr<DecodeLoop> decode_;
-  std::vector<std::pair<double, double>> transfer_spans_, commit_spans_;
-  int broadcast_rep_ = 0;  // names the acks of each repetition
-};
+namespace shardsync::job_internal {
 
 Status DeviceRank::Setup(bool bench) {
   SS_ASSIGN_OR_RETURN(device_, job_internal::DeviceOfRank(job_, rank_));
@@ -229,7 +15,7 @@ Status DeviceRank::Setup(bool bench) {
   packer_ = gpu::MakeCudaPacker(device_, job_.timeout);
   if (!packer_) return UnimplementedError("--device cuda: this build has no CUDA packer");
   SessionOptions opt;
-  sync_internal::HarnessHooks hooks;
+  HarnessHooks hooks;
   opt.prefix = job_.prefix;
   if (job_.launch.any()) {
     opt.job_id = job_.launch.id;
@@ -253,8 +39,8 @@ Status DeviceRank::Setup(bool bench) {
       return store_.Set(Key("slots/" + std::to_string(rank_)), std::to_string(id));
     };
   }
-  SS_ASSIGN_OR_RETURN(session_, sync_internal::CreateHarnessSession(in_, rank_, store_, tx_, opt,
-                                                                    std::move(hooks)));
+  SS_ASSIGN_OR_RETURN(session_,
+                      CreateHarnessSession(in_, rank_, store_, tx_, opt, std::move(hooks)));
   job_internal::SetupBarrier setup(job_, rank_, store_);
   SS_RETURN_IF_ERROR(setup.Begin());
   Status filled = who_.is_trainer ? FillTrainer() : AllocEngine();
@@ -379,7 +165,7 @@ Status DeviceRank::AllocEngine() {
   int64_t total = 0;
   for (const EngineParam& p : session_->ExpectedParams()) {
     offsets_.push_back(total);
-    total = Align(total + p.numel() * DTypeSize(sync_internal::Fp8DestDType(p, wd)));
+    total = Align(total + p.numel() * DTypeSize(Fp8DestDType(p, wd)));
   }
   SS_ASSIGN_OR_RETURN(buf_, gpu::DeviceBuffer::Allocate(std::max<int64_t>(total, 1), device_));
   SS_RETURN_IF_ERROR(Scramble());
@@ -387,7 +173,7 @@ Status DeviceRank::AllocEngine() {
   for (size_t i = 0; i < params.size(); ++i) {
     DestBinding b{params[i].name,
                   static_cast<unsigned char*>(buf_->data()) + offsets_[i],
-                  sync_internal::Fp8DestDType(params[i], wd),
+                  Fp8DestDType(params[i], wd),
                   params[i].shape,
                   MemKind::kCuda,
                   device_};
@@ -586,259 +372,6 @@ Status DeviceRank::RunBench() {
   return Barrier("end");
 }
 
-Status DeviceRank::SetupBroadcast() {
-  rounds_ = job_internal::BroadcastBuckets(inv_, DTypeSize(in_.options.wire_dtype),
-                                           in_.options.bucket_bytes, &full_offsets_);
-  for (const auto& r : rounds_) slot_bytes_ = std::max(slot_bytes_, Align(r.bytes));
-  if (who_.is_trainer) return OkStatus();
-  SS_ASSIGN_OR_RETURN(slots_, gpu::DeviceBuffer::Allocate(2 * slot_bytes_, device_));
-  return OkStatus();
-}
-
-// Trainer 0's source of the broadcast-all rounds: the whole model in the wire dtype, as a gathered
-// full_tensor() would be. When its own shards already are that image (this rank holds every
-// tensor whole, in the wire dtype, at the offsets the rounds use), they are the source, read
-// only: no third copy of the model on the GPU. Issue 36: qwen3-30b-a3b fsdp=1 on one H200 ran out
-// of memory allocating this copy (61 GB) beside the trainer's and the engines' 122 GB.
-Status DeviceRank::SetupBroadcastSource() {
-  if (rank_ != 0) return OkStatus();
-  bool own = in_.trainer_dtype == in_.options.wire_dtype &&
-             in_.trainer.kind != TrainerSpec::Kind::kMegatron && offsets_.size() == inv_.size();
-  for (size_t t = 0; own && t < inv_.size(); ++t) {
-    own = offsets_[t] == full_offsets_[t] &&
-          TrainerHeldRegion(in_.trainer, who_.trainer_rank, inv_[t].shape) ==
-              Region::Full(inv_[t].shape);
-  }
-  if (own) {
-    full_src_ = static_cast<const unsigned char*>(buf_->data());
-    return OkStatus();
-  }
-  int64_t total = 0;
-  for (const auto& r : rounds_) total += r.bytes;
-  SS_ASSIGN_OR_RETURN(full_, gpu::DeviceBuffer::Allocate(std::max<int64_t>(total, 1), device_));
-  for (size_t t = 0; t < inv_.size(); ++t) {  // the trainer's weights cast to the wire dtype
-    SS_RETURN_IF_ERROR(gpu::FillSyntheticDevice(
-        job_.seed, SyntheticFor(inv_[t].name, inv_[t].shape), inv_[t].shape,
-        Region::Full(inv_[t].shape), in_.options.wire_dtype,
-        static_cast<unsigned char*>(full_->data()) + full_offsets_[t], stream_->handle()));
-  }
-  full_src_ = static_cast<const unsigned char*>(full_->data());
-  return SyncStream("broadcast fill");
-}
-
-// Engine: round r's pieces out of slot r % 2 (prepared once, after the parameters are bound).
-Status PrepareSlices(const std::vector<HfTensor>& inv, const std::vector<EngineParam>& params,
-                     const std::vector<DestBinding>& dests,
-                     const std::vector<job_internal::BcastBucket>& rounds,
-                     const std::vector<int64_t>& full_offsets, unsigned char* slots,
-                     int64_t slot_bytes, DType wire, int device,
-                     std::vector<std::unique_ptr<gpu::CopyBatch>>* out) {
-  std::map<std::string, size_t> index;
-  for (size_t t = 0; t < inv.size(); ++t) index[inv[t].name] = t;
-  const int ws = DTypeSize(wire);
-  for (size_t r = 0; r < rounds.size(); ++r) {
-    gpu::BatchSpec spec;
-    spec.in_dtype = spec.out_dtype = wire;
-    int64_t wire_at = 0;
-    unsigned char* slot = slots + (r % 2) * slot_bytes;
-    for (size_t p = 0; p < params.size(); ++p) {
-      for (const Piece& pc : params[p].pieces) {
-        const size_t t = index.at(pc.source);
-        if (t < rounds[r].t_begin || t >= rounds[r].t_end) continue;
-        gpu::AppendCoRuns(pc.src, inv[t].shape, slot + (full_offsets[t] - rounds[r].offset), ws,
-                          pc.dst, params[p].shape, dests[p].data, ws, ws, 0, wire_at, &spec.runs);
-        wire_at += pc.src.numel() * ws;
-      }
-    }
-    if (wire_at == 0) {
-      out->push_back(nullptr);
-      continue;
-    }
-    spec.bucket_bytes = {wire_at};
-    SS_ASSIGN_OR_RETURN(auto batch, gpu::CopyBatch::Prepare(spec, device));
-    out->push_back(std::move(batch));
-  }
-  return OkStatus();
-}
-
-// Trainer 0 sends every round to every engine rank: a put into its slot plus a control message
-// where the pair's transport is one-sided (cuda_ipc), a send matched by order otherwise (nccl).
-// The engine acks each round through the store once sliced, and slot r % 2 is refilled after
-// the ack of round r - 2. (Acks over NCCL would open the engine -> trainer direction inside a
-// group that also carries the next round: NCCL connects every peer of a group before it starts
-// any of it, so neither side would move.)
-Status DeviceRank::BroadcastSend() {
-  const std::string rep = std::to_string(broadcast_rep_++);
-  std::vector<uint64_t> ctrl(rounds_.size());
-  auto ack = [&](int e, size_t r) -> Status {
-    return store_
-        .Get(Key("ack/" + rep + "/" + std::to_string(e) + "/" + std::to_string(r)), job_.timeout)
-        .status()
-        .Annotate("broadcast ack of sync rank " + std::to_string(e));
-  };
-  for (size_t r = 0; r < rounds_.size(); ++r) {
-    ctrl[r] = r;
-    const auto* src = full_src_ + rounds_[r].offset;
-    std::vector<XferId> ids;
-    for (int e = S_; e < world_; ++e) {
-      if (r >= 2) SS_RETURN_IF_ERROR(ack(e, r - 2));
-      if (tx_.PeerCaps(e).one_sided_put) {
-        SS_ASSIGN_OR_RETURN(XferId put, tx_.PostPut(e, src, rounds_[r].bytes, slot_region_.at(e),
-                                                    (r % 2) * slot_bytes_));
-        SS_ASSIGN_OR_RETURN(XferId fl, tx_.PostFlush(e));
-        SS_RETURN_IF_ERROR(WaitAllXfers(tx_, {put, fl}, job_.timeout, "broadcast put"));
-        SS_ASSIGN_OR_RETURN(XferId c,
-                            tx_.PostSend(e, MakeTag(true, kBenchVersionBroadcast, r), &ctrl[r], 8));
-        ids.push_back(c);
-      } else {
-        SS_ASSIGN_OR_RETURN(XferId s, tx_.PostSend(e, MakeTag(false, kBenchVersionBroadcast, r),
-                                                   src, rounds_[r].bytes));
-        ids.push_back(s);
-      }
-    }
-    SS_RETURN_IF_ERROR(WaitAllXfers(tx_, ids, job_.timeout, "broadcast sends"));
-  }
-  for (int e = S_; e < world_; ++e) {
-    for (size_t r = rounds_.size() >= 2 ? rounds_.size() - 2 : 0; r < rounds_.size(); ++r) {
-      SS_RETURN_IF_ERROR(ack(e, r));
-    }
-  }
-  return OkStatus();
-}
-
-Status DeviceRank::BroadcastReceive() {
-  if (slices_.empty()) {
-    SS_RETURN_IF_ERROR(PrepareSlices(inv_, session_->ExpectedParams(), dests_, rounds_,
-                                     full_offsets_, static_cast<unsigned char*>(slots_->data()),
-                                     slot_bytes_, in_.options.wire_dtype, device_, &slices_));
-  }
-  const std::string rep = std::to_string(broadcast_rep_++);
-  const bool put = tx_.PeerCaps(0).one_sided_put;
-  std::vector<uint64_t> ctrl(rounds_.size());
-  for (size_t r = 0; r < rounds_.size(); ++r) {
-    void* slot = static_cast<unsigned char*>(slots_->data()) + (r % 2) * slot_bytes_;
-    SS_ASSIGN_OR_RETURN(
-        XferId id,
-        put ? tx_.PostRecv(0, MakeTag(true, kBenchVersionBroadcast, r), &ctrl[r], 8)
-            : tx_.PostRecv(0, MakeTag(false, kBenchVersionBroadcast, r), slot, rounds_[r].bytes));
-    SS_RETURN_IF_ERROR(WaitXfer(tx_, id, job_.timeout, "broadcast round " + std::to_string(r)));
-    if (slices_[r]) {
-      SS_RETURN_IF_ERROR(slices_[r]->Launch(stream_->handle()));
-      SS_RETURN_IF_ERROR(SyncStream("broadcast slice"));
-    }
-    SS_RETURN_IF_ERROR(
-        store_.Set(Key("ack/" + rep + "/" + std::to_string(rank_) + "/" + std::to_string(r)), "1"));
-  }
-  return OkStatus();
-}
-
-// --commit staged: every rank starts the commit together (as an engine's pause would).
-Status DeviceRank::TimedCommit(int i) {
-  // The engines pause in place first (the step in flight ends), then commit together: the stall
-  // is the commit alone, every engine rank starting it at once.
-  const double c0 = decode_ ? decode_->Now() : 0;
-  if (decode_) decode_->Pause();
-  SS_RETURN_IF_ERROR(Barrier("commit/" + std::to_string(i)));
-  auto committed = session_->Commit(version_);
-  if (decode_) decode_->Resume();
-  SS_ASSIGN_OR_RETURN(CommitReport c, std::move(committed));
-  if (decode_ && i >= job_.bench_warmup) commit_spans_.emplace_back(c0, decode_->Now());
-  if (who_.is_trainer) return OkStatus();
-  if (i >= job_.bench_warmup) {
-    res_.bench.stall.push_back(c.stall_seconds);
-    res_.bench.commit_copy.push_back(c.copy_seconds);
-  }
-  res_.stall_seconds = c.stall_seconds;
-  res_.transfer_seconds = res_.report.local.seconds;
-  res_.keep_previous = c.keep_previous;
-  res_.committed_version = c.version;
-  return OkStatus();
-}
-
-// The copy a commit cannot beat: cudaMemcpy of each engine rank's parameter bytes, every engine
-// rank at once.
-Status DeviceRank::CommitCeiling(int total) {
-  // The parameters' allocation copied onto itself, half by half: the same bytes as one
-  // cudaMemcpy of it, no second buffer (the parameters are verified before and scrambled after).
-  const size_t half = buf_ ? buf_->bytes() / 2 : 0;
-  auto* p = buf_ ? static_cast<unsigned char*>(buf_->data()) : nullptr;
-  for (int i = 0; i < total; ++i) {
-    SS_RETURN_IF_ERROR(Barrier("commitraw/" + std::to_string(i)));
-    const auto t0 = Clock::now();
-    if (who_.is_trainer) continue;
-    SS_RETURN_IF_ERROR(gpu::CopyDeviceToDevice(p + half, p, half, stream_->handle()));
-    SS_RETURN_IF_ERROR(gpu::CopyDeviceToDevice(p, p + half, half, stream_->handle()));
-    SS_RETURN_IF_ERROR(SyncStream("commit ceiling cudaMemcpy"));
-    Record(res_.bench.commit_raw, i, t0);
-  }
-  return OkStatus();
-}
-
-// cudaMemcpy device-to-device of the bytes the plan lands job-wide, through one pair of buffers
-// of at most 1 GiB (the rate does not depend on the size past a few MiB). The pair is the first
-// 2 GiB of trainer 0's own shards when it holds that much: the last phase that reads them (the
-// broadcast) is over, and nothing is allocated beside the job's memory.
-Status DeviceRank::RawMemcpy() {
-  const int64_t want = std::max<int64_t>(std::min<int64_t>(total_bytes_, int64_t{1} << 30), 1);
-  unsigned char* a = nullptr;
-  int64_t chunk = want;
-  if (buf_ && static_cast<int64_t>(buf_->bytes()) >= 2 * want) {
-    a = static_cast<unsigned char*>(buf_->data());
-  } else {
-    if (!raw_) {
-      SS_ASSIGN_OR_RETURN(raw_, gpu::DeviceBuffer::Allocate(2 * want, device_));
-    }
-    chunk = static_cast<int64_t>(raw_->bytes() / 2);
-    a = static_cast<unsigned char*>(raw_->data());
-  }
-  for (int64_t done = 0; done < total_bytes_; done += chunk) {
-    const int64_t n = std::min(chunk, total_bytes_ - done);
-    SS_RETURN_IF_ERROR(gpu::CopyDeviceToDevice(a + chunk, a, n, stream_->handle()));
-  }
-  return SyncStream("cudaMemcpy");
-}
-
-std::vector<int> DeviceRank::NcclPeers() const {
-  std::vector<int> v;
-  for (const Message& m : session_->plan().sends) {
-    if (tx_.PeerTransport(m.dst) == "nccl") v.push_back(m.dst);
-  }
-  for (const Message& m : session_->plan().recvs) {
-    if (tx_.PeerTransport(m.src) == "nccl") v.push_back(m.src);
-  }
-  return v;
-}
-
-// Every nccl pair's message bytes, all pairs at once, with the session's communicators.
-Status DeviceRank::RawNccl() {
-  const RankPlan& plan = session_->plan();
-  int64_t max = 0;
-  for (const auto* list : {&plan.sends, &plan.recvs}) {
-    for (const Message& m : *list) max = std::max(max, m.bytes);
-  }
-  if (!raw_ || static_cast<int64_t>(raw_->bytes()) < max) {
-    raw_.reset();
-    SS_ASSIGN_OR_RETURN(raw_, gpu::DeviceBuffer::Allocate(std::max<int64_t>(max, 1), device_));
-  }
-  std::vector<XferId> ids;
-  const uint64_t tag = MakeTag(false, kBenchVersionRaw, 0);
-  for (const Message& m : plan.sends) {
-    if (tx_.PeerTransport(m.dst) != "nccl") continue;
-    SS_ASSIGN_OR_RETURN(XferId id, tx_.PostSend(m.dst, tag, raw_->data(), m.bytes));
-    ids.push_back(id);
-  }
-  for (const Message& m : plan.recvs) {
-    if (tx_.PeerTransport(m.src) != "nccl") continue;
-    SS_ASSIGN_OR_RETURN(XferId id, tx_.PostRecv(m.src, tag, raw_->data(), m.bytes));
-    ids.push_back(id);
-  }
-  return WaitAllXfers(tx_, ids, job_.timeout, "raw nccl");
-}
-
-}  // namespace
-
-namespace job_internal {
-
 Result<int> DeviceOfRank(const JobSpec& job, int rank) {
   int gpus = job.gpus;
   if (gpus <= 0) {
@@ -864,5 +397,4 @@ Status RunDeviceRank(const JobSpec& job, int rank, const SyncRank& who, StoreCli
   return s;
 }
 
-}  // namespace job_internal
-}  // namespace shardsync
+}  // namespace shardsync::job_internal

@@ -14,7 +14,7 @@
 namespace shardsync::job_internal {
 
 // Reserved versions of the benchmark's baseline variants in the transfer tags
-// (sync_internal::MakeTag); sessions use versions from 1.
+// (sync/tags.h MakeTag); sessions use versions from 1.
 inline constexpr uint64_t kBenchVersionBroadcast = 0x7FF;
 inline constexpr uint64_t kBenchVersionRaw = 0x7FE;
 

@@ -14,13 +14,13 @@
 #include "job/internal.h"
 #include "job/launcher.h"
 #include "shardsync/checksum.h"
+#include "shardsync/fp8_plan.h"
 #include "shardsync/gpu.h"
 #include "shardsync/refengine.h"
 #include "shardsync/safetensors.h"
 #include "shardsync/shard_map.h"
 #include "shardsync/synthetic.h"
 #include "shardsync/transport.h"
-#include "sync/fp8_outline.h"
 
 namespace shardsync {
 
@@ -155,7 +155,7 @@ Result<EngineParams> AllocateEngineParams(const std::vector<EngineParam>& expect
   EngineParams e;
   for (const EngineParam& p : expected) {
     // Block-FP8 weights and scales in their own dtypes; everything else lands wire bytes.
-    const DType t = sync_internal::Fp8DestDType(p, dtype);
+    const DType t = Fp8DestDType(p, dtype);
     const int64_t bytes = p.numel() * DTypeSize(t);
     // Garbage, not zeros: a byte the sync forgets must show up in the element check.
     auto buf = std::make_unique<unsigned char[]>(bytes);

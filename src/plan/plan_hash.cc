@@ -58,7 +58,9 @@ std::string PlanHashText(const PlanInputs& in) {
   }
   kv("trainer", in.trainer.ToString());
   kv("trainer_dtype", DTypeName(in.trainer_dtype));
-  kv("engine", in.rollout.shard.engine == EngineKind::kSglang ? "sglang" : "vllm");
+  // Each engine under its own name (EngineKindName: every EngineKind, or no build), so a new
+  // engine's plans cannot hash as another's; sglang and vllm keep the bytes they always hashed.
+  kv("engine", EngineKindName(in.rollout.shard.engine));
   kv("dp", in.rollout.dp);
   kv("tp", in.rollout.shard.tp);
   kv("pp", in.rollout.shard.pp);

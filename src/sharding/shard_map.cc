@@ -152,9 +152,21 @@ std::string TpField(const ShardSpec& s) { return fmt::format("--tp {}", s.tp); }
 
 }  // namespace
 
+// A switch over every EngineKind, -Wswitch an error: an engine added to the enum does not compile
+// until it has a name here (the plan hash and every message spell engines with it, so two engines
+// must never share one).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic error "-Wswitch"
 std::string_view EngineKindName(EngineKind e) {
-  return e == EngineKind::kSglang ? "sglang" : "vllm";
+  switch (e) {
+    case EngineKind::kSglang:
+      return "sglang";
+    case EngineKind::kVllm:
+      return "vllm";
+  }
+  return "invalid-engine";  // not an EngineKind value
 }
+#pragma GCC diagnostic pop
 
 Result<EngineKind> ParseEngineKind(std::string_view s, std::string_view field) {
   if (s == "sglang") return EngineKind::kSglang;

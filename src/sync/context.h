@@ -12,7 +12,7 @@
 
 #include "common/trace.h"
 #include "shardsync/session.h"
-#include "sync/internal.h"
+#include "sync/tags.h"
 #include "sync/watched_store.h"
 
 namespace shardsync::sync_internal {

@@ -3,22 +3,6 @@
 #include "sync/bindings.h"
 
 namespace shardsync::sync_internal {
-namespace {
-
-bool EndsWith(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-}  // namespace
-
-DType Fp8DestDType(const EngineParam& p, DType wire) {
-  if (p.dtype == DType::kF8E4M3) return p.dtype;
-  // The shard map gives each e4m3 weight a "<weight>_scale_inv" companion in fp32
-  // (fp8_shard_map.cc); unquantized parameters carry the model dtype there but land wire bytes.
-  if (p.dtype == DType::kF32 && EndsWith(p.name, "weight_scale_inv")) return p.dtype;
-  return wire;
-}
 
 Status CheckFp8Bindings(const SessionContext& ctx, const Bindings& bindings) {
   const RankPlan& plan = ctx.plan;

@@ -1,8 +1,9 @@
 // Block-FP8 sessions (fp8_plan.h, docs/fp8.md): the codec's helpers for the parts every session
-// shares (bindings: the engine dtypes and the checks of FP8 bindings) and for its data path
-// (where stage ops land in a receiver's staging, the receiver's band quantize tasks). The
-// session's `plan` is the block-FP8 plan itself (its ops carry their Encoding): transport peers,
-// region bases and the parameters named in a checksum mismatch come from it as for bf16.
+// shares (bindings: the checks of FP8 bindings; the engine dtypes are fp8_plan.h Fp8DestDType) and
+// for its data path (where stage ops land in a receiver's staging, the receiver's band quantize
+// tasks). The session's `plan` is the block-FP8 plan itself (its ops carry their Encoding):
+// transport peers, region bases and the parameters named in a checksum mismatch come from it as for
+// bf16.
 #pragma once
 
 #include <algorithm>
@@ -11,15 +12,11 @@
 
 #include "shardsync/fp8_plan.h"
 #include "sync/context.h"
-#include "sync/internal.h"
+#include "sync/transfers.h"
 
 namespace shardsync::sync_internal {
 
 class Bindings;
-
-// The dtype an engine parameter of a block-FP8 map is bound in: e4m3 weights and their fp32
-// weight_scale_inv as they are; every other parameter in the wire dtype (bytes land in place).
-DType Fp8DestDType(const EngineParam& p, DType wire);
 
 // Connect's binding check for FP8 sessions: every source an op reads bound and holding the op's
 // region; every parameter, scale and staged band an op writes inside its binding.

@@ -1,6 +1,6 @@
 // Prepared pairs of block-FP8 plans (pairs.h PrepareFp8): each bucket's copy ops as copy regions
 // at offsets of a compact image of the copies (and their offsets in the whole image, for nccl,
-// which sends the image: cuda/impl/fp8_rounds.h), its quantize ops as PairBucket::quantize with
+// which sends the image: cuda/nccl/fp8_rounds.h), its quantize ops as PairBucket::quantize with
 // separate e4m3 and scale destinations (the peer's parameters; no wire buffer), so a transport
 // that quantizes (cuda_ipc) packs, quantizes and checksums straight into the receiver. Stage ops
 // (bands whose rows straddle trainer ranks) as PairBucket::stage: raw trainer values, no cast, at

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/cast.h"
 #include "shardsync/checksum.h"
 #include "shardsync/fp8.h"
 #include "sync/fp8_outline.h"

@@ -6,9 +6,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/cast.h"
 #include "sync/bindings.h"
-#include "sync/internal.h"
 #include "sync/landed_sum.h"
+#include "sync/transfers.h"
 
 namespace shardsync::sync_internal {
 

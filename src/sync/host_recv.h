@@ -14,6 +14,7 @@
 #include "sync/host_path.h"
 #include "sync/landed_sum.h"
 #include "sync/pairs.h"
+#include "sync/transfers.h"
 
 namespace shardsync::sync_internal {
 

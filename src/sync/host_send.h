@@ -17,6 +17,7 @@
 #include "sync/host_pack.h"
 #include "sync/host_path.h"
 #include "sync/pairs.h"
+#include "sync/transfers.h"
 
 namespace shardsync::sync_internal {
 

@@ -19,10 +19,10 @@
 #include "sync/fp8_recv.h"
 #include "sync/fp8_send.h"
 #include "sync/guard.h"
+#include "sync/harness.h"
 #include "sync/host_recv.h"
 #include "sync/host_send.h"
 #include "sync/identity.h"
-#include "sync/internal.h"
 #include "sync/pairs.h"
 #include "sync/presence.h"
 #include "sync/staging.h"
@@ -50,7 +50,7 @@ std::unique_ptr<sync_internal::HostRecvPath> MakeHostRecv(const sync_internal::S
 class SessionImpl final : public SyncSession {
  public:
   SessionImpl(PlanInputs in, int rank, SyncRank who, RankPlan plan, StoreClient& store,
-              Transport& tx, SessionOptions opt, LaunchId launch, sync_internal::HarnessHooks hooks)
+              Transport& tx, SessionOptions opt, LaunchId launch, HarnessHooks hooks)
       : ctx_(std::move(in), rank, who, std::move(plan), store, tx, std::move(opt),
              std::move(launch)),
         hooks_(std::move(hooks)),
@@ -406,7 +406,7 @@ class SessionImpl final : public SyncSession {
 
   // Declaration order is construction order: every part refers to ctx_ (and most to guard_).
   sync_internal::SessionContext ctx_;
-  sync_internal::HarnessHooks hooks_;
+  HarnessHooks hooks_;
   sync_internal::JobIdentity identity_;
   sync_internal::Presence presence_;
   sync_internal::Bindings bindings_;
@@ -427,9 +427,10 @@ class SessionImpl final : public SyncSession {
 
 }  // namespace
 
-Result<std::unique_ptr<SyncSession>> sync_internal::CreateHarnessSession(
-    const PlanInputs& inputs, int rank, StoreClient& store, Transport& transport,
-    SessionOptions options, HarnessHooks hooks) {
+Result<std::unique_ptr<SyncSession>> CreateHarnessSession(const PlanInputs& inputs, int rank,
+                                                          StoreClient& store, Transport& transport,
+                                                          SessionOptions options,
+                                                          HarnessHooks hooks) {
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(inputs, rank));
   SS_ASSIGN_OR_RETURN(RankPlan plan, PlanForRank(inputs, rank));
   LaunchId launch;
@@ -458,8 +459,7 @@ Result<std::unique_ptr<SyncSession>> sync_internal::CreateHarnessSession(
 Result<std::unique_ptr<SyncSession>> SyncSession::Create(const PlanInputs& inputs, int rank,
                                                          StoreClient& store, Transport& transport,
                                                          SessionOptions options) {
-  return sync_internal::CreateHarnessSession(inputs, rank, store, transport, std::move(options),
-                                             {});
+  return CreateHarnessSession(inputs, rank, store, transport, std::move(options), {});
 }
 
 }  // namespace shardsync

@@ -21,7 +21,7 @@ int64_t Layout(const std::vector<EngineParam>& params, DType wire, bool fp8,
   int64_t at = 0;
   for (const EngineParam& p : params) {
     if (offsets) offsets->push_back(at);
-    const DType t = fp8 ? sync_internal::Fp8DestDType(p, wire) : wire;
+    const DType t = fp8 ? Fp8DestDType(p, wire) : wire;
     at += (p.numel() * DTypeSize(t) + kAlign - 1) / kAlign * kAlign;
   }
   return at;

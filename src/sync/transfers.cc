@@ -2,7 +2,7 @@
 // of a two-sided transport meets a receive of the same size posted straight into a parameter.
 #include <algorithm>
 
-#include "sync/internal.h"
+#include "sync/transfers.h"
 
 namespace shardsync::sync_internal {
 namespace {

@@ -5,7 +5,7 @@
 #include <string>
 #include <string_view>
 
-#include "sync/internal.h"
+#include "sync/verdict_codec.h"
 
 namespace shardsync::sync_internal {
 namespace {

@@ -12,6 +12,7 @@
 #include "sync/context.h"
 #include "sync/guard.h"
 #include "sync/verdict_board.h"
+#include "sync/verdict_codec.h"
 
 namespace shardsync::sync_internal {
 

@@ -1,4 +1,4 @@
-// Block-FP8 rounds of nccl pairs (cuda/impl/fp8_rounds.h) on ONE GPU without NCCL: the sender's
+// Block-FP8 rounds of nccl pairs (cuda/nccl/fp8_rounds.h) on ONE GPU without NCCL: the sender's
 // batches build a round's wire image in a slot, the slot's bytes are copied to the receiver's slot
 // (what ncclSend / ncclRecv do, already proven by the bf16 path), and the receiver's batch
 // scatters them. Every byte of the image is held to the host path's (the CPU quantize-pack,
@@ -20,7 +20,7 @@
 #include "shardsync/transport.h"
 
 #if defined(SHARDSYNC_HAVE_CUDA)
-#include "cuda/impl/fp8_rounds.h"
+#include "cuda/nccl/fp8_rounds.h"
 #endif
 
 namespace shardsync::gpu {

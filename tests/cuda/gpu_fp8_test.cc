@@ -18,7 +18,7 @@
 #include "shardsync/session.h"
 
 #if defined(SHARDSYNC_HAVE_CUDA)
-#include "cuda/impl/fp8_kernels.h"
+#include "cuda/kernels/fp8_kernels.h"
 #endif
 
 namespace shardsync::gpu {

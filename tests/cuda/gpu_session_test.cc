@@ -17,7 +17,6 @@
 #include "shardsync/gpu.h"
 #include "shardsync/session.h"
 #include "shardsync/transport.h"
-#include "sync/internal.h"
 
 namespace shardsync::gpu {
 namespace {
@@ -277,7 +276,7 @@ TEST(GpuSession, SharedLaunchesLeaveBlockFp8Alone) {
 
 // Block FP8 across GPUs over nccl (the cross-GPU pairs; same-GPU pairs stay cuda_ipc): each round
 // goes as the plan's FP8 wire image, quantized by the sender into its slot and scattered by the
-// receiver (cuda/impl/fp8_rounds.h); 256 KiB buckets make several rounds per pair, so slots are
+// receiver (cuda/nccl/fp8_rounds.h); 256 KiB buckets make several rounds per pair, so slots are
 // reused. Every e4m3 byte and scale is checked against the quantizer on the host, for fp32 and
 // bf16 trainers and for stacked experts (vLLM tp2 ep2, 3-d destinations).
 TEST(GpuSession, TwoGpusBlockFp8OverNccl) {

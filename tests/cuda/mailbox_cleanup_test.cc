@@ -9,7 +9,7 @@
 #include <string>
 
 #ifdef SHARDSYNC_HAVE_CUDA
-#include "cuda/impl/shm_mailbox.h"
+#include "cuda/cuda_ipc/shm_mailbox.h"
 #include "transport/shm_segment.h"
 
 namespace shardsync::gpu::internal {

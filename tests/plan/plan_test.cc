@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 
+#include "plan/plan_hash.h"
 #include "plan/planner.h"
 #include "shardsync/plan.h"
 
@@ -390,6 +392,30 @@ TEST_P(PlannerDeterminism, SamePlansAndHash) {
   variants[4].rollout.dp = in.rollout.dp + 1;
   variants[5].trainer_dtype = DType::kBF16;
   for (const auto& v : variants) EXPECT_NE(PlanHash(v), PlanHash(in));
+}
+
+// Every engine hashes under its own name (plan_hash.cc, EngineKindName), one name per engine:
+// the hash once spelled every engine but SGLang "vllm", so a third engine's plans would have
+// agreed with vLLM's. sglang and vllm keep their bytes (plan_fingerprints.txt pins them).
+TEST(Planner, EachEngineHashesUnderItsOwnName) {
+  std::set<std::string> names;
+  for (EngineKind e : {EngineKind::kSglang, EngineKind::kVllm}) {
+    const PlanInputs in = Inputs(TinyDense(), "fsdp=2", "dp=1,tp=2", e);
+    const std::string name(EngineKindName(e));
+    EXPECT_NE(PlanHashText(in).find("\nengine=" + name + "\n"), std::string::npos) << name;
+    names.insert(name);
+  }
+  EXPECT_EQ(names.size(), 2u);
+  EXPECT_EQ(*names.begin(), "sglang");
+  EXPECT_EQ(*names.rbegin(), "vllm");
+  // A value no engine has (what a new enumerator would be to an old switch) hashes as neither.
+  PlanInputs other = Inputs(TinyDense(), "fsdp=2", "dp=1,tp=2", EngineKind::kVllm);
+  other.rollout.shard.engine = static_cast<EngineKind>(7);
+  const std::string text = PlanHashText(other);
+  EXPECT_EQ(text.find("\nengine=vllm\n"), std::string::npos);
+  EXPECT_EQ(text.find("\nengine=sglang\n"), std::string::npos);
+  EXPECT_NE(PlanHash(other),
+            PlanHash(Inputs(TinyDense(), "fsdp=2", "dp=1,tp=2", EngineKind::kVllm)));
 }
 
 TEST(Planner, EmbeddedAndParsedConfigsAgree) {

@@ -22,8 +22,8 @@
 #include "shardsync/session.h"
 #include "shardsync/transport.h"
 #include "store/forked_store.h"
+#include "sync/harness.h"
 #include "sync/identity.h"
-#include "sync/internal.h"
 #include "sync_expect.h"
 
 namespace shardsync {
@@ -67,16 +67,14 @@ Outcome Failed(const Status& s) {
 // set) by a rank that connected, before its session closes, however it ends.
 Outcome RunRank(const JobSpec& spec, int rank, const std::string& store, SessionOptions opt,
                 int syncs, const std::function<void()>& start = nullptr,
-                const std::function<void()>& hold = nullptr,
-                sync_internal::HarnessHooks hooks = {}) {
+                const std::function<void()>& hold = nullptr, HarnessHooks hooks = {}) {
   Outcome out;
   const auto t0 = Clock::now();
   auto client = StoreClient::Connect(store, kToken, Millis(5000));
   if (!client.ok()) return Failed(client.status());
   auto tx = CreateTransport("shm", {});
   if (!tx.ok()) return Failed(tx.status());
-  auto s =
-      sync_internal::CreateHarnessSession(spec.inputs, rank, **client, **tx, opt, std::move(hooks));
+  auto s = CreateHarnessSession(spec.inputs, rank, **client, **tx, opt, std::move(hooks));
   if (!s.ok()) return Failed(s.status());
   SyncSession& session = **s;
   struct AtExit {  // declared after the session: runs before it closes
@@ -632,7 +630,7 @@ TEST(JobIdentity, RankZeroSealsOnlyWhenEveryMemberProvesTheSecret) {
   const SessionOptions opt = Options("swapped-member", Millis(3000));
   auto raw = StoreClient::Connect(address, kToken, Millis(5000));
   ASSERT_TRUE(raw.ok());
-  sync_internal::HarnessHooks hooks;
+  HarnessHooks hooks;
   hooks.before_transport_connect = [&](Transport&) {
     EXPECT_TRUE((*raw)->Set(testing::JobRoot(**raw) + "member/1", "0badc0de 666@elsewhere -").ok());
     return OkStatus();
@@ -641,8 +639,7 @@ TEST(JobIdentity, RankZeroSealsOnlyWhenEveryMemberProvesTheSecret) {
   std::vector<std::thread> ts;
   for (int r = 0; r < 4; ++r) {
     ts.emplace_back([&, r] {
-      out[r] = RunRank(spec, r, address, opt, 1, nullptr, nullptr,
-                       r == 0 ? hooks : sync_internal::HarnessHooks{});
+      out[r] = RunRank(spec, r, address, opt, 1, nullptr, nullptr, r == 0 ? hooks : HarnessHooks{});
     });
   }
   for (auto& t : ts) t.join();
@@ -935,7 +932,7 @@ TEST(FailFast, RankWhoseConnectionDropsFailsTheOthersNamingIt) {
       SeverableStore store(std::move(*inner));
       auto tx = CreateTransport("shm", {});
       ASSERT_TRUE(tx.ok());
-      sync_internal::HarnessHooks hooks;
+      HarnessHooks hooks;
       if (r == victim) {
         // Dies after joining the job (its liveness key set), before its transport connects.
         hooks.before_transport_connect = [&](Transport&) {
@@ -948,8 +945,7 @@ TEST(FailFast, RankWhoseConnectionDropsFailsTheOthersNamingIt) {
           return UnavailableError("killed");
         };
       }
-      auto s = sync_internal::CreateHarnessSession(spec.inputs, r, store, **tx,
-                                                   Options("", Millis(30000)), hooks);
+      auto s = CreateHarnessSession(spec.inputs, r, store, **tx, Options("", Millis(30000)), hooks);
       ASSERT_TRUE(s.ok());
       auto who = DescribeSyncRank(spec.inputs, r);
       job_internal::TrainerShards shards;

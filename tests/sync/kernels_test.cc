@@ -8,9 +8,9 @@
 #include <random>
 #include <vector>
 
+#include "common/cast.h"
 #include "shardsync/checksum.h"
 #include "shardsync/dtype.h"
-#include "sync/internal.h"
 
 namespace shardsync {
 namespace {
@@ -102,8 +102,7 @@ TEST(HostKernels, Fp32ToBf16CastMatchesF32ToBF16BitForBit) {
   for (size_t start : {size_t{0}, size_t{1}}) {  // aligned and unaligned source
     for (size_t len : {n, size_t{15}, size_t{16}, size_t{17}, size_t{1000}}) {
       std::vector<uint16_t> out(len, 0xDEAD);
-      sync_internal::CastInto(in.data() + start, DType::kF32, out.data(), DType::kBF16,
-                              static_cast<int64_t>(len));
+      CastInto(in.data() + start, DType::kF32, out.data(), DType::kBF16, static_cast<int64_t>(len));
       for (size_t i = 0; i < len; ++i) {
         float f;
         std::memcpy(&f, &in[start + i], 4);
@@ -123,8 +122,8 @@ TEST(HostKernels, FusedCastAndChecksumMatchTheDefinitions) {
     for (uint64_t word : {uint64_t{0}, uint64_t{12345}, uint64_t{1} << 40}) {
       std::vector<uint16_t> out(n, 0xDEAD);
       uint64_t sum = 7;  // added to, not overwritten
-      const int64_t k = sync_internal::CastF32ToBF16WithSum(in.data(), out.data(),
-                                                            static_cast<int64_t>(n), word, &sum);
+      const int64_t k =
+          CastF32ToBF16WithSum(in.data(), out.data(), static_cast<int64_t>(n), word, &sum);
       ASSERT_GE(k, 0);
       ASSERT_LE(k, static_cast<int64_t>(n));
       EXPECT_EQ(k % 16, 0);

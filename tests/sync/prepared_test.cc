@@ -20,7 +20,6 @@
 #include "shardsync/checksum.h"
 #include "shardsync/session.h"
 #include "shardsync/transport.h"
-#include "sync/internal.h"
 #include "sync_expect.h"
 
 namespace shardsync {

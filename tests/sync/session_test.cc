@@ -16,7 +16,6 @@
 #include "job/launcher.h"
 #include "job/test_util.h"
 #include "shardsync/transport.h"
-#include "sync/internal.h"
 #include "sync/verdict_board.h"
 #include "sync_expect.h"
 

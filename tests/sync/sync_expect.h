@@ -12,7 +12,6 @@
 #include "job/launcher.h"
 #include "shardsync/status.h"
 #include "sync/identity.h"
-#include "sync/internal.h"
 
 namespace shardsync::testing {
 

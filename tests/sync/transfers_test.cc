@@ -17,7 +17,7 @@
 #include "shardsync/session.h"
 #include "shardsync/shard_map.h"
 #include "shardsync/transport.h"
-#include "sync/internal.h"
+#include "sync/transfers.h"
 #include "sync_expect.h"
 
 namespace shardsync {

@@ -5,7 +5,7 @@
 #include <random>
 #include <string>
 
-#include "sync/internal.h"
+#include "sync/verdict_codec.h"
 
 namespace shardsync {
 namespace {

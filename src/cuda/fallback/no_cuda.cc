@@ -1,7 +1,7 @@
 // Built when shardsync is configured without CUDA: every GPU entry point says so, so the rest of
 // shardsync links and callers get a clear Unimplemented instead of a link error.
 #include "shardsync/gpu.h"
-#include "shardsync/session.h"
+#include "shardsync/pack.h"
 
 namespace shardsync::gpu {
 

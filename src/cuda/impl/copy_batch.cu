@@ -9,6 +9,7 @@
 #include "cuda/cuda_util.h"
 #include "cuda/impl/fp8_kernels.h"
 #include "cuda/impl/kernels.cuh"
+#include "shardsync/settings.h"
 
 namespace shardsync::gpu {
 
@@ -114,9 +115,9 @@ Status BuildDescs(const BatchSpec& spec, int wire_size, std::vector<Desc>* out) 
 // pages a launch's blocks touch at once, docs/benchmarks.md), read once.
 int64_t ChunkWireBytes() {
   static const int64_t bytes = [] {
-    const char* v = std::getenv("SHARDSYNC_CHUNK_KIB");
-    const long kib = v ? std::atol(v) : 0;
-    return kib >= 4 && kib <= (1 << 20) ? int64_t{kib} << 10 : kChunkWireBytes;
+    auto kib = ReadIntKnob("SHARDSYNC_CHUNK_KIB");  // 4..1048576 (settings.cc)
+    if (!kib.ok()) ReportKnobError(kib.status());
+    return kib.ok() && *kib ? **kib << 10 : kChunkWireBytes;
   }();
   return bytes;
 }

@@ -59,7 +59,7 @@ std::span<const Knob> Knobs();
 const Knob* FindKnob(std::string_view name);
 
 // A knob's raw value after the strict parse: nullopt when unset or empty. InvalidArgument
-// "SHARDSYNC_X='v': <why>" when malformed; NotFound for an unregistered name (a programming
+// "NAME='value': <why>" when malformed; NotFound for an unregistered name (a programming
 // error the tests catch).
 Result<std::optional<std::string>> ReadKnob(std::string_view name,
                                             const EnvLookup& env = ProcessEnvironment());

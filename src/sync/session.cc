@@ -432,10 +432,10 @@ class SessionImpl final : public SyncSession {
 Result<std::unique_ptr<SyncSession>> sync_internal::CreateHarnessSession(
     const PlanInputs& inputs, int rank, StoreClient& store, Transport& transport,
     SessionOptions options, HarnessHooks hooks) {
-  // Every knob parses before any is read: one read deep in a GPU path has no error to return.
-  SS_RETURN_IF_ERROR(CheckKnobs());
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(inputs, rank));
   SS_ASSIGN_OR_RETURN(RankPlan plan, PlanForRank(inputs, rank));
+  // Every knob parses before any is read: one read deep in a GPU path has no error to return.
+  SS_RETURN_IF_ERROR(CheckKnobs());
   LaunchId launch;
   if (options.job_id) {
     SS_RETURN_IF_ERROR(CheckJobId(*options.job_id, "job_id"));

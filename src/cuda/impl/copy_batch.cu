@@ -9,7 +9,8 @@
 #include "cuda/cuda_util.h"
 #include "cuda/impl/fp8_kernels.h"
 #include "cuda/impl/kernels.cuh"
-#include "shardsync/settings.h"
+
+#include "shardsync/settings.h"  // SHARDSYNC_CHUNK_KIB
 
 namespace shardsync::gpu {
 

@@ -3,6 +3,7 @@
 
 #include "common.h"
 #include "shardsync/checksum.h"
+#include "shardsync/settings.h"
 
 namespace shardsync::py_bind {
 
@@ -110,6 +111,40 @@ void RegisterCore(py::module_& m) {
         return sum;
       },
       py::arg("tensor"), "The shardsync checksum (checksum.h) of a host tensor's bytes.");
+
+  // The knob registry (settings.h): Python reads knobs through it so a malformed value raises
+  // InvalidArgumentError naming the knob, as the C++ side and the CLI refuse it.
+  m.def(
+      "knobs",
+      [] {
+        py::list out;
+        for (const Knob& k : Knobs()) {
+          py::dict d;
+          d["name"] = k.name;
+          d["type"] = std::string(KnobTypeName(k.type));
+          d["default"] = k.default_value;
+          d["range"] = KnobRange(k);
+          d["origin"] = k.origin == KnobOrigin::kShardsync ? "shardsync" : "third-party";
+          d["reader"] = k.reader;
+          d["meaning"] = k.meaning;
+          out.append(d);
+        }
+        return out;
+      },
+      "Every registered environment knob (docs/environment.md) as dicts.");
+  m.def(
+      "read_knob",
+      [](const std::string& name) -> py::object {
+        std::optional<std::string> v = Unwrap(ReadKnob(name));
+        if (!v) return py::none();
+        return py::str(*v);
+      },
+      py::arg("name"),
+      "A knob's value from this process's environment, parsed strictly: None when unset or "
+      "empty; InvalidArgumentError naming the knob and the value when malformed.");
+  m.def(
+      "check_knobs", [] { ThrowIfError(CheckKnobs()); },
+      "InvalidArgumentError naming the first malformed shardsync knob in the environment.");
 }
 
 }  // namespace shardsync::py_bind

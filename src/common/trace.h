@@ -15,15 +15,18 @@
 #include <mutex>
 #include <string>
 
+#include "shardsync/settings.h"
+
 namespace shardsync::trace {
 
 enum class Mode { kOff, kNow, kBuffered };
 
 inline Mode GetMode() {
   static const Mode mode = [] {
-    const char* v = std::getenv("SHARDSYNC_TRACE");
-    if (!v || !*v || *v == '0') return Mode::kOff;
-    return std::strcmp(v, "buffered") == 0 ? Mode::kBuffered : Mode::kNow;
+    auto v = TextKnob("SHARDSYNC_TRACE");  // 0 | 1 | buffered (settings.cc)
+    if (!v.ok()) ReportKnobError(v.status());
+    if (!v.ok() || *v == "0") return Mode::kOff;
+    return *v == "buffered" ? Mode::kBuffered : Mode::kNow;
   }();
   return mode;
 }

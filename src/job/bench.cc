@@ -12,6 +12,7 @@
 #include "job/bench.h"
 #include "job/internal.h"
 #include "job/launcher.h"
+#include "shardsync/settings.h"
 #include "shardsync/shard_map.h"
 #include "shardsync/synthetic.h"
 #include "shardsync/transport.h"
@@ -125,9 +126,9 @@ class BenchRank {
     return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
   }
   void ReportCpu() {
-    const char* file = std::getenv("SHARDSYNC_BENCH_CPU");
-    if (file == nullptr || *file == '\0' || job_.bench_reps <= 0) return;
-    if (FILE* f = std::fopen(file, "a")) {
+    auto file = TextKnob("SHARDSYNC_BENCH_CPU");  // text: no value is malformed
+    if (!file.ok() || file->empty() || job_.bench_reps <= 0) return;
+    if (FILE* f = std::fopen(file->c_str(), "a")) {
       std::fprintf(
           f, "rank %d %s cpu_s_per_rep sharded %.4f broadcast %.4f raw %.4f\n", rank_,
           who_.is_trainer ? "trainer" : "engine", cpu_[&res_.bench.sharded] / job_.bench_reps,

@@ -22,6 +22,7 @@
 #include "job/internal.h"
 #include "job/launcher.h"
 #include "shardsync/session.h"
+#include "shardsync/settings.h"
 #include "shardsync/transport.h"
 
 extern char** environ;
@@ -131,14 +132,15 @@ std::string DescribeExit(int status) {
 // SHARDSYNC_RANK_LOG_DIR keeps every rank's stderr as DIR/rank-<R>.log (GPU debugging); the
 // temporary logs go.
 void CleanupLogs(const std::vector<Child>& children) {
-  const char* keep = std::getenv("SHARDSYNC_RANK_LOG_DIR");
+  auto dir = TextKnob("SHARDSYNC_RANK_LOG_DIR");  // text: no value is malformed
+  const std::string keep = dir.ok() ? *dir : "";
   for (const Child& c : children) {
-    if (keep && *keep) {
+    if (!keep.empty()) {
       // O_NOFOLLOW: a symlink planted at DIR/rank-R.log must not redirect the log into a file
       // of the planter's choosing; such a log is skipped.
-      const std::string path = std::string(keep) + "/rank-" + std::to_string(c.rank) + ".log";
-      const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC,
-                          0600);
+      const std::string path = keep + "/rank-" + std::to_string(c.rank) + ".log";
+      const int fd =
+          open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0600);
       if (fd < 0) {
         std::fprintf(stderr, "launcher: not keeping sync rank %d's log as %s: %s\n", c.rank,
                      path.c_str(), std::strerror(errno));

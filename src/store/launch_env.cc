@@ -1,6 +1,7 @@
 #include <charconv>
 #include <cstdlib>
 
+#include "shardsync/settings.h"
 #include "shardsync/store.h"
 
 namespace shardsync {
@@ -138,20 +139,8 @@ Result<LaunchId> LaunchNameFromLookup(
 
 }  // namespace
 
-Result<LaunchId> LaunchIdFromEnvironment() {
-  return LaunchIdFromLookup([](const std::string& name) -> std::optional<std::string> {
-    const char* v = std::getenv(name.c_str());
-    if (v == nullptr) return std::nullopt;
-    return std::string(v);
-  });
-}
+Result<LaunchId> LaunchIdFromEnvironment() { return LaunchIdFromLookup(ProcessEnvironment()); }
 
-Result<LaunchEnv> LaunchEnvFromEnvironment() {
-  return LaunchEnvFromLookup([](const std::string& name) -> std::optional<std::string> {
-    const char* v = std::getenv(name.c_str());
-    if (v == nullptr) return std::nullopt;
-    return std::string(v);
-  });
-}
+Result<LaunchEnv> LaunchEnvFromEnvironment() { return LaunchEnvFromLookup(ProcessEnvironment()); }
 
 }  // namespace shardsync

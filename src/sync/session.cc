@@ -13,6 +13,8 @@
 #include <functional>
 #include <map>
 
+#include "shardsync/settings.h"
+
 #include "sync/bindings.h"
 #include "sync/connect.h"
 #include "sync/context.h"
@@ -433,6 +435,8 @@ Result<std::unique_ptr<SyncSession>> CreateHarnessSession(const PlanInputs& inpu
                                                           HarnessHooks hooks) {
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(inputs, rank));
   SS_ASSIGN_OR_RETURN(RankPlan plan, PlanForRank(inputs, rank));
+  // Every knob parses before any is read: one read deep in a GPU path has no error to return.
+  SS_RETURN_IF_ERROR(CheckKnobs());
   LaunchId launch;
   if (options.job_id) {
     SS_RETURN_IF_ERROR(CheckJobId(*options.job_id, "job_id"));

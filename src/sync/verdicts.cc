@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <random>
 
+#include "shardsync/settings.h"
+
 namespace shardsync::sync_internal {
 
 void VerdictExchange::Post(const RankSyncStats& st) {
@@ -149,8 +151,8 @@ Result<std::string> VerdictExchange::MapBoard(Clock::time_point deadline, bool w
 
 Status VerdictExchange::Open(Clock::time_point deadline) {
   if (ctx_.world < 2) return OkStatus();
-  const char* env = std::getenv("SHARDSYNC_VERDICT_BOARD");
-  const bool want = ctx_.opt.shared_memory_verdicts && !(env && std::string(env) == "0");
+  SS_ASSIGN_OR_RETURN(const bool env, BoolKnob("SHARDSYNC_VERDICT_BOARD"));
+  const bool want = ctx_.opt.shared_memory_verdicts && env;
   std::unique_ptr<VerdictBoard> board;
   SS_ASSIGN_OR_RETURN(const std::string published, MapBoard(deadline, want, &board));
   if (published == "none") return OkStatus();  // no board for anyone

@@ -20,6 +20,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "shardsync/settings.h"
 #include "store/log.h"
 #include "transport/process.h"
 #include "transport/ucx_support.h"
@@ -119,7 +120,8 @@ class UcxTransport final : public Transport {
     if (s != UCS_OK) return InternalError(UcsError("ucx: ucp_config_read", s));
     // Peer death must surface within a sync timeout; UCX's default keepalive round is 20 s.
     // A user's UCX_KEEPALIVE_INTERVAL wins.
-    if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
+    SS_ASSIGN_OR_RETURN(const std::string keepalive, TextKnob("UCX_KEEPALIVE_INTERVAL"));
+    if (keepalive.empty()) {
       ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
     }
     // The devices the job needs and no more: every TCP device UCX uses gets a listener on its

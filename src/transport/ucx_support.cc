@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "shardsync/settings.h"
+
 namespace shardsync::ucx_support {
 
 bool HasRdmaDevice() {
@@ -41,30 +43,25 @@ Result<ResolvedUcxOptions> ResolveUcxOptions(const UcxOptions& options) {
   UcxMode mode = options.mode;
   std::string devices = options.net_devices;
   if (options.mode_from_env) {
-    if (const char* m = std::getenv("SHARDSYNC_UCX_MODE"); m != nullptr && *m != '\0') {
-      const std::string v(m);
-      if (v == "put") {
-        mode = UcxMode::kPut;
-      } else if (v == "tag") {
-        mode = UcxMode::kTag;
-      } else if (v == "auto") {
-        mode = UcxMode::kAuto;
-      } else {
-        return InvalidArgumentError("SHARDSYNC_UCX_MODE='" + v + "': want put, tag or auto");
-      }
+    SS_ASSIGN_OR_RETURN(const std::string v, TextKnob("SHARDSYNC_UCX_MODE"));  // checked
+    if (v == "put") {
+      mode = UcxMode::kPut;
+    } else if (v == "tag") {
+      mode = UcxMode::kTag;
+    } else if (v == "auto") {
+      mode = UcxMode::kAuto;
     }
   }
   if (options.net_devices_from_env) {
-    if (const char* d = std::getenv("SHARDSYNC_UCX_NET_DEVICES"); d != nullptr && *d != '\0') {
-      devices = d;
-    }
+    SS_ASSIGN_OR_RETURN(const std::string d, TextKnob("SHARDSYNC_UCX_NET_DEVICES"));
+    if (!d.empty()) devices = d;
   }
   // Nothing named (here, SHARDSYNC_UCX_NET_DEVICES or UCX's own UCX_NET_DEVICES): loopback only,
   // so no UCX listener opens on a routable address the store token does not cover. "all" is
   // UCX's own choice (every device), for jobs across hosts that name none.
   if (devices.empty()) {
-    const char* ucx = std::getenv("UCX_NET_DEVICES");
-    if (ucx == nullptr || *ucx == '\0') devices = "loopback";
+    SS_ASSIGN_OR_RETURN(const std::string ucx, TextKnob("UCX_NET_DEVICES"));
+    if (ucx.empty()) devices = "loopback";
   } else if (devices == "all") {
     devices.clear();
   }

@@ -74,6 +74,63 @@ const std::vector<BadCase> kTopLevel = {
 };
 SS_BAD_SUITE(TopLevel, kTopLevel);
 
+// ---------------------------------------------------------------- knobs (docs/environment.md)
+// A malformed environment knob: `config --dump` and every other command exit 2 naming the knob
+// and the value, before doing anything.
+const std::vector<BadCase> kKnobs = {
+    {"config_without_dump", {"config"}, {"--dump"}},
+    {"config_int_not_a_number",
+     {"config", "--dump"},
+     {"SHARDSYNC_CHUNK_KIB='abc'", "not an integer"},
+     {},
+     2,
+     {{"SHARDSYNC_CHUNK_KIB", "abc"}}},
+    {"config_int_negative",
+     {"config", "--dump", "--json"},
+     {"SHARDSYNC_CHUNK_KIB='-5'", "out of range"},
+     {},
+     2,
+     {{"SHARDSYNC_CHUNK_KIB", "-5"}}},
+    {"config_int_exponent",
+     {"config", "--dump"},
+     {"SHARDSYNC_CHUNK_KIB='1e9'"},
+     {},
+     2,
+     {{"SHARDSYNC_CHUNK_KIB", "1e9"}}},
+    {"config_int_out_of_range",
+     {"config", "--dump"},
+     {"SHARDSYNC_CHUNK_KIB='1000000000'", "4..1048576"},
+     {},
+     2,
+     {{"SHARDSYNC_CHUNK_KIB", "1000000000"}}},
+    {"config_bool_maybe",
+     {"config", "--dump"},
+     {"SHARDSYNC_FP8_OVERLAP='maybe'", "0 or 1"},
+     {},
+     2,
+     {{"SHARDSYNC_FP8_OVERLAP", "maybe"}}},
+    {"config_choice",
+     {"config", "--dump"},
+     {"SHARDSYNC_TRACE='verbose'", "buffered"},
+     {},
+     2,
+     {{"SHARDSYNC_TRACE", "verbose"}}},
+    {"config_third_party_rank", {"config", "--dump"}, {"RANK='-1'"}, {}, 2, {{"RANK", "-1"}}},
+    {"version_refuses_malformed_knob",
+     {"version"},
+     {"SHARDSYNC_FP8_STAGES='9'", "0..4"},
+     {},
+     2,
+     {{"SHARDSYNC_FP8_STAGES", "9"}}},
+    {"layout_refuses_malformed_knob",
+     {"layout", "--dp", "1", "--tp", "2", "--engine", "sglang", "--gpus-per-node", "2"},
+     {"SHARDSYNC_VERDICT_BOARD='maybe'"},
+     {},
+     2,
+     {{"SHARDSYNC_VERDICT_BOARD", "maybe"}}},
+};
+SS_BAD_SUITE(Knobs, kKnobs);
+
 // ---------------------------------------------------------------- layout
 std::vector<std::string> Layout(std::vector<std::string> extra) {
   std::vector<std::string> a = {"layout"};

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cli/cli_harness.h"
+#include "shardsync/settings.h"
 
 namespace shardsync::clitest {
 namespace {
@@ -106,17 +107,51 @@ TEST(CliGood, VersionGpuInfoStoreAndRunTakeJson) {
   EXPECT_NE(run.out.find("--json"), std::string::npos);
 }
 
+// `config --dump`: every registered knob, its effective value and source; secrets never shown.
+TEST(CliGood, ConfigDumpPrintsEveryKnob) {
+  RunOptions opt;
+  opt.env = {{"SHARDSYNC_CHUNK_KIB", "64"},
+             {"SHARDSYNC_TOKEN", "cli-test-token-0123456789"},
+             {"SHARDSYNC_FP8_STAGES", ""}};  // empty: unset
+  const CliResult text = Ok({"config", "--dump"}, opt);
+  for (const Knob& k : Knobs()) {
+    EXPECT_NE(text.out.find(std::string(k.name) + " "), std::string::npos) << k.name;
+  }
+  EXPECT_TRUE(std::regex_search(text.out, std::regex("\\nSHARDSYNC_CHUNK_KIB +64 +environment ")))
+      << text.out;
+  EXPECT_TRUE(std::regex_search(text.out, std::regex("\\nSHARDSYNC_FP8_STAGES +2 +default ")))
+      << text.out;
+  EXPECT_EQ(text.out.find("cli-test-token-0123456789"), std::string::npos) << "secret printed";
+  EXPECT_EQ(text.err, "");
+  const json j = ParseJson(Ok({"config", "--dump", "--json"}, opt));
+  ASSERT_TRUE(j.is_array());
+  ASSERT_EQ(j.size(), Knobs().size());
+  std::map<std::string, json> by;
+  for (const json& e : j) {
+    ExpectKeys(
+        e, {"name", "value", "source", "type", "range", "default", "origin", "reader", "meaning"},
+        "config");
+    by[e["name"].get<std::string>()] = e;
+  }
+  EXPECT_EQ(by["SHARDSYNC_CHUNK_KIB"]["value"], "64");
+  EXPECT_EQ(by["SHARDSYNC_CHUNK_KIB"]["source"], "environment");
+  EXPECT_EQ(by["SHARDSYNC_CHUNK_KIB"]["range"], "4..1048576");
+  EXPECT_EQ(by["SHARDSYNC_TOKEN"]["value"], "(set, 25 chars)");
+  EXPECT_EQ(by["SHARDSYNC_TRACE"]["source"], "default");
+  EXPECT_EQ(by["RANK"]["origin"], "third-party");
+}
+
 TEST(CliGood, HelpListsEveryCommand) {
   const CliResult r = Ok({"--help"});
   for (const char* cmd : {"layout", "shards", "plan", "store", "run", "demo", "bench", "generate",
-                          "inspect", "version"}) {
+                          "inspect", "version", "config"}) {
     EXPECT_NE(r.out.find(cmd), std::string::npos) << cmd << " missing from --help";
   }
 }
 
 TEST(CliGood, EveryCommandHasHelp) {
   for (const char* cmd : {"layout", "shards", "plan", "store", "run", "demo", "bench", "generate",
-                          "inspect", "version"}) {
+                          "inspect", "version", "config"}) {
     const CliResult r = Ok({cmd, "--help"});
     EXPECT_NE(r.out.find(cmd), std::string::npos) << cmd << ":\n" << r.out;
     EXPECT_EQ(r.err, "") << cmd;

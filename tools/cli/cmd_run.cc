@@ -11,6 +11,7 @@
 #include "command.h"
 #include "job/launcher.h"
 #include "shardsync/plan.h"
+#include "shardsync/settings.h"
 
 namespace shardsync::cli {
 
@@ -112,17 +113,16 @@ int Run(const RunFlags& f) {
   auto job = JobSpecFromFlags(f.job);
   if (!job.ok()) return ReportError(job.status());
   // Flags override the launch contract's environment variables.
+  const EnvLookup& process = ProcessEnvironment();
   auto lookup = [&](const std::string& name) -> std::optional<std::string> {
     if (name == "RANK" && f.rank) return std::to_string(*f.rank);
     if (name == "WORLD_SIZE" && f.world_size) return std::to_string(*f.world_size);
-    if (name == "WORLD_SIZE" && !std::getenv("WORLD_SIZE") && !std::getenv("SLURM_NTASKS")) {
+    if (name == "WORLD_SIZE" && !process("WORLD_SIZE") && !process("SLURM_NTASKS")) {
       return std::to_string(SyncWorldSize(job->inputs));  // implied by the plan flags
     }
     if (name == "SHARDSYNC_STORE" && !f.store.empty()) return f.store;
     if (name == "SHARDSYNC_TOKEN" && !f.token.empty()) return f.token;
-    const char* v = std::getenv(name.c_str());
-    if (v == nullptr) return std::nullopt;
-    return std::string(v);
+    return process(name);
   };
   auto env = LaunchEnvFromLookup(lookup);
   if (!env.ok()) return ReportError(env.status());

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "shardsync/settings.h"
 #include "shardsync/store.h"
 
 namespace shardsync::cli {
@@ -42,8 +43,9 @@ int RunStore(const std::string& bind, const std::string& token_flag, const std::
   std::string token = token_flag;
   const char* source = "--token";
   if (token.empty()) {
-    const char* env = std::getenv("SHARDSYNC_TOKEN");
-    if (env != nullptr) token = env;
+    auto env = TextKnob("SHARDSYNC_TOKEN");  // text: no value is malformed
+    if (!env.ok()) return ReportError(env.status());
+    token = *env;
     source = "SHARDSYNC_TOKEN";
   }
   const bool generated = token.empty();

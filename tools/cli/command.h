@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsync/settings.h"
 #include "shardsync/status.h"
 
 namespace shardsync::cli {
@@ -51,9 +52,8 @@ struct TempDir {
   // Creates $TMPDIR/shardsync-<what>-XXXXXX (default /tmp; mode 0700); Unavailable when it
   // cannot.
   Status Create(const std::string& what) {
-    const char* base = getenv("TMPDIR");
-    std::string tmpl = std::string(base != nullptr && *base != '\0' ? base : "/tmp") +
-                       "/shardsync-" + what + "-XXXXXX";
+    SS_ASSIGN_OR_RETURN(const std::string base, TextKnob("TMPDIR"));  // default /tmp
+    std::string tmpl = base + "/shardsync-" + what + "-XXXXXX";
     if (mkdtemp(tmpl.data()) == nullptr) {
       return UnavailableError("cannot create a temporary directory for engine dumps");
     }

@@ -74,7 +74,12 @@ int main(int argc, char** argv) {
     return kExitUsage;
   }
   for (auto& [sub, run] : runs) {
-    if (sub->parsed()) return run();
+    if (!sub->parsed()) continue;
+    // A malformed knob stops every command before it starts (`config` reports its own).
+    if (sub->get_name() != "config") {
+      if (shardsync::Status s = shardsync::CheckKnobs(); !s.ok()) return ReportError(s);
+    }
+    return run();
   }
   return kExitUsage;
 }

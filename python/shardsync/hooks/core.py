@@ -218,12 +218,14 @@ class EngineRankHook:
         return st
 
     def _replica(self, config: Dict[str, Any]) -> Optional[int]:
-        import os
+        from .._native import native
 
         if config.get("replica") is not None:
             return int(config["replica"])
-        if os.environ.get("SHARDSYNC_REPLICA"):
-            return int(os.environ["SHARDSYNC_REPLICA"])
+        # Through the knob registry (docs/environment.md): "abc" or "-1" raises naming the knob.
+        env = native().read_knob("SHARDSYNC_REPLICA")
+        if env is not None:
+            return int(env)
         r = self._facts.get("dp_rank")  # vLLM's own DP rank, when it runs replicas itself
         return None if r is None else int(r)
 

@@ -401,9 +401,10 @@ std::string CudaIpcTransport::TurnNote() const {
 void CudaIpcTransport::OpenTurnstile() {
   if (turn_opened_) return;
   turn_opened_ = true;
-  if (const char* v = std::getenv("SHARDSYNC_GPU_TURNSTILE"); v && std::string_view(v) == "0") {
-    return;
-  }
+  // Knobs checked when the session began (CheckKnobs); a tool that skipped that is told here.
+  auto turnstile = BoolKnob("SHARDSYNC_GPU_TURNSTILE");
+  if (!turnstile.ok()) ReportKnobError(turnstile.status());
+  if (turnstile.ok() && !*turnstile) return;
   char bus[64] = {};
   if (cudaDeviceGetPCIBusId(bus, sizeof(bus), device_) != cudaSuccess) {
     cudaGetLastError();
@@ -420,8 +421,9 @@ void CudaIpcTransport::OpenTurnstile() {
   // one kernel per sender from the launcher's stream, 0 each sender its own under the turn. On one
   // H200, qwen3-8b megatron tp2 pp2 -> tp2 pp2: 9.02 ms shared against 9.66-9.71 ms in turn
   // (docs/benchmarks.md, eleventh session).
-  const char* v = std::getenv("SHARDSYNC_GPU_SHARED_LAUNCH");
-  share_mode_ = v && std::string_view(v) == "0" ? 0 : v && std::string_view(v) == "2" ? 2 : 1;
+  auto v = TextKnob("SHARDSYNC_GPU_SHARED_LAUNCH");  // 0 | 1 | 2
+  if (!v.ok()) ReportKnobError(v.status());
+  share_mode_ = v.ok() && *v == "0" ? 0 : v.ok() && *v == "2" ? 2 : 1;
   if (share_mode_ == 0) return;
   auto b = internal::GpuLaunchBoard::Open(internal::GpuLaunchBoard::Name(prefix_, bus), rank_);
   if (!b.ok()) {

@@ -10,6 +10,8 @@
 #include "cuda/kernels/fp8_kernels.h"
 #include "cuda/kernels/kernels.cuh"
 
+#include "shardsync/settings.h"  // SHARDSYNC_CHUNK_KIB
+
 namespace shardsync::gpu {
 
 using internal::CudaStatus;
@@ -114,9 +116,9 @@ Status BuildDescs(const BatchSpec& spec, int wire_size, std::vector<Desc>* out) 
 // pages a launch's blocks touch at once, docs/benchmarks.md), read once.
 int64_t ChunkWireBytes() {
   static const int64_t bytes = [] {
-    const char* v = std::getenv("SHARDSYNC_CHUNK_KIB");
-    const long kib = v ? std::atol(v) : 0;
-    return kib >= 4 && kib <= (1 << 20) ? int64_t{kib} << 10 : kChunkWireBytes;
+    auto kib = ReadIntKnob("SHARDSYNC_CHUNK_KIB");  // 4..1048576 (settings.cc)
+    if (!kib.ok()) ReportKnobError(kib.status());
+    return kib.ok() && *kib ? **kib << 10 : kChunkWireBytes;
   }();
   return bytes;
 }

@@ -26,6 +26,7 @@
 #include "cuda/kernels/fp8_kernels.h"
 #include "shardsync/checksum.h"
 #include "shardsync/fp8.h"
+#include "shardsync/settings.h"
 
 namespace shardsync::gpu {
 namespace {
@@ -248,8 +249,8 @@ class Fp8Batch final : public CopyBatch {
   // On one H200, qwen3-8b fsdp=1 -> tp2 pp2: 7.52-7.56 ms against 7.68-7.72 ms in line
   // (docs/benchmarks.md). SHARDSYNC_FP8_OVERLAP=0 runs them in line, for A/B.
   Status InitOverlap() {
-    const char* v = std::getenv("SHARDSYNC_FP8_OVERLAP");
-    overlap_ = blocks_ > 0 && !(v && std::strcmp(v, "0") == 0);
+    SS_ASSIGN_OR_RETURN(const bool overlap, BoolKnob("SHARDSYNC_FP8_OVERLAP"));
+    overlap_ = blocks_ > 0 && overlap;
     if (!overlap_) return OkStatus();
     SS_CUDA(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "fp8 batch: side stream");
     SS_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "fp8 batch: event");
@@ -309,9 +310,8 @@ class Fp8Batch final : public CopyBatch {
   // The pipelined kernel for the tasks' dtype, its stages' shared memory and its grid (the
   // resident CTAs); null: one CTA per block (SHARDSYNC_FP8_STAGES=0).
   Status PickKernel(int device) {
-    int stages = 2;
-    const char* v = std::getenv("SHARDSYNC_FP8_STAGES");
-    if (v && *v) stages = std::atoi(v);
+    SS_ASSIGN_OR_RETURN(const int64_t knob, IntKnob("SHARDSYNC_FP8_STAGES"));  // 0..4
+    int stages = static_cast<int>(knob);
     if (stages <= 0 || blocks_ == 0) return OkStatus();
     stages = std::min(4, std::max(2, stages));
     PipeFn pipe = PickPipe(dtype_, stages);
@@ -349,7 +349,7 @@ class Fp8Batch final : public CopyBatch {
   int64_t blocks_ = 0, wire_ = 0, in_ = 0;
   unsigned long long* acc_ = nullptr;
   unsigned long long* host_ = nullptr;  // [packed | landed | non-finite], pinned
-  bool overlap_ = false;                // SHARDSYNC_FP8_OVERLAP (on unless "0")
+  bool overlap_ = false;                // SHARDSYNC_FP8_OVERLAP (default 1)
   cudaStream_t side_ = nullptr;
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   unsigned long long* flag_ = nullptr;   // the overlapped launch's signal, pinned

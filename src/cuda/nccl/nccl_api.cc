@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "shardsync/gpu.h"
+#include "shardsync/settings.h"
 
 namespace shardsync::gpu {
 namespace nccl {
@@ -13,8 +14,12 @@ namespace nccl {
 const NcclApi& Nccl() {
   static NcclApi api = [] {
     NcclApi a;
-    const char* env = std::getenv("SHARDSYNC_NCCL_LIB");
-    const std::string path = env && *env ? env : "libnccl.so.2";
+    auto lib = TextKnob("SHARDSYNC_NCCL_LIB");  // default libnccl.so.2 (settings.cc)
+    if (!lib.ok()) {
+      a.error = lib.status().message();
+      return a;
+    }
+    const std::string path = *lib;
     a.lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!a.lib) {
       const char* e = dlerror();

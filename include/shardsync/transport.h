@@ -286,12 +286,12 @@ Status ConnectLoopbackDirect(Transport& t, int rank, const std::vector<int>& pee
 // src/uct/tcp/tcp_iface.c), and the store token does not cover those ports. So UCX uses only the
 // loopback interface unless a device is named (net_devices, SHARDSYNC_UCX_NET_DEVICES or UCX's
 // UCX_NET_DEVICES; "all" for every device): nothing listens on a routable address by default;
-// shared memory (posix, sysv, cma) is unaffected. Jobs across hosts name their interconnect. Same-host peers: UCX 1.13's shm
-// transports have no peer-failure support, so their death is detected by watching the peer's
-// process; remote peers use UCX keepalive (1 s unless UCX_KEEPALIVE_INTERVAL is set).
-// Destruction closes endpoints without waiting for the peer: PostFlush before destroying.
-// Launchers must fork + exec: a bare-forked child of a multi-threaded parent was seen to
-// deadlock inside UCX's memory hooks (ucm) during ucp_init.
+// shared memory (posix, sysv, cma) is unaffected. Jobs across hosts name their interconnect.
+// Same-host peers: UCX 1.13's shm transports have no peer-failure support, so their death is
+// detected by watching the peer's process; remote peers use UCX keepalive (1 s unless
+// UCX_KEEPALIVE_INTERVAL is set). Destruction closes endpoints without waiting for the peer:
+// PostFlush before destroying. Launchers must fork + exec: a bare-forked child of a multi-threaded
+// parent was seen to deadlock inside UCX's memory hooks (ucm) during ucp_init.
 enum class UcxMode { kPut, kTag, kAuto };
 struct UcxOptions {
   UcxMode mode = UcxMode::kAuto;

@@ -26,10 +26,10 @@
 #include <vector>
 
 #include "common/trace.h"
+#include "cuda/cuda_ipc/shm_mailbox.h"
 #include "cuda/cuda_util.h"
 #include "cuda/gpu_launch_board.h"
 #include "cuda/gpu_turnstile.h"
-#include "cuda/cuda_ipc/shm_mailbox.h"
 #include "shardsync/gpu.h"
 
 namespace shardsync::gpu::ipc {

@@ -8,6 +8,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "shardsync/checksum.h"
 
@@ -34,30 +35,168 @@ T Get(const std::byte* p) {
   return v;
 }
 
-bool ElementEqual(const std::byte* a, const std::byte* b, int e) {
-  switch (e) {
-    case 1:
-      return *a == *b;
-    case 2:
-      return Get<uint16_t>(a) == Get<uint16_t>(b);
-    default:
-      return Get<uint32_t>(a) == Get<uint32_t>(b);
+// The element as an unsigned integer: every hot loop is instantiated per element size so the
+// compares and copies are single loads / stores, not calls to memcpy.
+template <int E>
+using Elem = std::conditional_t<E == 1, uint8_t, std::conditional_t<E == 2, uint16_t, uint32_t>>;
+
+// Bit k set when element k of the 8-byte word d = base ^ new is nonzero (changed); branch free
+// (SWAR: a lane's top bit after adding 0x7f.. to its low bits is set iff the lane is nonzero).
+template <int E>
+unsigned ChangedMask(uint64_t d) {
+  if constexpr (E == 1) {
+    const uint64_t t =
+        (((d & 0x7F7F7F7F7F7F7F7Full) + 0x7F7F7F7F7F7F7F7Full) | d) & 0x8080808080808080ull;
+    return static_cast<unsigned>(((t >> 7) * 0x0102040810204080ull) >> 56);  // gather bit 8k -> k
+  } else if constexpr (E == 2) {
+    const uint64_t t =
+        (((d & 0x7FFF7FFF7FFF7FFFull) + 0x7FFF7FFF7FFF7FFFull) | d) & 0x8000800080008000ull;
+    return static_cast<unsigned>((t >> 15 & 1) | (t >> 30 & 2) | (t >> 45 & 4) | (t >> 60 & 8));
+  } else {
+    return unsigned{static_cast<uint32_t>(d) != 0} | unsigned{(d >> 32) != 0} << 1;
   }
 }
 
 // Calls f(element index) for every element of [begin, end) (byte offsets, element aligned) that
 // differs, comparing 8 bytes at a time first: at RL densities most words are equal.
-template <typename F>
-void ForEachChanged(const std::byte* base, const std::byte* next, size_t begin, size_t end, int e,
-                    F&& f) {
+template <int E, typename F>
+void ForEachChanged(const std::byte* base, const std::byte* next, size_t begin, size_t end, F&& f) {
   size_t o = begin;
   for (; o + 8 <= end; o += 8) {
-    if (Get<uint64_t>(base + o) == Get<uint64_t>(next + o)) continue;
-    for (size_t k = o; k < o + 8; k += e)
-      if (!ElementEqual(base + k, next + k, e)) f(k / e);
+    const uint64_t d = Get<uint64_t>(base + o) ^ Get<uint64_t>(next + o);
+    if (d == 0) continue;
+    for (unsigned m = ChangedMask<E>(d); m != 0; m &= m - 1) f(o / E + std::countr_zero(m));
   }
-  for (; o < end; o += e)
-    if (!ElementEqual(base + o, next + o, e)) f(o / e);
+  for (; o < end; o += E)
+    if (Get<Elem<E>>(base + o) != Get<Elem<E>>(next + o)) f(o / E);
+}
+
+struct EncodeSums {
+  uint64_t base = 0, next = 0, changed = 0;
+};
+
+// Pass 1, chunk by chunk so the checksums and the diff read each chunk from cache: both
+// checksum sums, the count, and the index records while the index form can still win. Then,
+// when the bitmap form wins, pass 2 writes the bitmap and the values. Leaves *out holding the
+// payload after kDeltaHeaderBytes (header unwritten), or empty for kFull.
+template <int E>
+DeltaSize EncodeBody(const std::byte* b, const std::byte* x, size_t n, std::vector<std::byte>* out,
+                     EncodeSums* sums) {
+  const uint64_t elements = n / E;
+  const uint64_t index_limit = BitmapBytes(elements) / kIndexBytes;
+  constexpr size_t kRecord = kIndexBytes + E;
+  out->resize(kDeltaHeaderBytes + std::min<uint64_t>(index_limit, 4096) * kRecord);
+  size_t used = kDeltaHeaderBytes;
+  auto record = [&](uint64_t i) {
+    if (used + kRecord > out->size()) out->resize(2 * out->size());
+    Put<uint32_t>(out->data() + used, static_cast<uint32_t>(i));
+    Put<Elem<E>>(out->data() + used + kIndexBytes, Get<Elem<E>>(x + i * E));
+    used += kRecord;
+  };
+  uint64_t changed = 0;
+  for (size_t c = 0; c < n; c += kChunk) {
+    const size_t len = std::min(kChunk, n - c);
+    sums->base += ChecksumPartial(b + c, len, c);
+    sums->next += ChecksumPartial(x + c, len, c);
+    size_t o = c;
+    for (; o + 8 <= c + len; o += 8) {
+      const uint64_t d = Get<uint64_t>(b + o) ^ Get<uint64_t>(x + o);
+      if (d == 0) continue;
+      const unsigned m = ChangedMask<E>(d);
+      // Records only while the index form can still win; past that, counting is a popcount.
+      if (changed <= index_limit)
+        for (unsigned r = m; r != 0; r &= r - 1) record(o / E + std::countr_zero(r));
+      changed += std::popcount(m);
+    }
+    ForEachChanged<E>(b, x, o, c + len, [&](uint64_t i) {
+      if (changed++ < index_limit) record(i);
+    });
+  }
+  sums->changed = changed;
+  const DeltaSize size = DeltaEncodedBytes(elements, E, sums->changed);
+  if (size.kind == DeltaKind::kFull) {
+    out->clear();
+  } else if (size.kind == DeltaKind::kIndex) {
+    out->resize(used);
+  } else {
+    // Pass 2, branch free per word: the word's change mask is its bits of the bitmap; every
+    // element is stored and the cursor advances only past changed ones (8 bytes of slack).
+    out->assign(size.bytes + 8, std::byte{0});
+    std::byte* bits = out->data() + kDeltaHeaderBytes;
+    std::byte* vals = bits + BitmapBytes(elements);
+    size_t o = 0;
+    for (; o + 8 <= n; o += 8) {
+      const uint64_t d = Get<uint64_t>(b + o) ^ Get<uint64_t>(x + o);
+      if (d == 0) continue;
+      const unsigned m = ChangedMask<E>(d);
+      bits[o / E / 8] |= std::byte(m << (o / E % 8));
+      for (int k = 0; k < 8 / E; ++k) {
+        Put<Elem<E>>(vals, Get<Elem<E>>(x + o + k * E));
+        vals += E * ((m >> k) & 1);
+      }
+    }
+    ForEachChanged<E>(b, x, o, n, [&](uint64_t i) {
+      bits[i / 8] |= std::byte(1u << (i % 8));
+      Put<Elem<E>>(vals, Get<Elem<E>>(x + i * E));
+      vals += E;
+    });
+    out->resize(size.bytes);
+  }
+  return size;
+}
+
+// Calls f(element index, value pointer) for every change of a checked encoding, in order.
+template <int E, typename F>
+void ForEachRecord(const DeltaInfo& info, const std::byte* payload, F&& f) {
+  if (info.kind == DeltaKind::kIndex) {
+    constexpr size_t kRecord = kIndexBytes + E;
+    for (uint64_t k = 0; k < info.changed; ++k)
+      f(uint64_t{Get<uint32_t>(payload + k * kRecord)}, payload + k * kRecord + kIndexBytes);
+  } else {
+    const std::byte* vals = payload + BitmapBytes(info.elements);
+    for (uint64_t j = 0; j < BitmapBytes(info.elements); ++j)
+      for (unsigned m = static_cast<unsigned>(payload[j]); m != 0; m &= m - 1, vals += E)
+        f(j * 8 + std::countr_zero(m), vals);
+  }
+}
+
+// The checksum sum of the bucket after the changes, from the base's: the checksum is a sum of
+// per-word terms, so only the changed words' terms are replaced. Records come in increasing
+// element order (checked before), so each changed word is finished before the next starts.
+template <int E>
+uint64_t PredictSum(const DeltaInfo& info, const std::byte* payload, const std::byte* data,
+                    size_t n, uint64_t sum) {
+  uint64_t word_at = UINT64_MAX, word = 0;
+  auto word_of = [&](uint64_t at) {
+    uint64_t w = 0;
+    if (at + 8 <= n)
+      w = Get<uint64_t>(data + at);
+    else
+      std::memcpy(&w, data + at, n - at);  // the zero-padded last word
+    return w;
+  };
+  auto flush = [&] {
+    if (word_at != UINT64_MAX)
+      sum += ChecksumMixWord(word, word_at / 8) - ChecksumMixWord(word_of(word_at), word_at / 8);
+  };
+  ForEachRecord<E>(info, payload, [&](uint64_t i, const std::byte* value) {
+    const uint64_t at = i * E / 8 * 8;
+    if (at != word_at) {
+      flush();
+      word_at = at;
+      word = word_of(at);
+    }
+    Put<Elem<E>>(reinterpret_cast<std::byte*>(&word) + (i * E - at), Get<Elem<E>>(value));
+  });
+  flush();
+  return sum;
+}
+
+template <int E>
+void Apply(const DeltaInfo& info, const std::byte* payload, std::byte* data) {
+  ForEachRecord<E>(info, payload, [&](uint64_t i, const std::byte* value) {
+    Put<Elem<E>>(data + i * E, Get<Elem<E>>(value));
+  });
 }
 
 }  // namespace
@@ -110,47 +249,18 @@ Result<DeltaEncodeResult> EncodeDelta(std::span<const std::byte> base,
 
   DeltaEncodeResult r;
   r.elements = elements;
-  // Pass 1, chunk by chunk so the checksums and the diff read each chunk from cache: both
-  // checksums, the count, and the index records while the index form can still win.
-  const uint64_t index_limit = BitmapBytes(elements) / kIndexBytes;
-  const size_t record = kIndexBytes + e;
-  out->reserve(kDeltaHeaderBytes + std::min<uint64_t>(index_limit, 1 << 16) * record);
-  out->resize(kDeltaHeaderBytes);
-  uint64_t sum_base = 0, sum_next = 0, changed = 0;
+  EncodeSums sums;
   const std::byte* b = base.data();
   const std::byte* x = next.data();
-  for (size_t c = 0; c < n; c += kChunk) {
-    const size_t len = std::min(kChunk, n - c);
-    sum_base += ChecksumPartial(b + c, len, c);
-    sum_next += ChecksumPartial(x + c, len, c);
-    ForEachChanged(b, x, c, c + len, e, [&](uint64_t i) {
-      if (++changed > index_limit) return;
-      const size_t at = out->size();
-      out->resize(at + record);
-      Put<uint32_t>(out->data() + at, static_cast<uint32_t>(i));
-      std::memcpy(out->data() + at + kIndexBytes, x + i * e, e);
-    });
-  }
-  r.changed = changed;
-  const DeltaSize size = DeltaEncodedBytes(elements, e, changed);
+  const DeltaSize size = e == 1   ? EncodeBody<1>(b, x, n, out, &sums)
+                         : e == 2 ? EncodeBody<2>(b, x, n, out, &sums)
+                                  : EncodeBody<4>(b, x, n, out, &sums);
+  r.changed = sums.changed;
   r.kind = size.kind;
-  if (size.kind == DeltaKind::kFull) {
-    out->clear();
-    return r;
-  }
-  r.base_checksum = ChecksumFinish(sum_base, n);
-  r.new_checksum = ChecksumFinish(sum_next, n);
-  if (size.kind == DeltaKind::kBitmap) {
-    // Pass 2: the bitmap, then the values in element order.
-    out->assign(size.bytes, std::byte{0});
-    std::byte* bits = out->data() + kDeltaHeaderBytes;
-    std::byte* vals = bits + BitmapBytes(elements);
-    ForEachChanged(b, x, 0, n, e, [&](uint64_t i) {
-      bits[i / 8] |= std::byte(1u << (i % 8));
-      std::memcpy(vals, x + i * e, e);
-      vals += e;
-    });
-  }
+  if (size.kind == DeltaKind::kFull) return r;
+  r.base_checksum = ChecksumFinish(sums.base, n);
+  r.new_checksum = ChecksumFinish(sums.next, n);
+  const uint64_t changed = sums.changed;
   std::byte* h = out->data();
   Put<uint32_t>(h, kMagic);
   Put<uint8_t>(h + 4, kFormat);
@@ -238,40 +348,12 @@ Status DecodeDeltaInPlace(std::span<const std::byte> encoded, std::span<std::byt
         "{:#018x}: not applied",
         name, info.base_checksum, info.base_version, have));
 
-  // Validate every position and predict the result's checksum before writing anything: the
-  // checksum is a sum of per-word terms, so the result's sum is the base's with the terms of
-  // the changed words replaced. Positions are visited in increasing order, so each changed word
-  // is finished before the next one starts.
+  // Validate every position, then predict the result's checksum, then write: a refused delta
+  // leaves the bucket as it was.
   const std::byte* payload = encoded.data() + kDeltaHeaderBytes;
-  uint64_t sum = base_sum;
-  uint64_t word_at = UINT64_MAX;  // byte offset of the word being patched
-  uint64_t word = 0;
-  auto word_of = [&](uint64_t at) {
-    uint64_t w = 0;
-    std::memcpy(&w, data + at, std::min<uint64_t>(8, n - at));
-    return w;
-  };
-  auto patch = [&](uint64_t i, const std::byte* value) {
-    const uint64_t at = i * e / 8 * 8;
-    if (at != word_at) {
-      if (word_at != UINT64_MAX)
-        sum += ChecksumMixWord(word, word_at / 8) - ChecksumMixWord(word_of(word_at), word_at / 8);
-      word_at = at;
-      word = word_of(at);
-    }
-    std::memcpy(reinterpret_cast<std::byte*>(&word) + (i * e - at), value, e);
-  };
-  auto finish = [&] {
-    if (word_at != UINT64_MAX)
-      sum += ChecksumMixWord(word, word_at / 8) - ChecksumMixWord(word_of(word_at), word_at / 8);
-  };
   auto bad = [&](std::string what) {
     return DataLossError(fmt::format("delta of bucket {}: malformed encoding: {}", name, what));
   };
-
-  const std::byte* bits = payload;  // bitmap form: the bitmap, then the values
-  const std::byte* vals =
-      payload + (info.kind == DeltaKind::kBitmap ? BitmapBytes(info.elements) : 0);
   if (info.kind == DeltaKind::kIndex) {
     const size_t record = kIndexBytes + e;
     int64_t prev = -1;
@@ -282,41 +364,31 @@ Status DecodeDeltaInPlace(std::span<const std::byte> encoded, std::span<std::byt
       if (static_cast<int64_t>(i) <= prev)
         return bad(fmt::format("record {}: index {} not above the previous {}", k, i, prev));
       prev = i;
-      patch(i, payload + k * record + kIndexBytes);
     }
   } else {
     const uint64_t nbits = BitmapBytes(info.elements);
     const unsigned tail = info.elements % 8;
-    if (tail != 0 && (static_cast<unsigned>(bits[nbits - 1]) >> tail) != 0)
+    if (tail != 0 && (static_cast<unsigned>(payload[nbits - 1]) >> tail) != 0)
       return bad(fmt::format("bitmap bits set past element {}", info.elements));
     uint64_t count = 0;
-    for (uint64_t j = 0; j < nbits; ++j) count += std::popcount(static_cast<unsigned>(bits[j]));
+    for (uint64_t j = 0; j < nbits; ++j) count += std::popcount(static_cast<unsigned>(payload[j]));
     if (count != info.changed)
       return bad(fmt::format("bitmap has {} bits set, the count says {}", count, info.changed));
-    uint64_t k = 0;
-    for (uint64_t j = 0; j < nbits; ++j)
-      for (unsigned m = static_cast<unsigned>(bits[j]); m != 0; m &= m - 1)
-        patch(j * 8 + std::countr_zero(m), vals + e * k++);
   }
-  finish();
+  const uint64_t sum = e == 1   ? PredictSum<1>(info, payload, data, n, base_sum)
+                       : e == 2 ? PredictSum<2>(info, payload, data, n, base_sum)
+                                : PredictSum<4>(info, payload, data, n, base_sum);
   if (ChecksumFinish(sum, n) != info.new_checksum)
     return DataLossError(fmt::format(
         "delta of bucket {}: the result's checksum {:#018x} is not the sender's new_checksum "
         "{:#018x} (corrupt values): not applied",
         name, ChecksumFinish(sum, n), info.new_checksum));
-
-  // Apply: everything checked.
-  if (info.kind == DeltaKind::kIndex) {
-    const size_t record = kIndexBytes + e;
-    for (uint64_t k = 0; k < info.changed; ++k)
-      std::memcpy(data + uint64_t{Get<uint32_t>(payload + k * record)} * e,
-                  payload + k * record + kIndexBytes, e);
-  } else {
-    uint64_t k = 0;
-    for (uint64_t j = 0; j < BitmapBytes(info.elements); ++j)
-      for (unsigned m = static_cast<unsigned>(bits[j]); m != 0; m &= m - 1)
-        std::memcpy(data + (j * 8 + std::countr_zero(m)) * e, vals + e * k++, e);
-  }
+  if (e == 1)
+    Apply<1>(info, payload, data);
+  else if (e == 2)
+    Apply<2>(info, payload, data);
+  else
+    Apply<4>(info, payload, data);
   return OkStatus();
 }
 

@@ -1,0 +1,140 @@
+// Lossless delta codec for wire images (issue 35 groundwork): the bytes of one bucket as the
+// sender sent them last time (the base) against the bytes it would send now; only the elements
+// that changed travel, and the receiver applies them in place over its own copy of the base.
+//
+// Pure and deterministic: the same (base, new, element size, version) always gives the same
+// bytes. Hand-written because no Debian library does this: generic compressors (zstd, lz4) find
+// repeats inside one buffer, not element-wise differences against a second buffer the receiver
+// already holds, and none names or checks the base.
+//
+// Encoded form, little-endian, `kDeltaHeaderBytes` of header then the payload:
+//   0  u32 magic "SSDL"       4  u8 format (1)    5  u8 kind (1 index, 2 bitmap)
+//   6  u8 element size        7  u8 zero
+//   8  u64 elements in the bucket          16 u64 base version
+//   24 u64 checksum of the base bytes      32 u64 checksum of the new bytes
+//   40 u64 changed elements (count)
+//   index:  count records of [u32 element index][element bytes], indices strictly increasing;
+//   bitmap: ceil(elements / 8) bytes (bit i of byte i/8, LSB first, = element i changed; bits past
+//           the last element zero; popcount = count), then the count changed elements in order.
+// Nothing else: trailing bytes are malformed. Checksums are shardsync's (checksum.h).
+//
+// The size rule (DeltaEncodedBytes): index costs 4 + e bytes per change, bitmap elements/8 +
+// e per change; the index form is used while 4 * count <= ceil(elements / 8) (a density up to
+// about 1/32), bitmap above; "full" when the smaller form is not smaller than the bucket (the
+// whole bucket travels instead). Buckets are limited to 2^32 - 1 elements (u32 indices).
+//
+// Memory: a sender that encodes deltas keeps the wire image it last sent for every pair it
+// serves, i.e. one extra copy of its wire bytes (bf16: 2 bytes per parameter it sends; block
+// FP8: 1 byte per element + 4 bytes per 128x128 block of scales), in whatever memory the wire
+// image lives in (host, or HBM on device paths). qwen3-8b sent whole from one trainer rank in
+// bf16: 16.4 GB kept. The receiver keeps nothing extra: its landed weights are the base.
+//
+// Costs: encode reads base and new once (plus a second pass over both when the bitmap form is
+// picked); decode reads the receiver's bucket once to check its checksum, then touches only the
+// changed elements. Decode writes nothing unless the base checksum matches, the encoding is
+// well formed and the checksum of the result (computed from the base's by replacing the terms of
+// the changed words) equals the one the sender named: a refused delta leaves the bucket as it was.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "shardsync/status.h"
+
+namespace shardsync {
+
+inline constexpr size_t kDeltaHeaderBytes = 48;
+inline constexpr uint64_t kDeltaMaxElements = 0xFFFFFFFFull;
+
+enum class DeltaKind : uint8_t {
+  kFull = 0,    // the delta would not be smaller than the bucket: send the bucket
+  kIndex = 1,   // (index, value) records
+  kBitmap = 2,  // bitmap + values
+};
+
+// "full", "index", "bitmap".
+std::string_view DeltaKindName(DeltaKind kind);
+
+// Bytes of the encoded form (header included) of a bucket of `elements` elements of
+// `element_size` bytes with `changed` of them changed, and the form the encoder picks. For
+// kFull, bytes is the bucket's size. The encoder and the cost model share this rule.
+struct DeltaSize {
+  DeltaKind kind = DeltaKind::kFull;
+  uint64_t bytes = 0;
+};
+DeltaSize DeltaEncodedBytes(uint64_t elements, int element_size, uint64_t changed);
+
+struct DeltaEncodeResult {
+  DeltaKind kind = DeltaKind::kFull;
+  uint64_t changed = 0;        // elements that differ; counted in full even for kFull
+  uint64_t elements = 0;       // elements in the bucket
+  uint64_t base_checksum = 0;  // Checksum() of the base bytes (0 when kFull)
+  uint64_t new_checksum = 0;   // Checksum() of the new bytes (0 when kFull)
+};
+
+// Encodes `next` against `base` (same size, a multiple of element_size; element_size 1, 2 or 4)
+// into *out (replaced). For kFull *out is left empty and the caller sends `next` whole. `bucket`
+// names the bucket in errors (bad sizes).
+Result<DeltaEncodeResult> EncodeDelta(std::span<const std::byte> base,
+                                      std::span<const std::byte> next, int element_size,
+                                      uint64_t base_version, std::string_view bucket,
+                                      std::vector<std::byte>* out);
+
+// The header of an encoded delta, checked for self-consistency (magic, format, kind, element
+// size, count against elements, total length for the kind); not checked against any bucket.
+struct DeltaInfo {
+  DeltaKind kind = DeltaKind::kIndex;
+  int element_size = 0;
+  uint64_t elements = 0;
+  uint64_t base_version = 0;
+  uint64_t base_checksum = 0;
+  uint64_t new_checksum = 0;
+  uint64_t changed = 0;
+};
+Result<DeltaInfo> InspectDelta(std::span<const std::byte> encoded, std::string_view bucket);
+
+// What the receiver expects the delta to have been computed against.
+struct DeltaExpect {
+  std::string_view bucket;  // named in every error
+  int element_size = 0;
+  uint64_t base_version = 0;  // the version its bytes hold
+};
+
+// Applies `encoded` over `bucket` (the receiver's bytes of that bucket, the base) in place.
+// Errors, with the bucket and the field at fault, and `bucket` untouched:
+//   FailedPrecondition: base version or base checksum differ from the receiver's (the caller
+//     falls back to a full send);
+//   InvalidArgument: element size or bucket size differ from the encoding's;
+//   DataLoss: a malformed or truncated encoding (bad magic / kind, count over elements, an
+//     index out of range or not increasing, a bitmap bit past the end, a popcount that differs
+//     from the count, wrong length) or a result whose checksum is not the sender's.
+Status DecodeDeltaInPlace(std::span<const std::byte> encoded, std::span<std::byte> bucket,
+                          const DeltaExpect& expect);
+
+// --- Cost model: does a delta pay for one bucket? Pure. ---
+struct DeltaCostInput {
+  uint64_t bucket_bytes = 0;
+  double density = 0;      // fraction of elements changed, in [0, 1]
+  int element_size = 2;    // 1 (e4m3), 2 (bf16), 4 (fp32 scales)
+  double link_gbps = 25;   // link GB/s (1e9 bytes/s) the bucket crosses
+  double encode_gbps = 0;  // encoder throughput over the bucket's bytes (GB/s of bucket)
+  double decode_gbps = 0;  // decoder throughput over the bucket's bytes
+  bool overlap = false;    // encode/decode pipelined with the transfer (max, not sum)
+};
+struct DeltaCost {
+  DeltaKind kind = DeltaKind::kFull;  // what the encoder would send
+  uint64_t full_bytes = 0;
+  uint64_t wire_bytes = 0;          // delta form's bytes (= full_bytes when kind is kFull)
+  double full_seconds = 0;          // full_bytes / link
+  double delta_seconds = 0;         // encode + wire / link + decode (or their max)
+  bool pays = false;                // delta_seconds < full_seconds
+  double break_even_link_gbps = 0;  // the link speed above which full is faster (0: never pays)
+};
+// InvalidArgument naming the field: a density outside [0, 1] or not finite, an element size not
+// 1/2/4, a bucket not a multiple of it, a non-positive link / encode / decode speed.
+Result<DeltaCost> EstimateDeltaCost(const DeltaCostInput& in);
+
+}  // namespace shardsync

@@ -1,0 +1,373 @@
+#include "shardsync/delta.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "shardsync/checksum.h"
+
+namespace shardsync {
+namespace {
+
+using Bytes = std::vector<std::byte>;
+
+Bytes RandomBytes(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Bytes v(n);
+  for (auto& b : v) b = static_cast<std::byte>(rng());
+  return v;
+}
+
+// `base` with `changed` distinct elements replaced by a different value (each changed element
+// differs from the base in its top byte, so it really changed).
+Bytes Mutate(const Bytes& base, int e, uint64_t changed, uint32_t seed) {
+  Bytes next = base;
+  const uint64_t elements = base.size() / e;
+  std::vector<uint64_t> order(elements);
+  for (uint64_t i = 0; i < elements; ++i) order[i] = i;
+  std::mt19937 rng(seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  for (uint64_t k = 0; k < changed; ++k) {
+    std::byte* p = next.data() + order[k] * e;
+    p[e - 1] ^= static_cast<std::byte>(1 + rng() % 255);
+    if (e > 1) p[0] = static_cast<std::byte>(rng());
+  }
+  return next;
+}
+
+DeltaExpect Expect(int e, uint64_t version = 7) { return {"b0", e, version}; }
+
+// Encodes, decodes over a copy of the base, checks the result byte for byte and the kind the
+// size rule names.
+DeltaEncodeResult RoundTrip(const Bytes& base, const Bytes& next, int e) {
+  Bytes enc;
+  auto r = EncodeDelta(base, next, e, 7, "b0", &enc);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  if (!r.ok()) return {};
+  const DeltaSize want = DeltaEncodedBytes(base.size() / e, e, r->changed);
+  EXPECT_EQ(r->kind, want.kind);
+  if (r->kind == DeltaKind::kFull) {
+    EXPECT_TRUE(enc.empty());
+    return *r;
+  }
+  EXPECT_EQ(enc.size(), want.bytes);
+  EXPECT_EQ(r->base_checksum, Checksum(base.data(), base.size()));
+  EXPECT_EQ(r->new_checksum, Checksum(next.data(), next.size()));
+  Bytes bucket = base;
+  Status s = DecodeDeltaInPlace(enc, bucket, Expect(e));
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_TRUE(bucket == next) << "e=" << e << " n=" << base.size();
+  return *r;
+}
+
+TEST(Delta, RoundTripsAtEveryDensityElementSizeAndOddLength) {
+  for (int e : {1, 2, 4}) {
+    for (uint64_t elements : {1ull, 7ull, 13ull, 1001ull, 40009ull}) {
+      const Bytes base = RandomBytes(elements * e, static_cast<uint32_t>(elements * 10 + e));
+      for (double density : {0.0, -1.0, 0.01, 0.5, 1.0}) {  // -1: exactly one element
+        const uint64_t changed =
+            density < 0 ? 1 : static_cast<uint64_t>(density * static_cast<double>(elements));
+        const Bytes next = Mutate(base, e, changed, static_cast<uint32_t>(changed + e));
+        SCOPED_TRACE(::testing::Message()
+                     << "e=" << e << " elements=" << elements << " changed=" << changed);
+        const DeltaEncodeResult r = RoundTrip(base, next, e);
+        EXPECT_EQ(r.changed, changed);
+        EXPECT_EQ(r.elements, elements);
+      }
+    }
+  }
+}
+
+TEST(Delta, KindFollowsTheSizeRule) {
+  // 64000 bf16 elements: bitmap 8000 bytes, so index while 4 * count <= 8000 (count <= 2000).
+  const uint64_t elements = 64000;
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 0).kind, DeltaKind::kIndex);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 0).bytes, kDeltaHeaderBytes);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 2000).kind, DeltaKind::kIndex);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 2000).bytes, kDeltaHeaderBytes + 2000 * 6);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 2001).kind, DeltaKind::kBitmap);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 2001).bytes, kDeltaHeaderBytes + 8000 + 2001 * 2);
+  // Full once 48 + 8000 + 2c >= 128000: c >= 59976.
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 59975).kind, DeltaKind::kBitmap);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 59976).kind, DeltaKind::kFull);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 59976).bytes, elements * 2);
+  // A bucket smaller than the header is always sent full.
+  EXPECT_EQ(DeltaEncodedBytes(4, 4, 0).kind, DeltaKind::kFull);
+
+  // The encoder follows it on real data: one case per kind, for every element size.
+  for (int e : {1, 2, 4}) {
+    const Bytes base = RandomBytes(64000 * e, 3);
+    EXPECT_EQ(RoundTrip(base, Mutate(base, e, 100, 1), e).kind, DeltaKind::kIndex) << e;
+    EXPECT_EQ(RoundTrip(base, Mutate(base, e, 20000, 2), e).kind, DeltaKind::kBitmap) << e;
+    EXPECT_EQ(RoundTrip(base, Mutate(base, e, 63000, 3), e).kind, DeltaKind::kFull) << e;
+  }
+}
+
+TEST(Delta, EncodingIsDeterministic) {
+  const Bytes base = RandomBytes(30000, 11);
+  for (uint64_t changed : {10ull, 5000ull}) {
+    const Bytes next = Mutate(base, 2, changed, 5);
+    Bytes a, b;
+    ASSERT_TRUE(EncodeDelta(base, next, 2, 3, "b", &a).ok());
+    ASSERT_TRUE(EncodeDelta(base, next, 2, 3, "b", &b).ok());
+    EXPECT_EQ(a, b);
+    EXPECT_FALSE(a.empty());
+  }
+}
+
+TEST(Delta, RefusesAnotherBaseAndLeavesTheBucketAlone) {
+  const Bytes base = RandomBytes(4000, 21);
+  const Bytes next = Mutate(base, 2, 30, 4);
+  Bytes enc;
+  ASSERT_TRUE(EncodeDelta(base, next, 2, 7, "layers.3.mlp", &enc).ok());
+
+  Bytes corrupted = base;  // one flipped bit in a byte the delta does not touch
+  size_t k = 0;
+  while (next[k] != base[k] || next[k ^ 1] != base[k ^ 1]) ++k;
+  corrupted[k] ^= std::byte{0x10};
+  Bytes bucket = corrupted;
+  Status s = DecodeDeltaInPlace(enc, bucket, {"layers.3.mlp", 2, 7});
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("layers.3.mlp"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("base_checksum"), std::string::npos) << s.message();
+  EXPECT_EQ(bucket, corrupted);
+
+  bucket = base;  // right bytes, another version (a rolled-back engine that says so)
+  s = DecodeDeltaInPlace(enc, bucket, {"layers.3.mlp", 2, 6});
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("version 7"), std::string::npos) << s.message();
+  EXPECT_EQ(bucket, base);
+
+  bucket = next;  // applied twice: the bucket already holds the new bytes
+  EXPECT_EQ(DecodeDeltaInPlace(enc, bucket, {"layers.3.mlp", 2, 7}).code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(bucket, next);
+
+  Bytes shorter(base.begin(), base.end() - 2);
+  EXPECT_EQ(DecodeDeltaInPlace(enc, shorter, {"layers.3.mlp", 2, 7}).code(),
+            StatusCode::kInvalidArgument);
+  bucket = base;
+  EXPECT_EQ(DecodeDeltaInPlace(enc, bucket, {"layers.3.mlp", 4, 7}).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(bucket, base);
+}
+
+TEST(Delta, EncoderRefusesBadInputsNamingTheBucket) {
+  Bytes out;
+  const Bytes a = RandomBytes(10, 1), b = RandomBytes(12, 2), c = RandomBytes(12, 3);
+  auto r = EncodeDelta(a, b, 2, 0, "embed", &out);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("embed"), std::string::npos);
+  EXPECT_EQ(EncodeDelta(b, c, 3, 0, "embed", &out).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(EncodeDelta(a, RandomBytes(10, 4), 4, 0, "embed", &out).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+// Writes a header + payload by hand (for inputs the encoder never makes).
+Bytes Handmade(uint8_t kind, uint8_t e, uint64_t elements, uint64_t changed, const Bytes& payload,
+               uint64_t base_sum, uint64_t new_sum) {
+  Bytes h(kDeltaHeaderBytes + payload.size());
+  std::copy(payload.begin(), payload.end(), h.begin() + kDeltaHeaderBytes);
+  const uint32_t magic = 0x4C445353;
+  std::memcpy(h.data(), &magic, 4);
+  h[4] = std::byte{1};
+  h[5] = std::byte{kind};
+  h[6] = std::byte{e};
+  std::memcpy(h.data() + 8, &elements, 8);
+  const uint64_t version = 7;
+  std::memcpy(h.data() + 16, &version, 8);
+  std::memcpy(h.data() + 24, &base_sum, 8);
+  std::memcpy(h.data() + 32, &new_sum, 8);
+  std::memcpy(h.data() + 40, &changed, 8);
+  return h;
+}
+
+TEST(Delta, RefusesMalformedEncodings) {
+  const Bytes base = RandomBytes(400, 8);  // 200 bf16 elements
+  const uint64_t sum = Checksum(base.data(), base.size());
+  auto decode = [&](const Bytes& enc) {
+    Bytes bucket = base;
+    Status s = DecodeDeltaInPlace(enc, bucket, Expect(2));
+    EXPECT_EQ(bucket, base) << s.ToString();
+    return s;
+  };
+  auto index_payload = [](std::vector<uint32_t> idx) {
+    Bytes p;
+    for (uint32_t i : idx) {
+      p.resize(p.size() + 6);
+      std::memcpy(p.data() + p.size() - 6, &i, 4);
+    }
+    return p;
+  };
+  // Out of range, repeated, decreasing indices.
+  for (auto idx : {std::vector<uint32_t>{200}, std::vector<uint32_t>{0xFFFFFFFF},
+                   std::vector<uint32_t>{5, 5}, std::vector<uint32_t>{9, 3}}) {
+    Status s = decode(Handmade(1, 2, 200, idx.size(), index_payload(idx), sum, 0));
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+    EXPECT_NE(s.message().find("b0"), std::string::npos);
+  }
+  // A count that overflows the payload arithmetic, a count over elements, a huge element count.
+  EXPECT_EQ(decode(Handmade(1, 2, 200, ~0ull / 6 + 2, {}, sum, 0)).code(), StatusCode::kDataLoss);
+  const Bytes over = index_payload(std::vector<uint32_t>(201));
+  EXPECT_EQ(decode(Handmade(1, 2, 200, 201, over, sum, 0)).code(), StatusCode::kDataLoss);
+  EXPECT_EQ(decode(Handmade(2, 2, ~0ull, 0, {}, sum, 0)).code(), StatusCode::kDataLoss);
+  // Bitmap: a bit past the last element, a popcount that disagrees with the count.
+  Bytes bits(25);  // 200 elements: exactly 25 bytes, so use 197 elements for the tail case
+  EXPECT_EQ(decode(Handmade(2, 2, 200, 1, bits, sum, 0)).code(), StatusCode::kDataLoss);
+  Bytes small = RandomBytes(197 * 2, 9);
+  Bytes tail(25);
+  tail[24] = std::byte{0x80};  // element 199 of 197
+  Bytes vals(2);
+  tail.insert(tail.end(), vals.begin(), vals.end());
+  Bytes bucket = small;
+  EXPECT_EQ(
+      DecodeDeltaInPlace(Handmade(2, 2, 197, 1, tail, Checksum(small.data(), small.size()), 0),
+                         bucket, Expect(2))
+          .code(),
+      StatusCode::kDataLoss);
+  EXPECT_EQ(bucket, small);
+  // Bad magic, format, kind, element size, reserved byte.
+  Bytes good;
+  ASSERT_TRUE(EncodeDelta(base, Mutate(base, 2, 3, 1), 2, 7, "b0", &good).ok());
+  for (size_t at : {0, 4, 5, 6, 7}) {
+    Bytes enc = good;
+    enc[at] = static_cast<std::byte>(static_cast<uint8_t>(enc[at]) ^ 0x40);
+    EXPECT_EQ(decode(enc).code(), StatusCode::kDataLoss) << "header byte " << at;
+  }
+  // Every truncation, and one trailing byte.
+  for (size_t len = 0; len < good.size(); ++len)
+    EXPECT_EQ(decode(Bytes(good.begin(), good.begin() + len)).code(), StatusCode::kDataLoss) << len;
+  Bytes longer = good;
+  longer.push_back(std::byte{0});
+  EXPECT_EQ(decode(longer).code(), StatusCode::kDataLoss);
+  // A corrupted value: well formed, right base, wrong result: refused by the result checksum.
+  Bytes enc = good;
+  enc.back() ^= std::byte{1};
+  Status s = decode(enc);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("new_checksum"), std::string::npos) << s.message();
+}
+
+// Random bytes, random headers over random payloads, random bit flips of valid encodings: the
+// decoder either applies exactly the sender's bytes or refuses leaving the bucket as it was.
+TEST(Delta, FuzzNeverCrashesNorAppliesAWrongResult) {
+  std::mt19937 rng(1234);
+  for (int e : {1, 2, 4}) {
+    const Bytes base = RandomBytes(3001 * e, e);
+    for (int iter = 0; iter < 300; ++iter) {
+      const uint64_t changed = rng() % 3001;
+      const Bytes next = Mutate(base, e, changed, rng());
+      Bytes enc;
+      ASSERT_TRUE(EncodeDelta(base, next, e, 7, "b0", &enc).ok());
+      if (enc.empty()) continue;
+      Bytes fuzzed = enc;
+      switch (iter % 4) {
+        case 0:  // flip a few bits anywhere
+          for (int k = 0; k < 1 + iter % 3; ++k)
+            fuzzed[rng() % fuzzed.size()] ^= static_cast<std::byte>(1u << (rng() % 8));
+          break;
+        case 1:  // truncate
+          fuzzed.resize(rng() % fuzzed.size());
+          break;
+        case 2:  // random payload after a valid header
+          for (size_t k = kDeltaHeaderBytes; k < fuzzed.size(); ++k)
+            fuzzed[k] = static_cast<std::byte>(rng());
+          break;
+        default:  // random bytes of a random length
+          fuzzed = RandomBytes(rng() % 2000, rng());
+      }
+      Bytes bucket = base;
+      Status s = DecodeDeltaInPlace(fuzzed, bucket, Expect(e));
+      if (s.ok())
+        EXPECT_EQ(bucket, next) << "accepted a fuzzed delta with a wrong result";
+      else
+        EXPECT_EQ(bucket, base) << s.ToString();
+    }
+  }
+}
+
+TEST(DeltaCost, PaysOnSlowLinksAtLowDensity) {
+  DeltaCostInput in;
+  in.bucket_bytes = 64 << 20;
+  in.element_size = 2;
+  in.density = 0.01;
+  in.link_gbps = 25;
+  in.encode_gbps = 10;
+  in.decode_gbps = 20;
+  auto c = EstimateDeltaCost(in);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->kind, DeltaKind::kIndex);
+  const uint64_t elements = in.bucket_bytes / 2;
+  const uint64_t changed = 335544;  // llround(0.01 * 33554432)
+  EXPECT_EQ(c->wire_bytes, kDeltaHeaderBytes + changed * 6);
+  EXPECT_EQ(c->wire_bytes, DeltaEncodedBytes(elements, 2, changed).bytes);
+  EXPECT_DOUBLE_EQ(c->full_seconds, (64 << 20) / 25e9);
+  const double f = 64 << 20;
+  EXPECT_DOUBLE_EQ(c->delta_seconds, f / 10e9 + c->wire_bytes / 25e9 + f / 20e9);
+  // enc + dec = 0.15 ns/byte against 0.04 ns/byte of link: serial delta loses at 25 GB/s.
+  EXPECT_FALSE(c->pays);
+  const double saved = 1 - static_cast<double>(c->wire_bytes) / f;
+  EXPECT_DOUBLE_EQ(c->break_even_link_gbps, saved / (1 / 10.0 + 1 / 20.0));
+  in.link_gbps = c->break_even_link_gbps * 0.99;
+  EXPECT_TRUE(EstimateDeltaCost(in)->pays);
+  in.link_gbps = c->break_even_link_gbps * 1.01;
+  EXPECT_FALSE(EstimateDeltaCost(in)->pays);
+
+  // Pipelined with the transfer: pays while the link is slower than both codecs.
+  in.overlap = true;
+  in.link_gbps = 9;
+  EXPECT_TRUE(EstimateDeltaCost(in)->pays);
+  EXPECT_DOUBLE_EQ(EstimateDeltaCost(in)->break_even_link_gbps, 10);
+  in.link_gbps = 11;
+  EXPECT_FALSE(EstimateDeltaCost(in)->pays);
+
+  // Dense buckets go full and never "pay".
+  in.density = 1.0;
+  c = EstimateDeltaCost(in);
+  EXPECT_EQ(c->kind, DeltaKind::kFull);
+  EXPECT_EQ(c->wire_bytes, c->full_bytes);
+  EXPECT_FALSE(c->pays);
+  EXPECT_EQ(c->break_even_link_gbps, 0);
+  // Density 0: only the header travels.
+  in.density = 0;
+  in.link_gbps = 1;
+  c = EstimateDeltaCost(in);
+  EXPECT_EQ(c->wire_bytes, kDeltaHeaderBytes);
+  EXPECT_TRUE(c->pays);
+}
+
+TEST(DeltaCost, RefusesBadInputsNamingTheField) {
+  DeltaCostInput ok;
+  ok.bucket_bytes = 1024;
+  ok.encode_gbps = ok.decode_gbps = 10;
+  ASSERT_TRUE(EstimateDeltaCost(ok).ok());
+  auto field = [](DeltaCostInput in) { return EstimateDeltaCost(in).status().message(); };
+  DeltaCostInput in = ok;
+  in.density = 1.5;
+  EXPECT_NE(field(in).find("density"), std::string::npos);
+  in = ok;
+  in.density = std::nan("");
+  EXPECT_NE(field(in).find("density"), std::string::npos);
+  in = ok;
+  in.element_size = 3;
+  EXPECT_NE(field(in).find("element_size"), std::string::npos);
+  in = ok;
+  in.bucket_bytes = 1023;
+  EXPECT_NE(field(in).find("bucket_bytes"), std::string::npos);
+  in = ok;
+  in.link_gbps = 0;
+  EXPECT_NE(field(in).find("link_gbps"), std::string::npos);
+  in = ok;
+  in.encode_gbps = -1;
+  EXPECT_NE(field(in).find("encode_gbps"), std::string::npos);
+  in = ok;
+  in.decode_gbps = INFINITY;
+  EXPECT_NE(field(in).find("decode_gbps"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace shardsync

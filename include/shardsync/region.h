@@ -9,6 +9,9 @@
 
 namespace shardsync {
 
+// ceil(a / b) for a >= 0, b > 0: block and chunk counts.
+constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 inline constexpr int kMaxDims = 4;
 
 using Shape = std::vector<int64_t>;

@@ -20,12 +20,12 @@ struct GpuTurnstile::Segment {
 
 namespace {
 
-constexpr size_t kLen = 4096;
+constexpr size_t kTurnstileBytes = 4096;
 
 using Ref = std::atomic_ref<uint64_t>;
 static_assert(Ref::is_always_lock_free, "shared-memory words must be lock-free");
 
-std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
+std::string TurnstileErrno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
 }  // namespace
 
@@ -46,11 +46,12 @@ GpuTurnstile::GpuTurnstile(std::string name, Segment* seg, std::chrono::millisec
 
 Result<std::unique_ptr<GpuTurnstile>> GpuTurnstile::Open(const std::string& name,
                                                          std::chrono::milliseconds max_wait) {
-  static_assert(sizeof(Segment) <= kLen);
-  SS_ASSIGN_OR_RETURN(const int fd, OpenOwnShm(name, kLen, "gpu turnstile"));
-  void* p = mmap(nullptr, kLen, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  static_assert(sizeof(Segment) <= kTurnstileBytes);
+  SS_ASSIGN_OR_RETURN(const int fd, OpenOwnShm(name, kTurnstileBytes, "gpu turnstile"));
+  void* p =
+      mmap(nullptr, kTurnstileBytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   close(fd);
-  if (p == MAP_FAILED) return UnavailableError(Errno("gpu turnstile mmap " + name));
+  if (p == MAP_FAILED) return UnavailableError(TurnstileErrno("gpu turnstile mmap " + name));
   return std::unique_ptr<GpuTurnstile>(new GpuTurnstile(name, static_cast<Segment*>(p), max_wait));
 }
 
@@ -65,7 +66,7 @@ GpuTurnstile::~GpuTurnstile() {
   // A process opening the name right now keeps a segment no one else will find: its launches
   // are then unordered for that job, which costs speed only.
   if (!live) shm_unlink(name_.c_str());
-  munmap(seg_, kLen);
+  munmap(seg_, kTurnstileBytes);
 }
 
 GpuTurnstile::Turn GpuTurnstile::TryTake() {

@@ -11,12 +11,6 @@
 #include "shardsync/fp8.h"
 
 namespace shardsync::plan_internal {
-namespace {
-
-constexpr int64_t B = kFp8Block;
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-}  // namespace
 
 // Megatron's splits are whole 128 x 128 blocks per holder for the usual models (head_dim 128 makes
 // each head a band of 128 rows of linear_qkv; per-rank fc1 / fc2 / proj widths are multiples of

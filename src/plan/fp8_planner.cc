@@ -40,11 +40,9 @@ namespace shardsync {
 namespace plan_internal {
 namespace {
 
-constexpr int64_t B = kFp8Block;
 // One 128 x 128 block with its scale must fit a bucket.
 constexpr int64_t kMinFp8Bucket = int64_t{64} << 10;
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t AlignUp8(int64_t n) { return (n + 7) & ~int64_t{7}; }
 
 }  // namespace

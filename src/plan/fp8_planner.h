@@ -8,9 +8,13 @@
 #include <vector>
 
 #include "plan/megatron.h"
+#include "shardsync/fp8.h"
 #include "shardsync/fp8_plan.h"
 
 namespace shardsync::plan_internal {
+
+// The block edge, short for the grid arithmetic of the FP8 planner's files.
+inline constexpr int64_t B = kFp8Block;
 
 // One op before bucket splitting, as the walk over an engine rank's pieces produces it.
 struct Fp8Unit {

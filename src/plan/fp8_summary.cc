@@ -9,9 +9,7 @@
 
 namespace shardsync {
 
-namespace {
-int64_t CeilDivI(int64_t a, int64_t b) { return (a + b - 1) / b; }
-}  // namespace
+namespace {}  // namespace
 
 Result<PlanSummary> plan_internal::SummarizeFp8(const PlanInputs& in) {
   SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::Fp8Context::Build(in));
@@ -73,7 +71,7 @@ Result<PlanSummary> plan_internal::SummarizeFp8(const PlanInputs& in) {
     ctx.AmaxLayout(0, nullptr, &blocks, &peers, 0);
     sum.amax_bands = static_cast<int64_t>(ctx.amax_bands().size());
     for (const auto& [tensor, row0] : ctx.amax_bands()) {
-      sum.amax_blocks += CeilDivI(ctx.inventory()[tensor].shape[1], kFp8Block);
+      sum.amax_blocks += CeilDiv(ctx.inventory()[tensor].shape[1], kFp8Block);
     }
     for (int k = 0; k < S1; ++k) {
       sum.exchange_write_bytes += R * blocks[k] * 4;

@@ -8,8 +8,6 @@
 namespace shardsync::plan_internal {
 namespace {
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // The r-th contiguous run box of an item (row-major over dims [0, run_dim)).
 Region RunBox(const Item& it, int64_t r) {
   Region x = it.dst;

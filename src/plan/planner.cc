@@ -22,8 +22,6 @@
 namespace shardsync::plan_internal {
 namespace {
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // Merges `q` into `p` when they are adjacent along one src dim and the matching dst dim (the
 // coalescing step: adjacent pieces become one before intersection, so every piece x chunk
 // intersection is already maximal).

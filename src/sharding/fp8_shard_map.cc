@@ -34,8 +34,6 @@ namespace {
 
 constexpr int64_t B = kFp8Block;
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 bool IsMoeParam(const EngineParam& p) { return p.shape.size() == 3; }
 
 // The engines' error text for a misaligned dim of `p` (matrix dim 0 = output rows, 1 = input

@@ -61,7 +61,7 @@ struct Unexpected {
   bool complete = false;
 };
 
-struct Peer {
+struct ShmPeer {
   int rank = 0;
   pid_t pid = 0;
   std::string segment;  // the name its record gave
@@ -142,7 +142,7 @@ class ShmTransport final : public Transport {
     SS_RETURN_IF_ERROR(store.Set(prefix + "/shm/" + std::to_string(rank),
                                  shm::FormatRecord(name_, getpid(), list)));
     for (size_t i = 0; i < list.size(); ++i) {
-      Peer& p = peers_[list[i]];
+      ShmPeer& p = peers_[list[i]];
       p.rank = list[i];
       p.in = shm::RingAt(seg_, list.size(), i);
       if (list[i] == rank) {
@@ -174,7 +174,7 @@ class ShmTransport final : public Transport {
         auto v = store.Get(key, std::clamp(left, Millis(1), Millis(100)));
         if (v.ok()) break;
         if (v.status().code() != StatusCode::kDeadlineExceeded) return v.status();
-        const Peer& p = peers_[r];
+        const ShmPeer& p = peers_[r];
         if (!internal::ProcessAlive(p.pid)) {
           shm::UnlinkOrphan(p.segment);
           return UnavailableError("shm: peer rank " + std::to_string(r) + " (pid " +
@@ -200,7 +200,7 @@ class ShmTransport final : public Transport {
   }
 
   Result<XferId> PostFlush(int peer) override {
-    SS_ASSIGN_OR_RETURN(Peer * p, Usable(peer, true));
+    SS_ASSIGN_OR_RETURN(ShmPeer * p, Usable(peer, true));
     Op op;
     op.peer = peer;
     op.flush_seq = p->sends_posted;
@@ -259,7 +259,7 @@ class ShmTransport final : public Transport {
  private:
   // Maps the segment a peer's record names; a record from a process that already exited has its
   // segment removed instead (the peer died during connect, before unlinking it).
-  Status MapPeer(Peer& p, const std::string& record) {
+  Status MapPeer(ShmPeer& p, const std::string& record) {
     SS_ASSIGN_OR_RETURN(shm::PeerRecord rec, shm::ParsePeerRecord(record, p.rank, rank_));
     p.pid = rec.pid;
     p.segment = rec.name;
@@ -288,14 +288,14 @@ class ShmTransport final : public Transport {
     }
   }
 
-  Result<Peer*> Usable(int peer, bool sending) {
+  Result<ShmPeer*> Usable(int peer, bool sending) {
     if (aborted_) return AbortedError("shm: transport was aborted");
     auto it = peers_.find(peer);
     if (!connected_ || it == peers_.end()) {
       return FailedPreconditionError("shm: rank " + std::to_string(peer) +
                                      " is not a connected peer");
     }
-    Peer& p = it->second;
+    ShmPeer& p = it->second;
     Watch(p);
     if (sending && p.gone) return p.why;
     return &p;
@@ -309,7 +309,7 @@ class ShmTransport final : public Transport {
 
   Result<XferId> Send(int peer, uint64_t tag, const void* buf, size_t bytes, CopySum* sum,
                       SendFill fill = nullptr) {
-    SS_ASSIGN_OR_RETURN(Peer * p, Usable(peer, true));
+    SS_ASSIGN_OR_RETURN(ShmPeer * p, Usable(peer, true));
     Op op;
     op.peer = peer;
     op.tag = tag;
@@ -325,7 +325,7 @@ class ShmTransport final : public Transport {
   }
 
   Result<XferId> Recv(int peer, uint64_t tag, void* buf, size_t bytes, CopySum* sum) {
-    SS_ASSIGN_OR_RETURN(Peer * p, Usable(peer, false));
+    SS_ASSIGN_OR_RETURN(ShmPeer * p, Usable(peer, false));
     Op op;
     op.peer = peer;
     op.tag = tag;
@@ -358,14 +358,14 @@ class ShmTransport final : public Transport {
     return id;
   }
 
-  Status TooSmall(const Peer& p, uint64_t msg, uint64_t buf) const {
+  Status TooSmall(const ShmPeer& p, uint64_t msg, uint64_t buf) const {
     return OutOfRangeError("shm: a " + std::to_string(msg) + "-byte message from rank " +
                            std::to_string(p.rank) + " does not fit the " + std::to_string(buf) +
                            "-byte receive buffer");
   }
 
   // Notices a dead, closed or corrupt peer (the process check at most every 50 ms).
-  void Watch(Peer& p) {
+  void Watch(ShmPeer& p) {
     if (p.gone) return;
     if (p.out != nullptr && p.out->receiver_closed.load(std::memory_order_acquire)) {
       return Gone(p, "closed its transport");
@@ -382,7 +382,7 @@ class ShmTransport final : public Transport {
       Gone(p, "(pid " + std::to_string(p.pid) + ") exited");
     }
   }
-  void Gone(Peer& p, const std::string& what) {
+  void Gone(ShmPeer& p, const std::string& what) {
     p.gone = true;
     p.why = UnavailableError("shm: peer rank " + std::to_string(p.rank) + " " + what);
   }
@@ -409,7 +409,7 @@ class ShmTransport final : public Transport {
   }
 
   // After draining what the peer published: its unfinished operations cannot complete.
-  void FailPending(Peer& p) {
+  void FailPending(ShmPeer& p) {
     for (XferId id : p.sendq) Fail(id, p.why);
     p.sendq.clear();
     for (XferId id : p.recvs) Fail(id, p.why);
@@ -420,7 +420,7 @@ class ShmTransport final : public Transport {
     p.target = 0;
   }
 
-  void PumpSends(Peer& p) {
+  void PumpSends(ShmPeer& p) {
     if (p.gone) return;
     while (!p.sendq.empty()) {
       Op& op = ops_.at(p.sendq.front());
@@ -449,7 +449,7 @@ class ShmTransport final : public Transport {
     }
   }
 
-  void PumpRecvs(Peer& p) {
+  void PumpRecvs(ShmPeer& p) {
     while (!p.corrupt) {
       const uint64_t head = p.in->head.load(std::memory_order_acquire);
       if (p.in_tail == head) return;
@@ -485,7 +485,7 @@ class ShmTransport final : public Transport {
     }
   }
 
-  void StartMessage(Peer& p, const SlotHeader& h) {
+  void StartMessage(ShmPeer& p, const SlotHeader& h) {
     p.in_msg = true;
     p.msg_tag = h.tag;
     p.msg_bytes = h.msg_bytes;
@@ -517,7 +517,7 @@ class ShmTransport final : public Transport {
     p.unexpected.push_back(std::move(u));
   }
 
-  void EndMessage(Peer& p) {
+  void EndMessage(ShmPeer& p) {
     if (!p.discard) {
       if (p.target != 0) {
         Op& op = ops_.at(p.target);
@@ -532,7 +532,7 @@ class ShmTransport final : public Transport {
     p.discard = false;
   }
 
-  void CorruptRing(Peer& p, const std::string& what) {
+  void CorruptRing(ShmPeer& p, const std::string& what) {
     TransportLog().error("shm: peer rank {} {}", p.rank, what);
     p.why = DataLossError("shm: peer rank " + std::to_string(p.rank) + " " + what);
     p.gone = true;
@@ -551,7 +551,7 @@ class ShmTransport final : public Transport {
   bool linked_ = false;
   char* seg_ = nullptr;
   size_t seg_bytes_ = 0;
-  std::map<int, Peer> peers_;
+  std::map<int, ShmPeer> peers_;
   std::unordered_map<XferId, Op> ops_;
   XferId next_id_ = 1;
 };

@@ -57,7 +57,7 @@ struct RemoteRegion {
 
 class UcxTransport;
 
-struct Peer {
+struct UcxPeer {
   UcxTransport* owner = nullptr;
   int rank = -1;
   ucp_ep_h ep = nullptr;
@@ -94,7 +94,7 @@ struct Req {
 };
 
 void OnEpError(void* arg, ucp_ep_h, ucs_status_t status) {
-  auto* p = static_cast<Peer*>(arg);
+  auto* p = static_cast<UcxPeer*>(arg);
   if (!p->failed) {
     TransportLog().warn("ucx: connection to rank {} failed: {}", p->rank,
                         ucs_status_string(status));
@@ -255,7 +255,7 @@ class UcxTransport final : public Transport {
           "ucx transport in tag mode (SHARDSYNC_UCX_MODE=tag): one-sided put disabled; move "
           "data with PostSend/PostRecv");
     }
-    SS_ASSIGN_OR_RETURN(Peer * p, GetPeer(peer));
+    SS_ASSIGN_OR_RETURN(UcxPeer * p, GetPeer(peer));
     if (remote_region >= p->regions.size()) {
       return OutOfRangeError("ucx put to rank " + std::to_string(peer) + ": region " +
                              std::to_string(remote_region) + " not registered (rank has " +
@@ -275,13 +275,13 @@ class UcxTransport final : public Transport {
   }
 
   Result<XferId> PostFlush(int peer) override {
-    SS_ASSIGN_OR_RETURN(Peer * p, GetPeer(peer));
+    SS_ASSIGN_OR_RETURN(UcxPeer * p, GetPeer(peer));
     ucp_request_param_t prm{};
     return Started(ucp_ep_flush_nbx(p->ep, &prm), Kind::kFlush, peer, 0);
   }
 
   Result<XferId> PostSend(int peer, uint64_t tag, const void* buf, size_t bytes) override {
-    SS_ASSIGN_OR_RETURN(Peer * p, GetPeer(peer));
+    SS_ASSIGN_OR_RETURN(UcxPeer * p, GetPeer(peer));
     SS_RETURN_IF_ERROR(CheckTag(tag));
     ucp_request_param_t prm{};
     ucs_status_ptr_t r = ucp_tag_send_nbx(p->ep, buf, bytes, WireTag(rank_, tag), &prm);
@@ -289,7 +289,7 @@ class UcxTransport final : public Transport {
   }
 
   Result<XferId> PostRecv(int peer, uint64_t tag, void* buf, size_t bytes) override {
-    SS_ASSIGN_OR_RETURN(Peer * p, GetPeer(peer));
+    SS_ASSIGN_OR_RETURN(UcxPeer * p, GetPeer(peer));
     (void)p;
     SS_RETURN_IF_ERROR(CheckTag(tag));
     ucp_request_param_t prm{};
@@ -307,7 +307,7 @@ class UcxTransport final : public Transport {
     ucp_worker_progress(worker_);
     Req& rq = it->second;
     ucs_status_t s = rq.req ? ucp_request_check_status(rq.req) : UCS_OK;
-    Peer& peer = peers_.at(rq.peer);
+    UcxPeer& peer = peers_.at(rq.peer);
     if (s == UCS_INPROGRESS) CheckAlive(peer);
     if (s == UCS_INPROGRESS) {
       if (!peer.failed) return XferState::kInProgress;
@@ -348,7 +348,7 @@ class UcxTransport final : public Transport {
     return OkStatus();
   }
 
-  Result<Peer*> GetPeer(int peer) {
+  Result<UcxPeer*> GetPeer(int peer) {
     SS_RETURN_IF_ERROR(CheckUsable());
     if (!connected_) return FailedPreconditionError("ucx: not connected");
     auto it = peers_.find(peer);
@@ -365,7 +365,7 @@ class UcxTransport final : public Transport {
   }
 
   // Watches a same-host peer's process (at most every 50 ms).
-  void CheckAlive(Peer& p) {
+  void CheckAlive(UcxPeer& p) {
     if (!p.same_host || p.failed || p.pid == getpid()) return;
     auto now = Clock::now();
     if (now < p.next_check) return;
@@ -435,7 +435,7 @@ class UcxTransport final : public Transport {
           who + ": peer runs SHARDSYNC_UCX_MODE=" + (mode == 0 ? "put" : "tag") + ", this rank " +
           (mode_ == UcxMode::kPut ? "put" : "tag"));
     }
-    Peer& p = peers_[rank];
+    UcxPeer& p = peers_[rank];
     p.owner = this;
     p.rank = rank;
     p.same_host = same_host_shm_ && host == HostName();
@@ -561,7 +561,7 @@ class UcxTransport final : public Transport {
   bool aborted_ = false;
   bool torn_down_ = false;
   std::vector<LocalRegion> local_;
-  std::map<int, Peer> peers_;
+  std::map<int, UcxPeer> peers_;
   std::unordered_map<XferId, Req> reqs_;
   XferId next_id_ = 1;
 };

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "shardsync/checksum.h"
+#include "shardsync/delta_rule.h"
 
 namespace shardsync {
 namespace {
@@ -223,15 +224,7 @@ std::string_view DeltaKindName(DeltaKind kind) {
 }
 
 DeltaSize DeltaEncodedBytes(uint64_t elements, int element_size, uint64_t changed) {
-  const uint64_t e = static_cast<uint64_t>(element_size);
-  const uint64_t full = elements * e;
-  changed = std::min(changed, elements);
-  // Both forms carry the changed values; they differ in how positions are named.
-  const bool index = kIndexBytes * changed <= BitmapBytes(elements);
-  const uint64_t bytes =
-      kDeltaHeaderBytes + changed * e + (index ? kIndexBytes * changed : BitmapBytes(elements));
-  if (bytes >= full) return {DeltaKind::kFull, full};
-  return {index ? DeltaKind::kIndex : DeltaKind::kBitmap, bytes};
+  return DeltaSizeRule(elements, static_cast<uint64_t>(element_size), changed);
 }
 
 Result<DeltaEncodeResult> EncodeDelta(std::span<const std::byte> base,

@@ -1,0 +1,42 @@
+// delta_gpu.h without CUDA: the scratch size is still computed (a planner may size memory on a
+// machine without a GPU); every device call returns Unimplemented.
+#include "cuda/kernels/delta_kernels.h"
+#include "shardsync/delta_gpu.h"
+
+namespace shardsync::gpu {
+
+namespace {
+Status NoCuda(std::string_view what) {
+  return UnimplementedError(std::string(what) + ": built without CUDA");
+}
+}  // namespace
+
+size_t DeltaGpuScratch::Bytes(uint64_t max_bucket_bytes, int min_element_size) {
+  const int e = min_element_size == 2 || min_element_size == 4 ? min_element_size : 1;
+  return delta::LayoutScratch(max_bucket_bytes, e).total;
+}
+Result<std::unique_ptr<DeltaGpuScratch>> DeltaGpuScratch::Allocate(uint64_t, int, int) {
+  return NoCuda("DeltaGpuScratch::Allocate");
+}
+Status EnqueueDeltaEncode(const DeltaGpuEncodeArgs&, DeltaGpuScratch*, void*) {
+  return NoCuda("EnqueueDeltaEncode");
+}
+Result<DeltaGpuEncoded> FinishDeltaEncode(DeltaGpuScratch*, std::chrono::milliseconds) {
+  return NoCuda("FinishDeltaEncode");
+}
+Status EnqueueDeltaDecode(const DeltaGpuDecodeArgs&, DeltaGpuScratch*, void*) {
+  return NoCuda("EnqueueDeltaDecode");
+}
+Status FinishDeltaDecode(DeltaGpuScratch*, std::chrono::milliseconds) {
+  return NoCuda("FinishDeltaDecode");
+}
+Result<DeltaGpuEncoded> EncodeDeltaDevice(const DeltaGpuEncodeArgs&, DeltaGpuScratch*, void*,
+                                          std::chrono::milliseconds) {
+  return NoCuda("EncodeDeltaDevice");
+}
+Status DecodeDeltaDevice(const DeltaGpuDecodeArgs&, DeltaGpuScratch*, void*,
+                         std::chrono::milliseconds) {
+  return NoCuda("DecodeDeltaDevice");
+}
+
+}  // namespace shardsync::gpu

@@ -1,0 +1,270 @@
+// The device delta codec (delta_gpu.h) against the host codec (delta.h): device encode gives
+// EncodeDelta's bytes, device decode restores `next` from host encodings and refuses what
+// DecodeDeltaInPlace refuses, with the same message, leaving the bucket as it was.
+// Its own binary (test_gpu_delta, label gpu): skipped where no GPU is usable.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "cuda/gpu_test_util.h"
+#include "shardsync/checksum.h"
+#include "shardsync/delta.h"
+#include "shardsync/delta_gpu.h"
+#include "shardsync/gpu.h"
+
+namespace shardsync::gpu {
+namespace {
+
+using Bytes = std::vector<std::byte>;
+constexpr std::chrono::milliseconds kTimeout{60000};
+constexpr uint64_t kMaxBytes = uint64_t{12} << 20;
+
+Bytes RandomBytes(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Bytes v(n);
+  for (auto& b : v) b = static_cast<std::byte>(rng());
+  return v;
+}
+
+// `base` with `changed` distinct elements changed (the top byte of each flipped).
+Bytes Mutate(const Bytes& base, int e, uint64_t changed, uint32_t seed) {
+  Bytes next = base;
+  const uint64_t elements = base.size() / e;
+  std::vector<uint32_t> order(elements);
+  for (uint64_t i = 0; i < elements; ++i) order[i] = static_cast<uint32_t>(i);
+  std::mt19937 rng(seed);
+  for (uint64_t k = 0; k < changed; ++k) {  // partial Fisher-Yates: the first `changed`
+    std::swap(order[k], order[k + rng() % (elements - k)]);
+    std::byte* p = next.data() + uint64_t{order[k]} * e;
+    p[e - 1] ^= static_cast<std::byte>(1 + rng() % 255);
+    if (e > 1) p[0] = static_cast<std::byte>(rng());
+  }
+  return next;
+}
+
+class GpuDelta : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SS_REQUIRE_GPU();
+    SS_ASSERT_OK(SetDevice(0));
+    SS_ASSERT_OK_AND_ASSIGN(stream_, Stream::Create(0));
+    SS_ASSERT_OK_AND_ASSIGN(scratch_, DeltaGpuScratch::Allocate(kMaxBytes, 1, 0));
+    SS_ASSERT_OK_AND_ASSIGN(base_, DeviceBuffer::Allocate(kMaxBytes, 0));
+    SS_ASSERT_OK_AND_ASSIGN(next_, DeviceBuffer::Allocate(kMaxBytes, 0));
+    SS_ASSERT_OK_AND_ASSIGN(out_, DeviceBuffer::Allocate(kMaxBytes, 0));
+  }
+
+  Bytes Download(const DeviceBuffer& b, size_t n) {
+    Bytes h(n);
+    EXPECT_TRUE(CopyToHost(h.data(), b.data(), n).ok());
+    return h;
+  }
+
+  // Device encode of (base, next) == host EncodeDelta, byte for byte; then device decode of the
+  // host encoding over the base restores next.
+  void Check(const Bytes& base, const Bytes& next, int e) {
+    Bytes want;
+    auto host = EncodeDelta(base, next, e, 41, "b", &want);
+    ASSERT_TRUE(host.ok()) << host.status().ToString();
+    SS_ASSERT_OK(CopyToDevice(base_->data(), base.data(), base.size()));
+    SS_ASSERT_OK(CopyToDevice(next_->data(), next.data(), next.size()));
+    DeltaGpuEncodeArgs a;
+    a.base = base_->data();
+    a.next = next_->data();
+    a.bytes = base.size();
+    a.element_size = e;
+    a.base_version = 41;
+    a.out = out_->data();
+    a.bucket = "b";
+    SS_ASSERT_OK_AND_ASSIGN(const DeltaGpuEncoded got,
+                            EncodeDeltaDevice(a, scratch_.get(), stream_->handle(), kTimeout));
+    EXPECT_EQ(got.result.kind, host->kind);
+    EXPECT_EQ(got.result.changed, host->changed);
+    EXPECT_EQ(got.result.elements, host->elements);
+    EXPECT_EQ(got.result.base_checksum, host->base_checksum);
+    EXPECT_EQ(got.result.new_checksum, host->new_checksum);
+    ASSERT_EQ(got.bytes, want.size());
+    if (want.empty()) return;
+    const Bytes enc = Download(*out_, got.bytes);
+    ASSERT_TRUE(enc == want) << "first difference at byte "
+                             << (std::mismatch(enc.begin(), enc.end(), want.begin()).first -
+                                 enc.begin());
+    // Decode the host's encoding over the base on the device.
+    SS_ASSERT_OK(CopyToDevice(out_->data(), want.data(), want.size()));
+    DeltaGpuDecodeArgs d;
+    d.encoded = out_->data();
+    d.encoded_bytes = want.size();
+    d.bucket = base_->data();
+    d.bucket_bytes = base.size();
+    d.expect = {"b", e, 41};
+    SS_ASSERT_OK(DecodeDeltaDevice(d, scratch_.get(), stream_->handle(), kTimeout));
+    EXPECT_TRUE(Download(*base_, base.size()) == next);
+  }
+
+  std::unique_ptr<Stream> stream_;
+  std::unique_ptr<DeltaGpuScratch> scratch_;
+  std::unique_ptr<DeviceBuffer> base_, next_, out_;
+};
+
+TEST_F(GpuDelta, EncodeEqualsHostAndDecodeRestoresNext) {
+  // Element counts: tiny, odd, one tile +- a little (a tile is 32 KiB of each side), and many
+  // tiles (the look-back walks more than 32 predecessors).
+  for (int e : {1, 2, 4}) {
+    const uint64_t ue = static_cast<uint64_t>(e);
+    for (uint64_t elements : {uint64_t{1}, uint64_t{13}, uint64_t{1001}, 32768 / ue + 3,
+                              65536 / ue - 5, (uint64_t{5} << 20) / ue + 7}) {
+      const Bytes base = RandomBytes(elements * e, static_cast<uint32_t>(elements + e));
+      for (double density : {0.0, 1e-4, 0.01, 0.03, 0.032, 0.5, 1.0}) {
+        const uint64_t changed = static_cast<uint64_t>(density * static_cast<double>(elements));
+        SCOPED_TRACE(::testing::Message()
+                     << "e=" << e << " elements=" << elements << " changed=" << changed);
+        Check(base, Mutate(base, e, changed, static_cast<uint32_t>(changed * 3 + e)), e);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+TEST_F(GpuDelta, EveryFormIsExercised) {
+  // 1 MiB of bf16: 1% is the index form, 10% the bitmap form, 100% full.
+  const Bytes base = RandomBytes(1 << 20, 5);
+  for (auto [density, kind] :
+       {std::pair{0.01, DeltaKind::kIndex}, std::pair{0.10, DeltaKind::kBitmap},
+        std::pair{1.0, DeltaKind::kFull}}) {
+    const Bytes next = Mutate(base, 2, static_cast<uint64_t>(density * (1 << 19)), 9);
+    Bytes enc;
+    auto host = EncodeDelta(base, next, 2, 41, "b", &enc);
+    ASSERT_TRUE(host.ok());
+    EXPECT_EQ(host->kind, kind);
+    Check(base, next, 2);
+  }
+}
+
+// Refusals: the device says what the host says (code and message) and leaves the bucket as it
+// was. Each case edits a host encoding (or the receiver's bucket, or what it expects).
+struct Case {
+  const char* name;
+  std::function<void(Bytes* enc, Bytes* bucket, DeltaExpect* expect, size_t* len)> edit;
+};
+
+void Put64(Bytes* b, size_t at, uint64_t v) { std::memcpy(b->data() + at, &v, 8); }
+uint64_t Get64(const Bytes& b, size_t at) {
+  uint64_t v;
+  std::memcpy(&v, b.data() + at, 8);
+  return v;
+}
+
+TEST_F(GpuDelta, RefusalsMatchTheHostAndLeaveTheBucketUntouched) {
+  constexpr size_t kElems = 40003;  // odd: the bitmap's last byte has bits past the end
+  const Bytes base = RandomBytes(kElems * 2, 77);
+  for (double density : {0.01, 0.2}) {  // index form, bitmap form
+    const Bytes next = Mutate(base, 2, static_cast<uint64_t>(density * kElems), 3);
+    Bytes enc0;
+    ASSERT_TRUE(EncodeDelta(base, next, 2, 41, "b", &enc0).ok());
+    const bool index = static_cast<DeltaKind>(enc0[5]) == DeltaKind::kIndex;
+    const size_t payload = kDeltaHeaderBytes;
+    std::vector<Case> cases = {
+        {"base version", [](Bytes*, Bytes*, DeltaExpect* x, size_t*) { x->base_version = 40; }},
+        {"corrupt base byte",
+         [](Bytes*, Bytes* b, DeltaExpect*, size_t*) { (*b)[12345] ^= std::byte{4}; }},
+        {"truncated", [](Bytes*, Bytes*, DeltaExpect*, size_t* n) { *n -= 1; }},
+        {"short", [](Bytes*, Bytes*, DeltaExpect*, size_t* n) { *n = 20; }},
+        {"magic", [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[0] = std::byte{'X'}; }},
+        {"format", [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[4] = std::byte{2}; }},
+        {"kind", [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[5] = std::byte{3}; }},
+        {"reserved", [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[7] = std::byte{1}; }},
+        {"count over elements",
+         [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { Put64(e, 40, kElems + 1); }},
+        {"count vs length",
+         [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { Put64(e, 40, Get64(*e, 40) - 1); }},
+        {"element size", [](Bytes*, Bytes*, DeltaExpect* x, size_t*) { x->element_size = 4; }},
+        {"result checksum",
+         [](Bytes* e, Bytes*, DeltaExpect*, size_t* n) { (*e)[*n - 1] ^= std::byte{1}; }},
+    };
+    if (index) {
+      cases.push_back({"index out of range", [payload](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         const uint32_t bad = kElems + 5;
+                         std::memcpy(e->data() + payload + 6 * 17, &bad, 4);
+                       }});
+      cases.push_back({"index not increasing", [payload](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         std::memcpy(e->data() + payload + 6 * 30, e->data() + payload + 6 * 29, 4);
+                       }});
+    } else {
+      const size_t bitmap = (kElems + 7) / 8;
+      cases.push_back({"bitmap tail", [payload, bitmap](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         (*e)[payload + bitmap - 1] |= std::byte{0x80};
+                       }});
+      cases.push_back({"bitmap popcount", [payload](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         for (size_t j = payload; j < e->size(); ++j) {
+                           if ((*e)[j] != std::byte{0xff}) {
+                             for (int b = 0; b < 8; ++b) {
+                               if (((static_cast<unsigned>((*e)[j]) >> b) & 1) == 0) {
+                                 (*e)[j] |= std::byte(1u << b);
+                                 return;
+                               }
+                             }
+                           }
+                         }
+                       }});
+    }
+    for (const Case& c : cases) {
+      SCOPED_TRACE(::testing::Message() << c.name << (index ? " (index)" : " (bitmap)"));
+      Bytes enc = enc0, bucket = base;
+      DeltaExpect expect{"b", 2, 41};
+      size_t len = enc.size();
+      c.edit(&enc, &bucket, &expect, &len);
+      // Host answer on its own copies.
+      Bytes host_bucket = bucket;
+      const Status want = DecodeDeltaInPlace(std::span(enc.data(), len), host_bucket, expect);
+      ASSERT_FALSE(want.ok());
+      ASSERT_TRUE(host_bucket == bucket);
+      SS_ASSERT_OK(CopyToDevice(base_->data(), bucket.data(), bucket.size()));
+      SS_ASSERT_OK(CopyToDevice(out_->data(), enc.data(), enc.size()));
+      DeltaGpuDecodeArgs d;
+      d.encoded = out_->data();
+      d.encoded_bytes = len;
+      d.bucket = base_->data();
+      d.bucket_bytes = bucket.size();
+      d.expect = expect;
+      const Status got = DecodeDeltaDevice(d, scratch_.get(), stream_->handle(), kTimeout);
+      EXPECT_EQ(got.ToString(), want.ToString());
+      EXPECT_TRUE(Download(*base_, bucket.size()) == bucket) << "bucket changed";
+    }
+    // The same scratch still decodes a good delta after every refusal.
+    Check(base, next, 2);
+  }
+}
+
+TEST_F(GpuDelta, ArgumentsAndCallsInFlight) {
+  DeltaGpuEncodeArgs a;
+  a.base = base_->data();
+  a.next = next_->data();
+  a.out = out_->data();
+  a.bytes = 1000;
+  a.element_size = 3;
+  a.bucket = "b";
+  EXPECT_EQ(EnqueueDeltaEncode(a, scratch_.get(), stream_->handle()).code(),
+            StatusCode::kInvalidArgument);
+  a.element_size = 2;
+  a.bytes = kMaxBytes + 16;
+  EXPECT_EQ(EnqueueDeltaEncode(a, scratch_.get(), stream_->handle()).code(),
+            StatusCode::kInvalidArgument);
+  a.bytes = 1000;
+  a.base = static_cast<const std::byte*>(base_->data()) + 2;
+  EXPECT_EQ(EnqueueDeltaEncode(a, scratch_.get(), stream_->handle()).code(),
+            StatusCode::kInvalidArgument);
+  a.base = base_->data();
+  SS_ASSERT_OK(EnqueueDeltaEncode(a, scratch_.get(), stream_->handle()));
+  EXPECT_EQ(EnqueueDeltaEncode(a, scratch_.get(), stream_->handle()).code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(FinishDeltaDecode(scratch_.get(), kTimeout).code(), StatusCode::kFailedPrecondition);
+  SS_ASSERT_OK_AND_ASSIGN(const DeltaGpuEncoded r, FinishDeltaEncode(scratch_.get(), kTimeout));
+  EXPECT_EQ(r.result.elements, 500u);
+}
+
+}  // namespace
+}  // namespace shardsync::gpu

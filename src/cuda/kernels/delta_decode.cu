@@ -117,25 +117,29 @@ template <int E>
 __global__ void __launch_bounds__(kThreads) DecodeCheckKernel(DecArgs a) {
   constexpr uint64_t kTileElems = kTileBytes / E;
   __shared__ HeaderView h;
-  __shared__ uint64_t s_scan[kWarps];
-  __shared__ uint32_t s_tile, s_prefix;
+  __shared__ uint64_t s_scan[3][kWarps];
+  __shared__ uint32_t s_prefix;
   __shared__ uint32_t s_bits[kTileElems / 32];  // index form: the tile's changed elements
   Ctl* c = a.s.ctl;
-  if (threadIdx.x == 0) {
-    h = Parse<E>(a);
-    if (h.code == kOk) s_tile = atomicAdd(&c->tile_counter, 1u);
-  }
-  __syncthreads();
-  if (h.code != kOk) return;
-  const uint32_t t = s_tile;
+  // Tile ids in launch order (as the encoder's scan pass: delta_encode.cu).
+  const uint32_t t = blockIdx.x;
   const uint64_t n = a.n;
   const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
   uint4 w[kTileVecs];
+  if ((static_cast<uint64_t>(t) + 1) * kTileBytes <= n) {  // every load in flight at once
 #pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    w[k] = o < n ? LoadVec(a.bucket, o, n) : make_uint4(0, 0, 0, 0);
+    for (int k = 0; k < kTileVecs; ++k)
+      w[k] = *reinterpret_cast<const uint4*>(a.bucket + (v0 + uint64_t{kThreads} * k) * 16);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kTileVecs; ++k) {
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      w[k] = o < n ? LoadVec(a.bucket, o, n) : make_uint4(0, 0, 0, 0);
+    }
   }
+  if (threadIdx.x == 0) h = Parse<E>(a);
+  __syncthreads();
+  if (h.code != kOk) return;
   const bool index = h.kind == static_cast<int>(DeltaKind::kIndex);
   const unsigned char* payload = a.enc + kDeltaHeaderBytes;
   const uint64_t elements = h.elements;
@@ -177,9 +181,10 @@ __global__ void __launch_bounds__(kThreads) DecodeCheckKernel(DecArgs a) {
       hi |= cnt;
     }
   }
-  uint64_t tot_lo = 0, tot_hi = 0;
-  const uint64_t ex_lo = BlockExclusiveScan(lo, &tot_lo, s_scan);
-  const uint64_t ex_hi = BlockExclusiveScan(hi, &tot_hi, s_scan);
+  uint64_t v[3] = {lo, hi, sum}, tot[3];
+  BlockScanN<3>(v, tot, s_scan);
+  const uint64_t ex_lo = v[0], ex_hi = v[1], tot_lo = tot[0], tot_hi = tot[1];
+  if (threadIdx.x == 0) atomicAdd(&c->sum_a, static_cast<unsigned long long>(tot[2]));
   uint64_t prefix = r0;
   if (!index) {
     uint32_t aggregate = 0;
@@ -191,7 +196,17 @@ __global__ void __launch_bounds__(kThreads) DecodeCheckKernel(DecArgs a) {
       const uint32_t p = LookBack(a.s.states, t, aggregate, epoch);
       if (threadIdx.x == 0) {
         s_prefix = p;
-        a.s.tile_prefix[t] = p;
+        // The apply pass's tiles (kApplyTileElems = 2E segments of this tile's vectors each).
+        uint64_t q = p;
+#pragma unroll
+        for (int k = 0; k < kTileVecs; ++k) {
+          if (k % (2 * E) == 0) {
+            const uint64_t sub =
+                (static_cast<uint64_t>(t) * kTileElems) / kApplyTileElems + k / (2 * E);
+            if (sub * kApplyTileElems < elements) a.s.fine_prefix[sub] = static_cast<uint32_t>(q);
+          }
+          q += ((k < 4 ? tot_lo : tot_hi) >> (16 * (k % 4))) & 0xffff;
+        }
         if (t == a.tiles - 1) c->popcount = uint64_t{p} + aggregate;
         const uint64_t tail = elements % 8;
         if (t == 0 && tail != 0 && (payload[DeltaBitmapBytes(elements) - 1] >> tail) != 0)
@@ -231,18 +246,14 @@ __global__ void __launch_bounds__(kThreads) DecodeCheckKernel(DecArgs a) {
     delta += Mix(new_lo, o / 8) - Mix(old_lo, o / 8);
     delta += Mix(new_hi, o / 8 + 1) - Mix(old_hi, o / 8 + 1);
   }
-  sum = BlockSum(sum, s_scan);
-  delta = BlockSum(delta, s_scan);
-  if (threadIdx.x == 0) {
-    atomicAdd(&c->sum_a, static_cast<unsigned long long>(sum));
-    if (delta != 0) atomicAdd(&c->sum_b, static_cast<unsigned long long>(delta));
-  }
+  delta = BlockSum(delta, s_scan[0]);
+  if (threadIdx.x == 0 && delta != 0) atomicAdd(&c->sum_b, static_cast<unsigned long long>(delta));
 }
 
 template <int E>
 __global__ void __launch_bounds__(kThreads) DecodeApplyKernel(DecArgs a) {
   __shared__ HeaderView h;
-  __shared__ uint64_t s_scan[kWarps];
+  __shared__ uint64_t s_scan[1][kWarps];
   __shared__ uint32_t s_code;
   __shared__ uint64_t s_have, s_detail;
   Ctl* c = a.s.ctl;
@@ -284,30 +295,32 @@ __global__ void __launch_bounds__(kThreads) DecodeApplyKernel(DecArgs a) {
            k += stride)
         out[RecIndex<E>(payload, k)] = static_cast<T>(RecValue<E>(payload, k));
     } else {
-      // A tile: 16 bitmap bytes (128 elements) per thread; it starts at check tile t * E, whose
-      // prefix the check pass left.
+      // A tile: 4 bitmap bytes (32 elements) per thread; its first change's number is in
+      // fine_prefix (the check pass). The 32 bits are unrolled and predicated, so a thread's
+      // value loads are all in flight before its stores.
       const uint64_t bitmap_bytes = DeltaBitmapBytes(h.elements);
-      const unsigned char* vals = payload + bitmap_bytes;
+      const unsigned char* __restrict__ vals = payload + bitmap_bytes;
       const uint64_t tiles = (h.elements + kApplyTileElems - 1) / kApplyTileElems;
       for (uint64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const uint64_t j0 = t * kApplyTileElems / 8 + threadIdx.x * 16;
-        uint4 b = make_uint4(0, 0, 0, 0);
-        if (j0 + 16 <= bitmap_bytes) {
-          b = *reinterpret_cast<const uint4*>(payload + j0);
-        } else if (j0 < bitmap_bytes) {
-          uint32_t q[4] = {0, 0, 0, 0};
+        const uint64_t j0 = t * (kApplyTileElems / 8) + threadIdx.x * 4;
+        uint32_t bits = 0;
+        if (j0 + 4 <= bitmap_bytes) {
+          bits = *reinterpret_cast<const uint32_t*>(payload + j0);
+        } else {
           for (uint64_t j = j0; j < bitmap_bytes; ++j)
-            q[(j - j0) / 4] |= uint32_t{payload[j]} << (8 * ((j - j0) % 4));
-          b = make_uint4(q[0], q[1], q[2], q[3]);
+            bits |= uint32_t{payload[j]} << (8 * (j - j0));
         }
-        const uint32_t q[4] = {b.x, b.y, b.z, b.w};
         uint64_t total = 0;
-        const uint64_t cnt = __popc(b.x) + __popc(b.y) + __popc(b.z) + __popc(b.w);
-        uint64_t at = a.s.tile_prefix[t * E] + BlockExclusiveScan(cnt, &total, s_scan);
+        const uint64_t at =
+            a.s.fine_prefix[t] + BlockExclusiveScan(__popc(bits), &total, s_scan[0]);
+        T vbuf[32];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          for (uint32_t mm = q[i]; mm != 0; mm &= mm - 1, ++at)
-            out[j0 * 8 + i * 32 + __ffs(mm) - 1] = static_cast<T>(LoadLE(vals + at * E, E));
+        for (int r = 0; r < 32; ++r)
+          if ((bits >> r) & 1)
+            vbuf[r] = static_cast<T>(LoadLE(vals + (at + __popc(bits & ((1u << r) - 1))) * E, E));
+#pragma unroll
+        for (int r = 0; r < 32; ++r)
+          if ((bits >> r) & 1) out[j0 * 8 + r] = vbuf[r];
       }
     }
   }

@@ -99,6 +99,39 @@ __device__ __forceinline__ uint64_t BlockExclusiveScan(uint64_t v, uint64_t* tot
   return before + x - v;
 }
 
+// N exclusive scans in thread order at once (one exchange through shared memory, two barriers);
+// total[i] gets the block's sum of v[i] in every thread. `smem` holds N x kWarps values.
+template <int N>
+__device__ __forceinline__ void BlockScanN(uint64_t (&v)[N], uint64_t (&total)[N],
+                                           uint64_t (*smem)[kWarps]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint64_t x[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    x[i] = v[i];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint64_t y = __shfl_up_sync(0xffffffffu, x[i], o);
+      if (lane >= o) x[i] += y;
+    }
+    if (lane == 31) smem[i][warp] = x[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    uint64_t before = 0, tot = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const uint64_t s = smem[i][w];
+      before += w < warp ? s : 0;
+      tot += s;
+    }
+    v[i] = before + x[i] - v[i];
+    total[i] = tot;
+  }
+  __syncthreads();
+}
+
 // Sum over the block, valid in thread 0. Ends with a barrier.
 __device__ __forceinline__ uint64_t BlockSum(uint64_t v, uint64_t* smem) {
 #pragma unroll

@@ -84,26 +84,35 @@ __device__ __forceinline__ void StoreElem(unsigned char* p, uint32_t v, bool ali
 
 template <int E>
 __global__ void __launch_bounds__(kThreads) EncodeScanKernel(EncArgs a) {
-  __shared__ uint64_t s_scan[kWarps];
-  __shared__ uint32_t s_tile, s_prefix;
-  if (threadIdx.x == 0) s_tile = atomicAdd(&a.s.ctl->tile_counter, 1u);
-  __syncthreads();
-  const uint32_t tile = s_tile;
-  const uint64_t epoch = *reinterpret_cast<volatile unsigned long long*>(&a.s.ctl->epoch);
+  __shared__ uint64_t s_scan[4][kWarps];
+  __shared__ uint32_t s_prefix;
+  // Tile ids in launch order, as CUB's single-pass scans take them: blocks are dispatched in
+  // increasing order, so a tile's predecessors are running or done and the look-back ends.
+  const uint32_t tile = blockIdx.x;
   const uint64_t v0 = static_cast<uint64_t>(tile) * kThreads * kTileVecs + threadIdx.x;
   const uint64_t n = a.n;
 
   uint4 b[kTileVecs], x[kTileVecs];
+  if ((static_cast<uint64_t>(tile) + 1) * kTileBytes <= n) {  // every load in flight at once
 #pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    b[k] = make_uint4(0, 0, 0, 0);
-    x[k] = b[k];
-    if (o < n) {
-      b[k] = LoadVec(a.base, o, n);
-      x[k] = LoadVec(a.next, o, n);
+    for (int k = 0; k < kTileVecs; ++k) {
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      b[k] = *reinterpret_cast<const uint4*>(a.base + o);
+      x[k] = *reinterpret_cast<const uint4*>(a.next + o);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kTileVecs; ++k) {
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      b[k] = make_uint4(0, 0, 0, 0);
+      x[k] = b[k];
+      if (o < n) {
+        b[k] = LoadVec(a.base, o, n);
+        x[k] = LoadVec(a.next, o, n);
+      }
     }
   }
+  const uint64_t epoch = *reinterpret_cast<volatile unsigned long long*>(&a.s.ctl->epoch);
   uint64_t sb = 0, sx = 0, lo = 0, hi = 0;
   unsigned m[kTileVecs];
 #pragma unroll
@@ -126,18 +135,17 @@ __global__ void __launch_bounds__(kThreads) EncodeScanKernel(EncArgs a) {
       hi |= c;
     }
   }
-  uint64_t tot_lo = 0, tot_hi = 0;
-  const uint64_t ex_lo = BlockExclusiveScan(lo, &tot_lo, s_scan);
-  const uint64_t ex_hi = BlockExclusiveScan(hi, &tot_hi, s_scan);
+  // One exchange: the two count scans and the two checksum sums.
+  uint64_t v[4] = {lo, hi, sb, sx}, tot[4];
+  BlockScanN<4>(v, tot, s_scan);
+  const uint64_t ex_lo = v[0], ex_hi = v[1], tot_lo = tot[0], tot_hi = tot[1];
   uint32_t aggregate = 0;
 #pragma unroll
   for (int k = 0; k < kTileVecs; ++k)
     aggregate += static_cast<uint32_t>(((k < 4 ? tot_lo : tot_hi) >> (16 * (k % 4))) & 0xffff);
-  sb = BlockSum(sb, s_scan);
-  sx = BlockSum(sx, s_scan);
   if (threadIdx.x == 0) {
-    atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(sb));
-    atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(sx));
+    atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(tot[2]));
+    atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(tot[3]));
   }
   if (threadIdx.x < 32) {
     const uint32_t p = LookBack(a.s.states, tile, aggregate, epoch);

@@ -18,11 +18,11 @@ inline constexpr uint8_t kFormat = 1;
 
 // Launch shape. Encode and the decode's check pass: a tile is kThreads x kTileVecs 16-byte
 // vectors of the bucket (and, for encode, of next too). The decode's apply pass: a tile is
-// kThreads x 16 bitmap bytes (kApplyTileElems elements).
+// kThreads x 4 bitmap bytes (kApplyTileElems elements; a check tile holds 4 / E of them).
 inline constexpr int kThreads = 256;
 inline constexpr int kTileVecs = 8;
 inline constexpr uint64_t kTileBytes = uint64_t{kThreads} * kTileVecs * 16;
-inline constexpr uint64_t kApplyTileElems = uint64_t{kThreads} * 16 * 8;
+inline constexpr uint64_t kApplyTileElems = uint64_t{kThreads} * 4 * 8;
 
 // Refusals, in the order DecodeDeltaInPlace checks them.
 enum Code : uint32_t {
@@ -73,6 +73,7 @@ struct ScratchPtrs {
   Ctl* ctl = nullptr;
   unsigned long long* states = nullptr;  // tile states: epoch | flag | value
   uint32_t* tile_prefix = nullptr;       // decode: changes before each tile (tiles + 1 entries)
+  uint32_t* fine_prefix = nullptr;       // decode, bitmap form: changes before each apply tile
   uint32_t* idx = nullptr;               // encode: staged index-form indices
   unsigned char* vals = nullptr;         // encode: staged index-form values
   HostResult* result = nullptr;          // device view of the pinned result
@@ -80,7 +81,7 @@ struct ScratchPtrs {
 
 // The scratch layout for buckets up to max_bytes with elements of at least min_e bytes.
 struct ScratchLayout {
-  uint64_t states = 0, tile_prefix = 0, idx = 0, vals = 0, total = 0;  // byte offsets, size
+  uint64_t states = 0, tile_prefix = 0, fine_prefix = 0, idx = 0, vals = 0, total = 0;
 };
 inline ScratchLayout LayoutScratch(uint64_t max_bytes, int min_e) {
   auto up = [](uint64_t v) { return (v + 255) / 256 * 256; };
@@ -90,7 +91,8 @@ inline ScratchLayout LayoutScratch(uint64_t max_bytes, int min_e) {
   ScratchLayout l;
   l.states = up(sizeof(Ctl));
   l.tile_prefix = l.states + up(8 * tiles + 8);
-  l.idx = l.tile_prefix + up(4 * tiles + 8);
+  l.fine_prefix = l.tile_prefix + up(4 * tiles + 8);
+  l.idx = l.fine_prefix + up(4 * ((max_bytes + kApplyTileElems - 1) / kApplyTileElems) + 8);
   l.vals = l.idx + up(4 * positions + 4);
   // positions(e) * e <= max_bytes / 32 for every e >= min_e.
   l.total = l.vals + up(max_bytes / 32 + 8);

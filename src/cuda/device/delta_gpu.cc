@@ -72,6 +72,29 @@ class Scratch final : public DeltaGpuScratch {
 
 Scratch* Check(DeltaGpuScratch* s) { return static_cast<Scratch*>(s); }
 
+// Runs `op` on a stream of its own (non-blocking: it waits for no other stream of the process,
+// torch's included) and waits for it, at most `timeout`.
+template <typename Op>
+Status OnPrivateStream(Op&& op, std::chrono::milliseconds timeout, std::string_view what) {
+  cudaStream_t st = nullptr;
+  SS_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), std::string(what));
+  Status s = CudaStatus(op(st), std::string(what));
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (s.ok()) {
+    const cudaError_t e = cudaStreamQuery(st);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) {
+      s = CudaStatus(e, std::string(what));
+    } else if (std::chrono::steady_clock::now() > deadline) {
+      s = DeadlineExceededError(fmt::format("{}: not done after {} ms", what, timeout.count()));
+    } else {
+      std::this_thread::yield();
+    }
+  }
+  cudaStreamDestroy(st);
+  return s;
+}
+
 Status Begin(Scratch* s, std::string_view what, std::string_view bucket) {
   if (s == nullptr)
     return InvalidArgumentError(fmt::format("{} of bucket {}: no scratch", what, bucket));
@@ -105,7 +128,9 @@ Result<std::unique_ptr<DeltaGpuScratch>> DeltaGpuScratch::Allocate(uint64_t max_
   const dk::ScratchLayout l = dk::LayoutScratch(max_bucket_bytes, min_element_size);
   SS_CUDA(cudaMalloc(&s->dev_, l.total),
           fmt::format("delta scratch: cudaMalloc {} bytes on device {}", l.total, device));
-  SS_CUDA(cudaMemset(s->dev_, 0, l.total), "delta scratch: zero");
+  SS_RETURN_IF_ERROR(
+      OnPrivateStream([&](cudaStream_t st) { return cudaMemsetAsync(s->dev_, 0, l.total, st); },
+                      std::chrono::seconds(60), "delta scratch: zero"));
   dk::Ctl ctl{};
   ctl.epoch = 1;
   ctl.bad_record = ~0ull;
@@ -282,10 +307,12 @@ Status FinishDeltaDecode(DeltaGpuScratch* scratch, std::chrono::milliseconds tim
       const uint64_t k = r.detail, rec = kDeltaIndexBytes + h.element_size;
       unsigned char buf[16] = {};
       const uint64_t from = k > 0 ? (k - 1) * rec : 0;
-      SS_CUDA(
-          cudaMemcpy(buf, static_cast<const unsigned char*>(s->encoded_) + kDeltaHeaderBytes + from,
-                     k > 0 ? 2 * rec : rec, cudaMemcpyDeviceToHost),
-          "device delta decode: read back a bad record");
+      const auto* src = static_cast<const unsigned char*>(s->encoded_) + kDeltaHeaderBytes + from;
+      SS_RETURN_IF_ERROR(OnPrivateStream(
+          [&](cudaStream_t st) {
+            return cudaMemcpyAsync(buf, src, k > 0 ? 2 * rec : rec, cudaMemcpyDeviceToHost, st);
+          },
+          std::chrono::seconds(10), "device delta decode: read back a bad record"));
       const uint64_t i = dk::LoadLE(buf + (k > 0 ? rec : 0), 4);
       if (i >= h.elements)
         return malformed(fmt::format("record {}: index {} out of range [0, {})", k, i, h.elements));

@@ -10,6 +10,11 @@
 //            the op's bytes: encode reads base and next and writes the encoded bytes; decode
 //            reads the bucket and the encoding and writes the changed elements' bytes (written
 //            contiguously: the bound is optimistic for decode's scattered writes).
+//   sectors  decode's second bound: the bucket and the encoding read once, plus every 32-byte
+//            sector of the bucket holding a changed element read and written once more (counted
+//            on the same buffers: a partly written sector costs DRAM a read and a write, and the
+//            go / no-go needs the whole bucket read before any write). Still optimistic: the
+//            apply also reads the bitmap and the values a second time.
 // ratio = bound seconds / op seconds (1.0: the op runs at the HBM speed of its own traffic).
 // Medians of --reps runs. Elements change at random with the given density (each changed
 // element's top byte flipped).
@@ -117,6 +122,19 @@ __global__ void CountDiff(const uint64_t* a, const uint64_t* b, uint64_t words,
   if (d) atomicAdd(out, d);
 }
 
+// Sectors (32 bytes) where a and b differ.
+__global__ void CountSectors(const uint4* a, const uint4* b, uint64_t sectors,
+                             unsigned long long* out) {
+  unsigned long long d = 0;
+  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < sectors;
+       i += uint64_t{gridDim.x} * blockDim.x) {
+    const uint4 x0 = a[2 * i], x1 = a[2 * i + 1], y0 = b[2 * i], y1 = b[2 * i + 1];
+    d += ((x0.x ^ y0.x) | (x0.y ^ y0.y) | (x0.z ^ y0.z) | (x0.w ^ y0.w) | (x1.x ^ y1.x) |
+          (x1.y ^ y1.y) | (x1.z ^ y1.z) | (x1.w ^ y1.w)) != 0;
+  }
+  if (d) atomicAdd(out, d);
+}
+
 struct Timer {
   cudaEvent_t a, b;
   Timer() {
@@ -194,6 +212,9 @@ int main(int argc, char** argv) {
   unsigned int* sink;
   unsigned long long* diff;
   for (auto** p : {&base, &next, &bucket, &enc_f, &enc_b}) CHECK_CUDA(cudaMalloc(p, max_bytes));
+  unsigned char *big, *wbuf;  // the sector bound's reads (encoding + touched sectors), writes
+  CHECK_CUDA(cudaMalloc(&big, 2 * max_bytes));
+  CHECK_CUDA(cudaMalloc(&wbuf, max_bytes));
   CHECK_CUDA(cudaMalloc(&sink, 4));
   CHECK_CUDA(cudaMalloc(&diff, 8));
   Timer timer;
@@ -211,9 +232,9 @@ int main(int argc, char** argv) {
                 static_cast<unsigned long long>(max_bytes >> 20),
                 2.0 * max_bytes / (Median(t) * 1e-3) / 1e9);
   }
-  std::printf("%-5s %5s %7s %6s %9s %9s %10s %8s %7s %9s %9s %10s %8s %7s\n", "dtype", "MiB",
-              "density", "form", "wire_%", "enc_ms", "enc_bound", "enc_GB/s", "enc_x", "dec_ms",
-              "dec_bound", "dec_GB/s", "dec_x", "ok");
+  std::printf("%-5s %5s %7s %6s %9s %9s %10s %8s %7s %9s %9s %10s %8s %8s %10s %8s %7s\n", "dtype",
+              "MiB", "density", "form", "wire_%", "enc_ms", "enc_bound", "enc_GB/s", "enc_x",
+              "dec_ms", "dec_bound", "dec_GB/s", "dec_x", "sect_%", "sect_bound", "sect_x", "ok");
   for (const int e : {2, 1}) {
     const char* dtype = e == 2 ? "bf16" : "e4m3";
     for (const double mib : sizes_mib) {
@@ -273,6 +294,22 @@ int main(int argc, char** argv) {
                 reinterpret_cast<const uint4*>(next), n / 16, reinterpret_cast<const uint4*>(enc_f),
                 enc_bytes / 16, reinterpret_cast<uint4*>(enc_b) + n / 32, changed_bytes / 16, sink);
           }));
+        // The sector bound: sectors where base and next differ, counted on the device.
+        CHECK_CUDA(cudaMemsetAsync(diff, 0, 8, s));
+        CountSectors<<<grid, 256, 0, s>>>(reinterpret_cast<const uint4*>(base),
+                                          reinterpret_cast<const uint4*>(next), n / 32, diff);
+        unsigned long long touched = 0;
+        CHECK_CUDA(cudaMemcpyAsync(&touched, diff, 8, cudaMemcpyDeviceToHost, s));
+        CHECK_CUDA(cudaStreamSynchronize(s));
+        const uint64_t touched_bytes = touched * 32;
+        std::vector<float> tds;
+        for (int r = 0; r < reps; ++r)
+          tds.push_back(timer.Time(s, [&] {
+            Bound<<<grid, 256, 0, s>>>(reinterpret_cast<const uint4*>(next), n / 16,
+                                       reinterpret_cast<const uint4*>(big),
+                                       (enc_bytes + touched_bytes) / 16,
+                                       reinterpret_cast<uint4*>(wbuf), touched_bytes / 16, sink);
+          }));
         // After an even number of decodes the bucket holds the base again.
         CHECK_CUDA(cudaMemsetAsync(diff, 0, 8, s));
         CountDiff<<<grid, 256, 0, s>>>(reinterpret_cast<const uint64_t*>(bucket),
@@ -281,12 +318,15 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaMemcpyAsync(&nd, diff, 8, cudaMemcpyDeviceToHost, s));
         CHECK_CUDA(cudaStreamSynchronize(s));
         ok = ok && nd == 0;
-        const float me = Median(te), mb = Median(tb), md = Median(td), mdb = Median(tdb);
+        const float me = Median(te), mb = Median(tb), md = Median(td), mdb = Median(tdb),
+                    mds = Median(tds);
         std::printf(
-            "%-5s %5.0f %7.3f %6s %9.2f %9.4f %10.4f %8.0f %7.3f %9.4f %9.4f %10.0f %8.3f %7s\n",
+            "%-5s %5.0f %7.3f %6s %9.2f %9.4f %10.4f %8.0f %7.3f %9.4f %9.4f %10.0f %8.3f %8.1f "
+            "%10.4f %8.3f %7s\n",
             dtype, mib, density, shardsync::DeltaKindName(f->result.kind).data(),
             100.0 * enc_bytes / n, me, mb, n / (me * 1e-3) / 1e9, mb / me, md, mdb,
-            n / (md * 1e-3) / 1e9, mdb / md, ok ? "yes" : "NO");
+            n / (md * 1e-3) / 1e9, mdb / md, 100.0 * touched_bytes / n, mds, mds / md,
+            ok ? "yes" : "NO");
         std::fflush(stdout);
       }
     }

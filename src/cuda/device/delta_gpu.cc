@@ -147,7 +147,6 @@ Result<std::unique_ptr<DeltaGpuScratch>> DeltaGpuScratch::Allocate(uint64_t max_
   s->ptrs_.ctl = reinterpret_cast<dk::Ctl*>(base);
   s->ptrs_.states = reinterpret_cast<unsigned long long*>(base + l.states);
   s->ptrs_.tile_prefix = reinterpret_cast<uint32_t*>(base + l.tile_prefix);
-  s->ptrs_.fine_prefix = reinterpret_cast<uint32_t*>(base + l.fine_prefix);
   s->ptrs_.idx = reinterpret_cast<uint32_t*>(base + l.idx);
   s->ptrs_.vals = base + l.vals;
   s->ptrs_.result = static_cast<dk::HostResult*>(host_dev);

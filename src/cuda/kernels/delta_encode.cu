@@ -83,8 +83,9 @@ __device__ __forceinline__ void StoreElem(unsigned char* p, uint32_t v, bool ali
 }
 
 template <int E>
-__global__ void __launch_bounds__(kThreads) EncodeScanKernel(EncArgs a) {
-  __shared__ uint64_t s_scan[4][kWarps];
+__global__ void __launch_bounds__(kThreads, kMinBlocks) EncodeScanKernel(EncArgs a) {
+  static_assert(kTileVecs <= 4, "per-vector counts are packed 16 bits apart in one word");
+  __shared__ uint64_t s_scan[3][kWarps];
   __shared__ uint32_t s_prefix;
   // Tile ids in launch order, as CUB's single-pass scans take them: blocks are dispatched in
   // increasing order, so a tile's predecessors are running or done and the look-back ends.
@@ -97,8 +98,8 @@ __global__ void __launch_bounds__(kThreads) EncodeScanKernel(EncArgs a) {
 #pragma unroll
     for (int k = 0; k < kTileVecs; ++k) {
       const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-      b[k] = *reinterpret_cast<const uint4*>(a.base + o);
-      x[k] = *reinterpret_cast<const uint4*>(a.next + o);
+      b[k] = __ldcs(reinterpret_cast<const uint4*>(a.base + o));
+      x[k] = __ldcs(reinterpret_cast<const uint4*>(a.next + o));
     }
   } else {
 #pragma unroll
@@ -113,7 +114,7 @@ __global__ void __launch_bounds__(kThreads) EncodeScanKernel(EncArgs a) {
     }
   }
   const uint64_t epoch = *reinterpret_cast<volatile unsigned long long*>(&a.s.ctl->epoch);
-  uint64_t sb = 0, sx = 0, lo = 0, hi = 0;
+  uint64_t sb = 0, sx = 0, cnt = 0;
   unsigned m[kTileVecs];
 #pragma unroll
   for (int k = 0; k < kTileVecs; ++k) {
@@ -128,24 +129,19 @@ __global__ void __launch_bounds__(kThreads) EncodeScanKernel(EncArgs a) {
     }
     m[k] = ChangedMask<E>(b[k], x[k]);
     // Per-vector counts packed 16 bits apart (a segment's total is at most 256 x 16).
-    const uint64_t c = static_cast<uint64_t>(__popc(m[k])) << (16 * (k % 4));
-    if (k < 4) {
-      lo |= c;
-    } else {
-      hi |= c;
-    }
+    cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
   }
-  // One exchange: the two count scans and the two checksum sums.
-  uint64_t v[4] = {lo, hi, sb, sx}, tot[4];
-  BlockScanN<4>(v, tot, s_scan);
-  const uint64_t ex_lo = v[0], ex_hi = v[1], tot_lo = tot[0], tot_hi = tot[1];
+  // One exchange: the count scan and the two checksum sums.
+  uint64_t v[3] = {cnt, sb, sx}, tot[3];
+  BlockScanN<3>(v, tot, s_scan);
+  const uint64_t ex = v[0], tot_c = tot[0];
   uint32_t aggregate = 0;
 #pragma unroll
   for (int k = 0; k < kTileVecs; ++k)
-    aggregate += static_cast<uint32_t>(((k < 4 ? tot_lo : tot_hi) >> (16 * (k % 4))) & 0xffff);
+    aggregate += static_cast<uint32_t>((tot_c >> (16 * k)) & 0xffff);
   if (threadIdx.x == 0) {
-    atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(tot[2]));
-    atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(tot[3]));
+    atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(tot[1]));
+    atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(tot[2]));
   }
   if (threadIdx.x < 32) {
     const uint32_t p = LookBack(a.s.states, tile, aggregate, epoch);
@@ -160,9 +156,8 @@ __global__ void __launch_bounds__(kThreads) EncodeScanKernel(EncArgs a) {
   uint64_t pos = s_prefix;
 #pragma unroll
   for (int k = 0; k < kTileVecs; ++k) {
-    const uint64_t seg_tot = ((k < 4 ? tot_lo : tot_hi) >> (16 * (k % 4))) & 0xffff;
-    const uint64_t excl = ((k < 4 ? ex_lo : ex_hi) >> (16 * (k % 4))) & 0xffff;
-    uint64_t at = pos + excl;
+    const uint64_t seg_tot = (tot_c >> (16 * k)) & 0xffff;
+    uint64_t at = pos + ((ex >> (16 * k)) & 0xffff);
     pos += seg_tot;
     const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
     const uint64_t elem0 = o / E;
@@ -256,7 +251,7 @@ __global__ void __launch_bounds__(kThreads) EncodeFinishKernel(EncArgs a) {
 template <int E>
 int Launch(const EncArgs& a, int sm_count, cudaStream_t s) {
   EncodeScanKernel<E><<<a.tiles, kThreads, 0, s>>>(a);
-  EncodeFinishKernel<E><<<(sm_count > 0 ? sm_count : 132) * 2, kThreads, 0, s>>>(a);
+  EncodeFinishKernel<E><<<(sm_count > 0 ? sm_count : 132) * 8, kThreads, 0, s>>>(a);
   return static_cast<int>(cudaGetLastError());
 }
 

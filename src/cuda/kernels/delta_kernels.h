@@ -16,13 +16,14 @@ namespace shardsync::gpu::delta {
 inline constexpr uint32_t kMagic = 0x4C445353;  // "SSDL" little-endian, as delta.cc
 inline constexpr uint8_t kFormat = 1;
 
-// Launch shape. Encode and the decode's check pass: a tile is kThreads x kTileVecs 16-byte
-// vectors of the bucket (and, for encode, of next too). The decode's apply pass: a tile is
-// kThreads x 4 bitmap bytes (kApplyTileElems elements; a check tile holds 4 / E of them).
+// Launch shape. Every pass over the bucket (encode, the decode's check and bitmap apply): a tile
+// is kThreads x kTileVecs 16-byte vectors of the bucket (and, for encode, of next too), one tile
+// per block. 4 vectors (16 KiB tiles) keep a thread's loads in flight at once within 64
+// registers, so 4 blocks fit an SM (8 vectors: 100-122 registers, 2 blocks, measured slower).
 inline constexpr int kThreads = 256;
-inline constexpr int kTileVecs = 8;
+inline constexpr int kTileVecs = 4;
+inline constexpr int kMinBlocks = 4;  // __launch_bounds__ of the tile kernels
 inline constexpr uint64_t kTileBytes = uint64_t{kThreads} * kTileVecs * 16;
-inline constexpr uint64_t kApplyTileElems = uint64_t{kThreads} * 4 * 8;
 
 // Refusals, in the order DecodeDeltaInPlace checks them.
 enum Code : uint32_t {
@@ -55,9 +56,13 @@ struct Ctl {
   unsigned long long bad_record;  // decode: first bad index record
   unsigned long long popcount;    // decode: bitmap bits set
   unsigned int tile_counter;      // dynamic tile ids
-  unsigned int ticket;            // decode apply: blocks done
+  unsigned int ticket;            // unused (0)
   unsigned int tail_bad;          // decode: bitmap bits past the end
   unsigned int pad;
+  // Decode: the decision (Code | kind << 32) and the change count, written by the decide kernel
+  // of every call before the apply pass reads them (no rest value needed).
+  unsigned long long go;
+  unsigned long long changed;
 };
 
 // Written by the last kernel of a call into pinned, mapped host memory.
@@ -73,7 +78,6 @@ struct ScratchPtrs {
   Ctl* ctl = nullptr;
   unsigned long long* states = nullptr;  // tile states: epoch | flag | value
   uint32_t* tile_prefix = nullptr;       // decode: changes before each tile (tiles + 1 entries)
-  uint32_t* fine_prefix = nullptr;       // decode, bitmap form: changes before each apply tile
   uint32_t* idx = nullptr;               // encode: staged index-form indices
   unsigned char* vals = nullptr;         // encode: staged index-form values
   HostResult* result = nullptr;          // device view of the pinned result
@@ -81,7 +85,7 @@ struct ScratchPtrs {
 
 // The scratch layout for buckets up to max_bytes with elements of at least min_e bytes.
 struct ScratchLayout {
-  uint64_t states = 0, tile_prefix = 0, fine_prefix = 0, idx = 0, vals = 0, total = 0;
+  uint64_t states = 0, tile_prefix = 0, idx = 0, vals = 0, total = 0;
 };
 inline ScratchLayout LayoutScratch(uint64_t max_bytes, int min_e) {
   auto up = [](uint64_t v) { return (v + 255) / 256 * 256; };
@@ -91,8 +95,7 @@ inline ScratchLayout LayoutScratch(uint64_t max_bytes, int min_e) {
   ScratchLayout l;
   l.states = up(sizeof(Ctl));
   l.tile_prefix = l.states + up(8 * tiles + 8);
-  l.fine_prefix = l.tile_prefix + up(4 * tiles + 8);
-  l.idx = l.fine_prefix + up(4 * ((max_bytes + kApplyTileElems - 1) / kApplyTileElems) + 8);
+  l.idx = l.tile_prefix + up(4 * tiles + 8);
   l.vals = l.idx + up(4 * positions + 4);
   // positions(e) * e <= max_bytes / 32 for every e >= min_e.
   l.total = l.vals + up(max_bytes / 32 + 8);

@@ -25,10 +25,12 @@
 // (single-pass scan with a decoupled look-back for the output offsets); when the index form wins,
 // a second kernel rewrites the records it staged in scratch. Decode reads the bucket once (the
 // base checksum, and the result's checksum predicted from the changed words' old and new terms),
-// then a second kernel writes the changed elements only if every check passed. Measured on an
-// H200 (docs/benchmarks.md "Delta codec on the device"), 64 / 512 MiB buckets at 1-10%: encode
-// 0.35-0.45x and decode 0.10-0.27x of the HBM bound of their traffic (590-930 and 290-1120 GB/s
-// of bucket), short of the 0.8x.
+// then a later kernel writes the changed elements only if every check passed (bitmap form: each
+// 16-byte vector holding a change read and written whole). Measured on an H200
+// (docs/benchmarks.md "Delta codec on the device"), 64 / 512 MiB buckets at 1-10%: encode
+// 0.40-0.51x and decode 0.15-0.26x of the HBM bound of their traffic (690-990 and 410-1120 GB/s
+// of bucket; decode 0.30-0.39x of a bound counting the touched 32-byte sectors), short of the
+// issue's 0.8x.
 #pragma once
 
 #include <chrono>

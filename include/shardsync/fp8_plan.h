@@ -43,6 +43,9 @@ inline constexpr std::string_view kFp8PlannerVersion = "shardsync-fp8-plan/1";
 // weight_scale_inv as they are; every other parameter in the wire dtype (bytes land in place).
 // Sessions check bindings against it; harnesses and engine hooks allocate with it.
 DType Fp8DestDType(const EngineParam& p, DType wire);
+// True for the fp32 weight_scale_inv of a block-FP8 weight: filled by its weight's ops, checked
+// with its weight.
+bool IsFp8ScaleParam(const EngineParam& p);
 
 // A block-FP8 plan is a RankPlan (plan.h PlanForRank) whose ops carry their Encoding: kCopy,
 // kQuantize, kStage (with RankPlan::staged) or kAmax (with RankPlan::amax_bands). Wire bytes:

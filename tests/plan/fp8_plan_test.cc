@@ -204,14 +204,20 @@ TEST(Fp8Plan, HashCoversTheQuantConfigAndBf16PlansAreUnchanged) {
 }
 
 TEST(Fp8Plan, TheCopyPlannerRefusesQuantizedModels) {
-  // A quantized model's plan is the codec's (PlanForRank sends it there): the copy planner, whose
-  // ops would land plain copies into e4m3 weights, refuses it, and the codec's planner refuses a
-  // model without a quantization config.
+  // A quantized model's plan is the codec's (its context dispatches to it): the copy planner,
+  // whose ops would land plain copies into e4m3 weights, refuses it, and the codec's planner
+  // refuses a model without a quantization config.
   PlanInputs in = Inputs(TinyQwen3(), "fsdp=4", "dp=1,tp=2,pp=2");
-  auto copy = plan_internal::MakeContext(in);
+  auto ctx = plan_internal::MakeContext(in);
+  ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
+  EXPECT_EQ(ctx->codec().name(), "block-FP8");
+  auto copy = ctx->PlanForRank(0);
   ASSERT_FALSE(copy.ok());
   EXPECT_EQ(copy.status().code(), StatusCode::kUnimplemented);
   EXPECT_NE(copy.status().message().find("block-FP8"), std::string::npos);
+  auto detailed = SummarizePlanDetailed(in, SummaryOptions{});
+  ASSERT_FALSE(detailed.ok());
+  EXPECT_EQ(detailed.status().code(), StatusCode::kUnimplemented);
   auto rp = PlanForRank(in, 0);
   ASSERT_TRUE(rp.ok()) << rp.status().ToString();
   bool quantize = false;

@@ -10,7 +10,7 @@
 //    rows raw (trainer dtype, exact) into a staging area of the receiver, which quantizes the band
 //    with the same quantizer once every part landed (RankPlan::staged). Costs trainer-dtype bytes
 //    on the wire for those bands, the staging memory, and a pass on the receiver.
-//  * kAmax (PlanOptions::fp8_split = kAmax, the default): the same straddling band without
+//  * kAmax (PlanOptions::straddle = kAmax, the default): the same straddling band without
 //    staging. Every trainer rank holding rows of it posts the band's partial amax over its rows
 //    (per 128-column block) to the store once per sync, reads the other holders' partials, and
 //    quantizes its own rows with the block's scale (max of partials / 448: max is associative, so
@@ -29,11 +29,18 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "shardsync/plan.h"
 
 namespace shardsync {
+
+// --fp8-split (PlanOptions::straddle): Encoding::kAmax | Encoding::kStage.
+using Fp8Split = Encoding;
+std::string_view Fp8SplitName(Fp8Split s);  // "amax" | "stage"
+// "amax" | "stage"; InvalidArgument naming `flag` otherwise.
+Result<Fp8Split> ParseFp8Split(std::string_view s, std::string_view flag = "--fp8-split");
 
 // Bumped whenever the FP8 planner's output for the same inputs changes; part of PlanHash for
 // quantized models.

@@ -24,9 +24,7 @@ class BlockFp8Codec final : public PlanCodec {
     return OkStatus();
   }
   // The shard map (its 128 grid checks), and the Megatron trainer's grid: milliseconds.
-  Status CheckInputs(const PlanInputs& in) const override {
-    return Fp8Context::Build(in).status();
-  }
+  Status CheckInputs(const PlanInputs& in) const override { return Fp8Context::Build(in).status(); }
   // A weight's weight_scale_inv has no units: the quantize / amax ops of its weight fill it.
   bool Walks(const EngineParam& p) const override { return !IsFp8ScaleParam(p); }
   // Units keep the shard map's pieces (their bands start where the pieces do).
@@ -36,7 +34,7 @@ class BlockFp8Codec final : public PlanCodec {
     const QuantConfig& q = *in.model.quant;
     *text += fmt::format("quant={};{}\n", QuantConfigToString(q), kFp8PlannerVersion);
     // Only for the amax exchange, so staged FP8 plans keep the hashes they had.
-    if (in.options.fp8_split == Fp8Split::kAmax) *text += "fp8_split=amax\n";
+    if (in.options.straddle == Fp8Split::kAmax) *text += "fp8_split=amax\n";
   }
   Result<RankPlan> PlanForRank(const PlanContext& c, int sync_rank) const override {
     SS_ASSIGN_OR_RETURN(Fp8Context f, Fp8Context::Build(c));

@@ -51,8 +51,8 @@ Status Fp8Context::CheckMegatronGrid() const {
           "one Megatron rank holding a whole block, and blocks shared by Megatron ranks are "
           "not staged; choose a Megatron tp / etp whose shards fall on the 128 grid",
           in.trainer.ToString(), rank,
-          s.holders > 1 ? fmt::format(" (one of {} ranks holding it)", s.holders) : "",
-          x.offset[0], x.offset[0] + x.extent[0], x.ndim > 1 ? x.offset[1] : 0,
+          s.holders > 1 ? fmt::format(" (one of {} ranks holding it)", s.holders) : "", x.offset[0],
+          x.offset[0] + x.extent[0], x.ndim > 1 ? x.offset[1] : 0,
           x.ndim > 1 ? x.offset[1] + x.extent[1] : 1, t.name, local, p.name,
           EngineKindName(in.rollout.shard.engine), rk.tp_rank, rk.pp_rank));
     });

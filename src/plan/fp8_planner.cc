@@ -120,7 +120,7 @@ Result<Fp8Context> Fp8Context::Build(std::shared_ptr<const PlanContext> pc) {
   }
   if (c.mg_) {
     SS_RETURN_IF_ERROR(c.CheckMegatronGrid());
-  } else if (in.options.fp8_split == Fp8Split::kAmax) {
+  } else if (in.options.straddle == Fp8Split::kAmax) {
     // Every straddling band of the job (any engine rank's, any column range), once: the unit of
     // the amax exchange (AmaxLayout).
     std::vector<std::pair<int32_t, int64_t>> bands;
@@ -204,7 +204,7 @@ void Fp8Context::CutChunkUnit(int e, const PlanUnit& pu, WalkState* st,
     }
     flush(r);
     const int64_t r0 = std::max(r, k * ch), r1 = std::min(re, (k + 1) * ch);
-    if (inputs().options.fp8_split == Fp8Split::kAmax) {
+    if (inputs().options.straddle == Fp8Split::kAmax) {
       // A band straddling chunks [k0, k1], quantized by its holders with the block's amax
       // exchanged among them; the holder of its first row sends the scales.
       Fp8Unit u = unit(Encoding::kAmax, r0, r1);
@@ -376,7 +376,8 @@ Result<RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
           const size_t first = m.ops.size();
           Split(u, &m.ops);
           for (size_t i = first; i < m.ops.size(); ++i) {
-            m.local.push_back(LocalSourceOf(mg_->sources[u.source].hf, mg_->places[place], m.ops[i].src));
+            m.local.push_back(
+                LocalSourceOf(mg_->sources[u.source].hf, mg_->places[place], m.ops[i].src));
           }
         }
         if (m.ops.empty()) continue;
@@ -436,7 +437,8 @@ Result<RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
         const size_t first = ops.size();
         Split(u, &ops);
         for (size_t i = first; mg_ && i < ops.size(); ++i) {
-          local[src].push_back(LocalSourceOf(mg_->sources[u.source].hf, mg_->places[place], ops[i].src));
+          local[src].push_back(
+              LocalSourceOf(mg_->sources[u.source].hf, mg_->places[place], ops[i].src));
         }
       },
       &rp.staged);

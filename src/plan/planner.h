@@ -68,7 +68,7 @@ struct PieceStats {
 // Called for each (trainer rank, engine sync rank) pair with traffic.
 using PairFn = std::function<void(int trainer, int engine_sync_rank, int64_t bytes, int64_t ops)>;
 
-class MegatronPlanner;  // megatron_plan.cc: the copy codec's planner for Megatron trainer layouts
+class MegatronPlanner;   // megatron_plan.cc: the copy codec's planner for Megatron trainer layouts
 struct MegatronSources;  // megatron.h: a Megatron trainer's HF boxes and their holders
 
 // The checks of the inputs themselves (layouts, dtypes, the codec's bucket cap) that Build runs

@@ -222,17 +222,19 @@ Status DeviceRank::Verify(const char* after) {
   SS_RETURN_IF_ERROR(SyncStream("element check"));
   uint64_t bad = 0;
   SS_RETURN_IF_ERROR(gpu::CopyToHost(&bad, counter->data(), 8));
+  std::string first_encoded;  // the first mismatch an encoding's check names
   for (const job_internal::EncodedParamCheck* c : job_internal::EncodedChecks()) {
     RankResult enc;
     SS_RETURN_IF_ERROR(c->VerifyDevice(job_, params, dests_, device_, stream_->handle(), enc));
     checked += enc.elements_checked;
     bad += static_cast<uint64_t>(enc.element_mismatches);
+    if (first_encoded.empty()) first_encoded = enc.first_mismatch;
   }
   res_.elements_checked += checked;
   res_.element_mismatches += static_cast<int64_t>(bad) + zero_bad;
   if (bad + zero_bad > 0) {
     if (res_.first_mismatch.empty()) {
-      res_.first_mismatch = std::string("after ") + after + ": " + fp8.first_mismatch;
+      res_.first_mismatch = std::string("after ") + after + ": " + first_encoded;
     }
     return DataLossError("sync rank " + std::to_string(rank_) + ": " +
                          std::to_string(bad + zero_bad) + " of " + std::to_string(checked) +

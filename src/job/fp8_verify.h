@@ -13,7 +13,7 @@ namespace shardsync::job_internal {
 void VerifyFp8Param(const JobSpec& job, const std::vector<EngineParam>& params, size_t i,
                     const std::vector<DestBinding>& bound, RankResult& out);
 // Device mode: every block-FP8 weight and scale of an engine rank's parameters (`dests`, device
-// memory) against the GPU quantizer on the trainer's values (device_fp8.cc); adds to out.
+// memory) against the GPU quantizer on the trainer's values (fp8_device_verify.cc); adds to out.
 Status VerifyFp8Device(const JobSpec& job, const std::vector<EngineParam>& params,
                        const std::vector<DestBinding>& dests, int device, void* stream,
                        RankResult& out);

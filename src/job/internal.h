@@ -114,7 +114,7 @@ class EncodedParamCheck {
                               const std::vector<DestBinding>& dests, int device, void* stream,
                               RankResult& out) const = 0;
 };
-// Block-quantized engine weights' check (block FP8: fp8_verify.cc, device_fp8.cc).
+// Block-quantized engine weights' check (block FP8: fp8_verify.cc, fp8_device_verify.cc).
 const EncodedParamCheck& BlockQuantCheck();
 // Every encoding's check the harness knows.
 const std::vector<const EncodedParamCheck*>& EncodedChecks();

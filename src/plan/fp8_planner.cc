@@ -41,9 +41,6 @@ namespace shardsync {
 namespace plan_internal {
 namespace {
 
-// One 128 x 128 block with its scale must fit a bucket.
-constexpr int64_t kMinFp8Bucket = int64_t{64} << 10;
-
 int64_t AlignUp8(int64_t n) { return (n + 7) & ~int64_t{7}; }
 
 }  // namespace

@@ -14,6 +14,9 @@
 
 namespace shardsync::plan_internal {
 
+// Bound on any rank count, so a typo cannot make the planner allocate gigabytes.
+inline constexpr int64_t kMaxRanks = int64_t{1} << 20;
+
 // One engine piece of one replica, with what the planner needs precomputed.
 struct FlatPiece {
   int32_t erank = 0;      // engine rank inside the replica: pp*T + tp

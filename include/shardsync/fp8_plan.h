@@ -10,7 +10,7 @@
 //    rows raw (trainer dtype, exact) into a staging area of the receiver, which quantizes the band
 //    with the same quantizer once every part landed (RankPlan::staged). Costs trainer-dtype bytes
 //    on the wire for those bands, the staging memory, and a pass on the receiver.
-//  * kAmax (PlanOptions::fp8_split = kAmax, the default): the same straddling band without
+//  * kAmax (PlanOptions::straddle = kAmax, the default): the same straddling band without
 //    staging. Every trainer rank holding rows of it posts the band's partial amax over its rows
 //    (per 128-column block) to the store once per sync, reads the other holders' partials, and
 //    quantizes its own rows with the block's scale (max of partials / 448: max is associative, so
@@ -29,11 +29,18 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "shardsync/plan.h"
 
 namespace shardsync {
+
+// --fp8-split (PlanOptions::straddle): Encoding::kAmax | Encoding::kStage.
+using Fp8Split = Encoding;
+std::string_view Fp8SplitName(Fp8Split s);  // "amax" | "stage"
+// "amax" | "stage"; InvalidArgument naming `flag` otherwise.
+Result<Fp8Split> ParseFp8Split(std::string_view s, std::string_view flag = "--fp8-split");
 
 // Bumped whenever the FP8 planner's output for the same inputs changes; part of PlanHash for
 // quantized models.
@@ -43,6 +50,9 @@ inline constexpr std::string_view kFp8PlannerVersion = "shardsync-fp8-plan/1";
 // weight_scale_inv as they are; every other parameter in the wire dtype (bytes land in place).
 // Sessions check bindings against it; harnesses and engine hooks allocate with it.
 DType Fp8DestDType(const EngineParam& p, DType wire);
+// True for the fp32 weight_scale_inv of a block-FP8 weight: filled by its weight's ops, checked
+// with its weight.
+bool IsFp8ScaleParam(const EngineParam& p);
 
 // A block-FP8 plan is a RankPlan (plan.h PlanForRank) whose ops carry their Encoding: kCopy,
 // kQuantize, kStage (with RankPlan::staged) or kAmax (with RankPlan::amax_bands). Wire bytes:

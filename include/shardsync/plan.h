@@ -82,21 +82,26 @@ struct RolloutSpec {
 // "dp=2,tp=2,pp=2[,ep=2]"; errors name the field.
 Result<RolloutSpec> ParseRolloutSpec(std::string_view s, EngineKind engine);
 
-// Block-FP8 plans (fp8_plan.h): how a 128-row block whose rows straddle FSDP trainer ranks is
-// quantized. kAmax: its holders exchange partial amaxes through the store and each quantizes its
-// own rows with the block's scale (e4m3 on the wire, no staging; host path and cuda_ipc pairs).
-// kStage: each holder sends its rows raw and the receiver quantizes the band from a staging
-// buffer.
-enum class Fp8Split : uint8_t { kAmax, kStage };
-std::string_view Fp8SplitName(Fp8Split s);  // "amax" | "stage"
-// "amax" | "stage"; InvalidArgument naming `flag` otherwise.
-Result<Fp8Split> ParseFp8Split(std::string_view s, std::string_view flag = "--fp8-split");
+// How an op's bytes travel and land. Every op of an unquantized plan is a copy; a block-FP8 plan
+// (ModelSpec::quant, fp8_plan.h) adds the other three, its codec's (docs/fp8.md).
+enum class Encoding : uint8_t {
+  kCopy,      // the source cast to the wire dtype, landed in place
+  kQuantize,  // e4m3 rows + the fp32 scales of their 128 x 128 blocks, quantized by the sender
+  kStage,     // raw trainer values into the receiver's staging (RankPlan::staged), which quantizes
+  kAmax,      // e4m3 rows quantized with their block's scale agreed among the trainer ranks holding
+              // it (RankPlan::amax_bands)
+};
+std::string_view EncodingName(Encoding e);  // "copy" | "quantize" | "stage" | "amax"
 
 struct PlanOptions {
   DType wire_dtype = DType::kBF16;
   int64_t bucket_bytes = int64_t{512} << 20;
-  // Block-FP8 models only; in the plan hash when kAmax (kStage plans keep their hashes).
-  Fp8Split fp8_split = Fp8Split::kAmax;
+  // Quantized models only: the encoding of a quantization block whose rows straddle trainer
+  // ranks. kAmax: its holders exchange partial amaxes through the store and each quantizes its
+  // own rows with the block's scale; kStage: each holder sends its rows raw and the receiver
+  // quantizes the band from staging (block FP8's --fp8-split, fp8_plan.h). In the plan hash when
+  // kAmax (kStage plans keep their hashes).
+  Encoding straddle = Encoding::kAmax;
 };
 
 // Bumped whenever the planner's output for the same inputs changes; part of PlanHash.
@@ -120,17 +125,6 @@ struct SyncRank {
 };
 int SyncWorldSize(const PlanInputs& in);
 Result<SyncRank> DescribeSyncRank(const PlanInputs& in, int sync_rank);
-
-// How an op's bytes travel and land. Every op of an unquantized plan is a copy; a block-FP8 plan
-// (ModelSpec::quant, fp8_plan.h) adds the other three, its codec's (docs/fp8.md).
-enum class Encoding : uint8_t {
-  kCopy,      // the source cast to the wire dtype, landed in place
-  kQuantize,  // e4m3 rows + the fp32 scales of their 128 x 128 blocks, quantized by the sender
-  kStage,     // raw trainer values into the receiver's staging (RankPlan::staged), which quantizes
-  kAmax,      // e4m3 rows quantized with their block's scale agreed among the trainer ranks holding
-              // it (RankPlan::amax_bands)
-};
-std::string_view EncodingName(Encoding e);  // "copy" | "quantize" | "stage" | "amax"
 
 // One contiguous destination run filled from one source region.
 struct TransferOp {

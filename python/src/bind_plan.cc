@@ -54,7 +54,7 @@ PlanInputs MakePlanInputs(py::handle model, const std::string& trainer, const st
                                       std::to_string(bucket_bytes)));
   }
   in.options.bucket_bytes = bucket_bytes;
-  in.options.fp8_split = Unwrap(ParseFp8Split(fp8_split, "fp8_split"));
+  in.options.straddle = Unwrap(ParseFp8Split(fp8_split, "fp8_split"));
   in.rollout.shard.expert_naming = Unwrap(ParseExpertNaming(expert_naming));
   if (in.rollout.shard.expert_naming != ExpertNaming::kFusedMoe) {
     // Refuse an engine without that naming now, not at the first shard map.
@@ -241,7 +241,7 @@ void RegisterPlan(py::module_& m) {
            py::arg("quant") = "", py::arg("fp8_split") = "amax")
       .def_property_readonly(
           "fp8_split",
-          [](const PlanInputs& in) { return std::string(Fp8SplitName(in.options.fp8_split)); })
+          [](const PlanInputs& in) { return std::string(Fp8SplitName(in.options.straddle)); })
       .def_property_readonly("quant",
                              [](const PlanInputs& in) -> py::object {
                                if (!in.model.quant) return py::none();

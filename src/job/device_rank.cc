@@ -165,7 +165,7 @@ Status DeviceRank::AllocEngine() {
   int64_t total = 0;
   for (const EngineParam& p : session_->ExpectedParams()) {
     offsets_.push_back(total);
-    total = Align(total + p.numel() * DTypeSize(Fp8DestDType(p, wd)));
+    total = Align(total + p.numel() * DTypeSize(job_internal::BoundDType(p, wd)));
   }
   SS_ASSIGN_OR_RETURN(buf_, gpu::DeviceBuffer::Allocate(std::max<int64_t>(total, 1), device_));
   SS_RETURN_IF_ERROR(Scramble());
@@ -173,7 +173,7 @@ Status DeviceRank::AllocEngine() {
   for (size_t i = 0; i < params.size(); ++i) {
     DestBinding b{params[i].name,
                   static_cast<unsigned char*>(buf_->data()) + offsets_[i],
-                  Fp8DestDType(params[i], wd),
+                  job_internal::BoundDType(params[i], wd),
                   params[i].shape,
                   MemKind::kCuda,
                   device_};
@@ -196,7 +196,7 @@ Status DeviceRank::Verify(const char* after) {
   int64_t checked = 0, zero_bad = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     const EngineParam& p = params[i];
-    if (p.dtype == DType::kF8E4M3 || job_internal::IsFp8Scale(p)) continue;  // below
+    if (job_internal::EncodedCheckOf(p) != nullptr) continue;  // its encoding's check, below
     for (const Piece& pc : p.pieces) {
       const Shape& ss = shapes.at(pc.source);
       SS_RETURN_IF_ERROR(gpu::CountSyntheticMismatches(
@@ -222,16 +222,19 @@ Status DeviceRank::Verify(const char* after) {
   SS_RETURN_IF_ERROR(SyncStream("element check"));
   uint64_t bad = 0;
   SS_RETURN_IF_ERROR(gpu::CopyToHost(&bad, counter->data(), 8));
-  RankResult fp8;
-  SS_RETURN_IF_ERROR(
-      job_internal::VerifyFp8Device(job_, params, dests_, device_, stream_->handle(), fp8));
-  checked += fp8.elements_checked;
-  bad += static_cast<uint64_t>(fp8.element_mismatches);
+  std::string first_encoded;  // the first mismatch an encoding's check names
+  for (const job_internal::EncodedParamCheck* c : job_internal::EncodedChecks()) {
+    RankResult enc;
+    SS_RETURN_IF_ERROR(c->VerifyDevice(job_, params, dests_, device_, stream_->handle(), enc));
+    checked += enc.elements_checked;
+    bad += static_cast<uint64_t>(enc.element_mismatches);
+    if (first_encoded.empty()) first_encoded = enc.first_mismatch;
+  }
   res_.elements_checked += checked;
   res_.element_mismatches += static_cast<int64_t>(bad) + zero_bad;
   if (bad + zero_bad > 0) {
     if (res_.first_mismatch.empty()) {
-      res_.first_mismatch = std::string("after ") + after + ": " + fp8.first_mismatch;
+      res_.first_mismatch = std::string("after ") + after + ": " + first_encoded;
     }
     return DataLossError("sync rank " + std::to_string(rank_) + ": " +
                          std::to_string(bad + zero_bad) + " of " + std::to_string(checked) +

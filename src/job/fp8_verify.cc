@@ -1,4 +1,5 @@
-// The element check of block-FP8 engine parameters (internal.h VerifyFp8Param): what a correct
+// The element check of block-FP8 engine parameters (fp8_verify.h VerifyFp8Param, behind
+// internal.h BlockQuantCheck): what a correct
 // sync lands is fp8.h's quantizer applied to the trainer's values, block by block. Every shard
 // map piece of a quantized weight starts on the HF tensor's 128 grid and is a whole number of
 // blocks (or ends the tensor), so quantizing the piece's HF region on its own gives the engine's
@@ -7,16 +8,41 @@
 #include <map>
 #include <vector>
 
-#include "job/internal.h"
+#include "job/fp8_verify.h"
 #include "shardsync/fp8.h"
+#include "shardsync/fp8_plan.h"
 #include "shardsync/synthetic.h"
 
 namespace shardsync::job_internal {
 
-bool IsFp8Scale(const EngineParam& p) {
-  static constexpr std::string_view kSuffix = "weight_scale_inv";
-  return p.dtype == DType::kF32 && p.name.size() >= kSuffix.size() &&
-         p.name.compare(p.name.size() - kSuffix.size(), kSuffix.size(), kSuffix) == 0;
+namespace {
+
+// e4m3 weights and their fp32 weight_scale_inv, bound as the shard map gives them
+// (fp8_plan.h Fp8DestDType); a weight's check reads its scale, so a scale needs none of its own.
+class BlockFp8Check final : public EncodedParamCheck {
+ public:
+  bool Owns(const EngineParam& p) const override {
+    return p.dtype == DType::kF8E4M3 || IsFp8ScaleParam(p);
+  }
+  DType BoundDType(const EngineParam& p, DType wire) const override {
+    return Fp8DestDType(p, wire);
+  }
+  void VerifyHost(const JobSpec& job, const std::vector<EngineParam>& params, size_t i,
+                  const std::vector<DestBinding>& bound, RankResult& out) const override {
+    if (params[i].dtype == DType::kF8E4M3) VerifyFp8Param(job, params, i, bound, out);
+  }
+  Status VerifyDevice(const JobSpec& job, const std::vector<EngineParam>& params,
+                      const std::vector<DestBinding>& dests, int device, void* stream,
+                      RankResult& out) const override {
+    return VerifyFp8Device(job, params, dests, device, stream, out);
+  }
+};
+
+}  // namespace
+
+const EncodedParamCheck& BlockQuantCheck() {
+  static const BlockFp8Check check;
+  return check;
 }
 
 void VerifyFp8Param(const JobSpec& job, const std::vector<EngineParam>& params, size_t i,

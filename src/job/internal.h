@@ -91,27 +91,40 @@ Result<EngineParams> AllocateEngineParams(const std::vector<EngineParam>& expect
 Status WriteRankDump(const JobSpec& job, int rank, const SyncRank& who,
                      const std::vector<EngineParam>& expected,
                      const std::vector<DestBinding>& bound);
-// Element-by-element comparison with the synthetic HF values; adds to out's counters. Block-FP8
-// weights and their scales are compared with the quantizer's output for the trainer's values
-// (VerifyFp8Param).
+// Element-by-element comparison with the synthetic HF values; adds to out's counters. Parameters
+// an encoding writes (block FP8's e4m3 weights and their scales) are compared by its check
+// (EncodedCheckOf).
 void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& params,
                         const std::vector<DestBinding>& bound, RankResult& out);
-// The e4m3 weight params[i] and its weight_scale_inv (found by name) against fp8.h's quantizer
-// applied to the synthetic values as the trainer holds them (trainer dtype), piece by piece:
-// every byte and every scale, bit for bit (fp8_verify.cc).
-void VerifyFp8Param(const JobSpec& job, const std::vector<EngineParam>& params, size_t i,
-                    const std::vector<DestBinding>& bound, RankResult& out);
+
+// The harness's side of an encoding (plan.h Encoding): the engine parameters its ops write in a
+// dtype of their own, and what a correct sync lands there, checked on the host and on the GPU.
+// Every other parameter is a copy, bound in the wire dtype and compared value by value.
+class EncodedParamCheck {
+ public:
+  virtual ~EncodedParamCheck() = default;
+  // Whether `p` is written by the encoding (so bound in BoundDType and checked here).
+  virtual bool Owns(const EngineParam& p) const = 0;
+  virtual DType BoundDType(const EngineParam& p, DType wire) const = 0;
+  // Host memory: the owned params[i] (with any companion the check reads beside it).
+  virtual void VerifyHost(const JobSpec& job, const std::vector<EngineParam>& params, size_t i,
+                          const std::vector<DestBinding>& bound, RankResult& out) const = 0;
+  // Device memory: every owned parameter of an engine rank (`dests`); adds to out.
+  virtual Status VerifyDevice(const JobSpec& job, const std::vector<EngineParam>& params,
+                              const std::vector<DestBinding>& dests, int device, void* stream,
+                              RankResult& out) const = 0;
+};
+// Block-quantized engine weights' check (block FP8: fp8_verify.cc, fp8_device_verify.cc).
+const EncodedParamCheck& BlockQuantCheck();
+// Every encoding's check the harness knows.
+const std::vector<const EncodedParamCheck*>& EncodedChecks();
+// The check owning `p`, or null for a copied parameter.
+const EncodedParamCheck* EncodedCheckOf(const EngineParam& p);
+// The dtype an engine rank binds `p` in: its encoding's, or the wire dtype.
+DType BoundDType(const EngineParam& p, DType wire);
 // One hash of every bound parameter's bytes in order (host memory; hex): the staged fault runs
 // compare the live parameters before and after a failed sync.
 std::string LiveHash(const std::vector<DestBinding>& bound);
-// True for the weight_scale_inv of a block-FP8 weight (checked with its weight).
-bool IsFp8Scale(const EngineParam& p);
-// Device mode: every block-FP8 weight and scale of an engine rank's parameters (`dests`, device
-// memory) against the GPU quantizer on the trainer's values (device_fp8.cc); adds to out.
-Status VerifyFp8Device(const JobSpec& job, const std::vector<EngineParam>& params,
-                       const std::vector<DestBinding>& dests, int device, void* stream,
-                       RankResult& out);
-
 // The environment of the local launcher's `shardsync run` children: the parent's less its launch
 // contract, plus the job's (store, world, token, the launch's SHARDSYNC_JOB_ID and
 // SHARDSYNC_JOB_SECRET) and, every rank being on this host, SHARDSYNC_UCX_NET_DEVICES=loopback

@@ -143,7 +143,7 @@ std::vector<std::string> JobSpecToArgs(const JobSpec& job) {
   }
   if (in.model.quant) {
     a.push_back("--fp8-split");
-    a.push_back(std::string(Fp8SplitName(in.options.fp8_split)));
+    a.push_back(std::string(EncodingName(in.options.straddle)));  // --fp8-split: amax | stage
   }
   if (job.staged()) {
     a.insert(a.end(), {"--commit", "staged", "--commit-scope",
@@ -312,7 +312,7 @@ Status PlanInputsFromFlags(const JobFlags& f, PlanInputs& in) {
   }
   SS_ASSIGN_OR_RETURN(in.options.wire_dtype, ParseDType(f.wire_dtype, "--wire-dtype"));
   SS_ASSIGN_OR_RETURN(in.trainer_dtype, ParseDType(f.trainer_dtype, "--trainer-dtype"));
-  SS_ASSIGN_OR_RETURN(in.options.fp8_split, ParseFp8Split(f.fp8_split));
+  SS_ASSIGN_OR_RETURN(in.options.straddle, ParseFp8Split(f.fp8_split));
   SS_RETURN_IF_ERROR(job_internal::CheckFloatDType(in.options.wire_dtype, "--wire-dtype"));
   SS_RETURN_IF_ERROR(job_internal::CheckFloatDType(in.trainer_dtype, "--trainer-dtype"));
   if (f.bucket_bytes < 0) {

@@ -14,7 +14,6 @@
 #include "job/internal.h"
 #include "job/launcher.h"
 #include "shardsync/checksum.h"
-#include "shardsync/fp8_plan.h"
 #include "shardsync/gpu.h"
 #include "shardsync/refengine.h"
 #include "shardsync/safetensors.h"
@@ -151,11 +150,29 @@ Result<TrainerShards> FillTrainerShards(const JobSpec& job, int trainer_rank) {
   return t;
 }
 
+const std::vector<const EncodedParamCheck*>& EncodedChecks() {
+  static const std::vector<const EncodedParamCheck*> all = {&BlockQuantCheck()};
+  return all;
+}
+
+const EncodedParamCheck* EncodedCheckOf(const EngineParam& p) {
+  for (const EncodedParamCheck* c : EncodedChecks()) {
+    if (c->Owns(p)) return c;
+  }
+  return nullptr;
+}
+
+DType BoundDType(const EngineParam& p, DType wire) {
+  const EncodedParamCheck* c = EncodedCheckOf(p);
+  return c != nullptr ? c->BoundDType(p, wire) : wire;
+}
+
 Result<EngineParams> AllocateEngineParams(const std::vector<EngineParam>& expected, DType dtype) {
   EngineParams e;
   for (const EngineParam& p : expected) {
-    // Block-FP8 weights and scales in their own dtypes; everything else lands wire bytes.
-    const DType t = Fp8DestDType(p, dtype);
+    // Encoded parameters (block-FP8 weights and scales) in their own dtypes; everything else
+    // lands wire bytes.
+    const DType t = BoundDType(p, dtype);
     const int64_t bytes = p.numel() * DTypeSize(t);
     // Garbage, not zeros: a byte the sync forgets must show up in the element check.
     auto buf = std::make_unique<unsigned char[]>(bytes);
@@ -191,8 +208,10 @@ void VerifyEngineParams(const JobSpec& job, const std::vector<EngineParam>& para
   std::vector<unsigned char> expect(kChunk * ws);
   for (size_t i = 0; i < params.size(); ++i) {
     const EngineParam& p = params[i];
-    if (p.dtype == DType::kF8E4M3) VerifyFp8Param(job, params, i, bound, out);
-    if (p.dtype == DType::kF8E4M3 || IsFp8Scale(p)) continue;
+    if (const EncodedParamCheck* c = EncodedCheckOf(p)) {
+      c->VerifyHost(job, params, i, bound, out);
+      continue;
+    }
     const auto* base = static_cast<const unsigned char*>(bound[i].data);
     for (const Piece& pc : p.pieces) {
       const Shape& src_shape = shapes.at(pc.source);

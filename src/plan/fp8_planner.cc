@@ -1,28 +1,29 @@
-// The block-FP8 planner (fp8_plan.h, docs/fp8.md).
+// Block FP8's codec (fp8_plan.h, docs/fp8.md; codec.h): the units of the plan's one walk
+// (PlanContext::ForEachUnit) cut on the 128 x 128 grid into encoded units, and their ops.
 //
-// Geometry. As in the bf16 planner, every trainer layout is R groups x S dim-0 shards of
-// torch.chunk size; HF tensors are chunked along dim 0, which for every quantized tensor is the
-// weight's output rows, i.e. the block rows. A quantized engine piece is cut into bands of 128
-// source rows (block rows of the HF tensor: the shard map guarantees the piece starts on the
-// grid). A band inside one chunk is quantized by that chunk's holder; consecutive such bands of
-// one chunk merge into one kQuantize unit. A band whose rows cross a chunk boundary becomes a
-// staged band of the receiver, fed by one kStage unit per chunk it touches. Unquantized pieces
-// are cut per chunk into kCopy units.
+// FSDP-like trainers. The walk's unit is an engine piece's rows in one dim-0 chunk (R groups x S
+// shards of torch.chunk size); HF tensors are chunked along dim 0, which for every quantized
+// tensor is the weight's output rows, i.e. the block rows. A quantized piece is cut into bands of
+// 128 source rows (block rows of the HF tensor: the shard map guarantees the piece starts on the
+// grid). The bands inside the unit's chunk merge into one kQuantize unit, quantized by that
+// chunk's holder. A band whose rows cross a chunk boundary is met in each chunk it touches: a
+// kAmax part per chunk (the holders exchange its amax), or, under --fp8-split stage, a staged
+// band of the receiver fed by one kStage part per chunk. Unquantized units are kCopy units.
 //
 // Sources. With R > 1 replica groups every unit of (replica d, engine rank e) is served by group
 // (index + e + d) % R, `index` being the unit's position among e's units of its chunk: a
-// round-robin any rank recomputes from its own walk (the bf16 planner's byte-balanced cuts are not
-// reused here; units are at most a few MiB, so the imbalance is one unit per chunk and pair).
+// round-robin any rank recomputes from its own walk (the copy codec's byte-balanced cuts are not
+// used here; units are at most a few MiB, so the imbalance is one unit per chunk and pair).
 //
-// Megatron trainers. The HF tensors are partitioned into the trainer's sources (megatron.h
+// Megatron trainers. The walk's unit is an engine piece x one trainer source (megatron.h
 // BuildMegatronSources: one HF box held the same way by a set of ranks, with where each holder
-// keeps it in its local parameters). Each engine piece x each source of its tensor is one box,
-// which for quantized weights must sit on the 128 grid (CheckMegatronGrid refuses otherwise), so
-// it becomes kQuantize / kCopy units read from the holder's local parameter (Message::local);
-// a box with several holders (DP / CP replicas) is cut along dim 0 into up to `holders` units
-// spread round-robin, as for HSDP groups. Nothing is staged.
+// keeps it in its local parameters), which for quantized weights must sit on the 128 grid
+// (CheckMegatronGrid refuses otherwise), so it becomes kQuantize / kCopy units read from the
+// holder's local parameter (Message::local); a box with several holders (DP / CP replicas) is
+// cut along dim 0 into up to `holders` units spread round-robin, as for HSDP groups. Nothing is
+// staged (fp8_megatron.cc).
 //
-// Ops. A unit becomes ops under the bucket cap: kCopy and kStage split like the bf16 planner's
+// Ops. A unit becomes ops under the bucket cap: kCopy and kStage split like the copy codec's
 // boxes; kQuantize splits on band boundaries, then, when one band is over the cap, on 128-column
 // boundaries (a strided destination; only with caps below 128 rows of a weight).
 #include "plan/fp8_planner.h"
@@ -39,9 +40,6 @@ namespace shardsync {
 
 namespace plan_internal {
 namespace {
-
-// One 128 x 128 block with its scale must fit a bucket.
-constexpr int64_t kMinFp8Bucket = int64_t{64} << 10;
 
 int64_t AlignUp8(int64_t n) { return (n + 7) & ~int64_t{7}; }
 
@@ -81,47 +79,29 @@ Result<Fp8Context> Fp8Context::Build(const PlanInputs& in) {
     return FailedPreconditionError(fmt::format(
         "model '{}' has no quantization config: plan it with the bf16 planner", in.model.name));
   }
+  SS_ASSIGN_OR_RETURN(PlanContext c, MakeContext(in));
+  return Build(std::make_shared<const PlanContext>(std::move(c)));
+}
+
+Result<Fp8Context> Fp8Context::Build(const PlanContext& c) {
+  // Not owned: the caller keeps `c` alive while the context is used.
+  return Build(std::shared_ptr<const PlanContext>(std::shared_ptr<const PlanContext>(), &c));
+}
+
+Result<Fp8Context> Fp8Context::Build(std::shared_ptr<const PlanContext> pc) {
   Fp8Context c;
-  c.in_ = in;
-  const auto& sh = in.rollout.shard;
-  if (in.rollout.dp < 1) return InvalidArgumentError("--rollout dp: must be positive");
-  if (sh.tp < 1 || sh.pp < 1) return InvalidArgumentError("--rollout tp/pp: must be positive");
-  if (in.trainer.world() < 1 || in.trainer.groups() < 1 || in.trainer.shards_per_group() < 1) {
-    return InvalidArgumentError(
-        fmt::format("--trainer {}: world must be positive", in.trainer.ToString()));
+  c.c_ = std::move(pc);
+  const PlanInputs& in = c.inputs();
+  if (!in.model.quant) {
+    return FailedPreconditionError(fmt::format(
+        "model '{}' has no quantization config: plan it with the bf16 planner", in.model.name));
   }
-  for (DType t : {in.options.wire_dtype, in.trainer_dtype}) {
-    if (t != DType::kBF16 && t != DType::kF16 && t != DType::kF32) {
-      return InvalidArgumentError(fmt::format(
-          "{}: {} is not a supported floating type (bf16, f16, f32)",
-          t == in.options.wire_dtype ? "--wire-dtype" : "--trainer-dtype", DTypeName(t)));
-    }
-  }
-  if (in.options.bucket_bytes < kMinFp8Bucket) {
-    return InvalidArgumentError(fmt::format(
-        "--bucket-mb: block-FP8 plans need a bucket of at least 64 KiB (one 128 x 128 block with "
-        "its scale), got {} bytes",
-        in.options.bucket_bytes));
-  }
-  SS_ASSIGN_OR_RETURN(c.map_, BuildShardMap(in.model, sh));
-  c.inv_ = HfTensorInventory(in.model);
-  c.S_world_ = in.trainer.world();
-  c.R_ = in.trainer.groups();
-  c.S_ = in.trainer.shards_per_group();
-  c.D_ = in.rollout.dp;
-  c.E_ = sh.tp * sh.pp;
-  c.wire_ = DTypeSize(in.options.wire_dtype);
+  const int E = c.engine_per_replica();
   c.stage_ = DTypeSize(in.trainer_dtype);
-  c.hash_ = PlanHash(in);
-  c.by_name_.reserve(c.inv_.size() * 2);
-  c.chunk_.resize(c.inv_.size());
-  for (size_t i = 0; i < c.inv_.size(); ++i) {
-    c.by_name_.emplace(c.inv_[i].name, static_cast<int32_t>(i));
-    c.chunk_[i] = std::max<int64_t>(1, CeilDiv(c.inv_[i].shape[0], c.S_));
-  }
-  c.scale_of_.resize(c.E_);
-  for (int e = 0; e < c.E_; ++e) {
-    const auto& params = c.map_.ranks[e].params;
+  c.mg_ = c.c_->megatron_sources();
+  c.scale_of_.resize(E);
+  for (int e = 0; e < E; ++e) {
+    const auto& params = c.map().ranks[e].params;
     std::unordered_map<std::string_view, int32_t> idx;
     for (size_t i = 0; i < params.size(); ++i) idx.emplace(params[i].name, static_cast<int32_t>(i));
     c.scale_of_[e].assign(params.size(), -1);
@@ -135,11 +115,13 @@ Result<Fp8Context> Fp8Context::Build(const PlanInputs& in) {
       c.scale_of_[e][i] = it->second;
     }
   }
-  if (in.trainer.kind != TrainerSpec::Kind::kMegatron && in.options.fp8_split == Fp8Split::kAmax) {
+  if (c.mg_) {
+    SS_RETURN_IF_ERROR(c.CheckMegatronGrid());
+  } else if (in.options.straddle == Fp8Split::kAmax) {
     // Every straddling band of the job (any engine rank's, any column range), once: the unit of
     // the amax exchange (AmaxLayout).
     std::vector<std::pair<int32_t, int64_t>> bands;
-    for (int e = 0; e < c.E_; ++e) {
+    for (int e = 0; e < E; ++e) {
       c.Walk(
           e,
           [&](const Fp8Unit& u) {
@@ -152,136 +134,109 @@ Result<Fp8Context> Fp8Context::Build(const PlanInputs& in) {
     bands.erase(std::unique(bands.begin(), bands.end()), bands.end());
     c.amax_bands_ = std::move(bands);
   }
-  if (in.trainer.kind == TrainerSpec::Kind::kMegatron) {
-    const MegatronLayout& l = in.trainer.megatron;
-    SS_ASSIGN_OR_RETURN(MegatronDims dims, ComputeMegatronDims(in.model, l));
-    SS_ASSIGN_OR_RETURN(MegatronSources ms, BuildMegatronSources(in.model, l, dims, c.inv_));
-    c.mg_ = std::make_shared<const MegatronSources>(std::move(ms));
-    SS_RETURN_IF_ERROR(c.CheckMegatronGrid());
-  }
   return c;
 }
 
 void Fp8Context::Walk(int e, const std::function<void(const Fp8Unit&)>& fn,
                       std::vector<StagedBand>* staged) const {
-  if (mg_) return WalkMegatron(e, fn);
-  const EngineRankShards& rk = map_.ranks[e];
-  std::vector<char> is_scale(rk.params.size(), 0);
-  for (int32_t s : scale_of_[e]) {
-    if (s >= 0) is_scale[s] = 1;
-  }
-  std::vector<int64_t> counter(S_, 0);
-  int32_t bands = 0;
-  int64_t staging = 0;
-  for (size_t pi = 0; pi < rk.params.size(); ++pi) {
-    if (is_scale[pi]) continue;
-    const EngineParam& p = rk.params[pi];
-    const bool quant = p.dtype == DType::kF8E4M3;
-    for (const Piece& pc : p.pieces) {
-      if (pc.src.empty()) continue;
-      const int32_t tensor = by_name_.at(pc.source);
-      const int64_t ch = chunk_[tensor];
-      const int64_t a = pc.src.offset[0], b = a + pc.src.extent[0];
-      const int dd = pc.dst.ndim - pc.src.ndim;  // dst dim of src dim 0
-      auto rows = [&](int64_t r0, int64_t r1, Region* s, Region* d) {
-        *s = pc.src;
-        s->offset[0] = r0;
-        s->extent[0] = r1 - r0;
-        *d = pc.dst;
-        d->offset[dd] += r0 - a;
-        d->extent[dd] = r1 - r0;
-      };
-      auto emit = [&](Encoding kind, int64_t r0, int64_t r1, int64_t chunk) {
-        Fp8Unit u;
-        u.encoding = kind;
-        u.tensor = tensor;
-        u.param = static_cast<int32_t>(pi);
-        u.scale_param = quant ? scale_of_[e][pi] : -1;
-        rows(r0, r1, &u.src, &u.dst);
-        if (kind == Encoding::kQuantize) u.scale_dst = BlockRegion(u.dst);
-        u.chunk = chunk;
-        u.index = counter[chunk]++;
-        fn(u);
-      };
-      if (!quant) {
-        for (int64_t k = a / ch; k <= (b - 1) / ch; ++k) {
-          emit(Encoding::kCopy, std::max(a, k * ch), std::min(b, (k + 1) * ch), k);
-        }
-        continue;
-      }
-      int64_t run0 = -1, run_chunk = -1;
-      auto flush = [&](int64_t end) {
-        if (run0 >= 0) emit(Encoding::kQuantize, run0, end, run_chunk);
-        run0 = -1;
-      };
-      for (int64_t r = a; r < b; r += B) {
-        const int64_t re = std::min(b, r + B);
-        const int64_t k0 = r / ch, k1 = (re - 1) / ch;
-        if (k0 == k1) {
-          if (run0 >= 0 && run_chunk != k0) flush(r);
-          if (run0 < 0) {
-            run0 = r;
-            run_chunk = k0;
-          }
-          continue;
-        }
-        flush(r);
-        if (in_.options.fp8_split == Fp8Split::kAmax) {
-          // A band straddling chunks [k0, k1], quantized by its holders with the block's amax
-          // exchanged among them; the holder of its first row sends the scales.
-          for (int64_t k = k0; k <= k1; ++k) {
-            Fp8Unit u;
-            u.encoding = Encoding::kAmax;
-            u.tensor = tensor;
-            u.param = static_cast<int32_t>(pi);
-            u.scale_param = k == k0 ? scale_of_[e][pi] : -1;
-            rows(std::max(r, k * ch), std::min(re, (k + 1) * ch), &u.src, &u.dst);
-            if (k == k0) u.scale_dst = BlockRegion(u.dst);
-            u.chunk = k;
-            u.index = counter[k]++;
-            fn(u);
-          }
-          continue;
-        }
-        // A band straddling chunks [k0, k1]: the receiver quantizes it from staged raw values.
-        StagedBand band;
-        band.tensor = tensor;
-        band.param = static_cast<int32_t>(pi);
-        band.scale_param = scale_of_[e][pi];
-        rows(r, re, &band.src, &band.dst);
-        band.scale_dst = BlockRegion(band.dst);
-        band.dtype = in_.trainer_dtype;
-        band.staging_offset = staging;
-        band.bytes = band.src.numel() * stage_;
-        staging += AlignUp8(band.bytes);
-        const int32_t id = bands++;
-        if (staged != nullptr) staged->push_back(band);
-        const int64_t cols = pc.src.extent[1];
-        for (int64_t k = k0; k <= k1; ++k) {
-          const int64_t r0 = std::max(r, k * ch), r1 = std::min(re, (k + 1) * ch);
-          Fp8Unit u;
-          u.encoding = Encoding::kStage;
-          u.tensor = tensor;
-          u.param = static_cast<int32_t>(pi);
-          u.scale_param = scale_of_[e][pi];
-          u.stage = id;
-          u.staging_offset = band.staging_offset;
-          u.src = band.src;
-          u.src.offset[0] = r0;
-          u.src.extent[0] = r1 - r0;
-          u.dst = Region::Make({r0 - r, 0}, {r1 - r0, cols});
-          u.chunk = k;
-          u.index = counter[k]++;
-          fn(u);
-        }
-      }
-      flush(b);
+  WalkState st;
+  st.counter.assign(mg_ ? mg_->sources.size() : static_cast<size_t>(c_->shards()), 0);
+  st.staged = staged;
+  c_->ForEachUnit(e, [&](const PlanUnit& u) {
+    if (mg_) {
+      CutSourceUnit(e, u, &st, fn);
+    } else {
+      CutChunkUnit(e, u, &st, fn);
     }
+  });
+}
+
+void Fp8Context::CutChunkUnit(int e, const PlanUnit& pu, WalkState* st,
+                              const std::function<void(const Fp8Unit&)>& fn) const {
+  // The walk visits a piece's chunks in order, so a band straddling chunks k0 < k1 is met first
+  // in chunk k0 (where a staged band is created) and then in the chunks after it.
+  const FlatPiece& pc = c_->pieces()[pu.piece];
+  const int32_t pi = pc.param, tensor = pc.tensor;
+  const bool quant = map().ranks[e].params[pi].dtype == DType::kF8E4M3;
+  const int64_t ch = chunk_rows(tensor), k = pu.chunk;
+  const int64_t a = pc.src.offset[0], b = a + pc.src.extent[0];
+  const int64_t lo = pu.src.offset[0], hi = lo + pu.src.extent[0];
+  const int dd = pc.dst.ndim - pc.src.ndim;  // dst dim of src dim 0
+  auto rows = [&](int64_t r0, int64_t r1, Region* s, Region* d) {
+    *s = pc.src;
+    s->offset[0] = r0;
+    s->extent[0] = r1 - r0;
+    *d = pc.dst;
+    d->offset[dd] += r0 - a;
+    d->extent[dd] = r1 - r0;
+  };
+  auto unit = [&](Encoding kind, int64_t r0, int64_t r1) {
+    Fp8Unit u;
+    u.encoding = kind;
+    u.tensor = tensor;
+    u.param = pi;
+    u.scale_param = quant ? scale_of_[e][pi] : -1;
+    rows(r0, r1, &u.src, &u.dst);
+    u.chunk = k;
+    u.index = st->counter[k]++;
+    return u;
+  };
+  if (!quant) return fn(unit(Encoding::kCopy, lo, hi));
+  int64_t run0 = -1;
+  auto flush = [&](int64_t end) {
+    if (run0 < 0) return;
+    Fp8Unit u = unit(Encoding::kQuantize, run0, end);
+    u.scale_dst = BlockRegion(u.dst);
+    fn(u);
+    run0 = -1;
+  };
+  // Bands of 128 source rows from the piece's first row (on the grid: the shard map checks it),
+  // from the band holding this chunk's first row.
+  for (int64_t r = a + (lo - a) / B * B; r < hi; r += B) {
+    const int64_t re = std::min(b, r + B);
+    const int64_t k0 = r / ch, k1 = (re - 1) / ch;
+    if (k0 == k1) {  // inside this chunk: joins its run of quantized bands
+      if (run0 < 0) run0 = r;
+      continue;
+    }
+    flush(r);
+    const int64_t r0 = std::max(r, k * ch), r1 = std::min(re, (k + 1) * ch);
+    if (inputs().options.straddle == Fp8Split::kAmax) {
+      // A band straddling chunks [k0, k1], quantized by its holders with the block's amax
+      // exchanged among them; the holder of its first row sends the scales.
+      Fp8Unit u = unit(Encoding::kAmax, r0, r1);
+      if (k != k0) u.scale_param = -1;
+      if (k == k0) u.scale_dst = BlockRegion(u.dst);
+      fn(u);
+      continue;
+    }
+    // A band straddling chunks [k0, k1]: the receiver quantizes it from staged raw values.
+    if (k == k0) {
+      StagedBand band;
+      band.tensor = tensor;
+      band.param = pi;
+      band.scale_param = scale_of_[e][pi];
+      rows(r, re, &band.src, &band.dst);
+      band.scale_dst = BlockRegion(band.dst);
+      band.dtype = inputs().trainer_dtype;
+      band.staging_offset = st->staging;
+      band.bytes = band.src.numel() * stage_;
+      st->staging += AlignUp8(band.bytes);
+      st->band = st->bands++;
+      st->band_offset = band.staging_offset;
+      if (st->staged != nullptr) st->staged->push_back(band);
+    }
+    Fp8Unit u = unit(Encoding::kStage, r0, r1);
+    u.stage = st->band;
+    u.staging_offset = st->band_offset;
+    u.dst = Region::Make({r0 - r, 0}, {r1 - r0, pc.src.extent[1]});
+    fn(u);
   }
+  flush(hi);
 }
 
 void Fp8Context::Split(const Fp8Unit& u, std::vector<TransferOp>* out) const {
-  const int64_t cap = in_.options.bucket_bytes;
+  const int64_t cap = inputs().options.bucket_bytes;
   auto base = [&]() {
     TransferOp op;
     op.encoding = u.encoding;
@@ -313,7 +268,7 @@ void Fp8Context::Split(const Fp8Unit& u, std::vector<TransferOp>* out) const {
     return;
   }
   if (u.encoding != Encoding::kQuantize) {
-    const int64_t elem = u.encoding == Encoding::kCopy ? wire_ : stage_;
+    const int64_t elem = u.encoding == Encoding::kCopy ? wire_size() : stage_;
     SplitBox(u.dst, elem, cap - 8, [&](const Region& sub) {
       TransferOp op = base();
       op.dst = sub;
@@ -351,10 +306,11 @@ void Fp8Context::Split(const Fp8Unit& u, std::vector<TransferOp>* out) const {
 void Fp8Context::AmaxLayout(int s, std::vector<AmaxBand>* mine, std::vector<int64_t>* blocks,
                             std::vector<std::vector<char>>* peers, int group) const {
   // Each chunk's value lists the partials of the bands it touches, in band order (tensor, row).
-  std::vector<int64_t> next(S_, 0);
+  const int S = c_->shards();
+  std::vector<int64_t> next(S, 0);
   for (const auto& [tensor, row0] : amax_bands_) {
-    const Shape& shape = inv_[tensor].shape;
-    const int64_t ch = chunk_[tensor];
+    const Shape& shape = inventory()[tensor].shape;
+    const int64_t ch = chunk_rows(tensor);
     const int64_t rows = std::min(B, shape[0] - row0), nb = CeilDiv(shape[1], B);
     const int64_t k0 = row0 / ch, k1 = (row0 + rows - 1) / ch;
     if (mine != nullptr && s >= k0 && s <= k1) {
@@ -367,7 +323,7 @@ void Fp8Context::AmaxLayout(int s, std::vector<AmaxBand>* mine, std::vector<int6
       ab.blocks = nb;
       ab.slot = next[s];
       for (int64_t k = k0; k <= k1; ++k) {
-        if (k != s) ab.others.push_back({static_cast<int32_t>(group * S_ + k), next[k]});
+        if (k != s) ab.others.push_back({static_cast<int32_t>(group * S + k), next[k]});
       }
       mine->push_back(std::move(ab));
     }
@@ -382,11 +338,13 @@ void Fp8Context::AmaxLayout(int s, std::vector<AmaxBand>* mine, std::vector<int6
 }
 
 Result<RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
-  SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(in_, sync_rank));
+  const PlanInputs& in = inputs();
+  const int S_world = trainer_world(), E = engine_per_replica(), D = replicas(), S = c_->shards();
+  SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(in, sync_rank));
   RankPlan rp;
   rp.rank = sync_rank;
-  rp.plan_hash = hash_;
-  const int64_t cap = in_.options.bucket_bytes;
+  rp.plan_hash = hash();
+  const int64_t cap = in.options.bucket_bytes;
   if (who.is_trainer && mg_) {
     const int t = who.trainer_rank;
     // The sources this rank holds (in any place).
@@ -394,10 +352,10 @@ Result<RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
     for (size_t si = 0; si < mg_->sources.size(); ++si) {
       const MegatronSource& s = mg_->sources[si];
       for (int32_t j = s.place_begin; j < s.place_end && !holds[si]; ++j) {
-        holds[si] = HolderIndex(in_.trainer.megatron, mg_->places[j].holders, t) >= 0;
+        holds[si] = HolderIndex(in.trainer.megatron, mg_->places[j].holders, t) >= 0;
       }
     }
-    for (int e = 0; e < E_; ++e) {
+    for (int e = 0; e < E; ++e) {
       std::vector<Fp8Unit> mine;
       Walk(
           e,
@@ -405,17 +363,18 @@ Result<RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
             if (holds[u.source]) mine.push_back(u);
           },
           nullptr);
-      for (int d = 0; d < D_; ++d) {
+      for (int d = 0; d < D; ++d) {
         Message m;
         m.src = sync_rank;
-        m.dst = S_world_ + d * E_ + e;
+        m.dst = S_world + d * E + e;
         for (const Fp8Unit& u : mine) {
           const auto [rank, place] = SenderOf(u, e, d);
           if (rank != t) continue;
           const size_t first = m.ops.size();
           Split(u, &m.ops);
           for (size_t i = first; i < m.ops.size(); ++i) {
-            m.local.push_back(LocalOf(m.ops[i], u.source, place));
+            m.local.push_back(
+                LocalSourceOf(mg_->sources[u.source].hf, mg_->places[place], m.ops[i].src));
           }
         }
         if (m.ops.empty()) continue;
@@ -428,8 +387,8 @@ Result<RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
     return rp;
   }
   if (who.is_trainer) {
-    const int t = who.trainer_rank, s = t % S_;
-    for (int e = 0; e < E_; ++e) {
+    const int t = who.trainer_rank, s = t % S;
+    for (int e = 0; e < E; ++e) {
       std::vector<Fp8Unit> mine;
       Walk(
           e,
@@ -437,10 +396,10 @@ Result<RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
             if (u.chunk == s) mine.push_back(u);
           },
           nullptr);
-      for (int d = 0; d < D_; ++d) {
+      for (int d = 0; d < D; ++d) {
         Message m;
         m.src = sync_rank;
-        m.dst = S_world_ + d * E_ + e;
+        m.dst = S_world + d * E + e;
         for (const Fp8Unit& u : mine) {
           if (SourceOf(u, e, d) == t) Split(u, &m.ops);
         }
@@ -453,7 +412,7 @@ Result<RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
               [](const Message& a, const Message& b) { return a.dst < b.dst; });
     if (!amax_bands_.empty()) {
       std::vector<int64_t> blocks;
-      AmaxLayout(s, &rp.amax_bands, &blocks, nullptr, t / S_);
+      AmaxLayout(s, &rp.amax_bands, &blocks, nullptr, t / S);
       rp.amax_blocks = blocks[s];
       for (const AmaxBand& b : rp.amax_bands) {
         for (const AmaxHolder& h : b.others) rp.amax_peers.push_back(h.rank);
@@ -464,9 +423,9 @@ Result<RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
     }
     return rp;
   }
-  const int d = who.replica, e = who.pp_rank * in_.rollout.shard.tp + who.tp_rank;
-  std::vector<std::vector<TransferOp>> by_src(S_world_);
-  std::vector<std::vector<LocalSource>> local(mg_ ? S_world_ : 0);
+  const int d = who.replica, e = who.pp_rank * in.rollout.shard.tp + who.tp_rank;
+  std::vector<std::vector<TransferOp>> by_src(S_world);
+  std::vector<std::vector<LocalSource>> local(mg_ ? S_world : 0);
   Walk(
       e,
       [&](const Fp8Unit& u) {
@@ -475,12 +434,13 @@ Result<RankPlan> Fp8Context::PlanForRank(int sync_rank) const {
         const size_t first = ops.size();
         Split(u, &ops);
         for (size_t i = first; mg_ && i < ops.size(); ++i) {
-          local[src].push_back(LocalOf(ops[i], u.source, place));
+          local[src].push_back(
+              LocalSourceOf(mg_->sources[u.source].hf, mg_->places[place], ops[i].src));
         }
       },
       &rp.staged);
   for (const StagedBand& b : rp.staged) rp.staging_bytes = b.staging_offset + AlignUp8(b.bytes);
-  for (int src = 0; src < S_world_; ++src) {
+  for (int src = 0; src < S_world; ++src) {
     if (by_src[src].empty()) continue;
     Message m;
     m.src = src;

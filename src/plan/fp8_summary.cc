@@ -11,8 +11,9 @@ namespace shardsync {
 
 namespace {}  // namespace
 
-Result<PlanSummary> plan_internal::SummarizeFp8(const PlanInputs& in) {
-  SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::Fp8Context::Build(in));
+Result<PlanSummary> plan_internal::SummarizeFp8(const PlanContext& c) {
+  SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::Fp8Context::Build(c));
+  const PlanInputs& in = c.inputs();
   PlanSummary sum;
   sum.plan_hash = ctx.hash();
   const int S = ctx.trainer_world(), E = ctx.engine_per_replica(), D = ctx.replicas();

@@ -263,8 +263,9 @@ class Coverage {
 
 }  // namespace
 
-Status plan_internal::ValidateFp8(const PlanInputs& in) {
-  SS_ASSIGN_OR_RETURN(auto ctx, Fp8Context::Build(in));
+Status plan_internal::ValidateFp8(const PlanContext& c) {
+  SS_ASSIGN_OR_RETURN(auto ctx, Fp8Context::Build(c));
+  const PlanInputs& in = c.inputs();
   const ShardMap& map = ctx.map();
   const auto& inv = ctx.inventory();
   const int S = ctx.trainer_world(), E = ctx.engine_per_replica(), D = ctx.replicas();

@@ -76,6 +76,9 @@ struct MegatronPlace {
 std::pair<int, int32_t> HolderAmong(const MegatronLayout& l,
                                     const std::vector<MegatronPlace>& places, int32_t begin,
                                     int32_t end, int64_t k);
+// Where a holder keeps `src` (a box inside the source box `hf`) in its local parameters: `place`'s
+// parameter, at `src` moved from `hf` to the place's box.
+LocalSource LocalSourceOf(const Region& hf, const MegatronPlace& place, const Region& src);
 struct MegatronSource {
   int32_t tensor = 0;
   Region hf;
@@ -95,10 +98,8 @@ Result<MegatronSources> BuildMegatronSources(const ModelSpec& m, const MegatronL
                                              const MegatronDims& d,
                                              const std::vector<HfTensor>& inv);
 
-// Plans a Megatron trainer layout against the engine pieces of a PlanContext, as box
-// intersections: the HF tensors are partitioned into trainer "sources" (one HF box held the same
-// way by a set of ranks, possibly in several places: the tied embedding's two copies), each engine
-// piece is intersected with the sources of its tensor into items, and the demand on a source
+// The copy codec's planner of a Megatron trainer layout over a PlanContext: the walk's units
+// (engine pieces x the context's trainer sources) are its items, and the demand on a source
 // (every replica's items, replica-major, in engine order) is cut into equal byte segments at unit
 // boundaries, one per holder, as the HSDP planner does per dim-0 chunk.
 class MegatronPlanner {

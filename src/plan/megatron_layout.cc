@@ -11,7 +11,7 @@
 namespace shardsync {
 namespace {
 
-constexpr int64_t kMaxRanks = int64_t{1} << 20;
+using plan_internal::kMaxRanks;
 
 Result<int64_t> ParseCount(std::string_view text, std::string_view key) {
   int64_t v = 0;

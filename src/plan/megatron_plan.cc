@@ -41,6 +41,14 @@ std::pair<int, int32_t> HolderAmong(const MegatronLayout& l,
   return {-1, -1};
 }
 
+LocalSource LocalSourceOf(const Region& hf, const MegatronPlace& place, const Region& src) {
+  LocalSource ls{place.param, src};
+  for (int d = 0; d < src.ndim; ++d) {
+    ls.region.offset[d] = src.offset[d] - hf.offset[d] + place.local.offset[d];
+  }
+  return ls;
+}
+
 std::pair<int, int32_t> MegatronSources::Holder(const MegatronLayout& l, const MegatronSource& s,
                                                 int64_t k) const {
   return HolderAmong(l, places, s.place_begin, s.place_end, k);
@@ -151,11 +159,8 @@ Result<std::shared_ptr<const MegatronPlanner>> MegatronPlanner::Build(const Plan
   p.D_ = c.replicas();
   p.wire_ = DTypeSize(in.options.wire_dtype);
   p.cap_ = in.options.bucket_bytes;
-  const MegatronLayout& l = p.layout_;
-  const ModelSpec& m = in.model;
-  SS_ASSIGN_OR_RETURN(MegatronDims dims, ComputeMegatronDims(m, l));
-  SS_ASSIGN_OR_RETURN(MegatronSources ms, BuildMegatronSources(m, l, dims, c.inventory()));
-  p.places_ = std::move(ms.places);
+  const MegatronSources& ms = *c.megatron_sources();
+  p.places_ = ms.places;
   p.sources_.reserve(ms.sources.size());
   for (const MegatronSource& ts : ms.sources) {
     Source s;
@@ -166,27 +171,26 @@ Result<std::shared_ptr<const MegatronPlanner>> MegatronPlanner::Build(const Plan
     s.holders = ts.holders;
     p.sources_.push_back(s);
   }
-  const std::vector<int32_t>& tensor_src = ms.tensor_begin;
 
-  // Items: every engine piece of one replica x the sources of its tensor, in engine order.
+  // Items: the walk's units (every engine piece of one replica x the sources of its tensor), in
+  // engine order.
   const auto& pieces = c.pieces();
   const auto& shapes = c.param_shapes();
   p.erank_begin_.assign(p.E_ + 1, 0);
-  for (const FlatPiece& fp : pieces) {
-    for (int32_t si = tensor_src[fp.tensor]; si < tensor_src[fp.tensor + 1]; ++si) {
-      const Region x = Intersect(fp.src, p.sources_[si].hf);
-      if (x.empty()) continue;
+  for (int e = 0; e < p.E_; ++e) {
+    c.ForEachUnit(e, [&](const PlanUnit& u) {
+      const FlatPiece& fp = pieces[u.piece];
       MItem it;
       it.erank = fp.erank;
       it.param = fp.param;
       it.tensor = fp.tensor;
-      it.source = si;
-      it.geo.src = x;
-      it.geo.dst = MapToDst(fp.src, fp.dst, x);
+      it.source = u.source;
+      it.geo.src = u.src;
+      it.geo.dst = u.dst;
       SetItemGeometry(&it.geo, shapes[fp.shape], p.wire_);
       p.items_.push_back(it);
       ++p.erank_begin_[fp.erank + 1];
-    }
+    });
   }
   std::partial_sum(p.erank_begin_.begin(), p.erank_begin_.end(), p.erank_begin_.begin());
   // Group by source (stable: engine order within a source) and lay out each source's sequence.
@@ -246,11 +250,7 @@ void MegatronPlanner::EmitRange(int32_t i, int64_t y0, int64_t y1, const Placeme
     op.dst = dst;
     op.bytes = dst.numel() * wire_;
     out->ops.push_back(op);
-    LocalSource ls{p.param, src};
-    for (int d = 0; d < src.ndim; ++d) {
-      ls.region.offset[d] = src.offset[d] - s.hf.offset[d] + p.local.offset[d];
-    }
-    out->local.push_back(ls);
+    out->local.push_back(LocalSourceOf(s.hf, p, src));
   });
 }
 

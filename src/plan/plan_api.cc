@@ -1,7 +1,8 @@
-// Public planner API: builds the shard map and inventory, then plans over the context.
+// Public planner API: builds the context (shard map, inventory, the walk) and dispatches through
+// the codec the model picks (codec.h).
 #include <chrono>
 
-#include "plan/fp8_planner.h"
+#include "plan/codec.h"
 #include "plan/megatron.h"
 #include "plan/planner.h"
 
@@ -17,12 +18,8 @@ Result<PlanContext> MakeContext(const PlanInputs& in) {
 
 Result<RankPlan> PlanForRank(const PlanInputs& in, int sync_rank) {
   SS_RETURN_IF_ERROR(DescribeSyncRank(in, sync_rank));
-  if (in.model.quant) {  // block FP8: the codec's planner (fp8_planner.cc)
-    SS_ASSIGN_OR_RETURN(auto fp8, plan_internal::Fp8Context::Build(in));
-    return fp8.PlanForRank(sync_rank);
-  }
   SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::MakeContext(in));
-  return ctx.PlanForRank(sync_rank);
+  return ctx.codec().PlanForRank(ctx, sync_rank);
 }
 
 Result<DetailedSummary> SummarizePlanDetailed(const PlanInputs& in, const SummaryOptions& opts) {
@@ -36,14 +33,11 @@ Result<DetailedSummary> SummarizePlanDetailed(const PlanInputs& in, const Summar
 }
 
 Result<PlanSummary> SummarizePlan(const PlanInputs& in) {
-  if (in.model.quant) {  // block FP8: the codec's summary (fp8_summary.cc)
-    const auto t0 = std::chrono::steady_clock::now();
-    SS_ASSIGN_OR_RETURN(PlanSummary s, plan_internal::SummarizeFp8(in));
-    s.plan_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    return s;
-  }
-  SS_ASSIGN_OR_RETURN(DetailedSummary ds, SummarizePlanDetailed(in, SummaryOptions{}));
-  return std::move(ds.summary);
+  const auto t0 = std::chrono::steady_clock::now();
+  SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::MakeContext(in));
+  SS_ASSIGN_OR_RETURN(PlanSummary s, ctx.codec().Summarize(ctx));
+  s.plan_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return s;
 }
 
 Status ValidatePlanInputs(const PlanInputs& in) {
@@ -59,25 +53,15 @@ Status ValidatePlanInputs(const PlanInputs& in) {
       }
     }
   }
-  // Block FP8: the FP8 planner's checks, the 128 grid of every quantized piece included (builds
-  // the shard map: milliseconds).
-  if (in.model.quant) return plan_internal::Fp8Context::Build(in).status();
   SS_RETURN_IF_ERROR(plan_internal::CheckPlanOptions(in));
-  // What BuildShardMap checks before it builds anything: every divisibility the engine asserts
-  // and every stage's layer range, without materialising the map.
-  const ShardSpec& sh = in.rollout.shard;
-  SS_RETURN_IF_ERROR(ComputeShardDims(in.model, sh).status());
-  for (int p = 0; p < sh.pp; ++p) {
-    SS_RETURN_IF_ERROR(
-        PpLayerRange(sh.engine, in.model.num_hidden_layers, p, sh.pp, sh.pp_partition).status());
-  }
-  return OkStatus();
+  // The codec's checks (the engine's divisibilities; a quantized model's grid, which builds the
+  // shard map: milliseconds).
+  return plan_internal::CodecFor(in).CheckInputs(in);
 }
 
 Status ValidatePlan(const PlanInputs& in) {
-  if (in.model.quant) return plan_internal::ValidateFp8(in);  // fp8_validate.cc
   SS_ASSIGN_OR_RETURN(auto ctx, plan_internal::MakeContext(in));
-  return plan_internal::ValidateContext(ctx);
+  return ctx.codec().Validate(ctx);
 }
 
 }  // namespace shardsync

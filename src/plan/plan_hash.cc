@@ -6,8 +6,8 @@
 
 #include <algorithm>
 
+#include "plan/codec.h"
 #include "plan/plan_hash.h"
-#include "shardsync/fp8_plan.h"
 #include "shardsync/plan.h"
 
 namespace shardsync {
@@ -40,11 +40,9 @@ std::string PlanHashText(const PlanInputs& in) {
   mlp_only.erase(std::unique(mlp_only.begin(), mlp_only.end()), mlp_only.end());
   kv("mlp_only_layers", fmt::format("{}", fmt::join(mlp_only, ",")));
   kv("model_dtype", DTypeName(m.dtype));
-  // Block-FP8 engine weights (fp8_planner.cc); absent for bf16 plans, whose hashes stay as they
-  // were.
-  if (m.quant) kv("quant", fmt::format("{};{}", QuantConfigToString(*m.quant), kFp8PlannerVersion));
-  // Only for the amax exchange, so staged FP8 plans keep the hashes they had.
-  if (m.quant && in.options.fp8_split == Fp8Split::kAmax) kv("fp8_split", "amax");
+  // The codec's planner version and options (codec.h HashFields): none for the copy codec, so
+  // bf16 plans keep the hashes they had.
+  plan_internal::CodecFor(in).HashFields(in, &s);
   // Fields that do not move bytes still identify the model the ranks must agree on.
   kv("rms_norm_eps", fmt::format("{:.17g}", m.rms_norm_eps));
   kv("rope_theta", fmt::format("{:.17g}", m.rope_theta));
@@ -128,14 +126,6 @@ std::string_view EncodingName(Encoding e) {
       return "amax";
   }
   return "?";
-}
-
-std::string_view Fp8SplitName(Fp8Split s) { return s == Fp8Split::kAmax ? "amax" : "stage"; }
-
-Result<Fp8Split> ParseFp8Split(std::string_view s, std::string_view flag) {
-  if (s == "amax") return Fp8Split::kAmax;
-  if (s == "stage") return Fp8Split::kStage;
-  return InvalidArgumentError(fmt::format("{}: '{}', expected amax or stage", flag, s));
 }
 
 }  // namespace shardsync

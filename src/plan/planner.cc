@@ -17,7 +17,6 @@
 #include <unordered_map>
 
 #include "plan/megatron.h"
-#include "shardsync/fp8_plan.h"
 
 namespace shardsync::plan_internal {
 namespace {
@@ -78,25 +77,14 @@ Status CheckPlanOptions(const PlanInputs& in) {
           t == in.options.wire_dtype ? "--wire-dtype" : "--trainer-dtype", DTypeName(t)));
     }
   }
-  if (in.options.bucket_bytes < 4096) {
-    return InvalidArgumentError(
-        fmt::format("--bucket-mb: bucket cap {} bytes is below 4 KiB", in.options.bucket_bytes));
-  }
-  return OkStatus();
+  return CodecFor(in).CheckOptions(in);
 }
 
 Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
                                        std::vector<HfTensor> inventory) {
-  if (in.model.quant) {
-    // Block-FP8 engine weights are planned by their codec's planner (fp8_planner.cc, where
-    // PlanForRank sends them); this planner's ops are plain copies and would land the wrong bytes.
-    return UnimplementedError(fmt::format(
-        "model '{}' has block-FP8 engine weights ({} from {}): its plan is a block-FP8 plan "
-        "(PlanForRank / SummarizePlan), not a bf16 copy plan",
-        in.model.name, QuantConfigToString(*in.model.quant), in.model.quant->origin));
-  }
   PlanContext c;
   c.in_ = in;
+  c.codec_ = &CodecFor(in);
   const auto& sh = in.rollout.shard;
   SS_RETURN_IF_ERROR(CheckPlanOptions(in));
   c.wire_ = DTypeSize(in.options.wire_dtype);
@@ -150,6 +138,7 @@ Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
         return UnimplementedError(
             fmt::format("rank {} param '{}': more than {} dims", e, prm.name, kMaxDims));
       }
+      if (!c.codec_->Walks(prm)) continue;  // a companion: another parameter's ops carry it
       const size_t first = c.pieces_.size();
       for (const Piece& pc : prm.pieces) {
         auto it = by_name.find(pc.source);
@@ -183,7 +172,9 @@ Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
         fp.shape = shape_idx;
         fp.src = pc.src;
         fp.dst = pc.dst;
-        if (c.pieces_.size() > first && TryMerge(&c.pieces_.back(), fp)) continue;
+        if (c.codec_->Coalesces() && c.pieces_.size() > first && TryMerge(&c.pieces_.back(), fp)) {
+          continue;
+        }
         c.pieces_.push_back(fp);
       }
     }
@@ -200,41 +191,83 @@ Result<PlanContext> PlanContext::Build(const PlanInputs& in, ShardMap map,
   c.map_ = std::move(map);
   c.inv_ = std::move(inventory);
   if (in.trainer.kind == TrainerSpec::Kind::kMegatron) {
-    // Megatron layouts: megatron_plan.cc plans every rank; nothing below applies.
-    SS_ASSIGN_OR_RETURN(c.megatron_, MegatronPlanner::Build(c));
-    return c;
+    // The trainer's sources: the boxes the walk intersects every engine piece with.
+    SS_ASSIGN_OR_RETURN(MegatronDims dims, ComputeMegatronDims(in.model, in.trainer.megatron));
+    SS_ASSIGN_OR_RETURN(MegatronSources ms,
+                        BuildMegatronSources(in.model, in.trainer.megatron, dims, c.inv_));
+    c.sources_ = std::make_shared<const MegatronSources>(std::move(ms));
   }
-  c.stats_.resize(c.pieces_.size());
-  for (size_t pi = 0; pi < c.pieces_.size(); ++pi) {
-    const FlatPiece& p = c.pieces_[pi];
-    PieceStats& st = c.stats_[pi];
+  SS_RETURN_IF_ERROR(c.codec_->Prepare(&c));
+  return c;
+}
+
+Status PlanContext::PrepareCopy() {
+  copy_ = true;
+  if (sources_) {
+    // Megatron layouts: megatron_plan.cc plans every rank; nothing below applies.
+    SS_ASSIGN_OR_RETURN(megatron_, MegatronPlanner::Build(*this));
+    return OkStatus();
+  }
+  stats_.resize(pieces_.size());
+  for (size_t pi = 0; pi < pieces_.size(); ++pi) {
+    const FlatPiece& p = pieces_[pi];
+    PieceStats& st = stats_[pi];
     const int64_t at[3] = {p.c0, std::min(p.c0 + 1, p.c1), p.c1};
     for (int w = 0; w < 3; ++w) {
-      const Item it = c.MakeItem(p, at[w]);
+      const Item it = MakeItem(p, at[w]);
       st.bytes[w] = it.bytes();
-      st.ops[w] = c.ItemOps(it);
+      st.ops[w] = ItemOps(it);
     }
   }
-  c.whole_replicas_ = c.D_ % c.R_ == 0;
-  if (!c.whole_replicas_) c.BuildSequences();
-  return c;
+  whole_replicas_ = D_ % R_ == 0;
+  if (!whole_replicas_) BuildSequences();
+  return OkStatus();
+}
+
+void PlanContext::ChunkPart(const FlatPiece& p, int64_t chunk, Region* src, Region* dst) const {
+  const int64_t ch = tensor_chunk_[p.tensor];
+  const int64_t a = p.src.offset[0], b = a + p.src.extent[0];
+  const int64_t lo = std::max(a, chunk * ch), hi = std::min(b, (chunk + 1) * ch);
+  *src = p.src;
+  src->offset[0] = lo;
+  src->extent[0] = hi - lo;
+  *dst = p.dst;
+  if (p.dst_dim0 >= 0) {
+    dst->offset[p.dst_dim0] += lo - a;
+    dst->extent[p.dst_dim0] = hi - lo;
+  }
 }
 
 Item PlanContext::MakeItem(const FlatPiece& p, int64_t chunk) const {
   Item it;
-  const int64_t ch = tensor_chunk_[p.tensor];
-  const int64_t a = p.src.offset[0], b = a + p.src.extent[0];
-  const int64_t lo = std::max(a, chunk * ch), hi = std::min(b, (chunk + 1) * ch);
-  it.src = p.src;
-  it.src.offset[0] = lo;
-  it.src.extent[0] = hi - lo;
-  it.dst = p.dst;
-  if (p.dst_dim0 >= 0) {
-    it.dst.offset[p.dst_dim0] += lo - a;
-    it.dst.extent[p.dst_dim0] = hi - lo;
-  }
+  ChunkPart(p, chunk, &it.src, &it.dst);
   SetItemGeometry(&it, param_shapes_[p.shape], wire_);
   return it;
+}
+
+void PlanContext::ForEachUnit(int e, const std::function<void(const PlanUnit&)>& fn) const {
+  PlanUnit u;
+  for (int32_t pi = erank_begin_[e]; pi < erank_begin_[e + 1]; ++pi) {
+    const FlatPiece& p = pieces_[pi];
+    u.piece = pi;
+    if (sources_) {
+      // Megatron: the piece x every trainer source of its tensor it intersects.
+      const MegatronSources& ms = *sources_;
+      for (int32_t si = ms.tensor_begin[p.tensor]; si < ms.tensor_begin[p.tensor + 1]; ++si) {
+        u.src = Intersect(p.src, ms.sources[si].hf);
+        if (u.src.empty()) continue;
+        u.source = si;
+        u.dst = MapToDst(p.src, p.dst, u.src);
+        fn(u);
+      }
+      continue;
+    }
+    for (int64_t k = p.c0; k <= p.c1; ++k) {  // FSDP-like: the piece's rows in each dim-0 chunk
+      u.chunk = k;
+      ChunkPart(p, k, &u.src, &u.dst);
+      fn(u);
+    }
+  }
 }
 
 int64_t PlanContext::ItemOps(const Item& it) const {
@@ -347,7 +380,19 @@ int64_t PlanContext::CountRangeOps(int e, int s, int64_t y0, int64_t y1) const {
   return ops;
 }
 
+Status PlanContext::NotCopyPlan() const {
+  const PlanInputs& in = in_;
+  const PlanContext& c = *this;
+  // A codec's units are not plain copies: these ops would land the wrong bytes.
+  return UnimplementedError(fmt::format(
+      "model '{}' has {} engine weights ({} from {}): its plan is a {} plan (PlanForRank / "
+      "SummarizePlan), not a bf16 copy plan",
+      in.model.name, c.codec().name(), in.model.quant ? QuantConfigToString(*in.model.quant) : "",
+      in.model.quant ? in.model.quant->origin : "", c.codec().name()));
+}
+
 Result<RankPlan> PlanContext::PlanForRank(int sync_rank) const {
+  if (!copy_) return NotCopyPlan();
   if (megatron_) return megatron_->PlanForRank(sync_rank, hash_);
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(in_, sync_rank));
   RankPlan rp;
@@ -415,24 +460,27 @@ Result<RankPlan> PlanContext::PlanForRank(int sync_rank) const {
   const int d = who.replica, e = who.pp_rank * in_.rollout.shard.tp + who.tp_rank;
   std::vector<std::vector<TransferOp>> by_src(S_world_);
   std::vector<int64_t> acc(whole_replicas_ ? 0 : S_, 0);  // erank-local offset per chunk
-  for (int32_t pi = erank_begin_[e]; pi < erank_begin_[e + 1]; ++pi) {
-    const FlatPiece& p = pieces_[pi];
-    for (int64_t k = p.c0; k <= p.c1; ++k) {
-      const Item it = MakeItem(p, k);
-      if (whole_replicas_) {
-        EmitItemRange(p, it, 0, it.bytes(), &by_src[(d / (D_ / R_)) * S_ + k]);
-        continue;
-      }
-      const Sequence& q = seqs_[k];
-      const int64_t o = d * q.total() + q.erank_offset[e] + acc[k], len = it.bytes();
-      acc[k] += len;
-      size_t g = std::upper_bound(q.cuts.begin(), q.cuts.end(), o) - q.cuts.begin() - 1;
-      for (; g < static_cast<size_t>(R_) && q.cuts[g] < o + len; ++g) {
-        const int64_t a = std::max(o, q.cuts[g]), b = std::min(o + len, q.cuts[g + 1]);
-        if (b > a) EmitItemRange(p, it, a - o, b - o, &by_src[g * S_ + k]);
-      }
+  ForEachUnit(e, [&](const PlanUnit& u) {
+    const FlatPiece& p = pieces_[u.piece];
+    const int64_t k = u.chunk;
+    Item it;
+    it.src = u.src;
+    it.dst = u.dst;
+    SetItemGeometry(&it, param_shapes_[p.shape], wire_);
+    if (whole_replicas_) {
+      EmitItemRange(p, it, 0, it.bytes(), &by_src[(d / (D_ / R_)) * S_ + k]);
+      return;
     }
-  }
+    // The unit's bytes in chunk k's sequence, cut among the R groups serving it.
+    const Sequence& q = seqs_[k];
+    const int64_t o = d * q.total() + q.erank_offset[e] + acc[k], len = it.bytes();
+    acc[k] += len;
+    size_t g = std::upper_bound(q.cuts.begin(), q.cuts.end(), o) - q.cuts.begin() - 1;
+    for (; g < static_cast<size_t>(R_) && q.cuts[g] < o + len; ++g) {
+      const int64_t a = std::max(o, q.cuts[g]), b = std::min(o + len, q.cuts[g + 1]);
+      if (b > a) EmitItemRange(p, it, a - o, b - o, &by_src[g * S_ + k]);
+    }
+  });
   for (int src = 0; src < S_world_; ++src) {
     if (by_src[src].empty()) continue;
     Message m;

@@ -9,9 +9,13 @@
 #include <memory>
 #include <vector>
 
+#include "plan/codec.h"
 #include "shardsync/plan.h"
 
 namespace shardsync::plan_internal {
+
+// Bound on any rank count, so a typo cannot make the planner allocate gigabytes.
+inline constexpr int64_t kMaxRanks = int64_t{1} << 20;
 
 // One engine piece of one replica, with what the planner needs precomputed.
 struct FlatPiece {
@@ -23,6 +27,15 @@ struct FlatPiece {
   Region src, dst;
   int64_t row_elems = 0;   // src elements per src dim-0 index
   int64_t c0 = 0, c1 = 0;  // first and last trainer chunk (dim-0 shard) the piece overlaps
+};
+
+// One unit of the walk (PlanContext::ForEachUnit): engine piece `piece` (PlanContext::pieces) x
+// one trainer source box of its tensor. Its codec turns it into ops.
+struct PlanUnit {
+  int32_t piece = 0;
+  int64_t chunk = -1;   // FSDP-like: the dim-0 chunk (trainer shard position) holding src
+  int32_t source = -1;  // Megatron: index into PlanContext::megatron_sources()->sources
+  Region src, dst;      // the piece's part inside that box
 };
 
 // A piece restricted to one trainer chunk, with its dst split geometry.
@@ -58,22 +71,36 @@ struct PieceStats {
 // Called for each (trainer rank, engine sync rank) pair with traffic.
 using PairFn = std::function<void(int trainer, int engine_sync_rank, int64_t bytes, int64_t ops)>;
 
-class MegatronPlanner;  // megatron_plan.cc: the planner for Megatron trainer layouts
+class MegatronPlanner;   // megatron_plan.cc: the copy codec's planner for Megatron trainer layouts
+struct MegatronSources;  // megatron.h: a Megatron trainer's HF boxes and their holders
 
-// The checks of the inputs themselves (layouts, dtypes, bucket cap) that Build runs before
-// planning; ValidatePlanInputs adds the shard map's.
+// The checks of the inputs themselves (layouts, dtypes, the codec's bucket cap) that Build runs
+// before planning; ValidatePlanInputs adds the shard map's.
 Status CheckPlanOptions(const PlanInputs& in);
 
+// What every codec plans over: the inputs, one replica's shard map flattened into pieces (the
+// codec's parameters, coalesced when it says so), the trainer geometry and the walk. The copy
+// codec's own tables (byte-balanced cuts, the Megatron planner) are built by its Prepare.
 class PlanContext {
  public:
   // `map` is one replica's shard map for in.rollout.shard; `inventory` the model's HF tensors.
   static Result<PlanContext> Build(const PlanInputs& in, ShardMap map,
                                    std::vector<HfTensor> inventory);
 
+  // The walk: every unit of engine rank `e` of a replica (its pieces in order, each x the
+  // trainer source boxes of its tensor in order: FSDP-like dim-0 chunks ascending, Megatron
+  // sources by HF box).
+  void ForEachUnit(int e, const std::function<void(const PlanUnit&)>& fn) const;
+  const PlanCodec& codec() const { return *codec_; }
+
+  // The copy codec's plan, summary and pairs (planner.cc, summary.cc); Unimplemented for a
+  // context of another codec.
   Result<RankPlan> PlanForRank(int sync_rank) const;
   Result<DetailedSummary> Summarize(const SummaryOptions& opts) const;
   // Every (trainer, engine) pair with its bytes and ops, analytically.
   void ForEachPair(const PairFn& fn) const;
+  // The copy codec's tables (CopyCodec().Prepare).
+  Status PrepareCopy();
 
   const PlanInputs& inputs() const { return in_; }
   const ShardMap& map() const { return map_; }
@@ -84,10 +111,22 @@ class PlanContext {
   int replicas() const { return D_; }
   const std::vector<FlatPiece>& pieces() const { return pieces_; }
   const std::vector<Shape>& param_shapes() const { return param_shapes_; }
-  // Set for Megatron trainer layouts: it plans every rank; the dim-0 chunk machinery is unused.
+  int groups() const { return R_; }            // R: trainer replica groups (FSDP-like)
+  int shards() const { return S_; }            // S: dim-0 chunks per group
+  int64_t wire_size() const { return wire_; }  // bytes of the wire dtype
+  // Dim-0 rows per trainer chunk of HF tensor `tensor` (torch.chunk sizes).
+  int64_t chunk_rows(int32_t tensor) const { return tensor_chunk_[tensor]; }
+  // Megatron trainer layouts: the HF boxes each rank holds and where (null otherwise).
+  const MegatronSources* megatron_sources() const { return sources_.get(); }
+  // Set for Megatron trainer layouts once the copy codec prepared: it plans every rank; the
+  // dim-0 chunk machinery is unused.
   const MegatronPlanner* megatron() const { return megatron_.get(); }
 
  private:
+  // Unimplemented: this context's codec is not the copy codec.
+  Status NotCopyPlan() const;
+  // The rows of piece `p` inside dim-0 chunk `chunk` (src, and dst along src dim 0).
+  void ChunkPart(const FlatPiece& p, int64_t chunk, Region* src, Region* dst) const;
   Item MakeItem(const FlatPiece& p, int64_t chunk) const;
   int64_t ItemOps(const Item& it) const;
   int64_t ItemRangeOps(const Item& it, int64_t y0, int64_t y1) const;
@@ -112,6 +151,8 @@ class PlanContext {
   int64_t CountRangeOps(int e, int s, int64_t y0, int64_t y1) const;
 
   PlanInputs in_;
+  const PlanCodec* codec_ = nullptr;
+  bool copy_ = false;  // the copy codec prepared its tables
   ShardMap map_;
   std::vector<HfTensor> inv_;
   std::string hash_;
@@ -126,6 +167,7 @@ class PlanContext {
   bool whole_replicas_ = true;
   std::vector<Sequence> seqs_;     // per position s, only when R does not divide D
   std::vector<PieceStats> stats_;  // per flat piece
+  std::shared_ptr<const MegatronSources> sources_;
   std::shared_ptr<const MegatronPlanner> megatron_;
 };
 

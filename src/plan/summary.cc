@@ -47,6 +47,7 @@ Result<ResolvedPlacement> ResolvePlacement(const PlanInputs& in, const Placement
 namespace plan_internal {
 
 Result<DetailedSummary> PlanContext::Summarize(const SummaryOptions& opts) const {
+  if (!copy_) return NotCopyPlan();
   DetailedSummary ds;
   SS_ASSIGN_OR_RETURN(ds.placement, ResolvePlacement(in_, opts.placement));
   if (opts.heatmap_max_blocks < 1) {

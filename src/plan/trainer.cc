@@ -8,8 +8,7 @@
 namespace shardsync {
 namespace {
 
-// Bound on any rank count, so a typo cannot make the planner allocate gigabytes.
-constexpr int64_t kMaxRanks = int64_t{1} << 20;
+using plan_internal::kMaxRanks;
 
 // Layout specs hold no spaces; "dp=1, tp=2, pp=1" is how people type them in Python.
 std::string WithoutSpaces(std::string_view s) {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "refengine/dequantize.h"
 #include "shardsync/fp8.h"
 #include "shardsync/refengine.h"
 
@@ -171,6 +172,29 @@ bool HoldsFp8Weights(const WeightSource& weights, const ModelSpec& spec) {
     return info.ok() && info->dtype == DType::kF8E4M3;
   }
   return false;
+}
+
+// A block-FP8 parameter (e4m3 [.., rows, cols]) times its weight_scale_inv block by block, as
+// the engines' block_quant_dequant does (sglang srt/layers/quantization/fp8_utils.py).
+Status DequantizeEngineParam(const EngineBuffers& buffers, const EngineParam& p,
+                             const std::string& who, float* out) {
+  const std::string scale_name = WeightScaleName(p.name);
+  auto it = buffers.find(scale_name);
+  const int64_t R = p.shape[p.shape.size() - 2], C = p.shape.back();
+  const int64_t groups = p.numel() / (R * C);
+  const int64_t nb = Fp8Blocks(R) * Fp8Blocks(C);
+  if (it == buffers.end() || it->second.dtype != DType::kF32 ||
+      it->second.data.size() != static_cast<size_t>(groups * nb * 4)) {
+    return InvalidArgumentError(
+        fmt::format("{}: block-FP8 parameter '{}' needs '{}' (F32, {} blocks)", who, p.name,
+                    scale_name, groups * nb));
+  }
+  const auto& q = buffers.at(p.name).data;
+  const float* s = reinterpret_cast<const float*>(it->second.data.data());
+  for (int64_t g = 0; g < groups; ++g) {
+    Fp8DequantizeMatrix(q.data() + g * R * C, s + g * nb, R, C, out + g * R * C);
+  }
+  return OkStatus();
 }
 
 }  // namespace shardsync

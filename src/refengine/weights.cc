@@ -306,11 +306,11 @@ Result<std::vector<EngineBuffers>> LoadEngineDump(const std::string& dir, const 
 }
 
 namespace {
-// Block-FP8 syncs quantize the trainer's values (trainer dtype) and copy the rest through the
-// wire dtype: the reference values follow the same two paths.
-class Fp8SyncValues : public WeightSource {
+// Quantized syncs (block FP8) quantize the trainer's values (trainer dtype) and copy the rest
+// through the wire dtype: the reference values follow the same two paths.
+class QuantizedSyncValues : public WeightSource {
  public:
-  Fp8SyncValues(const ModelSpec& spec, uint64_t seed, DType wire, DType trainer)
+  QuantizedSyncValues(const ModelSpec& spec, uint64_t seed, DType wire, DType trainer)
       : spec_(spec), wire_(WithDType(spec, wire), seed), trainer_(WithDType(spec, trainer), seed) {}
   Result<TensorInfo> Describe(std::string_view n) const override { return Pick(n).Describe(n); }
   Status Read(std::string_view n, const Region& r, DType t, void* out) const override {
@@ -335,7 +335,7 @@ Result<GenerationCheck> CheckGenerationOfDump(const ShardMap& map, const std::st
                                               int n_tokens, DType trainer_dtype) {
   SS_ASSIGN_OR_RETURN(std::vector<EngineBuffers> received, LoadEngineDump(dir, map, replica));
   if (map.model.quant) {
-    Fp8SyncValues reference(map.model, seed, wire_dtype, trainer_dtype);
+    QuantizedSyncValues reference(map.model, seed, wire_dtype, trainer_dtype);
     return CheckGeneration(map, received, reference, DefaultPrompt(), n_tokens);
   }
   ModelSpec ref_spec = map.model;

@@ -88,7 +88,7 @@ TEST(Fp8Plan, ExactCoverOverManyLayouts) {
       PlanInputs in = Inputs(c.model(), c.trainer, c.rollout, c.engine);
       in.options.bucket_bytes = c.bucket;
       in.trainer_dtype = c.trainer_dtype;
-      in.options.fp8_split = split;
+      in.options.straddle = split;
       Status st = ValidatePlan(in);
       EXPECT_TRUE(st.ok()) << c.trainer << " -> " << c.rollout << " " << Fp8SplitName(split) << ": "
                            << st.ToString();
@@ -105,7 +105,7 @@ TEST(Fp8Plan, SendersQuantizeWhereChunksFollowTheGridAndReceiversWhereTheyDoNot)
   EXPECT_GT(aligned->sender_quantized_elements, 0);
   // fsdp=4: k/v_proj (256 rows: 64 per rank) and gate/up (768: 192) straddle.
   PlanInputs staged_in = Inputs(TinyQwen3(), "fsdp=4", "dp=1,tp=2,pp=2");
-  staged_in.options.fp8_split = Fp8Split::kStage;
+  staged_in.options.straddle = Fp8Split::kStage;
   auto ragged = SummarizePlan(staged_in);
   ASSERT_TRUE(ragged.ok()) << ragged.status().ToString();
   EXPECT_GT(ragged->staged_bands, 0);
@@ -184,10 +184,10 @@ TEST(Fp8Plan, HashCoversTheQuantConfigAndBf16PlansAreUnchanged) {
   // The split is in FP8 hashes (staged plans keep their hashes: the key is written only for
   // amax), not in bf16 ones.
   PlanInputs staged = in;
-  staged.options.fp8_split = Fp8Split::kStage;
+  staged.options.straddle = Fp8Split::kStage;
   EXPECT_NE(PlanHash(in), PlanHash(staged));
   PlanInputs plain_staged = plain;
-  plain_staged.options.fp8_split = Fp8Split::kStage;
+  plain_staged.options.straddle = Fp8Split::kStage;
   EXPECT_EQ(PlanHash(plain), PlanHash(plain_staged));
   // The bf16 hash documented in docs/cli.md before FP8 existed.
   PlanInputs doc;
@@ -204,14 +204,20 @@ TEST(Fp8Plan, HashCoversTheQuantConfigAndBf16PlansAreUnchanged) {
 }
 
 TEST(Fp8Plan, TheCopyPlannerRefusesQuantizedModels) {
-  // A quantized model's plan is the codec's (PlanForRank sends it there): the copy planner, whose
-  // ops would land plain copies into e4m3 weights, refuses it, and the codec's planner refuses a
-  // model without a quantization config.
+  // A quantized model's plan is the codec's (its context dispatches to it): the copy planner,
+  // whose ops would land plain copies into e4m3 weights, refuses it, and the codec's planner
+  // refuses a model without a quantization config.
   PlanInputs in = Inputs(TinyQwen3(), "fsdp=4", "dp=1,tp=2,pp=2");
-  auto copy = plan_internal::MakeContext(in);
+  auto ctx = plan_internal::MakeContext(in);
+  ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
+  EXPECT_EQ(ctx->codec().name(), "block-FP8");
+  auto copy = ctx->PlanForRank(0);
   ASSERT_FALSE(copy.ok());
   EXPECT_EQ(copy.status().code(), StatusCode::kUnimplemented);
   EXPECT_NE(copy.status().message().find("block-FP8"), std::string::npos);
+  auto detailed = SummarizePlanDetailed(in, SummaryOptions{});
+  ASSERT_FALSE(detailed.ok());
+  EXPECT_EQ(detailed.status().code(), StatusCode::kUnimplemented);
   auto rp = PlanForRank(in, 0);
   ASSERT_TRUE(rp.ok()) << rp.status().ToString();
   bool quantize = false;
@@ -572,7 +578,7 @@ TEST(Fp8PlanExecution, EveryLandedByteAndScaleEqualsTheReferenceQuantizer) {
       PlanInputs in = Inputs(c.model(), c.trainer, c.rollout, c.engine);
       in.trainer_dtype = c.trainer_dtype;
       in.options.bucket_bytes = c.bucket;
-      in.options.fp8_split = split;
+      in.options.straddle = split;
       const ExecResult r = Execute(in, 17);
       EXPECT_EQ(r.mismatches, 0) << c.trainer << " -> " << c.rollout << " " << Fp8SplitName(split)
                                  << ": " << r.first_mismatch;

@@ -72,7 +72,7 @@ Result<PlanInputs> InputsOf(const Case& c) {
   }
   SS_ASSIGN_OR_RETURN(in.trainer, ParseTrainerSpec(c.trainer));
   SS_ASSIGN_OR_RETURN(in.rollout, ParseRolloutSpec(c.rollout, c.engine));
-  in.options.fp8_split = c.split;
+  in.options.straddle = c.split;
   in.options.bucket_bytes = c.bucket;
   in.trainer_dtype = c.trainer_dtype;
   return in;

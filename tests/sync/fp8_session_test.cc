@@ -215,7 +215,7 @@ Counts CompareWithReference(Fp8Job& job) {
       const auto* got = static_cast<const uint8_t*>(job.params(r).bindings[i].data);
       for (const Piece& pc : p.pieces) {
         const bool weight = p.dtype == DType::kF8E4M3;
-        const bool scale = !weight && job_internal::IsFp8Scale(p);
+        const bool scale = !weight && IsFp8ScaleParam(p);
         const std::string src = scale ? pc.source.substr(0, pc.source.size() - 10) : pc.source;
         const Shape shape =
             scale ? Shape{Fp8Blocks(inv.at(src).shape[0]), Fp8Blocks(inv.at(src).shape[1])}
@@ -497,7 +497,7 @@ TEST(Fp8Session, ParametersBindInTheirEngineDtypes) {
       EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
       EXPECT_THAT(s.message(), HasSubstr(p.name));
       EXPECT_THAT(s.message(), HasSubstr("F8_E4M3"));
-    } else if (job_internal::IsFp8Scale(p)) {
+    } else if (IsFp8ScaleParam(p)) {
       ++scales;
       EXPECT_FALSE(job.session(e).BindDest(b).ok()) << p.name;
       b.dtype = DType::kF32;

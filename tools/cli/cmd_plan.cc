@@ -64,7 +64,7 @@ Result<PlanInputs> MakeInputs(const Args& a) {
         fmt::format("--bucket-mb: must be in [1, 1048576] MiB, got {}", a.bucket_mb));
   }
   in.options.bucket_bytes = a.bucket_mb << 20;
-  SS_ASSIGN_OR_RETURN(in.options.fp8_split, ParseFp8Split(a.fp8_split));
+  SS_ASSIGN_OR_RETURN(in.options.straddle, ParseFp8Split(a.fp8_split));
   if (a.quant) {
     SS_ASSIGN_OR_RETURN(in.model.quant, ParseQuantFlag(*a.quant));
     SS_RETURN_IF_ERROR(ValidateModelSpec(in.model));
@@ -366,7 +366,7 @@ std::string Fp8Json(const PlanInputs& in, const PlanSummary& s, double seconds) 
   j["receiver_quantized_elements"] = s.receiver_quantized_elements;
   j["staged_bands"] = s.staged_bands;
   j["max_staging_bytes"] = s.max_staging_bytes;
-  j["fp8_split"] = std::string(Fp8SplitName(in.options.fp8_split));
+  j["fp8_split"] = std::string(Fp8SplitName(in.options.straddle));
   j["amax_bytes"] = s.amax_bytes;
   j["amax_elements"] = s.amax_elements;
   j["amax_bands"] = s.amax_bands;

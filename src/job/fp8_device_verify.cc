@@ -1,4 +1,4 @@
-// Device mode's element check of block-FP8 parameters (internal.h VerifyFp8Device): per piece of
+// Device mode's element check of block-FP8 parameters (fp8_verify.h VerifyFp8Device): per piece of
 // an e4m3 weight, the synthetic values as the trainer holds them are generated on the GPU
 // (FillSyntheticDevice), quantized by the GPU quantize-pack (held to the CPU quantizer bit for bit
 // by tests/cuda/gpu_fp8_test.cc) and compared, every byte and every scale's bits, with what the
@@ -8,7 +8,7 @@
 #include <map>
 #include <vector>
 
-#include "job/internal.h"
+#include "job/fp8_verify.h"
 #include "shardsync/fp8.h"
 #include "shardsync/gpu.h"
 #include "shardsync/synthetic.h"

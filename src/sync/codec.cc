@@ -1,6 +1,7 @@
 #include "sync/codec.h"
 
 #include "sync/bindings.h"
+#include "sync/connect.h"
 
 namespace shardsync::sync_internal {
 namespace {
@@ -25,6 +26,21 @@ class CopyCodec final : public Codec {
     return ctx_.packer->Pack(bindings_->SourceRegions(m, b), ctx_.in.options.wire_dtype, out,
                              b.bytes);
   }
+  // Pairs land in place: the receiver's landed regions, the sender's sources and where each op
+  // lands at the peer.
+  PairBucket RecvBucket(const Bindings& bindings, const Message& m, const Bucket& b) override {
+    return {b.bytes, bindings.LandedRegions(m, b), {}};
+  }
+  PairBucket SendBucket(const Bindings& bindings, PeerShapes& shapes, const Message& m,
+                        const Bucket& b, uint32_t base) override {
+    PairBucket pb{b.bytes, bindings.SourceRegions(m, b), {}};
+    for (int i = b.op_begin; i < b.op_end; ++i) {
+      const TransferOp& op = m.ops[i];
+      pb.remote.push_back(
+          {base + static_cast<uint32_t>(op.param), 0, shapes.Get(m.dst, op.param), op.dst});
+    }
+    return pb;
+  }
 
  private:
   const SessionContext& ctx_;
@@ -35,6 +51,16 @@ class CopyCodec final : public Codec {
 
 std::unique_ptr<Codec> MakeCopyCodec(const SessionContext& ctx) {
   return std::make_unique<CopyCodec>(ctx);
+}
+
+DType BoundDType(const PlanInputs& in, const EngineParam& p) {
+  const DType wire = in.options.wire_dtype;
+  return in.model.quant.has_value() ? BlockQuantizeBoundDType(p, wire) : wire;
+}
+
+Status CheckEncodedBindings(const SessionContext& ctx, const Bindings& bindings) {
+  if (ctx.quantized()) return CheckBlockQuantizeBindings(ctx, bindings);
+  return InternalError("sync rank " + std::to_string(ctx.rank) + ": no codec checks these bindings");
 }
 
 std::unique_ptr<Codec> MakeCodec(const SessionContext& ctx) {

@@ -27,17 +27,20 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
 #include "shardsync/plan.h"
 #include "shardsync/status.h"
+#include "shardsync/transport.h"
 #include "sync/context.h"
 #include "sync/transfers.h"
 
 namespace shardsync::sync_internal {
 
 class Bindings;
+class PeerShapes;
 class PreparedPairs;
 class SyncGuard;
 
@@ -57,7 +60,7 @@ class Codec {
   virtual Result<std::shared_ptr<unsigned char>> AllocSlot(size_t bytes) = 0;
   // Whether the senders agree on something each sync before any bucket is packed (block FP8:
   // the scales of blocks shared by trainer ranks), and that step (Exchange). The session runs it
-  // before the prepared pairs launch when they read its result (PreparedPairs::has_amax_sends).
+  // before the prepared pairs launch when they read its result (pairs_read_exchange).
   virtual bool exchanges() const { return false; }
   virtual Status Exchange(SyncGuard& /*guard*/) { return OkStatus(); }
   // Packs the whole wire image of bucket `b` of send message `m` into `out` (b.bytes bytes);
@@ -80,14 +83,49 @@ class Codec {
   }
   // Each sync, once every host bucket landed (e.g. a staged band that never completed).
   virtual Status FinishRecv() { return OkStatus(); }
+
+  // --- Prepared device pairs (pairs.h; transport.h PairBucket) ---
+  // Connect, on a receiver before its parameters are registered: device memory the senders' pairs
+  // write into besides the parameters (block FP8: the staging of bands whose rows straddle
+  // trainer ranks), registered after them; null for none.
+  virtual Result<const MemRegion*> AllocPairStaging(const Bindings& /*bindings*/) {
+    return static_cast<const MemRegion*>(nullptr);
+  }
+  // Connect, before any pair is prepared (so no peer waits for this rank's maps): refuses ops the
+  // pairs with peers `prepared(peer)` cannot run, naming the tensor, and sets up memory the send
+  // pairs read (block FP8: the agreed scales of shared blocks).
+  virtual Status PreparePairs(const Bindings& /*bindings*/,
+                              const std::function<bool(int)>& /*prepared*/) {
+    return OkStatus();
+  }
+  // Bucket `b` of receive message `m`, and of send message `m` (`base`: the receiver's first
+  // region id), as the pair's PairBucket: copies as `local` / `remote`, the codec's other ops as
+  // `encoded` regions carrying their encoding (image codecs: PairSpec::image).
+  virtual PairBucket RecvBucket(const Bindings& bindings, const Message& m, const Bucket& b) = 0;
+  virtual PairBucket SendBucket(const Bindings& bindings, PeerShapes& shapes, const Message& m,
+                                const Bucket& b, uint32_t base) = 0;
+  // Whether the send pairs read Exchange's result at their launch, so it runs before they post.
+  virtual bool pairs_read_exchange() const { return false; }
+  // Receiver, once every pair's checksum verified: the codec's last step over device memory
+  // (block FP8: quantizing the staged bands, a packer kernel).
+  virtual Status AfterPairsVerified() { return OkStatus(); }
 };
 
 // The codec of the session's plan: block FP8's for a quantized model, the copy codec otherwise.
 std::unique_ptr<Codec> MakeCodec(const SessionContext& ctx);
 
-// The codecs MakeCodec picks from (each defined in its own files).
+// The dtype engine parameter `p` is bound in under the plan's codec: the wire dtype (bytes land
+// in place), or what the codec's engine holds (block FP8: e4m3 weights, fp32 scales).
+DType BoundDType(const PlanInputs& in, const EngineParam& p);
+// Connect's binding check of a plan whose ops carry a codec's encodings (Bindings::Check).
+Status CheckEncodedBindings(const SessionContext& ctx, const Bindings& bindings);
+
+// What MakeCodec, BoundDType and CheckEncodedBindings pick from, per codec (each defined in its
+// own files; block FP8's in fp8_*.cc).
 std::unique_ptr<Codec> MakeCopyCodec(const SessionContext& ctx);
 std::unique_ptr<Codec> MakeBlockQuantizeCodec(const SessionContext& ctx);
+DType BlockQuantizeBoundDType(const EngineParam& p, DType wire);
+Status CheckBlockQuantizeBindings(const SessionContext& ctx, const Bindings& bindings);
 
 // How the loops cut an image codec's bucket into transfers (both ends): pieces of at most
 // kMaxTransferBytes, in wire order. fn(offset in the bucket, length).

@@ -14,13 +14,16 @@
 // a non-finite value there fails the sync with DataLoss naming the parameter.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "shardsync/fp8.h"
 #include "shardsync/pack.h"
+#include "shardsync/transport.h"
 #include "sync/bindings.h"
 #include "sync/codec.h"
 #include "sync/context.h"
@@ -80,6 +83,16 @@ class Fp8Codec final : public Codec {
   Status Land(const Message& m, int bucket, const unsigned char* img) override;
   Status FinishRecv() override;
 
+  // Prepared pairs (fp8_pairs.cc).
+  Result<const MemRegion*> AllocPairStaging(const Bindings& bindings) override;
+  Status PreparePairs(const Bindings& bindings, const std::function<bool(int)>& prepared) override;
+  PairBucket RecvBucket(const Bindings& bindings, const Message& m, const Bucket& b) override;
+  PairBucket SendBucket(const Bindings& bindings, PeerShapes& shapes, const Message& m,
+                        const Bucket& b, uint32_t base) override;
+  // Trainers whose prepared pairs carry amax ops: Exchange uploads the agreed scales they read.
+  bool pairs_read_exchange() const override { return amax_scales_ != nullptr; }
+  Status AfterPairsVerified() override;
+
   // Quantizes staged band `band` from `staging` into the bound weight and scale parameters;
   // returns the non-finite inputs it saw.
   static int64_t QuantizeBand(const StagedBand& band, const unsigned char* staging,
@@ -89,6 +102,14 @@ class Fp8Codec final : public Codec {
   // The blocks' scales from this rank's partials and the peers' values (plan.amax_peers order).
   Status Combine(const std::vector<uint32_t>& own, const std::vector<std::string>& got);
   Status NonFinite(const AmaxBand& b, bool mine) const;
+  // FP8 ops prepared pairs do not run (amax-exchanged blocks over two-sided pairs; staged bands
+  // without device staging), refused naming the tensor.
+  Status RefuseUnbuilt(const Bindings& bindings, const std::function<bool(int)>& prepared) const;
+  // Trainers with amax ops over prepared pairs: device memory (the packer's) for the agreed
+  // scales of every shared block, and each band's slot in it.
+  Status AllocAmaxScales(const std::function<bool(int)>& prepared);
+  // The agreed scales (plan slot order) copied into that device memory; no-op without it.
+  Status UploadAmaxScales(const std::vector<float>& scales);
 
   const SessionContext& ctx_;
   const Bindings* bindings_ = nullptr;
@@ -98,14 +119,23 @@ class Fp8Codec final : public Codec {
   // whether each band (plan order) is one of them.
   std::vector<Fp8AmaxTask> device_amax_;
   std::vector<bool> band_on_device_;
-  PreparedPairs* pairs_ = nullptr;
   uint64_t amax_posted_ = 0;  // the version whose partials this rank last posted
   // Land side.
   std::vector<int> recv_msgs_;  // recv messages of the host path
-  std::unique_ptr<unsigned char[]> staging_;
+  std::unique_ptr<unsigned char[]> host_staging_;
   // The staged rows still to land this sync, per band (bands staged over prepared pairs are the
   // device staging's: PreparedPairs::QuantizeStaged).
   std::vector<int64_t> band_left_;
+  // Prepared pairs. Receivers with staged bands in device memory (AllocPairStaging): the staging,
+  // its registration and the bands' quantize tasks over it.
+  std::shared_ptr<unsigned char> device_staging_;
+  MemRegion staging_region_;
+  std::vector<Fp8BandTask> bands_;
+  // Trainers with amax ops over prepared pairs (AllocAmaxScales): the agreed scales' device
+  // memory, and per band (tensor, first row) its first block's index there.
+  std::shared_ptr<unsigned char> amax_buf_;
+  float* amax_scales_ = nullptr;
+  std::map<std::pair<int32_t, int64_t>, int64_t> pair_amax_slot_;
 };
 
 }  // namespace shardsync::sync_internal

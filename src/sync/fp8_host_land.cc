@@ -53,7 +53,7 @@ Status Fp8Codec::PrepareRecv(const Bindings& bindings, const std::vector<int>& m
   // Host staging only when host-path messages land here: bands staged over prepared pairs use
   // the device staging (PreparedPairs::AllocStaging).
   if (plan.staging_bytes > 0 && !msgs.empty()) {
-    staging_ = std::make_unique<unsigned char[]>(static_cast<size_t>(plan.staging_bytes));
+    host_staging_ = std::make_unique<unsigned char[]>(static_cast<size_t>(plan.staging_bytes));
   }
   return OkStatus();
 }
@@ -108,8 +108,8 @@ Status Fp8Codec::Land(const Message& m, int bucket, const unsigned char* img) {
       }
       case Encoding::kStage: {
         const StagedBand& band = plan.staged[op.stage];
-        n = Place(w, staging_.get() + band.staging_offset, {band.src.extent[0], band.src.extent[1]},
-                  op.dst, ts);
+        n = Place(w, host_staging_.get() + band.staging_offset,
+                  {band.src.extent[0], band.src.extent[1]}, op.dst, ts);
         break;
       }
     }
@@ -124,7 +124,7 @@ Status Fp8Codec::Land(const Message& m, int bucket, const unsigned char* img) {
     band_left[op.stage] -= op.dst.numel();
     if (band_left[op.stage] != 0) continue;
     const StagedBand& band = plan.staged[op.stage];
-    const int64_t bad = QuantizeBand(band, staging_.get(), *bindings_);
+    const int64_t bad = QuantizeBand(band, host_staging_.get(), *bindings_);
     if (bad > 0) {
       return DataLossError(RankName(ctx_.rank) + ": " + std::to_string(bad) +
                            " non-finite values (NaN or Inf) in the staged rows " +

@@ -73,10 +73,9 @@ std::unique_ptr<Codec> MakeBlockQuantizeCodec(const SessionContext& ctx) {
   return std::make_unique<Fp8Codec>(ctx);
 }
 
-Status Fp8Codec::PrepareSend(const Bindings& bindings, PreparedPairs& pairs,
+Status Fp8Codec::PrepareSend(const Bindings& bindings, PreparedPairs& /*pairs*/,
                              const std::vector<int>& msgs) {
   bindings_ = &bindings;
-  pairs_ = &pairs;
   for (int mi : msgs) {
     const Message& m = ctx_.plan.sends[mi];
     for (size_t i = 0; i < m.ops.size(); ++i) {
@@ -148,7 +147,12 @@ Status Fp8Codec::Exchange(SyncGuard& guard) {
   // (device rows by the packer's kernel, which zeroes the entries of host rows).
   std::vector<uint32_t> own(static_cast<size_t>(plan.amax_blocks), 0);
   if (!device_amax_.empty()) {
-    SS_RETURN_IF_ERROR(ctx_.packer->PartialAmax(device_amax_, own.data(), plan.amax_blocks));
+    Fp8Kernels* kernels = KernelsOf<Fp8Kernels>(*ctx_.packer);
+    if (kernels == nullptr) {
+      return UnimplementedError("packer " + std::string(ctx_.packer->name()) +
+                                " does not take partial amaxes of device memory");
+    }
+    SS_RETURN_IF_ERROR(kernels->PartialAmax(device_amax_, own.data(), plan.amax_blocks));
   }
   for (size_t bi = 0; bi < plan.amax_bands.size(); ++bi) {
     if (band_on_device_[bi]) continue;
@@ -202,7 +206,7 @@ Status Fp8Codec::Exchange(SyncGuard& guard) {
   }
   SS_RETURN_IF_ERROR(Combine(own, *got));
   // Prepared pairs' amax ops read the scales from device memory at their launch.
-  return pairs_->UploadAmaxScales(amax_.scales);
+  return UploadAmaxScales(amax_.scales);
 }
 
 Status Fp8Codec::Combine(const std::vector<uint32_t>& own, const std::vector<std::string>& got) {

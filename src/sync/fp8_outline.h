@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "shardsync/fp8.h"
 #include "shardsync/fp8_plan.h"
 #include "sync/context.h"
 #include "sync/transfers.h"
@@ -20,7 +21,7 @@ class Bindings;
 
 // Connect's binding check for FP8 sessions: every source an op reads bound and holding the op's
 // region; every parameter, scale and staged band an op writes inside its binding.
-Status CheckFp8Bindings(const SessionContext& ctx, const Bindings& bindings);
+Status CheckBlockQuantizeBindings(const SessionContext& ctx, const Bindings& bindings);
 
 // Staged bands over prepared pairs (device memory, docs/fp8.md): the sender writes each stage op's
 // raw rows straight into the receiver's staging, which the receiver quantizes once the sync's

@@ -42,14 +42,14 @@ class SessionImpl final : public SyncSession {
       : ctx_(std::move(in), rank, who, std::move(plan), store, tx, std::move(opt),
              std::move(launch)),
         hooks_(std::move(hooks)),
+        codec_(sync_internal::MakeCodec(ctx_)),
         identity_(ctx_),
         presence_(ctx_),
         bindings_(ctx_),
         shapes_(ctx_),
         guard_(ctx_),
         verdicts_(ctx_, guard_),
-        pairs_(ctx_, guard_),
-        codec_(sync_internal::MakeCodec(ctx_)),
+        pairs_(ctx_, guard_, *codec_),
         host_send_(ctx_, guard_, *codec_),
         host_recv_(ctx_, guard_, *codec_),
         staged_(ctx_, guard_) {}
@@ -309,7 +309,7 @@ class SessionImpl final : public SyncSession {
     // Block FP8 with blocks shared by trainer ranks whose prepared pairs quantize them (cuda_ipc):
     // the holders agree on the blocks' scales before the pairs launch, which read them (a rank's
     // pairs launch as one kernel, so none goes earlier). Plans without such pairs skip this.
-    const bool exchange_first = host_send_.exchanges() && pairs_.has_amax_sends();
+    const bool exchange_first = host_send_.exchanges() && codec_->pairs_read_exchange();
     if (exchange_first) {
       SS_RETURN_IF_ERROR(enter());
       SS_RETURN_IF_ERROR(host_send_.Exchange());
@@ -378,8 +378,9 @@ class SessionImpl final : public SyncSession {
          {ctx_.Key(guard_.VKey("ready/") + std::to_string(ctx_.rank)), "1"}}));
     SS_RETURN_IF_ERROR(host_recv_.Receive(st));
     SS_RETURN_IF_ERROR(pairs_.FinishRecvs(st, bindings_));
-    // Block FP8: bands staged over device pairs are quantized from verified bytes only.
-    SS_RETURN_IF_ERROR(pairs_.QuantizeStaged());
+    // The codec's step after verification (block FP8: bands staged over device pairs are
+    // quantized from verified bytes only).
+    SS_RETURN_IF_ERROR(pairs_.AfterVerified());
     // Completing a receive can leave protocol messages to the sender (e.g. a rendezvous ack)
     // queued on this side; flush them out before this rank stops driving the transport.
     std::vector<XferId> flushes;
@@ -396,6 +397,9 @@ class SessionImpl final : public SyncSession {
   // Declaration order is construction order: every part refers to ctx_ (and most to guard_).
   sync_internal::SessionContext ctx_;
   HarnessHooks hooks_;
+  // What the session does with the plan's encodings (codec.h): the host path's pack and land
+  // steps, the pairs' buckets.
+  std::unique_ptr<sync_internal::Codec> codec_;
   sync_internal::JobIdentity identity_;
   sync_internal::Presence presence_;
   sync_internal::Bindings bindings_;
@@ -403,8 +407,7 @@ class SessionImpl final : public SyncSession {
   sync_internal::SyncGuard guard_;
   sync_internal::VerdictExchange verdicts_;
   sync_internal::PreparedPairs pairs_;
-  // The host path: one loop each way, with the codec of the plan's encodings (codec.h).
-  std::unique_ptr<sync_internal::Codec> codec_;
+  // The host path: one loop each way, with the plan's codec.
   sync_internal::HostSender host_send_;
   sync_internal::HostReceiver host_recv_;
   sync_internal::StagedCommit staged_;

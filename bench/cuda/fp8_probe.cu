@@ -115,7 +115,7 @@ Layout Build(unsigned char* src, unsigned char* dst, unsigned char* scales, unsi
       // (HF tensor, its rows / cols region) -> (param, first row)
       auto task = [&](const Hf& h, int64_t r0, int64_t c0, int64_t rows, int64_t cols,
                       const Param& p, int64_t pr) {
-        Fp8Task t;
+        EncodedTask t;
         t.src = h.p + (r0 * h.cols + c0) * 2;
         t.dtype = DType::kBF16;
         t.src_stride = h.cols;
@@ -132,7 +132,7 @@ Layout Build(unsigned char* src, unsigned char* dst, unsigned char* scales, unsi
         t.bucket = b;
         t.wire_offset = qwire[b];
         qwire[b] += Fp8WireBytes(rows, cols);
-        L.full.quantize.push_back(t);
+        L.full.encoded.push_back(t);
         L.quant_bytes += rows * cols * 3.0 + Fp8Blocks(rows) * Fp8Blocks(cols) * 4.0;
       };
       task(q, tp * kQ / 2, 0, kQ / 2, kH, qkv, 0);
@@ -175,12 +175,12 @@ Layout Build(unsigned char* src, unsigned char* dst, unsigned char* scales, unsi
   L.quant.landed_runs.clear();
   L.quant.copy_bytes.assign(nb, 0);
   L.copies = L.full;
-  L.copies.quantize.clear();
+  L.copies.encoded.clear();
   L.copies.bucket_bytes = L.full.copy_bytes;
   L.copies.copy_bytes.clear();
   std::printf(
       "probe: %zu quantize ops, %.2f GB of quantize traffic, %.2f GB of copies, %d buckets\n",
-      L.full.quantize.size(), L.quant_bytes / 1e9, L.copy_bytes / 1e9, nb);
+      L.full.encoded.size(), L.quant_bytes / 1e9, L.copy_bytes / 1e9, nb);
   return L;
 }
 

@@ -21,6 +21,8 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "shardsync/dtype.h"
 #include "shardsync/pack.h"
@@ -188,5 +190,51 @@ Result<Fp8PackResult> Fp8QuantizePackScaled(const PackRegion& src, const float* 
 int64_t Fp8QuantizeMatrix(const float* x, int64_t rows, int64_t cols, uint8_t* q, float* scales);
 void Fp8DequantizeMatrix(const uint8_t* q, const float* scales, int64_t rows, int64_t cols,
                          float* out);
+
+// One band of block-FP8 weights an engine rank quantizes itself (plan.h StagedBand):
+// `rows` (<= 128) x `cols` raw trainer values of `dtype` (f32 / bf16 / f16) at `src`, row-major
+// and contiguous, quantized per 128 x 128 block into e4m3 rows at `weight` (row stride
+// `weight_stride` bytes) and fp32 scales at `scales` (row stride `scale_stride` floats).
+struct Fp8BandTask {
+  const void* src = nullptr;
+  DType dtype = DType::kF32;
+  int64_t rows = 0, cols = 0;
+  void* weight = nullptr;
+  int64_t weight_stride = 0;
+  float* scales = nullptr;
+  int64_t scale_stride = 0;
+};
+
+// A trainer rank's rows of one band of block-FP8 weights shared with other trainer ranks (the
+// amax exchange, plan.h AmaxBand): `rows` (<= 128) x `cols` values of `dtype` (f32 / bf16 / f16)
+// at `src`, `src_stride` elements apart, whose partial amax per 128-column block goes to entry
+// `slot + column block` of the rank's partials.
+struct Fp8AmaxTask {
+  const void* src = nullptr;
+  DType dtype = DType::kF32;
+  int64_t src_stride = 0;
+  int64_t rows = 0, cols = 0;
+  int64_t slot = 0;
+};
+
+// The block-FP8 codec's steps over a packer's memory (pack.h CodecKernels): the CPU packer's
+// (host memory) and the CUDA packer's (device memory) are bit-exact with the functions above.
+class Fp8Kernels : public CodecKernels {
+ public:
+  // Quantizes every band (in memory the packer reads and writes; a non-finite value makes its
+  // block's scale NaN and bytes 0x7f) and returns, per band, the non-finite values met. Waits at
+  // most the packer's timeout. A receiver passes the same bands every sync: a device packer
+  // prepares them once.
+  virtual Result<std::vector<int64_t>> QuantizeBands(const std::vector<Fp8BandTask>& bands) = 0;
+  // The amax exchange of a trainer whose shards live in the packer's memory: each task's partial
+  // amax per 128-column block, as magnitude bits (Fp8PartialAmax's, bit for bit on finite values;
+  // a non-finite value ranks above every finite one), into out[task.slot + block]; entries of
+  // `out` (out_len of them) no task covers are zero. Waits at most the packer's timeout. A
+  // trainer passes the same tasks every sync: a device packer prepares them once.
+  virtual Status PartialAmax(const std::vector<Fp8AmaxTask>& tasks, uint32_t* out,
+                             int64_t out_len) = 0;
+};
+// The CPU packer's (host memory; fp8_kernels.cc).
+std::unique_ptr<CodecKernels> MakeCpuBlockQuantizeKernels();
 
 }  // namespace shardsync

@@ -15,6 +15,7 @@
 #include "shardsync/checksum.h"
 #include "shardsync/dtype.h"
 #include "shardsync/pack.h"
+#include "shardsync/plan.h"
 #include "shardsync/region.h"
 #include "shardsync/status.h"
 #include "shardsync/synthetic.h"
@@ -102,14 +103,16 @@ struct CopyRun {
   int64_t numel() const { return row_elems * rows; }
 };
 
-// One block-FP8 quantize op of a prepared pack (fp8_plan.h kQuantize): `rows` x `cols` trainer
+// One encoded op of a prepared pack, run by the kernels of its `encoding`'s codec (plan.h; one
+// codec per batch). Block FP8 (fp8_kernels.h, fp8_batch.cu), kQuantize: `rows` x `cols` trainer
 // values at `src` (row stride in elements; origin on the HF tensor's 128 grid; cols a multiple of
 // 8) quantized per 128 x 128 block (fp8.h) into e4m3 bytes at `weight` and fp32 block scales at
 // `scales` (row strides in elements of each), which may be a peer's memory. The checksum covers
-// the op's virtual wire image (e4m3 rows, then the scales, zero pads: Fp8WireBytes) at byte
+// the op's virtual wire image (e4m3 rows, then the scales, zero pads: fp8.h's wire bytes) at byte
 // `wire_offset` (a multiple of 8) of bucket `bucket`, as packed and as read back through the
 // receiver's own map of the same bytes (`landed_*`, this process's mapping of them).
-struct Fp8Task {
+struct EncodedTask {
+  Encoding encoding = Encoding::kQuantize;
   const void* src = nullptr;
   DType dtype = DType::kF32;  // f32, bf16 or f16
   int64_t src_stride = 0;
@@ -127,7 +130,7 @@ struct Fp8Task {
   // A kAmax op (fp8_plan.h; the amax exchange): rows <= 128 of one block row quantized with the
   // scales at `given_scales` (device memory, one per column block, read by the launch) instead
   // of their own amax; `scales` / `landed_scales` null for a holder that sends no scale section
-  // (its wire image is then the e4m3 rows alone: Fp8PartWireBytes).
+  // (its wire image is then the e4m3 rows alone: fp8.h's part wire bytes).
   const float* given_scales = nullptr;
 };
 
@@ -153,16 +156,17 @@ struct BatchSpec {
   // byte written where the receiver does not expect it changes the landed sum.
   std::vector<CopyRun> landed_runs;
   std::vector<void*> landed_sums;
-  // kPack of a block-FP8 plan (cuda_ipc pairs): quantize ops, quantized by the GPU beside the
-  // copies. With them (or a non-empty copy_bytes) `runs` and `landed_runs` tile a compact image
-  // of each bucket's copies, copy_bytes[b] long, and bucket_bytes[b] is the whole wire image the
-  // finished checksums cover; every launch must be signaled (LaunchSignaled).
-  std::vector<Fp8Task> quantize;
+  // kPack of an image codec's plan (block FP8, cuda_ipc pairs): its encoded ops, run by the
+  // codec's kernels beside the copies (CopyBatch::Prepare dispatches by encoding). With them (or
+  // a non-empty copy_bytes) `runs` and `landed_runs` tile a compact image of each bucket's copies,
+  // copy_bytes[b] long, and bucket_bytes[b] is the whole wire image the finished checksums cover;
+  // every launch must be signaled (LaunchSignaled).
+  std::vector<EncodedTask> encoded;
   std::vector<int64_t> copy_bytes;
-  // A block-FP8 pack's stage ops (raw trainer values into the receiver's staging), optional:
-  // copies of `stage_dtype` with no cast (the copies above cast to the wire dtype), whose runs and
-  // landed runs tile a compact image of each bucket's stage ops, stage_bytes[b] long (empty, or
-  // one entry per bucket). Their sums join the bucket's packed and landed sums.
+  // An image pack's stage ops (block FP8 kStage) (raw trainer values into the receiver's staging),
+  // optional: copies of `stage_dtype` with no cast (the copies above cast to the wire dtype), whose
+  // runs and landed runs tile a compact image of each bucket's stage ops, stage_bytes[b] long
+  // (empty, or one entry per bucket). Their sums join the bucket's packed and landed sums.
   DType stage_dtype = DType::kF32;
   std::vector<CopyRun> stage_runs;
   std::vector<CopyRun> stage_landed_runs;

@@ -30,30 +30,14 @@ struct PackRegion {
   int64_t wire_offset = 0;
 };
 
-// One band of block-FP8 weights an engine rank quantizes itself (plan.h StagedBand):
-// `rows` (<= 128) x `cols` raw trainer values of `dtype` (f32 / bf16 / f16) at `src`, row-major
-// and contiguous, quantized per 128 x 128 block (fp8.h) into e4m3 rows at `weight` (row stride
-// `weight_stride` bytes) and fp32 scales at `scales` (row stride `scale_stride` floats).
-struct Fp8BandTask {
-  const void* src = nullptr;
-  DType dtype = DType::kF32;
-  int64_t rows = 0, cols = 0;
-  void* weight = nullptr;
-  int64_t weight_stride = 0;
-  float* scales = nullptr;
-  int64_t scale_stride = 0;
-};
-
-// A trainer rank's rows of one band of block-FP8 weights shared with other trainer ranks (the
-// amax exchange, plan.h AmaxBand) in device memory: `rows` (<= 128) x `cols` values of
-// `dtype` (f32 / bf16 / f16) at `src`, `src_stride` elements apart, whose partial amax per
-// 128-column block goes to entry `slot + column block` of the rank's partials.
-struct Fp8AmaxTask {
-  const void* src = nullptr;
-  DType dtype = DType::kF32;
-  int64_t src_stride = 0;
-  int64_t rows = 0, cols = 0;
-  int64_t slot = 0;
+// A codec's steps that run over memory a packer reaches, besides packing (block FP8: a receiver's
+// quantize pass over staged rows, the trainers' partial amaxes: fp8.h). Each codec
+// declares its own interface deriving from this one; a packer offers the ones it implements
+// (Packer::codec_kernels) and the codec finds its own with KernelsOf. Steps take whole task
+// lists (per band, per op), never single elements.
+class CodecKernels {
+ public:
+  virtual ~CodecKernels() = default;
 };
 
 // Copies strided regions to and from contiguous wire images with the dtype cast and the checksum
@@ -93,32 +77,12 @@ class Packer {
     return std::shared_ptr<unsigned char>(new unsigned char[bytes > 0 ? bytes : 1](),
                                           std::default_delete<unsigned char[]>());
   }
-  // Quantizes every band (in memory this packer reads and writes; a non-finite value makes its
-  // block's scale NaN and bytes 0x7f) and returns, per band, the non-finite values met. Waits at
-  // most the packer's timeout. A receiver passes the same bands every sync: a device packer
-  // prepares them once. The CPU packer and the CUDA one are bit-exact with fp8.h.
-  virtual Result<std::vector<int64_t>> QuantizeBands(const std::vector<Fp8BandTask>& bands) {
-    (void)bands;
-    return UnimplementedError("packer " + std::string(name()) +
-                              " does not quantize block-FP8 bands");
-  }
-  // The amax exchange of a trainer whose shards live in this packer's memory: each task's
-  // partial amax per 128-column block, as magnitude bits (fp8.h Fp8PartialAmax's, bit for bit on
-  // finite values; a non-finite value ranks above every finite one), into
-  // out[task.slot + block]; entries of `out` (out_len of them) no task covers are zero. Waits at
-  // most the packer's timeout. A trainer passes the same tasks every sync: a device packer
-  // prepares them once.
-  virtual Status PartialAmax(const std::vector<Fp8AmaxTask>& tasks, uint32_t* out,
-                             int64_t out_len) {
-    (void)tasks;
-    (void)out;
-    (void)out_len;
-    return UnimplementedError("packer " + std::string(name()) +
-                              " does not take partial amaxes of device memory");
-  }
-  // Copies `bytes` of host memory to `dst`, memory this packer allocated (AllocStaging): the
-  // agreed block scales a prepared pair reads. Done when it returns (a wait of at most the
-  // packer's timeout).
+  // The codec steps this packer runs over its memory (none by default): KernelsOf<T> finds a
+  // codec's. Owned by the packer.
+  virtual std::vector<CodecKernels*> codec_kernels() { return {}; }
+  // Copies `bytes` of host memory to `dst`, memory this packer allocated (AllocStaging): e.g.
+  // what a codec's prepared pairs read at their launch (block FP8: the agreed block scales). Done
+  // when it returns (a wait of at most the packer's timeout).
   virtual Status Upload(void* dst, const void* src, size_t bytes) {
     (void)dst;
     (void)src;
@@ -144,5 +108,14 @@ class Packer {
     return UnimplementedError("packer " + std::string(name()) + " does not copy areas");
   }
 };
+
+// The codec kernels of type T that `packer` offers, or null.
+template <typename T>
+T* KernelsOf(Packer& packer) {
+  for (CodecKernels* k : packer.codec_kernels()) {
+    if (auto* t = dynamic_cast<T*>(k)) return t;
+  }
+  return nullptr;
+}
 
 }  // namespace shardsync

@@ -42,7 +42,7 @@ namespace shardsync {
 // Blocks shared by FSDP trainer ranks under the amax exchange (PlanOptions::fp8_split kAmax, the
 // default) are quantized on the host path and over one-sided device pairs (cuda_ipc); two-sided
 // pairs (nccl) refuse them with this tail.
-inline constexpr char kFp8AmaxOnDevice[] =
+inline constexpr char kAmaxOnDevice[] =
     "the amax exchange of shared blocks runs on the host path and over cuda_ipc pairs (the GPUs "
     "of one node, their default route), not over nccl pairs: use an FSDP size whose chunks fall "
     "on the 128 grid (`shardsync plan` shows the exchanged blocks), cuda_ipc for this pair (no "

@@ -94,30 +94,28 @@ struct RemoteRegion {
   Shape shape;
   Region dst;
 };
-// A block-FP8 quantize op of a pair's bucket (fp8_plan.h kQuantize): the sender quantizes `src`
-// (trainer values; src.wire_offset is the op's offset in the bucket's wire image) into `weight`
-// (e4m3) and `scales` (fp32 block scales) at the peer. Receivers give their own tensors as
-// `landed_weight` / `landed_scales` (the landed map) and leave the rest empty.
-// A kAmax op (rows of a block row shared with other trainer ranks) is the same with its block
-// row's scales given: `given_scales` (sender: device memory of this rank holding the agreed
-// scale of each of the op's column blocks, written before every launch; the op's own amax is not
-// taken), and `with_scales` false for the holders that send e4m3 rows only (no scale section on
-// the wire, `scales` / `landed_scales` unused).
-struct QuantizeRegion {
+// An op of a pair's bucket that is not a plain copy, with its plan.h Encoding (`encoding`, its
+// integer value: the transport layer sits below the plan's): a transport hands it to that
+// encoding's codec (its kernels: gpu.h EncodedTask) or refuses it. The fields are the codec's:
+//  - block FP8 kQuantize: the sender quantizes `src` (trainer values; src.wire_offset is the op's
+//    offset in the bucket's wire image) into `dst` (e4m3 rows) and `aux` (fp32 block scales) at
+//    the peer. Receivers give their own tensors as `landed` / `landed_aux` and leave the rest
+//    empty. kAmax (rows of a block row shared with other trainer ranks) is the same with its
+//    block row's scales given: `given` (sender: device memory of this rank holding the agreed
+//    scale of each of the op's column blocks, written before every launch; the op's own amax is
+//    not taken), and `with_aux` false for the holders that send e4m3 rows only (no scale section
+//    on the wire, `aux` / `landed_aux` unused).
+//  - block FP8 kStage: raw trainer values copied, with no cast, into the receiver's staging, which
+//    it quantizes once the sync's data is verified. `src`: the sender's source (trainer dtype) or
+//    the receiver's staging (the same dtype), its wire_offset in a compact image of the bucket's
+//    stage ops alone; `dst` (senders): where it lands at the peer.
+struct EncodedRegion {
+  uint8_t encoding = 0;
   PackRegion src;
-  RemoteRegion weight, scales;
-  PackRegion landed_weight, landed_scales;
-  const float* given_scales = nullptr;
-  bool with_scales = true;
-};
-// A block-FP8 stage op of a pair's bucket (fp8_plan.h kStage): raw trainer values copied, with no
-// cast, into the receiver's staging, which it quantizes once the sync's data is verified.
-// `local`: the sender's source (trainer dtype) or the receiver's staging (the same dtype), its
-// wire_offset in a compact image of the bucket's stage ops alone; `remote` (senders): where it
-// lands at the peer.
-struct StageRegion {
-  PackRegion local;
-  RemoteRegion remote;
+  RemoteRegion dst, aux;
+  PackRegion landed, landed_aux;
+  const float* given = nullptr;
+  bool with_aux = true;
 };
 struct PairBucket {
   int64_t bytes = 0;  // wire bytes
@@ -127,13 +125,10 @@ struct PairBucket {
   // Sender: for each of `local`, where it lands at the peer (the receiver's landed region of the
   // same wire bytes). Empty on receivers and for two-sided transports.
   std::vector<RemoteRegion> remote;
-  // Block-FP8 plans (PairSpec::fp8): the bucket's quantize ops.
-  std::vector<QuantizeRegion> quantize{};
-  // Block-FP8 plans: the bucket's stage ops.
-  std::vector<StageRegion> stage{};
-  // Block-FP8 plans: each of `local`'s byte offset in the bucket's whole wire image (its
-  // wire_offset is in the compact image of the copies), for transports that send the image
-  // itself (nccl).
+  // Image pairs (PairSpec::image): the bucket's ops that are not copies.
+  std::vector<EncodedRegion> encoded{};
+  // Image pairs: each of `local`'s byte offset in the bucket's whole wire image (its wire_offset
+  // is in the compact image of the copies), for transports that send the image itself (nccl).
   std::vector<int64_t> wire_offsets{};
 };
 struct PairSpec {
@@ -144,11 +139,11 @@ struct PairSpec {
   // Store key prefix of this pair, the same on both sides (prepare-time exchanges: cuda_ipc's
   // landed map). Unique per pair and job.
   std::string key;
-  // A block-FP8 plan's pair: each bucket's `local` / `remote` are its copy ops at wire offsets of
-  // a compact image of the copies alone (no pads, no quantize ops; `wire_offsets` their offsets in
-  // the whole image), `quantize` its quantize ops, `stage` its stage ops, and `bytes` the whole
-  // wire image. Transports that do not quantize refuse it.
-  bool fp8 = false;
+  // The pair of an image codec's plan (block FP8): each bucket's `local` / `remote` are its copy
+  // ops at wire offsets of a compact image of the copies alone (no pads, no encoded ops;
+  // `wire_offsets` their offsets in the whole image), `encoded` its other ops, and `bytes` the
+  // whole wire image. Transports refuse an encoding they have no codec kernels for.
+  bool image = false;
 };
 // Per bucket, the finished checksum (checksum.h) of the wire image as packed, and as landed
 // where this side knows it: the sender of cuda_ipc reads every landed word back through the

@@ -445,7 +445,7 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
                                   " blocks of block-FP8 weights are shared by trainer ranks (FSDP "
                                   "chunks off the 128-row grid) and --transport nccl cannot "
                                   "quantize them with the amax exchange; " +
-                                  kFp8AmaxOnDevice + " (--transport auto)");
+                                  kAmaxOnDevice + " (--transport auto)");
     }
   } else {
     SS_RETURN_IF_ERROR(SummarizePlan(in).status());

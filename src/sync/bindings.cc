@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "sync/fp8_outline.h"
+#include "sync/codec.h"
 
 namespace shardsync::sync_internal {
 namespace {
@@ -40,7 +40,7 @@ Status Bindings::Init() {
   // ExpectedParams says what BindDest accepts: the wire dtype (block FP8: e4m3 weights and fp32
   // scales), not the config's dtype the shard map carries (issue 36: with wire_dtype fp32 it said
   // BF16, and binding what it described was refused).
-  for (EngineParam& p : shards_.params) p.dtype = Fp8DestDType(p, in.options.wire_dtype);
+  for (EngineParam& p : shards_.params) p.dtype = BoundDType(in, p);
   for (size_t i = 0; i < shards_.params.size(); ++i) param_index_[shards_.params[i].name] = i;
   dests_.resize(shards_.params.size());
   // Megatron senders: both ends cut transfers where the sender's local regions stop being
@@ -168,10 +168,10 @@ Status Bindings::BindDest(const DestBinding& b) {
                                 ShapeToString(p.shape));
   }
   const DType wire = ctx_.in.options.wire_dtype;
-  if (ctx_.quantized() && b.dtype != Fp8DestDType(p, wire)) {
+  if (ctx_.quantized() && b.dtype != BoundDType(ctx_.in, p)) {
     return InvalidArgumentError("destination binding '" + b.name + "': dtype " +
                                 std::string(DTypeName(b.dtype)) + ", the block-FP8 engine holds " +
-                                std::string(DTypeName(Fp8DestDType(p, wire))));
+                                std::string(DTypeName(BoundDType(ctx_.in, p))));
   }
   if (!ctx_.quantized() && b.dtype != wire) {
     return InvalidArgumentError("destination binding '" + b.name + "': dtype " +
@@ -210,7 +210,7 @@ Status Bindings::BindDest(const DestBinding& b) {
 }
 
 Status Bindings::Check() const {
-  if (ctx_.quantized()) return CheckFp8Bindings(ctx_, *this);
+  if (ctx_.quantized()) return CheckEncodedBindings(ctx_, *this);
   const RankPlan& plan = ctx_.plan;
   const std::string me = "sync rank " + std::to_string(ctx_.rank);
   if (ctx_.who.is_trainer && trainer_.megatron) {

@@ -4,7 +4,9 @@
 
 namespace shardsync::sync_internal {
 
-Status CheckFp8Bindings(const SessionContext& ctx, const Bindings& bindings) {
+DType BlockQuantizeBoundDType(const EngineParam& p, DType wire) { return Fp8DestDType(p, wire); }
+
+Status CheckBlockQuantizeBindings(const SessionContext& ctx, const Bindings& bindings) {
   const RankPlan& plan = ctx.plan;
   const std::string me = RankName(ctx.rank);
   if (bindings.megatron_sender()) {

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "shardsync/fp8.h"
 #include "shardsync/fp8_plan.h"
 #include "sync/context.h"
 #include "sync/transfers.h"
@@ -20,7 +21,7 @@ class Bindings;
 
 // Connect's binding check for FP8 sessions: every source an op reads bound and holding the op's
 // region; every parameter, scale and staged band an op writes inside its binding.
-Status CheckFp8Bindings(const SessionContext& ctx, const Bindings& bindings);
+Status CheckBlockQuantizeBindings(const SessionContext& ctx, const Bindings& bindings);
 
 // Staged bands over prepared pairs (device memory, docs/fp8.md): the sender writes each stage op's
 // raw rows straight into the receiver's staging, which the receiver quantizes once the sync's
@@ -41,14 +42,6 @@ std::vector<Fp8BandTask> Fp8BandTasks(const RankPlan& plan, const std::vector<De
 // band, as Packer::QuantizeBands returns), or OK.
 Status Fp8BandsStatus(int rank, const RankPlan& plan, const std::vector<DestBinding>& dests,
                       const std::vector<int64_t>& bad);
-
-// How the host path cuts a bucket's wire image into transfers (both ends call it): pieces of at
-// most kMaxTransferBytes, in wire order. fn(offset, length).
-template <typename Fn>
-void ForEachFp8Transfer(int64_t bytes, Fn&& fn) {
-  const auto step = static_cast<int64_t>(kMaxTransferBytes);
-  for (int64_t at = 0; at < bytes; at += step) fn(at, std::min(step, bytes - at));
-}
 
 // NotFound / DataLoss text helpers shared by the FP8 parts: "sync rank R".
 inline std::string RankName(int rank) { return "sync rank " + std::to_string(rank); }

@@ -17,7 +17,6 @@ std::string PreparedPairs::PairKey(int src, int dst) const {
 
 Status PreparedPairs::Prepare(const Bindings& bindings, PeerShapes& shapes,
                               const std::map<int, uint32_t>& regbase, Clock::time_point deadline) {
-  if (ctx_.quantized()) return PrepareFp8(bindings, shapes, regbase, deadline);
   const RankPlan& plan = ctx_.plan;
   const DType wire = ctx_.in.options.wire_dtype;
   const int mem = bindings.BoundMem();
@@ -26,27 +25,23 @@ Status PreparedPairs::Prepare(const Bindings& bindings, PeerShapes& shapes,
   auto left = [&] {
     return std::max(Millis(1), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
   };
+  SS_RETURN_IF_ERROR(codec_.PreparePairs(bindings, [&](int peer) { return Prepared(peer, mem); }));
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
     const Message& m = plan.recvs[mi];
     if (!Prepared(m.src, mem)) continue;
     PairSpec spec{m.src, /*send=*/false, wire, {}, PairKey(m.src, ctx_.rank)};
-    for (const Bucket& b : m.buckets) {
-      spec.buckets.push_back({b.bytes, bindings.LandedRegions(m, b), {}});
-    }
+    spec.image = !codec_.in_place();
+    for (const Bucket& b : m.buckets) spec.buckets.push_back(codec_.RecvBucket(bindings, m, b));
     SS_ASSIGN_OR_RETURN(recv_[mi], ctx_.tx.Prepare(ctx_.store, spec, left()));
   }
   for (size_t mi = 0; mi < plan.sends.size(); ++mi) {
     const Message& m = plan.sends[mi];
     if (!Prepared(m.dst, mem)) continue;
     PairSpec spec{m.dst, /*send=*/true, wire, {}, PairKey(ctx_.rank, m.dst)};
+    spec.image = !codec_.in_place();
+    const uint32_t base = regbase.at(m.dst);
     for (const Bucket& b : m.buckets) {
-      PairBucket pb{b.bytes, bindings.SourceRegions(m, b), {}};
-      for (int i = b.op_begin; i < b.op_end; ++i) {
-        const TransferOp& op = m.ops[i];
-        pb.remote.push_back({regbase.at(m.dst) + static_cast<uint32_t>(op.param), 0,
-                             shapes.Get(m.dst, op.param), op.dst});
-      }
-      spec.buckets.push_back(std::move(pb));
+      spec.buckets.push_back(codec_.SendBucket(bindings, shapes, m, b, base));
     }
     SS_ASSIGN_OR_RETURN(send_[mi], ctx_.tx.Prepare(ctx_.store, spec, left()));
   }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "sync/bindings.h"
+#include "sync/codec.h"
 #include "sync/context.h"
 #include "sync/guard.h"
 
@@ -17,7 +18,8 @@ namespace shardsync::sync_internal {
 
 class PreparedPairs {
  public:
-  PreparedPairs(const SessionContext& ctx, SyncGuard& guard) : ctx_(ctx), guard_(guard) {}
+  PreparedPairs(const SessionContext& ctx, SyncGuard& guard, Codec& codec)
+      : ctx_(ctx), guard_(guard), codec_(codec) {}
 
   // Every pair whose transport prepares transfers over the memory this rank's bindings live in
   // gets its slice compiled now. Receivers first: they publish what their senders read
@@ -25,20 +27,14 @@ class PreparedPairs {
   Status Prepare(const Bindings& bindings, PeerShapes& shapes,
                  const std::map<int, uint32_t>& regbase, Clock::time_point deadline);
 
-  // Block-FP8 engine ranks whose parameters live in device memory and whose plan stages bands:
-  // allocates the plan's staging_bytes with the packer (device memory beside the parameters) for
-  // the senders to write raw rows into, and returns it for RegisterParams; null for every other
-  // rank (host receivers stage on the host path, fp8_recv.h). Before Connect.
-  Result<const MemRegion*> AllocStaging(const Bindings& bindings);
-  // Receiver, after FinishRecvs verified every checksum: quantizes every staged band from the
-  // staging into its e4m3 rows and scales (the packer's kernel; a bounded wait); DataLoss naming
-  // the parameter of a band with non-finite values. No-op without staging.
-  Status QuantizeStaged();
-  // Block-FP8 trainers whose prepared pairs carry amax ops (blocks shared with other trainer
-  // ranks): whether they do, and the agreed scales (fp8_send.h ExchangeAmax, plan slot order)
-  // copied into the device memory those pairs' launches read. Must precede PostSends.
-  bool has_amax_sends() const { return amax_scales_ != nullptr; }
-  Status UploadAmaxScales(const std::vector<float>& scales);
+  // Receivers, before Connect registers their parameters: device memory the codec's pairs write
+  // into besides them (Codec::AllocPairStaging), returned for RegisterParams; null for none.
+  Result<const MemRegion*> AllocStaging(const Bindings& bindings) {
+    return codec_.AllocPairStaging(bindings);
+  }
+  // Receiver, after FinishRecvs verified every checksum: the codec's last step over device memory
+  // (Codec::AfterPairsVerified; block FP8: the staged bands quantized, a bounded wait).
+  Status AfterVerified() { return codec_.AfterPairsVerified(); }
 
   // Whether send / recv message `mi` of the plan runs as a prepared pair.
   bool sends(size_t mi) const { return send_[mi] != nullptr; }
@@ -61,19 +57,6 @@ class PreparedPairs {
 
  private:
   using Pairs = std::vector<std::unique_ptr<PreparedPair>>;
-  // Prepare for block-FP8 plans (fp8_pairs.cc): quantize ops as PairBucket::quantize.
-  Status PrepareFp8(const Bindings& bindings, PeerShapes& shapes,
-                    const std::map<int, uint32_t>& regbase, Clock::time_point deadline);
-  // FP8 ops prepared pairs do not run (amax-exchanged blocks; staged bands without device
-  // staging), refused naming the tensor before any pair is prepared.
-  Status RefuseUnbuiltFp8(const Bindings& bindings) const;
-  // Trainers with amax ops over prepared pairs: device memory (the packer's) for the agreed
-  // scales of every shared block, and each band's slot in it.
-  Status AllocAmaxScales(const Bindings& bindings);
-  // One bucket of an FP8 message as the receiver's / the sender's PairBucket.
-  PairBucket Fp8RecvBucket(const Bindings& bindings, const Message& m, const Bucket& b) const;
-  PairBucket Fp8SendBucket(const Bindings& bindings, PeerShapes& shapes, const Message& m,
-                           const Bucket& b, uint32_t base) const;
   // Whether the pair with `peer` runs as a prepared pair (see Prepare).
   bool Prepared(int peer, int mem) const;
   std::string PairKey(int src, int dst) const;
@@ -90,19 +73,9 @@ class PreparedPairs {
 
   const SessionContext& ctx_;
   SyncGuard& guard_;
+  Codec& codec_;
   // By send / recv message index (null: the message goes the host path).
   Pairs send_, recv_;
-  // Block-FP8 receivers with staged bands in device memory (AllocStaging): the staging, its
-  // registration and the bands' quantize tasks over it.
-  std::shared_ptr<unsigned char> staging_;
-  MemRegion staging_region_;
-  std::vector<Fp8BandTask> bands_;
-  const Bindings* bindings_ = nullptr;
-  // Trainers with amax ops over prepared pairs (AllocAmaxScales): the agreed scales' device
-  // memory, and per band (tensor, first row) its first block's index there.
-  std::shared_ptr<unsigned char> amax_buf_;
-  float* amax_scales_ = nullptr;
-  std::map<std::pair<int32_t, int64_t>, int64_t> amax_slot_;
 };
 
 }  // namespace shardsync::sync_internal

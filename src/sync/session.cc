@@ -5,8 +5,8 @@
 // The session composes parts with one job each (docs/architecture.md walks a sync through them):
 // identity.h (the job this rank joins), bindings.h (bindings and their checks), connect.h
 // (agreement at Connect), pairs.h (prepared device pairs), host_send.h / host_recv.h (the host
-// data path and bucket verification), verdicts.h (the job-wide report) and guard.h (every wait,
-// the abort key, the peers' liveness).
+// data path and bucket verification, with the plan's codec: codec.h), verdicts.h (the job-wide
+// report) and guard.h (every wait, the abort key, the peers' liveness).
 #include "shardsync/session.h"
 
 #include <chrono>
@@ -16,10 +16,9 @@
 #include "shardsync/settings.h"
 
 #include "sync/bindings.h"
+#include "sync/codec.h"
 #include "sync/connect.h"
 #include "sync/context.h"
-#include "sync/fp8_recv.h"
-#include "sync/fp8_send.h"
 #include "sync/guard.h"
 #include "sync/harness.h"
 #include "sync/host_recv.h"
@@ -36,19 +35,6 @@ namespace {
 using sync_internal::Clock;
 using sync_internal::Trace;
 
-// The host data path for the session's plan (host_path.h): the block-FP8 codec's for a quantized
-// model, whose ops carry its encodings; the copy path otherwise.
-std::unique_ptr<sync_internal::HostSendPath> MakeHostSend(const sync_internal::SessionContext& ctx,
-                                                          sync_internal::SyncGuard& guard) {
-  if (ctx.quantized()) return std::make_unique<sync_internal::Fp8HostSender>(ctx, guard);
-  return std::make_unique<sync_internal::HostSender>(ctx, guard);
-}
-std::unique_ptr<sync_internal::HostRecvPath> MakeHostRecv(const sync_internal::SessionContext& ctx,
-                                                          sync_internal::SyncGuard& guard) {
-  if (ctx.quantized()) return std::make_unique<sync_internal::Fp8HostReceiver>(ctx, guard);
-  return std::make_unique<sync_internal::HostReceiver>(ctx, guard);
-}
-
 class SessionImpl final : public SyncSession {
  public:
   SessionImpl(PlanInputs in, int rank, SyncRank who, RankPlan plan, StoreClient& store,
@@ -56,15 +42,16 @@ class SessionImpl final : public SyncSession {
       : ctx_(std::move(in), rank, who, std::move(plan), store, tx, std::move(opt),
              std::move(launch)),
         hooks_(std::move(hooks)),
+        codec_(sync_internal::MakeCodec(ctx_)),
         identity_(ctx_),
         presence_(ctx_),
         bindings_(ctx_),
         shapes_(ctx_),
         guard_(ctx_),
         verdicts_(ctx_, guard_),
-        pairs_(ctx_, guard_),
-        host_send_(MakeHostSend(ctx_, guard_)),
-        host_recv_(MakeHostRecv(ctx_, guard_)),
+        pairs_(ctx_, guard_, *codec_),
+        host_send_(ctx_, guard_, *codec_),
+        host_recv_(ctx_, guard_, *codec_),
         staged_(ctx_, guard_) {}
   ~SessionImpl() override {
     identity_.Leave();
@@ -203,8 +190,8 @@ class SessionImpl final : public SyncSession {
     SS_RETURN_IF_ERROR(pairs_.Prepare(bindings_, shapes_, regbase, deadline));
     SS_RETURN_IF_ERROR(verdicts_.Open(deadline));
     guard_.set_board(verdicts_.board());
-    SS_RETURN_IF_ERROR(host_send_->Prepare(bindings_, shapes_, pairs_, std::move(regbase)));
-    SS_RETURN_IF_ERROR(host_recv_->Prepare(bindings_, pairs_));
+    SS_RETURN_IF_ERROR(host_send_.Prepare(bindings_, shapes_, pairs_, std::move(regbase)));
+    SS_RETURN_IF_ERROR(host_recv_.Prepare(bindings_, pairs_));
     // 6. Nobody contested the job while it connected (identity.h): it is whole.
     SS_RETURN_IF_ERROR(identity_.Seal(guard_, deadline));
     connected_ = true;
@@ -322,10 +309,10 @@ class SessionImpl final : public SyncSession {
     // Block FP8 with blocks shared by trainer ranks whose prepared pairs quantize them (cuda_ipc):
     // the holders agree on the blocks' scales before the pairs launch, which read them (a rank's
     // pairs launch as one kernel, so none goes earlier). Plans without such pairs skip this.
-    const bool exchange_first = host_send_->exchanges() && pairs_.has_amax_sends();
+    const bool exchange_first = host_send_.exchanges() && codec_->pairs_read_exchange();
     if (exchange_first) {
       SS_RETURN_IF_ERROR(enter());
-      SS_RETURN_IF_ERROR(host_send_->ExchangeAmax());
+      SS_RETURN_IF_ERROR(host_send_.Exchange());
     }
     SS_RETURN_IF_ERROR(pairs_.PostSends(signals));
     std::vector<std::string> ready;
@@ -337,9 +324,9 @@ class SessionImpl final : public SyncSession {
     }
     // Block FP8 with blocks shared by trainer ranks: their holders agree on the blocks' scales
     // first (one store value per holder), while the receivers get ready.
-    if (host_send_->exchanges() && !exchange_first) {
+    if (host_send_.exchanges() && !exchange_first) {
       SS_RETURN_IF_ERROR(enter());
-      SS_RETURN_IF_ERROR(host_send_->ExchangeAmax());
+      SS_RETURN_IF_ERROR(host_send_.Exchange());
     }
     if (!ready.empty()) SS_RETURN_IF_ERROR(enter());
     SS_RETURN_IF_ERROR(guard_
@@ -355,10 +342,10 @@ class SessionImpl final : public SyncSession {
           [&] { return std::to_string(ready.size()) + " ready keys in"; });
     // Prepared pairs (device memory) go first: their device work overlaps the host path below.
     SS_RETURN_IF_ERROR(pairs_.PostSends([&](size_t mi) { return !signals(mi); }));
-    if (host_send_->has_buckets()) {
+    if (host_send_.has_buckets()) {
       SS_RETURN_IF_ERROR(enter());
     }
-    SS_RETURN_IF_ERROR(host_send_->Send(st));
+    SS_RETURN_IF_ERROR(host_send_.Send(st));
     SS_RETURN_IF_ERROR(pairs_.FinishSends(st, enter));
     SS_RETURN_IF_ERROR(enter());
     // A send can complete here while its protocol tail (e.g. a rendezvous put's completion
@@ -389,10 +376,11 @@ class SessionImpl final : public SyncSession {
     SS_RETURN_IF_ERROR(ctx_.store.SetMany(
         {{ctx_.Key("cur/" + std::to_string(ctx_.rank)), std::to_string(guard_.version())},
          {ctx_.Key(guard_.VKey("ready/") + std::to_string(ctx_.rank)), "1"}}));
-    SS_RETURN_IF_ERROR(host_recv_->Receive(st));
+    SS_RETURN_IF_ERROR(host_recv_.Receive(st));
     SS_RETURN_IF_ERROR(pairs_.FinishRecvs(st, bindings_));
-    // Block FP8: bands staged over device pairs are quantized from verified bytes only.
-    SS_RETURN_IF_ERROR(pairs_.QuantizeStaged());
+    // The codec's step after verification (block FP8: bands staged over device pairs are
+    // quantized from verified bytes only).
+    SS_RETURN_IF_ERROR(pairs_.AfterVerified());
     // Completing a receive can leave protocol messages to the sender (e.g. a rendezvous ack)
     // queued on this side; flush them out before this rank stops driving the transport.
     std::vector<XferId> flushes;
@@ -409,6 +397,9 @@ class SessionImpl final : public SyncSession {
   // Declaration order is construction order: every part refers to ctx_ (and most to guard_).
   sync_internal::SessionContext ctx_;
   HarnessHooks hooks_;
+  // What the session does with the plan's encodings (codec.h): the host path's pack and land
+  // steps, the pairs' buckets.
+  std::unique_ptr<sync_internal::Codec> codec_;
   sync_internal::JobIdentity identity_;
   sync_internal::Presence presence_;
   sync_internal::Bindings bindings_;
@@ -416,9 +407,9 @@ class SessionImpl final : public SyncSession {
   sync_internal::SyncGuard guard_;
   sync_internal::VerdictExchange verdicts_;
   sync_internal::PreparedPairs pairs_;
-  // The host path, chosen by the plan's encodings (host_path.h).
-  std::unique_ptr<sync_internal::HostSendPath> host_send_;
-  std::unique_ptr<sync_internal::HostRecvPath> host_recv_;
+  // The host path: one loop each way, with the plan's codec.
+  sync_internal::HostSender host_send_;
+  sync_internal::HostReceiver host_recv_;
   sync_internal::StagedCommit staged_;
   bool connected_ = false;
   bool poisoned_ = false;

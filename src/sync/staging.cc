@@ -6,7 +6,7 @@
 #include <cstdio>
 
 #include "shardsync/shard_map.h"
-#include "sync/fp8_outline.h"
+#include "sync/codec.h"
 
 namespace shardsync {
 namespace {
@@ -16,12 +16,12 @@ namespace {
 constexpr int64_t kAlign = 256;
 
 // Offsets of `params` in one area, in the dtypes they are bound in; returns the area's bytes.
-int64_t Layout(const std::vector<EngineParam>& params, DType wire, bool fp8,
+int64_t Layout(const std::vector<EngineParam>& params, const PlanInputs& in,
                std::vector<int64_t>* offsets) {
   int64_t at = 0;
   for (const EngineParam& p : params) {
     if (offsets) offsets->push_back(at);
-    const DType t = fp8 ? Fp8DestDType(p, wire) : wire;
+    const DType t = sync_internal::BoundDType(in, p);
     at += (p.numel() * DTypeSize(t) + kAlign - 1) / kAlign * kAlign;
   }
   return at;
@@ -39,8 +39,7 @@ Result<int64_t> StagingBytes(const PlanInputs& inputs, int rank) {
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(inputs, rank));
   if (who.is_trainer) return int64_t{0};
   SS_ASSIGN_OR_RETURN(ShardMap map, BuildShardMap(inputs.model, inputs.rollout.shard));
-  return Layout(map.rank(who.tp_rank, who.pp_rank).params, inputs.options.wire_dtype,
-                inputs.model.quant.has_value(), nullptr);
+  return Layout(map.rank(who.tp_rank, who.pp_rank).params, inputs, nullptr);
 }
 
 namespace sync_internal {
@@ -75,7 +74,7 @@ Status StagedCommit::Prepare(Bindings& bindings) {
   if (!on()) return OkStatus();
   live_ = bindings.dests();
   offsets_.clear();
-  total_ = Layout(bindings.expected(), ctx_.in.options.wire_dtype, ctx_.quantized(), &offsets_);
+  total_ = Layout(bindings.expected(), ctx_.in, &offsets_);
   const MemKind mem = live_.empty() ? MemKind::kHost : live_[0].mem;
   const std::string kind = mem == MemKind::kCuda ? "device" : "host";
   if (ctx_.opt.staging && *ctx_.opt.staging != mem) {

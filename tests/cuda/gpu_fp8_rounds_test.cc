@@ -153,7 +153,8 @@ TEST(GpuFp8Rounds, SenderSlotReceiverEqualTheHostPathByteForByte) {
     qoff[2] = place(Fp8WireBytes(256, 384));
     const int64_t bytes = at;
 
-    // The host path's image of the round (fp8_send.cc: Fp8QuantizePack, cast copies, zero pads).
+    // The host path's image of the round (fp8_host_pack.cc: Fp8QuantizePack, cast copies, zero
+    // pads).
     std::vector<uint8_t> want(bytes, 0);
     int64_t want_bad = 0;
     for (int q = 0; q < 3; ++q) {
@@ -202,27 +203,29 @@ TEST(GpuFp8Rounds, SenderSlotReceiverEqualTheHostPathByteForByte) {
     }
     for (int q = 0; q < 3; ++q) {
       const Quant& op = quants[q];
-      QuantizeRegion s;
+      EncodedRegion s;
+      s.encoding = static_cast<uint8_t>(Encoding::kQuantize);
       s.src = {op.src->dev->data(), td, op.src->shape, op.region, qoff[q]};
-      send.quantize.push_back(s);
-      QuantizeRegion r;
-      r.landed_weight = {op.w->dev->data(), DType::kF8E4M3, op.w->shape, op.wdst, qoff[q]};
-      r.landed_scales = {op.s->dev->data(), DType::kF32, op.s->shape, op.sdst, 0};
-      recv.quantize.push_back(r);
+      send.encoded.push_back(s);
+      EncodedRegion r;
+      r.encoding = static_cast<uint8_t>(Encoding::kQuantize);
+      r.landed = {op.w->dev->data(), DType::kF8E4M3, op.w->shape, op.wdst, qoff[q]};
+      r.landed_aux = {op.s->dev->data(), DType::kF32, op.s->shape, op.sdst, 0};
+      recv.encoded.push_back(r);
     }
     SS_ASSERT_OK_AND_ASSIGN(auto slot, DeviceBuffer::Allocate(bytes, 0));
     SS_ASSERT_OK_AND_ASSIGN(auto rslot, DeviceBuffer::Allocate(bytes, 0));
-    SS_ASSERT_OK_AND_ASSIGN(auto zeros, DeviceBuffer::Allocate(kFp8RoundScratchBytes, 0));
-    SS_ASSERT_OK_AND_ASSIGN(auto sink, DeviceBuffer::Allocate(kFp8RoundScratchBytes, 0));
-    SS_ASSERT_OK(Memset(zeros->data(), 0, kFp8RoundScratchBytes));
+    SS_ASSERT_OK_AND_ASSIGN(auto zeros, DeviceBuffer::Allocate(kImageRoundScratchBytes, 0));
+    SS_ASSERT_OK_AND_ASSIGN(auto sink, DeviceBuffer::Allocate(kImageRoundScratchBytes, 0));
+    SS_ASSERT_OK(Memset(zeros->data(), 0, kImageRoundScratchBytes));
     // A slot another round used: every byte of this round must be written.
     SS_ASSERT_OK(Memset(slot->data(), 0xcd, bytes));
     SS_ASSERT_OK(Memset(rslot->data(), 0x5a, bytes));
     SS_ASSERT_OK_AND_ASSIGN(
-        Fp8SendRound sender,
-        PrepareFp8SendRound(send, wire, slot->data(), zeros->data(), 0, "test sender"));
+        ImageSendRound sender,
+        PrepareImageSendRound(send, wire, slot->data(), zeros->data(), 0, "test sender"));
     SS_ASSERT_OK_AND_ASSIGN(
-        auto receiver, PrepareFp8RecvRound(recv, wire, rslot->data(), sink->data(), 0, "test"));
+        auto receiver, PrepareImageRecvRound(recv, wire, rslot->data(), sink->data(), 0, "test"));
     SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
     auto round = [&]() -> Status {
       SS_RETURN_IF_ERROR(sender.pack->Launch(stream->handle()));
@@ -293,35 +296,38 @@ TEST(GpuFp8Rounds, MalformedRoundsAreRefused) {
   Tensor a = MakeTensor(DType::kF32, {128, 128}, 4);
   SS_ASSERT_OK(Upload(a));
   SS_ASSERT_OK_AND_ASSIGN(auto slot, DeviceBuffer::Allocate(1 << 16, 0));
-  SS_ASSERT_OK_AND_ASSIGN(auto zeros, DeviceBuffer::Allocate(kFp8RoundScratchBytes, 0));
-  SS_ASSERT_OK(Memset(zeros->data(), 0, kFp8RoundScratchBytes));
+  SS_ASSERT_OK_AND_ASSIGN(auto zeros, DeviceBuffer::Allocate(kImageRoundScratchBytes, 0));
+  SS_ASSERT_OK(Memset(zeros->data(), 0, kImageRoundScratchBytes));
   PairBucket b;
   b.bytes = Fp8WireBytes(128, 128) + 256;
-  QuantizeRegion q;
+  EncodedRegion q;
+  q.encoding = static_cast<uint8_t>(Encoding::kQuantize);
   q.src = {a.dev->data(), DType::kF32, a.shape, Region::Make({0, 0}, {128, 128}), 0};
-  b.quantize.push_back(q);
+  b.encoded.push_back(q);
   b.local.push_back({a.dev->data(), DType::kF32, a.shape, Region::Make({0, 0}, {1, 64}), 0});
   b.wire_offsets.push_back(8);  // inside the quantize op's bytes
-  auto r = PrepareFp8SendRound(b, DType::kBF16, slot->data(), zeros->data(), 0, "round 7");
+  auto r = PrepareImageSendRound(b, DType::kBF16, slot->data(), zeros->data(), 0, "round 7");
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("round 7"), std::string::npos) << r.status().ToString();
   b.wire_offsets.clear();
   EXPECT_EQ(
-      PrepareFp8SendRound(b, DType::kBF16, slot->data(), zeros->data(), 0, "r").status().code(),
+      PrepareImageSendRound(b, DType::kBF16, slot->data(), zeros->data(), 0, "r").status().code(),
       StatusCode::kInvalidArgument);
   b.wire_offsets.push_back(Fp8WireBytes(128, 128));  // fits: accepted
-  EXPECT_TRUE(PrepareFp8SendRound(b, DType::kBF16, slot->data(), zeros->data(), 0, "r").ok());
-  b.stage.push_back({});
+  EXPECT_TRUE(PrepareImageSendRound(b, DType::kBF16, slot->data(), zeros->data(), 0, "r").ok());
+  EncodedRegion staged;
+  staged.encoding = static_cast<uint8_t>(Encoding::kStage);
+  b.encoded.push_back(staged);
   EXPECT_EQ(
-      PrepareFp8SendRound(b, DType::kBF16, slot->data(), zeros->data(), 0, "r").status().code(),
+      PrepareImageSendRound(b, DType::kBF16, slot->data(), zeros->data(), 0, "r").status().code(),
       StatusCode::kUnimplemented);
   // A receiver's copy target in f32 while the wire is bf16.
   PairBucket rb;
   rb.bytes = 256;
   rb.local.push_back({a.dev->data(), DType::kF32, a.shape, Region::Make({0, 0}, {1, 64}), 0});
   rb.wire_offsets.push_back(0);
-  auto rr = PrepareFp8RecvRound(rb, DType::kBF16, slot->data(), zeros->data(), 0, "round 3");
+  auto rr = PrepareImageRecvRound(rb, DType::kBF16, slot->data(), zeros->data(), 0, "round 3");
   ASSERT_FALSE(rr.ok());
   EXPECT_NE(rr.status().message().find("wire dtype"), std::string::npos) << rr.status().ToString();
 }

@@ -205,7 +205,7 @@ TEST(GpuFp8, PreparedBatchQuantizesIntoStridedDestinations) {
     auto cpu = Fp8QuantizePack(pr, wire.data() + at);
     ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
     want += cpu->sum;
-    Fp8Task t;
+    EncodedTask t;
     t.src = static_cast<const uint8_t*>(dsrc[op.s == &a ? 0 : 1]->data()) +
             (op.r0 * op.s->cols + op.c0) * es;
     t.dtype = op.s->dtype;
@@ -221,7 +221,7 @@ TEST(GpuFp8, PreparedBatchQuantizesIntoStridedDestinations) {
     t.landed_scales = t.scales;
     t.landed_scale_stride = SC;
     t.wire_offset = at;
-    spec.quantize.push_back(t);
+    spec.encoded.push_back(t);
     at += Fp8WireBytes(op.rows, op.cols);
   }
   spec.bucket_bytes.push_back(at + 4096);  // the copies' bytes, pads: the plan's whole bucket
@@ -263,7 +263,7 @@ TEST(GpuFp8, PreparedBatchQuantizesIntoStridedDestinations) {
   EXPECT_EQ(batch->Signaled(), 2u);
   EXPECT_EQ(batch->NonFinite(), std::vector<int64_t>{1});
   // A map that reads op 1's rows one row off: the landed sum no longer matches.
-  spec.quantize[1].landed_weight = static_cast<const uint8_t*>(spec.quantize[1].weight) + W;
+  spec.encoded[1].landed_weight = static_cast<const uint8_t*>(spec.encoded[1].weight) + W;
   SS_ASSERT_OK_AND_ASSIGN(auto off, CopyBatch::Prepare(spec, 0));
   SS_ASSERT_OK(off->LaunchSignaled(stream->handle(), 1));
   SS_ASSERT_OK(stream->Synchronize(Millis(20000), "fp8 batch"));
@@ -271,7 +271,7 @@ TEST(GpuFp8, PreparedBatchQuantizesIntoStridedDestinations) {
   SS_ASSERT_OK_AND_ASSIGN(auto off_sums, off->Checksums());
   EXPECT_NE(ChecksumFinish(off_landed[0], spec.bucket_bytes[0]), off_sums[0]);
   // Malformed ops are refused.
-  spec.quantize[1].cols = 764;  // not a multiple of 8
+  spec.encoded[1].cols = 764;  // not a multiple of 8
   EXPECT_EQ(CopyBatch::Prepare(spec, 0).status().code(), StatusCode::kInvalidArgument);
 }
 
@@ -337,7 +337,7 @@ TEST(GpuFp8, PreparedBatchRunsManyBlocksPerCta) {
       }
       want_w.push_back(std::move(ew));
       want_s.push_back(std::move(esc));
-      Fp8Task t;
+      EncodedTask t;
       t.src = static_cast<const uint8_t*>(src_of(op.s)) + (op.r0 * op.s->cols + op.c0) * es;
       t.dtype = dtype;
       t.src_stride = op.s->cols;
@@ -354,7 +354,7 @@ TEST(GpuFp8, PreparedBatchRunsManyBlocksPerCta) {
       t.bucket = op.bucket;
       t.wire_offset = at[op.bucket];
       at[op.bucket] += Fp8WireBytes(op.rows, op.cols);
-      spec.quantize.push_back(t);
+      spec.encoded.push_back(t);
       dw.push_back(std::move(w));
       ds.push_back(std::move(sc));
     }
@@ -440,7 +440,7 @@ TEST(GpuFp8, PreparedBatchStagesRawValuesUnderTheSameSums) {
   spec.landed_runs.push_back(landed);
   spec.landed_sums.push_back(lsum->data());
   spec.copy_bytes.push_back(n_copy * 2);
-  Fp8Task t;
+  EncodedTask t;
   t.src = dq->data();
   t.dtype = DType::kBF16;
   t.src_stride = 256;
@@ -454,7 +454,7 @@ TEST(GpuFp8, PreparedBatchStagesRawValuesUnderTheSameSums) {
   t.landed_weight_stride = 256;
   t.landed_scales = t.scales;
   t.landed_scale_stride = 2;
-  spec.quantize.push_back(t);
+  spec.encoded.push_back(t);
   // The stage op: 96 rows of 256 f32, as two strided runs (rows [0, 40) and [40, 96)).
   spec.stage_dtype = DType::kF32;
   for (int64_t r0 : {int64_t{0}, int64_t{40}}) {
@@ -510,8 +510,8 @@ TEST(GpuFp8, PreparedBatchStagesRawValuesUnderTheSameSums) {
   EXPECT_FALSE(CopyBatch::Prepare(spec, 0).ok());
 }
 
-// A receiver's quantize pass over its staged bands (Packer::QuantizeBands): the CUDA packer (the
-// prepared FP8 batch over local memory) against the CPU packer (fp8.h), bit for bit, in e4m3
+// A receiver's quantize pass over its staged bands (Fp8Kernels::QuantizeBands): the CUDA packer
+// (the prepared FP8 batch over local memory) against the CPU packer (fp8.h), bit for bit, in e4m3
 // bytes, scales and per-band non-finite counts; f32 and bf16 bands of 128 and 64 rows into strided
 // weights, one band with a NaN; a replay gives the same.
 TEST(GpuFp8, CudaPackerQuantizesStagedBandsLikeTheCpu) {
@@ -535,15 +535,16 @@ TEST(GpuFp8, CudaPackerQuantizesStagedBandsLikeTheCpu) {
   std::vector<uint8_t> host_src(f.host);
   host_src.insert(host_src.end(), b.host.begin(), b.host.end());
   auto cpu_packer = MakeCpuPacker();
-  auto want_bad = cpu_packer->QuantizeBands(
-      bands(host_src.data(), hw.data(), reinterpret_cast<float*>(hs.data())));
+  auto want_bad =
+      KernelsOf<Fp8Kernels>(*cpu_packer)
+          ->QuantizeBands(bands(host_src.data(), hw.data(), reinterpret_cast<float*>(hs.data())));
   ASSERT_TRUE(want_bad.ok()) << want_bad.status().ToString();
   EXPECT_EQ(*want_bad, (std::vector<int64_t>{0, 1}));  // the test's own premise: seed 6 has a NaN
   auto packer = MakeCudaPacker(0, Millis(20000));
   for (int rep = 0; rep < 2; ++rep) {
-    auto bad = packer->QuantizeBands(bands(static_cast<uint8_t*>(dsrc->data()),
-                                           static_cast<uint8_t*>(dw->data()),
-                                           static_cast<float*>(ds->data())));
+    auto bad = KernelsOf<Fp8Kernels>(*packer)->QuantizeBands(
+        bands(static_cast<uint8_t*>(dsrc->data()), static_cast<uint8_t*>(dw->data()),
+              static_cast<float*>(ds->data())));
     ASSERT_TRUE(bad.ok()) << bad.status().ToString();
     EXPECT_EQ(*bad, *want_bad);
     std::vector<uint8_t> gw(hw.size()), gs(hs.size());
@@ -587,7 +588,7 @@ TEST(GpuFp8, AmaxExchangePartsMatchTheCpuAndTheWholeBlock) {
       std::vector<uint32_t> out(len, 0xdeadbeef);
       Fp8AmaxTask t{
           static_cast<const uint8_t*>(dsrc->data()) + h.r0 * C * es, dtype, C, h.rows, C, slot};
-      Status st = packer->PartialAmax({t}, out.data(), len);
+      Status st = KernelsOf<Fp8Kernels>(*packer)->PartialAmax({t}, out.data(), len);
       EXPECT_TRUE(st.ok()) << st.ToString();
       for (int64_t i = 0; i < len; ++i) {
         if (i < slot || i >= slot + nbc) {
@@ -632,7 +633,7 @@ TEST(GpuFp8, AmaxExchangePartsMatchTheCpuAndTheWholeBlock) {
       ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
       EXPECT_EQ(cpu->nonfinite, 0);
       want_sum += cpu->sum;
-      Fp8Task t;
+      EncodedTask t;
       t.src = static_cast<const uint8_t*>(dsrc->data()) + h.r0 * C * es;
       t.dtype = dtype;
       t.src_stride = C;
@@ -650,7 +651,7 @@ TEST(GpuFp8, AmaxExchangePartsMatchTheCpuAndTheWholeBlock) {
       }
       t.given_scales = static_cast<const float*>(dscales->data());
       t.wire_offset = at;
-      spec.quantize.push_back(t);
+      spec.encoded.push_back(t);
       at += bytes;
     }
     spec.bucket_bytes.push_back(at);
@@ -729,7 +730,7 @@ TEST(GpuFp8, PreparedBatchRefusesMalformedAmaxTasks) {
   spec.mode = BatchMode::kPack;
   spec.copy_bytes.push_back(0);
   spec.bucket_bytes.push_back(1 << 18);
-  Fp8Task t;
+  EncodedTask t;
   t.src = p;
   t.dtype = DType::kF32;
   t.src_stride = 256;
@@ -740,11 +741,11 @@ TEST(GpuFp8, PreparedBatchRefusesMalformedAmaxTasks) {
   t.landed_weight = t.weight;
   t.landed_weight_stride = 256;
   t.given_scales = reinterpret_cast<const float*>(p + (1 << 19) + (1 << 18));
-  spec.quantize.push_back(t);
+  spec.encoded.push_back(t);
   EXPECT_EQ(CopyBatch::Prepare(spec, 0).status().code(), StatusCode::kInvalidArgument);
-  spec.quantize[0].rows = 128;
+  spec.encoded[0].rows = 128;
   EXPECT_TRUE(CopyBatch::Prepare(spec, 0).ok());  // e4m3 rows alone, scales given
-  spec.quantize[0].given_scales = nullptr;
+  spec.encoded[0].given_scales = nullptr;
   EXPECT_EQ(CopyBatch::Prepare(spec, 0).status().code(), StatusCode::kInvalidArgument);
 }
 

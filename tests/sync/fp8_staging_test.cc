@@ -154,7 +154,7 @@ TEST(Fp8Staging, SendersPlaceStagedRowsWhereTheReceiverQuantizesThem) {
       EXPECT_EQ(rx.written, want) << "engine rank " << e;
       const auto tasks = sync_internal::Fp8BandTasks(rx.plan, rx.bound.bindings, rx.staging.data());
       ASSERT_EQ(tasks.size(), rx.plan.staged.size());
-      auto bad = packer->QuantizeBands(tasks);
+      auto bad = KernelsOf<Fp8Kernels>(*packer)->QuantizeBands(tasks);
       ASSERT_TRUE(bad.ok()) << bad.status().ToString();
       EXPECT_EQ(*bad, std::vector<int64_t>(tasks.size(), 0));
       EXPECT_TRUE(sync_internal::Fp8BandsStatus(e, rx.plan, rx.bound.bindings, *bad).ok());
@@ -210,7 +210,7 @@ TEST(Fp8Staging, NonFiniteStagedValueIsDataLossNamingTheParameter) {
   const float nan = std::nanf("");
   std::memcpy(rx.staging.data() + b.staging_offset + 4 * 37, &nan, 4);
   const auto tasks = sync_internal::Fp8BandTasks(rx.plan, rx.bound.bindings, rx.staging.data());
-  auto bad = MakeCpuPacker()->QuantizeBands(tasks);
+  auto bad = KernelsOf<Fp8Kernels>(*MakeCpuPacker())->QuantizeBands(tasks);
   ASSERT_TRUE(bad.ok());
   EXPECT_EQ((*bad)[0], 0);
   EXPECT_EQ((*bad)[1], 1);
@@ -237,7 +237,7 @@ TEST(Fp8Staging, CpuPackerTakesPartialAmaxesAndUploads) {
   std::vector<Fp8AmaxTask> tasks = {{x.data() + 128 * cols, DType::kF32, cols, 22, cols, 1},
                                     {x.data() + 150 * cols, DType::kF32, cols, 50, cols, 5}};
   std::vector<uint32_t> out(9, 0xdeadbeef);
-  ASSERT_TRUE(packer->PartialAmax(tasks, out.data(), 9).ok());
+  ASSERT_TRUE(KernelsOf<Fp8Kernels>(*packer)->PartialAmax(tasks, out.data(), 9).ok());
   std::vector<uint32_t> want(9, 0);
   for (const Fp8AmaxTask& t : tasks) {
     const int64_t r0 = (static_cast<const float*>(t.src) - x.data()) / cols;
@@ -248,7 +248,8 @@ TEST(Fp8Staging, CpuPackerTakesPartialAmaxesAndUploads) {
   EXPECT_EQ(out[0], 0u);
   EXPECT_TRUE(Fp8AmaxBitsFinite(out[1]) && Fp8AmaxBitsFinite(out[3]));
   EXPECT_FALSE(Fp8AmaxBitsFinite(out[7]));  // the NaN: rank 150's task, column block 2
-  EXPECT_EQ(packer->PartialAmax(tasks, out.data(), 7).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(KernelsOf<Fp8Kernels>(*packer)->PartialAmax(tasks, out.data(), 7).code(),
+            StatusCode::kInvalidArgument);
   const float scales[3] = {1.5f, 2.5f, 3.5f};
   float dst[3] = {};
   ASSERT_TRUE(packer->Upload(dst, scales, sizeof(scales)).ok());

@@ -58,12 +58,13 @@ inline void TraceLaunch(const char* what, size_t buckets) {
 class IpcSendPair;
 class CudaIpcTransport;
 
-// Block-FP8 pairs (cuda_ipc_fp8.cc). Receiver: its own map of every quantize op of `spec`, as a
-// store value. Sender: the quantize ops of `spec` as Fp8Tasks of `bs` (mapped through the
+// Image pairs' encoded ops, by the codec of their encoding (block FP8: fp8_ipc.cc). Receiver:
+// its own map of every encoded op of `spec`, as a store value. Sender: those ops as EncodedTasks
+// of `bs` (mapped through the
 // receiver's map `blob`), and each bucket's compact copy image size (BatchSpec::copy_bytes).
-Result<std::string> Fp8LandedMap(const CudaIpcTransport& t, const PairSpec& spec);
-Status AddFp8Tasks(CudaIpcTransport& t, const PairSpec& spec, const std::string& blob,
-                   BatchSpec* bs);
+Result<std::string> EncodedLandedMap(const CudaIpcTransport& t, const PairSpec& spec);
+Status AddEncodedTasks(CudaIpcTransport& t, const PairSpec& spec, const std::string& blob,
+                       BatchSpec* bs);
 
 // The send pairs' batches as one: buckets renumbered after each other's, in member order, landed
 // sums to `lsum` (8 bytes per bucket; none when null). Nullopt when they do not share one

@@ -28,7 +28,7 @@ std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, vo
   m.mode = first.mode;
   m.in_dtype = first.in_dtype;
   m.out_dtype = first.out_dtype;
-  bool fp8 = false, staged = false;
+  bool image = false, staged = false;
   for (const IpcSendPair* p : members) {
     const BatchSpec& s = p->spec();
     if (s.mode != m.mode || s.in_dtype != m.in_dtype || s.out_dtype != m.out_dtype) {
@@ -37,14 +37,14 @@ std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, vo
     const auto base = static_cast<int32_t>(m.bucket_bytes.size());
     AppendRenumbered(s.runs, base, &m.runs);
     AppendRenumbered(s.landed_runs, base, &m.landed_runs);
-    for (Fp8Task q : s.quantize) {
+    for (EncodedTask q : s.encoded) {
       q.bucket += base;
-      m.quantize.push_back(q);
+      m.encoded.push_back(q);
     }
     // Block-FP8 pairs' copies tile a compact image of each bucket; a plain pair's tile it all.
     const auto& copies = s.copy_bytes.empty() ? s.bucket_bytes : s.copy_bytes;
     m.copy_bytes.insert(m.copy_bytes.end(), copies.begin(), copies.end());
-    fp8 = fp8 || !s.copy_bytes.empty();
+    image = image || !s.copy_bytes.empty();
     // Block-FP8 stage ops (raw trainer values into the receivers' staging): zero bytes for the
     // buckets of pairs without any.
     if (!s.stage_bytes.empty()) {
@@ -67,7 +67,7 @@ std::optional<BatchSpec> MergeSpecs(const std::vector<IpcSendPair*>& members, vo
     }
     m.bucket_bytes.insert(m.bucket_bytes.end(), s.bucket_bytes.begin(), s.bucket_bytes.end());
   }
-  if (!fp8) m.copy_bytes.clear();
+  if (!image) m.copy_bytes.clear();
   if (!staged) m.stage_bytes.clear();
   for (size_t b = 0; lsum && b < m.bucket_bytes.size(); ++b) {
     m.landed_sums.push_back(static_cast<unsigned char*>(lsum) + 8 * b);

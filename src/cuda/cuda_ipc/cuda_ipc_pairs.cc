@@ -342,16 +342,26 @@ Status LandedRuns(CudaIpcTransport& t, const PairSpec& spec, const std::string& 
   return OkStatus();
 }
 
+// Stage ops (kStage encoded regions: raw values, no cast, into the receiver's staging) travel as
+// plain copies of a compact image of their own, whatever codec staged them.
+bool IsStage(const EncodedRegion& r) {
+  return static_cast<Encoding>(r.encoding) == Encoding::kStage;
+}
+
 bool HasStage(const PairSpec& spec) {
   for (const PairBucket& b : spec.buckets) {
-    if (!b.stage.empty()) return true;
+    for (const EncodedRegion& r : b.encoded) {
+      if (IsStage(r)) return true;
+    }
   }
   return false;
 }
 
 std::vector<PackRegion> StageLocals(const PairSpec& spec, size_t b) {
   std::vector<PackRegion> v;
-  for (const StageRegion& r : spec.buckets[b].stage) v.push_back(r.local);
+  for (const EncodedRegion& r : spec.buckets[b].encoded) {
+    if (IsStage(r)) v.push_back(r.src);
+  }
   return v;
 }
 
@@ -359,14 +369,15 @@ std::vector<PackRegion> StageLocals(const PairSpec& spec, size_t b) {
 // of a compact image of them, read back through the receiver's staging map.
 Status AddStageRuns(CudaIpcTransport& t, StoreClient& store, const PairSpec& spec, Millis timeout,
                     BatchSpec* bs) {
-  const std::string who = "cuda_ipc: block-FP8 pair with rank " + std::to_string(spec.peer);
+  const std::string who = "cuda_ipc: image pair with rank " + std::to_string(spec.peer);
   bool first = true;
   for (size_t b = 0; b < spec.buckets.size(); ++b) {
     int64_t bytes = 0;
-    for (size_t i = 0; i < spec.buckets[b].stage.size(); ++i) {
-      const StageRegion& sr = spec.buckets[b].stage[i];
-      const PackRegion& l = sr.local;
-      const RemoteRegion& r = sr.remote;
+    size_t i = 0;
+    for (const EncodedRegion& sr : spec.buckets[b].encoded) {
+      if (!IsStage(sr)) continue;
+      const PackRegion& l = sr.src;
+      const RemoteRegion& r = sr.dst;
       if (first) bs->stage_dtype = l.dtype;
       first = false;
       const int es = DTypeSize(l.dtype);
@@ -383,6 +394,7 @@ Status AddStageRuns(CudaIpcTransport& t, StoreClient& store, const PairSpec& spe
       AppendCoRuns(l.region, l.shape, l.base, es, r.dst, r.shape, base, es, es,
                    static_cast<int32_t>(b), l.wire_offset, &bs->stage_runs);
       bytes += l.region.numel() * es;
+      ++i;
     }
     bs->stage_bytes.push_back(bytes);
   }
@@ -404,15 +416,16 @@ Result<std::unique_ptr<PreparedPair>> CudaIpcTransport::Prepare(StoreClient& sto
                         LandedMap(*this, spec, spec.wire, kLandedMagic,
                                   [&](size_t b) { return spec.buckets[b].local; }));
     SS_RETURN_IF_ERROR(store.Set(spec.key + "landed", blob));
-    if (spec.fp8) {
-      SS_ASSIGN_OR_RETURN(std::string fp8, Fp8LandedMap(*this, spec));
-      SS_RETURN_IF_ERROR(store.Set(spec.key + "fp8map", fp8));
+    if (spec.image) {
+      SS_ASSIGN_OR_RETURN(std::string enc, EncodedLandedMap(*this, spec));
+      SS_RETURN_IF_ERROR(store.Set(spec.key + "encmap", enc));
     }
-    if (spec.fp8 && HasStage(spec)) {  // only pairs with stage ops publish (and read) it
+    if (spec.image && HasStage(spec)) {  // only pairs with stage ops publish (and read) it
       DType stage_dtype = DType::kF32;
-      for (const PairBucket& b : spec.buckets) {
-        if (!b.stage.empty()) {
-          stage_dtype = b.stage[0].local.dtype;
+      for (size_t b = 0; b < spec.buckets.size(); ++b) {
+        const std::vector<PackRegion> locals = StageLocals(spec, b);
+        if (!locals.empty()) {
+          stage_dtype = locals[0].dtype;
           break;
         }
       }
@@ -456,12 +469,15 @@ Result<std::unique_ptr<PreparedPair>> CudaIpcTransport::Prepare(StoreClient& sto
                    static_cast<int32_t>(b), l.wire_offset, &bs.runs);
     }
   }
-  if (spec.fp8) {  // quantize ops, and each bucket's compact copy image
-    SS_ASSIGN_OR_RETURN(std::string fp8, store.Get(spec.key + "fp8map", timeout));
-    SS_RETURN_IF_ERROR(AddFp8Tasks(*this, spec, fp8, &bs));
+  if (spec.image) {  // the codec's encoded ops, and each bucket's compact copy image
+    SS_ASSIGN_OR_RETURN(std::string enc, store.Get(spec.key + "encmap", timeout));
+    SS_RETURN_IF_ERROR(AddEncodedTasks(*this, spec, enc, &bs));
     if (HasStage(spec)) SS_RETURN_IF_ERROR(AddStageRuns(*this, store, spec, timeout, &bs));
-  } else if (HasStage(spec)) {
-    return InvalidArgumentError(who + ": stage ops outside a block-FP8 pair");
+  } else {
+    for (const PairBucket& pb : spec.buckets) {
+      if (!pb.encoded.empty())
+        return InvalidArgumentError(who + ": encoded ops outside an image pair");
+    }
   }
   // The receiver's map, read back through its regions.
   SS_ASSIGN_OR_RETURN(std::string blob, store.Get(spec.key + "landed", timeout));

@@ -51,8 +51,8 @@ bool CudaIpcTransport::Shareable(const std::vector<IpcSendPair*>& members) {
   auto publish = [&]() -> Status {
     std::optional<BatchSpec> spec = MergeSpecs(members, nullptr);
     if (!spec) return InvalidArgumentError("the pairs' dtypes differ");
-    // Block-FP8 batches (quantize and stage ops) keep to their own launches under the turn.
-    if (!spec->quantize.empty() || !spec->copy_bytes.empty() || !spec->stage_runs.empty() ||
+    // Image batches (encoded and stage ops: block FP8) keep to their own launches under the turn.
+    if (!spec->encoded.empty() || !spec->copy_bytes.empty() || !spec->stage_runs.empty() ||
         !spec->stage_bytes.empty()) {
       return FailedPreconditionError("block-FP8 batches are not shared");
     }

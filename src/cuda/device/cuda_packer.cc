@@ -11,9 +11,8 @@
 #include <vector>
 
 #include "cuda/cuda_util.h"
+#include "cuda/device/packer_access.h"
 #include "cuda/kernels/area_kernels.h"
-#include "cuda/kernels/fp8_kernels.h"
-#include "shardsync/fp8.h"
 #include "shardsync/gpu.h"
 #include "shardsync/pack.h"
 
@@ -46,11 +45,11 @@ std::string Key(char mode, const std::vector<PackRegion>& regions, const void* b
   return k;
 }
 
-class CudaPacker final : public Packer {
+class CudaPacker final : public Packer, public PackerAccess {
  public:
   CudaPacker(int device, Millis timeout) : device_(device), timeout_(timeout) {}
   ~CudaPacker() override {
-    amax_.clear();
+    block_quantize_.reset();
     if (pinned_) cudaFreeHost(pinned_);
     if (quiesce_) cudaEventDestroy(quiesce_);
     if (stream_) cudaStreamDestroy(stream_);
@@ -115,97 +114,12 @@ class CudaPacker final : public Packer {
     return s;
   }
 
-  // A prepared block-FP8 batch (fp8_batch.cu, the sessions' quantize kernel) over the bands, one
-  // bucket each so a non-finite count names its band; the e4m3 words are "read back" from where
-  // they were written (local memory: nothing else to check). Prepared once per set of bands.
-  Result<std::vector<int64_t>> QuantizeBands(const std::vector<Fp8BandTask>& bands) override {
-    SS_RETURN_IF_ERROR(Init());
-    if (bands.empty()) return std::vector<int64_t>{};
-    std::string key(1, 'q');  // field by field: no padding bytes in the key
-    for (const Fp8BandTask& b : bands) {
-      const int64_t f[] = {reinterpret_cast<int64_t>(b.src),
-                           static_cast<int64_t>(b.dtype),
-                           b.rows,
-                           b.cols,
-                           reinterpret_cast<int64_t>(b.weight),
-                           b.weight_stride,
-                           reinterpret_cast<int64_t>(b.scales),
-                           b.scale_stride};
-      key.append(reinterpret_cast<const char*>(f), sizeof(f));
-    }
-    auto it = cache_.find(key);
-    if (it == cache_.end()) {
-      BatchSpec spec;
-      spec.mode = BatchMode::kPack;
-      for (size_t i = 0; i < bands.size(); ++i) {
-        const Fp8BandTask& b = bands[i];
-        Fp8Task t;
-        t.src = b.src;
-        t.dtype = b.dtype;
-        t.src_stride = b.cols;
-        t.rows = b.rows;
-        t.cols = b.cols;
-        t.weight = b.weight;
-        t.weight_stride = b.weight_stride;
-        t.scales = b.scales;
-        t.scale_stride = b.scale_stride;
-        t.landed_weight = b.weight;
-        t.landed_weight_stride = b.weight_stride;
-        t.landed_scales = b.scales;
-        t.landed_scale_stride = b.scale_stride;
-        t.bucket = static_cast<int32_t>(i);
-        t.wire_offset = 0;
-        spec.quantize.push_back(t);
-        spec.bucket_bytes.push_back(Fp8WireBytes(b.rows, b.cols));
-        spec.copy_bytes.push_back(0);
-      }
-      auto batch = CopyBatch::Prepare(spec, device_);
-      if (!batch.ok()) {
-        Status e = batch.status();
-        return e.Annotate("cuda packer: quantizing " + std::to_string(bands.size()) +
-                          " staged block-FP8 bands");
-      }
-      if (cache_.size() > 4096) cache_.clear();
-      it = cache_.emplace(key, std::move(batch).value()).first;
-    }
-    SS_RETURN_IF_ERROR(it->second->Launch(stream_));
-    SS_RETURN_IF_ERROR(Wait());
-    return it->second->NonFinite();
-  }
-
-  // The amax exchange's partials (fp8_amax.cu), prepared once per set of tasks.
-  Status PartialAmax(const std::vector<Fp8AmaxTask>& tasks, uint32_t* out,
-                     int64_t out_len) override {
-    SS_RETURN_IF_ERROR(Init());
-    std::string key(1, 'a');
-    key.append(reinterpret_cast<const char*>(&out_len), sizeof(out_len));
-    std::vector<Fp8AmaxPart> parts;
-    for (const Fp8AmaxTask& t : tasks) {
-      const int64_t f[] = {reinterpret_cast<int64_t>(t.src),
-                           static_cast<int64_t>(t.dtype),
-                           t.src_stride,
-                           t.rows,
-                           t.cols,
-                           t.slot};
-      key.append(reinterpret_cast<const char*>(f), sizeof(f));
-      parts.push_back({t.src, t.dtype, t.src_stride, t.rows, t.cols, t.slot});
-    }
-    auto it = amax_.find(key);
-    if (it == amax_.end()) {
-      auto batch = Fp8AmaxBatch::Prepare(parts, out_len, device_);
-      if (!batch.ok()) {
-        Status e = batch.status();
-        return e.Annotate("cuda packer: partial amaxes of " + std::to_string(tasks.size()) +
-                          " shared block-FP8 bands");
-      }
-      if (amax_.size() > 64) amax_.clear();
-      it = amax_.emplace(key, std::move(batch).value()).first;
-    }
-    SS_RETURN_IF_ERROR(it->second->Launch(stream_));
-    SS_RETURN_IF_ERROR(Wait());
-    if (out_len > 0) std::memcpy(out, it->second->host(), static_cast<size_t>(out_len) * 4);
-    return OkStatus();
-  }
+  // The codecs' steps over device memory (pack.h CodecKernels; packer_access.h), one per codec
+  // that has any, sharing this packer's stream and bounded wait.
+  std::vector<CodecKernels*> codec_kernels() override { return {block_quantize_.get()}; }
+  Status Ready() override { return Init(); }
+  int device() const override { return device_; }
+  void* stream() override { return stream_; }
 
   // Through a pinned buffer, so the copy is stream-ordered and waited for with the bound (a
   // pageable copy may return before the bytes land: cuda_util.h UploadBlocking).
@@ -302,7 +216,7 @@ class CudaPacker final : public Packer {
     return OkStatus();
   }
 
-  Status Wait() {
+  Status Wait() override {
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     while (true) {
       const cudaError_t e = cudaStreamQuery(stream_);
@@ -386,8 +300,8 @@ class CudaPacker final : public Packer {
   int sm_count_ = 0;
   cudaEvent_t quiesce_ = nullptr;
   std::map<std::string, std::unique_ptr<CopyBatch>> cache_;
-  std::map<std::string, std::unique_ptr<Fp8AmaxBatch>> amax_;  // PartialAmax's, by tasks
-  void* pinned_ = nullptr;                                     // Upload's buffer
+  std::unique_ptr<CodecKernels> block_quantize_ = MakeCudaBlockQuantizeKernels(*this);
+  void* pinned_ = nullptr;  // Upload's buffer
   size_t pinned_bytes_ = 0;
 };
 

@@ -513,8 +513,26 @@ class CopyBatchImpl final : public CopyBatch {
 }  // namespace
 }  // namespace kernels
 
+namespace {
+
+// An image batch (encoded ops, or a compact image of copies) is its codec's: the encoding of its
+// ops picks the kernels, one codec per batch. Block FP8 (kQuantize, kAmax; fp8_batch.cu) also
+// runs an image's copies and stage copies alone.
+Result<std::unique_ptr<CopyBatch>> PrepareEncoded(const BatchSpec& spec, int device) {
+  for (size_t i = 0; i < spec.encoded.size(); ++i) {
+    const Encoding e = spec.encoded[i].encoding;
+    if (e != Encoding::kQuantize && e != Encoding::kAmax) {
+      return InvalidArgumentError("copy batch: encoded op " + std::to_string(i) + " of encoding '" +
+                                  std::string(EncodingName(e)) + "', which no GPU codec runs");
+    }
+  }
+  return PrepareBlockQuantizeBatch(spec, device);
+}
+
+}  // namespace
+
 Result<std::unique_ptr<CopyBatch>> CopyBatch::Prepare(const BatchSpec& spec, int device) {
-  if (!spec.quantize.empty() || !spec.copy_bytes.empty()) return PrepareFp8Batch(spec, device);
+  if (!spec.encoded.empty() || !spec.copy_bytes.empty()) return PrepareEncoded(spec, device);
   auto b = std::make_unique<kernels::CopyBatchImpl>();
   SS_RETURN_IF_ERROR(b->Init(spec, device));
   return std::unique_ptr<CopyBatch>(std::move(b));

@@ -1,6 +1,6 @@
 // Prepared block-FP8 packs (gpu.h BatchSpec::quantize): the quantize ops of a cuda_ipc pair's
 // buckets (and its amax ops: rows of a block row quantized with the scales their holders agreed
-// on, Fp8Task::given_scales), replayed every sync beside the pair's copies. The quantize kernel
+// on, EncodedTask::given_scales), replayed every sync beside the pair's copies. The quantize kernel
 // (PipeKernel) reads the trainer's values once into shared-memory stages, reduces each 128 x 128
 // block's amax, writes the e4m3 words straight into the peer's weight and the scale into its
 // weight_scale_inv, and sums every word it wrote twice: as packed, and as read back (from L2)
@@ -55,7 +55,7 @@ class Fp8Batch final : public CopyBatch {
     }
     SS_CUDA(cudaSetDevice(device), "fp8 batch: cudaSetDevice");
     std::vector<PTask> tasks;
-    for (size_t i = 0; i < spec.quantize.size(); ++i) {
+    for (size_t i = 0; i < spec.encoded.size(); ++i) {
       SS_ASSIGN_OR_RETURN(PTask t, Check(spec, i));
       t.block_begin = blocks_;
       dtype_ = i == 0 ? t.dtype : (dtype_ == t.dtype ? dtype_ : -1);
@@ -66,7 +66,7 @@ class Fp8Batch final : public CopyBatch {
       tasks.push_back(t);
     }
     BatchSpec copies = spec;
-    copies.quantize.clear();
+    copies.encoded.clear();
     copies.copy_bytes.clear();
     copies.stage_runs.clear();
     copies.stage_landed_runs.clear();
@@ -184,7 +184,7 @@ class Fp8Batch final : public CopyBatch {
   }
 
   Result<PTask> Check(const BatchSpec& spec, size_t i) const {
-    const Fp8Task& q = spec.quantize[i];
+    const EncodedTask& q = spec.encoded[i];
     const std::string who = "fp8 batch: quantize op " + std::to_string(i);
     const int code = q.dtype == DType::kF32    ? 0
                      : q.dtype == DType::kBF16 ? 1
@@ -358,7 +358,7 @@ class Fp8Batch final : public CopyBatch {
 
 }  // namespace
 
-Result<std::unique_ptr<CopyBatch>> PrepareFp8Batch(const BatchSpec& spec, int device) {
+Result<std::unique_ptr<CopyBatch>> PrepareBlockQuantizeBatch(const BatchSpec& spec, int device) {
   auto b = std::make_unique<Fp8Batch>();
   SS_RETURN_IF_ERROR(b->Init(spec, device));
   return std::unique_ptr<CopyBatch>(std::move(b));

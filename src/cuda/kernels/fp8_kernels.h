@@ -37,10 +37,11 @@ struct Fp8DeviceResult {
 // ops whose column count is not a multiple of 8, whose words span blocks). Bit-identical with
 // Fp8QuantizePack (fp8.h). Synchronous: for tests and the first device path; a prepared,
 // asynchronous launch belongs to the device session.
-// A prepared pack with quantize ops (BatchSpec::quantize or copy_bytes; fp8_batch.cu), which
-// CopyBatch::Prepare hands such specs to. Every launch must be signaled for the cuda_ipc pairs;
-// a plain Launch also works (the sums are read after the stream passed it).
-Result<std::unique_ptr<CopyBatch>> PrepareFp8Batch(const BatchSpec& spec, int device);
+// The block-FP8 codec's prepared pack (BatchSpec::encoded of kQuantize / kAmax ops, or
+// copy_bytes; fp8_batch.cu), which CopyBatch::Prepare hands such specs to. Every launch must be
+// signaled for the cuda_ipc pairs; a plain Launch also works (the sums are read after the stream
+// passed it).
+Result<std::unique_ptr<CopyBatch>> PrepareBlockQuantizeBatch(const BatchSpec& spec, int device);
 
 // The amax exchange over device pairs (fp8_amax.cu): a trainer rank's rows of one shared band
 // (pack.h Fp8AmaxTask): rows (<= 128) x cols values at `src`, `src_stride` elements apart,

@@ -80,11 +80,24 @@ void ByteRuns(const Region& r, const Shape& shape, const void* base, int es, uns
   }
 }
 
+// Whether `r` is one of the block-FP8 codec's quantize ops (kQuantize, kAmax).
+bool Quantizes(const EncodedRegion& r) {
+  const auto e = static_cast<Encoding>(r.encoding);
+  return e == Encoding::kQuantize || e == Encoding::kAmax;
+}
+
 Status CheckCopies(const PairBucket& b, const std::string& who) {
-  if (!b.stage.empty()) {
-    return UnimplementedError(who +
-                              ": stage ops (rows straddling trainer ranks) need a one-sided "
-                              "pair into the receiver's staging");
+  for (const EncodedRegion& r : b.encoded) {
+    if (static_cast<Encoding>(r.encoding) == Encoding::kStage) {
+      return UnimplementedError(who +
+                                ": stage ops (rows straddling trainer ranks) need a one-sided "
+                                "pair into the receiver's staging");
+    }
+    if (!Quantizes(r)) {
+      return UnimplementedError(who + ": an op of encoding '" +
+                                std::string(EncodingName(static_cast<Encoding>(r.encoding))) +
+                                "', which the block-FP8 rounds do not carry");
+    }
   }
   if (b.wire_offsets.size() != b.local.size()) {
     return InvalidArgumentError(who + ": " + std::to_string(b.local.size()) + " copy ops and " +
@@ -95,8 +108,9 @@ Status CheckCopies(const PairBucket& b, const std::string& who) {
 
 }  // namespace
 
-Result<Fp8SendRound> PrepareFp8SendRound(const PairBucket& b, DType wire, void* slot,
-                                         const void* zeros, int device, const std::string& who) {
+Result<ImageSendRound> PrepareImageSendRound(const PairBucket& b, DType wire, void* slot,
+                                             const void* zeros, int device,
+                                             const std::string& who) {
   SS_RETURN_IF_ERROR(CheckCopies(b, who));
   auto* s = static_cast<unsigned char*>(slot);
   const int ws = DTypeSize(wire);
@@ -121,18 +135,18 @@ Result<Fp8SendRound> PrepareFp8SendRound(const PairBucket& b, DType wire, void* 
     covered.push_back({off, n});
     compact += n;
   }
-  for (size_t i = 0; i < b.quantize.size(); ++i) {
-    const QuantizeRegion& q = b.quantize[i];
+  for (const EncodedRegion& q : b.encoded) {
     const int64_t off = q.src.wire_offset;
     const std::string op = who + ": quantize op at byte " + std::to_string(off);
     SS_ASSIGN_OR_RETURN(Matrix m, MatrixOf(q.src, op));
     if (off < 0 || off % 8 != 0) return InvalidArgumentError(op + ": not on 8 bytes");
     // The session refuses amax ops over nccl pairs before preparing them (sync/fp8_pairs.cc).
-    if (q.given_scales || !q.with_scales) {
+    if (q.given || !q.with_aux) {
       return UnimplementedError(op + ": amax-exchanged rows do not cross nccl pairs");
     }
     const int64_t e4m3 = m.rows * m.cols, nbc = Fp8Blocks(m.cols);
-    Fp8Task t;
+    EncodedTask t;
+    t.encoding = Encoding::kQuantize;
     t.src = static_cast<const unsigned char*>(q.src.base) + m.start * DTypeSize(q.src.dtype);
     t.dtype = q.src.dtype;
     t.src_stride = m.stride;
@@ -148,7 +162,7 @@ Result<Fp8SendRound> PrepareFp8SendRound(const PairBucket& b, DType wire, void* 
     t.landed_scale_stride = t.scale_stride;
     t.bucket = 0;
     t.wire_offset = off;
-    bs.quantize.push_back(t);
+    bs.encoded.push_back(t);
     covered.push_back({off, e4m3});
     covered.push_back({off + AlignUp8(e4m3), Fp8Blocks(m.rows) * nbc * 4});
   }
@@ -156,7 +170,7 @@ Result<Fp8SendRound> PrepareFp8SendRound(const PairBucket& b, DType wire, void* 
   // rounds whose ops sit elsewhere. Pads are wire elements (copy ops end on one, scale sections on
   // 4 bytes), cast from zeros of the trainer dtype like the copies.
   SS_ASSIGN_OR_RETURN(std::vector<Piece> gaps, GapsOf(covered, b.bytes, who));
-  const int64_t per = kFp8RoundScratchBytes / ts;
+  const int64_t per = kImageRoundScratchBytes / ts;
   for (const Piece& g : gaps) {
     if (g.at % ws != 0 || g.len % ws != 0) {
       return InvalidArgumentError(who + ": pad [" + std::to_string(g.at) + ", " +
@@ -174,7 +188,7 @@ Result<Fp8SendRound> PrepareFp8SendRound(const PairBucket& b, DType wire, void* 
     }
   }
   bs.copy_bytes = {compact};
-  Fp8SendRound round;
+  ImageSendRound round;
   SS_ASSIGN_OR_RETURN(round.pack, CopyBatch::Prepare(bs, device));
   BatchSpec v;
   v.mode = BatchMode::kVerify;
@@ -188,9 +202,9 @@ Result<Fp8SendRound> PrepareFp8SendRound(const PairBucket& b, DType wire, void* 
   return round;
 }
 
-Result<std::unique_ptr<CopyBatch>> PrepareFp8RecvRound(const PairBucket& b, DType wire,
-                                                       const void* slot, void* sink, int device,
-                                                       const std::string& who) {
+Result<std::unique_ptr<CopyBatch>> PrepareImageRecvRound(const PairBucket& b, DType wire,
+                                                         const void* slot, void* sink, int device,
+                                                         const std::string& who) {
   SS_RETURN_IF_ERROR(CheckCopies(b, who));
   auto* s = static_cast<unsigned char*>(const_cast<void*>(slot));
   const int ws = DTypeSize(wire);
@@ -212,12 +226,12 @@ Result<std::unique_ptr<CopyBatch>> PrepareFp8RecvRound(const PairBucket& b, DTyp
     ByteRuns(r.region, r.shape, r.base, ws, s + off, off, /*unpack=*/true, &bs.runs);
     covered.push_back({off, r.region.numel() * ws});
   }
-  for (size_t i = 0; i < b.quantize.size(); ++i) {
-    const PackRegion& w = b.quantize[i].landed_weight;
-    const PackRegion& sc = b.quantize[i].landed_scales;
+  for (const EncodedRegion& q : b.encoded) {
+    const PackRegion& w = q.landed;
+    const PackRegion& sc = q.landed_aux;
     const int64_t off = w.wire_offset;
     const std::string op = who + ": quantize op at byte " + std::to_string(off);
-    if (!b.quantize[i].with_scales) {
+    if (!q.with_aux) {
       return UnimplementedError(op + ": amax-exchanged rows do not cross nccl pairs");
     }
     if (w.dtype != DType::kF8E4M3 || sc.dtype != DType::kF32 || off < 0 || off % 8 != 0) {
@@ -237,11 +251,11 @@ Result<std::unique_ptr<CopyBatch>> PrepareFp8RecvRound(const PairBucket& b, DTyp
   }
   SS_ASSIGN_OR_RETURN(std::vector<Piece> gaps, GapsOf(covered, b.bytes, who));
   for (const Piece& g : gaps) {  // pads: summed like every byte, landed nowhere
-    for (int64_t e = 0; e < g.len; e += kFp8RoundScratchBytes) {
+    for (int64_t e = 0; e < g.len; e += kImageRoundScratchBytes) {
       CopyRun p;
       p.in = s + g.at + e;
       p.out = sink;
-      p.row_elems = std::min(kFp8RoundScratchBytes, g.len - e);
+      p.row_elems = std::min(kImageRoundScratchBytes, g.len - e);
       p.wire_offset = g.at + e;
       bs.runs.push_back(p);
     }

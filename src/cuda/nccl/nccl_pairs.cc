@@ -9,11 +9,11 @@
 // polls one event at the end. Checksums: the sender's pack and the receiver's unpack kernels sum
 // the wire image of each round.
 //
-// Block-FP8 pairs (PairSpec::fp8) send each round as the plan's FP8 wire image (fp8_rounds.h): the
-// sender's prepared FP8 batch quantizes into the slot at the ops' wire offsets, casts the copies
-// there and zeroes the pads, then a verify batch sums the slot's bytes (the packed checksum); the
-// receiver's byte-copy batch scatters e4m3 rows, scale rows and copies into its parameters and
-// sums the same bytes (the landed checksum).
+// Image pairs (PairSpec::image: block FP8's) send each round as the plan's wire image (the codec's
+// rounds: fp8_rounds.h): the sender's prepared batch quantizes into the slot at the ops' wire
+// offsets, casts the copies there and zeroes the pads, then a verify batch sums the slot's bytes
+// (the packed checksum); the receiver's byte-copy batch scatters e4m3 rows, scale rows and copies
+// into its parameters and sums the same bytes (the landed checksum).
 #include <algorithm>
 #include <cstring>
 
@@ -59,9 +59,9 @@ class NcclPair final : public PreparedPair {
       slots_.push_back(std::move(buf));
     }
     const int ws = DTypeSize(spec.wire);
-    if (spec.fp8) {  // the pads' zeros (sender) or their sink (receiver)
-      SS_ASSIGN_OR_RETURN(scratch_, DeviceBuffer::Allocate(kFp8RoundScratchBytes, dev));
-      SS_CUDA(cudaMemset(scratch_->data(), 0, kFp8RoundScratchBytes), "nccl pair: zeros");
+    if (spec.image) {  // the pads' zeros (sender) or their sink (receiver)
+      SS_ASSIGN_OR_RETURN(scratch_, DeviceBuffer::Allocate(kImageRoundScratchBytes, dev));
+      SS_CUDA(cudaMemset(scratch_->data(), 0, kImageRoundScratchBytes), "nccl pair: zeros");
     }
     for (size_t b = 0; b < nb; ++b) {
       cudaEvent_t a = nullptr, c = nullptr;
@@ -70,8 +70,8 @@ class NcclPair final : public PreparedPair {
       SS_CUDA(cudaEventCreateWithFlags(&c, cudaEventDisableTiming), "nccl pair: event");
       ev_b_.push_back(c);
       auto* slot = static_cast<unsigned char*>(slots_[b % slots]->data());
-      if (spec.fp8) {
-        SS_RETURN_IF_ERROR(InitFp8Round(spec, b, slot));
+      if (spec.image) {
+        SS_RETURN_IF_ERROR(InitImageRound(spec, b, slot));
         continue;
       }
       BatchSpec bs;
@@ -107,20 +107,21 @@ class NcclPair final : public PreparedPair {
     return OkStatus();
   }
 
-  // Round b of a block-FP8 pair (fp8_rounds.h): the sender's FP8 batch into the slot and the
+  // Round b of an image pair (fp8_rounds.h): the sender's batch into the slot and the
   // verify batch over it, or the receiver's scatter.
-  Status InitFp8Round(const PairSpec& spec, size_t b, unsigned char* slot) {
+  Status InitImageRound(const PairSpec& spec, size_t b, unsigned char* slot) {
     const std::string who =
-        "nccl: block-FP8 pair with rank " + std::to_string(peer_) + ", round " + std::to_string(b);
+        "nccl: image pair with rank " + std::to_string(peer_) + ", round " + std::to_string(b);
     if (send_) {
-      SS_ASSIGN_OR_RETURN(Fp8SendRound r, PrepareFp8SendRound(spec.buckets[b], spec.wire, slot,
-                                                              scratch_->data(), t_.device(), who));
+      SS_ASSIGN_OR_RETURN(ImageSendRound r,
+                          PrepareImageSendRound(spec.buckets[b], spec.wire, slot, scratch_->data(),
+                                                t_.device(), who));
       batches_.push_back(std::move(r.pack));
       verify_.push_back(std::move(r.verify));
       return OkStatus();
     }
-    SS_ASSIGN_OR_RETURN(auto batch, PrepareFp8RecvRound(spec.buckets[b], spec.wire, slot,
-                                                        scratch_->data(), t_.device(), who));
+    SS_ASSIGN_OR_RETURN(auto batch, PrepareImageRecvRound(spec.buckets[b], spec.wire, slot,
+                                                          scratch_->data(), t_.device(), who));
     batches_.push_back(std::move(batch));
     return OkStatus();
   }
@@ -271,9 +272,13 @@ Result<std::unique_ptr<PreparedPair>> NcclTransport::Prepare(StoreClient&, const
     return InvalidArgumentError("nccl: pair with rank " + std::to_string(spec.peer) +
                                 " has no buckets");
   }
-  for (size_t b = 0; spec.fp8 && b < spec.buckets.size(); ++b) {
+  for (size_t b = 0; spec.image && b < spec.buckets.size(); ++b) {
     // The session refuses these naming the tensor (sync/fp8_pairs.cc); a guard for other callers.
-    if (!spec.buckets[b].stage.empty()) {
+    bool staged = false;
+    for (const EncodedRegion& r : spec.buckets[b].encoded) {
+      staged = staged || static_cast<Encoding>(r.encoding) == Encoding::kStage;
+    }
+    if (staged) {
       return UnimplementedError("nccl: block-FP8 pair with rank " + std::to_string(spec.peer) +
                                 ": bucket " + std::to_string(b) +
                                 " stages rows into the receiver's staging, which only one-sided "

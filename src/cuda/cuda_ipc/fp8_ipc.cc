@@ -1,4 +1,5 @@
-// Block-FP8 cuda_ipc pairs (PairSpec::fp8): the receiver publishes its own map of every quantize
+// The block-FP8 codec's cuda_ipc pairs (PairSpec::image, kQuantize / kAmax encoded regions; stage
+// ops are cuda_ipc_pairs.cc's raw copies): the receiver publishes its own map of every quantize
 // op (where its e4m3 rows and its scales are, in its registered regions), the sender maps it and
 // hands the quantize ops to a prepared Fp8 batch (fp8_batch.cu) that writes the e4m3 bytes and the
 // scales straight into the receiver's parameters and reads them back through that map. Amax ops
@@ -41,20 +42,37 @@ Result<Matrix> MatrixOf(const Region& r, const Shape& shape, const std::string& 
   return Matrix{r.extent[nd - 2], r.extent[nd - 1], RegionStartElement(r, shape), shape.back()};
 }
 
+// The encoded regions a quantize batch runs (kQuantize, kAmax); kStage is a plain copy; any other
+// encoding has no codec kernels here.
+Result<bool> Quantizes(const EncodedRegion& r, const std::string& who) {
+  switch (static_cast<Encoding>(r.encoding)) {
+    case Encoding::kQuantize:
+    case Encoding::kAmax:
+      return true;
+    case Encoding::kStage:
+      return false;
+    default:
+      return UnimplementedError(who + ": no kernels for encoding '" +
+                                std::string(EncodingName(static_cast<Encoding>(r.encoding))) + "'");
+  }
+}
+
 }  // namespace
 
-Result<std::string> Fp8LandedMap(const CudaIpcTransport& t, const PairSpec& spec) {
+Result<std::string> EncodedLandedMap(const CudaIpcTransport& t, const PairSpec& spec) {
   const std::string who = "cuda_ipc: block-FP8 pair with rank " + std::to_string(spec.peer);
   std::vector<Fp8MapEntry> map;
   for (size_t b = 0; b < spec.buckets.size(); ++b) {
-    for (const QuantizeRegion& q : spec.buckets[b].quantize) {
-      const PackRegion& w = q.landed_weight;
-      const PackRegion& s = q.landed_scales;
-      if (w.dtype != DType::kF8E4M3 || (q.with_scales && s.dtype != DType::kF32)) {
+    for (const EncodedRegion& q : spec.buckets[b].encoded) {
+      SS_ASSIGN_OR_RETURN(bool quantizes, Quantizes(q, who));
+      if (!quantizes) continue;
+      const PackRegion& w = q.landed;
+      const PackRegion& s = q.landed_aux;
+      if (w.dtype != DType::kF8E4M3 || (q.with_aux && s.dtype != DType::kF32)) {
         return InvalidArgumentError(who + ": landed weight / scales must be F8_E4M3 / F32");
       }
       SS_ASSIGN_OR_RETURN(Matrix mw, MatrixOf(w.region, w.shape, who));
-      if (!q.with_scales) {
+      if (!q.with_aux) {
         if (mw.rows > kFp8Block) {
           return InvalidArgumentError(who + ": e4m3 rows " + w.region.ToString() +
                                       " without scales span more than one block row");
@@ -83,8 +101,8 @@ Result<std::string> Fp8LandedMap(const CudaIpcTransport& t, const PairSpec& spec
   return blob;
 }
 
-Status AddFp8Tasks(CudaIpcTransport& t, const PairSpec& spec, const std::string& blob,
-                   BatchSpec* bs) {
+Status AddEncodedTasks(CudaIpcTransport& t, const PairSpec& spec, const std::string& blob,
+                       BatchSpec* bs) {
   const std::string who = "cuda_ipc: block-FP8 pair with rank " + std::to_string(spec.peer);
   uint64_t head[2] = {0, 0};
   if (blob.size() >= 16) std::memcpy(head, blob.data(), 16);
@@ -102,16 +120,18 @@ Status AddFp8Tasks(CudaIpcTransport& t, const PairSpec& spec, const std::string&
       copies += l.region.numel() * DTypeSize(spec.wire);
     }
     bs->copy_bytes.push_back(copies);
-    for (const QuantizeRegion& q : spec.buckets[b].quantize) {
+    for (const EncodedRegion& q : spec.buckets[b].encoded) {
+      SS_ASSIGN_OR_RETURN(bool quantizes, Quantizes(q, who));
+      if (!quantizes) continue;
       const std::string op = who + ": bucket " + std::to_string(b) + " quantize op at byte " +
                              std::to_string(q.src.wire_offset);
       SS_ASSIGN_OR_RETURN(Matrix src, MatrixOf(q.src.region, q.src.shape, op));
-      SS_ASSIGN_OR_RETURN(Matrix w, MatrixOf(q.weight.dst, q.weight.shape, op));
+      SS_ASSIGN_OR_RETURN(Matrix w, MatrixOf(q.dst.dst, q.dst.shape, op));
       Matrix s{Fp8Blocks(src.rows), Fp8Blocks(src.cols), 0, 0};
-      if (q.with_scales) {
-        SS_ASSIGN_OR_RETURN(s, MatrixOf(q.scales.dst, q.scales.shape, op));
+      if (q.with_aux) {
+        SS_ASSIGN_OR_RETURN(s, MatrixOf(q.aux.dst, q.aux.shape, op));
       }
-      if (!q.with_scales && !q.given_scales) {
+      if (!q.with_aux && !q.given) {
         return InvalidArgumentError(op + ": sends no scales and is given none");
       }
       if (k >= map.size()) return DataLossError(op + ": missing from the receiver's map");
@@ -119,20 +139,21 @@ Status AddFp8Tasks(CudaIpcTransport& t, const PairSpec& spec, const std::string&
       if (e.bucket != static_cast<int64_t>(b) || e.wire != q.src.wire_offset ||
           e.rows != src.rows || e.cols != src.cols || w.rows != src.rows || w.cols != src.cols ||
           s.rows != Fp8Blocks(src.rows) || s.cols != Fp8Blocks(src.cols) || e.wregion < 0 ||
-          (e.sregion >= 0) != q.with_scales || e.woffset < 0 || e.soffset < 0) {
+          (e.sregion >= 0) != q.with_aux || e.woffset < 0 || e.soffset < 0) {
         return DataLossError(op + ": the receiver's map says bucket " + std::to_string(e.bucket) +
                              " byte " + std::to_string(e.wire) + ", " + std::to_string(e.rows) +
                              " x " + std::to_string(e.cols));
       }
-      Fp8Task task;
+      EncodedTask task;
+      task.encoding = static_cast<Encoding>(q.encoding);
       const int es = DTypeSize(q.src.dtype);
       task.src = static_cast<const unsigned char*>(q.src.base) + src.start * es;
       task.dtype = q.src.dtype;
       task.src_stride = src.stride;
       task.rows = src.rows;
       task.cols = src.cols;
-      SS_ASSIGN_OR_RETURN(void* wb, t.RemotePointer(spec.peer, q.weight.region, q.weight.offset,
-                                                    NumElements(q.weight.shape)));
+      SS_ASSIGN_OR_RETURN(void* wb, t.RemotePointer(spec.peer, q.dst.region, q.dst.offset,
+                                                    NumElements(q.dst.shape)));
       task.weight = static_cast<unsigned char*>(wb) + w.start;
       task.weight_stride = w.stride;
       SS_ASSIGN_OR_RETURN(
@@ -141,10 +162,10 @@ Status AddFp8Tasks(CudaIpcTransport& t, const PairSpec& spec, const std::string&
                                     static_cast<uint64_t>((e.rows - 1) * e.wstride + e.cols)));
       task.landed_weight = lw;
       task.landed_weight_stride = e.wstride;
-      task.given_scales = q.given_scales;
-      if (q.with_scales) {
-        SS_ASSIGN_OR_RETURN(void* sb, t.RemotePointer(spec.peer, q.scales.region, q.scales.offset,
-                                                      NumElements(q.scales.shape) * 4));
+      task.given_scales = q.given;
+      if (q.with_aux) {
+        SS_ASSIGN_OR_RETURN(void* sb, t.RemotePointer(spec.peer, q.aux.region, q.aux.offset,
+                                                      NumElements(q.aux.shape) * 4));
         task.scales = static_cast<float*>(sb) + s.start;
         task.scale_stride = s.stride;
         SS_ASSIGN_OR_RETURN(
@@ -157,7 +178,7 @@ Status AddFp8Tasks(CudaIpcTransport& t, const PairSpec& spec, const std::string&
       }
       task.bucket = static_cast<int32_t>(b);
       task.wire_offset = q.src.wire_offset;
-      bs->quantize.push_back(task);
+      bs->encoded.push_back(task);
     }
   }
   if (k != map.size()) {

@@ -92,11 +92,23 @@ std::string_view Fp8SplitName(Fp8Split s);  // "amax" | "stage"
 // "amax" | "stage"; InvalidArgument naming `flag` otherwise.
 Result<Fp8Split> ParseFp8Split(std::string_view s, std::string_view flag = "--fp8-split");
 
+// How host-path buckets travel each sync (delta.h, docs/delta.md): kFull sends every bucket whole
+// (the default); kDelta sends, per bucket, only the wire elements that changed since the image
+// the sender last sent when the receiver holds that image (its base), else the whole bucket;
+// kAuto as kDelta where the cost model (EstimateDeltaCost) says the delta pays at the link speed
+// (SHARDSYNC_DELTA_LINK_GBPS). Every rank must agree: in the plan hash when not kFull.
+enum class WireEncoding : uint8_t { kFull, kDelta, kAuto };
+std::string_view WireEncodingName(WireEncoding e);  // "full" | "delta" | "auto"
+// "full" | "delta" | "auto"; InvalidArgument naming `flag` otherwise.
+Result<WireEncoding> ParseWireEncoding(std::string_view s, std::string_view flag = "--encoding");
+
 struct PlanOptions {
   DType wire_dtype = DType::kBF16;
   int64_t bucket_bytes = int64_t{512} << 20;
   // Block-FP8 models only; in the plan hash when kAmax (kStage plans keep their hashes).
   Fp8Split fp8_split = Fp8Split::kAmax;
+  // In the plan hash when not kFull (existing plans keep their hashes).
+  WireEncoding encoding = WireEncoding::kFull;
 };
 
 // Bumped whenever the planner's output for the same inputs changes; part of PlanHash.

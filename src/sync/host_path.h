@@ -2,11 +2,14 @@
 // received through the transport's two-sided or one-sided calls. The plan's encodings pick the
 // implementation once, at the session's creation: HostSender / HostReceiver (host_send.h,
 // host_recv.h) for copy plans, the block-FP8 codec's Fp8HostSender / Fp8HostReceiver (fp8_send.h,
-// fp8_recv.h) for quantized ones.
+// fp8_recv.h) for quantized ones, DeltaHostSender / DeltaHostReceiver (delta_send.h,
+// delta_recv.h) for copy plans under the delta encoding.
 #pragma once
 
 #include <cstdint>
 #include <map>
+#include <string>
+#include <string_view>
 
 #include "shardsync/session.h"
 #include "shardsync/status.h"
@@ -30,6 +33,9 @@ class HostSendPath {
   // scales the holders agree on (ExchangeAmax) before any of them is quantized.
   virtual bool exchanges() const { return false; }
   virtual Status ExchangeAmax() { return OkStatus(); }
+  // Sync, once receiver `dst` is ready: its ready value (HostRecvPath::ReadyValue), which under
+  // the delta encoding advertises the base it holds per bucket (delta_path.h).
+  virtual Status SetReceiverBases(int /*dst*/, std::string_view /*value*/) { return OkStatus(); }
   // Sync: sends every host bucket and waits until each one and its control message completed.
   virtual Status Send(RankSyncStats& st) = 0;
 };
@@ -39,6 +45,9 @@ class HostRecvPath {
   virtual ~HostRecvPath() = default;
   // Connect: every bucket's transfers, as the sender cuts them (replayed each sync).
   virtual Status Prepare(const Bindings& bindings, const PreparedPairs& pairs) = 0;
+  // Sync, before this rank says it is ready: the value of its ready key ("1"; under the delta
+  // encoding the base it holds per bucket, recomputed over its live bytes: delta_path.h).
+  virtual Result<std::string> ReadyValue() { return std::string("1"); }
   // Sync: posts every host receive, then completes, verifies and lands each bucket.
   virtual Status Receive(RankSyncStats& st) = 0;
 };

@@ -18,6 +18,8 @@
 #include "sync/bindings.h"
 #include "sync/connect.h"
 #include "sync/context.h"
+#include "sync/delta_recv.h"
+#include "sync/delta_send.h"
 #include "sync/fp8_recv.h"
 #include "sync/fp8_send.h"
 #include "sync/guard.h"
@@ -38,14 +40,23 @@ using sync_internal::Trace;
 
 // The host data path for the session's plan (host_path.h): the block-FP8 codec's for a quantized
 // model, whose ops carry its encodings; the copy path otherwise.
+// The delta encoding's (delta_send.h, delta_recv.h) for a copy plan that is not encoding full.
+bool DeltaPath(const sync_internal::SessionContext& ctx) {
+  return !ctx.quantized() && ctx.in.options.encoding != WireEncoding::kFull;
+}
 std::unique_ptr<sync_internal::HostSendPath> MakeHostSend(const sync_internal::SessionContext& ctx,
                                                           sync_internal::SyncGuard& guard) {
   if (ctx.quantized()) return std::make_unique<sync_internal::Fp8HostSender>(ctx, guard);
+  if (DeltaPath(ctx)) return std::make_unique<sync_internal::DeltaHostSender>(ctx, guard);
   return std::make_unique<sync_internal::HostSender>(ctx, guard);
 }
-std::unique_ptr<sync_internal::HostRecvPath> MakeHostRecv(const sync_internal::SessionContext& ctx,
-                                                          sync_internal::SyncGuard& guard) {
+std::unique_ptr<sync_internal::HostRecvPath> MakeHostRecv(
+    const sync_internal::SessionContext& ctx, sync_internal::SyncGuard& guard,
+    const sync_internal::StagedCommit& staged) {
   if (ctx.quantized()) return std::make_unique<sync_internal::Fp8HostReceiver>(ctx, guard);
+  if (DeltaPath(ctx)) {
+    return std::make_unique<sync_internal::DeltaHostReceiver>(ctx, guard, staged);
+  }
   return std::make_unique<sync_internal::HostReceiver>(ctx, guard);
 }
 
@@ -64,7 +75,7 @@ class SessionImpl final : public SyncSession {
         verdicts_(ctx_, guard_),
         pairs_(ctx_, guard_),
         host_send_(MakeHostSend(ctx_, guard_)),
-        host_recv_(MakeHostRecv(ctx_, guard_)),
+        host_recv_(MakeHostRecv(ctx_, guard_, staged_)),  // staged_ is used from Connect on
         staged_(ctx_, guard_) {}
   ~SessionImpl() override {
     identity_.Leave();
@@ -342,15 +353,18 @@ class SessionImpl final : public SyncSession {
       SS_RETURN_IF_ERROR(host_send_->ExchangeAmax());
     }
     if (!ready.empty()) SS_RETURN_IF_ERROR(enter());
-    SS_RETURN_IF_ERROR(guard_
-                           .GetManyUntil(
-                               ready, guard_.deadline(),
-                               [&](size_t i) {
-                                 return "sync rank " + std::to_string(waited[i]) +
-                                        " to enter version " + std::to_string(guard_.version());
-                               },
-                               /*watch_abort=*/true)
-                           .status());
+    SS_ASSIGN_OR_RETURN(const std::vector<std::string> ready_values,
+                        guard_.GetManyUntil(
+                            ready, guard_.deadline(),
+                            [&](size_t i) {
+                              return "sync rank " + std::to_string(waited[i]) +
+                                     " to enter version " + std::to_string(guard_.version());
+                            },
+                            /*watch_abort=*/true));
+    // Delta encoding: what each receiver holds, per bucket (delta_path.h).
+    for (size_t i = 0; i < waited.size(); ++i) {
+      SS_RETURN_IF_ERROR(host_send_->SetReceiverBases(waited[i], ready_values[i]));
+    }
     Trace(ctx_.rank, guard_.version(),
           [&] { return std::to_string(ready.size()) + " ready keys in"; });
     // Prepared pairs (device memory) go first: their device work overlaps the host path below.
@@ -386,9 +400,11 @@ class SessionImpl final : public SyncSession {
     // A receiver inside Sync(v) is paused for v: only then may senders write into its memory
     // (one-sided puts would otherwise land while it still reads the previous version). Its
     // prepared pairs were posted first: those that signal readiness themselves are faster.
+    // Its value: "1", or under the delta encoding the base this rank holds per bucket.
+    SS_ASSIGN_OR_RETURN(std::string ready_value, host_recv_->ReadyValue());
     SS_RETURN_IF_ERROR(ctx_.store.SetMany(
         {{ctx_.Key("cur/" + std::to_string(ctx_.rank)), std::to_string(guard_.version())},
-         {ctx_.Key(guard_.VKey("ready/") + std::to_string(ctx_.rank)), "1"}}));
+         {ctx_.Key(guard_.VKey("ready/") + std::to_string(ctx_.rank)), std::move(ready_value)}}));
     SS_RETURN_IF_ERROR(host_recv_->Receive(st));
     SS_RETURN_IF_ERROR(pairs_.FinishRecvs(st, bindings_));
     // Block FP8: bands staged over device pairs are quantized from verified bytes only.
@@ -435,6 +451,14 @@ Result<std::unique_ptr<SyncSession>> CreateHarnessSession(const PlanInputs& inpu
                                                           HarnessHooks hooks) {
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(inputs, rank));
   SS_ASSIGN_OR_RETURN(RankPlan plan, PlanForRank(inputs, rank));
+  if (inputs.model.quant && inputs.options.encoding != WireEncoding::kFull) {
+    // The receiver rebuilds a delta's base from its landed bytes; a block-FP8 receiver lands
+    // bytes the wire image does not hold as they are (staged raw values it quantizes, pads).
+    return UnimplementedError(
+        "encoding " + std::string(WireEncodingName(inputs.options.encoding)) +
+        ": block-FP8 plans are not delta-encoded yet (only copy plans on the host path); use "
+        "encoding full with a quantized model");
+  }
   // Every knob parses before any is read: one read deep in a GPU path has no error to return.
   SS_RETURN_IF_ERROR(CheckKnobs());
   LaunchId launch;

@@ -174,7 +174,7 @@ Result<bool> DeltaPays(const DeltaLink& link, uint64_t elements, int element_siz
   return c.pays;
 }
 
-Status CheckDeltaControl(const DeltaControl& d, const std::string& where, int64_t bucket_bytes) {
+Status CheckDeltaControl(const Control& d, const std::string& where, int64_t bucket_bytes) {
   const auto form = static_cast<DeltaKind>(d.form);
   if (d.form > static_cast<uint32_t>(DeltaKind::kBitmap) ||
       d.reason > static_cast<uint32_t>(DeltaReason::kCost) ||

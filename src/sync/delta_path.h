@@ -9,9 +9,10 @@
 // sender compares, per bucket, that base with the image it kept of what it last sent there
 // (CheckBase): equal, it sends the delta against it (EncodeDelta; whole when the delta is not
 // smaller, or under `auto` when it does not pay); not equal, the whole bucket, counted under the
-// reason. The receiver learns the form from the bucket's control message (DeltaControl), sent
-// before the data, and applies a delta with DecodeDeltaInPlace, which refuses a base whose
-// version or checksum is not the one the delta names: a delta is never applied to another base.
+// reason. Either travels as one message into one of the receiver's bucket slots (the host loops'
+// image path); the bucket's control message names the form, the reason and the length. The
+// receiver applies a delta with DecodeDeltaInPlace, which refuses a base whose version or
+// checksum is not the one the delta names: a delta is never applied to another base.
 #pragma once
 
 #include <cstddef>
@@ -88,21 +89,9 @@ Result<DeltaLink> DeltaLinkFromKnobs();
 Result<bool> DeltaPays(const DeltaLink& link, uint64_t elements, int element_size,
                        uint64_t changed);
 
-// A bucket's control message under the delta encoding, sent before its data: the checksum (of
-// the bucket's new image, as the whole-bucket control message carries) and the form. A delta
-// travels as the first `payload` bytes of the bucket's transfers as BucketTransfers cuts them
-// (each transfer k carries payload bytes [wire_offset_k, wire_offset_k + len_k) that exist),
-// into the receiver's scratch; a whole bucket as those transfers in full, into its parameters.
-struct DeltaControl {
-  Control c;
-  uint32_t form = 0;     // DeltaKind: kFull (whole bucket) or the delta's kIndex / kBitmap
-  uint32_t reason = 0;   // DeltaReason (what the sender decided; the receiver counts it)
-  uint64_t payload = 0;  // bytes on the wire: the delta's encoded length, or the bucket's
-};
-static_assert(sizeof(DeltaControl) == 56);
-
-// Checks a DeltaControl beyond CheckControl: a known form and reason, a payload that fits the
-// bucket (a delta's is below `bucket_bytes`, a whole bucket's equals it).
-Status CheckDeltaControl(const DeltaControl& d, const std::string& where, int64_t bucket_bytes);
+// Checks a bucket's control message (context.h Control) under the delta encoding beyond
+// CheckControl: a known form and reason, a payload that fits the bucket (a delta's is below
+// `bucket_bytes`, a whole bucket's equals it).
+Status CheckDeltaControl(const Control& d, const std::string& where, int64_t bucket_bytes);
 
 }  // namespace shardsync::sync_internal

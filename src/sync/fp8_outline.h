@@ -42,14 +42,6 @@ std::vector<Fp8BandTask> Fp8BandTasks(const RankPlan& plan, const std::vector<De
 Status Fp8BandsStatus(int rank, const RankPlan& plan, const std::vector<DestBinding>& dests,
                       const std::vector<int64_t>& bad);
 
-// How the host path cuts a bucket's wire image into transfers (both ends call it): pieces of at
-// most kMaxTransferBytes, in wire order. fn(offset, length).
-template <typename Fn>
-void ForEachFp8Transfer(int64_t bytes, Fn&& fn) {
-  const auto step = static_cast<int64_t>(kMaxTransferBytes);
-  for (int64_t at = 0; at < bytes; at += step) fn(at, std::min(step, bytes - at));
-}
-
 // NotFound / DataLoss text helpers shared by the FP8 parts: "sync rank R".
 inline std::string RankName(int rank) { return "sync rank " + std::to_string(rank); }
 

@@ -8,7 +8,7 @@
 // which the receiver quantizes once every checksum of the sync verified (QuantizeStaged). Amax
 // ops (rows of blocks shared with other trainer ranks) as PairBucket::quantize with the block
 // row's agreed scales given: device memory of the sender (AllocAmaxScales) that the amax exchange
-// (fp8_send.h ExchangeAmax) fills before the pair launches.
+// (fp8_codec.h Exchange) fills before the pair launches.
 #include <cstdlib>
 #include <string_view>
 
@@ -243,7 +243,7 @@ PairBucket PreparedPairs::Fp8SendBucket(const Bindings& bindings, PeerShapes& sh
     q.weight = dst;
     if (op.encoding == Encoding::kAmax) {
       // The agreed scales of the op's column blocks: its band's slot in this rank's value (the
-      // band is rows [src row / 128 * 128, + 128)), as the host path reads them (fp8_send.cc).
+      // band is rows [src row / 128 * 128, + 128)), as the host path reads them (fp8_host_pack.cc).
       const auto slot = amax_slot_.at({op.tensor, op.src.offset[0] / kFp8Block * kFp8Block});
       q.given_scales = amax_scales_ + slot + op.src.offset[1] / kFp8Block;
       q.with_scales = op.scale_param >= 0;

@@ -1,14 +1,44 @@
 #include "sync/host_recv.h"
 
+#include <algorithm>
+
+#include "shardsync/checksum.h"
+
 namespace shardsync::sync_internal {
 
 Status HostReceiver::Prepare(const Bindings& bindings, const PreparedPairs& pairs) {
   bindings_ = &bindings;
   pairs_ = &pairs;
   const RankPlan& plan = ctx_.plan;
+  std::vector<int> msgs;  // the host path's
+  for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
+    if (!pairs.recvs(mi)) msgs.push_back(static_cast<int>(mi));
+  }
+  SS_RETURN_IF_ERROR(codec_.PrepareRecv(bindings, msgs));
+  if (delta_) SS_RETURN_IF_ERROR(delta_->Prepare(bindings, msgs));
   runs_.assign(plan.recvs.size(), {});
+  slot_bytes_.assign(plan.recvs.size(), 0);
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
     const Message& m = plan.recvs[mi];
+    if (image()) {
+      // An image: plain pieces into a receive slot, as the sender cuts them (the delta
+      // encoding: one message of up to the bucket's bytes).
+      for (const Bucket& b : m.buckets) {
+        slot_bytes_[mi] = std::max(slot_bytes_[mi], b.bytes);
+        std::vector<WireRun>& runs = runs_[mi].emplace_back();
+        if (delta_) {
+          runs.push_back(WireRun{.wire_offset = 0, .len = static_cast<size_t>(b.bytes)});
+          continue;
+        }
+        ForEachImageTransfer(b.bytes, [&](int64_t off, int64_t len) {
+          WireRun r;
+          r.wire_offset = off;
+          r.len = static_cast<size_t>(len);
+          runs.push_back(r);
+        });
+      }
+      continue;
+    }
     SS_ASSIGN_OR_RETURN(SyncRank src, DescribeSyncRank(ctx_.in, m.src));
     for (const Bucket& b : m.buckets) {
       runs_[mi].push_back(BucketTransfers(
@@ -22,29 +52,38 @@ Status HostReceiver::Prepare(const Bindings& bindings, const PreparedPairs& pair
 
 Status HostReceiver::Receive(RankSyncStats& st) {
   HostRecv hr;
-  hr.put = ctx_.tx.caps().one_sided_put;
+  // One-sided puts land in the parameters: only bytes that are theirs (in place).
+  hr.put = !image() && ctx_.tx.caps().one_sided_put;
   // Host parameters with the built-in packer in tag mode: checksum each run right after it
   // lands, while its bytes are still in cache, instead of re-reading the whole bucket from
   // memory once its control message arrives.
-  hr.incremental = !hr.put && ctx_.builtin_packer();
+  hr.incremental = !image() && !hr.put && ctx_.builtin_packer();
   // ... or let the transport sum the words as it copies them in (shm): no read at all.
   hr.summed = hr.incremental && ctx_.tx.caps().summed_copy;
+  codec_.BeginRecv();
   Status s = Post(hr, st);
   if (s.ok()) s = Poll(hr, st);
   if (!s.ok()) {
     graveyard_.push_back(hr.ctrl);
     if (hr.summed) graveyard_.push_back(hr.sums);
+    for (auto& img : hr.images) graveyard_.push_back(std::move(img));
+    if (delta_) st.delta.Add(delta_->Finish());
+    return s;
   }
-  return s;
+  if (delta_) st.delta.Add(delta_->Finish());
+  return codec_.FinishRecv();
 }
 
 Status HostReceiver::Post(HostRecv& hr, RankSyncStats& st) {
-  size_t total = 0;  // buckets of the host path (prepared pairs count their own)
+  size_t total = 0, msgs = 0;  // buckets and messages of the host path (pairs count their own)
   for (size_t mi = 0; mi < ctx_.plan.recvs.size(); ++mi) {
-    if (!pairs_->recvs(mi)) total += ctx_.plan.recvs[mi].buckets.size();
+    if (pairs_->recvs(mi)) continue;
+    total += ctx_.plan.recvs[mi].buckets.size();
+    ++msgs;
   }
   st.checksums_total = static_cast<int64_t>(total);
-  hr.ctrl = std::make_shared<std::vector<Control>>(total);
+  const bool image = this->image();
+  hr.ctrl = std::make_shared<std::vector<Control>>(image ? 2 * msgs : total);
   if (hr.summed) {
     size_t runs = 0;
     for (const auto& m : runs_) {
@@ -52,45 +91,64 @@ Status HostReceiver::Post(HostRecv& hr, RankSyncStats& st) {
     }
     hr.sums->reserve(runs);
   }
+  hr.next.assign(ctx_.plan.recvs.size(), 0);
+  hr.seq.assign(ctx_.plan.recvs.size(), 0);
   size_t k = 0;
   for (size_t mi = 0; mi < ctx_.plan.recvs.size(); ++mi) {
     if (pairs_->recvs(mi)) continue;
-    const Message& m = ctx_.plan.recvs[mi];
-    uint64_t seq = 0;
-    for (size_t bi = 0; bi < m.buckets.size(); ++bi, ++k) {
-      Expect e;
-      e.msg = static_cast<int>(mi);
-      e.bucket = static_cast<int>(bi);
-      e.slot = k;
-      if (!hr.put) {
-        // Two-sided: receive each run straight into its parameter (no staging copy).
-        e.runs = &runs_[mi][bi];
-        e.sums_at = hr.sums->size();
-        for (const WireRun& r : *e.runs) {
-          auto* dst = static_cast<unsigned char*>(bindings_->dest(r.param).data) + r.param_offset;
-          Result<XferId> id = XferId{0};
-          if (hr.summed) {
-            hr.sums->push_back(CopySum{static_cast<uint64_t>(r.wire_offset), 0});
-            id = ctx_.tx.PostRecvSummed(m.src, DataTag(guard_.version(), seq++), dst, r.len,
-                                        &hr.sums->back());
-          } else {
-            id = ctx_.tx.PostRecv(m.src, DataTag(guard_.version(), seq++), dst, r.len);
-          }
-          SS_RETURN_IF_ERROR(id.status());
-          e.ids.push_back(*id);
-        }
+    const int n = image ? 2 : static_cast<int>(ctx_.plan.recvs[mi].buckets.size());
+    for (int i = 0; i < n; ++i, ++k) {
+      if (image) {
+        // Zeroed, at least 8 bytes: a fresh pair of slots each sync (a failed sync's may still
+        // be written into).
+        const auto bytes = static_cast<size_t>(std::max<int64_t>(slot_bytes_[mi], 8));
+        hr.images.emplace_back(new unsigned char[bytes](), std::default_delete<unsigned char[]>());
       }
-      SS_ASSIGN_OR_RETURN(XferId id, ctx_.tx.PostRecv(m.src, ControlTag(guard_.version(), bi),
-                                                      &(*hr.ctrl)[k], sizeof(Control)));
-      e.ids.push_back(id);
-      hr.pending.push_back(std::move(e));
+      SS_RETURN_IF_ERROR(PostNext(hr, static_cast<int>(mi), k, hr.pending));
     }
   }
   return OkStatus();
 }
 
+Status HostReceiver::PostNext(HostRecv& hr, int mi, size_t k, std::vector<Expect>& into) {
+  const Message& m = ctx_.plan.recvs[mi];
+  if (hr.next[mi] >= static_cast<int>(m.buckets.size())) return OkStatus();
+  Expect e;
+  e.msg = mi;
+  e.bucket = hr.next[mi]++;
+  e.slot = k;
+  if (image()) e.img = hr.images[k].get();
+  if (!hr.put) {
+    // Two-sided: receive each run straight into its parameter (no staging copy), or into the
+    // image's slot.
+    e.runs = &runs_[mi][e.bucket];
+    e.sums_at = hr.sums->size();
+    for (const WireRun& r : *e.runs) {
+      auto* dst = e.img != nullptr
+                      ? hr.images[k].get() + r.wire_offset
+                      : static_cast<unsigned char*>(bindings_->dest(r.param).data) + r.param_offset;
+      const uint64_t tag = DataTag(guard_.version(), hr.seq[mi]++);
+      Result<XferId> id = XferId{0};
+      if (hr.summed) {
+        hr.sums->push_back(CopySum{static_cast<uint64_t>(r.wire_offset), 0});
+        id = ctx_.tx.PostRecvSummed(m.src, tag, dst, r.len, &hr.sums->back());
+      } else {
+        id = ctx_.tx.PostRecv(m.src, tag, dst, r.len);
+      }
+      SS_RETURN_IF_ERROR(id.status());
+      e.ids.push_back(*id);
+    }
+  }
+  SS_ASSIGN_OR_RETURN(XferId id, ctx_.tx.PostRecv(m.src, ControlTag(guard_.version(), e.bucket),
+                                                  &(*hr.ctrl)[k], sizeof(Control)));
+  e.ids.push_back(id);
+  into.push_back(std::move(e));
+  return OkStatus();
+}
+
 Status HostReceiver::Poll(HostRecv& hr, RankSyncStats& st) {
   int idle = 0;
+  std::vector<Expect> next;  // image codecs: the buckets posted into slots that freed up
   while (!hr.pending.empty()) {
     size_t keep = 0;
     bool progressed = false;
@@ -117,12 +175,15 @@ Status HostReceiver::Poll(HostRecv& hr, RankSyncStats& st) {
         ++keep;
         continue;
       }
-      SS_RETURN_IF_ERROR(
-          VerifyBucket(m, e.bucket, (*hr.ctrl)[e.slot], hr.incremental ? &e.landed : nullptr));
+      SS_RETURN_IF_ERROR(VerifyBucket(m, e.bucket, (*hr.ctrl)[e.slot],
+                                      hr.incremental ? &e.landed : nullptr, e.img));
       ++st.checksums_ok;
       st.recv_bytes += m.buckets[e.bucket].bytes;
+      if (e.img != nullptr) SS_RETURN_IF_ERROR(PostNext(hr, e.msg, e.slot, next));
     }
     hr.pending.resize(keep);
+    for (Expect& e : next) hr.pending.push_back(std::move(e));
+    next.clear();
     if (hr.pending.empty()) break;
     SS_RETURN_IF_ERROR(guard_.CheckDeadline(
         "waiting for " + std::to_string(hr.pending.size()) + " buckets (first from sync rank " +
@@ -169,12 +230,18 @@ Status CheckControl(const Control& c, const std::string& where, int bucket, uint
   return OkStatus();
 }
 
-Status HostReceiver::VerifyBucket(const Message& m, int bucket, const Control& c,
-                                  LandedSum* landed) {
+Status HostReceiver::VerifyBucket(const Message& m, int bucket, const Control& c, LandedSum* landed,
+                                  const unsigned char* img) {
   const Bucket& b = m.buckets[bucket];
   const std::string where = "message from sync rank " + std::to_string(m.src) + " to sync rank " +
                             std::to_string(ctx_.rank) + ", bucket " + std::to_string(bucket);
   SS_RETURN_IF_ERROR(CheckControl(c, where, bucket, ctx_.job_tag, guard_.version(), b.bytes));
+  const int mi = static_cast<int>(&m - ctx_.plan.recvs.data());
+  // The delta encoding: a delta becomes the bucket's image over this rank's base; the checksum
+  // below then covers the resulting bytes, as for every bucket.
+  if (delta_) {
+    SS_ASSIGN_OR_RETURN(img, delta_->Apply(mi, bucket, c, img));
+  }
   uint64_t got = 0;
   if (landed != nullptr) {
     if (landed->bytes() != static_cast<uint64_t>(b.bytes)) {
@@ -182,12 +249,15 @@ Status HostReceiver::VerifyBucket(const Message& m, int bucket, const Control& c
                            " landed bytes, expected " + std::to_string(b.bytes));
     }
     got = landed->Finish();
+  } else if (img != nullptr) {
+    got = Checksum(img, static_cast<size_t>(b.bytes));
   } else {
     SS_ASSIGN_OR_RETURN(got, ctx_.packer->ChecksumLanded(bindings_->LandedRegions(m, b), b.bytes));
   }
   if (got != c.checksum)
     return bindings_->MismatchError(m, bucket, guard_.version(), c.checksum, got);
-  return OkStatus();
+  if (delta_) return delta_->Land(mi, bucket, c, img);
+  return img != nullptr ? codec_.Land(m, bucket, img) : OkStatus();
 }
 
 }  // namespace shardsync::sync_internal

@@ -23,7 +23,13 @@ Status HostSender::Prepare(const Bindings& bindings, PeerShapes& shapes, Prepare
   bindings_ = &bindings;
   pairs_ = &pairs;
   regbase_ = std::move(regbase);
-  if (ctx_.builtin_packer()) {
+  std::vector<int> msgs;  // the host path's
+  for (size_t mi = 0; mi < plan.sends.size(); ++mi) {
+    if (!pairs.sends(mi)) msgs.push_back(static_cast<int>(mi));
+  }
+  SS_RETURN_IF_ERROR(codec_.PrepareSend(bindings, pairs, msgs));
+  if (delta_) SS_RETURN_IF_ERROR(delta_->Prepare(msgs));
+  if (!image() && ctx_.builtin_packer()) {
     // The CPU packer packs transfer by transfer into a small ring (kRingBytes says why it is
     // never overwritten while in flight): it stays in cache, so packing writes cost no DRAM
     // traffic, and staging memory no longer grows with the bucket cap.
@@ -31,23 +37,40 @@ Status HostSender::Prepare(const Bindings& bindings, PeerShapes& shapes, Prepare
       SS_ASSIGN_OR_RETURN(staging_[0], ctx_.packer->AllocStaging(kRingBytes));
     }
   } else {
-    // Staging: two buckets (double buffering), bounded by the plan's bucket cap.
+    // Staging: two buckets (double buffering), bounded by the plan's bucket cap; prepared pairs
+    // stage (or not) on their own.
     int64_t max_bucket = 0;
-    for (size_t mi = 0; mi < plan.sends.size(); ++mi) {
-      if (pairs.sends(mi)) continue;  // prepared pairs stage (or not) on their own
+    for (int mi : msgs) {
       for (const Bucket& b : plan.sends[mi].buckets) max_bucket = std::max(max_bucket, b.bytes);
     }
     for (auto& s : staging_) {
       if (max_bucket == 0) break;
-      SS_ASSIGN_OR_RETURN(s, ctx_.packer->AllocStaging(static_cast<size_t>(max_bucket)));
+      SS_ASSIGN_OR_RETURN(s, codec_.AllocSlot(static_cast<size_t>(max_bucket)));
     }
   }
-  // Every bucket's transfers (BucketTransfers), computed once: both ends replay them each sync.
+  // Every bucket's transfers, computed once: both ends replay them each sync. In place, they
+  // land straight in the parameters (BucketTransfers); an image travels in plain pieces.
   buckets_.assign(plan.sends.size(), {});
   for (size_t mi = 0; mi < plan.sends.size(); ++mi) {
     const Message& m = plan.sends[mi];
     for (const Bucket& b : m.buckets) {
-      buckets_[mi].push_back(MakeSendBucket(ctx_, bindings, shapes, m, b));
+      if (!image()) {
+        buckets_[mi].push_back(MakeSendBucket(ctx_, bindings, shapes, m, b));
+        continue;
+      }
+      SendBucket& sb = buckets_[mi].emplace_back();
+      if (delta_) {
+        // One message per bucket, of the length the delta step gives (the receiver's slot
+        // holds the whole bucket; its control message says how much came).
+        sb.xfers.push_back(WireRun{.wire_offset = 0, .len = static_cast<size_t>(b.bytes)});
+        continue;
+      }
+      ForEachImageTransfer(b.bytes, [&](int64_t off, int64_t len) {
+        WireRun r;
+        r.wire_offset = off;
+        r.len = static_cast<size_t>(len);
+        sb.xfers.push_back(r);
+      });
     }
     has_buckets_ = has_buckets_ || (!pairs.sends(mi) && !m.buckets.empty());
   }
@@ -64,16 +87,32 @@ Status HostSender::Send(RankSyncStats& st) {
       if (!done && sums) yard.push_back(std::move(sums));
     }
   } keep{graveyard_, hs.summed ? hs.send_sums : nullptr};
+  Status s = SendAll(hs, st);
+  if (!s.ok()) {
+    // The transport may still read the control messages of buckets in flight.
+    for (InFlight& f : hs.flying) {
+      if (f.control) graveyard_.push_back(std::shared_ptr<void>(std::move(f.control)));
+      if (f.delta.encoded) graveyard_.push_back(f.delta.encoded);
+      if (delta_) delta_->Forget(f.msg, f.bucket);
+    }
+    if (delta_) st.delta.Add(delta_->Finish());
+    for (auto& c : hs.sent_controls) graveyard_.push_back(std::shared_ptr<void>(std::move(c)));
+    return s;
+  }
+  // Every transfer completed: the transport no longer writes the sums.
+  keep.done = true;
+  if (delta_) st.delta.Add(delta_->Finish());
+  return OkStatus();
+}
+
+Status HostSender::SendAll(HostSend& hs, RankSyncStats& st) {
   for (auto [mi, bi] : hs.order) {
     if (hs.flying.size() == 2) SS_RETURN_IF_ERROR(FinishOldest(hs, st));
     SS_RETURN_IF_ERROR(guard_.CheckDeadline("while sending"));
     SS_RETURN_IF_ERROR(PostBucket(hs, mi, bi));
   }
   while (!hs.flying.empty()) SS_RETURN_IF_ERROR(FinishOldest(hs, st));
-  SS_RETURN_IF_ERROR(guard_.WaitAll(hs.ctrl_ids, "sending control messages"));
-  // Every transfer completed: the transport no longer writes the sums.
-  keep.done = true;
-  return OkStatus();
+  return guard_.WaitAll(hs.ctrl_ids, "sending control messages");
 }
 
 HostSender::HostSend HostSender::Plan() const {
@@ -92,11 +131,12 @@ HostSender::HostSend HostSender::Plan() const {
       if (!pairs_->sends(m) && b < ctx_.plan.sends[m].buckets.size()) hs.order.emplace_back(m, b);
     }
   }
-  hs.put = ctx_.tx.caps().one_sided_put;
-  // The built-in CPU packer (host memory): pack or checksum each transfer just before posting
-  // it, and post direct transfers from the source memory itself. A packer passed in (device
-  // memory) packs whole buckets into its staging; the same transfers then leave from there.
-  hs.fused = ctx_.builtin_packer();
+  // One-sided puts land in the receiver's parameters: only bytes that are theirs (in place).
+  hs.put = !image() && ctx_.tx.caps().one_sided_put;
+  // The copy codec with the built-in CPU packer (host memory): pack or checksum each transfer
+  // just before posting it, and post direct transfers from the source memory itself. Otherwise
+  // the codec packs whole buckets into a staging slot; the same transfers then leave from there.
+  hs.fused = !image() && ctx_.builtin_packer();
   // Direct transfers checksummed by the transport's own copy (shm): no separate read.
   hs.summed = hs.fused && !hs.put && ctx_.tx.caps().summed_copy;
   // Packed transfers cast / gathered straight into the transport's staging (shm ring slots)
@@ -121,6 +161,12 @@ std::unique_ptr<Control> HostSender::MakeControl(const InFlight& f) const {
   c->bytes = static_cast<uint64_t>(ctx_.plan.sends[f.msg].buckets[f.bucket].bytes);
   c->checksum = f.checksum;
   c->job = ctx_.job_tag;
+  c->payload = c->bytes;
+  if (delta_) {
+    c->form = static_cast<uint32_t>(f.delta.form);
+    c->reason = static_cast<uint32_t>(f.delta.reason);
+    c->payload = f.delta.bytes;
+  }
   return c;
 }
 
@@ -196,12 +242,22 @@ Status HostSender::PostBucket(HostSend& hs, int mi, int bi) {
   hs.next_slot ^= 1;
   unsigned char* stage = hs.fused ? nullptr : staging_[f.slot].get();
   if (!hs.fused) {
-    SS_ASSIGN_OR_RETURN(f.checksum, ctx_.packer->Pack(bindings_->SourceRegions(m, b),
-                                                      ctx_.in.options.wire_dtype, stage, b.bytes));
+    SS_ASSIGN_OR_RETURN(f.checksum, codec_.Pack(m, b, stage));
   }
   f.sum = std::make_shared<LandedSum>();
   f.sums_begin = hs.send_sums->size();
+  if (delta_) {
+    // The delta step: the image, or its delta against the receiver's base, as one message.
+    SS_ASSIGN_OR_RETURN(f.delta, delta_->Encode(mi, bi, stage, f.checksum));
+    SS_ASSIGN_OR_RETURN(XferId id,
+                        ctx_.tx.PostSend(m.dst, DataTag(guard_.version(), hs.next_seq[mi]++),
+                                         f.delta.data, static_cast<size_t>(f.delta.bytes)));
+    f.xfers.push_back(id);
+    f.lens.push_back(static_cast<size_t>(f.delta.bytes));
+    hs.outstanding += static_cast<size_t>(f.delta.bytes);
+  }
   for (const WireRun& r : buckets_[mi][bi].xfers) {
+    if (delta_) break;  // sent above
     SS_ASSIGN_OR_RETURN(XferId id, PostTransfer(hs, f, r, stage));
     ++hs.next_seq[mi];
     f.xfers.push_back(id);

@@ -28,14 +28,14 @@ class PreparedPairs {
   // Block-FP8 engine ranks whose parameters live in device memory and whose plan stages bands:
   // allocates the plan's staging_bytes with the packer (device memory beside the parameters) for
   // the senders to write raw rows into, and returns it for RegisterParams; null for every other
-  // rank (host receivers stage on the host path, fp8_recv.h). Before Connect.
+  // rank (host receivers stage on the host path, fp8_codec.h). Before Connect.
   Result<const MemRegion*> AllocStaging(const Bindings& bindings);
   // Receiver, after FinishRecvs verified every checksum: quantizes every staged band from the
   // staging into its e4m3 rows and scales (the packer's kernel; a bounded wait); DataLoss naming
   // the parameter of a band with non-finite values. No-op without staging.
   Status QuantizeStaged();
   // Block-FP8 trainers whose prepared pairs carry amax ops (blocks shared with other trainer
-  // ranks): whether they do, and the agreed scales (fp8_send.h ExchangeAmax, plan slot order)
+  // ranks): whether they do, and the agreed scales (fp8_codec.h Exchange, plan slot order)
   // copied into the device memory those pairs' launches read. Must precede PostSends.
   bool has_amax_sends() const { return amax_scales_ != nullptr; }
   Status UploadAmaxScales(const std::vector<float>& scales);

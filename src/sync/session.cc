@@ -5,8 +5,8 @@
 // The session composes parts with one job each (docs/architecture.md walks a sync through them):
 // identity.h (the job this rank joins), bindings.h (bindings and their checks), connect.h
 // (agreement at Connect), pairs.h (prepared device pairs), host_send.h / host_recv.h (the host
-// data path and bucket verification), verdicts.h (the job-wide report) and guard.h (every wait,
-// the abort key, the peers' liveness).
+// data path and bucket verification, with the plan's codec: codec.h), verdicts.h (the job-wide
+// report) and guard.h (every wait, the abort key, the peers' liveness).
 #include "shardsync/session.h"
 
 #include <chrono>
@@ -16,12 +16,9 @@
 #include "shardsync/settings.h"
 
 #include "sync/bindings.h"
+#include "sync/codec.h"
 #include "sync/connect.h"
 #include "sync/context.h"
-#include "sync/delta_recv.h"
-#include "sync/delta_send.h"
-#include "sync/fp8_recv.h"
-#include "sync/fp8_send.h"
 #include "sync/guard.h"
 #include "sync/harness.h"
 #include "sync/host_recv.h"
@@ -38,28 +35,6 @@ namespace {
 using sync_internal::Clock;
 using sync_internal::Trace;
 
-// The host data path for the session's plan (host_path.h): the block-FP8 codec's for a quantized
-// model, whose ops carry its encodings; the copy path otherwise.
-// The delta encoding's (delta_send.h, delta_recv.h) for a copy plan that is not encoding full.
-bool DeltaPath(const sync_internal::SessionContext& ctx) {
-  return !ctx.quantized() && ctx.in.options.encoding != WireEncoding::kFull;
-}
-std::unique_ptr<sync_internal::HostSendPath> MakeHostSend(const sync_internal::SessionContext& ctx,
-                                                          sync_internal::SyncGuard& guard) {
-  if (ctx.quantized()) return std::make_unique<sync_internal::Fp8HostSender>(ctx, guard);
-  if (DeltaPath(ctx)) return std::make_unique<sync_internal::DeltaHostSender>(ctx, guard);
-  return std::make_unique<sync_internal::HostSender>(ctx, guard);
-}
-std::unique_ptr<sync_internal::HostRecvPath> MakeHostRecv(
-    const sync_internal::SessionContext& ctx, sync_internal::SyncGuard& guard,
-    const sync_internal::StagedCommit& staged) {
-  if (ctx.quantized()) return std::make_unique<sync_internal::Fp8HostReceiver>(ctx, guard);
-  if (DeltaPath(ctx)) {
-    return std::make_unique<sync_internal::DeltaHostReceiver>(ctx, guard, staged);
-  }
-  return std::make_unique<sync_internal::HostReceiver>(ctx, guard);
-}
-
 class SessionImpl final : public SyncSession {
  public:
   SessionImpl(PlanInputs in, int rank, SyncRank who, RankPlan plan, StoreClient& store,
@@ -74,8 +49,9 @@ class SessionImpl final : public SyncSession {
         guard_(ctx_),
         verdicts_(ctx_, guard_),
         pairs_(ctx_, guard_),
-        host_send_(MakeHostSend(ctx_, guard_)),
-        host_recv_(MakeHostRecv(ctx_, guard_, staged_)),  // staged_ is used from Connect on
+        codec_(sync_internal::MakeCodec(ctx_)),
+        host_send_(ctx_, guard_, *codec_),
+        host_recv_(ctx_, guard_, *codec_, staged_),  // staged_ is read from Connect on
         staged_(ctx_, guard_) {}
   ~SessionImpl() override {
     identity_.Leave();
@@ -214,8 +190,8 @@ class SessionImpl final : public SyncSession {
     SS_RETURN_IF_ERROR(pairs_.Prepare(bindings_, shapes_, regbase, deadline));
     SS_RETURN_IF_ERROR(verdicts_.Open(deadline));
     guard_.set_board(verdicts_.board());
-    SS_RETURN_IF_ERROR(host_send_->Prepare(bindings_, shapes_, pairs_, std::move(regbase)));
-    SS_RETURN_IF_ERROR(host_recv_->Prepare(bindings_, pairs_));
+    SS_RETURN_IF_ERROR(host_send_.Prepare(bindings_, shapes_, pairs_, std::move(regbase)));
+    SS_RETURN_IF_ERROR(host_recv_.Prepare(bindings_, pairs_));
     // 6. Nobody contested the job while it connected (identity.h): it is whole.
     SS_RETURN_IF_ERROR(identity_.Seal(guard_, deadline));
     connected_ = true;
@@ -333,10 +309,10 @@ class SessionImpl final : public SyncSession {
     // Block FP8 with blocks shared by trainer ranks whose prepared pairs quantize them (cuda_ipc):
     // the holders agree on the blocks' scales before the pairs launch, which read them (a rank's
     // pairs launch as one kernel, so none goes earlier). Plans without such pairs skip this.
-    const bool exchange_first = host_send_->exchanges() && pairs_.has_amax_sends();
+    const bool exchange_first = host_send_.exchanges() && pairs_.has_amax_sends();
     if (exchange_first) {
       SS_RETURN_IF_ERROR(enter());
-      SS_RETURN_IF_ERROR(host_send_->ExchangeAmax());
+      SS_RETURN_IF_ERROR(host_send_.Exchange());
     }
     SS_RETURN_IF_ERROR(pairs_.PostSends(signals));
     std::vector<std::string> ready;
@@ -348,9 +324,9 @@ class SessionImpl final : public SyncSession {
     }
     // Block FP8 with blocks shared by trainer ranks: their holders agree on the blocks' scales
     // first (one store value per holder), while the receivers get ready.
-    if (host_send_->exchanges() && !exchange_first) {
+    if (host_send_.exchanges() && !exchange_first) {
       SS_RETURN_IF_ERROR(enter());
-      SS_RETURN_IF_ERROR(host_send_->ExchangeAmax());
+      SS_RETURN_IF_ERROR(host_send_.Exchange());
     }
     if (!ready.empty()) SS_RETURN_IF_ERROR(enter());
     SS_ASSIGN_OR_RETURN(const std::vector<std::string> ready_values,
@@ -363,16 +339,16 @@ class SessionImpl final : public SyncSession {
                             /*watch_abort=*/true));
     // Delta encoding: what each receiver holds, per bucket (delta_path.h).
     for (size_t i = 0; i < waited.size(); ++i) {
-      SS_RETURN_IF_ERROR(host_send_->SetReceiverBases(waited[i], ready_values[i]));
+      SS_RETURN_IF_ERROR(host_send_.SetReceiverBases(waited[i], ready_values[i]));
     }
     Trace(ctx_.rank, guard_.version(),
           [&] { return std::to_string(ready.size()) + " ready keys in"; });
     // Prepared pairs (device memory) go first: their device work overlaps the host path below.
     SS_RETURN_IF_ERROR(pairs_.PostSends([&](size_t mi) { return !signals(mi); }));
-    if (host_send_->has_buckets()) {
+    if (host_send_.has_buckets()) {
       SS_RETURN_IF_ERROR(enter());
     }
-    SS_RETURN_IF_ERROR(host_send_->Send(st));
+    SS_RETURN_IF_ERROR(host_send_.Send(st));
     SS_RETURN_IF_ERROR(pairs_.FinishSends(st, enter));
     SS_RETURN_IF_ERROR(enter());
     // A send can complete here while its protocol tail (e.g. a rendezvous put's completion
@@ -401,11 +377,11 @@ class SessionImpl final : public SyncSession {
     // (one-sided puts would otherwise land while it still reads the previous version). Its
     // prepared pairs were posted first: those that signal readiness themselves are faster.
     // Its value: "1", or under the delta encoding the base this rank holds per bucket.
-    SS_ASSIGN_OR_RETURN(std::string ready_value, host_recv_->ReadyValue());
+    SS_ASSIGN_OR_RETURN(std::string ready_value, host_recv_.ReadyValue());
     SS_RETURN_IF_ERROR(ctx_.store.SetMany(
         {{ctx_.Key("cur/" + std::to_string(ctx_.rank)), std::to_string(guard_.version())},
          {ctx_.Key(guard_.VKey("ready/") + std::to_string(ctx_.rank)), std::move(ready_value)}}));
-    SS_RETURN_IF_ERROR(host_recv_->Receive(st));
+    SS_RETURN_IF_ERROR(host_recv_.Receive(st));
     SS_RETURN_IF_ERROR(pairs_.FinishRecvs(st, bindings_));
     // Block FP8: bands staged over device pairs are quantized from verified bytes only.
     SS_RETURN_IF_ERROR(pairs_.QuantizeStaged());
@@ -432,9 +408,10 @@ class SessionImpl final : public SyncSession {
   sync_internal::SyncGuard guard_;
   sync_internal::VerdictExchange verdicts_;
   sync_internal::PreparedPairs pairs_;
-  // The host path, chosen by the plan's encodings (host_path.h).
-  std::unique_ptr<sync_internal::HostSendPath> host_send_;
-  std::unique_ptr<sync_internal::HostRecvPath> host_recv_;
+  // The host path: one loop each way, with the codec of the plan's encodings (codec.h).
+  std::unique_ptr<sync_internal::Codec> codec_;
+  sync_internal::HostSender host_send_;
+  sync_internal::HostReceiver host_recv_;
   sync_internal::StagedCommit staged_;
   bool connected_ = false;
   bool poisoned_ = false;
@@ -452,8 +429,8 @@ Result<std::unique_ptr<SyncSession>> CreateHarnessSession(const PlanInputs& inpu
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(inputs, rank));
   SS_ASSIGN_OR_RETURN(RankPlan plan, PlanForRank(inputs, rank));
   if (inputs.model.quant && inputs.options.encoding != WireEncoding::kFull) {
-    // The receiver rebuilds a delta's base from its landed bytes; a block-FP8 receiver lands
-    // bytes the wire image does not hold as they are (staged raw values it quantizes, pads).
+    // The receiver rebuilds a delta's base from its landed bytes; the block-FP8 codec has no
+    // step that gathers its landed e4m3 codes and scales back into a bucket image yet.
     return UnimplementedError(
         "encoding " + std::string(WireEncodingName(inputs.options.encoding)) +
         ": block-FP8 plans are not delta-encoded yet (only copy plans on the host path); use "

@@ -153,7 +153,7 @@ TEST(GpuFp8Rounds, SenderSlotReceiverEqualTheHostPathByteForByte) {
     qoff[2] = place(Fp8WireBytes(256, 384));
     const int64_t bytes = at;
 
-    // The host path's image of the round (fp8_send.cc: Fp8QuantizePack, cast copies, zero pads).
+    // The host path's image of the round (fp8_host_pack.cc: Fp8QuantizePack, cast copies, zero pads).
     std::vector<uint8_t> want(bytes, 0);
     int64_t want_bad = 0;
     for (int q = 0; q < 3; ++q) {

@@ -89,7 +89,7 @@ TEST(DeltaDecision, AutoPaysOnlyOnSlowLinksAtLowDensity) {
 }
 
 TEST(DeltaControlCheck, RefusesUnknownFormsAndPayloadsThatDoNotFit) {
-  DeltaControl d;
+  Control d;
   d.form = static_cast<uint32_t>(DeltaKind::kIndex);
   d.reason = static_cast<uint32_t>(DeltaReason::kDelta);
   d.payload = 100;

@@ -298,10 +298,10 @@ TEST(DeltaSession, ARefusedDeltaFailsTheSyncAndPoisonsNothingElseLands) {
   t.Update(2, 0.01);
   t.Sync(2);
   t.Update(3, 0.01);
-  // Trainer rank 1's first data message of version 3 (after its first control message) loses
-  // one byte of its delta's index records.
+  // Trainer rank 1's first message of version 3 (its first bucket's delta; the control message
+  // follows) has one byte of its index records flipped.
   t.delta.fault(1).set_config(
-      {.corrupt_data_post = t.delta.fault(1).counters().data_posts + 2, .corrupt_byte = 50});
+      {.corrupt_data_post = t.delta.fault(1).counters().data_posts + 1, .corrupt_byte = 50});
   auto st = t.delta.Sync(3);
   ExpectAllOk(t.full.Sync(3));
   EXPECT_EQ(t.delta.fault(1).counters().corrupted, 1);

@@ -1,4 +1,4 @@
-#include "sync/fp8_send.h"
+#include "sync/fp8_codec.h"
 
 #include <algorithm>
 #include <cstring>
@@ -69,16 +69,16 @@ Result<Fp8Packed> PackFp8Bucket(const SessionContext& ctx, const Bindings& bindi
   return res;
 }
 
-Status Fp8HostSender::Prepare(const Bindings& bindings, PeerShapes& /*shapes*/,
-                              PreparedPairs& pairs, std::map<int, uint32_t> /*regbase*/) {
+std::unique_ptr<Codec> MakeBlockQuantizeCodec(const SessionContext& ctx) {
+  return std::make_unique<Fp8Codec>(ctx);
+}
+
+Status Fp8Codec::PrepareSend(const Bindings& bindings, PreparedPairs& pairs,
+                             const std::vector<int>& msgs) {
   bindings_ = &bindings;
   pairs_ = &pairs;
-  const std::vector<Message>& sends = ctx_.plan.sends;
-  int64_t max_bucket = 0;
-  size_t max_buckets = 0;
-  for (size_t mi = 0; mi < sends.size(); ++mi) {
-    if (pairs.sends(mi)) continue;
-    const Message& m = sends[mi];
+  for (int mi : msgs) {
+    const Message& m = ctx_.plan.sends[mi];
     for (size_t i = 0; i < m.ops.size(); ++i) {
       if (bindings.SourceOf(m, static_cast<int>(i)).mem != MemKind::kHost) {
         return UnimplementedError(
@@ -92,24 +92,6 @@ Status Fp8HostSender::Prepare(const Bindings& bindings, PeerShapes& /*shapes*/,
                                 std::to_string(m.dst) + " need two-sided messages, which " +
                                 ctx_.tx.PeerTransport(m.dst) + " does not offer");
     }
-    for (const Bucket& b : m.buckets) max_bucket = std::max(max_bucket, b.bytes);
-    max_buckets = std::max(max_buckets, m.buckets.size());
-  }
-  // Buckets round-robin over receivers, each sender starting at a different one (HostSender
-  // says why).
-  const size_t n = sends.size();
-  const size_t first = n ? static_cast<size_t>(ctx_.who.trainer_rank) % n : 0;
-  order_.clear();
-  for (size_t b = 0; b < max_buckets; ++b) {
-    for (size_t k = 0; k < n; ++k) {
-      const size_t mi = (first + k) % n;
-      if (!pairs.sends(mi) && b < sends[mi].buckets.size()) {
-        order_.emplace_back(static_cast<int>(mi), static_cast<int>(b));
-      }
-    }
-  }
-  for (auto& s : slots_) {
-    if (max_bucket > 0) s = std::make_unique<unsigned char[]>(static_cast<size_t>(max_bucket));
   }
   // The amax exchange reads the rows this rank holds of every shared block: from host memory,
   // or from device memory with the packer's kernel.
@@ -148,7 +130,7 @@ Status Fp8HostSender::Prepare(const Bindings& bindings, PeerShapes& /*shapes*/,
   return OkStatus();
 }
 
-Status Fp8HostSender::NonFinite(const AmaxBand& b, bool mine) const {
+Status Fp8Codec::NonFinite(const AmaxBand& b, bool mine) const {
   const HfTensor& t = ctx_.inventory.at(b.tensor);
   return DataLossError(RankName(ctx_.rank) + ": non-finite values (NaN or Inf) in rows " +
                        Region::Make({b.row0, 0}, {b.rows, t.shape[1]}).ToString() + " of '" +
@@ -159,7 +141,7 @@ Status Fp8HostSender::NonFinite(const AmaxBand& b, bool mine) const {
                        "poisoned");
 }
 
-Status Fp8HostSender::ExchangeAmax() {
+Status Fp8Codec::Exchange(SyncGuard& guard) {
   const RankPlan& plan = ctx_.plan;
   if (plan.amax_bands.empty()) return OkStatus();
   // This rank's partials: per band, the max magnitude bits of its rows per 128-column block
@@ -178,7 +160,7 @@ Status Fp8HostSender::ExchangeAmax() {
     SS_RETURN_IF_ERROR(
         Fp8PartialAmax({sb.data, sb.dtype, sb.region.extents(), rel, 0}, own.data() + b.slot));
   }
-  auto key = [&](int rank) { return ctx_.Key(guard_.VKey("amax/") + std::to_string(rank) + "#"); };
+  auto key = [&](int rank) { return ctx_.Key(guard.VKey("amax/") + std::to_string(rank) + "#"); };
   // The previous version's value: every holder read it before posting its verdict of that
   // version, so only a failed sync's laggards (which fail anyway) could still want it. Dropped
   // here so the store holds one value per holder, not one per version until rank 0's sweep.
@@ -193,7 +175,7 @@ Status Fp8HostSender::ExchangeAmax() {
   std::string value(own.size() * 4, '\0');
   std::memcpy(value.data(), own.data(), value.size());
   SS_RETURN_IF_ERROR(ctx_.store.Set(key(ctx_.rank), value));
-  amax_posted_ = guard_.version();
+  amax_posted_ = guard.version();
   for (const AmaxBand& b : plan.amax_bands) {
     for (int64_t i = 0; i < b.blocks; ++i) {
       if (!Fp8AmaxBitsFinite(own[b.slot + i])) return NonFinite(b, true);
@@ -201,12 +183,12 @@ Status Fp8HostSender::ExchangeAmax() {
   }
   std::vector<std::string> keys;
   for (int32_t p : plan.amax_peers) keys.push_back(key(p));
-  auto got = guard_.GetManyUntil(
-      keys, guard_.deadline(),
+  auto got = guard.GetManyUntil(
+      keys, guard.deadline(),
       [&](size_t i) {
         return "sync rank " + std::to_string(plan.amax_peers[i]) +
                "'s partial amaxes of block-FP8 blocks it shares with this rank (version " +
-               std::to_string(guard_.version()) + ")";
+               std::to_string(guard.version()) + ")";
       },
       /*watch_abort=*/true);
   if (!got.ok()) {
@@ -223,8 +205,7 @@ Status Fp8HostSender::ExchangeAmax() {
   return pairs_->UploadAmaxScales(amax_.scales);
 }
 
-Status Fp8HostSender::Combine(const std::vector<uint32_t>& own,
-                              const std::vector<std::string>& got) {
+Status Fp8Codec::Combine(const std::vector<uint32_t>& own, const std::vector<std::string>& got) {
   const RankPlan& plan = ctx_.plan;
   std::map<int32_t, const std::string*> by_rank;
   for (size_t i = 0; i < got.size() && i < plan.amax_peers.size(); ++i) {
@@ -252,31 +233,14 @@ Status Fp8HostSender::Combine(const std::vector<uint32_t>& own,
   return OkStatus();
 }
 
-Status Fp8HostSender::Send(RankSyncStats& st) {
-  std::deque<Flying> flying;
-  std::vector<uint64_t> seq(ctx_.plan.sends.size(), 0);
-  int slot = 0;
-  Status s;
-  for (auto [mi, bi] : order_) {
-    if (flying.size() == 2) s = FinishOldest(flying, st);
-    if (s.ok()) s = guard_.CheckDeadline("while sending");
-    if (s.ok()) s = Post(mi, bi, slot, flying, seq);
-    if (!s.ok()) break;
-    slot ^= 1;
-  }
-  while (s.ok() && !flying.empty()) s = FinishOldest(flying, st);
-  if (!s.ok()) {
-    for (Flying& f : flying) graveyard_.push_back(std::move(f.control));
-  }
-  return s;
+Result<std::shared_ptr<unsigned char>> Fp8Codec::AllocSlot(size_t bytes) {
+  // Packed on the CPU from host sources (PrepareSend): host memory.
+  return std::shared_ptr<unsigned char>(new unsigned char[bytes],
+                                        std::default_delete<unsigned char[]>());
 }
 
-Status Fp8HostSender::Post(int mi, int bi, int slot, std::deque<Flying>& flying,
-                           std::vector<uint64_t>& seq) {
-  const Message& m = ctx_.plan.sends[mi];
-  const Bucket& b = m.buckets[bi];
-  unsigned char* buf = slots_[slot].get();
-  SS_ASSIGN_OR_RETURN(Fp8Packed p, PackFp8Bucket(ctx_, *bindings_, m, b, buf, &amax_));
+Result<uint64_t> Fp8Codec::Pack(const Message& m, const Bucket& b, unsigned char* out) {
+  SS_ASSIGN_OR_RETURN(Fp8Packed p, PackFp8Bucket(ctx_, *bindings_, m, b, out, &amax_));
   if (p.nonfinite > 0) {
     const TransferOp& op = m.ops[p.first_bad_op];
     return DataLossError(RankName(ctx_.rank) + ": " + std::to_string(p.nonfinite) +
@@ -286,43 +250,7 @@ Status Fp8HostSender::Post(int mi, int bi, int slot, std::deque<Flying>& flying,
                          ": block FP8 cannot represent them, so nothing of this sync is reported "
                          "good and the engine ranks stay poisoned");
   }
-  Flying f;
-  f.msg = mi;
-  f.bucket = bi;
-  f.slot = slot;
-  const uint64_t version = guard_.version();
-  Status s;
-  ForEachFp8Transfer(b.bytes, [&](int64_t off, int64_t len) {
-    if (!s.ok()) return;
-    auto id =
-        ctx_.tx.PostSend(m.dst, DataTag(version, seq[mi]++), buf + off, static_cast<size_t>(len));
-    if (id.ok()) {
-      f.ids.push_back(*id);
-    } else {
-      s = id.status();
-    }
-  });
-  SS_RETURN_IF_ERROR(s);
-  f.control = std::make_unique<Control>();
-  f.control->bucket = static_cast<uint32_t>(bi);
-  f.control->version = version;
-  f.control->bytes = static_cast<uint64_t>(b.bytes);
-  f.control->checksum = p.checksum;
-  f.control->job = ctx_.job_tag;
-  SS_ASSIGN_OR_RETURN(
-      XferId c, ctx_.tx.PostSend(m.dst, ControlTag(version, bi), f.control.get(), sizeof(Control)));
-  f.ids.push_back(c);
-  flying.push_back(std::move(f));
-  return OkStatus();
-}
-
-Status Fp8HostSender::FinishOldest(std::deque<Flying>& flying, RankSyncStats& st) {
-  Flying& f = flying.front();
-  const Message& m = ctx_.plan.sends[f.msg];
-  SS_RETURN_IF_ERROR(guard_.WaitAll(f.ids, "sending to sync rank " + std::to_string(m.dst)));
-  st.send_bytes += m.buckets[f.bucket].bytes;
-  flying.pop_front();
-  return OkStatus();
+  return p.checksum;
 }
 
 }  // namespace shardsync::sync_internal

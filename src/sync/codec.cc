@@ -1,0 +1,46 @@
+#include "sync/codec.h"
+
+#include "sync/bindings.h"
+
+namespace shardsync::sync_internal {
+namespace {
+
+// kCopy ops: the wire bytes are the parameters' own (cast to the wire dtype at most), so the loops
+// cut, post and verify them in place. Pack is the whole-bucket pack of a packer passed in (device
+// memory), into the packer's staging.
+class CopyCodec final : public Codec {
+ public:
+  explicit CopyCodec(const SessionContext& ctx) : ctx_(ctx) {}
+
+  bool in_place() const override { return true; }
+  Status PrepareSend(const Bindings& bindings, PreparedPairs& /*pairs*/,
+                     const std::vector<int>& /*msgs*/) override {
+    bindings_ = &bindings;
+    return OkStatus();
+  }
+  Result<std::shared_ptr<unsigned char>> AllocSlot(size_t bytes) override {
+    return ctx_.packer->AllocStaging(bytes);
+  }
+  Result<uint64_t> Pack(const Message& m, const Bucket& b, unsigned char* out) override {
+    return ctx_.packer->Pack(bindings_->SourceRegions(m, b), ctx_.in.options.wire_dtype, out,
+                             b.bytes);
+  }
+
+ private:
+  const SessionContext& ctx_;
+  const Bindings* bindings_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Codec> MakeCopyCodec(const SessionContext& ctx) {
+  return std::make_unique<CopyCodec>(ctx);
+}
+
+std::unique_ptr<Codec> MakeCodec(const SessionContext& ctx) {
+  // A quantized model's plan carries the block-quantize encodings (plan.h Encoding) and tables.
+  if (ctx.quantized()) return MakeBlockQuantizeCodec(ctx);
+  return MakeCopyCodec(ctx);
+}
+
+}  // namespace shardsync::sync_internal

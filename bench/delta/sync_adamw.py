@@ -82,11 +82,12 @@ def run(args, lr, cfg_dir):
     engines, sessions, reports, errors = {}, {}, {}, {}
     ready, go = threading.Barrier(world + 1), threading.Barrier(world + 1)
     versions = list(range(1, args.steps + 2))  # version 1: the initial weights, whole
+    launch = shardsync.new_launch()  # one job's identity for its in-process ranks
     with shardsync.StoreServer(token=TOKEN) as srv:
         def body(r):
             try:
                 s = shardsync.Session(plan, r, srv.address, token=TOKEN, transport="loopback",
-                                      connect_timeout=120, sync_timeout=600)
+                                      connect_timeout=120, sync_timeout=600, **launch)
                 sessions[r] = s
                 if s.is_trainer:
                     for n, t in hf.items():
@@ -104,6 +105,7 @@ def run(args, lr, cfg_dir):
                 ready.wait(3600)
             except BaseException as e:  # noqa: BLE001
                 errors[r] = e
+                print(f"sync rank {r} failed: {e!r}", file=sys.stderr, flush=True)
                 ready.abort()
                 go.abort()
 
@@ -172,63 +174,6 @@ def run(args, lr, cfg_dir):
             go.wait(3600)
         ready.wait(3600)
         check(versions[-1])
-        go.abort()
-
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        rows = []
-        prev = None
-        nparams = sum(p.numel() for p in model.parameters())
-        print(f"lr {lr:g}: {args.layers} layers, vocab {args.vocab}, {nparams} parameters, "
-              f"tp {args.tp}, buckets of {args.bucket_mb} MiB, plan {plan.hash}", flush=True)
-        for v in versions:
-            t0 = time.time()
-            loss = float("nan")
-            if v > 1:
-                tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
-                logits = model(tokens[:, :-1])
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                       tokens[:, 1:].reshape(-1))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                loss = float(loss)
-            train_s = time.time() - t0
-            cur = {n: t.to(torch.bfloat16).view(torch.int16) for n, t in hf.items()}
-            own_changed = (sum(int((cur[n] != prev[n]).sum()) for n in cur) if prev else None)
-            prev = cur
-            ready.wait(3600)
-            t1 = time.time()
-            go.wait(3600)
-            ready.wait(3600)  # every rank synced v
-            sync_s = time.time() - t1
-            if errors:
-                raise RuntimeError(f"ranks failed: {errors}")
-            rep = reports[v][0]
-            d = rep["delta"]
-            # Every element of every engine parameter against the masters in bf16.
-            checked = mismatched = 0
-            for r, mine in engines.items():
-                for p in sessions[r].expected_params():
-                    want = expected(p, hf).view(torch.int16)
-                    got = mine[p.name].view(torch.int16)
-                    checked += got.numel()
-                    mismatched += int((got != want).sum())
-            row = dict(lr=lr, version=v, step=v - 1, loss=loss, train_seconds=train_s,
-                       sync_seconds=sync_s, verified=rep["verified"], elements_checked=checked,
-                       element_mismatches=mismatched, own_changed=own_changed,
-                       delta={k: d[k] for k in d if k != "first_fallback"})
-            rows.append(row)
-            frac = d["changed"] / d["elements"] if d["elements"] else float("nan")
-            print(f"  step {v - 1:2d} loss {loss:.4f} changed {frac:.4%} "
-                  f"(own count {own_changed}, session {d['changed']}) wire "
-                  f"{d['wire_bytes'] / 1e6:.2f} MB of {d['full_bytes'] / 1e6:.2f} MB = "
-                  f"{d['wire_bytes'] / d['full_bytes']:.2%}; buckets {d['buckets_delta']} delta /"
-                  f" {d['buckets_full']} whole, fallbacks {d['fallbacks']}; encode "
-                  f"{d['encode_seconds']:.3f} s decode {d['decode_seconds']:.3f} s, sync "
-                  f"{sync_s:.2f} s; {checked} elements checked, {mismatched} mismatched",
-                  flush=True)
         for t in threads:
             t.join(60)
     for s in sessions.values():

@@ -96,7 +96,7 @@ Result<Fp8Split> ParseFp8Split(std::string_view s, std::string_view flag = "--fp
 // (the default); kDelta sends, per bucket, only the wire elements that changed since the image
 // the sender last sent when the receiver holds that image (its base), else the whole bucket;
 // kAuto as kDelta where the cost model (EstimateDeltaCost) says the delta pays at the link speed
-// (SHARDSYNC_DELTA_LINK_GBPS). Every rank must agree: in the plan hash when not kFull.
+// (SHARDSYNC_DELTA_LINK_MBPS). Every rank must agree: in the plan hash when not kFull.
 enum class WireEncoding : uint8_t { kFull, kDelta, kAuto };
 std::string_view WireEncodingName(WireEncoding e);  // "full" | "delta" | "auto"
 // "full" | "delta" | "auto"; InvalidArgument naming `flag` otherwise.

@@ -76,8 +76,8 @@ std::string DescribeFallback(DeltaReason r, int dst, int bucket, const KeptImage
 // Counts one bucket into `st`: `wire` bytes sent for a `full`-byte bucket, by `reason`.
 void CountBucket(DeltaSyncStats& st, DeltaReason r, int64_t wire, int64_t full);
 
-// How encoding auto prices a delta: the link and the host codec's speeds (MB/s knobs,
-// SHARDSYNC_DELTA_*_MBPS; settings.h).
+// How encoding auto prices a delta: the link and the host codec's speeds (settings.h knobs
+// SHARDSYNC_DELTA_LINK_MBPS, SHARDSYNC_DELTA_ENCODE_MBPS, SHARDSYNC_DELTA_DECODE_MBPS).
 struct DeltaLink {
   double link_gbps = 25;
   double encode_gbps = 3.5;

@@ -255,14 +255,14 @@ Status HostSender::PostBucket(HostSend& hs, int mi, int bi) {
     f.xfers.push_back(id);
     f.lens.push_back(static_cast<size_t>(f.delta.bytes));
     hs.outstanding += static_cast<size_t>(f.delta.bytes);
-  }
-  for (const WireRun& r : buckets_[mi][bi].xfers) {
-    if (delta_) break;  // sent above
-    SS_ASSIGN_OR_RETURN(XferId id, PostTransfer(hs, f, r, stage));
-    ++hs.next_seq[mi];
-    f.xfers.push_back(id);
-    f.lens.push_back(r.len);
-    hs.outstanding += r.len;
+  } else {
+    for (const WireRun& r : buckets_[mi][bi].xfers) {
+      SS_ASSIGN_OR_RETURN(XferId id, PostTransfer(hs, f, r, stage));
+      ++hs.next_seq[mi];
+      f.xfers.push_back(id);
+      f.lens.push_back(r.len);
+      hs.outstanding += r.len;
+    }
   }
   if (hs.fused) {
     f.sums_end = hs.send_sums->size();

@@ -93,6 +93,16 @@ enum class Encoding : uint8_t {
 };
 std::string_view EncodingName(Encoding e);  // "copy" | "quantize" | "stage" | "amax"
 
+// How host-path buckets travel each sync (delta.h, docs/delta.md): kFull sends every bucket whole
+// (the default); kDelta sends, per bucket, only the wire elements that changed since the image
+// the sender last sent when the receiver holds that image (its base), else the whole bucket;
+// kAuto as kDelta where the cost model (EstimateDeltaCost) says the delta pays at the link speed
+// (SHARDSYNC_DELTA_LINK_MBPS). Every rank must agree: in the plan hash when not kFull.
+enum class WireEncoding : uint8_t { kFull, kDelta, kAuto };
+std::string_view WireEncodingName(WireEncoding e);  // "full" | "delta" | "auto"
+// "full" | "delta" | "auto"; InvalidArgument naming `flag` otherwise.
+Result<WireEncoding> ParseWireEncoding(std::string_view s, std::string_view flag = "--encoding");
+
 struct PlanOptions {
   DType wire_dtype = DType::kBF16;
   int64_t bucket_bytes = int64_t{512} << 20;
@@ -102,6 +112,8 @@ struct PlanOptions {
   // quantizes the band from staging (block FP8's --fp8-split, fp8_plan.h). In the plan hash when
   // kAmax (kStage plans keep their hashes).
   Encoding straddle = Encoding::kAmax;
+  // In the plan hash when not kFull (existing plans keep their hashes).
+  WireEncoding encoding = WireEncoding::kFull;
 };
 
 // Bumped whenever the planner's output for the same inputs changes; part of PlanHash.

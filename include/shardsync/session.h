@@ -130,6 +130,34 @@ struct DestBinding {
   int device = -1;
 };
 
+// The delta encoding's figures of one sync (PlanOptions::encoding delta / auto, host path;
+// docs/delta.md). A sender counts the buckets it sent, a receiver the buckets it landed; all
+// zero under encoding full. `changed` / `elements` is the delta density of the buckets compared.
+struct DeltaSyncStats {
+  int64_t wire_bytes = 0;     // bytes the buckets took on the wire (delta forms or whole)
+  int64_t full_bytes = 0;     // the same buckets whole
+  int64_t changed = 0;        // wire elements that changed since the base (compared buckets)
+  int64_t elements = 0;       // wire elements compared
+  int64_t buckets_delta = 0;  // sent / applied as deltas
+  int64_t buckets_full = 0;   // sent / landed whole, for any of the reasons below
+  // Why a bucket went whole. Fallbacks (the receiver's base is not the image the sender kept):
+  int64_t fallback_no_image = 0;  // the sender kept no image (its first sync of the bucket)
+  int64_t fallback_version = 0;   // the receiver's base is of another version (a failed or
+                                  // uncommitted sync, a rollback, a re-created engine)
+  int64_t fallback_checksum = 0;  // same version, other bytes (a corrupted or restored base)
+  // Decisions: the delta was not smaller (delta.h's size rule), or did not pay at the link speed
+  // (encoding auto: EstimateDeltaCost at SHARDSYNC_DELTA_LINK_MBPS).
+  int64_t full_by_size = 0;
+  int64_t full_by_cost = 0;
+  double encode_seconds = 0;  // sender: packing the image aside, diffing, encoding
+  double decode_seconds = 0;  // receiver: base read, checks, decode and landing
+  // This rank's first fallback in words ("to sync rank 3, bucket 0: base checksum differs ...");
+  // local only (not in other ranks' copies of the report).
+  std::string first_fallback;
+  int64_t fallbacks() const { return fallback_no_image + fallback_version + fallback_checksum; }
+  void Add(const DeltaSyncStats& o);
+};
+
 // What one rank posts after a sync; gathered into every rank's SyncReport.
 struct RankSyncStats {
   int rank = 0;
@@ -140,6 +168,7 @@ struct RankSyncStats {
   double seconds = 0;
   int64_t checksums_ok = 0;
   int64_t checksums_total = 0;
+  DeltaSyncStats delta;
 };
 
 // One report per sync, identical on every rank (except `local`).
@@ -153,6 +182,8 @@ struct SyncReport {
   int64_t checksums_total = 0;
   RankSyncStats local;
   std::vector<RankSyncStats> ranks;  // by sync rank
+  // The senders' delta figures summed (what crossed the wire); zero under encoding full.
+  DeltaSyncStats delta;
 };
 
 // Largest version Sync accepts: versions are 1 .. 2^63 - 1 (InvalidArgument naming the version

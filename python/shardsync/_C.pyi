@@ -215,9 +215,10 @@ class PlanInputs:
                  engine: str = "sglang", wire_dtype: str = "bf16", trainer_dtype: str = "fp32",
                  bucket_bytes: int = ..., pp_partition: List[int] = ...,
                  expert_naming: str = "fused_moe", quant: str = "",
-                 fp8_split: str = "amax") -> None: ...
+                 fp8_split: str = "amax", encoding: str = "full") -> None: ...
     model: ModelSpec
     fp8_split: str
+    encoding: str
     quant: Optional[str]
     trainer: str
     trainer_world: int

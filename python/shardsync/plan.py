@@ -105,6 +105,12 @@ class Plan:
             memory over cuda_ipc pairs) or
             "stage" (raw values to the engine rank, which quantizes them from a staging buffer,
             in host or device memory). docs/fp8.md.
+        encoding: how host-path buckets travel each sync: "full" (the default: whole), "delta"
+            (only the wire elements that changed since the engine's verified base; a bucket
+            whose base is not the one the trainer kept, e.g. after a restart, a rollback or a
+            corrupted byte, goes whole in the same sync; docs/delta.md) or "auto" (delta where
+            it pays at SHARDSYNC_DELTA_LINK_MBPS). Every rank must agree: part of the hash when
+            not "full". The session's report has the figures under "delta".
         commit: the default of the sessions built on this plan: "inplace" (bytes land in the
             engine's live parameters; the engine must be idle for the whole transfer) or
             "staged" (they land in a staging area while the engine serves, and
@@ -130,6 +136,7 @@ class Plan:
         expert_naming: str = "fused_moe",
         quant: Optional[str] = None,
         fp8_split: str = "amax",
+        encoding: str = "full",
         commit: str = "inplace",
     ) -> None:
         if commit not in ("inplace", "staged"):
@@ -153,6 +160,7 @@ class Plan:
             expert_naming=expert_naming,
             quant=quant or "",
             fp8_split=fp8_split,
+            encoding=encoding,
         )
         model_spec = model if isinstance(model, str) else None
         if isinstance(model, os.PathLike):
@@ -174,6 +182,8 @@ class Plan:
             self._spec["quant"] = quant
         if fp8_split != "amax":  # absent means the default: older specs stay valid
             self._spec["fp8_split"] = fp8_split
+        if encoding != "full":  # absent means the default: older specs stay valid
+            self._spec["encoding"] = encoding
         if commit != "inplace":  # absent means the default: older specs stay valid
             self._spec["commit"] = commit
 
@@ -189,6 +199,11 @@ class Plan:
         (`Plan.from_spec`). A model given as a ModelSpec is recorded by name, so only embedded
         models round-trip that way; pass a path to ship a custom config."""
         return dict(self._spec)
+
+    @property
+    def encoding(self) -> str:
+        """How host buckets travel each sync: "full", "delta" or "auto"."""
+        return self.inputs.encoding
 
     @property
     def hash(self) -> str:

@@ -21,6 +21,8 @@ __all__ = [
     "Fp8Summary",
     "TrainerRankSummary",
     "PlanSummary",
+    "DeltaFallbacks",
+    "DeltaStats",
     "RankStats",
     "SyncReport",
     "CommitReport",
@@ -111,6 +113,33 @@ class PlanSummary(_PlanSummaryBase, total=False):
     quant: Fp8Summary
 
 
+class DeltaFallbacks(TypedDict):
+    """Buckets sent whole because the engine's base was not the image the trainer kept."""
+
+    no_kept_image: int  # the trainer's first sync of the bucket (a new job)
+    base_version_differs: int  # a failed or uncommitted sync, a rollback
+    base_checksum_differs: int  # same version, other bytes: corrupted or restored
+
+
+class DeltaStats(TypedDict):
+    """The delta encoding's figures of one sync (Plan(encoding="delta" | "auto"); zeros under
+    "full"). A report's own `delta` sums the trainer ranks' (what crossed the wire)."""
+
+    wire_bytes: int
+    full_bytes: int
+    changed: int
+    elements: int
+    density: float  # changed / elements
+    buckets_delta: int
+    buckets_full: int
+    fallbacks: DeltaFallbacks
+    full_by_size: int  # the delta was not smaller than the bucket
+    full_by_cost: int  # "auto": the delta did not pay at the link speed
+    encode_seconds: float
+    decode_seconds: float
+    first_fallback: str  # this rank's first fallback in words ("" if none)
+
+
 class RankStats(TypedDict):
     """One rank's part of a sync report."""
 
@@ -122,6 +151,7 @@ class RankStats(TypedDict):
     seconds: float
     checksums_ok: int
     checksums_total: int
+    delta: DeltaStats
 
 
 class _SyncReportBase(TypedDict):
@@ -136,6 +166,7 @@ class _SyncReportBase(TypedDict):
     verified: bool  # every bucket's checksum matched on both sides
     local: RankStats
     ranks: List[RankStats]
+    delta: DeltaStats
 
 
 class SyncReport(_SyncReportBase, total=False):

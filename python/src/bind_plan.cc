@@ -15,7 +15,8 @@ PlanInputs MakePlanInputs(py::handle model, const std::string& trainer, const st
                           const std::string& engine, const std::string& wire_dtype,
                           const std::string& trainer_dtype, int64_t bucket_bytes,
                           std::vector<int64_t> pp_partition, const std::string& expert_naming,
-                          const std::string& quant, const std::string& fp8_split) {
+                          const std::string& quant, const std::string& fp8_split,
+                          const std::string& encoding) {
   PlanInputs in;
   in.model = ModelArg(model);
   // "fp8-block128" (block-FP8 engine weights), "none" (the model dtype), "" (as the config says),
@@ -55,6 +56,7 @@ PlanInputs MakePlanInputs(py::handle model, const std::string& trainer, const st
   }
   in.options.bucket_bytes = bucket_bytes;
   in.options.straddle = Unwrap(ParseFp8Split(fp8_split, "fp8_split"));
+  in.options.encoding = Unwrap(ParseWireEncoding(encoding, "encoding"));
   in.rollout.shard.expert_naming = Unwrap(ParseExpertNaming(expert_naming));
   if (in.rollout.shard.expert_naming != ExpertNaming::kFusedMoe) {
     // Refuse an engine without that naming now, not at the first shard map.
@@ -238,7 +240,10 @@ void RegisterPlan(py::module_& m) {
            py::arg("engine") = "sglang", py::arg("wire_dtype") = "bf16",
            py::arg("trainer_dtype") = "fp32", py::arg("bucket_bytes") = int64_t{512} << 20,
            py::arg("pp_partition") = std::vector<int64_t>{}, py::arg("expert_naming") = "fused_moe",
-           py::arg("quant") = "", py::arg("fp8_split") = "amax")
+           py::arg("quant") = "", py::arg("fp8_split") = "amax", py::arg("encoding") = "full")
+      .def_property_readonly(
+          "encoding",
+          [](const PlanInputs& in) { return std::string(WireEncodingName(in.options.encoding)); })
       .def_property_readonly(
           "fp8_split",
           [](const PlanInputs& in) { return std::string(Fp8SplitName(in.options.straddle)); })

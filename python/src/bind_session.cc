@@ -26,6 +26,31 @@ struct PyLoopbackHub {
   std::shared_ptr<LoopbackHub> hub = NewLoopbackHub();
 };
 
+// The delta encoding's figures (session.h DeltaSyncStats), with the density and the fallbacks
+// by reason.
+py::dict DeltaToPy(const DeltaSyncStats& s) {
+  py::dict d;
+  d["wire_bytes"] = s.wire_bytes;
+  d["full_bytes"] = s.full_bytes;
+  d["changed"] = s.changed;
+  d["elements"] = s.elements;
+  d["density"] =
+      s.elements ? static_cast<double>(s.changed) / static_cast<double>(s.elements) : 0.0;
+  d["buckets_delta"] = s.buckets_delta;
+  d["buckets_full"] = s.buckets_full;
+  py::dict fb;
+  fb["no_kept_image"] = s.fallback_no_image;
+  fb["base_version_differs"] = s.fallback_version;
+  fb["base_checksum_differs"] = s.fallback_checksum;
+  d["fallbacks"] = fb;
+  d["full_by_size"] = s.full_by_size;
+  d["full_by_cost"] = s.full_by_cost;
+  d["encode_seconds"] = s.encode_seconds;
+  d["decode_seconds"] = s.decode_seconds;
+  d["first_fallback"] = s.first_fallback;
+  return d;
+}
+
 py::dict StatsToPy(const RankSyncStats& s) {
   py::dict d;
   d["rank"] = s.rank;
@@ -36,6 +61,7 @@ py::dict StatsToPy(const RankSyncStats& s) {
   d["seconds"] = s.seconds;
   d["checksums_ok"] = s.checksums_ok;
   d["checksums_total"] = s.checksums_total;
+  d["delta"] = DeltaToPy(s.delta);
   return d;
 }
 
@@ -53,6 +79,7 @@ py::dict ReportToPy(const SyncReport& r) {
   py::list ranks;
   for (const auto& s : r.ranks) ranks.append(StatsToPy(s));
   d["ranks"] = ranks;
+  d["delta"] = DeltaToPy(r.delta);
   return d;
 }
 

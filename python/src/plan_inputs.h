@@ -14,6 +14,7 @@ PlanInputs MakePlanInputs(py::handle model, const std::string& trainer, const st
                           const std::string& trainer_dtype, int64_t bucket_bytes,
                           std::vector<int64_t> pp_partition,
                           const std::string& expert_naming = "fused_moe",
-                          const std::string& quant = "", const std::string& fp8_split = "amax");
+                          const std::string& quant = "", const std::string& fp8_split = "amax",
+                          const std::string& encoding = "full");
 
 }  // namespace shardsync::py_bind

@@ -141,6 +141,10 @@ std::vector<std::string> JobSpecToArgs(const JobSpec& job) {
     a.push_back("--quant");
     a.push_back(in.model.quant ? "fp8-block128" : "none");
   }
+  if (in.options.encoding != WireEncoding::kFull) {
+    a.push_back("--encoding");
+    a.push_back(std::string(WireEncodingName(in.options.encoding)));
+  }
   if (in.model.quant) {
     a.push_back("--fp8-split");
     a.push_back(std::string(EncodingName(in.options.straddle)));  // --fp8-split: amax | stage
@@ -161,6 +165,46 @@ std::vector<std::string> JobSpecToArgs(const JobSpec& job) {
   }
   return a;
 }
+
+namespace {
+
+// The delta encoding's figures of a sync (session.h DeltaSyncStats; zeros under encoding full).
+nlohmann::json DeltaToJson(const DeltaSyncStats& d) {
+  return {{"wire_bytes", d.wire_bytes},
+          {"full_bytes", d.full_bytes},
+          {"changed", d.changed},
+          {"elements", d.elements},
+          {"density", d.elements ? static_cast<double>(d.changed) / d.elements : 0.0},
+          {"buckets_delta", d.buckets_delta},
+          {"buckets_full", d.buckets_full},
+          {"fallback_no_image", d.fallback_no_image},
+          {"fallback_version", d.fallback_version},
+          {"fallback_checksum", d.fallback_checksum},
+          {"full_by_size", d.full_by_size},
+          {"full_by_cost", d.full_by_cost},
+          {"encode_seconds", d.encode_seconds},
+          {"decode_seconds", d.decode_seconds},
+          {"first_fallback", d.first_fallback}};
+}
+
+void DeltaFromJson(const nlohmann::json& j, DeltaSyncStats& d) {
+  d.wire_bytes = j.at("wire_bytes");
+  d.full_bytes = j.at("full_bytes");
+  d.changed = j.at("changed");
+  d.elements = j.at("elements");
+  d.buckets_delta = j.at("buckets_delta");
+  d.buckets_full = j.at("buckets_full");
+  d.fallback_no_image = j.at("fallback_no_image");
+  d.fallback_version = j.at("fallback_version");
+  d.fallback_checksum = j.at("fallback_checksum");
+  d.full_by_size = j.at("full_by_size");
+  d.full_by_cost = j.at("full_by_cost");
+  d.encode_seconds = j.at("encode_seconds");
+  d.decode_seconds = j.at("decode_seconds");
+  d.first_fallback = j.at("first_fallback");
+}
+
+}  // namespace
 
 std::string RankResultToJson(const RankResult& r) {
   nlohmann::json ranks = nlohmann::json::array();
@@ -200,6 +244,8 @@ std::string RankResultToJson(const RankResult& r) {
       {"live_hash_after", r.live_hash_after},
       {"live_intact", r.live_intact},
       {"failed_in", r.failed_in},
+      {"delta", DeltaToJson(r.report.delta)},
+      {"local_delta", DeltaToJson(r.report.local.delta)},
       {"bench",
        {{"sharded", r.bench.sharded},
         {"broadcast", r.bench.broadcast},
@@ -239,6 +285,8 @@ Result<RankResult> RankResultFromJson(const std::string& text) {
     r.report.local.send_bytes = j.at("local_send_bytes");
     r.report.local.recv_bytes = j.at("local_recv_bytes");
     r.report.local.seconds = j.at("local_seconds");
+    if (j.contains("delta")) DeltaFromJson(j.at("delta"), r.report.delta);
+    if (j.contains("local_delta")) DeltaFromJson(j.at("local_delta"), r.report.local.delta);
     r.elements_checked = j.at("elements_checked");
     r.element_mismatches = j.at("element_mismatches");
     r.first_mismatch = j.at("first_mismatch");
@@ -313,6 +361,7 @@ Status PlanInputsFromFlags(const JobFlags& f, PlanInputs& in) {
   SS_ASSIGN_OR_RETURN(in.options.wire_dtype, ParseDType(f.wire_dtype, "--wire-dtype"));
   SS_ASSIGN_OR_RETURN(in.trainer_dtype, ParseDType(f.trainer_dtype, "--trainer-dtype"));
   SS_ASSIGN_OR_RETURN(in.options.straddle, ParseFp8Split(f.fp8_split));
+  SS_ASSIGN_OR_RETURN(in.options.encoding, ParseWireEncoding(f.encoding));
   SS_RETURN_IF_ERROR(job_internal::CheckFloatDType(in.options.wire_dtype, "--wire-dtype"));
   SS_RETURN_IF_ERROR(job_internal::CheckFloatDType(in.trainer_dtype, "--trainer-dtype"));
   if (f.bucket_bytes < 0) {

@@ -94,6 +94,8 @@ struct JobFlags {
   // Block FP8: blocks whose rows straddle trainer ranks, "amax" (exchanged amax, the default) or
   // "stage" (PlanOptions::fp8_split).
   std::string fp8_split = "amax";
+  // How host buckets travel each sync: "full", "delta" or "auto" (PlanOptions::encoding).
+  std::string encoding = "full";
   std::string commit = "inplace";      // inplace | staged
   std::string staging = "auto";        // auto (the parameters' memory) | device | host
   std::string commit_scope = "job";    // job | replica

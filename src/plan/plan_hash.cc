@@ -70,6 +70,9 @@ std::string PlanHashText(const PlanInputs& in) {
   }
   kv("wire_dtype", DTypeName(in.options.wire_dtype));
   kv("bucket_bytes", in.options.bucket_bytes);
+  // Only when not full, so existing plans keep their hashes; both ends must agree on it.
+  if (in.options.encoding != WireEncoding::kFull)
+    kv("encoding", WireEncodingName(in.options.encoding));
   return s;
 }
 
@@ -126,6 +129,17 @@ std::string_view EncodingName(Encoding e) {
       return "amax";
   }
   return "?";
+}
+
+std::string_view WireEncodingName(WireEncoding e) {
+  return e == WireEncoding::kDelta ? "delta" : e == WireEncoding::kAuto ? "auto" : "full";
+}
+
+Result<WireEncoding> ParseWireEncoding(std::string_view s, std::string_view flag) {
+  if (s == "full") return WireEncoding::kFull;
+  if (s == "delta") return WireEncoding::kDelta;
+  if (s == "auto") return WireEncoding::kAuto;
+  return InvalidArgumentError(fmt::format("{}: '{}', expected full, delta or auto", flag, s));
 }
 
 }  // namespace shardsync

@@ -82,8 +82,13 @@ struct Control {
   uint64_t bytes = 0;
   uint64_t checksum = 0;
   uint64_t job = 0;  // SessionContext::job_tag: a message of another job is refused on receipt
+  // The delta encoding (delta_path.h): the form the bucket travelled in (DeltaKind: 0 whole), why
+  // (DeltaReason), and its bytes on the wire (the bucket's when whole).
+  uint32_t form = 0;
+  uint32_t reason = 0;
+  uint64_t payload = 0;
 };
-static_assert(sizeof(Control) == 40);
+static_assert(sizeof(Control) == 56);
 
 // A bucket's control message as every receiver checks it before its checksum (host_recv.cc):
 // magic and bucket, the job it comes from, the version, the byte count; `where` names it.

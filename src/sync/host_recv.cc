@@ -15,15 +15,21 @@ Status HostReceiver::Prepare(const Bindings& bindings, const PreparedPairs& pair
     if (!pairs.recvs(mi)) msgs.push_back(static_cast<int>(mi));
   }
   SS_RETURN_IF_ERROR(codec_.PrepareRecv(bindings, msgs));
+  if (delta_) SS_RETURN_IF_ERROR(delta_->Prepare(bindings, msgs));
   runs_.assign(plan.recvs.size(), {});
   slot_bytes_.assign(plan.recvs.size(), 0);
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
     const Message& m = plan.recvs[mi];
-    if (!codec_.in_place()) {
-      // An image: plain pieces into a receive slot, as the sender cuts them.
+    if (image()) {
+      // An image: plain pieces into a receive slot, as the sender cuts them (the delta
+      // encoding: one message of up to the bucket's bytes).
       for (const Bucket& b : m.buckets) {
         slot_bytes_[mi] = std::max(slot_bytes_[mi], b.bytes);
         std::vector<WireRun>& runs = runs_[mi].emplace_back();
+        if (delta_) {
+          runs.push_back(WireRun{.wire_offset = 0, .len = static_cast<size_t>(b.bytes)});
+          continue;
+        }
         ForEachImageTransfer(b.bytes, [&](int64_t off, int64_t len) {
           WireRun r;
           r.wire_offset = off;
@@ -47,11 +53,11 @@ Status HostReceiver::Prepare(const Bindings& bindings, const PreparedPairs& pair
 Status HostReceiver::Receive(RankSyncStats& st) {
   HostRecv hr;
   // One-sided puts land in the parameters: only bytes that are theirs (in place).
-  hr.put = codec_.in_place() && ctx_.tx.caps().one_sided_put;
+  hr.put = !image() && ctx_.tx.caps().one_sided_put;
   // Host parameters with the built-in packer in tag mode: checksum each run right after it
   // lands, while its bytes are still in cache, instead of re-reading the whole bucket from
   // memory once its control message arrives.
-  hr.incremental = codec_.in_place() && !hr.put && ctx_.builtin_packer();
+  hr.incremental = !image() && !hr.put && ctx_.builtin_packer();
   // ... or let the transport sum the words as it copies them in (shm): no read at all.
   hr.summed = hr.incremental && ctx_.tx.caps().summed_copy;
   codec_.BeginRecv();
@@ -61,8 +67,10 @@ Status HostReceiver::Receive(RankSyncStats& st) {
     graveyard_.push_back(hr.ctrl);
     if (hr.summed) graveyard_.push_back(hr.sums);
     for (auto& img : hr.images) graveyard_.push_back(std::move(img));
+    if (delta_) st.delta.Add(delta_->Finish());
     return s;
   }
+  if (delta_) st.delta.Add(delta_->Finish());
   return codec_.FinishRecv();
 }
 
@@ -74,7 +82,7 @@ Status HostReceiver::Post(HostRecv& hr, RankSyncStats& st) {
     ++msgs;
   }
   st.checksums_total = static_cast<int64_t>(total);
-  const bool image = !codec_.in_place();
+  const bool image = this->image();
   hr.ctrl = std::make_shared<std::vector<Control>>(image ? 2 * msgs : total);
   if (hr.summed) {
     size_t runs = 0;
@@ -109,7 +117,7 @@ Status HostReceiver::PostNext(HostRecv& hr, int mi, size_t k, std::vector<Expect
   e.msg = mi;
   e.bucket = hr.next[mi]++;
   e.slot = k;
-  if (!codec_.in_place()) e.img = hr.images[k].get();
+  if (image()) e.img = hr.images[k].get();
   if (!hr.put) {
     // Two-sided: receive each run straight into its parameter (no staging copy), or into the
     // image's slot.
@@ -228,6 +236,12 @@ Status HostReceiver::VerifyBucket(const Message& m, int bucket, const Control& c
   const std::string where = "message from sync rank " + std::to_string(m.src) + " to sync rank " +
                             std::to_string(ctx_.rank) + ", bucket " + std::to_string(bucket);
   SS_RETURN_IF_ERROR(CheckControl(c, where, bucket, ctx_.job_tag, guard_.version(), b.bytes));
+  const int mi = static_cast<int>(&m - ctx_.plan.recvs.data());
+  // The delta encoding: a delta becomes the bucket's image over this rank's base; the checksum
+  // below then covers the resulting bytes, as for every bucket.
+  if (delta_) {
+    SS_ASSIGN_OR_RETURN(img, delta_->Apply(mi, bucket, c, img));
+  }
   uint64_t got = 0;
   if (landed != nullptr) {
     if (landed->bytes() != static_cast<uint64_t>(b.bytes)) {
@@ -242,6 +256,7 @@ Status HostReceiver::VerifyBucket(const Message& m, int bucket, const Control& c
   }
   if (got != c.checksum)
     return bindings_->MismatchError(m, bucket, guard_.version(), c.checksum, got);
+  if (delta_) return delta_->Land(mi, bucket, c, img);
   return img != nullptr ? codec_.Land(m, bucket, img) : OkStatus();
 }
 

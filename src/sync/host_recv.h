@@ -8,11 +8,13 @@
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "sync/bindings.h"
 #include "sync/codec.h"
 #include "sync/context.h"
+#include "sync/delta_recv.h"
 #include "sync/guard.h"
 #include "sync/landed_sum.h"
 #include "sync/pairs.h"
@@ -22,12 +24,22 @@ namespace shardsync::sync_internal {
 
 class HostReceiver {
  public:
-  HostReceiver(const SessionContext& ctx, SyncGuard& guard, Codec& codec)
-      : ctx_(ctx), guard_(guard), codec_(codec) {}
+  HostReceiver(const SessionContext& ctx, SyncGuard& guard, Codec& codec,
+               const StagedCommit& staged)
+      : ctx_(ctx), guard_(guard), codec_(codec) {
+    // The delta encoding (delta_recv.h): every bucket lands the image way, through its steps.
+    if (ctx.in.options.encoding != WireEncoding::kFull)
+      delta_ = std::make_unique<DeltaReceiver>(ctx, guard, staged);
+  }
 
   // Connect: the codec's checks, and every bucket's transfers as the sender cuts them (replayed
   // each sync).
   Status Prepare(const Bindings& bindings, const PreparedPairs& pairs);
+  // Sync, before this rank says it is ready: its ready value ("1"; under the delta encoding the
+  // bases it holds, DeltaReceiver::Advertise).
+  Result<std::string> ReadyValue() {
+    return delta_ ? delta_->Advertise() : Result<std::string>(std::string("1"));
+  }
   // Sync: posts the host receives, then completes, verifies and lands each bucket.
   Status Receive(RankSyncStats& st);
 
@@ -58,6 +70,8 @@ class HostReceiver {
     std::vector<uint64_t> seq;  // per recv message: its next data tag
   };
 
+  // Whole bucket images in receive slots: an image codec's, or any under the delta encoding.
+  bool image() const { return !codec_.in_place() || delta_ != nullptr; }
   // Posts the host-path receives: per bucket its data runs (tag mode) and its control message;
   // every bucket in place, the first two of each message for an image codec.
   Status Post(HostRecv& hr, RankSyncStats& st);
@@ -80,7 +94,8 @@ class HostReceiver {
   const PreparedPairs* pairs_ = nullptr;
   // [recv message][bucket] -> the transfers, as the sender cuts them.
   std::vector<std::vector<std::vector<WireRun>>> runs_;
-  std::vector<int64_t> slot_bytes_;  // image codecs, per recv message: its largest bucket
+  std::vector<int64_t> slot_bytes_;       // image codecs, per recv message: its largest bucket
+  std::unique_ptr<DeltaReceiver> delta_;  // encoding delta / auto
   // What a failed sync's transfers may still write into (late control messages, the sums of
   // summed copies, image slots): kept for the session's life.
   std::vector<std::shared_ptr<void>> graveyard_;

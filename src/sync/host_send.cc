@@ -28,7 +28,8 @@ Status HostSender::Prepare(const Bindings& bindings, PeerShapes& shapes, Prepare
     if (!pairs.sends(mi)) msgs.push_back(static_cast<int>(mi));
   }
   SS_RETURN_IF_ERROR(codec_.PrepareSend(bindings, pairs, msgs));
-  if (codec_.in_place() && ctx_.builtin_packer()) {
+  if (delta_) SS_RETURN_IF_ERROR(delta_->Prepare(msgs));
+  if (!image() && ctx_.builtin_packer()) {
     // The CPU packer packs transfer by transfer into a small ring (kRingBytes says why it is
     // never overwritten while in flight): it stays in cache, so packing writes cost no DRAM
     // traffic, and staging memory no longer grows with the bucket cap.
@@ -53,11 +54,17 @@ Status HostSender::Prepare(const Bindings& bindings, PeerShapes& shapes, Prepare
   for (size_t mi = 0; mi < plan.sends.size(); ++mi) {
     const Message& m = plan.sends[mi];
     for (const Bucket& b : m.buckets) {
-      if (codec_.in_place()) {
+      if (!image()) {
         buckets_[mi].push_back(MakeSendBucket(ctx_, bindings, shapes, m, b));
         continue;
       }
       SendBucket& sb = buckets_[mi].emplace_back();
+      if (delta_) {
+        // One message per bucket, of the length the delta step gives (the receiver's slot
+        // holds the whole bucket; its control message says how much came).
+        sb.xfers.push_back(WireRun{.wire_offset = 0, .len = static_cast<size_t>(b.bytes)});
+        continue;
+      }
       ForEachImageTransfer(b.bytes, [&](int64_t off, int64_t len) {
         WireRun r;
         r.wire_offset = off;
@@ -85,12 +92,16 @@ Status HostSender::Send(RankSyncStats& st) {
     // The transport may still read the control messages of buckets in flight.
     for (InFlight& f : hs.flying) {
       if (f.control) graveyard_.push_back(std::shared_ptr<void>(std::move(f.control)));
+      if (f.delta.encoded) graveyard_.push_back(f.delta.encoded);
+      if (delta_) delta_->Forget(f.msg, f.bucket);
     }
+    if (delta_) st.delta.Add(delta_->Finish());
     for (auto& c : hs.sent_controls) graveyard_.push_back(std::shared_ptr<void>(std::move(c)));
     return s;
   }
   // Every transfer completed: the transport no longer writes the sums.
   keep.done = true;
+  if (delta_) st.delta.Add(delta_->Finish());
   return OkStatus();
 }
 
@@ -121,11 +132,11 @@ HostSender::HostSend HostSender::Plan() const {
     }
   }
   // One-sided puts land in the receiver's parameters: only bytes that are theirs (in place).
-  hs.put = codec_.in_place() && ctx_.tx.caps().one_sided_put;
+  hs.put = !image() && ctx_.tx.caps().one_sided_put;
   // The copy codec with the built-in CPU packer (host memory): pack or checksum each transfer
   // just before posting it, and post direct transfers from the source memory itself. Otherwise
   // the codec packs whole buckets into a staging slot; the same transfers then leave from there.
-  hs.fused = codec_.in_place() && ctx_.builtin_packer();
+  hs.fused = !image() && ctx_.builtin_packer();
   // Direct transfers checksummed by the transport's own copy (shm): no separate read.
   hs.summed = hs.fused && !hs.put && ctx_.tx.caps().summed_copy;
   // Packed transfers cast / gathered straight into the transport's staging (shm ring slots)
@@ -150,6 +161,12 @@ std::unique_ptr<Control> HostSender::MakeControl(const InFlight& f) const {
   c->bytes = static_cast<uint64_t>(ctx_.plan.sends[f.msg].buckets[f.bucket].bytes);
   c->checksum = f.checksum;
   c->job = ctx_.job_tag;
+  c->payload = c->bytes;
+  if (delta_) {
+    c->form = static_cast<uint32_t>(f.delta.form);
+    c->reason = static_cast<uint32_t>(f.delta.reason);
+    c->payload = f.delta.bytes;
+  }
   return c;
 }
 
@@ -229,12 +246,23 @@ Status HostSender::PostBucket(HostSend& hs, int mi, int bi) {
   }
   f.sum = std::make_shared<LandedSum>();
   f.sums_begin = hs.send_sums->size();
-  for (const WireRun& r : buckets_[mi][bi].xfers) {
-    SS_ASSIGN_OR_RETURN(XferId id, PostTransfer(hs, f, r, stage));
-    ++hs.next_seq[mi];
+  if (delta_) {
+    // The delta step: the image, or its delta against the receiver's base, as one message.
+    SS_ASSIGN_OR_RETURN(f.delta, delta_->Encode(mi, bi, stage, f.checksum));
+    SS_ASSIGN_OR_RETURN(XferId id,
+                        ctx_.tx.PostSend(m.dst, DataTag(guard_.version(), hs.next_seq[mi]++),
+                                         f.delta.data, static_cast<size_t>(f.delta.bytes)));
     f.xfers.push_back(id);
-    f.lens.push_back(r.len);
-    hs.outstanding += r.len;
+    f.lens.push_back(static_cast<size_t>(f.delta.bytes));
+    hs.outstanding += static_cast<size_t>(f.delta.bytes);
+  } else {
+    for (const WireRun& r : buckets_[mi][bi].xfers) {
+      SS_ASSIGN_OR_RETURN(XferId id, PostTransfer(hs, f, r, stage));
+      ++hs.next_seq[mi];
+      f.xfers.push_back(id);
+      f.lens.push_back(r.len);
+      hs.outstanding += r.len;
+    }
   }
   if (hs.fused) {
     f.sums_end = hs.send_sums->size();

@@ -9,12 +9,14 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "sync/bindings.h"
 #include "sync/codec.h"
 #include "sync/context.h"
+#include "sync/delta_send.h"
 #include "sync/guard.h"
 #include "sync/host_pack.h"
 #include "sync/pairs.h"
@@ -25,7 +27,11 @@ namespace shardsync::sync_internal {
 class HostSender {
  public:
   HostSender(const SessionContext& ctx, SyncGuard& guard, Codec& codec)
-      : ctx_(ctx), guard_(guard), codec_(codec) {}
+      : ctx_(ctx), guard_(guard), codec_(codec) {
+    // The delta encoding (delta_send.h): every bucket goes the image way, each through its step.
+    if (ctx.in.options.encoding != WireEncoding::kFull)
+      delta_ = std::make_unique<DeltaSender>(ctx, guard);
+  }
 
   // Connect, after the pairs are prepared: the codec's checks, staging, and every host bucket's
   // transfers (replayed each sync). `regbase`: each receiver's first region id (one-sided puts).
@@ -36,6 +42,11 @@ class HostSender {
   // The codec's step before any bucket is packed (Codec::Exchange), and whether it has one.
   bool exchanges() const { return codec_.exchanges(); }
   Status Exchange() { return codec_.Exchange(guard_); }
+  // Sync, once receiver `dst` is ready: its ready value, the bases it holds under the delta
+  // encoding (DeltaSender::SetBases); nothing otherwise.
+  Status SetReceiverBases(int dst, std::string_view value) {
+    return delta_ ? delta_->SetBases(dst, value) : OkStatus();
+  }
   // Sync: sends every host bucket and waits until each one and its control message completed.
   Status Send(RankSyncStats& st);
 
@@ -48,6 +59,7 @@ class HostSender {
     std::vector<XferId> xfers;  // puts + flush (put mode) or data + control sends (tag mode)
     std::vector<size_t> lens;   // wire bytes of each of xfers (0: flush / control)
     uint64_t checksum = 0;
+    DeltaSender::Out delta;  // the delta encoding: what went on the wire
     std::unique_ptr<Control> control;
     // Summed sends (transport caps().summed_copy): the bucket's checksum is complete only once
     // the transport reported the words it summed while copying; the control message waits.
@@ -71,6 +83,8 @@ class HostSender {
     int next_slot = 0;
   };
 
+  // Whole bucket images in staging slots: an image codec's, or any under the delta encoding.
+  bool image() const { return !codec_.in_place() || delta_ != nullptr; }
   HostSend Plan() const;
   Status SendAll(HostSend& hs, RankSyncStats& st);
   std::unique_ptr<Control> MakeControl(const InFlight& f) const;
@@ -94,6 +108,7 @@ class HostSender {
   std::shared_ptr<unsigned char> staging_[2];     // the codec's slots (or the packer's ring)
   std::vector<std::vector<SendBucket>> buckets_;  // [send message][bucket]
   bool has_buckets_ = false;
+  std::unique_ptr<DeltaSender> delta_;  // encoding delta / auto
   // What a failed sync's transfers may still write into or read (the sums of summed copies, the
   // control messages in flight): kept for the session's life.
   std::vector<std::shared_ptr<void>> graveyard_;

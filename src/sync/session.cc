@@ -51,7 +51,7 @@ class SessionImpl final : public SyncSession {
         verdicts_(ctx_, guard_),
         pairs_(ctx_, guard_, *codec_),
         host_send_(ctx_, guard_, *codec_),
-        host_recv_(ctx_, guard_, *codec_),
+        host_recv_(ctx_, guard_, *codec_, staged_),  // staged_ is read from Connect on
         staged_(ctx_, guard_) {}
   ~SessionImpl() override {
     identity_.Leave();
@@ -329,15 +329,18 @@ class SessionImpl final : public SyncSession {
       SS_RETURN_IF_ERROR(host_send_.Exchange());
     }
     if (!ready.empty()) SS_RETURN_IF_ERROR(enter());
-    SS_RETURN_IF_ERROR(guard_
-                           .GetManyUntil(
-                               ready, guard_.deadline(),
-                               [&](size_t i) {
-                                 return "sync rank " + std::to_string(waited[i]) +
-                                        " to enter version " + std::to_string(guard_.version());
-                               },
-                               /*watch_abort=*/true)
-                           .status());
+    SS_ASSIGN_OR_RETURN(const std::vector<std::string> ready_values,
+                        guard_.GetManyUntil(
+                            ready, guard_.deadline(),
+                            [&](size_t i) {
+                              return "sync rank " + std::to_string(waited[i]) +
+                                     " to enter version " + std::to_string(guard_.version());
+                            },
+                            /*watch_abort=*/true));
+    // Delta encoding: what each receiver holds, per bucket (delta_path.h).
+    for (size_t i = 0; i < waited.size(); ++i) {
+      SS_RETURN_IF_ERROR(host_send_.SetReceiverBases(waited[i], ready_values[i]));
+    }
     Trace(ctx_.rank, guard_.version(),
           [&] { return std::to_string(ready.size()) + " ready keys in"; });
     // Prepared pairs (device memory) go first: their device work overlaps the host path below.
@@ -373,9 +376,11 @@ class SessionImpl final : public SyncSession {
     // A receiver inside Sync(v) is paused for v: only then may senders write into its memory
     // (one-sided puts would otherwise land while it still reads the previous version). Its
     // prepared pairs were posted first: those that signal readiness themselves are faster.
+    // Its value: "1", or under the delta encoding the base this rank holds per bucket.
+    SS_ASSIGN_OR_RETURN(std::string ready_value, host_recv_.ReadyValue());
     SS_RETURN_IF_ERROR(ctx_.store.SetMany(
         {{ctx_.Key("cur/" + std::to_string(ctx_.rank)), std::to_string(guard_.version())},
-         {ctx_.Key(guard_.VKey("ready/") + std::to_string(ctx_.rank)), "1"}}));
+         {ctx_.Key(guard_.VKey("ready/") + std::to_string(ctx_.rank)), std::move(ready_value)}}));
     SS_RETURN_IF_ERROR(host_recv_.Receive(st));
     SS_RETURN_IF_ERROR(pairs_.FinishRecvs(st, bindings_));
     // The codec's step after verification (block FP8: bands staged over device pairs are
@@ -426,6 +431,14 @@ Result<std::unique_ptr<SyncSession>> CreateHarnessSession(const PlanInputs& inpu
                                                           HarnessHooks hooks) {
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(inputs, rank));
   SS_ASSIGN_OR_RETURN(RankPlan plan, PlanForRank(inputs, rank));
+  if (inputs.model.quant && inputs.options.encoding != WireEncoding::kFull) {
+    // The receiver rebuilds a delta's base from its landed bytes; the block-FP8 codec has no
+    // step that gathers its landed e4m3 codes and scales back into a bucket image yet.
+    return UnimplementedError(
+        "encoding " + std::string(WireEncodingName(inputs.options.encoding)) +
+        ": block-FP8 plans are not delta-encoded yet (only copy plans on the host path); use "
+        "encoding full with a quantized model");
+  }
   // Every knob parses before any is read: one read deep in a GPU path has no error to return.
   SS_RETURN_IF_ERROR(CheckKnobs());
   LaunchId launch;

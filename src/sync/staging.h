@@ -51,6 +51,8 @@ class StagedCommit {
   Status Rollback();
 
   uint64_t committed() const { return committed_; }
+  // The bound (live) parameters, by parameter index, once prepared: the base of a delta.
+  const std::vector<DestBinding>& live() const { return live_; }
   bool live_poisoned() const { return live_poisoned_; }
   std::string keep() const;
 

@@ -2,6 +2,7 @@
 // checksums_total|error". Every rank writes one and reads every other rank's on each sync's
 // critical path, so it is a short line parsed with from_chars rather than JSON.
 #include <charconv>
+#include <iterator>
 #include <string>
 #include <string_view>
 
@@ -40,6 +41,20 @@ std::string EncodeVerdict(const RankSyncStats& s) {
   Append(&out, s.seconds);  // shortest text that reads back to the same double
   Append(&out, s.checksums_ok);
   Append(&out, s.checksums_total);
+  // The delta figures (encoding delta / auto) as one optional field: "D:" and 13 numbers.
+  const DeltaSyncStats& d = s.delta;
+  if (d.wire_bytes || d.full_bytes || d.buckets_delta || d.buckets_full) {
+    out += " D:";
+    std::string nums;
+    for (int64_t v : {d.wire_bytes, d.full_bytes, d.changed, d.elements, d.buckets_delta,
+                      d.buckets_full, d.fallback_no_image, d.fallback_version, d.fallback_checksum,
+                      d.full_by_size, d.full_by_cost})
+      Append(&nums, v);
+    Append(&nums, d.encode_seconds);
+    Append(&nums, d.decode_seconds);
+    for (char& c : nums) c = c == ' ' ? ',' : c;
+    out += nums.substr(1);
+  }
   out.push_back('|');
   out += s.error;
   return out;
@@ -53,6 +68,12 @@ Result<RankSyncStats> DecodeVerdict(std::string_view text, int rank) {
   const size_t bar = text.find('|');
   if (bar == std::string_view::npos) return bad("no '|' before the error text");
   std::string_view head = text.substr(0, bar);
+  // The optional delta field (EncodeVerdict) goes last.
+  std::string_view delta;
+  if (const size_t d = head.rfind(" D:"); d != std::string_view::npos) {
+    delta = head.substr(d + 3);
+    head = head.substr(0, d);
+  }
   std::string_view f[kFields];
   for (size_t i = 0; i < kFields; ++i) {
     const size_t sp = head.find(' ');
@@ -75,6 +96,27 @@ Result<RankSyncStats> DecodeVerdict(std::string_view text, int rank) {
   if (!Parse(f[6], &s.checksums_ok) || !Parse(f[7], &s.checksums_total) || s.checksums_ok < 0 ||
       s.checksums_ok > s.checksums_total) {
     return bad("checksum counts are not 0 <= ok <= total");
+  }
+  if (!delta.empty()) {
+    DeltaSyncStats& d = s.delta;
+    int64_t* ints[] = {&d.wire_bytes,        &d.full_bytes,       &d.changed,
+                       &d.elements,          &d.buckets_delta,    &d.buckets_full,
+                       &d.fallback_no_image, &d.fallback_version, &d.fallback_checksum,
+                       &d.full_by_size,      &d.full_by_cost};
+    double* reals[] = {&d.encode_seconds, &d.decode_seconds};
+    size_t i = 0;
+    for (; !delta.empty(); ++i) {
+      const size_t comma = delta.find(',');
+      const std::string_view v = delta.substr(0, comma);
+      delta = comma == std::string_view::npos ? std::string_view() : delta.substr(comma + 1);
+      const bool parsed = i < std::size(ints) ? Parse(v, ints[i]) && *ints[i] >= 0
+                          : i < std::size(ints) + std::size(reals)
+                              ? Parse(v, reals[i - std::size(ints)])
+                              : false;
+      if (!parsed)
+        return bad("the delta field's number " + std::to_string(i + 1) + " is malformed");
+    }
+    if (i != std::size(ints) + std::size(reals)) return bad("the delta field has too few numbers");
   }
   s.ok = ok == 1;
   s.error = std::string(text.substr(bar + 1));

@@ -51,6 +51,11 @@ Result<SyncReport> VerdictExchange::Gather(const RankSyncStats& local) {
                           std::to_string(r) + ": " + s.error);
     }
     rep.bytes += s.recv_bytes;
+    // The senders' figures are what crossed the wire; the receivers add their decode time.
+    if (r < ctx_.in.trainer.world())
+      rep.delta.Add(s.delta);
+    else
+      rep.delta.decode_seconds += s.delta.decode_seconds;
     rep.checksums_ok += s.checksums_ok;
     rep.checksums_total += s.checksums_total;
     if (s.seconds > rep.seconds) {

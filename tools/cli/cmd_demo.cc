@@ -305,6 +305,26 @@ int Run(const DemoFlags& f) {
                         {"transport", job->transport},
                         {"plan_hash", summary->plan_hash}};
     j["commit"] = job->staged() ? "staged" : "inplace";
+    j["encoding"] = std::string(WireEncodingName(job->inputs.options.encoding));
+    if (job->inputs.options.encoding != WireEncoding::kFull) {
+      // The last sync's delta figures, job-wide (the senders' sums: session.h DeltaSyncStats).
+      const DeltaSyncStats& d = rep.delta;
+      j["delta"] = {{"wire_bytes", d.wire_bytes},
+                    {"full_bytes", d.full_bytes},
+                    {"density", d.elements ? static_cast<double>(d.changed) / d.elements : 0.0},
+                    {"changed", d.changed},
+                    {"elements", d.elements},
+                    {"buckets_delta", d.buckets_delta},
+                    {"buckets_full", d.buckets_full},
+                    {"fallbacks",
+                     {{"no_kept_image", d.fallback_no_image},
+                      {"base_version_differs", d.fallback_version},
+                      {"base_checksum_differs", d.fallback_checksum}}},
+                    {"full_by_size", d.full_by_size},
+                    {"full_by_cost", d.full_by_cost},
+                    {"encode_seconds", d.encode_seconds},
+                    {"decode_seconds", d.decode_seconds}};
+    }
     if (job->staged()) {
       // Per engine rank: the last sync's transfer, the last commit's stall, the staging area.
       nlohmann::json transfer = nlohmann::json::array(), stall = nlohmann::json::array(),
@@ -398,6 +418,21 @@ int Run(const DemoFlags& f) {
       std::printf("checksums  %lld/%lld buckets verified\n",
                   static_cast<long long>(rep.checksums_ok),
                   static_cast<long long>(rep.checksums_total));
+      if (job->inputs.options.encoding != WireEncoding::kFull) {
+        const DeltaSyncStats& d = rep.delta;
+        std::printf(
+            "delta      %s on the wire of %s whole (%.2f%%), %.4f%% of elements changed; %lld "
+            "buckets as deltas, %lld whole (fallbacks: %lld no kept image, %lld base version, "
+            "%lld base checksum; %lld by size, %lld by cost)\n",
+            HumanBytes(static_cast<double>(d.wire_bytes)).c_str(),
+            HumanBytes(static_cast<double>(d.full_bytes)).c_str(),
+            d.full_bytes ? 100.0 * d.wire_bytes / d.full_bytes : 0.0,
+            d.elements ? 100.0 * d.changed / d.elements : 0.0,
+            static_cast<long long>(d.buckets_delta), static_cast<long long>(d.buckets_full),
+            static_cast<long long>(d.fallback_no_image), static_cast<long long>(d.fallback_version),
+            static_cast<long long>(d.fallback_checksum), static_cast<long long>(d.full_by_size),
+            static_cast<long long>(d.full_by_cost));
+      }
     }
     if (job->staged()) {
       double max_stall = 0, max_transfer = 0;

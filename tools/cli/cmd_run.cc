@@ -90,6 +90,12 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
                   "swap) | area (a second copy, made while the engine serves) | swap (the "
                   "commit exchanges staging and parameters) | none")
       ->capture_default_str();
+  sub->add_option("--encoding", f->encoding,
+                  "How host buckets travel each sync: full (whole) | delta (only the wire "
+                  "elements changed since the receiver's verified base, whole where the base "
+                  "differs: docs/delta.md) | auto (delta where it pays at "
+                  "SHARDSYNC_DELTA_LINK_MBPS)")
+      ->capture_default_str();
   sub->add_option("--fp8-split", f->fp8_split,
                   "Block FP8, blocks whose rows straddle FSDP trainer ranks: amax (their holders "
                   "exchange the block's amax, e4m3 on the wire; host path and cuda_ipc) | stage "

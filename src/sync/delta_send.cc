@@ -1,0 +1,101 @@
+// The delta encoding's send step (delta_send.h).
+#include "sync/delta_send.h"
+
+#include <cstring>
+#include <span>
+
+namespace shardsync::sync_internal {
+
+Status DeltaSender::Prepare(const std::vector<int>& msgs) {
+  const RankPlan& plan = ctx_.plan;
+  SS_ASSIGN_OR_RETURN(link_, DeltaLinkFromKnobs());
+  slots_.assign(plan.sends.size(), {});
+  for (int mi : msgs) {
+    const Message& m = plan.sends[mi];
+    if (!ctx_.tx.PeerCaps(m.dst).two_sided) {
+      return UnimplementedError(
+          Who() + ": encoding " + std::string(WireEncodingName(ctx_.in.options.encoding)) +
+          " sends deltas as two-sided messages, which " + ctx_.tx.PeerTransport(m.dst) +
+          " (to sync rank " + std::to_string(m.dst) + ") does not offer");
+    }
+    slots_[mi].resize(m.buckets.size());
+  }
+  return OkStatus();
+}
+
+Status DeltaSender::SetBases(int dst, std::string_view value) {
+  for (size_t mi = 0; mi < ctx_.plan.sends.size(); ++mi) {
+    if (ctx_.plan.sends[mi].dst != dst || slots_[mi].empty()) continue;
+    SS_ASSIGN_OR_RETURN(std::vector<BucketBase> bases,
+                        ParseBases(value, ctx_.rank, slots_[mi].size(), dst));
+    for (size_t b = 0; b < bases.size(); ++b) {
+      slots_[mi][b].base = bases[b];
+      slots_[mi][b].base_known = true;
+    }
+  }
+  return OkStatus();
+}
+
+Result<DeltaSender::Out> DeltaSender::Encode(int mi, int bi, const unsigned char* img,
+                                             uint64_t checksum) {
+  const Message& m = ctx_.plan.sends[mi];
+  const auto n = static_cast<size_t>(m.buckets[bi].bytes);
+  Slot& slot = slots_[mi][bi];
+  if (!slot.base_known) {
+    return InternalError(Who() + ": no delta base from sync rank " + std::to_string(m.dst) +
+                         " for bucket " + std::to_string(bi));
+  }
+  const auto t0 = Clock::now();
+  Out out;
+  out.data = img;
+  out.bytes = n;
+  out.reason = CheckBase(slot.kept, slot.base);
+  const std::span<const std::byte> next(reinterpret_cast<const std::byte*>(img), n);
+  if (out.reason == DeltaReason::kDelta) {
+    const int es = DTypeSize(ctx_.in.options.wire_dtype);
+    out.encoded = std::make_shared<std::vector<std::byte>>();
+    const std::string name = "sync rank " + std::to_string(m.dst) + " bucket " + std::to_string(bi);
+    SS_ASSIGN_OR_RETURN(
+        const DeltaEncodeResult r,
+        EncodeDelta(slot.kept.bytes, next, es, slot.kept.version, name, out.encoded.get()));
+    st_.changed += static_cast<int64_t>(r.changed);
+    st_.elements += static_cast<int64_t>(r.elements);
+    if (r.kind == DeltaKind::kFull) {
+      out.reason = DeltaReason::kSize;
+    } else if (ctx_.in.options.encoding == WireEncoding::kAuto) {
+      SS_ASSIGN_OR_RETURN(const bool pays, DeltaPays(link_, r.elements, es, r.changed));
+      if (!pays) out.reason = DeltaReason::kCost;
+    }
+    if (out.reason == DeltaReason::kDelta) {
+      out.form = r.kind;
+      out.data = reinterpret_cast<const unsigned char*>(out.encoded->data());
+      out.bytes = out.encoded->size();
+    } else {
+      out.encoded.reset();
+    }
+  } else if (st_.first_fallback.empty() && out.reason != DeltaReason::kNoImage) {
+    st_.first_fallback = DescribeFallback(out.reason, m.dst, bi, slot.kept, slot.base);
+  }
+  Trace(ctx_.rank, guard_.version(), [&] {
+    return DescribeFallback(out.reason, m.dst, bi, slot.kept, slot.base) + ", " +
+           std::to_string(out.bytes) + " bytes";
+  });
+  // The new image is what the receiver holds once this bucket verified.
+  slot.kept.bytes.assign(next.begin(), next.end());
+  slot.kept.version = guard_.version();
+  slot.kept.checksum = checksum;
+  CountBucket(st_, out.reason, static_cast<int64_t>(out.bytes), static_cast<int64_t>(n));
+  st_.encode_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+  return out;
+}
+
+DeltaSyncStats DeltaSender::Finish() {
+  for (auto& msg : slots_) {
+    for (Slot& s : msg) s.base_known = false;  // each sync advertises anew
+  }
+  DeltaSyncStats out = std::move(st_);
+  st_ = DeltaSyncStats{};
+  return out;
+}
+
+}  // namespace shardsync::sync_internal

@@ -1,0 +1,59 @@
+// The delta encoding's step in the host send loop (host_send.h; delta_path.h has the protocol).
+// Under encoding delta / auto the loop packs every bucket's whole wire image (the codec's Pack)
+// and hands it here: Encode compares it with the image this rank kept of what it last sent in that
+// bucket and, when the receiver's advertised base is that image, returns the delta to send in its
+// place (else the image itself, with the reason), then keeps the new image. Memory: one copy of
+// every host bucket's wire bytes (bf16: 2 bytes per parameter sent), plus the deltas in flight.
+#pragma once
+
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "sync/context.h"
+#include "sync/delta_path.h"
+#include "sync/guard.h"
+
+namespace shardsync::sync_internal {
+
+class DeltaSender {
+ public:
+  DeltaSender(const SessionContext& ctx, SyncGuard& guard) : ctx_(ctx), guard_(guard) {}
+
+  // Connect: the host path's send messages `msgs` (indices into plan.sends).
+  Status Prepare(const std::vector<int>& msgs);
+  // Sync, receiver `dst`'s ready value: the bases it holds (ParseBases).
+  Status SetBases(int dst, std::string_view value);
+
+  // What the loop sends for one bucket: `bytes` at `data` (the image, or the delta in `encoded`).
+  struct Out {
+    const unsigned char* data = nullptr;
+    uint64_t bytes = 0;
+    DeltaKind form = DeltaKind::kFull;
+    DeltaReason reason = DeltaReason::kNoImage;
+    std::shared_ptr<std::vector<std::byte>> encoded;  // alive until its send completed
+  };
+  // Bucket `bi` of send message `mi`: its new image `img` (the bucket's bytes) of checksum
+  // `checksum`, as the codec packed it.
+  Result<Out> Encode(int mi, int bi, const unsigned char* img, uint64_t checksum);
+  // A bucket whose send did not complete: it starts over whole (the receiver may hold any of it).
+  void Forget(int mi, int bi) { slots_[mi][bi].kept = KeptImage{}; }
+  // Sync, at its end: this sync's figures (moved out), and the bases forgotten.
+  DeltaSyncStats Finish();
+
+ private:
+  struct Slot {
+    KeptImage kept;
+    BucketBase base;
+    bool base_known = false;
+  };
+  std::string Who() const { return "sync rank " + std::to_string(ctx_.rank); }
+
+  const SessionContext& ctx_;
+  SyncGuard& guard_;
+  std::vector<std::vector<Slot>> slots_;  // [send message][bucket]; empty off the host path
+  DeltaLink link_;
+  DeltaSyncStats st_;
+};
+
+}  // namespace shardsync::sync_internal

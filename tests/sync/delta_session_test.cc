@@ -1,0 +1,430 @@
+// Issue 35: the delta encoding on the host path. Each delta job runs beside a twin job under
+// encoding full with the same trainer values (loopback, one thread per rank); after every sync
+// every byte of every engine parameter must equal the twin's (whose first sync is checked element
+// by element against the synthetic weights). Fallbacks: a corrupted base byte, an engine whose
+// bytes were restored to an older version's, a staged rollback; a refused delta fails the sync.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+
+#include "job/internal.h"
+#include "job/launcher.h"
+#include "job/test_util.h"
+#include "shardsync/delta.h"
+#include "shardsync/session.h"
+#include "shardsync/transport.h"
+#include "sync_expect.h"
+
+namespace shardsync {
+namespace {
+
+using testing::ExpectAllOk;
+using ::testing::HasSubstr;
+
+JobSpec Spec(WireEncoding enc) {
+  // 2 trainer ranks, 4 engine ranks (tp 2 x pp 2), 16 KiB buckets: many messages and buckets.
+  JobSpec s =
+      testing::Job(testing::TinyQwen2(4, true), "fsdp=2", "dp=1,tp=2,pp=2", "sglang", 16 << 10);
+  s.inputs.options.encoding = enc;
+  return s;
+}
+
+class Job {
+ public:
+  explicit Job(JobSpec spec, const std::function<void(int, SessionOptions&)>& tune = nullptr,
+               const std::function<void(int, PlanInputs&)>& inputs = nullptr)
+      : spec_(std::move(spec)) {
+    server_ = std::move(StoreServer::Start("127.0.0.1", 0, "test-token-0123456789")).value();
+    hub_ = NewLoopbackHub();
+    world_ = SyncWorldSize(spec_.inputs);
+    ranks_.resize(world_);
+    for (int r = 0; r < world_; ++r) {
+      Rank& k = ranks_[r];
+      k.store =
+          std::move(StoreClient::Connect(server_->address(), "test-token-0123456789", Millis(5000)))
+              .value();
+      k.tx = NewFaultTransport(NewLoopbackTransport(hub_));
+      SessionOptions o;
+      o.sync_timeout = Millis(5000);
+      o.connect_timeout = Millis(5000);
+      if (tune) tune(r, o);
+      PlanInputs in = spec_.inputs;
+      if (inputs) inputs(r, in);
+      auto s = SyncSession::Create(in, r, *k.store, *k.tx, o);
+      EXPECT_TRUE(s.ok()) << s.status().ToString();
+      k.session = std::move(s).value();
+    }
+    for (int r = 0; r < world_; ++r) {
+      Rank& k = ranks_[r];
+      auto who = DescribeSyncRank(spec_.inputs, r).value();
+      if (who.is_trainer) {
+        k.shards = std::move(job_internal::FillTrainerShards(spec_, who.trainer_rank)).value();
+        for (auto& b : k.shards.bindings) EXPECT_TRUE(k.session->BindSource(b).ok());
+      } else {
+        k.params = std::move(job_internal::AllocateEngineParams(k.session->ExpectedParams(),
+                                                                spec_.inputs.options.wire_dtype))
+                       .value();
+        for (auto& b : k.params.bindings) EXPECT_TRUE(k.session->BindDest(b).ok());
+      }
+    }
+  }
+
+  std::vector<Status> All(const std::function<Status(int)>& fn) {
+    return testing::RunOnAll(world_, fn);
+  }
+  std::vector<Status> Connect() {
+    return All([&](int r) { return ranks_[r].session->Connect(); });
+  }
+  // Syncs `v` on every rank; the reports (default ones where a rank failed).
+  std::vector<Status> Sync(uint64_t v, std::vector<SyncReport>* reps = nullptr) {
+    if (reps) reps->assign(world_, {});
+    return All([&](int r) {
+      auto rep = ranks_[r].session->Sync(v);
+      if (rep.ok() && reps) (*reps)[r] = *rep;
+      return rep.status();
+    });
+  }
+  std::vector<Status> Commit(uint64_t v) {
+    return All([&](int r) { return ranks_[r].session->Commit(v).status(); });
+  }
+  // A small random update of every trainer rank's fp32 values (seed `seed`): `fraction` of the
+  // elements move by 2^-6 of their value (a bf16 step or more: their wire value changes), a
+  // tenth of the rest by 2^-20 (below the bf16 step: the wire value stays).
+  void Update(uint64_t seed, double fraction) {
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<double> u(0, 1);
+    for (int r = 0; r < trainers(); ++r) {
+      for (const SourceBinding& b : ranks_[r].shards.bindings) {
+        float* x = static_cast<float*>(const_cast<void*>(b.data));
+        for (int64_t i = 0; i < b.region.numel(); ++i) {
+          const double p = u(rng);
+          if (p < fraction)
+            x[i] = x[i] * (1.0f + 1.0f / 64) + 1e-3f;
+          else if (p < fraction + 0.1)
+            x[i] = x[i] * (1.0f + 1.0f / (1 << 20));
+        }
+      }
+    }
+  }
+  // Every engine rank's parameters, byte for byte.
+  std::vector<std::vector<unsigned char>> Engines() {
+    std::vector<std::vector<unsigned char>> out;
+    for (int r = trainers(); r < world_; ++r) {
+      std::vector<unsigned char> all;
+      for (const DestBinding& d : ranks_[r].params.bindings) {
+        const auto* p = static_cast<const unsigned char*>(d.data);
+        all.insert(all.end(), p, p + NumElements(d.shape) * DTypeSize(d.dtype));
+      }
+      out.push_back(std::move(all));
+    }
+    return out;
+  }
+  void SetEngines(const std::vector<std::vector<unsigned char>>& img) {
+    for (int r = trainers(); r < world_; ++r) {
+      size_t at = 0;
+      for (const DestBinding& d : ranks_[r].params.bindings) {
+        const size_t n = static_cast<size_t>(NumElements(d.shape) * DTypeSize(d.dtype));
+        std::memcpy(d.data, img[r - trainers()].data() + at, n);
+        at += n;
+      }
+    }
+  }
+  int64_t Mismatches() { return testing::EngineMismatches(spec_, ranks_); }
+  int world() const { return world_; }
+  int trainers() const { return spec_.inputs.trainer.world(); }
+  SyncSession& session(int r) { return *ranks_[r].session; }
+  FaultTransport& fault(int r) { return *ranks_[r].tx; }
+  job_internal::EngineParams& params(int r) { return ranks_[r].params; }
+
+ private:
+  struct Rank {
+    std::unique_ptr<StoreClient> store;
+    std::unique_ptr<FaultTransport> tx;
+    std::unique_ptr<SyncSession> session;
+    job_internal::TrainerShards shards;
+    job_internal::EngineParams params;
+  };
+  JobSpec spec_;
+  std::unique_ptr<StoreServer> server_;
+  std::shared_ptr<LoopbackHub> hub_;
+  int world_ = 0;
+  std::vector<Rank> ranks_;
+};
+
+// A delta job and its twin under encoding full, synced and updated in step.
+struct Twins {
+  explicit Twins(WireEncoding enc = WireEncoding::kDelta,
+                 const std::function<void(int, SessionOptions&)>& tune = nullptr)
+      : delta(Spec(enc), tune), full(Spec(WireEncoding::kFull)) {
+    ExpectAllOk(delta.Connect());
+    ExpectAllOk(full.Connect());
+  }
+  // Syncs both; the delta job's rank-0 report.
+  SyncReport Sync(uint64_t v) {
+    std::vector<SyncReport>& reps = last;
+    ExpectAllOk(delta.Sync(v, &reps));
+    ExpectAllOk(full.Sync(v));
+    for (const SyncReport& r : reps) {
+      // Every rank reports the same job-wide delta figures.
+      EXPECT_EQ(r.delta.wire_bytes, reps[0].delta.wire_bytes);
+      EXPECT_EQ(r.delta.buckets_delta, reps[0].delta.buckets_delta);
+      EXPECT_EQ(r.delta.fallbacks(), reps[0].delta.fallbacks());
+    }
+    return reps[0];
+  }
+  void Update(uint64_t seed, double fraction) {
+    delta.Update(seed, fraction);
+    full.Update(seed, fraction);
+  }
+  // Every byte of every engine parameter equals the full sync's.
+  void ExpectSame() { EXPECT_TRUE(delta.Engines() == full.Engines()); }
+  Job delta, full;
+  std::vector<SyncReport> last;  // the delta job's reports of the last Sync, by rank
+};
+
+TEST(DeltaSession, TenSyncsOfSmallUpdatesLandEveryElement) {
+  Twins t;
+  // Version 1: nothing kept yet, every bucket whole, checked element by element.
+  SyncReport r1 = t.Sync(1);
+  EXPECT_EQ(t.delta.Mismatches(), 0);
+  t.ExpectSame();
+  EXPECT_EQ(r1.delta.buckets_delta, 0);
+  EXPECT_GT(r1.delta.fallback_no_image, 0);
+  EXPECT_EQ(r1.delta.fallback_no_image, r1.delta.buckets_full);
+  EXPECT_EQ(r1.delta.wire_bytes, r1.delta.full_bytes);
+  EXPECT_EQ(r1.delta.full_bytes, r1.bytes);
+  for (uint64_t v = 2; v <= 11; ++v) {
+    t.Update(v, 0.01);
+    SyncReport r = t.Sync(v);
+    t.ExpectSame();
+    EXPECT_EQ(r.delta.fallbacks(), 0) << "version " << v;
+    EXPECT_GT(r.delta.buckets_delta, 0) << "version " << v;
+    EXPECT_LT(r.delta.wire_bytes, r.delta.full_bytes / 5) << "version " << v;
+    EXPECT_EQ(r.delta.full_bytes, r.bytes);
+    // About 1% of the elements changed (the update's fraction), as the senders counted them.
+    EXPECT_GT(r.delta.changed, 0);
+    EXPECT_LT(r.delta.changed, r.delta.elements / 20);
+    EXPECT_GT(r.delta.encode_seconds, 0);
+    EXPECT_GT(r.delta.decode_seconds, 0);
+    EXPECT_EQ(r.checksums_ok, r.checksums_total);
+  }
+  // A version with no update: every delta is a header alone.
+  SyncReport r = t.Sync(12);
+  t.ExpectSame();
+  EXPECT_EQ(r.delta.changed, 0);
+  EXPECT_EQ(r.delta.buckets_full, 0);
+  EXPECT_EQ(r.delta.wire_bytes, r.delta.buckets_delta * static_cast<int64_t>(kDeltaHeaderBytes));
+}
+
+TEST(DeltaSession, ALargeUpdateGoesWholeByTheSizeRule) {
+  Twins t;
+  t.Sync(1);
+  t.Update(2, 0.97);  // nearly every element changes: no delta form is smaller than the bucket
+  SyncReport r = t.Sync(2);
+  t.ExpectSame();
+  EXPECT_GT(r.delta.full_by_size, 0);
+  EXPECT_EQ(r.delta.fallbacks(), 0);
+}
+
+TEST(DeltaSession, ACorruptedBaseByteSendsThatBucketWholeInTheSameSync) {
+  Twins t;
+  t.Sync(1);
+  t.Update(2, 0.01);
+  t.Sync(2);
+  // One byte of the last engine rank's last parameter changes behind the session's back.
+  auto& b = t.delta.params(t.delta.world() - 1).bindings.back();
+  static_cast<unsigned char*>(b.data)[1] ^= 0x10;
+  t.Update(3, 0.01);
+  SyncReport r = t.Sync(3);
+  t.ExpectSame();  // the bucket went whole: the corrupted byte is gone
+  EXPECT_EQ(r.delta.fallback_checksum, 1);
+  EXPECT_EQ(r.delta.fallbacks(), 1);
+  EXPECT_GT(r.delta.buckets_delta, 0);
+  // The sender that saw it counts it, and its own report says which bucket and why.
+  int senders = 0;
+  for (int k = 0; k < t.delta.trainers(); ++k) senders += r.ranks[k].delta.fallback_checksum == 1;
+  EXPECT_EQ(senders, 1);
+  // The sender's own report says which bucket and why.
+  int said = 0;
+  for (int k = 0; k < t.delta.trainers(); ++k) {
+    const std::string& why = t.last[k].local.delta.first_fallback;
+    if (why.empty()) continue;
+    ++said;
+    EXPECT_THAT(why, HasSubstr("to sync rank " + std::to_string(t.delta.world() - 1)));
+    EXPECT_THAT(why, HasSubstr("base checksum differs (it holds v2 "));
+  }
+  EXPECT_EQ(said, 1);
+  // The receiver counts what it landed, by the reason the sender gave.
+  EXPECT_EQ(r.ranks.back().delta.fallback_checksum, 1);
+}
+
+TEST(DeltaSession, EnginesRestoredToAnOlderVersionFallBackForEveryChangedBucket) {
+  Twins t;
+  t.Sync(1);
+  t.Update(2, 0.01);
+  t.Sync(2);
+  const auto v2 = t.delta.Engines();
+  t.Update(3, 0.01);
+  SyncReport r3 = t.Sync(3);
+  // The engine is rolled back by hand to version 2's bytes (its bytes say 3 was never there).
+  t.delta.SetEngines(v2);
+  t.Update(4, 0.01);
+  SyncReport r4 = t.Sync(4);
+  t.ExpectSame();
+  // Every bucket version 3 changed falls back (checksum); the others still go as deltas.
+  EXPECT_GT(r4.delta.fallback_checksum, 0);
+  EXPECT_LE(r4.delta.fallback_checksum, r3.delta.buckets_delta);
+  EXPECT_EQ(r4.delta.fallback_version, 0);
+  // An engine whose bytes are gone (zeroed: a re-created engine's fresh memory) falls back
+  // everywhere, in the same sync.
+  auto zero = t.delta.Engines();
+  for (auto& e : zero) std::fill(e.begin(), e.end(), 0);
+  t.delta.SetEngines(zero);
+  t.Update(5, 0.01);
+  SyncReport r5 = t.Sync(5);
+  t.ExpectSame();
+  EXPECT_EQ(r5.delta.buckets_delta, 0);
+  EXPECT_EQ(r5.delta.fallback_checksum, r5.delta.buckets_full);
+}
+
+TEST(DeltaSession, ARefusedDeltaFailsTheSyncAndPoisonsNothingElseLands) {
+  Twins t;
+  t.Sync(1);
+  t.Update(2, 0.01);
+  t.Sync(2);
+  t.Update(3, 0.01);
+  // Trainer rank 1's first message of version 3 (its first bucket's delta; the control message
+  // follows) has one byte of its index records flipped.
+  t.delta.fault(1).set_config(
+      {.corrupt_data_post = t.delta.fault(1).counters().data_posts + 1, .corrupt_byte = 50});
+  auto st = t.delta.Sync(3);
+  ExpectAllOk(t.full.Sync(3));
+  EXPECT_EQ(t.delta.fault(1).counters().corrupted, 1);
+  int refused = 0;
+  for (int r = 0; r < t.delta.world(); ++r) {
+    EXPECT_FALSE(st[r].ok()) << "rank " << r;
+    refused += st[r].message().find("was refused") != std::string::npos;
+    if (r >= t.delta.trainers()) {
+      EXPECT_TRUE(t.delta.session(r).IsPoisoned());
+    }
+  }
+  EXPECT_GE(refused, 1);
+  // The next sync starts that bucket over (its base is version 2, the sender kept 3) and
+  // everything verifies.
+  t.delta.fault(1).set_config({});
+  t.Update(4, 0.01);
+  SyncReport r = t.Sync(4);
+  t.ExpectSame();
+  EXPECT_GT(r.delta.fallback_version, 0);
+  for (int e = t.delta.trainers(); e < t.delta.world(); ++e)
+    EXPECT_FALSE(t.delta.session(e).IsPoisoned());
+}
+
+TEST(DeltaSession, StagedCommitAppliesDeltasOverTheLiveVersionAndRollbackFallsBack) {
+  auto staged = [](int, SessionOptions& o) {
+    o.commit = SessionOptions::Commit::kStaged;
+    o.keep_previous = SessionOptions::Keep::kArea;
+  };
+  Twins t(WireEncoding::kDelta, staged);
+  t.Sync(1);
+  ExpectAllOk(t.delta.Commit(1));
+  t.ExpectSame();
+  t.Update(2, 0.01);
+  SyncReport r2 = t.Sync(2);
+  EXPECT_GT(r2.delta.buckets_delta, 0);  // against committed version 1
+  EXPECT_EQ(r2.delta.fallbacks(), 0);
+  ExpectAllOk(t.delta.Commit(2));
+  t.ExpectSame();
+  // Synced, not committed: the live bytes are still version 2, the senders kept 3.
+  t.Update(3, 0.01);
+  t.Sync(3);
+  t.Update(4, 0.01);
+  SyncReport r4 = t.Sync(4);
+  EXPECT_EQ(r4.delta.buckets_delta, 0);
+  EXPECT_EQ(r4.delta.fallback_version, r4.delta.buckets_full);
+  ExpectAllOk(t.delta.Commit(4));
+  t.ExpectSame();
+  // Rolled back to version 2 (bit for bit): the next sync falls back on version, everywhere.
+  t.Update(5, 0.01);
+  t.Sync(5);
+  ExpectAllOk(t.delta.Commit(5));
+  ExpectAllOk(t.delta.All([&](int r) { return t.delta.session(r).Rollback(); }));
+  t.Update(6, 0.01);
+  SyncReport r6 = t.Sync(6);
+  EXPECT_EQ(r6.delta.buckets_delta, 0);
+  EXPECT_EQ(r6.delta.fallback_version, r6.delta.buckets_full);
+  ExpectAllOk(t.delta.Commit(6));
+  t.ExpectSame();
+  t.Update(7, 0.01);
+  SyncReport r7 = t.Sync(7);
+  EXPECT_GT(r7.delta.buckets_delta, 0);
+  ExpectAllOk(t.delta.Commit(7));
+  t.ExpectSame();
+}
+
+TEST(DeltaSession, AutoSendsDeltasOnlyWhereTheyPayAtTheLinkSpeed) {
+  // At the default 25 GB/s a host-codec delta never pays (docs/benchmarks.md): every bucket
+  // goes whole, counted as the cost model's decision.
+  {
+    Twins t(WireEncoding::kAuto);
+    t.Sync(1);
+    t.Update(2, 0.01);
+    SyncReport r = t.Sync(2);
+    t.ExpectSame();
+    EXPECT_EQ(r.delta.buckets_delta, 0);
+    EXPECT_EQ(r.delta.full_by_cost, r.delta.buckets_full);
+  }
+  // At 100 MB/s it pays at 1%.
+  ASSERT_EQ(setenv("SHARDSYNC_DELTA_LINK_MBPS", "100", 1), 0);
+  {
+    Twins t(WireEncoding::kAuto);
+    t.Sync(1);
+    t.Update(2, 0.01);
+    SyncReport r = t.Sync(2);
+    t.ExpectSame();
+    EXPECT_GT(r.delta.buckets_delta, 0);
+    EXPECT_EQ(r.delta.full_by_cost, 0);
+  }
+  unsetenv("SHARDSYNC_DELTA_LINK_MBPS");
+}
+
+TEST(DeltaSession, RanksDisagreeingOnTheEncodingFailAtConnectNamingIt) {
+  Job job(Spec(WireEncoding::kDelta), nullptr, [](int r, PlanInputs& in) {
+    if (r == 3) in.options.encoding = WireEncoding::kFull;
+  });
+  auto st = job.Connect();
+  int named = 0;
+  for (const Status& s : st) {
+    EXPECT_FALSE(s.ok());
+    named += s.message().find("encoding is") != std::string::npos;
+  }
+  EXPECT_GT(named, 0);
+}
+
+TEST(DeltaSession, BlockFp8PlansRefuseTheDeltaEncodingAtCreate) {
+  JobSpec s = testing::Job(testing::WriteConfig("qwen3-fp8-delta", R"({
+  "architectures": ["Qwen3ForCausalLM"], "hidden_size": 512, "intermediate_size": 768,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 1,
+  "vocab_size": 500, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+  "torch_dtype": "bfloat16", "quantization_config": {"activation_scheme": "dynamic",
+  "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}})"),
+                           "fsdp=1", "dp=1,tp=1", "sglang", 64 << 10);
+  s.inputs.options.encoding = WireEncoding::kDelta;
+  auto server = std::move(StoreServer::Start("127.0.0.1", 0, "test-token-0123456789")).value();
+  auto store =
+      std::move(StoreClient::Connect(server->address(), "test-token-0123456789", Millis(5000)))
+          .value();
+  auto tx = NewLoopbackTransport(NewLoopbackHub());
+  auto sess = SyncSession::Create(s.inputs, 0, *store, *tx, {});
+  ASSERT_FALSE(sess.ok());
+  EXPECT_EQ(sess.status().code(), StatusCode::kUnimplemented);
+  EXPECT_THAT(sess.status().message(), HasSubstr("block-FP8"));
+}
+
+}  // namespace
+}  // namespace shardsync

@@ -39,7 +39,7 @@
 
 namespace shardsync {
 
-// Blocks shared by FSDP trainer ranks under the amax exchange (PlanOptions::fp8_split kAmax, the
+// Blocks shared by FSDP trainer ranks under the amax exchange (PlanOptions::straddle kAmax, the
 // default) are quantized on the host path and over one-sided device pairs (cuda_ipc); two-sided
 // pairs (nccl) refuse them with this tail.
 inline constexpr char kAmaxOnDevice[] =

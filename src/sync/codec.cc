@@ -60,7 +60,8 @@ DType BoundDType(const PlanInputs& in, const EngineParam& p) {
 
 Status CheckEncodedBindings(const SessionContext& ctx, const Bindings& bindings) {
   if (ctx.quantized()) return CheckBlockQuantizeBindings(ctx, bindings);
-  return InternalError("sync rank " + std::to_string(ctx.rank) + ": no codec checks these bindings");
+  return InternalError("sync rank " + std::to_string(ctx.rank) +
+                       ": no codec checks these bindings");
 }
 
 std::unique_ptr<Codec> MakeCodec(const SessionContext& ctx) {

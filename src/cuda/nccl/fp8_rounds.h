@@ -21,8 +21,8 @@ namespace shardsync::gpu {
 // device memory the caller owns, zeroed on the sender side. Pads longer than this are cut.
 inline constexpr int64_t kImageRoundScratchBytes = 256;
 
-// Sender. `pack`: the quantize ops as EncodedTasks writing their e4m3 rows and scales into `slot` at
-// their wire offsets (the kernel reads back the same words: landed == slot), the copy ops cast
+// Sender. `pack`: the quantize ops as EncodedTasks writing their e4m3 rows and scales into `slot`
+// at their wire offsets (the kernel reads back the same words: landed == slot), the copy ops cast
 // to the wire dtype at theirs, every byte between them written as a zero (runs from `zeros`), so
 // no byte of [0, bytes) keeps a previous round's value. `verify`: the slot's bytes summed by
 // position (one kVerify U8 run over the round), the packed checksum of the bytes that are sent;

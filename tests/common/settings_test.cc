@@ -145,8 +145,12 @@ TEST(Settings, RegistryIsWellFormed) {
     EXPECT_EQ(std::string(k.name).rfind("SHARDSYNC_", 0) == 0, k.origin == KnobOrigin::kShardsync);
     EXPECT_STRNE(k.meaning, "");
     EXPECT_STRNE(k.reader, "");
-    if (*k.default_value) EXPECT_TRUE(CheckKnobValue(k, k.default_value).ok());
-    if (k.type == KnobType::kInt) EXPECT_LE(k.min, k.max);
+    if (*k.default_value) {
+      EXPECT_TRUE(CheckKnobValue(k, k.default_value).ok());
+    }
+    if (k.type == KnobType::kInt) {
+      EXPECT_LE(k.min, k.max);
+    }
     EXPECT_EQ(k.type == KnobType::kChoice, *k.choices != '\0');
     EXPECT_TRUE(!k.secret || k.type == KnobType::kText) << "a secret is never echoed in an error";
     EXPECT_EQ(FindKnob(k.name), &k);

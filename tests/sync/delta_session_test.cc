@@ -3,6 +3,8 @@
 // every byte of every engine parameter must equal the twin's (whose first sync is checked element
 // by element against the synthetic weights). Fallbacks: a corrupted base byte, an engine whose
 // bytes were restored to an older version's, a staged rollback; a refused delta fails the sync.
+// Block FP8: the engine rebuilds each base from its e4m3 codes, scales and copies; fp8-split stage
+// plans refuse the delta encoding.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -472,6 +474,25 @@ TEST(DeltaSession, BlockFp8CorruptedE4m3OrScaleByteSendsThatBucketWhole) {
     EXPECT_EQ(r.delta.fallbacks(), 1) << name;
     EXPECT_GT(r.delta.buckets_delta, 0) << name;
     ++v;
+  }
+}
+
+TEST(DeltaSession, BlockFp8StagedCommitRebuildsTheBaseFromTheCommittedWeights) {
+  auto staged = [](int, SessionOptions& o) {
+    o.commit = SessionOptions::Commit::kStaged;
+    o.keep_previous = SessionOptions::Keep::kArea;
+  };
+  Twins t(WireEncoding::kDelta, staged, [](WireEncoding e) { return Fp8Spec(e); });
+  t.Sync(1);
+  ExpectAllOk(t.delta.Commit(1));
+  t.ExpectSame();
+  for (uint64_t v = 2; v <= 3; ++v) {
+    t.Update(v, 0.01);
+    SyncReport r = t.Sync(v);
+    EXPECT_GT(r.delta.buckets_delta, 0) << "v" << v;  // against committed version v - 1
+    EXPECT_EQ(r.delta.fallbacks(), 0) << "v" << v;
+    ExpectAllOk(t.delta.Commit(v));
+    t.ExpectSame();
   }
 }
 

@@ -12,11 +12,14 @@ and an element-by-element check of every engine parameter against the masters ro
 (torch's cast), plus the changed fraction counted independently from two bf16 images of the
 masters (density.py's count), which must equal the session's.
 
-Block-FP8 engines are not synced: the delta encoding refuses block-FP8 plans (docs/delta.md);
-density.py estimates their wire bytes.
+`--quant fp8-block128`: block-FP8 engines (Plan(quant=...)): e4m3 weights bound as uint8 and
+fp32 weight_scale_inv, checked byte for byte against the numpy reference quantizer of
+python/tests/conftest.py (fp8_quantize) applied to the masters; the other parameters against the
+masters in bf16. The session's changed count is then of image bytes (e4m3 codes, scale bytes,
+copies' bytes), so the independent count is not taken.
 
 Run: /usr/bin/python3 bench/delta/sync_adamw.py [--layers 2] [--vocab 16384] [--steps 10]
-     [--lrs 1e-6,1e-5] [--tp 1] [--bucket-mb 64] [--json out]
+     [--lrs 1e-6,1e-5] [--tp 1] [--bucket-mb 64] [--quant none|fp8-block128] [--json out]
 (with the shardsync package importable: scripts/test.sh's venv, or PYTHONPATH=python with
 SHARDSYNC_BUILD_DIR set as python/shardsync/_native.py reads it).
 """
@@ -35,6 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from density import Model, init_  # noqa: E402
 
 import shardsync  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python",
+                                "tests"))
 
 TOKEN = "bench-token-0123456789"
 
@@ -75,9 +81,12 @@ def run(args, lr, cfg_dir):
     init_(model)
     hf = {hf_name(n): p.data for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
+    fp8 = args.quant != "none"
     plan = shardsync.Plan(cfg_dir, "single", f"dp=1,tp={args.tp}", wire_dtype="bf16",
                           trainer_dtype="fp32", bucket_bytes=args.bucket_mb << 20,
-                          encoding="delta")
+                          encoding="delta", **({"quant": args.quant} if fp8 else {}))
+    if fp8:
+        from conftest import expected_fp8_param  # the reference quantizer (numpy)
     world = plan.world_size
     engines, sessions, reports, errors = {}, {}, {}, {}
     ready, go = threading.Barrier(world + 1), threading.Barrier(world + 1)
@@ -93,8 +102,10 @@ def run(args, lr, cfg_dir):
                     for n, t in hf.items():
                         s.bind_source(n, t)  # the masters AdamW updates in place
                 else:
-                    mine = {p.name: torch.zeros(p.shape, dtype=torch.bfloat16)
-                            for p in s.expected_params()}
+                    dts = {"F8_E4M3": torch.uint8}
+                    mine = {p.name: torch.zeros(p.shape, dtype=dts.get(
+                        p.dtype, torch.float32 if p.name.endswith("_scale_inv")
+                        else torch.bfloat16)) for p in s.expected_params()}
                     engines[r] = mine
                     shardsync.bind_engine(s, mine.items())
                 s.connect()
@@ -114,7 +125,7 @@ def run(args, lr, cfg_dir):
             t.start()
         rows = []
         nparams = sum(p.numel() for p in model.parameters())
-        print(f"lr {lr:g}: {args.layers} layers, vocab {args.vocab}, {nparams} parameters, "
+        print(f"lr {lr:g}: quant {args.quant}, {args.layers} layers, vocab {args.vocab}, {nparams} parameters, "
               f"tp {args.tp}, buckets of {args.bucket_mb} MiB, plan {plan.hash}", flush=True)
         state = {}
 
@@ -126,10 +137,18 @@ def run(args, lr, cfg_dir):
             d = rep["delta"]
             # Every element of every engine parameter against the masters in bf16.
             checked = mismatched = 0
+            full = {n: t.detach().numpy() for n, t in hf.items()} if fp8 else None
+            cache = {}
             for r, mine in engines.items():
                 for p in sessions[r].expected_params():
-                    want = expected(p, hf).view(torch.int16)
-                    got = mine[p.name].view(torch.int16)
+                    got = mine[p.name]
+                    if fp8 and got.dtype != torch.bfloat16:  # e4m3 codes, scales: bit for bit
+                        want = torch.from_numpy(expected_fp8_param(p, full, cache))
+                        if want.dtype == torch.float32:
+                            want, got = want.view(torch.int32), got.view(torch.int32)
+                    else:
+                        want = expected(p, hf).view(torch.int16)
+                        got = got.view(torch.int16)
                     checked += got.numel()
                     mismatched += int((got != want).sum())
             sync_s = time.time() - state["t_go"]
@@ -168,7 +187,7 @@ def run(args, lr, cfg_dir):
             cur = {n: t.to(torch.bfloat16).view(torch.int16) for n, t in hf.items()}
             state.update(loss=loss, train_s=time.time() - t0,
                          own_changed=(sum(int((cur[n] != prev[n]).sum()) for n in cur)
-                                      if prev else None))
+                                      if prev and not fp8 else None))
             prev = cur
             state["t_go"] = time.time()
             go.wait(3600)
@@ -193,6 +212,7 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quant", default="none", choices=["none", "fp8-block128"])
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(2)

@@ -1,5 +1,8 @@
 #include "sync/codec.h"
 
+#include <cstring>
+
+#include "shardsync/region.h"
 #include "sync/bindings.h"
 #include "sync/connect.h"
 
@@ -26,6 +29,18 @@ class CopyCodec final : public Codec {
     return ctx_.packer->Pack(bindings_->SourceRegions(m, b), ctx_.in.options.wire_dtype, out,
                              b.bytes);
   }
+  // In place: the wire bytes are the destination's, each op's region in wire order.
+  Status RebuildImage(const Bindings& bindings, const Message& m, const Bucket& b,
+                      const std::function<void*(int param)>& live,
+                      unsigned char* out) const override {
+    const int ws = DTypeSize(ctx_.in.options.wire_dtype);
+    for (int i = b.op_begin; i < b.op_end; ++i) {
+      const TransferOp& op = m.ops[i];
+      GatherRegion(live(op.param), bindings.dest(op.param).shape, op.dst, ws,
+                   out + (op.wire_offset - b.wire_offset));
+    }
+    return OkStatus();
+  }
   // Pairs land in place: the receiver's landed regions, the sender's sources and where each op
   // lands at the peer.
   PairBucket RecvBucket(const Bindings& bindings, const Message& m, const Bucket& b) override {
@@ -48,6 +63,17 @@ class CopyCodec final : public Codec {
 };
 
 }  // namespace
+
+int64_t GatherRegion(const void* base, const Shape& shape, const Region& r, int es,
+                     unsigned char* out) {
+  int64_t n = 0;
+  ForEachRun(r, shape, [&](int64_t off, int64_t len) {
+    std::memcpy(out + n, static_cast<const unsigned char*>(base) + off * es,
+                static_cast<size_t>(len * es));
+    n += len * es;
+  });
+  return n;
+}
 
 std::unique_ptr<Codec> MakeCopyCodec(const SessionContext& ctx) {
   return std::make_unique<CopyCodec>(ctx);

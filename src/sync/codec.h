@@ -84,6 +84,17 @@ class Codec {
   // Each sync, once every host bucket landed (e.g. a staged band that never completed).
   virtual Status FinishRecv() { return OkStatus(); }
 
+  // --- Delta encoding, land side (delta_recv.h) ---
+  // The inverse of landing: writes into `out` (b.bytes) the wire image bucket `b` of receive
+  // message `m` landed as, read from the parameters `live(param)` points at (their bound shapes
+  // and dtypes), so that for unchanged parameters it is byte-identical to what the sender packed.
+  // The copy codec gathers the ops' destination regions; block FP8 writes each op's e4m3 rows,
+  // scales and zero pads as its Pack lays them out. Buckets with staged rows (kStage: values the
+  // receiver quantized itself) have no landed image; the session refuses delta for such plans.
+  virtual Status RebuildImage(const Bindings& bindings, const Message& m, const Bucket& b,
+                              const std::function<void*(int param)>& live,
+                              unsigned char* out) const = 0;
+
   // --- Prepared device pairs (pairs.h; transport.h PairBucket) ---
   // Connect, on a receiver before its parameters are registered: device memory the senders' pairs
   // write into besides the parameters (block FP8: the staging of bands whose rows straddle
@@ -126,6 +137,11 @@ std::unique_ptr<Codec> MakeCopyCodec(const SessionContext& ctx);
 std::unique_ptr<Codec> MakeBlockQuantizeCodec(const SessionContext& ctx);
 DType BlockQuantizeBoundDType(const EngineParam& p, DType wire);
 Status CheckBlockQuantizeBindings(const SessionContext& ctx, const Bindings& bindings);
+
+// Copies region `r` of a row-major tensor at `base` (`es`-byte elements) into the contiguous
+// `out`, row-major; returns the bytes written (RebuildImage's gather).
+int64_t GatherRegion(const void* base, const Shape& shape, const Region& r, int es,
+                     unsigned char* out);
 
 // How the loops cut an image codec's bucket into transfers (both ends): pieces of at most
 // kMaxTransferBytes, in wire order. fn(offset in the bucket, length).

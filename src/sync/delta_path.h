@@ -76,6 +76,13 @@ std::string DescribeFallback(DeltaReason r, int dst, int bucket, const KeptImage
 // Counts one bucket into `st`: `wire` bytes sent for a `full`-byte bucket, by `reason`.
 void CountBucket(DeltaSyncStats& st, DeltaReason r, int64_t wire, int64_t full);
 
+// The element the delta codec diffs by: the wire dtype's size, or 1 for block FP8, whose bucket
+// images mix e4m3 bytes, fp32 scales, copies and pads (the codec is lossless on any byte image;
+// a changed e4m3 code is one changed byte).
+inline int DeltaElementSize(const PlanInputs& in) {
+  return in.model.quant ? 1 : DTypeSize(in.options.wire_dtype);
+}
+
 // How encoding auto prices a delta: the link and the host codec's speeds (settings.h knobs
 // SHARDSYNC_DELTA_LINK_MBPS, SHARDSYNC_DELTA_ENCODE_MBPS, SHARDSYNC_DELTA_DECODE_MBPS).
 struct DeltaLink {

@@ -4,7 +4,7 @@
 #include <cstring>
 #include <span>
 
-#include "sync/landed_sum.h"
+#include "shardsync/checksum.h"
 
 namespace shardsync::sync_internal {
 
@@ -29,10 +29,12 @@ Status DeltaReceiver::Prepare(const Bindings& bindings, const std::vector<int>& 
     SS_ASSIGN_OR_RETURN(SyncRank src, DescribeSyncRank(ctx_.in, m.src));
     for (const Bucket& b : m.buckets) {
       Slot s;
-      s.runs = BucketTransfers(
-          ctx_.in, ctx_.inventory, src.trainer_rank, m, b,
-          [&](int param) -> const Shape& { return bindings.dest(param).shape; },
-          [&](int param) { return bindings.LocalShape(m, param); });
+      // An image codec lands the verified image with its own step (Codec::Land).
+      if (codec_.in_place())
+        s.runs = BucketTransfers(
+            ctx_.in, ctx_.inventory, src.trainer_rank, m, b,
+            [&](int param) -> const Shape& { return bindings.dest(param).shape; },
+            [&](int param) { return bindings.LocalShape(m, param); });
       slots_[mi].push_back(std::move(s));
     }
   }
@@ -44,11 +46,19 @@ std::string DeltaReceiver::Where(int mi, int bi) const {
          std::to_string(ctx_.rank) + ", bucket " + std::to_string(bi);
 }
 
-unsigned char* DeltaReceiver::Live(const WireRun& r) const {
+void* DeltaReceiver::Live(int param) const {
   // Under a staged commit the bound parameters are redirected to staging: the live ones are the
   // engine's, which hold the committed version.
-  void* base = staged_.on() ? staged_.live()[r.param].data : bindings_->dest(r.param).data;
-  return static_cast<unsigned char*>(base) + r.param_offset;
+  return staged_.on() ? staged_.live()[param].data : bindings_->dest(param).data;
+}
+
+Status DeltaReceiver::Rebuild(int mi, int bi) {
+  const Message& m = ctx_.plan.recvs[mi];
+  const Bucket& b = m.buckets[bi];
+  image_.resize(static_cast<size_t>(b.bytes));
+  return codec_.RebuildImage(
+      *bindings_, m, b, [this](int param) { return Live(param); },
+      reinterpret_cast<unsigned char*>(image_.data()));
 }
 
 unsigned char* DeltaReceiver::Landing(const WireRun& r) const {
@@ -61,15 +71,13 @@ Result<std::string> DeltaReceiver::Advertise() {
   for (size_t mi = 0; mi < slots_.size(); ++mi) {
     if (slots_[mi].empty()) continue;
     std::vector<BucketBase> bases;
-    for (Slot& s : slots_[mi]) {
-      // Recomputed every sync over the live bytes: a corrupted byte or restored older bytes
-      // show here, whatever the version says.
-      LandedSum sum;
-      for (const WireRun& r : s.runs) {
-        sum.Add(Live(r), r.len, static_cast<uint64_t>(r.wire_offset));
-      }
+    for (size_t bi = 0; bi < slots_[mi].size(); ++bi) {
+      Slot& s = slots_[mi][bi];
+      // Recomputed every sync over the image rebuilt from the live bytes: a corrupted byte or
+      // restored older bytes show here, whatever the version says.
+      SS_RETURN_IF_ERROR(Rebuild(static_cast<int>(mi), static_cast<int>(bi)));
       s.advertised.version = staged_.on() ? staged_.committed() : s.verified;
-      s.advertised.checksum = sum.Finish();
+      s.advertised.checksum = Checksum(image_.data(), image_.size());
       bases.push_back(s.advertised);
     }
     by_src.emplace_back(ctx_.plan.recvs[mi].src, std::move(bases));
@@ -88,12 +96,11 @@ Result<const unsigned char*> DeltaReceiver::Apply(int mi, int bi, const Control&
   Slot& s = slots_[mi][bi];
   const std::span<const std::byte> enc(reinterpret_cast<const std::byte*>(slot), c.payload);
   SS_ASSIGN_OR_RETURN(const DeltaInfo info, InspectDelta(enc, where));
-  // The base: this rank's live bytes of the bucket, gathered in wire order.
-  image_.resize(static_cast<size_t>(b.bytes));
-  for (const WireRun& r : s.runs) std::memcpy(image_.data() + r.wire_offset, Live(r), r.len);
+  // The base: the image this rank's live parameters landed as (the codec's inverse of Land).
+  SS_RETURN_IF_ERROR(Rebuild(mi, bi));
   DeltaExpect expect;
   expect.bucket = where;
-  expect.element_size = DTypeSize(ctx_.in.options.wire_dtype);
+  expect.element_size = DeltaElementSize(ctx_.in);
   expect.base_version = s.advertised.version;
   Status applied = DecodeDeltaInPlace(enc, image_, expect);
   if (!applied.ok()) {
@@ -109,7 +116,11 @@ Result<const unsigned char*> DeltaReceiver::Apply(int mi, int bi, const Control&
 Status DeltaReceiver::Land(int mi, int bi, const Control& c, const unsigned char* img) {
   const auto t0 = Clock::now();
   Slot& s = slots_[mi][bi];
-  for (const WireRun& r : s.runs) std::memcpy(Landing(r), img + r.wire_offset, r.len);
+  if (codec_.in_place()) {
+    for (const WireRun& r : s.runs) std::memcpy(Landing(r), img + r.wire_offset, r.len);
+  } else {
+    SS_RETURN_IF_ERROR(codec_.Land(ctx_.plan.recvs[mi], bi, img));
+  }
   if (!staged_.on()) s.verified = guard_.version();  // the image was verified before it landed
   CountBucket(st_, static_cast<DeltaReason>(c.reason), static_cast<int64_t>(c.payload),
               ctx_.plan.recvs[mi].buckets[bi].bytes);

@@ -1,12 +1,13 @@
 // The delta encoding's steps in the host receive loop (host_recv.h; delta_path.h has the
 // protocol). Before the rank says it is ready, Advertise checksums what it holds in every host
-// bucket (the live parameters: in place, or under a staged commit the committed ones) and names
-// the version each was verified at. Each bucket arrives whole or as a delta (its control message
-// says which) in one of the loop's receive slots: Apply turns a delta into the bucket's image over
-// a copy of the base gathered from the live parameters (DecodeDeltaInPlace, which refuses another
-// base or a malformed delta: the sync fails and nothing of it lands); the loop then checksums the
-// image against the sender's, as every bucket, and Land places it (into staging under a staged
-// commit).
+// bucket (the wire image the codec rebuilds from the live parameters, Codec::RebuildImage: in
+// place, or under a staged commit the committed ones) and names the version each was verified
+// at. Each bucket arrives whole or as a delta (its control message says which) in one of the
+// loop's receive slots: Apply turns a delta into the bucket's image over that rebuilt base
+// (DecodeDeltaInPlace, which refuses another base or a malformed delta: the sync fails and
+// nothing of it lands); the loop then checksums the image against the sender's, as every bucket,
+// and Land places it (the copy codec's runs, or the image codec's Land; into staging under a
+// staged commit).
 #pragma once
 
 #include <memory>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "sync/bindings.h"
+#include "sync/codec.h"
 #include "sync/context.h"
 #include "sync/delta_path.h"
 #include "sync/guard.h"
@@ -24,8 +26,9 @@ namespace shardsync::sync_internal {
 
 class DeltaReceiver {
  public:
-  DeltaReceiver(const SessionContext& ctx, SyncGuard& guard, const StagedCommit& staged)
-      : ctx_(ctx), guard_(guard), staged_(staged) {}
+  DeltaReceiver(const SessionContext& ctx, SyncGuard& guard, Codec& codec,
+                const StagedCommit& staged)
+      : ctx_(ctx), guard_(guard), codec_(codec), staged_(staged) {}
 
   // Connect: the host path's receive messages `msgs` (indices into plan.recvs).
   Status Prepare(const Bindings& bindings, const std::vector<int>& msgs);
@@ -41,22 +44,25 @@ class DeltaReceiver {
 
  private:
   struct Slot {
-    std::vector<WireRun> runs;  // where the bucket's wire bytes land (BucketTransfers)
+    std::vector<WireRun> runs;  // in place: where the bucket's bytes land (BucketTransfers)
     uint64_t verified = 0;      // in place: the version its bytes were verified at (0: unknown)
     BucketBase advertised;      // this sync's advertisement
   };
   std::string Who() const { return "sync rank " + std::to_string(ctx_.rank); }
   std::string Where(int mi, int bi) const;
-  // Live bytes of run `r` (the base) and where it lands this sync.
-  unsigned char* Live(const WireRun& r) const;
+  // The live parameter `param` (what the base is rebuilt from), and where run `r` lands.
+  void* Live(int param) const;
   unsigned char* Landing(const WireRun& r) const;
+  // The base of bucket `bi` of receive message `mi`, rebuilt by the codec into image_.
+  Status Rebuild(int mi, int bi);
 
   const SessionContext& ctx_;
   SyncGuard& guard_;
+  Codec& codec_;
   const StagedCommit& staged_;
   const Bindings* bindings_ = nullptr;
   std::vector<std::vector<Slot>> slots_;  // [recv message][bucket]; empty off the host path
-  std::vector<std::byte> image_;          // a bucket's base gathered, then the decoded image
+  std::vector<std::byte> image_;          // a bucket's base rebuilt, then the decoded image
   DeltaSyncStats st_;
 };
 

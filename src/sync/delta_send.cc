@@ -52,7 +52,7 @@ Result<DeltaSender::Out> DeltaSender::Encode(int mi, int bi, const unsigned char
   out.reason = CheckBase(slot.kept, slot.base);
   const std::span<const std::byte> next(reinterpret_cast<const std::byte*>(img), n);
   if (out.reason == DeltaReason::kDelta) {
-    const int es = DTypeSize(ctx_.in.options.wire_dtype);
+    const int es = DeltaElementSize(ctx_.in);
     out.encoded = std::make_shared<std::vector<std::byte>>();
     const std::string name = "sync rank " + std::to_string(m.dst) + " bucket " + std::to_string(bi);
     SS_ASSIGN_OR_RETURN(

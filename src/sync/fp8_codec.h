@@ -82,6 +82,10 @@ class Fp8Codec final : public Codec {
   void BeginRecv() override;
   Status Land(const Message& m, int bucket, const unsigned char* img) override;
   Status FinishRecv() override;
+  // Delta encoding: the landed image of a bucket without stage ops (codec.h).
+  Status RebuildImage(const Bindings& bindings, const Message& m, const Bucket& b,
+                      const std::function<void*(int param)>& live,
+                      unsigned char* out) const override;
 
   // Prepared pairs (fp8_pairs.cc).
   Result<const MemRegion*> AllocPairStaging(const Bindings& bindings) override;

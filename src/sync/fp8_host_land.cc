@@ -135,6 +135,41 @@ Status Fp8Codec::Land(const Message& m, int bucket, const unsigned char* img) {
   return OkStatus();
 }
 
+Status Fp8Codec::RebuildImage(const Bindings& bindings, const Message& m, const Bucket& b,
+                              const std::function<void*(int param)>& live,
+                              unsigned char* out) const {
+  for (int32_t i = b.op_begin; i < b.op_end; ++i) {
+    const TransferOp& op = m.ops[i];
+    unsigned char* w = out + (op.wire_offset - b.wire_offset);
+    int64_t n = 0;  // as Land places them: the rest of op.bytes is the zero pad
+    switch (op.encoding) {
+      case Encoding::kCopy: {
+        const DestBinding& d = bindings.dest(op.param);
+        n = GatherRegion(live(op.param), d.shape, op.dst, DTypeSize(d.dtype), w);
+        break;
+      }
+      case Encoding::kQuantize:
+      case Encoding::kAmax: {  // the scales travel only from a kAmax band's first holder
+        n = GatherRegion(live(op.param), bindings.dest(op.param).shape, op.dst, 1, w);
+        if (op.scale_param < 0) break;
+        const int64_t at = (n + 7) & ~int64_t{7};
+        std::memset(w + n, 0, static_cast<size_t>(at - n));
+        n = at + GatherRegion(live(op.scale_param), bindings.dest(op.scale_param).shape,
+                              op.scale_dst, 4, w + at);
+        break;
+      }
+      case Encoding::kStage:
+        // The engine quantized these rows itself: what it holds is not what was sent.
+        return FailedPreconditionError(RankName(ctx_.rank) + ": bucket of message from sync rank " +
+                                       std::to_string(m.src) + " carries staged rows of '" +
+                                       bindings.dest(op.param).name +
+                                       "', which have no landed image to delta against");
+    }
+    std::memset(w + n, 0, static_cast<size_t>(op.bytes - n));
+  }
+  return OkStatus();
+}
+
 int64_t Fp8Codec::QuantizeBand(const StagedBand& band, const unsigned char* staging,
                                const Bindings& bindings) {
   const DestBinding& w = bindings.dest(band.param);

@@ -29,7 +29,7 @@ class HostReceiver {
       : ctx_(ctx), guard_(guard), codec_(codec) {
     // The delta encoding (delta_recv.h): every bucket lands the image way, through its steps.
     if (ctx.in.options.encoding != WireEncoding::kFull)
-      delta_ = std::make_unique<DeltaReceiver>(ctx, guard, staged);
+      delta_ = std::make_unique<DeltaReceiver>(ctx, guard, codec, staged);
   }
 
   // Connect: the codec's checks, and every bucket's transfers as the sender cuts them (replayed

@@ -21,6 +21,14 @@ class BlockFp8Codec final : public PlanCodec {
           "with its scale), got {} bytes",
           in.options.bucket_bytes));
     }
+    if (in.options.encoding != WireEncoding::kFull && in.options.straddle == Encoding::kStage) {
+      // A delta's base is the image the engine rebuilds from its landed bytes (sync/codec.h
+      // RebuildImage); staged rows are trainer values the engine quantizes itself: no image.
+      return InvalidArgumentError(fmt::format(
+          "--encoding {}: block-FP8 plans with --fp8-split stage are not delta-encoded (staged "
+          "rows have no landed image); use --fp8-split amax or --encoding full",
+          WireEncodingName(in.options.encoding)));
+    }
     return OkStatus();
   }
   // The shard map (its 128 grid checks), and the Megatron trainer's grid: milliseconds.

@@ -431,16 +431,6 @@ Result<std::unique_ptr<SyncSession>> CreateHarnessSession(const PlanInputs& inpu
                                                           HarnessHooks hooks) {
   SS_ASSIGN_OR_RETURN(SyncRank who, DescribeSyncRank(inputs, rank));
   SS_ASSIGN_OR_RETURN(RankPlan plan, PlanForRank(inputs, rank));
-  if (inputs.model.quant && inputs.options.encoding != WireEncoding::kFull &&
-      inputs.options.straddle == Encoding::kStage) {
-    // A delta's base is the image the receiver rebuilds from its landed bytes (Codec::
-    // RebuildImage); staged rows are trainer values the engine quantized itself, so a bucket
-    // carrying them has no landed image to rebuild.
-    return UnimplementedError(
-        "encoding " + std::string(WireEncodingName(inputs.options.encoding)) +
-        ": block-FP8 plans with fp8-split stage (PlanOptions::straddle kStage) are not "
-        "delta-encoded (staged rows have no landed image); use fp8-split amax or encoding full");
-  }
   // Every knob parses before any is read: one read deep in a GPU path has no error to return.
   SS_RETURN_IF_ERROR(CheckKnobs());
   LaunchId launch;

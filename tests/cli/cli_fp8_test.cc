@@ -221,6 +221,10 @@ TEST(CliFp8, RefusalsNameTheFieldOrFlag) {
   ExpectRefused({"demo", "--model", "{DIR}/awq/config.json"}, {"quantization_config"});
   // A bad --quant value.
   ExpectRefused({"shards", "--model", fp8, "--engine", "sglang", "--quant", "int4"}, {"--quant"});
+  // Deltas need the engine's landed image, which staged bands do not have: refused when planned.
+  ExpectRefused({"demo", "--model", fp8, "--trainer", "fsdp=4", "--rollout", "dp=1,tp=2,pp=1",
+                 "--fp8-split", "stage", "--encoding", "delta"},
+                {"--encoding delta", "--fp8-split stage"});
   ExpectRefused({"generate", "--model", fp8, "--quant", "fp8"}, {"--quant"});
   // Layouts the engines refuse: the tiny Qwen2 (head_dim 16) has 16-row kv parts.
   ExpectRefused({"shards", "--model", "{DIR}/tiny/config.json", "--engine", "sglang", "--tp", "2",

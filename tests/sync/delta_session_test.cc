@@ -505,8 +505,10 @@ TEST(DeltaSession, BlockFp8StagePlansRefuseTheDeltaEncodingAtCreateNamingTheSpli
   auto tx = NewLoopbackTransport(NewLoopbackHub());
   auto sess = SyncSession::Create(s.inputs, 0, *store, *tx, {});
   ASSERT_FALSE(sess.ok());
-  EXPECT_EQ(sess.status().code(), StatusCode::kUnimplemented);
-  EXPECT_THAT(sess.status().message(), HasSubstr("fp8-split stage"));
+  // The plan's options refuse it (plan/fp8_codec.cc CheckOptions), so the CLI exits 2 up front.
+  EXPECT_EQ(sess.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(sess.status().message(), HasSubstr("--fp8-split stage"));
+  EXPECT_THAT(sess.status().message(), HasSubstr("--encoding delta"));
 }
 
 }  // namespace

@@ -352,7 +352,7 @@ void RegisterPlan(py::module_& m) {
             d["etp"] = c.etp;
             d["ep"] = c.ep;
             d["edp"] = c.edp;
-            return std::move(d);
+            return d;
           },
           py::arg("trainer_rank"),
           "Megatron coordinates of a trainer rank (dense tp/cp/dp/pp, expert etp/ep/edp); None "
@@ -377,7 +377,7 @@ void RegisterPlan(py::module_& m) {
             d["experts"] = m.sequential_experts ? "sequential" : "grouped";
             d["norms"] = m.local_norms ? "local" : "te";
             d["glu_interleave"] = m.glu_interleave;
-            return std::move(d);
+            return d;
           },
           "Every field of a Megatron trainer layout, defaults filled in (etp, experts), plus the "
           "expert data-parallel size edp; None for other layouts.")

@@ -266,7 +266,9 @@ TEST(StagedCommit, ARankWhoseCopyFailsRollsBackEveryRankOfTheScope) {
   for (int r = job.trainers(); r < job.world(); ++r) {
     ASSERT_FALSE(st[r].ok()) << "rank " << r;
     EXPECT_THAT(st[r].message(), HasSubstr("rolled back"));
-    if (r != bad) EXPECT_THAT(st[r].message(), HasSubstr("sync rank " + std::to_string(bad)));
+    if (r != bad) {
+      EXPECT_THAT(st[r].message(), HasSubstr("sync rank " + std::to_string(bad)));
+    }
   }
   EXPECT_EQ(job.Live(), served);  // every rank holds version 1 again, the failed one included
   for (int r = job.trainers(); r < job.world(); ++r) {

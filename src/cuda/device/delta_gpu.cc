@@ -107,9 +107,8 @@ Status Begin(Scratch* s, std::string_view what, std::string_view bucket) {
 
 }  // namespace
 
-size_t DeltaGpuScratch::Bytes(uint64_t max_bucket_bytes, int min_element_size) {
-  const int e = min_element_size == 2 || min_element_size == 4 ? min_element_size : 1;
-  return dk::LayoutScratch(max_bucket_bytes, e).total;
+size_t DeltaGpuScratch::Bytes(uint64_t max_bucket_bytes, int /*min_element_size*/) {
+  return dk::LayoutScratch(max_bucket_bytes).total;
 }
 
 Result<std::unique_ptr<DeltaGpuScratch>> DeltaGpuScratch::Allocate(uint64_t max_bucket_bytes,
@@ -125,14 +124,13 @@ Result<std::unique_ptr<DeltaGpuScratch>> DeltaGpuScratch::Allocate(uint64_t max_
   s->device_ = device;
   SS_CUDA(cudaDeviceGetAttribute(&s->sm_count_, cudaDevAttrMultiProcessorCount, device),
           "delta scratch: SM count");
-  const dk::ScratchLayout l = dk::LayoutScratch(max_bucket_bytes, min_element_size);
+  const dk::ScratchLayout l = dk::LayoutScratch(max_bucket_bytes);
   SS_CUDA(cudaMalloc(&s->dev_, l.total),
           fmt::format("delta scratch: cudaMalloc {} bytes on device {}", l.total, device));
   SS_RETURN_IF_ERROR(
       OnPrivateStream([&](cudaStream_t st) { return cudaMemsetAsync(s->dev_, 0, l.total, st); },
                       std::chrono::seconds(60), "delta scratch: zero"));
   dk::Ctl ctl{};
-  ctl.epoch = 1;
   ctl.bad_record = ~0ull;
   SS_RETURN_IF_ERROR(
       internal::UploadBlocking(s->dev_, &ctl, sizeof(ctl), "delta scratch: control"));
@@ -145,10 +143,12 @@ Result<std::unique_ptr<DeltaGpuScratch>> DeltaGpuScratch::Allocate(uint64_t max_
   SS_CUDA(cudaEventCreateWithFlags(&s->done_, cudaEventDisableTiming), "delta scratch: event");
   auto* base = static_cast<unsigned char*>(s->dev_);
   s->ptrs_.ctl = reinterpret_cast<dk::Ctl*>(base);
-  s->ptrs_.states = reinterpret_cast<unsigned long long*>(base + l.states);
-  s->ptrs_.tile_prefix = reinterpret_cast<uint32_t*>(base + l.tile_prefix);
-  s->ptrs_.idx = reinterpret_cast<uint32_t*>(base + l.idx);
+  s->ptrs_.tile = reinterpret_cast<uint32_t*>(base + l.tile);
+  s->ptrs_.voff = reinterpret_cast<uint32_t*>(base + l.voff);
+  s->ptrs_.ioff = reinterpret_cast<uint32_t*>(base + l.ioff);
   s->ptrs_.vals = base + l.vals;
+  s->ptrs_.idx = reinterpret_cast<uint16_t*>(base + l.idx);
+  s->ptrs_.vals_bytes = l.idx - l.vals - 16;
   s->ptrs_.result = static_cast<dk::HostResult*>(host_dev);
   return std::unique_ptr<DeltaGpuScratch>(std::move(s));
 }
@@ -167,11 +167,8 @@ Status EnqueueDeltaEncode(const DeltaGpuEncodeArgs& a, DeltaGpuScratch* scratch,
   if (a.bytes / e > kDeltaMaxElements)
     return bad(fmt::format("{} elements, the codec's indices hold at most {}", a.bytes / e,
                            kDeltaMaxElements));
-  if (a.bytes > s->max_bytes_ || e < s->min_e_)
-    return bad(
-        fmt::format("{} bytes of element_size {}: the scratch holds up to {} bytes of "
-                    "element_size >= {}",
-                    a.bytes, e, s->max_bytes_, s->min_e_));
+  if (a.bytes > s->max_bytes_)
+    return bad(fmt::format("{} bytes: the scratch holds up to {} bytes", a.bytes, s->max_bytes_));
   if (a.bytes > 0 && (a.base == nullptr || a.next == nullptr || a.out == nullptr))
     return bad("base, next and out must be device pointers");
   if (!Aligned16(a.base) || !Aligned16(a.next) || !Aligned16(a.out))

@@ -48,21 +48,21 @@ enum Code : uint32_t {
 };
 
 // Device control block at the start of the scratch. Between calls every field holds its rest
-// value (kernels reset it at their end): sums 0, bad_record ~0, counters 0, epoch >= 1.
+// value (kernels reset it at their end): sums 0, bad_record ~0, allocators and tickets 0.
 struct Ctl {
-  unsigned long long epoch;       // tag of this call's tile states (30 bits used)
   unsigned long long sum_a;       // checksum sum of the base (encode and decode)
   unsigned long long sum_b;       // encode: of next; decode: new minus old terms of changed words
   unsigned long long bad_record;  // decode: first bad index record
-  unsigned long long popcount;    // decode: bitmap bits set
-  unsigned int tile_counter;      // dynamic tile ids
-  unsigned int ticket;            // unused (0)
+  unsigned long long val_alloc;   // encode: values staged so far (elements)
+  unsigned long long idx_alloc;   // encode: indices staged so far
+  unsigned int ticket;            // blocks of the counting pass done (the last one scans)
   unsigned int tail_bad;          // decode: bitmap bits past the end
-  unsigned int pad;
-  // Decode: the decision (Code | kind << 32) and the change count, written by the decide kernel
-  // of every call before the apply pass reads them (no rest value needed).
+  // Written by every call before they are read (no rest value needed). Encode: the form
+  // (go) and the change count for the write pass; decode: the decision (Code | kind << 32), the
+  // change count, and the bitmap's popcount from the counting pass.
   unsigned long long go;
   unsigned long long changed;
+  unsigned long long popcount;
 };
 
 // Written by the last kernel of a call into pinned, mapped host memory.
@@ -74,31 +74,40 @@ struct HostResult {
   unsigned char header[kDeltaHeaderBytes];  // decode: the encoding's header
 };
 
+inline constexpr uint32_t kNoSlot = 0xFFFFFFFFu;  // a tile whose changes found no staging room
+
 struct ScratchPtrs {
   Ctl* ctl = nullptr;
-  unsigned long long* states = nullptr;  // tile states: epoch | flag | value
-  uint32_t* tile_prefix = nullptr;       // decode: changes before each tile (tiles + 1 entries)
-  uint32_t* idx = nullptr;               // encode: staged index-form indices
-  unsigned char* vals = nullptr;         // encode: staged index-form values
-  HostResult* result = nullptr;          // device view of the pinned result
+  // Per tile of the bucket: its change count, then (after the counting pass's scan) the changes
+  // before it; entry `tiles` gets the total.
+  uint32_t* tile = nullptr;
+  uint32_t* voff = nullptr;       // encode: the tile's first staged value (kNoSlot: none)
+  uint32_t* ioff = nullptr;       // encode: the tile's first staged index (kNoSlot: none)
+  unsigned char* vals = nullptr;  // encode: staged values, in tile order within a tile
+  uint16_t* idx = nullptr;        // encode: staged indices (element within the tile)
+  uint64_t vals_bytes = 0;        // room for staged values
+  HostResult* result = nullptr;   // device view of the pinned result
 };
 
-// The scratch layout for buckets up to max_bytes with elements of at least min_e bytes.
+// The scratch layout for buckets up to max_bytes, for every element size: values are staged
+// in up to a quarter of the bucket's bytes (denser buckets re-read the tiles that found no room),
+// indices (2 bytes each) up to the most the index form can hold with 1-byte elements (n / 32).
+inline constexpr uint64_t kStageDivisor = 4;
+inline constexpr uint64_t kScanBatch = 8192;  // tile array entries, a multiple of the scan's
 struct ScratchLayout {
-  uint64_t states = 0, tile_prefix = 0, idx = 0, vals = 0, total = 0;
+  uint64_t tile = 0, voff = 0, ioff = 0, vals = 0, idx = 0, total = 0;
 };
-inline ScratchLayout LayoutScratch(uint64_t max_bytes, int min_e) {
+inline ScratchLayout LayoutScratch(uint64_t max_bytes) {
   auto up = [](uint64_t v) { return (v + 255) / 256 * 256; };
-  const uint64_t bitmap = DeltaBitmapBytes(max_bytes / static_cast<uint64_t>(min_e));
-  const uint64_t tiles = (max_bytes + kTileBytes - 1) / kTileBytes;
-  const uint64_t positions = bitmap / kDeltaIndexBytes;  // most the index form can hold
+  const uint64_t tiles = max_bytes == 0 ? 1 : (max_bytes + kTileBytes - 1) / kTileBytes;
+  const uint64_t entries = (tiles + 1 + kScanBatch - 1) / kScanBatch * kScanBatch;
   ScratchLayout l;
-  l.states = up(sizeof(Ctl));
-  l.tile_prefix = l.states + up(8 * tiles + 8);
-  l.idx = l.tile_prefix + up(4 * tiles + 8);
-  l.vals = l.idx + up(4 * positions + 4);
-  // positions(e) * e <= max_bytes / 32 for every e >= min_e.
-  l.total = l.vals + up(max_bytes / 32 + 8);
+  l.tile = up(sizeof(Ctl));
+  l.voff = l.tile + up(4 * entries);
+  l.ioff = l.voff + up(4 * tiles);
+  l.vals = l.ioff + up(4 * tiles);
+  l.idx = l.vals + up(max_bytes / kStageDivisor + 16);
+  l.total = l.idx + up(2 * (max_bytes / 32 + 2) + 16);
   return l;
 }
 

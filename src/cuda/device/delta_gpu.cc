@@ -34,6 +34,7 @@ class Scratch final : public DeltaGpuScratch {
 
   uint64_t max_bytes_ = 0;
   int min_e_ = 1, device_ = 0, sm_count_ = 0;
+  int enc_blocks_[5] = {};  // the encoder's tile pass: blocks that fit at once, per element size
   void* dev_ = nullptr;
   dk::HostResult* host_ = nullptr;
   dk::ScratchPtrs ptrs_;
@@ -124,6 +125,11 @@ Result<std::unique_ptr<DeltaGpuScratch>> DeltaGpuScratch::Allocate(uint64_t max_
   s->device_ = device;
   SS_CUDA(cudaDeviceGetAttribute(&s->sm_count_, cudaDevAttrMultiProcessorCount, device),
           "delta scratch: SM count");
+  for (int e : {1, 2, 4}) {
+    const int per_sm = dk::EncodeBlocksPerSm(e);
+    if (per_sm <= 0) return InternalError("delta scratch: occupancy of the encoder's tile pass");
+    s->enc_blocks_[e] = per_sm * s->sm_count_;
+  }
   const dk::ScratchLayout l = dk::LayoutScratch(max_bucket_bytes);
   SS_CUDA(cudaMalloc(&s->dev_, l.total),
           fmt::format("delta scratch: cudaMalloc {} bytes on device {}", l.total, device));
@@ -146,9 +152,9 @@ Result<std::unique_ptr<DeltaGpuScratch>> DeltaGpuScratch::Allocate(uint64_t max_
   s->ptrs_.tile = reinterpret_cast<uint32_t*>(base + l.tile);
   s->ptrs_.voff = reinterpret_cast<uint32_t*>(base + l.voff);
   s->ptrs_.ioff = reinterpret_cast<uint32_t*>(base + l.ioff);
+  s->ptrs_.rtot = reinterpret_cast<uint32_t*>(base + l.rtot);
   s->ptrs_.vals = base + l.vals;
   s->ptrs_.idx = reinterpret_cast<uint16_t*>(base + l.idx);
-  s->ptrs_.vals_bytes = l.idx - l.vals - 16;
   s->ptrs_.result = static_cast<dk::HostResult*>(host_dev);
   return std::unique_ptr<DeltaGpuScratch>(std::move(s));
 }
@@ -179,7 +185,7 @@ Status EnqueueDeltaEncode(const DeltaGpuEncodeArgs& a, DeltaGpuScratch* scratch,
   s->empty_ = a.bytes == 0;
   if (!s->empty_) {
     SS_CUDA(static_cast<cudaError_t>(dk::LaunchEncode(a.base, a.next, a.bytes, e, a.base_version,
-                                                      a.out, s->ptrs_, s->sm_count_, st)),
+                                                      a.out, s->ptrs_, s->enc_blocks_[e], st)),
             fmt::format("device delta encode of bucket {}: launch", a.bucket));
   }
   SS_CUDA(cudaEventRecord(s->done_, st), "device delta encode: event");

@@ -75,6 +75,8 @@ __device__ __forceinline__ unsigned VectorBits(const unsigned char* bitmap, uint
 
 template <int E>
 __global__ void __launch_bounds__(kThreads) DecodeRecordsKernel(DecArgs a) {
+  GridDepWait();
+  GridDepTrigger();
   __shared__ HeaderView h;
   if (threadIdx.x == 0) h = Parse<E>(a);
   __syncthreads();
@@ -97,6 +99,8 @@ __global__ void __launch_bounds__(kThreads) DecodeRecordsKernel(DecArgs a) {
 // what it reads.
 template <int E>
 __global__ void __launch_bounds__(kThreads) DecodeTileStartsKernel(DecArgs a) {
+  GridDepWait();
+  GridDepTrigger();
   __shared__ HeaderView h;
   if (threadIdx.x == 0) h = Parse<E>(a);
   __syncthreads();
@@ -142,8 +146,6 @@ __device__ __forceinline__ uint64_t ChangeValue(bool index, const unsigned char*
   return LoadLE(p, E);
 }
 
-// The check pass holds one side's vectors only: 48 registers, 5 blocks per SM (6 spills).
-inline constexpr int kCheckMinBlocks = 5;
 // A tile's values (bitmap form) staged in shared memory when they fit: up to 25% density for
 // every element size (a denser tile reads them from the encoding one by one).
 inline constexpr uint32_t kValsSmem = kTileBytes / 4;
@@ -194,6 +196,8 @@ __device__ __forceinline__ BitmapLayout Layout(const DecArgs& a) {
 // Bits past the last element count too: the decision refuses them (tail) before the count.
 template <int E>
 __global__ void __launch_bounds__(kThreads) DecodeCountKernel(DecArgs a) {
+  GridDepWait();
+  GridDepTrigger();
   constexpr uint64_t kTileBitmap = kTileBytes / E / 8;
   __shared__ HeaderView h;
   __shared__ uint64_t s_scan[kWarps];
@@ -242,8 +246,12 @@ __global__ void __launch_bounds__(kThreads) DecodeCountKernel(DecArgs a) {
   }
 }
 
+// The check pass holds one side's vectors only: 48 registers, 5 blocks per SM.
+inline constexpr int kCheckMinBlocks = 5;
+
 template <int E>
 __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(DecArgs a) {
+  GridDepWait();
   static_assert(kTileVecs <= 4, "per-vector counts are packed 16 bits apart in one word");
   constexpr uint64_t kTileElems = kTileBytes / E;
   __shared__ HeaderView h;
@@ -303,12 +311,16 @@ __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(D
     __syncthreads();
   }
   uint64_t sum = 0, cnt = 0;
+  // Checksum keys (MixKey of word o / 8), stepped rather than multiplied.
+  constexpr uint64_t kKeyVec = uint64_t{kThreads} * 2 * kChecksumStep;
+  const uint64_t key0 = MixKey(v0 * 2);
 #pragma unroll
   for (int k = 0; k < kTileVecs; ++k) {
     const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
     if (o < n) {
-      sum += Mix(Lo64(w[k]), o / 8);
-      if (o + 8 < n) sum += Mix(Hi64(w[k]), o / 8 + 1);
+      const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
+      sum += MixWithKey(Lo64(w[k]), key);
+      if (o + 8 < n) sum += MixWithKey(Hi64(w[k]), key + kChecksumStep);
       if (index) {
         const uint64_t le = o / E - e_lo;
         m[k] = (s_bits[le / 32] >> (le % 32)) & ((1u << (16 / E)) - 1);
@@ -329,7 +341,6 @@ __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(D
     uint64_t at = prefix + ((ex >> (16 * k)) & 0xffff);
     prefix += (tot_c >> (16 * k)) & 0xffff;
     if (m[k] == 0) continue;
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
     const uint64_t old_lo = Lo64(w[k]), old_hi = Hi64(w[k]);
     uint64_t new_lo = old_lo, new_hi = old_hi;
     for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++at) {
@@ -339,9 +350,11 @@ __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(D
                  : ChangeValue<E>(index, payload, h.changed, vals, bl.vals_bytes, at);
       PatchVec<E>(new_lo, new_hi, __ffs(mm) - 1, value);
     }
-    delta += Mix(new_lo, o / 8) - Mix(old_lo, o / 8);
-    delta += Mix(new_hi, o / 8 + 1) - Mix(old_hi, o / 8 + 1);
+    const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
+    delta += MixWithKey(new_lo, key) - MixWithKey(old_lo, key);
+    delta += MixWithKey(new_hi, key + kChecksumStep) - MixWithKey(old_hi, key + kChecksumStep);
   }
+  GridDepTrigger();
   delta = BlockSum(delta, s_scan[0]);
   if (threadIdx.x == 0 && delta != 0) atomicAdd(&c->sum_b, static_cast<unsigned long long>(delta));
 }
@@ -352,6 +365,8 @@ __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(D
 // go back to rest here, since the apply pass reads only the decision.
 template <int E>
 __global__ void DecodeDecideKernel(DecArgs a) {
+  GridDepWait();
+  GridDepTrigger();
   Ctl* c = a.s.ctl;
   const HeaderView h = Parse<E>(a);
   uint32_t code = h.code;
@@ -396,6 +411,7 @@ __global__ void DecodeDecideKernel(DecArgs a) {
 // the warp) instead of one store per element; index form: one store per record.
 template <int E>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeApplyKernel(DecArgs a) {
+  GridDepWait();
   __shared__ uint64_t s_scan[1][kWarps];
   __shared__ __align__(16) unsigned char s_vals[kValsSmem];
   const Ctl* c = a.s.ctl;
@@ -427,9 +443,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeApplyKernel(DecArg
     T* out = reinterpret_cast<T*>(a.bucket);
     const uint64_t changed = c->changed;
     const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
-    for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k < changed;
-         k += stride)
-      out[RecIndex<E>(payload, k)] = static_cast<T>(RecValue<E>(payload, k));
+    constexpr int kU = 4;  // records per thread with their loads in flight at once
+    for (uint64_t k0 = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k0 < changed;
+         k0 += kU * stride) {
+      uint64_t idx[kU], val[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const uint64_t k = k0 + u * stride;
+        idx[u] = k < changed ? RecIndex<E>(payload, k) : 0;
+        val[u] = k < changed ? RecValue<E>(payload, k) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (k0 + u * stride < changed) out[idx[u]] = static_cast<T>(val[u]);
+    }
     return;
   }
   // The check pass's scan, from the tile's first value (the count pass's offset); its barriers
@@ -471,13 +498,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeApplyKernel(DecArg
 
 template <int E>
 int Launch(const DecArgs& a, int sms, cudaStream_t s) {
-  DecodeRecordsKernel<E><<<sms * 8, kThreads, 0, s>>>(a);
-  DecodeTileStartsKernel<E><<<sms * 8, kThreads, 0, s>>>(a);
-  DecodeCountKernel<E><<<(a.tiles + kWarps - 1) / kWarps, kThreads, 0, s>>>(a);
-  DecodeCheckKernel<E><<<a.tiles, kThreads, 0, s>>>(a);
-  DecodeDecideKernel<E><<<1, 1, 0, s>>>(a);
-  DecodeApplyKernel<E><<<a.tiles, kThreads, 0, s>>>(a);
-  return static_cast<int>(cudaGetLastError());
+  const uint32_t grid = static_cast<uint32_t>(sms) * 8;
+  DecodeRecordsKernel<E><<<grid, kThreads, 0, s>>>(a);
+  cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) e = LaunchDependent(DecodeTileStartsKernel<E>, grid, 0, s, a);
+  if (e == cudaSuccess)
+    e = LaunchDependent(DecodeCountKernel<E>, (a.tiles + kWarps - 1) / kWarps, 0, s, a);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeCheckKernel<E>, a.tiles, 0, s, a);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeDecideKernel<E>, 1, 0, s, a, 1);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeApplyKernel<E>, a.tiles, 0, s, a);
+  return static_cast<int>(e);
 }
 
 }  // namespace

@@ -124,6 +124,77 @@ __device__ __forceinline__ uint64_t Patch(uint64_t word, int at, uint64_t v) {
 __device__ __forceinline__ uint64_t Mix(uint64_t word, uint64_t j) {
   return ChecksumMixWord(word, j);
 }
+// ChecksumMixWord split: the key of word j (j x step + seed, which consecutive words can step
+// to by adding), and the mix of a word with its key. MixWithKey(w, MixKey(j)) == Mix(w, j).
+__device__ __forceinline__ uint64_t MixKey(uint64_t j) { return j * kChecksumStep + kChecksumSeed; }
+__device__ __forceinline__ uint64_t MixWithKey(uint64_t word, uint64_t key) {
+  const uint64_t t = (word ^ key) * kChecksumMul;
+  return t ^ (t >> 32);
+}
+
+// ---- Programmatic dependent launch: a call's kernels after the first are launched with it, so
+// each one's launch overlaps the tail of the one before; each waits (GridDepWait) for the one
+// before to complete, memory included, before it reads what that one wrote. ----
+__device__ __forceinline__ void GridDepWait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void GridDepTrigger() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+// Launches kernel<<<grid, threads, smem, stream>>>(args) as a dependent of the stream's last.
+template <typename Args>
+cudaError_t LaunchDependent(void (*kernel)(Args), uint32_t grid, uint32_t smem, cudaStream_t stream,
+                            const Args& args, uint32_t threads = kThreads) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, args);
+}
+
+// ---- Bulk copies global -> shared memory (the Hopper copy engine, cp.async.bulk), completion
+// counted in bytes on an mbarrier: a block keeps several tiles in flight at no register cost. ----
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count));
+}
+// Makes the initialized barriers visible to the copy engine (then a block barrier).
+__device__ __forceinline__ void MbarInitFence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// One thread: the barrier's current phase completes once `bytes` more bytes have landed.
+__device__ __forceinline__ void MbarExpect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst.
+__device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t bytes,
+                                         uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(SmemAddr(dst)),
+      "l"(src), "r"(bytes), "r"(SmemAddr(bar))
+      : "memory");
+}
+// Waits until the barrier's phase with parity `phase` completed.
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t phase) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, "
+        "0, p;\n}"
+        : "=r"(done)
+        : "r"(SmemAddr(bar)), "r"(phase)
+        : "memory");
+  }
+}
 
 // Called by every thread of the block that finished a counting pass last (its blocks wrote
 // tile[0, tiles) and fenced before taking their ticket): tile[t] becomes the count of every
@@ -143,7 +214,8 @@ __device__ __forceinline__ uint64_t ScanTiles(uint32_t* tile, uint32_t tiles, ui
   for (uint32_t i0 = lo; i0 < lo + per && i0 < tiles; i0 += 4 * kBatch) {
     uint4 v[kBatch];
 #pragma unroll
-    for (uint32_t b = 0; b < kBatch; ++b) v[b] = __ldcg(reinterpret_cast<const uint4*>(tile + i0) + b);
+    for (uint32_t b = 0; b < kBatch; ++b)
+      v[b] = __ldcg(reinterpret_cast<const uint4*>(tile + i0) + b);
 #pragma unroll
     for (uint32_t b = 0; b < kBatch; ++b) sum += masked(v[b], i0 + 4 * b);
   }
@@ -152,7 +224,8 @@ __device__ __forceinline__ uint64_t ScanTiles(uint32_t* tile, uint32_t tiles, ui
   for (uint32_t i0 = lo; i0 < lo + per && i0 < tiles; i0 += 4 * kBatch) {
     uint4 v[kBatch];
 #pragma unroll
-    for (uint32_t b = 0; b < kBatch; ++b) v[b] = __ldcg(reinterpret_cast<const uint4*>(tile + i0) + b);
+    for (uint32_t b = 0; b < kBatch; ++b)
+      v[b] = __ldcg(reinterpret_cast<const uint4*>(tile + i0) + b);
 #pragma unroll
     for (uint32_t b = 0; b < kBatch; ++b) {
       const uint32_t c[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
@@ -173,9 +246,10 @@ __device__ __forceinline__ uint64_t ScanTiles(uint32_t* tile, uint32_t tiles, ui
 // Lanes of one warp copy `len` bytes from src to dst (any alignment; dst's 4-byte words written
 // whole, each from two aligned words of src). Reads up to 3 bytes past src + len, never past the
 // 4-byte word holding src + len + 3.
-__device__ __forceinline__ void WarpCopy(unsigned char* dst, const unsigned char* src,
-                                         uint64_t len, int lane) {
-  const uint64_t head = min(len, static_cast<uint64_t>((4 - reinterpret_cast<uintptr_t>(dst) % 4) % 4));
+__device__ __forceinline__ void WarpCopy(unsigned char* dst, const unsigned char* src, uint64_t len,
+                                         int lane) {
+  const uint64_t head =
+      min(len, static_cast<uint64_t>((4 - reinterpret_cast<uintptr_t>(dst) % 4) % 4));
   if (static_cast<uint64_t>(lane) < head) dst[lane] = src[lane];
   dst += head;
   src += head;

@@ -48,18 +48,15 @@ enum Code : uint32_t {
 };
 
 // Device control block at the start of the scratch. Between calls every field holds its rest
-// value (kernels reset it at their end): sums 0, bad_record ~0, allocators and tickets 0.
+// value (kernels reset it at their end): sums 0, bad_record ~0, ticket and tail 0.
 struct Ctl {
   unsigned long long sum_a;       // checksum sum of the base (encode and decode)
   unsigned long long sum_b;       // encode: of next; decode: new minus old terms of changed words
   unsigned long long bad_record;  // decode: first bad index record
-  unsigned long long val_alloc;   // encode: values staged so far (elements)
-  unsigned long long idx_alloc;   // encode: indices staged so far
-  unsigned int ticket;            // blocks of the counting pass done (the last one scans)
+  unsigned int ticket;            // decode: blocks of the counting pass done (the last one scans)
   unsigned int tail_bad;          // decode: bitmap bits past the end
-  // Written by every call before they are read (no rest value needed). Encode: the form
-  // (go) and the change count for the write pass; decode: the decision (Code | kind << 32), the
-  // change count, and the bitmap's popcount from the counting pass.
+  // Decode, written by every call before they are read (no rest value needed): the decision
+  // (Code | kind << 32), the change count, and the bitmap's popcount from the counting pass.
   unsigned long long go;
   unsigned long long changed;
   unsigned long long popcount;
@@ -78,36 +75,44 @@ inline constexpr uint32_t kNoSlot = 0xFFFFFFFFu;  // a tile whose changes found 
 
 struct ScratchPtrs {
   Ctl* ctl = nullptr;
-  // Per tile of the bucket: its change count, then (after the counting pass's scan) the changes
-  // before it; entry `tiles` gets the total.
+  // Per tile of the bucket. Encode: its change count. Decode: its first change (bitmap form:
+  // from the count pass's scan, entry `tiles` the total; index form: its first record).
   uint32_t* tile = nullptr;
   uint32_t* voff = nullptr;       // encode: the tile's first staged value (kNoSlot: none)
   uint32_t* ioff = nullptr;       // encode: the tile's first staged index (kNoSlot: none)
+  uint32_t* rtot = nullptr;       // encode: each range's change count
   unsigned char* vals = nullptr;  // encode: staged values, in tile order within a tile
   uint16_t* idx = nullptr;        // encode: staged indices (element within the tile)
-  uint64_t vals_bytes = 0;        // room for staged values
   HostResult* result = nullptr;   // device view of the pinned result
 };
 
-// The scratch layout for buckets up to max_bytes, for every element size: values are staged
-// in up to a quarter of the bucket's bytes (denser buckets re-read the tiles that found no room),
-// indices (2 bytes each) up to the most the index form can hold with 1-byte elements (n / 32).
+// The scratch layout for buckets up to max_bytes, for every element size. The encoder's tile
+// pass runs as ranges of consecutive tiles, one per block; each range stages its changes in its
+// own part of the staging areas, proportional to its tiles: values up to a quarter of the
+// tiles' bytes (a denser range re-reads the tiles that found no room), indices (2 bytes each) up
+// to 1/32 of their elements (the index form's limit; a range over it re-reads its tiles too).
 inline constexpr uint64_t kStageDivisor = 4;
+inline constexpr uint64_t kIndexDivisor = 32;
 inline constexpr uint64_t kScanBatch = 8192;  // tile array entries, a multiple of the scan's
+inline constexpr uint64_t kStagePad = 64;     // copies read up to 32 bytes past staged values
 struct ScratchLayout {
-  uint64_t tile = 0, voff = 0, ioff = 0, vals = 0, idx = 0, total = 0;
+  uint64_t tile = 0, voff = 0, ioff = 0, rtot = 0, vals = 0, idx = 0, total = 0;
 };
+inline uint64_t Tiles(uint64_t bytes) {
+  return bytes == 0 ? 1 : (bytes + kTileBytes - 1) / kTileBytes;
+}
 inline ScratchLayout LayoutScratch(uint64_t max_bytes) {
   auto up = [](uint64_t v) { return (v + 255) / 256 * 256; };
-  const uint64_t tiles = max_bytes == 0 ? 1 : (max_bytes + kTileBytes - 1) / kTileBytes;
+  const uint64_t tiles = Tiles(max_bytes);
   const uint64_t entries = (tiles + 1 + kScanBatch - 1) / kScanBatch * kScanBatch;
   ScratchLayout l;
   l.tile = up(sizeof(Ctl));
   l.voff = l.tile + up(4 * entries);
   l.ioff = l.voff + up(4 * tiles);
-  l.vals = l.ioff + up(4 * tiles);
-  l.idx = l.vals + up(max_bytes / kStageDivisor + 16);
-  l.total = l.idx + up(2 * (max_bytes / 32 + 2) + 16);
+  l.rtot = l.ioff + up(4 * tiles);
+  l.vals = l.rtot + up(4 * tiles);
+  l.idx = l.vals + up(tiles * kTileBytes / kStageDivisor + kStagePad);
+  l.total = l.idx + up(2 * tiles * kTileBytes / kIndexDivisor + kStagePad);
   return l;
 }
 
@@ -179,10 +184,12 @@ SHARDSYNC_HD HeaderView ParseHeader(const unsigned char* h, uint64_t encoded_byt
 }
 
 // Queue the kernels of one call on `stream` (a cudaStream_t). Return a cudaError_t (0: queued).
-// Arguments are checked by the caller (delta_gpu.cc): sizes, alignment, capacity.
+// Arguments are checked by the caller (delta_gpu.cc): sizes, alignment, capacity. `blocks`: the
+// encoder's tile pass blocks that fit the GPU at once (EncodeBlocksPerSm x SMs).
 int LaunchEncode(const void* base, const void* next, uint64_t bytes, int element_size,
-                 uint64_t base_version, void* out, const ScratchPtrs& s, int sm_count,
-                 void* stream);
+                 uint64_t base_version, void* out, const ScratchPtrs& s, int blocks, void* stream);
+// Blocks per SM the encoder's tile pass runs with (its occupancy), for the launch; 0 on error.
+int EncodeBlocksPerSm(int element_size);
 int LaunchDecode(const void* encoded, uint64_t encoded_bytes, void* bucket, uint64_t bytes,
                  int element_size, uint64_t base_version, const ScratchPtrs& s, int sm_count,
                  void* stream);

@@ -16,10 +16,11 @@ namespace shardsync::gpu::delta {
 inline constexpr uint32_t kMagic = 0x4C445353;  // "SSDL" little-endian, as delta.cc
 inline constexpr uint8_t kFormat = 1;
 
-// Launch shape. Every pass over the bucket (encode, the decode's check and bitmap apply): a tile
-// is kThreads x kTileVecs 16-byte vectors of the bucket (and, for encode, of next too), one tile
-// per block. 4 vectors (16 KiB tiles) keep a thread's loads in flight at once within 64
-// registers, so 4 blocks fit an SM (8 vectors: 100-122 registers, 2 blocks, measured slower).
+// Launch shape. Every pass over the bucket works in tiles of kThreads x kTileVecs 16-byte vectors
+// of the bucket (and, for encode, of next too), 16 KiB. The decode's check and apply passes take
+// one tile per block: 4 vectors keep a thread's loads in flight at once within 64 registers, so
+// 4 blocks fit an SM (8 vectors: 100-122 registers, 2 blocks, measured slower). The encoder's
+// tile pass takes a range of tiles per block (delta_encode.cu).
 inline constexpr int kThreads = 256;
 inline constexpr int kTileVecs = 4;
 inline constexpr int kMinBlocks = 4;  // __launch_bounds__ of the tile kernels

@@ -16,21 +16,28 @@
 //     are undefined and the caller sends `next` whole, as with the host EncodeDelta.
 //   decode: `encoded` (encoded_bytes, read only) and `bucket` (written in place, and only when
 //     every check passed: a refused delta leaves it as it was).
-// Scratch: DeltaGpuScratch::Bytes(max bucket bytes, smallest element size) of device memory,
-// about 0.16 x the bucket for 1-byte elements, 0.1 x for 2-byte (index scratch of the encoder:
-// 4 bytes per position the index form can hold, the values beside them, per-tile states), plus
-// one small pinned host block.
+// Scratch: DeltaGpuScratch::Bytes(max bucket bytes) of device memory, for every element size
+// (the element-size argument is checked but no longer changes the size): about 0.31 x the
+// bucket (values staged in up to a quarter of it, indices in 1/16, 12 bytes per 16 KiB tile),
+// plus one small pinned host block.
 //
-// Costs: encode reads base and next once and writes the bitmap form's bytes in the same pass
-// (single-pass scan with a decoupled look-back for the output offsets); when the index form wins,
-// a second kernel rewrites the records it staged in scratch. Decode reads the bucket once (the
-// base checksum, and the result's checksum predicted from the changed words' old and new terms),
-// then a later kernel writes the changed elements only if every check passed (bitmap form: each
-// 16-byte vector holding a change read and written whole). Measured on an H200
-// (docs/benchmarks.md "Delta codec on the device"), 64 / 512 MiB buckets at 1-10%: encode
-// 0.40-0.51x and decode 0.15-0.26x of the HBM bound of their traffic (690-990 and 410-1120 GB/s
-// of bucket; decode 0.30-0.39x of a bound counting the touched 32-byte sectors), short of the
-// issue's 0.8x.
+// Costs (docs/benchmarks.md "Delta codec on the device"). Encode, a reduce-then-scan in two
+// kernels: the tile pass reads base and next once (the Hopper copy engine feeds each block's
+// range of tiles, two tiles in flight), writes the bitmap form's bytes in place and stages each
+// range's changes in scratch (no block waits on another); the write pass scans the ranges'
+// counts and moves the staged changes to their place (bitmap form: one copy per range; index
+// form: the records), a programmatic dependent launch of the first. Traffic beyond the bound's:
+// the changes written and read once more, the bitmap written even when the index form wins.
+// Decode: a count pass over the bitmap (bitmap form) or the records (index form) gives each
+// tile its first change; the check pass reads the bucket once (the base checksum, and the
+// result's checksum predicted from the changed words' old and new terms); a later kernel writes
+// the changed elements only if every check passed (bitmap form: each 16-byte vector holding a
+// change read and written whole). Measured on an H200, 64 / 512 / 2048 MiB buckets at 1-10%:
+// encode 0.52-0.78x of the HBM bound of its traffic (0.8-1.8 TB/s of bucket), short of the
+// issue's 0.8x; decode 0.14-0.26x of that bound and 0.33-0.38x of the touched-sector bound
+// (0.38-1.08 TB/s of bucket). No refuse-before-write decode can reach 0.8x of the first bound
+// at these densities: a changed element's 32-byte sector is read and written whole by DRAM,
+// which puts the sector bound at 1.3-2.5x the first.
 #pragma once
 
 #include <chrono>
@@ -47,8 +54,9 @@ namespace shardsync::gpu {
 
 class DeltaGpuScratch {
  public:
-  // Device bytes for buckets of up to `max_bucket_bytes` with elements of at least
-  // `min_element_size` bytes (1, 2 or 4).
+  // Device bytes for buckets of up to `max_bucket_bytes`. The same for every element size: a
+  // scratch serves buckets of 1-, 2- and 4-byte elements alike (`min_element_size`, 1, 2 or 4, is
+  // kept for callers and checked by Allocate; it no longer limits the scratch).
   static size_t Bytes(uint64_t max_bucket_bytes, int min_element_size);
   // Allocates and zeroes the scratch on `device` (made current).
   static Result<std::unique_ptr<DeltaGpuScratch>> Allocate(uint64_t max_bucket_bytes,
@@ -70,7 +78,8 @@ struct DeltaGpuEncodeArgs {
 };
 
 // InvalidArgument naming the bucket and the field: element size, sizes, alignment, a bucket over
-// the scratch's capacity or over kDeltaMaxElements; FailedPrecondition: a call already in flight.
+// the scratch's capacity (in bytes, whatever its element size) or over kDeltaMaxElements;
+// FailedPrecondition: a call already in flight.
 Status EnqueueDeltaEncode(const DeltaGpuEncodeArgs& args, DeltaGpuScratch* scratch, void* stream);
 // What EncodeDelta returns for the same bytes (kind, changed, elements, checksums; 0 checksums
 // for kFull), plus the encoded size in `bytes` (0 for kFull).

@@ -66,7 +66,8 @@ class GpuDelta : public ::testing::Test {
 
   // Device encode of (base, next) == host EncodeDelta, byte for byte; then device decode of the
   // host encoding over the base restores next.
-  void Check(const Bytes& base, const Bytes& next, int e) {
+  void Check(const Bytes& base, const Bytes& next, int e, DeltaGpuScratch* scratch = nullptr) {
+    if (scratch == nullptr) scratch = scratch_.get();
     Bytes want;
     auto host = EncodeDelta(base, next, e, 41, "b", &want);
     ASSERT_TRUE(host.ok()) << host.status().ToString();
@@ -81,7 +82,7 @@ class GpuDelta : public ::testing::Test {
     a.out = out_->data();
     a.bucket = "b";
     SS_ASSERT_OK_AND_ASSIGN(const DeltaGpuEncoded got,
-                            EncodeDeltaDevice(a, scratch_.get(), stream_->handle(), kTimeout));
+                            EncodeDeltaDevice(a, scratch, stream_->handle(), kTimeout));
     EXPECT_EQ(got.result.kind, host->kind);
     EXPECT_EQ(got.result.changed, host->changed);
     EXPECT_EQ(got.result.elements, host->elements);
@@ -101,7 +102,7 @@ class GpuDelta : public ::testing::Test {
     d.bucket = base_->data();
     d.bucket_bytes = base.size();
     d.expect = {"b", e, 41};
-    SS_ASSERT_OK(DecodeDeltaDevice(d, scratch_.get(), stream_->handle(), kTimeout));
+    SS_ASSERT_OK(DecodeDeltaDevice(d, scratch, stream_->handle(), kTimeout));
     EXPECT_TRUE(Download(*base_, base.size()) == next);
   }
 
@@ -141,6 +142,43 @@ TEST_F(GpuDelta, EveryFormIsExercised) {
     ASSERT_TRUE(host.ok());
     EXPECT_EQ(host->kind, kind);
     Check(base, next, 2);
+  }
+}
+
+// A scratch sized for the bucket stages values up to a quarter of it: denser buckets re-read the
+// tiles that found no room (bitmap form at 30% and 50%), and a decode tile whose values exceed
+// its shared-memory room reads them one by one. Changes packed into a few tiles stage their
+// indices whatever each tile's own density (index form). The scratch is allocated for 2-byte
+// elements and serves every element size.
+TEST_F(GpuDelta, DenseTilesAndClusteredChanges) {
+  constexpr uint64_t kBytes = uint64_t{1} << 20;
+  SS_ASSERT_OK_AND_ASSIGN(auto small, DeltaGpuScratch::Allocate(kBytes, 2, 0));
+  const Bytes base = RandomBytes(kBytes, 123);
+  for (int e : {1, 2, 4}) {
+    const uint64_t elements = kBytes / e;
+    for (double density : {0.3, 0.5}) {
+      SCOPED_TRACE(::testing::Message() << "e=" << e << " density=" << density);
+      const Bytes next =
+          Mutate(base, e, static_cast<uint64_t>(density * static_cast<double>(elements)), 17);
+      Bytes enc;
+      auto host = EncodeDelta(base, next, e, 41, "b", &enc);
+      ASSERT_TRUE(host.ok());
+      EXPECT_EQ(host->kind, DeltaKind::kBitmap);
+      Check(base, next, e, small.get());
+      if (HasFatalFailure()) return;
+    }
+    // 2% of the elements, all in the first eighth of the bucket (16% there): the index form.
+    Bytes next = base;
+    const Bytes head(base.begin(), base.begin() + kBytes / 8);
+    const Bytes head_next = Mutate(head, e, elements / 50, 5);
+    std::copy(head_next.begin(), head_next.end(), next.begin());
+    Bytes enc;
+    auto host = EncodeDelta(base, next, e, 41, "b", &enc);
+    ASSERT_TRUE(host.ok());
+    EXPECT_EQ(host->kind, DeltaKind::kIndex);
+    SCOPED_TRACE(::testing::Message() << "e=" << e << " clustered");
+    Check(base, next, e, small.get());
+    if (HasFatalFailure()) return;
   }
 }
 

@@ -34,6 +34,7 @@ class Scratch final : public DeltaGpuScratch {
 
   uint64_t max_bytes_ = 0;
   int min_e_ = 1, device_ = 0, sm_count_ = 0;
+  int enc_blocks_[5] = {};  // the encoder's tile pass: blocks that fit at once, per element size
   void* dev_ = nullptr;
   dk::HostResult* host_ = nullptr;
   dk::ScratchPtrs ptrs_;
@@ -107,9 +108,8 @@ Status Begin(Scratch* s, std::string_view what, std::string_view bucket) {
 
 }  // namespace
 
-size_t DeltaGpuScratch::Bytes(uint64_t max_bucket_bytes, int min_element_size) {
-  const int e = min_element_size == 2 || min_element_size == 4 ? min_element_size : 1;
-  return dk::LayoutScratch(max_bucket_bytes, e).total;
+size_t DeltaGpuScratch::Bytes(uint64_t max_bucket_bytes, int /*min_element_size*/) {
+  return dk::LayoutScratch(max_bucket_bytes).total;
 }
 
 Result<std::unique_ptr<DeltaGpuScratch>> DeltaGpuScratch::Allocate(uint64_t max_bucket_bytes,
@@ -125,14 +125,18 @@ Result<std::unique_ptr<DeltaGpuScratch>> DeltaGpuScratch::Allocate(uint64_t max_
   s->device_ = device;
   SS_CUDA(cudaDeviceGetAttribute(&s->sm_count_, cudaDevAttrMultiProcessorCount, device),
           "delta scratch: SM count");
-  const dk::ScratchLayout l = dk::LayoutScratch(max_bucket_bytes, min_element_size);
+  for (int e : {1, 2, 4}) {
+    const int per_sm = dk::EncodeBlocksPerSm(e);
+    if (per_sm <= 0) return InternalError("delta scratch: occupancy of the encoder's tile pass");
+    s->enc_blocks_[e] = per_sm * s->sm_count_;
+  }
+  const dk::ScratchLayout l = dk::LayoutScratch(max_bucket_bytes);
   SS_CUDA(cudaMalloc(&s->dev_, l.total),
           fmt::format("delta scratch: cudaMalloc {} bytes on device {}", l.total, device));
   SS_RETURN_IF_ERROR(
       OnPrivateStream([&](cudaStream_t st) { return cudaMemsetAsync(s->dev_, 0, l.total, st); },
                       std::chrono::seconds(60), "delta scratch: zero"));
   dk::Ctl ctl{};
-  ctl.epoch = 1;
   ctl.bad_record = ~0ull;
   SS_RETURN_IF_ERROR(
       internal::UploadBlocking(s->dev_, &ctl, sizeof(ctl), "delta scratch: control"));
@@ -145,10 +149,12 @@ Result<std::unique_ptr<DeltaGpuScratch>> DeltaGpuScratch::Allocate(uint64_t max_
   SS_CUDA(cudaEventCreateWithFlags(&s->done_, cudaEventDisableTiming), "delta scratch: event");
   auto* base = static_cast<unsigned char*>(s->dev_);
   s->ptrs_.ctl = reinterpret_cast<dk::Ctl*>(base);
-  s->ptrs_.states = reinterpret_cast<unsigned long long*>(base + l.states);
-  s->ptrs_.tile_prefix = reinterpret_cast<uint32_t*>(base + l.tile_prefix);
-  s->ptrs_.idx = reinterpret_cast<uint32_t*>(base + l.idx);
+  s->ptrs_.tile = reinterpret_cast<uint32_t*>(base + l.tile);
+  s->ptrs_.voff = reinterpret_cast<uint32_t*>(base + l.voff);
+  s->ptrs_.ioff = reinterpret_cast<uint32_t*>(base + l.ioff);
+  s->ptrs_.rtot = reinterpret_cast<uint32_t*>(base + l.rtot);
   s->ptrs_.vals = base + l.vals;
+  s->ptrs_.idx = reinterpret_cast<uint16_t*>(base + l.idx);
   s->ptrs_.result = static_cast<dk::HostResult*>(host_dev);
   return std::unique_ptr<DeltaGpuScratch>(std::move(s));
 }
@@ -167,11 +173,8 @@ Status EnqueueDeltaEncode(const DeltaGpuEncodeArgs& a, DeltaGpuScratch* scratch,
   if (a.bytes / e > kDeltaMaxElements)
     return bad(fmt::format("{} elements, the codec's indices hold at most {}", a.bytes / e,
                            kDeltaMaxElements));
-  if (a.bytes > s->max_bytes_ || e < s->min_e_)
-    return bad(
-        fmt::format("{} bytes of element_size {}: the scratch holds up to {} bytes of "
-                    "element_size >= {}",
-                    a.bytes, e, s->max_bytes_, s->min_e_));
+  if (a.bytes > s->max_bytes_)
+    return bad(fmt::format("{} bytes: the scratch holds up to {} bytes", a.bytes, s->max_bytes_));
   if (a.bytes > 0 && (a.base == nullptr || a.next == nullptr || a.out == nullptr))
     return bad("base, next and out must be device pointers");
   if (!Aligned16(a.base) || !Aligned16(a.next) || !Aligned16(a.out))
@@ -182,7 +185,7 @@ Status EnqueueDeltaEncode(const DeltaGpuEncodeArgs& a, DeltaGpuScratch* scratch,
   s->empty_ = a.bytes == 0;
   if (!s->empty_) {
     SS_CUDA(static_cast<cudaError_t>(dk::LaunchEncode(a.base, a.next, a.bytes, e, a.base_version,
-                                                      a.out, s->ptrs_, s->sm_count_, st)),
+                                                      a.out, s->ptrs_, s->enc_blocks_[e], st)),
             fmt::format("device delta encode of bucket {}: launch", a.bucket));
   }
   SS_CUDA(cudaEventRecord(s->done_, st), "device delta encode: event");

@@ -11,9 +11,8 @@ Status NoCuda(std::string_view what) {
 }
 }  // namespace
 
-size_t DeltaGpuScratch::Bytes(uint64_t max_bucket_bytes, int min_element_size) {
-  const int e = min_element_size == 2 || min_element_size == 4 ? min_element_size : 1;
-  return delta::LayoutScratch(max_bucket_bytes, e).total;
+size_t DeltaGpuScratch::Bytes(uint64_t max_bucket_bytes, int /*min_element_size*/) {
+  return delta::LayoutScratch(max_bucket_bytes).total;
 }
 Result<std::unique_ptr<DeltaGpuScratch>> DeltaGpuScratch::Allocate(uint64_t, int, int) {
   return NoCuda("DeltaGpuScratch::Allocate");

@@ -1,16 +1,20 @@
 // The delta decoder on the device (delta_gpu.h): DecodeDeltaInPlace's checks and result.
 //
 // Every kernel checks the header first (delta_kernels.h ParseHeader, the host's order) and does
-// nothing when it is refused.
+// nothing when it is refused. No kernel waits on another block.
 // Records (DecodeRecordsKernel, index form only): every record checked (in range, strictly
 // increasing); then (DecodeTileStartsKernel, valid records only) for every tile of the bucket the
 // first record at or past it, so the check pass finds a tile's records without searching.
+// Counts (DecodeCountKernel, bitmap form only, a warp per tile): the popcount of each tile's
+// bitmap bytes (n / 8E bytes in all); the last block to finish scans them into each tile's first
+// value and the total popcount.
 // Check (DecodeCheckKernel, one tile of the bucket per block): reads the tile once, adds its base
 // checksum terms, finds its changed elements (bitmap form: the encoding's bitmap bits; index form:
-// its records, marked in a shared-memory bitmap) and their values (bitmap form: offsets from a
-// single-pass scan with decoupled look-back; index form: the record number), and adds the new
-// minus the old term of every changed word: the result's checksum is predicted from the words in
-// registers, never read twice. Writes nothing the caller sees.
+// its records, marked in a shared-memory bitmap) and their values (bitmap form: the tile's values,
+// from its first value on, loaded into shared memory together with the tile; index form: the
+// record number), and adds the new minus the old term of every changed word: the result's
+// checksum is predicted from the words in registers, never read twice. Writes nothing the caller
+// sees.
 // Decide (DecodeDecideKernel, one thread): the decision from the sums (header, base checksum,
 // records, bitmap tail and count, predicted result checksum), reported to the host; the control
 // block back at rest.
@@ -71,6 +75,8 @@ __device__ __forceinline__ unsigned VectorBits(const unsigned char* bitmap, uint
 
 template <int E>
 __global__ void __launch_bounds__(kThreads) DecodeRecordsKernel(DecArgs a) {
+  GridDepWait();
+  GridDepTrigger();
   __shared__ HeaderView h;
   if (threadIdx.x == 0) h = Parse<E>(a);
   __syncthreads();
@@ -93,6 +99,8 @@ __global__ void __launch_bounds__(kThreads) DecodeRecordsKernel(DecArgs a) {
 // what it reads.
 template <int E>
 __global__ void __launch_bounds__(kThreads) DecodeTileStartsKernel(DecArgs a) {
+  GridDepWait();
+  GridDepTrigger();
   __shared__ HeaderView h;
   if (threadIdx.x == 0) h = Parse<E>(a);
   __syncthreads();
@@ -106,7 +114,7 @@ __global__ void __launch_bounds__(kThreads) DecodeTileStartsKernel(DecArgs a) {
        k += stride) {
     const uint64_t lo = k > 0 ? RecIndex<E>(payload, k - 1) / kTileElems + 1 : 0;
     const uint64_t hi = k < c ? RecIndex<E>(payload, k) / kTileElems : a.tiles;
-    for (uint64_t t = lo; t <= hi; ++t) a.s.tile_prefix[t] = static_cast<uint32_t>(k);
+    for (uint64_t t = lo; t <= hi; ++t) a.s.tile[t] = static_cast<uint32_t>(k);
   }
 }
 
@@ -138,19 +146,119 @@ __device__ __forceinline__ uint64_t ChangeValue(bool index, const unsigned char*
   return LoadLE(p, E);
 }
 
-// The check pass holds one side's vectors only: 48 registers, 5 blocks per SM (6 spills).
+// A tile's values (bitmap form) staged in shared memory when they fit: up to 25% density for
+// every element size (a denser tile reads them from the encoding one by one).
+inline constexpr uint32_t kValsSmem = kTileBytes / 4;
+
+// Bytes [p0 E, p1 E) of the values (clamped to the encoding) into s_vals, when they fit; the
+// caller's barrier makes them visible. Returns whether they were staged.
+template <int E>
+__device__ __forceinline__ bool StageValues(unsigned char* s_vals, const unsigned char* vals,
+                                            uint64_t vals_bytes, uint32_t p0, uint32_t p1) {
+  const uint64_t from = uint64_t{p0} * E;
+  const uint64_t len = p1 >= p0 ? uint64_t{p1 - p0} * E : 0;
+  if (len > kValsSmem) return false;
+#pragma unroll 4
+  for (uint32_t i = threadIdx.x; i < len; i += kThreads)
+    s_vals[i] = from + i < vals_bytes ? vals[from + i] : 0;
+  return true;
+}
+
+template <int E>
+__device__ __forceinline__ uint64_t StagedValue(const unsigned char* s_vals, uint64_t j) {
+  if constexpr (E == 1) {
+    return s_vals[j];
+  } else if constexpr (E == 2) {
+    return reinterpret_cast<const uint16_t*>(s_vals)[j];
+  } else {
+    return reinterpret_cast<const uint32_t*>(s_vals)[j];
+  }
+}
+
+// The bitmap form's layout over a bucket of n bytes (used before the header is checked: only
+// inside the encoding, and only trusted once the decision says "bitmap").
+struct BitmapLayout {
+  uint64_t elements, bitmap_bytes, vals_bytes;
+  bool bits_in;  // the encoding holds the whole bitmap
+};
+template <int E>
+__device__ __forceinline__ BitmapLayout Layout(const DecArgs& a) {
+  BitmapLayout l;
+  l.elements = a.n / E;
+  l.bitmap_bytes = DeltaBitmapBytes(l.elements);
+  l.bits_in = a.enc_bytes >= kDeltaHeaderBytes + l.bitmap_bytes;
+  l.vals_bytes = l.bits_in ? a.enc_bytes - kDeltaHeaderBytes - l.bitmap_bytes : 0;
+  return l;
+}
+
+// A warp per tile: the popcount of the tile's bitmap bytes; the last block scans them into each
+// tile's first value (tile[t]) and the total (tile[tiles], and the control block's popcount).
+// Bits past the last element count too: the decision refuses them (tail) before the count.
+template <int E>
+__global__ void __launch_bounds__(kThreads) DecodeCountKernel(DecArgs a) {
+  GridDepWait();
+  GridDepTrigger();
+  constexpr uint64_t kTileBitmap = kTileBytes / E / 8;
+  __shared__ HeaderView h;
+  __shared__ uint64_t s_scan[kWarps];
+  __shared__ bool s_last;
+  if (threadIdx.x == 0) h = Parse<E>(a);
+  __syncthreads();
+  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kBitmap)) return;
+  const int lane = threadIdx.x & 31;
+  const uint32_t t = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const unsigned char* bm = a.enc + kDeltaHeaderBytes;
+  const uint64_t bitmap_bytes = DeltaBitmapBytes(h.elements);
+  if (t < a.tiles) {
+    const uint64_t b0 = uint64_t{t} * kTileBitmap, b1 = min(b0 + kTileBitmap, bitmap_bytes);
+    uint32_t cnt = 0;
+    for (uint64_t o = b0 + uint64_t(lane) * 16; o < b1; o += 32 * 16) {
+      if (o + 16 <= b1) {
+        const uint4 v = *reinterpret_cast<const uint4*>(bm + o);
+        cnt += __popc(v.x) + __popc(v.y) + __popc(v.z) + __popc(v.w);
+      } else {
+        for (uint64_t i = o; i < b1; ++i) cnt += __popc(bm[i]);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+    if (lane == 0) {
+      a.s.tile[t] = cnt;
+      __threadfence();  // before the block's ticket
+    }
+  }
+  Ctl* c = a.s.ctl;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const uint64_t tail = h.elements % 8;
+    if (tail != 0 && (bm[bitmap_bytes - 1] >> tail) != 0) c->tail_bad = 1;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    s_last = atomicAdd(&c->ticket, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  const uint64_t total = ScanTiles(a.s.tile, a.tiles, s_scan);
+  if (threadIdx.x == 0) {
+    c->popcount = total;
+    c->ticket = 0;
+  }
+}
+
+// The check pass holds one side's vectors only: 48 registers, 5 blocks per SM.
 inline constexpr int kCheckMinBlocks = 5;
 
 template <int E>
 __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(DecArgs a) {
+  GridDepWait();
   static_assert(kTileVecs <= 4, "per-vector counts are packed 16 bits apart in one word");
   constexpr uint64_t kTileElems = kTileBytes / E;
   __shared__ HeaderView h;
   __shared__ uint64_t s_scan[2][kWarps];
-  __shared__ uint32_t s_prefix;
   __shared__ uint32_t s_bits[kTileElems / 32];  // index form: the tile's changed elements
+  __shared__ __align__(16) unsigned char s_vals[kValsSmem];  // bitmap form: the tile's values
   Ctl* c = a.s.ctl;
-  // Tile ids in launch order (as the encoder's scan pass: delta_encode.cu).
   const uint32_t t = blockIdx.x;
   const uint64_t n = a.n;
   const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
@@ -166,13 +274,26 @@ __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(D
       w[k] = o < n ? LoadVec(a.bucket, o, n) : make_uint4(0, 0, 0, 0);
     }
   }
-  // The index form's record range, loaded with the tile (unused by the bitmap form).
-  const uint32_t tp0 = a.s.tile_prefix[t], tp1 = a.s.tile_prefix[t + 1];
+  // The tile's first change and the next tile's (index form: records; bitmap form: values).
+  const uint32_t tp0 = a.s.tile[t], tp1 = a.s.tile[t + 1];
+  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
+  // Bitmap form (read from the kind byte before the header is checked, so the bits and the
+  // values load with the tile; only used once the header passed): bits and staged values.
+  const BitmapLayout bl = Layout<E>(a);
+  const bool maybe_bitmap =
+      bl.bits_in && a.enc[5] == static_cast<unsigned char>(DeltaKind::kBitmap);
+  unsigned m[kTileVecs];
+#pragma unroll
+  for (int k = 0; k < kTileVecs; ++k) {
+    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+    m[k] = maybe_bitmap && o < n ? VectorBits<E>(payload, o / E, bl.elements) : 0;
+  }
+  const unsigned char* vals = payload + bl.bitmap_bytes;
+  const bool staged = maybe_bitmap && StageValues<E>(s_vals, vals, bl.vals_bytes, tp0, tp1);
   if (threadIdx.x == 0) h = Parse<E>(a);
   __syncthreads();
   if (h.code != kOk) return;
   const bool index = h.kind == static_cast<int>(DeltaKind::kIndex);
-  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
   const uint64_t elements = h.elements;
   const uint64_t e_lo = static_cast<uint64_t>(t) * kTileElems;
   uint32_t r0 = 0;
@@ -190,20 +311,19 @@ __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(D
     __syncthreads();
   }
   uint64_t sum = 0, cnt = 0;
-  unsigned m[kTileVecs];
+  // Checksum keys (MixKey of word o / 8), stepped rather than multiplied.
+  constexpr uint64_t kKeyVec = uint64_t{kThreads} * 2 * kChecksumStep;
+  const uint64_t key0 = MixKey(v0 * 2);
 #pragma unroll
   for (int k = 0; k < kTileVecs; ++k) {
     const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    m[k] = 0;
     if (o < n) {
-      sum += Mix(Lo64(w[k]), o / 8);
-      if (o + 8 < n) sum += Mix(Hi64(w[k]), o / 8 + 1);
-      const uint64_t elem0 = o / E;
+      const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
+      sum += MixWithKey(Lo64(w[k]), key);
+      if (o + 8 < n) sum += MixWithKey(Hi64(w[k]), key + kChecksumStep);
       if (index) {
-        const uint64_t le = elem0 - e_lo;
+        const uint64_t le = o / E - e_lo;
         m[k] = (s_bits[le / 32] >> (le % 32)) & ((1u << (16 / E)) - 1);
-      } else {
-        m[k] = VectorBits<E>(payload, elem0, elements);
       }
     }
     cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
@@ -212,45 +332,29 @@ __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(D
   BlockScanN<2>(v, tot, s_scan);
   const uint64_t ex = v[0], tot_c = tot[0];
   if (threadIdx.x == 0) atomicAdd(&c->sum_a, static_cast<unsigned long long>(tot[1]));
-  uint64_t prefix = r0;
-  if (!index) {
-    uint32_t aggregate = 0;
-#pragma unroll
-    for (int k = 0; k < kTileVecs; ++k)
-      aggregate += static_cast<uint32_t>((tot_c >> (16 * k)) & 0xffff);
-    if (threadIdx.x < 32) {
-      const uint64_t epoch = *reinterpret_cast<volatile unsigned long long*>(&c->epoch);
-      const uint32_t p = LookBack(a.s.states, t, aggregate, epoch);
-      if (threadIdx.x == 0) {
-        s_prefix = p;
-        a.s.tile_prefix[t] = p;  // the apply pass's start in the values
-        if (t == a.tiles - 1) c->popcount = uint64_t{p} + aggregate;
-        const uint64_t tail = elements % 8;
-        if (t == 0 && tail != 0 && (payload[DeltaBitmapBytes(elements) - 1] >> tail) != 0)
-          c->tail_bad = 1;
-      }
-    }
-    __syncthreads();
-    prefix = s_prefix;
-  }
-  const unsigned char* vals = payload + DeltaBitmapBytes(elements);
-  const uint64_t vals_bytes =
-      index ? 0 : a.enc_bytes - kDeltaHeaderBytes - DeltaBitmapBytes(elements);
+  // The tile's first change: index form, its first record; bitmap form, the count pass's offset.
+  uint64_t prefix = index ? r0 : tp0;
+  const uint64_t first = prefix;
   uint64_t delta = 0;
 #pragma unroll
   for (int k = 0; k < kTileVecs; ++k) {
     uint64_t at = prefix + ((ex >> (16 * k)) & 0xffff);
     prefix += (tot_c >> (16 * k)) & 0xffff;
     if (m[k] == 0) continue;
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
     const uint64_t old_lo = Lo64(w[k]), old_hi = Hi64(w[k]);
     uint64_t new_lo = old_lo, new_hi = old_hi;
-    for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++at)
-      PatchVec<E>(new_lo, new_hi, __ffs(mm) - 1,
-                  ChangeValue<E>(index, payload, h.changed, vals, vals_bytes, at));
-    delta += Mix(new_lo, o / 8) - Mix(old_lo, o / 8);
-    delta += Mix(new_hi, o / 8 + 1) - Mix(old_hi, o / 8 + 1);
+    for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++at) {
+      // Staged values cover [tp0, tp1): past them (a count that disagrees, refused) read 0.
+      const uint64_t value =
+          staged ? (at < tp1 ? StagedValue<E>(s_vals, at - first) : 0)
+                 : ChangeValue<E>(index, payload, h.changed, vals, bl.vals_bytes, at);
+      PatchVec<E>(new_lo, new_hi, __ffs(mm) - 1, value);
+    }
+    const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
+    delta += MixWithKey(new_lo, key) - MixWithKey(old_lo, key);
+    delta += MixWithKey(new_hi, key + kChecksumStep) - MixWithKey(old_hi, key + kChecksumStep);
   }
+  GridDepTrigger();
   delta = BlockSum(delta, s_scan[0]);
   if (threadIdx.x == 0 && delta != 0) atomicAdd(&c->sum_b, static_cast<unsigned long long>(delta));
 }
@@ -261,6 +365,8 @@ __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(D
 // go back to rest here, since the apply pass reads only the decision.
 template <int E>
 __global__ void DecodeDecideKernel(DecArgs a) {
+  GridDepWait();
+  GridDepTrigger();
   Ctl* c = a.s.ctl;
   const HeaderView h = Parse<E>(a);
   uint32_t code = h.code;
@@ -294,39 +400,41 @@ __global__ void DecodeDecideKernel(DecArgs a) {
   c->sum_b = 0;
   c->bad_record = ~0ull;
   c->popcount = 0;
-  c->tile_counter = 0;
   c->ticket = 0;
   c->tail_bad = 0;
-  const uint64_t next_epoch = (c->epoch + 1) & kEpochMask;
-  c->epoch = next_epoch == 0 ? 1 : next_epoch;
   __threadfence_system();
 }
 
 // One tile of the bucket per block (the check pass's tiles), writing only on the decide kernel's
-// "apply". The bitmap bits are loaded before the decision is read. Bitmap form: each 16-byte
-// vector holding a change is read, patched and written whole (coalesced across the warp) instead
-// of one store per element; index form: one store per record.
+// "apply". The bitmap bits and the tile's values are loaded before the decision is read. Bitmap
+// form: each 16-byte vector holding a change is read, patched and written whole (coalesced across
+// the warp) instead of one store per element; index form: one store per record.
 template <int E>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeApplyKernel(DecArgs a) {
+  GridDepWait();
   __shared__ uint64_t s_scan[1][kWarps];
+  __shared__ __align__(16) unsigned char s_vals[kValsSmem];
   const Ctl* c = a.s.ctl;
   const uint64_t n = a.n;
-  const uint64_t elements = n / E;
   const unsigned char* payload = a.enc + kDeltaHeaderBytes;
-  // Bits as the bitmap form lays them out, read only inside the encoding (unused unless the
-  // decision is "apply a bitmap form", which implies the layout).
-  const uint64_t bitmap_bytes = DeltaBitmapBytes(elements);
+  // Bits and values as the bitmap form lays them out, read only inside the encoding (unused
+  // unless the decision is "apply a bitmap form", which implies the layout).
+  const BitmapLayout bl = Layout<E>(a);
   const uint32_t t = blockIdx.x;
   const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
-  const bool bits_in = a.enc_bytes >= kDeltaHeaderBytes + bitmap_bytes;
+  const bool maybe_bitmap =
+      bl.bits_in && a.enc[5] == static_cast<unsigned char>(DeltaKind::kBitmap);
+  const uint32_t tp0 = a.s.tile[t], tp1 = a.s.tile[t + 1];
   unsigned m[kTileVecs];
   uint64_t cnt = 0;
 #pragma unroll
   for (int k = 0; k < kTileVecs; ++k) {
     const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    m[k] = bits_in && o < n ? VectorBits<E>(payload, o / E, elements) : 0;
+    m[k] = maybe_bitmap && o < n ? VectorBits<E>(payload, o / E, bl.elements) : 0;
     cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
   }
+  const unsigned char* vals = payload + bl.bitmap_bytes;
+  const bool staged = maybe_bitmap && StageValues<E>(s_vals, vals, bl.vals_bytes, tp0, tp1);
   const uint64_t go = c->go;
   if (static_cast<uint32_t>(go) != kOk) return;
   using T = std::conditional_t<E == 1, unsigned char,
@@ -335,17 +443,27 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeApplyKernel(DecArg
     T* out = reinterpret_cast<T*>(a.bucket);
     const uint64_t changed = c->changed;
     const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
-    for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k < changed;
-         k += stride)
-      out[RecIndex<E>(payload, k)] = static_cast<T>(RecValue<E>(payload, k));
+    constexpr int kU = 4;  // records per thread with their loads in flight at once
+    for (uint64_t k0 = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k0 < changed;
+         k0 += kU * stride) {
+      uint64_t idx[kU], val[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const uint64_t k = k0 + u * stride;
+        idx[u] = k < changed ? RecIndex<E>(payload, k) : 0;
+        val[u] = k < changed ? RecValue<E>(payload, k) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (k0 + u * stride < changed) out[idx[u]] = static_cast<T>(val[u]);
+    }
     return;
   }
-  // The same scan as the check pass's, from the tile's start in the values it left.
+  // The check pass's scan, from the tile's first value (the count pass's offset); its barriers
+  // also make the staged values visible.
   uint64_t tot_c = 0;
   const uint64_t ex = BlockExclusiveScan(cnt, &tot_c, s_scan[0]);
-  uint64_t at = a.s.tile_prefix[t];
-  const unsigned char* vals = payload + bitmap_bytes;
-  const uint64_t vals_bytes = a.enc_bytes - kDeltaHeaderBytes - bitmap_bytes;
+  uint64_t at = tp0;
   uint4 w[kTileVecs];
 #pragma unroll
   for (int k = 0; k < kTileVecs; ++k) {
@@ -353,6 +471,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeApplyKernel(DecArg
     w[k] = m[k] != 0 && o + 16 <= n ? *reinterpret_cast<const uint4*>(a.bucket + o)
                                     : make_uint4(0, 0, 0, 0);
   }
+  auto value = [&](uint64_t i) -> uint64_t {
+    return staged ? StagedValue<E>(s_vals, i - tp0)
+                  : ChangeValue<E>(false, payload, 0, vals, bl.vals_bytes, i);
+  };
 #pragma unroll
   for (int k = 0; k < kTileVecs; ++k) {
     uint64_t i = at + ((ex >> (16 * k)) & 0xffff);
@@ -362,27 +484,30 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeApplyKernel(DecArg
     if (o + 16 <= n) {
       uint64_t lo = Lo64(w[k]), hi = Hi64(w[k]);
       for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++i)
-        PatchVec<E>(lo, hi, __ffs(mm) - 1, ChangeValue<E>(false, payload, 0, vals, vals_bytes, i));
+        PatchVec<E>(lo, hi, __ffs(mm) - 1, value(i));
       *reinterpret_cast<uint4*>(a.bucket + o) =
           make_uint4(static_cast<uint32_t>(lo), static_cast<uint32_t>(lo >> 32),
                      static_cast<uint32_t>(hi), static_cast<uint32_t>(hi >> 32));
     } else {  // the ragged end: element stores inside the bucket
       T* out = reinterpret_cast<T*>(a.bucket);
       for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++i)
-        out[o / E + __ffs(mm) - 1] =
-            static_cast<T>(ChangeValue<E>(false, payload, 0, vals, vals_bytes, i));
+        out[o / E + __ffs(mm) - 1] = static_cast<T>(value(i));
     }
   }
 }
 
 template <int E>
 int Launch(const DecArgs& a, int sms, cudaStream_t s) {
-  DecodeRecordsKernel<E><<<sms * 8, kThreads, 0, s>>>(a);
-  DecodeTileStartsKernel<E><<<sms * 8, kThreads, 0, s>>>(a);
-  DecodeCheckKernel<E><<<a.tiles, kThreads, 0, s>>>(a);
-  DecodeDecideKernel<E><<<1, 1, 0, s>>>(a);
-  DecodeApplyKernel<E><<<a.tiles, kThreads, 0, s>>>(a);
-  return static_cast<int>(cudaGetLastError());
+  const uint32_t grid = static_cast<uint32_t>(sms) * 8;
+  DecodeRecordsKernel<E><<<grid, kThreads, 0, s>>>(a);
+  cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) e = LaunchDependent(DecodeTileStartsKernel<E>, grid, 0, s, a);
+  if (e == cudaSuccess)
+    e = LaunchDependent(DecodeCountKernel<E>, (a.tiles + kWarps - 1) / kWarps, 0, s, a);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeCheckKernel<E>, a.tiles, 0, s, a);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeDecideKernel<E>, 1, 0, s, a, 1);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeApplyKernel<E>, a.tiles, 0, s, a);
+  return static_cast<int>(e);
 }
 
 }  // namespace

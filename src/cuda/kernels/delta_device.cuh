@@ -1,5 +1,5 @@
 // Device helpers of the delta kernels (delta_encode.cu, delta_decode.cu): block scans and
-// reductions, the single-pass scan's decoupled look-back over tile states, checksum words.
+// reductions, the scan over the tiles' counts, checksum words.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,63 +12,6 @@
 namespace shardsync::gpu::delta {
 
 inline constexpr int kWarps = kThreads / 32;
-
-// ---- tile states: [63:34] epoch, [33:32] flag, [31:0] value ----
-// The epoch tags a call's states, so the array needs no clearing between calls.
-inline constexpr uint64_t kFlagAggregate = 1;  // the tile's own count is known
-inline constexpr uint64_t kFlagPrefix = 2;     // the count of every tile up to it is known
-inline constexpr uint64_t kEpochMask = (uint64_t{1} << 30) - 1;
-
-__device__ __forceinline__ unsigned long long PackState(uint64_t epoch, uint64_t flag,
-                                                        uint32_t value) {
-  return ((epoch & kEpochMask) << 34) | (flag << 32) | value;
-}
-__device__ __forceinline__ void StoreState(unsigned long long* s, unsigned long long v) {
-  *reinterpret_cast<volatile unsigned long long*>(s) = v;
-}
-__device__ __forceinline__ unsigned long long LoadState(const unsigned long long* s) {
-  return *reinterpret_cast<const volatile unsigned long long*>(s);
-}
-
-// Decoupled look-back (Merrill and Garland, "Single-pass Parallel Prefix Scan with Decoupled
-// Look-back"): called by the 32 lanes of warp 0 of the block holding tile t, which publishes its
-// aggregate, sums predecessors' aggregates back to the first one with a prefix, and publishes its
-// own prefix. Tile ids come from an atomic counter, so every predecessor belongs to a block that
-// is already running: the spin ends. Returns the exclusive prefix to every lane.
-__device__ __forceinline__ uint32_t LookBack(unsigned long long* states, uint32_t t,
-                                             uint32_t aggregate, uint64_t epoch) {
-  const int lane = threadIdx.x & 31;
-  if (t == 0) {
-    if (lane == 0) StoreState(&states[0], PackState(epoch, kFlagPrefix, aggregate));
-    return 0;
-  }
-  if (lane == 0) StoreState(&states[t], PackState(epoch, kFlagAggregate, aggregate));
-  uint32_t prefix = 0;
-  int64_t top = static_cast<int64_t>(t) - 1;
-  while (true) {
-    const int64_t j = top - lane;
-    uint64_t flag = kFlagPrefix;
-    uint32_t value = 0;
-    if (j >= 0) {
-      unsigned long long s;
-      do {
-        s = LoadState(&states[j]);
-      } while ((s >> 34) != (epoch & kEpochMask) || ((s >> 32) & 3) == 0);
-      flag = (s >> 32) & 3;
-      value = static_cast<uint32_t>(s);
-    }
-    const unsigned prefixes = __ballot_sync(0xffffffffu, flag == kFlagPrefix);
-    const int stop = prefixes != 0 ? __ffs(prefixes) - 1 : 31;
-    uint32_t v = lane <= stop ? value : 0;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    prefix += v;
-    if (prefixes != 0) break;
-    top -= 32;
-  }
-  if (lane == 0) StoreState(&states[t], PackState(epoch, kFlagPrefix, prefix + aggregate));
-  return prefix;
-}
 
 // Exclusive scan over the block in thread order; *total gets the block's sum. `smem` holds
 // kWarps values; ends with a barrier, so it can be reused at once.
@@ -180,6 +123,148 @@ __device__ __forceinline__ uint64_t Patch(uint64_t word, int at, uint64_t v) {
 
 __device__ __forceinline__ uint64_t Mix(uint64_t word, uint64_t j) {
   return ChecksumMixWord(word, j);
+}
+// ChecksumMixWord split: the key of word j (j x step + seed, which consecutive words can step
+// to by adding), and the mix of a word with its key. MixWithKey(w, MixKey(j)) == Mix(w, j).
+__device__ __forceinline__ uint64_t MixKey(uint64_t j) { return j * kChecksumStep + kChecksumSeed; }
+__device__ __forceinline__ uint64_t MixWithKey(uint64_t word, uint64_t key) {
+  const uint64_t t = (word ^ key) * kChecksumMul;
+  return t ^ (t >> 32);
+}
+
+// ---- Programmatic dependent launch: a call's kernels after the first are launched with it, so
+// each one's launch overlaps the tail of the one before; each waits (GridDepWait) for the one
+// before to complete, memory included, before it reads what that one wrote. ----
+__device__ __forceinline__ void GridDepWait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void GridDepTrigger() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+// Launches kernel<<<grid, threads, smem, stream>>>(args) as a dependent of the stream's last.
+template <typename Args>
+cudaError_t LaunchDependent(void (*kernel)(Args), uint32_t grid, uint32_t smem, cudaStream_t stream,
+                            const Args& args, uint32_t threads = kThreads) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, args);
+}
+
+// ---- Bulk copies global -> shared memory (the Hopper copy engine, cp.async.bulk), completion
+// counted in bytes on an mbarrier: a block keeps several tiles in flight at no register cost. ----
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count));
+}
+// Makes the initialized barriers visible to the copy engine (then a block barrier).
+__device__ __forceinline__ void MbarInitFence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// One thread: the barrier's current phase completes once `bytes` more bytes have landed.
+__device__ __forceinline__ void MbarExpect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst.
+__device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t bytes,
+                                         uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(SmemAddr(dst)),
+      "l"(src), "r"(bytes), "r"(SmemAddr(bar))
+      : "memory");
+}
+// Waits until the barrier's phase with parity `phase` completed.
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t phase) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, "
+        "0, p;\n}"
+        : "=r"(done)
+        : "r"(SmemAddr(bar)), "r"(phase)
+        : "memory");
+  }
+}
+
+// Called by every thread of the block that finished a counting pass last (its blocks wrote
+// tile[0, tiles) and fenced before taking their ticket): tile[t] becomes the count of every
+// tile before t, tile[tiles] the total, returned to every thread. Each thread sums a contiguous
+// run of `per` entries with 16-byte loads in batches (every load of a batch in flight at once),
+// so the scan costs a few L2 round trips, not one per entry. Reads bypass L1 (other SMs wrote
+// them). `smem` holds kWarps values. The array holds at least 256 x per entries (kScanBatch).
+__device__ __forceinline__ uint64_t ScanTiles(uint32_t* tile, uint32_t tiles, uint64_t* smem) {
+  constexpr uint32_t kBatch = 8;  // uint4 loads in flight per thread
+  const uint32_t per = (tiles + kThreads * 4 * kBatch - 1) / (kThreads * 4 * kBatch) * 4 * kBatch;
+  const uint32_t lo = threadIdx.x * per;
+  auto masked = [&](const uint4& v, uint32_t i) {
+    return uint64_t{i < tiles ? v.x : 0u} + (i + 1 < tiles ? v.y : 0u) +
+           (i + 2 < tiles ? v.z : 0u) + (i + 3 < tiles ? v.w : 0u);
+  };
+  uint64_t sum = 0;
+  for (uint32_t i0 = lo; i0 < lo + per && i0 < tiles; i0 += 4 * kBatch) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (uint32_t b = 0; b < kBatch; ++b)
+      v[b] = __ldcg(reinterpret_cast<const uint4*>(tile + i0) + b);
+#pragma unroll
+    for (uint32_t b = 0; b < kBatch; ++b) sum += masked(v[b], i0 + 4 * b);
+  }
+  uint64_t total = 0;
+  uint64_t run = BlockExclusiveScan(sum, &total, smem);
+  for (uint32_t i0 = lo; i0 < lo + per && i0 < tiles; i0 += 4 * kBatch) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (uint32_t b = 0; b < kBatch; ++b)
+      v[b] = __ldcg(reinterpret_cast<const uint4*>(tile + i0) + b);
+#pragma unroll
+    for (uint32_t b = 0; b < kBatch; ++b) {
+      const uint32_t c[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
+#pragma unroll
+      for (uint32_t q = 0; q < 4; ++q) {
+        const uint32_t i = i0 + 4 * b + q;
+        if (i < tiles) {
+          tile[i] = static_cast<uint32_t>(run);
+          run += c[q];
+        }
+      }
+    }
+  }
+  if (threadIdx.x == 0) tile[tiles] = static_cast<uint32_t>(total);
+  return total;
+}
+
+// Lanes of one warp copy `len` bytes from src to dst (any alignment; dst's 4-byte words written
+// whole, each from two aligned words of src). Reads up to 3 bytes past src + len, never past the
+// 4-byte word holding src + len + 3.
+__device__ __forceinline__ void WarpCopy(unsigned char* dst, const unsigned char* src, uint64_t len,
+                                         int lane) {
+  const uint64_t head =
+      min(len, static_cast<uint64_t>((4 - reinterpret_cast<uintptr_t>(dst) % 4) % 4));
+  if (static_cast<uint64_t>(lane) < head) dst[lane] = src[lane];
+  dst += head;
+  src += head;
+  len -= head;
+  const uint64_t words = len / 4;
+  const uint32_t sh = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(src) % 4);
+  const uint32_t* sw = reinterpret_cast<const uint32_t*>(src - sh);
+  uint32_t* dw = reinterpret_cast<uint32_t*>(dst);
+#pragma unroll 4
+  for (uint64_t w = lane; w < words; w += 32) {
+    const uint32_t lo = sw[w];
+    const uint32_t hi = sh != 0 ? sw[w + 1] : 0u;
+    dw[w] = __funnelshift_r(lo, hi, 8 * sh);
+  }
+  for (uint64_t i = words * 4 + lane; i < len; i += 32) dst[i] = src[i];
 }
 
 }  // namespace shardsync::gpu::delta

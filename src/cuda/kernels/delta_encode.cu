@@ -1,20 +1,37 @@
 // The delta encoder on the device (delta_gpu.h): the bytes EncodeDelta (delta.cc) writes.
 //
-// Pass 1 (EncodeScanKernel, one tile per block): reads base and next once, adds both checksum
-// sums, and, with each tile's output offset from a single-pass scan (decoupled look-back over
-// tile states), writes the bitmap form straight into `out` (the bitmap, then the changed values
-// from offset 48 + bitmap bytes) and stages the index form (indices and values, as far as the
-// index form can reach: 4 x count <= bitmap bytes) in scratch. The form is only known once every
-// tile is counted, so both are written; the staged index form is small by construction.
-// Pass 2 (EncodeFinishKernel): the size rule (delta_rule.h, shared with the host) on the total
-// count picks the form; block 0 writes the header and the result; when the index form won, the
-// grid writes the records over the bitmap form's bytes.
+// A reduce-then-scan: no block waits on another before its last step.
+// Pass 1 (EncodeTileKernel): the bucket's tiles split into ranges of consecutive tiles, one range
+// per block, as many blocks as fit the GPU at once; a block loads its next tile (base and next,
+// 16 KiB each) before it works on the current one, so its loads stay in flight through the
+// work. Per tile: both checksum sums, the bitmap form's bytes straight into `out` (their place
+// does not depend on other tiles), the tile's change count, and its changes staged in the
+// range's part of the scratch: values packed in element order and, while the range is within the
+// index form's limit, indices (element within the tile, 2 bytes); the range's total count and the
+// checksum sums at its end.
+// Pass 2 (EncodeWriteKernel, a few blocks per range): each block sums the ranges' totals (the
+// changes before its range, and the total, hence the form; block 0 writes the header and the
+// result), scans its range's tile counts, and moves the range's staged changes to their place,
+// which is contiguous for the range: bitmap form, the values after the bitmap (one copy
+// with 16-byte stores); index form, the records (over the bitmap's bytes), a thread per record.
+// A range that ran out of staging room re-reads those tiles (a warp per tile). Nothing for kFull.
+// Traffic: base and next read once, the bitmap written once, the changes written twice and read
+// once (plus 2 bytes per change of staged indices while a range can be in the index form).
 #include <cuda_runtime.h>
 
 #include "cuda/kernels/delta_device.cuh"
 
 namespace shardsync::gpu::delta {
 namespace {
+
+// Tile pass: 256 threads, kEncStages tiles of base and next in shared memory (one worked on, the
+// other in flight), three blocks per SM.
+inline constexpr int kEncMinBlocks = 3;
+inline constexpr uint32_t kEncStages = 2;
+inline constexpr uint32_t kEncSmem = kEncStages * 2 * kTileBytes;  // dynamic shared memory
+// Write pass: blocks per range, and the most tiles a range may hold (its offsets in shared memory).
+inline constexpr uint32_t kWriteSplit = 2;
+inline constexpr uint32_t kMaxRangeTiles = 4096;
 
 struct EncArgs {
   const unsigned char* base;
@@ -23,11 +40,29 @@ struct EncArgs {
   uint64_t n;  // bucket bytes
   uint64_t elements;
   uint64_t bitmap_bytes;  // ceil(elements / 8)
-  uint64_t positions;     // index-form positions staged: bitmap_bytes / 4
   uint64_t base_version;
   uint32_t tiles;
+  uint32_t ranges;  // blocks of the tile pass
   ScratchPtrs s;
 };
+
+// Tiles [lo, hi) of range r, and where its staging starts (values and indices, in elements).
+struct Range {
+  uint32_t lo, hi;
+  uint64_t vbase, vcap, ibase, icap;
+};
+template <int E>
+__device__ __forceinline__ Range RangeOf(const EncArgs& a, uint32_t r) {
+  constexpr uint64_t kTileElems = kTileBytes / E;
+  Range g;
+  g.lo = static_cast<uint32_t>(uint64_t{a.tiles} * r / a.ranges);
+  g.hi = static_cast<uint32_t>(uint64_t{a.tiles} * (r + 1) / a.ranges);
+  g.vbase = uint64_t{g.lo} * (kTileElems / kStageDivisor);
+  g.vcap = uint64_t{g.hi - g.lo} * (kTileElems / kStageDivisor);
+  g.ibase = uint64_t{g.lo} * (kTileElems / kIndexDivisor);
+  g.icap = uint64_t{g.hi - g.lo} * (kTileElems / kIndexDivisor);
+  return g;
+}
 
 __device__ __forceinline__ uint32_t Comp(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
@@ -82,19 +117,45 @@ __device__ __forceinline__ void StoreElem(unsigned char* p, uint32_t v, bool ali
   }
 }
 
+// Block 0 of the write pass: the header (unless kFull), the result, the control block at rest.
 template <int E>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) EncodeScanKernel(EncArgs a) {
-  static_assert(kTileVecs <= 4, "per-vector counts are packed 16 bits apart in one word");
-  __shared__ uint64_t s_scan[3][kWarps];
-  __shared__ uint32_t s_prefix;
-  // Tile ids in launch order, as CUB's single-pass scans take them: blocks are dispatched in
-  // increasing order, so a tile's predecessors are running or done and the look-back ends.
-  const uint32_t tile = blockIdx.x;
-  const uint64_t v0 = static_cast<uint64_t>(tile) * kThreads * kTileVecs + threadIdx.x;
-  const uint64_t n = a.n;
+__device__ void EncodeFinish(const EncArgs& a, uint64_t total, const DeltaSize& size) {
+  Ctl* c = a.s.ctl;
+  HostResult* r = a.s.result;
+  const bool full = size.kind == DeltaKind::kFull;
+  const uint64_t base_sum = full ? 0 : ChecksumFinish(c->sum_a, a.n);
+  const uint64_t new_sum = full ? 0 : ChecksumFinish(c->sum_b, a.n);
+  if (!full) {
+    unsigned char* h = a.out;
+    *reinterpret_cast<uint32_t*>(h) = kMagic;
+    h[4] = kFormat;
+    h[5] = static_cast<unsigned char>(size.kind);
+    h[6] = E;
+    h[7] = 0;
+    auto* w = reinterpret_cast<unsigned long long*>(h);
+    w[1] = a.elements;
+    w[2] = a.base_version;
+    w[3] = base_sum;
+    w[4] = new_sum;
+    w[5] = total;
+  }
+  r->code = kOk;
+  r->kind = static_cast<unsigned long long>(size.kind);
+  r->changed = total;
+  r->bytes = full ? 0 : size.bytes;
+  r->elements = a.elements;
+  r->base_checksum = base_sum;
+  r->new_checksum = new_sum;
+  c->sum_a = 0;
+  c->sum_b = 0;
+  __threadfence_system();  // the pinned result, before the host sees the stream pass
+}
 
-  uint4 b[kTileVecs], x[kTileVecs];
-  if ((static_cast<uint64_t>(tile) + 1) * kTileBytes <= n) {  // every load in flight at once
+// The tile's 4 vectors of base and next per thread (zero past the bucket's end).
+__device__ __forceinline__ void LoadTile(const EncArgs& a, uint32_t t, uint4 (&b)[kTileVecs],
+                                         uint4 (&x)[kTileVecs]) {
+  const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
+  if ((static_cast<uint64_t>(t) + 1) * kTileBytes <= a.n) {
 #pragma unroll
     for (int k = 0; k < kTileVecs; ++k) {
       const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
@@ -105,161 +166,438 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) EncodeScanKernel(EncArgs
 #pragma unroll
     for (int k = 0; k < kTileVecs; ++k) {
       const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-      b[k] = make_uint4(0, 0, 0, 0);
-      x[k] = b[k];
-      if (o < n) {
-        b[k] = LoadVec(a.base, o, n);
-        x[k] = LoadVec(a.next, o, n);
-      }
-    }
-  }
-  const uint64_t epoch = *reinterpret_cast<volatile unsigned long long*>(&a.s.ctl->epoch);
-  uint64_t sb = 0, sx = 0, cnt = 0;
-  unsigned m[kTileVecs];
-#pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    if (o < n) {
-      sb += Mix(Lo64(b[k]), o / 8);
-      sx += Mix(Lo64(x[k]), o / 8);
-      if (o + 8 < n) {
-        sb += Mix(Hi64(b[k]), o / 8 + 1);
-        sx += Mix(Hi64(x[k]), o / 8 + 1);
-      }
-    }
-    m[k] = ChangedMask<E>(b[k], x[k]);
-    // Per-vector counts packed 16 bits apart (a segment's total is at most 256 x 16).
-    cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
-  }
-  // One exchange: the count scan and the two checksum sums.
-  uint64_t v[3] = {cnt, sb, sx}, tot[3];
-  BlockScanN<3>(v, tot, s_scan);
-  const uint64_t ex = v[0], tot_c = tot[0];
-  uint32_t aggregate = 0;
-#pragma unroll
-  for (int k = 0; k < kTileVecs; ++k)
-    aggregate += static_cast<uint32_t>((tot_c >> (16 * k)) & 0xffff);
-  if (threadIdx.x == 0) {
-    atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(tot[1]));
-    atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(tot[2]));
-  }
-  if (threadIdx.x < 32) {
-    const uint32_t p = LookBack(a.s.states, tile, aggregate, epoch);
-    if (threadIdx.x == 0) s_prefix = p;
-  }
-  __syncthreads();
-
-  // Writes: bitmap bytes and values of the bitmap form (inside the bucket's size: a larger form
-  // is kFull), staged index records (while the index form can still win).
-  const uint64_t vals_off = kDeltaHeaderBytes + a.bitmap_bytes;
-  const bool aligned = vals_off % E == 0;
-  uint64_t pos = s_prefix;
-#pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    const uint64_t seg_tot = (tot_c >> (16 * k)) & 0xffff;
-    uint64_t at = pos + ((ex >> (16 * k)) & 0xffff);
-    pos += seg_tot;
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    const uint64_t elem0 = o / E;
-    const uint64_t jb = elem0 / 8;
-    if constexpr (E == 4) {
-      const unsigned partner = __shfl_down_sync(0xffffffffu, m[k], 1);
-      if ((threadIdx.x & 1) == 0 && o < n && kDeltaHeaderBytes + jb < n)
-        a.out[kDeltaHeaderBytes + jb] = static_cast<unsigned char>(m[k] | partner << 4);
-    } else if (o < n) {
-      if (kDeltaHeaderBytes + jb < n)
-        a.out[kDeltaHeaderBytes + jb] = static_cast<unsigned char>(m[k]);
-      if constexpr (E == 1) {
-        if (jb + 1 < a.bitmap_bytes && kDeltaHeaderBytes + jb + 1 < n)
-          a.out[kDeltaHeaderBytes + jb + 1] = static_cast<unsigned char>(m[k] >> 8);
-      }
-    }
-    for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++at) {
-      const int r = __ffs(mm) - 1;
-      const uint32_t v = Extract<E>(x[k], r);
-      const uint64_t off = vals_off + at * E;
-      if (off + E <= n) StoreElem<E>(a.out + off, v, aligned);
-      if (at < a.positions) {
-        a.s.idx[at] = static_cast<uint32_t>(elem0 + r);
-        StoreElem<E>(a.s.vals + at * E, v, true);
-      }
+      b[k] = o < a.n ? LoadVec(a.base, o, a.n) : make_uint4(0, 0, 0, 0);
+      x[k] = o < a.n ? LoadVec(a.next, o, a.n) : make_uint4(0, 0, 0, 0);
     }
   }
 }
 
 template <int E>
-__global__ void __launch_bounds__(kThreads) EncodeFinishKernel(EncArgs a) {
-  const uint64_t total = static_cast<uint32_t>(LoadState(&a.s.states[a.tiles - 1]));
-  const DeltaSize size = DeltaSizeRule(a.elements, E, total);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    Ctl* c = a.s.ctl;
-    HostResult* r = a.s.result;
-    const bool full = size.kind == DeltaKind::kFull;
-    const uint64_t base_sum = full ? 0 : ChecksumFinish(c->sum_a, a.n);
-    const uint64_t new_sum = full ? 0 : ChecksumFinish(c->sum_b, a.n);
-    if (!full) {
-      unsigned char* h = a.out;
-      *reinterpret_cast<uint32_t*>(h) = kMagic;
-      h[4] = kFormat;
-      h[5] = static_cast<unsigned char>(size.kind);
-      h[6] = E;
-      h[7] = 0;
-      auto* w = reinterpret_cast<unsigned long long*>(h);
-      w[1] = a.elements;
-      w[2] = a.base_version;
-      w[3] = base_sum;
-      w[4] = new_sum;
-      w[5] = total;
-    }
-    r->code = kOk;
-    r->kind = static_cast<unsigned long long>(size.kind);
-    r->changed = total;
-    r->bytes = full ? 0 : size.bytes;
-    r->elements = a.elements;
-    r->base_checksum = base_sum;
-    r->new_checksum = new_sum;
-    c->sum_a = 0;
-    c->sum_b = 0;
-    c->tile_counter = 0;
-    const uint64_t next_epoch = (c->epoch + 1) & kEpochMask;
-    c->epoch = next_epoch == 0 ? 1 : next_epoch;
-    __threadfence_system();  // the pinned result, before the host sees the stream pass
+__global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncArgs a) {
+  static_assert(kTileVecs <= 4, "per-vector counts are packed 16 bits apart in one word");
+  constexpr uint64_t kTileElems = kTileBytes / E;
+  static_assert(kTileElems <= 65536, "staged indices are 16-bit");
+  extern __shared__ __align__(128) unsigned char s_buf[];  // [stage][base, next][tile]
+  __shared__ __align__(8) uint64_t s_bar[kEncStages];
+  __shared__ uint64_t s_scan[2][kWarps];
+  const uint64_t n = a.n;
+  const Range g = RangeOf<E>(a, blockIdx.x);
+  // Whole tiles come through the copy engine, kEncStages in flight; the bucket's ragged last
+  // tile, if any, is loaded by the threads.
+  const uint32_t whole_hi = min(g.hi, static_cast<uint32_t>(n / kTileBytes));
+  auto issue = [&](uint32_t t) {  // one thread
+    const uint32_t st = (t - g.lo) % kEncStages;
+    unsigned char* dst = s_buf + st * 2 * kTileBytes;
+    MbarExpect(&s_bar[st], 2 * kTileBytes);
+    BulkLoad(dst, a.base + uint64_t{t} * kTileBytes, kTileBytes, &s_bar[st]);
+    BulkLoad(dst + kTileBytes, a.next + uint64_t{t} * kTileBytes, kTileBytes, &s_bar[st]);
+  };
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kEncStages; ++i) MbarInit(&s_bar[i], 1);
+    MbarInitFence();
   }
-  if (size.kind != DeltaKind::kIndex) return;
-  constexpr uint64_t kRecord = kDeltaIndexBytes + E;
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
-  for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k < total;
-       k += stride) {
-    unsigned char* p = a.out + kDeltaHeaderBytes + k * kRecord;
-    const uint32_t i = a.s.idx[k];
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (uint32_t t = g.lo; t < whole_hi && t < g.lo + kEncStages; ++t) issue(t);
+  uint64_t vused = 0, iused = 0;  // the range's staging so far (the same in every thread)
+  uint64_t rcount = 0;            // the range's changes so far
+  uint64_t sb = 0, sx = 0;
+  // Keys of this thread's first word in tile g.lo, then one tile on per iteration.
+  constexpr uint64_t kKeyVec = uint64_t{kThreads} * 2 * kChecksumStep;  // 256 vectors on
+  constexpr uint64_t kKeyTile = kTileBytes / 8 * kChecksumStep;
+  uint64_t key0 = MixKey((static_cast<uint64_t>(g.lo) * kThreads * kTileVecs + threadIdx.x) * 2);
+  for (uint32_t t = g.lo; t < g.hi; ++t, key0 += kKeyTile) {
+    uint4 b[kTileVecs], x[kTileVecs];
+    if (t < whole_hi) {
+      const uint32_t i = t - g.lo, st = i % kEncStages;
+      MbarWait(&s_bar[st], (i / kEncStages) & 1);
+      const auto* vb = reinterpret_cast<const uint4*>(s_buf + st * 2 * kTileBytes);
+      const uint4* vx = vb + kTileBytes / 16;
+#pragma unroll
+      for (int k = 0; k < kTileVecs; ++k) {
+        b[k] = vb[k * kThreads + threadIdx.x];
+        x[k] = vx[k * kThreads + threadIdx.x];
+      }
+      // The tile is in registers: refill its stage at once, so the copy has this tile's work and
+      // the next one's to land.
+      __syncthreads();
+      if (threadIdx.x == 0 && t + kEncStages < whole_hi) issue(t + kEncStages);
+    } else {
+      LoadTile(a, t, b, x);
+    }
+    const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
+    uint64_t cnt = 0;
+    unsigned m[kTileVecs];
+#pragma unroll
+    for (int k = 0; k < kTileVecs; ++k) {
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      // The word's checksum key (MixKey of word o / 8), stepped rather than multiplied.
+      const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
+      if (o < n) {
+        sb += MixWithKey(Lo64(b[k]), key);
+        sx += MixWithKey(Lo64(x[k]), key);
+        if (o + 8 < n) {
+          sb += MixWithKey(Hi64(b[k]), key + kChecksumStep);
+          sx += MixWithKey(Hi64(x[k]), key + kChecksumStep);
+        }
+      }
+      m[k] = ChangedMask<E>(b[k], x[k]);
+      // Per-vector counts packed 16 bits apart (a segment's total is at most 256 x 16).
+      cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
+    }
+    // The bitmap form's bytes, at their place (inside the bucket's size: a larger form is kFull).
+#pragma unroll
+    for (int k = 0; k < kTileVecs; ++k) {
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      const uint64_t jb = o / E / 8;
+      if constexpr (E == 4) {
+        const unsigned partner = __shfl_down_sync(0xffffffffu, m[k], 1);
+        if ((threadIdx.x & 1) == 0 && o < n && kDeltaHeaderBytes + jb < n)
+          a.out[kDeltaHeaderBytes + jb] = static_cast<unsigned char>(m[k] | partner << 4);
+      } else if (o < n) {
+        if (kDeltaHeaderBytes + jb < n)
+          a.out[kDeltaHeaderBytes + jb] = static_cast<unsigned char>(m[k]);
+        if constexpr (E == 1) {
+          if (jb + 1 < a.bitmap_bytes && kDeltaHeaderBytes + jb + 1 < n)
+            a.out[kDeltaHeaderBytes + jb + 1] = static_cast<unsigned char>(m[k] >> 8);
+        }
+      }
+    }
+    uint64_t tot_c = 0;
+    const uint64_t ex = BlockExclusiveScan(cnt, &tot_c, s_scan[0]);
+    uint32_t aggregate = 0;
+#pragma unroll
+    for (int k = 0; k < kTileVecs; ++k)
+      aggregate += static_cast<uint32_t>((tot_c >> (16 * k)) & 0xffff);
+    rcount += aggregate;
+    // Staging room, decided alike in every thread (no atomics, no barrier).
+    // A tile without changes gets a (empty) place too: kNoSlot means "found no room".
+    uint32_t vo = kNoSlot, io = kNoSlot;
+    if (vused + aggregate <= g.vcap) {
+      vo = static_cast<uint32_t>(g.vbase + vused);
+      vused += aggregate;
+    }
+    if (iused + aggregate <= g.icap) {
+      io = static_cast<uint32_t>(g.ibase + iused);
+      iused += aggregate;
+    }
+    if (threadIdx.x == 0) {
+      a.s.tile[t] = aggregate;
+      a.s.voff[t] = vo;
+      a.s.ioff[t] = io;
+    }
+    if (aggregate > 0 && (vo != kNoSlot || io != kNoSlot)) {
+      uint64_t pos = 0;
+#pragma unroll
+      for (int k = 0; k < kTileVecs; ++k) {
+        uint64_t at = pos + ((ex >> (16 * k)) & 0xffff);
+        pos += (tot_c >> (16 * k)) & 0xffff;
+        const uint32_t local0 =
+            static_cast<uint32_t>((uint64_t{kThreads} * k + threadIdx.x) * 16 / E);
+        for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++at) {
+          const int r = __ffs(mm) - 1;
+          if (vo != kNoSlot) StoreElem<E>(a.s.vals + (vo + at) * E, Extract<E>(x[k], r), true);
+          if (io != kNoSlot) a.s.idx[io + at] = static_cast<uint16_t>(local0 + r);
+        }
+      }
+    }
+  }
+  GridDepTrigger();  // the write pass may launch now (it waits for this pass to complete)
+  uint64_t v[2] = {sb, sx}, tot[2];
+  BlockScanN<2>(v, tot, s_scan);
+  if (threadIdx.x == 0) {
+    atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(tot[0]));
+    atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(tot[1]));
+    a.s.rtot[blockIdx.x] = static_cast<uint32_t>(rcount);
+  }
+}
+
+// Writes change number `at` of the encoding (value v of element i): the bitmap form's value or
+// the index form's record.
+template <int E, bool kIndex>
+__device__ __forceinline__ void PutChange(unsigned char* out, uint64_t vals_off, bool aligned,
+                                          uint64_t at, uint32_t i, uint32_t v) {
+  if constexpr (!kIndex) {
+    StoreElem<E>(out + vals_off + at * E, v, aligned);
+  } else {
+    unsigned char* p = out + kDeltaHeaderBytes + at * (kDeltaIndexBytes + E);
     if constexpr (E == 4) {
       reinterpret_cast<uint32_t*>(p)[0] = i;
-      reinterpret_cast<uint32_t*>(p)[1] = reinterpret_cast<const uint32_t*>(a.s.vals)[k];
+      reinterpret_cast<uint32_t*>(p)[1] = v;
     } else if constexpr (E == 2) {
       auto* q = reinterpret_cast<unsigned short*>(p);
       q[0] = static_cast<unsigned short>(i);
       q[1] = static_cast<unsigned short>(i >> 16);
-      q[2] = reinterpret_cast<const unsigned short*>(a.s.vals)[k];
+      q[2] = static_cast<unsigned short>(v);
     } else {
 #pragma unroll
       for (int b = 0; b < 4; ++b) p[b] = static_cast<unsigned char>(i >> (8 * b));
-      p[4] = a.s.vals[k];
+      p[4] = static_cast<unsigned char>(v);
     }
   }
 }
 
 template <int E>
-int Launch(const EncArgs& a, int sm_count, cudaStream_t s) {
-  EncodeScanKernel<E><<<a.tiles, kThreads, 0, s>>>(a);
-  EncodeFinishKernel<E><<<(sm_count > 0 ? sm_count : 132) * 8, kThreads, 0, s>>>(a);
-  return static_cast<int>(cudaGetLastError());
+__device__ __forceinline__ uint32_t StagedValue(const unsigned char* vals, uint64_t k) {
+  if constexpr (E == 1) {
+    return vals[k];
+  } else if constexpr (E == 2) {
+    return reinterpret_cast<const uint16_t*>(vals)[k];
+  } else {
+    return reinterpret_cast<const uint32_t*>(vals)[k];
+  }
+}
+
+// One warp writes tile t's changes from change number p0: from staging when the tile found room,
+// else by re-reading its base and next.
+template <int E, bool kIndex>
+__device__ void WriteTile(const EncArgs& a, uint32_t t, uint64_t p0, uint32_t cnt, uint32_t vo,
+                          uint32_t io, int lane) {
+  constexpr uint64_t kTileElems = kTileBytes / E;
+  const uint64_t vals_off = kDeltaHeaderBytes + a.bitmap_bytes;
+  const bool aligned = vals_off % E == 0;
+  const uint64_t e0 = uint64_t{t} * kTileElems;
+  if (vo != kNoSlot && (!kIndex || io != kNoSlot)) {
+    for (uint32_t j = lane; j < cnt; j += 32)
+      PutChange<E, kIndex>(a.out, vals_off, aligned, p0 + j,
+                           kIndex ? static_cast<uint32_t>(e0 + a.s.idx[uint64_t{io} + j]) : 0,
+                           StagedValue<E>(a.s.vals, uint64_t{vo} + j));
+    return;
+  }
+  constexpr int kSteps = 4;  // vectors per lane in flight
+  const uint64_t v_end = min((uint64_t{t} + 1) * kThreads * kTileVecs, (a.n + 15) / 16);
+  uint64_t run = p0;
+  for (uint64_t v0 = uint64_t{t} * kThreads * kTileVecs; v0 < v_end; v0 += 32 * kSteps) {
+    uint4 b[kSteps], x[kSteps];
+#pragma unroll
+    for (int q = 0; q < kSteps; ++q) {
+      const uint64_t o = (v0 + 32 * q + lane) * 16;
+      b[q] = o < a.n ? LoadVec(a.base, o, a.n) : make_uint4(0, 0, 0, 0);
+      x[q] = o < a.n ? LoadVec(a.next, o, a.n) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int q = 0; q < kSteps; ++q) {
+      const unsigned m = ChangedMask<E>(b[q], x[q]);
+      uint32_t inc = __popc(m);
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t y = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += y;
+      }
+      uint64_t at = run + inc - __popc(m);
+      run += __shfl_sync(0xffffffffu, inc, 31);
+      const uint32_t i0 = static_cast<uint32_t>((v0 + 32 * q + lane) * 16 / E);
+      for (unsigned mm = m; mm != 0; mm &= mm - 1, ++at) {
+        const int r = __ffs(mm) - 1;
+        PutChange<E, kIndex>(a.out, vals_off, aligned, at, i0 + r, Extract<E>(x[q], r));
+      }
+    }
+  }
+}
+
+// 16 bytes of the 32 in (lo, hi) from byte r on (r uniform across the block).
+__device__ __forceinline__ uint4 Shift16(const uint4& lo, const uint4& hi, uint32_t r) {
+  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  const uint32_t s = 8 * (r % 4);
+  uint4 o;
+  switch (r / 4) {
+    case 0:
+      o = make_uint4(__funnelshift_r(w[0], w[1], s), __funnelshift_r(w[1], w[2], s),
+                     __funnelshift_r(w[2], w[3], s), __funnelshift_r(w[3], w[4], s));
+      break;
+    case 1:
+      o = make_uint4(__funnelshift_r(w[1], w[2], s), __funnelshift_r(w[2], w[3], s),
+                     __funnelshift_r(w[3], w[4], s), __funnelshift_r(w[4], w[5], s));
+      break;
+    case 2:
+      o = make_uint4(__funnelshift_r(w[2], w[3], s), __funnelshift_r(w[3], w[4], s),
+                     __funnelshift_r(w[4], w[5], s), __funnelshift_r(w[5], w[6], s));
+      break;
+    default:
+      o = make_uint4(__funnelshift_r(w[3], w[4], s), __funnelshift_r(w[4], w[5], s),
+                     __funnelshift_r(w[5], w[6], s), __funnelshift_r(w[6], w[7], s));
+  }
+  return o;
+}
+
+// The block copies len bytes from src to dst (any alignment): dst's 16-byte chunks written whole,
+// each from two aligned 16-byte loads of src. Reads up to 31 bytes past src + len.
+__device__ void BlockCopy(unsigned char* dst, const unsigned char* src, uint64_t len) {
+  const uint64_t head =
+      min(len, static_cast<uint64_t>((16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16));
+  if (threadIdx.x < head) dst[threadIdx.x] = src[threadIdx.x];
+  dst += head;
+  src += head;
+  len -= head;
+  const uint64_t chunks = len / 16;
+  const uint32_t r = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(src) % 16);
+  const uint4* s16 = reinterpret_cast<const uint4*>(src - r);
+  uint4* d16 = reinterpret_cast<uint4*>(dst);
+  constexpr int kU = 4;
+  for (uint64_t c0 = threadIdx.x; c0 < chunks; c0 += kU * kThreads) {
+    uint4 lo[kU], hi[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const uint64_t c = c0 + static_cast<uint64_t>(u) * kThreads;
+      lo[u] = c < chunks ? s16[c] : make_uint4(0, 0, 0, 0);
+      hi[u] = c < chunks && r != 0 ? s16[c + 1] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const uint64_t c = c0 + static_cast<uint64_t>(u) * kThreads;
+      if (c < chunks) d16[c] = r == 0 ? lo[u] : Shift16(lo[u], hi[u], r);
+    }
+  }
+  for (uint64_t i = chunks * 16 + threadIdx.x; i < len; i += kThreads) dst[i] = src[i];
+}
+
+// kWriteSplit blocks per range of the tile pass. A range whose every tile found staging room is
+// contiguous in staging and in `out`: bitmap form, one copy split among its blocks; index form,
+// a thread per record (its tile found by a search over the range's offsets). Otherwise a warp
+// per tile.
+template <int E>
+__global__ void __launch_bounds__(kThreads, 4) EncodeWriteKernel(EncArgs a) {
+  constexpr uint64_t kTileElems = kTileBytes / E;
+  constexpr uint32_t kPer = (kMaxRangeTiles + kThreads - 1) / kThreads;
+  __shared__ uint32_t s_p[kMaxRangeTiles + 1];
+  __shared__ uint64_t s_scan[2][kWarps];
+  GridDepWait();  // the tile pass complete
+  const uint32_t rg = blockIdx.x / kWriteSplit, part = blockIdx.x % kWriteSplit;
+  const Range g = RangeOf<E>(a, rg);
+  const uint32_t nt = g.hi - g.lo;
+  // Every load first, all in flight at once: the range's tile counts (each thread a run of kPer,
+  // for the scan), its staging marks, and the ranges' totals.
+  uint32_t cnt[kPer];
+  uint64_t run = 0;
+#pragma unroll
+  for (uint32_t q = 0; q < kPer; ++q) {
+    const uint32_t i = threadIdx.x * kPer + q;
+    cnt[q] = i < nt ? a.s.tile[g.lo + i] : 0;
+  }
+  // Bitwise, so that no load waits on another (a short-circuit would chain them).
+  bool vstaged = true, istaged = true;
+#pragma unroll 4
+  for (uint32_t i = threadIdx.x; i < nt; i += kThreads) {
+    vstaged &= a.s.voff[g.lo + i] != kNoSlot;
+    istaged &= a.s.ioff[g.lo + i] != kNoSlot;
+  }
+  // The changes before this block's range, and all of them (the form).
+  uint64_t v[2] = {0, 0}, tot[2];
+  for (uint32_t i = threadIdx.x; i < a.ranges; i += kThreads) {
+    const uint32_t x = a.s.rtot[i];
+    v[0] += i < rg ? x : 0;
+    v[1] += x;
+  }
+#pragma unroll
+  for (uint32_t q = 0; q < kPer; ++q) run += cnt[q];
+  BlockScanN<2>(v, tot, s_scan);
+  const uint64_t before = tot[0], total = tot[1];
+  const DeltaSize size = DeltaSizeRule(a.elements, E, total);
+  if (blockIdx.x == 0 && threadIdx.x == 0) EncodeFinish<E>(a, total, size);
+  if (size.kind == DeltaKind::kFull) return;
+  const bool index = size.kind == DeltaKind::kIndex;
+  bool staged = vstaged && (!index || istaged);
+  uint64_t range_total = 0;
+  uint64_t at = before + BlockExclusiveScan(run, &range_total, s_scan[0]);
+#pragma unroll
+  for (uint32_t q = 0; q < kPer; ++q) {
+    const uint32_t i = threadIdx.x * kPer + q;
+    if (i < nt) s_p[i] = static_cast<uint32_t>(at);
+    at += cnt[q];
+  }
+  if (threadIdx.x == 0) s_p[nt] = static_cast<uint32_t>(before + range_total);
+  staged = __syncthreads_and(staged);
+  if (nt == 0) return;
+  const uint64_t p_lo = s_p[0], p_hi = s_p[nt];
+  if (staged && p_hi > p_lo) {
+    // Staging starts at the range's first tile that has changes (earlier tiles staged nothing).
+    uint32_t first = 0;
+    while (s_p[first + 1] == s_p[first]) ++first;
+    const uint64_t vo = a.s.voff[g.lo + first];
+    const uint64_t changes = p_hi - p_lo;
+    const uint64_t from = changes * part / kWriteSplit, to = changes * (part + 1) / kWriteSplit;
+    if (!index) {
+      BlockCopy(a.out + kDeltaHeaderBytes + a.bitmap_bytes + (p_lo + from) * E,
+                a.s.vals + (vo + from) * E, (to - from) * E);
+      return;
+    }
+    const uint64_t io = a.s.ioff[g.lo + first];
+    constexpr int kU = 8;  // records per thread with their loads in flight at once
+    for (uint64_t j0 = from + threadIdx.x; j0 < to; j0 += kU * kThreads) {
+      uint32_t li[kU], vv[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const uint64_t j = j0 + static_cast<uint64_t>(u) * kThreads;
+        li[u] = j < to ? a.s.idx[io + j] : 0;
+        vv[u] = j < to ? StagedValue<E>(a.s.vals, vo + j) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const uint64_t j = j0 + static_cast<uint64_t>(u) * kThreads;
+        if (j >= to) break;
+        // The range's tile holding change p_lo + j: the last i with s_p[i] <= p_lo + j.
+        uint32_t lo = 0, hi = nt;
+        while (hi - lo > 1) {
+          const uint32_t mid = (lo + hi) / 2;
+          if (s_p[mid] <= p_lo + j) {
+            lo = mid;
+          } else {
+            hi = mid;
+          }
+        }
+        PutChange<E, true>(a.out, 0, true, p_lo + j,
+                           static_cast<uint32_t>((g.lo + lo) * kTileElems + li[u]), vv[u]);
+      }
+    }
+    return;
+  }
+  const int lane = threadIdx.x & 31;
+  for (uint32_t i = part * kWarps + (threadIdx.x >> 5); i < nt; i += kWriteSplit * kWarps) {
+    const uint32_t cnt = s_p[i + 1] - s_p[i];
+    if (cnt == 0) continue;
+    const uint32_t t = g.lo + i;
+    if (index) {
+      WriteTile<E, true>(a, t, s_p[i], cnt, a.s.voff[t], a.s.ioff[t], lane);
+    } else {
+      WriteTile<E, false>(a, t, s_p[i], cnt, a.s.voff[t], a.s.ioff[t], lane);
+    }
+  }
+}
+
+template <int E>
+int Launch(const EncArgs& a, cudaStream_t s) {
+  EncodeTileKernel<E><<<a.ranges, kThreads, kEncSmem, s>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return static_cast<int>(e);
+  return static_cast<int>(LaunchDependent(EncodeWriteKernel<E>, a.ranges * kWriteSplit, 0, s, a));
+}
+
+template <int E>
+int BlocksPerSm() {
+  int blocks = 0;
+  if (cudaFuncSetAttribute(EncodeTileKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           kEncSmem) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, EncodeTileKernel<E>, kThreads,
+                                                    kEncSmem) != cudaSuccess)
+    return 0;
+  return blocks;
 }
 
 }  // namespace
 
+int EncodeBlocksPerSm(int element_size) {
+  switch (element_size) {
+    case 1:
+      return BlocksPerSm<1>();
+    case 2:
+      return BlocksPerSm<2>();
+    default:
+      return BlocksPerSm<4>();
+  }
+}
+
 int LaunchEncode(const void* base, const void* next, uint64_t bytes, int element_size,
-                 uint64_t base_version, void* out, const ScratchPtrs& s, int sm_count,
-                 void* stream) {
+                 uint64_t base_version, void* out, const ScratchPtrs& s, int blocks, void* stream) {
   EncArgs a{};
   a.base = static_cast<const unsigned char*>(base);
   a.next = static_cast<const unsigned char*>(next);
@@ -267,18 +605,21 @@ int LaunchEncode(const void* base, const void* next, uint64_t bytes, int element
   a.n = bytes;
   a.elements = bytes / static_cast<uint64_t>(element_size);
   a.bitmap_bytes = DeltaBitmapBytes(a.elements);
-  a.positions = a.bitmap_bytes / kDeltaIndexBytes;
   a.base_version = base_version;
-  a.tiles = static_cast<uint32_t>((bytes + kTileBytes - 1) / kTileBytes);
+  a.tiles = static_cast<uint32_t>(Tiles(bytes));
+  // As many ranges as blocks fit at once, and enough that none holds more tiles than the write
+  // pass's offsets.
+  const uint32_t fit = static_cast<uint32_t>(blocks > 0 ? blocks : 264);
+  a.ranges = max(min(a.tiles, fit), (a.tiles + kMaxRangeTiles - 1) / kMaxRangeTiles);
   a.s = s;
   auto st = static_cast<cudaStream_t>(stream);
   switch (element_size) {
     case 1:
-      return Launch<1>(a, sm_count, st);
+      return Launch<1>(a, st);
     case 2:
-      return Launch<2>(a, sm_count, st);
+      return Launch<2>(a, st);
     default:
-      return Launch<4>(a, sm_count, st);
+      return Launch<4>(a, st);
   }
 }
 

@@ -16,10 +16,11 @@ namespace shardsync::gpu::delta {
 inline constexpr uint32_t kMagic = 0x4C445353;  // "SSDL" little-endian, as delta.cc
 inline constexpr uint8_t kFormat = 1;
 
-// Launch shape. Every pass over the bucket (encode, the decode's check and bitmap apply): a tile
-// is kThreads x kTileVecs 16-byte vectors of the bucket (and, for encode, of next too), one tile
-// per block. 4 vectors (16 KiB tiles) keep a thread's loads in flight at once within 64
-// registers, so 4 blocks fit an SM (8 vectors: 100-122 registers, 2 blocks, measured slower).
+// Launch shape. Every pass over the bucket works in tiles of kThreads x kTileVecs 16-byte vectors
+// of the bucket (and, for encode, of next too), 16 KiB. The decode's check and apply passes take
+// one tile per block: 4 vectors keep a thread's loads in flight at once within 64 registers, so
+// 4 blocks fit an SM (8 vectors: 100-122 registers, 2 blocks, measured slower). The encoder's
+// tile pass takes a range of tiles per block (delta_encode.cu).
 inline constexpr int kThreads = 256;
 inline constexpr int kTileVecs = 4;
 inline constexpr int kMinBlocks = 4;  // __launch_bounds__ of the tile kernels
@@ -48,21 +49,18 @@ enum Code : uint32_t {
 };
 
 // Device control block at the start of the scratch. Between calls every field holds its rest
-// value (kernels reset it at their end): sums 0, bad_record ~0, counters 0, epoch >= 1.
+// value (kernels reset it at their end): sums 0, bad_record ~0, ticket and tail 0.
 struct Ctl {
-  unsigned long long epoch;       // tag of this call's tile states (30 bits used)
   unsigned long long sum_a;       // checksum sum of the base (encode and decode)
   unsigned long long sum_b;       // encode: of next; decode: new minus old terms of changed words
   unsigned long long bad_record;  // decode: first bad index record
-  unsigned long long popcount;    // decode: bitmap bits set
-  unsigned int tile_counter;      // dynamic tile ids
-  unsigned int ticket;            // unused (0)
+  unsigned int ticket;            // decode: blocks of the counting pass done (the last one scans)
   unsigned int tail_bad;          // decode: bitmap bits past the end
-  unsigned int pad;
-  // Decode: the decision (Code | kind << 32) and the change count, written by the decide kernel
-  // of every call before the apply pass reads them (no rest value needed).
+  // Decode, written by every call before they are read (no rest value needed): the decision
+  // (Code | kind << 32), the change count, and the bitmap's popcount from the counting pass.
   unsigned long long go;
   unsigned long long changed;
+  unsigned long long popcount;
 };
 
 // Written by the last kernel of a call into pinned, mapped host memory.
@@ -74,31 +72,48 @@ struct HostResult {
   unsigned char header[kDeltaHeaderBytes];  // decode: the encoding's header
 };
 
+inline constexpr uint32_t kNoSlot = 0xFFFFFFFFu;  // a tile whose changes found no staging room
+
 struct ScratchPtrs {
   Ctl* ctl = nullptr;
-  unsigned long long* states = nullptr;  // tile states: epoch | flag | value
-  uint32_t* tile_prefix = nullptr;       // decode: changes before each tile (tiles + 1 entries)
-  uint32_t* idx = nullptr;               // encode: staged index-form indices
-  unsigned char* vals = nullptr;         // encode: staged index-form values
-  HostResult* result = nullptr;          // device view of the pinned result
+  // Per tile of the bucket. Encode: its change count. Decode: its first change (bitmap form:
+  // from the count pass's scan, entry `tiles` the total; index form: its first record).
+  uint32_t* tile = nullptr;
+  uint32_t* voff = nullptr;       // encode: the tile's first staged value (kNoSlot: none)
+  uint32_t* ioff = nullptr;       // encode: the tile's first staged index (kNoSlot: none)
+  uint32_t* rtot = nullptr;       // encode: each range's change count
+  unsigned char* vals = nullptr;  // encode: staged values, in tile order within a tile
+  uint16_t* idx = nullptr;        // encode: staged indices (element within the tile)
+  HostResult* result = nullptr;   // device view of the pinned result
 };
 
-// The scratch layout for buckets up to max_bytes with elements of at least min_e bytes.
+// The scratch layout for buckets up to max_bytes, for every element size. The encoder's tile
+// pass runs as ranges of consecutive tiles, one per block; each range stages its changes in its
+// own part of the staging areas, proportional to its tiles: values up to a quarter of the
+// tiles' bytes (a denser range re-reads the tiles that found no room), indices (2 bytes each) up
+// to 1/32 of their elements (the index form's limit; a range over it re-reads its tiles too).
+inline constexpr uint64_t kStageDivisor = 4;
+inline constexpr uint64_t kIndexDivisor = 32;
+inline constexpr uint64_t kScanBatch = 8192;  // tile array entries, a multiple of the scan's
+inline constexpr uint64_t kStagePad = 64;     // copies read up to 32 bytes past staged values
 struct ScratchLayout {
-  uint64_t states = 0, tile_prefix = 0, idx = 0, vals = 0, total = 0;
+  uint64_t tile = 0, voff = 0, ioff = 0, rtot = 0, vals = 0, idx = 0, total = 0;
 };
-inline ScratchLayout LayoutScratch(uint64_t max_bytes, int min_e) {
+inline uint64_t Tiles(uint64_t bytes) {
+  return bytes == 0 ? 1 : (bytes + kTileBytes - 1) / kTileBytes;
+}
+inline ScratchLayout LayoutScratch(uint64_t max_bytes) {
   auto up = [](uint64_t v) { return (v + 255) / 256 * 256; };
-  const uint64_t bitmap = DeltaBitmapBytes(max_bytes / static_cast<uint64_t>(min_e));
-  const uint64_t tiles = (max_bytes + kTileBytes - 1) / kTileBytes;
-  const uint64_t positions = bitmap / kDeltaIndexBytes;  // most the index form can hold
+  const uint64_t tiles = Tiles(max_bytes);
+  const uint64_t entries = (tiles + 1 + kScanBatch - 1) / kScanBatch * kScanBatch;
   ScratchLayout l;
-  l.states = up(sizeof(Ctl));
-  l.tile_prefix = l.states + up(8 * tiles + 8);
-  l.idx = l.tile_prefix + up(4 * tiles + 8);
-  l.vals = l.idx + up(4 * positions + 4);
-  // positions(e) * e <= max_bytes / 32 for every e >= min_e.
-  l.total = l.vals + up(max_bytes / 32 + 8);
+  l.tile = up(sizeof(Ctl));
+  l.voff = l.tile + up(4 * entries);
+  l.ioff = l.voff + up(4 * tiles);
+  l.rtot = l.ioff + up(4 * tiles);
+  l.vals = l.rtot + up(4 * tiles);
+  l.idx = l.vals + up(tiles * kTileBytes / kStageDivisor + kStagePad);
+  l.total = l.idx + up(2 * tiles * kTileBytes / kIndexDivisor + kStagePad);
   return l;
 }
 
@@ -170,10 +185,12 @@ SHARDSYNC_HD HeaderView ParseHeader(const unsigned char* h, uint64_t encoded_byt
 }
 
 // Queue the kernels of one call on `stream` (a cudaStream_t). Return a cudaError_t (0: queued).
-// Arguments are checked by the caller (delta_gpu.cc): sizes, alignment, capacity.
+// Arguments are checked by the caller (delta_gpu.cc): sizes, alignment, capacity. `blocks`: the
+// encoder's tile pass blocks that fit the GPU at once (EncodeBlocksPerSm x SMs).
 int LaunchEncode(const void* base, const void* next, uint64_t bytes, int element_size,
-                 uint64_t base_version, void* out, const ScratchPtrs& s, int sm_count,
-                 void* stream);
+                 uint64_t base_version, void* out, const ScratchPtrs& s, int blocks, void* stream);
+// Blocks per SM the encoder's tile pass runs with (its occupancy), for the launch; 0 on error.
+int EncodeBlocksPerSm(int element_size);
 int LaunchDecode(const void* encoded, uint64_t encoded_bytes, void* bucket, uint64_t bytes,
                  int element_size, uint64_t base_version, const ScratchPtrs& s, int sm_count,
                  void* stream);

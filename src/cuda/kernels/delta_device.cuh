@@ -267,4 +267,60 @@ __device__ __forceinline__ void WarpCopy(unsigned char* dst, const unsigned char
   for (uint64_t i = words * 4 + lane; i < len; i += 32) dst[i] = src[i];
 }
 
+// 16 bytes of the 32 in (lo, hi) from byte r on (r uniform across the block).
+__device__ __forceinline__ uint4 Shift16(const uint4& lo, const uint4& hi, uint32_t r) {
+  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  const uint32_t s = 8 * (r % 4);
+  uint4 o;
+  switch (r / 4) {
+    case 0:
+      o = make_uint4(__funnelshift_r(w[0], w[1], s), __funnelshift_r(w[1], w[2], s),
+                     __funnelshift_r(w[2], w[3], s), __funnelshift_r(w[3], w[4], s));
+      break;
+    case 1:
+      o = make_uint4(__funnelshift_r(w[1], w[2], s), __funnelshift_r(w[2], w[3], s),
+                     __funnelshift_r(w[3], w[4], s), __funnelshift_r(w[4], w[5], s));
+      break;
+    case 2:
+      o = make_uint4(__funnelshift_r(w[2], w[3], s), __funnelshift_r(w[3], w[4], s),
+                     __funnelshift_r(w[4], w[5], s), __funnelshift_r(w[5], w[6], s));
+      break;
+    default:
+      o = make_uint4(__funnelshift_r(w[3], w[4], s), __funnelshift_r(w[4], w[5], s),
+                     __funnelshift_r(w[5], w[6], s), __funnelshift_r(w[6], w[7], s));
+  }
+  return o;
+}
+
+// The block copies len bytes from src to dst (any alignment): dst's 16-byte chunks written whole,
+// each from two aligned 16-byte loads of src. Reads up to 31 bytes past src + len.
+__device__ inline void BlockCopy(unsigned char* dst, const unsigned char* src, uint64_t len) {
+  const uint64_t head =
+      min(len, static_cast<uint64_t>((16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16));
+  if (threadIdx.x < head) dst[threadIdx.x] = src[threadIdx.x];
+  dst += head;
+  src += head;
+  len -= head;
+  const uint64_t chunks = len / 16;
+  const uint32_t r = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(src) % 16);
+  const uint4* s16 = reinterpret_cast<const uint4*>(src - r);
+  uint4* d16 = reinterpret_cast<uint4*>(dst);
+  constexpr int kU = 4;
+  for (uint64_t c0 = threadIdx.x; c0 < chunks; c0 += kU * kThreads) {
+    uint4 lo[kU], hi[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const uint64_t c = c0 + static_cast<uint64_t>(u) * kThreads;
+      lo[u] = c < chunks ? s16[c] : make_uint4(0, 0, 0, 0);
+      hi[u] = c < chunks && r != 0 ? s16[c + 1] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const uint64_t c = c0 + static_cast<uint64_t>(u) * kThreads;
+      if (c < chunks) d16[c] = r == 0 ? lo[u] : Shift16(lo[u], hi[u], r);
+    }
+  }
+  for (uint64_t i = chunks * 16 + threadIdx.x; i < len; i += kThreads) dst[i] = src[i];
+}
+
 }  // namespace shardsync::gpu::delta

@@ -91,10 +91,10 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
                   "commit exchanges staging and parameters) | none")
       ->capture_default_str();
   sub->add_option("--encoding", f->encoding,
-                  "How host buckets travel each sync: full (whole) | delta (only the wire "
-                  "elements changed since the receiver's verified base, whole where the base "
-                  "differs: docs/delta.md) | auto (delta where it pays at "
-                  "SHARDSYNC_DELTA_LINK_MBPS)")
+                  "How buckets travel each sync (host path and cuda_ipc pairs; nccl pairs "
+                  "refuse delta / auto): full (whole) | delta (only the wire elements changed "
+                  "since the receiver's verified base, whole where the base differs: "
+                  "docs/delta.md) | auto (delta where it pays at SHARDSYNC_DELTA_LINK_MBPS)")
       ->capture_default_str();
   sub->add_option("--fp8-split", f->fp8_split,
                   "Block FP8, blocks whose rows straddle FSDP trainer ranks: amax (their holders "

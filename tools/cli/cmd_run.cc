@@ -61,6 +61,11 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
   sub->add_option("--mode", f->mode, "sync | bench")->capture_default_str();
   sub->add_option("--warmup", f->warmup, "Bench warm-up repetitions")->capture_default_str();
   sub->add_option("--reps", f->reps, "Bench measured repetitions (median)")->capture_default_str();
+  sub->add_option("--update-fraction", f->update_fraction,
+                  "Bench, --device cuda: the fraction of trainer elements changed before each "
+                  "sync after the first (restored before the last, so the element check holds): "
+                  "small updates for --encoding delta; 0 sends the same weights every sync")
+      ->capture_default_str();
   sub->add_flag("--no-verify", f->no_verify, "Skip the element-by-element check");
   sub->add_option("--prefix", f->prefix, "Store key namespace of the job")->capture_default_str();
   sub->add_option("--dump-dir", f->dump_dir,

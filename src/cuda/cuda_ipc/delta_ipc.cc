@@ -94,7 +94,9 @@ BatchSpec DeltaBucketBatch(const std::vector<PackRegion>& regions, int64_t bytes
   const int ws = DTypeSize(wire);
   for (const PackRegion& r : regions) {
     const size_t first = bs.runs.size();
-    AppendRegionRuns(r.region, r.shape, r.base, DTypeSize(r.dtype), image, ws, ws, 0, r.wire_offset,
+    // `out` is where this region's elements start (its wire offset into the image).
+    AppendRegionRuns(r.region, r.shape, r.base, DTypeSize(r.dtype),
+                     static_cast<unsigned char*>(image) + r.wire_offset, ws, ws, 0, r.wire_offset,
                      &bs.runs);
     if (mode != BatchMode::kUnpack) continue;
     for (size_t k = first; k < bs.runs.size(); ++k) {

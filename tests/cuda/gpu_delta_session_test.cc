@@ -331,7 +331,7 @@ TEST(GpuDeltaSession, ARefusedDeltaFailsAndPoisonsThenTheNextSyncFallsBackAndVer
       EXPECT_TRUE(t.delta.session(r).IsPoisoned()) << "rank " << r;
     }
   }
-  EXPECT_EQ(refused, 1);
+  EXPECT_GE(refused, 1);
   // The next sync: bucket 0 of that pair landed in the failed sync (its base is of no verified
   // version now) and bucket 1 was never acknowledged (the sender forgot it): both go whole.
   t.Update(4, 0.01);

@@ -357,5 +357,53 @@ TEST(GpuDeltaSession, StagedCommitRefusesTheDeltaEncodingOnDevicePairsAtConnect)
   EXPECT_GT(named, 0) << st.back().ToString();
 }
 
+// Block FP8 over cuda_ipc pairs (image pairs: the trainer quantizes into the engine's e4m3 and
+// scales) refuses the delta encoding at Connect, naming it.
+TEST(GpuDeltaSession, BlockFp8OverCudaIpcRefusesTheDeltaEncodingAtConnect) {
+  SS_REQUIRE_GPU();
+  JobFlags f;
+  f.model = testing::WriteConfig("qwen3-fp8-delta", R"({
+  "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 2,
+  "vocab_size": 300, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+  "torch_dtype": "bfloat16"})");
+  f.quant = "fp8-block128";
+  f.fp8_split = "amax";
+  f.trainer = "fsdp=2";
+  f.rollout = "dp=1,tp=2,pp=2";
+  f.bucket_bytes = 256 << 10;
+  f.transport = "loopback";
+  f.encoding = "delta";
+  DeviceJob j(JobSpecFromFlags(f).value());
+  auto st = j.Connect();
+  int named = 0;
+  for (const Status& s : st) {
+    EXPECT_FALSE(s.ok());
+    named += s.message().find("not block FP8's image pairs") != std::string::npos;
+  }
+  EXPECT_GT(named, 0) << st.back().ToString();
+}
+
+// nccl pairs refuse the delta encoding when prepared (at Connect), naming the transport and the
+// flag: not built (docs/delta.md "Device pairs"). The check comes before any communicator, so it
+// runs without a GPU.
+TEST(GpuDeltaSession, NcclPairsRefuseTheDeltaEncodingNamingItAndTheFlag) {
+  std::unique_ptr<Transport> t = MakeNcclTransport({});
+  if (!t) GTEST_SKIP() << "built without CUDA";
+  auto server = StoreServer::Start("127.0.0.1", 0, kToken);
+  ASSERT_TRUE(server.ok());
+  auto store = StoreClient::Connect((*server)->address(), kToken, Millis(5000));
+  ASSERT_TRUE(store.ok());
+  PairSpec spec;
+  spec.peer = 1;
+  spec.buckets.push_back(PairBucket{.bytes = 4096});
+  spec.delta.on = true;
+  auto p = t->Prepare(**store, spec, Millis(1000));
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(p.status().message().find("nccl: pair with rank 1"), std::string::npos);
+  EXPECT_NE(p.status().message().find("--encoding delta"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace shardsync::gpu

@@ -68,6 +68,11 @@ class DeltaSendPair final : public PreparedPair {
  public:
   DeltaSendPair(CudaIpcTransport& t, const PairSpec& spec)
       : t_(t), spec_(spec), who_("cuda_ipc: delta pair to rank " + std::to_string(spec.peer)) {}
+  ~DeltaSendPair() override {
+    cudaSetDevice(t_.device());
+    if (stream_) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_->handle()));
+    if (ev_) cudaEventDestroy(ev_);
+  }
 
   Status Init(StoreClient& store, Millis timeout) {
     const size_t n = spec_.buckets.size();
@@ -78,6 +83,7 @@ class DeltaSendPair final : public PreparedPair {
       total += DeltaAlign(b.bytes);
     }
     SS_ASSIGN_OR_RETURN(stream_, Stream::Create(t_.device()));
+    SS_CUDA(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming), who_ + ": event");
     SS_ASSIGN_OR_RETURN(kept_, DeviceBuffer::Allocate(total, t_.device()));
     SS_ASSIGN_OR_RETURN(img_, DeviceBuffer::Allocate(max, t_.device()));
     SS_ASSIGN_OR_RETURN(out_, DeviceBuffer::Allocate(max, t_.device()));
@@ -119,7 +125,7 @@ class DeltaSendPair final : public PreparedPair {
     SS_ASSIGN_OR_RETURN(bases_id_, t_.PostRecvHost(spec_.peer, DeltaTag(kBasesTagBase, version),
                                                    bases_.data(), bases_.size() * 8));
     next_ = 0;
-    encoded_ = false;
+    step_ = kNone;
     awaiting_ = -1;
     state_ = kBases;
     return OkStatus();
@@ -142,10 +148,23 @@ class DeltaSendPair final : public PreparedPair {
       }
       state_ = kBuckets;
     }
+    // No host waits: each step's device work is enqueued and its event polled, so the sender's
+    // pairs (one per engine rank) overlap on the GPU; packing and encoding the next bucket
+    // overlaps the receiver's landing of the last one.
+    const size_t n = spec_.buckets.size();
     while (true) {
       SS_RETURN_IF_ERROR(PollSends());
-      // Packing and encoding the next bucket overlaps the receiver's landing of the last one.
-      if (next_ < spec_.buckets.size() && !encoded_) SS_RETURN_IF_ERROR(Encode(next_));
+      if (step_ == kShipping) {
+        SS_ASSIGN_OR_RETURN(bool done, EventDone("bucket " + std::to_string(next_) + " copied"));
+        if (!done) return XferState::kInProgress;
+        SS_RETURN_IF_ERROR(Shipped(next_));
+        ++next_;
+        step_ = kNone;
+      }
+      bool ready = step_ == kReady;
+      if (next_ < n && !ready) {
+        SS_ASSIGN_OR_RETURN(ready, Advance(next_));
+      }
       if (awaiting_ >= 0) {  // the window is the receiver's until it acknowledged that bucket
         SS_ASSIGN_OR_RETURN(XferState st, t_.Poll(ack_id_));
         if (st == XferState::kInProgress) {
@@ -159,10 +178,9 @@ class DeltaSendPair final : public PreparedPair {
         }
         awaiting_ = -1;
       }
-      if (next_ == spec_.buckets.size()) break;
+      if (next_ == n) break;
+      if (!ready) return XferState::kInProgress;
       SS_RETURN_IF_ERROR(Ship(next_));
-      ++next_;
-      encoded_ = false;
     }
     if (!sends_.empty()) return XferState::kInProgress;
     state_ = kIdle;
@@ -178,8 +196,13 @@ class DeltaSendPair final : public PreparedPair {
   bool DeliversSums() const override { return true; }
   bool SignalsReady() const override { return true; }
   void Cancel() override {
-    // A bucket copied but not acknowledged may or may not have landed: it starts over whole.
+    // A bucket copied (or being copied) but not acknowledged may or may not have landed, and its
+    // kept image may be half the new one: it starts over whole.
     if (awaiting_ >= 0) kept_ver_[awaiting_] = 0;
+    if (step_ == kShipping && next_ < kept_ver_.size()) kept_ver_[next_] = 0;
+    // The codec allows one encode in flight per scratch: a cancelled one is finished here.
+    if (step_ == kEncoding) (void)FinishDeltaEncode(scratch_.get(), kDeltaLocalWait);
+    step_ = kNone;
     awaiting_ = -1;
     sends_.clear();
     state_ = kIdle;
@@ -206,35 +229,70 @@ class DeltaSendPair final : public PreparedPair {
     return OkStatus();
   }
 
-  // Bucket b: its new image packed into img_, the decision, and its delta into out_.
-  Status Encode(size_t b) {
-    const auto t0 = std::chrono::steady_clock::now();
+  // Whether the event after the last enqueued step passed (a device fault: its error).
+  Result<bool> EventDone(const std::string& what) {
+    const cudaError_t e = cudaEventQuery(ev_);
+    if (e == cudaErrorNotReady) return false;
+    SS_CUDA(e, who_ + ": " + what);
+    return true;
+  }
+  Status Record() {
+    SS_CUDA(cudaEventRecord(ev_, static_cast<cudaStream_t>(stream_->handle())),
+            who_ + ": event record");
+    return OkStatus();
+  }
+
+  // Bucket b, one step per call: its new image packed into img_, the decision, its delta
+  // encoded into out_. True once it is decided (step_ kReady).
+  Result<bool> Advance(size_t b) {
     const int64_t bytes = spec_.buckets[b].bytes;
-    const int es = spec_.delta.element_size;
     void* s = stream_->handle();
-    SS_RETURN_IF_ERROR(pack_[b]->Launch(s));
-    SS_RETURN_IF_ERROR(WaitLocal(*stream_, who_ + ": packing bucket " + std::to_string(b)));
-    SS_ASSIGN_OR_RETURN(std::vector<uint64_t> sums, pack_[b]->Checksums());
-    sum_ = sums.at(0);
-    const uint64_t base_ver = bases_[2 + 2 * b], base_sum = bases_[3 + 2 * b];
-    cur_ = PairDeltaBucket{};
-    cur_.full_bytes = static_cast<uint64_t>(bytes);
-    cur_.reason = kept_ver_[b] == 0          ? DeltaReason::kNoImage
-                  : base_ver != kept_ver_[b] ? DeltaReason::kVersion
-                  : base_sum != kept_sum_[b] ? DeltaReason::kChecksum
-                                             : DeltaReason::kDelta;
-    form_ = DeltaKind::kFull;
-    cur_.wire_bytes = static_cast<uint64_t>(bytes);
-    if (cur_.reason == DeltaReason::kDelta) {
+    if (step_ == kNone) {
+      step_t0_ = std::chrono::steady_clock::now();
+      SS_RETURN_IF_ERROR(pack_[b]->Launch(s));
+      SS_RETURN_IF_ERROR(Record());
+      step_ = kPacking;
+    }
+    if (step_ == kPacking) {
+      SS_ASSIGN_OR_RETURN(bool done, EventDone("packing bucket " + std::to_string(b)));
+      if (!done) return false;
+      SS_ASSIGN_OR_RETURN(std::vector<uint64_t> sums, pack_[b]->Checksums());
+      sum_ = sums.at(0);
+      const uint64_t base_ver = bases_[2 + 2 * b], base_sum = bases_[3 + 2 * b];
+      cur_ = PairDeltaBucket{};
+      cur_.full_bytes = static_cast<uint64_t>(bytes);
+      cur_.wire_bytes = static_cast<uint64_t>(bytes);
+      cur_.reason = kept_ver_[b] == 0          ? DeltaReason::kNoImage
+                    : base_ver != kept_ver_[b] ? DeltaReason::kVersion
+                    : base_sum != kept_sum_[b] ? DeltaReason::kChecksum
+                                               : DeltaReason::kDelta;
+      form_ = DeltaKind::kFull;
+      if (cur_.reason != DeltaReason::kDelta) {
+        if (cur_.reason != DeltaReason::kNoImage && report_.first_fallback.empty()) {
+          report_.first_fallback =
+              "to sync rank " + std::to_string(spec_.peer) + ", bucket " + std::to_string(b) +
+              ": " + std::string(DeltaReasonText(cur_.reason)) + " (it holds v" +
+              std::to_string(base_ver) + " " + DeltaHex(base_sum) + ", kept v" +
+              std::to_string(kept_ver_[b]) + " " + DeltaHex(kept_sum_[b]) + ")";
+        }
+        return Decided();
+      }
       DeltaGpuEncodeArgs a;
       a.base = kept_at(b);
       a.next = img_->data();
       a.bytes = static_cast<size_t>(bytes);
-      a.element_size = es;
+      a.element_size = spec_.delta.element_size;
       a.base_version = kept_ver_[b];
       a.out = out_->data();
       a.bucket = "sync rank " + std::to_string(spec_.peer) + " bucket " + std::to_string(b);
       SS_RETURN_IF_ERROR(EnqueueDeltaEncode(a, scratch_.get(), s));
+      SS_RETURN_IF_ERROR(Record());
+      step_ = kEncoding;
+    }
+    if (step_ == kEncoding) {
+      SS_ASSIGN_OR_RETURN(bool done, EventDone("encoding bucket " + std::to_string(b)));
+      if (!done) return false;
+      // The encode's own event is behind this one: Finish reads its result without waiting.
       SS_ASSIGN_OR_RETURN(const DeltaGpuEncoded r,
                           FinishDeltaEncode(scratch_.get(), kDeltaLocalWait));
       cur_.changed = r.result.changed;
@@ -247,22 +305,20 @@ class DeltaSendPair final : public PreparedPair {
         form_ = r.result.kind;
         cur_.wire_bytes = r.bytes;
       }
-    } else if (cur_.reason != DeltaReason::kNoImage && report_.first_fallback.empty()) {
-      report_.first_fallback = "to sync rank " + std::to_string(spec_.peer) + ", bucket " +
-                               std::to_string(b) + ": " +
-                               std::string(DeltaReasonText(cur_.reason)) + " (it holds v" +
-                               std::to_string(base_ver) + " " + DeltaHex(base_sum) + ", kept v" +
-                               std::to_string(kept_ver_[b]) + " " + DeltaHex(kept_sum_[b]) + ")";
+      return Decided();
     }
-    encoded_ = true;
-    report_.seconds += Since(t0);
-    return OkStatus();
+    return step_ == kReady;
+  }
+  bool Decided() {
+    step_ = kReady;
+    report_.seconds += Since(step_t0_);
+    return true;
   }
 
-  // Bucket b into the receiver's window (its delta, or the image whole), the image kept, and the
-  // control message.
+  // Bucket b into the receiver's window (its delta, or the image whole) and the image kept: the
+  // copies enqueued (Shipped follows once they are done).
   Status Ship(size_t b) {
-    const auto t0 = std::chrono::steady_clock::now();
+    step_t0_ = std::chrono::steady_clock::now();
     const int64_t bytes = spec_.buckets[b].bytes;
     auto s = static_cast<cudaStream_t>(stream_->handle());
     const bool delta = form_ != DeltaKind::kFull;
@@ -282,7 +338,13 @@ class DeltaSendPair final : public PreparedPair {
     SS_CUDA(cudaMemcpyAsync(kept_at(b), img_->data(), static_cast<size_t>(bytes),
                             cudaMemcpyDeviceToDevice, s),
             who_ + ": bucket " + std::to_string(b) + " kept");
-    SS_RETURN_IF_ERROR(WaitLocal(*stream_, who_ + ": bucket " + std::to_string(b) + " copied"));
+    SS_RETURN_IF_ERROR(Record());
+    step_ = kShipping;
+    return OkStatus();
+  }
+
+  // Bucket b's copies are done: the control message.
+  Status Shipped(size_t b) {
     // The kept image is what the receiver holds once it landed this bucket (forgotten on Cancel
     // until the acknowledgement came).
     kept_ver_[b] = version_;
@@ -303,7 +365,7 @@ class DeltaSendPair final : public PreparedPair {
         XferId id, t_.PostSendHost(spec_.peer, DeltaTag(kCtlTagBase, version_), ctl, sizeof(ctl)));
     sends_.push_back(id);
     awaiting_ = static_cast<int64_t>(b);
-    report_.seconds += Since(t0);
+    report_.seconds += Since(step_t0_);
     return OkStatus();
   }
 
@@ -328,7 +390,11 @@ class DeltaSendPair final : public PreparedPair {
   std::vector<uint64_t> packed_;
   uint64_t version_ = 0;
   size_t next_ = 0;
-  bool encoded_ = false;   // bucket next_ is packed and decided
+  // Bucket next_'s step: nothing yet, packing, encoding (device work behind ev_), decided,
+  // being copied (behind ev_).
+  enum { kNone, kPacking, kEncoding, kReady, kShipping } step_ = kNone;
+  cudaEvent_t ev_ = nullptr;
+  std::chrono::steady_clock::time_point step_t0_;
   int64_t awaiting_ = -1;  // the bucket whose acknowledgement is due (-1: none)
   PairDeltaBucket cur_;
   DeltaKind form_ = DeltaKind::kFull;

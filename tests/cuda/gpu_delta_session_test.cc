@@ -396,7 +396,9 @@ TEST(GpuDeltaSession, NcclPairsRefuseTheDeltaEncodingNamingItAndTheFlag) {
   ASSERT_TRUE(store.ok());
   PairSpec spec;
   spec.peer = 1;
-  spec.buckets.push_back(PairBucket{.bytes = 4096});
+  PairBucket bucket;
+  bucket.bytes = 4096;
+  spec.buckets.push_back(bucket);
   spec.delta.on = true;
   auto p = t->Prepare(**store, spec, Millis(1000));
   ASSERT_FALSE(p.ok());

@@ -70,7 +70,8 @@ class DeltaSendPair final : public PreparedPair {
       : t_(t), spec_(spec), who_("cuda_ipc: delta pair to rank " + std::to_string(spec.peer)) {}
   ~DeltaSendPair() override {
     cudaSetDevice(t_.device());
-    if (stream_) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_->handle()));
+    // Work still queued (a cancelled sync) reads the buffers freed below: a bounded wait.
+    if (stream_) (void)stream_->Synchronize(kDeltaLocalWait, who_ + ": teardown");
     if (ev_) cudaEventDestroy(ev_);
   }
 

@@ -58,6 +58,21 @@ enum class DeltaKind : uint8_t {
 // "full", "index", "bitmap".
 std::string_view DeltaKindName(DeltaKind kind);
 
+// Why a bucket of a session under the delta encoding travels whole, or kDelta (the reports count
+// each; docs/delta.md): the host path (sync/delta_path.h) and the device pairs (transport.h
+// PairDelta) decide alike.
+enum class DeltaReason : uint8_t {
+  kDelta,     // sent as a delta
+  kNoImage,   // fallback: the sender kept no image of the bucket
+  kVersion,   // fallback: the receiver's base is of another version than the image
+  kChecksum,  // fallback: same version, other bytes
+  kSize,      // the delta was not smaller than the bucket (the size rule below)
+  kCost,      // encoding auto: the delta does not pay at the link speed (EstimateDeltaCost)
+};
+// "delta", "no kept image", "base version differs", "base checksum differs", "delta not
+// smaller", "does not pay at the link speed".
+std::string_view DeltaReasonText(DeltaReason r);
+
 // Bytes of the encoded form (header included) of a bucket of `elements` elements of
 // `element_size` bytes with `changed` of them changed, and the form the encoder picks. For
 // kFull, bytes is the bucket's size. The encoder and the cost model share this rule.

@@ -83,6 +83,11 @@ Status CopyToDevice(void* dst, const void* src, size_t bytes);
 Status CopyToHost(void* dst, const void* src, size_t bytes);
 Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes, void* stream = nullptr);
 Status Memset(void* dst, int value, size_t bytes);
+// Strided forms (synchronous; bench set-up): `height` rows of `width` bytes, rows `pitch` bytes
+// apart (cudaMemset2D, cudaMemcpy2D).
+Status Memset2D(void* dst, size_t pitch, int value, size_t width, size_t height);
+Status Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+              size_t height);
 // Queues one memory-bound pass reading `bytes` of device memory at `p` on `stream`, as a decode
 // step reads every weight: `bench --commit staged`'s stand-in for an engine serving beside a sync.
 Status LaunchReadPass(const void* p, size_t bytes, void* stream);

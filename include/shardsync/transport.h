@@ -20,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsync/delta.h"
 #include "shardsync/pack.h"
 #include "shardsync/status.h"
 #include "shardsync/store.h"
@@ -131,6 +132,36 @@ struct PairBucket {
   // is in the compact image of the copies), for transports that send the image itself (nccl).
   std::vector<int64_t> wire_offsets{};
 };
+// The delta encoding on a prepared pair (issue 35, docs/delta.md "Device pairs"): the sender keeps
+// a device copy of every bucket's wire image it last sent and sends a bucket as its delta against
+// that image (delta_gpu.h kernels) when the receiver's advertised base is that image, else whole,
+// with the reason (delta.h DeltaReason). The receiver rebuilds the base from its live bytes and
+// decodes on the device; a delta is never applied to another base. Transports without it refuse
+// a spec with `on`.
+struct PairDelta {
+  bool on = false;
+  int element_size = 2;  // the wire element the codec diffs by (delta.h)
+  // Sender, encoding auto: whether a delta of `changed` of `elements` elements pays (null: it
+  // always does, encoding delta).
+  std::function<bool(uint64_t elements, uint64_t changed)> pays;
+};
+// What one replay of a delta pair did, per bucket in order: the sender's decision, or the bucket
+// as the receiver landed it.
+struct PairDeltaBucket {
+  DeltaReason reason = DeltaReason::kNoImage;
+  uint64_t wire_bytes = 0;  // on the wire: the delta's, or the bucket's when whole
+  uint64_t full_bytes = 0;  // the bucket's
+  uint64_t changed = 0;     // elements that changed (buckets compared against a base)
+  uint64_t elements = 0;    // elements compared
+};
+struct PairDeltaReport {
+  std::vector<PairDeltaBucket> buckets;
+  // Sender: packing the image aside, encoding, the copies; receiver: its base's checksums, the
+  // base gathered, the decode, the landing and its readback.
+  double seconds = 0;
+  std::string first_fallback;  // sender: its first fallback in words ("" for none)
+};
+
 struct PairSpec {
   int peer = -1;
   bool send = true;
@@ -144,6 +175,7 @@ struct PairSpec {
   // `wire_offsets` their offsets in the whole image), `encoded` its other ops, and `bytes` the
   // whole wire image. Transports refuse an encoding they have no codec kernels for.
   bool image = false;
+  PairDelta delta;  // the delta encoding (see PairDelta)
 };
 // Per bucket, the finished checksum (checksum.h) of the wire image as packed, and as landed
 // where this side knows it: the sender of cuda_ipc reads every landed word back through the
@@ -180,6 +212,8 @@ class PreparedPair {
   virtual void Cancel() = 0;
   // Short description for reports ("cuda_ipc: 3 buckets into rank 2 (1 launch)").
   virtual std::string Describe() const = 0;
+  // A pair prepared with PairSpec::delta: what its last replay did, after kDone; null otherwise.
+  virtual const PairDeltaReport* Delta() const { return nullptr; }
 };
 
 // Options of prepared pairs, as TransportOptions.params keys: "nccl_depth" (plan buckets in flight

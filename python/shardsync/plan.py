@@ -105,7 +105,8 @@ class Plan:
             memory over cuda_ipc pairs) or
             "stage" (raw values to the engine rank, which quantizes them from a staging buffer,
             in host or device memory). docs/fp8.md.
-        encoding: how host-path buckets travel each sync: "full" (the default: whole), "delta"
+        encoding: how buckets travel each sync (the host path and cuda_ipc pairs; nccl pairs
+            refuse "delta" / "auto" at connect): "full" (the default: whole), "delta"
             (only the wire elements that changed since the engine's verified base; a bucket
             whose base is not the one the trainer kept, e.g. after a restart, a rollback or a
             corrupted byte, goes whole in the same sync; docs/delta.md) or "auto" (delta where
@@ -202,7 +203,7 @@ class Plan:
 
     @property
     def encoding(self) -> str:
-        """How host buckets travel each sync: "full", "delta" or "auto"."""
+        """How buckets travel each sync: "full", "delta" or "auto"."""
         return self.inputs.encoding
 
     @property

@@ -211,6 +211,24 @@ void Apply(const DeltaInfo& info, const std::byte* payload, std::byte* data) {
 
 }  // namespace
 
+std::string_view DeltaReasonText(DeltaReason r) {
+  switch (r) {
+    case DeltaReason::kDelta:
+      return "delta";
+    case DeltaReason::kNoImage:
+      return "no kept image";
+    case DeltaReason::kVersion:
+      return "base version differs";
+    case DeltaReason::kChecksum:
+      return "base checksum differs";
+    case DeltaReason::kSize:
+      return "delta not smaller";
+    case DeltaReason::kCost:
+      return "does not pay at the link speed";
+  }
+  return "?";
+}
+
 std::string_view DeltaKindName(DeltaKind kind) {
   switch (kind) {
     case DeltaKind::kFull:

@@ -5,6 +5,9 @@
 // ceilings (device_baselines.cc).
 #include "job/device_rank.h"
 
+#include <algorithm>
+#include <cmath>
+
 namespace shardsync::job_internal {
 
 Status DeviceRank::Setup(bool bench) {
@@ -306,6 +309,25 @@ Status DeviceRank::RunSyncs() {
   return OkStatus();
 }
 
+Status DeviceRank::UpdateTrainer(int i, int total) {
+  if (job_.bench_update <= 0 || !who_.is_trainer || i == 0) return OkStatus();
+  // Whole trainer elements every `stride` of them over the one allocation (alignment gaps and
+  // Megatron's padded rows included: they are not sent); one strided memset or copy each sync.
+  const size_t es = static_cast<size_t>(DTypeSize(in_.trainer_dtype));
+  const auto stride = static_cast<size_t>(std::max(1.0, std::round(1.0 / job_.bench_update)));
+  const size_t rows = buf_->bytes() / (stride * es);
+  if (rows == 0) return OkStatus();
+  if (!update_saved_) {
+    SS_ASSIGN_OR_RETURN(update_saved_, gpu::DeviceBuffer::Allocate(rows * es, device_));
+    SS_RETURN_IF_ERROR(gpu::Copy2D(update_saved_->data(), es, buf_->data(), stride * es, es, rows));
+  }
+  if (i == total - 1) {
+    return gpu::Copy2D(buf_->data(), stride * es, update_saved_->data(), es, es, rows);
+  }
+  // Byte 0x3e or 0x3f repeated: finite values near 0.19 / 0.75 in bf16 and fp32 alike.
+  return gpu::Memset2D(buf_->data(), stride * es, i % 2 ? 0x3f : 0x3e, es, rows);
+}
+
 Status DeviceRank::RunBench() {
   const int total = job_.bench_warmup + job_.bench_reps;
   double idle_end = 0;
@@ -317,6 +339,7 @@ Status DeviceRank::RunBench() {
     idle_end = decode_->Now();
   }
   for (int i = 0; i < total; ++i) {  // (a) sharded: the product's session
+    SS_RETURN_IF_ERROR(UpdateTrainer(i, total));
     SS_RETURN_IF_ERROR(Barrier("sharded/" + std::to_string(i)));
     const auto t0 = Clock::now();
     const double s0 = decode_ ? decode_->Now() : 0;

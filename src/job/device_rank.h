@@ -159,6 +159,10 @@ class DeviceRank {
   Status FillMegatron();
   Status AllocEngine();
   Status Scramble();
+  // bench --update-fraction: sync i of `total` (the first: as filled) changes every
+  // 1/fraction-th element of the trainer's weights (values alternating by i), the last restores
+  // them; a no-op without the flag or on engine ranks.
+  Status UpdateTrainer(int i, int total);
   Status Verify(const char* after);
   Status Dump();
   Status SetupBroadcast();
@@ -192,7 +196,8 @@ class DeviceRank {
   std::unique_ptr<Packer> packer_;
   std::unique_ptr<SyncSession> session_;
   uint64_t version_ = 0;
-  std::unique_ptr<gpu::DeviceBuffer> buf_;  // trainer: held shards; engine: parameters
+  std::unique_ptr<gpu::DeviceBuffer> buf_;           // trainer: held shards; engine: parameters
+  std::unique_ptr<gpu::DeviceBuffer> update_saved_;  // UpdateTrainer: the elements it changes
   std::vector<int64_t> offsets_;  // trainer: per HF tensor (Megatron: local parameter); engine:
                                   // per parameter
   std::vector<DestBinding> dests_;

@@ -1,5 +1,6 @@
 // A job's flags, arguments and results as text: JobSpecFromFlags (validation, errors name the
 // flag), the arguments that reproduce a job in a child process, and RankResult as JSON.
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -118,6 +119,12 @@ std::vector<std::string> JobSpecToArgs(const JobSpec& job) {
       "--reps",          std::to_string(job.bench_reps),
       "--prefix",        job.prefix,
   };
+  if (job.bench_update > 0) {
+    char u[32];
+    snprintf(u, sizeof(u), "%.17g", job.bench_update);
+    a.push_back("--update-fraction");
+    a.push_back(u);
+  }
   a.push_back("--setup-timeout-s");
   a.push_back(std::to_string(job.setup_timeout.count() / 1000));
   if (!sh.pp_partition.empty()) {
@@ -470,6 +477,15 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
   }
   job.bench_warmup = f.warmup;
   job.bench_reps = f.reps;
+  if (!(f.update_fraction >= 0 && f.update_fraction <= 0.5)) {
+    return InvalidArgumentError("--update-fraction: must be in [0, 0.5], got " +
+                                std::to_string(f.update_fraction));
+  }
+  if (f.update_fraction > 0 && f.device != "cuda") {
+    return InvalidArgumentError("--update-fraction: bench --device cuda only (got --device " +
+                                f.device + ")");
+  }
+  job.bench_update = f.update_fraction;
   job.verify = !f.no_verify;
   if (f.prefix.empty()) return InvalidArgumentError("--prefix: must not be empty");
   job.prefix = f.prefix;

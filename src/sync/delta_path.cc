@@ -85,24 +85,6 @@ Result<std::vector<BucketBase>> ParseBases(std::string_view value, int src, size
   return out;
 }
 
-std::string_view DeltaReasonText(DeltaReason r) {
-  switch (r) {
-    case DeltaReason::kDelta:
-      return "delta";
-    case DeltaReason::kNoImage:
-      return "no kept image";
-    case DeltaReason::kVersion:
-      return "base version differs";
-    case DeltaReason::kChecksum:
-      return "base checksum differs";
-    case DeltaReason::kSize:
-      return "delta not smaller";
-    case DeltaReason::kCost:
-      return "does not pay at the link speed";
-  }
-  return "?";
-}
-
 DeltaReason CheckBase(const KeptImage& kept, const BucketBase& base) {
   if (!kept.valid()) return DeltaReason::kNoImage;
   if (base.version != kept.version) return DeltaReason::kVersion;

@@ -45,18 +45,8 @@ std::string EncodeBases(const std::vector<std::pair<int, std::vector<BucketBase>
 Result<std::vector<BucketBase>> ParseBases(std::string_view value, int src, size_t buckets,
                                            int receiver);
 
-// Why a bucket travels whole, or kDelta.
-enum class DeltaReason : uint8_t {
-  kDelta,     // sent as a delta
-  kNoImage,   // fallback: the sender kept no image of the bucket
-  kVersion,   // fallback: the receiver's base is of another version than the image
-  kChecksum,  // fallback: same version, other bytes
-  kSize,      // the delta was not smaller than the bucket (delta.h's size rule)
-  kCost,      // encoding auto: the delta does not pay at the link speed (EstimateDeltaCost)
-};
-// "delta", "no kept image", "base version differs", "base checksum differs", "delta not
-// smaller", "does not pay at the link speed".
-std::string_view DeltaReasonText(DeltaReason r);
+// Why a bucket travels whole: DeltaReason and DeltaReasonText (delta.h), shared with the device
+// pairs (transport.h PairDelta).
 
 // The image a sender last sent in one bucket.
 struct KeptImage {

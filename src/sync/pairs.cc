@@ -5,6 +5,17 @@
 
 namespace shardsync::sync_internal {
 
+void PreparedPairs::AddDelta(const PairDeltaReport& d, bool sender, DeltaSyncStats& st) {
+  for (const PairDeltaBucket& b : d.buckets) {
+    CountBucket(st, b.reason, static_cast<int64_t>(b.wire_bytes),
+                static_cast<int64_t>(b.full_bytes));
+    st.changed += static_cast<int64_t>(b.changed);
+    st.elements += static_cast<int64_t>(b.elements);
+  }
+  (sender ? st.encode_seconds : st.decode_seconds) += d.seconds;
+  if (st.first_fallback.empty()) st.first_fallback = d.first_fallback;
+}
+
 bool PreparedPairs::Prepared(int peer, int mem) const {
   const TransportCaps c = ctx_.tx.PeerCaps(peer);
   return c.prepared && mem >= 0 &&
@@ -26,19 +37,46 @@ Status PreparedPairs::Prepare(const Bindings& bindings, PeerShapes& shapes,
     return std::max(Millis(1), std::chrono::duration_cast<Millis>(deadline - Clock::now()));
   };
   SS_RETURN_IF_ERROR(codec_.PreparePairs(bindings, [&](int peer) { return Prepared(peer, mem); }));
+  // The delta encoding on prepared pairs (transport.h PairDelta): the transport keeps the images
+  // and runs the device codec; encoding auto prices each delta as the host path does.
+  PairDelta delta;
+  if (ctx_.in.options.encoding != WireEncoding::kFull) {
+    delta.on = true;
+    delta.element_size = DeltaElementSize(ctx_.in);
+    if (ctx_.in.options.encoding == WireEncoding::kAuto) {
+      SS_ASSIGN_OR_RETURN(const DeltaLink link, DeltaLinkFromKnobs());
+      const int es = delta.element_size;
+      delta.pays = [link, es](uint64_t elements, uint64_t changed) {
+        auto p = DeltaPays(link, elements, es, changed);
+        return p.ok() && *p;
+      };
+    }
+  }
+  auto refuse_staged = [&](int peer) -> Status {
+    // Under a staged commit the receiver lands in staging, whose bytes are not the base the
+    // engine serves (the host path rebuilds the committed ones; device pairs do not, yet).
+    if (!delta.on || ctx_.opt.commit != SessionOptions::Commit::kStaged) return OkStatus();
+    return UnimplementedError("sync rank " + std::to_string(ctx_.rank) + ": encoding " +
+                              std::string(WireEncodingName(ctx_.in.options.encoding)) +
+                              " with commit staged over " + ctx_.tx.PeerTransport(peer) +
+                              " pairs (with sync rank " + std::to_string(peer) +
+                              ") is not built; use encoding full, or commit in place");
+  };
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
     const Message& m = plan.recvs[mi];
     if (!Prepared(m.src, mem)) continue;
-    PairSpec spec{m.src, /*send=*/false, wire, {}, PairKey(m.src, ctx_.rank)};
+    PairSpec spec{m.src, /*send=*/false, wire, {}, PairKey(m.src, ctx_.rank), false, delta};
     spec.image = !codec_.in_place();
+    SS_RETURN_IF_ERROR(refuse_staged(m.src));
     for (const Bucket& b : m.buckets) spec.buckets.push_back(codec_.RecvBucket(bindings, m, b));
     SS_ASSIGN_OR_RETURN(recv_[mi], ctx_.tx.Prepare(ctx_.store, spec, left()));
   }
   for (size_t mi = 0; mi < plan.sends.size(); ++mi) {
     const Message& m = plan.sends[mi];
     if (!Prepared(m.dst, mem)) continue;
-    PairSpec spec{m.dst, /*send=*/true, wire, {}, PairKey(ctx_.rank, m.dst)};
+    PairSpec spec{m.dst, /*send=*/true, wire, {}, PairKey(ctx_.rank, m.dst), false, delta};
     spec.image = !codec_.in_place();
+    SS_RETURN_IF_ERROR(refuse_staged(m.dst));
     const uint32_t base = regbase.at(m.dst);
     for (const Bucket& b : m.buckets) {
       spec.buckets.push_back(codec_.SendBucket(bindings, shapes, m, b, base));
@@ -114,6 +152,7 @@ Status PreparedPairs::FinishSends(RankSyncStats& st, const std::function<Status(
     if (!send_[mi]) continue;
     const Message& m = plan.sends[mi];
     for (const Bucket& b : m.buckets) st.send_bytes += b.bytes;
+    if (const PairDeltaReport* d = send_[mi]->Delta()) AddDelta(*d, /*sender=*/true, st.delta);
     if (send_[mi]->DeliversSums()) continue;
     SS_ASSIGN_OR_RETURN(PairSums sums, send_[mi]->Sums());
     if (sums.packed.size() != m.buckets.size()) {
@@ -177,6 +216,7 @@ Status PreparedPairs::FinishRecvs(RankSyncStats& st, const Bindings& bindings) {
                            " checksums, " + std::to_string(mine.landed.size()) + " landed, for " +
                            std::to_string(m.buckets.size()) + " buckets");
     }
+    if (const PairDeltaReport* d = recv_[mi]->Delta()) AddDelta(*d, /*sender=*/false, st.delta);
     st.checksums_total += static_cast<int64_t>(m.buckets.size());
     for (size_t b = 0; b < sent.size(); ++b) {
       if (sent[b] != mine.landed[b]) {

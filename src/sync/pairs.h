@@ -12,6 +12,7 @@
 #include "sync/bindings.h"
 #include "sync/codec.h"
 #include "sync/context.h"
+#include "sync/delta_path.h"
 #include "sync/guard.h"
 
 namespace shardsync::sync_internal {
@@ -57,6 +58,8 @@ class PreparedPairs {
 
  private:
   using Pairs = std::vector<std::unique_ptr<PreparedPair>>;
+  // A delta pair's replay (transport.h PairDeltaReport) counted into this rank's figures.
+  static void AddDelta(const PairDeltaReport& d, bool sender, DeltaSyncStats& st);
   // Whether the pair with `peer` runs as a prepared pair (see Prepare).
   bool Prepared(int peer, int mem) const;
   std::string PairKey(int src, int dst) const;

@@ -61,6 +61,11 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
   sub->add_option("--mode", f->mode, "sync | bench")->capture_default_str();
   sub->add_option("--warmup", f->warmup, "Bench warm-up repetitions")->capture_default_str();
   sub->add_option("--reps", f->reps, "Bench measured repetitions (median)")->capture_default_str();
+  sub->add_option("--update-fraction", f->update_fraction,
+                  "Bench, --device cuda: the fraction of trainer elements changed before each "
+                  "sync after the first (restored before the last, so the element check holds): "
+                  "small updates for --encoding delta; 0 sends the same weights every sync")
+      ->capture_default_str();
   sub->add_flag("--no-verify", f->no_verify, "Skip the element-by-element check");
   sub->add_option("--prefix", f->prefix, "Store key namespace of the job")->capture_default_str();
   sub->add_option("--dump-dir", f->dump_dir,
@@ -91,10 +96,10 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
                   "commit exchanges staging and parameters) | none")
       ->capture_default_str();
   sub->add_option("--encoding", f->encoding,
-                  "How host buckets travel each sync: full (whole) | delta (only the wire "
-                  "elements changed since the receiver's verified base, whole where the base "
-                  "differs: docs/delta.md) | auto (delta where it pays at "
-                  "SHARDSYNC_DELTA_LINK_MBPS)")
+                  "How buckets travel each sync (host path and cuda_ipc pairs; nccl pairs "
+                  "refuse delta / auto): full (whole) | delta (only the wire elements changed "
+                  "since the receiver's verified base, whole where the base differs: "
+                  "docs/delta.md) | auto (delta where it pays at SHARDSYNC_DELTA_LINK_MBPS)")
       ->capture_default_str();
   sub->add_option("--fp8-split", f->fp8_split,
                   "Block FP8, blocks whose rows straddle FSDP trainer ranks: amax (their holders "

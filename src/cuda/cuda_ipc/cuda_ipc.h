@@ -58,6 +58,10 @@ inline void TraceLaunch(const char* what, size_t buckets) {
 class IpcSendPair;
 class CudaIpcTransport;
 
+// A pair under the delta encoding (PairSpec::delta; delta_ipc.cc): either side.
+Result<std::unique_ptr<PreparedPair>> PrepareDeltaPair(CudaIpcTransport& t, StoreClient& store,
+                                                       const PairSpec& spec, Millis timeout);
+
 // Image pairs' encoded ops, by the codec of their encoding (block FP8: fp8_ipc.cc). Receiver:
 // its own map of every encoded op of `spec`, as a store value. Sender: those ops as EncodedTasks
 // of `bs` (mapped through the
@@ -195,6 +199,10 @@ class CudaIpcTransport final : public Transport {
   void DropTurn();
   // For a pair's Describe: whose turn a launch is waiting for ("" when none).
   std::string TurnNote() const;
+  // Maps an allocation another process exported (`handle`: its cudaIpcMemHandle_t; `pid`, `base`:
+  // its owner and the owner's address), cached for the transport's life; `base` itself when the
+  // owner is this process (in-process ranks).
+  Result<void*> OpenShared(const void* handle, int pid, uint64_t base);
   // The registered region holding [p, p + bytes) and p's offset in it.
   Result<std::pair<uint32_t, uint64_t>> FindLocal(const void* p, uint64_t bytes) const;
 
@@ -263,7 +271,6 @@ class CudaIpcTransport final : public Transport {
   Result<const BatchSpec*> PeerBatch(const internal::GpuLaunchBoard::Peer& p, const BatchSpec& own);
   Result<std::unique_ptr<BatchSpec>> DecodePeerBatch(const internal::GpuLaunchBoard::Peer& p,
                                                      const BatchSpec& own);
-  Result<void*> OpenShared(const void* handle, int pid, uint64_t base);
   Result<MergedLaunch*> SharedGroup(const std::vector<IpcSendPair*>& members,
                                     const std::vector<internal::GpuLaunchBoard::Peer>& peers);
   // PeerAlive for waits that poll in a tight loop: the syscall at most every kWaitCheckEvery per

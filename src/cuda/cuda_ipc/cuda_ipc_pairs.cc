@@ -410,6 +410,7 @@ Result<std::unique_ptr<PreparedPair>> CudaIpcTransport::Prepare(StoreClient& sto
                                                                 Millis timeout) {
   SS_RETURN_IF_ERROR(Usable());
   SS_RETURN_IF_ERROR(CheckBuckets(spec));
+  if (spec.delta.on) return PrepareDeltaPair(*this, store, spec, timeout);
   const std::string who = "cuda_ipc: pair with rank " + std::to_string(spec.peer);
   if (!spec.send) {
     SS_ASSIGN_OR_RETURN(std::string blob,

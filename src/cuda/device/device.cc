@@ -123,5 +123,15 @@ Status Memset(void* dst, int value, size_t bytes) {
   SS_CUDA(cudaMemset(dst, value, bytes), "memset");
   return OkStatus();
 }
+Status Memset2D(void* dst, size_t pitch, int value, size_t width, size_t height) {
+  SS_CUDA(cudaMemset2D(dst, pitch, value, width, height), "memset 2-d");
+  SS_CUDA(cudaDeviceSynchronize(), "memset 2-d");
+  return OkStatus();
+}
+Status Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+              size_t height) {
+  SS_CUDA(cudaMemcpy2D(dst, dpitch, src, spitch, width, height, cudaMemcpyDefault), "copy 2-d");
+  return OkStatus();
+}
 
 }  // namespace shardsync::gpu

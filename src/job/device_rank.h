@@ -38,7 +38,7 @@ class DecodeLoop {
  public:
   DecodeLoop(const void* p, size_t bytes, int device, Millis timeout, Clock::time_point epoch)
       : p_(p), bytes_(bytes), device_(device), timeout_(timeout), epoch_(epoch) {}
-  ~DecodeLoop() { Stop(); }
+  ~DecodeLoop() { Stop().IgnoreError(); }  // a caller that cares called Stop() first
   Status Start() {
     SS_ASSIGN_OR_RETURN(stream_, gpu::Stream::Create(device_));
     thread_ = std::thread([this] {

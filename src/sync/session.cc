@@ -436,7 +436,7 @@ Result<std::unique_ptr<SyncSession>> CreateHarnessSession(const PlanInputs& inpu
   LaunchId launch;
   if (options.job_id) {
     SS_RETURN_IF_ERROR(CheckJobId(*options.job_id, "job_id"));
-    launch = {*options.job_id, options.job_id->empty() ? "" : "job_id"};
+    launch = {*options.job_id, options.job_id->empty() ? "" : "job_id", ""};
   } else {
     SS_ASSIGN_OR_RETURN(launch, LaunchIdFromEnvironment());
   }

@@ -10,6 +10,10 @@
 #include <cstring>
 #include <type_traits>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "shardsync/checksum.h"
 #include "shardsync/delta_rule.h"
 
@@ -85,13 +89,71 @@ struct EncodeSums {
   uint64_t base = 0, next = 0, changed = 0;
 };
 
-// Pass 1, chunk by chunk so the checksums and the diff read each chunk from cache: both
-// checksum sums, the count, and the index records while the index form can still win. Then,
-// when the bitmap form wins, pass 2 writes the bitmap and the values. Leaves *out holding the
-// payload after kDeltaHeaderBytes (header unwritten), or empty for kFull.
+#if defined(__x86_64__)
+bool DeltaHaveAvx2() {
+  static const bool have = __builtin_cpu_supports("avx2");
+  return have;
+}
+
+// The first 64-byte block from `o` on (in steps of 64) where base and next differ, or the first
+// position from which fewer than 64 bytes remain before `end`. At RL densities nearly every block
+// is equal: two 32-byte compares per stream and step, prefetched like the checksum's loop
+// (checksum.cc: the hardware prefetcher alone leaves such loops latency-bound).
+__attribute__((target("avx2"))) size_t SkipEqualAvx2(const std::byte* b, const std::byte* x,
+                                                     size_t o, size_t end) {
+  for (; o + 64 <= end; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(b + o + 1024), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(x + o + 1024), _MM_HINT_T0);
+    const __m256i d0 =
+        _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + o)),
+                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + o)));
+    const __m256i d1 =
+        _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + o + 32)),
+                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + o + 32)));
+    const __m256i d = _mm256_or_si256(d0, d1);
+    if (!_mm256_testz_si256(d, d)) break;
+  }
+  return o;
+}
+#endif
+
+size_t SkipEqual(const std::byte* b, const std::byte* x, size_t o, size_t end) {
+#if defined(__x86_64__)
+  if (DeltaHaveAvx2()) return SkipEqualAvx2(b, x, o, end);
+#endif
+  for (; o + 64 <= end; o += 64) {
+    uint64_t d = 0;
+    for (size_t k = 0; k < 64; k += 8) d |= Get<uint64_t>(b + o + k) ^ Get<uint64_t>(x + o + k);
+    if (d != 0) break;
+  }
+  return o;
+}
+
+// Calls f(byte offset, base ^ next) for every 8-byte word of [begin, end) (begin a multiple of 8,
+// end rounded down to one) that differs, skipping equal 64-byte blocks first.
+template <typename F>
+void ForEachChangedWord(const std::byte* b, const std::byte* x, size_t begin, size_t end, F&& f) {
+  end &= ~size_t{7};
+  size_t o = begin;
+  while (o < end) {
+    o = SkipEqual(b, x, o, end);
+    const size_t stop = std::min(o + 64, end);
+    for (; o < stop; o += 8) {
+      const uint64_t d = Get<uint64_t>(b + o) ^ Get<uint64_t>(x + o);
+      if (d != 0) f(o, d);
+    }
+  }
+}
+
+// Pass 1: the count, and the index records while the index form can still win; with `checksums`,
+// both checksum sums too, chunk by chunk so the checksums and the diff read each chunk from cache.
+// Then, when the bitmap form wins, pass 2 writes the bitmap and the values. Leaves *out holding
+// the payload after kDeltaHeaderBytes (header unwritten), or empty for kFull. With `advance`
+// (the writable base), leaves it holding next's bytes: the changed elements written back from
+// the records (index), in pass 2 (bitmap), or the whole bucket (kFull).
 template <int E>
 DeltaSize EncodeBody(const std::byte* b, const std::byte* x, size_t n, std::vector<std::byte>* out,
-                     EncodeSums* sums) {
+                     bool checksums, EncodeSums* sums, std::byte* advance) {
   const uint64_t elements = n / E;
   const uint64_t index_limit = BitmapBytes(elements) / kIndexBytes;
   constexpr size_t kRecord = kIndexBytes + E;
@@ -104,51 +166,61 @@ DeltaSize EncodeBody(const std::byte* b, const std::byte* x, size_t n, std::vect
     used += kRecord;
   };
   uint64_t changed = 0;
-  for (size_t c = 0; c < n; c += kChunk) {
-    const size_t len = std::min(kChunk, n - c);
-    sums->base += ChecksumPartial(b + c, len, c);
-    sums->next += ChecksumPartial(x + c, len, c);
-    size_t o = c;
-    for (; o + 8 <= c + len; o += 8) {
-      const uint64_t d = Get<uint64_t>(b + o) ^ Get<uint64_t>(x + o);
-      if (d == 0) continue;
+  auto diff = [&](size_t begin, size_t end) {
+    ForEachChangedWord(b, x, begin, end, [&](size_t o, uint64_t d) {
       const unsigned m = ChangedMask<E>(d);
       // Records only while the index form can still win; past that, counting is a popcount.
       if (changed <= index_limit)
         for (unsigned r = m; r != 0; r &= r - 1) record(o / E + std::countr_zero(r));
       changed += Popcount64(m);
-    }
-    ForEachChanged<E>(b, x, o, c + len, [&](uint64_t i) {
-      if (changed++ < index_limit) record(i);
     });
+  };
+  const size_t whole = n & ~size_t{7};
+  if (checksums) {
+    for (size_t c = 0; c < n; c += kChunk) {
+      const size_t len = std::min(kChunk, n - c);
+      sums->base += ChecksumPartial(b + c, len, c);
+      sums->next += ChecksumPartial(x + c, len, c);
+      diff(c, std::min(c + len, whole));
+    }
+  } else {
+    diff(0, whole);
   }
+  ForEachChanged<E>(b, x, whole, n, [&](uint64_t i) {
+    if (changed++ < index_limit) record(i);
+  });
   sums->changed = changed;
-  const DeltaSize size = DeltaEncodedBytes(elements, E, sums->changed);
+  const DeltaSize size = DeltaEncodedBytes(elements, E, changed);
   if (size.kind == DeltaKind::kFull) {
     out->clear();
+    if (advance != nullptr) std::memcpy(advance, x, n);
   } else if (size.kind == DeltaKind::kIndex) {
     out->resize(used);
+    if (advance != nullptr) {
+      for (size_t k = kDeltaHeaderBytes; k < used; k += kRecord)
+        Put<Elem<E>>(advance + E * size_t{Get<uint32_t>(out->data() + k)},
+                     Get<Elem<E>>(out->data() + k + kIndexBytes));
+    }
   } else {
     // Pass 2, branch free per word: the word's change mask is its bits of the bitmap; every
     // element is stored and the cursor advances only past changed ones (8 bytes of slack).
     out->assign(size.bytes + 8, std::byte{0});
     std::byte* bits = out->data() + kDeltaHeaderBytes;
     std::byte* vals = bits + BitmapBytes(elements);
-    size_t o = 0;
-    for (; o + 8 <= n; o += 8) {
-      const uint64_t d = Get<uint64_t>(b + o) ^ Get<uint64_t>(x + o);
-      if (d == 0) continue;
+    ForEachChangedWord(b, x, 0, whole, [&](size_t o, uint64_t d) {
       const unsigned m = ChangedMask<E>(d);
       bits[o / E / 8] |= std::byte(m << (o / E % 8));
       for (int k = 0; k < 8 / E; ++k) {
         Put<Elem<E>>(vals, Get<Elem<E>>(x + o + k * E));
         vals += E * ((m >> k) & 1);
       }
-    }
-    ForEachChanged<E>(b, x, o, n, [&](uint64_t i) {
+      if (advance != nullptr) Put<uint64_t>(advance + o, Get<uint64_t>(x + o));
+    });
+    ForEachChanged<E>(b, x, whole, n, [&](uint64_t i) {
       bits[i / 8] |= std::byte(1u << (i % 8));
       Put<Elem<E>>(vals, Get<Elem<E>>(x + i * E));
       vals += E;
+      if (advance != nullptr) Put<Elem<E>>(advance + i * E, Get<Elem<E>>(x + i * E));
     });
     out->resize(size.bytes);
   }
@@ -170,42 +242,127 @@ void ForEachRecord(const DeltaInfo& info, const std::byte* payload, F&& f) {
   }
 }
 
+// Byte offset -> piece (DeltaPiece), for offsets that never decrease: records come in increasing
+// element order, so a decode walks the pieces once.
+class PieceCursor {
+ public:
+  explicit PieceCursor(std::span<const DeltaPiece> p) : p_(p) {}
+  const DeltaPiece& At(uint64_t at) {
+    while (p_[k_].offset + p_[k_].len <= at) ++k_;
+    return p_[k_];
+  }
+  // The base's checksum word at byte `at` (a multiple of 8) of an n-byte bucket: zero-padded
+  // past n, gathered when it straddles pieces.
+  uint64_t Word(uint64_t at, uint64_t n) {
+    const DeltaPiece& p = At(at);
+    if (at + 8 <= p.offset + p.len) return Get<uint64_t>(p.base + (at - p.offset));
+    uint64_t w = 0;
+    const uint64_t end = std::min(at + 8, n);
+    for (size_t k = k_, o = at; o < end; ++k) {
+      const DeltaPiece& q = p_[k];
+      const uint64_t take = std::min(end, q.offset + q.len) - o;
+      std::memcpy(reinterpret_cast<std::byte*>(&w) + (o - at), q.base + (o - q.offset), take);
+      o += take;
+    }
+    return w;
+  }
+
+ private:
+  std::span<const DeltaPiece> p_;
+  size_t k_ = 0;
+};
+
+// The pieces tile [0, n) in order, on element (e) boundaries, with bytes to read (and, `writes`,
+// somewhere to write).
+Status CheckPieces(std::span<const DeltaPiece> pieces, uint64_t n, uint64_t e,
+                   std::string_view name, bool writes) {
+  uint64_t at = 0;
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const DeltaPiece& p = pieces[k];
+    if (p.offset != at || p.offset % e != 0 || p.len % e != 0 ||
+        (p.len != 0 && (p.base == nullptr || (writes && p.out == nullptr))))
+      return InvalidArgumentError(fmt::format(
+          "delta of bucket {}: piece {} (offset {}, {} bytes) does not continue the pieces at "
+          "offset {} on {}-byte elements",
+          name, k, p.offset, p.len, at, e));
+    at += p.len;
+  }
+  if (at != n)
+    return InvalidArgumentError(fmt::format(
+        "delta of bucket {}: the pieces cover {} bytes, the bucket is {}", name, at, n));
+  return OkStatus();
+}
+
+// The checksum sum (checksum.h, unfinished) of the pieces' base bytes of an n-byte bucket, read
+// once; with `copy`, each piece whose `out` is elsewhere gets the base's bytes in the same pass.
+// Words split between pieces are assembled byte by byte (at most 7 bytes per piece edge).
+uint64_t SumPieces(std::span<const DeltaPiece> pieces, uint64_t n, bool copy) {
+  uint64_t sum = 0, word = 0;
+  for (const DeltaPiece& p : pieces) {
+    const std::byte* src = p.base;
+    std::byte* dst = p.out;
+    const bool cp = copy && dst != src;
+    uint64_t o = p.offset, len = p.len;
+    auto bytes = [&](uint64_t count) {
+      for (uint64_t k = 0; k < count; ++k, ++o) {
+        word |= static_cast<uint64_t>(src[k]) << (8 * (o % 8));
+        if (cp) dst[k] = src[k];
+        if (o % 8 == 7) {
+          sum += ChecksumMixWord(word, o / 8);
+          word = 0;
+        }
+      }
+      src += count;
+      if (cp) dst += count;
+      len -= count;
+    };
+    bytes(std::min<uint64_t>(len, (8 - o % 8) % 8));
+    const uint64_t whole = len & ~uint64_t{7};
+    if (whole != 0) {
+      sum += cp ? CopyWithChecksumPartial(dst, src, whole, o) : ChecksumPartial(src, whole, o);
+      src += whole;
+      if (cp) dst += whole;
+      o += whole;
+      len -= whole;
+    }
+    bytes(len);
+  }
+  if (n % 8 != 0) sum += ChecksumMixWord(word, n / 8);  // the zero-padded last word
+  return sum;
+}
+
 // The checksum sum of the bucket after the changes, from the base's: the checksum is a sum of
 // per-word terms, so only the changed words' terms are replaced. Records come in increasing
 // element order (checked before), so each changed word is finished before the next starts.
 template <int E>
-uint64_t PredictSum(const DeltaInfo& info, const std::byte* payload, const std::byte* data,
-                    size_t n, uint64_t sum) {
-  uint64_t word_at = UINT64_MAX, word = 0;
-  auto word_of = [&](uint64_t at) {
-    uint64_t w = 0;
-    if (at + 8 <= n)
-      w = Get<uint64_t>(data + at);
-    else
-      std::memcpy(&w, data + at, n - at);  // the zero-padded last word
-    return w;
-  };
+uint64_t PredictSum(const DeltaInfo& info, const std::byte* payload,
+                    std::span<const DeltaPiece> pieces, uint64_t n, uint64_t sum) {
+  PieceCursor cur(pieces);
+  uint64_t word_at = UINT64_MAX, old_word = 0, new_word = 0;
   auto flush = [&] {
     if (word_at != UINT64_MAX)
-      sum += ChecksumMixWord(word, word_at / 8) - ChecksumMixWord(word_of(word_at), word_at / 8);
+      sum += ChecksumMixWord(new_word, word_at / 8) - ChecksumMixWord(old_word, word_at / 8);
   };
   ForEachRecord<E>(info, payload, [&](uint64_t i, const std::byte* value) {
     const uint64_t at = i * E / 8 * 8;
     if (at != word_at) {
       flush();
       word_at = at;
-      word = word_of(at);
+      old_word = new_word = cur.Word(at, n);
     }
-    Put<Elem<E>>(reinterpret_cast<std::byte*>(&word) + (i * E - at), Get<Elem<E>>(value));
+    Put<Elem<E>>(reinterpret_cast<std::byte*>(&new_word) + (i * E - at), Get<Elem<E>>(value));
   });
   flush();
   return sum;
 }
 
+// Writes the changed elements into the pieces' `out` (elements never straddle pieces).
 template <int E>
-void Apply(const DeltaInfo& info, const std::byte* payload, std::byte* data) {
+void Apply(const DeltaInfo& info, const std::byte* payload, std::span<const DeltaPiece> pieces) {
+  PieceCursor cur(pieces);
   ForEachRecord<E>(info, payload, [&](uint64_t i, const std::byte* value) {
-    Put<Elem<E>>(data + i * E, Get<Elem<E>>(value));
+    const DeltaPiece& p = cur.At(i * E);
+    Put<Elem<E>>(p.out + (i * E - p.offset), Get<Elem<E>>(value));
   });
 }
 
@@ -227,10 +384,14 @@ DeltaSize DeltaEncodedBytes(uint64_t elements, int element_size, uint64_t change
   return DeltaSizeRule(elements, static_cast<uint64_t>(element_size), changed);
 }
 
-Result<DeltaEncodeResult> EncodeDelta(std::span<const std::byte> base,
-                                      std::span<const std::byte> next, int element_size,
-                                      uint64_t base_version, std::string_view bucket,
-                                      std::vector<std::byte>* out) {
+namespace {
+
+// EncodeDelta and EncodeDeltaAdvance: `advance` null (base only read, checksums computed) or the
+// writable base (checksums given in `known`).
+Result<DeltaEncodeResult> Encode(std::span<const std::byte> base, std::span<const std::byte> next,
+                                 std::byte* advance, const EncodeSums* known, int element_size,
+                                 uint64_t base_version, std::string_view bucket,
+                                 std::vector<std::byte>* out) {
   out->clear();
   if (!ValidElementSize(element_size))
     return InvalidArgumentError(fmt::format(
@@ -254,14 +415,15 @@ Result<DeltaEncodeResult> EncodeDelta(std::span<const std::byte> base,
   EncodeSums sums;
   const std::byte* b = base.data();
   const std::byte* x = next.data();
-  const DeltaSize size = e == 1   ? EncodeBody<1>(b, x, n, out, &sums)
-                         : e == 2 ? EncodeBody<2>(b, x, n, out, &sums)
-                                  : EncodeBody<4>(b, x, n, out, &sums);
+  const bool compute = known == nullptr;
+  const DeltaSize size = e == 1   ? EncodeBody<1>(b, x, n, out, compute, &sums, advance)
+                         : e == 2 ? EncodeBody<2>(b, x, n, out, compute, &sums, advance)
+                                  : EncodeBody<4>(b, x, n, out, compute, &sums, advance);
   r.changed = sums.changed;
   r.kind = size.kind;
   if (size.kind == DeltaKind::kFull) return r;
-  r.base_checksum = ChecksumFinish(sums.base, n);
-  r.new_checksum = ChecksumFinish(sums.next, n);
+  r.base_checksum = compute ? ChecksumFinish(sums.base, n) : known->base;
+  r.new_checksum = compute ? ChecksumFinish(sums.next, n) : known->next;
   const uint64_t changed = sums.changed;
   std::byte* h = out->data();
   Put<uint32_t>(h, kMagic);
@@ -278,6 +440,26 @@ Result<DeltaEncodeResult> EncodeDelta(std::span<const std::byte> base,
     return InternalError(fmt::format("delta of bucket {}: encoded {} bytes, the size rule says {}",
                                      bucket, out->size(), size.bytes));
   return r;
+}
+
+}  // namespace
+
+Result<DeltaEncodeResult> EncodeDelta(std::span<const std::byte> base,
+                                      std::span<const std::byte> next, int element_size,
+                                      uint64_t base_version, std::string_view bucket,
+                                      std::vector<std::byte>* out) {
+  return Encode(base, next, nullptr, nullptr, element_size, base_version, bucket, out);
+}
+
+Result<DeltaEncodeResult> EncodeDeltaAdvance(std::span<std::byte> base,
+                                             std::span<const std::byte> next, int element_size,
+                                             uint64_t base_version, uint64_t base_checksum,
+                                             uint64_t new_checksum, std::string_view bucket,
+                                             std::vector<std::byte>* out) {
+  EncodeSums known;
+  known.base = base_checksum;
+  known.next = new_checksum;
+  return Encode(base, next, base.data(), &known, element_size, base_version, bucket, out);
 }
 
 Result<DeltaInfo> InspectDelta(std::span<const std::byte> encoded, std::string_view bucket) {
@@ -321,8 +503,8 @@ Result<DeltaInfo> InspectDelta(std::span<const std::byte> encoded, std::string_v
   return info;
 }
 
-Status DecodeDeltaInPlace(std::span<const std::byte> encoded, std::span<std::byte> bucket,
-                          const DeltaExpect& expect) {
+Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const DeltaPiece> pieces,
+                         uint64_t bucket_bytes, const DeltaExpect& expect) {
   SS_ASSIGN_OR_RETURN(const DeltaInfo info, InspectDelta(encoded, expect.bucket));
   const std::string_view name = expect.bucket;
   if (info.element_size != expect.element_size)
@@ -330,19 +512,19 @@ Status DecodeDeltaInPlace(std::span<const std::byte> encoded, std::span<std::byt
         fmt::format("delta of bucket {}: element_size {} in the encoding, the receiver's is {}",
                     name, info.element_size, expect.element_size));
   const uint64_t e = info.element_size;
-  if (bucket.size() % e != 0 || bucket.size() / e != info.elements)
+  const uint64_t n = bucket_bytes;
+  if (n % e != 0 || n / e != info.elements)
     return InvalidArgumentError(fmt::format(
         "delta of bucket {}: the encoding covers {} elements of {} bytes, the receiver's bucket "
         "is {} bytes",
-        name, info.elements, e, bucket.size()));
+        name, info.elements, e, n));
+  SS_RETURN_IF_ERROR(CheckPieces(pieces, n, e, name, /*writes=*/true));
   if (info.base_version != expect.base_version)
     return FailedPreconditionError(fmt::format(
         "delta of bucket {}: computed against base version {}, the receiver holds version {}: "
         "not applied",
         name, info.base_version, expect.base_version));
-  const size_t n = bucket.size();
-  std::byte* data = bucket.data();
-  const uint64_t base_sum = ChecksumPartial(data, n, 0);
+  const uint64_t base_sum = SumPieces(pieces, n, /*copy=*/true);
   const uint64_t have = ChecksumFinish(base_sum, n);
   if (have != info.base_checksum)
     return FailedPreconditionError(fmt::format(
@@ -379,21 +561,32 @@ Status DecodeDeltaInPlace(std::span<const std::byte> encoded, std::span<std::byt
     if (count != info.changed)
       return bad(fmt::format("bitmap has {} bits set, the count says {}", count, info.changed));
   }
-  const uint64_t sum = e == 1   ? PredictSum<1>(info, payload, data, n, base_sum)
-                       : e == 2 ? PredictSum<2>(info, payload, data, n, base_sum)
-                                : PredictSum<4>(info, payload, data, n, base_sum);
+  const uint64_t sum = e == 1   ? PredictSum<1>(info, payload, pieces, n, base_sum)
+                       : e == 2 ? PredictSum<2>(info, payload, pieces, n, base_sum)
+                                : PredictSum<4>(info, payload, pieces, n, base_sum);
   if (ChecksumFinish(sum, n) != info.new_checksum)
     return DataLossError(fmt::format(
         "delta of bucket {}: the result's checksum {:#018x} is not the sender's new_checksum "
         "{:#018x} (corrupt values): not applied",
         name, ChecksumFinish(sum, n), info.new_checksum));
   if (e == 1)
-    Apply<1>(info, payload, data);
+    Apply<1>(info, payload, pieces);
   else if (e == 2)
-    Apply<2>(info, payload, data);
+    Apply<2>(info, payload, pieces);
   else
-    Apply<4>(info, payload, data);
+    Apply<4>(info, payload, pieces);
   return OkStatus();
+}
+
+Status DecodeDeltaInPlace(std::span<const std::byte> encoded, std::span<std::byte> bucket,
+                          const DeltaExpect& expect) {
+  const DeltaPiece whole{0, bucket.size(), bucket.data(), bucket.data()};
+  return DecodeDeltaPieces(encoded, {&whole, 1}, bucket.size(), expect);
+}
+
+Result<uint64_t> DeltaPiecesChecksum(std::span<const DeltaPiece> pieces, uint64_t bucket_bytes) {
+  SS_RETURN_IF_ERROR(CheckPieces(pieces, bucket_bytes, 1, "(checksum)", /*writes=*/false));
+  return ChecksumFinish(SumPieces(pieces, bucket_bytes, /*copy=*/false), bucket_bytes);
 }
 
 Result<DeltaCost> EstimateDeltaCost(const DeltaCostInput& in) {

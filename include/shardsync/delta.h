@@ -149,8 +149,11 @@ Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const Del
                          uint64_t bucket_bytes, const DeltaExpect& expect);
 
 // The checksum (checksum.h) of a bucket given as pieces (`base` bytes; same tiling rule, any
-// element size), read once. InvalidArgument when they do not tile `bucket_bytes`.
-Result<uint64_t> DeltaPiecesChecksum(std::span<const DeltaPiece> pieces, uint64_t bucket_bytes);
+// element size), read once; with `copy`, each piece whose `out` is elsewhere also gets its bytes
+// in the same pass (a whole bucket landing from a receive slot). InvalidArgument when they do not
+// tile `bucket_bytes`.
+Result<uint64_t> DeltaPiecesChecksum(std::span<const DeltaPiece> pieces, uint64_t bucket_bytes,
+                                     bool copy = false);
 
 // --- Cost model: does a delta pay for one bucket? Pure. ---
 struct DeltaCostInput {

@@ -584,9 +584,10 @@ Status DecodeDeltaInPlace(std::span<const std::byte> encoded, std::span<std::byt
   return DecodeDeltaPieces(encoded, {&whole, 1}, bucket.size(), expect);
 }
 
-Result<uint64_t> DeltaPiecesChecksum(std::span<const DeltaPiece> pieces, uint64_t bucket_bytes) {
-  SS_RETURN_IF_ERROR(CheckPieces(pieces, bucket_bytes, 1, "(checksum)", /*writes=*/false));
-  return ChecksumFinish(SumPieces(pieces, bucket_bytes, /*copy=*/false), bucket_bytes);
+Result<uint64_t> DeltaPiecesChecksum(std::span<const DeltaPiece> pieces, uint64_t bucket_bytes,
+                                     bool copy) {
+  SS_RETURN_IF_ERROR(CheckPieces(pieces, bucket_bytes, 1, "(checksum)", /*writes=*/copy));
+  return ChecksumFinish(SumPieces(pieces, bucket_bytes, copy), bucket_bytes);
 }
 
 Result<DeltaCost> EstimateDeltaCost(const DeltaCostInput& in) {

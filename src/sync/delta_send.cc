@@ -50,14 +50,17 @@ Result<DeltaSender::Out> DeltaSender::Encode(int mi, int bi, const unsigned char
   out.data = img;
   out.bytes = n;
   out.reason = CheckBase(slot.kept, slot.base);
+  const bool encoded = out.reason == DeltaReason::kDelta;
   const std::span<const std::byte> next(reinterpret_cast<const std::byte*>(img), n);
   if (out.reason == DeltaReason::kDelta) {
     const int es = DeltaElementSize(ctx_.in);
     out.encoded = std::make_shared<std::vector<std::byte>>();
     const std::string name = "sync rank " + std::to_string(m.dst) + " bucket " + std::to_string(bi);
-    SS_ASSIGN_OR_RETURN(
-        const DeltaEncodeResult r,
-        EncodeDelta(slot.kept.bytes, next, es, slot.kept.version, name, out.encoded.get()));
+    // One pass over the kept and the new image: compared, and the kept one moved to the new
+    // bytes (only the changed elements written); both checksums are known (kept, packed).
+    SS_ASSIGN_OR_RETURN(const DeltaEncodeResult r,
+                        EncodeDeltaAdvance(slot.kept.bytes, next, es, slot.kept.version,
+                                           slot.kept.checksum, checksum, name, out.encoded.get()));
     st_.changed += static_cast<int64_t>(r.changed);
     st_.elements += static_cast<int64_t>(r.elements);
     if (r.kind == DeltaKind::kFull) {
@@ -80,8 +83,9 @@ Result<DeltaSender::Out> DeltaSender::Encode(int mi, int bi, const unsigned char
     return DescribeFallback(out.reason, m.dst, bi, slot.kept, slot.base) + ", " +
            std::to_string(out.bytes) + " bytes";
   });
-  // The new image is what the receiver holds once this bucket verified.
-  slot.kept.bytes.assign(next.begin(), next.end());
+  // The new image is what the receiver holds once this bucket verified (the delta's encode
+  // already wrote it into the kept one).
+  if (!encoded) slot.kept.bytes.assign(next.begin(), next.end());
   slot.kept.version = guard_.version();
   slot.kept.checksum = checksum;
   CountBucket(st_, out.reason, static_cast<int64_t>(out.bytes), static_cast<int64_t>(n));

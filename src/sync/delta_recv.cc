@@ -157,8 +157,8 @@ Status DeltaReceiver::ReceiveDelta(int mi, int bi, const Control& c, const unsig
   // The decode proves the result's checksum equals the one the delta names; that one must be the
   // checksum the sender sent for the bucket.
   if (info.new_checksum != c.checksum) {
-    return DataLossError(where + ": the delta names the result checksum " +
-                         Hex(info.new_checksum) + ", the control message " + Hex(c.checksum));
+    return DataLossError(where + ": the delta names the result checksum " + Hex(info.new_checksum) +
+                         ", the control message " + Hex(c.checksum));
   }
   DeltaExpect expect;
   expect.bucket = where;

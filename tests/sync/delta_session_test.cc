@@ -328,6 +328,52 @@ TEST(DeltaSession, ARefusedDeltaFailsTheSyncAndPoisonsNothingElseLands) {
     EXPECT_FALSE(t.delta.session(e).IsPoisoned());
 }
 
+// A byte of an engine's weights changes after the engine advertised its bases and before any
+// delta landed (its first post of the sync comes right after the advertisement): the delta was
+// computed against the advertised base, which the engine no longer holds. The decode reads the
+// base again as it applies (in place: the landed runs; staged: the live weights copied into
+// staging), so the delta is refused, nothing of it lands, and the next sync sends the bucket
+// whole: the final checksum covers the weights as they are, never a base that was.
+TEST(DeltaSession, ABaseByteChangedAfterTheAdvertisementIsCaughtAsTheDeltaApplies) {
+  for (const bool staged : {false, true}) {
+    SCOPED_TRACE(staged ? "staged" : "in place");
+    Twins t(WireEncoding::kDelta, [&](int, SessionOptions& o) {
+      if (!staged) return;
+      o.commit = SessionOptions::Commit::kStaged;
+      o.keep_previous = SessionOptions::Keep::kArea;
+    });
+    for (uint64_t v = 1; v <= 2; ++v) {
+      t.Update(v, 0.01);
+      t.Sync(v);
+      if (staged) ExpectAllOk(t.delta.Commit(v));
+    }
+    t.ExpectSame();
+    const int e = t.delta.world() - 1;
+    auto* byte = static_cast<unsigned char*>(t.delta.params(e).bindings.back().data) + 1;
+    unsigned char changed = 0;
+    t.delta.fault(e).set_config({.call_before_post = t.delta.fault(e).counters().posts + 1,
+                                 .before_post = [&] { changed = *byte ^= 0x10; }});
+    t.Update(3, 0.01);
+    auto st = t.delta.Sync(3);
+    ExpectAllOk(t.full.Sync(3));
+    ASSERT_NE(changed, 0) << "the hook did not run";
+    EXPECT_FALSE(st[e].ok());
+    EXPECT_THAT(st[e].message(), HasSubstr("was refused, nothing of it landed"));
+    EXPECT_THAT(st[e].message(), HasSubstr("base_checksum"));
+    EXPECT_EQ(*byte, changed);  // the refused delta wrote nothing there
+    // A failed sync poisons an engine in place; staged, its live weights were not written.
+    EXPECT_EQ(t.delta.session(e).IsPoisoned(), !staged);
+
+    t.delta.fault(e).set_config({});
+    t.Update(4, 0.01);
+    SyncReport r = t.Sync(4);
+    if (staged) ExpectAllOk(t.delta.Commit(4));
+    t.ExpectSame();
+    EXPECT_GT(r.delta.fallbacks(), 0);
+    EXPECT_FALSE(t.delta.session(e).IsPoisoned());
+  }
+}
+
 TEST(DeltaSession, StagedCommitAppliesDeltasOverTheLiveVersionAndRollbackFallsBack) {
   auto staged = [](int, SessionOptions& o) {
     o.commit = SessionOptions::Commit::kStaged;

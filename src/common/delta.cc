@@ -89,141 +89,199 @@ struct EncodeSums {
   uint64_t base = 0, next = 0, changed = 0;
 };
 
+// Bit k set when element k of the 64-byte block at `o` changed (64 / E elements).
+template <int E>
+uint64_t BlockMaskScalar(const std::byte* b, const std::byte* x, size_t o) {
+  uint64_t m = 0;
+  for (size_t w = 0; w < 8; ++w) {
+    const uint64_t d = Get<uint64_t>(b + o + 8 * w) ^ Get<uint64_t>(x + o + 8 * w);
+    m |= uint64_t{ChangedMask<E>(d)} << (w * 8 / E);
+  }
+  return m;
+}
+
+// The first 64-byte block from `o` on (in steps of 64, below `end`) where base and next differ,
+// with its element mask in *mask; `end` (and *mask 0) when none does. At RL densities nearly
+// every block is equal: two 32-byte compares per stream and step, prefetched like the checksum's
+// loop (checksum.cc: the hardware prefetcher alone leaves such loops latency-bound).
+template <int E>
+size_t NextChangedBlockScalar(const std::byte* b, const std::byte* x, size_t o, size_t end,
+                              uint64_t* mask) {
+  for (; o + 64 <= end; o += 64) {
+    uint64_t d = 0;
+    for (size_t k = 0; k < 64; k += 8) d |= Get<uint64_t>(b + o + k) ^ Get<uint64_t>(x + o + k);
+    if (d != 0) {
+      *mask = BlockMaskScalar<E>(b, x, o);
+      return o;
+    }
+  }
+  *mask = 0;
+  return end;
+}
+
 #if defined(__x86_64__)
 bool DeltaHaveAvx2() {
   static const bool have = __builtin_cpu_supports("avx2");
   return have;
 }
 
-// The first 64-byte block from `o` on (in steps of 64) where base and next differ, or the first
-// position from which fewer than 64 bytes remain before `end`. At RL densities nearly every block
-// is equal: two 32-byte compares per stream and step, prefetched like the checksum's loop
-// (checksum.cc: the hardware prefetcher alone leaves such loops latency-bound).
-__attribute__((target("avx2"))) size_t SkipEqualAvx2(const std::byte* b, const std::byte* x,
-                                                     size_t o, size_t end) {
+template <int E>
+__attribute__((target("avx2"))) size_t NextChangedBlockAvx2(const std::byte* b, const std::byte* x,
+                                                            size_t o, size_t end, uint64_t* mask) {
   for (; o + 64 <= end; o += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(b + o + 1024), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(x + o + 1024), _MM_HINT_T0);
-    const __m256i d0 =
-        _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + o)),
-                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + o)));
-    const __m256i d1 =
-        _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + o + 32)),
-                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + o + 32)));
-    const __m256i d = _mm256_or_si256(d0, d1);
-    if (!_mm256_testz_si256(d, d)) break;
-  }
-  return o;
-}
-#endif
-
-size_t SkipEqual(const std::byte* b, const std::byte* x, size_t o, size_t end) {
-#if defined(__x86_64__)
-  if (DeltaHaveAvx2()) return SkipEqualAvx2(b, x, o, end);
-#endif
-  for (; o + 64 <= end; o += 64) {
-    uint64_t d = 0;
-    for (size_t k = 0; k < 64; k += 8) d |= Get<uint64_t>(b + o + k) ^ Get<uint64_t>(x + o + k);
-    if (d != 0) break;
-  }
-  return o;
-}
-
-// Calls f(byte offset, base ^ next) for every 8-byte word of [begin, end) (begin a multiple of 8,
-// end rounded down to one) that differs, skipping equal 64-byte blocks first.
-template <typename F>
-void ForEachChangedWord(const std::byte* b, const std::byte* x, size_t begin, size_t end, F&& f) {
-  end &= ~size_t{7};
-  size_t o = begin;
-  while (o < end) {
-    o = SkipEqual(b, x, o, end);
-    const size_t stop = std::min(o + 64, end);
-    for (; o < stop; o += 8) {
-      const uint64_t d = Get<uint64_t>(b + o) ^ Get<uint64_t>(x + o);
-      if (d != 0) f(o, d);
+    const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + o));
+    const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + o + 32));
+    const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + o));
+    const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + o + 32));
+    const __m256i d = _mm256_or_si256(_mm256_xor_si256(a0, c0), _mm256_xor_si256(a1, c1));
+    if (_mm256_testz_si256(d, d)) continue;
+    // The element mask from lane compares: bytes, then 16-bit lanes packed to bytes (packs
+    // interleaves the 128-bit halves; the permute restores element order), or 32-bit lanes.
+    if constexpr (E == 1) {
+      const auto e0 = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(a0, c0)));
+      const auto e1 = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(a1, c1)));
+      *mask = ~(uint64_t{e0} | uint64_t{e1} << 32);
+    } else if constexpr (E == 2) {
+      const __m256i p = _mm256_packs_epi16(_mm256_cmpeq_epi16(a0, c0), _mm256_cmpeq_epi16(a1, c1));
+      const auto e = static_cast<uint32_t>(
+          _mm256_movemask_epi8(_mm256_permute4x64_epi64(p, 0xD8)));  // 0xD8: lanes 0, 2, 1, 3
+      *mask = ~e & 0xFFFFFFFFull;
+    } else {
+      const auto e0 = static_cast<uint32_t>(
+          _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a0, c0))));
+      const auto e1 = static_cast<uint32_t>(
+          _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a1, c1))));
+      *mask = ~(e0 | e1 << 8) & 0xFFFFull;
     }
+    return o;
+  }
+  *mask = 0;
+  return end;
+}
+#endif
+
+// Calls f(byte offset, element mask) for every 64-byte block of [begin, end) (both multiples of
+// 64 from the bucket's start) in which an element differs.
+template <int E, typename F>
+void ForEachChangedBlock(const std::byte* b, const std::byte* x, size_t begin, size_t end, F&& f) {
+#if defined(__x86_64__)
+  const bool avx2 = DeltaHaveAvx2();
+#else
+  constexpr bool avx2 = false;
+#endif
+  uint64_t m = 0;
+  for (size_t o = begin; o < end; o += 64) {
+#if defined(__x86_64__)
+    o = avx2 ? NextChangedBlockAvx2<E>(b, x, o, end, &m)
+             : NextChangedBlockScalar<E>(b, x, o, end, &m);
+#else
+    o = NextChangedBlockScalar<E>(b, x, o, end, &m);
+#endif
+    if (o >= end) break;
+    f(o, m);
   }
 }
 
-// Pass 1: the count, and the index records while the index form can still win; with `checksums`,
-// both checksum sums too, chunk by chunk so the checksums and the diff read each chunk from cache.
-// Then, when the bitmap form wins, pass 2 writes the bitmap and the values. Leaves *out holding
-// the payload after kDeltaHeaderBytes (header unwritten), or empty for kFull. With `advance`
-// (the writable base), leaves it holding next's bytes: the changed elements written back from
-// the records (index), in pass 2 (bitmap), or the whole bucket (kFull).
+// One pass over base and new, which the form follows as the count grows: index records while
+// the index form can still win (4 * count <= bitmap bytes); past that the records so far become
+// the bitmap and its values, and the pass goes on in the bitmap form; once even that is not
+// smaller than the bucket, it only counts. With `checksums`, both checksum sums too, chunk by
+// chunk so the checksums and the diff read each chunk from cache. Leaves *out holding the
+// payload after kDeltaHeaderBytes (header unwritten), or empty for kFull. With `advance` (the
+// writable base), each changed word is written there as it is found, while it is in cache: the
+// base ends holding next's bytes whatever the form.
 template <int E>
 DeltaSize EncodeBody(const std::byte* b, const std::byte* x, size_t n, std::vector<std::byte>* out,
                      bool checksums, EncodeSums* sums, std::byte* advance) {
-  const uint64_t elements = n / E;
-  const uint64_t index_limit = BitmapBytes(elements) / kIndexBytes;
   constexpr size_t kRecord = kIndexBytes + E;
-  out->resize(kDeltaHeaderBytes + std::min<uint64_t>(index_limit, 4096) * kRecord);
-  size_t used = kDeltaHeaderBytes;
-  auto record = [&](uint64_t i) {
-    if (used + kRecord > out->size()) out->resize(2 * out->size());
-    Put<uint32_t>(out->data() + used, static_cast<uint32_t>(i));
-    Put<Elem<E>>(out->data() + used + kIndexBytes, Get<Elem<E>>(x + i * E));
-    used += kRecord;
-  };
+  const uint64_t elements = n / E;
+  const uint64_t nbits = BitmapBytes(elements);
+  const uint64_t index_limit = nbits / kIndexBytes;
+  enum class Form { kIndex, kBitmap, kCount } form = Form::kIndex;
+  out->resize(kDeltaHeaderBytes + std::min<uint64_t>(index_limit, 4096) * kRecord + 8);
+  size_t used = kDeltaHeaderBytes;  // index: records end; bitmap: values end
   uint64_t changed = 0;
+  // The records so far become the bitmap and its values, in place in *out (no allocation once
+  // the caller's buffer grew to such a size before): the records move up past the bitmap, which
+  // is zeroed, then compact into the values (value k is written at or before record k's place).
+  auto to_bitmap = [&] {
+    const size_t records = used - kDeltaHeaderBytes;
+    const size_t count = records / kRecord;
+    const size_t vals = kDeltaHeaderBytes + nbits;
+    out->resize(std::max(out->size(), vals + records + 64 + 16));
+    std::memmove(out->data() + vals, out->data() + kDeltaHeaderBytes, records);
+    std::memset(out->data() + kDeltaHeaderBytes, 0, nbits);
+    std::byte* bits = out->data() + kDeltaHeaderBytes;
+    for (size_t k = 0; k < count; ++k) {
+      const std::byte* rec = out->data() + vals + k * kRecord;
+      const uint32_t i = Get<uint32_t>(rec);
+      bits[i / 8] |= std::byte(1u << (i % 8));
+      std::memmove(out->data() + vals + k * E, rec + kIndexBytes, E);
+    }
+    used = vals + count * E;
+    form = Form::kBitmap;
+  };
+  // Elements idx + k for the bits k of `m` changed, their new values at `at` + k * E; idx is a
+  // multiple of 8 unless `m` is one bit (bitmap bytes are whole).
+  auto found = [&](uint64_t idx, uint64_t m, const std::byte* at) {
+    changed += Popcount64(m);
+    if (form == Form::kIndex) {
+      for (uint64_t r = m; r != 0; r &= r - 1) {
+        if (used + kRecord > out->size()) out->resize(2 * out->size());
+        const int k = std::countr_zero(r);
+        Put<uint32_t>(out->data() + used, static_cast<uint32_t>(idx + k));
+        Put<Elem<E>>(out->data() + used + kIndexBytes, Get<Elem<E>>(at + k * E));
+        used += kRecord;
+      }
+      if (changed > index_limit) to_bitmap();
+      return;
+    }
+    if (form == Form::kCount) return;
+    if (kDeltaHeaderBytes + nbits + changed * E >= n) {  // even the bitmap form is not smaller
+      form = Form::kCount;
+      return;
+    }
+    if (used + 64 + 16 > out->size()) out->resize(2 * out->size());
+    std::byte* bits = out->data() + kDeltaHeaderBytes;
+    if (m == 1) {
+      bits[idx / 8] |= std::byte(1u << (idx % 8));
+    } else {
+      for (uint64_t r = m, k = idx / 8; r != 0; r >>= 8, ++k) bits[k] |= std::byte(r & 0xFF);
+    }
+    for (uint64_t r = m; r != 0; r &= r - 1) {
+      Put<Elem<E>>(out->data() + used, Get<Elem<E>>(at + std::countr_zero(r) * E));
+      used += E;
+    }
+  };
   auto diff = [&](size_t begin, size_t end) {
-    ForEachChangedWord(b, x, begin, end, [&](size_t o, uint64_t d) {
-      const unsigned m = ChangedMask<E>(d);
-      // Records only while the index form can still win; past that, counting is a popcount.
-      if (changed <= index_limit)
-        for (unsigned r = m; r != 0; r &= r - 1) record(o / E + std::countr_zero(r));
-      changed += Popcount64(m);
+    ForEachChangedBlock<E>(b, x, begin, end, [&](size_t o, uint64_t m) {
+      if (advance != nullptr) std::memcpy(advance + o, x + o, 64);
+      found(o / E, m, x + o);
     });
   };
-  const size_t whole = n & ~size_t{7};
+  const size_t blocks = n & ~size_t{63};
   if (checksums) {
     for (size_t c = 0; c < n; c += kChunk) {
       const size_t len = std::min(kChunk, n - c);
       sums->base += ChecksumPartial(b + c, len, c);
       sums->next += ChecksumPartial(x + c, len, c);
-      diff(c, std::min(c + len, whole));
+      diff(c, std::min(c + len, blocks));
     }
   } else {
-    diff(0, whole);
+    diff(0, blocks);
   }
-  ForEachChanged<E>(b, x, whole, n, [&](uint64_t i) {
-    if (changed++ < index_limit) record(i);
+  ForEachChanged<E>(b, x, blocks, n, [&](uint64_t i) {
+    if (advance != nullptr) Put<Elem<E>>(advance + i * E, Get<Elem<E>>(x + i * E));
+    found(i, 1, x + i * E);
   });
   sums->changed = changed;
   const DeltaSize size = DeltaEncodedBytes(elements, E, changed);
-  if (size.kind == DeltaKind::kFull) {
+  if (size.kind == DeltaKind::kFull)
     out->clear();
-    if (advance != nullptr) std::memcpy(advance, x, n);
-  } else if (size.kind == DeltaKind::kIndex) {
-    out->resize(used);
-    if (advance != nullptr) {
-      for (size_t k = kDeltaHeaderBytes; k < used; k += kRecord)
-        Put<Elem<E>>(advance + E * size_t{Get<uint32_t>(out->data() + k)},
-                     Get<Elem<E>>(out->data() + k + kIndexBytes));
-    }
-  } else {
-    // Pass 2, branch free per word: the word's change mask is its bits of the bitmap; every
-    // element is stored and the cursor advances only past changed ones (8 bytes of slack).
-    out->assign(size.bytes + 8, std::byte{0});
-    std::byte* bits = out->data() + kDeltaHeaderBytes;
-    std::byte* vals = bits + BitmapBytes(elements);
-    ForEachChangedWord(b, x, 0, whole, [&](size_t o, uint64_t d) {
-      const unsigned m = ChangedMask<E>(d);
-      bits[o / E / 8] |= std::byte(m << (o / E % 8));
-      for (int k = 0; k < 8 / E; ++k) {
-        Put<Elem<E>>(vals, Get<Elem<E>>(x + o + k * E));
-        vals += E * ((m >> k) & 1);
-      }
-      if (advance != nullptr) Put<uint64_t>(advance + o, Get<uint64_t>(x + o));
-    });
-    ForEachChanged<E>(b, x, whole, n, [&](uint64_t i) {
-      bits[i / 8] |= std::byte(1u << (i % 8));
-      Put<Elem<E>>(vals, Get<Elem<E>>(x + i * E));
-      vals += E;
-      if (advance != nullptr) Put<Elem<E>>(advance + i * E, Get<Elem<E>>(x + i * E));
-    });
-    out->resize(size.bytes);
-  }
+  else
+    out->resize(used);  // the size rule's bytes (checked by the caller)
   return size;
 }
 

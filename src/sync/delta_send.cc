@@ -54,7 +54,7 @@ Result<DeltaSender::Out> DeltaSender::Encode(int mi, int bi, const unsigned char
   const std::span<const std::byte> next(reinterpret_cast<const std::byte*>(img), n);
   if (out.reason == DeltaReason::kDelta) {
     const int es = DeltaElementSize(ctx_.in);
-    out.encoded = std::make_shared<std::vector<std::byte>>();
+    out.encoded = Buffer();
     const std::string name = "sync rank " + std::to_string(m.dst) + " bucket " + std::to_string(bi);
     // One pass over the kept and the new image: compared, and the kept one moved to the new
     // bytes (only the changed elements written); both checksums are known (kept, packed).
@@ -91,6 +91,16 @@ Result<DeltaSender::Out> DeltaSender::Encode(int mi, int bi, const unsigned char
   CountBucket(st_, out.reason, static_cast<int64_t>(out.bytes), static_cast<int64_t>(n));
   st_.encode_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
   return out;
+}
+
+std::shared_ptr<std::vector<std::byte>> DeltaSender::Buffer() {
+  for (const auto& b : buffers_) {
+    if (b.use_count() == 1) return b;  // its send completed (or it was not sent)
+  }
+  // The others are in flight, or kept by a failed sync: past a few, let them go.
+  if (buffers_.size() >= 4)
+    std::erase_if(buffers_, [](const auto& b) { return b.use_count() > 1; });
+  return buffers_.emplace_back(std::make_shared<std::vector<std::byte>>());
 }
 
 DeltaSyncStats DeltaSender::Finish() {

@@ -285,20 +285,61 @@ DeltaSize EncodeBody(const std::byte* b, const std::byte* x, size_t n, std::vect
   return size;
 }
 
-// Calls f(element index, value pointer) for every change of a checked encoding, in order.
-template <int E, typename F>
-void ForEachRecord(const DeltaInfo& info, const std::byte* payload, F&& f) {
-  if (info.kind == DeltaKind::kIndex) {
-    constexpr size_t kRecord = kIndexBytes + E;
-    for (uint64_t k = 0; k < info.changed; ++k)
-      f(uint64_t{Get<uint32_t>(payload + k * kRecord)}, payload + k * kRecord + kIndexBytes);
-  } else {
-    const std::byte* vals = payload + BitmapBytes(info.elements);
-    for (uint64_t j = 0; j < BitmapBytes(info.elements); ++j)
-      for (unsigned m = static_cast<unsigned>(payload[j]); m != 0; m &= m - 1, vals += E)
-        f(j * 8 + std::countr_zero(m), vals);
+// The changes of a checked encoding in order: element index and value, one at a time (the
+// decode walks them alongside its pass over the bucket).
+template <int E>
+class Records {
+ public:
+  Records(const DeltaInfo& info, const std::byte* payload)
+      : index_form_(info.kind == DeltaKind::kIndex), payload_(payload), left_(info.changed) {
+    if (!index_form_) {
+      nbits_ = BitmapBytes(info.elements);
+      vals_ = payload + nbits_;
+      byte_ = -1;
+    }
+    Next();
   }
-}
+  bool done() const { return done_; }
+  uint64_t index() const { return index_; }
+  const std::byte* value() const { return value_; }
+  void Next() {
+    if (left_ == 0) {
+      done_ = true;
+      return;
+    }
+    --left_;
+    if (index_form_) {
+      const std::byte* rec = payload_ + k_++ * (kIndexBytes + E);
+      index_ = Get<uint32_t>(rec);
+      value_ = rec + kIndexBytes;
+      return;
+    }
+    while (mask_ == 0) {  // the count matched the bitmap's popcount: a set bit is ahead
+      ++byte_;
+      if (byte_ % 8 == 0 && byte_ + 8 <= nbits_ && Get<uint64_t>(payload_ + byte_) == 0) {
+        byte_ += 7;  // eight empty bytes at once
+        continue;
+      }
+      mask_ = static_cast<unsigned>(payload_[byte_]);
+    }
+    index_ = byte_ * 8 + std::countr_zero(mask_);
+    mask_ &= mask_ - 1;
+    value_ = vals_;
+    vals_ += E;
+  }
+
+ private:
+  bool index_form_;
+  const std::byte* payload_;
+  uint64_t left_;
+  bool done_ = false;
+  uint64_t index_ = 0;
+  const std::byte* value_ = nullptr;
+  uint64_t k_ = 0;                   // index form: the next record
+  uint64_t nbits_ = 0, byte_ = 0;    // bitmap form: its bytes, the current one
+  unsigned mask_ = 0;                // bits of byte_ not yet visited
+  const std::byte* vals_ = nullptr;  // bitmap form: the next value
+};
 
 // Byte offset -> piece (DeltaPiece), for offsets that never decrease: records come in increasing
 // element order, so a decode walks the pieces once.
@@ -352,76 +393,144 @@ Status CheckPieces(std::span<const DeltaPiece> pieces, uint64_t n, uint64_t e,
 }
 
 // The checksum sum (checksum.h, unfinished) of the pieces' base bytes of an n-byte bucket, read
-// once; with `copy`, each piece whose `out` is elsewhere gets the base's bytes in the same pass.
-// Words split between pieces are assembled byte by byte (at most 7 bytes per piece edge).
-uint64_t SumPieces(std::span<const DeltaPiece> pieces, uint64_t n, bool copy) {
-  uint64_t sum = 0, word = 0;
-  for (const DeltaPiece& p : pieces) {
-    const std::byte* src = p.base;
-    std::byte* dst = p.out;
-    const bool cp = copy && dst != src;
-    uint64_t o = p.offset, len = p.len;
+// once, in bucket order up to where To() was asked; with `copy`, each piece whose `out` is
+// elsewhere gets the base's bytes in the same pass. Words split between pieces are assembled
+// byte by byte (at most 7 bytes per piece edge).
+class PieceSum {
+ public:
+  PieceSum(std::span<const DeltaPiece> pieces, uint64_t n, bool copy)
+      : p_(pieces), n_(n), copy_(copy) {}
+  void To(uint64_t to) {
+    while (at_ < to) {
+      const DeltaPiece& p = p_[k_];
+      const uint64_t end = std::min(p.offset + p.len, to);
+      if (end > at_) Range(p, at_, end);
+      at_ = std::max(at_, end);
+      if (at_ == p.offset + p.len) ++k_;
+    }
+  }
+  uint64_t Finish() {
+    To(n_);
+    if (n_ % 8 != 0) sum_ += ChecksumMixWord(word_, n_ / 8);  // the zero-padded last word
+    return sum_;
+  }
+
+ private:
+  void Range(const DeltaPiece& p, uint64_t o, uint64_t end) {
+    const std::byte* src = p.base + (o - p.offset);
+    std::byte* dst = p.out + (o - p.offset);
+    const bool cp = copy_ && p.out != p.base;
+    uint64_t len = end - o;
     auto bytes = [&](uint64_t count) {
       for (uint64_t k = 0; k < count; ++k, ++o) {
-        word |= static_cast<uint64_t>(src[k]) << (8 * (o % 8));
+        word_ |= static_cast<uint64_t>(src[k]) << (8 * (o % 8));
         if (cp) dst[k] = src[k];
         if (o % 8 == 7) {
-          sum += ChecksumMixWord(word, o / 8);
-          word = 0;
+          sum_ += ChecksumMixWord(word_, o / 8);
+          word_ = 0;
         }
       }
       src += count;
-      if (cp) dst += count;
+      dst += count;
       len -= count;
     };
     bytes(std::min<uint64_t>(len, (8 - o % 8) % 8));
     const uint64_t whole = len & ~uint64_t{7};
     if (whole != 0) {
-      sum += cp ? CopyWithChecksumPartial(dst, src, whole, o) : ChecksumPartial(src, whole, o);
+      sum_ += cp ? CopyWithChecksumPartial(dst, src, whole, o) : ChecksumPartial(src, whole, o);
       src += whole;
-      if (cp) dst += whole;
+      dst += whole;
       o += whole;
       len -= whole;
     }
     bytes(len);
   }
-  if (n % 8 != 0) sum += ChecksumMixWord(word, n / 8);  // the zero-padded last word
-  return sum;
-}
 
-// The checksum sum of the bucket after the changes, from the base's: the checksum is a sum of
-// per-word terms, so only the changed words' terms are replaced. Records come in increasing
-// element order (checked before), so each changed word is finished before the next starts.
+  std::span<const DeltaPiece> p_;
+  uint64_t n_;
+  bool copy_;
+  size_t k_ = 0;
+  uint64_t at_ = 0;
+  uint64_t sum_ = 0, word_ = 0;
+};
+
+// What the changes do to the checksum sum: the checksum is a sum of per-word terms, so each
+// changed word's term is replaced. Fed alongside PieceSum (To: the records whose words lie below
+// `limit`, read while that stretch is still in cache); records come in increasing element order
+// (checked before), so each changed word is finished before the next starts.
 template <int E>
-uint64_t PredictSum(const DeltaInfo& info, const std::byte* payload,
-                    std::span<const DeltaPiece> pieces, uint64_t n, uint64_t sum) {
-  PieceCursor cur(pieces);
-  uint64_t word_at = UINT64_MAX, old_word = 0, new_word = 0;
-  auto flush = [&] {
-    if (word_at != UINT64_MAX)
-      sum += ChecksumMixWord(new_word, word_at / 8) - ChecksumMixWord(old_word, word_at / 8);
-  };
-  ForEachRecord<E>(info, payload, [&](uint64_t i, const std::byte* value) {
-    const uint64_t at = i * E / 8 * 8;
-    if (at != word_at) {
-      flush();
-      word_at = at;
-      old_word = new_word = cur.Word(at, n);
+class Predict {
+ public:
+  Predict(const DeltaInfo& info, const std::byte* payload, std::span<const DeltaPiece> pieces,
+          uint64_t n)
+      : rec_(info, payload), cur_(pieces), n_(n) {}
+  void To(uint64_t limit) {
+    for (; !rec_.done(); rec_.Next()) {
+      const uint64_t at = rec_.index() * E / 8 * 8;
+      if (at + 8 > limit && limit < n_) return;
+      if (at != word_at_) {
+        Flush();
+        word_at_ = at;
+        old_word_ = new_word_ = cur_.Word(at, n_);
+      }
+      Put<Elem<E>>(reinterpret_cast<std::byte*>(&new_word_) + (rec_.index() * E - at),
+                   Get<Elem<E>>(rec_.value()));
     }
-    Put<Elem<E>>(reinterpret_cast<std::byte*>(&new_word) + (i * E - at), Get<Elem<E>>(value));
-  });
-  flush();
-  return sum;
-}
+  }
+  // The sum's change (mod 2^64).
+  uint64_t Finish() {
+    To(n_);
+    Flush();
+    word_at_ = UINT64_MAX;
+    return delta_;
+  }
 
-// Writes the changed elements into the pieces' `out` (elements never straddle pieces).
+ private:
+  void Flush() {
+    if (word_at_ != UINT64_MAX)
+      delta_ += ChecksumMixWord(new_word_, word_at_ / 8) - ChecksumMixWord(old_word_, word_at_ / 8);
+  }
+  Records<E> rec_;
+  PieceCursor cur_;
+  uint64_t n_;
+  uint64_t word_at_ = UINT64_MAX, old_word_ = 0, new_word_ = 0, delta_ = 0;
+};
+
+// Writes the changed elements into the pieces' `out` (elements never straddle pieces). The index
+// form's changes are spread over the bucket, last touched a whole pass ago: their lines are
+// prefetched a few records ahead. The bitmap form's are dense: a plain walk of its bytes.
 template <int E>
 void Apply(const DeltaInfo& info, const std::byte* payload, std::span<const DeltaPiece> pieces) {
   PieceCursor cur(pieces);
-  ForEachRecord<E>(info, payload, [&](uint64_t i, const std::byte* value) {
+  auto put = [&](uint64_t i, const std::byte* value) {
     const DeltaPiece& p = cur.At(i * E);
     Put<Elem<E>>(p.out + (i * E - p.offset), Get<Elem<E>>(value));
-  });
+  };
+  if (info.kind == DeltaKind::kIndex) {
+    constexpr uint64_t kAhead = 16;
+    constexpr size_t kRecord = kIndexBytes + E;
+    PieceCursor pre(pieces);
+    for (uint64_t k = 0; k < info.changed; ++k) {
+      if (k + kAhead < info.changed) {
+        const uint64_t a = uint64_t{Get<uint32_t>(payload + (k + kAhead) * kRecord)} * E;
+        const DeltaPiece& q = pre.At(a);
+        __builtin_prefetch(q.out + (a - q.offset), 1);
+      }
+      const std::byte* rec = payload + k * kRecord;
+      put(Get<uint32_t>(rec), rec + kIndexBytes);
+    }
+    return;
+  }
+  const uint64_t nbits = BitmapBytes(info.elements);
+  const std::byte* vals = payload + nbits;
+  for (uint64_t j = 0; j < nbits; ++j) {
+    if (j % 8 == 0 && j + 8 <= nbits && Get<uint64_t>(payload + j) == 0) {
+      j += 7;
+      continue;
+    }
+    for (unsigned m = static_cast<unsigned>(payload[j]); m != 0; m &= m - 1, vals += E)
+      put(j * 8 + std::countr_zero(m), vals);
+  }
 }
 
 }  // namespace
@@ -582,46 +691,67 @@ Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const Del
         "delta of bucket {}: computed against base version {}, the receiver holds version {}: "
         "not applied",
         name, info.base_version, expect.base_version));
-  const uint64_t base_sum = SumPieces(pieces, n, /*copy=*/true);
+  // Positions first (the payload alone): a pass over the bucket may only look up valid ones.
+  const std::byte* payload = encoded.data() + kDeltaHeaderBytes;
+  auto bad = [&](std::string what) {
+    return DataLossError(fmt::format("delta of bucket {}: malformed encoding: {}", name, what));
+  };
+  Status positions = OkStatus();
+  if (info.kind == DeltaKind::kIndex) {
+    const size_t record = kIndexBytes + e;
+    int64_t prev = -1;
+    for (uint64_t k = 0; k < info.changed && positions.ok(); ++k) {
+      const uint32_t i = Get<uint32_t>(payload + k * record);
+      if (i >= info.elements)
+        positions =
+            bad(fmt::format("record {}: index {} out of range [0, {})", k, i, info.elements));
+      else if (static_cast<int64_t>(i) <= prev)
+        positions = bad(fmt::format("record {}: index {} not above the previous {}", k, i, prev));
+      prev = i;
+    }
+  } else {
+    const uint64_t nbits = BitmapBytes(info.elements);
+    const unsigned tail = info.elements % 8;
+    uint64_t count = 0;
+    uint64_t j = 0;
+    for (; j + 8 <= nbits; j += 8) count += Popcount64(Get<uint64_t>(payload + j));
+    for (; j < nbits; ++j) count += Popcount64(static_cast<unsigned>(payload[j]));
+    if (tail != 0 && (static_cast<unsigned>(payload[nbits - 1]) >> tail) != 0)
+      positions = bad(fmt::format("bitmap bits set past element {}", info.elements));
+    else if (count != info.changed)
+      positions =
+          bad(fmt::format("bitmap has {} bits set, the count says {}", count, info.changed));
+  }
+
+  // One pass over the bucket, chunk by chunk: its base checksum (with `out` elsewhere, the copy)
+  // and, while each chunk is in cache, the changed words' old and new terms. Refusals in order:
+  // another base, then a malformed encoding, then a result that is not the sender's; nothing is
+  // written before all three passed.
+  PieceSum base(pieces, n, /*copy=*/true);
+  uint64_t change = 0;
+  auto pass = [&]<int E>(Predict<E> pred) {
+    for (uint64_t c = 0; c < n; c += kChunk) {
+      const uint64_t end = std::min<uint64_t>(c + kChunk, n);
+      base.To(end);
+      if (positions.ok()) pred.To(end);
+    }
+    if (positions.ok()) change = pred.Finish();
+  };
+  if (e == 1)
+    pass(Predict<1>(info, payload, pieces, n));
+  else if (e == 2)
+    pass(Predict<2>(info, payload, pieces, n));
+  else
+    pass(Predict<4>(info, payload, pieces, n));
+  const uint64_t base_sum = base.Finish();
   const uint64_t have = ChecksumFinish(base_sum, n);
   if (have != info.base_checksum)
     return FailedPreconditionError(fmt::format(
         "delta of bucket {}: base_checksum {:#018x} (version {}), the receiver's bytes have "
         "{:#018x}: not applied",
         name, info.base_checksum, info.base_version, have));
-
-  // Validate every position, then predict the result's checksum, then write: a refused delta
-  // leaves the bucket as it was.
-  const std::byte* payload = encoded.data() + kDeltaHeaderBytes;
-  auto bad = [&](std::string what) {
-    return DataLossError(fmt::format("delta of bucket {}: malformed encoding: {}", name, what));
-  };
-  if (info.kind == DeltaKind::kIndex) {
-    const size_t record = kIndexBytes + e;
-    int64_t prev = -1;
-    for (uint64_t k = 0; k < info.changed; ++k) {
-      const uint32_t i = Get<uint32_t>(payload + k * record);
-      if (i >= info.elements)
-        return bad(fmt::format("record {}: index {} out of range [0, {})", k, i, info.elements));
-      if (static_cast<int64_t>(i) <= prev)
-        return bad(fmt::format("record {}: index {} not above the previous {}", k, i, prev));
-      prev = i;
-    }
-  } else {
-    const uint64_t nbits = BitmapBytes(info.elements);
-    const unsigned tail = info.elements % 8;
-    if (tail != 0 && (static_cast<unsigned>(payload[nbits - 1]) >> tail) != 0)
-      return bad(fmt::format("bitmap bits set past element {}", info.elements));
-    uint64_t count = 0;
-    uint64_t j = 0;
-    for (; j + 8 <= nbits; j += 8) count += Popcount64(Get<uint64_t>(payload + j));
-    for (; j < nbits; ++j) count += Popcount64(static_cast<unsigned>(payload[j]));
-    if (count != info.changed)
-      return bad(fmt::format("bitmap has {} bits set, the count says {}", count, info.changed));
-  }
-  const uint64_t sum = e == 1   ? PredictSum<1>(info, payload, pieces, n, base_sum)
-                       : e == 2 ? PredictSum<2>(info, payload, pieces, n, base_sum)
-                                : PredictSum<4>(info, payload, pieces, n, base_sum);
+  SS_RETURN_IF_ERROR(positions);
+  const uint64_t sum = base_sum + change;
   if (ChecksumFinish(sum, n) != info.new_checksum)
     return DataLossError(fmt::format(
         "delta of bucket {}: the result's checksum {:#018x} is not the sender's new_checksum "
@@ -645,7 +775,7 @@ Status DecodeDeltaInPlace(std::span<const std::byte> encoded, std::span<std::byt
 Result<uint64_t> DeltaPiecesChecksum(std::span<const DeltaPiece> pieces, uint64_t bucket_bytes,
                                      bool copy) {
   SS_RETURN_IF_ERROR(CheckPieces(pieces, bucket_bytes, 1, "(checksum)", /*writes=*/copy));
-  return ChecksumFinish(SumPieces(pieces, bucket_bytes, copy), bucket_bytes);
+  return ChecksumFinish(PieceSum(pieces, bucket_bytes, copy).Finish(), bucket_bytes);
 }
 
 Result<DeltaCost> EstimateDeltaCost(const DeltaCostInput& in) {

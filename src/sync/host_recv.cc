@@ -9,6 +9,7 @@ namespace shardsync::sync_internal {
 Status HostReceiver::Prepare(const Bindings& bindings, const PreparedPairs& pairs) {
   bindings_ = &bindings;
   pairs_ = &pairs;
+  SS_RETURN_IF_ERROR(ResolveAuto(ctx_, delta_));
   const RankPlan& plan = ctx_.plan;
   std::vector<int> msgs;  // the host path's
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {

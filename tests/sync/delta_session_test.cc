@@ -417,15 +417,34 @@ TEST(DeltaSession, StagedCommitAppliesDeltasOverTheLiveVersionAndRollbackFallsBa
 }
 
 TEST(DeltaSession, AutoSendsDeltasOnlyWhereTheyPayAtTheLinkSpeed) {
-  // At the default 25 GB/s a host-codec delta never pays (docs/benchmarks.md): every bucket
-  // goes whole, counted as the cost model's decision.
+  // At the default 25 GB/s no delta can pay, even a header alone (the path's passes cost more
+  // than the whole bucket on the wire: docs/delta.md): the host path runs as encoding full, no
+  // bucket takes the delta steps.
   {
     Twins t(WireEncoding::kAuto);
     t.Sync(1);
     t.Update(2, 0.01);
     SyncReport r = t.Sync(2);
     t.ExpectSame();
-    EXPECT_EQ(r.delta.buckets_delta, 0);
+    EXPECT_EQ(r.delta.full_bytes, 0);
+    EXPECT_EQ(r.delta.buckets_delta + r.delta.buckets_full, 0);
+    EXPECT_EQ(r.checksums_ok, r.checksums_total);
+  }
+  // At 2 GB/s a delta pays at 1% (about 3% of the bytes on the wire) but not at 30% (the bitmap
+  // form, 36%): those buckets go whole, counted as the cost model's decision.
+  ASSERT_EQ(setenv("SHARDSYNC_DELTA_LINK_MBPS", "2000", 1), 0);
+  {
+    Twins t(WireEncoding::kAuto);
+    t.Sync(1);
+    t.Update(2, 0.01);
+    SyncReport r = t.Sync(2);
+    t.ExpectSame();
+    EXPECT_GT(r.delta.buckets_delta, 0);
+    EXPECT_EQ(r.delta.full_by_cost, 0);
+    t.Update(3, 0.3);
+    r = t.Sync(3);
+    t.ExpectSame();
+    EXPECT_GT(r.delta.full_by_cost, 0);
     EXPECT_EQ(r.delta.full_by_cost, r.delta.buckets_full);
   }
   // At 100 MB/s it pays at 1%.

@@ -60,10 +60,11 @@ void* DeltaReceiver::Live(int param) const {
 Status DeltaReceiver::Rebuild(int mi, int bi) {
   const Message& m = ctx_.plan.recvs[mi];
   const Bucket& b = m.buckets[bi];
-  image_.resize(static_cast<size_t>(b.bytes));
+  std::vector<std::byte>& image = slots_[mi][bi].image;
+  image.resize(static_cast<size_t>(b.bytes));
   return codec_.RebuildImage(
       *bindings_, m, b, [this](int param) { return Live(param); },
-      reinterpret_cast<unsigned char*>(image_.data()));
+      reinterpret_cast<unsigned char*>(image.data()));
 }
 
 unsigned char* DeltaReceiver::Landing(const WireRun& r) const {
@@ -103,7 +104,7 @@ Result<std::string> DeltaReceiver::Advertise() {
                                 bytes));
       } else {
         SS_RETURN_IF_ERROR(Rebuild(static_cast<int>(mi), static_cast<int>(bi)));
-        s.advertised.checksum = Checksum(image_.data(), image_.size());
+        s.advertised.checksum = Checksum(s.image.data(), s.image.size());
       }
       bases.push_back(s.advertised);
     }
@@ -170,8 +171,10 @@ Status DeltaReceiver::ReceiveDelta(int mi, int bi, const Control& c, const unsig
     // are caught), in place or copied from the live parameters into staging.
     applied = DecodeDeltaPieces(enc, Pieces(mi, bi, nullptr), bytes, expect);
   } else {
-    SS_RETURN_IF_ERROR(Rebuild(mi, bi));
-    applied = DecodeDeltaInPlace(enc, image_, expect);
+    // Over the image rebuilt for the advertisement (not rebuilt again): the codec's Land then
+    // rewrites every byte of the bucket from the verified result, so a parameter byte changed
+    // since is overwritten, not covered.
+    applied = DecodeDeltaInPlace(enc, slots_[mi][bi].image, expect);
   }
   if (!applied.ok()) {
     return applied.Annotate(Who() + ": the delta of version " + std::to_string(guard_.version()) +
@@ -180,7 +183,7 @@ Status DeltaReceiver::ReceiveDelta(int mi, int bi, const Control& c, const unsig
   st_.changed += static_cast<int64_t>(info.changed);
   st_.elements += static_cast<int64_t>(info.elements);
   if (codec_.in_place()) return OkStatus();
-  return codec_.Land(m, bi, reinterpret_cast<const unsigned char*>(image_.data()));
+  return codec_.Land(m, bi, reinterpret_cast<const unsigned char*>(slots_[mi][bi].image.data()));
 }
 
 DeltaSyncStats DeltaReceiver::Finish() {

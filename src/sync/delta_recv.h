@@ -13,8 +13,8 @@
 //    version or checksum is not the one the delta names and a result whose checksum (the base's
 //    as read now, with the changed words' terms replaced) is not the sender's, before it writes:
 //    the final checksum covers the resulting weights, and nothing of a refused delta lands;
-//  - a delta, image codec: over the image rebuilt from the live parameters (DecodeDeltaInPlace),
-//    then the codec's Land.
+//  - a delta, image codec: over the image rebuilt for the advertisement (DecodeDeltaInPlace),
+//    then the codec's Land, which rewrites the whole bucket from that verified result.
 #pragma once
 
 #include <memory>
@@ -52,6 +52,9 @@ class DeltaReceiver {
     std::vector<WireRun> runs;  // in place: where the bucket's bytes land, in wire order
     uint64_t verified = 0;      // in place: the version its bytes were verified at (0: unknown)
     BucketBase advertised;      // this sync's advertisement
+    // Image codecs: the image rebuilt for the advertisement, which a delta is applied to (one
+    // copy of the bucket's wire bytes, kept between syncs).
+    std::vector<std::byte> image;
   };
   std::string Who() const { return "sync rank " + std::to_string(ctx_.rank); }
   std::string Where(int mi, int bi) const;
@@ -61,7 +64,7 @@ class DeltaReceiver {
   // In place: bucket `bi` of receive message `mi` as pieces (DeltaPiece) into pieces_, read from
   // `from` (null: the live parameters) and written to the landing runs.
   const std::vector<DeltaPiece>& Pieces(int mi, int bi, const unsigned char* from);
-  // Image codecs: the base of bucket `bi` of receive message `mi`, rebuilt into image_.
+  // Image codecs: the base of bucket `bi` of receive message `mi`, rebuilt into its slot's image.
   Status Rebuild(int mi, int bi);
   Status ReceiveWhole(int mi, int bi, const Control& c, const unsigned char* slot);
   Status ReceiveDelta(int mi, int bi, const Control& c, const unsigned char* slot);
@@ -72,7 +75,6 @@ class DeltaReceiver {
   const StagedCommit& staged_;
   const Bindings* bindings_ = nullptr;
   std::vector<std::vector<Slot>> slots_;  // [recv message][bucket]; empty off the host path
-  std::vector<std::byte> image_;          // image codecs: a bucket's base rebuilt, then decoded
   std::vector<DeltaPiece> pieces_;        // in place: Pieces' result
   DeltaSyncStats st_;
 };

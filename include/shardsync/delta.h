@@ -129,6 +129,47 @@ struct DeltaExpect {
 Status DecodeDeltaInPlace(std::span<const std::byte> encoded, std::span<std::byte> bucket,
                           const DeltaExpect& expect);
 
+// --- The host path's forms (the session's delta steps, src/sync/delta_send.h, delta_recv.h) ---
+
+// EncodeDelta for a sender that already knows both checksums (the one it kept with its image,
+// and the one its pack step computed) and keeps `base` as its image of the bucket: skips both
+// checksum passes, and leaves `base` holding `next`'s bytes, written in the same pass over the
+// data (only the changed elements, or the whole bucket when the result is kFull). The checksums
+// are taken as given, not recomputed: the receiver checks the result it builds against
+// `new_checksum` and the base it holds against `base_checksum`, so a wrong one is refused there,
+// never landed. Same errors as EncodeDelta (then `base` is untouched).
+Result<DeltaEncodeResult> EncodeDeltaAdvance(std::span<std::byte> base,
+                                             std::span<const std::byte> next, int element_size,
+                                             uint64_t base_version, uint64_t base_checksum,
+                                             uint64_t new_checksum, std::string_view bucket,
+                                             std::vector<std::byte>* out);
+
+// A bucket whose bytes are not one buffer: the receiver's landed runs (the elements of one bucket
+// live in several parameters). Pieces tile [0, bucket bytes) in increasing `offset` order, each
+// starting and ending on an element boundary.
+struct DeltaPiece {
+  uint64_t offset = 0;              // where the piece starts in the bucket
+  uint64_t len = 0;                 // bytes
+  const std::byte* base = nullptr;  // the base's bytes of the piece
+  std::byte* out = nullptr;         // where the result goes: `base` itself, or elsewhere (staging)
+};
+
+// DecodeDeltaInPlace over pieces: reads every piece once (the base checksum; with `out` elsewhere,
+// fused with copying the base there), then reads and writes only the changed elements' words.
+// The same checks in the same order, and the same guarantee for `out == base`: a refused delta
+// leaves the pieces untouched. With `out != base`, a refusal may leave the base's bytes in `out`
+// (never a changed element). InvalidArgument naming the bucket when the pieces do not tile
+// `bucket_bytes` as above.
+Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const DeltaPiece> pieces,
+                         uint64_t bucket_bytes, const DeltaExpect& expect);
+
+// The checksum (checksum.h) of a bucket given as pieces (`base` bytes; same tiling rule, any
+// element size), read once; with `copy`, each piece whose `out` is elsewhere also gets its bytes
+// in the same pass (a whole bucket landing from a receive slot). InvalidArgument when they do not
+// tile `bucket_bytes`.
+Result<uint64_t> DeltaPiecesChecksum(std::span<const DeltaPiece> pieces, uint64_t bucket_bytes,
+                                     bool copy = false);
+
 // --- Cost model: does a delta pay for one bucket? Pure. ---
 struct DeltaCostInput {
   uint64_t bucket_bytes = 0;

@@ -364,6 +364,10 @@ struct FaultConfig {
   int corrupt_data_post = 0;   // the Nth PostPut/PostSend with bytes > 0 sends a copy with one
   size_t corrupt_byte = 0;     // byte (index clamped to the message) XOR-ed with 0xFF
   int die_after_posts = 0;  // after N posts every later Post*/Poll fails Unavailable (peer death)
+  // Before the Nth Post* is passed on, `before_post` runs on the posting thread: a test's step
+  // at a known point of a sync (e.g. after a receiver advertised, before anything landed).
+  int call_before_post = 0;
+  std::function<void()> before_post;
 };
 struct FaultCounters {
   int posts = 0;

@@ -8,205 +8,262 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 
+#include "common/delta_internal.h"
 #include "shardsync/checksum.h"
 #include "shardsync/delta_rule.h"
 
 namespace shardsync {
 namespace {
 
-constexpr uint32_t kMagic = 0x4C445353;  // "SSDL" little-endian
-constexpr uint8_t kFormat = 1;
-constexpr size_t kChunk = size_t{64} << 10;  // checksum + diff chunk: both stay in L2
-constexpr uint64_t kIndexBytes = 4;
+using namespace delta_internal;  // NOLINT(build/namespaces): the codec's own helpers
 
-bool ValidElementSize(int e) { return e == 1 || e == 2 || e == 4; }
-
-uint64_t BitmapBytes(uint64_t elements) { return (elements + 7) / 8; }
-
-// SWAR popcount: the build targets baseline x86-64 (no POPCNT), where std::popcount is a call
-// into libgcc (4% of a decode's samples in perf).
-inline uint64_t Popcount64(uint64_t x) {
-  x -= (x >> 1) & 0x5555555555555555ull;
-  x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
-  x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0Full;
-  return (x * 0x0101010101010101ull) >> 56;
-}
-
-template <typename T>
-void Put(std::byte* p, T v) {
-  std::memcpy(p, &v, sizeof(T));
-}
-template <typename T>
-T Get(const std::byte* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
-
-// The element as an unsigned integer: every hot loop is instantiated per element size so the
-// compares and copies are single loads / stores, not calls to memcpy.
+// The changes of a checked encoding in order: element index and value, one at a time (the
+// decode walks them alongside its pass over the bucket).
 template <int E>
-using Elem = std::conditional_t<E == 1, uint8_t, std::conditional_t<E == 2, uint16_t, uint32_t>>;
-
-// Bit k set when element k of the 8-byte word d = base ^ new is nonzero (changed); branch free
-// (SWAR: a lane's top bit after adding 0x7f.. to its low bits is set iff the lane is nonzero).
-template <int E>
-unsigned ChangedMask(uint64_t d) {
-  if constexpr (E == 1) {
-    const uint64_t t =
-        (((d & 0x7F7F7F7F7F7F7F7Full) + 0x7F7F7F7F7F7F7F7Full) | d) & 0x8080808080808080ull;
-    return static_cast<unsigned>(((t >> 7) * 0x0102040810204080ull) >> 56);  // gather bit 8k -> k
-  } else if constexpr (E == 2) {
-    const uint64_t t =
-        (((d & 0x7FFF7FFF7FFF7FFFull) + 0x7FFF7FFF7FFF7FFFull) | d) & 0x8000800080008000ull;
-    return static_cast<unsigned>((t >> 15 & 1) | (t >> 30 & 2) | (t >> 45 & 4) | (t >> 60 & 8));
-  } else {
-    return unsigned{static_cast<uint32_t>(d) != 0} | unsigned{(d >> 32) != 0} << 1;
+class Records {
+ public:
+  Records(const DeltaInfo& info, const std::byte* payload)
+      : index_form_(info.kind == DeltaKind::kIndex), payload_(payload), left_(info.changed) {
+    if (!index_form_) {
+      nbits_ = BitmapBytes(info.elements);
+      vals_ = payload + nbits_;
+      byte_ = -1;
+    }
+    Next();
   }
-}
-
-// Calls f(element index) for every element of [begin, end) (byte offsets, element aligned) that
-// differs, comparing 8 bytes at a time first: at RL densities most words are equal.
-template <int E, typename F>
-void ForEachChanged(const std::byte* base, const std::byte* next, size_t begin, size_t end, F&& f) {
-  size_t o = begin;
-  for (; o + 8 <= end; o += 8) {
-    const uint64_t d = Get<uint64_t>(base + o) ^ Get<uint64_t>(next + o);
-    if (d == 0) continue;
-    for (unsigned m = ChangedMask<E>(d); m != 0; m &= m - 1) f(o / E + std::countr_zero(m));
+  bool done() const { return done_; }
+  uint64_t index() const { return index_; }
+  const std::byte* value() const { return value_; }
+  void Next() {
+    if (left_ == 0) {
+      done_ = true;
+      return;
+    }
+    --left_;
+    if (index_form_) {
+      const std::byte* rec = payload_ + k_++ * (kIndexBytes + E);
+      index_ = Get<uint32_t>(rec);
+      value_ = rec + kIndexBytes;
+      return;
+    }
+    while (mask_ == 0) {  // the count matched the bitmap's popcount: a set bit is ahead
+      ++byte_;
+      if (byte_ % 8 == 0 && byte_ + 8 <= nbits_ && Get<uint64_t>(payload_ + byte_) == 0) {
+        byte_ += 7;  // eight empty bytes at once
+        continue;
+      }
+      mask_ = static_cast<unsigned>(payload_[byte_]);
+    }
+    index_ = byte_ * 8 + std::countr_zero(mask_);
+    mask_ &= mask_ - 1;
+    value_ = vals_;
+    vals_ += E;
   }
-  for (; o < end; o += E)
-    if (Get<Elem<E>>(base + o) != Get<Elem<E>>(next + o)) f(o / E);
-}
 
-struct EncodeSums {
-  uint64_t base = 0, next = 0, changed = 0;
+ private:
+  bool index_form_;
+  const std::byte* payload_;
+  uint64_t left_;
+  bool done_ = false;
+  uint64_t index_ = 0;
+  const std::byte* value_ = nullptr;
+  uint64_t k_ = 0;                   // index form: the next record
+  uint64_t nbits_ = 0, byte_ = 0;    // bitmap form: its bytes, the current one
+  unsigned mask_ = 0;                // bits of byte_ not yet visited
+  const std::byte* vals_ = nullptr;  // bitmap form: the next value
 };
 
-// Pass 1, chunk by chunk so the checksums and the diff read each chunk from cache: both
-// checksum sums, the count, and the index records while the index form can still win. Then,
-// when the bitmap form wins, pass 2 writes the bitmap and the values. Leaves *out holding the
-// payload after kDeltaHeaderBytes (header unwritten), or empty for kFull.
-template <int E>
-DeltaSize EncodeBody(const std::byte* b, const std::byte* x, size_t n, std::vector<std::byte>* out,
-                     EncodeSums* sums) {
-  const uint64_t elements = n / E;
-  const uint64_t index_limit = BitmapBytes(elements) / kIndexBytes;
-  constexpr size_t kRecord = kIndexBytes + E;
-  out->resize(kDeltaHeaderBytes + std::min<uint64_t>(index_limit, 4096) * kRecord);
-  size_t used = kDeltaHeaderBytes;
-  auto record = [&](uint64_t i) {
-    if (used + kRecord > out->size()) out->resize(2 * out->size());
-    Put<uint32_t>(out->data() + used, static_cast<uint32_t>(i));
-    Put<Elem<E>>(out->data() + used + kIndexBytes, Get<Elem<E>>(x + i * E));
-    used += kRecord;
-  };
-  uint64_t changed = 0;
-  for (size_t c = 0; c < n; c += kChunk) {
-    const size_t len = std::min(kChunk, n - c);
-    sums->base += ChecksumPartial(b + c, len, c);
-    sums->next += ChecksumPartial(x + c, len, c);
-    size_t o = c;
-    for (; o + 8 <= c + len; o += 8) {
-      const uint64_t d = Get<uint64_t>(b + o) ^ Get<uint64_t>(x + o);
-      if (d == 0) continue;
-      const unsigned m = ChangedMask<E>(d);
-      // Records only while the index form can still win; past that, counting is a popcount.
-      if (changed <= index_limit)
-        for (unsigned r = m; r != 0; r &= r - 1) record(o / E + std::countr_zero(r));
-      changed += Popcount64(m);
-    }
-    ForEachChanged<E>(b, x, o, c + len, [&](uint64_t i) {
-      if (changed++ < index_limit) record(i);
-    });
+// Byte offset -> piece (DeltaPiece), for offsets that never decrease: records come in increasing
+// element order, so a decode walks the pieces once.
+class PieceCursor {
+ public:
+  explicit PieceCursor(std::span<const DeltaPiece> p) : p_(p) {}
+  const DeltaPiece& At(uint64_t at) {
+    while (p_[k_].offset + p_[k_].len <= at) ++k_;
+    return p_[k_];
   }
-  sums->changed = changed;
-  const DeltaSize size = DeltaEncodedBytes(elements, E, sums->changed);
-  if (size.kind == DeltaKind::kFull) {
-    out->clear();
-  } else if (size.kind == DeltaKind::kIndex) {
-    out->resize(used);
-  } else {
-    // Pass 2, branch free per word: the word's change mask is its bits of the bitmap; every
-    // element is stored and the cursor advances only past changed ones (8 bytes of slack).
-    out->assign(size.bytes + 8, std::byte{0});
-    std::byte* bits = out->data() + kDeltaHeaderBytes;
-    std::byte* vals = bits + BitmapBytes(elements);
-    size_t o = 0;
-    for (; o + 8 <= n; o += 8) {
-      const uint64_t d = Get<uint64_t>(b + o) ^ Get<uint64_t>(x + o);
-      if (d == 0) continue;
-      const unsigned m = ChangedMask<E>(d);
-      bits[o / E / 8] |= std::byte(m << (o / E % 8));
-      for (int k = 0; k < 8 / E; ++k) {
-        Put<Elem<E>>(vals, Get<Elem<E>>(x + o + k * E));
-        vals += E * ((m >> k) & 1);
-      }
-    }
-    ForEachChanged<E>(b, x, o, n, [&](uint64_t i) {
-      bits[i / 8] |= std::byte(1u << (i % 8));
-      Put<Elem<E>>(vals, Get<Elem<E>>(x + i * E));
-      vals += E;
-    });
-    out->resize(size.bytes);
-  }
-  return size;
-}
-
-// Calls f(element index, value pointer) for every change of a checked encoding, in order.
-template <int E, typename F>
-void ForEachRecord(const DeltaInfo& info, const std::byte* payload, F&& f) {
-  if (info.kind == DeltaKind::kIndex) {
-    constexpr size_t kRecord = kIndexBytes + E;
-    for (uint64_t k = 0; k < info.changed; ++k)
-      f(uint64_t{Get<uint32_t>(payload + k * kRecord)}, payload + k * kRecord + kIndexBytes);
-  } else {
-    const std::byte* vals = payload + BitmapBytes(info.elements);
-    for (uint64_t j = 0; j < BitmapBytes(info.elements); ++j)
-      for (unsigned m = static_cast<unsigned>(payload[j]); m != 0; m &= m - 1, vals += E)
-        f(j * 8 + std::countr_zero(m), vals);
-  }
-}
-
-// The checksum sum of the bucket after the changes, from the base's: the checksum is a sum of
-// per-word terms, so only the changed words' terms are replaced. Records come in increasing
-// element order (checked before), so each changed word is finished before the next starts.
-template <int E>
-uint64_t PredictSum(const DeltaInfo& info, const std::byte* payload, const std::byte* data,
-                    size_t n, uint64_t sum) {
-  uint64_t word_at = UINT64_MAX, word = 0;
-  auto word_of = [&](uint64_t at) {
+  // The base's checksum word at byte `at` (a multiple of 8) of an n-byte bucket: zero-padded
+  // past n, gathered when it straddles pieces.
+  uint64_t Word(uint64_t at, uint64_t n) {
+    const DeltaPiece& p = At(at);
+    if (at + 8 <= p.offset + p.len) return Get<uint64_t>(p.base + (at - p.offset));
     uint64_t w = 0;
-    if (at + 8 <= n)
-      w = Get<uint64_t>(data + at);
-    else
-      std::memcpy(&w, data + at, n - at);  // the zero-padded last word
-    return w;
-  };
-  auto flush = [&] {
-    if (word_at != UINT64_MAX)
-      sum += ChecksumMixWord(word, word_at / 8) - ChecksumMixWord(word_of(word_at), word_at / 8);
-  };
-  ForEachRecord<E>(info, payload, [&](uint64_t i, const std::byte* value) {
-    const uint64_t at = i * E / 8 * 8;
-    if (at != word_at) {
-      flush();
-      word_at = at;
-      word = word_of(at);
+    const uint64_t end = std::min(at + 8, n);
+    for (size_t k = k_, o = at; o < end; ++k) {
+      const DeltaPiece& q = p_[k];
+      const uint64_t take = std::min(end, q.offset + q.len) - o;
+      std::memcpy(reinterpret_cast<std::byte*>(&w) + (o - at), q.base + (o - q.offset), take);
+      o += take;
     }
-    Put<Elem<E>>(reinterpret_cast<std::byte*>(&word) + (i * E - at), Get<Elem<E>>(value));
-  });
-  flush();
-  return sum;
+    return w;
+  }
+
+ private:
+  std::span<const DeltaPiece> p_;
+  size_t k_ = 0;
+};
+
+// The pieces tile [0, n) in order, on element (e) boundaries, with bytes to read (and, `writes`,
+// somewhere to write).
+Status CheckPieces(std::span<const DeltaPiece> pieces, uint64_t n, uint64_t e,
+                   std::string_view name, bool writes) {
+  uint64_t at = 0;
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const DeltaPiece& p = pieces[k];
+    if (p.offset != at || p.offset % e != 0 || p.len % e != 0 ||
+        (p.len != 0 && (p.base == nullptr || (writes && p.out == nullptr))))
+      return InvalidArgumentError(fmt::format(
+          "delta of bucket {}: piece {} (offset {}, {} bytes) does not continue the pieces at "
+          "offset {} on {}-byte elements",
+          name, k, p.offset, p.len, at, e));
+    at += p.len;
+  }
+  if (at != n)
+    return InvalidArgumentError(fmt::format(
+        "delta of bucket {}: the pieces cover {} bytes, the bucket is {}", name, at, n));
+  return OkStatus();
 }
 
+// The checksum sum (checksum.h, unfinished) of the pieces' base bytes of an n-byte bucket, read
+// once, in bucket order up to where To() was asked; with `copy`, each piece whose `out` is
+// elsewhere gets the base's bytes in the same pass. Words split between pieces are assembled
+// byte by byte (at most 7 bytes per piece edge).
+class PieceSum {
+ public:
+  PieceSum(std::span<const DeltaPiece> pieces, uint64_t n, bool copy)
+      : p_(pieces), n_(n), copy_(copy) {}
+  void To(uint64_t to) {
+    while (at_ < to) {
+      const DeltaPiece& p = p_[k_];
+      const uint64_t end = std::min(p.offset + p.len, to);
+      if (end > at_) Range(p, at_, end);
+      at_ = std::max(at_, end);
+      if (at_ == p.offset + p.len) ++k_;
+    }
+  }
+  uint64_t Finish() {
+    To(n_);
+    if (n_ % 8 != 0) sum_ += ChecksumMixWord(word_, n_ / 8);  // the zero-padded last word
+    return sum_;
+  }
+
+ private:
+  void Range(const DeltaPiece& p, uint64_t o, uint64_t end) {
+    const std::byte* src = p.base + (o - p.offset);
+    std::byte* dst = p.out + (o - p.offset);
+    const bool cp = copy_ && p.out != p.base;
+    uint64_t len = end - o;
+    auto bytes = [&](uint64_t count) {
+      for (uint64_t k = 0; k < count; ++k, ++o) {
+        word_ |= static_cast<uint64_t>(src[k]) << (8 * (o % 8));
+        if (cp) dst[k] = src[k];
+        if (o % 8 == 7) {
+          sum_ += ChecksumMixWord(word_, o / 8);
+          word_ = 0;
+        }
+      }
+      src += count;
+      dst += count;
+      len -= count;
+    };
+    bytes(std::min<uint64_t>(len, (8 - o % 8) % 8));
+    const uint64_t whole = len & ~uint64_t{7};
+    if (whole != 0) {
+      sum_ += cp ? CopyWithChecksumPartial(dst, src, whole, o) : ChecksumPartial(src, whole, o);
+      src += whole;
+      dst += whole;
+      o += whole;
+      len -= whole;
+    }
+    bytes(len);
+  }
+
+  std::span<const DeltaPiece> p_;
+  uint64_t n_;
+  bool copy_;
+  size_t k_ = 0;
+  uint64_t at_ = 0;
+  uint64_t sum_ = 0, word_ = 0;
+};
+
+// What the changes do to the checksum sum: the checksum is a sum of per-word terms, so each
+// changed word's term is replaced. Fed alongside PieceSum (To: the records whose words lie below
+// `limit`, read while that stretch is still in cache); records come in increasing element order
+// (checked before), so each changed word is finished before the next starts.
 template <int E>
-void Apply(const DeltaInfo& info, const std::byte* payload, std::byte* data) {
-  ForEachRecord<E>(info, payload, [&](uint64_t i, const std::byte* value) {
-    Put<Elem<E>>(data + i * E, Get<Elem<E>>(value));
-  });
+class Predict {
+ public:
+  Predict(const DeltaInfo& info, const std::byte* payload, std::span<const DeltaPiece> pieces,
+          uint64_t n)
+      : rec_(info, payload), cur_(pieces), n_(n) {}
+  void To(uint64_t limit) {
+    for (; !rec_.done(); rec_.Next()) {
+      const uint64_t at = rec_.index() * E / 8 * 8;
+      if (at + 8 > limit && limit < n_) return;
+      if (at != word_at_) {
+        Flush();
+        word_at_ = at;
+        old_word_ = new_word_ = cur_.Word(at, n_);
+      }
+      Put<Elem<E>>(reinterpret_cast<std::byte*>(&new_word_) + (rec_.index() * E - at),
+                   Get<Elem<E>>(rec_.value()));
+    }
+  }
+  // The sum's change (mod 2^64).
+  uint64_t Finish() {
+    To(n_);
+    Flush();
+    word_at_ = UINT64_MAX;
+    return delta_;
+  }
+
+ private:
+  void Flush() {
+    if (word_at_ != UINT64_MAX)
+      delta_ += ChecksumMixWord(new_word_, word_at_ / 8) - ChecksumMixWord(old_word_, word_at_ / 8);
+  }
+  Records<E> rec_;
+  PieceCursor cur_;
+  uint64_t n_;
+  uint64_t word_at_ = UINT64_MAX, old_word_ = 0, new_word_ = 0, delta_ = 0;
+};
+
+// Writes the changed elements into the pieces' `out` (elements never straddle pieces). The index
+// form's changes are spread over the bucket, last touched a whole pass ago: their lines are
+// prefetched a few records ahead. The bitmap form's are dense: a plain walk of its bytes.
+template <int E>
+void Apply(const DeltaInfo& info, const std::byte* payload, std::span<const DeltaPiece> pieces) {
+  PieceCursor cur(pieces);
+  auto put = [&](uint64_t i, const std::byte* value) {
+    const DeltaPiece& p = cur.At(i * E);
+    Put<Elem<E>>(p.out + (i * E - p.offset), Get<Elem<E>>(value));
+  };
+  if (info.kind == DeltaKind::kIndex) {
+    constexpr uint64_t kAhead = 16;
+    constexpr size_t kRecord = kIndexBytes + E;
+    PieceCursor pre(pieces);
+    for (uint64_t k = 0; k < info.changed; ++k) {
+      if (k + kAhead < info.changed) {
+        const uint64_t a = uint64_t{Get<uint32_t>(payload + (k + kAhead) * kRecord)} * E;
+        const DeltaPiece& q = pre.At(a);
+        __builtin_prefetch(q.out + (a - q.offset), 1);
+      }
+      const std::byte* rec = payload + k * kRecord;
+      put(Get<uint32_t>(rec), rec + kIndexBytes);
+    }
+    return;
+  }
+  const uint64_t nbits = BitmapBytes(info.elements);
+  const std::byte* vals = payload + nbits;
+  for (uint64_t j = 0; j < nbits; ++j) {
+    if (j % 8 == 0 && j + 8 <= nbits && Get<uint64_t>(payload + j) == 0) {
+      j += 7;
+      continue;
+    }
+    for (unsigned m = static_cast<unsigned>(payload[j]); m != 0; m &= m - 1, vals += E)
+      put(j * 8 + std::countr_zero(m), vals);
+  }
 }
 
 }  // namespace
@@ -243,59 +300,6 @@ std::string_view DeltaKindName(DeltaKind kind) {
 
 DeltaSize DeltaEncodedBytes(uint64_t elements, int element_size, uint64_t changed) {
   return DeltaSizeRule(elements, static_cast<uint64_t>(element_size), changed);
-}
-
-Result<DeltaEncodeResult> EncodeDelta(std::span<const std::byte> base,
-                                      std::span<const std::byte> next, int element_size,
-                                      uint64_t base_version, std::string_view bucket,
-                                      std::vector<std::byte>* out) {
-  out->clear();
-  if (!ValidElementSize(element_size))
-    return InvalidArgumentError(fmt::format(
-        "delta of bucket {}: element_size must be 1, 2 or 4, got {}", bucket, element_size));
-  if (base.size() != next.size())
-    return InvalidArgumentError(fmt::format("delta of bucket {}: base is {} bytes, new is {}",
-                                            bucket, base.size(), next.size()));
-  const size_t n = next.size();
-  const int e = element_size;
-  if (n % e != 0)
-    return InvalidArgumentError(fmt::format(
-        "delta of bucket {}: {} bytes is not a multiple of element_size {}", bucket, n, e));
-  const uint64_t elements = n / e;
-  if (elements > kDeltaMaxElements)
-    return InvalidArgumentError(
-        fmt::format("delta of bucket {}: {} elements, the codec's indices hold at most {}", bucket,
-                    elements, kDeltaMaxElements));
-
-  DeltaEncodeResult r;
-  r.elements = elements;
-  EncodeSums sums;
-  const std::byte* b = base.data();
-  const std::byte* x = next.data();
-  const DeltaSize size = e == 1   ? EncodeBody<1>(b, x, n, out, &sums)
-                         : e == 2 ? EncodeBody<2>(b, x, n, out, &sums)
-                                  : EncodeBody<4>(b, x, n, out, &sums);
-  r.changed = sums.changed;
-  r.kind = size.kind;
-  if (size.kind == DeltaKind::kFull) return r;
-  r.base_checksum = ChecksumFinish(sums.base, n);
-  r.new_checksum = ChecksumFinish(sums.next, n);
-  const uint64_t changed = sums.changed;
-  std::byte* h = out->data();
-  Put<uint32_t>(h, kMagic);
-  Put<uint8_t>(h + 4, kFormat);
-  Put<uint8_t>(h + 5, static_cast<uint8_t>(size.kind));
-  Put<uint8_t>(h + 6, static_cast<uint8_t>(e));
-  Put<uint8_t>(h + 7, 0);
-  Put<uint64_t>(h + 8, elements);
-  Put<uint64_t>(h + 16, base_version);
-  Put<uint64_t>(h + 24, r.base_checksum);
-  Put<uint64_t>(h + 32, r.new_checksum);
-  Put<uint64_t>(h + 40, changed);
-  if (out->size() != size.bytes)
-    return InternalError(fmt::format("delta of bucket {}: encoded {} bytes, the size rule says {}",
-                                     bucket, out->size(), size.bytes));
-  return r;
 }
 
 Result<DeltaInfo> InspectDelta(std::span<const std::byte> encoded, std::string_view bucket) {
@@ -339,8 +343,8 @@ Result<DeltaInfo> InspectDelta(std::span<const std::byte> encoded, std::string_v
   return info;
 }
 
-Status DecodeDeltaInPlace(std::span<const std::byte> encoded, std::span<std::byte> bucket,
-                          const DeltaExpect& expect) {
+Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const DeltaPiece> pieces,
+                         uint64_t bucket_bytes, const DeltaExpect& expect) {
   SS_ASSIGN_OR_RETURN(const DeltaInfo info, InspectDelta(encoded, expect.bucket));
   const std::string_view name = expect.bucket;
   if (info.element_size != expect.element_size)
@@ -348,70 +352,103 @@ Status DecodeDeltaInPlace(std::span<const std::byte> encoded, std::span<std::byt
         fmt::format("delta of bucket {}: element_size {} in the encoding, the receiver's is {}",
                     name, info.element_size, expect.element_size));
   const uint64_t e = info.element_size;
-  if (bucket.size() % e != 0 || bucket.size() / e != info.elements)
+  const uint64_t n = bucket_bytes;
+  if (n % e != 0 || n / e != info.elements)
     return InvalidArgumentError(fmt::format(
         "delta of bucket {}: the encoding covers {} elements of {} bytes, the receiver's bucket "
         "is {} bytes",
-        name, info.elements, e, bucket.size()));
+        name, info.elements, e, n));
+  SS_RETURN_IF_ERROR(CheckPieces(pieces, n, e, name, /*writes=*/true));
   if (info.base_version != expect.base_version)
     return FailedPreconditionError(fmt::format(
         "delta of bucket {}: computed against base version {}, the receiver holds version {}: "
         "not applied",
         name, info.base_version, expect.base_version));
-  const size_t n = bucket.size();
-  std::byte* data = bucket.data();
-  const uint64_t base_sum = ChecksumPartial(data, n, 0);
+  // Positions first (the payload alone): a pass over the bucket may only look up valid ones.
+  const std::byte* payload = encoded.data() + kDeltaHeaderBytes;
+  auto bad = [&](std::string what) {
+    return DataLossError(fmt::format("delta of bucket {}: malformed encoding: {}", name, what));
+  };
+  Status positions = OkStatus();
+  if (info.kind == DeltaKind::kIndex) {
+    const size_t record = kIndexBytes + e;
+    int64_t prev = -1;
+    for (uint64_t k = 0; k < info.changed && positions.ok(); ++k) {
+      const uint32_t i = Get<uint32_t>(payload + k * record);
+      if (i >= info.elements)
+        positions =
+            bad(fmt::format("record {}: index {} out of range [0, {})", k, i, info.elements));
+      else if (static_cast<int64_t>(i) <= prev)
+        positions = bad(fmt::format("record {}: index {} not above the previous {}", k, i, prev));
+      prev = i;
+    }
+  } else {
+    const uint64_t nbits = BitmapBytes(info.elements);
+    const unsigned tail = info.elements % 8;
+    uint64_t count = 0;
+    uint64_t j = 0;
+    for (; j + 8 <= nbits; j += 8) count += Popcount64(Get<uint64_t>(payload + j));
+    for (; j < nbits; ++j) count += Popcount64(static_cast<unsigned>(payload[j]));
+    if (tail != 0 && (static_cast<unsigned>(payload[nbits - 1]) >> tail) != 0)
+      positions = bad(fmt::format("bitmap bits set past element {}", info.elements));
+    else if (count != info.changed)
+      positions =
+          bad(fmt::format("bitmap has {} bits set, the count says {}", count, info.changed));
+  }
+
+  // One pass over the bucket, chunk by chunk: its base checksum (with `out` elsewhere, the copy)
+  // and, while each chunk is in cache, the changed words' old and new terms. Refusals in order:
+  // another base, then a malformed encoding, then a result that is not the sender's; nothing is
+  // written before all three passed.
+  PieceSum base(pieces, n, /*copy=*/true);
+  uint64_t change = 0;
+  auto pass = [&]<int E>(Predict<E> pred) {
+    for (uint64_t c = 0; c < n; c += kChunk) {
+      const uint64_t end = std::min<uint64_t>(c + kChunk, n);
+      base.To(end);
+      if (positions.ok()) pred.To(end);
+    }
+    if (positions.ok()) change = pred.Finish();
+  };
+  if (e == 1)
+    pass(Predict<1>(info, payload, pieces, n));
+  else if (e == 2)
+    pass(Predict<2>(info, payload, pieces, n));
+  else
+    pass(Predict<4>(info, payload, pieces, n));
+  const uint64_t base_sum = base.Finish();
   const uint64_t have = ChecksumFinish(base_sum, n);
   if (have != info.base_checksum)
     return FailedPreconditionError(fmt::format(
         "delta of bucket {}: base_checksum {:#018x} (version {}), the receiver's bytes have "
         "{:#018x}: not applied",
         name, info.base_checksum, info.base_version, have));
-
-  // Validate every position, then predict the result's checksum, then write: a refused delta
-  // leaves the bucket as it was.
-  const std::byte* payload = encoded.data() + kDeltaHeaderBytes;
-  auto bad = [&](std::string what) {
-    return DataLossError(fmt::format("delta of bucket {}: malformed encoding: {}", name, what));
-  };
-  if (info.kind == DeltaKind::kIndex) {
-    const size_t record = kIndexBytes + e;
-    int64_t prev = -1;
-    for (uint64_t k = 0; k < info.changed; ++k) {
-      const uint32_t i = Get<uint32_t>(payload + k * record);
-      if (i >= info.elements)
-        return bad(fmt::format("record {}: index {} out of range [0, {})", k, i, info.elements));
-      if (static_cast<int64_t>(i) <= prev)
-        return bad(fmt::format("record {}: index {} not above the previous {}", k, i, prev));
-      prev = i;
-    }
-  } else {
-    const uint64_t nbits = BitmapBytes(info.elements);
-    const unsigned tail = info.elements % 8;
-    if (tail != 0 && (static_cast<unsigned>(payload[nbits - 1]) >> tail) != 0)
-      return bad(fmt::format("bitmap bits set past element {}", info.elements));
-    uint64_t count = 0;
-    uint64_t j = 0;
-    for (; j + 8 <= nbits; j += 8) count += Popcount64(Get<uint64_t>(payload + j));
-    for (; j < nbits; ++j) count += Popcount64(static_cast<unsigned>(payload[j]));
-    if (count != info.changed)
-      return bad(fmt::format("bitmap has {} bits set, the count says {}", count, info.changed));
-  }
-  const uint64_t sum = e == 1   ? PredictSum<1>(info, payload, data, n, base_sum)
-                       : e == 2 ? PredictSum<2>(info, payload, data, n, base_sum)
-                                : PredictSum<4>(info, payload, data, n, base_sum);
+  SS_RETURN_IF_ERROR(positions);
+  const uint64_t sum = base_sum + change;
   if (ChecksumFinish(sum, n) != info.new_checksum)
     return DataLossError(fmt::format(
         "delta of bucket {}: the result's checksum {:#018x} is not the sender's new_checksum "
         "{:#018x} (corrupt values): not applied",
         name, ChecksumFinish(sum, n), info.new_checksum));
   if (e == 1)
-    Apply<1>(info, payload, data);
+    Apply<1>(info, payload, pieces);
   else if (e == 2)
-    Apply<2>(info, payload, data);
+    Apply<2>(info, payload, pieces);
   else
-    Apply<4>(info, payload, data);
+    Apply<4>(info, payload, pieces);
   return OkStatus();
+}
+
+Status DecodeDeltaInPlace(std::span<const std::byte> encoded, std::span<std::byte> bucket,
+                          const DeltaExpect& expect) {
+  const DeltaPiece whole{0, bucket.size(), bucket.data(), bucket.data()};
+  return DecodeDeltaPieces(encoded, {&whole, 1}, bucket.size(), expect);
+}
+
+Result<uint64_t> DeltaPiecesChecksum(std::span<const DeltaPiece> pieces, uint64_t bucket_bytes,
+                                     bool copy) {
+  SS_RETURN_IF_ERROR(CheckPieces(pieces, bucket_bytes, 1, "(checksum)", /*writes=*/copy));
+  return ChecksumFinish(PieceSum(pieces, bucket_bytes, copy).Finish(), bucket_bytes);
 }
 
 Result<DeltaCost> EstimateDeltaCost(const DeltaCostInput& in) {

@@ -27,13 +27,18 @@ const Knob kKnobs[] = {
      "Wire KiB per chunk of a GPU copy batch (experiment knob: the pages a launch's blocks touch "
      "at once)",
      kOwn},
-    {"SHARDSYNC_DELTA_DECODE_MBPS", T::kInt, "5000", 1, 100000000, "", "sync (delta, auto)",
-     "Encoding auto: the receiver's delta decode speed in MB/s of bucket it prices deltas at",
+    {"SHARDSYNC_DELTA_DECODE_MBPS", T::kInt, "4500", 1, 100000000, "", "sync (delta, auto)",
+     "Encoding auto: the receiver's delta steps (advertisement and decode passes) in MB/s of "
+     "bucket it prices deltas at",
      kOwn},
-    {"SHARDSYNC_DELTA_ENCODE_MBPS", T::kInt, "3500", 1, 100000000, "", "sync (delta, auto)",
-     "Encoding auto: the sender's delta encode speed in MB/s of bucket it prices deltas at", kOwn},
+    {"SHARDSYNC_DELTA_ENCODE_MBPS", T::kInt, "7000", 1, 100000000, "", "sync (delta, auto)",
+     "Encoding auto: the sender's delta step (its encode pass) in MB/s of bucket it prices deltas "
+     "at",
+     kOwn},
     {"SHARDSYNC_DELTA_LINK_MBPS", T::kInt, "25000", 1, 100000000, "", "sync (delta, auto)",
-     "Encoding auto: the link speed in MB/s a bucket crosses; a delta is sent where it pays", kOwn},
+     "Encoding auto: the link speed in MB/s a bucket crosses; a delta is sent where it pays, and "
+     "where none can the host path runs as encoding full",
+     kOwn},
     {"SHARDSYNC_FP8_OVERLAP", T::kBool, "1", 0, 0, "", "cuda (FP8 batch)",
      "Run a block-FP8 batch's copies on a side stream beside the quantize kernel; 0 runs them in "
      "line (A/B)",

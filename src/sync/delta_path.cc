@@ -156,6 +156,19 @@ Result<bool> DeltaPays(const DeltaLink& link, uint64_t elements, int element_siz
   return c.pays;
 }
 
+Result<bool> DeltaCanPay(const DeltaLink& link) { return DeltaPays(link, uint64_t{1} << 30, 1, 0); }
+
+Status DeltaAgreement(bool delta, std::string_view value, int self, int dst) {
+  const bool theirs = value.substr(0, kBasesMagic.size()) == kBasesMagic;
+  if (delta == theirs) return OkStatus();
+  auto runs = [](bool d) { return d ? "with its delta steps" : "as encoding full"; };
+  return FailedPreconditionError("encoding auto: sync rank " + std::to_string(self) +
+                                 " runs the host path " + runs(delta) + ", sync rank " +
+                                 std::to_string(dst) + " " + runs(theirs) +
+                                 " (does SHARDSYNC_DELTA_LINK_MBPS, SHARDSYNC_DELTA_ENCODE_MBPS or "
+                                 "SHARDSYNC_DELTA_DECODE_MBPS differ between them?)");
+}
+
 Status CheckDeltaControl(const Control& d, const std::string& where, int64_t bucket_bytes) {
   const auto form = static_cast<DeltaKind>(d.form);
   if (d.form > static_cast<uint32_t>(DeltaKind::kBitmap) ||

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -73,18 +74,40 @@ inline int DeltaElementSize(const PlanInputs& in) {
   return in.model.quant ? 1 : DTypeSize(in.options.wire_dtype);
 }
 
-// How encoding auto prices a delta: the link and the host codec's speeds (settings.h knobs
-// SHARDSYNC_DELTA_LINK_MBPS, SHARDSYNC_DELTA_ENCODE_MBPS, SHARDSYNC_DELTA_DECODE_MBPS).
+// How encoding auto prices a delta: the link, and what the host path's delta steps cost per
+// bucket byte on top of a whole bucket (settings.h knobs SHARDSYNC_DELTA_LINK_MBPS,
+// SHARDSYNC_DELTA_ENCODE_MBPS, SHARDSYNC_DELTA_DECODE_MBPS): the sender's encode pass (kept and
+// new image compared, the kept one moved), the receiver's two reads of its landed bucket (the
+// advertisement's checksum, then the decode's base checksum with the changed words). Defaults:
+// measured at 1% density on one core of the 2-core VM (docs/delta.md "Memory and cost").
 struct DeltaLink {
   double link_gbps = 25;
-  double encode_gbps = 3.5;
-  double decode_gbps = 5;
+  double encode_gbps = 7;
+  double decode_gbps = 4.5;
 };
 Result<DeltaLink> DeltaLinkFromKnobs();
 // Whether a delta of `changed` of `elements` elements of `element_size` bytes pays over `link`
 // (EstimateDeltaCost, serial: encode + wire + decode against the whole bucket on the wire).
 Result<bool> DeltaPays(const DeltaLink& link, uint64_t elements, int element_size,
                        uint64_t changed);
+// Whether a delta can pay at all over `link`: the header-only delta of a large bucket. When it
+// cannot, encoding auto runs the host path as encoding full (no advertisement, no kept image, no
+// image path), on every rank alike (each reads the same knobs; the ready value says which ran,
+// and a sender refuses a receiver that ran otherwise: DeltaAgreement).
+Result<bool> DeltaCanPay(const DeltaLink& link);
+// Connect, on every rank of an encoding auto session: drops the host loop's delta step `step`
+// (DeltaSender / DeltaReceiver) when no delta can pay at the knobs' speeds (DeltaCanPay).
+template <typename Step>
+Status ResolveAuto(const SessionContext& ctx, std::unique_ptr<Step>& step) {
+  if (!step || ctx.in.options.encoding != WireEncoding::kAuto) return OkStatus();
+  SS_ASSIGN_OR_RETURN(const DeltaLink link, DeltaLinkFromKnobs());
+  SS_ASSIGN_OR_RETURN(const bool can, DeltaCanPay(link));
+  if (!can) step.reset();
+  return OkStatus();
+}
+// A sender that ran `delta` (the delta steps) against receiver `dst`'s ready value `value`:
+// FailedPrecondition naming both and the knobs when one ran the delta steps and the other not.
+Status DeltaAgreement(bool delta, std::string_view value, int self, int dst);
 
 // Checks a bucket's control message (context.h Control) under the delta encoding beyond
 // CheckControl: a known form and reason, a payload that fits the bucket (a delta's is below

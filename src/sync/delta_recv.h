@@ -1,13 +1,20 @@
 // The delta encoding's steps in the host receive loop (host_recv.h; delta_path.h has the
 // protocol). Before the rank says it is ready, Advertise checksums what it holds in every host
-// bucket (the wire image the codec rebuilds from the live parameters, Codec::RebuildImage: in
-// place, or under a staged commit the committed ones) and names the version each was verified
-// at. Each bucket arrives whole or as a delta (its control message says which) in one of the
-// loop's receive slots: Apply turns a delta into the bucket's image over that rebuilt base
-// (DecodeDeltaInPlace, which refuses another base or a malformed delta: the sync fails and
-// nothing of it lands); the loop then checksums the image against the sender's, as every bucket,
-// and Land places it (the copy codec's runs, or the image codec's Land; into staging under a
-// staged commit).
+// bucket and names the version each was verified at: in place (the copy codec) the bucket's landed
+// runs themselves, read once in wire order (live parameters, or under a staged commit the
+// committed ones); an image codec's bucket as the codec rebuilds its wire image from them
+// (Codec::RebuildImage). Each bucket then arrives whole or as a delta (its control message says
+// which) in one of the loop's receive slots, and Receive lands it verified:
+//  - whole: copied into the runs with its checksum taken in the same pass (an image codec:
+//    checksummed, then its Land), against the sender's;
+//  - a delta, in place: applied straight onto the runs (DecodeDeltaPieces: one read of the runs
+//    for the base checksum, then only the changed elements; under a staged commit the base is
+//    copied from the live parameters into staging in that read). The decode refuses a base whose
+//    version or checksum is not the one the delta names and a result whose checksum (the base's
+//    as read now, with the changed words' terms replaced) is not the sender's, before it writes:
+//    the final checksum covers the resulting weights, and nothing of a refused delta lands;
+//  - a delta, image codec: over the image rebuilt for the advertisement (DecodeDeltaInPlace),
+//    then the codec's Land, which rewrites the whole bucket from that verified result.
 #pragma once
 
 #include <memory>
@@ -34,27 +41,33 @@ class DeltaReceiver {
   Status Prepare(const Bindings& bindings, const std::vector<int>& msgs);
   // Sync, before this rank is ready: its ready value (EncodeBases).
   Result<std::string> Advertise();
-  // Bucket `bi` of receive message `mi` arrived in `slot` (c.payload bytes) with control `c`:
-  // the bucket's whole image (`slot`, or the delta applied in a buffer of this object's).
-  Result<const unsigned char*> Apply(int mi, int bi, const Control& c, const unsigned char* slot);
-  // The verified image `img` lands in the parameters (staging under a staged commit).
-  Status Land(int mi, int bi, const Control& c, const unsigned char* img);
+  // Bucket `bi` of receive message `mi` arrived in `slot` (c.payload bytes) with control `c`
+  // (CheckControl passed): lands it, verified against c.checksum (above).
+  Status Receive(int mi, int bi, const Control& c, const unsigned char* slot);
   // Sync, at its end: this sync's figures (moved out).
   DeltaSyncStats Finish();
 
  private:
   struct Slot {
-    std::vector<WireRun> runs;  // in place: where the bucket's bytes land (BucketTransfers)
+    std::vector<WireRun> runs;  // in place: where the bucket's bytes land, in wire order
     uint64_t verified = 0;      // in place: the version its bytes were verified at (0: unknown)
     BucketBase advertised;      // this sync's advertisement
+    // Image codecs: the image rebuilt for the advertisement, which a delta is applied to (one
+    // copy of the bucket's wire bytes, kept between syncs).
+    std::vector<std::byte> image;
   };
   std::string Who() const { return "sync rank " + std::to_string(ctx_.rank); }
   std::string Where(int mi, int bi) const;
-  // The live parameter `param` (what the base is rebuilt from), and where run `r` lands.
+  // The live parameter `param` (the base), and where run `r` lands.
   void* Live(int param) const;
   unsigned char* Landing(const WireRun& r) const;
-  // The base of bucket `bi` of receive message `mi`, rebuilt by the codec into image_.
+  // In place: bucket `bi` of receive message `mi` as pieces (DeltaPiece) into pieces_, read from
+  // `from` (null: the live parameters) and written to the landing runs.
+  const std::vector<DeltaPiece>& Pieces(int mi, int bi, const unsigned char* from);
+  // Image codecs: the base of bucket `bi` of receive message `mi`, rebuilt into its slot's image.
   Status Rebuild(int mi, int bi);
+  Status ReceiveWhole(int mi, int bi, const Control& c, const unsigned char* slot);
+  Status ReceiveDelta(int mi, int bi, const Control& c, const unsigned char* slot);
 
   const SessionContext& ctx_;
   SyncGuard& guard_;
@@ -62,7 +75,7 @@ class DeltaReceiver {
   const StagedCommit& staged_;
   const Bindings* bindings_ = nullptr;
   std::vector<std::vector<Slot>> slots_;  // [recv message][bucket]; empty off the host path
-  std::vector<std::byte> image_;          // a bucket's base rebuilt, then the decoded image
+  std::vector<DeltaPiece> pieces_;        // in place: Pieces' result
   DeltaSyncStats st_;
 };
 

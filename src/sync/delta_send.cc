@@ -50,14 +50,17 @@ Result<DeltaSender::Out> DeltaSender::Encode(int mi, int bi, const unsigned char
   out.data = img;
   out.bytes = n;
   out.reason = CheckBase(slot.kept, slot.base);
+  const bool encoded = out.reason == DeltaReason::kDelta;
   const std::span<const std::byte> next(reinterpret_cast<const std::byte*>(img), n);
   if (out.reason == DeltaReason::kDelta) {
     const int es = DeltaElementSize(ctx_.in);
-    out.encoded = std::make_shared<std::vector<std::byte>>();
+    out.encoded = Buffer();
     const std::string name = "sync rank " + std::to_string(m.dst) + " bucket " + std::to_string(bi);
-    SS_ASSIGN_OR_RETURN(
-        const DeltaEncodeResult r,
-        EncodeDelta(slot.kept.bytes, next, es, slot.kept.version, name, out.encoded.get()));
+    // One pass over the kept and the new image: compared, and the kept one moved to the new
+    // bytes (only the changed elements written); both checksums are known (kept, packed).
+    SS_ASSIGN_OR_RETURN(const DeltaEncodeResult r,
+                        EncodeDeltaAdvance(slot.kept.bytes, next, es, slot.kept.version,
+                                           slot.kept.checksum, checksum, name, out.encoded.get()));
     st_.changed += static_cast<int64_t>(r.changed);
     st_.elements += static_cast<int64_t>(r.elements);
     if (r.kind == DeltaKind::kFull) {
@@ -80,13 +83,24 @@ Result<DeltaSender::Out> DeltaSender::Encode(int mi, int bi, const unsigned char
     return DescribeFallback(out.reason, m.dst, bi, slot.kept, slot.base) + ", " +
            std::to_string(out.bytes) + " bytes";
   });
-  // The new image is what the receiver holds once this bucket verified.
-  slot.kept.bytes.assign(next.begin(), next.end());
+  // The new image is what the receiver holds once this bucket verified (the delta's encode
+  // already wrote it into the kept one).
+  if (!encoded) slot.kept.bytes.assign(next.begin(), next.end());
   slot.kept.version = guard_.version();
   slot.kept.checksum = checksum;
   CountBucket(st_, out.reason, static_cast<int64_t>(out.bytes), static_cast<int64_t>(n));
   st_.encode_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
   return out;
+}
+
+std::shared_ptr<std::vector<std::byte>> DeltaSender::Buffer() {
+  for (const auto& b : buffers_) {
+    if (b.use_count() == 1) return b;  // its send completed (or it was not sent)
+  }
+  // The others are in flight, or kept by a failed sync: past a few, let them go.
+  if (buffers_.size() >= 4)
+    std::erase_if(buffers_, [](const auto& b) { return b.use_count() > 1; });
+  return buffers_.emplace_back(std::make_shared<std::vector<std::byte>>());
 }
 
 DeltaSyncStats DeltaSender::Finish() {

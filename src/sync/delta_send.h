@@ -48,10 +48,14 @@ class DeltaSender {
     bool base_known = false;
   };
   std::string Who() const { return "sync rank " + std::to_string(ctx_.rank); }
+  // A buffer for an encoded delta: one whose send completed, reused (its capacity: the encoder
+  // writes into memory already faulted in, not fresh pages every bucket of every sync).
+  std::shared_ptr<std::vector<std::byte>> Buffer();
 
   const SessionContext& ctx_;
   SyncGuard& guard_;
   std::vector<std::vector<Slot>> slots_;  // [send message][bucket]; empty off the host path
+  std::vector<std::shared_ptr<std::vector<std::byte>>> buffers_;  // Buffer's
   DeltaLink link_;
   DeltaSyncStats st_;
 };

@@ -9,6 +9,7 @@ namespace shardsync::sync_internal {
 Status HostReceiver::Prepare(const Bindings& bindings, const PreparedPairs& pairs) {
   bindings_ = &bindings;
   pairs_ = &pairs;
+  SS_RETURN_IF_ERROR(ResolveAuto(ctx_, delta_));
   const RankPlan& plan = ctx_.plan;
   std::vector<int> msgs;  // the host path's
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
@@ -67,6 +68,7 @@ Status HostReceiver::Receive(RankSyncStats& st) {
     graveyard_.push_back(hr.ctrl);
     if (hr.summed) graveyard_.push_back(hr.sums);
     for (auto& img : hr.images) graveyard_.push_back(std::move(img));
+    slots_.clear();
     if (delta_) st.delta.Add(delta_->Finish());
     return s;
   }
@@ -99,10 +101,14 @@ Status HostReceiver::Post(HostRecv& hr, RankSyncStats& st) {
     const int n = image ? 2 : static_cast<int>(ctx_.plan.recvs[mi].buckets.size());
     for (int i = 0; i < n; ++i, ++k) {
       if (image) {
-        // Zeroed, at least 8 bytes: a fresh pair of slots each sync (a failed sync's may still
-        // be written into).
-        const auto bytes = static_cast<size_t>(std::max<int64_t>(slot_bytes_[mi], 8));
-        hr.images.emplace_back(new unsigned char[bytes](), std::default_delete<unsigned char[]>());
+        // Zeroed, at least 8 bytes, allocated once and reused while syncs succeed: a failed
+        // sync's slots may still be written into (Receive gives them up), and zeroing fresh
+        // slots each sync cost more than the delta encoding's whole receive path.
+        if (slots_.size() <= k) {
+          const auto bytes = static_cast<size_t>(std::max<int64_t>(slot_bytes_[mi], 8));
+          slots_.emplace_back(new unsigned char[bytes](), std::default_delete<unsigned char[]>());
+        }
+        hr.images.push_back(slots_[k]);
       }
       SS_RETURN_IF_ERROR(PostNext(hr, static_cast<int>(mi), k, hr.pending));
     }
@@ -236,12 +242,9 @@ Status HostReceiver::VerifyBucket(const Message& m, int bucket, const Control& c
   const std::string where = "message from sync rank " + std::to_string(m.src) + " to sync rank " +
                             std::to_string(ctx_.rank) + ", bucket " + std::to_string(bucket);
   SS_RETURN_IF_ERROR(CheckControl(c, where, bucket, ctx_.job_tag, guard_.version(), b.bytes));
-  const int mi = static_cast<int>(&m - ctx_.plan.recvs.data());
-  // The delta encoding: a delta becomes the bucket's image over this rank's base; the checksum
-  // below then covers the resulting bytes, as for every bucket.
-  if (delta_) {
-    SS_ASSIGN_OR_RETURN(img, delta_->Apply(mi, bucket, c, img));
-  }
+  // The delta encoding: its step lands the bucket (whole or a delta over this rank's base)
+  // verified against the sender's checksum.
+  if (delta_) return delta_->Receive(static_cast<int>(&m - ctx_.plan.recvs.data()), bucket, c, img);
   uint64_t got = 0;
   if (landed != nullptr) {
     if (landed->bytes() != static_cast<uint64_t>(b.bytes)) {
@@ -256,7 +259,6 @@ Status HostReceiver::VerifyBucket(const Message& m, int bucket, const Control& c
   }
   if (got != c.checksum)
     return bindings_->MismatchError(m, bucket, guard_.version(), c.checksum, got);
-  if (delta_) return delta_->Land(mi, bucket, c, img);
   return img != nullptr ? codec_.Land(m, bucket, img) : OkStatus();
 }
 

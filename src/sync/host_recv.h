@@ -94,7 +94,10 @@ class HostReceiver {
   const PreparedPairs* pairs_ = nullptr;
   // [recv message][bucket] -> the transfers, as the sender cuts them.
   std::vector<std::vector<std::vector<WireRun>>> runs_;
-  std::vector<int64_t> slot_bytes_;       // image codecs, per recv message: its largest bucket
+  std::vector<int64_t> slot_bytes_;  // image codecs, per recv message: its largest bucket
+  // Image codecs: the receive slots (two per host message, in posting order), kept between
+  // syncs that succeeded.
+  std::vector<std::shared_ptr<unsigned char>> slots_;
   std::unique_ptr<DeltaReceiver> delta_;  // encoding delta / auto
   // What a failed sync's transfers may still write into (late control messages, the sums of
   // summed copies, image slots): kept for the session's life.

@@ -23,6 +23,7 @@ Status HostSender::Prepare(const Bindings& bindings, PeerShapes& shapes, Prepare
   bindings_ = &bindings;
   pairs_ = &pairs;
   regbase_ = std::move(regbase);
+  SS_RETURN_IF_ERROR(ResolveAuto(ctx_, delta_));
   std::vector<int> msgs;  // the host path's
   for (size_t mi = 0; mi < plan.sends.size(); ++mi) {
     if (!pairs.sends(mi)) msgs.push_back(static_cast<int>(mi));

@@ -45,6 +45,8 @@ class HostSender {
   // Sync, once receiver `dst` is ready: its ready value, the bases it holds under the delta
   // encoding (DeltaSender::SetBases); nothing otherwise.
   Status SetReceiverBases(int dst, std::string_view value) {
+    if (ctx_.in.options.encoding == WireEncoding::kAuto)
+      SS_RETURN_IF_ERROR(DeltaAgreement(delta_ != nullptr, value, ctx_.rank, dst));
     return delta_ ? delta_->SetBases(dst, value) : OkStatus();
   }
   // Sync: sends every host bucket and waits until each one and its control message completed.

@@ -102,6 +102,7 @@ class FaultTransportImpl final : public FaultTransport {
   template <typename F>
   Result<XferId> Post(bool data, const void* src, size_t bytes, F&& post) {
     int n = ++counters_.posts;
+    if (n == config_.call_before_post && config_.before_post) config_.before_post();
     if (Dead()) return DeathStatus();
     if (n == config_.fail_post) {
       ++counters_.failed;

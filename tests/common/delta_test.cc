@@ -290,6 +290,158 @@ TEST(Delta, FuzzNeverCrashesNorAppliesAWrongResult) {
   }
 }
 
+// Cuts [0, n) into pieces of random lengths (multiples of e, some empty) at scattered addresses:
+// each piece's bytes live in a buffer of their own, as a receiver's landed runs do.
+struct Scatter {
+  std::vector<Bytes> bufs;
+  std::vector<DeltaPiece> pieces;
+  Scatter(const Bytes& whole, int e, uint32_t seed) {
+    std::mt19937 rng(seed);
+    for (uint64_t at = 0; at < whole.size();) {
+      const uint64_t len = std::min<uint64_t>(whole.size() - at, e * (rng() % 9));
+      bufs.emplace_back(whole.begin() + at, whole.begin() + at + len);
+      at += len;
+    }
+    uint64_t at = 0;
+    for (Bytes& b : bufs) {
+      pieces.push_back({at, b.size(), b.data(), b.data()});
+      at += b.size();
+    }
+  }
+  Bytes Gather() const {
+    Bytes out;
+    for (const Bytes& b : bufs) out.insert(out.end(), b.begin(), b.end());
+    return out;
+  }
+};
+
+TEST(Delta, AdvanceEncodesLikeEncodeDeltaAndLeavesTheBaseHoldingNext) {
+  for (int e : {1, 2, 4}) {
+    for (uint64_t elements : {1ull, 13ull, 1001ull, 40009ull}) {
+      const Bytes base = RandomBytes(elements * e, static_cast<uint32_t>(elements + e));
+      for (double density : {0.0, 0.002, 0.05, 0.5, 1.0}) {
+        const auto changed = static_cast<uint64_t>(density * static_cast<double>(elements));
+        const Bytes next = Mutate(base, e, changed, static_cast<uint32_t>(changed * 3 + e));
+        SCOPED_TRACE(::testing::Message()
+                     << "e=" << e << " elements=" << elements << " changed=" << changed);
+        Bytes want, got;
+        auto r = EncodeDelta(base, next, e, 7, "b0", &want);
+        ASSERT_TRUE(r.ok());
+        Bytes kept = base;
+        auto a = EncodeDeltaAdvance(kept, next, e, 7, Checksum(base.data(), base.size()),
+                                    Checksum(next.data(), next.size()), "b0", &got);
+        ASSERT_TRUE(a.ok()) << a.status().ToString();
+        EXPECT_EQ(got, want);  // byte for byte: the checksums given are the computed ones
+        EXPECT_EQ(a->kind, r->kind);
+        EXPECT_EQ(a->changed, r->changed);
+        EXPECT_EQ(kept, next);
+      }
+    }
+  }
+  // Checksums are taken as given (not recomputed): a wrong new checksum is what the receiver's
+  // decode refuses, leaving its bucket alone.
+  const Bytes base = RandomBytes(4000, 5);
+  const Bytes next = Mutate(base, 2, 10, 6);
+  Bytes kept = base, enc;
+  ASSERT_TRUE(
+      EncodeDeltaAdvance(kept, next, 2, 7, Checksum(base.data(), base.size()), 12345, "b", &enc)
+          .ok());
+  Bytes bucket = base;
+  EXPECT_EQ(DecodeDeltaInPlace(enc, bucket, Expect(2)).code(), StatusCode::kDataLoss);
+  EXPECT_EQ(bucket, base);
+  // Bad inputs: refused, the base untouched.
+  kept = base;
+  Bytes odd(base.begin(), base.end() - 1);
+  EXPECT_EQ(EncodeDeltaAdvance(kept, odd, 2, 7, 0, 0, "b", &enc).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(kept, base);
+}
+
+TEST(Delta, PiecesDecodeLikeOneBufferAndChecksumLikeOne) {
+  for (int e : {1, 2, 4}) {
+    for (uint64_t elements : {1ull, 13ull, 1001ull, 20011ull}) {
+      const Bytes base = RandomBytes(elements * e, static_cast<uint32_t>(elements * 7 + e));
+      for (double density : {0.0, 0.01, 0.3, 0.9}) {
+        const auto changed = static_cast<uint64_t>(density * static_cast<double>(elements));
+        const Bytes next = Mutate(base, e, changed, static_cast<uint32_t>(changed + 11 * e));
+        SCOPED_TRACE(::testing::Message()
+                     << "e=" << e << " elements=" << elements << " changed=" << changed);
+        Scatter in_place(base, e, static_cast<uint32_t>(elements + changed));
+        auto sum = DeltaPiecesChecksum(in_place.pieces, base.size());
+        ASSERT_TRUE(sum.ok()) << sum.status().ToString();
+        EXPECT_EQ(*sum, Checksum(base.data(), base.size()));
+        Bytes enc;
+        ASSERT_TRUE(EncodeDelta(base, next, e, 7, "b0", &enc).ok());
+        if (enc.empty()) continue;  // kFull
+        Status s = DecodeDeltaPieces(enc, in_place.pieces, base.size(), Expect(e));
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        EXPECT_EQ(in_place.Gather(), next);
+
+        // Out of place (staging): the base pieces are read, the result lands elsewhere.
+        Scatter from(base, e, static_cast<uint32_t>(elements + 3)), to(Bytes(base.size()), e, 0);
+        std::vector<DeltaPiece> split;
+        // One piece per overlap of the two cuttings, so base and out pieces line up.
+        size_t i = 0, j = 0;
+        for (uint64_t at = 0; at < base.size();) {
+          while (from.pieces[i].offset + from.pieces[i].len <= at) ++i;
+          while (to.pieces[j].offset + to.pieces[j].len <= at) ++j;
+          const uint64_t end = std::min(from.pieces[i].offset + from.pieces[i].len,
+                                        to.pieces[j].offset + to.pieces[j].len);
+          split.push_back({at, end - at, from.pieces[i].base + (at - from.pieces[i].offset),
+                           to.pieces[j].out + (at - to.pieces[j].offset)});
+          at = end;
+        }
+        s = DecodeDeltaPieces(enc, split, base.size(), Expect(e));
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        EXPECT_EQ(to.Gather(), next);
+        EXPECT_EQ(from.Gather(), base);  // the base is only read
+      }
+    }
+  }
+}
+
+TEST(Delta, PiecesRefuseAnotherBaseAndBadTilings) {
+  const Bytes base = RandomBytes(6002, 31);
+  const Bytes next = Mutate(base, 2, 40, 8);
+  Bytes enc;
+  ASSERT_TRUE(EncodeDelta(base, next, 2, 7, "layers.0.attn", &enc).ok());
+  // A flipped bit in an element the delta does not touch, in some piece: refused, untouched.
+  Bytes corrupted = base;
+  size_t k = 3001;
+  while (next[k] != base[k] || next[k ^ 1] != base[k ^ 1]) ++k;
+  corrupted[k] ^= std::byte{0x04};
+  Scatter sc(corrupted, 2, 77);
+  Status s = DecodeDeltaPieces(enc, sc.pieces, base.size(), {"layers.0.attn", 2, 7});
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("base_checksum"), std::string::npos) << s.message();
+  EXPECT_EQ(sc.Gather(), corrupted);
+  // Another version: refused before anything is read or copied.
+  Scatter ok(base, 2, 78);
+  EXPECT_EQ(DecodeDeltaPieces(enc, ok.pieces, base.size(), {"layers.0.attn", 2, 6}).code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ok.Gather(), base);
+  // Pieces that leave a gap, overlap, split an element or fall short of the bucket.
+  for (int bad = 0; bad < 4; ++bad) {
+    std::vector<DeltaPiece> p = ok.pieces;
+    size_t m = 0;
+    while (p[m].len < 4) ++m;
+    if (bad == 0) p[m].offset += 2;
+    if (bad == 1) p[m].len += 2;
+    if (bad == 2) {  // a byte moves to the next piece: the tiling holds, an element is split
+      p[m].len -= 1;
+      p[m + 1].offset -= 1;
+      p[m + 1].len += 1;
+    }
+    if (bad == 3) p.pop_back();
+    s = DecodeDeltaPieces(enc, p, base.size(), {"layers.0.attn", 2, 7});
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("layers.0.attn"), std::string::npos) << s.message();
+    if (bad != 2)  // the checksum reads bytes: any byte tiling will do
+      EXPECT_EQ(DeltaPiecesChecksum(p, base.size()).status().code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(ok.Gather(), base);
+}
+
 TEST(DeltaCost, PaysOnSlowLinksAtLowDensity) {
   DeltaCostInput in;
   in.bucket_bytes = 64 << 20;

@@ -88,6 +88,25 @@ TEST(DeltaDecision, AutoPaysOnlyOnSlowLinksAtLowDensity) {
   EXPECT_FALSE(DeltaPays(slow, n, 2, n * 95 / 100).value());  // no form is smaller
 }
 
+TEST(DeltaDecision, AutoRunsTheDeltaStepsOnlyWhereSomeDeltaCanPay) {
+  // The defaults: the path's passes (7 GB/s encode, 4.5 GB/s advertisement + decode) break even
+  // with a header-only delta near 2.7 GB/s.
+  const DeltaLink defaults;
+  EXPECT_FALSE(DeltaCanPay(defaults).value());
+  EXPECT_FALSE(DeltaCanPay(DeltaLink{2.8, 7, 4.5}).value());
+  EXPECT_TRUE(DeltaCanPay(DeltaLink{2.6, 7, 4.5}).value());
+  EXPECT_TRUE(DeltaCanPay(DeltaLink{25, 100, 100}).value());  // a path of 50 GB/s
+  EXPECT_FALSE(DeltaCanPay(DeltaLink{0, 7, 4.5}).ok());       // a bad knob is an error
+  // Both ends must have resolved alike: the ready value says which way the receiver ran.
+  EXPECT_TRUE(DeltaAgreement(true, "D1 0:3.00000000000000ab", 0, 2).ok());
+  EXPECT_TRUE(DeltaAgreement(false, "1", 0, 2).ok());
+  Status s = DeltaAgreement(false, "D1 0:3.00000000000000ab", 0, 2);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("sync rank 2 with its delta steps"));
+  EXPECT_THAT(s.message(), HasSubstr("SHARDSYNC_DELTA_LINK_MBPS"));
+  EXPECT_THAT(DeltaAgreement(true, "1", 1, 3).message(), HasSubstr("sync rank 3 as encoding full"));
+}
+
 TEST(DeltaControlCheck, RefusesUnknownFormsAndPayloadsThatDoNotFit) {
   Control d;
   d.form = static_cast<uint32_t>(DeltaKind::kIndex);

@@ -6,7 +6,7 @@
 namespace shardsync::gpu {
 
 namespace {
-Status NoCuda(std::string_view what) {
+Status NoCudaDelta(std::string_view what) {
   return UnimplementedError(std::string(what) + ": built without CUDA");
 }
 }  // namespace
@@ -15,27 +15,27 @@ size_t DeltaGpuScratch::Bytes(uint64_t max_bucket_bytes, int /*min_element_size*
   return delta::LayoutScratch(max_bucket_bytes).total;
 }
 Result<std::unique_ptr<DeltaGpuScratch>> DeltaGpuScratch::Allocate(uint64_t, int, int) {
-  return NoCuda("DeltaGpuScratch::Allocate");
+  return NoCudaDelta("DeltaGpuScratch::Allocate");
 }
 Status EnqueueDeltaEncode(const DeltaGpuEncodeArgs&, DeltaGpuScratch*, void*) {
-  return NoCuda("EnqueueDeltaEncode");
+  return NoCudaDelta("EnqueueDeltaEncode");
 }
 Result<DeltaGpuEncoded> FinishDeltaEncode(DeltaGpuScratch*, std::chrono::milliseconds) {
-  return NoCuda("FinishDeltaEncode");
+  return NoCudaDelta("FinishDeltaEncode");
 }
 Status EnqueueDeltaDecode(const DeltaGpuDecodeArgs&, DeltaGpuScratch*, void*) {
-  return NoCuda("EnqueueDeltaDecode");
+  return NoCudaDelta("EnqueueDeltaDecode");
 }
 Status FinishDeltaDecode(DeltaGpuScratch*, std::chrono::milliseconds) {
-  return NoCuda("FinishDeltaDecode");
+  return NoCudaDelta("FinishDeltaDecode");
 }
 Result<DeltaGpuEncoded> EncodeDeltaDevice(const DeltaGpuEncodeArgs&, DeltaGpuScratch*, void*,
                                           std::chrono::milliseconds) {
-  return NoCuda("EncodeDeltaDevice");
+  return NoCudaDelta("EncodeDeltaDevice");
 }
 Status DecodeDeltaDevice(const DeltaGpuDecodeArgs&, DeltaGpuScratch*, void*,
                          std::chrono::milliseconds) {
-  return NoCuda("DecodeDeltaDevice");
+  return NoCudaDelta("DecodeDeltaDevice");
 }
 
 }  // namespace shardsync::gpu

@@ -96,7 +96,7 @@ struct ScratchPtrs {
 // to 1/32 of their elements (the index form's limit; a range over it re-reads its tiles too).
 inline constexpr uint64_t kStageDivisor = 4;
 inline constexpr uint64_t kIndexDivisor = 32;
-inline constexpr uint64_t kScanBatch = 8192;  // tile array entries, a multiple of the scan's
+inline constexpr uint64_t kScanBatch = 8192;  // tile array entries: a multiple of this
 inline constexpr uint64_t kStagePad = 64;     // copies read up to 32 bytes past staged values
 struct ScratchLayout {
   uint64_t tile = 0, voff = 0, ioff = 0, rtot = 0, vals = 0, idx = 0, total = 0;

@@ -28,14 +28,18 @@
 // counts and moves the staged changes to their place (bitmap form: one copy per range; index
 // form: the records), a programmatic dependent launch of the first. Traffic beyond the bound's:
 // the changes written and read once more, the bitmap written even when the index form wins.
-// Decode: a count pass over the bitmap (bitmap form) or the records (index form) gives each
-// tile its first change; the check pass reads the bucket once (the base checksum, and the
-// result's checksum predicted from the changed words' old and new terms); a later kernel writes
-// the changed elements only if every check passed (bitmap form: each 16-byte vector holding a
-// change read and written whole). Measured on an H200, 64 / 512 / 2048 MiB buckets at 1-10%:
-// encode 0.52-0.78x of the HBM bound of its traffic (0.8-1.8 TB/s of bucket), short of the
-// issue's 0.8x; decode 0.14-0.26x of that bound and 0.33-0.38x of the touched-sector bound
-// (0.38-1.08 TB/s of bucket). No refuse-before-write decode can reach 0.8x of the first bound
+// Decode, nothing written before every check passed. Index form: the records pass checks the
+// records and adds the new minus the old checksum term of each word holding a change (reading
+// only those words), a grid-stride pass reads the bucket once for the base checksum; bitmap
+// form: a count pass over the bitmap (a range of tiles per block) gives each tile its first
+// value, and the check pass reads the bucket once, a tile per block (the base checksum, and the
+// result's checksum predicted from the changed words' old and new terms). Then a kernel writes
+// the changed elements only if every check passed (index form: a store per record; bitmap form:
+// each 16-byte vector holding a change read and written whole). Measured on an H200, 64 / 512 /
+// 2048 MiB buckets at 1-10%: encode 0.52-0.78x of the HBM bound of its traffic (0.8-1.8 TB/s of
+// bucket), short of the 0.8x; decode 0.31-0.39x of that bound at 1% (index form) and
+// 0.14-0.20x at 4-10% (bitmap form), 0.48-0.55x and 0.33-0.41x of the touched-sector bound
+// (0.38-1.69 TB/s of bucket). No refuse-before-write decode can reach 0.8x of the first bound
 // at these densities: a changed element's 32-byte sector is read and written whole by DRAM,
 // which puts the sector bound at 1.3-2.5x the first.
 #pragma once

@@ -21,7 +21,7 @@ namespace {
 
 using Bytes = std::vector<std::byte>;
 constexpr std::chrono::milliseconds kTimeout{60000};
-constexpr uint64_t kMaxBytes = uint64_t{12} << 20;
+constexpr uint64_t kMaxBytes = uint64_t{48} << 20;
 
 Bytes RandomBytes(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -142,6 +142,23 @@ TEST_F(GpuDelta, EveryFormIsExercised) {
     ASSERT_TRUE(host.ok());
     EXPECT_EQ(host->kind, kind);
     Check(base, next, 2);
+  }
+}
+
+// The decoder's count pass takes a range of tiles per block (4 per SM, 528 on an H200): 40 MiB
+// (2560 tiles of 16 KiB, a ragged end) gives every range several tiles, so a tile's first value
+// is its range's plus the tiles' before it; the index form's record and sum passes stride over
+// many records and vectors per thread.
+TEST_F(GpuDelta, RangesOfManyTiles) {
+  for (int e : {1, 2, 4}) {
+    const uint64_t elements = (uint64_t{40} << 20) / static_cast<uint64_t>(e) + 3;
+    const Bytes base = RandomBytes(elements * e, static_cast<uint32_t>(e + 77));
+    for (double density : {0.001, 0.01, 0.1, 0.3}) {
+      const uint64_t changed = static_cast<uint64_t>(density * static_cast<double>(elements));
+      SCOPED_TRACE(::testing::Message() << "e=" << e << " changed=" << changed);
+      Check(base, Mutate(base, e, changed, static_cast<uint32_t>(changed + e)), e);
+      if (HasFatalFailure()) return;
+    }
   }
 }
 

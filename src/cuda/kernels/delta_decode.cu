@@ -2,19 +2,19 @@
 //
 // Every kernel checks the header first (delta_kernels.h ParseHeader, the host's order) and does
 // nothing when it is refused. No kernel waits on another block.
-// Records (DecodeRecordsKernel, index form only): every record checked (in range, strictly
-// increasing); then (DecodeTileStartsKernel, valid records only) for every tile of the bucket the
-// first record at or past it, so the check pass finds a tile's records without searching.
-// Counts (DecodeCountKernel, bitmap form only, a warp per tile): the popcount of each tile's
-// bitmap bytes (n / 8E bytes in all); the last block to finish scans them into each tile's first
-// value and the total popcount.
-// Check (DecodeCheckKernel, one tile of the bucket per block): reads the tile once, adds its base
-// checksum terms, finds its changed elements (bitmap form: the encoding's bitmap bits; index form:
-// its records, marked in a shared-memory bitmap) and their values (bitmap form: the tile's values,
-// from its first value on, loaded into shared memory together with the tile; index form: the
-// record number), and adds the new minus the old term of every changed word: the result's
-// checksum is predicted from the words in registers, never read twice. Writes nothing the caller
-// sees.
+// Index form, the bucket read once at streaming speed and the changed words once more: Records
+// (DecodeRecordsKernel, a thread per record) checks every record (in range, strictly increasing)
+// and adds the new minus the old checksum term of every word holding a change (the word's first
+// record reads it and patches the word's records); Sum (DecodeSumKernel, grid-stride) adds the
+// base checksum terms of the whole bucket.
+// Bitmap form: Counts (DecodeCountKernel, a range of consecutive tiles per block, a warp per
+// tile) popcount each tile's bitmap bytes (n / 8E bytes in all) and scan them within the range;
+// the last block scans the ranges; TileFix (DecodeTileFixKernel) adds each range's first value,
+// so tile[t] is tile t's first value. Check (DecodeCheckKernel, one tile of the bucket per block)
+// reads the tile once, adds its base checksum terms, finds its changed elements (the bitmap's
+// bits) and their values (from tile[t] on, loaded into shared memory together with the tile),
+// and adds the new minus the old term of every changed word: the result's checksum is predicted
+// from the words in registers, never read twice. None of them writes what the caller sees.
 // Decide (DecodeDecideKernel, one thread): the decision from the sums (header, base checksum,
 // records, bitmap tail and count, predicted result checksum), reported to the host; the control
 // block back at rest.
@@ -23,6 +23,7 @@
 // written whole; index form: one store per record).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "cuda/kernels/delta_device.cuh"
@@ -36,7 +37,8 @@ struct DecArgs {
   unsigned char* bucket;
   uint64_t n;
   uint64_t base_version;
-  uint32_t tiles;  // check tiles of the bucket
+  uint32_t tiles;   // check tiles of the bucket
+  uint32_t ranges;  // the count pass's ranges of consecutive tiles, one per block (<= tiles)
   ScratchPtrs s;
 };
 
@@ -73,49 +75,84 @@ __device__ __forceinline__ unsigned VectorBits(const unsigned char* bitmap, uint
   return bits;
 }
 
+// Index form: every record checked (in range, strictly increasing), and the new minus the old
+// checksum term of every word holding a change, taken by the word's first record (it reads the
+// word from the bucket and patches the word's records, at most 8 / E): the result's checksum is
+// predicted from the changed words only, so the base checksum is a plain streaming pass.
 template <int E>
 __global__ void __launch_bounds__(kThreads) DecodeRecordsKernel(DecArgs a) {
   GridDepWait();
   GridDepTrigger();
+  constexpr uint64_t kPerWord = 8 / E;
   __shared__ HeaderView h;
+  __shared__ uint64_t s_red[kWarps];
   if (threadIdx.x == 0) h = Parse<E>(a);
   __syncthreads();
   if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
   const unsigned char* payload = a.enc + kDeltaHeaderBytes;
   const uint64_t c = h.changed;
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
+  uint64_t delta = 0;
   for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k < c;
        k += stride) {
     const uint64_t i = RecIndex<E>(payload, k);
-    if (i >= h.elements || (k > 0 && i <= RecIndex<E>(payload, k - 1)))
+    const uint64_t prev = k > 0 ? RecIndex<E>(payload, k - 1) : 0;
+    if (i >= h.elements || (k > 0 && i <= prev)) {
       atomicMin(&a.s.ctl->bad_record, static_cast<unsigned long long>(k));
+      continue;
+    }
+    const uint64_t w = i / kPerWord;
+    if (k > 0 && prev / kPerWord == w) continue;  // not the word's first record
+    const uint64_t old = LoadWord(a.bucket, w, a.n);
+    uint64_t word = Patch<E>(old, static_cast<int>(i % kPerWord) * E, RecValue<E>(payload, k));
+    for (uint64_t j = k + 1; j < c && j < k + kPerWord; ++j) {
+      const uint64_t ij = RecIndex<E>(payload, j);
+      if (ij / kPerWord != w) break;  // (a bad record here is refused by its own thread)
+      word = Patch<E>(word, static_cast<int>(ij % kPerWord) * E, RecValue<E>(payload, j));
+    }
+    delta += Mix(word, w) - Mix(old, w);
   }
+  delta = BlockSum(delta, s_red);
+  if (threadIdx.x == 0 && delta != 0)
+    atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(delta));
 }
 
-// tile_prefix[t] = the first record whose element is in tile t or later (t in [0, tiles]):
-// record k writes the tiles after its predecessor's up to its own, so valid records write each
-// entry once. Runs only when every record is valid (the records kernel found none bad), which
-// bounds the work by tiles + records; otherwise the decode is refused and the check pass clamps
-// what it reads.
+// Index form: the base checksum, a streaming reduction over the bucket (grid-stride, four 16-byte
+// loads in flight per thread, the terms summed per thread and added once per block).
 template <int E>
-__global__ void __launch_bounds__(kThreads) DecodeTileStartsKernel(DecArgs a) {
+__global__ void __launch_bounds__(kThreads) DecodeSumKernel(DecArgs a) {
   GridDepWait();
   GridDepTrigger();
+  constexpr int kU = 4;
   __shared__ HeaderView h;
+  __shared__ uint64_t s_red[kWarps];
   if (threadIdx.x == 0) h = Parse<E>(a);
   __syncthreads();
   if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
-  if (*reinterpret_cast<volatile unsigned long long*>(&a.s.ctl->bad_record) != ~0ull) return;
-  constexpr uint64_t kTileElems = kTileBytes / E;
-  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
-  const uint64_t c = h.changed;
+  const uint64_t n = a.n, full = n / 16, vecs = (n + 15) / 16;
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
-  for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k <= c;
-       k += stride) {
-    const uint64_t lo = k > 0 ? RecIndex<E>(payload, k - 1) / kTileElems + 1 : 0;
-    const uint64_t hi = k < c ? RecIndex<E>(payload, k) / kTileElems : a.tiles;
-    for (uint64_t t = lo; t <= hi; ++t) a.s.tile[t] = static_cast<uint32_t>(k);
+  uint64_t sum = 0;
+  uint64_t v = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  for (; v + (kU - 1) * stride < full; v += kU * stride) {
+    uint4 x[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      x[u] = *reinterpret_cast<const uint4*>(a.bucket + (v + u * stride) * 16);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const uint64_t key = MixKey(2 * (v + u * stride));
+      sum += MixWithKey(Lo64(x[u]), key) + MixWithKey(Hi64(x[u]), key + kChecksumStep);
+    }
   }
+  for (; v < vecs; v += stride) {  // the rest, and the ragged end (zero padded words)
+    const uint64_t o = v * 16;
+    const uint4 x = LoadVec(a.bucket, o, n);
+    const uint64_t key = MixKey(2 * v);
+    sum += MixWithKey(Lo64(x), key);
+    if (o + 8 < n) sum += MixWithKey(Hi64(x), key + kChecksumStep);
+  }
+  sum = BlockSum(sum, s_red);
+  if (threadIdx.x == 0) atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(sum));
 }
 
 // Element r of a 16-byte vector's little-endian bytes replaced by v.
@@ -129,13 +166,11 @@ __device__ __forceinline__ void PatchVec(uint64_t& lo, uint64_t& hi, int r, uint
   }
 }
 
-// The value of change number `at` of the encoding (index form: its record; bitmap form: the
-// values after the bitmap), 0 past the encoding's end (the decode is refused then).
+// Bitmap form: the value of change number `at` (the values after the bitmap), 0 past the
+// encoding's end (the decode is refused then).
 template <int E>
-__device__ __forceinline__ uint64_t ChangeValue(bool index, const unsigned char* payload,
-                                                uint64_t changed, const unsigned char* vals,
-                                                uint64_t vals_bytes, uint64_t at) {
-  if (index) return at < changed ? RecValue<E>(payload, at) : 0;
+__device__ __forceinline__ uint64_t ChangeValue(const unsigned char* vals, uint64_t vals_bytes,
+                                                uint64_t at) {
   if ((at + 1) * E > vals_bytes) return 0;
   const unsigned char* p = vals + at * E;
   if constexpr (E == 2) {
@@ -191,8 +226,14 @@ __device__ __forceinline__ BitmapLayout Layout(const DecArgs& a) {
   return l;
 }
 
-// A warp per tile: the popcount of the tile's bitmap bytes; the last block scans them into each
-// tile's first value (tile[t]) and the total (tile[tiles], and the control block's popcount).
+// The count pass's range r of tiles: [RangeFirst(r), RangeFirst(r + 1)).
+__device__ __forceinline__ uint32_t RangeFirst(const DecArgs& a, uint32_t r) {
+  return static_cast<uint32_t>(uint64_t{r} * a.tiles / a.ranges);
+}
+// Bitmap form, a range of consecutive tiles per block: a warp per tile counts its bitmap bytes
+// (16-byte loads); the block scans its tiles' counts into each one's first value within the
+// range (tile[t]) and the range's total (rtot[r]); the last block to finish scans the ranges'
+// totals into each range's first value (rtot[r]) and the total popcount (also tile[tiles]).
 // Bits past the last element count too: the decision refuses them (tail) before the count.
 template <int E>
 __global__ void __launch_bounds__(kThreads) DecodeCountKernel(DecArgs a) {
@@ -200,16 +241,16 @@ __global__ void __launch_bounds__(kThreads) DecodeCountKernel(DecArgs a) {
   GridDepTrigger();
   constexpr uint64_t kTileBitmap = kTileBytes / E / 8;
   __shared__ HeaderView h;
-  __shared__ uint64_t s_scan[kWarps];
+  __shared__ uint64_t s_red[kWarps];
   __shared__ bool s_last;
   if (threadIdx.x == 0) h = Parse<E>(a);
   __syncthreads();
   if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kBitmap)) return;
   const int lane = threadIdx.x & 31;
-  const uint32_t t = blockIdx.x * kWarps + (threadIdx.x >> 5);
   const unsigned char* bm = a.enc + kDeltaHeaderBytes;
   const uint64_t bitmap_bytes = DeltaBitmapBytes(h.elements);
-  if (t < a.tiles) {
+  const uint32_t r = blockIdx.x, t0 = RangeFirst(a, r), t1 = RangeFirst(a, r + 1);
+  for (uint32_t t = t0 + (threadIdx.x >> 5); t < t1; t += kWarps) {
     const uint64_t b0 = uint64_t{t} * kTileBitmap, b1 = min(b0 + kTileBitmap, bitmap_bytes);
     uint32_t cnt = 0;
     for (uint64_t o = b0 + uint64_t(lane) * 16; o < b1; o += 32 * 16) {
@@ -222,28 +263,60 @@ __global__ void __launch_bounds__(kThreads) DecodeCountKernel(DecArgs a) {
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
-    if (lane == 0) {
-      a.s.tile[t] = cnt;
-      __threadfence();  // before the block's ticket
-    }
+    if (lane == 0) a.s.tile[t] = cnt;
+  }
+  __syncthreads();  // the block's counts, visible to the block
+  uint64_t carry = 0;
+  for (uint32_t b = t0; b < t1; b += kThreads) {
+    const uint32_t t = b + threadIdx.x;
+    const uint32_t v = t < t1 ? a.s.tile[t] : 0;
+    uint64_t tot = 0;
+    const uint64_t ex = BlockExclusiveScan(v, &tot, s_red);
+    if (t < t1) a.s.tile[t] = static_cast<uint32_t>(carry + ex);
+    carry += tot;
   }
   Ctl* c = a.s.ctl;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    const uint64_t tail = h.elements % 8;
-    if (tail != 0 && (bm[bitmap_bytes - 1] >> tail) != 0) c->tail_bad = 1;
-  }
-  __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
-    s_last = atomicAdd(&c->ticket, 1u) == gridDim.x - 1;
+    const uint64_t tail = h.elements % 8;
+    if (r == 0 && tail != 0 && (bm[bitmap_bytes - 1] >> tail) != 0) c->tail_bad = 1;
+    a.s.rtot[r] = static_cast<uint32_t>(carry);
+    __threadfence();  // before the block's ticket
+    s_last = atomicAdd(&c->ticket, 1u) == a.ranges - 1;
   }
   __syncthreads();
   if (!s_last) return;
-  const uint64_t total = ScanTiles(a.s.tile, a.tiles, s_scan);
+  __threadfence();
+  const uint32_t per = (a.ranges + kThreads - 1) / kThreads;
+  const uint32_t lo = min(threadIdx.x * per, a.ranges), hi = min(lo + per, a.ranges);
+  uint64_t sum = 0;
+  for (uint32_t i = lo; i < hi; ++i) sum += __ldcg(a.s.rtot + i);
+  uint64_t all = 0;
+  uint64_t run = BlockExclusiveScan(sum, &all, s_red);
+  for (uint32_t i = lo; i < hi; ++i) {
+    const uint32_t v = __ldcg(a.s.rtot + i);
+    a.s.rtot[i] = static_cast<uint32_t>(run);
+    run += v;
+  }
   if (threadIdx.x == 0) {
-    c->popcount = total;
+    c->popcount = all;
+    a.s.tile[a.tiles] = static_cast<uint32_t>(all);
     c->ticket = 0;
   }
+}
+
+// Bitmap form: each tile's first value within its range plus the range's (block r: range r), so
+// the check and apply passes read tile[t] and tile[t + 1] as they are.
+template <int E>
+__global__ void __launch_bounds__(kThreads) DecodeTileFixKernel(DecArgs a) {
+  GridDepWait();
+  GridDepTrigger();
+  __shared__ HeaderView h;
+  if (threadIdx.x == 0) h = Parse<E>(a);
+  __syncthreads();
+  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kBitmap)) return;
+  const uint32_t r = blockIdx.x, t1 = RangeFirst(a, r + 1);
+  const uint32_t first = a.s.rtot[r];
+  for (uint32_t t = RangeFirst(a, r) + threadIdx.x; t < t1; t += kThreads) a.s.tile[t] += first;
 }
 
 // The check pass holds one side's vectors only: 48 registers, 5 blocks per SM.
@@ -253,11 +326,12 @@ template <int E>
 __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(DecArgs a) {
   GridDepWait();
   static_assert(kTileVecs <= 4, "per-vector counts are packed 16 bits apart in one word");
-  constexpr uint64_t kTileElems = kTileBytes / E;
   __shared__ HeaderView h;
   __shared__ uint64_t s_scan[2][kWarps];
-  __shared__ uint32_t s_bits[kTileElems / 32];  // index form: the tile's changed elements
-  __shared__ __align__(16) unsigned char s_vals[kValsSmem];  // bitmap form: the tile's values
+  __shared__ __align__(16) unsigned char s_vals[kValsSmem];  // the tile's values
+  // The index form's checks are the records and sum passes': nothing to do here.
+  if (a.enc_bytes >= kDeltaHeaderBytes && a.enc[5] == static_cast<unsigned char>(DeltaKind::kIndex))
+    return;
   Ctl* c = a.s.ctl;
   const uint32_t t = blockIdx.x;
   const uint64_t n = a.n;
@@ -274,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(D
       w[k] = o < n ? LoadVec(a.bucket, o, n) : make_uint4(0, 0, 0, 0);
     }
   }
-  // The tile's first change and the next tile's (index form: records; bitmap form: values).
+  // The tile's first value and the next tile's (the count pass).
   const uint32_t tp0 = a.s.tile[t], tp1 = a.s.tile[t + 1];
   const unsigned char* payload = a.enc + kDeltaHeaderBytes;
   // Bitmap form (read from the kind byte before the header is checked, so the bits and the
@@ -292,24 +366,7 @@ __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(D
   const bool staged = maybe_bitmap && StageValues<E>(s_vals, vals, bl.vals_bytes, tp0, tp1);
   if (threadIdx.x == 0) h = Parse<E>(a);
   __syncthreads();
-  if (h.code != kOk) return;
-  const bool index = h.kind == static_cast<int>(DeltaKind::kIndex);
-  const uint64_t elements = h.elements;
-  const uint64_t e_lo = static_cast<uint64_t>(t) * kTileElems;
-  uint32_t r0 = 0;
-  if (index) {
-    for (uint32_t i = threadIdx.x; i < kTileElems / 32; i += kThreads) s_bits[i] = 0;
-    __syncthreads();
-    // Clamped: with bad records the starts were not written (the decode is refused).
-    const uint64_t r1 = min(static_cast<uint64_t>(tp1), h.changed);
-    r0 = static_cast<uint32_t>(min(static_cast<uint64_t>(tp0), r1));
-    for (uint64_t k = r0 + threadIdx.x; k < r1; k += kThreads) {
-      const uint64_t i = RecIndex<E>(payload, k);
-      if (i >= e_lo && i < e_lo + kTileElems && i < elements)
-        atomicOr(&s_bits[(i - e_lo) / 32], 1u << ((i - e_lo) % 32));
-    }
-    __syncthreads();
-  }
+  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kBitmap)) return;
   uint64_t sum = 0, cnt = 0;
   // Checksum keys (MixKey of word o / 8), stepped rather than multiplied.
   constexpr uint64_t kKeyVec = uint64_t{kThreads} * 2 * kChecksumStep;
@@ -321,10 +378,6 @@ __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(D
       const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
       sum += MixWithKey(Lo64(w[k]), key);
       if (o + 8 < n) sum += MixWithKey(Hi64(w[k]), key + kChecksumStep);
-      if (index) {
-        const uint64_t le = o / E - e_lo;
-        m[k] = (s_bits[le / 32] >> (le % 32)) & ((1u << (16 / E)) - 1);
-      }
     }
     cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
   }
@@ -332,8 +385,7 @@ __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(D
   BlockScanN<2>(v, tot, s_scan);
   const uint64_t ex = v[0], tot_c = tot[0];
   if (threadIdx.x == 0) atomicAdd(&c->sum_a, static_cast<unsigned long long>(tot[1]));
-  // The tile's first change: index form, its first record; bitmap form, the count pass's offset.
-  uint64_t prefix = index ? r0 : tp0;
+  uint64_t prefix = tp0;  // the tile's first value (the count pass)
   const uint64_t first = prefix;
   uint64_t delta = 0;
 #pragma unroll
@@ -345,9 +397,8 @@ __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(D
     uint64_t new_lo = old_lo, new_hi = old_hi;
     for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++at) {
       // Staged values cover [tp0, tp1): past them (a count that disagrees, refused) read 0.
-      const uint64_t value =
-          staged ? (at < tp1 ? StagedValue<E>(s_vals, at - first) : 0)
-                 : ChangeValue<E>(index, payload, h.changed, vals, bl.vals_bytes, at);
+      const uint64_t value = staged ? (at < tp1 ? StagedValue<E>(s_vals, at - first) : 0)
+                                    : ChangeValue<E>(vals, bl.vals_bytes, at);
       PatchVec<E>(new_lo, new_hi, __ffs(mm) - 1, value);
     }
     const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
@@ -472,8 +523,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeApplyKernel(DecArg
                                     : make_uint4(0, 0, 0, 0);
   }
   auto value = [&](uint64_t i) -> uint64_t {
-    return staged ? StagedValue<E>(s_vals, i - tp0)
-                  : ChangeValue<E>(false, payload, 0, vals, bl.vals_bytes, i);
+    return staged ? StagedValue<E>(s_vals, i - tp0) : ChangeValue<E>(vals, bl.vals_bytes, i);
   };
 #pragma unroll
   for (int k = 0; k < kTileVecs; ++k) {
@@ -501,9 +551,9 @@ int Launch(const DecArgs& a, int sms, cudaStream_t s) {
   const uint32_t grid = static_cast<uint32_t>(sms) * 8;
   DecodeRecordsKernel<E><<<grid, kThreads, 0, s>>>(a);
   cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) e = LaunchDependent(DecodeTileStartsKernel<E>, grid, 0, s, a);
-  if (e == cudaSuccess)
-    e = LaunchDependent(DecodeCountKernel<E>, (a.tiles + kWarps - 1) / kWarps, 0, s, a);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeCountKernel<E>, a.ranges, 0, s, a);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeTileFixKernel<E>, a.ranges, 0, s, a);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeSumKernel<E>, grid, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeCheckKernel<E>, a.tiles, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeDecideKernel<E>, 1, 0, s, a, 1);
   if (e == cudaSuccess) e = LaunchDependent(DecodeApplyKernel<E>, a.tiles, 0, s, a);
@@ -525,6 +575,7 @@ int LaunchDecode(const void* encoded, uint64_t encoded_bytes, void* bucket, uint
   a.tiles = static_cast<uint32_t>(bytes == 0 ? 1 : (bytes + kTileBytes - 1) / kTileBytes);
   a.s = s;
   const int sms = sm_count > 0 ? sm_count : 132;
+  a.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, static_cast<uint64_t>(sms) * 4));
   auto st = static_cast<cudaStream_t>(stream);
   switch (element_size) {
     case 1:

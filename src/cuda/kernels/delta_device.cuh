@@ -1,5 +1,5 @@
 // Device helpers of the delta kernels (delta_encode.cu, delta_decode.cu): block scans and
-// reductions, the scan over the tiles' counts, checksum words.
+// reductions, checksum words.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -194,53 +194,6 @@ __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t phase) {
         : "r"(SmemAddr(bar)), "r"(phase)
         : "memory");
   }
-}
-
-// Called by every thread of the block that finished a counting pass last (its blocks wrote
-// tile[0, tiles) and fenced before taking their ticket): tile[t] becomes the count of every
-// tile before t, tile[tiles] the total, returned to every thread. Each thread sums a contiguous
-// run of `per` entries with 16-byte loads in batches (every load of a batch in flight at once),
-// so the scan costs a few L2 round trips, not one per entry. Reads bypass L1 (other SMs wrote
-// them). `smem` holds kWarps values. The array holds at least 256 x per entries (kScanBatch).
-__device__ __forceinline__ uint64_t ScanTiles(uint32_t* tile, uint32_t tiles, uint64_t* smem) {
-  constexpr uint32_t kBatch = 8;  // uint4 loads in flight per thread
-  const uint32_t per = (tiles + kThreads * 4 * kBatch - 1) / (kThreads * 4 * kBatch) * 4 * kBatch;
-  const uint32_t lo = threadIdx.x * per;
-  auto masked = [&](const uint4& v, uint32_t i) {
-    return uint64_t{i < tiles ? v.x : 0u} + (i + 1 < tiles ? v.y : 0u) +
-           (i + 2 < tiles ? v.z : 0u) + (i + 3 < tiles ? v.w : 0u);
-  };
-  uint64_t sum = 0;
-  for (uint32_t i0 = lo; i0 < lo + per && i0 < tiles; i0 += 4 * kBatch) {
-    uint4 v[kBatch];
-#pragma unroll
-    for (uint32_t b = 0; b < kBatch; ++b)
-      v[b] = __ldcg(reinterpret_cast<const uint4*>(tile + i0) + b);
-#pragma unroll
-    for (uint32_t b = 0; b < kBatch; ++b) sum += masked(v[b], i0 + 4 * b);
-  }
-  uint64_t total = 0;
-  uint64_t run = BlockExclusiveScan(sum, &total, smem);
-  for (uint32_t i0 = lo; i0 < lo + per && i0 < tiles; i0 += 4 * kBatch) {
-    uint4 v[kBatch];
-#pragma unroll
-    for (uint32_t b = 0; b < kBatch; ++b)
-      v[b] = __ldcg(reinterpret_cast<const uint4*>(tile + i0) + b);
-#pragma unroll
-    for (uint32_t b = 0; b < kBatch; ++b) {
-      const uint32_t c[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
-#pragma unroll
-      for (uint32_t q = 0; q < 4; ++q) {
-        const uint32_t i = i0 + 4 * b + q;
-        if (i < tiles) {
-          tile[i] = static_cast<uint32_t>(run);
-          run += c[q];
-        }
-      }
-    }
-  }
-  if (threadIdx.x == 0) tile[tiles] = static_cast<uint32_t>(total);
-  return total;
 }
 
 // Lanes of one warp copy `len` bytes from src to dst (any alignment; dst's 4-byte words written

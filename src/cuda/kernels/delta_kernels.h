@@ -76,12 +76,14 @@ inline constexpr uint32_t kNoSlot = 0xFFFFFFFFu;  // a tile whose changes found 
 
 struct ScratchPtrs {
   Ctl* ctl = nullptr;
-  // Per tile of the bucket. Encode: its change count. Decode: its first change (bitmap form:
-  // from the count pass's scan, entry `tiles` the total; index form: its first record).
+  // Per tile of the bucket. Encode: its change count. Decode (bitmap form): its first value,
+  // from the count pass's scans, entry `tiles` the total.
   uint32_t* tile = nullptr;
-  uint32_t* voff = nullptr;       // encode: the tile's first staged value (kNoSlot: none)
-  uint32_t* ioff = nullptr;       // encode: the tile's first staged index (kNoSlot: none)
-  uint32_t* rtot = nullptr;       // encode: each range's change count
+  uint32_t* voff = nullptr;  // encode: the tile's first staged value (kNoSlot: none)
+  uint32_t* ioff = nullptr;  // encode: the tile's first staged index (kNoSlot: none)
+  // Per range of tiles (at most one per tile). Encode: each range's change count. Decode (bitmap
+  // form): the count pass's ranges, their counts then their first values.
+  uint32_t* rtot = nullptr;
   unsigned char* vals = nullptr;  // encode: staged values, in tile order within a tile
   uint16_t* idx = nullptr;        // encode: staged indices (element within the tile)
   HostResult* result = nullptr;   // device view of the pinned result
@@ -94,7 +96,7 @@ struct ScratchPtrs {
 // to 1/32 of their elements (the index form's limit; a range over it re-reads its tiles too).
 inline constexpr uint64_t kStageDivisor = 4;
 inline constexpr uint64_t kIndexDivisor = 32;
-inline constexpr uint64_t kScanBatch = 8192;  // tile array entries, a multiple of the scan's
+inline constexpr uint64_t kScanBatch = 8192;  // tile array entries: a multiple of this
 inline constexpr uint64_t kStagePad = 64;     // copies read up to 32 bytes past staged values
 struct ScratchLayout {
   uint64_t tile = 0, voff = 0, ioff = 0, rtot = 0, vals = 0, idx = 0, total = 0;

@@ -367,7 +367,7 @@ struct FaultConfig {
   // Before the Nth Post* is passed on, `before_post` runs on the posting thread: a test's step
   // at a known point of a sync (e.g. after a receiver advertised, before anything landed).
   int call_before_post = 0;
-  std::function<void()> before_post;
+  std::function<void()> before_post = nullptr;
 };
 struct FaultCounters {
   int posts = 0;

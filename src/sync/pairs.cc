@@ -45,6 +45,10 @@ Status PreparedPairs::Prepare(const Bindings& bindings, PeerShapes& shapes,
     delta.element_size = DeltaElementSize(ctx_.in);
     if (ctx_.in.options.encoding == WireEncoding::kAuto) {
       SS_ASSIGN_OR_RETURN(const DeltaLink link, DeltaLinkFromKnobs());
+      // Where no delta can pay at the knobs' speeds the pairs run as encoding full (the host
+      // path's ResolveAuto): every rank reads the same knobs, so both sides of a pair agree.
+      SS_ASSIGN_OR_RETURN(const bool can, DeltaCanPay(link));
+      delta.on = can;
       const int es = delta.element_size;
       delta.pays = [link, es](uint64_t elements, uint64_t changed) {
         auto p = DeltaPays(link, elements, es, changed);

@@ -436,8 +436,9 @@ TEST(Delta, PiecesRefuseAnotherBaseAndBadTilings) {
     s = DecodeDeltaPieces(enc, p, base.size(), {"layers.0.attn", 2, 7});
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad;
     EXPECT_NE(s.message().find("layers.0.attn"), std::string::npos) << s.message();
-    if (bad != 2)  // the checksum reads bytes: any byte tiling will do
+    if (bad != 2) {  // the checksum reads bytes: any byte tiling will do
       EXPECT_EQ(DeltaPiecesChecksum(p, base.size()).status().code(), StatusCode::kInvalidArgument);
+    }
   }
   EXPECT_EQ(ok.Gather(), base);
 }

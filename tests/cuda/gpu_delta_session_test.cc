@@ -7,6 +7,7 @@
 // poisons; staged commits and block FP8 refuse the delta encoding on device pairs at Connect.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -382,6 +383,28 @@ TEST(GpuDeltaSession, BlockFp8OverCudaIpcRefusesTheDeltaEncodingAtConnect) {
     named += s.message().find("not block FP8's image pairs") != std::string::npos;
   }
   EXPECT_GT(named, 0) << st.back().ToString();
+}
+
+// Encoding auto where no delta can pay at the knobs' speeds (the defaults: a 25 GB/s link and the
+// host codec's speeds) prepares ordinary full pairs: no delta figures, every byte as the twin's.
+TEST(GpuDeltaSession, AutoAtTheDefaultKnobsRunsFullPairs) {
+  SS_REQUIRE_GPU();
+  for (const char* knob : {"SHARDSYNC_DELTA_LINK_MBPS", "SHARDSYNC_DELTA_ENCODE_MBPS",
+                           "SHARDSYNC_DELTA_DECODE_MBPS"}) {
+    if (std::getenv(knob) != nullptr) GTEST_SKIP() << knob << " is set";
+  }
+  Twins t(WireEncoding::kAuto);
+  for (uint64_t v = 1; v <= 3; ++v) {
+    if (v > 1) t.Update(v, 0.01);
+    SyncReport r = t.Sync(v);
+    t.ExpectSame();
+    EXPECT_EQ(r.checksums_ok, r.checksums_total) << "version " << v;
+    EXPECT_EQ(r.delta.buckets_delta + r.delta.buckets_full, 0) << "version " << v;
+    EXPECT_EQ(r.delta.wire_bytes, 0) << "version " << v;
+    if (v == 1) {
+      EXPECT_EQ(t.delta.Mismatches(), 0);  // the synthetic weights, before any update
+    }
+  }
 }
 
 // nccl pairs refuse the delta encoding when prepared (at Connect), naming the transport and the

@@ -97,9 +97,10 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
       ->capture_default_str();
   sub->add_option("--encoding", f->encoding,
                   "How buckets travel each sync (host path and cuda_ipc pairs; nccl pairs "
-                  "refuse delta / auto): full (whole) | delta (only the wire elements changed "
+                  "refuse delta): full (whole) | delta (only the wire elements changed "
                   "since the receiver's verified base, whole where the base differs: "
-                  "docs/delta.md) | auto (delta where it pays at SHARDSYNC_DELTA_LINK_MBPS)")
+                  "docs/delta.md) | auto (delta where it pays at SHARDSYNC_DELTA_LINK_MBPS; "
+                  "full where none can)")
       ->capture_default_str();
   sub->add_option("--fp8-split", f->fp8_split,
                   "Block FP8, blocks whose rows straddle FSDP trainer ranks: amax (their holders "

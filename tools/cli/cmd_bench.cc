@@ -14,6 +14,7 @@
 #include <string>
 
 #include "command.h"
+#include "delta_json.h"
 #include "job/launcher.h"
 #include "shardsync/gpu.h"
 #include "shardsync/plan.h"
@@ -286,22 +287,7 @@ int Run(const BenchFlags& f) {
     if (job->inputs.options.encoding != WireEncoding::kFull) {
       // The last sharded sync's delta figures, job-wide (the senders' sums: session.h
       // DeltaSyncStats), as `demo --json` gives them.
-      const DeltaSyncStats& d = r0.report.delta;
-      j["delta"] = {{"wire_bytes", d.wire_bytes},
-                    {"full_bytes", d.full_bytes},
-                    {"density", d.elements ? static_cast<double>(d.changed) / d.elements : 0.0},
-                    {"changed", d.changed},
-                    {"elements", d.elements},
-                    {"buckets_delta", d.buckets_delta},
-                    {"buckets_full", d.buckets_full},
-                    {"fallbacks",
-                     {{"no_kept_image", d.fallback_no_image},
-                      {"base_version_differs", d.fallback_version},
-                      {"base_checksum_differs", d.fallback_checksum}}},
-                    {"full_by_size", d.full_by_size},
-                    {"full_by_cost", d.full_by_cost},
-                    {"encode_seconds", d.encode_seconds},
-                    {"decode_seconds", d.decode_seconds}};
+      j["delta"] = DeltaReportJson(r0.report.delta);
     }
     // The engine's stall per sync: in place, the whole transfer (it must be idle while bytes land
     // in its parameters); staged, the commit alone. Per engine rank beside the job's figures.

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "command.h"
+#include "delta_json.h"
 #include "job/launcher.h"
 #include "shardsync/fp8_plan.h"
 #include "shardsync/layout.h"
@@ -308,22 +309,7 @@ int Run(const DemoFlags& f) {
     j["encoding"] = std::string(WireEncodingName(job->inputs.options.encoding));
     if (job->inputs.options.encoding != WireEncoding::kFull) {
       // The last sync's delta figures, job-wide (the senders' sums: session.h DeltaSyncStats).
-      const DeltaSyncStats& d = rep.delta;
-      j["delta"] = {{"wire_bytes", d.wire_bytes},
-                    {"full_bytes", d.full_bytes},
-                    {"density", d.elements ? static_cast<double>(d.changed) / d.elements : 0.0},
-                    {"changed", d.changed},
-                    {"elements", d.elements},
-                    {"buckets_delta", d.buckets_delta},
-                    {"buckets_full", d.buckets_full},
-                    {"fallbacks",
-                     {{"no_kept_image", d.fallback_no_image},
-                      {"base_version_differs", d.fallback_version},
-                      {"base_checksum_differs", d.fallback_checksum}}},
-                    {"full_by_size", d.full_by_size},
-                    {"full_by_cost", d.full_by_cost},
-                    {"encode_seconds", d.encode_seconds},
-                    {"decode_seconds", d.decode_seconds}};
+      j["delta"] = DeltaReportJson(rep.delta);
     }
     if (job->staged()) {
       // Per engine rank: the last sync's transfer, the last commit's stall, the staging area.

@@ -154,7 +154,7 @@ class DeltaSendPair final : public PreparedPair {
     // overlaps the receiver's landing of the last one.
     const size_t n = spec_.buckets.size();
     while (true) {
-      SS_RETURN_IF_ERROR(PollSends());
+      SS_RETURN_IF_ERROR(PollSends(t_, sends_));
       if (step_ == kShipping) {
         SS_ASSIGN_OR_RETURN(bool done, EventDone("bucket " + std::to_string(next_) + " copied"));
         if (!done) return XferState::kInProgress;
@@ -215,21 +215,6 @@ class DeltaSendPair final : public PreparedPair {
   }
 
  private:
-  static double Since(std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-  Status PollSends() {
-    for (size_t i = 0; i < sends_.size();) {
-      SS_ASSIGN_OR_RETURN(XferState st, t_.Poll(sends_[i]));
-      if (st == XferState::kDone) {
-        sends_.erase(sends_.begin() + i);
-      } else {
-        ++i;
-      }
-    }
-    return OkStatus();
-  }
-
   // Whether the event after the last enqueued step passed (a device fault: its error).
   Result<bool> EventDone(const std::string& what) {
     const cudaError_t e = cudaEventQuery(ev_);
@@ -312,7 +297,7 @@ class DeltaSendPair final : public PreparedPair {
   }
   bool Decided() {
     step_ = kReady;
-    report_.seconds += Since(step_t0_);
+    report_.seconds += SecondsSince(step_t0_);
     return true;
   }
 
@@ -366,7 +351,7 @@ class DeltaSendPair final : public PreparedPair {
         XferId id, t_.PostSendHost(spec_.peer, DeltaTag(kCtlTagBase, version_), ctl, sizeof(ctl)));
     sends_.push_back(id);
     awaiting_ = static_cast<int64_t>(b);
-    report_.seconds += Since(step_t0_);
+    report_.seconds += SecondsSince(step_t0_);
     return OkStatus();
   }
 

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -83,6 +85,23 @@ inline BatchSpec DeltaBucketBatch(const std::vector<PackRegion>& regions, int64_
     }
   }
   return bs;
+}
+
+inline double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Drops the completed transfers of `ids` (host-memory mailbox sends); a failed one's error.
+inline Status PollSends(CudaIpcTransport& t, std::vector<XferId>& ids) {
+  for (size_t i = 0; i < ids.size();) {
+    SS_ASSIGN_OR_RETURN(XferState st, t.Poll(ids[i]));
+    if (st == XferState::kDone) {
+      ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      ++i;
+    }
+  }
+  return OkStatus();
 }
 
 // The receiving pair for `spec` (checked by the caller).

@@ -84,14 +84,14 @@ class DeltaRecvPair final : public PreparedPair {
     next_ = 0;
     SS_RETURN_IF_ERROR(PostCtl());
     state_ = kRecv;
-    report_.seconds += Since(t0);
+    report_.seconds += SecondsSince(t0);
     return OkStatus();
   }
 
   Result<XferState> Poll() override {
     if (state_ == kIdle) return XferState::kDone;
     SS_CUDA(cudaSetDevice(t_.device()), who_ + ": cudaSetDevice");
-    SS_RETURN_IF_ERROR(PollSends());
+    SS_RETURN_IF_ERROR(PollSends(t_, sends_));
     while (next_ < spec_.buckets.size()) {
       SS_ASSIGN_OR_RETURN(XferState st, t_.Poll(ctl_id_));
       if (st == XferState::kInProgress) {
@@ -105,7 +105,7 @@ class DeltaRecvPair final : public PreparedPair {
       sends_.push_back(id);
       if (++next_ < spec_.buckets.size()) SS_RETURN_IF_ERROR(PostCtl());
     }
-    SS_RETURN_IF_ERROR(PollSends());
+    SS_RETURN_IF_ERROR(PollSends(t_, sends_));
     if (!sends_.empty()) return XferState::kInProgress;
     // Every bucket landed: every landed word read back, for the session's comparison.
     const auto t0 = std::chrono::steady_clock::now();
@@ -115,7 +115,7 @@ class DeltaRecvPair final : public PreparedPair {
     for (size_t b = 0; b < landed_.size(); ++b) {
       if (landed_[b] == packed_[b]) verified_[b] = version_;
     }
-    report_.seconds += Since(t0);
+    report_.seconds += SecondsSince(t0);
     state_ = kIdle;
     return XferState::kDone;
   }
@@ -139,23 +139,9 @@ class DeltaRecvPair final : public PreparedPair {
   }
 
  private:
-  static double Since(std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
   Status PostCtl() {
     SS_ASSIGN_OR_RETURN(
         ctl_id_, t_.PostRecvHost(spec_.peer, DeltaTag(kCtlTagBase, version_), ctl_, sizeof(ctl_)));
-    return OkStatus();
-  }
-  Status PollSends() {
-    for (size_t i = 0; i < sends_.size();) {
-      SS_ASSIGN_OR_RETURN(XferState st, t_.Poll(sends_[i]));
-      if (st == XferState::kDone) {
-        sends_.erase(sends_.begin() + i);
-      } else {
-        ++i;
-      }
-    }
     return OkStatus();
   }
 
@@ -212,7 +198,7 @@ class DeltaRecvPair final : public PreparedPair {
       o.elements = static_cast<uint64_t>(bytes / spec_.delta.element_size);
     }
     report_.buckets.push_back(o);
-    report_.seconds += Since(t0);
+    report_.seconds += SecondsSince(t0);
     return OkStatus();
   }
 

@@ -210,8 +210,7 @@ TEST(DeltaSession, ARefusedDeltaFailsTheSyncAndPoisonsNothingElseLands) {
   t.Update(3, 0.01);
   // Trainer rank 1's first message of version 3 (its first bucket's delta; the control message
   // follows) has one byte of its index records flipped.
-  t.delta.fault(1).set_config(
-      {.corrupt_data_post = t.delta.fault(1).counters().data_posts + 1, .corrupt_byte = 50});
+  t.delta.CorruptDataPost(1, 1, 50);
   auto st = t.delta.Sync(3);
   ExpectAllOk(t.full.Sync(3));
   EXPECT_EQ(t.delta.fault(1).counters().corrupted, 1);

@@ -288,15 +288,7 @@ TEST(Fp8Session, FlippedByteIsDataLossNamingTheParameter) {
   job.BindAll();
   ExpectAllOk(job.Connect());
   ExpectAllOk(job.Sync(1));
-  job.fault(1).set_config(
-      {.corrupt_data_post = job.fault(1).counters().data_posts + 3, .corrupt_byte = 5});
-  auto st = job.Sync(2);
-  EXPECT_EQ(job.fault(1).counters().corrupted, 1);
-  testing::ExpectOneDataLossFrom(job, st, 1);
-  job.fault(1).set_config({});
-  ExpectAllOk(job.Sync(3));
-  for (int r = job.trainers(); r < job.world(); ++r) EXPECT_FALSE(job.session(r).IsPoisoned());
-  EXPECT_EQ(job.Mismatches(), 0);
+  testing::ExpectFlippedByteIsDataLossThenRecovers(job);
 }
 
 // A NaN in the trainer's values: block FP8 cannot carry it. Whether its block is quantized by the

@@ -123,6 +123,13 @@ class SessionJob {
     }
   }
 
+  // Flips byte `byte` of rank r's `nth` data put from now on (the fault counters are cumulative
+  // over the transport's life).
+  void CorruptDataPost(int r, int nth, size_t byte) {
+    fault(r).set_config(
+        {.corrupt_data_post = fault(r).counters().data_posts + nth, .corrupt_byte = byte});
+  }
+
   // Ends rank r as a killed process would: its session and store connection go.
   void Drop(int r) {
     ranks_[r].session.reset();
@@ -152,5 +159,19 @@ class SessionJob {
   int world_ = 0;
   std::vector<Rank> ranks_;
 };
+
+// `job` bound, connected and synced at version 1: version 2 with one byte of trainer rank 1's 3rd
+// data put flipped is DataLoss naming it on one rank and poisons every engine rank; a clean full
+// version 3 clears the poison and the parameters are right again.
+inline void ExpectFlippedByteIsDataLossThenRecovers(SessionJob& job) {
+  job.CorruptDataPost(1, 3, 5);
+  auto st = job.Sync(2);
+  EXPECT_EQ(job.fault(1).counters().corrupted, 1);
+  ExpectOneDataLossFrom(job, st, 1);
+  job.fault(1).set_config({});
+  ExpectAllOk(job.Sync(3));
+  for (int r = job.trainers(); r < job.world(); ++r) EXPECT_FALSE(job.session(r).IsPoisoned());
+  EXPECT_EQ(job.Mismatches(), 0);
+}
 
 }  // namespace shardsync::testing

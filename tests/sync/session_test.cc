@@ -63,18 +63,7 @@ TEST(SyncSession, FlippedByteIsDataLossNamingTheParameter) {
   job.BindAll();
   ExpectAllOk(job.Connect());
   ExpectAllOk(job.Sync(1));
-  // Trainer rank 1: flip one byte of its 3rd data put of version 2.
-  // (Fault counters are cumulative over the transport's life.)
-  job.fault(1).set_config(
-      {.corrupt_data_post = job.fault(1).counters().data_posts + 3, .corrupt_byte = 5});
-  auto st = job.Sync(2);
-  EXPECT_EQ(job.fault(1).counters().corrupted, 1);
-  testing::ExpectOneDataLossFrom(job, st, 1);
-  // A clean full sync clears the poison and the parameters are right again.
-  job.fault(1).set_config({});
-  ExpectAllOk(job.Sync(3));
-  for (int r = job.trainers(); r < job.world(); ++r) EXPECT_FALSE(job.session(r).IsPoisoned());
-  EXPECT_EQ(job.Mismatches(), 0);
+  testing::ExpectFlippedByteIsDataLossThenRecovers(job);
 }
 
 TEST(SyncSession, SenderStoppingMidSyncFailsEveryRankWithinTheTimeout) {
@@ -406,8 +395,7 @@ TEST(SyncSession, OneHostsVerdictsGoThroughSharedMemoryAndTheSegmentIsGoneAfterC
   }
   EXPECT_EQ(job.Mismatches(), 0);
   // A failure reaches every rank through the board too, naming its cause.
-  job.fault(1).set_config(
-      {.corrupt_data_post = job.fault(1).counters().data_posts + 2, .corrupt_byte = 3});
+  job.CorruptDataPost(1, 2, 3);
   testing::ExpectOneDataLossFrom(job, job.Sync(25), 1);
   job.fault(1).set_config({});
   ExpectAllOk(job.Sync(29));

@@ -138,8 +138,7 @@ TEST(StagedCommit, CorruptedByteFailsTheSyncAndLeavesLiveParametersUntouched) {
   ExpectAllOk(job.Commit(1));
   const auto served = job.Live();
   job.Reseed(2);
-  job.fault(1).set_config(
-      {.corrupt_data_post = job.fault(1).counters().data_posts + 3, .corrupt_byte = 5});
+  job.CorruptDataPost(1, 3, 5);
   auto st = job.Sync(2);
   EXPECT_EQ(job.fault(1).counters().corrupted, 1);
   for (int r = 0; r < job.world(); ++r) EXPECT_FALSE(st[r].ok()) << "rank " << r;

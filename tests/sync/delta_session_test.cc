@@ -17,6 +17,7 @@
 #include "job/internal.h"
 #include "job/launcher.h"
 #include "job/test_util.h"
+#include "session_harness.h"
 #include "shardsync/delta.h"
 #include "shardsync/session.h"
 #include "shardsync/transport.h"
@@ -36,63 +37,12 @@ JobSpec Spec(WireEncoding enc) {
   return s;
 }
 
-class Job {
+// The harness's job, bound at construction, whose trainer values can be updated.
+class Job : public testing::SessionJob {
  public:
-  explicit Job(JobSpec spec, const std::function<void(int, SessionOptions&)>& tune = nullptr,
-               const std::function<void(int, PlanInputs&)>& inputs = nullptr)
-      : spec_(std::move(spec)) {
-    server_ = std::move(StoreServer::Start("127.0.0.1", 0, "test-token-0123456789")).value();
-    hub_ = NewLoopbackHub();
-    world_ = SyncWorldSize(spec_.inputs);
-    ranks_.resize(world_);
-    for (int r = 0; r < world_; ++r) {
-      Rank& k = ranks_[r];
-      k.store =
-          std::move(StoreClient::Connect(server_->address(), "test-token-0123456789", Millis(5000)))
-              .value();
-      k.tx = NewFaultTransport(NewLoopbackTransport(hub_));
-      SessionOptions o;
-      o.sync_timeout = Millis(5000);
-      o.connect_timeout = Millis(5000);
-      if (tune) tune(r, o);
-      PlanInputs in = spec_.inputs;
-      if (inputs) inputs(r, in);
-      auto s = SyncSession::Create(in, r, *k.store, *k.tx, o);
-      EXPECT_TRUE(s.ok()) << s.status().ToString();
-      k.session = std::move(s).value();
-    }
-    for (int r = 0; r < world_; ++r) {
-      Rank& k = ranks_[r];
-      auto who = DescribeSyncRank(spec_.inputs, r).value();
-      if (who.is_trainer) {
-        k.shards = std::move(job_internal::FillTrainerShards(spec_, who.trainer_rank)).value();
-        for (auto& b : k.shards.bindings) EXPECT_TRUE(k.session->BindSource(b).ok());
-      } else {
-        k.params = std::move(job_internal::AllocateEngineParams(k.session->ExpectedParams(),
-                                                                spec_.inputs.options.wire_dtype))
-                       .value();
-        for (auto& b : k.params.bindings) EXPECT_TRUE(k.session->BindDest(b).ok());
-      }
-    }
-  }
-
-  std::vector<Status> All(const std::function<Status(int)>& fn) {
-    return testing::RunOnAll(world_, fn);
-  }
-  std::vector<Status> Connect() {
-    return All([&](int r) { return ranks_[r].session->Connect(); });
-  }
-  // Syncs `v` on every rank; the reports (default ones where a rank failed).
-  std::vector<Status> Sync(uint64_t v, std::vector<SyncReport>* reps = nullptr) {
-    if (reps) reps->assign(world_, {});
-    return All([&](int r) {
-      auto rep = ranks_[r].session->Sync(v);
-      if (rep.ok() && reps) (*reps)[r] = *rep;
-      return rep.status();
-    });
-  }
-  std::vector<Status> Commit(uint64_t v) {
-    return All([&](int r) { return ranks_[r].session->Commit(v).status(); });
+  explicit Job(JobSpec spec, const Tune& tune = nullptr, const Inputs& inputs = nullptr)
+      : SessionJob(std::move(spec), Millis(5000), tune, inputs) {
+    BindAll();
   }
   // A small random update of every trainer rank's fp32 values (seed `seed`): `fraction` of the
   // elements move by 2^-6 of their value (a bf16 step or more: their wire value changes), a
@@ -101,7 +51,7 @@ class Job {
     std::mt19937_64 rng(seed);
     std::uniform_real_distribution<double> u(0, 1);
     for (int r = 0; r < trainers(); ++r) {
-      for (const SourceBinding& b : ranks_[r].shards.bindings) {
+      for (const SourceBinding& b : shards(r).bindings) {
         float* x = static_cast<float*>(const_cast<void*>(b.data));
         for (int64_t i = 0; i < b.region.numel(); ++i) {
           const double p = u(rng);
@@ -113,49 +63,6 @@ class Job {
       }
     }
   }
-  // Every engine rank's parameters, byte for byte.
-  std::vector<std::vector<unsigned char>> Engines() {
-    std::vector<std::vector<unsigned char>> out;
-    for (int r = trainers(); r < world_; ++r) {
-      std::vector<unsigned char> all;
-      for (const DestBinding& d : ranks_[r].params.bindings) {
-        const auto* p = static_cast<const unsigned char*>(d.data);
-        all.insert(all.end(), p, p + NumElements(d.shape) * DTypeSize(d.dtype));
-      }
-      out.push_back(std::move(all));
-    }
-    return out;
-  }
-  void SetEngines(const std::vector<std::vector<unsigned char>>& img) {
-    for (int r = trainers(); r < world_; ++r) {
-      size_t at = 0;
-      for (const DestBinding& d : ranks_[r].params.bindings) {
-        const size_t n = static_cast<size_t>(NumElements(d.shape) * DTypeSize(d.dtype));
-        std::memcpy(d.data, img[r - trainers()].data() + at, n);
-        at += n;
-      }
-    }
-  }
-  int64_t Mismatches() { return testing::EngineMismatches(spec_, ranks_); }
-  int world() const { return world_; }
-  int trainers() const { return spec_.inputs.trainer.world(); }
-  SyncSession& session(int r) { return *ranks_[r].session; }
-  FaultTransport& fault(int r) { return *ranks_[r].tx; }
-  job_internal::EngineParams& params(int r) { return ranks_[r].params; }
-
- private:
-  struct Rank {
-    std::unique_ptr<StoreClient> store;
-    std::unique_ptr<FaultTransport> tx;
-    std::unique_ptr<SyncSession> session;
-    job_internal::TrainerShards shards;
-    job_internal::EngineParams params;
-  };
-  JobSpec spec_;
-  std::unique_ptr<StoreServer> server_;
-  std::shared_ptr<LoopbackHub> hub_;
-  int world_ = 0;
-  std::vector<Rank> ranks_;
 };
 
 // A delta job and its twin under encoding full, synced and updated in step.
@@ -185,7 +92,7 @@ struct Twins {
     full.Update(seed, fraction);
   }
   // Every byte of every engine parameter equals the full sync's.
-  void ExpectSame() { EXPECT_TRUE(delta.Engines() == full.Engines()); }
+  void ExpectSame() { EXPECT_TRUE(delta.EngineBytes() == full.EngineBytes()); }
   Job delta, full;
   std::vector<SyncReport> last;  // the delta job's reports of the last Sync, by rank
 };
@@ -271,11 +178,11 @@ TEST(DeltaSession, EnginesRestoredToAnOlderVersionFallBackForEveryChangedBucket)
   t.Sync(1);
   t.Update(2, 0.01);
   t.Sync(2);
-  const auto v2 = t.delta.Engines();
+  const auto v2 = t.delta.EngineBytes();
   t.Update(3, 0.01);
   SyncReport r3 = t.Sync(3);
   // The engine is rolled back by hand to version 2's bytes (its bytes say 3 was never there).
-  t.delta.SetEngines(v2);
+  t.delta.SetEngineBytes(v2);
   t.Update(4, 0.01);
   SyncReport r4 = t.Sync(4);
   t.ExpectSame();
@@ -285,9 +192,9 @@ TEST(DeltaSession, EnginesRestoredToAnOlderVersionFallBackForEveryChangedBucket)
   EXPECT_EQ(r4.delta.fallback_version, 0);
   // An engine whose bytes are gone (zeroed: a re-created engine's fresh memory) falls back
   // everywhere, in the same sync.
-  auto zero = t.delta.Engines();
+  auto zero = t.delta.EngineBytes();
   for (auto& e : zero) std::fill(e.begin(), e.end(), 0);
-  t.delta.SetEngines(zero);
+  t.delta.SetEngineBytes(zero);
   t.Update(5, 0.01);
   SyncReport r5 = t.Sync(5);
   t.ExpectSame();
@@ -303,8 +210,7 @@ TEST(DeltaSession, ARefusedDeltaFailsTheSyncAndPoisonsNothingElseLands) {
   t.Update(3, 0.01);
   // Trainer rank 1's first message of version 3 (its first bucket's delta; the control message
   // follows) has one byte of its index records flipped.
-  t.delta.fault(1).set_config(
-      {.corrupt_data_post = t.delta.fault(1).counters().data_posts + 1, .corrupt_byte = 50});
+  t.delta.CorruptDataPost(1, 1, 50);
   auto st = t.delta.Sync(3);
   ExpectAllOk(t.full.Sync(3));
   EXPECT_EQ(t.delta.fault(1).counters().corrupted, 1);

@@ -14,6 +14,7 @@
 #include "common/fp8_reference.h"
 #include "job/internal.h"
 #include "job/test_util.h"
+#include "session_harness.h"
 #include "shardsync/fp8.h"
 #include "shardsync/fp8_plan.h"
 #include "shardsync/synthetic.h"
@@ -77,96 +78,11 @@ JobSpec Spec(const std::string& model, const std::string& rollout, const std::st
   return *j;
 }
 
-// Every rank of one job in this process over loopback (the fault decorator around it).
-class Fp8Job {
+// The harness's job (loopback with the fault decorator around it), 5 s sync timeout by default.
+class Fp8Job : public testing::SessionJob {
  public:
-  explicit Fp8Job(JobSpec spec, Millis timeout = Millis(5000)) : spec_(std::move(spec)) {
-    auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
-    EXPECT_TRUE(server.ok());
-    server_ = std::move(server).value();
-    hub_ = NewLoopbackHub();
-    world_ = SyncWorldSize(spec_.inputs);
-    ranks_.resize(world_);
-    for (int r = 0; r < world_; ++r) {
-      Rank& k = ranks_[r];
-      k.store = std::move(
-          StoreClient::Connect(server_->address(), "test-token-0123456789", Millis(5000)).value());
-      k.tx = NewFaultTransport(NewLoopbackTransport(hub_));
-      SessionOptions o;
-      o.sync_timeout = timeout;
-      o.connect_timeout = Millis(5000);
-      auto s = SyncSession::Create(spec_.inputs, r, *k.store, *k.tx, o);
-      EXPECT_TRUE(s.ok()) << s.status().ToString();
-      k.session = std::move(s).value();
-    }
-  }
-
-  void BindAll() {
-    for (int r = 0; r < world_; ++r) {
-      Rank& k = ranks_[r];
-      auto who = DescribeSyncRank(spec_.inputs, r).value();
-      if (who.is_trainer) {
-        k.shards = job_internal::FillTrainerShards(spec_, who.trainer_rank).value();
-        for (auto& b : k.shards.bindings) ASSERT_TRUE(k.session->BindSource(b).ok());
-      } else {
-        k.params = job_internal::AllocateEngineParams(k.session->ExpectedParams(),
-                                                      spec_.inputs.options.wire_dtype)
-                       .value();
-        for (auto& b : k.params.bindings) {
-          Status s = k.session->BindDest(b);
-          ASSERT_TRUE(s.ok()) << s.ToString();
-        }
-      }
-    }
-  }
-  std::vector<Status> All(const std::function<Status(int)>& fn) {
-    return testing::RunOnAll(world_, fn);
-  }
-  std::vector<Status> Connect() {
-    return All([&](int r) { return ranks_[r].session->Connect(); });
-  }
-  std::vector<Status> Sync(uint64_t v) {
-    return All([&](int r) { return ranks_[r].session->Sync(v).status(); });
-  }
-
-  // The job harness's element check (job_internal::VerifyEngineParams) over every engine rank.
-  int64_t HarnessMismatches() {
-    int64_t m = 0;
-    for (int r = trainers(); r < world_; ++r) {
-      RankResult rr;
-      job_internal::VerifyEngineParams(spec_, session(r).ExpectedParams(),
-                                       ranks_[r].params.bindings, rr);
-      EXPECT_GT(rr.elements_checked, 0);
-      m += rr.element_mismatches;
-    }
-    return m;
-  }
-  int world() const { return world_; }
-  int trainers() const { return spec_.inputs.trainer.world(); }
-  const JobSpec& spec() const { return spec_; }
-  SyncSession& session(int r) { return *ranks_[r].session; }
-  FaultTransport& fault(int r) { return *ranks_[r].tx; }
-  job_internal::TrainerShards& shards(int r) { return ranks_[r].shards; }
-  job_internal::EngineParams& params(int r) { return ranks_[r].params; }
-  // Ends rank r as a killed process would: its session and store connection go.
-  void Drop(int r) {
-    ranks_[r].session.reset();
-    ranks_[r].store.reset();
-  }
-
- private:
-  struct Rank {
-    std::unique_ptr<StoreClient> store;
-    std::unique_ptr<FaultTransport> tx;
-    std::unique_ptr<SyncSession> session;
-    job_internal::TrainerShards shards;
-    job_internal::EngineParams params;
-  };
-  JobSpec spec_;
-  std::unique_ptr<StoreServer> server_;
-  std::shared_ptr<LoopbackHub> hub_;
-  int world_ = 0;
-  std::vector<Rank> ranks_;
+  explicit Fp8Job(JobSpec spec, Millis timeout = Millis(5000))
+      : SessionJob(std::move(spec), timeout) {}
 };
 
 struct Counts {
@@ -301,12 +217,8 @@ TEST(Fp8Session, EveryLandedByteAndScaleEqualsTheReferenceQuantizer) {
     job.BindAll();
     ExpectAllOk(job.Connect());
     for (uint64_t v = 1; v <= 3; ++v) {
-      std::vector<SyncReport> reps(job.world());
-      ExpectAllOk(job.All([&](int r) {
-        auto rep = job.session(r).Sync(v);
-        if (rep.ok()) reps[r] = *rep;
-        return rep.status();
-      }));
+      std::vector<SyncReport> reps;
+      ExpectAllOk(job.Sync(v, &reps));
       EXPECT_GT(reps[0].checksums_total, 0);
       EXPECT_EQ(reps[0].checksums_ok, reps[0].checksums_total);
       EXPECT_EQ(reps[0].bytes, sum->total_bytes);
@@ -320,9 +232,9 @@ TEST(Fp8Session, EveryLandedByteAndScaleEqualsTheReferenceQuantizer) {
       EXPECT_GT(c.copied, 0);
     }
     // The harness's own element check (the library quantizer) agrees, and catches one byte.
-    EXPECT_EQ(job.HarnessMismatches(), 0);
+    EXPECT_EQ(job.Mismatches(), 0);
     static_cast<uint8_t*>(job.params(job.world() - 1).bindings[1].data)[3] ^= 0x01;
-    EXPECT_EQ(job.HarnessMismatches(), 1);
+    EXPECT_EQ(job.Mismatches(), 1);
   }
 }
 
@@ -352,12 +264,8 @@ TEST(Fp8Session, MegatronTrainersLandEveryByteAndScaleOfTheReferenceQuantizer) {
     job.BindAll();
     ExpectAllOk(job.Connect());
     for (uint64_t v = 1; v <= 2; ++v) {
-      std::vector<SyncReport> reps(job.world());
-      ExpectAllOk(job.All([&](int r) {
-        auto rep = job.session(r).Sync(v);
-        if (rep.ok()) reps[r] = *rep;
-        return rep.status();
-      }));
+      std::vector<SyncReport> reps;
+      ExpectAllOk(job.Sync(v, &reps));
       EXPECT_GT(reps[0].checksums_total, 0);
       EXPECT_EQ(reps[0].checksums_ok, reps[0].checksums_total);
       EXPECT_EQ(reps[0].bytes, sum->total_bytes);
@@ -367,7 +275,7 @@ TEST(Fp8Session, MegatronTrainersLandEveryByteAndScaleOfTheReferenceQuantizer) {
     EXPECT_EQ(c.fp8_bytes, sum->sender_quantized_elements);
     EXPECT_GT(c.scales, 0);
     EXPECT_GT(c.copied, 0);
-    EXPECT_EQ(job.HarnessMismatches(), 0);
+    EXPECT_EQ(job.Mismatches(), 0);
   }
 }
 
@@ -380,15 +288,7 @@ TEST(Fp8Session, FlippedByteIsDataLossNamingTheParameter) {
   job.BindAll();
   ExpectAllOk(job.Connect());
   ExpectAllOk(job.Sync(1));
-  job.fault(1).set_config(
-      {.corrupt_data_post = job.fault(1).counters().data_posts + 3, .corrupt_byte = 5});
-  auto st = job.Sync(2);
-  EXPECT_EQ(job.fault(1).counters().corrupted, 1);
-  testing::ExpectOneDataLossFrom(job, st, 1);
-  job.fault(1).set_config({});
-  ExpectAllOk(job.Sync(3));
-  for (int r = job.trainers(); r < job.world(); ++r) EXPECT_FALSE(job.session(r).IsPoisoned());
-  EXPECT_EQ(job.HarnessMismatches(), 0);
+  testing::ExpectFlippedByteIsDataLossThenRecovers(job);
 }
 
 // A NaN in the trainer's values: block FP8 cannot carry it. Whether its block is quantized by the
@@ -446,7 +346,7 @@ TEST_P(Fp8NonFinite, TrainerValueFailsTheSyncNamingTheTensor) {
     EXPECT_EQ(named, shared ? 2 : 1);
     x = keep;
     ExpectAllOk(job.Sync(v++));
-    EXPECT_EQ(job.HarnessMismatches(), 0);
+    EXPECT_EQ(job.Mismatches(), 0);
   }
 }
 

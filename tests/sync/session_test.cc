@@ -15,6 +15,7 @@
 #include "job/internal.h"
 #include "job/launcher.h"
 #include "job/test_util.h"
+#include "session_harness.h"
 #include "shardsync/transport.h"
 #include "sync/verdict_board.h"
 #include "sync_expect.h"
@@ -25,91 +26,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using ::testing::HasSubstr;
 
-// One job's ranks in this process: store server, loopback hub, per rank a store client, a fault
-// transport around loopback, a session and its buffers.
-class Job {
- public:
-  // `tune` adjusts a rank's options before its session is created.
-  explicit Job(JobSpec spec, Millis timeout = Millis(3000),
-               const std::function<void(int, SessionOptions&)>& tune = nullptr)
-      : spec_(std::move(spec)) {
-    auto server = StoreServer::Start("127.0.0.1", 0, "test-token-0123456789");
-    EXPECT_TRUE(server.ok());
-    server_ = std::move(server).value();
-    hub_ = NewLoopbackHub();
-    world_ = SyncWorldSize(spec_.inputs);
-    ranks_.resize(world_);
-    for (int r = 0; r < world_; ++r) {
-      Rank& k = ranks_[r];
-      auto c = StoreClient::Connect(server_->address(), "test-token-0123456789", Millis(5000));
-      EXPECT_TRUE(c.ok());
-      k.store = std::move(c).value();
-      k.tx = NewFaultTransport(NewLoopbackTransport(hub_));
-      SessionOptions o;
-      o.sync_timeout = timeout;
-      o.connect_timeout = Millis(5000);
-      if (tune) tune(r, o);
-      auto s = SyncSession::Create(spec_.inputs, r, *k.store, *k.tx, o);
-      EXPECT_TRUE(s.ok()) << s.status().ToString();
-      k.session = std::move(s).value();
-    }
-  }
-
-  void BindAll() {
-    for (int r = 0; r < world_; ++r) {
-      Rank& k = ranks_[r];
-      auto who = DescribeSyncRank(spec_.inputs, r);
-      ASSERT_TRUE(who.ok());
-      if (who->is_trainer) {
-        auto t = job_internal::FillTrainerShards(spec_, who->trainer_rank);
-        ASSERT_TRUE(t.ok());
-        k.shards = std::move(t).value();
-        for (auto& b : k.shards.bindings) ASSERT_TRUE(k.session->BindSource(b).ok());
-      } else {
-        auto p = job_internal::AllocateEngineParams(k.session->ExpectedParams(),
-                                                    spec_.inputs.options.wire_dtype);
-        ASSERT_TRUE(p.ok());
-        k.params = std::move(p).value();
-        for (auto& b : k.params.bindings) ASSERT_TRUE(k.session->BindDest(b).ok());
-      }
-    }
-  }
-
-  // Runs fn(rank) on every rank concurrently; returns the statuses.
-  std::vector<Status> All(const std::function<Status(int)>& fn) {
-    return testing::RunOnAll(world_, fn);
-  }
-  std::vector<Status> Connect() {
-    return All([&](int r) { return ranks_[r].session->Connect(); });
-  }
-  std::vector<Status> Sync(uint64_t v) {
-    return All([&](int r) { return ranks_[r].session->Sync(v).status(); });
-  }
-
-  // Element check of every engine rank: mismatches in total.
-  int64_t Mismatches() { return testing::EngineMismatches(spec_, ranks_); }
-
-  int world() const { return world_; }
-  int trainers() const { return spec_.inputs.trainer.world(); }
-  SyncSession& session(int r) { return *ranks_[r].session; }
-  FaultTransport& fault(int r) { return *ranks_[r].tx; }
-  StoreClient& store(int r) { return *ranks_[r].store; }
-  job_internal::EngineParams& params(int r) { return ranks_[r].params; }
-
- private:
-  struct Rank {
-    std::unique_ptr<StoreClient> store;
-    std::unique_ptr<FaultTransport> tx;
-    std::unique_ptr<SyncSession> session;
-    job_internal::TrainerShards shards;
-    job_internal::EngineParams params;
-  };
-  JobSpec spec_;
-  std::unique_ptr<StoreServer> server_;
-  std::shared_ptr<LoopbackHub> hub_;
-  int world_ = 0;
-  std::vector<Rank> ranks_;
-};
+using Job = testing::SessionJob;
 
 JobSpec Small() {
   // 2 trainer ranks, 4 engine ranks (tp 2 x pp 2), small buckets: many messages and buckets.
@@ -122,13 +39,8 @@ TEST(SyncSession, SyncsAndReportsTheSameOnEveryRank) {
   Job job(Small());
   job.BindAll();
   ExpectAllOk(job.Connect());
-  std::vector<SyncReport> reps(job.world());
-  auto st = job.All([&](int r) {
-    auto rep = job.session(r).Sync(1);
-    if (rep.ok()) reps[r] = *rep;
-    return rep.status();
-  });
-  ExpectAllOk(st);
+  std::vector<SyncReport> reps;
+  ExpectAllOk(job.Sync(1, &reps));
   EXPECT_EQ(job.Mismatches(), 0);
   for (int r = 0; r < job.world(); ++r) {
     EXPECT_EQ(reps[r].version, 1u);
@@ -151,18 +63,7 @@ TEST(SyncSession, FlippedByteIsDataLossNamingTheParameter) {
   job.BindAll();
   ExpectAllOk(job.Connect());
   ExpectAllOk(job.Sync(1));
-  // Trainer rank 1: flip one byte of its 3rd data put of version 2.
-  // (Fault counters are cumulative over the transport's life.)
-  job.fault(1).set_config(
-      {.corrupt_data_post = job.fault(1).counters().data_posts + 3, .corrupt_byte = 5});
-  auto st = job.Sync(2);
-  EXPECT_EQ(job.fault(1).counters().corrupted, 1);
-  testing::ExpectOneDataLossFrom(job, st, 1);
-  // A clean full sync clears the poison and the parameters are right again.
-  job.fault(1).set_config({});
-  ExpectAllOk(job.Sync(3));
-  for (int r = job.trainers(); r < job.world(); ++r) EXPECT_FALSE(job.session(r).IsPoisoned());
-  EXPECT_EQ(job.Mismatches(), 0);
+  testing::ExpectFlippedByteIsDataLossThenRecovers(job);
 }
 
 TEST(SyncSession, SenderStoppingMidSyncFailsEveryRankWithinTheTimeout) {
@@ -494,8 +395,7 @@ TEST(SyncSession, OneHostsVerdictsGoThroughSharedMemoryAndTheSegmentIsGoneAfterC
   }
   EXPECT_EQ(job.Mismatches(), 0);
   // A failure reaches every rank through the board too, naming its cause.
-  job.fault(1).set_config(
-      {.corrupt_data_post = job.fault(1).counters().data_posts + 2, .corrupt_byte = 3});
+  job.CorruptDataPost(1, 2, 3);
   testing::ExpectOneDataLossFrom(job, job.Sync(25), 1);
   job.fault(1).set_config({});
   ExpectAllOk(job.Sync(29));

@@ -11,6 +11,7 @@
 #include "job/internal.h"
 #include "job/launcher.h"
 #include "job/test_util.h"
+#include "session_harness.h"
 #include "shardsync/session.h"
 #include "shardsync/transport.h"
 #include "sync_expect.h"
@@ -64,112 +65,48 @@ class FaultyPacker final : public Packer {
   std::unique_ptr<Packer> cpu_ = MakeCpuPacker();
 };
 
-class StagedJob {
+// Each rank's FaultyPacker: a base of StagedJob ahead of SessionJob, so made before the
+// sessions that use them and gone after.
+struct FaultyPackers {
+  std::vector<std::unique_ptr<FaultyPacker>> packers;
+};
+
+// The harness's job with staged commit, each rank's packer a FaultyPacker.
+class StagedJob : private FaultyPackers, public testing::SessionJob {
  public:
   explicit StagedJob(Keep keep = Keep::kAuto,
                      SessionOptions::Scope scope = SessionOptions::Scope::kJob,
                      const std::string& rollout = "dp=1,tp=2,pp=2")
-      : spec_(testing::Job(testing::TinyQwen2(4, true), "fsdp=2", rollout, "sglang", 16 << 10)) {
-    server_ = std::move(StoreServer::Start("127.0.0.1", 0, "test-token-0123456789")).value();
-    hub_ = NewLoopbackHub();
-    world_ = SyncWorldSize(spec_.inputs);
-    ranks_.resize(world_);
-    for (int r = 0; r < world_; ++r) {
-      Rank& k = ranks_[r];
-      k.store =
-          std::move(StoreClient::Connect(server_->address(), "test-token-0123456789", Millis(5000)))
-              .value();
-      k.tx = NewFaultTransport(NewLoopbackTransport(hub_));
-      k.packer = std::make_unique<FaultyPacker>();
-      SessionOptions o;
-      o.sync_timeout = Millis(3000);
-      o.connect_timeout = Millis(5000);
-      o.packer = k.packer.get();
-      o.commit = SessionOptions::Commit::kStaged;
-      o.keep_previous = keep;
-      o.commit_scope = scope;
-      k.session = std::move(SyncSession::Create(spec_.inputs, r, *k.store, *k.tx, o)).value();
-    }
-  }
+      : SessionJob(testing::Job(testing::TinyQwen2(4, true), "fsdp=2", rollout, "sglang", 16 << 10),
+                   Millis(3000), [this, keep, scope](int, SessionOptions& o) {
+                     packers.push_back(std::make_unique<FaultyPacker>());
+                     o.packer = packers.back().get();
+                     o.commit = SessionOptions::Commit::kStaged;
+                     o.keep_previous = keep;
+                     o.commit_scope = scope;
+                   }) {}
 
-  void Bind() {
-    for (int r = 0; r < world_; ++r) {
-      Rank& k = ranks_[r];
-      auto who = DescribeSyncRank(spec_.inputs, r).value();
-      if (who.is_trainer) {
-        k.shards = std::move(job_internal::FillTrainerShards(spec_, who.trainer_rank)).value();
-        for (auto& b : k.shards.bindings) ASSERT_TRUE(k.session->BindSource(b).ok());
-      } else {
-        k.params = std::move(job_internal::AllocateEngineParams(k.session->ExpectedParams(),
-                                                                spec_.inputs.options.wire_dtype))
-                       .value();
-        for (auto& b : k.params.bindings) ASSERT_TRUE(k.session->BindDest(b).ok());
-      }
-    }
-  }
-  std::vector<Status> All(const std::function<Status(int)>& fn) {
-    return testing::RunOnAll(world_, fn);
-  }
   void ConnectAll() {
-    Bind();
-    ExpectAllOk(All([&](int r) { return ranks_[r].session->Connect(); }));
-  }
-  std::vector<Status> Sync(uint64_t v) {
-    return All([&](int r) { return ranks_[r].session->Sync(v).status(); });
-  }
-  std::vector<Status> Commit(uint64_t v) {
-    return All([&](int r) { return ranks_[r].session->Commit(v).status(); });
+    BindAll();
+    ExpectAllOk(Connect());
   }
   // New trainer values for the next version (seed `seed`): each version's bytes differ.
   void Reseed(uint64_t seed) {
-    JobSpec s = spec_;
+    JobSpec s = spec();
     s.seed = seed;
     for (int r = 0; r < trainers(); ++r) {
       auto fresh = job_internal::FillTrainerShards(s, r).value();
       for (size_t i = 0; i < fresh.bindings.size(); ++i) {
         const SourceBinding& b = fresh.bindings[i];
-        std::memcpy(ranks_[r].shards.buffers[i].get(), b.data,
+        std::memcpy(shards(r).buffers[i].get(), b.data,
                     static_cast<size_t>(b.region.numel() * DTypeSize(b.dtype)));
       }
     }
-    spec_.seed = seed;
+    spec().seed = seed;
   }
   // Every engine rank's live parameters, byte for byte.
-  std::vector<std::vector<unsigned char>> Live() {
-    std::vector<std::vector<unsigned char>> out;
-    for (int r = trainers(); r < world_; ++r) {
-      for (const DestBinding& d : ranks_[r].params.bindings) {
-        int64_t n = DTypeSize(d.dtype);
-        for (int64_t e : d.shape) n *= e;
-        const auto* p = static_cast<const unsigned char*>(d.data);
-        out.emplace_back(p, p + n);
-      }
-    }
-    return out;
-  }
-  int64_t Mismatches() { return testing::EngineMismatches(spec_, ranks_); }
-
-  int world() const { return world_; }
-  int trainers() const { return spec_.inputs.trainer.world(); }
-  SyncSession& session(int r) { return *ranks_[r].session; }
-  FaultTransport& fault(int r) { return *ranks_[r].tx; }
-  FaultyPacker& packer(int r) { return *ranks_[r].packer; }
-  const JobSpec& spec() const { return spec_; }
-
- private:
-  struct Rank {
-    std::unique_ptr<StoreClient> store;
-    std::unique_ptr<FaultTransport> tx;
-    std::unique_ptr<FaultyPacker> packer;
-    std::unique_ptr<SyncSession> session;
-    job_internal::TrainerShards shards;
-    job_internal::EngineParams params;
-  };
-  JobSpec spec_;
-  std::unique_ptr<StoreServer> server_;
-  std::shared_ptr<LoopbackHub> hub_;
-  int world_ = 0;
-  std::vector<Rank> ranks_;
+  std::vector<std::vector<unsigned char>> Live() { return EngineBytes(); }
+  FaultyPacker& packer(int r) { return *packers[r]; }
 };
 
 TEST(StagedCommit, SyncLandsInStagingAndCommitMakesItLive) {
@@ -201,8 +138,7 @@ TEST(StagedCommit, CorruptedByteFailsTheSyncAndLeavesLiveParametersUntouched) {
   ExpectAllOk(job.Commit(1));
   const auto served = job.Live();
   job.Reseed(2);
-  job.fault(1).set_config(
-      {.corrupt_data_post = job.fault(1).counters().data_posts + 3, .corrupt_byte = 5});
+  job.CorruptDataPost(1, 3, 5);
   auto st = job.Sync(2);
   EXPECT_EQ(job.fault(1).counters().corrupted, 1);
   for (int r = 0; r < job.world(); ++r) EXPECT_FALSE(st[r].ok()) << "rank " << r;
@@ -337,7 +273,7 @@ TEST(StagedCommit, StagingThatDoesNotFitIsRefusedAtConnectNamingTheRankAndNumber
   StagedJob job;
   const int r = job.world() - 1;
   job.packer(r).free_bytes = 1000;
-  job.Bind();
+  job.BindAll();
   auto st = job.All([&](int k) { return job.session(k).Connect(); });
   EXPECT_EQ(st[r].code(), StatusCode::kFailedPrecondition);
   EXPECT_THAT(st[r].message(), HasSubstr("sync rank " + std::to_string(r)));

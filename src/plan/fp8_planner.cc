@@ -39,11 +39,6 @@
 namespace shardsync {
 
 namespace plan_internal {
-namespace {
-
-int64_t AlignUp8(int64_t n) { return (n + 7) & ~int64_t{7}; }
-
-}  // namespace
 
 Region BlockRegion(const Region& r) {
   Region b = r;

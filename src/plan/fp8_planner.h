@@ -17,6 +17,8 @@ namespace shardsync::plan_internal {
 
 // The block edge, short for the grid arithmetic of the FP8 planner's files.
 inline constexpr int64_t B = kFp8Block;
+// Staged bands and copies start on 8-byte boundaries of the wire image / staging.
+inline int64_t AlignUp8(int64_t n) { return (n + 7) & ~int64_t{7}; }
 
 // One op before bucket splitting: a walk unit's part on the grid, with its encoding.
 struct Fp8Unit {

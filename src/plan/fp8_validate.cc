@@ -21,8 +21,6 @@ using plan_internal::Fp8Context;
 constexpr int64_t kMaxValidateElements = int64_t{1} << 26;
 constexpr int64_t B = kFp8Block;
 
-int64_t AlignUp8(int64_t n) { return (n + 7) & ~int64_t{7}; }
-
 Region BlockRegion(const Region& r) {
   Region b = r;
   for (int i = r.ndim - 2; i < r.ndim; ++i) {

@@ -149,6 +149,9 @@ struct DeltaSyncStats {
   // (encoding auto: EstimateDeltaCost at SHARDSYNC_DELTA_LINK_MBPS).
   int64_t full_by_size = 0;
   int64_t full_by_cost = 0;
+  // Encoding auto where no delta can pay at the knobs' speeds (DeltaCanPay): the rank ran its
+  // host path / pairs as encoding full, every bucket whole without the delta steps.
+  int64_t full_by_auto = 0;
   double encode_seconds = 0;  // sender: packing the image aside, diffing, encoding
   double decode_seconds = 0;  // receiver: base read, checks, decode and landing
   // This rank's first fallback in words ("to sync rank 3, bucket 0: base checksum differs ...");

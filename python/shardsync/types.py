@@ -135,6 +135,7 @@ class DeltaStats(TypedDict):
     fallbacks: DeltaFallbacks
     full_by_size: int  # the delta was not smaller than the bucket
     full_by_cost: int  # "auto": the delta did not pay at the link speed
+    full_by_auto: int  # "auto" ran as "full": no delta can pay at the knobs' speeds
     encode_seconds: float
     decode_seconds: float
     first_fallback: str  # this rank's first fallback in words ("" if none)

@@ -45,6 +45,7 @@ py::dict DeltaToPy(const DeltaSyncStats& s) {
   d["fallbacks"] = fb;
   d["full_by_size"] = s.full_by_size;
   d["full_by_cost"] = s.full_by_cost;
+  d["full_by_auto"] = s.full_by_auto;
   d["encode_seconds"] = s.encode_seconds;
   d["decode_seconds"] = s.decode_seconds;
   d["first_fallback"] = s.first_fallback;

@@ -189,6 +189,7 @@ nlohmann::json DeltaToJson(const DeltaSyncStats& d) {
           {"fallback_checksum", d.fallback_checksum},
           {"full_by_size", d.full_by_size},
           {"full_by_cost", d.full_by_cost},
+          {"full_by_auto", d.full_by_auto},
           {"encode_seconds", d.encode_seconds},
           {"decode_seconds", d.decode_seconds},
           {"first_fallback", d.first_fallback}};
@@ -206,6 +207,7 @@ void DeltaFromJson(const nlohmann::json& j, DeltaSyncStats& d) {
   d.fallback_checksum = j.at("fallback_checksum");
   d.full_by_size = j.at("full_by_size");
   d.full_by_cost = j.at("full_by_cost");
+  d.full_by_auto = j.at("full_by_auto");
   d.encode_seconds = j.at("encode_seconds");
   d.decode_seconds = j.at("decode_seconds");
   d.first_fallback = j.at("first_fallback");

@@ -19,6 +19,7 @@ void DeltaSyncStats::Add(const DeltaSyncStats& o) {
   fallback_checksum += o.fallback_checksum;
   full_by_size += o.full_by_size;
   full_by_cost += o.full_by_cost;
+  full_by_auto += o.full_by_auto;
   encode_seconds += o.encode_seconds;
   decode_seconds += o.decode_seconds;
   if (first_fallback.empty()) first_fallback = o.first_fallback;

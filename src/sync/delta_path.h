@@ -108,6 +108,13 @@ Status ResolveAuto(const SessionContext& ctx, std::unique_ptr<Step>& step) {
 // A sender that ran `delta` (the delta steps) against receiver `dst`'s ready value `value`:
 // FailedPrecondition naming both and the knobs when one ran the delta steps and the other not.
 Status DeltaAgreement(bool delta, std::string_view value, int self, int dst);
+// Counts one `bytes`-byte bucket that encoding auto sent whole without the delta steps.
+inline void CountAutoFull(DeltaSyncStats& st, int64_t bytes) {
+  ++st.buckets_full;
+  ++st.full_by_auto;
+  st.wire_bytes += bytes;
+  st.full_bytes += bytes;
+}
 
 // Checks a bucket's control message (context.h Control) under the delta encoding beyond
 // CheckControl: a known form and reason, a payload that fits the bucket (a delta's is below

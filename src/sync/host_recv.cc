@@ -73,6 +73,13 @@ Status HostReceiver::Receive(RankSyncStats& st) {
     return s;
   }
   if (delta_) st.delta.Add(delta_->Finish());
+  if (!delta_ && ctx_.in.options.encoding == WireEncoding::kAuto) {
+    // Encoding auto ran as full here (ResolveAuto): the report says so, bucket by bucket.
+    for (size_t mi = 0; mi < ctx_.plan.recvs.size(); ++mi) {
+      if (pairs_->recvs(mi)) continue;
+      for (const Bucket& b : ctx_.plan.recvs[mi].buckets) CountAutoFull(st.delta, b.bytes);
+    }
+  }
   return codec_.FinishRecv();
 }
 

@@ -103,6 +103,13 @@ Status HostSender::Send(RankSyncStats& st) {
   // Every transfer completed: the transport no longer writes the sums.
   keep.done = true;
   if (delta_) st.delta.Add(delta_->Finish());
+  if (!delta_ && ctx_.in.options.encoding == WireEncoding::kAuto) {
+    // Encoding auto ran as full here (ResolveAuto): the report says so, bucket by bucket.
+    for (size_t mi = 0; mi < ctx_.plan.sends.size(); ++mi) {
+      if (pairs_->sends(mi)) continue;
+      for (const Bucket& b : ctx_.plan.sends[mi].buckets) CountAutoFull(st.delta, b.bytes);
+    }
+  }
   return OkStatus();
 }
 

@@ -49,6 +49,7 @@ Status PreparedPairs::Prepare(const Bindings& bindings, PeerShapes& shapes,
       // path's ResolveAuto): every rank reads the same knobs, so both sides of a pair agree.
       SS_ASSIGN_OR_RETURN(const bool can, DeltaCanPay(link));
       delta.on = can;
+      auto_full_ = !can;
       const int es = delta.element_size;
       delta.pays = [link, es](uint64_t elements, uint64_t changed) {
         auto p = DeltaPays(link, elements, es, changed);
@@ -155,7 +156,10 @@ Status PreparedPairs::FinishSends(RankSyncStats& st, const std::function<Status(
   for (size_t mi = 0; mi < send_.size(); ++mi) {
     if (!send_[mi]) continue;
     const Message& m = plan.sends[mi];
-    for (const Bucket& b : m.buckets) st.send_bytes += b.bytes;
+    for (const Bucket& b : m.buckets) {
+      st.send_bytes += b.bytes;
+      if (auto_full_) CountAutoFull(st.delta, b.bytes);
+    }
     if (const PairDeltaReport* d = send_[mi]->Delta()) AddDelta(*d, /*sender=*/true, st.delta);
     if (send_[mi]->DeliversSums()) continue;
     SS_ASSIGN_OR_RETURN(PairSums sums, send_[mi]->Sums());
@@ -229,6 +233,7 @@ Status PreparedPairs::FinishRecvs(RankSyncStats& st, const Bindings& bindings) {
       }
       ++st.checksums_ok;
       st.recv_bytes += m.buckets[b].bytes;
+      if (auto_full_) CountAutoFull(st.delta, m.buckets[b].bytes);
     }
   }
   return OkStatus();

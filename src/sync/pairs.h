@@ -79,6 +79,8 @@ class PreparedPairs {
   Codec& codec_;
   // By send / recv message index (null: the message goes the host path).
   Pairs send_, recv_;
+  // Encoding auto prepared the pairs as full (no delta can pay at the knobs' speeds).
+  bool auto_full_ = false;
 };
 
 }  // namespace shardsync::sync_internal

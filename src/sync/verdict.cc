@@ -41,14 +41,14 @@ std::string EncodeVerdict(const RankSyncStats& s) {
   Append(&out, s.seconds);  // shortest text that reads back to the same double
   Append(&out, s.checksums_ok);
   Append(&out, s.checksums_total);
-  // The delta figures (encoding delta / auto) as one optional field: "D:" and 13 numbers.
+  // The delta figures (encoding delta / auto) as one optional field: "D:" and 14 numbers.
   const DeltaSyncStats& d = s.delta;
   if (d.wire_bytes || d.full_bytes || d.buckets_delta || d.buckets_full) {
     out += " D:";
     std::string nums;
     for (int64_t v : {d.wire_bytes, d.full_bytes, d.changed, d.elements, d.buckets_delta,
                       d.buckets_full, d.fallback_no_image, d.fallback_version, d.fallback_checksum,
-                      d.full_by_size, d.full_by_cost})
+                      d.full_by_size, d.full_by_cost, d.full_by_auto})
       Append(&nums, v);
     Append(&nums, d.encode_seconds);
     Append(&nums, d.decode_seconds);
@@ -102,7 +102,7 @@ Result<RankSyncStats> DecodeVerdict(std::string_view text, int rank) {
     int64_t* ints[] = {&d.wire_bytes,        &d.full_bytes,       &d.changed,
                        &d.elements,          &d.buckets_delta,    &d.buckets_full,
                        &d.fallback_no_image, &d.fallback_version, &d.fallback_checksum,
-                       &d.full_by_size,      &d.full_by_cost};
+                       &d.full_by_size,      &d.full_by_cost,     &d.full_by_auto};
     double* reals[] = {&d.encode_seconds, &d.decode_seconds};
     size_t i = 0;
     for (; !delta.empty(); ++i) {

@@ -399,8 +399,10 @@ TEST(GpuDeltaSession, AutoAtTheDefaultKnobsRunsFullPairs) {
     SyncReport r = t.Sync(v);
     t.ExpectSame();
     EXPECT_EQ(r.checksums_ok, r.checksums_total) << "version " << v;
-    EXPECT_EQ(r.delta.buckets_delta + r.delta.buckets_full, 0) << "version " << v;
-    EXPECT_EQ(r.delta.wire_bytes, 0) << "version " << v;
+    EXPECT_EQ(r.delta.buckets_delta, 0) << "version " << v;
+    EXPECT_GT(r.delta.full_by_auto, 0) << "version " << v;
+    EXPECT_EQ(r.delta.full_by_auto, r.delta.buckets_full) << "version " << v;
+    EXPECT_EQ(r.delta.wire_bytes, r.delta.full_bytes) << "version " << v;
     if (v == 1) {
       EXPECT_EQ(t.delta.Mismatches(), 0);  // the synthetic weights, before any update
     }

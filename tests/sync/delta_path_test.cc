@@ -148,6 +148,7 @@ TEST(DeltaVerdict, TheDeltaFiguresRoundTripAndFullVerdictsStayAsTheyWere) {
   s.delta.fallback_checksum = 1;
   s.delta.full_by_size = 0;
   s.delta.full_by_cost = 0;
+  s.delta.full_by_auto = 7;
   s.delta.encode_seconds = 0.00123456789;
   s.delta.decode_seconds = 2.5e-7;
   s.error = "x|y";
@@ -162,6 +163,7 @@ TEST(DeltaVerdict, TheDeltaFiguresRoundTripAndFullVerdictsStayAsTheyWere) {
   EXPECT_EQ(d->delta.buckets_full, 2);
   EXPECT_EQ(d->delta.fallback_no_image, 1);
   EXPECT_EQ(d->delta.fallback_checksum, 1);
+  EXPECT_EQ(d->delta.full_by_auto, 7);
   EXPECT_EQ(d->delta.encode_seconds, 0.00123456789);
   EXPECT_EQ(d->delta.decode_seconds, 2.5e-7);
   std::string bad = EncodeVerdict(s);

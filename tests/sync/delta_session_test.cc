@@ -332,8 +332,14 @@ TEST(DeltaSession, AutoSendsDeltasOnlyWhereTheyPayAtTheLinkSpeed) {
     t.Update(2, 0.01);
     SyncReport r = t.Sync(2);
     t.ExpectSame();
-    EXPECT_EQ(r.delta.full_bytes, 0);
-    EXPECT_EQ(r.delta.buckets_delta + r.delta.buckets_full, 0);
+    // Every bucket went whole, counted as auto's choice (full_by_auto), on every rank.
+    EXPECT_EQ(r.delta.buckets_delta, 0);
+    EXPECT_GT(r.delta.full_by_auto, 0);
+    EXPECT_EQ(r.delta.full_by_auto, r.delta.buckets_full);
+    EXPECT_EQ(r.delta.fallbacks(), 0);
+    EXPECT_EQ(r.delta.wire_bytes, r.delta.full_bytes);
+    EXPECT_EQ(r.delta.full_bytes, r.bytes);
+    for (const RankSyncStats& k : r.ranks) EXPECT_GT(k.delta.full_by_auto, 0) << k.rank;
     EXPECT_EQ(r.checksums_ok, r.checksums_total);
   }
   // At 2 GB/s a delta pays at 1% (about 3% of the bytes on the wire) but not at 30% (the bitmap

@@ -409,7 +409,7 @@ int Run(const DemoFlags& f) {
         std::printf(
             "delta      %s on the wire of %s whole (%.2f%%), %.4f%% of elements changed; %lld "
             "buckets as deltas, %lld whole (fallbacks: %lld no kept image, %lld base version, "
-            "%lld base checksum; %lld by size, %lld by cost)\n",
+            "%lld base checksum; %lld by size, %lld by cost, %lld as auto ran full)\n",
             HumanBytes(static_cast<double>(d.wire_bytes)).c_str(),
             HumanBytes(static_cast<double>(d.full_bytes)).c_str(),
             d.full_bytes ? 100.0 * d.wire_bytes / d.full_bytes : 0.0,
@@ -417,7 +417,7 @@ int Run(const DemoFlags& f) {
             static_cast<long long>(d.buckets_delta), static_cast<long long>(d.buckets_full),
             static_cast<long long>(d.fallback_no_image), static_cast<long long>(d.fallback_version),
             static_cast<long long>(d.fallback_checksum), static_cast<long long>(d.full_by_size),
-            static_cast<long long>(d.full_by_cost));
+            static_cast<long long>(d.full_by_cost), static_cast<long long>(d.full_by_auto));
       }
     }
     if (job->staged()) {

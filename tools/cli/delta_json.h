@@ -22,6 +22,7 @@ inline nlohmann::json DeltaReportJson(const DeltaSyncStats& d) {
             {"base_checksum_differs", d.fallback_checksum}}},
           {"full_by_size", d.full_by_size},
           {"full_by_cost", d.full_by_cost},
+          {"full_by_auto", d.full_by_auto},
           {"encode_seconds", d.encode_seconds},
           {"decode_seconds", d.decode_seconds}};
 }

@@ -322,7 +322,17 @@ TEST(DeltaSession, StagedCommitAppliesDeltasOverTheLiveVersionAndRollbackFallsBa
   t.ExpectSame();
 }
 
+// Sets an environment knob for one scope and unsets it however the scope ends (a failed ASSERT
+// returns early), so later tests in this binary see the default.
+struct ScopedKnob {
+  explicit ScopedKnob(const char* name) : name(name) {}
+  bool Set(const char* value) const { return setenv(name, value, 1) == 0; }
+  ~ScopedKnob() { unsetenv(name); }
+  const char* name;
+};
+
 TEST(DeltaSession, AutoSendsDeltasOnlyWhereTheyPayAtTheLinkSpeed) {
+  const ScopedKnob link("SHARDSYNC_DELTA_LINK_MBPS");
   // At the default 25 GB/s no delta can pay, even a header alone (the path's passes cost more
   // than the whole bucket on the wire: docs/delta.md): the host path runs as encoding full, no
   // bucket takes the delta steps.
@@ -344,7 +354,7 @@ TEST(DeltaSession, AutoSendsDeltasOnlyWhereTheyPayAtTheLinkSpeed) {
   }
   // At 2 GB/s a delta pays at 1% (about 3% of the bytes on the wire) but not at 30% (the bitmap
   // form, 36%): those buckets go whole, counted as the cost model's decision.
-  ASSERT_EQ(setenv("SHARDSYNC_DELTA_LINK_MBPS", "2000", 1), 0);
+  ASSERT_TRUE(link.Set("2000"));
   {
     Twins t(WireEncoding::kAuto);
     t.Sync(1);
@@ -360,7 +370,7 @@ TEST(DeltaSession, AutoSendsDeltasOnlyWhereTheyPayAtTheLinkSpeed) {
     EXPECT_EQ(r.delta.full_by_cost, r.delta.buckets_full);
   }
   // At 100 MB/s it pays at 1%.
-  ASSERT_EQ(setenv("SHARDSYNC_DELTA_LINK_MBPS", "100", 1), 0);
+  ASSERT_TRUE(link.Set("100"));
   {
     Twins t(WireEncoding::kAuto);
     t.Sync(1);
@@ -370,7 +380,6 @@ TEST(DeltaSession, AutoSendsDeltasOnlyWhereTheyPayAtTheLinkSpeed) {
     EXPECT_GT(r.delta.buckets_delta, 0);
     EXPECT_EQ(r.delta.full_by_cost, 0);
   }
-  unsetenv("SHARDSYNC_DELTA_LINK_MBPS");
 }
 
 TEST(DeltaSession, RanksDisagreeingOnTheEncodingFailAtConnectNamingIt) {

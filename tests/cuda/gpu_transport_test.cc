@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -245,6 +247,60 @@ TEST(GpuTransports, RegisteredByName) {
   auto t = CreateTransport("nccl", o);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   EXPECT_EQ((*t)->name(), "nccl");
+}
+
+// Emulated nodes (SHARDSYNC_HOST_ID, `--emulate-nodes`): two ranks on one GPU of different host
+// identities take nccl, not cuda_ipc, and nccl connects only when NCCL sees the same node
+// (NCCL_HOSTID), since NCCL refuses two ranks of one host on one GPU. No GPU needed: the check
+// comes before NCCL is loaded.
+TEST(GpuTransports, EmulatedNodesTakeNcclAndNeedNcclsHostId) {
+#ifndef SHARDSYNC_HAVE_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#endif
+  SS_ASSERT_OK(RegisterGpuTransports());
+  PeerInfo a{0, "box/node0", MemKind::kCuda, 0, "0000:18:00.0"};
+  PeerInfo b{1, "box/node1", MemKind::kCuda, 0, "0000:18:00.0"};
+  auto pick = SelectTransport(a, b);
+  ASSERT_TRUE(pick.ok()) << pick.status().ToString();
+  EXPECT_EQ(*pick, "nccl");
+  b.hostname = a.hostname;
+  EXPECT_EQ(*SelectTransport(a, b), "cuda_ipc");
+
+  auto saved = [](const char* n) -> std::optional<std::string> {
+    const char* v = std::getenv(n);
+    return v ? std::optional<std::string>(v) : std::nullopt;
+  };
+  const auto host_id = saved("SHARDSYNC_HOST_ID"), nccl_id = saved("NCCL_HOSTID");
+  StoreFixture store = StartStore();
+  ASSERT_TRUE(store.server);
+  auto client = store.Client();
+  ASSERT_TRUE(client);
+  std::vector<Status> got;
+  setenv("SHARDSYNC_HOST_ID", "box/node0", 1);
+  for (const char* theirs : {static_cast<const char*>(nullptr), "box/node1"}) {
+    if (theirs) {
+      setenv("NCCL_HOSTID", theirs, 1);
+    } else {
+      unsetenv("NCCL_HOSTID");
+    }
+    TransportOptions o;
+    o.params["device"] = "0";
+    auto t = CreateTransport("nccl", o);
+    got.push_back(t.ok() ? (*t)->Connect(*client, "emu/", 0, {1}, Millis(1000)) : t.status());
+  }
+  for (const auto& [name, v] :
+       {std::pair{"SHARDSYNC_HOST_ID", host_id}, {"NCCL_HOSTID", nccl_id}}) {
+    if (v) {
+      setenv(name, v->c_str(), 1);
+    } else {
+      unsetenv(name);
+    }
+  }
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0].code(), StatusCode::kFailedPrecondition) << got[0].ToString();
+  EXPECT_NE(got[0].message().find("NCCL_HOSTID=unset"), std::string::npos) << got[0].ToString();
+  EXPECT_EQ(got[1].code(), StatusCode::kFailedPrecondition) << got[1].ToString();
+  EXPECT_NE(got[1].message().find("'box/node1'"), std::string::npos) << got[1].ToString();
 }
 
 }  // namespace

@@ -71,13 +71,14 @@ int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, boo
 
 namespace {
 
-// Bytes the plan moves between ranks on different GPUs (device runs), from the ranks' GPUs.
-Result<int64_t> CrossGpuBytes(const JobSpec& job, const LocalJobResult& res) {
+// Bytes the plan moves between ranks that `differ` (on different GPUs, or nodes).
+Result<int64_t> CrossBytes(const JobSpec& job, const LocalJobResult& res,
+                           bool (*differ)(const RankResult&, const RankResult&)) {
   int64_t cross = 0;
   for (int t = 0; t < job.inputs.trainer.world(); ++t) {
     SS_ASSIGN_OR_RETURN(RankPlan plan, PlanForRank(job.inputs, t));
     for (const Message& m : plan.sends) {
-      if (res.ranks.at(t).device != res.ranks.at(m.dst).device) cross += m.bytes;
+      if (differ(res.ranks.at(t), res.ranks.at(m.dst))) cross += m.bytes;
     }
   }
   return cross;
@@ -281,9 +282,16 @@ int Run(const BenchFlags& f) {
       if (!r.routes.empty()) routes[std::to_string(r.rank)] = r.routes;
     }
     extra["routes"] = routes;
-    auto cross = CrossGpuBytes(*job, *res);
+    auto cross = CrossBytes(
+        *job, *res, [](const RankResult& a, const RankResult& b) { return a.device != b.device; });
     if (!cross.ok()) return ReportError(cross.status());
     extra["cross_gpu_bytes"] = *cross;
+    // Bytes between nodes (host identities): with --emulate-nodes, what crosses NCCL's sockets.
+    auto nodes = CrossBytes(*job, *res, [](const RankResult& a, const RankResult& b) {
+      return a.host_id != b.host_id;
+    });
+    if (!nodes.ok()) return ReportError(nodes.status());
+    extra["cross_node_bytes"] = *nodes;
     if (auto info = gpu::QueryDevice(0); info.ok()) extra["device_name"] = info->name;
     if (auto n = gpu::DeviceCount(); n.ok()) extra["gpus_visible"] = *n;
   }

@@ -69,8 +69,8 @@ Result<uint32_t> NcclTransport::RegisterMemory(const MemRegion& region) {
 
 Status NcclTransport::Connect(StoreClient& store, const std::string& prefix, int rank,
                               const std::vector<int>& peers, Millis timeout) {
-  SS_RETURN_IF_ERROR(LoadNccl());
   SS_RETURN_IF_ERROR(CheckHostIds());
+  SS_RETURN_IF_ERROR(LoadNccl());
   rank_ = rank;
   SS_CUDA(cudaSetDevice(opt_.device), "nccl: cudaSetDevice " + std::to_string(opt_.device));
   SS_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "nccl: stream");

@@ -162,6 +162,8 @@ TEST(GpuDeltaNcclChild, DISABLED_Rank) {
   Rank k;
   SS_ASSERT_OK(k.SetUp(r, arg.substr(arg.find(' ') + 1)));
   const bool trainer = k.session->is_trainer();
+  // The pair is an nccl pair (not the cuda_ipc fallback of one host).
+  ASSERT_EQ(k.tx->PeerTransport(1 - r), "nccl");
   SYNC_OK(r1, 1);
   EXPECT_EQ(r1.delta.buckets_delta, 0);
   EXPECT_GT(r1.delta.buckets_full, 1);

@@ -39,10 +39,12 @@ class NcclDeltaLink {
       : t_(t), peer_(peer), who_(std::move(who)) {}
   ~NcclDeltaLink() {
     cudaSetDevice(t_.device());
+    // Calls still waiting on the peer would hold the buffers freed below (a pair torn down
+    // without Cancel): their communicator goes first.
+    Cancel();
     for (Call& c : calls_) {
       if (c.ev) cudaEventDestroy(c.ev);
     }
-    if (stream_) cudaStreamSynchronize(stream_);
     if (host_) cudaFreeHost(host_);
     if (dev_) cudaFree(dev_);
     if (stream_) cudaStreamDestroy(stream_);
@@ -206,19 +208,22 @@ class NcclDeltaSend final : public delta_pair::DeltaSendChannel {
     bases_in_ = true;
     return true;
   }
-  // The control message and the payload in one group: the receiver takes them as two calls, in
-  // this order.
+  // The control message, then the payload: two calls, so each of the receiver's two receives
+  // (the second posted only once it read the first) meets a call of its own.
   Status Ship(const DeltaCtl& ctl, const void* src, bool) override {
-    // The pinned words are free: the last bucket's group completed (Shipped) before this one.
+    // The pinned words are free: the last bucket's calls completed (Shipped) before this one.
     std::memcpy(link_.host(0), ctl.data(), sizeof(ctl));
     uint64_t* h = link_.host(0);
     uint64_t* d = link_.dev(0);
-    SS_ASSIGN_OR_RETURN(
-        ship_,
-        link_.Queue(
-            {{true, d, sizeof(ctl)}, {true, const_cast<void*>(src), ctl[4]}},
-            [this, h, d] { return link_.Copy(d, h, sizeof(DeltaCtl), cudaMemcpyHostToDevice); },
-            nullptr));
+    SS_RETURN_IF_ERROR(
+        link_
+            .Queue(
+                {{true, d, sizeof(ctl)}},
+                [this, h, d] { return link_.Copy(d, h, sizeof(DeltaCtl), cudaMemcpyHostToDevice); },
+                nullptr)
+            .status());
+    SS_ASSIGN_OR_RETURN(ship_,
+                        link_.Queue({{true, const_cast<void*>(src), ctl[4]}}, nullptr, nullptr));
     return OkStatus();
   }
   Result<bool> Shipped() override { return link_.Done(ship_); }

@@ -67,7 +67,7 @@ inline uint64_t SummedTail(uint64_t key, uint64_t bytes) {
 // Identity a rank advertises so peers can pick a transport (canConnect).
 struct PeerInfo {
   int rank = 0;
-  std::string hostname;
+  std::string hostname;  // the host identity (HostIdentity: SHARDSYNC_HOST_ID, else gethostname)
   MemKind mem = MemKind::kHost;
   int device = -1;  // CUDA index in the rank's own process (CUDA_VISIBLE_DEVICES may differ)
   // The physical GPU (PCI bus id) for kCuda; when both sides have one, "same GPU" compares it
@@ -77,7 +77,8 @@ struct PeerInfo {
 enum class XferState { kInProgress, kDone };
 using XferId = uint64_t;
 
-// Whether two ranks' memory sits on the same physical GPU of the same host.
+// Whether two ranks' memory sits on the same physical GPU of the same host (host identity: two
+// emulated nodes on one GPU are not the same GPU, as NCCL sees them with NCCL_HOSTID).
 bool SameGpu(const PeerInfo& a, const PeerInfo& b);
 
 // ---------------------------------------------------------------------------------------------
@@ -278,6 +279,14 @@ Status WaitXfer(Transport& t, XferId id, Millis timeout, std::string_view what);
 // Waits for every id (one shared deadline); the first failure is returned, naming `what`.
 Status WaitAllXfers(Transport& t, const std::vector<XferId>& ids, Millis timeout,
                     std::string_view what);
+
+// This process's host identity, the `hostname` of its PeerInfo: SHARDSYNC_HOST_ID when set, else
+// gethostname(). Every same-host decision compares it (cuda_ipc, shm, UCX's shared memory, SameGpu,
+// the verdict board, cuda_ipc's shared launches), so ranks with different ids are different nodes
+// even on one machine: `--emulate-nodes` (bench, demo) gives each rank process its own, with
+// NCCL_HOSTID the same, and their GPU pairs go through NCCL's network transport (sockets). Ranks
+// with one id must share a machine. Liveness watches (a peer's pid) keep the real hostname.
+std::string HostIdentity();
 
 // This host's identity for transport selection (gpu_id empty: see gpu::DevicePeerInfo).
 PeerInfo LocalPeerInfo(int rank, MemKind mem = MemKind::kHost, int device = -1);

@@ -53,6 +53,10 @@ const Knob kKnobs[] = {
      kOwn},
     {"SHARDSYNC_GPU_TURNSTILE", T::kBool, "1", 0, 0, "", "cuda (cuda_ipc)",
      "Order the kernel launches of the processes sharing a GPU; 0 leaves them unordered", kOwn},
+    {"SHARDSYNC_HOST_ID", T::kText, "", 0, 0, "", "transport (routing)",
+     "This rank's host identity for routing (unset: the hostname); ranks with different ids are "
+     "different nodes (no cuda_ipc / shm between them): `--emulate-nodes` sets it per rank",
+     kOwn},
     {"SHARDSYNC_JOB_ID", T::kText, "", 0, 0, "", "store (launch id)",
      "This launch's id, scoping its store keys and shared memory; unset: TORCHELASTIC_RUN_ID, "
      "SLURM_JOB_ID[.SLURM_STEP_ID] or RAY_JOB_ID",
@@ -85,6 +89,10 @@ const Knob kKnobs[] = {
      "Exchange sync verdicts through shared memory among a host's ranks; 0: through the store",
      kOwn},
     // Other programs' variables shardsync reads.
+    {"NCCL_HOSTID", T::kText, "", 0, 0, "", "cuda (nccl)",
+     "NCCL: its host identity; where SHARDSYNC_HOST_ID is set, nccl connects only if it is the "
+     "same (NCCL would otherwise see one host, and two ranks on one GPU fail its init)",
+     kOther},
     {"RANK", T::kInt, "", 0, kIntMax, "", "store (launch contract)",
      "Launcher (torchrun, `shardsync run`): this process's sync rank", kOther},
     {"RAY_JOB_ID", T::kText, "", 0, 0, "", "store (launch id)",

@@ -133,6 +133,10 @@ std::vector<std::string> ChildEnvironment(const std::vector<std::string>& parent
                                           const std::string& store, int world,
                                           const std::string& token, const std::string& job_id,
                                           const std::string& job_secret = "");
+// --emulate-nodes: sync rank `rank`'s process is node "<host>/node<rank>", as shardsync routes
+// (SHARDSYNC_HOST_ID) and as NCCL places it (NCCL_HOSTID, the same string), replacing any the
+// parent set: its GPU pairs cross NCCL's network transport as between machines.
+void EmulateNode(std::vector<std::string>& env, const std::string& host, int rank);
 // The host memory sync rank `rank` allocates (trainer shards or engine parameters, host memory),
 // checked against HostMemoryBudget before anything is: InvalidArgument naming --model otherwise.
 Status CheckRankFitsHost(const JobSpec& job, int rank);

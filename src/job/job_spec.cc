@@ -244,6 +244,7 @@ std::string RankResultToJson(const RankResult& r) {
       {"setup_seconds", r.setup_seconds},
       {"device", r.device},
       {"routes", r.routes},
+      {"host_id", r.host_id},
       {"transfer_seconds", r.transfer_seconds},
       {"stall_seconds", r.stall_seconds},
       {"staging_bytes", r.staging_bytes},
@@ -324,6 +325,7 @@ Result<RankResult> RankResultFromJson(const std::string& text) {
     r.failed_in = j.at("failed_in");
     r.device = j.at("device");
     r.routes = j.at("routes");
+    r.host_id = j.at("host_id");
     r.bench.bytes = b.at("bytes");
     r.bench.verified = b.at("verified");
     return r;

@@ -3,7 +3,8 @@
 // outlive the launcher, and every exit path kills and reaps what is still running. Every child
 // gets the launch's id (SHARDSYNC_JOB_ID), and a child that exits early is marked dead in the
 // store (MarkSyncRankDead), so the ranks waiting on it fail at once, naming it. Every rank is on
-// this host: UCX listens on loopback only and the store binds 127.0.0.1.
+// this host: UCX listens on loopback only and the store binds 127.0.0.1. With emulate_nodes each
+// child is a node of its own (SHARDSYNC_HOST_ID, NCCL_HOSTID), for cross-node paths on one machine.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -186,6 +187,37 @@ std::vector<std::string> job_internal::ChildEnvironment(const std::vector<std::s
   return env;
 }
 
+void job_internal::EmulateNode(std::vector<std::string>& env, const std::string& host, int rank) {
+  std::erase_if(env, [](const std::string& v) {
+    return v.starts_with("SHARDSYNC_HOST_ID=") || v.starts_with("NCCL_HOSTID=");
+  });
+  // '/' cannot be in a hostname, so no real host's identity is an emulated node's.
+  const std::string node = host + "/node" + std::to_string(rank);
+  env.push_back("SHARDSYNC_HOST_ID=" + node);
+  env.push_back("NCCL_HOSTID=" + node);
+}
+
+Status CheckEmulateNodes(const JobSpec& job, LocalJobOptions::Mode mode) {
+  if (mode == LocalJobOptions::Mode::kAuto) {
+    mode = job.transport == "loopback" ? LocalJobOptions::Mode::kThreads
+                                       : LocalJobOptions::Mode::kProcesses;
+  }
+  if (mode == LocalJobOptions::Mode::kThreads) {
+    return InvalidArgumentError(
+        "--emulate-nodes: gives each rank process its own node; threads share one process "
+        "(drop --launch threads / --transport loopback)");
+  }
+  if (job.device != "cuda" && job.transport != "ucx") {
+    return InvalidArgumentError(
+        "--emulate-nodes: host-memory ranks cross nodes over ucx only; "
+        "--transport " +
+        job.transport +
+        " connects the ranks of one host (use --device cuda, where "
+        "pairs between nodes take nccl, or --transport ucx)");
+  }
+  return OkStatus();
+}
+
 namespace {
 
 // Forks `shardsync run` for every sync rank, its stderr and stdout in a temporary log. On failure
@@ -203,12 +235,15 @@ Status SpawnRanks(const LocalJobOptions& o, StoreServer& server, const std::stri
   for (char** e = environ; *e; ++e) parent.emplace_back(*e);
   const std::vector<std::string> base_env =
       job_internal::ChildEnvironment(parent, server.address(), world, token, job_id, job_secret);
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
   for (int r = 0; r < world; ++r) {
     std::vector<std::string> args = base_args;
     args.push_back("--role");
     args.push_back(r < job.inputs.trainer.world() ? "trainer" : "engine");
     std::vector<std::string> env = base_env;
     env.push_back("RANK=" + std::to_string(r));
+    if (o.emulate_nodes) job_internal::EmulateNode(env, host, r);
     std::vector<char*> argv, envp;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -464,6 +499,7 @@ Result<LocalJobResult> RunLocalJob(const LocalJobOptions& o) {
     return InvalidArgumentError(
         "--transport loopback: works within one process only; run ranks as threads");
   }
+  if (o.emulate_nodes) SS_RETURN_IF_ERROR(CheckEmulateNodes(o.job, mode));
   auto r = mode == LocalJobOptions::Mode::kThreads ? RunThreads(o, *server, token)
                                                    : RunProcesses(o, *server, token);
   server->Stop();

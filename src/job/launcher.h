@@ -151,6 +151,7 @@ struct RankResult {
   BenchNumbers bench;        // bench mode: per rank timings (the job result takes the max)
   int device = -1;           // --device cuda: this rank's GPU
   std::string routes;        // "dst:transport ..." of the pairs this rank sends on
+  std::string host_id;       // its host identity (HostIdentity; processes mode)
   // Staged commit (engine ranks): the last sync's transfer, the last commit's stall (commit call
   // to return) and this rank's staging bytes; the version its live parameters hold, their hash
   // when it was committed, and after a failure whether they still hash the same.
@@ -198,7 +199,17 @@ struct LocalJobOptions {
   // Where each rank's stderr is kept while it runs (processes mode; "" = /tmp). A caller that
   // removes its own temporary directory on SIGINT / SIGTERM puts them there.
   std::string log_dir;
+  // Each rank process its own node (job_internal::EmulateNode): cross-node paths on one machine,
+  // nccl over NCCL's socket transport for --device cuda, UCX without shared memory for host
+  // memory. CheckEmulateNodes says where it applies.
+  bool emulate_nodes = false;
 };
+
+// Where LocalJobOptions::emulate_nodes applies: rank processes (not threads) whose transport
+// routes by host identity, i.e. --device cuda (the router: nccl between nodes) or host memory
+// over ucx; shm (one host's shared memory) and loopback (one process) cannot cross nodes.
+// InvalidArgument naming --emulate-nodes otherwise. `mode` kAuto: as RunLocalJob resolves it.
+Status CheckEmulateNodes(const JobSpec& job, LocalJobOptions::Mode mode);
 
 struct LocalJobResult {
   std::vector<RankResult> ranks;  // by sync rank

@@ -497,6 +497,7 @@ Result<RankResult> RunRankProcess(const JobSpec& job, const LaunchEnv& env) {
   }
   auto progress = [&store, &job] { store->Add(job.prefix + "progress", 1).status().IgnoreError(); };
   SS_ASSIGN_OR_RETURN(RankResult r, RunRank(job, env.rank, *store, *transport, progress));
+  r.host_id = HostIdentity();
   SS_RETURN_IF_ERROR(
       store->Set(job.prefix + "result/" + std::to_string(env.rank), RankResultToJson(r)));
   if (job.device == "cuda" && !r.ok) {

@@ -53,25 +53,7 @@ Status CheckMessageShape(const Message& m, int64_t cap) {
     return InternalError(
         fmt::format("message {}->{}: bytes {} != sum of ops {}", m.src, m.dst, m.bytes, off));
   }
-  int32_t next = 0;
-  int64_t boff = 0;
-  for (const Bucket& b : m.buckets) {
-    int64_t sum = 0;
-    for (int32_t i = b.op_begin; i < b.op_end && i < static_cast<int32_t>(m.ops.size()); ++i) {
-      sum += m.ops[i].bytes;
-    }
-    if (b.op_begin != next || b.op_end <= b.op_begin || b.wire_offset != boff || b.bytes != sum ||
-        (b.bytes > cap && b.op_end - b.op_begin > 1)) {
-      return InternalError(fmt::format("message {}->{}: bucket [{}, {}) is inconsistent", m.src,
-                                       m.dst, b.op_begin, b.op_end));
-    }
-    next = b.op_end;
-    boff += b.bytes;
-  }
-  if (next != static_cast<int32_t>(m.ops.size())) {
-    return InternalError(fmt::format("message {}->{}: buckets do not cover the ops", m.src, m.dst));
-  }
-  return OkStatus();
+  return plan_internal::CheckBucketsCoverOps(m, cap);
 }
 
 // The shard map's piece of `p` holding `dst`, checked to come from `source` at `src`.

@@ -175,6 +175,9 @@ class PlanContext {
 Result<PlanContext> MakeContext(const PlanInputs& in);
 // Enumerates every rank's plan and checks it element by element (small jobs only).
 Status ValidateContext(const PlanContext& ctx);
+// A message's buckets cut its ops in order, each at its wire offset with the ops' bytes, none
+// over `cap` unless it holds a single op (validate.cc; the copy and block FP8 validators).
+Status CheckBucketsCoverOps(const Message& m, int64_t cap);
 
 // ---- geometry.cc: shared by every trainer layout ----
 

@@ -4,21 +4,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/human.h"
 #include "shardsync/plan.h"
 
 namespace shardsync {
 namespace {
-
-std::string HumanBytes(int64_t b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(b);
-  int u = 0;
-  while (v >= 1024.0 && u < 4) {
-    v /= 1024.0;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{} B", b) : fmt::format("{:.2f} {}", v, units[u]);
-}
 
 // Elements of HF bytes a rank holds (padding rows excluded) and the local parameters' bytes.
 std::pair<int64_t, int64_t> Held(const TrainerRankParams& r) {

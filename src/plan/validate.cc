@@ -1,6 +1,8 @@
 // ValidatePlan: enumerates every rank's plan of a small job and checks it element by element
 // against the shard map (a brute-force oracle independent of the planner's arithmetic).
 #include <fmt/format.h>
+
+#include <algorithm>
 #include <map>
 #include <unordered_map>
 
@@ -93,26 +95,32 @@ Status CheckMessageShape(const Message& m, int64_t cap, int64_t wire) {
     return InternalError(
         fmt::format("message {}->{}: bytes {} != sum of ops {}", m.src, m.dst, m.bytes, off));
   }
+  return CheckBucketsCoverOps(m, cap);
+}
+
+}  // namespace
+
+Status CheckBucketsCoverOps(const Message& m, int64_t cap) {
   int32_t next = 0;
   int64_t boff = 0;
+  const auto nops = static_cast<int32_t>(m.ops.size());
   for (const Bucket& b : m.buckets) {
     int64_t sum = 0;
-    for (int32_t i = b.op_begin; i < b.op_end; ++i) sum += m.ops[i].bytes;
-    if (b.op_begin != next || b.op_end <= b.op_begin || b.wire_offset != boff || b.bytes != sum ||
-        (b.bytes > cap && b.op_end - b.op_begin > 1)) {
+    // Bounded by the ops: a malformed plan's bucket may name ops past the end.
+    for (int32_t i = std::max(b.op_begin, 0); i < b.op_end && i < nops; ++i) sum += m.ops[i].bytes;
+    if (b.op_begin != next || b.op_end <= b.op_begin || b.op_end > nops || b.wire_offset != boff ||
+        b.bytes != sum || (b.bytes > cap && b.op_end - b.op_begin > 1)) {
       return InternalError(fmt::format("message {}->{}: bucket [{}, {}) is inconsistent", m.src,
                                        m.dst, b.op_begin, b.op_end));
     }
     next = b.op_end;
     boff += b.bytes;
   }
-  if (next != static_cast<int32_t>(m.ops.size())) {
+  if (next != nops) {
     return InternalError(fmt::format("message {}->{}: buckets do not cover the ops", m.src, m.dst));
   }
   return OkStatus();
 }
-
-}  // namespace
 
 Status ValidateContext(const PlanContext& ctx) {
   const PlanInputs& in = ctx.inputs();

@@ -4,21 +4,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/human.h"
 #include "shardsync/shard_map.h"
 
 namespace shardsync {
 namespace {
-
-std::string HumanBytes(int64_t b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(b);
-  int u = 0;
-  while (v >= 1024.0 && u < 4) {
-    v /= 1024.0;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{} B", b) : fmt::format("{:.2f} {}", v, units[u]);
-}
 
 std::string HumanCount(int64_t n) {
   if (n >= 1000000000) return fmt::format("{:.2f}B", n / 1e9);

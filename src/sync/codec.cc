@@ -17,8 +17,7 @@ class CopyCodec final : public Codec {
   explicit CopyCodec(const SessionContext& ctx) : ctx_(ctx) {}
 
   bool in_place() const override { return true; }
-  Status PrepareSend(const Bindings& bindings, PreparedPairs& /*pairs*/,
-                     const std::vector<int>& /*msgs*/) override {
+  Status PrepareSend(const Bindings& bindings, const std::vector<int>& /*msgs*/) override {
     bindings_ = &bindings;
     return OkStatus();
   }

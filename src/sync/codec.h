@@ -41,7 +41,6 @@ namespace shardsync::sync_internal {
 
 class Bindings;
 class PeerShapes;
-class PreparedPairs;
 class SyncGuard;
 
 class Codec {
@@ -54,8 +53,7 @@ class Codec {
   // --- Pack side (a trainer rank) ---
   // Connect: checks that the send messages `msgs` (indices into plan.sends: those of the host
   // path) can be packed here, and sets up what the codec keeps (e.g. its amax exchange).
-  virtual Status PrepareSend(const Bindings& bindings, PreparedPairs& pairs,
-                             const std::vector<int>& msgs) = 0;
+  virtual Status PrepareSend(const Bindings& bindings, const std::vector<int>& msgs) = 0;
   // A staging slot for one bucket's wire image of `bytes`, in the memory Pack writes.
   virtual Result<std::shared_ptr<unsigned char>> AllocSlot(size_t bytes) = 0;
   // Whether the senders agree on something each sync before any bucket is packed (block FP8:

@@ -61,8 +61,7 @@ class Fp8Codec final : public Codec {
 
   // Pack side: host sources and two-sided peers for the host path's messages, and where the amax
   // exchange reads this rank's rows (host memory, or device memory through the packer).
-  Status PrepareSend(const Bindings& bindings, PreparedPairs& pairs,
-                     const std::vector<int>& msgs) override;
+  Status PrepareSend(const Bindings& bindings, const std::vector<int>& msgs) override;
   Result<std::shared_ptr<unsigned char>> AllocSlot(size_t bytes) override;
   // kAmax plans (fp8_plan.h AmaxBand): whether this rank holds rows of blocks shared with
   // other trainer ranks.

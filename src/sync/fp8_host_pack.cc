@@ -73,8 +73,7 @@ std::unique_ptr<Codec> MakeBlockQuantizeCodec(const SessionContext& ctx) {
   return std::make_unique<Fp8Codec>(ctx);
 }
 
-Status Fp8Codec::PrepareSend(const Bindings& bindings, PreparedPairs& /*pairs*/,
-                             const std::vector<int>& msgs) {
+Status Fp8Codec::PrepareSend(const Bindings& bindings, const std::vector<int>& msgs) {
   bindings_ = &bindings;
   for (int mi : msgs) {
     const Message& m = ctx_.plan.sends[mi];

@@ -28,7 +28,7 @@ Status HostSender::Prepare(const Bindings& bindings, PeerShapes& shapes, Prepare
   for (size_t mi = 0; mi < plan.sends.size(); ++mi) {
     if (!pairs.sends(mi)) msgs.push_back(static_cast<int>(mi));
   }
-  SS_RETURN_IF_ERROR(codec_.PrepareSend(bindings, pairs, msgs));
+  SS_RETURN_IF_ERROR(codec_.PrepareSend(bindings, msgs));
   if (delta_) SS_RETURN_IF_ERROR(delta_->Prepare(msgs));
   if (!image() && ctx_.builtin_packer()) {
     // The CPU packer packs transfer by transfer into a small ring (kRingBytes says why it is

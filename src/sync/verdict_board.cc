@@ -12,6 +12,8 @@
 #include <cstring>
 #include <new>
 
+#include "shardsync/transport.h"
+
 namespace shardsync::sync_internal {
 
 namespace {
@@ -44,8 +46,11 @@ size_t BoardBytes(int world) {
 }  // namespace
 
 std::string VerdictBoardName(uint64_t nonce) {
-  char buf[48];
-  std::snprintf(buf, sizeof(buf), "/shardsync-vb-%016llx", static_cast<unsigned long long>(nonce));
+  uint32_t host = 2166136261u;  // FNV-1a of the host identity
+  for (unsigned char c : HostIdentity()) host = (host ^ c) * 16777619u;
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "/shardsync-vb-%016llx-%08x",
+                static_cast<unsigned long long>(nonce), host);
   return buf;
 }
 

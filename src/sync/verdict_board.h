@@ -64,7 +64,10 @@ class VerdictBoard {
   std::vector<uint64_t> posts_;  // verdicts this process posted, per rank (the ring's cursor)
 };
 
-// The segment name of the board stamped `nonce` (POSIX names: one leading slash, no other).
+// The segment name of the board stamped `nonce` on this host (POSIX names: one leading slash, no
+// other). It carries a hash of the host identity (transport.h HostIdentity), so ranks of another
+// emulated node (SHARDSYNC_HOST_ID) find no board and every rank takes the store, as across
+// machines: the board is a same-host path like cuda_ipc and shm.
 std::string VerdictBoardName(uint64_t nonce);
 
 }  // namespace shardsync::sync_internal

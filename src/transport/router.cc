@@ -12,7 +12,8 @@
 namespace shardsync {
 namespace {
 
-// PeerInfo on the wire: tab-separated, hostnames and PCI ids hold no tabs.
+// PeerInfo on the wire: tab-separated, host identities (checked at Connect) and PCI ids hold no
+// tabs.
 std::string EncodePeer(const PeerInfo& p) {
   return std::to_string(p.rank) + "\t" + p.hostname + "\t" +
          (p.mem == MemKind::kCuda ? "cuda" : "host") + "\t" + std::to_string(p.device) + "\t" +
@@ -102,6 +103,12 @@ class RoutedTransport final : public Transport {
         return InvalidArgumentError("transport hint '" + opt_.hint +
                                     "' is not registered (known: " + list + ")");
       }
+    }
+    if (opt_.self.hostname.empty() ||
+        opt_.self.hostname.find_first_of("\t\n") != std::string::npos) {
+      return InvalidArgumentError("routing: host identity '" + opt_.self.hostname +
+                                  "' (SHARDSYNC_HOST_ID, else the hostname) is empty or holds a "
+                                  "tab or newline, which the peer record cannot carry");
     }
     opt_.self.rank = rank;
     SS_RETURN_IF_ERROR(store.Set(prefix + "route/" + std::to_string(rank), EncodePeer(opt_.self)));

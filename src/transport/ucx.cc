@@ -438,6 +438,7 @@ class UcxTransport final : public Transport {
     UcxPeer& p = peers_[rank];
     p.owner = this;
     p.rank = rank;
+    // Host identities (HostIdentity): emulated nodes are other hosts here, as to the router.
     p.same_host = same_host_shm_ && host == HostName();
     p.pid = static_cast<pid_t>(pid);
     ucp_ep_params_t ep{};

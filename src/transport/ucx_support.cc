@@ -18,11 +18,7 @@ bool HasRdmaDevice() {
   return !ec && it != std::filesystem::directory_iterator();
 }
 
-std::string HostName() {
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  return host;
-}
+std::string HostName() { return HostIdentity(); }
 
 std::string LoopbackInterface() {
   ifaddrs* all = nullptr;

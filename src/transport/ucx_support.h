@@ -49,6 +49,9 @@ struct Reader {
 
 // True one-sided puts into user memory need RDMA (UCX 1.13 emulates them over shm and tcp).
 bool HasRdmaDevice();
+// The host identity (transport.h HostIdentity) peers compare for "same host": emulated nodes
+// (SHARDSYNC_HOST_ID) get UCX's peer-failure mode, which keeps their traffic off shared memory
+// (TCP, as across nodes), and no process watch.
 std::string HostName();
 // This host's loopback interface ("lo" on Linux), found by its IFF_LOOPBACK flag.
 std::string LoopbackInterface();

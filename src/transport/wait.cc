@@ -7,6 +7,7 @@
 #include <string>
 #include <thread>
 
+#include "shardsync/settings.h"
 #include "shardsync/transport.h"
 #include "transport/process.h"
 
@@ -84,11 +85,19 @@ Status WaitAllXfers(Transport& t, const std::vector<XferId>& ids, Millis timeout
   return OkStatus();
 }
 
+std::string HostIdentity() {
+  // Text knob: any non-empty value parses (the router refuses one its record cannot carry).
+  auto id = TextKnob("SHARDSYNC_HOST_ID");
+  if (id.ok() && !id->empty()) return *id;
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) return "";
+  return host;
+}
+
 PeerInfo LocalPeerInfo(int rank, MemKind mem, int device) {
   PeerInfo p;
   p.rank = rank;
-  char host[256] = {};
-  if (gethostname(host, sizeof(host) - 1) == 0) p.hostname = host;
+  p.hostname = HostIdentity();
   p.mem = mem;
   p.device = device;
   return p;

@@ -523,6 +523,10 @@ std::vector<std::string> Job(const std::string& cmd, std::vector<std::string> ex
   for (const auto& [k, v] : flags) a.insert(a.end(), {k, v});
   return a;
 }
+std::vector<std::string> Emulated(std::vector<std::string> args) {
+  args.push_back("--emulate-nodes");
+  return args;
+}
 // Flag errors every job command shares (validated before any rank starts).
 std::vector<BadCase> JobCases(const std::string& cmd) {
   return {
@@ -607,6 +611,13 @@ const std::vector<BadCase> kDemo =
                {"gen_tokens_negative", Job("demo", {"--gen-tokens", "-1"}), {"--gen-tokens"}},
                {"gen_tokens_too_many", Job("demo", {"--gen-tokens", "100000"}), {"--gen-tokens"}},
                {"launch_unknown", Job("demo", {"--launch", "rockets"}), {"--launch"}},
+               // --emulate-nodes needs rank processes on a transport that routes by host.
+               {"emulate_nodes_threads",
+                Emulated(Job("demo", {"--transport", "ucx", "--launch", "threads"})),
+                {"--emulate-nodes", "threads"}},
+               {"emulate_nodes_shm",
+                Emulated(Job("demo", {"--transport", "shm"})),
+                {"--emulate-nodes", "--transport shm", "--device cuda"}},
                // Issue 26: refused before a rank starts (ranks used to abort on bad_alloc).
                {"absurd_config",
                 Job("demo", {"--model", "{DIR}/absurd/config.json", "--trainer", "fsdp=1",
@@ -615,13 +626,23 @@ const std::vector<BadCase> kDemo =
            });
 SS_BAD_SUITE(Demo, kDemo);
 
-const std::vector<BadCase> kBench =
-    Concat(JobCases("bench"),
-           {
-               {"job_timeout_zero", Job("bench", {"--job-timeout-s", "0"}), {"--job-timeout-s"}},
-               {"device_unknown", Job("bench", {"--device", "tpu"}), {"--device"}},
-               {"launch_unknown", Job("bench", {"--launch", "rockets"}), {"--launch"}},
-           });
+const std::vector<BadCase> kBench = Concat(
+    JobCases("bench"),
+    {
+        {"job_timeout_zero", Job("bench", {"--job-timeout-s", "0"}), {"--job-timeout-s"}},
+        {"device_unknown", Job("bench", {"--device", "tpu"}), {"--device"}},
+        {"launch_unknown", Job("bench", {"--launch", "rockets"}), {"--launch"}},
+        {"emulate_nodes_loopback", Emulated(Job("bench", {})), {"--emulate-nodes", "threads"}},
+        {"emulate_nodes_host_auto",
+         Emulated(Job("bench", {"--transport", "auto"})),
+         {"--emulate-nodes", "--transport ucx"}},
+        {"emulate_nodes_host_ucx",
+         Emulated(Job("bench", {"--transport", "ucx"})),
+         {"--emulate-nodes", "--device cuda"}},
+        {"emulate_nodes_kill_rank_shm",
+         Emulated(Job("bench", {"--transport", "shm", "--kill-rank", "1"})),
+         {"--emulate-nodes", "--transport shm"}},
+    });
 SS_BAD_SUITE(Bench, kBench);
 
 // ---------------------------------------------------------------- generate

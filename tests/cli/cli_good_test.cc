@@ -788,6 +788,20 @@ TEST(CliGood, BenchVerifiesTinyJob) {
   EXPECT_NE(r.err.find("shardsync bench: every rank finished"), std::string::npos) << r.err;
 }
 
+// --emulate-nodes: every rank process its own node, reported in --json (host memory over ucx).
+TEST(CliGood, DemoEmulatedNodesReportsOneNodePerRank) {
+  const CliResult r = RunCli({"demo", "--model", Tiny(), "--trainer", "fsdp=2", "--rollout",
+                              "dp=1,tp=2,pp=1", "--transport", "ucx", "--emulate-nodes",
+                              "--gen-tokens", "0", "--json", "--timeout-ms", "15000"},
+                             WithTimeout(40));
+  if (NoUcx(r)) GTEST_SKIP() << "this build has no UCX";
+  ASSERT_EQ(r.exit_code, 0) << r.Describe();
+  const json j = ParseJson(r);
+  EXPECT_EQ(j["verified"], true) << r.out;
+  EXPECT_EQ(j["emulate_nodes"], true);
+  EXPECT_EQ(j["nodes"], 4) << r.out;  // 2 trainer + 2 engine rank processes
+}
+
 // HF tensor names and shapes of the tiny model, from `shards --json` at tp 1 (every source tensor
 // is covered by its pieces).
 std::map<std::string, std::vector<int64_t>> TinyHfShapes() {

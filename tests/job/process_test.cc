@@ -150,6 +150,62 @@ TEST(LocalLauncher, ChildEnvironment) {
   }
 }
 
+// --emulate-nodes: each child its own node, for shardsync's routing and NCCL's, replacing any the
+// parent set; refused where it cannot apply (threads, a one-host transport).
+TEST(LocalLauncher, EmulatedNodeEnvironment) {
+  std::vector<std::string> env = {"PATH=/bin", "SHARDSYNC_HOST_ID=mine", "NCCL_HOSTID=theirs"};
+  job_internal::EmulateNode(env, "box", 3);
+  EXPECT_EQ(env, (std::vector<std::string>{"PATH=/bin", "SHARDSYNC_HOST_ID=box/node3",
+                                           "NCCL_HOSTID=box/node3"}));
+  JobSpec job;
+  job.transport = "loopback";
+  using Mode = LocalJobOptions::Mode;
+  EXPECT_EQ(CheckEmulateNodes(job, Mode::kAuto).code(), StatusCode::kInvalidArgument);
+  job.transport = "shm";
+  EXPECT_THAT(CheckEmulateNodes(job, Mode::kProcesses).message(), HasSubstr("--transport shm"));
+  job.transport = "ucx";
+  EXPECT_TRUE(CheckEmulateNodes(job, Mode::kAuto).ok());
+  EXPECT_THAT(CheckEmulateNodes(job, Mode::kThreads).message(), HasSubstr("threads"));
+  job.device = "cuda";
+  job.transport = "auto";  // the routing hint: pairs between nodes take nccl
+  EXPECT_TRUE(CheckEmulateNodes(job, Mode::kProcesses).ok());
+  LocalJobOptions o;
+  o.job.transport = "shm";
+  o.emulate_nodes = true;
+  o.mode = Mode::kProcesses;
+  EXPECT_EQ(RunLocalJob(o).status().code(), StatusCode::kInvalidArgument);
+}
+
+// A host job over ucx with every rank its own node: the children report the node they were
+// given and the job verifies (UCX between nodes: peer-failure mode, off shared memory).
+TEST(LocalLauncher, EmulatedNodesJobVerifies) {
+  if (DefaultTransport() != "ucx") GTEST_SKIP() << "built without UCX";
+  LocalJobOptions o;
+  o.job = testing::Job(testing::TinyQwen2(2, true), "fsdp=2", "dp=1,tp=2,pp=1", "sglang", 16 << 10);
+  o.job.transport = "ucx";
+  o.job.timeout = Millis(20000);
+  o.mode = LocalJobOptions::Mode::kProcesses;
+  o.exe = SHARDSYNC_CLI_PATH;
+  o.job_timeout = Millis(50000);
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  for (bool emulate : {false, true}) {
+    SCOPED_TRACE(emulate ? "emulated nodes" : "one host");
+    o.emulate_nodes = emulate;
+    o.job.prefix = emulate ? "ss/nodes/" : "ss/host/";
+    auto r = RunLocalJob(o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_TRUE(r->ok()) << r->FirstError();
+    for (const RankResult& rr : r->ranks) {
+      EXPECT_EQ(rr.host_id, emulate ? std::string(host) + "/node" + std::to_string(rr.rank)
+                                    : std::string(host));
+      if (!rr.is_trainer) {
+        EXPECT_EQ(rr.element_mismatches, 0);
+      }
+    }
+  }
+}
+
 // TCP listeners ("addr:port" in /proc/net/tcp{,6} hex) of the processes whose parent is this one.
 std::set<std::string> ChildListeners(int* children) {
   std::set<std::string> inodes;

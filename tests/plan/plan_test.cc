@@ -1,4 +1,5 @@
 // Planner tests: layouts, parsing, exact cover (brute force), balance, determinism, errors.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
@@ -564,6 +565,43 @@ TEST(Planner, HeatmapAggregatesManyRanks) {
   int64_t sum = 0;
   for (int64_t b : ds->heatmap.bytes) sum += b;
   EXPECT_EQ(sum, ds->summary.total_bytes);
+}
+
+}  // namespace
+}  // namespace shardsync
+
+namespace shardsync {
+namespace {
+
+using ::testing::HasSubstr;
+
+// The validators' bucket check (copy and block FP8 plans share it): buckets cut the ops in order
+// at their wire offsets; a bucket that names ops past the message's end is reported, never read.
+TEST(CheckBucketsCoverOps, AcceptsACoverAndNamesTheMessageOfABadOne) {
+  Message m;
+  m.src = 1;
+  m.dst = 3;
+  for (int i = 0; i < 3; ++i) {
+    TransferOp op;
+    op.wire_offset = 16 * i;
+    op.bytes = 16;
+    m.ops.push_back(op);
+  }
+  m.buckets = {{0, 2, 0, 32}, {2, 3, 32, 16}};
+  EXPECT_TRUE(plan_internal::CheckBucketsCoverOps(m, 32).ok());
+  // One op may exceed the cap alone; two may not.
+  EXPECT_FALSE(plan_internal::CheckBucketsCoverOps(m, 16).ok());
+  for (const std::vector<Bucket>& bad :
+       std::vector<std::vector<Bucket>>{{{0, 2, 0, 32}},                  // op 2 in no bucket
+                                        {{0, 2, 0, 32}, {2, 9, 32, 16}},  // past the last op
+                                        {{0, 2, 0, 32}, {2, 3, 40, 16}},  // wrong wire offset
+                                        {{0, 2, 0, 24}, {2, 3, 32, 16}},  // bytes not the ops'
+                                        {{1, 3, 0, 32}}}) {
+    m.buckets = bad;
+    const Status s = plan_internal::CheckBucketsCoverOps(m, 64);
+    EXPECT_FALSE(s.ok());
+    EXPECT_THAT(s.message(), HasSubstr("message 1->3"));
+  }
 }
 
 }  // namespace

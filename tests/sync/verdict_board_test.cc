@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -24,6 +26,31 @@ std::string Named(uint64_t v) {
 
 uint64_t TestNonce(uint64_t salt) {
   return (static_cast<uint64_t>(getpid()) << 20) ^ (salt * 0x9E3779B97F4A7C15ull);
+}
+
+// The board is a same-host path: a rank of another emulated node (SHARDSYNC_HOST_ID) names
+// another segment, finds none, and the job's verdicts go through the store.
+TEST(VerdictBoard, AnotherHostIdentityFindsNoBoard) {
+  const uint64_t nonce = TestNonce(11);
+  std::optional<std::string> old;
+  if (const char* v = std::getenv("SHARDSYNC_HOST_ID")) old = v;
+  setenv("SHARDSYNC_HOST_ID", "box/node0", 1);
+  const std::string node0 = VerdictBoardName(nonce);
+  auto a = VerdictBoard::Create(node0, 2, nonce, kJob);
+  setenv("SHARDSYNC_HOST_ID", "box/node1", 1);
+  const std::string node1 = VerdictBoardName(nonce);
+  auto b = VerdictBoard::Open(node1, 2, nonce, kJob);
+  setenv("SHARDSYNC_HOST_ID", "box/node0", 1);
+  auto c = VerdictBoard::Open(VerdictBoardName(nonce), 2, nonce, kJob);
+  if (old) {
+    setenv("SHARDSYNC_HOST_ID", old->c_str(), 1);
+  } else {
+    unsetenv("SHARDSYNC_HOST_ID");
+  }
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_NE(node0, node1);
+  EXPECT_FALSE(b.ok()) << "a rank of another node mapped the board";
+  EXPECT_TRUE(c.ok()) << c.status().ToString();  // the same node's ranks do
 }
 
 TEST(VerdictBoard, PostThenGetAcrossMappings) {

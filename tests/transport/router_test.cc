@@ -5,6 +5,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <optional>
 #include <thread>
 
 #include "shardsync/store.h"
@@ -149,6 +154,106 @@ TEST(RoutedTransport, MissingPeerTimesOutNamingIt) {
   Status s = tx->Connect(*store, "t/", 0, {3}, Millis(200));
   EXPECT_FALSE(s.ok());
   EXPECT_THAT(s.message(), HasSubstr("from rank 3"));
+}
+
+// SHARDSYNC_HOST_ID set for a scope (restored after, so a failed ASSERT leaves no node behind).
+class HostIdGuard {
+ public:
+  explicit HostIdGuard(const char* id) {
+    if (const char* old = std::getenv("SHARDSYNC_HOST_ID")) old_ = old;
+    Set(id);
+  }
+  ~HostIdGuard() { Set(old_ ? old_->c_str() : nullptr); }
+  static void Set(const char* id) {
+    if (id) {
+      setenv("SHARDSYNC_HOST_ID", id, 1);
+    } else {
+      unsetenv("SHARDSYNC_HOST_ID");
+    }
+  }
+
+ private:
+  std::optional<std::string> old_;
+};
+
+// Ranks on one machine with different host ids (`--emulate-nodes`) are different nodes to the
+// router: host memory takes ucx between them where it took shm, and two ranks on one GPU are not
+// the same GPU (the far transport, nccl in the product, where the near one, cuda_ipc, served).
+TEST(RoutedTransport, HostIdentityMakesRanksOfOneMachineDifferentNodes) {
+  RegisterStandIns();
+  const auto names = RegisteredTransports();
+  const bool ucx = std::find(names.begin(), names.end(), "ucx") != names.end();
+  PeerInfo h0, h1, g0, g1;
+  {
+    HostIdGuard none(nullptr);
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    EXPECT_EQ(HostIdentity(), host);
+    h0 = LocalPeerInfo(0);
+    h1 = LocalPeerInfo(1);
+  }
+  PeerInfo e0, e1;
+  {
+    HostIdGuard node("box/node0");
+    e0 = LocalPeerInfo(0);
+    g0 = OnGpu(0, "0000:18:00.0");
+  }
+  {
+    HostIdGuard node("box/node1");
+    e1 = LocalPeerInfo(1);
+    g1 = OnGpu(1, "0000:18:00.0");
+  }
+  EXPECT_EQ(e0.hostname, "box/node0");
+  EXPECT_EQ(e1.hostname, "box/node1");
+  EXPECT_EQ(*SelectTransport(h0, h1), "shm");
+  auto across = SelectTransport(e0, e1);
+  if (ucx) {
+    EXPECT_EQ(*across, "ucx");
+  } else {
+    EXPECT_EQ(across.status().code(), StatusCode::kNotFound);
+  }
+  EXPECT_FALSE(SelectTransport(e0, e1, "shm").ok());  // shm cannot connect two nodes
+  EXPECT_FALSE(SameGpu(g0, g1));
+  g1.hostname = g0.hostname;
+  EXPECT_TRUE(SameGpu(g0, g1));
+  g1.hostname = "box/node1";
+
+  // Connected through the router: the same choices on both sides.
+  Ranks same;
+  auto st = same.Connect({h0, h1}, "", "host-same/");
+  for (const Status& s : st) ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(same.tx[0]->PeerTransport(1), "shm");
+  EXPECT_EQ(same.tx[1]->PeerTransport(0), "shm");
+  if (ucx) {
+    Ranks nodes;
+    st = nodes.Connect({e0, e1}, "", "host-nodes/");
+    for (const Status& s : st) ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(nodes.tx[0]->PeerTransport(1), "ucx");
+    EXPECT_EQ(nodes.tx[1]->PeerTransport(0), "ucx");
+    // The hint shm cannot connect the pair: it falls back to the automatic choice.
+    Ranks hinted;
+    st = hinted.Connect({e0, e1}, "shm", "host-hinted/");
+    for (const Status& s : st) ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(hinted.tx[0]->PeerTransport(1), "ucx");
+  }
+  Ranks gpus;
+  st = gpus.Connect({g0, g1}, "", "gpu-nodes/");
+  for (const Status& s : st) ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(gpus.tx[0]->PeerTransport(1), "test_far");
+  EXPECT_EQ(gpus.tx[1]->PeerTransport(0), "test_far");
+}
+
+TEST(RoutedTransport, HostIdentityTheRecordCannotCarryIsRefused) {
+  PeerInfo bad = LocalPeerInfo(0);
+  bad.hostname = "box\tnode0";
+  auto server = std::move(StoreServer::Start("127.0.0.1", 0, "test-token-0123456789")).value();
+  auto store =
+      std::move(StoreClient::Connect(server->address(), "test-token-0123456789", Millis(5000)))
+          .value();
+  auto tx = std::move(NewRoutedTransport({bad, "", {}})).value();
+  Status s = tx->Connect(*store, "tab/", 0, {1}, Millis(1000));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("SHARDSYNC_HOST_ID"));
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 
 #include "command.h"
@@ -61,11 +62,12 @@ struct BenchFlags {
   int job_timeout_s = 900;
   int gen_tokens = 0;
   int kill_rank = -1;
+  bool emulate_nodes = false;
 };
 
 // `bench` on a block-FP8 job (cmd_bench_fp8.cc).
-int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, int job_timeout_s,
-                int gen_tokens);
+int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, bool emulate_nodes,
+                int job_timeout_s, int gen_tokens);
 
 namespace {
 
@@ -97,6 +99,7 @@ int RunFault(const BenchFlags& f, const JobSpec& job) {
   lo.job.syncs = 1000;  // back to back: the kill lands inside a sync
   lo.job.verify = false;
   lo.mode = LocalJobOptions::Mode::kProcesses;
+  lo.emulate_nodes = f.emulate_nodes;
   lo.job_timeout = Millis(int64_t{f.job_timeout_s} * 1000);
   lo.kill_rank = f.kill_rank;
   lo.kill_at_progress = world * (2 + 3);  // every rank allocated, connected and 3 syncs done
@@ -175,6 +178,10 @@ void PrintText(const JobSpec& job, const BenchSummary& b, const json& extra, boo
                 b.raw_nccl_seconds, b.ratio_to_raw_nccl);
   }
   if (extra.contains("routes")) std::printf("  pairs: %s\n", extra["routes"].dump().c_str());
+  if (extra.value("emulate_nodes", false)) {
+    std::printf("  emulated nodes: %d, one per rank process (SHARDSYNC_HOST_ID, NCCL_HOSTID)\n",
+                extra.value("nodes", 0));
+  }
   if (extra.contains("generation")) {
     for (const auto& g : extra["generation"]) {
       std::printf("  generation replica %d: %s %s vs %s\n", g["replica"].get<int>(),
@@ -203,16 +210,31 @@ int Run(const BenchFlags& f) {
   if (f.gen_tokens < 0 || f.gen_tokens > 256) {
     return ReportError(InvalidArgumentError("--gen-tokens: must be in [0, 256]"));
   }
+  const LocalJobOptions::Mode mode = job->device == "cuda" || f.kill_rank >= 0
+                                         ? LocalJobOptions::Mode::kProcesses
+                                         : ParseLaunch(f.launch);
+  if (f.emulate_nodes) {
+    if (Status s = CheckEmulateNodes(*job, mode); !s.ok()) return ReportError(s);
+    if (job->device != "cuda") {
+      // The host baselines end with UCX flushes that, off shared memory (TCP), complete only while
+      // the peer still progresses, and it may have gone on to the next store barrier.
+      return ReportError(InvalidArgumentError(
+          "--emulate-nodes: bench runs it with --device cuda only (the host baselines' UCX "
+          "flushes hang over TCP); `demo --transport ucx --emulate-nodes` syncs host memory "
+          "across emulated nodes"));
+    }
+  }
   if (f.kill_rank >= 0) return RunFault(f, *job);
   if (job->inputs.model.quant) {
-    return RunFp8Bench(*job, f.json, f.launch, f.job_timeout_s, f.gen_tokens);
+    return RunFp8Bench(*job, f.json, f.launch, f.emulate_nodes, f.job_timeout_s, f.gen_tokens);
   }
   auto summary = SummarizePlan(job->inputs);
   if (!summary.ok()) return ReportError(summary.status());
   LocalJobOptions lo;
   lo.job = *job;
   lo.job.mode = JobMode::kBench;
-  lo.mode = job->device == "cuda" ? LocalJobOptions::Mode::kProcesses : ParseLaunch(f.launch);
+  lo.mode = mode;
+  lo.emulate_nodes = f.emulate_nodes;
   lo.job_timeout = Millis(int64_t{f.job_timeout_s} * 1000);
   const int world = SyncWorldSize(job->inputs);
   PhaseLine("shardsync bench",
@@ -246,6 +268,13 @@ int Run(const BenchFlags& f) {
     extra["generation"] = *g;
   }
   const RankResult& r0 = res->ranks.at(0);
+  // Distinct host identities the ranks reported (processes): --emulate-nodes gives one per rank.
+  std::set<std::string> hosts;
+  for (const RankResult& r : res->ranks) {
+    if (!r.host_id.empty()) hosts.insert(r.host_id);
+  }
+  if (!hosts.empty()) extra["nodes"] = hosts.size();
+  extra["emulate_nodes"] = f.emulate_nodes;
   if (job->device == "cuda") {
     json routes = json::object();
     for (const RankResult& r : res->ranks) {
@@ -349,6 +378,7 @@ Registration reg({"bench", [](CLI::App& app) {
                                     "After the sharded syncs, greedy-decode N tokens per replica "
                                     "with the reference engine on the engine ranks' parameters "
                                     "and compare with the unsharded model");
+                    sub->add_flag("--emulate-nodes", f->emulate_nodes, kEmulateNodesHelp);
                     sub->add_option("--kill-rank", f->kill_rank,
                                     "Fault run: SIGKILL this sync rank mid-sync; every other rank "
                                     "must fail within --timeout-ms, then a re-connected job must "

@@ -39,11 +39,13 @@ struct Figures {
 };
 
 Result<BenchSummary> RunOne(const JobSpec& job, bool as_json, const std::string& launch,
-                            int timeout_s, const std::string& label, LocalJobResult* out) {
+                            bool emulate_nodes, int timeout_s, const std::string& label,
+                            LocalJobResult* out) {
   LocalJobOptions lo;
   lo.job = job;
   lo.job.mode = JobMode::kBench;
   lo.mode = job.device == "cuda" ? LocalJobOptions::Mode::kProcesses : ParseLaunch(launch);
+  lo.emulate_nodes = emulate_nodes;
   lo.job_timeout = Millis(int64_t{timeout_s} * 1000);
   lo.on_progress = JobProgress(label, as_json, SyncWorldSize(job.inputs), {});
   SS_ASSIGN_OR_RETURN(*out, RunLocalJob(lo));
@@ -91,8 +93,8 @@ void PrintText(const JobSpec& job, const PlanSummary& s, const Figures& f, const
 
 }  // namespace
 
-int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, int job_timeout_s,
-                int gen_tokens) {
+int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, bool emulate_nodes,
+                int job_timeout_s, int gen_tokens) {
   std::optional<PlanSummary> s;
   auto summary = JobPlanSummary(job.inputs, &s);
   if (!summary.ok()) return ReportError(summary.status());
@@ -111,7 +113,8 @@ int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, int
   Figures f;
   f.bound_bytes = static_cast<double>(s->bound_read_bytes + s->bound_write_bytes);
   LocalJobResult res;
-  auto b = RunOne(fp8_job, as_json, launch, job_timeout_s, "shardsync bench (fp8)", &res);
+  auto b =
+      RunOne(fp8_job, as_json, launch, emulate_nodes, job_timeout_s, "shardsync bench (fp8)", &res);
   if (!b.ok()) return ReportError(b.status());
   f.fp8 = *b;
   for (const RankResult& r : res.ranks) {
@@ -132,7 +135,8 @@ int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, int
   bf16_job.prefix = job.prefix + "bf16/";
   bf16_job.dump_dir.clear();
   LocalJobResult res16;
-  auto b16 = RunOne(bf16_job, as_json, launch, job_timeout_s, "shardsync bench (bf16)", &res16);
+  auto b16 = RunOne(bf16_job, as_json, launch, emulate_nodes, job_timeout_s,
+                    "shardsync bench (bf16)", &res16);
   if (!b16.ok()) return ReportError(b16.status());
   f.bf16 = *b16;
   const bool verified = f.fp8.verified && f.bf16.verified && generation_ok &&
@@ -156,7 +160,8 @@ int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, int
                         {"checksums_total", f.checksums_total},
                         {"verified", verified},
                         {"reps", job.bench_reps},
-                        {"warmup", job.bench_warmup}};
+                        {"warmup", job.bench_warmup},
+                        {"emulate_nodes", emulate_nodes}};
     if (job.device == "cuda") {
       j["hbm_gbps"] = f.bound_bytes / f.fp8.raw_seconds / 1e9;
       if (auto info = gpu::QueryDevice(0); info.ok()) j["device_name"] = info->name;

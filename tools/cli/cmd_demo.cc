@@ -10,6 +10,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -135,6 +136,7 @@ struct DemoFlags {
   std::string launch = "auto";
   int job_timeout_s = 600;
   int gen_tokens = 8;  // 0: no generation step
+  bool emulate_nodes = false;
 };
 
 std::string TokenList(const std::vector<int64_t>& t) {
@@ -209,6 +211,9 @@ int Run(const DemoFlags& f) {
     return ReportError(InvalidArgumentError("--gen-tokens: must be in [0, 256], got " +
                                             std::to_string(f.gen_tokens)));
   }
+  if (f.emulate_nodes) {
+    if (Status s = CheckEmulateNodes(*job, ParseLaunch(f.launch)); !s.ok()) return ReportError(s);
+  }
   const PlanInputs& in = job->inputs;
   std::optional<PlanSummary> fp8;
   auto summary = JobPlanSummary(in, &fp8);
@@ -241,6 +246,7 @@ int Run(const DemoFlags& f) {
   lo.log_dir = dumps.path;
   lo.job.mode = JobMode::kSync;
   lo.mode = ParseLaunch(f.launch);
+  lo.emulate_nodes = f.emulate_nodes;
   lo.job_timeout = Millis(int64_t{f.job_timeout_s} * 1000);
   // RankSteps: allocated, connected, each sync, verified (launcher.h).
   std::vector<std::string> phases = {"parameters allocated and bound", "connected"};
@@ -282,6 +288,11 @@ int Run(const DemoFlags& f) {
   const bool generation_ok = f.gen_tokens == 0 || (gen.has_value() && gen->match);
 
   if (f.json) {
+    // Distinct host identities the rank processes reported: one per rank with --emulate-nodes.
+    std::set<std::string> hosts;
+    for (const RankResult& r : res->ranks) {
+      if (!r.host_id.empty()) hosts.insert(r.host_id);
+    }
     nlohmann::json recv = nlohmann::json::array(), owned = nlohmann::json::array(),
                    rss = nlohmann::json::array(), rank_seconds = nlohmann::json::array();
     for (const RankResult& r : res->ranks) {
@@ -304,6 +315,8 @@ int Run(const DemoFlags& f) {
                         {"elements_checked", checked},
                         {"element_mismatches", mismatches},
                         {"transport", job->transport},
+                        {"emulate_nodes", f.emulate_nodes},
+                        {"nodes", hosts.size()},
                         {"plan_hash", summary->plan_hash}};
     j["commit"] = job->staged() ? "staged" : "inplace";
     j["encoding"] = std::string(WireEncodingName(job->inputs.options.encoding));
@@ -363,8 +376,9 @@ int Run(const DemoFlags& f) {
         in.trainer.ToString().c_str(), std::string(DTypeName(in.trainer_dtype)).c_str(), S - 1,
         std::string(EngineKindName(in.rollout.shard.engine)).c_str(), in.rollout.dp,
         in.rollout.shard.tp, in.rollout.shard.pp);
-    std::printf("           transport %s, one %s per sync rank on this host\n",
-                job->transport.c_str(), job->transport == "loopback" ? "thread" : "process");
+    std::printf("           transport %s, one %s per sync rank on this host%s\n",
+                job->transport.c_str(), job->transport == "loopback" ? "thread" : "process",
+                f.emulate_nodes ? ", each its own emulated node" : "");
     std::printf(
         "plan       %s, %lld ops in %lld messages; bytes per engine rank vs broadcast-all "
         "(%s each):\n",
@@ -489,6 +503,7 @@ Registration reg({"demo", [](CLI::App& app) {
                     sub->add_option("--job-timeout-s", f->job_timeout_s,
                                     "Kill every rank past this many seconds")
                         ->capture_default_str();
+                    sub->add_flag("--emulate-nodes", f->emulate_nodes, kEmulateNodesHelp);
                     return [f] { return Run(*f); };
                   }});
 

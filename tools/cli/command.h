@@ -21,6 +21,12 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailure = 1;  // the job ran and failed (sync error, mismatch)
 inline constexpr int kExitUsage = 2;    // bad input: nothing was written
 
+// `bench` / `demo --emulate-nodes` (LocalJobOptions::emulate_nodes).
+inline constexpr const char* kEmulateNodesHelp =
+    "Each rank process its own node (SHARDSYNC_HOST_ID and NCCL_HOSTID <host>/node<rank>), to test "
+    "cross-node paths on one machine: --device cuda pairs take nccl over NCCL's socket transport "
+    "(a slow link: about 2.8 GB/s on one H200 host), host memory needs --transport ucx (TCP)";
+
 struct Command {
   std::string name;
   // Adds the subcommand to `app` and returns a function that runs it after parsing.

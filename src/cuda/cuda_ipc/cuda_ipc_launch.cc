@@ -411,6 +411,8 @@ void CudaIpcTransport::OpenTurnstile() {
     trace::Line("cuda_ipc: no PCI bus id for device %d: launches unordered", device_);
     return;
   }
+  // The turnstile orders the physical GPU's contexts: shared by every process on it, emulated
+  // nodes (SHARDSYNC_HOST_ID) included, since they time-slice it all the same.
   auto t = internal::GpuTurnstile::Open(internal::GpuTurnstile::Name(prefix_, bus));
   if (!t.ok()) {
     trace::Line("cuda_ipc: %s: launches unordered", t.status().ToString().c_str());
@@ -425,7 +427,10 @@ void CudaIpcTransport::OpenTurnstile() {
   if (!v.ok()) ReportKnobError(v.status());
   share_mode_ = v.ok() && *v == "0" ? 0 : v.ok() && *v == "2" ? 2 : 1;
   if (share_mode_ == 0) return;
-  auto b = internal::GpuLaunchBoard::Open(internal::GpuLaunchBoard::Name(prefix_, bus), rank_);
+  // Shared launches open the other senders' memory, a same-host path: scoped by the host
+  // identity too, so an emulated node never packs for another's senders.
+  auto b = internal::GpuLaunchBoard::Open(
+      internal::GpuLaunchBoard::Name(prefix_ + "@" + HostIdentity(), bus), rank_);
   if (!b.ok()) {
     trace::Line("cuda_ipc: %s: no shared launches", b.status().ToString().c_str());
     return;

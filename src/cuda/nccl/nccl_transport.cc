@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "cuda/cuda_util.h"
+#include "shardsync/settings.h"
 #include "transport/process.h"
 
 namespace shardsync::gpu {
@@ -69,6 +70,7 @@ Result<uint32_t> NcclTransport::RegisterMemory(const MemRegion& region) {
 Status NcclTransport::Connect(StoreClient& store, const std::string& prefix, int rank,
                               const std::vector<int>& peers, Millis timeout) {
   SS_RETURN_IF_ERROR(LoadNccl());
+  SS_RETURN_IF_ERROR(CheckHostIds());
   rank_ = rank;
   SS_CUDA(cudaSetDevice(opt_.device), "nccl: cudaSetDevice " + std::to_string(opt_.device));
   SS_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "nccl: stream");
@@ -179,9 +181,28 @@ void NcclTransport::Abort() {
   comms_.clear();
 }
 
+Status NcclTransport::CheckHostIds() {
+  // The router placed this rank's pairs by SHARDSYNC_HOST_ID (transport.h HostIdentity); NCCL
+  // places its peers by its own host hash, which NCCL_HOSTID replaces (NVIDIA/nccl
+  // src/misc/utils.cc getHostHashOnce: the variable, else hostname + boot id; read once per
+  // process). Two ranks on one GPU that NCCL sees on one host fail its init ("Duplicate GPU
+  // detected"), so an emulated node must be NCCL's node too.
+  SS_ASSIGN_OR_RETURN(const std::string ours, TextKnob("SHARDSYNC_HOST_ID"));
+  if (ours.empty()) return OkStatus();
+  SS_ASSIGN_OR_RETURN(const std::string theirs, TextKnob("NCCL_HOSTID"));
+  if (theirs == ours) return OkStatus();
+  return FailedPreconditionError(
+      "nccl: SHARDSYNC_HOST_ID='" + ours +
+      "' but NCCL_HOSTID=" + (theirs.empty() ? std::string("unset") : "'" + theirs + "'") +
+      ": NCCL would not see the node shardsync routes by; set NCCL_HOSTID to the same value "
+      "(`--emulate-nodes` sets both)");
+}
+
 Status NcclTransport::ExchangePids(StoreClient& store, const std::string& prefix,
                                    const std::vector<int>& peers,
                                    std::chrono::steady_clock::time_point deadline) {
+  // The machine's hostname, not the host identity: a pid can be watched wherever it runs on this
+  // machine, emulated nodes (SHARDSYNC_HOST_ID) included.
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);
   const std::string me = std::string(host) + " " + std::to_string(getpid());

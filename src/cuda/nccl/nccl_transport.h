@@ -110,7 +110,9 @@ class NcclTransport final : public Transport {
     int live_ids = 0;
   };
 
-  // Each rank publishes "hostname pid"; peers on this host are watched (CheckPeer).
+  // FailedPrecondition when SHARDSYNC_HOST_ID is set and NCCL_HOSTID differs from it.
+  static Status CheckHostIds();
+  // Each rank publishes "hostname pid"; peers on this machine are watched (CheckPeer).
   Status ExchangePids(StoreClient& store, const std::string& prefix, const std::vector<int>& peers,
                       std::chrono::steady_clock::time_point deadline);
 

@@ -13,7 +13,7 @@
 #include <random>
 #include <thread>
 
-#include "cuda/cuda_ipc/delta_ipc.h"
+#include "cuda/delta/delta_fault.h"
 #include "gpu_test_util.h"
 #include "job/internal.h"
 #include "job/launcher.h"
@@ -321,7 +321,7 @@ TEST(GpuDeltaSession, ARefusedDeltaFailsAndPoisonsThenTheNextSyncFallsBackAndVer
   t.Update(3, 0.01);
   // The first delta copied for bucket 1 of a pair has a byte of its records flipped: that
   // receiver's decode must refuse it (its bucket 0 landed already).
-  ipc::FailNextDeltaForTesting(1, 50);
+  FailNextDeltaForTesting(1, 50);
   auto st = t.delta.Sync(3);
   ExpectAllOk(t.full.Sync(3));
   int refused = 0;
@@ -409,10 +409,10 @@ TEST(GpuDeltaSession, AutoAtTheDefaultKnobsRunsFullPairs) {
   }
 }
 
-// nccl pairs refuse the delta encoding when prepared (at Connect), naming the transport and the
-// flag: not built (docs/delta.md "Device pairs"). The check comes before any communicator, so it
-// runs without a GPU.
-TEST(GpuDeltaSession, NcclPairsRefuseTheDeltaEncodingNamingItAndTheFlag) {
+// nccl pairs carry the delta encoding (delta_nccl.cc) for copy plans; block FP8's image pairs
+// refuse it when prepared (at Connect), naming the pair and what it carries. The check comes
+// before any communicator or CUDA call, so it runs without a GPU.
+TEST(GpuDeltaSession, NcclImagePairsRefuseTheDeltaEncodingNamingThePair) {
   std::unique_ptr<Transport> t = MakeNcclTransport({});
   if (!t) GTEST_SKIP() << "built without CUDA";
   auto server = StoreServer::Start("127.0.0.1", 0, kToken);
@@ -425,11 +425,13 @@ TEST(GpuDeltaSession, NcclPairsRefuseTheDeltaEncodingNamingItAndTheFlag) {
   bucket.bytes = 4096;
   spec.buckets.push_back(bucket);
   spec.delta.on = true;
+  spec.image = true;
   auto p = t->Prepare(**store, spec, Millis(1000));
   ASSERT_FALSE(p.ok());
   EXPECT_EQ(p.status().code(), StatusCode::kUnimplemented);
-  EXPECT_NE(p.status().message().find("nccl: pair with rank 1"), std::string::npos);
-  EXPECT_NE(p.status().message().find("--encoding delta"), std::string::npos);
+  EXPECT_NE(p.status().message().find("nccl: delta pair to rank 1"), std::string::npos)
+      << p.status().ToString();
+  EXPECT_NE(p.status().message().find("block FP8"), std::string::npos);
 }
 
 }  // namespace

@@ -96,8 +96,9 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
                   "commit exchanges staging and parameters) | none")
       ->capture_default_str();
   sub->add_option("--encoding", f->encoding,
-                  "How buckets travel each sync (host path and cuda_ipc pairs; nccl pairs "
-                  "refuse delta): full (whole) | delta (only the wire elements changed "
+                  "How buckets travel each sync (host path, cuda_ipc and nccl pairs; block "
+                  "FP8 and staged commits over device pairs refuse delta): full (whole) | delta "
+                  "(only the wire elements changed "
                   "since the receiver's verified base, whole where the base differs: "
                   "docs/delta.md) | auto (delta where it pays at SHARDSYNC_DELTA_LINK_MBPS; "
                   "full where none can)")

@@ -272,14 +272,7 @@ Result<std::unique_ptr<PreparedPair>> NcclTransport::Prepare(StoreClient&, const
     return InvalidArgumentError("nccl: pair with rank " + std::to_string(spec.peer) +
                                 " has no buckets");
   }
-  if (spec.delta.on) {
-    // Not built (issue 35): a delta's size is known on the device only, after its encode, and
-    // ncclSend / ncclRecv need their counts on the host; a round would read it back first.
-    return UnimplementedError("nccl: pair with rank " + std::to_string(spec.peer) +
-                              ": the delta encoding (--encoding delta / auto, Plan(encoding=)) is "
-                              "not built for nccl pairs; use encoding full, or cuda_ipc pairs (one "
-                              "node) or host memory");
-  }
+  if (spec.delta.on) return PrepareDeltaPair(*this, spec);
   for (size_t b = 0; spec.image && b < spec.buckets.size(); ++b) {
     // The session refuses these naming the tensor (sync/fp8_pairs.cc); a guard for other callers.
     bool staged = false;

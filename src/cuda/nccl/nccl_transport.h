@@ -32,6 +32,10 @@
 
 namespace shardsync::gpu::nccl {
 
+class NcclTransport;
+// A pair under the delta encoding (PairSpec::delta; delta_nccl.cc): either side.
+Result<std::unique_ptr<PreparedPair>> PrepareDeltaPair(NcclTransport& t, const PairSpec& spec);
+
 class NcclTransport final : public Transport {
  public:
   explicit NcclTransport(const NcclOptions& o) : opt_(o) {}

@@ -1,25 +1,39 @@
-// The receiving side of a cuda_ipc delta pair (delta_ipc.cc has the protocol).
-#include "cuda/cuda_ipc/delta_ipc_internal.h"
+// The receiving side of a device delta pair (delta_pair.h has the protocol).
+//
+// Post: one verify launch over its live parameters gives every bucket's checksum (the base it
+// holds), sent with the version each bucket was verified at as the bases message. Per bucket, on
+// the sender's control message (checked) and its payload: a delta is applied over the base
+// gathered from the live parameters into the slot (the inverse of landing: the same runs
+// reversed) by the device decode, which checks the base version and checksum the delta names and
+// the result's checksum and writes nothing otherwise (the sync fails: "refused, nothing of it
+// landed"); a whole bucket arrives in the slot as it is. The slot then lands in the parameters and
+// the channel is told (the window is free). Once every bucket landed, one verify launch reads
+// every landed word back: the session compares those sums with the sender's packed ones
+// (delivered in the control messages) as for every pair.
+//
+// Memory: a window of two largest buckets (slot + encoded) and the codec's scratch. A bucket it
+// began landing is of no verified version until its readback verified it, so after a failed sync
+// the next one sends such buckets whole (the base version differs).
+#include "cuda/cuda_util.h"
+#include "cuda/delta/delta_pair.h"
 
-namespace shardsync::gpu::ipc::delta_internal {
+namespace shardsync::gpu::delta_pair {
 namespace {
 
 class DeltaRecvPair final : public PreparedPair {
  public:
-  DeltaRecvPair(CudaIpcTransport& t, const PairSpec& spec)
-      : t_(t), spec_(spec), who_("cuda_ipc: delta pair from rank " + std::to_string(spec.peer)) {}
+  DeltaRecvPair(const PairSpec& spec, int device, std::string who)
+      : spec_(spec), device_(device), who_(std::move(who)) {}
 
-  Status Init(StoreClient& store) {
+  Status Init(const OpenRecvChannel& open) {
     const size_t n = spec_.buckets.size();
-    uint64_t max = 0;
-    for (const PairBucket& b : spec_.buckets) max = std::max<uint64_t>(max, b.bytes);
-    SS_ASSIGN_OR_RETURN(stream_, Stream::Create(t_.device()));
-    enc_off_ = DeltaAlign(max);
-    SS_ASSIGN_OR_RETURN(window_, DeviceBuffer::Allocate(enc_off_ + max, t_.device()));
+    const uint64_t max = MaxBucketBytes(spec_);
+    SS_ASSIGN_OR_RETURN(stream_, Stream::Create(device_));
+    SS_ASSIGN_OR_RETURN(window_, DeviceBuffer::Allocate(WindowBytes(max), device_));
     slot_ = window_->data();
-    enc_ = static_cast<unsigned char*>(window_->data()) + enc_off_;
+    enc_ = static_cast<unsigned char*>(window_->data()) + WindowEncOffset(max);
     SS_ASSIGN_OR_RETURN(scratch_,
-                        DeltaGpuScratch::Allocate(max, spec_.delta.element_size, t_.device()));
+                        DeltaGpuScratch::Allocate(max, spec_.delta.element_size, device_));
     BatchSpec verify;
     verify.mode = BatchMode::kVerify;
     verify.in_dtype = verify.out_dtype = spec_.wire;
@@ -31,13 +45,13 @@ class DeltaRecvPair final : public PreparedPair {
                                     std::string(DTypeName(spec_.wire)));
       }
       SS_ASSIGN_OR_RETURN(
-          auto g, CopyBatch::Prepare(
-                      DeltaBucketBatch(pb.local, pb.bytes, spec_.wire, slot_, BatchMode::kPack),
-                      t_.device()));
+          auto g,
+          CopyBatch::Prepare(
+              DeltaBucketBatch(pb.local, pb.bytes, spec_.wire, slot_, BatchMode::kPack), device_));
       SS_ASSIGN_OR_RETURN(
           auto l, CopyBatch::Prepare(
                       DeltaBucketBatch(pb.local, pb.bytes, spec_.wire, slot_, BatchMode::kUnpack),
-                      t_.device()));
+                      device_));
       gather_.push_back(std::move(g));
       land_.push_back(std::move(l));
       BatchSpec one = DeltaBucketBatch(pb.local, pb.bytes, spec_.wire, slot_, BatchMode::kPack);
@@ -45,32 +59,29 @@ class DeltaRecvPair final : public PreparedPair {
       verify.runs.insert(verify.runs.end(), one.runs.begin(), one.runs.end());
       verify.bucket_bytes.push_back(pb.bytes);
     }
-    SS_ASSIGN_OR_RETURN(verify_, CopyBatch::Prepare(verify, t_.device()));
+    SS_ASSIGN_OR_RETURN(verify_, CopyBatch::Prepare(verify, device_));
     verified_.assign(n, 0);
     advertised_.assign(n, 0);
     packed_.assign(n, 0);
-    // The window, exported for the sender (whole 2 MiB pages: DeviceBuffer::Allocate).
-    DeltaWindowRecord w;
-    w.pid = getpid();
-    w.base = reinterpret_cast<uint64_t>(window_->data());
-    w.bytes = enc_off_ + max;
-    w.slot = 0;
-    w.enc = enc_off_;
-    SS_CUDA(cudaIpcGetMemHandle(&w.handle, window_->data()), who_ + ": export of its window");
-    return store.Set(spec_.key + "dwindow",
-                     std::string(reinterpret_cast<const char*>(&w), sizeof(w)));
+    DeltaWindow w;
+    w.base = window_->data();
+    w.bytes = WindowBytes(max);
+    w.slot = static_cast<unsigned char*>(slot_);
+    w.enc = enc_;
+    SS_ASSIGN_OR_RETURN(ch_, open(w));
+    return OkStatus();
   }
 
   Status Post(uint64_t version) override {
     if (state_ != kIdle) return FailedPreconditionError(who_ + ": posted twice");
-    SS_CUDA(cudaSetDevice(t_.device()), who_ + ": cudaSetDevice");
+    SS_CUDA(cudaSetDevice(device_), who_ + ": cudaSetDevice");
     const auto t0 = std::chrono::steady_clock::now();
     version_ = version;
     report_ = PairDeltaReport{};
     // The bases: every bucket's checksum of the live bytes, recomputed each sync (a corrupted
     // or restored byte shows whatever the version says), with the version it was verified at.
     SS_RETURN_IF_ERROR(verify_->Launch(stream_->handle()));
-    SS_RETURN_IF_ERROR(WaitLocal(*stream_, who_ + ": checksums of its bases"));
+    SS_RETURN_IF_ERROR(stream_->Synchronize(kDeltaLocalWait, who_ + ": checksums of its bases"));
     SS_ASSIGN_OR_RETURN(std::vector<uint64_t> sums, verify_->Checksums());
     bases_ = {version, spec_.buckets.size()};
     for (size_t b = 0; b < sums.size(); ++b) {
@@ -78,11 +89,10 @@ class DeltaRecvPair final : public PreparedPair {
       bases_.push_back(verified_[b]);
       bases_.push_back(sums[b]);
     }
-    SS_ASSIGN_OR_RETURN(XferId id, t_.PostSendHost(spec_.peer, DeltaTag(kBasesTagBase, version),
-                                                   bases_.data(), bases_.size() * 8));
-    sends_.push_back(id);
+    SS_RETURN_IF_ERROR(ch_->SendBases(version, bases_));
     next_ = 0;
-    SS_RETURN_IF_ERROR(PostCtl());
+    payload_ = false;
+    SS_RETURN_IF_ERROR(ch_->PostCtl(version_, &ctl_));
     state_ = kRecv;
     report_.seconds += SecondsSince(t0);
     return OkStatus();
@@ -90,27 +100,38 @@ class DeltaRecvPair final : public PreparedPair {
 
   Result<XferState> Poll() override {
     if (state_ == kIdle) return XferState::kDone;
-    SS_CUDA(cudaSetDevice(t_.device()), who_ + ": cudaSetDevice");
-    SS_RETURN_IF_ERROR(PollSends(t_, sends_));
+    SS_CUDA(cudaSetDevice(device_), who_ + ": cudaSetDevice");
     while (next_ < spec_.buckets.size()) {
-      SS_ASSIGN_OR_RETURN(XferState st, t_.Poll(ctl_id_));
-      if (st == XferState::kInProgress) {
-        SS_RETURN_IF_ERROR(t_.CheckPeer(spec_.peer));
-        return st;
+      if (!payload_) {
+        SS_ASSIGN_OR_RETURN(bool in, ch_->CtlIn());
+        if (!in) {
+          SS_RETURN_IF_ERROR(ch_->CheckPeer());
+          return XferState::kInProgress;
+        }
+        SS_RETURN_IF_ERROR(CheckCtl(next_));
+        const bool full = static_cast<DeltaKind>(ctl_[2]) == DeltaKind::kFull;
+        SS_RETURN_IF_ERROR(ch_->PostPayload(full ? slot_ : enc_, ctl_[4]));
+        payload_ = true;
       }
+      SS_ASSIGN_OR_RETURN(bool in, ch_->PayloadIn());
+      if (!in) {
+        SS_RETURN_IF_ERROR(ch_->CheckPeer());
+        return XferState::kInProgress;
+      }
+      payload_ = false;
       SS_RETURN_IF_ERROR(Apply(next_));
-      const uint64_t ack[2] = {version_, next_};
-      SS_ASSIGN_OR_RETURN(XferId id, t_.PostSendHost(spec_.peer, DeltaTag(kAckTagBase, version_),
-                                                     ack, sizeof(ack)));
-      sends_.push_back(id);
-      if (++next_ < spec_.buckets.size()) SS_RETURN_IF_ERROR(PostCtl());
+      SS_RETURN_IF_ERROR(ch_->Landed(version_, next_));
+      if (++next_ < spec_.buckets.size()) SS_RETURN_IF_ERROR(ch_->PostCtl(version_, &ctl_));
     }
-    SS_RETURN_IF_ERROR(PollSends(t_, sends_));
-    if (!sends_.empty()) return XferState::kInProgress;
+    SS_ASSIGN_OR_RETURN(bool drained, ch_->Drained());
+    if (!drained) {
+      SS_RETURN_IF_ERROR(ch_->CheckPeer());
+      return XferState::kInProgress;
+    }
     // Every bucket landed: every landed word read back, for the session's comparison.
     const auto t0 = std::chrono::steady_clock::now();
     SS_RETURN_IF_ERROR(verify_->Launch(stream_->handle()));
-    SS_RETURN_IF_ERROR(WaitLocal(*stream_, who_ + ": landed readback"));
+    SS_RETURN_IF_ERROR(stream_->Synchronize(kDeltaLocalWait, who_ + ": landed readback"));
     SS_ASSIGN_OR_RETURN(landed_, verify_->Checksums());
     for (size_t b = 0; b < landed_.size(); ++b) {
       if (landed_[b] == packed_[b]) verified_[b] = version_;
@@ -128,30 +149,19 @@ class DeltaRecvPair final : public PreparedPair {
   }
   const PairDeltaReport* Delta() const override { return &report_; }
   bool DeliversSums() const override { return true; }
-  // Posted receives of a cancelled sync are never polled again (their tags name its version).
   void Cancel() override {
+    if (state_ != kIdle) ch_->Cancel();
     state_ = kIdle;
-    sends_.clear();
   }
   std::string Describe() const override {
     return who_ + ", bucket " + std::to_string(next_) + " of " +
-           std::to_string(spec_.buckets.size());
+           std::to_string(spec_.buckets.size()) + (payload_ ? " (its payload)" : "");
   }
 
  private:
-  Status PostCtl() {
-    SS_ASSIGN_OR_RETURN(
-        ctl_id_, t_.PostRecvHost(spec_.peer, DeltaTag(kCtlTagBase, version_), ctl_, sizeof(ctl_)));
-    return OkStatus();
-  }
-
-  // Bucket b's control message arrived: its delta decoded over the base, or the whole bucket,
-  // lands in the parameters.
-  Status Apply(size_t b) {
-    const auto t0 = std::chrono::steady_clock::now();
+  // Bucket b's control message, before its payload is taken anywhere.
+  Status CheckCtl(size_t b) const {
     const int64_t bytes = spec_.buckets[b].bytes;
-    const std::string where =
-        "message from sync rank " + std::to_string(spec_.peer) + ", bucket " + std::to_string(b);
     const auto form = static_cast<DeltaKind>(ctl_[2]);
     const auto reason = static_cast<DeltaReason>(ctl_[3]);
     const uint64_t payload = ctl_[4];
@@ -160,11 +170,24 @@ class DeltaRecvPair final : public PreparedPair {
         (form == DeltaKind::kFull) == (reason == DeltaReason::kDelta) ||
         (form == DeltaKind::kFull ? payload != uint64_t(bytes)
                                   : payload < kDeltaHeaderBytes || payload >= uint64_t(bytes))) {
-      return DataLossError(who_ + ": malformed control message for " + where + " (version " +
-                           std::to_string(ctl_[0]) + ", bucket " + std::to_string(ctl_[1]) +
-                           ", form " + std::to_string(ctl_[2]) + ", reason " +
-                           std::to_string(ctl_[3]) + ", " + std::to_string(payload) + " bytes)");
+      return DataLossError(
+          who_ + ": malformed control message from sync rank " + std::to_string(spec_.peer) +
+          " for bucket " + std::to_string(b) + " (version " + std::to_string(ctl_[0]) +
+          ", bucket " + std::to_string(ctl_[1]) + ", form " + std::to_string(ctl_[2]) +
+          ", reason " + std::to_string(ctl_[3]) + ", " + std::to_string(payload) + " bytes)");
     }
+    return OkStatus();
+  }
+
+  // Bucket b's payload arrived: its delta decoded over the base, or the whole bucket, lands in
+  // the parameters.
+  Status Apply(size_t b) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t bytes = spec_.buckets[b].bytes;
+    const std::string where =
+        "message from sync rank " + std::to_string(spec_.peer) + ", bucket " + std::to_string(b);
+    const auto form = static_cast<DeltaKind>(ctl_[2]);
+    const uint64_t payload = ctl_[4];
     void* s = stream_->handle();
     if (form != DeltaKind::kFull) {
       // The base: the bytes this rank holds, in wire order.
@@ -187,10 +210,10 @@ class DeltaRecvPair final : public PreparedPair {
     // From here the bucket's bytes are of no verified version until the readback says so.
     verified_[b] = 0;
     SS_RETURN_IF_ERROR(land_[b]->Launch(s));
-    SS_RETURN_IF_ERROR(WaitLocal(*stream_, who_ + ": landing " + where));
+    SS_RETURN_IF_ERROR(stream_->Synchronize(kDeltaLocalWait, who_ + ": landing " + where));
     packed_[b] = ctl_[5];
     PairDeltaBucket o;
-    o.reason = reason;
+    o.reason = static_cast<DeltaReason>(ctl_[3]);
     o.wire_bytes = payload;
     o.full_bytes = static_cast<uint64_t>(bytes);
     if (form != DeltaKind::kFull) {
@@ -202,24 +225,23 @@ class DeltaRecvPair final : public PreparedPair {
     return OkStatus();
   }
 
-  CudaIpcTransport& t_;
   PairSpec spec_;
+  int device_;
   std::string who_;
+  std::unique_ptr<DeltaRecvChannel> ch_;
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<DeviceBuffer> window_;
   void* slot_ = nullptr;
   unsigned char* enc_ = nullptr;
-  size_t enc_off_ = 0;
   std::unique_ptr<DeltaGpuScratch> scratch_;
   std::vector<std::unique_ptr<CopyBatch>> gather_, land_;
   std::unique_ptr<CopyBatch> verify_;
   std::vector<uint64_t> verified_;  // per bucket: the version its bytes were verified at (0: none)
   std::vector<uint64_t> advertised_;  // this sync's advertisement
   std::vector<uint64_t> packed_, landed_;
-  std::vector<uint64_t> bases_;  // the ready message
-  uint64_t ctl_[kDeltaCtlWords] = {};
-  XferId ctl_id_ = 0;
-  std::vector<XferId> sends_;
+  std::vector<uint64_t> bases_;  // the bases message
+  DeltaCtl ctl_{};
+  bool payload_ = false;  // bucket next_'s control message was checked, its payload is posted
   uint64_t version_ = 0;
   size_t next_ = 0;
   enum { kIdle, kRecv } state_ = kIdle;
@@ -228,11 +250,12 @@ class DeltaRecvPair final : public PreparedPair {
 
 }  // namespace
 
-Result<std::unique_ptr<PreparedPair>> MakeDeltaRecvPair(CudaIpcTransport& t, StoreClient& store,
-                                                        const PairSpec& spec) {
-  auto p = std::make_unique<DeltaRecvPair>(t, spec);
-  SS_RETURN_IF_ERROR(p->Init(store));
+Result<std::unique_ptr<PreparedPair>> MakeDeltaRecvPair(const PairSpec& spec, int device,
+                                                        std::string who,
+                                                        const OpenRecvChannel& open) {
+  auto p = std::make_unique<DeltaRecvPair>(spec, device, std::move(who));
+  SS_RETURN_IF_ERROR(p->Init(open));
   return std::unique_ptr<PreparedPair>(std::move(p));
 }
 
-}  // namespace shardsync::gpu::ipc::delta_internal
+}  // namespace shardsync::gpu::delta_pair

@@ -75,50 +75,23 @@ __device__ __forceinline__ unsigned VectorBits(const unsigned char* bitmap, uint
   return bits;
 }
 
-// Index form: every record checked (in range, strictly increasing), and the new minus the old
-// checksum term of every word holding a change, taken by the word's first record (it reads the
-// word from the bucket and patches the word's records, at most 8 / E): the result's checksum is
-// predicted from the changed words only, so the base checksum is a plain streaming pass.
+// Records bad (out of range, or not above the one before: the first bad record in
+// ctl->bad_record), checked before any write, so each word's first record is its only writer.
 template <int E>
-__global__ void __launch_bounds__(kThreads) DecodeRecordsKernel(DecArgs a) {
-  GridDepWait();
-  GridDepTrigger();
-  constexpr uint64_t kPerWord = 8 / E;
-  __shared__ HeaderView h;
-  __shared__ uint64_t s_red[kWarps];
-  if (threadIdx.x == 0) h = Parse<E>(a);
-  __syncthreads();
-  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
-  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
-  const uint64_t c = h.changed;
+__device__ __forceinline__ void CheckRecords(const DecArgs& a, const unsigned char* payload,
+                                             uint64_t c, uint64_t elements) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
-  uint64_t delta = 0;
   for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k < c;
        k += stride) {
     const uint64_t i = RecIndex<E>(payload, k);
-    const uint64_t prev = k > 0 ? RecIndex<E>(payload, k - 1) : 0;
-    if (i >= h.elements || (k > 0 && i <= prev)) {
+    if (i >= elements || (k > 0 && i <= RecIndex<E>(payload, k - 1)))
       atomicMin(&a.s.ctl->bad_record, static_cast<unsigned long long>(k));
-      continue;
-    }
-    const uint64_t w = i / kPerWord;
-    if (k > 0 && prev / kPerWord == w) continue;  // not the word's first record
-    const uint64_t old = LoadWord(a.bucket, w, a.n);
-    uint64_t word = Patch<E>(old, static_cast<int>(i % kPerWord) * E, RecValue<E>(payload, k));
-    for (uint64_t j = k + 1; j < c && j < k + kPerWord; ++j) {
-      const uint64_t ij = RecIndex<E>(payload, j);
-      if (ij / kPerWord != w) break;  // (a bad record here is refused by its own thread)
-      word = Patch<E>(word, static_cast<int>(ij % kPerWord) * E, RecValue<E>(payload, j));
-    }
-    delta += Mix(word, w) - Mix(old, w);
   }
-  delta = BlockSum(delta, s_red);
-  if (threadIdx.x == 0 && delta != 0)
-    atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(delta));
 }
 
-// Index form: the base checksum, a streaming reduction over the bucket (grid-stride, four 16-byte
-// loads in flight per thread, the terms summed per thread and added once per block).
+// Index form, first pass: every record checked, and the base checksum, a streaming reduction
+// over the bucket (grid-stride, four 16-byte loads in flight per thread, the terms summed per
+// thread and added once per block).
 template <int E>
 __global__ void __launch_bounds__(kThreads) DecodeSumKernel(DecArgs a) {
   GridDepWait();
@@ -129,6 +102,7 @@ __global__ void __launch_bounds__(kThreads) DecodeSumKernel(DecArgs a) {
   if (threadIdx.x == 0) h = Parse<E>(a);
   __syncthreads();
   if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
+  CheckRecords<E>(a, a.enc + kDeltaHeaderBytes, h.changed, h.elements);
   const uint64_t n = a.n, full = n / 16, vecs = (n + 15) / 16;
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
   uint64_t sum = 0;
@@ -153,6 +127,76 @@ __global__ void __launch_bounds__(kThreads) DecodeSumKernel(DecArgs a) {
   }
   sum = BlockSum(sum, s_red);
   if (threadIdx.x == 0) atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(sum));
+}
+
+// Whether the changes are written before the decision (the decide kernel reads the same): the
+// header passed, the form's own checks that come before any write passed (index: every record;
+// bitmap: its tail and popcount), and the old values fit the scratch (always for the index form:
+// its changes are under 1/32 of the bucket's bytes; the bitmap form up to about 31% density).
+// Read after the passes that set those fields (records: the sum pass; bitmap: the count pass).
+template <int E>
+__device__ __forceinline__ bool WillApply(const DecArgs& a, const HeaderView& h) {
+  if (h.code != kOk || h.changed * E > a.s.stage_bytes) return false;
+  const Ctl* c = a.s.ctl;
+  if (h.kind == static_cast<int>(DeltaKind::kIndex)) return c->bad_record == ~0ull;
+  return c->tail_bad == 0 && c->popcount == h.changed;
+}
+
+template <int E>
+using Elem =
+    std::conditional_t<E == 1, unsigned char, std::conditional_t<E == 2, unsigned short, uint32_t>>;
+
+// Index form, second pass (a thread per record, once every record is known good): each word's
+// first record reads the word, patches the word's records in (at most 8 / E), writes it back
+// whole, saves the old values (record k's at k x E of the scratch) and adds the new minus the
+// old checksum term of the word: only the changed words are read and written.
+template <int E>
+__global__ void __launch_bounds__(kThreads) DecodeApplyIndexKernel(DecArgs a) {
+  GridDepWait();
+  GridDepTrigger();
+  constexpr uint64_t kPerWord = 8 / E;
+  constexpr uint64_t kMask = (uint64_t{1} << (8 * E)) - 1;
+  __shared__ HeaderView h;
+  __shared__ bool s_apply;
+  __shared__ uint64_t s_red[kWarps];
+  if (threadIdx.x == 0) {
+    h = Parse<E>(a);
+    s_apply = h.kind == static_cast<int>(DeltaKind::kIndex) && WillApply<E>(a, h);
+  }
+  __syncthreads();
+  if (!s_apply) return;
+  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
+  Elem<E>* old = reinterpret_cast<Elem<E>*>(a.s.vals);
+  Elem<E>* out = reinterpret_cast<Elem<E>*>(a.bucket);
+  const uint64_t c = h.changed;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
+  uint64_t delta = 0;
+  for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k < c;
+       k += stride) {
+    const uint64_t i = RecIndex<E>(payload, k);
+    const uint64_t w = i / kPerWord;
+    if (k > 0 && RecIndex<E>(payload, k - 1) / kPerWord == w) continue;  // not the word's first
+    const uint64_t was = LoadWord(a.bucket, w, a.n);
+    uint64_t word = was;
+    uint64_t j = k;
+    for (; j < c && j < k + kPerWord; ++j) {
+      const uint64_t ij = j == k ? i : RecIndex<E>(payload, j);
+      if (ij / kPerWord != w) break;
+      const int at = static_cast<int>(ij % kPerWord) * E;
+      old[j] = static_cast<Elem<E>>((was >> (8 * at)) & kMask);
+      word = Patch<E>(word, at, RecValue<E>(payload, j));
+    }
+    if ((w + 1) * 8 <= a.n) {
+      *reinterpret_cast<unsigned long long*>(a.bucket + w * 8) = word;
+    } else {  // the ragged end: element stores inside the bucket
+      for (uint64_t r = k; r < j; ++r)
+        out[RecIndex<E>(payload, r)] = static_cast<Elem<E>>(RecValue<E>(payload, r));
+    }
+    delta += Mix(word, w) - Mix(was, w);
+  }
+  delta = BlockSum(delta, s_red);
+  if (threadIdx.x == 0 && delta != 0)
+    atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(delta));
 }
 
 // Element r of a 16-byte vector's little-endian bytes replaced by v.
@@ -322,104 +366,128 @@ __global__ void __launch_bounds__(kThreads) DecodeTileFixKernel(DecArgs a) {
 // The check pass holds one side's vectors only: 48 registers, 5 blocks per SM.
 inline constexpr int kCheckMinBlocks = 5;
 
+// Element r (of 16 / E) of a 16-byte vector's little-endian bytes.
+template <int E>
+__device__ __forceinline__ uint64_t VecElem(uint64_t lo, uint64_t hi, int r) {
+  constexpr uint64_t kMask = (uint64_t{1} << (8 * E)) - 1;
+  const int byte = r * E;
+  return ((byte < 8 ? lo >> (8 * byte) : hi >> (8 * (byte - 8)))) & kMask;
+}
+
+// Bitmap form, the tiles of the bucket (grid-stride, as many blocks as fit): each tile read once,
+// its base checksum terms added, its changed elements found (the bitmap's bits) with their values
+// (from tile[t] on, loaded into shared memory), the new minus the old term of every changed word
+// added, and, when the changes are applied before the decision (WillApply), each 16-byte vector
+// holding a change written back patched, its old values saved (change k at k x E of the scratch).
 template <int E>
 __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(DecArgs a) {
   GridDepWait();
   static_assert(kTileVecs <= 4, "per-vector counts are packed 16 bits apart in one word");
   __shared__ HeaderView h;
-  __shared__ uint64_t s_scan[2][kWarps];
+  __shared__ bool s_apply;
+  __shared__ uint64_t s_scan[kWarps];
   __shared__ __align__(16) unsigned char s_vals[kValsSmem];  // the tile's values
-  // The index form's checks are the records and sum passes': nothing to do here.
+  // The index form's checks are the sum and apply passes': nothing to do here.
   if (a.enc_bytes >= kDeltaHeaderBytes && a.enc[5] == static_cast<unsigned char>(DeltaKind::kIndex))
     return;
-  Ctl* c = a.s.ctl;
-  const uint32_t t = blockIdx.x;
+  if (threadIdx.x == 0) {
+    h = Parse<E>(a);
+    s_apply = h.kind == static_cast<int>(DeltaKind::kBitmap) && WillApply<E>(a, h);
+  }
+  __syncthreads();
+  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kBitmap)) return;
+  const bool apply = s_apply;
   const uint64_t n = a.n;
-  const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
-  uint4 w[kTileVecs];
-  if ((static_cast<uint64_t>(t) + 1) * kTileBytes <= n) {  // every load in flight at once
+  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
+  const BitmapLayout bl = Layout<E>(a);
+  const unsigned char* vals = payload + bl.bitmap_bytes;
+  Elem<E>* old = reinterpret_cast<Elem<E>*>(a.s.vals);
+  // Checksum keys (MixKey of word o / 8), stepped rather than multiplied.
+  constexpr uint64_t kKeyVec = uint64_t{kThreads} * 2 * kChecksumStep;
+  uint64_t sum = 0, delta = 0;
+  for (uint32_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
+    const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
+    uint4 w[kTileVecs];
+    if ((static_cast<uint64_t>(t) + 1) * kTileBytes <= n) {  // every load in flight at once
 #pragma unroll
-    for (int k = 0; k < kTileVecs; ++k)
-      w[k] = *reinterpret_cast<const uint4*>(a.bucket + (v0 + uint64_t{kThreads} * k) * 16);
-  } else {
+      for (int k = 0; k < kTileVecs; ++k)
+        w[k] = *reinterpret_cast<const uint4*>(a.bucket + (v0 + uint64_t{kThreads} * k) * 16);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kTileVecs; ++k) {
+        const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+        w[k] = o < n ? LoadVec(a.bucket, o, n) : make_uint4(0, 0, 0, 0);
+      }
+    }
+    // The tile's first value and the next tile's (the count pass).
+    const uint32_t tp0 = a.s.tile[t], tp1 = a.s.tile[t + 1];
+    unsigned m[kTileVecs];
+    uint64_t cnt = 0;
 #pragma unroll
     for (int k = 0; k < kTileVecs; ++k) {
       const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-      w[k] = o < n ? LoadVec(a.bucket, o, n) : make_uint4(0, 0, 0, 0);
+      m[k] = o < n ? VectorBits<E>(payload, o / E, bl.elements) : 0;
+      cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
     }
-  }
-  // The tile's first value and the next tile's (the count pass).
-  const uint32_t tp0 = a.s.tile[t], tp1 = a.s.tile[t + 1];
-  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
-  // Bitmap form (read from the kind byte before the header is checked, so the bits and the
-  // values load with the tile; only used once the header passed): bits and staged values.
-  const BitmapLayout bl = Layout<E>(a);
-  const bool maybe_bitmap =
-      bl.bits_in && a.enc[5] == static_cast<unsigned char>(DeltaKind::kBitmap);
-  unsigned m[kTileVecs];
+    const bool staged = StageValues<E>(s_vals, vals, bl.vals_bytes, tp0, tp1);
+    uint64_t tot_c = 0;
+    const uint64_t ex = BlockExclusiveScan(cnt, &tot_c, s_scan);  // its barriers: s_vals staged
+    const uint64_t key0 = MixKey(v0 * 2);
+    uint64_t prefix = tp0;
 #pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    m[k] = maybe_bitmap && o < n ? VectorBits<E>(payload, o / E, bl.elements) : 0;
-  }
-  const unsigned char* vals = payload + bl.bitmap_bytes;
-  const bool staged = maybe_bitmap && StageValues<E>(s_vals, vals, bl.vals_bytes, tp0, tp1);
-  if (threadIdx.x == 0) h = Parse<E>(a);
-  __syncthreads();
-  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kBitmap)) return;
-  uint64_t sum = 0, cnt = 0;
-  // Checksum keys (MixKey of word o / 8), stepped rather than multiplied.
-  constexpr uint64_t kKeyVec = uint64_t{kThreads} * 2 * kChecksumStep;
-  const uint64_t key0 = MixKey(v0 * 2);
-#pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    if (o < n) {
+    for (int k = 0; k < kTileVecs; ++k) {
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
       const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
-      sum += MixWithKey(Lo64(w[k]), key);
-      if (o + 8 < n) sum += MixWithKey(Hi64(w[k]), key + kChecksumStep);
+      const uint64_t old_lo = Lo64(w[k]), old_hi = Hi64(w[k]);
+      if (o < n) {
+        sum += MixWithKey(old_lo, key);
+        if (o + 8 < n) sum += MixWithKey(old_hi, key + kChecksumStep);
+      }
+      uint64_t at = prefix + ((ex >> (16 * k)) & 0xffff);
+      prefix += (tot_c >> (16 * k)) & 0xffff;
+      if (m[k] == 0) continue;
+      uint64_t new_lo = old_lo, new_hi = old_hi;
+      for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++at) {
+        const int r = __ffs(mm) - 1;
+        // Staged values cover [tp0, tp1): past them (a count that disagrees, refused) read 0.
+        const uint64_t value = staged ? (at < tp1 ? StagedValue<E>(s_vals, at - tp0) : 0)
+                                      : ChangeValue<E>(vals, bl.vals_bytes, at);
+        if (apply) {
+          old[at] = static_cast<Elem<E>>(VecElem<E>(old_lo, old_hi, r));
+          if (o + 16 > n) reinterpret_cast<Elem<E>*>(a.bucket)[o / E + r] = value;
+        }
+        PatchVec<E>(new_lo, new_hi, r, value);
+      }
+      if (apply && o + 16 <= n)
+        *reinterpret_cast<uint4*>(a.bucket + o) =
+            make_uint4(static_cast<uint32_t>(new_lo), static_cast<uint32_t>(new_lo >> 32),
+                       static_cast<uint32_t>(new_hi), static_cast<uint32_t>(new_hi >> 32));
+      delta += MixWithKey(new_lo, key) - MixWithKey(old_lo, key);
+      delta += MixWithKey(new_hi, key + kChecksumStep) - MixWithKey(old_hi, key + kChecksumStep);
     }
-    cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
-  }
-  uint64_t v[2] = {cnt, sum}, tot[2];
-  BlockScanN<2>(v, tot, s_scan);
-  const uint64_t ex = v[0], tot_c = tot[0];
-  if (threadIdx.x == 0) atomicAdd(&c->sum_a, static_cast<unsigned long long>(tot[1]));
-  uint64_t prefix = tp0;  // the tile's first value (the count pass)
-  const uint64_t first = prefix;
-  uint64_t delta = 0;
-#pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    uint64_t at = prefix + ((ex >> (16 * k)) & 0xffff);
-    prefix += (tot_c >> (16 * k)) & 0xffff;
-    if (m[k] == 0) continue;
-    const uint64_t old_lo = Lo64(w[k]), old_hi = Hi64(w[k]);
-    uint64_t new_lo = old_lo, new_hi = old_hi;
-    for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++at) {
-      // Staged values cover [tp0, tp1): past them (a count that disagrees, refused) read 0.
-      const uint64_t value = staged ? (at < tp1 ? StagedValue<E>(s_vals, at - first) : 0)
-                                    : ChangeValue<E>(vals, bl.vals_bytes, at);
-      PatchVec<E>(new_lo, new_hi, __ffs(mm) - 1, value);
-    }
-    const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
-    delta += MixWithKey(new_lo, key) - MixWithKey(old_lo, key);
-    delta += MixWithKey(new_hi, key + kChecksumStep) - MixWithKey(old_hi, key + kChecksumStep);
+    __syncthreads();  // s_vals is the next tile's
   }
   GridDepTrigger();
-  delta = BlockSum(delta, s_scan[0]);
-  if (threadIdx.x == 0 && delta != 0) atomicAdd(&c->sum_b, static_cast<unsigned long long>(delta));
+  sum = BlockSum(sum, s_scan);
+  delta = BlockSum(delta, s_scan);
+  if (threadIdx.x == 0) {
+    atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(sum));
+    if (delta != 0) atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(delta));
+  }
 }
 
 // One thread: the decision from the sums (header, base checksum, records, bitmap tail and count,
-// predicted result checksum), left in the control block for the apply pass and reported to the
-// host (read only after the call's event, so after the apply pass too); the control block's sums
-// go back to rest here, since the apply pass reads only the decision.
+// result checksum), left in the control block for the fix-up pass with whether the changes were
+// already written, and reported to the host (read only after the call's event, so after the
+// fix-up pass too); the control block's sums go back to rest here, since the fix-up pass reads
+// only the decision.
 template <int E>
 __global__ void DecodeDecideKernel(DecArgs a) {
   GridDepWait();
   GridDepTrigger();
   Ctl* c = a.s.ctl;
   const HeaderView h = Parse<E>(a);
+  const bool applied = WillApply<E>(a, h);
   uint32_t code = h.code;
   uint64_t have = 0, detail = 0;
   const bool bitmap = h.kind == static_cast<int>(DeltaKind::kBitmap);
@@ -440,7 +508,8 @@ __global__ void DecodeDecideKernel(DecArgs a) {
       if (have != h.new_checksum) code = kResultChecksum;
     }
   }
-  c->go = code | static_cast<unsigned long long>(h.kind) << 32;
+  c->go = code | static_cast<unsigned long long>(h.kind) << 32 |
+          static_cast<unsigned long long>(applied) << 40;
   c->changed = h.changed;
   HostResult* r = a.s.result;
   r->code = code;
@@ -456,107 +525,101 @@ __global__ void DecodeDecideKernel(DecArgs a) {
   __threadfence_system();
 }
 
-// One tile of the bucket per block (the check pass's tiles), writing only on the decide kernel's
-// "apply". The bitmap bits and the tile's values are loaded before the decision is read. Bitmap
-// form: each 16-byte vector holding a change is read, patched and written whole (coalesced across
-// the warp) instead of one store per element; index form: one store per record.
+// The last pass (grid-stride, few blocks: nothing to do in the common case, changes applied and
+// accepted). Changes applied and the decode refused: every changed element gets its old value
+// back from the scratch, so the bucket holds exactly its bytes from before the call. Not applied
+// (old values past the scratch) and accepted: the changes are written now. Index form: a store
+// per record; bitmap form: each 16-byte vector holding a change read, patched and written whole.
 template <int E>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeApplyKernel(DecArgs a) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeFixupKernel(DecArgs a) {
   GridDepWait();
-  __shared__ uint64_t s_scan[1][kWarps];
+  __shared__ uint64_t s_scan[kWarps];
   __shared__ __align__(16) unsigned char s_vals[kValsSmem];
   const Ctl* c = a.s.ctl;
-  const uint64_t n = a.n;
-  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
-  // Bits and values as the bitmap form lays them out, read only inside the encoding (unused
-  // unless the decision is "apply a bitmap form", which implies the layout).
-  const BitmapLayout bl = Layout<E>(a);
-  const uint32_t t = blockIdx.x;
-  const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
-  const bool maybe_bitmap =
-      bl.bits_in && a.enc[5] == static_cast<unsigned char>(DeltaKind::kBitmap);
-  const uint32_t tp0 = a.s.tile[t], tp1 = a.s.tile[t + 1];
-  unsigned m[kTileVecs];
-  uint64_t cnt = 0;
-#pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    m[k] = maybe_bitmap && o < n ? VectorBits<E>(payload, o / E, bl.elements) : 0;
-    cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
-  }
-  const unsigned char* vals = payload + bl.bitmap_bytes;
-  const bool staged = maybe_bitmap && StageValues<E>(s_vals, vals, bl.vals_bytes, tp0, tp1);
   const uint64_t go = c->go;
-  if (static_cast<uint32_t>(go) != kOk) return;
-  using T = std::conditional_t<E == 1, unsigned char,
-                               std::conditional_t<E == 2, unsigned short, uint32_t>>;
-  if (static_cast<int>(go >> 32) == static_cast<int>(DeltaKind::kIndex)) {
-    T* out = reinterpret_cast<T*>(a.bucket);
-    const uint64_t changed = c->changed;
+  const bool ok = static_cast<uint32_t>(go) == kOk, applied = ((go >> 40) & 1) != 0;
+  if (ok == applied) return;  // accepted and written, or refused with nothing written
+  // From here the header passed (applied, or accepted): its layout holds.
+  const uint64_t n = a.n, changed = c->changed;
+  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
+  const unsigned char* saved = a.s.vals;  // the old values (restore)
+  Elem<E>* out = reinterpret_cast<Elem<E>*>(a.bucket);
+  if (static_cast<int>((go >> 32) & 0xff) == static_cast<int>(DeltaKind::kIndex)) {
     const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
-    constexpr int kU = 4;  // records per thread with their loads in flight at once
-    for (uint64_t k0 = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k0 < changed;
-         k0 += kU * stride) {
-      uint64_t idx[kU], val[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const uint64_t k = k0 + u * stride;
-        idx[u] = k < changed ? RecIndex<E>(payload, k) : 0;
-        val[u] = k < changed ? RecValue<E>(payload, k) : 0;
-      }
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (k0 + u * stride < changed) out[idx[u]] = static_cast<T>(val[u]);
+    for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k < changed;
+         k += stride) {
+      out[RecIndex<E>(payload, k)] = applied ? reinterpret_cast<const Elem<E>*>(saved)[k]
+                                             : static_cast<Elem<E>>(RecValue<E>(payload, k));
     }
     return;
   }
-  // The check pass's scan, from the tile's first value (the count pass's offset); its barriers
-  // also make the staged values visible.
-  uint64_t tot_c = 0;
-  const uint64_t ex = BlockExclusiveScan(cnt, &tot_c, s_scan[0]);
-  uint64_t at = tp0;
-  uint4 w[kTileVecs];
+  const BitmapLayout bl = Layout<E>(a);
+  const unsigned char* src = applied ? saved : payload + bl.bitmap_bytes;
+  const uint64_t src_bytes = applied ? changed * E : bl.vals_bytes;
+  for (uint32_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
+    const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
+    const uint32_t tp0 = a.s.tile[t], tp1 = a.s.tile[t + 1];
+    unsigned m[kTileVecs];
+    uint64_t cnt = 0;
 #pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    w[k] = m[k] != 0 && o + 16 <= n ? *reinterpret_cast<const uint4*>(a.bucket + o)
-                                    : make_uint4(0, 0, 0, 0);
-  }
-  auto value = [&](uint64_t i) -> uint64_t {
-    return staged ? StagedValue<E>(s_vals, i - tp0) : ChangeValue<E>(vals, bl.vals_bytes, i);
-  };
-#pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    uint64_t i = at + ((ex >> (16 * k)) & 0xffff);
-    at += (tot_c >> (16 * k)) & 0xffff;
-    if (m[k] == 0) continue;
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    if (o + 16 <= n) {
-      uint64_t lo = Lo64(w[k]), hi = Hi64(w[k]);
-      for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++i)
-        PatchVec<E>(lo, hi, __ffs(mm) - 1, value(i));
-      *reinterpret_cast<uint4*>(a.bucket + o) =
-          make_uint4(static_cast<uint32_t>(lo), static_cast<uint32_t>(lo >> 32),
-                     static_cast<uint32_t>(hi), static_cast<uint32_t>(hi >> 32));
-    } else {  // the ragged end: element stores inside the bucket
-      T* out = reinterpret_cast<T*>(a.bucket);
-      for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++i)
-        out[o / E + __ffs(mm) - 1] = static_cast<T>(value(i));
+    for (int k = 0; k < kTileVecs; ++k) {
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      m[k] = o < n ? VectorBits<E>(payload, o / E, bl.elements) : 0;
+      cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
     }
+    const bool staged = StageValues<E>(s_vals, src, src_bytes, tp0, tp1);
+    uint64_t tot_c = 0;
+    const uint64_t ex = BlockExclusiveScan(cnt, &tot_c, s_scan);  // its barriers: s_vals staged
+    uint4 w[kTileVecs];
+#pragma unroll
+    for (int k = 0; k < kTileVecs; ++k) {
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      w[k] = m[k] != 0 && o + 16 <= n ? *reinterpret_cast<const uint4*>(a.bucket + o)
+                                      : make_uint4(0, 0, 0, 0);
+    }
+    auto value = [&](uint64_t i) -> uint64_t {
+      return staged ? StagedValue<E>(s_vals, i - tp0) : ChangeValue<E>(src, src_bytes, i);
+    };
+    uint64_t at = tp0;
+#pragma unroll
+    for (int k = 0; k < kTileVecs; ++k) {
+      uint64_t i = at + ((ex >> (16 * k)) & 0xffff);
+      at += (tot_c >> (16 * k)) & 0xffff;
+      if (m[k] == 0) continue;
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      if (o + 16 <= n) {
+        uint64_t lo = Lo64(w[k]), hi = Hi64(w[k]);
+        for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++i)
+          PatchVec<E>(lo, hi, __ffs(mm) - 1, value(i));
+        *reinterpret_cast<uint4*>(a.bucket + o) =
+            make_uint4(static_cast<uint32_t>(lo), static_cast<uint32_t>(lo >> 32),
+                       static_cast<uint32_t>(hi), static_cast<uint32_t>(hi >> 32));
+      } else {  // the ragged end: element stores inside the bucket
+        for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++i)
+          out[o / E + __ffs(mm) - 1] = static_cast<Elem<E>>(value(i));
+      }
+    }
+    __syncthreads();  // s_vals is the next tile's
   }
 }
 
+// Every form's passes are queued (the host does not read the header); a pass of the other form
+// returns at once, and every grid but the count pass's is sized for the GPU, not the bucket.
 template <int E>
 int Launch(const DecArgs& a, int sms, cudaStream_t s) {
   const uint32_t grid = static_cast<uint32_t>(sms) * 8;
-  DecodeRecordsKernel<E><<<grid, kThreads, 0, s>>>(a);
+  const uint32_t tile_grid =
+      static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * kCheckMinBlocks));
+  const uint32_t fix_grid =
+      static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * kMinBlocks));
+  DecodeSumKernel<E><<<grid, kThreads, 0, s>>>(a);
   cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) e = LaunchDependent(DecodeApplyIndexKernel<E>, grid, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeCountKernel<E>, a.ranges, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeTileFixKernel<E>, a.ranges, 0, s, a);
-  if (e == cudaSuccess) e = LaunchDependent(DecodeSumKernel<E>, grid, 0, s, a);
-  if (e == cudaSuccess) e = LaunchDependent(DecodeCheckKernel<E>, a.tiles, 0, s, a);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeCheckKernel<E>, tile_grid, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeDecideKernel<E>, 1, 0, s, a, 1);
-  if (e == cudaSuccess) e = LaunchDependent(DecodeApplyKernel<E>, a.tiles, 0, s, a);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeFixupKernel<E>, fix_grid, 0, s, a);
   return static_cast<int>(e);
 }
 

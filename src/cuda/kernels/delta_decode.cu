@@ -42,13 +42,30 @@ struct DecArgs {
   ScratchPtrs s;
 };
 
+// Record k's index and value (the payload is 16-byte aligned: 2- and 4-byte elements' records
+// are read in 2- and 4-byte words).
 template <int E>
 __device__ __forceinline__ uint64_t RecIndex(const unsigned char* payload, uint64_t k) {
-  return LoadLE(payload + k * (kDeltaIndexBytes + E), 4);
+  const unsigned char* p = payload + k * (kDeltaIndexBytes + E);
+  if constexpr (E == 4) {
+    return *reinterpret_cast<const uint32_t*>(p);
+  } else if constexpr (E == 2) {
+    const auto* h = reinterpret_cast<const uint16_t*>(p);
+    return h[0] | uint64_t{h[1]} << 16;
+  } else {
+    return LoadLE(p, 4);
+  }
 }
 template <int E>
 __device__ __forceinline__ uint64_t RecValue(const unsigned char* payload, uint64_t k) {
-  return LoadLE(payload + k * (kDeltaIndexBytes + E) + kDeltaIndexBytes, E);
+  const unsigned char* p = payload + k * (kDeltaIndexBytes + E) + kDeltaIndexBytes;
+  if constexpr (E == 4) {
+    return *reinterpret_cast<const uint32_t*>(p);
+  } else if constexpr (E == 2) {
+    return *reinterpret_cast<const uint16_t*>(p);
+  } else {
+    return *p;
+  }
 }
 
 template <int E>
@@ -75,65 +92,15 @@ __device__ __forceinline__ unsigned VectorBits(const unsigned char* bitmap, uint
   return bits;
 }
 
-// Records bad (out of range, or not above the one before: the first bad record in
-// ctl->bad_record), checked before any write, so each word's first record is its only writer.
-template <int E>
-__device__ __forceinline__ void CheckRecords(const DecArgs& a, const unsigned char* payload,
-                                             uint64_t c, uint64_t elements) {
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
-  for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k < c;
-       k += stride) {
-    const uint64_t i = RecIndex<E>(payload, k);
-    if (i >= elements || (k > 0 && i <= RecIndex<E>(payload, k - 1)))
-      atomicMin(&a.s.ctl->bad_record, static_cast<unsigned long long>(k));
-  }
+// The count pass's range r of tiles: [RangeFirst(r), RangeFirst(r + 1)).
+__device__ __forceinline__ uint32_t RangeFirst(const DecArgs& a, uint32_t r) {
+  return static_cast<uint32_t>(uint64_t{r} * a.tiles / a.ranges);
 }
-
-// Index form, first pass: every record checked, and the base checksum, a streaming reduction
-// over the bucket (grid-stride, four 16-byte loads in flight per thread, the terms summed per
-// thread and added once per block).
-template <int E>
-__global__ void __launch_bounds__(kThreads) DecodeSumKernel(DecArgs a) {
-  GridDepWait();
-  GridDepTrigger();
-  constexpr int kU = 4;
-  __shared__ HeaderView h;
-  __shared__ uint64_t s_red[kWarps];
-  if (threadIdx.x == 0) h = Parse<E>(a);
-  __syncthreads();
-  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
-  CheckRecords<E>(a, a.enc + kDeltaHeaderBytes, h.changed, h.elements);
-  const uint64_t n = a.n, full = n / 16, vecs = (n + 15) / 16;
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
-  uint64_t sum = 0;
-  uint64_t v = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  for (; v + (kU - 1) * stride < full; v += kU * stride) {
-    uint4 x[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u)
-      x[u] = *reinterpret_cast<const uint4*>(a.bucket + (v + u * stride) * 16);
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const uint64_t key = MixKey(2 * (v + u * stride));
-      sum += MixWithKey(Lo64(x[u]), key) + MixWithKey(Hi64(x[u]), key + kChecksumStep);
-    }
-  }
-  for (; v < vecs; v += stride) {  // the rest, and the ragged end (zero padded words)
-    const uint64_t o = v * 16;
-    const uint4 x = LoadVec(a.bucket, o, n);
-    const uint64_t key = MixKey(2 * v);
-    sum += MixWithKey(Lo64(x), key);
-    if (o + 8 < n) sum += MixWithKey(Hi64(x), key + kChecksumStep);
-  }
-  sum = BlockSum(sum, s_red);
-  if (threadIdx.x == 0) atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(sum));
-}
-
 // Whether the changes are written before the decision (the decide kernel reads the same): the
 // header passed, the form's own checks that come before any write passed (index: every record;
 // bitmap: its tail and popcount), and the old values fit the scratch (always for the index form:
 // its changes are under 1/32 of the bucket's bytes; the bitmap form up to about 31% density).
-// Read after the passes that set those fields (records: the sum pass; bitmap: the count pass).
+// Read after the passes that set those fields (the records pass; the count pass).
 template <int E>
 __device__ __forceinline__ bool WillApply(const DecArgs& a, const HeaderView& h) {
   if (h.code != kOk || h.changed * E > a.s.stage_bytes) return false;
@@ -146,57 +113,170 @@ template <int E>
 using Elem =
     std::conditional_t<E == 1, unsigned char, std::conditional_t<E == 2, unsigned short, uint32_t>>;
 
-// Index form, second pass (a thread per record, once every record is known good): each word's
-// first record reads the word, patches the word's records in (at most 8 / E), writes it back
-// whole, saves the old values (record k's at k x E of the scratch) and adds the new minus the
-// old checksum term of the word: only the changed words are read and written.
+// Index form, first pass (a thread per record): every record checked (in range, above the one
+// before: the first bad one in ctl->bad_record), and each tile's first record (tile[t], the
+// first record at or past the tile's first element; tile[tiles] = the count), written by the
+// record that starts it (the gaps before it filled too). Only trusted once every record passed.
 template <int E>
-__global__ void __launch_bounds__(kThreads) DecodeApplyIndexKernel(DecArgs a) {
+__global__ void __launch_bounds__(kThreads) DecodeRecordsKernel(DecArgs a) {
   GridDepWait();
   GridDepTrigger();
-  constexpr uint64_t kPerWord = 8 / E;
+  constexpr uint64_t kTileElems = kTileBytes / E;
+  __shared__ HeaderView h;
+  if (threadIdx.x == 0) h = Parse<E>(a);
+  __syncthreads();
+  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
+  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
+  const uint64_t c = h.changed;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
+  const uint64_t first = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (c == 0) {
+    for (uint64_t t = first; t <= a.tiles; t += stride) a.s.tile[t] = 0;
+    return;
+  }
+  for (uint64_t k = first; k < c; k += stride) {
+    const uint64_t i = RecIndex<E>(payload, k);
+    const uint64_t prev = k > 0 ? RecIndex<E>(payload, k - 1) : 0;
+    if (i >= h.elements || (k > 0 && i <= prev)) {
+      atomicMin(&a.s.ctl->bad_record, static_cast<unsigned long long>(k));
+      continue;
+    }
+    const uint64_t ti = i / kTileElems;
+    for (uint64_t t = k > 0 ? prev / kTileElems + 1 : 0; t <= ti; ++t)
+      a.s.tile[t] = static_cast<uint32_t>(k);
+    if (k == c - 1)
+      for (uint64_t t = ti + 1; t <= a.tiles; ++t) a.s.tile[t] = static_cast<uint32_t>(c);
+  }
+}
+
+// Element r (of 16 / E) of a 16-byte vector's little-endian bytes.
+template <int E>
+__device__ __forceinline__ uint64_t VecElem(uint64_t lo, uint64_t hi, int r) {
   constexpr uint64_t kMask = (uint64_t{1} << (8 * E)) - 1;
+  const int byte = r * E;
+  return ((byte < 8 ? lo >> (8 * byte) : hi >> (8 * (byte - 8)))) & kMask;
+}
+
+// The index form's tile pass: 2 tiles of the bucket in shared memory per block (the copy engine
+// fills one while the block works on the other), a range of consecutive tiles per block, as many
+// blocks as fit.
+inline constexpr uint32_t kIdxStages = 2;
+inline constexpr int kIdxMinBlocks = 4;
+
+// Index form, second pass: each tile read once (the base checksum terms), then, when the records
+// all passed (WillApply), the tile's records (tile[t] to tile[t + 1]) patch it in shared memory,
+// each saving the value it replaces (record k's at k x E of the scratch), and every 16-byte vector
+// that changed is written back with the new minus the old checksum terms of its words: the bucket
+// is read at streaming speed and only the changed vectors are written.
+template <int E>
+__global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel(DecArgs a) {
+  GridDepWait();
+  constexpr uint64_t kTileElems = kTileBytes / E;
+  __shared__ __align__(128) uint4 s_tile[kIdxStages][kTileBytes / 16];
+  __shared__ __align__(8) uint64_t s_bar[kIdxStages];
   __shared__ HeaderView h;
   __shared__ bool s_apply;
   __shared__ uint64_t s_red[kWarps];
   if (threadIdx.x == 0) {
     h = Parse<E>(a);
     s_apply = h.kind == static_cast<int>(DeltaKind::kIndex) && WillApply<E>(a, h);
+    for (int i = 0; i < kIdxStages; ++i) MbarInit(&s_bar[i], 1);
+    MbarInitFence();
   }
   __syncthreads();
-  if (!s_apply) return;
+  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
+  const bool apply = s_apply;
+  const uint64_t n = a.n;
   const unsigned char* payload = a.enc + kDeltaHeaderBytes;
-  Elem<E>* old = reinterpret_cast<Elem<E>*>(a.s.vals);
-  Elem<E>* out = reinterpret_cast<Elem<E>*>(a.bucket);
-  const uint64_t c = h.changed;
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
-  uint64_t delta = 0;
-  for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k < c;
-       k += stride) {
-    const uint64_t i = RecIndex<E>(payload, k);
-    const uint64_t w = i / kPerWord;
-    if (k > 0 && RecIndex<E>(payload, k - 1) / kPerWord == w) continue;  // not the word's first
-    const uint64_t was = LoadWord(a.bucket, w, a.n);
-    uint64_t word = was;
-    uint64_t j = k;
-    for (; j < c && j < k + kPerWord; ++j) {
-      const uint64_t ij = j == k ? i : RecIndex<E>(payload, j);
-      if (ij / kPerWord != w) break;
-      const int at = static_cast<int>(ij % kPerWord) * E;
-      old[j] = static_cast<Elem<E>>((was >> (8 * at)) & kMask);
-      word = Patch<E>(word, at, RecValue<E>(payload, j));
+  Elem<E>* saved = reinterpret_cast<Elem<E>*>(a.s.vals);
+  const uint32_t lo = RangeFirst(a, blockIdx.x), hi = RangeFirst(a, blockIdx.x + 1);
+  // Whole tiles come through the copy engine; the bucket's ragged last tile, if any, is loaded
+  // by the threads.
+  const uint32_t whole_hi = min(hi, static_cast<uint32_t>(n / kTileBytes));
+  auto issue = [&](uint32_t t) {  // one thread
+    const uint32_t st = (t - lo) % kIdxStages;
+    MbarExpect(&s_bar[st], kTileBytes);
+    BulkLoad(s_tile[st], a.bucket + uint64_t{t} * kTileBytes, kTileBytes, &s_bar[st]);
+  };
+  if (threadIdx.x == 0)
+    for (uint32_t t = lo; t < whole_hi && t < lo + kIdxStages; ++t) issue(t);
+  constexpr uint64_t kKeyVec = uint64_t{kThreads} * 2 * kChecksumStep;
+  constexpr uint64_t kKeyTile = kTileBytes / 8 * kChecksumStep;
+  uint64_t key0 = MixKey((static_cast<uint64_t>(lo) * kThreads * kTileVecs + threadIdx.x) * 2);
+  uint64_t sum = 0, delta = 0;
+  uint32_t rs = apply && lo < hi ? a.s.tile[lo] : 0;
+  for (uint32_t t = lo; t < hi; ++t, key0 += kKeyTile) {
+    // The tile's records [rs, re), the first of them loaded while the tile lands.
+    const uint32_t re = apply ? a.s.tile[t + 1] : 0;
+    const uint64_t k0 = uint64_t{rs} + threadIdx.x;
+    uint64_t idx0 = 0, val0 = 0;
+    if (k0 < re) {
+      idx0 = RecIndex<E>(payload, k0);
+      val0 = RecValue<E>(payload, k0);
     }
-    if ((w + 1) * 8 <= a.n) {
-      *reinterpret_cast<unsigned long long*>(a.bucket + w * 8) = word;
-    } else {  // the ragged end: element stores inside the bucket
-      for (uint64_t r = k; r < j; ++r)
-        out[RecIndex<E>(payload, r)] = static_cast<Elem<E>>(RecValue<E>(payload, r));
+    const uint32_t i = t - lo, st = i % kIdxStages;
+    uint4* tile = s_tile[st];
+    const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
+    if (t < whole_hi) {
+      MbarWait(&s_bar[st], (i / kIdxStages) & 1);
+    } else {  // the ragged last tile, zero padded
+#pragma unroll
+      for (int k = 0; k < kTileVecs; ++k) {
+        const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+        tile[k * kThreads + threadIdx.x] = o < n ? LoadVec(a.bucket, o, n) : make_uint4(0, 0, 0, 0);
+      }
+      __syncthreads();
     }
-    delta += Mix(word, w) - Mix(was, w);
+    uint4 w[kTileVecs];
+#pragma unroll
+    for (int k = 0; k < kTileVecs; ++k) {
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      w[k] = tile[k * kThreads + threadIdx.x];
+      const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
+      if (o < n) {
+        sum += MixWithKey(Lo64(w[k]), key);
+        if (o + 8 < n) sum += MixWithKey(Hi64(w[k]), key + kChecksumStep);
+      }
+    }
+    if (re > rs) {      // uniform across the block
+      __syncthreads();  // every base vector read before the patches
+      Elem<E>* te = reinterpret_cast<Elem<E>*>(tile);
+      const uint64_t e0 = uint64_t{t} * kTileElems;
+      for (uint64_t k = k0; k < re; k += kThreads) {
+        const uint64_t idx = k == k0 ? idx0 : RecIndex<E>(payload, k);
+        const uint64_t val = k == k0 ? val0 : RecValue<E>(payload, k);
+        saved[k] = te[idx - e0];
+        te[idx - e0] = static_cast<Elem<E>>(val);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int k = 0; k < kTileVecs; ++k) {
+        const uint4 x = tile[k * kThreads + threadIdx.x];
+        if (x.x == w[k].x && x.y == w[k].y && x.z == w[k].z && x.w == w[k].w) continue;
+        const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+        const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
+        delta += MixWithKey(Lo64(x), key) - MixWithKey(Lo64(w[k]), key);
+        delta +=
+            MixWithKey(Hi64(x), key + kChecksumStep) - MixWithKey(Hi64(w[k]), key + kChecksumStep);
+        if (o + 16 <= n) {
+          *reinterpret_cast<uint4*>(a.bucket + o) = x;
+        } else {  // the ragged end: the bytes inside the bucket
+          for (uint64_t b = o; b < n; ++b)
+            a.bucket[b] = static_cast<unsigned char>(VecElem<1>(Lo64(x), Hi64(x), int(b - o)));
+        }
+      }
+    }
+    rs = re;
+    __syncthreads();  // the stage is read: refill it
+    if (threadIdx.x == 0 && t + kIdxStages < whole_hi) issue(t + kIdxStages);
   }
+  GridDepTrigger();
+  sum = BlockSum(sum, s_red);
   delta = BlockSum(delta, s_red);
-  if (threadIdx.x == 0 && delta != 0)
-    atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(delta));
+  if (threadIdx.x == 0) {
+    atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(sum));
+    if (delta != 0) atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(delta));
+  }
 }
 
 // Element r of a 16-byte vector's little-endian bytes replaced by v.
@@ -270,10 +350,6 @@ __device__ __forceinline__ BitmapLayout Layout(const DecArgs& a) {
   return l;
 }
 
-// The count pass's range r of tiles: [RangeFirst(r), RangeFirst(r + 1)).
-__device__ __forceinline__ uint32_t RangeFirst(const DecArgs& a, uint32_t r) {
-  return static_cast<uint32_t>(uint64_t{r} * a.tiles / a.ranges);
-}
 // Bitmap form, a range of consecutive tiles per block: a warp per tile counts its bitmap bytes
 // (16-byte loads); the block scans its tiles' counts into each one's first value within the
 // range (tile[t]) and the range's total (rtot[r]); the last block to finish scans the ranges'
@@ -365,14 +441,6 @@ __global__ void __launch_bounds__(kThreads) DecodeTileFixKernel(DecArgs a) {
 
 // The check pass holds one side's vectors only: 48 registers, 5 blocks per SM.
 inline constexpr int kCheckMinBlocks = 5;
-
-// Element r (of 16 / E) of a 16-byte vector's little-endian bytes.
-template <int E>
-__device__ __forceinline__ uint64_t VecElem(uint64_t lo, uint64_t hi, int r) {
-  constexpr uint64_t kMask = (uint64_t{1} << (8 * E)) - 1;
-  const int byte = r * E;
-  return ((byte < 8 ? lo >> (8 * byte) : hi >> (8 * (byte - 8)))) & kMask;
-}
 
 // Bitmap form, the tiles of the bucket (grid-stride, as many blocks as fit): each tile read once,
 // its base checksum terms added, its changed elements found (the bitmap's bits) with their values
@@ -612,9 +680,9 @@ int Launch(const DecArgs& a, int sms, cudaStream_t s) {
       static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * kCheckMinBlocks));
   const uint32_t fix_grid =
       static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * kMinBlocks));
-  DecodeSumKernel<E><<<grid, kThreads, 0, s>>>(a);
+  DecodeRecordsKernel<E><<<grid, kThreads, 0, s>>>(a);
   cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) e = LaunchDependent(DecodeApplyIndexKernel<E>, grid, 0, s, a);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeIndexTileKernel<E>, a.ranges, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeCountKernel<E>, a.ranges, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeTileFixKernel<E>, a.ranges, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeCheckKernel<E>, tile_grid, 0, s, a);

@@ -1,26 +1,28 @@
 // The delta decoder on the device (delta_gpu.h): DecodeDeltaInPlace's checks and result.
 //
-// Every kernel checks the header first (delta_kernels.h ParseHeader, the host's order) and does
-// nothing when it is refused. No kernel waits on another block.
-// Index form, the bucket read once at streaming speed and the changed words once more: Records
-// (DecodeRecordsKernel, a thread per record) checks every record (in range, strictly increasing)
-// and adds the new minus the old checksum term of every word holding a change (the word's first
-// record reads it and patches the word's records); Sum (DecodeSumKernel, grid-stride) adds the
-// base checksum terms of the whole bucket.
+// Apply, then verify, restore on refusal. The checks that need no bucket byte (header, records,
+// bitmap tail and count) come before any write; the two that do (base checksum, result
+// checksum) come from the same pass that writes the changes: it reads each tile of the bucket
+// once, adds its base checksum terms, writes the changed vectors back and saves the values they
+// held in the scratch (change k's old value at k x E). Decide then reads the sums, and only a
+// refusal costs a further pass: Fixup puts the saved values back, leaving the bucket exactly as
+// it was. (A bitmap delta whose old values do not fit the scratch, over about 31% density, is
+// checked first and written by Fixup, as before.) Every kernel checks the header first
+// (delta_kernels.h ParseHeader, the host's order); every form's passes are queued, and those of
+// the other form return at once. No kernel waits on another block.
+// Index form: Records (DecodeRecordsKernel, a thread per record) checks every record (in range,
+// strictly increasing) and writes each tile's first record; IndexTile (DecodeIndexTileKernel, a
+// range of tiles per block, the copy engine loading the next tile while the block works on one)
+// sums each tile, patches its records into the tile in shared memory and writes back the
+// vectors that changed.
 // Bitmap form: Counts (DecodeCountKernel, a range of consecutive tiles per block, a warp per
 // tile) popcount each tile's bitmap bytes (n / 8E bytes in all) and scan them within the range;
 // the last block scans the ranges; TileFix (DecodeTileFixKernel) adds each range's first value,
-// so tile[t] is tile t's first value. Check (DecodeCheckKernel, one tile of the bucket per block)
-// reads the tile once, adds its base checksum terms, finds its changed elements (the bitmap's
-// bits) and their values (from tile[t] on, loaded into shared memory together with the tile),
-// and adds the new minus the old term of every changed word: the result's checksum is predicted
-// from the words in registers, never read twice. None of them writes what the caller sees.
-// Decide (DecodeDecideKernel, one thread): the decision from the sums (header, base checksum,
-// records, bitmap tail and count, predicted result checksum), reported to the host; the control
-// block back at rest.
-// Apply (DecodeApplyKernel, the check pass's tiles): writes the changed elements only when the
-// decision is "apply" (bitmap form: each 16-byte vector holding a change read, patched and
-// written whole; index form: one store per record).
+// so tile[t] is tile t's first value. Check (DecodeCheckKernel, grid-stride over the tiles) reads
+// each tile once, finds its changed elements (the bitmap's bits) and their values (from tile[t]
+// on, loaded into shared memory), and writes each 16-byte vector holding a change back patched.
+// Decide (DecodeDecideKernel, one thread): the decision from the sums, reported to the host; the
+// control block back at rest. Fixup (DecodeFixupKernel): the restore, or the late apply.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -38,7 +40,7 @@ struct DecArgs {
   uint64_t n;
   uint64_t base_version;
   uint32_t tiles;   // check tiles of the bucket
-  uint32_t ranges;  // the count pass's ranges of consecutive tiles, one per block (<= tiles)
+  uint32_t ranges;  // ranges of consecutive tiles, one per block (<= tiles): count, index tile
   ScratchPtrs s;
 };
 
@@ -267,7 +269,8 @@ __global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel
       }
     }
     rs = re;
-    __syncthreads();  // the stage is read: refill it
+    FenceProxyAsync();  // the patches, before the copy engine refills the stage
+    __syncthreads();    // the stage is read: refill it
     if (threadIdx.x == 0 && t + kIdxStages < whole_hi) issue(t + kIdxStages);
   }
   GridDepTrigger();

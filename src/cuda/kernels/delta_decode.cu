@@ -18,9 +18,10 @@
 // Bitmap form: Counts (DecodeCountKernel, a range of consecutive tiles per block, a warp per
 // tile) popcount each tile's bitmap bytes (n / 8E bytes in all) and scan them within the range;
 // the last block scans the ranges; TileFix (DecodeTileFixKernel) adds each range's first value,
-// so tile[t] is tile t's first value. Check (DecodeCheckKernel, grid-stride over the tiles) reads
-// each tile once, finds its changed elements (the bitmap's bits) and their values (from tile[t]
-// on, loaded into shared memory), and writes each 16-byte vector holding a change back patched.
+// so tile[t] is tile t's first value. BitmapTile (DecodeBitmapTileKernel, a range of tiles per
+// block, the copy engine loading the next tile, its bits and its values while the block works on
+// one) sums each tile, finds its changed elements (the bits) and their values (from tile[t]
+// on), and writes each 16-byte vector holding a change back patched.
 // Decide (DecodeDecideKernel, one thread): the decision from the sums, reported to the host; the
 // control block back at rest. Fixup (DecodeFixupKernel): the restore, or the late apply.
 #include <cuda_runtime.h>
@@ -442,28 +443,40 @@ __global__ void __launch_bounds__(kThreads) DecodeTileFixKernel(DecArgs a) {
   for (uint32_t t = RangeFirst(a, r) + threadIdx.x; t < t1; t += kThreads) a.s.tile[t] += first;
 }
 
-// The check pass holds one side's vectors only: 48 registers, 5 blocks per SM.
-inline constexpr int kCheckMinBlocks = 5;
+// The bitmap form's tile pass: per stage the tile (16 KiB), its bitmap bytes and a 16-byte
+// aligned window holding its values (when it fits and lies inside the encoding), all three
+// filled by the copy engine on one barrier while the block works on the other stage.
+inline constexpr uint32_t kBmStages = 2;
+inline constexpr uint32_t kBmWindow = kValsSmem + 32;
+inline constexpr int kBmMinBlocks = 4;
 
-// Bitmap form, the tiles of the bucket (grid-stride, as many blocks as fit): each tile read once,
-// its base checksum terms added, its changed elements found (the bitmap's bits) with their values
-// (from tile[t] on, loaded into shared memory), the new minus the old term of every changed word
-// added, and, when the changes are applied before the decision (WillApply), each 16-byte vector
-// holding a change written back patched, its old values saved (change k at k x E of the scratch).
+// Bitmap form, a range of consecutive tiles per block (as many blocks as fit), each tile read
+// once: its base checksum terms, its changed elements (the bits) and their values (from tile[t]
+// on), the new minus the old term of every changed word, and, when the changes are applied
+// before the decision (WillApply), each 16-byte vector holding a change written back patched and
+// its old values saved (change k's at k x E of the scratch).
 template <int E>
-__global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(DecArgs a) {
+__global__ void __launch_bounds__(kThreads, kBmMinBlocks) DecodeBitmapTileKernel(DecArgs a) {
   GridDepWait();
-  static_assert(kTileVecs <= 4, "per-vector counts are packed 16 bits apart in one word");
+  constexpr uint32_t kTileBitmap = static_cast<uint32_t>(kTileBytes / E / 8);
+  constexpr uint64_t kTileElems = kTileBytes / E;
+  __shared__ __align__(128) uint4 s_tile[kBmStages][kTileBytes / 16];
+  __shared__ __align__(16) unsigned char s_bits[kBmStages][kTileBitmap];
+  __shared__ __align__(16) unsigned char s_win[kBmStages][kBmWindow];
+  __shared__ __align__(8) uint64_t s_bar[kBmStages];
+  __shared__ uint32_t s_tp[kBmStages][2];  // the stage's tile[t], tile[t + 1]
+  __shared__ uint32_t s_voff[kBmStages];   // its first value's byte in the window (kNoSlot: none)
   __shared__ HeaderView h;
   __shared__ bool s_apply;
   __shared__ uint64_t s_scan[kWarps];
-  __shared__ __align__(16) unsigned char s_vals[kValsSmem];  // the tile's values
-  // The index form's checks are the sum and apply passes': nothing to do here.
+  // The index form's checks are the records and index tile passes': nothing to do here.
   if (a.enc_bytes >= kDeltaHeaderBytes && a.enc[5] == static_cast<unsigned char>(DeltaKind::kIndex))
     return;
   if (threadIdx.x == 0) {
     h = Parse<E>(a);
     s_apply = h.kind == static_cast<int>(DeltaKind::kBitmap) && WillApply<E>(a, h);
+    for (int i = 0; i < kBmStages; ++i) MbarInit(&s_bar[i], 1);
+    MbarInitFence();
   }
   __syncthreads();
   if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kBitmap)) return;
@@ -472,62 +485,114 @@ __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(D
   const unsigned char* payload = a.enc + kDeltaHeaderBytes;
   const BitmapLayout bl = Layout<E>(a);
   const unsigned char* vals = payload + bl.bitmap_bytes;
-  Elem<E>* old = reinterpret_cast<Elem<E>*>(a.s.vals);
-  // Checksum keys (MixKey of word o / 8), stepped rather than multiplied.
+  const uintptr_t enc_end = reinterpret_cast<uintptr_t>(a.enc) + a.enc_bytes;
+  Elem<E>* saved = reinterpret_cast<Elem<E>*>(a.s.vals);
+  const uint32_t lo = RangeFirst(a, blockIdx.x), hi = RangeFirst(a, blockIdx.x + 1);
+  const uint32_t whole_hi = min(hi, static_cast<uint32_t>(n / kTileBytes));
+  // One thread: tile t's loads into its stage, given tile[t] and tile[t + 1].
+  auto issue = [&](uint32_t t, uint32_t tp0, uint32_t tp1) {
+    const uint32_t st = (t - lo) % kBmStages;
+    const uintptr_t from = reinterpret_cast<uintptr_t>(vals) + uint64_t{tp0} * E;
+    const uintptr_t to = reinterpret_cast<uintptr_t>(vals) + uint64_t{tp1} * E;
+    const uintptr_t ws = from & ~uintptr_t{15}, we = (to + 15) & ~uintptr_t{15};
+    const bool win = tp1 >= tp0 && we - ws <= kBmWindow && we <= enc_end;
+    s_tp[st][0] = tp0;
+    s_tp[st][1] = tp1;
+    s_voff[st] = win ? static_cast<uint32_t>(from - ws) : kNoSlot;
+    MbarExpect(&s_bar[st], static_cast<uint32_t>(kTileBytes + kTileBitmap + (win ? we - ws : 0)));
+    BulkLoad(s_tile[st], a.bucket + uint64_t{t} * kTileBytes, kTileBytes, &s_bar[st]);
+    BulkLoad(s_bits[st], payload + uint64_t{t} * kTileBitmap, kTileBitmap, &s_bar[st]);
+    if (win && we > ws)
+      BulkLoad(s_win[st], reinterpret_cast<const void*>(ws), static_cast<uint32_t>(we - ws),
+               &s_bar[st]);
+  };
+  if (threadIdx.x == 0)
+    for (uint32_t t = lo; t < whole_hi && t < lo + kBmStages; ++t)
+      issue(t, a.s.tile[t], a.s.tile[t + 1]);
+  __syncthreads();  // the stages' offsets
   constexpr uint64_t kKeyVec = uint64_t{kThreads} * 2 * kChecksumStep;
+  constexpr uint64_t kKeyTile = kTileBytes / 8 * kChecksumStep;
+  uint64_t key0 = MixKey((static_cast<uint64_t>(lo) * kThreads * kTileVecs + threadIdx.x) * 2);
   uint64_t sum = 0, delta = 0;
-  for (uint32_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
+  for (uint32_t t = lo; t < hi; ++t, key0 += kKeyTile) {
+    const uint32_t i = t - lo, st = i % kBmStages;
+    // Thread 0: tile[] of the tile two on, loaded now, used at the end to refill this stage.
+    uint32_t nx0 = 0, nx1 = 0;
+    if (threadIdx.x == 0 && t + kBmStages < whole_hi) {
+      nx0 = a.s.tile[t + kBmStages];
+      nx1 = a.s.tile[t + kBmStages + 1];
+    }
     const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
     uint4 w[kTileVecs];
-    if ((static_cast<uint64_t>(t) + 1) * kTileBytes <= n) {  // every load in flight at once
+    unsigned m[kTileVecs];
+    uint32_t tp0, tp1, voff;
+    const unsigned char* win;
+    if (t < whole_hi) {
+      MbarWait(&s_bar[st], (i / kBmStages) & 1);
+      tp0 = s_tp[st][0];
+      tp1 = s_tp[st][1];
+      voff = s_voff[st];
+      win = s_win[st];
 #pragma unroll
-      for (int k = 0; k < kTileVecs; ++k)
-        w[k] = *reinterpret_cast<const uint4*>(a.bucket + (v0 + uint64_t{kThreads} * k) * 16);
-    } else {
+      for (int k = 0; k < kTileVecs; ++k) {
+        w[k] = s_tile[st][k * kThreads + threadIdx.x];
+        const uint64_t local = (uint64_t{kThreads} * k + threadIdx.x) * 16 / E;
+        m[k] = VectorBits<E>(s_bits[st], local, kTileElems);
+      }
+    } else {  // the ragged last tile: loaded by the threads
+      tp0 = a.s.tile[t];
+      tp1 = a.s.tile[t + 1];
+      const bool staged = StageValues<E>(s_win[st], vals, bl.vals_bytes, tp0, tp1);
+      voff = staged ? 0 : kNoSlot;
+      win = s_win[st];
 #pragma unroll
       for (int k = 0; k < kTileVecs; ++k) {
         const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
         w[k] = o < n ? LoadVec(a.bucket, o, n) : make_uint4(0, 0, 0, 0);
+        m[k] = o < n ? VectorBits<E>(payload, o / E, bl.elements) : 0;
       }
     }
-    // The tile's first value and the next tile's (the count pass).
-    const uint32_t tp0 = a.s.tile[t], tp1 = a.s.tile[t + 1];
-    unsigned m[kTileVecs];
     uint64_t cnt = 0;
 #pragma unroll
     for (int k = 0; k < kTileVecs; ++k) {
       const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-      m[k] = o < n ? VectorBits<E>(payload, o / E, bl.elements) : 0;
+      const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
+      if (o < n) {
+        sum += MixWithKey(Lo64(w[k]), key);
+        if (o + 8 < n) sum += MixWithKey(Hi64(w[k]), key + kChecksumStep);
+      }
       cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
     }
-    const bool staged = StageValues<E>(s_vals, vals, bl.vals_bytes, tp0, tp1);
     uint64_t tot_c = 0;
-    const uint64_t ex = BlockExclusiveScan(cnt, &tot_c, s_scan);  // its barriers: s_vals staged
-    const uint64_t key0 = MixKey(v0 * 2);
+    const uint64_t ex = BlockExclusiveScan(cnt, &tot_c, s_scan);  // its barriers: values staged
+    // Change `at`'s value: from the window (byte loads where it is not aligned for E), else from
+    // the encoding; 0 past the tile's values (a count that disagrees: refused).
+    const bool aligned = voff != kNoSlot && voff % E == 0;
+    auto value = [&](uint64_t at) -> uint64_t {
+      if (voff == kNoSlot) return ChangeValue<E>(vals, bl.vals_bytes, at);
+      if (at >= tp1) return 0;
+      const unsigned char* p = win + voff + (at - tp0) * E;
+      if (aligned) return *reinterpret_cast<const Elem<E>*>(p);
+      return LoadLE(p, E);
+    };
     uint64_t prefix = tp0;
 #pragma unroll
     for (int k = 0; k < kTileVecs; ++k) {
-      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-      const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
-      const uint64_t old_lo = Lo64(w[k]), old_hi = Hi64(w[k]);
-      if (o < n) {
-        sum += MixWithKey(old_lo, key);
-        if (o + 8 < n) sum += MixWithKey(old_hi, key + kChecksumStep);
-      }
       uint64_t at = prefix + ((ex >> (16 * k)) & 0xffff);
       prefix += (tot_c >> (16 * k)) & 0xffff;
       if (m[k] == 0) continue;
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
+      const uint64_t old_lo = Lo64(w[k]), old_hi = Hi64(w[k]);
       uint64_t new_lo = old_lo, new_hi = old_hi;
       for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++at) {
         const int r = __ffs(mm) - 1;
-        // Staged values cover [tp0, tp1): past them (a count that disagrees, refused) read 0.
-        const uint64_t value = staged ? (at < tp1 ? StagedValue<E>(s_vals, at - tp0) : 0)
-                                      : ChangeValue<E>(vals, bl.vals_bytes, at);
+        const uint64_t v = value(at);
         if (apply) {
-          old[at] = static_cast<Elem<E>>(VecElem<E>(old_lo, old_hi, r));
-          if (o + 16 > n) reinterpret_cast<Elem<E>*>(a.bucket)[o / E + r] = value;
+          saved[at] = static_cast<Elem<E>>(VecElem<E>(old_lo, old_hi, r));
+          if (o + 16 > n) reinterpret_cast<Elem<E>*>(a.bucket)[o / E + r] = v;
         }
-        PatchVec<E>(new_lo, new_hi, r, value);
+        PatchVec<E>(new_lo, new_hi, r, v);
       }
       if (apply && o + 16 <= n)
         *reinterpret_cast<uint4*>(a.bucket + o) =
@@ -536,7 +601,8 @@ __global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(D
       delta += MixWithKey(new_lo, key) - MixWithKey(old_lo, key);
       delta += MixWithKey(new_hi, key + kChecksumStep) - MixWithKey(old_hi, key + kChecksumStep);
     }
-    __syncthreads();  // s_vals is the next tile's
+    __syncthreads();  // the stage is read: refill it
+    if (threadIdx.x == 0 && t + kBmStages < whole_hi) issue(t + kBmStages, nx0, nx1);
   }
   GridDepTrigger();
   sum = BlockSum(sum, s_scan);
@@ -679,8 +745,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeFixupKernel(DecArg
 template <int E>
 int Launch(const DecArgs& a, int sms, cudaStream_t s) {
   const uint32_t grid = static_cast<uint32_t>(sms) * 8;
-  const uint32_t tile_grid =
-      static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * kCheckMinBlocks));
   const uint32_t fix_grid =
       static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * kMinBlocks));
   DecodeRecordsKernel<E><<<grid, kThreads, 0, s>>>(a);
@@ -688,7 +752,7 @@ int Launch(const DecArgs& a, int sms, cudaStream_t s) {
   if (e == cudaSuccess) e = LaunchDependent(DecodeIndexTileKernel<E>, a.ranges, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeCountKernel<E>, a.ranges, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeTileFixKernel<E>, a.ranges, 0, s, a);
-  if (e == cudaSuccess) e = LaunchDependent(DecodeCheckKernel<E>, tile_grid, 0, s, a);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeBitmapTileKernel<E>, a.ranges, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeDecideKernel<E>, 1, 0, s, a, 1);
   if (e == cudaSuccess) e = LaunchDependent(DecodeFixupKernel<E>, fix_grid, 0, s, a);
   return static_cast<int>(e);

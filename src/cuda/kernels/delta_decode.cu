@@ -163,7 +163,11 @@ __device__ __forceinline__ uint64_t VecElem(uint64_t lo, uint64_t hi, int r) {
 // The index form's tile pass: 2 tiles of the bucket in shared memory per block (the copy engine
 // fills one while the block works on the other), a range of consecutive tiles per block, as many
 // blocks as fit.
-inline constexpr uint32_t kIdxStages = 2;
+#ifndef SS_DEC_IDX_STAGES
+#define SS_DEC_IDX_STAGES 3
+#endif
+inline constexpr uint32_t kIdxStages = SS_DEC_IDX_STAGES;
+inline constexpr uint32_t kIdxSmem = kIdxStages * kTileBytes;  // dynamic shared memory
 inline constexpr int kIdxMinBlocks = 4;
 
 // Index form, second pass: each tile read once (the base checksum terms), then, when the records
@@ -175,8 +179,9 @@ template <int E>
 __global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel(DecArgs a) {
   GridDepWait();
   constexpr uint64_t kTileElems = kTileBytes / E;
-  __shared__ __align__(128) uint4 s_tile[kIdxStages][kTileBytes / 16];
+  extern __shared__ __align__(128) unsigned char s_dyn[];  // kIdxStages tiles
   __shared__ __align__(8) uint64_t s_bar[kIdxStages];
+  auto stage = [&](uint32_t st) { return reinterpret_cast<uint4*>(s_dyn + st * kTileBytes); };
   __shared__ HeaderView h;
   __shared__ bool s_apply;
   __shared__ uint64_t s_red[kWarps];
@@ -199,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel
   auto issue = [&](uint32_t t) {  // one thread
     const uint32_t st = (t - lo) % kIdxStages;
     MbarExpect(&s_bar[st], kTileBytes);
-    BulkLoad(s_tile[st], a.bucket + uint64_t{t} * kTileBytes, kTileBytes, &s_bar[st]);
+    BulkLoad(stage(st), a.bucket + uint64_t{t} * kTileBytes, kTileBytes, &s_bar[st]);
   };
   if (threadIdx.x == 0)
     for (uint32_t t = lo; t < whole_hi && t < lo + kIdxStages; ++t) issue(t);
@@ -218,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel
       val0 = RecValue<E>(payload, k0);
     }
     const uint32_t i = t - lo, st = i % kIdxStages;
-    uint4* tile = s_tile[st];
+    uint4* tile = stage(st);
     const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
     if (t < whole_hi) {
       MbarWait(&s_bar[st], (i / kIdxStages) & 1);
@@ -446,8 +451,17 @@ __global__ void __launch_bounds__(kThreads) DecodeTileFixKernel(DecArgs a) {
 // The bitmap form's tile pass: per stage the tile (16 KiB), its bitmap bytes and a 16-byte
 // aligned window holding its values (when it fits and lies inside the encoding), all three
 // filled by the copy engine on one barrier while the block works on the other stage.
-inline constexpr uint32_t kBmStages = 2;
+#ifndef SS_DEC_BM_STAGES
+#define SS_DEC_BM_STAGES 3
+#endif
+inline constexpr uint32_t kBmStages = SS_DEC_BM_STAGES;
 inline constexpr uint32_t kBmWindow = kValsSmem + 32;
+// A stage: the tile, its bitmap bytes, the values' window (each 16-byte aligned).
+template <int E>
+inline constexpr uint32_t kBmStage =
+    static_cast<uint32_t>(kTileBytes + kTileBytes / E / 8) + kBmWindow;
+template <int E>
+inline constexpr uint32_t kBmSmem = kBmStages* kBmStage<E>;  // dynamic shared memory
 inline constexpr int kBmMinBlocks = 4;
 
 // Bitmap form, a range of consecutive tiles per block (as many blocks as fit), each tile read
@@ -460,9 +474,10 @@ __global__ void __launch_bounds__(kThreads, kBmMinBlocks) DecodeBitmapTileKernel
   GridDepWait();
   constexpr uint32_t kTileBitmap = static_cast<uint32_t>(kTileBytes / E / 8);
   constexpr uint64_t kTileElems = kTileBytes / E;
-  __shared__ __align__(128) uint4 s_tile[kBmStages][kTileBytes / 16];
-  __shared__ __align__(16) unsigned char s_bits[kBmStages][kTileBitmap];
-  __shared__ __align__(16) unsigned char s_win[kBmStages][kBmWindow];
+  extern __shared__ __align__(128) unsigned char s_dyn[];  // kBmStages stages
+  auto s_tile = [&](uint32_t st) { return reinterpret_cast<uint4*>(s_dyn + st * kBmStage<E>); };
+  auto s_bits = [&](uint32_t st) { return s_dyn + st * kBmStage<E> + kTileBytes; };
+  auto s_win = [&](uint32_t st) { return s_dyn + st * kBmStage<E> + kTileBytes + kTileBitmap; };
   __shared__ __align__(8) uint64_t s_bar[kBmStages];
   __shared__ uint32_t s_tp[kBmStages][2];  // the stage's tile[t], tile[t + 1]
   __shared__ uint32_t s_voff[kBmStages];   // its first value's byte in the window (kNoSlot: none)
@@ -500,10 +515,10 @@ __global__ void __launch_bounds__(kThreads, kBmMinBlocks) DecodeBitmapTileKernel
     s_tp[st][1] = tp1;
     s_voff[st] = win ? static_cast<uint32_t>(from - ws) : kNoSlot;
     MbarExpect(&s_bar[st], static_cast<uint32_t>(kTileBytes + kTileBitmap + (win ? we - ws : 0)));
-    BulkLoad(s_tile[st], a.bucket + uint64_t{t} * kTileBytes, kTileBytes, &s_bar[st]);
-    BulkLoad(s_bits[st], payload + uint64_t{t} * kTileBitmap, kTileBitmap, &s_bar[st]);
+    BulkLoad(s_tile(st), a.bucket + uint64_t{t} * kTileBytes, kTileBytes, &s_bar[st]);
+    BulkLoad(s_bits(st), payload + uint64_t{t} * kTileBitmap, kTileBitmap, &s_bar[st]);
     if (win && we > ws)
-      BulkLoad(s_win[st], reinterpret_cast<const void*>(ws), static_cast<uint32_t>(we - ws),
+      BulkLoad(s_win(st), reinterpret_cast<const void*>(ws), static_cast<uint32_t>(we - ws),
                &s_bar[st]);
   };
   if (threadIdx.x == 0)
@@ -532,19 +547,19 @@ __global__ void __launch_bounds__(kThreads, kBmMinBlocks) DecodeBitmapTileKernel
       tp0 = s_tp[st][0];
       tp1 = s_tp[st][1];
       voff = s_voff[st];
-      win = s_win[st];
+      win = s_win(st);
 #pragma unroll
       for (int k = 0; k < kTileVecs; ++k) {
-        w[k] = s_tile[st][k * kThreads + threadIdx.x];
+        w[k] = s_tile(st)[k * kThreads + threadIdx.x];
         const uint64_t local = (uint64_t{kThreads} * k + threadIdx.x) * 16 / E;
-        m[k] = VectorBits<E>(s_bits[st], local, kTileElems);
+        m[k] = VectorBits<E>(s_bits(st), local, kTileElems);
       }
     } else {  // the ragged last tile: loaded by the threads
       tp0 = a.s.tile[t];
       tp1 = a.s.tile[t + 1];
-      const bool staged = StageValues<E>(s_win[st], vals, bl.vals_bytes, tp0, tp1);
+      const bool staged = StageValues<E>(s_win(st), vals, bl.vals_bytes, tp0, tp1);
       voff = staged ? 0 : kNoSlot;
-      win = s_win[st];
+      win = s_win(st);
 #pragma unroll
       for (int k = 0; k < kTileVecs; ++k) {
         const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
@@ -742,17 +757,43 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeFixupKernel(DecArg
 
 // Every form's passes are queued (the host does not read the header); a pass of the other form
 // returns at once, and every grid but the count pass's is sized for the GPU, not the bucket.
+// Blocks of `kernel` that fit an SM with `smem` bytes of dynamic shared memory (the attribute
+// set first: over 48 KiB needs it), at least 1.
+int FitPerSm(void (*kernel)(DecArgs), uint32_t smem) {
+  int blocks = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem)) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) != cudaSuccess)
+    return 1;
+  return std::max(blocks, 1);
+}
+
 template <int E>
 int Launch(const DecArgs& a, int sms, cudaStream_t s) {
+  // The tile passes' ranges: as many as their blocks fit at once (their tile[] entries are
+  // absolute, so their ranges need not be the count pass's).
+  static const int idx_fit = FitPerSm(DecodeIndexTileKernel<E>, kIdxSmem);
+  static const int bm_fit = FitPerSm(DecodeBitmapTileKernel<E>, kBmSmem<E>);
+  // The attribute is the current device's: set on every call (cheap), the fit computed once.
+  cudaError_t e = cudaFuncSetAttribute(DecodeIndexTileKernel<E>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int{kIdxSmem});
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(DecodeBitmapTileKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int{kBmSmem<E>});
+  if (e != cudaSuccess) return static_cast<int>(e);
+  DecArgs ai = a, ab = a;
+  ai.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * idx_fit));
+  ab.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * bm_fit));
   const uint32_t grid = static_cast<uint32_t>(sms) * 8;
   const uint32_t fix_grid =
       static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * kMinBlocks));
   DecodeRecordsKernel<E><<<grid, kThreads, 0, s>>>(a);
-  cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) e = LaunchDependent(DecodeIndexTileKernel<E>, a.ranges, 0, s, a);
+  e = cudaGetLastError();
+  if (e == cudaSuccess) e = LaunchDependent(DecodeIndexTileKernel<E>, ai.ranges, kIdxSmem, s, ai);
   if (e == cudaSuccess) e = LaunchDependent(DecodeCountKernel<E>, a.ranges, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeTileFixKernel<E>, a.ranges, 0, s, a);
-  if (e == cudaSuccess) e = LaunchDependent(DecodeBitmapTileKernel<E>, a.ranges, 0, s, a);
+  if (e == cudaSuccess)
+    e = LaunchDependent(DecodeBitmapTileKernel<E>, ab.ranges, kBmSmem<E>, s, ab);
   if (e == cudaSuccess) e = LaunchDependent(DecodeDecideKernel<E>, 1, 0, s, a, 1);
   if (e == cudaSuccess) e = LaunchDependent(DecodeFixupKernel<E>, fix_grid, 0, s, a);
   return static_cast<int>(e);

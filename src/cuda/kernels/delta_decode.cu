@@ -24,340 +24,10 @@
 // on), and writes each 16-byte vector holding a change back patched.
 // Decide (DecodeDecideKernel, one thread): the decision from the sums, reported to the host; the
 // control block back at rest. Fixup (DecodeFixupKernel): the restore, or the late apply.
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <type_traits>
-
-#include "cuda/kernels/delta_device.cuh"
+#include "cuda/kernels/delta_decode.cuh"
 
 namespace shardsync::gpu::delta {
 namespace {
-
-struct DecArgs {
-  const unsigned char* enc;
-  uint64_t enc_bytes;
-  unsigned char* bucket;
-  uint64_t n;
-  uint64_t base_version;
-  uint32_t tiles;   // check tiles of the bucket
-  uint32_t ranges;  // ranges of consecutive tiles, one per block (<= tiles): count, index tile
-  ScratchPtrs s;
-};
-
-// Record k's index and value (the payload is 16-byte aligned: 2- and 4-byte elements' records
-// are read in 2- and 4-byte words).
-template <int E>
-__device__ __forceinline__ uint64_t RecIndex(const unsigned char* payload, uint64_t k) {
-  const unsigned char* p = payload + k * (kDeltaIndexBytes + E);
-  if constexpr (E == 4) {
-    return *reinterpret_cast<const uint32_t*>(p);
-  } else if constexpr (E == 2) {
-    const auto* h = reinterpret_cast<const uint16_t*>(p);
-    return h[0] | uint64_t{h[1]} << 16;
-  } else {
-    return LoadLE(p, 4);
-  }
-}
-template <int E>
-__device__ __forceinline__ uint64_t RecValue(const unsigned char* payload, uint64_t k) {
-  const unsigned char* p = payload + k * (kDeltaIndexBytes + E) + kDeltaIndexBytes;
-  if constexpr (E == 4) {
-    return *reinterpret_cast<const uint32_t*>(p);
-  } else if constexpr (E == 2) {
-    return *reinterpret_cast<const uint16_t*>(p);
-  } else {
-    return *p;
-  }
-}
-
-template <int E>
-__device__ __forceinline__ HeaderView Parse(const DecArgs& a) {
-  return ParseHeader(a.enc, a.enc_bytes, E, a.n, a.base_version);
-}
-
-// Bits of the bitmap for the 16 / E elements from elem0 (a multiple of 16 / E), zero past the
-// last element.
-template <int E>
-__device__ __forceinline__ unsigned VectorBits(const unsigned char* bitmap, uint64_t elem0,
-                                               uint64_t elements) {
-  constexpr int kBits = 16 / E;
-  const uint64_t j = elem0 / 8;
-  unsigned bits;
-  if constexpr (E == 1) {
-    bits = bitmap[j] | (elem0 + 8 < elements ? unsigned{bitmap[j + 1]} << 8 : 0u);
-  } else if constexpr (E == 2) {
-    bits = bitmap[j];
-  } else {
-    bits = (bitmap[j] >> (elem0 % 8)) & 0xfu;
-  }
-  if (elem0 + kBits > elements) bits &= (1u << (elements - elem0)) - 1;
-  return bits;
-}
-
-// The count pass's range r of tiles: [RangeFirst(r), RangeFirst(r + 1)).
-__device__ __forceinline__ uint32_t RangeFirst(const DecArgs& a, uint32_t r) {
-  return static_cast<uint32_t>(uint64_t{r} * a.tiles / a.ranges);
-}
-// Whether the changes are written before the decision (the decide kernel reads the same): the
-// header passed, the form's own checks that come before any write passed (index: every record;
-// bitmap: its tail and popcount), and the old values fit the scratch (always for the index form:
-// its changes are under 1/32 of the bucket's bytes; the bitmap form up to about 31% density).
-// Read after the passes that set those fields (the records pass; the count pass).
-template <int E>
-__device__ __forceinline__ bool WillApply(const DecArgs& a, const HeaderView& h) {
-  if (h.code != kOk || h.changed * E > a.s.stage_bytes) return false;
-  const Ctl* c = a.s.ctl;
-  if (h.kind == static_cast<int>(DeltaKind::kIndex)) return c->bad_record == ~0ull;
-  return c->tail_bad == 0 && c->popcount == h.changed;
-}
-
-template <int E>
-using Elem =
-    std::conditional_t<E == 1, unsigned char, std::conditional_t<E == 2, unsigned short, uint32_t>>;
-
-// Index form, first pass (a thread per record): every record checked (in range, above the one
-// before: the first bad one in ctl->bad_record), and each tile's first record (tile[t], the
-// first record at or past the tile's first element; tile[tiles] = the count), written by the
-// record that starts it (the gaps before it filled too). Only trusted once every record passed.
-template <int E>
-__global__ void __launch_bounds__(kThreads) DecodeRecordsKernel(DecArgs a) {
-  GridDepWait();
-  GridDepTrigger();
-  constexpr uint64_t kTileElems = kTileBytes / E;
-  __shared__ HeaderView h;
-  if (threadIdx.x == 0) h = Parse<E>(a);
-  __syncthreads();
-  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
-  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
-  const uint64_t c = h.changed;
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
-  const uint64_t first = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (c == 0) {
-    for (uint64_t t = first; t <= a.tiles; t += stride) a.s.tile[t] = 0;
-    return;
-  }
-  for (uint64_t k = first; k < c; k += stride) {
-    const uint64_t i = RecIndex<E>(payload, k);
-    const uint64_t prev = k > 0 ? RecIndex<E>(payload, k - 1) : 0;
-    if (i >= h.elements || (k > 0 && i <= prev)) {
-      atomicMin(&a.s.ctl->bad_record, static_cast<unsigned long long>(k));
-      continue;
-    }
-    const uint64_t ti = i / kTileElems;
-    for (uint64_t t = k > 0 ? prev / kTileElems + 1 : 0; t <= ti; ++t)
-      a.s.tile[t] = static_cast<uint32_t>(k);
-    if (k == c - 1)
-      for (uint64_t t = ti + 1; t <= a.tiles; ++t) a.s.tile[t] = static_cast<uint32_t>(c);
-  }
-}
-
-// Element r (of 16 / E) of a 16-byte vector's little-endian bytes.
-template <int E>
-__device__ __forceinline__ uint64_t VecElem(uint64_t lo, uint64_t hi, int r) {
-  constexpr uint64_t kMask = (uint64_t{1} << (8 * E)) - 1;
-  const int byte = r * E;
-  return ((byte < 8 ? lo >> (8 * byte) : hi >> (8 * (byte - 8)))) & kMask;
-}
-
-// The index form's tile pass: 2 tiles of the bucket in shared memory per block (the copy engine
-// fills one while the block works on the other), a range of consecutive tiles per block, as many
-// blocks as fit.
-#ifndef SS_DEC_IDX_STAGES
-#define SS_DEC_IDX_STAGES 3
-#endif
-inline constexpr uint32_t kIdxStages = SS_DEC_IDX_STAGES;
-inline constexpr uint32_t kIdxSmem = kIdxStages * kTileBytes;  // dynamic shared memory
-inline constexpr int kIdxMinBlocks = 4;
-
-// Index form, second pass: each tile read once (the base checksum terms), then, when the records
-// all passed (WillApply), the tile's records (tile[t] to tile[t + 1]) patch it in shared memory,
-// each saving the value it replaces (record k's at k x E of the scratch), and every 16-byte vector
-// that changed is written back with the new minus the old checksum terms of its words: the bucket
-// is read at streaming speed and only the changed vectors are written.
-template <int E>
-__global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel(DecArgs a) {
-  GridDepWait();
-  constexpr uint64_t kTileElems = kTileBytes / E;
-  extern __shared__ __align__(128) unsigned char s_dyn[];  // kIdxStages tiles
-  __shared__ __align__(8) uint64_t s_bar[kIdxStages];
-  auto stage = [&](uint32_t st) { return reinterpret_cast<uint4*>(s_dyn + st * kTileBytes); };
-  __shared__ HeaderView h;
-  __shared__ bool s_apply;
-  __shared__ uint64_t s_red[kWarps];
-  if (threadIdx.x == 0) {
-    h = Parse<E>(a);
-    s_apply = h.kind == static_cast<int>(DeltaKind::kIndex) && WillApply<E>(a, h);
-    for (int i = 0; i < kIdxStages; ++i) MbarInit(&s_bar[i], 1);
-    MbarInitFence();
-  }
-  __syncthreads();
-  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
-  const bool apply = s_apply;
-  const uint64_t n = a.n;
-  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
-  Elem<E>* saved = reinterpret_cast<Elem<E>*>(a.s.vals);
-  const uint32_t lo = RangeFirst(a, blockIdx.x), hi = RangeFirst(a, blockIdx.x + 1);
-  // Whole tiles come through the copy engine; the bucket's ragged last tile, if any, is loaded
-  // by the threads.
-  const uint32_t whole_hi = min(hi, static_cast<uint32_t>(n / kTileBytes));
-  auto issue = [&](uint32_t t) {  // one thread
-    const uint32_t st = (t - lo) % kIdxStages;
-    MbarExpect(&s_bar[st], kTileBytes);
-    BulkLoad(stage(st), a.bucket + uint64_t{t} * kTileBytes, kTileBytes, &s_bar[st]);
-  };
-  if (threadIdx.x == 0)
-    for (uint32_t t = lo; t < whole_hi && t < lo + kIdxStages; ++t) issue(t);
-  constexpr uint64_t kKeyVec = uint64_t{kThreads} * 2 * kChecksumStep;
-  constexpr uint64_t kKeyTile = kTileBytes / 8 * kChecksumStep;
-  uint64_t key0 = MixKey((static_cast<uint64_t>(lo) * kThreads * kTileVecs + threadIdx.x) * 2);
-  uint64_t sum = 0, delta = 0;
-  uint32_t rs = apply && lo < hi ? a.s.tile[lo] : 0;
-  for (uint32_t t = lo; t < hi; ++t, key0 += kKeyTile) {
-    // The tile's records [rs, re), the first of them loaded while the tile lands.
-    const uint32_t re = apply ? a.s.tile[t + 1] : 0;
-    const uint64_t k0 = uint64_t{rs} + threadIdx.x;
-    uint64_t idx0 = 0, val0 = 0;
-    if (k0 < re) {
-      idx0 = RecIndex<E>(payload, k0);
-      val0 = RecValue<E>(payload, k0);
-    }
-    const uint32_t i = t - lo, st = i % kIdxStages;
-    uint4* tile = stage(st);
-    const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
-    if (t < whole_hi) {
-      MbarWait(&s_bar[st], (i / kIdxStages) & 1);
-    } else {  // the ragged last tile, zero padded
-#pragma unroll
-      for (int k = 0; k < kTileVecs; ++k) {
-        const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-        tile[k * kThreads + threadIdx.x] = o < n ? LoadVec(a.bucket, o, n) : make_uint4(0, 0, 0, 0);
-      }
-      __syncthreads();
-    }
-    uint4 w[kTileVecs];
-#pragma unroll
-    for (int k = 0; k < kTileVecs; ++k) {
-      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-      w[k] = tile[k * kThreads + threadIdx.x];
-      const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
-      if (o < n) {
-        sum += MixWithKey(Lo64(w[k]), key);
-        if (o + 8 < n) sum += MixWithKey(Hi64(w[k]), key + kChecksumStep);
-      }
-    }
-    if (re > rs) {      // uniform across the block
-      __syncthreads();  // every base vector read before the patches
-      Elem<E>* te = reinterpret_cast<Elem<E>*>(tile);
-      const uint64_t e0 = uint64_t{t} * kTileElems;
-      for (uint64_t k = k0; k < re; k += kThreads) {
-        const uint64_t idx = k == k0 ? idx0 : RecIndex<E>(payload, k);
-        const uint64_t val = k == k0 ? val0 : RecValue<E>(payload, k);
-        saved[k] = te[idx - e0];
-        te[idx - e0] = static_cast<Elem<E>>(val);
-      }
-      __syncthreads();
-#pragma unroll
-      for (int k = 0; k < kTileVecs; ++k) {
-        const uint4 x = tile[k * kThreads + threadIdx.x];
-        if (x.x == w[k].x && x.y == w[k].y && x.z == w[k].z && x.w == w[k].w) continue;
-        const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-        const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
-        delta += MixWithKey(Lo64(x), key) - MixWithKey(Lo64(w[k]), key);
-        delta +=
-            MixWithKey(Hi64(x), key + kChecksumStep) - MixWithKey(Hi64(w[k]), key + kChecksumStep);
-        if (o + 16 <= n) {
-          *reinterpret_cast<uint4*>(a.bucket + o) = x;
-        } else {  // the ragged end: the bytes inside the bucket
-          for (uint64_t b = o; b < n; ++b)
-            a.bucket[b] = static_cast<unsigned char>(VecElem<1>(Lo64(x), Hi64(x), int(b - o)));
-        }
-      }
-    }
-    rs = re;
-    FenceProxyAsync();  // the patches, before the copy engine refills the stage
-    __syncthreads();    // the stage is read: refill it
-    if (threadIdx.x == 0 && t + kIdxStages < whole_hi) issue(t + kIdxStages);
-  }
-  GridDepTrigger();
-  sum = BlockSum(sum, s_red);
-  delta = BlockSum(delta, s_red);
-  if (threadIdx.x == 0) {
-    atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(sum));
-    if (delta != 0) atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(delta));
-  }
-}
-
-// Element r of a 16-byte vector's little-endian bytes replaced by v.
-template <int E>
-__device__ __forceinline__ void PatchVec(uint64_t& lo, uint64_t& hi, int r, uint64_t v) {
-  const int byte = r * E;
-  if (byte < 8) {
-    lo = Patch<E>(lo, byte, v);
-  } else {
-    hi = Patch<E>(hi, byte - 8, v);
-  }
-}
-
-// Bitmap form: the value of change number `at` (the values after the bitmap), 0 past the
-// encoding's end (the decode is refused then).
-template <int E>
-__device__ __forceinline__ uint64_t ChangeValue(const unsigned char* vals, uint64_t vals_bytes,
-                                                uint64_t at) {
-  if ((at + 1) * E > vals_bytes) return 0;
-  const unsigned char* p = vals + at * E;
-  if constexpr (E == 2) {
-    if ((reinterpret_cast<uintptr_t>(p) & 1) == 0) return *reinterpret_cast<const uint16_t*>(p);
-  } else if constexpr (E == 4) {
-    if ((reinterpret_cast<uintptr_t>(p) & 3) == 0) return *reinterpret_cast<const uint32_t*>(p);
-  }
-  return LoadLE(p, E);
-}
-
-// A tile's values (bitmap form) staged in shared memory when they fit: up to 25% density for
-// every element size (a denser tile reads them from the encoding one by one).
-inline constexpr uint32_t kValsSmem = kTileBytes / 4;
-
-// Bytes [p0 E, p1 E) of the values (clamped to the encoding) into s_vals, when they fit; the
-// caller's barrier makes them visible. Returns whether they were staged.
-template <int E>
-__device__ __forceinline__ bool StageValues(unsigned char* s_vals, const unsigned char* vals,
-                                            uint64_t vals_bytes, uint32_t p0, uint32_t p1) {
-  const uint64_t from = uint64_t{p0} * E;
-  const uint64_t len = p1 >= p0 ? uint64_t{p1 - p0} * E : 0;
-  if (len > kValsSmem) return false;
-#pragma unroll 4
-  for (uint32_t i = threadIdx.x; i < len; i += kThreads)
-    s_vals[i] = from + i < vals_bytes ? vals[from + i] : 0;
-  return true;
-}
-
-template <int E>
-__device__ __forceinline__ uint64_t StagedValue(const unsigned char* s_vals, uint64_t j) {
-  if constexpr (E == 1) {
-    return s_vals[j];
-  } else if constexpr (E == 2) {
-    return reinterpret_cast<const uint16_t*>(s_vals)[j];
-  } else {
-    return reinterpret_cast<const uint32_t*>(s_vals)[j];
-  }
-}
-
-// The bitmap form's layout over a bucket of n bytes (used before the header is checked: only
-// inside the encoding, and only trusted once the decision says "bitmap").
-struct BitmapLayout {
-  uint64_t elements, bitmap_bytes, vals_bytes;
-  bool bits_in;  // the encoding holds the whole bitmap
-};
-template <int E>
-__device__ __forceinline__ BitmapLayout Layout(const DecArgs& a) {
-  BitmapLayout l;
-  l.elements = a.n / E;
-  l.bitmap_bytes = DeltaBitmapBytes(l.elements);
-  l.bits_in = a.enc_bytes >= kDeltaHeaderBytes + l.bitmap_bytes;
-  l.vals_bytes = l.bits_in ? a.enc_bytes - kDeltaHeaderBytes - l.bitmap_bytes : 0;
-  return l;
-}
 
 // Bitmap form, a range of consecutive tiles per block: a warp per tile counts its bitmap bytes
 // (16-byte loads); the block scans its tiles' counts into each one's first value within the
@@ -757,39 +427,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeFixupKernel(DecArg
 
 // Every form's passes are queued (the host does not read the header); a pass of the other form
 // returns at once, and every grid but the count pass's is sized for the GPU, not the bucket.
-// Blocks of `kernel` that fit an SM with `smem` bytes of dynamic shared memory (the attribute
-// set first: over 48 KiB needs it), at least 1.
-int FitPerSm(void (*kernel)(DecArgs), uint32_t smem) {
-  int blocks = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem)) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) != cudaSuccess)
-    return 1;
-  return std::max(blocks, 1);
-}
-
 template <int E>
 int Launch(const DecArgs& a, int sms, cudaStream_t s) {
-  // The tile passes' ranges: as many as their blocks fit at once (their tile[] entries are
-  // absolute, so their ranges need not be the count pass's).
-  static const int idx_fit = FitPerSm(DecodeIndexTileKernel<E>, kIdxSmem);
+  // The tile pass's ranges: as many as its blocks fit at once (tile[] holds absolute offsets
+  // after the fix pass, so they need not be the count pass's).
   static const int bm_fit = FitPerSm(DecodeBitmapTileKernel<E>, kBmSmem<E>);
   // The attribute is the current device's: set on every call (cheap), the fit computed once.
-  cudaError_t e = cudaFuncSetAttribute(DecodeIndexTileKernel<E>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int{kIdxSmem});
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(DecodeBitmapTileKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int{kBmSmem<E>});
+  cudaError_t e = cudaFuncSetAttribute(
+      DecodeBitmapTileKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kBmSmem<E>});
   if (e != cudaSuccess) return static_cast<int>(e);
-  DecArgs ai = a, ab = a;
-  ai.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * idx_fit));
+  DecArgs ab = a;
   ab.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * bm_fit));
-  const uint32_t grid = static_cast<uint32_t>(sms) * 8;
   const uint32_t fix_grid =
       static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * kMinBlocks));
-  DecodeRecordsKernel<E><<<grid, kThreads, 0, s>>>(a);
-  e = cudaGetLastError();
-  if (e == cudaSuccess) e = LaunchDependent(DecodeIndexTileKernel<E>, ai.ranges, kIdxSmem, s, ai);
+  e = LaunchIndexPasses<E>(a, sms, s);
   if (e == cudaSuccess) e = LaunchDependent(DecodeCountKernel<E>, a.ranges, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeTileFixKernel<E>, a.ranges, 0, s, a);
   if (e == cudaSuccess)
@@ -810,7 +461,7 @@ int LaunchDecode(const void* encoded, uint64_t encoded_bytes, void* bucket, uint
   a.bucket = static_cast<unsigned char*>(bucket);
   a.n = bytes;
   a.base_version = base_version;
-  // At least one tile, so the apply pass always sees a check pass (and an empty bucket works).
+  // At least one tile, so every tile pass has a tile (and an empty bucket works).
   a.tiles = static_cast<uint32_t>(bytes == 0 ? 1 : (bytes + kTileBytes - 1) / kTileBytes);
   a.s = s;
   const int sms = sm_count > 0 ? sm_count : 132;

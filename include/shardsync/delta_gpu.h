@@ -21,8 +21,9 @@
 //     it until Finish, as for every buffer of the call).
 // Scratch: DeltaGpuScratch::Bytes(max bucket bytes) of device memory, for every element size
 // (the element-size argument is checked but no longer changes the size): about 0.31 x the
-// bucket (values staged in up to a quarter of it, indices in 1/16, 12 bytes per 16 KiB tile),
-// plus one small pinned host block.
+// bucket (values staged in up to a quarter of it, indices in 1/16, 12 bytes per 16 KiB tile;
+// decode keeps the changed elements' old values in the same room), plus one small pinned host
+// block.
 //
 // Costs (docs/benchmarks.md "Delta codec on the device"). Encode, a reduce-then-scan in two
 // kernels: the tile pass reads base and next once (the Hopper copy engine feeds each block's

@@ -1,4 +1,6 @@
-// The delta decoder on the device (delta_gpu.h): DecodeDeltaInPlace's checks and result.
+// The delta decoder on the device (delta_gpu.h): DecodeDeltaInPlace's checks and result. This
+// file: the bitmap form's passes, decide, fix-up and the launch; delta_decode_index.cu: the index
+// form's passes; delta_decode.cuh: what they share.
 //
 // Apply, then verify, restore on refusal. The checks that need no bucket byte (header, records,
 // bitmap tail and count) come before any write; the two that do (base checksum, result

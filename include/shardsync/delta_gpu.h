@@ -14,12 +14,16 @@
 //     the encoded form is always smaller than the bucket when it is not kFull). `out` holds the
 //     encoding in its first DeltaEncodeResult::bytes bytes after Finish; for kFull its contents
 //     are undefined and the caller sends `next` whole, as with the host EncodeDelta.
-//   decode: `encoded` (encoded_bytes, read only) and `bucket` (written in place, and only when
-//     every check passed: a refused delta leaves it as it was).
+//   decode: `encoded` (encoded_bytes, read only) and `bucket` (written in place). The decoder
+//     writes the changes before it knows the base and result checksums and puts the old bytes
+//     back when it refuses: once Finish returned, a refused delta has left `bucket` byte for
+//     byte as it was (during the call it may hold part of the delta: no one else reads or writes
+//     it until Finish, as for every buffer of the call).
 // Scratch: DeltaGpuScratch::Bytes(max bucket bytes) of device memory, for every element size
 // (the element-size argument is checked but no longer changes the size): about 0.31 x the
-// bucket (values staged in up to a quarter of it, indices in 1/16, 12 bytes per 16 KiB tile),
-// plus one small pinned host block.
+// bucket (values staged in up to a quarter of it, indices in 1/16, 12 bytes per 16 KiB tile;
+// decode keeps the changed elements' old values in the same room), plus one small pinned host
+// block.
 //
 // Costs (docs/benchmarks.md "Delta codec on the device"). Encode, a reduce-then-scan in two
 // kernels: the tile pass reads base and next once (the Hopper copy engine feeds each block's
@@ -28,20 +32,18 @@
 // counts and moves the staged changes to their place (bitmap form: one copy per range; index
 // form: the records), a programmatic dependent launch of the first. Traffic beyond the bound's:
 // the changes written and read once more, the bitmap written even when the index form wins.
-// Decode, nothing written before every check passed. Index form: the records pass checks the
-// records and adds the new minus the old checksum term of each word holding a change (reading
-// only those words), a grid-stride pass reads the bucket once for the base checksum; bitmap
-// form: a count pass over the bitmap (a range of tiles per block) gives each tile its first
-// value, and the check pass reads the bucket once, a tile per block (the base checksum, and the
-// result's checksum predicted from the changed words' old and new terms). Then a kernel writes
-// the changed elements only if every check passed (index form: a store per record; bitmap form:
-// each 16-byte vector holding a change read and written whole). Measured on an H200, 64 / 512 /
-// 2048 MiB buckets at 1-10%: encode 0.52-0.78x of the HBM bound of its traffic (0.8-1.8 TB/s of
-// bucket), short of the issue's 0.8x; decode 0.31-0.39x of that bound at 1% (index form) and
-// 0.14-0.20x at 4-10% (bitmap form), 0.48-0.55x and 0.33-0.41x of the touched-sector bound
-// (0.38-1.69 TB/s of bucket). No refuse-before-write decode can reach 0.8x of the first bound
-// at these densities: a changed element's 32-byte sector is read and written whole by DRAM,
-// which puts the sector bound at 1.3-2.5x the first.
+// Decode, apply then verify: the checks that need no bucket byte first (header, index records,
+// bitmap tail and count), then one pass over the bucket reads each 16 KiB tile once (the base
+// checksum), writes back each 16-byte vector holding a change and saves the old values in the
+// scratch (the result's checksum predicted from the words in registers); a refusal costs one
+// more pass that puts the old values back. Index form: a records pass (checks, each tile's first
+// record), then the tile pass (a range of tiles per block fed by the copy engine, the records
+// patched into the tile in shared memory). Bitmap form: a count pass over the bitmap (a range of
+// tiles per block) gives each tile its first value, then the tile pass (grid-stride). A bitmap
+// delta whose old values exceed the scratch (over about 31% density) is checked first and
+// written after the decision. Measured on an H200 (docs/benchmarks.md "Device delta decode,
+// apply then verify"), 64 / 512 / 2048 MiB buckets at 1-10%: encode 0.52-0.78x of the HBM bound
+// of its traffic (0.8-1.8 TB/s of bucket), short of the issue's 0.8x; decode: see that section.
 #pragma once
 
 #include <chrono>

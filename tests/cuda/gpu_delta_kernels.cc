@@ -14,6 +14,7 @@
 #include "shardsync/checksum.h"
 #include "shardsync/delta.h"
 #include "shardsync/delta_gpu.h"
+#include "shardsync/delta_rule.h"
 #include "shardsync/gpu.h"
 
 namespace shardsync::gpu {
@@ -291,6 +292,87 @@ TEST_F(GpuDelta, RefusalsMatchTheHostAndLeaveTheBucketUntouched) {
     }
     // The same scratch still decodes a good delta after every refusal.
     Check(base, next, 2);
+  }
+}
+
+// The decoder writes the changes before it knows the verdict (base checksum, result checksum) and
+// puts the old bytes back when it refuses: a refused decode leaves the bucket byte for byte as it
+// was, and the encoding untouched, for both forms, every element size, a ragged end (the last
+// element changed) and a scratch too small for the old values (50% on a scratch sized for the
+// bucket: nothing written before the verdict). The refusals after the writes (base checksum,
+// corrupt value) are the ones a decoder without the restore would fail here.
+TEST_F(GpuDelta, RefusedDecodesLeaveTheBucketAsItWas) {
+  constexpr uint64_t kBytes = (uint64_t{3} << 20) + 40;  // 192 tiles and a ragged one
+  SS_ASSERT_OK_AND_ASSIGN(auto small, DeltaGpuScratch::Allocate(kBytes, 1, 0));
+  for (int e : {1, 2, 4}) {
+    const uint64_t elements = kBytes / e - 1;  // not a whole number of 8-byte words either
+    const Bytes base = RandomBytes(elements * e, static_cast<uint32_t>(e * 11));
+    for (double density : {0.01, 0.1, 0.5}) {
+      Bytes next = Mutate(base, e, static_cast<uint64_t>(density * elements), 23);
+      next[elements * e - 1] = ~base[elements * e - 1];  // the last element changes
+      Bytes enc0;
+      auto host = EncodeDelta(base, next, e, 41, "b", &enc0);
+      ASSERT_TRUE(host.ok());
+      const bool index = host->kind == DeltaKind::kIndex;
+      ASSERT_EQ(host->kind, density < 0.05 ? DeltaKind::kIndex : DeltaKind::kBitmap);
+      const size_t rec = kDeltaHeaderBytes + (index ? 0 : (elements + 7) / 8);
+      std::vector<Case> cases = {
+          {"base version", [](Bytes*, Bytes*, DeltaExpect* x, size_t*) { x->base_version = 7; }},
+          {"base checksum in the header",
+           [](Bytes* c, Bytes*, DeltaExpect*, size_t*) { Put64(c, 24, Get64(*c, 24) + 1); }},
+          {"corrupt base byte", [e](Bytes*, Bytes* b, DeltaExpect*,
+                                    size_t*) { (*b)[b->size() / 2 + e] ^= std::byte{8}; }},
+          {"corrupt value, first",
+           [index, e, rec](Bytes* c, Bytes*, DeltaExpect*, size_t*) {
+             (*c)[rec + (index ? kDeltaIndexBytes + e - 1 : e - 1)] ^= std::byte{0x40};
+           }},
+          {"corrupt value, last",
+           [](Bytes* c, Bytes*, DeltaExpect*, size_t* n) { (*c)[*n - 1] ^= std::byte{1}; }},
+      };
+      if (index) {
+        cases.push_back(
+            {"record not increasing", [e, rec](Bytes* c, Bytes*, DeltaExpect*, size_t*) {
+               const size_t r = kDeltaIndexBytes + e;
+               std::memcpy(c->data() + rec + 5 * r, c->data() + rec + 4 * r, 4);
+             }});
+      } else {
+        cases.push_back({"bitmap bit", [rec](Bytes* c, Bytes*, DeltaExpect*, size_t*) {
+                           (*c)[rec - 1] ^= std::byte{1};
+                         }});
+      }
+      for (DeltaGpuScratch* scratch : {scratch_.get(), small.get()}) {
+        for (const Case& c : cases) {
+          SCOPED_TRACE(::testing::Message()
+                       << "e=" << e << " density=" << density << " " << c.name
+                       << (scratch == small.get() ? " (scratch of the bucket's size)" : ""));
+          Bytes enc = enc0, bucket = base;
+          DeltaExpect expect{"b", e, 41};
+          size_t len = enc.size();
+          c.edit(&enc, &bucket, &expect, &len);
+          Bytes host_bucket = bucket;
+          const Status want = DecodeDeltaInPlace(std::span(enc.data(), len), host_bucket, expect);
+          ASSERT_FALSE(want.ok());
+          SS_ASSERT_OK(CopyToDevice(base_->data(), bucket.data(), bucket.size()));
+          SS_ASSERT_OK(CopyToDevice(out_->data(), enc.data(), enc.size()));
+          DeltaGpuDecodeArgs d;
+          d.encoded = out_->data();
+          d.encoded_bytes = len;
+          d.bucket = base_->data();
+          d.bucket_bytes = bucket.size();
+          d.expect = expect;
+          const Status got = DecodeDeltaDevice(d, scratch, stream_->handle(), kTimeout);
+          EXPECT_EQ(got.ToString(), want.ToString());
+          const Bytes after = Download(*base_, bucket.size());
+          EXPECT_TRUE(after == bucket)
+              << "bucket changed, first at byte "
+              << (std::mismatch(after.begin(), after.end(), bucket.begin()).first - after.begin());
+          EXPECT_TRUE(Download(*out_, enc.size()) == enc) << "encoding changed";
+        }
+        // Every refusal left the scratch ready: the delta decodes.
+        Check(base, next, e, scratch);
+        if (HasFatalFailure()) return;
+      }
+    }
   }
 }
 

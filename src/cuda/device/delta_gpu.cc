@@ -155,6 +155,7 @@ Result<std::unique_ptr<DeltaGpuScratch>> DeltaGpuScratch::Allocate(uint64_t max_
   s->ptrs_.rtot = reinterpret_cast<uint32_t*>(base + l.rtot);
   s->ptrs_.vals = base + l.vals;
   s->ptrs_.idx = reinterpret_cast<uint16_t*>(base + l.idx);
+  s->ptrs_.stage_bytes = l.total - l.vals;
   s->ptrs_.result = static_cast<dk::HostResult*>(host_dev);
   return std::unique_ptr<DeltaGpuScratch>(std::move(s));
 }

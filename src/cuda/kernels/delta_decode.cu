@@ -1,235 +1,36 @@
-// The delta decoder on the device (delta_gpu.h): DecodeDeltaInPlace's checks and result.
+// The delta decoder on the device (delta_gpu.h): DecodeDeltaInPlace's checks and result. This
+// file: the bitmap form's passes, decide, fix-up and the launch; delta_decode_index.cu: the index
+// form's passes; delta_decode.cuh: what they share.
 //
-// Every kernel checks the header first (delta_kernels.h ParseHeader, the host's order) and does
-// nothing when it is refused. No kernel waits on another block.
-// Index form, the bucket read once at streaming speed and the changed words once more: Records
-// (DecodeRecordsKernel, a thread per record) checks every record (in range, strictly increasing)
-// and adds the new minus the old checksum term of every word holding a change (the word's first
-// record reads it and patches the word's records); Sum (DecodeSumKernel, grid-stride) adds the
-// base checksum terms of the whole bucket.
+// Apply, then verify, restore on refusal. The checks that need no bucket byte (header, records,
+// bitmap tail and count) come before any write; the two that do (base checksum, result
+// checksum) come from the same pass that writes the changes: it reads each tile of the bucket
+// once, adds its base checksum terms, writes the changed vectors back and saves the values they
+// held in the scratch (change k's old value at k x E). Decide then reads the sums, and only a
+// refusal costs a further pass: Fixup puts the saved values back, leaving the bucket exactly as
+// it was. (A bitmap delta whose old values do not fit the scratch, over about 31% density, is
+// checked first and written by Fixup, as before.) Every kernel checks the header first
+// (delta_kernels.h ParseHeader, the host's order); every form's passes are queued, and those of
+// the other form return at once. No kernel waits on another block.
+// Index form: Records (DecodeRecordsKernel, a thread per record) checks every record (in range,
+// strictly increasing) and writes each tile's first record; IndexTile (DecodeIndexTileKernel, a
+// range of tiles per block, the copy engine loading the next tile while the block works on one)
+// sums each tile, patches its records into the tile in shared memory and writes back the
+// vectors that changed.
 // Bitmap form: Counts (DecodeCountKernel, a range of consecutive tiles per block, a warp per
 // tile) popcount each tile's bitmap bytes (n / 8E bytes in all) and scan them within the range;
 // the last block scans the ranges; TileFix (DecodeTileFixKernel) adds each range's first value,
-// so tile[t] is tile t's first value. Check (DecodeCheckKernel, one tile of the bucket per block)
-// reads the tile once, adds its base checksum terms, finds its changed elements (the bitmap's
-// bits) and their values (from tile[t] on, loaded into shared memory together with the tile),
-// and adds the new minus the old term of every changed word: the result's checksum is predicted
-// from the words in registers, never read twice. None of them writes what the caller sees.
-// Decide (DecodeDecideKernel, one thread): the decision from the sums (header, base checksum,
-// records, bitmap tail and count, predicted result checksum), reported to the host; the control
-// block back at rest.
-// Apply (DecodeApplyKernel, the check pass's tiles): writes the changed elements only when the
-// decision is "apply" (bitmap form: each 16-byte vector holding a change read, patched and
-// written whole; index form: one store per record).
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <type_traits>
-
-#include "cuda/kernels/delta_device.cuh"
+// so tile[t] is tile t's first value. BitmapTile (DecodeBitmapTileKernel, a range of tiles per
+// block, the copy engine loading the next tile, its bits and its values while the block works on
+// one) sums each tile, finds its changed elements (the bits) and their values (from tile[t]
+// on), and writes each 16-byte vector holding a change back patched.
+// Decide (DecodeDecideKernel, one thread): the decision from the sums, reported to the host; the
+// control block back at rest. Fixup (DecodeFixupKernel): the restore, or the late apply.
+#include "cuda/kernels/delta_decode.cuh"
 
 namespace shardsync::gpu::delta {
 namespace {
 
-struct DecArgs {
-  const unsigned char* enc;
-  uint64_t enc_bytes;
-  unsigned char* bucket;
-  uint64_t n;
-  uint64_t base_version;
-  uint32_t tiles;   // check tiles of the bucket
-  uint32_t ranges;  // the count pass's ranges of consecutive tiles, one per block (<= tiles)
-  ScratchPtrs s;
-};
-
-template <int E>
-__device__ __forceinline__ uint64_t RecIndex(const unsigned char* payload, uint64_t k) {
-  return LoadLE(payload + k * (kDeltaIndexBytes + E), 4);
-}
-template <int E>
-__device__ __forceinline__ uint64_t RecValue(const unsigned char* payload, uint64_t k) {
-  return LoadLE(payload + k * (kDeltaIndexBytes + E) + kDeltaIndexBytes, E);
-}
-
-template <int E>
-__device__ __forceinline__ HeaderView Parse(const DecArgs& a) {
-  return ParseHeader(a.enc, a.enc_bytes, E, a.n, a.base_version);
-}
-
-// Bits of the bitmap for the 16 / E elements from elem0 (a multiple of 16 / E), zero past the
-// last element.
-template <int E>
-__device__ __forceinline__ unsigned VectorBits(const unsigned char* bitmap, uint64_t elem0,
-                                               uint64_t elements) {
-  constexpr int kBits = 16 / E;
-  const uint64_t j = elem0 / 8;
-  unsigned bits;
-  if constexpr (E == 1) {
-    bits = bitmap[j] | (elem0 + 8 < elements ? unsigned{bitmap[j + 1]} << 8 : 0u);
-  } else if constexpr (E == 2) {
-    bits = bitmap[j];
-  } else {
-    bits = (bitmap[j] >> (elem0 % 8)) & 0xfu;
-  }
-  if (elem0 + kBits > elements) bits &= (1u << (elements - elem0)) - 1;
-  return bits;
-}
-
-// Index form: every record checked (in range, strictly increasing), and the new minus the old
-// checksum term of every word holding a change, taken by the word's first record (it reads the
-// word from the bucket and patches the word's records, at most 8 / E): the result's checksum is
-// predicted from the changed words only, so the base checksum is a plain streaming pass.
-template <int E>
-__global__ void __launch_bounds__(kThreads) DecodeRecordsKernel(DecArgs a) {
-  GridDepWait();
-  GridDepTrigger();
-  constexpr uint64_t kPerWord = 8 / E;
-  __shared__ HeaderView h;
-  __shared__ uint64_t s_red[kWarps];
-  if (threadIdx.x == 0) h = Parse<E>(a);
-  __syncthreads();
-  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
-  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
-  const uint64_t c = h.changed;
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
-  uint64_t delta = 0;
-  for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k < c;
-       k += stride) {
-    const uint64_t i = RecIndex<E>(payload, k);
-    const uint64_t prev = k > 0 ? RecIndex<E>(payload, k - 1) : 0;
-    if (i >= h.elements || (k > 0 && i <= prev)) {
-      atomicMin(&a.s.ctl->bad_record, static_cast<unsigned long long>(k));
-      continue;
-    }
-    const uint64_t w = i / kPerWord;
-    if (k > 0 && prev / kPerWord == w) continue;  // not the word's first record
-    const uint64_t old = LoadWord(a.bucket, w, a.n);
-    uint64_t word = Patch<E>(old, static_cast<int>(i % kPerWord) * E, RecValue<E>(payload, k));
-    for (uint64_t j = k + 1; j < c && j < k + kPerWord; ++j) {
-      const uint64_t ij = RecIndex<E>(payload, j);
-      if (ij / kPerWord != w) break;  // (a bad record here is refused by its own thread)
-      word = Patch<E>(word, static_cast<int>(ij % kPerWord) * E, RecValue<E>(payload, j));
-    }
-    delta += Mix(word, w) - Mix(old, w);
-  }
-  delta = BlockSum(delta, s_red);
-  if (threadIdx.x == 0 && delta != 0)
-    atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(delta));
-}
-
-// Index form: the base checksum, a streaming reduction over the bucket (grid-stride, four 16-byte
-// loads in flight per thread, the terms summed per thread and added once per block).
-template <int E>
-__global__ void __launch_bounds__(kThreads) DecodeSumKernel(DecArgs a) {
-  GridDepWait();
-  GridDepTrigger();
-  constexpr int kU = 4;
-  __shared__ HeaderView h;
-  __shared__ uint64_t s_red[kWarps];
-  if (threadIdx.x == 0) h = Parse<E>(a);
-  __syncthreads();
-  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
-  const uint64_t n = a.n, full = n / 16, vecs = (n + 15) / 16;
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
-  uint64_t sum = 0;
-  uint64_t v = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  for (; v + (kU - 1) * stride < full; v += kU * stride) {
-    uint4 x[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u)
-      x[u] = *reinterpret_cast<const uint4*>(a.bucket + (v + u * stride) * 16);
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const uint64_t key = MixKey(2 * (v + u * stride));
-      sum += MixWithKey(Lo64(x[u]), key) + MixWithKey(Hi64(x[u]), key + kChecksumStep);
-    }
-  }
-  for (; v < vecs; v += stride) {  // the rest, and the ragged end (zero padded words)
-    const uint64_t o = v * 16;
-    const uint4 x = LoadVec(a.bucket, o, n);
-    const uint64_t key = MixKey(2 * v);
-    sum += MixWithKey(Lo64(x), key);
-    if (o + 8 < n) sum += MixWithKey(Hi64(x), key + kChecksumStep);
-  }
-  sum = BlockSum(sum, s_red);
-  if (threadIdx.x == 0) atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(sum));
-}
-
-// Element r of a 16-byte vector's little-endian bytes replaced by v.
-template <int E>
-__device__ __forceinline__ void PatchVec(uint64_t& lo, uint64_t& hi, int r, uint64_t v) {
-  const int byte = r * E;
-  if (byte < 8) {
-    lo = Patch<E>(lo, byte, v);
-  } else {
-    hi = Patch<E>(hi, byte - 8, v);
-  }
-}
-
-// Bitmap form: the value of change number `at` (the values after the bitmap), 0 past the
-// encoding's end (the decode is refused then).
-template <int E>
-__device__ __forceinline__ uint64_t ChangeValue(const unsigned char* vals, uint64_t vals_bytes,
-                                                uint64_t at) {
-  if ((at + 1) * E > vals_bytes) return 0;
-  const unsigned char* p = vals + at * E;
-  if constexpr (E == 2) {
-    if ((reinterpret_cast<uintptr_t>(p) & 1) == 0) return *reinterpret_cast<const uint16_t*>(p);
-  } else if constexpr (E == 4) {
-    if ((reinterpret_cast<uintptr_t>(p) & 3) == 0) return *reinterpret_cast<const uint32_t*>(p);
-  }
-  return LoadLE(p, E);
-}
-
-// A tile's values (bitmap form) staged in shared memory when they fit: up to 25% density for
-// every element size (a denser tile reads them from the encoding one by one).
-inline constexpr uint32_t kValsSmem = kTileBytes / 4;
-
-// Bytes [p0 E, p1 E) of the values (clamped to the encoding) into s_vals, when they fit; the
-// caller's barrier makes them visible. Returns whether they were staged.
-template <int E>
-__device__ __forceinline__ bool StageValues(unsigned char* s_vals, const unsigned char* vals,
-                                            uint64_t vals_bytes, uint32_t p0, uint32_t p1) {
-  const uint64_t from = uint64_t{p0} * E;
-  const uint64_t len = p1 >= p0 ? uint64_t{p1 - p0} * E : 0;
-  if (len > kValsSmem) return false;
-#pragma unroll 4
-  for (uint32_t i = threadIdx.x; i < len; i += kThreads)
-    s_vals[i] = from + i < vals_bytes ? vals[from + i] : 0;
-  return true;
-}
-
-template <int E>
-__device__ __forceinline__ uint64_t StagedValue(const unsigned char* s_vals, uint64_t j) {
-  if constexpr (E == 1) {
-    return s_vals[j];
-  } else if constexpr (E == 2) {
-    return reinterpret_cast<const uint16_t*>(s_vals)[j];
-  } else {
-    return reinterpret_cast<const uint32_t*>(s_vals)[j];
-  }
-}
-
-// The bitmap form's layout over a bucket of n bytes (used before the header is checked: only
-// inside the encoding, and only trusted once the decision says "bitmap").
-struct BitmapLayout {
-  uint64_t elements, bitmap_bytes, vals_bytes;
-  bool bits_in;  // the encoding holds the whole bitmap
-};
-template <int E>
-__device__ __forceinline__ BitmapLayout Layout(const DecArgs& a) {
-  BitmapLayout l;
-  l.elements = a.n / E;
-  l.bitmap_bytes = DeltaBitmapBytes(l.elements);
-  l.bits_in = a.enc_bytes >= kDeltaHeaderBytes + l.bitmap_bytes;
-  l.vals_bytes = l.bits_in ? a.enc_bytes - kDeltaHeaderBytes - l.bitmap_bytes : 0;
-  return l;
-}
-
-// The count pass's range r of tiles: [RangeFirst(r), RangeFirst(r + 1)).
-__device__ __forceinline__ uint32_t RangeFirst(const DecArgs& a, uint32_t r) {
-  return static_cast<uint32_t>(uint64_t{r} * a.tiles / a.ranges);
-}
 // Bitmap form, a range of consecutive tiles per block: a warp per tile counts its bitmap bytes
 // (16-byte loads); the block scans its tiles' counts into each one's first value within the
 // range (tile[t]) and the range's total (rtot[r]); the last block to finish scans the ranges'
@@ -319,107 +120,197 @@ __global__ void __launch_bounds__(kThreads) DecodeTileFixKernel(DecArgs a) {
   for (uint32_t t = RangeFirst(a, r) + threadIdx.x; t < t1; t += kThreads) a.s.tile[t] += first;
 }
 
-// The check pass holds one side's vectors only: 48 registers, 5 blocks per SM.
-inline constexpr int kCheckMinBlocks = 5;
-
+// The bitmap form's tile pass: per stage the tile (16 KiB), its bitmap bytes and a 16-byte
+// aligned window holding its values (when it fits and lies inside the encoding), all three
+// filled by the copy engine on one barrier while the block works on the other stage. 3 or 4
+// stages measured slower (553-560 / 641-644 us against 535 at bf16 512 MiB 10%: 3 or 2 blocks
+// per SM instead of 4).
+inline constexpr uint32_t kBmStages = 2;
+inline constexpr uint32_t kBmWindow = kValsSmem + 32;
+// A stage: the tile, its bitmap bytes, the values' window (each 16-byte aligned).
 template <int E>
-__global__ void __launch_bounds__(kThreads, kCheckMinBlocks) DecodeCheckKernel(DecArgs a) {
+inline constexpr uint32_t kBmStage =
+    static_cast<uint32_t>(kTileBytes + kTileBytes / E / 8) + kBmWindow;
+template <int E>
+inline constexpr uint32_t kBmSmem = kBmStages* kBmStage<E>;  // dynamic shared memory
+inline constexpr int kBmMinBlocks = 4;
+
+// Bitmap form, a range of consecutive tiles per block (as many blocks as fit), each tile read
+// once: its base checksum terms, its changed elements (the bits) and their values (from tile[t]
+// on), the new minus the old term of every changed word, and, when the changes are applied
+// before the decision (WillApply), each 16-byte vector holding a change written back patched and
+// its old values saved (change k's at k x E of the scratch).
+template <int E>
+__global__ void __launch_bounds__(kThreads, kBmMinBlocks) DecodeBitmapTileKernel(DecArgs a) {
   GridDepWait();
-  static_assert(kTileVecs <= 4, "per-vector counts are packed 16 bits apart in one word");
+  constexpr uint32_t kTileBitmap = static_cast<uint32_t>(kTileBytes / E / 8);
+  constexpr uint64_t kTileElems = kTileBytes / E;
+  extern __shared__ __align__(128) unsigned char s_dyn[];  // kBmStages stages
+  auto s_tile = [&](uint32_t st) { return reinterpret_cast<uint4*>(s_dyn + st * kBmStage<E>); };
+  auto s_bits = [&](uint32_t st) { return s_dyn + st * kBmStage<E> + kTileBytes; };
+  auto s_win = [&](uint32_t st) { return s_dyn + st * kBmStage<E> + kTileBytes + kTileBitmap; };
+  __shared__ __align__(8) uint64_t s_bar[kBmStages];
+  __shared__ uint32_t s_tp[kBmStages][2];  // the stage's tile[t], tile[t + 1]
+  __shared__ uint32_t s_voff[kBmStages];   // its first value's byte in the window (kNoSlot: none)
   __shared__ HeaderView h;
-  __shared__ uint64_t s_scan[2][kWarps];
-  __shared__ __align__(16) unsigned char s_vals[kValsSmem];  // the tile's values
-  // The index form's checks are the records and sum passes': nothing to do here.
+  __shared__ bool s_apply;
+  __shared__ uint64_t s_scan[kWarps];
+  // The index form's checks are the records and index tile passes': nothing to do here.
   if (a.enc_bytes >= kDeltaHeaderBytes && a.enc[5] == static_cast<unsigned char>(DeltaKind::kIndex))
     return;
-  Ctl* c = a.s.ctl;
-  const uint32_t t = blockIdx.x;
+  if (threadIdx.x == 0) {
+    h = Parse<E>(a);
+    s_apply = h.kind == static_cast<int>(DeltaKind::kBitmap) && WillApply<E>(a, h);
+    for (int i = 0; i < kBmStages; ++i) MbarInit(&s_bar[i], 1);
+    MbarInitFence();
+  }
+  __syncthreads();
+  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kBitmap)) return;
+  const bool apply = s_apply;
   const uint64_t n = a.n;
-  const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
-  uint4 w[kTileVecs];
-  if ((static_cast<uint64_t>(t) + 1) * kTileBytes <= n) {  // every load in flight at once
+  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
+  const BitmapLayout bl = Layout<E>(a);
+  const unsigned char* vals = payload + bl.bitmap_bytes;
+  const uintptr_t enc_end = reinterpret_cast<uintptr_t>(a.enc) + a.enc_bytes;
+  Elem<E>* saved = reinterpret_cast<Elem<E>*>(a.s.vals);
+  const uint32_t lo = RangeFirst(a, blockIdx.x), hi = RangeFirst(a, blockIdx.x + 1);
+  const uint32_t whole_hi = min(hi, static_cast<uint32_t>(n / kTileBytes));
+  // One thread: tile t's loads into its stage, given tile[t] and tile[t + 1].
+  auto issue = [&](uint32_t t, uint32_t tp0, uint32_t tp1) {
+    const uint32_t st = (t - lo) % kBmStages;
+    const uintptr_t from = reinterpret_cast<uintptr_t>(vals) + uint64_t{tp0} * E;
+    const uintptr_t to = reinterpret_cast<uintptr_t>(vals) + uint64_t{tp1} * E;
+    const uintptr_t ws = from & ~uintptr_t{15}, we = (to + 15) & ~uintptr_t{15};
+    const bool win = tp1 >= tp0 && we - ws <= kBmWindow && we <= enc_end;
+    s_tp[st][0] = tp0;
+    s_tp[st][1] = tp1;
+    s_voff[st] = win ? static_cast<uint32_t>(from - ws) : kNoSlot;
+    MbarExpect(&s_bar[st], static_cast<uint32_t>(kTileBytes + kTileBitmap + (win ? we - ws : 0)));
+    BulkLoad(s_tile(st), a.bucket + uint64_t{t} * kTileBytes, kTileBytes, &s_bar[st]);
+    BulkLoad(s_bits(st), payload + uint64_t{t} * kTileBitmap, kTileBitmap, &s_bar[st]);
+    if (win && we > ws)
+      BulkLoad(s_win(st), reinterpret_cast<const void*>(ws), static_cast<uint32_t>(we - ws),
+               &s_bar[st]);
+  };
+  if (threadIdx.x == 0)
+    for (uint32_t t = lo; t < whole_hi && t < lo + kBmStages; ++t)
+      issue(t, a.s.tile[t], a.s.tile[t + 1]);
+  __syncthreads();  // the stages' offsets
+  constexpr uint64_t kKeyVec = uint64_t{kThreads} * 2 * kChecksumStep;
+  constexpr uint64_t kKeyTile = kTileBytes / 8 * kChecksumStep;
+  uint64_t key0 = MixKey((static_cast<uint64_t>(lo) * kThreads * kTileVecs + threadIdx.x) * 2);
+  uint64_t sum = 0, delta = 0;
+  for (uint32_t t = lo; t < hi; ++t, key0 += kKeyTile) {
+    const uint32_t i = t - lo, st = i % kBmStages;
+    // Thread 0: tile[] of the tile two on, loaded now, used at the end to refill this stage.
+    uint32_t nx0 = 0, nx1 = 0;
+    if (threadIdx.x == 0 && t + kBmStages < whole_hi) {
+      nx0 = a.s.tile[t + kBmStages];
+      nx1 = a.s.tile[t + kBmStages + 1];
+    }
+    const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
+    uint4 w[kTileVecs];
+    unsigned m[kTileVecs];
+    uint32_t tp0, tp1, voff;
+    const unsigned char* win;
+    if (t < whole_hi) {
+      MbarWait(&s_bar[st], (i / kBmStages) & 1);
+      tp0 = s_tp[st][0];
+      tp1 = s_tp[st][1];
+      voff = s_voff[st];
+      win = s_win(st);
 #pragma unroll
-    for (int k = 0; k < kTileVecs; ++k)
-      w[k] = *reinterpret_cast<const uint4*>(a.bucket + (v0 + uint64_t{kThreads} * k) * 16);
-  } else {
+      for (int k = 0; k < kTileVecs; ++k) {
+        w[k] = s_tile(st)[k * kThreads + threadIdx.x];
+        const uint64_t local = (uint64_t{kThreads} * k + threadIdx.x) * 16 / E;
+        m[k] = VectorBits<E>(s_bits(st), local, kTileElems);
+      }
+    } else {  // the ragged last tile: loaded by the threads
+      tp0 = a.s.tile[t];
+      tp1 = a.s.tile[t + 1];
+      const bool staged = StageValues<E>(s_win(st), vals, bl.vals_bytes, tp0, tp1);
+      voff = staged ? 0 : kNoSlot;
+      win = s_win(st);
+#pragma unroll
+      for (int k = 0; k < kTileVecs; ++k) {
+        const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+        w[k] = o < n ? LoadVec(a.bucket, o, n) : make_uint4(0, 0, 0, 0);
+        m[k] = o < n ? VectorBits<E>(payload, o / E, bl.elements) : 0;
+      }
+    }
+    uint64_t cnt = 0;
 #pragma unroll
     for (int k = 0; k < kTileVecs; ++k) {
       const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-      w[k] = o < n ? LoadVec(a.bucket, o, n) : make_uint4(0, 0, 0, 0);
-    }
-  }
-  // The tile's first value and the next tile's (the count pass).
-  const uint32_t tp0 = a.s.tile[t], tp1 = a.s.tile[t + 1];
-  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
-  // Bitmap form (read from the kind byte before the header is checked, so the bits and the
-  // values load with the tile; only used once the header passed): bits and staged values.
-  const BitmapLayout bl = Layout<E>(a);
-  const bool maybe_bitmap =
-      bl.bits_in && a.enc[5] == static_cast<unsigned char>(DeltaKind::kBitmap);
-  unsigned m[kTileVecs];
-#pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    m[k] = maybe_bitmap && o < n ? VectorBits<E>(payload, o / E, bl.elements) : 0;
-  }
-  const unsigned char* vals = payload + bl.bitmap_bytes;
-  const bool staged = maybe_bitmap && StageValues<E>(s_vals, vals, bl.vals_bytes, tp0, tp1);
-  if (threadIdx.x == 0) h = Parse<E>(a);
-  __syncthreads();
-  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kBitmap)) return;
-  uint64_t sum = 0, cnt = 0;
-  // Checksum keys (MixKey of word o / 8), stepped rather than multiplied.
-  constexpr uint64_t kKeyVec = uint64_t{kThreads} * 2 * kChecksumStep;
-  const uint64_t key0 = MixKey(v0 * 2);
-#pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    if (o < n) {
       const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
-      sum += MixWithKey(Lo64(w[k]), key);
-      if (o + 8 < n) sum += MixWithKey(Hi64(w[k]), key + kChecksumStep);
+      if (o < n) {
+        sum += MixWithKey(Lo64(w[k]), key);
+        if (o + 8 < n) sum += MixWithKey(Hi64(w[k]), key + kChecksumStep);
+      }
+      cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
     }
-    cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
-  }
-  uint64_t v[2] = {cnt, sum}, tot[2];
-  BlockScanN<2>(v, tot, s_scan);
-  const uint64_t ex = v[0], tot_c = tot[0];
-  if (threadIdx.x == 0) atomicAdd(&c->sum_a, static_cast<unsigned long long>(tot[1]));
-  uint64_t prefix = tp0;  // the tile's first value (the count pass)
-  const uint64_t first = prefix;
-  uint64_t delta = 0;
+    uint64_t tot_c = 0;
+    const uint64_t ex = BlockExclusiveScan(cnt, &tot_c, s_scan);  // its barriers: values staged
+    // Change `at`'s value: from the window (byte loads where it is not aligned for E), else from
+    // the encoding; 0 past the tile's values (a count that disagrees: refused).
+    const bool aligned = voff != kNoSlot && voff % E == 0;
+    auto value = [&](uint64_t at) -> uint64_t {
+      if (voff == kNoSlot) return ChangeValue<E>(vals, bl.vals_bytes, at);
+      if (at >= tp1) return 0;
+      const unsigned char* p = win + voff + (at - tp0) * E;
+      if (aligned) return *reinterpret_cast<const Elem<E>*>(p);
+      return LoadLE(p, E);
+    };
+    uint64_t prefix = tp0;
 #pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    uint64_t at = prefix + ((ex >> (16 * k)) & 0xffff);
-    prefix += (tot_c >> (16 * k)) & 0xffff;
-    if (m[k] == 0) continue;
-    const uint64_t old_lo = Lo64(w[k]), old_hi = Hi64(w[k]);
-    uint64_t new_lo = old_lo, new_hi = old_hi;
-    for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++at) {
-      // Staged values cover [tp0, tp1): past them (a count that disagrees, refused) read 0.
-      const uint64_t value = staged ? (at < tp1 ? StagedValue<E>(s_vals, at - first) : 0)
-                                    : ChangeValue<E>(vals, bl.vals_bytes, at);
-      PatchVec<E>(new_lo, new_hi, __ffs(mm) - 1, value);
+    for (int k = 0; k < kTileVecs; ++k) {
+      uint64_t at = prefix + ((ex >> (16 * k)) & 0xffff);
+      prefix += (tot_c >> (16 * k)) & 0xffff;
+      if (m[k] == 0) continue;
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
+      const uint64_t old_lo = Lo64(w[k]), old_hi = Hi64(w[k]);
+      uint64_t new_lo = old_lo, new_hi = old_hi;
+      for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++at) {
+        const int r = __ffs(mm) - 1;
+        const uint64_t v = value(at);
+        if (apply) {
+          saved[at] = static_cast<Elem<E>>(VecElem<E>(old_lo, old_hi, r));
+          if (o + 16 > n) reinterpret_cast<Elem<E>*>(a.bucket)[o / E + r] = v;
+        }
+        PatchVec<E>(new_lo, new_hi, r, v);
+      }
+      if (apply && o + 16 <= n)
+        *reinterpret_cast<uint4*>(a.bucket + o) =
+            make_uint4(static_cast<uint32_t>(new_lo), static_cast<uint32_t>(new_lo >> 32),
+                       static_cast<uint32_t>(new_hi), static_cast<uint32_t>(new_hi >> 32));
+      delta += MixWithKey(new_lo, key) - MixWithKey(old_lo, key);
+      delta += MixWithKey(new_hi, key + kChecksumStep) - MixWithKey(old_hi, key + kChecksumStep);
     }
-    const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
-    delta += MixWithKey(new_lo, key) - MixWithKey(old_lo, key);
-    delta += MixWithKey(new_hi, key + kChecksumStep) - MixWithKey(old_hi, key + kChecksumStep);
+    __syncthreads();  // the stage is read: refill it
+    if (threadIdx.x == 0 && t + kBmStages < whole_hi) issue(t + kBmStages, nx0, nx1);
   }
   GridDepTrigger();
-  delta = BlockSum(delta, s_scan[0]);
-  if (threadIdx.x == 0 && delta != 0) atomicAdd(&c->sum_b, static_cast<unsigned long long>(delta));
+  sum = BlockSum(sum, s_scan);
+  delta = BlockSum(delta, s_scan);
+  if (threadIdx.x == 0) {
+    atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(sum));
+    if (delta != 0) atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(delta));
+  }
 }
 
 // One thread: the decision from the sums (header, base checksum, records, bitmap tail and count,
-// predicted result checksum), left in the control block for the apply pass and reported to the
-// host (read only after the call's event, so after the apply pass too); the control block's sums
-// go back to rest here, since the apply pass reads only the decision.
+// result checksum), left in the control block for the fix-up pass with whether the changes were
+// already written, and reported to the host (read only after the call's event, so after the
+// fix-up pass too); the control block's sums go back to rest here, since the fix-up pass reads
+// only the decision.
 template <int E>
 __global__ void DecodeDecideKernel(DecArgs a) {
   GridDepWait();
   GridDepTrigger();
   Ctl* c = a.s.ctl;
   const HeaderView h = Parse<E>(a);
+  const bool applied = WillApply<E>(a, h);
   uint32_t code = h.code;
   uint64_t have = 0, detail = 0;
   const bool bitmap = h.kind == static_cast<int>(DeltaKind::kBitmap);
@@ -440,7 +331,8 @@ __global__ void DecodeDecideKernel(DecArgs a) {
       if (have != h.new_checksum) code = kResultChecksum;
     }
   }
-  c->go = code | static_cast<unsigned long long>(h.kind) << 32;
+  c->go = code | static_cast<unsigned long long>(h.kind) << 32 |
+          static_cast<unsigned long long>(applied) << 40;
   c->changed = h.changed;
   HostResult* r = a.s.result;
   r->code = code;
@@ -456,107 +348,106 @@ __global__ void DecodeDecideKernel(DecArgs a) {
   __threadfence_system();
 }
 
-// One tile of the bucket per block (the check pass's tiles), writing only on the decide kernel's
-// "apply". The bitmap bits and the tile's values are loaded before the decision is read. Bitmap
-// form: each 16-byte vector holding a change is read, patched and written whole (coalesced across
-// the warp) instead of one store per element; index form: one store per record.
+// The last pass (grid-stride, few blocks: nothing to do in the common case, changes applied and
+// accepted). Changes applied and the decode refused: every changed element gets its old value
+// back from the scratch, so the bucket holds exactly its bytes from before the call. Not applied
+// (old values past the scratch) and accepted: the changes are written now. Index form: a store
+// per record; bitmap form: each 16-byte vector holding a change read, patched and written whole.
 template <int E>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeApplyKernel(DecArgs a) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeFixupKernel(DecArgs a) {
   GridDepWait();
-  __shared__ uint64_t s_scan[1][kWarps];
+  __shared__ uint64_t s_scan[kWarps];
   __shared__ __align__(16) unsigned char s_vals[kValsSmem];
   const Ctl* c = a.s.ctl;
-  const uint64_t n = a.n;
-  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
-  // Bits and values as the bitmap form lays them out, read only inside the encoding (unused
-  // unless the decision is "apply a bitmap form", which implies the layout).
-  const BitmapLayout bl = Layout<E>(a);
-  const uint32_t t = blockIdx.x;
-  const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
-  const bool maybe_bitmap =
-      bl.bits_in && a.enc[5] == static_cast<unsigned char>(DeltaKind::kBitmap);
-  const uint32_t tp0 = a.s.tile[t], tp1 = a.s.tile[t + 1];
-  unsigned m[kTileVecs];
-  uint64_t cnt = 0;
-#pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    m[k] = maybe_bitmap && o < n ? VectorBits<E>(payload, o / E, bl.elements) : 0;
-    cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
-  }
-  const unsigned char* vals = payload + bl.bitmap_bytes;
-  const bool staged = maybe_bitmap && StageValues<E>(s_vals, vals, bl.vals_bytes, tp0, tp1);
   const uint64_t go = c->go;
-  if (static_cast<uint32_t>(go) != kOk) return;
-  using T = std::conditional_t<E == 1, unsigned char,
-                               std::conditional_t<E == 2, unsigned short, uint32_t>>;
-  if (static_cast<int>(go >> 32) == static_cast<int>(DeltaKind::kIndex)) {
-    T* out = reinterpret_cast<T*>(a.bucket);
-    const uint64_t changed = c->changed;
+  const bool ok = static_cast<uint32_t>(go) == kOk, applied = ((go >> 40) & 1) != 0;
+  if (ok == applied) return;  // accepted and written, or refused with nothing written
+  // From here the header passed (applied, or accepted): its layout holds.
+  const uint64_t n = a.n, changed = c->changed;
+  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
+  const unsigned char* saved = a.s.vals;  // the old values (restore)
+  Elem<E>* out = reinterpret_cast<Elem<E>*>(a.bucket);
+  if (static_cast<int>((go >> 32) & 0xff) == static_cast<int>(DeltaKind::kIndex)) {
     const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
-    constexpr int kU = 4;  // records per thread with their loads in flight at once
-    for (uint64_t k0 = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k0 < changed;
-         k0 += kU * stride) {
-      uint64_t idx[kU], val[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const uint64_t k = k0 + u * stride;
-        idx[u] = k < changed ? RecIndex<E>(payload, k) : 0;
-        val[u] = k < changed ? RecValue<E>(payload, k) : 0;
-      }
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (k0 + u * stride < changed) out[idx[u]] = static_cast<T>(val[u]);
+    for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k < changed;
+         k += stride) {
+      out[RecIndex<E>(payload, k)] = applied ? reinterpret_cast<const Elem<E>*>(saved)[k]
+                                             : static_cast<Elem<E>>(RecValue<E>(payload, k));
     }
     return;
   }
-  // The check pass's scan, from the tile's first value (the count pass's offset); its barriers
-  // also make the staged values visible.
-  uint64_t tot_c = 0;
-  const uint64_t ex = BlockExclusiveScan(cnt, &tot_c, s_scan[0]);
-  uint64_t at = tp0;
-  uint4 w[kTileVecs];
+  const BitmapLayout bl = Layout<E>(a);
+  const unsigned char* src = applied ? saved : payload + bl.bitmap_bytes;
+  const uint64_t src_bytes = applied ? changed * E : bl.vals_bytes;
+  for (uint32_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
+    const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
+    const uint32_t tp0 = a.s.tile[t], tp1 = a.s.tile[t + 1];
+    unsigned m[kTileVecs];
+    uint64_t cnt = 0;
 #pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    w[k] = m[k] != 0 && o + 16 <= n ? *reinterpret_cast<const uint4*>(a.bucket + o)
-                                    : make_uint4(0, 0, 0, 0);
-  }
-  auto value = [&](uint64_t i) -> uint64_t {
-    return staged ? StagedValue<E>(s_vals, i - tp0) : ChangeValue<E>(vals, bl.vals_bytes, i);
-  };
-#pragma unroll
-  for (int k = 0; k < kTileVecs; ++k) {
-    uint64_t i = at + ((ex >> (16 * k)) & 0xffff);
-    at += (tot_c >> (16 * k)) & 0xffff;
-    if (m[k] == 0) continue;
-    const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
-    if (o + 16 <= n) {
-      uint64_t lo = Lo64(w[k]), hi = Hi64(w[k]);
-      for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++i)
-        PatchVec<E>(lo, hi, __ffs(mm) - 1, value(i));
-      *reinterpret_cast<uint4*>(a.bucket + o) =
-          make_uint4(static_cast<uint32_t>(lo), static_cast<uint32_t>(lo >> 32),
-                     static_cast<uint32_t>(hi), static_cast<uint32_t>(hi >> 32));
-    } else {  // the ragged end: element stores inside the bucket
-      T* out = reinterpret_cast<T*>(a.bucket);
-      for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++i)
-        out[o / E + __ffs(mm) - 1] = static_cast<T>(value(i));
+    for (int k = 0; k < kTileVecs; ++k) {
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      m[k] = o < n ? VectorBits<E>(payload, o / E, bl.elements) : 0;
+      cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
     }
+    const bool staged = StageValues<E>(s_vals, src, src_bytes, tp0, tp1);
+    uint64_t tot_c = 0;
+    const uint64_t ex = BlockExclusiveScan(cnt, &tot_c, s_scan);  // its barriers: s_vals staged
+    uint4 w[kTileVecs];
+#pragma unroll
+    for (int k = 0; k < kTileVecs; ++k) {
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      w[k] = m[k] != 0 && o + 16 <= n ? *reinterpret_cast<const uint4*>(a.bucket + o)
+                                      : make_uint4(0, 0, 0, 0);
+    }
+    auto value = [&](uint64_t i) -> uint64_t {
+      return staged ? StagedValue<E>(s_vals, i - tp0) : ChangeValue<E>(src, src_bytes, i);
+    };
+    uint64_t at = tp0;
+#pragma unroll
+    for (int k = 0; k < kTileVecs; ++k) {
+      uint64_t i = at + ((ex >> (16 * k)) & 0xffff);
+      at += (tot_c >> (16 * k)) & 0xffff;
+      if (m[k] == 0) continue;
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      if (o + 16 <= n) {
+        uint64_t lo = Lo64(w[k]), hi = Hi64(w[k]);
+        for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++i)
+          PatchVec<E>(lo, hi, __ffs(mm) - 1, value(i));
+        *reinterpret_cast<uint4*>(a.bucket + o) =
+            make_uint4(static_cast<uint32_t>(lo), static_cast<uint32_t>(lo >> 32),
+                       static_cast<uint32_t>(hi), static_cast<uint32_t>(hi >> 32));
+      } else {  // the ragged end: element stores inside the bucket
+        for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++i)
+          out[o / E + __ffs(mm) - 1] = static_cast<Elem<E>>(value(i));
+      }
+    }
+    __syncthreads();  // s_vals is the next tile's
   }
 }
 
+// Every form's passes are queued (the host does not read the header); a pass of the other form
+// returns at once, and every grid but the count pass's is sized for the GPU, not the bucket.
 template <int E>
 int Launch(const DecArgs& a, int sms, cudaStream_t s) {
-  const uint32_t grid = static_cast<uint32_t>(sms) * 8;
-  DecodeRecordsKernel<E><<<grid, kThreads, 0, s>>>(a);
-  cudaError_t e = cudaGetLastError();
+  // The tile pass's ranges: as many as its blocks fit at once (tile[] holds absolute offsets
+  // after the fix pass, so they need not be the count pass's).
+  static const int bm_fit = FitPerSm(DecodeBitmapTileKernel<E>, kBmSmem<E>);
+  // The attribute is the current device's: set on every call (cheap), the fit computed once.
+  cudaError_t e = cudaFuncSetAttribute(
+      DecodeBitmapTileKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kBmSmem<E>});
+  if (e != cudaSuccess) return static_cast<int>(e);
+  DecArgs ab = a;
+  ab.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * bm_fit));
+  const uint32_t fix_grid =
+      static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * kMinBlocks));
+  e = LaunchIndexPasses<E>(a, sms, s);
   if (e == cudaSuccess) e = LaunchDependent(DecodeCountKernel<E>, a.ranges, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeTileFixKernel<E>, a.ranges, 0, s, a);
-  if (e == cudaSuccess) e = LaunchDependent(DecodeSumKernel<E>, grid, 0, s, a);
-  if (e == cudaSuccess) e = LaunchDependent(DecodeCheckKernel<E>, a.tiles, 0, s, a);
+  if (e == cudaSuccess)
+    e = LaunchDependent(DecodeBitmapTileKernel<E>, ab.ranges, kBmSmem<E>, s, ab);
   if (e == cudaSuccess) e = LaunchDependent(DecodeDecideKernel<E>, 1, 0, s, a, 1);
-  if (e == cudaSuccess) e = LaunchDependent(DecodeApplyKernel<E>, a.tiles, 0, s, a);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeFixupKernel<E>, fix_grid, 0, s, a);
   return static_cast<int>(e);
 }
 
@@ -571,7 +462,7 @@ int LaunchDecode(const void* encoded, uint64_t encoded_bytes, void* bucket, uint
   a.bucket = static_cast<unsigned char*>(bucket);
   a.n = bytes;
   a.base_version = base_version;
-  // At least one tile, so the apply pass always sees a check pass (and an empty bucket works).
+  // At least one tile, so every tile pass has a tile (and an empty bucket works).
   a.tiles = static_cast<uint32_t>(bytes == 0 ? 1 : (bytes + kTileBytes - 1) / kTileBytes);
   a.s = s;
   const int sms = sm_count > 0 ? sm_count : 132;

@@ -183,6 +183,11 @@ __device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t by
       "l"(src), "r"(bytes), "r"(SmemAddr(bar))
       : "memory");
 }
+// Orders this thread's generic-proxy accesses to shared memory before later copy-engine (async
+// proxy) ones: a stage the threads wrote is fenced by them, then a block barrier, then refilled.
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
 // Waits until the barrier's phase with parity `phase` completed.
 __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t phase) {
   uint32_t done = 0;

@@ -57,7 +57,8 @@ struct Ctl {
   unsigned int ticket;            // decode: blocks of the counting pass done (the last one scans)
   unsigned int tail_bad;          // decode: bitmap bits past the end
   // Decode, written by every call before they are read (no rest value needed): the decision
-  // (Code | kind << 32), the change count, and the bitmap's popcount from the counting pass.
+  // (Code | kind << 32 | applied << 40: whether the changes were written before the decision),
+  // the change count, and the bitmap's popcount from the counting pass.
   unsigned long long go;
   unsigned long long changed;
   unsigned long long popcount;
@@ -86,7 +87,10 @@ struct ScratchPtrs {
   uint32_t* rtot = nullptr;
   unsigned char* vals = nullptr;  // encode: staged values, in tile order within a tile
   uint16_t* idx = nullptr;        // encode: staged indices (element within the tile)
-  HostResult* result = nullptr;   // device view of the pinned result
+  // Bytes from `vals` to the scratch's end (vals and idx together). Decode: the changed
+  // elements' old values, saved as they are overwritten (change k at k x E), for the restore.
+  uint64_t stage_bytes = 0;
+  HostResult* result = nullptr;  // device view of the pinned result
 };
 
 // The scratch layout for buckets up to max_bytes, for every element size. The encoder's tile

@@ -6,10 +6,11 @@
 // gathered from the live parameters into the slot (the inverse of landing: the same runs
 // reversed) by the device decode, which checks the base version and checksum the delta names and
 // the result's checksum and otherwise leaves the slot as it was (the sync fails: "refused,
-// nothing of it landed": the parameters are written only from an accepted slot); a whole bucket arrives in the slot as it is. The slot then lands in the parameters and
-// the channel is told (the window is free). Once every bucket landed, one verify launch reads
-// every landed word back: the session compares those sums with the sender's packed ones
-// (delivered in the control messages) as for every pair.
+// nothing of it landed": the parameters are written only from an accepted slot); a whole bucket
+// arrives in the slot as it is. The slot then lands in the parameters and the channel is told (the
+// window is free). Once every bucket landed, one verify launch reads every landed word back: the
+// session compares those sums with the sender's packed ones (delivered in the control messages) as
+// for every pair.
 //
 // Memory: a window of two largest buckets (slot + encoded) and the codec's scratch. A bucket it
 // began landing is of no verified version until its readback verified it, so after a failed sync

@@ -54,13 +54,17 @@ def _bind_megatron_params(plan, r, s, full, keep):
         s.bind_source(p.name, t, chunk=p.chunk)
 
 
-def _sync_and_check(plan, bind_trainer, seed):
-    """One sync of random fp32 weights, one thread per rank over loopback; then every engine
-    element against the HF value, every e4m3 byte and scale against the reference quantizer."""
-    rng = np.random.default_rng(seed)
-    full = {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s, _ in plan.hf_tensors()}
-    params, errors = {}, {}
+def _run_sessions(plan, bind_trainer, full, versions, before=None):
+    """One thread per rank over loopback: bind (trainers by `bind_trainer`, engines to arrays
+    filled with junk), connect, then sync each of `versions`. Before each sync the main thread
+    runs `before(v, params, trainers)` while every rank waits. Returns (params, trainers,
+    reports): `params[rank] = (expected_params, bound arrays)` of engines, `trainers[rank]` the
+    bound arrays, `reports[v][rank]` each sync's report."""
+    params, errors, reports, trainers = {}, {}, {}, {}
     with shardsync.StoreServer(token=TOKEN) as srv:
+        ready = threading.Barrier(plan.world_size + 1)
+        go = threading.Barrier(plan.world_size + 1)
+
         def body(r):
             try:
                 s = shardsync.Session(plan, r, srv.address, token=TOKEN, transport="loopback",
@@ -68,6 +72,7 @@ def _sync_and_check(plan, bind_trainer, seed):
                 keep = {}
                 if s.is_trainer:
                     bind_trainer(plan, r, s, full, keep)
+                    trainers[r] = keep
                 else:
                     for p in s.expected_params():
                         dt = {"F8_E4M3": np.uint8}.get(p.dtype, np.float32)
@@ -75,17 +80,44 @@ def _sync_and_check(plan, bind_trainer, seed):
                     shardsync.bind_engine(s, keep.items())
                     params[r] = (s.expected_params(), keep)
                 s.connect()
-                s.sync(1)
+                for v in versions:
+                    ready.wait(60)
+                    go.wait(60)
+                    reports.setdefault(v, {})[r] = s.sync(v)
                 s.close()
-            except Exception as e:  # noqa: BLE001 - reported below
+            except BaseException as e:  # noqa: BLE001 - reported below
                 errors[r] = e
+                ready.abort()
+                go.abort()
 
         threads = [threading.Thread(target=body, args=(r,)) for r in range(plan.world_size)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(120)
+        try:
+            for v in versions:
+                ready.wait(60)
+                if before:
+                    before(v, params, trainers)
+                go.wait(60)
+        except threading.BrokenBarrierError:
+            pass  # a rank failed: its error is reported below
+        except BaseException:  # a failed check in `before` releases the ranks, then propagates
+            ready.abort()
+            go.abort()
+            raise
+        finally:
+            for t in threads:
+                t.join(120)
     assert not errors, errors
+    return params, trainers, reports
+
+
+def _sync_and_check(plan, bind_trainer, seed):
+    """One sync of random fp32 weights; then every engine element against the HF value, every
+    e4m3 byte and scale against the reference quantizer."""
+    rng = np.random.default_rng(seed)
+    full = {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s, _ in plan.hf_tensors()}
+    params, _, _ = _run_sessions(plan, bind_trainer, full, [1])
     _check_landed(params, full)
 
 
@@ -191,58 +223,22 @@ def test_delta_syncs_of_small_updates_land_the_quantizers_bytes(need_session, fp
         wire_dtype="f32", trainer_dtype="f32", bucket_bytes=64 << 10, encoding="delta"))
     rng = np.random.default_rng(3)
     full = {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s, _ in plan.hf_tensors()}
-    versions = range(1, 5)
-    params, errors, reports, trainers = {}, {}, {}, {}
-    with shardsync.StoreServer(token=TOKEN) as srv:
-        ready = threading.Barrier(plan.world_size + 1)
-        go = threading.Barrier(plan.world_size + 1)
 
-        def body(r):
-            try:
-                s = shardsync.Session(plan, r, srv.address, token=TOKEN, transport="loopback",
-                                      connect_timeout=60, sync_timeout=60)
-                keep = {}
-                if s.is_trainer:
-                    _bind_fsdp_shards(plan, r, s, full, keep)
-                    trainers[r] = keep
-                else:
-                    for p in s.expected_params():
-                        dt = {"F8_E4M3": np.uint8}.get(p.dtype, np.float32)
-                        keep[p.name] = np.full(p.shape, 0xA5 if dt == np.uint8 else np.nan, dt)
-                    shardsync.bind_engine(s, keep.items())
-                    params[r] = (s.expected_params(), keep)
-                s.connect()
-                for v in versions:
-                    ready.wait(60)
-                    go.wait(60)
-                    reports.setdefault(v, {})[r] = s.sync(v)
-                s.close()
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors[r] = e
-                ready.abort()
-                go.abort()
+    def before(v, params, trainers):
+        if v > 1:  # what the last sync landed, then 1% of the masters move by a few steps
+            _check_landed(params, full)
+            for a in full.values():
+                mask = rng.random(a.shape) < 0.01
+                a[mask] = a[mask] * (1 + 1 / 16) + 1e-3
+            for r, keep in trainers.items():
+                for n, t in keep.items():
+                    t[...] = full[n][plan.held_region(r, full[n].shape).slices()]
+        if v == 3:  # one e4m3 code corrupted behind the session's back
+            _, keep = params[max(params)]
+            name = next(n for n, a in sorted(keep.items()) if a.dtype == np.uint8)
+            keep[name].reshape(-1)[0] ^= 0x10
 
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(plan.world_size)]
-        for t in threads:
-            t.start()
-        for v in versions:
-            ready.wait(60)
-            if v > 1:  # what the last sync landed, then 1% of the masters move by a few steps
-                _check_landed(params, full)
-                for n, a in full.items():
-                    mask = rng.random(a.shape) < 0.01
-                    a[mask] = a[mask] * (1 + 1 / 16) + 1e-3
-                for r, keep in trainers.items():
-                    for n, t in keep.items():
-                        t[...] = full[n][plan.held_region(r, full[n].shape).slices()]
-            if v == 3:  # one e4m3 code corrupted behind the session's back
-                _, keep = params[max(params)]
-                name = next(n for n, a in sorted(keep.items()) if a.dtype == np.uint8)
-                keep[name].reshape(-1)[0] ^= 0x10
-            go.wait(60)
-        for t in threads:
-            t.join(120)
-    assert not errors, errors
+    params, _, reports = _run_sessions(plan, _bind_fsdp_shards, full, range(1, 5), before)
     _check_landed(params, full)
     assert reports[1][0]["delta"]["buckets_delta"] == 0
     for v in (2, 3, 4):

@@ -217,6 +217,37 @@ std::string TextSummary(const PlanInputs& in, const DetailedSummary& ds) {
   return o;
 }
 
+// Writes each (flag, path, text) with a non-empty path to a temporary beside it and renames them
+// only once every file was written, so an unwritable --svg never leaves a --dump-ops file behind
+// (and vice versa). The error names the flag.
+Status WriteFiles(
+    std::initializer_list<std::tuple<const char*, const std::string&, const std::string&>> files) {
+  std::vector<std::pair<std::string, std::string>> written;  // (temporary, final)
+  auto discard = [&written] {
+    for (const auto& w : written) std::remove(w.first.c_str());
+  };
+  for (const auto& [flag, path, text] : files) {
+    if (path.empty()) continue;
+    const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f << text;
+    f.close();
+    if (!f) {
+      std::remove(tmp.c_str());
+      discard();
+      return PermissionDeniedError(fmt::format("{}: cannot write '{}'", flag, path));
+    }
+    written.emplace_back(tmp, path);
+  }
+  for (const auto& [tmp, path] : written) {
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+      discard();
+      return PermissionDeniedError(fmt::format("cannot write '{}'", path));
+    }
+  }
+  return OkStatus();
+}
+
 // ---- block-FP8 plans (fp8_plan.h) ----
 
 void AppendFp8Ops(const plan_internal::Fp8Context& ctx, const Message& m, std::string* out) {
@@ -413,15 +444,7 @@ int RunFp8(const PlanInputs& in, const Args& a) {
   if (!a.dump_ops.empty()) {
     auto d = DumpFp8Ops(*ctx, *s, a.rank);
     if (!d.ok()) return ReportError(d.status());
-    const std::string tmp = a.dump_ops + ".tmp." + std::to_string(::getpid());
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f << *d;
-    f.close();
-    if (!f || std::rename(tmp.c_str(), a.dump_ops.c_str()) != 0) {
-      std::remove(tmp.c_str());
-      return ReportError(
-          PermissionDeniedError(fmt::format("--dump-ops: cannot write '{}'", a.dump_ops)));
-    }
+    if (Status w = WriteFiles({{"--dump-ops", a.dump_ops, *d}}); !w.ok()) return ReportError(w);
   }
   const std::string out = a.json ? Fp8Json(in, *s, seconds) : Fp8Text(in, *s, seconds);
   std::fwrite(out.data(), 1, out.size(), stdout);
@@ -461,31 +484,8 @@ int Run(const Args& a) {
   if (!a.svg.empty()) {
     svg = HeatmapSvg(*ds, PlanHeatmapTitle(*in));
   }
-  // Each file goes to a temporary beside it and is renamed only once every file was written, so
-  // an unwritable --svg never leaves a --dump-ops file behind (and vice versa).
-  std::vector<std::pair<std::string, std::string>> written;  // (temporary, final)
-  auto discard = [&written] {
-    for (const auto& w : written) std::remove(w.first.c_str());
-  };
-  for (const auto& [flag, path, text] :
-       {std::tuple{"--dump-ops", a.dump_ops, &dump}, std::tuple{"--svg", a.svg, &svg}}) {
-    if (path.empty()) continue;
-    const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f << *text;
-    f.close();
-    if (!f) {
-      std::remove(tmp.c_str());
-      discard();
-      return ReportError(PermissionDeniedError(fmt::format("{}: cannot write '{}'", flag, path)));
-    }
-    written.emplace_back(tmp, path);
-  }
-  for (const auto& [tmp, path] : written) {
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-      discard();
-      return ReportError(PermissionDeniedError(fmt::format("cannot write '{}'", path)));
-    }
+  if (Status w = WriteFiles({{"--dump-ops", a.dump_ops, dump}, {"--svg", a.svg, svg}}); !w.ok()) {
+    return ReportError(w);
   }
   const std::string out = a.json ? PlanReportJson(*in, *ds, pl) : TextSummary(*in, *ds);
   std::fwrite(out.data(), 1, out.size(), stdout);

@@ -1,5 +1,6 @@
 // delta_gpu.h without CUDA: the scratch size is still computed (a planner may size memory on a
 // machine without a GPU); every device call returns Unimplemented.
+#include "cuda/delta/delta_fault.h"
 #include "cuda/kernels/delta_kernels.h"
 #include "shardsync/delta_gpu.h"
 
@@ -37,5 +38,8 @@ Status DecodeDeltaDevice(const DeltaGpuDecodeArgs&, DeltaGpuScratch*, void*,
                          std::chrono::milliseconds) {
   return NoCudaDelta("DecodeDeltaDevice");
 }
+
+// No device delta pairs exist to fail; tests/cuda links it and skips without a GPU.
+void FailNextDeltaForTesting(int64_t, int64_t) {}
 
 }  // namespace shardsync::gpu

@@ -96,7 +96,9 @@ class BenchRank {
       SS_RETURN_IF_ERROR(who_.is_trainer ? RawSend() : RawReceive());
       Record(res_.bench.raw, i, t0);
     }
-    SS_RETURN_IF_ERROR(EndBarrier());
+    // No rank leaves (closing its endpoints) while a peer may still drive transfers with it: the
+    // transport reports a departed peer as a failure of every transfer with it.
+    SS_RETURN_IF_ERROR(Barrier("end"));
     ReportCpu();
     res_.bench.verified = verified;
     if (!verified) {
@@ -136,14 +138,36 @@ class BenchRank {
       std::fclose(f);
     }
   }
-  // `after_work`: the barrier follows a phase of local work (the engines' element check of
-  // every parameter: a minute on a loaded 2-core machine), bounded like setup, not by
-  // --timeout-ms.
+  // Every rank arrives, then waits for the others while driving its transport: a peer may still
+  // be finishing a flush to this rank, and off shared memory (UCX over TCP, e.g. between emulated
+  // nodes) that completes only while this rank progresses (transport.h Progress). A store
+  // barrier alone would leave that peer waiting until its timeout. `after_work`: the barrier
+  // follows a phase of local work (the engines' element check of every parameter: a minute on a
+  // loaded 2-core machine), bounded like setup, not by --timeout-ms.
   Status Barrier(const std::string& name, bool after_work = false) {
-    Status s = store_.Barrier(job_.prefix + "bench/" + name, world_,
-                              after_work ? job_.setup_timeout : job_.timeout);
+    const Millis timeout = after_work ? job_.setup_timeout : job_.timeout;
+    const auto deadline = Clock::now() + timeout;
+    const std::string base = Key("at/" + name);
+    SS_ASSIGN_OR_RETURN(const int64_t n, store_.Add(base + "/arrived", 1));
+    if (n == world_) SS_RETURN_IF_ERROR(store_.Set(base + "/done", "1"));
+    while (true) {
+      // Short waits on the store, a transport step between: a peer's flush waits at most about
+      // one wait here (the waits sleep in the store, not on this machine's cores).
+      const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+      auto v = store_.Get(base + "/done", std::clamp(left, Millis(0), Millis(1)));
+      if (v.ok()) break;
+      if (v.status().code() != StatusCode::kDeadlineExceeded) return v.status();
+      if (left <= Millis(0)) {
+        auto now = store_.Add(base + "/arrived", 0);
+        return DeadlineExceededError(
+            "bench barrier '" + name + "' at sync rank " + std::to_string(rank_) + ": " +
+            (now.ok() ? std::to_string(*now) : std::string("?")) + " of " + std::to_string(world_) +
+            " sync ranks arrived within " + std::to_string(timeout.count()) + " ms");
+      }
+      tx_.Progress();
+    }
     cpu_mark_ = CpuSeconds();  // the barrier's own waiting is not the variant's work
-    return s;
+    return OkStatus();
   }
   std::string Key(const std::string& k) const { return job_.prefix + "bench/" + k; }
 
@@ -308,61 +332,11 @@ class BenchRank {
     return WaitXfers(tx_, ids, job_.timeout, what);
   }
 
-  std::vector<int> EnginePeers() const {
-    std::vector<int> v;
-    for (int r = S_; r < world_; ++r) v.push_back(r);
-    return v;
-  }
   std::vector<int> PlanPeers() const {
     std::vector<int> v;
     for (const Message& m : session_->plan().sends) v.push_back(m.dst);
     for (const Message& m : session_->plan().recvs) v.push_back(m.src);
     return v;
-  }
-
-  // No rank leaves (closing its endpoints) while a peer may still drive transfers with it: the
-  // transport reports a departed peer as a failure of every transfer with it. Waits for every
-  // rank's end key, driving this rank's transport progress meanwhile (a peer's rendezvous tail
-  // may need it).
-  Status EndBarrier() {
-    SS_RETURN_IF_ERROR(store_.Set(Key("end/" + std::to_string(rank_)), "1"));
-    const auto deadline = Clock::now() + job_.timeout;
-    std::vector<int> peers = PlanPeers();
-    if (fp8()) {
-    } else if (rank_ == 0) {
-      for (int r : EnginePeers()) peers.push_back(r);
-    } else if (!who_.is_trainer) {
-      peers.push_back(0);
-    }
-    XferId progress = 0;
-    size_t next = 0;
-    for (int r = 0; r < world_; ++r) {
-      while (true) {
-        const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
-        if (left <= Millis(0)) {
-          return DeadlineExceededError("bench: sync rank " + std::to_string(rank_) +
-                                       " timed out waiting for sync rank " + std::to_string(r) +
-                                       " to finish");
-        }
-        auto v = store_.Get(Key("end/" + std::to_string(r)), std::min(left, Millis(5)));
-        if (v.ok()) break;
-        if (v.status().code() != StatusCode::kDeadlineExceeded) return v.status();
-        if (peers.empty()) continue;
-        if (progress == 0) {
-          auto id = tx_.PostFlush(peers[next++ % peers.size()]);
-          if (id.ok()) progress = *id;
-        } else {
-          auto st = tx_.Poll(progress);
-          if (!st.ok() || *st == XferState::kDone) progress = 0;
-        }
-      }
-    }
-    if (progress != 0) {
-      // Every rank finished its transfers: this flush only drains; its outcome is moot.
-      std::vector<XferId> one{progress};
-      WaitAllXfers(tx_, one, Millis(1000), "draining").IgnoreError();
-    }
-    return OkStatus();
   }
 
   // Raw transfers are cut at 4 MiB (the session's own are at most kMaxTransferBytes, 1 MiB,

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -52,6 +53,7 @@ class BenchRank {
     const int total = job_.bench_warmup + job_.bench_reps;
     // (a) sharded.
     for (int i = 0; i < total; ++i) {
+      UpdateTrainer(i, total);
       SS_RETURN_IF_ERROR(Barrier("sharded/" + std::to_string(i)));
       const auto t0 = Clock::now();
       SS_ASSIGN_OR_RETURN(res_.report, session_->Sync(++version_));
@@ -138,6 +140,35 @@ class BenchRank {
       std::fclose(f);
     }
   }
+  // --update-fraction (DeviceRank::UpdateTrainer's host twin): before sync i of `total` (not the
+  // first) every `stride`-th element of the trainer's shards, counted across its buffers, gets
+  // bytes 0x3e / 0x3f (finite in fp32 and bf16), alternating per sync; the last sync restores
+  // them, so the element check holds.
+  void UpdateTrainer(int i, int total) {
+    if (job_.bench_update <= 0 || !who_.is_trainer || i == 0) return;
+    const auto stride = static_cast<int64_t>(std::max(1.0, std::round(1.0 / job_.bench_update)));
+    const bool restore = i == total - 1;
+    const bool save = update_saved_.empty();
+    size_t at = 0;     // in update_saved_
+    int64_t next = 0;  // the next element to change, counted across the buffers
+    int64_t base = 0;  // this buffer's first element in that count
+    for (const SourceBinding& b : shards_.bindings) {
+      const int64_t es = DTypeSize(b.dtype);
+      const int64_t n = b.region.numel();
+      auto* data = static_cast<unsigned char*>(const_cast<void*>(b.data));
+      for (; next < base + n; next += stride, at += es) {
+        unsigned char* e = data + (next - base) * es;
+        if (save) update_saved_.insert(update_saved_.end(), e, e + es);
+        if (restore) {
+          std::memcpy(e, update_saved_.data() + at, es);
+        } else {
+          std::memset(e, i % 2 ? 0x3f : 0x3e, es);
+        }
+      }
+      base += n;
+    }
+  }
+
   // Every rank arrives, then waits for the others while driving its transport: a peer may still
   // be finishing a flush to this rank, and off shared memory (UCX over TCP, e.g. between emulated
   // nodes) that completes only while this rank progresses (transport.h Progress). A store
@@ -421,6 +452,7 @@ class BenchRank {
   std::map<int, uint64_t> raw_offset_;
   BenchControl control_;
   job_internal::BroadcastBaseline bcast_;
+  std::vector<unsigned char> update_saved_;  // UpdateTrainer: the original bytes it changes
   std::map<const std::vector<double>*, double> cpu_;  // CPU seconds per variant (measured reps)
   double cpu_mark_ = 0;
 };

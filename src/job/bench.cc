@@ -193,11 +193,12 @@ class BenchRank {
       if (v.ok()) break;
       if (v.status().code() != StatusCode::kDeadlineExceeded) return v.status();
       if (left <= Millis(0)) {
-        auto now = store_.Add(base + "/arrived", 0);
+        auto count = store_.Add(base + "/arrived", 0);
         return DeadlineExceededError(
             "bench barrier '" + name + "' at sync rank " + std::to_string(rank_) + ": " +
-            (now.ok() ? std::to_string(*now) : std::string("?")) + " of " + std::to_string(world_) +
-            " sync ranks arrived within " + std::to_string(timeout.count()) + " ms");
+            (count.ok() ? std::to_string(*count) : std::string("?")) + " of " +
+            std::to_string(world_) + " sync ranks arrived within " +
+            std::to_string(timeout.count()) + " ms");
       }
       tx_.Progress();
     }

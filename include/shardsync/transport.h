@@ -5,10 +5,10 @@
 // Life cycle: RegisterMemory (once per buffer, before Connect) -> Connect (exchanges addresses and
 // memory keys with peers through the store; collective over the listed peers) -> repeated
 // Post* / Poll per sync -> destruction. Post* never blocks; Poll drives progress and never blocks
-// longer than a progress step. Completion of a Put at the target is only guaranteed after a
-// later Flush to that peer completes. Threading: one thread drives a transport at a time.
-// Failure: a transport whose peer died returns Unavailable from Poll; Abort cancels every
-// outstanding transfer and makes further calls fail fast.
+// longer than a progress step (Progress: a step with nothing to poll). Completion of a Put at the
+// target is only guaranteed after a later Flush to that peer completes. Threading: one thread
+// drives a transport at a time. Failure: a transport whose peer died returns Unavailable from Poll;
+// Abort cancels every outstanding transfer and makes further calls fail fast.
 #pragma once
 
 #include <chrono>
@@ -261,6 +261,11 @@ class Transport {
   virtual Result<XferId> PostSendFilled(int peer, uint64_t tag, size_t bytes, SendFill fill);
   // kDone once complete (the id is then released); Unavailable / Internal on failure.
   virtual Result<XferState> Poll(XferId id) = 0;
+  // One progress step with no transfer of this side's to wait for, for a rank that waits on
+  // something else (the store) while peers may still need this side: UCX off shared memory (TCP)
+  // completes a peer's flush only while this side progresses its worker. Never blocks; failures
+  // surface in later Polls. Default: nothing progresses outside Poll.
+  virtual void Progress() {}
   // Cancels everything outstanding; later calls fail with Aborted.
   virtual void Abort() = 0;
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -52,6 +53,7 @@ class BenchRank {
     const int total = job_.bench_warmup + job_.bench_reps;
     // (a) sharded.
     for (int i = 0; i < total; ++i) {
+      UpdateTrainer(i, total);
       SS_RETURN_IF_ERROR(Barrier("sharded/" + std::to_string(i)));
       const auto t0 = Clock::now();
       SS_ASSIGN_OR_RETURN(res_.report, session_->Sync(++version_));
@@ -96,7 +98,9 @@ class BenchRank {
       SS_RETURN_IF_ERROR(who_.is_trainer ? RawSend() : RawReceive());
       Record(res_.bench.raw, i, t0);
     }
-    SS_RETURN_IF_ERROR(EndBarrier());
+    // No rank leaves (closing its endpoints) while a peer may still drive transfers with it: the
+    // transport reports a departed peer as a failure of every transfer with it.
+    SS_RETURN_IF_ERROR(Barrier("end"));
     ReportCpu();
     res_.bench.verified = verified;
     if (!verified) {
@@ -136,14 +140,70 @@ class BenchRank {
       std::fclose(f);
     }
   }
-  // `after_work`: the barrier follows a phase of local work (the engines' element check of
-  // every parameter: a minute on a loaded 2-core machine), bounded like setup, not by
-  // --timeout-ms.
+  // --update-fraction (DeviceRank::UpdateTrainer's host twin): before sync i of `total` (not the
+  // first) every `stride`-th element of the trainer's shards, counted across its buffers, gets
+  // bytes 0x3e / 0x3f (finite in fp32 and bf16), alternating per sync; the last sync restores
+  // them, so the element check holds.
+  void UpdateTrainer(int i, int total) {
+    if (job_.bench_update <= 0 || !who_.is_trainer || i == 0) return;
+    const auto stride = static_cast<int64_t>(std::max(1.0, std::round(1.0 / job_.bench_update)));
+    const bool restore = i == total - 1;
+    const bool save = update_saved_.empty();
+    size_t at = 0;     // in update_saved_
+    int64_t next = 0;  // the next element to change, counted across the buffers
+    int64_t base = 0;  // this buffer's first element in that count
+    for (const SourceBinding& b : shards_.bindings) {
+      const int64_t es = DTypeSize(b.dtype);
+      const int64_t n = b.region.numel();
+      auto* data = static_cast<unsigned char*>(const_cast<void*>(b.data));
+      for (; next < base + n; next += stride, at += es) {
+        unsigned char* e = data + (next - base) * es;
+        if (save) update_saved_.insert(update_saved_.end(), e, e + es);
+        if (restore) {
+          std::memcpy(e, update_saved_.data() + at, es);
+        } else {
+          std::memset(e, i % 2 ? 0x3f : 0x3e, es);
+        }
+      }
+      base += n;
+    }
+  }
+
+  // Every rank arrives, then waits for the others while driving its transport: a peer may still
+  // be finishing a flush to this rank, and off shared memory (UCX over TCP, e.g. between emulated
+  // nodes) that completes only while this rank progresses (transport.h Progress). A store
+  // barrier alone would leave that peer waiting until its timeout. `after_work`: the barrier
+  // follows a phase of local work (the engines' element check of every parameter: a minute on a
+  // loaded 2-core machine), bounded like setup, not by --timeout-ms.
   Status Barrier(const std::string& name, bool after_work = false) {
-    Status s = store_.Barrier(job_.prefix + "bench/" + name, world_,
-                              after_work ? job_.setup_timeout : job_.timeout);
+    const Millis timeout = after_work ? job_.setup_timeout : job_.timeout;
+    const auto deadline = Clock::now() + timeout;
+    const std::string base = Key("at/" + name);
+    SS_ASSIGN_OR_RETURN(const int64_t n, store_.Add(base + "/arrived", 1));
+    if (n == world_) SS_RETURN_IF_ERROR(store_.Set(base + "/done", "1"));
+    const auto arrived = Clock::now();
+    while (true) {
+      // Short waits on the store, a transport step between: a peer's flush waits about one wait
+      // here (they sleep in the store, not on this machine's cores). 1 ms while peers are likely
+      // finishing their transfers, then 5 ms (a long wait is peers' local work).
+      const auto now = Clock::now();
+      const auto left = std::chrono::duration_cast<Millis>(deadline - now);
+      const Millis step = now - arrived < Millis(100) ? Millis(1) : Millis(5);
+      auto v = store_.Get(base + "/done", std::clamp(left, Millis(0), step));
+      if (v.ok()) break;
+      if (v.status().code() != StatusCode::kDeadlineExceeded) return v.status();
+      if (left <= Millis(0)) {
+        auto count = store_.Add(base + "/arrived", 0);
+        return DeadlineExceededError(
+            "bench barrier '" + name + "' at sync rank " + std::to_string(rank_) + ": " +
+            (count.ok() ? std::to_string(*count) : std::string("?")) + " of " +
+            std::to_string(world_) + " sync ranks arrived within " +
+            std::to_string(timeout.count()) + " ms");
+      }
+      tx_.Progress();
+    }
     cpu_mark_ = CpuSeconds();  // the barrier's own waiting is not the variant's work
-    return s;
+    return OkStatus();
   }
   std::string Key(const std::string& k) const { return job_.prefix + "bench/" + k; }
 
@@ -308,61 +368,11 @@ class BenchRank {
     return WaitXfers(tx_, ids, job_.timeout, what);
   }
 
-  std::vector<int> EnginePeers() const {
-    std::vector<int> v;
-    for (int r = S_; r < world_; ++r) v.push_back(r);
-    return v;
-  }
   std::vector<int> PlanPeers() const {
     std::vector<int> v;
     for (const Message& m : session_->plan().sends) v.push_back(m.dst);
     for (const Message& m : session_->plan().recvs) v.push_back(m.src);
     return v;
-  }
-
-  // No rank leaves (closing its endpoints) while a peer may still drive transfers with it: the
-  // transport reports a departed peer as a failure of every transfer with it. Waits for every
-  // rank's end key, driving this rank's transport progress meanwhile (a peer's rendezvous tail
-  // may need it).
-  Status EndBarrier() {
-    SS_RETURN_IF_ERROR(store_.Set(Key("end/" + std::to_string(rank_)), "1"));
-    const auto deadline = Clock::now() + job_.timeout;
-    std::vector<int> peers = PlanPeers();
-    if (fp8()) {
-    } else if (rank_ == 0) {
-      for (int r : EnginePeers()) peers.push_back(r);
-    } else if (!who_.is_trainer) {
-      peers.push_back(0);
-    }
-    XferId progress = 0;
-    size_t next = 0;
-    for (int r = 0; r < world_; ++r) {
-      while (true) {
-        const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
-        if (left <= Millis(0)) {
-          return DeadlineExceededError("bench: sync rank " + std::to_string(rank_) +
-                                       " timed out waiting for sync rank " + std::to_string(r) +
-                                       " to finish");
-        }
-        auto v = store_.Get(Key("end/" + std::to_string(r)), std::min(left, Millis(5)));
-        if (v.ok()) break;
-        if (v.status().code() != StatusCode::kDeadlineExceeded) return v.status();
-        if (peers.empty()) continue;
-        if (progress == 0) {
-          auto id = tx_.PostFlush(peers[next++ % peers.size()]);
-          if (id.ok()) progress = *id;
-        } else {
-          auto st = tx_.Poll(progress);
-          if (!st.ok() || *st == XferState::kDone) progress = 0;
-        }
-      }
-    }
-    if (progress != 0) {
-      // Every rank finished its transfers: this flush only drains; its outcome is moot.
-      std::vector<XferId> one{progress};
-      WaitAllXfers(tx_, one, Millis(1000), "draining").IgnoreError();
-    }
-    return OkStatus();
   }
 
   // Raw transfers are cut at 4 MiB (the session's own are at most kMaxTransferBytes, 1 MiB,
@@ -447,6 +457,7 @@ class BenchRank {
   std::map<int, uint64_t> raw_offset_;
   BenchControl control_;
   job_internal::BroadcastBaseline bcast_;
+  std::vector<unsigned char> update_saved_;  // UpdateTrainer: the original bytes it changes
   std::map<const std::vector<double>*, double> cpu_;  // CPU seconds per variant (measured reps)
   double cpu_mark_ = 0;
 };

@@ -485,10 +485,6 @@ Result<JobSpec> JobSpecFromFlags(const JobFlags& f, bool all_local) {
     return InvalidArgumentError("--update-fraction: must be in [0, 0.5], got " +
                                 std::to_string(f.update_fraction));
   }
-  if (f.update_fraction > 0 && f.device != "cuda") {
-    return InvalidArgumentError("--update-fraction: bench --device cuda only (got --device " +
-                                f.device + ")");
-  }
   job.bench_update = f.update_fraction;
   job.verify = !f.no_verify;
   if (f.prefix.empty()) return InvalidArgumentError("--prefix: must not be empty");

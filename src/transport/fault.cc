@@ -80,6 +80,10 @@ class FaultTransportImpl final : public FaultTransport {
     return XferState::kDone;
   }
 
+  // A simulated dead peer drives nothing.
+  void Progress() override {
+    if (!Dead()) inner_->Progress();
+  }
   void Abort() override { inner_->Abort(); }
 
  private:

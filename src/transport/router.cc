@@ -187,6 +187,9 @@ class RoutedTransport final : public Transport {
     return st;
   }
 
+  void Progress() override {
+    for (Sub& s : subs_) s.t->Progress();
+  }
   void Abort() override {
     for (Sub& s : subs_) s.t->Abort();
   }

@@ -235,7 +235,7 @@ class ShmTransport final : public Transport {
     if (aborted_) return AbortedError("shm: transport was aborted");
     auto it = ops_.find(id);
     if (it == ops_.end()) return NotFoundError("shm: unknown transfer id " + std::to_string(id));
-    if (!it->second.complete && it->second.error.ok()) Progress();
+    if (!it->second.complete && it->second.error.ok()) Step();
     Op& op = it->second;
     if (!op.error.ok()) {
       Status e = op.error;
@@ -247,6 +247,11 @@ class ShmTransport final : public Transport {
       return XferState::kDone;
     }
     return XferState::kInProgress;
+  }
+
+  // Pumps every peer's rings: early messages are buffered, a dead peer is noticed.
+  void Progress() override {
+    if (!aborted_) Step();
   }
 
   void Abort() override {
@@ -392,7 +397,7 @@ class ShmTransport final : public Transport {
     if (it != ops_.end() && it->second.error.ok() && !it->second.complete) it->second.error = s;
   }
 
-  void Progress() {
+  void Step() {
     for (auto& [r, p] : peers_) {
       Watch(p);
       PumpSends(p);

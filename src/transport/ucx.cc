@@ -325,6 +325,13 @@ class UcxTransport final : public Transport {
     return Failure(done, s);
   }
 
+  // A few rounds, so that a peer's flush request and its reply's send both go through.
+  void Progress() override {
+    if (aborted_ || worker_ == nullptr) return;
+    for (int i = 0; i < 8 && ucp_worker_progress(worker_) != 0; ++i) {
+    }
+  }
+
   void Abort() override {
     if (aborted_) return;
     aborted_ = true;

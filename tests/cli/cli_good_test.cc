@@ -802,6 +802,49 @@ TEST(CliGood, DemoEmulatedNodesReportsOneNodePerRank) {
   EXPECT_EQ(j["nodes"], 4) << r.out;  // 2 trainer + 2 engine rank processes
 }
 
+// bench on host memory across emulated nodes (UCX over TCP): its barriers drive the transport, so
+// the baselines' flushes complete (they hung while the peer waited on the store); small updates
+// travel as deltas; every plan byte crosses a node.
+TEST(CliGood, BenchEmulatedNodesHostUcx) {
+  const CliResult r = RunCli({"bench",
+                              "--model",
+                              Tiny(),
+                              "--trainer",
+                              "fsdp=2",
+                              "--rollout",
+                              "dp=1,tp=2,pp=1",
+                              "--transport",
+                              "ucx",
+                              "--emulate-nodes",
+                              "--encoding",
+                              "delta",
+                              "--update-fraction",
+                              "0.01",
+                              "--warmup",
+                              "1",
+                              "--reps",
+                              "2",
+                              "--json",
+                              "--timeout-ms",
+                              "15000"},
+                             WithTimeout(60));
+  if (NoUcx(r)) GTEST_SKIP() << "this build has no UCX";
+  ASSERT_EQ(r.exit_code, 0) << r.Describe();
+  const json j = ParseJson(r);
+  EXPECT_EQ(j["verified"], true) << r.out;
+  EXPECT_EQ(j["emulate_nodes"], true);
+  EXPECT_EQ(j["nodes"], 4) << r.out;  // 2 trainer + 2 engine rank processes
+  EXPECT_GT(j["bytes"].get<int64_t>(), 0);
+  EXPECT_EQ(j["cross_node_bytes"], j["bytes"]) << r.out;  // each rank its own node
+  EXPECT_GT(j["elements_checked"].get<int64_t>(), 0);
+  EXPECT_EQ(j["element_mismatches"], 0);
+  // The last sync restores the 1% the others changed: a delta, much smaller than the buckets.
+  const json& d = j["delta"];
+  EXPECT_GT(d["changed"].get<int64_t>(), 0) << r.out;
+  EXPECT_GT(d["buckets_delta"].get<int64_t>(), 0) << r.out;
+  EXPECT_LT(d["wire_bytes"].get<int64_t>() * 10, d["full_bytes"].get<int64_t>()) << r.out;
+}
+
 // HF tensor names and shapes of the tiny model, from `shards --json` at tp 1 (every source tensor
 // is covered by its pieces).
 std::map<std::string, std::vector<int64_t>> TinyHfShapes() {

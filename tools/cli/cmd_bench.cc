@@ -180,8 +180,10 @@ void PrintText(const JobSpec& job, const BenchSummary& b, const json& extra, boo
   }
   if (extra.contains("routes")) std::printf("  pairs: %s\n", extra["routes"].dump().c_str());
   if (extra.value("emulate_nodes", false)) {
-    std::printf("  emulated nodes: %d, one per rank process (SHARDSYNC_HOST_ID, NCCL_HOSTID)\n",
-                extra.value("nodes", 0));
+    std::printf(
+        "  emulated nodes: %d, one per rank process (SHARDSYNC_HOST_ID, NCCL_HOSTID); %s of the "
+        "plan between nodes\n",
+        extra.value("nodes", 0), HumanBytes(extra.value("cross_node_bytes", int64_t{0})).c_str());
   }
   if (extra.contains("generation")) {
     for (const auto& g : extra["generation"]) {
@@ -216,14 +218,6 @@ int Run(const BenchFlags& f) {
                                          : ParseLaunch(f.launch);
   if (f.emulate_nodes) {
     if (Status s = CheckEmulateNodes(*job, mode); !s.ok()) return ReportError(s);
-    if (job->device != "cuda") {
-      // The host baselines end with UCX flushes that, off shared memory (TCP), complete only while
-      // the peer still progresses, and it may have gone on to the next store barrier.
-      return ReportError(InvalidArgumentError(
-          "--emulate-nodes: bench runs it with --device cuda only (the host baselines' UCX "
-          "flushes hang over TCP); `demo --transport ucx --emulate-nodes` syncs host memory "
-          "across emulated nodes"));
-    }
   }
   if (f.kill_rank >= 0) return RunFault(f, *job);
   if (job->inputs.model.quant) {
@@ -274,7 +268,16 @@ int Run(const BenchFlags& f) {
   for (const RankResult& r : res->ranks) {
     if (!r.host_id.empty()) hosts.insert(r.host_id);
   }
-  if (!hosts.empty()) extra["nodes"] = hosts.size();
+  if (!hosts.empty()) {
+    extra["nodes"] = hosts.size();
+    // Bytes between nodes (host identities): with --emulate-nodes, what crosses NCCL's sockets
+    // (device memory) or UCX's TCP (host memory).
+    auto nodes = CrossBytes(*job, *res, [](const RankResult& a, const RankResult& b) {
+      return a.host_id != b.host_id;
+    });
+    if (!nodes.ok()) return ReportError(nodes.status());
+    extra["cross_node_bytes"] = *nodes;
+  }
   extra["emulate_nodes"] = f.emulate_nodes;
   if (job->device == "cuda") {
     json routes = json::object();
@@ -286,12 +289,6 @@ int Run(const BenchFlags& f) {
         *job, *res, [](const RankResult& a, const RankResult& b) { return a.device != b.device; });
     if (!cross.ok()) return ReportError(cross.status());
     extra["cross_gpu_bytes"] = *cross;
-    // Bytes between nodes (host identities): with --emulate-nodes, what crosses NCCL's sockets.
-    auto nodes = CrossBytes(*job, *res, [](const RankResult& a, const RankResult& b) {
-      return a.host_id != b.host_id;
-    });
-    if (!nodes.ok()) return ReportError(nodes.status());
-    extra["cross_node_bytes"] = *nodes;
     if (auto info = gpu::QueryDevice(0); info.ok()) extra["device_name"] = info->name;
     if (auto n = gpu::DeviceCount(); n.ok()) extra["gpus_visible"] = *n;
   }

@@ -62,7 +62,7 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
   sub->add_option("--warmup", f->warmup, "Bench warm-up repetitions")->capture_default_str();
   sub->add_option("--reps", f->reps, "Bench measured repetitions (median)")->capture_default_str();
   sub->add_option("--update-fraction", f->update_fraction,
-                  "Bench, --device cuda: the fraction of trainer elements changed before each "
+                  "Bench: the fraction of trainer elements changed before each "
                   "sync after the first (restored before the last, so the element check holds): "
                   "small updates for --encoding delta; 0 sends the same weights every sync")
       ->capture_default_str();

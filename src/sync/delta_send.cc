@@ -86,6 +86,9 @@ Result<DeltaSender::Out> DeltaSender::Encode(int mi, int bi, const unsigned char
   // The new image is what the receiver holds once this bucket verified (the delta's encode
   // already wrote it into the kept one).
   if (!encoded) slot.kept.bytes.assign(next.begin(), next.end());
+  // A whole bucket leaves from the kept image (the staging slot is reused for the next bucket).
+  if (out.form == DeltaKind::kFull)
+    out.data = reinterpret_cast<const unsigned char*>(slot.kept.bytes.data());
   slot.kept.version = guard_.version();
   slot.kept.checksum = checksum;
   CountBucket(st_, out.reason, static_cast<int64_t>(out.bytes), static_cast<int64_t>(n));

@@ -2,8 +2,10 @@
 // Under encoding delta / auto the loop packs every bucket's whole wire image (the codec's Pack)
 // and hands it here: Encode compares it with the image this rank kept of what it last sent in that
 // bucket and, when the receiver's advertised base is that image, returns the delta to send in its
-// place (else the image itself, with the reason), then keeps the new image. Memory: one copy of
-// every host bucket's wire bytes (bf16: 2 bytes per parameter sent), plus the deltas in flight.
+// place (else the image itself, with the reason), then keeps the new image. A whole bucket is
+// sent from the kept image, so the loop's one staging slot is free once Encode returned. Memory:
+// one copy of every host bucket's wire bytes (bf16: 2 bytes per parameter sent), plus one
+// staging slot of the largest bucket and the deltas in flight.
 #pragma once
 
 #include <memory>
@@ -25,7 +27,8 @@ class DeltaSender {
   // Sync, receiver `dst`'s ready value: the bases it holds (ParseBases).
   Status SetBases(int dst, std::string_view value);
 
-  // What the loop sends for one bucket: `bytes` at `data` (the image, or the delta in `encoded`).
+  // What the loop sends for one bucket: `bytes` at `data` (the kept image, which now holds the
+  // new one, or the delta in `encoded`).
   struct Out {
     const unsigned char* data = nullptr;
     uint64_t bytes = 0;
@@ -37,7 +40,12 @@ class DeltaSender {
   // `checksum`, as the codec packed it.
   Result<Out> Encode(int mi, int bi, const unsigned char* img, uint64_t checksum);
   // A bucket whose send did not complete: it starts over whole (the receiver may hold any of it).
-  void Forget(int mi, int bi) { slots_[mi][bi].kept = KeptImage{}; }
+  // Returns the kept image's bytes, which a whole bucket's sends may still read.
+  std::shared_ptr<void> Forget(int mi, int bi) {
+    auto bytes = std::make_shared<std::vector<std::byte>>(std::move(slots_[mi][bi].kept.bytes));
+    slots_[mi][bi].kept = KeptImage{};
+    return bytes;
+  }
   // Sync, at its end: this sync's figures (moved out), and the bases forgotten.
   DeltaSyncStats Finish();
 

@@ -62,6 +62,14 @@ class DeltaReceiver {
     if (s.image.empty()) return nullptr;
     return std::make_shared<std::vector<std::byte>>(std::move(s.image));
   }
+  // Image codecs: bytes of the images rebuilt for the advertisement (kept between syncs).
+  int64_t ImageBytes() const {
+    int64_t n = 0;
+    for (const auto& msg : slots_) {
+      for (const Slot& s : msg) n += static_cast<int64_t>(s.image.size());
+    }
+    return n;
+  }
   // Sync, at its end: this sync's figures (moved out).
   DeltaSyncStats Finish();
 

@@ -106,6 +106,14 @@ std::shared_ptr<std::vector<std::byte>> DeltaSender::Buffer() {
   return buffers_.emplace_back(std::make_shared<std::vector<std::byte>>());
 }
 
+int64_t DeltaSender::KeptBytes() const {
+  int64_t n = 0;
+  for (const auto& msg : slots_) {
+    for (const Slot& s : msg) n += static_cast<int64_t>(s.kept.bytes.size());
+  }
+  return n;
+}
+
 DeltaSyncStats DeltaSender::Finish() {
   for (auto& msg : slots_) {
     for (Slot& s : msg) s.base_known = false;  // each sync advertises anew

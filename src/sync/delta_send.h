@@ -46,6 +46,8 @@ class DeltaSender {
     slots_[mi][bi].kept = KeptImage{};
     return bytes;
   }
+  // Bytes of the images this rank keeps (DeltaSyncStats::held_bytes less the staging slot).
+  int64_t KeptBytes() const;
   // Sync, at its end: this sync's figures (moved out), and the bases forgotten.
   DeltaSyncStats Finish();
 

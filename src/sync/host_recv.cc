@@ -1,6 +1,7 @@
 #include "sync/host_recv.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -22,6 +23,16 @@ Result<std::shared_ptr<unsigned char>> LazySlot(size_t bytes) {
   }
   return std::shared_ptr<unsigned char>(static_cast<unsigned char*>(p),
                                         [bytes](unsigned char* q) { munmap(q, bytes); });
+}
+
+// The bytes of [p, p + bytes) (a LazySlot) backed by memory now: the pages written so far.
+int64_t ResidentBytes(const unsigned char* p, size_t bytes) {
+  const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> in((bytes + page - 1) / page);
+  if (mincore(const_cast<unsigned char*>(p), bytes, in.data()) != 0) return 0;
+  int64_t n = 0;
+  for (unsigned char v : in) n += (v & 1) ? static_cast<int64_t>(page) : 0;
+  return n;
 }
 
 }  // namespace
@@ -91,6 +102,7 @@ Status HostReceiver::Receive(RankSyncStats& st) {
     if (hr.summed) graveyard_.push_back(hr.sums);
     for (auto& img : hr.images) graveyard_.push_back(std::move(img));
     slots_.clear();
+    slot_msg_.clear();
     // Whole buckets land where they go before they are verified: those posted and not verified
     // may hold any bytes now.
     if (delta_) {
@@ -103,7 +115,14 @@ Status HostReceiver::Receive(RankSyncStats& st) {
     if (delta_) st.delta.Add(delta_->Finish());
     return s;
   }
-  if (delta_) st.delta.Add(delta_->Finish());
+  if (delta_) {
+    st.delta.Add(delta_->Finish());
+    st.delta.held_bytes = delta_->ImageBytes();
+    for (size_t k = 0; k < slots_.size(); ++k) {
+      const auto bytes = static_cast<size_t>(std::max<int64_t>(slot_bytes_[slot_msg_[k]], 8));
+      st.delta.held_bytes += ResidentBytes(slots_[k].get(), bytes);
+    }
+  }
   if (!delta_ && ctx_.in.options.encoding == WireEncoding::kAuto) {
     // Encoding auto ran as full here (ResolveAuto): the report says so, bucket by bucket.
     for (size_t mi = 0; mi < ctx_.plan.recvs.size(); ++mi) {
@@ -145,6 +164,7 @@ Status HostReceiver::Post(HostRecv& hr, RankSyncStats& st) {
         if (slots_.size() <= k) {
           SS_ASSIGN_OR_RETURN(slots_.emplace_back(),
                               LazySlot(static_cast<size_t>(std::max<int64_t>(slot_bytes_[mi], 8))));
+          slot_msg_.push_back(static_cast<int>(mi));
         }
         hr.images.push_back(slots_[k]);
       }

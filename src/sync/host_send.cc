@@ -49,6 +49,7 @@ Status HostSender::Prepare(const Bindings& bindings, PeerShapes& shapes, Prepare
       if (max_bucket == 0 || (delta_ && &s != &staging_[0])) break;
       SS_ASSIGN_OR_RETURN(s, codec_.AllocSlot(static_cast<size_t>(max_bucket)));
     }
+    if (delta_) delta_staging_bytes_ = max_bucket;
   }
   // Every bucket's transfers, computed once: both ends replay them each sync. In place, they
   // land straight in the parameters (BucketTransfers); an image travels in plain pieces.
@@ -105,7 +106,10 @@ Status HostSender::Send(RankSyncStats& st) {
   }
   // Every transfer completed: the transport no longer writes the sums.
   keep.done = true;
-  if (delta_) st.delta.Add(delta_->Finish());
+  if (delta_) {
+    st.delta.Add(delta_->Finish());
+    st.delta.held_bytes = delta_->KeptBytes() + delta_staging_bytes_;
+  }
   if (!delta_ && ctx_.in.options.encoding == WireEncoding::kAuto) {
     // Encoding auto ran as full here (ResolveAuto): the report says so, bucket by bucket.
     for (size_t mi = 0; mi < ctx_.plan.sends.size(); ++mi) {

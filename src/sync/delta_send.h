@@ -8,6 +8,7 @@
 // staging slot of the largest bucket and the deltas in flight.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string_view>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "sync/context.h"
 #include "sync/delta_path.h"
 #include "sync/guard.h"
+#include "sync/landed_sum.h"
 
 namespace shardsync::sync_internal {
 
@@ -35,10 +37,20 @@ class DeltaSender {
     DeltaKind form = DeltaKind::kFull;
     DeltaReason reason = DeltaReason::kNoImage;
     std::shared_ptr<std::vector<std::byte>> encoded;  // alive until its send completed
+    uint64_t checksum = 0;                            // EncodePacked: the new image's
   };
+  // How big EncodePacked's chunks are: what the path holds instead of a staging slot.
+  static constexpr size_t kChunkBytes = size_t{1} << 20;
   // Bucket `bi` of send message `mi`: its new image `img` (the bucket's bytes) of checksum
   // `checksum`, as the codec packed it.
   Result<Out> Encode(int mi, int bi, const unsigned char* img, uint64_t checksum);
+  // The same for a bucket this step packs itself (the copy codec with the built-in packer):
+  // `pack(from, len, out, sum)` writes wire bytes [from, from + len) at `out`, adding their
+  // checksum to `sum`. With no delta to encode it packs straight into the kept image; else chunk
+  // by chunk (kChunkBytes) into the encoder (DeltaAdvanceEncoder), which moves the kept image to
+  // the new bytes: no bucket-sized staging. The new image's checksum is in Out::checksum.
+  using PackFn = std::function<void(int64_t from, int64_t len, unsigned char* out, LandedSum& sum)>;
+  Result<Out> EncodePacked(int mi, int bi, const PackFn& pack);
   // A bucket whose send did not complete: it starts over whole (the receiver may hold any of it).
   // Returns the kept image's bytes, which a whole bucket's sends may still read.
   std::shared_ptr<void> Forget(int mi, int bi) {
@@ -58,6 +70,15 @@ class DeltaSender {
     bool base_known = false;
   };
   std::string Who() const { return "sync rank " + std::to_string(ctx_.rank); }
+  std::string Name(int mi, int bi) const {
+    return "sync rank " + std::to_string(ctx_.plan.sends[mi].dst) + " bucket " + std::to_string(bi);
+  }
+  // Encode's and EncodePacked's common steps: the slot of bucket `bi` of message `mi` with its
+  // base known; after the encoder ran, the form it leaves (size rule, encoding auto's cost); at
+  // the end, the trace, the kept image's new version and checksum, and the counts.
+  Result<Slot*> Known(int mi, int bi);
+  Status Settle(Out& out, const DeltaEncodeResult& r);
+  void Close(int mi, int bi, Out& out, uint64_t checksum, Clock::time_point t0);
   // A buffer for an encoded delta: one whose send completed, reused (its capacity: the encoder
   // writes into memory already faulted in, not fresh pages every bucket of every sync).
   std::shared_ptr<std::vector<std::byte>> Buffer();
@@ -66,6 +87,7 @@ class DeltaSender {
   SyncGuard& guard_;
   std::vector<std::vector<Slot>> slots_;  // [send message][bucket]; empty off the host path
   std::vector<std::shared_ptr<std::vector<std::byte>>> buffers_;  // Buffer's
+  std::vector<unsigned char> chunk_;                              // EncodePacked's
   DeltaLink link_;
   DeltaSyncStats st_;
 };

@@ -45,11 +45,19 @@ Status HostSender::Prepare(const Bindings& bindings, PeerShapes& shapes, Prepare
     for (int mi : msgs) {
       for (const Bucket& b : plan.sends[mi].buckets) max_bucket = std::max(max_bucket, b.bytes);
     }
+    // The copy codec with the built-in packer under the delta encoding: none, the delta step
+    // packs each bucket itself (DeltaSender::EncodePacked, chunk by chunk).
+    packed_by_delta_ = delta_ && codec_.in_place() && ctx_.builtin_packer();
     for (auto& s : staging_) {
-      if (max_bucket == 0 || (delta_ && &s != &staging_[0])) break;
+      if (max_bucket == 0 || packed_by_delta_ || (delta_ && &s != &staging_[0])) break;
       SS_ASSIGN_OR_RETURN(s, codec_.AllocSlot(static_cast<size_t>(max_bucket)));
     }
-    if (delta_) delta_staging_bytes_ = max_bucket;
+    if (delta_) {
+      delta_staging_bytes_ = packed_by_delta_
+                                 ? static_cast<int64_t>(std::min<size_t>(
+                                       DeltaSender::kChunkBytes, static_cast<size_t>(max_bucket)))
+                                 : max_bucket;
+    }
   }
   // Every bucket's transfers, computed once: both ends replay them each sync. In place, they
   // land straight in the parameters (BucketTransfers); an image travels in plain pieces.
@@ -256,7 +264,7 @@ Status HostSender::PostBucket(HostSend& hs, int mi, int bi) {
   f.slot = delta_ ? 0 : hs.next_slot;
   hs.next_slot ^= 1;
   unsigned char* stage = hs.fused ? nullptr : staging_[f.slot].get();
-  if (!hs.fused) {
+  if (!hs.fused && !packed_by_delta_) {
     SS_ASSIGN_OR_RETURN(f.checksum, codec_.Pack(m, b, stage));
   }
   f.sum = std::make_shared<LandedSum>();
@@ -266,7 +274,18 @@ Status HostSender::PostBucket(HostSend& hs, int mi, int bi) {
     // The receiver posted both forms' receives: the whole bucket's transfers (into its
     // parameters, or its rebuilt image) and one for a delta. The form not taken gets empty
     // messages, so no receive stays posted and nothing lands where the other form goes.
-    SS_ASSIGN_OR_RETURN(f.delta, delta_->Encode(mi, bi, stage, f.checksum));
+    if (packed_by_delta_) {
+      const SendBucket& sb = buckets_[mi][bi];
+      SS_ASSIGN_OR_RETURN(
+          f.delta, delta_->EncodePacked(
+                       mi, bi, [&](int64_t from, int64_t len, unsigned char* out, LandedSum& sum) {
+                         PackRange(sb, ctx_.in.trainer_dtype, ctx_.in.options.wire_dtype, from, len,
+                                   out, sum);
+                       }));
+      f.checksum = f.delta.checksum;
+    } else {
+      SS_ASSIGN_OR_RETURN(f.delta, delta_->Encode(mi, bi, stage, f.checksum));
+    }
     const bool whole = f.delta.form == DeltaKind::kFull;
     auto post = [&](const unsigned char* data, size_t len) -> Status {
       SS_ASSIGN_OR_RETURN(

@@ -3,9 +3,10 @@
 // and hands it here: Encode compares it with the image this rank kept of what it last sent in that
 // bucket and, when the receiver's advertised base is that image, returns the delta to send in its
 // place (else the image itself, with the reason), then keeps the new image. A whole bucket is
-// sent from the kept image, so the loop's one staging slot is free once Encode returned. Memory:
-// one copy of every host bucket's wire bytes (bf16: 2 bytes per parameter sent), plus one
-// staging slot of the largest bucket and the deltas in flight.
+// sent from the kept image, so the loop's one staging slot is free once Encode returned; with the
+// built-in packer and the copy codec there is none (EncodePacked packs chunk by chunk). Memory:
+// one copy of every host bucket's wire bytes (bf16: 2 bytes per parameter sent), plus a 1 MiB
+// chunk (or that staging slot, as large as the largest bucket) and the deltas in flight.
 #pragma once
 
 #include <functional>

@@ -38,6 +38,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -143,6 +144,27 @@ Result<DeltaEncodeResult> EncodeDeltaAdvance(std::span<std::byte> base,
                                              uint64_t base_version, uint64_t base_checksum,
                                              uint64_t new_checksum, std::string_view bucket,
                                              std::vector<std::byte>* out);
+
+// EncodeDeltaAdvance over a new image that comes in pieces: the host path's sender packs it
+// chunk by chunk (or straight into its kept image) instead of into a bucket-sized buffer. Begin
+// with the writable base; Feed every piece in order (each starting where the last ended, all but
+// the last a multiple of 64 bytes); Finish with both checksums as known. The same result and
+// bytes as EncodeDeltaAdvance over the whole image; the base is advanced piece by piece, so it
+// holds the new bytes fed so far (a Begin error leaves it untouched).
+class DeltaAdvanceEncoder {
+ public:
+  DeltaAdvanceEncoder();
+  ~DeltaAdvanceEncoder();
+  Status Begin(std::span<std::byte> base, int element_size, std::string_view bucket,
+               std::vector<std::byte>* out);
+  Status Feed(uint64_t at, std::span<const std::byte> piece);
+  Result<DeltaEncodeResult> Finish(uint64_t base_version, uint64_t base_checksum,
+                                   uint64_t new_checksum);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 // A bucket whose bytes are not one buffer: the receiver's landed runs (the elements of one bucket
 // live in several parameters). Pieces tile [0, bucket bytes) in increasing `offset` order, each

@@ -139,6 +139,7 @@ class DeltaStats(TypedDict):
     encode_seconds: float
     decode_seconds: float
     first_fallback: str  # this rank's first fallback in words ("" if none)
+    held_bytes: int  # this rank's host memory the delta steps hold (docs/delta.md), local only
 
 
 class RankStats(TypedDict):

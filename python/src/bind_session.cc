@@ -49,6 +49,7 @@ py::dict DeltaToPy(const DeltaSyncStats& s) {
   d["encode_seconds"] = s.encode_seconds;
   d["decode_seconds"] = s.decode_seconds;
   d["first_fallback"] = s.first_fallback;
+  d["held_bytes"] = s.held_bytes;
   return d;
 }
 

@@ -5,6 +5,10 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <variant>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -118,105 +122,195 @@ void ForEachChangedBlock(const std::byte* b, const std::byte* x, size_t begin, s
   }
 }
 
+}  // namespace
+
+// Not in the anonymous namespace: DeltaAdvanceEncoder::Impl holds one.
+namespace delta_encode_detail {
+
 // One pass over base and new, which the form follows as the count grows: index records while
 // the index form can still win (4 * count <= bitmap bytes); past that the records so far become
 // the bitmap and its values, and the pass goes on in the bitmap form; once even that is not
-// smaller than the bucket, it only counts. With `checksums`, both checksum sums too, chunk by
-// chunk so the checksums and the diff read each chunk from cache. Leaves *out holding the
-// payload after kDeltaHeaderBytes (header unwritten), or empty for kFull. With `advance` (the
-// writable base), each changed word is written there as it is found, while it is in cache: the
-// base ends holding next's bytes whatever the form.
+// smaller than the bucket, it only counts. Leaves *out holding the payload after
+// kDeltaHeaderBytes (header unwritten), or empty for kFull. With `advance` (the writable base),
+// each changed word is written there as it is found, while it is in cache: the base ends holding
+// next's bytes whatever the form. The new image may come in pieces (Diff, in order): the host
+// path's sender packs it chunk by chunk (DeltaAdvanceEncoder).
 template <int E>
-DeltaSize EncodeBody(const std::byte* b, const std::byte* x, size_t n, std::vector<std::byte>* out,
-                     bool checksums, EncodeSums* sums, std::byte* advance) {
-  constexpr size_t kRecord = kIndexBytes + E;
-  const uint64_t elements = n / E;
-  const uint64_t nbits = BitmapBytes(elements);
-  const uint64_t index_limit = nbits / kIndexBytes;
-  enum class Form { kIndex, kBitmap, kCount } form = Form::kIndex;
-  out->resize(kDeltaHeaderBytes + std::min<uint64_t>(index_limit, 4096) * kRecord + 8);
-  size_t used = kDeltaHeaderBytes;  // index: records end; bitmap: values end
-  uint64_t changed = 0;
+class Body {
+ public:
+  Body(const std::byte* b, size_t n, std::vector<std::byte>* out, std::byte* advance)
+      : b_(b),
+        n_(n),
+        out_(out),
+        advance_(advance),
+        nbits_(BitmapBytes(n / E)),
+        index_limit_(nbits_ / kIndexBytes) {
+    out_->resize(kDeltaHeaderBytes + std::min<uint64_t>(index_limit_, 4096) * kRecord + 8);
+  }
+
+  // Bytes [at, at + len) of the new image, at `x` (its byte `at`); `at` a multiple of 64 unless
+  // the piece is the bucket's tail. Pieces come in order and tile the bucket.
+  void Diff(size_t at, const std::byte* x, size_t len) {
+    const size_t blocks = n_ & ~size_t{63};
+    const size_t end = at + len;
+    if (at < blocks) {
+      const size_t stop = std::min(end, blocks);
+      ForEachChangedBlock<E>(b_ + at, x, 0, stop - at, [&](size_t o, uint64_t m) {
+        if (advance_ != nullptr) std::memcpy(advance_ + at + o, x + o, 64);
+        Found((at + o) / E, m, x + o);
+      });
+    }
+    if (end > blocks) {
+      const size_t from = std::max(at, blocks);
+      ForEachChanged<E>(b_ + at, x, from - at, end - at, [&](uint64_t i) {
+        const size_t o = i * E;  // from the piece's start
+        if (advance_ != nullptr) Put<Elem<E>>(advance_ + at + o, Get<Elem<E>>(x + o));
+        Found((at + o) / E, 1, x + o);
+      });
+    }
+  }
+  // Once every piece was diffed: the changed count and the form, *out trimmed to the payload.
+  DeltaSize Finish(uint64_t* changed) {
+    *changed = changed_;
+    const DeltaSize size = DeltaEncodedBytes(n_ / E, E, changed_);
+    if (size.kind == DeltaKind::kFull)
+      out_->clear();
+    else
+      out_->resize(used_);  // the size rule's bytes (checked by the caller)
+    return size;
+  }
+
+ private:
+  static constexpr size_t kRecord = kIndexBytes + E;
+  enum class Form { kIndex, kBitmap, kCount };
+
   // The records so far become the bitmap and its values, in place in *out (no allocation once
   // the caller's buffer grew to such a size before): the records move up past the bitmap, which
   // is zeroed, then compact into the values (value k is written at or before record k's place).
-  auto to_bitmap = [&] {
-    const size_t records = used - kDeltaHeaderBytes;
+  void ToBitmap() {
+    std::vector<std::byte>& out = *out_;
+    const size_t records = used_ - kDeltaHeaderBytes;
     const size_t count = records / kRecord;
-    const size_t vals = kDeltaHeaderBytes + nbits;
-    out->resize(std::max(out->size(), vals + records + 64 + 16));
-    std::memmove(out->data() + vals, out->data() + kDeltaHeaderBytes, records);
-    std::memset(out->data() + kDeltaHeaderBytes, 0, nbits);
-    std::byte* bits = out->data() + kDeltaHeaderBytes;
+    const size_t vals = kDeltaHeaderBytes + nbits_;
+    out.resize(std::max(out.size(), vals + records + 64 + 16));
+    std::memmove(out.data() + vals, out.data() + kDeltaHeaderBytes, records);
+    std::memset(out.data() + kDeltaHeaderBytes, 0, nbits_);
+    std::byte* bits = out.data() + kDeltaHeaderBytes;
     for (size_t k = 0; k < count; ++k) {
-      const std::byte* rec = out->data() + vals + k * kRecord;
+      const std::byte* rec = out.data() + vals + k * kRecord;
       const uint32_t i = Get<uint32_t>(rec);
       bits[i / 8] |= std::byte(1u << (i % 8));
-      std::memmove(out->data() + vals + k * E, rec + kIndexBytes, E);
+      std::memmove(out.data() + vals + k * E, rec + kIndexBytes, E);
     }
-    used = vals + count * E;
-    form = Form::kBitmap;
-  };
+    used_ = vals + count * E;
+    form_ = Form::kBitmap;
+  }
   // Elements idx + k for the bits k of `m` changed, their new values at `at` + k * E; idx is a
   // multiple of 8 unless `m` is one bit (bitmap bytes are whole).
-  auto found = [&](uint64_t idx, uint64_t m, const std::byte* at) {
-    changed += Popcount64(m);
-    if (form == Form::kIndex) {
+  void Found(uint64_t idx, uint64_t m, const std::byte* at) {
+    std::vector<std::byte>& out = *out_;
+    changed_ += Popcount64(m);
+    if (form_ == Form::kIndex) {
       for (uint64_t r = m; r != 0; r &= r - 1) {
-        if (used + kRecord > out->size()) out->resize(2 * out->size());
+        if (used_ + kRecord > out.size()) out.resize(2 * out.size());
         const int k = std::countr_zero(r);
-        Put<uint32_t>(out->data() + used, static_cast<uint32_t>(idx + k));
-        Put<Elem<E>>(out->data() + used + kIndexBytes, Get<Elem<E>>(at + k * E));
-        used += kRecord;
+        Put<uint32_t>(out.data() + used_, static_cast<uint32_t>(idx + k));
+        Put<Elem<E>>(out.data() + used_ + kIndexBytes, Get<Elem<E>>(at + k * E));
+        used_ += kRecord;
       }
-      if (changed > index_limit) to_bitmap();
+      if (changed_ > index_limit_) ToBitmap();
       return;
     }
-    if (form == Form::kCount) return;
-    if (kDeltaHeaderBytes + nbits + changed * E >= n) {  // even the bitmap form is not smaller
-      form = Form::kCount;
+    if (form_ == Form::kCount) return;
+    if (kDeltaHeaderBytes + nbits_ + changed_ * E >= n_) {  // even the bitmap form is not smaller
+      form_ = Form::kCount;
       return;
     }
-    if (used + 64 + 16 > out->size()) out->resize(2 * out->size());
-    std::byte* bits = out->data() + kDeltaHeaderBytes;
+    if (used_ + 64 + 16 > out.size()) out.resize(2 * out.size());
+    std::byte* bits = out.data() + kDeltaHeaderBytes;
     if (m == 1) {
       bits[idx / 8] |= std::byte(1u << (idx % 8));
     } else {
       for (uint64_t r = m, k = idx / 8; r != 0; r >>= 8, ++k) bits[k] |= std::byte(r & 0xFF);
     }
     for (uint64_t r = m; r != 0; r &= r - 1) {
-      Put<Elem<E>>(out->data() + used, Get<Elem<E>>(at + std::countr_zero(r) * E));
-      used += E;
+      Put<Elem<E>>(out.data() + used_, Get<Elem<E>>(at + std::countr_zero(r) * E));
+      used_ += E;
     }
-  };
-  auto diff = [&](size_t begin, size_t end) {
-    ForEachChangedBlock<E>(b, x, begin, end, [&](size_t o, uint64_t m) {
-      if (advance != nullptr) std::memcpy(advance + o, x + o, 64);
-      found(o / E, m, x + o);
-    });
-  };
-  const size_t blocks = n & ~size_t{63};
+  }
+
+  const std::byte* b_;
+  size_t n_;
+  std::vector<std::byte>* out_;
+  std::byte* advance_;
+  uint64_t nbits_, index_limit_;
+  Form form_ = Form::kIndex;
+  size_t used_ = kDeltaHeaderBytes;  // index: records end; bitmap: values end
+  uint64_t changed_ = 0;
+};
+
+}  // namespace delta_encode_detail
+
+namespace {
+
+using delta_encode_detail::Body;
+
+// The whole new image at once. With `checksums`, both checksum sums too, chunk by chunk so the
+// checksums and the diff read each chunk from cache.
+template <int E>
+DeltaSize EncodeBody(const std::byte* b, const std::byte* x, size_t n, std::vector<std::byte>* out,
+                     bool checksums, EncodeSums* sums, std::byte* advance) {
+  Body<E> body(b, n, out, advance);
   if (checksums) {
     for (size_t c = 0; c < n; c += kChunk) {
       const size_t len = std::min(kChunk, n - c);
       sums->base += ChecksumPartial(b + c, len, c);
       sums->next += ChecksumPartial(x + c, len, c);
-      diff(c, std::min(c + len, blocks));
+      body.Diff(c, x + c, len);
     }
   } else {
-    diff(0, blocks);
+    body.Diff(0, x, n);
   }
-  ForEachChanged<E>(b, x, blocks, n, [&](uint64_t i) {
-    if (advance != nullptr) Put<Elem<E>>(advance + i * E, Get<Elem<E>>(x + i * E));
-    found(i, 1, x + i * E);
-  });
-  sums->changed = changed;
-  const DeltaSize size = DeltaEncodedBytes(elements, E, changed);
-  if (size.kind == DeltaKind::kFull)
-    out->clear();
-  else
-    out->resize(used);  // the size rule's bytes (checked by the caller)
-  return size;
+  return body.Finish(&sums->changed);
+}
+
+// Element size and bucket size, as every encoder entry checks them.
+Status CheckSizes(size_t base_bytes, size_t n, int e, std::string_view bucket) {
+  if (!ValidElementSize(e))
+    return InvalidArgumentError(
+        fmt::format("delta of bucket {}: element_size must be 1, 2 or 4, got {}", bucket, e));
+  if (base_bytes != n)
+    return InvalidArgumentError(
+        fmt::format("delta of bucket {}: base is {} bytes, new is {}", bucket, base_bytes, n));
+  if (n % e != 0)
+    return InvalidArgumentError(fmt::format(
+        "delta of bucket {}: {} bytes is not a multiple of element_size {}", bucket, n, e));
+  if (n / e > kDeltaMaxElements)
+    return InvalidArgumentError(
+        fmt::format("delta of bucket {}: {} elements, the codec's indices hold at most {}", bucket,
+                    n / e, kDeltaMaxElements));
+  return OkStatus();
+}
+
+// Writes the header of a delta whose payload *out holds after kDeltaHeaderBytes, and checks its
+// length against the size rule.
+Status WriteHeader(const DeltaEncodeResult& r, DeltaSize size, int e, uint64_t base_version,
+                   std::string_view bucket, std::vector<std::byte>* out) {
+  std::byte* h = out->data();
+  Put<uint32_t>(h, kMagic);
+  Put<uint8_t>(h + 4, kFormat);
+  Put<uint8_t>(h + 5, static_cast<uint8_t>(size.kind));
+  Put<uint8_t>(h + 6, static_cast<uint8_t>(e));
+  Put<uint8_t>(h + 7, 0);
+  Put<uint64_t>(h + 8, r.elements);
+  Put<uint64_t>(h + 16, base_version);
+  Put<uint64_t>(h + 24, r.base_checksum);
+  Put<uint64_t>(h + 32, r.new_checksum);
+  Put<uint64_t>(h + 40, r.changed);
+  if (out->size() != size.bytes)
+    return InternalError(fmt::format("delta of bucket {}: encoded {} bytes, the size rule says {}",
+                                     bucket, out->size(), size.bytes));
+  return OkStatus();
 }
 
 // EncodeDelta and EncodeDeltaAdvance: `advance` null (base only read, checksums computed) or the
@@ -226,25 +320,11 @@ Result<DeltaEncodeResult> Encode(std::span<const std::byte> base, std::span<cons
                                  uint64_t base_version, std::string_view bucket,
                                  std::vector<std::byte>* out) {
   out->clear();
-  if (!ValidElementSize(element_size))
-    return InvalidArgumentError(fmt::format(
-        "delta of bucket {}: element_size must be 1, 2 or 4, got {}", bucket, element_size));
-  if (base.size() != next.size())
-    return InvalidArgumentError(fmt::format("delta of bucket {}: base is {} bytes, new is {}",
-                                            bucket, base.size(), next.size()));
+  SS_RETURN_IF_ERROR(CheckSizes(base.size(), next.size(), element_size, bucket));
   const size_t n = next.size();
   const int e = element_size;
-  if (n % e != 0)
-    return InvalidArgumentError(fmt::format(
-        "delta of bucket {}: {} bytes is not a multiple of element_size {}", bucket, n, e));
-  const uint64_t elements = n / e;
-  if (elements > kDeltaMaxElements)
-    return InvalidArgumentError(
-        fmt::format("delta of bucket {}: {} elements, the codec's indices hold at most {}", bucket,
-                    elements, kDeltaMaxElements));
-
   DeltaEncodeResult r;
-  r.elements = elements;
+  r.elements = n / e;
   EncodeSums sums;
   const std::byte* b = base.data();
   const std::byte* x = next.data();
@@ -257,21 +337,7 @@ Result<DeltaEncodeResult> Encode(std::span<const std::byte> base, std::span<cons
   if (size.kind == DeltaKind::kFull) return r;
   r.base_checksum = compute ? ChecksumFinish(sums.base, n) : known->base;
   r.new_checksum = compute ? ChecksumFinish(sums.next, n) : known->next;
-  const uint64_t changed = sums.changed;
-  std::byte* h = out->data();
-  Put<uint32_t>(h, kMagic);
-  Put<uint8_t>(h + 4, kFormat);
-  Put<uint8_t>(h + 5, static_cast<uint8_t>(size.kind));
-  Put<uint8_t>(h + 6, static_cast<uint8_t>(e));
-  Put<uint8_t>(h + 7, 0);
-  Put<uint64_t>(h + 8, elements);
-  Put<uint64_t>(h + 16, base_version);
-  Put<uint64_t>(h + 24, r.base_checksum);
-  Put<uint64_t>(h + 32, r.new_checksum);
-  Put<uint64_t>(h + 40, changed);
-  if (out->size() != size.bytes)
-    return InternalError(fmt::format("delta of bucket {}: encoded {} bytes, the size rule says {}",
-                                     bucket, out->size(), size.bytes));
+  SS_RETURN_IF_ERROR(WriteHeader(r, size, e, base_version, bucket, out));
   return r;
 }
 
@@ -293,6 +359,82 @@ Result<DeltaEncodeResult> EncodeDeltaAdvance(std::span<std::byte> base,
   known.base = base_checksum;
   known.next = new_checksum;
   return Encode(base, next, base.data(), &known, element_size, base_version, bucket, out);
+}
+
+struct DeltaAdvanceEncoder::Impl {
+  std::variant<std::monostate, Body<1>, Body<2>, Body<4>> body;
+  std::string bucket;
+  std::vector<std::byte>* out = nullptr;
+  size_t n = 0;
+  size_t fed = 0;  // bytes of the new image diffed so far
+  int e = 0;
+};
+
+DeltaAdvanceEncoder::DeltaAdvanceEncoder() : impl_(std::make_unique<Impl>()) {}
+DeltaAdvanceEncoder::~DeltaAdvanceEncoder() = default;
+
+Status DeltaAdvanceEncoder::Begin(std::span<std::byte> base, int element_size,
+                                  std::string_view bucket, std::vector<std::byte>* out) {
+  Impl& m = *impl_;
+  m.body = std::monostate{};
+  out->clear();
+  SS_RETURN_IF_ERROR(CheckSizes(base.size(), base.size(), element_size, bucket));
+  m.bucket = bucket;
+  m.out = out;
+  m.n = base.size();
+  m.fed = 0;
+  m.e = element_size;
+  std::byte* b = base.data();
+  if (element_size == 1) m.body.emplace<Body<1>>(b, m.n, out, b);
+  if (element_size == 2) m.body.emplace<Body<2>>(b, m.n, out, b);
+  if (element_size == 4) m.body.emplace<Body<4>>(b, m.n, out, b);
+  return OkStatus();
+}
+
+Status DeltaAdvanceEncoder::Feed(uint64_t at, std::span<const std::byte> piece) {
+  Impl& m = *impl_;
+  if (m.body.index() == 0)
+    return FailedPreconditionError("delta encoder: Feed before Begin (or after Finish)");
+  if (at != m.fed || piece.size() > m.n - m.fed ||
+      (m.fed + piece.size() < m.n && piece.size() % 64 != 0))
+    return InvalidArgumentError(fmt::format(
+        "delta of bucket {}: a piece of {} bytes at {} after {} of {} bytes fed (pieces come in "
+        "order, each a multiple of 64 bytes but the last)",
+        m.bucket, piece.size(), at, m.fed, m.n));
+  std::visit(
+      [&](auto& body) {
+        if constexpr (!std::is_same_v<std::decay_t<decltype(body)>, std::monostate>)
+          body.Diff(static_cast<size_t>(at), piece.data(), piece.size());
+      },
+      m.body);
+  m.fed += piece.size();
+  return OkStatus();
+}
+
+Result<DeltaEncodeResult> DeltaAdvanceEncoder::Finish(uint64_t base_version, uint64_t base_checksum,
+                                                      uint64_t new_checksum) {
+  Impl& m = *impl_;
+  if (m.body.index() == 0)
+    return FailedPreconditionError("delta encoder: Finish before Begin (or twice)");
+  if (m.fed != m.n)
+    return InvalidArgumentError(
+        fmt::format("delta of bucket {}: {} of {} bytes fed", m.bucket, m.fed, m.n));
+  DeltaEncodeResult r;
+  r.elements = m.n / static_cast<size_t>(m.e);
+  DeltaSize size;
+  std::visit(
+      [&](auto& body) {
+        if constexpr (!std::is_same_v<std::decay_t<decltype(body)>, std::monostate>)
+          size = body.Finish(&r.changed);
+      },
+      m.body);
+  m.body = std::monostate{};
+  r.kind = size.kind;
+  if (size.kind == DeltaKind::kFull) return r;
+  r.base_checksum = base_checksum;
+  r.new_checksum = new_checksum;
+  SS_RETURN_IF_ERROR(WriteHeader(r, size, m.e, base_version, m.bucket, m.out));
+  return r;
 }
 
 }  // namespace shardsync

@@ -192,7 +192,8 @@ nlohmann::json DeltaToJson(const DeltaSyncStats& d) {
           {"full_by_auto", d.full_by_auto},
           {"encode_seconds", d.encode_seconds},
           {"decode_seconds", d.decode_seconds},
-          {"first_fallback", d.first_fallback}};
+          {"first_fallback", d.first_fallback},
+          {"held_bytes", d.held_bytes}};
 }
 
 void DeltaFromJson(const nlohmann::json& j, DeltaSyncStats& d) {
@@ -211,6 +212,7 @@ void DeltaFromJson(const nlohmann::json& j, DeltaSyncStats& d) {
   d.encode_seconds = j.at("encode_seconds");
   d.decode_seconds = j.at("decode_seconds");
   d.first_fallback = j.at("first_fallback");
+  d.held_bytes = j.value("held_bytes", int64_t{0});
 }
 
 }  // namespace

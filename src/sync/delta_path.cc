@@ -22,6 +22,7 @@ void DeltaSyncStats::Add(const DeltaSyncStats& o) {
   full_by_auto += o.full_by_auto;
   encode_seconds += o.encode_seconds;
   decode_seconds += o.decode_seconds;
+  held_bytes += o.held_bytes;
   if (first_fallback.empty()) first_fallback = o.first_fallback;
 }
 

@@ -130,23 +130,36 @@ Status DeltaReceiver::Receive(int mi, int bi, const Control& c, const unsigned c
   return OkStatus();
 }
 
+unsigned char* DeltaReceiver::WholeTarget(int mi, int bi, const WireRun& r) {
+  if (!codec_.in_place())
+    return reinterpret_cast<unsigned char*>(slots_[mi][bi].image.data()) + r.wire_offset;
+  return Landing(r);
+}
+
 Status DeltaReceiver::ReceiveWhole(int mi, int bi, const Control& c, const unsigned char* slot) {
+  (void)slot;  // a delta's; the whole bucket landed where WholeTarget said
   const Message& m = ctx_.plan.recvs[mi];
   const auto bytes = static_cast<uint64_t>(m.buckets[bi].bytes);
+  Slot& s = slots_[mi][bi];
   if (codec_.in_place()) {
-    // Copied into the runs with the checksum taken from the same reads. The runs are written
-    // before the checksum is known, as a whole bucket received in place is: their version is
-    // unknown until it verified.
-    if (!staged_.on()) slots_[mi][bi].verified = 0;
-    SS_ASSIGN_OR_RETURN(const uint64_t got,
-                        DeltaPiecesChecksum(Pieces(mi, bi, slot), bytes, /*copy=*/true));
+    // Landed in the runs (staging, under a staged commit) before the checksum is known, as a
+    // whole bucket received in place is: their version is unknown until it verified.
+    if (!staged_.on()) s.verified = 0;
+    pieces_.clear();
+    for (const WireRun& r : s.runs) {
+      pieces_.push_back(DeltaPiece{static_cast<uint64_t>(r.wire_offset), r.len,
+                                   reinterpret_cast<const std::byte*>(Landing(r)),
+                                   reinterpret_cast<std::byte*>(Landing(r))});
+    }
+    SS_ASSIGN_OR_RETURN(const uint64_t got, DeltaPiecesChecksum(pieces_, bytes));
     if (got != c.checksum)
       return bindings_->MismatchError(m, bi, guard_.version(), c.checksum, got);
     return OkStatus();
   }
-  const uint64_t got = Checksum(slot, static_cast<size_t>(bytes));
+  const auto* image = reinterpret_cast<const unsigned char*>(s.image.data());
+  const uint64_t got = Checksum(image, static_cast<size_t>(bytes));
   if (got != c.checksum) return bindings_->MismatchError(m, bi, guard_.version(), c.checksum, got);
-  return codec_.Land(m, bi, slot);
+  return codec_.Land(m, bi, image);
 }
 
 Status DeltaReceiver::ReceiveDelta(int mi, int bi, const Control& c, const unsigned char* slot) {

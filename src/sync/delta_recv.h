@@ -4,9 +4,12 @@
 // runs themselves, read once in wire order (live parameters, or under a staged commit the
 // committed ones); an image codec's bucket as the codec rebuilds its wire image from them
 // (Codec::RebuildImage). Each bucket then arrives whole or as a delta (its control message says
-// which) in one of the loop's receive slots, and Receive lands it verified:
-//  - whole: copied into the runs with its checksum taken in the same pass (an image codec:
-//    checksummed, then its Land), against the sender's;
+// which): the loop posts both forms' receives, a whole bucket's runs where WholeTarget says and
+// a delta's into one of its receive slots (the sender fills the other form with empty messages),
+// and Receive lands it verified:
+//  - whole: already in place (or in the rebuilt image), checksummed there against the sender's
+//    (an image codec: then its Land); the only memory a delta sync adds on this side is the
+//    slots' pages that deltas filled;
 //  - a delta, in place: applied straight onto the runs (DecodeDeltaPieces: one read of the runs
 //    for the base checksum, then only the changed elements; under a staged commit the base is
 //    copied from the live parameters into staging in that read). The decode refuses a base whose
@@ -44,6 +47,29 @@ class DeltaReceiver {
   // Bucket `bi` of receive message `mi` arrived in `slot` (c.payload bytes) with control `c`
   // (CheckControl passed): lands it, verified against c.checksum (above).
   Status Receive(int mi, int bi, const Control& c, const unsigned char* slot);
+  // Where run `r` of bucket `bi` of receive message `mi` lands when the bucket comes whole: its
+  // parameter bytes (in place; under a staged commit, staging), or the image rebuilt for the
+  // advertisement (image codecs), which a whole bucket replaces.
+  unsigned char* WholeTarget(int mi, int bi, const WireRun& r);
+  // A bucket whose receives were posted in a sync that failed before it verified: its bytes may
+  // have changed (a whole bucket lands before it is verified), so their version is unknown.
+  // Returns what a late receive may still write into (an image codec's rebuilt image, given up:
+  // the next advertisement rebuilds a fresh one), or null.
+  std::shared_ptr<void> Unverify(int mi, int bi) {
+    Slot& s = slots_[mi][bi];
+    if (s.verified == guard_.version()) return nullptr;
+    s.verified = 0;
+    if (s.image.empty()) return nullptr;
+    return std::make_shared<std::vector<std::byte>>(std::move(s.image));
+  }
+  // Image codecs: bytes of the images rebuilt for the advertisement (kept between syncs).
+  int64_t ImageBytes() const {
+    int64_t n = 0;
+    for (const auto& msg : slots_) {
+      for (const Slot& s : msg) n += static_cast<int64_t>(s.image.size());
+    }
+    return n;
+  }
   // Sync, at its end: this sync's figures (moved out).
   DeltaSyncStats Finish();
 

@@ -1,6 +1,7 @@
 // The delta encoding's send step (delta_send.h).
 #include "sync/delta_send.h"
 
+#include <algorithm>
 #include <cstring>
 #include <span>
 
@@ -36,60 +37,136 @@ Status DeltaSender::SetBases(int dst, std::string_view value) {
   return OkStatus();
 }
 
-Result<DeltaSender::Out> DeltaSender::Encode(int mi, int bi, const unsigned char* img,
-                                             uint64_t checksum) {
-  const Message& m = ctx_.plan.sends[mi];
-  const auto n = static_cast<size_t>(m.buckets[bi].bytes);
+Result<DeltaSender::Slot*> DeltaSender::Known(int mi, int bi) {
   Slot& slot = slots_[mi][bi];
   if (!slot.base_known) {
-    return InternalError(Who() + ": no delta base from sync rank " + std::to_string(m.dst) +
-                         " for bucket " + std::to_string(bi));
+    return InternalError(Who() + ": no delta base from sync rank " +
+                         std::to_string(ctx_.plan.sends[mi].dst) + " for bucket " +
+                         std::to_string(bi));
   }
-  const auto t0 = Clock::now();
-  Out out;
-  out.data = img;
-  out.bytes = n;
-  out.reason = CheckBase(slot.kept, slot.base);
-  const bool encoded = out.reason == DeltaReason::kDelta;
-  const std::span<const std::byte> next(reinterpret_cast<const std::byte*>(img), n);
+  return &slot;
+}
+
+Status DeltaSender::Settle(Out& out, const DeltaEncodeResult& r) {
+  st_.changed += static_cast<int64_t>(r.changed);
+  st_.elements += static_cast<int64_t>(r.elements);
+  if (r.kind == DeltaKind::kFull) {
+    out.reason = DeltaReason::kSize;
+  } else if (ctx_.in.options.encoding == WireEncoding::kAuto) {
+    SS_ASSIGN_OR_RETURN(const bool pays,
+                        DeltaPays(link_, r.elements, DeltaElementSize(ctx_.in), r.changed));
+    if (!pays) out.reason = DeltaReason::kCost;
+  }
   if (out.reason == DeltaReason::kDelta) {
-    const int es = DeltaElementSize(ctx_.in);
-    out.encoded = Buffer();
-    const std::string name = "sync rank " + std::to_string(m.dst) + " bucket " + std::to_string(bi);
-    // One pass over the kept and the new image: compared, and the kept one moved to the new
-    // bytes (only the changed elements written); both checksums are known (kept, packed).
-    SS_ASSIGN_OR_RETURN(const DeltaEncodeResult r,
-                        EncodeDeltaAdvance(slot.kept.bytes, next, es, slot.kept.version,
-                                           slot.kept.checksum, checksum, name, out.encoded.get()));
-    st_.changed += static_cast<int64_t>(r.changed);
-    st_.elements += static_cast<int64_t>(r.elements);
-    if (r.kind == DeltaKind::kFull) {
-      out.reason = DeltaReason::kSize;
-    } else if (ctx_.in.options.encoding == WireEncoding::kAuto) {
-      SS_ASSIGN_OR_RETURN(const bool pays, DeltaPays(link_, r.elements, es, r.changed));
-      if (!pays) out.reason = DeltaReason::kCost;
-    }
-    if (out.reason == DeltaReason::kDelta) {
-      out.form = r.kind;
-      out.data = reinterpret_cast<const unsigned char*>(out.encoded->data());
-      out.bytes = out.encoded->size();
-    } else {
-      out.encoded.reset();
-    }
-  } else if (st_.first_fallback.empty() && out.reason != DeltaReason::kNoImage) {
+    out.form = r.kind;
+    out.data = reinterpret_cast<const unsigned char*>(out.encoded->data());
+    out.bytes = out.encoded->size();
+  } else {
+    out.encoded.reset();
+  }
+  return OkStatus();
+}
+
+void DeltaSender::Close(int mi, int bi, Out& out, uint64_t checksum, Clock::time_point t0) {
+  const Message& m = ctx_.plan.sends[mi];
+  Slot& slot = slots_[mi][bi];
+  if (out.reason != DeltaReason::kDelta && out.reason != DeltaReason::kNoImage &&
+      out.reason != DeltaReason::kSize && out.reason != DeltaReason::kCost &&
+      st_.first_fallback.empty()) {
     st_.first_fallback = DescribeFallback(out.reason, m.dst, bi, slot.kept, slot.base);
   }
   Trace(ctx_.rank, guard_.version(), [&] {
     return DescribeFallback(out.reason, m.dst, bi, slot.kept, slot.base) + ", " +
            std::to_string(out.bytes) + " bytes";
   });
-  // The new image is what the receiver holds once this bucket verified (the delta's encode
-  // already wrote it into the kept one).
-  if (!encoded) slot.kept.bytes.assign(next.begin(), next.end());
+  // The kept image now holds the new one, which the receiver holds once this bucket verified; a
+  // whole bucket leaves from it (the staging slot, if any, is reused for the next bucket).
+  if (out.form == DeltaKind::kFull)
+    out.data = reinterpret_cast<const unsigned char*>(slot.kept.bytes.data());
   slot.kept.version = guard_.version();
   slot.kept.checksum = checksum;
-  CountBucket(st_, out.reason, static_cast<int64_t>(out.bytes), static_cast<int64_t>(n));
+  CountBucket(st_, out.reason, static_cast<int64_t>(out.bytes), m.buckets[bi].bytes);
   st_.encode_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+Result<DeltaSender::Out> DeltaSender::Encode(int mi, int bi, const unsigned char* img,
+                                             uint64_t checksum) {
+  const auto n = static_cast<size_t>(ctx_.plan.sends[mi].buckets[bi].bytes);
+  SS_ASSIGN_OR_RETURN(Slot * slot, Known(mi, bi));
+  const auto t0 = Clock::now();
+  Out out;
+  out.data = img;
+  out.bytes = n;
+  out.checksum = checksum;
+  out.reason = CheckBase(slot->kept, slot->base);
+  const std::span<const std::byte> next(reinterpret_cast<const std::byte*>(img), n);
+  if (out.reason == DeltaReason::kDelta) {
+    out.encoded = Buffer();
+    // One pass over the kept and the new image: compared, and the kept one moved to the new
+    // bytes (only the changed elements written); both checksums are known (kept, packed).
+    SS_ASSIGN_OR_RETURN(
+        const DeltaEncodeResult r,
+        EncodeDeltaAdvance(slot->kept.bytes, next, DeltaElementSize(ctx_.in), slot->kept.version,
+                           slot->kept.checksum, checksum, Name(mi, bi), out.encoded.get()));
+    SS_RETURN_IF_ERROR(Settle(out, r));
+  } else {
+    slot->kept.bytes.assign(next.begin(), next.end());
+  }
+  Close(mi, bi, out, checksum, t0);
+  return out;
+}
+
+Result<DeltaSender::Out> DeltaSender::EncodePacked(int mi, int bi, const PackFn& pack) {
+  const auto n = static_cast<size_t>(ctx_.plan.sends[mi].buckets[bi].bytes);
+  SS_ASSIGN_OR_RETURN(Slot * slot, Known(mi, bi));
+  const auto t0 = Clock::now();
+  Out out;
+  out.bytes = n;
+  out.reason = CheckBase(slot->kept, slot->base);
+  LandedSum sum;
+  if (out.reason == DeltaReason::kDelta) {
+    out.encoded = Buffer();
+    DeltaAdvanceEncoder enc;
+    SS_RETURN_IF_ERROR(
+        enc.Begin(slot->kept.bytes, DeltaElementSize(ctx_.in), Name(mi, bi), out.encoded.get()));
+    chunk_.resize(std::min(kChunkBytes, n));
+    // Each chunk is packed, then compared while in cache; the kept image moves to the new bytes
+    // as it goes, so on any error below it is no image of anything: forgotten.
+    Status fed;
+    for (size_t at = 0; at < n && fed.ok(); at += kChunkBytes) {
+      const size_t len = std::min(kChunkBytes, n - at);
+      pack(static_cast<int64_t>(at), static_cast<int64_t>(len), chunk_.data(), sum);
+      fed = enc.Feed(
+          at, std::span<const std::byte>(reinterpret_cast<const std::byte*>(chunk_.data()), len));
+    }
+    Result<DeltaEncodeResult> r = fed;
+    if (fed.ok()) {
+      if (sum.bytes() != n) {
+        r = InternalError(Who() + ": packed " + std::to_string(sum.bytes()) + " bytes of a " +
+                          std::to_string(n) + "-byte bucket to " + Name(mi, bi));
+      } else {
+        out.checksum = sum.Finish();
+        r = enc.Finish(slot->kept.version, slot->kept.checksum, out.checksum);
+      }
+    }
+    if (!r.ok()) {
+      slot->kept = KeptImage{};
+      return r.status();
+    }
+    SS_RETURN_IF_ERROR(Settle(out, *r));
+  } else {
+    // Nothing to compare: packed straight into the kept image.
+    slot->kept.bytes.resize(n);
+    pack(0, static_cast<int64_t>(n), reinterpret_cast<unsigned char*>(slot->kept.bytes.data()),
+         sum);
+    if (sum.bytes() != n) {
+      slot->kept = KeptImage{};
+      return InternalError(Who() + ": packed " + std::to_string(sum.bytes()) + " bytes of a " +
+                           std::to_string(n) + "-byte bucket to " + Name(mi, bi));
+    }
+    out.checksum = sum.Finish();
+  }
+  Close(mi, bi, out, out.checksum, t0);
   return out;
 }
 
@@ -101,6 +178,14 @@ std::shared_ptr<std::vector<std::byte>> DeltaSender::Buffer() {
   if (buffers_.size() >= 4)
     std::erase_if(buffers_, [](const auto& b) { return b.use_count() > 1; });
   return buffers_.emplace_back(std::make_shared<std::vector<std::byte>>());
+}
+
+int64_t DeltaSender::KeptBytes() const {
+  int64_t n = 0;
+  for (const auto& msg : slots_) {
+    for (const Slot& s : msg) n += static_cast<int64_t>(s.kept.bytes.size());
+  }
+  return n;
 }
 
 DeltaSyncStats DeltaSender::Finish() {

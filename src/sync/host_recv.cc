@@ -1,10 +1,41 @@
 #include "sync/host_recv.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 
 #include "shardsync/checksum.h"
 
 namespace shardsync::sync_internal {
+namespace {
+
+// A zeroed receive slot whose pages cost memory only once written (anonymous mapping): a slot
+// sized for a whole bucket that only ever holds deltas stays nearly free.
+Result<std::shared_ptr<unsigned char>> LazySlot(size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    return UnavailableError("cannot map a " + std::to_string(bytes) +
+                            "-byte receive slot: " + std::strerror(errno));
+  }
+  return std::shared_ptr<unsigned char>(static_cast<unsigned char*>(p),
+                                        [bytes](unsigned char* q) { munmap(q, bytes); });
+}
+
+// The bytes of [p, p + bytes) (a LazySlot) backed by memory now: the pages written so far.
+int64_t ResidentBytes(const unsigned char* p, size_t bytes) {
+  const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> in((bytes + page - 1) / page);
+  if (mincore(const_cast<unsigned char*>(p), bytes, in.data()) != 0) return 0;
+  int64_t n = 0;
+  for (unsigned char v : in) n += (v & 1) ? static_cast<int64_t>(page) : 0;
+  return n;
+}
+
+}  // namespace
 
 Status HostReceiver::Prepare(const Bindings& bindings, const PreparedPairs& pairs) {
   bindings_ = &bindings;
@@ -21,9 +52,9 @@ Status HostReceiver::Prepare(const Bindings& bindings, const PreparedPairs& pair
   slot_bytes_.assign(plan.recvs.size(), 0);
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
     const Message& m = plan.recvs[mi];
-    if (image()) {
+    if (!codec_.in_place()) {
       // An image: plain pieces into a receive slot, as the sender cuts them (the delta
-      // encoding: one message of up to the bucket's bytes).
+      // encoding: one message, into the image the delta step rebuilt).
       for (const Bucket& b : m.buckets) {
         slot_bytes_[mi] = std::max(slot_bytes_[mi], b.bytes);
         std::vector<WireRun>& runs = runs_[mi].emplace_back();
@@ -42,6 +73,8 @@ Status HostReceiver::Prepare(const Bindings& bindings, const PreparedPairs& pair
     }
     SS_ASSIGN_OR_RETURN(SyncRank src, DescribeSyncRank(ctx_.in, m.src));
     for (const Bucket& b : m.buckets) {
+      // The delta encoding: a delta lands in a slot, a whole bucket in place as encoding full's.
+      if (delta_) slot_bytes_[mi] = std::max(slot_bytes_[mi], b.bytes);
       runs_[mi].push_back(BucketTransfers(
           ctx_.in, ctx_.inventory, src.trainer_rank, m, b,
           [&](int param) -> const Shape& { return bindings.dest(param).shape; },
@@ -69,10 +102,27 @@ Status HostReceiver::Receive(RankSyncStats& st) {
     if (hr.summed) graveyard_.push_back(hr.sums);
     for (auto& img : hr.images) graveyard_.push_back(std::move(img));
     slots_.clear();
+    slot_msg_.clear();
+    // Whole buckets land where they go before they are verified: those posted and not verified
+    // may hold any bytes now.
+    if (delta_) {
+      for (size_t mi = 0; mi < hr.next.size(); ++mi) {
+        for (int bi = 0; bi < hr.next[mi]; ++bi) {
+          if (auto gone = delta_->Unverify(static_cast<int>(mi), bi)) graveyard_.push_back(gone);
+        }
+      }
+    }
     if (delta_) st.delta.Add(delta_->Finish());
     return s;
   }
-  if (delta_) st.delta.Add(delta_->Finish());
+  if (delta_) {
+    st.delta.Add(delta_->Finish());
+    st.delta.held_bytes = delta_->ImageBytes();
+    for (size_t k = 0; k < slots_.size(); ++k) {
+      const auto bytes = static_cast<size_t>(std::max<int64_t>(slot_bytes_[slot_msg_[k]], 8));
+      st.delta.held_bytes += ResidentBytes(slots_[k].get(), bytes);
+    }
+  }
   if (!delta_ && ctx_.in.options.encoding == WireEncoding::kAuto) {
     // Encoding auto ran as full here (ResolveAuto): the report says so, bucket by bucket.
     for (size_t mi = 0; mi < ctx_.plan.recvs.size(); ++mi) {
@@ -109,11 +159,12 @@ Status HostReceiver::Post(HostRecv& hr, RankSyncStats& st) {
     for (int i = 0; i < n; ++i, ++k) {
       if (image) {
         // Zeroed, at least 8 bytes, allocated once and reused while syncs succeed: a failed
-        // sync's slots may still be written into (Receive gives them up), and zeroing fresh
-        // slots each sync cost more than the delta encoding's whole receive path.
+        // sync's slots may still be written into (Receive gives them up). Untouched pages
+        // (LazySlot): a delta's slot costs memory only for the bytes deltas filled.
         if (slots_.size() <= k) {
-          const auto bytes = static_cast<size_t>(std::max<int64_t>(slot_bytes_[mi], 8));
-          slots_.emplace_back(new unsigned char[bytes](), std::default_delete<unsigned char[]>());
+          SS_ASSIGN_OR_RETURN(slots_.emplace_back(),
+                              LazySlot(static_cast<size_t>(std::max<int64_t>(slot_bytes_[mi], 8))));
+          slot_msg_.push_back(static_cast<int>(mi));
         }
         hr.images.push_back(slots_[k]);
       }
@@ -133,11 +184,14 @@ Status HostReceiver::PostNext(HostRecv& hr, int mi, size_t k, std::vector<Expect
   if (image()) e.img = hr.images[k].get();
   if (!hr.put) {
     // Two-sided: receive each run straight into its parameter (no staging copy), or into the
-    // image's slot.
+    // image's slot. The delta encoding: the whole bucket's runs where its delta step lands them
+    // (in place, or into its rebuilt image), then the delta into the slot; the sender fills the
+    // form it did not take with empty messages.
     e.runs = &runs_[mi][e.bucket];
     e.sums_at = hr.sums->size();
     for (const WireRun& r : *e.runs) {
-      auto* dst = e.img != nullptr
+      auto* dst = delta_ ? delta_->WholeTarget(mi, e.bucket, r)
+                  : e.img != nullptr
                       ? hr.images[k].get() + r.wire_offset
                       : static_cast<unsigned char*>(bindings_->dest(r.param).data) + r.param_offset;
       const uint64_t tag = DataTag(guard_.version(), hr.seq[mi]++);
@@ -150,6 +204,12 @@ Status HostReceiver::PostNext(HostRecv& hr, int mi, size_t k, std::vector<Expect
       }
       SS_RETURN_IF_ERROR(id.status());
       e.ids.push_back(*id);
+    }
+    if (delta_) {
+      SS_ASSIGN_OR_RETURN(
+          XferId id, ctx_.tx.PostRecv(m.src, DataTag(guard_.version(), hr.seq[mi]++),
+                                      hr.images[k].get(), static_cast<size_t>(slot_bytes_[mi])));
+      e.ids.push_back(id);
     }
   }
   SS_ASSIGN_OR_RETURN(XferId id, ctx_.tx.PostRecv(m.src, ControlTag(guard_.version(), e.bucket),

@@ -98,6 +98,7 @@ class HostReceiver {
   // Image codecs: the receive slots (two per host message, in posting order), kept between
   // syncs that succeeded.
   std::vector<std::shared_ptr<unsigned char>> slots_;
+  std::vector<int> slot_msg_;             // the recv message of each of slots_
   std::unique_ptr<DeltaReceiver> delta_;  // encoding delta / auto
   // What a failed sync's transfers may still write into (late control messages, the sums of
   // summed copies, image slots): kept for the session's life.

@@ -39,14 +39,24 @@ Status HostSender::Prepare(const Bindings& bindings, PeerShapes& shapes, Prepare
     }
   } else {
     // Staging: two buckets (double buffering), bounded by the plan's bucket cap; prepared pairs
-    // stage (or not) on their own.
+    // stage (or not) on their own. Under the delta encoding one: a bucket leaves from the image
+    // the delta step kept (or as its delta), so the slot is free again once the step returned.
     int64_t max_bucket = 0;
     for (int mi : msgs) {
       for (const Bucket& b : plan.sends[mi].buckets) max_bucket = std::max(max_bucket, b.bytes);
     }
+    // The copy codec with the built-in packer under the delta encoding: none, the delta step
+    // packs each bucket itself (DeltaSender::EncodePacked, chunk by chunk).
+    packed_by_delta_ = delta_ && codec_.in_place() && ctx_.builtin_packer();
     for (auto& s : staging_) {
-      if (max_bucket == 0) break;
+      if (max_bucket == 0 || packed_by_delta_ || (delta_ && &s != &staging_[0])) break;
       SS_ASSIGN_OR_RETURN(s, codec_.AllocSlot(static_cast<size_t>(max_bucket)));
+    }
+    if (delta_) {
+      delta_staging_bytes_ = packed_by_delta_
+                                 ? static_cast<int64_t>(std::min<size_t>(
+                                       DeltaSender::kChunkBytes, static_cast<size_t>(max_bucket)))
+                                 : max_bucket;
     }
   }
   // Every bucket's transfers, computed once: both ends replay them each sync. In place, they
@@ -55,14 +65,15 @@ Status HostSender::Prepare(const Bindings& bindings, PeerShapes& shapes, Prepare
   for (size_t mi = 0; mi < plan.sends.size(); ++mi) {
     const Message& m = plan.sends[mi];
     for (const Bucket& b : m.buckets) {
-      if (!image()) {
+      if (codec_.in_place()) {
+        // The delta encoding sends a whole bucket as encoding full does (each transfer lands in
+        // its parameter), from the kept image.
         buckets_[mi].push_back(MakeSendBucket(ctx_, bindings, shapes, m, b));
         continue;
       }
       SendBucket& sb = buckets_[mi].emplace_back();
       if (delta_) {
-        // One message per bucket, of the length the delta step gives (the receiver's slot
-        // holds the whole bucket; its control message says how much came).
+        // A whole bucket as one message (into the receiver's rebuilt image).
         sb.xfers.push_back(WireRun{.wire_offset = 0, .len = static_cast<size_t>(b.bytes)});
         continue;
       }
@@ -94,7 +105,8 @@ Status HostSender::Send(RankSyncStats& st) {
     for (InFlight& f : hs.flying) {
       if (f.control) graveyard_.push_back(std::shared_ptr<void>(std::move(f.control)));
       if (f.delta.encoded) graveyard_.push_back(f.delta.encoded);
-      if (delta_) delta_->Forget(f.msg, f.bucket);
+      // A whole bucket leaves from the kept image: it stays alive too.
+      if (delta_) graveyard_.push_back(delta_->Forget(f.msg, f.bucket));
     }
     if (delta_) st.delta.Add(delta_->Finish());
     for (auto& c : hs.sent_controls) graveyard_.push_back(std::shared_ptr<void>(std::move(c)));
@@ -102,7 +114,10 @@ Status HostSender::Send(RankSyncStats& st) {
   }
   // Every transfer completed: the transport no longer writes the sums.
   keep.done = true;
-  if (delta_) st.delta.Add(delta_->Finish());
+  if (delta_) {
+    st.delta.Add(delta_->Finish());
+    st.delta.held_bytes = delta_->KeptBytes() + delta_staging_bytes_;
+  }
   if (!delta_ && ctx_.in.options.encoding == WireEncoding::kAuto) {
     // Encoding auto ran as full here (ResolveAuto): the report says so, bucket by bucket.
     for (size_t mi = 0; mi < ctx_.plan.sends.size(); ++mi) {
@@ -246,23 +261,45 @@ Status HostSender::PostBucket(HostSend& hs, int mi, int bi) {
   InFlight& f = hs.flying.back();
   f.msg = mi;
   f.bucket = bi;
-  f.slot = hs.next_slot;
+  f.slot = delta_ ? 0 : hs.next_slot;
   hs.next_slot ^= 1;
   unsigned char* stage = hs.fused ? nullptr : staging_[f.slot].get();
-  if (!hs.fused) {
+  if (!hs.fused && !packed_by_delta_) {
     SS_ASSIGN_OR_RETURN(f.checksum, codec_.Pack(m, b, stage));
   }
   f.sum = std::make_shared<LandedSum>();
   f.sums_begin = hs.send_sums->size();
   if (delta_) {
-    // The delta step: the image, or its delta against the receiver's base, as one message.
-    SS_ASSIGN_OR_RETURN(f.delta, delta_->Encode(mi, bi, stage, f.checksum));
-    SS_ASSIGN_OR_RETURN(XferId id,
-                        ctx_.tx.PostSend(m.dst, DataTag(guard_.version(), hs.next_seq[mi]++),
-                                         f.delta.data, static_cast<size_t>(f.delta.bytes)));
-    f.xfers.push_back(id);
-    f.lens.push_back(static_cast<size_t>(f.delta.bytes));
-    hs.outstanding += static_cast<size_t>(f.delta.bytes);
+    // The delta step: the image (now the kept one), or its delta against the receiver's base.
+    // The receiver posted both forms' receives: the whole bucket's transfers (into its
+    // parameters, or its rebuilt image) and one for a delta. The form not taken gets empty
+    // messages, so no receive stays posted and nothing lands where the other form goes.
+    if (packed_by_delta_) {
+      const SendBucket& sb = buckets_[mi][bi];
+      SS_ASSIGN_OR_RETURN(
+          f.delta, delta_->EncodePacked(
+                       mi, bi, [&](int64_t from, int64_t len, unsigned char* out, LandedSum& sum) {
+                         PackRange(sb, ctx_.in.trainer_dtype, ctx_.in.options.wire_dtype, from, len,
+                                   out, sum);
+                       }));
+      f.checksum = f.delta.checksum;
+    } else {
+      SS_ASSIGN_OR_RETURN(f.delta, delta_->Encode(mi, bi, stage, f.checksum));
+    }
+    const bool whole = f.delta.form == DeltaKind::kFull;
+    auto post = [&](const unsigned char* data, size_t len) -> Status {
+      SS_ASSIGN_OR_RETURN(
+          XferId id,
+          ctx_.tx.PostSend(m.dst, DataTag(guard_.version(), hs.next_seq[mi]++), data, len));
+      f.xfers.push_back(id);
+      f.lens.push_back(len);
+      hs.outstanding += len;
+      return OkStatus();
+    };
+    for (const WireRun& r : buckets_[mi][bi].xfers) {
+      SS_RETURN_IF_ERROR(post(f.delta.data + (whole ? r.wire_offset : 0), whole ? r.len : 0));
+    }
+    SS_RETURN_IF_ERROR(post(f.delta.data, whole ? 0 : static_cast<size_t>(f.delta.bytes)));
   } else {
     for (const WireRun& r : buckets_[mi][bi].xfers) {
       SS_ASSIGN_OR_RETURN(XferId id, PostTransfer(hs, f, r, stage));

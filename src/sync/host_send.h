@@ -111,6 +111,8 @@ class HostSender {
   std::vector<std::vector<SendBucket>> buckets_;  // [send message][bucket]
   bool has_buckets_ = false;
   std::unique_ptr<DeltaSender> delta_;  // encoding delta / auto
+  int64_t delta_staging_bytes_ = 0;     // the delta encoding's one staging slot (or chunk)
+  bool packed_by_delta_ = false;        // the delta step packs each bucket (EncodePacked)
   // What a failed sync's transfers may still write into or read (the sums of summed copies, the
   // control messages in flight): kept for the session's life.
   std::vector<std::shared_ptr<void>> graveyard_;

@@ -357,6 +357,54 @@ TEST(Delta, AdvanceEncodesLikeEncodeDeltaAndLeavesTheBaseHoldingNext) {
   EXPECT_EQ(kept, base);
 }
 
+// The encoder fed piece by piece (the host sender packs chunk by chunk): the same bytes as the
+// whole-image encode for every cut into 64-byte multiples, the base advanced to next; pieces out of
+// order or not 64-byte multiples are refused.
+TEST(Delta, AdvanceEncoderFedInPiecesEncodesLikeTheWholeImage) {
+  for (int e : {1, 2, 4}) {
+    for (uint64_t elements : {1ull, 13ull, 1001ull, 40009ull}) {
+      const Bytes base = RandomBytes(elements * e, static_cast<uint32_t>(elements + e));
+      for (double density : {0.0, 0.002, 0.05, 0.5, 1.0}) {
+        const auto changed = static_cast<uint64_t>(density * static_cast<double>(elements));
+        const Bytes next = Mutate(base, e, changed, static_cast<uint32_t>(changed * 3 + e));
+        const uint64_t bs = Checksum(base.data(), base.size());
+        const uint64_t ns = Checksum(next.data(), next.size());
+        Bytes want;
+        Bytes whole = base;
+        auto w = EncodeDeltaAdvance(whole, next, e, 7, bs, ns, "b0", &want);
+        ASSERT_TRUE(w.ok());
+        for (size_t piece : {size_t{64}, size_t{192}, size_t{4096}, size_t{1} << 20}) {
+          SCOPED_TRACE(::testing::Message() << "e=" << e << " elements=" << elements
+                                            << " changed=" << changed << " piece=" << piece);
+          Bytes kept = base, got;
+          DeltaAdvanceEncoder enc;
+          ASSERT_TRUE(enc.Begin(kept, e, "b0", &got).ok());
+          for (size_t at = 0; at < next.size(); at += piece) {
+            const size_t len = std::min(piece, next.size() - at);
+            ASSERT_TRUE(enc.Feed(at, std::span<const std::byte>(next).subspan(at, len)).ok());
+          }
+          auto r = enc.Finish(7, bs, ns);
+          ASSERT_TRUE(r.ok()) << r.status().ToString();
+          EXPECT_EQ(got, want);
+          EXPECT_EQ(r->kind, w->kind);
+          EXPECT_EQ(r->changed, w->changed);
+          EXPECT_EQ(kept, next);
+        }
+      }
+    }
+  }
+  const Bytes base = RandomBytes(4000, 5);
+  const Bytes next = Mutate(base, 2, 10, 6);
+  const std::span<const std::byte> n(next);
+  Bytes kept = base, out;
+  DeltaAdvanceEncoder enc;
+  ASSERT_TRUE(enc.Begin(kept, 2, "b", &out).ok());
+  EXPECT_EQ(enc.Feed(64, n.subspan(64, 64)).code(), StatusCode::kInvalidArgument);  // a gap
+  EXPECT_EQ(enc.Feed(0, n.subspan(0, 100)).code(), StatusCode::kInvalidArgument);   // not 64k
+  ASSERT_TRUE(enc.Feed(0, n.subspan(0, 128)).ok());
+  EXPECT_EQ(enc.Finish(7, 0, 0).status().code(), StatusCode::kInvalidArgument);  // not all fed
+}
+
 TEST(Delta, PiecesDecodeLikeOneBufferAndChecksumLikeOne) {
   for (int e : {1, 2, 4}) {
     for (uint64_t elements : {1ull, 13ull, 1001ull, 20011ull}) {

@@ -7,6 +7,7 @@
 // plans refuse the delta encoding.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -139,6 +140,44 @@ TEST(DeltaSession, ALargeUpdateGoesWholeByTheSizeRule) {
   t.ExpectSame();
   EXPECT_GT(r.delta.full_by_size, 0);
   EXPECT_EQ(r.delta.fallbacks(), 0);
+}
+
+// What the delta steps hold (DeltaSyncStats::held_bytes, local): a trainer rank its kept images
+// and one staging slot; an engine rank the resident pages of its receive slots (mincore), which
+// only deltas fill: whole buckets land in place, so after a sync of whole buckets it holds
+// nothing, and after deltas at most their payloads rounded up to pages. One bucket per message
+// (a 4 MiB cap), so a whole bucket in a slot would be many pages.
+TEST(DeltaSession, WholeBucketsLandInPlaceAndOnlyDeltasFillReceiveSlots) {
+  Twins t(WireEncoding::kDelta, nullptr, [](WireEncoding enc) {
+    JobSpec s = Spec(enc);
+    s.inputs.options.bucket_bytes = 4 << 20;
+    return s;
+  });
+  const auto page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+  SyncReport r1 = t.Sync(1);
+  ASSERT_EQ(r1.delta.buckets_delta, 0);
+  for (int k = 0; k < t.delta.world(); ++k) {
+    const DeltaSyncStats& d = t.last[k].local.delta;
+    if (k < t.delta.trainers()) {
+      // Its kept images (every byte it sent) plus one staging slot of at most that much.
+      EXPECT_GT(d.held_bytes, d.full_bytes) << "rank " << k;
+      EXPECT_LE(d.held_bytes, 2 * d.full_bytes) << "rank " << k;
+    } else {
+      EXPECT_GT(d.full_bytes, 4 * page) << "rank " << k;  // its buckets span many pages
+      EXPECT_EQ(d.held_bytes, 0) << "rank " << k;
+    }
+  }
+  t.Update(2, 0.01);
+  SyncReport r2 = t.Sync(2);
+  t.ExpectSame();
+  ASSERT_GT(r2.delta.buckets_delta, 0);
+  ASSERT_EQ(r2.delta.buckets_full, 0);
+  for (int k = t.delta.trainers(); k < t.delta.world(); ++k) {
+    const DeltaSyncStats& d = t.last[k].local.delta;
+    EXPECT_GT(d.held_bytes, 0) << "rank " << k;
+    EXPECT_LE(d.held_bytes, d.wire_bytes + d.buckets_delta * page) << "rank " << k;
+    EXPECT_LT(d.held_bytes, d.full_bytes / 2) << "rank " << k;
+  }
 }
 
 TEST(DeltaSession, ACorruptedBaseByteSendsThatBucketWholeInTheSameSync) {

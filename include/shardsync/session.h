@@ -159,9 +159,10 @@ struct DeltaSyncStats {
   std::string first_fallback;
   // Host memory this rank's delta steps hold after the sync, beyond encoding full's path (local
   // only, like first_fallback; docs/delta.md "Memory and cost"). A trainer rank: its kept images
-  // plus its staging (a 1 MiB chunk, or one slot of its largest bucket: delta_send.h). An engine rank: the resident bytes of its receive slots (whole
-  // buckets land in place, so only the deltas' payloads, at most the largest per slot), measured
-  // with mincore; an image codec (block FP8) adds the images it rebuilt for its advertisement.
+  // plus its staging (a 1 MiB chunk, or one slot of its largest bucket: delta_send.h). An engine
+  // rank: the resident bytes of its receive slots (whole buckets land in place, so only the deltas'
+  // payloads, at most the largest per slot), measured with mincore; an image codec (block FP8) adds
+  // the images it rebuilt for its advertisement.
   int64_t held_bytes = 0;
   int64_t fallbacks() const { return fallback_no_image + fallback_version + fallback_checksum; }
   void Add(const DeltaSyncStats& o);

@@ -181,6 +181,33 @@ TEST(CliFp8, BenchTimesFp8NextToBf16) {
   EXPECT_EQ(j["ceiling"], "raw_transport");
   EXPECT_EQ(j["element_mismatches"], 0);
   EXPECT_GT(j["quant"]["bound_write_bytes"].get<int64_t>(), 0);
+  EXPECT_FALSE(j["emulate_nodes"].get<bool>());
+  EXPECT_EQ(j["nodes"], 1);  // every rank process on this host
+  EXPECT_EQ(j["cross_node_bytes"], 0);
+}
+
+// --emulate-nodes: each rank process its own node, the FP8 sync over UCX's TCP between them; the
+// JSON says how many nodes and how many of the FP8 plan's bytes crossed between them (all: no
+// trainer rank shares a node with an engine rank).
+TEST(CliFp8, BenchAcrossEmulatedNodesReportsTheNodes) {
+  RunOptions opt;
+  opt.timeout_s = 90;
+  const CliResult r =
+      RunCli(Expand({"bench", "--model", "{DIR}/fp8/config.json", "--trainer", "fsdp=2",
+                     "--rollout", "dp=1,tp=2,pp=1", "--transport", "ucx", "--emulate-nodes",
+                     "--warmup", "0", "--reps", "1", "--json", "--timeout-ms", "15000"}),
+             opt);
+  if (r.err.find("not available in this build") != std::string::npos ||
+      r.err.find("built without UCX") != std::string::npos) {
+    GTEST_SKIP() << "this build has no UCX";
+  }
+  ASSERT_EQ(r.exit_code, 0) << r.Describe();
+  const json j = json::parse(r.out);
+  EXPECT_TRUE(j["verified"].get<bool>());
+  EXPECT_TRUE(j["emulate_nodes"].get<bool>());
+  EXPECT_EQ(j["nodes"], 4);
+  EXPECT_GT(j["cross_node_bytes"].get<int64_t>(), 0);
+  EXPECT_EQ(j["cross_node_bytes"], j["fp8_wire_bytes"]) << j.dump();
 }
 
 // Issue 32: --dump-dir holds the FP8 run's engine parameters (e4m3 weights, fp32 scales), not the

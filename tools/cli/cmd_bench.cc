@@ -84,6 +84,38 @@ Result<int64_t> CrossBytes(const JobSpec& job, const LocalJobResult& res,
   return cross;
 }
 
+}  // namespace
+
+Status AddNodeFigures(const JobSpec& job, const LocalJobResult& res, bool emulate_nodes,
+                      json* extra) {
+  // Distinct host identities the ranks reported (processes): --emulate-nodes gives one per rank.
+  std::set<std::string> hosts;
+  for (const RankResult& r : res.ranks) {
+    if (!r.host_id.empty()) hosts.insert(r.host_id);
+  }
+  if (!hosts.empty()) {
+    (*extra)["nodes"] = hosts.size();
+    // Bytes between nodes (host identities): with --emulate-nodes, what crosses NCCL's sockets
+    // (device memory) or UCX's TCP (host memory).
+    SS_ASSIGN_OR_RETURN((*extra)["cross_node_bytes"],
+                        CrossBytes(job, res, [](const RankResult& a, const RankResult& b) {
+                          return a.host_id != b.host_id;
+                        }));
+  }
+  (*extra)["emulate_nodes"] = emulate_nodes;
+  return OkStatus();
+}
+
+void PrintNodeLine(const json& extra) {
+  if (!extra.value("emulate_nodes", false)) return;
+  std::printf(
+      "  emulated nodes: %d, one per rank process (SHARDSYNC_HOST_ID, NCCL_HOSTID); %s of the "
+      "plan between nodes\n",
+      extra.value("nodes", 0), HumanBytes(extra.value("cross_node_bytes", int64_t{0})).c_str());
+}
+
+namespace {
+
 // --kill-rank: sync rank R is SIGKILLed while the job syncs back to back; every other rank must
 // report an error within the timeout. Then the same job, re-connected (fresh processes and
 // store prefix), must sync verified.
@@ -179,12 +211,7 @@ void PrintText(const JobSpec& job, const BenchSummary& b, const json& extra, boo
                 b.raw_nccl_seconds, b.ratio_to_raw_nccl);
   }
   if (extra.contains("routes")) std::printf("  pairs: %s\n", extra["routes"].dump().c_str());
-  if (extra.value("emulate_nodes", false)) {
-    std::printf(
-        "  emulated nodes: %d, one per rank process (SHARDSYNC_HOST_ID, NCCL_HOSTID); %s of the "
-        "plan between nodes\n",
-        extra.value("nodes", 0), HumanBytes(extra.value("cross_node_bytes", int64_t{0})).c_str());
-  }
+  PrintNodeLine(extra);
   if (extra.contains("generation")) {
     for (const auto& g : extra["generation"]) {
       std::printf("  generation replica %d: %s %s vs %s\n", g["replica"].get<int>(),
@@ -263,22 +290,9 @@ int Run(const BenchFlags& f) {
     extra["generation"] = *g;
   }
   const RankResult& r0 = res->ranks.at(0);
-  // Distinct host identities the ranks reported (processes): --emulate-nodes gives one per rank.
-  std::set<std::string> hosts;
-  for (const RankResult& r : res->ranks) {
-    if (!r.host_id.empty()) hosts.insert(r.host_id);
+  if (Status st = AddNodeFigures(*job, *res, f.emulate_nodes, &extra); !st.ok()) {
+    return ReportError(st);
   }
-  if (!hosts.empty()) {
-    extra["nodes"] = hosts.size();
-    // Bytes between nodes (host identities): with --emulate-nodes, what crosses NCCL's sockets
-    // (device memory) or UCX's TCP (host memory).
-    auto nodes = CrossBytes(*job, *res, [](const RankResult& a, const RankResult& b) {
-      return a.host_id != b.host_id;
-    });
-    if (!nodes.ok()) return ReportError(nodes.status());
-    extra["cross_node_bytes"] = *nodes;
-  }
-  extra["emulate_nodes"] = f.emulate_nodes;
   if (job->device == "cuda") {
     json routes = json::object();
     for (const RankResult& r : res->ranks) {

@@ -19,6 +19,11 @@ namespace shardsync::cli {
 
 using json = nlohmann::json;
 
+// cmd_bench.cc: `nodes`, `cross_node_bytes` (the ranks' host identities) and `emulate_nodes`.
+Status AddNodeFigures(const JobSpec& job, const LocalJobResult& res, bool emulate_nodes,
+                      json* extra);
+void PrintNodeLine(const json& extra);  // the text line of AddNodeFigures' figures
+
 std::string HumanBytes(double b);
 std::function<void(int, int)> JobProgress(const std::string& label, bool json, int world,
                                           std::vector<std::string> phases);
@@ -68,6 +73,7 @@ void PrintText(const JobSpec& job, const PlanSummary& s, const Figures& f, const
   std::printf("  memory-bound work: read %s + write %s\n",
               HumanBytes(static_cast<double>(s.bound_read_bytes)).c_str(),
               HumanBytes(static_cast<double>(s.bound_write_bytes)).c_str());
+  PrintNodeLine(extra);
   std::printf("  FP8 sync (quantize + checksums)   %8.4f s\n", f.fp8.sharded_seconds);
   if (cuda) {
     std::printf("  memory bound (cudaMemcpy D2D)     %8.4f s  (%.0f GB/s of HBM traffic)\n",
@@ -124,6 +130,9 @@ int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, boo
   f.checksums_ok = res.ranks.at(0).report.checksums_ok;
   f.checksums_total = res.ranks.at(0).report.checksums_total;
   json extra = json::object();
+  if (Status st = AddNodeFigures(fp8_job, res, emulate_nodes, &extra); !st.ok()) {
+    return ReportError(st);
+  }
   bool generation_ok = true;
   if (gen_tokens > 0) {
     auto g = Generation(fp8_job, fp8_job.dump_dir, gen_tokens, &generation_ok);
@@ -160,8 +169,7 @@ int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, boo
                         {"checksums_total", f.checksums_total},
                         {"verified", verified},
                         {"reps", job.bench_reps},
-                        {"warmup", job.bench_warmup},
-                        {"emulate_nodes", emulate_nodes}};
+                        {"warmup", job.bench_warmup}};
     if (job.device == "cuda") {
       j["hbm_gbps"] = f.bound_bytes / f.fp8.raw_seconds / 1e9;
       if (auto info = gpu::QueryDevice(0); info.ok()) j["device_name"] = info->name;

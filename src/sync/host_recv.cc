@@ -162,8 +162,13 @@ Status HostReceiver::Post(HostRecv& hr, RankSyncStats& st) {
         // sync's slots may still be written into (Receive gives them up). Untouched pages
         // (LazySlot): a delta's slot costs memory only for the bytes deltas filled.
         if (slots_.size() <= k) {
-          SS_ASSIGN_OR_RETURN(slots_.emplace_back(),
-                              LazySlot(static_cast<size_t>(std::max<int64_t>(slot_bytes_[mi], 8))));
+          auto slot = LazySlot(static_cast<size_t>(std::max<int64_t>(slot_bytes_[mi], 8)));
+          if (!slot.ok()) {
+            return slot.status().Annotate("sync rank " + std::to_string(ctx_.rank) +
+                                          ", receiving from sync rank " +
+                                          std::to_string(ctx_.plan.recvs[mi].src));
+          }
+          slots_.push_back(std::move(*slot));
           slot_msg_.push_back(static_cast<int>(mi));
         }
         hr.images.push_back(slots_[k]);

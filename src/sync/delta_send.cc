@@ -124,6 +124,11 @@ Result<DeltaSender::Out> DeltaSender::EncodePacked(int mi, int bi, const PackFn&
   out.bytes = n;
   out.reason = CheckBase(slot->kept, slot->base);
   LandedSum sum;
+  auto packed_whole = [&]() -> Status {  // the packer filled exactly the bucket
+    if (sum.bytes() == n) return OkStatus();
+    return InternalError(Who() + ": packed " + std::to_string(sum.bytes()) + " bytes of a " +
+                         std::to_string(n) + "-byte bucket to " + Name(mi, bi));
+  };
   if (out.reason == DeltaReason::kDelta) {
     out.encoded = Buffer();
     DeltaAdvanceEncoder enc;
@@ -139,30 +144,29 @@ Result<DeltaSender::Out> DeltaSender::EncodePacked(int mi, int bi, const PackFn&
       fed = enc.Feed(
           at, std::span<const std::byte>(reinterpret_cast<const std::byte*>(chunk_.data()), len));
     }
-    Result<DeltaEncodeResult> r = fed;
+    if (fed.ok()) fed = packed_whole();
+    DeltaEncodeResult r;
     if (fed.ok()) {
-      if (sum.bytes() != n) {
-        r = InternalError(Who() + ": packed " + std::to_string(sum.bytes()) + " bytes of a " +
-                          std::to_string(n) + "-byte bucket to " + Name(mi, bi));
-      } else {
-        out.checksum = sum.Finish();
-        r = enc.Finish(slot->kept.version, slot->kept.checksum, out.checksum);
-      }
+      out.checksum = sum.Finish();
+      auto done = enc.Finish(slot->kept.version, slot->kept.checksum, out.checksum);
+      if (done.ok())
+        r = *done;
+      else
+        fed = done.status();
     }
-    if (!r.ok()) {
+    if (!fed.ok()) {
       slot->kept = KeptImage{};
-      return r.status();
+      return fed;
     }
-    SS_RETURN_IF_ERROR(Settle(out, *r));
+    SS_RETURN_IF_ERROR(Settle(out, r));
   } else {
     // Nothing to compare: packed straight into the kept image.
     slot->kept.bytes.resize(n);
     pack(0, static_cast<int64_t>(n), reinterpret_cast<unsigned char*>(slot->kept.bytes.data()),
          sum);
-    if (sum.bytes() != n) {
+    if (Status whole = packed_whole(); !whole.ok()) {
       slot->kept = KeptImage{};
-      return InternalError(Who() + ": packed " + std::to_string(sum.bytes()) + " bytes of a " +
-                           std::to_string(n) + "-byte bucket to " + Name(mi, bi));
+      return whole;
     }
     out.checksum = sum.Finish();
   }

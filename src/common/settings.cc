@@ -31,13 +31,28 @@ const Knob kKnobs[] = {
      "Encoding auto: the receiver's delta steps (advertisement and decode passes) in MB/s of "
      "bucket it prices deltas at",
      kOwn},
+    {"SHARDSYNC_DELTA_DEVICE_DECODE_MBPS", T::kInt, "400000", 1, 100000000, "",
+     "sync (delta, auto)",
+     "Encoding auto over device pairs (cuda_ipc, nccl): the receiver's delta steps (advertisement, "
+     "base gather, decode, landing, readback) in MB/s of bucket it prices deltas at",
+     kOwn},
+    {"SHARDSYNC_DELTA_DEVICE_ENCODE_MBPS", T::kInt, "400000", 1, 100000000, "",
+     "sync (delta, auto)",
+     "Encoding auto over device pairs (cuda_ipc, nccl): the sender's delta steps (pack, encode, "
+     "kept copy) in MB/s of bucket it prices deltas at",
+     kOwn},
     {"SHARDSYNC_DELTA_ENCODE_MBPS", T::kInt, "7000", 1, 100000000, "", "sync (delta, auto)",
      "Encoding auto: the sender's delta step (its encode pass) in MB/s of bucket it prices deltas "
      "at",
      kOwn},
+    {"SHARDSYNC_DELTA_IPC_LINK_MBPS", T::kInt, "450000", 1, 100000000, "", "sync (delta, auto)",
+     "Encoding auto over cuda_ipc pairs (one node): the link speed in MB/s a bucket crosses "
+     "(default: one direction of an H200's NVLink, 900 GB/s both ways)",
+     kOwn},
     {"SHARDSYNC_DELTA_LINK_MBPS", T::kInt, "25000", 1, 100000000, "", "sync (delta, auto)",
-     "Encoding auto: the link speed in MB/s a bucket crosses; a delta is sent where it pays, and "
-     "where none can the host path runs as encoding full",
+     "Encoding auto: the link speed in MB/s a bucket crosses (the host path, and nccl pairs: "
+     "across nodes); a delta is sent where it pays, and where none can the path runs as encoding "
+     "full",
      kOwn},
     {"SHARDSYNC_FP8_OVERLAP", T::kBool, "1", 0, 0, "", "cuda (FP8 batch)",
      "Run a block-FP8 batch's copies on a side stream beside the quantize kernel; 0 runs them in "

@@ -134,15 +134,29 @@ void CountBucket(DeltaSyncStats& st, DeltaReason r, int64_t wire, int64_t full) 
   }
 }
 
-Result<DeltaLink> DeltaLinkFromKnobs() {
+namespace {
+Result<DeltaLink> LinkFromKnobs(const char* link_knob, const char* encode_knob,
+                                const char* decode_knob) {
   DeltaLink l;
-  SS_ASSIGN_OR_RETURN(const int64_t link, IntKnob("SHARDSYNC_DELTA_LINK_MBPS"));
-  SS_ASSIGN_OR_RETURN(const int64_t enc, IntKnob("SHARDSYNC_DELTA_ENCODE_MBPS"));
-  SS_ASSIGN_OR_RETURN(const int64_t dec, IntKnob("SHARDSYNC_DELTA_DECODE_MBPS"));
+  SS_ASSIGN_OR_RETURN(const int64_t link, IntKnob(link_knob));
+  SS_ASSIGN_OR_RETURN(const int64_t enc, IntKnob(encode_knob));
+  SS_ASSIGN_OR_RETURN(const int64_t dec, IntKnob(decode_knob));
   l.link_gbps = static_cast<double>(link) / 1e3;
   l.encode_gbps = static_cast<double>(enc) / 1e3;
   l.decode_gbps = static_cast<double>(dec) / 1e3;
   return l;
+}
+}  // namespace
+
+Result<DeltaLink> DeltaLinkFromKnobs() {
+  return LinkFromKnobs("SHARDSYNC_DELTA_LINK_MBPS", "SHARDSYNC_DELTA_ENCODE_MBPS",
+                       "SHARDSYNC_DELTA_DECODE_MBPS");
+}
+
+Result<DeltaLink> DevicePairDeltaLink(std::string_view transport) {
+  return LinkFromKnobs(
+      transport == "cuda_ipc" ? "SHARDSYNC_DELTA_IPC_LINK_MBPS" : "SHARDSYNC_DELTA_LINK_MBPS",
+      "SHARDSYNC_DELTA_DEVICE_ENCODE_MBPS", "SHARDSYNC_DELTA_DEVICE_DECODE_MBPS");
 }
 
 Result<bool> DeltaPays(const DeltaLink& link, uint64_t elements, int element_size,

@@ -86,6 +86,13 @@ struct DeltaLink {
   double decode_gbps = 4.5;
 };
 Result<DeltaLink> DeltaLinkFromKnobs();
+// The same for a prepared device pair over `transport` (cuda_ipc, nccl): the device steps' speeds
+// (SHARDSYNC_DELTA_DEVICE_ENCODE_MBPS / _DECODE_MBPS, whole syncs measured on one H200: pack,
+// encode and kept copy; advertisement, base gather, decode, landing and readback), and the link:
+// SHARDSYNC_DELTA_IPC_LINK_MBPS for cuda_ipc (one node: NVLink, where at the defaults no delta
+// pays), SHARDSYNC_DELTA_LINK_MBPS for the rest (across nodes). Both ends of a pair name the
+// same transport, so they agree.
+Result<DeltaLink> DevicePairDeltaLink(std::string_view transport);
 // Whether a delta of `changed` of `elements` elements of `element_size` bytes pays over `link`
 // (EstimateDeltaCost, serial: encode + wire + decode against the whole bucket on the wire).
 Result<bool> DeltaPays(const DeltaLink& link, uint64_t elements, int element_size,

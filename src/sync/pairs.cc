@@ -38,26 +38,30 @@ Status PreparedPairs::Prepare(const Bindings& bindings, PeerShapes& shapes,
   };
   SS_RETURN_IF_ERROR(codec_.PreparePairs(bindings, [&](int peer) { return Prepared(peer, mem); }));
   // The delta encoding on prepared pairs (transport.h PairDelta): the transport keeps the images
-  // and runs the device codec; encoding auto prices each delta as the host path does.
-  PairDelta delta;
-  if (ctx_.in.options.encoding != WireEncoding::kFull) {
+  // and runs the device codec; encoding auto prices each delta at the device steps' speeds over
+  // the pair's link (DevicePairDeltaLink: cuda_ipc's or the cross-node one).
+  auto delta_for = [&](int peer) -> Result<PairDelta> {
+    PairDelta delta;
+    if (ctx_.in.options.encoding == WireEncoding::kFull) return delta;
     delta.on = true;
     delta.element_size = DeltaElementSize(ctx_.in);
-    if (ctx_.in.options.encoding == WireEncoding::kAuto) {
-      SS_ASSIGN_OR_RETURN(const DeltaLink link, DeltaLinkFromKnobs());
-      // Where no delta can pay at the knobs' speeds the pairs run as encoding full (the host
-      // path's ResolveAuto): every rank reads the same knobs, so both sides of a pair agree.
-      SS_ASSIGN_OR_RETURN(const bool can, DeltaCanPay(link));
-      delta.on = can;
-      auto_full_ = !can;
-      const int es = delta.element_size;
-      delta.pays = [link, es](uint64_t elements, uint64_t changed) {
-        auto p = DeltaPays(link, elements, es, changed);
-        return p.ok() && *p;
-      };
-    }
-  }
-  auto refuse_staged = [&](int peer) -> Status {
+    if (ctx_.in.options.encoding != WireEncoding::kAuto) return delta;
+    SS_ASSIGN_OR_RETURN(const DeltaLink link, DevicePairDeltaLink(ctx_.tx.PeerTransport(peer)));
+    // Where no delta can pay at the link's speeds, or the device delta pair does not carry the
+    // session's kind of pair (staged commits, block FP8's image pairs), the pair runs as encoding
+    // full (the host path's ResolveAuto): both sides read the same knobs for the same transport.
+    SS_ASSIGN_OR_RETURN(bool can, DeltaCanPay(link));
+    can = can && codec_.in_place() && ctx_.opt.commit != SessionOptions::Commit::kStaged;
+    delta.on = can;
+    if (!can) auto_full_.insert(peer);
+    const int es = delta.element_size;
+    delta.pays = [link, es](uint64_t elements, uint64_t changed) {
+      auto p = DeltaPays(link, elements, es, changed);
+      return p.ok() && *p;
+    };
+    return delta;
+  };
+  auto refuse_staged = [&](int peer, const PairDelta& delta) -> Status {
     // Under a staged commit the receiver lands in staging, whose bytes are not the base the
     // engine serves (the host path rebuilds the committed ones; device pairs do not, yet).
     if (!delta.on || ctx_.opt.commit != SessionOptions::Commit::kStaged) return OkStatus();
@@ -70,18 +74,20 @@ Status PreparedPairs::Prepare(const Bindings& bindings, PeerShapes& shapes,
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
     const Message& m = plan.recvs[mi];
     if (!Prepared(m.src, mem)) continue;
+    SS_ASSIGN_OR_RETURN(PairDelta delta, delta_for(m.src));
     PairSpec spec{m.src, /*send=*/false, wire, {}, PairKey(m.src, ctx_.rank), false, delta};
     spec.image = !codec_.in_place();
-    SS_RETURN_IF_ERROR(refuse_staged(m.src));
+    SS_RETURN_IF_ERROR(refuse_staged(m.src, delta));
     for (const Bucket& b : m.buckets) spec.buckets.push_back(codec_.RecvBucket(bindings, m, b));
     SS_ASSIGN_OR_RETURN(recv_[mi], ctx_.tx.Prepare(ctx_.store, spec, left()));
   }
   for (size_t mi = 0; mi < plan.sends.size(); ++mi) {
     const Message& m = plan.sends[mi];
     if (!Prepared(m.dst, mem)) continue;
+    SS_ASSIGN_OR_RETURN(PairDelta delta, delta_for(m.dst));
     PairSpec spec{m.dst, /*send=*/true, wire, {}, PairKey(ctx_.rank, m.dst), false, delta};
     spec.image = !codec_.in_place();
-    SS_RETURN_IF_ERROR(refuse_staged(m.dst));
+    SS_RETURN_IF_ERROR(refuse_staged(m.dst, delta));
     const uint32_t base = regbase.at(m.dst);
     for (const Bucket& b : m.buckets) {
       spec.buckets.push_back(codec_.SendBucket(bindings, shapes, m, b, base));
@@ -158,7 +164,7 @@ Status PreparedPairs::FinishSends(RankSyncStats& st, const std::function<Status(
     const Message& m = plan.sends[mi];
     for (const Bucket& b : m.buckets) {
       st.send_bytes += b.bytes;
-      if (auto_full_) CountAutoFull(st.delta, b.bytes);
+      if (auto_full_.count(m.dst)) CountAutoFull(st.delta, b.bytes);
     }
     if (const PairDeltaReport* d = send_[mi]->Delta()) AddDelta(*d, /*sender=*/true, st.delta);
     if (send_[mi]->DeliversSums()) continue;
@@ -233,7 +239,7 @@ Status PreparedPairs::FinishRecvs(RankSyncStats& st, const Bindings& bindings) {
       }
       ++st.checksums_ok;
       st.recv_bytes += m.buckets[b].bytes;
-      if (auto_full_) CountAutoFull(st.delta, m.buckets[b].bytes);
+      if (auto_full_.count(m.src)) CountAutoFull(st.delta, m.buckets[b].bytes);
     }
   }
   return OkStatus();

@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -79,8 +80,8 @@ class PreparedPairs {
   Codec& codec_;
   // By send / recv message index (null: the message goes the host path).
   Pairs send_, recv_;
-  // Encoding auto prepared the pairs as full (no delta can pay at the knobs' speeds).
-  bool auto_full_ = false;
+  // Peers whose pairs encoding auto prepared as full (no delta can pay over their link).
+  std::set<int> auto_full_;
 };
 
 }  // namespace shardsync::sync_internal

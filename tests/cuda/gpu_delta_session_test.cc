@@ -385,12 +385,13 @@ TEST(GpuDeltaSession, BlockFp8OverCudaIpcRefusesTheDeltaEncodingAtConnect) {
   EXPECT_GT(named, 0) << st.back().ToString();
 }
 
-// Encoding auto where no delta can pay at the knobs' speeds (the defaults: a 25 GB/s link and the
-// host codec's speeds) prepares ordinary full pairs: no delta figures, every byte as the twin's.
+// Encoding auto over cuda_ipc pairs where no delta can pay at the knobs' speeds (the defaults:
+// NVLink's 450 GB/s against the device steps' 200 GB/s together) prepares ordinary full pairs:
+// no delta figures, every byte as the twin's.
 TEST(GpuDeltaSession, AutoAtTheDefaultKnobsRunsFullPairs) {
   SS_REQUIRE_GPU();
-  for (const char* knob : {"SHARDSYNC_DELTA_LINK_MBPS", "SHARDSYNC_DELTA_ENCODE_MBPS",
-                           "SHARDSYNC_DELTA_DECODE_MBPS"}) {
+  for (const char* knob : {"SHARDSYNC_DELTA_IPC_LINK_MBPS", "SHARDSYNC_DELTA_DEVICE_ENCODE_MBPS",
+                           "SHARDSYNC_DELTA_DEVICE_DECODE_MBPS"}) {
     if (std::getenv(knob) != nullptr) GTEST_SKIP() << knob << " is set";
   }
   Twins t(WireEncoding::kAuto);

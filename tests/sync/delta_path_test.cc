@@ -1,6 +1,8 @@
 // The delta encoding's bookkeeping (sync/delta_path.h): base advertisements round-trip and refuse
 // malformed values naming the receiver; the decision names the fallback's reason; control
 // messages are checked; the verdict line carries the delta figures.
+#include <cstdlib>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -105,6 +107,43 @@ TEST(DeltaDecision, AutoRunsTheDeltaStepsOnlyWhereSomeDeltaCanPay) {
   EXPECT_THAT(s.message(), HasSubstr("sync rank 2 with its delta steps"));
   EXPECT_THAT(s.message(), HasSubstr("SHARDSYNC_DELTA_LINK_MBPS"));
   EXPECT_THAT(DeltaAgreement(true, "1", 1, 3).message(), HasSubstr("sync rank 3 as encoding full"));
+}
+
+// Device pairs price deltas at the device steps' speeds over their own link: at the defaults a
+// delta can pay across nodes (nccl, 25 GB/s) and not over cuda_ipc (NVLink, 450 GB/s, faster than
+// the device steps' 200 GB/s together), as measured (docs/delta.md "Device pairs").
+TEST(DeltaDecision, DevicePairsPriceAtTheDeviceSpeedsOverTheirOwnLink) {
+  for (const char* knob :
+       {"SHARDSYNC_DELTA_LINK_MBPS", "SHARDSYNC_DELTA_IPC_LINK_MBPS",
+        "SHARDSYNC_DELTA_DEVICE_ENCODE_MBPS", "SHARDSYNC_DELTA_DEVICE_DECODE_MBPS"}) {
+    if (std::getenv(knob) != nullptr) GTEST_SKIP() << knob << " is set";
+  }
+  const DeltaLink nccl = DevicePairDeltaLink("nccl").value();
+  const DeltaLink ipc = DevicePairDeltaLink("cuda_ipc").value();
+  EXPECT_DOUBLE_EQ(nccl.link_gbps, 25);
+  EXPECT_DOUBLE_EQ(ipc.link_gbps, 450);
+  EXPECT_DOUBLE_EQ(nccl.encode_gbps, ipc.encode_gbps);
+  EXPECT_GT(nccl.encode_gbps, DeltaLinkFromKnobs().value().encode_gbps * 10);
+  EXPECT_TRUE(DeltaCanPay(nccl).value());
+  EXPECT_FALSE(DeltaCanPay(ipc).value());
+  const uint64_t n = uint64_t{256} << 20;  // a 512 MiB bf16 bucket
+  EXPECT_TRUE(DeltaPays(nccl, n, 2, n / 100).value());
+  EXPECT_TRUE(DeltaPays(nccl, n, 2, n / 10).value());
+  EXPECT_FALSE(DeltaPays(nccl, n, 2, n * 95 / 100).value());  // no form is smaller
+  EXPECT_FALSE(DeltaPays(ipc, n, 2, n / 100).value());
+  // The knobs move each link alone.
+  ASSERT_EQ(setenv("SHARDSYNC_DELTA_IPC_LINK_MBPS", "50000", 1), 0);
+  const DeltaLink slow_ipc = DevicePairDeltaLink("cuda_ipc").value();
+  const DeltaLink same_nccl = DevicePairDeltaLink("nccl").value();
+  unsetenv("SHARDSYNC_DELTA_IPC_LINK_MBPS");
+  EXPECT_DOUBLE_EQ(slow_ipc.link_gbps, 50);
+  EXPECT_TRUE(DeltaCanPay(slow_ipc).value());
+  EXPECT_DOUBLE_EQ(same_nccl.link_gbps, 25);
+  ASSERT_EQ(setenv("SHARDSYNC_DELTA_DEVICE_DECODE_MBPS", "0", 1), 0);
+  const Result<DeltaLink> bad = DevicePairDeltaLink("nccl");
+  unsetenv("SHARDSYNC_DELTA_DEVICE_DECODE_MBPS");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("SHARDSYNC_DELTA_DEVICE_DECODE_MBPS"));
 }
 
 TEST(DeltaControlCheck, RefusesUnknownFormsAndPayloadsThatDoNotFit) {

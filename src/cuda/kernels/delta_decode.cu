@@ -299,6 +299,206 @@ __global__ void __launch_bounds__(kThreads, kBmMinBlocks) DecodeBitmapTileKernel
   }
 }
 
+// The bitmap form's apply pass, work independent per warp (no block barrier in its loop): warp w
+// takes a contiguous range of 512-byte steps of the bucket (a 16-byte vector per lane per step,
+// the ranges within one step of equal), finds its first value itself (its tile's tile[t] plus a
+// popcount of the tile's bitmap bytes before its first step, L2 resident), then per batch of
+// kBwBatch steps: loads the vectors and their bits (all in flight at once), adds the base
+// checksum terms, scans the counts across the warp (shuffles), copies the batch's values into
+// its shared-memory slice (contiguous in the encoding: aligned 4-byte loads), patches each
+// vector holding a change, writes it back, puts the old values in the slice and copies them out
+// to the scratch (change k's at k x E, coalesced). Many warps per SM, each with its own loads in
+// flight, replace the block-wide per-tile chain (DecodeBitmapTileKernel before: 2.2 TB/s).
+inline constexpr int kBwBatch = 4;            // steps per batch: 4 vectors per lane in flight
+inline constexpr int kBwPacks = (kBwBatch + 3) / 4;  // 16-bit count fields, 4 per word
+inline constexpr uint32_t kBwStep = 32 * 16;  // bytes of the bucket per warp step
+inline constexpr uint32_t kBwSlice = kBwBatch * kBwStep + 16;  // a warp's values (every change)
+inline constexpr uint32_t kBwSmem = kWarps * kBwSlice;
+inline constexpr int kBwMinBlocks = 4;
+inline constexpr bool kBwPair = false;
+
+template <int E>
+__device__ __forceinline__ uint64_t SliceElem(const unsigned char* p, bool aligned) {
+  if (aligned) return *reinterpret_cast<const Elem<E>*>(p);
+  return LoadLE(p, E);
+}
+template <int E>
+__device__ __forceinline__ void SliceStore(unsigned char* p, bool aligned, uint64_t v) {
+  if (aligned) {
+    *reinterpret_cast<Elem<E>*>(p) = static_cast<Elem<E>>(v);
+  } else {
+#pragma unroll
+    for (int i = 0; i < E; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+  }
+}
+
+template <int E>
+__global__ void __launch_bounds__(kThreads, kBwMinBlocks) DecodeBitmapWarpKernel(DecArgs a) {
+  GridDepWait();
+  constexpr uint32_t kTileBitmap = static_cast<uint32_t>(kTileBytes / E / 8);
+  constexpr uint32_t kStepBitmap = kBwStep / E / 8;  // bitmap bytes per step: 64 / E
+  __shared__ __align__(16) unsigned char s_dyn[kBwSmem];
+  __shared__ HeaderView h;
+  __shared__ bool s_apply;
+  __shared__ uint64_t s_red[kWarps];
+  // The index form's checks are the records and index tile passes': nothing to do here.
+  if (a.enc_bytes >= kDeltaHeaderBytes && a.enc[5] == static_cast<unsigned char>(DeltaKind::kIndex))
+    return;
+  if (threadIdx.x == 0) {
+    h = Parse<E>(a);
+    s_apply = h.kind == static_cast<int>(DeltaKind::kBitmap) && WillApply<E>(a, h);
+  }
+  __syncthreads();
+  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kBitmap)) return;
+  // From here the header passed: the encoding holds the whole bitmap, then the values up to its
+  // end (vals_bytes == changed x E).
+  const bool apply = s_apply;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  unsigned char* slice = s_dyn + warp * kBwSlice;
+  const uint64_t n = a.n;
+  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
+  const BitmapLayout bl = Layout<E>(a);
+  const unsigned char* vals = payload + bl.bitmap_bytes;
+  const uintptr_t enc_end = reinterpret_cast<uintptr_t>(a.enc) + a.enc_bytes;
+  Elem<E>* saved = reinterpret_cast<Elem<E>*>(a.s.vals);
+  const uint64_t steps = (n + kBwStep - 1) / kBwStep;
+  const uint64_t warps = uint64_t{gridDim.x} * kWarps, wid = uint64_t{blockIdx.x} * kWarps + warp;
+  const uint64_t s0 = wid * steps / warps, s1 = (wid + 1) * steps / warps;
+  uint64_t sum = 0, delta = 0;
+  if (s0 < s1) {
+    // The range's first value: its tile's, plus the tile's bits before step s0 (whole 4-byte
+    // words: a tile's bitmap bytes start 16-byte aligned, a step's are 64 / E bytes).
+    const uint64_t t = s0 * kBwStep / kTileBytes;
+    const uint32_t* bw = reinterpret_cast<const uint32_t*>(payload + t * kTileBitmap);
+    const uint32_t before = static_cast<uint32_t>(s0 - t * (kTileBytes / kBwStep)) * kStepBitmap / 4;
+    uint32_t c = 0;
+    for (uint32_t i = lane; i < before; i += 32) c += __popc(bw[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+    uint64_t prefix = a.s.tile[t] + c;
+    // The bits of batch s, loaded one batch ahead: its values' place is known when its vectors
+    // are asked for, so the vectors and the values load together (one round trip per batch).
+    auto bits = [&](uint64_t s, unsigned (&m)[kBwBatch]) {
+#pragma unroll
+      for (int u = 0; u < kBwBatch; ++u) {
+        const uint64_t o = (s + u) * kBwStep + lane * 16;
+        m[u] = s + u < s1 && o < n ? VectorBits<E>(payload, o / E, bl.elements) : 0u;
+      }
+    };
+    unsigned mn[kBwBatch];
+    bits(s0, mn);
+    for (uint64_t s = s0; s < s1; s += kBwBatch) {
+      unsigned m[kBwBatch];
+      uint64_t cnt[kBwPacks] = {};
+#pragma unroll
+      for (int u = 0; u < kBwBatch; ++u) {
+        m[u] = mn[u];
+        cnt[u / 4] |= static_cast<uint64_t>(__popc(m[u])) << (16 * (u % 4));
+      }
+      // Inclusive scan of the packed counts (fields of 16 bits: at most 32 x 16 each).
+      uint64_t ex[kBwPacks], tot[kBwPacks];
+      uint32_t total = 0;
+#pragma unroll
+      for (int q = 0; q < kBwPacks; ++q) {
+        uint64_t inc = cnt[q];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const uint64_t y = __shfl_up_sync(0xffffffffu, inc, o);
+          if (lane >= o) inc += y;
+        }
+        tot[q] = __shfl_sync(0xffffffffu, inc, 31);
+        ex[q] = inc - cnt[q];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) total += static_cast<uint32_t>(tot[q] >> (16 * u)) & 0xffff;
+      }
+      // The batch's values [prefix, prefix + total) into the slice at the same address mod 4,
+      // by cp.async (no register held), then the vectors, then the next batch's bits.
+      const uintptr_t src = reinterpret_cast<uintptr_t>(vals) + prefix * E;
+      const uint64_t len = uint64_t{total} * E;
+      const uintptr_t ws = src & ~uintptr_t{3}, we = (src + len + 3) & ~uintptr_t{3};
+      const uint32_t sh = static_cast<uint32_t>(src - ws);
+      const bool fast = we <= enc_end;
+      if (total != 0 && fast) {
+        const uint32_t* g = reinterpret_cast<const uint32_t*>(ws);
+        uint32_t* d = reinterpret_cast<uint32_t*>(slice);
+        const uint32_t words = static_cast<uint32_t>((we - ws) / 4);
+        for (uint32_t i = lane; i < words; i += 32) CpAsync4(d + i, g + i);
+      }
+      uint4 w[kBwBatch];
+#pragma unroll
+      for (int u = 0; u < kBwBatch; ++u) {
+        const uint64_t o = (s + u) * kBwStep + lane * 16;
+        w[u] = s + u < s1 && o < n ? LoadVec(a.bucket, o, n) : make_uint4(0, 0, 0, 0);
+      }
+      if (s + kBwBatch < s1) bits(s + kBwBatch, mn);
+#pragma unroll
+      for (int u = 0; u < kBwBatch; ++u) {
+        const uint64_t o = (s + u) * kBwStep + lane * 16;
+        if (s + u < s1 && o < n) {
+          const uint64_t key = MixKey(o / 8);
+          sum += MixWithKey(Lo64(w[u]), key);
+          if (o + 8 < n) sum += MixWithKey(Hi64(w[u]), key + kChecksumStep);
+        }
+      }
+      if (total == 0) continue;
+      if (fast) {
+        CpAsyncWaitAll();
+      } else {  // past the encoding's end (a count that disagrees: refused); 0 there
+        for (uint32_t i = lane; i < len; i += 32)
+          slice[sh + i] = src + i < enc_end ? reinterpret_cast<const unsigned char*>(src)[i] : 0;
+      }
+      __syncwarp();
+      const bool aligned = sh % E == 0;
+      const unsigned char* sv = slice + sh;
+      uint32_t base = 0;
+#pragma unroll
+      for (int u = 0; u < kBwBatch; ++u) {
+        uint32_t at = base + (static_cast<uint32_t>(ex[u / 4] >> (16 * (u % 4))) & 0xffff);
+        base += static_cast<uint32_t>(tot[u / 4] >> (16 * (u % 4))) & 0xffff;
+        const uint64_t o = (s + u) * kBwStep + lane * 16;
+        if constexpr (kBwPair) {  // a 32-byte sector written whole when either half changed
+          const bool other = __shfl_xor_sync(0xffffffffu, m[u], 1) != 0;
+          if (m[u] == 0 && other && apply && o + 16 <= n)
+            *reinterpret_cast<uint4*>(a.bucket + o) = w[u];
+        }
+        if (m[u] == 0) continue;
+        const uint64_t key = MixKey(o / 8);
+        const uint64_t old_lo = Lo64(w[u]), old_hi = Hi64(w[u]);
+        uint64_t new_lo = old_lo, new_hi = old_hi;
+        for (unsigned mm = m[u]; mm != 0; mm &= mm - 1, ++at) {
+          const int r = __ffs(mm) - 1;
+          unsigned char* p = const_cast<unsigned char*>(sv) + at * E;
+          const uint64_t v = SliceElem<E>(p, aligned);
+          if (apply) {
+            SliceStore<E>(p, aligned, VecElem<E>(old_lo, old_hi, r));
+            if (o + 16 > n) reinterpret_cast<Elem<E>*>(a.bucket)[o / E + r] = v;
+          }
+          PatchVec<E>(new_lo, new_hi, r, v);
+        }
+        if (apply && o + 16 <= n)
+          *reinterpret_cast<uint4*>(a.bucket + o) =
+              make_uint4(static_cast<uint32_t>(new_lo), static_cast<uint32_t>(new_lo >> 32),
+                         static_cast<uint32_t>(new_hi), static_cast<uint32_t>(new_hi >> 32));
+        delta += MixWithKey(new_lo, key) - MixWithKey(old_lo, key);
+        delta += MixWithKey(new_hi, key + kChecksumStep) - MixWithKey(old_hi, key + kChecksumStep);
+      }
+      __syncwarp();  // the slice holds the old values
+      if (apply)
+        for (uint32_t i = lane; i < total; i += 32)
+          saved[prefix + i] = static_cast<Elem<E>>(SliceElem<E>(sv + i * E, aligned));
+      __syncwarp();  // the slice is read: the next batch's
+      prefix += total;
+    }
+  }
+  GridDepTrigger();
+  sum = BlockSum(sum, s_red);
+  delta = BlockSum(delta, s_red);
+  if (threadIdx.x == 0) {
+    atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(sum));
+    if (delta != 0) atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(delta));
+  }
+}
+
 // One thread: the decision from the sums (header, base checksum, records, bitmap tail and count,
 // result checksum), left in the control block for the fix-up pass with whether the changes were
 // already written, and reported to the host (read only after the call's event, so after the
@@ -432,20 +632,18 @@ template <int E>
 int Launch(const DecArgs& a, int sms, cudaStream_t s) {
   // The tile pass's ranges: as many as its blocks fit at once (tile[] holds absolute offsets
   // after the fix pass, so they need not be the count pass's).
-  static const int bm_fit = FitPerSm(DecodeBitmapTileKernel<E>, kBmSmem<E>);
-  // The attribute is the current device's: set on every call (cheap), the fit computed once.
-  cudaError_t e = cudaFuncSetAttribute(
-      DecodeBitmapTileKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kBmSmem<E>});
-  if (e != cudaSuccess) return static_cast<int>(e);
-  DecArgs ab = a;
-  ab.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * bm_fit));
+  static const int bw_fit = FitPerSm(DecodeBitmapWarpKernel<E>, 0);
+  const uint64_t bw_steps = std::max<uint64_t>(1, (a.n + kBwStep - 1) / kBwStep);
+  const uint32_t bw_grid = static_cast<uint32_t>(
+      std::min<uint64_t>((bw_steps + kWarps - 1) / kWarps, uint64_t(sms) * bw_fit));
+  cudaError_t e = cudaSuccess;
   const uint32_t fix_grid =
       static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * kMinBlocks));
   e = LaunchIndexPasses<E>(a, sms, s);
   if (e == cudaSuccess) e = LaunchDependent(DecodeCountKernel<E>, a.ranges, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeTileFixKernel<E>, a.ranges, 0, s, a);
   if (e == cudaSuccess)
-    e = LaunchDependent(DecodeBitmapTileKernel<E>, ab.ranges, kBmSmem<E>, s, ab);
+    e = LaunchDependent(DecodeBitmapWarpKernel<E>, bw_grid, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeDecideKernel<E>, 1, 0, s, a, 1);
   if (e == cudaSuccess) e = LaunchDependent(DecodeFixupKernel<E>, fix_grid, 0, s, a);
   return static_cast<int>(e);

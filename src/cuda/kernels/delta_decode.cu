@@ -1,6 +1,6 @@
 // The delta decoder on the device (delta_gpu.h): DecodeDeltaInPlace's checks and result. This
-// file: the bitmap form's passes, decide, fix-up and the launch; delta_decode_index.cu: the index
-// form's passes; delta_decode.cuh: what they share.
+// file: the kernels, the bitmap form's passes, decide, fix-up and the launch;
+// delta_decode_index.cuh: the index form's passes; delta_decode.cuh: what they share.
 //
 // Apply, then verify, restore on refusal. The checks that need no bucket byte (header, records,
 // bitmap tail and count) come before any write; the two that do (base checksum, result
@@ -9,24 +9,27 @@
 // held in the scratch (change k's old value at k x E). Decide then reads the sums, and only a
 // refusal costs a further pass: Fixup puts the saved values back, leaving the bucket exactly as
 // it was. (A bitmap delta whose old values do not fit the scratch, over about 31% density, is
-// checked first and written by Fixup, as before.) Every kernel checks the header first
-// (delta_kernels.h ParseHeader, the host's order); every form's passes are queued, and those of
-// the other form return at once. No kernel waits on another block.
-// Index form: Records (DecodeRecordsKernel, a thread per record) checks every record (in range,
-// strictly increasing) and writes each tile's first record; IndexTile (DecodeIndexTileKernel, a
-// range of tiles per block, the copy engine loading the next tile while the block works on one)
-// sums each tile, patches its records into the tile in shared memory and writes back the
-// vectors that changed.
-// Bitmap form: Counts (DecodeCountKernel, a range of consecutive tiles per block, a warp per
-// tile) popcount each tile's bitmap bytes (n / 8E bytes in all) and scan them within the range;
-// the last block scans the ranges; TileFix (DecodeTileFixKernel) adds each range's first value,
-// so tile[t] is tile t's first value. BitmapTile (DecodeBitmapTileKernel, a range of tiles per
-// block, the copy engine loading the next tile, its bits and its values while the block works on
-// one) sums each tile, finds its changed elements (the bits) and their values (from tile[t]
-// on), and writes each 16-byte vector holding a change back patched.
-// Decide (DecodeDecideKernel, one thread): the decision from the sums, reported to the host; the
-// control block back at rest. Fixup (DecodeFixupKernel): the restore, or the late apply.
+// checked first and written by Fixup, as before.) Every pass checks the header first
+// (delta_kernels.h ParseHeader, the host's order). The host does not read the header: one kernel
+// per pass serves both forms (DecodeFirstKernel: records or counts; DecodeTileKernel: the form's
+// tile pass), taking the form the kind byte says; the tile fix pass returns at once for the
+// index form. No kernel waits on another block.
+// Index form: Records (RecordsPass, a thread per record) checks every record (in range,
+// strictly increasing) and writes each tile's first record; IndexTile (IndexTilePass, a range of
+// tiles per block, the copy engine loading the next tile while the block works on one) sums each
+// tile, patches its records into the tile in shared memory and writes back the vectors that
+// changed.
+// Bitmap form: Counts (CountPass, a range of consecutive tiles per block, a warp per tile)
+// popcount each tile's bitmap bytes (n / 8E bytes in all) and scan them within the range; the
+// last block scans the ranges; TileFix (DecodeTileFixKernel) adds each range's first value, so
+// tile[t] is tile t's first value. BitmapTile (BitmapTilePass, a range of tiles per block, the
+// copy engine loading the next tile, its bits and its values while the block works on one) sums
+// each tile, finds its changed elements (the bits) and their values (from tile[t] on), and
+// writes each 16-byte vector holding a change back patched.
+// Fixup (DecodeFixupKernel): the decision from the sums (every block; the last one reports it to
+// the host and puts the control block back at rest), then the restore, or the late apply.
 #include "cuda/kernels/delta_decode.cuh"
+#include "cuda/kernels/delta_decode_index.cuh"
 
 namespace shardsync::gpu::delta {
 namespace {
@@ -37,9 +40,7 @@ namespace {
 // totals into each range's first value (rtot[r]) and the total popcount (also tile[tiles]).
 // Bits past the last element count too: the decision refuses them (tail) before the count.
 template <int E>
-__global__ void __launch_bounds__(kThreads) DecodeCountKernel(DecArgs a) {
-  GridDepWait();
-  GridDepTrigger();
+__device__ __forceinline__ void CountPass(const DecArgs& a) {
   constexpr uint64_t kTileBitmap = kTileBytes / E / 8;
   __shared__ HeaderView h;
   __shared__ uint64_t s_red[kWarps];
@@ -51,20 +52,36 @@ __global__ void __launch_bounds__(kThreads) DecodeCountKernel(DecArgs a) {
   const unsigned char* bm = a.enc + kDeltaHeaderBytes;
   const uint64_t bitmap_bytes = DeltaBitmapBytes(h.elements);
   const uint32_t r = blockIdx.x, t0 = RangeFirst(a, r), t1 = RangeFirst(a, r + 1);
-  for (uint32_t t = t0 + (threadIdx.x >> 5); t < t1; t += kWarps) {
-    const uint64_t b0 = uint64_t{t} * kTileBitmap, b1 = min(b0 + kTileBitmap, bitmap_bytes);
-    uint32_t cnt = 0;
-    for (uint64_t o = b0 + uint64_t(lane) * 16; o < b1; o += 32 * 16) {
-      if (o + 16 <= b1) {
-        const uint4 v = *reinterpret_cast<const uint4*>(bm + o);
-        cnt += __popc(v.x) + __popc(v.y) + __popc(v.z) + __popc(v.w);
-      } else {
-        for (uint64_t i = o; i < b1; ++i) cnt += __popc(bm[i]);
+  // A warp takes two tiles at a time, every 16-byte load of both issued before any is counted
+  // (a tile's bitmap is 512 B to 2 KiB: one to four loads per lane); a part tile (the last)
+  // byte by byte where it ends.
+  constexpr uint32_t kLoads = static_cast<uint32_t>((kTileBitmap + 511) / 512);
+  for (uint32_t t = t0 + (threadIdx.x >> 5); t < t1; t += 2 * kWarps) {
+    uint4 v[2][kLoads];
+    uint32_t cnt[2] = {0, 0};
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const uint64_t b0 = uint64_t{t + q * kWarps} * kTileBitmap;
+      const bool whole = t + q * kWarps < t1 && b0 + kTileBitmap <= bitmap_bytes;
+#pragma unroll
+      for (uint32_t i = 0; i < kLoads; ++i) {
+        const uint64_t o = b0 + uint64_t(lane) * 16 + i * 512;
+        v[q][i] = whole && o < b0 + kTileBitmap ? *reinterpret_cast<const uint4*>(bm + o)
+                                                : make_uint4(0, 0, 0, 0);
+      }
+      if (!whole && t + q * kWarps < t1) {  // the part tile at the bitmap's end
+        for (uint64_t o = b0 + lane; o < bitmap_bytes; o += 32) cnt[q] += __popc(bm[o]);
       }
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
-    if (lane == 0) a.s.tile[t] = cnt;
+    for (int q = 0; q < 2; ++q) {
+#pragma unroll
+      for (uint32_t i = 0; i < kLoads; ++i)
+        cnt[q] += __popc(v[q][i].x) + __popc(v[q][i].y) + __popc(v[q][i].z) + __popc(v[q][i].w);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) cnt[q] += __shfl_xor_sync(0xffffffffu, cnt[q], o);
+      if (lane == 0 && t + q * kWarps < t1) a.s.tile[t + q * kWarps] = cnt[q];
+    }
   }
   __syncthreads();  // the block's counts, visible to the block
   uint64_t carry = 0;
@@ -141,8 +158,7 @@ inline constexpr int kBmMinBlocks = 4;
 // before the decision (WillApply), each 16-byte vector holding a change written back patched and
 // its old values saved (change k's at k x E of the scratch).
 template <int E>
-__global__ void __launch_bounds__(kThreads, kBmMinBlocks) DecodeBitmapTileKernel(DecArgs a) {
-  GridDepWait();
+__device__ __forceinline__ void BitmapTilePass(const DecArgs& a) {
   constexpr uint32_t kTileBitmap = static_cast<uint32_t>(kTileBytes / E / 8);
   constexpr uint64_t kTileElems = kTileBytes / E;
   extern __shared__ __align__(128) unsigned char s_dyn[];  // kBmStages stages
@@ -155,9 +171,6 @@ __global__ void __launch_bounds__(kThreads, kBmMinBlocks) DecodeBitmapTileKernel
   __shared__ HeaderView h;
   __shared__ bool s_apply;
   __shared__ uint64_t s_scan[kWarps];
-  // The index form's checks are the records and index tile passes': nothing to do here.
-  if (a.enc_bytes >= kDeltaHeaderBytes && a.enc[5] == static_cast<unsigned char>(DeltaKind::kIndex))
-    return;
   if (threadIdx.x == 0) {
     h = Parse<E>(a);
     s_apply = h.kind == static_cast<int>(DeltaKind::kBitmap) && WillApply<E>(a, h);
@@ -299,215 +312,45 @@ __global__ void __launch_bounds__(kThreads, kBmMinBlocks) DecodeBitmapTileKernel
   }
 }
 
-// The bitmap form's apply pass, work independent per warp (no block barrier in its loop): warp w
-// takes a contiguous range of 512-byte steps of the bucket (a 16-byte vector per lane per step,
-// the ranges within one step of equal), finds its first value itself (its tile's tile[t] plus a
-// popcount of the tile's bitmap bytes before its first step, L2 resident), then per batch of
-// kBwBatch steps: loads the vectors and their bits (all in flight at once), adds the base
-// checksum terms, scans the counts across the warp (shuffles), copies the batch's values into
-// its shared-memory slice (contiguous in the encoding: aligned 4-byte loads), patches each
-// vector holding a change, writes it back, puts the old values in the slice and copies them out
-// to the scratch (change k's at k x E, coalesced). Many warps per SM, each with its own loads in
-// flight, replace the block-wide per-tile chain (DecodeBitmapTileKernel before: 2.2 TB/s).
-inline constexpr int kBwBatch = 4;            // steps per batch: 4 vectors per lane in flight
-inline constexpr int kBwPacks = (kBwBatch + 3) / 4;  // 16-bit count fields, 4 per word
-inline constexpr uint32_t kBwStep = 32 * 16;  // bytes of the bucket per warp step
-inline constexpr uint32_t kBwSlice = kBwBatch * kBwStep + 16;  // a warp's values (every change)
-inline constexpr uint32_t kBwSmem = kWarps * kBwSlice;
-inline constexpr int kBwMinBlocks = 4;
-inline constexpr bool kBwPair = false;
-
-template <int E>
-__device__ __forceinline__ uint64_t SliceElem(const unsigned char* p, bool aligned) {
-  if (aligned) return *reinterpret_cast<const Elem<E>*>(p);
-  return LoadLE(p, E);
+// Whether the encoding says it is the index form (the passes parse and check the header
+// themselves: an encoding that fails it is left alone by both forms' passes).
+__device__ __forceinline__ bool IndexForm(const DecArgs& a) {
+  return a.enc_bytes >= kDeltaHeaderBytes &&
+         a.enc[5] == static_cast<unsigned char>(DeltaKind::kIndex);
 }
+
+// The first pass of either form: the index form's records pass (every block), or the bitmap
+// form's count pass (blocks below a.ranges: its last block is found by a ticket over them).
 template <int E>
-__device__ __forceinline__ void SliceStore(unsigned char* p, bool aligned, uint64_t v) {
-  if (aligned) {
-    *reinterpret_cast<Elem<E>*>(p) = static_cast<Elem<E>>(v);
+__global__ void __launch_bounds__(kThreads) DecodeFirstKernel(DecArgs a) {
+  GridDepWait();
+  GridDepTrigger();
+  if (IndexForm(a)) {
+    RecordsPass<E>(a);
+  } else if (blockIdx.x < a.ranges) {
+    CountPass<E>(a);
+  }
+}
+
+// The tile pass of either form (the bitmap form's shared memory, the larger).
+template <int E>
+__global__ void __launch_bounds__(kThreads, kBmMinBlocks) DecodeTileKernel(DecArgs a) {
+  GridDepWait();
+  if (IndexForm(a)) {
+    IndexTilePass<E>(a);
   } else {
-#pragma unroll
-    for (int i = 0; i < E; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+    BitmapTilePass<E>(a);
   }
 }
 
+// Thread 0 of every fix-up block: the decision from the sums (header, base checksum, records,
+// bitmap tail and count, result checksum), with whether the changes were already written
+// (Code | kind << 32 | applied << 40). The last block to take it (a ticket over the blocks,
+// each taken after the block read the sums) reports it to the host (read only after the call's
+// event) and puts the control block back at rest. (A one-thread decide kernel before the fix-up
+// pass cost 4.6-5 us a call.)
 template <int E>
-__global__ void __launch_bounds__(kThreads, kBwMinBlocks) DecodeBitmapWarpKernel(DecArgs a) {
-  GridDepWait();
-  constexpr uint32_t kTileBitmap = static_cast<uint32_t>(kTileBytes / E / 8);
-  constexpr uint32_t kStepBitmap = kBwStep / E / 8;  // bitmap bytes per step: 64 / E
-  __shared__ __align__(16) unsigned char s_dyn[kBwSmem];
-  __shared__ HeaderView h;
-  __shared__ bool s_apply;
-  __shared__ uint64_t s_red[kWarps];
-  // The index form's checks are the records and index tile passes': nothing to do here.
-  if (a.enc_bytes >= kDeltaHeaderBytes && a.enc[5] == static_cast<unsigned char>(DeltaKind::kIndex))
-    return;
-  if (threadIdx.x == 0) {
-    h = Parse<E>(a);
-    s_apply = h.kind == static_cast<int>(DeltaKind::kBitmap) && WillApply<E>(a, h);
-  }
-  __syncthreads();
-  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kBitmap)) return;
-  // From here the header passed: the encoding holds the whole bitmap, then the values up to its
-  // end (vals_bytes == changed x E).
-  const bool apply = s_apply;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  unsigned char* slice = s_dyn + warp * kBwSlice;
-  const uint64_t n = a.n;
-  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
-  const BitmapLayout bl = Layout<E>(a);
-  const unsigned char* vals = payload + bl.bitmap_bytes;
-  const uintptr_t enc_end = reinterpret_cast<uintptr_t>(a.enc) + a.enc_bytes;
-  Elem<E>* saved = reinterpret_cast<Elem<E>*>(a.s.vals);
-  const uint64_t steps = (n + kBwStep - 1) / kBwStep;
-  const uint64_t warps = uint64_t{gridDim.x} * kWarps, wid = uint64_t{blockIdx.x} * kWarps + warp;
-  const uint64_t s0 = wid * steps / warps, s1 = (wid + 1) * steps / warps;
-  uint64_t sum = 0, delta = 0;
-  if (s0 < s1) {
-    // The range's first value: its tile's, plus the tile's bits before step s0 (whole 4-byte
-    // words: a tile's bitmap bytes start 16-byte aligned, a step's are 64 / E bytes).
-    const uint64_t t = s0 * kBwStep / kTileBytes;
-    const uint32_t* bw = reinterpret_cast<const uint32_t*>(payload + t * kTileBitmap);
-    const uint32_t before = static_cast<uint32_t>(s0 - t * (kTileBytes / kBwStep)) * kStepBitmap / 4;
-    uint32_t c = 0;
-    for (uint32_t i = lane; i < before; i += 32) c += __popc(bw[i]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
-    uint64_t prefix = a.s.tile[t] + c;
-    // The bits of batch s, loaded one batch ahead: its values' place is known when its vectors
-    // are asked for, so the vectors and the values load together (one round trip per batch).
-    auto bits = [&](uint64_t s, unsigned (&m)[kBwBatch]) {
-#pragma unroll
-      for (int u = 0; u < kBwBatch; ++u) {
-        const uint64_t o = (s + u) * kBwStep + lane * 16;
-        m[u] = s + u < s1 && o < n ? VectorBits<E>(payload, o / E, bl.elements) : 0u;
-      }
-    };
-    unsigned mn[kBwBatch];
-    bits(s0, mn);
-    for (uint64_t s = s0; s < s1; s += kBwBatch) {
-      unsigned m[kBwBatch];
-      uint64_t cnt[kBwPacks] = {};
-#pragma unroll
-      for (int u = 0; u < kBwBatch; ++u) {
-        m[u] = mn[u];
-        cnt[u / 4] |= static_cast<uint64_t>(__popc(m[u])) << (16 * (u % 4));
-      }
-      // Inclusive scan of the packed counts (fields of 16 bits: at most 32 x 16 each).
-      uint64_t ex[kBwPacks], tot[kBwPacks];
-      uint32_t total = 0;
-#pragma unroll
-      for (int q = 0; q < kBwPacks; ++q) {
-        uint64_t inc = cnt[q];
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const uint64_t y = __shfl_up_sync(0xffffffffu, inc, o);
-          if (lane >= o) inc += y;
-        }
-        tot[q] = __shfl_sync(0xffffffffu, inc, 31);
-        ex[q] = inc - cnt[q];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) total += static_cast<uint32_t>(tot[q] >> (16 * u)) & 0xffff;
-      }
-      // The batch's values [prefix, prefix + total) into the slice at the same address mod 4,
-      // by cp.async (no register held), then the vectors, then the next batch's bits.
-      const uintptr_t src = reinterpret_cast<uintptr_t>(vals) + prefix * E;
-      const uint64_t len = uint64_t{total} * E;
-      const uintptr_t ws = src & ~uintptr_t{3}, we = (src + len + 3) & ~uintptr_t{3};
-      const uint32_t sh = static_cast<uint32_t>(src - ws);
-      const bool fast = we <= enc_end;
-      if (total != 0 && fast) {
-        const uint32_t* g = reinterpret_cast<const uint32_t*>(ws);
-        uint32_t* d = reinterpret_cast<uint32_t*>(slice);
-        const uint32_t words = static_cast<uint32_t>((we - ws) / 4);
-        for (uint32_t i = lane; i < words; i += 32) CpAsync4(d + i, g + i);
-      }
-      uint4 w[kBwBatch];
-#pragma unroll
-      for (int u = 0; u < kBwBatch; ++u) {
-        const uint64_t o = (s + u) * kBwStep + lane * 16;
-        w[u] = s + u < s1 && o < n ? LoadVec(a.bucket, o, n) : make_uint4(0, 0, 0, 0);
-      }
-      if (s + kBwBatch < s1) bits(s + kBwBatch, mn);
-#pragma unroll
-      for (int u = 0; u < kBwBatch; ++u) {
-        const uint64_t o = (s + u) * kBwStep + lane * 16;
-        if (s + u < s1 && o < n) {
-          const uint64_t key = MixKey(o / 8);
-          sum += MixWithKey(Lo64(w[u]), key);
-          if (o + 8 < n) sum += MixWithKey(Hi64(w[u]), key + kChecksumStep);
-        }
-      }
-      if (total == 0) continue;
-      if (fast) {
-        CpAsyncWaitAll();
-      } else {  // past the encoding's end (a count that disagrees: refused); 0 there
-        for (uint32_t i = lane; i < len; i += 32)
-          slice[sh + i] = src + i < enc_end ? reinterpret_cast<const unsigned char*>(src)[i] : 0;
-      }
-      __syncwarp();
-      const bool aligned = sh % E == 0;
-      const unsigned char* sv = slice + sh;
-      uint32_t base = 0;
-#pragma unroll
-      for (int u = 0; u < kBwBatch; ++u) {
-        uint32_t at = base + (static_cast<uint32_t>(ex[u / 4] >> (16 * (u % 4))) & 0xffff);
-        base += static_cast<uint32_t>(tot[u / 4] >> (16 * (u % 4))) & 0xffff;
-        const uint64_t o = (s + u) * kBwStep + lane * 16;
-        if constexpr (kBwPair) {  // a 32-byte sector written whole when either half changed
-          const bool other = __shfl_xor_sync(0xffffffffu, m[u], 1) != 0;
-          if (m[u] == 0 && other && apply && o + 16 <= n)
-            *reinterpret_cast<uint4*>(a.bucket + o) = w[u];
-        }
-        if (m[u] == 0) continue;
-        const uint64_t key = MixKey(o / 8);
-        const uint64_t old_lo = Lo64(w[u]), old_hi = Hi64(w[u]);
-        uint64_t new_lo = old_lo, new_hi = old_hi;
-        for (unsigned mm = m[u]; mm != 0; mm &= mm - 1, ++at) {
-          const int r = __ffs(mm) - 1;
-          unsigned char* p = const_cast<unsigned char*>(sv) + at * E;
-          const uint64_t v = SliceElem<E>(p, aligned);
-          if (apply) {
-            SliceStore<E>(p, aligned, VecElem<E>(old_lo, old_hi, r));
-            if (o + 16 > n) reinterpret_cast<Elem<E>*>(a.bucket)[o / E + r] = v;
-          }
-          PatchVec<E>(new_lo, new_hi, r, v);
-        }
-        if (apply && o + 16 <= n)
-          *reinterpret_cast<uint4*>(a.bucket + o) =
-              make_uint4(static_cast<uint32_t>(new_lo), static_cast<uint32_t>(new_lo >> 32),
-                         static_cast<uint32_t>(new_hi), static_cast<uint32_t>(new_hi >> 32));
-        delta += MixWithKey(new_lo, key) - MixWithKey(old_lo, key);
-        delta += MixWithKey(new_hi, key + kChecksumStep) - MixWithKey(old_hi, key + kChecksumStep);
-      }
-      __syncwarp();  // the slice holds the old values
-      if (apply)
-        for (uint32_t i = lane; i < total; i += 32)
-          saved[prefix + i] = static_cast<Elem<E>>(SliceElem<E>(sv + i * E, aligned));
-      __syncwarp();  // the slice is read: the next batch's
-      prefix += total;
-    }
-  }
-  GridDepTrigger();
-  sum = BlockSum(sum, s_red);
-  delta = BlockSum(delta, s_red);
-  if (threadIdx.x == 0) {
-    atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(sum));
-    if (delta != 0) atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(delta));
-  }
-}
-
-// One thread: the decision from the sums (header, base checksum, records, bitmap tail and count,
-// result checksum), left in the control block for the fix-up pass with whether the changes were
-// already written, and reported to the host (read only after the call's event, so after the
-// fix-up pass too); the control block's sums go back to rest here, since the fix-up pass reads
-// only the decision.
-template <int E>
-__global__ void DecodeDecideKernel(DecArgs a) {
-  GridDepWait();
-  GridDepTrigger();
+__device__ __forceinline__ uint64_t Decide(const DecArgs& a, uint64_t* changed) {
   Ctl* c = a.s.ctl;
   const HeaderView h = Parse<E>(a);
   const bool applied = WillApply<E>(a, h);
@@ -531,25 +374,28 @@ __global__ void DecodeDecideKernel(DecArgs a) {
       if (have != h.new_checksum) code = kResultChecksum;
     }
   }
-  c->go = code | static_cast<unsigned long long>(h.kind) << 32 |
-          static_cast<unsigned long long>(applied) << 40;
-  c->changed = h.changed;
-  HostResult* r = a.s.result;
-  r->code = code;
-  r->have = have;
-  r->detail = detail;
-  for (uint64_t i = 0; i < kDeltaHeaderBytes; ++i) r->header[i] = i < a.enc_bytes ? a.enc[i] : 0;
-  c->sum_a = 0;
-  c->sum_b = 0;
-  c->bad_record = ~0ull;
-  c->popcount = 0;
-  c->ticket = 0;
-  c->tail_bad = 0;
-  __threadfence_system();
+  *changed = h.changed;
+  __threadfence();  // the sums read before the ticket
+  if (atomicAdd(&c->ticket, 1u) == gridDim.x - 1) {
+    HostResult* r = a.s.result;
+    r->code = code;
+    r->have = have;
+    r->detail = detail;
+    for (uint64_t i = 0; i < kDeltaHeaderBytes; ++i) r->header[i] = i < a.enc_bytes ? a.enc[i] : 0;
+    c->sum_a = 0;
+    c->sum_b = 0;
+    c->bad_record = ~0ull;
+    c->popcount = 0;
+    c->ticket = 0;
+    c->tail_bad = 0;
+    __threadfence_system();
+  }
+  return code | static_cast<unsigned long long>(h.kind) << 32 |
+         static_cast<unsigned long long>(applied) << 40;
 }
 
-// The last pass (grid-stride, few blocks: nothing to do in the common case, changes applied and
-// accepted). Changes applied and the decode refused: every changed element gets its old value
+// The last pass (grid-stride, few blocks: after the decision, nothing to do in the common case,
+// changes applied and accepted). Changes applied and the decode refused: every changed element gets its old value
 // back from the scratch, so the bucket holds exactly its bytes from before the call. Not applied
 // (old values past the scratch) and accepted: the changes are written now. Index form: a store
 // per record; bitmap form: each 16-byte vector holding a change read, patched and written whole.
@@ -558,12 +404,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeFixupKernel(DecArg
   GridDepWait();
   __shared__ uint64_t s_scan[kWarps];
   __shared__ __align__(16) unsigned char s_vals[kValsSmem];
-  const Ctl* c = a.s.ctl;
-  const uint64_t go = c->go;
+  __shared__ uint64_t s_go, s_changed;
+  if (threadIdx.x == 0) s_go = Decide<E>(a, &s_changed);
+  __syncthreads();
+  const uint64_t go = s_go;
   const bool ok = static_cast<uint32_t>(go) == kOk, applied = ((go >> 40) & 1) != 0;
   if (ok == applied) return;  // accepted and written, or refused with nothing written
   // From here the header passed (applied, or accepted): its layout holds.
-  const uint64_t n = a.n, changed = c->changed;
+  const uint64_t n = a.n, changed = s_changed;
   const unsigned char* payload = a.enc + kDeltaHeaderBytes;
   const unsigned char* saved = a.s.vals;  // the old values (restore)
   Elem<E>* out = reinterpret_cast<Elem<E>*>(a.bucket);
@@ -626,25 +474,58 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeFixupKernel(DecArg
   }
 }
 
-// Every form's passes are queued (the host does not read the header); a pass of the other form
-// returns at once, and every grid but the count pass's is sized for the GPU, not the bucket.
+// Each form's tile pass its own kernel (the other form's returning at once) instead of one.
+template <int E>
+__global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel(DecArgs a) {
+  GridDepWait();
+  if (IndexForm(a)) IndexTilePass<E>(a);
+}
+template <int E>
+__global__ void __launch_bounds__(kThreads, kBmMinBlocks) DecodeBitmapTileKernel(DecArgs a) {
+  GridDepWait();
+  if (!IndexForm(a)) BitmapTilePass<E>(a);
+}
+inline constexpr bool kOneTileKernel = true;
+
+// One kernel per pass for both forms (the host does not read the header: each kernel takes the
+// form the encoding's kind byte says); the tile fix pass returns at once for the index form.
 template <int E>
 int Launch(const DecArgs& a, int sms, cudaStream_t s) {
+  static_assert(kBmSmem<E> >= kIdxSmem && kBmMinBlocks == kIdxMinBlocks);
   // The tile pass's ranges: as many as its blocks fit at once (tile[] holds absolute offsets
   // after the fix pass, so they need not be the count pass's).
-  static const int bw_fit = FitPerSm(DecodeBitmapWarpKernel<E>, 0);
-  const uint64_t bw_steps = std::max<uint64_t>(1, (a.n + kBwStep - 1) / kBwStep);
-  const uint32_t bw_grid = static_cast<uint32_t>(
-      std::min<uint64_t>((bw_steps + kWarps - 1) / kWarps, uint64_t(sms) * bw_fit));
-  cudaError_t e = cudaSuccess;
+  static const int tile_fit = FitPerSm(DecodeTileKernel<E>, kBmSmem<E>);
+  // The attribute is the current device's: set on every call (cheap), the fit computed once.
+  cudaError_t e = cudaFuncSetAttribute(DecodeTileKernel<E>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int{kBmSmem<E>});
+  if (e != cudaSuccess) return static_cast<int>(e);
+  DecArgs at = a;
+  at.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * tile_fit));
   const uint32_t fix_grid =
       static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * kMinBlocks));
-  e = LaunchIndexPasses<E>(a, sms, s);
-  if (e == cudaSuccess) e = LaunchDependent(DecodeCountKernel<E>, a.ranges, 0, s, a);
+  // The records pass strides over the records with 8 blocks per SM; the count pass takes
+  // a.ranges (at most 4 per SM) of them.
+  DecodeFirstKernel<E><<<static_cast<uint32_t>(sms) * 8, kThreads, 0, s>>>(a);
+  e = cudaGetLastError();
   if (e == cudaSuccess) e = LaunchDependent(DecodeTileFixKernel<E>, a.ranges, 0, s, a);
-  if (e == cudaSuccess)
-    e = LaunchDependent(DecodeBitmapWarpKernel<E>, bw_grid, 0, s, a);
-  if (e == cudaSuccess) e = LaunchDependent(DecodeDecideKernel<E>, 1, 0, s, a, 1);
+  if constexpr (kOneTileKernel) {
+    if (e == cudaSuccess) e = LaunchDependent(DecodeTileKernel<E>, at.ranges, kBmSmem<E>, s, at);
+  } else {
+    static const int ifit = FitPerSm(DecodeIndexTileKernel<E>, kIdxSmem);
+    static const int bfit = FitPerSm(DecodeBitmapTileKernel<E>, kBmSmem<E>);
+    DecArgs ai = a, ab = a;
+    ai.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * ifit));
+    ab.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * bfit));
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(DecodeIndexTileKernel<E>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, int{kIdxSmem});
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(DecodeBitmapTileKernel<E>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, int{kBmSmem<E>});
+    if (e == cudaSuccess) e = LaunchDependent(DecodeIndexTileKernel<E>, ai.ranges, kIdxSmem, s, ai);
+    if (e == cudaSuccess)
+      e = LaunchDependent(DecodeBitmapTileKernel<E>, ab.ranges, kBmSmem<E>, s, ab);
+  }
   if (e == cudaSuccess) e = LaunchDependent(DecodeFixupKernel<E>, fix_grid, 0, s, a);
   return static_cast<int>(e);
 }

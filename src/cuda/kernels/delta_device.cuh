@@ -183,20 +183,6 @@ __device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t by
       "l"(src), "r"(bytes), "r"(SmemAddr(bar))
       : "memory");
 }
-// `bytes` (a multiple of 16, the address 16-byte aligned) of global memory into L2, a hint
-// (cp.async.bulk.prefetch): nothing waits for it.
-__device__ __forceinline__ void PrefetchL2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-// 4 bytes global -> shared (cp.async, both 4-byte aligned), no register held; CpAsyncWaitAll
-// waits for this thread's.
-__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(SmemAddr(smem)), "l"(gmem)
-               : "memory");
-}
-__device__ __forceinline__ void CpAsyncWaitAll() {
-  asm volatile("cp.async.wait_all;" ::: "memory");
-}
 // Orders this thread's generic-proxy accesses to shared memory before later copy-engine (async
 // proxy) ones: a stage the threads wrote is fenced by them, then a block barrier, then refilled.
 __device__ __forceinline__ void FenceProxyAsync() {

@@ -1,0 +1,183 @@
+// Internal: the device delta decoder's index form (delta_decode.cu has the overview): the
+// records pass and the tile pass, as the device functions that delta_decode.cu's kernels run for
+// an index-form encoding (one kernel per pass for both forms: the other form's kernels, launched
+// only to return, cost 2.5-3.5 us each).
+#pragma once
+
+#include "cuda/kernels/delta_decode.cuh"
+
+namespace shardsync::gpu::delta {
+
+// Index form, first pass (a thread per record): every record checked (in range, above the one
+// before: the first bad one in ctl->bad_record), and each tile's first record (tile[t], the
+// first record at or past the tile's first element; tile[tiles] = the count), written by the
+// record that starts it (the gaps before it filled too). Only trusted once every record passed.
+template <int E>
+__device__ __forceinline__ void RecordsPass(const DecArgs& a) {
+  constexpr uint64_t kTileElems = kTileBytes / E;
+  __shared__ HeaderView h;
+  if (threadIdx.x == 0) h = Parse<E>(a);
+  __syncthreads();
+  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
+  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
+  const uint64_t c = h.changed;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
+  const uint64_t first = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (c == 0) {
+    for (uint64_t t = first; t <= a.tiles; t += stride) a.s.tile[t] = 0;
+    return;
+  }
+  // kRecU records per thread per round, their loads all issued first (one at a time held the
+  // pass at 25% of DRAM peak: 13 us for bf16's 16 MB of records at 1%).
+  constexpr int kRecU = 4;
+  for (uint64_t k0 = first; k0 < c; k0 += kRecU * stride) {
+    uint64_t idx[kRecU], prev[kRecU];
+#pragma unroll
+    for (int j = 0; j < kRecU; ++j) {
+      const uint64_t k = k0 + j * stride;
+      idx[j] = k < c ? RecIndex<E>(payload, k) : 0;
+      prev[j] = k < c && k > 0 ? RecIndex<E>(payload, k - 1) : 0;
+    }
+#pragma unroll
+    for (int j = 0; j < kRecU; ++j) {
+      const uint64_t k = k0 + j * stride, i = idx[j];
+      if (k >= c) break;
+      if (i >= h.elements || (k > 0 && i <= prev[j])) {
+        atomicMin(&a.s.ctl->bad_record, static_cast<unsigned long long>(k));
+        continue;
+      }
+      const uint64_t ti = i / kTileElems;
+      for (uint64_t t = k > 0 ? prev[j] / kTileElems + 1 : 0; t <= ti; ++t)
+        a.s.tile[t] = static_cast<uint32_t>(k);
+      if (k == c - 1)
+        for (uint64_t t = ti + 1; t <= a.tiles; ++t) a.s.tile[t] = static_cast<uint32_t>(c);
+    }
+  }
+}
+
+// The index form's tile pass: 2 tiles of the bucket in shared memory per block (the copy engine
+// fills one while the block works on the other), a range of consecutive tiles per block, as many
+// blocks as fit. 3 or 4 stages measured no faster (228 us against 225 at bf16 512 MiB 1%): the
+// pass is held by each tile's records and barriers, not by the bytes in flight.
+inline constexpr uint32_t kIdxStages = 2;
+inline constexpr uint32_t kIdxSmem = kIdxStages * kTileBytes;  // dynamic shared memory
+inline constexpr int kIdxMinBlocks = 4;
+
+// Index form, second pass: each tile read once (the base checksum terms), then, when the records
+// all passed (WillApply), the tile's records (tile[t] to tile[t + 1]) patch it in shared memory,
+// each saving the value it replaces (record k's at k x E of the scratch), and every 16-byte vector
+// that changed is written back with the new minus the old checksum terms of its words: the bucket
+// is read at streaming speed and only the changed vectors are written.
+template <int E>
+__device__ __forceinline__ void IndexTilePass(const DecArgs& a) {
+  constexpr uint64_t kTileElems = kTileBytes / E;
+  extern __shared__ __align__(128) unsigned char s_dyn[];  // kIdxStages tiles
+  __shared__ __align__(8) uint64_t s_bar[kIdxStages];
+  auto stage = [&](uint32_t st) { return reinterpret_cast<uint4*>(s_dyn + st * kTileBytes); };
+  __shared__ HeaderView h;
+  __shared__ bool s_apply;
+  __shared__ uint64_t s_red[kWarps];
+  if (threadIdx.x == 0) {
+    h = Parse<E>(a);
+    s_apply = h.kind == static_cast<int>(DeltaKind::kIndex) && WillApply<E>(a, h);
+    for (int i = 0; i < kIdxStages; ++i) MbarInit(&s_bar[i], 1);
+    MbarInitFence();
+  }
+  __syncthreads();
+  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
+  const bool apply = s_apply;
+  const uint64_t n = a.n;
+  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
+  Elem<E>* saved = reinterpret_cast<Elem<E>*>(a.s.vals);
+  const uint32_t lo = RangeFirst(a, blockIdx.x), hi = RangeFirst(a, blockIdx.x + 1);
+  // Whole tiles come through the copy engine; the bucket's ragged last tile, if any, is loaded
+  // by the threads.
+  const uint32_t whole_hi = min(hi, static_cast<uint32_t>(n / kTileBytes));
+  auto issue = [&](uint32_t t) {  // one thread
+    const uint32_t st = (t - lo) % kIdxStages;
+    MbarExpect(&s_bar[st], kTileBytes);
+    BulkLoad(stage(st), a.bucket + uint64_t{t} * kTileBytes, kTileBytes, &s_bar[st]);
+  };
+  if (threadIdx.x == 0)
+    for (uint32_t t = lo; t < whole_hi && t < lo + kIdxStages; ++t) issue(t);
+  constexpr uint64_t kKeyVec = uint64_t{kThreads} * 2 * kChecksumStep;
+  constexpr uint64_t kKeyTile = kTileBytes / 8 * kChecksumStep;
+  uint64_t key0 = MixKey((static_cast<uint64_t>(lo) * kThreads * kTileVecs + threadIdx.x) * 2);
+  uint64_t sum = 0, delta = 0;
+  uint32_t rs = apply && lo < hi ? a.s.tile[lo] : 0;
+  for (uint32_t t = lo; t < hi; ++t, key0 += kKeyTile) {
+    // The tile's records [rs, re), the first of them loaded while the tile lands.
+    const uint32_t re = apply ? a.s.tile[t + 1] : 0;
+    const uint64_t k0 = uint64_t{rs} + threadIdx.x;
+    uint64_t idx0 = 0, val0 = 0;
+    if (k0 < re) {
+      idx0 = RecIndex<E>(payload, k0);
+      val0 = RecValue<E>(payload, k0);
+    }
+    const uint32_t i = t - lo, st = i % kIdxStages;
+    uint4* tile = stage(st);
+    const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
+    if (t < whole_hi) {
+      MbarWait(&s_bar[st], (i / kIdxStages) & 1);
+    } else {  // the ragged last tile, zero padded
+#pragma unroll
+      for (int k = 0; k < kTileVecs; ++k) {
+        const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+        tile[k * kThreads + threadIdx.x] = o < n ? LoadVec(a.bucket, o, n) : make_uint4(0, 0, 0, 0);
+      }
+      __syncthreads();
+    }
+    uint4 w[kTileVecs];
+#pragma unroll
+    for (int k = 0; k < kTileVecs; ++k) {
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      w[k] = tile[k * kThreads + threadIdx.x];
+      const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
+      if (o < n) {
+        sum += MixWithKey(Lo64(w[k]), key);
+        if (o + 8 < n) sum += MixWithKey(Hi64(w[k]), key + kChecksumStep);
+      }
+    }
+    if (re > rs) {      // uniform across the block
+      __syncthreads();  // every base vector read before the patches
+      Elem<E>* te = reinterpret_cast<Elem<E>*>(tile);
+      const uint64_t e0 = uint64_t{t} * kTileElems;
+      for (uint64_t k = k0; k < re; k += kThreads) {
+        const uint64_t idx = k == k0 ? idx0 : RecIndex<E>(payload, k);
+        const uint64_t val = k == k0 ? val0 : RecValue<E>(payload, k);
+        saved[k] = te[idx - e0];
+        te[idx - e0] = static_cast<Elem<E>>(val);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int k = 0; k < kTileVecs; ++k) {
+        const uint4 x = tile[k * kThreads + threadIdx.x];
+        if (x.x == w[k].x && x.y == w[k].y && x.z == w[k].z && x.w == w[k].w) continue;
+        const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+        const uint64_t key = key0 + static_cast<uint64_t>(k) * kKeyVec;
+        delta += MixWithKey(Lo64(x), key) - MixWithKey(Lo64(w[k]), key);
+        delta +=
+            MixWithKey(Hi64(x), key + kChecksumStep) - MixWithKey(Hi64(w[k]), key + kChecksumStep);
+        if (o + 16 <= n) {
+          *reinterpret_cast<uint4*>(a.bucket + o) = x;
+        } else {  // the ragged end: the bytes inside the bucket
+          for (uint64_t b = o; b < n; ++b)
+            a.bucket[b] = static_cast<unsigned char>(VecElem<1>(Lo64(x), Hi64(x), int(b - o)));
+        }
+      }
+    }
+    rs = re;
+    FenceProxyAsync();  // the patches, before the copy engine refills the stage
+    __syncthreads();    // the stage is read: refill it
+    if (threadIdx.x == 0 && t + kIdxStages < whole_hi) issue(t + kIdxStages);
+  }
+  GridDepTrigger();
+  sum = BlockSum(sum, s_red);
+  delta = BlockSum(delta, s_red);
+  if (threadIdx.x == 0) {
+    atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(sum));
+    if (delta != 0) atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(delta));
+  }
+}
+
+}  // namespace shardsync::gpu::delta

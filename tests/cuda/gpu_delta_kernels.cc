@@ -200,25 +200,6 @@ TEST_F(GpuDelta, DenseTilesAndClusteredChanges) {
   }
 }
 
-// The apply passes give each warp a contiguous range of 512-byte steps (a vector per lane per
-// step) and process them in batches of 4: 6 MiB + a ragged end is 2-3 steps per warp on an H200
-// (4224 warps), so ranges start at every place inside a 16 KiB tile (the first value or record
-// found from the tile's plus the tile's bits or records before it), end inside a batch, and
-// the last one ends inside a vector. The bitmap's bytes are odd for 2-byte elements here, so the
-// values start at an odd address (the slice's unaligned reads).
-TEST_F(GpuDelta, WarpRangesInsideTiles) {
-  for (int e : {1, 2, 4}) {
-    const uint64_t elements = (uint64_t{6} << 20) / static_cast<uint64_t>(e) + 5;
-    const Bytes base = RandomBytes(elements * e, static_cast<uint32_t>(e + 91));
-    for (double density : {0.005, 0.1, 0.25}) {
-      const uint64_t changed = static_cast<uint64_t>(density * static_cast<double>(elements));
-      SCOPED_TRACE(::testing::Message() << "e=" << e << " changed=" << changed);
-      Check(base, Mutate(base, e, changed, static_cast<uint32_t>(changed + 3 * e)), e);
-      if (HasFatalFailure()) return;
-    }
-  }
-}
-
 // Refusals: the device says what the host says (code and message) and leaves the bucket as it
 // was. Each case edits a host encoding (or the receiver's bucket, or what it expects).
 struct Case {

@@ -1,6 +1,6 @@
 // The delta decoder on the device (delta_gpu.h): DecodeDeltaInPlace's checks and result. This
-// file: the kernels, the bitmap form's passes, decide, fix-up and the launch;
-// delta_decode_index.cuh: the index form's passes; delta_decode.cuh: what they share.
+// file: the bitmap form's passes, decide, fix-up and the launch; delta_decode_index.cu: the index
+// form's passes; delta_decode.cuh: what they share.
 //
 // Apply, then verify, restore on refusal. The checks that need no bucket byte (header, records,
 // bitmap tail and count) come before any write; the two that do (base checksum, result
@@ -9,27 +9,24 @@
 // held in the scratch (change k's old value at k x E). Decide then reads the sums, and only a
 // refusal costs a further pass: Fixup puts the saved values back, leaving the bucket exactly as
 // it was. (A bitmap delta whose old values do not fit the scratch, over about 31% density, is
-// checked first and written by Fixup, as before.) Every pass checks the header first
-// (delta_kernels.h ParseHeader, the host's order). The host does not read the header: one kernel
-// per pass serves both forms (DecodeFirstKernel: records or counts; DecodeTileKernel: the form's
-// tile pass), taking the form the kind byte says; the tile fix pass returns at once for the
-// index form. No kernel waits on another block.
-// Index form: Records (RecordsPass, a thread per record) checks every record (in range,
-// strictly increasing) and writes each tile's first record; IndexTile (IndexTilePass, a range of
-// tiles per block, the copy engine loading the next tile while the block works on one) sums each
-// tile, patches its records into the tile in shared memory and writes back the vectors that
-// changed.
-// Bitmap form: Counts (CountPass, a range of consecutive tiles per block, a warp per tile)
-// popcount each tile's bitmap bytes (n / 8E bytes in all) and scan them within the range; the
-// last block scans the ranges; TileFix (DecodeTileFixKernel) adds each range's first value, so
-// tile[t] is tile t's first value. BitmapTile (BitmapTilePass, a range of tiles per block, the
-// copy engine loading the next tile, its bits and its values while the block works on one) sums
-// each tile, finds its changed elements (the bits) and their values (from tile[t] on), and
-// writes each 16-byte vector holding a change back patched.
-// Fixup (DecodeFixupKernel): the decision from the sums (every block; the last one reports it to
-// the host and puts the control block back at rest), then the restore, or the late apply.
+// checked first and written by Fixup, as before.) Every kernel checks the header first
+// (delta_kernels.h ParseHeader, the host's order); every form's passes are queued, and those of
+// the other form return at once. No kernel waits on another block.
+// Index form: Records (DecodeRecordsKernel, a thread per record) checks every record (in range,
+// strictly increasing) and writes each tile's first record; IndexTile (DecodeIndexTileKernel, a
+// range of tiles per block, the copy engine loading the next tile while the block works on one)
+// sums each tile, patches its records into the tile in shared memory and writes back the
+// vectors that changed.
+// Bitmap form: Counts (DecodeCountKernel, a range of consecutive tiles per block, a warp per
+// tile) popcount each tile's bitmap bytes (n / 8E bytes in all) and scan them within the range;
+// the last block scans the ranges; TileFix (DecodeTileFixKernel) adds each range's first value,
+// so tile[t] is tile t's first value. BitmapTile (DecodeBitmapTileKernel, a range of tiles per
+// block, the copy engine loading the next tile, its bits and its values while the block works on
+// one) sums each tile, finds its changed elements (the bits) and their values (from tile[t]
+// on), and writes each 16-byte vector holding a change back patched.
+// Decide (DecodeDecideKernel, one thread): the decision from the sums, reported to the host; the
+// control block back at rest. Fixup (DecodeFixupKernel): the restore, or the late apply.
 #include "cuda/kernels/delta_decode.cuh"
-#include "cuda/kernels/delta_decode_index.cuh"
 
 namespace shardsync::gpu::delta {
 namespace {
@@ -40,7 +37,9 @@ namespace {
 // totals into each range's first value (rtot[r]) and the total popcount (also tile[tiles]).
 // Bits past the last element count too: the decision refuses them (tail) before the count.
 template <int E>
-__device__ __forceinline__ void CountPass(const DecArgs& a) {
+__global__ void __launch_bounds__(kThreads) DecodeCountKernel(DecArgs a) {
+  GridDepWait();
+  GridDepTrigger();
   constexpr uint64_t kTileBitmap = kTileBytes / E / 8;
   __shared__ HeaderView h;
   __shared__ uint64_t s_red[kWarps];
@@ -52,36 +51,20 @@ __device__ __forceinline__ void CountPass(const DecArgs& a) {
   const unsigned char* bm = a.enc + kDeltaHeaderBytes;
   const uint64_t bitmap_bytes = DeltaBitmapBytes(h.elements);
   const uint32_t r = blockIdx.x, t0 = RangeFirst(a, r), t1 = RangeFirst(a, r + 1);
-  // A warp takes two tiles at a time, every 16-byte load of both issued before any is counted
-  // (a tile's bitmap is 512 B to 2 KiB: one to four loads per lane); a part tile (the last)
-  // byte by byte where it ends.
-  constexpr uint32_t kLoads = static_cast<uint32_t>((kTileBitmap + 511) / 512);
-  for (uint32_t t = t0 + (threadIdx.x >> 5); t < t1; t += 2 * kWarps) {
-    uint4 v[2][kLoads];
-    uint32_t cnt[2] = {0, 0};
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const uint64_t b0 = uint64_t{t + q * kWarps} * kTileBitmap;
-      const bool whole = t + q * kWarps < t1 && b0 + kTileBitmap <= bitmap_bytes;
-#pragma unroll
-      for (uint32_t i = 0; i < kLoads; ++i) {
-        const uint64_t o = b0 + uint64_t(lane) * 16 + i * 512;
-        v[q][i] = whole && o < b0 + kTileBitmap ? *reinterpret_cast<const uint4*>(bm + o)
-                                                : make_uint4(0, 0, 0, 0);
-      }
-      if (!whole && t + q * kWarps < t1) {  // the part tile at the bitmap's end
-        for (uint64_t o = b0 + lane; o < bitmap_bytes; o += 32) cnt[q] += __popc(bm[o]);
+  for (uint32_t t = t0 + (threadIdx.x >> 5); t < t1; t += kWarps) {
+    const uint64_t b0 = uint64_t{t} * kTileBitmap, b1 = min(b0 + kTileBitmap, bitmap_bytes);
+    uint32_t cnt = 0;
+    for (uint64_t o = b0 + uint64_t(lane) * 16; o < b1; o += 32 * 16) {
+      if (o + 16 <= b1) {
+        const uint4 v = *reinterpret_cast<const uint4*>(bm + o);
+        cnt += __popc(v.x) + __popc(v.y) + __popc(v.z) + __popc(v.w);
+      } else {
+        for (uint64_t i = o; i < b1; ++i) cnt += __popc(bm[i]);
       }
     }
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-#pragma unroll
-      for (uint32_t i = 0; i < kLoads; ++i)
-        cnt[q] += __popc(v[q][i].x) + __popc(v[q][i].y) + __popc(v[q][i].z) + __popc(v[q][i].w);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) cnt[q] += __shfl_xor_sync(0xffffffffu, cnt[q], o);
-      if (lane == 0 && t + q * kWarps < t1) a.s.tile[t + q * kWarps] = cnt[q];
-    }
+    for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+    if (lane == 0) a.s.tile[t] = cnt;
   }
   __syncthreads();  // the block's counts, visible to the block
   uint64_t carry = 0;
@@ -158,7 +141,8 @@ inline constexpr int kBmMinBlocks = 4;
 // before the decision (WillApply), each 16-byte vector holding a change written back patched and
 // its old values saved (change k's at k x E of the scratch).
 template <int E>
-__device__ __forceinline__ void BitmapTilePass(const DecArgs& a) {
+__global__ void __launch_bounds__(kThreads, kBmMinBlocks) DecodeBitmapTileKernel(DecArgs a) {
+  GridDepWait();
   constexpr uint32_t kTileBitmap = static_cast<uint32_t>(kTileBytes / E / 8);
   constexpr uint64_t kTileElems = kTileBytes / E;
   extern __shared__ __align__(128) unsigned char s_dyn[];  // kBmStages stages
@@ -171,6 +155,9 @@ __device__ __forceinline__ void BitmapTilePass(const DecArgs& a) {
   __shared__ HeaderView h;
   __shared__ bool s_apply;
   __shared__ uint64_t s_scan[kWarps];
+  // The index form's checks are the records and index tile passes': nothing to do here.
+  if (a.enc_bytes >= kDeltaHeaderBytes && a.enc[5] == static_cast<unsigned char>(DeltaKind::kIndex))
+    return;
   if (threadIdx.x == 0) {
     h = Parse<E>(a);
     s_apply = h.kind == static_cast<int>(DeltaKind::kBitmap) && WillApply<E>(a, h);
@@ -312,45 +299,15 @@ __device__ __forceinline__ void BitmapTilePass(const DecArgs& a) {
   }
 }
 
-// Whether the encoding says it is the index form (the passes parse and check the header
-// themselves: an encoding that fails it is left alone by both forms' passes).
-__device__ __forceinline__ bool IndexForm(const DecArgs& a) {
-  return a.enc_bytes >= kDeltaHeaderBytes &&
-         a.enc[5] == static_cast<unsigned char>(DeltaKind::kIndex);
-}
-
-// The first pass of either form: the index form's records pass (every block), or the bitmap
-// form's count pass (blocks below a.ranges: its last block is found by a ticket over them).
+// One thread: the decision from the sums (header, base checksum, records, bitmap tail and count,
+// result checksum), left in the control block for the fix-up pass with whether the changes were
+// already written, and reported to the host (read only after the call's event, so after the
+// fix-up pass too); the control block's sums go back to rest here, since the fix-up pass reads
+// only the decision.
 template <int E>
-__global__ void __launch_bounds__(kThreads) DecodeFirstKernel(DecArgs a) {
+__global__ void DecodeDecideKernel(DecArgs a) {
   GridDepWait();
   GridDepTrigger();
-  if (IndexForm(a)) {
-    RecordsPass<E>(a);
-  } else if (blockIdx.x < a.ranges) {
-    CountPass<E>(a);
-  }
-}
-
-// The tile pass of either form (the bitmap form's shared memory, the larger).
-template <int E>
-__global__ void __launch_bounds__(kThreads, kBmMinBlocks) DecodeTileKernel(DecArgs a) {
-  GridDepWait();
-  if (IndexForm(a)) {
-    IndexTilePass<E>(a);
-  } else {
-    BitmapTilePass<E>(a);
-  }
-}
-
-// Thread 0 of every fix-up block: the decision from the sums (header, base checksum, records,
-// bitmap tail and count, result checksum), with whether the changes were already written
-// (Code | kind << 32 | applied << 40). The last block to take it (a ticket over the blocks,
-// each taken after the block read the sums) reports it to the host (read only after the call's
-// event) and puts the control block back at rest. (A one-thread decide kernel before the fix-up
-// pass cost 4.6-5 us a call.)
-template <int E>
-__device__ __forceinline__ uint64_t Decide(const DecArgs& a, uint64_t* changed) {
   Ctl* c = a.s.ctl;
   const HeaderView h = Parse<E>(a);
   const bool applied = WillApply<E>(a, h);
@@ -374,28 +331,25 @@ __device__ __forceinline__ uint64_t Decide(const DecArgs& a, uint64_t* changed) 
       if (have != h.new_checksum) code = kResultChecksum;
     }
   }
-  *changed = h.changed;
-  __threadfence();  // the sums read before the ticket
-  if (atomicAdd(&c->ticket, 1u) == gridDim.x - 1) {
-    HostResult* r = a.s.result;
-    r->code = code;
-    r->have = have;
-    r->detail = detail;
-    for (uint64_t i = 0; i < kDeltaHeaderBytes; ++i) r->header[i] = i < a.enc_bytes ? a.enc[i] : 0;
-    c->sum_a = 0;
-    c->sum_b = 0;
-    c->bad_record = ~0ull;
-    c->popcount = 0;
-    c->ticket = 0;
-    c->tail_bad = 0;
-    __threadfence_system();
-  }
-  return code | static_cast<unsigned long long>(h.kind) << 32 |
-         static_cast<unsigned long long>(applied) << 40;
+  c->go = code | static_cast<unsigned long long>(h.kind) << 32 |
+          static_cast<unsigned long long>(applied) << 40;
+  c->changed = h.changed;
+  HostResult* r = a.s.result;
+  r->code = code;
+  r->have = have;
+  r->detail = detail;
+  for (uint64_t i = 0; i < kDeltaHeaderBytes; ++i) r->header[i] = i < a.enc_bytes ? a.enc[i] : 0;
+  c->sum_a = 0;
+  c->sum_b = 0;
+  c->bad_record = ~0ull;
+  c->popcount = 0;
+  c->ticket = 0;
+  c->tail_bad = 0;
+  __threadfence_system();
 }
 
-// The last pass (grid-stride, few blocks: after the decision, nothing to do in the common case,
-// changes applied and accepted). Changes applied and the decode refused: every changed element gets its old value
+// The last pass (grid-stride, few blocks: nothing to do in the common case, changes applied and
+// accepted). Changes applied and the decode refused: every changed element gets its old value
 // back from the scratch, so the bucket holds exactly its bytes from before the call. Not applied
 // (old values past the scratch) and accepted: the changes are written now. Index form: a store
 // per record; bitmap form: each 16-byte vector holding a change read, patched and written whole.
@@ -404,14 +358,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeFixupKernel(DecArg
   GridDepWait();
   __shared__ uint64_t s_scan[kWarps];
   __shared__ __align__(16) unsigned char s_vals[kValsSmem];
-  __shared__ uint64_t s_go, s_changed;
-  if (threadIdx.x == 0) s_go = Decide<E>(a, &s_changed);
-  __syncthreads();
-  const uint64_t go = s_go;
+  const Ctl* c = a.s.ctl;
+  const uint64_t go = c->go;
   const bool ok = static_cast<uint32_t>(go) == kOk, applied = ((go >> 40) & 1) != 0;
   if (ok == applied) return;  // accepted and written, or refused with nothing written
   // From here the header passed (applied, or accepted): its layout holds.
-  const uint64_t n = a.n, changed = s_changed;
+  const uint64_t n = a.n, changed = c->changed;
   const unsigned char* payload = a.enc + kDeltaHeaderBytes;
   const unsigned char* saved = a.s.vals;  // the old values (restore)
   Elem<E>* out = reinterpret_cast<Elem<E>*>(a.bucket);
@@ -474,58 +426,27 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeFixupKernel(DecArg
   }
 }
 
-// Each form's tile pass its own kernel (the other form's returning at once) instead of one.
-template <int E>
-__global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel(DecArgs a) {
-  GridDepWait();
-  if (IndexForm(a)) IndexTilePass<E>(a);
-}
-template <int E>
-__global__ void __launch_bounds__(kThreads, kBmMinBlocks) DecodeBitmapTileKernel(DecArgs a) {
-  GridDepWait();
-  if (!IndexForm(a)) BitmapTilePass<E>(a);
-}
-inline constexpr bool kOneTileKernel = true;
-
-// One kernel per pass for both forms (the host does not read the header: each kernel takes the
-// form the encoding's kind byte says); the tile fix pass returns at once for the index form.
+// Every form's passes are queued (the host does not read the header); a pass of the other form
+// returns at once, and every grid but the count pass's is sized for the GPU, not the bucket.
 template <int E>
 int Launch(const DecArgs& a, int sms, cudaStream_t s) {
-  static_assert(kBmSmem<E> >= kIdxSmem && kBmMinBlocks == kIdxMinBlocks);
   // The tile pass's ranges: as many as its blocks fit at once (tile[] holds absolute offsets
   // after the fix pass, so they need not be the count pass's).
-  static const int tile_fit = FitPerSm(DecodeTileKernel<E>, kBmSmem<E>);
+  static const int bm_fit = FitPerSm(DecodeBitmapTileKernel<E>, kBmSmem<E>);
   // The attribute is the current device's: set on every call (cheap), the fit computed once.
-  cudaError_t e = cudaFuncSetAttribute(DecodeTileKernel<E>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int{kBmSmem<E>});
+  cudaError_t e = cudaFuncSetAttribute(
+      DecodeBitmapTileKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kBmSmem<E>});
   if (e != cudaSuccess) return static_cast<int>(e);
-  DecArgs at = a;
-  at.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * tile_fit));
+  DecArgs ab = a;
+  ab.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * bm_fit));
   const uint32_t fix_grid =
       static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * kMinBlocks));
-  // The records pass strides over the records with 8 blocks per SM; the count pass takes
-  // a.ranges (at most 4 per SM) of them.
-  DecodeFirstKernel<E><<<static_cast<uint32_t>(sms) * 8, kThreads, 0, s>>>(a);
-  e = cudaGetLastError();
+  e = LaunchIndexPasses<E>(a, sms, s);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeCountKernel<E>, a.ranges, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeTileFixKernel<E>, a.ranges, 0, s, a);
-  if constexpr (kOneTileKernel) {
-    if (e == cudaSuccess) e = LaunchDependent(DecodeTileKernel<E>, at.ranges, kBmSmem<E>, s, at);
-  } else {
-    static const int ifit = FitPerSm(DecodeIndexTileKernel<E>, kIdxSmem);
-    static const int bfit = FitPerSm(DecodeBitmapTileKernel<E>, kBmSmem<E>);
-    DecArgs ai = a, ab = a;
-    ai.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * ifit));
-    ab.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * bfit));
-    if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(DecodeIndexTileKernel<E>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, int{kIdxSmem});
-    if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(DecodeBitmapTileKernel<E>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, int{kBmSmem<E>});
-    if (e == cudaSuccess) e = LaunchDependent(DecodeIndexTileKernel<E>, ai.ranges, kIdxSmem, s, ai);
-    if (e == cudaSuccess)
-      e = LaunchDependent(DecodeBitmapTileKernel<E>, ab.ranges, kBmSmem<E>, s, ab);
-  }
+  if (e == cudaSuccess)
+    e = LaunchDependent(DecodeBitmapTileKernel<E>, ab.ranges, kBmSmem<E>, s, ab);
+  if (e == cudaSuccess) e = LaunchDependent(DecodeDecideKernel<E>, 1, 0, s, a, 1);
   if (e == cudaSuccess) e = LaunchDependent(DecodeFixupKernel<E>, fix_grid, 0, s, a);
   return static_cast<int>(e);
 }

@@ -1,7 +1,6 @@
-// Internal: what the delta decoder's passes share (delta_decode.cu: the kernels, the bitmap
-// form's passes, decide, fix-up and the launch; delta_decode_index.cuh: the index form's
-// passes): their arguments, the encoding's records and bitmap as the kernels read them, and the
-// write-before-decide rule.
+// Internal: what the delta decoder's kernels share (delta_decode.cu: the bitmap form, decide,
+// fix-up and the launch; delta_decode_index.cu: the index form's passes): their arguments, the
+// encoding's records and bitmap as the kernels read them, and the write-before-decide rule.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -184,5 +183,10 @@ inline int FitPerSm(void (*kernel)(DecArgs), uint32_t smem) {
     return 1;
   return std::max(blocks, 1);
 }
+
+// The index form's passes (delta_decode_index.cu), queued first on `s`: the records pass, then
+// the tile pass as a programmatic dependent (its ranges as many as its blocks fit).
+template <int E>
+cudaError_t LaunchIndexPasses(const DecArgs& a, int sms, cudaStream_t s);
 
 }  // namespace shardsync::gpu::delta

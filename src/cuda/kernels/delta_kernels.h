@@ -54,10 +54,14 @@ struct Ctl {
   unsigned long long sum_a;       // checksum sum of the base (encode and decode)
   unsigned long long sum_b;       // encode: of next; decode: new minus old terms of changed words
   unsigned long long bad_record;  // decode: first bad index record
-  unsigned int ticket;            // decode: blocks of the counting pass done (the last one scans),
-                                  // then blocks of the fix-up pass that took the decision
+  unsigned int ticket;            // decode: blocks of the counting pass done (the last one scans)
   unsigned int tail_bad;          // decode: bitmap bits past the end
-  unsigned long long popcount;    // decode: the bitmap's popcount from the counting pass
+  // Decode, written by every call before they are read (no rest value needed): the decision
+  // (Code | kind << 32 | applied << 40: whether the changes were written before the decision),
+  // the change count, and the bitmap's popcount from the counting pass.
+  unsigned long long go;
+  unsigned long long changed;
+  unsigned long long popcount;
 };
 
 // Written by the last kernel of a call into pinned, mapped host memory.

@@ -1,19 +1,18 @@
-// Internal: the device delta decoder's index form (delta_decode.cu has the overview): the
-// records pass and the tile pass, as the device functions that delta_decode.cu's kernels run for
-// an index-form encoding (one kernel per pass for both forms: the other form's kernels, launched
-// only to return, cost 2.5-3.5 us each).
-#pragma once
-
+// The device delta decoder's index form (delta_decode.cu has the overview): the records pass
+// and the tile pass.
 #include "cuda/kernels/delta_decode.cuh"
 
 namespace shardsync::gpu::delta {
+namespace {
 
 // Index form, first pass (a thread per record): every record checked (in range, above the one
 // before: the first bad one in ctl->bad_record), and each tile's first record (tile[t], the
 // first record at or past the tile's first element; tile[tiles] = the count), written by the
 // record that starts it (the gaps before it filled too). Only trusted once every record passed.
 template <int E>
-__device__ __forceinline__ void RecordsPass(const DecArgs& a) {
+__global__ void __launch_bounds__(kThreads) DecodeRecordsKernel(DecArgs a) {
+  GridDepWait();
+  GridDepTrigger();
   constexpr uint64_t kTileElems = kTileBytes / E;
   __shared__ HeaderView h;
   if (threadIdx.x == 0) h = Parse<E>(a);
@@ -27,31 +26,18 @@ __device__ __forceinline__ void RecordsPass(const DecArgs& a) {
     for (uint64_t t = first; t <= a.tiles; t += stride) a.s.tile[t] = 0;
     return;
   }
-  // kRecU records per thread per round, their loads all issued first (one at a time held the
-  // pass at 25% of DRAM peak: 13 us for bf16's 16 MB of records at 1%).
-  constexpr int kRecU = 4;
-  for (uint64_t k0 = first; k0 < c; k0 += kRecU * stride) {
-    uint64_t idx[kRecU], prev[kRecU];
-#pragma unroll
-    for (int j = 0; j < kRecU; ++j) {
-      const uint64_t k = k0 + j * stride;
-      idx[j] = k < c ? RecIndex<E>(payload, k) : 0;
-      prev[j] = k < c && k > 0 ? RecIndex<E>(payload, k - 1) : 0;
+  for (uint64_t k = first; k < c; k += stride) {
+    const uint64_t i = RecIndex<E>(payload, k);
+    const uint64_t prev = k > 0 ? RecIndex<E>(payload, k - 1) : 0;
+    if (i >= h.elements || (k > 0 && i <= prev)) {
+      atomicMin(&a.s.ctl->bad_record, static_cast<unsigned long long>(k));
+      continue;
     }
-#pragma unroll
-    for (int j = 0; j < kRecU; ++j) {
-      const uint64_t k = k0 + j * stride, i = idx[j];
-      if (k >= c) break;
-      if (i >= h.elements || (k > 0 && i <= prev[j])) {
-        atomicMin(&a.s.ctl->bad_record, static_cast<unsigned long long>(k));
-        continue;
-      }
-      const uint64_t ti = i / kTileElems;
-      for (uint64_t t = k > 0 ? prev[j] / kTileElems + 1 : 0; t <= ti; ++t)
-        a.s.tile[t] = static_cast<uint32_t>(k);
-      if (k == c - 1)
-        for (uint64_t t = ti + 1; t <= a.tiles; ++t) a.s.tile[t] = static_cast<uint32_t>(c);
-    }
+    const uint64_t ti = i / kTileElems;
+    for (uint64_t t = k > 0 ? prev / kTileElems + 1 : 0; t <= ti; ++t)
+      a.s.tile[t] = static_cast<uint32_t>(k);
+    if (k == c - 1)
+      for (uint64_t t = ti + 1; t <= a.tiles; ++t) a.s.tile[t] = static_cast<uint32_t>(c);
   }
 }
 
@@ -69,7 +55,8 @@ inline constexpr int kIdxMinBlocks = 4;
 // that changed is written back with the new minus the old checksum terms of its words: the bucket
 // is read at streaming speed and only the changed vectors are written.
 template <int E>
-__device__ __forceinline__ void IndexTilePass(const DecArgs& a) {
+__global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel(DecArgs a) {
+  GridDepWait();
   constexpr uint64_t kTileElems = kTileBytes / E;
   extern __shared__ __align__(128) unsigned char s_dyn[];  // kIdxStages tiles
   __shared__ __align__(8) uint64_t s_bar[kIdxStages];
@@ -179,5 +166,25 @@ __device__ __forceinline__ void IndexTilePass(const DecArgs& a) {
     if (delta != 0) atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(delta));
   }
 }
+
+}  // namespace
+
+template <int E>
+cudaError_t LaunchIndexPasses(const DecArgs& a, int sms, cudaStream_t s) {
+  static const int fit = FitPerSm(DecodeIndexTileKernel<E>, kIdxSmem);
+  // The attribute is the current device's: set on every call (cheap), the fit computed once.
+  cudaError_t e = cudaFuncSetAttribute(DecodeIndexTileKernel<E>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int{kIdxSmem});
+  if (e != cudaSuccess) return e;
+  DecArgs ai = a;
+  ai.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * fit));
+  DecodeRecordsKernel<E><<<static_cast<uint32_t>(sms) * 8, kThreads, 0, s>>>(a);
+  e = cudaGetLastError();
+  if (e == cudaSuccess) e = LaunchDependent(DecodeIndexTileKernel<E>, ai.ranges, kIdxSmem, s, ai);
+  return e;
+}
+template cudaError_t LaunchIndexPasses<1>(const DecArgs&, int, cudaStream_t);
+template cudaError_t LaunchIndexPasses<2>(const DecArgs&, int, cudaStream_t);
+template cudaError_t LaunchIndexPasses<4>(const DecArgs&, int, cudaStream_t);
 
 }  // namespace shardsync::gpu::delta

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <memory>
+#include <unordered_map>
 
 namespace shardsync::sync_internal {
 
@@ -57,22 +59,26 @@ Status PreparedPairs::Prepare(const Bindings& bindings, PeerShapes& shapes,
       };
     }
   }
-  auto refuse_staged = [&](int peer) -> Status {
-    // Under a staged commit the receiver lands in staging, whose bytes are not the base the
-    // engine serves (the host path rebuilds the committed ones; device pairs do not, yet).
-    if (!delta.on || ctx_.opt.commit != SessionOptions::Commit::kStaged) return OkStatus();
-    return UnimplementedError("sync rank " + std::to_string(ctx_.rank) + ": encoding " +
-                              std::string(WireEncodingName(ctx_.in.options.encoding)) +
-                              " with commit staged over " + ctx_.tx.PeerTransport(peer) +
-                              " pairs (with sync rank " + std::to_string(peer) +
-                              ") is not built; use encoding full, or commit in place");
-  };
+  if (delta.on && staged_.on()) {
+    // Staged: the buckets land in staging (the redirected bindings), a delta's base is the
+    // committed bytes the engine serves (the host path's DeltaReceiver::Live): each landing
+    // tensor maps to its live parameter, at the committed version.
+    auto live = std::make_shared<std::unordered_map<const void*, const void*>>();
+    for (size_t p = 0; p < bindings.dests().size() && p < staged_.live().size(); ++p) {
+      live->emplace(bindings.dests()[p].data, staged_.live()[p].data);
+    }
+    delta.live = [live](const void* landing) -> const void* {
+      auto it = live->find(landing);
+      return it == live->end() ? nullptr : it->second;
+    };
+    const StagedCommit* staged = &staged_;
+    delta.committed = [staged] { return staged->committed(); };
+  }
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
     const Message& m = plan.recvs[mi];
     if (!Prepared(m.src, mem)) continue;
     PairSpec spec{m.src, /*send=*/false, wire, {}, PairKey(m.src, ctx_.rank), false, delta};
     spec.image = !codec_.in_place();
-    SS_RETURN_IF_ERROR(refuse_staged(m.src));
     for (const Bucket& b : m.buckets) spec.buckets.push_back(codec_.RecvBucket(bindings, m, b));
     SS_ASSIGN_OR_RETURN(recv_[mi], ctx_.tx.Prepare(ctx_.store, spec, left()));
   }
@@ -81,7 +87,6 @@ Status PreparedPairs::Prepare(const Bindings& bindings, PeerShapes& shapes,
     if (!Prepared(m.dst, mem)) continue;
     PairSpec spec{m.dst, /*send=*/true, wire, {}, PairKey(ctx_.rank, m.dst), false, delta};
     spec.image = !codec_.in_place();
-    SS_RETURN_IF_ERROR(refuse_staged(m.dst));
     const uint32_t base = regbase.at(m.dst);
     for (const Bucket& b : m.buckets) {
       spec.buckets.push_back(codec_.SendBucket(bindings, shapes, m, b, base));

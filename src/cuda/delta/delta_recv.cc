@@ -93,7 +93,7 @@ class DeltaRecvPair final : public PreparedPair {
     bases_ = {version, spec_.buckets.size()};
     for (size_t b = 0; b < sums.size(); ++b) {
       advertised_[b] = spec_.delta.committed ? spec_.delta.committed() : verified_[b];
-      bases_.push_back(verified_[b]);
+      bases_.push_back(advertised_[b]);
       bases_.push_back(sums[b]);
     }
     SS_RETURN_IF_ERROR(ch_->SendBases(version, bases_));

@@ -12,6 +12,10 @@
 // sync verifies its checksums. Last, a delta byte flipped on its way: the engine's decode refuses
 // it, the sync fails on both ranks and the engine is poisoned; the pair's communicator is aborted
 // (as for full nccl pairs), so the next sync fails with Aborted: the job re-connects.
+//
+// Two more scenarios on the same two-process pair: a staged commit (deltas over the committed
+// bytes, landed in staging; a sync never committed sends the next whole by base version) and
+// block FP8 (deltas of the wire image by byte; closed by default, opened by the test hook).
 #include <gtest/gtest.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -198,7 +202,10 @@ TEST(GpuDeltaNcclChild, DISABLED_Rank) {
   if (!ChildArgsOf(&a)) GTEST_SKIP() << kChildEnv << " is not set";
   Rank k;
   if (a.mode == "staged") k.commit = SessionOptions::Commit::kStaged;
-  if (a.mode == "fp8") k.spec = Fp8Spec();
+  if (a.mode == "fp8") {
+    k.spec = Fp8Spec();
+    AllowDeltaImagePairsForTesting(true);  // closed by default (delta_fault.h)
+  }
   SS_ASSERT_OK(k.SetUp(a.rank, a.address));
   // The pair is an nccl pair (not the cuda_ipc fallback of one host).
   ASSERT_EQ(k.tx->PeerTransport(1 - a.rank), "nccl");

@@ -145,6 +145,13 @@ struct PairDelta {
   // Sender, encoding auto: whether a delta of `changed` of `elements` elements pays (null: it
   // always does, encoding delta).
   std::function<bool(uint64_t elements, uint64_t changed)> pays;
+  // Receiver under a staged commit (docs/staged-commit.md): its buckets land in staging, while a
+  // delta's base is the committed bytes the engine serves. `live` maps each landing tensor's
+  // address (a PackRegion base of the buckets) to its live parameter's; `committed` is the
+  // committed version, the base version of every bucket. Null: in place (the landing tensors
+  // are the base, each bucket at the version its last readback verified).
+  std::function<const void*(const void* landing)> live;
+  std::function<uint64_t()> committed;
 };
 // What one replay of a delta pair did, per bucket in order: the sender's decision, or the bucket
 // as the receiver landed it.

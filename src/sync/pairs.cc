@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <memory>
+#include <unordered_map>
 
 namespace shardsync::sync_internal {
 
@@ -40,18 +42,34 @@ Status PreparedPairs::Prepare(const Bindings& bindings, PeerShapes& shapes,
   // The delta encoding on prepared pairs (transport.h PairDelta): the transport keeps the images
   // and runs the device codec; encoding auto prices each delta at the device steps' speeds over
   // the pair's link (DevicePairDeltaLink: cuda_ipc's or the cross-node one).
+  auto live = std::make_shared<std::unordered_map<const void*, const void*>>();
+  for (size_t p = 0; p < bindings.dests().size() && p < staged_.live().size(); ++p) {
+    live->emplace(bindings.dests()[p].data, staged_.live()[p].data);
+  }
   auto delta_for = [&](int peer) -> Result<PairDelta> {
     PairDelta delta;
     if (ctx_.in.options.encoding == WireEncoding::kFull) return delta;
     delta.on = true;
     delta.element_size = DeltaElementSize(ctx_.in);
+    if (staged_.on()) {
+      // Staged: the buckets land in staging (the redirected bindings), a delta's base is the
+      // committed bytes the engine serves (the host path's DeltaReceiver::Live): each landing
+      // tensor maps to its live parameter, at the committed version.
+      delta.live = [live](const void* landing) -> const void* {
+        auto it = live->find(landing);
+        return it == live->end() ? nullptr : it->second;
+      };
+      const StagedCommit* staged = &staged_;
+      delta.committed = [staged] { return staged->committed(); };
+    }
     if (ctx_.in.options.encoding != WireEncoding::kAuto) return delta;
     SS_ASSIGN_OR_RETURN(const DeltaLink link, DevicePairDeltaLink(ctx_.tx.PeerTransport(peer)));
     // Where no delta can pay at the link's speeds, or the device delta pair does not carry the
-    // session's kind of pair (staged commits, block FP8's image pairs), the pair runs as encoding
-    // full (the host path's ResolveAuto): both sides read the same knobs for the same transport.
+    // session's kind of pair (block FP8's image pairs, closed: docs/delta.md "Device pairs"), the
+    // pair runs as encoding full (the host path's ResolveAuto): both sides read the same knobs
+    // for the same transport.
     SS_ASSIGN_OR_RETURN(bool can, DeltaCanPay(link));
-    can = can && codec_.in_place() && ctx_.opt.commit != SessionOptions::Commit::kStaged;
+    can = can && codec_.in_place();
     delta.on = can;
     if (!can) auto_full_.insert(peer);
     const int es = delta.element_size;
@@ -61,23 +79,12 @@ Status PreparedPairs::Prepare(const Bindings& bindings, PeerShapes& shapes,
     };
     return delta;
   };
-  auto refuse_staged = [&](int peer, const PairDelta& delta) -> Status {
-    // Under a staged commit the receiver lands in staging, whose bytes are not the base the
-    // engine serves (the host path rebuilds the committed ones; device pairs do not, yet).
-    if (!delta.on || ctx_.opt.commit != SessionOptions::Commit::kStaged) return OkStatus();
-    return UnimplementedError("sync rank " + std::to_string(ctx_.rank) + ": encoding " +
-                              std::string(WireEncodingName(ctx_.in.options.encoding)) +
-                              " with commit staged over " + ctx_.tx.PeerTransport(peer) +
-                              " pairs (with sync rank " + std::to_string(peer) +
-                              ") is not built; use encoding full, or commit in place");
-  };
   for (size_t mi = 0; mi < plan.recvs.size(); ++mi) {
     const Message& m = plan.recvs[mi];
     if (!Prepared(m.src, mem)) continue;
     SS_ASSIGN_OR_RETURN(PairDelta delta, delta_for(m.src));
     PairSpec spec{m.src, /*send=*/false, wire, {}, PairKey(m.src, ctx_.rank), false, delta};
     spec.image = !codec_.in_place();
-    SS_RETURN_IF_ERROR(refuse_staged(m.src, delta));
     for (const Bucket& b : m.buckets) spec.buckets.push_back(codec_.RecvBucket(bindings, m, b));
     SS_ASSIGN_OR_RETURN(recv_[mi], ctx_.tx.Prepare(ctx_.store, spec, left()));
   }
@@ -87,7 +94,6 @@ Status PreparedPairs::Prepare(const Bindings& bindings, PeerShapes& shapes,
     SS_ASSIGN_OR_RETURN(PairDelta delta, delta_for(m.dst));
     PairSpec spec{m.dst, /*send=*/true, wire, {}, PairKey(ctx_.rank, m.dst), false, delta};
     spec.image = !codec_.in_place();
-    SS_RETURN_IF_ERROR(refuse_staged(m.dst, delta));
     const uint32_t base = regbase.at(m.dst);
     for (const Bucket& b : m.buckets) {
       spec.buckets.push_back(codec_.SendBucket(bindings, shapes, m, b, base));

@@ -15,13 +15,15 @@
 #include "sync/context.h"
 #include "sync/delta_path.h"
 #include "sync/guard.h"
+#include "sync/staging.h"
 
 namespace shardsync::sync_internal {
 
 class PreparedPairs {
  public:
-  PreparedPairs(const SessionContext& ctx, SyncGuard& guard, Codec& codec)
-      : ctx_(ctx), guard_(guard), codec_(codec) {}
+  PreparedPairs(const SessionContext& ctx, SyncGuard& guard, Codec& codec,
+                const StagedCommit& staged)
+      : ctx_(ctx), guard_(guard), codec_(codec), staged_(staged) {}
 
   // Every pair whose transport prepares transfers over the memory this rank's bindings live in
   // gets its slice compiled now. Receivers first: they publish what their senders read
@@ -78,6 +80,8 @@ class PreparedPairs {
   const SessionContext& ctx_;
   SyncGuard& guard_;
   Codec& codec_;
+  const StagedCommit&
+      staged_;  // engine ranks of a staged session: a delta's base is the live bytes
   // By send / recv message index (null: the message goes the host path).
   Pairs send_, recv_;
   // Peers whose pairs encoding auto prepared as full (no delta can pay over their link).

@@ -49,7 +49,7 @@ class SessionImpl final : public SyncSession {
         shapes_(ctx_),
         guard_(ctx_),
         verdicts_(ctx_, guard_),
-        pairs_(ctx_, guard_, *codec_),
+        pairs_(ctx_, guard_, *codec_, staged_),  // staged_ is read from Connect on
         host_send_(ctx_, guard_, *codec_),
         host_recv_(ctx_, guard_, *codec_, staged_),  // staged_ is read from Connect on
         staged_(ctx_, guard_) {}

@@ -12,6 +12,10 @@
 // sync verifies its checksums. Last, a delta byte flipped on its way: the engine's decode refuses
 // it, the sync fails on both ranks and the engine is poisoned; the pair's communicator is aborted
 // (as for full nccl pairs), so the next sync fails with Aborted: the job re-connects.
+//
+// Two more scenarios on the same two-process pair: a staged commit (deltas over the committed
+// bytes, landed in staging; a sync never committed sends the next whole by base version) and
+// block FP8 (deltas of the wire image by byte; closed by default, opened by the test hook).
 #include <gtest/gtest.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -40,7 +44,7 @@ namespace shardsync::gpu {
 namespace {
 
 constexpr char kToken[] = "test-token-0123456789";
-constexpr char kChildEnv[] = "SS_DELTA_NCCL_CHILD";  // "<rank> <store address>"
+constexpr char kChildEnv[] = "SS_DELTA_NCCL_CHILD";  // "<rank> <mode> <store address>"
 
 JobSpec Spec() {
   JobSpec s = testing::Job(testing::TinyQwen2(4, true), "fsdp=1", "dp=1", "sglang", 16 << 10);
@@ -48,9 +52,27 @@ JobSpec Spec() {
   return s;
 }
 
+// Block FP8 (qwen3 shape): quantize and copy ops, 64 KiB buckets.
+JobSpec Fp8Spec() {
+  JobFlags f;
+  f.model = testing::WriteConfig("qwen3-fp8-delta-nccl", R"({
+  "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 2,
+  "vocab_size": 300, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+  "torch_dtype": "bfloat16"})");
+  f.quant = "fp8-block128";
+  f.trainer = "fsdp=1";
+  f.rollout = "dp=1";
+  f.bucket_bytes = 64 << 10;
+  f.transport = "loopback";
+  f.encoding = "delta";
+  return JobSpecFromFlags(f).value();
+}
+
 // One sync rank of the job in this process.
 struct Rank {
   JobSpec spec = Spec();
+  SessionOptions::Commit commit = SessionOptions::Commit::kInPlace;
   std::unique_ptr<StoreClient> store;
   std::unique_ptr<Transport> tx;
   std::unique_ptr<Packer> packer;
@@ -72,6 +94,7 @@ struct Rank {
     o.packer = packer.get();
     o.sync_timeout = Millis(20000);
     o.connect_timeout = Millis(30000);
+    o.commit = commit;
     SS_ASSIGN_OR_RETURN(session, SyncSession::Create(spec.inputs, r, *store, *tx, o));
     if (session->is_trainer()) {
       SS_ASSIGN_OR_RETURN(shards, job_internal::FillTrainerShards(spec, r));
@@ -153,17 +176,122 @@ struct Rank {
   EXPECT_EQ(rep.checksums_ok, rep.checksums_total) << "version " << (v); \
   EXPECT_EQ(rep.delta.full_bytes, rep.bytes) << "version " << (v)
 
+// This child's rank and scenario ("fallbacks", "staged", "fp8") and the parent's store.
+struct ChildArgs {
+  int rank = 0;
+  std::string mode, address;
+};
+bool ChildArgsOf(ChildArgs* a) {
+  const char* env = std::getenv(kChildEnv);
+  if (env == nullptr) return false;
+  const std::string arg = env;
+  const size_t s1 = arg.find(' '), s2 = arg.find(' ', s1 + 1);
+  a->rank = std::stoi(arg.substr(0, s1));
+  a->mode = arg.substr(s1 + 1, s2 - s1 - 1);
+  a->address = arg.substr(s2 + 1);
+  return true;
+}
+
+void FallbacksChild(Rank& k);
+void StagedChild(Rank& k);
+void Fp8Child(Rank& k);
+
 // One rank of the parent's job (run by the parent only: DISABLED_ outside it).
 TEST(GpuDeltaNcclChild, DISABLED_Rank) {
-  const char* env = std::getenv(kChildEnv);
-  if (env == nullptr) GTEST_SKIP() << kChildEnv << " is not set";
-  const std::string arg = env;
-  const int r = std::stoi(arg.substr(0, arg.find(' ')));
+  ChildArgs a;
+  if (!ChildArgsOf(&a)) GTEST_SKIP() << kChildEnv << " is not set";
   Rank k;
-  SS_ASSERT_OK(k.SetUp(r, arg.substr(arg.find(' ') + 1)));
-  const bool trainer = k.session->is_trainer();
+  if (a.mode == "staged") k.commit = SessionOptions::Commit::kStaged;
+  if (a.mode == "fp8") {
+    k.spec = Fp8Spec();
+    AllowDeltaImagePairsForTesting(true);  // closed by default (delta_fault.h)
+  }
+  SS_ASSERT_OK(k.SetUp(a.rank, a.address));
   // The pair is an nccl pair (not the cuda_ipc fallback of one host).
-  ASSERT_EQ(k.tx->PeerTransport(1 - r), "nccl");
+  ASSERT_EQ(k.tx->PeerTransport(1 - a.rank), "nccl");
+  if (a.mode == "staged") return StagedChild(k);
+  if (a.mode == "fp8") return Fp8Child(k);
+  FallbacksChild(k);
+}
+
+// Staged commits: deltas over the committed bytes, landed in staging; a sync never committed
+// sends the next one whole (base version differs); the first values restored as deltas and
+// committed: every element checked.
+void StagedChild(Rank& k) {
+  const bool trainer = k.session->is_trainer();
+  SYNC_OK(r1, 1);
+  EXPECT_EQ(r1.delta.fallback_no_image, r1.delta.buckets_full);
+  SS_ASSERT_OK(k.session->Commit(1).status());
+  if (!trainer) {
+    EXPECT_EQ(k.Mismatches(), 0);
+  }
+  const auto v1 = trainer ? decltype(k.Snapshot()){} : k.Snapshot();
+  if (trainer) k.Update(2, 0.01);
+  SYNC_OK(r2, 2);
+  EXPECT_EQ(r2.delta.fallbacks(), 0);
+  EXPECT_GT(r2.delta.buckets_delta, 0);
+  EXPECT_LT(r2.delta.wire_bytes, r2.delta.full_bytes / 5);
+  if (!trainer) {
+    EXPECT_TRUE(k.Snapshot() == v1);  // in staging: the live bytes still serve v1
+  }
+  SS_ASSERT_OK(k.session->Commit(2).status());
+  if (trainer) k.Update(3, 0.01);
+  SYNC_OK(r3, 3);  // not committed
+  EXPECT_GT(r3.delta.buckets_delta, 0);
+  if (trainer) k.Update(4, 0.01);
+  SYNC_OK(r4, 4);
+  EXPECT_EQ(r4.delta.buckets_delta, 0);
+  EXPECT_EQ(r4.delta.fallback_version, r4.delta.buckets_full);
+  SS_ASSERT_OK(k.session->Commit(4).status());
+  if (trainer) k.Update(0, 0, /*restore=*/true);
+  SYNC_OK(r5, 5);
+  EXPECT_EQ(r5.delta.fallbacks(), 0);
+  EXPECT_GT(r5.delta.buckets_delta, 0);
+  SS_ASSERT_OK(k.session->Commit(5).status());
+  if (!trainer) {
+    EXPECT_EQ(k.Mismatches(), 0);
+  }
+}
+
+// Block FP8: deltas of the wire image by byte; a corrupted engine byte sends its bucket whole;
+// the first values restored as deltas: every element checked.
+void Fp8Child(Rank& k) {
+  const bool trainer = k.session->is_trainer();
+  SYNC_OK(r1, 1);
+  EXPECT_EQ(r1.delta.fallback_no_image, r1.delta.buckets_full);
+  EXPECT_GT(r1.delta.buckets_full, 1);
+  if (!trainer) {
+    EXPECT_EQ(k.Mismatches(), 0);
+  }
+  if (trainer) k.Update(2, 0.001);
+  SYNC_OK(r2, 2);
+  EXPECT_EQ(r2.delta.fallbacks(), 0);
+  EXPECT_GT(r2.delta.buckets_delta, 0);
+  EXPECT_GT(r2.delta.changed, 0);
+  EXPECT_LT(r2.delta.wire_bytes, r2.delta.full_bytes / 2);
+  if (!trainer) {
+    unsigned char c = 0;
+    auto* p = static_cast<unsigned char*>(k.bufs.front()->data()) + 1;
+    SS_ASSERT_OK(CopyToHost(&c, p, 1));
+    c ^= 0x10;
+    SS_ASSERT_OK(CopyToDevice(p, &c, 1));
+  }
+  if (trainer) k.Update(3, 0.001);
+  SYNC_OK(r3, 3);
+  EXPECT_EQ(r3.delta.fallback_checksum, 1);
+  EXPECT_EQ(r3.delta.fallbacks(), 1);
+  EXPECT_GT(r3.delta.buckets_delta, 0);
+  if (trainer) k.Update(0, 0, /*restore=*/true);
+  SYNC_OK(r4, 4);
+  EXPECT_EQ(r4.delta.fallbacks(), 0);
+  EXPECT_GT(r4.delta.buckets_delta, 0);
+  if (!trainer) {
+    EXPECT_EQ(k.Mismatches(), 0);
+  }
+}
+
+void FallbacksChild(Rank& k) {
+  const bool trainer = k.session->is_trainer();
   SYNC_OK(r1, 1);
   EXPECT_EQ(r1.delta.buckets_delta, 0);
   EXPECT_GT(r1.delta.buckets_full, 1);
@@ -244,10 +372,8 @@ TEST(GpuDeltaNcclChild, DISABLED_Rank) {
   }
 }
 
-TEST(GpuDeltaNccl, FallbacksOverTwoEmulatedNodesVerifyAndARefusedDeltaPoisons) {
-  SS_REQUIRE_GPU();
-  auto nccl = MakeNcclTransport({});
-  if (!nccl) GTEST_SKIP() << "built without CUDA";
+// Runs the two ranks of scenario `mode` as child processes, each its own emulated node.
+void RunChildren(const std::string& mode) {
   auto server = StoreServer::Start("127.0.0.1", 0, kToken);
   SS_ASSERT_OK(server.status());
   const std::string filter = "--gtest_filter=GpuDeltaNcclChild.DISABLED_Rank";
@@ -263,7 +389,8 @@ TEST(GpuDeltaNccl, FallbacksOverTwoEmulatedNodesVerifyAndARefusedDeltaPoisons) {
     const std::string node = "ss-delta-nccl-node" + std::to_string(r);
     env.push_back("SHARDSYNC_HOST_ID=" + node);
     env.push_back("NCCL_HOSTID=" + node);
-    env.push_back(std::string(kChildEnv) + "=" + std::to_string(r) + " " + (*server)->address());
+    env.push_back(std::string(kChildEnv) + "=" + std::to_string(r) + " " + mode + " " +
+                  (*server)->address());
     std::vector<char*> envp, argv;
     for (auto& v : env) envp.push_back(v.data());
     envp.push_back(nullptr);
@@ -292,6 +419,24 @@ TEST(GpuDeltaNccl, FallbacksOverTwoEmulatedNodesVerifyAndARefusedDeltaPoisons) {
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
         << "rank " << i << " failed (its output is above)";
   }
+}
+
+TEST(GpuDeltaNccl, FallbacksOverTwoEmulatedNodesVerifyAndARefusedDeltaPoisons) {
+  SS_REQUIRE_GPU();
+  if (!MakeNcclTransport({})) GTEST_SKIP() << "built without CUDA";
+  RunChildren("fallbacks");
+}
+
+TEST(GpuDeltaNccl, StagedCommitsApplyDeltasToTheCommittedBytes) {
+  SS_REQUIRE_GPU();
+  if (!MakeNcclTransport({})) GTEST_SKIP() << "built without CUDA";
+  RunChildren("staged");
+}
+
+TEST(GpuDeltaNccl, BlockFp8SendsDeltasOfTheWireImage) {
+  SS_REQUIRE_GPU();
+  if (!MakeNcclTransport({})) GTEST_SKIP() << "built without CUDA";
+  RunChildren("fp8");
 }
 
 }  // namespace

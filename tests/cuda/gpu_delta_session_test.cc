@@ -4,7 +4,10 @@
 // equal the twin's (whose first sync is checked element by element against the synthetic
 // weights). Fallbacks: a corrupted base byte, engines whose bytes are gone, a sync that failed
 // (the base version differs); a delta the receiver's device decode refuses fails the sync and
-// poisons; staged commits and block FP8 refuse the delta encoding on device pairs at Connect.
+// poisons. Staged commits: deltas apply to the committed bytes and land in staging (an
+// uncommitted sync, a rollback: the base version differs). Block FP8 (closed by default, opened
+// here by the test hook): deltas of the wire image (e4m3 codes, scales, copies, pads) by byte, in
+// place and staged.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -114,6 +117,12 @@ class DeviceJob {
     }
     return bad;
   }
+  std::vector<Status> Commit(uint64_t v) {
+    return All([&](int r) { return ranks_[r].session->Commit(v).status(); });
+  }
+  std::vector<Status> Rollback() {
+    return All([&](int r) { return r < trainers() ? OkStatus() : ranks_[r].session->Rollback(); });
+  }
   // Engine rank r's device buffer i.
   DeviceBuffer& engine_buf(int r, size_t i) { return *ranks_[r].bufs[i]; }
   size_t engine_bufs(int r) const { return ranks_[r].bufs.size(); }
@@ -191,7 +200,9 @@ void ExpectAllOk(const std::vector<Status>& st) {
 
 // A delta job and its twin under encoding full, synced and updated in step.
 struct Twins {
-  explicit Twins(WireEncoding enc = WireEncoding::kDelta) : delta(Spec(enc)), full(Spec(kFull)) {
+  explicit Twins(WireEncoding enc = WireEncoding::kDelta) : Twins(Spec(enc), Spec(kFull)) {}
+  Twins(JobSpec d, JobSpec f, SessionOptions::Commit commit = SessionOptions::Commit::kInPlace)
+      : delta(std::move(d), commit), full(std::move(f)) {
     ExpectAllOk(delta.Connect());
     ExpectAllOk(full.Connect());
   }
@@ -345,23 +356,8 @@ TEST(GpuDeltaSession, ARefusedDeltaFailsAndPoisonsThenTheNextSyncFallsBackAndVer
     EXPECT_FALSE(t.delta.session(e).IsPoisoned());
 }
 
-TEST(GpuDeltaSession, StagedCommitRefusesTheDeltaEncodingOnDevicePairsAtConnect) {
-  SS_REQUIRE_GPU();
-  DeviceJob j(Spec(WireEncoding::kDelta), SessionOptions::Commit::kStaged);
-  auto st = j.Connect();
-  int named = 0;
-  for (const Status& s : st) {
-    EXPECT_FALSE(s.ok());
-    named +=
-        s.message().find("encoding delta with commit staged over cuda_ipc") != std::string::npos;
-  }
-  EXPECT_GT(named, 0) << st.back().ToString();
-}
-
-// Block FP8 over cuda_ipc pairs (image pairs: the trainer quantizes into the engine's e4m3 and
-// scales) refuses the delta encoding at Connect, naming it.
-TEST(GpuDeltaSession, BlockFp8OverCudaIpcRefusesTheDeltaEncodingAtConnect) {
-  SS_REQUIRE_GPU();
+// A block-FP8 job (qwen3 shape, 128-row blocks on the fsdp=2 grid: quantize and copy ops only).
+JobSpec Fp8Spec(WireEncoding enc) {
   JobFlags f;
   f.model = testing::WriteConfig("qwen3-fp8-delta", R"({
   "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
@@ -369,20 +365,141 @@ TEST(GpuDeltaSession, BlockFp8OverCudaIpcRefusesTheDeltaEncodingAtConnect) {
   "vocab_size": 300, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
   "torch_dtype": "bfloat16"})");
   f.quant = "fp8-block128";
-  f.fp8_split = "amax";
   f.trainer = "fsdp=2";
   f.rollout = "dp=1,tp=2,pp=2";
-  f.bucket_bytes = 256 << 10;
+  f.bucket_bytes = 64 << 10;
   f.transport = "loopback";
-  f.encoding = "delta";
-  DeviceJob j(JobSpecFromFlags(f).value());
+  f.encoding = std::string(WireEncodingName(enc));
+  return JobSpecFromFlags(f).value();
+}
+
+// Block FP8 over device delta pairs is closed by default (delta_fault.h): these tests open it.
+struct ImagePairsOpen {
+  ImagePairsOpen() { AllowDeltaImagePairsForTesting(true); }
+  ~ImagePairsOpen() { AllowDeltaImagePairsForTesting(false); }
+};
+
+// Closed by default: Connect refuses the delta encoding on block FP8's image pairs, naming it.
+TEST(GpuDeltaSession, BlockFp8OverCudaIpcRefusesTheDeltaEncodingAtConnect) {
+  SS_REQUIRE_GPU();
+  DeviceJob j(Fp8Spec(WireEncoding::kDelta));
   auto st = j.Connect();
   int named = 0;
   for (const Status& s : st) {
     EXPECT_FALSE(s.ok());
-    named += s.message().find("not block FP8's image pairs") != std::string::npos;
+    named += s.message().find("does not carry block FP8's image pairs yet") != std::string::npos;
   }
   EXPECT_GT(named, 0) << st.back().ToString();
+}
+
+// One corrupted byte of the last engine rank's first parameter (live bytes).
+void CorruptEngineByte(DeviceJob& j) {
+  const int e = j.world() - 1;
+  DeviceBuffer& b = j.engine_buf(e, 0);
+  unsigned char c = 0;
+  SS_ASSERT_OK(CopyToHost(&c, static_cast<unsigned char*>(b.data()) + 1, 1));
+  c ^= 0x10;
+  SS_ASSERT_OK(CopyToDevice(static_cast<unsigned char*>(b.data()) + 1, &c, 1));
+}
+
+// Block FP8 over cuda_ipc: each bucket's whole wire image diffed by byte, landed from the
+// verified slot by the FP8 landing; every byte as the full twin's, the fallbacks as for bf16.
+TEST(GpuDeltaSession, BlockFp8OverCudaIpcSendsDeltasOfTheWireImage) {
+  SS_REQUIRE_GPU();
+  ImagePairsOpen open;
+  Twins t(Fp8Spec(WireEncoding::kDelta), Fp8Spec(WireEncoding::kFull));
+  SyncReport r1 = t.Sync(1);
+  t.ExpectSame();
+  EXPECT_EQ(t.full.Mismatches(), 0);
+  EXPECT_EQ(r1.delta.fallback_no_image, r1.delta.buckets_full);
+  EXPECT_GT(r1.delta.buckets_full, 4);
+  for (uint64_t v = 2; v <= 3; ++v) {
+    t.Update(v, 0.001);
+    SyncReport r = t.Sync(v);
+    t.ExpectSame();
+    EXPECT_EQ(r.delta.fallbacks(), 0) << "version " << v;
+    EXPECT_GT(r.delta.buckets_delta, 0) << "version " << v;
+    EXPECT_GT(r.delta.changed, 0) << "version " << v;
+    EXPECT_LT(r.delta.wire_bytes, r.delta.full_bytes / 2) << "version " << v;
+    if (r.delta.full_by_size == 0) {  // every bucket compared, by byte
+      EXPECT_EQ(r.delta.elements, r.delta.full_bytes) << "version " << v;
+    }
+    EXPECT_EQ(r.checksums_ok, r.checksums_total);
+  }
+  SyncReport same = t.Sync(4);  // no update: headers alone
+  t.ExpectSame();
+  EXPECT_EQ(same.delta.changed, 0);
+  EXPECT_EQ(same.delta.buckets_full, 0);
+  CorruptEngineByte(t.delta);  // an e4m3 code or scale byte
+  t.Update(5, 0.001);
+  SyncReport r5 = t.Sync(5);
+  t.ExpectSame();
+  EXPECT_EQ(r5.delta.fallback_checksum, 1);
+  EXPECT_EQ(r5.delta.fallbacks(), 1);
+}
+
+// Staged commits over delta pairs: the base is the committed (live) bytes at the committed
+// version; the result lands in staging and the commit serves it. A sync never committed, or a
+// rollback, leaves the live bytes at another version than the trainer kept: whole, by reason.
+void StagedScenario(JobSpec delta, JobSpec full) {
+  Twins t(std::move(delta), std::move(full), SessionOptions::Commit::kStaged);
+  SyncReport r1 = t.Sync(1);
+  EXPECT_EQ(r1.delta.fallback_no_image, r1.delta.buckets_full);
+  ExpectAllOk(t.delta.Commit(1));
+  t.ExpectSame();
+  t.Update(2, 0.001);
+  const auto v1 = t.delta.Engines();
+  SyncReport r2 = t.Sync(2);
+  EXPECT_TRUE(t.delta.Engines() == v1);  // in staging: the live bytes still serve v1
+  EXPECT_EQ(r2.delta.fallbacks(), 0);
+  EXPECT_GT(r2.delta.buckets_delta, 0);
+  EXPECT_EQ(r2.checksums_ok, r2.checksums_total);
+  ExpectAllOk(t.delta.Commit(2));
+  t.ExpectSame();
+  // Synced, never committed: the next sync's base (live v2) is not the kept v3.
+  t.Update(3, 0.001);
+  SyncReport r3 = t.Sync(3);
+  EXPECT_EQ(r3.delta.fallbacks(), 0);
+  EXPECT_GT(r3.delta.buckets_delta, 0);
+  t.Update(4, 0.001);
+  SyncReport r4 = t.Sync(4);
+  EXPECT_EQ(r4.delta.buckets_delta, 0);
+  EXPECT_EQ(r4.delta.fallback_version, r4.delta.buckets_full);
+  ExpectAllOk(t.delta.Commit(4));
+  t.ExpectSame();
+  // A corrupted live byte: that bucket whole.
+  CorruptEngineByte(t.delta);
+  t.Update(5, 0.001);
+  SyncReport r5 = t.Sync(5);
+  EXPECT_EQ(r5.delta.fallback_checksum, 1);
+  EXPECT_EQ(r5.delta.fallbacks(), 1);
+  ExpectAllOk(t.delta.Commit(5));
+  t.ExpectSame();
+  // Rolled back to v4: the base version differs from the kept v5.
+  ExpectAllOk(t.delta.Rollback());
+  t.Update(6, 0.001);
+  SyncReport r6 = t.Sync(6);
+  EXPECT_EQ(r6.delta.buckets_delta, 0);
+  EXPECT_EQ(r6.delta.fallback_version, r6.delta.buckets_full);
+  ExpectAllOk(t.delta.Commit(6));
+  t.ExpectSame();
+  t.Update(7, 0.001);
+  SyncReport r7 = t.Sync(7);
+  EXPECT_EQ(r7.delta.fallbacks(), 0);
+  EXPECT_GT(r7.delta.buckets_delta, 0);
+  ExpectAllOk(t.delta.Commit(7));
+  t.ExpectSame();
+}
+
+TEST(GpuDeltaSession, StagedCommitAppliesDeltasToTheCommittedBytes) {
+  SS_REQUIRE_GPU();
+  StagedScenario(Spec(WireEncoding::kDelta), Spec(WireEncoding::kFull));
+}
+
+TEST(GpuDeltaSession, StagedCommitOfBlockFp8AppliesDeltasToTheCommittedImage) {
+  SS_REQUIRE_GPU();
+  ImagePairsOpen open;
+  StagedScenario(Fp8Spec(WireEncoding::kDelta), Fp8Spec(WireEncoding::kFull));
 }
 
 // Encoding auto over cuda_ipc pairs where no delta can pay at the knobs' speeds (the defaults:
@@ -410,10 +527,11 @@ TEST(GpuDeltaSession, AutoAtTheDefaultKnobsRunsFullPairs) {
   }
 }
 
-// nccl pairs carry the delta encoding (delta_nccl.cc) for copy plans; block FP8's image pairs
-// refuse it when prepared (at Connect), naming the pair and what it carries. The check comes
-// before any communicator or CUDA call, so it runs without a GPU.
-TEST(GpuDeltaSession, NcclImagePairsRefuseTheDeltaEncodingNamingThePair) {
+// nccl pairs carry the delta encoding (delta_nccl.cc) for copy plans; block FP8's image pairs are
+// closed by default, and where opened an image pair with ops the delta pairs do not build (stage
+// ops, amax-exchanged rows) refuses it when prepared (at Connect), naming the pair and the op. The
+// check comes before any communicator or CUDA call, so it runs without a GPU.
+TEST(GpuDeltaSession, NcclImagePairsWithStageOpsRefuseTheDeltaEncodingNamingThePair) {
   std::unique_ptr<Transport> t = MakeNcclTransport({});
   if (!t) GTEST_SKIP() << "built without CUDA";
   auto server = StoreServer::Start("127.0.0.1", 0, kToken);
@@ -424,15 +542,29 @@ TEST(GpuDeltaSession, NcclImagePairsRefuseTheDeltaEncodingNamingThePair) {
   spec.peer = 1;
   PairBucket bucket;
   bucket.bytes = 4096;
+  EncodedRegion stage;
+  stage.encoding = static_cast<uint8_t>(Encoding::kStage);
+  bucket.encoded.push_back(stage);
   spec.buckets.push_back(bucket);
   spec.delta.on = true;
+  spec.delta.element_size = 1;
   spec.image = true;
+  // Closed by default, naming the pair and block FP8.
+  auto closed = t->Prepare(**store, spec, Millis(1000));
+  ASSERT_FALSE(closed.ok());
+  EXPECT_EQ(closed.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(closed.status().message().find("nccl: delta pair to rank 1"), std::string::npos)
+      << closed.status().ToString();
+  EXPECT_NE(closed.status().message().find("block FP8's image pairs"), std::string::npos)
+      << closed.status().ToString();
+  ImagePairsOpen open;
   auto p = t->Prepare(**store, spec, Millis(1000));
   ASSERT_FALSE(p.ok());
   EXPECT_EQ(p.status().code(), StatusCode::kUnimplemented);
   EXPECT_NE(p.status().message().find("nccl: delta pair to rank 1"), std::string::npos)
       << p.status().ToString();
-  EXPECT_NE(p.status().message().find("block FP8"), std::string::npos);
+  EXPECT_NE(p.status().message().find("encoding 'stage'"), std::string::npos)
+      << p.status().ToString();
 }
 
 }  // namespace

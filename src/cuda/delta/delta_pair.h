@@ -5,10 +5,11 @@
 // delta_nccl.cc: everything over the pair's communicator).
 //
 // Per sync: the receiver advertises its bases (every bucket's checksum of its live bytes and the
-// version they were verified at); per bucket the sender packs the new image, encodes it against
-// the image it kept when the base is that image (else sends it whole, by reason), ships the
-// payload and a control message; the receiver gathers its base from the live parameters, decodes
-// on the device (refusing any other base, writing nothing then), lands, and reads back.
+// version they were verified at; staged: the committed bytes and version); per bucket the sender
+// packs the new image (block FP8: the whole wire image), encodes it against the image it kept
+// when the base is that image (else sends it whole, by reason), ships the payload and a control
+// message; the receiver gathers its base from the live parameters, decodes on the device
+// (refusing any other base, writing nothing then), lands (staged: into staging), and reads back.
 #pragma once
 
 #include <algorithm>
@@ -103,8 +104,9 @@ class DeltaRecvChannel {
   virtual void Cancel() = 0;
 };
 
-// The checks every delta pair makes of its spec: copies of one dtype, no encoded ops, no image
-// (block FP8) pairs. `who` names the pair in errors ("nccl: delta pair to rank 2").
+// The checks every delta pair makes of its spec: copies of one dtype; image (block FP8) pairs
+// diffed by byte, with quantize ops only (stage ops and amax-exchanged rows are refused, naming
+// the op). `who` names the pair in errors ("nccl: delta pair to rank 2").
 Status CheckDeltaSpec(const PairSpec& spec, const std::string& who);
 
 // The sender: `spec` checked; `channel` carries its messages. Current device set by the caller.

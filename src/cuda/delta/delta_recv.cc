@@ -12,11 +12,17 @@
 // session compares those sums with the sender's packed ones (delivered in the control messages) as
 // for every pair.
 //
+// Staged commit (PairDelta::live): the base is gathered from and advertised for the live
+// (committed) parameters at the committed version, the bucket lands in staging and the readback
+// reads staging. Block FP8 (image pairs): the landing is the FP8 round's (every byte of the
+// image into codes, scales and copies), the base its runs reversed, pads read as zeros.
+//
 // Memory: a window of two largest buckets (slot + encoded) and the codec's scratch. A bucket it
 // began landing is of no verified version until its readback verified it, so after a failed sync
 // the next one sends such buckets whole (the base version differs).
 #include "cuda/cuda_util.h"
 #include "cuda/delta/delta_pair.h"
+#include "cuda/nccl/fp8_rounds.h"
 
 namespace shardsync::gpu::delta_pair {
 namespace {
@@ -35,32 +41,32 @@ class DeltaRecvPair final : public PreparedPair {
     enc_ = static_cast<unsigned char*>(window_->data()) + WindowEncOffset(max);
     SS_ASSIGN_OR_RETURN(scratch_,
                         DeltaGpuScratch::Allocate(max, spec_.delta.element_size, device_));
-    BatchSpec verify;
-    verify.mode = BatchMode::kVerify;
-    verify.in_dtype = verify.out_dtype = spec_.wire;
+    if (spec_.image) {  // the pads: zeros a rebuilt image reads, a sink the landing writes
+      SS_ASSIGN_OR_RETURN(pads_, DeviceBuffer::Allocate(2 * kImageRoundScratchBytes, device_));
+      SS_CUDA(cudaMemset(pads_->data(), 0, 2 * kImageRoundScratchBytes), who_ + ": pads");
+    }
+    const bool staged = static_cast<bool>(spec_.delta.live);
+    BatchSpec base_verify, landed_verify;
     for (size_t b = 0; b < n; ++b) {
       const PairBucket& pb = spec_.buckets[b];
-      if (!pb.local.empty() && pb.local[0].dtype != spec_.wire) {
-        return InvalidArgumentError(who_ + ": bucket " + std::to_string(b) + " lands in " +
-                                    std::string(DTypeName(pb.local[0].dtype)) + ", the wire is " +
-                                    std::string(DTypeName(spec_.wire)));
-      }
-      SS_ASSIGN_OR_RETURN(
-          auto g,
-          CopyBatch::Prepare(
-              DeltaBucketBatch(pb.local, pb.bytes, spec_.wire, slot_, BatchMode::kPack), device_));
-      SS_ASSIGN_OR_RETURN(
-          auto l, CopyBatch::Prepare(
-                      DeltaBucketBatch(pb.local, pb.bytes, spec_.wire, slot_, BatchMode::kUnpack),
-                      device_));
+      SS_ASSIGN_OR_RETURN(BatchSpec land, LandingSpec(pb, b));
+      // The base: the same runs reversed, from the live bytes (staged: the committed ones).
+      PairBucket live = pb;
+      if (staged) SS_RETURN_IF_ERROR(ToLive(&live, b));
+      SS_ASSIGN_OR_RETURN(BatchSpec from_live, LandingSpec(live, b));
+      const BatchSpec gather = Reversed(from_live);
+      SS_ASSIGN_OR_RETURN(auto g, CopyBatch::Prepare(gather, device_));
+      SS_ASSIGN_OR_RETURN(auto l, CopyBatch::Prepare(land, device_));
       gather_.push_back(std::move(g));
       land_.push_back(std::move(l));
-      BatchSpec one = DeltaBucketBatch(pb.local, pb.bytes, spec_.wire, slot_, BatchMode::kPack);
-      for (CopyRun& r : one.runs) r.bucket = static_cast<int32_t>(b);
-      verify.runs.insert(verify.runs.end(), one.runs.begin(), one.runs.end());
-      verify.bucket_bytes.push_back(pb.bytes);
+      AppendVerify(gather, b, &base_verify);
+      if (staged) AppendVerify(Reversed(land), b, &landed_verify);
     }
-    SS_ASSIGN_OR_RETURN(verify_, CopyBatch::Prepare(verify, device_));
+    // The advertisement reads the base; the readback what landed (in place: the same bytes).
+    SS_ASSIGN_OR_RETURN(verify_, CopyBatch::Prepare(base_verify, device_));
+    if (staged) {
+      SS_ASSIGN_OR_RETURN(landed_verify_, CopyBatch::Prepare(landed_verify, device_));
+    }
     verified_.assign(n, 0);
     advertised_.assign(n, 0);
     packed_.assign(n, 0);
@@ -86,8 +92,8 @@ class DeltaRecvPair final : public PreparedPair {
     SS_ASSIGN_OR_RETURN(std::vector<uint64_t> sums, verify_->Checksums());
     bases_ = {version, spec_.buckets.size()};
     for (size_t b = 0; b < sums.size(); ++b) {
-      advertised_[b] = verified_[b];
-      bases_.push_back(verified_[b]);
+      advertised_[b] = spec_.delta.committed ? spec_.delta.committed() : verified_[b];
+      bases_.push_back(advertised_[b]);
       bases_.push_back(sums[b]);
     }
     SS_RETURN_IF_ERROR(ch_->SendBases(version, bases_));
@@ -131,9 +137,10 @@ class DeltaRecvPair final : public PreparedPair {
     }
     // Every bucket landed: every landed word read back, for the session's comparison.
     const auto t0 = std::chrono::steady_clock::now();
-    SS_RETURN_IF_ERROR(verify_->Launch(stream_->handle()));
+    CopyBatch* readback = landed_verify_ ? landed_verify_.get() : verify_.get();
+    SS_RETURN_IF_ERROR(readback->Launch(stream_->handle()));
     SS_RETURN_IF_ERROR(stream_->Synchronize(kDeltaLocalWait, who_ + ": landed readback"));
-    SS_ASSIGN_OR_RETURN(landed_, verify_->Checksums());
+    SS_ASSIGN_OR_RETURN(landed_, readback->Checksums());
     for (size_t b = 0; b < landed_.size(); ++b) {
       if (landed_[b] == packed_[b]) verified_[b] = version_;
     }
@@ -160,6 +167,67 @@ class DeltaRecvPair final : public PreparedPair {
   }
 
  private:
+  // Bucket b's landing from the slot: its wire elements into their tensors (copy codec), or every
+  // byte of the image into the e4m3 rows, scales and copies, pads into the sink (block FP8:
+  // nccl/fp8_rounds.h).
+  Result<BatchSpec> LandingSpec(const PairBucket& pb, size_t b) const {
+    if (spec_.image) {
+      return ImageRecvRoundSpec(pb, spec_.wire, slot_, sink(),
+                                who_ + ", bucket " + std::to_string(b));
+    }
+    if (!pb.local.empty() && pb.local[0].dtype != spec_.wire) {
+      return InvalidArgumentError(who_ + ": bucket " + std::to_string(b) + " lands in " +
+                                  std::string(DTypeName(pb.local[0].dtype)) + ", the wire is " +
+                                  std::string(DTypeName(spec_.wire)));
+    }
+    return DeltaBucketBatch(pb.local, pb.bytes, spec_.wire, slot_, BatchMode::kUnpack);
+  }
+  // A landing reversed: the bytes the tensors hold into the slot, in wire order (the inverse of
+  // landing; block FP8's pads read as zeros, as the sender writes them).
+  BatchSpec Reversed(const BatchSpec& land) const {
+    BatchSpec bs = land;
+    bs.mode = BatchMode::kPack;
+    for (CopyRun& r : bs.runs) {
+      const bool pad = spec_.image && r.out == sink();
+      const void* tensor = r.out;
+      r.out = const_cast<void*>(r.in);
+      r.in = pad ? pads_->data() : tensor;
+      std::swap(r.in_stride, r.out_stride);
+    }
+    return bs;
+  }
+  static void AppendVerify(const BatchSpec& gather, size_t b, BatchSpec* verify) {
+    verify->mode = BatchMode::kVerify;
+    verify->in_dtype = verify->out_dtype = gather.in_dtype;
+    for (CopyRun r : gather.runs) {
+      r.bucket = static_cast<int32_t>(b);
+      verify->runs.push_back(r);
+    }
+    verify->bucket_bytes.push_back(gather.bucket_bytes.at(0));
+  }
+  // Staged: every region of bucket b moved from its landing tensor (staging) to the live one.
+  Status ToLive(PairBucket* pb, size_t b) const {
+    auto move = [&](PackRegion& r) -> Status {
+      if (r.base == nullptr) return OkStatus();
+      const void* live = spec_.delta.live(r.base);
+      if (live == nullptr) {
+        return InternalError(who_ + ": bucket " + std::to_string(b) +
+                             " lands in a tensor with no live parameter (staged commit)");
+      }
+      r.base = live;
+      return OkStatus();
+    };
+    for (PackRegion& r : pb->local) SS_RETURN_IF_ERROR(move(r));
+    for (EncodedRegion& e : pb->encoded) {
+      SS_RETURN_IF_ERROR(move(e.landed));
+      SS_RETURN_IF_ERROR(move(e.landed_aux));
+    }
+    return OkStatus();
+  }
+  void* sink() const {
+    return pads_ ? static_cast<unsigned char*>(pads_->data()) + kImageRoundScratchBytes : nullptr;
+  }
+
   // Bucket b's control message, before its payload is taken anywhere.
   Status CheckCtl(size_t b) const {
     const int64_t bytes = spec_.buckets[b].bytes;
@@ -236,7 +304,10 @@ class DeltaRecvPair final : public PreparedPair {
   unsigned char* enc_ = nullptr;
   std::unique_ptr<DeltaGpuScratch> scratch_;
   std::vector<std::unique_ptr<CopyBatch>> gather_, land_;
-  std::unique_ptr<CopyBatch> verify_;
+  std::unique_ptr<DeviceBuffer> pads_;  // block FP8: zeros, then the landing's sink
+  // The base's checksums (the advertisement), and under a staged commit what landed (staging)
+  // for the readback; in place verify_ reads both.
+  std::unique_ptr<CopyBatch> verify_, landed_verify_;
   std::vector<uint64_t> verified_;  // per bucket: the version its bytes were verified at (0: none)
   std::vector<uint64_t> advertised_;  // this sync's advertisement
   std::vector<uint64_t> packed_, landed_;

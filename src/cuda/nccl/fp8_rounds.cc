@@ -202,9 +202,8 @@ Result<ImageSendRound> PrepareImageSendRound(const PairBucket& b, DType wire, vo
   return round;
 }
 
-Result<std::unique_ptr<CopyBatch>> PrepareImageRecvRound(const PairBucket& b, DType wire,
-                                                         const void* slot, void* sink, int device,
-                                                         const std::string& who) {
+Result<BatchSpec> ImageRecvRoundSpec(const PairBucket& b, DType wire, const void* slot, void* sink,
+                                     const std::string& who) {
   SS_RETURN_IF_ERROR(CheckCopies(b, who));
   auto* s = static_cast<unsigned char*>(const_cast<void*>(slot));
   const int ws = DTypeSize(wire);
@@ -260,6 +259,13 @@ Result<std::unique_ptr<CopyBatch>> PrepareImageRecvRound(const PairBucket& b, DT
       bs.runs.push_back(p);
     }
   }
+  return bs;
+}
+
+Result<std::unique_ptr<CopyBatch>> PrepareImageRecvRound(const PairBucket& b, DType wire,
+                                                         const void* slot, void* sink, int device,
+                                                         const std::string& who) {
+  SS_ASSIGN_OR_RETURN(BatchSpec bs, ImageRecvRoundSpec(b, wire, slot, sink, who));
   return CopyBatch::Prepare(bs, device);
 }
 

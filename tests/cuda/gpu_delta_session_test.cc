@@ -323,6 +323,35 @@ TEST(GpuDeltaSession, EnginesWhoseBytesAreGoneFallBackEverywhereInTheSameSync) {
   EXPECT_EQ(r.delta.fallback_checksum, r.delta.buckets_full);
 }
 
+// An encode whose own base sum is not the kept image's (here: a kept byte flipped just before
+// it; on the H200 a block-FP8 image of 511 MiB did it unprovoked) sends that bucket whole in the
+// same sync, under the checksum reason, instead of a delta the engine would refuse.
+TEST(GpuDeltaSession, AnEncodeThatReadAnotherBaseSendsTheBucketWhole) {
+  SS_REQUIRE_GPU();
+  Twins t;
+  t.Sync(1);
+  t.Update(2, 0.01);
+  CorruptNextKeptImageForTesting(1);
+  SyncReport r = t.Sync(2);
+  t.ExpectSame();
+  EXPECT_EQ(r.checksums_ok, r.checksums_total);
+  EXPECT_EQ(r.delta.fallback_checksum, 1);
+  EXPECT_EQ(r.delta.fallbacks(), 1);
+  EXPECT_GT(r.delta.buckets_delta, 0);
+  int said = 0;
+  for (int k = 0; k < t.delta.trainers(); ++k) {
+    said +=
+        t.last[k].local.delta.first_fallback.find("the device encoder's sums") != std::string::npos;
+  }
+  EXPECT_EQ(said, 1);
+  // The whole bucket became the kept image: the next sync is deltas again.
+  t.Update(3, 0.01);
+  SyncReport r3 = t.Sync(3);
+  t.ExpectSame();
+  EXPECT_EQ(r3.delta.fallbacks(), 0);
+  EXPECT_EQ(r3.delta.buckets_full, 0);
+}
+
 TEST(GpuDeltaSession, ARefusedDeltaFailsAndPoisonsThenTheNextSyncFallsBackAndVerifies) {
   SS_REQUIRE_GPU();
   Twins t;

@@ -11,6 +11,12 @@ namespace shardsync::gpu {
 // delta pairs (cuda_ipc, nccl).
 void FailNextDeltaForTesting(int64_t bucket, int64_t byte);
 
+// Tests: before the next encode a sender of this process runs for bucket `bucket`, one byte of
+// its kept image of that bucket is flipped, once: the encoder's base sum is then not the kept
+// one, so the sender must send the bucket whole (reason: checksum) rather than a delta the
+// receiver refuses. Every transport's delta pairs.
+void CorruptNextKeptImageForTesting(int64_t bucket);
+
 // Tests: whether this process's delta pairs take block FP8's image pairs (delta_send.cc
 // CheckDeltaSpec), which Connect refuses otherwise: they verify on small models, but on
 // qwen3-0.6b (buckets of up to 512 MiB, element size 1) the engine refused deltas of its large

@@ -32,6 +32,7 @@ namespace {
 
 std::atomic<int64_t> g_fault_bucket{-1};
 std::atomic<int64_t> g_fault_byte{0};
+std::atomic<int64_t> g_kept_fault_bucket{-1};
 std::atomic<bool> g_allow_image{false};
 
 class DeltaSendPair final : public PreparedPair {
@@ -249,6 +250,16 @@ class DeltaSendPair final : public PreparedPair {
         }
         return Decided();
       }
+      int64_t kb = static_cast<int64_t>(b);
+      if (g_kept_fault_bucket.compare_exchange_strong(kb, -1)) {
+        // Tests (delta_fault.h): one byte of the kept image flipped, so the encoder reads another
+        // base than the one it kept (as an encoder glitch would).
+        auto* p = static_cast<unsigned char*>(kept_at(b));
+        unsigned char c = 0;
+        SS_CUDA(cudaMemcpy(&c, p, 1, cudaMemcpyDeviceToHost), who_ + ": kept fault");
+        c ^= 0xFF;
+        SS_CUDA(cudaMemcpy(p, &c, 1, cudaMemcpyHostToDevice), who_ + ": kept fault");
+      }
       DeltaGpuEncodeArgs a;
       a.base = kept_at(b);
       a.next = img_->data();
@@ -271,7 +282,24 @@ class DeltaSendPair final : public PreparedPair {
                           FinishDeltaEncode(scratch_.get(), kDeltaLocalWait));
       cur_.changed = r.result.changed;
       cur_.elements = r.result.elements;
-      if (r.result.kind == DeltaKind::kFull) {
+      if (r.result.kind != DeltaKind::kFull &&
+          (r.result.base_checksum != kept_sum_[b] || r.result.new_checksum != sum_)) {
+        // The encoder's own sums of the base and the new image must be the ones kept and packed
+        // (the same checksum, computed twice): where they are not, the encoding describes other
+        // bytes, which the receiver would refuse and fail the sync. The bucket goes whole now,
+        // under the checksum reason. Seen on one H200 with block-FP8 images of 511 MiB whose
+        // changes cluster (docs/delta.md "Device pairs", block FP8).
+        cur_.reason = DeltaReason::kChecksum;
+        cur_.changed = 0;
+        cur_.elements = 0;
+        if (report_.first_fallback.empty()) {
+          report_.first_fallback =
+              "to sync rank " + std::to_string(spec_.peer) + ", bucket " + std::to_string(b) +
+              ": the device encoder's sums (base " + DeltaHex(r.result.base_checksum) + ", new " +
+              DeltaHex(r.result.new_checksum) + ") are not the kept " + DeltaHex(kept_sum_[b]) +
+              " and packed " + DeltaHex(sum_) + " ones; sent whole";
+        }
+      } else if (r.result.kind == DeltaKind::kFull) {
         cur_.reason = DeltaReason::kSize;
       } else if (spec_.delta.pays && !spec_.delta.pays(r.result.elements, r.result.changed)) {
         cur_.reason = DeltaReason::kCost;
@@ -463,6 +491,10 @@ Result<std::unique_ptr<PreparedPair>> MakeDeltaSendPair(const PairSpec& spec, in
 }  // namespace delta_pair
 
 void AllowDeltaImagePairsForTesting(bool allow) { delta_pair::g_allow_image.store(allow); }
+
+void CorruptNextKeptImageForTesting(int64_t bucket) {
+  delta_pair::g_kept_fault_bucket.store(bucket);
+}
 
 void FailNextDeltaForTesting(int64_t bucket, int64_t byte) {
   delta_pair::g_fault_byte.store(byte);

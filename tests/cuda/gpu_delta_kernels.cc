@@ -403,5 +403,56 @@ TEST_F(GpuDelta, ArgumentsAndCallsInFlight) {
   EXPECT_EQ(r.result.elements, 500u);
 }
 
+// The shape of the block-FP8 image on which the device encoder was seen to be nondeterministic
+// on one H200 (docs/delta.md "Device pairs", block FP8): 535,681,536 bytes of element size 1,
+// about 1% of the bytes changed in the first half, about all of them in the second (the bf16
+// embedding copy). Four encodes there gave four base sums, none the host's. Disabled until the
+// encoder is fixed: run it with --gtest_also_run_disabled_tests (it needs ~2 GiB of HBM).
+TEST(GpuDeltaLarge, DISABLED_ClusteredImageOfHalfAGibEncodesAsTheHostDoes) {
+  SS_REQUIRE_GPU();
+  SS_ASSERT_OK(SetDevice(0));
+  constexpr uint64_t kBytes = 535681536;
+  constexpr uint64_t kChunk = uint64_t{64} << 20;
+  Bytes base = RandomBytes(kBytes, 5);
+  Bytes next = base;
+  std::mt19937 rng(6);
+  for (uint64_t i = 0; i < kBytes; ++i) {
+    const uint32_t x = rng();
+    // First four chunks: 1% of the bytes; the fifth: its first 37%; then all but ~0.3%.
+    const bool change = i < 4 * kChunk   ? x % 100 == 0
+                        : i < 5 * kChunk ? i - 4 * kChunk < kChunk * 37 / 100
+                                         : x % 300 != 0;
+    if (change) next[i] ^= static_cast<std::byte>(1 + x % 255);
+  }
+  Bytes want;
+  auto host = EncodeDelta(base, next, 1, 1, "b", &want);
+  ASSERT_TRUE(host.ok()) << host.status().ToString();
+  SS_ASSERT_OK_AND_ASSIGN(auto stream, Stream::Create(0));
+  SS_ASSERT_OK_AND_ASSIGN(auto scratch, DeltaGpuScratch::Allocate(kBytes, 1, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto b, DeviceBuffer::Allocate(kBytes, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto n, DeviceBuffer::Allocate(kBytes, 0));
+  SS_ASSERT_OK_AND_ASSIGN(auto out, DeviceBuffer::Allocate(kBytes, 0));
+  SS_ASSERT_OK(CopyToDevice(b->data(), base.data(), kBytes));
+  SS_ASSERT_OK(CopyToDevice(n->data(), next.data(), kBytes));
+  DeltaGpuEncodeArgs a;
+  a.base = b->data();
+  a.next = n->data();
+  a.bytes = kBytes;
+  a.element_size = 1;
+  a.base_version = 1;
+  a.out = out->data();
+  a.bucket = "b";
+  for (int k = 0; k < 4; ++k) {
+    SCOPED_TRACE(::testing::Message() << "encode " << k);
+    SS_ASSERT_OK_AND_ASSIGN(const DeltaGpuEncoded got,
+                            EncodeDeltaDevice(a, scratch.get(), stream->handle(), kTimeout));
+    EXPECT_EQ(got.result.kind, host->kind);
+    EXPECT_EQ(got.result.changed, host->changed);
+    EXPECT_EQ(got.result.base_checksum, host->base_checksum);
+    EXPECT_EQ(got.result.new_checksum, host->new_checksum);
+    EXPECT_EQ(got.bytes, want.size());
+  }
+}
+
 }  // namespace
 }  // namespace shardsync::gpu

@@ -47,7 +47,8 @@ const Knob kKnobs[] = {
      kOwn},
     {"SHARDSYNC_DELTA_IPC_LINK_MBPS", T::kInt, "450000", 1, 100000000, "", "sync (delta, auto)",
      "Encoding auto over cuda_ipc pairs (one node): the link speed in MB/s a bucket crosses "
-     "(default: one direction of an H200's NVLink, 900 GB/s both ways)",
+     "(default: one direction of an H200's NVLink, NVIDIA's 900 GB/s both ways; not measured "
+     "here)",
      kOwn},
     {"SHARDSYNC_DELTA_LINK_MBPS", T::kInt, "25000", 1, 100000000, "", "sync (delta, auto)",
      "Encoding auto: the link speed in MB/s a bucket crosses (the host path, and nccl pairs: "

@@ -42,9 +42,12 @@ Status PreparedPairs::Prepare(const Bindings& bindings, PeerShapes& shapes,
   // The delta encoding on prepared pairs (transport.h PairDelta): the transport keeps the images
   // and runs the device codec; encoding auto prices each delta at the device steps' speeds over
   // the pair's link (DevicePairDeltaLink: cuda_ipc's or the cross-node one).
+  // Staged engine ranks: each landing (staging) tensor's live parameter, a delta's base.
   auto live = std::make_shared<std::unordered_map<const void*, const void*>>();
-  for (size_t p = 0; p < bindings.dests().size() && p < staged_.live().size(); ++p) {
-    live->emplace(bindings.dests()[p].data, staged_.live()[p].data);
+  if (staged_.on() && ctx_.in.options.encoding != WireEncoding::kFull) {
+    for (size_t p = 0; p < bindings.dests().size() && p < staged_.live().size(); ++p) {
+      live->emplace(bindings.dests()[p].data, staged_.live()[p].data);
+    }
   }
   auto delta_for = [&](int peer) -> Result<PairDelta> {
     PairDelta delta;

@@ -405,8 +405,8 @@ TEST_F(GpuDelta, ArgumentsAndCallsInFlight) {
 
 // The shape of the block-FP8 image on which the device encoder was seen to be nondeterministic
 // on one H200 (docs/delta.md "Device pairs", block FP8): 535,681,536 bytes of element size 1,
-// about 1% of the bytes changed in the first half, about all of them in the second (the bf16
-// embedding copy). Four encodes there gave four base sums, none the host's. Disabled until the
+// about 1% of the bytes changed in the first half, about all of them in the second (as
+// measured there). Four encodes there gave four base sums, none the host's. Disabled until the
 // encoder is fixed: run it with --gtest_also_run_disabled_tests (it needs ~2 GiB of HBM).
 TEST(GpuDeltaLarge, DISABLED_ClusteredImageOfHalfAGibEncodesAsTheHostDoes) {
   SS_REQUIRE_GPU();

@@ -42,12 +42,12 @@ Result<ImageSendRound> PrepareImageSendRound(const PairBucket& b, DType wire, vo
 // (strided), each scale row's bytes into weight_scale_inv, copy ops' bytes into their parameters
 // (which hold the wire dtype), pads into `sink`. Its checksum, keyed by position like the
 // sender's verify, is the landed checksum of the round.
+Result<std::unique_ptr<CopyBatch>> PrepareImageRecvRound(const PairBucket& b, DType wire,
+                                                         const void* slot, void* sink, int device,
+                                                         const std::string& who);
 // The same batch's spec, unprepared (the delta pairs reverse its runs to rebuild the image a
 // receiver holds: cuda/delta/delta_recv.cc).
 Result<BatchSpec> ImageRecvRoundSpec(const PairBucket& b, DType wire, const void* slot, void* sink,
                                      const std::string& who);
-Result<std::unique_ptr<CopyBatch>> PrepareImageRecvRound(const PairBucket& b, DType wire,
-                                                         const void* slot, void* sink, int device,
-                                                         const std::string& who);
 
 }  // namespace shardsync::gpu

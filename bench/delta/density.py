@@ -55,8 +55,8 @@ class RMSNorm(torch.nn.Module):
 def rope(x, theta=1e6):
     # x: [b, h, t, d]; rotate-half form of HF Qwen3.
     t, d = x.shape[-2], x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    ang = torch.outer(torch.arange(t, dtype=torch.float32), inv)
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    ang = torch.outer(torch.arange(t, dtype=torch.float32, device=x.device), inv)
     cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
@@ -84,7 +84,7 @@ class Layer(torch.nn.Module):
         k = k.repeat_interleave(self.nq // self.nkv, dim=1)
         v = v.repeat_interleave(self.nq // self.nkv, dim=1)
         s = (q @ k.transpose(-1, -2)) / math.sqrt(self.hd)
-        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
         a = s.softmax(-1) @ v
         x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
         y = self.post_attention_layernorm(x)

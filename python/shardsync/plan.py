@@ -105,13 +105,14 @@ class Plan:
             memory over cuda_ipc pairs) or
             "stage" (raw values to the engine rank, which quantizes them from a staging buffer,
             in host or device memory). docs/fp8.md.
-        encoding: how buckets travel each sync (the host path and cuda_ipc pairs; nccl pairs
-            refuse "delta" at connect): "full" (the default: whole), "delta"
+        encoding: how buckets travel each sync (the host path, cuda_ipc and nccl pairs, bf16
+            and block FP8, in place or staged): "full" (the default: whole), "delta"
             (only the wire elements that changed since the engine's verified base; a bucket
             whose base is not the one the trainer kept, e.g. after a restart, a rollback or a
             corrupted byte, goes whole in the same sync; docs/delta.md) or "auto" (delta where
-            it pays at SHARDSYNC_DELTA_LINK_MBPS; full where none can). Every rank must agree:
-            part of the hash when not "full". The session's report has the figures under "delta".
+            it pays over each pair's link, docs/delta.md "Memory and cost"; full where none
+            can). Every rank must agree: part of the hash when not "full". The session's
+            report has the figures under "delta".
         commit: the default of the sessions built on this plan: "inplace" (bytes land in the
             engine's live parameters; the engine must be idle for the whole transfer) or
             "staged" (they land in a staging area while the engine serves, and

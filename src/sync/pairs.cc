@@ -67,12 +67,9 @@ Status PreparedPairs::Prepare(const Bindings& bindings, PeerShapes& shapes,
     }
     if (ctx_.in.options.encoding != WireEncoding::kAuto) return delta;
     SS_ASSIGN_OR_RETURN(const DeltaLink link, DevicePairDeltaLink(ctx_.tx.PeerTransport(peer)));
-    // Where no delta can pay at the link's speeds, or the device delta pair does not carry the
-    // session's kind of pair (block FP8's image pairs, closed: docs/delta.md "Device pairs"), the
-    // pair runs as encoding full (the host path's ResolveAuto): both sides read the same knobs
-    // for the same transport.
+    // Where no delta can pay at the link's speeds, the pair runs as encoding full (the host
+    // path's ResolveAuto): both sides read the same knobs for the same transport.
     SS_ASSIGN_OR_RETURN(bool can, DeltaCanPay(link));
-    can = can && codec_.in_place();
     delta.on = can;
     if (!can) auto_full_.insert(peer);
     const int es = delta.element_size;

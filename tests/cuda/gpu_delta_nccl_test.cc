@@ -202,10 +202,7 @@ TEST(GpuDeltaNcclChild, DISABLED_Rank) {
   if (!ChildArgsOf(&a)) GTEST_SKIP() << kChildEnv << " is not set";
   Rank k;
   if (a.mode == "staged") k.commit = SessionOptions::Commit::kStaged;
-  if (a.mode == "fp8") {
-    k.spec = Fp8Spec();
-    AllowDeltaImagePairsForTesting(true);  // closed by default (delta_fault.h)
-  }
+  if (a.mode == "fp8") k.spec = Fp8Spec();
   SS_ASSERT_OK(k.SetUp(a.rank, a.address));
   // The pair is an nccl pair (not the cuda_ipc fallback of one host).
   ASSERT_EQ(k.tx->PeerTransport(1 - a.rank), "nccl");

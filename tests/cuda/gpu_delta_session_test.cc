@@ -402,25 +402,6 @@ JobSpec Fp8Spec(WireEncoding enc) {
   return JobSpecFromFlags(f).value();
 }
 
-// Block FP8 over device delta pairs is closed by default (delta_fault.h): these tests open it.
-struct ImagePairsOpen {
-  ImagePairsOpen() { AllowDeltaImagePairsForTesting(true); }
-  ~ImagePairsOpen() { AllowDeltaImagePairsForTesting(false); }
-};
-
-// Closed by default: Connect refuses the delta encoding on block FP8's image pairs, naming it.
-TEST(GpuDeltaSession, BlockFp8OverCudaIpcRefusesTheDeltaEncodingAtConnect) {
-  SS_REQUIRE_GPU();
-  DeviceJob j(Fp8Spec(WireEncoding::kDelta));
-  auto st = j.Connect();
-  int named = 0;
-  for (const Status& s : st) {
-    EXPECT_FALSE(s.ok());
-    named += s.message().find("does not carry block FP8's image pairs yet") != std::string::npos;
-  }
-  EXPECT_GT(named, 0) << st.back().ToString();
-}
-
 // One corrupted byte of the last engine rank's first parameter (live bytes).
 void CorruptEngineByte(DeviceJob& j) {
   const int e = j.world() - 1;
@@ -435,7 +416,6 @@ void CorruptEngineByte(DeviceJob& j) {
 // verified slot by the FP8 landing; every byte as the full twin's, the fallbacks as for bf16.
 TEST(GpuDeltaSession, BlockFp8OverCudaIpcSendsDeltasOfTheWireImage) {
   SS_REQUIRE_GPU();
-  ImagePairsOpen open;
   Twins t(Fp8Spec(WireEncoding::kDelta), Fp8Spec(WireEncoding::kFull));
   SyncReport r1 = t.Sync(1);
   t.ExpectSame();
@@ -527,7 +507,6 @@ TEST(GpuDeltaSession, StagedCommitAppliesDeltasToTheCommittedBytes) {
 
 TEST(GpuDeltaSession, StagedCommitOfBlockFp8AppliesDeltasToTheCommittedImage) {
   SS_REQUIRE_GPU();
-  ImagePairsOpen open;
   StagedScenario(Fp8Spec(WireEncoding::kDelta), Fp8Spec(WireEncoding::kFull));
 }
 
@@ -556,10 +535,10 @@ TEST(GpuDeltaSession, AutoAtTheDefaultKnobsRunsFullPairs) {
   }
 }
 
-// nccl pairs carry the delta encoding (delta_nccl.cc) for copy plans; block FP8's image pairs are
-// closed by default, and where opened an image pair with ops the delta pairs do not build (stage
-// ops, amax-exchanged rows) refuses it when prepared (at Connect), naming the pair and the op. The
-// check comes before any communicator or CUDA call, so it runs without a GPU.
+// nccl pairs carry the delta encoding (delta_nccl.cc) for copy plans and block FP8's image pairs;
+// an image pair with ops the delta pairs do not build (stage ops, amax-exchanged rows) refuses it
+// when prepared (at Connect), naming the pair and the op. The check comes before any communicator
+// or CUDA call, so it runs without a GPU.
 TEST(GpuDeltaSession, NcclImagePairsWithStageOpsRefuseTheDeltaEncodingNamingThePair) {
   std::unique_ptr<Transport> t = MakeNcclTransport({});
   if (!t) GTEST_SKIP() << "built without CUDA";
@@ -578,15 +557,6 @@ TEST(GpuDeltaSession, NcclImagePairsWithStageOpsRefuseTheDeltaEncodingNamingTheP
   spec.delta.on = true;
   spec.delta.element_size = 1;
   spec.image = true;
-  // Closed by default, naming the pair and block FP8.
-  auto closed = t->Prepare(**store, spec, Millis(1000));
-  ASSERT_FALSE(closed.ok());
-  EXPECT_EQ(closed.status().code(), StatusCode::kUnimplemented);
-  EXPECT_NE(closed.status().message().find("nccl: delta pair to rank 1"), std::string::npos)
-      << closed.status().ToString();
-  EXPECT_NE(closed.status().message().find("block FP8's image pairs"), std::string::npos)
-      << closed.status().ToString();
-  ImagePairsOpen open;
   auto p = t->Prepare(**store, spec, Millis(1000));
   ASSERT_FALSE(p.ok());
   EXPECT_EQ(p.status().code(), StatusCode::kUnimplemented);

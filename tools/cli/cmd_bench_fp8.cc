@@ -10,6 +10,7 @@
 #include <string>
 
 #include "command.h"
+#include "delta_json.h"
 #include "job/launcher.h"
 #include "shardsync/fp8_plan.h"
 #include "shardsync/gpu.h"
@@ -41,6 +42,7 @@ struct Figures {
   double bound_bytes = 0;  // read + write of the FP8 work
   int64_t checked = 0, mismatches = 0;
   int64_t checksums_ok = 0, checksums_total = 0;
+  DeltaSyncStats fp8_delta, bf16_delta;  // each run's last sync (encoding delta / auto)
 };
 
 Result<BenchSummary> RunOne(const JobSpec& job, bool as_json, const std::string& launch,
@@ -88,6 +90,19 @@ void PrintText(const JobSpec& job, const PlanSummary& s, const Figures& f, const
       f.fp8.raw_seconds / f.fp8.sharded_seconds, cuda ? "memory bound" : "raw transport",
       f.bf16.sharded_seconds / f.fp8.sharded_seconds, static_cast<long long>(f.checked),
       static_cast<long long>(f.mismatches), verified ? "verified" : "NOT VERIFIED");
+  if (job.inputs.options.encoding != WireEncoding::kFull) {
+    for (const auto& [what, d] :
+         {std::pair{"FP8", &f.fp8_delta}, std::pair{"bf16", &f.bf16_delta}}) {
+      std::printf(
+          "  %s encoding %s, last sync: %s of %s on the wire, density %.4f, %lld buckets as "
+          "deltas, %lld whole\n",
+          what, std::string(WireEncodingName(job.inputs.options.encoding)).c_str(),
+          HumanBytes(static_cast<double>(d->wire_bytes)).c_str(),
+          HumanBytes(static_cast<double>(d->full_bytes)).c_str(),
+          d->elements ? static_cast<double>(d->changed) / d->elements : 0.0,
+          static_cast<long long>(d->buckets_delta), static_cast<long long>(d->buckets_full));
+    }
+  }
   if (extra.contains("generation")) {
     for (const auto& g : extra["generation"]) {
       std::printf("  generation replica %d: %s %s vs %s\n", g["replica"].get<int>(),
@@ -148,6 +163,8 @@ int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, boo
                     "shardsync bench (bf16)", &res16);
   if (!b16.ok()) return ReportError(b16.status());
   f.bf16 = *b16;
+  f.fp8_delta = res.ranks.at(0).report.delta;
+  f.bf16_delta = res16.ranks.at(0).report.delta;
   const bool verified = f.fp8.verified && f.bf16.verified && generation_ok &&
                         f.checksums_total > 0 && f.checksums_ok == f.checksums_total;
   if (as_json) {
@@ -175,6 +192,12 @@ int RunFp8Bench(const JobSpec& job, bool as_json, const std::string& launch, boo
       if (auto info = gpu::QueryDevice(0); info.ok()) j["device_name"] = info->name;
     }
     j.update(extra);
+    j["encoding"] = std::string(WireEncodingName(job.inputs.options.encoding));
+    if (job.inputs.options.encoding != WireEncoding::kFull) {
+      // Each run's last sync, job-wide (the senders' sums), as `bench --json` gives them for bf16.
+      j["delta"] = DeltaReportJson(f.fp8_delta);
+      j["bf16_delta"] = DeltaReportJson(f.bf16_delta);
+    }
     std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   } else {
     PrintText(job, *s, f, extra, verified);

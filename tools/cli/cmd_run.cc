@@ -96,12 +96,11 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
                   "commit exchanges staging and parameters) | none")
       ->capture_default_str();
   sub->add_option("--encoding", f->encoding,
-                  "How buckets travel each sync (host path, cuda_ipc and nccl pairs; block "
-                  "FP8 and staged commits over device pairs refuse delta): full (whole) | delta "
-                  "(only the wire elements changed "
-                  "since the receiver's verified base, whole where the base differs: "
-                  "docs/delta.md) | auto (delta where it pays at SHARDSYNC_DELTA_LINK_MBPS; "
-                  "full where none can)")
+                  "How buckets travel each sync (host path, cuda_ipc and nccl pairs; bf16 and "
+                  "block FP8, in place or staged): full (whole) | delta (only the wire elements "
+                  "changed since the receiver's verified base, whole where the base differs: "
+                  "docs/delta.md) | auto (delta where it pays over each pair's link at the "
+                  "SHARDSYNC_DELTA_* speeds; full where none can)")
       ->capture_default_str();
   sub->add_option("--fp8-split", f->fp8_split,
                   "Block FP8, blocks whose rows straddle FSDP trainer ranks: amax (their holders "

@@ -17,10 +17,4 @@ void FailNextDeltaForTesting(int64_t bucket, int64_t byte);
 // receiver refuses. Every transport's delta pairs.
 void CorruptNextKeptImageForTesting(int64_t bucket);
 
-// Tests: whether this process's delta pairs take block FP8's image pairs (delta_send.cc
-// CheckDeltaSpec), which Connect refuses otherwise: they verify on small models, but on
-// qwen3-0.6b (buckets of up to 512 MiB, element size 1) the engine refused deltas of its large
-// bucket (docs/delta.md "Device pairs"), so the mode stays closed until that is understood.
-void AllowDeltaImagePairsForTesting(bool allow);
-
 }  // namespace shardsync::gpu

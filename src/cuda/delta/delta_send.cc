@@ -33,7 +33,6 @@ namespace {
 std::atomic<int64_t> g_fault_bucket{-1};
 std::atomic<int64_t> g_fault_byte{0};
 std::atomic<int64_t> g_kept_fault_bucket{-1};
-std::atomic<bool> g_allow_image{false};
 
 class DeltaSendPair final : public PreparedPair {
  public:
@@ -402,16 +401,6 @@ Status CheckDeltaSpec(const PairSpec& spec, const std::string& who) {
   if (es != 1 && es != 2 && es != 4) {
     return InvalidArgumentError(who + ": delta element size " + std::to_string(es));
   }
-  if (spec.image && !g_allow_image.load()) {
-    // Built and verified on small models (tests/cuda/gpu_delta_*_test.cc), but on qwen3-0.6b the
-    // engine refused deltas of its 512 MiB bucket: the base checksum the sender's device encode
-    // named changed from run to run, the engine's base did not (docs/delta.md "Device pairs").
-    // A refused delta fails the sync, so the mode stays closed until that is understood.
-    return UnimplementedError(who +
-                              ": the delta encoding over device pairs does not carry block FP8's "
-                              "image pairs yet (docs/delta.md \"Device pairs\"); use encoding full "
-                              "for block-FP8 device pairs, or the host path");
-  }
   if (spec.image && es != 1) {  // the image mixes e4m3 codes, scales, copies and pads
     return InvalidArgumentError(who + ": block FP8's image is diffed by byte, not by " +
                                 std::to_string(es) + " bytes");
@@ -489,8 +478,6 @@ Result<std::unique_ptr<PreparedPair>> MakeDeltaSendPair(const PairSpec& spec, in
 }
 
 }  // namespace delta_pair
-
-void AllowDeltaImagePairsForTesting(bool allow) { delta_pair::g_allow_image.store(allow); }
 
 void CorruptNextKeptImageForTesting(int64_t bucket) {
   delta_pair::g_kept_fault_bucket.store(bucket);

@@ -42,6 +42,5 @@ Status DecodeDeltaDevice(const DeltaGpuDecodeArgs&, DeltaGpuScratch*, void*,
 // No device delta pairs exist to fail; tests/cuda links it and skips without a GPU.
 void FailNextDeltaForTesting(int64_t, int64_t) {}
 void CorruptNextKeptImageForTesting(int64_t) {}
-void AllowDeltaImagePairsForTesting(bool) {}
 
 }  // namespace shardsync::gpu

@@ -287,7 +287,8 @@ __global__ void __launch_bounds__(kThreads, kBmMinBlocks) DecodeBitmapTileKernel
       delta += MixWithKey(new_lo, key) - MixWithKey(old_lo, key);
       delta += MixWithKey(new_hi, key + kChecksumStep) - MixWithKey(old_hi, key + kChecksumStep);
     }
-    __syncthreads();  // the stage is read: refill it
+    FenceProxyAsync();  // the stage's reads, before the copy engine refills it
+    __syncthreads();    // the stage is read: refill it
     if (threadIdx.x == 0 && t + kBmStages < whole_hi) issue(t + kBmStages, nx0, nx1);
   }
   GridDepTrigger();

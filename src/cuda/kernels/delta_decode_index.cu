@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel
       }
     }
     rs = re;
-    FenceProxyAsync();  // the patches, before the copy engine refills the stage
+    FenceProxyAsync();  // the stage's reads and patches, before the copy engine refills it
     __syncthreads();    // the stage is read: refill it
     if (threadIdx.x == 0 && t + kIdxStages < whole_hi) issue(t + kIdxStages);
   }

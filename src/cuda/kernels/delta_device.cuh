@@ -183,8 +183,11 @@ __device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t by
       "l"(src), "r"(bytes), "r"(SmemAddr(bar))
       : "memory");
 }
-// Orders this thread's generic-proxy accesses to shared memory before later copy-engine (async
-// proxy) ones: a stage the threads wrote is fenced by them, then a block barrier, then refilled.
+// Orders this thread's generic-proxy accesses to shared memory, reads as well as writes, before
+// later copy-engine (async proxy) ones. A block barrier alone does not: a read of a stage still in
+// flight at the barrier can see the refill's bytes (Triton's proxy fence insertion puts this fence
+// between a shared load and a later TMA load into the same buffer: its `fence_write_after_read`
+// test). So every thread fences after its last read of a stage, then the barrier, then the refill.
 __device__ __forceinline__ void FenceProxyAsync() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }

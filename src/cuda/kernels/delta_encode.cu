@@ -219,7 +219,9 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
         x[k] = vx[k * kThreads + threadIdx.x];
       }
       // The tile is in registers: refill its stage at once, so the copy has this tile's work and
-      // the next one's to land.
+      // the next one's to land. Without the fence the refill could land under a read still in
+      // flight: on one H200 the encoder's base sums and counts then changed from run to run.
+      FenceProxyAsync();
       __syncthreads();
       if (threadIdx.x == 0 && t + kEncStages < whole_hi) issue(t + kEncStages);
     } else {

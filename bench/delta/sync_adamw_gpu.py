@@ -52,8 +52,10 @@ def fp8_reference(w):
     R, C = -(-r // 128), -(-c // 128)
     x = F.pad(w.float(), (0, C * 128 - c, 0, R * 128 - r)).view(R, 128, C, 128)
     amax = x.abs().amax(dim=(1, 3)).clamp(min=1e-4)
-    scale = amax / 448.0
-    inv = 1.0 / scale
+    # Tensor by tensor: torch's CUDA division by a Python scalar multiplies by its reciprocal,
+    # which is not amax / 448 in every block.
+    scale = amax / torch.full_like(amax, 448.0)
+    inv = torch.ones_like(scale) / scale
     codes = (x * inv[:, None, :, None]).to(torch.float8_e4m3fn).view(torch.uint8)
     return codes.reshape(R * 128, C * 128)[:r, :c], scale
 
@@ -61,6 +63,7 @@ def fp8_reference(w):
 def check_engine(params, expected, masters):
     """(elements checked, mismatches) of this engine rank's parameters against the masters."""
     checked = bad = 0
+    kinds = {"e4m3": 0, "scale": 0, "bf16": 0}
     cache = {}
     for p in expected:
         got = params[p.name]
@@ -78,8 +81,10 @@ def check_engine(params, expected, masters):
             want[pc.dst.slices()] = part[pc.src.slices()].reshape(pc.dst.extent)
         iv = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
         checked += got.numel()
-        bad += int((got.view(iv) != want.view(iv)).sum())
-    return checked, bad
+        n = int((got.view(iv) != want.view(iv)).sum())
+        bad += n
+        kinds["e4m3" if p.dtype == "F8_E4M3" else "scale" if fp8 else "bf16"] += n
+    return checked, bad, kinds
 
 
 def emulate_node(args, rank):
@@ -137,7 +142,7 @@ def trainer(rank, args, bars, qs, out):
                 opt.zero_grad(set_to_none=True)
                 loss_t.backward()
                 opt.step()
-                loss = float(loss_t)
+                loss = float(loss_t.detach())
             if dev == "cuda":
                 torch.cuda.synchronize()
             train_s = time.perf_counter() - t0
@@ -184,9 +189,9 @@ def engine(rank, args, bars, q, out):
             bars["synced"].wait(WAIT_S)
             if dev == "cuda":
                 torch.cuda.synchronize()
-            checked, bad = check_engine(params, expected, masters)
+            checked, bad, kinds = check_engine(params, expected, masters)
             out.put(("check", rank, dict(version=v, elements_checked=checked,
-                                         element_mismatches=bad)))
+                                         element_mismatches=bad, mismatches_by_kind=kinds)))
             bars["checked"].wait(WAIT_S)
         s.close()
         out.put(("done", rank, None))
@@ -239,7 +244,10 @@ def run(a, lr, cfg_dir):
                 printed.add(v)
                 row = steps[v]
                 row.update(lr=lr, elements_checked=sum(c["elements_checked"] for c in checks[v]),
-                           element_mismatches=sum(c["element_mismatches"] for c in checks[v]))
+                           element_mismatches=sum(c["element_mismatches"] for c in checks[v]),
+                           mismatches_by_kind={k: sum(c["mismatches_by_kind"][k]
+                                                      for c in checks[v])
+                                               for k in checks[v][0]["mismatches_by_kind"]})
                 d = row["delta"] or {}
                 frac = d["changed"] / d["elements"] if d.get("elements") else float("nan")
                 wire = d.get("wire_bytes", 0)
@@ -253,7 +261,8 @@ def run(a, lr, cfg_dir):
                       f" decode {d.get('decode_seconds', 0):.4f} s; sync {row['sync_seconds']:.4f}"
                       f" s (session {row['session_seconds']:.4f} s); "
                       f"{row['elements_checked']} elements checked, "
-                      f"{row['element_mismatches']} mismatched", flush=True)
+                      f"{row['element_mismatches']} mismatched {row['mismatches_by_kind']}",
+                      flush=True)
         for p in procs:
             p.join(60 if not errors else 5)
             if p.is_alive():

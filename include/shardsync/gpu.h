@@ -88,6 +88,11 @@ Status Memset(void* dst, int value, size_t bytes);
 Status Memset2D(void* dst, size_t pitch, int value, size_t width, size_t height);
 Status Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
               size_t height);
+// `rows` elements of `dtype` (kF32 or kBF16), `pitch` bytes apart from `dst`, become the packed
+// elements at `saved` times `factor` (fp32 arithmetic, rounded to nearest even for kBF16):
+// `bench --update-fraction`'s small step. Synchronous (bench set-up).
+Status ScaleStrided(void* dst, size_t pitch, const void* saved, size_t rows, DType dtype,
+                    float factor);
 // Queues one memory-bound pass reading `bytes` of device memory at `p` on `stream`, as a decode
 // step reads every weight: `bench --commit staged`'s stand-in for an engine serving beside a sync.
 Status LaunchReadPass(const void* p, size_t bytes, void* stream);

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <map>
 
+#include "common/cast.h"
 #include "job/bench.h"
 #include "job/internal.h"
 #include "job/launcher.h"
@@ -141,14 +142,15 @@ class BenchRank {
     }
   }
   // --update-fraction (DeviceRank::UpdateTrainer's host twin): before sync i of `total` (not the
-  // first) every `stride`-th element of the trainer's shards, counted across its buffers, gets
-  // bytes 0x3e / 0x3f (finite in fp32 and bf16), alternating per sync; the last sync restores
-  // them, so the element check holds.
+  // first) every `stride`-th element of the trainer's shards, counted across its buffers, becomes
+  // its filled value times BenchUpdateFactor(i) (in fp32, rounded to the shard's dtype); the last
+  // sync restores them, so the element check holds.
   void UpdateTrainer(int i, int total) {
     if (job_.bench_update <= 0 || !who_.is_trainer || i == 0) return;
     const auto stride = static_cast<int64_t>(std::max(1.0, std::round(1.0 / job_.bench_update)));
     const bool restore = i == total - 1;
     const bool save = update_saved_.empty();
+    const float factor = job_internal::BenchUpdateFactor(i);
     size_t at = 0;     // in update_saved_
     int64_t next = 0;  // the next element to change, counted across the buffers
     int64_t base = 0;  // this buffer's first element in that count
@@ -162,7 +164,10 @@ class BenchRank {
         if (restore) {
           std::memcpy(e, update_saved_.data() + at, es);
         } else {
-          std::memset(e, i % 2 ? 0x3f : 0x3e, es);
+          float v = 0;
+          CastInto(update_saved_.data() + at, b.dtype, &v, DType::kF32, 1);
+          v *= factor;
+          CastInto(&v, DType::kF32, e, b.dtype, 1);
         }
       }
       base += n;

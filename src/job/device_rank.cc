@@ -324,8 +324,8 @@ Status DeviceRank::UpdateTrainer(int i, int total) {
   if (i == total - 1) {
     return gpu::Copy2D(buf_->data(), stride * es, update_saved_->data(), es, es, rows);
   }
-  // Byte 0x3e or 0x3f repeated: finite values near 0.19 / 0.75 in bf16 and fp32 alike.
-  return gpu::Memset2D(buf_->data(), stride * es, i % 2 ? 0x3f : 0x3e, es, rows);
+  return gpu::ScaleStrided(buf_->data(), stride * es, update_saved_->data(), rows,
+                           in_.trainer_dtype, job_internal::BenchUpdateFactor(i));
 }
 
 Status DeviceRank::RunBench() {

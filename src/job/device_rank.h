@@ -159,8 +159,8 @@ class DeviceRank {
   Status FillMegatron();
   Status AllocEngine();
   Status Scramble();
-  // bench --update-fraction: sync i of `total` (the first: as filled) changes every
-  // 1/fraction-th element of the trainer's weights (values alternating by i), the last restores
+  // bench --update-fraction: sync i of `total` (the first: as filled) scales every
+  // 1/fraction-th element of the trainer's weights by BenchUpdateFactor(i), the last restores
   // them; a no-op without the flag or on engine ranks.
   Status UpdateTrainer(int i, int total);
   Status Verify(const char* after);

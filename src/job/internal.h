@@ -20,6 +20,14 @@ inline constexpr uint64_t kBenchVersionRaw = 0x7FE;
 
 int64_t PeakRssBytes();
 
+// bench --update-fraction: before sync i (not the first; the last restores them) the changed
+// elements are their filled values times this factor, alternating per sync: a step of 1.6% or
+// 3.1%, small as an optimizer's, which changes every bf16 / fp32 value it touches. Toward zero, so
+// a block's FP8 amax moves only where its largest element is among the changed (the synthetic
+// weights are uniform, so a step away from zero would move nearly every block's amax, and with
+// it most codes, as setting the values outright did).
+inline float BenchUpdateFactor(int i) { return i % 2 ? 1.0f - 1.0f / 32 : 1.0f - 1.0f / 64; }
+
 struct TrainerShards {
   std::vector<SourceBinding> bindings;
   std::vector<std::unique_ptr<unsigned char[]>> buffers;

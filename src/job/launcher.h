@@ -35,9 +35,10 @@ struct JobSpec {
   JobMode mode = JobMode::kSync;
   int bench_warmup = 1;
   int bench_reps = 5;
-  // bench --device cuda: the fraction of trainer elements changed before each sharded sync after
-  // the first (every 1/fraction-th element of the trainer's weights, alternating values), restored
-  // before the last, so the delta encoding has small updates to send and the element check holds.
+  // bench: the fraction of trainer elements changed before each sharded sync after the first
+  // (every 1/fraction-th element of the trainer's weights, scaled by a small step alternating per
+  // sync: job_internal::BenchUpdateFactor), restored before the last, so the delta encoding has
+  // small updates to send and the element check holds.
   double bench_update = 0;
   bool verify = true;          // engine ranks check every element after the last sync
   std::string prefix = "ss/";  // store key namespace

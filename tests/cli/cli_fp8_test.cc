@@ -186,6 +186,38 @@ TEST(CliFp8, BenchTimesFp8NextToBf16) {
   EXPECT_EQ(j["cross_node_bytes"], 0);
 }
 
+// --encoding delta with small updates: the FP8 run's and the bf16 run's delta figures are in the
+// JSON, and the update (a 1.6-3.1% step toward zero of 1% of the trainer's elements) changes a
+// small part of the FP8 image, as an optimizer's step does (setting values outright moved most
+// blocks' amax).
+TEST(CliFp8, BenchWithDeltaReportsBothRunsDeltaFigures) {
+  const json j =
+      json::parse(Ok({"bench", "--model", "{DIR}/fp8/config.json", "--trainer", "fsdp=2",
+                      "--rollout", "dp=1,tp=2,pp=1", "--encoding", "delta", "--update-fraction",
+                      "0.01", "--warmup", "1", "--reps", "2", "--json"})
+                      .out);
+  EXPECT_TRUE(j["verified"].get<bool>()) << j.dump();
+  EXPECT_EQ(j["element_mismatches"], 0);
+  EXPECT_EQ(j["encoding"], "delta");
+  for (const char* k : {"delta", "bf16_delta"}) {
+    SCOPED_TRACE(k);
+    ASSERT_TRUE(j.contains(k)) << j.dump();
+    const json& d = j[k];
+    EXPECT_GT(d["changed"].get<int64_t>(), 0) << d.dump();
+    EXPECT_GT(d["buckets_delta"].get<int64_t>(), 0) << d.dump();
+    EXPECT_LT(d["wire_bytes"].get<int64_t>(), d["full_bytes"].get<int64_t>()) << d.dump();
+  }
+  EXPECT_LT(j["delta"]["density"].get<double>(), 0.05) << j["delta"].dump();
+  EXPECT_NEAR(j["bf16_delta"]["density"].get<double>(), 0.01, 0.002) << j["bf16_delta"].dump();
+  // Without --encoding delta there are no delta figures.
+  const json full =
+      json::parse(Ok({"bench", "--model", "{DIR}/fp8/config.json", "--trainer", "fsdp=2",
+                      "--rollout", "dp=1,tp=2,pp=1", "--warmup", "0", "--reps", "1", "--json"})
+                      .out);
+  EXPECT_EQ(full["encoding"], "full");
+  EXPECT_FALSE(full.contains("delta"));
+}
+
 // --emulate-nodes: each rank process its own node, the FP8 sync over UCX's TCP between them; the
 // JSON says how many nodes and how many of the FP8 plan's bytes crossed between them (all: no
 // trainer rank shares a node with an engine rank).

@@ -63,7 +63,8 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
   sub->add_option("--reps", f->reps, "Bench measured repetitions (median)")->capture_default_str();
   sub->add_option("--update-fraction", f->update_fraction,
                   "Bench: the fraction of trainer elements changed before each "
-                  "sync after the first (restored before the last, so the element check holds): "
+                  "sync after the first, each scaled by 1 - 2^-6 or 1 - 2^-5 (alternating: a small "
+                  "step, as an optimizer's; restored before the last, so the element check holds): "
                   "small updates for --encoding delta; 0 sends the same weights every sync")
       ->capture_default_str();
   sub->add_flag("--no-verify", f->no_verify, "Skip the element-by-element check");

@@ -36,6 +36,9 @@ Status CopyDeviceToDevice(void*, const void*, size_t, void*) {
 Status Memset(void*, int, size_t) { return NoCuda("Memset"); }
 Status Memset2D(void*, size_t, int, size_t, size_t) { return NoCuda("Memset2D"); }
 Status Copy2D(void*, size_t, const void*, size_t, size_t, size_t) { return NoCuda("Copy2D"); }
+Status ScaleStrided(void*, size_t, const void*, size_t, DType, float) {
+  return NoCuda("ScaleStrided");
+}
 Status LaunchReadPass(const void*, size_t, void*) { return NoCuda("LaunchReadPass"); }
 Result<std::unique_ptr<CopyBatch>> CopyBatch::Prepare(const BatchSpec&, int) {
   return NoCuda("CopyBatch::Prepare");

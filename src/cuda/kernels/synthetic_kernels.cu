@@ -101,6 +101,40 @@ Status FillSyntheticDevice(uint64_t seed, const SyntheticTensor& t, const Shape&
   return OkStatus();
 }
 
+namespace {
+
+__global__ void ScaleStridedKernel(unsigned char* dst, size_t pitch, const unsigned char* saved,
+                                   size_t rows, bool bf16, float factor) {
+  for (size_t r = blockIdx.x * size_t{blockDim.x} + threadIdx.x; r < rows;
+       r += size_t{gridDim.x} * blockDim.x) {
+    if (bf16) {
+      const uint16_t h = reinterpret_cast<const uint16_t*>(saved)[r];
+      const float v = __fmul_rn(__uint_as_float(uint32_t{h} << 16), factor);
+      *reinterpret_cast<uint16_t*>(dst + r * pitch) = F32BitsToBF16(__float_as_uint(v));
+    } else {
+      const float v = __fmul_rn(reinterpret_cast<const float*>(saved)[r], factor);
+      *reinterpret_cast<float*>(dst + r * pitch) = v;
+    }
+  }
+}
+
+}  // namespace
+
+Status ScaleStrided(void* dst, size_t pitch, const void* saved, size_t rows, DType dtype,
+                    float factor) {
+  if (dtype != DType::kF32 && dtype != DType::kBF16) {
+    return InvalidArgumentError("ScaleStrided: dtype " + std::string(DTypeName(dtype)) +
+                                ", not F32 or BF16");
+  }
+  if (rows == 0) return OkStatus();
+  ScaleStridedKernel<<<GridFor(static_cast<int64_t>(rows)), 256>>>(
+      static_cast<unsigned char*>(dst), pitch, static_cast<const unsigned char*>(saved), rows,
+      dtype == DType::kBF16, factor);
+  SS_CUDA(cudaGetLastError(), "ScaleStrided");
+  SS_CUDA(cudaDeviceSynchronize(), "ScaleStrided");
+  return OkStatus();
+}
+
 Status CountSyntheticMismatches(uint64_t seed, const SyntheticTensor& t, const Shape& src_shape,
                                 const Region& src, const Shape& dst_shape, const Region& dst,
                                 const void* param, unsigned long long* d_mismatches, void* stream) {

@@ -863,6 +863,61 @@ TEST(GpuSynthetic, FillAndCheckMatchHost) {
   EXPECT_EQ(n, 2u);
 }
 
+// bench --update-fraction's device step: every `pitch`-th element becomes the saved one times the
+// factor, rounded as the host's F32ToBF16 rounds; the elements between are untouched.
+TEST(GpuKernels, ScaleStridedScalesTheSavedElementsAsTheHostDoes) {
+  SS_REQUIRE_GPU();
+  SS_ASSERT_OK(SetDevice(0));
+  constexpr size_t kRows = 1000, kStride = 7;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> w(0.0f, 0.02f);
+  for (DType t : {DType::kBF16, DType::kF32}) {
+    SCOPED_TRACE(DTypeName(t));
+    const size_t es = DTypeSize(t);
+    std::vector<unsigned char> buf(kRows * kStride * es), saved(kRows * es);
+    for (size_t i = 0; i < buf.size() / es; ++i) {
+      const float v = w(rng);
+      if (t == DType::kBF16) {
+        const uint16_t h = F32ToBF16(v);
+        std::memcpy(&buf[i * es], &h, 2);
+      } else {
+        std::memcpy(&buf[i * es], &v, 4);
+      }
+    }
+    for (size_t r = 0; r < kRows; ++r) std::memcpy(&saved[r * es], &buf[r * kStride * es], es);
+    SS_ASSERT_OK_AND_ASSIGN(auto d, DeviceBuffer::Allocate(buf.size(), 0));
+    SS_ASSERT_OK_AND_ASSIGN(auto s, DeviceBuffer::Allocate(saved.size(), 0));
+    SS_ASSERT_OK(CopyToDevice(d->data(), buf.data(), buf.size()));
+    SS_ASSERT_OK(CopyToDevice(s->data(), saved.data(), saved.size()));
+    const float f = 1.0f - 1.0f / 64;
+    SS_ASSERT_OK(ScaleStrided(d->data(), kStride * es, s->data(), kRows, t, f));
+    std::vector<unsigned char> got(buf.size());
+    SS_ASSERT_OK(CopyToHost(got.data(), d->data(), got.size()));
+    size_t changed = 0;
+    for (size_t i = 0; i < buf.size() / es; ++i) {
+      std::vector<unsigned char> want(buf.begin() + i * es, buf.begin() + (i + 1) * es);
+      if (i % kStride == 0) {
+        float v;
+        if (t == DType::kBF16) {
+          uint16_t h;
+          std::memcpy(&h, want.data(), 2);
+          h = F32ToBF16(BF16ToF32(h) * f);
+          std::memcpy(want.data(), &h, 2);
+        } else {
+          std::memcpy(&v, want.data(), 4);
+          v *= f;
+          std::memcpy(want.data(), &v, 4);
+        }
+        changed += std::memcmp(want.data(), &buf[i * es], es) != 0;
+      }
+      ASSERT_EQ(std::memcmp(want.data(), &got[i * es], es), 0) << "element " << i;
+    }
+    EXPECT_GT(changed, kRows * 9 / 10);  // a 1.6% step changes (nearly) every value it scales
+  }
+  EXPECT_EQ(ScaleStrided(nullptr, 2, nullptr, 1, DType::kF16, 0.5f).code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(GpuDevice, QueryReportsTheDevice) {
   SS_REQUIRE_GPU();
   SS_ASSERT_OK_AND_ASSIGN(DeviceInfo info, QueryDevice(0));

@@ -200,22 +200,33 @@ def run(args, lr, cfg_dir):
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=16384)
+def add_args(ap, layers, vocab, bucket_mb):
+    """The model, training and plan arguments (sync_adamw_gpu.py's too, with its defaults)."""
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--vocab", type=int, default=vocab)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lrs", default="1e-6,1e-5")
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--bucket-mb", type=int, default=bucket_mb)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quant", default="none", choices=["none", "fp8-block128"])
     ap.add_argument("--json")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_args(ap, layers=2, vocab=16384, bucket_mb=64)
     args = ap.parse_args()
     torch.set_num_threads(2)
+    run_lrs(args, run)
+
+
+def run_lrs(args, run):
+    """run(args, lr, config dir) for each lr, then the verdict (exit 1 where any sync has a
+    mismatch, no check, is not verified, or counts otherwise than the masters) and --json."""
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "config.json"), "w") as fh:
             json.dump(qwen3_config(args.layers, args.vocab), fh)
@@ -223,9 +234,11 @@ def main():
         for lr in [float(s) for s in args.lrs.split(",")]:
             rows += run(args, lr, d)
     bad = [r for r in rows if r["element_mismatches"] or not r["verified"] or
-           (r["own_changed"] is not None and r["own_changed"] != r["delta"]["changed"])]
+           r["elements_checked"] == 0 or
+           (r["own_changed"] is not None and r["delta"] is not None and
+            r["own_changed"] != r["delta"]["changed"])]
     print(f"{len(rows)} syncs, {sum(r['elements_checked'] for r in rows)} elements checked, "
-          f"{len(bad)} with a mismatch or a count that differs", flush=True)
+          f"{len(bad)} with a mismatch, no check, or a count that differs", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(args=vars(args), results=rows), fh, indent=1)

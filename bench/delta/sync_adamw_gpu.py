@@ -23,11 +23,9 @@ with SKIP_RUN=1, then PYTHONPATH=build-dev/python):
 `--dry --transport shm`: the same flow with CPU tensors and host sessions (bf16), to try it here.
 """
 import argparse
-import json
 import os
 import socket
 import sys
-import tempfile
 import time
 import traceback
 
@@ -37,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from density import Model, init_  # noqa: E402
-from sync_adamw import hf_name, qwen3_config  # noqa: E402
+from sync_adamw import add_args, hf_name, run_lrs  # noqa: E402
 
 import shardsync  # noqa: E402
 
@@ -107,9 +105,21 @@ def sync_device(args):
     return "cuda"
 
 
-def trainer(rank, args, bars, qs, out):
+def rank_main(rank, args, bars, out, body):
+    """Runs one rank process's `body` (it returns its session), then says done, or the error (and
+    breaks the barriers, so the other ranks stop waiting)."""
     emulate_node(args, rank)
     try:
+        body().close()
+        out.put(("done", rank, None))
+    except BaseException as e:  # noqa: BLE001
+        out.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        for b in bars.values():
+            b.abort()
+
+
+def trainer(rank, args, bars, qs, out):
+    def body():
         dev = sync_device(args)
         torch.manual_seed(args["seed"])
         model = Model(args["layers"], args["vocab"])
@@ -161,17 +171,13 @@ def trainer(rank, args, bars, qs, out):
                                         sync_seconds=sync_s, session_seconds=rep["seconds"],
                                         verified=rep["verified"], own_changed=own,
                                         delta=rep.get("delta"))))
-        s.close()
-        out.put(("done", rank, None))
-    except BaseException as e:  # noqa: BLE001
-        out.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        for b in bars.values():
-            b.abort()
+        return s
+
+    rank_main(rank, args, bars, out, body)
 
 
 def engine(rank, args, bars, q, out):
-    emulate_node(args, rank)
-    try:
+    def body():
         dev = sync_device(args)
         plan = shardsync.Plan.from_spec(args["spec"])
         s = session(plan, rank, args)
@@ -193,12 +199,9 @@ def engine(rank, args, bars, q, out):
             out.put(("check", rank, dict(version=v, elements_checked=checked,
                                          element_mismatches=bad, mismatches_by_kind=kinds)))
             bars["checked"].wait(WAIT_S)
-        s.close()
-        out.put(("done", rank, None))
-    except BaseException as e:  # noqa: BLE001
-        out.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        for b in bars.values():
-            b.abort()
+        return s
+
+    rank_main(rank, args, bars, out, body)
 
 
 def run(a, lr, cfg_dir):
@@ -276,43 +279,17 @@ def run(a, lr, cfg_dir):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--lrs", default="1e-6,1e-5")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--bucket-mb", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--weight-decay", type=float, default=0.01)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quant", default="none", choices=["none", "fp8-block128"])
+    add_args(ap, layers=28, vocab=151936, bucket_mb=512)
     ap.add_argument("--encoding", default="delta", choices=["delta", "full", "auto"])
     ap.add_argument("--transport", default="cuda_ipc",
                     choices=["cuda_ipc", "nccl", "auto", "shm", "ucx"])
     ap.add_argument("--emulate-nodes", action="store_true")
     ap.add_argument("--dry", action="store_true",
                     help="CPU tensors and host sessions (machines without a GPU; bf16 only)")
-    ap.add_argument("--json")
     a = ap.parse_args()
     if a.dry and a.quant != "none":
         ap.error("--dry checks bf16 only (the FP8 reference needs torch's float8_e4m3fn)")
-    with tempfile.TemporaryDirectory() as d:
-        with open(os.path.join(d, "config.json"), "w") as fh:
-            json.dump(qwen3_config(a.layers, a.vocab), fh)
-        rows = []
-        for lr in [float(s) for s in a.lrs.split(",")]:
-            rows += run(a, lr, d)
-    bad = [r for r in rows if r["element_mismatches"] or not r["verified"] or
-           r["elements_checked"] == 0 or
-           (r["own_changed"] is not None and r["delta"] is not None and
-            r["own_changed"] != r["delta"]["changed"])]
-    print(f"{len(rows)} syncs, {sum(r['elements_checked'] for r in rows)} elements checked, "
-          f"{len(bad)} with a mismatch, no check, or a count that differs", flush=True)
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(dict(args=vars(a), results=rows), fh, indent=1)
-    sys.exit(1 if bad else 0)
+    run_lrs(a, run)
 
 
 if __name__ == "__main__":

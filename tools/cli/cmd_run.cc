@@ -100,8 +100,8 @@ void AddJobFlags(CLI::App* sub, JobFlags* f) {
                   "How buckets travel each sync (host path, cuda_ipc and nccl pairs; bf16 and "
                   "block FP8, in place or staged): full (whole) | delta (only the wire elements "
                   "changed since the receiver's verified base, whole where the base differs: "
-                  "docs/delta.md) | auto (delta where it pays over each pair's link at the "
-                  "SHARDSYNC_DELTA_* speeds; full where none can)")
+                  "docs/delta.md) | auto (delta where it pays over each pair's link at the delta "
+                  "knobs' speeds, docs/environment.md; full where none can)")
       ->capture_default_str();
   sub->add_option("--fp8-split", f->fp8_split,
                   "Block FP8, blocks whose rows straddle FSDP trainer ranks: amax (their holders "

@@ -49,6 +49,15 @@ using DeltaCtl = std::array<uint64_t, kDeltaCtlWords>;
 // The bases message: [version, buckets, then per bucket: verified version, checksum].
 inline size_t BasesWords(size_t buckets) { return 2 + 2 * buckets; }
 
+// A copy run read the other way (its destination becomes its source): an unpack from a pack, a
+// landing read back into wire order.
+inline void FlipRun(CopyRun& r) {
+  const void* in = r.in;
+  r.in = r.out;
+  r.out = const_cast<void*>(in);
+  std::swap(r.in_stride, r.out_stride);
+}
+
 // The receiver's window: a whole bucket lands at `slot`, a delta at `enc` (device pointers into
 // one allocation of `bytes` at `base`).
 struct DeltaWindow {

@@ -189,10 +189,8 @@ class DeltaRecvPair final : public PreparedPair {
     bs.mode = BatchMode::kPack;
     for (CopyRun& r : bs.runs) {
       const bool pad = spec_.image && r.out == sink();
-      const void* tensor = r.out;
-      r.out = const_cast<void*>(r.in);
-      r.in = pad ? pads_->data() : tensor;
-      std::swap(r.in_stride, r.out_stride);
+      FlipRun(r);
+      if (pad) r.in = pads_->data();
     }
     return bs;
   }

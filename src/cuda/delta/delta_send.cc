@@ -451,13 +451,7 @@ BatchSpec DeltaBucketBatch(const std::vector<PackRegion>& regions, int64_t bytes
                      static_cast<unsigned char*>(image) + r.wire_offset, ws, ws, 0, r.wire_offset,
                      &bs.runs);
     if (mode != BatchMode::kUnpack) continue;
-    for (size_t k = first; k < bs.runs.size(); ++k) {
-      CopyRun& c = bs.runs[k];
-      const void* tensor = c.in;
-      c.in = c.out;
-      c.out = const_cast<void*>(tensor);
-      std::swap(c.in_stride, c.out_stride);
-    }
+    for (size_t k = first; k < bs.runs.size(); ++k) FlipRun(bs.runs[k]);
   }
   return bs;
 }

@@ -217,14 +217,10 @@ void SyncGuard::PostAbort(const Status& s) {
 }
 
 void SyncGuard::Progress() {
-  if (peers_.empty()) return;
-  if (progress_id_ == 0) {
-    auto id = ctx_.tx.PostFlush(peers_[progress_peer_++ % peers_.size()]);
-    if (id.ok()) progress_id_ = *id;
-    return;
-  }
-  auto st = ctx_.tx.Poll(progress_id_);
-  if (!st.ok() || *st == XferState::kDone) progress_id_ = 0;
+  // The transport's own step (transport.h Progress), no longer a flush posted to a peer and
+  // polled for the same effect: it drives UCX's worker over TCP, where a peer's flush or
+  // rendezvous tail completes only while this side progresses.
+  if (!peers_.empty()) ctx_.tx.Progress();
 }
 
 bool SyncGuard::PostedVerdict(int p) {

@@ -95,8 +95,6 @@ class SyncGuard {
   std::vector<int> others_;                // every rank but this one
   std::vector<std::string> others_alive_;  // their liveness keys (set at the first check)
   const VerdictBoard* board_ = nullptr;
-  XferId progress_id_ = 0;  // a flush polled to drive progress while waiting on the store
-  size_t progress_peer_ = 0;
   uint64_t version_ = 0;
   Clock::time_point deadline_;
   Clock::time_point next_abort_check_;

@@ -168,6 +168,9 @@ class Session:
         # (device tensor, host copy) pairs staged around each sync.
         self._staged_sources: List[Tuple[Any, Any]] = []
         self._staged_dests: List[Tuple[Any, Any]] = []
+        # (what, tensor, data_ptr at bind) of tensors bound without a copy that can move their
+        # storage (torch: `.data = ...`, `share_memory_()`, `set_()`): checked before each sync.
+        self._bound_ptrs: List[Tuple[str, Any, int]] = []
         self._connected = False
 
     def _make_native(self, device: Optional[int]) -> "_C.SyncSession":
@@ -300,6 +303,7 @@ class Session:
             else:
                 with _device_guard(tensor):
                     self._native.bind_source(hf_name, tensor, region, chunk)
+                self._remember_ptr(f"source '{hf_name}'", tensor)
 
     def bind_destination(self, name: str, tensor: "SupportsDLPack") -> None:
         """Engine ranks: parameter `name` (the engine's name, e.g.
@@ -314,6 +318,28 @@ class Session:
             else:
                 with _device_guard(tensor):
                     self._native.bind_destination(name, tensor)
+                self._remember_ptr(f"destination '{name}'", tensor)
+
+    def _remember_ptr(self, what: str, tensor: Any) -> None:
+        ptr = getattr(tensor, "data_ptr", None)
+        if callable(ptr):
+            self._bound_ptrs.append((what, tensor, int(ptr())))
+
+    def _check_bound_memory(self, version: int) -> None:
+        """A bound torch tensor whose storage moved since it was bound (`param.data = new`,
+        `share_memory_()`, `set_()`) leaves the session on the old bytes: reading them syncs
+        stale weights that still verify (the checksums cover what was read), or freed memory.
+        Refused before the sync, naming the tensor (the peers' sync then fails at their timeout,
+        naming this rank)."""
+        for what, t, ptr in self._bound_ptrs:
+            now = int(t.data_ptr())
+            if now != ptr:
+                raise FailedPreconditionError(
+                    f"rank {self.rank}, version {version}: {what} moved since it was bound "
+                    f"(data_ptr {ptr:#x} -> {now:#x}: its storage was replaced, e.g. "
+                    "`param.data = ...`, `share_memory_()` or `set_()`); the session still "
+                    "reads the old memory. Update bound tensors in place (copy_, optimizer "
+                    "steps), or move them before binding / bind a new session")
 
     def fail_before_connect(self, why: "str | BaseException") -> None:
         """This rank will not connect: every peer waiting in `connect()` fails at once, naming
@@ -380,6 +406,7 @@ class Session:
         if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= bound:
             raise InvalidArgumentError(
                 f"version: {version!r} outside 1..{bound} (MAX_SYNC_VERSION)")
+        self._check_bound_memory(version)
         for dev, host in self._staged_sources:
             host.copy_(dev.detach())
         report = self._native.sync(int(version))

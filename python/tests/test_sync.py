@@ -209,6 +209,41 @@ def test_corrupted_transfer_is_data_loss_then_recovers(need_session, tiny_model)
             s.close()
 
 
+def test_a_bound_tensor_whose_storage_moved_is_refused_before_the_sync(need_session, tiny_model):
+    """A source updated in place syncs; one whose storage was replaced after binding (`.data =`,
+    as `module.to()` or a re-materialisation does) would leave the session on the old bytes,
+    syncing stale weights that still verify: the sync refuses it on that rank, naming the tensor,
+    and the others fail too (at their sync timeout) instead of reporting success."""
+    torch = pytest.importorskip("torch")
+    spec = _spec(tiny_model, "single", "dp=1,tp=1,pp=1", "sglang")
+    plan = shardsync.Plan.from_spec(spec)
+    full = reference_weights(plan, 5)
+    with shardsync.StoreServer(token=TOKEN) as srv:
+        sessions, srcs, dests = {}, {}, {}
+        for r in range(plan.world_size):
+            s = shardsync.Session(plan, r, srv.address, token=TOKEN, transport="loopback",
+                                  prefix="moved/", sync_timeout=3)
+            if s.is_trainer:
+                srcs = {n: torch.from_numpy(a.copy()) for n, a in full.items()}
+                s.bind_sources(srcs)
+            else:
+                dests[r] = {p.name: np.zeros(p.shape, np.float32) for p in s.expected_params()}
+                shardsync.bind_engine(s, dests[r].items())
+            sessions[r] = s
+        _threads(plan, lambda r: sessions[r].connect())
+        name = next(iter(srcs))
+        srcs[name].add_(1.0)  # in place: the bound memory itself
+        ok = _threads(plan, lambda r: sessions[r].sync(1))
+        assert all(isinstance(rep, dict) and rep["verified"] for rep in ok.values()), ok
+        srcs[name].data = srcs[name].clone()  # new storage: the session still reads the old one
+        moved = _threads(plan, lambda r: sessions[r].sync(2))
+        assert isinstance(moved[0], shardsync.FailedPreconditionError), moved[0]
+        assert f"source '{name}' moved since it was bound" in str(moved[0])
+        assert all(isinstance(e, shardsync.Error) for e in moved.values()), moved
+        for s in sessions.values():
+            s.close()
+
+
 def test_unknown_fault_field_rejected(need_session, tiny_model):
     plan = shardsync.Plan.from_spec(_spec(tiny_model, "fsdp=2", "dp=1,tp=2,pp=1", "sglang"))
     with shardsync.StoreServer(token=TOKEN) as srv:

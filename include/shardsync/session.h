@@ -229,6 +229,11 @@ class SyncSession {
   // tensors): the rank's presence key (created with the session) is marked dead with `why`, and
   // every peer waiting at Connect fails at once naming this rank and `why`. No-op once connected.
   virtual void FailBeforeConnect(const std::string& why) = 0;
+  // This rank will not run sync `version`: a check of the caller's own failed before it (e.g. a
+  // bound tensor whose memory moved). Every peer in or entering that sync fails at once with
+  // Aborted naming this rank and `why`, instead of at its sync timeout; the version is spent (as
+  // any failed one). Before Connect: FailBeforeConnect.
+  virtual void FailSync(uint64_t version, const std::string& why) = 0;
   // The engine parameters this rank must bind (empty for trainer ranks).
   virtual const std::vector<EngineParam>& ExpectedParams() const = 0;
   // Trainer ranks: the local parameters this rank holds (its trainer map, BuildTrainerParams:

@@ -329,17 +329,18 @@ class Session:
         """A bound torch tensor whose storage moved since it was bound (`param.data = new`,
         `share_memory_()`, `set_()`) leaves the session on the old bytes: reading them syncs
         stale weights that still verify (the checksums cover what was read), or freed memory.
-        Refused before the sync, naming the tensor (the peers' sync then fails at their timeout,
-        naming this rank)."""
+        Refused before the sync, naming the tensor; the peers' sync fails at once (fail_sync)."""
         for what, t, ptr in self._bound_ptrs:
             now = int(t.data_ptr())
             if now != ptr:
-                raise FailedPreconditionError(
+                e = FailedPreconditionError(
                     f"rank {self.rank}, version {version}: {what} moved since it was bound "
                     f"(data_ptr {ptr:#x} -> {now:#x}: its storage was replaced, e.g. "
                     "`param.data = ...`, `share_memory_()` or `set_()`); the session still "
                     "reads the old memory. Update bound tensors in place (copy_, optimizer "
                     "steps), or move them before binding / bind a new session")
+                self.fail_sync(version, e)
+                raise e
 
     def fail_before_connect(self, why: "str | BaseException") -> None:
         """This rank will not connect: every peer waiting in `connect()` fails at once, naming
@@ -350,6 +351,15 @@ class Session:
         if isinstance(why, BaseException):
             why = f"{type(why).__name__}: {why}"
         self._native.fail_before_connect(str(why))
+
+    def fail_sync(self, version: int, why: "str | BaseException") -> None:
+        """This rank will not run `sync(version)`: a check of your own failed before it (an
+        exception: its type and message). Every peer in or entering that sync raises
+        AbortedError at once, naming this rank and `why`, instead of at its sync_timeout; the
+        version is spent (use a newer one next). Before `connect()`: `fail_before_connect`."""
+        if isinstance(why, BaseException):
+            why = f"{type(why).__name__}: {why}"
+        self._native.fail_sync(int(version), str(why))
 
     @contextlib.contextmanager
     def _failing_before_connect(self, what: str) -> "Iterator[None]":

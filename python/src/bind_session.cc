@@ -524,6 +524,14 @@ void RegisterSession(py::module_& m) {
           py::arg("why"),
           "This rank cannot connect: every peer waiting at connect() fails now, naming it and "
           "`why` (SyncSession::FailBeforeConnect).")
+      .def(
+          "fail_sync",
+          [](PySession& s, uint64_t version, const std::string& why) {
+            s.session().FailSync(version, why);
+          },
+          py::arg("version"), py::arg("why"),
+          "This rank will not run sync `version`: every peer in or entering it fails now with "
+          "AbortedError naming this rank and `why` (SyncSession::FailSync).")
       .def("sync", &PySession::Sync, py::arg("version"))
       .def("commit", &PySession::Commit, py::arg("version"))
       .def("rollback", &PySession::Rollback)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -213,7 +214,7 @@ def test_a_bound_tensor_whose_storage_moved_is_refused_before_the_sync(need_sess
     """A source updated in place syncs; one whose storage was replaced after binding (`.data =`,
     as `module.to()` or a re-materialisation does) would leave the session on the old bytes,
     syncing stale weights that still verify: the sync refuses it on that rank, naming the tensor,
-    and the others fail too (at their sync timeout) instead of reporting success."""
+    and the others fail at once (fail_sync), naming it too, instead of reporting success."""
     torch = pytest.importorskip("torch")
     spec = _spec(tiny_model, "single", "dp=1,tp=1,pp=1", "sglang")
     plan = shardsync.Plan.from_spec(spec)
@@ -222,7 +223,7 @@ def test_a_bound_tensor_whose_storage_moved_is_refused_before_the_sync(need_sess
         sessions, srcs, dests = {}, {}, {}
         for r in range(plan.world_size):
             s = shardsync.Session(plan, r, srv.address, token=TOKEN, transport="loopback",
-                                  prefix="moved/", sync_timeout=3)
+                                  prefix="moved/", sync_timeout=60)
             if s.is_trainer:
                 srcs = {n: torch.from_numpy(a.copy()) for n, a in full.items()}
                 s.bind_sources(srcs)
@@ -235,11 +236,22 @@ def test_a_bound_tensor_whose_storage_moved_is_refused_before_the_sync(need_sess
         srcs[name].add_(1.0)  # in place: the bound memory itself
         ok = _threads(plan, lambda r: sessions[r].sync(1))
         assert all(isinstance(rep, dict) and rep["verified"] for rep in ok.values()), ok
+        old_storage = srcs[name].data
         srcs[name].data = srcs[name].clone()  # new storage: the session still reads the old one
+        t0 = time.monotonic()
         moved = _threads(plan, lambda r: sessions[r].sync(2))
+        assert time.monotonic() - t0 < 30  # not the peers' 60 s sync timeout
         assert isinstance(moved[0], shardsync.FailedPreconditionError), moved[0]
         assert f"source '{name}' moved since it was bound" in str(moved[0])
-        assert all(isinstance(e, shardsync.Error) for e in moved.values()), moved
+        for r in range(1, plan.world_size):
+            assert isinstance(moved[r], shardsync.AbortedError), moved[r]
+            assert "sync rank 0 failed" in str(moved[r]) and "moved since it was bound" in str(
+                moved[r])
+        # The next version with the tensor bound again is not possible (connected); with the
+        # storage put back it syncs.
+        srcs[name].data = old_storage
+        again = _threads(plan, lambda r: sessions[r].sync(3))
+        assert all(isinstance(rep, dict) and rep["verified"] for rep in again.values()), again
         for s in sessions.values():
             s.close()
 

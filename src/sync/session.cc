@@ -124,6 +124,15 @@ class SessionImpl final : public SyncSession {
     if (!connected_) presence_.Fail(why);
   }
 
+  void FailSync(uint64_t version, const std::string& why) override {
+    if (!connected_) return FailBeforeConnect(why);
+    // The version's abort key, which every rank of that sync watches (SyncGuard::CheckAbort).
+    ctx_.store
+        .Set(ctx_.Key("v" + std::to_string(version) + "/abort"),
+             "sync rank " + std::to_string(ctx_.rank) + " failed: " + why)
+        .IgnoreError();
+  }
+
   Status Connect() override {
     if (connected_) {
       return FailedPreconditionError("sync rank " + std::to_string(ctx_.rank) +

@@ -386,9 +386,14 @@ class EngineRankHook:
         """The sync body (raises; wrap with _guard): pre-check, sync, finalize, post-check."""
         if self.session is None:
             raise FailedPreconditionError("sync before a successful init on this rank")
-        if self.poisoned:
-            raise FailedPreconditionError(f"rank refuses to sync: {self.poisoned}")
-        self.check_ready("before sync")
+        try:
+            if self.poisoned:
+                raise FailedPreconditionError(f"rank refuses to sync: {self.poisoned}")
+            self.check_ready("before sync")
+        except Error as e:
+            # The trainer ranks and the other engine ranks fail now, not at their sync timeout.
+            self.session.fail_sync(int(version), e)
+            raise
         report = self.session.sync(int(version))
         if self.staged:
             # Staged commit: the bytes are in staging, the engine still serves the live

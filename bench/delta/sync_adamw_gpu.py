@@ -289,6 +289,8 @@ def main():
     a = ap.parse_args()
     if a.dry and a.quant != "none":
         ap.error("--dry checks bf16 only (the FP8 reference needs torch's float8_e4m3fn)")
+    if a.dry and a.transport not in ("shm", "ucx"):
+        ap.error(f"--dry runs host sessions: --transport shm or ucx, not {a.transport}")
     run_lrs(a, run)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -238,9 +237,9 @@ def test_a_bound_tensor_whose_storage_moved_is_refused_before_the_sync(need_sess
         assert all(isinstance(rep, dict) and rep["verified"] for rep in ok.values()), ok
         old_storage = srcs[name].data
         srcs[name].data = srcs[name].clone()  # new storage: the session still reads the old one
-        t0 = time.monotonic()
+        # Peers that timed out would raise DeadlineExceededError; they raise AbortedError naming
+        # rank 0's refusal, posted by fail_sync.
         moved = _threads(plan, lambda r: sessions[r].sync(2))
-        assert time.monotonic() - t0 < 30  # not the peers' 60 s sync timeout
         assert isinstance(moved[0], shardsync.FailedPreconditionError), moved[0]
         assert f"source '{name}' moved since it was bound" in str(moved[0])
         for r in range(1, plan.world_size):

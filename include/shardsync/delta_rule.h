@@ -10,18 +10,43 @@
 
 namespace shardsync {
 
-inline constexpr uint64_t kDeltaIndexBytes = 4;  // u32 element index of an index record
+// The index form names each change by its tile (kDeltaTileBytes of the bucket: 16384 / e
+// elements) and its element within the tile (u16): per tile, a u32 with the changes up to and
+// including that tile (a running count), then a u16 per change, then the values (delta.h "Encoded
+// form"). The tile is the device codec's tile, so a tile's changes are one contiguous run for it.
+inline constexpr uint64_t kDeltaTileBytes = 16384;
 
 SHARDSYNC_HD uint64_t DeltaBitmapBytes(uint64_t elements) { return (elements + 7) / 8; }
+
+// The index form's payload (after the header): `ends` at 0 (u32 per tile), the u16 offsets at
+// `offsets`, zero padding to a multiple of 4, the values at `values`; `bytes` in all.
+struct DeltaIndexLayout {
+  uint64_t tiles = 0;        // ceil(elements / tile elements)
+  uint64_t tile_elems = 0;   // kDeltaTileBytes / element size
+  uint64_t offsets = 0;      // 4 x tiles
+  uint64_t values = 0;       // offsets + 2 x changed, rounded up to a multiple of 4
+  uint64_t bytes = 0;        // values + changed x element size
+};
+SHARDSYNC_HD DeltaIndexLayout DeltaIndexPayload(uint64_t elements, uint64_t element_size,
+                                                uint64_t changed) {
+  DeltaIndexLayout l;
+  l.tile_elems = kDeltaTileBytes / element_size;
+  l.tiles = (elements + l.tile_elems - 1) / l.tile_elems;
+  l.offsets = 4 * l.tiles;
+  l.values = (l.offsets + 2 * changed + 3) / 4 * 4;
+  l.bytes = l.values + changed * element_size;
+  return l;
+}
 
 // Both forms carry the changed values; they differ in how positions are named. `changed` is
 // clamped to `elements`.
 SHARDSYNC_HD DeltaSize DeltaSizeRule(uint64_t elements, uint64_t element_size, uint64_t changed) {
   const uint64_t full = elements * element_size;
   if (changed > elements) changed = elements;
-  const bool index = kDeltaIndexBytes * changed <= DeltaBitmapBytes(elements);
-  const uint64_t bytes = kDeltaHeaderBytes + changed * element_size +
-                         (index ? kDeltaIndexBytes * changed : DeltaBitmapBytes(elements));
+  const uint64_t index_bytes = DeltaIndexPayload(elements, element_size, changed).bytes;
+  const uint64_t bitmap_bytes = DeltaBitmapBytes(elements) + changed * element_size;
+  const bool index = index_bytes <= bitmap_bytes;
+  const uint64_t bytes = kDeltaHeaderBytes + (index ? index_bytes : bitmap_bytes);
   DeltaSize s;
   if (bytes >= full) {
     s.kind = DeltaKind::kFull;

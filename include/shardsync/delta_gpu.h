@@ -20,8 +20,8 @@
 //     byte as it was (during the call it may hold part of the delta: no one else reads or writes
 //     it until Finish, as for every buffer of the call).
 // Scratch: DeltaGpuScratch::Bytes(max bucket bytes) of device memory, for every element size
-// (the element-size argument is checked but no longer changes the size): about 0.31 x the
-// bucket (values staged in up to a quarter of it, indices in 1/16, 12 bytes per 16 KiB tile;
+// (the element-size argument is checked but no longer changes the size): about 0.38 x the
+// bucket (values staged in up to a quarter of it, indices in 1/8, 12 bytes per 16 KiB tile;
 // decode keeps the changed elements' old values in the same room), plus one small pinned host
 // block.
 //
@@ -30,14 +30,15 @@
 // range of tiles, two tiles in flight), writes the bitmap form's bytes in place and stages each
 // range's changes in scratch (no block waits on another); the write pass scans the ranges'
 // counts and moves the staged changes to their place (bitmap form: one copy per range; index
-// form: the records), a programmatic dependent launch of the first. Traffic beyond the bound's:
+// form: its tiles' running counts, then a copy each of offsets and values), a programmatic
+// dependent launch of the first. Traffic beyond the bound's:
 // the changes written and read once more, the bitmap written even when the index form wins.
-// Decode, apply then verify: the checks that need no bucket byte first (header, index records,
+// Decode, apply then verify: the checks that need no bucket byte first (header, index form,
 // bitmap tail and count), then one pass over the bucket reads each 16 KiB tile once (the base
 // checksum), writes back each 16-byte vector holding a change and saves the old values in the
 // scratch (the result's checksum predicted from the words in registers); a refusal costs one
-// more pass that puts the old values back. Index form: a records pass (checks, each tile's first
-// record), then the tile pass (a range of tiles per block fed by the copy engine, the records
+// more pass that puts the old values back. Index form: a records pass (a warp per tile: running
+// counts, offsets and padding checked, each tile's first record), then the tile pass (a range of tiles per block fed by the copy engine, the records
 // patched into the tile in shared memory). Bitmap form: a count pass over the bitmap (a range of
 // tiles per block) gives each tile its first value, then the tile pass (grid-stride). A bitmap
 // delta whose old values exceed the scratch (over about 31% density) is checked first and

@@ -208,6 +208,16 @@ struct Case {
 };
 
 void Put64(Bytes* b, size_t at, uint64_t v) { std::memcpy(b->data() + at, &v, 8); }
+template <typename T>
+void PutLE(Bytes* b, size_t at, T v) {
+  std::memcpy(b->data() + at, &v, sizeof(T));
+}
+template <typename T>
+T GetLE(const Bytes& b, size_t at) {
+  T v;
+  std::memcpy(&v, b.data() + at, sizeof(T));
+  return v;
+}
 uint64_t Get64(const Bytes& b, size_t at) {
   uint64_t v;
   std::memcpy(&v, b.data() + at, 8);
@@ -217,8 +227,8 @@ uint64_t Get64(const Bytes& b, size_t at) {
 TEST_F(GpuDelta, RefusalsMatchTheHostAndLeaveTheBucketUntouched) {
   constexpr size_t kElems = 40003;  // odd: the bitmap's last byte has bits past the end
   const Bytes base = RandomBytes(kElems * 2, 77);
-  for (double density : {0.01, 0.2}) {  // index form, bitmap form
-    const Bytes next = Mutate(base, 2, static_cast<uint64_t>(density * kElems), 3);
+  for (uint64_t changes : {401, 8000}) {  // index form (2 padding bytes), bitmap form
+    const Bytes next = Mutate(base, 2, changes, 3);
     Bytes enc0;
     ASSERT_TRUE(EncodeDelta(base, next, 2, 41, "b", &enc0).ok());
     const bool index = static_cast<DeltaKind>(enc0[5]) == DeltaKind::kIndex;
@@ -230,7 +240,7 @@ TEST_F(GpuDelta, RefusalsMatchTheHostAndLeaveTheBucketUntouched) {
         {"truncated", [](Bytes*, Bytes*, DeltaExpect*, size_t* n) { *n -= 1; }},
         {"short", [](Bytes*, Bytes*, DeltaExpect*, size_t* n) { *n = 20; }},
         {"magic", [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[0] = std::byte{'X'}; }},
-        {"format", [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[4] = std::byte{2}; }},
+        {"format 1", [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[4] = std::byte{1}; }},
         {"kind", [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[5] = std::byte{3}; }},
         {"reserved", [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[7] = std::byte{1}; }},
         {"count over elements",
@@ -242,12 +252,31 @@ TEST_F(GpuDelta, RefusalsMatchTheHostAndLeaveTheBucketUntouched) {
          [](Bytes* e, Bytes*, DeltaExpect*, size_t* n) { (*e)[*n - 1] ^= std::byte{1}; }},
     };
     if (index) {
-      cases.push_back({"index out of range", [payload](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
-                         const uint32_t bad = kElems + 5;
-                         std::memcpy(e->data() + payload + 6 * 17, &bad, 4);
+      // Format 2's faults (delta.h): a running count, the last count, an offset, the padding.
+      const uint64_t count = Get64(enc0, 40);
+      const DeltaIndexLayout l = DeltaIndexPayload(kElems, 2, count);
+      ASSERT_EQ(l.tiles, 5u);
+      ASSERT_GT(l.values, l.offsets + 2 * count);  // an odd count: 2 bytes of padding
+      auto end = [&](uint64_t t) { return GetLE<uint32_t>(enc0, payload + 4 * t); };
+      ASSERT_GE(end(0), 2u);
+      cases.push_back({"running count falls", [&, payload](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         PutLE<uint32_t>(e, payload + 4 * 2, end(1) - 1);
                        }});
-      cases.push_back({"index not increasing", [payload](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
-                         std::memcpy(e->data() + payload + 6 * 30, e->data() + payload + 6 * 29, 4);
+      cases.push_back({"last running count", [&, payload](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         PutLE<uint32_t>(e, payload + 4 * 4, end(4) + 1);
+                       }});
+      cases.push_back({"offset out of its tile",
+                       [&, payload](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         PutLE<uint16_t>(e, payload + l.offsets + 2 * (end(3) + 1), 7235);
+                       }});
+      cases.push_back({"offset not increasing",
+                       [&, payload](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         const size_t k = end(0) - 1;
+                         PutLE<uint16_t>(e, payload + l.offsets + 2 * k,
+                                         GetLE<uint16_t>(*e, payload + l.offsets + 2 * (k - 1)));
+                       }});
+      cases.push_back({"padding", [&, payload](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         (*e)[payload + l.values - 1] = std::byte{1};
                        }});
     } else {
       const size_t bitmap = (kElems + 7) / 8;
@@ -315,7 +344,9 @@ TEST_F(GpuDelta, RefusedDecodesLeaveTheBucketAsItWas) {
       ASSERT_TRUE(host.ok());
       const bool index = host->kind == DeltaKind::kIndex;
       ASSERT_EQ(host->kind, density < 0.05 ? DeltaKind::kIndex : DeltaKind::kBitmap);
-      const size_t rec = kDeltaHeaderBytes + (index ? 0 : (elements + 7) / 8);
+      const DeltaIndexLayout il = DeltaIndexPayload(elements, e, host->changed);
+      // Where the values start (index form: after the running counts and offsets).
+      const size_t rec = kDeltaHeaderBytes + (index ? il.values : (elements + 7) / 8);
       std::vector<Case> cases = {
           {"base version", [](Bytes*, Bytes*, DeltaExpect* x, size_t*) { x->base_version = 7; }},
           {"base checksum in the header",
@@ -324,16 +355,17 @@ TEST_F(GpuDelta, RefusedDecodesLeaveTheBucketAsItWas) {
                                     size_t*) { (*b)[b->size() / 2 + e] ^= std::byte{8}; }},
           {"corrupt value, first",
            [index, e, rec](Bytes* c, Bytes*, DeltaExpect*, size_t*) {
-             (*c)[rec + (index ? kDeltaIndexBytes + e - 1 : e - 1)] ^= std::byte{0x40};
+             (*c)[rec + e - 1] ^= std::byte{0x40};
            }},
           {"corrupt value, last",
            [](Bytes* c, Bytes*, DeltaExpect*, size_t* n) { (*c)[*n - 1] ^= std::byte{1}; }},
       };
       if (index) {
         cases.push_back(
-            {"record not increasing", [e, rec](Bytes* c, Bytes*, DeltaExpect*, size_t*) {
-               const size_t r = kDeltaIndexBytes + e;
-               std::memcpy(c->data() + rec + 5 * r, c->data() + rec + 4 * r, 4);
+            {"offset not increasing", [il](Bytes* c, Bytes*, DeltaExpect*, size_t*) {
+               // Records 4 and 5 lie in tile 0 (1% of a tile of 4096 or more elements).
+               const size_t offs = kDeltaHeaderBytes + il.offsets;
+               std::memcpy(c->data() + offs + 2 * 5, c->data() + offs + 2 * 4, 2);
              }});
       } else {
         cases.push_back({"bitmap bit", [rec](Bytes* c, Bytes*, DeltaExpect*, size_t*) {

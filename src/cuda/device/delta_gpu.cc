@@ -306,21 +306,46 @@ Status FinishDeltaDecode(DeltaGpuScratch* scratch, std::chrono::milliseconds tim
           "{:#018x}: not applied",
           name, h.base_checksum, h.base_version, r.have));
     case dk::kBadRecord: {
-      // The first bad record and the one before it, read back for the message.
-      const uint64_t k = r.detail, rec = kDeltaIndexBytes + h.element_size;
-      unsigned char buf[16] = {};
-      const uint64_t from = k > 0 ? (k - 1) * rec : 0;
-      const auto* src = static_cast<const unsigned char*>(s->encoded_) + kDeltaHeaderBytes + from;
-      SS_RETURN_IF_ERROR(OnPrivateStream(
-          [&](cudaStream_t st) {
-            return cudaMemcpyAsync(buf, src, k > 0 ? 2 * rec : rec, cudaMemcpyDeviceToHost, st);
-          },
-          std::chrono::seconds(10), "device delta decode: read back a bad record"));
-      const uint64_t i = dk::LoadLE(buf + (k > 0 ? rec : 0), 4);
-      if (i >= h.elements)
-        return malformed(fmt::format("record {}: index {} out of range [0, {})", k, i, h.elements));
-      return malformed(
-          fmt::format("record {}: index {} not above the previous {}", k, i, dk::LoadLE(buf, 4)));
+      // The fault's bytes read back for the host decoder's message (delta.cc, same words).
+      const DeltaIndexLayout l = DeltaIndexPayload(h.elements, h.element_size, h.changed);
+      const auto* payload = static_cast<const unsigned char*>(s->encoded_) + kDeltaHeaderBytes;
+      auto read = [&](uint64_t at, int bytes) -> Result<uint64_t> {
+        unsigned char buf[4] = {};
+        SS_RETURN_IF_ERROR(OnPrivateStream(
+            [&](cudaStream_t st) {
+              return cudaMemcpyAsync(buf, payload + at, bytes, cudaMemcpyDeviceToHost, st);
+            },
+            std::chrono::seconds(10), "device delta decode: read back an index fault"));
+        return dk::LoadLE(buf, bytes);
+      };
+      const uint64_t key = r.detail;
+      switch (key >> 62) {
+        case 0: {
+          const uint64_t t = key;
+          SS_ASSIGN_OR_RETURN(const uint64_t prev, read(4 * (t - 1), 4));
+          SS_ASSIGN_OR_RETURN(const uint64_t end, read(4 * t, 4));
+          return malformed(
+              fmt::format("tile {}: running count {} below the previous tile's {}", t, end, prev));
+        }
+        case 1: {
+          SS_ASSIGN_OR_RETURN(const uint64_t end, read(4 * (l.tiles - 1), 4));
+          return malformed(fmt::format("tile {}: running count {}, the count says {}",
+                                       l.tiles - 1, end, h.changed));
+        }
+        case 2: {
+          const uint64_t k = (key >> 20) & 0xFFFFFFFFull, t = key & 0xFFFFFull;
+          const uint64_t nt = std::min(l.tile_elems, h.elements - t * l.tile_elems);
+          SS_ASSIGN_OR_RETURN(const uint64_t off, read(l.offsets + 2 * k, 2));
+          if (off >= nt)
+            return malformed(fmt::format("record {}: element {} of tile {} out of range [0, {})",
+                                         k, off, t, nt));
+          SS_ASSIGN_OR_RETURN(const uint64_t prev, read(l.offsets + 2 * (k - 1), 2));
+          return malformed(fmt::format("record {}: element {} of tile {} not above the previous {}",
+                                       k, off, t, prev));
+        }
+        default:
+          return malformed(fmt::format("index padding byte {} not zero", key & ((1ull << 62) - 1)));
+      }
     }
     case dk::kBitmapTail:
       return malformed(fmt::format("bitmap bits set past element {}", h.elements));

@@ -12,8 +12,9 @@
 // checked first and written by Fixup, as before.) Every kernel checks the header first
 // (delta_kernels.h ParseHeader, the host's order); every form's passes are queued, and those of
 // the other form return at once. No kernel waits on another block.
-// Index form: Records (DecodeRecordsKernel, a thread per record) checks every record (in range,
-// strictly increasing) and writes each tile's first record; IndexTile (DecodeIndexTileKernel, a
+// Index form: Records (DecodeRecordsKernel, a warp per tile) checks the tile's running count,
+// its records (inside the tile, strictly increasing) and the padding, and writes each tile's
+// first record; IndexTile (DecodeIndexTileKernel, a
 // range of tiles per block, the copy engine loading the next tile while the block works on one)
 // sums each tile, patches its records into the tile in shared memory and writes back the
 // vectors that changed.
@@ -369,11 +370,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeFixupKernel(DecArg
   const unsigned char* saved = a.s.vals;  // the old values (restore)
   Elem<E>* out = reinterpret_cast<Elem<E>*>(a.bucket);
   if (static_cast<int>((go >> 32) & 0xff) == static_cast<int>(DeltaKind::kIndex)) {
-    const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
-    for (uint64_t k = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; k < changed;
-         k += stride) {
-      out[RecIndex<E>(payload, k)] = applied ? reinterpret_cast<const Elem<E>*>(saved)[k]
-                                             : static_cast<Elem<E>>(RecValue<E>(payload, k));
+    // A block per tile (tile[t]: its first record, from the records pass), a store per record.
+    const IndexView iv = IndexOf<E>(payload, n / E, changed);
+    constexpr uint64_t kTileElems = kTileBytes / E;
+    for (uint32_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
+      Elem<E>* te = out + uint64_t{t} * kTileElems;
+      for (uint64_t k = a.s.tile[t] + threadIdx.x; k < a.s.tile[t + 1]; k += kThreads)
+        te[iv.offs[k]] = applied ? reinterpret_cast<const Elem<E>*>(saved)[k]
+                                 : static_cast<Elem<E>>(RecValue<E>(iv, k));
     }
     return;
   }

@@ -23,29 +23,29 @@ struct DecArgs {
   ScratchPtrs s;
 };
 
-// Record k's index and value (the payload is 16-byte aligned: 2- and 4-byte elements' records
-// are read in 2- and 4-byte words).
+// The index form's payload (delta_rule.h DeltaIndexPayload; the payload is 16-byte aligned, so
+// the running counts, offsets and values are aligned to their size): record k's element within
+// its tile and its value.
+struct IndexView {
+  const uint32_t* ends;      // running count through each tile
+  const uint16_t* offs;      // element within its tile, per record
+  const unsigned char* vals;
+};
 template <int E>
-__device__ __forceinline__ uint64_t RecIndex(const unsigned char* payload, uint64_t k) {
-  const unsigned char* p = payload + k * (kDeltaIndexBytes + E);
-  if constexpr (E == 4) {
-    return *reinterpret_cast<const uint32_t*>(p);
-  } else if constexpr (E == 2) {
-    const auto* h = reinterpret_cast<const uint16_t*>(p);
-    return h[0] | uint64_t{h[1]} << 16;
-  } else {
-    return LoadLE(p, 4);
-  }
+__device__ __forceinline__ IndexView IndexOf(const unsigned char* payload, uint64_t elements,
+                                             uint64_t changed) {
+  const DeltaIndexLayout l = DeltaIndexPayload(elements, E, changed);
+  return {reinterpret_cast<const uint32_t*>(payload),
+          reinterpret_cast<const uint16_t*>(payload + l.offsets), payload + l.values};
 }
 template <int E>
-__device__ __forceinline__ uint64_t RecValue(const unsigned char* payload, uint64_t k) {
-  const unsigned char* p = payload + k * (kDeltaIndexBytes + E) + kDeltaIndexBytes;
+__device__ __forceinline__ uint64_t RecValue(const IndexView& v, uint64_t k) {
   if constexpr (E == 4) {
-    return *reinterpret_cast<const uint32_t*>(p);
+    return reinterpret_cast<const uint32_t*>(v.vals)[k];
   } else if constexpr (E == 2) {
-    return *reinterpret_cast<const uint16_t*>(p);
+    return reinterpret_cast<const uint16_t*>(v.vals)[k];
   } else {
-    return *p;
+    return v.vals[k];
   }
 }
 
@@ -80,7 +80,7 @@ __device__ __forceinline__ uint32_t RangeFirst(const DecArgs& a, uint32_t r) {
 // Whether the changes are written before the decision (the decide kernel reads the same): the
 // header passed, the form's own checks that come before any write passed (index: every record;
 // bitmap: its tail and popcount), and the old values fit the scratch (always for the index form:
-// its changes are under 1/32 of the bucket's bytes; the bitmap form up to about 31% density).
+// its changes are under 1/16 of the bucket's elements; the bitmap form up to about 31% density).
 // Read after the passes that set those fields (the records pass; the count pass).
 template <int E>
 __device__ __forceinline__ bool WillApply(const DecArgs& a, const HeaderView& h) {

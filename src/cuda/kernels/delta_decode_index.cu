@@ -5,40 +5,51 @@
 namespace shardsync::gpu::delta {
 namespace {
 
-// Index form, first pass (a thread per record): every record checked (in range, above the one
-// before: the first bad one in ctl->bad_record), and each tile's first record (tile[t], the
-// first record at or past the tile's first element; tile[tiles] = the count), written by the
-// record that starts it (the gaps before it filled too). Only trusted once every record passed.
+// Index form, first pass (a warp per tile of the encoding): the running counts checked (none
+// below the tile before; the last one the header's count), every record checked (inside its
+// tile, above the one before in it), the padding checked: the first fault in the host's order
+// in ctl->bad_record (IndexFault). Each tile's first record goes to tile[t] (tile[tiles] and on:
+// the count), trusted only once nothing was found.
 template <int E>
 __global__ void __launch_bounds__(kThreads) DecodeRecordsKernel(DecArgs a) {
   GridDepWait();
   GridDepTrigger();
-  constexpr uint64_t kTileElems = kTileBytes / E;
   __shared__ HeaderView h;
   if (threadIdx.x == 0) h = Parse<E>(a);
   __syncthreads();
   if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
-  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
+  const DeltaIndexLayout l = DeltaIndexPayload(h.elements, E, h.changed);
+  const IndexView v = IndexOf<E>(a.enc + kDeltaHeaderBytes, h.elements, h.changed);
   const uint64_t c = h.changed;
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * kThreads;
-  const uint64_t first = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (c == 0) {
-    for (uint64_t t = first; t <= a.tiles; t += stride) a.s.tile[t] = 0;
-    return;
-  }
-  for (uint64_t k = first; k < c; k += stride) {
-    const uint64_t i = RecIndex<E>(payload, k);
-    const uint64_t prev = k > 0 ? RecIndex<E>(payload, k - 1) : 0;
-    if (i >= h.elements || (k > 0 && i <= prev)) {
-      atomicMin(&a.s.ctl->bad_record, static_cast<unsigned long long>(k));
-      continue;
+  const int lane = threadIdx.x & 31;
+  const uint64_t warps = static_cast<uint64_t>(gridDim.x) * kWarps;
+  const uint64_t first = static_cast<uint64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  unsigned long long fault = ~0ull;
+  for (uint64_t t = first; t < l.tiles; t += warps) {
+    const uint64_t s = t > 0 ? v.ends[t - 1] : 0, e = v.ends[t];
+    if (lane == 0) {
+      a.s.tile[t] = static_cast<uint32_t>(s);
+      if (e < s) fault = min(fault, IndexFaultTile(t));
+      if (t == l.tiles - 1 && e != c) fault = min(fault, IndexFaultLast());
     }
-    const uint64_t ti = i / kTileElems;
-    for (uint64_t t = k > 0 ? prev / kTileElems + 1 : 0; t <= ti; ++t)
-      a.s.tile[t] = static_cast<uint32_t>(k);
-    if (k == c - 1)
-      for (uint64_t t = ti + 1; t <= a.tiles; ++t) a.s.tile[t] = static_cast<uint32_t>(c);
+    // Bounded by the count whatever the running counts say (a fault among them is reported
+    // first; the records then only need to be read safely).
+    const uint64_t lo = min(s, c), hi = min(max(e, lo), c);
+    const uint64_t nt = min(l.tile_elems, h.elements - t * l.tile_elems);
+    for (uint64_t k = lo + lane; k < hi; k += 32) {
+      const uint64_t off = v.offs[k];
+      if (off >= nt || (k > lo && off <= v.offs[k - 1])) {
+        fault = min(fault, IndexFaultRecord(k, t));
+        break;
+      }
+    }
   }
+  if (first == 0 && lane == 0) {
+    for (uint64_t t = l.tiles; t <= a.tiles; ++t) a.s.tile[t] = static_cast<uint32_t>(c);
+    for (uint64_t b = l.offsets + 2 * c; b < l.values; ++b)
+      if (a.enc[kDeltaHeaderBytes + b] != 0) fault = min(fault, IndexFaultPadding(b));
+  }
+  if (fault != ~0ull) atomicMin(&a.s.ctl->bad_record, fault);
 }
 
 // The index form's tile pass: 2 tiles of the bucket in shared memory per block (the copy engine
@@ -57,7 +68,6 @@ inline constexpr int kIdxMinBlocks = 4;
 template <int E>
 __global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel(DecArgs a) {
   GridDepWait();
-  constexpr uint64_t kTileElems = kTileBytes / E;
   extern __shared__ __align__(128) unsigned char s_dyn[];  // kIdxStages tiles
   __shared__ __align__(8) uint64_t s_bar[kIdxStages];
   auto stage = [&](uint32_t st) { return reinterpret_cast<uint4*>(s_dyn + st * kTileBytes); };
@@ -74,7 +84,7 @@ __global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel
   if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
   const bool apply = s_apply;
   const uint64_t n = a.n;
-  const unsigned char* payload = a.enc + kDeltaHeaderBytes;
+  const IndexView iv = IndexOf<E>(a.enc + kDeltaHeaderBytes, h.elements, h.changed);
   Elem<E>* saved = reinterpret_cast<Elem<E>*>(a.s.vals);
   const uint32_t lo = RangeFirst(a, blockIdx.x), hi = RangeFirst(a, blockIdx.x + 1);
   // Whole tiles come through the copy engine; the bucket's ragged last tile, if any, is loaded
@@ -96,10 +106,10 @@ __global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel
     // The tile's records [rs, re), the first of them loaded while the tile lands.
     const uint32_t re = apply ? a.s.tile[t + 1] : 0;
     const uint64_t k0 = uint64_t{rs} + threadIdx.x;
-    uint64_t idx0 = 0, val0 = 0;
+    uint64_t off0 = 0, val0 = 0;
     if (k0 < re) {
-      idx0 = RecIndex<E>(payload, k0);
-      val0 = RecValue<E>(payload, k0);
+      off0 = iv.offs[k0];
+      val0 = RecValue<E>(iv, k0);
     }
     const uint32_t i = t - lo, st = i % kIdxStages;
     uint4* tile = stage(st);
@@ -128,12 +138,11 @@ __global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel
     if (re > rs) {      // uniform across the block
       __syncthreads();  // every base vector read before the patches
       Elem<E>* te = reinterpret_cast<Elem<E>*>(tile);
-      const uint64_t e0 = uint64_t{t} * kTileElems;
       for (uint64_t k = k0; k < re; k += kThreads) {
-        const uint64_t idx = k == k0 ? idx0 : RecIndex<E>(payload, k);
-        const uint64_t val = k == k0 ? val0 : RecValue<E>(payload, k);
-        saved[k] = te[idx - e0];
-        te[idx - e0] = static_cast<Elem<E>>(val);
+        const uint64_t off = k == k0 ? off0 : iv.offs[k];
+        const uint64_t val = k == k0 ? val0 : RecValue<E>(iv, k);
+        saved[k] = te[off];
+        te[off] = static_cast<Elem<E>>(val);
       }
       __syncthreads();
 #pragma unroll

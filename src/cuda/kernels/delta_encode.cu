@@ -13,7 +13,8 @@
 // changes before its range, and the total, hence the form; block 0 writes the header and the
 // result), scans its range's tile counts, and moves the range's staged changes to their place,
 // which is contiguous for the range: bitmap form, the values after the bitmap (one copy
-// with 16-byte stores); index form, the records (over the bitmap's bytes), a thread per record.
+// with 16-byte stores); index form (over the bitmap's bytes), its tiles' running counts, then the
+// offsets and the values, one copy each.
 // A range that ran out of staging room re-reads those tiles (a warp per tile). Nothing for kFull.
 // Traffic: base and next read once, the bitmap written once, the changes written twice and read
 // once (plus 2 bytes per change of staged indices while a range can be in the index form).
@@ -314,29 +315,15 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
   }
 }
 
-// Writes change number `at` of the encoding (value v of element i): the bitmap form's value or
-// the index form's record.
+// Writes change number `at` of the encoding (value v of element `local` of its tile): the value
+// at `vals_off` (the bitmap form's, or the index form's) and, for the index form, the element's
+// u16 offset within its tile at `offs_off`.
 template <int E, bool kIndex>
-__device__ __forceinline__ void PutChange(unsigned char* out, uint64_t vals_off, bool aligned,
-                                          uint64_t at, uint32_t i, uint32_t v) {
-  if constexpr (!kIndex) {
-    StoreElem<E>(out + vals_off + at * E, v, aligned);
-  } else {
-    unsigned char* p = out + kDeltaHeaderBytes + at * (kDeltaIndexBytes + E);
-    if constexpr (E == 4) {
-      reinterpret_cast<uint32_t*>(p)[0] = i;
-      reinterpret_cast<uint32_t*>(p)[1] = v;
-    } else if constexpr (E == 2) {
-      auto* q = reinterpret_cast<unsigned short*>(p);
-      q[0] = static_cast<unsigned short>(i);
-      q[1] = static_cast<unsigned short>(i >> 16);
-      q[2] = static_cast<unsigned short>(v);
-    } else {
-#pragma unroll
-      for (int b = 0; b < 4; ++b) p[b] = static_cast<unsigned char>(i >> (8 * b));
-      p[4] = static_cast<unsigned char>(v);
-    }
-  }
+__device__ __forceinline__ void PutChange(unsigned char* out, uint64_t vals_off, uint64_t offs_off,
+                                          bool aligned, uint64_t at, uint32_t local, uint32_t v) {
+  StoreElem<E>(out + vals_off + at * E, v, aligned);
+  if constexpr (kIndex)
+    reinterpret_cast<uint16_t*>(out + offs_off)[at] = static_cast<uint16_t>(local);
 }
 
 template <int E>
@@ -354,15 +341,17 @@ __device__ __forceinline__ uint32_t StagedValue(const unsigned char* vals, uint6
 // else by re-reading its base and next.
 template <int E, bool kIndex>
 __device__ void WriteTile(const EncArgs& a, uint32_t t, uint64_t p0, uint32_t cnt, uint32_t vo,
-                          uint32_t io, int lane) {
+                          uint32_t io, int lane, uint64_t total) {
   constexpr uint64_t kTileElems = kTileBytes / E;
-  const uint64_t vals_off = kDeltaHeaderBytes + a.bitmap_bytes;
+  const DeltaIndexLayout il = DeltaIndexPayload(a.elements, E, total);
+  const uint64_t vals_off = kDeltaHeaderBytes + (kIndex ? il.values : a.bitmap_bytes);
+  const uint64_t offs_off = kDeltaHeaderBytes + il.offsets;
   const bool aligned = vals_off % E == 0;
   const uint64_t e0 = uint64_t{t} * kTileElems;
   if (vo != kNoSlot && (!kIndex || io != kNoSlot)) {
     for (uint32_t j = lane; j < cnt; j += 32)
-      PutChange<E, kIndex>(a.out, vals_off, aligned, p0 + j,
-                           kIndex ? static_cast<uint32_t>(e0 + a.s.idx[uint64_t{io} + j]) : 0,
+      PutChange<E, kIndex>(a.out, vals_off, offs_off, aligned, p0 + j,
+                           kIndex ? a.s.idx[uint64_t{io} + j] : 0,
                            StagedValue<E>(a.s.vals, uint64_t{vo} + j));
     return;
   }
@@ -391,19 +380,19 @@ __device__ void WriteTile(const EncArgs& a, uint32_t t, uint64_t p0, uint32_t cn
       const uint32_t i0 = static_cast<uint32_t>((v0 + 32 * q + lane) * 16 / E);
       for (unsigned mm = m; mm != 0; mm &= mm - 1, ++at) {
         const int r = __ffs(mm) - 1;
-        PutChange<E, kIndex>(a.out, vals_off, aligned, at, i0 + r, Extract<E>(x[q], r));
+        PutChange<E, kIndex>(a.out, vals_off, offs_off, aligned, at,
+                             static_cast<uint32_t>(i0 + r - e0), Extract<E>(x[q], r));
       }
     }
   }
 }
 
 // kWriteSplit blocks per range of the tile pass. A range whose every tile found staging room is
-// contiguous in staging and in `out`: bitmap form, one copy split among its blocks; index form,
-// a thread per record (its tile found by a search over the range's offsets). Otherwise a warp
-// per tile.
+// contiguous in staging and in `out`: one copy split among its blocks (bitmap form: the values;
+// index form: the offsets and the values; its running counts from the range's scan). Otherwise
+// a warp per tile.
 template <int E>
 __global__ void __launch_bounds__(kThreads, 4) EncodeWriteKernel(EncArgs a) {
-  constexpr uint64_t kTileElems = kTileBytes / E;
   constexpr uint32_t kPer = (kMaxRangeTiles + kThreads - 1) / kThreads;
   __shared__ uint32_t s_p[kMaxRangeTiles + 1];
   __shared__ uint64_t s_scan[2][kWarps];
@@ -454,6 +443,16 @@ __global__ void __launch_bounds__(kThreads, 4) EncodeWriteKernel(EncArgs a) {
   if (threadIdx.x == 0) s_p[nt] = static_cast<uint32_t>(before + range_total);
   staged = __syncthreads_and(staged);
   if (nt == 0) return;
+  const DeltaIndexLayout il = DeltaIndexPayload(a.elements, E, total);
+  if (index && part == 0) {
+    // The running count through each of the range's tiles, and the zero padding after the
+    // offsets (block 0).
+    auto* ends = reinterpret_cast<uint32_t*>(a.out + kDeltaHeaderBytes);
+    for (uint32_t i = threadIdx.x; i < nt; i += kThreads) ends[g.lo + i] = s_p[i + 1];
+    if (rg == 0 && threadIdx.x == 0)
+      for (uint64_t b = il.offsets + 2 * total; b < il.values; ++b)
+        a.out[kDeltaHeaderBytes + b] = 0;
+  }
   const uint64_t p_lo = s_p[0], p_hi = s_p[nt];
   if (staged && p_hi > p_lo) {
     // Staging starts at the range's first tile that has changes (earlier tiles staged nothing).
@@ -467,34 +466,12 @@ __global__ void __launch_bounds__(kThreads, 4) EncodeWriteKernel(EncArgs a) {
                 a.s.vals + (vo + from) * E, (to - from) * E);
       return;
     }
+    // Index form: the range's offsets and values are as contiguous in staging as in `out`.
     const uint64_t io = a.s.ioff[g.lo + first];
-    constexpr int kU = 8;  // records per thread with their loads in flight at once
-    for (uint64_t j0 = from + threadIdx.x; j0 < to; j0 += kU * kThreads) {
-      uint32_t li[kU], vv[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const uint64_t j = j0 + static_cast<uint64_t>(u) * kThreads;
-        li[u] = j < to ? a.s.idx[io + j] : 0;
-        vv[u] = j < to ? StagedValue<E>(a.s.vals, vo + j) : 0;
-      }
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const uint64_t j = j0 + static_cast<uint64_t>(u) * kThreads;
-        if (j >= to) break;
-        // The range's tile holding change p_lo + j: the last i with s_p[i] <= p_lo + j.
-        uint32_t lo = 0, hi = nt;
-        while (hi - lo > 1) {
-          const uint32_t mid = (lo + hi) / 2;
-          if (s_p[mid] <= p_lo + j) {
-            lo = mid;
-          } else {
-            hi = mid;
-          }
-        }
-        PutChange<E, true>(a.out, 0, true, p_lo + j,
-                           static_cast<uint32_t>((g.lo + lo) * kTileElems + li[u]), vv[u]);
-      }
-    }
+    BlockCopy(a.out + kDeltaHeaderBytes + il.offsets + (p_lo + from) * 2,
+              reinterpret_cast<const unsigned char*>(a.s.idx + io + from), (to - from) * 2);
+    BlockCopy(a.out + kDeltaHeaderBytes + il.values + (p_lo + from) * E,
+              a.s.vals + (vo + from) * E, (to - from) * E);
     return;
   }
   const int lane = threadIdx.x & 31;
@@ -503,9 +480,9 @@ __global__ void __launch_bounds__(kThreads, 4) EncodeWriteKernel(EncArgs a) {
     if (cnt == 0) continue;
     const uint32_t t = g.lo + i;
     if (index) {
-      WriteTile<E, true>(a, t, s_p[i], cnt, a.s.voff[t], a.s.ioff[t], lane);
+      WriteTile<E, true>(a, t, s_p[i], cnt, a.s.voff[t], a.s.ioff[t], lane, total);
     } else {
-      WriteTile<E, false>(a, t, s_p[i], cnt, a.s.voff[t], a.s.ioff[t], lane);
+      WriteTile<E, false>(a, t, s_p[i], cnt, a.s.voff[t], a.s.ioff[t], lane, total);
     }
   }
 }

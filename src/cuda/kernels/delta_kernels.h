@@ -14,7 +14,7 @@
 namespace shardsync::gpu::delta {
 
 inline constexpr uint32_t kMagic = 0x4C445353;  // "SSDL" little-endian, as delta.cc
-inline constexpr uint8_t kFormat = 1;
+inline constexpr uint8_t kFormat = 2;
 
 // Launch shape. Every pass over the bucket works in tiles of kThreads x kTileVecs 16-byte vectors
 // of the bucket (and, for encode, of next too), 16 KiB. The decode's check and apply passes take
@@ -42,18 +42,29 @@ enum Code : uint32_t {
   kExpectBucket,       // the receiver's bucket size differs
   kVersion,            // base version differs
   kBaseChecksum,       // the receiver's bytes are not the base
-  kBadRecord,          // an index record out of range or not increasing (detail: record)
+  kBadRecord,          // the index form's tiles, records or padding (detail: IndexFault)
   kBitmapTail,         // bitmap bits past the last element
   kPopcount,           // bitmap popcount != count (detail: popcount)
   kResultChecksum,     // the predicted result's checksum is not the sender's
 };
+
+// The index form's faults in DecodeDeltaInPlace's order, as one key (the smallest is the one
+// reported): a tile whose running count falls (the tile), the last tile's count not the header's,
+// a record out of its tile or not above the one before (record, then tile), a padding byte.
+SHARDSYNC_HD unsigned long long IndexFaultTile(uint64_t t) { return t; }
+SHARDSYNC_HD unsigned long long IndexFaultLast() { return 1ull << 62; }
+SHARDSYNC_HD unsigned long long IndexFaultRecord(uint64_t k, uint64_t t) {
+  return 2ull << 62 | k << 20 | t;
+}
+SHARDSYNC_HD unsigned long long IndexFaultPadding(uint64_t i) { return 3ull << 62 | i; }
+static_assert(kTileBytes == kDeltaTileBytes, "the index form's tiles are the device's");
 
 // Device control block at the start of the scratch. Between calls every field holds its rest
 // value (kernels reset it at their end): sums 0, bad_record ~0, ticket and tail 0.
 struct Ctl {
   unsigned long long sum_a;       // checksum sum of the base (encode and decode)
   unsigned long long sum_b;       // encode: of next; decode: new minus old terms of changed words
-  unsigned long long bad_record;  // decode: first bad index record
+  unsigned long long bad_record;  // decode: the index form's first fault (IndexFault)
   unsigned int ticket;            // decode: blocks of the counting pass done (the last one scans)
   unsigned int tail_bad;          // decode: bitmap bits past the end
   // Decode, written by every call before they are read (no rest value needed): the decision
@@ -97,9 +108,9 @@ struct ScratchPtrs {
 // pass runs as ranges of consecutive tiles, one per block; each range stages its changes in its
 // own part of the staging areas, proportional to its tiles: values up to a quarter of the
 // tiles' bytes (a denser range re-reads the tiles that found no room), indices (2 bytes each) up
-// to 1/32 of their elements (the index form's limit; a range over it re-reads its tiles too).
+// to 1/16 of their elements (the index form's limit; a range over it re-reads its tiles too).
 inline constexpr uint64_t kStageDivisor = 4;
-inline constexpr uint64_t kIndexDivisor = 32;
+inline constexpr uint64_t kIndexDivisor = 16;
 inline constexpr uint64_t kScanBatch = 8192;  // tile array entries: a multiple of this
 inline constexpr uint64_t kStagePad = 64;     // copies read up to 32 bytes past staged values
 struct ScratchLayout {
@@ -175,7 +186,7 @@ SHARDSYNC_HD HeaderView ParseHeader(const unsigned char* h, uint64_t encoded_byt
     v.code = kBadCount;
   } else {
     v.payload = v.kind == static_cast<int>(DeltaKind::kIndex)
-                    ? v.changed * (kDeltaIndexBytes + e)
+                    ? DeltaIndexPayload(v.elements, e, v.changed).bytes
                     : DeltaBitmapBytes(v.elements) + v.changed * e;
     if (encoded_bytes - kDeltaHeaderBytes != v.payload) {
       v.code = kBadLength;

@@ -2,13 +2,54 @@
 // Properties: decoding arbitrary bytes over a bucket never crashes; a refused delta leaves the
 // bucket untouched; an accepted one leaves bytes whose checksum is the header's new_checksum.
 // Encoding two arbitrary halves and decoding the result over the first gives the second.
+// The rest laid out as a format-2 index payload under a valid header (right base checksum, the
+// count its last running count): the decoder calls it malformed exactly when a plain reading of
+// the format says so, and only the result checksum refuses a well-formed one (random bytes alone
+// rarely get past the running counts).
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "shardsync/checksum.h"
 #include "shardsync/delta.h"
+#include "shardsync/delta_rule.h"
+
+namespace {
+
+using shardsync::DeltaIndexLayout;
+
+template <typename T>
+T Load(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// delta.h "Encoded form" read plainly: running counts non-decreasing ending at the count, each
+// tile's offsets increasing and in the tile, zero padding.
+bool WellFormed(const std::byte* p, const DeltaIndexLayout& l, uint64_t elements, uint64_t count) {
+  uint64_t from = 0;
+  for (uint64_t t = 0; t < l.tiles; ++t) {
+    const uint64_t end = Load<uint32_t>(p + 4 * t);
+    if (end < from || end > count) return false;
+    const uint64_t n = std::min(l.tile_elems, elements - t * l.tile_elems);
+    for (uint64_t k = from; k < end; ++k) {
+      const uint16_t off = Load<uint16_t>(p + l.offsets + 2 * k);
+      if (off >= n || (k > from && off <= Load<uint16_t>(p + l.offsets + 2 * (k - 1))))
+        return false;
+    }
+    from = end;
+  }
+  if (from != count) return false;
+  for (uint64_t i = l.offsets + 2 * count; i < l.values; ++i)
+    if (p[i] != std::byte{0}) return false;
+  return true;
+}
+
+}  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace shardsync;
@@ -41,5 +82,33 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     bucket = base;
     if (!DecodeDeltaInPlace(enc, bucket, {"fuzz", e, 5}).ok() || bucket != next) __builtin_trap();
   }
+
+  // 3. The rest as a format-2 index payload (cut or zero-padded to its layout's length).
+  const uint64_t elements = base.size() / e;
+  const uint64_t tiles = DeltaIndexPayload(elements, e, 0).tiles;
+  if (tiles == 0 || rest.size() < 4 * tiles) return 0;
+  const uint64_t count = Load<uint32_t>(rest.data() + 4 * (tiles - 1));
+  if (count > elements) return 0;
+  const DeltaIndexLayout l = DeltaIndexPayload(elements, e, count);
+  std::vector<std::byte> d(kDeltaHeaderBytes + l.bytes);
+  std::memcpy(d.data() + kDeltaHeaderBytes, rest.data(), std::min<size_t>(rest.size(), l.bytes));
+  const uint32_t magic = 0x4C445353;  // "SSDL"
+  const uint64_t version = 5, base_sum = Checksum(base.data(), base.size()), new_sum = 0;
+  std::memcpy(d.data(), &magic, 4);
+  d[4] = std::byte{2};  // format
+  d[5] = std::byte{1};  // index
+  d[6] = static_cast<std::byte>(e);
+  std::memcpy(d.data() + 8, &elements, 8);
+  std::memcpy(d.data() + 16, &version, 8);
+  std::memcpy(d.data() + 24, &base_sum, 8);
+  std::memcpy(d.data() + 32, &new_sum, 8);
+  std::memcpy(d.data() + 40, &count, 8);
+  bucket = base;
+  s = DecodeDeltaInPlace(d, bucket, {"fuzz", e, 5});
+  if (!s.ok() && bucket != base) __builtin_trap();
+  const bool malformed = s.message().find("malformed") != std::string::npos;
+  const bool well = WellFormed(d.data() + kDeltaHeaderBytes, l, elements, count);
+  if (!s.ok() && malformed == well) __builtin_trap();
+  if (s.ok() && (!well || Checksum(bucket.data(), bucket.size()) != new_sum)) __builtin_trap();
   return 0;
 }

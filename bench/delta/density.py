@@ -16,7 +16,7 @@ after every step compares the wire image of the new weights with the previous st
 
 Wire bytes: each tensor is one bucket (codes and scales separate buckets), encoded by the size
 rule of include/shardsync/delta.h (DeltaEncodedBytes), reimplemented here (delta_bytes below: the
-same three formulas; calling the C++ codec would need the Python module built for one formula).
+same formulas; calling the C++ codec would need the Python module built for one formula).
 
 Run: /usr/bin/python3 bench/delta/density.py [--layers 4] [--vocab 151936] [--steps 10] [--lrs 1e-6,1e-5] [--json out]
 """
@@ -29,17 +29,21 @@ import torch
 import torch.nn.functional as F
 
 HEADER = 48  # kDeltaHeaderBytes
+TILE_BYTES = 16384  # kDeltaTileBytes
 
 
 def delta_bytes(elements, esize, changed):
-    """DeltaEncodedBytes of delta.h: (kind, bytes)."""
+    """DeltaEncodedBytes of delta.h (delta_rule.h DeltaSizeRule, format 2): (kind, bytes)."""
     full = elements * esize
-    bitmap = (elements + 7) // 8
-    index = 4 * changed <= bitmap
-    size = HEADER + changed * esize + (4 * changed if index else bitmap)
+    changed = min(changed, elements)
+    tiles = -(-elements // (TILE_BYTES // esize))
+    # index: a u32 running count per tile, a u16 offset per change, padding to 4, the values
+    index = (4 * tiles + 2 * changed + 3) // 4 * 4 + changed * esize
+    bitmap = (elements + 7) // 8 + changed * esize
+    size = HEADER + min(index, bitmap)
     if size >= full:
         return "full", full
-    return ("index" if index else "bitmap"), size
+    return ("index" if index <= bitmap else "bitmap"), size
 
 
 class RMSNorm(torch.nn.Module):

@@ -61,7 +61,7 @@ inline constexpr uint64_t kDeltaMaxElements = 0xFFFFFFFFull;
 
 enum class DeltaKind : uint8_t {
   kFull = 0,    // the delta would not be smaller than the bucket: send the bucket
-  kIndex = 1,   // (index, value) records
+  kIndex = 1,   // per-tile running counts, element offsets, values
   kBitmap = 2,  // bitmap + values
 };
 
@@ -133,8 +133,9 @@ struct DeltaExpect {
 //   FailedPrecondition: base version or base checksum differ from the receiver's (the caller
 //     falls back to a full send);
 //   InvalidArgument: element size or bucket size differ from the encoding's;
-//   DataLoss: a malformed or truncated encoding (bad magic / kind, count over elements, an
-//     index out of range or not increasing, a bitmap bit past the end, a popcount that differs
+//   DataLoss: a malformed or truncated encoding (bad magic / format / kind, count over elements,
+//     a tile's running count decreasing or not ending at the count, an element out of its tile or
+//     not increasing, nonzero index padding, a bitmap bit past the end, a popcount that differs
 //     from the count, wrong length) or a result whose checksum is not the sender's.
 Status DecodeDeltaInPlace(std::span<const std::byte> encoded, std::span<std::byte> bucket,
                           const DeltaExpect& expect);

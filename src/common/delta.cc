@@ -25,7 +25,11 @@ class Records {
  public:
   Records(const DeltaInfo& info, const std::byte* payload)
       : index_form_(info.kind == DeltaKind::kIndex), payload_(payload), left_(info.changed) {
-    if (!index_form_) {
+    if (index_form_) {
+      const DeltaIndexLayout l = DeltaIndexPayload(info.elements, E, info.changed);
+      offsets_ = payload + l.offsets;
+      vals_ = payload + l.values;
+    } else {
       nbits_ = BitmapBytes(info.elements);
       vals_ = payload + nbits_;
       byte_ = -1;
@@ -42,9 +46,14 @@ class Records {
     }
     --left_;
     if (index_form_) {
-      const std::byte* rec = payload_ + k_++ * (kIndexBytes + E);
-      index_ = Get<uint32_t>(rec);
-      value_ = rec + kIndexBytes;
+      // The running counts were checked (non-decreasing, the last = count): a tile whose count
+      // passes k_ is ahead.
+      while (k_ >= tile_end_) {
+        tile_start_ = next_tile_ * (kDeltaTileBytes / E);
+        tile_end_ = Get<uint32_t>(payload_ + 4 * next_tile_++);
+      }
+      index_ = tile_start_ + Get<uint16_t>(offsets_ + 2 * k_);
+      value_ = vals_ + k_++ * E;
       return;
     }
     while (mask_ == 0) {  // the count matched the bitmap's popcount: a set bit is ahead
@@ -68,10 +77,12 @@ class Records {
   bool done_ = false;
   uint64_t index_ = 0;
   const std::byte* value_ = nullptr;
-  uint64_t k_ = 0;                   // index form: the next record
+  // Index form: the next change, its tile's running count and first element, the next tile.
+  uint64_t k_ = 0, tile_end_ = 0, tile_start_ = 0, next_tile_ = 0;
+  const std::byte* offsets_ = nullptr;
   uint64_t nbits_ = 0, byte_ = 0;    // bitmap form: its bytes, the current one
   unsigned mask_ = 0;                // bits of byte_ not yet visited
-  const std::byte* vals_ = nullptr;  // bitmap form: the next value
+  const std::byte* vals_ = nullptr;  // the values (bitmap form: the next one)
 };
 
 // Byte offset -> piece (DeltaPiece), for offsets that never decrease: records come in increasing
@@ -241,16 +252,17 @@ void Apply(const DeltaInfo& info, const std::byte* payload, std::span<const Delt
   };
   if (info.kind == DeltaKind::kIndex) {
     constexpr uint64_t kAhead = 16;
-    constexpr size_t kRecord = kIndexBytes + E;
+    Records<E> ahead(info, payload);
+    for (uint64_t k = 0; k < kAhead && !ahead.done(); ++k) ahead.Next();
     PieceCursor pre(pieces);
-    for (uint64_t k = 0; k < info.changed; ++k) {
-      if (k + kAhead < info.changed) {
-        const uint64_t a = uint64_t{Get<uint32_t>(payload + (k + kAhead) * kRecord)} * E;
+    for (Records<E> rec(info, payload); !rec.done(); rec.Next()) {
+      if (!ahead.done()) {
+        const uint64_t a = ahead.index() * E;
         const DeltaPiece& q = pre.At(a);
         __builtin_prefetch(q.out + (a - q.offset), 1);
+        ahead.Next();
       }
-      const std::byte* rec = payload + k * kRecord;
-      put(Get<uint32_t>(rec), rec + kIndexBytes);
+      put(rec.index(), rec.value());
     }
     return;
   }
@@ -334,7 +346,7 @@ Result<DeltaInfo> InspectDelta(std::span<const std::byte> encoded, std::string_v
   // elements < 2^32 and changed <= elements: no product below overflows 64 bits.
   const uint64_t e = info.element_size;
   const uint64_t payload = info.kind == DeltaKind::kIndex
-                               ? info.changed * (kIndexBytes + e)
+                               ? DeltaIndexPayload(info.elements, e, info.changed).bytes
                                : BitmapBytes(info.elements) + info.changed * e;
   if (encoded.size() - kDeltaHeaderBytes != payload)
     return bad(fmt::format("{} payload bytes, the header's {} form of {} changes needs {}",
@@ -371,17 +383,42 @@ Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const Del
   };
   Status positions = OkStatus();
   if (info.kind == DeltaKind::kIndex) {
-    const size_t record = kIndexBytes + e;
-    int64_t prev = -1;
-    for (uint64_t k = 0; k < info.changed && positions.ok(); ++k) {
-      const uint32_t i = Get<uint32_t>(payload + k * record);
-      if (i >= info.elements)
-        positions =
-            bad(fmt::format("record {}: index {} out of range [0, {})", k, i, info.elements));
-      else if (static_cast<int64_t>(i) <= prev)
-        positions = bad(fmt::format("record {}: index {} not above the previous {}", k, i, prev));
-      prev = i;
+    // The running counts, then each tile's offsets, then the padding (delta.h "Encoded form").
+    const DeltaIndexLayout l = DeltaIndexPayload(info.elements, e, info.changed);
+    uint64_t prev = 0;
+    for (uint64_t t = 0; t < l.tiles && positions.ok(); ++t) {
+      const uint32_t end = Get<uint32_t>(payload + 4 * t);
+      if (end < prev)
+        positions = bad(
+            fmt::format("tile {}: running count {} below the previous tile's {}", t, end, prev));
+      prev = end;
     }
+    if (positions.ok() && l.tiles > 0 && prev != info.changed)
+      positions = bad(fmt::format("tile {}: running count {}, the count says {}", l.tiles - 1, prev,
+                                  info.changed));
+    // Every running count is now at most the count: the offsets read below lie in the payload.
+    for (uint64_t t = 0, k = 0; t < l.tiles && positions.ok(); ++t) {
+      const uint64_t end = Get<uint32_t>(payload + 4 * t);
+      const uint64_t n_t = std::min(l.tile_elems, info.elements - t * l.tile_elems);
+      uint16_t last = 0;
+      for (const uint64_t first = k; k < end; ++k) {
+        const uint16_t off = Get<uint16_t>(payload + l.offsets + 2 * k);
+        if (off >= n_t) {
+          positions = bad(
+              fmt::format("record {}: element {} of tile {} out of range [0, {})", k, off, t, n_t));
+          break;
+        }
+        if (k > first && off <= last) {
+          positions = bad(fmt::format("record {}: element {} of tile {} not above the previous {}",
+                                      k, off, t, last));
+          break;
+        }
+        last = off;
+      }
+    }
+    for (uint64_t i = l.offsets + 2 * info.changed; i < l.values && positions.ok(); ++i)
+      if (payload[i] != std::byte{0})
+        positions = bad(fmt::format("index padding byte {} not zero", i));
   } else {
     const uint64_t nbits = BitmapBytes(info.elements);
     const unsigned tail = info.elements % 8;
@@ -402,6 +439,9 @@ Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const Del
   // written before all three passed.
   PieceSum base(pieces, n, /*copy=*/true);
   uint64_t change = 0;
+  // Malformed positions: the records are never walked (their walk trusts the checks above).
+  DeltaInfo walk = info;
+  if (!positions.ok()) walk.changed = 0;
   auto pass = [&]<int E>(Predict<E> pred) {
     for (uint64_t c = 0; c < n; c += kChunk) {
       const uint64_t end = std::min<uint64_t>(c + kChunk, n);
@@ -411,11 +451,11 @@ Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const Del
     if (positions.ok()) change = pred.Finish();
   };
   if (e == 1)
-    pass(Predict<1>(info, payload, pieces, n));
+    pass(Predict<1>(walk, payload, pieces, n));
   else if (e == 2)
-    pass(Predict<2>(info, payload, pieces, n));
+    pass(Predict<2>(walk, payload, pieces, n));
   else
-    pass(Predict<4>(info, payload, pieces, n));
+    pass(Predict<4>(walk, payload, pieces, n));
   const uint64_t base_sum = base.Finish();
   const uint64_t have = ChecksumFinish(base_sum, n);
   if (have != info.base_checksum)

@@ -17,6 +17,7 @@
 #include "common/delta_internal.h"
 #include "shardsync/checksum.h"
 #include "shardsync/delta.h"
+#include "shardsync/delta_rule.h"
 
 namespace shardsync {
 namespace {
@@ -127,24 +128,31 @@ void ForEachChangedBlock(const std::byte* b, const std::byte* x, size_t begin, s
 // Not in the anonymous namespace: DeltaAdvanceEncoder::Impl holds one.
 namespace delta_encode_detail {
 
-// One pass over base and new, which the form follows as the count grows: index records while
-// the index form can still win (4 * count <= bitmap bytes); past that the records so far become
-// the bitmap and its values, and the pass goes on in the bitmap form; once even that is not
-// smaller than the bucket, it only counts. Leaves *out holding the payload after
-// kDeltaHeaderBytes (header unwritten), or empty for kFull. With `advance` (the writable base),
-// each changed word is written there as it is found, while it is in cache: the base ends holding
-// next's bytes whatever the form. The new image may come in pieces (Diff, in order): the host
-// path's sender packs it chunk by chunk (DeltaAdvanceEncoder).
+// One pass over base and new, which the form follows as the count grows: (index, value) records
+// while the index form can still win under the size rule (delta_rule.h; its payload before the
+// values is not above the bitmap's bytes); past that the records so far become the bitmap and its
+// values, and the pass goes on in the bitmap form; once even that is not smaller than the bucket,
+// it only counts. The index form's tiles need the final count, so its records are laid out at
+// Finish. Leaves *out holding the payload after kDeltaHeaderBytes (header unwritten), or empty
+// for kFull. With `advance` (the writable base), each changed word is written there as it is
+// found, while it is in cache: the base ends holding next's bytes whatever the form. The new
+// image may come in pieces (Diff, in order): the host path's sender packs it chunk by chunk
+// (DeltaAdvanceEncoder).
 template <int E>
 class Body {
  public:
   Body(const std::byte* b, size_t n, std::vector<std::byte>* out, std::byte* advance)
-      : b_(b),
-        n_(n),
-        out_(out),
-        advance_(advance),
-        nbits_(BitmapBytes(n / E)),
-        index_limit_(nbits_ / kIndexBytes) {
+      : b_(b), n_(n), out_(out), advance_(advance), nbits_(BitmapBytes(n / E)) {
+    // The index form wins while round_up(4 x tiles + 2 x count, 4) <= bitmap bytes, i.e. while
+    // 4 x tiles + 2 x count <= the bitmap bytes rounded down to a multiple of 4.
+    const uint64_t ends = DeltaIndexPayload(n / E, E, 0).offsets;
+    const uint64_t room = nbits_ / 4 * 4;
+    if (ends > room) {  // a few elements: the bitmap is smaller even with nothing changed
+      out_->resize(kDeltaHeaderBytes);
+      ToBitmap();
+      return;
+    }
+    index_limit_ = (room - ends) / 2;
     out_->resize(kDeltaHeaderBytes + std::min<uint64_t>(index_limit_, 4096) * kRecord + 8);
   }
 
@@ -175,14 +183,43 @@ class Body {
     const DeltaSize size = DeltaEncodedBytes(n_ / E, E, changed_);
     if (size.kind == DeltaKind::kFull)
       out_->clear();
+    else if (size.kind == DeltaKind::kIndex)
+      LayOutIndex();
     else
       out_->resize(used_);  // the size rule's bytes (checked by the caller)
     return size;
   }
 
  private:
-  static constexpr size_t kRecord = kIndexBytes + E;
+  // Scratch record while the index form may win: u32 element index, then the value.
+  static constexpr size_t kRecord = 4 + E;
+  static constexpr uint64_t kTileElems = kDeltaTileBytes / E;
   enum class Form { kIndex, kBitmap, kCount };
+
+  // The records become the index form (delta.h "Encoded form"): moved past the final layout
+  // first (memmove: the regions may overlap), then read once in order while the running counts,
+  // offsets and values are written below them.
+  void LayOutIndex() {
+    std::vector<std::byte>& out = *out_;
+    const uint64_t count = changed_;
+    const DeltaIndexLayout l = DeltaIndexPayload(n_ / E, E, count);
+    const size_t recs = kDeltaHeaderBytes + l.bytes;
+    out.resize(recs + count * kRecord);
+    std::memmove(out.data() + recs, out.data() + kDeltaHeaderBytes, count * kRecord);
+    std::byte* p = out.data() + kDeltaHeaderBytes;
+    uint64_t tile = 0;  // tiles below it have their running count
+    for (uint64_t k = 0; k < count; ++k) {
+      const std::byte* rec = out.data() + recs + k * kRecord;
+      const uint32_t i = Get<uint32_t>(rec);
+      const uint64_t t = i / kTileElems;
+      for (; tile < t; ++tile) Put<uint32_t>(p + 4 * tile, static_cast<uint32_t>(k));
+      Put<uint16_t>(p + l.offsets + 2 * k, static_cast<uint16_t>(i - t * kTileElems));
+      Put<Elem<E>>(p + l.values + k * E, Get<Elem<E>>(rec + 4));
+    }
+    for (; tile < l.tiles; ++tile) Put<uint32_t>(p + 4 * tile, static_cast<uint32_t>(count));
+    std::memset(p + l.offsets + 2 * count, 0, l.values - (l.offsets + 2 * count));
+    out.resize(kDeltaHeaderBytes + l.bytes);
+  }
 
   // The records so far become the bitmap and its values, in place in *out (no allocation once
   // the caller's buffer grew to such a size before): the records move up past the bitmap, which
@@ -200,7 +237,7 @@ class Body {
       const std::byte* rec = out.data() + vals + k * kRecord;
       const uint32_t i = Get<uint32_t>(rec);
       bits[i / 8] |= std::byte(1u << (i % 8));
-      std::memmove(out.data() + vals + k * E, rec + kIndexBytes, E);
+      std::memmove(out.data() + vals + k * E, rec + 4, E);
     }
     used_ = vals + count * E;
     form_ = Form::kBitmap;
@@ -215,7 +252,7 @@ class Body {
         if (used_ + kRecord > out.size()) out.resize(2 * out.size());
         const int k = std::countr_zero(r);
         Put<uint32_t>(out.data() + used_, static_cast<uint32_t>(idx + k));
-        Put<Elem<E>>(out.data() + used_ + kIndexBytes, Get<Elem<E>>(at + k * E));
+        Put<Elem<E>>(out.data() + used_ + 4, Get<Elem<E>>(at + k * E));
         used_ += kRecord;
       }
       if (changed_ > index_limit_) ToBitmap();
@@ -243,7 +280,7 @@ class Body {
   size_t n_;
   std::vector<std::byte>* out_;
   std::byte* advance_;
-  uint64_t nbits_, index_limit_;
+  uint64_t nbits_, index_limit_ = 0;
   Form form_ = Form::kIndex;
   size_t used_ = kDeltaHeaderBytes;  // index: records end; bitmap: values end
   uint64_t changed_ = 0;

@@ -97,7 +97,7 @@ Result<DeltaLink> DevicePairDeltaLink(std::string_view transport);
 // (EstimateDeltaCost, serial: encode + wire + decode against the whole bucket on the wire).
 Result<bool> DeltaPays(const DeltaLink& link, uint64_t elements, int element_size,
                        uint64_t changed);
-// Whether a delta can pay at all over `link`: the header-only delta of a large bucket. When it
+// Whether a delta can pay at all over `link`: the delta of a large unchanged bucket. When it
 // cannot, encoding auto runs the host path as encoding full (no advertisement, no kept image, no
 // image path), on every rank alike (each reads the same knobs; the ready value says which ran,
 // and a sender refuses a receiver that ran otherwise: DeltaAgreement).

@@ -124,12 +124,14 @@ TEST(DeltaSession, TenSyncsOfSmallUpdatesLandEveryElement) {
     EXPECT_GT(r.delta.decode_seconds, 0);
     EXPECT_EQ(r.checksums_ok, r.checksums_total);
   }
-  // A version with no update: every delta is a header alone.
+  // A version with no update: every delta is a header and, its bucket being one tile
+  // (kDeltaTileBytes = the 16 KiB buckets), one running count of 0.
   SyncReport r = t.Sync(12);
   t.ExpectSame();
   EXPECT_EQ(r.delta.changed, 0);
   EXPECT_EQ(r.delta.buckets_full, 0);
-  EXPECT_EQ(r.delta.wire_bytes, r.delta.buckets_delta * static_cast<int64_t>(kDeltaHeaderBytes));
+  EXPECT_EQ(r.delta.wire_bytes,
+            r.delta.buckets_delta * static_cast<int64_t>(kDeltaHeaderBytes + 4));
 }
 
 TEST(DeltaSession, ALargeUpdateGoesWholeByTheSizeRule) {
@@ -248,7 +250,7 @@ TEST(DeltaSession, ARefusedDeltaFailsTheSyncAndPoisonsNothingElseLands) {
   t.Sync(2);
   t.Update(3, 0.01);
   // Trainer rank 1's first message of version 3 (its first bucket's delta; the control message
-  // follows) has one byte of its index records flipped.
+  // follows) has one byte of its index form flipped (byte 50: its first tile's running count).
   t.delta.CorruptDataPost(1, 1, 50);
   auto st = t.delta.Sync(3);
   ExpectAllOk(t.full.Sync(3));

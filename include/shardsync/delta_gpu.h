@@ -38,13 +38,14 @@
 // checksum), writes back each 16-byte vector holding a change and saves the old values in the
 // scratch (the result's checksum predicted from the words in registers); a refusal costs one
 // more pass that puts the old values back. Index form: a records pass (a warp per tile: running
-// counts, offsets and padding checked, each tile's first record), then the tile pass (a range of tiles per block fed by the copy engine, the records
-// patched into the tile in shared memory). Bitmap form: a count pass over the bitmap (a range of
-// tiles per block) gives each tile its first value, then the tile pass (grid-stride). A bitmap
-// delta whose old values exceed the scratch (over about 31% density) is checked first and
-// written after the decision. Measured on an H200 (docs/benchmarks.md "Device delta decode,
-// apply then verify"), 64 / 512 / 2048 MiB buckets at 1-10%: encode 0.52-0.78x of the HBM bound
-// of its traffic (0.8-1.8 TB/s of bucket), short of the issue's 0.8x; decode: see that section.
+// counts, offsets and padding checked, each tile's first record), then the tile pass (a range of
+// tiles per block fed by the copy engine, the records patched into the tile in shared memory).
+// Bitmap form: a count pass over the bitmap (a range of tiles per block) gives each tile its first
+// value, then the tile pass (grid-stride). A bitmap delta whose old values exceed the scratch (over
+// about 31% density) is checked first and written after the decision. Measured on an H200
+// (docs/benchmarks.md "Device delta decode, apply then verify"), 64 / 512 / 2048 MiB buckets at
+// 1-10%: encode 0.52-0.78x of the HBM bound of its traffic (0.8-1.8 TB/s of bucket), short of the
+// issue's 0.8x; decode: see that section.
 #pragma once
 
 #include <chrono>

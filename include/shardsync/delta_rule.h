@@ -21,11 +21,11 @@ SHARDSYNC_HD uint64_t DeltaBitmapBytes(uint64_t elements) { return (elements + 7
 // The index form's payload (after the header): `ends` at 0 (u32 per tile), the u16 offsets at
 // `offsets`, zero padding to a multiple of 4, the values at `values`; `bytes` in all.
 struct DeltaIndexLayout {
-  uint64_t tiles = 0;        // ceil(elements / tile elements)
-  uint64_t tile_elems = 0;   // kDeltaTileBytes / element size
-  uint64_t offsets = 0;      // 4 x tiles
-  uint64_t values = 0;       // offsets + 2 x changed, rounded up to a multiple of 4
-  uint64_t bytes = 0;        // values + changed x element size
+  uint64_t tiles = 0;       // ceil(elements / tile elements)
+  uint64_t tile_elems = 0;  // kDeltaTileBytes / element size
+  uint64_t offsets = 0;     // 4 x tiles
+  uint64_t values = 0;      // offsets + 2 x changed, rounded up to a multiple of 4
+  uint64_t bytes = 0;       // values + changed x element size
 };
 SHARDSYNC_HD DeltaIndexLayout DeltaIndexPayload(uint64_t elements, uint64_t element_size,
                                                 uint64_t changed) {

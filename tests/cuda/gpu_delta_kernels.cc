@@ -257,27 +257,28 @@ TEST_F(GpuDelta, RefusalsMatchTheHostAndLeaveTheBucketUntouched) {
       const DeltaIndexLayout l = DeltaIndexPayload(kElems, 2, count);
       ASSERT_EQ(l.tiles, 5u);
       ASSERT_GT(l.values, l.offsets + 2 * count);  // an odd count: 2 bytes of padding
-      auto end = [&](uint64_t t) { return GetLE<uint32_t>(enc0, payload + 4 * t); };
-      ASSERT_GE(end(0), 2u);
-      cases.push_back({"running count falls", [&, payload](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
-                         PutLE<uint32_t>(e, payload + 4 * 2, end(1) - 1);
+      uint32_t end[5];
+      for (int t = 0; t < 5; ++t) end[t] = GetLE<uint32_t>(enc0, payload + 4 * t);
+      ASSERT_GE(end[0], 2u);
+      ASSERT_GE(end[4] - end[3], 2u);
+      const size_t offs = payload + l.offsets;
+      const uint32_t e1 = end[1], e3 = end[3], e4 = end[4], k0 = end[0] - 1;
+      cases.push_back({"running count falls", [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         PutLE<uint32_t>(e, payload + 4 * 2, e1 - 1);
                        }});
-      cases.push_back({"last running count", [&, payload](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
-                         PutLE<uint32_t>(e, payload + 4 * 4, end(4) + 1);
+      cases.push_back({"last running count", [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         PutLE<uint32_t>(e, payload + 4 * 4, e4 + 1);
                        }});
-      cases.push_back({"offset out of its tile",
-                       [&, payload](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
-                         PutLE<uint16_t>(e, payload + l.offsets + 2 * (end(3) + 1), 7235);
+      cases.push_back({"offset out of its tile", [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         PutLE<uint16_t>(e, offs + 2 * (e3 + 1), 7235);  // tile 4's elements
                        }});
-      cases.push_back({"offset not increasing",
-                       [&, payload](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
-                         const size_t k = end(0) - 1;
-                         PutLE<uint16_t>(e, payload + l.offsets + 2 * k,
-                                         GetLE<uint16_t>(*e, payload + l.offsets + 2 * (k - 1)));
+      cases.push_back({"offset not increasing", [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         PutLE<uint16_t>(e, offs + 2 * k0,
+                                         GetLE<uint16_t>(*e, offs + 2 * (k0 - 1)));
                        }});
-      cases.push_back({"padding", [&, payload](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
-                         (*e)[payload + l.values - 1] = std::byte{1};
-                       }});
+      const size_t pad = payload + l.values - 1;
+      cases.push_back(
+          {"padding", [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[pad] = std::byte{1}; }});
     } else {
       const size_t bitmap = (kElems + 7) / 8;
       cases.push_back({"bitmap tail", [payload, bitmap](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
@@ -361,12 +362,11 @@ TEST_F(GpuDelta, RefusedDecodesLeaveTheBucketAsItWas) {
            [](Bytes* c, Bytes*, DeltaExpect*, size_t* n) { (*c)[*n - 1] ^= std::byte{1}; }},
       };
       if (index) {
-        cases.push_back(
-            {"offset not increasing", [il](Bytes* c, Bytes*, DeltaExpect*, size_t*) {
-               // Records 4 and 5 lie in tile 0 (1% of a tile of 4096 or more elements).
-               const size_t offs = kDeltaHeaderBytes + il.offsets;
-               std::memcpy(c->data() + offs + 2 * 5, c->data() + offs + 2 * 4, 2);
-             }});
+        cases.push_back({"offset not increasing", [il](Bytes* c, Bytes*, DeltaExpect*, size_t*) {
+                           // Records 4 and 5 lie in tile 0 (1% of a tile of 4096 or more elements).
+                           const size_t offs = kDeltaHeaderBytes + il.offsets;
+                           std::memcpy(c->data() + offs + 2 * 5, c->data() + offs + 2 * 4, 2);
+                         }});
       } else {
         cases.push_back({"bitmap bit", [rec](Bytes* c, Bytes*, DeltaExpect*, size_t*) {
                            (*c)[rec - 1] ^= std::byte{1};

@@ -329,16 +329,16 @@ Status FinishDeltaDecode(DeltaGpuScratch* scratch, std::chrono::milliseconds tim
         }
         case 1: {
           SS_ASSIGN_OR_RETURN(const uint64_t end, read(4 * (l.tiles - 1), 4));
-          return malformed(fmt::format("tile {}: running count {}, the count says {}",
-                                       l.tiles - 1, end, h.changed));
+          return malformed(fmt::format("tile {}: running count {}, the count says {}", l.tiles - 1,
+                                       end, h.changed));
         }
         case 2: {
           const uint64_t k = (key >> 20) & 0xFFFFFFFFull, t = key & 0xFFFFFull;
           const uint64_t nt = std::min(l.tile_elems, h.elements - t * l.tile_elems);
           SS_ASSIGN_OR_RETURN(const uint64_t off, read(l.offsets + 2 * k, 2));
           if (off >= nt)
-            return malformed(fmt::format("record {}: element {} of tile {} out of range [0, {})",
-                                         k, off, t, nt));
+            return malformed(fmt::format("record {}: element {} of tile {} out of range [0, {})", k,
+                                         off, t, nt));
           SS_ASSIGN_OR_RETURN(const uint64_t prev, read(l.offsets + 2 * (k - 1), 2));
           return malformed(fmt::format("record {}: element {} of tile {} not above the previous {}",
                                        k, off, t, prev));

@@ -27,8 +27,8 @@ struct DecArgs {
 // the running counts, offsets and values are aligned to their size): record k's element within
 // its tile and its value.
 struct IndexView {
-  const uint32_t* ends;      // running count through each tile
-  const uint16_t* offs;      // element within its tile, per record
+  const uint32_t* ends;  // running count through each tile
+  const uint16_t* offs;  // element within its tile, per record
   const unsigned char* vals;
 };
 template <int E>

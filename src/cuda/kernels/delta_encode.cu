@@ -470,8 +470,8 @@ __global__ void __launch_bounds__(kThreads, 4) EncodeWriteKernel(EncArgs a) {
     const uint64_t io = a.s.ioff[g.lo + first];
     BlockCopy(a.out + kDeltaHeaderBytes + il.offsets + (p_lo + from) * 2,
               reinterpret_cast<const unsigned char*>(a.s.idx + io + from), (to - from) * 2);
-    BlockCopy(a.out + kDeltaHeaderBytes + il.values + (p_lo + from) * E,
-              a.s.vals + (vo + from) * E, (to - from) * E);
+    BlockCopy(a.out + kDeltaHeaderBytes + il.values + (p_lo + from) * E, a.s.vals + (vo + from) * E,
+              (to - from) * E);
     return;
   }
   const int lane = threadIdx.x & 31;

@@ -83,6 +83,11 @@ struct DeltaGpuEncodeArgs {
   uint64_t base_version = 0;
   void* out = nullptr;      // >= bytes of device memory
   std::string_view bucket;  // named in errors (copied)
+  // Null, or `base` itself (writable): the encoder then leaves next's bytes in it, writing each
+  // 16-byte vector that differs while it has both in hand (a sender that keeps `base` as its
+  // image of the bucket skips a whole-bucket copy; the host's EncodeDeltaAdvance does the same).
+  // Whatever the form, kFull included; during the call base is part old, part new.
+  void* advance = nullptr;
 };
 
 // InvalidArgument naming the bucket and the field: element size, sizes, alignment, a bucket over

@@ -131,6 +131,66 @@ TEST_F(GpuDelta, EncodeEqualsHostAndDecodeRestoresNext) {
   }
 }
 
+// With `advance` the encoder leaves next's bytes in the base and writes the same encoding: the
+// tiles that staged their changes are advanced by the tile pass, the others (values over a
+// quarter of the tile, or offsets over 1/16 of a range) after the write pass re-read them; every
+// form, ragged ends, every element size.
+TEST_F(GpuDelta, EncodeWithAdvanceLeavesNextInTheBase) {
+  for (int e : {1, 2, 4}) {
+    const uint64_t ue = static_cast<uint64_t>(e);
+    for (uint64_t elements :
+         {uint64_t{13}, 16384 / ue + 3, (uint64_t{5} << 20) / ue + 7, (uint64_t{40} << 20) / ue}) {
+      const Bytes base = RandomBytes(elements * e, static_cast<uint32_t>(elements * 7 + e));
+      for (double density : {0.0, 0.01, 0.1, 0.5, 1.0}) {
+        const uint64_t changed = static_cast<uint64_t>(density * static_cast<double>(elements));
+        SCOPED_TRACE(::testing::Message()
+                     << "e=" << e << " elements=" << elements << " changed=" << changed);
+        const Bytes next = Mutate(base, e, changed, static_cast<uint32_t>(changed + 5));
+        Bytes want;
+        auto host = EncodeDelta(base, next, e, 41, "b", &want);
+        ASSERT_TRUE(host.ok()) << host.status().ToString();
+        SS_ASSERT_OK(CopyToDevice(base_->data(), base.data(), base.size()));
+        SS_ASSERT_OK(CopyToDevice(next_->data(), next.data(), next.size()));
+        DeltaGpuEncodeArgs a;
+        a.base = base_->data();
+        a.advance = base_->data();
+        a.next = next_->data();
+        a.bytes = base.size();
+        a.element_size = e;
+        a.base_version = 41;
+        a.out = out_->data();
+        a.bucket = "b";
+        SS_ASSERT_OK_AND_ASSIGN(const DeltaGpuEncoded got,
+                                EncodeDeltaDevice(a, scratch_.get(), stream_->handle(), kTimeout));
+        EXPECT_EQ(got.result.kind, host->kind);
+        EXPECT_EQ(got.result.changed, host->changed);
+        EXPECT_EQ(got.result.base_checksum, host->base_checksum);
+        ASSERT_EQ(got.bytes, want.size());
+        if (!want.empty()) {
+          EXPECT_TRUE(Download(*out_, got.bytes) == want) << "encoding differs";
+        }
+        const Bytes after = Download(*base_, base.size());
+        EXPECT_TRUE(after == next)
+            << "base not advanced, first difference at byte "
+            << (std::mismatch(after.begin(), after.end(), next.begin()).first - after.begin());
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+  // Only the base itself may be advanced.
+  DeltaGpuEncodeArgs a;
+  a.base = base_->data();
+  a.next = next_->data();
+  a.advance = next_->data();
+  a.bytes = 64;
+  a.out = out_->data();
+  a.bucket = "b";
+  const Status bad = EnqueueDeltaEncode(a, scratch_.get(), stream_->handle());
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.ToString();
+  EXPECT_NE(bad.ToString().find("advance must be null or base itself"), std::string::npos)
+      << bad.ToString();
+}
+
 TEST_F(GpuDelta, EveryFormIsExercised) {
   // 1 MiB of bf16: 1% is the index form, 10% the bitmap form, 100% full.
   const Bytes base = RandomBytes(1 << 20, 5);

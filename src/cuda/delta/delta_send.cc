@@ -4,8 +4,10 @@
 // Per bucket: the new wire image packed into a local slot (cast, packed checksum); if the
 // receiver's base is the image kept of what it last sent there (same version and checksum,
 // sync/delta_path.h CheckBase), its delta against the kept image (EnqueueDeltaEncode); the delta
-// or the whole image is shipped through the channel, the image copied into the kept copy, and the
-// control message names the form, the reason, the length and the checksum. The next bucket is
+// or the whole image is shipped through the channel, and the control message names the form, the
+// reason, the length and the checksum. The kept image becomes the new one: the encoder writes the
+// vectors that differ into it as it reads them (DeltaGpuEncodeArgs::advance); a bucket that was
+// not encoded (or whose encode is not trusted) is copied there whole. The next bucket is
 // packed and encoded while the receiver lands this one; it is shipped once the channel says the
 // receiver's window is free.
 //
@@ -239,6 +241,7 @@ class DeltaSendPair final : public PreparedPair {
                     : base_sum != kept_sum_[b] ? DeltaReason::kChecksum
                                                : DeltaReason::kDelta;
       form_ = DeltaKind::kFull;
+      advanced_ = false;
       if (cur_.reason != DeltaReason::kDelta) {
         if (cur_.reason != DeltaReason::kNoImage && report_.first_fallback.empty()) {
           report_.first_fallback =
@@ -267,7 +270,12 @@ class DeltaSendPair final : public PreparedPair {
       a.base_version = kept_ver_[b];
       a.out = out_->data();
       a.bucket = "sync rank " + std::to_string(spec_.peer) + " bucket " + std::to_string(b);
+      // The encoder leaves the new image in the kept one (no copy at Ship): from here the kept
+      // bytes are of no version until the bucket is out (a failed sync sends it whole next).
+      a.advance = kept_at(b);
       SS_RETURN_IF_ERROR(EnqueueDeltaEncode(a, scratch_.get(), s));
+      kept_ver_[b] = 0;
+      advanced_ = true;
       SS_RETURN_IF_ERROR(Record());
       step_ = kEncoding;
     }
@@ -292,6 +300,7 @@ class DeltaSendPair final : public PreparedPair {
         cur_.reason = DeltaReason::kChecksum;
         cur_.changed = 0;
         cur_.elements = 0;
+        advanced_ = false;  // what it left in the kept image is not trusted: Ship copies
         if (report_.first_fallback.empty()) {
           report_.first_fallback =
               "to sync rank " + std::to_string(spec_.peer) + ", bucket " + std::to_string(b) +
@@ -342,9 +351,11 @@ class DeltaSendPair final : public PreparedPair {
                           sum_,
                           cur_.changed};
     SS_RETURN_IF_ERROR(ch_->Ship(ctl, delta ? out_->data() : img_->data(), delta));
-    SS_CUDA(cudaMemcpyAsync(kept_at(b), img_->data(), static_cast<size_t>(bytes),
-                            cudaMemcpyDeviceToDevice, s),
-            who_ + ": bucket " + std::to_string(b) + " kept");
+    if (!advanced_) {  // the encoder did not leave the new image there
+      SS_CUDA(cudaMemcpyAsync(kept_at(b), img_->data(), static_cast<size_t>(bytes),
+                              cudaMemcpyDeviceToDevice, s),
+              who_ + ": bucket " + std::to_string(b) + " kept");
+    }
     SS_RETURN_IF_ERROR(Record());
     step_ = kShipping;
     return OkStatus();
@@ -390,6 +401,7 @@ class DeltaSendPair final : public PreparedPair {
   int64_t awaiting_ = -1;  // the bucket whose window is not free yet (-1: none)
   PairDeltaBucket cur_;
   DeltaKind form_ = DeltaKind::kFull;
+  bool advanced_ = false;  // the encoder left the current bucket's new image in the kept one
   uint64_t sum_ = 0;
   enum { kIdle, kBases, kBuckets } state_ = kIdle;
   PairDeltaReport report_;

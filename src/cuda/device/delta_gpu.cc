@@ -180,14 +180,17 @@ Status EnqueueDeltaEncode(const DeltaGpuEncodeArgs& a, DeltaGpuScratch* scratch,
     return bad("base, next and out must be device pointers");
   if (!Aligned16(a.base) || !Aligned16(a.next) || !Aligned16(a.out))
     return bad("base, next and out must be 16-byte aligned");
+  if (a.advance != nullptr && a.advance != a.base)
+    return bad("advance must be null or base itself");
   SS_CUDA(cudaSetDevice(s->device_), "device delta encode: cudaSetDevice");
   auto st = static_cast<cudaStream_t>(stream);
   s->bucket_ = std::string(a.bucket);
   s->empty_ = a.bytes == 0;
   if (!s->empty_) {
-    SS_CUDA(static_cast<cudaError_t>(dk::LaunchEncode(a.base, a.next, a.bytes, e, a.base_version,
-                                                      a.out, s->ptrs_, s->enc_blocks_[e], st)),
-            fmt::format("device delta encode of bucket {}: launch", a.bucket));
+    SS_CUDA(
+        static_cast<cudaError_t>(dk::LaunchEncode(a.base, a.next, a.bytes, e, a.base_version, a.out,
+                                                  s->ptrs_, s->enc_blocks_[e], st, a.advance)),
+        fmt::format("device delta encode of bucket {}: launch", a.bucket));
   }
   SS_CUDA(cudaEventRecord(s->done_, st), "device delta encode: event");
   s->op_ = Scratch::Op::kEncode;

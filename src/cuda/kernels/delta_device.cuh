@@ -105,6 +105,18 @@ __device__ __forceinline__ uint4 LoadVec(const unsigned char* p, uint64_t o, uin
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// v into bytes [o, o + 16) of a buffer of n bytes, those inside it (the ragged end).
+__device__ __forceinline__ void StoreVec(unsigned char* p, uint64_t o, uint64_t n, const uint4& v) {
+  if (o + 16 <= n) {
+    *reinterpret_cast<uint4*>(p + o) = v;
+    return;
+  }
+  for (uint64_t i = o; i < n && i < o + 16; ++i) {
+    const uint64_t w = i - o < 8 ? Lo64(v) : Hi64(v);
+    p[i] = static_cast<unsigned char>(w >> (8 * ((i - o) % 8)));
+  }
+}
+
 // Word j (8 bytes, zero padded past n) of a 16-byte aligned buffer of n bytes.
 __device__ __forceinline__ uint64_t LoadWord(const unsigned char* p, uint64_t j, uint64_t n) {
   const uint64_t o = j * 8;

@@ -36,6 +36,7 @@ inline constexpr uint32_t kMaxRangeTiles = 4096;
 
 struct EncArgs {
   const unsigned char* base;
+  unsigned char* advance;  // null, or base: the vectors that differ get next's bytes
   const unsigned char* next;
   unsigned char* out;
   uint64_t n;  // bucket bytes
@@ -289,6 +290,14 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
       a.s.voff[t] = vo;
       a.s.ioff[t] = io;
     }
+    if (a.advance != nullptr && vo != kNoSlot && io != kNoSlot) {
+      // The base advanced in place while the tile is in registers (its copy landed before; no
+      // copy in flight reads it). A tile that found no staging room may be re-read by the write
+      // pass, so EncodeAdvanceRestKernel advances it after that.
+#pragma unroll
+      for (int k = 0; k < kTileVecs; ++k)
+        if (m[k] != 0) StoreVec(a.advance, (v0 + uint64_t{kThreads} * k) * 16, n, x[k]);
+    }
     if (aggregate > 0 && (vo != kNoSlot || io != kNoSlot)) {
       uint64_t pos = 0;
 #pragma unroll
@@ -487,12 +496,31 @@ __global__ void __launch_bounds__(kThreads, 4) EncodeWriteKernel(EncArgs a) {
   }
 }
 
+// With `advance`: the tiles the tile pass left (no staging room), once the write pass has read
+// them: each vector that differs gets next's bytes. A block per tile, grid-stride.
+__global__ void __launch_bounds__(kThreads) EncodeAdvanceRestKernel(EncArgs a) {
+  for (uint32_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
+    if (a.s.voff[t] != kNoSlot && a.s.ioff[t] != kNoSlot) continue;
+    const uint64_t v0 = static_cast<uint64_t>(t) * kThreads * kTileVecs + threadIdx.x;
+#pragma unroll
+    for (int k = 0; k < kTileVecs; ++k) {
+      const uint64_t o = (v0 + uint64_t{kThreads} * k) * 16;
+      if (o >= a.n) break;
+      const uint4 b = LoadVec(a.base, o, a.n), x = LoadVec(a.next, o, a.n);
+      if (b.x != x.x || b.y != x.y || b.z != x.z || b.w != x.w) StoreVec(a.advance, o, a.n, x);
+    }
+  }
+}
+
 template <int E>
 int Launch(const EncArgs& a, cudaStream_t s) {
   EncodeTileKernel<E><<<a.ranges, kThreads, kEncSmem, s>>>(a);
-  const cudaError_t e = cudaGetLastError();
+  cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return static_cast<int>(e);
-  return static_cast<int>(LaunchDependent(EncodeWriteKernel<E>, a.ranges * kWriteSplit, 0, s, a));
+  e = LaunchDependent(EncodeWriteKernel<E>, a.ranges * kWriteSplit, 0, s, a);
+  if (e != cudaSuccess || a.advance == nullptr) return static_cast<int>(e);
+  EncodeAdvanceRestKernel<<<min(a.tiles, a.ranges * 4u), kThreads, 0, s>>>(a);
+  return static_cast<int>(cudaGetLastError());
 }
 
 template <int E>
@@ -520,9 +548,11 @@ int EncodeBlocksPerSm(int element_size) {
 }
 
 int LaunchEncode(const void* base, const void* next, uint64_t bytes, int element_size,
-                 uint64_t base_version, void* out, const ScratchPtrs& s, int blocks, void* stream) {
+                 uint64_t base_version, void* out, const ScratchPtrs& s, int blocks, void* stream,
+                 void* advance) {
   EncArgs a{};
   a.base = static_cast<const unsigned char*>(base);
+  a.advance = static_cast<unsigned char*>(advance);
   a.next = static_cast<const unsigned char*>(next);
   a.out = static_cast<unsigned char*>(out);
   a.n = bytes;

@@ -204,8 +204,10 @@ SHARDSYNC_HD HeaderView ParseHeader(const unsigned char* h, uint64_t encoded_byt
 // Queue the kernels of one call on `stream` (a cudaStream_t). Return a cudaError_t (0: queued).
 // Arguments are checked by the caller (delta_gpu.cc): sizes, alignment, capacity. `blocks`: the
 // encoder's tile pass blocks that fit the GPU at once (EncodeBlocksPerSm x SMs).
+// `advance`: null, or base (writable), which then ends holding next's bytes.
 int LaunchEncode(const void* base, const void* next, uint64_t bytes, int element_size,
-                 uint64_t base_version, void* out, const ScratchPtrs& s, int blocks, void* stream);
+                 uint64_t base_version, void* out, const ScratchPtrs& s, int blocks, void* stream,
+                 void* advance = nullptr);
 // Blocks per SM the encoder's tile pass runs with (its occupancy), for the launch; 0 on error.
 int EncodeBlocksPerSm(int element_size);
 int LaunchDecode(const void* encoded, uint64_t encoded_bytes, void* bucket, uint64_t bytes,

@@ -65,9 +65,11 @@ class GpuDelta : public ::testing::Test {
     return h;
   }
 
-  // Device encode of (base, next) == host EncodeDelta, byte for byte; then device decode of the
-  // host encoding over the base restores next.
-  void Check(const Bytes& base, const Bytes& next, int e, DeltaGpuScratch* scratch = nullptr) {
+  // Device encode of (base, next) == host EncodeDelta, byte for byte (with `advance`, the encode
+  // also leaves next in the base); then device decode of the host encoding over the base restores
+  // next.
+  void Check(const Bytes& base, const Bytes& next, int e, DeltaGpuScratch* scratch = nullptr,
+             bool advance = false) {
     if (scratch == nullptr) scratch = scratch_.get();
     Bytes want;
     auto host = EncodeDelta(base, next, e, 41, "b", &want);
@@ -82,6 +84,7 @@ class GpuDelta : public ::testing::Test {
     a.base_version = 41;
     a.out = out_->data();
     a.bucket = "b";
+    a.advance = advance ? base_->data() : nullptr;
     SS_ASSERT_OK_AND_ASSIGN(const DeltaGpuEncoded got,
                             EncodeDeltaDevice(a, scratch, stream_->handle(), kTimeout));
     EXPECT_EQ(got.result.kind, host->kind);
@@ -90,6 +93,13 @@ class GpuDelta : public ::testing::Test {
     EXPECT_EQ(got.result.base_checksum, host->base_checksum);
     EXPECT_EQ(got.result.new_checksum, host->new_checksum);
     ASSERT_EQ(got.bytes, want.size());
+    if (advance) {
+      const Bytes after = Download(*base_, base.size());
+      ASSERT_TRUE(after == next) << "base not advanced, first difference at byte "
+                                 << (std::mismatch(after.begin(), after.end(), next.begin()).first -
+                                     after.begin());
+      SS_ASSERT_OK(CopyToDevice(base_->data(), base.data(), base.size()));
+    }
     if (want.empty()) return;
     const Bytes enc = Download(*out_, got.bytes);
     ASSERT_TRUE(enc == want) << "first difference at byte "
@@ -145,34 +155,8 @@ TEST_F(GpuDelta, EncodeWithAdvanceLeavesNextInTheBase) {
         const uint64_t changed = static_cast<uint64_t>(density * static_cast<double>(elements));
         SCOPED_TRACE(::testing::Message()
                      << "e=" << e << " elements=" << elements << " changed=" << changed);
-        const Bytes next = Mutate(base, e, changed, static_cast<uint32_t>(changed + 5));
-        Bytes want;
-        auto host = EncodeDelta(base, next, e, 41, "b", &want);
-        ASSERT_TRUE(host.ok()) << host.status().ToString();
-        SS_ASSERT_OK(CopyToDevice(base_->data(), base.data(), base.size()));
-        SS_ASSERT_OK(CopyToDevice(next_->data(), next.data(), next.size()));
-        DeltaGpuEncodeArgs a;
-        a.base = base_->data();
-        a.advance = base_->data();
-        a.next = next_->data();
-        a.bytes = base.size();
-        a.element_size = e;
-        a.base_version = 41;
-        a.out = out_->data();
-        a.bucket = "b";
-        SS_ASSERT_OK_AND_ASSIGN(const DeltaGpuEncoded got,
-                                EncodeDeltaDevice(a, scratch_.get(), stream_->handle(), kTimeout));
-        EXPECT_EQ(got.result.kind, host->kind);
-        EXPECT_EQ(got.result.changed, host->changed);
-        EXPECT_EQ(got.result.base_checksum, host->base_checksum);
-        ASSERT_EQ(got.bytes, want.size());
-        if (!want.empty()) {
-          EXPECT_TRUE(Download(*out_, got.bytes) == want) << "encoding differs";
-        }
-        const Bytes after = Download(*base_, base.size());
-        EXPECT_TRUE(after == next)
-            << "base not advanced, first difference at byte "
-            << (std::mismatch(after.begin(), after.end(), next.begin()).first - after.begin());
+        Check(base, Mutate(base, e, changed, static_cast<uint32_t>(changed + 5)), e, nullptr,
+              /*advance=*/true);
         if (HasFatalFailure()) return;
       }
     }

@@ -18,46 +18,28 @@ namespace {
 
 using namespace delta_internal;  // NOLINT(build/namespaces): the codec's own helpers
 
-// The changes of a checked encoding in order: element index and value, one at a time (the
-// decode walks them alongside its pass over the bucket).
+// The bitmap form's changes of a checked encoding in order: element index and value, one at a
+// time (the decode walks them alongside its pass over the bucket). The index form has IndexWalk
+// (below); over an index-form encoding this walk is empty.
 template <int E>
 class Records {
  public:
   Records(const DeltaInfo& info, const std::byte* payload)
-      : index_form_(info.kind == DeltaKind::kIndex), payload_(payload), left_(info.changed) {
-    if (index_form_) {
-      const DeltaIndexLayout l = DeltaIndexPayload(info.elements, E, info.changed);
-      offsets_ = payload + l.offsets;
-      vals_ = payload + l.values;
-    } else {
-      nbits_ = BitmapBytes(info.elements);
-      vals_ = payload + nbits_;
-      byte_ = -1;
-    }
+      : payload_(payload), left_(info.kind == DeltaKind::kBitmap ? info.changed : 0) {
+    nbits_ = BitmapBytes(info.elements);
+    vals_ = payload + nbits_;
+    byte_ = -1;
     Next();
   }
   bool done() const { return done_; }
   uint64_t index() const { return index_; }
   const std::byte* value() const { return value_; }
-  // Inlined into each walk (three per decode): out of line, the call per change cost the index
-  // form's decode about a fifth at 1% density (delta_codec_bench).
   [[gnu::always_inline]] void Next() {
     if (left_ == 0) {
       done_ = true;
       return;
     }
     --left_;
-    if (index_form_) {
-      // The running counts were checked (non-decreasing, the last = count): a tile whose count
-      // passes k_ is ahead.
-      while (k_ >= tile_end_) {
-        tile_start_ = next_tile_ * (kDeltaTileBytes / E);
-        tile_end_ = Get<uint32_t>(payload_ + 4 * next_tile_++);
-      }
-      index_ = tile_start_ + Get<uint16_t>(offsets_ + 2 * k_);
-      value_ = vals_ + k_++ * E;
-      return;
-    }
     while (mask_ == 0) {  // the count matched the bitmap's popcount: a set bit is ahead
       ++byte_;
       if (byte_ % 8 == 0 && byte_ + 8 <= nbits_ && Get<uint64_t>(payload_ + byte_) == 0) {
@@ -73,18 +55,14 @@ class Records {
   }
 
  private:
-  bool index_form_;
   const std::byte* payload_;
   uint64_t left_;
   bool done_ = false;
   uint64_t index_ = 0;
   const std::byte* value_ = nullptr;
-  // Index form: the next change, its tile's running count and first element, the next tile.
-  uint64_t k_ = 0, tile_end_ = 0, tile_start_ = 0, next_tile_ = 0;
-  const std::byte* offsets_ = nullptr;
-  uint64_t nbits_ = 0, byte_ = 0;    // bitmap form: its bytes, the current one
+  uint64_t nbits_ = 0, byte_ = 0;    // its bytes, the current one
   unsigned mask_ = 0;                // bits of byte_ not yet visited
-  const std::byte* vals_ = nullptr;  // the values (bitmap form: the next one)
+  const std::byte* vals_ = nullptr;  // the next value
 };
 
 // Byte offset -> piece (DeltaPiece), for offsets that never decrease: records come in increasing
@@ -200,6 +178,29 @@ class PieceSum {
   uint64_t sum_ = 0, word_ = 0;
 };
 
+// The index form's changes tile by tile (a checked encoding): change k is element tile_start +
+// its u16 offset while k < tile_end; Seek moves to the tile holding change k. Kept apart from
+// Records so the hot walks (Predict, Apply) run a tight loop per tile.
+template <int E>
+struct IndexWalk {
+  IndexWalk(const DeltaInfo& info, const std::byte* payload) : ends(payload), count(info.changed) {
+    const DeltaIndexLayout l = DeltaIndexPayload(info.elements, E, info.changed);
+    offs = payload + l.offsets;
+    vals = payload + l.values;
+  }
+  void Seek() {
+    while (k >= tile_end) {
+      tile_start = tile * (kDeltaTileBytes / E);
+      tile_end = Get<uint32_t>(ends + 4 * tile++);
+    }
+  }
+  uint64_t Index(uint64_t j) const { return tile_start + Get<uint16_t>(offs + 2 * j); }
+  const std::byte* ends;
+  const std::byte* offs = nullptr;
+  const std::byte* vals = nullptr;
+  uint64_t count, k = 0, tile = 0, tile_end = 0, tile_start = 0;
+};
+
 // What the changes do to the checksum sum: the checksum is a sum of per-word terms, so each
 // changed word's term is replaced. Fed alongside PieceSum (To: the records whose words lie below
 // `limit`, read while that stretch is still in cache); records come in increasing element order
@@ -209,8 +210,16 @@ class Predict {
  public:
   Predict(const DeltaInfo& info, const std::byte* payload, std::span<const DeltaPiece> pieces,
           uint64_t n)
-      : rec_(info, payload), cur_(pieces), n_(n) {}
+      : rec_(info, payload),
+        iw_(info, payload),
+        index_(info.kind == DeltaKind::kIndex),
+        cur_(pieces),
+        n_(n) {}
   void To(uint64_t limit) {
+    if (index_) {
+      ToIndex(limit);
+      return;
+    }
     // The walk on locals (and the word patched by shifts, not byte stores): members written
     // through a std::byte pointer would be reloaded after every change.
     Records<E> rec = rec_;
@@ -235,6 +244,37 @@ class Predict {
     new_word_ = new_word;
     delta_ = delta;
   }
+  // To for the index form: tile by tile, the same word logic.
+  void ToIndex(uint64_t limit) {
+    IndexWalk<E> w = iw_;
+    uint64_t word_at = word_at_, old_word = old_word_, new_word = new_word_, delta = delta_;
+    constexpr uint64_t kMask = E == 4 ? 0xFFFFFFFFull : (uint64_t{1} << (8 * E)) - 1;
+    while (w.k < w.count) {
+      w.Seek();
+      const uint64_t end = w.tile_end;
+      for (; w.k < end; ++w.k) {
+        const uint64_t i = w.Index(w.k);
+        const uint64_t at = i * E / 8 * 8;
+        if (at + 8 > limit && limit < n_) goto out;
+        if (at != word_at) {
+          if (word_at != UINT64_MAX)
+            delta +=
+                ChecksumMixWord(new_word, word_at / 8) - ChecksumMixWord(old_word, word_at / 8);
+          word_at = at;
+          old_word = new_word = cur_.Word(at, n_);
+        }
+        const unsigned shift = static_cast<unsigned>(8 * (i * E - at));
+        new_word = (new_word & ~(kMask << shift)) |
+                   (static_cast<uint64_t>(Get<Elem<E>>(w.vals + w.k * E)) << shift);
+      }
+    }
+  out:
+    iw_ = w;
+    word_at_ = word_at;
+    old_word_ = old_word;
+    new_word_ = new_word;
+    delta_ = delta;
+  }
   // The sum's change (mod 2^64).
   uint64_t Finish() {
     To(n_);
@@ -249,6 +289,8 @@ class Predict {
       delta_ += ChecksumMixWord(new_word_, word_at_ / 8) - ChecksumMixWord(old_word_, word_at_ / 8);
   }
   Records<E> rec_;
+  IndexWalk<E> iw_;
+  bool index_;
   PieceCursor cur_;
   uint64_t n_;
   uint64_t word_at_ = UINT64_MAX, old_word_ = 0, new_word_ = 0, delta_ = 0;
@@ -266,17 +308,20 @@ void Apply(const DeltaInfo& info, const std::byte* payload, std::span<const Delt
   };
   if (info.kind == DeltaKind::kIndex) {
     constexpr uint64_t kAhead = 16;
-    Records<E> ahead(info, payload);
-    for (uint64_t k = 0; k < kAhead && !ahead.done(); ++k) ahead.Next();
+    IndexWalk<E> w(info, payload), ahead(info, payload);
     PieceCursor pre(pieces);
-    for (Records<E> rec(info, payload); !rec.done(); rec.Next()) {
-      if (!ahead.done()) {
-        const uint64_t a = ahead.index() * E;
-        const DeltaPiece& q = pre.At(a);
-        __builtin_prefetch(q.out + (a - q.offset), 1);
-        ahead.Next();
+    ahead.k = std::min<uint64_t>(kAhead, ahead.count);
+    while (w.k < w.count) {
+      w.Seek();
+      for (const uint64_t end = w.tile_end; w.k < end; ++w.k) {
+        if (ahead.k < ahead.count) {
+          ahead.Seek();
+          const uint64_t a = ahead.Index(ahead.k++) * E;
+          const DeltaPiece& q = pre.At(a);
+          __builtin_prefetch(q.out + (a - q.offset), 1);
+        }
+        put(w.Index(w.k), w.vals + w.k * E);
       }
-      put(rec.index(), rec.value());
     }
     return;
   }

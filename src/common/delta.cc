@@ -216,60 +216,41 @@ class Predict {
         cur_(pieces),
         n_(n) {}
   void To(uint64_t limit) {
-    if (index_) {
-      ToIndex(limit);
-      return;
-    }
     // The walk on locals (and the word patched by shifts, not byte stores): members written
     // through a std::byte pointer would be reloaded after every change.
-    Records<E> rec = rec_;
     uint64_t word_at = word_at_, old_word = old_word_, new_word = new_word_, delta = delta_;
     constexpr uint64_t kMask = E == 4 ? 0xFFFFFFFFull : (uint64_t{1} << (8 * E)) - 1;
-    for (; !rec.done(); rec.Next()) {
-      const uint64_t at = rec.index() * E / 8 * 8;
-      if (at + 8 > limit && limit < n_) break;
+    // Change i (value v) into its word; false, leaving it for the next To, past `limit`.
+    auto fold = [&](uint64_t i, const std::byte* v) {
+      const uint64_t at = i * E / 8 * 8;
+      if (at + 8 > limit && limit < n_) return false;
       if (at != word_at) {
-        if (word_at != UINT64_MAX)
-          delta += ChecksumMixWord(new_word, word_at / 8) - ChecksumMixWord(old_word, word_at / 8);
+        delta += Change(word_at, old_word, new_word);
         word_at = at;
         old_word = new_word = cur_.Word(at, n_);
       }
-      const unsigned shift = static_cast<unsigned>(8 * (rec.index() * E - at));
-      new_word = (new_word & ~(kMask << shift)) |
-                 (static_cast<uint64_t>(Get<Elem<E>>(rec.value())) << shift);
-    }
-    rec_ = rec;
-    word_at_ = word_at;
-    old_word_ = old_word;
-    new_word_ = new_word;
-    delta_ = delta;
-  }
-  // To for the index form: tile by tile, the same word logic.
-  void ToIndex(uint64_t limit) {
-    IndexWalk<E> w = iw_;
-    uint64_t word_at = word_at_, old_word = old_word_, new_word = new_word_, delta = delta_;
-    constexpr uint64_t kMask = E == 4 ? 0xFFFFFFFFull : (uint64_t{1} << (8 * E)) - 1;
-    while (w.k < w.count) {
-      w.Seek();
-      const uint64_t end = w.tile_end;
-      for (; w.k < end; ++w.k) {
-        const uint64_t i = w.Index(w.k);
-        const uint64_t at = i * E / 8 * 8;
-        if (at + 8 > limit && limit < n_) goto out;
-        if (at != word_at) {
-          if (word_at != UINT64_MAX)
-            delta +=
-                ChecksumMixWord(new_word, word_at / 8) - ChecksumMixWord(old_word, word_at / 8);
-          word_at = at;
-          old_word = new_word = cur_.Word(at, n_);
+      const unsigned shift = static_cast<unsigned>(8 * (i * E - at));
+      new_word = (new_word & ~(kMask << shift)) | (static_cast<uint64_t>(Get<Elem<E>>(v)) << shift);
+      return true;
+    };
+    if (index_) {  // tile by tile
+      IndexWalk<E> w = iw_;
+      for (bool more = true; more && w.k < w.count;) {
+        w.Seek();
+        for (const uint64_t end = w.tile_end; w.k < end; ++w.k) {
+          if (!fold(w.Index(w.k), w.vals + w.k * E)) {
+            more = false;
+            break;
+          }
         }
-        const unsigned shift = static_cast<unsigned>(8 * (i * E - at));
-        new_word = (new_word & ~(kMask << shift)) |
-                   (static_cast<uint64_t>(Get<Elem<E>>(w.vals + w.k * E)) << shift);
       }
+      iw_ = w;
+    } else {
+      Records<E> rec = rec_;
+      for (; !rec.done() && fold(rec.index(), rec.value()); rec.Next()) {
+      }
+      rec_ = rec;
     }
-  out:
-    iw_ = w;
     word_at_ = word_at;
     old_word_ = old_word;
     new_word_ = new_word;
@@ -284,9 +265,11 @@ class Predict {
   }
 
  private:
-  void Flush() {
-    if (word_at_ != UINT64_MAX)
-      delta_ += ChecksumMixWord(new_word_, word_at_ / 8) - ChecksumMixWord(old_word_, word_at_ / 8);
+  void Flush() { delta_ += Change(word_at_, old_word_, new_word_); }
+  // What replacing the word at byte `at` (none: UINT64_MAX) does to the sum.
+  static uint64_t Change(uint64_t at, uint64_t old_word, uint64_t new_word) {
+    return at == UINT64_MAX ? 0
+                            : ChecksumMixWord(new_word, at / 8) - ChecksumMixWord(old_word, at / 8);
   }
   Records<E> rec_;
   IndexWalk<E> iw_;

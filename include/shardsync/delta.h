@@ -27,7 +27,7 @@
 // against 2 + e now; both ends of a pair run one build, so format 1 is refused, not read.
 //
 // The size rule (DeltaEncodedBytes, delta_rule.h): index costs 2 + e bytes per change plus 4
-// bytes per tile (0.02-0.1% of the bucket), bitmap elements/8 + e per change; the index form is
+// bytes per 16 KiB tile (0.024% of the bucket's bytes), bitmap elements/8 + e per change; the index form is
 // used while it is not larger (a density up to about 1/16), bitmap above; "full" when the smaller
 // form is not smaller than the bucket (the whole bucket travels instead). Buckets are limited to
 // 2^32 - 1 elements (u32 counts).

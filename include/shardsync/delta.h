@@ -85,7 +85,8 @@ std::string_view DeltaReasonText(DeltaReason r);
 
 // Bytes of the encoded form (header included) of a bucket of `elements` elements of
 // `element_size` bytes with `changed` of them changed, and the form the encoder picks. For
-// kFull, bytes is the bucket's size. The encoder and the cost model share this rule.
+// kFull, bytes is the bucket's size (0 for an element size other than 1, 2 or 4, which the codec
+// refuses). The encoder and the cost model share this rule.
 struct DeltaSize {
   DeltaKind kind = DeltaKind::kFull;
   uint64_t bytes = 0;

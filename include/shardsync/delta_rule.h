@@ -30,8 +30,9 @@ struct DeltaIndexLayout {
 SHARDSYNC_HD DeltaIndexLayout DeltaIndexPayload(uint64_t elements, uint64_t element_size,
                                                 uint64_t changed) {
   DeltaIndexLayout l;
-  l.tile_elems = kDeltaTileBytes / element_size;
-  l.tiles = (elements + l.tile_elems - 1) / l.tile_elems;
+  // An element size the codec refuses (not 1, 2 or 4) gets no tiles rather than a division by 0.
+  l.tile_elems = element_size == 0 ? 0 : kDeltaTileBytes / element_size;
+  l.tiles = l.tile_elems == 0 ? 0 : (elements + l.tile_elems - 1) / l.tile_elems;
   l.offsets = 4 * l.tiles;
   l.values = (l.offsets + 2 * changed + 3) / 4 * 4;
   l.bytes = l.values + changed * element_size;
@@ -39,8 +40,10 @@ SHARDSYNC_HD DeltaIndexLayout DeltaIndexPayload(uint64_t elements, uint64_t elem
 }
 
 // Both forms carry the changed values; they differ in how positions are named. `changed` is
-// clamped to `elements`.
+// clamped to `elements`. An element size other than 1, 2 or 4 (refused by every caller) gives
+// kFull with 0 bytes.
 SHARDSYNC_HD DeltaSize DeltaSizeRule(uint64_t elements, uint64_t element_size, uint64_t changed) {
+  if (element_size != 1 && element_size != 2 && element_size != 4) return {};  // no delta form
   const uint64_t full = elements * element_size;
   if (changed > elements) changed = elements;
   const uint64_t index_bytes = DeltaIndexPayload(elements, element_size, changed).bytes;

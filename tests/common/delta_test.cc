@@ -102,6 +102,12 @@ TEST(Delta, KindFollowsTheSizeRule) {
   EXPECT_EQ(DeltaEncodedBytes(elements, 2, 59976).bytes, elements * 2);
   // A bucket smaller than the header is always sent full.
   EXPECT_EQ(DeltaEncodedBytes(4, 4, 0).kind, DeltaKind::kFull);
+  // Element sizes the codec refuses elsewhere give an answer, not a division by zero.
+  EXPECT_EQ(DeltaEncodedBytes(1000, 0, 0).kind, DeltaKind::kFull);
+  EXPECT_EQ(DeltaIndexPayload(1000, 0, 0).tiles, 0u);
+  EXPECT_EQ(DeltaIndexPayload(1000, 32768, 0).tiles, 0u);
+  EXPECT_EQ(DeltaEncodedBytes(1000, -2, 5).kind, DeltaKind::kFull);
+  EXPECT_EQ(DeltaEncodedBytes(1000, 3, 5).bytes, 0u);
 
   // The encoder follows it on real data: one case per kind, for every element size.
   for (int e : {1, 2, 4}) {

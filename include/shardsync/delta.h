@@ -8,7 +8,7 @@
 // already holds, and none names or checks the base.
 //
 // Encoded form, little-endian, `kDeltaHeaderBytes` of header then the payload:
-//   0  u32 magic "SSDL"       4  u8 format (2)    5  u8 kind (1 index, 2 bitmap)
+//   0  u32 magic "SSDL"       4  u8 format (3)    5  u8 kind (1 index, 2 bitmap, 3 packed)
 //   6  u8 element size        7  u8 zero
 //   8  u64 elements in the bucket          16 u64 base version
 //   24 u64 checksum of the base bytes      32 u64 checksum of the new bytes
@@ -22,14 +22,32 @@
 //           (delta_rule.h DeltaIndexPayload has the offsets);
 //   bitmap: ceil(elements / 8) bytes (bit i of byte i/8, LSB first, = element i changed; bits past
 //           the last element zero; popcount = count), then the count changed elements in order.
+//   packed (element size 1 or 2 only, and only while the index form is not larger than the
+//           bitmap form: under about 1/16 of the elements changed): the tiles as above, a u32
+//           running count per tile (as the index form's); for element size 2 a second u32 per
+//           tile, the escapes up to and including it (non-decreasing, the last one = the
+//           escapes, which the length gives); then a u8 per subtile of 128 elements (the last
+//           one ragged; ceil(elements / 128) of them), its change count (at most its elements;
+//           a tile's subtiles sum to its changes); then a u8 per change, its element within its
+//           subtile (strictly increasing within a subtile); then a u8 per change, its value byte:
+//           element size 1: the new byte; element size 2: the difference new - old of the bit
+//           patterns (mod 2^16) when it lies in [-127, 127], else 0x80 (escaped: the new value is
+//           the next escape; a tile's 0x80 bytes are its escapes); element size 2 only: a zero
+//           byte when the payload so far is odd, then a u16 per escape, the new value, in order
+//           (delta_rule.h DeltaPackedPayload has the offsets). 2 bytes a change, where the index
+//           form takes 2 + e.
 // Nothing else: trailing bytes are malformed. Checksums are shardsync's (checksum.h). Format 1
 // (before 2026-12-03) named each index-form change by a u32 element index: 4 + e bytes a change
-// against 2 + e now; both ends of a pair run one build, so format 1 is refused, not read.
+// against 2 + e now; format 2 had no packed form. Both ends of a pair run one build, so older
+// formats are refused, not read.
 //
 // The size rule (DeltaEncodedBytes, delta_rule.h): index costs 2 + e bytes per change plus 4
-// bytes per 16 KiB tile (0.024% of the bucket's bytes), bitmap elements/8 + e per change; the index form is
-// used while it is not larger (a density up to about 1/16), bitmap above; "full" when the smaller
-// form is not smaller than the bucket (the whole bucket travels instead). Buckets are limited to
+// bytes per 16 KiB tile (0.024% of the bucket's bytes), bitmap elements/8 + e per change, packed
+// 2 bytes per change plus a byte per 128 elements (0.39% of a bf16 bucket, 0.78% of a byte image)
+// and 4 (8 for e = 2) bytes per tile, plus 2 per escape; the smallest wins (ties: index, then
+// packed); packed beats index above about 0.4% (bf16) or 0.8% (FP8) of the elements changed;
+// "full" when the smallest form is not smaller than the bucket (the whole bucket travels
+// instead). Buckets are limited to
 // 2^32 - 1 elements (u32 counts).
 //
 // Memory: a sender that encodes deltas keeps the wire image it last sent for every pair it
@@ -63,9 +81,10 @@ enum class DeltaKind : uint8_t {
   kFull = 0,    // the delta would not be smaller than the bucket: send the bucket
   kIndex = 1,   // per-tile running counts, element offsets, values
   kBitmap = 2,  // bitmap + values
+  kPacked = 3,  // per-subtile counts, byte offsets, byte values (differences), escapes
 };
 
-// "full", "index", "bitmap".
+// "full", "index", "bitmap", "packed".
 std::string_view DeltaKindName(DeltaKind kind);
 
 // Why a bucket of a session under the delta encoding travels whole, or kDelta (the reports count
@@ -84,18 +103,21 @@ enum class DeltaReason : uint8_t {
 std::string_view DeltaReasonText(DeltaReason r);
 
 // Bytes of the encoded form (header included) of a bucket of `elements` elements of
-// `element_size` bytes with `changed` of them changed, and the form the encoder picks. For
+// `element_size` bytes with `changed` of them changed, `escapes` of those (element size 2)
+// escaped in the packed form (delta_rule.h DeltaEscaped), and the form the encoder picks. For
 // kFull, bytes is the bucket's size (0 for an element size other than 1, 2 or 4, which the codec
 // refuses). The encoder and the cost model share this rule.
 struct DeltaSize {
   DeltaKind kind = DeltaKind::kFull;
   uint64_t bytes = 0;
 };
-DeltaSize DeltaEncodedBytes(uint64_t elements, int element_size, uint64_t changed);
+DeltaSize DeltaEncodedBytes(uint64_t elements, int element_size, uint64_t changed,
+                            uint64_t escapes = 0);
 
 struct DeltaEncodeResult {
   DeltaKind kind = DeltaKind::kFull;
   uint64_t changed = 0;        // elements that differ; counted in full even for kFull
+  uint64_t escapes = 0;        // element size 2: changes escaped in the packed form (all forms)
   uint64_t elements = 0;       // elements in the bucket
   uint64_t base_checksum = 0;  // Checksum() of the base bytes (0 when kFull)
   uint64_t new_checksum = 0;   // Checksum() of the new bytes (0 when kFull)
@@ -119,6 +141,7 @@ struct DeltaInfo {
   uint64_t base_checksum = 0;
   uint64_t new_checksum = 0;
   uint64_t changed = 0;
+  uint64_t escapes = 0;  // packed form, element size 2: from the length
 };
 Result<DeltaInfo> InspectDelta(std::span<const std::byte> encoded, std::string_view bucket);
 

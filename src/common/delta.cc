@@ -352,8 +352,9 @@ std::string_view DeltaKindName(DeltaKind kind) {
   return "unknown";
 }
 
-DeltaSize DeltaEncodedBytes(uint64_t elements, int element_size, uint64_t changed) {
-  return DeltaSizeRule(elements, static_cast<uint64_t>(element_size), changed);
+DeltaSize DeltaEncodedBytes(uint64_t elements, int element_size, uint64_t changed,
+                            uint64_t escapes) {
+  return DeltaSizeRule(elements, static_cast<uint64_t>(element_size), changed, escapes);
 }
 
 Result<DeltaInfo> InspectDelta(std::span<const std::byte> encoded, std::string_view bucket) {

@@ -187,7 +187,7 @@ Status DeltaAgreement(bool delta, std::string_view value, int self, int dst) {
 
 Status CheckDeltaControl(const Control& d, const std::string& where, int64_t bucket_bytes) {
   const auto form = static_cast<DeltaKind>(d.form);
-  if (d.form > static_cast<uint32_t>(DeltaKind::kBitmap) ||
+  if (d.form > static_cast<uint32_t>(DeltaKind::kPacked) ||
       d.reason > static_cast<uint32_t>(DeltaReason::kCost) ||
       (form == DeltaKind::kFull) == (d.reason == static_cast<uint32_t>(DeltaReason::kDelta)))
     return DataLossError(where + ": malformed delta control message (form " +

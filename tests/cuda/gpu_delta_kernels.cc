@@ -47,6 +47,32 @@ Bytes Mutate(const Bytes& base, int e, uint64_t changed, uint32_t seed) {
   return next;
 }
 
+// `base` with `changed` distinct elements changed by small steps, as an optimizer's update
+// moves them: 2-byte elements by a difference of their bit patterns in [-140, 140] (about one
+// in 13 escaped in the packed form), byte elements to any other byte.
+Bytes MutateSmall(const Bytes& base, int e, uint64_t changed, uint32_t seed) {
+  Bytes next = base;
+  const uint64_t elements = base.size() / e;
+  std::vector<uint32_t> order(elements);
+  for (uint64_t i = 0; i < elements; ++i) order[i] = static_cast<uint32_t>(i);
+  std::mt19937 rng(seed);
+  for (uint64_t k = 0; k < changed; ++k) {
+    std::swap(order[k], order[k + rng() % (elements - k)]);
+    std::byte* p = next.data() + uint64_t{order[k]} * e;
+    if (e == 2) {
+      int d = static_cast<int>(rng() % 280) - 140;
+      if (d >= 0) ++d;  // never 0
+      uint16_t v;
+      std::memcpy(&v, p, 2);
+      v = static_cast<uint16_t>(v + d);
+      std::memcpy(p, &v, 2);
+    } else {
+      p[e - 1] ^= static_cast<std::byte>(1 + rng() % 255);
+    }
+  }
+  return next;
+}
+
 class GpuDelta : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -176,12 +202,15 @@ TEST_F(GpuDelta, EncodeWithAdvanceLeavesNextInTheBase) {
 }
 
 TEST_F(GpuDelta, EveryFormIsExercised) {
-  // 1 MiB of bf16: 1% is the index form, 10% the bitmap form, 100% full.
+  // 1 MiB of bf16: 1% of large changes (every one escaped) is the index form, 1% of small ones
+  // packed, 10% the bitmap form, 100% full.
   const Bytes base = RandomBytes(1 << 20, 5);
   for (auto [density, kind] :
-       {std::pair{0.01, DeltaKind::kIndex}, std::pair{0.10, DeltaKind::kBitmap},
-        std::pair{1.0, DeltaKind::kFull}}) {
-    const Bytes next = Mutate(base, 2, static_cast<uint64_t>(density * (1 << 19)), 9);
+       {std::pair{0.01, DeltaKind::kIndex}, std::pair{0.011, DeltaKind::kPacked},
+        std::pair{0.10, DeltaKind::kBitmap}, std::pair{1.0, DeltaKind::kFull}}) {
+    const uint64_t changed = static_cast<uint64_t>(density * (1 << 19));
+    const Bytes next = kind == DeltaKind::kPacked ? MutateSmall(base, 2, changed, 9)
+                                                  : Mutate(base, 2, changed, 9);
     Bytes enc;
     auto host = EncodeDelta(base, next, 2, 41, "b", &enc);
     ASSERT_TRUE(host.ok());
@@ -284,8 +313,8 @@ TEST_F(GpuDelta, RefusalsMatchTheHostAndLeaveTheBucketUntouched) {
         {"truncated", [](Bytes*, Bytes*, DeltaExpect*, size_t* n) { *n -= 1; }},
         {"short", [](Bytes*, Bytes*, DeltaExpect*, size_t* n) { *n = 20; }},
         {"magic", [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[0] = std::byte{'X'}; }},
-        {"format 1", [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[4] = std::byte{1}; }},
-        {"kind", [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[5] = std::byte{3}; }},
+        {"format 2", [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[4] = std::byte{2}; }},
+        {"kind", [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[5] = std::byte{4}; }},
         {"reserved", [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { (*e)[7] = std::byte{1}; }},
         {"count over elements",
          [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { Put64(e, 40, kElems + 1); }},
@@ -366,6 +395,151 @@ TEST_F(GpuDelta, RefusalsMatchTheHostAndLeaveTheBucketUntouched) {
     }
     // The same scratch still decodes a good delta after every refusal.
     Check(base, next, 2);
+  }
+}
+
+// Small changes (an optimizer's steps) in the packed form, both element sizes, with and without
+// `advance`: tiny buckets, a ragged last subtile and tile, many tiles; densities up to the form's
+// limit (1/16), over which the bitmap form takes over.
+TEST_F(GpuDelta, PackedFormEncodesAsTheHostAndDecodes) {
+  int packed = 0;
+  for (int e : {1, 2}) {
+    const uint64_t ue = static_cast<uint64_t>(e);
+    for (uint64_t elements : {uint64_t{100}, uint64_t{1001}, 16384 / ue + 67,
+                              (uint64_t{5} << 20) / ue + 7, (uint64_t{40} << 20) / ue + 3}) {
+      const Bytes base = RandomBytes(elements * e, static_cast<uint32_t>(elements * 5 + e));
+      for (double density : {0.005, 0.02, 0.05, 0.0625}) {
+        const uint64_t changed = std::max<uint64_t>(
+            1, static_cast<uint64_t>(density * static_cast<double>(elements)));
+        const Bytes next = MutateSmall(base, e, changed, static_cast<uint32_t>(changed + 11 * e));
+        Bytes enc;
+        auto host = EncodeDelta(base, next, e, 41, "b", &enc);
+        ASSERT_TRUE(host.ok());
+        packed += host->kind == DeltaKind::kPacked;
+        for (bool advance : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "e=" << e << " elements=" << elements
+                                            << " changed=" << changed << " advance=" << advance
+                                            << " kind=" << DeltaKindName(host->kind));
+          Check(base, next, e, nullptr, advance);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+  EXPECT_GE(packed, 12);  // the form is exercised, not only its neighbours
+}
+
+// The packed form's faults (delta.h "Encoded form"): the device's refusal is the host's, word for
+// word, and the bucket is left as it was.
+TEST_F(GpuDelta, PackedRefusalsMatchTheHost) {
+  constexpr size_t kElems = 40003;  // 5 tiles of bf16, 313 subtiles, the last of 67 elements
+  for (int e : {2, 1}) {
+    const size_t ue = static_cast<size_t>(e);
+    const Bytes base = RandomBytes(kElems * ue, 78);
+    const Bytes next = MutateSmall(base, e, 1201, 4);
+    Bytes enc0;
+    ASSERT_TRUE(EncodeDelta(base, next, e, 41, "b", &enc0).ok());
+    ASSERT_EQ(static_cast<DeltaKind>(enc0[5]), DeltaKind::kPacked);
+    const uint64_t count = Get64(enc0, 40);
+    const size_t p = kDeltaHeaderBytes;
+    const uint64_t x0 = e == 2 ? (enc0.size() - p -
+                                  DeltaPackedPayload(kElems, ue, count, 0).bytes) / 2
+                               : 0;
+    const DeltaPackedLayout l = DeltaPackedPayload(kElems, ue, count, x0);
+    ASSERT_EQ(l.bytes, enc0.size() - p);
+    std::vector<uint32_t> end(l.tiles), eend(l.tiles);
+    for (size_t t = 0; t < l.tiles; ++t) {
+      end[t] = GetLE<uint32_t>(enc0, p + 4 * t);
+      if (e == 2) eend[t] = GetLE<uint32_t>(enc0, p + l.escape_ends + 4 * t);
+    }
+    // A subtile of tile 1 with two records or more, and its first record.
+    const uint64_t spt = l.tile_elems / 128;
+    uint64_t sub2 = 0, k2 = end[0];
+    for (uint64_t sb = spt; sb < 2 * spt; ++sb) {
+      const auto c = static_cast<uint8_t>(enc0[p + l.subs + sb]);
+      if (c >= 2) {
+        sub2 = sb;
+        break;
+      }
+      k2 += c;
+    }
+    ASSERT_GT(sub2, 0u);
+    std::vector<Case> cases = {
+        {"over the limit",
+         [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { Put64(e, 40, kElems / 8); }},
+        {"truncated", [](Bytes*, Bytes*, DeltaExpect*, size_t* n) { *n -= 1; }},
+        {"running count falls",
+         [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+           PutLE<uint32_t>(e, p + 4 * 2, end[1] - 1);
+         }},
+        {"last running count",
+         [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+           PutLE<uint32_t>(e, p + 4 * (l.tiles - 1), end[l.tiles - 1] + 1);
+         }},
+        {"subtile over its elements",
+         [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+           (*e)[p + l.subs + spt + 3] = std::byte{129};
+         }},
+        {"subtile counts sum",
+         [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+           (*e)[p + l.subs + sub2] = std::byte{static_cast<uint8_t>((*e)[p + l.subs + sub2]) + 1u};
+         }},
+        {"record out of its subtile",
+         [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+           (*e)[p + l.offsets + k2 + 1] = std::byte{200};
+         }},
+        {"record not increasing",
+         [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+           (*e)[p + l.offsets + k2 + 1] = (*e)[p + l.offsets + k2];
+         }},
+        {"corrupt value", [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+           (*e)[p + l.values + 7] ^= std::byte{0x21};
+         }},
+    };
+    if (e == 2) {
+      ASSERT_GE(eend[1], 1u);
+      ASSERT_GT(l.escapes, l.values + count);  // a padding byte
+      cases.push_back({"escape count falls", [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         PutLE<uint32_t>(e, p + l.escape_ends + 4 * 2, eend[1] - 1);
+                       }});
+      cases.push_back({"last escape count", [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         PutLE<uint32_t>(e, p + l.escape_ends + 4 * (l.tiles - 1),
+                                         eend[l.tiles - 1] - 1);
+                       }});
+      cases.push_back({"escaped values of a tile", [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         for (uint64_t k = end[1]; k < end[2]; ++k)
+                           if ((*e)[p + l.values + k] != std::byte{0x80}) {
+                             (*e)[p + l.values + k] = std::byte{0x80};
+                             return;
+                           }
+                       }});
+      cases.push_back({"padding", [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
+                         (*e)[p + l.values + count] = std::byte{1};
+                       }});
+    }
+    for (const Case& c : cases) {
+      SCOPED_TRACE(::testing::Message() << c.name << " e=" << e);
+      Bytes enc = enc0, bucket = base;
+      DeltaExpect expect{"b", e, 41};
+      size_t len = enc.size();
+      c.edit(&enc, &bucket, &expect, &len);
+      Bytes host_bucket = bucket;
+      const Status want = DecodeDeltaInPlace(std::span(enc.data(), len), host_bucket, expect);
+      ASSERT_FALSE(want.ok());
+      ASSERT_TRUE(host_bucket == bucket);
+      SS_ASSERT_OK(CopyToDevice(base_->data(), bucket.data(), bucket.size()));
+      SS_ASSERT_OK(CopyToDevice(out_->data(), enc.data(), enc.size()));
+      DeltaGpuDecodeArgs d;
+      d.encoded = out_->data();
+      d.encoded_bytes = len;
+      d.bucket = base_->data();
+      d.bucket_bytes = bucket.size();
+      d.expect = expect;
+      const Status got = DecodeDeltaDevice(d, scratch_.get(), stream_->handle(), kTimeout);
+      EXPECT_EQ(got.ToString(), want.ToString());
+      EXPECT_TRUE(Download(*base_, bucket.size()) == bucket) << "bucket changed";
+    }
+    Check(base, next, e);
   }
 }
 

@@ -232,7 +232,7 @@ class DeltaRecvPair final : public PreparedPair {
     const auto form = static_cast<DeltaKind>(ctl_[2]);
     const auto reason = static_cast<DeltaReason>(ctl_[3]);
     const uint64_t payload = ctl_[4];
-    if (ctl_[0] != version_ || ctl_[1] != b || ctl_[2] > uint64_t(DeltaKind::kBitmap) ||
+    if (ctl_[0] != version_ || ctl_[1] != b || ctl_[2] > uint64_t(DeltaKind::kPacked) ||
         ctl_[3] > uint64_t(DeltaReason::kCost) ||
         (form == DeltaKind::kFull) == (reason == DeltaReason::kDelta) ||
         (form == DeltaKind::kFull ? payload != uint64_t(bytes)

@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include "cuda/cuda_util.h"
 #include "cuda/kernels/delta_kernels.h"
@@ -153,6 +154,10 @@ Result<std::unique_ptr<DeltaGpuScratch>> DeltaGpuScratch::Allocate(uint64_t max_
   s->ptrs_.voff = reinterpret_cast<uint32_t*>(base + l.voff);
   s->ptrs_.ioff = reinterpret_cast<uint32_t*>(base + l.ioff);
   s->ptrs_.rtot = reinterpret_cast<uint32_t*>(base + l.rtot);
+  s->ptrs_.etile = reinterpret_cast<uint32_t*>(base + l.etile);
+  s->ptrs_.etot = reinterpret_cast<uint32_t*>(base + l.etot);
+  s->ptrs_.subc = base + l.subc;
+  s->ptrs_.pv = base + l.pv;
   s->ptrs_.vals = base + l.vals;
   s->ptrs_.idx = reinterpret_cast<uint16_t*>(base + l.idx);
   s->ptrs_.stage_bytes = l.total - l.vals;
@@ -209,6 +214,7 @@ Result<DeltaGpuEncoded> FinishDeltaEncode(DeltaGpuScratch* scratch,
   const dk::HostResult r = s->Result();
   out.result.kind = static_cast<DeltaKind>(r.kind);
   out.result.changed = r.changed;
+  out.result.escapes = r.escapes;
   out.result.elements = r.elements;
   out.result.base_checksum = r.base_checksum;
   out.result.new_checksum = r.new_checksum;
@@ -255,6 +261,100 @@ Status EnqueueDeltaDecode(const DeltaGpuDecodeArgs& a, DeltaGpuScratch* scratch,
   return OkStatus();
 }
 
+namespace {
+
+// The packed form's fault (dk::PackedFault*) as the host decoder words it (delta.cc), its bytes
+// read back from the encoding.
+Status PackedFault(const dk::HeaderView& h, uint64_t key, const unsigned char* payload,
+                   const std::string& name) {
+  auto malformed = [&](std::string what) {
+    return DataLossError(fmt::format("delta of bucket {}: malformed encoding: {}", name, what));
+  };
+  std::vector<unsigned char> buf;
+  auto read = [&](uint64_t at, uint64_t bytes) -> Status {
+    buf.assign(bytes, 0);
+    if (bytes == 0) return OkStatus();
+    return OnPrivateStream(
+        [&](cudaStream_t st) {
+          return cudaMemcpyAsync(buf.data(), payload + at, bytes, cudaMemcpyDeviceToHost, st);
+        },
+        std::chrono::seconds(10), "device delta decode: read back a packed-form fault");
+  };
+  auto u32 = [&](uint64_t at) -> Result<uint64_t> {
+    SS_RETURN_IF_ERROR(read(at, 4));
+    return dk::LoadLE(buf.data(), 4);
+  };
+  const uint64_t e = h.element_size;
+  const DeltaPackedLayout l = DeltaPackedPayload(h.elements, e, h.changed, h.escapes);
+  const uint64_t spt = l.tile_elems / kDeltaSubtileElems;
+  auto sub_elems = [&](uint64_t sub) {
+    return std::min(kDeltaSubtileElems, h.elements - sub * kDeltaSubtileElems);
+  };
+  const uint64_t cat = key >> 60;
+  if (cat == 0 || cat == 2) {
+    const uint64_t t = key & ((1ull << 60) - 1), at = cat == 0 ? 0 : l.escape_ends;
+    SS_ASSIGN_OR_RETURN(const uint64_t prev, u32(at + 4 * (t - 1)));
+    SS_ASSIGN_OR_RETURN(const uint64_t end, u32(at + 4 * t));
+    return malformed(fmt::format("tile {}: running {}count {} below the previous tile's {}", t,
+                                 cat == 0 ? "" : "escape ", end, prev));
+  }
+  if (cat == 1) {
+    SS_ASSIGN_OR_RETURN(const uint64_t end, u32(4 * (l.tiles - 1)));
+    return malformed(
+        fmt::format("tile {}: running count {}, the count says {}", l.tiles - 1, end, h.changed));
+  }
+  if (cat == 3) {
+    SS_ASSIGN_OR_RETURN(const uint64_t end, u32(l.escape_ends + 4 * (l.tiles - 1)));
+    return malformed(fmt::format("tile {}: running escape count {}, the length says {}",
+                                 l.tiles - 1, end, h.escapes));
+  }
+  if (cat == 5)
+    return malformed(fmt::format("packed padding byte {} not zero", key & ((1ull << 60) - 1)));
+  const uint64_t t = (key >> 34) & ((1ull << 26) - 1), what = (key >> 32) & 3,
+                 detail = key & 0xFFFFFFFFull;
+  uint64_t first = 0;
+  if (t > 0) {
+    SS_ASSIGN_OR_RETURN(first, u32(4 * (t - 1)));
+  }
+  SS_ASSIGN_OR_RETURN(const uint64_t end, u32(4 * t));
+  const uint64_t s0 = t * spt, s1 = std::min(s0 + spt, l.subtiles);
+  if (what == dk::kPackedSub) {
+    const uint64_t sub = s0 + detail;
+    SS_RETURN_IF_ERROR(read(l.subs + sub, 1));
+    return malformed(
+        fmt::format("subtile {}: count {} over its {} elements", sub, buf[0], sub_elems(sub)));
+  }
+  if (what == dk::kPackedSum) {
+    SS_RETURN_IF_ERROR(read(l.subs + s0, s1 - s0));
+    uint64_t sum = 0;
+    for (unsigned char c : buf) sum += c;
+    return malformed(fmt::format("tile {}: subtile counts sum to {}, the running counts say {}", t,
+                                 sum, end - first));
+  }
+  if (what == dk::kPackedRecord) {
+    const uint64_t k = first + (detail >> 8), sub = s0 + (detail & 0xFF);
+    SS_RETURN_IF_ERROR(read(l.offsets + k - (k > 0 ? 1 : 0), k > 0 ? 2 : 1));
+    const uint64_t off = buf.back(), prev = buf.front(), m = sub_elems(sub);
+    if (off >= m)
+      return malformed(fmt::format("record {}: element {} of subtile {} out of range [0, {})", k,
+                                   off, sub, m));
+    return malformed(fmt::format("record {}: element {} of subtile {} not above the previous {}",
+                                 k, off, sub, prev));
+  }
+  uint64_t efirst = 0;
+  if (t > 0) {
+    SS_ASSIGN_OR_RETURN(efirst, u32(l.escape_ends + 4 * (t - 1)));
+  }
+  SS_ASSIGN_OR_RETURN(const uint64_t eend, u32(l.escape_ends + 4 * t));
+  SS_RETURN_IF_ERROR(read(l.values + first, end - first));
+  uint64_t n = 0;
+  for (unsigned char v : buf) n += v == kDeltaEscape;
+  return malformed(fmt::format("tile {}: {} escaped values, the running escape counts say {}", t, n,
+                               eend - efirst));
+}
+
+}  // namespace
+
 Status FinishDeltaDecode(DeltaGpuScratch* scratch, std::chrono::milliseconds timeout) {
   Scratch* s = Check(scratch);
   if (s == nullptr || s->op_ != Scratch::Op::kDecode)
@@ -284,7 +384,15 @@ Status FinishDeltaDecode(DeltaGpuScratch* scratch, std::chrono::milliseconds tim
       return malformed(fmt::format("elements {} over the limit {}", h.elements, kDeltaMaxElements));
     case dk::kBadCount:
       return malformed(fmt::format("count {} over elements {}", h.changed, h.elements));
+    case dk::kBadPacked:
+      return malformed(fmt::format("packed form of {} changes of {}-byte elements: over the form's limit",
+                                   h.changed, h.element_size));
     case dk::kBadLength:
+      if (h.kind == static_cast<int>(DeltaKind::kPacked) && h.element_size == 2)
+        return malformed(fmt::format(
+            "{} payload bytes, the header's packed form of {} changes needs {} plus 2 per escape "
+            "(at most {})",
+            s->encoded_bytes_ - kDeltaHeaderBytes, h.changed, h.payload, h.changed));
       return malformed(fmt::format("{} payload bytes, the header's {} form of {} changes needs {}",
                                    s->encoded_bytes_ - kDeltaHeaderBytes,
                                    DeltaKindName(static_cast<DeltaKind>(h.kind)), h.changed,
@@ -322,6 +430,7 @@ Status FinishDeltaDecode(DeltaGpuScratch* scratch, std::chrono::milliseconds tim
         return dk::LoadLE(buf, bytes);
       };
       const uint64_t key = r.detail;
+      if (h.kind == static_cast<int>(DeltaKind::kPacked)) return PackedFault(h, key, payload, name);
       switch (key >> 62) {
         case 0: {
           const uint64_t t = key;

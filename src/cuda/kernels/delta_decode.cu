@@ -369,7 +369,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) DecodeFixupKernel(DecArg
   const unsigned char* payload = a.enc + kDeltaHeaderBytes;
   const unsigned char* saved = a.s.vals;  // the old values (restore)
   Elem<E>* out = reinterpret_cast<Elem<E>*>(a.bucket);
-  if (static_cast<int>((go >> 32) & 0xff) == static_cast<int>(DeltaKind::kIndex)) {
+  const int kind = static_cast<int>((go >> 32) & 0xff);
+  if (kind == static_cast<int>(DeltaKind::kPacked)) {
+    // Always applied (WillApply): the restore, from the expanded records' elements.
+    const IndexView xv = PackedScratch<E>(a.s, changed);
+    constexpr uint64_t kTileElems = kTileBytes / E;
+    for (uint32_t t = blockIdx.x; t < a.tiles; t += gridDim.x) {
+      Elem<E>* te = out + uint64_t{t} * kTileElems;
+      for (uint64_t k = a.s.tile[t] + threadIdx.x; k < a.s.tile[t + 1]; k += kThreads)
+        te[xv.offs[k] & ~kPackedAdd] = reinterpret_cast<const Elem<E>*>(saved)[k];
+    }
+    return;
+  }
+  if (kind == static_cast<int>(DeltaKind::kIndex)) {
     // A block per tile (tile[t]: its first record, from the records pass), a store per record.
     const IndexView iv = IndexOf<E>(payload, n / E, changed);
     constexpr uint64_t kTileElems = kTileBytes / E;

@@ -38,6 +38,21 @@ __device__ __forceinline__ IndexView IndexOf(const unsigned char* payload, uint6
   return {reinterpret_cast<const uint32_t*>(payload),
           reinterpret_cast<const uint16_t*>(payload + l.offsets), payload + l.values};
 }
+// The packed form's records expanded by its records pass (delta_decode_index.cu) into the
+// scratch, after the saved old values (change k's at k x E): a u16 per record, its element within
+// its tile, with kPackedAdd set when (element size 2) the value is a difference to add to the old
+// one; then its value (Elem<E>: the new value, or the difference sign-extended). Fits: the packed
+// form holds at most 1/16 of a bucket's elements (DeltaPackedAllowed, checked with the header), so
+// this takes at most a quarter of the bucket's bytes (element size 1; 3/16 for 2), and the
+// scratch's staging holds 3/8 of the largest bucket's (LayoutScratch).
+inline constexpr uint16_t kPackedAdd = 0x8000;
+template <int E>
+__device__ __forceinline__ IndexView PackedScratch(const ScratchPtrs& s, uint64_t changed) {
+  const uint64_t offs = (changed * E + 15) / 16 * 16;
+  const uint64_t vals = (offs + 2 * changed + 15) / 16 * 16;
+  return {nullptr, reinterpret_cast<const uint16_t*>(s.vals + offs), s.vals + vals};
+}
+
 template <int E>
 __device__ __forceinline__ uint64_t RecValue(const IndexView& v, uint64_t k) {
   if constexpr (E == 4) {
@@ -87,6 +102,8 @@ __device__ __forceinline__ bool WillApply(const DecArgs& a, const HeaderView& h)
   if (h.code != kOk || h.changed * E > a.s.stage_bytes) return false;
   const Ctl* c = a.s.ctl;
   if (h.kind == static_cast<int>(DeltaKind::kIndex)) return c->bad_record == ~0ull;
+  // The packed form's expansion always fits (PackedScratch): it is applied like the index form.
+  if (h.kind == static_cast<int>(DeltaKind::kPacked)) return c->bad_record == ~0ull;
   return c->tail_bad == 0 && c->popcount == h.changed;
 }
 

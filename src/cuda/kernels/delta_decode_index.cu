@@ -52,6 +52,163 @@ __global__ void __launch_bounds__(kThreads) DecodeRecordsKernel(DecArgs a) {
   if (fault != ~0ull) atomicMin(&a.s.ctl->bad_record, fault);
 }
 
+// Packed form, first pass (a warp per tile; element size 1 or 2): the running counts and the
+// escapes' checked, then each subtile's count, the tile's sum, each record (inside its subtile,
+// above the one before in it) and the tile's escaped value bytes: the first fault in the host's
+// order in ctl->bad_record (PackedFault). Each record is expanded into the scratch
+// (PackedScratch: its element within the tile and its value), each tile's first record goes to
+// tile[t]; both trusted only once nothing was found. A lane takes subtiles lane, lane + 32, ...
+// of the tile; their first records come from a scan of the counts in subtile order.
+template <int E>
+__global__ void __launch_bounds__(kThreads) DecodePackedRecordsKernel(DecArgs a) {
+  GridDepWait();
+  GridDepTrigger();
+  if constexpr (E == 4) {
+    return;  // no packed form (the header check refuses it)
+  } else {
+    __shared__ HeaderView h;
+    if (threadIdx.x == 0) h = Parse<E>(a);
+    __syncthreads();
+    if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kPacked)) return;
+    const uint64_t c = h.changed, x = h.escapes;
+    const DeltaPackedLayout l = DeltaPackedPayload(h.elements, E, c, x);
+    const unsigned char* pay = a.enc + kDeltaHeaderBytes;
+    const auto* ends = reinterpret_cast<const uint32_t*>(pay);
+    const auto* eends = reinterpret_cast<const uint32_t*>(pay + l.escape_ends);
+    const unsigned char* subs = pay + l.subs;
+    const unsigned char* offs = pay + l.offsets;
+    const unsigned char* vals = pay + l.values;
+    const unsigned char* escs = pay + l.escapes;
+    const IndexView xv = PackedScratch<E>(a.s, c);
+    auto* xoff = const_cast<uint16_t*>(xv.offs);
+    auto* xval = reinterpret_cast<Elem<E>*>(const_cast<unsigned char*>(xv.vals));
+    constexpr uint32_t kSpt = kTileBytes / E / kDeltaSubtileElems;  // 64 or 128
+    constexpr uint32_t kPerLane = kSpt / 32;
+    const int lane = threadIdx.x & 31;
+    const uint64_t warps = static_cast<uint64_t>(gridDim.x) * kWarps;
+    const uint64_t first = static_cast<uint64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+    unsigned long long fault = ~0ull;
+    for (uint64_t t = first; t < l.tiles; t += warps) {
+      const uint64_t s = t > 0 ? ends[t - 1] : 0, e = ends[t];
+      uint64_t es = 0, ee = 0;
+      if constexpr (E == 2) {
+        es = t > 0 ? eends[t - 1] : 0;
+        ee = eends[t];
+      }
+      if (lane == 0) {
+        a.s.tile[t] = static_cast<uint32_t>(s);
+        if (e < s) fault = min(fault, PackedFaultTile(t));
+        if (t == l.tiles - 1 && e != c) fault = min(fault, PackedFaultLast());
+        if (E == 2 && ee < es) fault = min(fault, PackedFaultEscTile(t));
+        if (E == 2 && t == l.tiles - 1 && ee != x) fault = min(fault, PackedFaultEscLast());
+      }
+      // The subtiles: counts within their elements, summing to the tile's changes.
+      const uint64_t s0 = t * kSpt;
+      uint32_t cs[kPerLane], ms[kPerLane];
+      uint32_t sum = 0, over = ~0u;
+#pragma unroll
+      for (uint32_t j = 0; j < kPerLane; ++j) {
+        const uint64_t sb = s0 + lane + 32 * j;
+        ms[j] = sb < l.subtiles ? static_cast<uint32_t>(
+                                      min(kDeltaSubtileElems, h.elements - sb * kDeltaSubtileElems))
+                                : 0;
+        cs[j] = sb < l.subtiles ? subs[sb] : 0;
+        if (cs[j] > ms[j]) over = min(over, lane + 32 * j);
+        sum += cs[j];
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        over = min(over, __shfl_xor_sync(0xffffffffu, over, o));
+      }
+      if (over != ~0u) {
+        fault = min(fault, PackedFaultIn(t, kPackedSub, over));
+        continue;  // the records cannot be placed
+      }
+      if (e < s || sum != e - s) {
+        if (e >= s) fault = min(fault, PackedFaultIn(t, kPackedSum, 0));
+        continue;
+      }
+      if (e > c) continue;  // the last tile's fault above; nothing to read safely
+      // Each subtile's first record (a scan of the counts in subtile order: lane-major within a
+      // round of 32) and its escapes.
+      uint32_t start[kPerLane], nesc[kPerLane];
+      uint32_t run = 0;
+#pragma unroll
+      for (uint32_t j = 0; j < kPerLane; ++j) {
+        uint32_t inc = cs[j];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const uint32_t y = __shfl_up_sync(0xffffffffu, inc, o);
+          if (lane >= o) inc += y;
+        }
+        start[j] = static_cast<uint32_t>(s) + run + inc - cs[j];
+        run += __shfl_sync(0xffffffffu, inc, 31);
+      }
+      // The records: offsets checked; escapes counted (element size 2).
+      uint32_t bad = ~0u;  // (record within the tile) << 8 | subtile within the tile
+#pragma unroll
+      for (uint32_t j = 0; j < kPerLane; ++j) {
+        nesc[j] = 0;
+        uint32_t last = 0;
+        for (uint32_t q = 0; q < cs[j]; ++q) {
+          const uint64_t k = start[j] + q;
+          const uint32_t off = offs[k];
+          if (off >= ms[j] || (q > 0 && off <= last)) {
+            bad = min(bad, static_cast<uint32_t>(k - s) << 8 | (lane + 32 * j));
+            break;
+          }
+          last = off;
+          if (E == 2 && vals[k] == kDeltaEscape) ++nesc[j];
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) bad = min(bad, __shfl_xor_sync(0xffffffffu, bad, o));
+      if (bad != ~0u) {
+        fault = min(fault, PackedFaultIn(t, kPackedRecord, bad));
+        continue;
+      }
+      // Each subtile's first escape (the same scan), then the expansion.
+      uint32_t erun = 0;
+#pragma unroll
+      for (uint32_t j = 0; j < kPerLane; ++j) {
+        uint32_t inc = nesc[j];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const uint32_t y = __shfl_up_sync(0xffffffffu, inc, o);
+          if (lane >= o) inc += y;
+        }
+        const uint32_t e0 = erun + inc - nesc[j];
+        erun += __shfl_sync(0xffffffffu, inc, 31);
+        uint64_t at = es + e0;
+        for (uint32_t q = 0; q < cs[j]; ++q) {
+          const uint64_t k = start[j] + q;
+          const uint32_t local = (lane + 32 * j) * static_cast<uint32_t>(kDeltaSubtileElems);
+          const unsigned char vb = vals[k];
+          if constexpr (E == 1) {
+            xoff[k] = static_cast<uint16_t>(local + offs[k]);
+            xval[k] = vb;
+          } else if (vb == kDeltaEscape) {
+            xoff[k] = static_cast<uint16_t>(local + offs[k]);
+            xval[k] = at < x ? static_cast<uint16_t>(escs[2 * at] | escs[2 * at + 1] << 8) : 0;
+            ++at;
+          } else {
+            xoff[k] = static_cast<uint16_t>((local + offs[k]) | kPackedAdd);
+            xval[k] = static_cast<uint16_t>(static_cast<int16_t>(static_cast<int8_t>(vb)));
+          }
+        }
+      }
+      if (E == 2 && erun != ee - es) fault = min(fault, PackedFaultIn(t, kPackedEsc, 0));
+    }
+    if (first == 0 && lane == 0) {
+      for (uint64_t t = l.tiles; t <= a.tiles; ++t) a.s.tile[t] = static_cast<uint32_t>(c);
+      if (E == 2 && l.escapes > l.values + c && pay[l.values + c] != 0)
+        fault = min(fault, PackedFaultPadding(l.values + c));
+    }
+    if (fault != ~0ull) atomicMin(&a.s.ctl->bad_record, fault);
+  }
+}
+
 // The index form's tile pass: 2 tiles of the bucket in shared memory per block (the copy engine
 // fills one while the block works on the other), a range of consecutive tiles per block, as many
 // blocks as fit. 3 or 4 stages measured no faster (228 us against 225 at bf16 512 MiB 1%): the
@@ -76,15 +233,20 @@ __global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel
   __shared__ uint64_t s_red[kWarps];
   if (threadIdx.x == 0) {
     h = Parse<E>(a);
-    s_apply = h.kind == static_cast<int>(DeltaKind::kIndex) && WillApply<E>(a, h);
+    s_apply = (h.kind == static_cast<int>(DeltaKind::kIndex) ||
+               h.kind == static_cast<int>(DeltaKind::kPacked)) &&
+              WillApply<E>(a, h);
     for (int i = 0; i < kIdxStages; ++i) MbarInit(&s_bar[i], 1);
     MbarInitFence();
   }
   __syncthreads();
-  if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kIndex)) return;
+  const bool packed = h.kind == static_cast<int>(DeltaKind::kPacked);
+  if (h.code != kOk || (h.kind != static_cast<int>(DeltaKind::kIndex) && !packed)) return;
   const bool apply = s_apply;
   const uint64_t n = a.n;
-  const IndexView iv = IndexOf<E>(a.enc + kDeltaHeaderBytes, h.elements, h.changed);
+  // The packed form's records come expanded from the scratch (PackedScratch).
+  const IndexView iv = packed ? PackedScratch<E>(a.s, h.changed)
+                              : IndexOf<E>(a.enc + kDeltaHeaderBytes, h.elements, h.changed);
   Elem<E>* saved = reinterpret_cast<Elem<E>*>(a.s.vals);
   const uint32_t lo = RangeFirst(a, blockIdx.x), hi = RangeFirst(a, blockIdx.x + 1);
   // Whole tiles come through the copy engine; the bucket's ragged last tile, if any, is loaded
@@ -139,10 +301,14 @@ __global__ void __launch_bounds__(kThreads, kIdxMinBlocks) DecodeIndexTileKernel
       __syncthreads();  // every base vector read before the patches
       Elem<E>* te = reinterpret_cast<Elem<E>*>(tile);
       for (uint64_t k = k0; k < re; k += kThreads) {
-        const uint64_t off = k == k0 ? off0 : iv.offs[k];
+        const uint64_t raw = k == k0 ? off0 : iv.offs[k];
         const uint64_t val = k == k0 ? val0 : RecValue<E>(iv, k);
-        saved[k] = te[off];
-        te[off] = static_cast<Elem<E>>(val);
+        // Element size 2, packed: kPackedAdd marks a difference (an index offset is < 8192).
+        const bool add = E == 2 && (raw & kPackedAdd) != 0;
+        const uint64_t off = E == 2 ? raw & ~uint64_t{kPackedAdd} : raw;
+        const Elem<E> old = te[off];
+        saved[k] = old;
+        te[off] = static_cast<Elem<E>>(add ? old + val : val);
       }
       __syncthreads();
 #pragma unroll
@@ -189,6 +355,8 @@ cudaError_t LaunchIndexPasses(const DecArgs& a, int sms, cudaStream_t s) {
   ai.ranges = static_cast<uint32_t>(std::min<uint64_t>(a.tiles, uint64_t(sms) * fit));
   DecodeRecordsKernel<E><<<static_cast<uint32_t>(sms) * 8, kThreads, 0, s>>>(a);
   e = cudaGetLastError();
+  if (e == cudaSuccess)
+    e = LaunchDependent(DecodePackedRecordsKernel<E>, static_cast<uint32_t>(sms) * 8, 0, s, a);
   if (e == cudaSuccess) e = LaunchDependent(DecodeIndexTileKernel<E>, ai.ranges, kIdxSmem, s, ai);
   return e;
 }

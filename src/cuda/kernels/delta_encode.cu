@@ -121,7 +121,8 @@ __device__ __forceinline__ void StoreElem(unsigned char* p, uint32_t v, bool ali
 
 // Block 0 of the write pass: the header (unless kFull), the result, the control block at rest.
 template <int E>
-__device__ void EncodeFinish(const EncArgs& a, uint64_t total, const DeltaSize& size) {
+__device__ void EncodeFinish(const EncArgs& a, uint64_t total, uint64_t escapes,
+                             const DeltaSize& size) {
   Ctl* c = a.s.ctl;
   HostResult* r = a.s.result;
   const bool full = size.kind == DeltaKind::kFull;
@@ -144,6 +145,7 @@ __device__ void EncodeFinish(const EncArgs& a, uint64_t total, const DeltaSize& 
   r->code = kOk;
   r->kind = static_cast<unsigned long long>(size.kind);
   r->changed = total;
+  r->escapes = escapes;
   r->bytes = full ? 0 : size.bytes;
   r->elements = a.elements;
   r->base_checksum = base_sum;
@@ -182,6 +184,7 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
   extern __shared__ __align__(128) unsigned char s_buf[];  // [stage][base, next][tile]
   __shared__ __align__(8) uint64_t s_bar[kEncStages];
   __shared__ uint64_t s_scan[2][kWarps];
+  __shared__ uint32_t s_wesc[2][kWarps];  // element size 2: each warp's escapes, by tile parity
   const uint64_t n = a.n;
   const Range g = RangeOf<E>(a, blockIdx.x);
   // Whole tiles come through the copy engine, kEncStages in flight; the bucket's ragged last
@@ -203,6 +206,7 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
     for (uint32_t t = g.lo; t < whole_hi && t < g.lo + kEncStages; ++t) issue(t);
   uint64_t vused = 0, iused = 0;  // the range's staging so far (the same in every thread)
   uint64_t rcount = 0;            // the range's changes so far
+  uint64_t resc = 0;              // element size 2: the range's escaped changes so far
   uint64_t sb = 0, sx = 0;
   // Keys of this thread's first word in tile g.lo, then one tile on per iteration.
   constexpr uint64_t kKeyVec = uint64_t{kThreads} * 2 * kChecksumStep;  // 256 vectors on
@@ -249,6 +253,35 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
       // Per-vector counts packed 16 bits apart (a segment's total is at most 256 x 16).
       cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
     }
+    // The packed form: each subtile's count (128 elements: 8E vectors, as many consecutive
+    // threads) into the scratch, and for element size 2 the escaped changes (DeltaEscaped).
+    unsigned em[kTileVecs] = {};
+    if constexpr (E != 4) {
+      constexpr int kGroup = 8 * E;
+#pragma unroll
+      for (int k = 0; k < kTileVecs; ++k) {
+        unsigned c = __popc(m[k]);
+#pragma unroll
+        for (int o = kGroup / 2; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+        if ((threadIdx.x & (kGroup - 1)) == 0)
+          a.s.subc[uint64_t{t} * kSubtilesPerTile + (k * kThreads + threadIdx.x) / kGroup] =
+              static_cast<unsigned char>(c);
+      }
+    }
+    if constexpr (E == 2) {
+      unsigned esc = 0;
+#pragma unroll
+      for (int k = 0; k < kTileVecs; ++k) {
+        for (unsigned mm = m[k]; mm != 0; mm &= mm - 1) {
+          const int r = __ffs(mm) - 1;
+          if (DeltaEscaped(Extract<E>(b[k], r), Extract<E>(x[k], r))) em[k] |= 1u << r;
+        }
+        esc += __popc(em[k]);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) esc += __shfl_xor_sync(0xffffffffu, esc, o);
+      if ((threadIdx.x & 31) == 0) s_wesc[t & 1][threadIdx.x >> 5] = esc;  // read after the scan
+    }
     // The bitmap form's bytes, at their place (inside the bucket's size: a larger form is kFull).
 #pragma unroll
     for (int k = 0; k < kTileVecs; ++k) {
@@ -274,6 +307,12 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
     for (int k = 0; k < kTileVecs; ++k)
       aggregate += static_cast<uint32_t>((tot_c >> (16 * k)) & 0xffff);
     rcount += aggregate;
+    uint32_t tile_esc = 0;
+    if constexpr (E == 2) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) tile_esc += s_wesc[t & 1][w];
+      resc += tile_esc;
+    }
     // Staging room, decided alike in every thread (no atomics, no barrier).
     // A tile without changes gets a (empty) place too: kNoSlot means "found no room".
     uint32_t vo = kNoSlot, io = kNoSlot;
@@ -289,6 +328,7 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
       a.s.tile[t] = aggregate;
       a.s.voff[t] = vo;
       a.s.ioff[t] = io;
+      if constexpr (E == 2) a.s.etile[t] = tile_esc;
     }
     if (a.advance != nullptr && vo != kNoSlot && io != kNoSlot) {
       // The base advanced in place while the tile is in registers (its copy landed before; no
@@ -308,7 +348,13 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
             static_cast<uint32_t>((uint64_t{kThreads} * k + threadIdx.x) * 16 / E);
         for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++at) {
           const int r = __ffs(mm) - 1;
-          if (vo != kNoSlot) StoreElem<E>(a.s.vals + (vo + at) * E, Extract<E>(x[k], r), true);
+          if (vo != kNoSlot) {
+            StoreElem<E>(a.s.vals + (vo + at) * E, Extract<E>(x[k], r), true);
+            if constexpr (E == 2)
+              a.s.pv[vo + at] = (em[k] >> r & 1u)
+                                    ? kDeltaEscape
+                                    : DeltaByte(Extract<E>(b[k], r), Extract<E>(x[k], r));
+          }
           if (io != kNoSlot) a.s.idx[io + at] = static_cast<uint16_t>(local0 + r);
         }
       }
@@ -321,6 +367,7 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
     atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(tot[0]));
     atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(tot[1]));
     a.s.rtot[blockIdx.x] = static_cast<uint32_t>(rcount);
+    if constexpr (E == 2) a.s.etot[blockIdx.x] = static_cast<uint32_t>(resc);
   }
 }
 
@@ -396,6 +443,93 @@ __device__ void WriteTile(const EncArgs& a, uint32_t t, uint64_t p0, uint32_t cn
   }
 }
 
+// Packed form (element size 1 or 2): one warp writes tile t's changes from change number p0 and
+// escape number e0: offsets within their subtile and value bytes (delta_rule.h), the escapes'
+// values; from staging when the tile found room, else by re-reading its base and next.
+template <int E>
+__device__ void WritePackedTile(const EncArgs& a, const DeltaPackedLayout& pl, uint32_t t,
+                                uint64_t p0, uint32_t cnt, uint64_t e0, uint32_t vo, uint32_t io,
+                                int lane) {
+  constexpr uint64_t kTileElems = kTileBytes / E;
+  unsigned char* pay = a.out + kDeltaHeaderBytes;
+  unsigned char* offs = pay + pl.offsets;
+  unsigned char* vals = pay + pl.values;
+  uint16_t* escs = reinterpret_cast<uint16_t*>(pay + pl.escapes);
+  const unsigned below = (1u << lane) - 1;
+  uint64_t erun = e0;
+  if (vo != kNoSlot && io != kNoSlot) {
+    for (uint32_t j0 = 0; j0 < cnt; j0 += 32) {
+      const uint32_t j = j0 + lane;
+      bool esc = false;
+      if (j < cnt) {
+        offs[p0 + j] = static_cast<unsigned char>(a.s.idx[uint64_t{io} + j] % kDeltaSubtileElems);
+        const unsigned char vb = E == 1 ? a.s.vals[uint64_t{vo} + j] : a.s.pv[uint64_t{vo} + j];
+        vals[p0 + j] = vb;
+        esc = E == 2 && vb == kDeltaEscape;
+      }
+      if constexpr (E == 2) {
+        const unsigned bal = __ballot_sync(0xffffffffu, esc);
+        if (esc)
+          escs[erun + __popc(bal & below)] =
+              static_cast<uint16_t>(StagedValue<E>(a.s.vals, uint64_t{vo} + j));
+        erun += __popc(bal);
+      }
+    }
+    return;
+  }
+  constexpr int kSteps = 4;  // vectors per lane in flight
+  const uint64_t v_end = min((uint64_t{t} + 1) * kThreads * kTileVecs, (a.n + 15) / 16);
+  const uint64_t el0 = uint64_t{t} * kTileElems;
+  uint64_t run = p0;
+  for (uint64_t v0 = uint64_t{t} * kThreads * kTileVecs; v0 < v_end; v0 += 32 * kSteps) {
+    uint4 b[kSteps], x[kSteps];
+#pragma unroll
+    for (int q = 0; q < kSteps; ++q) {
+      const uint64_t o = (v0 + 32 * q + lane) * 16;
+      b[q] = o < a.n ? LoadVec(a.base, o, a.n) : make_uint4(0, 0, 0, 0);
+      x[q] = o < a.n ? LoadVec(a.next, o, a.n) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int q = 0; q < kSteps; ++q) {
+      const unsigned m = ChangedMask<E>(b[q], x[q]);
+      unsigned em = 0;
+      if constexpr (E == 2)
+        for (unsigned mm = m; mm != 0; mm &= mm - 1) {
+          const int r = __ffs(mm) - 1;
+          if (DeltaEscaped(Extract<E>(b[q], r), Extract<E>(x[q], r))) em |= 1u << r;
+        }
+      // Changes and escapes before this lane's vector, packed 16 bits apart.
+      uint32_t inc = __popc(m) | __popc(em) << 16;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t y = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += y;
+      }
+      const uint32_t mine = __popc(m) | __popc(em) << 16;
+      uint64_t at = run + ((inc - mine) & 0xffff), eat = erun + ((inc - mine) >> 16);
+      const uint32_t all = __shfl_sync(0xffffffffu, inc, 31);
+      run += all & 0xffff;
+      erun += all >> 16;
+      const uint64_t i0 = (v0 + 32 * q + lane) * 16 / E;
+      for (unsigned mm = m; mm != 0; mm &= mm - 1, ++at) {
+        const int r = __ffs(mm) - 1;
+        const uint32_t nv = Extract<E>(x[q], r);
+        offs[at] = static_cast<unsigned char>((i0 + r - el0) % kDeltaSubtileElems);
+        unsigned char vb = static_cast<unsigned char>(nv);
+        if constexpr (E == 2) {
+          if (em >> r & 1u) {
+            vb = kDeltaEscape;
+            escs[eat++] = static_cast<uint16_t>(nv);
+          } else {
+            vb = DeltaByte(Extract<E>(b[q], r), nv);
+          }
+        }
+        vals[at] = vb;
+      }
+    }
+  }
+}
+
 // kWriteSplit blocks per range of the tile pass. A range whose every tile found staging room is
 // contiguous in staging and in `out`: one copy split among its blocks (bitmap form: the values;
 // index form: the offsets and the values; its running counts from the range's scan). Otherwise
@@ -404,19 +538,21 @@ template <int E>
 __global__ void __launch_bounds__(kThreads, 4) EncodeWriteKernel(EncArgs a) {
   constexpr uint32_t kPer = (kMaxRangeTiles + kThreads - 1) / kThreads;
   __shared__ uint32_t s_p[kMaxRangeTiles + 1];
-  __shared__ uint64_t s_scan[2][kWarps];
+  __shared__ uint32_t s_e[E == 2 ? kMaxRangeTiles + 1 : 1];  // running escapes (element size 2)
+  __shared__ uint64_t s_scan[4][kWarps];
   GridDepWait();  // the tile pass complete
   const uint32_t rg = blockIdx.x / kWriteSplit, part = blockIdx.x % kWriteSplit;
   const Range g = RangeOf<E>(a, rg);
   const uint32_t nt = g.hi - g.lo;
   // Every load first, all in flight at once: the range's tile counts (each thread a run of kPer,
   // for the scan), its staging marks, and the ranges' totals.
-  uint32_t cnt[kPer];
-  uint64_t run = 0;
+  uint32_t cnt[kPer], ecnt[kPer];
+  uint64_t run = 0, erun = 0;
 #pragma unroll
   for (uint32_t q = 0; q < kPer; ++q) {
     const uint32_t i = threadIdx.x * kPer + q;
     cnt[q] = i < nt ? a.s.tile[g.lo + i] : 0;
+    ecnt[q] = E == 2 && i < nt ? a.s.etile[g.lo + i] : 0;
   }
   // Bitwise, so that no load waits on another (a short-circuit would chain them).
   bool vstaged = true, istaged = true;
@@ -425,19 +561,27 @@ __global__ void __launch_bounds__(kThreads, 4) EncodeWriteKernel(EncArgs a) {
     vstaged &= a.s.voff[g.lo + i] != kNoSlot;
     istaged &= a.s.ioff[g.lo + i] != kNoSlot;
   }
-  // The changes before this block's range, and all of them (the form).
-  uint64_t v[2] = {0, 0}, tot[2];
+  // The changes before this block's range, and all of them (the form); the same for escapes.
+  uint64_t v[4] = {0, 0, 0, 0}, tot[4];
   for (uint32_t i = threadIdx.x; i < a.ranges; i += kThreads) {
     const uint32_t x = a.s.rtot[i];
     v[0] += i < rg ? x : 0;
     v[1] += x;
+    if constexpr (E == 2) {
+      const uint32_t y = a.s.etot[i];
+      v[2] += i < rg ? y : 0;
+      v[3] += y;
+    }
   }
 #pragma unroll
-  for (uint32_t q = 0; q < kPer; ++q) run += cnt[q];
-  BlockScanN<2>(v, tot, s_scan);
-  const uint64_t before = tot[0], total = tot[1];
-  const DeltaSize size = DeltaSizeRule(a.elements, E, total);
-  if (blockIdx.x == 0 && threadIdx.x == 0) EncodeFinish<E>(a, total, size);
+  for (uint32_t q = 0; q < kPer; ++q) {
+    run += cnt[q];
+    erun += ecnt[q];
+  }
+  BlockScanN<4>(v, tot, s_scan);
+  const uint64_t before = tot[0], total = tot[1], ebefore = tot[2], escapes = tot[3];
+  const DeltaSize size = DeltaSizeRule(a.elements, E, total, escapes);
+  if (blockIdx.x == 0 && threadIdx.x == 0) EncodeFinish<E>(a, total, escapes, size);
   if (size.kind == DeltaKind::kFull) return;
   const bool index = size.kind == DeltaKind::kIndex;
   bool staged = vstaged && (!index || istaged);
@@ -450,8 +594,54 @@ __global__ void __launch_bounds__(kThreads, 4) EncodeWriteKernel(EncArgs a) {
     at += cnt[q];
   }
   if (threadIdx.x == 0) s_p[nt] = static_cast<uint32_t>(before + range_total);
+  if constexpr (E == 2) {
+    if (size.kind == DeltaKind::kPacked) {
+      uint64_t range_esc = 0;
+      uint64_t eat = ebefore + BlockExclusiveScan(erun, &range_esc, s_scan[0]);
+  #pragma unroll
+      for (uint32_t q = 0; q < kPer; ++q) {
+        const uint32_t i = threadIdx.x * kPer + q;
+        if (i < nt) s_e[i] = static_cast<uint32_t>(eat);
+        eat += ecnt[q];
+      }
+      if (threadIdx.x == 0) s_e[nt] = static_cast<uint32_t>(ebefore + range_esc);
+    }
+  }
   staged = __syncthreads_and(staged);
   if (nt == 0) return;
+  if constexpr (E != 4) {
+    if (size.kind == DeltaKind::kPacked) {
+      const DeltaPackedLayout pl = DeltaPackedPayload(a.elements, E, total, escapes);
+      unsigned char* pay = a.out + kDeltaHeaderBytes;
+      constexpr uint64_t kSpt = kTileBytes / E / kDeltaSubtileElems;
+      if (part == 0) {
+        // The running counts (and escapes') through each of the range's tiles; block 0: the
+        // padding byte before the escapes.
+        auto* ends = reinterpret_cast<uint32_t*>(pay);
+        auto* eends = reinterpret_cast<uint32_t*>(pay + pl.escape_ends);
+        for (uint32_t i = threadIdx.x; i < nt; i += kThreads) {
+          ends[g.lo + i] = s_p[i + 1];
+          if constexpr (E == 2) eends[g.lo + i] = s_e[i + 1];
+        }
+        if (rg == 0 && threadIdx.x == 0 && pl.escapes > pl.values + total)
+          pay[pl.values + total] = 0;
+      }
+      // The range's subtile counts, from the tile pass's.
+      const uint64_t sb0 = uint64_t{g.lo} * kSpt, sb1 = min(uint64_t{g.hi} * kSpt, pl.subtiles);
+      for (uint64_t sb = sb0 + part * kThreads + threadIdx.x; sb < sb1;
+           sb += kWriteSplit * kThreads)
+        pay[pl.subs + sb] = a.s.subc[sb / kSpt * kSubtilesPerTile + sb % kSpt];
+      const int lane = threadIdx.x & 31;
+      for (uint32_t i = part * kWarps + (threadIdx.x >> 5); i < nt; i += kWriteSplit * kWarps) {
+        const uint32_t c = s_p[i + 1] - s_p[i];
+        if (c == 0) continue;
+        const uint32_t t = g.lo + i;
+        WritePackedTile<E>(a, pl, t, s_p[i], c, E == 2 ? s_e[i] : 0, a.s.voff[t], a.s.ioff[t],
+                           lane);
+      }
+      return;
+    }
+  }
   const DeltaIndexLayout il = DeltaIndexPayload(a.elements, E, total);
   if (index && part == 0) {
     // The running count through each of the range's tiles, and the zero padding after the

@@ -14,7 +14,7 @@
 namespace shardsync::gpu::delta {
 
 inline constexpr uint32_t kMagic = 0x4C445353;  // "SSDL" little-endian, as delta.cc
-inline constexpr uint8_t kFormat = 2;
+inline constexpr uint8_t kFormat = 3;
 
 // Launch shape. Every pass over the bucket works in tiles of kThreads x kTileVecs 16-byte vectors
 // of the bucket (and, for encode, of next too), 16 KiB. The decode's check and apply passes take
@@ -37,12 +37,13 @@ enum Code : uint32_t {
   kBadReserved,
   kBadElements,        // over kDeltaMaxElements
   kBadCount,           // count over elements
+  kBadPacked,          // packed form: element size 4, or count over the form's limit
   kBadLength,          // payload length for the kind and count
   kExpectElementSize,  // the receiver's element size differs
   kExpectBucket,       // the receiver's bucket size differs
   kVersion,            // base version differs
   kBaseChecksum,       // the receiver's bytes are not the base
-  kBadRecord,          // the index form's tiles, records or padding (detail: IndexFault)
+  kBadRecord,          // the index / packed form's tiles, records, padding (detail: *Fault)
   kBitmapTail,         // bitmap bits past the last element
   kPopcount,           // bitmap popcount != count (detail: popcount)
   kResultChecksum,     // the predicted result's checksum is not the sender's
@@ -57,6 +58,21 @@ SHARDSYNC_HD unsigned long long IndexFaultRecord(uint64_t k, uint64_t t) {
   return 2ull << 62 | k << 20 | t;
 }
 SHARDSYNC_HD unsigned long long IndexFaultPadding(uint64_t i) { return 3ull << 62 | i; }
+// The packed form's faults in DecodeDeltaInPlace's order (delta.cc), as one key: a running count
+// falling (the tile), the last one not the count, an escape running count falling, the last one
+// not the length's, then tile by tile: a subtile count over its elements (the subtile within the
+// tile), the tile's subtile counts not its changes, a record out of its subtile or not above the
+// one before (record within the tile, then its subtile within the tile), the tile's escaped value
+// bytes not its escapes; then the padding byte.
+enum PackedInTile : unsigned { kPackedSub = 0, kPackedSum = 1, kPackedRecord = 2, kPackedEsc = 3 };
+SHARDSYNC_HD unsigned long long PackedFaultTile(uint64_t t) { return t; }
+SHARDSYNC_HD unsigned long long PackedFaultLast() { return 1ull << 60; }
+SHARDSYNC_HD unsigned long long PackedFaultEscTile(uint64_t t) { return 2ull << 60 | t; }
+SHARDSYNC_HD unsigned long long PackedFaultEscLast() { return 3ull << 60; }
+SHARDSYNC_HD unsigned long long PackedFaultIn(uint64_t t, unsigned what, uint64_t detail) {
+  return 4ull << 60 | t << 34 | uint64_t{what} << 32 | detail;
+}
+SHARDSYNC_HD unsigned long long PackedFaultPadding(uint64_t i) { return 5ull << 60 | i; }
 static_assert(kTileBytes == kDeltaTileBytes, "the index form's tiles are the device's");
 
 // Device control block at the start of the scratch. Between calls every field holds its rest
@@ -79,6 +95,7 @@ struct Ctl {
 struct HostResult {
   unsigned long long code;  // Code (decode), 0 for encode
   unsigned long long kind, changed, bytes, elements, base_checksum, new_checksum;  // encode
+  unsigned long long escapes;                                                     // encode
   unsigned long long have;                  // decode: base checksum / predicted result checksum
   unsigned long long detail;                // decode: bad record / popcount
   unsigned char header[kDeltaHeaderBytes];  // decode: the encoding's header
@@ -96,6 +113,13 @@ struct ScratchPtrs {
   // Per range of tiles (at most one per tile). Encode: each range's change count. Decode (bitmap
   // form): the count pass's ranges, their counts then their first values.
   uint32_t* rtot = nullptr;
+  // Encode, element size 2: each tile's escaped changes (packed form) and each range's.
+  uint32_t* etile = nullptr;
+  uint32_t* etot = nullptr;
+  // Encode: each tile's subtile counts (kSubtilesPerTile bytes a tile, for every tile), and for
+  // element size 2 the staged changes' packed value bytes (beside their staged values).
+  unsigned char* subc = nullptr;
+  unsigned char* pv = nullptr;
   unsigned char* vals = nullptr;  // encode: staged values, in tile order within a tile
   uint16_t* idx = nullptr;        // encode: staged indices (element within the tile)
   // Bytes from `vals` to the scratch's end (vals and idx together). Decode: the changed
@@ -114,8 +138,11 @@ inline constexpr uint64_t kIndexDivisor = 16;
 inline constexpr uint64_t kScanBatch = 8192;  // tile array entries: a multiple of this
 inline constexpr uint64_t kStagePad = 64;     // copies read up to 32 bytes past staged values
 struct ScratchLayout {
-  uint64_t tile = 0, voff = 0, ioff = 0, rtot = 0, vals = 0, idx = 0, total = 0;
+  uint64_t tile = 0, voff = 0, ioff = 0, rtot = 0, etile = 0, etot = 0, subc = 0, pv = 0, vals = 0,
+           idx = 0, total = 0;
 };
+// The most subtiles a tile holds (element size 1).
+inline constexpr uint64_t kSubtilesPerTile = 16384 / 128;
 inline uint64_t Tiles(uint64_t bytes) {
   return bytes == 0 ? 1 : (bytes + kTileBytes - 1) / kTileBytes;
 }
@@ -128,7 +155,12 @@ inline ScratchLayout LayoutScratch(uint64_t max_bytes) {
   l.voff = l.tile + up(4 * entries);
   l.ioff = l.voff + up(4 * tiles);
   l.rtot = l.ioff + up(4 * tiles);
-  l.vals = l.rtot + up(4 * tiles);
+  l.etile = l.rtot + up(4 * tiles);
+  l.etot = l.etile + up(4 * tiles);
+  l.subc = l.etot + up(4 * tiles);
+  l.pv = l.subc + up(tiles * kSubtilesPerTile);
+  // One byte per staged value of 2-byte elements: a quarter of the tile's bytes, halved.
+  l.vals = l.pv + up(tiles * kTileBytes / kStageDivisor / 2 + kStagePad);
   l.idx = l.vals + up(tiles * kTileBytes / kStageDivisor + kStagePad);
   l.total = l.idx + up(2 * tiles * kTileBytes / kIndexDivisor + kStagePad);
   return l;
@@ -147,6 +179,7 @@ struct HeaderView {
   int format, kind, element_size, reserved;
   uint64_t elements, base_version, base_checksum, new_checksum, changed;
   uint64_t payload;  // bytes the header's kind and count need
+  uint64_t escapes;  // packed form, element size 2: from the length
 };
 
 // InspectDelta's checks, then the receiver's (element size, bucket size, base version), in
@@ -174,7 +207,8 @@ SHARDSYNC_HD HeaderView ParseHeader(const unsigned char* h, uint64_t encoded_byt
   } else if (v.format != kFormat) {
     v.code = kBadFormat;
   } else if (v.kind != static_cast<int>(DeltaKind::kIndex) &&
-             v.kind != static_cast<int>(DeltaKind::kBitmap)) {
+             v.kind != static_cast<int>(DeltaKind::kBitmap) &&
+             v.kind != static_cast<int>(DeltaKind::kPacked)) {
     v.code = kBadKind;
   } else if (e != 1 && e != 2 && e != 4) {
     v.code = kBadElementSize;
@@ -184,10 +218,23 @@ SHARDSYNC_HD HeaderView ParseHeader(const unsigned char* h, uint64_t encoded_byt
     v.code = kBadElements;
   } else if (v.changed > v.elements) {
     v.code = kBadCount;
+  } else if (v.kind == static_cast<int>(DeltaKind::kPacked) &&
+             !DeltaPackedAllowed(v.elements, e, v.changed)) {
+    v.code = kBadPacked;
   } else {
-    v.payload = v.kind == static_cast<int>(DeltaKind::kIndex)
-                    ? DeltaIndexPayload(v.elements, e, v.changed).bytes
-                    : DeltaBitmapBytes(v.elements) + v.changed * e;
+    const uint64_t have = encoded_bytes - kDeltaHeaderBytes;
+    if (v.kind == static_cast<int>(DeltaKind::kPacked)) {
+      // The escapes are what the length leaves after the payload without them (element size 2).
+      const uint64_t l0 = DeltaPackedPayload(v.elements, e, v.changed, 0).bytes;
+      const bool ok = e == 1 ? have == l0
+                             : have >= l0 && (have - l0) % 2 == 0 && (have - l0) / 2 <= v.changed;
+      v.escapes = ok && e == 2 ? (have - l0) / 2 : 0;
+      v.payload = ok ? have : l0;
+    } else {
+      v.payload = v.kind == static_cast<int>(DeltaKind::kIndex)
+                      ? DeltaIndexPayload(v.elements, e, v.changed).bytes
+                      : DeltaBitmapBytes(v.elements) + v.changed * e;
+    }
     if (encoded_bytes - kDeltaHeaderBytes != v.payload) {
       v.code = kBadLength;
     } else if (v.element_size != expect_e) {

@@ -17,9 +17,10 @@
 //            apply also reads the bitmap and the values a second time.
 // ratio = bound seconds / op seconds (1.0: the op runs at the HBM speed of its own traffic).
 // Medians of --reps runs. Elements change at random with the given density (each changed
-// element's top byte flipped).
+// element's top byte flipped, or with --changes step its bit pattern moved by one).
 //
 // Usage: delta_device_bench [--sizes-mib 64,512] [--densities 0.01,0.04,0.1] [--reps 9]
+//                           [--changes flip|step]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -67,17 +68,19 @@ __global__ void FillRandom(uint64_t* p, uint64_t words, uint64_t seed) {
     p[i] = Hash(i ^ seed);
 }
 
-// next = base with each element changed with probability `density` (top byte flipped).
+// next = base with each element changed with probability `density`: its top byte flipped
+// (`step` false), or its bit pattern moved by one up or down, as an optimizer's step of an ulp
+// moves a weight (`step` true: a 2-byte change the packed form carries in a byte).
 __global__ void Mutate(const unsigned char* base, unsigned char* next, uint64_t elements, int e,
-                       uint32_t threshold, uint64_t seed) {
+                       uint32_t threshold, uint64_t seed, bool step) {
   for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < elements;
        i += uint64_t{gridDim.x} * blockDim.x) {
-    const bool change = static_cast<uint32_t>(Hash(i * 0x9E3779B97F4A7C15ull + seed)) < threshold;
-    for (int b = 0; b < e; ++b) {
-      unsigned char v = base[i * e + b];
-      if (change && b == e - 1) v ^= 0x80;
-      next[i * e + b] = v;
-    }
+    const uint64_t hsh = Hash(i * 0x9E3779B97F4A7C15ull + seed);
+    const bool change = static_cast<uint32_t>(hsh) < threshold;
+    uint64_t v = 0;
+    for (int b = 0; b < e; ++b) v |= uint64_t{base[i * e + b]} << (8 * b);
+    if (change) v = step ? v + ((hsh >> 40 & 1) ? 1 : ~uint64_t{0}) : v ^ (uint64_t{0x80} << (8 * (e - 1)));
+    for (int b = 0; b < e; ++b) next[i * e + b] = static_cast<unsigned char>(v >> (8 * b));
   }
 }
 
@@ -176,8 +179,17 @@ std::vector<double> ParseList(const char* s) {
 int main(int argc, char** argv) {
   std::vector<double> sizes_mib = {64, 512}, densities = {0.01, 0.04, 0.10};
   int reps = 9;
+  bool step = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
+    if (k == "--changes") {
+      step = std::string(argv[i + 1]) == "step";
+      if (!step && std::string(argv[i + 1]) != "flip") {
+        std::fprintf(stderr, "--changes must be flip or step\n");
+        return 2;
+      }
+      continue;
+    }
     if (k == "--sizes-mib") {
       sizes_mib = ParseList(argv[i + 1]);
     } else if (k == "--densities") {
@@ -242,7 +254,7 @@ int main(int argc, char** argv) {
       FillRandom<<<grid, 256, 0, s>>>(reinterpret_cast<uint64_t*>(base), n / 8, 17 + e);
       for (const double density : densities) {
         const uint32_t threshold = static_cast<uint32_t>(density * 4294967296.0);
-        Mutate<<<grid, 256, 0, s>>>(base, next, n / e, e, threshold, 99);
+        Mutate<<<grid, 256, 0, s>>>(base, next, n / e, e, threshold, 99, step);
         CHECK_CUDA(cudaStreamSynchronize(s));
         gpu::DeltaGpuEncodeArgs fa{base, next, n, e, 1, enc_f, "bench"};
         gpu::DeltaGpuEncodeArgs ba{next, base, n, e, 2, enc_b, "bench"};

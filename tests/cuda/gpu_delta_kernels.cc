@@ -482,7 +482,8 @@ TEST_F(GpuDelta, PackedRefusalsMatchTheHost) {
          }},
         {"subtile counts sum",
          [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
-           (*e)[p + l.subs + sub2] = std::byte{static_cast<uint8_t>((*e)[p + l.subs + sub2]) + 1u};
+           (*e)[p + l.subs + sub2] = static_cast<std::byte>(
+               static_cast<uint8_t>((*e)[p + l.subs + sub2]) + 1u);
          }},
         {"record out of its subtile",
          [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {

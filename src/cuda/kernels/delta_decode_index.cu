@@ -57,8 +57,8 @@ __global__ void __launch_bounds__(kThreads) DecodeRecordsKernel(DecArgs a) {
 // above the one before in it) and the tile's escaped value bytes: the first fault in the host's
 // order in ctl->bad_record (PackedFault). Each record is expanded into the scratch
 // (PackedScratch: its element within the tile and its value), each tile's first record goes to
-// tile[t]; both trusted only once nothing was found. A lane takes subtiles lane, lane + 32, ...
-// of the tile; their first records come from a scan of the counts in subtile order.
+// tile[t]; both trusted only once nothing was found. The subtiles' first records (a scan of the
+// counts) go to shared memory; then a lane per record, 32 at a time, finds its subtile there.
 template <int E>
 __global__ void __launch_bounds__(kThreads) DecodePackedRecordsKernel(DecArgs a) {
   GridDepWait();
@@ -66,7 +66,10 @@ __global__ void __launch_bounds__(kThreads) DecodePackedRecordsKernel(DecArgs a)
   if constexpr (E == 4) {
     return;  // no packed form (the header check refuses it)
   } else {
+    constexpr uint32_t kSpt = kTileBytes / E / kDeltaSubtileElems;  // 64 or 128
+    constexpr uint32_t kPerLane = kSpt / 32;
     __shared__ HeaderView h;
+    __shared__ uint16_t s_first[kWarps][kSpt + 1];  // each subtile's first record in the tile
     if (threadIdx.x == 0) h = Parse<E>(a);
     __syncthreads();
     if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kPacked)) return;
@@ -78,15 +81,15 @@ __global__ void __launch_bounds__(kThreads) DecodePackedRecordsKernel(DecArgs a)
     const unsigned char* subs = pay + l.subs;
     const unsigned char* offs = pay + l.offsets;
     const unsigned char* vals = pay + l.values;
-    const unsigned char* escs = pay + l.escapes;
+    const auto* escs = reinterpret_cast<const uint16_t*>(pay + l.escapes);
     const IndexView xv = PackedScratch<E>(a.s, c);
     auto* xoff = const_cast<uint16_t*>(xv.offs);
     auto* xval = reinterpret_cast<Elem<E>*>(const_cast<unsigned char*>(xv.vals));
-    constexpr uint32_t kSpt = kTileBytes / E / kDeltaSubtileElems;  // 64 or 128
-    constexpr uint32_t kPerLane = kSpt / 32;
-    const int lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned below = (1u << lane) - 1;
+    uint16_t* first_rec = s_first[warp];
     const uint64_t warps = static_cast<uint64_t>(gridDim.x) * kWarps;
-    const uint64_t first = static_cast<uint64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+    const uint64_t first = static_cast<uint64_t>(blockIdx.x) * kWarps + warp;
     unsigned long long fault = ~0ull;
     for (uint64_t t = first; t < l.tiles; t += warps) {
       const uint64_t s = t > 0 ? ends[t - 1] : 0, e = ends[t];
@@ -104,16 +107,17 @@ __global__ void __launch_bounds__(kThreads) DecodePackedRecordsKernel(DecArgs a)
       }
       // The subtiles: counts within their elements, summing to the tile's changes.
       const uint64_t s0 = t * kSpt;
-      uint32_t cs[kPerLane], ms[kPerLane];
+      uint32_t cs[kPerLane];
       uint32_t sum = 0, over = ~0u;
 #pragma unroll
       for (uint32_t j = 0; j < kPerLane; ++j) {
         const uint64_t sb = s0 + lane + 32 * j;
-        ms[j] = sb < l.subtiles ? static_cast<uint32_t>(
-                                      min(kDeltaSubtileElems, h.elements - sb * kDeltaSubtileElems))
-                                : 0;
+        const uint32_t m =
+            sb < l.subtiles
+                ? static_cast<uint32_t>(min(kDeltaSubtileElems, h.elements - sb * kDeltaSubtileElems))
+                : 0;
         cs[j] = sb < l.subtiles ? subs[sb] : 0;
-        if (cs[j] > ms[j]) over = min(over, lane + 32 * j);
+        if (cs[j] > m) over = min(over, lane + 32 * j);
         sum += cs[j];
       }
 #pragma unroll
@@ -130,9 +134,6 @@ __global__ void __launch_bounds__(kThreads) DecodePackedRecordsKernel(DecArgs a)
         continue;
       }
       if (e > c) continue;  // the last tile's fault above; nothing to read safely
-      // Each subtile's first record (a scan of the counts in subtile order: lane-major within a
-      // round of 32) and its escapes.
-      uint32_t start[kPerLane], nesc[kPerLane];
       uint32_t run = 0;
 #pragma unroll
       for (uint32_t j = 0; j < kPerLane; ++j) {
@@ -142,63 +143,71 @@ __global__ void __launch_bounds__(kThreads) DecodePackedRecordsKernel(DecArgs a)
           const uint32_t y = __shfl_up_sync(0xffffffffu, inc, o);
           if (lane >= o) inc += y;
         }
-        start[j] = static_cast<uint32_t>(s) + run + inc - cs[j];
+        first_rec[lane + 32 * j] = static_cast<uint16_t>(run + inc - cs[j]);
         run += __shfl_sync(0xffffffffu, inc, 31);
       }
-      // The records: offsets checked; escapes counted (element size 2).
+      if (lane == 0) first_rec[kSpt] = static_cast<uint16_t>(sum);
+      __syncwarp();
+      // The records, a lane each: its subtile (the last whose first record is not after it),
+      // checked against its subtile's elements and the record before it; escapes ranked.
+      const uint32_t cnt = sum;
+      uint64_t erun = es;
       uint32_t bad = ~0u;  // (record within the tile) << 8 | subtile within the tile
-#pragma unroll
-      for (uint32_t j = 0; j < kPerLane; ++j) {
-        nesc[j] = 0;
-        uint32_t last = 0;
-        for (uint32_t q = 0; q < cs[j]; ++q) {
-          const uint64_t k = start[j] + q;
-          const uint32_t off = offs[k];
-          if (off >= ms[j] || (q > 0 && off <= last)) {
-            bad = min(bad, static_cast<uint32_t>(k - s) << 8 | (lane + 32 * j));
-            break;
+      for (uint32_t r0 = 0; r0 < cnt; r0 += 32) {
+        const uint32_t r = r0 + lane;
+        const bool in = r < cnt;
+        uint32_t off = 0, sub = 0;
+        unsigned char vb = 0;
+        bool wrong = false;
+        if (in) {
+          off = offs[s + r];
+          vb = vals[s + r];
+          uint32_t lo = 0, hi = kSpt;  // first_rec[lo] <= r < first_rec[hi]
+          while (hi - lo > 1) {
+            const uint32_t mid = (lo + hi) / 2;
+            if (first_rec[mid] <= r) {
+              lo = mid;
+            } else {
+              hi = mid;
+            }
           }
-          last = off;
-          if (E == 2 && vals[k] == kDeltaEscape) ++nesc[j];
+          sub = lo;
+          const uint64_t sb = s0 + sub;
+          const uint32_t m =
+              static_cast<uint32_t>(min(kDeltaSubtileElems, h.elements - sb * kDeltaSubtileElems));
+          wrong = off >= m || (r > first_rec[sub] && off <= offs[s + r - 1]);
         }
+        const unsigned wb = __ballot_sync(0xffffffffu, wrong);
+        if (wb != 0) {
+          const int fl = __ffs(wb) - 1;
+          const uint32_t fsub = __shfl_sync(0xffffffffu, sub, fl);
+          bad = (r0 + fl) << 8 | fsub;
+          break;
+        }
+        const bool esc = E == 2 && in && vb == kDeltaEscape;
+        const unsigned eb = __ballot_sync(0xffffffffu, esc);
+        if (in) {
+          const uint32_t local = sub * static_cast<uint32_t>(kDeltaSubtileElems) + off;
+          if constexpr (E == 1) {
+            xoff[s + r] = static_cast<uint16_t>(local);
+            xval[s + r] = vb;
+          } else if (esc) {
+            const uint64_t at = erun + __popc(eb & below);
+            xoff[s + r] = static_cast<uint16_t>(local);
+            xval[s + r] = at < x ? escs[at] : 0;
+          } else {
+            xoff[s + r] = static_cast<uint16_t>(local | kPackedAdd);
+            xval[s + r] = static_cast<uint16_t>(static_cast<int16_t>(static_cast<int8_t>(vb)));
+          }
+        }
+        erun += __popc(eb);
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) bad = min(bad, __shfl_xor_sync(0xffffffffu, bad, o));
+      __syncwarp();  // first_rec is the next tile's
       if (bad != ~0u) {
         fault = min(fault, PackedFaultIn(t, kPackedRecord, bad));
         continue;
       }
-      // Each subtile's first escape (the same scan), then the expansion.
-      uint32_t erun = 0;
-#pragma unroll
-      for (uint32_t j = 0; j < kPerLane; ++j) {
-        uint32_t inc = nesc[j];
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const uint32_t y = __shfl_up_sync(0xffffffffu, inc, o);
-          if (lane >= o) inc += y;
-        }
-        const uint32_t e0 = erun + inc - nesc[j];
-        erun += __shfl_sync(0xffffffffu, inc, 31);
-        uint64_t at = es + e0;
-        for (uint32_t q = 0; q < cs[j]; ++q) {
-          const uint64_t k = start[j] + q;
-          const uint32_t local = (lane + 32 * j) * static_cast<uint32_t>(kDeltaSubtileElems);
-          const unsigned char vb = vals[k];
-          if constexpr (E == 1) {
-            xoff[k] = static_cast<uint16_t>(local + offs[k]);
-            xval[k] = vb;
-          } else if (vb == kDeltaEscape) {
-            xoff[k] = static_cast<uint16_t>(local + offs[k]);
-            xval[k] = at < x ? static_cast<uint16_t>(escs[2 * at] | escs[2 * at + 1] << 8) : 0;
-            ++at;
-          } else {
-            xoff[k] = static_cast<uint16_t>((local + offs[k]) | kPackedAdd);
-            xval[k] = static_cast<uint16_t>(static_cast<int16_t>(static_cast<int8_t>(vb)));
-          }
-        }
-      }
-      if (E == 2 && erun != ee - es) fault = min(fault, PackedFaultIn(t, kPackedEsc, 0));
+      if (E == 2 && erun - es != ee - es) fault = min(fault, PackedFaultIn(t, kPackedEsc, 0));
     }
     if (first == 0 && lane == 0) {
       for (uint64_t t = l.tiles; t <= a.tiles; ++t) a.s.tile[t] = static_cast<uint32_t>(c);

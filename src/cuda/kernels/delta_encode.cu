@@ -584,7 +584,8 @@ __global__ void __launch_bounds__(kThreads, 4) EncodeWriteKernel(EncArgs a) {
   if (blockIdx.x == 0 && threadIdx.x == 0) EncodeFinish<E>(a, total, escapes, size);
   if (size.kind == DeltaKind::kFull) return;
   const bool index = size.kind == DeltaKind::kIndex;
-  bool staged = vstaged && (!index || istaged);
+  // Index and packed forms need the offsets staged too.
+  bool staged = vstaged && (size.kind == DeltaKind::kBitmap || istaged);
   uint64_t range_total = 0;
   uint64_t at = before + BlockExclusiveScan(run, &range_total, s_scan[0]);
 #pragma unroll
@@ -632,7 +633,44 @@ __global__ void __launch_bounds__(kThreads, 4) EncodeWriteKernel(EncArgs a) {
            sb += kWriteSplit * kThreads)
         pay[pl.subs + sb] = a.s.subc[sb / kSpt * kSubtilesPerTile + sb % kSpt];
       const int lane = threadIdx.x & 31;
-      for (uint32_t i = part * kWarps + (threadIdx.x >> 5); i < nt; i += kWriteSplit * kWarps) {
+      const uint32_t w0 = part * kWarps + (threadIdx.x >> 5);
+      if (staged && s_p[nt] > s_p[0]) {
+        // The range's offsets and value bytes are as contiguous in staging as in `out`: the
+        // offsets reduced to their subtile, the value bytes copied; then the escapes, a warp per
+        // tile that has any.
+        uint32_t fi = 0;
+        while (s_p[fi + 1] == s_p[fi]) ++fi;
+        const uint64_t vo = a.s.voff[g.lo + fi], io = a.s.ioff[g.lo + fi];
+        const uint64_t p_lo = s_p[0], changes = s_p[nt] - p_lo;
+        const uint64_t from = changes * part / kWriteSplit, to = changes * (part + 1) / kWriteSplit;
+        unsigned char* offs = pay + pl.offsets + p_lo;
+#pragma unroll 4
+        for (uint64_t j = from + threadIdx.x; j < to; j += kThreads)
+          offs[j] = static_cast<unsigned char>(a.s.idx[io + j] % kDeltaSubtileElems);
+        BlockCopy(pay + pl.values + p_lo + from, (E == 1 ? a.s.vals : a.s.pv) + vo + from,
+                  to - from);
+        if constexpr (E == 2) {
+          uint16_t* escs = reinterpret_cast<uint16_t*>(pay + pl.escapes);
+          const unsigned below = (1u << lane) - 1;
+          for (uint32_t i = w0; i < nt; i += kWriteSplit * kWarps) {
+            if (s_e[i + 1] == s_e[i]) continue;
+            const uint64_t tv = a.s.voff[g.lo + i];
+            const uint32_t c = s_p[i + 1] - s_p[i];
+            uint64_t erun = s_e[i];
+            for (uint32_t j0 = 0; j0 < c; j0 += 32) {
+              const uint32_t j = j0 + lane;
+              const bool esc = j < c && a.s.pv[tv + j] == kDeltaEscape;
+              const unsigned bal = __ballot_sync(0xffffffffu, esc);
+              if (esc)
+                escs[erun + __popc(bal & below)] =
+                    static_cast<uint16_t>(StagedValue<E>(a.s.vals, tv + j));
+              erun += __popc(bal);
+            }
+          }
+        }
+        return;
+      }
+      for (uint32_t i = w0; i < nt; i += kWriteSplit * kWarps) {
         const uint32_t c = s_p[i + 1] - s_p[i];
         if (c == 0) continue;
         const uint32_t t = g.lo + i;

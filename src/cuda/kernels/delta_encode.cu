@@ -119,6 +119,15 @@ __device__ __forceinline__ void StoreElem(unsigned char* p, uint32_t v, bool ali
   }
 }
 
+// Where the tile pass leaves tile t's subtile count number `local`: its threads' groups g (8E
+// consecutive threads, a subtile of each of the kTileVecs vectors) each write one word, vector
+// k's subtile k x groups + g in byte k.
+template <int E>
+__device__ __forceinline__ uint64_t SubtileSlot(uint64_t t, uint64_t local) {
+  constexpr uint64_t kGroups = kThreads / (8 * E);
+  return t * kSubtilesPerTile + local % kGroups * 4 + local / kGroups;
+}
+
 // Block 0 of the write pass: the header (unless kFull), the result, the control block at rest.
 template <int E>
 __device__ void EncodeFinish(const EncArgs& a, uint64_t total, uint64_t escapes,
@@ -253,34 +262,19 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
       // Per-vector counts packed 16 bits apart (a segment's total is at most 256 x 16).
       cnt |= static_cast<uint64_t>(__popc(m[k])) << (16 * k);
     }
-    // The packed form: each subtile's count (128 elements: 8E vectors, as many consecutive
-    // threads) into the scratch, and for element size 2 the escaped changes (DeltaEscaped).
-    unsigned em[kTileVecs] = {};
+    // The packed form's subtile counts (128 elements: 8E vectors, as many consecutive threads):
+    // the four vectors' counts a byte each (a subtile holds at most 128 changes), summed over
+    // the subtile's threads at once, one word into the scratch (SubtileSlot).
     if constexpr (E != 4) {
       constexpr int kGroup = 8 * E;
+      uint32_t c = 0;
 #pragma unroll
-      for (int k = 0; k < kTileVecs; ++k) {
-        unsigned c = __popc(m[k]);
+      for (int k = 0; k < kTileVecs; ++k) c |= static_cast<uint32_t>(__popc(m[k])) << (8 * k);
 #pragma unroll
-        for (int o = kGroup / 2; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
-        if ((threadIdx.x & (kGroup - 1)) == 0)
-          a.s.subc[uint64_t{t} * kSubtilesPerTile + (k * kThreads + threadIdx.x) / kGroup] =
-              static_cast<unsigned char>(c);
-      }
-    }
-    if constexpr (E == 2) {
-      unsigned esc = 0;
-#pragma unroll
-      for (int k = 0; k < kTileVecs; ++k) {
-        for (unsigned mm = m[k]; mm != 0; mm &= mm - 1) {
-          const int r = __ffs(mm) - 1;
-          if (DeltaEscaped(Extract<E>(b[k], r), Extract<E>(x[k], r))) em[k] |= 1u << r;
-        }
-        esc += __popc(em[k]);
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) esc += __shfl_xor_sync(0xffffffffu, esc, o);
-      if ((threadIdx.x & 31) == 0) s_wesc[t & 1][threadIdx.x >> 5] = esc;  // read after the scan
+      for (int o = kGroup / 2; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+      if ((threadIdx.x & (kGroup - 1)) == 0)
+        reinterpret_cast<uint32_t*>(a.s.subc + uint64_t{t} * kSubtilesPerTile)[threadIdx.x /
+                                                                               kGroup] = c;
     }
     // The bitmap form's bytes, at their place (inside the bucket's size: a larger form is kFull).
 #pragma unroll
@@ -307,11 +301,16 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
     for (int k = 0; k < kTileVecs; ++k)
       aggregate += static_cast<uint32_t>((tot_c >> (16 * k)) & 0xffff);
     rcount += aggregate;
-    uint32_t tile_esc = 0;
     if constexpr (E == 2) {
+      // The tile before's escapes (its warps' counts, from its staging loop below, are visible
+      // past this tile's scan).
+      if (threadIdx.x == 0 && t > g.lo) {
+        uint32_t e = 0;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) tile_esc += s_wesc[t & 1][w];
-      resc += tile_esc;
+        for (int w = 0; w < kWarps; ++w) e += s_wesc[(t - 1) & 1][w];
+        a.s.etile[t - 1] = e;
+        resc += e;
+      }
     }
     // Staging room, decided alike in every thread (no atomics, no barrier).
     // A tile without changes gets a (empty) place too: kNoSlot means "found no room".
@@ -328,7 +327,6 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
       a.s.tile[t] = aggregate;
       a.s.voff[t] = vo;
       a.s.ioff[t] = io;
-      if constexpr (E == 2) a.s.etile[t] = tile_esc;
     }
     if (a.advance != nullptr && vo != kNoSlot && io != kNoSlot) {
       // The base advanced in place while the tile is in registers (its copy landed before; no
@@ -338,7 +336,10 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
       for (int k = 0; k < kTileVecs; ++k)
         if (m[k] != 0) StoreVec(a.advance, (v0 + uint64_t{kThreads} * k) * 16, n, x[k]);
     }
-    if (aggregate > 0 && (vo != kNoSlot || io != kNoSlot)) {
+    // The changes staged; for element size 2 each one's packed value byte too, and the tile's
+    // escaped changes (DeltaEscaped) counted, staged or not.
+    uint32_t esc = 0;
+    if (aggregate > 0 && (E == 2 || vo != kNoSlot || io != kNoSlot)) {
       uint64_t pos = 0;
 #pragma unroll
       for (int k = 0; k < kTileVecs; ++k) {
@@ -348,22 +349,40 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
             static_cast<uint32_t>((uint64_t{kThreads} * k + threadIdx.x) * 16 / E);
         for (unsigned mm = m[k]; mm != 0; mm &= mm - 1, ++at) {
           const int r = __ffs(mm) - 1;
+          const uint32_t nv = Extract<E>(x[k], r);
+          unsigned char vb = 0;
+          if constexpr (E == 2) {
+            const uint32_t ov = Extract<E>(b[k], r);
+            const bool escaped = DeltaEscaped(ov, nv);
+            esc += escaped;
+            vb = escaped ? kDeltaEscape : DeltaByte(ov, nv);
+          }
           if (vo != kNoSlot) {
-            StoreElem<E>(a.s.vals + (vo + at) * E, Extract<E>(x[k], r), true);
-            if constexpr (E == 2)
-              a.s.pv[vo + at] = (em[k] >> r & 1u)
-                                    ? kDeltaEscape
-                                    : DeltaByte(Extract<E>(b[k], r), Extract<E>(x[k], r));
+            StoreElem<E>(a.s.vals + (vo + at) * E, nv, true);
+            if constexpr (E == 2) a.s.pv[vo + at] = vb;
           }
           if (io != kNoSlot) a.s.idx[io + at] = static_cast<uint16_t>(local0 + r);
         }
       }
     }
+    if constexpr (E == 2) {
+      esc = __reduce_add_sync(0xffffffffu, esc);
+      if ((threadIdx.x & 31) == 0) s_wesc[t & 1][threadIdx.x >> 5] = esc;
+    }
   }
   GridDepTrigger();  // the write pass may launch now (it waits for this pass to complete)
   uint64_t v[2] = {sb, sx}, tot[2];
-  BlockScanN<2>(v, tot, s_scan);
+  BlockScanN<2>(v, tot, s_scan);  // its barriers: the last tile's escapes visible
   if (threadIdx.x == 0) {
+    if constexpr (E == 2) {
+      if (g.hi > g.lo) {
+        uint32_t e = 0;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) e += s_wesc[(g.hi - 1) & 1][w];
+        a.s.etile[g.hi - 1] = e;
+        resc += e;
+      }
+    }
     atomicAdd(&a.s.ctl->sum_a, static_cast<unsigned long long>(tot[0]));
     atomicAdd(&a.s.ctl->sum_b, static_cast<unsigned long long>(tot[1]));
     a.s.rtot[blockIdx.x] = static_cast<uint32_t>(rcount);
@@ -631,7 +650,7 @@ __global__ void __launch_bounds__(kThreads, 4) EncodeWriteKernel(EncArgs a) {
       const uint64_t sb0 = uint64_t{g.lo} * kSpt, sb1 = min(uint64_t{g.hi} * kSpt, pl.subtiles);
       for (uint64_t sb = sb0 + part * kThreads + threadIdx.x; sb < sb1;
            sb += kWriteSplit * kThreads)
-        pay[pl.subs + sb] = a.s.subc[sb / kSpt * kSubtilesPerTile + sb % kSpt];
+        pay[pl.subs + sb] = a.s.subc[SubtileSlot<E>(sb / kSpt, sb % kSpt)];
       const int lane = threadIdx.x & 31;
       const uint32_t w0 = part * kWarps + (threadIdx.x >> 5);
       if (staged && s_p[nt] > s_p[0]) {

@@ -32,18 +32,32 @@ HEADER = 48  # kDeltaHeaderBytes
 TILE_BYTES = 16384  # kDeltaTileBytes
 
 
-def delta_bytes(elements, esize, changed):
-    """DeltaEncodedBytes of delta.h (delta_rule.h DeltaSizeRule, format 2): (kind, bytes)."""
+def delta_bytes(elements, esize, changed, escapes=0):
+    """DeltaEncodedBytes of delta.h (delta_rule.h DeltaSizeRule, format 3): (kind, bytes).
+    `escapes`: the 2-byte changes whose difference is out of a byte (the packed form's)."""
     full = elements * esize
     changed = min(changed, elements)
+    escapes = min(escapes, changed) if esize == 2 else 0
     tiles = -(-elements // (TILE_BYTES // esize))
     # index: a u32 running count per tile, a u16 offset per change, padding to 4, the values
-    index = (4 * tiles + 2 * changed + 3) // 4 * 4 + changed * esize
+    index_before_values = (4 * tiles + 2 * changed + 3) // 4 * 4
+    index = index_before_values + changed * esize
     bitmap = (elements + 7) // 8 + changed * esize
-    size = HEADER + min(index, bitmap)
+    kind, payload = ("index", index) if index <= bitmap else ("bitmap", bitmap)
+    # packed (element sizes 1 and 2, while the index form is not larger than the bitmap form):
+    # u32 running counts per tile (and escapes' for 2-byte elements), a u8 count per 128-element
+    # subtile, a u8 offset and a u8 value byte per change, for 2-byte elements padding to an even
+    # length and a u16 per escape
+    if esize in (1, 2) and index_before_values <= (elements + 7) // 8:
+        subtiles = -(-elements // 128)
+        before = (8 if esize == 2 else 4) * tiles + subtiles + 2 * changed
+        packed = (before + 1) // 2 * 2 + 2 * escapes if esize == 2 else before
+        if packed < payload:
+            kind, payload = "packed", packed
+    size = HEADER + payload
     if size >= full:
         return "full", full
-    return ("index" if index <= bitmap else "bitmap"), size
+    return kind, size
 
 
 class RMSNorm(torch.nn.Module):
@@ -164,7 +178,12 @@ def compare(old, new, esize_of):
         esize, a = esize_of(old[name])
         _, b = esize_of(new[name])
         n, ch = a.numel(), int((a != b).sum())
-        kind, nbytes = delta_bytes(n, esize, ch)
+        esc = 0
+        if esize == 2:  # the packed form's escapes: differences of the bit patterns out of a byte
+            d = (b.to(torch.int32) - a.to(torch.int32)) & 0xFFFF
+            d = torch.where(d >= 0x8000, d - 0x10000, d)
+            esc = int(((d < -127) | (d > 127)).sum())
+        kind, nbytes = delta_bytes(n, esize, ch, esc)
         tot["elements"] += n
         tot["changed"] += ch
         tot["full"] += n * esize

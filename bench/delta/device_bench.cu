@@ -79,7 +79,8 @@ __global__ void Mutate(const unsigned char* base, unsigned char* next, uint64_t 
     const bool change = static_cast<uint32_t>(hsh) < threshold;
     uint64_t v = 0;
     for (int b = 0; b < e; ++b) v |= uint64_t{base[i * e + b]} << (8 * b);
-    if (change) v = step ? v + ((hsh >> 40 & 1) ? 1 : ~uint64_t{0}) : v ^ (uint64_t{0x80} << (8 * (e - 1)));
+    if (change)
+      v = step ? v + ((hsh >> 40 & 1) ? 1 : ~uint64_t{0}) : v ^ (uint64_t{0x80} << (8 * (e - 1)));
     for (int b = 0; b < e; ++b) next[i * e + b] = static_cast<unsigned char>(v >> (8 * b));
   }
 }

@@ -37,18 +37,29 @@ def test_density_delta_bytes_is_the_codecs_size_rule():
     delta_bytes = _delta_bytes()
     # tests/common/delta_test.cc KindFollowsTheSizeRule: 64000 bf16 elements, 8 tiles.
     assert delta_bytes(64000, 2, 0) == ("index", 48 + 32)
-    assert delta_bytes(64000, 2, 2001) == ("index", 48 + 4036 + 2001 * 2)
-    assert delta_bytes(64000, 2, 3984) == ("index", 48 + 8000 + 3984 * 2)
+    assert delta_bytes(64000, 2, 2001, 2001) == ("index", 48 + 4036 + 2001 * 2)
+    assert delta_bytes(64000, 2, 3984, 3984) == ("index", 48 + 8000 + 3984 * 2)
+    assert delta_bytes(64000, 2, 2000) == ("packed", 48 + 64 + 500 + 4000)
+    assert delta_bytes(64000, 2, 2001) == ("packed", 48 + 64 + 500 + 4002)
+    assert delta_bytes(64000, 2, 2001, 3) == ("packed", 48 + 64 + 500 + 4002 + 6)
+    assert delta_bytes(64000, 2, 200)[0] == "index"
+    assert delta_bytes(64000, 2, 300)[0] == "packed"
+    assert delta_bytes(64000, 1, 2000, 2000)[0] == "packed"
+    assert delta_bytes(64000, 4, 2000)[0] == "index"
     assert delta_bytes(64000, 2, 3985) == ("bitmap", 48 + 8000 + 3985 * 2)
     assert delta_bytes(64000, 2, 59975)[0] == "bitmap"
     assert delta_bytes(64000, 2, 59976) == ("full", 128000)
     assert delta_bytes(4, 4, 0) == ("full", 16)
-    # SizeRuleBreaksEvenNearOneSixteenth: 2^20 elements, the last count the index form wins.
+    # SizeRuleBreaksEvenNearOneSixteenth: 2^20 elements, the last count the index form wins
+    # with every change escaped (packed for a byte image).
     n = 1 << 20
     for e in (1, 2, 4):
         tiles = n // (16384 // e)
         last = (n // 8 - 4 * tiles) // 2
-        assert delta_bytes(n, e, last) == ("index", 48 + 4 * tiles + (2 + e) * last)
+        if e == 1:
+            assert delta_bytes(n, e, last, last) == ("packed", 48 + 4 * tiles + n // 128 + 2 * last)
+        else:
+            assert delta_bytes(n, e, last, last) == ("index", 48 + 4 * tiles + (2 + e) * last)
         assert delta_bytes(n, e, last + 1) == ("bitmap", 48 + n // 8 + e * (last + 1))
 
 

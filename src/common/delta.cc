@@ -201,6 +201,41 @@ struct IndexWalk {
   uint64_t count, k = 0, tile = 0, tile_end = 0, tile_start = 0;
 };
 
+// The packed form's changes subtile by subtile (a checked encoding): change k is element
+// sub_start + its u8 offset while k < sub_end; its new value comes from its value byte and, for
+// 2-byte elements, the old value or the next escape. Over another form the walk is empty.
+template <int E>
+struct PackedWalk {
+  PackedWalk(const DeltaInfo& info, const std::byte* payload)
+      : count(info.kind == DeltaKind::kPacked ? info.changed : 0) {
+    const DeltaPackedLayout l = DeltaPackedPayload(info.elements, E, info.changed, info.escapes);
+    subs = payload + l.subs;
+    offs = payload + l.offsets;
+    vals = payload + l.values;
+    escs = payload + l.escapes;
+  }
+  void Seek() {
+    while (k >= sub_end) {
+      sub_start = sub * kDeltaSubtileElems;
+      sub_end += static_cast<uint8_t>(subs[sub++]);
+    }
+  }
+  uint64_t Index(uint64_t j) const { return sub_start + static_cast<uint8_t>(offs[j]); }
+  // Change j's new value from the element's old one; takes the next escape when it is escaped
+  // (so called once per change, in order).
+  uint64_t Value(uint64_t j, uint64_t old) {
+    const auto vb = static_cast<uint8_t>(vals[j]);
+    if constexpr (E == 1) {
+      return vb;
+    } else {
+      if (vb == kDeltaEscape) return Get<uint16_t>(escs + 2 * esc++);
+      return (old + static_cast<uint64_t>(static_cast<int64_t>(static_cast<int8_t>(vb)))) & 0xFFFF;
+    }
+  }
+  const std::byte *subs = nullptr, *offs = nullptr, *vals = nullptr, *escs = nullptr;
+  uint64_t count, k = 0, sub = 0, sub_end = 0, sub_start = 0, esc = 0;
+};
+
 // What the changes do to the checksum sum: the checksum is a sum of per-word terms, so each
 // changed word's term is replaced. Fed alongside PieceSum (To: the records whose words lie below
 // `limit`, read while that stretch is still in cache); records come in increasing element order
@@ -212,7 +247,9 @@ class Predict {
           uint64_t n)
       : rec_(info, payload),
         iw_(info, payload),
+        pw_(info, payload),
         index_(info.kind == DeltaKind::kIndex),
+        packed_(info.kind == DeltaKind::kPacked),
         cur_(pieces),
         n_(n) {}
   void To(uint64_t limit) {
@@ -220,8 +257,9 @@ class Predict {
     // through a std::byte pointer would be reloaded after every change.
     uint64_t word_at = word_at_, old_word = old_word_, new_word = new_word_, delta = delta_;
     constexpr uint64_t kMask = E == 4 ? 0xFFFFFFFFull : (uint64_t{1} << (8 * E)) - 1;
-    // Change i (value v) into its word; false, leaving it for the next To, past `limit`.
-    auto fold = [&](uint64_t i, const std::byte* v) {
+    // Change i into its word, its new value value_of(old value); false, leaving it for the next
+    // To, past `limit`.
+    auto fold = [&](uint64_t i, auto&& value_of) {
       const uint64_t at = i * E / 8 * 8;
       if (at + 8 > limit && limit < n_) return false;
       if (at != word_at) {
@@ -230,15 +268,31 @@ class Predict {
         old_word = new_word = cur_.Word(at, n_);
       }
       const unsigned shift = static_cast<unsigned>(8 * (i * E - at));
-      new_word = (new_word & ~(kMask << shift)) | (static_cast<uint64_t>(Get<Elem<E>>(v)) << shift);
+      new_word = (new_word & ~(kMask << shift)) | (value_of(old_word >> shift & kMask) << shift);
       return true;
     };
-    if (index_) {  // tile by tile
+    auto stored = [](const std::byte* v) {
+      return [v](uint64_t) { return static_cast<uint64_t>(Get<Elem<E>>(v)); };
+    };
+    if (packed_) {  // subtile by subtile
+      PackedWalk<E> w = pw_;
+      for (bool more = true; more && w.k < w.count;) {
+        w.Seek();
+        for (const uint64_t end = w.sub_end; w.k < end; ++w.k) {
+          const uint64_t j = w.k;
+          if (!fold(w.Index(j), [&](uint64_t old) { return w.Value(j, old); })) {
+            more = false;
+            break;
+          }
+        }
+      }
+      pw_ = w;
+    } else if (index_) {  // tile by tile
       IndexWalk<E> w = iw_;
       for (bool more = true; more && w.k < w.count;) {
         w.Seek();
         for (const uint64_t end = w.tile_end; w.k < end; ++w.k) {
-          if (!fold(w.Index(w.k), w.vals + w.k * E)) {
+          if (!fold(w.Index(w.k), stored(w.vals + w.k * E))) {
             more = false;
             break;
           }
@@ -247,7 +301,7 @@ class Predict {
       iw_ = w;
     } else {
       Records<E> rec = rec_;
-      for (; !rec.done() && fold(rec.index(), rec.value()); rec.Next()) {
+      for (; !rec.done() && fold(rec.index(), stored(rec.value())); rec.Next()) {
       }
       rec_ = rec;
     }
@@ -273,7 +327,8 @@ class Predict {
   }
   Records<E> rec_;
   IndexWalk<E> iw_;
-  bool index_;
+  PackedWalk<E> pw_;
+  bool index_, packed_;
   PieceCursor cur_;
   uint64_t n_;
   uint64_t word_at_ = UINT64_MAX, old_word_ = 0, new_word_ = 0, delta_ = 0;
@@ -289,6 +344,19 @@ void Apply(const DeltaInfo& info, const std::byte* payload, std::span<const Delt
     const DeltaPiece& p = cur.At(i * E);
     Put<Elem<E>>(p.out + (i * E - p.offset), Get<Elem<E>>(value));
   };
+  if (info.kind == DeltaKind::kPacked) {
+    PackedWalk<E> w(info, payload);
+    while (w.k < w.count) {
+      w.Seek();
+      for (const uint64_t end = w.sub_end; w.k < end; ++w.k) {
+        const uint64_t i = w.Index(w.k);
+        const DeltaPiece& p = cur.At(i * E);
+        const uint64_t old = Get<Elem<E>>(p.base + (i * E - p.offset));
+        Put<Elem<E>>(p.out + (i * E - p.offset), static_cast<Elem<E>>(w.Value(w.k, old)));
+      }
+    }
+    return;
+  }
   if (info.kind == DeltaKind::kIndex) {
     constexpr uint64_t kAhead = 16;
     IndexWalk<E> w(info, payload), ahead(info, payload);
@@ -320,6 +388,77 @@ void Apply(const DeltaInfo& info, const std::byte* payload, std::span<const Delt
   }
 }
 
+// The packed form's positions (delta.h "Encoded form"), in DecodeDeltaInPlace's order: the running
+// counts, the escapes' (element size 2), then tile by tile each subtile's count, the tile's sum,
+// each record within its subtile, the tile's escaped value bytes; then the padding. `bad` words
+// the fault.
+template <typename Bad>
+Status PackedPositions(const DeltaInfo& info, const std::byte* payload, Bad&& bad) {
+  const uint64_t e = info.element_size, c = info.changed;
+  const DeltaPackedLayout l = DeltaPackedPayload(info.elements, e, c, info.escapes);
+  for (int pass = 0; pass < (e == 2 ? 2 : 1); ++pass) {
+    const uint64_t at = pass == 0 ? 0 : l.escape_ends, want = pass == 0 ? c : info.escapes;
+    const char* what = pass == 0 ? "" : "escape ";
+    uint64_t prev = 0;
+    for (uint64_t t = 0; t < l.tiles; ++t) {
+      const uint32_t end = Get<uint32_t>(payload + at + 4 * t);
+      if (end < prev)
+        return bad(fmt::format("tile {}: running {}count {} below the previous tile's {}", t, what,
+                               end, prev));
+      prev = end;
+    }
+    if (l.tiles > 0 && prev != want)
+      return bad(fmt::format("tile {}: running {}count {}, the {} says {}", l.tiles - 1, what, prev,
+                             pass == 0 ? "count" : "length", want));
+  }
+  // Every running count is now at most the count (the escapes' at most the escapes).
+  const uint64_t spt = l.tile_elems / kDeltaSubtileElems;
+  const std::byte* subs = payload + l.subs;
+  const std::byte* offs = payload + l.offsets;
+  const std::byte* vals = payload + l.values;
+  for (uint64_t t = 0, k = 0; t < l.tiles; ++t) {
+    const uint64_t end = Get<uint32_t>(payload + 4 * t);
+    const uint64_t s0 = t * spt, s1 = std::min(s0 + spt, l.subtiles);
+    uint64_t sum = 0;
+    for (uint64_t sb = s0; sb < s1; ++sb) {
+      const uint64_t m = std::min(kDeltaSubtileElems, info.elements - sb * kDeltaSubtileElems);
+      const uint64_t cs = static_cast<uint8_t>(subs[sb]);
+      if (cs > m) return bad(fmt::format("subtile {}: count {} over its {} elements", sb, cs, m));
+      sum += cs;
+    }
+    if (sum != end - k)
+      return bad(fmt::format("tile {}: subtile counts sum to {}, the running counts say {}", t, sum,
+                             end - k));
+    const uint64_t first = k;
+    for (uint64_t sb = s0; sb < s1; ++sb) {
+      const uint64_t m = std::min(kDeltaSubtileElems, info.elements - sb * kDeltaSubtileElems);
+      uint64_t last = 0;
+      for (const uint64_t stop = k + static_cast<uint8_t>(subs[sb]), from = k; k < stop; ++k) {
+        const uint64_t off = static_cast<uint8_t>(offs[k]);
+        if (off >= m)
+          return bad(fmt::format("record {}: element {} of subtile {} out of range [0, {})", k, off,
+                                 sb, m));
+        if (k > from && off <= last)
+          return bad(fmt::format("record {}: element {} of subtile {} not above the previous {}", k,
+                                 off, sb, last));
+        last = off;
+      }
+    }
+    if (e == 2) {
+      const uint64_t e0 = t > 0 ? Get<uint32_t>(payload + l.escape_ends + 4 * (t - 1)) : 0;
+      const uint64_t e1 = Get<uint32_t>(payload + l.escape_ends + 4 * t);
+      uint64_t n = 0;
+      for (uint64_t j = first; j < end; ++j) n += vals[j] == std::byte{kDeltaEscape};
+      if (n != e1 - e0)
+        return bad(fmt::format("tile {}: {} escaped values, the running escape counts say {}", t, n,
+                               e1 - e0));
+    }
+  }
+  if (l.escapes > l.values + c && payload[l.values + c] != std::byte{0})
+    return bad(fmt::format("packed padding byte {} not zero", l.values + c));
+  return OkStatus();
+}
+
 }  // namespace
 
 std::string_view DeltaReasonText(DeltaReason r) {
@@ -348,6 +487,8 @@ std::string_view DeltaKindName(DeltaKind kind) {
       return "index";
     case DeltaKind::kBitmap:
       return "bitmap";
+    case DeltaKind::kPacked:
+      return "packed";
   }
   return "unknown";
 }
@@ -370,7 +511,8 @@ Result<DeltaInfo> InspectDelta(std::span<const std::byte> encoded, std::string_v
   DeltaInfo info;
   const uint8_t kind = Get<uint8_t>(h + 5);
   if (kind != static_cast<uint8_t>(DeltaKind::kIndex) &&
-      kind != static_cast<uint8_t>(DeltaKind::kBitmap))
+      kind != static_cast<uint8_t>(DeltaKind::kBitmap) &&
+      kind != static_cast<uint8_t>(DeltaKind::kPacked))
     return bad(fmt::format("kind {}", kind));
   info.kind = static_cast<DeltaKind>(kind);
   info.element_size = Get<uint8_t>(h + 6);
@@ -388,6 +530,24 @@ Result<DeltaInfo> InspectDelta(std::span<const std::byte> encoded, std::string_v
     return bad(fmt::format("count {} over elements {}", info.changed, info.elements));
   // elements < 2^32 and changed <= elements: no product below overflows 64 bits.
   const uint64_t e = info.element_size;
+  const uint64_t have = encoded.size() - kDeltaHeaderBytes;
+  if (info.kind == DeltaKind::kPacked) {
+    if (!DeltaPackedAllowed(info.elements, e, info.changed))
+      return bad(fmt::format("packed form of {} changes of {}-byte elements: over the form's limit",
+                             info.changed, e));
+    // The escapes (element size 2) are what the length leaves after the rest.
+    const uint64_t l0 = DeltaPackedPayload(info.elements, e, info.changed, 0).bytes;
+    if (e == 1 && have != l0)
+      return bad(fmt::format("{} payload bytes, the header's packed form of {} changes needs {}",
+                             have, info.changed, l0));
+    if (e == 2 && (have < l0 || (have - l0) % 2 != 0 || (have - l0) / 2 > info.changed))
+      return bad(fmt::format(
+          "{} payload bytes, the header's packed form of {} changes needs {} plus 2 per escape "
+          "(at most {})",
+          have, info.changed, l0, info.changed));
+    info.escapes = e == 2 ? (have - l0) / 2 : 0;
+    return info;
+  }
   const uint64_t payload = info.kind == DeltaKind::kIndex
                                ? DeltaIndexPayload(info.elements, e, info.changed).bytes
                                : BitmapBytes(info.elements) + info.changed * e;
@@ -425,7 +585,9 @@ Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const Del
     return DataLossError(fmt::format("delta of bucket {}: malformed encoding: {}", name, what));
   };
   Status positions = OkStatus();
-  if (info.kind == DeltaKind::kIndex) {
+  if (info.kind == DeltaKind::kPacked) {
+    positions = PackedPositions(info, payload, bad);
+  } else if (info.kind == DeltaKind::kIndex) {
     // The running counts, then each tile's offsets, then the padding (delta.h "Encoded form").
     const DeltaIndexLayout l = DeltaIndexPayload(info.elements, e, info.changed);
     uint64_t prev = 0;

@@ -25,7 +25,7 @@ namespace {
 using namespace delta_internal;  // NOLINT(build/namespaces): the codec's own helpers
 
 struct EncodeSums {
-  uint64_t base = 0, next = 0, changed = 0;
+  uint64_t base = 0, next = 0, changed = 0, escapes = 0;
 };
 
 // Bit k set when element k of the 64-byte block at `o` changed (64 / E elements).
@@ -164,35 +164,39 @@ class Body {
     if (at < blocks) {
       const size_t stop = std::min(end, blocks);
       ForEachChangedBlock<E>(b_ + at, x, 0, stop - at, [&](size_t o, uint64_t m) {
+        Found((at + o) / E, m, x + o, b_ + at + o);  // before the advance overwrites the base
         if (advance_ != nullptr) std::memcpy(advance_ + at + o, x + o, 64);
-        Found((at + o) / E, m, x + o);
       });
     }
     if (end > blocks) {
       const size_t from = std::max(at, blocks);
       ForEachChanged<E>(b_ + at, x, from - at, end - at, [&](uint64_t i) {
         const size_t o = i * E;  // from the piece's start
+        Found((at + o) / E, 1, x + o, b_ + at + o);
         if (advance_ != nullptr) Put<Elem<E>>(advance_ + at + o, Get<Elem<E>>(x + o));
-        Found((at + o) / E, 1, x + o);
       });
     }
   }
   // Once every piece was diffed: the changed count and the form, *out trimmed to the payload.
-  DeltaSize Finish(uint64_t* changed) {
+  DeltaSize Finish(uint64_t* changed, uint64_t* escapes) {
     *changed = changed_;
-    const DeltaSize size = DeltaEncodedBytes(n_ / E, E, changed_);
+    *escapes = escapes_;
+    const DeltaSize size = DeltaEncodedBytes(n_ / E, E, changed_, escapes_);
     if (size.kind == DeltaKind::kFull)
       out_->clear();
     else if (size.kind == DeltaKind::kIndex)
       LayOutIndex();
+    else if (size.kind == DeltaKind::kPacked)
+      LayOutPacked();
     else
       out_->resize(used_);  // the size rule's bytes (checked by the caller)
     return size;
   }
 
  private:
-  // Scratch record while the index form may win: u32 element index, then the value.
-  static constexpr size_t kRecord = 4 + E;
+  // Scratch record while the index (or packed) form may win: u32 element index, the value, and
+  // for 2-byte elements the packed form's value byte.
+  static constexpr size_t kRecord = 4 + E + (E == 2 ? 1 : 0);
   static constexpr uint64_t kTileElems = kDeltaTileBytes / E;
   enum class Form { kIndex, kBitmap, kCount };
 
@@ -221,6 +225,48 @@ class Body {
     out.resize(kDeltaHeaderBytes + l.bytes);
   }
 
+  // The records become the packed form (delta.h "Encoded form"), as LayOutIndex does: moved past
+  // the final layout, then read once in order while the running counts (changes, escapes), the
+  // subtile counts, offsets, value bytes and escapes are written below them.
+  void LayOutPacked() {
+    std::vector<std::byte>& out = *out_;
+    const uint64_t count = changed_;
+    const DeltaPackedLayout l = DeltaPackedPayload(n_ / E, E, count, escapes_);
+    const size_t recs = kDeltaHeaderBytes + l.bytes;
+    out.resize(recs + count * kRecord);
+    std::memmove(out.data() + recs, out.data() + kDeltaHeaderBytes, count * kRecord);
+    std::byte* p = out.data() + kDeltaHeaderBytes;
+    std::memset(p + l.subs, 0, l.subtiles);
+    if (l.escapes > l.values + count) p[l.values + count] = std::byte{0};
+    uint64_t tile = 0, esc = 0;  // tiles below `tile` have their running counts
+    for (uint64_t k = 0; k < count; ++k) {
+      const std::byte* rec = out.data() + recs + k * kRecord;
+      const uint32_t i = Get<uint32_t>(rec);
+      const uint64_t t = i / kTileElems;
+      for (; tile < t; ++tile) {
+        Put<uint32_t>(p + 4 * tile, static_cast<uint32_t>(k));
+        if constexpr (E == 2)
+          Put<uint32_t>(p + l.escape_ends + 4 * tile, static_cast<uint32_t>(esc));
+      }
+      const uint64_t sub = i / kDeltaSubtileElems;
+      p[l.subs + sub] = std::byte(static_cast<uint8_t>(p[l.subs + sub]) + 1);
+      p[l.offsets + k] = std::byte(static_cast<uint8_t>(i % kDeltaSubtileElems));
+      if constexpr (E == 2) {
+        const std::byte vb = rec[4 + E];
+        p[l.values + k] = vb;
+        if (vb == std::byte{kDeltaEscape})
+          Put<uint16_t>(p + l.escapes + 2 * esc++, Get<uint16_t>(rec + 4));
+      } else {
+        p[l.values + k] = rec[4];
+      }
+    }
+    for (; tile < l.tiles; ++tile) {
+      Put<uint32_t>(p + 4 * tile, static_cast<uint32_t>(count));
+      if constexpr (E == 2) Put<uint32_t>(p + l.escape_ends + 4 * tile, static_cast<uint32_t>(esc));
+    }
+    out.resize(kDeltaHeaderBytes + l.bytes);
+  }
+
   // The records so far become the bitmap and its values, in place in *out (no allocation once
   // the caller's buffer grew to such a size before): the records move up past the bitmap, which
   // is zeroed, then compact into the values (value k is written at or before record k's place).
@@ -244,20 +290,34 @@ class Body {
   }
   // Elements idx + k for the bits k of `m` changed, their new values at `at` + k * E; idx is a
   // multiple of 8 unless `m` is one bit (bitmap bytes are whole).
-  void Found(uint64_t idx, uint64_t m, const std::byte* at) {
+  // For 2-byte elements each change's packed value byte (delta_rule.h) comes from its old value
+  // at `old` + k * E, and the escaped ones are counted in every form.
+  void Found(uint64_t idx, uint64_t m, const std::byte* at, const std::byte* old) {
     std::vector<std::byte>& out = *out_;
     changed_ += Popcount64(m);
     if (form_ == Form::kIndex) {
       for (uint64_t r = m; r != 0; r &= r - 1) {
         if (used_ + kRecord > out.size()) out.resize(2 * out.size());
         const int k = std::countr_zero(r);
+        const Elem<E> v = Get<Elem<E>>(at + k * E);
         Put<uint32_t>(out.data() + used_, static_cast<uint32_t>(idx + k));
-        Put<Elem<E>>(out.data() + used_ + 4, Get<Elem<E>>(at + k * E));
+        Put<Elem<E>>(out.data() + used_ + 4, v);
+        if constexpr (E == 2) {
+          const Elem<E> o = Get<Elem<E>>(old + k * E);
+          const bool escaped = DeltaEscaped(o, v);
+          escapes_ += escaped;
+          out[used_ + 4 + E] = std::byte(escaped ? kDeltaEscape : DeltaByte(o, v));
+        }
         used_ += kRecord;
       }
       if (changed_ > index_limit_) ToBitmap();
       return;
     }
+    if constexpr (E == 2)
+      for (uint64_t r = m; r != 0; r &= r - 1) {
+        const int k = std::countr_zero(r);
+        escapes_ += DeltaEscaped(Get<Elem<E>>(old + k * E), Get<Elem<E>>(at + k * E));
+      }
     if (form_ == Form::kCount) return;
     if (kDeltaHeaderBytes + nbits_ + changed_ * E >= n_) {  // even the bitmap form is not smaller
       form_ = Form::kCount;
@@ -284,6 +344,7 @@ class Body {
   Form form_ = Form::kIndex;
   size_t used_ = kDeltaHeaderBytes;  // index: records end; bitmap: values end
   uint64_t changed_ = 0;
+  uint64_t escapes_ = 0;  // 2-byte elements: changes DeltaEscaped
 };
 
 }  // namespace delta_encode_detail
@@ -308,7 +369,7 @@ DeltaSize EncodeBody(const std::byte* b, const std::byte* x, size_t n, std::vect
   } else {
     body.Diff(0, x, n);
   }
-  return body.Finish(&sums->changed);
+  return body.Finish(&sums->changed, &sums->escapes);
 }
 
 // Element size and bucket size, as every encoder entry checks them.
@@ -370,6 +431,7 @@ Result<DeltaEncodeResult> Encode(std::span<const std::byte> base, std::span<cons
                          : e == 2 ? EncodeBody<2>(b, x, n, out, compute, &sums, advance)
                                   : EncodeBody<4>(b, x, n, out, compute, &sums, advance);
   r.changed = sums.changed;
+  r.escapes = sums.escapes;
   r.kind = size.kind;
   if (size.kind == DeltaKind::kFull) return r;
   r.base_checksum = compute ? ChecksumFinish(sums.base, n) : known->base;
@@ -462,7 +524,7 @@ Result<DeltaEncodeResult> DeltaAdvanceEncoder::Finish(uint64_t base_version, uin
   std::visit(
       [&](auto& body) {
         if constexpr (!std::is_same_v<std::decay_t<decltype(body)>, std::monostate>)
-          size = body.Finish(&r.changed);
+          size = body.Finish(&r.changed, &r.escapes);
       },
       m.body);
   m.body = std::monostate{};

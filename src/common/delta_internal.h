@@ -12,7 +12,7 @@
 namespace shardsync::delta_internal {
 
 inline constexpr uint32_t kMagic = 0x4C445353;  // "SSDL" little-endian
-inline constexpr uint8_t kFormat = 2;
+inline constexpr uint8_t kFormat = 3;
 inline constexpr size_t kChunk = size_t{64} << 10;  // checksum + diff chunk: both stay in L2
 
 inline bool ValidElementSize(int e) { return e == 1 || e == 2 || e == 4; }

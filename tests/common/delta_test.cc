@@ -2,9 +2,12 @@
 
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -40,6 +43,32 @@ Bytes Mutate(const Bytes& base, int e, uint64_t changed, uint32_t seed) {
   return next;
 }
 
+// `base` with `changed` distinct elements moved by small steps, as an optimizer's update moves
+// them: 2-byte bit patterns by a difference in [-140, 140] (about one in 13 escaped in the packed
+// form), bytes to any other byte.
+Bytes MutateSmall(const Bytes& base, int e, uint64_t changed, uint32_t seed) {
+  Bytes next = base;
+  const uint64_t elements = base.size() / e;
+  std::vector<uint64_t> order(elements);
+  for (uint64_t i = 0; i < elements; ++i) order[i] = i;
+  std::mt19937 rng(seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  for (uint64_t k = 0; k < changed; ++k) {
+    std::byte* p = next.data() + order[k] * e;
+    if (e == 2) {
+      int d = static_cast<int>(rng() % 280) - 140;
+      if (d >= 0) ++d;
+      uint16_t v;
+      std::memcpy(&v, p, 2);
+      v = static_cast<uint16_t>(v + d);
+      std::memcpy(p, &v, 2);
+    } else {
+      p[e - 1] ^= static_cast<std::byte>(1 + rng() % 255);
+    }
+  }
+  return next;
+}
+
 DeltaExpect Expect(int e, uint64_t version = 7) { return {"b0", e, version}; }
 
 // Encodes, decodes over a copy of the base, checks the result byte for byte and the kind the
@@ -49,7 +78,7 @@ DeltaEncodeResult RoundTrip(const Bytes& base, const Bytes& next, int e) {
   auto r = EncodeDelta(base, next, e, 7, "b0", &enc);
   EXPECT_TRUE(r.ok()) << r.status().ToString();
   if (!r.ok()) return {};
-  const DeltaSize want = DeltaEncodedBytes(base.size() / e, e, r->changed);
+  const DeltaSize want = DeltaEncodedBytes(base.size() / e, e, r->changed, r->escapes);
   EXPECT_EQ(r->kind, want.kind);
   if (r->kind == DeltaKind::kFull) {
     EXPECT_TRUE(enc.empty());
@@ -85,15 +114,31 @@ TEST(Delta, RoundTripsAtEveryDensityElementSizeAndOddLength) {
 
 TEST(Delta, KindFollowsTheSizeRule) {
   // 64000 bf16 elements: 8 tiles of 8192 (32 bytes of running counts), bitmap 8000 bytes, so
-  // index while round_up(32 + 2 * count, 4) <= 8000 (count <= 3984).
+  // index while round_up(32 + 2 * count, 4) <= 8000 (count <= 3984). With every change escaped
+  // (4 bytes a change in the packed form too) the index form wins there.
   const uint64_t elements = 64000;
   EXPECT_EQ(DeltaEncodedBytes(elements, 2, 0).kind, DeltaKind::kIndex);
   EXPECT_EQ(DeltaEncodedBytes(elements, 2, 0).bytes, kDeltaHeaderBytes + 32);
-  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 2000).kind, DeltaKind::kIndex);
-  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 2000).bytes, kDeltaHeaderBytes + 32 + 2000 * 4);
-  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 2001).bytes, kDeltaHeaderBytes + 32 + 4004 + 2001 * 2);
-  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 3984).kind, DeltaKind::kIndex);
-  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 3984).bytes, kDeltaHeaderBytes + 8000 + 3984 * 2);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 2000, 2000).kind, DeltaKind::kIndex);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 2000, 2000).bytes, kDeltaHeaderBytes + 32 + 2000 * 4);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 2001, 2001).bytes,
+            kDeltaHeaderBytes + 32 + 4004 + 2001 * 2);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 3984, 3984).kind, DeltaKind::kIndex);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 3984, 3984).bytes, kDeltaHeaderBytes + 8000 + 3984 * 2);
+  // Packed (no escapes): 8 + 8 tiles x 4 bytes of running counts, 500 subtile counts, 2 bytes a
+  // change, an even length before the escapes; it wins from a count of 500 / 2 / 2 on.
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 2000).kind, DeltaKind::kPacked);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 2000).bytes, kDeltaHeaderBytes + 64 + 500 + 4000);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 2001).bytes, kDeltaHeaderBytes + 64 + 500 + 4002);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 2001, 3).bytes,
+            kDeltaHeaderBytes + 64 + 500 + 4002 + 3 * 2);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 3984).kind, DeltaKind::kPacked);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 200).kind, DeltaKind::kIndex);   // 832 against 964
+  EXPECT_EQ(DeltaEncodedBytes(elements, 2, 300).kind, DeltaKind::kPacked);  // 1232 against 1164
+  // Escapes count only for 2-byte elements; a byte image's value byte is the new byte.
+  EXPECT_EQ(DeltaEncodedBytes(elements, 1, 2000, 2000).kind, DeltaKind::kPacked);
+  EXPECT_EQ(DeltaEncodedBytes(elements, 4, 2000).kind, DeltaKind::kIndex);
+  // Past the index form's limit (1/16) the packed form is not offered.
   EXPECT_EQ(DeltaEncodedBytes(elements, 2, 3985).kind, DeltaKind::kBitmap);
   EXPECT_EQ(DeltaEncodedBytes(elements, 2, 3985).bytes, kDeltaHeaderBytes + 8000 + 3985 * 2);
   // Full once 48 + 8000 + 2c >= 128000: c >= 59976.
@@ -185,7 +230,7 @@ Bytes Handmade(uint8_t kind, uint8_t e, uint64_t elements, uint64_t changed, con
   std::copy(payload.begin(), payload.end(), h.begin() + kDeltaHeaderBytes);
   const uint32_t magic = 0x4C445353;
   std::memcpy(h.data(), &magic, 4);
-  h[4] = std::byte{2};  // format
+  h[4] = std::byte{3};  // format
   h[5] = std::byte{kind};
   h[6] = std::byte{e};
   std::memcpy(h.data() + 8, &elements, 8);
@@ -301,7 +346,9 @@ TEST(Delta, FuzzNeverCrashesNorAppliesAWrongResult) {
     const Bytes base = RandomBytes(3001 * e, e);
     for (int iter = 0; iter < 300; ++iter) {
       const uint64_t changed = rng() % 3001;
-      const Bytes next = Mutate(base, e, changed, rng());
+      // Every other one by small steps: the packed form with escapes for 2-byte elements.
+      const Bytes next = iter % 8 < 4 ? Mutate(base, e, changed, rng())
+                                      : MutateSmall(base, e, changed % 400, rng());
       Bytes enc;
       ASSERT_TRUE(EncodeDelta(base, next, e, 7, "b0", &enc).ok());
       if (enc.empty()) continue;
@@ -377,7 +424,7 @@ TEST(Delta, IndexFormRoundTripsAcrossTileEdges) {
       auto r = EncodeDelta(base, next, e, 7, "b0", &enc);
       ASSERT_TRUE(r.ok()) << r.status().ToString();
       ASSERT_EQ(r->kind, DeltaKind::kIndex);
-      EXPECT_EQ(enc[4], std::byte{2});  // format
+      EXPECT_EQ(enc[4], std::byte{3});  // format
       EXPECT_EQ(enc.size(), kDeltaHeaderBytes + DeltaIndexPayload(elements, e, at.size()).bytes);
       EXPECT_EQ(IndexChanges(enc, e), at);
       RoundTrip(base, next, e);
@@ -458,21 +505,239 @@ TEST(Delta, IndexFormRefusesMalformedTilesNamingTheFault) {
   EXPECT_NE(s.message().find("new_checksum"), std::string::npos) << s.message();
 }
 
-// Format 1 (a u32 element index per change) is refused, not read, whatever its kind.
-TEST(Delta, RefusesFormatOne) {
+// Formats 1 (a u32 element index per change) and 2 (no packed form) are refused, not read,
+// whatever the kind.
+TEST(Delta, RefusesFormatsOneAndTwo) {
   const Bytes base = RandomBytes(20000, 12);
   for (uint64_t changed : {5ull, 3000ull}) {
-    Bytes enc;
-    ASSERT_TRUE(EncodeDelta(base, Mutate(base, 2, changed, 2), 2, 7, "b0", &enc).ok());
-    ASSERT_EQ(enc[4], std::byte{2});
-    enc[4] = std::byte{1};
+    for (uint8_t format : {1, 2}) {
+      Bytes enc;
+      ASSERT_TRUE(EncodeDelta(base, Mutate(base, 2, changed, 2), 2, 7, "b0", &enc).ok());
+      ASSERT_EQ(enc[4], std::byte{3});
+      enc[4] = std::byte{format};
+      Bytes bucket = base;
+      Status s = DecodeDeltaInPlace(enc, bucket, Expect(2));
+      EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+      EXPECT_EQ(s.message(),
+                "delta of bucket b0: malformed encoding: format " + std::to_string(format));
+      EXPECT_EQ(bucket, base);
+      EXPECT_FALSE(InspectDelta(enc, "b0").ok());
+    }
+  }
+}
+
+// The packed form (format 3): small changes of bf16 and byte images at the subtile and tile edges,
+// escapes at their bounds; every encoder writes the same bytes, every decoder applies them.
+TEST(Delta, PackedFormRoundTripsAtEdgesAndEscapes) {
+  for (int e : {1, 2}) {
+    const uint64_t tile = kDeltaTileBytes / e;
+    for (uint64_t elements : {uint64_t{1000}, uint64_t{3001}, tile, 2 * tile + 67}) {
+      SCOPED_TRACE(::testing::Message() << "e=" << e << " elements=" << elements);
+      const Bytes base = RandomBytes(elements * e, static_cast<uint32_t>(elements * 3 + e));
+      // Dense enough for the packed form; the edges of subtiles and tiles changed.
+      Bytes next = MutateSmall(base, e, elements / 25, static_cast<uint32_t>(elements));
+      const int16_t steps[] = {1, -1, 127, -127, 128, -128, 0x4000};
+      int q = 0;
+      for (uint64_t i : {uint64_t{0}, uint64_t{127}, uint64_t{128}, tile - 1, tile, elements - 1}) {
+        if (i >= elements) continue;
+        std::byte* p = next.data() + i * e;
+        if (e == 1) {
+          p[0] = base[i] ^ std::byte{0x21};
+          continue;
+        }
+        uint16_t v;
+        std::memcpy(&v, base.data() + i * e, 2);
+        v = static_cast<uint16_t>(v + steps[q++ % 7]);
+        std::memcpy(p, &v, 2);
+      }
+      Bytes enc;
+      auto r = EncodeDelta(base, next, e, 7, "b0", &enc);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      ASSERT_EQ(r->kind, DeltaKind::kPacked);
+      EXPECT_EQ(enc[4], std::byte{3});
+      auto info = InspectDelta(enc, "b0");
+      ASSERT_TRUE(info.ok()) << info.status().ToString();
+      EXPECT_EQ(info->kind, DeltaKind::kPacked);
+      EXPECT_EQ(info->escapes, r->escapes);
+      // The escapes: exactly the changes whose difference is out of [-127, 127].
+      uint64_t escapes = 0;
+      for (uint64_t i = 0; e == 2 && i < elements; ++i) {
+        uint16_t o, n;
+        std::memcpy(&o, base.data() + i * 2, 2);
+        std::memcpy(&n, next.data() + i * 2, 2);
+        escapes += o != n && DeltaEscaped(o, n);
+      }
+      EXPECT_EQ(r->escapes, escapes);
+      if (e == 2) EXPECT_GE(escapes, 3u);
+      EXPECT_EQ(enc.size(),
+                kDeltaHeaderBytes + DeltaPackedPayload(elements, e, r->changed, escapes).bytes);
+      RoundTrip(base, next, e);
+
+      const uint64_t bs = Checksum(base.data(), base.size());
+      const uint64_t ns = Checksum(next.data(), next.size());
+      Bytes kept = base, advanced;
+      ASSERT_TRUE(EncodeDeltaAdvance(kept, next, e, 7, bs, ns, "b0", &advanced).ok());
+      EXPECT_EQ(advanced, enc);
+      EXPECT_EQ(kept, next);
+      kept = base;
+      Bytes streamed;
+      DeltaAdvanceEncoder stream;
+      ASSERT_TRUE(stream.Begin(kept, e, "b0", &streamed).ok());
+      for (size_t o = 0; o < next.size(); o += 4096)
+        ASSERT_TRUE(stream
+                        .Feed(o, std::span<const std::byte>(next).subspan(
+                                     o, std::min<size_t>(4096, next.size() - o)))
+                        .ok());
+      auto fin = stream.Finish(7, bs, ns);
+      ASSERT_TRUE(fin.ok());
+      EXPECT_EQ(fin->escapes, escapes);
+      EXPECT_EQ(streamed, enc);
+      EXPECT_EQ(kept, next);
+
+      Scatter sc(base, e, static_cast<uint32_t>(elements));
+      Status st = DecodeDeltaPieces(enc, sc.pieces, base.size(), Expect(e));
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      EXPECT_EQ(sc.Gather(), next);
+      // Into staging (out elsewhere): the base untouched, the result in `out`.
+      Bytes staged(base.size());
+      const DeltaPiece whole{0, base.size(), base.data(), staged.data()};
+      st = DecodeDeltaPieces(enc, {&whole, 1}, base.size(), Expect(e));
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      EXPECT_EQ(staged, next);
+    }
+  }
+}
+
+// Each malformed packed form is refused with its own message (the device decoder writes the
+// same ones), the bucket untouched, in the order of delta.h: running counts, escape counts, then
+// tile by tile subtile counts, their sum, records, escaped values; then the padding.
+TEST(Delta, PackedFormRefusesMalformedEncodingsNamingTheFault) {
+  constexpr uint64_t kElems = 40003;  // bf16: 5 tiles, 313 subtiles, the last of 67 elements
+  const Bytes base = RandomBytes(kElems * 2, 78);
+  const Bytes next = MutateSmall(base, 2, 1201, 4);
+  Bytes enc0;
+  auto r = EncodeDelta(base, next, 2, 7, "b0", &enc0);
+  ASSERT_TRUE(r.ok());
+  ASSERT_EQ(r->kind, DeltaKind::kPacked);
+  const uint64_t c = r->changed, x = r->escapes;
+  const DeltaPackedLayout l = DeltaPackedPayload(kElems, 2, c, x);
+  const size_t p = kDeltaHeaderBytes;
+  auto u32 = [&](const Bytes& b, size_t at) {
+    uint32_t v;
+    std::memcpy(&v, b.data() + at, 4);
+    return v;
+  };
+  auto put32 = [](Bytes* b, size_t at, uint32_t v) { std::memcpy(b->data() + at, &v, 4); };
+  const uint32_t end0 = u32(enc0, p), end1 = u32(enc0, p + 4), end2 = u32(enc0, p + 8);
+  const uint32_t esc1 = u32(enc0, p + l.escape_ends + 4), esc4 = u32(enc0, p + l.escape_ends + 16);
+  ASSERT_GE(esc1, 1u);
+  ASSERT_GT(l.escapes, l.values + c);  // a padding byte
+  // Subtile 64 (tile 1's first) and the first subtile of tile 1 with two records or more.
+  uint64_t sub2 = 0, k2 = end0;
+  for (uint64_t sb = 64; sb < 128; ++sb) {
+    const auto n = static_cast<uint8_t>(enc0[p + l.subs + sb]);
+    if (n >= 2) {
+      sub2 = sb;
+      break;
+    }
+    k2 += n;
+  }
+  ASSERT_GT(sub2, 0u);
+  const auto o2 = static_cast<uint8_t>(enc0[p + l.offsets + k2]);
+  auto decode = [&](const std::function<void(Bytes*)>& edit, size_t cut = 0) {
+    Bytes enc = enc0;
+    edit(&enc);
+    enc.resize(enc.size() - cut);
     Bytes bucket = base;
     Status s = DecodeDeltaInPlace(enc, bucket, Expect(2));
-    EXPECT_EQ(s.code(), StatusCode::kDataLoss);
-    EXPECT_EQ(s.message(), "delta of bucket b0: malformed encoding: format 1");
-    EXPECT_EQ(bucket, base);
-    EXPECT_FALSE(InspectDelta(enc, "b0").ok());
-  }
+    EXPECT_EQ(bucket, base) << s.ToString();
+    const std::string pre = "delta of bucket b0: malformed encoding: ";
+    const std::string m(s.message());
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << m;
+    EXPECT_EQ(m.substr(0, pre.size()), pre) << m;
+    return m.substr(std::min(pre.size(), m.size()));
+  };
+  auto nop = [](Bytes*) {};
+  EXPECT_EQ(decode([&](Bytes* e) { put32(e, 40, static_cast<uint32_t>(kElems / 8)); }),
+            fmt::format("packed form of {} changes of 2-byte elements: over the form's limit",
+                        kElems / 8));
+  EXPECT_EQ(decode(nop, 1),
+            fmt::format("{} payload bytes, the header's packed form of {} changes needs {} plus 2 "
+                        "per escape (at most {})",
+                        l.bytes - 1, c, DeltaPackedPayload(kElems, 2, c, 0).bytes, c));
+  EXPECT_EQ(decode([&](Bytes* e) { put32(e, p + 8, end1 - 1); }),
+            fmt::format("tile 2: running count {} below the previous tile's {}", end1 - 1, end1));
+  EXPECT_EQ(decode([&](Bytes* e) { put32(e, p + 16, static_cast<uint32_t>(c + 1)); }),
+            fmt::format("tile 4: running count {}, the count says {}", c + 1, c));
+  EXPECT_EQ(
+      decode([&](Bytes* e) { put32(e, p + l.escape_ends + 8, esc1 - 1); }),
+      fmt::format("tile 2: running escape count {} below the previous tile's {}", esc1 - 1, esc1));
+  EXPECT_EQ(decode([&](Bytes* e) { put32(e, p + l.escape_ends + 16, esc4 - 1); }),
+            fmt::format("tile 4: running escape count {}, the length says {}", esc4 - 1, x));
+  EXPECT_EQ(decode([&](Bytes* e) { (*e)[p + l.subs + 67] = std::byte{129}; }),
+            "subtile 67: count 129 over its 128 elements");
+  EXPECT_EQ(decode([&](Bytes* e) { (*e)[p + l.subs + 312] = std::byte{68}; }),
+            "subtile 312: count 68 over its 67 elements");
+  EXPECT_EQ(decode([&](Bytes* e) {
+              (*e)[p + l.subs + sub2] =
+                  std::byte(static_cast<uint8_t>((*e)[p + l.subs + sub2]) + 1);
+            }),
+            fmt::format("tile 1: subtile counts sum to {}, the running counts say {}",
+                        end1 - end0 + 1, end1 - end0));
+  EXPECT_EQ(
+      decode([&](Bytes* e) { (*e)[p + l.offsets + k2 + 1] = std::byte{200}; }),
+      fmt::format("record {}: element 200 of subtile {} out of range [0, 128)", k2 + 1, sub2));
+  EXPECT_EQ(decode([&](Bytes* e) { (*e)[p + l.offsets + k2 + 1] = std::byte{o2}; }),
+            fmt::format("record {}: element {} of subtile {} not above the previous {}", k2 + 1, o2,
+                        sub2, o2));
+  uint64_t plain = end1;  // tile 2's first value byte that is not an escape
+  while (enc0[p + l.values + plain] == std::byte{kDeltaEscape}) ++plain;
+  const uint32_t esc2 = u32(enc0, p + l.escape_ends + 8);
+  EXPECT_EQ(decode([&](Bytes* e) { (*e)[p + l.values + plain] = std::byte{kDeltaEscape}; }),
+            fmt::format("tile 2: {} escaped values, the running escape counts say {}",
+                        esc2 - esc1 + 1, esc2 - esc1));
+  EXPECT_EQ(decode([&](Bytes* e) { (*e)[p + l.values + c] = std::byte{1}; }),
+            fmt::format("packed padding byte {} not zero", l.values + c));
+  // In order: a record of tile 1 before a subtile count of tile 2; the counts before both.
+  EXPECT_EQ(
+      decode([&](Bytes* e) {
+        (*e)[p + l.offsets + k2 + 1] = std::byte{200};
+        (*e)[p + l.subs + 130] = std::byte{200};
+      }),
+      fmt::format("record {}: element 200 of subtile {} out of range [0, 128)", k2 + 1, sub2));
+  EXPECT_EQ(
+      decode([&](Bytes* e) {
+        (*e)[p + l.offsets + k2 + 1] = std::byte{200};
+        put32(e, p + l.escape_ends + 8, esc1 - 1);
+      }),
+      fmt::format("tile 2: running escape count {} below the previous tile's {}", esc1 - 1, esc1));
+  // Element size 4 has no packed form; a byte image's length has no escapes.
+  Bytes enc4 = enc0;
+  enc4[6] = std::byte{4};
+  Bytes b4 = base;
+  EXPECT_EQ(DecodeDeltaInPlace(enc4, b4, Expect(4)).message(),
+            fmt::format("delta of bucket b0: malformed encoding: packed form of {} changes of "
+                        "4-byte elements: over the form's limit",
+                        c));
+  const Bytes base1 = RandomBytes(5000, 3);
+  Bytes enc1;
+  ASSERT_TRUE(EncodeDelta(base1, MutateSmall(base1, 1, 200, 5), 1, 7, "b0", &enc1).ok());
+  ASSERT_EQ(enc1[5], std::byte{3});
+  enc1.push_back(std::byte{0});
+  enc1.push_back(std::byte{0});
+  Bytes bb = base1;
+  EXPECT_EQ(DecodeDeltaInPlace(enc1, bb, Expect(1)).message(),
+            fmt::format("delta of bucket b0: malformed encoding: {} payload bytes, the header's "
+                        "packed form of 200 changes needs {}",
+                        enc1.size() - p, DeltaPackedPayload(5000, 1, 200, 0).bytes));
+  // A corrupted difference: well formed, the result checksum refuses it.
+  Bytes enc = enc0;
+  enc[p + l.values + plain] ^= std::byte{0x03};
+  Bytes bucket = base;
+  Status s = DecodeDeltaInPlace(enc, bucket, Expect(2));
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("new_checksum"), std::string::npos) << s.message();
+  EXPECT_EQ(bucket, base);
 }
 
 // The index form costs 2 + e bytes a change plus 4 bytes a tile, the bitmap 1/8 byte an element
@@ -485,9 +750,13 @@ TEST(Delta, SizeRuleBreaksEvenNearOneSixteenth) {
     const uint64_t last = (elements / 8 - 4 * tiles) / 2;  // the last count the index form wins
     EXPECT_GT(last, elements / 17);
     EXPECT_LT(last, elements / 16);
-    const DeltaSize at = DeltaEncodedBytes(elements, e, last);
-    EXPECT_EQ(at.kind, DeltaKind::kIndex);
-    EXPECT_EQ(at.bytes, kDeltaHeaderBytes + 4 * tiles + 2 * last + e * last);
+    // Every change escaped (Mutate flips the top byte): the packed form does not win for 2-byte
+    // elements; a byte image's does (2 bytes a change and a byte a subtile against 3 a change).
+    const DeltaSize at = DeltaEncodedBytes(elements, e, last, last);
+    const DeltaKind at_kind = e == 1 ? DeltaKind::kPacked : DeltaKind::kIndex;
+    EXPECT_EQ(at.kind, at_kind);
+    EXPECT_EQ(at.bytes, e == 1 ? kDeltaHeaderBytes + 4 * tiles + elements / 128 + 2 * last
+                               : kDeltaHeaderBytes + 4 * tiles + 2 * last + e * last);
     const DeltaSize past = DeltaEncodedBytes(elements, e, last + 1);
     EXPECT_EQ(past.kind, DeltaKind::kBitmap);
     EXPECT_EQ(past.bytes, kDeltaHeaderBytes + elements / 8 + e * (last + 1));
@@ -496,7 +765,7 @@ TEST(Delta, SizeRuleBreaksEvenNearOneSixteenth) {
     for (uint64_t changed : {last, last + 1}) {
       const Bytes next = Mutate(base, e, changed, static_cast<uint32_t>(changed));
       const DeltaEncodeResult r = RoundTrip(base, next, e);
-      EXPECT_EQ(r.kind, changed == last ? DeltaKind::kIndex : DeltaKind::kBitmap);
+      EXPECT_EQ(r.kind, changed == last ? at_kind : DeltaKind::kBitmap);
       Bytes want, got, kept = base;
       ASSERT_TRUE(EncodeDelta(base, next, e, 7, "b0", &want).ok());
       DeltaAdvanceEncoder stream;
@@ -699,11 +968,12 @@ TEST(DeltaCost, PaysOnSlowLinksAtLowDensity) {
   in.decode_gbps = 20;
   auto c = EstimateDeltaCost(in);
   ASSERT_TRUE(c.ok()) << c.status().ToString();
-  EXPECT_EQ(c->kind, DeltaKind::kIndex);
+  EXPECT_EQ(c->kind, DeltaKind::kPacked);
   const uint64_t elements = in.bucket_bytes / 2;
   const uint64_t changed = 335544;  // llround(0.01 * 33554432)
-  // 4096 tiles of 8192 elements: 16 KiB of running counts, then 2 + 2 bytes a change.
-  EXPECT_EQ(c->wire_bytes, kDeltaHeaderBytes + 4 * 4096 + changed * 4);
+  // 4096 tiles of 8192 elements: 32 KiB of running counts (changes, escapes), 262144 subtile
+  // counts, then 2 bytes a change (the model assumes no escapes).
+  EXPECT_EQ(c->wire_bytes, kDeltaHeaderBytes + 8 * 4096 + 262144 + changed * 2);
   EXPECT_EQ(c->wire_bytes, DeltaEncodedBytes(elements, 2, changed).bytes);
   EXPECT_DOUBLE_EQ(c->full_seconds, (64 << 20) / 25e9);
   const double f = 64 << 20;

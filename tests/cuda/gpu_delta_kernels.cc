@@ -209,8 +209,8 @@ TEST_F(GpuDelta, EveryFormIsExercised) {
        {std::pair{0.01, DeltaKind::kIndex}, std::pair{0.011, DeltaKind::kPacked},
         std::pair{0.10, DeltaKind::kBitmap}, std::pair{1.0, DeltaKind::kFull}}) {
     const uint64_t changed = static_cast<uint64_t>(density * (1 << 19));
-    const Bytes next = kind == DeltaKind::kPacked ? MutateSmall(base, 2, changed, 9)
-                                                  : Mutate(base, 2, changed, 9);
+    const Bytes next =
+        kind == DeltaKind::kPacked ? MutateSmall(base, 2, changed, 9) : Mutate(base, 2, changed, 9);
     Bytes enc;
     auto host = EncodeDelta(base, next, 2, 41, "b", &enc);
     ASSERT_TRUE(host.ok());
@@ -409,17 +409,17 @@ TEST_F(GpuDelta, PackedFormEncodesAsTheHostAndDecodes) {
                               (uint64_t{5} << 20) / ue + 7, (uint64_t{40} << 20) / ue + 3}) {
       const Bytes base = RandomBytes(elements * e, static_cast<uint32_t>(elements * 5 + e));
       for (double density : {0.005, 0.02, 0.05, 0.0625}) {
-        const uint64_t changed = std::max<uint64_t>(
-            1, static_cast<uint64_t>(density * static_cast<double>(elements)));
+        const uint64_t changed =
+            std::max<uint64_t>(1, static_cast<uint64_t>(density * static_cast<double>(elements)));
         const Bytes next = MutateSmall(base, e, changed, static_cast<uint32_t>(changed + 11 * e));
         Bytes enc;
         auto host = EncodeDelta(base, next, e, 41, "b", &enc);
         ASSERT_TRUE(host.ok());
         packed += host->kind == DeltaKind::kPacked;
         for (bool advance : {false, true}) {
-          SCOPED_TRACE(::testing::Message() << "e=" << e << " elements=" << elements
-                                            << " changed=" << changed << " advance=" << advance
-                                            << " kind=" << DeltaKindName(host->kind));
+          SCOPED_TRACE(::testing::Message()
+                       << "e=" << e << " elements=" << elements << " changed=" << changed
+                       << " advance=" << advance << " kind=" << DeltaKindName(host->kind));
           Check(base, next, e, nullptr, advance);
           if (HasFatalFailure()) return;
         }
@@ -442,9 +442,8 @@ TEST_F(GpuDelta, PackedRefusalsMatchTheHost) {
     ASSERT_EQ(static_cast<DeltaKind>(enc0[5]), DeltaKind::kPacked);
     const uint64_t count = Get64(enc0, 40);
     const size_t p = kDeltaHeaderBytes;
-    const uint64_t x0 = e == 2 ? (enc0.size() - p -
-                                  DeltaPackedPayload(kElems, ue, count, 0).bytes) / 2
-                               : 0;
+    const uint64_t x0 =
+        e == 2 ? (enc0.size() - p - DeltaPackedPayload(kElems, ue, count, 0).bytes) / 2 : 0;
     const DeltaPackedLayout l = DeltaPackedPayload(kElems, ue, count, x0);
     ASSERT_EQ(l.bytes, enc0.size() - p);
     std::vector<uint32_t> end(l.tiles), eend(l.tiles);
@@ -468,10 +467,8 @@ TEST_F(GpuDelta, PackedRefusalsMatchTheHost) {
         {"over the limit",
          [](Bytes* e, Bytes*, DeltaExpect*, size_t*) { Put64(e, 40, kElems / 8); }},
         {"truncated", [](Bytes*, Bytes*, DeltaExpect*, size_t* n) { *n -= 1; }},
-        {"running count falls",
-         [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
-           PutLE<uint32_t>(e, p + 4 * 2, end[1] - 1);
-         }},
+        {"running count falls", [=](Bytes* e, Bytes*, DeltaExpect*,
+                                    size_t*) { PutLE<uint32_t>(e, p + 4 * 2, end[1] - 1); }},
         {"last running count",
          [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
            PutLE<uint32_t>(e, p + 4 * (l.tiles - 1), end[l.tiles - 1] + 1);
@@ -482,8 +479,8 @@ TEST_F(GpuDelta, PackedRefusalsMatchTheHost) {
          }},
         {"subtile counts sum",
          [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
-           (*e)[p + l.subs + sub2] = static_cast<std::byte>(
-               static_cast<uint8_t>((*e)[p + l.subs + sub2]) + 1u);
+           (*e)[p + l.subs + sub2] =
+               static_cast<std::byte>(static_cast<uint8_t>((*e)[p + l.subs + sub2]) + 1u);
          }},
         {"record out of its subtile",
          [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
@@ -493,9 +490,8 @@ TEST_F(GpuDelta, PackedRefusalsMatchTheHost) {
          [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
            (*e)[p + l.offsets + k2 + 1] = (*e)[p + l.offsets + k2];
          }},
-        {"corrupt value", [=](Bytes* e, Bytes*, DeltaExpect*, size_t*) {
-           (*e)[p + l.values + 7] ^= std::byte{0x21};
-         }},
+        {"corrupt value", [=](Bytes* e, Bytes*, DeltaExpect*,
+                              size_t*) { (*e)[p + l.values + 7] ^= std::byte{0x21}; }},
     };
     if (e == 2) {
       ASSERT_GE(eend[1], 1u);

@@ -336,10 +336,10 @@ Status PackedFault(const dk::HeaderView& h, uint64_t key, const unsigned char* p
     SS_RETURN_IF_ERROR(read(l.offsets + k - (k > 0 ? 1 : 0), k > 0 ? 2 : 1));
     const uint64_t off = buf.back(), prev = buf.front(), m = sub_elems(sub);
     if (off >= m)
-      return malformed(fmt::format("record {}: element {} of subtile {} out of range [0, {})", k,
-                                   off, sub, m));
-    return malformed(fmt::format("record {}: element {} of subtile {} not above the previous {}",
-                                 k, off, sub, prev));
+      return malformed(
+          fmt::format("record {}: element {} of subtile {} out of range [0, {})", k, off, sub, m));
+    return malformed(fmt::format("record {}: element {} of subtile {} not above the previous {}", k,
+                                 off, sub, prev));
   }
   uint64_t efirst = 0;
   if (t > 0) {
@@ -385,8 +385,9 @@ Status FinishDeltaDecode(DeltaGpuScratch* scratch, std::chrono::milliseconds tim
     case dk::kBadCount:
       return malformed(fmt::format("count {} over elements {}", h.changed, h.elements));
     case dk::kBadPacked:
-      return malformed(fmt::format("packed form of {} changes of {}-byte elements: over the form's limit",
-                                   h.changed, h.element_size));
+      return malformed(
+          fmt::format("packed form of {} changes of {}-byte elements: over the form's limit",
+                      h.changed, h.element_size));
     case dk::kBadLength:
       if (h.kind == static_cast<int>(DeltaKind::kPacked) && h.element_size == 2)
         return malformed(fmt::format(

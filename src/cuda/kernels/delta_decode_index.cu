@@ -70,6 +70,10 @@ __global__ void __launch_bounds__(kThreads) DecodePackedRecordsKernel(DecArgs a)
     constexpr uint32_t kPerLane = kSpt / 32;
     __shared__ HeaderView h;
     __shared__ uint16_t s_first[kWarps][kSpt + 1];  // each subtile's first record in the tile
+    // Each record's subtile, for tiles of up to kSubOf records (a binary search over s_first
+    // for denser ones).
+    constexpr uint32_t kSubOf = 1024;
+    __shared__ unsigned char s_subof[kWarps][kSubOf];
     if (threadIdx.x == 0) h = Parse<E>(a);
     __syncthreads();
     if (h.code != kOk || h.kind != static_cast<int>(DeltaKind::kPacked)) return;
@@ -112,10 +116,10 @@ __global__ void __launch_bounds__(kThreads) DecodePackedRecordsKernel(DecArgs a)
 #pragma unroll
       for (uint32_t j = 0; j < kPerLane; ++j) {
         const uint64_t sb = s0 + lane + 32 * j;
-        const uint32_t m =
-            sb < l.subtiles
-                ? static_cast<uint32_t>(min(kDeltaSubtileElems, h.elements - sb * kDeltaSubtileElems))
-                : 0;
+        const uint32_t m = sb < l.subtiles
+                               ? static_cast<uint32_t>(
+                                     min(kDeltaSubtileElems, h.elements - sb * kDeltaSubtileElems))
+                               : 0;
         cs[j] = sb < l.subtiles ? subs[sb] : 0;
         if (cs[j] > m) over = min(over, lane + 32 * j);
         sum += cs[j];
@@ -134,7 +138,7 @@ __global__ void __launch_bounds__(kThreads) DecodePackedRecordsKernel(DecArgs a)
         continue;
       }
       if (e > c) continue;  // the last tile's fault above; nothing to read safely
-      uint32_t run = 0;
+      uint32_t run = 0, run0[kPerLane];
 #pragma unroll
       for (uint32_t j = 0; j < kPerLane; ++j) {
         uint32_t inc = cs[j];
@@ -143,64 +147,92 @@ __global__ void __launch_bounds__(kThreads) DecodePackedRecordsKernel(DecArgs a)
           const uint32_t y = __shfl_up_sync(0xffffffffu, inc, o);
           if (lane >= o) inc += y;
         }
-        first_rec[lane + 32 * j] = static_cast<uint16_t>(run + inc - cs[j]);
+        run0[j] = run + inc - cs[j];
+        first_rec[lane + 32 * j] = static_cast<uint16_t>(run0[j]);
         run += __shfl_sync(0xffffffffu, inc, 31);
       }
       if (lane == 0) first_rec[kSpt] = static_cast<uint16_t>(sum);
+      const bool direct = sum <= kSubOf;
+      if (direct) {
+        unsigned char* subof = s_subof[warp];
+#pragma unroll
+        for (uint32_t j = 0; j < kPerLane; ++j) {
+          const uint32_t f = run0[j];
+          for (uint32_t q = 0; q < cs[j]; ++q)
+            subof[f + q] = static_cast<unsigned char>(lane + 32 * j);
+        }
+      }
       __syncwarp();
       // The records, a lane each: its subtile (the last whose first record is not after it),
       // checked against its subtile's elements and the record before it; escapes ranked.
       const uint32_t cnt = sum;
       uint64_t erun = es;
       uint32_t bad = ~0u;  // (record within the tile) << 8 | subtile within the tile
-      for (uint32_t r0 = 0; r0 < cnt; r0 += 32) {
-        const uint32_t r = r0 + lane;
-        const bool in = r < cnt;
-        uint32_t off = 0, sub = 0;
-        unsigned char vb = 0;
-        bool wrong = false;
-        if (in) {
-          off = offs[s + r];
-          vb = vals[s + r];
-          uint32_t lo = 0, hi = kSpt;  // first_rec[lo] <= r < first_rec[hi]
-          while (hi - lo > 1) {
-            const uint32_t mid = (lo + hi) / 2;
-            if (first_rec[mid] <= r) {
-              lo = mid;
+      // kChunks x 32 records a round, their loads first (the stores below could alias them).
+      constexpr int kChunks = 4;
+      for (uint32_t r0 = 0; r0 < cnt && bad == ~0u; r0 += 32 * kChunks) {
+        uint32_t off[kChunks];
+        unsigned char vb[kChunks];
+#pragma unroll
+        for (int q = 0; q < kChunks; ++q) {
+          const uint32_t r = r0 + 32 * q + lane;
+          off[q] = r < cnt ? offs[s + r] : 0;
+          vb[q] = r < cnt ? vals[s + r] : 0;
+        }
+        uint32_t before = r0 > 0 ? offs[s + r0 - 1] : 0;  // the record before the round
+#pragma unroll
+        for (int q = 0; q < kChunks; ++q) {
+          const uint32_t r = r0 + 32 * q + lane;
+          const bool in = r < cnt;
+          uint32_t prev = __shfl_up_sync(0xffffffffu, off[q], 1);
+          if (lane == 0) prev = before;
+          before = __shfl_sync(0xffffffffu, off[q], 31);
+          uint32_t sub = 0;
+          bool wrong = false;
+          if (in) {
+            if (direct) {
+              sub = s_subof[warp][r];
             } else {
-              hi = mid;
+              uint32_t lo = 0, hi = kSpt;  // first_rec[lo] <= r < first_rec[hi]
+              while (hi - lo > 1) {
+                const uint32_t mid = (lo + hi) / 2;
+                if (first_rec[mid] <= r) {
+                  lo = mid;
+                } else {
+                  hi = mid;
+                }
+              }
+              sub = lo;
+            }
+            const uint64_t sb = s0 + sub;
+            const uint32_t m = static_cast<uint32_t>(
+                min(kDeltaSubtileElems, h.elements - sb * kDeltaSubtileElems));
+            wrong = off[q] >= m || (r > first_rec[sub] && off[q] <= prev);
+          }
+          const unsigned wb = __ballot_sync(0xffffffffu, wrong);
+          if (wb != 0) {
+            const int fl = __ffs(wb) - 1;
+            bad = (r0 + 32 * q + fl) << 8 | __shfl_sync(0xffffffffu, sub, fl);
+            break;
+          }
+          const bool esc = E == 2 && in && vb[q] == kDeltaEscape;
+          const unsigned eb = __ballot_sync(0xffffffffu, esc);
+          if (in) {
+            const uint32_t local = sub * static_cast<uint32_t>(kDeltaSubtileElems) + off[q];
+            if constexpr (E == 1) {
+              xoff[s + r] = static_cast<uint16_t>(local);
+              xval[s + r] = vb[q];
+            } else if (esc) {
+              const uint64_t at = erun + __popc(eb & below);
+              xoff[s + r] = static_cast<uint16_t>(local);
+              xval[s + r] = at < x ? escs[at] : 0;
+            } else {
+              xoff[s + r] = static_cast<uint16_t>(local | kPackedAdd);
+              xval[s + r] = static_cast<uint16_t>(static_cast<int16_t>(static_cast<int8_t>(vb[q])));
             }
           }
-          sub = lo;
-          const uint64_t sb = s0 + sub;
-          const uint32_t m =
-              static_cast<uint32_t>(min(kDeltaSubtileElems, h.elements - sb * kDeltaSubtileElems));
-          wrong = off >= m || (r > first_rec[sub] && off <= offs[s + r - 1]);
+          erun += __popc(eb);
         }
-        const unsigned wb = __ballot_sync(0xffffffffu, wrong);
-        if (wb != 0) {
-          const int fl = __ffs(wb) - 1;
-          const uint32_t fsub = __shfl_sync(0xffffffffu, sub, fl);
-          bad = (r0 + fl) << 8 | fsub;
-          break;
-        }
-        const bool esc = E == 2 && in && vb == kDeltaEscape;
-        const unsigned eb = __ballot_sync(0xffffffffu, esc);
-        if (in) {
-          const uint32_t local = sub * static_cast<uint32_t>(kDeltaSubtileElems) + off;
-          if constexpr (E == 1) {
-            xoff[s + r] = static_cast<uint16_t>(local);
-            xval[s + r] = vb;
-          } else if (esc) {
-            const uint64_t at = erun + __popc(eb & below);
-            xoff[s + r] = static_cast<uint16_t>(local);
-            xval[s + r] = at < x ? escs[at] : 0;
-          } else {
-            xoff[s + r] = static_cast<uint16_t>(local | kPackedAdd);
-            xval[s + r] = static_cast<uint16_t>(static_cast<int16_t>(static_cast<int8_t>(vb)));
-          }
-        }
-        erun += __popc(eb);
       }
       __syncwarp();  // first_rec is the next tile's
       if (bad != ~0u) {

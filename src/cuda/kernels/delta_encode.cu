@@ -273,8 +273,8 @@ __global__ void __launch_bounds__(kThreads, kEncMinBlocks) EncodeTileKernel(EncA
 #pragma unroll
       for (int o = kGroup / 2; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
       if ((threadIdx.x & (kGroup - 1)) == 0)
-        reinterpret_cast<uint32_t*>(a.s.subc + uint64_t{t} * kSubtilesPerTile)[threadIdx.x /
-                                                                               kGroup] = c;
+        reinterpret_cast<uint32_t*>(a.s.subc +
+                                    uint64_t{t} * kSubtilesPerTile)[threadIdx.x / kGroup] = c;
     }
     // The bitmap form's bytes, at their place (inside the bucket's size: a larger form is kFull).
 #pragma unroll
@@ -618,7 +618,7 @@ __global__ void __launch_bounds__(kThreads, 4) EncodeWriteKernel(EncArgs a) {
     if (size.kind == DeltaKind::kPacked) {
       uint64_t range_esc = 0;
       uint64_t eat = ebefore + BlockExclusiveScan(erun, &range_esc, s_scan[0]);
-  #pragma unroll
+#pragma unroll
       for (uint32_t q = 0; q < kPer; ++q) {
         const uint32_t i = threadIdx.x * kPer + q;
         if (i < nt) s_e[i] = static_cast<uint32_t>(eat);
@@ -663,9 +663,22 @@ __global__ void __launch_bounds__(kThreads, 4) EncodeWriteKernel(EncArgs a) {
         const uint64_t p_lo = s_p[0], changes = s_p[nt] - p_lo;
         const uint64_t from = changes * part / kWriteSplit, to = changes * (part + 1) / kWriteSplit;
         unsigned char* offs = pay + pl.offsets + p_lo;
-#pragma unroll 4
-        for (uint64_t j = from + threadIdx.x; j < to; j += kThreads)
-          offs[j] = static_cast<unsigned char>(a.s.idx[io + j] % kDeltaSubtileElems);
+        // A batch of loads before its stores (the compiler may not reorder a load past a store
+        // it cannot prove apart).
+        constexpr int kBatch = 8;
+        for (uint64_t j0 = from + threadIdx.x; j0 < to; j0 += kBatch * kThreads) {
+          uint16_t v[kBatch];
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            const uint64_t j = j0 + uint64_t{kThreads} * u;
+            v[u] = j < to ? a.s.idx[io + j] : 0;
+          }
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            const uint64_t j = j0 + uint64_t{kThreads} * u;
+            if (j < to) offs[j] = static_cast<unsigned char>(v[u] % kDeltaSubtileElems);
+          }
+        }
         BlockCopy(pay + pl.values + p_lo + from, (E == 1 ? a.s.vals : a.s.pv) + vo + from,
                   to - from);
         if constexpr (E == 2) {

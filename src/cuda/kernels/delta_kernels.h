@@ -95,7 +95,7 @@ struct Ctl {
 struct HostResult {
   unsigned long long code;  // Code (decode), 0 for encode
   unsigned long long kind, changed, bytes, elements, base_checksum, new_checksum;  // encode
-  unsigned long long escapes;                                                     // encode
+  unsigned long long escapes;                                                      // encode
   unsigned long long have;                  // decode: base checksum / predicted result checksum
   unsigned long long detail;                // decode: bad record / popcount
   unsigned char header[kDeltaHeaderBytes];  // decode: the encoding's header
@@ -226,8 +226,8 @@ SHARDSYNC_HD HeaderView ParseHeader(const unsigned char* h, uint64_t encoded_byt
     if (v.kind == static_cast<int>(DeltaKind::kPacked)) {
       // The escapes are what the length leaves after the payload without them (element size 2).
       const uint64_t l0 = DeltaPackedPayload(v.elements, e, v.changed, 0).bytes;
-      const bool ok = e == 1 ? have == l0
-                             : have >= l0 && (have - l0) % 2 == 0 && (have - l0) / 2 <= v.changed;
+      const bool ok =
+          e == 1 ? have == l0 : have >= l0 && (have - l0) % 2 == 0 && (have - l0) / 2 <= v.changed;
       v.escapes = ok && e == 2 ? (have - l0) / 2 : 0;
       v.payload = ok ? have : l0;
     } else {

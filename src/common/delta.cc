@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "common/delta_internal.h"
+#include "common/delta_walks.h"
 #include "shardsync/checksum.h"
 #include "shardsync/delta_rule.h"
 
@@ -17,53 +18,6 @@ namespace shardsync {
 namespace {
 
 using namespace delta_internal;  // NOLINT(build/namespaces): the codec's own helpers
-
-// The bitmap form's changes of a checked encoding in order: element index and value, one at a
-// time (the decode walks them alongside its pass over the bucket). The index form has IndexWalk
-// (below); over an index-form encoding this walk is empty.
-template <int E>
-class Records {
- public:
-  Records(const DeltaInfo& info, const std::byte* payload)
-      : payload_(payload), left_(info.kind == DeltaKind::kBitmap ? info.changed : 0) {
-    nbits_ = BitmapBytes(info.elements);
-    vals_ = payload + nbits_;
-    byte_ = -1;
-    Next();
-  }
-  bool done() const { return done_; }
-  uint64_t index() const { return index_; }
-  const std::byte* value() const { return value_; }
-  [[gnu::always_inline]] void Next() {
-    if (left_ == 0) {
-      done_ = true;
-      return;
-    }
-    --left_;
-    while (mask_ == 0) {  // the count matched the bitmap's popcount: a set bit is ahead
-      ++byte_;
-      if (byte_ % 8 == 0 && byte_ + 8 <= nbits_ && Get<uint64_t>(payload_ + byte_) == 0) {
-        byte_ += 7;  // eight empty bytes at once
-        continue;
-      }
-      mask_ = static_cast<unsigned>(payload_[byte_]);
-    }
-    index_ = byte_ * 8 + std::countr_zero(mask_);
-    mask_ &= mask_ - 1;
-    value_ = vals_;
-    vals_ += E;
-  }
-
- private:
-  const std::byte* payload_;
-  uint64_t left_;
-  bool done_ = false;
-  uint64_t index_ = 0;
-  const std::byte* value_ = nullptr;
-  uint64_t nbits_ = 0, byte_ = 0;    // its bytes, the current one
-  unsigned mask_ = 0;                // bits of byte_ not yet visited
-  const std::byte* vals_ = nullptr;  // the next value
-};
 
 // Byte offset -> piece (DeltaPiece), for offsets that never decrease: records come in increasing
 // element order, so a decode walks the pieces once.
@@ -176,64 +130,6 @@ class PieceSum {
   size_t k_ = 0;
   uint64_t at_ = 0;
   uint64_t sum_ = 0, word_ = 0;
-};
-
-// The index form's changes tile by tile (a checked encoding): change k is element tile_start +
-// its u16 offset while k < tile_end; Seek moves to the tile holding change k. Kept apart from
-// Records so the hot walks (Predict, Apply) run a tight loop per tile.
-template <int E>
-struct IndexWalk {
-  IndexWalk(const DeltaInfo& info, const std::byte* payload) : ends(payload), count(info.changed) {
-    const DeltaIndexLayout l = DeltaIndexPayload(info.elements, E, info.changed);
-    offs = payload + l.offsets;
-    vals = payload + l.values;
-  }
-  void Seek() {
-    while (k >= tile_end) {
-      tile_start = tile * (kDeltaTileBytes / E);
-      tile_end = Get<uint32_t>(ends + 4 * tile++);
-    }
-  }
-  uint64_t Index(uint64_t j) const { return tile_start + Get<uint16_t>(offs + 2 * j); }
-  const std::byte* ends;
-  const std::byte* offs = nullptr;
-  const std::byte* vals = nullptr;
-  uint64_t count, k = 0, tile = 0, tile_end = 0, tile_start = 0;
-};
-
-// The packed form's changes subtile by subtile (a checked encoding): change k is element
-// sub_start + its u8 offset while k < sub_end; its new value comes from its value byte and, for
-// 2-byte elements, the old value or the next escape. Over another form the walk is empty.
-template <int E>
-struct PackedWalk {
-  PackedWalk(const DeltaInfo& info, const std::byte* payload)
-      : count(info.kind == DeltaKind::kPacked ? info.changed : 0) {
-    const DeltaPackedLayout l = DeltaPackedPayload(info.elements, E, info.changed, info.escapes);
-    subs = payload + l.subs;
-    offs = payload + l.offsets;
-    vals = payload + l.values;
-    escs = payload + l.escapes;
-  }
-  void Seek() {
-    while (k >= sub_end) {
-      sub_start = sub * kDeltaSubtileElems;
-      sub_end += static_cast<uint8_t>(subs[sub++]);
-    }
-  }
-  uint64_t Index(uint64_t j) const { return sub_start + static_cast<uint8_t>(offs[j]); }
-  // Change j's new value from the element's old one; takes the next escape when it is escaped
-  // (so called once per change, in order).
-  uint64_t Value(uint64_t j, uint64_t old) {
-    const auto vb = static_cast<uint8_t>(vals[j]);
-    if constexpr (E == 1) {
-      return vb;
-    } else {
-      if (vb == kDeltaEscape) return Get<uint16_t>(escs + 2 * esc++);
-      return (old + static_cast<uint64_t>(static_cast<int64_t>(static_cast<int8_t>(vb)))) & 0xFFFF;
-    }
-  }
-  const std::byte *subs = nullptr, *offs = nullptr, *vals = nullptr, *escs = nullptr;
-  uint64_t count, k = 0, sub = 0, sub_end = 0, sub_start = 0, esc = 0;
 };
 
 // What the changes do to the checksum sum: the checksum is a sum of per-word terms, so each
@@ -388,77 +284,6 @@ void Apply(const DeltaInfo& info, const std::byte* payload, std::span<const Delt
   }
 }
 
-// The packed form's positions (delta.h "Encoded form"), in DecodeDeltaInPlace's order: the running
-// counts, the escapes' (element size 2), then tile by tile each subtile's count, the tile's sum,
-// each record within its subtile, the tile's escaped value bytes; then the padding. `bad` words
-// the fault.
-template <typename Bad>
-Status PackedPositions(const DeltaInfo& info, const std::byte* payload, Bad&& bad) {
-  const uint64_t e = info.element_size, c = info.changed;
-  const DeltaPackedLayout l = DeltaPackedPayload(info.elements, e, c, info.escapes);
-  for (int pass = 0; pass < (e == 2 ? 2 : 1); ++pass) {
-    const uint64_t at = pass == 0 ? 0 : l.escape_ends, want = pass == 0 ? c : info.escapes;
-    const char* what = pass == 0 ? "" : "escape ";
-    uint64_t prev = 0;
-    for (uint64_t t = 0; t < l.tiles; ++t) {
-      const uint32_t end = Get<uint32_t>(payload + at + 4 * t);
-      if (end < prev)
-        return bad(fmt::format("tile {}: running {}count {} below the previous tile's {}", t, what,
-                               end, prev));
-      prev = end;
-    }
-    if (l.tiles > 0 && prev != want)
-      return bad(fmt::format("tile {}: running {}count {}, the {} says {}", l.tiles - 1, what, prev,
-                             pass == 0 ? "count" : "length", want));
-  }
-  // Every running count is now at most the count (the escapes' at most the escapes).
-  const uint64_t spt = l.tile_elems / kDeltaSubtileElems;
-  const std::byte* subs = payload + l.subs;
-  const std::byte* offs = payload + l.offsets;
-  const std::byte* vals = payload + l.values;
-  for (uint64_t t = 0, k = 0; t < l.tiles; ++t) {
-    const uint64_t end = Get<uint32_t>(payload + 4 * t);
-    const uint64_t s0 = t * spt, s1 = std::min(s0 + spt, l.subtiles);
-    uint64_t sum = 0;
-    for (uint64_t sb = s0; sb < s1; ++sb) {
-      const uint64_t m = std::min(kDeltaSubtileElems, info.elements - sb * kDeltaSubtileElems);
-      const uint64_t cs = static_cast<uint8_t>(subs[sb]);
-      if (cs > m) return bad(fmt::format("subtile {}: count {} over its {} elements", sb, cs, m));
-      sum += cs;
-    }
-    if (sum != end - k)
-      return bad(fmt::format("tile {}: subtile counts sum to {}, the running counts say {}", t, sum,
-                             end - k));
-    const uint64_t first = k;
-    for (uint64_t sb = s0; sb < s1; ++sb) {
-      const uint64_t m = std::min(kDeltaSubtileElems, info.elements - sb * kDeltaSubtileElems);
-      uint64_t last = 0;
-      for (const uint64_t stop = k + static_cast<uint8_t>(subs[sb]), from = k; k < stop; ++k) {
-        const uint64_t off = static_cast<uint8_t>(offs[k]);
-        if (off >= m)
-          return bad(fmt::format("record {}: element {} of subtile {} out of range [0, {})", k, off,
-                                 sb, m));
-        if (k > from && off <= last)
-          return bad(fmt::format("record {}: element {} of subtile {} not above the previous {}", k,
-                                 off, sb, last));
-        last = off;
-      }
-    }
-    if (e == 2) {
-      const uint64_t e0 = t > 0 ? Get<uint32_t>(payload + l.escape_ends + 4 * (t - 1)) : 0;
-      const uint64_t e1 = Get<uint32_t>(payload + l.escape_ends + 4 * t);
-      uint64_t n = 0;
-      for (uint64_t j = first; j < end; ++j) n += vals[j] == std::byte{kDeltaEscape};
-      if (n != e1 - e0)
-        return bad(fmt::format("tile {}: {} escaped values, the running escape counts say {}", t, n,
-                               e1 - e0));
-    }
-  }
-  if (l.escapes > l.values + c && payload[l.values + c] != std::byte{0})
-    return bad(fmt::format("packed padding byte {} not zero", l.values + c));
-  return OkStatus();
-}
-
 }  // namespace
 
 std::string_view DeltaReasonText(DeltaReason r) {
@@ -586,7 +411,7 @@ Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const Del
   };
   Status positions = OkStatus();
   if (info.kind == DeltaKind::kPacked) {
-    positions = PackedPositions(info, payload, bad);
+    positions = PackedPositions(info, payload, name);
   } else if (info.kind == DeltaKind::kIndex) {
     // The running counts, then each tile's offsets, then the padding (delta.h "Encoded form").
     const DeltaIndexLayout l = DeltaIndexPayload(info.elements, e, info.changed);

@@ -7,7 +7,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string_view>
 #include <type_traits>
+
+#include "shardsync/delta.h"
+#include "shardsync/status.h"
 
 namespace shardsync::delta_internal {
 
@@ -75,5 +79,9 @@ inline void ForEachChanged(const std::byte* base, const std::byte* next, size_t 
   for (; o < end; o += E)
     if (Get<Elem<E>>(base + o) != Get<Elem<E>>(next + o)) f(o / E);
 }
+
+// The packed form's positions checked in the decoder's order (delta_positions.cc): OK, or
+// DataLoss naming `bucket` and the first fault.
+Status PackedPositions(const DeltaInfo& info, const std::byte* payload, std::string_view bucket);
 
 }  // namespace shardsync::delta_internal

@@ -4,7 +4,9 @@
 // thread's CPU time (both sides).
 //
 // Cases: Encode / Decode x element size (1 e4m3, 2 bf16, 4 fp32) x density (per mille: 1, 10,
-// 100 = 0.1%, 1%, 10%). Bucket: 32 MiB (beyond L2, as a pair's bucket is). Counters:
+// 100 = 0.1%, 1%, 10%) x change (step 0: the top byte flipped; step 1, bf16 only: the bit pattern
+// moved by one, an optimizer's ulp, which the packed form carries in a byte). Bucket: 32 MiB
+// (beyond L2, as a pair's bucket is). Counters:
 //   memcpy_gbps  bucket bytes / memcpy seconds (the baseline: what sending the bucket whole
 //                costs the host at least);
 //   codec_gbps   bucket bytes / encode (or decode) seconds;
@@ -40,8 +42,9 @@ struct Pair {
   Bytes base, next;
 };
 
-// A random bucket and a copy with `per_mille` / 1000 of its elements changed, at random places.
-Pair MakePair(int e, int per_mille) {
+// A random bucket and a copy with `per_mille` / 1000 of its elements changed, at random places
+// (`step`: by one unit of the element's bit pattern, up or down).
+Pair MakePair(int e, int per_mille, bool step) {
   Pair p;
   p.base.resize(kBucket);
   std::mt19937_64 rng(e * 1000 + per_mille);
@@ -52,8 +55,17 @@ Pair MakePair(int e, int per_mille) {
   p.next = p.base;
   const size_t elements = kBucket / e;
   std::bernoulli_distribution pick(per_mille / 1000.0);
-  for (size_t i = 0; i < elements; ++i)
-    if (pick(rng)) p.next[i * e + e - 1] ^= std::byte{0x5a};
+  for (size_t i = 0; i < elements; ++i) {
+    if (!pick(rng)) continue;
+    if (!step) {
+      p.next[i * e + e - 1] ^= std::byte{0x5a};
+      continue;
+    }
+    uint16_t v;  // step is for bf16
+    std::memcpy(&v, p.next.data() + i * e, 2);
+    v = static_cast<uint16_t>(v + ((rng() & 1) ? 1 : 0xFFFF));
+    std::memcpy(p.next.data() + i * e, &v, 2);
+  }
   return p;
 }
 
@@ -70,7 +82,7 @@ void Report(benchmark::State& st, double memcpy_s, double codec_s, size_t wire) 
 
 void BM_Encode(benchmark::State& st) {
   const int e = static_cast<int>(st.range(0));
-  const Pair p = MakePair(e, static_cast<int>(st.range(1)));
+  const Pair p = MakePair(e, static_cast<int>(st.range(1)), st.range(2) != 0);
   Bytes dst(kBucket), enc;
   // Steady state: the sender reuses its encode buffer, so its pages are faulted in once here.
   if (!EncodeDelta(p.base, p.next, e, 1, "bench", &enc).ok()) return st.SkipWithError("encode");
@@ -95,7 +107,7 @@ void BM_Encode(benchmark::State& st) {
 
 void BM_Decode(benchmark::State& st) {
   const int e = static_cast<int>(st.range(0));
-  const Pair p = MakePair(e, static_cast<int>(st.range(1)));
+  const Pair p = MakePair(e, static_cast<int>(st.range(1)), st.range(2) != 0);
   Bytes forward, back, dst(kBucket);
   if (!EncodeDelta(p.base, p.next, e, 1, "bench", &forward).ok() ||
       !EncodeDelta(p.next, p.base, e, 1, "bench", &back).ok() || forward.empty()) {
@@ -126,8 +138,10 @@ void BM_Decode(benchmark::State& st) {
 
 void Args(benchmark::internal::Benchmark* b) {
   for (int e : {1, 2, 4})
-    for (int per_mille : {1, 10, 100}) b->Args({e, per_mille});
-  b->ArgNames({"esize", "per_mille"})->UseManualTime()->Unit(benchmark::kMillisecond);
+    for (int per_mille : {1, 10, 100})
+      for (int step : {0, 1})
+        if (step == 0 || e == 2) b->Args({e, per_mille, step});
+  b->ArgNames({"esize", "per_mille", "step"})->UseManualTime()->Unit(benchmark::kMillisecond);
 }
 
 BENCHMARK(BM_Encode)->Apply(Args);

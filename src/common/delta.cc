@@ -8,6 +8,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "common/delta_internal.h"
 #include "common/delta_walks.h"
@@ -139,9 +140,12 @@ class PieceSum {
 template <int E>
 class Predict {
  public:
+  // `news`: for the packed form, each change's new value goes there (the apply then only writes,
+  // as it does for the other forms, instead of reading each old value a second time).
   Predict(const DeltaInfo& info, const std::byte* payload, std::span<const DeltaPiece> pieces,
-          uint64_t n)
-      : rec_(info, payload),
+          uint64_t n, std::vector<std::byte>* news)
+      : news_(news),
+        rec_(info, payload),
         iw_(info, payload),
         pw_(info, payload),
         index_(info.kind == DeltaKind::kIndex),
@@ -172,11 +176,17 @@ class Predict {
     };
     if (packed_) {  // subtile by subtile
       PackedWalk<E> w = pw_;
+      std::byte* news = news_->data();
       for (bool more = true; more && w.k < w.count;) {
         w.Seek();
         for (const uint64_t end = w.sub_end; w.k < end; ++w.k) {
           const uint64_t j = w.k;
-          if (!fold(w.Index(j), [&](uint64_t old) { return w.Value(j, old); })) {
+          auto value = [&](uint64_t old) {
+            const uint64_t v = w.Value(j, old);
+            Put<Elem<E>>(news + j * E, static_cast<Elem<E>>(v));
+            return v;
+          };
+          if (!fold(w.Index(j), value)) {
             more = false;
             break;
           }
@@ -221,6 +231,7 @@ class Predict {
     return at == UINT64_MAX ? 0
                             : ChecksumMixWord(new_word, at / 8) - ChecksumMixWord(old_word, at / 8);
   }
+  std::vector<std::byte>* news_;
   Records<E> rec_;
   IndexWalk<E> iw_;
   PackedWalk<E> pw_;
@@ -234,21 +245,28 @@ class Predict {
 // form's changes are spread over the bucket, last touched a whole pass ago: their lines are
 // prefetched a few records ahead. The bitmap form's are dense: a plain walk of its bytes.
 template <int E>
-void Apply(const DeltaInfo& info, const std::byte* payload, std::span<const DeltaPiece> pieces) {
+void Apply(const DeltaInfo& info, const std::byte* payload, std::span<const DeltaPiece> pieces,
+           const std::byte* news) {
   PieceCursor cur(pieces);
   auto put = [&](uint64_t i, const std::byte* value) {
     const DeltaPiece& p = cur.At(i * E);
     Put<Elem<E>>(p.out + (i * E - p.offset), Get<Elem<E>>(value));
   };
-  if (info.kind == DeltaKind::kPacked) {
-    PackedWalk<E> w(info, payload);
+  if (info.kind == DeltaKind::kPacked) {  // the new values as Predict left them; as the index form
+    constexpr uint64_t kAhead = 16;
+    PackedWalk<E> w(info, payload), ahead(info, payload);
+    PieceCursor pre(pieces);
+    ahead.k = std::min<uint64_t>(kAhead, ahead.count);
     while (w.k < w.count) {
       w.Seek();
       for (const uint64_t end = w.sub_end; w.k < end; ++w.k) {
-        const uint64_t i = w.Index(w.k);
-        const DeltaPiece& p = cur.At(i * E);
-        const uint64_t old = Get<Elem<E>>(p.base + (i * E - p.offset));
-        Put<Elem<E>>(p.out + (i * E - p.offset), static_cast<Elem<E>>(w.Value(w.k, old)));
+        if (ahead.k < ahead.count) {
+          ahead.Seek();
+          const uint64_t a = ahead.Index(ahead.k++) * E;
+          const DeltaPiece& q = pre.At(a);
+          __builtin_prefetch(q.out + (a - q.offset), 1);
+        }
+        put(w.Index(w.k), news + w.k * E);
       }
     }
     return;
@@ -472,6 +490,8 @@ Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const Del
   // Malformed positions: the records are never walked (their walk trusts the checks above).
   DeltaInfo walk = info;
   if (!positions.ok()) walk.changed = 0;
+  // The packed form's new values, from the prediction, for the apply.
+  std::vector<std::byte> news(walk.kind == DeltaKind::kPacked ? walk.changed * e : 0);
   auto pass = [&]<int E>(Predict<E> pred) {
     for (uint64_t c = 0; c < n; c += kChunk) {
       const uint64_t end = std::min<uint64_t>(c + kChunk, n);
@@ -481,11 +501,11 @@ Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const Del
     if (positions.ok()) change = pred.Finish();
   };
   if (e == 1)
-    pass(Predict<1>(walk, payload, pieces, n));
+    pass(Predict<1>(walk, payload, pieces, n, &news));
   else if (e == 2)
-    pass(Predict<2>(walk, payload, pieces, n));
+    pass(Predict<2>(walk, payload, pieces, n, &news));
   else
-    pass(Predict<4>(walk, payload, pieces, n));
+    pass(Predict<4>(walk, payload, pieces, n, &news));
   const uint64_t base_sum = base.Finish();
   const uint64_t have = ChecksumFinish(base_sum, n);
   if (have != info.base_checksum)
@@ -501,11 +521,11 @@ Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const Del
         "{:#018x} (corrupt values): not applied",
         name, ChecksumFinish(sum, n), info.new_checksum));
   if (e == 1)
-    Apply<1>(info, payload, pieces);
+    Apply<1>(info, payload, pieces, news.data());
   else if (e == 2)
-    Apply<2>(info, payload, pieces);
+    Apply<2>(info, payload, pieces, news.data());
   else
-    Apply<4>(info, payload, pieces);
+    Apply<4>(info, payload, pieces, news.data());
   return OkStatus();
 }
 

@@ -143,10 +143,13 @@ class Predict {
   // `news`: for the packed form, each change's new value goes there (the apply then only writes,
   // as it does for the other forms, instead of reading each old value a second time).
   Predict(const DeltaInfo& info, const std::byte* payload, std::span<const DeltaPiece> pieces,
-          uint64_t n, std::vector<std::byte>* news)
+          uint64_t n, const uint16_t* xoffs, std::vector<std::byte>* news)
       : news_(news),
         rec_(info, payload),
-        iw_(info, payload),
+        iw_(info.kind == DeltaKind::kPacked
+                ? IndexWalk<E>(payload, reinterpret_cast<const std::byte*>(xoffs), nullptr,
+                               info.changed)
+                : IndexWalk<E>(info, payload)),
         pw_(info, payload),
         index_(info.kind == DeltaKind::kIndex),
         packed_(info.kind == DeltaKind::kPacked),
@@ -174,15 +177,16 @@ class Predict {
     auto stored = [](const std::byte* v) {
       return [v](uint64_t) { return static_cast<uint64_t>(Get<Elem<E>>(v)); };
     };
-    if (packed_) {  // subtile by subtile
-      PackedWalk<E> w = pw_;
+    if (packed_) {  // tile by tile over the expanded offsets, the values from the value bytes
+      IndexWalk<E> w = iw_;
+      PackedWalk<E> pw = pw_;
       std::byte* news = news_->data();
       for (bool more = true; more && w.k < w.count;) {
         w.Seek();
-        for (const uint64_t end = w.sub_end; w.k < end; ++w.k) {
+        for (const uint64_t end = w.tile_end; w.k < end; ++w.k) {
           const uint64_t j = w.k;
           auto value = [&](uint64_t old) {
-            const uint64_t v = w.Value(j, old);
+            const uint64_t v = pw.Value(j, old);
             Put<Elem<E>>(news + j * E, static_cast<Elem<E>>(v));
             return v;
           };
@@ -192,7 +196,8 @@ class Predict {
           }
         }
       }
-      pw_ = w;
+      iw_ = w;
+      pw_ = pw;
     } else if (index_) {  // tile by tile
       IndexWalk<E> w = iw_;
       for (bool more = true; more && w.k < w.count;) {
@@ -246,34 +251,20 @@ class Predict {
 // prefetched a few records ahead. The bitmap form's are dense: a plain walk of its bytes.
 template <int E>
 void Apply(const DeltaInfo& info, const std::byte* payload, std::span<const DeltaPiece> pieces,
-           const std::byte* news) {
+           const uint16_t* xoffs, const std::byte* news) {
   PieceCursor cur(pieces);
   auto put = [&](uint64_t i, const std::byte* value) {
     const DeltaPiece& p = cur.At(i * E);
     Put<Elem<E>>(p.out + (i * E - p.offset), Get<Elem<E>>(value));
   };
-  if (info.kind == DeltaKind::kPacked) {  // the new values as Predict left them; as the index form
+  if (info.kind != DeltaKind::kBitmap) {
+    // The packed form as expanded: its offsets (PackedPositions), its new values (Predict).
+    const IndexWalk<E> walk =
+        info.kind == DeltaKind::kPacked
+            ? IndexWalk<E>(payload, reinterpret_cast<const std::byte*>(xoffs), news, info.changed)
+            : IndexWalk<E>(info, payload);
     constexpr uint64_t kAhead = 16;
-    PackedWalk<E> w(info, payload), ahead(info, payload);
-    PieceCursor pre(pieces);
-    ahead.k = std::min<uint64_t>(kAhead, ahead.count);
-    while (w.k < w.count) {
-      w.Seek();
-      for (const uint64_t end = w.sub_end; w.k < end; ++w.k) {
-        if (ahead.k < ahead.count) {
-          ahead.Seek();
-          const uint64_t a = ahead.Index(ahead.k++) * E;
-          const DeltaPiece& q = pre.At(a);
-          __builtin_prefetch(q.out + (a - q.offset), 1);
-        }
-        put(w.Index(w.k), news + w.k * E);
-      }
-    }
-    return;
-  }
-  if (info.kind == DeltaKind::kIndex) {
-    constexpr uint64_t kAhead = 16;
-    IndexWalk<E> w(info, payload), ahead(info, payload);
+    IndexWalk<E> w = walk, ahead = walk;
     PieceCursor pre(pieces);
     ahead.k = std::min<uint64_t>(kAhead, ahead.count);
     while (w.k < w.count) {
@@ -428,8 +419,10 @@ Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const Del
     return DataLossError(fmt::format("delta of bucket {}: malformed encoding: {}", name, what));
   };
   Status positions = OkStatus();
+  std::vector<uint16_t> xoffs;  // the packed form's changes named as the index form names them
   if (info.kind == DeltaKind::kPacked) {
-    positions = PackedPositions(info, payload, name);
+    xoffs.resize(info.changed);
+    positions = PackedPositions(info, payload, name, xoffs.data());
   } else if (info.kind == DeltaKind::kIndex) {
     // The running counts, then each tile's offsets, then the padding (delta.h "Encoded form").
     const DeltaIndexLayout l = DeltaIndexPayload(info.elements, e, info.changed);
@@ -501,11 +494,11 @@ Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const Del
     if (positions.ok()) change = pred.Finish();
   };
   if (e == 1)
-    pass(Predict<1>(walk, payload, pieces, n, &news));
+    pass(Predict<1>(walk, payload, pieces, n, xoffs.data(), &news));
   else if (e == 2)
-    pass(Predict<2>(walk, payload, pieces, n, &news));
+    pass(Predict<2>(walk, payload, pieces, n, xoffs.data(), &news));
   else
-    pass(Predict<4>(walk, payload, pieces, n, &news));
+    pass(Predict<4>(walk, payload, pieces, n, xoffs.data(), &news));
   const uint64_t base_sum = base.Finish();
   const uint64_t have = ChecksumFinish(base_sum, n);
   if (have != info.base_checksum)
@@ -521,11 +514,11 @@ Status DecodeDeltaPieces(std::span<const std::byte> encoded, std::span<const Del
         "{:#018x} (corrupt values): not applied",
         name, ChecksumFinish(sum, n), info.new_checksum));
   if (e == 1)
-    Apply<1>(info, payload, pieces, news.data());
+    Apply<1>(info, payload, pieces, xoffs.data(), news.data());
   else if (e == 2)
-    Apply<2>(info, payload, pieces, news.data());
+    Apply<2>(info, payload, pieces, xoffs.data(), news.data());
   else
-    Apply<4>(info, payload, pieces, news.data());
+    Apply<4>(info, payload, pieces, xoffs.data(), news.data());
   return OkStatus();
 }
 

@@ -81,7 +81,9 @@ inline void ForEachChanged(const std::byte* base, const std::byte* next, size_t 
 }
 
 // The packed form's positions checked in the decoder's order (delta_positions.cc): OK, or
-// DataLoss naming `bucket` and the first fault.
-Status PackedPositions(const DeltaInfo& info, const std::byte* payload, std::string_view bucket);
+// DataLoss naming `bucket` and the first fault. `offs` (info.changed u16): each change's element
+// within its tile, as the index form names it, written as the records are checked.
+Status PackedPositions(const DeltaInfo& info, const std::byte* payload, std::string_view bucket,
+                       uint16_t* offs);
 
 }  // namespace shardsync::delta_internal

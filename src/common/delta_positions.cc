@@ -14,7 +14,8 @@ namespace shardsync::delta_internal {
 // The packed form's positions (delta.h "Encoded form"), in DecodeDeltaInPlace's order: the running
 // counts, the escapes' (element size 2), then tile by tile each subtile's count, the tile's sum,
 // each record within its subtile, the tile's escaped value bytes; then the padding.
-Status PackedPositions(const DeltaInfo& info, const std::byte* payload, std::string_view bucket) {
+Status PackedPositions(const DeltaInfo& info, const std::byte* payload, std::string_view bucket,
+                       uint16_t* offs_out) {
   auto bad = [&](std::string what) {
     return DataLossError(fmt::format("delta of bucket {}: malformed encoding: {}", bucket, what));
   };
@@ -66,6 +67,7 @@ Status PackedPositions(const DeltaInfo& info, const std::byte* payload, std::str
           return bad(fmt::format("record {}: element {} of subtile {} not above the previous {}", k,
                                  off, sb, last));
         last = off;
+        offs_out[k] = static_cast<uint16_t>((sb - s0) * kDeltaSubtileElems + off);
       }
     }
     if (e == 2) {

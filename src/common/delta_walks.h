@@ -70,6 +70,10 @@ struct IndexWalk {
     offs = payload + l.offsets;
     vals = payload + l.values;
   }
+  // The packed form expanded (its running counts are the index form's): a u16 element within
+  // its tile per change (PackedPositions), the new values (the prediction's).
+  IndexWalk(const std::byte* e, const std::byte* o, const std::byte* v, uint64_t c)
+      : ends(e), offs(o), vals(v), count(c) {}
   void Seek() {
     while (k >= tile_end) {
       tile_start = tile * (kDeltaTileBytes / E);

@@ -258,7 +258,8 @@ TEST_F(GpuDelta, DenseTilesAndClusteredChanges) {
       Check(base, next, e, small.get());
       if (HasFatalFailure()) return;
     }
-    // 2% of the elements, all in the first eighth of the bucket (16% there): the index form.
+    // 2% of the elements, all in the first eighth of the bucket (16% there): the index form (the
+    // packed form for a byte image).
     Bytes next = base;
     const Bytes head(base.begin(), base.begin() + kBytes / 8);
     const Bytes head_next = Mutate(head, e, elements / 50, 5);
@@ -266,7 +267,7 @@ TEST_F(GpuDelta, DenseTilesAndClusteredChanges) {
     Bytes enc;
     auto host = EncodeDelta(base, next, e, 41, "b", &enc);
     ASSERT_TRUE(host.ok());
-    EXPECT_EQ(host->kind, DeltaKind::kIndex);
+    EXPECT_EQ(host->kind, e == 1 ? DeltaKind::kPacked : DeltaKind::kIndex);
     SCOPED_TRACE(::testing::Message() << "e=" << e << " clustered");
     Check(base, next, e, small.get());
     if (HasFatalFailure()) return;
@@ -559,10 +560,16 @@ TEST_F(GpuDelta, RefusedDecodesLeaveTheBucketAsItWas) {
       auto host = EncodeDelta(base, next, e, 41, "b", &enc0);
       ASSERT_TRUE(host.ok());
       const bool index = host->kind == DeltaKind::kIndex;
-      ASSERT_EQ(host->kind, density < 0.05 ? DeltaKind::kIndex : DeltaKind::kBitmap);
+      const bool packed = host->kind == DeltaKind::kPacked;
+      ASSERT_EQ(host->kind, density > 0.05 ? DeltaKind::kBitmap
+                            : e == 1       ? DeltaKind::kPacked
+                                           : DeltaKind::kIndex);
       const DeltaIndexLayout il = DeltaIndexPayload(elements, e, host->changed);
+      const DeltaPackedLayout pl = DeltaPackedPayload(elements, e, host->changed, host->escapes);
       // Where the values start (index form: after the running counts and offsets).
-      const size_t rec = kDeltaHeaderBytes + (index ? il.values : (elements + 7) / 8);
+      const size_t rec = kDeltaHeaderBytes + (index    ? il.values
+                                              : packed ? pl.values
+                                                       : (elements + 7) / 8);
       std::vector<Case> cases = {
           {"base version", [](Bytes*, Bytes*, DeltaExpect* x, size_t*) { x->base_version = 7; }},
           {"base checksum in the header",
@@ -582,6 +589,11 @@ TEST_F(GpuDelta, RefusedDecodesLeaveTheBucketAsItWas) {
                            const size_t offs = kDeltaHeaderBytes + il.offsets;
                            std::memcpy(c->data() + offs + 2 * 5, c->data() + offs + 2 * 4, 2);
                          }});
+      } else if (packed) {
+        cases.push_back(
+            {"offset out of its subtile", [pl](Bytes* c, Bytes*, DeltaExpect*, size_t*) {
+               (*c)[kDeltaHeaderBytes + pl.offsets] = std::byte{200};
+             }});
       } else {
         cases.push_back({"bitmap bit", [rec](Bytes* c, Bytes*, DeltaExpect*, size_t*) {
                            (*c)[rec - 1] ^= std::byte{1};

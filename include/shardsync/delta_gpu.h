@@ -20,17 +20,20 @@
 //     byte as it was (during the call it may hold part of the delta: no one else reads or writes
 //     it until Finish, as for every buffer of the call).
 // Scratch: DeltaGpuScratch::Bytes(max bucket bytes) of device memory, for every element size
-// (the element-size argument is checked but no longer changes the size): about 0.38 x the
-// bucket (values staged in up to a quarter of it, indices in 1/8, 12 bytes per 16 KiB tile;
-// decode keeps the changed elements' old values in the same room), plus one small pinned host
-// block.
+// (the element-size argument is checked but no longer changes the size): about 0.51 x the
+// bucket (values staged in up to a quarter of it, indices in 1/8, the packed form's value bytes
+// in 1/8, its subtile counts in 1/128, 24 bytes per 16 KiB tile; decode keeps the changed
+// elements' old values, and the packed form's records expanded, in the same room), plus one
+// small pinned host block.
 //
 // Costs (docs/benchmarks.md "Delta codec on the device"). Encode, a reduce-then-scan in two
 // kernels: the tile pass reads base and next once (the Hopper copy engine feeds each block's
 // range of tiles, two tiles in flight), writes the bitmap form's bytes in place and stages each
 // range's changes in scratch (no block waits on another); the write pass scans the ranges'
 // counts and moves the staged changes to their place (bitmap form: one copy per range; index
-// form: its tiles' running counts, then a copy each of offsets and values), a programmatic
+// form: its tiles' running counts, then a copy each of offsets and values; packed form: its
+// running counts and subtile counts, the offsets reduced to their subtile, a copy of the value
+// bytes, the escapes compacted a warp per tile that has any), a programmatic
 // dependent launch of the first. Traffic beyond the bound's:
 // the changes written and read once more, the bitmap written even when the index form wins.
 // Decode, apply then verify: the checks that need no bucket byte first (header, index form,
@@ -40,6 +43,9 @@
 // more pass that puts the old values back. Index form: a records pass (a warp per tile: running
 // counts, offsets and padding checked, each tile's first record), then the tile pass (a range of
 // tiles per block fed by the copy engine, the records patched into the tile in shared memory).
+// Packed form: its records pass (a warp per tile: every check of the host's, in its order)
+// expands the records into the scratch (element within the tile, value or difference), which
+// the index form's tile pass applies.
 // Bitmap form: a count pass over the bitmap (a range of tiles per block) gives each tile its first
 // value, then the tile pass (grid-stride). A bitmap delta whose old values exceed the scratch (over
 // about 31% density) is checked first and written after the decision. Measured on an H200

@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "common/delta_mutate.h"
 #include "shardsync/checksum.h"
 #include "shardsync/delta_rule.h"
 
@@ -43,31 +44,7 @@ Bytes Mutate(const Bytes& base, int e, uint64_t changed, uint32_t seed) {
   return next;
 }
 
-// `base` with `changed` distinct elements moved by small steps, as an optimizer's update moves
-// them: 2-byte bit patterns by a difference in [-140, 140] (about one in 13 escaped in the packed
-// form), bytes to any other byte.
-Bytes MutateSmall(const Bytes& base, int e, uint64_t changed, uint32_t seed) {
-  Bytes next = base;
-  const uint64_t elements = base.size() / e;
-  std::vector<uint64_t> order(elements);
-  for (uint64_t i = 0; i < elements; ++i) order[i] = i;
-  std::mt19937 rng(seed);
-  std::shuffle(order.begin(), order.end(), rng);
-  for (uint64_t k = 0; k < changed; ++k) {
-    std::byte* p = next.data() + order[k] * e;
-    if (e == 2) {
-      int d = static_cast<int>(rng() % 280) - 140;
-      if (d >= 0) ++d;
-      uint16_t v;
-      std::memcpy(&v, p, 2);
-      v = static_cast<uint16_t>(v + d);
-      std::memcpy(p, &v, 2);
-    } else {
-      p[e - 1] ^= static_cast<std::byte>(1 + rng() % 255);
-    }
-  }
-  return next;
-}
+using testing_delta::MutateSmall;
 
 DeltaExpect Expect(int e, uint64_t version = 7) { return {"b0", e, version}; }
 
@@ -403,7 +380,35 @@ struct Scatter {
   }
 };
 
-// Format 2's index form at the tile edges: a bucket of exactly one tile, and one of two tiles
+// EncodeDeltaAdvance and the piecewise DeltaAdvanceEncoder write `enc` (EncodeDelta's bytes) and
+// leave the base holding `next`; a decode over scattered pieces gives `next`.
+void ExpectEncodersAgreeAndPiecesDecode(const Bytes& base, const Bytes& next, int e,
+                                        const Bytes& enc) {
+  const uint64_t bs = Checksum(base.data(), base.size());
+  const uint64_t ns = Checksum(next.data(), next.size());
+  Bytes kept = base, advanced;
+  ASSERT_TRUE(EncodeDeltaAdvance(kept, next, e, 7, bs, ns, "b0", &advanced).ok());
+  EXPECT_EQ(advanced, enc);
+  EXPECT_EQ(kept, next);
+  kept = base;
+  Bytes streamed;
+  DeltaAdvanceEncoder stream;
+  ASSERT_TRUE(stream.Begin(kept, e, "b0", &streamed).ok());
+  for (size_t o = 0; o < next.size(); o += 4096)
+    ASSERT_TRUE(stream
+                    .Feed(o, std::span<const std::byte>(next).subspan(
+                                 o, std::min<size_t>(4096, next.size() - o)))
+                    .ok());
+  ASSERT_TRUE(stream.Finish(7, bs, ns).ok());
+  EXPECT_EQ(streamed, enc);
+  EXPECT_EQ(kept, next);
+  Scatter sc(base, e, static_cast<uint32_t>(base.size()));
+  Status s = DecodeDeltaPieces(enc, sc.pieces, base.size(), Expect(e));
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(sc.Gather(), next);
+}
+
+// The index form at the tile edges: a bucket of exactly one tile, and one of two tiles
 // and a ragged third, with changes in the first and last element of each tile. Every encoder
 // writes the same bytes, which name exactly those elements; every decoder applies them.
 TEST(Delta, IndexFormRoundTripsAcrossTileEdges) {
@@ -429,27 +434,7 @@ TEST(Delta, IndexFormRoundTripsAcrossTileEdges) {
       EXPECT_EQ(IndexChanges(enc, e), at);
       RoundTrip(base, next, e);
 
-      const uint64_t bs = Checksum(base.data(), base.size());
-      const uint64_t ns = Checksum(next.data(), next.size());
-      Bytes kept = base, advanced;
-      ASSERT_TRUE(EncodeDeltaAdvance(kept, next, e, 7, bs, ns, "b0", &advanced).ok());
-      EXPECT_EQ(advanced, enc);
-      kept = base;
-      Bytes streamed;
-      DeltaAdvanceEncoder stream;
-      ASSERT_TRUE(stream.Begin(kept, e, "b0", &streamed).ok());
-      for (size_t o = 0; o < next.size(); o += 4096)
-        ASSERT_TRUE(stream
-                        .Feed(o, std::span<const std::byte>(next).subspan(
-                                     o, std::min<size_t>(4096, next.size() - o)))
-                        .ok());
-      ASSERT_TRUE(stream.Finish(7, bs, ns).ok());
-      EXPECT_EQ(streamed, enc);
-
-      Scatter sc(base, e, static_cast<uint32_t>(elements));
-      Status s = DecodeDeltaPieces(enc, sc.pieces, base.size(), Expect(e));
-      ASSERT_TRUE(s.ok()) << s.ToString();
-      EXPECT_EQ(sc.Gather(), next);
+      ExpectEncodersAgreeAndPiecesDecode(base, next, e, enc);
     }
   }
 }
@@ -568,36 +553,20 @@ TEST(Delta, PackedFormRoundTripsAtEdgesAndEscapes) {
         escapes += o != n && DeltaEscaped(o, n);
       }
       EXPECT_EQ(r->escapes, escapes);
-      if (e == 2) EXPECT_GE(escapes, 3u);
+      if (e == 2) {
+        EXPECT_GE(escapes, 3u);
+      }
       EXPECT_EQ(enc.size(),
                 kDeltaHeaderBytes + DeltaPackedPayload(elements, e, r->changed, escapes).bytes);
       RoundTrip(base, next, e);
 
-      const uint64_t bs = Checksum(base.data(), base.size());
-      const uint64_t ns = Checksum(next.data(), next.size());
+      ExpectEncodersAgreeAndPiecesDecode(base, next, e, enc);
       Bytes kept = base, advanced;
-      ASSERT_TRUE(EncodeDeltaAdvance(kept, next, e, 7, bs, ns, "b0", &advanced).ok());
-      EXPECT_EQ(advanced, enc);
-      EXPECT_EQ(kept, next);
-      kept = base;
-      Bytes streamed;
-      DeltaAdvanceEncoder stream;
-      ASSERT_TRUE(stream.Begin(kept, e, "b0", &streamed).ok());
-      for (size_t o = 0; o < next.size(); o += 4096)
-        ASSERT_TRUE(stream
-                        .Feed(o, std::span<const std::byte>(next).subspan(
-                                     o, std::min<size_t>(4096, next.size() - o)))
-                        .ok());
-      auto fin = stream.Finish(7, bs, ns);
-      ASSERT_TRUE(fin.ok());
-      EXPECT_EQ(fin->escapes, escapes);
-      EXPECT_EQ(streamed, enc);
-      EXPECT_EQ(kept, next);
-
-      Scatter sc(base, e, static_cast<uint32_t>(elements));
-      Status st = DecodeDeltaPieces(enc, sc.pieces, base.size(), Expect(e));
-      ASSERT_TRUE(st.ok()) << st.ToString();
-      EXPECT_EQ(sc.Gather(), next);
+      auto adv = EncodeDeltaAdvance(kept, next, e, 7, Checksum(base.data(), base.size()),
+                                    Checksum(next.data(), next.size()), "b0", &advanced);
+      ASSERT_TRUE(adv.ok());
+      EXPECT_EQ(adv->escapes, escapes);
+      Status st;
       // Into staging (out elsewhere): the base untouched, the result in `out`.
       Bytes staged(base.size());
       const DeltaPiece whole{0, base.size(), base.data(), staged.data()};
@@ -628,7 +597,7 @@ TEST(Delta, PackedFormRefusesMalformedEncodingsNamingTheFault) {
     return v;
   };
   auto put32 = [](Bytes* b, size_t at, uint32_t v) { std::memcpy(b->data() + at, &v, 4); };
-  const uint32_t end0 = u32(enc0, p), end1 = u32(enc0, p + 4), end2 = u32(enc0, p + 8);
+  const uint32_t end0 = u32(enc0, p), end1 = u32(enc0, p + 4);
   const uint32_t esc1 = u32(enc0, p + l.escape_ends + 4), esc4 = u32(enc0, p + l.escape_ends + 16);
   ASSERT_GE(esc1, 1u);
   ASSERT_GT(l.escapes, l.values + c);  // a padding byte

@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "common/delta_mutate.h"
 #include "cuda/gpu_test_util.h"
 #include "shardsync/checksum.h"
 #include "shardsync/delta.h"
@@ -47,31 +48,7 @@ Bytes Mutate(const Bytes& base, int e, uint64_t changed, uint32_t seed) {
   return next;
 }
 
-// `base` with `changed` distinct elements changed by small steps, as an optimizer's update
-// moves them: 2-byte elements by a difference of their bit patterns in [-140, 140] (about one
-// in 13 escaped in the packed form), byte elements to any other byte.
-Bytes MutateSmall(const Bytes& base, int e, uint64_t changed, uint32_t seed) {
-  Bytes next = base;
-  const uint64_t elements = base.size() / e;
-  std::vector<uint32_t> order(elements);
-  for (uint64_t i = 0; i < elements; ++i) order[i] = static_cast<uint32_t>(i);
-  std::mt19937 rng(seed);
-  for (uint64_t k = 0; k < changed; ++k) {
-    std::swap(order[k], order[k + rng() % (elements - k)]);
-    std::byte* p = next.data() + uint64_t{order[k]} * e;
-    if (e == 2) {
-      int d = static_cast<int>(rng() % 280) - 140;
-      if (d >= 0) ++d;  // never 0
-      uint16_t v;
-      std::memcpy(&v, p, 2);
-      v = static_cast<uint16_t>(v + d);
-      std::memcpy(p, &v, 2);
-    } else {
-      p[e - 1] ^= static_cast<std::byte>(1 + rng() % 255);
-    }
-  }
-  return next;
-}
+using testing_delta::MutateSmall;
 
 class GpuDelta : public ::testing::Test {
  protected:
